@@ -1,0 +1,1 @@
+"""Model definitions, small trainable models and bundled traces (installed as prophet_jax.models)."""

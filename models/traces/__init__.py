@@ -1,0 +1,1 @@
+"""Bundled GradientProfile traces (JSON)."""

@@ -1,0 +1,64 @@
+"""prophet_jax: scheduled gradient all-reduces for data-parallel JAX training.
+
+profile -> measure -> plan -> rewrite -> simulate. Planning and simulation are pure numpy and work
+without jax; the jax-backed names (allreduce, scheduled, hooked, pipelined, audit, profile_step,
+measure_network, Monitor) are imported lazily on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> private module that defines it
+_EXPORTS: dict[str, str] = {
+    # values (pure)
+    "GradientProfile": "_types", "ProfileRow": "_types", "NetworkModel": "_types", "Chunk": "_types",
+    "Bucket": "_types", "Schedule": "_types", "SimResult": "_types", "Event": "_types",
+    # errors (pure)
+    "ProphetError": "_errors", "ProfileError": "_errors", "NetworkError": "_errors",
+    "ScheduleError": "_errors", "ScheduleMismatchError": "_errors", "UnboundAxisError": "_errors",
+    "AlreadyReducedError": "_errors", "TraceUnavailableError": "_errors",
+    # planning and simulation (pure)
+    "plan": "_plan", "validate_schedule": "_plan", "POLICIES": "_plan",
+    "simulate": "_simulate", "lower_bound": "_bound",
+    # the rewrite and measurement (jax)
+    "allreduce": "_collectives", "scheduled": "_transform", "hooked": "_transform",
+    "pipelined": "_pipelined", "audit": "_audit", "AuditReport": "_audit",
+    "profile_step": "_profile", "measure_network": "_network", "Monitor": "_monitor",
+}
+
+__all__ = sorted(_EXPORTS) + ["schedulers"]
+
+
+def __getattr__(name: str) -> Any:
+  if name in _EXPORTS:
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+  if name == "schedulers":
+    return importlib.import_module(".schedulers", __name__)
+  raise AttributeError(f"module 'prophet_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs only
+  from ._audit import AuditReport, audit
+  from ._bound import lower_bound
+  from ._collectives import allreduce
+  from ._errors import (AlreadyReducedError, NetworkError, ProfileError, ProphetError,
+                        ScheduleError, ScheduleMismatchError, TraceUnavailableError, UnboundAxisError)
+  from ._monitor import Monitor
+  from ._network import measure_network
+  from ._pipelined import pipelined
+  from ._plan import POLICIES, plan, validate_schedule
+  from ._profile import profile_step
+  from ._simulate import simulate
+  from ._transform import hooked, scheduled
+  from ._types import (Bucket, Chunk, Event, GradientProfile, NetworkModel, ProfileRow, Schedule,
+                       SimResult)

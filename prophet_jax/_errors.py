@@ -1,0 +1,44 @@
+"""Errors raised by prophet_jax. Bad arguments raise ValueError/TypeError; domain failures these."""
+
+from __future__ import annotations
+
+
+class ProphetError(Exception):
+  """Base class of every prophet_jax domain error. The CLI prints its message and exits 2."""
+
+
+class ProfileError(ProphetError, ValueError):
+  """A GradientProfile is malformed: a row has a negative or non-finite time, a size that does not
+  match its shape and dtype, or the profile is empty. Fix the profile (or the trace it came from)."""
+
+
+class NetworkError(ProphetError, ValueError):
+  """A NetworkModel is malformed (negative alpha or beta, fewer than one worker, an unknown preset or
+  algorithm), or a fit of alpha and beta had too little data."""
+
+
+class ScheduleError(ProphetError, ValueError):
+  """A Schedule breaks an invariant: an element of a gradient row is missing or sent twice, a chunk
+  mixes dtypes, a slice is out of range, or the stored fingerprint does not match the rows. Plan again
+  rather than editing a schedule by hand."""
+
+
+class ScheduleMismatchError(ProphetError, ValueError):
+  """A Schedule was planned for another pytree than the one it is applied to (a path, shape or dtype
+  differs). Run prophet_jax.plan() again on the current params."""
+
+
+class UnboundAxisError(ProphetError, NameError):
+  """A collective ran with an axis name that is not bound: call the step inside jax.pmap or
+  jax.shard_map with a mesh axis of that name."""
+
+
+class AlreadyReducedError(ProphetError, ValueError):
+  """Gradients reaching the scheduled all-reduce were already summed over the axis (shard_map's
+  check_vma makes jax.grad sum replicated parameters' gradients). Mark the parameters varying with
+  jax.lax.pcast(params, axis_name, to='varying') before jax.grad, or use check_vma=False."""
+
+
+class TraceUnavailableError(ProphetError, FileNotFoundError):
+  """A bundled or external trace is not available on this machine (e.g. the GoogLeNet public data set,
+  which is read from ../shared/traces at run time and is not shipped with the package)."""

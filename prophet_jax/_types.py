@@ -1,0 +1,665 @@
+"""The frozen values of the pipeline: GradientProfile, NetworkModel, Chunk, Bucket, Schedule, SimResult.
+
+Pure: numpy only, never jax. Every value checks its invariants on construction and round-trips through
+JSON (`to_json()` / `from_json()`), so a bad file fails where it is read, naming the field at fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._errors import NetworkError, ProfileError, ScheduleError
+
+PROFILE_SCHEMA = 1
+SCHEDULE_SCHEMA = 1
+PROFILE_METHODS = ("measured", "timed", "estimated")
+ALGORITHMS = ("ring",)
+
+_ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float0": 0}
+
+
+def itemsize(dtype: str) -> int:
+  """Bytes per element of a dtype name ('float32', 'bfloat16', ...), without importing jax."""
+  if dtype in _ITEMSIZE:
+    return _ITEMSIZE[dtype]
+  try:
+    return int(np.dtype(dtype).itemsize)
+  except TypeError as e:
+    raise ValueError(f"unknown dtype {dtype!r}; expected a numpy dtype name or 'bfloat16'") from e
+
+
+def _finite_nonneg(owner: str, name: str, value: float) -> float:
+  value = float(value)
+  if not math.isfinite(value) or value < 0:
+    raise ProfileError(f"{owner} has {name}={value!r}; {name} must be finite and >= 0.")
+  return value
+
+
+def _loads(text_or_obj: str | Mapping[str, Any], what: str) -> dict[str, Any]:
+  if isinstance(text_or_obj, Mapping):
+    return dict(text_or_obj)
+  try:
+    obj = json.loads(text_or_obj)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{what}.from_json: malformed JSON ({e.msg} at line {e.lineno} col {e.colno}).") from e
+  if not isinstance(obj, dict):
+    raise ValueError(f"{what}.from_json: expected a JSON object, got {type(obj).__name__}.")
+  return obj
+
+
+def _fields(cls: type, obj: dict[str, Any], what: str) -> dict[str, Any]:
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(obj) - names)
+  if unknown:
+    raise ValueError(f"{what}.from_json: unknown field(s) {unknown}; expected some of {sorted(names)}.")
+  return obj
+
+
+# --------------------------------------------------------------------------------------------------
+# GradientProfile
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileRow:
+  """One reduced gradient leaf.
+
+  Attributes:
+    path: canonical key path of the leaf, e.g. 'params/Conv_0/kernel' (rows map to leaves by path).
+    layer: the layer it belongs to (wfbp sends one all-reduce per layer).
+    shape: the leaf's shape.
+    dtype: the gradient's dtype name.
+    nbytes: size in bytes; must equal prod(shape) * itemsize(dtype).
+    ready_s: when backward has produced it, seconds from the start of backward.
+    fwd_s: forward time of its layer, carried on the layer's first row (0 on the others).
+    update_s: optimizer time for this leaf (0 when unknown).
+  """
+
+  path: str
+  layer: str
+  shape: tuple[int, ...]
+  dtype: str
+  nbytes: int
+  ready_s: float
+  fwd_s: float = 0.0
+  update_s: float = 0.0
+
+  def __post_init__(self):
+    if not isinstance(self.path, str) or not self.path:
+      raise ProfileError(f"a profile row has path={self.path!r}; paths must be non-empty strings.")
+    object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+    if any(d < 0 for d in self.shape):
+      raise ProfileError(f"leaf {self.path!r} has shape {self.shape}; dimensions must be >= 0.")
+    expected = int(np.prod(self.shape, dtype=np.int64)) * itemsize(self.dtype)
+    if int(self.nbytes) != expected:
+      raise ProfileError(
+          f"leaf {self.path!r} has nbytes={self.nbytes}; shape {self.shape} of {self.dtype} holds "
+          f"{expected} bytes.")
+    object.__setattr__(self, "nbytes", int(self.nbytes))
+    for name in ("ready_s", "fwd_s", "update_s"):
+      object.__setattr__(self, name, _finite_nonneg(f"leaf {self.path!r}", name, getattr(self, name)))
+
+  @property
+  def size(self) -> int:
+    """Number of elements."""
+    return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradientProfile:
+  """Per-leaf gradient readiness of one training step, rows in priority (forward) order.
+
+  Row 0 is the leaf the next forward pass needs first. Integer and float0 leaves are not rows.
+
+  Attributes:
+    rows: one ProfileRow per reduced leaf, in priority order.
+    forward_s: forward time of the whole step (the sum of the rows' fwd_s when those are known).
+    backward_s: backward time; every ready_s is <= backward_s.
+    method: 'measured' (profiler trace of the real step), 'timed' (per-layer vjp timing) or
+      'estimated' (from FLOPs).
+    model, device, notes: free text saying what was profiled and how.
+    schema: format version.
+  """
+
+  rows: tuple[ProfileRow, ...]
+  forward_s: float
+  backward_s: float
+  method: str = "estimated"
+  model: str = ""
+  device: str = ""
+  notes: str = ""
+  schema: int = PROFILE_SCHEMA
+
+  def __post_init__(self):
+    object.__setattr__(self, "rows", tuple(self.rows))
+    if not self.rows:
+      raise ProfileError("the profile is empty: it needs at least one gradient row.")
+    if self.method not in PROFILE_METHODS:
+      raise ProfileError(f"profile has method={self.method!r}; expected one of {PROFILE_METHODS}.")
+    if self.schema != PROFILE_SCHEMA:
+      raise ProfileError(f"profile has schema={self.schema!r}; this version reads {PROFILE_SCHEMA}.")
+    for name in ("forward_s", "backward_s"):
+      object.__setattr__(self, name, _finite_nonneg("the profile", name, getattr(self, name)))
+    paths = [r.path for r in self.rows]
+    if len(set(paths)) != len(paths):
+      dup = next(p for p in paths if paths.count(p) > 1)
+      raise ProfileError(f"leaf {dup!r} appears twice in the profile; paths must be unique.")
+    tol = 1e-9 + 1e-6 * self.backward_s
+    for r in self.rows:
+      if r.ready_s > self.backward_s + tol:
+        raise ProfileError(
+            f"leaf {r.path!r} has ready_s={r.ready_s}; ready times must be <= backward_s="
+            f"{self.backward_s}.")
+    fwd = sum(r.fwd_s for r in self.rows)
+    if fwd > 0 and abs(fwd - self.forward_s) > 1e-9 + 1e-6 * self.forward_s:
+      raise ProfileError(
+          f"the rows' fwd_s sum to {fwd}, but forward_s={self.forward_s}; they must agree (or leave "
+          f"every fwd_s at 0).")
+
+  # -- derived --------------------------------------------------------------------------------------
+  @property
+  def total_nbytes(self) -> int:
+    return sum(r.nbytes for r in self.rows)
+
+  @property
+  def update_s(self) -> float:
+    return sum(r.update_s for r in self.rows)
+
+  @property
+  def compute_s(self) -> float:
+    """forward + backward + update: the iteration time with free communication."""
+    return self.forward_s + self.backward_s + self.update_s
+
+  @property
+  def layers(self) -> tuple[str, ...]:
+    """Layer names in order of first appearance (priority order)."""
+    return tuple(dict.fromkeys(r.layer for r in self.rows))
+
+  def layer_fwd_s(self) -> dict[str, float]:
+    """Forward time per layer; with no per-row forward times, all of forward_s on the first layer."""
+    out = dict.fromkeys(self.layers, 0.0)
+    for r in self.rows:
+      out[r.layer] += r.fwd_s
+    if self.forward_s > 0 and not any(out.values()):
+      out[self.layers[0]] = self.forward_s
+    return out
+
+  def ready_order(self) -> tuple[int, ...]:
+    """Row indices sorted by ready time (ties: later rows first, as backward runs back to front)."""
+    return tuple(sorted(range(len(self.rows)), key=lambda i: (self.rows[i].ready_s, -i)))
+
+  def tree_rows(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    return tuple((r.path, r.shape, r.dtype) for r in self.rows)
+
+  def fingerprint(self) -> str:
+    return tree_fingerprint(self.tree_rows())
+
+  def scaled(self, compute: float) -> GradientProfile:
+    """The same profile with every time multiplied by `compute` (a faster or slower device)."""
+    rows = tuple(dataclasses.replace(r, ready_s=r.ready_s * compute, fwd_s=r.fwd_s * compute,
+                                     update_s=r.update_s * compute) for r in self.rows)
+    return dataclasses.replace(self, rows=rows, forward_s=self.forward_s * compute,
+                               backward_s=self.backward_s * compute)
+
+  # -- construction ---------------------------------------------------------------------------------
+  @classmethod
+  def from_rows(cls, rows: Iterable[Mapping[str, Any] | ProfileRow], **kw) -> GradientProfile:
+    return cls(rows=tuple(r if isinstance(r, ProfileRow) else ProfileRow(**_row_kwargs(r)) for r in rows),
+               **kw)
+
+  @classmethod
+  def from_params(cls, params: Any, *, forward_s: float = 0.0, backward_s: float = 0.0,
+                  update_s_per_byte: float = 0.0, layer_depth: int | None = None, model: str = "",
+                  device: str = "") -> GradientProfile:
+    """A profile from a parameter pytree alone: exact paths, shapes and sizes; estimated times.
+
+    Leaves are taken in flatten order (taken as forward order). Times are spread over layers in
+    proportion to their bytes; ready times fall back to front (the last layer is ready first).
+    Integer and float0 leaves are skipped (they are not reduced).
+
+    Args:
+      params: a pytree of arrays (or anything with .shape and .dtype).
+      forward_s, backward_s: step times in seconds to spread over the layers.
+      update_s_per_byte: optimizer time per gradient byte.
+      layer_depth: key-path components that name a layer (default: all but the last).
+      model, device: recorded in the profile.
+    """
+    from ._tree import flatten_with_paths  # local: needs no jax for plain dict/list trees
+
+    leaves = []
+    for path, leaf in flatten_with_paths(params):
+      dtype = str(np.dtype(leaf.dtype)) if str(leaf.dtype) not in _ITEMSIZE else str(leaf.dtype)
+      if not (np.issubdtype(np.dtype(leaf.dtype), np.inexact) if dtype not in _ITEMSIZE else dtype != "float0"):
+        continue
+      parts = path.split("/")
+      layer = "/".join(parts[:layer_depth] if layer_depth else parts[:-1]) or parts[0]
+      leaves.append((path, layer, tuple(leaf.shape), dtype))
+    if not leaves:
+      raise ProfileError("from_params: the tree has no floating-point leaves to reduce.")
+    nbytes = [int(np.prod(s, dtype=np.int64)) * itemsize(d) for _, _, s, d in leaves]
+    total = max(sum(nbytes), 1)
+    layer_bytes: dict[str, int] = {}
+    for (_, layer, _, _), b in zip(leaves, nbytes):
+      layer_bytes[layer] = layer_bytes.get(layer, 0) + b
+    layers = list(layer_bytes)
+    ready_of, t = {}, 0.0
+    for layer in reversed(layers):  # backward runs from the last layer to the first
+      t += backward_s * layer_bytes[layer] / total
+      ready_of[layer] = min(t, backward_s)
+    rows, seen = [], set()
+    for (path, layer, shape, dtype), b in zip(leaves, nbytes):
+      fwd = forward_s * layer_bytes[layer] / total if layer not in seen else 0.0
+      seen.add(layer)
+      rows.append(ProfileRow(path=path, layer=layer, shape=shape, dtype=dtype, nbytes=b,
+                             ready_s=ready_of[layer], fwd_s=fwd, update_s=update_s_per_byte * b))
+    fsum = sum(r.fwd_s for r in rows)
+    return cls(rows=tuple(rows), forward_s=fsum if fsum > 0 else forward_s, backward_s=backward_s,
+               method="estimated", model=model, device=device,
+               notes="from_params: sizes exact; times spread over layers by bytes")
+
+  # -- JSON -----------------------------------------------------------------------------------------
+  def to_dict(self) -> dict[str, Any]:
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rows"}
+    d["rows"] = [dataclasses.asdict(r) | {"shape": list(r.shape)} for r in self.rows]
+    return d
+
+  def to_json(self, indent: int | None = None) -> str:
+    return json.dumps(self.to_dict(), indent=indent)
+
+  @classmethod
+  def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> GradientProfile:
+    obj = _fields(cls, _loads(text_or_obj, "GradientProfile"), "GradientProfile")
+    if not isinstance(obj.get("rows"), list):
+      raise ProfileError("GradientProfile.from_json: field 'rows' must be a list of row objects.")
+    try:
+      return cls.from_rows(obj.pop("rows"), **obj)
+    except TypeError as e:
+      raise ProfileError(f"GradientProfile.from_json: {e}") from e
+
+
+def _row_kwargs(r: Mapping[str, Any]) -> dict[str, Any]:
+  names = {f.name for f in dataclasses.fields(ProfileRow)}
+  unknown = sorted(set(r) - names)
+  if unknown:
+    raise ProfileError(f"profile row {r.get('path', '?')!r}: unknown field(s) {unknown}.")
+  missing = sorted({"path", "layer", "shape", "dtype", "nbytes", "ready_s"} - set(r))
+  if missing:
+    raise ProfileError(f"profile row {r.get('path', '?')!r}: missing field(s) {missing}.")
+  return dict(r)
+
+
+def tree_fingerprint(rows: Sequence[tuple[str, Sequence[int], str]]) -> str:
+  """A short hash of (path, shape, dtype) of every row, in order."""
+  h = hashlib.sha256()
+  for path, shape, dtype in rows:
+    h.update(f"{path}|{','.join(str(int(d)) for d in shape)}|{dtype};".encode())
+  return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------------
+# NetworkModel
+
+# name: (alpha_s per ring step, beta_s_per_byte). Alpha is the per-message start-up of one ring step
+# (software + NIC + switch); beta the inverse of the per-link bandwidth.
+PRESETS: dict[str, tuple[float, float]] = {
+    "1gbe": (50e-6, 1 / 125e6),
+    "10gbe": (25e-6, 1 / 1.25e9),
+    "25gbe": (10e-6, 1 / 3.125e9),
+    "100gb-ib": (3e-6, 1 / 12.5e9),
+    "nvlink": (2e-6, 1 / 150e9),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NetworkModel:
+  """Alpha-beta cost of an all-reduce among `workers`.
+
+  Attributes:
+    alpha_s: latency per ring step, seconds.
+    beta_s_per_byte: seconds per byte on one link (1 / bandwidth).
+    workers: number of data-parallel workers P.
+    algorithm: 'ring'.
+    overlap: whether the device computes while it communicates (True for GPUs; False for XLA on the
+      CPU, where a collective blocks the executor).
+    links: parallel paths; chunks go to the earliest free one.
+    name: where it came from (a preset name, 'fit', 'probe', ...).
+    fit_residual_s: RMS residual of the least-squares fit that produced it, if any.
+  """
+
+  alpha_s: float
+  beta_s_per_byte: float
+  workers: int
+  algorithm: str = "ring"
+  overlap: bool = True
+  links: int = 1
+  name: str = ""
+  fit_residual_s: float | None = None
+
+  def __post_init__(self):
+    for n in ("alpha_s", "beta_s_per_byte"):
+      v = getattr(self, n)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise NetworkError(f"NetworkModel has {n}={v!r}; it must be a finite number >= 0.")
+      object.__setattr__(self, n, float(v))
+    for n in ("workers", "links"):
+      v = getattr(self, n)
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise NetworkError(f"NetworkModel has {n}={v!r}; it must be an integer >= 1.")
+      object.__setattr__(self, n, int(v))
+    if self.algorithm not in ALGORITHMS:
+      raise NetworkError(f"NetworkModel has algorithm={self.algorithm!r}; expected one of {ALGORITHMS}.")
+    object.__setattr__(self, "overlap", bool(self.overlap))
+
+  @property
+  def startup_s(self) -> float:
+    """MG-WFBP's `a`: the fixed cost of one all-reduce, 2(P-1)·alpha_s."""
+    return 2 * (self.workers - 1) * self.alpha_s
+
+  @property
+  def per_byte_s(self) -> float:
+    """MG-WFBP's `b`: seconds per byte of one all-reduce, 2(P-1)/P·beta."""
+    return 2 * (self.workers - 1) / self.workers * self.beta_s_per_byte
+
+  def allreduce_s(self, nbytes: float) -> float:
+    """Ring all-reduce time of `nbytes`: 2(P-1)·alpha_s + 2(P-1)/P·nbytes·beta (0 for one worker)."""
+    return self.startup_s + self.per_byte_s * nbytes
+
+  def with_workers(self, workers: int) -> NetworkModel:
+    return dataclasses.replace(self, workers=workers)
+
+  def replace(self, **changes: Any) -> NetworkModel:
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def preset(cls, name: str, *, workers: int, overlap: bool = True, links: int = 1) -> NetworkModel:
+    """A named interconnect: one of `PRESETS` ('1gbe', '10gbe', '25gbe', '100gb-ib', 'nvlink')."""
+    if name not in PRESETS:
+      raise NetworkError(f"unknown network preset {name!r}; expected one of {sorted(PRESETS)}, or a "
+                         f"NetworkModel JSON file.")
+    alpha, beta = PRESETS[name]
+    return cls(alpha_s=alpha, beta_s_per_byte=beta, workers=workers, overlap=overlap, links=links,
+               name=name)
+
+  @classmethod
+  def fit(cls, sizes: Sequence[float], seconds: Sequence[float], *, workers: int,
+          overlap: bool = True, name: str = "fit") -> NetworkModel:
+    """Least-squares alpha and beta from measured (bytes, seconds) of single all-reduces.
+
+    Fits seconds = a + b·bytes (a, b >= 0), then alpha_s = a / (2(P-1)), beta = b·P / (2(P-1)).
+    The RMS residual is kept in `fit_residual_s`.
+
+    Raises:
+      NetworkError: fewer than 2 distinct sizes, mismatched lengths, non-finite data, workers < 2.
+    """
+    x = np.asarray(sizes, dtype=np.float64).ravel()
+    y = np.asarray(seconds, dtype=np.float64).ravel()
+    if x.shape != y.shape:
+      raise NetworkError(f"NetworkModel.fit(): got {x.size} sizes but {y.size} times; they must pair up.")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))) or np.any(x < 0) or np.any(y < 0):
+      raise NetworkError("NetworkModel.fit(): sizes and times must be finite and >= 0.")
+    if len(np.unique(x)) < 2:
+      raise NetworkError(f"NetworkModel.fit() needs at least 2 distinct message sizes to fit alpha and "
+                         f"beta; got sizes {tuple(np.unique(x).tolist())}.")
+    if isinstance(workers, bool) or int(workers) < 2:
+      raise NetworkError(f"NetworkModel.fit(workers={workers!r}): a fit needs at least 2 workers.")
+    a, b = _nonneg_line(x, y)
+    resid = float(np.sqrt(np.mean((a + b * x - y) ** 2)))
+    p = int(workers)
+    return cls(alpha_s=a / (2 * (p - 1)), beta_s_per_byte=b * p / (2 * (p - 1)), workers=p,
+               overlap=overlap, name=name, fit_residual_s=resid)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+  def to_json(self, indent: int | None = None) -> str:
+    return json.dumps(self.to_dict(), indent=indent)
+
+  @classmethod
+  def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> NetworkModel:
+    obj = _fields(cls, _loads(text_or_obj, "NetworkModel"), "NetworkModel")
+    missing = sorted({"alpha_s", "beta_s_per_byte", "workers"} - set(obj))
+    if missing:
+      raise NetworkError(f"NetworkModel.from_json: missing field(s) {missing}.")
+    return cls(**obj)
+
+
+def _nonneg_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+  """Least squares y = a + b x with a, b >= 0 (checks the two boundary fits when unconstrained fails)."""
+  A = np.stack([np.ones_like(x), x], axis=1)
+  (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
+  if a >= 0 and b >= 0:
+    return float(a), float(b)
+  cands = [(float(np.mean(y)), 0.0), (0.0, max(float(x @ y / max(x @ x, 1e-300)), 0.0))]
+  return min(cands, key=lambda ab: float(np.sum((ab[0] + ab[1] * x - y) ** 2)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Schedule
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Chunk:
+  """Exactly one all-reduce: element slices (row, start, stop) of rows of one dtype, in buffer order."""
+
+  slices: tuple[tuple[int, int, int], ...]
+  dtype: str
+
+  def __post_init__(self):
+    object.__setattr__(self, "slices", tuple((int(r), int(a), int(b)) for r, a, b in self.slices))
+    if not self.slices:
+      raise ScheduleError("a chunk has no slices; every chunk must send at least one element.")
+    for r, a, b in self.slices:
+      if r < 0 or a < 0 or b <= a:
+        raise ScheduleError(f"chunk slice (row={r}, start={a}, stop={b}) is empty or negative; need "
+                            f"0 <= start < stop.")
+
+  @property
+  def size(self) -> int:
+    return sum(b - a for _, a, b in self.slices)
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * itemsize(self.dtype)
+
+  @property
+  def rows(self) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(r for r, _, _ in self.slices))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bucket:
+  """A group of chunks planned together (e.g. one Prophet block); issue order is tuple order."""
+
+  chunks: tuple[Chunk, ...]
+
+  def __post_init__(self):
+    object.__setattr__(self, "chunks", tuple(self.chunks))
+    if not self.chunks:
+      raise ScheduleError("a bucket has no chunks.")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Schedule:
+  """An ordered plan of all-reduces for one gradient tree.
+
+  Attributes:
+    buckets: issue order is tuple order (buckets, then their chunks).
+    rows: (path, shape, dtype) of every profile row, so the rewrite maps rows to leaves by path.
+    tree_fingerprint: hash of `rows`; checked on construction and against the tree at trace time.
+    policy: the policy that planned it ('wfbp', 'bucket', 'mgwfbp', 'prophet', 'auto', ...).
+    options: the policy's options, as sorted (name, value) pairs.
+    cross_step: the step mode it was planned for (False: plain step; True: pipelined step).
+    predicted_s: the simulator's iteration time at planning (None if not predicted).
+    schema: format version.
+
+  Invariant (checked on construction): every element of every row with a nonzero size is in exactly one
+  chunk, once; every chunk holds rows of its own dtype.
+  """
+
+  buckets: tuple[Bucket, ...]
+  rows: tuple[tuple[str, tuple[int, ...], str], ...]
+  tree_fingerprint: str = ""
+  policy: str = "custom"
+  options: tuple[tuple[str, Any], ...] = ()
+  cross_step: bool = False
+  predicted_s: float | None = None
+  schema: int = SCHEDULE_SCHEMA
+
+  def __post_init__(self):
+    object.__setattr__(self, "buckets", tuple(self.buckets))
+    object.__setattr__(self, "rows", tuple((str(p), tuple(int(d) for d in s), str(t)) for p, s, t in self.rows))
+    object.__setattr__(self, "options", tuple(sorted((str(k), _freeze(v)) for k, v in dict(self.options).items())))
+    object.__setattr__(self, "cross_step", bool(self.cross_step))
+    if self.schema != SCHEDULE_SCHEMA:
+      raise ScheduleError(f"schedule has schema={self.schema!r}; this version reads {SCHEDULE_SCHEMA}.")
+    fp = tree_fingerprint(self.rows)
+    if not self.tree_fingerprint:
+      object.__setattr__(self, "tree_fingerprint", fp)
+    elif self.tree_fingerprint != fp:
+      raise ScheduleError(f"schedule's tree_fingerprint {self.tree_fingerprint!r} does not match its rows "
+                          f"(which hash to {fp!r}): the file was edited. Plan again.")
+    _check_coverage(self)
+
+  @property
+  def chunks(self) -> tuple[Chunk, ...]:
+    """Every chunk in issue order."""
+    return tuple(c for b in self.buckets for c in b.chunks)
+
+  @property
+  def num_allreduces(self) -> int:
+    return sum(len(b.chunks) for b in self.buckets)
+
+  def chunk_nbytes(self) -> tuple[int, ...]:
+    return tuple(c.nbytes for c in self.chunks)
+
+  def describe(self, max_chunks: int = 12) -> str:
+    """A short human summary: buckets, chunks, bytes and leading paths, in issue order."""
+    lines = [f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step): "
+             f"{len(self.buckets)} buckets, {self.num_allreduces} all-reduces"]
+    for k, c in enumerate(self.chunks[:max_chunks]):
+      paths = [self.rows[r][0] for r in c.rows]
+      head = ", ".join(paths[:2]) + (f", +{len(paths) - 2}" if len(paths) > 2 else "")
+      lines.append(f"  chunk{k}: {c.nbytes / 2**20:8.3f} MiB {c.dtype:9s} [{head}]")
+    if self.num_allreduces > max_chunks:
+      lines.append(f"  ... {self.num_allreduces - max_chunks} more")
+    return "\n".join(lines)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {
+        "schema": self.schema, "policy": self.policy, "options": dict(self.options),
+        "cross_step": self.cross_step, "predicted_s": self.predicted_s,
+        "tree_fingerprint": self.tree_fingerprint,
+        "rows": [[p, list(s), t] for p, s, t in self.rows],
+        "buckets": [[{"dtype": c.dtype, "slices": [list(s) for s in c.slices]} for c in b.chunks]
+                    for b in self.buckets],
+    }
+
+  def to_json(self, indent: int | None = None) -> str:
+    return json.dumps(self.to_dict(), indent=indent)
+
+  @classmethod
+  def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Schedule:
+    obj = _fields(cls, _loads(text_or_obj, "Schedule"), "Schedule")
+    try:
+      buckets = tuple(Bucket(chunks=tuple(Chunk(slices=tuple(tuple(s) for s in c["slices"]), dtype=c["dtype"])
+                                          for c in b)) for b in obj.pop("buckets"))
+      rows = tuple((p, tuple(s), t) for p, s, t in obj.pop("rows"))
+    except (KeyError, TypeError, ValueError) as e:
+      if isinstance(e, ScheduleError):
+        raise
+      raise ScheduleError(f"Schedule.from_json: malformed 'buckets' or 'rows' ({e!r}).") from e
+    return cls(buckets=buckets, rows=rows, **obj)
+
+
+def _freeze(v: Any) -> Any:
+  if isinstance(v, list | tuple):
+    return tuple(_freeze(x) for x in v)
+  if isinstance(v, dict):
+    return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+  return v
+
+
+def _check_coverage(s: Schedule) -> None:
+  sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape, _ in s.rows]
+  covered: list[list[tuple[int, int]]] = [[] for _ in sizes]
+  for k, c in enumerate(s.chunks):
+    for r, a, b in c.slices:
+      if r >= len(sizes):
+        raise ScheduleError(f"chunk{k} names row {r}, but the schedule has {len(sizes)} rows.")
+      path, _, dtype = s.rows[r]
+      if dtype != c.dtype:
+        raise ScheduleError(f"chunk{k} has dtype {c.dtype} but holds leaf {path!r} of dtype {dtype}; one "
+                            f"dtype per chunk.")
+      if b > sizes[r]:
+        raise ScheduleError(f"chunk{k} slices leaf {path!r} at [{a}:{b}], past its {sizes[r]} elements.")
+      covered[r].append((a, b))
+  for r, spans in enumerate(covered):
+    spans.sort()
+    pos = 0
+    for a, b in spans:
+      if a != pos:
+        what = "repeats" if a < pos else "drops"
+        raise ScheduleError(f"the schedule {what} elements of leaf {s.rows[r][0]!r} at "
+                            f"[{min(a, pos)}:{max(a, pos)}]; every element must be sent exactly once.")
+      pos = b
+    if pos != sizes[r]:
+      raise ScheduleError(f"the schedule drops elements of leaf {s.rows[r][0]!r} at [{pos}:{sizes[r]}]; "
+                          f"every element must be sent exactly once.")
+
+
+# --------------------------------------------------------------------------------------------------
+# SimResult
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+  """One span of the simulated timeline. lane: 'device' or 'link<k>'."""
+
+  kind: str   # 'forward' | 'backward' | 'update' | 'allreduce'
+  name: str
+  start_s: float
+  end_s: float
+  lane: str = "device"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimResult:
+  """One steady-state iteration under a schedule.
+
+  Attributes:
+    iteration_s: time from the start of one backward to the start of the next.
+    compute_s: forward + backward + update.
+    comm_s: sum of all-reduce durations.
+    idle_s: time the device waits (iteration - compute).
+    network_busy: fraction of the iteration some link is busy.
+    allreduces: number of all-reduces.
+    events: the timeline (kind, name, start, end).
+    cross_step: the step mode simulated.
+  """
+
+  iteration_s: float
+  compute_s: float
+  comm_s: float
+  idle_s: float
+  network_busy: float
+  allreduces: int
+  events: tuple[Event, ...] = field(default=(), repr=False)
+  cross_step: bool = False
+
+  def to_chrome_trace(self, pid: int = 0, name: str = "simulated") -> dict[str, Any]:
+    """The timeline in Chrome's trace-event format (opens in Perfetto / chrome://tracing)."""
+    lanes = sorted({e.lane for e in self.events}, key=lambda x: (x != "device", x))
+    tid = {lane: i for i, lane in enumerate(lanes)}
+    ev: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}]
+    ev += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid[lane], "args": {"name": lane}}
+           for lane in lanes]
+    ev += [{"ph": "X", "name": e.name, "cat": e.kind, "pid": pid, "tid": tid[e.lane],
+            "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6} for e in self.events]
+    return {"traceEvents": ev, "displayTimeUnit": "ms"}

@@ -1,0 +1,1 @@
+"""Scheduling policies: pure factories returning Scheduler callables."""
