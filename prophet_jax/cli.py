@@ -1,0 +1,251 @@
+"""The `prophet-jax` command line: simulate, plan, profile, probe, demo, launch.
+
+Only JSON passes between steps. Bad input prints one line to stderr and exits 2 (`--debug` shows the
+traceback). The planning commands (simulate, plan) never import jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ._errors import ProphetError
+from ._types import PRESETS, GradientProfile, NetworkModel, Schedule
+
+DEFAULT_DEVICE = "v100"
+
+
+# -- argument resolution ---------------------------------------------------------------------------
+
+def _read_json(path: str, what: str) -> Any:
+  try:
+    return json.loads(Path(path).read_text())
+  except FileNotFoundError as e:
+    raise ValueError(f"{what} file {path!r} does not exist.") from e
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{what} file {path!r} is malformed JSON ({e.msg} at line {e.lineno}).") from e
+
+
+def load_model(model: str, device: str | None = None) -> tuple[GradientProfile, str]:
+  """A profile from a bundled trace name, a model name completed by `device`, or a JSON file."""
+  from . import models
+
+  if model.endswith(".json") or os.path.sep in model:
+    return GradientProfile.from_json(_read_json(model, "profile")), model
+  names = tuple(models.TRACES)
+  if model in names:
+    return models.load_trace(model), model
+  name = f"{model}-{device or DEFAULT_DEVICE}"
+  if name in names:
+    return models.load_trace(name), name
+  raise ValueError(f"--model {model!r} is neither a bundled trace ({', '.join(names)}), a model name "
+                   f"that --device completes, nor a GradientProfile JSON file.")
+
+
+def load_network(network: str, workers: int | None, *, overlap: bool | None = None) -> NetworkModel:
+  """A preset name or a NetworkModel JSON file; `workers` overrides the file's."""
+  if network in PRESETS:
+    if workers is None:
+      raise ValueError(f"--network {network}: a preset needs --workers.")
+    net = NetworkModel.preset(network, workers=workers)
+  elif network.endswith(".json") or Path(network).exists():
+    net = NetworkModel.from_json(_read_json(network, "network"))
+    if workers is not None:
+      net = net.with_workers(workers)
+  else:
+    raise ValueError(f"--network {network!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                     f"NetworkModel JSON file.")
+  return net if overlap is None else net.replace(overlap=overlap)
+
+
+def _positive(text: str) -> int:
+  try:
+    v = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+  if v < 1:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+  return v
+
+
+# -- commands --------------------------------------------------------------------------------------
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+  from . import lower_bound, plan, simulate
+  from ._plan import POLICIES
+
+  profile, model = load_model(a.model, a.device)
+  net = load_network(a.network, a.workers)
+  policies = a.policy or [p for p in POLICIES if p != "dlcp"]
+  bound = lower_bound(profile, net, cross_step=a.cross_step)
+  rows, sims = [], {}
+  for name in policies:
+    sched = plan(profile, net, name, cross_step=a.cross_step)
+    sim = simulate(sched, profile, net, cross_step=a.cross_step)
+    sims[name] = sim
+    rows.append({"policy": name, "iteration_s": sim.iteration_s, "idle_s": sim.idle_s,
+                 "allreduces": sim.allreduces, "vs_lower_bound": sim.iteration_s / bound})
+  if a.json:
+    print(json.dumps({
+        "model": model, "device": profile.device or a.device, "workers": net.workers,
+        "cross_step": a.cross_step,
+        "network": {"name": net.name or a.network, "alpha_s": net.alpha_s,
+                    "beta_s_per_byte": net.beta_s_per_byte},
+        "lower_bound_s": bound, "results": rows}, indent=2))
+  else:
+    base = next((r["iteration_s"] for r in rows if r["policy"] == "wfbp"), None)
+    print(f"{model}: {len(profile.rows)} gradients, {profile.total_nbytes / 2**20:.1f} MiB, "
+          f"compute {profile.compute_s * 1e3:.2f} ms; {net.name or a.network} x {net.workers} workers; "
+          f"{'pipelined' if a.cross_step else 'plain'} step; lower bound {bound * 1e3:.3f} ms")
+    print(f"{'policy':10s} {'iter ms':>10s} {'/bound':>7s} {'idle ms':>9s} {'allreduces':>10s}"
+          + (f" {'vs wfbp':>8s}" if base else ""))
+    for r in rows:
+      print(f"{r['policy']:10s} {r['iteration_s'] * 1e3:10.3f} {r['vs_lower_bound']:7.3f} "
+            f"{r['idle_s'] * 1e3:9.3f} {r['allreduces']:10d}"
+            + (f" {base / r['iteration_s']:7.2f}x" if base else ""))
+  if a.timeline:
+    from ._timeline import plot_timelines
+
+    plot_timelines(sims, a.timeline, title=f"{model}, {net.name or a.network} x {net.workers}")
+    print(f"timeline written to {a.timeline}", file=sys.stderr)
+  return 0
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+  from . import plan, simulate
+
+  profile = GradientProfile.from_json(_read_json(a.profile, "profile"))
+  net = load_network(a.network, a.workers)
+  sched = plan(profile, net, a.policy, cross_step=a.cross_step)
+  Path(a.out).write_text(sched.to_json(indent=1))
+  sim = simulate(sched, profile, net, cross_step=sched.cross_step)
+  print(sched.describe())
+  print(f"predicted iteration {sim.iteration_s * 1e3:.3f} ms; written to {a.out}")
+  return 0
+
+
+def _set_cpu_devices(n: int) -> None:
+  """Ask XLA for n host devices: only before jax starts, and only when the launcher did not."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+  _set_cpu_devices(a.num_devices)
+  from . import _profile
+
+  profile = _profile.profile_model(a.model, num_devices=a.num_devices)
+  Path(a.out).write_text(profile.to_json(indent=1))
+  print(_profile.summary(profile))
+  print(f"written to {a.out}")
+  return 0
+
+
+def cmd_probe(a: argparse.Namespace) -> int:
+  _set_cpu_devices(a.num_devices)
+  from . import _network
+
+  net = _network.probe(num_devices=a.num_devices)
+  Path(a.out).write_text(net.to_json(indent=1))
+  print(_network.summary(net))
+  print(f"written to {a.out}")
+  return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+  _set_cpu_devices(8)
+  from ._demo import run_demo
+
+  return run_demo(steps=a.steps, out_dir=a.out_dir, quick=a.quick)
+
+
+def cmd_launch(a: argparse.Namespace) -> int:
+  from .launch import launch
+
+  cmd = list(a.cmd)
+  if cmd and cmd[0] == "--":
+    cmd = cmd[1:]
+  if not cmd:
+    raise ValueError("launch: give the command to run after `--`, e.g. "
+                     "`prophet-jax launch --nproc 2 -- python train.py`.")
+  return launch(cmd, nproc=a.nproc, port=a.port, coordinator=a.coordinator,
+                gloo_interface=a.gloo_interface)
+
+
+# -- parser ----------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+  common = argparse.ArgumentParser(add_help=False)
+  common.add_argument("--debug", action="store_true", help="show the traceback on errors")
+  p = argparse.ArgumentParser(prog="prophet-jax", parents=[common],
+                              description="Plan, simulate and run scheduled gradient all-reduces.")
+  sub = p.add_subparsers(dest="command", required=True)
+
+  s = sub.add_parser("simulate", parents=[common], help="every policy (or those named) on a model")
+  s.add_argument("--model", required=True, help="trace name (resnet50-h100, googlenet-k80), model name "
+                 "completed by --device, or a GradientProfile JSON")
+  s.add_argument("--device", default=None, help=f"device of the bundled trace (default {DEFAULT_DEVICE})")
+  s.add_argument("--workers", type=_positive, default=None)
+  s.add_argument("--network", required=True, help=f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON")
+  s.add_argument("--policy", nargs="+", default=None, help="policies to compare (default: all)")
+  s.add_argument("--cross-step", action="store_true", help="simulate the pipelined step")
+  s.add_argument("--json", action="store_true", help="print the result object as JSON")
+  s.add_argument("--timeline", default=None, metavar="PNG", help="write a Gantt chart per policy")
+  s.set_defaults(fn=cmd_simulate)
+
+  s = sub.add_parser("plan", parents=[common], help="write a schedule")
+  s.add_argument("--profile", required=True)
+  s.add_argument("--network", required=True)
+  s.add_argument("--workers", type=_positive, default=None)
+  s.add_argument("--policy", default="auto")
+  s.add_argument("--cross-step", action="store_true")
+  s.add_argument("--out", required=True)
+  s.set_defaults(fn=cmd_plan)
+
+  s = sub.add_parser("profile", parents=[common], help="measure a real step of a bundled model")
+  s.add_argument("--model", required=True, help="mlp, cnn, gpt-tiny, resnet-small")
+  s.add_argument("--num-devices", type=_positive, default=8)
+  s.add_argument("--out", required=True)
+  s.set_defaults(fn=cmd_profile)
+
+  s = sub.add_parser("probe", parents=[common], help="fit alpha and beta of the all-reduce")
+  s.add_argument("--num-devices", type=_positive, default=8)
+  s.add_argument("--out", required=True)
+  s.set_defaults(fn=cmd_probe)
+
+  s = sub.add_parser("demo", parents=[common], help="the main job: profile, probe, plan, train, compare")
+  s.add_argument("--steps", type=_positive, default=200)
+  s.add_argument("--out-dir", default="out")
+  s.add_argument("--quick", action="store_true", help="a reduced run (tests)")
+  s.set_defaults(fn=cmd_demo)
+
+  s = sub.add_parser("launch", parents=[common], help="start N processes wired with jax.distributed")
+  s.add_argument("--nproc", type=_positive, required=True)
+  s.add_argument("--port", type=_positive, default=None)
+  s.add_argument("--coordinator", default=None, help="ADDR or ADDR:PORT (default 127.0.0.1)")
+  s.add_argument("--gloo-interface", default=None, help="network interface gloo binds to")
+  s.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...")
+  s.set_defaults(fn=cmd_launch)
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = build_parser().parse_args(argv)
+  try:
+    return int(args.fn(args) or 0)
+  except (ProphetError, ValueError, TypeError, FileNotFoundError) as e:
+    if args.debug:
+      raise
+    print(f"prophet-jax {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
