@@ -1,0 +1,209 @@
+"""Helpers shared by the scheduling policies: slices, partitions, chunks, buckets, schedules, options.
+
+Pure: numpy only, never jax. Every policy builds its Schedule the same way:
+
+1. decide an ordered list of *groups*, each group an ordered sequence of element slices
+   ``(row, start, stop)`` (a group is one Bucket: e.g. one layer, one DDP bucket, one Prophet block);
+2. ``buckets_from_groups(profile, groups)`` turns each group into a Bucket with one Chunk (one
+   all-reduce) per dtype, dropping empty slices and empty groups;
+3. ``make_schedule(buckets, profile, policy=..., options=..., cross_step=...)`` wraps them.
+
+Units: slices are element indices into the flattened leaf (row-major), sizes are bytes.
+
+Public helpers (also used by ``schedulers/_auto.py``):
+  ``row_size``, ``whole_slice``, ``partition_row``, ``partition_rows``, ``layer_groups``,
+  ``buckets_from_groups``, ``make_schedule``, ``schedule_from_groups``, ``slices_nbytes``,
+  ``check_bytes``, ``check_cross_step``, ``check_positive``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from .._types import Bucket, Chunk, GradientProfile, Schedule, itemsize
+
+Slice = tuple[int, int, int]  # (profile row, start element, stop element)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rows and slices
+
+
+def row_size(profile: GradientProfile, row: int) -> int:
+  """Number of elements of profile row `row`."""
+  return profile.rows[row].size
+
+
+def row_itemsize(profile: GradientProfile, row: int) -> int:
+  """Bytes per element of profile row `row`."""
+  return itemsize(profile.rows[row].dtype)
+
+
+def whole_slice(profile: GradientProfile, row: int) -> Slice | None:
+  """The slice covering all of row `row`, or None for a zero-size row (which belongs in no chunk)."""
+  n = row_size(profile, row)
+  return (row, 0, n) if n > 0 else None
+
+
+def slices_nbytes(profile: GradientProfile, slices: Iterable[Slice]) -> int:
+  """Total bytes of a sequence of slices."""
+  return sum((b - a) * row_itemsize(profile, r) for r, a, b in slices)
+
+
+def partition_row(profile: GradientProfile, row: int, max_bytes: int | None) -> list[Slice]:
+  """Split row `row` into consecutive element ranges of at most `max_bytes` bytes each.
+
+  Every part holds at least one element (a part never splits an element), so with `max_bytes` smaller
+  than one element every element is its own part. The parts are as equal as possible (sizes differ by
+  at most one element), so no tiny tail part pays a whole start-up cost.
+
+  Args:
+    profile: the profile.
+    row: the row index.
+    max_bytes: the largest part in bytes; None means no limit (one part).
+
+  Returns:
+    The slices in element order; empty for a zero-size row.
+  """
+  n = row_size(profile, row)
+  if n == 0:
+    return []
+  if max_bytes is None:
+    return [(row, 0, n)]
+  per = max(1, int(max_bytes) // max(row_itemsize(profile, row), 1))
+  parts = max(1, math.ceil(n / per))
+  base, extra = divmod(n, parts)
+  out, pos = [], 0
+  for k in range(parts):
+    step = base + (1 if k < extra else 0)
+    out.append((row, pos, pos + step))
+    pos += step
+  return out
+
+
+def partition_rows(profile: GradientProfile, rows: Iterable[int],
+                   max_bytes: int | None) -> list[Slice]:
+  """`partition_row` over several rows, concatenated in the given row order."""
+  out: list[Slice] = []
+  for r in rows:
+    out.extend(partition_row(profile, r, max_bytes))
+  return out
+
+
+def layer_groups(profile: GradientProfile) -> list[tuple[str, list[int], float]]:
+  """The profile's layers in ready order: (layer, its rows in profile order, its ready time).
+
+  A layer is ready when its last row is ready (max of its rows' ready_s). Ties in ready time go to
+  the later layer first (backward runs back to front), matching `GradientProfile.ready_order`.
+  """
+  rows_of: dict[str, list[int]] = {}
+  for i, r in enumerate(profile.rows):
+    rows_of.setdefault(r.layer, []).append(i)
+  layers = []
+  for pos, (name, rows) in enumerate(rows_of.items()):
+    layers.append((max(profile.rows[i].ready_s for i in rows), -pos, name, rows))
+  layers.sort(key=lambda t: (t[0], t[1]))
+  return [(name, rows, ready) for ready, _, name, rows in layers]
+
+
+# --------------------------------------------------------------------------------------------------
+# Chunks, buckets, schedules
+
+
+def chunks_of_group(profile: GradientProfile, slices: Iterable[Slice]) -> list[Chunk]:
+  """One Chunk per dtype of a group's slices, in order of each dtype's first slice.
+
+  Slices keep their relative order inside each chunk; empty slices (start == stop) are dropped.
+  """
+  by_dtype: dict[str, list[Slice]] = {}
+  for r, a, b in slices:
+    if b <= a:
+      continue
+    by_dtype.setdefault(profile.rows[r].dtype, []).append((r, a, b))
+  return [Chunk(slices=tuple(s), dtype=d) for d, s in by_dtype.items()]
+
+
+def buckets_from_groups(profile: GradientProfile,
+                        groups: Iterable[Iterable[Slice]]) -> tuple[Bucket, ...]:
+  """One Bucket per non-empty group, each with one Chunk per dtype (see `chunks_of_group`)."""
+  out = []
+  for g in groups:
+    chunks = chunks_of_group(profile, g)
+    if chunks:
+      out.append(Bucket(chunks=tuple(chunks)))
+  return tuple(out)
+
+
+def make_schedule(buckets: Iterable[Bucket], profile: GradientProfile, *, policy: str,
+                  options: Mapping[str, Any] | None = None, cross_step: bool = False) -> Schedule:
+  """A Schedule for `profile` (rows and fingerprint from it); Schedule checks coverage itself."""
+  return Schedule(buckets=tuple(buckets), rows=profile.tree_rows(), policy=policy,
+                  options=tuple(dict(options or {}).items()), cross_step=bool(cross_step))
+
+
+def schedule_from_groups(profile: GradientProfile, groups: Iterable[Iterable[Slice]], *, policy: str,
+                         options: Mapping[str, Any] | None = None,
+                         cross_step: bool = False) -> Schedule:
+  """`make_schedule(buckets_from_groups(profile, groups), ...)` in one call."""
+  return make_schedule(buckets_from_groups(profile, groups), profile, policy=policy, options=options,
+                       cross_step=cross_step)
+
+
+# --------------------------------------------------------------------------------------------------
+# Option checks (raise ValueError/TypeError naming the policy, option and value)
+
+
+def check_bytes(policy: str, name: str, value: Any, *, allow_none: bool = True,
+                hint: str = "") -> int | None:
+  """A positive integer number of bytes (or None when allowed); returns it as int."""
+  if value is None and allow_none:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+      isinstance(value, float) and not value.is_integer()):
+    raise TypeError(f"{policy}({name}={value!r}): `{name}` must be an integer number of bytes"
+                    f"{' or None' if allow_none else ''}.{(' ' + hint) if hint else ''}")
+  if not math.isfinite(value) or value <= 0:
+    raise ValueError(f"{policy}({name}={value!r}): `{name}` must be a positive number of bytes."
+                     f"{(' ' + hint) if hint else ''}")
+  return int(value)
+
+
+def check_positive(policy: str, name: str, value: Any, *, hint: str = "") -> float:
+  """A positive finite real number; returns it as float."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise TypeError(f"{policy}({name}={value!r}): `{name}` must be a number.{(' ' + hint) if hint else ''}")
+  if not math.isfinite(value) or value <= 0:
+    raise ValueError(f"{policy}({name}={value!r}): `{name}` must be a positive finite number."
+                     f"{(' ' + hint) if hint else ''}")
+  return float(value)
+
+
+def check_cross_step(policy: str, cross_step: Any) -> bool:
+  """`cross_step` must be a bool ('auto' is resolved by plan() for the auto policy only)."""
+  if not isinstance(cross_step, bool):
+    raise TypeError(f"{policy} scheduler: cross_step={cross_step!r} must be True or False (only the "
+                    f"'auto' policy accepts cross_step='auto', through plan()).")
+  return cross_step
+
+
+def check_inputs(policy: str, profile: Any, network: Any, cross_step: Any) -> bool:
+  """Type checks every scheduler runs first; returns cross_step as bool."""
+  from .._types import NetworkModel
+
+  if not isinstance(profile, GradientProfile):
+    raise TypeError(f"{policy} scheduler: profile must be a GradientProfile, got {type(profile).__name__}.")
+  if not isinstance(network, NetworkModel):
+    raise TypeError(f"{policy} scheduler: network must be a NetworkModel, got {type(network).__name__}.")
+  return check_cross_step(policy, cross_step)
+
+
+def ready_times(profile: GradientProfile) -> list[float]:
+  """ready_s of every row, by row index."""
+  return [r.ready_s for r in profile.rows]
+
+
+def group_ready_s(profile: GradientProfile, slices: Sequence[Slice]) -> float:
+  """When a group can start: the latest ready_s of the rows it touches (0 for no slices)."""
+  return max((profile.rows[r].ready_s for r, _, _ in slices), default=0.0)
