@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   try:
     return int(args.fn(args) or 0)
-  except (ProphetError, ValueError, TypeError, FileNotFoundError) as e:
+  except (ProphetError, ValueError, FileNotFoundError) as e:
     if args.debug:
       raise
     print(f"prophet-jax {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
