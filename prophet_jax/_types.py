@@ -392,7 +392,7 @@ class NetworkModel:
           overlap: bool = True, name: str = "fit") -> NetworkModel:
     """Least-squares alpha and beta from measured (bytes, seconds) of single all-reduces.
 
-    Fits seconds = a + b·bytes (a, b >= 0), then alpha_s = a / (2(P-1)), beta = b·P / (2(P-1)).
+    Fits seconds = a + b·bytes (a, b >= 0) in relative error, then alpha_s = a / (2(P-1)), beta = b·P / (2(P-1)).
     The RMS residual is kept in `fit_residual_s`.
 
     Raises:
@@ -431,13 +431,18 @@ class NetworkModel:
 
 
 def _nonneg_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-  """Least squares y = a + b x with a, b >= 0 (checks the two boundary fits when unconstrained fails)."""
-  A = np.stack([np.ones_like(x), x], axis=1)
-  (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
+  """Least squares y = a + b x, a, b >= 0, in RELATIVE error (weights 1/y).
+
+  Message sizes span decades; unweighted squares let the largest messages decide alpha alone.
+  """
+  w = 1.0 / np.maximum(y, max(float(np.max(y)) * 1e-9, 1e-300))
+  A = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+  (a, b), *_ = np.linalg.lstsq(A, y * w, rcond=None)
   if a >= 0 and b >= 0:
     return float(a), float(b)
-  cands = [(float(np.mean(y)), 0.0), (0.0, max(float(x @ y / max(x @ x, 1e-300)), 0.0))]
-  return min(cands, key=lambda ab: float(np.sum((ab[0] + ab[1] * x - y) ** 2)))
+  cands = [(float(np.sum(w * w * y) / np.sum(w * w)), 0.0),
+           (0.0, max(float(np.sum(w * w * x * y) / max(np.sum(w * w * x * x), 1e-300)), 0.0))]
+  return min(cands, key=lambda ab: float(np.sum((w * (ab[0] + ab[1] * x - y)) ** 2)))
 
 
 # --------------------------------------------------------------------------------------------------
