@@ -1,0 +1,94 @@
+"""The command line: simulate and plan as DESIGN.md lists them; bad input prints one line, exits 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from prophet_jax import GradientProfile, NetworkModel, Schedule
+from prophet_jax.cli import main
+
+
+def run(capsys, *argv):
+  code = main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def test_simulate_json_has_the_documented_fields(capsys):
+  code, out, _ = run(capsys, "simulate", "--model", "resnet50", "--device", "v100", "--workers", "16",
+                     "--network", "25gbe", "--json")
+  assert code == 0
+  obj = json.loads(out)
+  assert set(obj) == {"model", "device", "workers", "cross_step", "network", "lower_bound_s", "results"}
+  assert obj["model"] == "resnet50-v100" and obj["workers"] == 16 and obj["cross_step"] is False
+  assert set(obj["network"]) == {"name", "alpha_s", "beta_s_per_byte"}
+  names = [r["policy"] for r in obj["results"]]
+  assert {"wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet", "auto"} <= set(names)
+  for r in obj["results"]:
+    assert set(r) == {"policy", "iteration_s", "idle_s", "allreduces", "vs_lower_bound"}
+    assert r["vs_lower_bound"] >= 1 - 1e-9, r
+  auto = next(r for r in obj["results"] if r["policy"] == "auto")
+  assert auto["iteration_s"] <= min(r["iteration_s"] for r in obj["results"]) * (1 + 1e-9)
+
+
+def test_simulate_table_named_policies_cross_step_and_timeline(capsys, tmp_path):
+  png = tmp_path / "t.png"
+  code, out, _ = run(capsys, "simulate", "--model", "gpt2-h100", "--workers", "64", "--network",
+                     "100gb-ib", "--policy", "priority", "prophet", "--cross-step", "--timeline", str(png))
+  assert code == 0 and "pipelined step" in out
+  lines = [l.split()[0] for l in out.splitlines()[2:]]
+  assert lines == ["priority", "prophet"]
+  assert png.stat().st_size > 10_000
+
+
+def test_plan_writes_a_schedule_from_profile_and_network_files(capsys, tmp_path):
+  from prophet_jax.models import load_trace
+
+  prof = tmp_path / "p.json"
+  prof.write_text(load_trace("bert-base-v100").to_json())
+  net = tmp_path / "n.json"
+  net.write_text(NetworkModel.preset("10gbe", workers=4).to_json())
+  out = tmp_path / "s.json"
+  code, text, _ = run(capsys, "plan", "--profile", str(prof), "--network", str(net), "--workers", "32",
+                      "--policy", "mgwfbp", "--out", str(out))
+  assert code == 0 and "predicted iteration" in text
+  s = Schedule.from_json(out.read_text())
+  assert s.policy == "mgwfbp" and s.tree_fingerprint == GradientProfile.from_json(prof.read_text()).fingerprint()
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["simulate", "--model", "alexnet", "--workers", "4", "--network", "10gbe"], "--model 'alexnet'"),
+    (["simulate", "--model", "resnet50", "--workers", "4", "--network", "5gbe"], "--network '5gbe'"),
+    (["simulate", "--model", "resnet50", "--network", "10gbe"], "a preset needs --workers"),
+    (["simulate", "--model", "resnet50", "--workers", "4", "--network", "10gbe", "--policy", "fastest"],
+     "fastest"),
+    (["simulate", "--model", "resnet50", "--workers", "4", "--network", "10gbe", "--policy", "dlcp"],
+     "dlcp"),
+])
+def test_bad_input_one_line_exit_2(capsys, argv, match):
+  code, _, err = run(capsys, *argv)
+  assert code == 2
+  assert len(err.strip().splitlines()) == 1 and match in err
+
+
+def test_malformed_profile_json(capsys, tmp_path):
+  bad = tmp_path / "bad.json"
+  bad.write_text("{\"rows\": [")
+  code, _, err = run(capsys, "plan", "--profile", str(bad), "--network", "10gbe", "--workers", "4",
+                     "--out", str(tmp_path / "s.json"))
+  assert code == 2 and "malformed JSON" in err
+
+
+def test_debug_shows_the_traceback():
+  out = subprocess.run([sys.executable, "-m", "prophet_jax", "simulate", "--debug", "--model", "x",
+                        "--workers", "4", "--network", "10gbe"], capture_output=True, text=True, timeout=120)
+  assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+def test_workers_must_be_positive(capsys):
+  with pytest.raises(SystemExit) as e:
+    main(["simulate", "--model", "resnet50", "--workers", "0", "--network", "10gbe"])
+  assert e.value.code == 2
+  assert "positive integer" in capsys.readouterr().err
