@@ -1,0 +1,294 @@
+"""The scheduled all-reduce: the only module that calls `psum` or ties chunks together.
+
+`allreduce(grads, schedule, axis_name)` runs inside `jax.pmap` or `jax.shard_map` (under `jit`). For each
+chunk of the schedule, in issue order, it gathers the chunk's element slices into one flat buffer, runs
+one `psum` under `jax.named_scope("prophet/chunk<k>")`, and scatters the result back into the leaves.
+
+XLA on the CPU merges every independent all-reduce into one (`cpu-all-reduce-combiner`) and strips
+optimization barriers before that pass runs, so neither independence nor barriers keep chunks apart in
+a user's own `jax.pmap` with default flags. What survives (FACTS.md, and the tests read the compiled
+HLO to prove it): chunk k+1's buffer depends on chunk k's *result* through an added zero that cannot
+carry a NaN or Inf. That tie is `tie`, in one place, so a better mechanism replaces it here alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._errors import AlreadyReducedError, ScheduleMismatchError, UnboundAxisError
+from ._tree import path_str
+from ._types import Schedule
+
+__all__ = ["allreduce", "tie", "chunk_scope", "LeafMap", "match_tree", "axis_size",
+           "check_not_reduced", "vma_enabled", "reduce_chunks", "is_reduced_leaf"]
+
+SCOPE_PREFIX = "prophet/chunk"
+
+
+def chunk_scope(k: int) -> str:
+  """The named scope of chunk k's collective: 'prophet/chunk<k>' (what `audit` looks for)."""
+  return f"{SCOPE_PREFIX}{k}"
+
+
+# --------------------------------------------------------------------------------------------------
+# the tie
+
+
+def _zero_of(prev: jax.Array, dtype: Any) -> jax.Array:
+  """An exact scalar zero that data-depends on `prev[0]` and is 0 even when prev[0] is NaN or Inf."""
+  p = prev.reshape(-1)[0]
+  return jnp.where(jnp.isfinite(p), p * 0, jnp.zeros((), p.dtype)).astype(dtype)
+
+
+def tie(buf: jax.Array, prev: jax.Array | None) -> jax.Array:
+  """`buf` with an exact zero, computed from `prev` (the previous chunk's reduced result), added.
+
+  The data dependency makes the compiled program run prev's all-reduce before buf's, and keeps the two
+  from being combined into one by XLA's all-reduce combiner (which only merges independent ones). The
+  zero is `where(isfinite(p), p * 0, 0)`, so a NaN or Inf in one chunk never leaks into the next.
+  """
+  if prev is None:
+    return buf
+  return buf.at[0].add(_zero_of(prev, buf.dtype))
+
+
+# --------------------------------------------------------------------------------------------------
+# matching the tree to the schedule
+
+
+def is_reduced_leaf(leaf: Any) -> bool:
+  """True for leaves the rewrite reduces: inexact (floating or complex) dtypes; not ints or float0."""
+  dt = getattr(leaf, "dtype", None)
+  if dt is None:
+    return False
+  if dt == jax.dtypes.float0:
+    return False
+  return bool(jnp.issubdtype(dt, jnp.inexact))
+
+
+def _dtype_name(dt: Any) -> str:
+  return str(np.dtype(dt)) if str(dt) != "bfloat16" else "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafMap:
+  """Where each schedule row lives in a flattened tree.
+
+  Attributes:
+    paths: canonical path of every leaf in flatten order.
+    row_leaf: for each schedule row, the index of its leaf in flatten order.
+  """
+
+  paths: tuple[str, ...]
+  row_leaf: tuple[int, ...]
+
+
+def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Schedule, *,
+               where: str = "allreduce", skip_prefixes: Sequence[str] = ()) -> LeafMap:
+  """Maps schedule rows to leaves BY PATH, checking shape and dtype; plain Python at trace time.
+
+  Args:
+    leaves_with_path: `jax.tree_util.tree_flatten_with_path(tree)[0]`.
+    schedule: the schedule whose rows must match the tree's reduced leaves.
+    where: the caller's name, for messages.
+    skip_prefixes: leaf paths starting with one of these are not the schedule's business (reduced
+      elsewhere, e.g. inside a scanned body by `loop_hook`).
+
+  Raises:
+    ScheduleMismatchError: a row's path is missing from the tree, a shape or dtype differs, or the tree
+      has a floating leaf the schedule does not know.
+  """
+  if not isinstance(schedule, Schedule):
+    raise TypeError(f"{where}: `schedule` must be a prophet_jax.Schedule, got {type(schedule).__name__}. "
+                    f"Make one with prophet_jax.plan(profile, network, policy).")
+  if not leaves_with_path:
+    raise ValueError(f"{where}: the gradient tree is empty; there is nothing to reduce. Pass the "
+                     f"gradients of the params the schedule was planned for.")
+  paths = tuple(path_str(p) for p, _ in leaves_with_path)
+  index = {p: i for i, p in enumerate(paths)}
+  fix = "The model changed after planning; run prophet_jax.plan() again on the current params."
+  row_leaf = []
+  for path, shape, dtype in schedule.rows:
+    i = index.get(path)
+    if i is None:
+      near = [p for p in paths if p.split("/")[-1] == path.split("/")[-1]][:3]
+      hint = f" (the tree has e.g. {near})" if near else ""
+      raise ScheduleMismatchError(
+          f"{where}: the schedule has a row for leaf {path!r}, but the tree has no leaf at that path"
+          f"{hint}; the schedule covers {len(schedule.rows)} leaves. {fix}")
+    leaf = leaves_with_path[i][1]
+    got_shape = tuple(int(d) for d in np.shape(leaf))
+    if got_shape != tuple(shape):
+      raise ScheduleMismatchError(
+          f"{where}: leaf {path!r} has shape {got_shape}, but the schedule was planned for shape "
+          f"{tuple(shape)}. {fix}")
+    got_dtype = _dtype_name(getattr(leaf, "dtype", None))
+    if got_dtype != dtype:
+      raise ScheduleMismatchError(
+          f"{where}: leaf {path!r} has dtype {got_dtype}, but the schedule was planned for dtype {dtype}"
+          f". {fix} (Plan with the gradients' dtype, e.g. bfloat16 params give bfloat16 gradients.)")
+    row_leaf.append(i)
+  rowset = set(row_leaf)
+  for i, (_, leaf) in enumerate(leaves_with_path):
+    if i in rowset or not is_reduced_leaf(leaf):
+      continue
+    if any(paths[i] == s or paths[i].startswith(s.rstrip("/") + "/") for s in skip_prefixes):
+      continue
+    raise ScheduleMismatchError(
+        f"{where}: the tree has floating leaf {paths[i]!r} (shape {tuple(np.shape(leaf))}, dtype "
+        f"{_dtype_name(leaf.dtype)}) that the schedule does not cover; the schedule was planned for "
+        f"{len(schedule.rows)} leaves and the tree has {sum(map(is_reduced_leaf, (l for _, l in leaves_with_path)))}"
+        f" floating ones. {fix}")
+  return LeafMap(paths=paths, row_leaf=tuple(row_leaf))
+
+
+# --------------------------------------------------------------------------------------------------
+# axis checks
+
+
+def axis_size(axis_name: Any, where: str) -> int:
+  """The size of a bound axis, or UnboundAxisError naming the fix."""
+  try:
+    return int(jax.lax.axis_size(axis_name))
+  except NameError as e:
+    raise UnboundAxisError(
+        f"{where}(..., axis_name={axis_name!r}) ran outside a mapped context (no axis {axis_name!r} is "
+        f"bound). Call the train step inside jax.shard_map with a mesh axis named {axis_name!r}, or "
+        f"inside jax.pmap(..., axis_name={axis_name!r}).") from e
+
+
+def vma_enabled(axis_name: Any) -> bool:
+  """True under shard_map with check_vma=True, where values carry the axes they vary over.
+
+  Under pmap and under shard_map(check_vma=False) nothing is marked varying, so an already-summed
+  gradient cannot be told from a per-device one there.
+  """
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  varying = jax.typeof(jax.lax.axis_index(axis_name)).manual_axis_type.varying
+  return all(n in varying for n in names)
+
+
+def _varying(x: Any) -> frozenset:
+  return jax.typeof(x).manual_axis_type.varying
+
+
+def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: str) -> None:
+  """AlreadyReducedError when a floating gradient is invariant over `axis_name` under check_vma.
+
+  Under shard_map's default check_vma, replicated params (in_specs P()) that meet per-device data get an
+  implicit pvary whose transpose is a psum: jax.grad then returns gradients already summed over the axis,
+  and reducing them again would make them `axis_size` times too large.
+  """
+  if not vma_enabled(axis_name):
+    return
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  for path, g in leaves:
+    if not is_reduced_leaf(g) or np.size(g) == 0:
+      continue
+    vary = _varying(g)
+    if not all(n in vary for n in names):
+      raise AlreadyReducedError(
+          f"{where}: gradient {path!r} is already summed over axis {axis_name!r} (it does not vary over "
+          f"it): under shard_map's default check_vma, jax.grad sums the gradients of replicated params. "
+          f"Mark the params varying before jax.grad: params = jax.lax.pcast(params, {axis_name!r}, "
+          f"to='varying'), or use prophet_jax.hooked, which does it for you (or shard_map(..., "
+          f"check_vma=False)).")
+
+
+# --------------------------------------------------------------------------------------------------
+# the all-reduce
+
+
+def reduce_chunks(flat: list[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
+                  axis_name: Any, *, divisor: int | None, first_index: int = 0,
+                  prev: jax.Array | None = None) -> tuple[list[jax.Array], jax.Array | None]:
+  """Runs `chunks` in order on the flattened leaves `flat`; returns the new leaves and the last result.
+
+  Args:
+    flat: leaves (any shape); rows index them through `row_leaf`.
+    chunks: the schedule's chunks to run, in issue order.
+    row_leaf: schedule row -> index into `flat`.
+    axis_name: the mapped axis.
+    divisor: divide each reduced buffer by this (the axis size, for a mean, as `pmean` does), or None.
+    first_index: k of the first chunk, for its named scope 'prophet/chunk<k>'.
+    prev: the result of the chunk issued just before (tied to the first chunk), or None.
+  """
+  flat = list(flat)
+  pieces: dict[int, list[tuple[int, jax.Array]]] = {}
+  touched: list[int] = []
+  for k, chunk in enumerate(chunks, start=first_index):
+    parts = []
+    for r, a, b in chunk.slices:
+      leaf = flat[row_leaf[r]]
+      parts.append(leaf.reshape(-1)[a:b])
+    with jax.named_scope(chunk_scope(k)):
+      buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+      buf = tie(buf, prev)
+      red = jax.lax.psum(buf, axis_name)
+      if divisor is not None:
+        red = red / jnp.asarray(divisor, red.dtype)
+    prev = red
+    off = 0
+    for r, a, b in chunk.slices:
+      if r not in pieces:
+        pieces[r] = []
+        touched.append(r)
+      pieces[r].append((a, red[off:off + (b - a)]))
+      off += b - a
+  for r in touched:
+    i = row_leaf[r]
+    segs = [s for _, s in sorted(pieces[r], key=lambda t: t[0])]
+    full = segs[0] if len(segs) == 1 else jnp.concatenate(segs)
+    flat[i] = full.reshape(np.shape(flat[i]))
+  return flat, prev
+
+
+def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True) -> Any:
+  """All-reduces `grads` over `axis_name` chunk by chunk, in the schedule's order.
+
+  Call it inside `jax.pmap(..., axis_name=...)` or `jax.shard_map` (under `jit`). Rows of the schedule
+  are matched to leaves by their canonical path ('params/Dense_0/kernel'). For each chunk, in issue
+  order: its element slices are gathered into one flat buffer, reduced by one `psum` labelled
+  `jax.named_scope("prophet/chunk<k>")`, and scattered back. Each chunk's buffer is tied to the previous
+  chunk's result (an exact, NaN-proof zero), so the compiled program keeps one all-reduce per chunk, in
+  schedule order, even in a plain `jax.pmap` with default XLA flags on the CPU.
+
+  Integer leaves and float0 gradients pass through unreduced; zero-size leaves pass through unchanged.
+
+  Under `shard_map` with `check_vma=True` (the default) the gradients of replicated params are already
+  summed by `jax.grad`; this is detected and raises AlreadyReducedError. Under `pmap` (and
+  `check_vma=False`) it cannot be detected: there, make sure the gradients are per-device.
+
+  Args:
+    grads: a pytree of per-device gradients, the tree the schedule was planned for.
+    schedule: a Schedule (from `prophet_jax.plan`).
+    axis_name: the data-parallel axis (a name bound by pmap or shard_map).
+    mean: divide the sums by the axis size (a `pmean`); False gives the `psum`.
+
+  Returns:
+    The reduced tree, same structure, shapes and dtypes.
+
+  Raises:
+    UnboundAxisError: `axis_name` is not bound here.
+    ScheduleMismatchError: the schedule was planned for another tree (the path, shape or dtype at fault
+      is named).
+    AlreadyReducedError: under shard_map with check_vma, the gradients are already summed.
+    ValueError: the tree is empty.
+
+  Example:
+    >>> step = jax.pmap(lambda g: prophet_jax.allreduce(g, schedule, "data"), axis_name="data")
+  """
+  n = axis_size(axis_name, "allreduce")
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(grads)
+  lmap = match_tree(leaves_with_path, schedule, where="allreduce")
+  flat = [leaf for _, leaf in leaves_with_path]
+  check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, "allreduce")
+  flat, _ = reduce_chunks(flat, schedule.chunks, lmap.row_leaf, axis_name,
+                          divisor=n if mean else None)
+  return jax.tree_util.tree_unflatten(treedef, flat)
