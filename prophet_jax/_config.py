@@ -1,0 +1,130 @@
+"""PROPHET_* environment flags, read and checked once (pure: never imports jax).
+
+Only `cli.py` and `launch.py` read the environment, and only through `config()`. Library functions take
+explicit arguments. Every flag is checked when it is read: an unknown PROPHET_* name or a bad value
+raises ValueError naming the variable, the value and what is valid.
+
+The flags (set by `prophet_jax.launch.launch` in each process it starts; you may also set them by
+hand to join a run, one set per process):
+
+  PROPHET_PROCESS_ID       this process's rank, 0 <= id < PROPHET_NUM_PROCESSES.
+  PROPHET_NUM_PROCESSES    number of processes in the run (>= 1).
+  PROPHET_COORDINATOR      'host:port' of the jax.distributed coordinator (rank 0 serves it).
+  PROPHET_GLOO_INTERFACE   network interface gloo binds to (e.g. 'veth0'); empty: gloo's default.
+  PROPHET_INIT_TIMEOUT_S   seconds to wait for the coordinator before failing (default 60).
+  PROPHET_LOCAL_DEVICES    CPU devices per process the launcher asked XLA for (informational).
+  PROPHET_DEBUG            '1'/'true'/'yes' or '0'/'false'/'no' (or empty): the CLI shows tracebacks.
+
+The first three come together: either all are set (the process runs under `launch`) or none is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+PREFIX = "PROPHET_"
+FLAGS: tuple[str, ...] = (
+    "PROPHET_PROCESS_ID", "PROPHET_NUM_PROCESSES", "PROPHET_COORDINATOR", "PROPHET_GLOO_INTERFACE",
+    "PROPHET_INIT_TIMEOUT_S", "PROPHET_LOCAL_DEVICES", "PROPHET_DEBUG",
+)
+DEFAULT_INIT_TIMEOUT_S = 60
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+  """The checked PROPHET_* flags.
+
+  Attributes:
+    process_id: this process's rank, or None when not started by `launch`.
+    num_processes: processes in the run, or None when not started by `launch`.
+    coordinator: 'host:port' of the jax.distributed coordinator, or None.
+    gloo_interface: the network interface gloo binds to, or None for gloo's default.
+    init_timeout_s: seconds to wait for the coordinator.
+    local_devices: CPU devices per process, when the launcher set them.
+    debug: show tracebacks in the CLI.
+  """
+
+  process_id: int | None = None
+  num_processes: int | None = None
+  coordinator: str | None = None
+  gloo_interface: str | None = None
+  init_timeout_s: int = DEFAULT_INIT_TIMEOUT_S
+  local_devices: int | None = None
+  debug: bool = False
+
+  @property
+  def launched(self) -> bool:
+    """True when this process was started by `prophet_jax.launch` (the process flags are set)."""
+    return self.num_processes is not None
+
+
+def _int(name: str, text: str, *, minimum: int) -> int:
+  try:
+    value = int(text.strip())
+  except ValueError:
+    raise ValueError(f"{name}={text!r} is not an integer; set it to an integer >= {minimum} "
+                     f"(or unset it).") from None
+  if value < minimum:
+    raise ValueError(f"{name}={text!r} is below {minimum}; set it to an integer >= {minimum} "
+                     f"(or unset it).")
+  return value
+
+
+def read_config(environ: Mapping[str, str]) -> Config:
+  """Reads and checks the PROPHET_* flags of `environ` (pure: for tests, pass a dict).
+
+  Raises:
+    ValueError: an unknown PROPHET_* name, a malformed value, or a partial set of process flags.
+  """
+  unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in FLAGS)
+  if unknown:
+    raise ValueError(f"unknown environment variable(s) {unknown}; prophet_jax reads only {list(FLAGS)}. "
+                     f"Unset the unknown ones (a typo?).")
+  get = lambda k: environ.get(k)  # noqa: E731
+  trio = ("PROPHET_PROCESS_ID", "PROPHET_NUM_PROCESSES", "PROPHET_COORDINATOR")
+  present = [k for k in trio if get(k) not in (None, "")]
+  if present and len(present) != len(trio):
+    missing = [k for k in trio if k not in present]
+    raise ValueError(f"{present} set but {missing} not: the process flags come together (launch sets "
+                     f"all three). Set the missing ones or unset them all.")
+  kw: dict = {}
+  if present:
+    nproc = _int("PROPHET_NUM_PROCESSES", get("PROPHET_NUM_PROCESSES"), minimum=1)
+    pid = _int("PROPHET_PROCESS_ID", get("PROPHET_PROCESS_ID"), minimum=0)
+    if pid >= nproc:
+      raise ValueError(f"PROPHET_PROCESS_ID={pid} but PROPHET_NUM_PROCESSES={nproc}; the id must be "
+                       f"in [0, {nproc - 1}].")
+    coord = get("PROPHET_COORDINATOR").strip()
+    host, sep, port = coord.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise ValueError(f"PROPHET_COORDINATOR={coord!r} is not 'host:port' (e.g. '127.0.0.1:12345').")
+    kw.update(process_id=pid, num_processes=nproc, coordinator=coord)
+  iface = (get("PROPHET_GLOO_INTERFACE") or "").strip()
+  if iface:
+    if any(c.isspace() or c == "/" for c in iface) or len(iface) > 15:
+      raise ValueError(f"PROPHET_GLOO_INTERFACE={iface!r} is not a network interface name (at most 15 "
+                       f"characters, no spaces or '/'), e.g. 'eth0' or 'veth0'.")
+    kw["gloo_interface"] = iface
+  if get("PROPHET_INIT_TIMEOUT_S") not in (None, ""):
+    kw["init_timeout_s"] = _int("PROPHET_INIT_TIMEOUT_S", get("PROPHET_INIT_TIMEOUT_S"), minimum=1)
+  if get("PROPHET_LOCAL_DEVICES") not in (None, ""):
+    kw["local_devices"] = _int("PROPHET_LOCAL_DEVICES", get("PROPHET_LOCAL_DEVICES"), minimum=1)
+  debug = (get("PROPHET_DEBUG") or "").strip().lower()
+  if debug not in _TRUE + _FALSE:
+    raise ValueError(f"PROPHET_DEBUG={debug!r}; expected one of {list(_TRUE + _FALSE[:-1])} (or empty).")
+  kw["debug"] = debug in _TRUE
+  return Config(**kw)
+
+
+_CACHE: dict[str, Config] = {}
+
+
+def config() -> Config:
+  """The process's flags, read from os.environ on the first call and kept (checked once)."""
+  if "value" not in _CACHE:
+    _CACHE["value"] = read_config(os.environ)
+  return _CACHE["value"]
