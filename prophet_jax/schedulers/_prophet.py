@@ -1,0 +1,228 @@
+"""Prophet: stage-aware gradient blocks, highest priority first (Zhang et al., ICPP 2021).
+
+Pure: numpy only, never jax.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from .._types import GradientProfile, NetworkModel, Schedule, itemsize
+from ._common import check_inputs, check_positive, make_schedule, buckets_from_groups
+
+POLICY = "prophet"
+# Candidate start-up fractions (a / block time) searched when `alpha_fraction` is None.
+ALPHA_FRACTIONS = (0.02, 0.1, 0.5)
+# Candidate growth of the blocks sent after backward, when `tail_growth` is None.
+TAIL_GROWTHS = (1.0, 2.0, 4.0)
+
+
+def find_stages(ready_s: list[float], gap_factor: float) -> list[float]:
+  """Start times of Prophet's stages: where the gap between consecutive distinct ready times exceeds
+  `gap_factor` times the mean gap. The first stage starts at the first ready time."""
+  times = sorted(set(ready_s))
+  if len(times) < 2:
+    return times[:1]
+  mean_gap = (times[-1] - times[0]) / (len(times) - 1)
+  starts = [times[0]]
+  for prev, cur in zip(times, times[1:]):
+    if cur - prev > gap_factor * mean_gap:
+      starts.append(cur)
+  return starts
+
+
+class _Planner:
+  """One greedy pass of Prophet's block rule for fixed knobs; also estimates the iteration it gives."""
+
+  def __init__(self, profile: GradientProfile, network: NetworkModel, gap_factor: float):
+    self.profile = profile
+    self.network = network
+    self.a = network.startup_s
+    self.b = network.per_byte_s
+    rows = profile.rows
+    self.item = [itemsize(r.dtype) for r in rows]
+    self.live = [i for i, r in enumerate(rows) if r.size > 0]
+    self.arrivals = sorted(self.live, key=lambda i: (rows[i].ready_s, -i))
+    self.stage_starts = find_stages([rows[i].ready_s for i in self.live], gap_factor)
+    # forward: layers in priority order with their forward time and rows
+    self.layer_rows: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+      self.layer_rows.setdefault(r.layer, []).append(i)
+    fwd = profile.layer_fwd_s()
+    self.layers = [(fwd[name], idx) for name, idx in self.layer_rows.items()]
+
+  def _bytes_within(self, seconds: float) -> float:
+    """Bytes one all-reduce can carry in `seconds` (0 when even the start-up does not fit)."""
+    if seconds <= self.a:
+      return 0.0
+    return math.inf if self.b == 0 else (seconds - self.a) / self.b
+
+  def plan(self, min_block: float, tail_growth: float) -> list[list[tuple[int, int, int]]]:
+    """Blocks (groups of slices) in issue order for one setting of the knobs.
+
+    min_block: the floor on a block's bytes while backward runs (amortises the start-up a).
+    tail_growth: after the last gradient is ready, blocks start at min(min_block, first layer) bytes and
+      grow by this factor, so the next forward can start early and later blocks amortise a.
+    """
+    rows = self.profile.rows
+    arrivals, item = self.arrivals, self.item
+    n_arr = len(arrivals)
+    stage_starts = self.stage_starts
+    pending: list[int] = []          # heap of row indices (priority: lowest row first)
+    offset = {}                      # row -> first element not yet sent
+    pend_bytes = 0
+    blocks: list[list[tuple[int, int, int]]] = []
+    t = 0.0
+    k = 0                            # next arrival
+    s = 0                            # next stage start index
+    tail_size = None
+
+    def take(budget: float) -> list[tuple[int, int, int]]:
+      nonlocal pend_bytes
+      out = []
+      while pending and budget > 0:
+        r = pending[0]
+        a0, size = offset[r], rows[r].size
+        left = (size - a0) * item[r]
+        if left <= budget:
+          heapq.heappop(pending)
+          out.append((r, a0, size))
+          budget -= left
+          pend_bytes -= left
+        else:
+          cut = max(1, int(budget // item[r]))
+          out.append((r, a0, a0 + cut))
+          offset[r] = a0 + cut
+          pend_bytes -= cut * item[r]
+          budget = 0
+      return out
+
+    while k < n_arr or pending:
+      while k < n_arr and rows[arrivals[k]].ready_s <= t:
+        r = arrivals[k]
+        heapq.heappush(pending, r)
+        offset[r] = 0
+        pend_bytes += rows[r].nbytes
+        k += 1
+      if not pending:
+        t = rows[arrivals[k]].ready_s
+        continue
+      if k < n_arr:
+        t_next = rows[arrivals[k]].ready_s
+        while s < len(stage_starts) and stage_starts[s] <= t:
+          s += 1
+        new_stage = s < len(stage_starts) and stage_starts[s] <= t_next
+        if pend_bytes >= min_block:
+          block = take(max(min_block, self._bytes_within(t_next - t)))
+        elif new_stage or self.network.allreduce_s(pend_bytes) <= t_next - t:
+          block = take(math.inf)  # the stage's block: the link would idle through the gap otherwise
+        else:
+          t = t_next  # wait for the rest of the stage (saves a start-up)
+          continue
+      else:
+        if tail_size is None:
+          first = sum(rows[i].nbytes for i in self.layers[0][1]) if self.layers else 0
+          tail_size = max(1.0, min(min_block, first) if first else min_block)
+        block = take(tail_size)
+        tail_size *= tail_growth
+      blocks.append(block)
+      t += sum(self.network.allreduce_s(nb) for nb in self._dtype_bytes(block).values())
+    return blocks
+
+  def _dtype_bytes(self, block) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r, a, b in block:
+      d = self.profile.rows[r].dtype
+      out[d] = out.get(d, 0) + (b - a) * self.item[r]
+    return out
+
+  def estimate(self, blocks, cross_step: bool) -> float:
+    """Iteration time of `blocks` in DESIGN.md's model (one link, overlap), for choosing the knobs."""
+    rows = self.profile.rows
+    reduced = [0.0] * len(rows)
+    link = 0.0
+    for block in blocks:
+      ready = max(rows[r].ready_s for r, _, _ in block)
+      link = max(link, ready) + sum(self.network.allreduce_s(nb) for nb in self._dtype_bytes(block).values())
+      for r, _, _ in block:
+        reduced[r] = link
+    bwd = self.profile.backward_s
+    if not cross_step:
+      return max(bwd, link) + self.profile.update_s + self.profile.forward_s
+    t = bwd
+    for fwd_s, idx in self.layers:
+      t = max(t, max(reduced[i] + rows[i].update_s for i in idx)) + fwd_s
+    return t
+
+
+def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
+            tail_growth: float | None = None):
+  """Prophet: blocks sized to the gaps of backward, highest-priority gradients first.
+
+  Prophet finds the *stages* of the ready-time pattern: a new stage starts where the gap between
+  consecutive ready times exceeds `gap_factor` times the mean gap. While backward runs, whenever the
+  link is free it sends one block: the ready gradients of highest priority (lowest row: needed first by
+  the next forward), as many as the link can finish before the next gradient becomes ready
+  (B·Δ, B the bandwidth, Δ the gap), so that a low-priority block never holds the link when a
+  higher-priority gradient is waiting; large tensors are cut at element boundaries so a block can end
+  anywhere. Because per-layer traces are often smooth (no stages, tiny gaps), a block is never smaller
+  than a floor that amortises the start-up: `startup_s / (alpha_fraction · per_byte_s)` bytes, i.e.
+  the start-up is at most `alpha_fraction` of the block's time; below the floor, the link waits for the
+  rest of the stage instead, unless the pending gradients would finish before the next arrival anyway.
+  After the last gradient is ready, the rest goes out in priority order in blocks that start small
+  (the first layer's bytes, at most the floor) and grow by `tail_growth`, so the next forward starts
+  early. With `network.overlap` False (the device cannot compute while it communicates) every block
+  pauses the device, so one block per dtype after backward, in priority order, is sent.
+
+  The knobs left as None are chosen per profile and network by predicting the iteration time of each
+  candidate in DESIGN.md's model (alpha_fraction in `ALPHA_FRACTIONS`, tail_growth in
+  `TAIL_GROWTHS`), as Prophet sizes its blocks from measured timings; ties go to the first candidate.
+
+  Args:
+    gap_factor: a gap larger than this multiple of the mean gap between ready times starts a stage.
+    alpha_fraction: the largest share of a block's time spent on the start-up (None: chosen).
+    tail_growth: growth factor (>= 1) of the blocks sent after backward (None: chosen).
+
+  Returns:
+    A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule`.
+
+  Raises:
+    TypeError, ValueError: an option that is not a positive number (tail_growth: >= 1).
+
+  References:
+    Zhang et al., "Prophet: Speeding up Distributed DNN Training with Predictable Communication
+    Scheduling", ICPP 2021.
+  """
+  gap_factor = check_positive(POLICY, "gap_factor", gap_factor, hint="Try 2.0.")
+  if alpha_fraction is not None:
+    alpha_fraction = check_positive(POLICY, "alpha_fraction", alpha_fraction, hint="Try 0.1 or None.")
+  if tail_growth is not None:
+    tail_growth = check_positive(POLICY, "tail_growth", tail_growth, hint="Try 2.0 or None.")
+    if tail_growth < 1:
+      raise ValueError(f"prophet(tail_growth={tail_growth!r}): `tail_growth` must be >= 1 (blocks after "
+                       f"backward never shrink). Try 2.0 or None.")
+  options = {"gap_factor": gap_factor, "alpha_fraction": alpha_fraction, "tail_growth": tail_growth}
+
+  def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
+    cross_step = check_inputs(POLICY, profile, network, cross_step)
+    planner = _Planner(profile, network, gap_factor)
+    if not network.overlap:
+      groups = [[(r, 0, profile.rows[r].size) for r in planner.live]]
+    else:
+      fracs = ALPHA_FRACTIONS if alpha_fraction is None else (alpha_fraction,)
+      growths = TAIL_GROWTHS if tail_growth is None else (tail_growth,)
+      best = None
+      for frac in fracs:
+        a, b = network.startup_s, network.per_byte_s
+        floor = (a / (frac * b) if b > 0 else math.inf) if a > 0 else 1.0
+        for g in growths:
+          blocks = planner.plan(floor, g)
+          est = planner.estimate(blocks, cross_step)
+          if best is None or est < best[0] - 1e-15:
+            best = (est, blocks)
+      groups = best[1]
+    return make_schedule(buckets_from_groups(profile, groups), profile, policy=POLICY, options=options,
+                         cross_step=cross_step)
+
+  return scheduler

@@ -1,0 +1,43 @@
+"""What XLA does with a step's gradient all-reduces when left alone.
+
+Pure: numpy only, never jax.
+"""
+
+from __future__ import annotations
+
+from .._types import GradientProfile, NetworkModel, Schedule
+from ._bucket import fill_buckets
+from ._common import check_inputs, schedule_from_groups, whole_slice
+
+POLICY = "xla"
+GPU_COMBINE_THRESHOLD_BYTES = 30 * 2**20  # xla_gpu_all_reduce_combine_threshold_bytes' default
+
+
+def xla():
+  """XLA's own all-reduce combining, following `network.overlap`.
+
+  - `network.overlap` False (XLA on the CPU, where a collective blocks the executor): the CPU
+    all-reduce combiner merges every independent all-reduce into one, with no byte limit, after the
+    backward pass. Here: one bucket holding one chunk per dtype, rows in ready order.
+  - `network.overlap` True (GPUs): the GPU all-reduce combiner merges all-reduces up to its threshold,
+    30 MiB by default; modelled as buckets of whole leaves of at most 30 MiB in ready order.
+
+  Returns:
+    A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule`. The plan is the same for
+    both step modes (`cross_step` is only recorded).
+
+  References:
+    OpenXLA, `AllReduceCombiner` / `CpuAllReduceCombiner` passes and the GPU flag
+    `xla_gpu_all_reduce_combine_threshold_bytes` (openxla/xla, 2023-2025); FACTS.md (measured here).
+  """
+
+  def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
+    cross_step = check_inputs(POLICY, profile, network, cross_step)
+    order = profile.ready_order()
+    if network.overlap:
+      groups = fill_buckets(profile, order, GPU_COMBINE_THRESHOLD_BYTES)
+    else:
+      groups = [[s for r in order if (s := whole_slice(profile, r)) is not None]]
+    return schedule_from_groups(profile, groups, policy=POLICY, options={}, cross_step=cross_step)
+
+  return scheduler
