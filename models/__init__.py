@@ -1,1 +1,39 @@
-"""Model definitions, small trainable models and bundled traces (installed as prophet_jax.models)."""
+"""Model definitions, small trainable models and bundled traces (installed as `prophet_jax.models`).
+
+- `get_model(name)`, `MODELS`, `TrainableModel`, `layer_of`, `forward_paths`, `num_params`: the small
+  trainable flax models ('mlp', 'cnn', 'gpt-tiny', 'resnet-small'), in `registry.py` [jax].
+- `load_trace(name)`, `TRACES`: bundled GradientProfiles ('resnet50-v100', ..., 'googlenet-k80'), and
+  `googlenet_allreduce(nodes)`, `googlenet_available()`, in `_traces.py` (pure: numpy only).
+- `architecture(name)`, `ARCHITECTURES`, `reference_param_count(name)`: flax definitions of ResNet-50,
+  VGG-16, BERT-base and GPT-2 small (parameter trees via `jax.eval_shape`), in `zoo.py` [jax].
+
+Names are imported lazily, so loading a trace does not import jax or flax.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "get_model": "registry", "MODELS": "registry", "TrainableModel": "registry",
+    "layer_of": "registry", "forward_paths": "registry", "num_params": "registry",
+    "PARAM_DTYPES": "registry",
+    "load_trace": "_traces", "TRACES": "_traces", "googlenet_allreduce": "_traces",
+    "googlenet_available": "_traces", "googlenet_dir": "_traces",
+    "architecture": "zoo", "ARCHITECTURES": "zoo", "reference_param_count": "zoo",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+  if name in _EXPORTS:
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+  raise AttributeError(f"module 'prophet_jax.models' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))
