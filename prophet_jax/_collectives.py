@@ -26,7 +26,8 @@ from ._tree import path_str
 from ._types import Schedule
 
 __all__ = ["allreduce", "tie", "chunk_scope", "LeafMap", "match_tree", "axis_size",
-           "check_not_reduced", "vma_enabled", "reduce_chunks", "is_reduced_leaf"]
+           "check_not_reduced", "vma_enabled", "reduce_chunks", "is_reduced_leaf",
+           "scheduled_allreduce"]
 
 SCOPE_PREFIX = "prophet/chunk"
 
@@ -284,11 +285,19 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
   Example:
     >>> step = jax.pmap(lambda g: prophet_jax.allreduce(g, schedule, "data"), axis_name="data")
   """
-  n = axis_size(axis_name, "allreduce")
+  return scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce")
+
+
+def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
+                        where: str = "allreduce") -> Any:
+  """`allreduce`, with `where` naming the public caller in error messages."""
+  if not isinstance(mean, bool):
+    raise TypeError(f"{where}: `mean` must be True or False, got {mean!r}.")
+  n = axis_size(axis_name, where)
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(grads)
-  lmap = match_tree(leaves_with_path, schedule, where="allreduce")
+  lmap = match_tree(leaves_with_path, schedule, where=where)
   flat = [leaf for _, leaf in leaves_with_path]
-  check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, "allreduce")
+  check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
   flat, _ = reduce_chunks(flat, schedule.chunks, lmap.row_leaf, axis_name,
                           divisor=n if mean else None)
   return jax.tree_util.tree_unflatten(treedef, flat)

@@ -1,0 +1,336 @@
+"""Carrying a Schedule out in the user's own jitted step: `scheduled` (optax) and `hooked` (backward hooks).
+
+- `scheduled(tx, schedule, axis_name=...)` is an optax transformation: the scheduled all-reduce of the
+  gradients, then `tx`. The all-reduces run after the backward pass, where the step's `update` is.
+- `hooked(loss_fn, schedule, axis_name=...)` returns `grad_fn(params, batch) -> (loss, grads)` whose
+  all-reduces run *inside* the backward pass: each group of chunks is issued from the backward rule of a
+  `custom_vjp` identity on its parameters, as soon as their gradients exist, and a scalar token threaded
+  through the hooks keeps the issue order of the schedule in the compiled program.
+- `loop_hook(tree, name=...)` is the model-side helper for scan-over-layers models: applied to a layer's
+  params inside the scanned body (e.g. through `flax.linen.map_variables`), it all-reduces that layer's
+  gradients inside the backward loop, one trip per layer, when the step runs under `hooked(...,
+  in_loop=(...))`; elsewhere it is the identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ._collectives import (_zero_of, axis_size, is_reduced_leaf, match_tree, reduce_chunks,
+                           scheduled_allreduce, tie, vma_enabled)
+from ._types import Chunk, Schedule
+
+__all__ = ["ScheduledState", "scheduled", "hooked", "loop_hook", "hook_groups", "LOOP_SCOPE"]
+
+LOOP_SCOPE = "prophet/loop/"
+
+
+def _check_args(where: str, schedule: Any, axis_name: Any) -> None:
+  if not isinstance(schedule, Schedule):
+    raise TypeError(f"{where}: `schedule` must be a prophet_jax.Schedule, got {type(schedule).__name__}. "
+                    f"Make one with prophet_jax.plan(profile, network, policy) or Schedule.from_json.")
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if not names or not all(isinstance(n, str) and n for n in names):
+    raise TypeError(f"{where}: `axis_name` must be a non-empty string (or a tuple of them) naming the "
+                    f"pmap/shard_map axis, got {axis_name!r}.")
+
+
+# --------------------------------------------------------------------------------------------------
+# scheduled: the optax wrapper
+
+
+class ScheduledState(NamedTuple):
+  """State of `scheduled(tx, ...)`: the wrapped transformation's state, unchanged."""
+
+  inner: Any
+
+
+def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
+              axis_name: str | tuple[str, ...]) -> optax.GradientTransformationExtraArgs:
+  """An optax transformation that all-reduces the gradients as `schedule` says, then applies `tx`.
+
+  Use it in place of a `jax.lax.pmean(grads, axis_name)` followed by `tx`: inside `jax.pmap(...,
+  axis_name=...)`, or inside `jax.shard_map` over a mesh axis of that name (with the params marked
+  varying before `jax.grad`: `jax.lax.pcast(params, axis_name, to='varying')`, see below). It drops
+  into `flax.training.train_state.TrainState.create(..., tx=scheduled(tx, schedule, axis_name='data'))`
+  and `flax.nnx.Optimizer` unchanged. The updates passed to `update` must be the gradient tree the
+  schedule was planned for (rows are matched by path; a mismatch raises ScheduleMismatchError naming the
+  path, shape or dtype at fault).
+
+  It must be the **first** transformation in an `optax.chain`: anything before it (clipping, weight
+  decay, a normaliser) would act on per-device gradients and give a different result from the
+  all-reduced ones. With `optax.MultiSteps(scheduled(tx), k)`, optax 0.2.8 calls the inner update on
+  every micro-step (and keeps its result only on the k-th): the all-reduce then runs every micro-step,
+  on the accumulated gradients, inside a `lax.cond`. `scheduled(optax.MultiSteps(tx, k))` also reduces
+  every micro-step. To reduce once per k micro-steps, accumulate the micro-batch gradients in your own
+  step (e.g. a `lax.scan` over micro-batches) and apply `scheduled` once.
+
+  Under `shard_map`'s default `check_vma=True`, `jax.grad` of replicated params already sums the
+  gradients over the axis; that is detected and raises AlreadyReducedError naming the fix. Under
+  `pmap` it cannot be detected (nothing is marked varying there); a pmap step is per-device already.
+
+  Args:
+    tx: the optimizer to apply to the averaged gradients (e.g. `optax.sgd(0.1, momentum=0.9)`).
+    schedule: the Schedule to carry out (from `prophet_jax.plan`).
+    axis_name: the data-parallel axis name.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is `ScheduledState(inner=tx_state)`.
+
+  Raises:
+    TypeError: `tx`, `schedule` or `axis_name` is of the wrong kind (at construction).
+    UnboundAxisError, ScheduleMismatchError, AlreadyReducedError: at trace time, from `update`.
+
+  Example:
+    >>> tx = prophet_jax.scheduled(optax.sgd(0.1, momentum=0.9), schedule, axis_name="data")
+    >>> state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    >>> # inside jax.pmap(..., axis_name="data"): state = state.apply_gradients(grads=grads)
+  """
+  if not (hasattr(tx, "init") and hasattr(tx, "update")):
+    raise TypeError(f"scheduled: `tx` must be an optax.GradientTransformation, got {type(tx).__name__}.")
+  _check_args("scheduled", schedule, axis_name)
+
+  def init_fn(params):
+    return ScheduledState(inner=tx.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    reduced = scheduled_allreduce(updates, schedule, axis_name, mean=True, where="scheduled")
+    if isinstance(tx, optax.GradientTransformationExtraArgs):
+      new, inner = tx.update(reduced, state.inner, params, **extra_args)
+    else:
+      new, inner = tx.update(reduced, state.inner, params)
+    return new, ScheduledState(inner=inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------------------------------
+# hooked: all-reduces inside the backward pass
+
+
+def hook_groups(schedule: Schedule) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+  """Splits the chunks into hook groups: (first chunk, end chunk, rows), in issue order.
+
+  A hook fires when all of its parameters' gradients exist, so a chunk must live in the hook of every
+  row it touches: chunks sharing a row share a group, and groups are contiguous ranges of the issue
+  order (so the token keeps the order of the schedule exactly). Typical schedules give one group per
+  chunk (merged leaves) or one group per leaf (a leaf split into partitions).
+  """
+  groups: list[list[Any]] = []  # [start, end, set(rows)]
+  for k, chunk in enumerate(schedule.chunks):
+    rows = set(chunk.rows)
+    hit = next((j for j, g in enumerate(groups) if g[2] & rows), None)
+    if hit is None:
+      groups.append([k, k + 1, rows])
+    else:
+      merged = set(rows)
+      for g in groups[hit:]:
+        merged |= g[2]
+      groups[hit:] = [[groups[hit][0], k + 1, merged]]
+  return tuple((a, b, tuple(sorted(r))) for a, b, r in groups)
+
+
+def _to_varying(x: jax.Array, axis_name: Any) -> jax.Array:
+  return jax.lax.pcast(x, axis_name, to="varying")
+
+
+def _is_varying(x: Any, axis_name: Any) -> bool:
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  vary = jax.typeof(x).manual_axis_type.varying
+  return all(n in vary for n in names)
+
+
+def _make_hook(chunks: Sequence[Chunk], first_index: int, rows: Sequence[int], axis_name: Any,
+               divisor: int, cast: Sequence[bool]) -> Callable:
+  """A custom_vjp identity on (leaves of `rows`, token) whose backward runs `chunks` on the cotangents.
+
+  Forward: the leaves (cast to varying where `cast` says, so that under check_vma their cotangents
+  stay per-device) and the token, unchanged. Backward: the chunks' all-reduces on the leaves' cotangents,
+  the first tied to the incoming token cotangent, and a token cotangent tied to the last result.
+  """
+  local = {r: i for i, r in enumerate(rows)}
+  local_chunks = tuple(Chunk(slices=tuple((local[r], a, b) for r, a, b in c.slices), dtype=c.dtype)
+                       for c in chunks)
+  row_leaf = tuple(range(len(rows)))
+
+  @jax.custom_vjp
+  def hook(leaves, token):
+    return [(_to_varying(x, axis_name) if c else x) for x, c in zip(leaves, cast)], token
+
+  def fwd(leaves, token):
+    return hook(leaves, token), None
+
+  def bwd(_, cts):
+    ct_leaves, ct_token = cts
+    out, last = reduce_chunks(list(ct_leaves), local_chunks, row_leaf, axis_name, divisor=divisor,
+                              first_index=first_index, prev=ct_token)
+    return out, _zero_of(last, ct_token.dtype)
+
+  hook.defvjp(fwd, bwd)
+  return hook
+
+
+_LOOP_AXIS: contextvars.ContextVar[Any] = contextvars.ContextVar("prophet_loop_axis", default=None)
+
+
+@contextlib.contextmanager
+def _loop_axis(axis_name: Any, divisor: int, vma: bool, calls: list[str]):
+  tok = _LOOP_AXIS.set((axis_name, divisor, vma, calls))
+  try:
+    yield
+  finally:
+    _LOOP_AXIS.reset(tok)
+
+
+def loop_hook(tree: Any, *, name: str = "layer") -> Any:
+  """Model-side helper: all-reduce `tree`'s gradients inside a scanned body's backward pass.
+
+  Apply it to one layer's params *inside* the body of `jax.lax.scan` / `flax.linen.scan` (for linen,
+  wrap the scanned module: `nn.map_variables(Block, "params", trans_in_fn=lambda p: loop_hook(p),
+  init=True)`). When the step runs under `hooked(..., in_loop=(path prefix of the scanned params,))`,
+  the body's backward then all-reduces that layer's gradients (one all-reduce per dtype, labelled
+  `prophet/loop/<name>`) on every trip of the backward loop, right after the layer's weight
+  gradients exist, which a loss-level hook or `scheduled` cannot do (their all-reduces run after the
+  loop ends). Outside `hooked` (init, evaluation, a plain `jax.grad`) it is the identity.
+
+  Args:
+    tree: the layer's params (one scan slice).
+    name: a label for the all-reduce's named scope.
+
+  Returns:
+    `tree`, unchanged in value.
+  """
+  ctx = _LOOP_AXIS.get()
+  if ctx is None:
+    return tree
+  axis_name, divisor, vma, calls = ctx
+  calls.append(name)
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  idx = [i for i, x in enumerate(leaves) if is_reduced_leaf(x) and np.size(x) > 0]
+  if not idx:
+    return tree
+  sel = [leaves[i] for i in idx]
+  dtypes = list(dict.fromkeys(str(x.dtype) for x in sel))
+  chunks = []
+  for dt in dtypes:
+    chunks.append(Chunk(slices=tuple((j, 0, int(np.size(x))) for j, x in enumerate(sel)
+                                     if str(x.dtype) == dt), dtype=dt))
+  cast = [vma and not _is_varying(x, axis_name) for x in sel]
+
+  @jax.custom_vjp
+  def hook(xs):
+    return [(_to_varying(x, axis_name) if c else x) for x, c in zip(xs, cast)]
+
+  def fwd(xs):
+    return hook(xs), None
+
+  def bwd(_, cts):
+    out = list(cts)
+    prev = None
+    for chunk in chunks:
+      parts = [out[j].reshape(-1) for j, _, _ in chunk.slices]
+      with jax.named_scope(f"{LOOP_SCOPE}{name}"):
+        buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+        buf = tie(buf, prev)
+        red = jax.lax.psum(buf, axis_name) / jnp.asarray(divisor, buf.dtype)
+      prev = red
+      off = 0
+      for j, _, b in chunk.slices:
+        out[j] = red[off:off + b].reshape(np.shape(out[j]))
+        off += b
+    return (out,)
+
+  hook.defvjp(fwd, bwd)
+  new = hook(sel)
+  for i, x in zip(idx, new):
+    leaves[i] = x
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | tuple[str, ...],
+           has_aux: bool = False, in_loop: Sequence[str] = ()) -> Callable[..., Any]:
+  """`grad_fn(params, batch) -> (loss, grads)` whose all-reduces run inside the backward pass.
+
+  The chunks of `schedule` are issued from the backward rules of `custom_vjp` identities placed on the
+  parameter groups before `loss_fn` runs: each group's all-reduce can start as soon as that group's
+  gradients exist, while the rest of backward still runs. A scalar token threaded through the hooks (in
+  reverse issue order) ties each group's first buffer to the previous group's result, so the compiled
+  program keeps one all-reduce per chunk in schedule order (XLA's CPU combiner cannot merge them).
+  Chunks that share a leaf are issued from one hook (see `hook_groups`); issuing in an order other than
+  readiness makes a chunk wait for the slowest one before it.
+
+  The returned gradients are already averaged over `axis_name`: pair them with a plain `tx` (not
+  `scheduled`). The loss is the per-device loss (average it yourself if you log it). Under
+  `shard_map` the hooks also cast the params to varying themselves, so replicated params (`P()`) are
+  fine and the gradients come back replicated (invariant); do not `pcast` them yourself.
+  Integer leaves get float0 gradients (as `jax.grad(..., allow_int=True)` gives); zero-size leaves
+  get their (empty) gradients unreduced.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> loss` (or `(loss, aux)` with `has_aux=True`).
+    schedule: the Schedule to carry out; its rows are the params' floating leaves (minus `in_loop`).
+    axis_name: the data-parallel axis name.
+    has_aux: `loss_fn` returns `(loss, aux)`; `grad_fn` then returns `((loss, aux), grads)`.
+    in_loop: path prefixes (e.g. 'params/blocks') of params reduced inside a scanned body by
+      `loop_hook`; the schedule does not cover them.
+
+  Returns:
+    `grad_fn(params, batch)`.
+
+  Raises:
+    TypeError: bad arguments (at construction).
+    UnboundAxisError, ScheduleMismatchError: at trace time.
+  """
+  if not callable(loss_fn):
+    raise TypeError(f"hooked: `loss_fn` must be callable, got {type(loss_fn).__name__}.")
+  _check_args("hooked", schedule, axis_name)
+  if isinstance(in_loop, str):
+    in_loop = (in_loop,)
+  in_loop = tuple(in_loop)
+  groups = hook_groups(schedule)
+  chunks = schedule.chunks
+
+  def grad_fn(params, *args, **kwargs):
+    n = axis_size(axis_name, "hooked")
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    lmap = match_tree(leaves_with_path, schedule, where="hooked", skip_prefixes=in_loop)
+    for p in in_loop:
+      if not any(q == p or q.startswith(p.rstrip("/") + "/") for q in lmap.paths):
+        raise ValueError(f"hooked(in_loop={in_loop!r}): no leaf of the params has a path starting "
+                         f"with {p!r}; the paths look like {lmap.paths[:3]}.")
+    flat = [leaf for _, leaf in leaves_with_path]
+    vma = vma_enabled(axis_name)
+    hooks = []
+    for a, b, rows in groups:
+      cast = [vma and not _is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
+      hooks.append((rows, _make_hook(chunks[a:b], a, rows, axis_name, n, cast)))
+
+    def inner(flat_params):
+      flat_params = list(flat_params)
+      token = jnp.zeros((), jnp.float32)
+      for rows, hook in reversed(hooks):  # backward runs them in reverse: issue order
+        ids = [lmap.row_leaf[r] for r in rows]
+        out, token = hook([flat_params[i] for i in ids], token)
+        for i, x in zip(ids, out):
+          flat_params[i] = x
+      return loss_fn(jax.tree_util.tree_unflatten(treedef, flat_params), *args, **kwargs)
+
+    calls: list[str] = []
+    with _loop_axis(axis_name, n, vma, calls):
+      value, grads = jax.value_and_grad(inner, has_aux=has_aux, allow_int=True)(flat)
+    if in_loop and not calls:
+      raise ValueError(f"hooked(in_loop={in_loop!r}): loss_fn never called prophet_jax's loop_hook, so "
+                       f"those params would not be all-reduced. Apply loop_hook to the layer params "
+                       f"inside the scanned body (see models/scan.py), or drop in_loop and plan a "
+                       f"schedule that covers them.")
+    return value, jax.tree_util.tree_unflatten(treedef, grads)
+
+  return grad_fn
