@@ -1,0 +1,247 @@
+"""Reading compiled HLO text: computations, instructions, call graph, loop trip counts, collectives.
+
+Pure text processing (no jax import): give it `compiled.as_text()` (`hlo_text(compiled)` does that and
+rejects a Lowered, whose HLO has not been through XLA's passes). The compiled module of a CPU or GPU
+executable is scheduled (`is_scheduled=true`), so the order of instructions in a computation is their
+execution order; `execution_order` inlines called computations (while bodies, calls, conditionals) at
+their call sites, so collectives in a loop body appear once, at the loop, with the loop's trip count.
+
+Public helpers:
+  parse_hlo(text) -> HloModule
+  execution_order(module) -> tuple[ExecutedOp, ...]
+  collectives(module, opcodes=ALL_REDUCE_OPCODES) -> tuple[ExecutedOp, ...]
+  shape_elements(shape_text) -> int ; shape_dtypes(shape_text) -> tuple[str, ...]
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["HloInstruction", "HloModule", "ExecutedOp", "parse_hlo", "hlo_text", "execution_order",
+           "collectives", "shape_elements", "shape_dtypes", "ALL_REDUCE_OPCODES"]
+
+ALL_REDUCE_OPCODES = ("all-reduce", "all-reduce-start")
+
+_COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR_HEAD = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_OPNAME = re.compile(r'op_name="([^"]*)"')
+_CALLEE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
+
+
+def shape_elements(shape: str) -> int:
+  """Elements in an HLO shape ('f32[4,5]{1,0}' -> 20; a tuple sums its arrays; 'f32[]' -> 1)."""
+  total = 0
+  for dtype, dims in _ARRAY.findall(shape):
+    if dtype == "token":
+      continue
+    total += math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+  return total
+
+
+def shape_dtypes(shape: str) -> tuple[str, ...]:
+  """Element types in an HLO shape, in order ('(f32[2], bf16[3])' -> ('f32', 'bf16'))."""
+  return tuple(d for d, _ in _ARRAY.findall(shape) if d != "token")
+
+
+@dataclass(frozen=True, slots=True)
+class HloInstruction:
+  """One HLO instruction.
+
+  Attributes:
+    name: its name without '%'.
+    opcode: 'all-reduce', 'fusion', 'while', ...
+    shape: the result shape text.
+    op_name: the op_name metadata ('' if none): jax's name stack, e.g. '.../prophet/chunk3/psum'.
+    callees: (kind, computation) pairs: ('body', ...), ('condition', ...), ('calls', ...), ...
+    trip_count: a while loop's known trip count (None when unknown or not a loop).
+    text: the instruction's line.
+  """
+
+  name: str
+  opcode: str
+  shape: str
+  op_name: str
+  callees: tuple[tuple[str, str], ...]
+  trip_count: int | None
+  text: str = field(repr=False)
+
+  @property
+  def elements(self) -> int:
+    return shape_elements(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class HloModule:
+  """A parsed HLO module: computations (name -> instructions in order) and the entry's name."""
+
+  name: str
+  entry: str
+  computations: dict[str, tuple[HloInstruction, ...]]
+  scheduled: bool
+
+
+def hlo_text(compiled: Any) -> str:
+  """The optimized HLO text of a compiled executable (`jax.jit(f).lower(...).compile()`).
+
+  Raises:
+    TypeError: `compiled` is a Lowered (not yet compiled) or has no HLO text.
+  """
+  if isinstance(compiled, str):
+    return compiled
+  if hasattr(compiled, "compile") or type(compiled).__name__ == "Lowered":
+    raise TypeError("expected a *compiled* step (`jax.jit(step).lower(*args).compile()`), got a "
+                    f"{type(compiled).__name__}; XLA's passes (which merge and reorder all-reduces) run at "
+                    "compile time, so the lowered program says nothing about them. Call .compile().")
+  as_text = getattr(compiled, "as_text", None)
+  if as_text is None:
+    raise TypeError(f"expected a compiled jax executable or HLO text, got {type(compiled).__name__}.")
+  text = as_text()
+  if not isinstance(text, str) or "HloModule" not in text:
+    raise TypeError(f"{type(compiled).__name__}.as_text() did not return HLO module text.")
+  return text
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+  """Splits 'SHAPE opcode(...)...' into (SHAPE, 'opcode(...)...'); SHAPE may be a parenthesized tuple."""
+  rest = rest.lstrip()
+  if rest.startswith("("):
+    depth = 0
+    for i, ch in enumerate(rest):
+      depth += ch == "("
+      depth -= ch == ")"
+      if depth == 0:
+        return rest[:i + 1], rest[i + 1:].lstrip()
+    return rest, ""
+  sp = rest.find(" ")
+  return (rest, "") if sp < 0 else (rest[:sp], rest[sp + 1:].lstrip())
+
+
+def _parse_instruction(line: str) -> HloInstruction | None:
+  m = _INSTR_HEAD.match(line)
+  if not m:
+    return None
+  shape, tail = _split_shape(line[m.end():])
+  om = re.match(r"([a-z][a-z0-9\-]*)\(", tail)
+  if not om:
+    return None
+  callees = [(k, v) for k, v in _CALLEE.findall(tail)]
+  for group in _BRANCHES.findall(tail):
+    callees += [("branch", b.strip().lstrip("%")) for b in group.split(",") if b.strip()]
+  trip = None
+  if om.group(1) == "while":
+    tm = _TRIP.search(tail)
+    trip = int(tm.group(1)) if tm else None
+  opm = _OPNAME.search(tail)
+  return HloInstruction(name=m.group(2), opcode=om.group(1), shape=shape,
+                        op_name=opm.group(1) if opm else "", callees=tuple(callees), trip_count=trip,
+                        text=line.strip())
+
+
+def parse_hlo(text: str) -> HloModule:
+  """Parses HLO module text (as `compiled.as_text()` prints it).
+
+  Raises:
+    ValueError: the text holds no HLO module or no ENTRY computation.
+  """
+  if not isinstance(text, str) or "HloModule" not in text:
+    raise ValueError("parse_hlo: the text is not an HLO module (no 'HloModule' header).")
+  first = text[text.index("HloModule"):].splitlines()[0]
+  name = first.split()[1].rstrip(",") if len(first.split()) > 1 else ""
+  comps: dict[str, list[HloInstruction]] = {}
+  entry, current = "", None
+  for line in text.splitlines():
+    if current is None:
+      m = _COMP_HEAD.match(line)
+      if m:
+        current = m.group(2)
+        comps[current] = []
+        if m.group(1):
+          entry = current
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    ins = _parse_instruction(line)
+    if ins is not None:
+      comps[current].append(ins)
+  if not entry:
+    raise ValueError("parse_hlo: no ENTRY computation found in the HLO text.")
+  return HloModule(name=name, entry=entry, computations={k: tuple(v) for k, v in comps.items()},
+                   scheduled="is_scheduled=true" in first)
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutedOp:
+  """An instruction at its place in the inlined execution order.
+
+  Attributes:
+    instruction: the instruction.
+    computation: the computation it belongs to.
+    index: its position in `execution_order` (0-based).
+    trips: how many times it runs per execution of the module (product of enclosing loops' trip
+      counts); None when a loop's trip count is unknown.
+    loops: names of the enclosing while instructions, outermost first.
+  """
+
+  instruction: HloInstruction
+  computation: str
+  index: int
+  trips: int | None
+  loops: tuple[str, ...]
+
+
+_STRUCTURAL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy", "call",
+               "while", "conditional", "after-all", "opt-barrier"}
+
+
+def execution_order(module: HloModule) -> tuple[ExecutedOp, ...]:
+  """Every non-structural instruction, called computations inlined at their call sites (loop bodies once).
+
+  Fusion bodies are not expanded (a fusion is one executed op); reducers (`to_apply` of reductions and
+  collectives) are skipped. Structural ops (parameters, constants, tuples, bitcasts, copies, calls,
+  whiles) are left out, so indices count real work.
+  """
+  out: list[ExecutedOp] = []
+
+  def walk(comp: str, trips: int | None, loops: tuple[str, ...], depth: int) -> None:
+    if depth > 64:
+      raise ValueError("execution_order: the HLO call graph is deeper than 64 levels.")
+    for ins in module.computations.get(comp, ()):
+      if ins.opcode == "while":
+        body = dict(ins.callees).get("body")
+        cond = dict(ins.callees).get("condition")
+        t = None if trips is None or ins.trip_count is None else trips * ins.trip_count
+        if cond:
+          walk(cond, None if t is None else t + (trips or 0), loops + (ins.name,), depth + 1)
+        if body:
+          walk(body, t, loops + (ins.name,), depth + 1)
+        continue
+      if ins.opcode == "call":
+        for kind, callee in ins.callees:
+          if kind == "to_apply":
+            walk(callee, trips, loops, depth + 1)
+        continue
+      if ins.opcode == "conditional":
+        for kind, callee in ins.callees:
+          if kind in ("branch", "true_computation", "false_computation"):
+            walk(callee, trips, loops, depth + 1)
+        continue
+      if ins.opcode in _STRUCTURAL:
+        continue
+      out.append(ExecutedOp(instruction=ins, computation=comp, index=len(out), trips=trips,
+                            loops=loops))
+
+  walk(module.entry, 1, (), 0)
+  return tuple(out)
+
+
+def collectives(module: HloModule, opcodes: tuple[str, ...] = ALL_REDUCE_OPCODES
+                ) -> tuple[ExecutedOp, ...]:
+  """The collectives of `opcodes` in execution order, with their trip counts."""
+  return tuple(op for op in execution_order(module) if op.instruction.opcode in opcodes)
