@@ -1,0 +1,374 @@
+"""The scheduling policies: a conformance suite every policy passes, plus each policy's own rule.
+
+Pure: these tests never import jax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from prophet_jax import GradientProfile, NetworkModel, Schedule
+from prophet_jax._types import itemsize
+from prophet_jax.schedulers import Scheduler, bucket, mgwfbp, priority, prophet, wfbp, xla
+from prophet_jax.schedulers import _common
+from prophet_jax.schedulers._mgwfbp import merge_groups
+from prophet_jax.schedulers._prophet import find_stages
+
+try:
+  from prophet_jax._simulate import simulate
+except ImportError:  # the simulator is written separately
+  simulate = None
+
+needs_sim = pytest.mark.skipif(simulate is None, reason="prophet_jax._simulate is not available yet")
+
+
+def profile(rows, *, forward_s=0.01, backward_s=None):
+  """rows: (layer, shape, dtype, ready_s[, update_s]) in priority order; paths '<layer>/p<i>'."""
+  out = []
+  for i, row in enumerate(rows):
+    layer, shape, dtype, ready = row[:4]
+    n = int(np.prod(shape, dtype=np.int64))
+    out.append(dict(path=f"{layer}/p{i}", layer=layer, shape=tuple(shape), dtype=dtype,
+                    nbytes=n * itemsize(dtype), ready_s=ready, update_s=row[4] if len(row) > 4 else 0.0))
+  bwd = max(r["ready_s"] for r in out) if backward_s is None else backward_s
+  return GradientProfile.from_rows(out, forward_s=forward_s, backward_s=bwd)
+
+
+def layered(sizes, *, backward_s=0.1, forward_s=0.05, dtype="float32"):
+  """One row per layer, sizes in elements in forward order; ready back to front, in proportion to size."""
+  total = max(sum(sizes), 1)
+  ready, t = [0.0] * len(sizes), 0.0
+  for i in reversed(range(len(sizes))):
+    t += backward_s * sizes[i] / total
+    ready[i] = min(t, backward_s)
+  rows = [dict(path=f"l{i:04d}/w", layer=f"l{i:04d}", shape=(n,), dtype=dtype, nbytes=n * itemsize(dtype),
+               ready_s=ready[i], fwd_s=forward_s * n / total) for i, n in enumerate(sizes)]
+  return GradientProfile.from_rows(rows, forward_s=sum(r["fwd_s"] for r in rows), backward_s=backward_s)
+
+
+def _random_profile():
+  rng = np.random.default_rng(0)
+  rows = []
+  for i in range(24):
+    shape = (int(rng.integers(1, 5000)),) if i % 3 else (int(rng.integers(1, 64)), int(rng.integers(1, 64)))
+    rows.append((f"L{i // 2}", shape, "float32", float(rng.uniform(0, 0.05))))
+  return profile(rows, backward_s=0.05)
+
+
+PROFILES = {
+    "random": _random_profile(),
+    "multi_dtype": profile([("a", (300,), "float32", 0.03), ("a", (100,), "bfloat16", 0.03),
+                            ("b", (2000,), "float16", 0.02), ("b", (50,), "float32", 0.021),
+                            ("c", (4096,), "bfloat16", 0.01), ("d", (7,), "float64", 0.0)]),
+    "zero_size": profile([("a", (0,), "float32", 0.02), ("a", (10,), "float32", 0.02),
+                          ("b", (3, 0), "float32", 0.01), ("c", (0,), "bfloat16", 0.005),
+                          ("c", (5, 5), "float32", 0.004)]),
+    "all_zero": profile([("a", (0,), "float32", 0.01), ("b", (2, 0), "float32", 0.0)]),
+    "single": profile([("only", (1000,), "float32", 0.01)]),
+    "large": profile([("emb", (12_000_000,), "float32", 0.09), ("mid", (10,), "float32", 0.05),
+                      ("head", (9_000_000,), "bfloat16", 0.02), ("out", (5_000_000,), "float32", 0.0)]),
+}
+NETWORKS = {
+    "10gbe_p8": NetworkModel.preset("10gbe", workers=8),
+    "cpu_p4": NetworkModel.preset("1gbe", workers=4, overlap=False),
+}
+FACTORIES = {"wfbp": wfbp, "bucket": bucket, "xla": xla, "mgwfbp": mgwfbp, "priority": priority,
+             "prophet": prophet}
+
+
+def assert_covers_exactly_once(s: Schedule, p: GradientProfile) -> None:
+  """Every element of every non-empty row in exactly one chunk, checked independently of Schedule."""
+  counts = [np.zeros(r.size, dtype=np.int64) for r in p.rows]
+  for k, c in enumerate(s.chunks):
+    assert len({p.rows[r].dtype for r, _, _ in c.slices}) == 1, f"chunk{k} mixes dtypes"
+    for r, a, b in c.slices:
+      assert p.rows[r].dtype == c.dtype, f"chunk{k} dtype {c.dtype} holds {p.rows[r].path}"
+      assert 0 <= a < b <= p.rows[r].size, f"chunk{k} slice {(r, a, b)} out of range"
+      counts[r][a:b] += 1
+  for r, cnt in zip(p.rows, counts):
+    assert np.all(cnt == 1), f"{r.path}: counts {np.unique(cnt)}"
+
+
+@pytest.mark.parametrize("net", sorted(NETWORKS))
+@pytest.mark.parametrize("prof", sorted(PROFILES))
+@pytest.mark.parametrize("cross_step", [False, True])
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_conformance(name, cross_step, prof, net):
+  p, n = PROFILES[prof], NETWORKS[net]
+  sched = FACTORIES[name]()
+  assert isinstance(sched, Scheduler)
+  s = sched(p, n, cross_step=cross_step)
+  assert isinstance(s, Schedule)
+  assert s.policy == name and s.cross_step is cross_step
+  assert s.tree_fingerprint == p.fingerprint() and s.rows == p.tree_rows()
+  assert_covers_exactly_once(s, p)
+  again = FACTORIES[name]()(p, n, cross_step=cross_step)
+  assert again == s and hash(again) == hash(s)           # deterministic and hashable
+  assert Schedule.from_json(s.to_json()) == s             # JSON round trip
+  if prof == "all_zero":
+    assert s.num_allreduces == 0
+
+
+def test_conformance_auto_if_present():
+  auto_mod = pytest.importorskip("prophet_jax.schedulers._auto")
+  n = NETWORKS["10gbe_p8"]
+  for prof in ("multi_dtype", "zero_size", "single"):
+    p = PROFILES[prof]
+    for cs in (False, True):
+      s = auto_mod.auto()(p, n, cross_step=cs)
+      assert_covers_exactly_once(s, p)
+      assert Schedule.from_json(s.to_json()) == s
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_schedulers_reject_bad_inputs(name):
+  sched = FACTORIES[name]()
+  p, n = PROFILES["single"], NETWORKS["10gbe_p8"]
+  with pytest.raises(TypeError, match="cross_step"):
+    sched(p, n, cross_step="auto")
+  with pytest.raises(TypeError, match="GradientProfile"):
+    sched(p.to_dict(), n, cross_step=False)
+  with pytest.raises(TypeError, match="NetworkModel"):
+    sched(p, "10gbe", cross_step=False)
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: bucket(bucket_bytes=0), ValueError, r"bucket\(bucket_bytes=0\).*positive"),
+    (lambda: bucket(bucket_bytes=-5), ValueError, "bucket_bytes"),
+    (lambda: bucket(bucket_bytes=1.5), TypeError, "integer number of bytes"),
+    (lambda: bucket(bucket_bytes="25MiB"), TypeError, "bucket_bytes"),
+    (lambda: bucket(bucket_bytes=None), TypeError, "bucket_bytes"),
+    (lambda: bucket(first_bucket_bytes=0), ValueError, "first_bucket_bytes"),
+    (lambda: bucket(bucket_bytes=True), TypeError, "bucket_bytes"),
+    (lambda: priority(partition_bytes=0), ValueError, "partition_bytes"),
+    (lambda: priority(credit_bytes=-1), ValueError, "credit_bytes"),
+    (lambda: priority(credit_bytes=math.inf), TypeError, "credit_bytes"),
+    (lambda: prophet(gap_factor=0), ValueError, "gap_factor"),
+    (lambda: prophet(alpha_fraction=-0.1), ValueError, "alpha_fraction"),
+    (lambda: prophet(tail_growth=0.5), ValueError, "tail_growth.*>= 1"),
+    (lambda: prophet(gap_factor="2"), TypeError, "gap_factor"),
+    (lambda: wfbp(bucket_bytes=1), TypeError, "bucket_bytes"),
+])
+def test_bad_options_raise_clearly(call, exc, match):
+  with pytest.raises(exc, match=match):
+    call()
+
+
+def test_priority_rejects_absurd_partition_counts():
+  p = PROFILES["large"]
+  with pytest.raises(ValueError, match="partition_bytes"):
+    priority(partition_bytes=4)(p, NETWORKS["10gbe_p8"], cross_step=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers of _common (used by auto too)
+
+
+def test_partition_row_is_balanced_and_respects_the_limit():
+  p = profile([("a", (10,), "float32", 0.0), ("b", (0,), "float32", 0.0), ("c", (3,), "float64", 0.0)])
+  assert _common.partition_row(p, 0, 12) == [(0, 0, 3), (0, 3, 6), (0, 6, 8), (0, 8, 10)]
+  assert _common.partition_row(p, 0, None) == [(0, 0, 10)]
+  assert _common.partition_row(p, 0, 1) == [(0, k, k + 1) for k in range(10)]  # < one element: 1 each
+  assert _common.partition_row(p, 1, 12) == []
+  assert _common.partition_row(p, 2, 16) == [(2, 0, 2), (2, 2, 3)]
+
+
+def test_buckets_from_groups_splits_by_dtype_and_drops_empty():
+  p = PROFILES["multi_dtype"]
+  (b,) = _common.buckets_from_groups(p, [[(0, 0, 300), (1, 0, 100), (3, 0, 50)], []])
+  assert [c.dtype for c in b.chunks] == ["float32", "bfloat16"]
+  assert b.chunks[0].slices == ((0, 0, 300), (3, 0, 50))
+
+
+# --------------------------------------------------------------------------------------------------
+# wfbp, bucket, xla
+
+
+def test_wfbp_one_allreduce_per_layer_in_ready_order_one_chunk_per_dtype():
+  p = PROFILES["multi_dtype"]
+  s = wfbp()(p, NETWORKS["10gbe_p8"], cross_step=False)
+  # layers ready: d 0.0, c 0.01, b 0.021 (its last row), a 0.03
+  firsts = [p.rows[b.chunks[0].slices[0][0]].layer for b in s.buckets]
+  assert firsts == ["d", "c", "b", "a"]
+  assert [len(b.chunks) for b in s.buckets] == [1, 1, 2, 2]
+  assert s.num_allreduces == 6
+
+
+def test_bucket_fills_in_ready_order_with_first_bucket_and_large_leaves_alone():
+  p = layered([100, 300, 50, 50, 1000, 20])   # float32: bytes 400, 1200, 200, 200, 4000, 80
+  s = bucket(bucket_bytes=1000, first_bucket_bytes=300)(p, NETWORKS["10gbe_p8"], cross_step=False)
+  # ready order is 5, 4, 3, 2, 1, 0: first bucket (<= 300 B): [5]; then 4 (4000 B) alone; then 3, 2
+  # (400 B) until row 1 (1200 B, larger than 1000) goes alone; then 0.
+  assert [[r for r, _, _ in c.slices] for c in s.chunks] == [[5], [4], [3, 2], [1], [0]]
+
+
+@settings(deadline=None, max_examples=40, derandomize=True)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=30), st.integers(64, 8000))
+def test_bucket_stays_within_threshold_unless_one_leaf_is_larger(sizes, threshold):
+  p = layered(sizes)
+  s = bucket(bucket_bytes=threshold)(p, NETWORKS["10gbe_p8"], cross_step=False)
+  assert_covers_exactly_once(s, p)
+  for b in s.buckets:
+    nbytes = sum(c.nbytes for c in b.chunks)
+    assert nbytes <= threshold or sum(len(c.slices) for c in b.chunks) == 1
+
+
+def test_xla_one_combined_allreduce_per_dtype_without_overlap_and_30mib_with():
+  p = PROFILES["large"]
+  cpu = xla()(p, NETWORKS["cpu_p4"], cross_step=False)
+  assert len(cpu.buckets) == 1 and sorted(c.dtype for c in cpu.chunks) == ["bfloat16", "float32"]
+  gpu = xla()(p, NETWORKS["10gbe_p8"], cross_step=False)
+  # ready order out(20 MB), head(18 MB), mid(40 B), emb(48 MB): out alone (with head it passes 30
+  # MiB), head + mid, emb alone
+  assert [[r for c in b.chunks for r, _, _ in c.slices] for b in gpu.buckets] == [[3], [2, 1], [0]]
+
+
+# --------------------------------------------------------------------------------------------------
+# mgwfbp: hand-computed cases. Network: workers=2, alpha_s=0.5 -> a = 2(P-1)alpha = 1 s;
+# beta=0.001 -> b = 2(P-1)/P beta = 0.001 s/B.
+
+HAND = NetworkModel(alpha_s=0.5, beta_s_per_byte=0.001, workers=2)
+
+
+def _mg_runs(ready, nbytes):
+  return merge_groups(ready, [{"float32": n} for n in nbytes], HAND)
+
+
+def test_mgwfbp_hand_case_merge_when_started_less_than_a_before():
+  # u0 ready 1.0, 1000 B: t_c = 1 + 1 = 2, tau_c(0) = 1.0, runs until 3.0.
+  # u1 ready 1.5 < 3.0 (still running) and 1.5 - 1.0 = 0.5 < a = 1 -> merge u0 into u1:
+  #   u1 holds 1500 B, t_c = 2.5, tau_c(1) = max(1.0 + 0, 1.5) = 1.5, runs until 4.0.
+  # u2 ready 5.0 >= 4.0 (finished) -> no merge.
+  assert _mg_runs([1.0, 1.5, 5.0], [1000, 500, 1000]) == [[0, 1], [2]]
+
+
+def test_mgwfbp_hand_case_no_merge_when_started_long_before_but_merge_when_not_started():
+  # u0 ready 0, 1000 B: runs 0 -> 2. u1 ready 1.5: still running, but 1.5 - 0 = 1.5 >= a -> no merge.
+  # u1 (500 B, t_c 1.5): tau_c(1) = max(0 + 2, 1.5) = 2.0 -> runs 2.0 -> 3.5.
+  # u2 ready 1.6 < 3.5 and tau_c(1) = 2.0 > 1.6 (not started yet) -> merge u1 into u2.
+  assert _mg_runs([0.0, 1.5, 1.6], [1000, 500, 1000]) == [[0], [1, 2]]
+
+
+def test_mgwfbp_hand_case_no_merge_when_finished():
+  # u0 runs 0 -> 2; u1 ready 3.0 after it ended -> no merge; u1 runs 3 -> 5; u2 ready 5.0 -> no merge.
+  assert _mg_runs([0.0, 3.0, 5.0], [1000, 1000, 10]) == [[0], [1], [2]]
+
+
+def test_mgwfbp_hand_case_chained_merges_recompute_tc():
+  # Three tiny layers close together: u0 (10 B, t_c 1.01) at 0.0; u1 at 0.1: 0.1 - 0 < 1 -> merge
+  # (u1: 20 B, t_c 1.02, tau_c = 0.1, ends 1.12); u2 at 0.2 < 1.12, 0.2 - 0.1 < 1 -> merge: one group.
+  assert _mg_runs([0.0, 0.1, 0.2], [10, 10, 10]) == [[0, 1, 2]]
+
+
+def test_mgwfbp_uses_layers_in_ready_order():
+  rows = [("a", (250,), "float32", 1.5), ("b", (250,), "float32", 1.0), ("b", (0,), "float32", 0.2),
+          ("c", (250,), "float32", 5.0)]
+  # layers in ready order: b (1.0, 1000 B), a (1.5, 1000 B), c (5.0): b merges into a (0.5 < a).
+  s = mgwfbp()(profile(rows, backward_s=5.0), HAND, cross_step=False)
+  assert [[r for r, _, _ in c.slices] for c in s.chunks] == [[1, 0], [3]]
+
+
+@needs_sim
+@settings(deadline=None, max_examples=40, derandomize=True)
+@given(st.lists(st.tuples(st.integers(1, 5000), st.floats(0.0, 1.0)), min_size=1, max_size=8),
+       st.floats(1e-5, 1e-2), st.floats(1e-10, 1e-7))
+def test_mgwfbp_never_slower_than_wfbp_or_one_bucket(layers, alpha, beta):
+  ready = sorted((t for _, t in layers), reverse=True)   # forward order, ready back to front
+  p = profile([(f"l{i}", (n,), "float32", r) for i, ((n, _), r) in enumerate(zip(layers, ready))])
+  net = NetworkModel(alpha_s=alpha, beta_s_per_byte=beta, workers=4)
+  t = {name: simulate(f()(p, net, cross_step=False), p, net).iteration_s
+       for name, f in (("mgwfbp", mgwfbp), ("wfbp", wfbp))}
+  one = simulate(bucket(bucket_bytes=2**40)(p, net, cross_step=False), p, net).iteration_s
+  assert t["mgwfbp"] <= min(t["wfbp"], one) * (1 + 1e-9) + 1e-12
+
+
+# --------------------------------------------------------------------------------------------------
+# priority (ByteScheduler)
+
+
+def test_priority_partitions_default_to_one_million_parameters():
+  p = profile([("a", (3 * 2**20,), "float32", 0.1), ("b", (2**20 + 3,), "bfloat16", 0.0)])
+  s = priority()(p, NETWORKS["10gbe_p8"], cross_step=True)
+  # row 1 ready first: 2 balanced parts of at most 2**20 elements; then row 0: 3 parts of 2**20
+  assert [c.size for c in s.chunks] == [2**19 + 2, 2**19 + 1, 2**20, 2**20, 2**20]
+  assert all(len(b.chunks) == 1 for b in s.buckets)   # one all-reduce per partition
+
+
+def test_priority_credit_delays_a_late_high_priority_partition_behind_the_window():
+  # a=1 s, b=0.001 s/B. Row 1 (low priority, 4000 B) ready at 0 -> 4 partitions of 1000 B (2 s each);
+  # row 0 (high priority, 1000 B) ready at 0.5.
+  p = profile([("hi", (250,), "float32", 0.5), ("lo", (1000,), "float32", 0.0)])
+  # credit 2000 B: at t=0 two low partitions go (0-2, 2-4); at 0.5 row 0 is ready but the credit is
+  # used; at 2.0 the first ends and row 0, the highest priority, is issued, then the other two low.
+  s = priority(partition_bytes=1000, credit_bytes=2000)(p, HAND, cross_step=True)
+  assert [c.slices[0] for c in s.chunks] == [(1, 0, 250), (1, 250, 500), (0, 0, 250), (1, 500, 750),
+                                              (1, 750, 1000)]
+  # an unbounded credit commits every low partition at t=0: the high one goes last.
+  s = priority(partition_bytes=1000, credit_bytes=10**9)(p, HAND, cross_step=True)
+  assert s.chunks[-1].slices == ((0, 0, 250),)
+
+
+# --------------------------------------------------------------------------------------------------
+# prophet
+
+
+def test_find_stages_splits_at_large_gaps():
+  assert find_stages([0.0, 0.01, 0.02, 0.5, 0.51, 1.0], 2.0) == [0.0, 0.5, 1.0]
+  assert find_stages([0.0, 0.1, 0.2, 0.3], 2.0) == [0.0]
+  assert find_stages([0.3], 2.0) == [0.3]
+
+
+def test_prophet_sends_each_stage_as_a_block_in_the_gap():
+  # Three stages (a = 1 s, b = 0.001 s/B, 1000 B per row): rows 3, 4 ready at 0.0/0.01, rows 1, 2 at
+  # 5.0/5.01, row 0 at 10.0. The block floor a / (0.5 b) is 2000 B, so at 0.0 the link waits for row
+  # 3 (row 4 alone would take 2 s, past the next arrival); at 0.01 it sends rows 3, 4 (3 s, within the
+  # 4.99 s gap); at 5.01 rows 1, 2 likewise; after backward, row 0.
+  p = profile([("a", (250,), "float32", 10.0), ("b", (250,), "float32", 5.01),
+               ("c", (250,), "float32", 5.0), ("d", (250,), "float32", 0.01),
+               ("e", (250,), "float32", 0.0)])
+  s = prophet(alpha_fraction=0.5, tail_growth=1.0)(p, HAND, cross_step=True)
+  assert [sorted(r for r, _, _ in c.slices) for c in s.chunks] == [[3, 4], [1, 2], [0]]
+
+
+def test_prophet_without_overlap_sends_one_block_per_dtype_in_priority_order():
+  p = PROFILES["multi_dtype"]
+  s = prophet()(p, NETWORKS["cpu_p4"], cross_step=True)
+  assert len(s.buckets) == 1 and s.num_allreduces == 4
+  assert s.chunks[0].slices[0][0] == 0
+
+
+def test_prophet_blocks_amortise_the_startup_on_a_smooth_trace():
+  p = layered([50_000] * 200, backward_s=0.2)     # 200 equal layers, evenly spaced: no stages
+  net = NetworkModel.preset("10gbe", workers=64)
+  s = prophet(alpha_fraction=0.1)(p, net, cross_step=True)
+  floor = net.startup_s / (0.1 * net.per_byte_s)
+  # every block sent during backward holds at least the floor (or everything left at that point)
+  assert s.num_allreduces < 200 / 4
+  assert max(s.chunk_nbytes()) >= 0.999 * min(floor, p.total_nbytes)
+
+
+def _resnet_like():
+  """161 rows shaped like ResNet-50's gradient sizes (float32), ready back to front."""
+  rng = np.random.default_rng(1)
+  sizes = [9408]
+  for stage, (width, blocks) in enumerate([(64, 3), (128, 4), (256, 6), (512, 3)]):
+    for b in range(blocks):
+      sizes += [width * width * (4 if b else 1), width, width, width * width * 9, width, width,
+                width * 4 * width, width * 4, width * 4]
+  sizes += [2048 * 1000, 1000]
+  sizes += [int(x) for x in rng.integers(64, 4096, size=161 - len(sizes))]
+  return layered(sizes[:161], backward_s=0.13, forward_s=0.065)
+
+
+@needs_sim
+@pytest.mark.parametrize("workers", [16, 256])
+def test_prophet_beats_priority_in_the_pipelined_step_on_a_balanced_resnet_like_profile(workers):
+  p = _resnet_like()
+  net = NetworkModel.preset("10gbe", workers=workers)
+  t_pro = simulate(prophet()(p, net, cross_step=True), p, net, cross_step=True).iteration_s
+  t_pri = simulate(priority()(p, net, cross_step=True), p, net, cross_step=True).iteration_s
+  assert t_pro * 1.05 < t_pri, (t_pro, t_pri)
