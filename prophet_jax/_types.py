@@ -592,7 +592,7 @@ def _freeze(v: Any) -> Any:
 
 
 def _check_coverage(s: Schedule) -> None:
-  sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape, _ in s.rows]
+  sizes = [math.prod(shape) for _, shape, _ in s.rows]  # math.prod: ~100x faster than np.prod per row
   covered: list[list[tuple[int, int]]] = [[] for _ in sizes]
   for k, c in enumerate(s.chunks):
     for r, a, b in c.slices:
