@@ -1,0 +1,183 @@
+"""A proven lower bound on the simulated iteration time of every schedule (pure numpy).
+
+`lower_bound(profile, network, *, cross_step=False)` is <= `simulate(s, profile, network,
+cross_step=...).iteration_s` for every Schedule `s` of element slices on the network's links: any
+merging, splitting and issue order. The proof is in the docstring of `lower_bound`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._types import GradientProfile, NetworkModel
+
+__all__ = ["lower_bound"]
+
+# Above this many (layers x layers x rows), the pipelined-step bound uses layer prefixes and single
+# layers only, instead of every contiguous range of layers (a weaker but still valid bound).
+_INTERVAL_WORK = 2_000_000
+
+
+def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> float:
+  r"""A lower bound on the iteration time of every schedule, in seconds.
+
+  Notation: a = `network.startup_s`, b = `network.per_byte_s`, L = `network.links`. For a set R of
+  rows with nbytes > 0 ("sent rows"), B(R) is their bytes and k(R) the number of distinct dtypes among
+  them; W(R) = max(a * ceil(k(R) / L), (k(R) * a + b * B(R)) / L). S_t is the set of sent rows with
+  ready_s >= t. F, U: forward and update times; f(l), u(l): those of layer l; tail(l) = u(l) +
+  f(l) + ... + f(last layer).
+
+  Lemma (work after a threshold). In every schedule, for every set R of sent rows and every t, the
+  chunks holding an element of a row of R ∩ S_t all end by some time E with E >= t + W(R ∩ S_t).
+  Proof: such a chunk holds a row ready at >= t, so its readiness (the max over its rows) is >= t and
+  it starts at >= t (it starts no earlier than its readiness in every mode: with overlap=False it is
+  issued once backward progress, which never runs ahead of the wall clock, has reached it). The chunks
+  carry every byte of R ∩ S_t, at least once; each has one dtype, so there are m >= k(R ∩ S_t) of
+  them; each lasts a + b * (its bytes). Their total duration, >= k*a + b*B, fits on L links in
+  [t, E], each link running one chunk at a time: L (E - t) >= k*a + b*B. By pigeonhole some link runs
+  >= ceil(m / L) >= ceil(k / L) of them one after another, each >= a: E - t >= a ceil(k / L). []
+  The maximum of t + W(R ∩ S_t) over t is reached at a ready time of a row of R.
+
+  Plain step (cross_step=False): iteration = T0 + U + F with T0 = max(backward end, last chunk end).
+  - overlap=True: backward end = backward_s, and the lemma with R = every sent row bounds the last
+    chunk end: T0 >= max(backward_s, max_t (t + W(S_t))).
+  - overlap=False: additionally, backward compute advances only while no link is busy, so within
+    [0, T0] the backward_s of compute and the instants when some link is busy are disjoint; the
+    latter measure >= W(S_0) (the union of the links' busy time is >= each link's busy time and >=
+    the total work / L, argued as in the lemma). So T0 >= backward_s + W(S_0).
+
+  Pipelined step (cross_step=True): iteration = fwd_end(last layer) with fwd_end(l) =
+  max(fwd_end(l-1), reduced(l) + u(l)) + f(l), fwd_end(-1) = T0 (backward end with overlap; with
+  overlap=False the max with the last chunk end, bounded as above). Unrolling: iteration >= T0 + F,
+  and iteration >= reduced(j) + tail(j) for every layer j. Now take any contiguous range J of layers
+  and any t: the chunk that ends last among those holding an element of a sent row of J ∩ S_t ends at
+  E >= t + W(J ∩ S_t) (lemma) and holds a row of some layer j in J that has sent rows, so reduced(j) >=
+  E and iteration >= t + W(J ∩ S_t) + min{tail(j) : j in J has sent rows}. A row with nbytes = 0 is
+  reduced at its ready time: iteration >= ready_s + tail(its layer). The bound is the max of these
+  terms (over every range J when layers^2 x rows is small, else over prefixes and single layers).
+
+  Args:
+    profile: the per-leaf readiness and compute times.
+    network: the all-reduce cost model.
+    cross_step: the step mode (as in `simulate`).
+
+  Returns:
+    The bound in seconds.
+
+  Raises:
+    TypeError: an argument of the wrong type.
+
+  Examples:
+    >>> from prophet_jax import GradientProfile, NetworkModel
+    >>> p = GradientProfile.from_rows(
+    ...     [dict(path="a/w", layer="a", shape=(250,), dtype="float32", nbytes=1000, ready_s=2.0,
+    ...           fwd_s=1.0)], forward_s=1.0, backward_s=2.0)
+    >>> lower_bound(p, NetworkModel(alpha_s=0.5, beta_s_per_byte=0.001, workers=2))  # 2 + (1 + 1) + 1
+    5.0
+  """
+  if not isinstance(profile, GradientProfile):
+    raise TypeError(f"lower_bound(profile=...) must be a GradientProfile, got {type(profile).__name__}.")
+  if not isinstance(network, NetworkModel):
+    raise TypeError(f"lower_bound(network=...) must be a NetworkModel, got {type(network).__name__}.")
+  if not isinstance(cross_step, (bool, np.bool_)):
+    raise TypeError(f"lower_bound(cross_step={cross_step!r}) must be True or False; 'auto' is only a "
+                    f"planning option.")
+  a, b, links = network.startup_s, network.per_byte_s, network.links
+  rows = profile.rows
+  layers = profile.layers
+  lidx = {name: i for i, name in enumerate(layers)}
+  nl = len(layers)
+  ready = np.array([r.ready_s for r in rows], dtype=np.float64)
+  nbytes = np.array([r.nbytes for r in rows], dtype=np.float64)
+  layer = np.array([lidx[r.layer] for r in rows], dtype=np.int64)
+  dcode = {d: i for i, d in enumerate(dict.fromkeys(r.dtype for r in rows))}
+  dtype = np.array([dcode[r.dtype] for r in rows], dtype=np.int64)
+  fwd_map = profile.layer_fwd_s()
+  f = np.array([fwd_map[name] for name in layers], dtype=np.float64)
+  u = np.zeros(nl)
+  np.add.at(u, layer, np.array([r.update_s for r in rows], dtype=np.float64))
+  forward, update, backward = float(f.sum()), float(u.sum()), float(profile.backward_s)
+
+  sent = nbytes > 0
+  def work(bytes_, k):  # W for arrays of (bytes, dtype count)
+    return np.maximum(a * np.ceil(k / links), (k * a + b * bytes_) / links)
+
+  # rows sorted by ready time, latest first: prefix sums over this order are the sets S_t.
+  idx = np.flatnonzero(sent)
+  order = idx[np.argsort(-ready[idx], kind="stable")]
+  r_s, b_s, d_s, l_s = ready[order], nbytes[order], dtype[order], layer[order]
+  n = order.size
+  nd = len(dcode)
+
+  def thr_max(mask: np.ndarray) -> np.ndarray:
+    """max_t (t + W(R ∩ S_t)) for each row of `mask` (sets R as boolean masks over `order`).
+
+    Evaluated at every position of the sorted order; at ties only part of S_t is counted there, which
+    gives a smaller (still valid) value than the full set at the same t, counted at the last tie.
+    """
+    cb = np.cumsum(np.where(mask, b_s, 0.0), axis=-1)
+    k = np.zeros(mask.shape)
+    for d in range(nd):
+      k += np.cumsum(mask & (d_s == d), axis=-1) > 0
+    val = np.where(mask, r_s + work(cb, k), -np.inf)
+    return val.max(axis=-1)
+
+  if n:
+    everything = np.ones((1, n), dtype=bool)
+    thr_all = float(thr_max(everything)[0])
+    k_all = len({int(d) for d in d_s})
+    w_all = float(work(np.float64(b_s.sum()), np.float64(k_all)))
+  else:
+    thr_all, w_all = -np.inf, 0.0
+  if network.overlap:
+    t0 = max(backward, thr_all) if not cross_step else backward
+  else:
+    t0 = max(backward + w_all, thr_all)
+  if not cross_step:
+    return float(t0 + update + forward)
+
+  tail = u + np.cumsum(f[::-1])[::-1]
+  bound = t0 + forward
+  zero = ~sent
+  if zero.any():
+    bound = max(bound, float(np.max(ready[zero] + tail[layer[zero]])))
+  if n:
+    has_sent = np.zeros(nl, dtype=bool)
+    has_sent[l_s] = True
+    tail_sent = np.where(has_sent, tail, np.inf)
+    if nl * nl * n <= _INTERVAL_WORK:
+      for i in range(nl):
+        if not has_sent[i:].any():
+          break
+        ends = np.arange(i, nl)
+        mask = (l_s[None, :] >= i) & (l_s[None, :] <= ends[:, None])
+        ok = mask.any(axis=1)
+        mins = np.minimum.accumulate(tail_sent[i:])
+        vals = thr_max(mask[ok]) + mins[ok]
+        bound = max(bound, float(vals.max()))
+    else:
+      # prefixes 0..l (rows as they join), and single layers
+      mask = l_s[None, :] <= np.arange(nl)[:, None]
+      ok = mask.any(axis=1)
+      mins = np.minimum.accumulate(tail_sent)
+      bound = max(bound, float((thr_max(mask[ok]) + mins[ok]).max()))
+      bound = max(bound, _single_layers(r_s, b_s, d_s, l_s, nd, work, tail))
+  return float(bound)
+
+
+def _single_layers(r_s, b_s, d_s, l_s, nd, work, tail) -> float:
+  """max over layers j and t of t + W(rows of j ∩ S_t) + tail(j), in O(rows log rows)."""
+  o = np.lexsort((-r_s, l_s))         # by layer, then latest first
+  r, by, d, l = r_s[o], b_s[o], d_s[o], l_s[o]
+  first = np.r_[True, l[1:] != l[:-1]]
+  seg = np.cumsum(first) - 1
+  starts = np.flatnonzero(first)
+  cb = np.cumsum(by)
+  cb -= (cb - by)[starts][seg]
+  k = np.zeros(r.size)
+  for dt in range(nd):
+    ind = (d == dt).astype(np.int64)
+    c = np.cumsum(ind)
+    c -= (c - ind)[starts][seg]
+    k += c > 0
+  return float(np.max(r + work(cb, k) + tail[l]))
