@@ -1,0 +1,537 @@
+"""The `auto` policy: the best predicted schedule, from every policy's option search and a joint optimiser.
+
+Pure: numpy only, never jax.
+
+`auto` plans every baseline policy over a small grid of its options, runs its own joint optimiser of
+merge points, issue order and partition sizes, predicts each candidate's iteration time with an exact
+fast evaluator of DESIGN.md's simulator recurrences, and returns the fastest. Because the baselines at
+their defaults are among the candidates, `auto` is never predicted slower than the best of them under
+the model it planned with.
+
+The joint optimiser, per step mode:
+
+* ``cross_step=False`` with overlap: an exact O(L^2) dynamic program over contiguous merges of the ready
+  order (one dtype per chunk). The end of a prefix's last all-reduce is monotone in the end of the
+  prefix before it, so keeping the earliest end per prefix is optimal over contiguous merges (and with
+  one link, sending a row in pieces or out of ready order never ends earlier).
+* ``cross_step=True`` with overlap: a priority list schedule during backward (partition size, block size
+  and a minimum-bytes wait are searched on a grid scaled by the network's start-up/byte ratio), followed,
+  once every gradient is ready, by an exact O(N^2) dynamic program over the grouping of the remaining
+  gradients in priority order that minimises the next forward's end; then a bounded local search (merge,
+  split, swap and move chunks) on the best candidate.
+* without overlap (XLA on the CPU): every all-reduce stalls the device, so the fewest all-reduces win: one
+  per dtype.
+* ``cross_step="auto"``: both modes are planned and the faster prediction wins; the schedule records it.
+
+References:
+  S. Shi, X. Chu, B. Li. MG-WFBP: Efficient data communication for distributed synchronous SGD
+  algorithms. INFOCOM 2019.
+  Z. Zhang et al. Prophet: Speeding up distributed DNN training with predictable communication
+  scheduling. ICPP 2021.
+  Y. Peng et al. A generic communication scheduler for distributed DNN training acceleration
+  (ByteScheduler). SOSP 2019.
+"""
+
+from __future__ import annotations
+
+import heapq
+import importlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._types import GradientProfile, NetworkModel, Schedule, itemsize
+from . import _common
+
+Slice = tuple[int, int, int]
+
+_POLICY = "auto"
+# The joint optimiser's grid, in units of the network's start-up/byte ratio a/b (the bytes whose transfer
+# time equals one start-up): partition size (None: whole rows), block size (None: no limit), and the
+# bytes the link waits for while backward runs. _EXACT_TAILS heads get the exact tail grouping.
+_PARTITIONS = (None, 2, 8)
+_BLOCKS = (2, 8, 32, None)
+_WAITS = (0, 2)
+_EXACT_TAILS = 4
+_INF = math.inf
+
+
+# --------------------------------------------------------------------------------------------------
+# The instance and its fast evaluator
+
+
+class _Chunk:
+  """One all-reduce during the search: its slices, dtype, bytes, readiness and tail.
+
+  `tail_s` is what must follow the chunk's end (the simulator's per-row tail, max over its rows):
+  update + forward in the plain step, update(l) + forward of layers l.. in the pipelined step.
+  """
+
+  __slots__ = ("slices", "dtype", "nbytes", "ready_s", "tail_s")
+
+  def __init__(self, slices: Sequence[Slice], dtype: str, nbytes: float, ready_s: float, tail_s: float):
+    self.slices = tuple(slices)
+    self.dtype = dtype
+    self.nbytes = float(nbytes)
+    self.ready_s = float(ready_s)
+    self.tail_s = float(tail_s)
+
+
+def _merge_slices(slices: Sequence[Slice]) -> list[Slice]:
+  """Joins consecutive slices of the same row that touch ((r, a, b), (r, b, c) -> (r, a, c))."""
+  out: list[Slice] = []
+  for r, a, b in slices:
+    if out and out[-1][0] == r and out[-1][2] == a:
+      out[-1] = (r, out[-1][1], b)
+    else:
+      out.append((r, a, b))
+  return out
+
+
+class _Instance:
+  """The arrays of one (profile, network, step mode) that the evaluator and the searches read.
+
+  The evaluator is the simulator's own fast path (`_simulate._problem` and `_simulate._iteration_s`),
+  so a prediction here is the number `simulate` returns.
+  """
+
+  def __init__(self, profile: GradientProfile, network: NetworkModel, cross_step: bool):
+    from .._simulate import _problem
+
+    self.profile = profile
+    self.network = network
+    self.cross_step = cross_step
+    self.prob = _problem(profile, network, cross_step=cross_step)
+    rows = profile.rows
+    self.n = len(rows)
+    self.ready = [r.ready_s for r in rows]
+    self.tail = self.prob.row_tail_s.tolist()
+    self.nbytes = np.array([r.nbytes for r in rows], dtype=np.float64)
+    self.dtype = [r.dtype for r in rows]
+    self.itemsize = [itemsize(r.dtype) for r in rows]
+    self.size = [r.size for r in rows]
+    self.startup_s = network.startup_s
+    self.per_byte_s = network.per_byte_s
+    self.overlap = network.overlap
+    self.live = [i for i in range(self.n) if self.nbytes[i] > 0]
+
+  def chunk(self, slices: Sequence[Slice]) -> _Chunk:
+    slices = _merge_slices(slices)
+    nbytes = sum((b - a) * self.itemsize[r] for r, a, b in slices)
+    return _Chunk(slices, self.dtype[slices[0][0]], nbytes, max(self.ready[r] for r, _, _ in slices),
+                  max(self.tail[r] for r, _, _ in slices))
+
+  def chunks_of(self, schedule: Schedule) -> list[_Chunk]:
+    return [self.chunk(c.slices) for c in schedule.chunks]
+
+  def merged(self, x: _Chunk, y: _Chunk) -> _Chunk:
+    return self.chunk(x.slices + y.slices)
+
+  def iteration_s(self, chunks: Sequence[_Chunk]) -> float:
+    """The simulator's steady-state iteration time of `chunks` in issue order."""
+    from .._simulate import _iteration_s
+
+    p = self.prob
+    n = len(chunks)
+    ready = np.fromiter((c.ready_s for c in chunks), dtype=np.float64, count=n)
+    dur = p.startup_s + p.per_byte_s * np.fromiter((c.nbytes for c in chunks), dtype=np.float64, count=n)
+    tail = np.fromiter((c.tail_s for c in chunks), dtype=np.float64, count=n)
+    return float(_iteration_s(ready, dur, tail, backward_s=p.backward_s, after_s=p.after_s,
+                              floor_s=p.floor_s, links=p.links, overlap=p.overlap))
+
+
+# --------------------------------------------------------------------------------------------------
+# cross_step=False: the exact dynamic program over contiguous merges of the ready order
+
+
+def _contiguous_dp(inst: _Instance) -> list[_Chunk]:
+  """Optimal contiguous merges of the ready order (one link, one dtype per chunk).
+
+  f[j] = min over i of max(f[i], ready(j-1)) + a + b * bytes(i..j-1): the earliest end of the last
+  all-reduce of the first j rows. The end of a group is monotone in f[i], so the earliest prefix end is
+  all a later group needs; the inner minimum is one numpy expression.
+  """
+  order = [i for i in inst.profile.ready_order() if inst.nbytes[i] > 0]
+  n = len(order)
+  if n == 0:
+    return []
+  ready = np.asarray(inst.ready)[order]
+  prefix = np.concatenate([[0.0], np.cumsum(inst.nbytes[order])])
+  run_start = np.zeros(n, dtype=np.int64)
+  for j in range(1, n):
+    same = inst.dtype[order[j]] == inst.dtype[order[j - 1]]
+    run_start[j] = run_start[j - 1] if same else j
+  a, b = inst.startup_s, inst.per_byte_s
+  best = np.zeros(n + 1)
+  choice = np.zeros(n, dtype=np.int64)
+  for j in range(n):
+    i0 = run_start[j]
+    cand = np.maximum(best[i0:j + 1], ready[j]) + (a + b * (prefix[j + 1] - prefix[i0:j + 1]))
+    k = int(np.argmin(cand))  # the first minimum: the largest group
+    best[j + 1] = cand[k]
+    choice[j] = i0 + k
+  groups = []
+  j = n - 1
+  while j >= 0:
+    i = int(choice[j])
+    groups.append([(r, 0, inst.size[r]) for r in order[i:j + 1]])
+    j = i - 1
+  return [inst.chunk(g) for g in reversed(groups)]
+
+
+# --------------------------------------------------------------------------------------------------
+# cross_step=True: priority list schedule during backward, exact grouping of the tail
+
+
+def _units(inst: _Instance, partition_bytes: float | None) -> list[tuple[float, int, int, int]]:
+  """Rows cut into parts of at most `partition_bytes` (as equal as possible, as
+  `_common.partition_row` cuts them), as (ready, -row, start, stop) sorted by readiness."""
+  units: list[tuple[float, int, int, int]] = []
+  for r in inst.live:
+    ready, n = float(inst.ready[r]), inst.size[r]
+    per = n if partition_bytes is None else max(1, int(partition_bytes) // inst.itemsize[r])
+    parts = -(-n // per)
+    base, extra = divmod(n, parts)
+    pos = 0
+    for k in range(parts):
+      step = base + (1 if k < extra else 0)
+      units.append((ready, -r, pos, pos + step))
+      pos += step
+  units.sort()
+  return units
+
+
+def _priority_head(inst: _Instance, units: Sequence[tuple[float, int, int, int]], block_bytes: float,
+                   wait_bytes: float) -> tuple[list[_Chunk], list[Slice]]:
+  """A priority list schedule of `units` until every one is ready: (chunks sent, units left).
+
+  Each time the link frees, the ready units of the highest priority (lowest row) go out together, up
+  to `block_bytes` (at least one unit, one dtype); with `wait_bytes`, the link first waits until that
+  many bytes are ready. The units left are every gradient not yet sent when the last one is ready.
+  """
+  if not units:
+    return [], []
+  last_ready = units[-1][0]
+  a_s, b_s = inst.startup_s, inst.per_byte_s
+  size = inst.itemsize
+  avail: list[Slice] = []  # heap by (row, start): priority order
+  avail_bytes = 0.0
+  chunks: list[_Chunk] = []
+  t, k, n = 0.0, 0, len(units)
+  while True:
+    while k < n and units[k][0] <= t:
+      _, row, a, b = units[k]
+      heapq.heappush(avail, (-row, a, b))
+      avail_bytes += (b - a) * size[-row]
+      k += 1
+    if k == n and t >= last_ready:
+      break
+    if not avail or (wait_bytes > 0 and avail_bytes < wait_bytes):
+      t = units[k][0]  # k < n here: something is still to become ready
+      continue
+    row, a, b = heapq.heappop(avail)
+    dtype = inst.dtype[row]
+    picked = [(row, a, b)]
+    nbytes = (b - a) * size[row]
+    skipped = []
+    while avail and nbytes < block_bytes:
+      r2, a2, b2 = avail[0]
+      if inst.dtype[r2] != dtype:
+        skipped.append(heapq.heappop(avail))
+        continue
+      more = (b2 - a2) * size[r2]
+      if nbytes + more > block_bytes:
+        break
+      heapq.heappop(avail)
+      picked.append((r2, a2, b2))
+      nbytes += more
+    for x in skipped:
+      heapq.heappush(avail, x)
+    avail_bytes -= nbytes
+    chunk = inst.chunk(picked)
+    chunks.append(chunk)
+    t = max(t, chunk.ready_s) + a_s + b_s * nbytes
+  return chunks, sorted(avail)
+
+
+def _block_tail(inst: _Instance, units: Sequence[Slice], block_bytes: float) -> list[_Chunk]:
+  """Units in priority order, grouped greedily into chunks of at most `block_bytes` (one dtype)."""
+  out, cur, cur_bytes = [], [], 0.0
+  for r, a, b in _merge_slices(units):
+    nb = (b - a) * inst.itemsize[r]
+    if cur and (inst.dtype[r] != inst.dtype[cur[0][0]] or cur_bytes + nb > block_bytes):
+      out.append(inst.chunk(cur))
+      cur, cur_bytes = [], 0.0
+    cur.append((r, a, b))
+    cur_bytes += nb
+  if cur:
+    out.append(inst.chunk(cur))
+  return out
+
+
+def _tail_dp(inst: _Instance, units: Sequence[Slice]) -> list[_Chunk]:
+  """Optimal grouping of ready gradients sent back to back in priority order (one link).
+
+  With start-up a and per-byte b, the group ending at unit j ends at T0 + (its rank)·a + b·P(j), and the
+  iteration is the max over groups of that end plus the group's tail (the largest `_Chunk.tail_s` of its
+  rows: update and forward that must follow). h[i], the best such max for units i.. with ranks counted from i, obeys
+  h[i] = min_j max(a + b·P(j+1) + C(i..j), a + h[j+1]): a reverse O(N^2) program, exact for the order.
+  """
+  merged = _merge_slices(units)
+  n = len(merged)
+  if n == 0:
+    return []
+  rows = [r for r, _, _ in merged]
+  nbytes = np.array([(b - a) * inst.itemsize[r] for r, a, b in merged])
+  prefix = np.concatenate([[0.0], np.cumsum(nbytes)])
+  completes = np.array([inst.tail[r] for r in rows])
+  run_end = np.zeros(n, dtype=np.int64)
+  run_end[-1] = n - 1
+  for i in range(n - 2, -1, -1):
+    run_end[i] = run_end[i + 1] if inst.dtype[rows[i]] == inst.dtype[rows[i + 1]] else i
+  a, b = inst.startup_s, inst.per_byte_s
+  h = np.full(n + 1, -_INF)
+  nxt = np.zeros(n, dtype=np.int64)
+  for i in range(n - 1, -1, -1):
+    js = np.arange(i, run_end[i] + 1)
+    worst = np.maximum.accumulate(completes[i:run_end[i] + 1])
+    v = np.maximum(a + b * prefix[js + 1] + worst, a + h[js + 1])
+    k = len(v) - 1 - int(np.argmin(v[::-1]))  # the last minimum: the largest group
+    h[i] = v[k]
+    nxt[i] = i + k + 1
+  out, i = [], 0
+  while i < n:
+    out.append(inst.chunk(merged[i:nxt[i]]))
+    i = int(nxt[i])
+  return out
+
+
+def _local_search(inst: _Instance, chunks: list[_Chunk], budget: int,
+                  moves_anywhere: bool) -> tuple[list[_Chunk], float, int]:
+  """First-improvement local search: merge or swap neighbours, split a chunk, (small) move a chunk.
+
+  Stops at a local optimum or after `budget` evaluations. Returns (chunks, predicted, evaluations).
+  """
+  best = inst.iteration_s(chunks)
+  evals = 1
+  cur = list(chunks)
+  improved = True
+  while improved and evals < budget:
+    improved = False
+    k = 0
+    while k < len(cur) and evals < budget:
+      trials: list[list[_Chunk]] = []
+      if k + 1 < len(cur):
+        if cur[k].dtype == cur[k + 1].dtype:
+          trials.append(cur[:k] + [inst.merged(cur[k], cur[k + 1])] + cur[k + 2:])
+        trials.append(cur[:k] + [cur[k + 1], cur[k]] + cur[k + 2:])
+      s = cur[k].slices
+      if len(s) > 1:
+        half = len(s) // 2
+        trials.append(cur[:k] + [inst.chunk(s[:half]), inst.chunk(s[half:])] + cur[k + 1:])
+      if moves_anywhere:
+        rest = cur[:k] + cur[k + 1:]
+        for j in range(len(rest) + 1):
+          if j not in (k, k + 1):
+            trials.append(rest[:j] + [cur[k]] + rest[j:])
+      for trial in trials:
+        evals += 1
+        v = inst.iteration_s(trial)
+        if v < best * (1 - 1e-12):
+          best, cur, improved = v, trial, True
+          break
+        if evals >= budget:
+          break
+      else:
+        k += 1
+  return cur, best, evals
+
+
+# --------------------------------------------------------------------------------------------------
+# The candidates
+
+
+def _try_policy(module: str, factory: str) -> Callable[..., Any] | None:
+  try:
+    mod = importlib.import_module(f"{__package__}.{module}")
+  except ImportError:
+    return None
+  return getattr(mod, factory, None)
+
+
+def _baselines(inst: _Instance) -> list[tuple[str, Any]]:
+  """(label, scheduler) for every baseline policy at its defaults and over a grid of its options."""
+  out: list[tuple[str, Any]] = []
+  mib = 2**20
+  simple = [("wfbp", "_wfbp", "wfbp"), ("xla", "_xla", "xla"), ("mgwfbp", "_mgwfbp", "mgwfbp")]
+  for label, module, name in simple:
+    f = _try_policy(module, name)
+    if f is not None:
+      out.append((label, f()))
+  f = _try_policy("_bucket", "bucket")
+  if f is not None:
+    out.append(("bucket", f()))
+    for mb in (1, 4, 16, 64, 128):
+      out.append((f"bucket(bucket_bytes={mb}MiB)", f(bucket_bytes=mb * mib)))
+  f = _try_policy("_priority", "priority")
+  if f is not None:
+    out.append(("priority", f()))
+    item = max(inst.itemsize) if inst.itemsize else 4
+    for parts in (2**20, 2**22, 2**24):
+      for credit in (4,):
+        p, c = parts * item, parts * credit * item
+        out.append((f"priority(partition_bytes={p}, credit_bytes={c})",
+                    f(partition_bytes=p, credit_bytes=c)))
+  f = _try_policy("_prophet", "prophet")
+  if f is not None:
+    out.append(("prophet", f()))
+  return out
+
+
+def _own_candidates(inst: _Instance, cross_step: bool) -> list[tuple[str, list[_Chunk]]]:
+  out: list[tuple[str, list[_Chunk]]] = []
+  if not inst.live:
+    return [("empty", [])]
+  by_dtype: dict[str, list[int]] = {}
+  for r in inst.profile.ready_order():
+    if inst.nbytes[r] > 0:
+      by_dtype.setdefault(inst.dtype[r], []).append(r)
+  whole = [inst.chunk([(r, 0, inst.size[r]) for r in rows]) for rows in by_dtype.values()]
+  out.append(("one-per-dtype", sorted(whole, key=lambda c: c.ready_s)))
+  if not inst.overlap:
+    return out
+  out.append(("contiguous-dp", _contiguous_dp(inst)))
+  if cross_step:
+    a, b = inst.startup_s, inst.per_byte_s
+    total = float(inst.nbytes.sum())
+    scale = a / b if b > 0 else total
+    scale = min(max(scale, 1.0), total)
+    # Stage 1: rank the grid with a cheap tail (blocks in priority order); stage 2: the exact tail
+    # grouping for the best few heads.
+    ranked = []
+    for pm in _PARTITIONS:
+      units = _units(inst, None if pm is None else min(total, scale * pm))
+      for bm in _BLOCKS:
+        block = _INF if bm is None else min(total, scale * bm)
+        for wm in _WAITS:
+          head, rest = _priority_head(inst, units, block, min(total, scale * wm))
+          chunks = head + _block_tail(inst, rest, block)
+          label = f"joint(partition={pm}, block={bm}, wait={wm})"
+          ranked.append((inst.iteration_s(chunks), label, chunks, head, rest))
+    ranked.sort(key=lambda x: x[0])
+    seen = set()
+    for v, label, chunks, head, rest in ranked:
+      out.append((label, chunks))
+      key = tuple(c.slices for c in head)
+      if len(seen) < _EXACT_TAILS and key not in seen:
+        seen.add(key)
+        out.append((label + "+tail-dp", head + _tail_dp(inst, rest)))
+  return out
+
+
+def _simulate_fn() -> Callable[..., Any] | None:
+  try:
+    mod = importlib.import_module("prophet_jax._simulate")
+  except ImportError:
+    return None
+  return getattr(mod, "simulate", None)
+
+
+# --------------------------------------------------------------------------------------------------
+# The factory
+
+
+def auto(*, search_options: bool = True, local_search: bool = True, max_evals: int = 3000,
+         verify: bool = True) -> Callable[..., Schedule]:
+  """The best predicted schedule: every policy's option search plus a joint optimiser.
+
+  Args:
+    search_options: also plan the baselines over a grid of their options (bucket sizes, priority
+      partition and credit), not only at their defaults.
+    local_search: refine the best candidate by merging, splitting, swapping and moving chunks.
+    max_evals: evaluations the local search may spend (bounds planning time; deterministic).
+    verify: re-predict the finalists with `prophet_jax.simulate` and keep the fastest there.
+
+  Returns:
+    A Scheduler: ``scheduler(profile, network, *, cross_step) -> Schedule``; ``cross_step`` may be
+    False, True or ``"auto"`` (plan both modes, keep the faster, record it in ``Schedule.cross_step``).
+
+  Raises:
+    TypeError, ValueError: a bad option (named in the message).
+
+  Examples:
+    >>> import prophet_jax as pj
+    >>> from prophet_jax.schedulers._auto import auto
+    >>> prof = pj.GradientProfile.from_rows(
+    ...     [dict(path=f"w{i}", layer=f"l{i}", shape=(1000,), dtype="float32", nbytes=4000,
+    ...           ready_s=0.001 * (4 - i)) for i in range(4)], forward_s=0.0, backward_s=0.004)
+    >>> net = pj.NetworkModel.preset("10gbe", workers=8)
+    >>> auto()(prof, net, cross_step=False).num_allreduces
+    1
+
+  References:
+    Shi, Chu, Li: MG-WFBP (INFOCOM 2019); Zhang et al.: Prophet (ICPP 2021); Peng et al.:
+    ByteScheduler (SOSP 2019).
+  """
+  for name, value in (("search_options", search_options), ("local_search", local_search),
+                      ("verify", verify)):
+    if not isinstance(value, bool):
+      raise TypeError(f"auto({name}={value!r}): `{name}` must be True or False.")
+  if isinstance(max_evals, bool) or not isinstance(max_evals, int) or max_evals < 1:
+    raise ValueError(f"auto(max_evals={max_evals!r}): `max_evals` must be a positive integer number "
+                     f"of evaluations, e.g. 3000.")
+  options = {"search_options": search_options, "local_search": local_search, "max_evals": max_evals,
+             "verify": verify}
+
+  def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool | str = False
+                ) -> Schedule:
+    if cross_step == "auto" and isinstance(cross_step, str):
+      plain = scheduler(profile, network, cross_step=False)
+      piped = scheduler(profile, network, cross_step=True)
+      return piped if piped.predicted_s < plain.predicted_s else plain
+    cross = _common.check_inputs(_POLICY, profile, network, cross_step)
+    return _plan_auto(profile, network, cross, options)
+
+  scheduler.__name__ = "auto"
+  scheduler.__qualname__ = "auto"
+  return scheduler
+
+
+def _plan_auto(profile: GradientProfile, network: NetworkModel, cross: bool,
+               options: dict[str, Any]) -> Schedule:
+  inst = _Instance(profile, network, cross)
+  cands: list[tuple[float, str, Schedule | list[_Chunk]]] = []
+  baselines = _baselines(inst)
+  if not options["search_options"]:
+    baselines = [(label, s) for label, s in baselines if "(" not in label]
+  for label, sched in baselines:
+    s = sched(profile, network, cross_step=cross)
+    cands.append((inst.iteration_s(inst.chunks_of(s)), label, s))
+  for label, chunks in _own_candidates(inst, cross):
+    cands.append((inst.iteration_s(chunks), label, chunks))
+  cands.sort(key=lambda c: c[0])
+  best_s, best_label, best = cands[0]
+  if options["local_search"] and inst.overlap and inst.live:
+    chunks = best if isinstance(best, list) else inst.chunks_of(best)
+    small = len(chunks) <= 24
+    refined, v, _ = _local_search(inst, chunks, options["max_evals"], small)
+    if v < best_s * (1 - 1e-12):
+      cands.insert(0, (v, best_label + "+local", refined))
+  # Finalists: the best few, plus every baseline at its defaults (so auto never loses to one).
+  finalists = cands[:3] + [c for c in cands[3:] if "(" not in c[1] and not isinstance(c[2], list)]
+  schedules = []
+  for v, label, x in finalists:
+    if isinstance(x, list):
+      x = _common.schedule_from_groups(profile, [c.slices for c in x], policy=_POLICY,
+                                       cross_step=cross)
+    schedules.append((v, label, x))
+  simulate = _simulate_fn() if options["verify"] else None
+  if simulate is not None:
+    schedules = [(float(simulate(s, profile, network, cross_step=cross).iteration_s), label, s)
+                 for _, label, s in schedules]
+  v, label, s = min(schedules, key=lambda t: t[0])
+  opts = dict(options, candidate=label)
+  return Schedule(buckets=s.buckets, rows=s.rows, tree_fingerprint=s.tree_fingerprint, policy=_POLICY,
+                  options=tuple(opts.items()), cross_step=cross, predicted_s=float(v))
