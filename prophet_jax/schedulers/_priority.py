@@ -35,7 +35,7 @@ def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes
   """
   parts = []  # (ready_s, row, start, stop, units, cost)
   for r, row in enumerate(profile.rows):
-    if row.size == 0:
+    if row.nbytes == 0:
       continue
     size = itemsize(row.dtype)
     limit = partition_bytes if partition_bytes is not None else DEFAULT_PARTITION_PARAMS * size

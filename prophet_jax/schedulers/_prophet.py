@@ -9,13 +9,14 @@ import heapq
 import math
 
 from .._types import GradientProfile, NetworkModel, Schedule, itemsize
-from ._common import check_inputs, check_positive, make_schedule, buckets_from_groups
+from ._common import buckets_from_groups, check_inputs, check_positive, make_schedule, row_sizes
 
 POLICY = "prophet"
 # Candidate start-up fractions (a / block time) searched when `alpha_fraction` is None.
 ALPHA_FRACTIONS = (0.02, 0.1, 0.5)
 # Candidate growth of the blocks sent after backward, when `tail_growth` is None.
 TAIL_GROWTHS = (1.0, 2.0, 4.0)
+MAX_BLOCKS = 512
 
 
 def find_stages(ready_s: list[float], gap_factor: float) -> list[float]:
@@ -35,14 +36,18 @@ def find_stages(ready_s: list[float], gap_factor: float) -> list[float]:
 class _Planner:
   """One greedy pass of Prophet's block rule for fixed knobs; also estimates the iteration it gives."""
 
-  def __init__(self, profile: GradientProfile, network: NetworkModel, gap_factor: float):
+  def __init__(self, profile: GradientProfile, network: NetworkModel, gap_factor: float,
+               cross_step: bool):
     self.profile = profile
+    self.cross_step = cross_step
     self.network = network
     self.a = network.startup_s
     self.b = network.per_byte_s
     rows = profile.rows
     self.item = [itemsize(r.dtype) for r in rows]
-    self.live = [i for i, r in enumerate(rows) if r.size > 0]
+    self.dtype_of = [r.dtype for r in rows]
+    self.sizes = row_sizes(profile)
+    self.live = [i for i, r in enumerate(rows) if r.nbytes > 0]
     self.arrivals = sorted(self.live, key=lambda i: (rows[i].ready_s, -i))
     self.stage_starts = find_stages([rows[i].ready_s for i in self.live], gap_factor)
     # forward: layers in priority order with their forward time and rows
@@ -58,45 +63,57 @@ class _Planner:
       return 0.0
     return math.inf if self.b == 0 else (seconds - self.a) / self.b
 
-  def plan(self, min_block: float, tail_growth: float) -> list[list[tuple[int, int, int]]]:
-    """Blocks (groups of slices) in issue order for one setting of the knobs.
+  def plan(self, min_block: float, tail_growth: float) -> tuple[list[list[tuple[int, int, int]]], float]:
+    """Blocks (groups of slices) in issue order for one setting of the knobs, and their predicted
+    iteration time in DESIGN.md's model (one link, overlap).
 
-    min_block: the floor on a block's bytes while backward runs (amortises the start-up a).
-    tail_growth: after the last gradient is ready, blocks start at min(min_block, first layer) bytes and
-      grow by this factor, so the next forward can start early and later blocks amortise a.
+    min_block: the floor on a block's bytes while backward runs (amortises the start-up a); also the
+      floor of every block after the first once backward is done.
+    tail_growth: after the last gradient is ready, the first block holds min(min_block, the first
+      layer's bytes) so the next forward can start early; the next ones min_block, then growing by
+      this factor, to amortise a.
     """
     rows = self.profile.rows
-    arrivals, item = self.arrivals, self.item
+    arrivals, item, sizes, dtype_of = self.arrivals, self.item, self.sizes, self.dtype_of
+    a, b = self.a, self.b
     n_arr = len(arrivals)
     stage_starts = self.stage_starts
     pending: list[int] = []          # heap of row indices (priority: lowest row first)
-    offset = {}                      # row -> first element not yet sent
+    offset: dict[int, int] = {}      # row -> first element not yet sent
     pend_bytes = 0
     blocks: list[list[tuple[int, int, int]]] = []
+    row_end = [0.0] * len(rows)      # when the last block holding the row ends
     t = 0.0
     k = 0                            # next arrival
     s = 0                            # next stage start index
     tail_size = None
 
-    def take(budget: float) -> list[tuple[int, int, int]]:
+    def take(budget: float) -> tuple[list[tuple[int, int, int]], float]:
+      """The highest-priority pending slices up to `budget` bytes (at least one element), and their
+      all-reduce time (one all-reduce per dtype)."""
       nonlocal pend_bytes
       out = []
+      total = 0
+      dtypes = set()
       while pending and budget > 0:
         r = pending[0]
-        a0, size = offset[r], rows[r].size
+        a0, size = offset[r], sizes[r]
         left = (size - a0) * item[r]
         if left <= budget:
           heapq.heappop(pending)
           out.append((r, a0, size))
           budget -= left
-          pend_bytes -= left
+          nb = left
         else:
           cut = max(1, int(budget // item[r]))
           out.append((r, a0, a0 + cut))
           offset[r] = a0 + cut
-          pend_bytes -= cut * item[r]
+          nb = cut * item[r]
           budget = 0
-      return out
+        pend_bytes -= nb
+        total += nb
+        dtypes.add(dtype_of[r])
+      return out, len(dtypes) * a + b * total
 
     while k < n_arr or pending:
       while k < n_arr and rows[arrivals[k]].ready_s <= t:
@@ -114,45 +131,34 @@ class _Planner:
           s += 1
         new_stage = s < len(stage_starts) and stage_starts[s] <= t_next
         if pend_bytes >= min_block:
-          block = take(max(min_block, self._bytes_within(t_next - t)))
-        elif new_stage or self.network.allreduce_s(pend_bytes) <= t_next - t:
-          block = take(math.inf)  # the stage's block: the link would idle through the gap otherwise
+          block, cost = take(max(min_block, self._bytes_within(t_next - t)))
+        elif new_stage or a + b * pend_bytes <= t_next - t:
+          block, cost = take(math.inf)  # the stage's block: the link would idle through the gap otherwise
         else:
           t = t_next  # wait for the rest of the stage (saves a start-up)
           continue
       else:
         if tail_size is None:
           first = sum(rows[i].nbytes for i in self.layers[0][1]) if self.layers else 0
-          tail_size = max(1.0, min(min_block, first) if first else min_block)
-        block = take(tail_size)
-        tail_size *= tail_growth
+          block, cost = take(max(1.0, min(min_block, first) if first else min_block))
+          tail_size = min_block
+        else:
+          block, cost = take(tail_size)
+          tail_size *= tail_growth
+      t += cost
       blocks.append(block)
-      t += sum(self.network.allreduce_s(nb) for nb in self._dtype_bytes(block).values())
-    return blocks
-
-  def _dtype_bytes(self, block) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for r, a, b in block:
-      d = self.profile.rows[r].dtype
-      out[d] = out.get(d, 0) + (b - a) * self.item[r]
-    return out
-
-  def estimate(self, blocks, cross_step: bool) -> float:
-    """Iteration time of `blocks` in DESIGN.md's model (one link, overlap), for choosing the knobs."""
-    rows = self.profile.rows
-    reduced = [0.0] * len(rows)
-    link = 0.0
-    for block in blocks:
-      ready = max(rows[r].ready_s for r, _, _ in block)
-      link = max(link, ready) + sum(self.network.allreduce_s(nb) for nb in self._dtype_bytes(block).values())
       for r, _, _ in block:
-        reduced[r] = link
+        row_end[r] = t
+    return blocks, self._estimate(row_end, t)
+
+  def _estimate(self, row_end: list[float], last_end: float) -> float:
+    rows = self.profile.rows
     bwd = self.profile.backward_s
-    if not cross_step:
-      return max(bwd, link) + self.profile.update_s + self.profile.forward_s
+    if not self.cross_step:
+      return max(bwd, last_end) + self.profile.update_s + self.profile.forward_s
     t = bwd
     for fwd_s, idx in self.layers:
-      t = max(t, max(reduced[i] + rows[i].update_s for i in idx)) + fwd_s
+      t = max(t, max(max(row_end[i], rows[i].ready_s) + rows[i].update_s for i in idx)) + fwd_s
     return t
 
 
@@ -170,9 +176,10 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
   than a floor that amortises the start-up: `startup_s / (alpha_fraction · per_byte_s)` bytes, i.e.
   the start-up is at most `alpha_fraction` of the block's time; below the floor, the link waits for the
   rest of the stage instead, unless the pending gradients would finish before the next arrival anyway.
-  After the last gradient is ready, the rest goes out in priority order in blocks that start small
-  (the first layer's bytes, at most the floor) and grow by `tail_growth`, so the next forward starts
-  early. With `network.overlap` False (the device cannot compute while it communicates) every block
+  After the last gradient is ready, the rest goes out in priority order: a first small block (the
+  first layer's bytes, at most the floor), so the next forward starts early, then blocks of the floor
+  growing by `tail_growth`. The floor is never below total bytes / `MAX_BLOCKS` (a free start-up
+  would otherwise allow one all-reduce per element). With `network.overlap` False (the device cannot compute while it communicates) every block
   pauses the device, so one block per dtype after backward, in priority order, is sent.
 
   The knobs left as None are chosen per profile and network by predicting the iteration time of each
@@ -206,19 +213,20 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
     cross_step = check_inputs(POLICY, profile, network, cross_step)
-    planner = _Planner(profile, network, gap_factor)
+    planner = _Planner(profile, network, gap_factor, cross_step)
     if not network.overlap:
-      groups = [[(r, 0, profile.rows[r].size) for r in planner.live]]
+      groups = [[(r, 0, planner.sizes[r]) for r in planner.live]]
     else:
       fracs = ALPHA_FRACTIONS if alpha_fraction is None else (alpha_fraction,)
       growths = TAIL_GROWTHS if tail_growth is None else (tail_growth,)
       best = None
+      a, b = network.startup_s, network.per_byte_s
+      # never more than about MAX_BLOCKS blocks of the floor (a free start-up would allow any number)
+      least = max(1.0, profile.total_nbytes / MAX_BLOCKS)
       for frac in fracs:
-        a, b = network.startup_s, network.per_byte_s
-        floor = (a / (frac * b) if b > 0 else math.inf) if a > 0 else 1.0
+        floor = max(least, a / (frac * b) if b > 0 else math.inf)
         for g in growths:
-          blocks = planner.plan(floor, g)
-          est = planner.estimate(blocks, cross_step)
+          blocks, est = planner.plan(floor, g)
           if best is None or est < best[0] - 1e-15:
             best = (est, blocks)
       groups = best[1]

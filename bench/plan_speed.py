@@ -1,0 +1,82 @@
+"""How long planning takes: every policy on a 1,000-leaf profile (the target: < 50 ms each, auto < 1 s).
+
+Prints a table and writes bench/results/plan_speed.json. Never asserts (timings vary by machine).
+
+    .venv/bin/python bench/plan_speed.py [--leaves 1000] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import numpy as np
+
+from prophet_jax import GradientProfile, NetworkModel, plan
+from prophet_jax._plan import POLICIES
+
+
+def thousand_leaf_profile(leaves: int, seed: int = 0) -> GradientProfile:
+  """`leaves` rows, 2 per layer (a kernel and a bias, a tenth of them bfloat16), ready back to front."""
+  rng = np.random.default_rng(seed)
+  sizes = np.exp(rng.uniform(np.log(16), np.log(4e6), size=leaves)).astype(np.int64)
+  sizes[1::2] = rng.integers(16, 4096, size=len(sizes[1::2]))      # biases
+  dtypes = np.where(rng.uniform(size=leaves) < 0.1, "bfloat16", "float32")
+  backward_s, forward_s = 0.2, 0.1
+  total = float(sizes.sum())
+  ready = np.cumsum(sizes[::-1])[::-1] / total * backward_s        # later layers ready first
+  rows = []
+  for i in range(leaves):
+    layer = f"block{i // 2:04d}"
+    isz = 2 if dtypes[i] == "bfloat16" else 4
+    rows.append(dict(path=f"params/{layer}/{'kernel' if i % 2 == 0 else 'bias'}", layer=layer,
+                     shape=(int(sizes[i]),), dtype=str(dtypes[i]), nbytes=int(sizes[i]) * isz,
+                     ready_s=float(min(ready[i], backward_s)),
+                     fwd_s=forward_s / (leaves // 2) if i % 2 == 0 else 0.0))
+  fwd = sum(r["fwd_s"] for r in rows)
+  return GradientProfile.from_rows(rows, forward_s=fwd, backward_s=backward_s, model=f"random{leaves}")
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--leaves", type=int, default=1000)
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "plan_speed.json"))
+  a = ap.parse_args()
+  profile = thousand_leaf_profile(a.leaves)
+  results = []
+  print(f"{a.leaves} leaves, {profile.total_nbytes / 2**20:.1f} MiB; best of {a.repeats} runs")
+  print(f"{'policy':10s} {'network':14s} {'mode':9s} {'plan ms':>8s} {'chunks':>7s}")
+  for net_name, workers in (("10gbe", 16), ("100gb-ib", 256)):
+    net = NetworkModel.preset(net_name, workers=workers)
+    for name in POLICIES:
+      if name == "dlcp":
+        continue
+      for cross_step in (False, True):
+        best, s = float("inf"), None
+        try:
+          for _ in range(a.repeats if name != "auto" else 1):
+            t0 = time.perf_counter()
+            s = plan(profile, net, name, cross_step=cross_step)
+            best = min(best, time.perf_counter() - t0)
+        except ImportError as e:  # auto may not be present yet
+          print(f"{name:10s} unavailable: {e}")
+          break
+        mode = "pipelined" if cross_step else "plain"
+        print(f"{name:10s} {net_name + '/P' + str(workers):14s} {mode:9s} {best * 1e3:8.2f} "
+              f"{s.num_allreduces:7d}")
+        results.append({"policy": name, "network": net_name, "workers": workers, "cross_step": cross_step,
+                        "plan_ms": best * 1e3, "allreduces": s.num_allreduces,
+                        "predicted_s": s.predicted_s})
+  out = pathlib.Path(a.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps({"leaves": a.leaves, "repeats": a.repeats,
+                             "note": "plan() wall time, including validate_schedule and simulate",
+                             "results": results}, indent=1))
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  main()
