@@ -320,7 +320,7 @@ def test_errors():
 
 def test_pure_without_jax():
   code = ("import sys; sys.modules['jax'] = None\n"
-          "from prophet_jax._simulate import simulate\n"
+          "from prophet_jax._simulate import simulate; from prophet_jax._bound import lower_bound\n"
           "from prophet_jax._brute import best_contiguous, best_ordered\n"
           "assert 'jax' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n")
   subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,202 @@
+"""The lower bound (valid for every schedule, tight on small instances) and the brute-force optima."""
+
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, Schedule
+from prophet_jax._bound import lower_bound
+from prophet_jax._brute import (_enumerate_ordered, best_contiguous, best_ordered, random_network,
+                                random_profile, random_schedule)
+from prophet_jax._simulate import simulate
+
+SEEDS = st.integers(0, 2**32 - 1)
+REL = 1e-9  # float rounding between the bound's and the simulator's sums
+
+
+def _row(path, layer, elems, ready, fwd=0.0, update=0.0, dtype="float32"):
+  isz = 2 if dtype == "bfloat16" else 4
+  return dict(path=path, layer=layer, shape=(elems,), dtype=dtype, nbytes=elems * isz, ready_s=ready,
+              fwd_s=fwd, update_s=update)
+
+
+def _sched(profile, groups):
+  chunks = tuple(Chunk(slices=tuple((r, 0, profile.rows[r].size) for r in g), dtype=profile.rows[g[0]].dtype)
+                 for g in groups)
+  return Schedule(buckets=tuple(Bucket(chunks=(c,)) for c in chunks), rows=profile.tree_rows())
+
+
+# The instance of test_simulate: A (1000 B, ready 3.0, fwd 1.0, update 0.1), B (2000 B, ready 1.0,
+# fwd 0.5, update 0.2); backward 3.0; a = 0.5, b = 0.001 s/B.
+PROFILE = GradientProfile.from_rows(
+    [_row("A/w", "A", 250, 3.0, fwd=1.0, update=0.1), _row("B/w", "B", 500, 1.0, fwd=0.5, update=0.2)],
+    forward_s=1.5, backward_s=3.0)
+NET = NetworkModel(alpha_s=0.25, beta_s_per_byte=0.001, workers=2)
+
+
+def test_hand_bounds():
+  # plain, overlap: S_3.0 = {A}: 3.0 + 0.5 + 1.0 = 4.5; S_1.0 = {A, B}: 1.0 + 0.5 + 3.0 = 4.5;
+  # max(backward 3.0, 4.5) + update 0.3 + forward 1.5 = 6.3 (the best schedule, wfbp, takes 6.8).
+  assert lower_bound(PROFILE, NET) == pytest.approx(6.3)
+  # pipelined: tail(A) = u(A) + f(A) + f(B) = 1.6, tail(B) = 0.2 + 0.5 = 0.7. Layer A alone:
+  # 3.0 + 1.5 + 1.6 = 6.1; B alone: 1.0 + 2.5 + 0.7 = 4.2; A..B: 4.5 + min(1.6, 0.7) = 5.2;
+  # compute: 3.0 + 1.5 = 4.5. Bound 6.1 (wfbp order takes 6.6).
+  assert lower_bound(PROFILE, NET, cross_step=True) == pytest.approx(6.1)
+  # no overlap: backward 3.0 + W(all) = 0.5 + 3.0, + 1.8 = 8.3, which one merged chunk attains.
+  no = NET.replace(overlap=False)
+  assert lower_bound(PROFILE, no) == pytest.approx(8.3)
+  assert simulate(_sched(PROFILE, [[0, 1]]), PROFILE, no).iteration_s == pytest.approx(8.3)
+  # two links: W(S_1.0) = max(0.5 * ceil(1/2), (0.5 + 3.0) / 2) = 1.75: 1.0 + 1.75 = 2.75; S_3.0:
+  # max(0.5, 1.5 / 2) = 0.75: 3.75. max(3.0, 3.75) + 1.8 = 5.55.
+  assert lower_bound(PROFILE, NET.replace(links=2)) == pytest.approx(5.55)
+
+
+def test_free_network_bound_is_compute():
+  free = NET.replace(alpha_s=0.0, beta_s_per_byte=0.0)
+  assert lower_bound(PROFILE, free) == pytest.approx(PROFILE.compute_s)
+  # pipelined: update is a latency: A's forward waits for A's update at 3.0 + 0.1: 3.1 + 1.5 = 4.6
+  assert lower_bound(PROFILE, free, cross_step=True) == pytest.approx(4.6)
+  assert simulate(_sched(PROFILE, [[1], [0]]), PROFILE, free, cross_step=True).iteration_s == \
+      pytest.approx(4.6)
+
+
+def _simple_schedules(p, rng):
+  """One chunk per row (ready order and priority order), one per dtype, random contiguous merges of
+  the ready order, and random slices, merges and orders."""
+  sent = [i for i in p.ready_order() if p.rows[i].nbytes > 0]
+  if not sent:
+    return []
+  out = [_sched(p, [[i] for i in sent]), _sched(p, [[i] for i in sorted(sent)])]
+  by_dtype = {}
+  for i in sent:
+    by_dtype.setdefault(p.rows[i].dtype, []).append(i)
+  out.append(_sched(p, list(by_dtype.values())))
+  for _ in range(2):
+    groups, cur = [], []
+    for i in sent:
+      if cur and (p.rows[cur[-1]].dtype != p.rows[i].dtype or rng.random() < 0.5):
+        groups.append(cur)
+        cur = []
+      cur.append(i)
+    groups.append(cur)
+    out.append(_sched(p, groups))
+  out += [random_schedule(p, rng) for _ in range(3)]
+  return out
+
+
+@settings(deadline=None, max_examples=60)
+@given(SEEDS, st.booleans(), st.sampled_from([0.1, 1.0, 5.0]))
+def test_bound_below_every_schedule(seed, cross_step, comm_ratio):
+  rng = np.random.default_rng(seed)
+  p = random_profile(rng, int(rng.integers(1, 9)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
+  net = random_network(rng, p, comm_ratio=comm_ratio)
+  lb = lower_bound(p, net, cross_step=cross_step)
+  assert lb >= p.backward_s + p.forward_s - 1e-12
+  for s in _simple_schedules(p, rng):
+    t = simulate(s, p, net, cross_step=cross_step, events=False).iteration_s
+    assert lb <= t * (1 + REL), (s.describe(), lb, t)
+
+
+def test_bound_below_every_policy():
+  from prophet_jax import plan
+  from prophet_jax._plan import POLICIES
+
+  names = [n for n in POLICIES if n not in ("dlcp", "auto")]
+  rng = np.random.default_rng(7)
+  checked = 0
+  for _ in range(6):
+    p = random_profile(rng, int(rng.integers(2, 12)), dtypes=("float32", "bfloat16"), zero_prob=0.05)
+    for overlap in (True, False):
+      net = random_network(rng, p, overlap=overlap, links=1, comm_ratio=float(rng.choice([0.3, 2.0])))
+      for cross_step in (False, True):
+        lb = lower_bound(p, net, cross_step=cross_step)
+        for name in names:
+          s = plan(p, net, name, cross_step=cross_step)
+          t = simulate(s, p, net, cross_step=cross_step, events=False).iteration_s
+          assert lb <= t * (1 + REL), (name, cross_step, lb, t)
+          checked += 1
+  assert checked >= 6 * 2 * 2 * len(names)
+
+
+@settings(deadline=None, max_examples=40)
+@given(SEEDS, st.sampled_from([0.3, 1.0, 3.0, 10.0]))
+def test_bound_below_brute_force(seed, comm_ratio):
+  rng = np.random.default_rng(seed)
+  p = random_profile(rng, int(rng.integers(1, 7)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
+  net = random_network(rng, p, links=1, overlap=bool(rng.random() < 0.7), comm_ratio=comm_ratio)
+  n = sum(r.nbytes > 0 for r in p.rows)
+  for cross_step in (False, True):
+    lb = lower_bound(p, net, cross_step=cross_step)
+    if net.overlap or n <= 5:
+      t, s = best_ordered(p, net, cross_step=cross_step)
+      assert lb <= t * (1 + REL)
+      assert simulate(s, p, net, cross_step=cross_step).iteration_s == pytest.approx(t, rel=REL)
+  t, s = best_contiguous(p, net)
+  assert lower_bound(p, net) <= t * (1 + REL)
+  assert simulate(s, p, net).iteration_s == pytest.approx(t, rel=REL)
+
+
+def test_bound_is_tight_on_small_instances():
+  # median (bound / brute-force optimum) >= 0.9 over random instances of <= 6 leaves, one link,
+  # both step modes, communication from light (0.3x backward) to heavy (10x).
+  rng = np.random.default_rng(11)
+  ratios = {False: [], True: []}
+  for k in range(120):
+    p = random_profile(rng, int(rng.integers(1, 7)), dtypes=("float32", "bfloat16"), zero_prob=0.05)
+    net = random_network(rng, p, links=1, overlap=True, comm_ratio=[0.3, 1.0, 3.0, 10.0][k % 4])
+    ratios[False].append(lower_bound(p, net) / best_contiguous(p, net)[0])
+    ratios[True].append(lower_bound(p, net, cross_step=True) / best_ordered(p, net, cross_step=True)[0])
+  for mode, r in ratios.items():
+    assert np.max(r) <= 1 + REL
+    assert np.median(r) >= 0.9, f"cross_step={mode}: median bound/optimum {np.median(r):.3f}"
+
+
+# --------------------------------------------------------------------------------------------------
+# brute force
+
+
+@settings(deadline=None, max_examples=25)
+@given(SEEDS, st.booleans())
+def test_pareto_dp_equals_enumeration(seed, cross_step):
+  rng = np.random.default_rng(seed)
+  p = random_profile(rng, int(rng.integers(1, 6)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
+  net = random_network(rng, p, links=1, overlap=True, comm_ratio=float(rng.choice([0.3, 3.0])))
+  t, s = best_ordered(p, net, cross_step=cross_step)
+  assert t == pytest.approx(_enumerate_ordered(p, net, cross_step=cross_step), rel=REL)
+  assert simulate(s, p, net, cross_step=cross_step).iteration_s == pytest.approx(t, rel=REL)
+  # every ordered partition includes every contiguous merge of the ready order
+  if not cross_step:
+    assert t <= best_contiguous(p, net)[0] * (1 + REL)
+
+
+def test_brute_force_sizes_and_speed():
+  rng = np.random.default_rng(5)
+  p = random_profile(rng, 14, dtypes=("float32",))
+  net = random_network(rng, p, links=1, overlap=True, comm_ratio=2.0)
+  t0 = time.perf_counter()
+  t, s = best_contiguous(p, net)
+  assert time.perf_counter() - t0 < 2.0
+  assert simulate(s, p, net).iteration_s == pytest.approx(t, rel=REL)
+  p8 = random_profile(rng, 8, dtypes=("float32",))
+  net8 = random_network(rng, p8, links=1, overlap=True, comm_ratio=2.0)
+  t0 = time.perf_counter()
+  t, s = best_ordered(p8, net8)   # every one of the 545,835 ordered partitions, by the exact DP
+  assert time.perf_counter() - t0 < 3.0
+  assert simulate(s, p8, net8, cross_step=True).iteration_s == pytest.approx(t, rel=REL)
+  assert lower_bound(p8, net8, cross_step=True) <= t * (1 + REL)
+
+
+def test_errors():
+  big = random_profile(np.random.default_rng(0), 30)
+  net = NetworkModel.preset("10gbe", workers=4)
+  with pytest.raises(ValueError, match="at most 22"):
+    best_contiguous(big, net)
+  with pytest.raises(ValueError, match="at most 12"):
+    best_ordered(big, net)
+  with pytest.raises(TypeError, match="cross_step='auto'"):
+    lower_bound(PROFILE, NET, cross_step="auto")
+  with pytest.raises(TypeError, match="must be a NetworkModel"):
+    lower_bound(PROFILE, "10gbe")
