@@ -40,6 +40,8 @@ class AuditEntry:
     backward_ops_after: backward ops (op_name under 'transpose(') executed after it: > 0 means the
       all-reduce is issued inside the backward pass, 0 after it.
     op_name: the op_name metadata.
+    shared: the all-reduce also carries other operands (XLA's combiner merged it with others). A
+      foreign one riding along (a user's pmean of the loss) is harmless; two chunks sharing one is not.
   """
 
   name: str
@@ -52,6 +54,7 @@ class AuditEntry:
   position: int
   backward_ops_after: int
   op_name: str
+  shared: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,16 +135,34 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
   chunks, loops, foreign = [], [], []
   for op in collectives(module):
     ins = op.instruction
-    m = _CHUNK.search(ins.op_name)
-    lm = _LOOP.search(ins.op_name)
-    k = int(m.group(1)) if m else None
-    entry = AuditEntry(
-        name=ins.name, kind="chunk" if m else "loop" if lm else "foreign", chunk=k,
-        label=lm.group(1) if lm else "", elements=ins.elements,
-        expected_elements=sizes[k] if k is not None and k < len(sizes) else None,
-        trips=op.trips, position=op.index, backward_ops_after=after[op.index + 1],
-        op_name=ins.op_name)
-    (chunks if m else loops if lm else foreign).append(entry)
+    parts = ins.part_elements or (ins.elements,)
+    own_chunk = _CHUNK.search(ins.op_name)
+    own_loop = _LOOP.search(ins.op_name)
+    if len(parts) == 1:
+      labels = [(own_chunk, own_loop)]
+    else:  # a combined all-reduce: label each operand by its producer's scope
+      labels = []
+      for opnd in ins.operands[:len(parts)]:
+        prod = module.instruction(op.computation, opnd)
+        pn = prod.op_name if prod is not None else ""
+        labels.append((_CHUNK.search(pn), _LOOP.search(pn)))
+      labels += [(None, None)] * (len(parts) - len(labels))
+      if own_chunk and not any(c and c.group(1) == own_chunk.group(1) for c, _ in labels):
+        k = int(own_chunk.group(1))
+        want = sizes[k] if k < len(sizes) else None
+        for i, (c, lp) in enumerate(labels):
+          if c is None and lp is None and parts[i] == want:
+            labels[i] = (own_chunk, None)
+            break
+    for (m, lm), elements in zip(labels, parts):
+      k = int(m.group(1)) if m else None
+      entry = AuditEntry(
+          name=ins.name, kind="chunk" if m else "loop" if lm else "foreign", chunk=k,
+          label=lm.group(1) if lm else "", elements=elements,
+          expected_elements=sizes[k] if k is not None and k < len(sizes) else None,
+          trips=op.trips, position=op.index, backward_ops_after=after[op.index + 1],
+          op_name=ins.op_name, shared=len(parts) > 1)
+      (chunks if m else loops if lm else foreign).append(entry)
   problems = []
   order = []
   for e in chunks:
@@ -155,6 +176,12 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
     if e.trips != 1:
       problems.append(f"chunk{e.chunk}: all-reduce {e.name} runs {e.trips} times per step (inside a "
                       f"loop), planned once.")
+  by_ins: dict[str, list[int]] = {}
+  for e in chunks:
+    by_ins.setdefault(e.name, []).append(e.chunk)
+  for name, ks in by_ins.items():
+    if len(ks) > 1:
+      problems.append(f"chunks {ks} share one all-reduce ({name}): XLA's combiner merged them.")
   counts = {k: order.count(k) for k in range(len(sizes))}
   missing = [k for k, c in counts.items() if c == 0]
   repeated = [k for k, c in counts.items() if c > 1]

@@ -58,6 +58,7 @@ class HloInstruction:
     opcode: 'all-reduce', 'fusion', 'while', ...
     shape: the result shape text.
     op_name: the op_name metadata ('' if none): jax's name stack, e.g. '.../prophet/chunk3/psum'.
+    operands: names of its operands (without '%'), in order.
     callees: (kind, computation) pairs: ('body', ...), ('condition', ...), ('calls', ...), ...
     trip_count: a while loop's known trip count (None when unknown or not a loop).
     text: the instruction's line.
@@ -67,6 +68,7 @@ class HloInstruction:
   opcode: str
   shape: str
   op_name: str
+  operands: tuple[str, ...]
   callees: tuple[tuple[str, str], ...]
   trip_count: int | None
   text: str = field(repr=False)
@@ -74,6 +76,11 @@ class HloInstruction:
   @property
   def elements(self) -> int:
     return shape_elements(self.shape)
+
+  @property
+  def part_elements(self) -> tuple[int, ...]:
+    """Elements of each array of the result shape (one per operand for a combined collective)."""
+    return tuple(shape_elements(f"{d}[{dims}]") for d, dims in _ARRAY.findall(self.shape) if d != "token")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +91,13 @@ class HloModule:
   entry: str
   computations: dict[str, tuple[HloInstruction, ...]]
   scheduled: bool
+
+  def instruction(self, computation: str, name: str) -> HloInstruction | None:
+    """The instruction `name` of `computation` (None if absent)."""
+    for ins in self.computations.get(computation, ()):
+      if ins.name == name:
+        return ins
+    return None
 
 
 def hlo_text(compiled: Any) -> str:
@@ -138,8 +152,16 @@ def _parse_instruction(line: str) -> HloInstruction | None:
     tm = _TRIP.search(tail)
     trip = int(tm.group(1)) if tm else None
   opm = _OPNAME.search(tail)
+  args, depth = tail[om.end():], 1
+  for i, ch in enumerate(args):
+    depth += (ch == "(") - (ch == ")")
+    if depth == 0:
+      args = args[:i]
+      break
+  operands = tuple(re.findall(r"%([\w.\-]+)", args))
   return HloInstruction(name=m.group(2), opcode=om.group(1), shape=shape,
-                        op_name=opm.group(1) if opm else "", callees=tuple(callees), trip_count=trip,
+                        op_name=opm.group(1) if opm else "", operands=operands,
+                        callees=tuple(callees), trip_count=trip,
                         text=line.strip())
 
 
