@@ -34,6 +34,7 @@ def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes
     The partitions as (row, start, stop) slices in issue order.
   """
   parts = []  # (ready_s, row, start, stop, units, cost)
+  startup_s, per_byte_s = network.startup_s, network.per_byte_s
   for r, row in enumerate(profile.rows):
     if row.nbytes == 0:
       continue
@@ -41,7 +42,7 @@ def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes
     limit = partition_bytes if partition_bytes is not None else DEFAULT_PARTITION_PARAMS * size
     for _, a, b in partition_row(profile, r, limit):
       units = (b - a) * size if credit_bytes is not None else (b - a)
-      parts.append((row.ready_s, r, a, b, units, network.allreduce_s((b - a) * size)))
+      parts.append((row.ready_s, r, a, b, units, startup_s + per_byte_s * (b - a) * size))
       if len(parts) > MAX_PARTITIONS:
         raise ValueError(f"priority(partition_bytes={partition_bytes!r}) cuts this profile into more than "
                          f"{MAX_PARTITIONS} partitions; use a larger partition_bytes (default: 1M "

@@ -56,6 +56,8 @@ class _Planner:
       self.layer_rows.setdefault(r.layer, []).append(i)
     fwd = profile.layer_fwd_s()
     self.layers = [(fwd[name], idx) for name, idx in self.layer_rows.items()]
+    self.ready = [r.ready_s for r in rows]
+    self.update = [r.update_s for r in rows]
 
   def _bytes_within(self, seconds: float) -> float:
     """Bytes one all-reduce can carry in `seconds` (0 when even the start-up does not fit)."""
@@ -74,7 +76,8 @@ class _Planner:
       this factor, to amortise a.
     """
     rows = self.profile.rows
-    arrivals, item, sizes, dtype_of = self.arrivals, self.item, self.sizes, self.dtype_of
+    arrivals, item, sizes, dtype_of, ready = (self.arrivals, self.item, self.sizes, self.dtype_of,
+                                              self.ready)
     a, b = self.a, self.b
     n_arr = len(arrivals)
     stage_starts = self.stage_starts
@@ -116,17 +119,17 @@ class _Planner:
       return out, len(dtypes) * a + b * total
 
     while k < n_arr or pending:
-      while k < n_arr and rows[arrivals[k]].ready_s <= t:
+      while k < n_arr and ready[arrivals[k]] <= t:
         r = arrivals[k]
         heapq.heappush(pending, r)
         offset[r] = 0
         pend_bytes += rows[r].nbytes
         k += 1
       if not pending:
-        t = rows[arrivals[k]].ready_s
+        t = ready[arrivals[k]]
         continue
       if k < n_arr:
-        t_next = rows[arrivals[k]].ready_s
+        t_next = ready[arrivals[k]]
         while s < len(stage_starts) and stage_starts[s] <= t:
           s += 1
         new_stage = s < len(stage_starts) and stage_starts[s] <= t_next
@@ -152,13 +155,18 @@ class _Planner:
     return blocks, self._estimate(row_end, t)
 
   def _estimate(self, row_end: list[float], last_end: float) -> float:
-    rows = self.profile.rows
     bwd = self.profile.backward_s
     if not self.cross_step:
       return max(bwd, last_end) + self.profile.update_s + self.profile.forward_s
+    ready, update = self.ready, self.update
     t = bwd
     for fwd_s, idx in self.layers:
-      t = max(t, max(max(row_end[i], rows[i].ready_s) + rows[i].update_s for i in idx)) + fwd_s
+      for i in idx:
+        e = row_end[i]
+        done = (e if e > ready[i] else ready[i]) + update[i]
+        if done > t:
+          t = done
+      t += fwd_s
     return t
 
 
