@@ -3,7 +3,8 @@
 - `get_model(name)`, `MODELS`, `TrainableModel`, `layer_of`, `forward_paths`, `num_params`: the small
   trainable flax models ('mlp', 'cnn', 'gpt-tiny', 'resnet-small'), in `registry.py` [jax].
 - `load_trace(name)`, `TRACES`: bundled GradientProfiles ('resnet50-v100', ..., 'googlenet-k80'), and
-  `googlenet_allreduce(nodes)`, `googlenet_available()`, in `_traces.py` (pure: numpy only).
+  `googlenet_allreduce(nodes)`, `googlenet_comm_s(nodes)`, `googlenet_available()`, `googlenet_dir()`,
+  in `_traces.py` (pure: numpy only).
 - `architecture(name)`, `ARCHITECTURES`, `reference_param_count(name)`: flax definitions of ResNet-50,
   VGG-16, BERT-base and GPT-2 small (parameter trees via `jax.eval_shape`), in `zoo.py` [jax].
 
@@ -20,7 +21,8 @@ _EXPORTS: dict[str, str] = {
     "layer_of": "registry", "forward_paths": "registry", "num_params": "registry",
     "PARAM_DTYPES": "registry",
     "load_trace": "_traces", "TRACES": "_traces", "googlenet_allreduce": "_traces",
-    "googlenet_available": "_traces", "googlenet_dir": "_traces",
+    "googlenet_available": "_traces", "googlenet_dir": "_traces", "googlenet_comm_s": "_traces",
+    "GOOGLENET_NODES": "_traces", "ALGORITHM_SWITCH_BYTES": "_traces",
     "architecture": "zoo", "ARCHITECTURES": "zoo", "reference_param_count": "zoo",
 }
 
