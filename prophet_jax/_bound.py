@@ -16,6 +16,8 @@ __all__ = ["lower_bound"]
 # Above this many (layers x layers x rows), the pipelined-step bound uses layer prefixes and single
 # layers only, instead of every contiguous range of layers (a weaker but still valid bound).
 _INTERVAL_WORK = 2_000_000
+# ... and above this many (layers x rows), every k-th prefix only, so a 1,000-leaf bound stays ~10 ms.
+_PREFIX_WORK = 200_000
 
 
 def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> float:
@@ -54,7 +56,8 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   E >= t + W(J ∩ S_t) (lemma) and holds a row of some layer j in J that has sent rows, so reduced(j) >=
   E and iteration >= t + W(J ∩ S_t) + min{tail(j) : j in J has sent rows}. A row with nbytes = 0 is
   reduced at its ready time: iteration >= ready_s + tail(its layer). The bound is the max of these
-  terms (over every range J when layers^2 x rows is small, else over prefixes and single layers).
+  terms (over every range J when layers^2 x rows is small, else over single layers and the prefixes
+  0..l — every l, or evenly spaced l when layers x rows is large: fewer terms still bound).
 
   Args:
     profile: the per-leaf readiness and compute times.
@@ -156,10 +159,13 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
         vals = thr_max(mask[ok]) + mins[ok]
         bound = max(bound, float(vals.max()))
     else:
-      # prefixes 0..l (rows as they join), and single layers
-      mask = l_s[None, :] <= np.arange(nl)[:, None]
+      # prefixes 0..l (rows as they join): every one, or every `step`-th and the last when
+      # layers x rows is large (any subset of the terms is still a valid bound), and single layers
+      step = max(1, -(-nl * n // _PREFIX_WORK))
+      ends = np.unique(np.r_[np.arange(step - 1, nl, step), nl - 1])
+      mask = l_s[None, :] <= ends[:, None]
       ok = mask.any(axis=1)
-      mins = np.minimum.accumulate(tail_sent)
+      mins = np.minimum.accumulate(tail_sent)[ends]
       bound = max(bound, float((thr_max(mask[ok]) + mins[ok]).max()))
       bound = max(bound, _single_layers(r_s, b_s, d_s, l_s, nd, work, tail))
   return float(bound)

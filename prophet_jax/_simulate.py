@@ -446,17 +446,46 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
                    allreduces=int(n), events=evs, cross_step=cross_step)
 
 
+def _event_factory():
+  """A fast Event constructor: Event is a frozen slots dataclass whose __init__ only assigns its five
+  fields, so setting the slots directly builds an equal object about 4x faster (the timeline of a
+  1,000-chunk schedule has ~4,000 events). Falls back to the constructor if Event ever validates."""
+  fields = ("kind", "name", "start_s", "end_s", "lane")
+  if hasattr(Event, "__post_init__") or not all(hasattr(Event, f) for f in fields):
+    return lambda kind, name, start_s, end_s, lane="device": Event(kind=kind, name=name, start_s=start_s,
+                                                                  end_s=end_s, lane=lane)
+  new = object.__new__
+  setters = tuple(getattr(Event, f).__set__ for f in fields)
+  sk, sn, ss, se, sl = setters
+
+  def make(kind, name, start_s, end_s, lane="device"):
+    e = new(Event)
+    sk(e, kind)
+    sn(e, name)
+    ss(e, start_s)
+    se(e, end_s)
+    sl(e, lane)
+    return e
+
+  return make
+
+
+_new_event = _event_factory()
+
+
 def _events(profile: GradientProfile, prob: _Problem, layers: tuple[str, ...], start: np.ndarray,
             end: np.ndarray, link: np.ndarray, stalls: list[tuple[float, float]],
             fwd_start: np.ndarray, cross_step: bool, reduced: np.ndarray | None, t0: float,
             update_s: float) -> tuple[Event, ...]:
+  ev = _new_event
   out: list[Event] = []
   # backward spans, in backward order: layer l runs from the previous layer's ready time to its own
   # (the last one runs to backward_s), in progress time, mapped to the wall clock around stalls.
   nl = len(layers)
   layer_ready = np.full(nl, 0.0)
   np.maximum.at(layer_ready, prob.row_layer, prob.row_ready_s)
-  order = sorted(range(nl), key=lambda l: (layer_ready[l], -l))
+  lr = layer_ready.tolist()
+  order = sorted(range(nl), key=lambda l: (lr[l], -l))
   stall_q = [q for q, _ in stalls]
   stall_d = [d for _, d in stalls]
   stall_cum = [0.0]
@@ -464,34 +493,37 @@ def _events(profile: GradientProfile, prob: _Problem, layers: tuple[str, ...], s
     stall_cum.append(stall_cum[-1] + d)
   p0 = 0.0
   for i, l in enumerate(order):
-    p1 = float(layer_ready[l]) if i < nl - 1 else max(float(layer_ready[l]), prob.backward_s)
+    p1 = lr[l] if i < nl - 1 else max(lr[l], prob.backward_s)
     p1 = max(p1, p0)
-    # stalls at progress q with p0 <= q < p1 happen before/inside this span
+    if not stalls:
+      out.append(ev("backward", layers[l], p0, p1))
+      p0 = p1
+      continue
+    # stalls at progress q with p0 <= q < p1 happen before (q == p0) or inside this span
     lo = bisect.bisect_left(stall_q, p0)
     hi = bisect.bisect_left(stall_q, p1)
-    seg_start = p0 + float(stall_cum[lo]) + (stall_d[lo] if lo < hi and stall_q[lo] == p0 else 0.0)
-    first = lo + (1 if lo < hi and stall_q[lo] == p0 else 0)
+    at_start = lo < hi and stall_q[lo] == p0
+    seg_start = p0 + stall_cum[lo] + (stall_d[lo] if at_start else 0.0)
     cur_p = p0
-    for j in range(first, hi):
+    for j in range(lo + 1 if at_start else lo, hi):
       q = stall_q[j]
-      out.append(Event(kind="backward", name=layers[l], start_s=seg_start,
-                       end_s=seg_start + (q - cur_p)))
-      seg_start = seg_start + (q - cur_p) + stall_d[j]
+      out.append(ev("backward", layers[l], seg_start, seg_start + (q - cur_p)))
+      seg_start += (q - cur_p) + stall_d[j]
       cur_p = q
-    out.append(Event(kind="backward", name=layers[l], start_s=seg_start, end_s=seg_start + (p1 - cur_p)))
+    out.append(ev("backward", layers[l], seg_start, seg_start + (p1 - cur_p)))
     p0 = p1
-  for k in range(start.size):
-    out.append(Event(kind="allreduce", name=f"chunk{k}", start_s=float(start[k]), end_s=float(end[k]),
-                     lane=f"link{int(link[k])}"))
+  lanes = [f"link{j}" for j in range(int(link.max()) + 1)] if link.size else []
+  for k, (a, b, j) in enumerate(zip(start.tolist(), end.tolist(), link.tolist())):
+    out.append(ev("allreduce", f"chunk{k}", a, b, lanes[j]))
   if cross_step:
+    upd = prob.layer_update_s.tolist()
+    red = reduced.tolist() if reduced is not None else [-np.inf] * nl
     for l in range(nl):
-      u = float(prob.layer_update_s[l])
-      if u > 0 and reduced is not None and reduced[l] != -np.inf:
-        out.append(Event(kind="update", name=layers[l], start_s=float(reduced[l]),
-                         end_s=float(reduced[l]) + u, lane="update"))
+      if upd[l] > 0 and red[l] != -np.inf:
+        out.append(ev("update", layers[l], red[l], red[l] + upd[l], "update"))
   elif update_s > 0:
-    out.append(Event(kind="update", name="update", start_s=t0, end_s=t0 + update_s))
+    out.append(ev("update", "update", t0, t0 + update_s))
+  fs, ff = fwd_start.tolist(), prob.layer_fwd_s.tolist()
   for l in range(nl):
-    out.append(Event(kind="forward", name=layers[l], start_s=float(fwd_start[l]),
-                     end_s=float(fwd_start[l] + prob.layer_fwd_s[l])))
+    out.append(ev("forward", layers[l], fs[l], fs[l] + ff[l]))
   return tuple(out)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, Schedule, ScheduleMismatchError
+from prophet_jax import Bucket, Chunk, Event, GradientProfile, NetworkModel, Schedule, ScheduleMismatchError
 from prophet_jax._brute import random_network, random_profile, random_schedule
 from prophet_jax._simulate import _chunk_arrays, _iteration_s, _problem, simulate
 
@@ -55,6 +55,11 @@ def test_hand_plain_overlap():
   assert r.allreduces == 2
   ar = [(e.name, e.start_s, e.end_s, e.lane) for e in r.events if e.kind == "allreduce"]
   assert ar == [("chunk0", 1.0, 3.5, "link0"), ("chunk1", 3.5, 5.0, "link0")]
+  # after the last chunk (5.0): the update 5.0-5.3, then forward A 5.3-6.3 and B 6.3-6.8
+  assert r.events[-3:] == (Event(kind="update", name="update", start_s=5.0, end_s=5.3),
+                           Event(kind="forward", name="A", start_s=5.3, end_s=6.3),
+                           Event(kind="forward", name="B", start_s=6.3, end_s=6.8))
+  assert len({hash(e) for e in r.events}) == len(r.events)
   # merged: ready 3.0, end 6.5; iteration 6.5 + 1.8 = 8.3.
   assert simulate(MERGED, PROFILE, NET).iteration_s == pytest.approx(8.3)
 
@@ -343,6 +348,9 @@ def test_speed_1000_chunks():
     assert best < 5e-3, f"simulate of 1,000 chunks took {best * 1e3:.2f} ms (target < 5 ms)"
     r = simulate(s, p, net, cross_step=cross_step)
     assert len([e for e in r.events if e.kind == "allreduce"]) == 1000
+    # with the timeline (~4,000 events) it costs more; a loose bound, the CPU is shared
+    best = min(_timed(lambda: simulate(s, p, net, cross_step=cross_step)) for _ in range(3))
+    assert best < 25e-3, f"simulate with events took {best * 1e3:.2f} ms"
 
 
 def _timed(fn):
