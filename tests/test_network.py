@@ -1,0 +1,73 @@
+"""measure_network: the fit reproduces synthetic data; the probe runs across 8 CPU devices; bad input."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prophet_jax import NetworkError, NetworkModel, measure_network
+from prophet_jax import _network
+
+
+@settings(deadline=None, max_examples=25)
+@given(alpha=st.floats(1e-7, 1e-3), beta=st.floats(1e-12, 1e-8), workers=st.integers(2, 64),
+       seed=st.integers(0, 2**16))
+def test_fit_reproduces_synthetic_timings(alpha, beta, workers, seed):
+  truth = NetworkModel(alpha_s=alpha, beta_s_per_byte=beta, workers=workers)
+  sizes = np.asarray(_network.DEFAULT_SIZES, dtype=float)
+  exact = np.array([truth.allreduce_s(s) for s in sizes])
+  rng = np.random.default_rng(seed)
+  noisy = exact * (1 + 0.01 * rng.standard_normal(exact.size))  # 1% noise
+  t = _network.AllreduceTimings(sizes=tuple(int(s) for s in sizes), median_s=tuple(noisy),
+                                low_s=tuple(exact * 0.9), percentile=10, repeats=5, workers=workers,
+                                processes=1, platform="cpu")
+  net = t.fit()
+  assert net.workers == workers and net.overlap is False and net.name == f"probe:cpux{workers}:median"
+  pred = np.array([net.allreduce_s(s) for s in sizes])
+  assert np.all(np.abs(pred - exact) <= 0.05 * exact + 1e-12)  # every size within 5%
+  assert net.beta_s_per_byte == pytest.approx(beta, rel=0.05)
+  low = t.fit("low")
+  assert low.name.endswith(":p10")
+  assert low.allreduce_s(2**26) == pytest.approx(0.9 * truth.allreduce_s(2**26), rel=1e-6)
+
+
+def test_fit_rejects_bad_stat():
+  t = _network.AllreduceTimings(sizes=(1024, 2048), median_s=(1e-4, 2e-4), low_s=(1e-4, 2e-4),
+                                percentile=10, repeats=3, workers=2, processes=1, platform="gpu")
+  assert t.fit().overlap is True  # overlap from the platform
+  with pytest.raises(ValueError, match="stat='mean'"):
+    t.fit("mean")
+
+
+def test_probe_across_eight_cpu_devices():
+  t = _network.time_allreduce(8, sizes=(2**10, 2**14, 2**18), repeats=4, inner=2)
+  assert t.workers == 8 and t.processes == 1 and t.platform == "cpu"
+  assert all(m > 0 for m in t.median_s)
+  assert all(lo <= m for lo, m in zip(t.low_s, t.median_s))
+  assert t.median_s[-1] > t.median_s[0]  # 256 KiB costs more than 1 KiB
+  net = t.fit()
+  assert net.workers == 8 and net.overlap is False and net.fit_residual_s is not None
+  assert net.alpha_s >= 0 and net.beta_s_per_byte > 0
+  text = _network.summary(net, t)
+  assert "probe:cpux8:median" in text and "p10 us" in text and "262144" in text
+  assert "predicted all-reduce" in _network.summary(net)
+
+
+def test_measure_network_returns_model_on_subset_of_devices():
+  net = measure_network(2, sizes=(2**10, 2**16), repeats=3, inner=1, stat="low")
+  assert isinstance(net, NetworkModel) and net.workers == 2 and net.name == "probe:cpux2:p10"
+
+
+def test_single_device_and_bad_arguments_are_clear():
+  with pytest.raises(NetworkError, match="at least 2 devices, got 1"):
+    measure_network(1, sizes=(1024, 4096), repeats=3)
+  with pytest.raises(NetworkError, match="num_devices=64.*only 8 cpu"):
+    measure_network(64, sizes=(1024, 4096), repeats=3)
+  with pytest.raises(ValueError, match="at least 2 distinct sizes"):
+    measure_network(2, sizes=(1024, 1024))
+  with pytest.raises(ValueError, match="size 2 is too small"):
+    measure_network(2, sizes=(2, 1024))
+  with pytest.raises(ValueError, match="repeats=1"):
+    measure_network(2, sizes=(1024, 4096), repeats=1)
+  with pytest.raises(ValueError, match="stat='mean'"):
+    measure_network(2, stat="mean")

@@ -1,0 +1,153 @@
+"""profile_step: a measured profile of a real step, its fallbacks, and clear errors on bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from prophet_jax import GradientProfile, ProfileError, profile_step
+from prophet_jax import _profile
+
+N = 8  # conftest gives 8 CPU devices
+
+
+def _tiny():
+  """A 3-layer pure-jax model (dict params, one integer leaf that is not a row)."""
+  k = jax.random.split(jax.random.key(0), 4)
+  params = {"l0": {"w": jax.random.normal(k[0], (8, 32)) * 0.3, "b": jnp.zeros((32,))},
+            "l1": {"w": jax.random.normal(k[1], (32, 32)) * 0.2},
+            "l2": {"w": jax.random.normal(k[2], (32, 4)) * 0.2},
+            "count": jnp.zeros((), jnp.int32)}
+
+  def loss(p, b):
+    h = jnp.tanh(b["x"] @ p["l0"]["w"] + p["l0"]["b"])
+    h = jnp.tanh(h @ p["l1"]["w"])
+    return jnp.mean((h @ p["l2"]["w"] - b["y"]) ** 2)
+
+  batch = {"x": jax.random.normal(k[3], (8 * N, 8)), "y": jnp.ones((8 * N, 4))}
+  return loss, params, batch
+
+
+@pytest.fixture(scope="module")
+def mlp_profile():
+  from prophet_jax.models import get_model
+
+  m = get_model("mlp")
+  params = m.init(jax.random.key(0))
+  batch = m.make_batch(jax.random.key(1), m.default_batch_size)
+  import optax
+
+  prof = profile_step(m.loss_fn, params, batch, num_devices=N, steps=2, warmup=1,
+                      tx=optax.sgd(0.1, momentum=0.9), model="mlp")
+  return m, params, prof
+
+
+def test_measured_profile_has_every_row_exact_sizes_and_ready_within_step(mlp_profile):
+  m, params, prof = mlp_profile
+  assert prof.method == "measured"
+  ref = GradientProfile.from_params(params)
+  assert {r.path for r in prof.rows} == {r.path for r in ref.rows}
+  exact = {r.path: (r.shape, r.dtype, r.nbytes) for r in ref.rows}
+  for r in prof.rows:
+    assert (r.shape, r.dtype, r.nbytes) == exact[r.path]
+    assert 0.0 <= r.ready_s <= prof.backward_s
+  assert prof.backward_s > 0 and prof.forward_s > 0 and prof.update_s > 0
+  # rows in forward (priority) order, not flatten order (flatten puts Dense_10 before Dense_2)
+  assert [r.path for r in prof.rows] == list(m.forward_paths(params))
+  # backward runs back to front: the classifier's gradient is ready long before the input layer's
+  ready = {r.path: r.ready_s for r in prof.rows}
+  assert ready["params/Dense_11/kernel"] < ready["params/Dense_0/kernel"]
+  assert ready["params/Dense_0/kernel"] > 0.5 * prof.backward_s
+  # per-layer forward times sum to forward_s, and more than one layer got some
+  assert sum(r.fwd_s for r in prof.rows) == pytest.approx(prof.forward_s)
+  assert sum(1 for r in prof.rows if r.fwd_s > 0) >= 6
+  # JSON round trip and the CLI summary
+  assert GradientProfile.from_json(prof.to_json()) == prof
+  text = _profile.summary(prof)
+  assert "measured" in text and "24 gradients" in text
+
+
+def test_no_profiler_events_falls_back_to_timing(monkeypatch):
+  loss, params, batch = _tiny()
+  monkeypatch.setattr(_profile, "_trace_events", lambda d, module: [])
+  prof = profile_step(loss, params, batch, num_devices=N, steps=3)
+  assert prof.method == "timed"
+  assert "profiler unusable" in prof.notes and "no events" in prof.notes
+  assert [r.path for r in prof.rows] == ["l0/w", "l0/b", "l1/w", "l2/w"]  # 'count' (int) is no row
+  assert all(0 <= r.ready_s <= prof.backward_s for r in prof.rows)
+  with pytest.raises(ProfileError, match="method='measured'.*no events"):
+    profile_step(loss, params, batch, num_devices=N, method="measured")
+
+
+def test_estimated_when_asked_and_when_timing_fails(monkeypatch):
+  loss, params, batch = _tiny()
+  prof = profile_step(loss, params, batch, num_devices=N, method="estimated")
+  assert prof.method == "estimated" and "FLOPs" in prof.notes
+  assert prof.forward_s > 0 and prof.backward_s > 0
+  monkeypatch.setattr(_profile, "_trace_events", lambda d, module: [])
+
+  def broken(*a, **k):
+    raise RuntimeError("no clock")
+
+  monkeypatch.setattr(_profile, "_timed", broken)
+  prof = profile_step(loss, params, batch, num_devices=N, steps=1)
+  assert prof.method == "estimated" and "timing failed" in prof.notes
+
+
+def test_measured_tiny_model_maps_every_leaf():
+  loss, params, batch = _tiny()
+  prof = profile_step(loss, params, batch, num_devices=4, steps=2, method="measured")
+  assert prof.method == "measured" and "4 devices" in prof.notes
+  ready = {r.path: r.ready_s for r in prof.rows}
+  assert ready["l2/w"] <= ready["l0/w"]
+  assert max(ready.values()) > 0
+
+
+def test_bad_input_is_named():
+  loss, params, batch = _tiny()
+  bad = dict(batch, x=batch["x"][:7])
+  with pytest.raises(ValueError, match=r"batch leaf 'batch/x' has shape \(7, 8\).*divisible by num_devices=8"):
+    profile_step(loss, params, bad, num_devices=N)
+  wrong_features = dict(batch, x=jnp.ones((8 * N, 9)))
+  with pytest.raises(ValueError, match="failed on a per-device batch of shapes.*x: \\(8, 9\\)"):
+    profile_step(loss, params, wrong_features, num_devices=N)
+  with pytest.raises(TypeError, match="real floating scalar"):
+    profile_step(lambda p, b: jnp.argmax(b["x"] @ p["l0"]["w"]), params, batch, num_devices=N)
+  with pytest.raises(TypeError, match="not differentiable in params"):
+    profile_step(lambda p, b: jax.pure_callback(lambda x: np.float32(x), jax.ShapeDtypeStruct((), jnp.float32),
+                                                jnp.sum(p["l1"]["w"])), params, batch, num_devices=N)
+  with pytest.raises(ValueError, match="num_devices=99"):
+    profile_step(loss, params, batch, num_devices=99)
+  with pytest.raises(ValueError, match="method='fast'"):
+    profile_step(loss, params, batch, method="fast")
+  with pytest.raises(ProfileError, match="no floating-point leaves"):
+    profile_step(loss, {"n": jnp.zeros((3,), jnp.int32)}, batch, num_devices=N)
+
+
+def test_hlo_parsing_follows_root_tuple_and_op_names():
+  text = """HloModule jit_m, is_scheduled=true
+
+%fused (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  ROOT %m = f32[4]{0} multiply(%p0, %p0), metadata={op_name="jit(f)/transpose(jvp(Net))/Dense_1/mul"}
+}
+
+ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
+  %a = f32[4]{0} parameter(0), metadata={op_name="p"}
+  %f = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused, metadata={op_name="jit(f)/transpose(jvp(Net))/Dense_1/mul"}
+  %c = f32[4]{0} copy(%f)
+  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%c, %a)
+}
+"""
+  hlo = _profile._parse_hlo(text)
+  assert hlo.module == "jit_m" and hlo.entry == "main" and hlo.root_operands == ["c", "a"]
+  assert hlo.instrs["f"].calls == ["fused"] and hlo.instrs["f"].operands == ["a"]
+  assert hlo.instrs["c"].operands == ["f"]
+  assert _profile._match_layer(hlo.instrs["f"].op_name, ["params/Dense_0", "params/Dense_1"]) == \
+      "params/Dense_1"
+  assert _profile._match_layer("jit(f)/jvp(Net)/Block_1/Dense_0/dot",
+                               ["p/Block_0/Dense_0", "p/Block_1/Dense_0"]) == "p/Block_1/Dense_0"
+  ev = [{"op": "f", "start_ns": 100.0, "end_ns": 400.0, "run": 1, "device": 0}]
+  fwd_s, bwd_s, ready, fwd = _profile._analyse_execution(ev, hlo, [0, 1], 2, ["params/Dense_1"], [])
+  assert fwd_s == 0 and bwd_s == pytest.approx(300e-9)
+  assert ready == [pytest.approx(300e-9), 0.0]  # the copy of f is ready when f ends; a parameter at 0
