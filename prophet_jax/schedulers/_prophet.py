@@ -15,7 +15,7 @@ POLICY = "prophet"
 # Candidate start-up fractions (a / block time) searched when `alpha_fraction` is None.
 ALPHA_FRACTIONS = (0.02, 0.1, 0.5)
 # Candidate growth of the blocks sent after backward, when `tail_growth` is None.
-TAIL_GROWTHS = (1.0, 2.0, 4.0)
+TAIL_GROWTHS = (1.0, 4.0)
 MAX_BLOCKS = 512
 
 
@@ -65,15 +65,17 @@ class _Planner:
       return 0.0
     return math.inf if self.b == 0 else (seconds - self.a) / self.b
 
-  def plan(self, min_block: float, tail_growth: float) -> tuple[list[list[tuple[int, int, int]]], float]:
+  def plan(self, min_block: float, tail_growth: float,
+           small_first: bool = True) -> tuple[list[list[tuple[int, int, int]]], float]:
     """Blocks (groups of slices) in issue order for one setting of the knobs, and their predicted
     iteration time in DESIGN.md's model (one link, overlap).
 
     min_block: the floor on a block's bytes while backward runs (amortises the start-up a); also the
       floor of every block after the first once backward is done.
-    tail_growth: after the last gradient is ready, the first block holds min(min_block, the first
-      layer's bytes) so the next forward can start early; the next ones min_block, then growing by
-      this factor, to amortise a.
+    tail_growth: after the last gradient is ready, the blocks hold min_block bytes, growing by this
+      factor, to amortise a.
+    small_first: whether the first block after backward holds only min(min_block, the first layer's
+      bytes), so the next forward can start early.
     """
     rows = self.profile.rows
     arrivals, item, sizes, dtype_of, ready = (self.arrivals, self.item, self.sizes, self.dtype_of,
@@ -133,18 +135,25 @@ class _Planner:
         while s < len(stage_starts) and stage_starts[s] <= t:
           s += 1
         new_stage = s < len(stage_starts) and stage_starts[s] <= t_next
+        fit = self._bytes_within(t_next - t)   # B·Δ: what finishes before the next gradient is ready
         if pend_bytes >= min_block:
-          block, cost = take(max(min_block, self._bytes_within(t_next - t)))
-        elif new_stage or a + b * pend_bytes <= t_next - t:
-          block, cost = take(math.inf)  # the stage's block: the link would idle through the gap otherwise
+          block, cost = take(max(min_block, fit))
+        elif fit >= pend_bytes:
+          block, cost = take(math.inf)  # all of it ends before the next arrival: the link would idle
+        elif new_stage and fit > 0:
+          block, cost = take(fit)       # the stage's block: the highest priority that fits the gap
         else:
           t = t_next  # wait for the rest of the stage (saves a start-up)
           continue
       else:
         if tail_size is None:
           first = sum(rows[i].nbytes for i in self.layers[0][1]) if self.layers else 0
-          block, cost = take(max(1.0, min(min_block, first) if first else min_block))
-          tail_size = min_block
+          if small_first and first:
+            block, cost = take(max(1.0, min(min_block, first)))
+            tail_size = min_block
+          else:
+            block, cost = take(min_block)
+            tail_size = min_block * tail_growth
         else:
           block, cost = take(tail_size)
           tail_size *= tail_growth
@@ -175,24 +184,33 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
   """Prophet: blocks sized to the gaps of backward, highest-priority gradients first.
 
   Prophet finds the *stages* of the ready-time pattern: a new stage starts where the gap between
-  consecutive ready times exceeds `gap_factor` times the mean gap. While backward runs, whenever the
-  link is free it sends one block: the ready gradients of highest priority (lowest row: needed first by
-  the next forward), as many as the link can finish before the next gradient becomes ready
-  (B·Δ, B the bandwidth, Δ the gap), so that a low-priority block never holds the link when a
-  higher-priority gradient is waiting; large tensors are cut at element boundaries so a block can end
-  anywhere. Because per-layer traces are often smooth (no stages, tiny gaps), a block is never smaller
-  than a floor that amortises the start-up: `startup_s / (alpha_fraction · per_byte_s)` bytes, i.e.
-  the start-up is at most `alpha_fraction` of the block's time; below the floor, the link waits for the
-  rest of the stage instead, unless the pending gradients would finish before the next arrival anyway.
-  After the last gradient is ready, the rest goes out in priority order: a first small block (the
-  first layer's bytes, at most the floor), so the next forward starts early, then blocks of the floor
-  growing by `tail_growth`. The floor is never below total bytes / `MAX_BLOCKS` (a free start-up
-  would otherwise allow one all-reduce per element). With `network.overlap` False (the device cannot compute while it communicates) every block
-  pauses the device, so one block per dtype after backward, in priority order, is sent.
+  consecutive ready times exceeds `gap_factor` times the mean gap. Priority is the row order (row 0 is
+  needed first by the next forward). The plan is an event simulation of the link (one link, overlap):
+  whenever the link is free during backward, with B the bandwidth and Δ the time to the next gradient's
+  ready time,
 
-  The knobs left as None are chosen per profile and network by predicting the iteration time of each
-  candidate in DESIGN.md's model (alpha_fraction in `ALPHA_FRACTIONS`, tail_growth in
-  `TAIL_GROWTHS`), as Prophet sizes its blocks from measured timings; ties go to the first candidate.
+  - if the pending gradients reach the block floor, one block of the highest-priority ones is sent,
+    of max(floor, B·Δ) bytes;
+  - else if all of them finish within Δ, they go as one block (the link would idle otherwise);
+  - else if the next gradient opens a new stage (a gap), the block is the highest-priority pending
+    gradients that fit in B·Δ: Prophet's stage block, so that the link is free again when the next
+    stage's gradients (of higher priority) arrive;
+  - else the link waits for the rest of the stage, saving a start-up.
+
+  Large tensors are cut at element boundaries, so a block can end anywhere and a low-priority block
+  never holds the link much longer than the floor when a higher-priority gradient is waiting. The floor
+  amortises the start-up on smooth per-layer traces, which have no stages and tiny gaps: it is
+  `startup_s / (alpha_fraction · per_byte_s)` bytes (the start-up is at most `alpha_fraction` of the
+  block's time), and never below total bytes / `MAX_BLOCKS`. After the last gradient is ready, the
+  rest goes out in priority order in blocks of the floor growing by `tail_growth`, optionally after a
+  first small block (the first layer's bytes) so that the next forward starts early.
+
+  The knobs left as None, and whether to send that small first block, are chosen per profile, network
+  and step mode by predicting each candidate's iteration time in DESIGN.md's model as the plan is made
+  (alpha_fraction in `ALPHA_FRACTIONS`, tail_growth in `TAIL_GROWTHS`), as Prophet sizes its blocks
+  from measured timings; ties go to the first candidate. With `network.overlap` False (the device
+  cannot compute while it communicates) every block pauses the device, so the plan is one block, one
+  all-reduce per dtype, after backward, rows in priority order.
 
   Args:
     gap_factor: a gap larger than this multiple of the mean gap between ready times starts a stage.
@@ -234,9 +252,10 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
       for frac in fracs:
         floor = max(least, a / (frac * b) if b > 0 else math.inf)
         for g in growths:
-          blocks, est = planner.plan(floor, g)
-          if best is None or est < best[0] - 1e-15:
-            best = (est, blocks)
+          for small_first in (True, False):
+            blocks, est = planner.plan(floor, g, small_first)
+            if best is None or est < best[0] - 1e-15:
+              best = (est, blocks)
       groups = best[1]
     return make_schedule(buckets_from_groups(profile, groups), profile, policy=POLICY, options=options,
                          cross_step=cross_step)
