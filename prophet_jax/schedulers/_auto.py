@@ -49,12 +49,17 @@ Slice = tuple[int, int, int]
 
 _POLICY = "auto"
 # The joint optimiser's grid, in units of the network's start-up/byte ratio a/b (the bytes whose transfer
-# time equals one start-up): partition size (None: whole rows), block size (None: no limit), and the
-# bytes the link waits for while backward runs. _EXACT_TAILS heads get the exact tail grouping.
+# time equals one start-up): partition size (None: whole rows), block size (None: no limit), and how the
+# link waits while backward runs: for that many bytes to be ready, or (fit) chunks cut to end by the
+# next ready time but holding at least that many. _EXACT_TAILS heads get the exact tail grouping.
 _PARTITIONS = (None, 2, 8)
 _BLOCKS = (2, 8, 32, None)
-_WAITS = (0, 2)
+_MODES = (("wait", 0), ("wait", 2), ("fit", 1))
 _EXACT_TAILS = 4
+# Local search: schedules of at most _SMALL chunks (3 * _SMALL slices) get the rich neighbourhood (move a chunk or a
+# slice anywhere) and up to _STARTS starting points.
+_SMALL = 24
+_STARTS = 3
 _INF = math.inf
 
 
@@ -204,12 +209,15 @@ def _units(inst: _Instance, partition_bytes: float | None) -> list[tuple[float, 
 
 
 def _priority_head(inst: _Instance, units: Sequence[tuple[float, int, int, int]], block_bytes: float,
-                   wait_bytes: float) -> tuple[list[_Chunk], list[Slice]]:
+                   wait_bytes: float, fit_bytes: float | None = None) -> tuple[list[_Chunk], list[Slice]]:
   """A priority list schedule of `units` until every one is ready: (chunks sent, units left).
 
   Each time the link frees, the ready units of the highest priority (lowest row) go out together, up
   to `block_bytes` (at least one unit, one dtype); with `wait_bytes`, the link first waits until that
-  many bytes are ready. The units left are every gradient not yet sent when the last one is ready.
+  many bytes are ready. With `fit_bytes` (Prophet's gap sizing, on elements), a chunk is cut to end
+  when the next gradient becomes ready, so a low-priority chunk never holds the link then, but holds
+  at least `fit_bytes` (to amortise the start-up); the last unit is cut at an element boundary and
+  its rest stays queued. The units left are those not yet sent when the last one is ready.
   """
   if not units:
     return [], []
@@ -231,18 +239,32 @@ def _priority_head(inst: _Instance, units: Sequence[tuple[float, int, int, int]]
     if not avail or (wait_bytes > 0 and avail_bytes < wait_bytes):
       t = units[k][0]  # k < n here: something is still to become ready
       continue
+    cap = block_bytes
+    if fit_bytes is not None and b_s > 0:
+      cap = min(cap, max(fit_bytes, (units[k][0] - t - a_s) / b_s))
     row, a, b = heapq.heappop(avail)
     dtype = inst.dtype[row]
+    if fit_bytes is not None and (b - a) * size[row] > cap:
+      cut = a + max(1, int(cap // size[row]))
+      if cut < b:
+        heapq.heappush(avail, (row, cut, b))
+        b = cut
     picked = [(row, a, b)]
     nbytes = (b - a) * size[row]
     skipped = []
-    while avail and nbytes < block_bytes:
+    while avail and nbytes < cap:
       r2, a2, b2 = avail[0]
       if inst.dtype[r2] != dtype:
         skipped.append(heapq.heappop(avail))
         continue
       more = (b2 - a2) * size[r2]
-      if nbytes + more > block_bytes:
+      if nbytes + more > cap:
+        if fit_bytes is not None:
+          take = int((cap - nbytes) // size[r2])
+          if take >= 1:
+            heapq.heapreplace(avail, (r2, a2 + take, b2))
+            picked.append((r2, a2, a2 + take))
+            nbytes += take * size[r2]
         break
       heapq.heappop(avail)
       picked.append((r2, a2, b2))
@@ -336,6 +358,19 @@ def _local_search(inst: _Instance, chunks: list[_Chunk], budget: int,
         for j in range(len(rest) + 1):
           if j not in (k, k + 1):
             trials.append(rest[:j] + [cur[k]] + rest[j:])
+        for j in range(len(rest)):  # merge the chunk into any other of its dtype
+          if rest[j].dtype == cur[k].dtype:
+            trials.append(rest[:j] + [inst.merged(rest[j], cur[k])] + rest[j + 1:])
+        if len(s) > 1:  # move one slice out: alone anywhere, or into another chunk of its dtype
+          for i in range(len(s)):
+            left = inst.chunk(s[:i] + s[i + 1:])
+            alone = inst.chunk([s[i]])
+            base = cur[:k] + [left] + cur[k + 1:]
+            for j in range(len(base) + 1):
+              trials.append(base[:j] + [alone] + base[j:])
+            for j in range(len(base)):
+              if j != k and base[j].dtype == cur[k].dtype:
+                trials.append(base[:j] + [inst.merged(base[j], alone)] + base[j + 1:])
       for trial in trials:
         evals += 1
         v = inst.iteration_s(trial)
@@ -347,6 +382,43 @@ def _local_search(inst: _Instance, chunks: list[_Chunk], budget: int,
       else:
         k += 1
   return cur, best, evals
+
+
+def _kick(inst: _Instance, cur: list[_Chunk], rng: np.random.Generator) -> list[_Chunk]:
+  """A random move (a chunk or one slice moved elsewhere, merged into another chunk, or split off)."""
+  out = list(cur)
+  k = int(rng.integers(len(out)))
+  c = out.pop(k)
+  kind = int(rng.integers(3))
+  if kind == 1 and len(c.slices) > 1:  # one slice alone, anywhere
+    i = int(rng.integers(len(c.slices)))
+    out.insert(k, inst.chunk(c.slices[:i] + c.slices[i + 1:]))
+    out.insert(int(rng.integers(len(out) + 1)), inst.chunk([c.slices[i]]))
+    return out
+  same = [j for j in range(len(out)) if out[j].dtype == c.dtype]
+  if kind == 2 and same:  # merge into another chunk of its dtype
+    j = same[int(rng.integers(len(same)))]
+    out[j] = inst.merged(out[j], c)
+    return out
+  out.insert(int(rng.integers(len(out) + 1)), c)
+  return out
+
+
+def _iterated_local_search(inst: _Instance, chunks: list[_Chunk], budget: int, rich: bool
+                           ) -> tuple[list[_Chunk], float]:
+  """Local search, then (small schedules) kicks of two random moves followed by local search again,
+  keeping improvements, until `budget` evaluations are spent. Deterministic (fixed seed)."""
+  cur, best, used = _local_search(inst, chunks, budget, rich)
+  if not rich:
+    return cur, best
+  rng = np.random.default_rng(0)
+  while used < budget and len(cur) > 1:
+    trial = _kick(inst, _kick(inst, cur, rng), rng)
+    cand, v, n = _local_search(inst, trial, max(1, budget - used), rich)
+    used += n
+    if v < best * (1 - 1e-12):
+      cur, best = cand, v
+  return cur, best
 
 
 # --------------------------------------------------------------------------------------------------
@@ -415,10 +487,12 @@ def _own_candidates(inst: _Instance, cross_step: bool) -> list[tuple[str, list[_
       units = _units(inst, None if pm is None else min(total, scale * pm))
       for bm in _BLOCKS:
         block = _INF if bm is None else min(total, scale * bm)
-        for wm in _WAITS:
-          head, rest = _priority_head(inst, units, block, min(total, scale * wm))
+        for mode, m in _MODES:
+          wait = min(total, scale * m) if mode == "wait" else 0.0
+          fit = min(total, scale * m) if mode == "fit" else None
+          head, rest = _priority_head(inst, units, block, wait, fit)
           chunks = head + _block_tail(inst, rest, block)
-          label = f"joint(partition={pm}, block={bm}, wait={wm})"
+          label = f"joint(partition={pm}, block={bm}, {mode}={m})"
           ranked.append((inst.iteration_s(chunks), label, chunks, head, rest))
     ranked.sort(key=lambda x: x[0])
     seen = set()
@@ -499,6 +573,12 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
   return scheduler
 
 
+def _small(x: Schedule | list[_Chunk]) -> bool:
+  """Small enough for the rich neighbourhood: at most _SMALL chunks and 3 * _SMALL slices."""
+  chunks = x if isinstance(x, list) else x.chunks
+  return len(chunks) <= _SMALL and sum(len(c.slices) for c in chunks) <= 3 * _SMALL
+
+
 def _plan_auto(profile: GradientProfile, network: NetworkModel, cross: bool,
                options: dict[str, Any]) -> Schedule:
   inst = _Instance(profile, network, cross)
@@ -513,12 +593,20 @@ def _plan_auto(profile: GradientProfile, network: NetworkModel, cross: bool,
     cands.append((inst.iteration_s(chunks), label, chunks))
   cands.sort(key=lambda c: c[0])
   best_s, best_label, best = cands[0]
-  if options["local_search"] and inst.overlap and inst.live:
-    chunks = best if isinstance(best, list) else inst.chunks_of(best)
-    small = len(chunks) <= 24
-    refined, v, _ = _local_search(inst, chunks, options["max_evals"], small)
-    if v < best_s * (1 - 1e-12):
-      cands.insert(0, (v, best_label + "+local", refined))
+  # With one link, no contiguous merge beats the plain step's DP and no other order or cut helps.
+  exact = not cross and inst.prob.links == 1
+  if options["local_search"] and inst.overlap and inst.live and not exact:
+    # Refine the best few distinct candidates (one when large), sharing the evaluation budget.
+    starts = [c for c in cands if _small(c[2])]
+    starts = starts[:_STARTS] if starts and starts[0] is cands[0] else cands[:1]
+    budget = options["max_evals"]
+    refined_all = []
+    for v0, label, x in starts:
+      chunks = x if isinstance(x, list) else inst.chunks_of(x)
+      refined, v = _iterated_local_search(inst, chunks, max(1, budget // len(starts)), _small(x))
+      if v < v0 * (1 - 1e-12):
+        refined_all.append((v, label + "+local", refined))
+    cands = sorted(refined_all + cands, key=lambda c: c[0])
   # Finalists: the best few, plus every baseline at its defaults (so auto never loses to one).
   finalists = cands[:3] + [c for c in cands[3:] if "(" not in c[1] and not isinstance(c[2], list)]
   schedules = []
