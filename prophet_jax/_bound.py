@@ -15,7 +15,7 @@ __all__ = ["lower_bound"]
 
 # Above this many (layers x layers x rows), the pipelined-step bound uses layer prefixes and single
 # layers only, instead of every contiguous range of layers (a weaker but still valid bound).
-_INTERVAL_WORK = 2_000_000
+_INTERVAL_WORK = 250_000
 # ... and above this many (layers x rows), every k-th prefix only, so a 1,000-leaf bound stays ~10 ms.
 _PREFIX_WORK = 200_000
 

@@ -200,3 +200,26 @@ def test_errors():
     lower_bound(PROFILE, NET, cross_step="auto")
   with pytest.raises(TypeError, match="must be a NetworkModel"):
     lower_bound(PROFILE, "10gbe")
+
+
+@settings(deadline=None, max_examples=30)
+@given(SEEDS)
+def test_large_profile_path_is_weaker_but_valid(seed):
+  # Large profiles use prefixes (evenly spaced ones when huge) and single layers instead of every
+  # range of layers: a subset of the same terms, so never above the full bound, and still a bound.
+  import prophet_jax._bound as bound_mod
+
+  rng = np.random.default_rng(seed)
+  p = random_profile(rng, int(rng.integers(2, 12)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
+  net = random_network(rng, p, comm_ratio=float(rng.choice([0.3, 3.0])))
+  full = lower_bound(p, net, cross_step=True)
+  saved = bound_mod._INTERVAL_WORK, bound_mod._PREFIX_WORK
+  try:
+    bound_mod._INTERVAL_WORK, bound_mod._PREFIX_WORK = 0, int(rng.choice([1, 5, 10**9]))
+    fast = lower_bound(p, net, cross_step=True)
+  finally:
+    bound_mod._INTERVAL_WORK, bound_mod._PREFIX_WORK = saved
+  assert fast <= full * (1 + REL)
+  assert fast >= p.backward_s + p.forward_s - 1e-12
+  for s in _simple_schedules(p, rng):
+    assert fast <= simulate(s, p, net, cross_step=True, events=False).iteration_s * (1 + REL)
