@@ -132,8 +132,6 @@ def _resolve(policy: Any, options: Mapping[str, Any], cross_step: Any) -> tuple[
     if options:
       raise TypeError(f"plan(): options {sorted(options)} are for named policies; configure the "
                       f"Scheduler callable itself (e.g. prophet_jax.schedulers.bucket(bucket_bytes=...)).")
-    if cross_step == "auto" and getattr(policy, "__name__", "") != "auto":
-      pass  # a custom scheduler may accept 'auto'; it must record a bool in the Schedule
     return getattr(policy, "__name__", "custom"), policy
   raise TypeError(f"plan(policy={policy!r}): a policy is a name ({sorted(POLICIES)}) or a Scheduler "
                   f"callable.")

@@ -334,6 +334,19 @@ def test_prophet_sends_each_stage_as_a_block_in_the_gap():
   assert [sorted(r for r, _, _ in c.slices) for c in s.chunks] == [[3, 4], [1, 2], [0]]
 
 
+def test_prophet_stage_block_holds_the_highest_priority_that_fits_the_gap():
+  # a = 1 s, b = 0.001 s/B, floor a / (0.5 b) = 2000 B. Rows d (1000 B) and e (800 B) are ready at 0;
+  # c (1000 B) at 2.6 opens a new stage (gap_factor 0.5: gaps 2.6 and 7.4 exceed 0.5 * mean 5.0);
+  # a at 10. At 0: 1800 B pending < floor, B*delta = (2.6 - 0 - 1) / 0.001 = 1600 B < 1800 B, so the
+  # stage block is d (higher priority) and the first 600 B (150 elements) of e, ending at 2.6. At 2.6:
+  # c and the rest of e (1200 B) fit before 10, so they go together; after backward, a.
+  p = profile([("a", (250,), "float32", 10.0), ("c", (250,), "float32", 2.6),
+               ("d", (250,), "float32", 0.0), ("e", (200,), "float32", 0.0)])
+  s = prophet(gap_factor=0.5, alpha_fraction=0.5, tail_growth=1.0)(p, HAND, cross_step=True)
+  assert [c.slices for c in s.chunks] == [((2, 0, 250), (3, 0, 150)), ((1, 0, 250), (3, 150, 200)),
+                                          ((0, 0, 250),)]
+
+
 def test_prophet_without_overlap_sends_one_block_per_dtype_in_priority_order():
   p = PROFILES["multi_dtype"]
   s = prophet()(p, NETWORKS["cpu_p4"], cross_step=True)
