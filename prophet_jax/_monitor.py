@@ -1,0 +1,288 @@
+"""Monitor: Prophet's online bandwidth monitor: measure, refit, re-plan while training.
+
+Public API (class `Monitor`):
+  Monitor(profile, network, *, policy='auto', cross_step=False, threshold=0.05, probe_every=100, ...)
+  monitor.schedule                   the schedule in use (identical on every process)
+  monitor.network                    the current (refitted) NetworkModel
+  monitor.step_fn                    the compiled step for `schedule`: build_step(schedule), cached
+  monitor.record_step(seconds)       call after every step with its wall time; probes when due, and
+                                     returns the new Schedule when it switched (else None)
+  monitor.probe_now()                run the small all-reduce probe now, refit, maybe re-plan
+  monitor.observe(sizes, seconds)    feed (bytes, seconds) all-reduce measurements from elsewhere
+  monitor.replan()                   re-plan from the current network model (rank 0 decides)
+  monitor.decisions                  every re-plan considered: Decision(step, current_s, candidate_s,
+                                     gain, switched, network)
+
+Why a probe: step times alone cannot separate alpha from beta (one number per step), so every
+`probe_every` steps, between steps (never inside the jitted step), a few small all-reduces are timed
+(`prophet_jax._network.time_allreduce` over `probe_sizes`, `probe_repeats` each, a few milliseconds).
+A step-time drift (the median of the last `window` steps more than `drift` away from the median just
+after the last plan) triggers a probe early, in a single process. The probes of the last `window`
+rounds are pooled (median per size) and `NetworkModel.fit` gives the new alpha and beta; `overlap`,
+`links` and `workers` are kept from the starting model.
+
+Re-planning: `plan(profile, new_network, policy)` gives a candidate; both it and the current schedule
+are simulated on the new network; the monitor switches only when the candidate is predicted faster by
+more than `threshold` (relative), so noise in the probe does not make it flap between plans.
+
+Several processes (jax.distributed): only rank 0's decision counts. At every re-plan point (reached
+at the same step on every process: periodic probes only, since step-time drift differs between
+processes) rank 0 broadcasts the schedule to use (`prophet_jax.launch.broadcast_schedule`, JSON bytes
+through `jax.experimental.multihost_utils`), and every process checks that its fingerprint matches its
+own profile's before switching: schedules planned separately per process could differ and their
+collectives would mismatch and hang.
+
+Compiled steps are cached per schedule (keyed by its JSON without the prediction, `plan_key`), so switching back to an earlier
+plan costs no compilation.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import ScheduleMismatchError
+from ._types import GradientProfile, NetworkModel, Schedule
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Decision:
+  """One re-plan considered by the Monitor.
+
+  Attributes:
+    step: steps recorded when it was made.
+    current_s: predicted iteration of the schedule in use, on the new network model.
+    candidate_s: predicted iteration of the freshly planned schedule.
+    gain: (current_s - candidate_s) / current_s.
+    switched: whether the monitor switched to the candidate.
+    network: the refitted model it was made with.
+  """
+
+  step: int
+  current_s: float
+  candidate_s: float
+  gain: float
+  switched: bool
+  network: NetworkModel
+
+
+def plan_key(schedule: Schedule) -> str:
+  """What makes two schedules the same plan: everything but the prediction (`predicted_s`)."""
+  import json
+
+  d = schedule.to_dict()
+  d.pop("predicted_s", None)
+  return json.dumps(d, sort_keys=True)
+
+
+class Monitor:
+  """Online refit and re-plan: Prophet's monitor of the interconnect during training.
+
+  Args:
+    profile: the GradientProfile plans are made for (its fingerprint is checked on every switch).
+    network: the starting NetworkModel (e.g. from `measure_network`).
+    policy: the policy name or Scheduler passed to `plan` (default 'auto').
+    cross_step: the step mode to plan and predict for.
+    threshold: switch only when the candidate is predicted faster by more than this fraction.
+    probe_every: steps between periodic probes (0: never probe by itself; feed `observe`).
+    probe_sizes: message sizes (bytes) of the probe; small, so it stays off the hot path.
+    probe_repeats: paired timings per size in one probe.
+    window: probe rounds pooled for a refit, and step times for the drift check.
+    drift: relative change of the median step time that triggers an early probe (single process).
+    build_step: `build_step(schedule) -> step function`, cached per schedule (optional).
+    probe_fn: `probe_fn(sizes) -> seconds per size`, replacing the built-in probe (e.g. in tests).
+    num_devices: devices for the built-in probe (default all; across processes every device).
+    schedule: the schedule to start with (default: planned now from `profile` and `network`).
+    options: extra keyword options for `plan`.
+
+  Raises:
+    TypeError, ValueError: bad arguments (named in the message).
+  """
+
+  def __init__(self, profile: GradientProfile, network: NetworkModel, *, policy: Any = "auto",
+               cross_step: bool = False, threshold: float = 0.05, probe_every: int = 100,
+               probe_sizes: Sequence[int] | None = None, probe_repeats: int = 5, window: int = 4,
+               drift: float = 0.25, build_step: Callable[[Schedule], Any] | None = None,
+               probe_fn: Callable[[Sequence[int]], Sequence[float]] | None = None,
+               num_devices: int | None = None, schedule: Schedule | None = None,
+               options: dict[str, Any] | None = None):
+    if not isinstance(profile, GradientProfile):
+      raise TypeError(f"Monitor(profile=...): expected a GradientProfile, got {type(profile).__name__}.")
+    if not isinstance(network, NetworkModel):
+      raise TypeError(f"Monitor(network=...): expected a NetworkModel, got {type(network).__name__}.")
+    if not (isinstance(threshold, (int, float)) and 0 <= threshold < 1):
+      raise ValueError(f"Monitor(threshold={threshold!r}): expected a fraction in [0, 1), e.g. 0.05.")
+    for name, v, lo in (("probe_every", probe_every, 0), ("probe_repeats", probe_repeats, 3),
+                        ("window", window, 1)):
+      if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"Monitor({name}={v!r}): expected an integer >= {lo}.")
+    if not (isinstance(drift, (int, float)) and drift > 0):
+      raise ValueError(f"Monitor(drift={drift!r}): expected a positive fraction, e.g. 0.25.")
+    if network.workers < 2:
+      raise ValueError(f"Monitor: the network has workers={network.workers}; there is nothing to "
+                       f"all-reduce with one worker.")
+    from ._network import QUICK_SIZES
+
+    self.profile = profile
+    self.network = network
+    self.policy = policy
+    self.cross_step = bool(cross_step)
+    self.threshold = float(threshold)
+    self.probe_every = probe_every
+    self.probe_sizes = tuple(int(s) for s in (probe_sizes or QUICK_SIZES))
+    self.probe_repeats = probe_repeats
+    self.window = window
+    self.drift = float(drift)
+    self.options = dict(options or {})
+    self._build_step = build_step
+    self._probe_fn = probe_fn
+    self._num_devices = num_devices
+    self._steps: collections.deque[float] = collections.deque(maxlen=window)
+    self._baseline_s: float | None = None
+    self._probes: collections.deque[dict[int, float]] = collections.deque(maxlen=window)
+    self._cache: dict[str, Any] = {}
+    self.steps = 0
+    self.decisions: list[Decision] = []
+    self.builds = 0
+    if schedule is None:
+      schedule = self._plan(network)
+    self._check(schedule)
+    self.schedule = self._agree(schedule)
+
+  # -- planning ---------------------------------------------------------------------------------------
+  def _plan(self, network: NetworkModel) -> Schedule:
+    from ._plan import plan
+
+    return plan(self.profile, network, self.policy, cross_step=self.cross_step, **self.options)
+
+  def _predict(self, schedule: Schedule, network: NetworkModel) -> float:
+    from ._simulate import simulate
+
+    return float(simulate(schedule, self.profile, network, cross_step=self.cross_step).iteration_s)
+
+  def _check(self, schedule: Schedule) -> None:
+    if not isinstance(schedule, Schedule):
+      raise TypeError(f"Monitor: expected a Schedule, got {type(schedule).__name__}.")
+    mine = self.profile.fingerprint()
+    if schedule.tree_fingerprint != mine:
+      raise ScheduleMismatchError(
+          f"Monitor: the schedule's tree fingerprint {schedule.tree_fingerprint!r} does not match this "
+          f"process's profile ({mine!r}); it was planned for another model. Plan again on this profile.")
+
+  def _agree(self, schedule: Schedule) -> Schedule:
+    """Rank 0's schedule on every process (no-op in one process); each checks its fingerprint."""
+    import sys
+
+    jax = sys.modules.get("jax")
+    if jax is None or jax.process_count() == 1:
+      return schedule
+    from .launch import broadcast_schedule
+
+    got = broadcast_schedule(schedule)
+    self._check(got)
+    return got
+
+  @property
+  def is_decider(self) -> bool:
+    """True on the process whose decisions count (rank 0; the only one in a single process)."""
+    import sys
+
+    jax = sys.modules.get("jax")
+    return jax is None or jax.process_index() == 0
+
+  # -- the compiled-step cache ----------------------------------------------------------------------
+  @property
+  def step_fn(self) -> Any:
+    """build_step(schedule) for the schedule in use, built once per distinct schedule."""
+    if self._build_step is None:
+      raise ValueError("Monitor.step_fn: no build_step was given; pass build_step=lambda schedule: ... "
+                       "(e.g. a jitted step using prophet_jax.scheduled(tx, schedule, axis_name=...)).")
+    key = plan_key(self.schedule)
+    if key not in self._cache:
+      self._cache[key] = self._build_step(self.schedule)
+      self.builds += 1
+    return self._cache[key]
+
+  # -- measurements ---------------------------------------------------------------------------------
+  def record_step(self, seconds: float) -> Schedule | None:
+    """Records one step's wall time; probes when due. Returns the new schedule if it switched."""
+    seconds = float(seconds)
+    if not seconds >= 0:
+      raise ValueError(f"Monitor.record_step(seconds={seconds!r}): expected a time >= 0.")
+    self.steps += 1
+    self._steps.append(seconds)
+    if self._baseline_s is None and len(self._steps) == self._steps.maxlen:
+      self._baseline_s = statistics.median(self._steps)
+    due = self.probe_every > 0 and self.steps % self.probe_every == 0
+    if not due and self._drifted():
+      due = True
+    return self.probe_now() if due else None
+
+  def _drifted(self) -> bool:
+    import sys
+
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.process_count() > 1:
+      return False  # processes would disagree on when to probe: periodic probes only
+    if self._baseline_s is None or len(self._steps) < self._steps.maxlen or self._baseline_s <= 0:
+      return False
+    return abs(statistics.median(self._steps) - self._baseline_s) > self.drift * self._baseline_s
+
+  def probe_now(self) -> Schedule | None:
+    """Times a few small all-reduces now, refits and maybe re-plans; the new schedule if switched."""
+    sizes = self.probe_sizes
+    if self._probe_fn is not None:
+      seconds = list(self._probe_fn(sizes))
+    else:
+      from ._network import time_allreduce
+
+      n = self._num_devices
+      t = time_allreduce(n, sizes=sizes, repeats=self.probe_repeats, inner=1)
+      sizes, seconds = t.sizes, list(t.median_s)
+    return self.observe(sizes, seconds)
+
+  def observe(self, sizes: Sequence[int], seconds: Sequence[float]) -> Schedule | None:
+    """Adds one round of (bytes, seconds) all-reduce timings, refits, re-plans; new schedule or None."""
+    if len(sizes) != len(seconds) or not sizes:
+      raise ValueError(f"Monitor.observe: got {len(sizes)} sizes and {len(seconds)} times; they must pair "
+                       f"up (and not be empty).")
+    self._probes.append({int(s): float(t) for s, t in zip(sizes, seconds)})
+    pooled: dict[int, list[float]] = {}
+    for rnd in self._probes:
+      for s, t in rnd.items():
+        pooled.setdefault(s, []).append(t)
+    xs = sorted(pooled)
+    ys = [statistics.median(pooled[s]) for s in xs]
+    fit = NetworkModel.fit(xs, ys, workers=self.network.workers, overlap=self.network.overlap,
+                           name="monitor")
+    self.network = fit.replace(links=self.network.links)
+    return self.replan()
+
+  def replan(self) -> Schedule | None:
+    """Re-plans on the current network model; switches when the predicted gain exceeds threshold.
+
+    Rank 0 decides; across processes the schedule to use is broadcast and fingerprint-checked.
+    Returns the new schedule when it switched, else None.
+    """
+    chosen = self.schedule
+    if self.is_decider:
+      candidate = self._plan(self.network)
+      cur = self._predict(self.schedule, self.network)
+      new = self._predict(candidate, self.network)
+      gain = (cur - new) / cur if cur > 0 else 0.0
+      switch = gain > self.threshold and plan_key(candidate) != plan_key(self.schedule)
+      self.decisions.append(Decision(step=self.steps, current_s=cur, candidate_s=new, gain=gain,
+                                     switched=switch, network=self.network))
+      if switch:
+        chosen = candidate
+    chosen = self._agree(chosen)
+    self._check(chosen)
+    if plan_key(chosen) == plan_key(self.schedule):
+      return None
+    self.schedule = chosen
+    self._baseline_s = None  # a new plan: a new step-time baseline
+    self._steps.clear()
+    return chosen
