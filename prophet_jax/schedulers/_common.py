@@ -11,7 +11,8 @@ Pure: numpy only, never jax. Every policy builds its Schedule the same way:
 Units: slices are element indices into the flattened leaf (row-major), sizes are bytes.
 
 Public helpers (also used by ``schedulers/_auto.py``):
-  ``row_size``, ``whole_slice``, ``partition_row``, ``partition_rows``, ``layer_groups``,
+  ``row_size``, ``row_sizes``, ``whole_slice``, ``partition_row``, ``partition_count``,
+  ``partition_rows``, ``layer_groups``,
   ``buckets_from_groups``, ``make_schedule``, ``schedule_from_groups``, ``slices_nbytes``,
   ``check_bytes``, ``check_cross_step``, ``check_positive``.
 """
@@ -86,6 +87,17 @@ def partition_row(profile: GradientProfile, row: int, max_bytes: int | None) -> 
     out.append((row, pos, pos + step))
     pos += step
   return out
+
+
+def partition_count(profile: GradientProfile, row: int, max_bytes: int | None) -> int:
+  """How many parts `partition_row(profile, row, max_bytes)` makes, without making them."""
+  n = row_size(profile, row)
+  if n == 0:
+    return 0
+  if max_bytes is None:
+    return 1
+  per = max(1, int(max_bytes) // max(row_itemsize(profile, row), 1))
+  return max(1, math.ceil(n / per))
 
 
 def partition_rows(profile: GradientProfile, rows: Iterable[int],

@@ -9,7 +9,7 @@ import heapq
 from collections import deque
 
 from .._types import GradientProfile, NetworkModel, Schedule, itemsize
-from ._common import check_bytes, check_inputs, partition_row, schedule_from_groups
+from ._common import check_bytes, check_inputs, partition_count, partition_row, schedule_from_groups
 
 POLICY = "priority"
 DEFAULT_PARTITION_PARAMS = 2**20   # ByteScheduler's default partition: 1M parameters
@@ -33,20 +33,23 @@ def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes
   Returns:
     The partitions as (row, start, stop) slices in issue order.
   """
+  def limit(row):
+    return partition_bytes if partition_bytes is not None else DEFAULT_PARTITION_PARAMS * itemsize(row.dtype)
+
+  count = sum(partition_count(profile, r, limit(row)) for r, row in enumerate(profile.rows))
+  if count > MAX_PARTITIONS:
+    raise ValueError(f"priority(partition_bytes={partition_bytes!r}) cuts this profile into {count} "
+                     f"partitions, more than {MAX_PARTITIONS}; use a larger partition_bytes (default: 1M "
+                     f"parameters times the dtype size).")
   parts = []  # (ready_s, row, start, stop, units, cost)
   startup_s, per_byte_s = network.startup_s, network.per_byte_s
   for r, row in enumerate(profile.rows):
     if row.nbytes == 0:
       continue
     size = itemsize(row.dtype)
-    limit = partition_bytes if partition_bytes is not None else DEFAULT_PARTITION_PARAMS * size
-    for _, a, b in partition_row(profile, r, limit):
+    for _, a, b in partition_row(profile, r, limit(row)):
       units = (b - a) * size if credit_bytes is not None else (b - a)
       parts.append((row.ready_s, r, a, b, units, startup_s + per_byte_s * (b - a) * size))
-      if len(parts) > MAX_PARTITIONS:
-        raise ValueError(f"priority(partition_bytes={partition_bytes!r}) cuts this profile into more than "
-                         f"{MAX_PARTITIONS} partitions; use a larger partition_bytes (default: 1M "
-                         f"parameters times the dtype size).")
   parts.sort(key=lambda p: (p[0], p[1], p[2]))
   credit = credit_bytes if credit_bytes is not None else DEFAULT_CREDIT_PARAMS
   pending: list[tuple[int, int, int, int, float]] = []  # heap by (row, start)
