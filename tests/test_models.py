@@ -99,3 +99,173 @@ def test_layer_of():
   assert layer_of("wpe") == "wpe"
   with pytest.raises(ValueError, match="path=''"):
     layer_of("")
+
+
+# -------------------------------------------------------------------------------------------------
+# reference architectures and the bundled traces
+
+from prophet_jax import NetworkModel, TraceUnavailableError  # noqa: E402
+from prophet_jax.models import (ALGORITHM_SWITCH_BYTES, ARCHITECTURES, TRACES, architecture,  # noqa: E402
+                                googlenet_allreduce, googlenet_available, load_trace,
+                                reference_param_count)
+
+GOOGLENET_OK, GOOGLENET_WHY = googlenet_available()
+needs_googlenet = pytest.mark.skipif(not GOOGLENET_OK, reason=GOOGLENET_WHY)
+BUNDLED = [t for t in TRACES if t != "googlenet-k80"]
+
+
+def test_architecture_param_counts_match_the_published_models():
+  counts = {name: num_params(architecture(name).abstract_params()) for name in ARCHITECTURES}
+  assert counts == {"resnet50": 25_557_032, "vgg16": 138_357_544, "bert-base": 109_482_240,
+                    "gpt2": 124_439_808}
+  assert all(counts[n] == reference_param_count(n) for n in ARCHITECTURES)
+  with pytest.raises(ValueError, match="unknown architecture.*'gpt2'"):
+    architecture("gpt3")
+
+
+def _tree_from_rows(rows):
+  tree = {}
+  for r in rows:
+    *parents, leaf = r.path.split("/")
+    node = tree
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = jax.ShapeDtypeStruct(r.shape, jnp.float32)
+  return tree
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_trace_rows_are_the_flax_leaves_in_forward_order(name):
+  """The bundled rows (paths, shapes, order) are exactly the flax model's leaves in forward order."""
+  arch, prof = architecture(name), load_trace(f"{name}-v100")
+  params = _tree_from_rows(prof.rows)  # flax checks every shape against its definition
+  state = {}
+  if name == "resnet50":  # BatchNorm's running statistics: same shapes as its scale
+    scales = [r for r in prof.rows if r.path.endswith("/scale")]
+    assert len(scales) == 53
+    state = {"batch_stats": {}}
+    for r in scales:
+      node = state["batch_stats"]
+      for p in r.layer.split("/")[1:]:
+        node = node.setdefault(p, {})
+      node.update(mean=jax.ShapeDtypeStruct(r.shape, jnp.float32), var=jax.ShapeDtypeStruct(r.shape, jnp.float32))
+  x = jax.ShapeDtypeStruct((1, *arch.input_shape) if arch.input_dtype == "float32" else (1, 16),
+                           jnp.dtype(arch.input_dtype))
+  order = forward_paths(lambda p, x, s: arch.apply(p, x, state=s), params, x, state)
+  assert list(order) == [r.path for r in prof.rows]
+  assert sum(r.size for r in prof.rows) == reference_param_count(name)
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_traces(name):
+  prof = load_trace(name)
+  model, device = name.rsplit("-", 1)
+  assert (prof.model, prof.device, prof.method) == (model, device, "estimated")
+  assert all(r.dtype == "float32" and r.nbytes == 4 * r.size for r in prof.rows)
+  assert sum(r.size for r in prof.rows) == reference_param_count(model)
+  assert 1.9 <= prof.backward_s / prof.forward_s <= 2.1
+  assert prof.update_s > 0 and all(r.update_s > 0 for r in prof.rows)
+  # backward runs from the last layer to the first: ready times never increase along the rows
+  ready = [r.ready_s for r in prof.rows]
+  assert all(a >= b for a, b in zip(ready, ready[1:]))
+  assert ready[0] == pytest.approx(prof.backward_s) and ready[-1] < prof.backward_s / 2
+  assert "float32" in prof.notes and ("v100" in name) == ("15.7 TFLOP/s" in prof.notes)
+  first = {"resnet50": "params/conv1/kernel", "vgg16": "params/conv1_1/kernel",
+           "bert-base": "params/embeddings/word_embeddings/embedding", "gpt2": "params/wte/embedding"}
+  assert prof.rows[0].path == first[model]
+
+
+def test_bundled_trace_details():
+  gpt = load_trace("gpt2-h100")
+  # tied embedding: needed first by the forward pass (row 0), complete only at the end of backward
+  assert gpt.rows[0].path == "params/wte/embedding" and gpt.rows[0].ready_s == gpt.backward_s
+  assert gpt.rows[0].shape == (50257, 768) and gpt.rows[-1].layer == "params/ln_f"
+  assert "tied" in gpt.notes.lower()
+  assert "NOT included" in load_trace("bert-base-v100").notes  # the MLM head
+  for model in ("resnet50", "vgg16", "bert-base", "gpt2"):  # the faster device is faster
+    v, h = load_trace(f"{model}-v100"), load_trace(f"{model}-h100")
+    assert h.compute_s < v.compute_s / 5
+    assert v.tree_rows() == h.tree_rows()
+  # ResNet-50 (fp32, V100, 64 images): the estimate is in the range of published throughput
+  r = load_trace("resnet50-v100")
+  assert 250 <= 64 / (r.forward_s + r.backward_s) <= 450
+  with pytest.raises(ValueError, match="unknown trace.*'resnet50-v100'"):
+    load_trace("resnet51-v100")
+
+
+def test_bundled_traces_are_up_to_date():
+  from prophet_jax.models import make_traces
+
+  for name in ("gpt2-v100", "resnet50-h100"):
+    model, device = name.rsplit("-", 1)
+    assert make_traces.build_profile(model, device) == load_trace(name)
+
+
+def test_load_trace_needs_no_jax():
+  import subprocess
+  import sys
+
+  code = ("import sys; sys.modules['jax'] = None\n"
+          "from prophet_jax.models import load_trace, TRACES\n"
+          "print(len(load_trace('vgg16-h100').rows))\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0 and out.stdout.strip() == "32", out.stderr
+
+
+# -------------------------------------------------------------------------------------------------
+# GoogLeNet / K80 (the public data set in ../shared/traces, read at run time)
+
+
+def test_googlenet_absent_is_reported_clearly(tmp_path):
+  with pytest.raises(TraceUnavailableError, match=f"not on this machine.*{tmp_path}"):
+    load_trace("googlenet-k80", shared_dir=tmp_path)
+  with pytest.raises(TraceUnavailableError, match="shared_dir="):
+    googlenet_allreduce(8, shared_dir=tmp_path)
+  with pytest.raises(ValueError, match=r"nodes=3.*\[2, 4, 8\]"):
+    load_trace("googlenet-k80", nodes=3)
+
+
+@needs_googlenet
+def test_googlenet_trace():
+  import re
+
+  prof = load_trace("googlenet-k80")
+  assert prof is not None and len(prof.rows) == 128 and len(prof.layers) == 64
+  assert prof.rows[0].path == "params/conv1/7x7_s2/weight" and prof.rows[0].shape == (9408,)
+  assert prof.rows[-1].path == "params/loss3/classifier/bias" and prof.rows[-1].shape == (1000,)
+  assert sum(r.size for r in prof.rows) == 13_378_280
+  # an independent read of the last pass: one time per layer (weight and bias rows repeat it)
+  text = (GOOGLENET_DIR / "tmp8comm.log").read_text()
+  rows = [[float(v) for v in m.split(",")] for m in re.findall(r"\] \[([^\]]+)\]", text)][-128:]
+  per_layer_s = [rows[i][2] * 1e-6 for i in range(0, 128, 2)]
+  assert prof.backward_s == pytest.approx(sum(per_layer_s))
+  assert prof.forward_s == pytest.approx(0.5 * sum(per_layer_s))
+  assert prof.rows[0].ready_s == pytest.approx(prof.backward_s)
+  assert prof.rows[-1].ready_s == pytest.approx(per_layer_s[-1])
+  assert prof.rows[1].ready_s == prof.rows[0].ready_s and prof.rows[1].fwd_s == 0
+  for nodes in (2, 4):
+    other = load_trace("googlenet-k80", nodes=nodes)
+    assert other.tree_rows() == prof.tree_rows() and other.backward_s != prof.backward_s
+
+
+GOOGLENET_DIR = __import__("pathlib").Path(GOOGLENET_WHY) if GOOGLENET_OK else None
+
+
+@needs_googlenet
+def test_googlenet_allreduce_and_fit():
+  for nodes in (2, 4, 8):  # allreduce4.log has no 'nodes,' prefix: it must parse all the same
+    sizes, secs = googlenet_allreduce(nodes)
+    assert len(sizes) == 266 and sizes[0] == 4 and sizes[-1] == 1048576
+    assert np.all(np.diff(sizes) > 0) and np.all(secs > 0)
+  for nodes in (2, 4, 8):
+    sizes, secs = googlenet_allreduce(nodes, min_bytes=ALGORITHM_SWITCH_BYTES)
+    assert sizes.min() == 12288
+    big = NetworkModel.fit(sizes, secs, workers=nodes)
+    every = NetworkModel.fit(*googlenet_allreduce(nodes), workers=nodes)
+
+    def rel_err(m):
+      return np.abs(np.array([m.allreduce_s(x) for x in sizes]) / secs - 1)
+
+    # the large-size regime is a line; letting the small-size regime in distorts the fit
+    assert np.median(rel_err(big)) < 0.06 and np.max(rel_err(big)) < 0.25
+    assert np.max(rel_err(every)) > 2 * np.max(rel_err(big))
