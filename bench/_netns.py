@@ -1,0 +1,117 @@
+"""Two network namespaces joined by a veth pair, shaped with `tc ... tbf`: the benches' private link.
+
+`shaped_link(rate)` creates namespaces `pjx<pid>a` and `pjx<pid>b` (this process's pid, so runs never
+collide), a veth pair whose ends are both named `pjxveth` inside their namespaces (so one
+`PROPHET_GLOO_INTERFACE` fits both ranks), addresses 10.213.<x>.1/24 and .2/24 (inside these
+namespaces only: nothing outside them is touched or reached), loopback up in each, and a tbf qdisc of
+the given rate on both ends' egress. Every namespace it creates is deleted by name on exit from the
+`with` block, on an exception, and at interpreter exit (atexit), whichever comes first; deleting a
+namespace deletes the veth end inside it.
+
+Needs root, `ip` and `tc` (iproute2). `skip_reason()` says why not, for a clear skip.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+IFACE = "pjxveth"
+_CREATED: list[str] = []  # namespaces this process created and has not deleted yet
+
+
+def skip_reason() -> str | None:
+  """None when shaped links can be made here, else a one-line reason."""
+  if os.geteuid() != 0:
+    return "needs root (network namespaces and tc); run as root or skip the shaped-link bench"
+  for tool in ("ip", "tc"):
+    if shutil.which(tool) is None:
+      return f"`{tool}` not found; install iproute2 (apt-get install iproute2)"
+  return None
+
+
+def _sh(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+  r = subprocess.run(list(args), capture_output=True, text=True)
+  if check and r.returncode:
+    raise RuntimeError(f"`{' '.join(args)}` failed ({r.returncode}): {r.stderr.strip()}")
+  return r
+
+
+def delete_namespace(name: str) -> None:
+  """Deletes the namespace `name` if it exists (and forgets it)."""
+  _sh(["ip", "netns", "del", name], check=False)
+  if name in _CREATED:
+    _CREATED.remove(name)
+
+
+def _cleanup_all() -> None:
+  for name in list(_CREATED):
+    delete_namespace(name)
+
+
+atexit.register(_cleanup_all)
+
+
+def _tbf(ns: str, rate: str) -> list[str]:
+  # burst: at least rate / HZ (250) so the bucket refills per tick; latency bounds the queue.
+  return ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", IFACE, "root", "tbf", "rate", rate,
+          "burst", "512kb", "latency", "200ms"]
+
+
+@dataclass(frozen=True)
+class Link:
+  """A shaped veth link: rank k runs in `namespaces[k]` and owns `addresses[k]`."""
+
+  namespaces: tuple[str, str]
+  addresses: tuple[str, str]
+  rate: str
+  iface: str = IFACE
+
+  def exec_prefix(self, rank: int) -> list[str]:
+    """The command prefix that runs a program in rank `rank`'s namespace."""
+    return ["ip", "netns", "exec", self.namespaces[rank]]
+
+  def set_rate(self, rate: str) -> Link:
+    """Re-shapes both ends to `rate` (e.g. '1gbit', '100mbit')."""
+    for ns in self.namespaces:
+      _sh(_tbf(ns, rate))
+    return Link(self.namespaces, self.addresses, rate)
+
+  def qdisc(self) -> str:
+    return _sh(["ip", "netns", "exec", self.namespaces[0], "tc", "qdisc", "show", "dev", IFACE]).stdout.strip()
+
+
+@contextlib.contextmanager
+def shaped_link(rate: str = "1gbit", *, subnet: int | None = None) -> Iterator[Link]:
+  """Two namespaces joined by a veth pair shaped to `rate`; deleted on exit (even on failure)."""
+  reason = skip_reason()
+  if reason:
+    raise RuntimeError(reason)
+  tag = f"pjx{os.getpid()}"
+  names = (f"{tag}a", f"{tag}b")
+  x = subnet if subnet is not None else os.getpid() % 200 + 20
+  addrs = (f"10.213.{x}.1", f"10.213.{x}.2")
+  tmp = (f"{tag}x", f"{tag}y")
+  try:
+    for ns in names:
+      delete_namespace(ns)
+      _sh(["ip", "netns", "add", ns])
+      _CREATED.append(ns)
+      _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+    # create the pair directly inside the namespaces, so nothing lingers in the root namespace
+    _sh(["ip", "-n", names[0], "link", "add", tmp[0], "type", "veth", "peer", "name", tmp[1], "netns",
+         names[1]])
+    for ns, t, addr in zip(names, tmp, addrs):
+      _sh(["ip", "-n", ns, "link", "set", t, "name", IFACE])
+      _sh(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", IFACE])
+      _sh(["ip", "-n", ns, "link", "set", IFACE, "up"])
+      _sh(_tbf(ns, rate))
+    yield Link(names, addrs, rate)
+  finally:
+    for ns in names:
+      delete_namespace(ns)

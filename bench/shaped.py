@@ -1,0 +1,332 @@
+"""Real 2-process training over a shaped link: measured step time against the simulator, per policy.
+
+Two processes, each in its own network namespace, joined by a veth pair capped with `tc ... tbf`
+(1 Gbit/s, and a second rate, 100 Mbit/s by default, where communication weighs more). gloo is bound
+to the veth (the private call of prophet_jax._gloo; the coordinator listens on the veth address of
+rank 0's namespace). Model: `resnet-small` at 32 images per process (1 CPU device per process).
+
+Per rate: probe the link (`measure_network` across the two processes), profile the step
+(`profile_step`, scaled to the measured communication-free step), then per policy: plan on rank 0,
+broadcast, predict with `simulate`, and measure the median step time of the real training step
+(`scheduled(sgd)` under `shard_map`). Also the step with a plain `lax.pmean` (XLA left alone).
+
+  sudo .venv/bin/python bench/shaped.py                     # writes bench/results/shaped.json
+  sudo .venv/bin/python bench/shaped.py --rates 1gbit --steps 20 --out /tmp/s.json
+
+Without root (or without `ip`/`tc`) it prints why and exits 0 without measuring. Every namespace it
+creates is deleted by name, even on failure. Bench scripts write JSON and never assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+POLICIES = ("xla", "wfbp", "bucket", "mgwfbp", "priority", "prophet", "auto")
+MODEL = "resnet-small"
+PER_PROCESS_BATCH = 32
+PORT = 29517  # a fresh namespace: any port is free
+
+
+# --------------------------------------------------------------------------------------------------
+# worker: runs in a namespace, under prophet_jax.launch
+
+
+def _median_time(fn, repeats: int) -> tuple[float, float, list[float]]:
+  import numpy as np
+
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts)), float(np.percentile(ts, 10)), ts
+
+
+def _slowest(x: float) -> float:
+  """The largest value over the processes (a step waits for the slower process)."""
+  import jax
+  import numpy as np
+
+  if jax.process_count() == 1:
+    return float(x)
+  from jax.experimental import multihost_utils
+
+  return float(np.max(multihost_utils.process_allgather(np.asarray(x, np.float64))))
+
+
+def worker(args: argparse.Namespace) -> int:
+  from prophet_jax.launch import broadcast_schedule, initialize
+
+  initialize()
+  import jax
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import prophet_jax
+  from prophet_jax import plan, simulate
+  from prophet_jax._network import time_allreduce
+  from prophet_jax.models import get_model
+
+  rank, ndev = jax.process_index(), jax.device_count()
+  model = get_model(MODEL)
+  mesh = jax.make_mesh((ndev,), ("dp",))
+  rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
+
+  def to_global(tree, sharding):
+    return jax.tree_util.tree_map(
+        lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda idx: np.asarray(x)[idx]), tree)
+
+  params = jax.device_get(model.init(jax.random.key(0)))
+  gbatch = jax.device_get(model.make_batch(jax.random.key(1), PER_PROCESS_BATCH * ndev))
+  local_batch = jax.tree_util.tree_map(lambda x: x[rank * PER_PROCESS_BATCH:(rank + 1) * PER_PROCESS_BATCH],
+                                       gbatch)
+  tx0 = optax.sgd(0.01, momentum=0.9)
+  log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+
+  # 1. the link
+  t0 = time.perf_counter()
+  timings = time_allreduce(sizes=tuple(2**k for k in range(10, 21, 2)) + (2**21,),
+                           repeats=args.probe_repeats, max_seconds_per_size=8.0)
+  net, net_low = timings.fit("median"), timings.fit("low")
+  log(f"probe: alpha {net.alpha_s * 1e6:.1f} us/step, beta {net.beta_s_per_byte * 1e9:.2f} ns/B "
+      f"({8 / net.beta_s_per_byte / 1e6 if net.beta_s_per_byte else float('inf'):.0f} Mbit/s), "
+      f"residual {net.fit_residual_s * 1e6 if net.fit_residual_s else 0:.0f} us, {time.perf_counter() - t0:.1f} s")
+
+  # 2. the step without communication (one local device): a first measure to plan with
+  dev = jax.local_devices()[0]
+  lp, lb = jax.device_put(params, dev), jax.device_put(local_batch, dev)
+  lopt = jax.device_put(tx0.init(params), dev)
+
+  @jax.jit
+  def local_step(p, o, b):
+    loss, g = jax.value_and_grad(model.loss_fn)(p, b)
+    u, o = tx0.update(g, o, p)
+    return optax.apply_updates(p, u), o, loss
+
+  lstate = (lp, lopt)
+  def run_local():
+    nonlocal lstate
+    p, o, _ = local_step(*lstate, lb)
+    lstate = (p, o)
+    jax.block_until_ready(p)
+  for _ in range(3):
+    run_local()
+  first_compute_s = _slowest(_median_time(run_local, 10)[0])
+  try:
+    from prophet_jax import profile_step
+
+    prof = profile_step(model.loss_fn, params, local_batch, num_devices=1, tx=tx0, model=MODEL)
+    how = f"profile_step ({prof.method})"
+  except Exception as e:  # noqa: BLE001 - fall back to an estimate from the sizes
+    prof = prophet_jax.GradientProfile.from_params(params, forward_s=first_compute_s / 3,
+                                                   backward_s=2 * first_compute_s / 3, model=MODEL)
+    how = f"from_params (profile_step failed: {type(e).__name__})"
+  profile = prof.scaled(first_compute_s / prof.compute_s) if prof.compute_s > 0 else prof
+
+  # 3. per policy: plan (rank 0) and broadcast; compile every variant
+  gparams, gbatch_arr = to_global(params, rep), to_global(gbatch, split)
+
+  def make_runner(tx, reduce_in_step: bool):
+    def step(p, o, b):
+      pv = jax.lax.pcast(p, "dp", to="varying")
+      loss, g = jax.value_and_grad(model.loss_fn)(pv, b)
+      if reduce_in_step:
+        g = jax.lax.pmean(g, "dp")
+      u, o = tx.update(g, o, p)
+      return optax.apply_updates(p, u), o
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("dp")), out_specs=(P(), P())))
+    st = (gparams, to_global(jax.device_get(tx.init(params)), rep))
+    def run():
+      nonlocal st
+      st = f(*st, gbatch_arr)
+      jax.block_until_ready(st[0])
+    run()
+    return run
+
+  def make_sync_runner():
+    """The step with no gradient all-reduce, but one scalar psum: compute + dispatch + the lockstep
+    of two processes (each step waits for the slower one), what every real step also pays."""
+    def step(p, o, b):
+      loss, g = jax.value_and_grad(model.loss_fn)(p, b)
+      u, o = tx0.update(g, o, p)
+      return optax.apply_updates(p, u), o, jax.lax.psum(loss, "dp")
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("dp")), out_specs=(P(), P(), P()),
+                              check_vma=False))
+    st = (gparams, to_global(jax.device_get(tx0.init(params)), rep))
+    def run():
+      nonlocal st
+      p_, o_, l_ = f(*st, gbatch_arr)
+      st = (p_, o_)
+      jax.block_until_ready(l_)
+    run()
+    return run
+
+  scheds, runners = {}, {"compute-only": make_sync_runner()}
+  for name in args.policies:
+    sched = plan(profile, net, name) if rank == 0 else None
+    scheds[name] = broadcast_schedule(sched, params)
+    runners[name] = make_runner(prophet_jax.scheduled(tx0, scheds[name], axis_name="dp"), False)
+  runners["pmean"] = make_runner(tx0, True)
+  log(f"compiled {len(runners)} variants; timing {args.rounds} interleaved rounds of {args.steps} steps")
+
+  # 4. interleaved rounds (the load of this shared machine drifts: every variant sees the same drift)
+  times: dict[str, list[float]] = {k: [] for k in runners}
+  for _ in range(args.rounds):
+    for k, run in runners.items():
+      run()  # untimed: the first step after a switch
+      times[k] += _median_time(run, args.steps)[2]
+  # the scalar psum's own cost is the network's start-up: take it out, the simulator adds it back per chunk
+  compute_s = float(np.median(times["compute-only"])) - net.allreduce_s(4)
+  compute_p10 = float(np.percentile(times["compute-only"], 10)) - net.allreduce_s(4)
+  profile = prof.scaled(compute_s / prof.compute_s) if prof.compute_s > 0 else prof
+  log(f"compute-only step (lockstep, no gradient all-reduce): median {compute_s * 1e3:.2f} ms (p10 "
+      f"{compute_p10 * 1e3:.2f}); "
+      f"profile by {how}, scaled x{compute_s / max(prof.compute_s, 1e-12):.2f} to it")
+  rows = []
+  for name in args.policies:
+    sim = simulate(scheds[name], profile, net)
+    med = float(np.median(times[name]))
+    p10 = float(np.percentile(times[name], 10))
+    err = (sim.iteration_s - med) / med
+    floor = simulate(scheds[name], prof.scaled(compute_p10 / prof.compute_s), net_low).iteration_s
+    rows.append(dict(policy=name, allreduces=scheds[name].num_allreduces, predicted_s=sim.iteration_s,
+                     measured_median_s=med, measured_p10_s=p10, error=err, predicted_floor_s=floor,
+                     floor_error=(floor - p10) / p10))
+    log(f"{name:9s} {scheds[name].num_allreduces:3d} all-reduces  predicted {sim.iteration_s * 1e3:7.2f} ms  "
+        f"measured {med * 1e3:7.2f} ms (p10 {p10 * 1e3:7.2f})  error {err * 100:+5.1f}%")
+  med, p10 = float(np.median(times["pmean"])), float(np.percentile(times["pmean"], 10))
+  pmean_row = dict(policy="pmean (XLA left alone)", allreduces=None, predicted_s=None,
+                   measured_median_s=med, measured_p10_s=p10, error=None)
+  log(f"plain pmean step (XLA left alone): measured {med * 1e3:7.2f} ms (p10 {p10 * 1e3:7.2f})")
+  if rank == 0 and args.result:
+    Path(args.result).write_text(json.dumps(dict(
+        network=net.to_dict(), network_low=net_low.to_dict(),
+        probe=dict(sizes=timings.sizes, median_s=timings.median_s, low_s=timings.low_s), first_compute_s=first_compute_s, compute_only_median_s=compute_s, compute_only_p10_s=compute_p10,
+        profile_method=how, profile_compute_s=profile.compute_s, total_gradient_bytes=profile.total_nbytes,
+        policies=rows, pmean=pmean_row), indent=1))
+  return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# parent: makes the namespaces, launches the two workers, collects the table
+
+
+def _speedups(rows: list[dict], pmean: dict) -> dict:
+  by = {r["policy"]: r for r in rows}
+  out = {}
+  if "auto" in by and "wfbp" in by:
+    out["auto_over_wfbp_measured"] = by["wfbp"]["measured_median_s"] / by["auto"]["measured_median_s"]
+    out["auto_over_wfbp_predicted"] = by["wfbp"]["predicted_s"] / by["auto"]["predicted_s"]
+    out["ratio_error"] = out["auto_over_wfbp_measured"] / out["auto_over_wfbp_predicted"] - 1
+  if "auto" in by and "xla" in by:
+    out["auto_over_xla_measured"] = by["xla"]["measured_median_s"] / by["auto"]["measured_median_s"]
+    out["auto_over_xla_predicted"] = by["xla"]["predicted_s"] / by["auto"]["predicted_s"]
+  if "auto" in by:
+    out["auto_over_pmean_measured"] = pmean["measured_median_s"] / by["auto"]["measured_median_s"]
+  return out
+
+
+def parent(args: argparse.Namespace) -> int:
+  from _netns import shaped_link, skip_reason
+
+  reason = skip_reason()
+  if reason:
+    print(f"bench/shaped.py: skipped: {reason}.")
+    return 0
+  from prophet_jax.launch import launch
+
+  results = dict(command="python " + " ".join(shlex.quote(a) for a in sys.argv), model=MODEL,
+                 per_process_batch=PER_PROCESS_BATCH, processes=2, devices_per_process=1,
+                 steps=args.steps, rounds=args.rounds, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 host_cpus=os.cpu_count(), rates={})
+  for rate in args.rates:
+    with shaped_link(rate) as link, tempfile.TemporaryDirectory() as tmp:
+      result = os.path.join(tmp, "rank0.json")
+      inner = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result", result,
+               "--steps", str(args.steps), "--rounds", str(args.rounds), "--probe-repeats", str(args.probe_repeats),
+               "--policies", *args.policies]
+      ns = {0: link.namespaces[0], 1: link.namespaces[1]}
+      script = (f'if [ "$PROPHET_PROCESS_ID" = 0 ]; then NS={ns[0]}; else NS={ns[1]}; fi; '
+                f'export PROPHET_GLOO_INTERFACE={link.iface}; exec ip netns exec "$NS" '
+                + " ".join(shlex.quote(a) for a in inner))
+      print(f"== {rate}: {link.qdisc()}", flush=True)
+      t0 = time.perf_counter()
+      code = launch(["sh", "-c", script], nproc=2, coordinator=link.addresses[0], port=PORT,
+                    devices_per_process=1, init_timeout_s=120)
+      if code or not os.path.exists(result):
+        print(f"bench/shaped.py: the run at {rate} failed (exit {code}).", file=sys.stderr)
+        results["rates"][rate] = dict(failed=code)
+        continue
+      r = json.loads(Path(result).read_text())
+      r["wall_s"] = time.perf_counter() - t0
+      r["speedups"] = _speedups(r["policies"], r["pmean"])
+      results["rates"][rate] = r
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(results, indent=1))
+  print(format_table(results))
+  print(f"written to {out}")
+  return 0
+
+
+def format_table(results: dict) -> str:
+  lines = []
+  for rate, r in results["rates"].items():
+    if "policies" not in r:
+      lines.append(f"{rate}: failed")
+      continue
+    net = r["network"]
+    lines.append(f"\n{rate}: probed alpha {net['alpha_s'] * 1e6:.1f} us/step, beta "
+                 f"{net['beta_s_per_byte'] * 1e9:.2f} ns/B; compute-only step {r['compute_only_median_s'] * 1e3:.2f} ms; "
+                 f"gradients {r['total_gradient_bytes'] / 1e3:.0f} kB")
+    lines.append("| policy | all-reduces | predicted ms | measured ms (median) | error | floor predicted "
+                 "(p10) | floor measured (p10) | floor error |")
+    lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for p in r["policies"]:
+      lines.append(f"| {p['policy']} | {p['allreduces']} | {p['predicted_s'] * 1e3:.2f} | "
+                   f"{p['measured_median_s'] * 1e3:.2f} | {p['error'] * 100:+.1f}% | "
+                   f"{p['predicted_floor_s'] * 1e3:.2f} | {p['measured_p10_s'] * 1e3:.2f} | "
+                   f"{p['floor_error'] * 100:+.1f}% |")
+    pm = r["pmean"]
+    lines.append(f"| plain pmean (XLA alone) | - | - | {pm['measured_median_s'] * 1e3:.2f} | - | - | "
+                 f"{pm['measured_p10_s'] * 1e3:.2f} | - |")
+    s = r["speedups"]
+    if "auto_over_wfbp_measured" in s:
+      lines.append(f"auto over wfbp: measured {s['auto_over_wfbp_measured']:.3f}x, predicted "
+                   f"{s['auto_over_wfbp_predicted']:.3f}x (ratio off by {s['ratio_error'] * 100:+.1f}%)")
+    if "auto_over_xla_measured" in s:
+      lines.append(f"auto over xla: measured {s['auto_over_xla_measured']:.3f}x, predicted "
+                   f"{s['auto_over_xla_predicted']:.3f}x; over plain pmean: measured "
+                   f"{s['auto_over_pmean_measured']:.3f}x")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"])
+  p.add_argument("--policies", nargs="+", default=list(POLICIES))
+  p.add_argument("--steps", type=int, default=8, help="timed steps per variant per round")
+  p.add_argument("--rounds", type=int, default=6, help="interleaved rounds over the variants")
+  p.add_argument("--probe-repeats", type=int, default=15)
+  p.add_argument("--out", default=str(HERE / "results" / "shaped.json"))
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  return worker(args) if args.worker else parent(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
