@@ -134,17 +134,24 @@ class _Instance:
   def merged(self, x: _Chunk, y: _Chunk) -> _Chunk:
     return self.chunk(x.slices + y.slices)
 
-  def iteration_s(self, chunks: Sequence[_Chunk]) -> float:
-    """The simulator's steady-state iteration time of `chunks` in issue order."""
+  def arrays(self, chunks: Sequence[_Chunk]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ready, nbytes, tail) of `chunks`, in issue order."""
+    n = len(chunks)
+    return (np.fromiter((c.ready_s for c in chunks), dtype=np.float64, count=n),
+            np.fromiter((c.nbytes for c in chunks), dtype=np.float64, count=n),
+            np.fromiter((c.tail_s for c in chunks), dtype=np.float64, count=n))
+
+  def iteration_of(self, ready: np.ndarray, nbytes: np.ndarray, tail: np.ndarray) -> float:
+    """The simulator's iteration time from per-chunk arrays in issue order."""
     from .._simulate import _iteration_s
 
     p = self.prob
-    n = len(chunks)
-    ready = np.fromiter((c.ready_s for c in chunks), dtype=np.float64, count=n)
-    dur = p.startup_s + p.per_byte_s * np.fromiter((c.nbytes for c in chunks), dtype=np.float64, count=n)
-    tail = np.fromiter((c.tail_s for c in chunks), dtype=np.float64, count=n)
-    return float(_iteration_s(ready, dur, tail, backward_s=p.backward_s, after_s=p.after_s,
-                              floor_s=p.floor_s, links=p.links, overlap=p.overlap))
+    return float(_iteration_s(ready, p.startup_s + p.per_byte_s * nbytes, tail, backward_s=p.backward_s,
+                              after_s=p.after_s, floor_s=p.floor_s, links=p.links, overlap=p.overlap))
+
+  def iteration_s(self, chunks: Sequence[_Chunk]) -> float:
+    """The simulator's steady-state iteration time of `chunks` in issue order."""
+    return self.iteration_of(*self.arrays(chunks))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -330,52 +337,62 @@ def _tail_dp(inst: _Instance, units: Sequence[Slice]) -> list[_Chunk]:
   return out
 
 
-def _local_search(inst: _Instance, chunks: list[_Chunk], budget: int,
-                  moves_anywhere: bool) -> tuple[list[_Chunk], float, int]:
-  """First-improvement local search: merge or swap neighbours, split a chunk, (small) move a chunk.
+def _moves(inst: _Instance, cur: list[_Chunk], k: int, rich: bool):
+  """The neighbourhood of chunk k, as edits (i, j, new): replace cur[i:j] with `new`."""
+  c = cur[k]
+  if k + 1 < len(cur):
+    if c.dtype == cur[k + 1].dtype:
+      yield k, k + 2, [inst.merged(c, cur[k + 1])]
+    yield k, k + 2, [cur[k + 1], c]
+  s = c.slices
+  if len(s) > 1:
+    half = len(s) // 2
+    yield k, k + 1, [inst.chunk(s[:half]), inst.chunk(s[half:])]
+  if not rich:
+    return
+  n = len(cur)
+  rest = cur[:k] + cur[k + 1:]
+  for j in range(n):  # move the chunk anywhere
+    if j not in (k, k + 1):
+      yield 0, n, rest[:j] + [c] + rest[j:]
+  for j in range(n - 1):  # merge it into any other chunk of its dtype
+    if rest[j].dtype == c.dtype:
+      yield 0, n, rest[:j] + [inst.merged(rest[j], c)] + rest[j + 1:]
+  if len(s) > 1:  # move one slice out: alone anywhere, or into another chunk of its dtype
+    for i in range(len(s)):
+      alone = inst.chunk([s[i]])
+      base = cur[:k] + [inst.chunk(s[:i] + s[i + 1:])] + cur[k + 1:]
+      for j in range(n + 1):
+        yield 0, n, base[:j] + [alone] + base[j:]
+      for j in range(n):
+        if j != k and base[j].dtype == c.dtype:
+          yield 0, n, base[:j] + [inst.merged(base[j], alone)] + base[j + 1:]
 
+
+def _local_search(inst: _Instance, chunks: list[_Chunk], budget: int,
+                  rich: bool) -> tuple[list[_Chunk], float, int]:
+  """First-improvement local search over `_moves` (merge, swap, split; rich: move chunks and slices).
+
+  A trial replaces a range of chunks, so it is scored by splicing the per-chunk arrays (no rebuild).
   Stops at a local optimum or after `budget` evaluations. Returns (chunks, predicted, evaluations).
   """
-  best = inst.iteration_s(chunks)
-  evals = 1
   cur = list(chunks)
+  arrays = inst.arrays(cur)
+  best = inst.iteration_of(*arrays)
+  evals = 1
   improved = True
   while improved and evals < budget:
     improved = False
     k = 0
     while k < len(cur) and evals < budget:
-      trials: list[list[_Chunk]] = []
-      if k + 1 < len(cur):
-        if cur[k].dtype == cur[k + 1].dtype:
-          trials.append(cur[:k] + [inst.merged(cur[k], cur[k + 1])] + cur[k + 2:])
-        trials.append(cur[:k] + [cur[k + 1], cur[k]] + cur[k + 2:])
-      s = cur[k].slices
-      if len(s) > 1:
-        half = len(s) // 2
-        trials.append(cur[:k] + [inst.chunk(s[:half]), inst.chunk(s[half:])] + cur[k + 1:])
-      if moves_anywhere:
-        rest = cur[:k] + cur[k + 1:]
-        for j in range(len(rest) + 1):
-          if j not in (k, k + 1):
-            trials.append(rest[:j] + [cur[k]] + rest[j:])
-        for j in range(len(rest)):  # merge the chunk into any other of its dtype
-          if rest[j].dtype == cur[k].dtype:
-            trials.append(rest[:j] + [inst.merged(rest[j], cur[k])] + rest[j + 1:])
-        if len(s) > 1:  # move one slice out: alone anywhere, or into another chunk of its dtype
-          for i in range(len(s)):
-            left = inst.chunk(s[:i] + s[i + 1:])
-            alone = inst.chunk([s[i]])
-            base = cur[:k] + [left] + cur[k + 1:]
-            for j in range(len(base) + 1):
-              trials.append(base[:j] + [alone] + base[j:])
-            for j in range(len(base)):
-              if j != k and base[j].dtype == cur[k].dtype:
-                trials.append(base[:j] + [inst.merged(base[j], alone)] + base[j + 1:])
-      for trial in trials:
+      for i, j, new in _moves(inst, cur, k, rich):
         evals += 1
-        v = inst.iteration_s(trial)
+        mid = inst.arrays(new)
+        trial = tuple(np.concatenate((x[:i], m, x[j:])) for x, m in zip(arrays, mid))
+        v = inst.iteration_of(*trial)
         if v < best * (1 - 1e-12):
-          best, cur, improved = v, trial, True
+          best, arrays, improved = v, trial, True
+          cur = cur[:i] + new + cur[j:]
           break
         if evals >= budget:
           break

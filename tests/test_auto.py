@@ -1,0 +1,200 @@
+"""The `auto` policy: optimality against brute force, never worse than a baseline, modes, errors.
+
+Pure (no jax): every test plans and simulates on random instances from `prophet_jax._brute`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import prophet_jax as pj
+from prophet_jax import _brute
+from prophet_jax._simulate import _iteration_s, _problem
+from prophet_jax.schedulers import _auto
+from prophet_jax.schedulers._auto import auto
+
+SEEDS = st.integers(0, 2**32 - 1)
+BASELINES = ("wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet")
+
+
+def _sim(s, profile, network, cross_step):
+  return pj.simulate(s, profile, network, cross_step=cross_step).iteration_s
+
+
+@settings(deadline=None, max_examples=12)
+@given(seed=SEEDS)
+def test_plain_step_equals_contiguous_brute_force(seed):
+  """cross_step=False, one link: the DP is exact over contiguous merges (12-14 leaves)."""
+  rng = np.random.default_rng(seed)
+  dtypes = ("float32", "bfloat16") if rng.random() < 0.3 else ("float32",)
+  profile = _brute.random_profile(rng, int(rng.integers(12, 15)), dtypes=dtypes)
+  network = _brute.random_network(rng, profile, links=1, overlap=True)
+  best_s, _ = _brute.best_contiguous(profile, network)
+  s = auto()(profile, network, cross_step=False)
+  assert s.predicted_s <= best_s * (1 + 1e-9), (s.predicted_s, best_s, dict(s.options))
+  assert _sim(s, profile, network, False) == pytest.approx(s.predicted_s, rel=1e-9)
+
+
+@settings(deadline=None, max_examples=12)
+@given(seed=SEEDS)
+def test_pipelined_step_within_2pct_of_ordered_brute_force(seed):
+  """cross_step=True: within 2% of the best merge x issue order (up to 8 leaves)."""
+  rng = np.random.default_rng(seed)
+  dtypes = ("float32", "bfloat16") if rng.random() < 0.3 else ("float32",)
+  profile = _brute.random_profile(rng, int(rng.integers(2, 9)), dtypes=dtypes, zero_prob=0.1)
+  network = _brute.random_network(rng, profile, links=1, overlap=True)
+  best_s, _ = _brute.best_ordered(profile, network, cross_step=True)
+  s = auto()(profile, network, cross_step=True)
+  assert s.predicted_s <= best_s * 1.02, (s.predicted_s / best_s, dict(s.options))
+  assert _sim(s, profile, network, True) == pytest.approx(s.predicted_s, rel=1e-9)
+
+
+@settings(deadline=None, max_examples=15)
+@given(seed=SEEDS, cross_step=st.booleans())
+def test_never_worse_than_any_baseline(seed, cross_step):
+  """Under the model it planned with, auto <= every baseline at its defaults, >= the lower bound."""
+  rng = np.random.default_rng(seed)
+  profile = _brute.random_profile(rng, int(rng.integers(1, 30)), dtypes=("float32", "bfloat16"),
+                                  zero_prob=0.1)
+  network = _brute.random_network(rng, profile)  # links 1-3, overlap on or off
+  s = pj.plan(profile, network, "auto", cross_step=cross_step)
+  got = _sim(s, profile, network, cross_step)
+  assert got == pytest.approx(s.predicted_s, rel=1e-9, abs=1e-15)
+  assert s.policy == "auto" and s.cross_step == cross_step
+  for name in BASELINES:
+    base = _sim(pj.plan(profile, network, name, cross_step=cross_step), profile, network, cross_step)
+    assert got <= base * (1 + 1e-9), (name, got, base)
+  assert pj.lower_bound(profile, network, cross_step=cross_step) <= got * (1 + 1e-9)
+
+
+def test_beats_every_baseline_on_a_balanced_pipelined_instance():
+  """Strictly faster than the best baseline where joint merge + order + cut pays (a fixed case)."""
+  rng = np.random.default_rng(7)
+  profile = _brute.random_profile(rng, 40, max_layers=12)
+  network = _brute.random_network(rng, profile, links=1, overlap=True, comm_ratio=1.0)
+  s = auto()(profile, network, cross_step=True)
+  best = min(_sim(pj.plan(profile, network, n, cross_step=True), profile, network, True)
+             for n in BASELINES)
+  assert s.predicted_s < best * 0.995, (s.predicted_s / best, dict(s.options))
+
+
+def test_tail_dp_is_optimal_for_priority_order():
+  """Everything ready at once: _tail_dp equals the best of all 2^(n-1) contiguous groupings."""
+  rng = np.random.default_rng(3)
+  for _ in range(5):
+    profile = _brute.random_profile(rng, 9, dtypes=("float32",))
+    rows = [r.__class__(**{**{f: getattr(r, f) for f in r.__slots__}, "ready_s": profile.backward_s})
+            for r in profile.rows]
+    profile = pj.GradientProfile(rows=tuple(rows), forward_s=profile.forward_s,
+                                 backward_s=profile.backward_s)
+    network = _brute.random_network(rng, profile, links=1, overlap=True)
+    inst = _auto._Instance(profile, network, True)
+    units = [(r, 0, inst.size[r]) for r in inst.live]
+    got = inst.iteration_s(_auto._tail_dp(inst, units))
+    prob = _problem(profile, network, cross_step=True)
+    best = np.inf
+    n = len(units)
+    for cuts in itertools.product((0, 1), repeat=n - 1):
+      groups, cur = [], [units[0]]
+      for u, cut in zip(units[1:], cuts):
+        if cut:
+          groups.append(cur)
+          cur = []
+        cur.append(u)
+      groups.append(cur)
+      chunks = [inst.chunk(g) for g in groups]
+      ready = np.array([c.ready_s for c in chunks])
+      dur = prob.startup_s + prob.per_byte_s * np.array([c.nbytes for c in chunks])
+      tail = np.array([c.tail_s for c in chunks])
+      best = min(best, _iteration_s(ready, dur, tail, backward_s=prob.backward_s,
+                                    after_s=prob.after_s, floor_s=prob.floor_s))
+    assert got == pytest.approx(best, rel=1e-12)
+
+
+def test_without_overlap_one_allreduce_per_dtype():
+  """Without overlap every all-reduce stalls the device: with no update latency to hide, the fewest
+  all-reduces (one per dtype) win."""
+  rng = np.random.default_rng(11)
+  profile = _brute.random_profile(rng, 20, dtypes=("float32", "bfloat16"), update=False)
+  network = _brute.random_network(rng, profile, links=1, overlap=False)
+  for cross_step in (False, True):
+    s = auto()(profile, network, cross_step=cross_step)
+    dtypes = {r.dtype for r in profile.rows if r.nbytes > 0}
+    assert s.num_allreduces == len(dtypes)
+    assert {c.dtype for c in s.chunks} == dtypes
+
+
+def test_cross_step_auto_picks_the_faster_mode():
+  rng = np.random.default_rng(5)
+  profile = _brute.random_profile(rng, 16)
+  network = _brute.random_network(rng, profile, links=1, overlap=True, comm_ratio=1.0)
+  plain = auto()(profile, network, cross_step=False)
+  piped = auto()(profile, network, cross_step=True)
+  both = pj.plan(profile, network, "auto", cross_step="auto")
+  assert both.predicted_s == pytest.approx(min(plain.predicted_s, piped.predicted_s))
+  assert both.cross_step == (piped.predicted_s < plain.predicted_s)
+  assert _sim(both, profile, network, both.cross_step) == pytest.approx(both.predicted_s)
+
+
+def test_deterministic_json_round_trip_and_coverage():
+  rng = np.random.default_rng(2)
+  profile = _brute.random_profile(rng, 25, dtypes=("float32", "bfloat16", "float16"), zero_prob=0.2)
+  network = _brute.random_network(rng, profile, links=2, overlap=True)
+  a = auto()(profile, network, cross_step=True)
+  b = auto()(profile, network, cross_step=True)
+  assert a == b and hash(a) == hash(b)
+  assert pj.Schedule.from_json(a.to_json()) == a
+  assert dict(a.options)["candidate"]
+  for c in a.chunks:  # one dtype per chunk (coverage itself is checked by Schedule)
+    assert {profile.rows[r].dtype for r in c.rows} == {c.dtype}
+
+
+def test_plans_1000_leaves_quickly():
+  """Planning must scale (pruned search): 1,000 leaves well under the 1 s target, generously."""
+  rng = np.random.default_rng(0)
+  profile = _brute.random_profile(rng, 1000, max_layers=300)
+  network = _brute.random_network(rng, profile, links=1, overlap=True, comm_ratio=1.0)
+  t = time.process_time()
+  s = auto()(profile, network, cross_step=True)
+  assert time.process_time() - t < 4.0
+  assert s.predicted_s >= pj.lower_bound(profile, network, cross_step=True) * (1 - 1e-9)
+
+
+def test_bad_options_and_inputs():
+  with pytest.raises(ValueError, match="max_evals"):
+    auto(max_evals=0)
+  with pytest.raises(TypeError, match="local_search"):
+    auto(local_search="yes")
+  with pytest.raises(TypeError, match="search_options"):
+    auto(search_options=1)
+  rng = np.random.default_rng(1)
+  profile = _brute.random_profile(rng, 4)
+  network = _brute.random_network(rng, profile)
+  with pytest.raises(TypeError, match="cross_step"):
+    auto()(profile, network, cross_step="sometimes")
+  with pytest.raises(TypeError, match="GradientProfile"):
+    auto()(network, network, cross_step=False)
+  with pytest.raises(TypeError, match="unexpected keyword"):
+    auto(bucket_bytes=4)
+
+
+def test_pure_without_jax():
+  code = ("import sys; sys.modules['jax'] = None\n"
+          "import numpy as np, prophet_jax as pj\n"
+          "from prophet_jax import _brute\n"
+          "rng = np.random.default_rng(0)\n"
+          "p = _brute.random_profile(rng, 10)\n"
+          "n = _brute.random_network(rng, p)\n"
+          "s = pj.plan(p, n, 'auto', cross_step='auto')\n"
+          "assert 'jax' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+          "print(s.num_allreduces)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
