@@ -7,6 +7,9 @@ merging, splitting and issue order. The proof is in the docstring of `lower_boun
 
 from __future__ import annotations
 
+import collections
+import heapq
+
 import numpy as np
 
 from ._types import GradientProfile, NetworkModel
@@ -18,6 +21,10 @@ __all__ = ["lower_bound"]
 _INTERVAL_WORK = 250_000
 # ... and above this many (layers x rows), every k-th prefix only, so a 1,000-leaf bound stays ~10 ms.
 _PREFIX_WORK = 200_000
+# The batching terms (an O(rows^2) dynamic program each): every layer range when layers^2 x rows^2 is
+# below this, else the whole model and this many prefixes.
+_BATCH_WORK = 400_000
+_BATCH_PREFIXES = 8
 
 
 def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> float:
@@ -40,9 +47,32 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   >= ceil(m / L) >= ceil(k / L) of them one after another, each >= a: E - t >= a ceil(k / L). []
   The maximum of t + W(R ∩ S_t) over t is reached at a ready time of a row of R.
 
+  Batching lemma (one link). For every set R of sent rows, the chunks holding an element of R end by
+  some E >= M(R), where M(R) is the least one-link end of the last group over the partitions of R's
+  rows, in ready order, into contiguous groups of whole rows (each group released at its latest row's
+  ready_s and lasting a + b * its bytes; a dynamic program, `_batched_makespan`). Proof: keep only
+  those chunks, minus their elements of other rows: readiness and durations only drop, and on one
+  link end_k >= max(ready_k, end_{k-1}) + d_k (with equality under overlap), whose value is
+  monotone, so the last end of this recurrence, max_k (R_k + sum_{i>=k} (a + b B_i)) over the chunks
+  in link order with readiness R_k and B_k bytes, is <= E. Reassign R's bytes, sorted by readiness,
+  to the same chunks in order, B_k each; the k-th now has readiness R'_k. More than B_{k+1} + ... +
+  B_m bytes are ready at >= R'_k, so one of them sat in an original chunk j <= k: R_j >= R'_k and
+  the j-th term dominates the new k-th. A boundary inside a row moves to that row's end (the earlier
+  chunk already has that row's readiness, the sizes from it on do not change, later terms shrink, an
+  emptied chunk goes). So a contiguous partition of whole rows does at least as well: M(R) <= E. []
+
+  Preemption lemma (one link). Every schedule has iteration >= a + L*, where L* is the least
+  max_i (C_i + q_i) of a *preemptive* one-machine schedule of the sent rows, row i released at
+  ready_s, needing b * nbytes_i, with q_i = tail(its layer) (tail is defined below). Proof: run each
+  chunk's bytes in the first b * B of its span: each row completes by (end of its last chunk) - a,
+  after its release; the chunk's end plus the tail of any row in it is <= iteration (pipelined step,
+  below). Jackson's rule (always run the released row of largest q) attains L* (Horn, 1974). []
+
   Plain step (cross_step=False): iteration = T0 + U + F with T0 = max(backward end, last chunk end).
   - overlap=True: backward end = backward_s, and the lemma with R = every sent row bounds the last
-    chunk end: T0 >= max(backward_s, max_t (t + W(S_t))).
+    chunk end: T0 >= max(backward_s, max_t (t + W(S_t))); with one link also T0 >= M(every sent row)
+    and T0 >= M(the sent rows of one dtype) for each dtype (relaxations: other rows dropped). For a
+    single dtype this is the best contiguous merge, so the bound is then attained.
   - overlap=False: additionally, backward compute advances only while no link is busy, so within
     [0, T0] the backward_s of compute and the instants when some link is busy are disjoint; the
     latter measure >= W(S_0) (the union of the links' busy time is >= each link's busy time and >=
@@ -55,9 +85,11 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   and any t: the chunk that ends last among those holding an element of a sent row of J ∩ S_t ends at
   E >= t + W(J ∩ S_t) (lemma) and holds a row of some layer j in J that has sent rows, so reduced(j) >=
   E and iteration >= t + W(J ∩ S_t) + min{tail(j) : j in J has sent rows}. A row with nbytes = 0 is
-  reduced at its ready time: iteration >= ready_s + tail(its layer). The bound is the max of these
-  terms (over every range J when layers^2 x rows is small, else over single layers and the prefixes
-  0..l — every l, or evenly spaced l when layers x rows is large: fewer terms still bound).
+  reduced at its ready time: iteration >= ready_s + tail(its layer). With one link, likewise
+  iteration >= M(J's sent rows [of one dtype]) + min tail over J's layers with sent rows (batching
+  lemma), and iteration >= a + L* (preemption lemma). The bound is the max of these terms, over every
+  range J when the profile is small, else over single layers and prefixes 0..l (every l, or evenly
+  spaced ones on large profiles: a subset of valid terms is still a bound).
 
   Args:
     profile: the per-leaf readiness and compute times.
@@ -137,6 +169,13 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   else:
     t0 = max(backward + w_all, thr_all)
   if not cross_step:
+    if network.overlap and links == 1 and n:
+      t0 = max(t0, _batched_makespan(r_s[::-1], b_s[::-1], a, b))
+      if nd > 1:
+        for dt in range(nd):
+          sel = (d_s == dt)[::-1]
+          if sel.any():
+            t0 = max(t0, _batched_makespan(r_s[::-1][sel], b_s[::-1][sel], a, b))
     return float(t0 + update + forward)
 
   tail = u + np.cumsum(f[::-1])[::-1]
@@ -168,7 +207,91 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
       mins = np.minimum.accumulate(tail_sent)[ends]
       bound = max(bound, float((thr_max(mask[ok]) + mins[ok]).max()))
       bound = max(bound, _single_layers(r_s, b_s, d_s, l_s, nd, work, tail))
+    if links == 1:
+      bound = max(bound, a + _jackson_lmax(r_s, b * b_s, tail[l_s]))
+      # batching: the last chunk holding rows of a layer range J ends no earlier than the best
+      # one-link batching of J's rows alone (of each dtype alone), then waits >= min tail over J.
+      for lo, hi in _ranges(nl, n):
+        sel = (l_s >= lo) & (l_s <= hi)
+        for dt in range(-1 if nd > 1 else 0, nd):
+          m = sel if dt < 0 else sel & (d_s == dt)
+          if m.any():
+            mk = _batched_makespan(r_s[m][::-1], b_s[m][::-1], a, b)
+            bound = max(bound, mk + float(tail[l_s[m]].min()))
   return float(bound)
+
+
+def _ranges(nl: int, n: int) -> list[tuple[int, int]]:
+  """The layer ranges [lo, hi] that get the batching term: every range on small profiles; else the
+  whole model and up to `_BATCH_PREFIXES` evenly spaced prefixes (each costs O(rows^2))."""
+  if nl * nl * n * n <= _BATCH_WORK:
+    return [(lo, hi) for lo in range(nl) for hi in range(lo, nl)]
+  ends = np.unique(np.linspace(0, nl - 1, min(nl, _BATCH_PREFIXES)).round().astype(int))
+  return [(0, int(e)) for e in ends]
+
+
+def _batched_makespan(ready: np.ndarray, nbytes: np.ndarray, a: float, b: float) -> float:
+  """min over contiguous partitions of rows sorted by ready time (ascending) of the one-link end of
+  the last chunk.
+
+  F[0] = 0; F[e+1] = min over s <= e of max(F[s], r_e) + a + b (P[e+1] - P[s]) (the last chunk holds
+  rows s..e; P the prefix sums of bytes). F is nondecreasing, so the s with F[s] <= r_e form a prefix
+  [0, k): among them s = k-1 is best; for s in [k, e] the value is F[s] - b P[s] + a + b P[e+1],
+  whose minimum over a window with nondecreasing ends a monotone deque keeps: O(n) in all.
+  """
+  r = ready.tolist()
+  pb = [0.0]
+  for x in nbytes.tolist():
+    pb.append(pb[-1] + x)
+  n = len(r)
+  f = [0.0] * (n + 1)
+  g: list[float] = [0.0] * (n + 1)   # F[s] - b P[s]
+  window: collections.deque[int] = collections.deque()   # indices s in [k, e], g increasing
+  k = 0
+  for e in range(n):
+    s_new = e                       # index s = e joins the candidates
+    g[s_new] = f[s_new] - b * pb[s_new]
+    while window and g[window[-1]] >= g[s_new]:
+      window.pop()
+    window.append(s_new)
+    while k <= e and f[k] <= r[e]:
+      k += 1
+    while window and window[0] < k:
+      window.popleft()
+    best = np.inf
+    if k > 0:
+      best = r[e] + a + b * (pb[e + 1] - pb[k - 1])
+    if window:
+      best = min(best, g[window[0]] + a + b * pb[e + 1])
+    f[e + 1] = best
+  return float(f[n])
+
+
+def _jackson_lmax(release: np.ndarray, work: np.ndarray, delivery: np.ndarray) -> float:
+  """Optimal preemptive max(C_i + q_i) on one machine, releases r_i, processing p_i (Jackson's rule:
+  at every moment run the released job with the largest q; optimal for 1|r_j,pmtn|L_max)."""
+  order = np.argsort(release, kind="stable")
+  rel, wk, q = release[order].tolist(), work[order].tolist(), delivery[order].tolist()
+  n = len(rel)
+  heap: list[tuple[float, int]] = []
+  remaining = list(wk)
+  t, i, best = 0.0, 0, -np.inf
+  while i < n or heap:
+    if not heap:
+      t = max(t, rel[i])
+    while i < n and rel[i] <= t:
+      heapq.heappush(heap, (-q[i], i))
+      i += 1
+    nq, j = heap[0]
+    nxt = rel[i] if i < n else np.inf
+    if t + remaining[j] <= nxt:
+      t += remaining[j]
+      heapq.heappop(heap)
+      best = max(best, t - nq)
+    else:
+      remaining[j] -= nxt - t
+      t = nxt
+  return float(best)
 
 
 def _single_layers(r_s, b_s, d_s, l_s, nd, work, tail) -> float:
