@@ -418,3 +418,20 @@ def test_the_coverage_check_itself_catches_repeats_and_drops():
     object.__setattr__(bad, "buckets", (Bucket(chunks=(Chunk(slices=slices, dtype="float32"),)),))
     with pytest.raises(AssertionError, match=match):
       assert_covers_exactly_once(bad, p)
+
+
+@needs_sim
+@pytest.mark.parametrize("trace, net, workers", [("resnet50-h100", "100gb-ib", 64),
+                                                 ("bert-base-v100", "25gbe", 64),
+                                                 ("gpt2-v100", "10gbe", 256)])
+def test_prophet_beats_priority_on_balanced_bundled_traces(trace, net, workers):
+  models = pytest.importorskip("prophet_jax.models")
+  try:
+    p = models.load_trace(trace)
+  except Exception as e:  # noqa: BLE001 (the traces are written separately)
+    pytest.skip(f"bundled trace {trace} not loadable: {e}")
+  n = NetworkModel.preset(net, workers=workers)
+  assert 0.7 <= n.allreduce_s(p.total_nbytes) / (p.forward_s + p.backward_s) <= 1.5   # a balanced cell
+  t_pro = simulate(prophet()(p, n, cross_step=True), p, n, cross_step=True).iteration_s
+  t_pri = simulate(priority()(p, n, cross_step=True), p, n, cross_step=True).iteration_s
+  assert t_pro * 1.2 <= t_pri, (t_pro, t_pri)

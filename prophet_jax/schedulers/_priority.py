@@ -93,7 +93,8 @@ def priority(*, partition_bytes: int | None = None, credit_bytes: int | None = N
   bucket of its own); the credit bounds the bytes in flight, so a high-priority partition that becomes
   ready waits behind at most a credit's worth of lower-priority partitions. The same loop plans both
   step modes; priority order pays off with `cross_step=True` (the next forward needs row 0 first). With
-  `network.overlap` False the loop still uses the profile's ready times (backward pauses are ignored).
+  `network.overlap` False the loop still uses the profile's ready times (backward pauses are ignored),
+  and it models one link (`network.links` > 1 gets the same order).
 
   Args:
     partition_bytes: largest partition in bytes; None for ByteScheduler's default, 1M parameters times

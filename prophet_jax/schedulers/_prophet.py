@@ -210,7 +210,8 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
   (alpha_fraction in `ALPHA_FRACTIONS`, tail_growth in `TAIL_GROWTHS`), as Prophet sizes its blocks
   from measured timings; ties go to the first candidate. With `network.overlap` False (the device
   cannot compute while it communicates) every block pauses the device, so the plan is one block, one
-  all-reduce per dtype, after backward, rows in priority order.
+  all-reduce per dtype, after backward, rows in priority order. The plan models one link; with
+  `network.links` > 1 the same order is used.
 
   Args:
     gap_factor: a gap larger than this multiple of the mean gap between ready times starts a stage.
