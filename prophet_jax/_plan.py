@@ -121,7 +121,9 @@ def _resolve(policy: Any, options: Mapping[str, Any], cross_step: Any) -> tuple[
     if cross_step == "auto" and policy != "auto":
       raise ValueError(f"plan(policy={policy!r}, cross_step='auto'): only the 'auto' policy chooses the "
                        f"step mode; pass cross_step=True or False, or use policy='auto'.")
-    valid = _option_names(policy) if policy != "dlcp" else []
+    if policy == "dlcp":
+      _dlcp()
+    valid = _option_names(policy)
     if valid is not None:
       unknown = sorted(set(options) - set(valid))
       if unknown:

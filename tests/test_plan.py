@@ -39,6 +39,8 @@ def test_policies_table_names_every_policy_and_reserves_dlcp():
   assert set(POLICIES) == set(BASELINES) | {"auto", "dlcp"}
   with pytest.raises(ValueError, match="'dlcp' is reserved for a later policy"):
     plan(P, NET, "dlcp")
+  with pytest.raises(ValueError, match="'dlcp' is reserved"):
+    plan(P, NET, "dlcp", drop_fraction=0.1)
 
 
 @pytest.mark.parametrize("name", BASELINES)
