@@ -357,3 +357,19 @@ def _timed(fn):
   t = time.perf_counter()
   fn()
   return time.perf_counter() - t
+
+
+def test_docstring_examples_and_chrome_trace():
+  import doctest
+
+  import prophet_jax._bound
+  import prophet_jax._simulate
+
+  for mod in (prophet_jax._simulate, prophet_jax._bound):
+    res = doctest.testmod(mod)
+    assert res.attempted > 0 and res.failed == 0, mod.__name__
+  r = simulate(WFBP, PROFILE, NET.replace(links=2, overlap=False), cross_step=True)
+  trace = r.to_chrome_trace()
+  spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+  assert len(spans) == len(r.events)
+  assert {e["cat"] for e in spans} == {"backward", "forward", "allreduce", "update"}
