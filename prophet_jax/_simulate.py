@@ -95,6 +95,7 @@ class _Problem(NamedTuple):
   cross_step: bool
   layer_fwd_s: np.ndarray
   layer_update_s: np.ndarray
+  layers: tuple[str, ...] = ()
 
 
 def _problem(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> _Problem:
@@ -127,7 +128,7 @@ def _problem(profile: GradientProfile, network: NetworkModel, *, cross_step: boo
                   row_layer=row_layer, backward_s=float(profile.backward_s), after_s=after,
                   floor_s=floor, startup_s=network.startup_s, per_byte_s=network.per_byte_s,
                   links=network.links, overlap=network.overlap, cross_step=bool(cross_step),
-                  layer_fwd_s=layer_fwd, layer_update_s=layer_upd)
+                  layer_fwd_s=layer_fwd, layer_update_s=layer_upd, layers=layers)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -409,7 +410,7 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
     link = np.zeros(0, dtype=np.int64)
     bw_end, last_end, stalls = backward_s, 0.0, []
 
-  layers = profile.layers
+  layers = prob.layers
   nl = len(layers)
   if cross_step:
     # reduced(l): the last end of a chunk touching layer l; rows in no chunk count at their ready_s.
