@@ -264,3 +264,12 @@ def test_single_dtype_plain_bound_is_attained(seed, comm_ratio):
   p = random_profile(rng, int(rng.integers(1, 9)), zero_prob=0.1)
   net = random_network(rng, p, links=1, overlap=True, comm_ratio=comm_ratio)
   assert lower_bound(p, net) == pytest.approx(best_contiguous(p, net)[0], rel=1e-9)
+
+
+def test_pareto_dp_equals_enumeration_six_leaves():
+  # 4,683 ordered partitions of 6 leaves, one by one, against the dynamic program
+  rng = np.random.default_rng(3)
+  p = random_profile(rng, 6, dtypes=("float32",), max_layers=4)
+  net = random_network(rng, p, links=1, overlap=True, comm_ratio=2.0)
+  t, _ = best_ordered(p, net, cross_step=True)
+  assert t == pytest.approx(_enumerate_ordered(p, net, cross_step=True), rel=REL)
