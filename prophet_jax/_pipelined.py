@@ -1,0 +1,474 @@
+"""The cross-step pipelined train step: this step's backward and all-reduces, and the next forward, in one program.
+
+In a plain JAX loop every step is one jitted call, so step k+1 cannot start before every all-reduce of
+step k has ended: the order of the all-reduces cannot help the next forward pass (DESIGN.md,
+`cross_step=False`). An asynchronous collective cannot stay in flight across two jitted calls either,
+so `pipelined` cuts the step elsewhere: *between forward and backward*. Each call receives the VJP
+residuals of the previous call's forward pass (`jax.vjp`'s closure, carried as plain arrays in the
+state), and in one program
+
+  1. runs that pending backward pass,
+  2. all-reduces the gradients chunk by chunk, in the schedule's order (`prophet_jax.allreduce`),
+  3. applies the optimizer's update, and
+  4. runs the forward pass of the new batch, returning its residuals and its loss.
+
+Layer l's forward of step k+1 depends only on layer l's reduced and updated parameters, so in the
+compiled program it can start as soon as l's chunks are reduced, while the chunks of later layers are
+still in flight: the simulator's `cross_step=True`, where priority order (Prophet, ByteScheduler, P3)
+pays. (On the CPU a collective blocks the executor, so there is no overlap there; see
+bench/pipelined.py for the cost of the cut.)
+
+After N calls and a `flush`, the parameters equal N plain steps, up to float32 reduction order.
+
+Compiled programs. The first call (and the first after a `flush`) only runs a forward pass. Whether a
+backward is pending is part of the state's *structure* (`pending` is `None` or a `Pending` node), not
+a traced flag, so `jax.pmap`/`jax.jit` compile two programs: forward-only, and the full step. A single
+program with a traced flag would need a `lax.cond` around the backward (its collectives inside a
+conditional, where XLA cannot schedule them against the forward) and dummy residuals of the right
+shapes before any batch was seen. The cost is one extra compilation of the forward-only program.
+
+Residuals. What is carried is what a step holds between its forward and backward anyway (activations
+and the parameters the backward reads); `Pipelined.residual_bytes(state)` reports their bytes per
+device. The residuals' pytree structure (which holds the linearized jaxpr, compared by identity) is not
+stored: each call rebuilds it from an abstract trace of the forward (`jax.eval_shape`, nothing is
+computed) on the shapes recorded in the state, so the state is a stable pytree of arrays and the user's
+`jax.pmap` traces each program once.
+
+Transformations that need every gradient at once (e.g. `optax.clip_by_global_norm`) stay correct: the
+update then waits, through the dataflow, for the last chunk, so the next forward cannot start on the
+front layers early and the overlap is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec
+
+from ._collectives import allreduce, axis_size, match_tree, vma_enabled
+from ._errors import ScheduleMismatchError
+from ._tree import path_str
+from ._types import Schedule, itemsize
+
+__all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending"]
+
+
+# --------------------------------------------------------------------------------------------------
+# state
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class _PendingMeta:
+  """Static facts about a pending forward pass (pytree aux data, hashed into jit's cache key).
+
+  Attributes:
+    schedule: the schedule the pending gradients will be reduced with (the one the forward ran under).
+    batch_tree: the batch's treedef.
+    batch: (path, shape, dtype, varying) of every batch leaf, as the step saw it (per device).
+    residuals: (shape, dtype) of every carried residual, per device, in flatten order.
+    loss_varying: whether the loss varied over the axis (shard_map with check_vma).
+    loss_dtype: the loss's dtype (the cotangent's).
+  """
+
+  schedule: Schedule
+  batch_tree: Any
+  batch: tuple[tuple[str, tuple[int, ...], str, bool], ...]
+  residuals: tuple[tuple[tuple[int, ...], str], ...]
+  loss_varying: bool
+  loss_dtype: str = "float32"
+
+  def __hash__(self) -> int:  # the schedule can be large: hash once
+    h = self.__dict__.get("_hash")
+    if h is None:
+      h = hash((self.schedule.tree_fingerprint, len(self.schedule.chunks), self.batch_tree, self.batch,
+                self.residuals, self.loss_varying, self.loss_dtype))
+      object.__setattr__(self, "_hash", h)
+    return h
+
+  def __eq__(self, other: object) -> bool:
+    if self is other:
+      return True
+    if not isinstance(other, _PendingMeta):
+      return NotImplemented
+    return (self.batch == other.batch and self.residuals == other.residuals
+            and self.loss_varying == other.loss_varying and self.loss_dtype == other.loss_dtype
+            and self.batch_tree == other.batch_tree
+            and (self.schedule is other.schedule or self.schedule == other.schedule))
+
+
+@jax.tree_util.register_pytree_node_class
+class Pending:
+  """The residuals of a forward pass whose backward has not run yet.
+
+  Attributes:
+    residuals: the `jax.vjp` closure's arrays, in flatten order, each with a leading axis of size 1
+      (so that under `shard_map` every residual, scalars included, has an axis to split over devices:
+      `P(axis_name)`; under `pmap` the device axis comes in front of it).
+    meta: static shapes, dtypes and the schedule (see `_PendingMeta`); part of the pytree structure.
+  """
+
+  __slots__ = ("residuals", "meta")
+
+  def __init__(self, residuals: tuple[Any, ...], meta: _PendingMeta):
+    self.residuals = tuple(residuals)
+    self.meta = meta
+
+  def tree_flatten(self):
+    return self.residuals, self.meta
+
+  @classmethod
+  def tree_unflatten(cls, meta, residuals):
+    return cls(tuple(residuals), meta)
+
+  def __repr__(self) -> str:
+    return f"Pending({len(self.residuals)} residuals, {_meta_nbytes(self.meta)} bytes per device)"
+
+
+class PipelinedState(NamedTuple):
+  """State of the pipelined step.
+
+  Attributes:
+    params: the parameters after every *applied* update (replicated over the axis). While a backward is
+      pending they lag the plain loop by one step: `flush` first to evaluate or checkpoint.
+    opt_state: `tx`'s state (replicated).
+    pending: `None` when nothing is pending (after `init` and `flush`), else a `Pending` holding the last
+      forward's residuals (per device).
+  """
+
+  params: Any
+  opt_state: Any
+  pending: Pending | None
+
+
+def _meta_nbytes(meta: _PendingMeta) -> int:
+  return int(sum(int(np.prod(s, dtype=np.int64)) * itemsize(d) for s, d in meta.residuals))
+
+
+def _dtype_name(dt: Any) -> str:
+  return "bfloat16" if str(dt) == "bfloat16" else str(np.dtype(dt))
+
+
+def _varying(x: Any, axis_name: Any) -> bool:
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  vary = jax.typeof(x).manual_axis_type.varying
+  return all(n in vary for n in names)
+
+
+# --------------------------------------------------------------------------------------------------
+# the object
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pipelined:
+  """The pipelined train step returned by `pipelined(...)`: pure functions over a `PipelinedState`.
+
+  Run `init` anywhere (or under the mapping), and `step` / `flush` under the user's own `jax.pmap` or
+  `jax.shard_map` (inside `jax.jit`) with the axis `axis_name` bound.
+
+  Attributes:
+    loss_fn: `loss_fn(params, batch) -> scalar`, the per-device mean loss.
+    tx: the optimizer (any optax GradientTransformation).
+    schedule: the all-reduce schedule (from `prophet_jax.plan`; any policy works).
+    axis_name: the data-parallel axis.
+  """
+
+  loss_fn: Callable[[Any, Any], Any]
+  tx: optax.GradientTransformation
+  schedule: Schedule
+  axis_name: Any
+
+  # -- public -------------------------------------------------------------------------------------
+  def init(self, params: Any) -> PipelinedState:
+    """The initial state: `params`, `tx.init(params)`, nothing pending.
+
+    Raises:
+      ScheduleMismatchError: the schedule was planned for another tree (the leaf at fault is named).
+    """
+    self._check_params(params, "pipelined.init")
+    return PipelinedState(params=params, opt_state=self.tx.init(params), pending=None)
+
+  def step(self, state: PipelinedState, batch: Any) -> tuple[PipelinedState, jax.Array]:
+    """One pipelined step: pending backward, scheduled all-reduce, update, then the forward of `batch`.
+
+    On the first call (nothing pending) only the forward runs. A state whose pending forward ran under
+    another schedule for the same tree (a re-plan between calls) is flushed first, with the schedule it
+    was made under, inside the same program: the result stays exact.
+
+    Args:
+      state: from `init`, `step` or `flush`.
+      batch: this device's batch (any pytree); every call between flushes must see the same shapes.
+
+    Returns:
+      `(state, loss)`: the new state (holding this batch's residuals) and this device's loss on `batch`
+      at the parameters after the previous update, the same value the plain loop's step returns.
+
+    Raises:
+      TypeError: `state` is not a PipelinedState, or `loss_fn` does not return a scalar.
+      ValueError: the batch's shapes or dtypes differ from the pending forward's (flush first).
+      ScheduleMismatchError: the params, or the pending forward's schedule, belong to another tree.
+      UnboundAxisError: `axis_name` is not bound here.
+    """
+    where = "pipelined.step"
+    self._check_state(state, where)
+    axis_size(self.axis_name, where)
+    self._check_params(state.params, where)
+    batch_tree, batch_avals = self._batch_avals(batch)
+    params, opt_state = state.params, state.opt_state
+    if state.pending is not None:
+      self._check_batch(state.pending.meta, batch_tree, batch_avals)
+      params, opt_state = self._backward_and_update(params, opt_state, state.pending, where)
+    loss, pending = self._forward(params, batch, batch_tree, batch_avals)
+    return PipelinedState(params=params, opt_state=opt_state, pending=pending), loss
+
+  def flush(self, state: PipelinedState) -> PipelinedState:
+    """Runs the pending backward, its scheduled all-reduce and the update; a no-op when none is pending.
+
+    Call it before evaluating, checkpointing, changing the batch shape, and at the end of training:
+    afterwards `params(state)` equals the plain loop's parameters after as many steps as `step` calls.
+
+    Raises:
+      TypeError: `state` is not a PipelinedState.
+      ScheduleMismatchError: the pending forward belongs to another tree.
+      UnboundAxisError: `axis_name` is not bound here (only checked when something is pending).
+    """
+    where = "pipelined.flush"
+    self._check_state(state, where)
+    if state.pending is None:
+      return state
+    axis_size(self.axis_name, where)
+    params, opt_state = self._backward_and_update(state.params, state.opt_state, state.pending, where)
+    return PipelinedState(params=params, opt_state=opt_state, pending=None)
+
+  def params(self, state: PipelinedState) -> Any:
+    """The parameters after every applied update (`flush` first for the plain loop's parameters)."""
+    self._check_state(state, "pipelined.params")
+    return state.params
+
+  def state_specs(self, state: PipelinedState | None = None) -> PipelinedState:
+    """PartitionSpecs of the state for `jax.shard_map`'s in_specs / out_specs.
+
+    Parameters and optimizer state are replicated (`P()`); the residuals are per device
+    (`P(axis_name)`, each with a leading axis of size 1 per device).
+
+    Args:
+      state: optional. Without it the result is a *prefix* spec (one PartitionSpec per field), valid
+        for any state, pending or not, as shard_map accepts; with it, a spec for every leaf (e.g. for
+        `jax.device_put` with NamedShardings).
+    """
+    axis = self.axis_name
+    prefix = PipelinedState(params=PartitionSpec(), opt_state=PartitionSpec(),
+                            pending=PartitionSpec(axis))
+    if state is None:
+      return prefix
+    self._check_state(state, "pipelined.state_specs")
+    return PipelinedState(*(jax.tree_util.tree_map(lambda _, s=spec: s, part)
+                            for part, spec in zip(state, prefix)))
+
+  def residual_bytes(self, state: PipelinedState) -> int:
+    """Bytes of carried residuals per device (0 when nothing is pending).
+
+    These are what a plain step holds between its forward and its backward anyway (activations and the
+    parameter copies the backward reads); the pipelined step holds them across the call boundary.
+    """
+    self._check_state(state, "pipelined.residual_bytes")
+    return 0 if state.pending is None else _meta_nbytes(state.pending.meta)
+
+  # -- the pieces ---------------------------------------------------------------------------------
+  def _forward(self, params: Any, batch: Any, batch_tree: Any,
+               batch_avals: tuple) -> tuple[jax.Array, Pending]:
+    pv = self._varying_params(params)
+    with jax.named_scope("pipelined_forward"):
+      loss, vjp_fn = jax.vjp(lambda p: self.loss_fn(p, batch), pv)
+    self._check_loss(loss)
+    leaves = jax.tree_util.tree_leaves(vjp_fn)
+    residuals = tuple(jnp.asarray(x) for x in leaves)
+    meta = _PendingMeta(
+        schedule=self.schedule, batch_tree=batch_tree, batch=batch_avals,
+        residuals=tuple((tuple(np.shape(x)), _dtype_name(x.dtype)) for x in residuals),
+        loss_varying=self._is_varying(loss), loss_dtype=_dtype_name(jnp.result_type(loss)))
+    return loss, Pending(tuple(x[None] for x in residuals), meta)
+
+  def _backward_and_update(self, params: Any, opt_state: Any, pending: Pending,
+                           where: str) -> tuple[Any, Any]:
+    meta = pending.meta
+    schedule = meta.schedule
+    if schedule.tree_fingerprint != self.schedule.tree_fingerprint:
+      raise ScheduleMismatchError(
+          f"{where}: the state's pending forward ran under a schedule for another tree (fingerprint "
+          f"{schedule.tree_fingerprint!r}; this pipelined step's schedule has "
+          f"{self.schedule.tree_fingerprint!r}). The state was made by a pipelined step of a different "
+          f"model: flush it with that step, or start from init(params) with this one.")
+    pv = self._varying_params(params)
+    treedef, res_avals = self._vjp_structure(pv, meta)
+    if res_avals != meta.residuals:
+      raise ValueError(
+          f"{where}: the state carries {len(meta.residuals)} residuals {_short(meta.residuals)}, but this "
+          f"loss_fn's forward on the recorded batch shapes makes {len(res_avals)} "
+          f"{_short(res_avals)}. The state was made by a pipelined step with another loss_fn: flush it "
+          f"with that step first, or start from init(params).")
+    if len(pending.residuals) != len(meta.residuals):
+      raise ValueError(f"{where}: the state's pending node holds {len(pending.residuals)} arrays but "
+                       f"records {len(meta.residuals)}; it was edited. Start from init(params).")
+    vjp_fn = jax.tree_util.tree_unflatten(treedef, [r[0] for r in pending.residuals])
+    with jax.named_scope("pipelined_backward"):
+      (grads,) = vjp_fn(self._ones_ct(meta))
+    grads = allreduce(grads, schedule, self.axis_name, mean=True)
+    updates, opt_state = self.tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state
+
+  def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> tuple[Any, tuple]:
+    """The treedef of the forward's vjp closure on the recorded batch shapes (abstract: runs nothing)."""
+    box: list[Any] = []
+    use_vma = vma_enabled(self.axis_name)
+
+    def trace(p):
+      leaves = []
+      for _, shape, dtype, varying in meta.batch:
+        x = jnp.zeros(shape, jnp.dtype(dtype))
+        if varying and use_vma:
+          x = jax.lax.pcast(x, self.axis_name, to="varying")
+        leaves.append(x)
+      batch = jax.tree_util.tree_unflatten(meta.batch_tree, leaves)
+      _, vjp_fn = jax.vjp(lambda q: self.loss_fn(q, batch), p)
+      flat, treedef = jax.tree_util.tree_flatten(vjp_fn)
+      box.append(treedef)
+      return flat
+
+    out = jax.eval_shape(trace, pv)
+    avals = tuple((tuple(a.shape), _dtype_name(a.dtype)) for a in out)
+    return box[0], avals
+
+  def _ones_ct(self, meta: _PendingMeta) -> jax.Array:
+    ct = jnp.ones((), jnp.dtype(meta.loss_dtype))
+    if meta.loss_varying and vma_enabled(self.axis_name):
+      ct = jax.lax.pcast(ct, self.axis_name, to="varying")
+    return ct
+
+  def _varying_params(self, params: Any) -> Any:
+    """Under shard_map with check_vma, marks the params varying before differentiating (FACTS.md's 8x
+    trap: otherwise jax.grad returns gradients already summed over the axis)."""
+    if not vma_enabled(self.axis_name):
+      return params
+
+    def cast(x):
+      if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.inexact) or self._is_varying(x):
+        return x
+      return jax.lax.pcast(x, self.axis_name, to="varying")
+
+    return jax.tree_util.tree_map(cast, params)
+
+  # -- checks -------------------------------------------------------------------------------------
+  def _is_varying(self, x: Any) -> bool:
+    return vma_enabled(self.axis_name) and _varying(x, self.axis_name)
+
+  def _check_state(self, state: Any, where: str) -> None:
+    if not isinstance(state, PipelinedState):
+      raise TypeError(f"{where}: expected the PipelinedState returned by init/step/flush, got "
+                      f"{type(state).__name__}. Start with state = pipelined(...).init(params).")
+    if state.pending is not None and not isinstance(state.pending, Pending):
+      raise TypeError(f"{where}: state.pending must be None or a Pending node, got "
+                      f"{type(state.pending).__name__}.")
+
+  def _check_params(self, params: Any, where: str) -> None:
+    match_tree(jax.tree_util.tree_flatten_with_path(params)[0], self.schedule, where=where)
+
+  def _batch_avals(self, batch: Any) -> tuple[Any, tuple]:
+    leaves, tree = jax.tree_util.tree_flatten_with_path(batch)
+    avals = []
+    for path, x in leaves:
+      if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+      avals.append((path_str(path), tuple(int(d) for d in x.shape), _dtype_name(x.dtype),
+                    self._is_varying(x)))
+    return jax.tree_util.tree_structure(batch), tuple(avals)
+
+  def _check_batch(self, meta: _PendingMeta, batch_tree: Any, avals: tuple) -> None:
+    fix = ("Every step between flushes must see the same batch shapes; call state = flush(state) "
+           "before changing them (e.g. for a last, smaller batch).")
+    if batch_tree != meta.batch_tree:
+      raise ValueError(f"pipelined.step: the batch's structure {batch_tree} differs from the pending "
+                       f"forward's {meta.batch_tree}. {fix}")
+    for (path, shape, dtype, vary), (_, shape0, dtype0, vary0) in zip(avals, meta.batch):
+      if shape != shape0 or dtype != dtype0:
+        raise ValueError(f"pipelined.step: batch leaf {path!r} has shape {shape} and dtype {dtype}, but "
+                         f"the pending forward ran on shape {shape0} and dtype {dtype0}. {fix}")
+      if vary != vary0:
+        raise ValueError(f"pipelined.step: batch leaf {path!r} is {'' if vary else 'not '}varying over "
+                         f"{self.axis_name!r} now but was {'' if vary0 else 'not '}before: keep the "
+                         f"same in_specs for the batch between flushes.")
+
+  def _check_loss(self, loss: Any) -> None:
+    if np.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+      raise TypeError(f"pipelined: loss_fn(params, batch) must return a floating scalar, got shape "
+                      f"{np.shape(loss)} and dtype {jnp.result_type(loss)}. Return the mean loss over "
+                      f"this device's batch.")
+
+
+def _short(avals: tuple) -> str:
+  text = ", ".join(f"{d}{list(s)}" for s, d in avals[:4])
+  return f"[{text}{', ...' if len(avals) > 4 else ''}]"
+
+
+def pipelined(loss_fn: Callable[[Any, Any], Any], tx: optax.GradientTransformation,
+              schedule: Schedule, *, axis_name: Any) -> Pipelined:
+  """The cross-step pipelined train step for `loss_fn`, `tx` and `schedule` over `axis_name`.
+
+  Each `step` runs the previous batch's backward with the schedule's chunked, ordered all-reduces,
+  `tx`'s update and this batch's forward in one program, so each layer's next forward can start as
+  soon as its chunks are reduced (DESIGN.md, `cross_step=True`). After N steps and a `flush`, the
+  parameters equal N plain steps (`jax.grad`, `pmean`, `tx`) up to float32 reduction order.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> scalar`: the mean loss over this device's batch.
+    tx: an optax GradientTransformation, applied to the averaged gradients. Transformations that need
+      every gradient at once (`optax.clip_by_global_norm`) stay correct but remove the overlap.
+    schedule: a Schedule for `params` (any policy; `plan(..., cross_step=True)` plans for this step).
+    axis_name: the data-parallel axis bound by the user's `jax.pmap` or `jax.shard_map`.
+
+  Returns:
+    A `Pipelined` with `init(params)`, `step(state, batch) -> (state, loss)`, `flush(state)`,
+    `params(state)`, `state_specs(state=None)` and `residual_bytes(state)`.
+
+  Raises:
+    TypeError: `loss_fn` is not callable, `tx` is not a GradientTransformation, or `schedule` is not a
+      Schedule.
+
+  Example:
+    >>> p = prophet_jax.pipelined(model.loss_fn, optax.adamw(1e-3), schedule, axis_name="data")
+    >>> step = jax.pmap(p.step, axis_name="data")
+    >>> state = jax.pmap(p.init, axis_name="data")(replicated_params)
+    >>> for batch in batches:
+    ...   state, loss = step(state, batch)
+    >>> state = jax.pmap(p.flush, axis_name="data")(state)
+
+    Under `jax.shard_map` (params replicated, batch split over "data"):
+
+    >>> specs = p.state_specs()
+    >>> step = jax.jit(jax.shard_map(lambda s, b: p.step(s, b), mesh=mesh,
+    ...                              in_specs=(specs, P("data")), out_specs=(specs, P())))
+
+    (the loss varies over the axis there: return `jax.lax.pmean(loss, "data")` or `loss[None]` with
+    `P("data")` from a wrapper; `step` itself adds no collective beyond the schedule's.)
+  """
+  if not callable(loss_fn):
+    raise TypeError(f"pipelined(loss_fn=...): expected a callable loss_fn(params, batch) -> scalar, got "
+                    f"{type(loss_fn).__name__}.")
+  if not (hasattr(tx, "init") and hasattr(tx, "update")):
+    raise TypeError(f"pipelined(tx=...): expected an optax.GradientTransformation (with init and "
+                    f"update), got {type(tx).__name__}. Pass e.g. optax.sgd(0.1, momentum=0.9).")
+  if not isinstance(schedule, Schedule):
+    raise TypeError(f"pipelined(schedule=...): expected a prophet_jax.Schedule, got "
+                    f"{type(schedule).__name__}. Make one with prophet_jax.plan(profile, network, policy).")
+  try:
+    hash(axis_name)
+  except TypeError as e:
+    raise TypeError(f"pipelined(axis_name={axis_name!r}): an axis name must be hashable (a string, or "
+                    f"a tuple of strings).") from e
+  return Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name)
