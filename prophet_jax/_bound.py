@@ -21,10 +21,10 @@ __all__ = ["lower_bound"]
 _INTERVAL_WORK = 250_000
 # ... and above this many (layers x rows), every k-th prefix only, so a 1,000-leaf bound stays ~10 ms.
 _PREFIX_WORK = 200_000
-# The batching terms (an O(rows^2) dynamic program each): every layer range when layers^2 x rows^2 is
-# below this, else the whole model and this many prefixes.
-_BATCH_WORK = 400_000
-_BATCH_PREFIXES = 8
+# The batching terms (an O(rows) dynamic program in Python each): every range of layers when
+# (number of ranges) x rows is below this, else the whole model and this many evenly spaced prefixes.
+_BATCH_WORK = 100_000
+_BATCH_PREFIXES = 16
 
 
 def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> float:
@@ -134,6 +134,7 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   forward, update, backward = float(f.sum()), float(u.sum()), float(profile.backward_s)
 
   sent = nbytes > 0
+
   def work(bytes_, k):  # W for arrays of (bytes, dtype count)
     return np.maximum(a * np.ceil(k / links), (k * a + b * bytes_) / links)
 
@@ -223,8 +224,8 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
 
 def _ranges(nl: int, n: int) -> list[tuple[int, int]]:
   """The layer ranges [lo, hi] that get the batching term: every range on small profiles; else the
-  whole model and up to `_BATCH_PREFIXES` evenly spaced prefixes (each costs O(rows^2))."""
-  if nl * nl * n * n <= _BATCH_WORK:
+  whole model and up to `_BATCH_PREFIXES` evenly spaced prefixes (each costs O(rows))."""
+  if nl * (nl + 1) // 2 * n <= _BATCH_WORK:
     return [(lo, hi) for lo in range(nl) for hi in range(lo, nl)]
   ends = np.unique(np.linspace(0, nl - 1, min(nl, _BATCH_PREFIXES)).round().astype(int))
   return [(0, int(e)) for e in ends]
