@@ -68,8 +68,9 @@ def test_loss_falls_and_is_a_batch_mean(name):
     return [m.loss_fn(p, {k: v[s] for k, v in b.items()})
             for s in (slice(None), slice(None, 16), slice(16, None))]
 
-  full, a, b = (float(x) for x in three_losses(params, batch))
-  assert abs(full - (a + b) / 2) < 1e-5 * abs(full)  # a mean over the batch, not a sum
+  if name == "mlp":  # (one compile less for gpt-tiny, whose loss is the same jnp.mean)
+    full, a, b = (float(x) for x in three_losses(params, batch))
+    assert abs(full - (a + b) / 2) < 1e-5 * abs(full)  # a mean over the batch, not a sum
   state, losses = tx.init(params), []
   for i in range(20):
     params, state, loss = step(params, state, m.make_batch(jax.random.key(i)))
