@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from _assert import assert_trees_close
 from prophet_jax import Bucket, Chunk, GradientProfile, Schedule, ScheduleMismatchError
 from prophet_jax._pipelined import Pending, PipelinedState, pipelined
+from prophet_jax._tree import path_str
 from prophet_jax.models import get_model
 
 AXIS = "data"
@@ -135,8 +136,9 @@ def pmean_ref(mapping, model, tx, params, bs):
 class Runner:
   """Runs a Pipelined under pmap or shard_map the way a user would; keeps the compiled full step."""
 
-  def __init__(self, pipe, mapping):
+  def __init__(self, pipe, mapping, *, keep_compiled=True):
     self.pipe, self.mapping = pipe, mapping
+    self.keep_compiled = keep_compiled and mapping == "shard_map"
     self.compiled = None
     if mapping == "pmap":
       self._step = jax.pmap(pipe.step, axis_name=AXIS)
@@ -161,7 +163,7 @@ class Runner:
 
   def step(self, state, b):
     b = self.batch(b)
-    if state.pending is not None and self.mapping == "shard_map":
+    if state.pending is not None and self.keep_compiled:
       if self.compiled is None:  # the full step, compiled once, kept for audit
         self.compiled = self._step.lower(state, b).compile()
       return self.compiled(state, b)
@@ -174,8 +176,8 @@ class Runner:
     p = self.pipe.params(state)
     return unrep(p) if self.mapping == "pmap" else p
 
-  def run(self, params, bs):
-    state = self.init(params)
+  def run(self, params, bs, state=None):
+    state = self.init(params) if state is None else state
     losses = []
     for b in bs:
       state, loss = self.step(state, b)
@@ -250,3 +252,166 @@ def test_matches_plain_loop(mapping, modelname, txname):
     if modelname == "cnn":  # evaluation after a flush equals the plain loop's
       ev = model.make_batch(jax.random.key(7), 64)
       np.testing.assert_allclose(float(model.loss_fn(got, ev)), float(model.loss_fn(ref, ev)), rtol=1e-5)
+
+
+def test_schedule_change_between_calls_flushes_first_and_stays_exact():
+  """Two steps under a per-layer schedule, two under a per-leaf one, flush: equal to four plain steps.
+
+  The first call under the new schedule reduces the pending gradients with the schedule they were made
+  under (its chunks, in its order), then runs the new forward. clip_by_global_norm (needs every
+  gradient) stays exact too."""
+  model, params, bs, ref, _ = case("mlp", "clip-sgd", 4)
+  tx = TXS["clip-sgd"]()
+  s1, s2 = make_schedule(params), make_schedule(params, per_layer=False, split=3)
+  assert len(s1.chunks) != len(s2.chunks)
+  r1 = Runner(pipelined(model.loss_fn, tx, s1, axis_name=AXIS), "shard_map", keep_compiled=False)
+  r2 = Runner(pipelined(model.loss_fn, tx, s2, axis_name=AXIS), "shard_map", keep_compiled=False)
+  state = r1.init(params)
+  for b in bs[:2]:
+    state, _ = r1.step(state, b)
+  assert state.pending.meta.schedule is s1
+  # the transition program reduces with s1's chunks (one psum each), then forwards under s2
+  jaxpr = str(r2._step.trace(state, r2.batch(bs[2])).jaxpr)
+  assert jaxpr.count("psum") == len(s1.chunks)
+  for b in bs[2:]:
+    state, _ = r2.step(state, b)
+  assert state.pending.meta.schedule is s2
+  state = r2.flush(state)
+  assert_trees_close(r2.params(state), ref, params)
+
+
+@pytest.mark.parametrize("mutation", ["psum-not-pmean", "lost-slice"])
+def test_tolerance_catches_wrong_scale_and_lost_slice(monkeypatch, mutation):
+  """The equivalence check used above fails for a psum in place of a pmean, or a slice left out."""
+  import prophet_jax._pipelined as mod
+
+  model, params, bs, ref, _ = case("mlp", "sgd-momentum")
+  schedule = make_schedule(params)
+  real = mod.allreduce
+  r, a, b = schedule.chunks[0].slices[0]
+  lost_path = schedule.rows[r][0]
+
+  def broken(grads, sched, axis_name, *, mean=True):
+    if mutation == "psum-not-pmean":
+      return real(grads, sched, axis_name, mean=False)
+    out = real(grads, sched, axis_name, mean=mean)
+
+    def drop(path, g):
+      if path_str(path) != lost_path:
+        return g
+      return g.reshape(-1).at[a:b].set(0).reshape(g.shape)
+
+    return jax.tree_util.tree_map_with_path(drop, out)
+
+  monkeypatch.setattr(mod, "allreduce", broken)
+  runner = Runner(pipelined(model.loss_fn, TXS["sgd-momentum"](), schedule, axis_name=AXIS), "shard_map",
+                  keep_compiled=False)
+  state, _ = runner.run(params, bs)
+  with pytest.raises(AssertionError, match="max\\|got-ref\\|"):
+    assert_trees_close(runner.params(state), ref, params)
+
+
+# --------------------------------------------------------------------------------------------------
+# state, residuals and bad input (traced only: nothing is compiled)
+
+
+@functools.cache
+def mlp_setup():
+  model = get_model("mlp")
+  params = model.init(jax.random.key(0))
+  pipe = pipelined(model.loss_fn, optax.sgd(0.1), make_schedule(params), axis_name=AXIS)
+  runner = Runner(pipe, "shard_map", keep_compiled=False)
+  state0 = runner.init(params)
+  batch = runner.batch(model.make_batch(jax.random.key(1), 32))
+  state1, _ = runner._step.eval_shape(state0, batch)  # abstract: a state with a pending forward
+  return model, params, pipe, runner, state0, batch, state1
+
+
+def test_state_specs_residual_bytes_and_flush_noop():
+  model, params, pipe, runner, state0, batch, state1 = mlp_setup()
+  assert isinstance(state1, PipelinedState) and isinstance(state1.pending, Pending)
+  # residuals are per device, with a leading axis of one per device
+  res = state1.pending.residuals
+  assert all(x.shape[0] == N_DEV for x in res)
+  per_device = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in res) // N_DEV
+  assert pipe.residual_bytes(state1) == per_device > 0
+  assert pipe.residual_bytes(state0) == 0
+  # they hold at least the activations of every hidden layer (4 examples x 32 wide x 11 layers)
+  assert per_device >= 4 * 32 * 11 * 4
+  full = pipe.state_specs(state1)
+  assert jax.tree.structure(full, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(state1)
+  assert set(jax.tree.leaves(full.pending, is_leaf=lambda x: isinstance(x, P))) == {P(AXIS)}
+  assert set(jax.tree.leaves(full.params, is_leaf=lambda x: isinstance(x, P))) == {P()}
+  # flush with nothing pending is a no-op (no axis needed, nothing traced)
+  s = pipe.init(params)
+  assert pipe.flush(s) is s
+  # the flush program only reduces: one psum per chunk
+  assert str(runner._flush.trace(state1).jaxpr).count("psum") == len(pipe.schedule.chunks)
+
+
+def test_batch_shape_change_is_an_error():
+  model, params, pipe, runner, state0, batch, state1 = mlp_setup()
+  other = runner.batch(model.make_batch(jax.random.key(2), 64))
+  with pytest.raises(ValueError, match=r"batch leaf 'x' has shape \(8, 16\).*pending forward ran on "
+                                       r"shape \(4, 16\).*flush\(state\)"):
+    runner._step.trace(state1, other)
+  # after a flush any shape is fine
+  runner._step.trace(state0, other)
+
+
+def test_schedule_for_another_tree_is_an_error():
+  model, params, pipe, runner, state0, batch, state1 = mlp_setup()
+  cnn_params = get_model("cnn").abstract_params()
+  cnn_schedule = make_schedule(cnn_params)
+  with pytest.raises(ScheduleMismatchError, match="pipelined.init: the schedule has a row for leaf "
+                                                  "'params/Conv_0/bias'"):
+    pipelined(model.loss_fn, optax.sgd(0.1), cnn_schedule, axis_name=AXIS).init(params)
+  other = Runner(pipelined(model.loss_fn, optax.sgd(0.1), cnn_schedule, axis_name=AXIS), "shard_map",
+                 keep_compiled=False)
+  with pytest.raises(ScheduleMismatchError, match="pipelined.step"):
+    other._step.trace(state1, batch)
+
+
+def test_state_from_another_schedule_or_loss_is_an_error():
+  import dataclasses
+
+  model, params, pipe, runner, state0, batch, state1 = mlp_setup()
+  cnn_schedule = make_schedule(get_model("cnn").abstract_params())
+  meta = dataclasses.replace(state1.pending.meta, schedule=cnn_schedule)
+  forged = state1._replace(pending=Pending(state1.pending.residuals, meta))
+  with pytest.raises(ScheduleMismatchError, match="pending forward ran under a schedule for another tree"):
+    runner._step.trace(forged, batch)
+  with pytest.raises(ScheduleMismatchError, match="pipelined.flush"):
+    runner._flush.trace(forged)
+
+  def l2_loss(p, b):  # another loss_fn: its forward keeps other residuals
+    return model.loss_fn(p, b) + 1e-3 * sum(jnp.sum(x ** 2) for x in jax.tree.leaves(p))
+
+  other = Runner(pipelined(l2_loss, optax.sgd(0.1), pipe.schedule, axis_name=AXIS), "shard_map",
+                 keep_compiled=False)
+  with pytest.raises(ValueError, match="state carries 49 residuals.*another loss_fn"):
+    other._step.trace(state1, batch)
+
+
+def test_bad_arguments():
+  model, params, pipe, runner, state0, batch, state1 = mlp_setup()
+  with pytest.raises(TypeError, match="optax.GradientTransformation"):
+    pipelined(model.loss_fn, object(), pipe.schedule, axis_name=AXIS)
+  with pytest.raises(TypeError, match="prophet_jax.Schedule"):
+    pipelined(model.loss_fn, optax.sgd(0.1), "wfbp", axis_name=AXIS)
+  with pytest.raises(TypeError, match="callable"):
+    pipelined(None, optax.sgd(0.1), pipe.schedule, axis_name=AXIS)
+  with pytest.raises(TypeError, match="expected the PipelinedState"):
+    pipe.step({"params": params}, batch)
+  from prophet_jax import UnboundAxisError
+
+  with pytest.raises(UnboundAxisError, match="axis_name='data'"):
+    pipe.step(pipe.init(params), model.make_batch(jax.random.key(1), 4))
+
+  def per_example(p, b):
+    return jnp.zeros(b["x"].shape[0])
+
+  bad = Runner(pipelined(per_example, optax.sgd(0.1), pipe.schedule, axis_name=AXIS), "shard_map",
+               keep_compiled=False)
+  with pytest.raises(TypeError, match="must return a floating scalar, got shape \\(4,\\)"):
+    bad._step.trace(state0, batch)
