@@ -198,3 +198,25 @@ def test_pure_without_jax():
           "print(s.num_allreduces)\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
+
+
+@settings(deadline=None, max_examples=6)
+@given(seed=SEEDS, cross_step=st.booleans())
+def test_robust_choice_stays_within_tolerance_of_baselines(seed, cross_step):
+  """robust=0.3 (minimax regret over the +-30% box) is never more than robust_tol slower than the best
+  default baseline under the planning model, and its prediction is the simulator's."""
+  rng = np.random.default_rng(seed)
+  profile = _brute.random_profile(rng, int(rng.integers(2, 25)), dtypes=("float32", "bfloat16"))
+  network = _brute.random_network(rng, profile, links=1, overlap=True)
+  s = auto(robust=0.3, robust_tol=0.02)(profile, network, cross_step=cross_step)
+  base = min(_sim(pj.plan(profile, network, n, cross_step=cross_step), profile, network, cross_step)
+             for n in BASELINES)
+  assert s.predicted_s <= base * 1.02 * (1 + 1e-9)
+  assert _sim(s, profile, network, cross_step) == pytest.approx(s.predicted_s, rel=1e-9)
+
+
+def test_robust_option_errors():
+  with pytest.raises(ValueError, match="robust"):
+    auto(robust=1.5)
+  with pytest.raises(ValueError, match="robust_tol"):
+    auto(robust_tol=-0.1)

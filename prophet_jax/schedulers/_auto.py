@@ -60,6 +60,8 @@ _EXACT_TAILS = 4
 # slice anywhere) and up to _STARTS starting points.
 _SMALL = 24
 _STARTS = 3
+# Robust choice: the exact-tail grid points of the best few candidates are replanned per network.
+_ROBUST_POINTS = 3
 _INF = math.inf
 
 
@@ -158,13 +160,22 @@ class _Instance:
 # cross_step=False: the exact dynamic program over contiguous merges of the ready order
 
 
-def _contiguous_dp(inst: _Instance) -> list[_Chunk]:
+def _contiguous_dp(inst: _Instance, networks: Sequence[NetworkModel] = ()) -> list[_Chunk]:
   """Optimal contiguous merges of the ready order (one link, one dtype per chunk).
 
   f[j] = min over i of max(f[i], ready(j-1)) + a + b * bytes(i..j-1): the earliest end of the last
   all-reduce of the first j rows. The end of a group is monotone in f[i], so the earliest prefix end is
   all a later group needs; the inner minimum is one numpy expression.
+
+  With `networks`, a hedged variant (a heuristic, for the robust choice): each prefix keeps its end
+  under every one of those networks, and the choice minimises their sum.
   """
+  if networks:
+    a = np.array([n.startup_s for n in networks])
+    b = np.array([n.per_byte_s for n in networks])
+  else:
+    a = np.array([inst.startup_s])
+    b = np.array([inst.per_byte_s])
   order = [i for i in inst.profile.ready_order() if inst.nbytes[i] > 0]
   n = len(order)
   if n == 0:
@@ -175,13 +186,12 @@ def _contiguous_dp(inst: _Instance) -> list[_Chunk]:
   for j in range(1, n):
     same = inst.dtype[order[j]] == inst.dtype[order[j - 1]]
     run_start[j] = run_start[j - 1] if same else j
-  a, b = inst.startup_s, inst.per_byte_s
-  best = np.zeros(n + 1)
+  best = np.zeros((n + 1, len(a)))
   choice = np.zeros(n, dtype=np.int64)
   for j in range(n):
     i0 = run_start[j]
-    cand = np.maximum(best[i0:j + 1], ready[j]) + (a + b * (prefix[j + 1] - prefix[i0:j + 1]))
-    k = int(np.argmin(cand))  # the first minimum: the largest group
+    cand = np.maximum(best[i0:j + 1], ready[j]) + (a + b * (prefix[j + 1] - prefix[i0:j + 1])[:, None])
+    k = int(np.argmin(cand.sum(axis=1)))  # the first minimum: the largest group
     best[j + 1] = cand[k]
     choice[j] = i0 + k
   groups = []
@@ -479,46 +489,59 @@ def _baselines(inst: _Instance) -> list[tuple[str, Any]]:
   return out
 
 
-def _own_candidates(inst: _Instance, cross_step: bool) -> list[tuple[str, list[_Chunk]]]:
-  out: list[tuple[str, list[_Chunk]]] = []
+def _own_candidates(inst: _Instance, cross_step: bool, grid: Sequence[tuple] | None = None
+                    ) -> list[tuple[str, list[_Chunk], tuple | None]]:
+  """The joint optimiser's candidates: (label, chunks, grid point or None).
+
+  `grid` restricts the pipelined step's grid of (partition, block, mode, amount) points (all of
+  `_PARTITIONS` x `_BLOCKS` x `_MODES` by default); with it, only the exact-tail variants are returned.
+  """
+  out: list[tuple[str, list[_Chunk], tuple | None]] = []
   if not inst.live:
-    return [("empty", [])]
-  by_dtype: dict[str, list[int]] = {}
-  for r in inst.profile.ready_order():
-    if inst.nbytes[r] > 0:
-      by_dtype.setdefault(inst.dtype[r], []).append(r)
-  whole = [inst.chunk([(r, 0, inst.size[r]) for r in rows]) for rows in by_dtype.values()]
-  out.append(("one-per-dtype", sorted(whole, key=lambda c: c.ready_s)))
+    return [("empty", [], None)]
+  if grid is None:
+    by_dtype: dict[str, list[int]] = {}
+    for r in inst.profile.ready_order():
+      if inst.nbytes[r] > 0:
+        by_dtype.setdefault(inst.dtype[r], []).append(r)
+    whole = [inst.chunk([(r, 0, inst.size[r]) for r in rows]) for rows in by_dtype.values()]
+    out.append(("one-per-dtype", sorted(whole, key=lambda c: c.ready_s), None))
   if not inst.overlap:
     return out
-  out.append(("contiguous-dp", _contiguous_dp(inst)))
-  if cross_step:
-    a, b = inst.startup_s, inst.per_byte_s
-    total = float(inst.nbytes.sum())
-    scale = a / b if b > 0 else total
-    scale = min(max(scale, 1.0), total)
-    # Stage 1: rank the grid with a cheap tail (blocks in priority order); stage 2: the exact tail
-    # grouping for the best few heads.
-    ranked = []
-    for pm in _PARTITIONS:
-      units = _units(inst, None if pm is None else min(total, scale * pm))
-      for bm in _BLOCKS:
-        block = _INF if bm is None else min(total, scale * bm)
-        for mode, m in _MODES:
-          wait = min(total, scale * m) if mode == "wait" else 0.0
-          fit = min(total, scale * m) if mode == "fit" else None
-          head, rest = _priority_head(inst, units, block, wait, fit)
-          chunks = head + _block_tail(inst, rest, block)
-          label = f"joint(partition={pm}, block={bm}, {mode}={m})"
-          ranked.append((inst.iteration_s(chunks), label, chunks, head, rest))
-    ranked.sort(key=lambda x: x[0])
-    seen = set()
-    for v, label, chunks, head, rest in ranked:
-      out.append((label, chunks))
-      key = tuple(c.slices for c in head)
-      if len(seen) < _EXACT_TAILS and key not in seen:
-        seen.add(key)
-        out.append((label + "+tail-dp", head + _tail_dp(inst, rest)))
+  if grid is None or not cross_step:
+    out.append(("contiguous-dp", _contiguous_dp(inst), None))
+  if not cross_step:
+    return out
+  a, b = inst.startup_s, inst.per_byte_s
+  total = float(inst.nbytes.sum())
+  scale = a / b if b > 0 else total
+  scale = min(max(scale, 1.0), total)
+  points = grid if grid is not None else [(pm, bm, mode, m) for pm in _PARTITIONS for bm in _BLOCKS
+                                          for mode, m in _MODES]
+  # Stage 1: rank the grid with a cheap tail (blocks in priority order); stage 2: the exact tail
+  # grouping for the best few heads.
+  ranked = []
+  units_of: dict[Any, list] = {}
+  for point in points:
+    pm, bm, mode, m = point
+    if pm not in units_of:
+      units_of[pm] = _units(inst, None if pm is None else min(total, scale * pm))
+    block = _INF if bm is None else min(total, scale * bm)
+    wait = min(total, scale * m) if mode == "wait" else 0.0
+    fit = min(total, scale * m) if mode == "fit" else None
+    head, rest = _priority_head(inst, units_of[pm], block, wait, fit)
+    chunks = head + _block_tail(inst, rest, block)
+    label = f"joint(partition={pm}, block={bm}, {mode}={m})"
+    ranked.append((inst.iteration_s(chunks), label, chunks, head, rest, point))
+  ranked.sort(key=lambda x: x[0])
+  seen = set()
+  for v, label, chunks, head, rest, point in ranked:
+    if grid is None:
+      out.append((label, chunks, point))
+    key = tuple(c.slices for c in head)
+    if len(seen) < _EXACT_TAILS and key not in seen:
+      seen.add(key)
+      out.append((label + "+tail-dp", head + _tail_dp(inst, rest), point))
   return out
 
 
@@ -535,7 +558,8 @@ def _simulate_fn() -> Callable[..., Any] | None:
 
 
 def auto(*, search_options: bool = True, local_search: bool = True, max_evals: int = 3000,
-         verify: bool = True) -> Callable[..., Schedule]:
+         robust: float = 0.0, robust_tol: float = 0.02, verify: bool = True
+         ) -> Callable[..., Schedule]:
   """The best predicted schedule: every policy's option search plus a joint optimiser.
 
   Args:
@@ -543,7 +567,14 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
       partition and credit), not only at their defaults.
     local_search: refine the best candidate by merging, splitting, swapping and moving chunks.
     max_evals: evaluations the local search may spend (bounds planning time; deterministic).
-    verify: re-predict the finalists with `prophet_jax.simulate` and keep the fastest there.
+    robust: how far off (relative) alpha and beta may be, e.g. 0.3 for a rough fit. 0 (the default)
+      returns the fastest predicted schedule. Above 0, auto returns the candidate whose worst slowdown
+      against the best candidate, over the networks with alpha and beta each off by up to `robust`,
+      is least (minimax regret), among those predicted at most `robust_tol` slower than the best
+      default baseline under the given network.
+    robust_tol: the predicted time (relative) the robust choice may give up, e.g. 0.02.
+    verify: compute `Schedule.predicted_s` with `prophet_jax.simulate` (the search uses the
+      simulator's own fast path, which agrees with it).
 
   Returns:
     A Scheduler: ``scheduler(profile, network, *, cross_step) -> Schedule``; ``cross_step`` may be
@@ -573,8 +604,12 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
   if isinstance(max_evals, bool) or not isinstance(max_evals, int) or max_evals < 1:
     raise ValueError(f"auto(max_evals={max_evals!r}): `max_evals` must be a positive integer number "
                      f"of evaluations, e.g. 3000.")
+  for name, value, hi in (("robust", robust, 0.9), ("robust_tol", robust_tol, 1.0)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= hi:
+      raise ValueError(f"auto({name}={value!r}): `{name}` must be a number in [0, {hi}], e.g. "
+                       f"{0.3 if name == 'robust' else 0.02}.")
   options = {"search_options": search_options, "local_search": local_search, "max_evals": max_evals,
-             "verify": verify}
+             "robust": float(robust), "robust_tol": float(robust_tol), "verify": verify}
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool | str = False
                 ) -> Schedule:
@@ -596,47 +631,98 @@ def _small(x: Schedule | list[_Chunk]) -> bool:
   return len(chunks) <= _SMALL and sum(len(c.slices) for c in chunks) <= 3 * _SMALL
 
 
+class _Candidate:
+  """A candidate schedule: its chunks, per-chunk arrays, and predicted times."""
+
+  __slots__ = ("label", "chunks", "schedule", "default_baseline", "arrays", "nominal", "point", "worst")
+
+  def __init__(self, inst: _Instance, label: str, chunks: list[_Chunk], schedule: Schedule | None = None,
+               default_baseline: bool = False, point: tuple | None = None):
+    self.label = label
+    self.chunks = chunks
+    self.schedule = schedule
+    self.default_baseline = default_baseline
+    self.point = point
+    self.arrays = inst.arrays(chunks)
+    self.nominal = inst.iteration_of(*self.arrays)
+    self.worst = 1.0
+
+
+def _scenarios(network: NetworkModel, robust: float) -> list[NetworkModel]:
+  """The networks the true one may be if `network`'s alpha and beta are each off by up to `robust`."""
+  lo, hi = 1 / (1 + robust), 1 / (1 - robust)
+  return [network.replace(alpha_s=network.alpha_s * fa, beta_s_per_byte=network.beta_s_per_byte * fb)
+          for fa in (lo, hi) for fb in (lo, hi)]
+
+
 def _plan_auto(profile: GradientProfile, network: NetworkModel, cross: bool,
                options: dict[str, Any]) -> Schedule:
   inst = _Instance(profile, network, cross)
-  cands: list[tuple[float, str, Schedule | list[_Chunk]]] = []
+  cands: list[_Candidate] = []
   baselines = _baselines(inst)
   if not options["search_options"]:
     baselines = [(label, s) for label, s in baselines if "(" not in label]
   for label, sched in baselines:
     s = sched(profile, network, cross_step=cross)
-    cands.append((inst.iteration_s(inst.chunks_of(s)), label, s))
-  for label, chunks in _own_candidates(inst, cross):
-    cands.append((inst.iteration_s(chunks), label, chunks))
-  cands.sort(key=lambda c: c[0])
-  best_s, best_label, best = cands[0]
+    cands.append(_Candidate(inst, label, inst.chunks_of(s), s, default_baseline="(" not in label))
+  for label, chunks, point in _own_candidates(inst, cross):
+    cands.append(_Candidate(inst, label, chunks, point=point))
+  cands.sort(key=lambda c: c.nominal)
   # With one link, no contiguous merge beats the plain step's DP and no other order or cut helps.
   exact = not cross and inst.prob.links == 1
   if options["local_search"] and inst.overlap and inst.live and not exact:
     # Refine the best few distinct candidates (one when large), sharing the evaluation budget.
-    starts = [c for c in cands if _small(c[2])]
+    starts = [c for c in cands if _small(c.chunks)]
     starts = starts[:_STARTS] if starts and starts[0] is cands[0] else cands[:1]
     budget = options["max_evals"]
-    refined_all = []
-    for v0, label, x in starts:
-      chunks = x if isinstance(x, list) else inst.chunks_of(x)
-      refined, v = _iterated_local_search(inst, chunks, max(1, budget // len(starts)), _small(x))
-      if v < v0 * (1 - 1e-12):
-        refined_all.append((v, label + "+local", refined))
-    cands = sorted(refined_all + cands, key=lambda c: c[0])
-  # Finalists: the best few, plus every baseline at its defaults (so auto never loses to one).
-  finalists = cands[:3] + [c for c in cands[3:] if "(" not in c[1] and not isinstance(c[2], list)]
-  schedules = []
-  for v, label, x in finalists:
-    if isinstance(x, list):
-      x = _common.schedule_from_groups(profile, [c.slices for c in x], policy=_POLICY,
-                                       cross_step=cross)
-    schedules.append((v, label, x))
+    for c in list(starts):
+      refined, v = _iterated_local_search(inst, c.chunks, max(1, budget // len(starts)), _small(c.chunks))
+      if v < c.nominal * (1 - 1e-12):
+        cands.append(_Candidate(inst, c.label + "+local", refined, point=c.point))
+    cands.sort(key=lambda c: c.nominal)
+  chosen = cands[0]
+  robust = options["robust"]
+  if robust > 0 and inst.live and len(cands) > 1:
+    chosen = _robust_choice(inst, profile, network, cross, cands, options)
+  schedule = chosen.schedule
+  if schedule is None:
+    schedule = _common.schedule_from_groups(profile, [c.slices for c in chosen.chunks], policy=_POLICY,
+                                            cross_step=cross)
+  predicted = chosen.nominal
   simulate = _simulate_fn() if options["verify"] else None
   if simulate is not None:
-    schedules = [(float(simulate(s, profile, network, cross_step=cross).iteration_s), label, s)
-                 for _, label, s in schedules]
-  v, label, s = min(schedules, key=lambda t: t[0])
-  opts = dict(options, candidate=label)
-  return Schedule(buckets=s.buckets, rows=s.rows, tree_fingerprint=s.tree_fingerprint, policy=_POLICY,
-                  options=tuple(opts.items()), cross_step=cross, predicted_s=float(v))
+    predicted = float(simulate(schedule, profile, network, cross_step=cross, events=False).iteration_s)
+  opts = dict(options, candidate=chosen.label)
+  return Schedule(buckets=schedule.buckets, rows=schedule.rows, tree_fingerprint=schedule.tree_fingerprint,
+                  policy=_POLICY, options=tuple(opts.items()), cross_step=cross, predicted_s=predicted)
+
+
+def _robust_choice(inst: _Instance, profile: GradientProfile, network: NetworkModel, cross: bool,
+                   cands: list[_Candidate], options: dict[str, Any]) -> _Candidate:
+  """The minimax-regret candidate over the networks whose alpha and beta are off by up to `robust`.
+
+  Scenarios: the planning network and the four corners of the box (alpha and beta each divided by
+  1 - robust or 1 + robust). The joint optimiser also plans for each corner, so the best candidate
+  there is close to the optimum there. A candidate's regret in a scenario is its time over the best
+  candidate's; the choice minimises the worst regret among the candidates predicted no more than
+  `robust_tol` slower than the best default baseline under the planning network.
+  """
+  nets = _scenarios(network, options["robust"])
+  insts = [_Instance(profile, n, cross) for n in nets]
+  top_points = list(dict.fromkeys(c.point for c in cands if c.point is not None))[:_ROBUST_POINTS]
+  if inst.overlap:
+    cands.append(_Candidate(inst, "contiguous-dp-hedged", _contiguous_dp(inst, [network] + nets)))
+  for n, si in zip(nets, insts):
+    for label, chunks, _ in _own_candidates(si, cross, grid=top_points):
+      if label != "one-per-dtype":
+        cands.append(_Candidate(inst, f"{label}@alpha*{n.alpha_s / network.alpha_s:.2f},"
+                                f"beta*{n.beta_s_per_byte / network.beta_s_per_byte:.2f}", chunks))
+  times = np.array([[c.nominal] + [si.iteration_of(*c.arrays) for si in insts] for c in cands])
+  best = np.maximum(times.min(axis=0), 1e-300)
+  worst = (times / best).max(axis=1)
+  base = min((c.nominal for c in cands if c.default_baseline), default=_INF)
+  limit = base * (1 + options["robust_tol"])
+  ok = [i for i, c in enumerate(cands) if c.nominal <= limit * (1 + 1e-12)] or [0]
+  i = min(ok, key=lambda i: (worst[i], cands[i].nominal))
+  cands[i].worst = float(worst[i])
+  return cands[i]
