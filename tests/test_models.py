@@ -40,6 +40,13 @@ def test_make_batch_is_deterministic_and_checks_size():
   assert np.array_equal(a["x"][:, 1:], a["y"][:, :-1])
   with pytest.raises(ValueError, match="batch_size=0"):
     m.make_batch(jax.random.key(0), 0)
+  # inside a trace (jit) the same values; on another device too
+  mlp, key = get_model("mlp"), jax.random.key(5)
+  ref = mlp.make_batch(key, 8)
+  traced = jax.jit(lambda k: mlp.make_batch(k, 8))(key)
+  assert np.array_equal(ref["y"], traced["y"]) and np.allclose(ref["x"], traced["x"], atol=1e-6)
+  other = mlp.make_batch(jax.device_put(key, jax.devices()[-1]), 8)
+  assert np.array_equal(ref["y"], other["y"]) and np.allclose(ref["x"], other["x"], atol=1e-6)
 
 
 def test_unknown_model_and_dtype():
