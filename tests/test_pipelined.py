@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from _assert import assert_trees_close
-from prophet_jax import Bucket, Chunk, GradientProfile, Schedule, ScheduleMismatchError
+from prophet_jax import Bucket, Chunk, GradientProfile, Schedule, ScheduleMismatchError, audit
 from prophet_jax._pipelined import Pending, PipelinedState, pipelined
 from prophet_jax._tree import path_str
 from prophet_jax.models import get_model
@@ -242,13 +242,9 @@ def test_matches_plain_loop(mapping, modelname, txname):
     # the compiled full step holds the planned chunks, each once, in schedule order
     found = chunk_allreduces(runner.compiled.as_text())
     assert found == [(k, c.size) for k, c in enumerate(schedule.chunks)], found
-    try:
-      from prophet_jax import audit
-    except (ImportError, AttributeError):
-      audit = None
-    if audit is not None:
-      report = audit(runner.compiled, schedule)
-      assert report.ok, report
+    report = audit(runner.compiled, schedule)
+    assert report.ok, report.summary()
+    assert report.order == tuple(range(len(schedule.chunks))) and not report.foreign
     if modelname == "cnn":  # evaluation after a flush equals the plain loop's
       ev = model.make_batch(jax.random.key(7), 64)
       np.testing.assert_allclose(float(model.loss_fn(got, ev)), float(model.loss_fn(ref, ev)), rtol=1e-5)
