@@ -212,7 +212,8 @@ def _googlenet_profile(nodes: int, shared_dir: str | Path | None) -> GradientPro
 def googlenet_comm_s(nodes: int = 8, *, shared_dir: str | Path | None = None) -> np.ndarray:
   """The measured all-reduce time of each of the 128 rows (seconds) from the same pass of the log.
 
-  Bias rows are 0 where the log folded them into the weight row.
+  The 5-column log (8 nodes) folds most bias all-reduces into the weight row (their time is then 0);
+  the 4-column logs (2 and 4 nodes) time every row.
   """
   nodes = _check_nodes(nodes, "googlenet_comm_s")
   return _read_pass(nodes, shared_dir)[:, 3] * 1e-6

@@ -114,7 +114,7 @@ def test_layer_of():
 
 from prophet_jax import NetworkModel, TraceUnavailableError  # noqa: E402
 from prophet_jax.models import (ALGORITHM_SWITCH_BYTES, ARCHITECTURES, TRACES, architecture,  # noqa: E402
-                                googlenet_allreduce, googlenet_available, load_trace,
+                                googlenet_allreduce, googlenet_available, googlenet_comm_s, load_trace,
                                 reference_param_count)
 
 GOOGLENET_OK, GOOGLENET_WHY = googlenet_available()
@@ -209,6 +209,15 @@ def test_bundled_traces_are_up_to_date():
     assert make_traces.build_profile(model, device) == load_trace(name)
 
 
+def test_every_models_name_resolves():
+  import prophet_jax.models as pm
+
+  for name in pm.__all__:
+    assert getattr(pm, name) is not None
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    pm.nope  # noqa: B018
+
+
 def test_load_trace_needs_no_jax():
   import subprocess
   import sys
@@ -254,6 +263,9 @@ def test_googlenet_trace():
   for nodes in (2, 4):
     other = load_trace("googlenet-k80", nodes=nodes)
     assert other.tree_rows() == prof.tree_rows() and other.backward_s != prof.backward_s
+  comm = googlenet_comm_s(8)
+  assert comm.shape == (128,) and comm[0] == pytest.approx(rows[0][3] * 1e-6)
+  assert np.all(comm[0::2] > 0) and np.sum(comm[1::2] == 0) >= 60  # bias folded into the weight row
 
 
 GOOGLENET_DIR = __import__("pathlib").Path(GOOGLENET_WHY) if GOOGLENET_OK else None
