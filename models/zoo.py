@@ -234,6 +234,23 @@ class Architecture:
     """The forward pass; `state` holds non-parameter collections (ResNet-50's `batch_stats`)."""
     return self.module.apply({**(state or {}), **params}, x)
 
+  def forward_paths(self, params: Mapping[str, Any] | None = None,
+                    state: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    """Parameter paths in forward order (first use in the forward pass's jaxpr; nothing is computed).
+
+    Args:
+      params: `{'params': ...}` (arrays or ShapeDtypeStructs); default `abstract_params()`.
+      state: the other collections (ResNet-50's `batch_stats`); default from `abstract_variables()`.
+    """
+    from .registry import forward_paths
+
+    if params is None or state is None:
+      variables = self.abstract_variables()
+      params = {"params": variables["params"]} if params is None else params
+      state = {k: v for k, v in variables.items() if k != "params"} if state is None else state
+    x = jax.ShapeDtypeStruct((1, *self.input_shape), jnp.dtype(self.input_dtype))
+    return forward_paths(lambda p, x, s: self.apply(p, x, state=s), params, x, state)
+
 
 def architecture(name: str) -> Architecture:
   """The flax definition of a published model: one of `ARCHITECTURES`.

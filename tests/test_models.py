@@ -157,9 +157,7 @@ def test_trace_rows_are_the_flax_leaves_in_forward_order(name):
       for p in r.layer.split("/")[1:]:
         node = node.setdefault(p, {})
       node.update(mean=jax.ShapeDtypeStruct(r.shape, jnp.float32), var=jax.ShapeDtypeStruct(r.shape, jnp.float32))
-  x = jax.ShapeDtypeStruct((1, *arch.input_shape) if arch.input_dtype == "float32" else (1, 16),
-                           jnp.dtype(arch.input_dtype))
-  order = forward_paths(lambda p, x, s: arch.apply(p, x, state=s), params, x, state)
+  order = arch.forward_paths(params, state)
   assert list(order) == [r.path for r in prof.rows]
   assert sum(r.size for r in prof.rows) == reference_param_count(name)
 
