@@ -8,7 +8,6 @@
 - `architecture(name)`, `ARCHITECTURES`, `reference_param_count(name)`: flax definitions of ResNet-50,
   VGG-16, BERT-base and GPT-2 small (parameter trees via `jax.eval_shape`; `Architecture.forward_paths`),
   in `zoo.py` [jax].
-
 - `scan.py` (written with the rewrite): a scan-over-layers model whose blocks all-reduce inside the
   backward loop (`prophet_jax.models.scan.scan_model`) [jax].
 - `make_traces.py`: the generator of the bundled `{model}-{device}` traces (`python models/make_traces.py`).
