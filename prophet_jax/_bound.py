@@ -68,6 +68,21 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   after its release; the chunk's end plus the tail of any row in it is <= iteration (pipelined step,
   below). Jackson's rule (always run the released row of largest q) attains L* (Horn, 1974). []
 
+  Split lemma (one link). Let H ("held") be sent rows each ready no earlier than every other sent
+  row, O the other K sent rows in ready order, tail_H the least tail over H's layers, tail_min the
+  least over all layers with sent rows, Y_i = H plus the i earliest rows of O, m_i = M(Y_i), and g_j
+  = m_j + a + b * (bytes of O after its j earliest rows) + tail_min for j < K, g_K = m_K + a +
+  tail_min. Then iteration >= min(m_K + tail_H, min_{i<K} max(m_i + tail_H, g_{i+1})). Proof: let c
+  be the last chunk (link order) holding an element of H and Y the bytes of the chunks up to c, so
+  Y contains H; by the batching lemma's argument c ends at E >= M(Y), and iteration >= E + tail_H.
+  If no chunk follows c, Y is every byte: iteration >= m_K + tail_H. Otherwise the X = total - |Y|
+  bytes after c need >= 1 more chunk, all starting after E: the last ends >= E + a + b X, and
+  iteration >= E + a + b X + tail_min. Among byte sets Y containing H of a given size y, M is least,
+  m(y), for H plus the earliest-ready other bytes (a byte replaced by an earlier-ready one never
+  raises M: the recurrence is monotone); m is nondecreasing in y, and m(y) + b (total - y) is
+  nonincreasing (extra bytes can join the last chunk, whose readiness, H's latest, stays). So on
+  [|Y_i|, |Y_{i+1}|] the larger of the two bounds is >= max(m_i + tail_H, g_{i+1}). []
+
   Plain step (cross_step=False): iteration = T0 + U + F with T0 = max(backward end, last chunk end).
   - overlap=True: backward end = backward_s, and the lemma with R = every sent row bounds the last
     chunk end: T0 >= max(backward_s, max_t (t + W(S_t))); with one link also T0 >= M(every sent row)
@@ -87,7 +102,8 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   E and iteration >= t + W(J ∩ S_t) + min{tail(j) : j in J has sent rows}. A row with nbytes = 0 is
   reduced at its ready time: iteration >= ready_s + tail(its layer). With one link, likewise
   iteration >= M(J's sent rows [of one dtype]) + min tail over J's layers with sent rows (batching
-  lemma), and iteration >= a + L* (preemption lemma). The bound is the max of these terms, over every
+  lemma), the split lemma's bound with H = the rows of J ready no earlier than every row outside J,
+  and iteration >= a + L* (preemption lemma). The bound is the max of these terms, over every
   range J when the profile is small, else over single layers and prefixes 0..l (every l, or evenly
   spaced ones on large profiles: a subset of valid terms is still a bound).
 
@@ -219,6 +235,15 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
           if m.any():
             mk = _batched_makespan(r_s[m][::-1], b_s[m][::-1], a, b)
             bound = max(bound, mk + float(tail[l_s[m]].min()))
+        # split: the rows of J ready no earlier than every row outside J ("hold")
+        in_j = (l_s >= lo) & (l_s <= hi)
+        t_star = float(r_s[~in_j].max()) if (~in_j).any() else -np.inf
+        hold = in_j & (r_s >= t_star)
+        if hold.any():
+          other = ~hold
+          bound = max(bound, _split_term(r_s[other][::-1], b_s[other][::-1], r_s[hold][::-1],
+                                         b_s[hold][::-1], a, b, float(tail[l_s[hold]].min()),
+                                         float(tail_sent.min())))
   return float(bound)
 
 
@@ -232,6 +257,11 @@ def _ranges(nl: int, n: int) -> list[tuple[int, int]]:
 
 
 def _batched_makespan(ready: np.ndarray, nbytes: np.ndarray, a: float, b: float) -> float:
+  """M: the least one-link end of the last chunk over contiguous merges of rows in ready order."""
+  return float(_batched_ends(ready, nbytes, a, b)[-1])
+
+
+def _batched_ends(ready: np.ndarray, nbytes: np.ndarray, a: float, b: float) -> np.ndarray:
   """min over contiguous partitions of rows sorted by ready time (ascending) of the one-link end of
   the last chunk.
 
@@ -265,7 +295,33 @@ def _batched_makespan(ready: np.ndarray, nbytes: np.ndarray, a: float, b: float)
     if window:
       best = min(best, g[window[0]] + a + b * pb[e + 1])
     f[e + 1] = best
-  return float(f[n])
+  return np.asarray(f)
+
+
+def _split_term(r_other: np.ndarray, b_other: np.ndarray, r_hold: np.ndarray, b_hold: np.ndarray,
+                a: float, b: float, tail_hold: float, tail_min: float) -> float:
+  """The split lemma's bound (see `lower_bound`): rows `hold` (ascending ready, every one ready no
+  earlier than any of the `other` rows, also ascending) and the tails."""
+  k = r_other.size
+  po = np.r_[0.0, np.cumsum(b_other)]
+  fo = _batched_ends(r_other, b_other, a, b)       # fo[i]: the best end of the i earliest others
+  ph = np.cumsum(b_hold)
+  blocks: list[np.ndarray] = []                       # F after hold row j, for every i = 0..k
+  for j, (rj, bj) in enumerate(zip(r_hold.tolist(), b_hold.tolist())):
+    cand = np.minimum.accumulate(np.maximum(fo, rj) - b * po)       # cut among the others
+    for jp in range(j):                                               # cut after hold row jp
+      cand = np.minimum(cand, np.maximum(blocks[jp], rj) - b * (po + ph[jp]))
+    blocks.append(cand + a + b * (po + ph[j]))
+  m = blocks[-1]                                      # m[i] = M(hold + the i earliest others)
+  total = po[k] + ph[-1]
+  f1 = m + tail_hold
+  if k == 0:
+    return float(f1[0])
+  f2_next = np.empty(k)                               # f2 at the right end of [y_i, y_{i+1}]
+  f2_next[:k - 1] = m[1:k] + a + b * (total - po[1:k] - ph[-1])
+  f2_next[k - 1] = m[k] + a                           # the limit y -> total of m(y) + a + b(total - y)
+  f2_next += tail_min
+  return float(min(f1[k], np.min(np.maximum(f1[:k], f2_next))))
 
 
 def _jackson_lmax(release: np.ndarray, work: np.ndarray, delivery: np.ndarray) -> float:

@@ -46,8 +46,11 @@ def test_hand_bounds():
   # pipelined: tail(A) = u(A) + f(A) + f(B) = 1.6, tail(B) = 0.2 + 0.5 = 0.7. Layer A alone:
   # 3.0 + 1.5 + 1.6 = 6.1; B alone: 1.0 + 2.5 + 0.7 = 4.2; A..B: 4.5 + min(1.6, 0.7) = 5.2;
   # compute: 3.0 + 1.5 = 4.5. Batching: {A}: 4.5 + 1.6 = 6.1; {A, B}: 5.0 + 0.7. Preemptive: B runs
-  # 1.0-3.0 (3.0 + 0.7), A 3.0-4.0 (4.0 + 1.6), + a = 6.1. Bound 6.1 (wfbp order takes 6.6).
-  assert lower_bound(PROFILE, NET, cross_step=True) == pytest.approx(6.1)
+  # 1.0-3.0 (3.0 + 0.7), A 3.0-4.0 (4.0 + 1.6), + a = 6.1. Split, holding A (ready after B): either
+  # A's chunk is last, ending >= M(B, A) = 5.0: 5.0 + 1.6 = 6.6; or some of B's bytes follow it: A's
+  # chunk ends >= M(A) = 4.5 (4.5 + 1.6 = 6.1) and the last chunk >= M(B, A) + a = 5.5 (5.5 + 0.7 =
+  # 6.2): min(6.6, max(6.1, 6.2)) = 6.2. Bound 6.2 (wfbp order takes 6.6).
+  assert lower_bound(PROFILE, NET, cross_step=True) == pytest.approx(6.2)
   # no overlap: backward 3.0 + W(all) = 0.5 + 3.0, + 1.8 = 8.3, which one merged chunk attains.
   no = NET.replace(overlap=False)
   assert lower_bound(PROFILE, no) == pytest.approx(8.3)
@@ -273,3 +276,27 @@ def test_pareto_dp_equals_enumeration_six_leaves():
   net = random_network(rng, p, links=1, overlap=True, comm_ratio=2.0)
   t, _ = best_ordered(p, net, cross_step=True)
   assert t == pytest.approx(_enumerate_ordered(p, net, cross_step=True), rel=REL)
+
+
+@settings(deadline=None, max_examples=40)
+@given(SEEDS)
+def test_split_term_matches_its_definition(seed):
+  # m_i = M(held rows + the i earliest others), each from the batching DP on the concatenation;
+  # bound = min(m_K + tail_H, min_i max(m_i + tail_H, g_{i+1})).
+  from prophet_jax._bound import _batched_makespan, _split_term
+
+  rng = np.random.default_rng(seed)
+  k, h = int(rng.integers(0, 7)), int(rng.integers(1, 4))
+  r_other = np.sort(rng.uniform(0, 1, k))
+  r_hold = np.sort(rng.uniform(r_other.max() if k else 0.0, 1.2, h))
+  b_other, b_hold = rng.integers(1, 100, k).astype(float), rng.integers(1, 100, h).astype(float)
+  a, b = float(rng.uniform(0, 0.5)), float(rng.uniform(0, 0.02))
+  tail_h, tail_min = float(rng.uniform(0, 1)), float(rng.uniform(0, 0.5))
+  m = [_batched_makespan(np.r_[r_other[:i], r_hold], np.r_[b_other[:i], b_hold], a, b)
+       for i in range(k + 1)]
+  total = b_other.sum() + b_hold.sum()
+  g = [m[j] + a + b * (total - b_hold.sum() - b_other[:j].sum()) + tail_min for j in range(k)]
+  g.append(m[k] + a + tail_min)
+  want = min([m[k] + tail_h] + [max(m[i] + tail_h, g[i + 1]) for i in range(k)])
+  got = _split_term(r_other, b_other, r_hold, b_hold, a, b, tail_h, tail_min)
+  assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
