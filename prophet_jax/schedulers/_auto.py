@@ -2,26 +2,33 @@
 
 Pure: numpy only, never jax.
 
-`auto` plans every baseline policy over a small grid of its options, runs its own joint optimiser of
-merge points, issue order and partition sizes, predicts each candidate's iteration time with an exact
-fast evaluator of DESIGN.md's simulator recurrences, and returns the fastest. Because the baselines at
-their defaults are among the candidates, `auto` is never predicted slower than the best of them under
-the model it planned with.
+`auto` plans every baseline policy at its defaults and over a small grid of its options, runs its own
+joint optimiser of merge points, issue order and partition sizes, predicts every candidate's iteration
+time with the simulator's own fast path (`_simulate._iteration_s`, the number `simulate` returns), and
+returns the fastest. The baselines at their defaults are among the candidates, so `auto` is never
+predicted slower than the best of them under the model it planned with.
 
 The joint optimiser, per step mode:
 
-* ``cross_step=False`` with overlap: an exact O(L^2) dynamic program over contiguous merges of the ready
-  order (one dtype per chunk). The end of a prefix's last all-reduce is monotone in the end of the
-  prefix before it, so keeping the earliest end per prefix is optimal over contiguous merges (and with
-  one link, sending a row in pieces or out of ready order never ends earlier).
-* ``cross_step=True`` with overlap: a priority list schedule during backward (partition size, block size
-  and a minimum-bytes wait are searched on a grid scaled by the network's start-up/byte ratio), followed,
-  once every gradient is ready, by an exact O(N^2) dynamic program over the grouping of the remaining
-  gradients in priority order that minimises the next forward's end; then a bounded local search (merge,
-  split, swap and move chunks) on the best candidate.
-* without overlap (XLA on the CPU): every all-reduce stalls the device, so the fewest all-reduces win: one
-  per dtype.
+* ``cross_step=False`` with overlap: an exact O(L^2) dynamic program over contiguous merges of the
+  ready order (one dtype per chunk). The end of a prefix's last all-reduce is monotone in the end of
+  the prefix before it, so keeping the earliest end per prefix is optimal over contiguous merges; with
+  one link, sending a row in pieces or out of ready order never ends earlier, so no search follows.
+* ``cross_step=True`` with overlap: a priority list schedule while backward runs (on a grid of partition
+  size, block size, and how the link waits: for some bytes to be ready, or chunks cut at element
+  boundaries to end when the next gradient is ready, as Prophet sizes blocks to gaps; the grid is in
+  units of the bytes whose transfer costs one start-up). Once every gradient is ready, the rest goes
+  in priority order, grouped by an exact O(N^2) dynamic program that minimises the next forward's end
+  (`_tail_dp`). Then a first-improvement local search (merge, swap, split chunks; on small schedules
+  also move a chunk or one slice anywhere, with random kicks) refines the best candidates within a
+  fixed evaluation budget.
+* without overlap (XLA on the CPU): every all-reduce stalls the device, so few all-reduces win: one per
+  dtype (the baselines are candidates too).
 * ``cross_step="auto"``: both modes are planned and the faster prediction wins; the schedule records it.
+
+With ``robust > 0`` (alpha and beta uncertain by that fraction), auto returns instead the candidate
+whose worst slowdown over that box of networks is least (minimax regret), replanning its own candidates
+for the box's corners, among those predicted within ``robust_tol`` of the best default baseline.
 
 References:
   S. Shi, X. Chu, B. Li. MG-WFBP: Efficient data communication for distributed synchronous SGD
@@ -35,7 +42,6 @@ References:
 from __future__ import annotations
 
 import heapq
-import importlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,8 +62,8 @@ _PARTITIONS = (None, 2, 8)
 _BLOCKS = (2, 8, 32, None)
 _MODES = (("wait", 0), ("wait", 2), ("fit", 1))
 _EXACT_TAILS = 4
-# Local search: schedules of at most _SMALL chunks (3 * _SMALL slices) get the rich neighbourhood (move a chunk or a
-# slice anywhere) and up to _STARTS starting points.
+# Local search: schedules of at most _SMALL chunks (3 * _SMALL slices) get the rich neighbourhood
+# (move a chunk or a slice anywhere, random kicks) and up to _STARTS starting points.
 _SMALL = 24
 _STARTS = 3
 # Robust choice: the exact-tail grid points of the best few candidates are replanned per network.
@@ -452,40 +458,28 @@ def _iterated_local_search(inst: _Instance, chunks: list[_Chunk], budget: int, r
 # The candidates
 
 
-def _try_policy(module: str, factory: str) -> Callable[..., Any] | None:
-  try:
-    mod = importlib.import_module(f"{__package__}.{module}")
-  except ImportError:
-    return None
-  return getattr(mod, factory, None)
-
-
 def _baselines(inst: _Instance) -> list[tuple[str, Any]]:
-  """(label, scheduler) for every baseline policy at its defaults and over a grid of its options."""
-  out: list[tuple[str, Any]] = []
+  """(label, scheduler) for every baseline policy at its defaults and over a grid of its options.
+
+  Labels without parentheses are the defaults (the ones auto must never lose to).
+  """
+  from ._bucket import bucket
+  from ._mgwfbp import mgwfbp
+  from ._priority import priority
+  from ._prophet import prophet
+  from ._wfbp import wfbp
+  from ._xla import xla
+
   mib = 2**20
-  simple = [("wfbp", "_wfbp", "wfbp"), ("xla", "_xla", "xla"), ("mgwfbp", "_mgwfbp", "mgwfbp")]
-  for label, module, name in simple:
-    f = _try_policy(module, name)
-    if f is not None:
-      out.append((label, f()))
-  f = _try_policy("_bucket", "bucket")
-  if f is not None:
-    out.append(("bucket", f()))
-    for mb in (1, 4, 16, 64, 128):
-      out.append((f"bucket(bucket_bytes={mb}MiB)", f(bucket_bytes=mb * mib)))
-  f = _try_policy("_priority", "priority")
-  if f is not None:
-    out.append(("priority", f()))
-    item = max(inst.itemsize) if inst.itemsize else 4
-    for parts in (2**20, 2**22, 2**24):
-      for credit in (4,):
-        p, c = parts * item, parts * credit * item
-        out.append((f"priority(partition_bytes={p}, credit_bytes={c})",
-                    f(partition_bytes=p, credit_bytes=c)))
-  f = _try_policy("_prophet", "prophet")
-  if f is not None:
-    out.append(("prophet", f()))
+  item = max(inst.itemsize) if inst.itemsize else 4
+  out: list[tuple[str, Any]] = [("wfbp", wfbp()), ("xla", xla()), ("mgwfbp", mgwfbp()),
+                                ("bucket", bucket()), ("priority", priority()), ("prophet", prophet())]
+  out += [(f"bucket(bucket_bytes={mb}MiB)", bucket(bucket_bytes=mb * mib)) for mb in (1, 4, 16, 64, 128)]
+  for params in (2**22, 2**24):  # the default is 2**20 parameters, credit 4x
+    p, c = params * item, 4 * params * item
+    out.append((f"priority(partition_bytes={p}, credit_bytes={c})",
+                priority(partition_bytes=p, credit_bytes=c)))
+  out.append(("prophet(gap_factor=4.0)", prophet(gap_factor=4.0)))  # prophet tunes its other knobs
   return out
 
 
@@ -543,14 +537,6 @@ def _own_candidates(inst: _Instance, cross_step: bool, grid: Sequence[tuple] | N
       seen.add(key)
       out.append((label + "+tail-dp", head + _tail_dp(inst, rest), point))
   return out
-
-
-def _simulate_fn() -> Callable[..., Any] | None:
-  try:
-    mod = importlib.import_module("prophet_jax._simulate")
-  except ImportError:
-    return None
-  return getattr(mod, "simulate", None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -689,8 +675,9 @@ def _plan_auto(profile: GradientProfile, network: NetworkModel, cross: bool,
     schedule = _common.schedule_from_groups(profile, [c.slices for c in chosen.chunks], policy=_POLICY,
                                             cross_step=cross)
   predicted = chosen.nominal
-  simulate = _simulate_fn() if options["verify"] else None
-  if simulate is not None:
+  if options["verify"]:
+    from .._simulate import simulate
+
     predicted = float(simulate(schedule, profile, network, cross_step=cross, events=False).iteration_s)
   opts = dict(options, candidate=chosen.label)
   return Schedule(buckets=schedule.buckets, rows=schedule.rows, tree_fingerprint=schedule.tree_fingerprint,
