@@ -272,8 +272,9 @@ class GPTTiny(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     wte = nn.Embed(self.vocab, self.d_model, dtype=self.dtype, name="wte")
-    wpe = self.param("wpe", nn.initializers.normal(0.02), (self.seq_len, self.d_model), jnp.float32)
-    x = wte(tokens) + wpe[: tokens.shape[1]].astype(self.dtype)
+    wpe = nn.Embed(self.seq_len, self.d_model, dtype=self.dtype, name="wpe",
+                   embedding_init=nn.initializers.normal(0.02))
+    x = wte(tokens) + wpe(jnp.arange(tokens.shape[1]))[None]
     for i in range(self.num_blocks):
       x = Block(self.d_model, self.num_heads, dtype=self.dtype, name=f"block{i}")(x)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
