@@ -52,22 +52,26 @@ _SUBDIR = Path("traces") / "googlenet-caffe-k80"
 # Bundled (package data)
 
 
-def load_trace(name: str, *, nodes: int = 8, shared_dir: str | Path | None = None) -> GradientProfile:
+def load_trace(name: str, *, nodes: int | None = None,
+               shared_dir: str | Path | None = None) -> GradientProfile:
   """A trace by name: one of `TRACES`.
 
   Args:
     name: '{model}-{device}' ('resnet50-v100', 'gpt2-h100', ...) or 'googlenet-k80'.
-    nodes: for 'googlenet-k80' only: the log of 2, 4 or 8 nodes (default 8, tmp8comm.log).
+    nodes: for 'googlenet-k80' only: the log of 2, 4 or 8 nodes (default 8: tmp8comm.log).
     shared_dir: for 'googlenet-k80' only: the `shared` directory holding traces/googlenet-caffe-k80.
 
   Raises:
-    ValueError: unknown name (the message lists the names).
+    ValueError: unknown name (the message lists the names); nodes or shared_dir for a bundled trace.
     TraceUnavailableError: 'googlenet-k80' and the public data set is not on this machine.
   """
   if name == "googlenet-k80":
-    return _googlenet_profile(nodes, shared_dir)
+    return _googlenet_profile(8 if nodes is None else nodes, shared_dir)
   if name not in _BUNDLED:
     raise ValueError(f"load_trace({name!r}): unknown trace; expected one of {list(TRACES)}.")
+  if nodes is not None or shared_dir is not None:
+    raise ValueError(f"load_trace({name!r}, nodes={nodes!r}, shared_dir={shared_dir!r}): nodes and "
+                     f"shared_dir apply only to 'googlenet-k80'; a bundled trace takes neither.")
   text = resources.files("prophet_jax.models.traces").joinpath(f"{name}.json").read_text()
   return GradientProfile.from_json(text)
 

@@ -197,6 +197,8 @@ def test_bundled_trace_details():
   assert 250 <= 64 / (r.forward_s + r.backward_s) <= 450
   with pytest.raises(ValueError, match="unknown trace.*'resnet50-v100'"):
     load_trace("resnet51-v100")
+  with pytest.raises(ValueError, match="only to 'googlenet-k80'"):
+    load_trace("resnet50-v100", nodes=4)
 
 
 def test_bundled_traces_are_up_to_date():
