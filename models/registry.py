@@ -96,17 +96,25 @@ def _path_str(keypath) -> str:
   return jax.tree_util.keystr(tuple(keypath), simple=True, separator="/")
 
 
-# jaxpr params holding a sub-jaxpr whose invars map one-to-one onto the equation's invars
+# jaxpr params holding a sub-jaxpr whose invars and outvars map one-to-one onto the equation's
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# primitives that only re-label a value (its k-th output is its k-th input, re-typed or re-shaped):
+# not a use; the use is wherever the result is read
+_ALIAS_PRIMITIVES = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims",
+                               "broadcast_in_dim", "transpose", "copy", "copy_p", "pvary", "pcast",
+                               "optimization_barrier", "device_put"})
 
 
 def forward_paths(fn: Callable[..., Any], params: Any, *args: Any) -> tuple[str, ...]:
   """Leaf paths of `params` in FORWARD order: the order in which `fn(params, *args)` first uses them.
 
-  The order comes from the jaxpr of `fn` (the first equation that reads each parameter, descending into
-  `pjit` / custom-derivative sub-jaxprs), not from the pytree: flax stores submodules in dicts whose
-  sorted keys put `Dense_10` before `Dense_2`. A tied embedding is placed where the forward pass first
-  reads it (the input lookup, so row 0). Leaves `fn` never reads come last, in flatten order.
+  The order comes from the jaxpr of `fn`: the first equation that reads each parameter, descending
+  into `jit` / `scan` / custom-derivative sub-jaxprs, and following values through re-labelling
+  primitives (casts, reshapes, transposes, identity `custom_vjp` hooks), so a hook or a cast applied
+  to every parameter up front does not count as a use. It does not come from the pytree: flax stores
+  submodules in dicts whose sorted keys put `Dense_10` before `Dense_2`. A tied embedding is placed
+  where the forward pass first reads it (the input lookup, so row 0). Leaves `fn` never reads come
+  last, in flatten order.
 
   Args:
     fn: e.g. `model.loss_fn`; traced abstractly (nothing runs), so `args` may be ShapeDtypeStructs.
@@ -125,32 +133,43 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any) -> tuple[str,
 
   closed = jax.make_jaxpr(flat_fn)(leaves, *args)
   jaxpr = closed.jaxpr
-  var_to_leaf = {id(v): i for i, v in enumerate(jaxpr.invars[:len(leaves)])}
   order: list[int] = []
   seen: set[int] = set()
 
+  def record(i: int) -> None:
+    if i not in seen:
+      seen.add(i)
+      order.append(i)
+
   def walk(jx, mapping: dict[int, int]) -> None:
+    """mapping: id(var) -> leaf index; grows with the outputs that carry a leaf unchanged."""
     for eqn in jx.eqns:
-      used = [mapping[id(v)] for v in eqn.invars if not _is_literal(v) and id(v) in mapping]
-      if not used:
+      ins = [(k, mapping[id(v)]) for k, v in enumerate(eqn.invars)
+             if not _is_literal(v) and id(v) in mapping]
+      if not ins:
         continue
       sub = None
       for name in _CALL_PARAMS:
         cand = eqn.params.get(name)
         cand = getattr(cand, "jaxpr", cand)  # ClosedJaxpr -> Jaxpr
-        if cand is not None and hasattr(cand, "eqns") and len(cand.invars) == len(eqn.invars):
+        if (cand is not None and hasattr(cand, "eqns") and len(cand.invars) == len(eqn.invars)
+            and len(cand.outvars) == len(eqn.outvars)):
           sub = cand
           break
       if sub is not None:
-        inner = {id(iv): mapping[id(ov)] for ov, iv in zip(eqn.invars, sub.invars)
-                 if not _is_literal(ov) and id(ov) in mapping}
+        inner = {id(sub.invars[k]): i for k, i in ins}
         walk(sub, inner)
-      for i in used:  # anything the sub-jaxpr did not read (or an opaque primitive): here
-        if i not in seen:
-          seen.add(i)
-          order.append(i)
+        for ov, iv in zip(eqn.outvars, sub.outvars):  # passed through unchanged: alias, not a use
+          if not _is_literal(iv) and id(iv) in inner:
+            mapping[id(ov)] = inner[id(iv)]
+      elif eqn.primitive.name in _ALIAS_PRIMITIVES and len(eqn.invars) == len(eqn.outvars):
+        for k, i in ins:
+          mapping[id(eqn.outvars[k])] = i
+      else:
+        for _, i in ins:
+          record(i)
 
-  walk(jaxpr, var_to_leaf)
+  walk(jaxpr, {id(v): i for i, v in enumerate(jaxpr.invars[:len(leaves)])})
   order += [i for i in range(len(leaves)) if i not in seen]
   return tuple(paths[i] for i in order)
 

@@ -101,6 +101,24 @@ def test_forward_paths_follow_the_forward_pass_not_sorted_keys():
                         {"a": jnp.ones(2), "b": jnp.ones(2)}, jnp.ones(2))
   assert order == ("b", "a")
 
+  # an identity hook and casts applied to every leaf up front are not uses; jit and scan bodies are
+  # searched; an unread leaf comes last
+  @jax.custom_vjp
+  def hook(t):
+    return t
+
+  hook.defvjp(lambda t: (t, None), lambda _, g: (g,))
+
+  def f(p, x):
+    a, b, c = hook((p["a"], p["b"], p["c"]))
+    a = a.astype(jnp.bfloat16).reshape(2)
+    h = jax.nn.relu(c * x)
+    h = jax.jit(lambda h, b: h * b)(h, b)
+    return jax.lax.scan(lambda h, _: (h * a, None), h, None, length=2)[0].sum()
+
+  p = {"a": jnp.ones(2), "b": jnp.ones(2), "c": jnp.ones(2), "unused": jnp.ones(1)}
+  assert forward_paths(f, p, jnp.ones(2)) == ("c", "b", "a", "unused")
+
 
 def test_layer_of():
   assert layer_of("params/Conv_0/kernel") == "params/Conv_0"
