@@ -21,6 +21,7 @@ iteration time against workers, per policy); prints a table and the summary. Nev
 
     .venv/bin/python bench/scaling.py            # the full sweep (a few minutes on 2 cores)
     .venv/bin/python bench/scaling.py --quick    # one device and network, for a smoke run
+    .venv/bin/python bench/scaling.py --table    # the Markdown summary of bench/results/scaling.json
 """
 
 from __future__ import annotations
@@ -180,6 +181,28 @@ def summarize(cells: list[dict]) -> dict:
   }
 
 
+def readme_table(cells: list[dict]) -> str:
+  """A compact Markdown table: per model and step mode, medians over devices, networks and workers."""
+  lines = ["| model | step | cells | auto / lower bound (median, max) | auto vs best baseline (median, best) "
+           "| auto vs wfbp (median) | auto vs tuned priority (median) | prophet vs priority defaults (median) |",
+           "| --- | --- | ---: | --- | --- | ---: | ---: | ---: |"]
+  for model in MODELS:
+    for cross_step in (False, True):
+      sel = [c for c in cells if c["model"] == model and c["cross_step"] == cross_step]
+      if not sel:
+        continue
+      lb = [c["policies"]["auto"] / c["lower_bound_s"] for c in sel]
+      vb = [c["best_baseline_s"] / c["policies"]["auto"] for c in sel]
+      vw = [c["policies"]["wfbp"] / c["policies"]["auto"] for c in sel]
+      vt = [c["priority_tuned_s"] / c["policies"]["auto"] for c in sel]
+      pp = [c["policies"]["priority"] / c["policies"]["prophet"] for c in sel]
+      lines.append(f"| {model} | {'pipelined' if cross_step else 'plain'} | {len(sel)} | "
+                   f"{statistics.median(lb):.3f}, {max(lb):.3f} | {statistics.median(vb):.3f}x, "
+                   f"{max(vb):.3f}x | {statistics.median(vw):.2f}x | {statistics.median(vt):.2f}x | "
+                   f"{statistics.median(pp):.2f}x |")
+  return "\n".join(lines)
+
+
 def plot(cells: list[dict], path: pathlib.Path, device: str, network: str) -> None:
   import matplotlib
 
@@ -220,7 +243,12 @@ def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="one device and one network only")
   ap.add_argument("--out", default=str(OUT), help="output folder (default bench/results)")
+  ap.add_argument("--table", action="store_true",
+                  help="print the Markdown summary table of an existing scaling.json and exit")
   args = ap.parse_args(argv)
+  if args.table:
+    print(readme_table(json.loads((pathlib.Path(args.out) / "scaling.json").read_text())["cells"]))
+    return
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
   devices = DEVICES[:1] if args.quick else DEVICES
@@ -295,6 +323,8 @@ def main(argv=None) -> None:
         + ", ".join(f"{k} {v:.1f}" for k, v in pc.items())
         + f"; one simulation {t['simulate_cpu_ms']:.2f} ms; sweep {sweep_wall:.1f} s wall, "
         f"{sweep_cpu:.1f} s CPU")
+  print()
+  print(readme_table(cells))
   print(f"wrote {out_dir / 'scaling.json'} and {out_dir / 'scaling.png'}")
 
 

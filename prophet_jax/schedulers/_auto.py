@@ -66,6 +66,7 @@ _EXACT_TAILS = 4
 # (move a chunk or a slice anywhere, random kicks) and up to _STARTS starting points.
 _SMALL = 24
 _STARTS = 3
+_PATIENCE = 40
 # Robust choice: the exact-tail grid points of the best few candidates are replanned per network.
 _ROBUST_POINTS = 3
 _INF = math.inf
@@ -440,17 +441,20 @@ def _kick(inst: _Instance, cur: list[_Chunk], rng: np.random.Generator) -> list[
 def _iterated_local_search(inst: _Instance, chunks: list[_Chunk], budget: int, rich: bool
                            ) -> tuple[list[_Chunk], float]:
   """Local search, then (small schedules) kicks of two random moves followed by local search again,
-  keeping improvements, until `budget` evaluations are spent. Deterministic (fixed seed)."""
+  keeping improvements, until `budget` evaluations are spent or `_PATIENCE` kicks in a row fail.
+  Deterministic (fixed seed)."""
   cur, best, used = _local_search(inst, chunks, budget, rich)
   if not rich:
     return cur, best
   rng = np.random.default_rng(0)
-  while used < budget and len(cur) > 1:
+  idle = 0
+  while used < budget and len(cur) > 1 and idle < _PATIENCE:
     trial = _kick(inst, _kick(inst, cur, rng), rng)
     cand, v, n = _local_search(inst, trial, max(1, budget - used), rich)
     used += n
+    idle += 1
     if v < best * (1 - 1e-12):
-      cur, best = cand, v
+      cur, best, idle = cand, v, 0
   return cur, best
 
 
