@@ -531,19 +531,39 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
                                          [s.layers[i] for i in s.diff_idx])) is not None]
   if not results:
     raise _NoTrace(f"no execution of {hlo.module!r} in the trace had backward ops to map")
-  forward_s = statistics.median(r[0] for r in results)
   backward_s = statistics.median(r[1] for r in results)
   ready = [statistics.median(r[2][k] for r in results) for k in range(len(s.diff_idx))]
   fwd_layer = {l: statistics.median(r[3][l] for r in results) for l in layers}
+  device_span = sum(fwd_layer.values()) + backward_s
+  # A synchronous data-parallel step waits for its slowest device: the step's compute time is the
+  # envelope over the devices (first start to last end), which exceeds one device's span where
+  # devices share cores or start staggered (8 host devices on a few CPU cores). Keep the per-device
+  # timeline's shape, stretched to the envelope.
+  envelope = _median_envelope(events)
+  scale = max(1.0, envelope / device_span) if device_span > 0 else 1.0
   update_s = 0.0
-  if upd_events:
+  if upd_events:  # one device's update span, stretched like the step (it runs in the same program)
     spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _executions(upd_events) if ex]
-    update_s = statistics.median(spans) if spans else 0.0
+    update_s = statistics.median(spans) * scale if spans else 0.0
   note = (f"measured: jax.profiler trace of {steps} steps x {s.num_devices} devices "
           f"({len(results)} executions), medians; ops mapped to leaves via the ENTRY ROOT tuple, to "
-          f"layers via op_name metadata; update {'from the trace of tx' if upd_events else 'not measured'}")
-  del forward_s
-  return sum(fwd_layer.values()), backward_s, ready, fwd_layer, update_s, note
+          f"layers via op_name metadata; one device's span {device_span * 1e3:.3f} ms stretched x"
+          f"{scale:.2f} to the median envelope over devices {envelope * 1e3:.3f} ms (the synchronous "
+          f"step waits for the last device); update {'from the trace of tx (same stretch)' if upd_events else 'not measured'}")
+  ready = [x * scale for x in ready]
+  fwd_layer = {l: v * scale for l, v in fwd_layer.items()}
+  return sum(fwd_layer.values()), backward_s * scale, ready, fwd_layer, update_s, note
+
+
+def _median_envelope(events: list[dict[str, Any]]) -> float:
+  """Median over runs of (last op end - first op start) across every device of the run, seconds."""
+  runs: dict[Any, list[float]] = {}
+  for e in events:
+    lo_hi = runs.setdefault(e["run"], [math.inf, -math.inf])
+    lo_hi[0] = min(lo_hi[0], e["start_ns"])
+    lo_hi[1] = max(lo_hi[1], e["end_ns"])
+  spans = [(hi - lo) * 1e-9 for lo, hi in runs.values() if hi > lo]
+  return statistics.median(spans) if spans else 0.0
 
 
 class _NoTrace(Exception):

@@ -1,0 +1,158 @@
+"""Does the simulator, fed the measured profile and the probed network, predict real step times?
+
+For each model (cnn, gpt-tiny) on 8 host CPU devices:
+  1. profile_step of the real gradient step (method 'measured': the profiler's trace), with the
+     optimizer's update time (optax.sgd, momentum 0.9);
+  2. measure_network over 1 KiB .. 4 MiB (alpha and beta fitted on MEDIANS; overlap=False on the CPU,
+     where a collective blocks the executor);
+  3. for every policy: plan, simulate (plain step), then time the real scheduled step
+     (`prophet_jax.scheduled(tx, schedule)` inside a plain user `jax.pmap` train step) and report the
+     MEDIAN step time against the prediction.
+
+Target: |predicted - measured| / measured <= 15% for every policy. No GPU in this run: the GPU part of
+the issue (ResNet-50 / BERT-base measured traces) is not done here.
+
+Run:  XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python bench/profile_accuracy.py
+Writes bench/results/profile_accuracy.json. Never asserts.
+"""
+
+from __future__ import annotations
+
+import os
+
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+AXIS = "dp"
+POLICIES = ("wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet", "auto")
+
+
+def _train_step(loss_fn, tx):
+  import jax
+  import optax
+
+  def step(params, opt_state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return jax.pmap(step, axis_name=AXIS)
+
+
+def _pmean_tx(tx):
+  import jax
+  import optax
+
+  def update(grads, state, params=None):
+    return tx.update(jax.lax.pmean(grads, AXIS), state, params)
+
+  return optax.GradientTransformation(tx.init, update)
+
+
+def _time_steps(step, state, batch, repeats: int) -> list[float]:
+  import jax
+
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    state = step(*state, batch)
+    jax.block_until_ready(state)
+    times.append(time.perf_counter() - t0)
+  return times
+
+
+def run(models, *, n: int, repeats: int, rounds: int, profile_steps: int, probe_repeats: int) -> dict:
+  import jax
+  import optax
+
+  import prophet_jax as pj
+  from prophet_jax import _network, _profile
+  from prophet_jax.models import get_model
+
+  sizes = tuple(int(s) for s in np.geomspace(2**10, 2**22, 9))
+  t0 = time.perf_counter()
+  timings = _network.time_allreduce(n, sizes=sizes, repeats=probe_repeats, max_seconds_per_size=10.0)
+  net = timings.fit("median")
+  print(_network.summary(net, timings), f"\n  ({time.perf_counter() - t0:.1f} s)\n", flush=True)
+  out = {"devices": n, "platform": jax.devices()[0].platform, "host": platform.node(),
+         "jax": jax.__version__, "network": net.to_dict(),
+         "probe": {"sizes": list(timings.sizes), "median_s": list(timings.median_s),
+                   "low_s": list(timings.low_s), "percentile": timings.percentile},
+         "repeats": repeats, "rounds": rounds, "models": {}}
+  for name in models:
+    m = get_model(name)
+    params = m.init(jax.random.key(0))
+    batch_g = m.make_batch(jax.random.key(1), m.default_batch_size)
+    tx = optax.sgd(0.05, momentum=0.9)
+    t0 = time.perf_counter()
+    prof = pj.profile_step(m.loss_fn, params, batch_g, num_devices=n, steps=profile_steps, tx=tx,
+                           model=name)
+    print(_profile.summary(prof), f"\n  ({time.perf_counter() - t0:.1f} s)\n", flush=True)
+    schedules = {p: pj.plan(prof, net, p) for p in POLICIES}
+    sims = {p: pj.simulate(s, prof, net) for p, s in schedules.items()}
+    replicate = lambda t: jax.tree.map(lambda x: np.broadcast_to(x, (n, *x.shape)), t)  # noqa: E731
+    batch = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch_g)
+    txs = {"pmean": _pmean_tx(tx)} | {p: pj.scheduled(tx, s, axis_name=AXIS) for p, s in schedules.items()}
+    steps, states = {}, {}
+    for k, t in txs.items():
+      steps[k] = _train_step(m.loss_fn, t)
+      states[k] = steps[k](replicate(params), replicate(t.init(params)), batch)  # compile + warm up
+      jax.block_until_ready(states[k])
+    samples: dict[str, list[float]] = {k: [] for k in txs}
+    for _ in range(rounds):  # interleave policies so load changes hit all of them alike
+      for k in txs:
+        samples[k] += _time_steps(steps[k], states[k], batch, repeats)
+    rows = []
+    print(f"{name}: {'policy':9s} {'chunks':>6s} {'predicted ms':>13s} {'measured ms':>12s} "
+          f"{'p10 ms':>8s} {'error':>7s}")
+    for p in POLICIES:
+      pred, meas = sims[p].iteration_s, float(np.median(samples[p]))
+      err = (pred - meas) / meas
+      rows.append({"policy": p, "allreduces": sims[p].allreduces, "predicted_s": pred,
+                   "measured_median_s": meas, "measured_p10_s": float(np.percentile(samples[p], 10)),
+                   "error": err, "within_15pct": abs(err) <= 0.15})
+      print(f"{'':{len(name) + 2}s}{p:9s} {sims[p].allreduces:6d} {pred * 1e3:13.3f} {meas * 1e3:12.3f} "
+            f"{np.percentile(samples[p], 10) * 1e3:8.3f} {err:+7.1%}")
+    pm = float(np.median(samples["pmean"]))
+    print(f"{'':{len(name) + 2}s}{'pmean':9s} {'(xla)':>6s} {'':13s} {pm * 1e3:12.3f}\n", flush=True)
+    out["models"][name] = {"profile": prof.to_dict(), "results": rows, "pmean_median_s": pm,
+                           "max_abs_error": max(abs(r["error"]) for r in rows)}
+  return out
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--models", nargs="+", default=["cnn", "gpt-tiny"])
+  ap.add_argument("--repeats", type=int, default=10, help="timed steps per policy per round")
+  ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument("--profile-steps", type=int, default=5)
+  ap.add_argument("--probe-repeats", type=int, default=15)
+  ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "profile_accuracy.json"))
+  a = ap.parse_args()
+  import jax
+
+  n = jax.local_device_count()
+  res = run(a.models, n=n, repeats=a.repeats, rounds=a.rounds, profile_steps=a.profile_steps,
+            probe_repeats=a.probe_repeats)
+  res["command"] = ("XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python "
+                    "bench/profile_accuracy.py " + " ".join(
+                        f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
+                        for k, v in vars(a).items() if k != "out"))
+  res["gpu"] = "not run: no GPU in this session"
+  Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+  Path(a.out).write_text(json.dumps(res, indent=1))
+  print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+  main()
