@@ -204,7 +204,8 @@ def _googlenet_profile(nodes: int, shared_dir: str | Path | None) -> GradientPro
   notes = (f"Measured per-layer backward times (Caffe, K80, {nodes} nodes): the last 128-row pass of "
            f"tmp{nodes}comm.log from github.com/shyhuai/B-Caffe logdata/ (MG-WFBP, INFOCOM'19). Rows are "
            f"Caffe's learnable tensors in parameter (forward) order named after bvlc_googlenet, shape "
-           f"(numel,) with the true count (the log pads counts to multiples of 64), float32. Weight and bias rows share one layer time, counted once per layer. "
+           f"(numel,) with the true count (the log pads counts to multiples of 64), float32. Weight and "
+           f"bias rows share one layer time, counted once per layer. "
            f"Backward runs last layer to first; a layer's rows are ready when its backward ends; "
            f"parameter-free layers' time is not in the trace. Forward time is MODELLED as "
            f"{GOOGLENET_FWD_PER_BWD} x each layer's backward time (the trace has none). update_s = 0.")

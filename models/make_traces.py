@@ -40,7 +40,6 @@ Timing model (all of it is also written into each profile's `notes`):
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -213,7 +212,8 @@ def bert_base_layers(b=32, t=128, d=768, heads=12, ff=3072, vocab=30522, max_len
     inter.ops.append(_eltwise(n * ff))  # gelu
     o = _dense(f"{p}/output", n, ff, d)
     o.ops.append(_eltwise(n * d, reads=2))  # residual
-    layers += [q, k, v, out, _norm(f"{p}/attention_ln", n * d, d), inter, o, _norm(f"{p}/output_ln", n * d, d)]
+    layers += [q, k, v, out, _norm(f"{p}/attention_ln", n * d, d), inter, o,
+               _norm(f"{p}/output_ln", n * d, d)]
   pooler = _dense("pooler", b, d, d)
   pooler.ops.append(_eltwise(b * d))  # tanh
   return layers + [pooler]

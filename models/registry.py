@@ -22,7 +22,6 @@ Examples:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field

@@ -174,7 +174,8 @@ def test_trace_rows_are_the_flax_leaves_in_forward_order(name):
       node = state["batch_stats"]
       for p in r.layer.split("/")[1:]:
         node = node.setdefault(p, {})
-      node.update(mean=jax.ShapeDtypeStruct(r.shape, jnp.float32), var=jax.ShapeDtypeStruct(r.shape, jnp.float32))
+      stat = jax.ShapeDtypeStruct(r.shape, jnp.float32)
+      node.update(mean=stat, var=stat)
   order = arch.forward_paths(params, state)
   assert list(order) == [r.path for r in prof.rows]
   assert sum(r.size for r in prof.rows) == reference_param_count(name)
