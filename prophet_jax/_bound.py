@@ -25,6 +25,8 @@ _PREFIX_WORK = 200_000
 # (number of ranges) x rows is below this, else the whole model and this many evenly spaced prefixes.
 _BATCH_WORK = 100_000
 _BATCH_PREFIXES = 16
+# The split term's held rows (its cost grows with their square): at most this many, the latest.
+_SPLIT_HELD = 8
 
 
 def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> float:
@@ -239,6 +241,8 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
         in_j = (l_s >= lo) & (l_s <= hi)
         t_star = float(r_s[~in_j].max()) if (~in_j).any() else -np.inf
         hold = in_j & (r_s >= t_star)
+        if hold.sum() > _SPLIT_HELD:   # keep the latest rows only: still later than all the others
+          hold &= np.cumsum(hold) <= _SPLIT_HELD      # r_s is sorted latest first
         if hold.any():
           other = ~hold
           bound = max(bound, _split_term(r_s[other][::-1], b_s[other][::-1], r_s[hold][::-1],

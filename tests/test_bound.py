@@ -219,12 +219,16 @@ def test_large_profile_path_is_weaker_but_valid(seed):
   p = random_profile(rng, int(rng.integers(2, 12)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
   net = random_network(rng, p, comm_ratio=float(rng.choice([0.3, 3.0])))
   full = lower_bound(p, net, cross_step=True)
-  saved = bound_mod._INTERVAL_WORK, bound_mod._PREFIX_WORK
+  names = ("_INTERVAL_WORK", "_PREFIX_WORK", "_BATCH_WORK", "_BATCH_PREFIXES", "_SPLIT_HELD")
+  saved = {k: getattr(bound_mod, k) for k in names}
   try:
-    bound_mod._INTERVAL_WORK, bound_mod._PREFIX_WORK = 0, int(rng.choice([1, 5, 10**9]))
+    for k, v in zip(names, (0, int(rng.choice([1, 5, 10**9])), 0, int(rng.integers(1, 4)),
+                            int(rng.integers(1, 3)))):
+      setattr(bound_mod, k, v)
     fast = lower_bound(p, net, cross_step=True)
   finally:
-    bound_mod._INTERVAL_WORK, bound_mod._PREFIX_WORK = saved
+    for k, v in saved.items():
+      setattr(bound_mod, k, v)
   assert fast <= full * (1 + REL)
   assert fast >= p.backward_s + p.forward_s - 1e-12
   for s in _simple_schedules(p, rng):
@@ -300,3 +304,16 @@ def test_split_term_matches_its_definition(seed):
   want = min([m[k] + tail_h] + [max(m[i] + tail_h, g[i + 1]) for i in range(k)])
   got = _split_term(r_other, b_other, r_hold, b_hold, a, b, tail_h, tail_min)
   assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_bound_speed_on_a_large_profile():
+  # 1,000 leaves in 1,000 layers: the large-profile paths keep the bound well under a second
+  rng = np.random.default_rng(0)
+  p = random_profile(rng, 1000, max_layers=1000, dtypes=("float32", "bfloat16"))
+  net = random_network(rng, p, links=1, overlap=True, comm_ratio=2.0)
+  for cross_step in (False, True):
+    t0 = time.perf_counter()
+    lb = lower_bound(p, net, cross_step=cross_step)
+    assert time.perf_counter() - t0 < 1.0
+    s = random_schedule(p, rng, in_ready_order=True)
+    assert lb <= simulate(s, p, net, cross_step=cross_step, events=False).iteration_s * (1 + REL)
