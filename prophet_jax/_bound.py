@@ -65,7 +65,7 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
 
   Preemption lemma (one link). Every schedule has iteration >= a + L*, where L* is the least
   max_i (C_i + q_i) of a *preemptive* one-machine schedule of the sent rows, row i released at
-  ready_s, needing b * nbytes_i, with q_i = tail(its layer) (tail is defined below). Proof: run each
+  ready_s, needing b * nbytes_i, with q_i = tail(its layer). Proof: run each
   chunk's bytes in the first b * B of its span: each row completes by (end of its last chunk) - a,
   after its release; the chunk's end plus the tail of any row in it is <= iteration (pipelined step,
   below). Jackson's rule (always run the released row of largest q) attains L* (Horn, 1974). []
@@ -104,8 +104,8 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   E and iteration >= t + W(J ∩ S_t) + min{tail(j) : j in J has sent rows}. A row with nbytes = 0 is
   reduced at its ready time: iteration >= ready_s + tail(its layer). With one link, likewise
   iteration >= M(J's sent rows [of one dtype]) + min tail over J's layers with sent rows (batching
-  lemma), the split lemma's bound with H = the rows of J ready no earlier than every row outside J,
-  and iteration >= a + L* (preemption lemma). The bound is the max of these terms, over every
+  lemma), the split lemma's bound with H = the rows of J ready no earlier than every row outside J
+  (the latest `_SPLIT_HELD` of them, which still qualify), and iteration >= a + L* (preemption lemma). The bound is the max of these terms, over every
   range J when the profile is small, else over single layers and prefixes 0..l (every l, or evenly
   spaced ones on large profiles: a subset of valid terms is still a bound).
 
