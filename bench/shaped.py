@@ -35,7 +35,9 @@ sys.path.insert(0, str(HERE))
 POLICIES = ("xla", "wfbp", "bucket", "mgwfbp", "priority", "prophet", "auto")
 MODEL = "resnet-small"
 PER_PROCESS_BATCH = 32
-PORT = 29517  # a fresh namespace: any port is free
+PORT = 29517
+PROBE_SIZES = (2**10, 2**14, 2**16, 2**18, 2**20)
+INNER = 3  # a fresh namespace: any port is free
 
 
 # --------------------------------------------------------------------------------------------------
@@ -76,7 +78,7 @@ def worker(args: argparse.Namespace) -> int:
   from jax.sharding import PartitionSpec as P
 
   import prophet_jax
-  from prophet_jax import plan, simulate
+  from prophet_jax import NetworkModel, plan, simulate
   from prophet_jax._network import time_allreduce
   from prophet_jax.models import get_model
 
@@ -180,14 +182,48 @@ def worker(args: argparse.Namespace) -> int:
     scheds[name] = broadcast_schedule(sched, params)
     runners[name] = make_runner(prophet_jax.scheduled(tx0, scheds[name], axis_name="dp"), False)
   runners["pmean"] = make_runner(tx0, True)
+
+  # the link probed again inside the rounds (paired 1 vs 1+INNER chained psums, as measure_network
+  # does), so the network model sees the same machine load as the steps it predicts
+  def chain(k: int):
+    def body(x):
+      return jax.lax.fori_loop(0, k, lambda _, y: jax.lax.psum(y, "dp") * 0.5, x)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"), check_vma=False))
+  short, long_ = chain(1), chain(1 + INNER)
+  probe_x = {}
+  for nbytes in PROBE_SIZES:
+    probe_x[nbytes] = jax.make_array_from_process_local_data(
+        split, np.ones(nbytes // 4, np.float32), (nbytes // 4 * ndev,))
+    for f in (short, long_):
+      jax.block_until_ready(f(probe_x[nbytes]))
+  diffs: dict[int, list[float]] = {n: [] for n in PROBE_SIZES}
+
+  def probe_round():
+    for nbytes, x in probe_x.items():
+      for _ in range(args.steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(short(x))
+        t1 = time.perf_counter()
+        jax.block_until_ready(long_(x))
+        diffs[nbytes].append(max(((time.perf_counter() - t1) - (t1 - t0)) / INNER, 0.0))
+
   log(f"compiled {len(runners)} variants; timing {args.rounds} interleaved rounds of {args.steps} steps")
 
   # 4. interleaved rounds (the load of this shared machine drifts: every variant sees the same drift)
   times: dict[str, list[float]] = {k: [] for k in runners}
   for _ in range(args.rounds):
+    probe_round()
     for k, run in runners.items():
       run()  # untimed: the first step after a switch
       times[k] += _median_time(run, args.steps)[2]
+  upfront, upfront_low = net, net_low
+  sizes_i = list(PROBE_SIZES)
+  net = NetworkModel.fit(sizes_i, [float(np.median(diffs[n])) for n in sizes_i], workers=ndev,
+                         overlap=False, name="interleaved-probe:median")
+  net_low = NetworkModel.fit(sizes_i, [float(np.percentile(diffs[n], 10)) for n in sizes_i], workers=ndev,
+                             overlap=False, name="interleaved-probe:p10")
+  log(f"interleaved probe: alpha {net.alpha_s * 1e6:.1f} us/step, beta {net.beta_s_per_byte * 1e9:.2f} ns/B "
+      f"(up-front probe: {upfront.alpha_s * 1e6:.1f} us/step, {upfront.beta_s_per_byte * 1e9:.2f} ns/B)")
   # the scalar psum's own cost is the network's start-up: take it out, the simulator adds it back per chunk
   compute_s = float(np.median(times["compute-only"])) - net.allreduce_s(4)
   compute_p10 = float(np.percentile(times["compute-only"], 10)) - net.allreduce_s(4)
@@ -201,9 +237,11 @@ def worker(args: argparse.Namespace) -> int:
     med = float(np.median(times[name]))
     p10 = float(np.percentile(times[name], 10))
     err = (sim.iteration_s - med) / med
+    upfront_pred = simulate(scheds[name], profile, upfront).iteration_s
     floor = simulate(scheds[name], prof.scaled(compute_p10 / prof.compute_s), net_low).iteration_s
     rows.append(dict(policy=name, allreduces=scheds[name].num_allreduces, predicted_s=sim.iteration_s,
                      measured_median_s=med, measured_p10_s=p10, error=err, predicted_floor_s=floor,
+                     predicted_upfront_probe_s=upfront_pred, upfront_error=(upfront_pred - med) / med,
                      floor_error=(floor - p10) / p10))
     log(f"{name:9s} {scheds[name].num_allreduces:3d} all-reduces  predicted {sim.iteration_s * 1e3:7.2f} ms  "
         f"measured {med * 1e3:7.2f} ms (p10 {p10 * 1e3:7.2f})  error {err * 100:+5.1f}%")
@@ -213,8 +251,10 @@ def worker(args: argparse.Namespace) -> int:
   log(f"plain pmean step (XLA left alone): measured {med * 1e3:7.2f} ms (p10 {p10 * 1e3:7.2f})")
   if rank == 0 and args.result:
     Path(args.result).write_text(json.dumps(dict(
-        network=net.to_dict(), network_low=net_low.to_dict(),
-        probe=dict(sizes=timings.sizes, median_s=timings.median_s, low_s=timings.low_s), first_compute_s=first_compute_s, compute_only_median_s=compute_s, compute_only_p10_s=compute_p10,
+        network=net.to_dict(), network_low=net_low.to_dict(), network_upfront=upfront.to_dict(),
+        upfront_probe=dict(sizes=timings.sizes, median_s=timings.median_s, low_s=timings.low_s),
+        interleaved_probe=dict(sizes=sizes_i, median_s=[float(np.median(diffs[n])) for n in sizes_i],
+                               p10_s=[float(np.percentile(diffs[n], 10)) for n in sizes_i]), first_compute_s=first_compute_s, compute_only_median_s=compute_s, compute_only_p10_s=compute_p10,
         profile_method=how, profile_compute_s=profile.compute_s, total_gradient_bytes=profile.total_nbytes,
         policies=rows, pmean=pmean_row), indent=1))
   return 0
@@ -260,7 +300,7 @@ def parent(args: argparse.Namespace) -> int:
                "--policies", *args.policies]
       ns = {0: link.namespaces[0], 1: link.namespaces[1]}
       script = (f'if [ "$PROPHET_PROCESS_ID" = 0 ]; then NS={ns[0]}; else NS={ns[1]}; fi; '
-                f'export PROPHET_GLOO_INTERFACE={link.iface}; exec ip netns exec "$NS" '
+                f'export PROPHET_GLOO_INTERFACE={link.iface} PROPHET_HEARTBEAT_TIMEOUT_S=900; exec ip netns exec "$NS" '
                 + " ".join(shlex.quote(a) for a in inner))
       print(f"== {rate}: {link.qdisc()}", flush=True)
       t0 = time.perf_counter()
@@ -276,6 +316,10 @@ def parent(args: argparse.Namespace) -> int:
       results["rates"][rate] = r
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
+  if args.merge and out.exists():  # keep the rates this run did not measure
+    old = json.loads(out.read_text())
+    for rate, r in old.get("rates", {}).items():
+      results["rates"].setdefault(rate, dict(r, command=old.get("command")))
   out.write_text(json.dumps(results, indent=1))
   print(format_table(results))
   print(f"written to {out}")
@@ -289,9 +333,11 @@ def format_table(results: dict) -> str:
       lines.append(f"{rate}: failed")
       continue
     net = r["network"]
-    lines.append(f"\n{rate}: probed alpha {net['alpha_s'] * 1e6:.1f} us/step, beta "
-                 f"{net['beta_s_per_byte'] * 1e9:.2f} ns/B; compute-only step {r['compute_only_median_s'] * 1e3:.2f} ms; "
-                 f"gradients {r['total_gradient_bytes'] / 1e3:.0f} kB")
+    up = r["network_upfront"]
+    lines.append(f"\n{rate}: link probed during the rounds: alpha {net['alpha_s'] * 1e6:.1f} us/step, beta "
+                 f"{net['beta_s_per_byte'] * 1e9:.2f} ns/B (up front: {up['alpha_s'] * 1e6:.1f} us/step, "
+                 f"{up['beta_s_per_byte'] * 1e9:.2f} ns/B); compute-only step "
+                 f"{r['compute_only_median_s'] * 1e3:.2f} ms; gradients {r['total_gradient_bytes'] / 1e3:.0f} kB")
     lines.append("| policy | all-reduces | predicted ms | measured ms (median) | error | floor predicted "
                  "(p10) | floor measured (p10) | floor error |")
     lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -322,6 +368,7 @@ def main(argv=None) -> int:
   p.add_argument("--rounds", type=int, default=6, help="interleaved rounds over the variants")
   p.add_argument("--probe-repeats", type=int, default=15)
   p.add_argument("--out", default=str(HERE / "results" / "shaped.json"))
+  p.add_argument("--merge", action="store_true", help="keep other rates already in --out")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--result", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)

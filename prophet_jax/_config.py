@@ -12,6 +12,8 @@ hand to join a run, one set per process):
   PROPHET_COORDINATOR      'host:port' of the jax.distributed coordinator (rank 0 serves it).
   PROPHET_GLOO_INTERFACE   network interface gloo binds to (e.g. 'veth0'); empty: gloo's default.
   PROPHET_INIT_TIMEOUT_S   seconds to wait for the coordinator before failing (default 60).
+  PROPHET_HEARTBEAT_TIMEOUT_S  seconds without a heartbeat before jax.distributed declares a process
+                           dead (default jax's, 100); raise it on an overloaded machine.
   PROPHET_LOCAL_DEVICES    CPU devices per process the launcher asked XLA for (informational).
   PROPHET_DEBUG            '1'/'true'/'yes' or '0'/'false'/'no' (or empty): the CLI shows tracebacks.
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 PREFIX = "PROPHET_"
 FLAGS: tuple[str, ...] = (
     "PROPHET_PROCESS_ID", "PROPHET_NUM_PROCESSES", "PROPHET_COORDINATOR", "PROPHET_GLOO_INTERFACE",
-    "PROPHET_INIT_TIMEOUT_S", "PROPHET_LOCAL_DEVICES", "PROPHET_DEBUG",
+    "PROPHET_INIT_TIMEOUT_S", "PROPHET_HEARTBEAT_TIMEOUT_S", "PROPHET_LOCAL_DEVICES", "PROPHET_DEBUG",
 )
 DEFAULT_INIT_TIMEOUT_S = 60
 _TRUE = ("1", "true", "yes", "on")
@@ -44,6 +46,7 @@ class Config:
     coordinator: 'host:port' of the jax.distributed coordinator, or None.
     gloo_interface: the network interface gloo binds to, or None for gloo's default.
     init_timeout_s: seconds to wait for the coordinator.
+    heartbeat_timeout_s: seconds without a heartbeat before a process counts as dead (None: jax's).
     local_devices: CPU devices per process, when the launcher set them.
     debug: show tracebacks in the CLI.
   """
@@ -53,6 +56,7 @@ class Config:
   coordinator: str | None = None
   gloo_interface: str | None = None
   init_timeout_s: int = DEFAULT_INIT_TIMEOUT_S
+  heartbeat_timeout_s: int | None = None
   local_devices: int | None = None
   debug: bool = False
 
@@ -111,6 +115,9 @@ def read_config(environ: Mapping[str, str]) -> Config:
     kw["gloo_interface"] = iface
   if get("PROPHET_INIT_TIMEOUT_S") not in (None, ""):
     kw["init_timeout_s"] = _int("PROPHET_INIT_TIMEOUT_S", get("PROPHET_INIT_TIMEOUT_S"), minimum=1)
+  if get("PROPHET_HEARTBEAT_TIMEOUT_S") not in (None, ""):
+    kw["heartbeat_timeout_s"] = _int("PROPHET_HEARTBEAT_TIMEOUT_S", get("PROPHET_HEARTBEAT_TIMEOUT_S"),
+                                     minimum=1)
   if get("PROPHET_LOCAL_DEVICES") not in (None, ""):
     kw["local_devices"] = _int("PROPHET_LOCAL_DEVICES", get("PROPHET_LOCAL_DEVICES"), minimum=1)
   debug = (get("PROPHET_DEBUG") or "").strip().lower()

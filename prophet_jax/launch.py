@@ -25,6 +25,8 @@ Environment set by `launch` for each process (read through `prophet_jax._config`
                           free port
   PROPHET_GLOO_INTERFACE  interface gloo binds to (only with --gloo-interface)
   PROPHET_INIT_TIMEOUT_S  seconds to wait for the coordinator (default 60)
+  PROPHET_HEARTBEAT_TIMEOUT_S  passed on from the parent: seconds without a heartbeat before
+                          jax.distributed declares a process dead (default jax's 100)
   PROPHET_LOCAL_DEVICES   CPU devices of this process (only when the launcher set the count)
   XLA_FLAGS               the parent's, with --xla_force_host_platform_device_count per process
   PYTHONUNBUFFERED=1      so output lines arrive as they are printed
@@ -132,6 +134,8 @@ def _child_env(base: dict[str, str], *, rank: int, nproc: int, coordinator: str,
     env["PROPHET_INIT_TIMEOUT_S"] = str(int(init_timeout_s))
   elif base.get("PROPHET_INIT_TIMEOUT_S"):
     env["PROPHET_INIT_TIMEOUT_S"] = base["PROPHET_INIT_TIMEOUT_S"]
+  if base.get("PROPHET_HEARTBEAT_TIMEOUT_S"):
+    env["PROPHET_HEARTBEAT_TIMEOUT_S"] = base["PROPHET_HEARTBEAT_TIMEOUT_S"]
   return env
 
 
@@ -401,7 +405,9 @@ def initialize(*, timeout_s: int | None = None) -> bool:
   try:
     jax.distributed.initialize(cfg.coordinator, num_processes=cfg.num_processes,
                                process_id=cfg.process_id, cluster_detection_method="deactivate",
-                               initialization_timeout=timeout)
+                               initialization_timeout=timeout,
+                               **({"heartbeat_timeout_seconds": cfg.heartbeat_timeout_s}
+                                  if cfg.heartbeat_timeout_s else {}))
   except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error types
     try:
       jax.distributed.shutdown()
