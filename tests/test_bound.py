@@ -153,7 +153,9 @@ def test_bound_is_tight_on_small_instances():
   for k in range(120):
     p = random_profile(rng, int(rng.integers(1, 7)), dtypes=("float32", "bfloat16"), zero_prob=0.05)
     net = random_network(rng, p, links=1, overlap=True, comm_ratio=[0.3, 1.0, 3.0, 10.0][k % 4])
-    ratios[False].append(lower_bound(p, net) / best_contiguous(p, net)[0])
+    # (the ordered optimum: with two dtypes the best contiguous merge of the ready order is not
+    # always optimal, and the bound is measured against the best schedule)
+    ratios[False].append(lower_bound(p, net) / best_ordered(p, net, cross_step=False)[0])
     ratios[True].append(lower_bound(p, net, cross_step=True) / best_ordered(p, net, cross_step=True)[0])
   for mode, r in ratios.items():
     assert np.max(r) <= 1 + REL
