@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "simulate": "_simulate", "lower_bound": "_bound",
     # the rewrite and measurement (jax)
     "allreduce": "_collectives", "scheduled": "_transform", "hooked": "_transform",
+    "loop_hook": "_transform",
     "pipelined": "_pipelined", "audit": "_audit", "AuditReport": "_audit",
     "profile_step": "_profile", "measure_network": "_network", "Monitor": "_monitor",
 }
@@ -59,6 +60,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._plan import POLICIES, plan, validate_schedule
   from ._profile import profile_step
   from ._simulate import simulate
-  from ._transform import hooked, scheduled
+  from ._transform import hooked, loop_hook, scheduled
   from ._types import (Bucket, Chunk, Event, GradientProfile, NetworkModel, ProfileRow, Schedule,
                        SimResult)
