@@ -211,11 +211,13 @@ def worker(args: argparse.Namespace) -> int:
 
   # 4. interleaved rounds (the load of this shared machine drifts: every variant sees the same drift)
   times: dict[str, list[float]] = {k: [] for k in runners}
-  for _ in range(args.rounds):
+  for r in range(args.rounds):
     probe_round()
-    for k, run in runners.items():
-      run()  # untimed: the first step after a switch
-      times[k] += _median_time(run, args.steps)[2]
+    order = list(runners)
+    np.random.default_rng(r).shuffle(order)  # the same order on both processes; no position bias
+    for k in order:
+      runners[k]()  # untimed: the first step after a switch
+      times[k] += _median_time(runners[k], args.steps)[2]
   upfront, upfront_low = net, net_low
   sizes_i = list(PROBE_SIZES)
   net = NetworkModel.fit(sizes_i, [float(np.median(diffs[n])) for n in sizes_i], workers=ndev,
