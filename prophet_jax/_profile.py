@@ -19,9 +19,13 @@ then `steps` times under `jax.profiler.trace`. The trace's XLA op events (`hlo_m
 - to layers through the same metadata (flax's module names in the name stack): each forward op's time
   (from the end of the previous op) goes to the layer its name matches, or to the layer before it.
 
-Every number is the median over the `steps x num_devices` executions. Ready times are therefore *not*
-in layer order where XLA schedules them otherwise (it computes data gradients before large weight
-gradients).
+Every number is the median over the `steps x num_devices` executions. Ready times are *not* in layer
+order where XLA schedules them otherwise (it computes data gradients before large weight gradients).
+A synchronous data-parallel step waits for its slowest device, so the per-device timeline is then
+stretched (its shape kept) to the median *envelope* of a step over all devices (first op start to
+last op end): with one device per accelerator the factor is about 1; with 8 host devices sharing a
+few CPU cores it is several (the notes give it). The optimizer update (`tx`) is a separate program in
+the same trace; its per-device span gets the same stretch and is spread over the rows by bytes.
 
 Fallbacks, in order (`method='auto'`), each saying so in the profile's `method` and `notes`:
 - `'timed'`: when the profiler yields no events for the step (or they cannot be mapped): the
