@@ -57,10 +57,48 @@ def _cleanup_all() -> None:
 atexit.register(_cleanup_all)
 
 
+_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+
+
+def rate_bytes_per_s(rate: str) -> float:
+  """'1gbit' -> 1.25e8 bytes/s (tc's kbit, mbit, gbit)."""
+  text = rate.strip().lower()
+  for unit, mult in _UNITS.items():
+    if text.endswith(unit):
+      return float(text[: -len(unit)]) * mult / 8
+  raise ValueError(f"rate={rate!r}: expected a tc rate such as '1gbit' or '100mbit'.")
+
+
 def _tbf(ns: str, rate: str) -> list[str]:
-  # burst: at least rate / HZ (250) so the bucket refills per tick; latency bounds the queue.
+  # burst: 0.5 ms of traffic at the rate (at least 16 KiB). A bucket larger than one step's gradients
+  # would let a whole step's all-reduce through unshaped after each compute pause; latency bounds
+  # the queue.
+  burst = max(int(rate_bytes_per_s(rate) * 5e-4), 16 * 1024)
   return ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", IFACE, "root", "tbf", "rate", rate,
-          "burst", "512kb", "latency", "200ms"]
+          "burst", str(burst), "latency", "200ms"]
+
+
+def fit_absolute(sizes, seconds, *, workers: int, overlap: bool, name: str):
+  """alpha, beta by least squares in ABSOLUTE seconds over per-size medians (a, b >= 0).
+
+  An iteration is a sum of seconds that large messages dominate; a relative-error fit lets one 4 ms
+  scheduler tick on a 1 KiB message (common on this loaded machine) pull beta far down.
+  """
+  import numpy as np
+
+  from prophet_jax import NetworkModel
+
+  x = np.asarray(sizes, np.float64)
+  y = np.asarray(seconds, np.float64)
+  (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], 1), y, rcond=None)
+  if b < 0:
+    a, b = float(np.mean(y)), 0.0
+  if a < 0:
+    a, b = 0.0, float(x @ y / (x @ x))
+  p = int(workers)
+  resid = float(np.sqrt(np.mean((a + b * x - y) ** 2)))
+  return NetworkModel(alpha_s=a / (2 * (p - 1)), beta_s_per_byte=b * p / (2 * (p - 1)), workers=p,
+                      overlap=overlap, name=name, fit_residual_s=resid)
 
 
 @dataclass(frozen=True)

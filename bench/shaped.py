@@ -36,7 +36,7 @@ POLICIES = ("xla", "wfbp", "bucket", "mgwfbp", "priority", "prophet", "auto")
 MODEL = "resnet-small"
 PER_PROCESS_BATCH = 32
 PORT = 29517
-PROBE_SIZES = (2**10, 2**14, 2**16, 2**18, 2**20)
+PROBE_SIZES = (2**10, 2**14, 2**16, 2**18, 2**20, 2**21)
 INNER = 3  # a fresh namespace: any port is free
 
 
@@ -74,6 +74,7 @@ def worker(args: argparse.Namespace) -> int:
   import jax
   import numpy as np
   import optax
+  from _netns import fit_absolute
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
@@ -220,10 +221,10 @@ def worker(args: argparse.Namespace) -> int:
       times[k] += _median_time(runners[k], args.steps)[2]
   upfront, upfront_low = net, net_low
   sizes_i = list(PROBE_SIZES)
-  net = NetworkModel.fit(sizes_i, [float(np.median(diffs[n])) for n in sizes_i], workers=ndev,
-                         overlap=False, name="interleaved-probe:median")
-  net_low = NetworkModel.fit(sizes_i, [float(np.percentile(diffs[n], 10)) for n in sizes_i], workers=ndev,
-                             overlap=False, name="interleaved-probe:p10")
+  net = fit_absolute(sizes_i, [float(np.median(diffs[n])) for n in sizes_i], workers=ndev,
+                     overlap=False, name="interleaved-probe:median")
+  net_low = fit_absolute(sizes_i, [float(np.percentile(diffs[n], 10)) for n in sizes_i], workers=ndev,
+                         overlap=False, name="interleaved-probe:p10")
   log(f"interleaved probe: alpha {net.alpha_s * 1e6:.1f} us/step, beta {net.beta_s_per_byte * 1e9:.2f} ns/B "
       f"(up-front probe: {upfront.alpha_s * 1e6:.1f} us/step, {upfront.beta_s_per_byte * 1e9:.2f} ns/B)")
   # the scalar psum's own cost is the network's start-up: take it out, the simulator adds it back per chunk
