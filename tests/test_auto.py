@@ -220,3 +220,25 @@ def test_robust_option_errors():
     auto(robust=1.5)
   with pytest.raises(ValueError, match="robust_tol"):
     auto(robust_tol=-0.1)
+
+
+@pytest.mark.parametrize("net", [pj.NetworkModel(alpha_s=0.0, beta_s_per_byte=0.0, workers=1),
+                                 pj.NetworkModel(alpha_s=0.0, beta_s_per_byte=1e-9, workers=8),
+                                 pj.NetworkModel(alpha_s=1e-4, beta_s_per_byte=0.0, workers=8),
+                                 pj.NetworkModel(alpha_s=1e-4, beta_s_per_byte=1e-9, workers=8, links=3,
+                                                 overlap=False)],
+                         ids=["one_worker", "no_alpha", "no_beta", "three_links_no_overlap"])
+def test_degenerate_networks_and_all_zero_profiles(net):
+  rng = np.random.default_rng(4)
+  p = _brute.random_profile(rng, 12, dtypes=("float32", "bfloat16"), zero_prob=0.2)
+  zero = pj.GradientProfile(rows=tuple(pj.ProfileRow(path=r.path, layer=r.layer, shape=(0,),
+                                                     dtype=r.dtype, nbytes=0, ready_s=r.ready_s,
+                                                     fwd_s=r.fwd_s, update_s=r.update_s)
+                                       for r in p.rows),
+                            forward_s=p.forward_s, backward_s=p.backward_s)
+  for prof in (p, zero):
+    for robust in (0.0, 0.3):
+      s = auto(robust=robust)(prof, net, cross_step="auto")
+      assert s.predicted_s == pytest.approx(_sim(s, prof, net, s.cross_step))
+      if prof is zero:
+        assert s.num_allreduces == 0

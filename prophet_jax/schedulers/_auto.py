@@ -703,11 +703,12 @@ def _robust_choice(inst: _Instance, profile: GradientProfile, network: NetworkMo
   top_points = list(dict.fromkeys(c.point for c in cands if c.point is not None))[:_ROBUST_POINTS]
   if inst.overlap:
     cands.append(_Candidate(inst, "contiguous-dp-hedged", _contiguous_dp(inst, [network] + nets)))
-  for n, si in zip(nets, insts):
+  lo, hi = 1 / (1 + options["robust"]), 1 / (1 - options["robust"])
+  factors = [(fa, fb) for fa in (lo, hi) for fb in (lo, hi)]  # the order of _scenarios
+  for (fa, fb), si in zip(factors, insts):
     for label, chunks, _ in _own_candidates(si, cross, grid=top_points):
       if label != "one-per-dtype":
-        cands.append(_Candidate(inst, f"{label}@alpha*{n.alpha_s / network.alpha_s:.2f},"
-                                f"beta*{n.beta_s_per_byte / network.beta_s_per_byte:.2f}", chunks))
+        cands.append(_Candidate(inst, f"{label}@alpha*{fa:.2f},beta*{fb:.2f}", chunks))
   times = np.array([[c.nominal] + [si.iteration_of(*c.arrays) for si in insts] for c in cands])
   best = np.maximum(times.min(axis=0), 1e-300)
   worst = (times / best).max(axis=1)
