@@ -62,6 +62,7 @@ _PARTITIONS = (None, 2, 8)
 _BLOCKS = (2, 8, 32, None)
 _MODES = (("wait", 0), ("wait", 2), ("fit", 1))
 _EXACT_TAILS = 4
+_MAX_PIECES = 2048
 # Local search: schedules of at most _SMALL chunks (3 * _SMALL slices) get the rich neighbourhood
 # (move a chunk or a slice anywhere, random kicks) and up to _STARTS starting points.
 _SMALL = 24
@@ -513,7 +514,8 @@ def _own_candidates(inst: _Instance, cross_step: bool, grid: Sequence[tuple] | N
   a, b = inst.startup_s, inst.per_byte_s
   total = float(inst.nbytes.sum())
   scale = a / b if b > 0 else total
-  scale = min(max(scale, 1.0), total)
+  # at most about _MAX_PIECES pieces however cheap the start-up (alpha = 0 would cut every element)
+  scale = min(max(scale, total / _MAX_PIECES, 1.0), total)
   points = grid if grid is not None else [(pm, bm, mode, m) for pm in _PARTITIONS for bm in _BLOCKS
                                           for mode, m in _MODES]
   # Stage 1: rank the grid with a cheap tail (blocks in priority order); stage 2: the exact tail
