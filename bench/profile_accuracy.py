@@ -142,7 +142,7 @@ def main() -> None:
   ap.add_argument("--models", nargs="+", default=["cnn", "gpt-tiny"])
   ap.add_argument("--repeats", type=int, default=4, help="timed steps per policy per round")
   ap.add_argument("--rounds", type=int, default=10, help="rounds over all policies (interleaved)")
-  ap.add_argument("--profile-steps", type=int, default=5)
+  ap.add_argument("--profile-steps", type=int, default=20)
   ap.add_argument("--probe-repeats", type=int, default=15)
   ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "profile_accuracy.json"))
   a = ap.parse_args()

@@ -660,7 +660,7 @@ def _estimated(s: _Setup) -> tuple[float, float, list[float], dict[str, float], 
 
 
 def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
-                 num_devices: int | None = None, steps: int = 5, warmup: int = 2, method: str = "auto",
+                 num_devices: int | None = None, steps: int = 20, warmup: int = 2, method: str = "auto",
                  tx: Any = None, layer_depth: int | None = None, model: str = "", device: str = "",
                  trace_dir: str | None = None) -> GradientProfile:
   """Profiles a real gradient step: per-leaf ready times and per-layer forward times.
@@ -670,7 +670,8 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
     params: the parameter pytree (integer leaves pass through; they are not rows).
     batch: the GLOBAL batch; every leaf's leading axis is split over `num_devices`.
     num_devices: devices on this host to map the step over (default all), as in training.
-    steps: profiled steps (each gives `num_devices` executions; medians over all of them).
+    steps: profiled steps (each gives `num_devices` executions; medians over all of them). The traced
+      steps are cheap next to compilation; many of them make the medians robust to a loaded host.
     warmup: untimed steps first.
     method: 'auto' (measured, else timed, else estimated), or one of 'measured', 'timed',
       'estimated' to insist on it ('measured' raises ProfileError when the trace is unusable).
@@ -762,7 +763,7 @@ def _update_program(s: _Setup, tx: Any) -> Callable[[], Any]:
 
 
 def profile_model(name: str, num_devices: int | None = None, *, batch_size: int | None = None,
-                  steps: int = 5, method: str = "auto", param_dtype: str = "float32",
+                  steps: int = 20, method: str = "auto", param_dtype: str = "float32",
                   momentum: float | None = 0.9, seed: int = 0) -> GradientProfile:
   """What `prophet-jax profile --model M --num-devices D` runs: profile_step on a bundled model.
 
