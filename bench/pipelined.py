@@ -1,0 +1,336 @@
+"""The pipelined step's cost on the CPU, and the simulator's predicted gain of cross_step=True.
+
+Part 1 (measured, 8 CPU devices, jit(shard_map), state donated): the cross-step pipelined step
+(`prophet_jax.pipelined`) against the plain scheduled step (`jax.grad`, `prophet_jax.scheduled(tx)`)
+with the *same* chunks, on `cnn` and `gpt-tiny` at per-device batches of 32 and 128. On the CPU a collective
+blocks the executor (FACTS.md), so nothing overlaps and the pipelined step can only cost: this part
+says how much, and what the cost is made of. Arms, timed in interleaved rounds in the same run
+(median of >= 20 steps each):
+
+- `plain`: the plain scheduled step (one program: forward, backward, chunked all-reduces, update).
+- `plain+res`: the same step that also *returns* the forward's VJP residuals (what the pipelined
+  step must write out and carry): isolates the cost of materialising them as program outputs.
+- `pipelined`: `pipelined(...).step` (the previous batch's backward from carried residuals, the
+  all-reduces, the update, this batch's forward).
+- `pipelined-remat`: the same with `loss_fn` under `jax.checkpoint` saving only matmul and convolution
+  outputs (the elementwise rest is recomputed, fused, in the backward): fewer residual bytes.
+
+Step times are wall-clock medians and process CPU time per step (all 8 device threads together); on a
+shared machine the CPU time is the steadier of the two.
+
+Also from XLA's cost analysis of the compiled programs: flops and bytes accessed.
+
+Part 2 (predicted, pure): for each bundled trace (resnet50, vgg16, bert-base, gpt2 on v100 and h100),
+network preset and worker count, the best plain step (min over every policy planned and simulated with
+cross_step=False) against the best pipelined step (min over every policy with cross_step=True), with
+both lower bounds.
+
+The GPU part of issue 4 (the pipelined step compiled for a mock 8-GPU topology, where XLA places the
+all-reduce-start/done pairs) is not run here: this session had no GPU.
+
+Prints both tables; writes bench/results/pipelined.json; never asserts.
+
+    .venv/bin/python bench/pipelined.py            # both parts (~2-4 min on 2 free cores)
+    .venv/bin/python bench/pipelined.py --no-measure   # part 2 only (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+N_DEV = 8
+if "jax" not in sys.modules:  # 8 CPU devices, before jax starts
+  flag = f"--xla_force_host_platform_device_count={N_DEV}"
+  if flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from prophet_jax import POLICIES, GradientProfile, NetworkModel, lower_bound, plan, simulate  # noqa: E402
+from prophet_jax.models import load_trace  # noqa: E402
+
+AXIS = "data"
+OUT = pathlib.Path(__file__).resolve().parent / "results" / "pipelined.json"
+TRACE_MODELS = ("resnet50", "vgg16", "bert-base", "gpt2")
+TRACE_DEVICES = ("v100", "h100")
+NETWORKS = ("1gbe", "10gbe", "25gbe", "100gb-ib", "nvlink")
+WORKERS = (8, 64)
+SIM_POLICIES = tuple(p for p in POLICIES if p != "dlcp")
+REMAT_POLICY_NAME = "matmul and conv outputs saveable"
+
+
+def _save_matmul_and_conv(prim, *_, **__) -> bool:
+  """A jax.checkpoint policy: keep dot_general and convolution outputs; recompute elementwise ops."""
+  return prim.name in ("dot_general", "conv_general_dilated")
+
+
+# --------------------------------------------------------------------------------------------------
+# part 2: the simulator's predicted gain
+
+
+def predicted_gain() -> list[dict]:
+  rows = []
+  for model in TRACE_MODELS:
+    for dev in TRACE_DEVICES:
+      prof = load_trace(f"{model}-{dev}")
+      for net in NETWORKS:
+        for workers in WORKERS:
+          n = NetworkModel.preset(net, workers=workers)
+          best = {}
+          for cross in (False, True):
+            times = {}
+            for pol in SIM_POLICIES:
+              s = plan(prof, n, pol, cross_step=cross)
+              times[pol] = simulate(s, prof, n, cross_step=cross, events=False).iteration_s
+            pol = min(times, key=times.get)
+            best[cross] = (pol, times[pol])
+          rows.append({
+              "trace": f"{model}-{dev}", "network": net, "workers": workers,
+              "compute_s": prof.compute_s,
+              "comm_one_bucket_s": n.allreduce_s(prof.total_nbytes),
+              "best_plain_policy": best[False][0], "best_plain_s": best[False][1],
+              "best_pipelined_policy": best[True][0], "best_pipelined_s": best[True][1],
+              "gain": best[False][1] / best[True][1],
+              "lower_bound_plain_s": lower_bound(prof, n, cross_step=False),
+              "lower_bound_pipelined_s": lower_bound(prof, n, cross_step=True),
+          })
+  return rows
+
+
+def print_gain(rows: list[dict]) -> None:
+  print("\nPredicted (simulator): best plain step vs best pipelined step (cross_step=True), per trace,"
+        " network and workers")
+  print(f"{'trace':15s} {'network':8s} {'P':>3s} {'comm/comp':>9s} {'plain ms':>9s} {'(policy)':10s} "
+        f"{'pipe ms':>9s} {'(policy)':10s} {'gain':>6s} {'LB plain':>9s} {'LB pipe':>9s}")
+  for r in rows:
+    print(f"{r['trace']:15s} {r['network']:8s} {r['workers']:3d} "
+          f"{r['comm_one_bucket_s'] / r['compute_s']:9.2f} {r['best_plain_s'] * 1e3:9.2f} "
+          f"{r['best_plain_policy']:10s} {r['best_pipelined_s'] * 1e3:9.2f} "
+          f"{r['best_pipelined_policy']:10s} {r['gain']:6.3f} {r['lower_bound_plain_s'] * 1e3:9.2f} "
+          f"{r['lower_bound_pipelined_s'] * 1e3:9.2f}")
+  gains = [r["gain"] for r in rows]
+  print(f"gain: median {statistics.median(gains):.3f}, min {min(gains):.3f}, max {max(gains):.3f} over "
+        f"{len(gains)} cells")
+
+
+# --------------------------------------------------------------------------------------------------
+# part 1: the measured cost on the CPU
+
+
+def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds: int, per_round: int,
+            policy: str) -> list[dict]:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from prophet_jax import pipelined, scheduled
+  from prophet_jax.models import get_model
+
+  mesh = jax.make_mesh((N_DEV,), (AXIS,))
+  REMAT_POLICY = _save_matmul_and_conv
+
+  def put(tree, spec):
+    # from fresh host copies: device_put may share one buffer between two puts of the same array, and
+    # donating one would delete the other
+    return jax.device_put(jax.tree.map(np.array, tree), NamedSharding(mesh, spec))
+
+  def varying(p):
+    return jax.tree.map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), p)
+
+  results = []
+  for name, per_device_batch in [(m, b) for m in models for b in per_device_batches]:
+    model = get_model(name)
+    params = model.init(jax.random.key(0))
+    gb = per_device_batch * N_DEV
+    batches = [put(model.make_batch(jax.random.key(10 + k), gb), P(AXIS)) for k in range(4)]
+    # the schedule: planned for the pipelined step from the parameter sizes (times spread by bytes)
+    prof = GradientProfile.from_params(params, forward_s=1e-3, backward_s=2e-3)
+    net = NetworkModel.preset("10gbe", workers=N_DEV)
+    schedule = plan(prof, net, policy, cross_step=True)
+    tx = optax.sgd(0.05, momentum=0.9)
+    tx_s = scheduled(tx, schedule, axis_name=AXIS)
+
+    def plain_body(p, o, b):
+      loss, g = jax.value_and_grad(model.loss_fn)(varying(p), b)
+      u, o = tx_s.update(g, o, p)
+      return optax.apply_updates(p, u), o, loss[None]
+
+    def plain_res_body(p, o, b):
+      loss, vjp_fn = jax.vjp(lambda q: model.loss_fn(q, b), varying(p))
+      (g,) = vjp_fn(jax.lax.pcast(jnp.ones((), loss.dtype), AXIS, to="varying"))
+      u, o = tx_s.update(g, o, p)
+      res = tuple(x[None] for x in jax.tree.leaves(vjp_fn))
+      return optax.apply_updates(p, u), o, loss[None], res
+
+    plain = jax.jit(jax.shard_map(plain_body, mesh=mesh, in_specs=(P(), P(), P(AXIS)),
+                                  out_specs=(P(), P(), P(AXIS))), donate_argnums=(0, 1))
+    plain_res = jax.jit(jax.shard_map(plain_res_body, mesh=mesh, in_specs=(P(), P(), P(AXIS)),
+                                      out_specs=(P(), P(), P(AXIS), P(AXIS))), donate_argnums=(0, 1))
+    pipe = pipelined(model.loss_fn, tx, schedule, axis_name=AXIS)
+    specs = pipe.state_specs()
+
+    def pipe_body(s, b):
+      s, loss = pipe.step(s, b)
+      return s, loss[None]
+
+    pstep = jax.jit(jax.shard_map(pipe_body, mesh=mesh, in_specs=(specs, P(AXIS)),
+                                  out_specs=(specs, P(AXIS))), donate_argnums=(0,))
+    # the same step with the forward under jax.checkpoint: only matmul/conv outputs are carried, the
+    # elementwise rest is recomputed (fused) in the backward
+    remat_loss = jax.checkpoint(model.loss_fn, policy=REMAT_POLICY)
+    pipe_r = pipelined(remat_loss, tx, schedule, axis_name=AXIS)
+
+    def pipe_r_body(s, b):
+      s, loss = pipe_r.step(s, b)
+      return s, loss[None]
+
+    pstep_r = jax.jit(jax.shard_map(pipe_r_body, mesh=mesh, in_specs=(specs, P(AXIS)),
+                                    out_specs=(specs, P(AXIS))), donate_argnums=(0,))
+
+    # compile (and warm) every arm
+    t0 = time.perf_counter()
+    st_plain = (put(params, P()), put(tx_s.init(params), P()))
+    st_res = (put(params, P()), put(tx_s.init(params), P()))
+    state = put(pipe.init(params), P())
+    state, _ = pstep(state, batches[0])  # forward-only program
+    state_r = put(pipe_r.init(params), P())
+    state_r, _ = pstep_r(state_r, batches[0])
+    c_pipe_r = pstep_r.lower(state_r, batches[0]).compile()
+    c_plain = plain.lower(*st_plain, batches[0]).compile()
+    c_res = plain_res.lower(*st_res, batches[0]).compile()
+    c_pipe = pstep.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - t0
+
+    def run_plain(k):
+      nonlocal st_plain
+      p, o, loss = c_plain(*st_plain, batches[k % 4])
+      st_plain = (p, o)
+      return loss
+
+    def run_res(k):
+      nonlocal st_res
+      p, o, loss, _ = c_res(*st_res, batches[k % 4])
+      st_res = (p, o)
+      return loss
+
+    def run_pipe(k):
+      nonlocal state
+      state, loss = c_pipe(state, batches[k % 4])
+      return loss
+
+    def run_pipe_r(k):
+      nonlocal state_r
+      state_r, loss = c_pipe_r(state_r, batches[k % 4])
+      return loss
+
+    arms = {"plain": run_plain, "plain+res": run_res, "pipelined": run_pipe, "pipelined-remat": run_pipe_r}
+    times = {a: [] for a in arms}
+    cpu = {a: [] for a in arms}  # process CPU seconds per step: less sensitive to other processes
+    for k in range(3):  # warm-up
+      for f in arms.values():
+        jax.block_until_ready(f(k))
+    for r in range(rounds):
+      order = list(arms) if r % 2 == 0 else list(reversed(arms))  # alternate who goes first
+      for a in order:
+        for k in range(per_round):
+          c, t = time.process_time(), time.perf_counter()
+          jax.block_until_ready(arms[a](k))
+          times[a].append(time.perf_counter() - t)
+          cpu[a].append(time.process_time() - c)
+
+    def cost(c):
+      ca = c.cost_analysis()
+      ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+      return {"flops": float(ca.get("flops", float("nan"))),
+              "bytes_accessed": float(ca.get("bytes accessed", float("nan")))}
+
+    med = {a: statistics.median(v) for a, v in times.items()}
+    p10 = {a: float(np.percentile(v, 10)) for a, v in times.items()}
+    med_cpu = {a: statistics.median(v) for a, v in cpu.items()}
+    row = {
+        "model": name, "per_device_batch": per_device_batch, "global_batch": gb,
+        "policy": policy, "chunks": schedule.num_allreduces,
+        "param_bytes": prof.total_nbytes,
+        "residual_bytes_per_device": pipe.residual_bytes(state),
+        "residual_arrays": len(state.pending.residuals),
+        "remat_residual_bytes_per_device": pipe_r.residual_bytes(state_r),
+        "overhead_remat": med["pipelined-remat"] / med["plain"] - 1,
+        "steps_per_arm": len(times["plain"]),
+        "median_s": med, "p10_s": p10,
+        "overhead": med["pipelined"] / med["plain"] - 1,
+        "overhead_p10": p10["pipelined"] / p10["plain"] - 1,
+        "median_cpu_s": med_cpu,
+        "overhead_cpu": med_cpu["pipelined"] / med_cpu["plain"] - 1,
+        "overhead_remat_cpu": med_cpu["pipelined-remat"] / med_cpu["plain"] - 1,
+        "residual_output_share": med["plain+res"] / med["plain"] - 1,
+        "cost_analysis": {"plain": cost(c_plain), "plain+res": cost(c_res), "pipelined": cost(c_pipe),
+                          "pipelined-remat": cost(c_pipe_r)},
+        "compile_s": compile_s,
+    }
+    results.append(row)
+    print(f"{name:9s} B/dev={per_device_batch:3d} chunks={row['chunks']:3d} "
+          f"residuals={row['residual_bytes_per_device'] / 2**20:7.2f} MiB/dev "
+          f"plain={med['plain'] * 1e3:8.2f} ms plain+res={med['plain+res'] * 1e3:8.2f} ms "
+          f"pipelined={med['pipelined'] * 1e3:8.2f} ms overhead={row['overhead'] * 100:+6.1f}% "
+          f"(p10 {row['overhead_p10'] * 100:+6.1f}%; residual outputs alone "
+          f"{row['residual_output_share'] * 100:+6.1f}%)", flush=True)
+    print(f"{'':9s} CPU time per step (all device threads): plain {med_cpu['plain'] * 1e3:.2f} ms, "
+          f"plain+res {med_cpu['plain+res'] * 1e3:.2f} ms, pipelined {med_cpu['pipelined'] * 1e3:.2f} ms:"
+          f" overhead {row['overhead_cpu'] * 100:+.1f}%; pipelined-remat "
+          f"{med_cpu['pipelined-remat'] * 1e3:.2f} ms: {row['overhead_remat_cpu'] * 100:+.1f}% (wall "
+          f"{row['overhead_remat'] * 100:+.1f}%, residuals "
+          f"{row['remat_residual_bytes_per_device'] / 2**20:.2f} MiB/dev)", flush=True)
+    ca = row["cost_analysis"]
+    print(f"{'':9s} XLA cost: bytes accessed plain {ca['plain']['bytes_accessed'] / 2**20:.1f} MiB, "
+          f"plain+res {ca['plain+res']['bytes_accessed'] / 2**20:.1f} MiB, pipelined "
+          f"{ca['pipelined']['bytes_accessed'] / 2**20:.1f} MiB, pipelined-remat "
+          f"{ca['pipelined-remat']['bytes_accessed'] / 2**20:.1f} MiB; flops plain "
+          f"{ca['plain']['flops'] / 1e6:.1f} M, pipelined {ca['pipelined']['flops'] / 1e6:.1f} M",
+          flush=True)
+  return results
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--no-measure", action="store_true", help="skip part 1 (the CPU measurement)")
+  ap.add_argument("--models", default="cnn,gpt-tiny")
+  ap.add_argument("--batch", default="32,128", help="per-device batch sizes, comma-separated")
+  ap.add_argument("--rounds", type=int, default=10)
+  ap.add_argument("--per-round", type=int, default=5)
+  ap.add_argument("--policy", default="priority")
+  args = ap.parse_args()
+
+  out: dict = {"command": "python bench/pipelined.py " + " ".join(sys.argv[1:]),
+               "gpu": "skipped: no GPU in this session (the mock 8-GPU placement study was not run)"}
+  if not args.no_measure:
+    import jax
+
+    print(f"Measured on {N_DEV} CPU devices (jax {jax.__version__}, {os.cpu_count()} cores, load "
+          f"average {os.getloadavg()[0]:.1f} at start): pipelined vs plain scheduled step, same chunks")
+    out["load_average_start"] = os.getloadavg()
+    out["measured"] = measure(tuple(args.models.split(",")), tuple(int(b) for b in args.batch.split(",")),
+                              args.rounds, args.per_round, args.policy)
+    out["load_average_end"] = os.getloadavg()
+    out["jax"] = jax.__version__
+  elif OUT.exists():  # keep the last measurement
+    prev = json.loads(OUT.read_text())
+    out.update({k: prev[k] for k in ("measured", "load_average_start", "load_average_end", "jax")
+                if k in prev})
+  rows = predicted_gain()
+  print_gain(rows)
+  out["predicted"] = rows
+  OUT.parent.mkdir(parents=True, exist_ok=True)
+  OUT.write_text(json.dumps(out, indent=1))
+  print(f"\nwrote {OUT}")
+
+
+if __name__ == "__main__":
+  main()
