@@ -73,17 +73,18 @@ def pmap_sharding():
 
 def shard(x):
   """Global batch (B, ...) -> (N_DEV, B / N_DEV, ...), laid out for pmap."""
-  x = jax.tree.map(lambda a: a.reshape(N_DEV, a.shape[0] // N_DEV, *a.shape[1:]), x)
+  x = jax.tree.map(lambda a: np.asarray(a).reshape(N_DEV, a.shape[0] // N_DEV, *a.shape[1:]), x)
   return jax.device_put(x, pmap_sharding())
 
 
 def replicate(tree):
-  return jax.device_put(jax.tree.map(lambda a: jnp.broadcast_to(a, (N_DEV, *jnp.shape(a))), tree),
+  # on the host (numpy): an eager jnp op per leaf shape would compile a small program each
+  return jax.device_put(jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (N_DEV, *np.shape(a))), tree),
                         pmap_sharding())
 
 
 def unrep(tree):
-  return jax.tree.map(lambda a: a[0], tree)
+  return jax.tree.map(lambda a: np.asarray(a)[0], tree)
 
 
 def put(tree, spec):
@@ -181,7 +182,7 @@ class Runner:
     losses = []
     for b in bs:
       state, loss = self.step(state, b)
-      losses.append(float(jnp.mean(loss)))
+      losses.append(float(np.mean(np.asarray(loss))))
     return self.flush(state), losses
 
 
@@ -247,7 +248,8 @@ def test_matches_plain_loop(mapping, modelname, txname):
     assert report.order == tuple(range(len(schedule.chunks))) and not report.foreign
     if modelname == "cnn":  # evaluation after a flush equals the plain loop's
       ev = model.make_batch(jax.random.key(7), 64)
-      np.testing.assert_allclose(float(model.loss_fn(got, ev)), float(model.loss_fn(ref, ev)), rtol=1e-5)
+      loss = jax.jit(model.loss_fn)
+      np.testing.assert_allclose(float(loss(got, ev)), float(loss(ref, ev)), rtol=1e-5)
 
 
 def test_schedule_change_between_calls_flushes_first_and_stays_exact():
