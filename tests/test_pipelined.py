@@ -230,10 +230,19 @@ def test_matches_plain_loop(mapping, modelname, txname):
   model, params, bs, ref, ref_losses = case(modelname, txname)
   tx = TXS[txname]()
   schedule = make_schedule(params)
-  pipe = pipelined(model.loss_fn, tx, schedule, axis_name=AXIS)
+  traces = []
+
+  def loss_fn(p, b):  # counts traces: the state's structure must be stable, or every call retraces
+    traces.append(1)
+    return model.loss_fn(p, b)
+
+  pipe = pipelined(loss_fn, tx, schedule, axis_name=AXIS)
   runner = Runner(pipe, mapping)
   state, losses = runner.run(params, bs)
   assert state.pending is None
+  # forward-only program: 1 trace; full step: 2 (its abstract rebuild of the residuals' structure and
+  # the new forward), whatever the number of steps; flush: 1 (the rebuild)
+  assert len(traces) == 4, len(traces)
   got = runner.params(state)
   assert_trees_close(got, ref, params)
   assert_trees_close(got, pmean_ref(mapping, model, tx, params, bs), params)
