@@ -1,4 +1,4 @@
-"""The cross-step pipelined train step: this step's backward and all-reduces, and the next forward, in one program.
+"""The cross-step pipelined train step: this backward, its all-reduces and the next forward in one program.
 
 In a plain JAX loop every step is one jitted call, so step k+1 cannot start before every all-reduce of
 step k has ended: the order of the all-reduces cannot help the next forward pass (DESIGN.md,
