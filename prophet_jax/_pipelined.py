@@ -33,7 +33,7 @@ device. The residuals' pytree structure (which holds the linearized jaxpr, compa
 stored: each call rebuilds it from an abstract trace of the forward (`jax.eval_shape`, nothing is
 computed) on the shapes recorded in the state, so the state is a stable pytree of arrays and the user's
 `jax.pmap` traces each program once. Writing the residuals out and reading them back in the next call
-is the cut's cost (on the CPU, bench/pipelined.py: XLA's bytes accessed +35-45% on the small models,
+is the cut's cost (on the CPU, bench/pipelined.py: XLA's bytes accessed +33-47% on the small models,
 flops unchanged). To carry fewer, pass a `loss_fn` under `jax.checkpoint` with a policy, e.g. one that
 saves only matmul and convolution outputs: the elementwise rest is then recomputed, fused, in the
 backward.
