@@ -69,7 +69,8 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   decay, a normaliser) would act on per-device gradients and give a different result from the
   all-reduced ones. With `optax.MultiSteps(scheduled(tx), k)`, optax 0.2.8 calls the inner update on
   every micro-step (and keeps its result only on the k-th): the all-reduce then runs every micro-step,
-  on the accumulated gradients, inside a `lax.cond`. `scheduled(optax.MultiSteps(tx, k))` also reduces
+  on the accumulated gradients (checked with `audit`: one all-reduce per chunk in the compiled step, not
+  skipped on the other micro-steps). `scheduled(optax.MultiSteps(tx, k))` also reduces
   every micro-step. To reduce once per k micro-steps, accumulate the micro-batch gradients in your own
   step (e.g. a `lax.scan` over micro-batches) and apply `scheduled` once.
 
