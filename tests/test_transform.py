@@ -386,3 +386,15 @@ def test_scheduled_under_shard_map_without_pcast_raises_already_reduced():
           jax.device_put(batches[0], NamedSharding(mesh, P(AX))))
   with pytest.raises(pj.AlreadyReducedError, match=r"pcast\(params, 'data', to='varying'\)"):
     f.trace(*args)
+
+
+def test_hooked_has_aux_and_int_leaves_trace():
+  s = pj.Schedule(buckets=(pj.Bucket(chunks=(pj.Chunk(slices=((0, 0, 3),), dtype="float32"),)),),
+                  rows=(("w", (3,), "float32"),))
+  loss_fn = lambda p, x: (jnp.sum(p["w"] * x), {"n": p["n"]})
+  params = {"w": jnp.ones(3), "n": jnp.array(2, jnp.int32)}
+  g = pj.hooked(loss_fn, s, axis_name=AX, has_aux=True)
+  (loss, aux), grads = jax.eval_shape(jax.pmap(g, axis_name=AX), _replicate(params),
+                                      jnp.ones((NDEV, 3)))
+  assert aux["n"].dtype == jnp.int32 and grads["n"].dtype == jax.dtypes.float0
+  assert grads["w"].shape == (NDEV, 3) and loss.shape == (NDEV,)
