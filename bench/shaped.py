@@ -37,7 +37,8 @@ MODEL = "resnet-small"
 PER_PROCESS_BATCH = 32
 PORT = 29517
 PROBE_SIZES = (2**10, 2**14, 2**16, 2**18, 2**20, 2**21)
-INNER = 3  # a fresh namespace: any port is free
+INNER = 3
+SYNTH_LEAVES, SYNTH_ELEMS = 16, 256  # a fresh namespace: any port is free
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,6 +200,21 @@ def worker(args: argparse.Namespace) -> int:
       jax.block_until_ready(f(probe_x[nbytes]))
   diffs: dict[int, list[float]] = {n: [] for n in PROBE_SIZES}
 
+  # the start-up of one all-reduce as the rewrite issues it inside a step: a synthetic tree of
+  # SYNTH_LEAVES small leaves reduced by `allreduce` as one chunk per leaf, against one chunk for all
+  synth = {f"l{i:02d}": {"w": np.zeros(SYNTH_ELEMS, np.float32)} for i in range(SYNTH_LEAVES)}
+  sprof = prophet_jax.GradientProfile.from_params(synth, backward_s=1e-3)
+  s_many, s_one = plan(sprof, net, "wfbp"), plan(sprof, net, "xla")
+
+  def synth_prog(sched):
+    return jax.jit(jax.shard_map(lambda t: prophet_jax.allreduce(t, sched, "dp"), mesh=mesh,
+                                 in_specs=P("dp"), out_specs=P()))
+  synth_many, synth_one = synth_prog(s_many), synth_prog(s_one)
+  synth_x = to_global({k: {"w": np.ones(SYNTH_ELEMS * ndev, np.float32)} for k in synth}, split)
+  for f in (synth_many, synth_one):
+    jax.block_until_ready(f(synth_x))
+  extra_chunk: list[float] = []
+
   def probe_round():
     for nbytes, x in probe_x.items():
       for _ in range(args.steps):
@@ -207,6 +223,13 @@ def worker(args: argparse.Namespace) -> int:
         t1 = time.perf_counter()
         jax.block_until_ready(long_(x))
         diffs[nbytes].append(max(((time.perf_counter() - t1) - (t1 - t0)) / INNER, 0.0))
+    for _ in range(args.steps):
+      t0 = time.perf_counter()
+      jax.block_until_ready(synth_one(synth_x))
+      t1 = time.perf_counter()
+      jax.block_until_ready(synth_many(synth_x))
+      extra_chunk.append(max(((time.perf_counter() - t1) - (t1 - t0)) /
+                             (s_many.num_allreduces - s_one.num_allreduces), 0.0))
 
   log(f"compiled {len(runners)} variants; timing {args.rounds} interleaved rounds of {args.steps} steps")
 
@@ -225,6 +248,10 @@ def worker(args: argparse.Namespace) -> int:
                      overlap=False, name="interleaved-probe:median")
   net_low = fit_absolute(sizes_i, [float(np.percentile(diffs[n], 10)) for n in sizes_i], workers=ndev,
                          overlap=False, name="interleaved-probe:p10")
+  # the start-up the step pays per all-reduce (in-step probe), with beta from the interleaved probe
+  per_chunk_s = float(np.median(extra_chunk))
+  net_chunk = net.replace(alpha_s=per_chunk_s / (2 * (ndev - 1)), name="in-step start-up + interleaved beta")
+  log(f"in-step start-up per all-reduce: {per_chunk_s * 1e3:.3f} ms (median of {len(extra_chunk)})")
   log(f"interleaved probe: alpha {net.alpha_s * 1e6:.1f} us/step, beta {net.beta_s_per_byte * 1e9:.2f} ns/B "
       f"(up-front probe: {upfront.alpha_s * 1e6:.1f} us/step, {upfront.beta_s_per_byte * 1e9:.2f} ns/B)")
   # the scalar psum's own cost is the network's start-up: take it out, the simulator adds it back per chunk
@@ -241,10 +268,12 @@ def worker(args: argparse.Namespace) -> int:
     p10 = float(np.percentile(times[name], 10))
     err = (sim.iteration_s - med) / med
     upfront_pred = simulate(scheds[name], profile, upfront).iteration_s
+    chunk_pred = simulate(scheds[name], profile, net_chunk).iteration_s
     floor = simulate(scheds[name], prof.scaled(compute_p10 / prof.compute_s), net_low).iteration_s
     rows.append(dict(policy=name, allreduces=scheds[name].num_allreduces, predicted_s=sim.iteration_s,
                      measured_median_s=med, measured_p10_s=p10, error=err, predicted_floor_s=floor,
                      predicted_upfront_probe_s=upfront_pred, upfront_error=(upfront_pred - med) / med,
+                     predicted_in_step_startup_s=chunk_pred, in_step_error=(chunk_pred - med) / med,
                      floor_error=(floor - p10) / p10))
     log(f"{name:9s} {scheds[name].num_allreduces:3d} all-reduces  predicted {sim.iteration_s * 1e3:7.2f} ms  "
         f"measured {med * 1e3:7.2f} ms (p10 {p10 * 1e3:7.2f})  error {err * 100:+5.1f}%")
@@ -255,6 +284,7 @@ def worker(args: argparse.Namespace) -> int:
   if rank == 0 and args.result:
     Path(args.result).write_text(json.dumps(dict(
         network=net.to_dict(), network_low=net_low.to_dict(), network_upfront=upfront.to_dict(),
+        network_in_step=net_chunk.to_dict(), in_step_startup_s=per_chunk_s,
         upfront_probe=dict(sizes=timings.sizes, median_s=timings.median_s, low_s=timings.low_s),
         interleaved_probe=dict(sizes=sizes_i, median_s=[float(np.median(diffs[n])) for n in sizes_i],
                                p10_s=[float(np.percentile(diffs[n], 10)) for n in sizes_i]), first_compute_s=first_compute_s, compute_only_median_s=compute_s, compute_only_p10_s=compute_p10,
@@ -274,6 +304,10 @@ def _speedups(rows: list[dict], pmean: dict) -> dict:
     out["auto_over_wfbp_measured"] = by["wfbp"]["measured_median_s"] / by["auto"]["measured_median_s"]
     out["auto_over_wfbp_predicted"] = by["wfbp"]["predicted_s"] / by["auto"]["predicted_s"]
     out["ratio_error"] = out["auto_over_wfbp_measured"] / out["auto_over_wfbp_predicted"] - 1
+    if "predicted_in_step_startup_s" in by["auto"]:
+      out["auto_over_wfbp_predicted_in_step"] = (by["wfbp"]["predicted_in_step_startup_s"]
+                                                 / by["auto"]["predicted_in_step_startup_s"])
+      out["ratio_error_in_step"] = out["auto_over_wfbp_measured"] / out["auto_over_wfbp_predicted_in_step"] - 1
   if "auto" in by and "xla" in by:
     out["auto_over_xla_measured"] = by["xla"]["measured_median_s"] / by["auto"]["measured_median_s"]
     out["auto_over_xla_predicted"] = by["xla"]["predicted_s"] / by["auto"]["predicted_s"]
@@ -341,21 +375,28 @@ def format_table(results: dict) -> str:
                  f"{net['beta_s_per_byte'] * 1e9:.2f} ns/B (up front: {up['alpha_s'] * 1e6:.1f} us/step, "
                  f"{up['beta_s_per_byte'] * 1e9:.2f} ns/B); compute-only step "
                  f"{r['compute_only_median_s'] * 1e3:.2f} ms; gradients {r['total_gradient_bytes'] / 1e3:.0f} kB")
-    lines.append("| policy | all-reduces | predicted ms | measured ms (median) | error | floor predicted "
-                 "(p10) | floor measured (p10) | floor error |")
-    lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    if "in_step_startup_s" in r:
+      lines.append(f"in-step start-up per all-reduce {r['in_step_startup_s'] * 1e3:.3f} ms")
+    lines.append("| policy | all-reduces | measured ms (median) | predicted ms | error | predicted, in-step "
+                 "start-up | error | floor predicted (p10) | floor measured (p10) | floor error |")
+    lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for p in r["policies"]:
-      lines.append(f"| {p['policy']} | {p['allreduces']} | {p['predicted_s'] * 1e3:.2f} | "
-                   f"{p['measured_median_s'] * 1e3:.2f} | {p['error'] * 100:+.1f}% | "
+      ins = (f"{p['predicted_in_step_startup_s'] * 1e3:.2f} | {p['in_step_error'] * 100:+.1f}%"
+             if "in_step_error" in p else "- | -")
+      lines.append(f"| {p['policy']} | {p['allreduces']} | {p['measured_median_s'] * 1e3:.2f} | "
+                   f"{p['predicted_s'] * 1e3:.2f} | {p['error'] * 100:+.1f}% | {ins} | "
                    f"{p['predicted_floor_s'] * 1e3:.2f} | {p['measured_p10_s'] * 1e3:.2f} | "
                    f"{p['floor_error'] * 100:+.1f}% |")
     pm = r["pmean"]
-    lines.append(f"| plain pmean (XLA alone) | - | - | {pm['measured_median_s'] * 1e3:.2f} | - | - | "
+    lines.append(f"| plain pmean (XLA alone) | - | {pm['measured_median_s'] * 1e3:.2f} | - | - | - | - | - | "
                  f"{pm['measured_p10_s'] * 1e3:.2f} | - |")
     s = r["speedups"]
     if "auto_over_wfbp_measured" in s:
       lines.append(f"auto over wfbp: measured {s['auto_over_wfbp_measured']:.3f}x, predicted "
                    f"{s['auto_over_wfbp_predicted']:.3f}x (ratio off by {s['ratio_error'] * 100:+.1f}%)")
+    if "ratio_error_in_step" in s:
+      lines.append(f"  with the in-step start-up: predicted {s['auto_over_wfbp_predicted_in_step']:.3f}x "
+                   f"(ratio off by {s['ratio_error_in_step'] * 100:+.1f}%)")
     if "auto_over_xla_measured" in s:
       lines.append(f"auto over xla: measured {s['auto_over_xla_measured']:.3f}x, predicted "
                    f"{s['auto_over_xla_predicted']:.3f}x; over plain pmean: measured "
