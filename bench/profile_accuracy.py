@@ -107,6 +107,7 @@ def run(models, *, n: int, repeats: int, rounds: int, profile_steps: int, probe_
     sims = {p: pj.simulate(s, prof, net) for p, s in schedules.items()}
     replicate = lambda t: jax.tree.map(lambda x: np.broadcast_to(x, (n, *x.shape)), t)  # noqa: E731
     batch = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch_g)
+    batch = jax.pmap(lambda b: b)(batch)  # already on the devices, sharded as pmap wants: no transfer per step
     txs = {"pmean": _pmean_tx(tx)} | {p: pj.scheduled(tx, s, axis_name=AXIS) for p, s in schedules.items()}
     steps, states = {}, {}
     for k, t in txs.items():
@@ -142,7 +143,7 @@ def main() -> None:
   ap.add_argument("--models", nargs="+", default=["cnn", "gpt-tiny"])
   ap.add_argument("--repeats", type=int, default=4, help="timed steps per policy per round")
   ap.add_argument("--rounds", type=int, default=10, help="rounds over all policies (interleaved)")
-  ap.add_argument("--profile-steps", type=int, default=20)
+  ap.add_argument("--profile-steps", type=int, default=60)
   ap.add_argument("--probe-repeats", type=int, default=15)
   ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "profile_accuracy.json"))
   a = ap.parse_args()
