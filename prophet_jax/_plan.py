@@ -11,8 +11,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._errors import ScheduleError, ScheduleMismatchError
-from ._types import GradientProfile, NetworkModel, Schedule
+from ._errors import ScheduleError
+from ._types import GradientProfile, NetworkModel, Schedule, check_rows_match
 
 
 def _auto(**options: Any):
@@ -76,21 +76,8 @@ def validate_schedule(schedule: Schedule, profile: GradientProfile) -> Schedule:
     raise TypeError(f"validate_schedule: expected a Schedule, got {type(schedule).__name__}.")
   if not isinstance(profile, GradientProfile):
     raise TypeError(f"validate_schedule: expected a GradientProfile, got {type(profile).__name__}.")
+  check_rows_match(schedule, profile, "validate_schedule")
   rows = profile.tree_rows()
-  # Schedule checked on construction that its fingerprint hashes its rows: equal rows, equal fingerprint.
-  if schedule.rows != rows:
-    if len(schedule.rows) != len(rows):
-      raise ScheduleMismatchError(
-          f"this Schedule was planned for a tree with {len(schedule.rows)} leaves, but the profile has "
-          f"{len(rows)}. Run prophet_jax.plan() again on the current profile.")
-    for k, (got, want) in enumerate(zip(schedule.rows, rows)):
-      if got != want:
-        raise ScheduleMismatchError(
-            f"row {k} of the Schedule is {got[0]!r} {got[1]} {got[2]}, but the profile's is {want[0]!r} "
-            f"{want[1]} {want[2]}. Run prophet_jax.plan() again on the current profile.")
-    raise ScheduleMismatchError(
-        f"the Schedule's tree_fingerprint {schedule.tree_fingerprint!r} differs from the profile's "
-        f"{profile.fingerprint()!r}. Run prophet_jax.plan() again.")
   sizes = [math.prod(shape) for _, shape, _ in rows]
   covered = [0] * len(rows)
   for k, chunk in enumerate(schedule.chunks):

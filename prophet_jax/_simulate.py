@@ -60,8 +60,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._errors import ScheduleMismatchError
-from ._types import Event, GradientProfile, NetworkModel, Schedule, SimResult, itemsize
+from ._types import Event, GradientProfile, NetworkModel, Schedule, SimResult, check_rows_match, itemsize
 
 __all__ = ["simulate"]
 
@@ -279,20 +278,6 @@ def _check(schedule: Schedule, profile: GradientProfile, network: NetworkModel, 
                     f"simulate); 'auto' is only a planning option.")
 
 
-def _check_rows(schedule: Schedule, profile: GradientProfile, fingerprint: str) -> None:
-  if schedule.tree_fingerprint != fingerprint:
-    prow = profile.tree_rows()
-    if len(schedule.rows) != len(prow):
-      raise ScheduleMismatchError(
-          f"simulate(): the schedule was planned for {len(schedule.rows)} rows, but the profile has "
-          f"{len(prow)}. Plan again for this profile.")
-    for i, (a, b) in enumerate(zip(schedule.rows, prow)):
-      if a != b:
-        raise ScheduleMismatchError(
-            f"simulate(): row {i} of the schedule is {a} but the profile's is {b} (path, shape, "
-            f"dtype). Plan again for this profile.")
-
-
 def _chunk_arrays(schedule: Schedule, prob: _Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                  np.ndarray, np.ndarray]:
   """(ready, duration, tail, pair_chunk, pair_row) of the chunks of `schedule`, in issue order.
@@ -388,7 +373,8 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
   _check(schedule, profile, network, cross_step)
   cross_step = bool(cross_step)
   prob, fingerprint = _memo_problem(profile, network, cross_step)
-  _check_rows(schedule, profile, fingerprint)
+  if schedule.tree_fingerprint != fingerprint:
+    check_rows_match(schedule, profile, "simulate()")
   ready, dur, tail, pair_chunk, pair_row = _chunk_arrays(schedule, prob)
   backward_s = prob.backward_s
   forward_s = float(prob.layer_fwd_s.sum())

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import NetworkError, ProfileError, ScheduleError
+from ._errors import NetworkError, ProfileError, ScheduleError, ScheduleMismatchError
 
 PROFILE_SCHEMA = 1
 SCHEDULE_SCHEMA = 1
@@ -581,6 +581,21 @@ class Schedule:
         raise
       raise ScheduleError(f"Schedule.from_json: malformed 'buckets' or 'rows' ({e!r}).") from e
     return cls(buckets=buckets, rows=rows, **obj)
+
+
+def check_rows_match(schedule: Schedule, profile: GradientProfile, where: str) -> None:
+  """Raises ScheduleMismatchError naming the first row (path, shape, dtype) where they differ."""
+  rows = profile.tree_rows()
+  if schedule.rows == rows:
+    return
+  if len(schedule.rows) != len(rows):
+    raise ScheduleMismatchError(
+        f"{where}: this Schedule was planned for a tree with {len(schedule.rows)} leaves, but the "
+        f"profile has {len(rows)}. Run prophet_jax.plan() again on the current profile.")
+  k, got, want = next((k, a, b) for k, (a, b) in enumerate(zip(schedule.rows, rows)) if a != b)
+  raise ScheduleMismatchError(
+      f"{where}: row {k} of the Schedule is {got[0]!r} {got[1]} {got[2]}, but the profile's is "
+      f"{want[0]!r} {want[1]} {want[2]}. Run prophet_jax.plan() again on the current profile.")
 
 
 def _freeze(v: Any) -> Any:
