@@ -7,34 +7,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, Schedule
+from prophet_jax import NetworkModel
 from prophet_jax._bound import lower_bound
 from prophet_jax._brute import (_enumerate_ordered, best_contiguous, best_ordered, random_network,
                                 random_profile, random_schedule)
 from prophet_jax._simulate import simulate
 
+from _instances import NET, PROFILE
+from _instances import row as _row, sched as _sched
+
 SEEDS = st.integers(0, 2**32 - 1)
 REL = 1e-9  # float rounding between the bound's and the simulator's sums
 
 
-def _row(path, layer, elems, ready, fwd=0.0, update=0.0, dtype="float32"):
-  isz = 2 if dtype == "bfloat16" else 4
-  return dict(path=path, layer=layer, shape=(elems,), dtype=dtype, nbytes=elems * isz, ready_s=ready,
-              fwd_s=fwd, update_s=update)
-
-
-def _sched(profile, groups):
-  chunks = tuple(Chunk(slices=tuple((r, 0, profile.rows[r].size) for r in g), dtype=profile.rows[g[0]].dtype)
-                 for g in groups)
-  return Schedule(buckets=tuple(Bucket(chunks=(c,)) for c in chunks), rows=profile.tree_rows())
-
-
-# The instance of test_simulate: A (1000 B, ready 3.0, fwd 1.0, update 0.1), B (2000 B, ready 1.0,
-# fwd 0.5, update 0.2); backward 3.0; a = 0.5, b = 0.001 s/B.
-PROFILE = GradientProfile.from_rows(
-    [_row("A/w", "A", 250, 3.0, fwd=1.0, update=0.1), _row("B/w", "B", 500, 1.0, fwd=0.5, update=0.2)],
-    forward_s=1.5, backward_s=3.0)
-NET = NetworkModel(alpha_s=0.25, beta_s_per_byte=0.001, workers=2)
 
 
 def test_hand_bounds():
