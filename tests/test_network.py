@@ -25,7 +25,9 @@ def test_fit_reproduces_synthetic_timings(alpha, beta, workers, seed):
   assert net.workers == workers and net.overlap is False and net.name == f"probe:cpux{workers}:median"
   pred = np.array([net.allreduce_s(s) for s in sizes])
   assert np.all(np.abs(pred - exact) <= 0.05 * exact + 1e-12)  # every size within 5%
-  assert net.beta_s_per_byte == pytest.approx(beta, rel=0.05)
+  # beta is identifiable only as far as its share of the largest message's time rises above the noise
+  share = (truth.allreduce_s(sizes[-1]) - truth.allreduce_s(0)) / exact[-1]
+  assert net.beta_s_per_byte == pytest.approx(beta, rel=0.05 / share)
   low = t.fit("low")
   assert low.name.endswith(":p10")
   assert low.allreduce_s(2**26) == pytest.approx(0.9 * truth.allreduce_s(2**26), rel=1e-6)
