@@ -56,6 +56,10 @@ def _check_args(fn: str, profile: GradientProfile, network: NetworkModel) -> Non
     raise TypeError(f"{fn}(profile=...) must be a GradientProfile, got {type(profile).__name__}.")
   if not isinstance(network, NetworkModel):
     raise TypeError(f"{fn}(network=...) must be a NetworkModel, got {type(network).__name__}.")
+  if network.skew and not network.overlap:
+    raise ValueError(f"{fn}: brute force models workers that keep pace (skew=0); got skew="
+                     f"{network.skew:g}. Use network.replace(skew=0.0): with one link, skew adds the same "
+                     f"skew x compute to every schedule.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -141,8 +145,7 @@ def _eval_groups(prob, groups: Sequence[Sequence[int]]) -> float:
   ready = np.array([max(prob.row_ready_s[r] for r in g) for g in groups])
   dur = np.array([prob.startup_s + prob.per_byte_s * sum(prob.row_nbytes[r] for r in g) for g in groups])
   tail = np.array([max(prob.row_tail_s[r] for r in g) for g in groups])
-  return _iteration_s(ready, dur, tail, backward_s=prob.backward_s, after_s=prob.after_s,
-                      floor_s=prob.floor_s, links=prob.links, overlap=prob.overlap)
+  return _iteration_s(ready, dur, tail, **prob.terms())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -257,7 +257,7 @@ class Monitor:
     xs = sorted(pooled)
     ys = [statistics.median(pooled[s]) for s in xs]
     fit = NetworkModel.fit(xs, ys, workers=self.network.workers, overlap=self.network.overlap,
-                           name="monitor")
+                           name="monitor", skew=self.network.skew)
     self.network = fit.replace(links=self.network.links)
     return self.replan()
 

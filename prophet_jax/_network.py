@@ -9,11 +9,18 @@ Public API:
 How it measures: for each message size, one compiled program issues `1` all-reduce and another issues
 `1 + inner` all-reduces chained by their data (so XLA cannot combine them), inside `jax.shard_map`
 over a 1-D mesh of the devices. The cost of one all-reduce is the paired difference of the two
-programs' wall times divided by `inner`, which cancels dispatch and launch overheads and leaves what
-an all-reduce costs *inside* a training step (what the simulator needs). The two programs are timed
-alternately, `repeats` times. The machine's scheduler tick (about 4 ms) poisons means, so every size
-keeps the **median** and a **low percentile** (default p10); the fitted model uses the median (to
-predict median step times) unless `stat='low'` asks for the floor. `NetworkModel.name` says which.
+programs' wall times divided by `inner`, which cancels dispatch and launch overheads. The two programs
+are timed alternately, `repeats` times. The machine's scheduler tick (about 4 ms) poisons means, so
+every size keeps the **median** and a **low percentile** (default p10); the fitted model uses the
+median (to predict median step times) unless `stat='low'` asks for the floor. `NetworkModel.name` says
+which.
+
+With `interleave=True` every round is [a fixed matmul, then the all-reduce], as in a training step
+where collectives block the executor (the CPU): there an all-reduce waits for the slowest device, and
+devices that share cores drift apart while they compute. The same rounds without the all-reduce give
+the compute's own time, which is subtracted; a second, larger matmul measures how the extra cost grows
+with the compute before the all-reduce: that slope is the network's `skew` (see NetworkModel). Off by
+default: on a shared 2-core machine the measured skew varied from 0.17 to 0.55 between runs.
 
 Across processes (`jax.process_count() > 1`, after `jax.distributed.initialize`): the mesh spans every
 device of every process, each process feeds its local shard, and rank 0's timings are broadcast so
@@ -40,6 +47,10 @@ DEFAULT_SIZES: tuple[int, ...] = tuple(2**k for k in range(10, 27, 2))
 #: A quick probe (for tests and the Monitor's periodic probe).
 QUICK_SIZES: tuple[int, ...] = (2**10, 2**14, 2**18, 2**20)
 _AXIS = "prophet_probe"
+#: The compute put before each all-reduce when interleaving: (rows, d) @ (d, d) per device, at two
+#: sizes (the second only to measure skew).
+_ROWS = 32
+_COMPUTE_D = (256, 768)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +66,9 @@ class AllreduceTimings:
     workers: devices (ranks) taking part.
     processes: processes taking part.
     platform: 'cpu', 'gpu', 'tpu'.
+    skew: the slowest device's lag per second of compute (0 unless measured; see NetworkModel).
+    compute_s: the compute put before each all-reduce (seconds per round; the second, larger one
+      measured the skew), empty when the all-reduces ran back to back.
   """
 
   sizes: tuple[int, ...]
@@ -65,6 +79,8 @@ class AllreduceTimings:
   workers: int
   processes: int
   platform: str
+  skew: float = 0.0
+  compute_s: tuple[float, ...] = ()
 
   def fit(self, stat: str = "median") -> NetworkModel:
     """The NetworkModel least-squares-fitted to the median (default) or the low percentile."""
@@ -74,7 +90,7 @@ class AllreduceTimings:
     ys = self.median_s if stat == "median" else self.low_s
     label = "median" if stat == "median" else f"p{self.percentile:g}"
     return NetworkModel.fit(self.sizes, ys, workers=self.workers, overlap=self.platform != "cpu",
-                            name=f"probe:{self.platform}x{self.workers}:{label}")
+                            name=f"probe:{self.platform}x{self.workers}:{label}", skew=self.skew)
 
 
 def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
@@ -118,8 +134,8 @@ def _mesh_devices(num_devices: int | None):
 
 def time_allreduce(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES,
                    repeats: int = 20, inner: int = 3, percentile: float = 10.0,
-                   dtype: str = "float32", max_seconds_per_size: float | None = None
-                   ) -> AllreduceTimings:
+                   dtype: str = "float32", max_seconds_per_size: float | None = None,
+                   interleave: bool = False, skew: float | None = None) -> AllreduceTimings:
   """Times one all-reduce (psum) at each message size across the devices (or processes).
 
   Args:
@@ -131,13 +147,21 @@ def time_allreduce(num_devices: int | None = None, *, sizes: Sequence[int] = DEF
     percentile: the low percentile kept besides the median (e.g. 10 for p10).
     dtype: element type of the messages.
     max_seconds_per_size: stop repeating a size after this long (at least 3 repeats run).
+    interleave: put a fixed piece of compute before every chained all-reduce, as in a training step,
+      and measure `skew` (default False: back to back). A synchronous all-reduce after compute costs
+      more than one right after another: it waits for the slowest device, and devices that share
+      cores drift apart while they compute. Off by default because the skew it measures on a shared
+      2-core machine varies from run to run (0.17 to 0.55 in three runs) by more than it corrects.
+    skew: with `interleave`, the known skew (see NetworkModel); None measures it from a second,
+      larger piece of compute at the smallest size.
 
   Returns:
-    AllreduceTimings (identical on every process).
+    AllreduceTimings (identical on every process); with `interleave`, the times exclude the
+    compute and the skew share of it, and `skew` holds the measured (or given) skew.
 
   Raises:
     NetworkError: a single device, or more devices requested than exist.
-    ValueError: bad sizes, repeats, inner or percentile.
+    ValueError: bad sizes, repeats, inner, percentile or skew.
   """
   import jax
   import jax.numpy as jnp
@@ -151,58 +175,100 @@ def time_allreduce(num_devices: int | None = None, *, sizes: Sequence[int] = DEF
     raise ValueError(f"measure_network(inner={inner!r}): must be an integer >= 1.")
   if not 0 < float(percentile) < 50:
     raise ValueError(f"measure_network(percentile={percentile!r}): the low percentile must be in (0, 50).")
+  if skew is not None and not (isinstance(skew, (int, float)) and math.isfinite(skew) and skew >= 0):
+    raise ValueError(f"measure_network(skew={skew!r}): must be None (measure it) or a number >= 0.")
   devices = _mesh_devices(num_devices)
   p = len(devices)
+  platform = devices[0].platform
+  interleave = bool(interleave)
   mesh = jax.sharding.Mesh(np.asarray(devices), (_AXIS,))
   sharding = NamedSharding(mesh, P(_AXIS))
   itemsz = int(np.dtype(jnp.dtype(dtype)).itemsize)
+  n_local = len([d for d in devices if d.process_index == jax.process_index()])
+  inner = int(inner)
 
-  def program(k: int):
-    def body(x):
+  def program(k: int, reduce: bool):
+    """k rounds of [compute on h (if interleaving), then one psum of x], each waiting for the last."""
+    def body(x, h, w):
       scale = jnp.asarray(1.0 / p, x.dtype)
-      def one(_, y):
-        return jax.lax.psum(y, _AXIS) * scale
-      return jax.lax.fori_loop(0, k, one, x)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
+      def one(_, xh):
+        x, h = xh
+        if interleave:  # compute that waits for the previous all-reduce, and the next waits for it
+          h = jnp.tanh(h @ w) + x[0].astype(h.dtype) * 0
+          x = x.at[0].add((h[0, 0] * 0).astype(x.dtype))
+        if reduce:
+          x = jax.lax.psum(x, _AXIS) * scale
+        return x, h
+      return jax.lax.fori_loop(0, k, one, (x, h))
+    spec = P(_AXIS)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec),
                                  check_vma=False))
 
-  short, long_ = program(1), program(1 + int(inner))
-  med, low = [], []
-  for nbytes in sizes:
+  def global_array(local: np.ndarray):
+    shape = (local.shape[0] // n_local * p, *local.shape[1:])
+    return jax.make_array_from_process_local_data(sharding, local, shape)
+
+  def operands(nbytes: int, d: int):
     n = max(1, nbytes // itemsz)
-    local = np.ones((n * len([d for d in devices if d.process_index == jax.process_index()]),),
-                    dtype=jnp.dtype(dtype))
-    x = jax.make_array_from_process_local_data(sharding, local, (n * p,))
+    x = global_array(np.ones((n * n_local,), dtype=jnp.dtype(dtype)))
+    h = global_array(np.full((_ROWS * n_local, d), 0.01, np.float32))
+    w = global_array(np.full((d * n_local, d), 0.01, np.float32))
+    return x, h, w
+
+  def paired(short, long_, args, budget: float | None) -> np.ndarray:
     for f in (short, long_):  # compile and warm up
-      jax.block_until_ready(f(x))
-      jax.block_until_ready(f(x))
+      jax.block_until_ready(f(*args))
+      jax.block_until_ready(f(*args))
     diffs, t_start = [], time.perf_counter()
     for r in range(int(repeats)):
       t0 = time.perf_counter()
-      jax.block_until_ready(short(x))
+      jax.block_until_ready(short(*args))
       t1 = time.perf_counter()
-      jax.block_until_ready(long_(x))
+      jax.block_until_ready(long_(*args))
       t2 = time.perf_counter()
-      diffs.append(((t2 - t1) - (t1 - t0)) / int(inner))
-      if max_seconds_per_size is not None and r >= 2 and time.perf_counter() - t_start > max_seconds_per_size:
+      diffs.append(((t2 - t1) - (t1 - t0)) / inner)
+      if budget is not None and r >= 2 and time.perf_counter() - t_start > budget:
         break
-    d = np.maximum(np.asarray(diffs), 0.0)
-    med.append(float(np.median(d)))
-    low.append(float(np.percentile(d, percentile)))
-    del x
+    return np.asarray(diffs)
+
+  d_lo = _COMPUTE_D[0] if interleave else 1
+  short, long_ = program(1, True), program(1 + inner, True)
+  rounds = [paired(short, long_, operands(nbytes, d_lo), max_seconds_per_size) for nbytes in sizes]
+  measured_skew, compute = 0.0, ()
+  if interleave:  # per-round compute (paired like the all-reduces), and the skew
+    c_lo = float(np.median(paired(program(1, False), program(1 + inner, False), operands(sizes[0], d_lo),
+                                  max_seconds_per_size)))
+    if skew is None:
+      d_hi = _COMPUTE_D[1]
+      hi = operands(sizes[0], d_hi)
+      c_hi = float(np.median(paired(program(1, False), program(1 + inner, False), hi, max_seconds_per_size)))
+      ar_hi = float(np.median(paired(program(1, True), program(1 + inner, True), hi, max_seconds_per_size)))
+      ar_lo = float(np.median(rounds[0]))
+      # a round with compute c costs c + allreduce + skew * c: the slope over two compute sizes
+      measured_skew = max(0.0, ((ar_hi - c_hi) - (ar_lo - c_lo)) / (c_hi - c_lo)) if c_hi > c_lo else 0.0
+      compute = (c_lo, c_hi)
+    else:
+      measured_skew, compute = float(skew), (c_lo,)
+    rounds = [r - c_lo * (1 + measured_skew) for r in rounds]
+  med = [float(np.median(np.maximum(r, 0.0))) for r in rounds]
+  low = [float(np.percentile(np.maximum(r, 0.0), percentile)) for r in rounds]
   if jax.process_count() > 1:  # every process must return the same model: rank 0's numbers
     from jax.experimental import multihost_utils
 
-    both = multihost_utils.broadcast_one_to_all(np.asarray([med, low], dtype=np.float64))
-    med, low = [float(v) for v in both[0]], [float(v) for v in both[1]]
+    both = multihost_utils.broadcast_one_to_all(
+        np.asarray(med + low + [measured_skew], dtype=np.float64))
+    k = len(med)
+    med, low, measured_skew = [float(v) for v in both[:k]], [float(v) for v in both[k:2 * k]], float(both[-1])
   return AllreduceTimings(sizes=tuple(max(1, s // itemsz) * itemsz for s in sizes), median_s=tuple(med),
                           low_s=tuple(low), percentile=float(percentile), repeats=int(repeats),
-                          workers=p, processes=jax.process_count(), platform=devices[0].platform)
+                          workers=p, processes=jax.process_count(), platform=platform,
+                          skew=float(measured_skew), compute_s=tuple(compute))
 
 
 def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES,
                     repeats: int = 20, inner: int = 3, stat: str = "median", percentile: float = 10.0,
-                    dtype: str = "float32", max_seconds_per_size: float | None = None) -> NetworkModel:
+                    dtype: str = "float32", max_seconds_per_size: float | None = None,
+                    interleave: bool = False) -> NetworkModel:
   """Measures all-reduce cost against message size and fits alpha and beta.
 
   Args:
@@ -214,6 +280,8 @@ def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DE
     percentile: the low percentile kept besides the median.
     dtype: element type of the messages.
     max_seconds_per_size: cap on the time spent on one size.
+    interleave: time each all-reduce after a fixed piece of compute and measure `skew` (see
+      `time_allreduce`).
 
   Returns:
     A NetworkModel: `alpha_s` per ring step and `beta_s_per_byte` from a least-squares fit (its RMS
@@ -231,7 +299,7 @@ def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DE
   if stat not in ("median", "low"):
     raise ValueError(f"measure_network(stat={stat!r}): expected 'median' or 'low'.")
   t = time_allreduce(num_devices, sizes=sizes, repeats=repeats, inner=inner, percentile=percentile,
-                     dtype=dtype, max_seconds_per_size=max_seconds_per_size)
+                     dtype=dtype, max_seconds_per_size=max_seconds_per_size, interleave=interleave)
   return t.fit(stat)
 
 
@@ -254,6 +322,9 @@ def summary(network: NetworkModel, timings: AllreduceTimings | None = None) -> s
            f"{network.overlap}"]
   if network.fit_residual_s is not None:
     lines.append(f"  fit residual (RMS) {network.fit_residual_s * 1e6:.1f} us")
+  if network.skew:
+    lines.append(f"  skew {network.skew:.3f}: each synchronous all-reduce also waits {network.skew:.1%} of the "
+                 f"compute before it")
   if timings is not None:
     lines.append(f"  {'bytes':>10} {'median us':>10} {'p%g us' % timings.percentile:>10} {'model us':>10}")
     for s, m, lo in zip(timings.sizes, timings.median_s, timings.low_s):

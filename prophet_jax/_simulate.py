@@ -15,6 +15,12 @@ The model, per chunk c_k in schedule (issue) order, with d_k = network.allreduce
   chunk has been issued and a link is free; while any chunk runs, compute stalls. With one link this
   is start_k = max(end_{k-1}, ready_k + sum_{j<k} d_j), so the iteration is exactly
   forward + backward + update + sum of all-reduce times (when every ready_s <= backward_s).
+- skew (overlap=False only): a synchronous all-reduce also waits for the slowest worker, which falls
+  behind by skew times the compute the device did since the previous issue. Chunk k's duration is
+  d_k + skew·(q_k - q_{k-1}), q_k = max ready_s of chunks 0..k (backward progress at its issue); for
+  the first chunk q_{-1} = q_last - (forward + update + backward), i.e. the compute since the previous
+  step's last issue. With one link this adds exactly skew·(forward + backward + update) to any
+  schedule with a chunk (when every ready_s <= backward_s).
 - cross_step=False: iteration = max(backward end, last chunk end) + update + forward, where update is
   the sum of the rows' update_s and backward end includes the stalls of overlap=False.
 - cross_step=True: layer l's forward of step k+1 starts at max(fwd_end(l-1), reduced(l) + update(l)),
@@ -40,8 +46,7 @@ through three per-chunk arrays, so a candidate schedule can be scored without bu
     ready = np.maximum.reduceat(prob.row_ready_s[order], starts)    # max ready of each chunk's rows
     dur = prob.startup_s + prob.per_byte_s * np.add.reduceat(prob.row_nbytes[order], starts)
     tail = np.maximum.reduceat(prob.row_tail_s[order], starts)
-    t = _iteration_s(ready, dur, tail, backward_s=prob.backward_s, after_s=prob.after_s,
-                     floor_s=prob.floor_s, links=prob.links, overlap=prob.overlap)
+    t = _iteration_s(ready, dur, tail, **prob.terms())
 
 `_iteration_s` is exact (the same number `simulate` returns, up to float rounding): for one link it is
 closed form over numpy arrays (about 20 us for 1,000 chunks); for several links it runs a heap loop.
@@ -78,6 +83,7 @@ class _Problem(NamedTuple):
       step, forward in the pipelined step).
     floor_s: a constant lower limit from rows in no chunk (nbytes=0) in the pipelined step, else 0.
     startup_s, per_byte_s, links, overlap: the network's terms.
+    skew: the network's skew when overlap is False, else 0; cycle_s: forward + backward + update.
   """
 
   row_ready_s: np.ndarray
@@ -95,6 +101,13 @@ class _Problem(NamedTuple):
   layer_fwd_s: np.ndarray
   layer_update_s: np.ndarray
   layers: tuple[str, ...] = ()
+  skew: float = 0.0
+  cycle_s: float = 0.0
+
+  def terms(self) -> dict:
+    """The keyword arguments of `_iteration_s` that come from the problem."""
+    return dict(backward_s=self.backward_s, after_s=self.after_s, floor_s=self.floor_s, links=self.links,
+                overlap=self.overlap, skew=self.skew, cycle_s=self.cycle_s)
 
 
 def _problem(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> _Problem:
@@ -127,7 +140,18 @@ def _problem(profile: GradientProfile, network: NetworkModel, *, cross_step: boo
                   row_layer=row_layer, backward_s=float(profile.backward_s), after_s=after,
                   floor_s=floor, startup_s=network.startup_s, per_byte_s=network.per_byte_s,
                   links=network.links, overlap=network.overlap, cross_step=bool(cross_step),
-                  layer_fwd_s=layer_fwd, layer_update_s=layer_upd, layers=layers)
+                  layer_fwd_s=layer_fwd, layer_update_s=layer_upd, layers=layers,
+                  skew=0.0 if network.overlap else network.skew,
+                  cycle_s=forward_s + float(profile.backward_s) + update_s)
+
+
+def _sync_waits(ready: np.ndarray, skew: float, cycle_s: float, backward_s: float) -> np.ndarray:
+  """Per chunk, in issue order, the wait for the slowest worker: skew x compute since the last issue."""
+  q = np.maximum.accumulate(ready)
+  prev = np.empty_like(q)
+  prev[1:] = q[:-1]
+  prev[0] = max(float(q[-1]), backward_s) - cycle_s
+  return skew * (q - prev)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -212,7 +236,7 @@ def _ends_one_link(ready: np.ndarray, dur: np.ndarray, backward_s: float,
 
 def _iteration_s(ready_s: np.ndarray, dur_s: np.ndarray, tail_s: np.ndarray | float, *,
                  backward_s: float, after_s: float, floor_s: float = 0.0, links: int = 1,
-                 overlap: bool = True) -> float:
+                 overlap: bool = True, skew: float = 0.0, cycle_s: float = 0.0) -> float:
   """The iteration time from per-chunk arrays in issue order (see the module docstring).
 
   Args:
@@ -220,7 +244,7 @@ def _iteration_s(ready_s: np.ndarray, dur_s: np.ndarray, tail_s: np.ndarray | fl
     dur_s: all-reduce time of each chunk, seconds.
     tail_s: per chunk, what must follow its end (`_Problem.row_tail_s`, max over its rows); a scalar
       broadcasts.
-    backward_s, after_s, floor_s, links, overlap: from `_problem`.
+    backward_s, after_s, floor_s, links, overlap, skew, cycle_s: from `_problem`.
 
   Returns:
     The iteration time in seconds, as `simulate` computes it.
@@ -229,6 +253,8 @@ def _iteration_s(ready_s: np.ndarray, dur_s: np.ndarray, tail_s: np.ndarray | fl
   dur = np.asarray(dur_s, dtype=np.float64)
   if ready.size == 0:
     return max(float(backward_s) + float(after_s), float(floor_s))
+  if skew and not overlap:
+    dur = dur + _sync_waits(ready, skew, cycle_s, backward_s)
   if links == 1:
     end, bw_end = _ends_one_link(ready, dur, backward_s, overlap)
   else:
@@ -342,7 +368,7 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
   Args:
     schedule: the plan; its rows must be the profile's rows (same paths, shapes, dtypes).
     profile: per-leaf readiness and the step's compute times, seconds.
-    network: the all-reduce cost model (`allreduce_s`, `links`, `overlap`).
+    network: the all-reduce cost model (`allreduce_s`, `links`, `overlap`, `skew`).
     cross_step: False for the plain step (the next step starts after every chunk and the update);
       True for the pipelined step (each layer's forward of the next step waits only for its own
       reduction and update).
@@ -377,6 +403,8 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
     check_rows_match(schedule, profile, "simulate()")
   ready, dur, tail, pair_chunk, pair_row = _chunk_arrays(schedule, prob)
   backward_s = prob.backward_s
+  if prob.skew and ready.size:
+    dur = dur + _sync_waits(ready, prob.skew, prob.cycle_s, backward_s)
   forward_s = float(prob.layer_fwd_s.sum())
   update_s = float(prob.layer_update_s.sum())
   n = ready.size

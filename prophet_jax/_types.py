@@ -331,6 +331,10 @@ class NetworkModel:
     links: parallel paths; chunks go to the earliest free one.
     name: where it came from (a preset name, 'fit', 'probe', ...).
     fit_residual_s: RMS residual of the least-squares fit that produced it, if any.
+    skew: with `overlap` False, a synchronous all-reduce also waits for the slowest worker, which
+      falls behind by `skew` times the compute done since the previous all-reduce (0: workers keep
+      pace, as dedicated devices do; `measure_network` measures it where devices share cores, e.g.
+      8 host devices on 2 CPU cores). Ignored when `overlap` is True.
   """
 
   alpha_s: float
@@ -341,9 +345,10 @@ class NetworkModel:
   links: int = 1
   name: str = ""
   fit_residual_s: float | None = None
+  skew: float = 0.0
 
   def __post_init__(self):
-    for n in ("alpha_s", "beta_s_per_byte"):
+    for n in ("alpha_s", "beta_s_per_byte", "skew"):
       v = getattr(self, n)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
         raise NetworkError(f"NetworkModel has {n}={v!r}; it must be a finite number >= 0.")
@@ -389,8 +394,10 @@ class NetworkModel:
 
   @classmethod
   def fit(cls, sizes: Sequence[float], seconds: Sequence[float], *, workers: int,
-          overlap: bool = True, name: str = "fit") -> NetworkModel:
+          overlap: bool = True, name: str = "fit", skew: float = 0.0) -> NetworkModel:
     """Least-squares alpha and beta from measured (bytes, seconds) of single all-reduces.
+
+    `skew` (measured apart, see the class) is carried into the model unchanged.
 
     Fits seconds = a + b·bytes (a, b >= 0) in relative error, then alpha_s = a / (2(P-1)), beta = b·P / (2(P-1)).
     The RMS residual is kept in `fit_residual_s`.
@@ -413,7 +420,7 @@ class NetworkModel:
     resid = float(np.sqrt(np.mean((a + b * x - y) ** 2)))
     p = int(workers)
     return cls(alpha_s=a / (2 * (p - 1)), beta_s_per_byte=b * p / (2 * (p - 1)), workers=p,
-               overlap=overlap, name=name, fit_residual_s=resid)
+               overlap=overlap, name=name, fit_residual_s=resid, skew=skew)
 
   def to_dict(self) -> dict[str, Any]:
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

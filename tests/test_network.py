@@ -55,6 +55,19 @@ def test_probe_across_eight_cpu_devices():
   assert "predicted all-reduce" in _network.summary(net)
 
 
+def test_interleaved_probe_measures_skew_and_carries_it():
+  t = _network.time_allreduce(8, sizes=(2**10, 2**14), repeats=3, inner=1, interleave=True)
+  assert t.skew >= 0 and len(t.compute_s) == 2 and 0 < t.compute_s[0] < t.compute_s[1]
+  assert all(m >= 0 for m in t.median_s)
+  net = t.fit()
+  assert net.skew == t.skew and net.overlap is False
+  given = _network.time_allreduce(2, sizes=(2**10, 2**14), repeats=3, inner=1, interleave=True, skew=0.25)
+  assert given.skew == 0.25 and len(given.compute_s) == 1
+  assert "skew 0.250" in _network.summary(given.fit())
+  with pytest.raises(ValueError, match="skew=-1"):
+    _network.time_allreduce(2, sizes=(1024, 4096), repeats=3, interleave=True, skew=-1)
+
+
 def test_measure_network_returns_model_on_subset_of_devices():
   net = measure_network(2, sizes=(2**10, 2**16), repeats=3, inner=1, stat="low")
   assert isinstance(net, NetworkModel) and net.workers == 2 and net.name == "probe:cpux2:p10"

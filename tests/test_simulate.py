@@ -287,6 +287,36 @@ def test_no_overlap_one_link_is_compute_plus_comm(seed):
   assert r.idle_s == pytest.approx(r.comm_s)
 
 
+def test_hand_skew():
+  # skew 0.5: chunk B waits 0.5 x (compute since the last issue of the previous step: the rest of
+  # backward 0, update 0.3, forward 1.5, backward up to 1.0) = 1.4; chunk A waits 0.5 x 2.0 = 1.0.
+  net = NET.replace(overlap=False, skew=0.5)
+  r = simulate(WFBP, PROFILE, net)
+  assert r.iteration_s == pytest.approx(8.8 + 2.4)
+  assert [(e.start_s, e.end_s) for e in r.events if e.kind == "allreduce"] == [
+      pytest.approx((1.0, 4.9)), pytest.approx((6.9, 9.4))]
+  assert simulate(WFBP, PROFILE, NET.replace(skew=0.5)).iteration_s == pytest.approx(
+      simulate(WFBP, PROFILE, NET).iteration_s)  # ignored where the device overlaps
+
+
+@settings(deadline=None, max_examples=30)
+@given(SEEDS, st.booleans(), st.floats(0.0, 2.0))
+def test_skew_adds_its_share_of_compute(seed, cross_step, skew):
+  rng, p, net = _instance(seed, overlap=False)
+  s = random_schedule(p, rng)
+  slow = net.replace(skew=skew)
+  r0 = simulate(s, p, net, cross_step=cross_step).iteration_s
+  r = simulate(s, p, slow, cross_step=cross_step)
+  if net.links == 1 and not cross_step and s.num_allreduces:
+    assert r.iteration_s == pytest.approx(r0 + skew * p.compute_s)
+  assert r.iteration_s >= r0 - 1e-12
+  prob = _problem(p, slow, cross_step=cross_step)
+  ready, dur, tail, _, _ = _chunk_arrays(s, prob)
+  assert _iteration_s(ready, dur, tail, **prob.terms()) == pytest.approx(r.iteration_s, rel=1e-9, abs=1e-12)
+  assert simulate(s, p, slow, cross_step=cross_step, events=False).iteration_s == pytest.approx(r.iteration_s)
+  _check_events(r, p, slow)
+
+
 # --------------------------------------------------------------------------------------------------
 # errors, purity, speed
 

@@ -156,8 +156,7 @@ class _Instance:
     from .._simulate import _iteration_s
 
     p = self.prob
-    return float(_iteration_s(ready, p.startup_s + p.per_byte_s * nbytes, tail, backward_s=p.backward_s,
-                              after_s=p.after_s, floor_s=p.floor_s, links=p.links, overlap=p.overlap))
+    return float(_iteration_s(ready, p.startup_s + p.per_byte_s * nbytes, tail, **p.terms()))
 
   def iteration_s(self, chunks: Sequence[_Chunk]) -> float:
     """The simulator's steady-state iteration time of `chunks` in issue order."""
