@@ -28,7 +28,7 @@ ALL_REDUCE_OPCODES = ("all-reduce", "all-reduce-start")
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR_HEAD = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_OPNAME = re.compile(r'op_name="([^"]*)"')
+_OPNAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _CALLEE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
@@ -62,6 +62,7 @@ class HloInstruction:
     callees: (kind, computation) pairs: ('body', ...), ('condition', ...), ('calls', ...), ...
     trip_count: a while loop's known trip count (None when unknown or not a loop).
     text: the instruction's line.
+    root: whether it is its computation's ROOT.
   """
 
   name: str
@@ -72,6 +73,7 @@ class HloInstruction:
   callees: tuple[tuple[str, str], ...]
   trip_count: int | None
   text: str = field(repr=False)
+  root: bool = False
 
   @property
   def elements(self) -> int:
@@ -162,7 +164,7 @@ def _parse_instruction(line: str) -> HloInstruction | None:
   return HloInstruction(name=m.group(2), opcode=om.group(1), shape=shape,
                         op_name=opm.group(1) if opm else "", operands=operands,
                         callees=tuple(callees), trip_count=trip,
-                        text=line.strip())
+                        text=line.strip(), root=bool(m.group(1)))
 
 
 def parse_hlo(text: str) -> HloModule:

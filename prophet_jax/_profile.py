@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import ProfileError
+from ._hlo import parse_hlo
 from ._types import GradientProfile, ProfileRow, itemsize
 
 _AXIS = "prophet_profile"
@@ -248,15 +249,7 @@ def _wall_median(f: Callable[[], Any], repeats: int) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# HLO text: instructions, operands, op_name metadata
-
-
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_COMP = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?.*\{\s*$")
-_OPNAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
-_REF = re.compile(r"%([\w.\-]+)")
-_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations|true_computation|"
-                    r"false_computation)=\{?([^},]*(?:,\s*%[\w.\-]+)*)\}?")
+# HLO text (parsed by _hlo): instructions, operands, op_name metadata
 
 
 @dataclasses.dataclass
@@ -278,43 +271,22 @@ class _Hlo:
 
 
 def _parse_hlo(text: str) -> _Hlo:
-  """The instructions of an optimized HLO module (names, operands, called computations, op_name)."""
-  m = re.search(r"HloModule\s+([\w.\-]+)", text)
-  module = m.group(1) if m else ""
+  """The optimized module as the trace analysis reads it: instructions by name (HLO names are unique
+  in a module), operands within their own computation, called computations, and the ENTRY ROOT's
+  operands (the gradient leaves, in output order)."""
+  m = parse_hlo(text)
   instrs: dict[str, _Instr] = {}
   comps: dict[str, list[str]] = {}
-  comp, entry, root_operands = None, "", []
-  for line in text.splitlines():
-    if comp is None:
-      cm = _COMP.match(line)
-      if cm and "=" not in line.split("{")[0].split("(")[0]:
-        comp = cm.group(2)
-        comps[comp] = []
-        if cm.group(1):
-          entry = comp
-      continue
-    if line.strip() == "}":
-      comp = None
-      continue
-    im = _INSTR.match(line)
-    if not im:
-      continue
-    name, rest = im.group(2), im.group(3)
-    om = _OPNAME.search(rest)
-    op_name = om.group(1) if om else ""
-    body = rest.split(", metadata=")[0]
-    calls = []
-    for cm2 in _CALLS.finditer(body):
-      calls += _REF.findall(cm2.group(0))
-    refs = [r for r in _REF.findall(body) if r not in calls]
-    instrs[name] = _Instr(name=name, comp=comp, operands=refs, op_name=op_name, calls=calls)
-    comps[comp].append(name)
-    if im.group(1) and comp == entry:
-      root_operands = refs if re.search(r"\)\s*tuple\(|^\S+\s+tuple\(", body) or " tuple(" in body else [name]
-  # operands may name only instructions of the same computation
-  for ins in instrs.values():
-    ins.operands = [o for o in ins.operands if o in instrs and instrs[o].comp == ins.comp]
-  return _Hlo(module=module, instrs=instrs, comps=comps, entry=entry, root_operands=root_operands)
+  root_operands: list[str] = []
+  for comp, body in m.computations.items():
+    names = {i.name for i in body}
+    comps[comp] = [i.name for i in body]
+    for i in body:
+      instrs[i.name] = _Instr(name=i.name, comp=comp, operands=[o for o in i.operands if o in names],
+                              op_name=i.op_name, calls=[c for _, c in i.callees])
+      if i.root and comp == m.entry:
+        root_operands = list(i.operands) if i.opcode == "tuple" else [i.name]
+  return _Hlo(module=m.name, instrs=instrs, comps=comps, entry=m.entry, root_operands=root_operands)
 
 
 def _is_backward(op_name: str) -> bool:

@@ -225,6 +225,7 @@ def chunk_allreduces(hlo_text):
     ("shard_map", "mlp", "sgd-momentum"),
     ("pmap", "cnn", "adamw"),
     ("shard_map", "cnn", "adamw"),
+    ("shard_map", "gpt-tiny", "sgd-momentum"),
 ])
 def test_matches_plain_loop(mapping, modelname, txname):
   model, params, bs, ref, ref_losses = case(modelname, txname)
@@ -244,8 +245,9 @@ def test_matches_plain_loop(mapping, modelname, txname):
   # the new forward), whatever the number of steps; flush: 1 (the rebuild)
   assert len(traces) == 4, len(traces)
   got = runner.params(state)
-  assert_trees_close(got, ref, params)
-  assert_trees_close(got, pmean_ref(mapping, model, tx, params, bs), params)
+  floor = 1e-4 if modelname == "gpt-tiny" else 0.0  # its attention key biases have zero gradient
+  assert_trees_close(got, ref, params, tree_floor=floor)
+  assert_trees_close(got, pmean_ref(mapping, model, tx, params, bs), params, tree_floor=floor)
   # each call returns the plain step's loss on its batch (the mean over devices is the full-batch loss)
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
   if mapping == "shard_map":
