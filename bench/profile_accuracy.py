@@ -63,24 +63,13 @@ def _pmean_tx(tx):
   return optax.GradientTransformation(tx.init, update)
 
 
-def _time_steps(step, state, batch, repeats: int) -> list[float]:
-  import jax
-
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    state = step(*state, batch)
-    jax.block_until_ready(state)
-    times.append(time.perf_counter() - t0)
-  return times
-
-
 def run(models, *, n: int, repeats: int, rounds: int, profile_steps: int, probe_repeats: int) -> dict:
   import jax
   import optax
 
   import prophet_jax as pj
   from prophet_jax import _network, _profile
+  from prophet_jax._demo import step_times
   from prophet_jax.models import get_model
 
   sizes = tuple(int(s) for s in np.geomspace(2**10, 2**22, 9))
@@ -124,7 +113,7 @@ def run(models, *, n: int, repeats: int, rounds: int, profile_steps: int, probe_
     samples: dict[str, list[float]] = {k: [] for k in txs}
     for _ in range(rounds):  # interleave policies so load changes hit all of them alike
       for k in txs:
-        samples[k] += _time_steps(steps[k], states[k], batch, repeats)
+        samples[k] += step_times(steps[k], states[k], batch, repeats)[0]
     rows = []
     print(f"{name}: {'policy':9s} {'chunks':>6s} {'predicted ms':>13s} {'measured ms':>12s} "
           f"{'p10 ms':>8s} {'error':>7s} {'w/ skew':>8s}")

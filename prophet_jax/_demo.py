@@ -18,7 +18,9 @@ DEMO_MODEL = "cnn"
 AXIS = "dp"
 
 
-def _median_step_s(step, state, batch, repeats: int) -> tuple[float, tuple]:
+def step_times(step, state, batch, repeats: int) -> tuple[list[float], tuple]:
+  """Wall-clock seconds of `repeats` calls of `state = step(*state, batch)` (each waited for), and the
+  last state. The one timing loop of the demo and the benches."""
   import jax
 
   times = []
@@ -27,6 +29,11 @@ def _median_step_s(step, state, batch, repeats: int) -> tuple[float, tuple]:
     state = step(*state, batch)
     jax.block_until_ready(state)
     times.append(time.perf_counter() - t0)
+  return times, state
+
+
+def _median_step_s(step, state, batch, repeats: int) -> tuple[float, tuple]:
+  times, state = step_times(step, state, batch, repeats)
   return float(np.median(times)), state
 
 
