@@ -153,3 +153,47 @@ def shaped_link(rate: str = "1gbit", *, subnet: int | None = None) -> Iterator[L
   finally:
     for ns in names:
       delete_namespace(ns)
+
+
+def run_pair(link: Link, worker_argv: Sequence[str], *, port: int) -> tuple[int, dict | None, float]:
+  """Runs `worker_argv --result FILE` as two processes under `prophet-jax launch`, rank i inside
+  `link.namespaces[i]`, gloo bound to the veth.
+
+  Returns (exit code, rank 0's JSON result or None when the run failed, wall seconds).
+  """
+  import json
+  import shlex
+  import tempfile
+  import time
+
+  from prophet_jax.launch import launch
+
+  with tempfile.TemporaryDirectory() as tmp:
+    result = os.path.join(tmp, "rank0.json")
+    inner = [*worker_argv, "--result", result]
+    script = (f'if [ "$PROPHET_PROCESS_ID" = 0 ]; then NS={link.namespaces[0]}; else '
+              f'NS={link.namespaces[1]}; fi; export PROPHET_GLOO_INTERFACE={link.iface} '
+              f'PROPHET_HEARTBEAT_TIMEOUT_S=900; exec ip netns exec "$NS" '
+              + " ".join(shlex.quote(a) for a in inner))
+    t0 = time.perf_counter()
+    code = launch(["sh", "-c", script], nproc=2, coordinator=link.addresses[0], port=port,
+                  devices_per_process=1, init_timeout_s=120)
+    if code or not os.path.exists(result):
+      return code, None, time.perf_counter() - t0
+    with open(result) as f:
+      return code, json.load(f), time.perf_counter() - t0
+
+
+def write_results(results: dict, out: str, *, merge: bool) -> None:
+  """Writes `results` (with a 'rates' dict) to `out` as JSON; with `merge`, keeps the rates of the
+  file already there that this run did not measure (each with the command that measured it)."""
+  import json
+  from pathlib import Path
+
+  path = Path(out)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  if merge and path.exists():
+    old = json.loads(path.read_text())
+    for rate, r in old.get("rates", {}).items():
+      results["rates"].setdefault(rate, dict(r, command=old.get("command")))
+  path.write_text(json.dumps(results, indent=1))

@@ -24,7 +24,6 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -317,49 +316,33 @@ def _speedups(rows: list[dict], pmean: dict) -> dict:
 
 
 def parent(args: argparse.Namespace) -> int:
-  from _netns import shaped_link, skip_reason
+  from _netns import run_pair, shaped_link, skip_reason, write_results
 
   reason = skip_reason()
   if reason:
     print(f"bench/shaped.py: skipped: {reason}.")
     return 0
-  from prophet_jax.launch import launch
-
   results = dict(command="python " + " ".join(shlex.quote(a) for a in sys.argv), model=MODEL,
                  per_process_batch=PER_PROCESS_BATCH, processes=2, devices_per_process=1,
                  steps=args.steps, rounds=args.rounds, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  host_cpus=os.cpu_count(), rates={})
   for rate in args.rates:
-    with shaped_link(rate) as link, tempfile.TemporaryDirectory() as tmp:
-      result = os.path.join(tmp, "rank0.json")
-      inner = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result", result,
-               "--steps", str(args.steps), "--rounds", str(args.rounds), "--probe-repeats", str(args.probe_repeats),
-               "--policies", *args.policies]
-      ns = {0: link.namespaces[0], 1: link.namespaces[1]}
-      script = (f'if [ "$PROPHET_PROCESS_ID" = 0 ]; then NS={ns[0]}; else NS={ns[1]}; fi; '
-                f'export PROPHET_GLOO_INTERFACE={link.iface} PROPHET_HEARTBEAT_TIMEOUT_S=900; exec ip netns exec "$NS" '
-                + " ".join(shlex.quote(a) for a in inner))
+    with shaped_link(rate) as link:
       print(f"== {rate}: {link.qdisc()}", flush=True)
-      t0 = time.perf_counter()
-      code = launch(["sh", "-c", script], nproc=2, coordinator=link.addresses[0], port=PORT,
-                    devices_per_process=1, init_timeout_s=120)
-      if code or not os.path.exists(result):
-        print(f"bench/shaped.py: the run at {rate} failed (exit {code}).", file=sys.stderr)
-        results["rates"][rate] = dict(failed=code)
-        continue
-      r = json.loads(Path(result).read_text())
-      r["wall_s"] = time.perf_counter() - t0
-      r["speedups"] = _speedups(r["policies"], r["pmean"])
-      results["rates"][rate] = r
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  if args.merge and out.exists():  # keep the rates this run did not measure
-    old = json.loads(out.read_text())
-    for rate, r in old.get("rates", {}).items():
-      results["rates"].setdefault(rate, dict(r, command=old.get("command")))
-  out.write_text(json.dumps(results, indent=1))
+      worker = [sys.executable, str(Path(__file__).resolve()), "--worker",
+                "--steps", str(args.steps), "--rounds", str(args.rounds),
+                "--probe-repeats", str(args.probe_repeats), "--policies", *args.policies]
+      code, r, wall = run_pair(link, worker, port=PORT)
+    if r is None:
+      print(f"bench/shaped.py: the run at {rate} failed (exit {code}).", file=sys.stderr)
+      results["rates"][rate] = dict(failed=code)
+      continue
+    r["wall_s"] = wall
+    r["speedups"] = _speedups(r["policies"], r["pmean"])
+    results["rates"][rate] = r
+  write_results(results, args.out, merge=args.merge)
   print(format_table(results))
-  print(f"written to {out}")
+  print(f"written to {args.out}")
   return 0
 
 
