@@ -236,13 +236,12 @@ def time_allreduce(num_devices: int | None = None, *, sizes: Sequence[int] = DEF
   rounds = [paired(short, long_, operands(nbytes, d_lo), max_seconds_per_size) for nbytes in sizes]
   measured_skew, compute = 0.0, ()
   if interleave:  # per-round compute (paired like the all-reduces), and the skew
-    c_lo = float(np.median(paired(program(1, False), program(1 + inner, False), operands(sizes[0], d_lo),
-                                  max_seconds_per_size)))
+    c_short, c_long = program(1, False), program(1 + inner, False)
+    c_lo = float(np.median(paired(c_short, c_long, operands(sizes[0], d_lo), max_seconds_per_size)))
     if skew is None:
-      d_hi = _COMPUTE_D[1]
-      hi = operands(sizes[0], d_hi)
-      c_hi = float(np.median(paired(program(1, False), program(1 + inner, False), hi, max_seconds_per_size)))
-      ar_hi = float(np.median(paired(program(1, True), program(1 + inner, True), hi, max_seconds_per_size)))
+      hi = operands(sizes[0], _COMPUTE_D[1])
+      c_hi = float(np.median(paired(c_short, c_long, hi, max_seconds_per_size)))
+      ar_hi = float(np.median(paired(short, long_, hi, max_seconds_per_size)))
       ar_lo = float(np.median(rounds[0]))
       # a round with compute c costs c + allreduce + skew * c: the slope over two compute sizes
       measured_skew = max(0.0, ((ar_hi - c_hi) - (ar_lo - c_lo)) / (c_hi - c_lo)) if c_hi > c_lo else 0.0
