@@ -12,11 +12,17 @@ says how much, and what the cost is made of. Arms, timed in interleaved rounds i
   step must write out and carry): isolates the cost of materialising them as program outputs.
 - `pipelined`: `pipelined(...).step` (the previous batch's backward from carried residuals, the
   all-reduces, the update, this batch's forward).
-- `pipelined-remat`: the same with `loss_fn` under `jax.checkpoint` saving only matmul and convolution
-  outputs (the elementwise rest is recomputed, fused, in the backward): fewer residual bytes.
+- `pipelined-matmuls`: `pipelined(..., residuals="matmuls")`: the forward under `jax.checkpoint`
+  keeping only matmul, convolution and reduction outputs (the elementwise rest is recomputed, fused,
+  in the backward): fewer residual bytes.
 
 Step times are wall-clock medians and process CPU time per step (all 8 device threads together); on a
-shared machine the CPU time is the steadier of the two.
+shared machine the CPU time is the steadier of the two. The overheads are medians over rounds of each
+round's ratio of medians (every arm runs in every round, in alternating order), so a slow stretch of
+the machine, which hits all arms of a round alike, cancels.
+
+Also the runtime's fixed cost per program input/output buffer (a jitted identity over 1 vs 101 small
+arrays on the 8 devices): the pipelined step carries one buffer per residual.
 
 Also from XLA's cost analysis of the compiled programs: flops and bytes accessed.
 
@@ -61,12 +67,7 @@ TRACE_DEVICES = ("v100", "h100")
 NETWORKS = ("1gbe", "10gbe", "25gbe", "100gb-ib", "nvlink")
 WORKERS = (8, 64)
 SIM_POLICIES = tuple(p for p in POLICIES if p != "dlcp")
-REMAT_POLICY_NAME = "matmul and conv outputs saveable"
-
-
-def _save_matmul_and_conv(prim, *_, **__) -> bool:
-  """A jax.checkpoint policy: keep dot_general and convolution outputs; recompute elementwise ops."""
-  return prim.name in ("dot_general", "conv_general_dilated")
+ARMS = ("plain", "plain+res", "pipelined", "pipelined-matmuls")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -122,8 +123,8 @@ def print_gain(rows: list[dict]) -> None:
 # part 1: the measured cost on the CPU
 
 
-def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds: int, per_round: int,
-            policy: str) -> list[dict]:
+def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds: int,
+            steps_per_round: int, policy: str) -> list[dict]:
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -135,7 +136,6 @@ def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds
   from prophet_jax.models import get_model
 
   mesh = jax.make_mesh((N_DEV,), (AXIS,))
-  REMAT_POLICY = _save_matmul_and_conv
 
   def put(tree, spec):
     # from fresh host copies: device_put may share one buffer between two puts of the same array, and
@@ -183,10 +183,9 @@ def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds
 
     pstep = jax.jit(jax.shard_map(pipe_body, mesh=mesh, in_specs=(specs, P(AXIS)),
                                   out_specs=(specs, P(AXIS))), donate_argnums=(0,))
-    # the same step with the forward under jax.checkpoint: only matmul/conv outputs are carried, the
-    # elementwise rest is recomputed (fused) in the backward
-    remat_loss = jax.checkpoint(model.loss_fn, policy=REMAT_POLICY)
-    pipe_r = pipelined(remat_loss, tx, schedule, axis_name=AXIS)
+    # the same step carrying only matmul, conv and reduction outputs; the elementwise rest is
+    # recomputed (fused) in the backward
+    pipe_r = pipelined(model.loss_fn, tx, schedule, axis_name=AXIS, residuals="matmuls")
 
     def pipe_r_body(s, b):
       s, loss = pipe_r.step(s, b)
@@ -231,20 +230,28 @@ def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds
       state_r, loss = c_pipe_r(state_r, batches[k % 4])
       return loss
 
-    arms = {"plain": run_plain, "plain+res": run_res, "pipelined": run_pipe, "pipelined-remat": run_pipe_r}
+    arms = dict(zip(ARMS, (run_plain, run_res, run_pipe, run_pipe_r)))
     times = {a: [] for a in arms}
     cpu = {a: [] for a in arms}  # process CPU seconds per step: less sensitive to other processes
+    per_round = {a: [] for a in arms}  # (wall median, cpu median) of each round
     for k in range(3):  # warm-up
       for f in arms.values():
         jax.block_until_ready(f(k))
     for r in range(rounds):
       order = list(arms) if r % 2 == 0 else list(reversed(arms))  # alternate who goes first
       for a in order:
-        for k in range(per_round):
+        wall_r, cpu_r = [], []
+        for k in range(steps_per_round):
           c, t = time.process_time(), time.perf_counter()
           jax.block_until_ready(arms[a](k))
-          times[a].append(time.perf_counter() - t)
-          cpu[a].append(time.process_time() - c)
+          wall_r.append(time.perf_counter() - t)
+          cpu_r.append(time.process_time() - c)
+        times[a] += wall_r
+        cpu[a] += cpu_r
+        per_round[a].append((statistics.median(wall_r), statistics.median(cpu_r)))
+
+    def paired(arm, i):  # median over rounds of (arm / plain) in that round, minus one
+      return statistics.median(x[i] / y[i] for x, y in zip(per_round[arm], per_round["plain"])) - 1
 
     def cost(c):
       ca = c.cost_analysis()
@@ -261,41 +268,68 @@ def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds
         "param_bytes": prof.total_nbytes,
         "residual_bytes_per_device": pipe.residual_bytes(state),
         "residual_arrays": len(state.pending.residuals),
-        "remat_residual_bytes_per_device": pipe_r.residual_bytes(state_r),
-        "overhead_remat": med["pipelined-remat"] / med["plain"] - 1,
+        "matmuls_residual_bytes_per_device": pipe_r.residual_bytes(state_r),
+        "matmuls_residual_arrays": len(state_r.pending.residuals),
         "steps_per_arm": len(times["plain"]),
         "median_s": med, "p10_s": p10,
-        "overhead": med["pipelined"] / med["plain"] - 1,
+        "overhead": paired("pipelined", 0),
+        "overhead_matmuls": paired("pipelined-matmuls", 0),
+        "residual_output_share": paired("plain+res", 0),
         "overhead_p10": p10["pipelined"] / p10["plain"] - 1,
         "median_cpu_s": med_cpu,
-        "overhead_cpu": med_cpu["pipelined"] / med_cpu["plain"] - 1,
-        "overhead_remat_cpu": med_cpu["pipelined-remat"] / med_cpu["plain"] - 1,
-        "residual_output_share": med["plain+res"] / med["plain"] - 1,
+        "overhead_cpu": paired("pipelined", 1),
+        "overhead_matmuls_cpu": paired("pipelined-matmuls", 1),
         "cost_analysis": {"plain": cost(c_plain), "plain+res": cost(c_res), "pipelined": cost(c_pipe),
-                          "pipelined-remat": cost(c_pipe_r)},
+                          "pipelined-matmuls": cost(c_pipe_r)},
         "compile_s": compile_s,
     }
     results.append(row)
-    print(f"{name:9s} B/dev={per_device_batch:3d} chunks={row['chunks']:3d} "
-          f"residuals={row['residual_bytes_per_device'] / 2**20:7.2f} MiB/dev "
-          f"plain={med['plain'] * 1e3:8.2f} ms plain+res={med['plain+res'] * 1e3:8.2f} ms "
-          f"pipelined={med['pipelined'] * 1e3:8.2f} ms overhead={row['overhead'] * 100:+6.1f}% "
-          f"(p10 {row['overhead_p10'] * 100:+6.1f}%; residual outputs alone "
-          f"{row['residual_output_share'] * 100:+6.1f}%)", flush=True)
-    print(f"{'':9s} CPU time per step (all device threads): plain {med_cpu['plain'] * 1e3:.2f} ms, "
-          f"plain+res {med_cpu['plain+res'] * 1e3:.2f} ms, pipelined {med_cpu['pipelined'] * 1e3:.2f} ms:"
-          f" overhead {row['overhead_cpu'] * 100:+.1f}%; pipelined-remat "
-          f"{med_cpu['pipelined-remat'] * 1e3:.2f} ms: {row['overhead_remat_cpu'] * 100:+.1f}% (wall "
-          f"{row['overhead_remat'] * 100:+.1f}%, residuals "
-          f"{row['remat_residual_bytes_per_device'] / 2**20:.2f} MiB/dev)", flush=True)
+    print(f"{name:9s} B/dev={per_device_batch:3d} chunks={row['chunks']:3d} residuals "
+          f"{row['residual_bytes_per_device'] / 2**20:.2f} MiB/dev in {row['residual_arrays']} arrays "
+          f"(matmuls: {row['matmuls_residual_bytes_per_device'] / 2**20:.2f} MiB in "
+          f"{row['matmuls_residual_arrays']}); wall medians plain {med['plain'] * 1e3:.2f} ms, plain+res "
+          f"{med['plain+res'] * 1e3:.2f}, pipelined {med['pipelined'] * 1e3:.2f}, pipelined-matmuls "
+          f"{med['pipelined-matmuls'] * 1e3:.2f}", flush=True)
+    print(f"{'':9s} overhead vs plain (paired rounds), wall / CPU: pipelined "
+          f"{row['overhead'] * 100:+.1f}% / {row['overhead_cpu'] * 100:+.1f}%, pipelined-matmuls "
+          f"{row['overhead_matmuls'] * 100:+.1f}% / {row['overhead_matmuls_cpu'] * 100:+.1f}%; residual "
+          f"outputs alone (plain+res) {row['residual_output_share'] * 100:+.1f}%", flush=True)
     ca = row["cost_analysis"]
     print(f"{'':9s} XLA cost: bytes accessed plain {ca['plain']['bytes_accessed'] / 2**20:.1f} MiB, "
           f"plain+res {ca['plain+res']['bytes_accessed'] / 2**20:.1f} MiB, pipelined "
-          f"{ca['pipelined']['bytes_accessed'] / 2**20:.1f} MiB, pipelined-remat "
-          f"{ca['pipelined-remat']['bytes_accessed'] / 2**20:.1f} MiB; flops plain "
+          f"{ca['pipelined']['bytes_accessed'] / 2**20:.1f} MiB, pipelined-matmuls "
+          f"{ca['pipelined-matmuls']['bytes_accessed'] / 2**20:.1f} MiB; flops plain "
           f"{ca['plain']['flops'] / 1e6:.1f} M, pipelined {ca['pipelined']['flops'] / 1e6:.1f} M",
           flush=True)
   return results
+
+
+def buffer_cost(n: int = 101, repeats: int = 200) -> float:
+  """Seconds the runtime spends per extra program input+output buffer (8 devices, tiny arrays).
+
+  A jitted, donated `x + 1` over 1 array against `n` arrays of 64 floats per device, medians.
+  """
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((N_DEV,), (AXIS,))
+
+  def median_call(k):
+    xs = [jax.device_put(np.ones((N_DEV, 64), np.float32), NamedSharding(mesh, P(AXIS)))
+          for _ in range(k)]
+    f = jax.jit(jax.shard_map(lambda xs: [x + 1 for x in xs], mesh=mesh, in_specs=(P(AXIS),),
+                              out_specs=P(AXIS)), donate_argnums=0)
+    ts = []
+    for i in range(repeats + 10):
+      t = time.perf_counter()
+      xs = jax.block_until_ready(f(xs))
+      if i >= 10:
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+  return (median_call(n) - median_call(1)) / (n - 1)
 
 
 def main() -> None:
@@ -316,13 +350,17 @@ def main() -> None:
     print(f"Measured on {N_DEV} CPU devices (jax {jax.__version__}, {os.cpu_count()} cores, load "
           f"average {os.getloadavg()[0]:.1f} at start): pipelined vs plain scheduled step, same chunks")
     out["load_average_start"] = os.getloadavg()
+    out["buffer_cost_s"] = buffer_cost()
+    print(f"runtime cost per extra input+output buffer: {out['buffer_cost_s'] * 1e6:.1f} us per call "
+          f"(8 devices)", flush=True)
     out["measured"] = measure(tuple(args.models.split(",")), tuple(int(b) for b in args.batch.split(",")),
                               args.rounds, args.per_round, args.policy)
     out["load_average_end"] = os.getloadavg()
     out["jax"] = jax.__version__
   elif OUT.exists():  # keep the last measurement
     prev = json.loads(OUT.read_text())
-    out.update({k: prev[k] for k in ("measured", "load_average_start", "load_average_end", "jax")
+    out.update({k: prev[k] for k in ("measured", "buffer_cost_s", "load_average_start", "load_average_end",
+                                     "jax")
                 if k in prev})
   rows = predicted_gain()
   print_gain(rows)

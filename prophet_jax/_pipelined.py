@@ -34,9 +34,11 @@ stored: each call rebuilds it from an abstract trace of the forward (`jax.eval_s
 computed) on the shapes recorded in the state, so the state is a stable pytree of arrays and the user's
 `jax.pmap` traces each program once. Writing the residuals out and reading them back in the next call
 is the cut's cost (on the CPU, bench/pipelined.py: XLA's bytes accessed +33-47% on the small models,
-flops unchanged). To carry fewer, pass a `loss_fn` under `jax.checkpoint` with a policy, e.g. one that
-saves only matmul and convolution outputs: the elementwise rest is then recomputed, fused, in the
-backward.
+flops unchanged). `jax.vjp` keeps every intermediate its backward reads, e.g. half a dozen arrays per
+tanh-GELU, which a plain step's XLA would fuse away. `residuals="matmuls"` carries fewer: the forward
+runs under `jax.checkpoint` with a policy (`save_matmuls`) that keeps only matmul, convolution and
+reduction outputs, and the elementwise rest is recomputed, fused, in the backward (gpt-tiny: 3.4x
+fewer bytes). Any other `jax.checkpoint` policy can be passed instead.
 
 Transformations that need every gradient at once (e.g. `optax.clip_by_global_norm`) stay correct: the
 update then waits, through the dataflow, for the last chunk, so the next forward cannot start on the
@@ -60,7 +62,24 @@ from ._errors import ScheduleMismatchError
 from ._tree import path_str
 from ._types import Schedule, itemsize
 
-__all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending"]
+__all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending", "save_matmuls"]
+
+# outputs `save_matmuls` keeps: products (expensive to recompute) and reductions (small, and their
+# recomputation would read a whole input again); everything else is recomputed in the backward
+_SAVED_PRIMITIVES = frozenset({
+    "dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+    "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+})
+
+
+def save_matmuls(prim: Any, *_: Any, **__: Any) -> bool:
+  """A `jax.checkpoint` policy: keep matmul, convolution and reduction outputs; recompute the rest.
+
+  What `pipelined(..., residuals="matmuls")` uses. The recomputed operations are elementwise: XLA
+  fuses them into the backward's consumers, so they cost little compute and save the bytes the
+  pipelined step would otherwise write out and read back.
+  """
+  return prim.name in _SAVED_PRIMITIVES
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,12 +199,14 @@ class Pipelined:
     tx: the optimizer (any optax GradientTransformation).
     schedule: the all-reduce schedule (from `prophet_jax.plan`; any policy works).
     axis_name: the data-parallel axis.
+    residuals: "all" (what `jax.vjp` keeps), "matmuls" (`save_matmuls`), or a `jax.checkpoint` policy.
   """
 
   loss_fn: Callable[[Any, Any], Any]
   tx: optax.GradientTransformation
   schedule: Schedule
   axis_name: Any
+  residuals: Any = "all"
 
   # -- public -------------------------------------------------------------------------------------
   def init(self, params: Any) -> PipelinedState:
@@ -284,11 +305,20 @@ class Pipelined:
     return 0 if state.pending is None else _meta_nbytes(state.pending.meta)
 
   # -- the pieces ---------------------------------------------------------------------------------
+  def _forward_fn(self, params: Any, batch: Any) -> Any:
+    """`loss_fn`, under `jax.checkpoint` with the residual policy unless every residual is kept."""
+    if isinstance(self.residuals, str) and self.residuals == "all":
+      return self.loss_fn(params, batch)
+    policy = save_matmuls if isinstance(self.residuals, str) else self.residuals
+    # prevent_cse=False: the recomputation runs in the *next* call's backward, on carried residuals,
+    # where nothing can be CSE'd with this forward; the guard would only add copies
+    return jax.checkpoint(self.loss_fn, policy=policy, prevent_cse=False)(params, batch)
+
   def _forward(self, params: Any, batch: Any, batch_tree: Any,
                batch_avals: tuple) -> tuple[jax.Array, Pending]:
     pv = self._varying_params(params)
     with jax.named_scope("pipelined_forward"):
-      loss, vjp_fn = jax.vjp(lambda p: self.loss_fn(p, batch), pv)
+      loss, vjp_fn = jax.vjp(lambda p: self._forward_fn(p, batch), pv)
     self._check_loss(loss)
     leaves = jax.tree_util.tree_leaves(vjp_fn)
     residuals = tuple(jnp.asarray(x) for x in leaves)
@@ -340,7 +370,7 @@ class Pipelined:
           x = jax.lax.pcast(x, self.axis_name, to="varying")
         leaves.append(x)
       batch = jax.tree_util.tree_unflatten(meta.batch_tree, leaves)
-      _, vjp_fn = jax.vjp(lambda q: self.loss_fn(q, batch), p)
+      _, vjp_fn = jax.vjp(lambda q: self._forward_fn(q, batch), p)
       flat, treedef = jax.tree_util.tree_flatten(vjp_fn)
       box.append(treedef)
       return flat
@@ -421,7 +451,7 @@ def _short(avals: tuple) -> str:
 
 
 def pipelined(loss_fn: Callable[[Any, Any], Any], tx: optax.GradientTransformation,
-              schedule: Schedule, *, axis_name: Any) -> Pipelined:
+              schedule: Schedule, *, axis_name: Any, residuals: Any = "all") -> Pipelined:
   """The cross-step pipelined train step for `loss_fn`, `tx` and `schedule` over `axis_name`.
 
   Each `step` runs the previous batch's backward with the schedule's chunked, ordered all-reduces,
@@ -435,6 +465,11 @@ def pipelined(loss_fn: Callable[[Any, Any], Any], tx: optax.GradientTransformati
       every gradient at once (`optax.clip_by_global_norm`) stay correct but remove the overlap.
     schedule: a Schedule for `params` (any policy; `plan(..., cross_step=True)` plans for this step).
     axis_name: the data-parallel axis bound by the user's `jax.pmap` or `jax.shard_map`.
+    residuals: what the forward keeps for the next call's backward. "all": every residual of
+      `jax.vjp`. "matmuls": only matmul, convolution and reduction outputs (`save_matmuls`); the
+      elementwise rest is recomputed, fused, in the backward (fewer bytes carried, a little more
+      compute; bench/pipelined.py measures both). Or any `jax.checkpoint` policy. The result is
+      the same up to float32 rounding either way.
 
   Returns:
     A `Pipelined` with `init(params)`, `step(state, batch) -> (state, loss)`, `flush(state)`,
@@ -470,9 +505,14 @@ def pipelined(loss_fn: Callable[[Any, Any], Any], tx: optax.GradientTransformati
   if not isinstance(schedule, Schedule):
     raise TypeError(f"pipelined(schedule=...): expected a prophet_jax.Schedule, got "
                     f"{type(schedule).__name__}. Make one with prophet_jax.plan(profile, network, policy).")
+  if isinstance(residuals, str) and residuals not in ("all", "matmuls") or not (
+      isinstance(residuals, str) or callable(residuals)):
+    raise ValueError(f"pipelined(residuals={residuals!r}): expected 'all', 'matmuls' or a "
+                     f"jax.checkpoint policy (a callable, e.g. "
+                     f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable).")
   try:
     hash(axis_name)
   except TypeError as e:
     raise TypeError(f"pipelined(axis_name={axis_name!r}): an axis name must be hashable (a string, or "
                     f"a tuple of strings).") from e
-  return Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name)
+  return Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name, residuals=residuals)
