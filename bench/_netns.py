@@ -155,9 +155,12 @@ def shaped_link(rate: str = "1gbit", *, subnet: int | None = None) -> Iterator[L
       delete_namespace(ns)
 
 
-def run_pair(link: Link, worker_argv: Sequence[str], *, port: int) -> tuple[int, dict | None, float]:
+def run_pair(link: Link, worker_argv: Sequence[str], *, port: int,
+             pin: bool = False) -> tuple[int, dict | None, float]:
   """Runs `worker_argv --result FILE` as two processes under `prophet-jax launch`, rank i inside
-  `link.namespaces[i]`, gloo bound to the veth.
+  `link.namespaces[i]`, gloo bound to the veth. With `pin`, rank i runs on CPU core i only
+  (`taskset`), as each worker of a cluster has its own machine: the two processes then do not
+  compete for cores, and one's compute cannot delay the other's network thread.
 
   Returns (exit code, rank 0's JSON result or None when the run failed, wall seconds).
   """
@@ -174,6 +177,7 @@ def run_pair(link: Link, worker_argv: Sequence[str], *, port: int) -> tuple[int,
     script = (f'if [ "$PROPHET_PROCESS_ID" = 0 ]; then NS={link.namespaces[0]}; else '
               f'NS={link.namespaces[1]}; fi; export PROPHET_GLOO_INTERFACE={link.iface} '
               f'PROPHET_HEARTBEAT_TIMEOUT_S=900; exec ip netns exec "$NS" '
+              + ("taskset -c $PROPHET_PROCESS_ID " if pin else "")
               + " ".join(shlex.quote(a) for a in inner))
     t0 = time.perf_counter()
     code = launch(["sh", "-c", script], nproc=2, coordinator=link.addresses[0], port=port,

@@ -11,6 +11,11 @@ broadcast, predict with `simulate`, and measure the median step time of the real
 (`scheduled(sgd)` under `shard_map`). Also the step with a plain `lax.pmean` (XLA left alone).
 
   sudo .venv/bin/python bench/shaped.py                     # writes bench/results/shaped.json
+  sudo .venv/bin/python bench/shaped.py --pin               # rank i on core i only (taskset)
+
+Placement: by default both processes share every core (on a 2-core machine each steals the other's
+cores while it computes); `--pin` gives each its own core, as on two machines, but then an
+all-reduce inside a step waits one scheduler tick for gloo's thread to be woken (the README has both).
   sudo .venv/bin/python bench/shaped.py --rates 1gbit --steps 20 --out /tmp/s.json
 
 Without root (or without `ip`/`tc`) it prints why and exits 0 without measuring. Every namespace it
@@ -325,14 +330,14 @@ def parent(args: argparse.Namespace) -> int:
   results = dict(command="python " + " ".join(shlex.quote(a) for a in sys.argv), model=MODEL,
                  per_process_batch=PER_PROCESS_BATCH, processes=2, devices_per_process=1,
                  steps=args.steps, rounds=args.rounds, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 host_cpus=os.cpu_count(), rates={})
+                 host_cpus=os.cpu_count(), pinned=args.pin, rates={})
   for rate in args.rates:
     with shaped_link(rate) as link:
       print(f"== {rate}: {link.qdisc()}", flush=True)
       worker = [sys.executable, str(Path(__file__).resolve()), "--worker",
                 "--steps", str(args.steps), "--rounds", str(args.rounds),
                 "--probe-repeats", str(args.probe_repeats), "--policies", *args.policies]
-      code, r, wall = run_pair(link, worker, port=PORT)
+      code, r, wall = run_pair(link, worker, port=PORT, pin=args.pin)
     if r is None:
       print(f"bench/shaped.py: the run at {rate} failed (exit {code}).", file=sys.stderr)
       results["rates"][rate] = dict(failed=code)
@@ -396,6 +401,8 @@ def main(argv=None) -> int:
   p.add_argument("--probe-repeats", type=int, default=15)
   p.add_argument("--out", default=str(HERE / "results" / "shaped.json"))
   p.add_argument("--merge", action="store_true", help="keep other rates already in --out")
+  p.add_argument("--pin", action="store_true",
+                 help="run rank i on core i only (taskset), as on two machines: no core contention")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--result", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
