@@ -9,7 +9,10 @@ For each model (cnn, gpt-tiny) on 8 host CPU devices:
      (`prophet_jax.scheduled(tx, schedule)` inside a plain user `jax.pmap` train step) and report the
      MEDIAN step time against the prediction.
 
-Target: |predicted - measured| / measured <= 15% for every policy. No GPU in this run: the GPU part of
+Target: |predicted - measured| / measured <= 15% for every policy. Beside the prediction with the
+probe's alpha: one with the network's `skew` (an interleaved probe), and one with the start-up an
+all-reduce pays *inside this step*, the slope between the xla (fewest all-reduces) and priority
+(most) steps measured in the same rounds: those two are calibration there, the other five predictions. No GPU in this run: the GPU part of
 the issue (ResNet-50 / BERT-base measured traces) is not done here.
 
 The host's load is recorded (os.getloadavg before and after): on a shared machine, other processes
@@ -39,6 +42,8 @@ import numpy as np  # noqa: E402
 
 AXIS = "dp"
 POLICIES = ("wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet", "auto")
+# the in-step column's calibration: the fewest and the most all-reduces (their errors there are fits)
+CAL_ONE, CAL_MANY = "xla", "priority"
 
 
 def _train_step(loss_fn, tx):
@@ -114,23 +119,38 @@ def run(models, *, n: int, repeats: int, rounds: int, profile_steps: int, probe_
     for _ in range(rounds):  # interleave policies so load changes hit all of them alike
       for k in txs:
         samples[k] += step_times(steps[k], states[k], batch, repeats)[0]
+    # the start-up one all-reduce pays inside this step, from the slope between the two calibration
+    # policies measured in the same rounds (one all-reduce for everything, one per layer): a prediction
+    # with it in place of the probe's alpha (bench/shaped.py does the same across processes)
+    med = {k: float(np.median(v)) for k, v in samples.items()}
+    n_lo, n_hi = sims[CAL_ONE].allreduces, sims[CAL_MANY].allreduces
+    startup = max((med[CAL_MANY] - med[CAL_ONE]) / max(n_hi - n_lo, 1), 0.0)
+    net_in = net.replace(alpha_s=startup / (2 * (n - 1)), name="in-step start-up")
+    sims_in = {p: pj.simulate(s, prof, net_in) for p, s in schedules.items()}
+    print(f"in-step start-up per all-reduce {startup * 1e6:.0f} us (probe: "
+          f"{net.alpha_s * 2 * (n - 1) * 1e6:.0f} us), from {CAL_ONE} ({n_lo}) and {CAL_MANY} ({n_hi})")
     rows = []
     print(f"{name}: {'policy':9s} {'chunks':>6s} {'predicted ms':>13s} {'measured ms':>12s} "
-          f"{'p10 ms':>8s} {'error':>7s} {'w/ skew':>8s}")
+          f"{'p10 ms':>8s} {'error':>7s} {'w/ skew':>8s} {'in-step':>8s}")
     for p in POLICIES:
-      pred, meas = sims[p].iteration_s, float(np.median(samples[p]))
+      pred, meas = sims[p].iteration_s, med[p]
       err = (pred - meas) / meas
       p10 = float(np.percentile(samples[p], 10))
       err_skew = (sims_skew[p].iteration_s - meas) / meas
+      err_in = (sims_in[p].iteration_s - meas) / meas
       rows.append({"policy": p, "allreduces": sims[p].allreduces, "predicted_s": pred,
                    "measured_median_s": meas, "measured_p10_s": p10, "error": err,
                    "error_vs_p10": (pred - p10) / p10, "within_15pct": abs(err) <= 0.15,
-                   "predicted_with_skew_s": sims_skew[p].iteration_s, "error_with_skew": err_skew})
+                   "predicted_with_skew_s": sims_skew[p].iteration_s, "error_with_skew": err_skew,
+                   "predicted_in_step_s": sims_in[p].iteration_s, "error_in_step": err_in,
+                   "calibration": p in (CAL_ONE, CAL_MANY)})
       print(f"{'':{len(name) + 2}s}{p:9s} {sims[p].allreduces:6d} {pred * 1e3:13.3f} {meas * 1e3:12.3f} "
-            f"{np.percentile(samples[p], 10) * 1e3:8.3f} {err:+7.1%} {err_skew:+8.1%}")
+            f"{np.percentile(samples[p], 10) * 1e3:8.3f} {err:+7.1%} {err_skew:+8.1%} {err_in:+8.1%}"
+            f"{' (calibration)' if p in (CAL_ONE, CAL_MANY) else ''}")
     pm = float(np.median(samples["pmean"]))
     print(f"{'':{len(name) + 2}s}{'pmean':9s} {'(xla)':>6s} {'':13s} {pm * 1e3:12.3f}\n", flush=True)
     out["models"][name] = {"profile": prof.to_dict(), "results": rows, "pmean_median_s": pm,
+                           "in_step_startup_s": startup,
                            "loadavg_after": os.getloadavg(),
                            "max_abs_error": max(abs(r["error"]) for r in rows)}
   return out
