@@ -188,6 +188,25 @@ def run_pair(link: Link, worker_argv: Sequence[str], *, port: int,
       return code, json.load(f), time.perf_counter() - t0
 
 
+def run_rates(rates: Sequence[str], worker_argv: Sequence[str], *, port: int, pin: bool = False,
+              bench: str) -> dict:
+  """For each rate: a shaped link, `worker_argv` as a pair on it (`run_pair`), and rank 0's result
+  with its `wall_s`, or `{"failed": exit code}` (said on stderr, naming `bench`). Returns {rate: ...}."""
+  import sys
+
+  out: dict = {}
+  for rate in rates:
+    with shaped_link(rate) as link:
+      print(f"== {rate}: {link.qdisc()}", flush=True)
+      code, r, wall = run_pair(link, worker_argv, port=port, pin=pin)
+    if r is None:
+      print(f"{bench}: the run at {rate} failed (exit {code}).", file=sys.stderr)
+      out[rate] = dict(failed=code)
+    else:
+      out[rate] = dict(r, wall_s=wall)
+  return out
+
+
 def write_results(results: dict, out: str, *, merge: bool) -> None:
   """Writes `results` (with a 'rates' dict) to `out` as JSON; with `merge`, keeps the rates of the
   file already there that this run did not measure (each with the command that measured it)."""

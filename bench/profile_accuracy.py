@@ -12,8 +12,9 @@ For each model (cnn, gpt-tiny) on 8 host CPU devices:
 Target: |predicted - measured| / measured <= 15% for every policy. Beside the prediction with the
 probe's alpha: one with the network's `skew` (an interleaved probe), and one with the start-up an
 all-reduce pays *inside this step*, the slope between the xla (fewest all-reduces) and priority
-(most) steps measured in the same rounds: those two are calibration there, the other five predictions. No GPU in this run: the GPU part of
-the issue (ResNet-50 / BERT-base measured traces) is not done here.
+(most) steps measured in the same rounds: those two are calibration there, the other five
+predictions. No GPU in this run: the GPU part of the issue (ResNet-50 / BERT-base measured traces) is
+not done here.
 
 The host's load is recorded (os.getloadavg before and after): on a shared machine, other processes
 preempt the 8 device threads, and every all-reduce waits for the last one, so policies with many

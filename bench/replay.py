@@ -183,7 +183,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def parent(args: argparse.Namespace) -> int:
-  from _netns import run_pair, shaped_link, skip_reason, write_results
+  from _netns import run_rates, skip_reason, write_results
 
   reason = skip_reason()
   if reason:
@@ -191,22 +191,12 @@ def parent(args: argparse.Namespace) -> int:
     return 0
   results = dict(command="python " + " ".join(shlex.quote(a) for a in sys.argv), trace=args.trace,
                  compute_scale=args.compute_scale, iterations=args.iterations,
-                 started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), host_cpus=os.cpu_count(),
-                 rates={})
-  for rate in args.rates:
-    with shaped_link(rate) as link:
-      print(f"== {rate}: {link.qdisc()}", flush=True)
-      worker = [sys.executable, str(Path(__file__).resolve()), "--worker",
-                "--trace", args.trace, "--compute-scale", str(args.compute_scale),
-                "--iterations", str(args.iterations), "--probe-repeats", str(args.probe_repeats),
-                "--policies", *args.policies]
-      code, r, wall = run_pair(link, worker, port=PORT)
-    if r is None:
-      print(f"bench/replay.py: the run at {rate} failed (exit {code}).", file=sys.stderr)
-      results["rates"][rate] = dict(failed=code)
-      continue
-    r["wall_s"] = wall
-    results["rates"][rate] = r
+                 started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), host_cpus=os.cpu_count())
+  worker = [sys.executable, str(Path(__file__).resolve()), "--worker",
+            "--trace", args.trace, "--compute-scale", str(args.compute_scale),
+            "--iterations", str(args.iterations), "--probe-repeats", str(args.probe_repeats),
+            "--policies", *args.policies]
+  results["rates"] = run_rates(args.rates, worker, port=PORT, bench="bench/replay.py")
   write_results(results, args.out, merge=args.merge)
   print(format_table(results))
   print(f"written to {args.out}")

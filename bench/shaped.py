@@ -12,11 +12,11 @@ broadcast, predict with `simulate`, and measure the median step time of the real
 
   sudo .venv/bin/python bench/shaped.py                     # writes bench/results/shaped.json
   sudo .venv/bin/python bench/shaped.py --pin               # rank i on core i only (taskset)
+  sudo .venv/bin/python bench/shaped.py --rates 1gbit --steps 20 --out /tmp/s.json
 
 Placement: by default both processes share every core (on a 2-core machine each steals the other's
 cores while it computes); `--pin` gives each its own core, as on two machines, but then an
 all-reduce inside a step waits one scheduler tick for gloo's thread to be woken (the README has both).
-  sudo .venv/bin/python bench/shaped.py --rates 1gbit --steps 20 --out /tmp/s.json
 
 Without root (or without `ip`/`tc`) it prints why and exits 0 without measuring. Every namespace it
 creates is deleted by name, even on failure. Bench scripts write JSON and never assert.
@@ -321,7 +321,7 @@ def _speedups(rows: list[dict], pmean: dict) -> dict:
 
 
 def parent(args: argparse.Namespace) -> int:
-  from _netns import run_pair, shaped_link, skip_reason, write_results
+  from _netns import run_rates, skip_reason, write_results
 
   reason = skip_reason()
   if reason:
@@ -330,21 +330,14 @@ def parent(args: argparse.Namespace) -> int:
   results = dict(command="python " + " ".join(shlex.quote(a) for a in sys.argv), model=MODEL,
                  per_process_batch=PER_PROCESS_BATCH, processes=2, devices_per_process=1,
                  steps=args.steps, rounds=args.rounds, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 host_cpus=os.cpu_count(), pinned=args.pin, rates={})
-  for rate in args.rates:
-    with shaped_link(rate) as link:
-      print(f"== {rate}: {link.qdisc()}", flush=True)
-      worker = [sys.executable, str(Path(__file__).resolve()), "--worker",
-                "--steps", str(args.steps), "--rounds", str(args.rounds),
-                "--probe-repeats", str(args.probe_repeats), "--policies", *args.policies]
-      code, r, wall = run_pair(link, worker, port=PORT, pin=args.pin)
-    if r is None:
-      print(f"bench/shaped.py: the run at {rate} failed (exit {code}).", file=sys.stderr)
-      results["rates"][rate] = dict(failed=code)
-      continue
-    r["wall_s"] = wall
-    r["speedups"] = _speedups(r["policies"], r["pmean"])
-    results["rates"][rate] = r
+                 host_cpus=os.cpu_count(), pinned=args.pin)
+  worker = [sys.executable, str(Path(__file__).resolve()), "--worker",
+            "--steps", str(args.steps), "--rounds", str(args.rounds),
+            "--probe-repeats", str(args.probe_repeats), "--policies", *args.policies]
+  results["rates"] = run_rates(args.rates, worker, port=PORT, pin=args.pin, bench="bench/shaped.py")
+  for r in results["rates"].values():
+    if "policies" in r:
+      r["speedups"] = _speedups(r["policies"], r["pmean"])
   write_results(results, args.out, merge=args.merge)
   print(format_table(results))
   print(f"written to {args.out}")

@@ -307,9 +307,9 @@ class Pipelined:
   # -- the pieces ---------------------------------------------------------------------------------
   def _forward_fn(self, params: Any, batch: Any) -> Any:
     """`loss_fn`, under `jax.checkpoint` with the residual policy unless every residual is kept."""
-    if isinstance(self.residuals, str) and self.residuals == "all":
+    if self.residuals == "all":
       return self.loss_fn(params, batch)
-    policy = save_matmuls if isinstance(self.residuals, str) else self.residuals
+    policy = save_matmuls if self.residuals == "matmuls" else self.residuals
     # prevent_cse=False: the recomputation runs in the *next* call's backward, on carried residuals,
     # where nothing can be CSE'd with this forward; the guard would only add copies
     return jax.checkpoint(self.loss_fn, policy=policy, prevent_cse=False)(params, batch)
@@ -505,8 +505,7 @@ def pipelined(loss_fn: Callable[[Any, Any], Any], tx: optax.GradientTransformati
   if not isinstance(schedule, Schedule):
     raise TypeError(f"pipelined(schedule=...): expected a prophet_jax.Schedule, got "
                     f"{type(schedule).__name__}. Make one with prophet_jax.plan(profile, network, policy).")
-  if isinstance(residuals, str) and residuals not in ("all", "matmuls") or not (
-      isinstance(residuals, str) or callable(residuals)):
+  if not (callable(residuals) or isinstance(residuals, str) and residuals in ("all", "matmuls")):
     raise ValueError(f"pipelined(residuals={residuals!r}): expected 'all', 'matmuls' or a "
                      f"jax.checkpoint policy (a callable, e.g. "
                      f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable).")
