@@ -46,6 +46,7 @@ import argparse
 import json
 import os
 import pathlib
+import resource
 import statistics
 import sys
 import time
@@ -233,6 +234,7 @@ def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds
     arms = dict(zip(ARMS, (run_plain, run_res, run_pipe, run_pipe_r)))
     times = {a: [] for a in arms}
     cpu = {a: [] for a in arms}  # process CPU seconds per step: less sensitive to other processes
+    faults = {a: [] for a in arms}  # minor page faults per step (fresh memory the kernel maps in)
     per_round = {a: [] for a in arms}  # (wall median, cpu median) of each round
     for k in range(3):  # warm-up
       for f in arms.values():
@@ -242,10 +244,12 @@ def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds
       for a in order:
         wall_r, cpu_r = [], []
         for k in range(steps_per_round):
+          f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
           c, t = time.process_time(), time.perf_counter()
           jax.block_until_ready(arms[a](k))
           wall_r.append(time.perf_counter() - t)
           cpu_r.append(time.process_time() - c)
+          faults[a].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         times[a] += wall_r
         cpu[a] += cpu_r
         per_round[a].append((statistics.median(wall_r), statistics.median(cpu_r)))
@@ -277,6 +281,7 @@ def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds
         "residual_output_share": paired("plain+res", 0),
         "overhead_p10": p10["pipelined"] / p10["plain"] - 1,
         "median_cpu_s": med_cpu,
+        "median_minor_faults": {a: statistics.median(v) for a, v in faults.items()},
         "overhead_cpu": paired("pipelined", 1),
         "overhead_matmuls_cpu": paired("pipelined-matmuls", 1),
         "cost_analysis": {"plain": cost(c_plain), "plain+res": cost(c_res), "pipelined": cost(c_pipe),
@@ -294,6 +299,8 @@ def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds
           f"{row['overhead'] * 100:+.1f}% / {row['overhead_cpu'] * 100:+.1f}%, pipelined-matmuls "
           f"{row['overhead_matmuls'] * 100:+.1f}% / {row['overhead_matmuls_cpu'] * 100:+.1f}%; residual "
           f"outputs alone (plain+res) {row['residual_output_share'] * 100:+.1f}%", flush=True)
+    print(f"{'':9s} minor page faults per step (median): "
+          + ", ".join(f"{a} {v:.0f}" for a, v in row["median_minor_faults"].items()), flush=True)
     ca = row["cost_analysis"]
     print(f"{'':9s} XLA cost: bytes accessed plain {ca['plain']['bytes_accessed'] / 2**20:.1f} MiB, "
           f"plain+res {ca['plain+res']['bytes_accessed'] / 2**20:.1f} MiB, pipelined "
@@ -340,6 +347,7 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=10)
   ap.add_argument("--per-round", type=int, default=5)
   ap.add_argument("--policy", default="priority")
+  ap.add_argument("--out", type=pathlib.Path, default=OUT)
   args = ap.parse_args()
 
   out: dict = {"command": "python bench/pipelined.py " + " ".join(sys.argv[1:]),
@@ -357,17 +365,17 @@ def main() -> None:
                               args.rounds, args.per_round, args.policy)
     out["load_average_end"] = os.getloadavg()
     out["jax"] = jax.__version__
-  elif OUT.exists():  # keep the last measurement
-    prev = json.loads(OUT.read_text())
+  elif args.out.exists():  # keep the last measurement
+    prev = json.loads(args.out.read_text())
     out.update({k: prev[k] for k in ("measured", "buffer_cost_s", "load_average_start", "load_average_end",
                                      "jax")
                 if k in prev})
   rows = predicted_gain()
   print_gain(rows)
   out["predicted"] = rows
-  OUT.parent.mkdir(parents=True, exist_ok=True)
-  OUT.write_text(json.dumps(out, indent=1))
-  print(f"\nwrote {OUT}")
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.write_text(json.dumps(out, indent=1))
+  print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -52,12 +52,13 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from ._collectives import allreduce, axis_size, match_tree, vma_enabled
+from ._collectives import _zero_of, allreduce, axis_size, match_tree, vma_enabled
 from ._errors import ScheduleMismatchError
 from ._tree import path_str
 from ._types import Schedule, itemsize
@@ -95,6 +96,11 @@ class _PendingMeta:
     batch_tree: the batch's treedef.
     batch: (path, shape, dtype, varying) of every batch leaf, as the step saw it (per device).
     residuals: (shape, dtype) of every carried residual, per device, in flatten order.
+    sources: for every leaf of the vjp closure, where the backward gets it: ("carry", i) the i-th
+      carried residual (it depends on the batch); ("recompute", 0) a value that depends on the
+      parameters alone (a parameter itself, its cast or transpose) or on nothing (a mask, an iota, a
+      zero fill): the backward recomputes it from the state's parameters, which are the ones the
+      forward read, and XLA folds the constants.
     loss_varying: whether the loss varied over the axis (shard_map with check_vma).
     loss_dtype: the loss's dtype (the cotangent's).
   """
@@ -103,6 +109,7 @@ class _PendingMeta:
   batch_tree: Any
   batch: tuple[tuple[str, tuple[int, ...], str, bool], ...]
   residuals: tuple[tuple[tuple[int, ...], str], ...]
+  sources: tuple[tuple[str, int], ...]
   loss_varying: bool
   loss_dtype: str = "float32"
 
@@ -110,7 +117,7 @@ class _PendingMeta:
     h = self.__dict__.get("_hash")
     if h is None:
       h = hash((self.schedule.tree_fingerprint, len(self.schedule.chunks), self.batch_tree, self.batch,
-                self.residuals, self.loss_varying, self.loss_dtype))
+                self.residuals, self.sources, self.loss_varying, self.loss_dtype))
       object.__setattr__(self, "_hash", h)
     return h
 
@@ -120,6 +127,7 @@ class _PendingMeta:
     if not isinstance(other, _PendingMeta):
       return NotImplemented
     return (self.batch == other.batch and self.residuals == other.residuals
+            and self.sources == other.sources
             and self.loss_varying == other.loss_varying and self.loss_dtype == other.loss_dtype
             and self.batch_tree == other.batch_tree
             and (self.schedule is other.schedule or self.schedule == other.schedule))
@@ -247,7 +255,8 @@ class Pipelined:
     params, opt_state = state.params, state.opt_state
     if state.pending is not None:
       self._check_batch(state.pending.meta, batch_tree, batch_avals)
-      params, opt_state = self._backward_and_update(params, opt_state, state.pending, where)
+      params, opt_state, done = self._backward_and_update(params, opt_state, state.pending, where)
+      batch = _after(batch, done)
     loss, pending = self._forward(params, batch, batch_tree, batch_avals)
     return PipelinedState(params=params, opt_state=opt_state, pending=pending), loss
 
@@ -267,7 +276,7 @@ class Pipelined:
     if state.pending is None:
       return state
     axis_size(self.axis_name, where)
-    params, opt_state = self._backward_and_update(state.params, state.opt_state, state.pending, where)
+    params, opt_state, _ = self._backward_and_update(state.params, state.opt_state, state.pending, where)
     return PipelinedState(params=params, opt_state=opt_state, pending=None)
 
   def params(self, state: PipelinedState) -> Any:
@@ -317,19 +326,24 @@ class Pipelined:
   def _forward(self, params: Any, batch: Any, batch_tree: Any,
                batch_avals: tuple) -> tuple[jax.Array, Pending]:
     pv = self._varying_params(params)
+    # traced once, run from its jaxpr: the same trace says which closure leaves need carrying
+    closed, _ = _vjp_jaxpr(self._forward_fn, pv, batch)
     with jax.named_scope("pipelined_forward"):
-      loss, vjp_fn = jax.vjp(lambda p: self._forward_fn(p, batch), pv)
+      loss, *leaves = jex_core.jaxpr_as_fun(closed)(*jax.tree_util.tree_leaves(pv),
+                                                    *jax.tree_util.tree_leaves(batch))
     self._check_loss(loss)
-    leaves = jax.tree_util.tree_leaves(vjp_fn)
-    residuals = tuple(jnp.asarray(x) for x in leaves)
+    # carry only what the backward cannot get otherwise: not the parameters, not constants
+    sources = _sources(closed, len(jax.tree_util.tree_leaves(pv)))
+    residuals = tuple(x for x, (kind, _) in zip(leaves, sources) if kind == "carry")
     meta = _PendingMeta(
         schedule=self.schedule, batch_tree=batch_tree, batch=batch_avals,
         residuals=tuple((tuple(np.shape(x)), _dtype_name(x.dtype)) for x in residuals),
+        sources=sources,
         loss_varying=self._is_varying(loss), loss_dtype=_dtype_name(jnp.result_type(loss)))
     return loss, Pending(tuple(x[None] for x in residuals), meta)
 
   def _backward_and_update(self, params: Any, opt_state: Any, pending: Pending,
-                           where: str) -> tuple[Any, Any]:
+                           where: str) -> tuple[Any, Any, jax.Array]:
     meta = pending.meta
     schedule = meta.schedule
     if schedule.tree_fingerprint != self.schedule.tree_fingerprint:
@@ -339,45 +353,50 @@ class Pipelined:
           f"{self.schedule.tree_fingerprint!r}). The state was made by a pipelined step of a different "
           f"model: flush it with that step, or start from init(params) with this one.")
     pv = self._varying_params(params)
-    treedef, res_avals = self._vjp_structure(pv, meta)
-    if res_avals != meta.residuals:
+    treedef, res_avals, sources, recomputed = self._vjp_structure(pv, meta)
+    if res_avals != meta.residuals or sources != meta.sources:
       raise ValueError(
-          f"{where}: the state carries {len(meta.residuals)} residuals {_short(meta.residuals)}, but this "
-          f"loss_fn's forward on the recorded batch shapes makes {len(res_avals)} "
-          f"{_short(res_avals)}. The state was made by a pipelined step with another loss_fn: flush it "
+          f"{where}: the state's forward kept {len(meta.sources)} values, {len(meta.residuals)} carried "
+          f"{_short(meta.residuals)}, but this loss_fn's forward on the recorded batch shapes makes "
+          f"{len(sources)}, {len(res_avals)} carried {_short(res_avals)}. The state was made by a "
+          f"pipelined step with another loss_fn: flush it "
           f"with that step first, or start from init(params).")
     if len(pending.residuals) != len(meta.residuals):
       raise ValueError(f"{where}: the state's pending node holds {len(pending.residuals)} arrays but "
                        f"records {len(meta.residuals)}; it was edited. Start from init(params).")
-    vjp_fn = jax.tree_util.tree_unflatten(treedef, [r[0] for r in pending.residuals])
+    carried = [r[0] for r in pending.residuals]
+    leaves = [carried[k] if kind == "carry" else recomputed[i] for i, (kind, k) in enumerate(sources)]
+    vjp_fn = jax.tree_util.tree_unflatten(treedef, leaves)
     with jax.named_scope("pipelined_backward"):
       (grads,) = vjp_fn(self._ones_ct(meta))
+    done = _zero_after(grads)
     grads = allreduce(grads, schedule, self.axis_name, mean=True)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state
+    return params, opt_state, done
 
-  def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> tuple[Any, tuple]:
-    """The treedef of the forward's vjp closure on the recorded batch shapes (abstract: runs nothing)."""
-    box: list[Any] = []
+  def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> tuple[Any, tuple, tuple, dict[int, Any]]:
+    """The forward's vjp closure traced on the recorded batch shapes (nothing of the forward runs).
+
+    Returns its treedef, the (shape, dtype) of the leaves it carries, every leaf's source, and the
+    values of the leaves it recomputes, by leaf index.
+    """
     use_vma = vma_enabled(self.axis_name)
-
-    def trace(p):
-      leaves = []
-      for _, shape, dtype, varying in meta.batch:
-        x = jnp.zeros(shape, jnp.dtype(dtype))
-        if varying and use_vma:
-          x = jax.lax.pcast(x, self.axis_name, to="varying")
-        leaves.append(x)
-      batch = jax.tree_util.tree_unflatten(meta.batch_tree, leaves)
-      _, vjp_fn = jax.vjp(lambda q: self._forward_fn(q, batch), p)
-      flat, treedef = jax.tree_util.tree_flatten(vjp_fn)
-      box.append(treedef)
-      return flat
-
-    out = jax.eval_shape(trace, pv)
-    avals = tuple((tuple(a.shape), _dtype_name(a.dtype)) for a in out)
-    return box[0], avals
+    leaves = []
+    for _, shape, dtype, varying in meta.batch:
+      x = jnp.zeros(shape, jnp.dtype(dtype))
+      if varying and use_vma:
+        x = jax.lax.pcast(x, self.axis_name, to="varying")
+      leaves.append(x)
+    batch = jax.tree_util.tree_unflatten(meta.batch_tree, leaves)
+    closed, treedef = _vjp_jaxpr(self._forward_fn, pv, batch)
+    sources = _sources(closed, len(jax.tree_util.tree_leaves(pv)))
+    avals = tuple((tuple(a.shape), _dtype_name(a.dtype))
+                  for a, (kind, _) in zip(closed.out_avals[1:], sources) if kind == "carry")
+    # what depends on no batch value: recomputed from the params (a zero batch gives the same values)
+    idx = [i for i, (kind, _) in enumerate(sources) if kind == "recompute"]
+    values = _outputs(closed, [1 + i for i in idx], jax.tree_util.tree_leaves(pv) + leaves)
+    return treedef, avals, sources, dict(zip(idx, values))
 
   def _ones_ct(self, meta: _PendingMeta) -> jax.Array:
     ct = jnp.ones((), jnp.dtype(meta.loss_dtype))
@@ -443,6 +462,99 @@ class Pipelined:
       raise TypeError(f"pipelined: loss_fn(params, batch) must return a floating scalar, got shape "
                       f"{np.shape(loss)} and dtype {jnp.result_type(loss)}. Return the mean loss over "
                       f"this device's batch.")
+
+
+def _zero_after(tree: Any) -> jax.Array:
+  """An exact float32 zero that data-depends on every inexact leaf of `tree` (on one element of each)."""
+  zero = jnp.zeros((), jnp.float32)
+  for x in jax.tree_util.tree_leaves(tree):
+    if getattr(x, "size", 0) and jnp.issubdtype(x.dtype, jnp.inexact):
+      zero = zero + _zero_of(x, jnp.float32)
+  return zero
+
+
+def _after(tree: Any, zero: jax.Array) -> Any:
+  """`tree`'s values, computed after `zero` (an exact zero): nothing reading them can start earlier."""
+  def one(x):
+    x = jnp.asarray(x)
+    if not x.size:
+      return x
+    first = (0,) * x.ndim
+    if x.dtype == jnp.bool_:
+      return x.at[first].set(x[first] | (zero != 0))
+    return x.at[first].add(zero.astype(x.dtype))
+
+  return jax.tree_util.tree_map(one, tree)
+
+
+def _vjp_jaxpr(forward_fn: Callable[[Any, Any], Any], pv: Any, batch: Any) -> tuple[Any, Any]:
+  """`jax.vjp(forward_fn(., batch), pv)`, traced (nothing runs): (closed jaxpr, closure treedef).
+
+  The jaxpr's inputs are pv's leaves then batch's; its outputs are the loss, then the vjp closure's
+  leaves in flatten order.
+  """
+  p_leaves, p_tree = jax.tree_util.tree_flatten(pv)
+  b_leaves, b_tree = jax.tree_util.tree_flatten(batch)
+  box: list[Any] = []
+
+  def loss_and_closure(pl, bl):
+    b = jax.tree_util.tree_unflatten(b_tree, bl)
+    loss, vjp_fn = jax.vjp(lambda q: forward_fn(q, b), jax.tree_util.tree_unflatten(p_tree, pl))
+    leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
+    box.append(treedef)
+    return [loss, *leaves]
+
+  return jax.make_jaxpr(loss_and_closure)(p_leaves, b_leaves), box[0]
+
+
+def _live_outputs(jaxpr: Any, live_in: list[bool]) -> list[bool]:
+  """Which outputs of `jaxpr` depend on an input marked live (looking inside nested jit calls)."""
+  live = {v for v, on in zip(jaxpr.invars, live_in) if on}
+  for eqn in jaxpr.eqns:
+    ins = [not isinstance(v, jex_core.Literal) and v in live for v in eqn.invars]
+    if not any(ins):
+      continue
+    inner = eqn.params.get("jaxpr") if eqn.primitive.name == "jit" else None
+    inner = getattr(inner, "jaxpr", inner)
+    if inner is not None and len(inner.invars) == len(ins) and len(inner.outvars) == len(eqn.outvars):
+      live.update(o for o, on in zip(eqn.outvars, _live_outputs(inner, ins)) if on)
+    else:
+      live.update(eqn.outvars)
+  return [not isinstance(v, jex_core.Literal) and v in live for v in jaxpr.outvars]
+
+
+def _sources(closed: Any, n_params: int) -> tuple[tuple[str, int], ...]:
+  """Where each vjp closure leaf of `_vjp_jaxpr`'s jaxpr comes from (see `_PendingMeta.sources`)."""
+  jaxpr = closed.jaxpr
+  n_batch = len(jaxpr.invars) - n_params
+  on_batch = _live_outputs(jaxpr, [False] * n_params + [True] * n_batch)
+  out, carried = [], 0
+  for on in on_batch[1:]:  # outputs[0] is the loss
+    out.append(("carry", carried) if on else ("recompute", 0))
+    carried += on
+  return tuple(out)
+
+
+def _outputs(closed: Any, idx: list[int], args: list[Any]) -> list[Any]:
+  """Outputs `idx` of a closed jaxpr, computed by the equations they need alone.
+
+  Outputs that depend on no batch input (`_sources`' "recompute") get the same values from any batch
+  of the right types; XLA drops what the kept equations compute besides them.
+  """
+  if not idx:
+    return []
+  jaxpr = closed.jaxpr
+  outs = [jaxpr.outvars[i] for i in idx]
+  need = {v for v in outs if not isinstance(v, jex_core.Literal)}
+  kept = []
+  for eqn in reversed(jaxpr.eqns):
+    if any(v in need for v in eqn.outvars):
+      kept.append(eqn)
+      need.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+  keep = [i in set(idx) for i in range(len(jaxpr.outvars))]
+  debug = jaxpr.debug_info._replace(result_paths=jaxpr.debug_info.filter_result_paths(keep))
+  sub = jaxpr.replace(outvars=outs, eqns=kept[::-1], debug_info=debug)
+  return list(jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, closed.consts))(*args))
 
 
 def _short(avals: tuple) -> str:

@@ -246,12 +246,12 @@ def test_matches_plain_loop(mapping, modelname, txname, residuals):
   # the new forward), whatever the number of steps; flush: 1 (the rebuild). (jax.checkpoint caches
   # its trace of loss_fn per shape: once with residuals="matmuls")
   assert len(traces) == (4 if residuals == "all" else 1), len(traces)
-  if residuals == "matmuls":  # fewer bytes carried than jax.vjp keeps
+  if residuals == "matmuls":  # fewer bytes carried than the jax.vjp closure's (less its constants)
     full = pipelined(model.loss_fn, tx, schedule, axis_name=AXIS)
     b = runner.batch(bs[0])
     n_all = full.residual_bytes(Runner(full, mapping)._step.eval_shape(runner.init(params), b)[0])
     n_mm = pipe.residual_bytes(runner._step.eval_shape(runner.init(params), b)[0])
-    assert 0 < n_mm < 0.6 * n_all, (n_mm, n_all)
+    assert 0 < n_mm < (0.9 if modelname == "cnn" else 0.6) * n_all, (n_mm, n_all)
   got = runner.params(state)
   floor = 1e-4 if modelname == "gpt-tiny" else 0.0  # its attention key biases have zero gradient
   assert_trees_close(got, ref, params, tree_floor=floor)
@@ -366,6 +366,26 @@ def test_state_specs_residual_bytes_and_flush_noop():
   assert str(runner._flush.trace(state1).jaxpr).count("psum") == len(pipe.schedule.chunks)
 
 
+def test_carries_neither_parameters_nor_constants():
+  """The backward reads the parameters from the state and recomputes constants (relu's zero fill, iotas,
+  masks): only values computed from the batch are carried, far fewer bytes than jax.vjp's closure."""
+  model = get_model("cnn")
+  params = model.init(jax.random.key(0))
+  pipe = pipelined(model.loss_fn, optax.sgd(0.1), make_schedule(params), axis_name=AXIS)
+  runner = Runner(pipe, "shard_map", keep_compiled=False)
+  bs = model.make_batch(jax.random.key(1), 32)
+  state1, _ = runner._step.eval_shape(runner.init(params), runner.batch(bs))
+  kinds = [kind for kind, _ in state1.pending.meta.sources]
+  assert kinds.count("carry") == len(state1.pending.residuals)
+  # the parameters the backward reads and relu's zero fills, recomputed from the state's parameters
+  assert kinds.count("recompute") >= 12, kinds
+  one = jax.tree.map(lambda x: x[: 32 // N_DEV], bs)  # one device's batch
+  closure = jax.eval_shape(lambda p, b: jax.tree.leaves(jax.vjp(lambda q: model.loss_fn(q, b), p)[1]),
+                           params, one)
+  closure_bytes = sum(x.size * x.dtype.itemsize for x in closure)
+  assert pipe.residual_bytes(state1) < 0.5 * closure_bytes, (pipe.residual_bytes(state1), closure_bytes)
+
+
 def test_batch_shape_change_is_an_error():
   model, params, pipe, runner, state0, batch, state1 = mlp_setup()
   other = runner.batch(model.make_batch(jax.random.key(2), 64))
@@ -406,7 +426,7 @@ def test_state_from_another_schedule_or_loss_is_an_error():
 
   other = Runner(pipelined(l2_loss, optax.sgd(0.1), pipe.schedule, axis_name=AXIS), "shard_map",
                  keep_compiled=False)
-  with pytest.raises(ValueError, match="state carries 49 residuals.*another loss_fn"):
+  with pytest.raises(ValueError, match="forward kept 49 values, 26 carried.*makes 74.*another loss_fn"):
     other._step.trace(state1, batch)
 
 
