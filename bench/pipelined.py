@@ -8,13 +8,14 @@ says how much, and what the cost is made of. Arms, timed in interleaved rounds i
 (median of >= 20 steps each):
 
 - `plain`: the plain scheduled step (one program: forward, backward, chunked all-reduces, update).
-- `plain+res`: the same step that also *returns* the forward's VJP residuals (what the pipelined
-  step must write out and carry): isolates the cost of materialising them as program outputs.
 - `pipelined`: `pipelined(...).step` (the previous batch's backward from carried residuals, the
-  all-reduces, the update, this batch's forward).
-- `pipelined-matmuls`: `pipelined(..., residuals="matmuls")`: the forward under `jax.checkpoint`
-  keeping only matmul, convolution and reduction outputs (the elementwise rest is recomputed, fused,
-  in the backward): fewer residual bytes.
+  all-reduces, the update, this batch's forward), carrying what `jax.vjp` keeps that depends on the
+  batch (`residuals="all"`).
+- `pipelined-min-cut`: `residuals="min-cut"`: the fewest bytes from which the backward recomputes
+  the rest by elementwise and layout operations (prophet_jax/_residuals.py).
+- `pipelined-matmuls`: `residuals="matmuls"`: the forward under `jax.checkpoint` keeping only
+  matmul, convolution and reduction outputs (the elementwise rest is recomputed, fused, in the
+  backward).
 
 Step times are wall-clock medians and process CPU time per step (all 8 device threads together); on a
 shared machine the CPU time is the steadier of the two. The overheads are medians over rounds of each
@@ -68,7 +69,13 @@ TRACE_DEVICES = ("v100", "h100")
 NETWORKS = ("1gbe", "10gbe", "25gbe", "100gb-ib", "nvlink")
 WORKERS = (8, 64)
 SIM_POLICIES = tuple(p for p in POLICIES if p != "dlcp")
-ARMS = ("plain", "plain+res", "pipelined", "pipelined-matmuls")
+# the pipelined arms: arm -> pipelined(..., residuals=...)
+PIPELINED = {"pipelined": "all", "pipelined-min-cut": "min-cut", "pipelined-matmuls": "matmuls"}
+
+
+def _loss_row(out):
+  state, loss = out
+  return state, loss[None]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,7 +134,6 @@ def print_gain(rows: list[dict]) -> None:
 def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds: int,
             steps_per_round: int, policy: str) -> list[dict]:
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import optax
   from jax.sharding import NamedSharding
@@ -164,74 +170,38 @@ def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds
       u, o = tx_s.update(g, o, p)
       return optax.apply_updates(p, u), o, loss[None]
 
-    def plain_res_body(p, o, b):
-      loss, vjp_fn = jax.vjp(lambda q: model.loss_fn(q, b), varying(p))
-      (g,) = vjp_fn(jax.lax.pcast(jnp.ones((), loss.dtype), AXIS, to="varying"))
-      u, o = tx_s.update(g, o, p)
-      res = tuple(x[None] for x in jax.tree.leaves(vjp_fn))
-      return optax.apply_updates(p, u), o, loss[None], res
-
     plain = jax.jit(jax.shard_map(plain_body, mesh=mesh, in_specs=(P(), P(), P(AXIS)),
                                   out_specs=(P(), P(), P(AXIS))), donate_argnums=(0, 1))
-    plain_res = jax.jit(jax.shard_map(plain_res_body, mesh=mesh, in_specs=(P(), P(), P(AXIS)),
-                                      out_specs=(P(), P(), P(AXIS), P(AXIS))), donate_argnums=(0, 1))
-    pipe = pipelined(model.loss_fn, tx, schedule, axis_name=AXIS)
-    specs = pipe.state_specs()
-
-    def pipe_body(s, b):
-      s, loss = pipe.step(s, b)
-      return s, loss[None]
-
-    pstep = jax.jit(jax.shard_map(pipe_body, mesh=mesh, in_specs=(specs, P(AXIS)),
-                                  out_specs=(specs, P(AXIS))), donate_argnums=(0,))
-    # the same step carrying only matmul, conv and reduction outputs; the elementwise rest is
-    # recomputed (fused) in the backward
-    pipe_r = pipelined(model.loss_fn, tx, schedule, axis_name=AXIS, residuals="matmuls")
-
-    def pipe_r_body(s, b):
-      s, loss = pipe_r.step(s, b)
-      return s, loss[None]
-
-    pstep_r = jax.jit(jax.shard_map(pipe_r_body, mesh=mesh, in_specs=(specs, P(AXIS)),
-                                    out_specs=(specs, P(AXIS))), donate_argnums=(0,))
+    pipes = {arm: pipelined(model.loss_fn, tx, schedule, axis_name=AXIS, residuals=how)
+             for arm, how in PIPELINED.items()}
 
     # compile (and warm) every arm
     t0 = time.perf_counter()
     st_plain = (put(params, P()), put(tx_s.init(params), P()))
-    st_res = (put(params, P()), put(tx_s.init(params), P()))
-    state = put(pipe.init(params), P())
-    state, _ = pstep(state, batches[0])  # forward-only program
-    state_r = put(pipe_r.init(params), P())
-    state_r, _ = pstep_r(state_r, batches[0])
-    c_pipe_r = pstep_r.lower(state_r, batches[0]).compile()
-    c_plain = plain.lower(*st_plain, batches[0]).compile()
-    c_res = plain_res.lower(*st_res, batches[0]).compile()
-    c_pipe = pstep.lower(state, batches[0]).compile()
+    compiled = {"plain": plain.lower(*st_plain, batches[0]).compile()}
+    states = {}
+    for arm, pipe in pipes.items():
+      specs = pipe.state_specs()
+      step = jax.jit(jax.shard_map(lambda s, b, pipe=pipe: _loss_row(pipe.step(s, b)), mesh=mesh,
+                                   in_specs=(specs, P(AXIS)), out_specs=(specs, P(AXIS))),
+                     donate_argnums=(0,))
+      states[arm], _ = step(put(pipe.init(params), P()), batches[0])  # the forward-only program
+      compiled[arm] = step.lower(states[arm], batches[0]).compile()
     compile_s = time.perf_counter() - t0
 
     def run_plain(k):
       nonlocal st_plain
-      p, o, loss = c_plain(*st_plain, batches[k % 4])
+      p, o, loss = compiled["plain"](*st_plain, batches[k % 4])
       st_plain = (p, o)
       return loss
 
-    def run_res(k):
-      nonlocal st_res
-      p, o, loss, _ = c_res(*st_res, batches[k % 4])
-      st_res = (p, o)
-      return loss
+    def runner(arm):
+      def run(k):
+        states[arm], loss = compiled[arm](states[arm], batches[k % 4])
+        return loss
+      return run
 
-    def run_pipe(k):
-      nonlocal state
-      state, loss = c_pipe(state, batches[k % 4])
-      return loss
-
-    def run_pipe_r(k):
-      nonlocal state_r
-      state_r, loss = c_pipe_r(state_r, batches[k % 4])
-      return loss
-
-    arms = dict(zip(ARMS, (run_plain, run_res, run_pipe, run_pipe_r)))
+    arms = {"plain": run_plain, **{arm: runner(arm) for arm in pipes}}
     times = {a: [] for a in arms}
     cpu = {a: [] for a in arms}  # process CPU seconds per step: less sensitive to other processes
     faults = {a: [] for a in arms}  # minor page faults per step (fresh memory the kernel maps in)
@@ -264,50 +234,34 @@ def measure(models: tuple[str, ...], per_device_batches: tuple[int, ...], rounds
               "bytes_accessed": float(ca.get("bytes accessed", float("nan")))}
 
     med = {a: statistics.median(v) for a, v in times.items()}
-    p10 = {a: float(np.percentile(v, 10)) for a, v in times.items()}
-    med_cpu = {a: statistics.median(v) for a, v in cpu.items()}
     row = {
         "model": name, "per_device_batch": per_device_batch, "global_batch": gb,
         "policy": policy, "chunks": schedule.num_allreduces,
         "param_bytes": prof.total_nbytes,
-        "residual_bytes_per_device": pipe.residual_bytes(state),
-        "residual_arrays": len(state.pending.residuals),
-        "matmuls_residual_bytes_per_device": pipe_r.residual_bytes(state_r),
-        "matmuls_residual_arrays": len(state_r.pending.residuals),
+        "residuals": {arm: {"option": PIPELINED[arm], "bytes_per_device": pipe.residual_bytes(states[arm]),
+                            "arrays": len(states[arm].pending.residuals)} for arm, pipe in pipes.items()},
         "steps_per_arm": len(times["plain"]),
-        "median_s": med, "p10_s": p10,
-        "overhead": paired("pipelined", 0),
-        "overhead_matmuls": paired("pipelined-matmuls", 0),
-        "residual_output_share": paired("plain+res", 0),
-        "overhead_p10": p10["pipelined"] / p10["plain"] - 1,
-        "median_cpu_s": med_cpu,
+        "median_s": med,
+        "p10_s": {a: float(np.percentile(v, 10)) for a, v in times.items()},
+        "median_cpu_s": {a: statistics.median(v) for a, v in cpu.items()},
+        "overhead_wall": {arm: paired(arm, 0) for arm in pipes},
+        "overhead_cpu": {arm: paired(arm, 1) for arm in pipes},
         "median_minor_faults": {a: statistics.median(v) for a, v in faults.items()},
-        "overhead_cpu": paired("pipelined", 1),
-        "overhead_matmuls_cpu": paired("pipelined-matmuls", 1),
-        "cost_analysis": {"plain": cost(c_plain), "plain+res": cost(c_res), "pipelined": cost(c_pipe),
-                          "pipelined-matmuls": cost(c_pipe_r)},
+        "cost_analysis": {a: cost(c) for a, c in compiled.items()},
         "compile_s": compile_s,
     }
     results.append(row)
-    print(f"{name:9s} B/dev={per_device_batch:3d} chunks={row['chunks']:3d} residuals "
-          f"{row['residual_bytes_per_device'] / 2**20:.2f} MiB/dev in {row['residual_arrays']} arrays "
-          f"(matmuls: {row['matmuls_residual_bytes_per_device'] / 2**20:.2f} MiB in "
-          f"{row['matmuls_residual_arrays']}); wall medians plain {med['plain'] * 1e3:.2f} ms, plain+res "
-          f"{med['plain+res'] * 1e3:.2f}, pipelined {med['pipelined'] * 1e3:.2f}, pipelined-matmuls "
-          f"{med['pipelined-matmuls'] * 1e3:.2f}", flush=True)
-    print(f"{'':9s} overhead vs plain (paired rounds), wall / CPU: pipelined "
-          f"{row['overhead'] * 100:+.1f}% / {row['overhead_cpu'] * 100:+.1f}%, pipelined-matmuls "
-          f"{row['overhead_matmuls'] * 100:+.1f}% / {row['overhead_matmuls_cpu'] * 100:+.1f}%; residual "
-          f"outputs alone (plain+res) {row['residual_output_share'] * 100:+.1f}%", flush=True)
+    print(f"{name:9s} B/dev={per_device_batch:3d} chunks={row['chunks']:3d} wall medians: "
+          + ", ".join(f"{a} {t * 1e3:.2f} ms" for a, t in med.items()), flush=True)
+    for arm in pipes:
+      res, ca = row["residuals"][arm], row["cost_analysis"]
+      print(f"{'':9s} {arm:18s} overhead wall / CPU {row['overhead_wall'][arm] * 100:+5.1f}% / "
+            f"{row['overhead_cpu'][arm] * 100:+5.1f}%; residuals {res['bytes_per_device'] / 2**20:6.2f} "
+            f"MiB/dev in {res['arrays']:3d} arrays; XLA bytes accessed "
+            f"{ca[arm]['bytes_accessed'] / 2**20:.1f} MiB (plain {ca['plain']['bytes_accessed'] / 2**20:.1f})"
+            f", flops {ca[arm]['flops'] / ca['plain']['flops']:.3f}x plain", flush=True)
     print(f"{'':9s} minor page faults per step (median): "
           + ", ".join(f"{a} {v:.0f}" for a, v in row["median_minor_faults"].items()), flush=True)
-    ca = row["cost_analysis"]
-    print(f"{'':9s} XLA cost: bytes accessed plain {ca['plain']['bytes_accessed'] / 2**20:.1f} MiB, "
-          f"plain+res {ca['plain+res']['bytes_accessed'] / 2**20:.1f} MiB, pipelined "
-          f"{ca['pipelined']['bytes_accessed'] / 2**20:.1f} MiB, pipelined-matmuls "
-          f"{ca['pipelined-matmuls']['bytes_accessed'] / 2**20:.1f} MiB; flops plain "
-          f"{ca['plain']['flops'] / 1e6:.1f} M, pipelined {ca['pipelined']['flops'] / 1e6:.1f} M",
-          flush=True)
   return results
 
 

@@ -27,18 +27,24 @@ program with a traced flag would need a `lax.cond` around the backward (its coll
 conditional, where XLA cannot schedule them against the forward) and dummy residuals of the right
 shapes before any batch was seen. The cost is one extra compilation of the forward-only program.
 
-Residuals. What is carried is what a step holds between its forward and backward anyway (activations
-and the parameters the backward reads); `Pipelined.residual_bytes(state)` reports their bytes per
-device. The residuals' pytree structure (which holds the linearized jaxpr, compared by identity) is not
-stored: each call rebuilds it from an abstract trace of the forward (`jax.eval_shape`, nothing is
-computed) on the shapes recorded in the state, so the state is a stable pytree of arrays and the user's
-`jax.pmap` traces each program once. Writing the residuals out and reading them back in the next call
-is the cut's cost (on the CPU, bench/pipelined.py: XLA's bytes accessed +33-47% on the small models,
-flops unchanged). `jax.vjp` keeps every intermediate its backward reads, e.g. half a dozen arrays per
-tanh-GELU, which a plain step's XLA would fuse away. `residuals="matmuls"` carries fewer: the forward
-runs under `jax.checkpoint` with a policy (`save_matmuls`) that keeps only matmul, convolution and
-reduction outputs, and the elementwise rest is recomputed, fused, in the backward (gpt-tiny: 3.4x
-fewer bytes). Any other `jax.checkpoint` policy can be passed instead.
+Residuals. What is carried is what a step holds between its forward and backward anyway: the values
+computed from the batch that the backward reads. Values that depend on the parameters alone (a
+parameter, its cast or transpose) or on nothing (a mask, an iota, a zero fill) are recomputed in the
+backward from the state's parameters, which are the ones the forward read. By default
+(`residuals="min-cut"`) the forward carries the fewest bytes from which the backward recomputes
+everything else it reads by elementwise and layout operations, fused by XLA into their consumers (a
+minimum cut of the forward's value graph, prophet_jax/_residuals.py): e.g. a tanh-GELU's input rather
+than the half dozen derivative terms `jax.vjp` keeps (gpt-tiny: 3.2x fewer bytes than
+`residuals="all"`, which carries what `jax.vjp` keeps). `residuals="matmuls"` or any `jax.checkpoint`
+policy runs the forward under `jax.checkpoint` instead. `Pipelined.residual_bytes(state)` reports the
+carried bytes per device.
+
+The residuals' pytree structure (which holds the linearized jaxpr, compared by identity) is not
+stored: each call rebuilds it from a trace of the forward (`jax.make_jaxpr`, nothing is computed) on
+the shapes recorded in the state, with the carry plan, so the state is a stable pytree of arrays and
+the user's `jax.pmap` traces each program once. The forward itself runs from the same trace (one trace
+of `loss_fn` per program). Writing the residuals out and reading them back in the next call is the
+cut's cost on the CPU (bench/pipelined.py).
 
 Transformations that need every gradient at once (e.g. `optax.clip_by_global_norm`) stay correct: the
 update then waits, through the dataflow, for the last chunk, so the next forward cannot start on the
@@ -52,14 +58,14 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from ._collectives import _zero_of, allreduce, axis_size, match_tree, vma_enabled
+from ._collectives import allreduce, axis_size, match_tree, vma_enabled
 from ._errors import ScheduleMismatchError
+from ._residuals import carried_avals, carry_plan, forward, recompute, vjp_jaxpr
 from ._tree import path_str
 from ._types import Schedule, itemsize
 
@@ -96,11 +102,9 @@ class _PendingMeta:
     batch_tree: the batch's treedef.
     batch: (path, shape, dtype, varying) of every batch leaf, as the step saw it (per device).
     residuals: (shape, dtype) of every carried residual, per device, in flatten order.
-    sources: for every leaf of the vjp closure, where the backward gets it: ("carry", i) the i-th
-      carried residual (it depends on the batch); ("recompute", 0) a value that depends on the
-      parameters alone (a parameter itself, its cast or transpose) or on nothing (a mask, an iota, a
-      zero fill): the backward recomputes it from the state's parameters, which are the ones the
-      forward read, and XLA folds the constants.
+    carry: where the carried values are in the forward's jaxpr (`_residuals.carry_plan`); the
+      backward recomputes the rest of what it reads from them and the state's parameters.
+    forward_size: (equations, vjp closure leaves) of that jaxpr: the backward's trace must match.
     loss_varying: whether the loss varied over the axis (shard_map with check_vma).
     loss_dtype: the loss's dtype (the cotangent's).
   """
@@ -109,7 +113,8 @@ class _PendingMeta:
   batch_tree: Any
   batch: tuple[tuple[str, tuple[int, ...], str, bool], ...]
   residuals: tuple[tuple[tuple[int, ...], str], ...]
-  sources: tuple[tuple[str, int], ...]
+  carry: tuple[tuple[int, int], ...]
+  forward_size: tuple[int, int]
   loss_varying: bool
   loss_dtype: str = "float32"
 
@@ -117,7 +122,7 @@ class _PendingMeta:
     h = self.__dict__.get("_hash")
     if h is None:
       h = hash((self.schedule.tree_fingerprint, len(self.schedule.chunks), self.batch_tree, self.batch,
-                self.residuals, self.sources, self.loss_varying, self.loss_dtype))
+                self.residuals, self.carry, self.forward_size, self.loss_varying, self.loss_dtype))
       object.__setattr__(self, "_hash", h)
     return h
 
@@ -127,7 +132,7 @@ class _PendingMeta:
     if not isinstance(other, _PendingMeta):
       return NotImplemented
     return (self.batch == other.batch and self.residuals == other.residuals
-            and self.sources == other.sources
+            and self.carry == other.carry and self.forward_size == other.forward_size
             and self.loss_varying == other.loss_varying and self.loss_dtype == other.loss_dtype
             and self.batch_tree == other.batch_tree
             and (self.schedule is other.schedule or self.schedule == other.schedule))
@@ -207,14 +212,15 @@ class Pipelined:
     tx: the optimizer (any optax GradientTransformation).
     schedule: the all-reduce schedule (from `prophet_jax.plan`; any policy works).
     axis_name: the data-parallel axis.
-    residuals: "all" (what `jax.vjp` keeps), "matmuls" (`save_matmuls`), or a `jax.checkpoint` policy.
+    residuals: "min-cut" (the fewest bytes; `_residuals.carry_plan`), "all" (what `jax.vjp` keeps),
+      "matmuls" (`save_matmuls`), or a `jax.checkpoint` policy.
   """
 
   loss_fn: Callable[[Any, Any], Any]
   tx: optax.GradientTransformation
   schedule: Schedule
   axis_name: Any
-  residuals: Any = "all"
+  residuals: Any = "min-cut"
 
   # -- public -------------------------------------------------------------------------------------
   def init(self, params: Any) -> PipelinedState:
@@ -255,8 +261,7 @@ class Pipelined:
     params, opt_state = state.params, state.opt_state
     if state.pending is not None:
       self._check_batch(state.pending.meta, batch_tree, batch_avals)
-      params, opt_state, done = self._backward_and_update(params, opt_state, state.pending, where)
-      batch = _after(batch, done)
+      params, opt_state = self._backward_and_update(params, opt_state, state.pending, where)
     loss, pending = self._forward(params, batch, batch_tree, batch_avals)
     return PipelinedState(params=params, opt_state=opt_state, pending=pending), loss
 
@@ -276,7 +281,7 @@ class Pipelined:
     if state.pending is None:
       return state
     axis_size(self.axis_name, where)
-    params, opt_state, _ = self._backward_and_update(state.params, state.opt_state, state.pending, where)
+    params, opt_state = self._backward_and_update(state.params, state.opt_state, state.pending, where)
     return PipelinedState(params=params, opt_state=opt_state, pending=None)
 
   def params(self, state: PipelinedState) -> Any:
@@ -316,7 +321,7 @@ class Pipelined:
   # -- the pieces ---------------------------------------------------------------------------------
   def _forward_fn(self, params: Any, batch: Any) -> Any:
     """`loss_fn`, under `jax.checkpoint` with the residual policy unless every residual is kept."""
-    if self.residuals == "all":
+    if self.residuals in ("all", "min-cut"):
       return self.loss_fn(params, batch)
     policy = save_matmuls if self.residuals == "matmuls" else self.residuals
     # prevent_cse=False: the recomputation runs in the *next* call's backward, on carried residuals,
@@ -326,24 +331,22 @@ class Pipelined:
   def _forward(self, params: Any, batch: Any, batch_tree: Any,
                batch_avals: tuple) -> tuple[jax.Array, Pending]:
     pv = self._varying_params(params)
-    # traced once, run from its jaxpr: the same trace says which closure leaves need carrying
-    closed, _ = _vjp_jaxpr(self._forward_fn, pv, batch)
+    # traced once, run from its jaxpr: the same trace says what to carry
+    closed, _ = vjp_jaxpr(self._forward_fn, pv, batch)
+    plan = carry_plan(closed, len(jax.tree_util.tree_leaves(pv)), self._how)
     with jax.named_scope("pipelined_forward"):
-      loss, *leaves = jex_core.jaxpr_as_fun(closed)(*jax.tree_util.tree_leaves(pv),
-                                                    *jax.tree_util.tree_leaves(batch))
+      loss, *residuals = forward(closed, plan)(*jax.tree_util.tree_leaves(pv),
+                                                *jax.tree_util.tree_leaves(batch))
     self._check_loss(loss)
-    # carry only what the backward cannot get otherwise: not the parameters, not constants
-    sources = _sources(closed, len(jax.tree_util.tree_leaves(pv)))
-    residuals = tuple(x for x, (kind, _) in zip(leaves, sources) if kind == "carry")
     meta = _PendingMeta(
         schedule=self.schedule, batch_tree=batch_tree, batch=batch_avals,
         residuals=tuple((tuple(np.shape(x)), _dtype_name(x.dtype)) for x in residuals),
-        sources=sources,
+        carry=plan, forward_size=_size(closed),
         loss_varying=self._is_varying(loss), loss_dtype=_dtype_name(jnp.result_type(loss)))
     return loss, Pending(tuple(x[None] for x in residuals), meta)
 
   def _backward_and_update(self, params: Any, opt_state: Any, pending: Pending,
-                           where: str) -> tuple[Any, Any, jax.Array]:
+                           where: str) -> tuple[Any, Any]:
     meta = pending.meta
     schedule = meta.schedule
     if schedule.tree_fingerprint != self.schedule.tree_fingerprint:
@@ -353,34 +356,31 @@ class Pipelined:
           f"{self.schedule.tree_fingerprint!r}). The state was made by a pipelined step of a different "
           f"model: flush it with that step, or start from init(params) with this one.")
     pv = self._varying_params(params)
-    treedef, res_avals, sources, recomputed = self._vjp_structure(pv, meta)
-    if res_avals != meta.residuals or sources != meta.sources:
+    closed, treedef, plan = self._vjp_structure(pv, meta)
+    res_avals = tuple((tuple(a.shape), _dtype_name(a.dtype)) for a in carried_avals(closed, plan))
+    if res_avals != meta.residuals or plan != meta.carry or _size(closed) != meta.forward_size:
+      same = " (the same shapes, other values of the forward)" if res_avals == meta.residuals else ""
       raise ValueError(
-          f"{where}: the state's forward kept {len(meta.sources)} values, {len(meta.residuals)} carried "
-          f"{_short(meta.residuals)}, but this loss_fn's forward on the recorded batch shapes makes "
-          f"{len(sources)}, {len(res_avals)} carried {_short(res_avals)}. The state was made by a "
-          f"pipelined step with another loss_fn: flush it "
-          f"with that step first, or start from init(params).")
+          f"{where}: the state carries {len(meta.residuals)} residuals {_short(meta.residuals)}, but this "
+          f"pipelined step's forward on the recorded batch shapes carries {len(res_avals)} "
+          f"{_short(res_avals)}{same}. The state was made by a pipelined step with another loss_fn or "
+          f"residuals= option: flush it with that step first, or start from init(params).")
     if len(pending.residuals) != len(meta.residuals):
       raise ValueError(f"{where}: the state's pending node holds {len(pending.residuals)} arrays but "
                        f"records {len(meta.residuals)}; it was edited. Start from init(params).")
-    carried = [r[0] for r in pending.residuals]
-    leaves = [carried[k] if kind == "carry" else recomputed[i] for i, (kind, k) in enumerate(sources)]
-    vjp_fn = jax.tree_util.tree_unflatten(treedef, leaves)
     with jax.named_scope("pipelined_backward"):
+      leaves = recompute(closed, plan, len(jax.tree_util.tree_leaves(pv)))(
+          *jax.tree_util.tree_leaves(pv), *(r[0] for r in pending.residuals))
+      vjp_fn = jax.tree_util.tree_unflatten(treedef, leaves)
       (grads,) = vjp_fn(self._ones_ct(meta))
-    done = _zero_after(grads)
     grads = allreduce(grads, schedule, self.axis_name, mean=True)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, done
+    return params, opt_state
 
-  def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> tuple[Any, tuple, tuple, dict[int, Any]]:
-    """The forward's vjp closure traced on the recorded batch shapes (nothing of the forward runs).
-
-    Returns its treedef, the (shape, dtype) of the leaves it carries, every leaf's source, and the
-    values of the leaves it recomputes, by leaf index.
-    """
+  def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> tuple[Any, Any, tuple]:
+    """The forward traced on the recorded batch shapes (nothing of it runs): its `vjp_jaxpr`, the vjp
+    closure's treedef and the carry plan."""
     use_vma = vma_enabled(self.axis_name)
     leaves = []
     for _, shape, dtype, varying in meta.batch:
@@ -389,14 +389,12 @@ class Pipelined:
         x = jax.lax.pcast(x, self.axis_name, to="varying")
       leaves.append(x)
     batch = jax.tree_util.tree_unflatten(meta.batch_tree, leaves)
-    closed, treedef = _vjp_jaxpr(self._forward_fn, pv, batch)
-    sources = _sources(closed, len(jax.tree_util.tree_leaves(pv)))
-    avals = tuple((tuple(a.shape), _dtype_name(a.dtype))
-                  for a, (kind, _) in zip(closed.out_avals[1:], sources) if kind == "carry")
-    # what depends on no batch value: recomputed from the params (a zero batch gives the same values)
-    idx = [i for i, (kind, _) in enumerate(sources) if kind == "recompute"]
-    values = _outputs(closed, [1 + i for i in idx], jax.tree_util.tree_leaves(pv) + leaves)
-    return treedef, avals, sources, dict(zip(idx, values))
+    closed, treedef = vjp_jaxpr(self._forward_fn, pv, batch)
+    return closed, treedef, carry_plan(closed, len(jax.tree_util.tree_leaves(pv)), self._how)
+
+  @property
+  def _how(self) -> str:
+    return "min-cut" if self.residuals == "min-cut" else "closure"
 
   def _ones_ct(self, meta: _PendingMeta) -> jax.Array:
     ct = jnp.ones((), jnp.dtype(meta.loss_dtype))
@@ -464,97 +462,8 @@ class Pipelined:
                       f"this device's batch.")
 
 
-def _zero_after(tree: Any) -> jax.Array:
-  """An exact float32 zero that data-depends on every inexact leaf of `tree` (on one element of each)."""
-  zero = jnp.zeros((), jnp.float32)
-  for x in jax.tree_util.tree_leaves(tree):
-    if getattr(x, "size", 0) and jnp.issubdtype(x.dtype, jnp.inexact):
-      zero = zero + _zero_of(x, jnp.float32)
-  return zero
-
-
-def _after(tree: Any, zero: jax.Array) -> Any:
-  """`tree`'s values, computed after `zero` (an exact zero): nothing reading them can start earlier."""
-  def one(x):
-    x = jnp.asarray(x)
-    if not x.size:
-      return x
-    first = (0,) * x.ndim
-    if x.dtype == jnp.bool_:
-      return x.at[first].set(x[first] | (zero != 0))
-    return x.at[first].add(zero.astype(x.dtype))
-
-  return jax.tree_util.tree_map(one, tree)
-
-
-def _vjp_jaxpr(forward_fn: Callable[[Any, Any], Any], pv: Any, batch: Any) -> tuple[Any, Any]:
-  """`jax.vjp(forward_fn(., batch), pv)`, traced (nothing runs): (closed jaxpr, closure treedef).
-
-  The jaxpr's inputs are pv's leaves then batch's; its outputs are the loss, then the vjp closure's
-  leaves in flatten order.
-  """
-  p_leaves, p_tree = jax.tree_util.tree_flatten(pv)
-  b_leaves, b_tree = jax.tree_util.tree_flatten(batch)
-  box: list[Any] = []
-
-  def loss_and_closure(pl, bl):
-    b = jax.tree_util.tree_unflatten(b_tree, bl)
-    loss, vjp_fn = jax.vjp(lambda q: forward_fn(q, b), jax.tree_util.tree_unflatten(p_tree, pl))
-    leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
-    box.append(treedef)
-    return [loss, *leaves]
-
-  return jax.make_jaxpr(loss_and_closure)(p_leaves, b_leaves), box[0]
-
-
-def _live_outputs(jaxpr: Any, live_in: list[bool]) -> list[bool]:
-  """Which outputs of `jaxpr` depend on an input marked live (looking inside nested jit calls)."""
-  live = {v for v, on in zip(jaxpr.invars, live_in) if on}
-  for eqn in jaxpr.eqns:
-    ins = [not isinstance(v, jex_core.Literal) and v in live for v in eqn.invars]
-    if not any(ins):
-      continue
-    inner = eqn.params.get("jaxpr") if eqn.primitive.name == "jit" else None
-    inner = getattr(inner, "jaxpr", inner)
-    if inner is not None and len(inner.invars) == len(ins) and len(inner.outvars) == len(eqn.outvars):
-      live.update(o for o, on in zip(eqn.outvars, _live_outputs(inner, ins)) if on)
-    else:
-      live.update(eqn.outvars)
-  return [not isinstance(v, jex_core.Literal) and v in live for v in jaxpr.outvars]
-
-
-def _sources(closed: Any, n_params: int) -> tuple[tuple[str, int], ...]:
-  """Where each vjp closure leaf of `_vjp_jaxpr`'s jaxpr comes from (see `_PendingMeta.sources`)."""
-  jaxpr = closed.jaxpr
-  n_batch = len(jaxpr.invars) - n_params
-  on_batch = _live_outputs(jaxpr, [False] * n_params + [True] * n_batch)
-  out, carried = [], 0
-  for on in on_batch[1:]:  # outputs[0] is the loss
-    out.append(("carry", carried) if on else ("recompute", 0))
-    carried += on
-  return tuple(out)
-
-
-def _outputs(closed: Any, idx: list[int], args: list[Any]) -> list[Any]:
-  """Outputs `idx` of a closed jaxpr, computed by the equations they need alone.
-
-  Outputs that depend on no batch input (`_sources`' "recompute") get the same values from any batch
-  of the right types; XLA drops what the kept equations compute besides them.
-  """
-  if not idx:
-    return []
-  jaxpr = closed.jaxpr
-  outs = [jaxpr.outvars[i] for i in idx]
-  need = {v for v in outs if not isinstance(v, jex_core.Literal)}
-  kept = []
-  for eqn in reversed(jaxpr.eqns):
-    if any(v in need for v in eqn.outvars):
-      kept.append(eqn)
-      need.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-  keep = [i in set(idx) for i in range(len(jaxpr.outvars))]
-  debug = jaxpr.debug_info._replace(result_paths=jaxpr.debug_info.filter_result_paths(keep))
-  sub = jaxpr.replace(outvars=outs, eqns=kept[::-1], debug_info=debug)
-  return list(jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, closed.consts))(*args))
+def _size(closed: Any) -> tuple[int, int]:
+  return len(closed.jaxpr.eqns), len(closed.jaxpr.outvars) - 1
 
 
 def _short(avals: tuple) -> str:
@@ -563,7 +472,7 @@ def _short(avals: tuple) -> str:
 
 
 def pipelined(loss_fn: Callable[[Any, Any], Any], tx: optax.GradientTransformation,
-              schedule: Schedule, *, axis_name: Any, residuals: Any = "all") -> Pipelined:
+              schedule: Schedule, *, axis_name: Any, residuals: Any = "min-cut") -> Pipelined:
   """The cross-step pipelined train step for `loss_fn`, `tx` and `schedule` over `axis_name`.
 
   Each `step` runs the previous batch's backward with the schedule's chunked, ordered all-reduces,
@@ -577,11 +486,12 @@ def pipelined(loss_fn: Callable[[Any, Any], Any], tx: optax.GradientTransformati
       every gradient at once (`optax.clip_by_global_norm`) stay correct but remove the overlap.
     schedule: a Schedule for `params` (any policy; `plan(..., cross_step=True)` plans for this step).
     axis_name: the data-parallel axis bound by the user's `jax.pmap` or `jax.shard_map`.
-    residuals: what the forward keeps for the next call's backward. "all": every residual of
-      `jax.vjp`. "matmuls": only matmul, convolution and reduction outputs (`save_matmuls`); the
-      elementwise rest is recomputed, fused, in the backward (fewer bytes carried, a little more
-      compute; bench/pipelined.py measures both). Or any `jax.checkpoint` policy. The result is
-      the same up to float32 rounding either way.
+    residuals: what the forward keeps for the next call's backward. "min-cut" (the default): the
+      fewest bytes from which the backward recomputes the rest of what it reads by elementwise and
+      layout operations (prophet_jax/_residuals.py). "all": every batch value `jax.vjp` keeps.
+      "matmuls": the forward under `jax.checkpoint` keeping only matmul, convolution and reduction
+      outputs (`save_matmuls`). Or any `jax.checkpoint` policy. bench/pipelined.py measures them;
+      the result is the same up to float32 rounding either way.
 
   Returns:
     A `Pipelined` with `init(params)`, `step(state, batch) -> (state, loss)`, `flush(state)`,
@@ -617,8 +527,8 @@ def pipelined(loss_fn: Callable[[Any, Any], Any], tx: optax.GradientTransformati
   if not isinstance(schedule, Schedule):
     raise TypeError(f"pipelined(schedule=...): expected a prophet_jax.Schedule, got "
                     f"{type(schedule).__name__}. Make one with prophet_jax.plan(profile, network, policy).")
-  if not (callable(residuals) or isinstance(residuals, str) and residuals in ("all", "matmuls")):
-    raise ValueError(f"pipelined(residuals={residuals!r}): expected 'all', 'matmuls' or a "
+  if not (callable(residuals) or isinstance(residuals, str) and residuals in ("all", "min-cut", "matmuls")):
+    raise ValueError(f"pipelined(residuals={residuals!r}): expected 'all', 'min-cut', 'matmuls' or a "
                      f"jax.checkpoint policy (a callable, e.g. "
                      f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable).")
   try:

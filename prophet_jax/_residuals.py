@@ -1,0 +1,290 @@
+"""What the pipelined forward carries to the next call's backward: a cut of the forward's jaxpr.
+
+`pipelined` runs a forward pass in one call and its backward in the next, so every value the backward
+reads that depends on the batch must be carried between the calls (written out, read back). Values
+that depend on the parameters alone (a parameter, its cast or transpose) or on nothing (a mask, an
+iota, a zero fill) are not carried: the backward recomputes them from the state's parameters, which
+are the ones the forward read.
+
+Which batch values to carry is a choice. `jax.vjp` keeps every intermediate its backward reads, e.g.
+the half dozen derivative terms of a tanh-GELU, which a plain step's XLA fuses away. "min-cut" carries
+the fewest bytes from which the backward can recompute everything it reads by cheap (elementwise and
+layout) operations, fused by XLA into its consumers: a minimum s-t cut of the forward's value graph,
+as AOTAutograd's partitioner does. Products, convolutions, reductions, nested calls and anything
+unknown are never recomputed: their outputs are carried when the backward needs them.
+
+The plan is positions in the jaxpr of `vjp_jaxpr` (deterministic for a given function and shapes), so
+the forward (on the real batch) and the next call's backward (tracing on the recorded shapes) agree.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+
+# Position of a value in a jaxpr: (-1, k) the k-th input; (i, j) output j of equation i.
+Position = tuple[int, int]
+
+# recomputed in the backward when that carries fewer bytes: elementwise and layout operations, which
+# XLA fuses into their consumers
+_CHEAP = frozenset({
+    "abs", "add", "and", "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "div",
+    "eq", "erf", "exp", "exp2", "expm1", "floor", "ge", "gt", "integer_pow", "is_finite", "le", "log",
+    "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "or", "pow", "pvary",
+    "reduce_precision", "rem", "round", "rsqrt", "select_n", "sign", "sin", "sqrt", "square", "sub",
+    "tanh", "xor", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev",
+})
+
+
+def vjp_jaxpr(forward_fn: Callable[[Any, Any], Any], pv: Any, batch: Any) -> tuple[Any, Any]:
+  """`jax.vjp(forward_fn(., batch), pv)`, traced (nothing runs): (closed jaxpr, closure treedef).
+
+  The jaxpr's inputs are pv's leaves then batch's; its outputs are the loss, then the vjp closure's
+  leaves in flatten order.
+  """
+  p_leaves, p_tree = jax.tree_util.tree_flatten(pv)
+  b_leaves, b_tree = jax.tree_util.tree_flatten(batch)
+  box: list[Any] = []
+
+  def loss_and_closure(pl, bl):
+    b = jax.tree_util.tree_unflatten(b_tree, bl)
+    loss, vjp_fn = jax.vjp(lambda q: forward_fn(q, b), jax.tree_util.tree_unflatten(p_tree, pl))
+    leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
+    box.append(treedef)
+    return [loss, *leaves]
+
+  return jax.make_jaxpr(loss_and_closure)(p_leaves, b_leaves), box[0]
+
+
+def carry_plan(closed: Any, n_params: int, how: str) -> tuple[Position, ...]:
+  """The positions of the values the forward carries, for a `vjp_jaxpr` jaxpr.
+
+  how: "closure": the closure leaves that depend on the batch (what `jax.vjp` keeps, less the
+    parameters and constants); "min-cut": the fewest bytes from which the backward recomputes every
+    closure leaf by cheap operations.
+  """
+  jaxpr = closed.jaxpr
+  on_batch = _batch_vars(jaxpr, n_params)
+  needed = [v for v in jaxpr.outvars[1:] if _is_var(v) and v in on_batch]
+  if how == "closure":
+    chosen = list(dict.fromkeys(needed))
+  elif how == "min-cut":
+    chosen = _min_cut(jaxpr, on_batch, needed)
+  else:
+    raise ValueError(f"carry_plan(how={how!r}): expected 'closure' or 'min-cut'.")
+  where = _positions(jaxpr)
+  return tuple(sorted(where[v] for v in chosen))
+
+
+def carried_avals(closed: Any, plan: Sequence[Position]) -> tuple[Any, ...]:
+  """The abstract values (shape, dtype) of the carried values, in plan order."""
+  at = _vars_at(closed.jaxpr)
+  return tuple(at[p].aval for p in plan)
+
+
+def forward(closed: Any, plan: Sequence[Position]) -> Callable[..., list[Any]]:
+  """`f(*param_leaves, *batch_leaves) -> [loss, *carried]`: the forward, computing only what it needs."""
+  jaxpr = closed.jaxpr
+  at = _vars_at(jaxpr)
+  return _subprogram(closed, list(jaxpr.invars), [jaxpr.outvars[0], *(at[p] for p in plan)])
+
+
+def recompute(closed: Any, plan: Sequence[Position], n_params: int) -> Callable[..., list[Any]]:
+  """`f(*param_leaves, *carried) -> closure leaves`: the backward's inputs, from the carried values."""
+  jaxpr = closed.jaxpr
+  at = _vars_at(jaxpr)
+  return _subprogram(closed, [*jaxpr.invars[:n_params], *(at[p] for p in plan)], list(jaxpr.outvars[1:]))
+
+
+# --------------------------------------------------------------------------------------------------
+# internals
+
+
+def _is_var(v: Any) -> bool:
+  return not isinstance(v, jex_core.Literal)
+
+
+def _inner_jaxpr(eqn: Any) -> Any:
+  inner = eqn.params.get("jaxpr") if eqn.primitive.name == "jit" else None
+  inner = getattr(inner, "jaxpr", inner)
+  if inner is not None and len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
+    return inner
+  return None
+
+
+def _live(jaxpr: Any, live_in: Sequence[bool]) -> set[Any]:
+  """The variables of `jaxpr` that depend on an input marked live (looking inside nested jit calls)."""
+  live = {v for v, on in zip(jaxpr.invars, live_in) if on}
+  for eqn in jaxpr.eqns:
+    ins = [_is_var(v) and v in live for v in eqn.invars]
+    if not any(ins):
+      continue
+    inner = _inner_jaxpr(eqn)
+    if inner is None:
+      live.update(eqn.outvars)
+    else:
+      inner_live = _live(inner, ins)
+      live.update(o for o, i in zip(eqn.outvars, inner.outvars) if _is_var(i) and i in inner_live)
+  return live
+
+
+def _batch_vars(jaxpr: Any, n_params: int) -> set[Any]:
+  return _live(jaxpr, [False] * n_params + [True] * (len(jaxpr.invars) - n_params))
+
+
+def _positions(jaxpr: Any) -> dict[Any, Position]:
+  where: dict[Any, Position] = {v: (-1, k) for k, v in enumerate(jaxpr.invars)}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for j, v in enumerate(eqn.outvars):
+      where.setdefault(v, (i, j))
+  return where
+
+
+def _vars_at(jaxpr: Any) -> dict[Position, Any]:
+  return {p: v for v, p in _positions(jaxpr).items()}
+
+
+def _nbytes(v: Any) -> int:
+  aval = v.aval
+  return max(1, int(getattr(aval, "size", 1)) * aval.dtype.itemsize)
+
+
+def _min_cut(jaxpr: Any, on_batch: set[Any], needed: list[Any]) -> list[Any]:
+  """The batch values to carry: a minimum-bytes cut between what only the forward can compute and what
+  the backward needs, with the latest such cut (the least recomputation) among equals."""
+  # every batch value v is two nodes, v.in -> v.out with capacity bytes(v) (cutting it = carrying v)
+  index: dict[Any, int] = {}
+  for v in jaxpr.invars:
+    if v in on_batch:
+      index[v] = len(index)
+  for eqn in jaxpr.eqns:
+    for v in eqn.outvars:
+      if v in on_batch and v not in index:
+        index[v] = len(index)
+  n = len(index)
+  source, sink = 2 * n, 2 * n + 1
+  inf = sum(_nbytes(v) for v in index) + 1
+  graph = _FlowGraph(2 * n + 2)
+  for v, k in index.items():
+    graph.add(2 * k, 2 * k + 1, _nbytes(v))
+  for v in jaxpr.invars:
+    if v in index:  # the batch itself exists only in the forward
+      graph.add(source, 2 * index[v], inf)
+  for eqn in jaxpr.eqns:
+    outs = [v for v in eqn.outvars if v in index]
+    if not outs:
+      continue
+    if eqn.primitive.name not in _CHEAP or len(eqn.outvars) != 1:
+      for v in outs:  # computed in the forward only
+        graph.add(source, 2 * index[v], inf)
+      continue
+    for u in eqn.invars:  # recomputing v in the backward needs u there
+      if _is_var(u) and u in index:
+        graph.add(2 * index[u] + 1, 2 * index[outs[0]], inf)
+  for v in needed:
+    graph.add(2 * index[v] + 1, sink, inf)
+  graph.max_flow(source, sink)
+  to_sink = graph.reaching(sink)
+  return [v for v, k in index.items() if 2 * k not in to_sink and 2 * k + 1 in to_sink]
+
+
+class _FlowGraph:
+  """A directed graph with integer capacities: Dinic's maximum flow, and the nodes that can still reach
+  the sink afterwards (their complement is the source side of the latest minimum cut)."""
+
+  def __init__(self, n: int):
+    self.adj: list[list[int]] = [[] for _ in range(n)]
+    self.to: list[int] = []
+    self.cap: list[int] = []
+
+  def add(self, u: int, v: int, cap: int) -> None:
+    self.adj[u].append(len(self.to))
+    self.to.append(v)
+    self.cap.append(cap)
+    self.adj[v].append(len(self.to))
+    self.to.append(u)
+    self.cap.append(0)
+
+  def max_flow(self, s: int, t: int) -> int:
+    flow = 0
+    while True:
+      level = [-1] * len(self.adj)
+      level[s] = 0
+      queue = collections.deque([s])
+      while queue:
+        u = queue.popleft()
+        for e in self.adj[u]:
+          if self.cap[e] > 0 and level[self.to[e]] < 0:
+            level[self.to[e]] = level[u] + 1
+            queue.append(self.to[e])
+      if level[t] < 0:
+        return flow
+      it = [0] * len(self.adj)
+      while True:
+        pushed = self._push(s, t, level, it)
+        if not pushed:
+          break
+        flow += pushed
+
+  def _push(self, s: int, t: int, level: list[int], it: list[int]) -> int:
+    """One augmenting path along the level graph (iterative depth-first search)."""
+    path: list[int] = []  # edge ids
+    u = s
+    while u != t:
+      while it[u] < len(self.adj[u]):
+        e = self.adj[u][it[u]]
+        if self.cap[e] > 0 and level[self.to[e]] == level[u] + 1:
+          break
+        it[u] += 1
+      else:  # dead end: retreat
+        if not path:
+          return 0
+        level[u] = -1
+        e = path.pop()
+        u = self.to[e ^ 1]
+        it[u] += 1
+        continue
+      path.append(e)
+      u = self.to[e]
+    pushed = min(self.cap[e] for e in path)
+    for e in path:
+      self.cap[e] -= pushed
+      self.cap[e ^ 1] += pushed
+    return pushed
+
+  def reaching(self, t: int) -> set[int]:
+    """The nodes with a path of residual capacity to `t`."""
+    seen = {t}
+    queue = collections.deque([t])
+    while queue:
+      v = queue.popleft()
+      for e in self.adj[v]:  # e: v -> u; its twin u -> v has residual capacity cap[e ^ 1]
+        u = self.to[e]
+        if u not in seen and self.cap[e ^ 1] > 0:
+          seen.add(u)
+          queue.append(u)
+    return seen
+
+
+def _subprogram(closed: Any, invars: list[Any], outvars: list[Any]) -> Callable[..., list[Any]]:
+  """A function computing `outvars` from `invars` by the equations of `closed` between them."""
+  jaxpr = closed.jaxpr
+  have = set(invars) | set(jaxpr.constvars)
+  need = {v for v in outvars if _is_var(v) and v not in have}
+  kept = []
+  for eqn in reversed(jaxpr.eqns):
+    if any(v in need for v in eqn.outvars):
+      kept.append(eqn)
+      need.difference_update(eqn.outvars)
+      need.update(v for v in eqn.invars if _is_var(v) and v not in have)
+  if need:  # a value no kept equation makes and no input gives: a wrong plan, never a wrong number
+    raise AssertionError(f"prophet_jax internal error: {len(need)} values of the pipelined forward are "
+                         f"neither carried nor recomputable; please report it.")
+  debug = jaxpr.debug_info._replace(arg_names=tuple(f"in{k}" for k in range(len(invars))),
+                                    result_paths=tuple(f"out{k}" for k in range(len(outvars))))
+  sub = jaxpr.replace(invars=invars, outvars=outvars, eqns=kept[::-1], debug_info=debug)
+  return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, closed.consts))
