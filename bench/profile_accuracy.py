@@ -10,10 +10,12 @@ For each model (cnn, gpt-tiny) on 8 host CPU devices:
      MEDIAN step time against the prediction.
 
 Target: |predicted - measured| / measured <= 15% for every policy. Beside the prediction with the
-probe's alpha: one with the network's `skew` (an interleaved probe), and one with the start-up an
+probe's alpha: one with the network's `skew` (an interleaved probe); one with the start-up an
 all-reduce pays *inside this step*, the slope between the xla (fewest all-reduces) and priority
-(most) steps measured in the same rounds: those two are calibration there, the other five
-predictions. No GPU in this run: the GPU part of the issue (ResNet-50 / BERT-base measured traces) is
+(most) steps measured in the same rounds (those two are calibration there, the other five
+predictions); one with the profile's compute set to the "local" step's median (the same train step
+with no reduction at all) measured *in the same rounds*, which separates the communication model's
+error from the machine's drift between the profile and the timing; and one with both. No GPU in this run: the GPU part of the issue (ResNet-50 / BERT-base measured traces) is
 not done here.
 
 The host's load is recorded (os.getloadavg before and after): on a shared machine, other processes
@@ -110,7 +112,10 @@ def run(models, *, n: int, repeats: int, rounds: int, profile_steps: int, probe_
     replicate = lambda t: jax.tree.map(lambda x: np.broadcast_to(x, (n, *x.shape)), t)  # noqa: E731
     batch = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch_g)
     batch = jax.pmap(lambda b: b)(batch)  # already on the devices, sharded as pmap wants: no transfer per step
-    txs = {"pmean": _pmean_tx(tx)} | {p: pj.scheduled(tx, s, axis_name=AXIS) for p, s in schedules.items()}
+    # "local": the same step with no reduction at all (each device applies its own gradients): its
+    # time, measured in the same rounds as the policies, is the compute the steps had then
+    txs = ({"pmean": _pmean_tx(tx), "local": tx}
+           | {p: pj.scheduled(tx, s, axis_name=AXIS) for p, s in schedules.items()})
     steps, states = {}, {}
     for k, t in txs.items():
       steps[k] = _train_step(m.loss_fn, t)
@@ -128,30 +133,44 @@ def run(models, *, n: int, repeats: int, rounds: int, profile_steps: int, probe_
     startup = max((med[CAL_MANY] - med[CAL_ONE]) / max(n_hi - n_lo, 1), 0.0)
     net_in = net.replace(alpha_s=startup / (2 * (n - 1)), name="in-step start-up")
     sims_in = {p: pj.simulate(s, prof, net_in) for p, s in schedules.items()}
+    # the profile's shape with the compute of the same rounds (the local step's median): separates
+    # the error of the communication model from the drift of the machine between profile and timing
+    same = prof.scaled(med["local"] / prof.compute_s)
+    sims_same = {p: pj.simulate(s, same, net) for p, s in schedules.items()}
+    sims_same_in = {p: pj.simulate(s, same, net_in) for p, s in schedules.items()}
+    print(f"local step (no reduction) {med['local'] * 1e3:.3f} ms in the rounds; profiled compute "
+          f"{prof.compute_s * 1e3:.3f} ms")
     print(f"in-step start-up per all-reduce {startup * 1e6:.0f} us (probe: "
           f"{net.alpha_s * 2 * (n - 1) * 1e6:.0f} us), from {CAL_ONE} ({n_lo}) and {CAL_MANY} ({n_hi})")
     rows = []
     print(f"{name}: {'policy':9s} {'chunks':>6s} {'predicted ms':>13s} {'measured ms':>12s} "
-          f"{'p10 ms':>8s} {'error':>7s} {'w/ skew':>8s} {'in-step':>8s}")
+          f"{'p10 ms':>8s} {'error':>7s} {'w/ skew':>8s} {'in-step':>8s} {'same-rd':>8s} {'both':>7s}")
     for p in POLICIES:
       pred, meas = sims[p].iteration_s, med[p]
       err = (pred - meas) / meas
       p10 = float(np.percentile(samples[p], 10))
       err_skew = (sims_skew[p].iteration_s - meas) / meas
       err_in = (sims_in[p].iteration_s - meas) / meas
+      err_same = (sims_same[p].iteration_s - meas) / meas
+      err_both = (sims_same_in[p].iteration_s - meas) / meas
       rows.append({"policy": p, "allreduces": sims[p].allreduces, "predicted_s": pred,
                    "measured_median_s": meas, "measured_p10_s": p10, "error": err,
                    "error_vs_p10": (pred - p10) / p10, "within_15pct": abs(err) <= 0.15,
                    "predicted_with_skew_s": sims_skew[p].iteration_s, "error_with_skew": err_skew,
                    "predicted_in_step_s": sims_in[p].iteration_s, "error_in_step": err_in,
+                   "predicted_same_round_compute_s": sims_same[p].iteration_s,
+                   "error_same_round_compute": err_same,
+                   "predicted_same_round_compute_in_step_s": sims_same_in[p].iteration_s,
+                   "error_same_round_compute_in_step": err_both,
                    "calibration": p in (CAL_ONE, CAL_MANY)})
       print(f"{'':{len(name) + 2}s}{p:9s} {sims[p].allreduces:6d} {pred * 1e3:13.3f} {meas * 1e3:12.3f} "
             f"{np.percentile(samples[p], 10) * 1e3:8.3f} {err:+7.1%} {err_skew:+8.1%} {err_in:+8.1%}"
+            f" {err_same:+8.1%} {err_both:+7.1%}"
             f"{' (calibration)' if p in (CAL_ONE, CAL_MANY) else ''}")
     pm = float(np.median(samples["pmean"]))
     print(f"{'':{len(name) + 2}s}{'pmean':9s} {'(xla)':>6s} {'':13s} {pm * 1e3:12.3f}\n", flush=True)
     out["models"][name] = {"profile": prof.to_dict(), "results": rows, "pmean_median_s": pm,
-                           "in_step_startup_s": startup,
+                           "in_step_startup_s": startup, "local_median_s": med["local"],
                            "loadavg_after": os.getloadavg(),
                            "max_abs_error": max(abs(r["error"]) for r in rows)}
   return out

@@ -21,11 +21,13 @@ then `steps` times under `jax.profiler.trace`. The trace's XLA op events (`hlo_m
 
 Every number is the median over the `steps x num_devices` executions. Ready times are *not* in layer
 order where XLA schedules them otherwise (it computes data gradients before large weight gradients).
-A synchronous data-parallel step waits for its slowest device, so the per-device timeline is then
-stretched (its shape kept) to the median *envelope* of a step over all devices (first op start to
-last op end): with one device per accelerator the factor is about 1; with 8 host devices sharing a
-few CPU cores it is several (the notes give it). The optimizer update (`tx`) is a separate program in
-the same trace; its per-device span gets the same stretch and is spread over the rows by bytes.
+The trace gives the timeline's *shape*; its length is the median untraced wall clock of a step
+(gradients and `tx`'s update in one program, with no reduction), timed just before: a synchronous data-parallel step waits for its
+slowest device and pays its launch, but not the profiler's own overhead, which inflates traced ops on
+a loaded host. So one device's timeline (forward, backward, update) is stretched to that wall clock:
+with one device per accelerator the factor is about 1; with 8 host devices sharing a few CPU cores it
+is several (the notes give it, and the traced envelope over devices beside it). The optimizer update
+(`tx`) is a separate program in the same trace; its stretched span is spread over the rows by bytes.
 
 Fallbacks, in order (`method='auto'`), each saying so in the profile's `method` and `notes`:
 - `'timed'`: when the profiler yields no events for the step (or they cannot be mapped): the
@@ -474,7 +476,7 @@ def _layers_in_order(s: _Setup) -> list[str]:
 
 
 def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | None,
-              trace_dir: str | None) -> tuple[float, float, list[float], dict[str, float], float, str]:
+              whole: Callable[[], Any] | None, trace_dir: str | None) -> tuple[float, float, list[float], dict[str, float], float, str]:
   import jax
 
   diff, other = _split(s)
@@ -488,10 +490,12 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
     jax.block_until_ready(compiled(diff, other, s.batch))
     if update is not None:
       jax.block_until_ready(update())
-  walls = []  # wall-clock per call, outside the profiler: what a user's timer sees for the step
+  run = whole or (lambda: compiled(diff, other, s.batch))  # the step: gradients and update, in one program
+  jax.block_until_ready(run())
+  walls = []  # wall-clock per step, outside the profiler: what a user's timer sees for the step
   for _ in range(steps):
     t0 = time.perf_counter()
-    jax.block_until_ready(compiled(diff, other, s.batch))
+    jax.block_until_ready(run())
     walls.append(time.perf_counter() - t0)
   wall_s = statistics.median(walls)
   with tempfile.TemporaryDirectory(prefix="prophet_trace_") as tmp:
@@ -517,29 +521,27 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
   ready = [statistics.median(r[2][k] for r in results) for k in range(len(s.diff_idx))]
   fwd_layer = {l: statistics.median(r[3][l] for r in results) for l in layers}
   device_span = sum(fwd_layer.values()) + backward_s
-  # A synchronous data-parallel step waits for its slowest device: the step's compute time is the
-  # envelope over the devices (first start to last end), which exceeds one device's span where
-  # devices share cores or start staggered (8 host devices on a few CPU cores). Keep the per-device
-  # timeline's shape, stretched to the envelope.
-  envelope = _median_envelope(events)
-  scale = max(1.0, envelope / device_span) if device_span > 0 else 1.0
-  update_s = 0.0
-  if upd_events:  # one device's update span, stretched like the step (it runs in the same program)
+  update_span = 0.0
+  if upd_events:  # one device's update span
     spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _executions(upd_events) if ex]
-    update_s = statistics.median(spans) * scale if spans else 0.0
+    update_span = statistics.median(spans) if spans else 0.0
+  # The trace gives the timeline's shape; its length is the untraced wall clock of a step (gradients
+  # and update in one program, as a train step runs them): a synchronous data-parallel step waits for its slowest device (8 host
+  # devices on a few cores start staggered and share cores), and pays its launch, but not the
+  # tracer's own overhead, which inflates the traced ops on a loaded host.
+  envelope = _median_envelope(events)
+  span = device_span + update_span
+  scale = wall_s / span if span > 0 else 1.0
   note = (f"measured: jax.profiler trace of {steps} steps x {s.num_devices} devices "
           f"({len(results)} executions), medians; ops mapped to leaves via the ENTRY ROOT tuple, to "
-          f"layers via op_name metadata; one device's span {device_span * 1e3:.3f} ms stretched x"
-          f"{scale:.2f} to the median envelope over devices {envelope * 1e3:.3f} ms (the synchronous "
-          f"step waits for the last device); update {'from the trace of tx (same stretch)' if upd_events else 'not measured'}")
+          f"layers via op_name metadata; one device's span {device_span * 1e3:.3f} ms + update "
+          f"{update_span * 1e3:.3f} ms ({'traced' if upd_events else 'not measured'}) stretched x"
+          f"{scale:.2f} to the median untraced wall clock of a step {wall_s * 1e3:.3f} ms (the "
+          f"synchronous step waits for the last device and pays its launch; the traced envelope over "
+          f"devices was {envelope * 1e3:.3f} ms)")
   ready = [x * scale for x in ready]
   fwd_layer = {l: v * scale for l, v in fwd_layer.items()}
-  # The launch of a step (dispatch to the devices, completion back to the host) is time the step
-  # takes before its first op and after its last: charged to the first layer's forward.
-  launch_s = max(0.0, wall_s - envelope)
-  fwd_layer[layers[0]] += launch_s
-  note += (f"; launch overhead {launch_s * 1e3:.3f} ms (median wall-clock per call {wall_s * 1e3:.3f} ms "
-           f"minus the envelope) charged to the first layer's forward")
+  update_s = update_span * scale
   return sum(fwd_layer.values()), backward_s * scale, ready, fwd_layer, update_s, note
 
 
@@ -696,7 +698,8 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   result = None
   if method in ("auto", "measured"):
     try:
-      result = _measured(s, int(steps), int(warmup), update, trace_dir)
+      whole = _local_step_program(s, tx) if tx is not None else None
+      result = _measured(s, int(steps), int(warmup), update, whole, trace_dir)
     except _NoTrace as e:
       if method == "measured":
         raise ProfileError(f"profile_step(method='measured'): {e}. Use method='auto' to fall back to "
@@ -744,6 +747,26 @@ def _update_program(s: _Setup, tx: Any) -> Callable[[], Any]:
                             check_vma=False))
   grads = jax.tree_util.tree_map(lambda x: x * 0 + 1e-3, diff)
   return lambda: f(diff, grads, state)
+
+
+def _local_step_program(s: _Setup, tx: Any) -> Callable[[], Any]:
+  """A train step with no reduction (gradients, then `tx`'s update, in one program): the step's cost
+  with free communication."""
+  import jax
+  import optax
+  from jax.sharding import PartitionSpec as P
+
+  diff, other = _split(s)
+  state = tx.init(diff)
+
+  def local_step(p, o, b, st):
+    g = jax.grad(s.loss_of)(p, o, b)
+    u, st = tx.update(g, st, p)
+    return optax.apply_updates(p, u), st
+
+  f = jax.jit(jax.shard_map(local_step, mesh=s.mesh, in_specs=(P(), P(), P(_AXIS), P()),
+                            out_specs=(P(), P()), check_vma=False))
+  return lambda: f(diff, other, s.batch, state)
 
 
 def profile_model(name: str, num_devices: int | None = None, *, batch_size: int | None = None,
