@@ -9,7 +9,8 @@ How (`method='measured'`): the gradient step `jax.grad(loss_fn)` is compiled und
 a 1-D mesh of `num_devices` devices (parameters replicated, the batch split on its leading axis, no
 all-reduce: the same per-device program as training without its communication), run `warmup` times,
 then `steps` times under `jax.profiler.trace`. The trace's XLA op events (`hlo_module`, `hlo_op`,
-`run_id`, `device_ordinal`) are grouped into executions (one per step and device) and mapped:
+`run_id`, `device_ordinal`) are grouped into executions (one per step and device) and mapped
+(`_trace`):
 
 - to gradient leaves through the compiled HLO: output k of the ENTRY ROOT tuple is leaf k; following
   its operands through ops that have no event of their own (bitcast, copy, get-tuple-element, tuple),
@@ -45,10 +46,7 @@ Rows are in forward (priority) order: the order in which the loss's jaxpr first 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
-import os
-import re
 import statistics
 import tempfile
 import time
@@ -58,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import ProfileError
-from ._hlo import parse_hlo
+from . import _trace
 from ._types import GradientProfile, ProfileRow, itemsize
 
 _AXIS = "prophet_profile"
@@ -251,201 +249,6 @@ def _wall_median(f: Callable[[], Any], repeats: int) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# HLO text (parsed by _hlo): instructions, operands, op_name metadata
-
-
-@dataclasses.dataclass
-class _Instr:
-  name: str
-  comp: str
-  operands: list[str]
-  op_name: str
-  calls: list[str]
-
-
-@dataclasses.dataclass
-class _Hlo:
-  module: str
-  instrs: dict[str, _Instr]
-  comps: dict[str, list[str]]
-  entry: str
-  root_operands: list[str]
-
-
-def _parse_hlo(text: str) -> _Hlo:
-  """The optimized module as the trace analysis reads it: instructions by name (HLO names are unique
-  in a module), operands within their own computation, called computations, and the ENTRY ROOT's
-  operands (the gradient leaves, in output order)."""
-  m = parse_hlo(text)
-  instrs: dict[str, _Instr] = {}
-  comps: dict[str, list[str]] = {}
-  root_operands: list[str] = []
-  for comp, body in m.computations.items():
-    names = {i.name for i in body}
-    comps[comp] = [i.name for i in body]
-    for i in body:
-      instrs[i.name] = _Instr(name=i.name, comp=comp, operands=[o for o in i.operands if o in names],
-                              op_name=i.op_name, calls=[c for _, c in i.callees])
-      if i.root and comp == m.entry:
-        root_operands = list(i.operands) if i.opcode == "tuple" else [i.name]
-  return _Hlo(module=m.name, instrs=instrs, comps=comps, entry=m.entry, root_operands=root_operands)
-
-
-def _is_backward(op_name: str) -> bool:
-  return "transpose(" in op_name
-
-
-def _segments(op_name: str) -> list[str]:
-  out = []
-  for seg in op_name.split("/"):
-    seg = seg.strip()
-    while True:
-      m = re.match(r"^(?:transpose|jvp|jit|vmap|remat|checkpoint|pjit|custom_jvp|custom_vjp)\((.*)\)$", seg)
-      if not m:
-        break
-      seg = m.group(1)
-    if seg:
-      out.append(seg)
-  return out
-
-
-def _match_layer(op_name: str, layers: Sequence[str]) -> str | None:
-  """The layer whose path (its longest suffix) appears as consecutive segments of the op's name."""
-  segs = _segments(op_name)
-  best, best_len = None, 0
-  for layer in layers:
-    comps = layer.split("/")
-    for start in range(len(comps)):
-      suf = comps[start:]
-      if len(suf) <= best_len:
-        break
-      k = len(suf)
-      if any(segs[j:j + k] == suf for j in range(len(segs) - k + 1)):
-        best, best_len = layer, k
-        break
-  return best
-
-
-# --------------------------------------------------------------------------------------------------
-# Profiler trace
-
-
-def _trace_events(trace_dir: str, module: str) -> list[dict[str, Any]]:
-  """XLA op events of `module` in the trace: dicts with op, start_ns, end_ns, run, device."""
-  import jax
-
-  files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-  out: list[dict[str, Any]] = []
-  for f in files:
-    pd = jax.profiler.ProfileData.from_file(f)
-    for plane in pd.planes:
-      for line in plane.lines:
-        for ev in line.events:
-          st = dict(ev.stats)
-          if st.get("hlo_module") != module or "hlo_op" not in st:
-            continue
-          run = st.get("run_id", f"{plane.name}/{line.name}")
-          out.append({"op": st["hlo_op"], "start_ns": float(ev.start_ns),
-                      "end_ns": float(ev.start_ns + ev.duration_ns), "run": run,
-                      "device": st.get("device_ordinal", plane.name)})
-  return out
-
-
-def _executions(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-  groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
-  for e in events:
-    groups.setdefault((e["run"], e["device"]), []).append(e)
-  return [sorted(g, key=lambda e: e["start_ns"]) for _, g in sorted(groups.items(), key=lambda kv: str(kv[0]))]
-
-
-def _backward_start(ex: list[dict[str, Any]], hlo: _Hlo) -> float | None:
-  """When backward starts in one execution (ns), or None when no op is a backward op.
-
-  XLA may schedule small backward ops (e.g. the loss's scatter-add set-up) before the forward ends,
-  and rematerialised forward ops run inside backward. So backward starts at the first backward op
-  after which at most 5% of the forward ops' time remains.
-  """
-  kinds = []
-  for e in ex:
-    name = hlo.instrs[e["op"]].op_name if e["op"] in hlo.instrs else ""
-    kinds.append("b" if _is_backward(name) else ("f" if "jvp(" in name else "o"))
-  if "b" not in kinds:
-    return None
-  dur = [e["end_ns"] - e["start_ns"] for e in ex]
-  remaining = sum(d for d, k in zip(dur, kinds) if k == "f")
-  budget = 0.05 * remaining
-  for e, k, d in zip(ex, kinds, dur):
-    if k == "b" and remaining <= budget:
-      return e["start_ns"]
-    if k == "f":
-      remaining -= d
-  return None
-
-
-def _analyse_execution(ex: list[dict[str, Any]], hlo: _Hlo, leaf_rows: list[int], n_rows: int,
-                       layers_in_order: Sequence[str], row_layer: Sequence[str]
-                       ) -> tuple[float, float, list[float], dict[str, float]] | None:
-  """(forward_s, backward_s, ready_s per row, fwd_s per layer) of one execution, or None."""
-  if not ex:
-    return None
-  t0 = ex[0]["start_ns"]
-  t_end = max(e["end_ns"] for e in ex)
-  b0 = _backward_start(ex, hlo)
-  if b0 is None:
-    return None
-  ends: dict[str, float] = {}
-  for e in ex:
-    ends[e["op"]] = max(ends.get(e["op"], 0.0), e["end_ns"])
-
-  memo: dict[str, float] = {}
-
-  def own_end(name: str, depth: int = 0) -> float | None:
-    if name in ends:
-      return ends[name]
-    ins = hlo.instrs.get(name)
-    if ins is None or depth > 4:
-      return None
-    vals = [v for c in ins.calls for i in hlo.comps.get(c, []) if (v := own_end(i, depth + 1)) is not None]
-    return max(vals) if vals else None
-
-  def ready(name: str) -> float:
-    if name in memo:
-      return memo[name]
-    memo[name] = t0  # cycle guard
-    v = own_end(name)
-    if v is None:
-      ins = hlo.instrs.get(name)
-      ops = ins.operands if ins else []
-      v = max((ready(o) for o in ops), default=t0)
-    memo[name] = v
-    return v
-
-  if len(hlo.root_operands) != len(leaf_rows):
-    return None
-  bwd_s = max(t_end - b0, 0.0)
-  rows = [0.0] * n_rows
-  for out_name, r in zip(hlo.root_operands, leaf_rows):
-    if r >= 0:
-      rows[r] = min(max(ready(out_name) - b0, 0.0), bwd_s)
-  # forward time per layer: each op before backward starts, from the previous op's end to its end
-  fwd = dict.fromkeys(layers_in_order, 0.0)
-  current = layers_in_order[0]
-  prev = t0
-  for e in ex:
-    if e["start_ns"] >= b0:
-      break
-    ins = hlo.instrs.get(e["op"])
-    lay = _match_layer(ins.op_name, layers_in_order) if ins else None
-    if lay is not None:
-      current = lay
-    end = min(e["end_ns"], b0)
-    fwd[current] += max(end - prev, 0.0)
-    prev = max(prev, end)
-  fwd[current] += max(b0 - prev, 0.0)
-  return (b0 - t0) * 1e-9, bwd_s * 1e-9, [x * 1e-9 for x in rows], {k: v * 1e-9 for k, v in fwd.items()}
-
-
-# --------------------------------------------------------------------------------------------------
 # The three methods
 
 
@@ -482,7 +285,7 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
   diff, other = _split(s)
   prog = _grad_program(s)
   compiled = prog.lower(diff, other, s.batch).compile()
-  hlo = _parse_hlo(compiled.as_text())
+  hlo = _trace.step_hlo(compiled.as_text())
   if len(hlo.root_operands) != len(s.diff_idx):
     raise _NoTrace(f"the compiled step returns {len(hlo.root_operands)} outputs for {len(s.diff_idx)} "
                    f"gradient leaves; cannot map them")
@@ -507,14 +310,14 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
         jax.block_until_ready(compiled(diff, other, s.batch))
         if update is not None:
           jax.block_until_ready(update())
-    events = _trace_events(d, hlo.module)
-    upd_events = _trace_events(d, f"jit_{_UPDATE_NAME}") if update is not None else []
+    events = _trace.op_events(d, hlo.module)
+    upd_events = _trace.op_events(d, f"jit_{_UPDATE_NAME}") if update is not None else []
   if not events:
     raise _NoTrace(f"the profiler recorded no events of module {hlo.module!r}")
   layers = _layers_in_order(s)
-  results = [r for ex in _executions(events)
-             if (r := _analyse_execution(ex, hlo, list(range(len(s.diff_idx))), len(s.diff_idx), layers,
-                                         [s.layers[i] for i in s.diff_idx])) is not None]
+  results = [r for ex in _trace.executions(events)
+             if (r := _trace.analyse_execution(ex, hlo, list(range(len(s.diff_idx))), len(s.diff_idx),
+                                               layers)) is not None]
   if not results:
     raise _NoTrace(f"no execution of {hlo.module!r} in the trace had backward ops to map")
   backward_s = statistics.median(r[1] for r in results)
@@ -523,13 +326,13 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
   device_span = sum(fwd_layer.values()) + backward_s
   update_span = 0.0
   if upd_events:  # one device's update span
-    spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _executions(upd_events) if ex]
+    spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _trace.executions(upd_events) if ex]
     update_span = statistics.median(spans) if spans else 0.0
   # The trace gives the timeline's shape; its length is the untraced wall clock of a step (gradients
   # and update in one program, as a train step runs them): a synchronous data-parallel step waits for its slowest device (8 host
   # devices on a few cores start staggered and share cores), and pays its launch, but not the
   # tracer's own overhead, which inflates the traced ops on a loaded host.
-  envelope = _median_envelope(events)
+  envelope = _trace.median_envelope(events)
   span = device_span + update_span
   scale = wall_s / span if span > 0 else 1.0
   note = (f"measured: jax.profiler trace of {steps} steps x {s.num_devices} devices "
@@ -543,17 +346,6 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
   fwd_layer = {l: v * scale for l, v in fwd_layer.items()}
   update_s = update_span * scale
   return sum(fwd_layer.values()), backward_s * scale, ready, fwd_layer, update_s, note
-
-
-def _median_envelope(events: list[dict[str, Any]]) -> float:
-  """Median over runs of (last op end - first op start) across every device of the run, seconds."""
-  runs: dict[Any, list[float]] = {}
-  for e in events:
-    lo_hi = runs.setdefault(e["run"], [math.inf, -math.inf])
-    lo_hi[0] = min(lo_hi[0], e["start_ns"])
-    lo_hi[1] = max(lo_hi[1], e["end_ns"])
-  spans = [(hi - lo) * 1e-9 for lo, hi in runs.values() if hi > lo]
-  return statistics.median(spans) if spans else 0.0
 
 
 class _NoTrace(Exception):
