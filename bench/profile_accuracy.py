@@ -15,8 +15,8 @@ all-reduce pays *inside this step*, the slope between the xla (fewest all-reduce
 (most) steps measured in the same rounds (those two are calibration there, the other five
 predictions); one with the profile's compute set to the "local" step's median (the same train step
 with no reduction at all) measured *in the same rounds*, which separates the communication model's
-error from the machine's drift between the profile and the timing; and one with both. No GPU in this run: the GPU part of the issue (ResNet-50 / BERT-base measured traces) is
-not done here.
+error from the machine's drift between the profile and the timing; and one with both. No GPU in
+this run: the GPU part of the issue (ResNet-50 / BERT-base measured traces) is not done here.
 
 The host's load is recorded (os.getloadavg before and after): on a shared machine, other processes
 preempt the 8 device threads, and every all-reduce waits for the last one, so policies with many
@@ -164,7 +164,7 @@ def run(models, *, n: int, repeats: int, rounds: int, profile_steps: int, probe_
                    "error_same_round_compute_in_step": err_both,
                    "calibration": p in (CAL_ONE, CAL_MANY)})
       print(f"{'':{len(name) + 2}s}{p:9s} {sims[p].allreduces:6d} {pred * 1e3:13.3f} {meas * 1e3:12.3f} "
-            f"{np.percentile(samples[p], 10) * 1e3:8.3f} {err:+7.1%} {err_skew:+8.1%} {err_in:+8.1%}"
+            f"{p10 * 1e3:8.3f} {err:+7.1%} {err_skew:+8.1%} {err_in:+8.1%}"
             f" {err_same:+8.1%} {err_both:+7.1%}"
             f"{' (calibration)' if p in (CAL_ONE, CAL_MANY) else ''}")
     pm = float(np.median(samples["pmean"]))

@@ -23,12 +23,13 @@ then `steps` times under `jax.profiler.trace`. The trace's XLA op events (`hlo_m
 Every number is the median over the `steps x num_devices` executions. Ready times are *not* in layer
 order where XLA schedules them otherwise (it computes data gradients before large weight gradients).
 The trace gives the timeline's *shape*; its length is the median untraced wall clock of a step
-(gradients and `tx`'s update in one program, with no reduction), timed just before: a synchronous data-parallel step waits for its
-slowest device and pays its launch, but not the profiler's own overhead, which inflates traced ops on
-a loaded host. So one device's timeline (forward, backward, update) is stretched to that wall clock:
-with one device per accelerator the factor is about 1; with 8 host devices sharing a few CPU cores it
-is several (the notes give it, and the traced envelope over devices beside it). The optimizer update
-(`tx`) is a separate program in the same trace; its stretched span is spread over the rows by bytes.
+(gradients and `tx`'s update in one program, with no reduction), timed just before: a synchronous
+data-parallel step waits for its slowest device and pays its launch, but not the profiler's own
+overhead, which inflates traced ops on a loaded host. So one device's timeline (forward, backward,
+update) is stretched to that wall clock: with one device per accelerator the factor is about 1; with
+8 host devices sharing a few CPU cores it is several (the notes give it, and the traced envelope over
+devices beside it). The optimizer update (`tx`) is a separate program in the same trace; its
+stretched span is spread over the rows by bytes.
 
 Fallbacks, in order (`method='auto'`), each saying so in the profile's `method` and `notes`:
 - `'timed'`: when the profiler yields no events for the step (or they cannot be mapped): the
@@ -279,7 +280,8 @@ def _layers_in_order(s: _Setup) -> list[str]:
 
 
 def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | None,
-              whole: Callable[[], Any] | None, trace_dir: str | None) -> tuple[float, float, list[float], dict[str, float], float, str]:
+              whole: Callable[[], Any] | None, trace_dir: str | None
+              ) -> tuple[float, float, list[float], dict[str, float], float, str]:
   import jax
 
   diff, other = _split(s)
@@ -329,9 +331,9 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
     spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _trace.executions(upd_events) if ex]
     update_span = statistics.median(spans) if spans else 0.0
   # The trace gives the timeline's shape; its length is the untraced wall clock of a step (gradients
-  # and update in one program, as a train step runs them): a synchronous data-parallel step waits for its slowest device (8 host
-  # devices on a few cores start staggered and share cores), and pays its launch, but not the
-  # tracer's own overhead, which inflates the traced ops on a loaded host.
+  # and update in one program, as a train step runs them): a synchronous data-parallel step waits for
+  # its slowest device (8 host devices on a few cores start staggered and share cores), and pays its
+  # launch, but not the tracer's own overhead, which inflates the traced ops on a loaded host.
   envelope = _trace.median_envelope(events)
   span = device_span + update_span
   scale = wall_s / span if span > 0 else 1.0
@@ -524,15 +526,10 @@ def _update_program(s: _Setup, tx: Any) -> Callable[[], Any]:
 
   if not hasattr(tx, "init") or not hasattr(tx, "update"):
     raise TypeError(f"profile_step(tx={tx!r}): expected an optax GradientTransformation (init/update).")
-  import optax
 
   diff, _ = _split(s)
   state = tx.init(diff)
-
-  def upd(p, g, st):
-    u, st = tx.update(g, st, p)
-    return optax.apply_updates(p, u), st
-
+  upd = _updater(tx)
   upd.__name__ = _UPDATE_NAME
   upd.__qualname__ = _UPDATE_NAME
   f = jax.jit(jax.shard_map(upd, mesh=s.mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()),
@@ -541,20 +538,29 @@ def _update_program(s: _Setup, tx: Any) -> Callable[[], Any]:
   return lambda: f(diff, grads, state)
 
 
+def _updater(tx: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+  """(params, grads, opt_state) -> (params, opt_state): one step of `tx`."""
+  import optax
+
+  def upd(p, g, st):
+    u, st = tx.update(g, st, p)
+    return optax.apply_updates(p, u), st
+
+  return upd
+
+
 def _local_step_program(s: _Setup, tx: Any) -> Callable[[], Any]:
   """A train step with no reduction (gradients, then `tx`'s update, in one program): the step's cost
   with free communication."""
   import jax
-  import optax
   from jax.sharding import PartitionSpec as P
 
   diff, other = _split(s)
   state = tx.init(diff)
+  upd = _updater(tx)
 
   def local_step(p, o, b, st):
-    g = jax.grad(s.loss_of)(p, o, b)
-    u, st = tx.update(g, st, p)
-    return optax.apply_updates(p, u), st
+    return upd(p, jax.grad(s.loss_of)(p, o, b), st)
 
   f = jax.jit(jax.shard_map(local_step, mesh=s.mesh, in_specs=(P(), P(), P(_AXIS), P()),
                             out_specs=(P(), P()), check_vma=False))

@@ -130,7 +130,8 @@ def executions(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
   groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
   for e in events:
     groups.setdefault((e["run"], e["device"]), []).append(e)
-  return [sorted(g, key=lambda e: e["start_ns"]) for _, g in sorted(groups.items(), key=lambda kv: str(kv[0]))]
+  return [sorted(g, key=lambda e: e["start_ns"])
+          for _, g in sorted(groups.items(), key=lambda kv: str(kv[0]))]
 
 
 def backward_start(ex: list[dict[str, Any]], hlo: StepHlo) -> float | None:
