@@ -66,8 +66,8 @@ def main() -> None:
   from prophet_jax.models import get_model
 
   m = get_model(a.model)
-  s = _profile._setup(m.loss_fn, m.init(jax.random.key(0)), m.make_batch(jax.random.key(1), m.default_batch_size),
-                      None, None)
+  batch = m.make_batch(jax.random.key(1), m.default_batch_size)
+  s = _profile._setup(m.loss_fn, m.init(jax.random.key(0)), batch, None, None)
   step = _profile._local_step_program(s, optax.sgd(0.05, momentum=0.9))
   for _ in range(3):
     jax.block_until_ready(step())
