@@ -74,16 +74,17 @@ def main() -> None:
   load = os.getloadavg()
   meds = block_medians(step, a.seconds, a.block)
   p10, p50, p90 = (float(np.percentile(meds, q)) for q in (10, 50, 90))
+  r1 = lag1(meds)
   print(f"{a.model}, local step on {s.num_devices} devices: {len(meds)} blocks of {a.block} steps in "
         f"{a.seconds:g} s (load {load[0]:.2f} at start)")
   print("  block medians ms: " + " ".join(f"{x * 1e3:.2f}" for x in meds))
   print(f"  median {p50 * 1e3:.3f} ms, p10 {p10 * 1e3:.3f}, p90 {p90 * 1e3:.3f}, min {meds.min() * 1e3:.3f}, "
         f"max {meds.max() * 1e3:.3f} (max/min {meds.max() / meds.min():.2f}x); lag-1 autocorrelation "
-        f"{lag1(meds):.2f}")
+        f"{r1:.2f}")
   out = {"model": a.model, "devices": s.num_devices, "block": a.block, "seconds": a.seconds,
          "host": platform.node(), "cpu_count": os.cpu_count(), "jax": jax.__version__,
          "loadavg_before": load, "block_median_s": meds.tolist(), "median_s": p50, "p10_s": p10,
-         "p90_s": p90, "lag1_autocorrelation": lag1(meds),
+         "p90_s": p90, "lag1_autocorrelation": r1,
          "command": f".venv/bin/python bench/machine_drift.py --model {a.model} --seconds {a.seconds:g} "
                     f"--block {a.block}"}
   Path(a.out).parent.mkdir(parents=True, exist_ok=True)
