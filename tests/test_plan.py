@@ -56,7 +56,7 @@ def test_plan_by_name_records_policy_mode_and_prediction(name, cross_step):
 
 def test_plan_passes_options_and_records_them():
   s = plan(P, NET, "bucket", bucket_bytes=64, first_bucket_bytes=32)
-  assert dict(s.options) == {"bucket_bytes": 64, "first_bucket_bytes": 32}
+  assert dict(s.options) == {"style": "ddp", "bucket_bytes": 64, "first_bucket_bytes": 32, "cycle_s": None}
   assert s == Schedule.from_json(s.to_json())
   s = plan(P, NET, "priority", partition_bytes=16)
   assert dict(s.options)["partition_bytes"] == 16 and max(s.chunk_nbytes()) <= 16
@@ -75,7 +75,7 @@ def test_plan_accepts_a_scheduler_callable():
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(policy="fifo"), ValueError, r"unknown policy 'fifo'; expected one of .*'prophet'"),
     (dict(policy="bucket", bucket_size=5), TypeError,
-     r"plan\(policy='bucket'\): unknown option\(s\) \['bucket_size'\]; 'bucket' accepts \['bucket_bytes', 'first_bucket_bytes'\]"),
+     r"plan\(policy='bucket'\): unknown option\(s\) \['bucket_size'\]; 'bucket' accepts \['style', 'bucket_bytes', 'first_bucket_bytes', 'cycle_s'\]"),
     (dict(policy="wfbp", partition_bytes=5), TypeError, r"'wfbp' accepts no options"),
     (dict(policy="bucket", bucket_bytes=0), ValueError, r"bucket_bytes=0"),
     (dict(policy="prophet", cross_step="auto"), ValueError, r"only the 'auto' policy chooses the step mode"),

@@ -5,6 +5,7 @@ Pure: these tests never import jax.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -14,7 +15,9 @@ from hypothesis import given, settings, strategies as st
 from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, Schedule
 from prophet_jax._types import itemsize
 from prophet_jax.schedulers import Scheduler, bucket, mgwfbp, priority, prophet, wfbp, xla
+from prophet_jax.schedulers import _bucket as bucket_mod
 from prophet_jax.schedulers import _common
+from prophet_jax.schedulers import _priority as priority_mod
 from prophet_jax.schedulers._mgwfbp import merge_groups
 from prophet_jax.schedulers._prophet import find_stages
 
@@ -77,7 +80,8 @@ NETWORKS = {
     "cpu_p4": NetworkModel.preset("1gbe", workers=4, overlap=False),
 }
 FACTORIES = {"wfbp": wfbp, "bucket": bucket, "xla": xla, "mgwfbp": mgwfbp, "priority": priority,
-             "prophet": prophet}
+             "prophet": prophet, "bucket[horovod]": functools.partial(bucket, style="horovod"),
+             "priority[allreduce]": functools.partial(priority, mode="allreduce")}
 
 
 def assert_covers_exactly_once(s: Schedule, p: GradientProfile) -> None:
@@ -109,7 +113,7 @@ def test_conformance(name, cross_step, prof, net):
   assert isinstance(sched, Scheduler)
   s = sched(p, n, cross_step=cross_step)
   assert isinstance(s, Schedule)
-  assert s.policy == name and s.cross_step is cross_step
+  assert s.policy == name.split("[")[0] and s.cross_step is cross_step
   assert s.tree_fingerprint == p.fingerprint() and s.rows == p.tree_rows()
   assert_covers_exactly_once(s, p)
   again = FACTORIES[name]()(p, n, cross_step=cross_step)
@@ -161,7 +165,12 @@ def test_schedulers_reject_bad_inputs(name):
     (lambda: bucket(bucket_bytes=-5), ValueError, "bucket_bytes"),
     (lambda: bucket(bucket_bytes=1.5), TypeError, "integer number of bytes"),
     (lambda: bucket(bucket_bytes="25MiB"), TypeError, "bucket_bytes"),
-    (lambda: bucket(bucket_bytes=None), TypeError, "bucket_bytes"),
+    (lambda: bucket(style="DDP"), ValueError, r"bucket\(style='DDP'\).*'ddp', 'horovod'"),
+    (lambda: bucket(style="ddp", cycle_s=1e-3), ValueError, "cycle_s.*Horovod"),
+    (lambda: bucket(style="horovod", first_bucket_bytes=2**20), ValueError, "no first bucket"),
+    (lambda: bucket(style="horovod", cycle_s=-1e-3), ValueError, r"cycle_s=-0.001.*>= 0"),
+    (lambda: bucket(style="horovod", cycle_s="5ms"), TypeError, "cycle_s"),
+    (lambda: priority(mode="all-reduce"), ValueError, r"mode='all-reduce'.*\['allreduce', 'ps'\]"),
     (lambda: bucket(first_bucket_bytes=0), ValueError, "first_bucket_bytes"),
     (lambda: bucket(bucket_bytes=True), TypeError, "bucket_bytes"),
     (lambda: priority(partition_bytes=0), ValueError, "partition_bytes"),
@@ -218,23 +227,98 @@ def test_wfbp_one_allreduce_per_layer_in_ready_order_one_chunk_per_dtype():
   assert s.num_allreduces == 6
 
 
-def test_bucket_fills_in_ready_order_with_first_bucket_and_large_leaves_alone():
+def _groups(s: Schedule) -> list[list[int]]:
+  return [[r for c in b.chunks for r, _, _ in c.slices] for b in s.buckets]
+
+
+def test_bucket_ddp_closes_once_the_cap_is_reached_and_horovod_before_it_overflows():
   p = layered([100, 300, 50, 50, 1000, 20])   # float32: bytes 400, 1200, 200, 200, 4000, 80
-  s = bucket(bucket_bytes=1000, first_bucket_bytes=300)(p, NETWORKS["10gbe_p8"], cross_step=False)
-  # ready order is 5, 4, 3, 2, 1, 0: first bucket (<= 300 B): [5]; then 4 (4000 B) alone; then 3, 2
-  # (400 B) until row 1 (1200 B, larger than 1000) goes alone; then 0.
-  assert [[r for r, _, _ in c.slices] for c in s.chunks] == [[5], [4], [3, 2], [1], [0]]
+  net = NETWORKS["10gbe_p8"]
+  # ready order 5, 4, 3, 2, 1, 0. DDP: row 5 (80 B) is under the first cap (300 B); row 4 (4000 B)
+  # joins it and the bucket, now past its cap, closes (it overshoots); then 3, 2 (400 B) stay under
+  # 1000 B and row 1 (1200 B) joins and closes it; row 0 is left open and goes last.
+  ddp = bucket(bucket_bytes=1000, first_bucket_bytes=300)(p, net, cross_step=False)
+  assert _groups(ddp) == [[5, 4], [3, 2, 1], [0]]
+  # Horovod (one cycle holds every row): a row that would overflow 1000 B closes the buffer first, and
+  # a row larger than the threshold goes alone.
+  hvd = bucket(style="horovod", bucket_bytes=1000, cycle_s=1.0)(p, net, cross_step=False)
+  assert _groups(hvd) == [[5], [4], [3, 2], [1], [0]]
+
+
+def test_bucket_ddp_first_bucket_cap_follows_ddp():
+  p = layered([2**17] * 10)   # ten rows of 512 KiB (5 MiB)
+  net = NETWORKS["10gbe_p8"]
+  # caps left at DDP's defaults: a 1 MiB first bucket (two rows), then 25 MiB (the rest)
+  s = bucket()(p, net, cross_step=False)
+  assert [len(g) for g in _groups(s)] == [2, 8]
+  assert dict(s.options) == {"style": "ddp", "bucket_bytes": 25 * 2**20, "first_bucket_bytes": 2**20,
+                             "cycle_s": None}
+  # an explicit cap sets the first bucket's cap too (bucket_cap_mb=25 on a 5 MiB model: one bucket)
+  s = bucket(bucket_bytes=25 * 2**20)(p, net, cross_step=False)
+  assert [len(g) for g in _groups(s)] == [10] and dict(s.options)["first_bucket_bytes"] == 25 * 2**20
+  s = bucket(bucket_bytes=2 * 2**20)(p, net, cross_step=False)
+  assert [len(g) for g in _groups(s)] == [4, 4, 2]
+  # an explicit first cap wins; the recorded options plan the same buckets again
+  s = bucket(bucket_bytes=2 * 2**20, first_bucket_bytes=2**19)(p, net, cross_step=False)
+  assert [len(g) for g in _groups(s)] == [1, 4, 4, 1]
+  assert bucket(**dict(s.options))(p, net, cross_step=False) == s
+  # Horovod: 64 MiB by default, no first bucket: one buffer when every row is ready in one cycle
+  h = bucket(style="horovod", cycle_s=1.0)(p, net, cross_step=False)
+  assert [len(g) for g in _groups(h)] == [10] and dict(h.options)["bucket_bytes"] == 64 * 2**20
+
+
+def test_bucket_ddp_keeps_one_bucket_per_dtype_each_with_its_first_cap():
+  p = profile([("a", (100,), "float32", 0.5), ("b", (100,), "bfloat16", 0.4), ("c", (100,), "float32", 0.3),
+               ("d", (100,), "bfloat16", 0.2), ("e", (100,), "float32", 0.1)])
+  # ready order e, d, c, b, a; caps 400 B (first) then 1000 B, per dtype. float32 (400 B a row): e
+  # reaches the first cap alone; c, a stay open (800 B). bfloat16 (200 B a row): d, b reach 400 B.
+  s = bucket(bucket_bytes=1000, first_bucket_bytes=400)(p, NETWORKS["10gbe_p8"], cross_step=False)
+  assert _groups(s) == [[4], [3, 1], [2, 0]]
+  assert all(len(b.chunks) == 1 for b in s.buckets)   # one dtype per bucket, as DDP
+
+
+def test_bucket_horovod_fuses_per_cycle_and_looks_past_other_dtypes():
+  rows = [("a", (25,), "float32", 0.007), ("b", (25,), "float32", 0.006), ("c", (25,), "float32", 0.002),
+          ("d", (25,), "float32", 0.001)]
+  p, net = profile(rows), NETWORKS["10gbe_p8"]
+  # 5 ms cycles: d, c are fused at the 5 ms tick, b, a at the 10 ms one; a zero cycle fuses nothing
+  assert _groups(bucket(style="horovod", cycle_s=5e-3)(p, net, cross_step=False)) == [[3, 2], [1, 0]]
+  assert _groups(bucket(style="horovod", cycle_s=0)(p, net, cross_step=False)) == [[3], [2], [1], [0]]
+  # one cycle: a bfloat16 row between float32 rows is looked past (FuseResponses), then fused apart
+  mixed = profile([("a", (25,), "float32", 0.003), ("b", (50,), "bfloat16", 0.002),
+                   ("c", (25,), "float32", 0.001)])
+  assert _groups(bucket(style="horovod", cycle_s=1.0)(mixed, net, cross_step=False)) == [[2, 0], [1]]
+  # ... but only while the skipped bytes plus the fused ones fit the threshold (100 + 100 > 150 B)
+  assert _groups(bucket(style="horovod", cycle_s=1.0, bucket_bytes=150)(mixed, net, cross_step=False)) \
+      == [[2], [1], [0]]
 
 
 @settings(deadline=None, max_examples=40, derandomize=True)
-@given(st.lists(st.integers(0, 3000), min_size=1, max_size=30), st.integers(64, 8000))
-def test_bucket_stays_within_threshold_unless_one_leaf_is_larger(sizes, threshold):
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=30), st.integers(64, 8000),
+       st.sampled_from([None, 1e-3, 1.0]))
+def test_bucket_horovod_stays_within_threshold_unless_one_leaf_is_larger(sizes, threshold, cycle_s):
   p = layered(sizes)
-  s = bucket(bucket_bytes=threshold)(p, NETWORKS["10gbe_p8"], cross_step=False)
+  s = bucket(style="horovod", bucket_bytes=threshold, cycle_s=cycle_s)(p, NETWORKS["10gbe_p8"],
+                                                                      cross_step=False)
   assert_covers_exactly_once(s, p)
   for b in s.buckets:
     nbytes = sum(c.nbytes for c in b.chunks)
     assert nbytes <= threshold or sum(len(c.slices) for c in b.chunks) == 1
+
+
+@settings(deadline=None, max_examples=40, derandomize=True)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=30), st.integers(64, 8000), st.integers(64, 8000))
+def test_bucket_ddp_closes_exactly_when_the_cap_is_reached(sizes, threshold, first):
+  p = layered(sizes)
+  s = bucket(bucket_bytes=threshold, first_bucket_bytes=first)(p, NETWORKS["10gbe_p8"], cross_step=False)
+  assert_covers_exactly_once(s, p)
+  order = [r for r in p.ready_order() if p.rows[r].nbytes]
+  assert [r for g in _groups(s) for r in g] == order   # buckets are runs of the ready order
+  for k, g in enumerate(_groups(s)):
+    cap = first if k == 0 else threshold
+    nbytes = [p.rows[r].nbytes for r in g]
+    assert sum(nbytes[:-1]) < cap                      # it had not reached the cap before its last leaf
+    assert sum(nbytes) >= cap or k == len(s.buckets) - 1   # and only the last bucket closes under it
 
 
 def test_xla_one_combined_allreduce_per_dtype_without_overlap_and_30mib_with():
@@ -310,12 +394,33 @@ def test_mgwfbp_never_slower_than_wfbp_or_one_bucket(layers, alpha, beta):
 # priority (ByteScheduler)
 
 
-def test_priority_partitions_default_to_one_million_parameters():
-  p = profile([("a", (3 * 2**20,), "float32", 0.1), ("b", (2**20 + 3,), "bfloat16", 0.0)])
-  s = priority()(p, NETWORKS["10gbe_p8"], cross_step=True)
-  # row 1 ready first: 2 balanced parts of at most 2**20 elements; then row 0: 3 parts of 2**20
-  assert [c.size for c in s.chunks] == [2**19 + 2, 2**19 + 1, 2**20, 2**20, 2**20]
-  assert all(len(b.chunks) == 1 for b in s.buckets)   # one all-reduce per partition
+def test_priority_defaults_are_bytescheduler_s_per_mode():
+  p = profile([("a", (3_000_000,), "float32", 0.1), ("b", (1_000_003,), "bfloat16", 0.0),
+               ("c", (9_000_000,), "float32", 0.0)])
+  net = NETWORKS["10gbe_p8"]
+  s = priority()(p, net, cross_step=True)
+  # "ps" (ByteScheduler's code defaults): parts of at most 1,000,000 parameters, as equal as possible
+  sizes = {r: sorted(c.size for c in s.chunks if c.slices[0][0] == r) for r in range(3)}
+  assert sizes == {0: [1_000_000] * 3, 1: [500_001, 500_002], 2: [1_000_000] * 9}
+  assert all(len(c.slices) == 1 for c in s.chunks)     # it never fuses tensors
+  assert all(len(b.chunks) == 1 for b in s.buckets)    # one all-reduce per partition
+  assert dict(s.options) == {"partition_bytes": None, "credit_bytes": None, "mode": "ps"}
+  # "allreduce" (its documented all-reduce values): 8,000,000-parameter parts
+  s = priority(mode="allreduce")(p, net, cross_step=True)
+  sizes = {r: sorted(c.size for c in s.chunks if c.slices[0][0] == r) for r in range(3)}
+  assert sizes == {0: [3_000_000], 1: [1_000_003], 2: [4_500_000] * 2}
+  assert priority_mod.MODE_DEFAULTS == {"ps": (1_000_000, 4_000_000), "allreduce": (8_000_000, 16_000_000)}
+
+
+def test_priority_default_credit_counts_parameters():
+  # float16 parts of 1,000,000 parameters (2 MB). The default window, 4,000,000 parameters, lets four
+  # go at t=0; a high-priority row ready at 0.5 s goes when the first ends. The same number given in
+  # bytes (credit_bytes=16,000,000, i.e. 4M float32 parameters) lets all eight float16 parts go first.
+  p = profile([("hi", (10,), "float16", 0.5), ("lo", (8_000_000,), "float16", 0.0)])
+  s = priority()(p, HAND, cross_step=True)
+  assert [c.slices[0][0] for c in s.chunks][:6] == [1, 1, 1, 1, 0, 1]
+  s = priority(credit_bytes=16_000_000)(p, HAND, cross_step=True)   # the same window in bytes: 8 parts
+  assert [c.slices[0][0] for c in s.chunks][:9] == [1] * 8 + [0]
 
 
 def test_priority_credit_delays_a_late_high_priority_partition_behind_the_window():
@@ -330,6 +435,25 @@ def test_priority_credit_delays_a_late_high_priority_partition_behind_the_window
   # an unbounded credit commits every low partition at t=0: the high one goes last.
   s = priority(partition_bytes=1000, credit_bytes=10**9)(p, HAND, cross_step=True)
   assert s.chunks[-1].slices == ((0, 0, 250),)
+
+
+def test_priority_issues_while_credit_remains_and_may_overshoot_the_window():
+  # ByteCore._loop waits only once the remaining credit is <= 0. Credit 1500 B, parts 1000 B: at t=0
+  # two low parts go (1000 < 1500, then 2000); row 0 (ready at 0.5) waits for the first to end at 2.0
+  # (in flight 1000 < 1500) and goes; then the last two low parts. (A rule that waits until the next
+  # part fits would send one low part, then row 0 at 2.0, then the others.)
+  p = profile([("hi", (250,), "float32", 0.5), ("lo", (1000,), "float32", 0.0)])
+  s = priority(partition_bytes=1000, credit_bytes=1500)(p, HAND, cross_step=True)
+  assert [c.slices[0] for c in s.chunks] == [(1, 0, 250), (1, 250, 500), (0, 0, 250), (1, 500, 750),
+                                              (1, 750, 1000)]
+
+
+def test_bucket_and_priority_docstring_examples():
+  import doctest
+
+  for mod in (bucket_mod, priority_mod):
+    res = doctest.testmod(mod)
+    assert res.attempted > 0 and res.failed == 0, mod.__name__
 
 
 # --------------------------------------------------------------------------------------------------

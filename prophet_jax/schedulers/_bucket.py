@@ -1,14 +1,22 @@
-"""Fixed-threshold bucketing (PyTorch DDP, Horovod tensor fusion), filled in ready order.
+"""Fixed-threshold bucketing as PyTorch DDP and Horovod's tensor fusion do it, in ready order.
 
 Pure: numpy only, never jax.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 from .._types import GradientProfile, NetworkModel, Schedule
-from ._common import check_bytes, check_inputs, schedule_from_groups, whole_slice
+from ._common import Slice, check_bytes, check_inputs, schedule_from_groups, whole_slice
 
 POLICY = "bucket"
+STYLES = ("ddp", "horovod")
+DDP_BUCKET_BYTES = 25 * 2**20       # DistributedDataParallel(bucket_cap_mb=None): 25 MiB
+DDP_FIRST_BUCKET_BYTES = 2**20      # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES: 1 MiB
+HOROVOD_FUSION_BYTES = 64 * 2**20   # HOROVOD_FUSION_THRESHOLD before v0.21 (128 MiB since)
+HOROVOD_CYCLE_S = 5e-3              # HOROVOD_CYCLE_TIME before v0.21 (1 ms since)
 
 
 def fill_buckets(profile: GradientProfile, order, bucket_bytes: int,
@@ -17,6 +25,8 @@ def fill_buckets(profile: GradientProfile, order, bucket_bytes: int,
 
   A row that does not fit in the open bucket closes it; a row larger than the threshold goes alone into
   its own bucket. The first bucket uses `first_bucket_bytes` when given. Zero-size rows are skipped.
+  Rows of several dtypes may share a bucket (one chunk per dtype). This is XLA's combiner rule (see
+  `schedulers._xla`) and the threshold rule inside one Horovod cycle without its dtype look-ahead.
 
   Returns:
     The groups of slices, one per bucket, in issue order.
@@ -44,48 +54,209 @@ def fill_buckets(profile: GradientProfile, order, bucket_bytes: int,
   return groups
 
 
-def bucket(*, bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int | None = None):
-  """Buckets of whole leaves up to a byte threshold, filled in ready order (DDP / Horovod fusion).
+def ddp_buckets(profile: GradientProfile, order: Sequence[int], bucket_bytes: int,
+                first_bucket_bytes: int) -> list[list[Slice]]:
+  """PyTorch DDP's bucket assignment (`compute_bucket_assignment_by_size`) over rows in `order`.
 
-  Leaves are taken in ready order (`GradientProfile.ready_order`) and appended to the open bucket while
-  it stays within `bucket_bytes`; a leaf larger than the threshold is a bucket by itself. A bucket with
-  several dtypes holds one chunk (all-reduce) per dtype. The plan is the same for both step modes
-  (`cross_step` is only recorded).
-
-  Args:
-    bucket_bytes: the threshold in bytes. PyTorch DDP uses 25 MiB (the default); Horovod's fusion
-      buffer is 64 MiB (128 MiB since v0.21).
-    first_bucket_bytes: the threshold of the first bucket, or None for `bucket_bytes`. DDP uses 1 MiB so
-      that the first all-reduce starts early.
+  One open bucket per dtype (DDP keys buckets by dtype and device). A row is appended to its dtype's
+  bucket, and the bucket closes once its size *reaches* its cap (`size >= cap`), so the row that crosses
+  the cap stays in it and a bucket may overshoot by up to one row. Each dtype's first bucket has the cap
+  `first_bucket_bytes`, its later buckets `bucket_bytes`. Buckets that are still open at the end are
+  appended after the closed ones, ordered by when their last row is ready (PyTorch appends them in hash
+  map order, which is unspecified; with one dtype there is exactly one). Zero-size rows are skipped.
 
   Returns:
-    A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule`.
+    The groups of slices, one per bucket (one dtype each), in issue order.
+
+  Examples:
+    >>> from prophet_jax import GradientProfile
+    >>> p = GradientProfile.from_rows([
+    ...     dict(path=f"l{i}/w", layer=f"l{i}", shape=(n,), dtype="float32", nbytes=4 * n,
+    ...          ready_s=0.1 * (3 - i)) for i, n in enumerate((100, 300, 200))], forward_s=0.1,
+    ...     backward_s=0.3)
+    >>> # 800 B stays below the 1000 B cap; with the next 1200 B it reaches it and closes at 2000 B
+    >>> ddp_buckets(p, p.ready_order(), bucket_bytes=1000, first_bucket_bytes=1000)
+    [[(2, 0, 200), (1, 0, 300)], [(0, 0, 100)]]
+  """
+  closed: list[list[Slice]] = []
+  open_: dict[str, tuple[list[Slice], int]] = {}   # dtype -> (its open bucket's slices, bytes)
+  n_closed: dict[str, int] = {}                     # dtype -> buckets of that dtype closed so far
+  for r in order:
+    s = whole_slice(profile, r)
+    if s is None:
+      continue
+    row = profile.rows[r]
+    slices, nbytes = open_.pop(row.dtype, ([], 0))
+    slices.append(s)
+    nbytes += row.nbytes
+    cap = first_bucket_bytes if n_closed.get(row.dtype, 0) == 0 else bucket_bytes
+    if nbytes >= cap:
+      closed.append(slices)
+      n_closed[row.dtype] = n_closed.get(row.dtype, 0) + 1
+    else:
+      open_[row.dtype] = (slices, nbytes)
+  rest = sorted(open_.values(), key=lambda v: max(profile.rows[r].ready_s for r, _, _ in v[0]))
+  return closed + [v[0] for v in rest]
+
+
+def horovod_buckets(profile: GradientProfile, order: Sequence[int], fusion_bytes: int,
+                    cycle_s: float) -> list[list[Slice]]:
+  """Horovod's tensor fusion: per background cycle, the ready tensors fused up to the threshold.
+
+  Horovod's background thread wakes every `cycle_s` seconds and fuses the tensors that are ready and not
+  yet sent (`FuseResponses` in horovod/common/controller.cc): it takes the first tensor, then adds the
+  following tensors of the same dtype while the fused size stays within `fusion_bytes` (a bucket closes
+  *before* a tensor would overflow it, so it never exceeds the threshold unless one tensor alone does); a
+  tensor of another dtype or one that does not fit is skipped (looked past) while the skipped bytes plus
+  the fused bytes stay within the threshold, and goes in a later buffer of the same cycle. Each buffer is
+  one all-reduce; the cycle repeats until nothing ready is left. Here the cycles tick at k·`cycle_s` from
+  the start of backward, and a tensor ready at r joins the first tick at or after r; ticks do not wait
+  for the link (GPU all-reduces are asynchronous: the buffers queue in issue order). With `cycle_s` 0
+  only tensors ready at the same instant can fuse. Zero-size rows are skipped.
+
+  Returns:
+    The groups of slices, one per fused buffer (one dtype each), in issue order.
+  """
+  def tick(r: int) -> float:
+    t = profile.rows[r].ready_s
+    return t if cycle_s == 0 else math.ceil(t / cycle_s - 1e-9) * cycle_s
+
+  pending = [r for r in order if whole_slice(profile, r) is not None]
+  by_tick: dict[float, list[int]] = {}
+  for r in pending:
+    by_tick.setdefault(tick(r), []).append(r)
+  groups: list[list[Slice]] = []
+  for t in sorted(by_tick):
+    queue = by_tick[t]
+    while queue:
+      first, queue = queue[0], queue[1:]
+      dtype = profile.rows[first].dtype
+      fused = [first]
+      size = profile.rows[first].nbytes
+      skipped: list[int] = []
+      skipped_size = 0
+      while queue:
+        r = queue[0]
+        nb = profile.rows[r].nbytes
+        if profile.rows[r].dtype == dtype and size + nb <= fusion_bytes:
+          fused.append(r)
+          size += nb
+          queue = queue[1:]
+        else:
+          skipped_size += nb
+          if size + skipped_size <= fusion_bytes:
+            skipped.append(r)
+            queue = queue[1:]
+          else:
+            break
+      queue = skipped + queue
+      groups.append([whole_slice(profile, r) for r in fused])
+  return groups
+
+
+def bucket(*, style: str = "ddp", bucket_bytes: int | None = None, first_bucket_bytes: int | None = None,
+           cycle_s: float | None = None):
+  """Whole leaves fused into buckets by a byte threshold, as PyTorch DDP or Horovod does it.
+
+  `style="ddp"` (the default) models PyTorch DistributedDataParallel's steady state: the buckets DDP
+  rebuilds after its first iteration from the observed gradient-ready order (`GradientProfile
+  .ready_order`), assigned by `compute_bucket_assignment_by_size` (see `ddp_buckets`): one open bucket per
+  dtype, a bucket closes once it *reaches* its cap (the crossing leaf stays in it, so a bucket may
+  overshoot), the first bucket of each dtype capped at `first_bucket_bytes`. DDP issues the buckets in
+  bucket order, each when its last leaf is ready. Defaults as in DDP: `bucket_bytes` 25 MiB; the first
+  bucket 1 MiB only when `bucket_bytes` is left at its default (`bucket_cap_mb=None`), otherwise the same
+  as `bucket_bytes` (an explicit `bucket_cap_mb` sets both caps, measured with torch 2.13: FACTS.md);
+  `first_bucket_bytes` overrides it (DDP's is the module constant `_DEFAULT_FIRST_BUCKET_BYTES`).
+  Not modelled: DDP's first iteration (one bucket of everything, or reverse parameter order with the
+  rebuild disabled), its gradient copies into the bucket views, `static_graph`, unused-parameter
+  detection, and gloo running several queued buckets at once (one link here, per `network.links`).
+
+  `style="horovod"` models Horovod's tensor fusion (see `horovod_buckets`): every `cycle_s` the ready
+  tensors are fused, in ready order and per dtype, into buffers of at most `bucket_bytes` (a buffer
+  closes *before* a tensor would overflow it), each buffer one all-reduce. Defaults as in Horovod before
+  v0.21, whose fusion threshold is the 64 MiB the issue names: `bucket_bytes` 64 MiB and `cycle_s` 5 ms
+  (v0.21 and later: 128 MiB and 1 ms; pass them). Horovod has no first bucket. Not modelled: the
+  negotiation between ranks (all ranks are alike here), the response cache's order, and autotuning.
+
+  Both styles plan the same for either step mode (`cross_step` is only recorded).
+
+  Args:
+    style: "ddp" or "horovod".
+    bucket_bytes: the cap in bytes; None for the style's default (DDP 25 MiB, Horovod 64 MiB).
+    first_bucket_bytes: DDP only: the first bucket's cap in bytes; None for DDP's rule (1 MiB with the
+      default `bucket_bytes`, else `bucket_bytes`).
+    cycle_s: Horovod only: the background cycle in seconds (>= 0); None for 5 ms.
+
+  Returns:
+    A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule`. The schedule's options record
+    the resolved values (style, bucket_bytes, first_bucket_bytes, cycle_s), so `bucket(**options)`
+    plans the same buckets again.
 
   Raises:
-    TypeError, ValueError: a threshold that is not a positive integer number of bytes.
+    TypeError, ValueError: an unknown style, a threshold that is not a positive integer number of bytes,
+      a negative or non-finite cycle, or an option of the other style.
 
   Examples:
     >>> from prophet_jax import GradientProfile, NetworkModel
     >>> p = GradientProfile.from_rows([
     ...     dict(path=f"l{i}/w", layer=f"l{i}", shape=(256,), dtype="float32", nbytes=1024,
     ...          ready_s=0.1 * (3 - i)) for i in range(3)], forward_s=0.1, backward_s=0.3)
-    >>> s = bucket(bucket_bytes=2048)(p, NetworkModel.preset("10gbe", workers=4), cross_step=False)
-    >>> [len(c.slices) for c in s.chunks]
+    >>> net = NetworkModel.preset("10gbe", workers=4)
+    >>> [len(c.slices) for c in bucket(bucket_bytes=1500)(p, net, cross_step=False).chunks]  # DDP
+    [2, 1]
+    >>> h = bucket(style="horovod", bucket_bytes=2048, cycle_s=1.0)(p, net, cross_step=False)
+    >>> [len(c.slices) for c in h.chunks]  # one cycle: 2 KiB, then the rest
     [2, 1]
 
   References:
-    Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020.
-    Sergeev and Del Balso, "Horovod: fast and easy distributed deep learning in TensorFlow", 2018.
+    Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020;
+    pytorch/pytorch torch/csrc/distributed/c10d/reducer.cpp (`compute_bucket_assignment_by_size`).
+    Sergeev and Del Balso, "Horovod: fast and easy distributed deep learning in TensorFlow", 2018;
+    horovod/horovod docs/tensor-fusion.rst and horovod/common/controller.cc (`FuseResponses`).
   """
-  hint = "Try 25 * 2**20 (25 MiB, as DDP)."
-  bucket_bytes = check_bytes(POLICY, "bucket_bytes", bucket_bytes, allow_none=False, hint=hint)
+  if style not in STYLES:
+    raise ValueError(f"bucket(style={style!r}): expected one of {list(STYLES)} ('ddp': PyTorch DDP's "
+                     f"buckets; 'horovod': Horovod's tensor fusion).")
+  bucket_bytes = check_bytes(POLICY, "bucket_bytes", bucket_bytes,
+                             hint="Try 25 * 2**20 (DDP) or 64 * 2**20 (Horovod), or None for the "
+                                  "style's default.")
   first_bucket_bytes = check_bytes(POLICY, "first_bucket_bytes", first_bucket_bytes,
                                    hint="Try 2**20 (1 MiB, as DDP) or None.")
-  options = {"bucket_bytes": bucket_bytes, "first_bucket_bytes": first_bucket_bytes}
+  if style == "ddp":
+    if cycle_s is not None:
+      raise ValueError(f"bucket(style='ddp', cycle_s={cycle_s!r}): `cycle_s` is Horovod's background "
+                       f"cycle; use style='horovod' or leave cycle_s=None.")
+    if bucket_bytes is None:
+      bucket_bytes = DDP_BUCKET_BYTES
+      if first_bucket_bytes is None:
+        first_bucket_bytes = DDP_FIRST_BUCKET_BYTES
+    elif first_bucket_bytes is None:
+      first_bucket_bytes = bucket_bytes
+  else:
+    if first_bucket_bytes is not None:
+      raise ValueError(f"bucket(style='horovod', first_bucket_bytes={first_bucket_bytes!r}): Horovod has "
+                       f"no first bucket; `first_bucket_bytes` is DDP's. Use style='ddp' or leave it None.")
+    if bucket_bytes is None:
+      bucket_bytes = HOROVOD_FUSION_BYTES
+    if cycle_s is None:
+      cycle_s = HOROVOD_CYCLE_S
+    if isinstance(cycle_s, bool) or not isinstance(cycle_s, (int, float)):
+      raise TypeError(f"bucket(cycle_s={cycle_s!r}): `cycle_s` must be a number of seconds. Try 5e-3 "
+                      f"(Horovod before v0.21) or 1e-3 (v0.21 and later).")
+    if not math.isfinite(cycle_s) or cycle_s < 0:
+      raise ValueError(f"bucket(cycle_s={cycle_s!r}): `cycle_s` must be a finite number of seconds >= 0. "
+                       f"Try 5e-3 (Horovod before v0.21) or 1e-3 (v0.21 and later).")
+    cycle_s = float(cycle_s)
+  options = {"style": style, "bucket_bytes": bucket_bytes, "first_bucket_bytes": first_bucket_bytes,
+             "cycle_s": cycle_s}
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
     cross_step = check_inputs(POLICY, profile, network, cross_step)
-    groups = fill_buckets(profile, profile.ready_order(), bucket_bytes, first_bucket_bytes)
+    order = profile.ready_order()
+    if style == "ddp":
+      groups = ddp_buckets(profile, order, bucket_bytes, first_bucket_bytes)
+    else:
+      groups = horovod_buckets(profile, order, bucket_bytes, cycle_s)
     return schedule_from_groups(profile, groups, policy=POLICY, options=options, cross_step=cross_step)
 
   return scheduler

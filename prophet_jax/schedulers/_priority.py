@@ -12,35 +12,47 @@ from .._types import GradientProfile, NetworkModel, Schedule, itemsize
 from ._common import check_bytes, check_inputs, partition_count, partition_row, schedule_from_groups
 
 POLICY = "priority"
-DEFAULT_PARTITION_PARAMS = 2**20   # ByteScheduler's default partition: 1M parameters
-DEFAULT_CREDIT_PARAMS = 4 * 2**20  # ByteScheduler's default credit: 4M parameters
+# ByteScheduler's defaults, in parameters (elements), per its `arch` (bytedance/byteps, bytescheduler/):
+# - "ps": the defaults in the code, bytescheduler/bytescheduler/common/bytecore.py:62 and :65
+#   (ByteCore.__init__: BYTESCHEDULER_PARTITION 1000000, BYTESCHEDULER_CREDIT 4000000), which are the
+#   same for either arch there;
+# - "allreduce": what bytescheduler/docs/scheduling.md:36-40 prescribes for the all-reduce architecture
+#   ("should be much larger, e.g., 8000000" and "larger, e.g., 16000000").
+MODE_DEFAULTS = {"ps": (1_000_000, 4_000_000), "allreduce": (8_000_000, 16_000_000)}
+DEFAULT_PARTITION_PARAMS, DEFAULT_CREDIT_PARAMS = MODE_DEFAULTS["ps"]
 MAX_PARTITIONS = 2**20
 
 
 def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes: int | None,
-                credit_bytes: int | None) -> list[tuple[int, int, int]]:
+                credit_bytes: int | None, *, mode: str = "ps") -> list[tuple[int, int, int]]:
   """The partitions in the order ByteScheduler's loop would issue them, given the profile's timing.
 
-  The loop: every tensor (row) is cut into partitions of at most `partition_bytes` (default 1M
-  parameters times the row's dtype size); a partition is ready when its row is (`ready_s`); priority is
-  the row index (row 0, needed first by the next forward, is highest), then the element offset. Whenever
-  credit is free, the highest-priority ready partition is issued as its own all-reduce, and holds
-  credit until it finishes; the credit is `credit_bytes` (default 4M parameters: counted in elements
-  when defaulted, in bytes when given). A partition larger than the credit is issued when nothing else
-  is in flight. Issued partitions share one link first come first served, each taking
-  `network.allreduce_s(bytes)`.
+  The loop (ByteCore.post and ByteCore._loop in bytescheduler/common/bytecore.py): a tensor (row) larger
+  than the partition size is cut into ceil(size / partition) parts of equal size (at most one element
+  apart; ByteScheduler's PyTorch task cuts along the first axis, so its parts can differ by up to one
+  slice of that axis), each part a task of its own; the partition size is `partition_bytes`, or
+  `mode`'s default number of parameters times the row's dtype size. A part is ready when its row is
+  (`ready_s`); its priority is the row index (row 0, needed first by the next forward, is highest), then
+  its offset. Whenever credit remains (the credit in flight is below the window), the highest-priority
+  ready part is issued as its own all-reduce and holds its size in credit until it finishes; so the
+  window may be overshot by the last part issued, as ByteScheduler's loop does (it waits only once the
+  remaining credit is <= 0). The window is `credit_bytes` bytes, or `mode`'s default counted in
+  parameters (elements) as ByteScheduler counts it. Issued parts share one link first come first
+  served, each taking `network.allreduce_s(bytes)`.
 
   Returns:
     The partitions as (row, start, stop) slices in issue order.
   """
+  partition_params, credit_params = MODE_DEFAULTS[mode]
+
   def limit(row):
-    return partition_bytes if partition_bytes is not None else DEFAULT_PARTITION_PARAMS * itemsize(row.dtype)
+    return partition_bytes if partition_bytes is not None else partition_params * itemsize(row.dtype)
 
   count = sum(partition_count(profile, r, limit(row)) for r, row in enumerate(profile.rows))
   if count > MAX_PARTITIONS:
     raise ValueError(f"priority(partition_bytes={partition_bytes!r}) cuts this profile into {count} "
-                     f"partitions, more than {MAX_PARTITIONS}; use a larger partition_bytes (default: 1M "
-                     f"parameters times the dtype size).")
+                     f"partitions, more than {MAX_PARTITIONS}; use a larger partition_bytes (default: "
+                     f"{partition_params:,} parameters times the dtype size).")
   parts = []  # (ready_s, row, start, stop, units, cost)
   startup_s, per_byte_s = network.startup_s, network.per_byte_s
   for r, row in enumerate(profile.rows):
@@ -51,7 +63,7 @@ def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes
       units = (b - a) * size if credit_bytes is not None else (b - a)
       parts.append((row.ready_s, r, a, b, units, startup_s + per_byte_s * (b - a) * size))
   parts.sort(key=lambda p: (p[0], p[1], p[2]))
-  credit = credit_bytes if credit_bytes is not None else DEFAULT_CREDIT_PARAMS
+  credit = credit_bytes if credit_bytes is not None else credit_params
   pending: list[tuple[int, int, int, int, float]] = []  # heap by (row, start)
   inflight: deque[tuple[float, int]] = deque()            # (end time, units), FIFO on one link
   used = 0
@@ -66,7 +78,7 @@ def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes
       i += 1
     while inflight and inflight[0][0] <= t:
       used -= inflight.popleft()[1]
-    while pending and (not inflight or used + pending[0][3] <= credit):
+    while pending and used < credit:
       r, a, b, units, cost = heapq.heappop(pending)
       start = max(t, link_free)
       link_free = start + cost
@@ -84,44 +96,73 @@ def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes
   return order
 
 
-def priority(*, partition_bytes: int | None = None, credit_bytes: int | None = None):
+def priority(*, partition_bytes: int | None = None, credit_bytes: int | None = None, mode: str = "ps"):
   """ByteScheduler / P3: tensors cut into partitions, sent highest priority first within a credit.
 
   A static model of ByteScheduler's run-time loop (see `issue_order`): the emitted schedule is the
   order in which its loop would issue the partitions, given the profile's ready times and the network
-  model. As in ByteScheduler's all-reduce mode, every partition is its own all-reduce (one chunk in a
-  bucket of its own); the credit bounds the bytes in flight, so a high-priority partition that becomes
-  ready waits behind at most a credit's worth of lower-priority partitions. The same loop plans both
-  step modes; priority order pays off with `cross_step=True` (the next forward needs row 0 first). With
-  `network.overlap` False the loop still uses the profile's ready times (backward pauses are ignored),
-  and it models one link (`network.links` > 1 gets the same order).
+  model. As ByteScheduler does, every partition is its own all-reduce (one chunk in a bucket of its
+  own): it never fuses tensors. The credit bounds what is in flight, so a high-priority partition that
+  becomes ready waits behind at most a credit's worth of lower-priority partitions. The same loop plans
+  both step modes; priority order pays off with `cross_step=True` (the next forward needs row 0 first).
+  With `network.overlap` False the loop still uses the profile's ready times (backward pauses are
+  ignored), and it models one link (`network.links` > 1 gets the same order).
+
+  Defaults are ByteScheduler's, per its communication architecture (`mode`), counted in parameters:
+  "ps" (the default, ByteScheduler's code defaults): 1,000,000-parameter partitions and a
+  4,000,000-parameter credit (bytescheduler/bytescheduler/common/bytecore.py:62 and :65 in
+  bytedance/byteps); "allreduce": 8,000,000 and 16,000,000, the values its documentation prescribes for
+  the all-reduce architecture (bytescheduler/docs/scheduling.md:36-40). The mode only picks these
+  defaults: the collective simulated is always `network`'s all-reduce (ByteScheduler's "ps" mode pushes
+  to and pulls from parameter servers, which this model does not simulate). ByteScheduler tunes the
+  credit at run time by Bayesian optimisation (bytescheduler/common/tuner.py: credit 1-16M parameters
+  for "ps", 4-64M for "allreduce"; partition 2-32M, all-reduce only): pass `partition_bytes` and
+  `credit_bytes` to model a tuned run.
 
   Args:
-    partition_bytes: largest partition in bytes; None for ByteScheduler's default, 1M parameters times
-      the gradient dtype's size (4 MiB for float32).
-    credit_bytes: bytes in flight; None for ByteScheduler's default, 4M parameters (counted in
-      elements, so 16 MiB of float32).
+    partition_bytes: largest partition in bytes; None for `mode`'s default number of parameters times
+      the gradient dtype's size (4,000,000 bytes of float32 for "ps").
+    credit_bytes: bytes in flight; None for `mode`'s default, counted in parameters (elements), as
+      ByteScheduler counts it (16,000,000 bytes of float32 for "ps").
+    mode: "ps" or "allreduce": which of ByteScheduler's defaults to use.
 
   Returns:
     A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule`.
 
   Raises:
-    TypeError, ValueError: an option that is not a positive integer number of bytes (or None).
+    TypeError, ValueError: an option that is not a positive integer number of bytes (or None), or an
+      unknown mode.
+
+  Examples:
+    >>> from prophet_jax import GradientProfile, NetworkModel
+    >>> p = GradientProfile.from_rows([
+    ...     dict(path="a/w", layer="a", shape=(2_500_000,), dtype="float32", nbytes=10_000_000,
+    ...          ready_s=0.1)], forward_s=0.1, backward_s=0.1)
+    >>> net = NetworkModel.preset("10gbe", workers=4)
+    >>> [c.size for c in priority()(p, net, cross_step=True).chunks]        # 1M-parameter parts
+    [833334, 833333, 833333]
+    >>> [c.size for c in priority(mode="allreduce")(p, net, cross_step=True).chunks]
+    [2500000]
 
   References:
     Peng et al., "A Generic Communication Scheduler for Distributed DNN Training Acceleration"
-    (ByteScheduler), SOSP 2019. Jayarajan et al., "Priority-based Parameter Propagation for
-    Distributed DNN Training" (P3), SysML 2019.
+    (ByteScheduler), SOSP 2019; bytedance/byteps, bytescheduler/. Jayarajan et al.,
+    "Priority-based Parameter Propagation for Distributed DNN Training" (P3), SysML 2019.
   """
+  if mode not in MODE_DEFAULTS:
+    raise ValueError(f"priority(mode={mode!r}): expected one of {sorted(MODE_DEFAULTS)} (ByteScheduler's "
+                     f"defaults for parameter servers or for all-reduce).")
+  default_partition, default_credit = MODE_DEFAULTS[mode]
   partition_bytes = check_bytes(POLICY, "partition_bytes", partition_bytes,
-                                hint="Try 4 * 2**20 or None (1M parameters).")
+                                hint=f"Try {4 * default_partition} or None ({default_partition:,} "
+                                     f"parameters).")
   credit_bytes = check_bytes(POLICY, "credit_bytes", credit_bytes,
-                             hint="Try 16 * 2**20 or None (4M parameters).")
-  options = {"partition_bytes": partition_bytes, "credit_bytes": credit_bytes}
+                             hint=f"Try {4 * default_credit} or None ({default_credit:,} parameters).")
+  options = {"partition_bytes": partition_bytes, "credit_bytes": credit_bytes, "mode": mode}
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
     cross_step = check_inputs(POLICY, profile, network, cross_step)
-    groups = [[s] for s in issue_order(profile, network, partition_bytes, credit_bytes)]
+    groups = [[s] for s in issue_order(profile, network, partition_bytes, credit_bytes, mode=mode)]
     return schedule_from_groups(profile, groups, policy=POLICY, options=options, cross_step=cross_step)
 
   return scheduler
