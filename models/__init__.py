@@ -4,7 +4,9 @@
   trainable flax models ('mlp', 'cnn', 'gpt-tiny', 'resnet-small'), in `registry.py` [jax].
 - `load_trace(name)`, `TRACES`: bundled GradientProfiles ('resnet50-v100', ..., 'googlenet-k80'), and
   `googlenet_allreduce(nodes)`, `googlenet_comm_s(nodes)`, `googlenet_available()`, `googlenet_dir()`,
-  in `_traces.py` (pure: numpy only).
+  `googlenet_layer_allreduce(nodes)`, `googlenet_network(nodes)` (alpha, beta fitted from the run's own
+  all-reduces), `googlenet_merged_groups(nodes)` (the authors' merged run), and `fit_allreduce` (the
+  robust alpha-beta fit), in `_traces.py` (pure: numpy only).
 - `architecture(name)`, `ARCHITECTURES`, `reference_param_count(name)`: flax definitions of ResNet-50,
   VGG-16, BERT-base and GPT-2 small (parameter trees via `jax.eval_shape`; `Architecture.forward_paths`),
   in `zoo.py` [jax].
@@ -26,7 +28,9 @@ _EXPORTS: dict[str, str] = {
     "PARAM_DTYPES": "registry",
     "load_trace": "_traces", "TRACES": "_traces", "googlenet_allreduce": "_traces",
     "googlenet_available": "_traces", "googlenet_dir": "_traces", "googlenet_comm_s": "_traces",
-    "GOOGLENET_NODES": "_traces", "ALGORITHM_SWITCH_BYTES": "_traces",
+    "GOOGLENET_NODES": "_traces", "ALGORITHM_SWITCH_BYTES": "_traces", "fit_allreduce": "_traces",
+    "googlenet_layer_allreduce": "_traces", "googlenet_network": "_traces",
+    "googlenet_merged_groups": "_traces", "GOOGLENET_LINE_RATE_BYTES_PER_S": "_traces",
     "architecture": "zoo", "ARCHITECTURES": "zoo", "reference_param_count": "zoo",
 }
 

@@ -31,11 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
-from prophet_jax._errors import TraceUnavailableError
-from prophet_jax._types import GradientProfile, ProfileRow
+from prophet_jax._errors import NetworkError, TraceUnavailableError
+from prophet_jax._types import GradientProfile, NetworkModel, ProfileRow
 
 __all__ = ["TRACES", "load_trace", "googlenet_allreduce", "googlenet_available", "googlenet_dir",
-           "googlenet_comm_s", "GOOGLENET_NODES", "ALGORITHM_SWITCH_BYTES"]
+           "googlenet_comm_s", "GOOGLENET_NODES", "ALGORITHM_SWITCH_BYTES", "fit_allreduce",
+           "googlenet_layer_allreduce", "googlenet_network", "googlenet_merged_groups",
+           "GOOGLENET_LINE_RATE_BYTES_PER_S"]
 
 _BUNDLED_MODELS = ("resnet50", "vgg16", "bert-base", "gpt2")
 _BUNDLED_DEVICES = ("v100", "h100")
@@ -45,6 +47,7 @@ TRACES: tuple[str, ...] = _BUNDLED + ("googlenet-k80",)
 GOOGLENET_NODES = (2, 4, 8)
 GOOGLENET_FWD_PER_BWD = 0.5   # the stated forward-time model: forward = half of backward, per layer
 ALGORITHM_SWITCH_BYTES = 12288  # the OSU logs jump between 8 KiB and 12 KiB (MPI changes algorithm)
+GOOGLENET_LINE_RATE_BYTES_PER_S = 10e9 / 8  # 10 Gbit/s Ethernet, the K80 cluster of MG-WFBP's paper
 _SUBDIR = Path("traces") / "googlenet-caffe-k80"
 
 
@@ -127,17 +130,28 @@ def _check_nodes(nodes: int, fn: str) -> int:
 _ROW = re.compile(r"\]\s*\[([^\]]*)\]\s*$")
 
 
-def _read_pass(nodes: int, shared_dir: str | Path | None) -> np.ndarray:
-  """The last 128-row pass of tmp{nodes}comm.log as an array (param_id, numel, compute_us, comm_us)."""
-  path = googlenet_dir(shared_dir) / f"tmp{nodes}comm.log"
+def _read_pass(nodes: int, shared_dir: str | Path | None, *, prefix: str = "tmp{}comm",
+               columns: int = 4) -> np.ndarray:
+  """The last 128-row pass of `prefix`.log as an array (param_id, numel, compute_us, comm_us[, merged_us]).
+
+  `columns` is how many of the logged columns to return (4, or 5 where the log has a fifth).
+  """
+  name = prefix.format(nodes) + ".log"
+  path = googlenet_dir(shared_dir) / name
+  if not path.is_file():
+    raise TraceUnavailableError(f"{path} is not on this machine (the other GoogLeNet logs are); the data "
+                                f"set looks incomplete.")
   rows = []
   for line in path.read_text().splitlines():
     m = _ROW.search(line)
     if m and "distributed.cpp" in line:
-      rows.append([float(x) for x in m.group(1).split(",")][:4])
+      rows.append([float(x) for x in m.group(1).split(",")])
   if len(rows) < 128:
     raise TraceUnavailableError(f"{path}: expected at least one pass of 128 rows, found {len(rows)} rows.")
-  last = np.asarray(rows[-128:], dtype=np.float64)
+  if any(len(r) < columns for r in rows[-128:]):
+    raise TraceUnavailableError(f"{path}: expected rows of at least {columns} columns "
+                                f"[param_id, numel, compute_us, comm_us, merged_us].")
+  last = np.asarray([r[:columns] for r in rows[-128:]], dtype=np.float64)
   if not np.array_equal(last[:, 0], np.arange(128)):
     raise TraceUnavailableError(f"{path}: the last 128 rows are not param_ids 0..127 in order; the log "
                                 f"is not the expected format.")
@@ -263,3 +277,204 @@ def googlenet_allreduce(nodes: int = 8, *, shared_dir: str | Path | None = None,
   keep = x >= int(min_bytes)
   return x[keep], y[keep]
 
+
+
+# --------------------------------------------------------------------------------------------------
+# Fitting alpha and beta the way the MG-WFBP authors did: from the run's own all-reduces
+
+
+def fit_allreduce(sizes, seconds, *, workers: int, overlap: bool = True,
+                  line_rate_bytes_per_s: float | None = None, reject: float | None = 3.0,
+                  name: str = "fit") -> NetworkModel:
+  """A ring NetworkModel fitted to measured all-reduces by plain least squares on medians over repeats.
+
+  The measured time of one all-reduce of M bytes is modelled as t = a + b·M, MG-WFBP's cost model, with
+  a = 2(P-1)·alpha_s and b = 2(P-1)/P·beta (DESIGN.md). The fit:
+
+  1. takes the median over the repeats of each message size (a message measured twice counts once, and
+     one slow repeat of three does not move it);
+  2. fits a and b by ordinary (unweighted) least squares over the sizes, constrained to a, b >= 0;
+  3. with `reject`, sets aside the sizes whose time is off the line by more than `reject` robust
+     standard deviations of the relative residuals (1.4826 · their median absolute deviation; at least
+     10%), fits again on the rest, and repeats until the set is stable (the sizes set aside are not
+     weighted, just left out: a message that once took 5x its usual time says nothing about the link);
+  4. turns a and b into alpha_s = a / (2(P-1)) and beta = b·P / (2(P-1)).
+
+  Unweighted squares on purpose (FACTS.md, "Fitting alpha/beta on a tbf link"): small messages now and
+  then take several times their usual time, and a fit weighted by relative error lets those outliers pull
+  beta below the link's real cost. Plain squares are decided by the large messages, whose times are
+  steady, but slow small ones still lift a and so tilt b down (by 2-11% on synthetic runs with a fifth
+  of the small messages 5-10x slow, against under 1.2% after step 3). `NetworkModel.fit` weights by
+  relative error and is meant for clean probes; use this one for times taken inside a training run. A
+  fitted link faster than the line rate means the fit is wrong: give `line_rate_bytes_per_s` and such a
+  fit raises.
+
+  Args:
+    sizes: message sizes in bytes, one per measurement (sizes may repeat), shape (n,).
+    seconds: the measured times: shape (n,), or (n, repeats) with NaN where a repeat is missing.
+    workers: P, the number of workers the all-reduces ran among (>= 2).
+    overlap: carried into the model (True for GPUs).
+    line_rate_bytes_per_s: if given, the fitted link bandwidth 1/beta must not exceed it.
+    reject: how many robust standard deviations off the line make a size an outlier (step 3); None to
+      keep every size.
+    name: the model's name.
+
+  Returns:
+    The NetworkModel, with `fit_residual_s` the RMS residual over the per-size medians it kept.
+
+  Raises:
+    NetworkError: mismatched shapes, non-finite or negative data, fewer than 2 distinct sizes, workers <
+      2, or a fitted bandwidth above `line_rate_bytes_per_s`.
+
+  Examples:
+    >>> # 1 ms + 2 ns/B; one slow repeat of the 1 MB message (10 ms) does not move its median
+    >>> m = fit_allreduce([1e3, 1e6, 1e6, 1e6, 4e6], [0.001002, 0.003, 0.003, 0.010, 0.009], workers=2)
+    >>> round(m.startup_s * 1e3, 6), round(m.per_byte_s * 1e9, 6)    # a (ms), b (ns/B)
+    (1.0, 2.0)
+  """
+  x = np.asarray(sizes, dtype=np.float64)
+  y = np.asarray(seconds, dtype=np.float64)
+  if y.ndim == 1:
+    y = y[:, None]
+  if x.ndim != 1 or y.ndim != 2 or y.shape[0] != x.shape[0]:
+    raise NetworkError(f"fit_allreduce(): got sizes of shape {x.shape} and seconds of shape {y.shape}; "
+                       f"expected (n,) and (n,) or (n, repeats).")
+  if not np.all(np.isfinite(x)) or np.any(x < 0) or np.any(y[np.isfinite(y)] < 0) or np.any(np.isinf(y)):
+    raise NetworkError("fit_allreduce(): sizes and times must be finite and >= 0 (NaN marks a missing "
+                       "repeat).")
+  if isinstance(workers, bool) or int(workers) < 2:
+    raise NetworkError(f"fit_allreduce(workers={workers!r}): a fit needs at least 2 workers.")
+  keep = np.any(np.isfinite(y), axis=1)
+  x, y = x[keep], y[keep]
+  sizes_u = np.unique(x)
+  if len(sizes_u) < 2:
+    raise NetworkError(f"fit_allreduce() needs at least 2 distinct message sizes to fit alpha and beta; "
+                       f"got sizes {tuple(sizes_u.tolist())}.")
+  med = np.array([np.nanmedian(y[x == v]) for v in sizes_u])
+  keep = np.ones(len(sizes_u), dtype=bool)
+  for _ in range(len(sizes_u)):
+    a, b = _nonneg_lstsq(sizes_u[keep], med[keep])
+    if reject is None:
+      break
+    pred = a + b * sizes_u
+    rel = (med - pred) / np.maximum(pred, 1e-300)
+    spread = 1.4826 * float(np.median(np.abs(rel[keep] - np.median(rel[keep]))))
+    new = np.abs(rel) <= max(reject * spread, 0.1)
+    if np.array_equal(new, keep) or np.count_nonzero(new) < 2 or len(np.unique(sizes_u[new])) < 2:
+      break
+    keep = new
+  p = int(workers)
+  beta = b * p / (2 * (p - 1))
+  if line_rate_bytes_per_s is not None and beta > 0 and 1.0 / beta > line_rate_bytes_per_s:
+    raise NetworkError(f"fit_allreduce(): the fitted link bandwidth {1 / beta / 1e6:.0f} MB/s exceeds the "
+                       f"line rate {line_rate_bytes_per_s / 1e6:.0f} MB/s, so the fit is wrong (outliers, "
+                       f"or times that do not include the whole transfer). Check the data, or fit only "
+                       f"the sizes whose times are steady.")
+  resid = float(np.sqrt(np.mean((a + b * sizes_u[keep] - med[keep]) ** 2)))
+  return NetworkModel(alpha_s=a / (2 * (p - 1)), beta_s_per_byte=beta, workers=p, overlap=overlap,
+                      name=name, fit_residual_s=resid)
+
+
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+  """Ordinary least squares y = a + b·x with a, b >= 0 (the best of the interior and the two edges)."""
+  A = np.stack([np.ones_like(x), x], axis=1)
+  (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
+  if a >= 0 and b >= 0:
+    return float(a), float(b)
+  edges = [(float(np.mean(y)), 0.0), (0.0, max(float(np.dot(x, y) / max(np.dot(x, x), 1e-300)), 0.0))]
+  return min(edges, key=lambda ab: float(np.sum((ab[0] + ab[1] * x - y) ** 2)))
+
+
+def googlenet_layer_allreduce(nodes: int = 8, *, shared_dir: str | Path | None = None
+                              ) -> tuple[np.ndarray, np.ndarray]:
+  """The per-layer all-reduces B-Caffe measured in the same run as the GoogLeNet profile.
+
+  tmp{nodes}comm.log times every all-reduce of the benchmark iteration: the GPU->host copy, the MPI
+  all-reduce, the scaling and the copies back (B-Caffe's DistManager::ReduceLoop). In the 8-node log a
+  layer's weight and bias went out in one all-reduce, logged on the weight row (the bias row reads 0), so
+  a message is a logged row with the zero rows after it; its fifth column re-times the same all-reduces
+  in a later iteration, a second repeat. In the 2- and 4-node logs every row is its own all-reduce, one
+  repeat. Sizes are the logged (64-element aligned, as B-Caffe sends them) counts times 4 bytes.
+
+  Args:
+    nodes: 2, 4 or 8.
+    shared_dir: the directory that holds traces/ (default: found from the checkout or the cwd).
+
+  Returns:
+    (sizes in bytes, shape (n,)), (seconds, shape (n, repeats)): n = 65 messages and 2 repeats at 8 nodes,
+    128 and 1 at 2 and 4.
+
+  Raises:
+    ValueError: nodes not in (2, 4, 8).
+    TraceUnavailableError: the logs are not on this machine, or not in the expected format.
+  """
+  nodes = _check_nodes(nodes, "googlenet_layer_allreduce")
+  data = _read_pass(nodes, shared_dir, columns=5 if nodes == 8 else 4)
+  numel, comm = data[:, 1], data[:, 3:]
+  starts = np.flatnonzero(comm[:, 0] > 0)
+  if len(starts) == 0 or starts[0] != 0:
+    raise TraceUnavailableError(f"tmp{nodes}comm.log: the first row has no all-reduce time; the log is "
+                                f"not the expected format.")
+  stops = np.r_[starts[1:], len(numel)]
+  sizes = np.array([4.0 * numel[a:b].sum() for a, b in zip(starts, stops)])
+  seconds = comm[starts] * 1e-6
+  seconds[seconds <= 0] = np.nan  # a repeat that was not logged
+  return sizes, seconds
+
+
+def googlenet_network(nodes: int = 8, *, shared_dir: str | Path | None = None,
+                      line_rate_bytes_per_s: float | None = GOOGLENET_LINE_RATE_BYTES_PER_S
+                      ) -> NetworkModel:
+  """The network of the GoogLeNet/K80 trace, fitted as MG-WFBP's authors did: from the run's all-reduces.
+
+  `fit_allreduce` over `googlenet_layer_allreduce(nodes)` (medians over repeats, plain least squares), for
+  `nodes` workers, overlapping compute (B-Caffe all-reduces from a thread while backward runs). Fitted on
+  the all-reduces of the training run itself, the start-up cost includes what a training all-reduce pays
+  beyond MPI (the copies between GPU and host, the synchronisation of the GPUs), which the OSU latency
+  test of `googlenet_allreduce` does not see: at 8 nodes a = 2(P-1)·alpha_s is about 1.7 ms here
+  against about 0.8 ms from the OSU test, and that start-up cost is what merging saves.
+
+  Args:
+    nodes: 2, 4 or 8.
+    shared_dir: the directory that holds traces/.
+    line_rate_bytes_per_s: the fit must not find a link faster than this (10 Gbit/s Ethernet by
+      default, the paper's cluster); None to skip the check.
+
+  Returns:
+    A NetworkModel named 'googlenet-k80-fit{nodes}'.
+
+  Raises:
+    ValueError: nodes not in (2, 4, 8).
+    TraceUnavailableError: the logs are not on this machine.
+    NetworkError: the fit finds a link faster than the line rate.
+  """
+  sizes, seconds = googlenet_layer_allreduce(nodes, shared_dir=shared_dir)
+  return fit_allreduce(sizes, seconds, workers=nodes, overlap=True,
+                       line_rate_bytes_per_s=line_rate_bytes_per_s, name=f"googlenet-k80-fit{nodes}")
+
+
+def googlenet_merged_groups(nodes: int = 8, *, shared_dir: str | Path | None = None
+                            ) -> tuple[tuple[tuple[int, ...], ...], np.ndarray]:
+  """The merged all-reduces of the authors' merged run (tmp{nodes}ocomm.log, 4 or 8 nodes).
+
+  B-Caffe logs a merged all-reduce's time in the fifth column of the first row (lowest parameter index)
+  of its group; a group runs from there to the row before the next logged one. Rows are the profile's
+  rows (Caffe's parameter order).
+
+  Returns:
+    (groups: row indices of each merged all-reduce, in parameter order), (seconds of each, shape (g,)).
+
+  Raises:
+    ValueError: nodes not in (4, 8).
+    TraceUnavailableError: the logs are not on this machine, or not in the expected format.
+  """
+  if isinstance(nodes, bool) or nodes not in (4, 8):
+    raise ValueError(f"googlenet_merged_groups(nodes={nodes!r}): the merged runs exist for [4, 8] nodes.")
+  data = _read_pass(nodes, shared_dir, prefix="tmp{}ocomm", columns=5)
+  starts = np.flatnonzero(data[:, 4] > 0)
+  if len(starts) == 0 or starts[0] != 0:
+    raise TraceUnavailableError(f"tmp{nodes}ocomm.log: the first row has no merged all-reduce time; the "
+                                f"log is not the expected format.")
+  stops = np.r_[starts[1:], 128]
+  groups = tuple(tuple(range(a, b)) for a, b in zip(starts, stops))
+  return groups, data[starts, 4] * 1e-6
