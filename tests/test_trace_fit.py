@@ -33,7 +33,8 @@ def test_fit_recovers_alpha_and_beta_despite_slow_small_messages():
   assert m.workers == 8 and m.overlap and m.name == "fit"
   assert m.per_byte_s == pytest.approx(B_S_PER_BYTE, rel=0.03)      # never pulled below the link's cost
   assert m.startup_s == pytest.approx(A_S, rel=0.2)
-  assert m.alpha_s == pytest.approx(m.startup_s / 14) and m.beta_s_per_byte == pytest.approx(m.per_byte_s * 8 / 14)
+  assert m.alpha_s == pytest.approx(m.startup_s / 14)
+  assert m.beta_s_per_byte == pytest.approx(m.per_byte_s * 8 / 14)
   # without setting the outliers aside, plain squares are tilted: a up, b down (below the link's cost)
   plain = fit_allreduce(sizes, _noisy_run(np.random.default_rng(0), sizes, 3), workers=8, reject=None)
   assert plain.per_byte_s < 0.97 * B_S_PER_BYTE and plain.startup_s > 1.3 * A_S
