@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import ScheduleMismatchError
+from ._tree import match_rows
 from ._types import GradientProfile, NetworkModel, Schedule
 
 
@@ -164,13 +164,7 @@ class Monitor:
     return float(simulate(schedule, self.profile, network, cross_step=self.cross_step).iteration_s)
 
   def _check(self, schedule: Schedule) -> None:
-    if not isinstance(schedule, Schedule):
-      raise TypeError(f"Monitor: expected a Schedule, got {type(schedule).__name__}.")
-    mine = self.profile.fingerprint()
-    if schedule.tree_fingerprint != mine:
-      raise ScheduleMismatchError(
-          f"Monitor: the schedule's tree fingerprint {schedule.tree_fingerprint!r} does not match this "
-          f"process's profile ({mine!r}); it was planned for another model. Plan again on this profile.")
+    match_rows(schedule, self.profile.tree_rows(), where="Monitor", theirs="this process's profile")
 
   def _agree(self, schedule: Schedule) -> Schedule:
     """Rank 0's schedule on every process (no-op in one process); each checks its fingerprint."""

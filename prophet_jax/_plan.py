@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._errors import ScheduleError
-from ._types import GradientProfile, NetworkModel, Schedule, check_rows_match
+from ._tree import match_rows
+from ._types import GradientProfile, NetworkModel, Schedule
 
 
 def _auto(**options: Any):
@@ -76,7 +77,7 @@ def validate_schedule(schedule: Schedule, profile: GradientProfile) -> Schedule:
     raise TypeError(f"validate_schedule: expected a Schedule, got {type(schedule).__name__}.")
   if not isinstance(profile, GradientProfile):
     raise TypeError(f"validate_schedule: expected a GradientProfile, got {type(profile).__name__}.")
-  check_rows_match(schedule, profile, "validate_schedule")
+  match_rows(schedule, profile.tree_rows(), where="validate_schedule")
   rows = profile.tree_rows()
   sizes = [math.prod(shape) for _, shape, _ in rows]
   covered = [0] * len(rows)

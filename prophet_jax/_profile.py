@@ -41,7 +41,7 @@ Fallbacks, in order (`method='auto'`), each saying so in the profile's `method` 
 Made-up numbers are never labelled 'measured'.
 
 Rows are in forward (priority) order: the order in which the loss's jaxpr first reads each parameter
-(`prophet_jax.models.forward_paths`), not flatten order.
+(`_tree.forward_paths`), not flatten order.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ import numpy as np
 
 from ._errors import ProfileError
 from . import _trace
+from ._tree import forward_paths, is_reduced_leaf, layer_of, path_str
 from ._types import GradientProfile, ProfileRow, itemsize
 
 _AXIS = "prophet_profile"
@@ -87,24 +88,10 @@ class _Setup:
   loss_of: Callable[..., Any]  # (diff_leaves, other_leaves, batch) -> scalar
 
 
-def _layer(path: str, layer_depth: int | None) -> str:
-  parts = path.split("/")
-  return "/".join(parts[:layer_depth] if layer_depth else parts[:-1]) or parts[0]
-
-
-def _is_float(x: Any) -> bool:
-  import jax.numpy as jnp
-
-  dt = getattr(x, "dtype", None)
-  return dt is not None and jnp.issubdtype(dt, jnp.inexact) and str(dt) != "float0"
-
-
 def _setup(loss_fn, params, batch, num_devices, layer_depth) -> _Setup:
   import jax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
-
-  from ._tree import path_str
 
   if not callable(loss_fn):
     raise TypeError(f"profile_step(loss_fn={loss_fn!r}): expected a callable loss_fn(params, batch).")
@@ -125,7 +112,7 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth) -> _Setup:
   for path, x in zip(paths, leaves):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"profile_step: parameter leaf {path!r} is a {type(x).__name__}; expected arrays.")
-  diff_idx = [i for i, x in enumerate(leaves) if _is_float(x) and math.prod(x.shape) >= 0]
+  diff_idx = [i for i, x in enumerate(leaves) if is_reduced_leaf(x)]
   if not diff_idx:
     raise ProfileError("profile_step: params have no floating-point leaves, so nothing is differentiable; "
                        "pass the model's float parameters.")
@@ -160,7 +147,7 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth) -> _Setup:
         f"profile_step: loss_fn(params, batch) failed on a per-device batch of shapes "
         f"{_shapes(local_batch)} (the global batch split over {n} devices): {type(e).__name__}: "
         f"{str(e).splitlines()[0] if str(e) else ''}. Check the batch's shapes against the model.") from e
-  if not hasattr(out, "shape") or out.shape != () or not _is_float(out):
+  if not hasattr(out, "shape") or out.shape != () or not is_reduced_leaf(out):
     raise TypeError(f"profile_step: loss_fn must return a real floating scalar to be differentiated; it "
                     f"returned {getattr(out, 'dtype', type(out).__name__)}{tuple(getattr(out, 'shape', ()))}."
                     f" Reduce the loss to a scalar (e.g. jnp.mean) and return aux values separately.")
@@ -172,12 +159,10 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth) -> _Setup:
                     f"loss through differentiable operations.") from e
 
   # Forward (priority) order: first use in the loss's jaxpr.
-  from prophet_jax.models.registry import forward_paths
-
   fwd = forward_paths(loss_fn, params, local_batch)
   pos = {p: k for k, p in enumerate(fwd)}
   order = sorted(range(len(diff_idx)), key=lambda k: (pos.get(paths[diff_idx[k]], len(pos)), k))
-  layers = {i: _layer(paths[i], layer_depth) for i in diff_idx}
+  layers = {i: layer_of(paths[i], layer_depth) for i in diff_idx}
 
   rep = NamedSharding(mesh, P())
   shard = NamedSharding(mesh, P(_AXIS))
@@ -190,8 +175,6 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth) -> _Setup:
 
 def _shapes(tree: Any) -> str:
   import jax
-
-  from ._tree import path_str
 
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   return "{" + ", ".join(f"{path_str(k) or 'batch'}: {tuple(x.shape)}" for k, x in flat) + "}"

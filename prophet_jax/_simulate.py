@@ -65,7 +65,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._types import Event, GradientProfile, NetworkModel, Schedule, SimResult, check_rows_match, itemsize
+from ._tree import match_rows
+from ._types import Event, GradientProfile, NetworkModel, Schedule, SimResult, itemsize
 
 __all__ = ["simulate"]
 
@@ -400,7 +401,7 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
   cross_step = bool(cross_step)
   prob, fingerprint = _memo_problem(profile, network, cross_step)
   if schedule.tree_fingerprint != fingerprint:
-    check_rows_match(schedule, profile, "simulate()")
+    match_rows(schedule, profile.tree_rows(), where="simulate()")
   ready, dur, tail, pair_chunk, pair_row = _chunk_arrays(schedule, prob)
   backward_s = prob.backward_s
   if prob.skew and ready.size:

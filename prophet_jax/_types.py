@@ -7,7 +7,6 @@ JSON (`to_json()` / `from_json()`), so a bad file fails where it is read, naming
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import NetworkError, ProfileError, ScheduleError, ScheduleMismatchError
+from ._errors import NetworkError, ProfileError, ScheduleError
+from ._tree import dtype_name, flatten_with_paths, is_reduced_leaf, layer_of, tree_fingerprint
 
 PROFILE_SCHEMA = 1
 SCHEDULE_SCHEMA = 1
@@ -231,16 +231,8 @@ class GradientProfile:
       layer_depth: key-path components that name a layer (default: all but the last).
       model, device: recorded in the profile.
     """
-    from ._tree import flatten_with_paths  # local: needs no jax for plain dict/list trees
-
-    leaves = []
-    for path, leaf in flatten_with_paths(params):
-      dtype = str(np.dtype(leaf.dtype)) if str(leaf.dtype) not in _ITEMSIZE else str(leaf.dtype)
-      if not (np.issubdtype(np.dtype(leaf.dtype), np.inexact) if dtype not in _ITEMSIZE else dtype != "float0"):
-        continue
-      parts = path.split("/")
-      layer = "/".join(parts[:layer_depth] if layer_depth else parts[:-1]) or parts[0]
-      leaves.append((path, layer, tuple(leaf.shape), dtype))
+    leaves = [(path, layer_of(path, layer_depth), tuple(leaf.shape), dtype_name(leaf.dtype))
+              for path, leaf in flatten_with_paths(params) if is_reduced_leaf(leaf)]
     if not leaves:
       raise ProfileError("from_params: the tree has no floating-point leaves to reduce.")
     nbytes = [int(np.prod(s, dtype=np.int64)) * itemsize(d) for _, _, s, d in leaves]
@@ -293,14 +285,6 @@ def _row_kwargs(r: Mapping[str, Any]) -> dict[str, Any]:
   if missing:
     raise ProfileError(f"profile row {r.get('path', '?')!r}: missing field(s) {missing}.")
   return dict(r)
-
-
-def tree_fingerprint(rows: Sequence[tuple[str, Sequence[int], str]]) -> str:
-  """A short hash of (path, shape, dtype) of every row, in order."""
-  h = hashlib.sha256()
-  for path, shape, dtype in rows:
-    h.update(f"{path}|{','.join(str(int(d)) for d in shape)}|{dtype};".encode())
-  return h.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -588,21 +572,6 @@ class Schedule:
         raise
       raise ScheduleError(f"Schedule.from_json: malformed 'buckets' or 'rows' ({e!r}).") from e
     return cls(buckets=buckets, rows=rows, **obj)
-
-
-def check_rows_match(schedule: Schedule, profile: GradientProfile, where: str) -> None:
-  """Raises ScheduleMismatchError naming the first row (path, shape, dtype) where they differ."""
-  rows = profile.tree_rows()
-  if schedule.rows == rows:
-    return
-  if len(schedule.rows) != len(rows):
-    raise ScheduleMismatchError(
-        f"{where}: this Schedule was planned for a tree with {len(schedule.rows)} leaves, but the "
-        f"profile has {len(rows)}. Run prophet_jax.plan() again on the current profile.")
-  k, got, want = next((k, a, b) for k, (a, b) in enumerate(zip(schedule.rows, rows)) if a != b)
-  raise ScheduleMismatchError(
-      f"{where}: row {k} of the Schedule is {got[0]!r} {got[1]} {got[2]}, but the profile's is "
-      f"{want[0]!r} {want[1]} {want[2]}. Run prophet_jax.plan() again on the current profile.")
 
 
 def _freeze(v: Any) -> Any:

@@ -433,29 +433,9 @@ def check_schedule_tree(schedule: Schedule, params: Any) -> None:
   Raises:
     ScheduleMismatchError: naming the first path that is missing, extra, or of another shape or dtype.
   """
-  import numpy as np
+  from ._tree import flatten_with_paths, match_tree
 
-  from ._tree import flatten_with_paths
-
-  mine: dict[str, tuple[tuple[int, ...], str]] = {}
-  for path, leaf in flatten_with_paths(params):
-    dt = np.dtype(leaf.dtype)
-    if np.issubdtype(dt, np.inexact) or dt.name == "bfloat16":
-      mine[path] = (tuple(int(d) for d in leaf.shape), dt.name)
-  planned = {p: (tuple(s), d) for p, s, d in schedule.rows}
-  for p, (s, d) in planned.items():
-    if p not in mine:
-      raise ScheduleMismatchError(f"the schedule has leaf {p!r}, which this process's params lack; "
-                                  f"plan again on the current params.")
-    if mine[p] != (s, d):
-      raise ScheduleMismatchError(f"leaf {p!r}: the schedule was planned for shape {s} {d}, but this "
-                                  f"process has {mine[p][0]} {mine[p][1]}; plan again on the current "
-                                  f"params.")
-  extra = sorted(set(mine) - set(planned))
-  if extra:
-    raise ScheduleMismatchError(f"this process's params have leaf {extra[0]!r} (and {len(extra) - 1} "
-                                f"more) that the schedule does not cover; plan again on the current "
-                                f"params.")
+  match_tree(flatten_with_paths(params), schedule, where="broadcast_schedule")
 
 
 def broadcast_schedule(schedule: Schedule | None, params: Any = None) -> Schedule:
