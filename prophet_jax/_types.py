@@ -11,7 +11,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -196,10 +196,17 @@ class GradientProfile:
     return tuple(sorted(range(len(self.rows)), key=lambda i: (self.rows[i].ready_s, -i)))
 
   def tree_rows(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-    return tuple((r.path, r.shape, r.dtype) for r in self.rows)
+    """(path, shape, dtype) of every row, in order: what a Schedule for this profile records."""
+    hit = _PROFILE_ROWS.get(id(self))
+    if hit is not None and hit[0] is self:
+      return hit[1]
+    rows = _rows_info(tuple((r.path, r.shape, r.dtype) for r in self.rows)).rows
+    _remember(_PROFILE_ROWS, self, rows)
+    return rows
 
   def fingerprint(self) -> str:
-    return tree_fingerprint(self.tree_rows())
+    """The tree fingerprint of `tree_rows()` (what `Schedule.tree_fingerprint` must equal)."""
+    return _rows_info(self.tree_rows()).fingerprint
 
   def scaled(self, compute: float) -> GradientProfile:
     """The same profile with every time multiplied by `compute` (a faster or slower device)."""
@@ -510,18 +517,19 @@ class Schedule:
 
   def __post_init__(self):
     object.__setattr__(self, "buckets", tuple(self.buckets))
-    object.__setattr__(self, "rows", tuple((str(p), tuple(int(d) for d in s), str(t)) for p, s, t in self.rows))
+    info = _rows_info(self.rows)
+    object.__setattr__(self, "rows", info.rows)
     object.__setattr__(self, "options", tuple(sorted((str(k), _freeze(v)) for k, v in dict(self.options).items())))
     object.__setattr__(self, "cross_step", bool(self.cross_step))
     if self.schema != SCHEDULE_SCHEMA:
       raise ScheduleError(f"schedule has schema={self.schema!r}; this version reads {SCHEDULE_SCHEMA}.")
-    fp = tree_fingerprint(self.rows)
+    fp = info.fingerprint
     if not self.tree_fingerprint:
       object.__setattr__(self, "tree_fingerprint", fp)
     elif self.tree_fingerprint != fp:
       raise ScheduleError(f"schedule's tree_fingerprint {self.tree_fingerprint!r} does not match its rows "
                           f"(which hash to {fp!r}): the file was edited. Plan again.")
-    _check_coverage(self)
+    _check_coverage(self, info)
 
   @property
   def chunks(self) -> tuple[Chunk, ...]:
@@ -582,8 +590,73 @@ def _freeze(v: Any) -> Any:
   return v
 
 
-def _check_coverage(s: Schedule) -> None:
-  sizes = [math.prod(shape) for _, shape, _ in s.rows]  # math.prod: ~100x faster than np.prod per row
+class _RowsInfo(NamedTuple):
+  """What Schedule's checks need from its rows, computed once per row tuple."""
+
+  rows: tuple[tuple[str, tuple[int, ...], str], ...]   # normalized: (str, tuple of int, str)
+  fingerprint: str
+  sizes: np.ndarray                                     # elements per row, int64
+  dtype_code: np.ndarray                                # per row, index into `dtypes`
+  dtypes: dict[str, int]
+
+
+# Identity memos (the values are frozen; entries hold the keyed object, so an id is never reused while
+# cached). A schedule's rows are shared by every schedule planned from one profile and by every copy
+# (`dataclasses.replace`), so the fingerprint, sizes and dtype codes are computed once per row tuple.
+_ROWS: dict[int, tuple[Any, _RowsInfo]] = {}
+_PROFILE_ROWS: dict[int, tuple[Any, Any]] = {}
+_MEMO_SIZE = 64
+
+
+def _remember(table: dict[int, tuple[Any, Any]], key: Any, value: Any) -> None:
+  if len(table) >= _MEMO_SIZE:
+    table.pop(next(iter(table)))
+  table[id(key)] = (key, value)
+
+
+def _rows_info(rows: Any) -> _RowsInfo:
+  hit = _ROWS.get(id(rows))
+  if hit is not None and hit[0] is rows:
+    return hit[1]
+  norm = tuple((str(p), tuple(int(d) for d in s), str(t)) for p, s, t in rows)
+  dtypes = {d: i for i, d in enumerate(dict.fromkeys(t for _, _, t in norm))}
+  info = _RowsInfo(rows=norm, fingerprint=tree_fingerprint(norm),
+                   sizes=np.fromiter((math.prod(s) for _, s, _ in norm), dtype=np.int64, count=len(norm)),
+                   dtype_code=np.fromiter((dtypes[t] for _, _, t in norm), dtype=np.int64, count=len(norm)),
+                   dtypes=dtypes)
+  _remember(_ROWS, norm, info)
+  return info
+
+
+def _check_coverage(s: Schedule, info: _RowsInfo) -> None:
+  """Every element of every row in exactly one chunk, once, in a chunk of the row's dtype.
+
+  Vectorised over the slices; on a violation, `_coverage_error` walks them to name it.
+  """
+  chunks = s.chunks
+  sizes = info.sizes
+  counts = [len(c.slices) for c in chunks]
+  flat = np.array([x for c in chunks for x in c.slices], dtype=np.int64).reshape(-1, 3)
+  r, a, b = flat[:, 0], flat[:, 1], flat[:, 2]
+  ok = bool((r < len(sizes)).all())
+  if ok and r.size:
+    chunk_code = np.array([info.dtypes.get(c.dtype, -1) for c in chunks], dtype=np.int64)
+    ok = bool((info.dtype_code[r] == np.repeat(chunk_code, counts)).all() and (b <= sizes[r]).all())
+  if ok:
+    order = np.lexsort((a, r))
+    r, a, b = r[order], a[order], b[order]
+    first = np.r_[True, r[1:] != r[:-1]] if r.size else np.zeros(0, dtype=bool)
+    expected = np.where(first, 0, np.r_[0, b[:-1]])        # a row's slices start where the last ended
+    last = np.r_[first[1:], True] if r.size else first
+    ok = bool((a == expected).all() and (b[last] == sizes[r[last]]).all()
+              and np.count_nonzero(first) == np.count_nonzero(sizes))
+  if not ok:
+    _coverage_error(s)
+
+
+def _coverage_error(s: Schedule) -> None:
+  """Raises the ScheduleError that names the first chunk or leaf breaking coverage."""
+  sizes = [math.prod(shape) for _, shape, _ in s.rows]
   covered: list[list[tuple[int, int]]] = [[] for _ in sizes]
   for k, c in enumerate(s.chunks):
     for r, a, b in c.slices:
@@ -659,3 +732,27 @@ class SimResult:
     ev += [{"ph": "X", "name": e.name, "cat": e.kind, "pid": pid, "tid": tid[e.lane],
             "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6} for e in self.events]
     return {"traceEvents": ev, "displayTimeUnit": "ms"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument checks shared by plan, the schedulers, simulate, lower_bound and the Monitor
+
+_UNSET: Any = object()
+
+
+def check_values(where: str, *, schedule: Any = _UNSET, profile: Any = _UNSET, network: Any = _UNSET,
+                 cross_step: Any = _UNSET) -> None:
+  """Raises TypeError naming `where` and the argument when one of those given has the wrong type.
+
+  Args:
+    where: the caller, as the message should name it ('simulate()', 'wfbp scheduler', ...).
+    schedule, profile, network: must be a Schedule, a GradientProfile, a NetworkModel.
+    cross_step: must be True or False (a step mode; 'auto' is resolved by plan() for policy 'auto').
+  """
+  for name, value, cls in (("schedule", schedule, Schedule), ("profile", profile, GradientProfile),
+                           ("network", network, NetworkModel)):
+    if value is not _UNSET and not isinstance(value, cls):
+      raise TypeError(f"{where}: `{name}` must be a {cls.__name__}, got {type(value).__name__}.")
+  if cross_step is not _UNSET and not isinstance(cross_step, (bool, np.bool_)):
+    raise TypeError(f"{where}: cross_step={cross_step!r} must be True or False (the step mode); "
+                    f"cross_step='auto' is a planning option of policy 'auto' only, through plan().")

@@ -1,6 +1,7 @@
 """The simulator: hand-computed cases, properties, and agreement with a slow reference event loop."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -11,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prophet_jax import Bucket, Chunk, Event, GradientProfile, NetworkModel, Schedule, ScheduleMismatchError
-from prophet_jax._brute import random_network, random_profile, random_schedule
-from prophet_jax._simulate import _chunk_arrays, _iteration_s, _problem, simulate
+from _brute import random_network, random_profile, random_schedule
+from prophet_jax._core import chunk_arrays, iteration_s, problem
+from prophet_jax._simulate import simulate
 
 from _instances import NET, PROFILE
 from _instances import row as _row, sched as _sched
@@ -23,6 +25,13 @@ SEEDS = st.integers(0, 2**32 - 1)
 WFBP = _sched(PROFILE, [[1], [0]])      # B first (ready first), then A
 PRIO = _sched(PROFILE, [[0], [1]])      # A first: waits for A's readiness (head-of-line blocking)
 MERGED = _sched(PROFILE, [[0, 1]])
+
+
+def _closed_form(s, p, net, cross_step):
+  """The core's closed-form iteration time of schedule `s` (what auto ranks candidates by)."""
+  prob = problem(p, net, cross_step=cross_step)
+  ready, nbytes, tail, _, _ = chunk_arrays(prob, (c.slices for c in s.chunks))
+  return iteration_s(prob, ready, prob.durations(nbytes), tail)
 
 
 def test_hand_plain_overlap():
@@ -104,10 +113,7 @@ def test_hand_zero_size_row_cross_step():
                                 forward_s=2.0, backward_s=2.0)
   s = _sched(p, [[1]])
   assert simulate(s, p, NET, cross_step=True).iteration_s == pytest.approx(4.5)
-  prob = _problem(p, NET, cross_step=True)
-  ready, dur, tail, _, _ = _chunk_arrays(s, prob)
-  assert _iteration_s(ready, dur, tail, backward_s=prob.backward_s, after_s=prob.after_s,
-                      floor_s=prob.floor_s) == pytest.approx(4.5)
+  assert _closed_form(s, p, NET, True) == pytest.approx(4.5)
 
 
 def test_sliced_chunk_readiness_and_bytes():
@@ -208,13 +214,9 @@ def test_agrees_with_reference_loop(seed, cross_step):
   ref = _reference(s, p, net, cross_step)
   r = simulate(s, p, net, cross_step=cross_step)
   assert r.iteration_s == pytest.approx(ref, rel=1e-9, abs=1e-12)
-  # the fast paths agree: no events, and _iteration_s over the chunk arrays
+  # the fast paths agree: no events, and the core's closed form over the chunk arrays
   assert simulate(s, p, net, cross_step=cross_step, events=False).iteration_s == pytest.approx(ref, rel=1e-9)
-  prob = _problem(p, net, cross_step=cross_step)
-  ready, dur, tail, _, _ = _chunk_arrays(s, prob)
-  fast = _iteration_s(ready, dur, tail, backward_s=prob.backward_s, after_s=prob.after_s,
-                      floor_s=prob.floor_s, links=prob.links, overlap=prob.overlap)
-  assert fast == pytest.approx(ref, rel=1e-9, abs=1e-12)
+  assert _closed_form(s, p, net, cross_step) == pytest.approx(ref, rel=1e-9, abs=1e-12)
   # bookkeeping
   assert r.allreduces == s.num_allreduces
   assert r.comm_s == pytest.approx(sum(net.allreduce_s(c.nbytes) for c in s.chunks))
@@ -310,9 +312,7 @@ def test_skew_adds_its_share_of_compute(seed, cross_step, skew):
   if net.links == 1 and not cross_step and s.num_allreduces:
     assert r.iteration_s == pytest.approx(r0 + skew * p.compute_s)
   assert r.iteration_s >= r0 - 1e-12
-  prob = _problem(p, slow, cross_step=cross_step)
-  ready, dur, tail, _, _ = _chunk_arrays(s, prob)
-  assert _iteration_s(ready, dur, tail, **prob.terms()) == pytest.approx(r.iteration_s, rel=1e-9, abs=1e-12)
+  assert _closed_form(s, p, slow, cross_step) == pytest.approx(r.iteration_s, rel=1e-9, abs=1e-12)
   assert simulate(s, p, slow, cross_step=cross_step, events=False).iteration_s == pytest.approx(r.iteration_s)
   _check_events(r, p, slow)
 
@@ -337,8 +337,9 @@ def test_errors():
 
 def test_pure_without_jax():
   code = ("import sys; sys.modules['jax'] = None\n"
+          f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
           "from prophet_jax._simulate import simulate; from prophet_jax._bound import lower_bound\n"
-          "from prophet_jax._brute import best_contiguous, best_ordered\n"
+          "from _brute import best_contiguous, best_ordered\n"
           "assert 'jax' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n")
   subprocess.run([sys.executable, "-c", code], check=True)
 
