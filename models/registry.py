@@ -1,7 +1,7 @@
 """Small trainable flax models for tests, profiling and the demo: `mlp`, `cnn`, `gpt-tiny`, `resnet-small`.
 
 Each model is a `TrainableModel`: `init(rng)` gives the variables dict `{'params': {...}}` (so leaf paths
-are DESIGN.md's canonical `params/Dense_0/kernel` and the dict goes straight to `module.apply`),
+are the canonical `params/Dense_0/kernel` of docs/design.md and the dict goes straight to `module.apply`),
 `loss_fn(params, batch)` is the MEAN loss over the batch (a per-device mean followed by `pmean` equals
 the global mean when every device holds the same number of examples), and `make_batch(rng, batch_size)`
 draws a synthetic batch, deterministic in `rng`, with a fixed learnable signal so the loss falls.

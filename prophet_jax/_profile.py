@@ -3,14 +3,13 @@
 Public API:
   profile_step(loss_fn, params, batch, *, num_devices=None, ...) -> GradientProfile
   profile_model(name, num_devices=None, ...) -> GradientProfile   (what `prophet-jax profile` runs)
-  summary(profile) -> str                                         (the short summary the CLI prints)
 
 How (`method='measured'`): the gradient step `jax.grad(loss_fn)` is compiled under `jax.shard_map` over
 a 1-D mesh of `num_devices` devices (parameters replicated, the batch split on its leading axis, no
 all-reduce: the same per-device program as training without its communication), run `warmup` times,
 then `steps` times under `jax.profiler.trace`. The trace's XLA op events (`hlo_module`, `hlo_op`,
 `run_id`, `device_ordinal`) are grouped into executions (one per step and device) and mapped
-(`_trace`):
+(`_xplane`):
 
 - to gradient leaves through the compiled HLO: output k of the ENTRY ROOT tuple is leaf k; following
   its operands through ops that have no event of their own (bitcast, copy, get-tuple-element, tuple),
@@ -57,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import ProfileError
-from . import _trace
+from . import _xplane
 from ._tree import forward_paths, is_reduced_leaf, layer_of, path_str
 from ._types import GradientProfile, ProfileRow, itemsize
 
@@ -270,9 +269,9 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
   diff, other = _split(s)
   prog = _grad_program(s)
   compiled = prog.lower(diff, other, s.batch).compile()
-  hlo = _trace.step_hlo(compiled.as_text())
+  hlo = _xplane.step_hlo(compiled.as_text())
   if len(hlo.root_operands) != len(s.diff_idx):
-    raise _NoTrace(f"the compiled step returns {len(hlo.root_operands)} outputs for {len(s.diff_idx)} "
+    raise _NoProfilerEvents(f"the compiled step returns {len(hlo.root_operands)} outputs for {len(s.diff_idx)} "
                    f"gradient leaves; cannot map them")
   for _ in range(max(1, warmup)):
     jax.block_until_ready(compiled(diff, other, s.batch))
@@ -295,29 +294,29 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
         jax.block_until_ready(compiled(diff, other, s.batch))
         if update is not None:
           jax.block_until_ready(update())
-    events = _trace.op_events(d, hlo.module)
-    upd_events = _trace.op_events(d, f"jit_{_UPDATE_NAME}") if update is not None else []
+    events = _xplane.op_events(d, hlo.module)
+    upd_events = _xplane.op_events(d, f"jit_{_UPDATE_NAME}") if update is not None else []
   if not events:
-    raise _NoTrace(f"the profiler recorded no events of module {hlo.module!r}")
+    raise _NoProfilerEvents(f"the profiler recorded no events of module {hlo.module!r}")
   layers = _layers_in_order(s)
-  results = [r for ex in _trace.executions(events)
-             if (r := _trace.analyse_execution(ex, hlo, list(range(len(s.diff_idx))), len(s.diff_idx),
+  results = [r for ex in _xplane.executions(events)
+             if (r := _xplane.analyse_execution(ex, hlo, list(range(len(s.diff_idx))), len(s.diff_idx),
                                                layers)) is not None]
   if not results:
-    raise _NoTrace(f"no execution of {hlo.module!r} in the trace had backward ops to map")
+    raise _NoProfilerEvents(f"no execution of {hlo.module!r} in the trace had backward ops to map")
   backward_s = statistics.median(r[1] for r in results)
   ready = [statistics.median(r[2][k] for r in results) for k in range(len(s.diff_idx))]
   fwd_layer = {l: statistics.median(r[3][l] for r in results) for l in layers}
   device_span = sum(fwd_layer.values()) + backward_s
   update_span = 0.0
   if upd_events:  # one device's update span
-    spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _trace.executions(upd_events) if ex]
+    spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _xplane.executions(upd_events) if ex]
     update_span = statistics.median(spans) if spans else 0.0
   # The trace gives the timeline's shape; its length is the untraced wall clock of a step (gradients
   # and update in one program, as a train step runs them): a synchronous data-parallel step waits for
   # its slowest device (8 host devices on a few cores start staggered and share cores), and pays its
   # launch, but not the tracer's own overhead, which inflates the traced ops on a loaded host.
-  envelope = _trace.median_envelope(events)
+  envelope = _xplane.median_envelope(events)
   span = device_span + update_span
   scale = wall_s / span if span > 0 else 1.0
   note = (f"measured: jax.profiler trace of {steps} steps x {s.num_devices} devices "
@@ -333,7 +332,7 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
   return sum(fwd_layer.values()), backward_s * scale, ready, fwd_layer, update_s, note
 
 
-class _NoTrace(Exception):
+class _NoProfilerEvents(Exception):
   """The profiler trace could not be used (internal: triggers the fallback)."""
 
 
@@ -477,7 +476,7 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
     try:
       whole = _local_step_program(s, tx) if tx is not None else None
       result = _measured(s, int(steps), int(warmup), update, whole, trace_dir)
-    except _NoTrace as e:
+    except _NoProfilerEvents as e:
       if method == "measured":
         raise ProfileError(f"profile_step(method='measured'): {e}. Use method='auto' to fall back to "
                            f"per-layer timing.") from None
@@ -575,17 +574,3 @@ def profile_model(name: str, num_devices: int | None = None, *, batch_size: int 
   tx = optax.sgd(0.1, momentum=momentum) if momentum is not None else None
   return profile_step(m.loss_fn, params, batch, num_devices=num_devices, steps=steps, method=method,
                       tx=tx, model=name)
-
-
-def summary(profile: GradientProfile) -> str:
-  """A short human summary: totals, then the first rows with their ready times."""
-  lines = [
-      f"{profile.model or 'profile'} on {profile.device or '?'} ({profile.method}): {len(profile.rows)} "
-      f"gradients in {len(profile.layers)} layers, {profile.total_nbytes / 2**20:.3f} MiB; forward "
-      f"{profile.forward_s * 1e3:.3f} ms, backward {profile.backward_s * 1e3:.3f} ms, update "
-      f"{profile.update_s * 1e3:.3f} ms",
-      f"  {profile.notes}"]
-  order = profile.ready_order()
-  lines.append(f"  ready order (first 8): " + ", ".join(
-      f"{profile.rows[i].path} @{profile.rows[i].ready_s * 1e3:.3f}ms" for i in order[:8]))
-  return "\n".join(lines)

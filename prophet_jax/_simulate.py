@@ -48,9 +48,9 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
              cross_step: bool = False, events: bool = True) -> SimResult:
   """Simulates one steady-state iteration of `profile` with the all-reduces of `schedule`.
 
-  The semantics are DESIGN.md's "Simulator semantics"; the module docstring states them in full
-  (chunk readiness, the link recurrence, `links > 1`, `overlap=False`, both step modes, and how
-  `idle_s` is counted).
+  The semantics are docs/design.md's "Simulator semantics"; `_core`'s docstring states them in full
+  (chunk readiness, the link recurrence, `links > 1`, `overlap=False`, both step modes), this
+  module's how `idle_s` is counted.
 
   Args:
     schedule: the plan; its rows must be the profile's rows (same paths, shapes, dtypes).

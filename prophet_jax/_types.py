@@ -208,6 +208,17 @@ class GradientProfile:
     """The tree fingerprint of `tree_rows()` (what `Schedule.tree_fingerprint` must equal)."""
     return _rows_info(self.tree_rows()).fingerprint
 
+  def describe(self, max_rows: int = 8) -> str:
+    """A short human summary: totals, how it was made, and the first rows in ready order."""
+    order = self.ready_order()
+    return "\n".join([
+        f"{self.model or 'profile'} on {self.device or '?'} ({self.method}): {len(self.rows)} gradients in "
+        f"{len(self.layers)} layers, {self.total_nbytes / 2**20:.3f} MiB; forward {self.forward_s * 1e3:.3f} "
+        f"ms, backward {self.backward_s * 1e3:.3f} ms, update {self.update_s * 1e3:.3f} ms",
+        f"  {self.notes}",
+        f"  ready order (first {max_rows}): " + ", ".join(
+            f"{self.rows[i].path} @{self.rows[i].ready_s * 1e3:.3f}ms" for i in order[:max_rows])])
+
   def scaled(self, compute: float) -> GradientProfile:
     """The same profile with every time multiplied by `compute` (a faster or slower device)."""
     rows = tuple(dataclasses.replace(r, ready_s=r.ready_s * compute, fwd_s=r.fwd_s * compute,
@@ -366,6 +377,22 @@ class NetworkModel:
   def allreduce_s(self, nbytes: float) -> float:
     """Ring all-reduce time of `nbytes`: 2(P-1)·alpha_s + 2(P-1)/P·nbytes·beta (0 for one worker)."""
     return self.startup_s + self.per_byte_s * nbytes
+
+  def describe(self) -> str:
+    """A short human summary: alpha, beta, overlap, the fit's residual and skew, and what a 1 KiB,
+    1 MiB and 64 MiB all-reduce would take."""
+    bw = math.inf if self.beta_s_per_byte == 0 else 1 / self.beta_s_per_byte
+    lines = [f"{self.name or 'network'}: {self.workers} workers, alpha {self.alpha_s * 1e6:.2f} us per ring "
+             f"step (one all-reduce starts in {self.startup_s * 1e6:.1f} us), beta "
+             f"{self.beta_s_per_byte * 1e9:.3f} ns/B ({bw / 1e9:.2f} GB/s per link), overlap {self.overlap}"]
+    if self.fit_residual_s is not None:
+      lines.append(f"  fit residual (RMS) {self.fit_residual_s * 1e6:.1f} us")
+    if self.skew:
+      lines.append(f"  skew {self.skew:.3f}: each synchronous all-reduce also waits {self.skew:.1%} of the "
+                   f"compute before it")
+    for s in (2**10, 2**20, 2**26):
+      lines.append(f"  predicted all-reduce of {s / 2**20:g} MiB: {self.allreduce_s(s) * 1e3:.3f} ms")
+    return "\n".join(lines)
 
   def with_workers(self, workers: int) -> NetworkModel:
     return dataclasses.replace(self, workers=workers)
@@ -721,6 +748,27 @@ class SimResult:
   allreduces: int
   events: tuple[Event, ...] = field(default=(), repr=False)
   cross_step: bool = False
+
+  def to_dict(self, *, events: bool = True) -> dict[str, Any]:
+    """The fields as JSON-ready values; `events=False` leaves the timeline out (an empty list)."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "events"}
+    d["events"] = [dataclasses.asdict(e) for e in self.events] if events else []
+    return d
+
+  def to_json(self, indent: int | None = None, *, events: bool = True) -> str:
+    return json.dumps(self.to_dict(events=events), indent=indent)
+
+  @classmethod
+  def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> SimResult:
+    obj = _fields(cls, _loads(text_or_obj, "SimResult"), "SimResult")
+    missing = sorted({"iteration_s", "compute_s", "comm_s", "idle_s", "network_busy", "allreduces"} - set(obj))
+    if missing:
+      raise ValueError(f"SimResult.from_json: missing field(s) {missing}.")
+    try:
+      events = tuple(Event(**_fields(Event, dict(e), "SimResult event")) for e in obj.pop("events", ()))
+    except TypeError as e:
+      raise ValueError(f"SimResult.from_json: malformed 'events' ({e}).") from e
+    return cls(events=events, **obj)
 
   def to_chrome_trace(self, pid: int = 0, name: str = "simulated") -> dict[str, Any]:
     """The timeline in Chrome's trace-event format (opens in Perfetto / chrome://tracing)."""

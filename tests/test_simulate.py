@@ -1,6 +1,7 @@
 """The simulator: hand-computed cases, properties, and agreement with a slow reference event loop."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prophet_jax import Bucket, Chunk, Event, GradientProfile, NetworkModel, Schedule, ScheduleMismatchError
+from prophet_jax import (Bucket, Chunk, Event, GradientProfile, NetworkModel, Schedule, ScheduleMismatchError,
+                         SimResult)
 from _brute import random_network, random_profile, random_schedule
 from prophet_jax._core import chunk_arrays, iteration_s, problem
 from prophet_jax._simulate import simulate
@@ -387,3 +389,15 @@ def test_docstring_examples_and_chrome_trace():
   spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
   assert len(spans) == len(r.events)
   assert {e["cat"] for e in spans} == {"backward", "forward", "allreduce", "update"}
+
+
+def test_simresult_json_round_trip():
+  r = simulate(WFBP, PROFILE, NET.replace(links=2, overlap=False), cross_step=True)
+  assert r.events and SimResult.from_json(r.to_json()) == r          # every field, the timeline too
+  assert SimResult.from_json(json.loads(r.to_json(indent=1))) == r    # from a parsed object as well
+  bare = SimResult.from_json(r.to_json(events=False))
+  assert bare.events == () and dataclasses.replace(bare, events=r.events) == r
+  with pytest.raises(ValueError, match=r"missing field\(s\) \['iteration_s'\]"):
+    SimResult.from_json({k: v for k, v in r.to_dict().items() if k != "iteration_s"})
+  with pytest.raises(ValueError, match=r"unknown field\(s\) \['nope'\]"):
+    SimResult.from_json({**r.to_dict(), "nope": 1})

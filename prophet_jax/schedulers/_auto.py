@@ -5,8 +5,9 @@ Pure: numpy only, never jax.
 `auto` plans every baseline policy at its defaults and over a small grid of its options, runs its own
 joint optimiser of merge points, issue order and partition sizes, predicts every candidate's iteration
 time with the numeric core (`_core.iteration_s`, the number `simulate` returns, up to rounding), and
-returns the fastest, built into a Schedule once, at the end. The baselines at their defaults are among the candidates, so `auto` is never
-predicted slower than the best of them under the model it planned with.
+returns the fastest, built into a Schedule once, at the end. The baselines at their defaults are
+among the candidates, so `auto` is never predicted slower than the best of them under the model it
+planned with.
 
 Three parts, each in its own module:
 

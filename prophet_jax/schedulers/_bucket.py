@@ -6,6 +6,7 @@ Pure: numpy only, never jax.
 from __future__ import annotations
 
 from .._types import GradientProfile, NetworkModel, Schedule
+from ._base import Scheduler
 from ._common import check_bytes, check_inputs, schedule_from_groups, whole_slice
 
 POLICY = "bucket"
@@ -44,7 +45,7 @@ def fill_buckets(profile: GradientProfile, order, bucket_bytes: int,
   return groups
 
 
-def bucket(*, bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int | None = None):
+def bucket(*, bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int | None = None) -> Scheduler:
   """Buckets of whole leaves up to a byte threshold, filled in ready order (DDP / Horovod fusion).
 
   Leaves are taken in ready order (`GradientProfile.ready_order`) and appended to the open bucket while

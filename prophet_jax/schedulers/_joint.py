@@ -177,7 +177,8 @@ def partition_units(prob: Problem, partition_bytes: float | None) -> list[tuple[
 
 
 def priority_head(prob: Problem, units: Sequence[tuple[float, int, int, int]], block_bytes: float,
-                   wait_bytes: float, fit_bytes: float | None = None) -> tuple[list[SearchChunk], list[Slice]]:
+                  wait_bytes: float, fit_bytes: float | None = None
+                  ) -> tuple[list[SearchChunk], list[Slice]]:
   """A priority list schedule of `units` until every one is ready: (chunks sent, units left).
 
   Each time the link frees, the ready units of the highest priority (lowest row) go out together, up

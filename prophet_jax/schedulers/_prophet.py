@@ -12,6 +12,7 @@ import numpy as np
 
 from .._core import Problem, chunk_arrays, iteration_s, problem, split_by_dtype
 from .._types import GradientProfile, NetworkModel, Schedule
+from ._base import Scheduler
 from ._common import buckets_from_groups, check_inputs, check_positive, make_schedule
 
 POLICY = "prophet"
@@ -152,12 +153,13 @@ class _Planner:
 
   def _estimate(self, blocks: list[list[tuple[int, int, int]]]) -> float:
     prob = self.prob
-    ready, nbytes, tail, _, _ = chunk_arrays(prob, (c for blk in blocks for c in split_by_dtype(prob.dtype.__getitem__, blk)))
+    dtype_of = prob.dtype.__getitem__
+    ready, nbytes, tail, _, _ = chunk_arrays(prob, (c for blk in blocks for c in split_by_dtype(dtype_of, blk)))
     return iteration_s(prob, ready, prob.durations(nbytes), tail)
 
 
 def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
-            tail_growth: float | None = None):
+            tail_growth: float | None = None) -> Scheduler:
   """Prophet: blocks sized to the gaps of backward, highest-priority gradients first.
 
   Prophet finds the *stages* of the ready-time pattern: a new stage starts where the gap between
@@ -184,7 +186,8 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
 
   The knobs left as None, and whether to send that small first block, are chosen per profile, network
   and step mode by predicting each candidate's iteration time with the numeric core (`_core.iteration_s`,
-  the simulator's closed form) (alpha_fraction in `ALPHA_FRACTIONS`, tail_growth in `TAIL_GROWTHS`), as Prophet sizes its blocks
+  the simulator's closed form; alpha_fraction in `ALPHA_FRACTIONS`, tail_growth in `TAIL_GROWTHS`), as
+  Prophet sizes its blocks
   from measured timings; ties go to the first candidate. With `network.overlap` False (the device
   cannot compute while it communicates) every block pauses the device, so the plan is one block, one
   all-reduce per dtype, after backward, rows in priority order. The plan models one link; with
