@@ -15,8 +15,8 @@ __version__ = "0.1.0"
 # public name -> private module that defines it
 _EXPORTS: dict[str, str] = {
     # values (pure)
-    "GradientProfile": "_types", "ProfileRow": "_types", "NetworkModel": "_types", "Chunk": "_types",
-    "Bucket": "_types", "Schedule": "_types", "SimResult": "_types", "Event": "_types",
+    "GradientProfile": "_types", "ProfileRow": "_types", "NetworkModel": "_types", "Chunk": "_schedule",
+    "Bucket": "_schedule", "Schedule": "_schedule", "SimResult": "_simulate", "Event": "_simulate",
     # errors (pure)
     "ProphetError": "_errors", "ProfileError": "_errors", "NetworkError": "_errors",
     "ScheduleError": "_errors", "ScheduleMismatchError": "_errors", "UnboundAxisError": "_errors",
@@ -64,5 +64,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._profile import profile_step
   from ._simulate import simulate
   from ._transform import hooked, loop_hook, scheduled
-  from ._types import (Bucket, Chunk, Event, GradientProfile, NetworkModel, ProfileRow, Schedule,
-                       SimResult)
+  from ._schedule import Bucket, Chunk, Schedule
+  from ._simulate import Event, SimResult
+  from ._types import GradientProfile, NetworkModel, ProfileRow

@@ -13,7 +13,7 @@ from typing import Any
 
 from ._errors import LaunchError, ProphetError
 from ._tree import flatten_with_paths, match_tree
-from ._types import Schedule
+from ._schedule import Schedule
 
 __all__ = ["broadcast_schedule"]
 

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._tree import match_rows
-from ._types import GradientProfile, NetworkModel, Schedule
+from ._schedule import Schedule
+from ._types import GradientProfile, NetworkModel
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ._tree import match_rows
-from ._types import GradientProfile, NetworkModel, Schedule, check_values
+from ._schedule import Schedule
+from ._types import GradientProfile, NetworkModel, check_values
 from .schedulers._registry import POLICIES, resolve
 
 __all__ = ["plan", "validate_schedule", "POLICIES"]

@@ -16,15 +16,96 @@ as idle. Both are >= 0.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ._core import Problem, chunk_arrays, ends_one_link, link_loop, problem, sync_waits
+from ._schedule import Schedule
 from ._tree import match_rows
-from ._types import Event, GradientProfile, NetworkModel, Schedule, SimResult, check_values
+from ._types import GradientProfile, NetworkModel, _fields, _loads, check_values
 
-__all__ = ["simulate"]
+__all__ = ["simulate", "SimResult", "Event"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The result
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+  """One span of the simulated timeline. lane: 'device' or 'link<k>'."""
+
+  kind: str   # 'forward' | 'backward' | 'update' | 'allreduce'
+  name: str
+  start_s: float
+  end_s: float
+  lane: str = "device"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimResult:
+  """One steady-state iteration under a schedule.
+
+  Attributes:
+    iteration_s: time from the start of one backward to the start of the next.
+    compute_s: forward + backward + update.
+    comm_s: sum of all-reduce durations.
+    idle_s: time the device waits (iteration - compute).
+    network_busy: fraction of the iteration some link is busy.
+    allreduces: number of all-reduces.
+    events: the timeline (kind, name, start, end).
+    cross_step: the step mode simulated.
+  """
+
+  iteration_s: float
+  compute_s: float
+  comm_s: float
+  idle_s: float
+  network_busy: float
+  allreduces: int
+  events: tuple[Event, ...] = field(default=(), repr=False)
+  cross_step: bool = False
+
+  def to_dict(self, *, events: bool = True) -> dict[str, Any]:
+    """The fields as JSON-ready values; `events=False` leaves the timeline out (an empty list)."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "events"}
+    d["events"] = [dataclasses.asdict(e) for e in self.events] if events else []
+    return d
+
+  def to_json(self, indent: int | None = None, *, events: bool = True) -> str:
+    return json.dumps(self.to_dict(events=events), indent=indent)
+
+  @classmethod
+  def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> SimResult:
+    obj = _fields(cls, _loads(text_or_obj, "SimResult"), "SimResult")
+    missing = sorted({"iteration_s", "compute_s", "comm_s", "idle_s", "network_busy", "allreduces"} - set(obj))
+    if missing:
+      raise ValueError(f"SimResult.from_json: missing field(s) {missing}.")
+    try:
+      events = tuple(Event(**_fields(Event, dict(e), "SimResult event")) for e in obj.pop("events", ()))
+    except TypeError as e:
+      raise ValueError(f"SimResult.from_json: malformed 'events' ({e}).") from e
+    return cls(events=events, **obj)
+
+  def to_chrome_trace(self, pid: int = 0, name: str = "simulated") -> dict[str, Any]:
+    """The timeline in Chrome's trace-event format (opens in Perfetto / chrome://tracing)."""
+    lanes = sorted({e.lane for e in self.events}, key=lambda x: (x != "device", x))
+    tid = {lane: i for i, lane in enumerate(lanes)}
+    ev: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}]
+    ev += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid[lane], "args": {"name": lane}}
+           for lane in lanes]
+    ev += [{"ph": "X", "name": e.name, "cat": e.kind, "pid": pid, "tid": tid[e.lane],
+            "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6} for e in self.events]
+    return {"traceEvents": ev, "displayTimeUnit": "ms"}
+
+
+# --------------------------------------------------------------------------------------------------
+# The simulation
 
 
 def _union_length(start: np.ndarray, end: np.ndarray) -> float:

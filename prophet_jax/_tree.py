@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ._errors import ScheduleMismatchError
 
 __all__ = ["path_str", "flatten_with_paths", "dtype_name", "is_float_dtype", "is_reduced_leaf",
-           "layer_of", "forward_paths", "tree_fingerprint", "LeafMap", "match_tree", "match_rows"]
+           "layer_of", "forward_paths", "tree_fingerprint", "RowsInfo", "rows_info", "LeafMap", "match_tree",
+           "match_rows"]
 
 Row = tuple[str, tuple[int, ...], str]   # (path, shape, dtype) of one reduced leaf
 
@@ -211,6 +213,46 @@ def tree_fingerprint(rows: Sequence[tuple[str, Sequence[int], str]]) -> str:
   return h.hexdigest()[:16]
 
 
+class RowsInfo(NamedTuple):
+  """What the checks of a Schedule need from its rows, computed once per row tuple (`rows_info`)."""
+
+  rows: tuple[Row, ...]          # normalized: (str, tuple of int, str)
+  fingerprint: str
+  sizes: np.ndarray              # elements per row, int64
+  dtype_code: np.ndarray         # per row, index into `dtypes`
+  dtypes: dict[str, int]
+
+
+# An identity memo (rows are frozen tuples; an entry holds its tuple, so an id is never reused while
+# cached): a schedule's rows are shared by every schedule planned from one profile and by every copy
+# (`dataclasses.replace`), so they are normalized and fingerprinted once per tuple, not per Schedule.
+_ROWS: dict[int, tuple[Any, RowsInfo]] = {}
+_MEMO_SIZE = 64
+
+
+def remember(table: dict[int, tuple[Any, Any]], key: Any, value: Any, size: int = _MEMO_SIZE) -> None:
+  """Stores `value` under `key`'s identity in a small first-in-first-out identity memo."""
+  if len(table) >= size:
+    table.pop(next(iter(table)))
+  table[id(key)] = (key, value)
+
+
+def rows_info(rows: Sequence[tuple[str, Sequence[int], str]]) -> RowsInfo:
+  """The normalized rows (path str, shape of ints, dtype str), their fingerprint, element counts and
+  dtype codes; memoized by the identity of the normalized tuple."""
+  hit = _ROWS.get(id(rows))
+  if hit is not None and hit[0] is rows:
+    return hit[1]
+  norm = tuple((str(p), tuple(int(d) for d in s), str(t)) for p, s, t in rows)
+  dtypes = {d: i for i, d in enumerate(dict.fromkeys(t for _, _, t in norm))}
+  info = RowsInfo(rows=norm, fingerprint=tree_fingerprint(norm),
+                  sizes=np.fromiter((math.prod(s) for _, s, _ in norm), dtype=np.int64, count=len(norm)),
+                  dtype_code=np.fromiter((dtypes[t] for _, _, t in norm), dtype=np.int64, count=len(norm)),
+                  dtypes=dtypes)
+  remember(_ROWS, norm, info)
+  return info
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafMap:
   """Where each schedule row lives in a flattened tree.
@@ -225,7 +267,7 @@ class LeafMap:
 
 
 def _schedule_rows(schedule: Any, where: str) -> tuple[Row, ...]:
-  from ._types import Schedule
+  from ._schedule import Schedule
 
   if not isinstance(schedule, Schedule):
     raise TypeError(f"{where}: `schedule` must be a prophet_jax.Schedule, got {type(schedule).__name__}. "

@@ -1,7 +1,10 @@
-"""The frozen values of the pipeline: GradientProfile, NetworkModel, Chunk, Bucket, Schedule, SimResult.
+"""The measured values of the pipeline: GradientProfile (with its ProfileRows) and NetworkModel.
 
 Pure: numpy only, never jax. Every value checks its invariants on construction and round-trips through
 JSON (`to_json()` / `from_json()`), so a bad file fails where it is read, naming the field at fault.
+The planned and simulated values live beside their makers: Chunk, Bucket and Schedule in `_schedule`,
+SimResult and Event in `_simulate` (re-exported here under their old names). `itemsize`, the JSON
+helpers and `check_values` (the argument checks of every entry point) are shared.
 """
 
 from __future__ import annotations
@@ -10,18 +13,20 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ._errors import NetworkError, ProfileError, ScheduleError
-from ._tree import dtype_name, flatten_with_paths, is_reduced_leaf, layer_of, tree_fingerprint
+from ._errors import NetworkError, ProfileError
+from ._tree import dtype_name, flatten_with_paths, is_reduced_leaf, layer_of, remember, rows_info
 
 PROFILE_SCHEMA = 1
-SCHEDULE_SCHEMA = 1
 PROFILE_METHODS = ("measured", "timed", "estimated")
 ALGORITHMS = ("ring",)
+
+# GradientProfile.tree_rows, memoized by the profile's identity (see `_tree.rows_info`)
+_PROFILE_ROWS: dict[int, tuple[Any, Any]] = {}
 
 _ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float0": 0}
 
@@ -200,13 +205,13 @@ class GradientProfile:
     hit = _PROFILE_ROWS.get(id(self))
     if hit is not None and hit[0] is self:
       return hit[1]
-    rows = _rows_info(tuple((r.path, r.shape, r.dtype) for r in self.rows)).rows
-    _remember(_PROFILE_ROWS, self, rows)
+    rows = rows_info(tuple((r.path, r.shape, r.dtype) for r in self.rows)).rows
+    remember(_PROFILE_ROWS, self, rows)
     return rows
 
   def fingerprint(self) -> str:
     """The tree fingerprint of `tree_rows()` (what `Schedule.tree_fingerprint` must equal)."""
-    return _rows_info(self.tree_rows()).fingerprint
+    return rows_info(self.tree_rows()).fingerprint
 
   def describe(self, max_rows: int = 8) -> str:
     """A short human summary: totals, how it was made, and the first rows in ready order."""
@@ -471,318 +476,6 @@ def _nonneg_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Schedule
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Chunk:
-  """Exactly one all-reduce: element slices (row, start, stop) of rows of one dtype, in buffer order."""
-
-  slices: tuple[tuple[int, int, int], ...]
-  dtype: str
-
-  def __post_init__(self):
-    object.__setattr__(self, "slices", tuple((int(r), int(a), int(b)) for r, a, b in self.slices))
-    if not self.slices:
-      raise ScheduleError("a chunk has no slices; every chunk must send at least one element.")
-    for r, a, b in self.slices:
-      if r < 0 or a < 0 or b <= a:
-        raise ScheduleError(f"chunk slice (row={r}, start={a}, stop={b}) is empty or negative; need "
-                            f"0 <= start < stop.")
-
-  @property
-  def size(self) -> int:
-    return sum(b - a for _, a, b in self.slices)
-
-  @property
-  def nbytes(self) -> int:
-    return self.size * itemsize(self.dtype)
-
-  @property
-  def rows(self) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(r for r, _, _ in self.slices))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Bucket:
-  """A group of chunks planned together (e.g. one Prophet block); issue order is tuple order."""
-
-  chunks: tuple[Chunk, ...]
-
-  def __post_init__(self):
-    object.__setattr__(self, "chunks", tuple(self.chunks))
-    if not self.chunks:
-      raise ScheduleError("a bucket has no chunks.")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Schedule:
-  """An ordered plan of all-reduces for one gradient tree.
-
-  Attributes:
-    buckets: issue order is tuple order (buckets, then their chunks).
-    rows: (path, shape, dtype) of every profile row, so the rewrite maps rows to leaves by path.
-    tree_fingerprint: hash of `rows`; checked on construction and against the tree at trace time.
-    policy: the policy that planned it ('wfbp', 'bucket', 'mgwfbp', 'prophet', 'auto', ...).
-    options: the policy's options, as sorted (name, value) pairs.
-    cross_step: the step mode it was planned for (False: plain step; True: pipelined step).
-    predicted_s: the simulator's iteration time at planning (None if not predicted).
-    schema: format version.
-
-  Invariant (checked on construction): every element of every row with a nonzero size is in exactly one
-  chunk, once; every chunk holds rows of its own dtype.
-  """
-
-  buckets: tuple[Bucket, ...]
-  rows: tuple[tuple[str, tuple[int, ...], str], ...]
-  tree_fingerprint: str = ""
-  policy: str = "custom"
-  options: tuple[tuple[str, Any], ...] = ()
-  cross_step: bool = False
-  predicted_s: float | None = None
-  schema: int = SCHEDULE_SCHEMA
-
-  def __post_init__(self):
-    object.__setattr__(self, "buckets", tuple(self.buckets))
-    info = _rows_info(self.rows)
-    object.__setattr__(self, "rows", info.rows)
-    object.__setattr__(self, "options", tuple(sorted((str(k), _freeze(v)) for k, v in dict(self.options).items())))
-    object.__setattr__(self, "cross_step", bool(self.cross_step))
-    if self.schema != SCHEDULE_SCHEMA:
-      raise ScheduleError(f"schedule has schema={self.schema!r}; this version reads {SCHEDULE_SCHEMA}.")
-    fp = info.fingerprint
-    if not self.tree_fingerprint:
-      object.__setattr__(self, "tree_fingerprint", fp)
-    elif self.tree_fingerprint != fp:
-      raise ScheduleError(f"schedule's tree_fingerprint {self.tree_fingerprint!r} does not match its rows "
-                          f"(which hash to {fp!r}): the file was edited. Plan again.")
-    _check_coverage(self, info)
-
-  @property
-  def chunks(self) -> tuple[Chunk, ...]:
-    """Every chunk in issue order."""
-    return tuple(c for b in self.buckets for c in b.chunks)
-
-  @property
-  def num_allreduces(self) -> int:
-    return sum(len(b.chunks) for b in self.buckets)
-
-  def chunk_nbytes(self) -> tuple[int, ...]:
-    return tuple(c.nbytes for c in self.chunks)
-
-  def describe(self, max_chunks: int = 12) -> str:
-    """A short human summary: buckets, chunks, bytes and leading paths, in issue order."""
-    lines = [f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step): "
-             f"{len(self.buckets)} buckets, {self.num_allreduces} all-reduces"]
-    for k, c in enumerate(self.chunks[:max_chunks]):
-      paths = [self.rows[r][0] for r in c.rows]
-      head = ", ".join(paths[:2]) + (f", +{len(paths) - 2}" if len(paths) > 2 else "")
-      lines.append(f"  chunk{k}: {c.nbytes / 2**20:8.3f} MiB {c.dtype:9s} [{head}]")
-    if self.num_allreduces > max_chunks:
-      lines.append(f"  ... {self.num_allreduces - max_chunks} more")
-    return "\n".join(lines)
-
-  def to_dict(self) -> dict[str, Any]:
-    return {
-        "schema": self.schema, "policy": self.policy, "options": dict(self.options),
-        "cross_step": self.cross_step, "predicted_s": self.predicted_s,
-        "tree_fingerprint": self.tree_fingerprint,
-        "rows": [[p, list(s), t] for p, s, t in self.rows],
-        "buckets": [[{"dtype": c.dtype, "slices": [list(s) for s in c.slices]} for c in b.chunks]
-                    for b in self.buckets],
-    }
-
-  def to_json(self, indent: int | None = None) -> str:
-    return json.dumps(self.to_dict(), indent=indent)
-
-  @classmethod
-  def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Schedule:
-    obj = _fields(cls, _loads(text_or_obj, "Schedule"), "Schedule")
-    try:
-      buckets = tuple(Bucket(chunks=tuple(Chunk(slices=tuple(tuple(s) for s in c["slices"]), dtype=c["dtype"])
-                                          for c in b)) for b in obj.pop("buckets"))
-      rows = tuple((p, tuple(s), t) for p, s, t in obj.pop("rows"))
-    except (KeyError, TypeError, ValueError) as e:
-      if isinstance(e, ScheduleError):
-        raise
-      raise ScheduleError(f"Schedule.from_json: malformed 'buckets' or 'rows' ({e!r}).") from e
-    return cls(buckets=buckets, rows=rows, **obj)
-
-
-def _freeze(v: Any) -> Any:
-  if isinstance(v, list | tuple):
-    return tuple(_freeze(x) for x in v)
-  if isinstance(v, dict):
-    return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
-  return v
-
-
-class _RowsInfo(NamedTuple):
-  """What Schedule's checks need from its rows, computed once per row tuple."""
-
-  rows: tuple[tuple[str, tuple[int, ...], str], ...]   # normalized: (str, tuple of int, str)
-  fingerprint: str
-  sizes: np.ndarray                                     # elements per row, int64
-  dtype_code: np.ndarray                                # per row, index into `dtypes`
-  dtypes: dict[str, int]
-
-
-# Identity memos (the values are frozen; entries hold the keyed object, so an id is never reused while
-# cached). A schedule's rows are shared by every schedule planned from one profile and by every copy
-# (`dataclasses.replace`), so the fingerprint, sizes and dtype codes are computed once per row tuple.
-_ROWS: dict[int, tuple[Any, _RowsInfo]] = {}
-_PROFILE_ROWS: dict[int, tuple[Any, Any]] = {}
-_MEMO_SIZE = 64
-
-
-def _remember(table: dict[int, tuple[Any, Any]], key: Any, value: Any) -> None:
-  if len(table) >= _MEMO_SIZE:
-    table.pop(next(iter(table)))
-  table[id(key)] = (key, value)
-
-
-def _rows_info(rows: Any) -> _RowsInfo:
-  hit = _ROWS.get(id(rows))
-  if hit is not None and hit[0] is rows:
-    return hit[1]
-  norm = tuple((str(p), tuple(int(d) for d in s), str(t)) for p, s, t in rows)
-  dtypes = {d: i for i, d in enumerate(dict.fromkeys(t for _, _, t in norm))}
-  info = _RowsInfo(rows=norm, fingerprint=tree_fingerprint(norm),
-                   sizes=np.fromiter((math.prod(s) for _, s, _ in norm), dtype=np.int64, count=len(norm)),
-                   dtype_code=np.fromiter((dtypes[t] for _, _, t in norm), dtype=np.int64, count=len(norm)),
-                   dtypes=dtypes)
-  _remember(_ROWS, norm, info)
-  return info
-
-
-def _check_coverage(s: Schedule, info: _RowsInfo) -> None:
-  """Every element of every row in exactly one chunk, once, in a chunk of the row's dtype.
-
-  Vectorised over the slices; on a violation, `_coverage_error` walks them to name it.
-  """
-  chunks = s.chunks
-  sizes = info.sizes
-  counts = [len(c.slices) for c in chunks]
-  flat = np.array([x for c in chunks for x in c.slices], dtype=np.int64).reshape(-1, 3)
-  r, a, b = flat[:, 0], flat[:, 1], flat[:, 2]
-  ok = bool((r < len(sizes)).all())
-  if ok and r.size:
-    chunk_code = np.array([info.dtypes.get(c.dtype, -1) for c in chunks], dtype=np.int64)
-    ok = bool((info.dtype_code[r] == np.repeat(chunk_code, counts)).all() and (b <= sizes[r]).all())
-  if ok:
-    order = np.lexsort((a, r))
-    r, a, b = r[order], a[order], b[order]
-    first = np.r_[True, r[1:] != r[:-1]] if r.size else np.zeros(0, dtype=bool)
-    expected = np.where(first, 0, np.r_[0, b[:-1]])        # a row's slices start where the last ended
-    last = np.r_[first[1:], True] if r.size else first
-    ok = bool((a == expected).all() and (b[last] == sizes[r[last]]).all()
-              and np.count_nonzero(first) == np.count_nonzero(sizes))
-  if not ok:
-    _coverage_error(s)
-
-
-def _coverage_error(s: Schedule) -> None:
-  """Raises the ScheduleError that names the first chunk or leaf breaking coverage."""
-  sizes = [math.prod(shape) for _, shape, _ in s.rows]
-  covered: list[list[tuple[int, int]]] = [[] for _ in sizes]
-  for k, c in enumerate(s.chunks):
-    for r, a, b in c.slices:
-      if r >= len(sizes):
-        raise ScheduleError(f"chunk{k} names row {r}, but the schedule has {len(sizes)} rows.")
-      path, _, dtype = s.rows[r]
-      if dtype != c.dtype:
-        raise ScheduleError(f"chunk{k} has dtype {c.dtype} but holds leaf {path!r} of dtype {dtype}; one "
-                            f"dtype per chunk.")
-      if b > sizes[r]:
-        raise ScheduleError(f"chunk{k} slices leaf {path!r} at [{a}:{b}], past its {sizes[r]} elements.")
-      covered[r].append((a, b))
-  for r, spans in enumerate(covered):
-    spans.sort()
-    pos = 0
-    for a, b in spans:
-      if a != pos:
-        what = "repeats" if a < pos else "drops"
-        raise ScheduleError(f"the schedule {what} elements of leaf {s.rows[r][0]!r} at "
-                            f"[{min(a, pos)}:{max(a, pos)}]; every element must be sent exactly once.")
-      pos = b
-    if pos != sizes[r]:
-      raise ScheduleError(f"the schedule drops elements of leaf {s.rows[r][0]!r} at [{pos}:{sizes[r]}]; "
-                          f"every element must be sent exactly once.")
-
-
-# --------------------------------------------------------------------------------------------------
-# SimResult
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Event:
-  """One span of the simulated timeline. lane: 'device' or 'link<k>'."""
-
-  kind: str   # 'forward' | 'backward' | 'update' | 'allreduce'
-  name: str
-  start_s: float
-  end_s: float
-  lane: str = "device"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SimResult:
-  """One steady-state iteration under a schedule.
-
-  Attributes:
-    iteration_s: time from the start of one backward to the start of the next.
-    compute_s: forward + backward + update.
-    comm_s: sum of all-reduce durations.
-    idle_s: time the device waits (iteration - compute).
-    network_busy: fraction of the iteration some link is busy.
-    allreduces: number of all-reduces.
-    events: the timeline (kind, name, start, end).
-    cross_step: the step mode simulated.
-  """
-
-  iteration_s: float
-  compute_s: float
-  comm_s: float
-  idle_s: float
-  network_busy: float
-  allreduces: int
-  events: tuple[Event, ...] = field(default=(), repr=False)
-  cross_step: bool = False
-
-  def to_dict(self, *, events: bool = True) -> dict[str, Any]:
-    """The fields as JSON-ready values; `events=False` leaves the timeline out (an empty list)."""
-    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "events"}
-    d["events"] = [dataclasses.asdict(e) for e in self.events] if events else []
-    return d
-
-  def to_json(self, indent: int | None = None, *, events: bool = True) -> str:
-    return json.dumps(self.to_dict(events=events), indent=indent)
-
-  @classmethod
-  def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> SimResult:
-    obj = _fields(cls, _loads(text_or_obj, "SimResult"), "SimResult")
-    missing = sorted({"iteration_s", "compute_s", "comm_s", "idle_s", "network_busy", "allreduces"} - set(obj))
-    if missing:
-      raise ValueError(f"SimResult.from_json: missing field(s) {missing}.")
-    try:
-      events = tuple(Event(**_fields(Event, dict(e), "SimResult event")) for e in obj.pop("events", ()))
-    except TypeError as e:
-      raise ValueError(f"SimResult.from_json: malformed 'events' ({e}).") from e
-    return cls(events=events, **obj)
-
-  def to_chrome_trace(self, pid: int = 0, name: str = "simulated") -> dict[str, Any]:
-    """The timeline in Chrome's trace-event format (opens in Perfetto / chrome://tracing)."""
-    lanes = sorted({e.lane for e in self.events}, key=lambda x: (x != "device", x))
-    tid = {lane: i for i, lane in enumerate(lanes)}
-    ev: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}]
-    ev += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid[lane], "args": {"name": lane}}
-           for lane in lanes]
-    ev += [{"ph": "X", "name": e.name, "cat": e.kind, "pid": pid, "tid": tid[e.lane],
-            "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6} for e in self.events]
-    return {"traceEvents": ev, "displayTimeUnit": "ms"}
-
-
-# --------------------------------------------------------------------------------------------------
 # Argument checks shared by plan, the schedulers, simulate, lower_bound and the Monitor
 
 _UNSET: Any = object()
@@ -797,6 +490,8 @@ def check_values(where: str, *, schedule: Any = _UNSET, profile: Any = _UNSET, n
     schedule, profile, network: must be a Schedule, a GradientProfile, a NetworkModel.
     cross_step: must be True or False (a step mode; 'auto' is resolved by plan() for policy 'auto').
   """
+  from ._schedule import Schedule
+
   for name, value, cls in (("schedule", schedule, Schedule), ("profile", profile, GradientProfile),
                            ("network", network, NetworkModel)):
     if value is not _UNSET and not isinstance(value, cls):
@@ -804,3 +499,16 @@ def check_values(where: str, *, schedule: Any = _UNSET, profile: Any = _UNSET, n
   if cross_step is not _UNSET and not isinstance(cross_step, (bool, np.bool_)):
     raise TypeError(f"{where}: cross_step={cross_step!r} must be True or False (the step mode); "
                     f"cross_step='auto' is a planning option of policy 'auto' only, through plan().")
+
+
+def __getattr__(name: str) -> Any:
+  """The values that moved keep their old import path: `from ._types import Schedule` still works."""
+  if name in ("Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA"):
+    from . import _schedule
+
+    return getattr(_schedule, name)
+  if name in ("SimResult", "Event"):
+    from . import _simulate
+
+    return getattr(_simulate, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,7 @@ from typing import Any
 
 from ._errors import ProphetError
 from ._launcher import add_arguments as add_launch_arguments
-from ._types import PRESETS, GradientProfile, NetworkModel, Schedule
+from ._types import PRESETS, GradientProfile, NetworkModel
 
 DEFAULT_DEVICE = "v100"
 

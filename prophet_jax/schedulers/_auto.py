@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 
 from .._core import Problem, chunk_arrays, problem
-from .._types import GradientProfile, NetworkModel, Schedule
+from .._schedule import Schedule
+from .._types import GradientProfile, NetworkModel
 from ._base import Scheduler
 from ._common import buckets_from_groups, check_inputs, make_schedule
 from ._joint import SearchChunk, chunk_stats, contiguous_dp, evaluate, make_chunk, own_candidates

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from .._types import GradientProfile, NetworkModel, Schedule
+from .._schedule import Schedule
+from .._types import GradientProfile, NetworkModel
 
 Slice = tuple[int, int, int]  # (profile row, start element, stop element)
 

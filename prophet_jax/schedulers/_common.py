@@ -22,7 +22,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .._core import split_by_dtype
-from .._types import Bucket, Chunk, GradientProfile, Schedule, check_values, itemsize
+from .._schedule import Bucket, Chunk, Schedule
+from .._types import GradientProfile, check_values, itemsize
 from ._base import Slice
 
 

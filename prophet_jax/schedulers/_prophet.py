@@ -11,7 +11,8 @@ import math
 import numpy as np
 
 from .._core import Problem, chunk_arrays, iteration_s, problem, split_by_dtype
-from .._types import GradientProfile, NetworkModel, Schedule
+from .._schedule import Schedule
+from .._types import GradientProfile, NetworkModel
 from ._base import Scheduler
 from ._common import buckets_from_groups, check_inputs, check_positive, make_schedule
 

@@ -5,7 +5,8 @@ Pure: numpy only, never jax.
 
 from __future__ import annotations
 
-from .._types import GradientProfile, NetworkModel, Schedule
+from .._schedule import Schedule
+from .._types import GradientProfile, NetworkModel
 from ._base import Scheduler
 from ._bucket import fill_buckets
 from ._common import check_inputs, schedule_from_groups, whole_slice
