@@ -2,7 +2,6 @@
 
 Public API:
   profile_step(loss_fn, params, batch, *, num_devices=None, ...) -> GradientProfile
-  profile_model(name, num_devices=None, ...) -> GradientProfile   (what `prophet-jax profile` runs)
 
 How (`method='measured'`): the gradient step `jax.grad(loss_fn)` is compiled under `jax.shard_map` over
 a 1-D mesh of `num_devices` devices (parameters replicated, the batch split on its leading axis, no
@@ -547,30 +546,3 @@ def _local_step_program(s: _Setup, tx: Any) -> Callable[[], Any]:
   f = jax.jit(jax.shard_map(local_step, mesh=s.mesh, in_specs=(P(), P(), P(_AXIS), P()),
                             out_specs=(P(), P()), check_vma=False))
   return lambda: f(diff, other, s.batch, state)
-
-
-def profile_model(name: str, num_devices: int | None = None, *, batch_size: int | None = None,
-                  steps: int = 20, method: str = "auto", param_dtype: str = "float32",
-                  momentum: float | None = 0.9, seed: int = 0) -> GradientProfile:
-  """What `prophet-jax profile --model M --num-devices D` runs: profile_step on a bundled model.
-
-  Args:
-    name: a trainable model of `prophet_jax.models` ('mlp', 'cnn', 'gpt-tiny', 'resnet-small').
-    num_devices: devices to map the step over (default all local devices).
-    batch_size: global batch (default the model's `default_batch_size`).
-    steps, method: as in `profile_step`.
-    param_dtype: 'float32' or 'bfloat16'.
-    momentum: the update measured is optax.sgd(0.1, momentum) (None: no update time).
-    seed: for parameters and the batch.
-  """
-  import jax
-  import optax
-
-  from prophet_jax.models import get_model
-
-  m = get_model(name, param_dtype=param_dtype)
-  params = m.init(jax.random.key(seed))
-  batch = m.make_batch(jax.random.key(seed + 1), batch_size or m.default_batch_size)
-  tx = optax.sgd(0.1, momentum=momentum) if momentum is not None else None
-  return profile_step(m.loss_fn, params, batch, num_devices=num_devices, steps=steps, method=method,
-                      tx=tx, model=name)

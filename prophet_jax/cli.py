@@ -139,10 +139,19 @@ def _set_cpu_devices(n: int) -> None:
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
+  """profile_step on a bundled trainable model, with the update of optax.sgd(0.1, momentum=0.9)."""
   _set_cpu_devices(a.num_devices)
-  from . import _profile
+  import jax
+  import optax
 
-  profile = _profile.profile_model(a.model, num_devices=a.num_devices)
+  from . import models
+  from ._profile import profile_step
+
+  m = models.get_model(a.model)
+  params = m.init(jax.random.key(0))
+  batch = m.make_batch(jax.random.key(1), m.default_batch_size)
+  profile = profile_step(m.loss_fn, params, batch, num_devices=a.num_devices,
+                         tx=optax.sgd(0.1, momentum=0.9), model=a.model)
   Path(a.out).write_text(profile.to_json(indent=1))
   print(profile.describe())
   print(f"written to {a.out}")
