@@ -83,6 +83,7 @@ class _Planner:
     k = 0                            # next arrival
     s = 0                            # next stage start index
     tail_size = None
+    mixed: list[int] = []            # blocks holding several dtypes (one chunk per dtype)
 
     def take(budget: float) -> tuple[list[tuple[int, int, int]], float]:
       """The highest-priority pending slices up to `budget` bytes (at least one element), and their
@@ -109,6 +110,8 @@ class _Planner:
         pend_bytes -= nb
         total += nb
         dtypes.add(dtype_of[r])
+      if len(dtypes) > 1:
+        mixed.append(len(blocks))
       return out, len(dtypes) * a + b * total
 
     while k < n_arr or pending:
@@ -150,12 +153,16 @@ class _Planner:
           tail_size *= tail_growth
       t += cost
       blocks.append(block)
-    return blocks, self._estimate(blocks)
+    return blocks, self._estimate(blocks, mixed)
 
-  def _estimate(self, blocks: list[list[tuple[int, int, int]]]) -> float:
+  def _estimate(self, blocks: list[list[tuple[int, int, int]]], mixed: list[int]) -> float:
+    """The iteration time of the chunks the blocks become (`mixed`: the blocks of several dtypes)."""
     prob = self.prob
-    dtype_of = prob.dtype.__getitem__
-    ready, nbytes, tail, _, _ = chunk_arrays(prob, (c for blk in blocks for c in split_by_dtype(dtype_of, blk)))
+    if mixed:   # such a block holds one chunk (all-reduce) per dtype
+      split, dtype_of = set(mixed), prob.dtype.__getitem__
+      blocks = [c for k, blk in enumerate(blocks)
+                for c in (split_by_dtype(dtype_of, blk) if k in split else (blk,))]
+    ready, nbytes, tail, _, _ = chunk_arrays(prob, blocks)
     return iteration_s(prob, ready, prob.durations(nbytes), tail)
 
 
