@@ -240,8 +240,26 @@ def simulate_chunks(prob: Problem, chunks: Iterable[Sequence[tuple[int, int, int
                    allreduces=int(n), events=evs, cross_step=cross_step)
 
 
-def _new_event(kind: str, name: str, start_s: float, end_s: float, lane: str = "device") -> Event:
-  return Event(kind=kind, name=name, start_s=start_s, end_s=end_s, lane=lane)
+def _event_maker():
+  """`Event(kind=..., ...)`, about 3x faster: a frozen slots dataclass's __init__ assigns each field
+  through object.__setattr__; Event checks nothing (tests/test_simulate.py keeps it so), so filling
+  its slots directly builds an equal object (a 1,000-chunk timeline has ~4,000 events)."""
+  new = object.__new__
+  sk, sn, ss, se, sl = (getattr(Event, f).__set__ for f in ("kind", "name", "start_s", "end_s", "lane"))
+
+  def make(kind: str, name: str, start_s: float, end_s: float, lane: str = "device") -> Event:
+    e = new(Event)
+    sk(e, kind)
+    sn(e, name)
+    ss(e, start_s)
+    se(e, end_s)
+    sl(e, lane)
+    return e
+
+  return make
+
+
+_new_event = _event_maker()
 
 
 def _events(prob: Problem, layers: tuple[str, ...], start: np.ndarray,

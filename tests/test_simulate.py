@@ -401,3 +401,14 @@ def test_simresult_json_round_trip():
     SimResult.from_json({k: v for k, v in r.to_dict().items() if k != "iteration_s"})
   with pytest.raises(ValueError, match=r"unknown field\(s\) \['nope'\]"):
     SimResult.from_json({**r.to_dict(), "nope": 1})
+
+
+def test_fast_event_maker_builds_equal_events():
+  """The timeline's events are built by filling Event's slots; that is only right while Event's
+  constructor checks nothing."""
+  from prophet_jax._simulate import _new_event
+
+  assert not hasattr(Event, "__post_init__")
+  assert _new_event("allreduce", "chunk0", 0.5, 1.0, "link1") == Event(kind="allreduce", name="chunk0",
+                                                                         start_s=0.5, end_s=1.0, lane="link1")
+  assert _new_event("forward", "l0", 0.0, 1.0) == Event(kind="forward", name="l0", start_s=0.0, end_s=1.0)
