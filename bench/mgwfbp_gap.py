@@ -1,6 +1,6 @@
 """MG-WFBP's merge rule against brute force over contiguous merges of the ready order (plain step).
 
-The rule is not optimal (FACTS.md): this reports how far from the best contiguous merge it lands on
+The rule is not optimal (docs/facts.md, "The field"): this reports how far from the best contiguous merge it lands on
 random instances of up to 7 layers (one row per layer), and checks it is never slower than wfbp or
 one bucket. Times are the simulator's. Prints a summary; writes bench/results/mgwfbp_gap.json; never
 asserts.
@@ -17,9 +17,8 @@ import pathlib
 
 import numpy as np
 
-from prophet_jax import GradientProfile, NetworkModel, simulate
+from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, Schedule, simulate
 from prophet_jax.schedulers import bucket, mgwfbp, wfbp
-from prophet_jax.schedulers._common import schedule_from_groups
 
 
 def instance(rng: np.random.Generator) -> tuple[GradientProfile, NetworkModel]:
@@ -45,7 +44,9 @@ def brute_force(p: GradientProfile, net: NetworkModel) -> float:
         cur = []
       cur.append(r)
     groups.append(cur)
-    s = schedule_from_groups(p, [[(r, 0, p.rows[r].size) for r in g] for g in groups], policy="brute")
+    s = Schedule(buckets=tuple(Bucket(chunks=(Chunk(slices=tuple((r, 0, p.rows[r].size) for r in g),
+                                                    dtype="float32"),)) for g in groups),
+                 rows=p.tree_rows(), policy="brute")
     best = min(best, simulate(s, p, net, events=False).iteration_s)
   return best
 

@@ -3,7 +3,7 @@
 Part 1 (measured, 8 CPU devices, jit(shard_map), state donated): the cross-step pipelined step
 (`prophet_jax.pipelined`) against the plain scheduled step (`jax.grad`, `prophet_jax.scheduled(tx)`)
 with the *same* chunks, on `cnn` and `gpt-tiny` at per-device batches of 32 and 128. On the CPU a collective
-blocks the executor (FACTS.md), so nothing overlaps and the pipelined step can only cost: this part
+blocks the executor (docs/facts.md, "CPU collectives are synchronous"), so nothing overlaps and the pipelined step can only cost: this part
 says how much, and what the cost is made of. Arms, timed in interleaved rounds in the same run
 (median of >= 20 steps each):
 

@@ -14,8 +14,7 @@ import time
 
 import numpy as np
 
-from prophet_jax import GradientProfile, NetworkModel, plan
-from prophet_jax._plan import POLICIES
+from prophet_jax import POLICIES, GradientProfile, NetworkModel, plan
 
 
 def thousand_leaf_profile(leaves: int, seed: int = 0) -> GradientProfile:

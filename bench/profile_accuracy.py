@@ -71,22 +71,31 @@ def _pmean_tx(tx):
   return optax.GradientTransformation(tx.init, update)
 
 
+def _walls(step, state, batch, repeats: int) -> list[float]:
+  """Wall seconds of `repeats` calls of `state = step(*state, batch)`, each waited for."""
+  import jax
+
+  walls = [time.perf_counter()]
+  for _ in range(repeats):
+    state = jax.block_until_ready(step(*state, batch))
+    walls.append(time.perf_counter())
+  return np.diff(walls).tolist()
+
+
 def run(models, *, n: int, repeats: int, rounds: int, profile_steps: int, probe_repeats: int) -> dict:
   import jax
   import optax
 
   import prophet_jax as pj
-  from prophet_jax import _network, _profile
-  from prophet_jax._demo import step_times
   from prophet_jax.models import get_model
 
   sizes = tuple(int(s) for s in np.geomspace(2**10, 2**22, 9))
   t0 = time.perf_counter()
-  timings = _network.time_allreduce(n, sizes=sizes, repeats=probe_repeats, max_seconds_per_size=10.0)
+  timings = pj.probe(n, sizes=sizes, repeats=probe_repeats, max_seconds_per_size=10.0)
   net = timings.fit("median")
-  print(_network.summary(net, timings), f"\n  ({time.perf_counter() - t0:.1f} s)\n", flush=True)
+  print(timings.describe(net), f"\n  ({time.perf_counter() - t0:.1f} s)\n", flush=True)
   # the skew of devices that share cores, measured apart (an interleaved probe): a second prediction
-  skewed = _network.time_allreduce(n, sizes=sizes[:2], repeats=probe_repeats, interleave=True,
+  skewed = pj.probe(n, sizes=sizes[:2], repeats=probe_repeats, interleave=True,
                                    max_seconds_per_size=10.0)
   net_skew = net.replace(skew=skewed.skew)
   print(f"skew {skewed.skew:.3f} (compute per round {[round(c * 1e6) for c in skewed.compute_s]} us)\n",
@@ -105,7 +114,7 @@ def run(models, *, n: int, repeats: int, rounds: int, profile_steps: int, probe_
     t0 = time.perf_counter()
     prof = pj.profile_step(m.loss_fn, params, batch_g, num_devices=n, steps=profile_steps, tx=tx,
                            model=name)
-    print(_profile.summary(prof), f"\n  ({time.perf_counter() - t0:.1f} s)\n", flush=True)
+    print(prof.describe(), f"\n  ({time.perf_counter() - t0:.1f} s)\n", flush=True)
     schedules = {p: pj.plan(prof, net, p) for p in POLICIES}
     sims = {p: pj.simulate(s, prof, net) for p, s in schedules.items()}
     sims_skew = {p: pj.simulate(s, prof, net_skew) for p, s in schedules.items()}
@@ -124,7 +133,7 @@ def run(models, *, n: int, repeats: int, rounds: int, profile_steps: int, probe_
     samples: dict[str, list[float]] = {k: [] for k in txs}
     for _ in range(rounds):  # interleave policies so load changes hit all of them alike
       for k in txs:
-        samples[k] += step_times(steps[k], states[k], batch, repeats)[0]
+        samples[k] += _walls(steps[k], states[k], batch, repeats)
     # the start-up one all-reduce pays inside this step, from the slope between the two calibration
     # policies measured in the same rounds (one all-reduce for everything, one per layer): a prediction
     # with it in place of the probe's alpha (bench/shaped.py does the same across processes)

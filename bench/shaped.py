@@ -2,7 +2,7 @@
 
 Two processes, each in its own network namespace, joined by a veth pair capped with `tc ... tbf`
 (1 Gbit/s, and a second rate, 100 Mbit/s by default, where communication weighs more). gloo is bound
-to the veth (the private call of prophet_jax._gloo; the coordinator listens on the veth address of
+to the veth (the private call of prophet_jax._distributed; the coordinator listens on the veth address of
 rank 0's namespace). Model: `resnet-small` at 32 images per process (1 CPU device per process).
 
 Per rate: probe the link (`measure_network` across the two processes), profile the step
@@ -85,7 +85,6 @@ def worker(args: argparse.Namespace) -> int:
 
   import prophet_jax
   from prophet_jax import NetworkModel, plan, simulate
-  from prophet_jax._network import time_allreduce
   from prophet_jax.models import get_model
 
   rank, ndev = jax.process_index(), jax.device_count()
@@ -106,8 +105,8 @@ def worker(args: argparse.Namespace) -> int:
 
   # 1. the link
   t0 = time.perf_counter()
-  timings = time_allreduce(sizes=tuple(2**k for k in range(10, 21, 2)) + (2**21,),
-                           repeats=args.probe_repeats, max_seconds_per_size=8.0)
+  timings = prophet_jax.probe(sizes=tuple(2**k for k in range(10, 21, 2)) + (2**21,),
+                             repeats=args.probe_repeats, max_seconds_per_size=8.0)
   net, net_low = timings.fit("median"), timings.fit("low")
   log(f"probe: alpha {net.alpha_s * 1e6:.1f} us/step, beta {net.beta_s_per_byte * 1e9:.2f} ns/B "
       f"({8 / net.beta_s_per_byte / 1e6 if net.beta_s_per_byte else float('inf'):.0f} Mbit/s), "

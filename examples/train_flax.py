@@ -4,7 +4,7 @@ The loop is the usual data-parallel one (a `TrainState`, a jitted step under `ja
 mesh axis 'dp', the batch split over the devices). The one change: `scheduled(tx, schedule,
 axis_name='dp')` replaces the step's `jax.lax.pmean(grads, 'dp')`, and the params are marked varying
 (`jax.lax.pcast(..., to='varying')`) before `jax.grad`, so that `jax.grad` does not sum the gradients
-itself (FACTS.md: the 8x gradient trap).
+itself (docs/facts.md, "The 8x gradient trap").
 
 Run it:
 
@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   state = to_global(jax.device_get(state), replicated)
 
   def train_step(state, batch):
-    params = jax.lax.pcast(state.params, "dp", to="varying")  # own the all-reduce (FACTS.md)
+    params = jax.lax.pcast(state.params, "dp", to="varying")  # own the all-reduce (docs/facts.md)
     loss, grads = jax.value_and_grad(model.loss_fn)(params, batch)
     state = state.apply_gradients(grads=grads)  # scheduled(...) all-reduces the grads, then sgd
     return state, jax.lax.pmean(loss, "dp")
@@ -129,9 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{args.steps} steps in {dt:.2f} s on {nproc} process(es) x {jax.local_device_count()} "
           f"device(s), policy {schedule.policy}", flush=True)
     if args.out:
-      from prophet_jax._tree import flatten_with_paths
-
-      final = {p: np.asarray(x.addressable_data(0)) for p, x in flatten_with_paths(state.params)}
+      leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
+      final = {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x.addressable_data(0))
+               for p, x in leaves}
       np.savez(args.out, **final)
       print(f"final params written to {args.out}", flush=True)
   return 0

@@ -1,7 +1,7 @@
 """Small trainable flax models for tests, profiling and the demo: `mlp`, `cnn`, `gpt-tiny`, `resnet-small`.
 
 Each model is a `TrainableModel`: `init(rng)` gives the variables dict `{'params': {...}}` (so leaf paths
-are DESIGN.md's canonical `params/Dense_0/kernel` and the dict goes straight to `module.apply`),
+are the canonical `params/Dense_0/kernel` of docs/design.md and the dict goes straight to `module.apply`),
 `loss_fn(params, batch)` is the MEAN loss over the batch (a per-device mean followed by `pmean` equals
 the global mean when every device holds the same number of examples), and `make_batch(rng, batch_size)`
 draws a synthetic batch, deterministic in `rng`, with a fixed learnable signal so the loss falls.
@@ -23,6 +23,7 @@ Examples:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import flax.linen as nn
+
+from prophet_jax._tree import forward_paths, is_reduced_leaf, layer_of
 
 __all__ = ["MODELS", "PARAM_DTYPES", "TrainableModel", "get_model", "layer_of", "forward_paths",
            "num_params"]
@@ -69,112 +72,9 @@ _SIGNAL_SEED = 1234  # fixed seed of each task's class templates / token map (th
 # Helpers shared with the rest of the project
 
 
-def layer_of(path: str) -> str:
-  """The layer a leaf belongs to: every path component but the last.
-
-  `'params/Conv_0/kernel'` -> `'params/Conv_0'`; a one-component path is its own layer. This is the
-  same convention as `GradientProfile.from_params` (default `layer_depth`) and the bundled traces.
-
-  Raises:
-    ValueError: `path` is empty or not a string.
-  """
-  if not isinstance(path, str) or not path:
-    raise ValueError(f"layer_of(path={path!r}): expected a non-empty key path such as "
-                     f"'params/Conv_0/kernel'.")
-  parts = path.split("/")
-  return "/".join(parts[:-1]) if len(parts) > 1 else parts[0]
-
-
 def num_params(tree: Any) -> int:
   """Total number of elements of the floating-point leaves of a pytree (arrays or ShapeDtypeStructs)."""
-  return int(sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree_util.tree_leaves(tree)
-                 if jnp.issubdtype(x.dtype, jnp.inexact)))
-
-
-def _path_str(keypath) -> str:
-  return jax.tree_util.keystr(tuple(keypath), simple=True, separator="/")
-
-
-# jaxpr params holding a sub-jaxpr whose invars and outvars map one-to-one onto the equation's
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-# primitives that only re-label a value (its k-th output is its k-th input, re-typed or re-shaped):
-# not a use; the use is wherever the result is read
-_ALIAS_PRIMITIVES = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims",
-                               "broadcast_in_dim", "transpose", "copy", "copy_p", "pvary", "pcast",
-                               "optimization_barrier", "device_put"})
-
-
-def forward_paths(fn: Callable[..., Any], params: Any, *args: Any) -> tuple[str, ...]:
-  """Leaf paths of `params` in FORWARD order: the order in which `fn(params, *args)` first uses them.
-
-  The order comes from the jaxpr of `fn`: the first equation that reads each parameter, descending
-  into `jit` / `scan` / custom-derivative sub-jaxprs, and following values through re-labelling
-  primitives (casts, reshapes, transposes, identity `custom_vjp` hooks), so a hook or a cast applied
-  to every parameter up front does not count as a use. It does not come from the pytree: flax stores
-  submodules in dicts whose sorted keys put `Dense_10` before `Dense_2`. A tied embedding is placed
-  where the forward pass first reads it (the input lookup, so row 0). Leaves `fn` never reads come
-  last, in flatten order.
-
-  Args:
-    fn: e.g. `model.loss_fn`; traced abstractly (nothing runs), so `args` may be ShapeDtypeStructs.
-    params: the parameter pytree (arrays or ShapeDtypeStructs).
-    *args: the other arguments of `fn` (e.g. a batch).
-
-  Returns:
-    Every leaf path of `params`, each once.
-  """
-  leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-  paths = [_path_str(p) for p, _ in leaves_with_paths]
-  leaves = [x for _, x in leaves_with_paths]
-
-  def flat_fn(flat, *rest):
-    return fn(jax.tree_util.tree_unflatten(treedef, flat), *rest)
-
-  closed = jax.make_jaxpr(flat_fn)(leaves, *args)
-  jaxpr = closed.jaxpr
-  order: list[int] = []
-  seen: set[int] = set()
-
-  def record(i: int) -> None:
-    if i not in seen:
-      seen.add(i)
-      order.append(i)
-
-  def walk(jx, mapping: dict[int, int]) -> None:
-    """mapping: id(var) -> leaf index; grows with the outputs that carry a leaf unchanged."""
-    for eqn in jx.eqns:
-      ins = [(k, mapping[id(v)]) for k, v in enumerate(eqn.invars)
-             if not _is_literal(v) and id(v) in mapping]
-      if not ins:
-        continue
-      sub = None
-      for name in _CALL_PARAMS:
-        cand = eqn.params.get(name)
-        cand = getattr(cand, "jaxpr", cand)  # ClosedJaxpr -> Jaxpr
-        if (cand is not None and hasattr(cand, "eqns") and len(cand.invars) == len(eqn.invars)
-            and len(cand.outvars) == len(eqn.outvars)):
-          sub = cand
-          break
-      if sub is not None:
-        inner = {id(sub.invars[k]): i for k, i in ins}
-        walk(sub, inner)
-        for ov, iv in zip(eqn.outvars, sub.outvars):  # passed through unchanged: alias, not a use
-          if not _is_literal(iv) and id(iv) in inner:
-            mapping[id(ov)] = inner[id(iv)]
-      elif eqn.primitive.name in _ALIAS_PRIMITIVES and len(eqn.invars) == len(eqn.outvars):
-        for k, i in ins:
-          mapping[id(eqn.outvars[k])] = i
-      else:
-        for _, i in ins:
-          record(i)
-
-  walk(jaxpr, {id(v): i for i, v in enumerate(jaxpr.invars[:len(leaves)])})
-  order += [i for i in range(len(leaves)) if i not in seen]
-  return tuple(paths[i] for i in order)
-
-
-def _is_literal(v) -> bool:
-  return type(v).__name__ == "Literal"
+  return int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tree) if is_reduced_leaf(x)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -418,10 +318,6 @@ class TrainableModel:
     params = self.abstract_params() if params is None else params
     batch = jax.eval_shape(lambda k: self.make_batch(k, 2), jax.random.key(0))
     return forward_paths(self.loss_fn, params, batch)
-
-  def with_dtype(self, param_dtype: str) -> TrainableModel:
-    """The same model with parameters (and compute) in another dtype."""
-    return get_model(self.name, param_dtype=param_dtype)
 
 
 def _build(name: str, dtype) -> tuple[nn.Module, tuple[int, ...], str, Callable]:

@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from prophet_jax._transform import loop_hook
+from prophet_jax import loop_hook
 
 __all__ = ["ScanMLP", "ScanModel", "scan_model", "SCAN_IN_LOOP", "outer_params"]
 

@@ -15,12 +15,13 @@ __version__ = "0.1.0"
 # public name -> private module that defines it
 _EXPORTS: dict[str, str] = {
     # values (pure)
-    "GradientProfile": "_types", "ProfileRow": "_types", "NetworkModel": "_types", "Chunk": "_types",
-    "Bucket": "_types", "Schedule": "_types", "SimResult": "_types", "Event": "_types",
+    "GradientProfile": "_types", "ProfileRow": "_types", "NetworkModel": "_types", "Chunk": "_schedule",
+    "Bucket": "_schedule", "Schedule": "_schedule", "SimResult": "_simulate", "Event": "_simulate",
     # errors (pure)
     "ProphetError": "_errors", "ProfileError": "_errors", "NetworkError": "_errors",
     "ScheduleError": "_errors", "ScheduleMismatchError": "_errors", "UnboundAxisError": "_errors",
-    "AlreadyReducedError": "_errors", "TraceUnavailableError": "_errors",
+    "AlreadyReducedError": "_errors", "TraceUnavailableError": "_errors", "LaunchError": "_errors",
+    "GlooBindError": "_errors",
     # planning and simulation (pure)
     "plan": "_plan", "validate_schedule": "_plan", "POLICIES": "_plan",
     "simulate": "_simulate", "lower_bound": "_bound",
@@ -28,7 +29,8 @@ _EXPORTS: dict[str, str] = {
     "allreduce": "_collectives", "scheduled": "_transform", "hooked": "_transform",
     "loop_hook": "_transform",
     "pipelined": "_pipelined", "audit": "_audit", "AuditReport": "_audit",
-    "profile_step": "_profile", "measure_network": "_network", "Monitor": "_monitor",
+    "profile_step": "_profile", "measure_network": "_network", "probe": "_network",
+    "AllreduceTimings": "_network", "Monitor": "_monitor",
 }
 
 __all__ = sorted(_EXPORTS) + ["schedulers"]
@@ -52,14 +54,16 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._audit import AuditReport, audit
   from ._bound import lower_bound
   from ._collectives import allreduce
-  from ._errors import (AlreadyReducedError, NetworkError, ProfileError, ProphetError,
-                        ScheduleError, ScheduleMismatchError, TraceUnavailableError, UnboundAxisError)
+  from ._errors import (AlreadyReducedError, GlooBindError, LaunchError, NetworkError, ProfileError,
+                        ProphetError, ScheduleError, ScheduleMismatchError, TraceUnavailableError,
+                        UnboundAxisError)
   from ._monitor import Monitor
-  from ._network import measure_network
+  from ._network import AllreduceTimings, measure_network, probe
   from ._pipelined import pipelined
   from ._plan import POLICIES, plan, validate_schedule
   from ._profile import profile_step
   from ._simulate import simulate
   from ._transform import hooked, loop_hook, scheduled
-  from ._types import (Bucket, Chunk, Event, GradientProfile, NetworkModel, ProfileRow, Schedule,
-                       SimResult)
+  from ._schedule import Bucket, Chunk, Schedule
+  from ._simulate import Event, SimResult
+  from ._types import GradientProfile, NetworkModel, ProfileRow

@@ -12,7 +12,8 @@ import heapq
 
 import numpy as np
 
-from ._types import GradientProfile, NetworkModel
+from ._core import problem
+from ._types import GradientProfile, NetworkModel, check_values
 
 __all__ = ["lower_bound"]
 
@@ -128,28 +129,12 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
     >>> lower_bound(p, NetworkModel(alpha_s=0.5, beta_s_per_byte=0.001, workers=2))  # 2 + (1 + 1) + 1
     5.0
   """
-  if not isinstance(profile, GradientProfile):
-    raise TypeError(f"lower_bound(profile=...) must be a GradientProfile, got {type(profile).__name__}.")
-  if not isinstance(network, NetworkModel):
-    raise TypeError(f"lower_bound(network=...) must be a NetworkModel, got {type(network).__name__}.")
-  if not isinstance(cross_step, (bool, np.bool_)):
-    raise TypeError(f"lower_bound(cross_step={cross_step!r}) must be True or False; 'auto' is only a "
-                    f"planning option.")
-  a, b, links = network.startup_s, network.per_byte_s, network.links
-  rows = profile.rows
-  layers = profile.layers
-  lidx = {name: i for i, name in enumerate(layers)}
-  nl = len(layers)
-  ready = np.array([r.ready_s for r in rows], dtype=np.float64)
-  nbytes = np.array([r.nbytes for r in rows], dtype=np.float64)
-  layer = np.array([lidx[r.layer] for r in rows], dtype=np.int64)
-  dcode = {d: i for i, d in enumerate(dict.fromkeys(r.dtype for r in rows))}
-  dtype = np.array([dcode[r.dtype] for r in rows], dtype=np.int64)
-  fwd_map = profile.layer_fwd_s()
-  f = np.array([fwd_map[name] for name in layers], dtype=np.float64)
-  u = np.zeros(nl)
-  np.add.at(u, layer, np.array([r.update_s for r in rows], dtype=np.float64))
-  forward, update, backward = float(f.sum()), float(u.sum()), float(profile.backward_s)
+  check_values("lower_bound()", profile=profile, network=network, cross_step=cross_step)
+  prob = problem(profile, network, cross_step=bool(cross_step))
+  a, b, links = prob.startup_s, prob.per_byte_s, prob.links
+  nl = len(prob.layers)
+  ready, nbytes, layer, dtype = prob.row_ready_s, prob.row_nbytes, prob.row_layer, prob.row_dtype_code
+  forward, update, backward = prob.forward_s, prob.update_s, prob.backward_s
 
   sent = nbytes > 0
 
@@ -161,7 +146,7 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   order = idx[np.argsort(-ready[idx], kind="stable")]
   r_s, b_s, d_s, l_s = ready[order], nbytes[order], dtype[order], layer[order]
   n = order.size
-  nd = len(dcode)
+  nd = int(dtype.max()) + 1
 
   def thr_max(mask: np.ndarray) -> np.ndarray:
     """max_t (t + W(R ∩ S_t)) for each row of `mask` (sets R as boolean masks over `order`).
@@ -197,7 +182,7 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
             t0 = max(t0, _batched_makespan(r_s[::-1][sel], b_s[::-1][sel], a, b))
     return float(t0 + update + forward)
 
-  tail = u + np.cumsum(f[::-1])[::-1]
+  tail = prob.layer_tail_s
   bound = t0 + forward
   zero = ~sent
   if zero.any():

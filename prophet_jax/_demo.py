@@ -77,8 +77,7 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
   from tqdm import tqdm
 
   import prophet_jax as pj
-  from prophet_jax import _network, _profile
-  from prophet_jax._plan import POLICIES
+  from prophet_jax import POLICIES
   from prophet_jax._timeline import plot_timelines
   from prophet_jax.models import get_model
 
@@ -100,11 +99,11 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
   t0 = time.perf_counter()
   profile = pj.profile_step(m.loss_fn, params, make(1), num_devices=n, steps=2 if quick else 4, tx=tx,
                             model=model)
-  print(_profile.summary(profile), f"\n  ({time.perf_counter() - t0:.1f} s)\n")
+  print(profile.describe(), f"\n  ({time.perf_counter() - t0:.1f} s)\n")
   t0 = time.perf_counter()
   sizes = tuple(int(s) for s in np.geomspace(2**10, 2**20 if quick else 2**22, 5 if quick else 7))
   net = pj.measure_network(n, sizes=sizes, repeats=5 if quick else 12, max_seconds_per_size=5.0)
-  print(_network.summary(net), f"\n  ({time.perf_counter() - t0:.1f} s)\n")
+  print(net.describe(), f"\n  ({time.perf_counter() - t0:.1f} s)\n")
 
   # 2. plan every policy and predict
   policies = [p for p in POLICIES if p != "dlcp"]

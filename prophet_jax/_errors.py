@@ -42,3 +42,16 @@ class AlreadyReducedError(ProphetError, ValueError):
 class TraceUnavailableError(ProphetError, FileNotFoundError):
   """A bundled or external trace is not available on this machine (e.g. the GoogLeNet public data set,
   which is read from ../shared/traces at run time and is not shipped with the package)."""
+
+
+class LaunchError(ProphetError, RuntimeError):
+  """A multi-process run could not start or lost a process: the coordinator was unreachable within
+  the initialization timeout, or the processes disagree about the schedule. Check that rank 0 is
+  running and that the coordinator address and port are reachable from every process."""
+
+
+class GlooBindError(ProphetError, RuntimeError):
+  """Gloo (jax's CPU collectives) could not be bound to a network interface: the private jax call that
+  does it is missing from this jax, or it came too late (after the backend started, or before
+  jax.distributed.initialize). Use a tested jax version, call prophet_jax.launch.initialize() before any
+  other jax call, or run without --gloo-interface."""

@@ -15,7 +15,7 @@ Public API (class `Monitor`):
 
 Why a probe: step times alone cannot separate alpha from beta (one number per step), so every
 `probe_every` steps, between steps (never inside the jitted step), a few small all-reduces are timed
-(`prophet_jax._network.time_allreduce` over `probe_sizes`, `probe_repeats` each, a few milliseconds).
+(`prophet_jax.probe` over `probe_sizes`, `probe_repeats` each, a few milliseconds).
 A step-time drift (the median of the last `window` steps more than `drift` away from the median just
 after the last plan) triggers a probe early, in a single process. The probes of the last `window`
 rounds are pooled (median per size) and `NetworkModel.fit` gives the new alpha and beta; `overlap`,
@@ -44,8 +44,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import ScheduleMismatchError
-from ._types import GradientProfile, NetworkModel, Schedule
+from ._tree import match_rows
+from ._schedule import Schedule
+from ._types import GradientProfile, NetworkModel
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,13 +165,7 @@ class Monitor:
     return float(simulate(schedule, self.profile, network, cross_step=self.cross_step).iteration_s)
 
   def _check(self, schedule: Schedule) -> None:
-    if not isinstance(schedule, Schedule):
-      raise TypeError(f"Monitor: expected a Schedule, got {type(schedule).__name__}.")
-    mine = self.profile.fingerprint()
-    if schedule.tree_fingerprint != mine:
-      raise ScheduleMismatchError(
-          f"Monitor: the schedule's tree fingerprint {schedule.tree_fingerprint!r} does not match this "
-          f"process's profile ({mine!r}); it was planned for another model. Plan again on this profile.")
+    match_rows(schedule, self.profile.tree_rows(), where="Monitor", theirs="this process's profile")
 
   def _agree(self, schedule: Schedule) -> Schedule:
     """Rank 0's schedule on every process (no-op in one process); each checks its fingerprint."""
@@ -179,7 +174,7 @@ class Monitor:
     jax = sys.modules.get("jax")
     if jax is None or jax.process_count() == 1:
       return schedule
-    from .launch import broadcast_schedule
+    from ._agreement import broadcast_schedule
 
     got = broadcast_schedule(schedule)
     self._check(got)
@@ -237,10 +232,9 @@ class Monitor:
     if self._probe_fn is not None:
       seconds = list(self._probe_fn(sizes))
     else:
-      from ._network import time_allreduce
+      from ._network import probe
 
-      n = self._num_devices
-      t = time_allreduce(n, sizes=sizes, repeats=self.probe_repeats, inner=1)
+      t = probe(self._num_devices, sizes=sizes, repeats=self.probe_repeats, inner=1)
       sizes, seconds = t.sizes, list(t.median_s)
     return self.observe(sizes, seconds)
 

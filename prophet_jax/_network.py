@@ -1,10 +1,12 @@
-"""All-reduce microbenchmark: `measure_network` fits a NetworkModel (alpha, beta) to measured timings.
+"""The network probe: time all-reduces against message size, and fit a NetworkModel (alpha, beta).
 
 Public API:
-  measure_network(num_devices=None, *, sizes=..., repeats=..., stat='median', ...) -> NetworkModel
-  time_allreduce(num_devices=None, *, sizes=..., repeats=..., ...) -> AllreduceTimings
-  probe(num_devices=None, ...) -> NetworkModel        (what `prophet-jax probe` runs)
-  summary(network, timings=None) -> str               (the short human summary the CLI prints)
+  probe(num_devices=None, *, sizes=..., repeats=..., ...) -> AllreduceTimings   (the raw timings)
+  measure_network(num_devices=None, *, ..., stat='median') -> NetworkModel       (probe, then fit)
+  AllreduceTimings.fit(stat) -> NetworkModel; AllreduceTimings.describe() -> str
+
+One act, one name: *probing* times the all-reduces (`probe`, the CLI's `prophet-jax probe`, the
+Monitor's `probe_every`); `measure_network` is a probe and its fit.
 
 How it measures: for each message size, one compiled program issues `1` all-reduce and another issues
 `1 + inner` all-reduces chained by their data (so XLA cannot combine them), inside `jax.shard_map`
@@ -92,6 +94,17 @@ class AllreduceTimings:
     return NetworkModel.fit(self.sizes, ys, workers=self.workers, overlap=self.platform != "cpu",
                             name=f"probe:{self.platform}x{self.workers}:{label}", skew=self.skew)
 
+  def describe(self, network: NetworkModel | None = None) -> str:
+    """A short human summary: the fitted model (`network`, default `fit()`) and, per size, the median
+    and low times beside the model's prediction."""
+    network = self.fit() if network is None else network
+    head = network.describe().splitlines()
+    lines = [line for line in head if not line.lstrip().startswith("predicted all-reduce")]
+    lines.append(f"  {'bytes':>10} {'median us':>10} {'p%g us' % self.percentile:>10} {'model us':>10}")
+    for s, m, lo in zip(self.sizes, self.median_s, self.low_s):
+      lines.append(f"  {s:>10} {m * 1e6:>10.1f} {lo * 1e6:>10.1f} {network.allreduce_s(s) * 1e6:>10.1f}")
+    return "\n".join(lines)
+
 
 def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
   try:
@@ -132,10 +145,10 @@ def _mesh_devices(num_devices: int | None):
   return devices
 
 
-def time_allreduce(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES,
-                   repeats: int = 20, inner: int = 3, percentile: float = 10.0,
-                   dtype: str = "float32", max_seconds_per_size: float | None = None,
-                   interleave: bool = False, skew: float | None = None) -> AllreduceTimings:
+def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20,
+          inner: int = 3, percentile: float = 10.0, dtype: str = "float32",
+          max_seconds_per_size: float | None = None, interleave: bool = False,
+          skew: float | None = None) -> AllreduceTimings:
   """Times one all-reduce (psum) at each message size across the devices (or processes).
 
   Args:
@@ -280,7 +293,7 @@ def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DE
     dtype: element type of the messages.
     max_seconds_per_size: cap on the time spent on one size.
     interleave: time each all-reduce after a fixed piece of compute and measure `skew` (see
-      `time_allreduce`).
+      `probe`).
 
   Returns:
     A NetworkModel: `alpha_s` per ring step and `beta_s_per_byte` from a least-squares fit (its RMS
@@ -297,38 +310,6 @@ def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DE
   """
   if stat not in ("median", "low"):
     raise ValueError(f"measure_network(stat={stat!r}): expected 'median' or 'low'.")
-  t = time_allreduce(num_devices, sizes=sizes, repeats=repeats, inner=inner, percentile=percentile,
-                     dtype=dtype, max_seconds_per_size=max_seconds_per_size, interleave=interleave)
+  t = probe(num_devices, sizes=sizes, repeats=repeats, inner=inner, percentile=percentile, dtype=dtype,
+            max_seconds_per_size=max_seconds_per_size, interleave=interleave)
   return t.fit(stat)
-
-
-def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 15,
-          max_seconds_per_size: float | None = 20.0) -> NetworkModel:
-  """What `prophet-jax probe --num-devices D` runs: measure_network with CLI-friendly defaults.
-
-  Under `prophet-jax launch` (jax.distributed initialized) the probe spans every process's devices.
-  """
-  return measure_network(num_devices, sizes=sizes, repeats=repeats,
-                         max_seconds_per_size=max_seconds_per_size)
-
-
-def summary(network: NetworkModel, timings: AllreduceTimings | None = None) -> str:
-  """A short human summary of a probed network (and of its timings, when given)."""
-  bw = math.inf if network.beta_s_per_byte == 0 else 1 / network.beta_s_per_byte
-  lines = [f"{network.name or 'network'}: {network.workers} workers, alpha {network.alpha_s * 1e6:.2f} us "
-           f"per ring step (one all-reduce starts in {network.startup_s * 1e6:.1f} us), beta "
-           f"{network.beta_s_per_byte * 1e9:.3f} ns/B ({bw / 1e9:.2f} GB/s per link), overlap "
-           f"{network.overlap}"]
-  if network.fit_residual_s is not None:
-    lines.append(f"  fit residual (RMS) {network.fit_residual_s * 1e6:.1f} us")
-  if network.skew:
-    lines.append(f"  skew {network.skew:.3f}: each synchronous all-reduce also waits {network.skew:.1%} of the "
-                 f"compute before it")
-  if timings is not None:
-    lines.append(f"  {'bytes':>10} {'median us':>10} {'p%g us' % timings.percentile:>10} {'model us':>10}")
-    for s, m, lo in zip(timings.sizes, timings.median_s, timings.low_s):
-      lines.append(f"  {s:>10} {m * 1e6:>10.1f} {lo * 1e6:>10.1f} {network.allreduce_s(s) * 1e6:>10.1f}")
-  else:
-    for s in (2**10, 2**20, 2**26):
-      lines.append(f"  predicted all-reduce of {s / 2**20:g} MiB: {network.allreduce_s(s) * 1e3:.3f} ms")
-  return "\n".join(lines)

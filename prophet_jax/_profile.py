@@ -2,15 +2,13 @@
 
 Public API:
   profile_step(loss_fn, params, batch, *, num_devices=None, ...) -> GradientProfile
-  profile_model(name, num_devices=None, ...) -> GradientProfile   (what `prophet-jax profile` runs)
-  summary(profile) -> str                                         (the short summary the CLI prints)
 
 How (`method='measured'`): the gradient step `jax.grad(loss_fn)` is compiled under `jax.shard_map` over
 a 1-D mesh of `num_devices` devices (parameters replicated, the batch split on its leading axis, no
 all-reduce: the same per-device program as training without its communication), run `warmup` times,
 then `steps` times under `jax.profiler.trace`. The trace's XLA op events (`hlo_module`, `hlo_op`,
 `run_id`, `device_ordinal`) are grouped into executions (one per step and device) and mapped
-(`_trace`):
+(`_xplane`):
 
 - to gradient leaves through the compiled HLO: output k of the ENTRY ROOT tuple is leaf k; following
   its operands through ops that have no event of their own (bitcast, copy, get-tuple-element, tuple),
@@ -41,7 +39,7 @@ Fallbacks, in order (`method='auto'`), each saying so in the profile's `method` 
 Made-up numbers are never labelled 'measured'.
 
 Rows are in forward (priority) order: the order in which the loss's jaxpr first reads each parameter
-(`prophet_jax.models.forward_paths`), not flatten order.
+(`_tree.forward_paths`), not flatten order.
 """
 
 from __future__ import annotations
@@ -57,7 +55,8 @@ from typing import Any
 import numpy as np
 
 from ._errors import ProfileError
-from . import _trace
+from . import _xplane
+from ._tree import forward_paths, is_reduced_leaf, layer_of, path_str
 from ._types import GradientProfile, ProfileRow, itemsize
 
 _AXIS = "prophet_profile"
@@ -87,24 +86,10 @@ class _Setup:
   loss_of: Callable[..., Any]  # (diff_leaves, other_leaves, batch) -> scalar
 
 
-def _layer(path: str, layer_depth: int | None) -> str:
-  parts = path.split("/")
-  return "/".join(parts[:layer_depth] if layer_depth else parts[:-1]) or parts[0]
-
-
-def _is_float(x: Any) -> bool:
-  import jax.numpy as jnp
-
-  dt = getattr(x, "dtype", None)
-  return dt is not None and jnp.issubdtype(dt, jnp.inexact) and str(dt) != "float0"
-
-
 def _setup(loss_fn, params, batch, num_devices, layer_depth) -> _Setup:
   import jax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
-
-  from ._tree import path_str
 
   if not callable(loss_fn):
     raise TypeError(f"profile_step(loss_fn={loss_fn!r}): expected a callable loss_fn(params, batch).")
@@ -125,7 +110,7 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth) -> _Setup:
   for path, x in zip(paths, leaves):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"profile_step: parameter leaf {path!r} is a {type(x).__name__}; expected arrays.")
-  diff_idx = [i for i, x in enumerate(leaves) if _is_float(x) and math.prod(x.shape) >= 0]
+  diff_idx = [i for i, x in enumerate(leaves) if is_reduced_leaf(x)]
   if not diff_idx:
     raise ProfileError("profile_step: params have no floating-point leaves, so nothing is differentiable; "
                        "pass the model's float parameters.")
@@ -160,7 +145,7 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth) -> _Setup:
         f"profile_step: loss_fn(params, batch) failed on a per-device batch of shapes "
         f"{_shapes(local_batch)} (the global batch split over {n} devices): {type(e).__name__}: "
         f"{str(e).splitlines()[0] if str(e) else ''}. Check the batch's shapes against the model.") from e
-  if not hasattr(out, "shape") or out.shape != () or not _is_float(out):
+  if not hasattr(out, "shape") or out.shape != () or not is_reduced_leaf(out):
     raise TypeError(f"profile_step: loss_fn must return a real floating scalar to be differentiated; it "
                     f"returned {getattr(out, 'dtype', type(out).__name__)}{tuple(getattr(out, 'shape', ()))}."
                     f" Reduce the loss to a scalar (e.g. jnp.mean) and return aux values separately.")
@@ -172,12 +157,10 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth) -> _Setup:
                     f"loss through differentiable operations.") from e
 
   # Forward (priority) order: first use in the loss's jaxpr.
-  from prophet_jax.models.registry import forward_paths
-
   fwd = forward_paths(loss_fn, params, local_batch)
   pos = {p: k for k, p in enumerate(fwd)}
   order = sorted(range(len(diff_idx)), key=lambda k: (pos.get(paths[diff_idx[k]], len(pos)), k))
-  layers = {i: _layer(paths[i], layer_depth) for i in diff_idx}
+  layers = {i: layer_of(paths[i], layer_depth) for i in diff_idx}
 
   rep = NamedSharding(mesh, P())
   shard = NamedSharding(mesh, P(_AXIS))
@@ -190,8 +173,6 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth) -> _Setup:
 
 def _shapes(tree: Any) -> str:
   import jax
-
-  from ._tree import path_str
 
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   return "{" + ", ".join(f"{path_str(k) or 'batch'}: {tuple(x.shape)}" for k, x in flat) + "}"
@@ -287,9 +268,9 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
   diff, other = _split(s)
   prog = _grad_program(s)
   compiled = prog.lower(diff, other, s.batch).compile()
-  hlo = _trace.step_hlo(compiled.as_text())
+  hlo = _xplane.step_hlo(compiled.as_text())
   if len(hlo.root_operands) != len(s.diff_idx):
-    raise _NoTrace(f"the compiled step returns {len(hlo.root_operands)} outputs for {len(s.diff_idx)} "
+    raise _NoProfilerEvents(f"the compiled step returns {len(hlo.root_operands)} outputs for {len(s.diff_idx)} "
                    f"gradient leaves; cannot map them")
   for _ in range(max(1, warmup)):
     jax.block_until_ready(compiled(diff, other, s.batch))
@@ -312,29 +293,29 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
         jax.block_until_ready(compiled(diff, other, s.batch))
         if update is not None:
           jax.block_until_ready(update())
-    events = _trace.op_events(d, hlo.module)
-    upd_events = _trace.op_events(d, f"jit_{_UPDATE_NAME}") if update is not None else []
+    events = _xplane.op_events(d, hlo.module)
+    upd_events = _xplane.op_events(d, f"jit_{_UPDATE_NAME}") if update is not None else []
   if not events:
-    raise _NoTrace(f"the profiler recorded no events of module {hlo.module!r}")
+    raise _NoProfilerEvents(f"the profiler recorded no events of module {hlo.module!r}")
   layers = _layers_in_order(s)
-  results = [r for ex in _trace.executions(events)
-             if (r := _trace.analyse_execution(ex, hlo, list(range(len(s.diff_idx))), len(s.diff_idx),
+  results = [r for ex in _xplane.executions(events)
+             if (r := _xplane.analyse_execution(ex, hlo, list(range(len(s.diff_idx))), len(s.diff_idx),
                                                layers)) is not None]
   if not results:
-    raise _NoTrace(f"no execution of {hlo.module!r} in the trace had backward ops to map")
+    raise _NoProfilerEvents(f"no execution of {hlo.module!r} in the trace had backward ops to map")
   backward_s = statistics.median(r[1] for r in results)
   ready = [statistics.median(r[2][k] for r in results) for k in range(len(s.diff_idx))]
   fwd_layer = {l: statistics.median(r[3][l] for r in results) for l in layers}
   device_span = sum(fwd_layer.values()) + backward_s
   update_span = 0.0
   if upd_events:  # one device's update span
-    spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _trace.executions(upd_events) if ex]
+    spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _xplane.executions(upd_events) if ex]
     update_span = statistics.median(spans) if spans else 0.0
   # The trace gives the timeline's shape; its length is the untraced wall clock of a step (gradients
   # and update in one program, as a train step runs them): a synchronous data-parallel step waits for
   # its slowest device (8 host devices on a few cores start staggered and share cores), and pays its
   # launch, but not the tracer's own overhead, which inflates the traced ops on a loaded host.
-  envelope = _trace.median_envelope(events)
+  envelope = _xplane.median_envelope(events)
   span = device_span + update_span
   scale = wall_s / span if span > 0 else 1.0
   note = (f"measured: jax.profiler trace of {steps} steps x {s.num_devices} devices "
@@ -350,7 +331,7 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
   return sum(fwd_layer.values()), backward_s * scale, ready, fwd_layer, update_s, note
 
 
-class _NoTrace(Exception):
+class _NoProfilerEvents(Exception):
   """The profiler trace could not be used (internal: triggers the fallback)."""
 
 
@@ -494,7 +475,7 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
     try:
       whole = _local_step_program(s, tx) if tx is not None else None
       result = _measured(s, int(steps), int(warmup), update, whole, trace_dir)
-    except _NoTrace as e:
+    except _NoProfilerEvents as e:
       if method == "measured":
         raise ProfileError(f"profile_step(method='measured'): {e}. Use method='auto' to fall back to "
                            f"per-layer timing.") from None
@@ -565,44 +546,3 @@ def _local_step_program(s: _Setup, tx: Any) -> Callable[[], Any]:
   f = jax.jit(jax.shard_map(local_step, mesh=s.mesh, in_specs=(P(), P(), P(_AXIS), P()),
                             out_specs=(P(), P()), check_vma=False))
   return lambda: f(diff, other, s.batch, state)
-
-
-def profile_model(name: str, num_devices: int | None = None, *, batch_size: int | None = None,
-                  steps: int = 20, method: str = "auto", param_dtype: str = "float32",
-                  momentum: float | None = 0.9, seed: int = 0) -> GradientProfile:
-  """What `prophet-jax profile --model M --num-devices D` runs: profile_step on a bundled model.
-
-  Args:
-    name: a trainable model of `prophet_jax.models` ('mlp', 'cnn', 'gpt-tiny', 'resnet-small').
-    num_devices: devices to map the step over (default all local devices).
-    batch_size: global batch (default the model's `default_batch_size`).
-    steps, method: as in `profile_step`.
-    param_dtype: 'float32' or 'bfloat16'.
-    momentum: the update measured is optax.sgd(0.1, momentum) (None: no update time).
-    seed: for parameters and the batch.
-  """
-  import jax
-  import optax
-
-  from prophet_jax.models import get_model
-
-  m = get_model(name, param_dtype=param_dtype)
-  params = m.init(jax.random.key(seed))
-  batch = m.make_batch(jax.random.key(seed + 1), batch_size or m.default_batch_size)
-  tx = optax.sgd(0.1, momentum=momentum) if momentum is not None else None
-  return profile_step(m.loss_fn, params, batch, num_devices=num_devices, steps=steps, method=method,
-                      tx=tx, model=name)
-
-
-def summary(profile: GradientProfile) -> str:
-  """A short human summary: totals, then the first rows with their ready times."""
-  lines = [
-      f"{profile.model or 'profile'} on {profile.device or '?'} ({profile.method}): {len(profile.rows)} "
-      f"gradients in {len(profile.layers)} layers, {profile.total_nbytes / 2**20:.3f} MiB; forward "
-      f"{profile.forward_s * 1e3:.3f} ms, backward {profile.backward_s * 1e3:.3f} ms, update "
-      f"{profile.update_s * 1e3:.3f} ms",
-      f"  {profile.notes}"]
-  order = profile.ready_order()
-  lines.append(f"  ready order (first 8): " + ", ".join(
-      f"{profile.rows[i].path} @{profile.rows[i].ready_s * 1e3:.3f}ms" for i in order[:8]))
-  return "\n".join(lines)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ._types import SimResult
+from ._simulate import SimResult
 
 _COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#8172B3", "allreduce": "#55A868",
            "measured": "#C44E52"}

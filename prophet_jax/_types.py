@@ -1,27 +1,32 @@
-"""The frozen values of the pipeline: GradientProfile, NetworkModel, Chunk, Bucket, Schedule, SimResult.
+"""The measured values of the pipeline: GradientProfile (with its ProfileRows) and NetworkModel.
 
 Pure: numpy only, never jax. Every value checks its invariants on construction and round-trips through
 JSON (`to_json()` / `from_json()`), so a bad file fails where it is read, naming the field at fault.
+The planned and simulated values live beside their makers: Chunk, Bucket and Schedule in `_schedule`,
+SimResult and Event in `_simulate` (re-exported here under their old names). `itemsize`, the JSON
+helpers and `check_values` (the argument checks of every entry point) are shared.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ._errors import NetworkError, ProfileError, ScheduleError, ScheduleMismatchError
+from ._errors import NetworkError, ProfileError
+from ._tree import dtype_name, flatten_with_paths, is_reduced_leaf, layer_of, remember, rows_info
 
 PROFILE_SCHEMA = 1
-SCHEDULE_SCHEMA = 1
 PROFILE_METHODS = ("measured", "timed", "estimated")
 ALGORITHMS = ("ring",)
+
+# GradientProfile.tree_rows, memoized by the profile's identity (see `_tree.rows_info`)
+_PROFILE_ROWS: dict[int, tuple[Any, Any]] = {}
 
 _ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float0": 0}
 
@@ -196,10 +201,28 @@ class GradientProfile:
     return tuple(sorted(range(len(self.rows)), key=lambda i: (self.rows[i].ready_s, -i)))
 
   def tree_rows(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-    return tuple((r.path, r.shape, r.dtype) for r in self.rows)
+    """(path, shape, dtype) of every row, in order: what a Schedule for this profile records."""
+    hit = _PROFILE_ROWS.get(id(self))
+    if hit is not None and hit[0] is self:
+      return hit[1]
+    rows = rows_info(tuple((r.path, r.shape, r.dtype) for r in self.rows)).rows
+    remember(_PROFILE_ROWS, self, rows)
+    return rows
 
   def fingerprint(self) -> str:
-    return tree_fingerprint(self.tree_rows())
+    """The tree fingerprint of `tree_rows()` (what `Schedule.tree_fingerprint` must equal)."""
+    return rows_info(self.tree_rows()).fingerprint
+
+  def describe(self, max_rows: int = 8) -> str:
+    """A short human summary: totals, how it was made, and the first rows in ready order."""
+    order = self.ready_order()
+    return "\n".join([
+        f"{self.model or 'profile'} on {self.device or '?'} ({self.method}): {len(self.rows)} gradients in "
+        f"{len(self.layers)} layers, {self.total_nbytes / 2**20:.3f} MiB; forward {self.forward_s * 1e3:.3f} "
+        f"ms, backward {self.backward_s * 1e3:.3f} ms, update {self.update_s * 1e3:.3f} ms",
+        f"  {self.notes}",
+        f"  ready order (first {max_rows}): " + ", ".join(
+            f"{self.rows[i].path} @{self.rows[i].ready_s * 1e3:.3f}ms" for i in order[:max_rows])])
 
   def scaled(self, compute: float) -> GradientProfile:
     """The same profile with every time multiplied by `compute` (a faster or slower device)."""
@@ -231,16 +254,8 @@ class GradientProfile:
       layer_depth: key-path components that name a layer (default: all but the last).
       model, device: recorded in the profile.
     """
-    from ._tree import flatten_with_paths  # local: needs no jax for plain dict/list trees
-
-    leaves = []
-    for path, leaf in flatten_with_paths(params):
-      dtype = str(np.dtype(leaf.dtype)) if str(leaf.dtype) not in _ITEMSIZE else str(leaf.dtype)
-      if not (np.issubdtype(np.dtype(leaf.dtype), np.inexact) if dtype not in _ITEMSIZE else dtype != "float0"):
-        continue
-      parts = path.split("/")
-      layer = "/".join(parts[:layer_depth] if layer_depth else parts[:-1]) or parts[0]
-      leaves.append((path, layer, tuple(leaf.shape), dtype))
+    leaves = [(path, layer_of(path, layer_depth), tuple(leaf.shape), dtype_name(leaf.dtype))
+              for path, leaf in flatten_with_paths(params) if is_reduced_leaf(leaf)]
     if not leaves:
       raise ProfileError("from_params: the tree has no floating-point leaves to reduce.")
     nbytes = [int(np.prod(s, dtype=np.int64)) * itemsize(d) for _, _, s, d in leaves]
@@ -293,14 +308,6 @@ def _row_kwargs(r: Mapping[str, Any]) -> dict[str, Any]:
   if missing:
     raise ProfileError(f"profile row {r.get('path', '?')!r}: missing field(s) {missing}.")
   return dict(r)
-
-
-def tree_fingerprint(rows: Sequence[tuple[str, Sequence[int], str]]) -> str:
-  """A short hash of (path, shape, dtype) of every row, in order."""
-  h = hashlib.sha256()
-  for path, shape, dtype in rows:
-    h.update(f"{path}|{','.join(str(int(d)) for d in shape)}|{dtype};".encode())
-  return h.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -375,6 +382,22 @@ class NetworkModel:
   def allreduce_s(self, nbytes: float) -> float:
     """Ring all-reduce time of `nbytes`: 2(P-1)·alpha_s + 2(P-1)/P·nbytes·beta (0 for one worker)."""
     return self.startup_s + self.per_byte_s * nbytes
+
+  def describe(self) -> str:
+    """A short human summary: alpha, beta, overlap, the fit's residual and skew, and what a 1 KiB,
+    1 MiB and 64 MiB all-reduce would take."""
+    bw = math.inf if self.beta_s_per_byte == 0 else 1 / self.beta_s_per_byte
+    lines = [f"{self.name or 'network'}: {self.workers} workers, alpha {self.alpha_s * 1e6:.2f} us per ring "
+             f"step (one all-reduce starts in {self.startup_s * 1e6:.1f} us), beta "
+             f"{self.beta_s_per_byte * 1e9:.3f} ns/B ({bw / 1e9:.2f} GB/s per link), overlap {self.overlap}"]
+    if self.fit_residual_s is not None:
+      lines.append(f"  fit residual (RMS) {self.fit_residual_s * 1e6:.1f} us")
+    if self.skew:
+      lines.append(f"  skew {self.skew:.3f}: each synchronous all-reduce also waits {self.skew:.1%} of the "
+                   f"compute before it")
+    for s in (2**10, 2**20, 2**26):
+      lines.append(f"  predicted all-reduce of {s / 2**20:g} MiB: {self.allreduce_s(s) * 1e3:.3f} ms")
+    return "\n".join(lines)
 
   def with_workers(self, workers: int) -> NetworkModel:
     return dataclasses.replace(self, workers=workers)
@@ -453,240 +476,39 @@ def _nonneg_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Schedule
+# Argument checks shared by plan, the schedulers, simulate, lower_bound and the Monitor
+
+_UNSET: Any = object()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Chunk:
-  """Exactly one all-reduce: element slices (row, start, stop) of rows of one dtype, in buffer order."""
+def check_values(where: str, *, schedule: Any = _UNSET, profile: Any = _UNSET, network: Any = _UNSET,
+                 cross_step: Any = _UNSET) -> None:
+  """Raises TypeError naming `where` and the argument when one of those given has the wrong type.
 
-  slices: tuple[tuple[int, int, int], ...]
-  dtype: str
-
-  def __post_init__(self):
-    object.__setattr__(self, "slices", tuple((int(r), int(a), int(b)) for r, a, b in self.slices))
-    if not self.slices:
-      raise ScheduleError("a chunk has no slices; every chunk must send at least one element.")
-    for r, a, b in self.slices:
-      if r < 0 or a < 0 or b <= a:
-        raise ScheduleError(f"chunk slice (row={r}, start={a}, stop={b}) is empty or negative; need "
-                            f"0 <= start < stop.")
-
-  @property
-  def size(self) -> int:
-    return sum(b - a for _, a, b in self.slices)
-
-  @property
-  def nbytes(self) -> int:
-    return self.size * itemsize(self.dtype)
-
-  @property
-  def rows(self) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(r for r, _, _ in self.slices))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Bucket:
-  """A group of chunks planned together (e.g. one Prophet block); issue order is tuple order."""
-
-  chunks: tuple[Chunk, ...]
-
-  def __post_init__(self):
-    object.__setattr__(self, "chunks", tuple(self.chunks))
-    if not self.chunks:
-      raise ScheduleError("a bucket has no chunks.")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Schedule:
-  """An ordered plan of all-reduces for one gradient tree.
-
-  Attributes:
-    buckets: issue order is tuple order (buckets, then their chunks).
-    rows: (path, shape, dtype) of every profile row, so the rewrite maps rows to leaves by path.
-    tree_fingerprint: hash of `rows`; checked on construction and against the tree at trace time.
-    policy: the policy that planned it ('wfbp', 'bucket', 'mgwfbp', 'prophet', 'auto', ...).
-    options: the policy's options, as sorted (name, value) pairs.
-    cross_step: the step mode it was planned for (False: plain step; True: pipelined step).
-    predicted_s: the simulator's iteration time at planning (None if not predicted).
-    schema: format version.
-
-  Invariant (checked on construction): every element of every row with a nonzero size is in exactly one
-  chunk, once; every chunk holds rows of its own dtype.
+  Args:
+    where: the caller, as the message should name it ('simulate()', 'wfbp scheduler', ...).
+    schedule, profile, network: must be a Schedule, a GradientProfile, a NetworkModel.
+    cross_step: must be True or False (a step mode; 'auto' is resolved by plan() for policy 'auto').
   """
+  from ._schedule import Schedule
 
-  buckets: tuple[Bucket, ...]
-  rows: tuple[tuple[str, tuple[int, ...], str], ...]
-  tree_fingerprint: str = ""
-  policy: str = "custom"
-  options: tuple[tuple[str, Any], ...] = ()
-  cross_step: bool = False
-  predicted_s: float | None = None
-  schema: int = SCHEDULE_SCHEMA
-
-  def __post_init__(self):
-    object.__setattr__(self, "buckets", tuple(self.buckets))
-    object.__setattr__(self, "rows", tuple((str(p), tuple(int(d) for d in s), str(t)) for p, s, t in self.rows))
-    object.__setattr__(self, "options", tuple(sorted((str(k), _freeze(v)) for k, v in dict(self.options).items())))
-    object.__setattr__(self, "cross_step", bool(self.cross_step))
-    if self.schema != SCHEDULE_SCHEMA:
-      raise ScheduleError(f"schedule has schema={self.schema!r}; this version reads {SCHEDULE_SCHEMA}.")
-    fp = tree_fingerprint(self.rows)
-    if not self.tree_fingerprint:
-      object.__setattr__(self, "tree_fingerprint", fp)
-    elif self.tree_fingerprint != fp:
-      raise ScheduleError(f"schedule's tree_fingerprint {self.tree_fingerprint!r} does not match its rows "
-                          f"(which hash to {fp!r}): the file was edited. Plan again.")
-    _check_coverage(self)
-
-  @property
-  def chunks(self) -> tuple[Chunk, ...]:
-    """Every chunk in issue order."""
-    return tuple(c for b in self.buckets for c in b.chunks)
-
-  @property
-  def num_allreduces(self) -> int:
-    return sum(len(b.chunks) for b in self.buckets)
-
-  def chunk_nbytes(self) -> tuple[int, ...]:
-    return tuple(c.nbytes for c in self.chunks)
-
-  def describe(self, max_chunks: int = 12) -> str:
-    """A short human summary: buckets, chunks, bytes and leading paths, in issue order."""
-    lines = [f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step): "
-             f"{len(self.buckets)} buckets, {self.num_allreduces} all-reduces"]
-    for k, c in enumerate(self.chunks[:max_chunks]):
-      paths = [self.rows[r][0] for r in c.rows]
-      head = ", ".join(paths[:2]) + (f", +{len(paths) - 2}" if len(paths) > 2 else "")
-      lines.append(f"  chunk{k}: {c.nbytes / 2**20:8.3f} MiB {c.dtype:9s} [{head}]")
-    if self.num_allreduces > max_chunks:
-      lines.append(f"  ... {self.num_allreduces - max_chunks} more")
-    return "\n".join(lines)
-
-  def to_dict(self) -> dict[str, Any]:
-    return {
-        "schema": self.schema, "policy": self.policy, "options": dict(self.options),
-        "cross_step": self.cross_step, "predicted_s": self.predicted_s,
-        "tree_fingerprint": self.tree_fingerprint,
-        "rows": [[p, list(s), t] for p, s, t in self.rows],
-        "buckets": [[{"dtype": c.dtype, "slices": [list(s) for s in c.slices]} for c in b.chunks]
-                    for b in self.buckets],
-    }
-
-  def to_json(self, indent: int | None = None) -> str:
-    return json.dumps(self.to_dict(), indent=indent)
-
-  @classmethod
-  def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Schedule:
-    obj = _fields(cls, _loads(text_or_obj, "Schedule"), "Schedule")
-    try:
-      buckets = tuple(Bucket(chunks=tuple(Chunk(slices=tuple(tuple(s) for s in c["slices"]), dtype=c["dtype"])
-                                          for c in b)) for b in obj.pop("buckets"))
-      rows = tuple((p, tuple(s), t) for p, s, t in obj.pop("rows"))
-    except (KeyError, TypeError, ValueError) as e:
-      if isinstance(e, ScheduleError):
-        raise
-      raise ScheduleError(f"Schedule.from_json: malformed 'buckets' or 'rows' ({e!r}).") from e
-    return cls(buckets=buckets, rows=rows, **obj)
+  for name, value, cls in (("schedule", schedule, Schedule), ("profile", profile, GradientProfile),
+                           ("network", network, NetworkModel)):
+    if value is not _UNSET and not isinstance(value, cls):
+      raise TypeError(f"{where}: `{name}` must be a {cls.__name__}, got {type(value).__name__}.")
+  if cross_step is not _UNSET and not isinstance(cross_step, (bool, np.bool_)):
+    raise TypeError(f"{where}: cross_step={cross_step!r} must be True or False (the step mode); "
+                    f"cross_step='auto' is a planning option of policy 'auto' only, through plan().")
 
 
-def check_rows_match(schedule: Schedule, profile: GradientProfile, where: str) -> None:
-  """Raises ScheduleMismatchError naming the first row (path, shape, dtype) where they differ."""
-  rows = profile.tree_rows()
-  if schedule.rows == rows:
-    return
-  if len(schedule.rows) != len(rows):
-    raise ScheduleMismatchError(
-        f"{where}: this Schedule was planned for a tree with {len(schedule.rows)} leaves, but the "
-        f"profile has {len(rows)}. Run prophet_jax.plan() again on the current profile.")
-  k, got, want = next((k, a, b) for k, (a, b) in enumerate(zip(schedule.rows, rows)) if a != b)
-  raise ScheduleMismatchError(
-      f"{where}: row {k} of the Schedule is {got[0]!r} {got[1]} {got[2]}, but the profile's is "
-      f"{want[0]!r} {want[1]} {want[2]}. Run prophet_jax.plan() again on the current profile.")
+def __getattr__(name: str) -> Any:
+  """The values that moved keep their old import path: `from ._types import Schedule` still works."""
+  if name in ("Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA"):
+    from . import _schedule
 
+    return getattr(_schedule, name)
+  if name in ("SimResult", "Event"):
+    from . import _simulate
 
-def _freeze(v: Any) -> Any:
-  if isinstance(v, list | tuple):
-    return tuple(_freeze(x) for x in v)
-  if isinstance(v, dict):
-    return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
-  return v
-
-
-def _check_coverage(s: Schedule) -> None:
-  sizes = [math.prod(shape) for _, shape, _ in s.rows]  # math.prod: ~100x faster than np.prod per row
-  covered: list[list[tuple[int, int]]] = [[] for _ in sizes]
-  for k, c in enumerate(s.chunks):
-    for r, a, b in c.slices:
-      if r >= len(sizes):
-        raise ScheduleError(f"chunk{k} names row {r}, but the schedule has {len(sizes)} rows.")
-      path, _, dtype = s.rows[r]
-      if dtype != c.dtype:
-        raise ScheduleError(f"chunk{k} has dtype {c.dtype} but holds leaf {path!r} of dtype {dtype}; one "
-                            f"dtype per chunk.")
-      if b > sizes[r]:
-        raise ScheduleError(f"chunk{k} slices leaf {path!r} at [{a}:{b}], past its {sizes[r]} elements.")
-      covered[r].append((a, b))
-  for r, spans in enumerate(covered):
-    spans.sort()
-    pos = 0
-    for a, b in spans:
-      if a != pos:
-        what = "repeats" if a < pos else "drops"
-        raise ScheduleError(f"the schedule {what} elements of leaf {s.rows[r][0]!r} at "
-                            f"[{min(a, pos)}:{max(a, pos)}]; every element must be sent exactly once.")
-      pos = b
-    if pos != sizes[r]:
-      raise ScheduleError(f"the schedule drops elements of leaf {s.rows[r][0]!r} at [{pos}:{sizes[r]}]; "
-                          f"every element must be sent exactly once.")
-
-
-# --------------------------------------------------------------------------------------------------
-# SimResult
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Event:
-  """One span of the simulated timeline. lane: 'device' or 'link<k>'."""
-
-  kind: str   # 'forward' | 'backward' | 'update' | 'allreduce'
-  name: str
-  start_s: float
-  end_s: float
-  lane: str = "device"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SimResult:
-  """One steady-state iteration under a schedule.
-
-  Attributes:
-    iteration_s: time from the start of one backward to the start of the next.
-    compute_s: forward + backward + update.
-    comm_s: sum of all-reduce durations.
-    idle_s: time the device waits (iteration - compute).
-    network_busy: fraction of the iteration some link is busy.
-    allreduces: number of all-reduces.
-    events: the timeline (kind, name, start, end).
-    cross_step: the step mode simulated.
-  """
-
-  iteration_s: float
-  compute_s: float
-  comm_s: float
-  idle_s: float
-  network_busy: float
-  allreduces: int
-  events: tuple[Event, ...] = field(default=(), repr=False)
-  cross_step: bool = False
-
-  def to_chrome_trace(self, pid: int = 0, name: str = "simulated") -> dict[str, Any]:
-    """The timeline in Chrome's trace-event format (opens in Perfetto / chrome://tracing)."""
-    lanes = sorted({e.lane for e in self.events}, key=lambda x: (x != "device", x))
-    tid = {lane: i for i, lane in enumerate(lanes)}
-    ev: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}]
-    ev += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid[lane], "args": {"name": lane}}
-           for lane in lanes]
-    ev += [{"ph": "X", "name": e.name, "cat": e.kind, "pid": pid, "tid": tid[e.lane],
-            "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6} for e in self.events]
-    return {"traceEvents": ev, "displayTimeUnit": "ms"}
+    return getattr(_simulate, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import ProphetError
-from ._types import PRESETS, GradientProfile, NetworkModel, Schedule
+from ._launcher import add_arguments as add_launch_arguments
+from ._types import PRESETS, GradientProfile, NetworkModel
 
 DEFAULT_DEVICE = "v100"
 
@@ -88,8 +89,9 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     sched = plan(profile, net, name, cross_step=a.cross_step)
     sim = simulate(sched, profile, net, cross_step=a.cross_step)
     sims[name] = sim
-    rows.append({"policy": name, "iteration_s": sim.iteration_s, "idle_s": sim.idle_s,
-                 "allreduces": sim.allreduces, "vs_lower_bound": sim.iteration_s / bound})
+    d = sim.to_dict(events=False)
+    rows.append({"policy": name, **{k: d[k] for k in ("iteration_s", "idle_s", "allreduces")},
+                 "vs_lower_bound": d["iteration_s"] / bound})
   if a.json:
     print(json.dumps({
         "model": model, "device": profile.device or a.device, "workers": net.workers,
@@ -137,23 +139,34 @@ def _set_cpu_devices(n: int) -> None:
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
+  """profile_step on a bundled trainable model, with the update of optax.sgd(0.1, momentum=0.9)."""
   _set_cpu_devices(a.num_devices)
-  from . import _profile
+  import jax
+  import optax
 
-  profile = _profile.profile_model(a.model, num_devices=a.num_devices)
+  from . import models
+  from ._profile import profile_step
+
+  m = models.get_model(a.model)
+  params = m.init(jax.random.key(0))
+  batch = m.make_batch(jax.random.key(1), m.default_batch_size)
+  profile = profile_step(m.loss_fn, params, batch, num_devices=a.num_devices,
+                         tx=optax.sgd(0.1, momentum=0.9), model=a.model)
   Path(a.out).write_text(profile.to_json(indent=1))
-  print(_profile.summary(profile))
+  print(profile.describe())
   print(f"written to {a.out}")
   return 0
 
 
 def cmd_probe(a: argparse.Namespace) -> int:
   _set_cpu_devices(a.num_devices)
-  from . import _network
+  from ._network import probe
 
-  net = _network.probe(num_devices=a.num_devices)
+  # under `prophet-jax launch` (jax.distributed initialized) the probe spans every process's devices
+  timings = probe(a.num_devices, repeats=15, max_seconds_per_size=20.0)
+  net = timings.fit()
   Path(a.out).write_text(net.to_json(indent=1))
-  print(_network.summary(net))
+  print(timings.describe(net))
   print(f"written to {a.out}")
   return 0
 
@@ -166,16 +179,9 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_launch(a: argparse.Namespace) -> int:
-  from .launch import launch
+  from ._launcher import run
 
-  cmd = list(a.cmd)
-  if cmd and cmd[0] == "--":
-    cmd = cmd[1:]
-  if not cmd:
-    raise ValueError("launch: give the command to run after `--`, e.g. "
-                     "`prophet-jax launch --nproc 2 -- python train.py`.")
-  return launch(cmd, nproc=a.nproc, port=a.port, coordinator=a.coordinator,
-                gloo_interface=a.gloo_interface)
+  return run(a)
 
 
 # -- parser ----------------------------------------------------------------------------------------
@@ -226,11 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.set_defaults(fn=cmd_demo)
 
   s = sub.add_parser("launch", parents=[common], help="start N processes wired with jax.distributed")
-  s.add_argument("--nproc", type=_positive, required=True)
-  s.add_argument("--port", type=_positive, default=None)
-  s.add_argument("--coordinator", default=None, help="ADDR or ADDR:PORT (default 127.0.0.1)")
-  s.add_argument("--gloo-interface", default=None, help="network interface gloo binds to")
-  s.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...")
+  add_launch_arguments(s)
   s.set_defaults(fn=cmd_launch)
   return p
 

@@ -1,4 +1,4 @@
-"""Tree comparison with DESIGN.md's one equivalence tolerance (no chex dependency)."""
+"""Tree comparison with docs/design.md's one equivalence tolerance (no chex dependency)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """The `auto` policy: optimality against brute force, never worse than a baseline, modes, errors.
 
-Pure (no jax): every test plans and simulates on random instances from `prophet_jax._brute`.
+Pure (no jax): every test plans and simulates on random instances from `tests/_brute.py`.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
 import time
@@ -16,10 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import prophet_jax as pj
-from prophet_jax import _brute
-from prophet_jax._simulate import _iteration_s, _problem
-from prophet_jax.schedulers import _auto
-from prophet_jax.schedulers._auto import auto
+import _brute
+from prophet_jax._core import chunk_arrays, iteration_s, problem
+from prophet_jax.schedulers import _joint, auto
 
 SEEDS = st.integers(0, 2**32 - 1)
 BASELINES = ("wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet")
@@ -96,10 +96,9 @@ def test_tail_dp_is_optimal_for_priority_order():
     profile = pj.GradientProfile(rows=tuple(rows), forward_s=profile.forward_s,
                                  backward_s=profile.backward_s)
     network = _brute.random_network(rng, profile, links=1, overlap=True)
-    inst = _auto._Instance(profile, network, True)
-    units = [(r, 0, inst.size[r]) for r in inst.live]
-    got = inst.iteration_s(_auto._tail_dp(inst, units))
-    prob = _problem(profile, network, cross_step=True)
+    prob = problem(profile, network, cross_step=True)
+    units = [(r, 0, prob.size[r]) for r in prob.live]
+    got = _joint.evaluate_chunks(prob, _joint.tail_dp(prob, units))
     best = np.inf
     n = len(units)
     for cuts in itertools.product((0, 1), repeat=n - 1):
@@ -110,12 +109,8 @@ def test_tail_dp_is_optimal_for_priority_order():
           cur = []
         cur.append(u)
       groups.append(cur)
-      chunks = [inst.chunk(g) for g in groups]
-      ready = np.array([c.ready_s for c in chunks])
-      dur = prob.startup_s + prob.per_byte_s * np.array([c.nbytes for c in chunks])
-      tail = np.array([c.tail_s for c in chunks])
-      best = min(best, _iteration_s(ready, dur, tail, backward_s=prob.backward_s,
-                                    after_s=prob.after_s, floor_s=prob.floor_s))
+      ready, nbytes, tail, _, _ = chunk_arrays(prob, groups)
+      best = min(best, iteration_s(prob, ready, prob.durations(nbytes), tail))
     assert got == pytest.approx(best, rel=1e-12)
 
 
@@ -188,8 +183,9 @@ def test_bad_options_and_inputs():
 
 def test_pure_without_jax():
   code = ("import sys; sys.modules['jax'] = None\n"
+          f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
           "import numpy as np, prophet_jax as pj\n"
-          "from prophet_jax import _brute\n"
+          "import _brute\n"
           "rng = np.random.default_rng(0)\n"
           "p = _brute.random_profile(rng, 10)\n"
           "n = _brute.random_network(rng, p)\n"

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from prophet_jax import NetworkModel
 from prophet_jax._bound import lower_bound
-from prophet_jax._brute import (_enumerate_ordered, best_contiguous, best_ordered, random_network,
+from _brute import (_enumerate_ordered, best_contiguous, best_ordered, random_network,
                                 random_profile, random_schedule)
 from prophet_jax._simulate import simulate
 

@@ -1,4 +1,4 @@
-"""The command line: simulate and plan as DESIGN.md lists them; bad input prints one line, exits 2."""
+"""The command line: simulate and plan as docs/design.md lists them; bad input prints one line, exits 2."""
 
 import json
 import subprocess

@@ -1,5 +1,5 @@
 """examples/train_flax.py: the 8-device single-process run and the 2x4 run under launch end with the same
-parameters (DESIGN.md's tolerance); a worker killed mid-run stops the launch, naming the rank."""
+parameters (docs/design.md, "Equivalence tolerance"); a worker killed mid-run stops the launch, naming the rank."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""launch / initialize / _config / _gloo: the launcher's contract, cheaply (plain shell commands) and
+"""launch / initialize / _config / gloo binding: the launcher's contract, cheaply (plain shell commands) and
 with real jax.distributed processes (marked multiprocess)."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import time
 import pytest
 
 from prophet_jax import _config
-from prophet_jax.launch import _device_flags, _split_coordinator, free_port, launch
+from prophet_jax._launcher import _device_flags, _split_coordinator, free_port
+from prophet_jax.launch import launch
 
 PY = sys.executable
 
@@ -96,6 +97,37 @@ def test_launch_rejects_bad_arguments(kw, match):
     launch([], nproc=1)
 
 
+def test_one_parser_for_the_cli_and_python_m(monkeypatch):
+  """`prophet-jax launch` and `python -m prophet_jax.launch` parse the same arguments (the error for an
+  uneven device split names --devices-per-process, so the CLI must take it) and hand them to launch."""
+  from prophet_jax import _launcher, cli
+
+  seen = []
+  monkeypatch.setattr(_launcher, "launch", lambda cmd, **kw: seen.append((cmd, kw)) or 0)
+  argv = ["--nproc", "3", "--devices-per-process", "2", "--init-timeout", "7", "--port", "1234", "--",
+          PY, "-c", "pass"]
+  assert cli.main(["launch", *argv]) == 0
+  assert _launcher.main(argv) == 0
+  assert seen[0] == seen[1]
+  assert seen[0] == ([PY, "-c", "pass"], dict(nproc=3, port=1234, coordinator=None, gloo_interface=None,
+                                              devices_per_process=2, init_timeout_s=7))
+
+
+def test_launch_errors_are_prophet_errors_and_print_one_line(monkeypatch, capsys):
+  from prophet_jax import GlooBindError, LaunchError, ProphetError, _launcher, cli
+
+  assert issubclass(LaunchError, ProphetError) and issubclass(GlooBindError, ProphetError)
+
+  def fail(cmd, **kw):
+    raise GlooBindError("jax 9.9 lacks the private call")
+
+  monkeypatch.setattr(_launcher, "launch", fail)
+  for main in (lambda a: cli.main(["launch", *a]), _launcher.main):
+    assert main(["--nproc", "2", "--", PY, "-c", "pass"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "GlooBindError: jax 9.9 lacks the private call" in err, err
+
+
 # -- the launcher with plain commands (no jax: fast) -----------------------------------------------
 
 
@@ -158,7 +190,7 @@ def test_rank0_alone_says_why_before_jaxlib_aborts():
 
 @pytest.mark.multiprocess
 def test_gloo_bind_errors_clearly_without_distributed():
-  code = ("from prophet_jax._gloo import bind_gloo_interface, GlooBindError\n"
+  code = ("from prophet_jax._distributed import bind_gloo_interface, GlooBindError\n"
           "try:\n  bind_gloo_interface('lo')\nexcept GlooBindError as e:\n  print('ERR', e)\n")
   r = subprocess.run([PY, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
   assert "ERR bind_gloo_interface() needs jax.distributed.initialize() first" in r.stdout, r.stderr

@@ -42,7 +42,7 @@ def test_fit_rejects_bad_stat():
 
 
 def test_probe_across_eight_cpu_devices():
-  t = _network.time_allreduce(8, sizes=(2**10, 2**14, 2**18), repeats=4, inner=2)
+  t = _network.probe(8, sizes=(2**10, 2**14, 2**18), repeats=4, inner=2)
   assert t.workers == 8 and t.processes == 1 and t.platform == "cpu"
   assert all(m > 0 for m in t.median_s)
   assert all(lo <= m for lo, m in zip(t.low_s, t.median_s))
@@ -50,24 +50,24 @@ def test_probe_across_eight_cpu_devices():
   net = t.fit()
   assert net.workers == 8 and net.overlap is False and net.fit_residual_s is not None
   assert net.alpha_s >= 0 and net.beta_s_per_byte > 0
-  text = _network.summary(net, t)
+  text = t.describe(net)
   assert "probe:cpux8:median" in text and "p10 us" in text and "262144" in text
-  assert "predicted all-reduce" in _network.summary(net)
+  assert "predicted all-reduce" in net.describe()
 
 
 def test_interleaved_probe_measures_skew_and_carries_it():
   # 21 rounds: the small matmul's compute is a difference of two ~0.1 ms timings, and with 3 rounds
   # its median came out negative in 10 of 48 probes here (0 of 48 with 21)
-  t = _network.time_allreduce(8, sizes=(2**10, 2**14), repeats=21, inner=1, interleave=True)
+  t = _network.probe(8, sizes=(2**10, 2**14), repeats=21, inner=1, interleave=True)
   assert t.skew >= 0 and len(t.compute_s) == 2 and 0 < t.compute_s[0] < t.compute_s[1]
   assert all(m >= 0 for m in t.median_s)
   net = t.fit()
   assert net.skew == t.skew and net.overlap is False
-  given = _network.time_allreduce(2, sizes=(2**10, 2**14), repeats=3, inner=1, interleave=True, skew=0.25)
+  given = _network.probe(2, sizes=(2**10, 2**14), repeats=3, inner=1, interleave=True, skew=0.25)
   assert given.skew == 0.25 and len(given.compute_s) == 1
-  assert "skew 0.250" in _network.summary(given.fit())
+  assert "skew 0.250" in given.describe()
   with pytest.raises(ValueError, match="skew=-1"):
-    _network.time_allreduce(2, sizes=(1024, 4096), repeats=3, interleave=True, skew=-1)
+    _network.probe(2, sizes=(1024, 4096), repeats=3, interleave=True, skew=-1)
 
 
 def test_measure_network_returns_model_on_subset_of_devices():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from prophet_jax import GradientProfile, ProfileError, profile_step
-from prophet_jax import _profile, _trace
+from prophet_jax import _profile, _xplane
 
 N = 8  # conftest gives 8 CPU devices
 
@@ -63,13 +63,13 @@ def test_measured_profile_has_every_row_exact_sizes_and_ready_within_step(mlp_pr
   assert sum(1 for r in prof.rows if r.fwd_s > 0) >= 6
   # JSON round trip and the CLI summary
   assert GradientProfile.from_json(prof.to_json()) == prof
-  text = _profile.summary(prof)
+  text = prof.describe()
   assert "measured" in text and "24 gradients" in text
 
 
 def test_no_profiler_events_falls_back_to_timing(monkeypatch):
   loss, params, batch = _tiny()
-  monkeypatch.setattr(_trace, "op_events", lambda d, module: [])
+  monkeypatch.setattr(_xplane, "op_events", lambda d, module: [])
   prof = profile_step(loss, params, batch, num_devices=N, steps=3)
   assert prof.method == "timed"
   assert "profiler unusable" in prof.notes and "no events" in prof.notes
@@ -84,7 +84,7 @@ def test_estimated_when_asked_and_when_timing_fails(monkeypatch):
   prof = profile_step(loss, params, batch, num_devices=N, method="estimated")
   assert prof.method == "estimated" and "FLOPs" in prof.notes
   assert prof.forward_s > 0 and prof.backward_s > 0
-  monkeypatch.setattr(_trace, "op_events", lambda d, module: [])
+  monkeypatch.setattr(_xplane, "op_events", lambda d, module: [])
 
   def broken(*a, **k):
     raise RuntimeError("no clock")
@@ -139,15 +139,15 @@ ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
   ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%c, %a)
 }
 """
-  hlo = _trace.step_hlo(text)
+  hlo = _xplane.step_hlo(text)
   assert hlo.module == "jit_m" and hlo.entry == "main" and hlo.root_operands == ["c", "a"]
   assert hlo.instrs["f"].calls == ["fused"] and hlo.instrs["f"].operands == ["a"]
   assert hlo.instrs["c"].operands == ["f"]
-  assert _trace.match_layer(hlo.instrs["f"].op_name, ["params/Dense_0", "params/Dense_1"]) == \
+  assert _xplane.match_layer(hlo.instrs["f"].op_name, ["params/Dense_0", "params/Dense_1"]) == \
       "params/Dense_1"
-  assert _trace.match_layer("jit(f)/jvp(Net)/Block_1/Dense_0/dot",
+  assert _xplane.match_layer("jit(f)/jvp(Net)/Block_1/Dense_0/dot",
                                ["p/Block_0/Dense_0", "p/Block_1/Dense_0"]) == "p/Block_1/Dense_0"
   ev = [{"op": "f", "start_ns": 100.0, "end_ns": 400.0, "run": 1, "device": 0}]
-  fwd_s, bwd_s, ready, fwd = _trace.analyse_execution(ev, hlo, [0, 1], 2, ["params/Dense_1"])
+  fwd_s, bwd_s, ready, fwd = _xplane.analyse_execution(ev, hlo, [0, 1], 2, ["params/Dense_1"])
   assert fwd_s == 0 and bwd_s == pytest.approx(300e-9)
   assert ready == [pytest.approx(300e-9), 0.0]  # the copy of f is ready when f ends; a parameter at 0

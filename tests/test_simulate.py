@@ -1,6 +1,8 @@
 """The simulator: hand-computed cases, properties, and agreement with a slow reference event loop."""
 
 import dataclasses
+import json
+import os
 import subprocess
 import sys
 import time
@@ -10,9 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prophet_jax import Bucket, Chunk, Event, GradientProfile, NetworkModel, Schedule, ScheduleMismatchError
-from prophet_jax._brute import random_network, random_profile, random_schedule
-from prophet_jax._simulate import _chunk_arrays, _iteration_s, _problem, simulate
+from prophet_jax import (Bucket, Chunk, Event, GradientProfile, NetworkModel, Schedule, ScheduleMismatchError,
+                         SimResult)
+from _brute import random_network, random_profile, random_schedule
+from prophet_jax._core import chunk_arrays, iteration_s, problem
+from prophet_jax._simulate import simulate
 
 from _instances import NET, PROFILE
 from _instances import row as _row, sched as _sched
@@ -23,6 +27,13 @@ SEEDS = st.integers(0, 2**32 - 1)
 WFBP = _sched(PROFILE, [[1], [0]])      # B first (ready first), then A
 PRIO = _sched(PROFILE, [[0], [1]])      # A first: waits for A's readiness (head-of-line blocking)
 MERGED = _sched(PROFILE, [[0, 1]])
+
+
+def _closed_form(s, p, net, cross_step):
+  """The core's closed-form iteration time of schedule `s` (what auto ranks candidates by)."""
+  prob = problem(p, net, cross_step=cross_step)
+  ready, nbytes, tail, _, _ = chunk_arrays(prob, (c.slices for c in s.chunks))
+  return iteration_s(prob, ready, prob.durations(nbytes), tail)
 
 
 def test_hand_plain_overlap():
@@ -104,10 +115,7 @@ def test_hand_zero_size_row_cross_step():
                                 forward_s=2.0, backward_s=2.0)
   s = _sched(p, [[1]])
   assert simulate(s, p, NET, cross_step=True).iteration_s == pytest.approx(4.5)
-  prob = _problem(p, NET, cross_step=True)
-  ready, dur, tail, _, _ = _chunk_arrays(s, prob)
-  assert _iteration_s(ready, dur, tail, backward_s=prob.backward_s, after_s=prob.after_s,
-                      floor_s=prob.floor_s) == pytest.approx(4.5)
+  assert _closed_form(s, p, NET, True) == pytest.approx(4.5)
 
 
 def test_sliced_chunk_readiness_and_bytes():
@@ -208,13 +216,9 @@ def test_agrees_with_reference_loop(seed, cross_step):
   ref = _reference(s, p, net, cross_step)
   r = simulate(s, p, net, cross_step=cross_step)
   assert r.iteration_s == pytest.approx(ref, rel=1e-9, abs=1e-12)
-  # the fast paths agree: no events, and _iteration_s over the chunk arrays
+  # the fast paths agree: no events, and the core's closed form over the chunk arrays
   assert simulate(s, p, net, cross_step=cross_step, events=False).iteration_s == pytest.approx(ref, rel=1e-9)
-  prob = _problem(p, net, cross_step=cross_step)
-  ready, dur, tail, _, _ = _chunk_arrays(s, prob)
-  fast = _iteration_s(ready, dur, tail, backward_s=prob.backward_s, after_s=prob.after_s,
-                      floor_s=prob.floor_s, links=prob.links, overlap=prob.overlap)
-  assert fast == pytest.approx(ref, rel=1e-9, abs=1e-12)
+  assert _closed_form(s, p, net, cross_step) == pytest.approx(ref, rel=1e-9, abs=1e-12)
   # bookkeeping
   assert r.allreduces == s.num_allreduces
   assert r.comm_s == pytest.approx(sum(net.allreduce_s(c.nbytes) for c in s.chunks))
@@ -310,9 +314,7 @@ def test_skew_adds_its_share_of_compute(seed, cross_step, skew):
   if net.links == 1 and not cross_step and s.num_allreduces:
     assert r.iteration_s == pytest.approx(r0 + skew * p.compute_s)
   assert r.iteration_s >= r0 - 1e-12
-  prob = _problem(p, slow, cross_step=cross_step)
-  ready, dur, tail, _, _ = _chunk_arrays(s, prob)
-  assert _iteration_s(ready, dur, tail, **prob.terms()) == pytest.approx(r.iteration_s, rel=1e-9, abs=1e-12)
+  assert _closed_form(s, p, slow, cross_step) == pytest.approx(r.iteration_s, rel=1e-9, abs=1e-12)
   assert simulate(s, p, slow, cross_step=cross_step, events=False).iteration_s == pytest.approx(r.iteration_s)
   _check_events(r, p, slow)
 
@@ -337,8 +339,9 @@ def test_errors():
 
 def test_pure_without_jax():
   code = ("import sys; sys.modules['jax'] = None\n"
+          f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
           "from prophet_jax._simulate import simulate; from prophet_jax._bound import lower_bound\n"
-          "from prophet_jax._brute import best_contiguous, best_ordered\n"
+          "from _brute import best_contiguous, best_ordered\n"
           "assert 'jax' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n")
   subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -386,3 +389,26 @@ def test_docstring_examples_and_chrome_trace():
   spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
   assert len(spans) == len(r.events)
   assert {e["cat"] for e in spans} == {"backward", "forward", "allreduce", "update"}
+
+
+def test_simresult_json_round_trip():
+  r = simulate(WFBP, PROFILE, NET.replace(links=2, overlap=False), cross_step=True)
+  assert r.events and SimResult.from_json(r.to_json()) == r          # every field, the timeline too
+  assert SimResult.from_json(json.loads(r.to_json(indent=1))) == r    # from a parsed object as well
+  bare = SimResult.from_json(r.to_json(events=False))
+  assert bare.events == () and dataclasses.replace(bare, events=r.events) == r
+  with pytest.raises(ValueError, match=r"missing field\(s\) \['iteration_s'\]"):
+    SimResult.from_json({k: v for k, v in r.to_dict().items() if k != "iteration_s"})
+  with pytest.raises(ValueError, match=r"unknown field\(s\) \['nope'\]"):
+    SimResult.from_json({**r.to_dict(), "nope": 1})
+
+
+def test_fast_event_maker_builds_equal_events():
+  """The timeline's events are built by filling Event's slots; that is only right while Event's
+  constructor checks nothing."""
+  from prophet_jax._simulate import _new_event
+
+  assert not hasattr(Event, "__post_init__")
+  assert _new_event("allreduce", "chunk0", 0.5, 1.0, "link1") == Event(kind="allreduce", name="chunk0",
+                                                                         start_s=0.5, end_s=1.0, lane="link1")
+  assert _new_event("forward", "l0", 0.0, 1.0) == Event(kind="forward", name="l0", start_s=0.0, end_s=1.0)

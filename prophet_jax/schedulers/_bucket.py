@@ -9,7 +9,8 @@ import math
 from collections.abc import Sequence
 
 from .._types import GradientProfile, NetworkModel, Schedule
-from ._common import Slice, check_bytes, check_inputs, schedule_from_groups, whole_slice
+from ._base import Scheduler, Slice
+from ._common import check_bytes, check_inputs, schedule_from_groups, whole_slice
 
 POLICY = "bucket"
 STYLES = ("ddp", "horovod")
@@ -155,7 +156,7 @@ def horovod_buckets(profile: GradientProfile, order: Sequence[int], fusion_bytes
 
 
 def bucket(*, style: str = "ddp", bucket_bytes: int | None = None, first_bucket_bytes: int | None = None,
-           cycle_s: float | None = None):
+           cycle_s: float | None = None) -> Scheduler:
   """Whole leaves fused into buckets by a byte threshold, as PyTorch DDP or Horovod does it.
 
   `style="ddp"` (the default) models PyTorch DistributedDataParallel's steady state: the buckets DDP

@@ -10,22 +10,21 @@ Pure: numpy only, never jax. Every policy builds its Schedule the same way:
 
 Units: slices are element indices into the flattened leaf (row-major), sizes are bytes.
 
-Public helpers (also used by ``schedulers/_auto.py``):
-  ``row_size``, ``row_sizes``, ``whole_slice``, ``partition_row``, ``partition_count``,
-  ``partition_rows``, ``layer_groups``,
-  ``buckets_from_groups``, ``make_schedule``, ``schedule_from_groups``, ``slices_nbytes``,
-  ``check_bytes``, ``check_cross_step``, ``check_positive``.
+Helpers: ``row_size``, ``whole_slice``, ``partition_row``, ``partition_count``,
+``layer_groups``, ``chunks_of_group``, ``buckets_from_groups``, ``make_schedule``,
+``schedule_from_groups``, ``check_bytes``, ``check_positive``, ``check_inputs``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .._types import Bucket, Chunk, GradientProfile, Schedule, itemsize
-
-Slice = tuple[int, int, int]  # (profile row, start element, stop element)
+from .._core import split_by_dtype
+from .._schedule import Bucket, Chunk, Schedule
+from .._types import GradientProfile, check_values, itemsize
+from ._base import Slice
 
 
 # --------------------------------------------------------------------------------------------------
@@ -37,11 +36,6 @@ def row_size(profile: GradientProfile, row: int) -> int:
   return math.prod(profile.rows[row].shape)
 
 
-def row_sizes(profile: GradientProfile) -> list[int]:
-  """Number of elements of every row, by row index."""
-  return [math.prod(r.shape) for r in profile.rows]
-
-
 def row_itemsize(profile: GradientProfile, row: int) -> int:
   """Bytes per element of profile row `row`."""
   return itemsize(profile.rows[row].dtype)
@@ -51,11 +45,6 @@ def whole_slice(profile: GradientProfile, row: int) -> Slice | None:
   """The slice covering all of row `row`, or None for a zero-size row (which belongs in no chunk)."""
   n = row_size(profile, row)
   return (row, 0, n) if n > 0 else None
-
-
-def slices_nbytes(profile: GradientProfile, slices: Iterable[Slice]) -> int:
-  """Total bytes of a sequence of slices."""
-  return sum((b - a) * row_itemsize(profile, r) for r, a, b in slices)
 
 
 def partition_row(profile: GradientProfile, row: int, max_bytes: int | None) -> list[Slice]:
@@ -100,15 +89,6 @@ def partition_count(profile: GradientProfile, row: int, max_bytes: int | None) -
   return max(1, math.ceil(n / per))
 
 
-def partition_rows(profile: GradientProfile, rows: Iterable[int],
-                   max_bytes: int | None) -> list[Slice]:
-  """`partition_row` over several rows, concatenated in the given row order."""
-  out: list[Slice] = []
-  for r in rows:
-    out.extend(partition_row(profile, r, max_bytes))
-  return out
-
-
 def layer_groups(profile: GradientProfile) -> list[tuple[str, list[int], float]]:
   """The profile's layers in ready order: (layer, its rows in profile order, its ready time).
 
@@ -134,12 +114,9 @@ def chunks_of_group(profile: GradientProfile, slices: Iterable[Slice]) -> list[C
 
   Slices keep their relative order inside each chunk; empty slices (start == stop) are dropped.
   """
-  by_dtype: dict[str, list[Slice]] = {}
-  for r, a, b in slices:
-    if b <= a:
-      continue
-    by_dtype.setdefault(profile.rows[r].dtype, []).append((r, a, b))
-  return [Chunk(slices=tuple(s), dtype=d) for d, s in by_dtype.items()]
+  rows = profile.rows
+  return [Chunk(slices=tuple(s), dtype=rows[s[0][0]].dtype)
+          for s in split_by_dtype(lambda r: rows[r].dtype, slices)]
 
 
 def buckets_from_groups(profile: GradientProfile,
@@ -154,10 +131,12 @@ def buckets_from_groups(profile: GradientProfile,
 
 
 def make_schedule(buckets: Iterable[Bucket], profile: GradientProfile, *, policy: str,
-                  options: Mapping[str, Any] | None = None, cross_step: bool = False) -> Schedule:
+                  options: Mapping[str, Any] | None = None, cross_step: bool = False,
+                  predicted_s: float | None = None) -> Schedule:
   """A Schedule for `profile` (rows and fingerprint from it); Schedule checks coverage itself."""
   return Schedule(buckets=tuple(buckets), rows=profile.tree_rows(), policy=policy,
-                  options=tuple(dict(options or {}).items()), cross_step=bool(cross_step))
+                  options=tuple(dict(options or {}).items()), cross_step=bool(cross_step),
+                  predicted_s=predicted_s)
 
 
 def schedule_from_groups(profile: GradientProfile, groups: Iterable[Iterable[Slice]], *, policy: str,
@@ -197,30 +176,7 @@ def check_positive(policy: str, name: str, value: Any, *, hint: str = "") -> flo
   return float(value)
 
 
-def check_cross_step(policy: str, cross_step: Any) -> bool:
-  """`cross_step` must be a bool ('auto' is resolved by plan() for the auto policy only)."""
-  if not isinstance(cross_step, bool):
-    raise TypeError(f"{policy} scheduler: cross_step={cross_step!r} must be True or False (only the "
-                    f"'auto' policy accepts cross_step='auto', through plan()).")
-  return cross_step
-
-
 def check_inputs(policy: str, profile: Any, network: Any, cross_step: Any) -> bool:
   """Type checks every scheduler runs first; returns cross_step as bool."""
-  from .._types import NetworkModel
-
-  if not isinstance(profile, GradientProfile):
-    raise TypeError(f"{policy} scheduler: profile must be a GradientProfile, got {type(profile).__name__}.")
-  if not isinstance(network, NetworkModel):
-    raise TypeError(f"{policy} scheduler: network must be a NetworkModel, got {type(network).__name__}.")
-  return check_cross_step(policy, cross_step)
-
-
-def ready_times(profile: GradientProfile) -> list[float]:
-  """ready_s of every row, by row index."""
-  return [r.ready_s for r in profile.rows]
-
-
-def group_ready_s(profile: GradientProfile, slices: Sequence[Slice]) -> float:
-  """When a group can start: the latest ready_s of the rows it touches (0 for no slices)."""
-  return max((profile.rows[r].ready_s for r, _, _ in slices), default=0.0)
+  check_values(f"{policy} scheduler", profile=profile, network=network, cross_step=cross_step)
+  return bool(cross_step)

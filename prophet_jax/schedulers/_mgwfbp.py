@@ -5,7 +5,9 @@ Pure: numpy only, never jax.
 
 from __future__ import annotations
 
-from .._types import GradientProfile, NetworkModel, Schedule
+from .._schedule import Schedule
+from .._types import GradientProfile, NetworkModel
+from ._base import Scheduler
 from ._common import check_inputs, layer_groups, schedule_from_groups, whole_slice
 
 POLICY = "mgwfbp"
@@ -66,7 +68,7 @@ def merge_groups(ready_s: list[float], bytes_by_dtype: list[dict[str, int]],
   return groups
 
 
-def mgwfbp():
+def mgwfbp() -> Scheduler:
   """MG-WFBP's merge rule: merge a layer's all-reduce into the next one when that saves a start-up.
 
   Layers (the profile rows' `layer`) are the units, taken in ready order (a layer is ready when its last

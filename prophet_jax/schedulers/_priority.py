@@ -9,6 +9,7 @@ import heapq
 from collections import deque
 
 from .._types import GradientProfile, NetworkModel, Schedule, itemsize
+from ._base import Scheduler
 from ._common import check_bytes, check_inputs, partition_count, partition_row, schedule_from_groups
 
 POLICY = "priority"
@@ -96,7 +97,8 @@ def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes
   return order
 
 
-def priority(*, partition_bytes: int | None = None, credit_bytes: int | None = None, mode: str = "ps"):
+def priority(*, partition_bytes: int | None = None, credit_bytes: int | None = None,
+             mode: str = "ps") -> Scheduler:
   """ByteScheduler / P3: tensors cut into partitions, sent highest priority first within a credit.
 
   A static model of ByteScheduler's run-time loop (see `issue_order`): the emitted schedule is the

@@ -8,8 +8,13 @@ from __future__ import annotations
 import heapq
 import math
 
-from .._types import GradientProfile, NetworkModel, Schedule, itemsize
-from ._common import buckets_from_groups, check_inputs, check_positive, make_schedule, row_sizes
+import numpy as np
+
+from .._core import Problem, chunk_arrays, iteration_s, problem, split_by_dtype
+from .._schedule import Schedule
+from .._types import GradientProfile, NetworkModel
+from ._base import Scheduler
+from ._common import buckets_from_groups, check_inputs, check_positive, make_schedule
 
 POLICY = "prophet"
 # Candidate start-up fractions (a / block time) searched when `alpha_fraction` is None.
@@ -34,30 +39,17 @@ def find_stages(ready_s: list[float], gap_factor: float) -> list[float]:
 
 
 class _Planner:
-  """One greedy pass of Prophet's block rule for fixed knobs; also estimates the iteration it gives."""
+  """One greedy pass of Prophet's block rule for fixed knobs, on the problem's per-row arrays."""
 
-  def __init__(self, profile: GradientProfile, network: NetworkModel, gap_factor: float,
-               cross_step: bool):
-    self.profile = profile
-    self.cross_step = cross_step
-    self.network = network
-    self.a = network.startup_s
-    self.b = network.per_byte_s
-    rows = profile.rows
-    self.item = [itemsize(r.dtype) for r in rows]
-    self.dtype_of = [r.dtype for r in rows]
-    self.sizes = row_sizes(profile)
-    self.live = [i for i, r in enumerate(rows) if r.nbytes > 0]
-    self.arrivals = sorted(self.live, key=lambda i: (rows[i].ready_s, -i))
-    self.stage_starts = find_stages([rows[i].ready_s for i in self.live], gap_factor)
-    # forward: layers in priority order with their forward time and rows
-    self.layer_rows: dict[str, list[int]] = {}
-    for i, r in enumerate(rows):
-      self.layer_rows.setdefault(r.layer, []).append(i)
-    fwd = profile.layer_fwd_s()
-    self.layers = [(fwd[name], idx) for name, idx in self.layer_rows.items()]
-    self.ready = [r.ready_s for r in rows]
-    self.update = [r.update_s for r in rows]
+  def __init__(self, prob: Problem, gap_factor: float):
+    self.prob = prob
+    self.a = prob.startup_s
+    self.b = prob.per_byte_s
+    self.nbytes = [n * k for n, k in zip(prob.size, prob.itemsize)]
+    self.arrivals = sorted(prob.live, key=lambda i: (prob.ready[i], -i))
+    self.stage_starts = find_stages([prob.ready[i] for i in prob.live], gap_factor)
+    first = np.flatnonzero(prob.row_layer == 0) if prob.layers else []
+    self.first_layer_bytes = sum(self.nbytes[i] for i in first)
 
   def _bytes_within(self, seconds: float) -> float:
     """Bytes one all-reduce can carry in `seconds` (0 when even the start-up does not fit)."""
@@ -68,7 +60,7 @@ class _Planner:
   def plan(self, min_block: float, tail_growth: float,
            small_first: bool = True) -> tuple[list[list[tuple[int, int, int]]], float]:
     """Blocks (groups of slices) in issue order for one setting of the knobs, and their predicted
-    iteration time in DESIGN.md's model (one link, overlap).
+    iteration time (the numeric core's, for the chunks the blocks become).
 
     min_block: the floor on a block's bytes while backward runs (amortises the start-up a); also the
       floor of every block after the first once backward is done.
@@ -77,9 +69,9 @@ class _Planner:
     small_first: whether the first block after backward holds only min(min_block, the first layer's
       bytes), so the next forward can start early.
     """
-    rows = self.profile.rows
-    arrivals, item, sizes, dtype_of, ready = (self.arrivals, self.item, self.sizes, self.dtype_of,
-                                              self.ready)
+    prob = self.prob
+    arrivals, item, sizes, dtype_of, ready, nbytes = (self.arrivals, prob.itemsize, prob.size,
+                                                      prob.dtype, prob.ready, self.nbytes)
     a, b = self.a, self.b
     n_arr = len(arrivals)
     stage_starts = self.stage_starts
@@ -87,11 +79,11 @@ class _Planner:
     offset: dict[int, int] = {}      # row -> first element not yet sent
     pend_bytes = 0
     blocks: list[list[tuple[int, int, int]]] = []
-    row_end = [0.0] * len(rows)      # when the last block holding the row ends
     t = 0.0
     k = 0                            # next arrival
     s = 0                            # next stage start index
     tail_size = None
+    mixed: list[int] = []            # blocks holding several dtypes (one chunk per dtype)
 
     def take(budget: float) -> tuple[list[tuple[int, int, int]], float]:
       """The highest-priority pending slices up to `budget` bytes (at least one element), and their
@@ -118,6 +110,8 @@ class _Planner:
         pend_bytes -= nb
         total += nb
         dtypes.add(dtype_of[r])
+      if len(dtypes) > 1:
+        mixed.append(len(blocks))
       return out, len(dtypes) * a + b * total
 
     while k < n_arr or pending:
@@ -125,7 +119,7 @@ class _Planner:
         r = arrivals[k]
         heapq.heappush(pending, r)
         offset[r] = 0
-        pend_bytes += rows[r].nbytes
+        pend_bytes += nbytes[r]
         k += 1
       if not pending:
         t = ready[arrivals[k]]
@@ -147,7 +141,7 @@ class _Planner:
           continue
       else:
         if tail_size is None:
-          first = sum(rows[i].nbytes for i in self.layers[0][1]) if self.layers else 0
+          first = self.first_layer_bytes
           if small_first and first:
             block, cost = take(max(1.0, min(min_block, first)))
             tail_size = min_block
@@ -159,28 +153,21 @@ class _Planner:
           tail_size *= tail_growth
       t += cost
       blocks.append(block)
-      for r, _, _ in block:
-        row_end[r] = t
-    return blocks, self._estimate(row_end, t)
+    return blocks, self._estimate(blocks, mixed)
 
-  def _estimate(self, row_end: list[float], last_end: float) -> float:
-    bwd = self.profile.backward_s
-    if not self.cross_step:
-      return max(bwd, last_end) + self.profile.update_s + self.profile.forward_s
-    ready, update = self.ready, self.update
-    t = bwd
-    for fwd_s, idx in self.layers:
-      for i in idx:
-        e = row_end[i]
-        done = (e if e > ready[i] else ready[i]) + update[i]
-        if done > t:
-          t = done
-      t += fwd_s
-    return t
+  def _estimate(self, blocks: list[list[tuple[int, int, int]]], mixed: list[int]) -> float:
+    """The iteration time of the chunks the blocks become (`mixed`: the blocks of several dtypes)."""
+    prob = self.prob
+    if mixed:   # such a block holds one chunk (all-reduce) per dtype
+      split, dtype_of = set(mixed), prob.dtype.__getitem__
+      blocks = [c for k, blk in enumerate(blocks)
+                for c in (split_by_dtype(dtype_of, blk) if k in split else (blk,))]
+    ready, nbytes, tail, _, _ = chunk_arrays(prob, blocks)
+    return iteration_s(prob, ready, prob.durations(nbytes), tail)
 
 
 def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
-            tail_growth: float | None = None):
+            tail_growth: float | None = None) -> Scheduler:
   """Prophet: blocks sized to the gaps of backward, highest-priority gradients first.
 
   Prophet finds the *stages* of the ready-time pattern: a new stage starts where the gap between
@@ -206,8 +193,9 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
   first small block (the first layer's bytes) so that the next forward starts early.
 
   The knobs left as None, and whether to send that small first block, are chosen per profile, network
-  and step mode by predicting each candidate's iteration time in DESIGN.md's model as the plan is made
-  (alpha_fraction in `ALPHA_FRACTIONS`, tail_growth in `TAIL_GROWTHS`), as Prophet sizes its blocks
+  and step mode by predicting each candidate's iteration time with the numeric core (`_core.iteration_s`,
+  the simulator's closed form; alpha_fraction in `ALPHA_FRACTIONS`, tail_growth in `TAIL_GROWTHS`), as
+  Prophet sizes its blocks
   from measured timings; ties go to the first candidate. With `network.overlap` False (the device
   cannot compute while it communicates) every block pauses the device, so the plan is one block, one
   all-reduce per dtype, after backward, rows in priority order. The plan models one link; with
@@ -240,9 +228,9 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
     cross_step = check_inputs(POLICY, profile, network, cross_step)
-    planner = _Planner(profile, network, gap_factor, cross_step)
+    prob = problem(profile, network, cross_step=cross_step)
     if not network.overlap:
-      groups = [[(r, 0, planner.sizes[r]) for r in planner.live]]
+      groups = [[(r, 0, prob.size[r]) for r in prob.live]]
     else:
       fracs = ALPHA_FRACTIONS if alpha_fraction is None else (alpha_fraction,)
       growths = TAIL_GROWTHS if tail_growth is None else (tail_growth,)
@@ -250,6 +238,7 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
       a, b = network.startup_s, network.per_byte_s
       # never more than about MAX_BLOCKS blocks of the floor (a free start-up would allow any number)
       least = max(1.0, profile.total_nbytes / MAX_BLOCKS)
+      planner = _Planner(prob, gap_factor)
       for frac in fracs:
         floor = max(least, a / (frac * b) if b > 0 else math.inf)
         for g in growths:

@@ -5,13 +5,15 @@ Pure: numpy only, never jax.
 
 from __future__ import annotations
 
-from .._types import GradientProfile, NetworkModel, Schedule
+from .._schedule import Schedule
+from .._types import GradientProfile, NetworkModel
+from ._base import Scheduler
 from ._common import check_inputs, layer_groups, schedule_from_groups, whole_slice
 
 POLICY = "wfbp"
 
 
-def wfbp():
+def wfbp() -> Scheduler:
   """Wait-free backpropagation: each layer's gradients go out as soon as the layer is done.
 
   One all-reduce per layer (the profile rows' `layer`), issued in ready order: a layer is ready when

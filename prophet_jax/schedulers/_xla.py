@@ -5,7 +5,9 @@ Pure: numpy only, never jax.
 
 from __future__ import annotations
 
-from .._types import GradientProfile, NetworkModel, Schedule
+from .._schedule import Schedule
+from .._types import GradientProfile, NetworkModel
+from ._base import Scheduler
 from ._bucket import fill_buckets
 from ._common import check_inputs, schedule_from_groups, whole_slice
 
@@ -13,7 +15,7 @@ POLICY = "xla"
 GPU_COMBINE_THRESHOLD_BYTES = 30 * 2**20  # xla_gpu_all_reduce_combine_threshold_bytes' default
 
 
-def xla():
+def xla() -> Scheduler:
   """XLA's own all-reduce combining, following `network.overlap`.
 
   - `network.overlap` False (XLA on the CPU, where a collective blocks the executor): the CPU
@@ -28,7 +30,7 @@ def xla():
 
   References:
     OpenXLA, `AllReduceCombiner` / `CpuAllReduceCombiner` passes and the GPU flag
-    `xla_gpu_all_reduce_combine_threshold_bytes` (openxla/xla, 2023-2025); FACTS.md (measured here).
+    `xla_gpu_all_reduce_combine_threshold_bytes` (openxla/xla, 2023-2025); docs/facts.md, "XLA on the CPU merges and reorders all-reduces".
   """
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:

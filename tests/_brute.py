@@ -1,4 +1,4 @@
-"""Brute-force optima over schedules of whole leaves, and random instances (pure numpy; for tests and benches).
+"""Brute-force optima over schedules of whole leaves, and random instances (pure numpy; for the tests).
 
 - `best_contiguous(profile, network)`: the best schedule among every contiguous merge of the ready
   order (whole leaves, one dtype per chunk, chunks in ready order), for the plain step
@@ -26,8 +26,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ._simulate import _iteration_s, _problem
-from ._types import Bucket, Chunk, GradientProfile, NetworkModel, ProfileRow, Schedule, itemsize
+from prophet_jax._core import chunk_arrays, iteration_s, problem
+from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, ProfileRow, Schedule
+from prophet_jax._types import check_values, itemsize
 
 __all__ = ["best_contiguous", "best_ordered", "random_profile", "random_network", "random_schedule"]
 
@@ -52,10 +53,7 @@ def _schedule(profile: GradientProfile, groups: Sequence[Sequence[int]], policy:
 
 
 def _check_args(fn: str, profile: GradientProfile, network: NetworkModel) -> None:
-  if not isinstance(profile, GradientProfile):
-    raise TypeError(f"{fn}(profile=...) must be a GradientProfile, got {type(profile).__name__}.")
-  if not isinstance(network, NetworkModel):
-    raise TypeError(f"{fn}(network=...) must be a NetworkModel, got {type(network).__name__}.")
+  check_values(f"{fn}()", profile=profile, network=network)
   if network.skew and not network.overlap:
     raise ValueError(f"{fn}: brute force models workers that keep pace (skew=0); got skew="
                      f"{network.skew:g}. Use network.replace(skew=0.0): with one link, skew adds the same "
@@ -85,9 +83,9 @@ def best_contiguous(profile: GradientProfile, network: NetworkModel) -> tuple[fl
   if n > MAX_CONTIGUOUS_LEAVES:
     raise ValueError(f"best_contiguous: the profile has {n} leaves to send; exhaustive search handles "
                      f"at most {MAX_CONTIGUOUS_LEAVES} (2^(n-1) partitions). Use plan(policy='auto').")
-  prob = _problem(profile, network, cross_step=False)
+  prob = problem(profile, network, cross_step=False)
   if n == 0:
-    t = _iteration_s(np.zeros(0), np.zeros(0), 0.0, backward_s=prob.backward_s, after_s=prob.after_s)
+    t = iteration_s(prob, np.zeros(0), np.zeros(0), 0.0)
     return t, _schedule(profile, [], "brute-contiguous", False, t)
   ready = prob.row_ready_s[seq]
   nbytes = prob.row_nbytes[seq]
@@ -114,7 +112,7 @@ def best_contiguous(profile: GradientProfile, network: NetworkModel) -> tuple[fl
       if network.overlap:
         end = np.where(cut[i], np.maximum(end, ready[i]) + d, end)
       else:
-        # ready is sorted, so the progress at issue is ready[i]: end = q + C (see _simulate)
+        # ready is sorted, so the progress at issue is ready[i]: end = q + C (see prophet_jax._core)
         csum = np.where(cut[i], csum + d, csum)
         end = np.where(cut[i], ready[i] + csum, end)
         if ready[i] < prob.backward_s:
@@ -142,10 +140,8 @@ def _groups_of(seq: Sequence[int], cuts: np.ndarray) -> list[list[int]]:
 
 
 def _eval_groups(prob, groups: Sequence[Sequence[int]]) -> float:
-  ready = np.array([max(prob.row_ready_s[r] for r in g) for g in groups])
-  dur = np.array([prob.startup_s + prob.per_byte_s * sum(prob.row_nbytes[r] for r in g) for g in groups])
-  tail = np.array([max(prob.row_tail_s[r] for r in g) for g in groups])
-  return _iteration_s(ready, dur, tail, **prob.terms())
+  ready, nbytes, tail, _, _ = chunk_arrays(prob, [[(r, 0, prob.size[r]) for r in g] for g in groups])
+  return iteration_s(prob, ready, prob.durations(nbytes), tail)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -175,11 +171,10 @@ def best_ordered(profile: GradientProfile, network: NetworkModel, *,
   cross_step = bool(cross_step)
   seq = sorted(_sent_rows(profile))
   n = len(seq)
-  prob = _problem(profile, network, cross_step=cross_step)
+  prob = problem(profile, network, cross_step=cross_step)
   policy = "brute-ordered"
   if n == 0:
-    t = _iteration_s(np.zeros(0), np.zeros(0), 0.0, backward_s=prob.backward_s, after_s=prob.after_s,
-                     floor_s=prob.floor_s)
+    t = iteration_s(prob, np.zeros(0), np.zeros(0), 0.0)
     return t, _schedule(profile, [], policy, cross_step, t)
   if network.links != 1 or not network.overlap:
     if n > MAX_ENUMERATED_LEAVES:
@@ -296,7 +291,7 @@ def _set_partitions(xs: list[int]) -> Iterator[list[list[int]]]:
 def _enumerate_ordered(profile: GradientProfile, network: NetworkModel, *,
                        cross_step: bool) -> float:
   """Explicit enumeration of every ordered partition (a cross-check of the dynamic program)."""
-  prob = _problem(profile, network, cross_step=cross_step)
+  prob = problem(profile, network, cross_step=cross_step)
   seq = sorted(_sent_rows(profile))
   return min(_eval_groups(prob, g) for g in _ordered_partitions(seq, [profile.rows[r].dtype for r in seq]))
 

@@ -1,4 +1,4 @@
-"""Reading a JAX profiler trace of one compiled step: which op made which gradient leaf, when.
+"""Reading a jax.profiler trace (.xplane.pb) of one compiled step: which op made which leaf, and when.
 
 Used by `_profile` (`method='measured'`):
   step_hlo(text) -> StepHlo             the optimized module: instructions, operands, op_name metadata,

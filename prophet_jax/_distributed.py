@@ -1,0 +1,192 @@
+"""Joining a multi-process run: `jax.distributed` set-up, and gloo bound to one network interface.
+
+`initialize()`, called by the training script before any other jax call, reads the PROPHET_* variables
+`launch` set (through `_config`) and calls `jax.distributed.initialize(coordinator, num_processes,
+process_id)` with a short initialization timeout, so an unreachable coordinator fails with a clear
+`LaunchError` instead of a hang. On a cluster jax detects by itself it calls
+`jax.distributed.initialize()` with no arguments; alone, it does nothing.
+
+With PROPHET_GLOO_INTERFACE set, gloo (jax's CPU collectives) is first bound to that interface
+(docs/facts.md, "Gloo across network namespaces"): gloo finds its own address by resolving the
+hostname, which in network namespaces is 127.0.0.1. jax 0.10 exposes no public option for the
+interface; its CPU client is built by `jax._src.xla_bridge.make_cpu_client`, which calls the private
+`jax._src.lib._jax.make_gloo_tcp_collectives(distributed_client, hostname=None, interface=None)`.
+`bind_gloo_interface` is the ONE place that private call is made: it builds those collectives with
+`interface=` and registers a CPU backend factory that uses them, after `jax.distributed.initialize`
+and before the first jax operation. Every private name is checked first, with a clear GlooBindError
+when a jax upgrade removed it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import sys
+import threading
+import time
+import warnings
+
+from ._config import config
+from ._errors import GlooBindError, LaunchError
+
+__all__ = ["initialize", "bind_gloo_interface", "check_interface"]
+
+TESTED_JAX_VERSIONS = ("0.10.2",)
+
+
+def _cluster_detected() -> bool:
+  """True when jax's own cluster detection would find a cluster (SLURM, Open MPI, k8s, Cloud TPU)."""
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    return True
+  try:
+    from jax._src.clusters import ClusterEnv
+
+    return any(not env.opt_in_only_method and env.is_env_present() for env in ClusterEnv._cluster_types)
+  except Exception:  # noqa: BLE001 - a private API: when it moved, assume no cluster
+    return False
+
+
+def _wait_for_coordinator(address: str, deadline: float, where: str) -> None:
+  """Polls a TCP connection to the coordinator until it answers or the deadline passes."""
+  host, _, port = address.rpartition(":")
+  last: Exception | None = None
+  while True:
+    try:
+      with socket.create_connection((host, int(port)), timeout=1.0):
+        return
+    except OSError as e:
+      last = e
+    if time.monotonic() >= deadline:
+      raise LaunchError(f"the jax.distributed coordinator is unreachable ({where}): {last}. Is rank 0 "
+                        f"running, and is {address} reachable from this process? Start all ranks with "
+                        f"`prophet-jax launch`, or raise PROPHET_INIT_TIMEOUT_S.")
+    time.sleep(0.2)
+
+
+def initialize(*, timeout_s: int | None = None) -> bool:
+  """Joins the multi-process run this process belongs to; call it before any other jax call.
+
+  Under `launch` (PROPHET_* process variables set): binds gloo to PROPHET_GLOO_INTERFACE if given, then
+  `jax.distributed.initialize(coordinator, num_processes, process_id)`. On a cluster that jax detects
+  itself (SLURM, Open MPI, Kubernetes, Cloud TPU, or JAX_COORDINATOR_ADDRESS): plain
+  `jax.distributed.initialize()`. Otherwise nothing (one process).
+
+  Args:
+    timeout_s: seconds to wait for the coordinator and the other processes; default
+      PROPHET_INIT_TIMEOUT_S, else 60.
+
+  Returns:
+    True when jax.distributed is initialized (now or before), False for a single process.
+
+  Raises:
+    LaunchError: the coordinator was not reachable in time (names the address and the rank).
+    ValueError: malformed PROPHET_* variables (names the variable).
+  """
+  import jax
+
+  cfg = config()
+  if jax.distributed.is_initialized():
+    return True
+  timeout = int(timeout_s if timeout_s is not None else cfg.init_timeout_s)
+  if not cfg.launched:
+    if not _cluster_detected():
+      return False
+    jax.distributed.initialize(initialization_timeout=timeout)
+    return True
+  where = (f"rank {cfg.process_id} of {cfg.num_processes}, coordinator {cfg.coordinator}, "
+           f"timeout {timeout} s")
+  deadline = time.monotonic() + timeout
+  if cfg.process_id != 0:
+    _wait_for_coordinator(cfg.coordinator, deadline, where)
+  # jaxlib ends the process (a fatal log, exit 134) when the other ranks do not all register in time;
+  # say clearly why before it does.
+  watchdog = threading.Timer(max(timeout - 0.5, 0.1), lambda: print(
+      f"prophet_jax.launch.initialize: jax.distributed did not finish connecting ({where}); jaxlib is "
+      f"about to abort this process. Did every rank start? Check the other ranks' output, or raise "
+      f"PROPHET_INIT_TIMEOUT_S.", file=sys.stderr, flush=True))
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(cfg.coordinator, num_processes=cfg.num_processes,
+                               process_id=cfg.process_id, cluster_detection_method="deactivate",
+                               initialization_timeout=timeout,
+                               **({"heartbeat_timeout_seconds": cfg.heartbeat_timeout_s}
+                                  if cfg.heartbeat_timeout_s else {}))
+  except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error types
+    try:
+      jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001
+      pass
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise LaunchError(
+        f"jax.distributed could not connect ({where}): {first[:300]}. Is rank 0 running, and is "
+        f"{cfg.coordinator} reachable from this process? Start all ranks with `prophet-jax launch` or "
+        f"raise PROPHET_INIT_TIMEOUT_S.") from e
+  finally:
+    watchdog.cancel()
+  if cfg.gloo_interface:
+    bind_gloo_interface(cfg.gloo_interface)
+  return True
+
+
+# --------------------------------------------------------------------------------------------------
+# gloo on one interface
+
+
+def check_interface(interface: str) -> None:
+  """Raises ValueError when `interface` is not a network interface of this host (or namespace)."""
+  if not isinstance(interface, str) or not interface:
+    raise ValueError(f"gloo_interface={interface!r}: give a network interface name such as 'eth0'.")
+  try:
+    socket.if_nametoindex(interface)
+  except OSError:
+    names = sorted(name for _, name in socket.if_nameindex())
+    raise ValueError(f"gloo_interface={interface!r} is not a network interface here; this host (or "
+                     f"network namespace) has {names}.") from None
+
+
+def bind_gloo_interface(interface: str) -> None:
+  """Makes jax's CPU backend use gloo collectives bound to `interface`.
+
+  Args:
+    interface: a network interface name of this host or namespace, e.g. 'veth0'.
+
+  Raises:
+    ValueError: the interface does not exist here.
+    GlooBindError: jax.distributed is not initialized yet, the CPU backend has already started, or
+      this jax lacks the private call (pin jax to one of TESTED_JAX_VERSIONS, or drop the interface
+      option and let gloo resolve the hostname).
+  """
+  check_interface(interface)
+  import jax
+
+  try:
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+    make = _jax.make_gloo_tcp_collectives
+    register = xla_bridge.register_backend_factory
+    make_cpu_client = xla_bridge.make_cpu_client
+    started = xla_bridge.backends_are_initialized
+  except (ImportError, AttributeError) as e:
+    raise GlooBindError(
+        f"jax {jax.__version__} lacks the private call prophet_jax uses to bind gloo to an interface "
+        f"({e}); it was tested with jax {', '.join(TESTED_JAX_VERSIONS)}. Install one of those, or run "
+        f"without --gloo-interface.") from e
+  if "interface" not in (make.__doc__ or ""):
+    raise GlooBindError(f"jax {jax.__version__}: make_gloo_tcp_collectives takes no `interface` "
+                        f"argument any more; tested with jax {', '.join(TESTED_JAX_VERSIONS)}.")
+  if jax.__version__ not in TESTED_JAX_VERSIONS:
+    warnings.warn(f"binding gloo to {interface!r} through a private jax call tested only with jax "
+                  f"{', '.join(TESTED_JAX_VERSIONS)}; this is jax {jax.__version__}.", stacklevel=2)
+  client = distributed.global_state.client
+  if client is None:
+    raise GlooBindError("bind_gloo_interface() needs jax.distributed.initialize() first (gloo "
+                        "rendezvous goes through the distributed client).")
+  if started():
+    raise GlooBindError(f"the jax backend has already started, so gloo can no longer be bound to "
+                        f"{interface!r}: call prophet_jax.launch.initialize() before any jax "
+                        f"operation (jax.devices(), jnp arrays, jit).")
+  collectives = make(distributed_client=client, interface=interface)
+  register("cpu", functools.partial(make_cpu_client, collectives=collectives), priority=0,
+           fail_quietly=False)

@@ -1,0 +1,298 @@
+"""The launcher: start N local processes wired for `jax.distributed`, and wait for them.
+
+`launch(cmd, nproc=N, ...)` is what `prophet-jax launch --nproc N -- CMD ...` and `python -m
+prophet_jax.launch --nproc N -- CMD ...` run (both parse their arguments with `add_arguments`). It
+starts N copies of CMD on this host, each with the PROPHET_* variables `prophet_jax.launch` documents,
+its own CPU device count (XLA_FLAGS reaches children, so the launcher rewrites
+`--xla_force_host_platform_device_count` per process: with 8 in the parent and `--nproc 2`, each process
+gets 4, keeping the global device count), and its output lines prefixed with `[rank k] `. When one
+process fails, the launcher stops the others (SIGTERM, then SIGKILL after a grace period), names the
+failed rank on stderr and exits with that process's code (128 + signal number for a process killed by
+a signal, as shells report it).
+
+Importing it starts nothing and imports no jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+from ._config import config
+
+__all__ = ["launch", "add_arguments", "run", "main", "free_port"]
+
+DEVICE_FLAG = "--xla_force_host_platform_device_count"
+STOP_GRACE_S = 3.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+  """A TCP port that is free on `host` right now (the OS picks it)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind((host, 0))
+    return int(s.getsockname()[1])
+
+
+def _split_coordinator(coordinator: str | None, port: int | None) -> tuple[str, int | None]:
+  if coordinator is None:
+    return "127.0.0.1", port
+  if not isinstance(coordinator, str) or not coordinator.strip():
+    raise ValueError(f"launch(coordinator={coordinator!r}): give an address such as '127.0.0.1' or "
+                     f"'10.0.0.1:12345'.")
+  host, sep, tail = coordinator.strip().rpartition(":")
+  if sep and tail.isdigit() and ":" not in host:
+    if port is not None and int(tail) != port:
+      raise ValueError(f"launch(coordinator={coordinator!r}, port={port}): the address names port "
+                       f"{tail} but port={port}; give the port once.")
+    return host, int(tail)
+  return coordinator.strip(), port
+
+
+def _device_flags(xla_flags: str, nproc: int, devices_per_process: int | None) -> tuple[str, int | None]:
+  """The XLA_FLAGS of one child, and its device count (None: left as the parent's flags say)."""
+  found = re.findall(rf"{DEVICE_FLAG}=(\S*)", xla_flags)
+  if devices_per_process is None:
+    if not found:
+      return xla_flags, None
+    try:
+      total = int(found[-1])
+    except ValueError:
+      raise ValueError(f"XLA_FLAGS has {DEVICE_FLAG}={found[-1]!r}, not an integer.") from None
+    if total % nproc:
+      raise ValueError(f"XLA_FLAGS asks for {total} CPU devices, which do not split evenly over "
+                       f"nproc={nproc} processes; pass devices_per_process (--devices-per-process) or "
+                       f"a device count divisible by {nproc}.")
+    devices_per_process = total // nproc
+  rest = re.sub(rf"\s*{DEVICE_FLAG}=\S*", "", xla_flags).strip()
+  return f"{rest} {DEVICE_FLAG}={devices_per_process}".strip(), devices_per_process
+
+
+def _child_env(base: dict[str, str], *, rank: int, nproc: int, coordinator: str, xla_flags: str,
+               devices: int | None, gloo_interface: str | None, init_timeout_s: int | None) -> dict[str, str]:
+  env = {k: v for k, v in base.items() if not k.startswith("PROPHET_") or k == "PROPHET_DEBUG"}
+  env.update(PROPHET_PROCESS_ID=str(rank), PROPHET_NUM_PROCESSES=str(nproc),
+             PROPHET_COORDINATOR=coordinator, PYTHONUNBUFFERED="1")
+  if xla_flags:
+    env["XLA_FLAGS"] = xla_flags
+  if devices is not None:
+    env["PROPHET_LOCAL_DEVICES"] = str(devices)
+  if gloo_interface:
+    env["PROPHET_GLOO_INTERFACE"] = gloo_interface
+  if init_timeout_s is not None:
+    env["PROPHET_INIT_TIMEOUT_S"] = str(int(init_timeout_s))
+  elif base.get("PROPHET_INIT_TIMEOUT_S"):
+    env["PROPHET_INIT_TIMEOUT_S"] = base["PROPHET_INIT_TIMEOUT_S"]
+  if base.get("PROPHET_HEARTBEAT_TIMEOUT_S"):
+    env["PROPHET_HEARTBEAT_TIMEOUT_S"] = base["PROPHET_HEARTBEAT_TIMEOUT_S"]
+  return env
+
+
+def _pump(rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+  prefix = f"[rank {rank}] "
+  for raw in iter(stream.readline, b""):
+    line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+    with lock:
+      out.write(prefix + line + "\n")
+      out.flush()
+  stream.close()
+
+
+def _describe(code: int) -> str:
+  if code < 0:
+    try:
+      name = signal.Signals(-code).name
+    except ValueError:
+      name = f"signal {-code}"
+    return f"exit code {128 - code} (killed by {name})"
+  return f"exit code {code}"
+
+
+def _stop(procs: dict[int, subprocess.Popen], grace_s: float) -> None:
+  """SIGTERM every live process group, then SIGKILL what is left after `grace_s`."""
+  live = {r: p for r, p in procs.items() if p.poll() is None}
+  for p in live.values():
+    try:
+      os.killpg(p.pid, signal.SIGTERM)
+    except ProcessLookupError:
+      pass
+  deadline = time.monotonic() + grace_s
+  while time.monotonic() < deadline and any(p.poll() is None for p in live.values()):
+    time.sleep(0.05)
+  for p in live.values():
+    if p.poll() is None:
+      try:
+        os.killpg(p.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+  for p in live.values():
+    try:
+      p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      pass
+
+
+class _Interrupted(BaseException):
+  pass
+
+
+def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinator: str | None = None,
+           gloo_interface: str | None = None, devices_per_process: int | None = None,
+           init_timeout_s: int | None = None, stdout: IO[str] | None = None,
+           stderr: IO[str] | None = None) -> int:
+  """Starts `nproc` local copies of `cmd` wired for jax.distributed and waits for them.
+
+  Args:
+    cmd: the command and its arguments, e.g. ['python', 'train.py', '--steps', '5'].
+    nproc: number of processes (ranks 0 .. nproc-1).
+    port: coordinator port; default a free port on the coordinator host.
+    coordinator: coordinator address 'host' or 'host:port' (rank 0 serves it); default 127.0.0.1.
+    gloo_interface: network interface the processes' gloo binds to (e.g. a veth); default gloo's own.
+    devices_per_process: CPU devices of each process (rewrites --xla_force_host_platform_device_count
+      in XLA_FLAGS). Default: the parent's count divided by nproc when XLA_FLAGS sets one, else
+      untouched.
+    init_timeout_s: seconds each process waits for the coordinator (PROPHET_INIT_TIMEOUT_S); default
+      the parent's PROPHET_INIT_TIMEOUT_S, else 60.
+    stdout, stderr: where the prefixed output and the launcher's messages go (default sys.stdout,
+      sys.stderr).
+
+  Returns:
+    0 when every process exits 0; otherwise the exit code of the first process that failed (128 +
+    signal number when it was killed by a signal), after the others were stopped. 130 when the
+    launcher itself is interrupted.
+
+  Raises:
+    ValueError: an empty command, nproc < 1, a bad port, address or device count.
+  """
+  out = stdout or sys.stdout
+  err = stderr or sys.stderr
+  cmd = [str(c) for c in cmd]
+  if not cmd:
+    raise ValueError("launch: the command is empty; give it after `--`, e.g. "
+                     "`prophet-jax launch --nproc 2 -- python train.py`.")
+  if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+    raise ValueError(f"launch(nproc={nproc!r}): nproc must be an integer >= 1.")
+  if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+    raise ValueError(f"launch(port={port!r}): a TCP port is an integer in [1, 65535].")
+  if devices_per_process is not None and (isinstance(devices_per_process, bool)
+                                          or not isinstance(devices_per_process, int)
+                                          or devices_per_process < 1):
+    raise ValueError(f"launch(devices_per_process={devices_per_process!r}): must be an integer >= 1.")
+  host, port = _split_coordinator(coordinator, port)
+  if port is None:
+    try:
+      port = free_port(host)
+    except OSError as e:
+      raise ValueError(f"launch(coordinator={host!r}): cannot pick a free port on that address ({e}); "
+                       f"give one with --port.") from None
+  if gloo_interface is not None:
+    from ._distributed import check_interface
+
+    check_interface(gloo_interface)
+  base = dict(os.environ)
+  config()  # the parent's PROPHET_* flags are checked here, so a typo fails before anything starts
+  xla_flags, devices = _device_flags(base.get("XLA_FLAGS", ""), nproc, devices_per_process)
+  address = f"{host}:{port}"
+  lock = threading.Lock()
+  procs: dict[int, subprocess.Popen] = {}
+  pumps: list[threading.Thread] = []
+
+  def on_term(signum: int, frame: Any) -> None:
+    raise _Interrupted()
+
+  old_term = None
+  if threading.current_thread() is threading.main_thread():
+    old_term = signal.signal(signal.SIGTERM, on_term)
+  failed: tuple[int, int] | None = None
+  try:
+    for rank in range(nproc):
+      env = _child_env(base, rank=rank, nproc=nproc, coordinator=address, xla_flags=xla_flags,
+                       devices=devices, gloo_interface=gloo_interface, init_timeout_s=init_timeout_s)
+      try:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+      except OSError as e:
+        raise ValueError(f"launch: cannot start {shlex.join(cmd)!r} ({e}).") from None
+      procs[rank] = p
+      t = threading.Thread(target=_pump, args=(rank, p.stdout, out, lock), daemon=True)
+      t.start()
+      pumps.append(t)
+    while True:
+      codes = {r: p.poll() for r, p in procs.items()}
+      bad = [(r, c) for r, c in codes.items() if c not in (None, 0)]
+      if bad:
+        failed = bad[0]
+        break
+      if all(c == 0 for c in codes.values()):
+        break
+      time.sleep(0.05)
+    if failed is not None:
+      rank, code = failed
+      others = [r for r, p in procs.items() if p.poll() is None]
+      with lock:
+        err.write(f"prophet-jax launch: rank {rank} (pid {procs[rank].pid}) failed with "
+                  f"{_describe(code)}; stopping rank(s) {others or 'none (all ended)'}.\n")
+        err.flush()
+      _stop(procs, STOP_GRACE_S)
+      return 128 - code if code < 0 else code
+    return 0
+  except (KeyboardInterrupt, _Interrupted):
+    with lock:
+      err.write(f"prophet-jax launch: interrupted; stopping rank(s) "
+                f"{[r for r, p in procs.items() if p.poll() is None]}.\n")
+      err.flush()
+    return 130
+  finally:
+    _stop(procs, STOP_GRACE_S)
+    for t in pumps:
+      t.join(timeout=5)
+    if old_term is not None:
+      signal.signal(signal.SIGTERM, old_term)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  """The launcher's arguments, the same for `prophet-jax launch` and `python -m prophet_jax.launch`."""
+  parser.add_argument("--nproc", type=int, required=True, help="number of processes (ranks 0 .. N-1)")
+  parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+  parser.add_argument("--coordinator", default=None, help="ADDR or ADDR:PORT (default 127.0.0.1)")
+  parser.add_argument("--gloo-interface", default=None, help="network interface gloo binds to")
+  parser.add_argument("--devices-per-process", type=int, default=None,
+                      help="CPU devices of each process (default: the parent's XLA_FLAGS count / N)")
+  parser.add_argument("--init-timeout", type=int, default=None,
+                      help="seconds each process waits for the coordinator (default 60)")
+  parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...")
+  return parser
+
+
+def run(args: argparse.Namespace) -> int:
+  """`launch` with the arguments `add_arguments` parsed; the launched processes' exit code."""
+  cmd = list(args.cmd)
+  if cmd[:1] == ["--"]:
+    cmd = cmd[1:]
+  return launch(cmd, nproc=args.nproc, port=args.port, coordinator=args.coordinator,
+                gloo_interface=args.gloo_interface, devices_per_process=args.devices_per_process,
+                init_timeout_s=args.init_timeout)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """`python -m prophet_jax.launch ARGS -- CMD ...`: as `prophet-jax launch`; a bad argument prints one
+  line and returns 2."""
+  from ._errors import ProphetError
+
+  parser = add_arguments(argparse.ArgumentParser(
+      prog="python -m prophet_jax.launch", description="Start N local processes wired with jax.distributed."))
+  args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+  try:
+    return run(args)
+  except (ProphetError, ValueError) as e:
+    print(f"prophet-jax launch: {type(e).__name__}: {e}", file=sys.stderr)
+    return 2

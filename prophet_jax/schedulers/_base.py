@@ -1,0 +1,25 @@
+"""The Scheduler protocol: what every policy factory returns (optax's `base`, for planning policies).
+
+Pure: numpy only, never jax.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from .._schedule import Schedule
+from .._types import GradientProfile, NetworkModel
+
+Slice = tuple[int, int, int]  # (profile row, start element, stop element)
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+  """A planning policy: a pure function of the profile and the network model.
+
+  It must return a Schedule for `profile` (its rows, every element of every non-empty row in exactly
+  one chunk) and record `cross_step`, the step mode it planned for.
+  """
+
+  def __call__(self, profile: GradientProfile, network: NetworkModel, *,
+               cross_step: bool) -> Schedule: ...

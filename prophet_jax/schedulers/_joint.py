@@ -1,0 +1,362 @@
+"""The joint optimiser of `auto`: exact and greedy programs over merges, issue order and partitions.
+
+Pure: numpy only, never jax. Candidates are lists of `SearchChunk`s (one all-reduce each: its slices
+and, cached, its dtype, bytes, readiness and tail), scored by the numeric core (`_core.iteration_s`,
+the simulator's closed form) over their per-chunk arrays.
+
+* ``cross_step=False`` with overlap: an exact O(L^2) dynamic program over contiguous merges of the
+  ready order (one dtype per chunk; `contiguous_dp`). The end of a prefix's last all-reduce is
+  monotone in the end of the prefix before it, so keeping the earliest end per prefix is optimal over
+  contiguous merges; with one link, sending a row in pieces or out of ready order never ends earlier.
+* ``cross_step=True`` with overlap: a priority list schedule while backward runs (`priority_head`, on a
+  grid of partition size, block size, and how the link waits: for some bytes to be ready, or chunks cut
+  at element boundaries to end when the next gradient is ready, as Prophet sizes blocks to gaps; the
+  grid is in units of the bytes whose transfer costs one start-up). Once every gradient is ready, the
+  rest goes in priority order, grouped by an exact O(N^2) dynamic program that minimises the next
+  forward's end (`tail_dp`).
+* without overlap (XLA on the CPU): every all-reduce stalls the device, so few all-reduces win: one per
+  dtype.
+
+`own_candidates` returns them all, labelled.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._core import Problem, iteration_s
+from ._base import Slice
+
+# The joint optimiser's grid, in units of the network's start-up/byte ratio a/b (the bytes whose transfer
+# time equals one start-up): partition size (None: whole rows), block size (None: no limit), and how the
+# link waits while backward runs: for that many bytes to be ready, or (fit) chunks cut to end by the
+# next ready time but holding at least that many. EXACT_TAILS heads get the exact tail grouping.
+PARTITIONS = (None, 2, 8)
+BLOCKS = (2, 8, 32, None)
+MODES = (("wait", 0), ("wait", 2), ("fit", 1))
+EXACT_TAILS = 4
+MAX_PIECES = 2048
+_INF = math.inf
+
+
+# --------------------------------------------------------------------------------------------------
+# Candidate chunks and their score
+
+
+class SearchChunk:
+  """One all-reduce of a candidate: its slices, dtype, bytes, readiness and tail.
+
+  `tail_s` is what must follow the chunk's end (the problem's per-row tail, max over its rows):
+  update + forward in the plain step, update(l) + forward of layers l.. in the pipelined step.
+  """
+
+  __slots__ = ("slices", "dtype", "nbytes", "ready_s", "tail_s")
+
+  def __init__(self, slices: Sequence[Slice], dtype: str, nbytes: float, ready_s: float, tail_s: float):
+    self.slices = tuple(slices)
+    self.dtype = dtype
+    self.nbytes = float(nbytes)
+    self.ready_s = float(ready_s)
+    self.tail_s = float(tail_s)
+
+
+def merge_slices(slices: Sequence[Slice]) -> list[Slice]:
+  """Joins consecutive slices of the same row that touch ((r, a, b), (r, b, c) -> (r, a, c))."""
+  out: list[Slice] = []
+  for r, a, b in slices:
+    if out and out[-1][0] == r and out[-1][2] == a:
+      out[-1] = (r, out[-1][1], b)
+    else:
+      out.append((r, a, b))
+  return out
+
+
+def make_chunk(prob: Problem, slices: Sequence[Slice]) -> SearchChunk:
+  """The SearchChunk of `slices` (touching slices of a row joined)."""
+  slices = merge_slices(slices)
+  nbytes = sum((b - a) * prob.itemsize[r] for r, a, b in slices)
+  return SearchChunk(slices, prob.dtype[slices[0][0]], nbytes, max(prob.ready[r] for r, _, _ in slices),
+                     max(prob.tail[r] for r, _, _ in slices))
+
+
+def merged(prob: Problem, x: SearchChunk, y: SearchChunk) -> SearchChunk:
+  """One chunk holding x's slices, then y's."""
+  return make_chunk(prob, x.slices + y.slices)
+
+
+def chunk_stats(chunks: Sequence[SearchChunk]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(ready, nbytes, tail) of `chunks`, in issue order: the core's per-chunk arrays."""
+  n = len(chunks)
+  return (np.fromiter((c.ready_s for c in chunks), dtype=np.float64, count=n),
+          np.fromiter((c.nbytes for c in chunks), dtype=np.float64, count=n),
+          np.fromiter((c.tail_s for c in chunks), dtype=np.float64, count=n))
+
+
+def evaluate(prob: Problem, ready: np.ndarray, nbytes: np.ndarray, tail: np.ndarray) -> float:
+  """The iteration time of per-chunk arrays in issue order (`_core.iteration_s`)."""
+  return float(iteration_s(prob, ready, prob.durations(nbytes), tail))
+
+
+def evaluate_chunks(prob: Problem, chunks: Sequence[SearchChunk]) -> float:
+  """The iteration time of `chunks` in issue order."""
+  return evaluate(prob, *chunk_stats(chunks))
+
+
+# --------------------------------------------------------------------------------------------------
+# cross_step=False: the exact dynamic program over contiguous merges of the ready order
+
+
+def contiguous_dp(prob: Problem, networks: Sequence[NetworkModel] = ()) -> list[SearchChunk]:
+  """Optimal contiguous merges of the ready order (one link, one dtype per chunk).
+
+  f[j] = min over i of max(f[i], ready(j-1)) + a + b * bytes(i..j-1): the earliest end of the last
+  all-reduce of the first j rows. The end of a group is monotone in f[i], so the earliest prefix end is
+  all a later group needs; the inner minimum is one numpy expression.
+
+  With `networks`, a hedged variant (a heuristic, for the robust choice): each prefix keeps its end
+  under every one of those networks, and the choice minimises their sum.
+  """
+  if networks:
+    a = np.array([n.startup_s for n in networks])
+    b = np.array([n.per_byte_s for n in networks])
+  else:
+    a = np.array([prob.startup_s])
+    b = np.array([prob.per_byte_s])
+  order = [i for i in prob.profile.ready_order() if prob.row_nbytes[i] > 0]
+  n = len(order)
+  if n == 0:
+    return []
+  ready = np.asarray(prob.ready)[order]
+  prefix = np.concatenate([[0.0], np.cumsum(prob.row_nbytes[order])])
+  run_start = np.zeros(n, dtype=np.int64)
+  for j in range(1, n):
+    same = prob.dtype[order[j]] == prob.dtype[order[j - 1]]
+    run_start[j] = run_start[j - 1] if same else j
+  best = np.zeros((n + 1, len(a)))
+  choice = np.zeros(n, dtype=np.int64)
+  for j in range(n):
+    i0 = run_start[j]
+    cand = np.maximum(best[i0:j + 1], ready[j]) + (a + b * (prefix[j + 1] - prefix[i0:j + 1])[:, None])
+    k = int(np.argmin(cand.sum(axis=1)))  # the first minimum: the largest group
+    best[j + 1] = cand[k]
+    choice[j] = i0 + k
+  groups = []
+  j = n - 1
+  while j >= 0:
+    i = int(choice[j])
+    groups.append([(r, 0, prob.size[r]) for r in order[i:j + 1]])
+    j = i - 1
+  return [make_chunk(prob, g) for g in reversed(groups)]
+
+
+# --------------------------------------------------------------------------------------------------
+# cross_step=True: priority list schedule during backward, exact grouping of the tail
+
+
+def partition_units(prob: Problem, partition_bytes: float | None) -> list[tuple[float, int, int, int]]:
+  """Rows cut into parts of at most `partition_bytes` (as equal as possible, as
+  `_common.partition_row` cuts them), as (ready, -row, start, stop) sorted by readiness."""
+  units: list[tuple[float, int, int, int]] = []
+  for r in prob.live:
+    ready, n = float(prob.ready[r]), prob.size[r]
+    per = n if partition_bytes is None else max(1, int(partition_bytes) // prob.itemsize[r])
+    parts = -(-n // per)
+    base, extra = divmod(n, parts)
+    pos = 0
+    for k in range(parts):
+      step = base + (1 if k < extra else 0)
+      units.append((ready, -r, pos, pos + step))
+      pos += step
+  units.sort()
+  return units
+
+
+def priority_head(prob: Problem, units: Sequence[tuple[float, int, int, int]], block_bytes: float,
+                  wait_bytes: float, fit_bytes: float | None = None
+                  ) -> tuple[list[SearchChunk], list[Slice]]:
+  """A priority list schedule of `units` until every one is ready: (chunks sent, units left).
+
+  Each time the link frees, the ready units of the highest priority (lowest row) go out together, up
+  to `block_bytes` (at least one unit, one dtype); with `wait_bytes`, the link first waits until that
+  many bytes are ready. With `fit_bytes` (Prophet's gap sizing, on elements), a chunk is cut to end
+  when the next gradient becomes ready, so a low-priority chunk never holds the link then, but holds
+  at least `fit_bytes` (to amortise the start-up); the last unit is cut at an element boundary and
+  its rest stays queued. The units left are those not yet sent when the last one is ready.
+  """
+  if not units:
+    return [], []
+  last_ready = units[-1][0]
+  a_s, b_s = prob.startup_s, prob.per_byte_s
+  size = prob.itemsize
+  avail: list[Slice] = []  # heap by (row, start): priority order
+  avail_bytes = 0.0
+  chunks: list[SearchChunk] = []
+  t, k, n = 0.0, 0, len(units)
+  while True:
+    while k < n and units[k][0] <= t:
+      _, row, a, b = units[k]
+      heapq.heappush(avail, (-row, a, b))
+      avail_bytes += (b - a) * size[-row]
+      k += 1
+    if k == n and t >= last_ready:
+      break
+    if not avail or (wait_bytes > 0 and avail_bytes < wait_bytes):
+      t = units[k][0]  # k < n here: something is still to become ready
+      continue
+    cap = block_bytes
+    if fit_bytes is not None and b_s > 0:
+      cap = min(cap, max(fit_bytes, (units[k][0] - t - a_s) / b_s))
+    row, a, b = heapq.heappop(avail)
+    dtype = prob.dtype[row]
+    if fit_bytes is not None and (b - a) * size[row] > cap:
+      cut = a + max(1, int(cap // size[row]))
+      if cut < b:
+        heapq.heappush(avail, (row, cut, b))
+        b = cut
+    picked = [(row, a, b)]
+    nbytes = (b - a) * size[row]
+    skipped = []
+    while avail and nbytes < cap:
+      r2, a2, b2 = avail[0]
+      if prob.dtype[r2] != dtype:
+        skipped.append(heapq.heappop(avail))
+        continue
+      more = (b2 - a2) * size[r2]
+      if nbytes + more > cap:
+        if fit_bytes is not None:
+          take = int((cap - nbytes) // size[r2])
+          if take >= 1:
+            heapq.heapreplace(avail, (r2, a2 + take, b2))
+            picked.append((r2, a2, a2 + take))
+            nbytes += take * size[r2]
+        break
+      heapq.heappop(avail)
+      picked.append((r2, a2, b2))
+      nbytes += more
+    for x in skipped:
+      heapq.heappush(avail, x)
+    avail_bytes -= nbytes
+    chunk = make_chunk(prob, picked)
+    chunks.append(chunk)
+    t = max(t, chunk.ready_s) + a_s + b_s * nbytes
+  return chunks, sorted(avail)
+
+
+def block_tail(prob: Problem, units: Sequence[Slice], block_bytes: float) -> list[SearchChunk]:
+  """Units in priority order, grouped greedily into chunks of at most `block_bytes` (one dtype)."""
+  out, cur, cur_bytes = [], [], 0.0
+  for r, a, b in merge_slices(units):
+    nb = (b - a) * prob.itemsize[r]
+    if cur and (prob.dtype[r] != prob.dtype[cur[0][0]] or cur_bytes + nb > block_bytes):
+      out.append(make_chunk(prob, cur))
+      cur, cur_bytes = [], 0.0
+    cur.append((r, a, b))
+    cur_bytes += nb
+  if cur:
+    out.append(make_chunk(prob, cur))
+  return out
+
+
+def tail_dp(prob: Problem, units: Sequence[Slice]) -> list[SearchChunk]:
+  """Optimal grouping of ready gradients sent back to back in priority order (one link).
+
+  With start-up a and per-byte b, the group ending at unit j ends at T0 + (its rank)·a + b·P(j), and the
+  iteration is the max over groups of that end plus the group's tail (the largest `SearchChunk.tail_s` of its
+  rows: update and forward that must follow). h[i], the best such max for units i.. with ranks counted from i, obeys
+  h[i] = min_j max(a + b·P(j+1) + C(i..j), a + h[j+1]): a reverse O(N^2) program, exact for the order.
+  """
+  merged = merge_slices(units)
+  n = len(merged)
+  if n == 0:
+    return []
+  rows = [r for r, _, _ in merged]
+  nbytes = np.array([(b - a) * prob.itemsize[r] for r, a, b in merged])
+  prefix = np.concatenate([[0.0], np.cumsum(nbytes)])
+  completes = np.array([prob.tail[r] for r in rows])
+  run_end = np.zeros(n, dtype=np.int64)
+  run_end[-1] = n - 1
+  for i in range(n - 2, -1, -1):
+    run_end[i] = run_end[i + 1] if prob.dtype[rows[i]] == prob.dtype[rows[i + 1]] else i
+  a, b = prob.startup_s, prob.per_byte_s
+  h = np.full(n + 1, -_INF)
+  nxt = np.zeros(n, dtype=np.int64)
+  for i in range(n - 1, -1, -1):
+    js = np.arange(i, run_end[i] + 1)
+    worst = np.maximum.accumulate(completes[i:run_end[i] + 1])
+    v = np.maximum(a + b * prefix[js + 1] + worst, a + h[js + 1])
+    k = len(v) - 1 - int(np.argmin(v[::-1]))  # the last minimum: the largest group
+    h[i] = v[k]
+    nxt[i] = i + k + 1
+  out, i = [], 0
+  while i < n:
+    out.append(make_chunk(prob, merged[i:nxt[i]]))
+    i = int(nxt[i])
+  return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Every candidate of the joint optimiser
+
+
+def own_candidates(prob: Problem, cross_step: bool, grid: Sequence[tuple] | None = None
+                    ) -> list[tuple[str, list[SearchChunk], tuple | None]]:
+  """The joint optimiser's candidates: (label, chunks, grid point or None).
+
+  `grid` restricts the pipelined step's grid of (partition, block, mode, amount) points (all of
+  `PARTITIONS` x `BLOCKS` x `MODES` by default); with it, only the exact-tail variants are returned.
+  """
+  out: list[tuple[str, list[SearchChunk], tuple | None]] = []
+  if not prob.live:
+    return [("empty", [], None)]
+  if grid is None:
+    by_dtype: dict[str, list[int]] = {}
+    for r in prob.profile.ready_order():
+      if prob.row_nbytes[r] > 0:
+        by_dtype.setdefault(prob.dtype[r], []).append(r)
+    whole = [make_chunk(prob, [(r, 0, prob.size[r]) for r in rows]) for rows in by_dtype.values()]
+    out.append(("one-per-dtype", sorted(whole, key=lambda c: c.ready_s), None))
+  if not prob.overlap:
+    return out
+  if grid is None or not cross_step:
+    out.append(("contiguous-dp", contiguous_dp(prob), None))
+  if not cross_step:
+    return out
+  a, b = prob.startup_s, prob.per_byte_s
+  total = float(prob.row_nbytes.sum())
+  scale = a / b if b > 0 else total
+  # at most about MAX_PIECES pieces however cheap the start-up (alpha = 0 would cut every element)
+  scale = min(max(scale, total / MAX_PIECES, 1.0), total)
+  points = grid if grid is not None else [(pm, bm, mode, m) for pm in PARTITIONS for bm in BLOCKS
+                                          for mode, m in MODES]
+  # Stage 1: rank the grid with a cheap tail (blocks in priority order); stage 2: the exact tail
+  # grouping for the best few heads.
+  ranked = []
+  units_of: dict[Any, list] = {}
+  for point in points:
+    pm, bm, mode, m = point
+    if pm not in units_of:
+      units_of[pm] = partition_units(prob, None if pm is None else min(total, scale * pm))
+    block = _INF if bm is None else min(total, scale * bm)
+    wait = min(total, scale * m) if mode == "wait" else 0.0
+    fit = min(total, scale * m) if mode == "fit" else None
+    head, rest = priority_head(prob, units_of[pm], block, wait, fit)
+    chunks = head + block_tail(prob, rest, block)
+    label = f"joint(partition={pm}, block={bm}, {mode}={m})"
+    ranked.append((evaluate_chunks(prob, chunks), label, chunks, head, rest, point))
+  ranked.sort(key=lambda x: x[0])
+  seen = set()
+  for v, label, chunks, head, rest, point in ranked:
+    if grid is None:
+      out.append((label, chunks, point))
+    key = tuple(c.slices for c in head)
+    if len(seen) < EXACT_TAILS and key not in seen:
+      seen.add(key)
+      out.append((label + "+tail-dp", head + tail_dp(prob, rest), point))
+  return out
+
+

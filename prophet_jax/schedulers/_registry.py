@@ -1,0 +1,93 @@
+"""The policy registry: every policy's name and factory, as `plan(policy=name)` and the CLI see them.
+
+Pure: numpy only, never jax.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from ._auto import auto
+from ._base import Scheduler
+from ._bucket import bucket
+from ._mgwfbp import mgwfbp
+from ._priority import priority
+from ._prophet import prophet
+from ._wfbp import wfbp
+from ._xla import xla
+
+
+def dlcp(*, max_defer: float = 0.0) -> Scheduler:
+  """Reserved: DLCP's chunk-level priority, bounded deferral and striping (a later policy).
+
+  Raises:
+    ValueError: always, until the policy is implemented.
+  """
+  raise ValueError("policy 'dlcp' is reserved for a later policy (DLCP's chunk-level priority, bounded "
+                   "dropping and striping) and is not implemented yet; use 'prophet', 'mgwfbp' or "
+                   "'auto'.")
+
+
+class _Policies(Mapping[str, Callable[..., Scheduler]]):
+  """Every policy name and its factory, read-only, in a fixed order: 'wfbp', 'bucket', 'xla', 'mgwfbp',
+  'priority', 'prophet', 'auto', and 'dlcp' (reserved: its factory raises ValueError)."""
+
+  def __init__(self, table: Mapping[str, Callable[..., Scheduler]]):
+    self._table = dict(table)
+
+  def __getitem__(self, name: str) -> Callable[..., Scheduler]:
+    return self._table[name]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._table)
+
+  def __len__(self) -> int:
+    return len(self._table)
+
+  def __repr__(self) -> str:
+    return f"POLICIES({list(self._table)})"
+
+
+POLICIES: Mapping[str, Callable[..., Scheduler]] = _Policies({
+    "wfbp": wfbp, "bucket": bucket, "xla": xla, "mgwfbp": mgwfbp, "priority": priority,
+    "prophet": prophet, "auto": auto, "dlcp": dlcp})
+
+
+def option_names(name: str) -> tuple[str, ...]:
+  """The keyword options the factory of policy `name` accepts."""
+  params = inspect.signature(POLICIES[name]).parameters.values()
+  return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+
+
+def resolve(policy: Any, options: Mapping[str, Any], cross_step: Any) -> tuple[str, Scheduler]:
+  """(policy name, scheduler) from a policy name and its options, or from a Scheduler callable.
+
+  Raises:
+    ValueError: an unknown name, 'dlcp' (reserved), or cross_step='auto' with a policy other than
+      'auto'; a bad option value (raised by the factory).
+    TypeError: an unknown option, options given with a callable, or a policy that is neither.
+  """
+  if isinstance(policy, str):
+    if policy not in POLICIES:
+      raise ValueError(f"unknown policy {policy!r}; expected one of {sorted(POLICIES)} or a Scheduler "
+                       f"callable.")
+    if cross_step == "auto" and policy != "auto":
+      raise ValueError(f"plan(policy={policy!r}, cross_step='auto'): only the 'auto' policy chooses the "
+                       f"step mode; pass cross_step=True or False, or use policy='auto'.")
+    if policy == "dlcp":
+      dlcp()
+    valid = option_names(policy)
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+      raise TypeError(f"plan(policy={policy!r}): unknown option(s) {unknown}; {policy!r} accepts "
+                      f"{list(valid) or 'no options'}.")
+    return policy, POLICIES[policy](**options)
+  if callable(policy):
+    if options:
+      raise TypeError(f"plan(): options {sorted(options)} are for named policies; configure the "
+                      f"Scheduler callable itself (e.g. prophet_jax.schedulers.bucket(bucket_bytes=...)).")
+    return getattr(policy, "__name__", "custom"), policy
+  raise TypeError(f"plan(policy={policy!r}): a policy is a name ({sorted(POLICIES)}) or a Scheduler "
+                  f"callable.")
