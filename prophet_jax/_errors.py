@@ -42,3 +42,11 @@ class AlreadyReducedError(ProphetError, ValueError):
 class TraceUnavailableError(ProphetError, FileNotFoundError):
   """A bundled or external trace is not available on this machine (e.g. the GoogLeNet public data set,
   which is read from ../shared/traces at run time and is not shipped with the package)."""
+
+
+class CompositionError(ProphetError, ValueError):
+  """`scheduled(...)` sits where it cannot give the all-reduced result: after another transformation in
+  an `optax.chain` (clipping or normalising per-device gradients before the all-reduce gives another
+  result, silently), or inside `optax.MultiSteps` under `shard_map` (the per-device accumulator cannot
+  live in a replicated optimizer state). Put `scheduled` outermost: `scheduled(optax.chain(clip, tx))`,
+  `scheduled(optax.MultiSteps(tx, k))`."""
