@@ -63,6 +63,17 @@ def load_network(network: str, workers: int | None, *, overlap: bool | None = No
   return net if overlap is None else net.replace(overlap=overlap)
 
 
+def _out_path(path: str) -> Path:
+  """`path` with its parent directories created (every file the CLI writes goes through this)."""
+  out = Path(path)
+  if out.parent != Path(""):
+    try:
+      out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+      raise ValueError(f"cannot write {path!r}: {out.parent} exists and is not a directory.") from e
+  return out
+
+
 def _positive(text: str) -> int:
   try:
     v = int(text)
@@ -111,7 +122,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
   if a.timeline:
     from ._timeline import plot_timelines
 
-    plot_timelines(sims, a.timeline, title=f"{model}, {net.name or a.network} x {net.workers}")
+    plot_timelines(sims, str(_out_path(a.timeline)), title=f"{model}, {net.name or a.network} x {net.workers}")
     print(f"timeline written to {a.timeline}", file=sys.stderr)
   return 0
 
@@ -122,7 +133,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
   profile = GradientProfile.from_json(_read_json(a.profile, "profile"))
   net = load_network(a.network, a.workers)
   sched = plan(profile, net, a.policy, cross_step=a.cross_step)
-  Path(a.out).write_text(sched.to_json(indent=1))
+  _out_path(a.out).write_text(sched.to_json(indent=1))
   sim = simulate(sched, profile, net, cross_step=sched.cross_step)
   print(sched.describe())
   print(f"predicted iteration {sim.iteration_s * 1e3:.3f} ms; written to {a.out}")
@@ -140,8 +151,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
   _set_cpu_devices(a.num_devices)
   from . import _profile
 
-  profile = _profile.profile_model(a.model, num_devices=a.num_devices)
-  Path(a.out).write_text(profile.to_json(indent=1))
+  profile = _profile.profile_model(a.model, num_devices=a.num_devices, steps=a.steps)
+  _out_path(a.out).write_text(profile.to_json(indent=1))
   print(_profile.summary(profile))
   print(f"written to {a.out}")
   return 0
@@ -151,8 +162,9 @@ def cmd_probe(a: argparse.Namespace) -> int:
   _set_cpu_devices(a.num_devices)
   from . import _network
 
-  net = _network.probe(num_devices=a.num_devices)
-  Path(a.out).write_text(net.to_json(indent=1))
+  kw = {} if a.sizes is None else {"sizes": tuple(a.sizes)}
+  net = _network.probe(num_devices=a.num_devices, repeats=a.repeats, **kw)
+  _out_path(a.out).write_text(net.to_json(indent=1))
   print(_network.summary(net))
   print(f"written to {a.out}")
   return 0
@@ -211,11 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
   s = sub.add_parser("profile", parents=[common], help="measure a real step of a bundled model")
   s.add_argument("--model", required=True, help="mlp, cnn, gpt-tiny, resnet-small")
   s.add_argument("--num-devices", type=_positive, default=8)
+  s.add_argument("--steps", type=_positive, default=20, help="steps measured (default 20)")
   s.add_argument("--out", required=True)
   s.set_defaults(fn=cmd_profile)
 
   s = sub.add_parser("probe", parents=[common], help="fit alpha and beta of the all-reduce")
   s.add_argument("--num-devices", type=_positive, default=8)
+  s.add_argument("--sizes", type=_positive, nargs="+", default=None, metavar="BYTES",
+                 help="message sizes in bytes per device (default 1 KiB .. 64 MiB, powers of 4)")
+  s.add_argument("--repeats", type=_positive, default=15, help="paired timings per size (default 15)")
   s.add_argument("--out", required=True)
   s.set_defaults(fn=cmd_probe)
 
