@@ -443,10 +443,13 @@ def check_schedule_tree(schedule: Schedule, params: Any) -> None:
     if np.issubdtype(dt, np.inexact) or dt.name == "bfloat16":
       mine[path] = (tuple(int(d) for d in leaf.shape), dt.name)
   planned = {p: (tuple(s), d) for p, s, d in schedule.rows}
+  paths = list(mine)
+  like = f"this process's tree has paths like {paths[:4]}" + (f" and {len(paths) - 4} more" if len(paths) > 4
+                                                              else "")
   for p, (s, d) in planned.items():
     if p not in mine:
-      raise ScheduleMismatchError(f"the schedule has leaf {p!r}, which this process's params lack; "
-                                  f"plan again on the current params.")
+      raise ScheduleMismatchError(f"the schedule has leaf {p!r}, which this process's params lack ({like});"
+                                  f" plan again on the current params.")
     if mine[p] != (s, d):
       raise ScheduleMismatchError(f"leaf {p!r}: the schedule was planned for shape {s} {d}, but this "
                                   f"process has {mine[p][0]} {mine[p][1]}; plan again on the current "
@@ -454,8 +457,8 @@ def check_schedule_tree(schedule: Schedule, params: Any) -> None:
   extra = sorted(set(mine) - set(planned))
   if extra:
     raise ScheduleMismatchError(f"this process's params have leaf {extra[0]!r} (and {len(extra) - 1} "
-                                f"more) that the schedule does not cover; plan again on the current "
-                                f"params.")
+                                f"more) that the schedule does not cover (it covers {len(planned)} leaves, "
+                                f"like {list(planned)[:4]}); plan again on the current params.")
 
 
 _MESSAGE_BYTES = 600  # each rank's error message, as gathered for the others (truncated)

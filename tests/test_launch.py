@@ -178,8 +178,11 @@ def test_broadcast_schedule_checks_the_tree_on_one_process():
   with pytest.raises(ScheduleMismatchError, match="leaf 'params/a/kernel'.*shape \\(3, 4\\) float32"):
     broadcast_schedule(sched, bad)
   extra = {"params": {**params["params"], "c": {"w": np.zeros(2, np.float32)}}}
-  with pytest.raises(ScheduleMismatchError, match="'params/c/w'"):
+  with pytest.raises(ScheduleMismatchError, match="'params/c/w'.*covers 2 leaves, like"):
     broadcast_schedule(sched, extra)
+  missing = {"params": {"a": params["params"]["a"]}}
+  with pytest.raises(ScheduleMismatchError, match=r"'params/b/bias'.*tree has paths like \['params/a/kernel'\]"):
+    broadcast_schedule(sched, missing)
   with pytest.raises(ValueError, match="expected a Schedule"):
     broadcast_schedule(None, params)
 
