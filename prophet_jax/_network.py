@@ -169,6 +169,11 @@ def check_fit(network: NetworkModel, timings: AllreduceTimings, stat: str = "med
   resid = float(network.fit_residual_s if network.fit_residual_s is not None
                 else np.sqrt(np.mean((pred - ys) ** 2)))
   rms = float(np.sqrt(np.mean(ys ** 2)))
+  if rms == 0:
+    return (f"measure_network: every measured all-reduce time is 0 (the paired difference of the "
+            f"two timed programs stayed below the timing noise at {timings.repeats} repeats), so the "
+            f"fitted alpha and beta mean nothing. Measure with more repeats, a larger `inner`, or "
+            f"larger sizes.")
   rel = np.abs(pred - ys) / np.maximum(ys, 1e-12)
   worst = int(np.argmax(rel))
   if rms > 0 and resid <= RESIDUAL_WARN_REL_RMS * rms and rel[worst] <= RESIDUAL_WARN_WORST:

@@ -117,7 +117,7 @@ def _ran_before_in_chain(max_depth: int = 40) -> list[str]:
   return before
 
 
-def _inside_multisteps(max_depth: int = 40) -> bool:
+def _inside_multisteps(max_depth: int = 100) -> bool:
   code = _optax_codes()["multisteps.update"]
   frame = sys._getframe(2)
   for _ in range(max_depth):

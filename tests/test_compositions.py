@@ -290,9 +290,10 @@ def test_scheduled_after_another_member_of_a_chain_is_an_error():
 def test_check_composition_tells_right_from_wrong():
   _, params, _, s = _mlp()
   sc = lambda tx: pj.scheduled(tx, s, axis_name=AX)  # noqa: E731
-  for ok in (sc(_clipped_adamw()), sc(optax.MultiSteps(optax.sgd(0.1, momentum=0.9), K)),
-             optax.MultiSteps(sc(optax.sgd(0.1)), K), optax.chain(sc(optax.adam(1e-3)), optax.scale(2.0))):
-    pj.check_composition(ok, params, axis_name=AX)
+  pj.check_composition(sc(_clipped_adamw()), params, axis_name=AX)  # the defaults: 4 devices, 4 steps
+  for ok in (sc(optax.MultiSteps(optax.sgd(0.1, momentum=0.9), K)), optax.MultiSteps(sc(optax.sgd(0.1)), K),
+             optax.chain(sc(optax.adam(1e-3)), optax.scale(2.0))):
+    pj.check_composition(ok, params, axis_name=AX, num_devices=2, steps=K)
   inner = sc(optax.adamw(3e-3))
   clip = optax.clip_by_global_norm(CLIP)
 
@@ -305,9 +306,9 @@ def test_check_composition_tells_right_from_wrong():
 
   with pytest.raises(pj.CompositionError, match="changes .* when the per-device gradients change but "
                                                 "their mean does not"):
-    pj.check_composition(optax.GradientTransformation(init, update), params, axis_name=AX)
+    pj.check_composition(optax.GradientTransformation(init, update), params, axis_name=AX, steps=1)
   with pytest.raises(pj.CompositionError, match="differ across the 4 simulated devices"):
-    pj.check_composition(optax.adamw(3e-3), params, axis_name=AX)
+    pj.check_composition(optax.adamw(3e-3), params, axis_name=AX, steps=1)
   with pytest.raises(ValueError, match="num_devices"):
     pj.check_composition(inner, params, axis_name=AX, num_devices=1)
 

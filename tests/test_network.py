@@ -108,6 +108,8 @@ def test_a_bad_fit_warns_naming_the_residual(monkeypatch):
   text = _network.check_fit(bad.fit(), bad)
   assert text is not None and "RMS residual of" in text and "not a straight line" in text
   assert "worst at" in text and "stat='low'" in text
+  zero = _timings([0.0] * 5)
+  assert "every measured all-reduce time is 0" in _network.check_fit(zero.fit(), zero)
   # measure_network itself warns (the probe replaced by those timings: no minute-long run here)
   monkeypatch.setattr(_network, "time_allreduce", lambda *a, **k: bad)
   with pytest.warns(UserWarning, match="measure_network: the alpha-beta fit leaves an RMS residual"):
