@@ -92,13 +92,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   params = jax.device_get(model.init(jax.random.key(args.seed)))  # identical on every process
 
   # 2. Plan on rank 0, broadcast, check on every process.
+  #    If planning fails on rank 0, hand the error to broadcast_schedule: every rank then stops with
+  #    its message at once, instead of waiting in the broadcast for a schedule that never comes.
   schedule = None
   if rank == 0:
-    network = (NetworkModel.preset(args.network, workers=ndev) if not args.network.endswith(".json")
-               else NetworkModel.from_json(open(args.network).read()).with_workers(ndev))
-    profile = GradientProfile.from_params(params, forward_s=1e-3, backward_s=2e-3, model=args.model)
-    schedule = prophet_jax.plan(profile, network, args.policy)
-    print(schedule.describe(max_chunks=6), flush=True)
+    try:
+      network = (NetworkModel.preset(args.network, workers=ndev) if not args.network.endswith(".json")
+                 else NetworkModel.from_json(open(args.network).read()).with_workers(ndev))
+      profile = GradientProfile.from_params(params, forward_s=1e-3, backward_s=2e-3, model=args.model)
+      schedule = prophet_jax.plan(profile, network, args.policy)
+      print(schedule.describe(max_chunks=6), flush=True)
+    except (ValueError, OSError) as e:  # bad --policy / --network: ProphetError is a ValueError
+      schedule = e
   schedule = broadcast_schedule(schedule, params)
 
   # 3. The usual TrainState; `scheduled(...)` in place of the gradient pmean.

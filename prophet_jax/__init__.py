@@ -21,13 +21,13 @@ _EXPORTS: dict[str, str] = {
     "ProphetError": "_errors", "ProfileError": "_errors", "NetworkError": "_errors",
     "ScheduleError": "_errors", "ScheduleMismatchError": "_errors", "UnboundAxisError": "_errors",
     "AlreadyReducedError": "_errors", "TraceUnavailableError": "_errors", "LaunchError": "_errors",
-    "GlooBindError": "_errors",
+    "GlooBindError": "_errors", "CompositionError": "_errors",
     # planning and simulation (pure)
     "plan": "_plan", "validate_schedule": "_plan", "POLICIES": "_plan",
     "simulate": "_simulate", "lower_bound": "_bound",
     # the rewrite and measurement (jax)
     "allreduce": "_collectives", "scheduled": "_transform", "hooked": "_transform",
-    "loop_hook": "_transform",
+    "loop_hook": "_transform", "check_composition": "_transform",
     "pipelined": "_pipelined", "audit": "_audit", "AuditReport": "_audit",
     "profile_step": "_profile", "measure_network": "_network", "probe": "_network",
     "AllreduceTimings": "_network", "Monitor": "_monitor",
@@ -54,8 +54,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._audit import AuditReport, audit
   from ._bound import lower_bound
   from ._collectives import allreduce
-  from ._errors import (AlreadyReducedError, GlooBindError, LaunchError, NetworkError, ProfileError,
-                        ProphetError, ScheduleError, ScheduleMismatchError, TraceUnavailableError,
+  from ._errors import (AlreadyReducedError, CompositionError, GlooBindError, LaunchError, NetworkError,
+                        ProfileError, ProphetError, ScheduleError, ScheduleMismatchError, TraceUnavailableError,
                         UnboundAxisError)
   from ._monitor import Monitor
   from ._network import AllreduceTimings, measure_network, probe
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._plan import POLICIES, plan, validate_schedule
   from ._profile import profile_step
   from ._simulate import simulate
-  from ._transform import hooked, loop_hook, scheduled
+  from ._transform import check_composition, hooked, loop_hook, scheduled
   from ._schedule import Bucket, Chunk, Schedule
   from ._simulate import Event, SimResult
   from ._types import GradientProfile, NetworkModel, ProfileRow

@@ -22,62 +22,102 @@ def _check_tree(schedule: Schedule, params: Any) -> None:
   match_tree(flatten_with_paths(params), schedule, where="broadcast_schedule")
 
 
-def broadcast_schedule(schedule: Schedule | None, params: Any = None) -> Schedule:
+_MESSAGE_BYTES = 600  # each rank's error message, as gathered for the others (truncated)
+
+
+def _gather_messages(text: str) -> list[str]:
+  """Every process's `text` (at most _MESSAGE_BYTES bytes of it), in rank order."""
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  raw = text.encode()[:_MESSAGE_BYTES]
+  buf = np.zeros(_MESSAGE_BYTES + 1, np.uint8)
+  buf[0] = len(raw) > 0
+  buf[1:1 + len(raw)] = np.frombuffer(raw, np.uint8)
+  rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(-1, _MESSAGE_BYTES + 1)
+  return [bytes(r[1:]).rstrip(b"\0").decode(errors="replace") if r[0] else "" for r in rows]
+
+
+def broadcast_schedule(schedule: Schedule | BaseException | None, params: Any = None) -> Schedule:
   """Sends rank 0's schedule to every process; each checks it against its own params.
 
-  Rank 0 passes the schedule it planned (the others may pass None; their value is ignored). The
-  schedule travels as JSON bytes through `jax.experimental.multihost_utils.broadcast_one_to_all`;
-  every process rebuilds it (which checks the rows against the stored fingerprint), compares the
-  fingerprint with rank 0's, and, given `params`, checks the schedule against its own tree. The
-  processes then agree on the outcome, so all fail together when one does not match.
+  Rank 0 passes the schedule it planned (the others may pass None; their value is ignored), or the
+  exception that stopped it planning: every process takes part in the broadcast either way, so when
+  rank 0 has no schedule the others fail at once with its message (a LaunchError) instead of waiting
+  in a collective until a timeout. The schedule travels as JSON bytes through
+  `jax.experimental.multihost_utils.broadcast_one_to_all`; every process rebuilds it (which checks the
+  rows against the stored fingerprint) and, given `params`, checks it against its own tree. The
+  processes then agree on the outcome, so all fail together when one does not match: the mismatching
+  rank with the mismatch (naming its rank), every other rank with a LaunchError that names the ranks
+  and quotes the first one's message.
 
   Args:
-    schedule: the planned schedule on rank 0 (anything on other ranks).
+    schedule: the planned schedule on rank 0, or the exception planning raised there (anything on
+      other ranks).
     params: this process's parameter tree (optional; checked by path, shape and dtype).
 
   Returns:
     The schedule, identical on every process.
 
   Raises:
-    ValueError: rank 0 passed no Schedule.
+    ValueError: rank 0 passed no Schedule (or the exception rank 0 passed, re-raised there).
     ScheduleMismatchError: this process's params do not match the schedule.
-    LaunchError: another process reported a mismatch (names the ranks).
+    LaunchError: another process reported a mismatch, or rank 0 had no schedule to send.
+
+  Example:
+    >>> schedule = plan(profile, network, "auto") if jax.process_index() == 0 else None  # doctest: +SKIP
+    >>> schedule = broadcast_schedule(schedule, params)                                   # doctest: +SKIP
   """
   import jax
   import numpy as np
 
+  rank0_error: BaseException | None = None
+  if not isinstance(schedule, Schedule):
+    rank0_error = (schedule if isinstance(schedule, BaseException) else
+                   ValueError(f"broadcast_schedule: expected a Schedule on rank 0 (the planned one, or "
+                              f"the exception that stopped it planning), got {type(schedule).__name__}."))
   if jax.process_count() == 1:
-    if not isinstance(schedule, Schedule):
-      raise ValueError(f"broadcast_schedule: expected a Schedule, got {type(schedule).__name__}.")
+    if rank0_error is not None:
+      raise rank0_error
     if params is not None:
       _check_tree(schedule, params)
     return schedule
   from jax.experimental import multihost_utils
 
-  rank0 = jax.process_index() == 0
-  if rank0 and not isinstance(schedule, Schedule):
-    raise ValueError(f"broadcast_schedule: rank 0 must pass the planned Schedule, got "
-                     f"{type(schedule).__name__}.")
-  payload = schedule.to_json().encode() if rank0 else b""
-  n = int(multihost_utils.broadcast_one_to_all(np.asarray(len(payload), np.int32)))
+  rank = jax.process_index()
+  if rank == 0:
+    text = (schedule.to_json() if rank0_error is None
+            else f"{type(rank0_error).__name__}: {rank0_error}")
+    payload = text.encode()
+  else:
+    payload = b""
+  header = np.asarray([len(payload), 0 if rank != 0 or rank0_error is None else 1], np.int32)
+  header = np.asarray(multihost_utils.broadcast_one_to_all(header))
+  n, failed = int(header[0]), bool(header[1])
   buf = np.zeros(n, np.uint8)
-  if rank0:
+  if rank == 0:
     buf[:] = np.frombuffer(payload, np.uint8)
-  buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+  text = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8)).decode()
+  if failed:
+    if rank == 0:
+      raise rank0_error  # type: ignore[misc]
+    raise LaunchError(f"rank {rank}: rank 0 sent no schedule; it failed before broadcasting it with "
+                      f"{text}. Fix that on rank 0 (see its output); this rank stops with it.")
   error: Exception | None = None
   try:
-    got = Schedule.from_json(bytes(buf.astype(np.uint8)).decode())
+    got = Schedule.from_json(text)
     if params is not None:
       _check_tree(got, params)
   except ProphetError as e:
-    error = e
-  statuses = np.asarray(multihost_utils.process_allgather(np.asarray(0 if error is None else 1, np.int32)))
+    error = type(e)(f"rank {rank}: {e}")
+    error.__cause__ = e
+  messages = _gather_messages("" if error is None else str(error))
   if error is not None:
     raise error
-  bad = [int(r) for r in np.flatnonzero(statuses.reshape(-1))]
+  bad = [r for r, m in enumerate(messages) if m]
   if bad:
-    raise LaunchError(f"rank(s) {bad} found that rank 0's schedule (fingerprint "
-                      f"{got.tree_fingerprint}) does not match their params; see their output.")
+    raise LaunchError(f"rank {rank}: rank(s) {bad} found that rank 0's schedule (fingerprint "
+                      f"{got.tree_fingerprint}) does not match their params. {messages[bad[0]]}")
   return got
 
 

@@ -90,9 +90,30 @@ class LeafMap:
   row_leaf: tuple[int, ...]
 
 
+_VARIABLE_VALUE = "value"  # the attribute under which a flax.nnx Variable holds its array
+
+
+def _is_variable_value_key(key: Any) -> bool:
+  """True for the key path entry of an nnx Variable's array: GetAttrKey('value')."""
+  return isinstance(key, jax.tree_util.GetAttrKey) and key.name == _VARIABLE_VALUE
+
+
+def _paths_like(paths: Sequence[str], leaves: Sequence[Any], k: int = 4) -> str:
+  """'[p1, p2, ...] (n leaves)': a few of the tree's own floating-leaf paths, for error messages."""
+  floats = [p for p, x in zip(paths, leaves) if is_reduced_leaf(x)] or list(paths)
+  more = f" and {len(floats) - k} more" if len(floats) > k else ""
+  return f"the tree has paths like {floats[:k]}{more}"
+
+
 def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Schedule, *,
                where: str = "allreduce", skip_prefixes: Sequence[str] = ()) -> LeafMap:
   """Maps schedule rows to leaves BY PATH, checking shape and dtype; plain Python at trace time.
+
+  A flax.nnx Variable is a pytree node whose array sits under the key `.value`: the same parameter is
+  'l1/kernel/value' in `nnx.state(model, nnx.Param)` and 'l1/kernel' in the pure arrays that
+  `nnx.Optimizer.update` (through `nnx.as_pure`) and `nnx.to_pure_dict` give. A row matches its leaf
+  under either spelling (exact paths first), so a schedule planned from either form works with both
+  (`nnx.Optimizer`'s init sees Variables, its update pure arrays).
 
   Args:
     leaves_with_path: `jax.tree_util.tree_flatten_with_path(tree)[0]`.
@@ -103,7 +124,7 @@ def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Schedule, 
 
   Raises:
     ScheduleMismatchError: a row's path is missing from the tree, a shape or dtype differs, or the tree
-      has a floating leaf the schedule does not know.
+      has a floating leaf the schedule does not know; the message lists some of the tree's own paths.
   """
   if not isinstance(schedule, Schedule):
     raise TypeError(f"{where}: `schedule` must be a prophet_jax.Schedule, got {type(schedule).__name__}. "
@@ -112,31 +133,50 @@ def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Schedule, 
     raise ValueError(f"{where}: the gradient tree is empty; there is nothing to reduce. Pass the "
                      f"gradients of the params the schedule was planned for.")
   paths = tuple(path_str(p) for p, _ in leaves_with_path)
+  leaves = [leaf for _, leaf in leaves_with_path]
   index = {p: i for i, p in enumerate(paths)}
+  # nnx spellings: a Variable's 'x/value' also answers to 'x'; a pure 'x' also answers to 'x/value'
+  alias: dict[str, int] = {}
+  for i, (kp, _) in enumerate(leaves_with_path):
+    if kp and _is_variable_value_key(kp[-1]):
+      alias.setdefault(path_str(kp[:-1]), i)
+    else:
+      alias.setdefault(f"{paths[i]}/{_VARIABLE_VALUE}", i)
+  like = _paths_like(paths, leaves)
   fix = "The model changed after planning; run prophet_jax.plan() again on the current params."
   row_leaf = []
   for path, shape, dtype in schedule.rows:
     i = index.get(path)
     if i is None:
+      i = alias.get(path)
+    if i is None:
       near = [p for p in paths if p.split("/")[-1] == path.split("/")[-1]][:3]
-      hint = f" (the tree has e.g. {near})" if near else ""
+      hint = f" (e.g. {near} end the same way)" if near else ""
       raise ScheduleMismatchError(
           f"{where}: the schedule has a row for leaf {path!r}, but the tree has no leaf at that path"
-          f"{hint}; the schedule covers {len(schedule.rows)} leaves. {fix}")
-    leaf = leaves_with_path[i][1]
+          f"{hint}; {like}; the schedule covers {len(schedule.rows)} leaves, like "
+          f"{[r[0] for r in schedule.rows[:4]]}. {fix}")
+    leaf = leaves[i]
     got_shape = tuple(int(d) for d in np.shape(leaf))
     if got_shape != tuple(shape):
       raise ScheduleMismatchError(
-          f"{where}: leaf {path!r} has shape {got_shape}, but the schedule was planned for shape "
-          f"{tuple(shape)}. {fix}")
+          f"{where}: leaf {paths[i]!r} has shape {got_shape}, but the schedule was planned for shape "
+          f"{tuple(shape)} ({like}). {fix}")
     got_dtype = _dtype_name(getattr(leaf, "dtype", None))
     if got_dtype != dtype:
       raise ScheduleMismatchError(
-          f"{where}: leaf {path!r} has dtype {got_dtype}, but the schedule was planned for dtype {dtype}"
-          f". {fix} (Plan with the gradients' dtype, e.g. bfloat16 params give bfloat16 gradients.)")
+          f"{where}: leaf {paths[i]!r} has dtype {got_dtype}, but the schedule was planned for dtype "
+          f"{dtype} ({like}). {fix} (Plan with the gradients' dtype, e.g. bfloat16 params give "
+          f"bfloat16 gradients.)")
     row_leaf.append(i)
+  if len(set(row_leaf)) != len(row_leaf):
+    dup = next(i for i in row_leaf if row_leaf.count(i) > 1)
+    rows = [schedule.rows[k][0] for k, i in enumerate(row_leaf) if i == dup]
+    raise ScheduleMismatchError(
+        f"{where}: schedule rows {rows} all name the tree's leaf {paths[dup]!r} (an nnx Variable's "
+        f"'x/value' and a plain 'x' are the same leaf); {like}. {fix}")
   rowset = set(row_leaf)
-  for i, (_, leaf) in enumerate(leaves_with_path):
+  for i, leaf in enumerate(leaves):
     if i in rowset or not is_reduced_leaf(leaf):
       continue
     if any(paths[i] == s or paths[i].startswith(s.rstrip("/") + "/") for s in skip_prefixes):
@@ -144,8 +184,8 @@ def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Schedule, 
     raise ScheduleMismatchError(
         f"{where}: the tree has floating leaf {paths[i]!r} (shape {tuple(np.shape(leaf))}, dtype "
         f"{_dtype_name(leaf.dtype)}) that the schedule does not cover; the schedule was planned for "
-        f"{len(schedule.rows)} leaves and the tree has {sum(map(is_reduced_leaf, (l for _, l in leaves_with_path)))}"
-        f" floating ones. {fix}")
+        f"{len(schedule.rows)} leaves, like {[r[0] for r in schedule.rows[:4]]}, and the tree has "
+        f"{sum(map(is_reduced_leaf, leaves))} floating ones ({like}). {fix}")
   return LeafMap(paths=paths, row_leaf=tuple(row_leaf))
 
 

@@ -55,3 +55,11 @@ class GlooBindError(ProphetError, RuntimeError):
   does it is missing from this jax, or it came too late (after the backend started, or before
   jax.distributed.initialize). Use a tested jax version, call prophet_jax.launch.initialize() before any
   other jax call, or run without --gloo-interface."""
+
+
+class CompositionError(ProphetError, ValueError):
+  """`scheduled(...)` sits where it cannot give the all-reduced result: after another transformation in
+  an `optax.chain` (clipping or normalising per-device gradients before the all-reduce gives another
+  result, silently), or inside `optax.MultiSteps` under `shard_map` (the per-device accumulator cannot
+  live in a replicated optimizer state). Put `scheduled` outermost: `scheduled(optax.chain(clip, tx))`,
+  `scheduled(optax.MultiSteps(tx, k))`."""

@@ -4,6 +4,7 @@ Public API:
   probe(num_devices=None, *, sizes=..., repeats=..., ...) -> AllreduceTimings   (the raw timings)
   measure_network(num_devices=None, *, ..., stat='median') -> NetworkModel       (probe, then fit)
   AllreduceTimings.fit(stat) -> NetworkModel; AllreduceTimings.describe() -> str
+  check_fit(network, timings) -> str | None   (the warning measure_network gives on a bad fit)
 
 One act, one name: *probing* times the all-reduces (`probe`, the CLI's `prophet-jax probe`, the
 Monitor's `probe_every`); `measure_network` is a probe and its fit.
@@ -35,8 +36,10 @@ on GPUs and TPUs.
 from __future__ import annotations
 
 import math
+import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,10 +148,64 @@ def _mesh_devices(num_devices: int | None):
   return devices
 
 
+def _fmt_bytes(n: int) -> str:
+  for unit, k in (("MiB", 2**20), ("KiB", 2**10)):
+    if n >= k:
+      return f"{n / k:g} {unit}"
+  return f"{n} B"
+
+
+def _reporter(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
+  if callable(progress):
+    return progress
+  if progress:
+    return lambda line: print(line, file=sys.stderr, flush=True)
+  return lambda line: None
+
+
+#: warn when the straight-line fit misses the measured times by this much: its RMS residual against
+#: the RMS of the times, or its worst miss at one size relative to that size's time.
+RESIDUAL_WARN_REL_RMS = 0.2
+RESIDUAL_WARN_WORST = 1.0
+
+
+def check_fit(network: NetworkModel, timings: AllreduceTimings, stat: str = "median") -> str | None:
+  """A warning text when the fitted model misses the measured times badly, else None.
+
+  The model says one all-reduce of M bytes costs 2(P-1)·alpha + 2(P-1)/P·M·beta: a straight line in M.
+  When the measured times are not (a scheduler tick that hits some sizes, cores shared with other
+  work, a change of algorithm between sizes), the least-squares line is off by about its RMS residual
+  at every size, and the plans and predictions made from it are off by as much.
+  """
+  ys = np.asarray(timings.median_s if stat == "median" else timings.low_s, np.float64)
+  pred = np.asarray([network.allreduce_s(s) for s in timings.sizes], np.float64)
+  resid = float(network.fit_residual_s if network.fit_residual_s is not None
+                else np.sqrt(np.mean((pred - ys) ** 2)))
+  rms = float(np.sqrt(np.mean(ys ** 2)))
+  if rms == 0:
+    return (f"measure_network: every measured all-reduce time is 0 (the paired difference of the "
+            f"two timed programs stayed below the timing noise at {timings.repeats} repeats), so the "
+            f"fitted alpha and beta mean nothing. Measure with more repeats, a larger `inner`, or "
+            f"larger sizes.")
+  rel = np.abs(pred - ys) / np.maximum(ys, 1e-12)
+  worst = int(np.argmax(rel))
+  if rms > 0 and resid <= RESIDUAL_WARN_REL_RMS * rms and rel[worst] <= RESIDUAL_WARN_WORST:
+    return None
+  return (f"measure_network: the alpha-beta fit leaves an RMS residual of {resid * 1e6:.1f} us, "
+          f"{resid / max(rms, 1e-12):.0%} of the RMS measured time ({rms * 1e6:.1f} us; times from "
+          f"{ys.min() * 1e6:.1f} to {ys.max() * 1e6:.1f} us); worst at {_fmt_bytes(timings.sizes[worst])}: "
+          f"the model says {pred[worst] * 1e6:.1f} us, measured {ys[worst] * 1e6:.1f} us. The all-reduce "
+          f"cost here is not a straight line in the message size (scheduler ticks, cores shared with "
+          f"other work, a change of regime between sizes), so predictions and plans from this model "
+          f"are off by about that much. Re-run on a quieter machine or with more repeats, fit the floor "
+          f"with stat='low', or measure only the sizes your schedules send (sizes=...).")
+
+
 def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20,
           inner: int = 3, percentile: float = 10.0, dtype: str = "float32",
           max_seconds_per_size: float | None = None, interleave: bool = False,
-          skew: float | None = None) -> AllreduceTimings:
+          skew: float | None = None,
+          progress: bool | Callable[[str], None] = False) -> AllreduceTimings:
   """Times one all-reduce (psum) at each message size across the devices (or processes).
 
   Args:
@@ -167,6 +224,8 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
       2-core machine varies from run to run (0.17 to 0.55 in three runs) by more than it corrects.
     skew: with `interleave`, the known skew (see NetworkModel); None measures it from a second,
       larger piece of compute at the smallest size.
+    progress: report each size as it finishes: True prints a line to stderr, a callable receives the
+      line (default False: quiet; `prophet-jax probe` shows it). Only rank 0 reports.
 
   Returns:
     AllreduceTimings (identical on every process); with `interleave`, the times exclude the
@@ -246,7 +305,21 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
 
   d_lo = _COMPUTE_D[0] if interleave else 1
   short, long_ = program(1, True), program(1 + inner, True)
-  rounds = [paired(short, long_, operands(nbytes, d_lo), max_seconds_per_size) for nbytes in sizes]
+  say = _reporter(progress if jax.process_index() == 0 else False)
+  say(f"measure_network: {p} {platform} device(s), {len(sizes)} sizes from {_fmt_bytes(sizes[0])} to "
+      f"{_fmt_bytes(sizes[-1])}, {int(repeats)} paired repeats each")
+  d_lo = _COMPUTE_D[0] if interleave else 1
+  short, long_ = program(1, True), program(1 + inner, True)
+  rounds = []
+  t_all = time.perf_counter()
+  for i, nbytes in enumerate(sizes):
+    t_size = time.perf_counter()
+    rounds.append(paired(short, long_, operands(nbytes, d_lo), max_seconds_per_size))
+    r = np.maximum(rounds[-1], 0.0)
+    say(f"measure_network: size {i + 1}/{len(sizes)} ({_fmt_bytes(nbytes)}): median "
+        f"{np.median(r) * 1e6:.1f} us, p{percentile:g} {np.percentile(r, percentile) * 1e6:.1f} us "
+        f"over {len(r)} repeats ({time.perf_counter() - t_size:.1f} s; {time.perf_counter() - t_all:.1f} s "
+        f"so far)")
   measured_skew, compute = 0.0, ()
   if interleave:  # per-round compute (paired like the all-reduces), and the skew
     c_short, c_long = program(1, False), program(1 + inner, False)
@@ -280,7 +353,8 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
 def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES,
                     repeats: int = 20, inner: int = 3, stat: str = "median", percentile: float = 10.0,
                     dtype: str = "float32", max_seconds_per_size: float | None = None,
-                    interleave: bool = False) -> NetworkModel:
+                    interleave: bool = False,
+                    progress: bool | Callable[[str], None] = False) -> NetworkModel:
   """Measures all-reduce cost against message size and fits alpha and beta.
 
   Args:
@@ -294,6 +368,7 @@ def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DE
     max_seconds_per_size: cap on the time spent on one size.
     interleave: time each all-reduce after a fixed piece of compute and measure `skew` (see
       `probe`).
+    progress: True prints a line per size to stderr; a callable receives the lines (default quiet).
 
   Returns:
     A NetworkModel: `alpha_s` per ring step and `beta_s_per_byte` from a least-squares fit (its RMS
@@ -311,5 +386,9 @@ def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DE
   if stat not in ("median", "low"):
     raise ValueError(f"measure_network(stat={stat!r}): expected 'median' or 'low'.")
   t = probe(num_devices, sizes=sizes, repeats=repeats, inner=inner, percentile=percentile, dtype=dtype,
-            max_seconds_per_size=max_seconds_per_size, interleave=interleave)
-  return t.fit(stat)
+            max_seconds_per_size=max_seconds_per_size, interleave=interleave, progress=progress)
+  net = t.fit(stat)
+  text = check_fit(net, t, stat)
+  if text is not None:
+    warnings.warn(text, UserWarning, stacklevel=2)
+  return net

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -26,9 +28,10 @@ import optax
 
 from ._collectives import (_zero_of, axis_size, is_reduced_leaf, match_tree, reduce_chunks,
                            scheduled_allreduce, tie, vma_enabled)
+from ._errors import AlreadyReducedError, CompositionError
 from ._types import Chunk, Schedule
 
-__all__ = ["ScheduledState", "scheduled", "hooked", "loop_hook", "hook_groups", "LOOP_SCOPE"]
+__all__ = ["ScheduledState", "scheduled", "check_composition", "hooked", "loop_hook", "hook_groups", "LOOP_SCOPE"]
 
 LOOP_SCOPE = "prophet/loop/"
 
@@ -53,6 +56,90 @@ class ScheduledState(NamedTuple):
   inner: Any
 
 
+# Where `scheduled` sits in the user's optax composition is visible on the Python stack while the
+# composition calls it (at init, eagerly, and at trace time): optax.chain and optax.named_chain call
+# their members from a loop whose locals say which members ran before; optax.MultiSteps calls it from
+# its `update`. These are the code objects of those functions (shared by every instance).
+
+
+@functools.lru_cache(maxsize=1)
+def _optax_codes() -> dict[str, Any]:
+  ident = optax.identity()
+  chain = optax.chain(ident)
+  named = optax.named_chain(("a", ident))
+  return {"chain.init": chain.init.__code__, "chain.update": chain.update.__code__,
+          "named.init": named.init.__code__, "named.update": named.update.__code__,
+          "multisteps.update": optax.MultiSteps.update.__code__}
+
+
+def _transform_name(fn: Any) -> str:
+  """'clip_by_global_norm' for optax's `clip_by_global_norm.<locals>.update_fn`."""
+  q = getattr(fn, "__qualname__", None) or type(fn).__name__
+  name = q.split(".<locals>")[0] if ".<locals>" in q else q
+  if name == "with_extra_args_support":  # optax.chain's wrapper of a plain GradientTransformation
+    for cell in getattr(fn, "__closure__", None) or ():
+      inner = getattr(cell.cell_contents, "update", None)
+      if callable(inner):
+        return _transform_name(inner)
+  return name
+
+
+def _ran_before_in_chain(max_depth: int = 40) -> list[str]:
+  """Names of the transformations an enclosing optax.chain / named_chain ran before the current member.
+
+  Walks up the Python stack from the caller (plain host Python: at init, or while jax traces the step).
+  Empty when no enclosing chain is found or every enclosing chain is at its first member.
+  """
+  codes = _optax_codes()
+  before: list[str] = []
+  frame = sys._getframe(2)
+  callee = None
+  for _ in range(max_depth):
+    if frame is None:
+      break
+    code = frame.f_code
+    try:
+      loc = frame.f_locals if any(code is c for c in codes.values()) else {}
+      if code is codes["chain.update"]:
+        k = len(loc.get("new_state", ()))
+        before += [_transform_name(f) for f in loc.get("update_fns", ())[:k]]
+      elif code is codes["chain.init"] and callee is not None:
+        cur = callee.f_locals.get("fn")  # the generator expression calling each member's init
+        fns = list(loc.get("init_fns", ()))
+        k = next((i for i, f in enumerate(fns) if f is cur), 0)
+        before += [f"the chain's member #{i}" for i in range(k)]
+      elif code in (codes["named.init"], codes["named.update"]):
+        k = len(loc.get("states", loc.get("new_state", ())))
+        before += [name for name, _ in loc.get("transforms", ())[:k]]
+    except (TypeError, AttributeError):  # an optax version whose locals differ: no diagnosis
+      pass
+    callee, frame = frame, frame.f_back
+  return before
+
+
+def _inside_multisteps(max_depth: int = 100) -> bool:
+  code = _optax_codes()["multisteps.update"]
+  frame = sys._getframe(2)
+  for _ in range(max_depth):
+    if frame is None:
+      return False
+    if frame.f_code is code:
+      return True
+    frame = frame.f_back
+  return False
+
+
+def _not_first_error(before: list[str], where: str) -> CompositionError:
+  names = ", ".join(before)
+  those = "<those transformations>" if any(b.startswith("the chain's") for b in before) else names
+  return CompositionError(
+      f"scheduled(...) {where} runs after {names} in an optax.chain: those transformations would act "
+      f"on each device's own gradients before the all-reduce, which gives another (silently wrong) "
+      f"result than applying them to the all-reduced gradients. `scheduled` must be the first "
+      f"transformation: wrap the rest instead, e.g. prophet_jax.scheduled(optax.chain({those}, tx), "
+      f"schedule, axis_name=...).")
+
+
 def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
               axis_name: str | tuple[str, ...]) -> optax.GradientTransformationExtraArgs:
   """An optax transformation that all-reduces the gradients as `schedule` says, then applies `tx`.
@@ -61,18 +148,31 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   axis_name=...)`, or inside `jax.shard_map` over a mesh axis of that name (with the params marked
   varying before `jax.grad`: `jax.lax.pcast(params, axis_name, to='varying')`, see below). It drops
   into `flax.training.train_state.TrainState.create(..., tx=scheduled(tx, schedule, axis_name='data'))`
-  and `flax.nnx.Optimizer` unchanged. The updates passed to `update` must be the gradient tree the
-  schedule was planned for (rows are matched by path; a mismatch raises ScheduleMismatchError naming the
-  path, shape or dtype at fault).
+  and `flax.nnx.Optimizer(model, scheduled(tx, ...), wrt=nnx.Param)` unchanged. The updates passed to
+  `update` must be the gradient tree the schedule was planned for (rows are matched by path; a
+  mismatch raises ScheduleMismatchError naming the path, shape or dtype at fault and some of the
+  tree's own paths). For nnx, plan from `nnx.state(model, nnx.Param)` or from the pure arrays
+  (`nnx.to_pure_dict`): a Variable's 'l1/kernel/value' and the plain 'l1/kernel' name the same leaf.
 
-  It must be the **first** transformation in an `optax.chain`: anything before it (clipping, weight
-  decay, a normaliser) would act on per-device gradients and give a different result from the
-  all-reduced ones. With `optax.MultiSteps(scheduled(tx), k)`, optax 0.2.8 calls the inner update on
-  every micro-step (and keeps its result only on the k-th): the all-reduce then runs every micro-step,
-  on the accumulated gradients (checked with `audit`: one all-reduce per chunk in the compiled step, not
-  skipped on the other micro-steps). `scheduled(optax.MultiSteps(tx, k))` also reduces
-  every micro-step. To reduce once per k micro-steps, accumulate the micro-batch gradients in your own
-  step (e.g. a `lax.scan` over micro-batches) and apply `scheduled` once.
+  **It must be the outermost transformation, first in any chain.** Anything before it (clipping,
+  normalising, any nonlinear function of the gradients) acts on each device's own gradients, not on
+  the all-reduced ones, and gives a silently different result: write `scheduled(optax.chain(
+  optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), schedule, axis_name=...)`, never
+  `optax.chain(optax.clip_by_global_norm(1.0), scheduled(...))`. `init` and `update` raise
+  CompositionError when they find themselves after another member of an `optax.chain` or
+  `optax.named_chain` (visible on the call stack); for other compositions, `check_composition(tx,
+  params, axis_name=...)` tests numerically that the optimizer's result depends only on the mean
+  gradient.
+
+  Gradient accumulation: use `scheduled(optax.MultiSteps(tx, k), ...)`. It all-reduces each
+  micro-step's gradients and accumulates the averaged ones, so the whole optimizer state (the
+  accumulator included) stays replicated: it works under `pmap` and `shard_map` alike.
+  `optax.MultiSteps(scheduled(tx), k)` accumulates per-device gradients (and all-reduces the running
+  mean on every micro-step, keeping the result on the k-th): correct under `pmap`, where each device
+  holds its own optimizer state, but under `shard_map` a per-device accumulator cannot live in a
+  replicated (`P()`) state, so there it raises CompositionError naming the composition above. To
+  reduce once per k micro-steps instead, accumulate the micro-batch gradients in your own step (e.g.
+  a `lax.scan` over micro-batches) and apply `scheduled` once.
 
   Under `shard_map`'s default `check_vma=True`, `jax.grad` of replicated params already sums the
   gradients over the axis; that is detected and raises AlreadyReducedError naming the fix. Under
@@ -88,6 +188,8 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
 
   Raises:
     TypeError: `tx`, `schedule` or `axis_name` is of the wrong kind (at construction).
+    CompositionError: at `init` or `update`, `scheduled` is not first in an `optax.chain`; at trace
+      time, it is inside `optax.MultiSteps` under `shard_map`.
     UnboundAxisError, ScheduleMismatchError, AlreadyReducedError: at trace time, from `update`.
 
   Example:
@@ -100,17 +202,135 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   _check_args("scheduled", schedule, axis_name)
 
   def init_fn(params):
+    before = _ran_before_in_chain()
+    if before:
+      raise _not_first_error(before, "init")
     return ScheduledState(inner=tx.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    reduced = scheduled_allreduce(updates, schedule, axis_name, mean=True, where="scheduled")
+    before = _ran_before_in_chain()
+    if before:
+      raise _not_first_error(before, "update")
+    try:
+      reduced = scheduled_allreduce(updates, schedule, axis_name, mean=True, where="scheduled")
+    except AlreadyReducedError as e:
+      if not _inside_multisteps():
+        raise
+      raise CompositionError(
+          f"scheduled(...) inside optax.MultiSteps under shard_map: MultiSteps keeps an accumulator of "
+          f"each device's own gradients, which varies over axis {axis_name!r} and cannot live in the "
+          f"replicated optimizer state (optax's own update then fails). Swap the two: "
+          f"prophet_jax.scheduled(optax.MultiSteps(tx, k), schedule, axis_name={axis_name!r}) "
+          f"all-reduces each micro-step's gradients and accumulates the averaged ones (the same "
+          f"all-reduces, a replicated state); it works under pmap and shard_map.") from e
     if isinstance(tx, optax.GradientTransformationExtraArgs):
       new, inner = tx.update(reduced, state.inner, params, **extra_args)
     else:
       new, inner = tx.update(reduced, state.inner, params)
     return new, ScheduledState(inner=inner)
 
+  init_fn._prophet_scheduled = True  # type: ignore[attr-defined]
+  update_fn._prophet_scheduled = True  # type: ignore[attr-defined]
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_name: str | tuple[str, ...],
+                      num_devices: int = 4, steps: int = 4, seed: int = 0,
+                      rtol: float = 1e-5) -> None:
+  """Checks numerically that `tx`'s update depends only on the mean of the per-device gradients.
+
+  That is what a data-parallel optimizer must compute, and what `scheduled(...)` outermost gives. The
+  check runs one `init` and `steps` updates of `tx` under `jax.vmap(..., axis_name=axis_name)` over
+  `num_devices` simulated devices (on the default device, no mesh needed), twice: with random
+  per-device gradients g_i, and with g_i + d_i where the d_i sum to zero (at a small and at a large
+  scale, so clipping thresholds are crossed either way). Both must give the same update on every
+  device. A transformation before the all-reduce that is not linear in the gradients (clipping,
+  normalising, `scale_by_adam`), or a missing all-reduce, makes the update depend on the d_i and
+  fails the check. Use it in a test or once at start-up for compositions the automatic check of
+  `scheduled` cannot see (a custom wrapper, `optax.multi_transform`, ...).
+
+  Args:
+    tx: the user's whole optimizer (containing `scheduled(...)` somewhere).
+    params: the params (or a tree of arrays / ShapeDtypeStructs shaped like them).
+    axis_name: the axis name `scheduled` was given.
+    num_devices: simulated devices (>= 2).
+    steps: updates to run (each compared), enough for e.g. `optax.MultiSteps` to emit one.
+    seed: for the random gradients.
+    rtol: allowed difference, relative to the largest update (the reduced gradients are exact, so
+      a correct composition gives identical updates).
+
+  Raises:
+    CompositionError: the update depends on more than the mean gradient (names the leaf and the size
+      of the difference).
+    ValueError: `num_devices` < 2.
+  """
+  if not isinstance(num_devices, int) or num_devices < 2:
+    raise ValueError(f"check_composition: num_devices must be an integer >= 2, got {num_devices!r}.")
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+  shapes = [(tuple(np.shape(x)), jnp.dtype(x.dtype)) for _, x in leaves_with_path]
+  paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in leaves_with_path]
+  params = jax.tree_util.tree_unflatten(treedef, [jnp.zeros(s, d) for s, d in shapes])
+  rng = np.random.default_rng(seed)
+
+  # Values on a grid that every float dtype here holds exactly (multiples of 2**-8 below 2**13 in
+  # float32; small integers in 16-bit floats), so g_i + d_i and every partial sum over the devices are
+  # exact: the all-reduced mean is bit-identical in all three runs, and any difference in the update
+  # comes from a transformation that saw the per-device values.
+  def grid(shape: tuple[int, ...], dtype: Any, spread: float) -> np.ndarray:
+    if jnp.dtype(dtype).itemsize >= 4:
+      return np.round(np.clip(rng.standard_normal(shape) * spread, -2 ** 12, 2 ** 12) * 256) / 256
+    return np.round(np.clip(rng.standard_normal(shape) * min(spread, 4.0), -16, 16))
+
+  inexact = [jnp.issubdtype(d, jnp.inexact) for _, d in shapes]
+  base = [grid((num_devices, *s), d, 1.0).astype(np.float32) if f else np.zeros((num_devices, *s), d)
+          for (s, d), f in zip(shapes, inexact)]
+  variants = []
+  for spread in (0.1, 1e3):
+    v = []
+    for g, (s, d), f in zip(base, shapes, inexact):
+      if not f:
+        v.append(g)
+        continue
+      e = grid(s, d, spread).astype(np.float32)
+      dev = np.zeros_like(g)
+      dev[0], dev[1] = e, -e  # sums to exactly zero
+      v.append(g + dev)
+    variants.append(v)
+  state = tx.init(params)
+
+  def one(flat_g):
+    g = jax.tree_util.tree_unflatten(treedef, [x.astype(d) if jnp.issubdtype(d, jnp.inexact) else x
+                                               for x, (_, d) in zip(flat_g, shapes)])
+    st, outs = state, []
+    for _ in range(steps):  # several steps, so that e.g. optax.MultiSteps emits an update
+      u, st = tx.update(g, st, params)
+      outs += [jnp.asarray(x, jnp.float32) for x in jax.tree_util.tree_leaves(u)]
+    return outs
+
+  run = jax.jit(jax.vmap(one, axis_name=axis_name))
+  ref = [np.asarray(x) for x in run(base)]
+  paths = paths * steps
+  scale = max((float(np.max(np.abs(x))) for x in ref if x.size), default=0.0)
+  for i, x in enumerate(ref):
+    spread = float(np.max(np.abs(x - x[:1]))) if x.size else 0.0
+    if spread > rtol * scale:
+      raise CompositionError(
+          f"check_composition: the updates differ across the {num_devices} simulated devices (leaf "
+          f"{paths[i] if i < len(paths) else i!r}: by {spread:.3g}, the largest update is {scale:.3g}): "
+          f"no all-reduce runs before them. Wrap the optimizer: prophet_jax.scheduled(tx, schedule, "
+          f"axis_name={axis_name!r}).")
+  for v in variants:
+    got = [np.asarray(x) for x in run(v)]
+    for i, (x, y) in enumerate(zip(got, ref)):
+      diff = float(np.max(np.abs(x - y))) if x.size else 0.0
+      if diff > rtol * scale:
+        raise CompositionError(
+            f"check_composition: the update of leaf {paths[i] if i < len(paths) else i!r} changes "
+            f"(by {diff:.3g}; the largest update is {scale:.3g}) when the per-device gradients change "
+            f"but their mean does not: some transformation acts on each device's own gradients "
+            f"before the all-reduce (clipping, normalising, ...). Make scheduled(...) the outermost "
+            f"transformation: prophet_jax.scheduled(optax.chain(<the others>, tx), schedule, "
+            f"axis_name={axis_name!r}).")
 
 
 # --------------------------------------------------------------------------------------------------

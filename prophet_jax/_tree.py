@@ -311,7 +311,8 @@ def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Any, *, wh
     i = index.get(path)
     if i is None:
       near = [p for p in paths if p.split("/")[-1] == path.split("/")[-1]]
-      hint = f" (the tree has e.g. {_some(near or paths)})"
+      hint = (f" (e.g. {_some(near)} end the same way; the tree has paths like {_some(paths)})" if near
+              else f" (the tree has paths like {_some(paths)})")
       raise ScheduleMismatchError(
           f"{where}: the schedule has a row for leaf {path!r}, but the tree has no leaf at that path"
           f"{hint}; the schedule covers {len(rows)} leaves. {_REPLAN}")
@@ -340,7 +341,8 @@ def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Any, *, wh
         f"{where}: the tree has floating leaf {paths[i]!r} (shape {tuple(np.shape(leaf))}, dtype "
         f"{dtype_name(leaf.dtype)}) that the schedule does not cover"
         f"{f' (nor {len(extra) - 1} more)' if len(extra) > 1 else ''}; the schedule was planned for "
-        f"{len(rows)} leaves and the tree has {floating} floating ones. {_REPLAN}")
+        f"{len(rows)} leaves and the tree has {floating} floating ones (the schedule covers {len(rows)} "
+        f"leaves, like {_some([r[0] for r in rows])}). {_REPLAN}")
   return LeafMap(paths=paths, row_leaf=tuple(row_leaf))
 
 

@@ -64,6 +64,17 @@ def load_network(network: str, workers: int | None, *, overlap: bool | None = No
   return net if overlap is None else net.replace(overlap=overlap)
 
 
+def _out_path(path: str) -> Path:
+  """`path` with its parent directories created (every file the CLI writes goes through this)."""
+  out = Path(path)
+  if out.parent != Path(""):
+    try:
+      out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+      raise ValueError(f"cannot write {path!r}: {out.parent} exists and is not a directory.") from e
+  return out
+
+
 def _positive(text: str) -> int:
   try:
     v = int(text)
@@ -113,7 +124,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
   if a.timeline:
     from ._timeline import plot_timelines
 
-    plot_timelines(sims, a.timeline, title=f"{model}, {net.name or a.network} x {net.workers}")
+    plot_timelines(sims, str(_out_path(a.timeline)), title=f"{model}, {net.name or a.network} x {net.workers}")
     print(f"timeline written to {a.timeline}", file=sys.stderr)
   return 0
 
@@ -124,7 +135,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
   profile = GradientProfile.from_json(_read_json(a.profile, "profile"))
   net = load_network(a.network, a.workers)
   sched = plan(profile, net, a.policy, cross_step=a.cross_step)
-  Path(a.out).write_text(sched.to_json(indent=1))
+  _out_path(a.out).write_text(sched.to_json(indent=1))
   sim = simulate(sched, profile, net, cross_step=sched.cross_step)
   print(sched.describe())
   print(f"predicted iteration {sim.iteration_s * 1e3:.3f} ms; written to {a.out}")
@@ -151,8 +162,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
   params = m.init(jax.random.key(0))
   batch = m.make_batch(jax.random.key(1), m.default_batch_size)
   profile = profile_step(m.loss_fn, params, batch, num_devices=a.num_devices,
-                         tx=optax.sgd(0.1, momentum=0.9), model=a.model)
-  Path(a.out).write_text(profile.to_json(indent=1))
+                         tx=optax.sgd(0.1, momentum=0.9), model=a.model, steps=a.steps)
+  _out_path(a.out).write_text(profile.to_json(indent=1))
   print(profile.describe())
   print(f"written to {a.out}")
   return 0
@@ -160,12 +171,16 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 def cmd_probe(a: argparse.Namespace) -> int:
   _set_cpu_devices(a.num_devices)
-  from ._network import probe
+  from ._network import check_fit, probe
 
   # under `prophet-jax launch` (jax.distributed initialized) the probe spans every process's devices
-  timings = probe(a.num_devices, repeats=15, max_seconds_per_size=20.0)
+  kw = {} if a.sizes is None else {"sizes": tuple(a.sizes)}
+  timings = probe(a.num_devices, repeats=a.repeats, max_seconds_per_size=20.0, progress=True, **kw)
   net = timings.fit()
-  Path(a.out).write_text(net.to_json(indent=1))
+  warning = check_fit(net, timings)
+  if warning is not None:
+    print(f"warning: {warning}", file=sys.stderr)
+  _out_path(a.out).write_text(net.to_json(indent=1))
   print(timings.describe(net))
   print(f"written to {a.out}")
   return 0
@@ -217,11 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
   s = sub.add_parser("profile", parents=[common], help="measure a real step of a bundled model")
   s.add_argument("--model", required=True, help="mlp, cnn, gpt-tiny, resnet-small")
   s.add_argument("--num-devices", type=_positive, default=8)
+  s.add_argument("--steps", type=_positive, default=20, help="steps measured (default 20)")
   s.add_argument("--out", required=True)
   s.set_defaults(fn=cmd_profile)
 
   s = sub.add_parser("probe", parents=[common], help="fit alpha and beta of the all-reduce")
   s.add_argument("--num-devices", type=_positive, default=8)
+  s.add_argument("--sizes", type=_positive, nargs="+", default=None, metavar="BYTES",
+                 help="message sizes in bytes per device (default 1 KiB .. 64 MiB, powers of 4)")
+  s.add_argument("--repeats", type=_positive, default=15, help="paired timings per size (default 15)")
   s.add_argument("--out", required=True)
   s.set_defaults(fn=cmd_probe)
 

@@ -130,9 +130,28 @@ def test_bound_below_brute_force(seed, comm_ratio):
   assert simulate(s, p, net).iteration_s == pytest.approx(t, rel=REL)
 
 
+def tightness_failures(r) -> list[str]:
+  """What is loose in these bound/optimum ratios; empty when the bound is tight.
+
+  DESIGN.md asks for a median >= 0.9; the bound does much better (it equals the optimum on most
+  instances: median 1.000, mean 0.994 / 0.988, over 90% of instances within 5%, measured with the
+  seed below), and a criterion at 0.9 would pass a bound 10% too low. These thresholds sit between
+  what the bound achieves and what a 5% looser one would give, so a 10% loosening fails them.
+  """
+  r = np.asarray(r)
+  out = []
+  if np.median(r) < 0.99:
+    out.append(f"median bound/optimum {np.median(r):.3f} < 0.99")
+  if np.mean(r) < 0.97:
+    out.append(f"mean bound/optimum {np.mean(r):.3f} < 0.97")
+  if np.mean(r >= 0.95) < 0.85:
+    out.append(f"only {np.mean(r >= 0.95):.0%} of instances have bound/optimum >= 0.95 (< 85%)")
+  return out
+
+
 def test_bound_is_tight_on_small_instances():
-  # median (bound / brute-force optimum) >= 0.9 over random instances of <= 6 leaves, one link,
-  # both step modes, communication from light (0.3x backward) to heavy (10x).
+  # bound / brute-force optimum over random instances of <= 6 leaves, one link, both step modes,
+  # communication from light (0.3x backward) to heavy (10x).
   rng = np.random.default_rng(11)
   ratios = {False: [], True: []}
   for k in range(120):
@@ -144,7 +163,11 @@ def test_bound_is_tight_on_small_instances():
     ratios[True].append(lower_bound(p, net, cross_step=True) / best_ordered(p, net, cross_step=True)[0])
   for mode, r in ratios.items():
     assert np.max(r) <= 1 + REL
-    assert np.median(r) >= 0.9, f"cross_step={mode}: median bound/optimum {np.median(r):.3f}"
+    assert np.median(r) >= 0.9, f"cross_step={mode}: median bound/optimum {np.median(r):.3f}"  # DESIGN
+    assert not tightness_failures(r), f"cross_step={mode}: {tightness_failures(r)}"
+    # the criterion is sharp: the same bound 10% (or 5%) lower fails it
+    assert tightness_failures(0.9 * np.asarray(r)), f"cross_step={mode}: a 10% looser bound passes"
+    assert tightness_failures(0.95 * np.asarray(r)), f"cross_step={mode}: a 5% looser bound passes"
 
 
 # --------------------------------------------------------------------------------------------------

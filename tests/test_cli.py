@@ -43,6 +43,14 @@ def test_simulate_table_named_policies_cross_step_and_timeline(capsys, tmp_path)
   assert png.stat().st_size > 10_000
 
 
+def test_simulate_timeline_creates_missing_directories(capsys, tmp_path):
+  png = tmp_path / "out" / "nested" / "x.png"  # neither directory exists
+  code, _, err = run(capsys, "simulate", "--model", "resnet50", "--workers", "8", "--network", "10gbe",
+                     "--policy", "wfbp", "--timeline", str(png))
+  assert code == 0, err
+  assert png.stat().st_size > 1_000
+
+
 def test_plan_writes_a_schedule_from_profile_and_network_files(capsys, tmp_path):
   from prophet_jax.models import load_trace
 
@@ -50,7 +58,7 @@ def test_plan_writes_a_schedule_from_profile_and_network_files(capsys, tmp_path)
   prof.write_text(load_trace("bert-base-v100").to_json())
   net = tmp_path / "n.json"
   net.write_text(NetworkModel.preset("10gbe", workers=4).to_json())
-  out = tmp_path / "s.json"
+  out = tmp_path / "new_dir" / "s.json"  # the directory is created
   code, text, _ = run(capsys, "plan", "--profile", str(prof), "--network", str(net), "--workers", "32",
                       "--policy", "mgwfbp", "--out", str(out))
   assert code == 0 and "predicted iteration" in text
@@ -92,3 +100,59 @@ def test_workers_must_be_positive(capsys):
     main(["simulate", "--model", "resnet50", "--workers", "0", "--network", "10gbe"])
   assert e.value.code == 2
   assert "positive integer" in capsys.readouterr().err
+
+
+def test_an_out_path_under_a_file_is_one_clear_line(capsys, tmp_path):
+  (tmp_path / "f").write_text("")
+  code, _, err = run(capsys, "plan", "--profile", str(tmp_path / "nope.json"), "--network", "10gbe",
+                     "--workers", "4", "--out", str(tmp_path / "s.json"))
+  assert code == 2 and "does not exist" in err
+  from prophet_jax.models import load_trace
+
+  prof = tmp_path / "p.json"
+  prof.write_text(load_trace("bert-base-v100").to_json())
+  code, _, err = run(capsys, "plan", "--profile", str(prof), "--network", "10gbe", "--workers", "4",
+                     "--out", str(tmp_path / "f" / "s.json"))
+  assert code == 2 and len(err.strip().splitlines()) == 1 and "is not a directory" in err
+
+
+# -- the commands that run jax: small and quick (the suite's process has 8 CPU devices) -------------
+
+
+def test_profile_writes_a_measured_profile(capsys, tmp_path):
+  out = tmp_path / "a" / "p.json"
+  code, text, err = run(capsys, "profile", "--model", "mlp", "--num-devices", "2", "--steps", "2",
+                        "--out", str(out))
+  assert code == 0, err
+  prof = GradientProfile.from_json(out.read_text())
+  assert prof.model == "mlp" and len(prof.rows) == 24 and prof.backward_s > 0
+  assert all(r.ready_s >= 0 for r in prof.rows) and "written to" in text
+
+
+def test_probe_fits_a_network_and_shows_progress(capsys, tmp_path):
+  out = tmp_path / "b" / "n.json"
+  code, text, err = run(capsys, "probe", "--num-devices", "2", "--sizes", "1024", "16384", "--repeats",
+                        "3", "--out", str(out))
+  assert code == 0, err
+  net = NetworkModel.from_json(out.read_text())
+  assert net.workers == 2 and net.overlap is False and net.fit_residual_s is not None
+  assert "size 1/2 (1 KiB)" in err and "size 2/2 (16 KiB)" in err  # progress, on stderr
+  assert "probe:cpux2:median" in text
+
+
+def test_probe_rejects_more_devices_than_exist(capsys, tmp_path):
+  code, _, err = run(capsys, "probe", "--num-devices", "64", "--sizes", "1024", "4096", "--out",
+                     str(tmp_path / "n.json"))
+  assert code == 2 and "num_devices=64" in err and len(err.strip().splitlines()) == 1
+
+
+def test_launch_runs_a_trivial_command_on_two_ranks(capsys):
+  code = "import os; print('hello from', os.environ['PROPHET_PROCESS_ID'], os.environ['PROPHET_NUM_PROCESSES'])"
+  rc, out, err = run(capsys, "launch", "--nproc", "2", "--", sys.executable, "-c", code)
+  assert rc == 0, err
+  assert sorted(out.splitlines()) == ["[rank 0] hello from 0 2", "[rank 1] hello from 1 2"]
+  rc, _, err = run(capsys, "launch", "--nproc", "2", "--", sys.executable, "-c",
+                   "import os, sys; sys.exit(3 if os.environ['PROPHET_PROCESS_ID'] == '1' else 0)")
+  assert rc == 3 and "rank 1" in err
+  rc, _, err = run(capsys, "launch", "--nproc", "2")
+  assert rc == 2 and "give the command to run after `--`" in err

@@ -88,3 +88,46 @@ def test_single_device_and_bad_arguments_are_clear():
     measure_network(2, sizes=(1024, 4096), repeats=1)
   with pytest.raises(ValueError, match="stat='mean'"):
     measure_network(2, stat="mean")
+
+
+def _timings(ys, workers=8):
+  sizes = (2**10, 2**14, 2**18, 2**20, 2**22)
+  return _network.AllreduceTimings(sizes=sizes, median_s=tuple(ys), low_s=tuple(ys), percentile=10,
+                                   repeats=5, workers=workers, processes=1, platform="cpu")
+
+
+def test_a_bad_fit_warns_naming_the_residual(monkeypatch):
+  line = NetworkModel(alpha_s=5e-6, beta_s_per_byte=1e-9, workers=8)
+  sizes = (2**10, 2**14, 2**18, 2**20, 2**22)
+  exact = [line.allreduce_s(s) for s in sizes]
+  good = _timings([t * f for t, f in zip(exact, (1.02, 0.97, 1.01, 0.99, 1.0))])
+  assert _network.check_fit(good.fit(), good) is None
+  ticked = list(exact)
+  ticked[0] = ticked[1] = 4e-3  # a 4 ms scheduler tick at the small sizes (FACTS.md)
+  bad = _timings(ticked)
+  text = _network.check_fit(bad.fit(), bad)
+  assert text is not None and "RMS residual of" in text and "not a straight line" in text
+  assert "worst at" in text and "stat='low'" in text
+  zero = _timings([0.0] * 5)
+  assert "every measured all-reduce time is 0" in _network.check_fit(zero.fit(), zero)
+  # measure_network itself warns (the probe replaced by those timings: no minute-long run here)
+  monkeypatch.setattr(_network, "time_allreduce", lambda *a, **k: bad)
+  with pytest.warns(UserWarning, match="measure_network: the alpha-beta fit leaves an RMS residual"):
+    measure_network(8)
+  monkeypatch.setattr(_network, "time_allreduce", lambda *a, **k: good)
+  import warnings
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    measure_network(8)
+
+
+def test_progress_is_quiet_by_default_and_reports_each_size(capsys):
+  measure_network(2, sizes=(2**10, 2**12), repeats=3, inner=1)
+  assert capsys.readouterr().err == ""
+  lines = []
+  measure_network(2, sizes=(2**10, 2**12), repeats=3, inner=1, progress=lines.append)
+  assert len(lines) == 3 and "2 cpu device(s), 2 sizes" in lines[0]
+  assert lines[1].startswith("measure_network: size 1/2 (1 KiB): median") and "size 2/2 (4 KiB)" in lines[2]
+  measure_network(2, sizes=(2**10, 2**12), repeats=3, inner=1, progress=True)
+  assert "size 2/2" in capsys.readouterr().err

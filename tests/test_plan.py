@@ -12,12 +12,8 @@ import pytest
 from prophet_jax import (Bucket, Chunk, GradientProfile, NetworkModel, Schedule, ScheduleError,
                          ScheduleMismatchError, plan, validate_schedule)
 from prophet_jax._plan import POLICIES
-from prophet_jax.schedulers import bucket, wfbp
-
-try:
-  from prophet_jax._simulate import simulate
-except ImportError:
-  simulate = None
+from prophet_jax._simulate import simulate
+from prophet_jax.schedulers import _auto, bucket, wfbp
 
 NET = NetworkModel.preset("10gbe", workers=8)
 
@@ -49,9 +45,8 @@ def test_plan_by_name_records_policy_mode_and_prediction(name, cross_step):
   s = plan(P, NET, name, cross_step=cross_step)
   assert s.policy == name and s.cross_step is cross_step
   assert validate_schedule(s, P) is s
-  if simulate is not None:
-    assert s.predicted_s == pytest.approx(simulate(s, P, NET, cross_step=cross_step).iteration_s)
-    assert s.predicted_s >= P.compute_s - 1e-12
+  assert s.predicted_s == pytest.approx(simulate(s, P, NET, cross_step=cross_step).iteration_s)
+  assert s.predicted_s >= P.compute_s - 1e-12
 
 
 def test_plan_passes_options_and_records_them():
@@ -136,8 +131,8 @@ def test_schedule_that_drops_or_repeats_elements_is_refused():
              rows=rows)
 
 
-def test_plan_auto_when_present():
-  auto = pytest.importorskip("prophet_jax.schedulers._auto")  # noqa: F841 (written separately)
+def test_plan_auto():
+  assert callable(_auto.auto)
   s = plan(P, NET, "auto", cross_step="auto")
   assert isinstance(s.cross_step, bool)
   validate_schedule(s, P)

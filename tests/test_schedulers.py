@@ -21,12 +21,9 @@ from prophet_jax.schedulers import _priority as priority_mod
 from prophet_jax.schedulers._mgwfbp import merge_groups
 from prophet_jax.schedulers._prophet import find_stages
 
-try:
-  from prophet_jax._simulate import simulate
-except ImportError:  # the simulator is written separately
-  simulate = None
-
-needs_sim = pytest.mark.skipif(simulate is None, reason="prophet_jax._simulate is not available yet")
+from prophet_jax import models
+from prophet_jax._simulate import simulate
+from prophet_jax.schedulers import _auto as auto_mod
 
 
 def profile(rows, *, forward_s=0.01, backward_s=None):
@@ -123,8 +120,7 @@ def test_conformance(name, cross_step, prof, net):
     assert s.num_allreduces == 0
 
 
-def test_conformance_auto_if_present():
-  auto_mod = pytest.importorskip("prophet_jax.schedulers._auto")
+def test_conformance_auto():
   n = NETWORKS["10gbe_p8"]
   for prof in ("multi_dtype", "zero_size", "single"):
     p = PROFILES[prof]
@@ -376,7 +372,6 @@ def test_mgwfbp_uses_layers_in_ready_order():
   assert [[r for r, _, _ in c.slices] for c in s.chunks] == [[1, 0], [3]]
 
 
-@needs_sim
 @settings(deadline=None, max_examples=40, derandomize=True)
 @given(st.lists(st.tuples(st.integers(1, 5000), st.floats(0.0, 1.0)), min_size=1, max_size=8),
        st.floats(1e-5, 1e-2), st.floats(1e-10, 1e-7))
@@ -521,7 +516,6 @@ def _resnet_like():
   return layered(sizes[:161], backward_s=0.13, forward_s=0.065)
 
 
-@needs_sim
 @pytest.mark.parametrize("workers", [16, 256])
 def test_prophet_beats_priority_in_the_pipelined_step_on_a_balanced_resnet_like_profile(workers):
   p = _resnet_like()
@@ -544,16 +538,11 @@ def test_the_coverage_check_itself_catches_repeats_and_drops():
       assert_covers_exactly_once(bad, p)
 
 
-@needs_sim
 @pytest.mark.parametrize("trace, net, workers", [("resnet50-h100", "100gb-ib", 64),
                                                  ("bert-base-v100", "25gbe", 64),
                                                  ("gpt2-v100", "10gbe", 256)])
 def test_prophet_beats_priority_on_balanced_bundled_traces(trace, net, workers):
-  models = pytest.importorskip("prophet_jax.models")
-  try:
-    p = models.load_trace(trace)
-  except Exception as e:  # noqa: BLE001 (the traces are written separately)
-    pytest.skip(f"bundled trace {trace} not loadable: {e}")
+  p = models.load_trace(trace)  # bundled with the package: a failure to load is a failure
   n = NetworkModel.preset(net, workers=workers)
   assert 0.7 <= n.allreduce_s(p.total_nbytes) / (p.forward_s + p.backward_s) <= 1.5   # a balanced cell
   t_pro = simulate(prophet()(p, n, cross_step=True), p, n, cross_step=True).iteration_s
