@@ -155,4 +155,4 @@ def test_launch_runs_a_trivial_command_on_two_ranks(capsys):
                    "import os, sys; sys.exit(3 if os.environ['PROPHET_PROCESS_ID'] == '1' else 0)")
   assert rc == 3 and "rank 1" in err
   rc, _, err = run(capsys, "launch", "--nproc", "2")
-  assert rc == 2 and "give the command to run after `--`" in err
+  assert rc == 2 and "the command is empty; give it after `--`" in err

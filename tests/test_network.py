@@ -111,10 +111,10 @@ def test_a_bad_fit_warns_naming_the_residual(monkeypatch):
   zero = _timings([0.0] * 5)
   assert "every measured all-reduce time is 0" in _network.check_fit(zero.fit(), zero)
   # measure_network itself warns (the probe replaced by those timings: no minute-long run here)
-  monkeypatch.setattr(_network, "time_allreduce", lambda *a, **k: bad)
+  monkeypatch.setattr(_network, "probe", lambda *a, **k: bad)
   with pytest.warns(UserWarning, match="measure_network: the alpha-beta fit leaves an RMS residual"):
     measure_network(8)
-  monkeypatch.setattr(_network, "time_allreduce", lambda *a, **k: good)
+  monkeypatch.setattr(_network, "probe", lambda *a, **k: good)
   import warnings
 
   with warnings.catch_warnings():
