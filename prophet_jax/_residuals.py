@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex_core
@@ -48,11 +48,32 @@ _CHEAP = frozenset({
 })
 
 
-def vjp_jaxpr(forward_fn: Callable[[Any, Any], Any], pv: Any, batch: Any) -> tuple[Any, Any]:
-  """`jax.vjp(forward_fn(., batch), pv)`, traced (nothing runs): (closed jaxpr, closure treedef).
+class VjpTrace(NamedTuple):
+  """A traced `jax.vjp` of the forward (`vjp_jaxpr`).
 
-  The jaxpr's inputs are pv's leaves then batch's; its outputs are the loss, then the vjp closure's
-  leaves in flatten order.
+  Attributes:
+    closed: the closed jaxpr. Inputs: the params' leaves, then the batch's. Outputs: the loss, the
+      auxiliary output's leaves (`n_head` values in all), then the vjp closure's leaves in flatten order.
+    treedef: the vjp closure's treedef.
+    aux_tree: the auxiliary output's treedef (of `None` without `has_aux`).
+  """
+
+  closed: Any
+  treedef: Any
+  aux_tree: Any
+
+  @property
+  def n_head(self) -> int:
+    """The number of leading outputs that are the forward's own (the loss and the aux leaves)."""
+    return 1 + self.aux_tree.num_leaves
+
+
+def vjp_jaxpr(forward_fn: Callable[[Any, Any], Any], pv: Any, batch: Any, *,
+              has_aux: bool = False) -> VjpTrace:
+  """`jax.vjp(forward_fn(., batch), pv, has_aux=has_aux)`, traced (nothing runs).
+
+  With `has_aux`, `forward_fn` returns `(loss, aux)`; aux is not differentiated, and its leaves are the
+  jaxpr's outputs after the loss.
   """
   p_leaves, p_tree = jax.tree_util.tree_flatten(pv)
   b_leaves, b_tree = jax.tree_util.tree_flatten(batch)
@@ -60,24 +81,31 @@ def vjp_jaxpr(forward_fn: Callable[[Any, Any], Any], pv: Any, batch: Any) -> tup
 
   def loss_and_closure(pl, bl):
     b = jax.tree_util.tree_unflatten(b_tree, bl)
-    loss, vjp_fn = jax.vjp(lambda q: forward_fn(q, b), jax.tree_util.tree_unflatten(p_tree, pl))
+    q = jax.tree_util.tree_unflatten(p_tree, pl)
+    if has_aux:
+      loss, vjp_fn, aux = jax.vjp(lambda r: forward_fn(r, b), q, has_aux=True)
+    else:
+      (loss, vjp_fn), aux = jax.vjp(lambda r: forward_fn(r, b), q), None
     leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
-    box.append(treedef)
-    return [loss, *leaves]
+    aux_leaves, aux_tree = jax.tree_util.tree_flatten(aux)
+    box.append((treedef, aux_tree))
+    return [loss, *aux_leaves, *leaves]
 
-  return jax.make_jaxpr(loss_and_closure)(p_leaves, b_leaves), box[0]
+  closed = jax.make_jaxpr(loss_and_closure)(p_leaves, b_leaves)
+  return VjpTrace(closed, *box[0])
 
 
-def carry_plan(closed: Any, n_params: int, how: str) -> tuple[Position, ...]:
+def carry_plan(closed: Any, n_params: int, how: str, *, n_head: int = 1) -> tuple[Position, ...]:
   """The positions of the values the forward carries, for a `vjp_jaxpr` jaxpr.
 
   how: "closure": the closure leaves that depend on the batch (what `jax.vjp` keeps, less the
     parameters and constants); "min-cut": the fewest bytes from which the backward recomputes every
     closure leaf by cheap operations.
+  n_head: the outputs before the closure's leaves (`VjpTrace.n_head`).
   """
   jaxpr = closed.jaxpr
   on_batch = _batch_vars(jaxpr, n_params)
-  needed = [v for v in jaxpr.outvars[1:] if _is_var(v) and v in on_batch]
+  needed = [v for v in jaxpr.outvars[n_head:] if _is_var(v) and v in on_batch]
   if how == "closure":
     chosen = list(dict.fromkeys(needed))
   elif how == "min-cut":
@@ -94,18 +122,21 @@ def carried_avals(closed: Any, plan: Sequence[Position]) -> tuple[Any, ...]:
   return tuple(at[p].aval for p in plan)
 
 
-def forward(closed: Any, plan: Sequence[Position]) -> Callable[..., list[Any]]:
-  """`f(*param_leaves, *batch_leaves) -> [loss, *carried]`: the forward, computing only what it needs."""
+def forward(closed: Any, plan: Sequence[Position], *, n_head: int = 1) -> Callable[..., list[Any]]:
+  """`f(*param_leaves, *batch_leaves) -> [loss, *aux, *carried]`: the forward, computing only what it
+  needs."""
   jaxpr = closed.jaxpr
   at = _vars_at(jaxpr)
-  return _subprogram(closed, list(jaxpr.invars), [jaxpr.outvars[0], *(at[p] for p in plan)])
+  return _subprogram(closed, list(jaxpr.invars), [*jaxpr.outvars[:n_head], *(at[p] for p in plan)])
 
 
-def recompute(closed: Any, plan: Sequence[Position], n_params: int) -> Callable[..., list[Any]]:
+def recompute(closed: Any, plan: Sequence[Position], n_params: int, *,
+              n_head: int = 1) -> Callable[..., list[Any]]:
   """`f(*param_leaves, *carried) -> closure leaves`: the backward's inputs, from the carried values."""
   jaxpr = closed.jaxpr
   at = _vars_at(jaxpr)
-  return _subprogram(closed, [*jaxpr.invars[:n_params], *(at[p] for p in plan)], list(jaxpr.outvars[1:]))
+  return _subprogram(closed, [*jaxpr.invars[:n_params], *(at[p] for p in plan)],
+                     list(jaxpr.outvars[n_head:]))
 
 
 # --------------------------------------------------------------------------------------------------
