@@ -68,7 +68,7 @@ def setup(fn_name):
        "b1": jnp.asarray(rng.normal(size=(5,)), jnp.float32),
        "w2": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)}
   b = {"x": jnp.asarray(rng.normal(size=(4, 6)), jnp.float32), "y": jnp.asarray([0, 2, 1, 2], jnp.int32)}
-  closed, treedef = vjp_jaxpr(FUNCS[fn_name], p, b)
+  closed, treedef, _ = vjp_jaxpr(FUNCS[fn_name], p, b)
   return p, b, closed, treedef
 
 
