@@ -69,7 +69,12 @@ the next forward would read parameters the plain loop never has (it reads them b
 rounded). So the updated bfloat16 and float16 parameters are rounded explicitly, by a
 `reduce_precision` on their float32 value, which XLA cannot drop (it is not a no-op on float32) and
 which equals the rounding to the parameter's dtype: the step is as exact as with
-`--xla_allow_excess_precision=false`.
+`--xla_allow_excess_precision=false`. (bfloat16 parameters computing in float32, flax's promotion:
+equal to the plain loop.) What cannot be matched is bfloat16 *compute* across the cut: the residuals
+are written out in their dtype (rounded), while the plain step, one program, may keep some bfloat16
+activations in float32 between its forward and its backward. The two then differ by bfloat16 rounding
+(tests/test_pipelined.py measures it); compiled with `xla_allow_excess_precision=False` both round
+every value where the program says, and they are equal.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ from ._collectives import allreduce, axis_size, match_tree, vma_enabled
 from ._errors import ScheduleMismatchError
 from ._residuals import VjpTrace, carried_avals, carry_plan, forward, recompute, vjp_jaxpr
 from ._tree import path_str
-from ._types import Schedule, itemsize
+from ._types import Schedule
 
 __all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending", "save_matmuls"]
 
@@ -129,7 +134,7 @@ class _PendingMeta:
     forward_size: (equations, outputs after the loss) of that jaxpr: the backward's trace must match.
     loss_varying: whether the loss varied over the axis (shard_map with check_vma).
     loss_dtype: the loss's dtype (the cotangent's).
-    state_tree: the treedef of the model state the forward read (`None`'s without `has_state`).
+    state_tree: the treedef of the model state the forward read (that of `None` without `has_state`).
     state: (path, shape, dtype, varying) of every leaf of that model state.
     has_state: whether the forward ran with a model state (`pipelined(..., has_state=True)`).
   """

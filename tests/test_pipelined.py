@@ -564,12 +564,11 @@ def test_aux_and_model_state_equal_the_plain_loop(mapping):
                    has_state=True)
   assert len(pipe.schedule.chunks) == 2
   state = pipe.init(params, state0)
-  if mapping == "pmap":
-    key = state.model_state["key"]
-    host = state._replace(model_state={"key": None, "count": state.model_state["count"]})
-    state = replicate(host)._replace(model_state={
-        "key": jax.random.wrap_key_data(jnp.broadcast_to(jax.random.key_data(key), (N_DEV, 2))),
-        "count": replicate(host.model_state["count"])})
+  if mapping == "pmap":  # a typed key is replicated through its key data
+    key = jax.random.key_data(state.model_state["key"])
+    state = replicate(state._replace(model_state={"key": key, "count": state.model_state["count"]}))
+    state = state._replace(model_state={**state.model_state,
+                                        "key": jax.random.wrap_key_data(state.model_state["key"])})
     step, flush = jax.pmap(pipe.step, axis_name=AXIS), jax.pmap(pipe.flush, axis_name=AXIS)
     place, first = shard, (lambda t: jax.tree.map(lambda a: a[0], t))
   else:
@@ -610,7 +609,7 @@ def test_loss_output_errors_at_the_first_call():
   def with_aux(p, b):
     return jnp.mean((b["x"] @ p["w"] + p["b"]) ** 2), {"n": b["x"].shape[0]}
 
-  with pytest.raises(TypeError, match=r"returned a tuple of 2 values; without has_aux=True.*pass has_aux=True"):
+  with pytest.raises(TypeError, match=r"a tuple of 2 values; without has_aux=True.*pass has_aux=True"):
     trace(with_aux)
   with pytest.raises(TypeError, match=r"has_aux=True and has_state=False, loss_fn must return \(loss, aux\)"):
     trace(lambda p, b: with_aux(p, b)[0], has_aux=True)
@@ -619,7 +618,7 @@ def test_loss_output_errors_at_the_first_call():
   def new_count(p, s, b):
     return with_aux(p, b)[0], {"count": s["count"] + 1.0}  # an int state comes back float
 
-  with pytest.raises(TypeError, match=r"model state leaf 'count' comes back with shape \(\) and dtype float32"):
+  with pytest.raises(TypeError, match=r"state leaf 'count' comes back with shape \(\) and dtype float32"):
     trace(new_count, {"count": jnp.zeros((), jnp.int32)}, has_state=True)
 
   def per_device_mean(p, s, b):
@@ -747,3 +746,32 @@ def test_bf16_compute_matches_a_reference_that_rounds_the_same_way(monkeypatch, 
   else:
     with pytest.raises(AssertionError, match=r"max\|got-ref\|"):
       assert_trees_close(runner.params(state), ref, params)
+
+
+def test_per_device_model_state_under_shard_map():
+  """A model state that differs between devices (a running mean of each device's inputs, not averaged):
+  under shard_map it is passed with a leading device axis and `state_specs(model_state=P(axis))`, and
+  each device's forward reads its own state of the previous step."""
+  params, bs = tiny_classifier_params(), tiny_batches(3)
+
+  def loss_fn(p, ms, b):
+    loss = optax.softmax_cross_entropy_with_integer_labels(b["x"] @ p["w"] + p["b"], b["y"]).mean()
+    return loss, {"mean": 0.5 * ms["mean"] + 0.5 * jnp.mean(b["x"], 0)[None]}
+
+  pipe = pipelined(loss_fn, optax.sgd(0.1), schedule_for(params, "wfbp"), axis_name=AXIS, has_state=True)
+  specs = pipe.state_specs(model_state=P(AXIS))
+
+  def body(s, b):
+    s, loss = pipe.step(s, b)
+    return s, loss[None]
+
+  step = jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=(specs, P(AXIS)), out_specs=(specs, P(AXIS))))
+  state = pipe.init(params, {"mean": np.zeros((N_DEV, 4), np.float32)})
+  state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh(), s),
+                                             pipe.state_specs(state, model_state=P(AXIS)),
+                                             is_leaf=lambda x: isinstance(x, P)))
+  want = np.zeros((N_DEV, 4))
+  for b in bs:
+    state, _ = step(state, put(b, P(AXIS)))
+    want = 0.5 * want + 0.5 * b["x"].reshape(N_DEV, -1, 4).mean(1)
+  np.testing.assert_allclose(np.asarray(pipe.model_state(state)["mean"]), want, rtol=1e-6)

@@ -146,6 +146,42 @@ def test_forward_and_recompute_give_the_vjp_closure_bit_for_bit(fn_name, how):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("fn_name", sorted(FUNCS))
+def test_batch_dependence_agrees_with_jax_dead_code_elimination(fn_name):
+  """What the plan takes as computed from the batch (`_batch_vars`, per output of a nested call) is
+  exactly what JAX's own dead-code elimination says depends on a batch input."""
+  p, b, closed, _ = setup(fn_name)
+  n = len(jax.tree.leaves(p))
+  values = set(closed.jaxpr.invars) | {v for e in closed.jaxpr.eqns for v in e.outvars if _is_var(v)}
+  assert _batch_vars(closed.jaxpr, n) & values == depends_on_batch(closed.jaxpr, n)
+
+
+@pytest.mark.parametrize("how", ["closure", "min-cut"])
+def test_aux_outputs_come_between_the_loss_and_the_closure(how):
+  """With has_aux, the forward returns the aux (batch-dependent or not) after the loss; the backward
+  recomputes the closure without it, bit for bit."""
+  def with_aux(q, c):
+    loss = int_labels(q, c)
+    return loss, {"logits_sum": jnp.sum(c["x"] @ q["w1"]), "w_norm": jnp.sum(q["w2"] ** 2), "y": c["y"]}
+
+  p, b, _, _ = setup("int_labels")
+  trace = vjp_jaxpr(with_aux, p, b, has_aux=True)
+  n = len(jax.tree.leaves(p))
+  assert trace.n_head == 4
+  plan = carry_plan(trace.closed, n, how, n_head=trace.n_head)
+  loss, *rest = jax.jit(forward(trace.closed, plan, n_head=trace.n_head))(*jax.tree.leaves(p),
+                                                                          *jax.tree.leaves(b))
+  aux, carried = jax.tree.unflatten(trace.aux_tree, rest[:3]), rest[3:]
+  ref_loss, ref_vjp, ref_aux = jax.vjp(lambda r: with_aux(r, b), p, has_aux=True)
+  np.testing.assert_array_equal(loss, ref_loss)
+  for got, want in zip(jax.tree.leaves(aux), jax.tree.leaves(ref_aux)):
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+  leaves = jax.jit(recompute(trace.closed, plan, n, n_head=trace.n_head))(*jax.tree.leaves(p), *carried)
+  (g,) = jax.tree.unflatten(trace.treedef, leaves)(jnp.ones((), loss.dtype))
+  for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(ref_vjp(jnp.ones((), loss.dtype))[0])):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+
+
 def test_flow_graph_min_cut_equals_brute_force():
   rng = np.random.default_rng(1)
   for _ in range(40):

@@ -58,8 +58,8 @@ def _replicate(tree):
   def rep(x):
     x = _host(x)
     if _is_key(x):
-      return jax.random.wrap_key_data(jnp.broadcast_to(jax.random.key_data(x), (U.N_DEV, *x.shape,
-                                                                                *jax.random.key_data(x).shape[x.ndim:])))
+      data = jax.random.key_data(x)
+      return jax.random.wrap_key_data(jnp.broadcast_to(data, (U.N_DEV, *data.shape)))
     return np.broadcast_to(x, (U.N_DEV, *x.shape))
   return jax.device_put(jax.tree.map(rep, tree), _pmap_sharding())
 
@@ -133,8 +133,8 @@ def run_plain(s: U.Setup, api: str, mapping: str, schedule: pj.Schedule):
 
 
 def run_pipelined(s: U.Setup, mapping: str, schedule: pj.Schedule):
-  pipe = pj.pipelined(s.loss_fn, s.make_tx(), schedule, axis_name=AXIS, has_aux=s.has_aux,
-                      has_state=s.has_state)
+  flags = {k: v for k, v in (("has_aux", s.has_aux), ("has_state", s.has_state)) if v}
+  pipe = pj.pipelined(s.loss_fn, s.make_tx(), schedule, axis_name=AXIS, **flags)
   state = pipe.init(s.params, s.model_state) if s.has_state else pipe.init(s.params)
 
   def split_out(out):
