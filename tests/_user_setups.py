@@ -227,8 +227,9 @@ CLIP_NORM = 0.95
 def setups(axis_name: str = "data") -> dict[str, Setup]:
   cls = _mlp_params(0)
   plain = _batches(1)
-  bn_vars = BNNet().init(jax.random.key(2), np.zeros((1, IN), np.float32))
-  mixed = MixedNet().init(jax.random.key(3), np.zeros((1, IN), np.float32))
+  x = np.zeros((1, IN), np.float32)
+  bn_vars = jax.jit(BNNet().init)(jax.random.key(2), x)  # jitted: one compile, not one per op
+  mixed = jax.jit(MixedNet().init)(jax.random.key(3), x)
   out = [
       Setup(name="int-labels", params=cls, loss_fn=classifier_loss, has_aux=True, model_state=None,
             make_tx=sgd_momentum, batches=plain, reference="single-device", policy="wfbp"),

@@ -214,13 +214,12 @@ def check(name: str, mapping: str, got, *, params_only: bool = False) -> None:
 
 
 def cases() -> list[tuple[str, str, str]]:
-  """Every setup with `pipelined` under both mappings (the step this matrix was written for), and with
-  `scheduled` and `hooked` under one mapping each, alternating between setups: every pair of
-  (setup, api, mapping) values is covered (checked below), in 28 cases instead of 42."""
+  """A pairwise cover: every setup with every API, the mappings alternating so that every (setup,
+  mapping) and (api, mapping) pair occurs too (checked below): 21 cases instead of 42, each
+  compiled once."""
   out = []
   for k, name in enumerate(U.SETUP_NAMES):
-    out += [(name, "pipelined", m) for m in MAPPINGS]
-    out += [(name, "scheduled", MAPPINGS[k % 2]), (name, "hooked", MAPPINGS[(k + 1) % 2])]
+    out += [(name, api, MAPPINGS[(k + j) % 2]) for j, api in enumerate(APIS)]
   return out
 
 
