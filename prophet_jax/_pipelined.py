@@ -49,6 +49,32 @@ cut's cost on the CPU (bench/pipelined.py).
 Transformations that need every gradient at once (e.g. `optax.clip_by_global_norm`) stay correct: the
 update then waits, through the dataflow, for the last chunk, so the next forward cannot start on the
 front layers early and the overlap is lost.
+
+Auxiliary outputs and model state. With `has_aux=True` the loss returns `(loss, aux)` and each `step`
+returns the aux of the forward it ran (this batch's), as the plain loop's step does. With
+`has_state=True` the loss is `loss_fn(params, model_state, batch) -> (loss, new_model_state)` (BatchNorm
+statistics, a PRNG key, any pytree that is not differentiated): the model state lives in the
+`PipelinedState`, each forward reads the state the previous forward produced and stores the one it
+produces, so the forward of step k+1 sees step k's state, exactly as in the plain loop. The model
+state is an input of the forward like the batch: the values computed from it that the backward needs
+are carried with the residuals.
+
+Batches and model states may hold typed PRNG keys (`jax.random.key`, extended dtypes): they are traced
+as such; nothing converts them to numbers.
+
+Low-precision parameters. The updated parameters are both an output of the program and the input of
+the next forward inside it. XLA on the CPU computes bfloat16 arithmetic in float32 and, by default
+(`xla_allow_excess_precision`), lets a consumer read the unrounded float32 value of a bfloat16 result:
+the next forward would read parameters the plain loop never has (it reads them back from memory,
+rounded). So the updated bfloat16 and float16 parameters are rounded explicitly, by a
+`reduce_precision` on their float32 value, which XLA cannot drop (it is not a no-op on float32) and
+which equals the rounding to the parameter's dtype: the step is as exact as with
+`--xla_allow_excess_precision=false`. (bfloat16 parameters computing in float32, flax's promotion:
+equal to the plain loop.) What cannot be matched is bfloat16 *compute* across the cut: the residuals
+are written out in their dtype (rounded), while the plain step, one program, may keep some bfloat16
+activations in float32 between its forward and its backward. The two then differ by bfloat16 rounding
+(tests/test_pipelined.py measures it); compiled with `xla_allow_excess_precision=False` both round
+every value where the program says, and they are equal.
 """
 
 from __future__ import annotations
@@ -65,9 +91,9 @@ from jax.sharding import PartitionSpec
 
 from ._collectives import allreduce, axis_size, match_tree, vma_enabled
 from ._errors import ScheduleMismatchError
-from ._residuals import carried_avals, carry_plan, forward, recompute, vjp_jaxpr
+from ._residuals import VjpTrace, carried_avals, carry_plan, forward, recompute, vjp_jaxpr
 from ._tree import path_str
-from ._types import Schedule, itemsize
+from ._types import Schedule
 
 __all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending", "save_matmuls"]
 
@@ -100,29 +126,37 @@ class _PendingMeta:
   Attributes:
     schedule: the schedule the pending gradients will be reduced with (the one the forward ran under).
     batch_tree: the batch's treedef.
-    batch: (path, shape, dtype, varying) of every batch leaf, as the step saw it (per device).
+    batch: (path, shape, dtype, varying) of every batch leaf, as the step saw it (per device); dtype is
+      the dtype object (a numpy dtype, or an extended dtype such as a typed PRNG key's).
     residuals: (shape, dtype) of every carried residual, per device, in flatten order.
     carry: where the carried values are in the forward's jaxpr (`_residuals.carry_plan`); the
       backward recomputes the rest of what it reads from them and the state's parameters.
-    forward_size: (equations, vjp closure leaves) of that jaxpr: the backward's trace must match.
+    forward_size: (equations, outputs after the loss) of that jaxpr: the backward's trace must match.
     loss_varying: whether the loss varied over the axis (shard_map with check_vma).
     loss_dtype: the loss's dtype (the cotangent's).
+    state_tree: the treedef of the model state the forward read (that of `None` without `has_state`).
+    state: (path, shape, dtype, varying) of every leaf of that model state.
+    has_state: whether the forward ran with a model state (`pipelined(..., has_state=True)`).
   """
 
   schedule: Schedule
   batch_tree: Any
-  batch: tuple[tuple[str, tuple[int, ...], str, bool], ...]
-  residuals: tuple[tuple[tuple[int, ...], str], ...]
+  batch: tuple[tuple[str, tuple[int, ...], Any, bool], ...]
+  residuals: tuple[tuple[tuple[int, ...], Any], ...]
   carry: tuple[tuple[int, int], ...]
   forward_size: tuple[int, int]
   loss_varying: bool
-  loss_dtype: str = "float32"
+  loss_dtype: Any = np.dtype("float32")
+  state_tree: Any = None
+  state: tuple[tuple[str, tuple[int, ...], Any, bool], ...] = ()
+  has_state: bool = False
 
   def __hash__(self) -> int:  # the schedule can be large: hash once
     h = self.__dict__.get("_hash")
     if h is None:
       h = hash((self.schedule.tree_fingerprint, len(self.schedule.chunks), self.batch_tree, self.batch,
-                self.residuals, self.carry, self.forward_size, self.loss_varying, self.loss_dtype))
+                self.residuals, self.carry, self.forward_size, self.loss_varying, self.loss_dtype,
+                self.state_tree, self.state, self.has_state))
       object.__setattr__(self, "_hash", h)
     return h
 
@@ -134,7 +168,8 @@ class _PendingMeta:
     return (self.batch == other.batch and self.residuals == other.residuals
             and self.carry == other.carry and self.forward_size == other.forward_size
             and self.loss_varying == other.loss_varying and self.loss_dtype == other.loss_dtype
-            and self.batch_tree == other.batch_tree
+            and self.batch_tree == other.batch_tree and self.state_tree == other.state_tree
+            and self.state == other.state and self.has_state == other.has_state
             and (self.schedule is other.schedule or self.schedule == other.schedule))
 
 
@@ -175,19 +210,24 @@ class PipelinedState(NamedTuple):
     opt_state: `tx`'s state (replicated).
     pending: `None` when nothing is pending (after `init` and `flush`), else a `Pending` holding the last
       forward's residuals (per device).
+    model_state: with `has_state=True`, the model state the last forward produced (the one the plain
+      loop holds after as many steps as `step` calls; `init`'s before any); `None` otherwise. Not
+      touched by `flush`.
   """
 
   params: Any
   opt_state: Any
   pending: Pending | None
+  model_state: Any = None
 
 
 def _meta_nbytes(meta: _PendingMeta) -> int:
-  return int(sum(int(np.prod(s, dtype=np.int64)) * itemsize(d) for s, d in meta.residuals))
+  return int(sum(int(np.prod(s, dtype=np.int64)) * _dtype_of(d).itemsize for s, d in meta.residuals))
 
 
-def _dtype_name(dt: Any) -> str:
-  return "bfloat16" if str(dt) == "bfloat16" else str(np.dtype(dt))
+def _dtype_of(dt: Any) -> Any:
+  """A dtype object from a dtype or its name (numpy dtypes, bfloat16, extended dtypes as they are)."""
+  return dt if jax.dtypes.issubdtype(dt, jax.dtypes.extended) else jnp.dtype(dt)
 
 
 def _varying(x: Any, axis_name: Any) -> bool:
@@ -196,8 +236,27 @@ def _varying(x: Any, axis_name: Any) -> bool:
   return all(n in vary for n in names)
 
 
+def _round_to_dtype(x: Any) -> Any:
+  """`x` rounded to its own dtype in a way XLA keeps, for bfloat16 and float16 leaves; others as given.
+
+  XLA's CPU backend computes in float32 and, with excess precision allowed (its default), may hand a
+  fused consumer the float32 value of a bfloat16 result instead of the rounded one. `reduce_precision`
+  on the float32 value rounds exactly as the conversion to the dtype does (round to nearest even, the
+  same exponent range), and XLA cannot remove it: on float32 it is not a no-op.
+  """
+  dt = getattr(x, "dtype", None)
+  if dt is None or dt not in (jnp.bfloat16, jnp.float16):
+    return x
+  info = jnp.finfo(dt)
+  wide = jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=int(info.nexp),
+                                  mantissa_bits=int(info.nmant))
+  return wide.astype(dt)
+
+
 # --------------------------------------------------------------------------------------------------
 # the object
+
+_NO_STATE = object()  # `init`'s default: no model state given (None is a valid model state)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -208,47 +267,82 @@ class Pipelined:
   `jax.shard_map` (inside `jax.jit`) with the axis `axis_name` bound.
 
   Attributes:
-    loss_fn: `loss_fn(params, batch) -> scalar`, the per-device mean loss.
+    loss_fn: `loss_fn(params, batch)`, or `loss_fn(params, model_state, batch)` with `has_state`; it
+      returns the per-device mean loss, with the new model state and the aux as `pipelined` says.
     tx: the optimizer (any optax GradientTransformation).
     schedule: the all-reduce schedule (from `prophet_jax.plan`; any policy works).
     axis_name: the data-parallel axis.
     residuals: "min-cut" (the fewest bytes; `_residuals.carry_plan`), "all" (what `jax.vjp` keeps),
       "matmuls" (`save_matmuls`), or a `jax.checkpoint` policy.
+    has_aux: `loss_fn` returns an auxiliary output beside the loss.
+    has_state: `loss_fn` takes and returns a model state.
   """
 
-  loss_fn: Callable[[Any, Any], Any]
+  loss_fn: Callable[..., Any]
   tx: optax.GradientTransformation
   schedule: Schedule
   axis_name: Any
   residuals: Any = "min-cut"
+  has_aux: bool = False
+  has_state: bool = False
+
+  def __post_init__(self):
+    # one callable for the life of this step: jax.checkpoint caches its trace of a function by identity,
+    # and a bound method is a new object at every access
+    object.__setattr__(self, "_loss_call", self._call)
 
   # -- public -------------------------------------------------------------------------------------
-  def init(self, params: Any) -> PipelinedState:
-    """The initial state: `params`, `tx.init(params)`, nothing pending.
+  def init(self, params: Any, model_state: Any = _NO_STATE) -> PipelinedState:
+    """The initial state: `params`, `tx.init(params)`, nothing pending, and the model state.
+
+    Args:
+      params: the parameters (the tree the schedule was planned for).
+      model_state: with `has_state=True` (and only then), the model state the first forward reads
+        (e.g. `variables["batch_stats"]`, a PRNG key).
 
     Raises:
       ScheduleMismatchError: the schedule was planned for another tree (the leaf at fault is named).
+      TypeError: `model_state` given without `has_state=True`, or missing with it.
     """
     self._check_params(params, "pipelined.init")
-    return PipelinedState(params=params, opt_state=self.tx.init(params), pending=None)
+    if self.has_state and model_state is _NO_STATE:
+      raise TypeError("pipelined.init: this step was made with has_state=True, so init needs the model "
+                      "state the first forward reads: init(params, model_state).")
+    if not self.has_state and model_state is not _NO_STATE:
+      raise TypeError("pipelined.init: a model_state was given, but this step was made without "
+                      "has_state=True, so loss_fn would never see it. Pass has_state=True to pipelined "
+                      "and write loss_fn(params, model_state, batch) -> (loss, new_model_state).")
+    return PipelinedState(params=params, opt_state=self.tx.init(params), pending=None,
+                          model_state=None if model_state is _NO_STATE else model_state)
 
-  def step(self, state: PipelinedState, batch: Any) -> tuple[PipelinedState, jax.Array]:
+  def step(self, state: PipelinedState, batch: Any) -> tuple[PipelinedState, Any]:
     """One pipelined step: pending backward, scheduled all-reduce, update, then the forward of `batch`.
 
     On the first call (nothing pending) only the forward runs. A state whose pending forward ran under
     another schedule for the same tree (a re-plan between calls) is flushed first, with the schedule it
     was made under, inside the same program: the result stays exact.
 
+    What equals the plain loop (`jax.value_and_grad(loss_fn, has_aux=...)`, `pmean`, `tx`, one jitted
+    call per batch), call by call: the loss (and aux) returned for `batch` are the plain step's on
+    the same batch, i.e. at the parameters after the previous batches' updates and, with `has_state`,
+    at the model state the previous batch's forward produced; `state.model_state` after the call is
+    the plain loop's after this batch. The parameters lag by one update until `flush`; after it they
+    are the plain loop's. Equal means: up to float32 reduction order (DESIGN.md's tolerance);
+    bfloat16 parameters are rounded as the plain loop rounds them.
+
     Args:
       state: from `init`, `step` or `flush`.
-      batch: this device's batch (any pytree); every call between flushes must see the same shapes.
+      batch: this device's batch (any pytree; typed PRNG keys allowed); every call between flushes must
+        see the same shapes.
 
     Returns:
-      `(state, loss)`: the new state (holding this batch's residuals) and this device's loss on `batch`
-      at the parameters after the previous update, the same value the plain loop's step returns.
+      `(state, loss)`, or `(state, (loss, aux))` with `has_aux=True`: the new state (holding this
+      batch's residuals and, with `has_state`, the model state this forward produced), this device's
+      loss on `batch` and the aux of this forward.
 
     Raises:
-      TypeError: `state` is not a PipelinedState, or `loss_fn` does not return a scalar.
+      TypeError: `state` is not a PipelinedState, or `loss_fn` returns something other than it should
+        (a non-scalar loss, a tuple without `has_aux`, a model state of another structure).
       ValueError: the batch's shapes or dtypes differ from the pending forward's (flush first).
       ScheduleMismatchError: the params, or the pending forward's schedule, belong to another tree.
       UnboundAxisError: `axis_name` is not bound here.
@@ -257,19 +351,22 @@ class Pipelined:
     self._check_state(state, where)
     axis_size(self.axis_name, where)
     self._check_params(state.params, where)
-    batch_tree, batch_avals = self._batch_avals(batch)
+    batch_tree, batch_avals = self._avals(batch)
     params, opt_state = state.params, state.opt_state
     if state.pending is not None:
       self._check_batch(state.pending.meta, batch_tree, batch_avals)
       params, opt_state = self._backward_and_update(params, opt_state, state.pending, where)
-    loss, pending = self._forward(params, batch, batch_tree, batch_avals)
-    return PipelinedState(params=params, opt_state=opt_state, pending=pending), loss
+    loss, model_state, aux, pending = self._forward(params, state.model_state, batch, batch_tree,
+                                                    batch_avals)
+    new = PipelinedState(params=params, opt_state=opt_state, pending=pending, model_state=model_state)
+    return new, ((loss, aux) if self.has_aux else loss)
 
   def flush(self, state: PipelinedState) -> PipelinedState:
     """Runs the pending backward, its scheduled all-reduce and the update; a no-op when none is pending.
 
     Call it before evaluating, checkpointing, changing the batch shape, and at the end of training:
-    afterwards `params(state)` equals the plain loop's parameters after as many steps as `step` calls.
+    afterwards `params(state)` equals the plain loop's parameters after as many steps as `step` calls
+    (and `model_state(state)`, which `flush` leaves as it is, the plain loop's model state).
 
     Raises:
       TypeError: `state` is not a PipelinedState.
@@ -282,32 +379,47 @@ class Pipelined:
       return state
     axis_size(self.axis_name, where)
     params, opt_state = self._backward_and_update(state.params, state.opt_state, state.pending, where)
-    return PipelinedState(params=params, opt_state=opt_state, pending=None)
+    return state._replace(params=params, opt_state=opt_state, pending=None)
 
   def params(self, state: PipelinedState) -> Any:
     """The parameters after every applied update (`flush` first for the plain loop's parameters)."""
     self._check_state(state, "pipelined.params")
     return state.params
 
-  def state_specs(self, state: PipelinedState | None = None) -> PipelinedState:
+  def model_state(self, state: PipelinedState) -> Any:
+    """The model state the last forward produced (`has_state=True`), the plain loop's after as many
+    steps; `None` without `has_state`."""
+    self._check_state(state, "pipelined.model_state")
+    return state.model_state
+
+  def state_specs(self, state: PipelinedState | None = None, *,
+                  model_state: Any = PartitionSpec()) -> PipelinedState:
     """PartitionSpecs of the state for `jax.shard_map`'s in_specs / out_specs.
 
     Parameters and optimizer state are replicated (`P()`); the residuals are per device
-    (`P(axis_name)`, each with a leading axis of size 1 per device).
+    (`P(axis_name)`, each with a leading axis of size 1 per device); the model state is as
+    `model_state` says.
 
     Args:
       state: optional. Without it the result is a *prefix* spec (one PartitionSpec per field), valid
         for any state, pending or not, as shard_map accepts; with it, a spec for every leaf (e.g. for
         `jax.device_put` with NamedShardings).
+      model_state: the spec (or a prefix tree of specs) of the model state: `P()` (the default) when
+        it is the same on every device (e.g. BatchNorm statistics averaged over the axis in `loss_fn`,
+        a PRNG key split alike everywhere), `P(axis_name)` for per-device values stacked on a leading
+        axis.
     """
     axis = self.axis_name
     prefix = PipelinedState(params=PartitionSpec(), opt_state=PartitionSpec(),
-                            pending=PartitionSpec(axis))
+                            pending=PartitionSpec(axis), model_state=model_state)
     if state is None:
       return prefix
     self._check_state(state, "pipelined.state_specs")
-    return PipelinedState(*(jax.tree_util.tree_map(lambda _, s=spec: s, part)
-                            for part, spec in zip(state, prefix)))
+    def expand(spec, part):  # a spec (or a prefix tree of them) -> one spec per leaf of `part`
+      return jax.tree_util.tree_map(lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub), spec, part,
+                                    is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    return PipelinedState(*(expand(spec, part) for part, spec in zip(state, prefix)))
 
   def residual_bytes(self, state: PipelinedState) -> int:
     """Bytes of carried residuals per device (0 when nothing is pending).
@@ -319,31 +431,73 @@ class Pipelined:
     return 0 if state.pending is None else _meta_nbytes(state.pending.meta)
 
   # -- the pieces ---------------------------------------------------------------------------------
-  def _forward_fn(self, params: Any, batch: Any) -> Any:
-    """`loss_fn`, under `jax.checkpoint` with the residual policy unless every residual is kept."""
+  def _call(self, params: Any, inputs: Any) -> tuple[Any, tuple[Any, Any]]:
+    """`loss_fn` on the forward's inputs (the batch, or (model_state, batch)), as (loss, (state, aux))."""
+    if self.has_state:
+      model_state, batch = inputs
+      out = self.loss_fn(params, model_state, batch)
+    else:
+      out = self.loss_fn(params, inputs)
+    if not (self.has_aux or self.has_state):
+      if isinstance(out, (tuple, list)):
+        raise TypeError(f"pipelined: loss_fn returned a {type(out).__name__} of {len(out)} values; "
+                        f"without has_aux=True it must return the scalar loss. If it returns (loss, "
+                        f"aux), pass has_aux=True (and has_state=True if aux is a model state the next "
+                        f"forward reads, such as BatchNorm statistics).")
+      return out, (None, None)
+    what = ("(loss, (new_model_state, aux))" if self.has_aux and self.has_state else
+            "(loss, new_model_state)" if self.has_state else "(loss, aux)")
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(f"pipelined: with has_aux={self.has_aux} and has_state={self.has_state}, loss_fn "
+                      f"must return {what}; got {type(out).__name__}.")
+    loss, rest = out
+    if self.has_aux and self.has_state:
+      if not (isinstance(rest, (tuple, list)) and len(rest) == 2):
+        raise TypeError(f"pipelined: with has_aux=True and has_state=True, loss_fn must return {what}; "
+                        f"its second value is a {type(rest).__name__}, not a pair.")
+      return loss, tuple(rest)
+    return loss, ((rest, None) if self.has_state else (None, rest))
+
+  def _forward_fn(self, params: Any, inputs: Any) -> Any:
+    """`_call`, under `jax.checkpoint` with the residual policy unless every residual is kept."""
     if self.residuals in ("all", "min-cut"):
-      return self.loss_fn(params, batch)
+      return self._call(params, inputs)
     policy = save_matmuls if self.residuals == "matmuls" else self.residuals
     # prevent_cse=False: the recomputation runs in the *next* call's backward, on carried residuals,
     # where nothing can be CSE'd with this forward; the guard would only add copies
-    return jax.checkpoint(self.loss_fn, policy=policy, prevent_cse=False)(params, batch)
+    return jax.checkpoint(self._loss_call, policy=policy, prevent_cse=False)(params, inputs)
 
-  def _forward(self, params: Any, batch: Any, batch_tree: Any,
-               batch_avals: tuple) -> tuple[jax.Array, Pending]:
+  def _inputs(self, model_state: Any, batch: Any) -> Any:
+    return (model_state, batch) if self.has_state else batch
+
+  def _trace(self, pv: Any, inputs: Any) -> tuple[VjpTrace, tuple]:
+    """The forward's `vjp_jaxpr` on `inputs` and its carry plan (nothing runs)."""
+    trace = vjp_jaxpr(self._forward_fn, pv, inputs, has_aux=True)
+    plan = carry_plan(trace.closed, len(jax.tree_util.tree_leaves(pv)), self._how, n_head=trace.n_head)
+    return trace, plan
+
+  def _forward(self, params: Any, model_state: Any, batch: Any, batch_tree: Any,
+               batch_avals: tuple) -> tuple[jax.Array, Any, Any, Pending]:
     pv = self._varying_params(params)
+    state_tree, state_avals = self._avals(model_state)
     # traced once, run from its jaxpr: the same trace says what to carry
-    closed, _ = vjp_jaxpr(self._forward_fn, pv, batch)
-    plan = carry_plan(closed, len(jax.tree_util.tree_leaves(pv)), self._how)
+    trace, plan = self._trace(pv, self._inputs(model_state, batch))
+    n_head = trace.n_head
     with jax.named_scope("pipelined_forward"):
-      loss, *residuals = forward(closed, plan)(*jax.tree_util.tree_leaves(pv),
-                                                *jax.tree_util.tree_leaves(batch))
+      loss, *outs = forward(trace.closed, plan, n_head=n_head)(
+          *jax.tree_util.tree_leaves(pv), *jax.tree_util.tree_leaves(self._inputs(model_state, batch)))
+    new_state, aux = jax.tree_util.tree_unflatten(trace.aux_tree, outs[:n_head - 1])
+    residuals = outs[n_head - 1:]
     self._check_loss(loss)
+    if self.has_state:
+      self._check_new_state(model_state, new_state)
     meta = _PendingMeta(
         schedule=self.schedule, batch_tree=batch_tree, batch=batch_avals,
-        residuals=tuple((tuple(np.shape(x)), _dtype_name(x.dtype)) for x in residuals),
-        carry=plan, forward_size=_size(closed),
-        loss_varying=self._is_varying(loss), loss_dtype=_dtype_name(jnp.result_type(loss)))
-    return loss, Pending(tuple(x[None] for x in residuals), meta)
+        residuals=tuple((tuple(np.shape(x)), x.dtype) for x in residuals),
+        carry=plan, forward_size=_size(trace.closed, n_head),
+        loss_varying=self._is_varying(loss), loss_dtype=jnp.result_type(loss),
+        state_tree=state_tree, state=state_avals, has_state=self.has_state)
+    return loss, new_state, aux, Pending(tuple(x[None] for x in residuals), meta)
 
   def _backward_and_update(self, params: Any, opt_state: Any, pending: Pending,
                            where: str) -> tuple[Any, Any]:
@@ -355,10 +509,16 @@ class Pipelined:
           f"{schedule.tree_fingerprint!r}; this pipelined step's schedule has "
           f"{self.schedule.tree_fingerprint!r}). The state was made by a pipelined step of a different "
           f"model: flush it with that step, or start from init(params) with this one.")
+    if meta.has_state != self.has_state:
+      raise ValueError(f"{where}: the state's pending forward ran {'with' if meta.has_state else 'without'} "
+                       f"a model state, but this pipelined step has has_state={self.has_state}. Flush it "
+                       f"with the step that made it, or start from init(...).")
     pv = self._varying_params(params)
-    closed, treedef, plan = self._vjp_structure(pv, meta)
-    res_avals = tuple((tuple(a.shape), _dtype_name(a.dtype)) for a in carried_avals(closed, plan))
-    if res_avals != meta.residuals or plan != meta.carry or _size(closed) != meta.forward_size:
+    trace, plan = self._vjp_structure(pv, meta)
+    closed = trace.closed
+    res_avals = tuple((tuple(a.shape), a.dtype) for a in carried_avals(closed, plan))
+    if (res_avals != meta.residuals or plan != meta.carry
+        or _size(closed, trace.n_head) != meta.forward_size):
       same = " (the same shapes, other values of the forward)" if res_avals == meta.residuals else ""
       raise ValueError(
           f"{where}: the state carries {len(meta.residuals)} residuals {_short(meta.residuals)}, but this "
@@ -369,35 +529,38 @@ class Pipelined:
       raise ValueError(f"{where}: the state's pending node holds {len(pending.residuals)} arrays but "
                        f"records {len(meta.residuals)}; it was edited. Start from init(params).")
     with jax.named_scope("pipelined_backward"):
-      leaves = recompute(closed, plan, len(jax.tree_util.tree_leaves(pv)))(
+      leaves = recompute(closed, plan, len(jax.tree_util.tree_leaves(pv)), n_head=trace.n_head)(
           *jax.tree_util.tree_leaves(pv), *(r[0] for r in pending.residuals))
-      vjp_fn = jax.tree_util.tree_unflatten(treedef, leaves)
+      vjp_fn = jax.tree_util.tree_unflatten(trace.treedef, leaves)
       (grads,) = vjp_fn(self._ones_ct(meta))
     grads = allreduce(grads, schedule, self.axis_name, mean=True)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
+    # the next forward reads these inside this program: round low-precision leaves as memory would
+    params = jax.tree_util.tree_map(_round_to_dtype, params)
     return params, opt_state
 
-  def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> tuple[Any, Any, tuple]:
-    """The forward traced on the recorded batch shapes (nothing of it runs): its `vjp_jaxpr`, the vjp
-    closure's treedef and the carry plan."""
-    use_vma = vma_enabled(self.axis_name)
-    leaves = []
-    for _, shape, dtype, varying in meta.batch:
-      x = jnp.zeros(shape, jnp.dtype(dtype))
-      if varying and use_vma:
-        x = jax.lax.pcast(x, self.axis_name, to="varying")
-      leaves.append(x)
-    batch = jax.tree_util.tree_unflatten(meta.batch_tree, leaves)
-    closed, treedef = vjp_jaxpr(self._forward_fn, pv, batch)
-    return closed, treedef, carry_plan(closed, len(jax.tree_util.tree_leaves(pv)), self._how)
+  def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> tuple[VjpTrace, tuple]:
+    """The forward traced on the recorded input shapes (nothing of it runs): its `vjp_jaxpr` and the
+    carry plan."""
+    batch = jax.tree_util.tree_unflatten(meta.batch_tree, [self._placeholder(a) for a in meta.batch])
+    model_state = jax.tree_util.tree_unflatten(meta.state_tree, [self._placeholder(a) for a in meta.state])
+    return self._trace(pv, self._inputs(model_state, batch))
+
+  def _placeholder(self, aval: tuple) -> jax.Array:
+    """A value of a recorded (path, shape, dtype, varying) leaf (a constant; only its type matters)."""
+    _, shape, dtype, varying = aval
+    x = jax.lax.full(shape, 0, dtype)  # also for extended dtypes (typed PRNG keys)
+    if varying and vma_enabled(self.axis_name):
+      x = jax.lax.pcast(x, self.axis_name, to="varying")
+    return x
 
   @property
   def _how(self) -> str:
     return "min-cut" if self.residuals == "min-cut" else "closure"
 
   def _ones_ct(self, meta: _PendingMeta) -> jax.Array:
-    ct = jnp.ones((), jnp.dtype(meta.loss_dtype))
+    ct = jnp.ones((), meta.loss_dtype)
     if meta.loss_varying and vma_enabled(self.axis_name):
       ct = jax.lax.pcast(ct, self.axis_name, to="varying")
     return ct
@@ -430,15 +593,15 @@ class Pipelined:
   def _check_params(self, params: Any, where: str) -> None:
     match_tree(jax.tree_util.tree_flatten_with_path(params)[0], self.schedule, where=where)
 
-  def _batch_avals(self, batch: Any) -> tuple[Any, tuple]:
-    leaves, tree = jax.tree_util.tree_flatten_with_path(batch)
+  def _avals(self, tree: Any) -> tuple[Any, tuple]:
+    """(treedef, ((path, shape, dtype, varying), ...)) of a batch or model state."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     avals = []
     for path, x in leaves:
       if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         x = jnp.asarray(x)
-      avals.append((path_str(path), tuple(int(d) for d in x.shape), _dtype_name(x.dtype),
-                    self._is_varying(x)))
-    return jax.tree_util.tree_structure(batch), tuple(avals)
+      avals.append((path_str(path), tuple(int(d) for d in x.shape), x.dtype, self._is_varying(x)))
+    return jax.tree_util.tree_structure(tree), tuple(avals)
 
   def _check_batch(self, meta: _PendingMeta, batch_tree: Any, avals: tuple) -> None:
     fix = ("Every step between flushes must see the same batch shapes; call state = flush(state) "
@@ -455,6 +618,29 @@ class Pipelined:
                          f"{self.axis_name!r} now but was {'' if vary0 else 'not '}before: keep the "
                          f"same in_specs for the batch between flushes.")
 
+  def _check_new_state(self, old: Any, new: Any) -> None:
+    """The new model state must be a drop-in for the old: same structure, shapes, dtypes, and not
+    varying over the axis where the old one was not."""
+    fix = ("loss_fn(params, model_state, batch) must return a new model state of the same structure, "
+           "shapes and dtypes as the one it was given (flax: `variables['batch_stats']` in, "
+           "`updates['batch_stats']` out).")
+    old_tree, old_avals = self._avals(old)
+    new_tree, new_avals = self._avals(new)
+    if old_tree != new_tree:
+      raise TypeError(f"pipelined: the model state loss_fn returned has structure {new_tree}, but it was "
+                      f"given {old_tree}. {fix}")
+    for (path, shape, dtype, vary), (_, shape0, dtype0, vary0) in zip(new_avals, old_avals):
+      if shape != shape0 or dtype != dtype0:
+        raise TypeError(f"pipelined: model state leaf {path!r} comes back with shape {shape} and dtype "
+                        f"{dtype}, but went in with shape {shape0} and dtype {dtype0}. {fix}")
+      if vary and not vary0:
+        raise ValueError(
+            f"pipelined: model state leaf {path!r} went in the same on every device but comes back "
+            f"varying over {self.axis_name!r} (computed from this device's batch). Average it in "
+            f"loss_fn (jax.lax.pmean(..., {self.axis_name!r}), as synchronized BatchNorm statistics "
+            f"are), or keep it per device: pass it with a leading device axis and "
+            f"state_specs(model_state=P({self.axis_name!r})).")
+
   def _check_loss(self, loss: Any) -> None:
     if np.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
       raise TypeError(f"pipelined: loss_fn(params, batch) must return a floating scalar, got shape "
@@ -462,8 +648,8 @@ class Pipelined:
                       f"this device's batch.")
 
 
-def _size(closed: Any) -> tuple[int, int]:
-  return len(closed.jaxpr.eqns), len(closed.jaxpr.outvars) - 1
+def _size(closed: Any, n_head: int) -> tuple[int, int]:
+  return len(closed.jaxpr.eqns), len(closed.jaxpr.outvars) - n_head
 
 
 def _short(avals: tuple) -> str:
@@ -471,17 +657,27 @@ def _short(avals: tuple) -> str:
   return f"[{text}{', ...' if len(avals) > 4 else ''}]"
 
 
-def pipelined(loss_fn: Callable[[Any, Any], Any], tx: optax.GradientTransformation,
-              schedule: Schedule, *, axis_name: Any, residuals: Any = "min-cut") -> Pipelined:
+def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
+              schedule: Schedule, *, axis_name: Any, residuals: Any = "min-cut", has_aux: bool = False,
+              has_state: bool = False) -> Pipelined:
   """The cross-step pipelined train step for `loss_fn`, `tx` and `schedule` over `axis_name`.
 
   Each `step` runs the previous batch's backward with the schedule's chunked, ordered all-reduces,
   `tx`'s update and this batch's forward in one program, so each layer's next forward can start as
-  soon as its chunks are reduced (DESIGN.md, `cross_step=True`). After N steps and a `flush`, the
-  parameters equal N plain steps (`jax.grad`, `pmean`, `tx`) up to float32 reduction order.
+  soon as its chunks are reduced (DESIGN.md, `cross_step=True`).
+
+  Equal to the plain loop: per call, the returned loss and aux are the plain step's on the same batch,
+  `state.model_state` is the plain loop's after that batch, and after N steps and a `flush` the
+  parameters equal N plain steps (`jax.value_and_grad(loss_fn, has_aux=...)`, `pmean`, `tx`), up to
+  float32 reduction order (bfloat16 parameters rounded as the plain loop rounds them).
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar`: the mean loss over this device's batch.
+    loss_fn: the mean loss over this device's batch, one of (as `jax.value_and_grad` would take it):
+      `loss_fn(params, batch) -> loss`;
+      with `has_aux=True`, `loss_fn(params, batch) -> (loss, aux)`;
+      with `has_state=True`, `loss_fn(params, model_state, batch) -> (loss, new_model_state)`;
+      with both, `loss_fn(params, model_state, batch) -> (loss, (new_model_state, aux))`.
+      The batch and the model state may hold typed PRNG keys.
     tx: an optax GradientTransformation, applied to the averaged gradients. Transformations that need
       every gradient at once (`optax.clip_by_global_norm`) stay correct but remove the overlap.
     schedule: a Schedule for `params` (any policy; `plan(..., cross_step=True)` plans for this step).
@@ -492,14 +688,21 @@ def pipelined(loss_fn: Callable[[Any, Any], Any], tx: optax.GradientTransformati
       "matmuls": the forward under `jax.checkpoint` keeping only matmul, convolution and reduction
       outputs (`save_matmuls`). Or any `jax.checkpoint` policy. bench/pipelined.py measures them;
       the result is the same up to float32 rounding either way.
+    has_aux: `loss_fn` returns an auxiliary output (metrics, logits, ...), not differentiated;
+      `step` then returns `(state, (loss, aux))`, the aux of the forward it ran.
+    has_state: `loss_fn` takes the model state (BatchNorm statistics, a PRNG key: anything the
+      forward reads and updates without differentiating it) and returns the new one. The state lives
+      in `PipelinedState.model_state` (`init(params, model_state)`); each forward reads the state the
+      previous forward produced. Under `shard_map`, name its spec in `state_specs(model_state=...)`.
 
   Returns:
-    A `Pipelined` with `init(params)`, `step(state, batch) -> (state, loss)`, `flush(state)`,
-    `params(state)`, `state_specs(state=None)` and `residual_bytes(state)`.
+    A `Pipelined` with `init(params[, model_state])`, `step(state, batch) -> (state, loss)` (or
+    `(state, (loss, aux))`), `flush(state)`, `params(state)`, `model_state(state)`,
+    `state_specs(state=None, *, model_state=P())` and `residual_bytes(state)`.
 
   Raises:
-    TypeError: `loss_fn` is not callable, `tx` is not a GradientTransformation, or `schedule` is not a
-      Schedule.
+    TypeError: `loss_fn` is not callable, `tx` is not a GradientTransformation, `schedule` is not a
+      Schedule, or `has_aux` / `has_state` is not a bool.
 
   Example:
     >>> p = prophet_jax.pipelined(model.loss_fn, optax.adamw(1e-3), schedule, axis_name="data")
@@ -517,6 +720,17 @@ def pipelined(loss_fn: Callable[[Any, Any], Any], tx: optax.GradientTransformati
 
     (the loss varies over the axis there: return `jax.lax.pmean(loss, "data")` or `loss[None]` with
     `P("data")` from a wrapper; `step` itself adds no collective beyond the schedule's.)
+
+    A flax model with BatchNorm (statistics averaged over the devices in the loss, so the same on
+    every device):
+
+    >>> def loss_fn(params, batch_stats, batch):
+    ...   logits, upd = model.apply({"params": params, "batch_stats": batch_stats}, batch["x"],
+    ...                             train=True, mutable=["batch_stats"])
+    ...   loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    ...   return loss, jax.lax.pmean(upd["batch_stats"], "data")
+    >>> p = prophet_jax.pipelined(loss_fn, tx, schedule, axis_name="data", has_state=True)
+    >>> state = p.init(params, variables["batch_stats"])
   """
   if not callable(loss_fn):
     raise TypeError(f"pipelined(loss_fn=...): expected a callable loss_fn(params, batch) -> scalar, got "
@@ -531,9 +745,13 @@ def pipelined(loss_fn: Callable[[Any, Any], Any], tx: optax.GradientTransformati
     raise ValueError(f"pipelined(residuals={residuals!r}): expected 'all', 'min-cut', 'matmuls' or a "
                      f"jax.checkpoint policy (a callable, e.g. "
                      f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable).")
+  for name, flag in (("has_aux", has_aux), ("has_state", has_state)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"pipelined({name}={flag!r}): expected True or False.")
   try:
     hash(axis_name)
   except TypeError as e:
     raise TypeError(f"pipelined(axis_name={axis_name!r}): an axis name must be hashable (a string, or "
                     f"a tuple of strings).") from e
-  return Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name, residuals=residuals)
+  return Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name, residuals=residuals,
+                   has_aux=has_aux, has_state=has_state)

@@ -11,7 +11,15 @@ the half dozen derivative terms of a tanh-GELU, which a plain step's XLA fuses a
 the fewest bytes from which the backward can recompute everything it reads by cheap (elementwise and
 layout) operations, fused by XLA into its consumers: a minimum s-t cut of the forward's value graph,
 as AOTAutograd's partitioner does. Products, convolutions, reductions, nested calls and anything
-unknown are never recomputed: their outputs are carried when the backward needs them.
+unknown are never recomputed from batch values: their batch-dependent outputs are carried when the
+backward needs them.
+
+The invariant: everything the backward recomputes is computable from the parameters and the carried
+values. Whether a value depends on the batch (`_live`) and how it is recomputed (`_slice`) are decided
+at the same granularity: a nested `jit` call is looked into, per output, by both (the backward runs it
+pruned to the outputs it needs, e.g. the constant mask and zero fill of a `jnp.where`, reading only
+the inputs those depend on, never the labels its other outputs read); any other equation is a unit for
+both.
 
 The plan is positions in the jaxpr of `vjp_jaxpr` (deterministic for a given function and shapes), so
 the forward (on the real batch) and the next call's backward (tracing on the recorded shapes) agree.
@@ -21,7 +29,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex_core
@@ -40,11 +48,32 @@ _CHEAP = frozenset({
 })
 
 
-def vjp_jaxpr(forward_fn: Callable[[Any, Any], Any], pv: Any, batch: Any) -> tuple[Any, Any]:
-  """`jax.vjp(forward_fn(., batch), pv)`, traced (nothing runs): (closed jaxpr, closure treedef).
+class VjpTrace(NamedTuple):
+  """A traced `jax.vjp` of the forward (`vjp_jaxpr`).
 
-  The jaxpr's inputs are pv's leaves then batch's; its outputs are the loss, then the vjp closure's
-  leaves in flatten order.
+  Attributes:
+    closed: the closed jaxpr. Inputs: the params' leaves, then the batch's. Outputs: the loss, the
+      auxiliary output's leaves (`n_head` values in all), then the vjp closure's leaves in flatten order.
+    treedef: the vjp closure's treedef.
+    aux_tree: the auxiliary output's treedef (of `None` without `has_aux`).
+  """
+
+  closed: Any
+  treedef: Any
+  aux_tree: Any
+
+  @property
+  def n_head(self) -> int:
+    """The number of leading outputs that are the forward's own (the loss and the aux leaves)."""
+    return 1 + self.aux_tree.num_leaves
+
+
+def vjp_jaxpr(forward_fn: Callable[[Any, Any], Any], pv: Any, batch: Any, *,
+              has_aux: bool = False) -> VjpTrace:
+  """`jax.vjp(forward_fn(., batch), pv, has_aux=has_aux)`, traced (nothing runs).
+
+  With `has_aux`, `forward_fn` returns `(loss, aux)`; aux is not differentiated, and its leaves are the
+  jaxpr's outputs after the loss.
   """
   p_leaves, p_tree = jax.tree_util.tree_flatten(pv)
   b_leaves, b_tree = jax.tree_util.tree_flatten(batch)
@@ -52,24 +81,31 @@ def vjp_jaxpr(forward_fn: Callable[[Any, Any], Any], pv: Any, batch: Any) -> tup
 
   def loss_and_closure(pl, bl):
     b = jax.tree_util.tree_unflatten(b_tree, bl)
-    loss, vjp_fn = jax.vjp(lambda q: forward_fn(q, b), jax.tree_util.tree_unflatten(p_tree, pl))
+    q = jax.tree_util.tree_unflatten(p_tree, pl)
+    if has_aux:
+      loss, vjp_fn, aux = jax.vjp(lambda r: forward_fn(r, b), q, has_aux=True)
+    else:
+      (loss, vjp_fn), aux = jax.vjp(lambda r: forward_fn(r, b), q), None
     leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
-    box.append(treedef)
-    return [loss, *leaves]
+    aux_leaves, aux_tree = jax.tree_util.tree_flatten(aux)
+    box.append((treedef, aux_tree))
+    return [loss, *aux_leaves, *leaves]
 
-  return jax.make_jaxpr(loss_and_closure)(p_leaves, b_leaves), box[0]
+  closed = jax.make_jaxpr(loss_and_closure)(p_leaves, b_leaves)
+  return VjpTrace(closed, *box[0])
 
 
-def carry_plan(closed: Any, n_params: int, how: str) -> tuple[Position, ...]:
+def carry_plan(closed: Any, n_params: int, how: str, *, n_head: int = 1) -> tuple[Position, ...]:
   """The positions of the values the forward carries, for a `vjp_jaxpr` jaxpr.
 
   how: "closure": the closure leaves that depend on the batch (what `jax.vjp` keeps, less the
     parameters and constants); "min-cut": the fewest bytes from which the backward recomputes every
     closure leaf by cheap operations.
+  n_head: the outputs before the closure's leaves (`VjpTrace.n_head`).
   """
   jaxpr = closed.jaxpr
   on_batch = _batch_vars(jaxpr, n_params)
-  needed = [v for v in jaxpr.outvars[1:] if _is_var(v) and v in on_batch]
+  needed = [v for v in jaxpr.outvars[n_head:] if _is_var(v) and v in on_batch]
   if how == "closure":
     chosen = list(dict.fromkeys(needed))
   elif how == "min-cut":
@@ -86,18 +122,21 @@ def carried_avals(closed: Any, plan: Sequence[Position]) -> tuple[Any, ...]:
   return tuple(at[p].aval for p in plan)
 
 
-def forward(closed: Any, plan: Sequence[Position]) -> Callable[..., list[Any]]:
-  """`f(*param_leaves, *batch_leaves) -> [loss, *carried]`: the forward, computing only what it needs."""
+def forward(closed: Any, plan: Sequence[Position], *, n_head: int = 1) -> Callable[..., list[Any]]:
+  """`f(*param_leaves, *batch_leaves) -> [loss, *aux, *carried]`: the forward, computing only what it
+  needs."""
   jaxpr = closed.jaxpr
   at = _vars_at(jaxpr)
-  return _subprogram(closed, list(jaxpr.invars), [jaxpr.outvars[0], *(at[p] for p in plan)])
+  return _subprogram(closed, list(jaxpr.invars), [*jaxpr.outvars[:n_head], *(at[p] for p in plan)])
 
 
-def recompute(closed: Any, plan: Sequence[Position], n_params: int) -> Callable[..., list[Any]]:
+def recompute(closed: Any, plan: Sequence[Position], n_params: int, *,
+              n_head: int = 1) -> Callable[..., list[Any]]:
   """`f(*param_leaves, *carried) -> closure leaves`: the backward's inputs, from the carried values."""
   jaxpr = closed.jaxpr
   at = _vars_at(jaxpr)
-  return _subprogram(closed, [*jaxpr.invars[:n_params], *(at[p] for p in plan)], list(jaxpr.outvars[1:]))
+  return _subprogram(closed, [*jaxpr.invars[:n_params], *(at[p] for p in plan)],
+                     list(jaxpr.outvars[n_head:]))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -108,12 +147,30 @@ def _is_var(v: Any) -> bool:
   return not isinstance(v, jex_core.Literal)
 
 
+# the parameters of a `jit` equation with one entry per input / per output: pruning a call filters them
+_CALL_IN_PARAMS = ("in_shardings", "in_layouts", "donated_invars")
+_CALL_OUT_PARAMS = ("out_shardings", "out_layouts")
+_CALL_PARAMS = frozenset({"jaxpr", "ctx_mesh", "name", "keep_unused", "inline", "compiler_options_kvs",
+                          *_CALL_IN_PARAMS, *_CALL_OUT_PARAMS})
+
+
 def _inner_jaxpr(eqn: Any) -> Any:
-  inner = eqn.params.get("jaxpr") if eqn.primitive.name == "jit" else None
+  """The body of a nested `jit` call that can be looked into and pruned, else None (an opaque equation).
+
+  One predicate for both sides of the rule: `_live` decides liveness per output of exactly these calls,
+  and `_slice` recomputes exactly these calls pruned to the outputs it needs (reading only the inputs
+  those outputs depend on). Any other equation, or a call with effects or with parameters this module
+  does not know how to prune, is a unit: all its outputs are live when one input is, and recomputing
+  one output recomputes it whole.
+  """
+  if eqn.primitive.name != "jit" or eqn.effects or not set(eqn.params) <= _CALL_PARAMS:
+    return None
+  inner = eqn.params.get("jaxpr")
   inner = getattr(inner, "jaxpr", inner)
-  if inner is not None and len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
-    return inner
-  return None
+  if (inner is None or inner.effects or len(inner.invars) != len(eqn.invars)
+      or len(inner.outvars) != len(eqn.outvars)):
+    return None
+  return inner
 
 
 def _live(jaxpr: Any, live_in: Sequence[bool]) -> set[Any]:
@@ -270,21 +327,62 @@ class _FlowGraph:
     return seen
 
 
-def _subprogram(closed: Any, invars: list[Any], outvars: list[Any]) -> Callable[..., list[Any]]:
-  """A function computing `outvars` from `invars` by the equations of `closed` between them."""
-  jaxpr = closed.jaxpr
-  have = set(invars) | set(jaxpr.constvars)
+def _slice(jaxpr: Any, have: set[Any], outvars: Sequence[Any]) -> tuple[list[Any], set[Any]]:
+  """The equations of `jaxpr` that compute `outvars` from the values in `have`, and what they miss.
+
+  Walks back from `outputs`: an equation is kept when one of its outputs is needed. A nested call of
+  which only some outputs are needed is pruned to those outputs (`_prune_call`), so it reads only the
+  inputs they depend on: the same granularity at which `_live` decides what depends on the batch.
+  Returns (kept equations in program order, the needed values that neither `have` nor an equation
+  gives).
+  """
   need = {v for v in outvars if _is_var(v) and v not in have}
   kept = []
   for eqn in reversed(jaxpr.eqns):
-    if any(v in need for v in eqn.outvars):
-      kept.append(eqn)
-      need.difference_update(eqn.outvars)
-      need.update(v for v in eqn.invars if _is_var(v) and v not in have)
+    used = [v in need for v in eqn.outvars]
+    if not any(used):
+      continue
+    need.difference_update(eqn.outvars)
+    if not all(used) and _inner_jaxpr(eqn) is not None:
+      eqn = _prune_call(eqn, used)
+    kept.append(eqn)
+    need.update(v for v in eqn.invars if _is_var(v) and v not in have)
+  return kept[::-1], need
+
+
+def _prune_call(eqn: Any, used: Sequence[bool]) -> Any:
+  """A nested `jit` equation computing only its `used` outputs, from only the inputs they read."""
+  closed = eqn.params["jaxpr"]
+  inner = closed.jaxpr
+  outs = [v for v, u in zip(inner.outvars, used) if u]
+  eqns, missing = _slice(inner, set(inner.invars) | set(inner.constvars), outs)
+  if missing:  # every value of a jaxpr comes from its inputs, constants or equations
+    raise AssertionError(f"prophet_jax internal error: a nested call ({eqn.params.get('name')!r}) "
+                         f"reads {len(missing)} values it does not define; please report it.")
+  reads = {v for e in eqns for v in e.invars if _is_var(v)} | {v for v in outs if _is_var(v)}
+  keep = [v in reads for v in inner.invars]
+  body = jex_core.ClosedJaxpr(
+      inner.replace(invars=[v for v, k in zip(inner.invars, keep) if k], outvars=outs, eqns=eqns),
+      closed.consts)
+  params = dict(eqn.params, jaxpr=body)
+  for name in _CALL_IN_PARAMS:
+    if name in params:
+      params[name] = tuple(x for x, k in zip(params[name], keep) if k)
+  for name in _CALL_OUT_PARAMS:
+    if name in params:
+      params[name] = tuple(x for x, u in zip(params[name], used) if u)
+  return eqn.replace(invars=[v for v, k in zip(eqn.invars, keep) if k],
+                     outvars=[v for v, u in zip(eqn.outvars, used) if u], params=params)
+
+
+def _subprogram(closed: Any, invars: list[Any], outvars: list[Any]) -> Callable[..., list[Any]]:
+  """A function computing `outvars` from `invars` by the equations of `closed` between them."""
+  jaxpr = closed.jaxpr
+  kept, need = _slice(jaxpr, set(invars) | set(jaxpr.constvars), outvars)
   if need:  # a value no kept equation makes and no input gives: a wrong plan, never a wrong number
     raise AssertionError(f"prophet_jax internal error: {len(need)} values of the pipelined forward are "
                          f"neither carried nor recomputable; please report it.")
   debug = jaxpr.debug_info._replace(arg_names=tuple(f"in{k}" for k in range(len(invars))),
                                     result_paths=tuple(f"out{k}" for k in range(len(outvars))))
-  sub = jaxpr.replace(invars=invars, outvars=outvars, eqns=kept[::-1], debug_info=debug)
+  sub = jaxpr.replace(invars=invars, outvars=outvars, eqns=kept, debug_info=debug)
   return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, closed.consts))
