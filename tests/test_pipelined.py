@@ -60,7 +60,7 @@ def make_schedule(params, *, split: int = 2, per_layer: bool = True) -> Schedule
 
 # a network with a small per-message cost: every policy plans several chunks on these models
 SMALL_ALPHA = pj.NetworkModel(alpha_s=1e-7, beta_s_per_byte=1e-9, workers=N_DEV)
-POLICY_OPTIONS = {"bucket": {"bucket_bytes": 16384}, "priority": {"partition_bytes": 4096}}
+POLICY_OPTIONS = {"bucket": {"bucket_bytes": 8192}, "priority": {"partition_bytes": 4096}}
 
 
 def schedule_for(params, policy: str) -> Schedule:
