@@ -217,9 +217,8 @@ class Schedule:
 
   def allreduce_nbytes(self) -> tuple[int, ...]:
     """Bytes of every all-reduce issued per step, in issue order (what `simulate` charges)."""
-    return tuple(n * itemsize(b.chunks[0].dtype) if b.defer else n
-                 for b in self.buckets
-                 for n in (b.allreduce_sizes() if b.defer else (c.nbytes for c in b.chunks)))
+    return tuple(n * itemsize(c.dtype) for b in self.buckets
+                 for n, c in zip(b.allreduce_sizes(), b.chunks))
 
   def describe(self, max_chunks: int = 12) -> str:
     """A short human summary: buckets, chunks, bytes and leading paths, in issue order."""
