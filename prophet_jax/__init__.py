@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 # public name -> private module that defines it
 _EXPORTS: dict[str, str] = {
     # values (pure)
-    "GradientProfile": "_types", "ProfileRow": "_types", "NetworkModel": "_types", "Chunk": "_schedule",
+    "GradientProfile": "_types", "ProfileRow": "_types", "NetworkModel": "_types", "Pressure": "_types",
+    "Chunk": "_schedule",
     "Bucket": "_schedule", "Schedule": "_schedule", "SimResult": "_simulate", "Event": "_simulate",
     # errors (pure)
     "ProphetError": "_errors", "ProfileError": "_errors", "NetworkError": "_errors",
@@ -66,4 +67,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._transform import check_composition, hooked, loop_hook, scheduled
   from ._schedule import Bucket, Chunk, Schedule
   from ._simulate import Event, SimResult
-  from ._types import GradientProfile, NetworkModel, ProfileRow
+  from ._types import GradientProfile, NetworkModel, Pressure, ProfileRow

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import collections
 import heapq
+import math
 
 import numpy as np
 
-from ._core import problem
-from ._types import GradientProfile, NetworkModel, check_values
+from ._core import Problem, background_flows, problem
+from ._types import GradientProfile, NetworkModel, check_max_defer, check_values
 
 __all__ = ["lower_bound"]
 
@@ -30,7 +31,8 @@ _BATCH_PREFIXES = 16
 _SPLIT_HELD = 8
 
 
-def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> float:
+def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False,
+                max_defer: float = 0.0) -> float:
   r"""A lower bound on the iteration time of every schedule, in seconds.
 
   Notation: a = `network.startup_s`, b = `network.per_byte_s`, L = `network.links`. For a set R of
@@ -110,16 +112,39 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   range J when the profile is small, else over single layers and prefixes 0..l (every l, or evenly
   spaced ones on large profiles: a subset of valid terms is still a bound).
 
+  Deferral (`max_defer` = f > 0): a bound on every schedule whose deferral groups defer at most a
+  fraction f of the elements per step (`Schedule.max_deferred_fraction <= f`; the `dlcp` policy's
+  guarantee), lossless ones included. Such a schedule sends at least B(R) - D bytes for every set R
+  of rows, D = the bytes of the floor(f·E) elements of the largest itemsize (E: all elements): a
+  group sends m - k slots, each at least as large as any of its chunks, so at least its bytes less
+  its k largest chunks. Each slot is ready no earlier than any row of its group and holds every row
+  of it, and each group sends >= 1 slot, so the work lemma holds with B(R ∩ S_t) replaced by
+  max(0, B(R ∩ S_t) - D), and every term built on it (thresholds, the overlap=False term, the
+  pipelined ranges) stays valid. The batching, preemption and split terms are not used then (their
+  exchange arguments assume every byte is sent); the bound is weaker but valid. A dlcp schedule may
+  beat `lower_bound(..., max_defer=0)`: that is deferral doing what no lossless schedule can.
+
+  Network pressure (`network.pressure`): a message lasts at least its calm time with its sample's
+  bandwidth share, a + b·(1 + n_s)·bytes (the tail delays only add), and every lemma above needs only
+  that lower limit on each duration. So each sample's iteration is at least the bound for the
+  network whose per-byte cost is b·(1 + n_s), and the mean over the samples (what `simulate`
+  reports under pressure) at least the mean of those bounds, which is what this returns. The n_s
+  are the same draws as `simulate`'s (`_core.background_flows`), independent of the schedule. The
+  tail delays are not bounded (they depend on how many messages a schedule sends).
+
   Args:
     profile: the per-leaf readiness and compute times.
-    network: the all-reduce cost model.
+    network: the all-reduce cost model (its pressure, if any: see above).
     cross_step: the step mode (as in `simulate`).
+    max_defer: the largest fraction of the elements a schedule may defer per step, in [0, 1) (0: the
+      bound over lossless schedules, the default).
 
   Returns:
     The bound in seconds.
 
   Raises:
     TypeError: an argument of the wrong type.
+    ValueError: `max_defer` outside [0, 1).
 
   Examples:
     >>> from prophet_jax import GradientProfile, NetworkModel
@@ -130,8 +155,36 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
     5.0
   """
   check_values("lower_bound()", profile=profile, network=network, cross_step=cross_step)
+  check_max_defer("lower_bound()", max_defer)
   prob = problem(profile, network, cross_step=bool(cross_step))
-  a, b, links = prob.startup_s, prob.per_byte_s, prob.links
+  deferred = _deferred_bytes(prob, float(max_defer))
+  q = network.pressure
+  if q is None or q.background_flows == 0:
+    return _bound(prob, prob.per_byte_s, deferred)
+  values, counts = np.unique(background_flows(q), return_counts=True)
+  bounds = [_bound(prob, prob.per_byte_s * (1.0 + float(v)), deferred) for v in values]
+  return float(np.dot(bounds, counts) / counts.sum())
+
+
+def _deferred_bytes(prob: Problem, max_defer: float) -> float:
+  """D: the most bytes floor(max_defer·E) elements can hold (the largest itemsizes first)."""
+  if max_defer <= 0:
+    return 0.0
+  left = math.floor(max_defer * sum(prob.size))
+  out = 0.0
+  for i in sorted(prob.live, key=lambda r: -prob.itemsize[r]):
+    take = min(left, prob.size[i])
+    out += take * prob.itemsize[i]
+    left -= take
+    if left <= 0:
+      break
+  return out
+
+
+def _bound(prob: Problem, b: float, deferred: float) -> float:
+  """The bound of `lower_bound` with per-byte cost `b` and at most `deferred` bytes deferred."""
+  cross_step, network = prob.cross_step, prob.network
+  a, links = prob.startup_s, prob.links
   nl = len(prob.layers)
   ready, nbytes, layer, dtype = prob.row_ready_s, prob.row_nbytes, prob.row_layer, prob.row_dtype_code
   forward, update, backward = prob.forward_s, prob.update_s, prob.backward_s
@@ -139,6 +192,8 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   sent = nbytes > 0
 
   def work(bytes_, k):  # W for arrays of (bytes, dtype count)
+    if deferred:
+      bytes_ = np.maximum(bytes_ - deferred, 0.0)
     return np.maximum(a * np.ceil(k / links), (k * a + b * bytes_) / links)
 
   # rows sorted by ready time, latest first: prefix sums over this order are the sets S_t.
@@ -173,7 +228,7 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   else:
     t0 = max(backward + w_all, thr_all)
   if not cross_step:
-    if network.overlap and links == 1 and n:
+    if network.overlap and links == 1 and n and not deferred:
       t0 = max(t0, _batched_makespan(r_s[::-1], b_s[::-1], a, b))
       if nd > 1:
         for dt in range(nd):
@@ -211,7 +266,7 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
       mins = np.minimum.accumulate(tail_sent)[ends]
       bound = max(bound, float((thr_max(mask[ok]) + mins[ok]).max()))
       bound = max(bound, _single_layers(r_s, b_s, d_s, l_s, nd, work, tail))
-    if links == 1:
+    if links == 1 and not deferred:
       bound = max(bound, a + _jackson_lmax(r_s, b * b_s, tail[l_s]))
       # batching: the last chunk holding rows of a layer range J ends no earlier than the best
       # one-link batching of J's rows alone (of each dtype alone), then waits >= min tail over J.

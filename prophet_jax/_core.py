@@ -34,6 +34,20 @@ d_k = network.allreduce_s(bytes(c_k)):
   chunk: it counts as reduced at its own ready_s), fwd_end(-1) = backward end with overlap=True, and
   max(backward end, last chunk end) with overlap=False.
 
+Deferral groups (`Bucket.defer = k > 0`, the `dlcp` policy): the group's m - k slots are m - k
+messages in its place in issue order, each of the group's padded slot bytes (`Bucket.slot_size`
+elements), each ready when the whole group is (max ready_s of its rows) and each holding every row of
+the group (its tail, and reduced(l) in the pipelined step, count every row of the group: which chunk
+rides in which slot is chosen at run time). `schedule_arrays` builds these messages; without
+deferral it is `chunk_arrays` of the chunks, unchanged.
+
+Network pressure (`NetworkModel.pressure`): `pressure_durations` draws, for each of the pressure's
+seeded samples, every message's duration a + b·nbytes·(1 + n_s) + its tail delays (see `Pressure`);
+`iterations` evaluates the closed form below for every sample at once (one link: vectorised over the
+samples; several links: the event loop per sample). Without pressure nothing here changes. The
+planners' own scoring (`iteration_s`, used by `auto`, `prophet` and the joint optimiser) is the calm
+model; `simulate` (and so `Schedule.predicted_s` and the `dlcp` planner) is pressure-aware.
+
 `iteration_s` is the closed form of that iteration: max(backward_end + after_s, max_k(end_k +
 tail_k), floor_s [, max_k end_k + after_s when overlap=False]), where tail_k = update + forward in the
 plain step and max over the layers l the chunk touches of (update(l) + forward of layers l..L-1) in the
@@ -47,14 +61,15 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ._types import GradientProfile, NetworkModel
 
-__all__ = ["Problem", "problem", "ChunkArrays", "chunk_arrays", "split_by_dtype", "sync_waits",
-           "link_loop", "ends_one_link", "iteration_s"]
+__all__ = ["Problem", "problem", "ChunkArrays", "chunk_arrays", "schedule_arrays", "split_by_dtype",
+           "sync_waits", "link_loop", "ends_one_link", "iteration_s", "background_flows",
+           "typical_costs", "pressure_durations", "iterations"]
 
 Slice = tuple[int, int, int]  # (profile row, start element, stop element)
 
@@ -229,6 +244,37 @@ def chunk_arrays(prob: Problem, chunks: Iterable[Sequence[Slice]]) -> ChunkArray
                      pair_chunk=np.repeat(np.arange(n, dtype=np.int64), cnt), pair_row=pair_row)
 
 
+def schedule_arrays(prob: Problem, buckets: Iterable[Any]) -> ChunkArrays:
+  """The ChunkArrays of the messages a schedule's buckets issue per step, in issue order.
+
+  A bucket without deferral gives its chunks, as `chunk_arrays` does (bit for bit the same arrays
+  when no bucket defers). A deferral group (`defer = k > 0`) gives m - k slots, each holding every
+  slice of the group (readiness and tail: the max over all its rows) and carrying `slot_size`
+  elements of its dtype (the padded slot: what the rewrite really sends).
+
+  Args:
+    prob: the Problem.
+    buckets: Buckets (`_schedule.Bucket`, or anything with `chunks`, `defer`, `slots`, `slot_size`).
+  """
+  buckets = tuple(buckets)
+  if not any(b.defer for b in buckets):
+    return chunk_arrays(prob, (c.slices for b in buckets for c in b.chunks))
+  entries: list[Sequence[Slice]] = []
+  slot_bytes: list[float] = []
+  for b in buckets:
+    if not b.defer:
+      entries.extend(c.slices for c in b.chunks)
+      slot_bytes.extend([math.nan] * len(b.chunks))
+      continue
+    group = tuple(x for c in b.chunks for x in c.slices)
+    nbytes = float(b.slot_size * prob.itemsize[group[0][0]])
+    entries.extend([group] * b.slots)
+    slot_bytes.extend([nbytes] * b.slots)
+  arrays = chunk_arrays(prob, entries)
+  over = np.asarray(slot_bytes)
+  return arrays._replace(nbytes=np.where(np.isnan(over), arrays.nbytes, over))
+
+
 def split_by_dtype(dtype_of: Callable[[int], str], slices: Iterable[Slice]) -> list[list[Slice]]:
   """A group's slices as one chunk per dtype (`dtype_of(row)`), in order of each dtype's first slice,
   slices kept in order, empty ones dropped: how a Bucket holds a group, one all-reduce per dtype."""
@@ -358,3 +404,99 @@ def iteration_s(prob: Problem, ready_s: np.ndarray, dur_s: np.ndarray,
   if not prob.overlap:
     t = max(t, float(end.max()) + after_s)
   return t
+
+
+# --------------------------------------------------------------------------------------------------
+# Network pressure: seeded samples of message durations, and the iteration of every sample
+
+
+def background_flows(pressure: Any) -> np.ndarray:
+  """The competing flows n_s of every sample of `pressure` (Poisson, from the stream (seed, 0)):
+  independent of the schedule, so `lower_bound` can bound each sample's iteration."""
+  if pressure.background_flows > 0:
+    return np.random.default_rng([pressure.seed, 0]).poisson(pressure.background_flows, pressure.samples)
+  return np.zeros(pressure.samples, dtype=np.int64)
+
+
+def typical_costs(prob: Problem) -> tuple[float, float]:
+  """(a', b'): a typical message's start-up and per-byte cost under the network's pressure, for
+  planning decisions that need one deterministic number (the simulation itself draws samples).
+
+  b' = b·(1 + background_flows) (the mean bandwidth share); a' = a plus the expected tail delay of
+  one message, 2(P-1)·tail_prob·E[delay] with E[delay] = tail_scale_s·shape/(shape - 1) for a shape
+  above 1, the median tail_scale_s·2^(1/shape) otherwise (the mean is infinite). Calm: (a, b).
+  """
+  a, b = prob.startup_s, prob.per_byte_s
+  q = prob.network.pressure
+  if q is None:
+    return a, b
+  steps = 2 * (prob.network.workers - 1)
+  delay = q.tail_scale_s * (q.tail_shape / (q.tail_shape - 1) if q.tail_shape > 1 else 2 ** (1 / q.tail_shape))
+  return a + steps * q.tail_prob * delay, b * (1.0 + q.background_flows)
+
+
+def pressure_durations(prob: Problem, nbytes: np.ndarray) -> np.ndarray:
+  """Every sample's message durations under `prob.network.pressure`: an array [samples, messages].
+
+  duration(s, k) = a + b·nbytes_k·(1 + n_s) + the sum of h(s, k) Pareto delays (`Pressure`), with
+  n_s ~ Poisson(background_flows) from the stream (seed, 0), one per sample (the same for every
+  schedule), and h(s, k) ~ Binomial(2(P-1), tail_prob), the delays tail_scale_s·(1 + Lomax(shape))
+  from the stream (seed, 1), drawn in sample-major, issue order. Deterministic for a seed.
+  Without skew; `iterations` adds the skew waits.
+  """
+  q = prob.network.pressure
+  nb = np.asarray(nbytes, dtype=np.float64)
+  n = nb.size
+  flows = background_flows(q)
+  dur = prob.startup_s + prob.per_byte_s * nb[None, :] * (1.0 + flows.astype(np.float64))[:, None]
+  steps = 2 * (prob.network.workers - 1)
+  if q.tail_prob > 0 and q.tail_scale_s > 0 and steps > 0 and n:
+    rng = np.random.default_rng([q.seed, 1])
+    hits = rng.binomial(steps, q.tail_prob, size=(q.samples, n))
+    total = int(hits.sum())
+    if total:
+      delays = q.tail_scale_s * (rng.pareto(q.tail_shape, total) + 1.0)
+      where = np.repeat(np.arange(q.samples * n), hits.ravel())
+      dur = dur + np.bincount(where, weights=delays, minlength=q.samples * n).reshape(q.samples, n)
+  return dur
+
+
+def iterations(prob: Problem, ready_s: np.ndarray, dur_s: np.ndarray,
+               tail_s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """`iteration_s` for every row of `dur_s` ([samples, messages], without skew) at once.
+
+  Returns:
+    (iteration per sample, the durations with the skew waits added, every message's start): the
+    closed form of the module docstring, vectorised over the samples with one link, the event loop
+    per sample with several.
+  """
+  ready = np.asarray(ready_s, dtype=np.float64)
+  dur = np.asarray(dur_s, dtype=np.float64)
+  backward_s, after_s, floor_s = prob.backward_s, prob.after_s, prob.floor_s
+  samples = dur.shape[0]
+  if ready.size == 0:
+    return np.full(samples, max(float(backward_s) + float(after_s), float(floor_s))), dur, dur
+  if prob.skew and not prob.overlap:
+    dur = dur + sync_waits(ready, prob.skew, prob.cycle_s, backward_s)[None, :]
+  if prob.links == 1:
+    c = np.cumsum(dur, axis=1)
+    if prob.overlap:
+      end = c + np.maximum.accumulate(ready[None, :] - (c - dur), axis=1)
+      bw_end = np.full(samples, float(backward_s))
+    else:
+      q = np.maximum.accumulate(ready)
+      end = q[None, :] + c
+      m = int(np.searchsorted(q, backward_s, side="left"))
+      bw_end = float(backward_s) + (c[:, m - 1] if m > 0 else 0.0)
+  else:
+    start, end = np.empty_like(dur), np.empty_like(dur)
+    bw_end = np.empty(samples)
+    rl = ready.tolist()
+    for i in range(samples):
+      st, e, _, bw, _ = link_loop(rl, dur[i].tolist(), backward_s=backward_s, links=prob.links,
+                                  overlap=prob.overlap)
+      start[i], end[i], bw_end[i] = st, e, bw
+  t = np.maximum(np.maximum(bw_end + after_s, np.max(end + np.broadcast_to(np.asarray(tail_s, dtype=np.float64), ready.shape)[None, :], axis=1)), floor_s)
+  if not prob.overlap:
+    t = np.maximum(t, end.max(axis=1) + after_s)
+  return t, dur, (end - dur if prob.links == 1 else start)

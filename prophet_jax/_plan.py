@@ -47,8 +47,8 @@ def plan(profile: GradientProfile, network: NetworkModel, policy: str | Callable
   Args:
     profile: per-leaf gradient sizes and ready times (rows in priority order).
     network: the all-reduce cost model.
-    policy: a name in `POLICIES` ('wfbp', 'bucket', 'xla', 'mgwfbp', 'priority', 'prophet', 'auto')
-      or a Scheduler callable `scheduler(profile, network, *, cross_step) -> Schedule`.
+    policy: a name in `POLICIES` ('wfbp', 'bucket', 'xla', 'mgwfbp', 'priority', 'prophet', 'auto',
+      'dlcp') or a Scheduler callable `scheduler(profile, network, *, cross_step) -> Schedule`.
     cross_step: the step mode to plan for: False (a plain step: the next step starts when every
       all-reduce is done), True (the pipelined step: the next forward overlaps the all-reduces), or
       'auto' (policy 'auto' only: the planner chooses and records it).
@@ -59,8 +59,8 @@ def plan(profile: GradientProfile, network: NetworkModel, policy: str | Callable
     `predicted_s` from `prophet_jax.simulate` (unless the policy predicted it).
 
   Raises:
-    ValueError: an unknown policy, 'dlcp' (reserved), or cross_step='auto' with a policy other than
-      'auto'; bad option values (raised by the factory).
+    ValueError: an unknown policy, or cross_step='auto' with a policy other than 'auto'; bad option
+      values (raised by the factory).
     TypeError: an unknown option, or a profile/network of the wrong type.
     ScheduleError, ScheduleMismatchError: the policy returned a schedule that does not fit the profile.
 

@@ -56,14 +56,87 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Bucket:
-  """A group of chunks planned together (e.g. one Prophet block); issue order is tuple order."""
+  """A group of chunks planned together (e.g. one Prophet block); issue order is tuple order.
+
+  With `defer=0` (every policy but `dlcp`) each chunk is one all-reduce, every step.
+
+  With `defer=k > 0` the bucket is a *deferral group* (DLCP's bounded loss tolerance, in the honest
+  software form): m = len(chunks) chunks of one dtype (the `dlcp` planner makes them the equal
+  parts of one layer's rows of one dtype), of which only m - k are all-reduced each step. Run-time
+  semantics, which the rewrite (`scheduled`, `hooked`, `pipelined`) implements and `simulate` times:
+
+  * Slots. The step issues m - k all-reduces for the bucket, its *slots*, in slot order, each of
+    `slot_size` elements (the bucket's largest chunk; a smaller chunk is zero-padded at its end),
+    where the bucket's first chunk would be issued. A slot is ready when every chunk of the bucket
+    is (the slot's chunk is chosen at run time, so each slot depends on all of them).
+  * Which chunks. Slot s carries the chunk of rank s, ranked by `score` in decreasing order, ties
+    by chunk index (a stable sort of -score): score[i] = +inf if chunk i was deferred in the
+    previous step, else norm[i], the L2 norm of chunk i's *reduced* (all-reduced, averaged) values
+    the last time it was sent, in float32 (a NaN norm counts as +inf). The chunks of the last k ranks
+    are deferred this step. Every worker holds the reduced values bitwise identically (they are
+    all-reduce results), and the ranking is the same computation on the same floats, so every
+    worker sends and defers the same chunks, with no extra communication.
+  * Never twice in a row. A chunk deferred at step t has score +inf at t + 1, so it is sent then
+    (this needs 2k <= m, an invariant): staleness is at most one step.
+  * The first step. Before any step, norm = 0 and nothing was deferred: the ranking is by index, so
+    the first step sends chunks 0..m-k-1 and defers the last k.
+  * Error feedback, so nothing is lost. A deferred chunk contributes zero to this step's reduced
+    gradient; each worker keeps its local values of it (the residual) and adds them to the same
+    elements of its gradient at the next step, which sends them (never twice in a row). Summed over
+    steps, every worker's every gradient value is all-reduced exactly once, at most one step late.
+
+  Attributes:
+    chunks: the chunks (issue order without deferral; the deferral group's chunk index order).
+    defer: k, the number of chunks not all-reduced each step (0 <= 2k <= m; k > 0 needs one dtype).
+
+  Raises:
+    ScheduleError: no chunks; `defer` not an integer, negative, or more than half the chunks; a
+      deferral group mixing dtypes (each message names the bucket's values).
+  """
 
   chunks: tuple[Chunk, ...]
+  defer: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "chunks", tuple(self.chunks))
     if not self.chunks:
       raise ScheduleError("a bucket has no chunks.")
+    k, m = self.defer, len(self.chunks)
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+      raise ScheduleError(f"a bucket of {m} chunks has defer={k!r}; `defer` must be an integer number of "
+                          f"chunks (0 for a lossless bucket).")
+    k = int(k)
+    object.__setattr__(self, "defer", k)
+    if k < 0 or 2 * k > m:
+      raise ScheduleError(f"a bucket of {m} chunks has defer={k}; a deferral group defers 0 <= defer <= "
+                          f"{m // 2} of its {m} chunks (at most half, so a chunk deferred at one step "
+                          f"can be sent at the next). Split the group into more chunks or defer fewer.")
+    if k and len({c.dtype for c in self.chunks}) > 1:
+      raise ScheduleError(f"a deferral group (defer={k}) mixes dtypes "
+                          f"{sorted({c.dtype for c in self.chunks})}; its chunks share one slot shape, so "
+                          f"they must share one dtype. Make one group per dtype.")
+
+  @property
+  def slots(self) -> int:
+    """All-reduces the bucket issues per step: len(chunks) - defer."""
+    return len(self.chunks) - self.defer
+
+  @property
+  def slot_size(self) -> int:
+    """Elements per slot of a deferral group: its largest chunk's size (smaller chunks are padded)."""
+    return max(c.size for c in self.chunks)
+
+  @property
+  def deferred_size(self) -> int:
+    """The most elements the bucket defers in one step: its `defer` largest chunks' sizes (0 if k=0)."""
+    return sum(sorted((c.size for c in self.chunks), reverse=True)[:self.defer])
+
+  def allreduce_sizes(self) -> tuple[int, ...]:
+    """Elements of each all-reduce the bucket issues per step, in issue order: each chunk's size, or
+    `slots` times `slot_size` for a deferral group."""
+    if not self.defer:
+      return tuple(c.size for c in self.chunks)
+    return (self.slot_size,) * self.slots
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,7 +154,9 @@ class Schedule:
     schema: format version.
 
   Invariant (checked on construction): every element of every row with a nonzero size is in exactly one
-  chunk, once; every chunk holds rows of its own dtype.
+  chunk, once; every chunk holds rows of its own dtype. A deferral group (`Bucket.defer > 0`) holds
+  its elements in its chunks like any bucket: coverage is unchanged; at run time up to `defer` of its
+  chunks wait one step (error feedback, nothing lost; see `Bucket`).
   """
 
   buckets: tuple[Bucket, ...]
@@ -116,15 +191,44 @@ class Schedule:
 
   @property
   def num_allreduces(self) -> int:
-    return sum(len(b.chunks) for b in self.buckets)
+    """All-reduces issued per step: one per chunk, but a deferral group's `slots` (m - k)."""
+    return sum(b.slots for b in self.buckets)
+
+  @property
+  def defers(self) -> bool:
+    """True when some bucket is a deferral group (the schedule is lossy per step, not overall)."""
+    return any(b.defer for b in self.buckets)
+
+  @property
+  def max_deferred_fraction(self) -> float:
+    """The most gradient elements deferred in one step, as a fraction of all elements (each group's
+    `defer` largest chunks: with equal chunks, what it defers every step). 0 without deferral."""
+    total = sum(math.prod(shape) for _, shape, _ in self.rows)
+    deferred = sum(b.deferred_size for b in self.buckets if b.defer)
+    return deferred / total if total else 0.0
 
   def chunk_nbytes(self) -> tuple[int, ...]:
     return tuple(c.nbytes for c in self.chunks)
+
+  def allreduce_sizes(self) -> tuple[int, ...]:
+    """Elements of every all-reduce issued per step, in issue order (a deferral group's padded slots
+    once each): what `audit` should find in the compiled step, `num_allreduces` of them."""
+    return tuple(n for b in self.buckets for n in b.allreduce_sizes())
+
+  def allreduce_nbytes(self) -> tuple[int, ...]:
+    """Bytes of every all-reduce issued per step, in issue order (what `simulate` charges)."""
+    return tuple(n * itemsize(c.dtype) for b in self.buckets
+                 for n, c in zip(b.allreduce_sizes(), b.chunks))
 
   def describe(self, max_chunks: int = 12) -> str:
     """A short human summary: buckets, chunks, bytes and leading paths, in issue order."""
     lines = [f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step): "
              f"{len(self.buckets)} buckets, {self.num_allreduces} all-reduces"]
+    if self.defers:
+      groups = [b for b in self.buckets if b.defer]
+      lines[0] += (f"; {len(groups)} deferral groups defer {sum(b.defer for b in groups)} of "
+                   f"{sum(len(b.chunks) for b in groups)} chunks per step (at most "
+                   f"{self.max_deferred_fraction:.2%} of the elements, one step late)")
     for k, c in enumerate(self.chunks[:max_chunks]):
       paths = [self.rows[r][0] for r in c.rows]
       head = ", ".join(paths[:2]) + (f", +{len(paths) - 2}" if len(paths) > 2 else "")
@@ -139,8 +243,7 @@ class Schedule:
         "cross_step": self.cross_step, "predicted_s": self.predicted_s,
         "tree_fingerprint": self.tree_fingerprint,
         "rows": [[p, list(s), t] for p, s, t in self.rows],
-        "buckets": [[{"dtype": c.dtype, "slices": [list(s) for s in c.slices]} for c in b.chunks]
-                    for b in self.buckets],
+        "buckets": [_bucket_json(b) for b in self.buckets],
     }
 
   def to_json(self, indent: int | None = None) -> str:
@@ -150,14 +253,32 @@ class Schedule:
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Schedule:
     obj = _fields(cls, _loads(text_or_obj, "Schedule"), "Schedule")
     try:
-      buckets = tuple(Bucket(chunks=tuple(Chunk(slices=tuple(tuple(s) for s in c["slices"]), dtype=c["dtype"])
-                                          for c in b)) for b in obj.pop("buckets"))
+      buckets = tuple(_bucket_from_json(b) for b in obj.pop("buckets"))
       rows = tuple((p, tuple(s), t) for p, s, t in obj.pop("rows"))
     except (KeyError, TypeError, ValueError) as e:
       if isinstance(e, ScheduleError):
         raise
       raise ScheduleError(f"Schedule.from_json: malformed 'buckets' or 'rows' ({e!r}).") from e
     return cls(buckets=buckets, rows=rows, **obj)
+
+
+def _bucket_json(b: Bucket) -> Any:
+  """A bucket as JSON: the list of its chunks (as every schedule file since schema 1 has it), or, for
+  a deferral group, {"defer": k, "chunks": [...]} (so files without deferral are unchanged)."""
+  chunks = [{"dtype": c.dtype, "slices": [list(s) for s in c.slices]} for c in b.chunks]
+  return {"defer": b.defer, "chunks": chunks} if b.defer else chunks
+
+
+def _bucket_from_json(b: Any) -> Bucket:
+  defer = 0
+  if isinstance(b, Mapping):
+    unknown = sorted(set(b) - {"defer", "chunks"})
+    if unknown:
+      raise ScheduleError(f"Schedule.from_json: a bucket has unknown field(s) {unknown}; expected "
+                          f"'chunks' and 'defer'.")
+    defer, b = b.get("defer", 0), b["chunks"]
+  return Bucket(chunks=tuple(Chunk(slices=tuple(tuple(s) for s in c["slices"]), dtype=c["dtype"])
+                             for c in b), defer=defer)
 
 
 def _freeze(v: Any) -> Any:

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from ._core import Problem, chunk_arrays, ends_one_link, link_loop, problem, sync_waits
+from ._core import (ChunkArrays, Problem, chunk_arrays, ends_one_link, iterations, link_loop,
+                    pressure_durations, problem, schedule_arrays, sync_waits)
 from ._schedule import Schedule
 from ._tree import match_rows
 from ._types import GradientProfile, NetworkModel, _fields, _loads, check_values
@@ -57,9 +58,16 @@ class SimResult:
     comm_s: sum of all-reduce durations.
     idle_s: time the device waits (iteration - compute).
     network_busy: fraction of the iteration some link is busy.
-    allreduces: number of all-reduces.
+    allreduces: number of all-reduces issued per step (a deferral group's slots, not its chunks).
     events: the timeline (kind, name, start, end).
     cross_step: the step mode simulated.
+    samples: 0 on a calm network. Under network pressure (`NetworkModel.pressure`), the number of
+      seeded iterations simulated: `iteration_s`, `comm_s`, `idle_s` and `network_busy` are then
+      their means (network_busy: mean busy time over mean iteration), and `events` the timeline of
+      the median one.
+    iteration_p50_s, iteration_p99_s: under pressure, the median and the 99th percentile of the
+      samples' iterations (each a sample's own value: the smallest with at least 50% / 99% of the
+      samples at or below it, so with 64 samples p99 is the slowest); None on a calm network.
   """
 
   iteration_s: float
@@ -70,6 +78,9 @@ class SimResult:
   allreduces: int
   events: tuple[Event, ...] = field(default=(), repr=False)
   cross_step: bool = False
+  samples: int = 0
+  iteration_p50_s: float | None = None
+  iteration_p99_s: float | None = None
 
   def to_dict(self, *, events: bool = True) -> dict[str, Any]:
     """The fields as JSON-ready values; `events=False` leaves the timeline out (an empty list)."""
@@ -169,7 +180,7 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
   prob = problem(profile, network, cross_step=cross_step)
   if schedule.tree_fingerprint != prob.fingerprint:
     match_rows(schedule, profile.tree_rows(), where="simulate()")
-  return simulate_chunks(prob, (c.slices for c in schedule.chunks), events=events)
+  return simulate_arrays(prob, schedule_arrays(prob, schedule.buckets), events=events)
 
 
 def simulate_chunks(prob: Problem, chunks: Iterable[Sequence[tuple[int, int, int]]], *,
@@ -179,9 +190,49 @@ def simulate_chunks(prob: Problem, chunks: Iterable[Sequence[tuple[int, int, int
   What `simulate` runs once its arguments are checked, and what `auto` runs on the candidate it
   chose, before building its one Schedule, so `Schedule.predicted_s` is `simulate`'s number.
   """
+  return simulate_arrays(prob, chunk_arrays(prob, chunks), events=events)
+
+
+def simulate_arrays(prob: Problem, arrays: ChunkArrays, *, events: bool = True) -> SimResult:
+  """`simulate` of the messages `arrays` (`_core.chunk_arrays` or `schedule_arrays`), on a Problem.
+
+  On a calm network, one run of the engine. Under pressure (`prob.network.pressure`), the closed
+  form over every seeded sample (`_core.iterations`), and one full run of the median sample for the
+  timeline (see SimResult).
+  """
+  if prob.network.pressure is None:
+    return _simulate_once(prob, arrays, prob.durations(arrays.nbytes), events)
+  return _simulate_pressure(prob, arrays, events)
+
+
+def _quantile_index(order: np.ndarray, q: float) -> int:
+  """The sample at quantile q: the smallest with at least q of the samples at or below it."""
+  return int(order[max(int(np.ceil(q * order.size)) - 1, 0)])
+
+
+def _simulate_pressure(prob: Problem, arrays: ChunkArrays, events: bool) -> SimResult:
+  dur = pressure_durations(prob, arrays.nbytes)
+  iters, waited, start = iterations(prob, arrays.ready_s, dur, arrays.tail_s)
+  order = np.argsort(iters, kind="stable")
+  med = _quantile_index(order, 0.5)
+  one = _simulate_once(prob, arrays, dur[med], events)
+  mean = float(iters.mean())
+  comm = float(waited.sum(axis=1).mean()) if waited.size else 0.0
+  if prob.links > 1 and waited.size:
+    busy_s = float(np.mean([_union_length(s, s + d) for s, d in zip(start, waited)]))
+  else:
+    busy_s = comm
+  compute = prob.forward_s + prob.backward_s + (0.0 if prob.cross_step else prob.update_s)
+  return dataclasses.replace(
+      one, iteration_s=mean, comm_s=comm, idle_s=max(mean - compute, 0.0),
+      network_busy=busy_s / mean if mean > 0 else 0.0, samples=int(dur.shape[0]),
+      iteration_p50_s=float(iters[med]), iteration_p99_s=float(iters[_quantile_index(order, 0.99)]))
+
+
+def _simulate_once(prob: Problem, arrays: ChunkArrays, dur: np.ndarray, events: bool) -> SimResult:
+  """One run of the engine with the messages' durations `dur` (without the skew waits)."""
   network, cross_step = prob.network, prob.cross_step
-  ready, nbytes, _, pair_chunk, pair_row = chunk_arrays(prob, chunks)
-  dur = prob.durations(nbytes)
+  ready, _, _, pair_chunk, pair_row = arrays
   backward_s = prob.backward_s
   if prob.skew and ready.size:
     dur = dur + sync_waits(ready, prob.skew, prob.cycle_s, backward_s)

@@ -325,6 +325,107 @@ PRESETS: dict[str, tuple[float, float]] = {
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Pressure:
+  """Network pressure: seeded background traffic and heavy-tailed per-message delays.
+
+  A calm `NetworkModel` gives every all-reduce the same alpha-beta time. A shared network does not:
+  other jobs' flows take part of the bandwidth, and a few messages take far longer than the rest
+  (losses and retransmission timeouts, incast, congestion pauses, a descheduled NIC thread). In a
+  synchronous step one late message delays everything queued behind it, so the tail, not the mean
+  bandwidth, sets the step time: the premise of DLCP/MLT (which stop waiting for the least important
+  late packets) and of OptiReduce (which bounds a collective's time because its measured completion
+  times in shared clouds have a long tail). `simulate` draws `samples` iterations of the exact
+  engine under this model and reports their mean (`SimResult.iteration_s`) and tail
+  (`iteration_p50_s`, `iteration_p99_s`).
+
+  The model, per simulated iteration s (a sample) and per message k (one all-reduce, in issue order):
+
+    duration(s, k) = a + b·nbytes_k·(1 + n_s) + sum of h(s, k) Pareto delays,
+
+  where a + b·nbytes is the calm time (`NetworkModel.allreduce_s`), n_s ~ Poisson(background_flows)
+  is drawn once per iteration, and h(s, k) ~ Binomial(2(P-1), tail_prob) is the number of the
+  message's 2(P-1) ring steps that hit a delay, each delay tail_scale_s·U^(-1/tail_shape) (a Pareto
+  with minimum tail_scale_s and shape tail_shape; U uniform on (0, 1]). Durations only grow under
+  pressure, so `lower_bound` stays valid per sample.
+
+  Attributes:
+    background_flows: the mean number of other flows sharing the bottleneck link during an
+      iteration (other jobs or tenants). Links are shared fairly (max-min), so with n competing flows
+      a message gets 1/(1 + n) of the bandwidth: its bytes take (1 + n) times longer; the start-up
+      (latency) is not affected. n is Poisson-distributed, drawn per iteration (background traffic
+      changes on a time scale of iterations, not of single messages). 0: a dedicated network.
+    tail_prob: the probability that one ring step (a point-to-point transfer between neighbours)
+      is delayed: a loss and its retransmission timeout, a congestion pause, a straggling peer. An
+      all-reduce among P workers has 2(P-1) steps, so its chance of a delay grows with P (the tail
+      at scale). A probability in [0, 1].
+    tail_scale_s: the least extra delay of a delayed step, seconds (e.g. a retransmission timeout
+      of a few milliseconds in a data center; 200 ms is Linux TCP's default minimum).
+    tail_shape: the Pareto shape of the extra delay (> 0): the smaller, the heavier the tail (at
+      most 2: infinite variance; at most 1: infinite mean, so the mean over samples never settles).
+      1.5, the default, is a heavy tail with a finite mean.
+    samples: the number of seeded iterations simulated (>= 1); their mean is the predicted
+      iteration, so more samples give a steadier mean (cost: linear in samples).
+    seed: the random seed (an integer >= 0): the same seed gives the same samples, so a
+      simulation under pressure is deterministic. The background draws depend only on the seed and
+      `samples`, not on the schedule, so every policy meets the same background (common random
+      numbers); the tail draws follow the schedule's messages in issue order.
+
+  Raises:
+    NetworkError: a negative or non-finite parameter, tail_prob outside [0, 1], tail_shape <= 0,
+      samples < 1 or a negative seed (the message names the field and the value).
+
+  References:
+    H. Wang et al. Domain-specific communication optimization for distributed DNN training (DLCP).
+    arXiv:2008.08445, 2020; published as MLT (NSDI 2024).
+    E. Warraich et al. OptiReduce: Resilient and tail-optimal AllReduce for distributed deep
+    learning in the cloud. NSDI 2025.
+    J. Dean, L. A. Barroso. The tail at scale. CACM 2013.
+  """
+
+  background_flows: float = 0.0
+  tail_prob: float = 0.0
+  tail_scale_s: float = 0.0
+  tail_shape: float = 1.5
+  samples: int = 64
+  seed: int = 0
+
+  def __post_init__(self):
+    for n in ("background_flows", "tail_prob", "tail_scale_s", "tail_shape"):
+      v = getattr(self, n)
+      if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) or \
+          not math.isfinite(v) or v < 0:
+        raise NetworkError(f"Pressure has {n}={v!r}; it must be a finite number >= 0.")
+      object.__setattr__(self, n, float(v))
+    if self.tail_prob > 1:
+      raise NetworkError(f"Pressure has tail_prob={self.tail_prob!r}; it is a probability per ring "
+                         f"step and must be in [0, 1] (e.g. 0.01).")
+    if self.tail_shape <= 0:
+      raise NetworkError(f"Pressure has tail_shape={self.tail_shape!r}; the Pareto shape must be > 0 "
+                         f"(e.g. 1.5; the smaller, the heavier the tail).")
+    for n, lo in (("samples", 1), ("seed", 0)):
+      v = getattr(self, n)
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+        raise NetworkError(f"Pressure has {n}={v!r}; it must be an integer >= {lo}.")
+      object.__setattr__(self, n, int(v))
+
+  @property
+  def calm(self) -> bool:
+    """True when no parameter adds anything (no background flows, no tail): every sample is calm."""
+    return self.background_flows == 0 and (self.tail_prob == 0 or self.tail_scale_s == 0)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+  @classmethod
+  def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Pressure:
+    obj = _fields(cls, _loads(text_or_obj, "Pressure"), "Pressure")
+    return cls(**obj)
+
+  def to_json(self, indent: int | None = None) -> str:
+    return json.dumps(self.to_dict(), indent=indent)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NetworkModel:
   """Alpha-beta cost of an all-reduce among `workers`.
 
@@ -342,6 +443,8 @@ class NetworkModel:
       falls behind by `skew` times the compute done since the previous all-reduce (0: workers keep
       pace, as dedicated devices do; `measure_network` measures it where devices share cores, e.g.
       8 host devices on 2 CPU cores). Ignored when `overlap` is True.
+    pressure: background traffic and heavy-tailed delays (`Pressure`), or None for a calm network.
+      With it, `simulate` reports the mean over seeded samples and their tail; see `Pressure`.
   """
 
   alpha_s: float
@@ -353,6 +456,7 @@ class NetworkModel:
   name: str = ""
   fit_residual_s: float | None = None
   skew: float = 0.0
+  pressure: Pressure | None = None
 
   def __post_init__(self):
     for n in ("alpha_s", "beta_s_per_byte", "skew"):
@@ -368,6 +472,9 @@ class NetworkModel:
     if self.algorithm not in ALGORITHMS:
       raise NetworkError(f"NetworkModel has algorithm={self.algorithm!r}; expected one of {ALGORITHMS}.")
     object.__setattr__(self, "overlap", bool(self.overlap))
+    if self.pressure is not None and not isinstance(self.pressure, Pressure):
+      raise NetworkError(f"NetworkModel has pressure={self.pressure!r}; it must be a Pressure or None "
+                         f"(e.g. Pressure(background_flows=0.3, tail_prob=0.01, tail_scale_s=0.002)).")
 
   @property
   def startup_s(self) -> float:
@@ -395,6 +502,11 @@ class NetworkModel:
     if self.skew:
       lines.append(f"  skew {self.skew:.3f}: each synchronous all-reduce also waits {self.skew:.1%} of the "
                    f"compute before it")
+    if self.pressure is not None:
+      q = self.pressure
+      lines.append(f"  pressure: {q.background_flows:g} background flows on average; each ring step "
+                   f"delayed with probability {q.tail_prob:g} by >= {q.tail_scale_s * 1e3:g} ms (Pareto "
+                   f"shape {q.tail_shape:g}); {q.samples} samples, seed {q.seed}")
     for s in (2**10, 2**20, 2**26):
       lines.append(f"  predicted all-reduce of {s / 2**20:g} MiB: {self.allreduce_s(s) * 1e3:.3f} ms")
     return "\n".join(lines)
@@ -446,7 +558,12 @@ class NetworkModel:
                overlap=overlap, name=name, fit_residual_s=resid, skew=skew)
 
   def to_dict(self) -> dict[str, Any]:
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    if self.pressure is None:
+      del d["pressure"]      # a calm network's file is what it was before pressure existed
+    else:
+      d["pressure"] = self.pressure.to_dict()
+    return d
 
   def to_json(self, indent: int | None = None) -> str:
     return json.dumps(self.to_dict(), indent=indent)
@@ -457,6 +574,16 @@ class NetworkModel:
     missing = sorted({"alpha_s", "beta_s_per_byte", "workers"} - set(obj))
     if missing:
       raise NetworkError(f"NetworkModel.from_json: missing field(s) {missing}.")
+    if obj.get("pressure") is not None:
+      if not isinstance(obj["pressure"], Mapping):
+        raise NetworkError(f"NetworkModel.from_json: 'pressure' must be an object of Pressure fields "
+                           f"or null, got {obj['pressure']!r}.")
+      try:
+        obj["pressure"] = Pressure.from_json(obj["pressure"])
+      except (ValueError, TypeError) as e:
+        if isinstance(e, NetworkError):
+          raise
+        raise NetworkError(f"NetworkModel.from_json: 'pressure': {e}") from e
     return cls(**obj)
 
 
@@ -499,6 +626,19 @@ def check_values(where: str, *, schedule: Any = _UNSET, profile: Any = _UNSET, n
   if cross_step is not _UNSET and not isinstance(cross_step, (bool, np.bool_)):
     raise TypeError(f"{where}: cross_step={cross_step!r} must be True or False (the step mode); "
                     f"cross_step='auto' is a planning option of policy 'auto' only, through plan().")
+
+
+def check_max_defer(where: str, max_defer: Any) -> float:
+  """`max_defer` (the fraction of gradient elements a step may defer) as a float in [0, 1).
+
+  Raises:
+    ValueError: not a number in [0, 1); the message names `where` and the value.
+  """
+  if isinstance(max_defer, bool) or not isinstance(max_defer, (int, float, np.floating, np.integer)) or \
+      not 0 <= max_defer < 1:
+    raise ValueError(f"{where}: max_defer={max_defer!r} must be a fraction of the gradient elements in "
+                     f"[0, 1), e.g. 0.1 (0: lossless, every element sent every step).")
+  return float(max_defer)
 
 
 def __getattr__(name: str) -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 
 from ._errors import ProphetError
 from ._launcher import add_arguments as add_launch_arguments
-from ._types import PRESETS, GradientProfile, NetworkModel
+from ._types import PRESETS, GradientProfile, NetworkModel, Pressure
 
 DEFAULT_DEVICE = "v100"
 
@@ -48,8 +48,31 @@ def load_model(model: str, device: str | None = None) -> tuple[GradientProfile, 
                    f"that --device completes, nor a GradientProfile JSON file.")
 
 
-def load_network(network: str, workers: int | None, *, overlap: bool | None = None) -> NetworkModel:
-  """A preset name or a NetworkModel JSON file; `workers` overrides the file's."""
+def parse_pressure(text: str) -> Pressure | None:
+  """`--pressure`: 'none', or comma-separated Pressure fields, e.g.
+  'background_flows=0.3,tail_prob=0.01,tail_scale_s=0.002' (the others keep their defaults)."""
+  if text.strip().lower() in ("", "none", "calm"):
+    return None
+  names = {"background_flows": float, "tail_prob": float, "tail_scale_s": float, "tail_shape": float,
+           "samples": int, "seed": int}
+  fields: dict[str, Any] = {}
+  for item in text.split(","):
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or key not in names:
+      raise ValueError(f"--pressure {text!r}: {item.strip()!r} is not NAME=VALUE with NAME one of "
+                       f"{sorted(names)} (e.g. background_flows=0.3,tail_prob=0.01,tail_scale_s=0.002).")
+    try:
+      fields[key] = names[key](value)
+    except ValueError:
+      raise ValueError(f"--pressure {text!r}: {key}={value!r} is not a number.") from None
+  return Pressure(**fields)
+
+
+def load_network(network: str, workers: int | None, *, overlap: bool | None = None,
+                 pressure: str | None = None) -> NetworkModel:
+  """A preset name or a NetworkModel JSON file (its `pressure` field included); `workers` overrides
+  the file's, and `pressure` (`--pressure`, see `parse_pressure`) its pressure."""
   if network in PRESETS:
     if workers is None:
       raise ValueError(f"--network {network}: a preset needs --workers.")
@@ -61,6 +84,8 @@ def load_network(network: str, workers: int | None, *, overlap: bool | None = No
   else:
     raise ValueError(f"--network {network!r} is neither a preset ({', '.join(PRESETS)}) nor a "
                      f"NetworkModel JSON file.")
+  if pressure is not None:
+    net = net.replace(pressure=parse_pressure(pressure))
   return net if overlap is None else net.replace(overlap=overlap)
 
 
@@ -92,34 +117,53 @@ def cmd_simulate(a: argparse.Namespace) -> int:
   from ._plan import POLICIES
 
   profile, model = load_model(a.model, a.device)
-  net = load_network(a.network, a.workers)
-  policies = a.policy or [p for p in POLICIES if p != "dlcp"]
+  net = load_network(a.network, a.workers, pressure=a.pressure)
+  policies = a.policy or list(POLICIES)
   bound = lower_bound(profile, net, cross_step=a.cross_step)
   rows, sims = [], {}
   for name in policies:
-    sched = plan(profile, net, name, cross_step=a.cross_step)
+    options = {"max_defer": a.max_defer} if name == "dlcp" else {}
+    sched = plan(profile, net, name, cross_step=a.cross_step, **options)
     sim = simulate(sched, profile, net, cross_step=a.cross_step)
     sims[name] = sim
     d = sim.to_dict(events=False)
-    rows.append({"policy": name, **{k: d[k] for k in ("iteration_s", "idle_s", "allreduces")},
-                 "vs_lower_bound": d["iteration_s"] / bound})
+    r = {"policy": name, **{k: d[k] for k in ("iteration_s", "idle_s", "allreduces")},
+         "vs_lower_bound": d["iteration_s"] / bound}
+    if net.pressure is not None:     # the tail of the seeded samples
+      r.update(iteration_p50_s=d["iteration_p50_s"], iteration_p99_s=d["iteration_p99_s"])
+    if name == "dlcp":               # lossy per step: how much waits (vs_lower_bound may be < 1)
+      r.update(max_defer=a.max_defer, deferred_fraction=sched.max_deferred_fraction)
+    rows.append(r)
+  q = net.pressure
   if a.json:
+    network = {"name": net.name or a.network, "alpha_s": net.alpha_s, "beta_s_per_byte": net.beta_s_per_byte}
+    if q is not None:
+      network["pressure"] = q.to_dict()
     print(json.dumps({
         "model": model, "device": profile.device or a.device, "workers": net.workers,
-        "cross_step": a.cross_step,
-        "network": {"name": net.name or a.network, "alpha_s": net.alpha_s,
-                    "beta_s_per_byte": net.beta_s_per_byte},
-        "lower_bound_s": bound, "results": rows}, indent=2))
+        "cross_step": a.cross_step, "network": network, "lower_bound_s": bound, "results": rows},
+        indent=2))
   else:
     base = next((r["iteration_s"] for r in rows if r["policy"] == "wfbp"), None)
     print(f"{model}: {len(profile.rows)} gradients, {profile.total_nbytes / 2**20:.1f} MiB, "
           f"compute {profile.compute_s * 1e3:.2f} ms; {net.name or a.network} x {net.workers} workers; "
-          f"{'pipelined' if a.cross_step else 'plain'} step; lower bound {bound * 1e3:.3f} ms")
+          f"{'pipelined' if a.cross_step else 'plain'} step; lower bound {bound * 1e3:.3f} ms"
+          + (" (lossless schedules)" if "dlcp" in policies else ""))
+    if q is not None:
+      print(f"pressure: {q.background_flows:g} background flows, tail_prob {q.tail_prob:g} per ring step, "
+            f"tail >= {q.tail_scale_s * 1e3:g} ms (shape {q.tail_shape:g}); mean of {q.samples} samples "
+            f"(seed {q.seed})")
+    if "dlcp" in policies:
+      print(f"dlcp: max_defer {a.max_defer:g} (elements that may wait one step, with error feedback)")
+    tail = q is not None
     print(f"{'policy':10s} {'iter ms':>10s} {'/bound':>7s} {'idle ms':>9s} {'allreduces':>10s}"
+          + (f" {'p50 ms':>9s} {'p99 ms':>9s}" if tail else "") + f" {'deferred':>8s}"
           + (f" {'vs wfbp':>8s}" if base else ""))
     for r in rows:
       print(f"{r['policy']:10s} {r['iteration_s'] * 1e3:10.3f} {r['vs_lower_bound']:7.3f} "
             f"{r['idle_s'] * 1e3:9.3f} {r['allreduces']:10d}"
+            + (f" {r['iteration_p50_s'] * 1e3:9.3f} {r['iteration_p99_s'] * 1e3:9.3f}" if tail else "")
+            + f" {r.get('deferred_fraction', 0.0):8.1%}"
             + (f" {base / r['iteration_s']:7.2f}x" if base else ""))
   if a.timeline:
     from ._timeline import plot_timelines
@@ -133,8 +177,13 @@ def cmd_plan(a: argparse.Namespace) -> int:
   from . import plan, simulate
 
   profile = GradientProfile.from_json(_read_json(a.profile, "profile"))
-  net = load_network(a.network, a.workers)
-  sched = plan(profile, net, a.policy, cross_step=a.cross_step)
+  net = load_network(a.network, a.workers, pressure=a.pressure)
+  options = {}
+  if a.max_defer is not None:
+    if a.policy != "dlcp":
+      raise ValueError(f"--max-defer is an option of policy 'dlcp', not {a.policy!r}.")
+    options["max_defer"] = a.max_defer
+  sched = plan(profile, net, a.policy, cross_step=a.cross_step, **options)
   _out_path(a.out).write_text(sched.to_json(indent=1))
   sim = simulate(sched, profile, net, cross_step=sched.cross_step)
   print(sched.describe())
@@ -215,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--workers", type=_positive, default=None)
   s.add_argument("--network", required=True, help=f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON")
   s.add_argument("--policy", nargs="+", default=None, help="policies to compare (default: all)")
+  s.add_argument("--pressure", default=None, metavar="SPEC",
+                 help="network pressure: 'none' or NAME=VALUE,... of Pressure's fields, e.g. "
+                      "background_flows=0.3,tail_prob=0.01,tail_scale_s=0.002 (overrides the network "
+                      "file's); results are then the mean over seeded samples, with p50 and p99")
+  s.add_argument("--max-defer", type=float, default=0.1,
+                 help="dlcp's max_defer in this comparison (default 0.1; the library's default is 0, "
+                      "lossless)")
   s.add_argument("--cross-step", action="store_true", help="simulate the pipelined step")
   s.add_argument("--json", action="store_true", help="print the result object as JSON")
   s.add_argument("--timeline", default=None, metavar="PNG", help="write a Gantt chart per policy")
@@ -225,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--network", required=True)
   s.add_argument("--workers", type=_positive, default=None)
   s.add_argument("--policy", default="auto")
+  s.add_argument("--pressure", default=None, metavar="SPEC", help="network pressure (see simulate)")
+  s.add_argument("--max-defer", type=float, default=None, help="dlcp's max_defer (default 0: lossless)")
   s.add_argument("--cross-step", action="store_true")
   s.add_argument("--out", required=True)
   s.set_defaults(fn=cmd_plan)

@@ -16,7 +16,8 @@ Both return `(best_time_s, schedule)`; `simulate(schedule, ...)` gives the same 
 Rows with nbytes=0 are in no chunk, as in every schedule.
 
 `random_profile`, `random_network` and `random_schedule` make the random instances that the tests and
-benches share: schedules with random slices, merges and orders.
+benches share: schedules with random slices, merges and orders; `random_deferral` turns some of a
+schedule's chunks into deferral groups (`Bucket.defer`), `split_group` makes one.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from prophet_jax._core import chunk_arrays, iteration_s, problem
 from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, ProfileRow, Schedule
 from prophet_jax._types import check_values, itemsize
 
-__all__ = ["best_contiguous", "best_ordered", "random_profile", "random_network", "random_schedule"]
+__all__ = ["best_contiguous", "best_ordered", "random_profile", "random_network", "random_schedule",
+           "random_deferral", "split_group"]
 
 MAX_CONTIGUOUS_LEAVES = 22
 MAX_ORDERED_LEAVES = 12
@@ -393,3 +395,41 @@ def random_schedule(profile: GradientProfile, rng: np.random.Generator, *, slice
   if cur:
     buckets.append(Bucket(chunks=tuple(cur)))
   return Schedule(buckets=tuple(buckets), rows=profile.tree_rows(), policy="random")
+
+
+def split_group(chunk: Chunk, m: int, k: int) -> Bucket:
+  """A deferral group of `chunk`'s elements in m consecutive parts (sizes as equal as possible,
+  larger first), k deferred."""
+  sizes = [b - a for _, a, b in chunk.slices]
+  offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+  base, extra = divmod(offsets[-1], m)
+  parts, lo = [], 0
+  for p in range(m):
+    hi = lo + base + (1 if p < extra else 0)
+    parts.append(Chunk(slices=tuple((r, a + max(lo, o) - o, a + min(hi, o + n) - o)
+                                    for (r, a, _), o, n in zip(chunk.slices, offsets, sizes)
+                                    if o < hi and o + n > lo), dtype=chunk.dtype))
+    lo = hi
+  return Bucket(chunks=tuple(parts), defer=k)
+
+
+def random_deferral(schedule: Schedule, rng: np.random.Generator, *, prob: float = 0.5,
+                    max_parts: int = 5) -> Schedule:
+  """`schedule` with each chunk (of at least 2 elements), with probability `prob`, replaced in place
+  by a deferral group of its elements: m parts (2..max_parts, at most its size), k <= m // 2
+  deferred (k >= 1)."""
+  buckets = []
+  for b in schedule.buckets:
+    kept = []
+    for c in b.chunks:
+      if c.size >= 2 and rng.random() < prob:
+        m = int(rng.integers(2, min(max_parts, c.size) + 1))
+        if kept:
+          buckets.append(Bucket(chunks=tuple(kept)))
+          kept = []
+        buckets.append(split_group(c, m, int(rng.integers(1, m // 2 + 1))))
+      else:
+        kept.append(c)
+    if kept:
+      buckets.append(Bucket(chunks=tuple(kept), defer=b.defer))
+  return Schedule(buckets=tuple(buckets), rows=schedule.rows, policy=schedule.policy)

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from prophet_jax import NetworkModel
 from prophet_jax._bound import lower_bound
-from _brute import (_enumerate_ordered, best_contiguous, best_ordered, random_network,
-                                random_profile, random_schedule)
+from _brute import (_enumerate_ordered, best_contiguous, best_ordered, random_deferral, random_network,
+                    random_profile, random_schedule, split_group)
+from prophet_jax import Bucket, Chunk, Schedule
 from prophet_jax._simulate import simulate
 
 from _instances import NET, PROFILE
@@ -95,7 +96,7 @@ def test_bound_below_every_policy():
   from prophet_jax import plan
   from prophet_jax._plan import POLICIES
 
-  names = [n for n in POLICIES if n != "dlcp"]   # 'dlcp' is reserved (raises)
+  names = list(POLICIES)                          # dlcp at its default: lossless
   rng = np.random.default_rng(7)
   checked = 0
   for _ in range(4):
@@ -168,6 +169,77 @@ def test_bound_is_tight_on_small_instances():
     # the criterion is sharp: the same bound 10% (or 5%) lower fails it
     assert tightness_failures(0.9 * np.asarray(r)), f"cross_step={mode}: a 10% looser bound passes"
     assert tightness_failures(0.95 * np.asarray(r)), f"cross_step={mode}: a 5% looser bound passes"
+
+
+# --------------------------------------------------------------------------------------------------
+# deferral (max_defer): a bound over schedules that defer at most that fraction per step
+
+
+@settings(deadline=None, max_examples=50)
+@given(SEEDS, st.booleans(), st.sampled_from([0.3, 2.0, 8.0]))
+def test_deferral_bound_below_every_deferring_schedule(seed, cross_step, comm_ratio):
+  rng = np.random.default_rng(seed)
+  p = random_profile(rng, int(rng.integers(1, 9)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
+  net = random_network(rng, p, comm_ratio=comm_ratio)
+  for _ in range(4):
+    s = random_deferral(random_schedule(p, rng), rng, prob=0.7)
+    f = s.max_deferred_fraction
+    lb = lower_bound(p, net, cross_step=cross_step, max_defer=f)
+    assert lb <= lower_bound(p, net, cross_step=cross_step) * (1 + 1e-12)
+    assert lb >= p.backward_s + p.forward_s - 1e-12
+    t = simulate(s, p, net, cross_step=cross_step, events=False).iteration_s
+    assert lb <= t * (1 + REL), (s.describe(), lb, t)
+
+
+_OPTIONS = ((1, 0), (2, 1), (3, 1), (4, 1), (4, 2))   # (parts m, deferred k) per chunk
+
+
+def _best_deferring(p, net, cross_step, max_defer):
+  """The best schedule of whole leaves (every ordered partition into chunks of one dtype), each chunk
+  sent whole or as a deferral group of m equal parts with k deferred, deferring at most max_defer."""
+  import itertools
+
+  from _brute import _ordered_partitions
+
+  seq = [i for i in range(len(p.rows)) if p.rows[i].nbytes > 0]
+  total = sum(r.size for r in p.rows)
+  best = np.inf
+  for groups in _ordered_partitions(seq, [p.rows[i].dtype for i in seq]):
+    chunks = [Chunk(slices=tuple((r, 0, p.rows[r].size) for r in g), dtype=p.rows[g[0]].dtype) for g in groups]
+    for opts in itertools.product(_OPTIONS, repeat=len(chunks)):
+      if any(m > c.size for c, (m, _) in zip(chunks, opts)):
+        continue
+      buckets = tuple(split_group(c, m, k) if k else Bucket(chunks=(c,)) for c, (m, k) in zip(chunks, opts))
+      s = Schedule(buckets=buckets, rows=p.tree_rows())
+      if s.max_deferred_fraction <= max_defer * (1 + 1e-12):
+        best = min(best, simulate(s, p, net, cross_step=cross_step, events=False).iteration_s)
+  return best
+
+
+@settings(deadline=None, max_examples=12)
+@given(SEEDS, st.sampled_from([0.3, 3.0, 10.0]), st.sampled_from([0.1, 0.3, 0.5]))
+def test_deferral_bound_below_brute_force(seed, comm_ratio, max_defer):
+  rng = np.random.default_rng(seed)
+  p = random_profile(rng, int(rng.integers(1, 4)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
+  net = random_network(rng, p, links=1, overlap=bool(rng.random() < 0.7), comm_ratio=comm_ratio)
+  for cross_step in (False, True):
+    lb = lower_bound(p, net, cross_step=cross_step, max_defer=max_defer)
+    best = _best_deferring(p, net, cross_step, max_defer)
+    assert lb <= best * (1 + REL), (lb, best)
+    # deferral can beat every lossless schedule: the lossless bound is not a bound here, this one is
+    assert best <= best_ordered(p, net, cross_step=cross_step)[0] * (1 + REL) or not net.overlap
+
+
+def test_deferral_bound_errors_and_hand_value():
+  with pytest.raises(ValueError, match=r"lower_bound\(\): max_defer=1.0 must be a fraction"):
+    lower_bound(PROFILE, NET, max_defer=1.0)
+  with pytest.raises(ValueError, match=r"max_defer=-0.5"):
+    lower_bound(PROFILE, NET, max_defer=-0.5)
+  # 750 elements; max_defer 0.2: D = 150 f32 = 600 B. no overlap: backward 3.0 + W = 0.5 +
+  # (3000 - 600) B x 0.001 = 2.9, + 1.8 = 7.7 (8.3 lossless)
+  no = NET.replace(overlap=False)
+  assert lower_bound(PROFILE, no, max_defer=0.2) == pytest.approx(7.7)
+  assert lower_bound(PROFILE, no, max_defer=0.0) == pytest.approx(8.3)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -31,12 +31,14 @@ P = _profile()
 BASELINES = ["wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet"]
 
 
-def test_policies_table_names_every_policy_and_reserves_dlcp():
-  assert set(POLICIES) == set(BASELINES) | {"auto", "dlcp"}
-  with pytest.raises(ValueError, match="'dlcp' is reserved for a later policy"):
-    plan(P, NET, "dlcp")
-  with pytest.raises(ValueError, match="'dlcp' is reserved"):
+def test_policies_table_names_every_policy():
+  assert list(POLICIES) == BASELINES[:3] + ["mgwfbp", "priority", "prophet", "auto", "dlcp"]
+  s = plan(P, NET, "dlcp")                     # lossless by default: auto's plan, named dlcp
+  assert s.policy == "dlcp" and s.buckets == plan(P, NET, "auto").buckets
+  with pytest.raises(TypeError, match=r"unknown option\(s\) \['drop_fraction'\]"):
     plan(P, NET, "dlcp", drop_fraction=0.1)
+  with pytest.raises(ValueError, match=r"max_defer=1.0"):
+    plan(P, NET, "dlcp", max_defer=1.0)
 
 
 @pytest.mark.parametrize("name", BASELINES)

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, Schedule
 from prophet_jax._types import itemsize
-from prophet_jax.schedulers import Scheduler, bucket, mgwfbp, priority, prophet, wfbp, xla
+from prophet_jax.schedulers import Scheduler, bucket, dlcp, mgwfbp, priority, prophet, wfbp, xla
 from prophet_jax.schedulers import _bucket as bucket_mod
 from prophet_jax.schedulers import _common
 from prophet_jax.schedulers import _priority as priority_mod
@@ -78,11 +78,19 @@ NETWORKS = {
 }
 FACTORIES = {"wfbp": wfbp, "bucket": bucket, "xla": xla, "mgwfbp": mgwfbp, "priority": priority,
              "prophet": prophet, "bucket[horovod]": functools.partial(bucket, style="horovod"),
-             "priority[allreduce]": functools.partial(priority, mode="allreduce")}
+             "priority[allreduce]": functools.partial(priority, mode="allreduce"),
+             "dlcp[0.25]": functools.partial(dlcp, max_defer=0.25)}
 
 
 def assert_covers_exactly_once(s: Schedule, p: GradientProfile) -> None:
-  """Every element of every non-empty row in exactly one chunk, checked independently of Schedule."""
+  """Every element of every non-empty row in exactly one chunk, checked independently of Schedule.
+
+  Deferral groups (`Bucket.defer`) hold their elements in their chunks like any bucket; what they
+  add is checked here too: at most half of a group waits, one dtype per group.
+  """
+  for b in s.buckets:
+    assert 0 <= 2 * b.defer <= len(b.chunks), f"a bucket of {len(b.chunks)} chunks defers {b.defer}"
+    assert not b.defer or len({c.dtype for c in b.chunks}) == 1, "a deferral group mixes dtypes"
   edges = [[] for _ in p.rows]   # +1 at each slice start, -1 at each stop: coverage by a sweep
   for k, c in enumerate(s.chunks):
     assert len({p.rows[r].dtype for r, _, _ in c.slices}) == 1, f"chunk{k} mixes dtypes"

@@ -12,6 +12,7 @@ from typing import Any
 from ._auto import auto
 from ._base import Scheduler
 from ._bucket import bucket
+from ._dlcp import dlcp
 from ._mgwfbp import mgwfbp
 from ._priority import priority
 from ._prophet import prophet
@@ -19,20 +20,9 @@ from ._wfbp import wfbp
 from ._xla import xla
 
 
-def dlcp(*, max_defer: float = 0.0) -> Scheduler:
-  """Reserved: DLCP's chunk-level priority, bounded deferral and striping (a later policy).
-
-  Raises:
-    ValueError: always, until the policy is implemented.
-  """
-  raise ValueError("policy 'dlcp' is reserved for a later policy (DLCP's chunk-level priority, bounded "
-                   "dropping and striping) and is not implemented yet; use 'prophet', 'mgwfbp' or "
-                   "'auto'.")
-
-
 class _Policies(Mapping[str, Callable[..., Scheduler]]):
   """Every policy name and its factory, read-only, in a fixed order: 'wfbp', 'bucket', 'xla', 'mgwfbp',
-  'priority', 'prophet', 'auto', and 'dlcp' (reserved: its factory raises ValueError)."""
+  'priority', 'prophet', 'auto', 'dlcp'."""
 
   def __init__(self, table: Mapping[str, Callable[..., Scheduler]]):
     self._table = dict(table)
@@ -65,8 +55,8 @@ def resolve(policy: Any, options: Mapping[str, Any], cross_step: Any) -> tuple[s
   """(policy name, scheduler) from a policy name and its options, or from a Scheduler callable.
 
   Raises:
-    ValueError: an unknown name, 'dlcp' (reserved), or cross_step='auto' with a policy other than
-      'auto'; a bad option value (raised by the factory).
+    ValueError: an unknown name, or cross_step='auto' with a policy other than 'auto'; a bad option
+      value (raised by the factory).
     TypeError: an unknown option, options given with a callable, or a policy that is neither.
   """
   if isinstance(policy, str):
@@ -76,8 +66,6 @@ def resolve(policy: Any, options: Mapping[str, Any], cross_step: Any) -> tuple[s
     if cross_step == "auto" and policy != "auto":
       raise ValueError(f"plan(policy={policy!r}, cross_step='auto'): only the 'auto' policy chooses the "
                        f"step mode; pass cross_step=True or False, or use policy='auto'.")
-    if policy == "dlcp":
-      dlcp()
     valid = option_names(policy)
     unknown = sorted(set(options) - set(valid))
     if unknown:
