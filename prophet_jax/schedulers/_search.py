@@ -3,16 +3,17 @@
 Pure: numpy only, never jax. A move edits a range of chunks (merge two, swap two, split one; on small
 schedules also move a chunk or one slice anywhere, or merge it into any chunk of its dtype). A trial is
 scored from the edited chunks' (ready, bytes, tail) alone: the chunks themselves are built only when a
-move is kept. With one link and overlap (the common case) the score is incremental: the link's end
-times before the edit are kept, the recurrence runs from the edit on, and it stops as soon as the
-trial is no better than the best (the iteration is a running maximum) or the end times meet the old
-ones again (everything after is unchanged). Otherwise the numeric core scores the whole schedule.
+move is kept. With overlap (auto searches only then) the score is incremental: the links' state
+before the edit is kept, the recurrence runs from the edit on, and it stops as soon as the trial is no
+better than the best (the iteration is a running maximum) or the links' state meets the old one
+again (everything after is unchanged). Otherwise the numeric core scores the whole schedule.
 Deterministic: the kicks draw from a fixed seed, and the number of evaluations is bounded.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import insort
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -38,14 +39,17 @@ def _join(x: Stats, y: Stats) -> Stats:
 class Scorer:
   """The iteration time of a candidate and of edits of it (replace chunks i..j-1 with others).
 
-  One link with overlap: `end_k = max(ready_k, end_{k-1}) + a + b·bytes_k` and the iteration is
-  max(backward end + what follows, max_k(end_k + tail_k), floor): `_core.iteration_s`'s closed form
-  run as its recurrence, from the edit on. Otherwise the core scores the whole edited schedule.
+  With overlap: the chunks go, in issue order, to the link that frees first (one link:
+  `end_k = max(ready_k, end_{k-1}) + a + b·bytes_k`), and the iteration is max(backward end + what
+  follows, max_k(end_k + tail_k), floor): `_core.iteration_s`'s closed form run as its recurrence (the
+  state after chunk k: the links' free times and the last start), from the edit on. Without overlap
+  the core scores the whole edited schedule.
   """
 
   def __init__(self, prob: Problem, chunks: list[SearchChunk]):
     self.prob = prob
-    self.fast = prob.links == 1 and prob.overlap
+    self.fast = prob.overlap
+    self.links = prob.links
     self.a, self.b = prob.startup_s, prob.per_byte_s
     self.base = max(prob.backward_s + prob.after_s, prob.floor_s)
     self.reset([stats(c) for c in chunks])
@@ -59,12 +63,26 @@ class Scorer:
     a, b = self.a, self.b
     n = len(st)
     ends, best, after = [0.0] * n, [0.0] * n, [0.0] * n
-    t, m = -math.inf, self.base
-    for k, (r, nb, q) in enumerate(st):
-      t = (t if t > r else r) + a + b * nb
-      ends[k] = t
-      m = max(m, t + q)
-      best[k] = m
+    m = self.base
+    if self.links == 1:
+      t = -math.inf
+      for k, (r, nb, q) in enumerate(st):
+        t = (t if t > r else r) + a + b * nb
+        ends[k] = t
+        m = max(m, t + q)
+        best[k] = m
+    else:
+      free, prev = [0.0] * self.links, -math.inf
+      self.states = [None] * n
+      for k, (r, nb, q) in enumerate(st):
+        prev = max(r, prev, free[0])
+        e = prev + a + b * nb
+        del free[0]
+        insort(free, e)
+        self.states[k] = (tuple(free), prev)
+        ends[k] = e
+        m = max(m, e + q)
+        best[k] = m
     s = -math.inf
     for k in range(n - 1, -1, -1):
       s = max(s, ends[k] + st[k][2])
@@ -82,6 +100,8 @@ class Scorer:
     """The iteration with chunks i..j-1 replaced by `new`; any value >= `limit` means "no better"."""
     if not self.fast:
       return self._core(self.st[:i] + new + self.st[j:])
+    if self.links > 1:
+      return self._trial_links(i, j, new, limit)
     a, b = self.a, self.b
     if i > 0:
       t, m = self.ends[i - 1], self.best[i - 1]
@@ -103,6 +123,28 @@ class Scorer:
         m = t + q
         if m >= limit:
           return m
+    return m
+
+  def _trial_links(self, i: int, j: int, new: list[Stats], limit: float) -> float:
+    a, b = self.a, self.b
+    if i > 0:
+      free, prev = list(self.states[i - 1][0]), self.states[i - 1][1]
+      m = self.best[i - 1]
+    else:
+      free, prev, m = [0.0] * self.links, -math.inf, self.base
+    st, states, after = self.st, self.states, self.after
+    for u, (r, nb, q) in enumerate(new + st[j:]):
+      prev = max(r, prev, free[0])
+      e = prev + a + b * nb
+      del free[0]
+      insort(free, e)
+      if e + q > m:
+        m = e + q
+        if m >= limit:
+          return m
+      old = u - len(new) + j
+      if old >= j and states[old] == (tuple(free), prev):  # back on the old timeline
+        return m if m > after[old] else after[old]
     return m
 
 
