@@ -316,30 +316,39 @@ def tail_dp(prob: Problem, units: Sequence[Slice]) -> list[SearchChunk]:
 # cross_step=True: Prophet's block rule with a floor in bytes
 
 
-# Prophet's block rule: floors as fractions 1/k of the total bytes, growth of the blocks after backward,
-# and how many of its plans (ranked by prediction) become candidates.
+# Prophet's block rule: floors as fractions 1/k of the total bytes, growth of the blocks after backward
+# (tried for the best few floors), and how many of its plans (ranked by prediction) become candidates.
 BLOCK_FLOORS = (2, 4, 8, 16, 32, 64, 128, 256)
 BLOCK_GROWTHS = (1.0, 1.5, 4.0)
 BLOCK_KEEP = 12
+BLOCK_FLOORS_TUNED = 4
 
 
 def prophet_blocks(prob: Problem) -> list[tuple[str, list[SearchChunk], None]]:
   """Prophet's block rule (`_prophet`'s planner, stages at gaps over the mean) with a floor in bytes.
 
-  Over `BLOCK_FLOORS` x `BLOCK_GROWTHS` x (a small first block after backward or not), the best
-  `BLOCK_KEEP` plans by prediction, and for the best `EXACT_TAILS` distinct heads (the blocks that
-  start before the last gradient is ready) the same head with the rest in priority order grouped by
-  `tail_dp`. About 50 greedy passes: a few ms on a few hundred rows.
+  Every floor in `BLOCK_FLOORS` with one tail setting, then the best `BLOCK_FLOORS_TUNED` floors with
+  every tail setting (`BLOCK_GROWTHS` x a small first block after backward or not): of those 28 greedy
+  passes, the best `BLOCK_KEEP` plans by prediction, and for the best `EXACT_TAILS` distinct heads
+  (the blocks that start before the last gradient is ready) the same head with the rest in priority
+  order grouped by `tail_dp`. A few ms on a few hundred rows.
   """
   total = float(prob.row_nbytes.sum())
   planner = ProphetPlanner(prob, 1.0)
   ranked = []
-  for k in BLOCK_FLOORS:
+  for k in BLOCK_FLOORS:  # the floor with one tail setting, then every tail setting for the best floors
+    groups, est = planner.plan(max(1.0, total / k), BLOCK_GROWTHS[0], True)
+    ranked.append((est, k, BLOCK_GROWTHS[0], True, groups))
+  ranked.sort(key=lambda x: x[0])
+  for k in [x[1] for x in ranked[:BLOCK_FLOORS_TUNED]]:
     for g in BLOCK_GROWTHS:
       for small_first in (True, False):
-        groups, est = planner.plan(max(1.0, total / k), g, small_first)
-        ranked.append((est, f"blocks(floor=total/{k}, growth={g}, small_first={small_first})", groups))
+        if (g, small_first) != (BLOCK_GROWTHS[0], True):
+          groups, est = planner.plan(max(1.0, total / k), g, small_first)
+          ranked.append((est, k, g, small_first, groups))
   ranked.sort(key=lambda x: x[0])
+  ranked = [(est, f"blocks(floor=total/{k}, growth={g}, small_first={sf})", groups)
+            for est, k, g, sf, groups in ranked]
   last_ready = max(prob.ready[r] for r in prob.live)
   a, b = prob.startup_s, prob.per_byte_s
   out, seen = [], set()
