@@ -76,7 +76,8 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
   Args:
     search_options: also plan the baselines over a grid of their options (bucket sizes, priority
       partition and credit), not only at their defaults.
-    local_search: refine the best candidate by merging, splitting, swapping and moving chunks.
+    local_search: refine the best candidates by merging, splitting, swapping and moving chunks and
+      slices (`_refine`).
     max_evals: evaluations the local search may spend (bounds planning time; deterministic). One
       evaluation is a few microseconds on a schedule of a few dozen all-reduces.
     robust: how far off (relative) alpha and beta may be, e.g. 0.3 for a rough fit. 0 (the default)
