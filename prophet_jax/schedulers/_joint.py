@@ -46,7 +46,7 @@ BLOCKS = (2, 8, 32, None)
 MODES = (("wait", 0), ("wait", 2), ("fit", 1))
 # Points where one chunk fills the link until backward ends (after waiting for that many a/b bytes): the
 # link-bound sandwich (low-priority bytes while backward runs, then the high-priority ones, then the rest).
-END_POINTS = ((None, None, "end", 2), (None, None, "end", 8), (None, None, "end", 32))
+END_POINTS = tuple((None, None, "end", m) for m in (0.5, 2, 8, 32))
 EXACT_TAILS = 4
 MAX_PIECES = 2048
 _INF = math.inf

@@ -1,7 +1,9 @@
 """The local search of `auto`: first-improvement moves over candidate chunks, with random kicks.
 
 Pure: numpy only, never jax. A move edits a range of chunks (merge two, swap two, split one; on small
-schedules also move a chunk or one slice anywhere, or merge it into any chunk of its dtype). A trial is
+schedules also move a chunk or one slice anywhere, merge it into any chunk of its dtype, or move to
+another chunk every slice that chunk can take without becoming ready later or needing more after it). A
+trial is
 scored from the edited chunks' (ready, bytes, tail) alone: the chunks themselves are built only when a
 move is kept. With overlap (auto searches only then) the score is incremental: the links' state
 before the edit is kept, the recurrence runs from the edit on, and it stops as soon as the trial is no
@@ -23,6 +25,7 @@ from ._joint import SearchChunk, make_chunk, merged
 
 PATIENCE = 40   # kicks in a row without improvement before the iterated search stops
 _EPS = 1e-12    # a trial must beat the best by this fraction to count as an improvement
+SIGNIFICANT = 32  # single-slice moves: slices of at least 1/SIGNIFICANT of their chunk's bytes
 
 Stats = tuple[float, float, float]   # (ready_s, nbytes, tail_s) of one chunk
 Move = tuple[int, int, list[Stats], Callable[[], list[SearchChunk]]]
@@ -177,12 +180,39 @@ def moves(prob: Problem, cur: list[SearchChunk], st: list[Stats], k: int, rich: 
         yield k, m + 1, st[k + 1:m] + [_join(st[m], sc)], lambda m=m: cur[k + 1:m] + [merged(prob, cur[m], c)]
   if len(s) < 2:
     return
-  # move one slice out: alone anywhere, or into another chunk of its dtype
   ready, tail, size = prob.ready, prob.tail, prob.itemsize
   one = [(ready[r], (b - a) * size[r], tail[r]) for r, a, b in s]
+  # move in bulk every slice that chunk m can take without becoming ready later or needing more tail
+  # after it (one trial for what would be many single moves of small gains each)
+  for m in range(n):
+    if m != k and cur[m].dtype == c.dtype:
+      rm, nm, qm = st[m]
+      fits = [x[0] <= rm and x[2] <= qm for x in one]
+      count = sum(fits)
+      if 0 < count < len(s):
+        moved = sum(x[1] for x, f in zip(one, fits) if f)
+        base_st = (max(x[0] for x, f in zip(one, fits) if not f), sc[1] - moved,
+                   max(x[2] for x, f in zip(one, fits) if not f))
+        into_st = (rm, nm + moved, qm)
+
+        def parts(fits=fits):
+          return (make_chunk(prob, [x for x, f in zip(s, fits) if not f]),
+                  make_chunk(prob, [x for x, f in zip(s, fits) if f]))
+
+        if m < k:
+          yield (m, k + 1, [into_st] + st[m + 1:k] + [base_st],
+                 lambda m=m, f=parts: _into_before(prob, cur, k, m, f))
+        else:
+          yield (k, m + 1, [base_st] + st[k + 1:m] + [into_st],
+                 lambda m=m, f=parts: _into_after(prob, cur, k, m, f))
+  # move one slice out: alone anywhere, or into another chunk of its dtype; only the slices that set the
+  # chunk's readiness or tail or hold at least 1/SIGNIFICANT of its bytes (a smaller one changes little
+  # but its own bytes' time, which the bulk move above shifts in one go)
   pre_r, pre_q, suf_r, suf_q = _running_max(one)
   for i in range(len(s)):
     alone_st = one[i]
+    if alone_st[1] * SIGNIFICANT < sc[1] and alone_st[0] < sc[0] and alone_st[2] < sc[2]:
+      continue
     base_st = (max(pre_r[i], suf_r[i + 1]), sc[1] - alone_st[1], max(pre_q[i], suf_q[i + 1]))
 
     def parts(i=i):
@@ -236,13 +266,17 @@ def _into_after(prob, cur, k, m, parts):
   return [base] + cur[k + 1:m] + [merged(prob, cur[m], alone)]
 
 
-def local_search(prob: Problem, chunks: list[SearchChunk], budget: int,
-                 rich: bool) -> tuple[list[SearchChunk], float, int]:
+def local_search(prob: Problem, chunks: list[SearchChunk], budget: int, rich: bool,
+                 active: set[SearchChunk] | None = None) -> tuple[list[SearchChunk], float, int]:
   """First-improvement local search over `moves` (merge, swap, split; rich: move chunks and slices).
 
-  Stops at a local optimum or after `budget` evaluations. Returns (chunks, predicted, evaluations).
+  With `active` (chunks, by identity), only their neighbourhoods are scanned, and a kept move
+  activates the chunks around it (don't-look bits: a local optimum for the moves near what changed,
+  at a fraction of a full scan's cost). Stops there or after `budget` evaluations. Returns (chunks,
+  predicted, evaluations).
   """
   cur = list(chunks)
+  look = None if active is None else set(active)
   score = Scorer(prob, cur)
   best = score.value
   evals = 1
@@ -251,18 +285,26 @@ def local_search(prob: Problem, chunks: list[SearchChunk], budget: int,
     improved = False
     k = 0
     while k < len(cur) and evals < budget:
+      if look is not None and cur[k] not in look:
+        k += 1
+        continue
       limit = best * (1 - _EPS)
       for i, j, new, build in moves(prob, cur, score.st, k, rich):
         evals += 1
         v = score.trial(i, j, new, limit)
         if v < limit:
-          cur = cur[:i] + build() + cur[j:]
+          built = build()
+          cur = cur[:i] + built + cur[j:]
           score.reset(score.st[:i] + new + score.st[j:])
           best, improved = score.value, True
+          if look is not None:
+            look.update(cur[max(0, i - 1):i + len(built) + 1])
           break
         if evals >= budget:
           break
       else:
+        if look is not None:
+          look.discard(cur[k])
         k += 1
   return cur, best, evals
 
@@ -289,9 +331,9 @@ def kick(prob: Problem, cur: list[SearchChunk], rng: np.random.Generator) -> lis
 
 def iterated_local_search(prob: Problem, chunks: list[SearchChunk], budget: int, rich: bool
                           ) -> tuple[list[SearchChunk], float]:
-  """Local search, then (small schedules) kicks of two random moves followed by local search again,
-  keeping improvements, until `budget` evaluations are spent or `PATIENCE` kicks in a row fail.
-  Deterministic (fixed seed)."""
+  """Local search, then (small schedules) kicks of two random moves followed by local search again
+  around what the kicks changed (don't-look bits), keeping improvements, until `budget` evaluations
+  are spent or `PATIENCE` kicks in a row fail. Deterministic (fixed seed)."""
   cur, best, used = local_search(prob, chunks, budget, rich)
   if not rich:
     return cur, best
@@ -299,7 +341,10 @@ def iterated_local_search(prob: Problem, chunks: list[SearchChunk], budget: int,
   idle = 0
   while used < budget and len(cur) > 1 and idle < PATIENCE:
     trial = kick(prob, kick(prob, cur, rng), rng)
-    cand, v, n = local_search(prob, trial, max(1, budget - used), rich)
+    kept = set(cur)
+    near = [trial[q] for p, c in enumerate(trial) if c not in kept
+            for q in range(max(0, p - 1), min(len(trial), p + 2))]
+    cand, v, n = local_search(prob, trial, max(1, budget - used), rich, active=set(near))
     used += n
     idle += 1
     if v < best * (1 - _EPS):
