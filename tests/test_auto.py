@@ -6,6 +6,7 @@ Pure (no jax): every test plans and simulates on random instances from `tests/_b
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -19,7 +20,10 @@ from hypothesis import strategies as st
 import prophet_jax as pj
 import _brute
 from prophet_jax._core import chunk_arrays, iteration_s, problem
-from prophet_jax.schedulers import _joint, auto
+from prophet_jax.models import load_trace
+from prophet_jax.schedulers import _joint, _search, auto
+from prophet_jax.schedulers._common import schedule_from_groups
+from prophet_jax.schedulers._prophet import _Planner
 
 SEEDS = st.integers(0, 2**32 - 1)
 BASELINES = ("wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet")
@@ -84,6 +88,101 @@ def test_beats_every_baseline_on_a_balanced_pipelined_instance():
   best = min(_sim(pj.plan(profile, network, n, cross_step=True), profile, network, True)
              for n in BASELINES)
   assert s.predicted_s < best * 0.995, (s.predicted_s / best, dict(s.options))
+
+
+def _random_candidate(rng, prob, n_chunks):
+  """Random chunks (one dtype each) over random element ranges of the profile's live rows."""
+  slices = []
+  for r in prob.live:
+    cut = int(rng.integers(0, prob.size[r]))
+    slices += [(r, 0, cut), (r, cut, prob.size[r])] if 0 < cut else [(r, 0, prob.size[r])]
+  rng.shuffle(slices)
+  by_dtype = {}
+  for x in slices:
+    by_dtype.setdefault(prob.dtype[x[0]], []).append(x)
+  chunks = []
+  for group in by_dtype.values():
+    for part in np.array_split(np.arange(len(group)), min(len(group), max(1, n_chunks // len(by_dtype)))):
+      chunks.append(_joint.make_chunk(prob, [group[i] for i in part]))
+  order = rng.permutation(len(chunks))
+  return [chunks[i] for i in order]
+
+
+@pytest.mark.parametrize("links", [1, 2])
+def test_local_search_scores_every_move_as_the_core_does(links):
+  """Every move's (ready, bytes, tail) equal those of the chunks it builds, the edit keeps every
+  slice, and the scorer's incremental iteration equals the core's on the edited schedule (one link:
+  the recurrence from the edit on; two links: the core itself); a trial at least `limit` is reported
+  as such."""
+  rng = np.random.default_rng(links)
+  checked = 0
+  for _ in range(4):
+    profile = _brute.random_profile(rng, int(rng.integers(4, 9)), dtypes=("float32", "bfloat16"))
+    network = _brute.random_network(rng, profile, links=links, overlap=True)
+    prob = problem(profile, network, cross_step=bool(rng.integers(2)))
+    cur = _random_candidate(rng, prob, 6)
+    score = _search.Scorer(prob, cur)
+    assert score.value == pytest.approx(_joint.evaluate_chunks(prob, cur), rel=1e-12)
+    st = [_search.stats(c) for c in cur]
+    every = sorted(x for c in cur for x in c.slices)
+    for k in range(len(cur)):
+      for i, j, new, build in _search.moves(prob, cur, st, k, True):
+        built = build()
+        np.testing.assert_allclose([_search.stats(c) for c in built], new, rtol=1e-12)
+        edited = cur[:i] + built + cur[j:]
+        assert sorted(_joint.merge_slices(sorted(x for c in edited for x in c.slices))) == \
+            sorted(_joint.merge_slices(every))
+        want = _joint.evaluate_chunks(prob, edited)
+        assert score.trial(i, j, new, np.inf) == pytest.approx(want, rel=1e-12)
+        assert score.trial(i, j, new, want * (1 - 1e-6)) >= want * (1 - 1e-6)
+        checked += 1
+  assert checked > 500
+
+
+# The pipelined cells of bench/scaling.py's sweep where auto before issue 19 lost to a heavier search
+# (bench/auto_gap.py): Prophet's block rule with a floor in bytes of 4-64 MiB was 2.1% faster on the
+# first, 0.7% on the second; the third is the link-bound sandwich below.
+_LOST_CELLS = [("resnet50-h100", "100gb-ib", 64), ("vgg16-v100", "10gbe", 16)]
+
+
+@pytest.mark.parametrize("trace, net, workers", _LOST_CELLS)
+def test_no_slower_than_prophet_blocks_with_a_floor_in_bytes(trace, net, workers):
+  """auto <= Prophet's block rule with a floor of 4-64 MiB (any tail growth, gap factor, first block)."""
+  profile = load_trace(trace)
+  network = pj.NetworkModel.preset(net, workers=workers)
+  got = auto()(profile, network, cross_step=True).predicted_s
+  prob = problem(profile, network, cross_step=True)
+  best = np.inf
+  for gap_factor in (1.0, 2.0):
+    planner = _Planner(prob, gap_factor)
+    for mib in (4, 8, 16, 24, 32, 48, 64):
+      for growth in (1.0, 1.5, 2.0, 4.0):
+        for small_first in (True, False):
+          groups, _ = planner.plan(mib * 2.0**20, growth, small_first)
+          best = min(best, _sim(_blocks_schedule(profile, groups), profile, network, True))
+  assert got <= best * (1 + 1e-9), (got / best, trace, net, workers)
+
+
+def _blocks_schedule(profile, groups):
+  return schedule_from_groups(profile, groups, policy="blocks", cross_step=True)
+
+
+def test_link_bound_sandwich_on_vgg16():
+  """vgg16-v100, 10GbE, 256 workers, pipelined (communication 1.4x compute, a start-up of 12.8 ms): the
+  fully connected layers' gradients (ready first, needed last) fill the link while the convolutions'
+  backward runs, the convolutions' gradients go next, the rest of the fully connected ones last;
+  three all-reduces, the link never idle. auto before issue 19 was 1.0% slower (four all-reduces,
+  the convolutions' gradients sent as they became ready)."""
+  profile = load_trace("vgg16-v100")
+  network = pj.NetworkModel.preset("10gbe", workers=256)
+  n26 = math.prod(profile.rows[26].shape)  # fc6 kernel, 392 MiB
+  head = [(26, 0, 53539584), (28, 0, math.prod(profile.rows[28].shape))]
+  mid = [(r, 0, math.prod(profile.rows[r].shape)) for r in (*range(26), 27, 29, 30)] + [(26, 85948608, n26)]
+  last = [(26, 53539584, 85948608), (31, 0, math.prod(profile.rows[31].shape))]
+  sandwich = _blocks_schedule(profile, [head, mid, last])
+  want = _sim(sandwich, profile, network, True)
+  s = auto()(profile, network, cross_step=True)
+  assert s.predicted_s <= want * (1 + 1e-9), (s.predicted_s / want, dict(s.options)["candidate"])
 
 
 def test_tail_dp_is_optimal_for_priority_order():

@@ -13,9 +13,11 @@ Three parts, each in its own module:
 
 * the joint optimiser (`_joint`): an exact dynamic program over contiguous merges for the plain step; a
   priority list schedule on a grid of partition and block sizes, with an exact grouping of the tail,
-  for the pipelined step; one all-reduce per dtype without overlap;
-* the local search (`_search`): merge, swap, split and move chunks (with random kicks on small
-  schedules) within a fixed evaluation budget, from the best few candidates;
+  and Prophet's block rule with floors in bytes, for the pipelined step; one all-reduce per dtype
+  without overlap;
+* the local search (`_search`): merge, swap, split and move chunks and slices within a fixed
+  evaluation budget: a descent from each of the best dozen distinct small candidates (different
+  starts end in different basins), then random kicks in the best three basins (`_refine`);
 * the contest and the robust choice (here): every candidate scored, the fastest kept, or with
   ``robust > 0`` the one whose worst slowdown over a box of networks is least.
 
@@ -48,13 +50,16 @@ from .._types import GradientProfile, NetworkModel
 from ._base import Scheduler
 from ._common import buckets_from_groups, check_inputs, make_schedule
 from ._joint import SearchChunk, chunk_stats, contiguous_dp, evaluate, make_chunk, own_candidates
-from ._search import iterated_local_search
+from ._search import iterated_local_search, local_search
 
 _POLICY = "auto"
-# Local search: schedules of at most _SMALL chunks (3 * _SMALL slices) get the rich neighbourhood
-# (move a chunk or a slice anywhere, random kicks) and up to _STARTS starting points.
+# Local search: schedules of at most _SMALL chunks and _SLICES slices get the rich neighbourhood (move a
+# chunk or a slice anywhere, random kicks): a descent from each of the best _STARTS distinct ones, then
+# kicks in the best _KICKED local optima.
 _SMALL = 24
-_STARTS = 3
+_SLICES = 400
+_STARTS = 12
+_KICKED = 3
 # Robust choice: the exact-tail grid points of the best few candidates are replanned per network.
 _ROBUST_POINTS = 3
 _INF = math.inf
@@ -64,15 +69,17 @@ _INF = math.inf
 # The factory
 
 
-def auto(*, search_options: bool = True, local_search: bool = True, max_evals: int = 3000,
+def auto(*, search_options: bool = True, local_search: bool = True, max_evals: int = 30000,
          robust: float = 0.0, robust_tol: float = 0.02, verify: bool = True) -> Scheduler:
   """The best predicted schedule: every policy's option search plus a joint optimiser.
 
   Args:
     search_options: also plan the baselines over a grid of their options (bucket sizes, priority
       partition and credit), not only at their defaults.
-    local_search: refine the best candidate by merging, splitting, swapping and moving chunks.
-    max_evals: evaluations the local search may spend (bounds planning time; deterministic).
+    local_search: refine the best candidates by merging, splitting, swapping and moving chunks and
+      slices (`_refine`).
+    max_evals: evaluations the local search may spend (bounds planning time; deterministic). One
+      evaluation is a few microseconds on a schedule of a few dozen all-reduces.
     robust: how far off (relative) alpha and beta may be, e.g. 0.3 for a rough fit. 0 (the default)
       returns the fastest predicted schedule. Above 0, auto returns the candidate whose worst slowdown
       against the best candidate, over the networks with alpha and beta each off by up to `robust`,
@@ -203,10 +210,47 @@ class _Candidate:
 
 
 def _small(c: _Candidate) -> bool:
-  """Small enough for the rich neighbourhood: at most _SMALL chunks and 3 * _SMALL slices."""
+  """Small enough for the rich neighbourhood: at most _SMALL chunks and _SLICES slices."""
   if c.num_chunks > _SMALL:
     return False
-  return sum(len(x.slices) for x in c.chunks) <= 3 * _SMALL
+  return sum(len(x.slices) for x in c.chunks) <= _SLICES
+
+
+def _refine(prob: Problem, cands: list[_Candidate], budget: int) -> list[_Candidate]:
+  """The local search's improvements on the ranked candidates, within `budget` evaluations.
+
+  The best candidate, when it is large, gets the cheap neighbourhood (a tenth of the budget). The
+  best `_STARTS` distinct small candidates each get a plain local search over the rich neighbourhood
+  (half of the budget, shared), and the best `_KICKED` local optima found that way the kicks (the rest):
+  different starts end in different basins, and the kicks pay most in the best of them.
+  """
+  out: list[_Candidate] = []
+  if not _small(cands[0]):
+    refined, v = iterated_local_search(prob, cands[0].chunks, max(1, budget // 10), False)
+    if v < cands[0].nominal * (1 - 1e-12):
+      out.append(_Candidate(prob, cands[0].label + "+local", refined, point=cands[0].point))
+  starts, seen = [], set()
+  for c in cands:
+    if len(starts) == _STARTS:
+      break
+    if c.nominal not in seen and _small(c):
+      seen.add(c.nominal)
+      starts.append(c)
+  if not starts:
+    return out
+  share = max(1, budget // (2 * len(starts)))
+  optima = []
+  for c in starts:
+    chunks, v, _ = local_search(prob, c.chunks, share, True)
+    optima.append((v, len(optima), c, chunks))
+  optima.sort(key=lambda x: x[:2])
+  kicked = optima[:_KICKED]
+  share = max(1, (budget - budget // 2) // len(kicked))
+  for v, _, c, chunks in kicked:
+    refined, v2 = iterated_local_search(prob, chunks, share, True)
+    if v2 < c.nominal * (1 - 1e-12):
+      out.append(_Candidate(prob, c.label + "+local", refined, point=c.point))
+  return out
 
 
 def _plan_auto(profile: GradientProfile, network: NetworkModel, cross: bool,
@@ -225,14 +269,7 @@ def _plan_auto(profile: GradientProfile, network: NetworkModel, cross: bool,
   # With one link, no contiguous merge beats the plain step's DP and no other order or cut helps.
   exact = not cross and prob.links == 1
   if options["local_search"] and prob.overlap and prob.live and not exact:
-    # Refine the best few distinct candidates (one when large), sharing the evaluation budget.
-    starts = [c for c in cands if _small(c)]
-    starts = starts[:_STARTS] if starts and starts[0] is cands[0] else cands[:1]
-    budget = options["max_evals"]
-    for c in list(starts):
-      refined, v = iterated_local_search(prob, c.chunks, max(1, budget // len(starts)), _small(c))
-      if v < c.nominal * (1 - 1e-12):
-        cands.append(_Candidate(prob, c.label + "+local", refined, point=c.point))
+    cands += _refine(prob, cands, options["max_evals"])
     cands.sort(key=lambda c: c.nominal)
   chosen = cands[0]
   if options["robust"] > 0 and prob.live and len(cands) > 1:

@@ -10,10 +10,14 @@ the simulator's closed form) over their per-chunk arrays.
   contiguous merges; with one link, sending a row in pieces or out of ready order never ends earlier.
 * ``cross_step=True`` with overlap: a priority list schedule while backward runs (`priority_head`, on a
   grid of partition size, block size, and how the link waits: for some bytes to be ready, or chunks cut
-  at element boundaries to end when the next gradient is ready, as Prophet sizes blocks to gaps; the
+  at element boundaries to end when the next gradient is ready, as Prophet sizes blocks to gaps, or one
+  chunk cut to end when backward ends, so that the gradients ready meanwhile wait for the tail; the
   grid is in units of the bytes whose transfer costs one start-up). Once every gradient is ready, the
   rest goes in priority order, grouped by an exact O(N^2) dynamic program that minimises the next
-  forward's end (`tail_dp`).
+  forward's end (`tail_dp`). And Prophet's own block rule (`prophet_blocks`) with a floor in bytes
+  (fractions of the total, where the `prophet` policy's floor is relative to the start-up), as it is and
+  with its tail regrouped by `tail_dp`: on link-bound cells its blocks keep the link busy with fewer
+  start-ups than any grid point, and they are the best starts for the local search.
 * without overlap (XLA on the CPU): every all-reduce stalls the device, so few all-reduces win: one per
   dtype.
 
@@ -29,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from .._core import Problem, iteration_s
+from .._core import Problem, iteration_s, split_by_dtype
 from ._base import Slice
+from ._prophet import _Planner as ProphetPlanner
 
 # The joint optimiser's grid, in units of the network's start-up/byte ratio a/b (the bytes whose transfer
 # time equals one start-up): partition size (None: whole rows), block size (None: no limit), and how the
@@ -39,6 +44,9 @@ from ._base import Slice
 PARTITIONS = (None, 2, 8)
 BLOCKS = (2, 8, 32, None)
 MODES = (("wait", 0), ("wait", 2), ("fit", 1))
+# Points where one chunk fills the link until backward ends (after waiting for that many a/b bytes): the
+# link-bound sandwich (low-priority bytes while backward runs, then the high-priority ones, then the rest).
+END_POINTS = tuple((None, None, "end", m) for m in (0.5, 2, 8, 32))
 EXACT_TAILS = 4
 MAX_PIECES = 2048
 _INF = math.inf
@@ -177,7 +185,7 @@ def partition_units(prob: Problem, partition_bytes: float | None) -> list[tuple[
 
 
 def priority_head(prob: Problem, units: Sequence[tuple[float, int, int, int]], block_bytes: float,
-                  wait_bytes: float, fit_bytes: float | None = None
+                  wait_bytes: float, fit_bytes: float | None = None, to_end: bool = False
                   ) -> tuple[list[SearchChunk], list[Slice]]:
   """A priority list schedule of `units` until every one is ready: (chunks sent, units left).
 
@@ -186,7 +194,9 @@ def priority_head(prob: Problem, units: Sequence[tuple[float, int, int, int]], b
   many bytes are ready. With `fit_bytes` (Prophet's gap sizing, on elements), a chunk is cut to end
   when the next gradient becomes ready, so a low-priority chunk never holds the link then, but holds
   at least `fit_bytes` (to amortise the start-up); the last unit is cut at an element boundary and
-  its rest stays queued. The units left are those not yet sent when the last one is ready.
+  its rest stays queued. With `to_end`, the chunk is cut to end when the last gradient is ready
+  instead (one chunk fills the link until backward ends; the gradients that become ready meanwhile
+  wait for the tail). The units left are those not yet sent when the last one is ready.
   """
   if not units:
     return [], []
@@ -209,8 +219,11 @@ def priority_head(prob: Problem, units: Sequence[tuple[float, int, int, int]], b
       t = units[k][0]  # k < n here: something is still to become ready
       continue
     cap = block_bytes
+    if to_end and last_ready - t <= a_s + b_s * fit_bytes:
+      t = units[k][0]  # too late for a chunk to end by the last ready time: the rest waits for the tail
+      continue
     if fit_bytes is not None and b_s > 0:
-      cap = min(cap, max(fit_bytes, (units[k][0] - t - a_s) / b_s))
+      cap = min(cap, max(fit_bytes, ((last_ready if to_end else units[k][0]) - t - a_s) / b_s))
     row, a, b = heapq.heappop(avail)
     dtype = prob.dtype[row]
     if fit_bytes is not None and (b - a) * size[row] > cap:
@@ -300,6 +313,63 @@ def tail_dp(prob: Problem, units: Sequence[Slice]) -> list[SearchChunk]:
 
 
 # --------------------------------------------------------------------------------------------------
+# cross_step=True: Prophet's block rule with a floor in bytes
+
+
+# Prophet's block rule: floors as fractions 1/k of the total bytes, growth of the blocks after backward
+# (tried for the best few floors), and how many of its plans (ranked by prediction) become candidates.
+BLOCK_FLOORS = (2, 4, 8, 16, 32, 64, 128, 256)
+BLOCK_GROWTHS = (1.0, 1.5, 4.0)
+BLOCK_KEEP = 12
+BLOCK_FLOORS_TUNED = 4
+
+
+def prophet_blocks(prob: Problem) -> list[tuple[str, list[SearchChunk], None]]:
+  """Prophet's block rule (`_prophet`'s planner, stages at gaps over the mean) with a floor in bytes.
+
+  Every floor in `BLOCK_FLOORS` with one tail setting, then the best `BLOCK_FLOORS_TUNED` floors with
+  every tail setting (`BLOCK_GROWTHS` x a small first block after backward or not): of those 28 greedy
+  passes, the best `BLOCK_KEEP` plans by prediction, and for the best `EXACT_TAILS` distinct heads
+  (the blocks that start before the last gradient is ready) the same head with the rest in priority
+  order grouped by `tail_dp`. A few ms on a few hundred rows.
+  """
+  total = float(prob.row_nbytes.sum())
+  planner = ProphetPlanner(prob, 1.0)
+  ranked = []
+  for k in BLOCK_FLOORS:  # the floor with one tail setting, then every tail setting for the best floors
+    groups, est = planner.plan(max(1.0, total / k), BLOCK_GROWTHS[0], True)
+    ranked.append((est, k, BLOCK_GROWTHS[0], True, groups))
+  ranked.sort(key=lambda x: x[0])
+  for k in [x[1] for x in ranked[:BLOCK_FLOORS_TUNED]]:
+    for g in BLOCK_GROWTHS:
+      for small_first in (True, False):
+        if (g, small_first) != (BLOCK_GROWTHS[0], True):
+          groups, est = planner.plan(max(1.0, total / k), g, small_first)
+          ranked.append((est, k, g, small_first, groups))
+  ranked.sort(key=lambda x: x[0])
+  ranked = [(est, f"blocks(floor=total/{k}, growth={g}, small_first={sf})", groups)
+            for est, k, g, sf, groups in ranked]
+  last_ready = max(prob.ready[r] for r in prob.live)
+  a, b = prob.startup_s, prob.per_byte_s
+  out, seen = [], set()
+  for _, label, groups in ranked[:BLOCK_KEEP]:
+    chunks = [make_chunk(prob, c) for g in groups for c in split_by_dtype(prob.dtype.__getitem__, g)]
+    out.append((label, chunks, None))
+    if len(seen) == EXACT_TAILS:
+      continue
+    t, head = 0.0, 0
+    while head < len(chunks) and max(t, chunks[head].ready_s) < last_ready:
+      t = max(t, chunks[head].ready_s) + a + b * chunks[head].nbytes
+      head += 1
+    key = tuple(c.slices for c in chunks[:head])
+    if key not in seen:
+      seen.add(key)
+      rest = sorted(x for c in chunks[head:] for x in c.slices)
+      out.append((label + "+tail-dp", chunks[:head] + tail_dp(prob, rest), None))
+  return out
+
+
+# --------------------------------------------------------------------------------------------------
 # Every candidate of the joint optimiser
 
 
@@ -332,7 +402,7 @@ def own_candidates(prob: Problem, cross_step: bool, grid: Sequence[tuple] | None
   # at most about MAX_PIECES pieces however cheap the start-up (alpha = 0 would cut every element)
   scale = min(max(scale, total / MAX_PIECES, 1.0), total)
   points = grid if grid is not None else [(pm, bm, mode, m) for pm in PARTITIONS for bm in BLOCKS
-                                          for mode, m in MODES]
+                                          for mode, m in MODES] + list(END_POINTS)
   # Stage 1: rank the grid with a cheap tail (blocks in priority order); stage 2: the exact tail
   # grouping for the best few heads.
   ranked = []
@@ -342,19 +412,21 @@ def own_candidates(prob: Problem, cross_step: bool, grid: Sequence[tuple] | None
     if pm not in units_of:
       units_of[pm] = partition_units(prob, None if pm is None else min(total, scale * pm))
     block = _INF if bm is None else min(total, scale * bm)
-    wait = min(total, scale * m) if mode == "wait" else 0.0
-    fit = min(total, scale * m) if mode == "fit" else None
-    head, rest = priority_head(prob, units_of[pm], block, wait, fit)
+    wait = min(total, scale * m) if mode in ("wait", "end") else 0.0
+    fit = min(total, scale * m) if mode == "fit" else (1.0 if mode == "end" else None)
+    head, rest = priority_head(prob, units_of[pm], block, wait, fit, to_end=mode == "end")
     chunks = head + block_tail(prob, rest, block)
     label = f"joint(partition={pm}, block={bm}, {mode}={m})"
     ranked.append((evaluate_chunks(prob, chunks), label, chunks, head, rest, point))
   ranked.sort(key=lambda x: x[0])
+  if grid is None:
+    out += prophet_blocks(prob)
   seen = set()
   for v, label, chunks, head, rest, point in ranked:
     if grid is None:
       out.append((label, chunks, point))
     key = tuple(c.slices for c in head)
-    if len(seen) < EXACT_TAILS and key not in seen:
+    if (len(seen) < EXACT_TAILS or point in END_POINTS) and key not in seen:
       seen.add(key)
       out.append((label + "+tail-dp", head + tail_dp(prob, rest), point))
   return out
