@@ -42,3 +42,9 @@ class AlreadyReducedError(ProphetError, ValueError):
 class TraceUnavailableError(ProphetError, FileNotFoundError):
   """A bundled or external trace is not available on this machine (e.g. the GoogLeNet public data set,
   which is read from ../shared/traces at run time and is not shipped with the package)."""
+
+
+class GpuCompileError(ProphetError, RuntimeError):
+  """A compile-only GPU build (`prophet_jax.gpu_topology`) cannot start here: jax's CUDA plugin or ptxas
+  is missing (install the `gpu-compile` extra: pip install 'prophet-jax[gpu-compile]'), the plugin's
+  version differs from jaxlib's, or the process did not set JAX_PLATFORMS=cpu."""
