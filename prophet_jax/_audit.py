@@ -147,6 +147,9 @@ class AuditReport:
     problems: what is wrong, one line each (empty when ok).
     total_ops: executed ops in the program (the scale of `position`).
     max_in_flight: the most async all-reduces in flight at once in the schedule (0 when synchronous).
+    backward_outside_windows: backward ops with FLOPs (matmuls, convolutions) that run after the first
+      chunk's all-reduce has started but inside no all-reduce window: backward compute the link could
+      have hidden. 0 means that once the all-reduces begin, every remaining backward matmul overlaps one.
     warnings: what weakens the overlap without breaking the verdict (synchronous collectives on a GPU,
       no compute inside any window), one line each.
     schema: the JSON schema version.
@@ -161,6 +164,7 @@ class AuditReport:
   problems: tuple[str, ...]
   total_ops: int
   max_in_flight: int = 0
+  backward_outside_windows: int = 0
   warnings: tuple[str, ...] = ()
   schema: int = AUDIT_SCHEMA
 
@@ -516,6 +520,11 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
     elif ins.opcode == "all-reduce-done" and ins.operands and ins.operands[0] in open_starts:
       open_starts.discard(ins.operands[0])
       in_flight -= 1
+  first = min((e.position for e in chunks if e.asynchronous), default=None)
+  covered = {w.index for win in windows.values() for w in win.inside}
+  outside = 0 if first is None else sum(
+      1 for op in ops[first + 1:] if op.index not in covered and _kind(op.instruction) == "backward"
+      and costs.flops(op.computation, op.instruction) > 0)
   warnings = []
   if chunks and _is_gpu(text):
     if not any(e.asynchronous for e in chunks):
@@ -531,4 +540,4 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
   return AuditReport(planned=len(sizes), chunks=tuple(chunks), loops=tuple(loops),
                      foreign=tuple(foreign), order=tuple(order), ok=not problems,
                      problems=tuple(problems), total_ops=len(ops), max_in_flight=peak,
-                     warnings=tuple(warnings))
+                     backward_outside_windows=outside, warnings=tuple(warnings))

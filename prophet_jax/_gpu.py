@@ -42,7 +42,8 @@ from typing import Any
 from ._errors import GpuCompileError
 
 __all__ = ["GPU_TARGETS", "GpuTarget", "GpuTopology", "gpu_target", "gpu_topology", "find_ptxas",
-           "cuda_plugin_installed", "quiet_cuda_stub", "compile_step", "STEP_MODES", "GPU_COMPILE_EXTRA"]
+           "cuda_plugin_installed", "quiet_cuda_stub", "import_jax_quietly", "compile_step",
+           "lower_step", "compile_lowered", "STEP_MODES", "GPU_COMPILE_EXTRA"]
 
 # name -> (file under prophet_jax/targets, aliases)
 _TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -350,6 +351,23 @@ def quiet_cuda_stub() -> Iterator[None]:
         sys.stderr.flush()
 
 
+def import_jax_quietly() -> None:
+  """Imports jax and registers its PJRT plugins inside `quiet_cuda_stub`, without creating a backend
+  (XLA_FLAGS, e.g. the host device count, are still read later, when the first backend starts).
+
+  Registering the plugins is what loads the CUDA plugin's library (two more lines of driver-search noise);
+  it is done through jax's private `_discover_and_register_pjrt_plugins`, skipped if that is gone (the
+  lines then print, nothing else changes).
+  """
+  with quiet_cuda_stub():
+    import jax  # noqa: F401
+    from jax._src import xla_bridge
+
+    register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+    if callable(register):
+      register()
+
+
 # --------------------------------------------------------------------------------------------------
 # compiling a step, the way a user writes it
 
@@ -358,6 +376,30 @@ def compile_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
                  batch_size: int | None = None, axis_name: str = "data", tx: Any = None,
                  compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, float]:
   """Compiles one data-parallel train step of `model` for `topology`, the way a user writes it.
+
+  `lower_step(...)` then `compile_lowered(...)`; see `lower_step` for the step of each mode.
+
+  Returns:
+    (the compiled step, seconds spent in `compile()`).
+  """
+  lowered = lower_step(model, schedule, mode, topology, batch_size=batch_size, axis_name=axis_name,
+                       tx=tx)
+  return compile_lowered(lowered, compiler_options)
+
+
+def compile_lowered(lowered: Any, compiler_options: Mapping[str, Any] | None = None
+                    ) -> tuple[Any, float]:
+  """`lowered.compile(compiler_options=...)` and the seconds it took (the GIL is released meanwhile:
+  several compiles can run in threads)."""
+  t0 = time.perf_counter()
+  compiled = lowered.compile(compiler_options=dict(compiler_options)) if compiler_options \
+      else lowered.compile()
+  return compiled, time.perf_counter() - t0
+
+
+def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
+               batch_size: int | None = None, axis_name: str = "data", tx: Any = None) -> Any:
+  """Lowers one data-parallel train step of `model` for `topology`, the way a user writes it.
 
   The step is `jax.jit(jax.shard_map(...))` over `topology.mesh(axis_name)`, lowered on
   ShapeDtypeStructs (nothing is allocated or run):
@@ -378,11 +420,10 @@ def compile_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
     batch_size: global batch (divisible by the device count); default `model.default_batch_size`.
     axis_name: the mesh axis.
     tx: the optimizer (default `optax.sgd(0.1, momentum=0.9)`).
-    compiler_options: per-compile XLA options (`lowered.compile(compiler_options=...)`), e.g.
-      `{"xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30}`.
 
   Returns:
-    (the compiled step, seconds spent in `compile()`).
+    The `jax.stages.Lowered` step (compile it with `compile_lowered`, or `.compile(compiler_options=
+    {...})` for per-compile XLA options such as `xla_gpu_all_reduce_combine_threshold_bytes`).
 
   Raises:
     ValueError: an unknown mode, or a batch that does not split over the devices.
@@ -437,8 +478,4 @@ def compile_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
                                  out_specs=(P(), P(), P())))
     args = (topology.abstract(params, P(), mesh=mesh),
             topology.abstract(jax.eval_shape(opt.init, params), P(), mesh=mesh), a_batch)
-  lowered = step.lower(*args)
-  t0 = time.perf_counter()
-  compiled = lowered.compile(compiler_options=dict(compiler_options)) if compiler_options \
-      else lowered.compile()
-  return compiled, time.perf_counter() - t0
+  return step.lower(*args)
