@@ -373,8 +373,8 @@ class OpCosts:
   FLOPs count the multiply-adds of matrix products and convolutions (2 per multiply-add), wherever
   they are: a `dot` or `convolution`, one inside a fusion (Triton gemm fusions), or a cuBLAS / cuDNN
   custom call. Elementwise work counts 0 FLOPs (it is memory-bound: its bytes say what it costs).
-  A convolution counts 2 * |output| * |kernel| / output features (padding and strides not
-  discounted). Bytes are the instruction's operands plus its result, as read and written once.
+  A convolution counts 2 * |forward output| * |kernel| / output features, for its forward, backward-input
+  and backward-filter forms alike (padding not discounted). Bytes are the instruction's operands plus its result, as read and written once.
   XLA's own cost analysis is not available for a deviceless compile (`compiled.cost_analysis()` is
   None there), hence this estimate.
   """
@@ -406,7 +406,7 @@ class OpCosts:
       target = _TARGET.search(ins.text)
       name = target.group(1).lower() if target else ""
       if "conv" in name:
-        return self._conv(comp, ins)
+        return self._conv(comp, ins, name)
       if "gemm" in name or "matmul" in name:
         return self._dot(comp, ins, _GEMM_CONTRACT.search(ins.text))
       return 0
@@ -437,14 +437,25 @@ class OpCosts:
         k *= lhs[0][int(d)]
     return 2 * math.prod(dims[0]) * k
 
-  def _conv(self, comp: str, ins: HloInstruction) -> int:
-    dims = shape_dims(ins.shape)
+  def _conv(self, comp: str, ins: HloInstruction, target: str = "") -> int:
+    """2 * |forward output| * |filter| / filter's output features. cuDNN's custom calls keep the forward
+    convolution's dim_labels: a backward-input call reads (output gradient, filter), a backward-filter
+    call reads (input, output gradient) and returns the filter."""
     labels = _DIM_LABELS.search(ins.text)
-    if not dims or len(ins.operands) < 2 or labels is None:
+    if labels is None or len(ins.operands) < 2:
       return 0
-    rhs = shape_dims(self._shape_map(comp).get(ins.operands[1], ""))
+    shapes = self._shape_map(comp)
+    result = shape_dims(ins.shape)
+    op0 = shape_dims(shapes.get(ins.operands[0], ""))
+    op1 = shape_dims(shapes.get(ins.operands[1], ""))
+    if "backwardfilter" in target:
+      out, rhs = op1, result
+    elif "backwardinput" in target:
+      out, rhs = op0, op1
+    else:
+      out, rhs = result, op1
     rhs_labels = labels.group(2)
-    if not rhs or "o" not in rhs_labels or len(rhs[0]) != len(rhs_labels):
+    if not out or not rhs or "o" not in rhs_labels or len(rhs[0]) != len(rhs_labels):
       return 0
     out_features = rhs[0][rhs_labels.index("o")] or 1
-    return 2 * math.prod(dims[0]) * math.prod(rhs[0]) // out_features
+    return 2 * math.prod(out[0]) * math.prod(rhs[0]) // out_features
