@@ -54,6 +54,9 @@ TARGETS = {"h100": ("h100", None), "a100": ("a100", None),
            "a100+lhs": ("a100", {"xla_gpu_enable_latency_hiding_scheduler": True})}
 NDEV = 8
 BATCH = 16  # two examples per GPU (with one, a Dense weight gradient is an outer product, not a matmul)
+# per chunk, in compiled order (one array per chunk in the JSON)
+CHUNK_FIELDS = ("chunk", "elements", "asynchronous", "window_flops", "window_bytes", "window_us",
+                "backward_ops", "forward_ops", "other_ops")
 OUT = Path(__file__).resolve().parent / "results" / "gpu_hlo.json"
 
 
@@ -104,12 +107,11 @@ def sim_overlapped(schedule, profile, net) -> int:
 def row_of(report, schedule, target, compile_s, sim_ovl):
   ops = {o.name: o for e in report.chunks for o in e.window if o.kind in COMPUTE_KINDS}
   overlap_s = sum(target.roofline_s(o.flops, o.nbytes) for o in ops.values())
-  chunks = [{"chunk": e.chunk, "elements": e.elements, "asynchronous": e.asynchronous,
-             "window_flops": e.window_flops, "window_bytes": e.window_bytes,
-             "window_us": 1e6 * sum(target.roofline_s(o.flops, o.nbytes) for o in e.window
-                                    if o.kind in COMPUTE_KINDS),
-             "backward_ops": len(e.window_ops("backward")), "forward_ops": len(e.window_ops("forward")),
-             "other_ops": len(e.window_ops("other"))} for e in report.chunks]
+  chunks = [[e.chunk, e.elements, int(e.asynchronous), e.window_flops, e.window_bytes,
+             round(1e6 * sum(target.roofline_s(o.flops, o.nbytes) for o in e.window
+                             if o.kind in COMPUTE_KINDS), 3),
+             len(e.window_ops("backward")), len(e.window_ops("forward")), len(e.window_ops("other"))]
+            for e in report.chunks]
   return {"planned": schedule.num_allreduces, "found": report.chunk_allreduces, "ok": report.ok,
           "asynchronous": sum(e.asynchronous for e in report.chunks), "exposed": list(report.exposed),
           "max_in_flight": report.max_in_flight, "overlap_gflop": report.overlapped_flops / 1e9,
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
   out.write_text(json.dumps({
       "what": "XLA:GPU's compiled schedule for compile-only GPUs (no GPU ran); audit per chunk",
       "jax": jax.__version__, "network": net.to_dict(), "devices": NDEV, "batch": BATCH,
-      "rows": rows}, indent=1))
+      "chunk_fields": CHUNK_FIELDS, "rows": rows}, separators=(",", ":")))
   print(f"written to {out} ({time.time() - t0:.0f} s)")
   return 0
 
