@@ -18,8 +18,8 @@ where. Per row:
 
 Models: `cnn` and `gpt-tiny` (the small trainable models, profiles from their parameter sizes), and
 ResNet-50 and BERT-base (`prophet_jax.models.architecture`, at the bundled traces' layer shapes, planned
-from the `{model}-h100` trace), two examples per GPU (a global batch of 16). Network: the `nvlink` preset for 8 workers (the
-8 GPUs of one host the topology describes). Targets: `h100` and `a100` (and `a100+lhs`: the A100 with
+from the `{model}-h100` trace), two examples per GPU (a global batch of 16). Network: the `nvlink`
+preset for 8 workers (the 8 GPUs of one host the topology describes). Targets: `h100` and `a100` (and `a100+lhs`: the A100 with
 `xla_gpu_enable_latency_hiding_scheduler=true`, which jaxlib 0.10.2 enables by default only on Hopper).
 Policies with identical chunks compile to the same program and are compiled once.
 

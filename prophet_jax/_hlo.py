@@ -374,7 +374,8 @@ class OpCosts:
   they are: a `dot` or `convolution`, one inside a fusion (Triton gemm fusions), or a cuBLAS / cuDNN
   custom call. Elementwise work counts 0 FLOPs (it is memory-bound: its bytes say what it costs).
   A convolution counts 2 * |forward output| * |kernel| / output features, for its forward, backward-input
-  and backward-filter forms alike (padding not discounted). Bytes are the instruction's operands plus its result, as read and written once.
+  and backward-filter forms alike (padding not discounted). Bytes are the instruction's operands plus
+  its result, as read and written once.
   XLA's own cost analysis is not available for a deviceless compile (`compiled.cost_analysis()` is
   None there), hence this estimate.
   """
