@@ -2,7 +2,7 @@
 
 profile -> measure -> plan -> rewrite -> simulate. Planning and simulation are pure numpy and work
 without jax; the jax-backed names (allreduce, scheduled, hooked, pipelined, audit, profile_step,
-measure_network, Monitor) are imported lazily on first use.
+measure_network, Monitor, gpu_topology) are imported lazily on first use.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ _EXPORTS: dict[str, str] = {
     "ProphetError": "_errors", "ProfileError": "_errors", "NetworkError": "_errors",
     "ScheduleError": "_errors", "ScheduleMismatchError": "_errors", "UnboundAxisError": "_errors",
     "AlreadyReducedError": "_errors", "TraceUnavailableError": "_errors", "LaunchError": "_errors",
-    "GlooBindError": "_errors", "CompositionError": "_errors",
+    "GlooBindError": "_errors", "CompositionError": "_errors", "GpuCompileError": "_errors",
     # planning and simulation (pure)
     "plan": "_plan", "validate_schedule": "_plan", "POLICIES": "_plan",
     "simulate": "_simulate", "lower_bound": "_bound",
@@ -32,6 +32,9 @@ _EXPORTS: dict[str, str] = {
     "pipelined": "_pipelined", "audit": "_audit", "AuditReport": "_audit",
     "profile_step": "_profile", "measure_network": "_network", "probe": "_network",
     "AllreduceTimings": "_network", "Monitor": "_monitor",
+    # compile-only GPU targets (jax, imported when a topology is made)
+    "gpu_topology": "_gpu", "GpuTopology": "_gpu", "GpuTarget": "_gpu", "gpu_target": "_gpu",
+    "GPU_TARGETS": "_gpu",
 }
 
 __all__ = sorted(_EXPORTS) + ["schedulers"]
@@ -55,9 +58,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._audit import AuditReport, audit
   from ._bound import lower_bound
   from ._collectives import allreduce
-  from ._errors import (AlreadyReducedError, CompositionError, GlooBindError, LaunchError, NetworkError,
-                        ProfileError, ProphetError, ScheduleError, ScheduleMismatchError, TraceUnavailableError,
-                        UnboundAxisError)
+  from ._errors import (AlreadyReducedError, CompositionError, GlooBindError, GpuCompileError,
+                        LaunchError, NetworkError, ProfileError, ProphetError, ScheduleError,
+                        ScheduleMismatchError, TraceUnavailableError, UnboundAxisError)
+  from ._gpu import GPU_TARGETS, GpuTarget, GpuTopology, gpu_target, gpu_topology
   from ._monitor import Monitor
   from ._network import AllreduceTimings, measure_network, probe
   from ._pipelined import pipelined

@@ -1,35 +1,88 @@
-"""audit(compiled, schedule): did the compiled step keep the schedule's all-reduces, count and order?
+"""audit(compiled, schedule): did the compiled step keep the schedule's all-reduces, and what overlaps them?
 
-Reads the optimized HLO of a *compiled* step (`jax.pmap(step).lower(*args).compile()` or the same with
-`jax.jit`), finds every all-reduce, and sorts them by their op_name metadata:
-- `prophet/chunk<k>`: chunk k of the schedule (from `allreduce`, `scheduled` or `hooked`);
+Reads the optimized HLO of a *compiled* step (`jax.pmap(step).lower(*args).compile()`, the same with
+`jax.jit`, or a step compiled for a compile-only GPU target, see `prophet_jax.gpu_topology`), finds
+every all-reduce, and sorts them by their op_name metadata:
+- `prophet/chunk<k>`: chunk k of the schedule (from `allreduce`, `scheduled`, `hooked` or `pipelined`);
 - `prophet/loop/<name>`: a per-layer all-reduce in a scanned body (`loop_hook`), counted once per trip;
 - anything else: foreign (a user's `pmean` of the loss, BatchNorm statistics, ...), listed apart.
 The verdict is True when every chunk appears exactly once (per step), with its planned element count, in
-schedule order, and no all-reduce mixes chunks (XLA's combiner merges independent all-reduces into one).
+schedule order, and no all-reduce carries two chunks.
+
+XLA may combine a chunk's all-reduce with a *foreign* one (the loss `pmean`: independent of every chunk,
+so the combiner is free to join it to any of them). On the CPU the combined all-reduce is a tuple; on
+XLA:GPU `all-reduce-contiguous` flattens it into one buffer: a concatenation of the operands, one
+all-reduce without op_name, and slices of its result that keep each original all-reduce's op_name. The
+audit reads through both forms: each operand (or slice) is an entry of its own, marked `shared`. A chunk
+sharing its all-reduce with a foreign scalar keeps its count, size and order (the rewrite cannot stop
+that: the loss pmean is the user's, and a compile option is not available in the user's own jit); two
+chunks sharing one all-reduce is a failure.
+
+The schedule of an async collective (XLA:GPU's `all-reduce-start` / `all-reduce-done`) is read as well:
+each entry's `window` holds the ops the compiled program runs between the start and the done, with their
+kind (backward, forward, other compute, the rewrite's own gather/tie ops, collectives) and their FLOPs and
+bytes from the HLO shapes (`_hlo.OpCosts`). A chunk with no backward, forward or other compute in its
+window is *exposed*: nothing hides its latency.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._hlo import ExecutedOp, collectives, execution_order, hlo_text, parse_hlo
+from ._hlo import (AsyncWindow, ExecutedOp, HloInstruction, HloModule, OpCosts, async_windows,
+                   collectives, execution_order, hlo_text, is_collective, parse_hlo, shape_elements)
 from ._types import Schedule
 
-__all__ = ["audit", "AuditReport", "AuditEntry"]
+__all__ = ["audit", "AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "COMPUTE_KINDS",
+           "NEXT_FORWARD"]
 
+AUDIT_SCHEMA = 1
 _CHUNK = re.compile(r"prophet/chunk(\d+)(?![0-9])")
 _LOOP = re.compile(r"prophet/loop/([\w.\-]+)")
+_SLICE = re.compile(r"slice=\{\[(\d+):(\d+)\]\}")
+_PARAM = re.compile(r"\bparameter\((\d+)\)")
+_PASS_THROUGH = ("bitcast", "copy", "reshape")
+# window op kinds that are work of the step (what hides a collective's latency)
+COMPUTE_KINDS = ("backward", "forward", "other")
+NEXT_FORWARD = "pipelined_forward"  # the named scope of the pipelined step's next forward
+_GPU_MARKERS = ('"collective_backend_config"', "__cudnn$", "__cublas", "gemm_fusion", "triton")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WindowOp:
+  """An op the compiled program runs while an async all-reduce is in flight.
+
+  Attributes:
+    name: the HLO instruction's name.
+    opcode: 'fusion', 'custom-call', ...
+    kind: 'backward' (op_name under `transpose(` or `pipelined_backward`), 'forward' (`jvp(` without
+      `transpose(`, or `pipelined_forward`: the next step's forward in a pipelined step), 'rewrite'
+      (the schedule's own gather, tie and scatter ops, under `prophet/`), 'collective', or 'other'
+      (the optimizer update and anything else).
+    flops: matrix-product and convolution FLOPs (`_hlo.OpCosts`; elementwise ops count 0).
+    nbytes: operand and result bytes.
+    op_name: the op_name metadata (jax's name stack).
+  """
+
+  name: str
+  opcode: str
+  kind: str
+  flops: int
+  nbytes: int
+  op_name: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AuditEntry:
-  """One all-reduce of the compiled program.
+  """One all-reduce of the compiled program (or one operand of a combined one).
 
   Attributes:
-    name: the HLO instruction's name.
+    name: the HLO instruction's name (the `all-reduce-start` of an async one).
     kind: 'chunk', 'loop' or 'foreign'.
     chunk: the schedule chunk index (kind 'chunk'), else None.
     label: the loop hook's name (kind 'loop'), else ''.
@@ -39,9 +92,11 @@ class AuditEntry:
     position: index among the program's executed ops (called computations inlined).
     backward_ops_after: backward ops (op_name under 'transpose(') executed after it: > 0 means the
       all-reduce is issued inside the backward pass, 0 after it.
-    op_name: the op_name metadata.
+    op_name: the op_name metadata (of the operand or slice, for a combined all-reduce).
     shared: the all-reduce also carries other operands (XLA's combiner merged it with others). A
       foreign one riding along (a user's pmean of the loss) is harmless; two chunks sharing one is not.
+    asynchronous: issued as an async start/done pair (XLA:GPU); False for a synchronous all-reduce.
+    window: the ops scheduled between its start and its done (empty when synchronous).
   """
 
   name: str
@@ -55,6 +110,27 @@ class AuditEntry:
   backward_ops_after: int
   op_name: str
   shared: bool = False
+  asynchronous: bool = False
+  window: tuple[WindowOp, ...] = ()
+
+  @property
+  def window_flops(self) -> int:
+    """FLOPs of the compute ops inside the window."""
+    return sum(o.flops for o in self.window if o.kind in COMPUTE_KINDS)
+
+  @property
+  def window_bytes(self) -> int:
+    """Bytes read and written by the compute ops inside the window."""
+    return sum(o.nbytes for o in self.window if o.kind in COMPUTE_KINDS)
+
+  def window_ops(self, kind: str) -> tuple[WindowOp, ...]:
+    """The window's ops of one kind ('backward', 'forward', 'other', 'rewrite', 'collective')."""
+    return tuple(o for o in self.window if o.kind == kind)
+
+  @property
+  def overlapped(self) -> bool:
+    """Some of the step's compute (backward, forward or other) is scheduled inside the window."""
+    return any(o.kind in COMPUTE_KINDS for o in self.window)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +146,13 @@ class AuditReport:
     ok: the verdict: every chunk exactly once, planned element count, schedule order, nothing merged.
     problems: what is wrong, one line each (empty when ok).
     total_ops: executed ops in the program (the scale of `position`).
+    max_in_flight: the most async all-reduces in flight at once in the schedule (0 when synchronous).
+    backward_outside_windows: backward ops with FLOPs (matmuls, convolutions) that run after the first
+      chunk's all-reduce has started but inside no all-reduce window: backward compute the link could
+      have hidden. 0 means that once the all-reduces begin, every remaining backward matmul overlaps one.
+    warnings: what weakens the overlap without breaking the verdict (synchronous collectives on a GPU,
+      no compute inside any window), one line each.
+    schema: the JSON schema version.
   """
 
   planned: int
@@ -80,6 +163,10 @@ class AuditReport:
   ok: bool
   problems: tuple[str, ...]
   total_ops: int
+  max_in_flight: int = 0
+  backward_outside_windows: int = 0
+  warnings: tuple[str, ...] = ()
+  schema: int = AUDIT_SCHEMA
 
   @property
   def chunk_allreduces(self) -> int:
@@ -96,12 +183,123 @@ class AuditReport:
     """Chunk and loop all-reduces issued while backward ops still follow."""
     return sum(1 for e in self.chunks + self.loops if e.backward_ops_after > 0)
 
+  @property
+  def asynchronous(self) -> bool:
+    """Whether the chunks' all-reduces are async start/done pairs (XLA:GPU)."""
+    return any(e.asynchronous for e in self.chunks)
+
+  @property
+  def exposed(self) -> tuple[int, ...]:
+    """Chunks with no compute scheduled inside their all-reduce window (every chunk when synchronous)."""
+    return tuple(e.chunk for e in self.chunks if not e.overlapped)
+
+  @property
+  def forward_overlap(self) -> tuple[int, ...]:
+    """Chunks whose window holds the *next* step's forward (ops under `pipelined_forward`, in a
+    `pipelined` step): the overlap the pipelined step exists for."""
+    return tuple(e.chunk for e in self.chunks
+                 if any(NEXT_FORWARD in o.op_name for o in e.window_ops("forward")))
+
+  @property
+  def overlapped_flops(self) -> int:
+    """FLOPs of the compute ops inside at least one chunk's window (each op counted once, even where
+    windows overlap)."""
+    ops = {o.name: o.flops for e in self.chunks for o in e.window if o.kind in COMPUTE_KINDS}
+    return sum(ops.values())
+
   def summary(self) -> str:
     """A few lines for humans."""
     head = (f"audit: {'OK' if self.ok else 'MISMATCH'}: {self.chunk_allreduces} chunk all-reduce(s) of "
             f"{self.planned} planned, order {list(self.order)}; {self.loop_allreduces} in loop bodies; "
             f"{len(self.foreign)} foreign; {self.inside_backward} issued inside backward")
-    return "\n".join([head] + [f"  problem: {p}" for p in self.problems])
+    lines = [head]
+    if self.asynchronous:
+      n = len(self.chunks)
+      lines.append(f"overlap: {n - len(self.exposed)}/{n} chunk(s) have compute inside their all-reduce "
+                   f"window ({self.overlapped_flops / 1e6:.3g} MFLOP); exposed {list(self.exposed)}; "
+                   f"next forward inside {list(self.forward_overlap)}; at most {self.max_in_flight} "
+                   f"in flight")
+    lines += [f"  problem: {p}" for p in self.problems]
+    lines += [f"  warning: {w}" for w in self.warnings]
+    return "\n".join(lines)
+
+  def window_table(self) -> str:
+    """One line per chunk: elements, the ops its all-reduce window holds by kind, their FLOPs and bytes,
+    and the largest of them (by FLOPs, then bytes)."""
+    rows = [f"{'chunk':>5s} {'elements':>9s} {'bwd':>4s} {'fwd':>4s} {'other':>5s} {'MFLOP':>9s} "
+            f"{'MB':>8s}  largest op inside"]
+    for e in self.chunks:
+      compute = [o for o in e.window if o.kind in COMPUTE_KINDS]
+      top = max(compute, key=lambda o: (o.flops, o.nbytes), default=None)
+      if top is not None:
+        where = f"{top.name} ({'/'.join(top.op_name.split('/')[-2:])})"
+      else:
+        where = "(exposed)" if e.asynchronous else "(synchronous)"
+      rows.append(f"{e.chunk:5d} {e.elements:9d} {len(e.window_ops('backward')):4d} "
+                  f"{len(e.window_ops('forward')):4d} {len(e.window_ops('other')):5d} "
+                  f"{e.window_flops / 1e6:9.3f} {e.window_bytes / 1e6:8.3f}  {where}")
+    return "\n".join(rows)
+
+  # -- JSON -------------------------------------------------------------------------------------
+  def to_dict(self) -> dict[str, Any]:
+    """A JSON-ready dict (every field; entries and window ops as objects)."""
+    return dataclasses.asdict(self)
+
+  def to_json(self, indent: int | None = None) -> str:
+    return json.dumps(self.to_dict(), indent=indent)
+
+  @classmethod
+  def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> AuditReport:
+    """Reads `to_json`'s output back (a JSON string or the dict).
+
+    Raises:
+      ValueError: malformed JSON, unknown or missing fields, or another schema version.
+    """
+    if isinstance(text_or_obj, Mapping):
+      obj = dict(text_or_obj)
+    else:
+      try:
+        obj = json.loads(text_or_obj)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"AuditReport.from_json: malformed JSON ({e.msg} at line {e.lineno}).") from e
+      if not isinstance(obj, dict):
+        raise ValueError(f"AuditReport.from_json: expected a JSON object, got {type(obj).__name__}.")
+    if obj.get("schema", AUDIT_SCHEMA) != AUDIT_SCHEMA:
+      raise ValueError(f"AuditReport.from_json: schema={obj.get('schema')!r}; this version reads "
+                       f"{AUDIT_SCHEMA}.")
+    obj = _checked(cls, obj, "AuditReport")
+    for key in ("chunks", "loops", "foreign"):
+      obj[key] = tuple(_entry(e) for e in obj[key])
+    for key in ("order", "problems", "warnings"):
+      obj[key] = tuple(obj.get(key, ()))
+    return cls(**obj)
+
+
+def _checked(cls: type, obj: dict[str, Any], what: str) -> dict[str, Any]:
+  fields = dataclasses.fields(cls)
+  names = {f.name for f in fields}
+  unknown = sorted(set(obj) - names)
+  if unknown:
+    raise ValueError(f"{what}.from_json: unknown field(s) {unknown}; expected some of {sorted(names)}.")
+  required = {f.name for f in fields if f.default is dataclasses.MISSING
+              and f.default_factory is dataclasses.MISSING}
+  missing = sorted(required - set(obj))
+  if missing:
+    raise ValueError(f"{what}.from_json: missing field(s) {missing}.")
+  return dict(obj)
+
+
+def _entry(obj: Mapping[str, Any]) -> AuditEntry:
+  if not isinstance(obj, Mapping):
+    raise ValueError(f"AuditReport.from_json: an entry must be an object, got {type(obj).__name__}.")
+  obj = _checked(AuditEntry, dict(obj), "AuditEntry")
+  obj["window"] = tuple(WindowOp(**_checked(WindowOp, dict(o), "WindowOp"))
+                        for o in obj.get("window", ()))
+  return AuditEntry(**obj)
+
+
+# --------------------------------------------------------------------------------------------------
+# reading the compiled program
 
 
 def _backward_after(ops: tuple[ExecutedOp, ...]) -> list[int]:
@@ -112,41 +310,147 @@ def _backward_after(ops: tuple[ExecutedOp, ...]) -> list[int]:
   return after
 
 
+def _kind(ins: HloInstruction) -> str:
+  name = ins.op_name
+  if is_collective(ins.opcode):
+    return "collective"
+  if "prophet/" in name:
+    return "rewrite"
+  if "pipelined_backward" in name or "transpose(" in name:
+    return "backward"
+  if NEXT_FORWARD in name or "jvp(" in name:
+    return "forward"
+  return "other"
+
+
+def _through(module: HloModule, comp: str, name: str) -> HloInstruction | None:
+  """The producer of `name`, looking through bitcasts, copies and reshapes."""
+  ins = module.instruction(comp, name)
+  for _ in range(8):
+    if ins is None or ins.opcode not in _PASS_THROUGH or not ins.operands:
+      return ins
+    ins = module.instruction(comp, ins.operands[0])
+  return ins
+
+
+def _label(op_name: str) -> tuple[re.Match | None, re.Match | None]:
+  return _CHUNK.search(op_name), _LOOP.search(op_name)
+
+
+def _concat_parts(module: HloModule, comp: str, ins: HloInstruction,
+                  users: list[HloInstruction]) -> list[tuple[int, str]] | None:
+  """For an all-reduce of one concatenated buffer (XLA:GPU's all-reduce-contiguous): each part's element
+  count and the op_name that names it (from the slice of the result that reads it back, else from its
+  producer). None when the operand is not a concatenation of several parts."""
+  if len(ins.operands) != 1:
+    return None
+  cat = _through(module, comp, ins.operands[0])
+  if cat is None:
+    return None
+  if cat.opcode == "concatenate":
+    part_shapes = [(module.instruction(comp, o).shape if module.instruction(comp, o) else "", o)
+                   for o in cat.operands]
+  elif cat.opcode == "fusion":
+    body = dict(cat.callees).get("calls")
+    root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+    if root is None or root.opcode != "concatenate":
+      return None
+    part_shapes = []
+    for o in root.operands:
+      inner = _through(module, body, o)
+      pm = _PARAM.search(inner.text) if inner is not None and inner.opcode == "parameter" else None
+      outer = cat.operands[int(pm.group(1))] if pm and int(pm.group(1)) < len(cat.operands) else ""
+      shape = module.instruction(body, o).shape if module.instruction(body, o) else ""
+      part_shapes.append((shape, outer))
+  else:
+    return None
+  if len(part_shapes) < 2:
+    return None
+  slices: dict[tuple[int, int], str] = {}
+  for u in users:
+    text = u.text
+    if u.opcode == "fusion":
+      body = dict(u.callees).get("calls")
+      root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+      if root is None or root.opcode != "slice":
+        continue
+      text = root.text
+    elif u.opcode != "slice":
+      continue
+    m = _SLICE.search(text)
+    if m:
+      slices[(int(m.group(1)), int(m.group(2)))] = u.op_name or slices.get(
+          (int(m.group(1)), int(m.group(2))), "")
+  parts, off = [], 0
+  for shape, outer in part_shapes:
+    n = shape_elements(shape)
+    name = slices.get((off, off + n), "")
+    if not any(_label(name)) and outer:
+      prod = _through(module, comp, outer)
+      name = prod.op_name if prod is not None else ""
+    parts.append((n, name))
+    off += n
+  return parts
+
+
+def _users(module: HloModule, comp: str, name: str) -> list[HloInstruction]:
+  return [i for i in module.computations.get(comp, ()) if name in i.operands]
+
+
+def _is_gpu(text: str) -> bool:
+  return any(m in text for m in _GPU_MARKERS)
+
+
 def audit(compiled: Any, schedule: Schedule) -> AuditReport:
-  """Checks a compiled step's all-reduces against `schedule`.
+  """Checks a compiled step's all-reduces against `schedule`, and reads what overlaps them.
 
   Args:
     compiled: the compiled step (`jax.jit(step).lower(*args).compile()`, `jax.pmap(...).lower(...)
-      .compile()`), or its HLO text. Not a Lowered: XLA's merging happens at compile time.
+      .compile()`, or a step compiled for a compile-only GPU target, `prophet_jax.gpu_topology`), or
+      its HLO text. Not a Lowered: XLA's merging and scheduling happen at compile time.
     schedule: the schedule the step carries out.
 
   Returns:
-    An AuditReport; `report.ok` is the verdict, `report.problems` says what differs.
+    An AuditReport; `report.ok` is the verdict, `report.problems` says what differs; per chunk, the
+    ops scheduled inside its all-reduce window (XLA:GPU), `report.exposed` the chunks nothing overlaps.
 
   Raises:
     TypeError: `compiled` is not compiled, or `schedule` is not a Schedule.
   """
   if not isinstance(schedule, Schedule):
     raise TypeError(f"audit: `schedule` must be a prophet_jax.Schedule, got {type(schedule).__name__}.")
-  module = parse_hlo(hlo_text(compiled))
+  text = hlo_text(compiled)
+  module = parse_hlo(text)
   ops = execution_order(module)
   after = _backward_after(ops)
+  windows = async_windows(module, ops)
+  costs = OpCosts(module)
   sizes = [c.size for c in schedule.chunks]
   chunks, loops, foreign = [], [], []
   for op in collectives(module):
     ins = op.instruction
+    window: AsyncWindow | None = windows.get(ins.name)
     parts = ins.part_elements or (ins.elements,)
-    own_chunk = _CHUNK.search(ins.op_name)
-    own_loop = _LOOP.search(ins.op_name)
+    own_chunk, own_loop = _label(ins.op_name)
     if len(parts) == 1:
       labels = [(own_chunk, own_loop)]
-    else:  # a combined all-reduce: label each operand by its producer's scope
-      labels = []
+      names = [ins.op_name]
+      if not (own_chunk or own_loop):  # XLA:GPU's contiguous form: concatenate, all-reduce, slices
+        result = window.done.instruction.name if window else ins.name
+        cparts = _concat_parts(module, op.computation, ins, _users(module, op.computation, result))
+        if cparts:
+          parts = tuple(n for n, _ in cparts)
+          names = [nm for _, nm in cparts]
+          labels = [_label(nm) for nm in names]
+    else:  # a combined all-reduce (a tuple): label each operand by its producer's scope
+      labels, names = [], []
       for opnd in ins.operands[:len(parts)]:
         prod = module.instruction(op.computation, opnd)
         pn = prod.op_name if prod is not None else ""
-        labels.append((_CHUNK.search(pn), _LOOP.search(pn)))
+        labels.append(_label(pn))
+        names.append(pn)
       labels += [(None, None)] * (len(parts) - len(labels))
+      names += [""] * (len(parts) - len(names))
       if own_chunk and not any(c and c.group(1) == own_chunk.group(1) for c, _ in labels):
         k = int(own_chunk.group(1))
         want = sizes[k] if k < len(sizes) else None
@@ -154,14 +458,24 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
           if c is None and lp is None and parts[i] == want:
             labels[i] = (own_chunk, None)
             break
-    for (m, lm), elements in zip(labels, parts):
+    # XLA:GPU issues a synchronous all-reduce as a start/done pair too, marked is_sync
+    asynchronous = window is not None and '"is_sync":true' not in ins.text.replace(" ", "")
+    inside = ()
+    if window is not None:
+      inside = tuple(WindowOp(name=w.instruction.name, opcode=w.instruction.opcode,
+                              kind=_kind(w.instruction),
+                              flops=(c := costs.cost(w.computation, w.instruction))[0], nbytes=c[1],
+                              op_name=w.instruction.op_name)
+                     for w in window.inside)
+    for (m, lm), elements, nm in zip(labels, parts, names):
       k = int(m.group(1)) if m else None
       entry = AuditEntry(
           name=ins.name, kind="chunk" if m else "loop" if lm else "foreign", chunk=k,
           label=lm.group(1) if lm else "", elements=elements,
           expected_elements=sizes[k] if k is not None and k < len(sizes) else None,
           trips=op.trips, position=op.index, backward_ops_after=after[op.index + 1],
-          op_name=ins.op_name, shared=len(parts) > 1)
+          op_name=nm or ins.op_name, shared=len(parts) > 1, asynchronous=asynchronous,
+          window=inside)
       (chunks if m else loops if lm else foreign).append(entry)
   problems = []
   order = []
@@ -195,6 +509,35 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
     problems.append(f"chunks run in compiled order {order[:20]}, not in schedule order.")
   if not schedule.chunks:
     problems.append("the schedule has no chunks.")
+  in_flight = peak = 0
+  open_starts: set[str] = set()
+  for op in ops:
+    ins = op.instruction
+    if ins.opcode == "all-reduce-start" and '"is_sync":true' not in ins.text.replace(" ", ""):
+      open_starts.add(ins.name)
+      in_flight += 1
+      peak = max(peak, in_flight)
+    elif ins.opcode == "all-reduce-done" and ins.operands and ins.operands[0] in open_starts:
+      open_starts.discard(ins.operands[0])
+      in_flight -= 1
+  first = min((e.position for e in chunks if e.asynchronous), default=None)
+  covered = {w.index for win in windows.values() for w in win.inside}
+  outside = 0 if first is None else sum(
+      1 for op in ops[first + 1:] if op.index not in covered and _kind(op.instruction) == "backward"
+      and costs.flops(op.computation, op.instruction) > 0)
+  warnings = []
+  if chunks and _is_gpu(text):
+    if not any(e.asynchronous for e in chunks):
+      warnings.append("the chunks' all-reduces are synchronous in this compiled program: no compute can "
+                      "overlap them (count and order still hold). XLA:GPU in jaxlib 0.10.2 runs its latency "
+                      "hiding scheduler by default only on Hopper and later; for an A100 or V100 set "
+                      "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true (and do not set "
+                      "xla_gpu_disable_async_collectives).")
+    elif len(chunks) > 1 and not any(e.overlapped for e in chunks):
+      warnings.append("no compute is scheduled inside any chunk's all-reduce window: every all-reduce is "
+                      "exposed (count and order still hold). Is XLA's latency hiding scheduler off "
+                      "(xla_gpu_enable_latency_hiding_scheduler=false)?")
   return AuditReport(planned=len(sizes), chunks=tuple(chunks), loops=tuple(loops),
                      foreign=tuple(foreign), order=tuple(order), ok=not problems,
-                     problems=tuple(problems), total_ops=len(ops))
+                     problems=tuple(problems), total_ops=len(ops), max_in_flight=peak,
+                     backward_outside_windows=outside, warnings=tuple(warnings))

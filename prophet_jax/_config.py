@@ -18,6 +18,13 @@ hand to join a run, one set per process):
   PROPHET_DEBUG            '1'/'true'/'yes' or '0'/'false'/'no' (or empty): the CLI shows tracebacks.
 
 The first three come together: either all are set (the process runs under `launch`) or none is.
+
+`default_jax_platforms` decides whether the command line pins jax to the CPU (JAX_PLATFORMS=cpu) before
+jax starts: only where JAX_PLATFORMS is unset, jax's CUDA plugin is installed (the `gpu-compile` extra,
+which `make test` installs) and no NVIDIA driver is visible. There the plugin cannot load anyway and jax
+falls back to the CPU, but only after printing a "RuntimeError: Unable to load CUDA" traceback in every
+process; pinning gives the same devices without it. A machine with a GPU, or a user's own
+JAX_PLATFORMS, is left alone.
 """
 
 from __future__ import annotations
@@ -125,6 +132,28 @@ def read_config(environ: Mapping[str, str]) -> Config:
     raise ValueError(f"PROPHET_DEBUG={debug!r}; expected one of {list(_TRUE + _FALSE[:-1])} (or empty).")
   kw["debug"] = debug in _TRUE
   return Config(**kw)
+
+
+def nvidia_driver_present(root: str = "/") -> bool:
+  """Whether an NVIDIA kernel driver is visible (/proc/driver/nvidia or /dev/nvidiactl exists)."""
+  return any(os.path.exists(os.path.join(root, p)) for p in ("proc/driver/nvidia", "dev/nvidiactl"))
+
+
+def default_jax_platforms(environ: Mapping[str, str], *, cuda_plugin: bool,
+                          nvidia_driver: bool) -> str | None:
+  """'cpu' when the command line should set JAX_PLATFORMS=cpu before jax starts, else None.
+
+  Pure: the caller passes the environment and what it found (`_gpu.cuda_plugin_installed()`,
+  `nvidia_driver_present()`).
+
+  Args:
+    environ: the environment (JAX_PLATFORMS set, even empty, is the user's choice and is kept).
+    cuda_plugin: jax's CUDA plugin is installed.
+    nvidia_driver: an NVIDIA driver is visible.
+  """
+  if "JAX_PLATFORMS" in environ or not cuda_plugin or nvidia_driver:
+    return None
+  return "cpu"
 
 
 _CACHE: dict[str, Config] = {}

@@ -63,3 +63,9 @@ class CompositionError(ProphetError, ValueError):
   result, silently), or inside `optax.MultiSteps` under `shard_map` (the per-device accumulator cannot
   live in a replicated optimizer state). Put `scheduled` outermost: `scheduled(optax.chain(clip, tx))`,
   `scheduled(optax.MultiSteps(tx, k))`."""
+
+
+class GpuCompileError(ProphetError, RuntimeError):
+  """A compile-only GPU build (`prophet_jax.gpu_topology`) cannot start here: jax's CUDA plugin or ptxas
+  is missing (install the `gpu-compile` extra: pip install 'prophet-jax[gpu-compile]'), the plugin's
+  version differs from jaxlib's, or the process did not set JAX_PLATFORMS=cpu."""

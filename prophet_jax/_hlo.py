@@ -10,7 +10,9 @@ Public helpers:
   parse_hlo(text) -> HloModule
   execution_order(module) -> tuple[ExecutedOp, ...]
   collectives(module, opcodes=ALL_REDUCE_OPCODES) -> tuple[ExecutedOp, ...]
-  shape_elements(shape_text) -> int ; shape_dtypes(shape_text) -> tuple[str, ...]
+  async_windows(module) -> {start name: ops scheduled between an async collective's start and done}
+  OpCosts(module).cost(computation, instruction) -> (flops, bytes), from the HLO shapes alone
+  shape_elements(shape_text) -> int ; shape_bytes(shape_text) -> int ; shape_dtypes(shape_text)
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["HloInstruction", "HloModule", "ExecutedOp", "parse_hlo", "hlo_text", "execution_order",
-           "collectives", "shape_elements", "shape_dtypes", "ALL_REDUCE_OPCODES"]
+           "collectives", "async_windows", "OpCosts", "shape_elements", "shape_bytes", "shape_dtypes",
+           "is_collective", "ALL_REDUCE_OPCODES"]
 
 ALL_REDUCE_OPCODES = ("all-reduce", "all-reduce-start")
 
@@ -42,6 +45,36 @@ def shape_elements(shape: str) -> int:
       continue
     total += math.prod(int(d) for d in dims.split(",") if d) if dims else 1
   return total
+
+
+_BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16,
+         "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64,
+         "c128": 128}
+
+
+def _dtype_bits(dtype: str) -> int:
+  if dtype in _BITS:
+    return _BITS[dtype]
+  if dtype.startswith("f8"):
+    return 8
+  if dtype.startswith("f4"):
+    return 4
+  return 0  # token, opaque types
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape ('f32[4,5]{1,0}' -> 80; a tuple sums its arrays; tokens count 0)."""
+  bits = 0
+  for dtype, dims in _ARRAY.findall(shape):
+    n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+    bits += n * _dtype_bits(dtype)
+  return (bits + 7) // 8
+
+
+def shape_dims(shape: str) -> tuple[tuple[int, ...], ...]:
+  """Dimensions of each array in an HLO shape ('(f32[2,3], u8[0])' -> ((2, 3), (0,)))."""
+  return tuple(tuple(int(d) for d in dims.split(",") if d) for dt, dims in _ARRAY.findall(shape)
+               if dt != "token")
 
 
 def shape_dtypes(shape: str) -> tuple[str, ...]:
@@ -269,3 +302,161 @@ def collectives(module: HloModule, opcodes: tuple[str, ...] = ALL_REDUCE_OPCODES
                 ) -> tuple[ExecutedOp, ...]:
   """The collectives of `opcodes` in execution order, with their trip counts."""
   return tuple(op for op in execution_order(module) if op.instruction.opcode in opcodes)
+
+
+# --------------------------------------------------------------------------------------------------
+# async collectives: what the schedule puts between a start and its done
+
+_COLLECTIVE_PREFIXES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-",
+                        "send", "recv", "ragged-all-to-all")
+
+
+def is_collective(opcode: str) -> bool:
+  """True for collective opcodes (sync, or the -start / -done halves of an async one)."""
+  return opcode.startswith(_COLLECTIVE_PREFIXES)
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncWindow:
+  """An async collective and the ops the schedule runs while it is in flight.
+
+  Attributes:
+    start: the `*-start` op.
+    done: its `*-done` op.
+    inside: the ops executed between them (execution order, called computations inlined): the work a
+      device can do while the collective runs. Empty when the done directly follows the start.
+  """
+
+  start: ExecutedOp
+  done: ExecutedOp
+  inside: tuple[ExecutedOp, ...]
+
+
+def async_windows(module: HloModule, ops: tuple[ExecutedOp, ...] | None = None
+                  ) -> dict[str, AsyncWindow]:
+  """Every async collective's window, keyed by the name of its `-start` instruction.
+
+  In a scheduled module (XLA:GPU's compiled HLO) a collective issued as `X-start` runs on its own
+  stream until `X-done`; the instructions between them in the schedule are what overlaps it. A
+  synchronous collective (the CPU's, or a GPU one with async collectives disabled) has no window.
+
+  Args:
+    module: a parsed, scheduled module.
+    ops: `execution_order(module)`, if already computed.
+  """
+  ops = execution_order(module) if ops is None else ops
+  starts: dict[tuple[str, str], int] = {}
+  out: dict[str, AsyncWindow] = {}
+  for op in ops:
+    ins = op.instruction
+    if ins.opcode.endswith("-start"):
+      starts[(op.computation, ins.name)] = op.index
+    elif ins.opcode.endswith("-done") and ins.operands:
+      i = starts.get((op.computation, ins.operands[0]))
+      if i is not None:
+        out[ins.operands[0]] = AsyncWindow(start=ops[i], done=op, inside=ops[i + 1:op.index])
+  return out
+
+
+# --------------------------------------------------------------------------------------------------
+# FLOPs and bytes from the shapes
+
+_CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_GEMM_CONTRACT = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
+_DIM_LABELS = re.compile(r"dim_labels=([a-z0-9]+)_([a-z0-9]+)->([a-z0-9]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+
+
+class OpCosts:
+  """FLOPs and bytes of HLO instructions, from their shapes alone (no device, no cost model).
+
+  FLOPs count the multiply-adds of matrix products and convolutions (2 per multiply-add), wherever
+  they are: a `dot` or `convolution`, one inside a fusion (Triton gemm fusions), or a cuBLAS / cuDNN
+  custom call. Elementwise work counts 0 FLOPs (it is memory-bound: its bytes say what it costs).
+  A convolution counts 2 * |forward output| * |kernel| / output features, for its forward, backward-input
+  and backward-filter forms alike (padding not discounted). Bytes are the instruction's operands plus
+  its result, as read and written once.
+  XLA's own cost analysis is not available for a deviceless compile (`compiled.cost_analysis()` is
+  None there), hence this estimate.
+  """
+
+  def __init__(self, module: HloModule):
+    self._module = module
+    self._shapes: dict[str, dict[str, str]] = {}
+    self._body_flops: dict[str, int] = {}
+
+  def _shape_map(self, comp: str) -> dict[str, str]:
+    if comp not in self._shapes:
+      self._shapes[comp] = {i.name: i.shape for i in self._module.computations.get(comp, ())}
+    return self._shapes[comp]
+
+  def cost(self, comp: str, ins: HloInstruction) -> tuple[int, int]:
+    """(FLOPs, bytes) of instruction `ins` of computation `comp`."""
+    shapes = self._shape_map(comp)
+    nbytes = shape_bytes(ins.shape) + sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
+    return self.flops(comp, ins), nbytes
+
+  def flops(self, comp: str, ins: HloInstruction, depth: int = 0) -> int:
+    """Matrix-product and convolution FLOPs of `ins` (fusion bodies included)."""
+    op = ins.opcode
+    if op == "dot":
+      return self._dot(comp, ins, _CONTRACT.search(ins.text))
+    if op == "convolution":
+      return self._conv(comp, ins)
+    if op == "custom-call":
+      target = _TARGET.search(ins.text)
+      name = target.group(1).lower() if target else ""
+      if "conv" in name:
+        return self._conv(comp, ins, name)
+      if "gemm" in name or "matmul" in name:
+        return self._dot(comp, ins, _GEMM_CONTRACT.search(ins.text))
+      return 0
+    if op in ("fusion", "call", "async-start") and depth < 16:
+      total = 0
+      for kind, callee in ins.callees:
+        if kind == "calls" or (op == "call" and kind == "to_apply"):
+          total += self._body(callee, depth + 1)
+      return total
+    return 0
+
+  def _body(self, comp: str, depth: int) -> int:
+    if comp not in self._body_flops:
+      self._body_flops[comp] = sum(self.flops(comp, i, depth)
+                                   for i in self._module.computations.get(comp, ()))
+    return self._body_flops[comp]
+
+  def _dot(self, comp: str, ins: HloInstruction, contract: re.Match | None) -> int:
+    dims = shape_dims(ins.shape)
+    if not dims or not ins.operands:
+      return 0
+    lhs = shape_dims(self._shape_map(comp).get(ins.operands[0], ""))
+    if not lhs or contract is None:
+      return 0
+    k = 1
+    for d in re.findall(r"\d+", contract.group(1)):
+      if int(d) < len(lhs[0]):
+        k *= lhs[0][int(d)]
+    return 2 * math.prod(dims[0]) * k
+
+  def _conv(self, comp: str, ins: HloInstruction, target: str = "") -> int:
+    """2 * |forward output| * |filter| / filter's output features. cuDNN's custom calls keep the forward
+    convolution's dim_labels: a backward-input call reads (output gradient, filter), a backward-filter
+    call reads (input, output gradient) and returns the filter."""
+    labels = _DIM_LABELS.search(ins.text)
+    if labels is None or len(ins.operands) < 2:
+      return 0
+    shapes = self._shape_map(comp)
+    result = shape_dims(ins.shape)
+    op0 = shape_dims(shapes.get(ins.operands[0], ""))
+    op1 = shape_dims(shapes.get(ins.operands[1], ""))
+    if "backwardfilter" in target:
+      out, rhs = op1, result
+    elif "backwardinput" in target:
+      out, rhs = op0, op1
+    else:
+      out, rhs = result, op1
+    rhs_labels = labels.group(2)
+    if not out or not rhs or "o" not in rhs_labels or len(rhs[0]) != len(rhs_labels):
+      return 0
+    out_features = rhs[0][rhs_labels.index("o")] or 1
+    return 2 * math.prod(out[0]) * math.prod(rhs[0]) // out_features

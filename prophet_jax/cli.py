@@ -1,4 +1,4 @@
-"""The `prophet-jax` command line: simulate, plan, profile, probe, demo, launch.
+"""The `prophet-jax` command line: simulate, plan, profile, probe, demo, launch, audit.
 
 Only JSON passes between steps. Bad input prints one line to stderr and exits 2 (`--debug` shows the
 traceback). The planning commands (simulate, plan) never import jax.
@@ -248,6 +248,61 @@ def cmd_launch(a: argparse.Namespace) -> int:
   return run(a)
 
 
+# -- audit: a step compiled for a compile-only GPU target -------------------------------------------
+
+def _xla_option(text: str) -> tuple[str, Any]:
+  key, sep, value = text.partition("=")
+  if not sep or not key.startswith("xla_"):
+    raise argparse.ArgumentTypeError(f"expected KEY=VALUE with an XLA option name (xla_...), got {text!r}")
+  low = value.strip().lower()
+  if low in ("true", "false"):
+    return key, low == "true"
+  try:
+    return key, int(value)
+  except ValueError:
+    return key, value
+
+
+def cmd_audit(a: argparse.Namespace) -> int:
+  """Compiles a bundled model's step for a compile-only GPU target and prints its audit."""
+  from . import models, plan
+  from ._gpu import compile_step, gpu_target, gpu_topology, quiet_cuda_stub
+
+  target = gpu_target(a.target)  # an unknown target fails here, before jax starts
+  model = models.get_model(a.model)
+  cross_step = a.mode == "pipelined"
+  if a.schedule:
+    schedule = Schedule.from_json(_read_json(a.schedule, "schedule"))
+  else:
+    if a.profile:
+      profile = GradientProfile.from_json(_read_json(a.profile, "profile"))
+    else:
+      profile = GradientProfile.from_params(model.abstract_params(), forward_s=1e-3, backward_s=2e-3,
+                                            model=a.model)
+    net = load_network(a.network, a.workers or a.devices)
+    schedule = plan(profile, net, a.policy, cross_step=cross_step)
+  with quiet_cuda_stub():
+    topo = gpu_topology(target.name, devices=a.devices)
+    compiled, compile_s = compile_step(model, schedule, a.mode, topo, batch_size=a.batch,
+                                       compiler_options=dict(a.xla_option or ()) or None)
+  from ._audit import audit
+
+  report = audit(compiled, schedule)
+  if a.json:
+    print(json.dumps({"target": target.name, "device": target.description, "devices": a.devices,
+                      "model": a.model, "mode": a.mode, "policy": schedule.policy,
+                      "compile_s": compile_s, "xla_options": dict(a.xla_option or ()),
+                      "report": report.to_dict()}, indent=1))
+  else:
+    print(f"{a.model}, {a.mode} step, {schedule.policy} ({schedule.num_allreduces} chunk(s)): XLA:GPU's "
+          f"compiled schedule for {a.devices} x {target.description} (compile-only: nothing ran; "
+          f"compiled in {compile_s:.1f} s)")
+    print(report.summary())
+    if report.chunks:
+      print(report.window_table())
+  return 0 if report.ok else 1
+
+
 # -- parser ----------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,13 +366,50 @@ def build_parser() -> argparse.ArgumentParser:
   s = sub.add_parser("launch", parents=[common], help="start N processes wired with jax.distributed")
   add_launch_arguments(s)
   s.set_defaults(fn=cmd_launch)
+
+  s = sub.add_parser("audit", parents=[common], help="compile a model's step for a GPU target (no GPU "
+                     "needed) and audit its all-reduces: count, order, what overlaps them; exit 1 on a "
+                     "mismatch")
+  s.add_argument("--target", default="h100", help="h100, a100 or v100 (compile-only; needs the gpu-compile "
+                 "extra)")
+  s.add_argument("--devices", type=_positive, default=8)
+  s.add_argument("--model", default="cnn", help="mlp, cnn, gpt-tiny, resnet-small")
+  s.add_argument("--mode", default="scheduled", choices=("scheduled", "hooked", "pipelined", "pmean"))
+  s.add_argument("--policy", default="auto")
+  s.add_argument("--network", default="10gbe", help=f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON")
+  s.add_argument("--workers", type=_positive, default=None, help="default: --devices")
+  s.add_argument("--profile", default=None, help="a GradientProfile JSON of the model (default: its "
+                 "parameter sizes with estimated times)")
+  s.add_argument("--schedule", default=None, help="a Schedule JSON to audit instead of planning one")
+  s.add_argument("--batch", type=_positive, default=None, help="global batch (default: the model's)")
+  s.add_argument("--xla-option", type=_xla_option, action="append", metavar="KEY=VALUE",
+                 help="a per-compile XLA option, e.g. xla_gpu_enable_latency_hiding_scheduler=true")
+  s.add_argument("--json", action="store_true", help="print the report as JSON")
+  s.set_defaults(fn=cmd_audit)
   return p
+
+
+def _quiet_jax_start(command: str) -> None:
+  """Where jax's CUDA plugin is installed but no NVIDIA driver is (a CPU machine with the gpu-compile
+  extra, as `make test` builds it): pin jax to the CPU (`_config.default_jax_platforms` says why) and
+  import jax with the plugin's driver-search lines dropped, so commands print only their own output."""
+  from ._config import default_jax_platforms, nvidia_driver_present
+  from ._gpu import cuda_plugin_installed, import_jax_quietly
+
+  plugin = cuda_plugin_installed()
+  driver = nvidia_driver_present()
+  value = default_jax_platforms(os.environ, cuda_plugin=plugin, nvidia_driver=driver)
+  if value:
+    os.environ["JAX_PLATFORMS"] = value
+  if plugin and not driver and command not in ("simulate", "plan", "launch"):
+    import_jax_quietly()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = build_parser().parse_args(argv)
   try:
+    _quiet_jax_start(args.command)
     return int(args.fn(args) or 0)
   except (ProphetError, ValueError, FileNotFoundError) as e:
     if args.debug:

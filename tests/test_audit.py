@@ -136,3 +136,97 @@ def test_hlo_parser_loops_trip_counts_and_combined_operands():
   assert report.chunks[0].backward_ops_after == 1 and report.loops[0].backward_ops_after == 0
   with pytest.raises(ValueError, match="not an HLO module"):
     parse_hlo("nothing")
+
+
+# --------------------------------------------------------------------------------------------------
+# XLA:GPU's forms: async start/done windows, and all-reduce-contiguous (concatenate, all-reduce, slices)
+
+
+GPU_HLO = """HloModule g, is_scheduled=true
+
+%cat_body (p0: f32[6], p1: f32[1]) -> f32[7] {
+  %p0 = f32[6]{0} parameter(0)
+  %p1 = f32[1]{0} parameter(1)
+  ROOT %c = f32[7]{0} concatenate(%p0, %p1), dimensions={0}
+}
+
+%slice_a (q: f32[7]) -> f32[6] {
+  %q = f32[7]{0} parameter(0)
+  ROOT %s = f32[6]{0} slice(%q), slice={[0:6]}, metadata={op_name="jit(step)/prophet/SECOND/psum"}
+}
+
+%slice_b (q2: f32[7]) -> f32[1] {
+  %q2 = f32[7]{0} parameter(0)
+  ROOT %s2 = f32[1]{0} slice(%q2), slice={[6:7]}
+}
+
+%gemm (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %b = f32[16,4]{1,0} parameter(1)
+  ROOT %d = f32[8,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f32[8,16], w: f32[16,4]) -> f32[] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %w = f32[16,4]{1,0} parameter(1)
+  %g0 = f32[4]{0} fusion(%x), kind=kLoop, calls=%gemm, metadata={op_name="jit(step)/transpose(jvp(M))/Dense_1/reduce_sum"}
+  %ar0 = f32[4]{0} all-reduce-start(%g0), channel_id=1, to_apply=%sum, metadata={op_name="jit(step)/prophet/chunk0/psum"}, backend_config={"collective_backend_config":{"is_sync":false}}
+  %mm = f32[8,4]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm, metadata={op_name="jit(step)/transpose(jvp(M))/Dense_0/dot_general"}
+  %tie = f32[6]{0} fusion(%mm), kind=kLoop, calls=%gemm, metadata={op_name="jit(step)/prophet/chunk1/add"}
+  %ard0 = f32[4]{0} all-reduce-done(%ar0), metadata={op_name="jit(step)/prophet/chunk0/psum"}
+  %loss = f32[1]{0} fusion(%x), kind=kLoop, calls=%gemm, metadata={op_name="jit(step)/jvp()/neg"}
+  %wc = f32[7]{0} fusion(%tie, %loss), kind=kLoop, calls=%cat_body
+  %ar1 = f32[7]{0} all-reduce-start(%wc), channel_id=2, to_apply=%sum, backend_config={"collective_backend_config":{"is_sync":false}}
+  %upd = f32[16,4]{1,0} fusion(%w, %ard0), kind=kLoop, calls=%gemm, metadata={op_name="jit(step)/sub"}
+  %ard1 = f32[7]{0} all-reduce-done(%ar1)
+  %sa = f32[6]{0} fusion(%ard1), kind=kLoop, calls=%slice_a, metadata={op_name="jit(step)/prophet/SECOND/psum"}
+  %sb = f32[1]{0} fusion(%ard1), kind=kLoop, calls=%slice_b
+  ROOT %r = f32[] add(%sa, %sb)
+}
+"""
+
+
+def _two_chunks():
+  return pj.Schedule(buckets=(pj.Bucket(chunks=(pj.Chunk(slices=((0, 0, 4),), dtype="float32"),
+                                                pj.Chunk(slices=((1, 0, 6),), dtype="float32"))),),
+                     rows=(("a", (4,), "float32"), ("b", (6,), "float32")))
+
+
+def test_audit_reads_through_xla_gpu_contiguous_allreduce_and_reports_windows():
+  s = _two_chunks()
+  r = pj.audit(GPU_HLO.replace("SECOND", "chunk1"), s)
+  assert r.ok, r.summary()
+  assert [(e.chunk, e.elements, e.shared) for e in r.chunks] == [(0, 4, False), (1, 6, True)]
+  assert [(e.elements, e.shared) for e in r.foreign] == [(1, True)]  # the loss, concatenated along
+  c0, c1 = r.chunks
+  assert c0.asynchronous and [o.name for o in c0.window] == ["mm", "tie"]
+  assert [o.kind for o in c0.window] == ["backward", "rewrite"]
+  assert c0.window_flops == 2 * 8 * 4 * 16  # the dot inside the fusion: 2 * |out| * K
+  assert c0.window_ops("backward")[0].nbytes == 4 * (8 * 16 + 16 * 4 + 8 * 4)
+  assert [o.kind for o in c1.window] == ["other"] and c1.overlapped  # the update of chunk 0's params
+  assert r.exposed == () and r.max_in_flight == 1 and r.backward_outside_windows == 0
+  assert "2/2 chunk(s) have compute inside" in r.summary()
+  assert "Dense_0/dot_general" in r.window_table()
+
+
+def test_audit_fails_when_two_chunks_share_one_concatenated_allreduce():
+  s = _two_chunks()
+  # the slice of the concatenation reads back as chunk 0 as well: XLA merged chunks 0 and 1
+  r = pj.audit(GPU_HLO.replace("SECOND", "chunk0"), s)
+  assert not r.ok
+  assert any("share one all-reduce" in p or "reduces 6 elements, planned 4" in p for p in r.problems), \
+      r.summary()
+
+
+def test_audit_report_json_round_trip_on_the_cpu():
+  grads, profile = _grads_and_profile()
+  s = pj.plan(profile, pj.NetworkModel.preset("10gbe", workers=NDEV), "wfbp")
+  compiled = jax.pmap(_step(s), axis_name=AX).lower(grads, jnp.ones((NDEV, 3))).compile()
+  report = pj.audit(compiled, s)
+  assert pj.AuditReport.from_json(report.to_json()) == report
+  assert pj.AuditReport.from_json(report.to_dict()) == report
+  assert not report.asynchronous and report.exposed == tuple(range(s.num_allreduces))  # CPU: synchronous
+  with pytest.raises(ValueError, match="malformed JSON"):
+    pj.AuditReport.from_json("{")
+  with pytest.raises(ValueError, match="missing field"):
+    pj.AuditReport.from_json({"planned": 1})

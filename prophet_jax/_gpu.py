@@ -1,0 +1,481 @@
+"""Compile-only GPU targets: XLA:GPU's whole pipeline, on a machine without a GPU.
+
+`gpu_topology("h100", devices=8)` gives compile-only CUDA devices built from a GPU target description
+shipped with the package (`prophet_jax/targets/*.txtpb`, GpuTargetConfigProto text transcribed from
+XLA's own device specs). A step `jax.jit(jax.shard_map(step, mesh=topo.mesh("data"), ...))` lowered on
+`ShapeDtypeStruct`s (`topo.abstract(tree, spec)`) and compiled runs every XLA:GPU pass a real H100 run
+would (the all-reduce combiner, all-reduce-contiguous, the async collective creator, the latency hiding
+scheduler, LLVM -> PTX -> ptxas): `compiled.as_text()` is the schedule a GPU would execute, and
+`prophet_jax.audit(compiled, schedule)` reads it. Nothing runs: the devices cannot execute (use
+`shard_map` over the mesh; `pmap` needs real devices).
+
+What it needs (the `gpu-compile` extra: `pip install 'prophet-jax[gpu-compile]'`):
+- `jax-cuda12-plugin` and `jax-cuda12-pjrt` at jaxlib's version (XLA:GPU's compiler);
+- ptxas, from the `nvidia-cuda-nvcc-cu12` wheel (XLA finds it in site-packages) or a CUDA toolkit;
+- a process whose jax runs on the CPU only: `JAX_PLATFORMS=cpu` (or `jax.config.update("jax_platforms",
+  "cpu")` before the first jax operation). Without it the CUDA plugin tries to load a GPU driver, fails,
+  and jax refuses to make a CUDA topology ("topology not implemented for cuda").
+Each is checked, with an error that says what to do (`GpuCompileError`).
+
+Pure until `gpu_topology` is called: listing and reading targets never imports jax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ._errors import GpuCompileError
+
+__all__ = ["GPU_TARGETS", "GpuTarget", "GpuTopology", "gpu_target", "gpu_topology", "find_ptxas",
+           "cuda_plugin_installed", "quiet_cuda_stub", "import_jax_quietly", "compile_step",
+           "lower_step", "compile_lowered", "STEP_MODES", "GPU_COMPILE_EXTRA"]
+
+# name -> (file under prophet_jax/targets, aliases)
+_TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "h100": ("h100_sxm.txtpb", ("h100-sxm", "h100_sxm", "h100-80gb")),
+    "a100": ("a100_sxm_80.txtpb", ("a100-sxm", "a100_sxm_80", "a100-sxm-80gb", "a100-80gb")),
+    "v100": ("v100.txtpb", ("v100-sxm2", "v100-sxm2-16gb")),
+}
+GPU_TARGETS: tuple[str, ...] = tuple(_TARGETS)
+STEP_MODES = ("scheduled", "hooked", "pipelined", "pmean")
+GPU_COMPILE_EXTRA = ("pip install 'prophet-jax[gpu-compile]' (or: pip install jax-cuda12-plugin=={v} "
+                     "jax-cuda12-pjrt=={v} nvidia-cuda-nvcc-cu12)")
+_PLATFORMS_FIX = ("set JAX_PLATFORMS=cpu in the environment before Python starts, or call "
+                  "jax.config.update('jax_platforms', 'cpu') before the first jax operation")
+# lines the CUDA plugin's libraries print on load where no driver is installed (absl, before logging is
+# initialised; no environment variable silences them)
+_STUB_NOISE = re.compile(r"cudart_stub\.cc:\d+\] Could not find cuda drivers|All log messages before "
+                         r"absl::InitializeLog\(\) is called are written to STDERR")
+
+
+# --------------------------------------------------------------------------------------------------
+# targets (pure)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuTarget:
+  """A GPU target description shipped with prophet_jax.
+
+  Attributes:
+    name: 'h100', 'a100' or 'v100'.
+    description: the device description ('NVIDIA H100 80GB HBM3').
+    file: the GpuTargetConfigProto text file under prophet_jax/targets.
+    compute_capability: e.g. '9.0'.
+    core_count: streaming multiprocessors.
+    fpus_per_core: FP32 lanes per multiprocessor.
+    clock_ghz: the SM clock.
+    memory_bandwidth_bytes_per_s: device memory bandwidth.
+    config: the GpuTargetConfigProto text, as XLA reads it.
+  """
+
+  name: str
+  description: str
+  file: str
+  compute_capability: str
+  core_count: int
+  fpus_per_core: int
+  clock_ghz: float
+  memory_bandwidth_bytes_per_s: float
+  config: str = dataclasses.field(repr=False)
+
+  @property
+  def peak_flops(self) -> float:
+    """FP32 CUDA-core peak (an FMA is 2 FLOPs): core_count * fpus_per_core * 2 * clock. Tensor cores
+    (TF32, bf16) are faster; this is the conservative rate for a float32 step."""
+    return self.core_count * self.fpus_per_core * 2 * self.clock_ghz * 1e9
+
+  def roofline_s(self, flops: float, nbytes: float) -> float:
+    """A roofline estimate of an op's time: max(flops / peak_flops, nbytes / memory bandwidth).
+
+    An estimate from the target's description, not a measurement: launch overheads, caches and
+    tensor cores are ignored.
+    """
+    return max(flops / self.peak_flops, nbytes / self.memory_bandwidth_bytes_per_s)
+
+
+def _field(text: str, name: str, default: str = "") -> str:
+  m = re.search(rf"^\s*{name}:\s*\"?([^\"\n]*)\"?\s*$", text, re.MULTILINE)
+  return m.group(1).strip() if m else default
+
+
+def _resolve(name: str) -> str:
+  if not isinstance(name, str):
+    raise TypeError(f"gpu target: expected a name such as 'h100', got {type(name).__name__}.")
+  key = name.strip().lower()
+  for target, (_, aliases) in _TARGETS.items():
+    if key == target or key in aliases:
+      return target
+  raise ValueError(f"unknown GPU target {name!r}; prophet_jax ships {list(GPU_TARGETS)} (aliases: "
+                   f"{sorted(a for _, al in _TARGETS.values() for a in al)}). Use one of them, or pass "
+                   f"your own GpuTargetConfigProto text to jax.experimental.topologies.get_topology_desc.")
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_target(name: str) -> GpuTarget:
+  """The shipped description of GPU target `name` ('h100', 'a100', 'v100', or an alias).
+
+  Raises:
+    ValueError: an unknown name (the message lists the shipped ones).
+  """
+  key = _resolve(name)
+  file = _TARGETS[key][0]
+  text = (resources.files("prophet_jax") / "targets" / file).read_text()
+  major = _field(text.split("cuda_compute_capability", 1)[-1], "major", "0")
+  minor = _field(text.split("cuda_compute_capability", 1)[-1].split("}", 1)[0], "minor", "0")
+  return GpuTarget(
+      name=key, description=_field(text, "device_description_str"), file=file,
+      compute_capability=f"{major}.{minor}", core_count=int(_field(text, "core_count")),
+      fpus_per_core=int(_field(text, "fpus_per_core")), clock_ghz=float(_field(text, "clock_rate_ghz")),
+      memory_bandwidth_bytes_per_s=float(_field(text, "memory_bandwidth")), config=text)
+
+
+# --------------------------------------------------------------------------------------------------
+# what a compile-only build needs
+
+
+def cuda_plugin_installed() -> bool:
+  """Whether jax's CUDA plugin is installed (found without importing it or jax)."""
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except (ImportError, ValueError):
+    return False
+
+
+def _version(dist: str) -> str | None:
+  try:
+    return importlib.metadata.version(dist)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def find_ptxas() -> str | None:
+  """The ptxas XLA:GPU will find, or None: the `nvidia-cuda-nvcc-cu12` wheel's, a CUDA toolkit's
+  (`--xla_gpu_cuda_data_dir` in XLA_FLAGS, CUDA_HOME, CUDA_PATH, CUDA_DIR, /usr/local/cuda), or PATH's."""
+  dirs = []
+  m = re.search(r"--xla_gpu_cuda_data_dir=(\S+)", os.environ.get("XLA_FLAGS", ""))
+  if m:
+    dirs.append(m.group(1))
+  try:
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+  except (ImportError, ValueError):
+    spec = None
+  for loc in (spec.submodule_search_locations or []) if spec else []:
+    dirs.append(loc)
+  dirs += [os.environ[k] for k in ("CUDA_HOME", "CUDA_PATH", "CUDA_DIR") if os.environ.get(k)]
+  dirs.append("/usr/local/cuda")
+  for d in dirs:
+    p = Path(d) / "bin" / "ptxas"
+    if p.is_file() and os.access(p, os.X_OK):
+      return str(p)
+  return shutil.which("ptxas")
+
+
+def _check_requirements() -> None:
+  import jaxlib
+
+  want = jaxlib.__version__
+  fix = GPU_COMPILE_EXTRA.format(v=want)
+  if not cuda_plugin_installed():
+    raise GpuCompileError(f"gpu_topology: jax's CUDA plugin (jax-cuda12-plugin, XLA:GPU's compiler) is "
+                          f"not installed. Install it: {fix}.")
+  for dist in ("jax-cuda12-plugin", "jax-cuda12-pjrt"):
+    got = _version(dist)
+    if got is None:
+      raise GpuCompileError(f"gpu_topology: {dist} is not installed. Install it: {fix}.")
+    if got != want:
+      raise GpuCompileError(f"gpu_topology: {dist} is {got} but jaxlib is {want}; they must match. "
+                            f"Install: pip install {dist}=={want}.")
+  if find_ptxas() is None:
+    raise GpuCompileError("gpu_topology: no ptxas found (XLA:GPU compiles PTX with it; without it every "
+                          "compile fails with 'No PTX compilation provider is available'). Install it: "
+                          "pip install nvidia-cuda-nvcc-cu12, or put a CUDA toolkit's bin/ on PATH (or "
+                          "set CUDA_HOME).")
+
+
+def _check_platforms() -> None:
+  import jax
+
+  value = jax.config.jax_platforms
+  platforms = [p.strip() for p in (value or "").split(",") if p.strip()]
+  if platforms != ["cpu"]:
+    got = f"JAX_PLATFORMS={value!r}" if value else "JAX_PLATFORMS is not set"
+    raise GpuCompileError(
+        f"gpu_topology: {got}, so jax initialises its CUDA plugin, which needs a GPU driver, and will "
+        f"not make a compile-only CUDA topology ('topology not implemented for cuda'). A compile-only "
+        f"build needs jax on the CPU alone: {_PLATFORMS_FIX}.")
+
+
+# --------------------------------------------------------------------------------------------------
+# the topology
+
+
+@dataclass(frozen=True, eq=False)
+class GpuTopology:
+  """Compile-only GPU devices of one target (`gpu_topology`).
+
+  Attributes:
+    target: the GpuTarget.
+    devices: the compile-only devices (they compile, they never run).
+  """
+
+  target: GpuTarget
+  devices: tuple[Any, ...]
+
+  def mesh(self, axis_name: str = "data") -> Any:
+    """A one-axis `jax.sharding.Mesh` over the devices, for `jax.shard_map(..., mesh=...)`."""
+    from jax.sharding import Mesh
+
+    if not isinstance(axis_name, str) or not axis_name:
+      raise TypeError(f"GpuTopology.mesh: `axis_name` must be a non-empty string, got {axis_name!r}.")
+    return Mesh(self.devices, (axis_name,))
+
+  def abstract(self, tree: Any, spec: Any, *, mesh: Any = None, axis_name: str = "data") -> Any:
+    """`tree` as ShapeDtypeStructs placed on the mesh with PartitionSpec `spec` (arrays or
+    ShapeDtypeStructs in; nothing is allocated): the arguments of `jitted.lower(...)`.
+
+    Args:
+      tree: a pytree of arrays or ShapeDtypeStructs.
+      spec: a PartitionSpec for every leaf (`P()` replicated, `P('data')` split over the axis), or a
+        pytree of them with `tree`'s structure (a prefix, as shard_map's in_specs).
+      mesh: the mesh (default `self.mesh(axis_name)`).
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = self.mesh(axis_name) if mesh is None else mesh
+
+    def one(s, sub):
+      return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                         sharding=NamedSharding(mesh, s)), sub)
+
+    if isinstance(spec, PartitionSpec):
+      return one(spec, tree)
+    return jax.tree.map(one, spec, tree, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+
+  def __repr__(self) -> str:
+    return f"GpuTopology({self.target.name}: {len(self.devices)} x {self.target.description}, compile-only)"
+
+
+def gpu_topology(target: str = "h100", *, devices: int = 8) -> GpuTopology:
+  """Compile-only devices of a GPU target, on a machine with or without a GPU.
+
+  Build the step over `topo.mesh("data")` with `jax.shard_map`, lower it on `topo.abstract(...)`
+  arguments and compile: the result is XLA:GPU's compiled program for `devices` GPUs of `target`
+  (one host), which `prophet_jax.audit` reads. It cannot run.
+
+  Args:
+    target: 'h100' (H100 SXM 80GB), 'a100' (A100 SXM4 80GB) or 'v100' (V100 SXM2 16GB); see
+      `GPU_TARGETS`.
+    devices: GPUs in the data-parallel group (one host).
+
+  Returns:
+    A GpuTopology.
+
+  Raises:
+    ValueError: an unknown target or a bad device count.
+    GpuCompileError: the CUDA plugin or ptxas is missing, the plugin's version differs from jaxlib's,
+      or the process did not set JAX_PLATFORMS=cpu (each message says what to do).
+
+  Example:
+    >>> topo = prophet_jax.gpu_topology("h100", devices=8)       # JAX_PLATFORMS=cpu
+    >>> mesh = topo.mesh("data")
+    >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    >>> compiled = f.lower(topo.abstract(params, P()), topo.abstract(batch, P("data"))).compile()
+    >>> print(prophet_jax.audit(compiled, schedule).summary())
+  """
+  spec = gpu_target(target)
+  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+    raise ValueError(f"gpu_topology(devices={devices!r}): expected a positive number of GPUs, e.g. 8.")
+  _check_requirements()
+  _check_platforms()
+  return _make_topology(spec.name, devices)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_topology(name: str, devices: int) -> GpuTopology:
+  from jax.experimental import topologies
+
+  spec = gpu_target(name)
+  try:
+    topo = topologies.get_topology_desc(f"prophet-{name}", "cuda", target_config=spec.config,
+                                        topology=f"1x1x{devices}")
+  except Exception as e:  # jaxlib raises its own runtime errors: name the target and the fix
+    raise GpuCompileError(f"gpu_topology({name!r}, devices={devices}): XLA could not make the compile-only "
+                          f"topology: {type(e).__name__}: {e}. Check that jax-cuda12-plugin matches jaxlib "
+                          f"and that JAX_PLATFORMS=cpu.") from e
+  return GpuTopology(target=spec, devices=tuple(topo.devices))
+
+
+@contextlib.contextmanager
+def quiet_cuda_stub() -> Iterator[None]:
+  """Drops the two lines per library the CUDA plugin prints to stderr when it loads without a GPU driver.
+
+  They are absl log lines written before logging is initialised (no environment variable silences them).
+  Everything else written to file descriptor 2 inside the block is written back when it ends. For the
+  command line; a library call never redirects file descriptors.
+  """
+  try:
+    sys.stderr.flush()
+    saved = os.dup(2)
+  except (OSError, ValueError):
+    yield
+    return
+  with tempfile.TemporaryFile(mode="w+b") as tmp:
+    os.dup2(tmp.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      tmp.seek(0)
+      kept = [line for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
+              if not _STUB_NOISE.search(line)]
+      if kept:
+        sys.stderr.write("".join(kept))
+        sys.stderr.flush()
+
+
+def import_jax_quietly() -> None:
+  """Imports jax and registers its PJRT plugins inside `quiet_cuda_stub`, without creating a backend
+  (XLA_FLAGS, e.g. the host device count, are still read later, when the first backend starts).
+
+  Registering the plugins is what loads the CUDA plugin's library (two more lines of driver-search noise);
+  it is done through jax's private `_discover_and_register_pjrt_plugins`, skipped if that is gone (the
+  lines then print, nothing else changes).
+  """
+  with quiet_cuda_stub():
+    import jax  # noqa: F401
+    from jax._src import xla_bridge
+
+    register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+    if callable(register):
+      register()
+
+
+# --------------------------------------------------------------------------------------------------
+# compiling a step, the way a user writes it
+
+
+def compile_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
+                 batch_size: int | None = None, axis_name: str = "data", tx: Any = None,
+                 compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, float]:
+  """Compiles one data-parallel train step of `model` for `topology`, the way a user writes it.
+
+  `lower_step(...)` then `compile_lowered(...)`; see `lower_step` for the step of each mode.
+
+  Returns:
+    (the compiled step, seconds spent in `compile()`).
+  """
+  lowered = lower_step(model, schedule, mode, topology, batch_size=batch_size, axis_name=axis_name,
+                       tx=tx)
+  return compile_lowered(lowered, compiler_options)
+
+
+def compile_lowered(lowered: Any, compiler_options: Mapping[str, Any] | None = None
+                    ) -> tuple[Any, float]:
+  """`lowered.compile(compiler_options=...)` and the seconds it took (the GIL is released meanwhile:
+  several compiles can run in threads)."""
+  t0 = time.perf_counter()
+  compiled = lowered.compile(compiler_options=dict(compiler_options)) if compiler_options \
+      else lowered.compile()
+  return compiled, time.perf_counter() - t0
+
+
+def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
+               batch_size: int | None = None, axis_name: str = "data", tx: Any = None) -> Any:
+  """Lowers one data-parallel train step of `model` for `topology`, the way a user writes it.
+
+  The step is `jax.jit(jax.shard_map(...))` over `topology.mesh(axis_name)`, lowered on
+  ShapeDtypeStructs (nothing is allocated or run):
+  - 'scheduled': `jax.value_and_grad` of the loss at params marked varying, `prophet_jax.scheduled(tx,
+    schedule)` as the optimizer, and the user's `pmean` of the loss;
+  - 'hooked': `prophet_jax.hooked(loss_fn, schedule)` gradients, a plain `tx`, the loss `pmean`;
+  - 'pipelined': `prophet_jax.pipelined(loss_fn, tx, schedule).step`, with a forward pending (the
+    program that runs the previous backward, the all-reduces, the update and the next forward);
+  - 'pmean': the plain step, `jax.lax.pmean` of the gradient tree (the baseline XLA merges).
+
+  Args:
+    model: a `prophet_jax.models` TrainableModel, or any object with `abstract_params()`,
+      `loss_fn(params, batch)` and `make_batch(rng, batch_size)` (and `default_batch_size` when
+      `batch_size` is None).
+    schedule: the Schedule to carry out (ignored by 'pmean').
+    mode: one of STEP_MODES.
+    topology: from `gpu_topology`.
+    batch_size: global batch (divisible by the device count); default `model.default_batch_size`.
+    axis_name: the mesh axis.
+    tx: the optimizer (default `optax.sgd(0.1, momentum=0.9)`).
+
+  Returns:
+    The `jax.stages.Lowered` step (compile it with `compile_lowered`, or `.compile(compiler_options=
+    {...})` for per-compile XLA options such as `xla_gpu_all_reduce_combine_threshold_bytes`).
+
+  Raises:
+    ValueError: an unknown mode, or a batch that does not split over the devices.
+  """
+  import jax
+  import optax
+  from jax.sharding import PartitionSpec as P
+
+  from ._pipelined import pipelined
+  from ._transform import hooked, scheduled
+
+  if mode not in STEP_MODES:
+    raise ValueError(f"compile_step(mode={mode!r}): expected one of {list(STEP_MODES)}.")
+  n = len(topology.devices)
+  batch_size = int(batch_size or getattr(model, "default_batch_size", n))
+  if batch_size % n:
+    raise ValueError(f"compile_step(batch_size={batch_size}): the global batch must split evenly over "
+                     f"{n} devices; use a multiple of {n}.")
+  tx = optax.sgd(0.1, momentum=0.9) if tx is None else tx
+  mesh = topology.mesh(axis_name)
+  params = model.abstract_params()
+  batch = jax.eval_shape(lambda k: model.make_batch(k, batch_size), jax.random.key(0))
+  a_batch = topology.abstract(batch, P(axis_name), mesh=mesh)
+  if mode == "pipelined":
+    pipe = pipelined(model.loss_fn, tx, schedule, axis_name=axis_name)
+    specs = pipe.state_specs()
+
+    def body(state, b):
+      state, loss = pipe.step(state, b)
+      return state, loss[None]
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis_name)),
+                                 out_specs=(specs, P(axis_name))))
+    state0 = topology.abstract(jax.eval_shape(pipe.init, params), P(), mesh=mesh)
+    pending, _ = jax.eval_shape(step, state0, a_batch)  # the state after a first, forward-only call
+    args = (topology.abstract(pending, pipe.state_specs(pending), mesh=mesh), a_batch)
+  else:
+    opt = scheduled(tx, schedule, axis_name=axis_name) if mode == "scheduled" else tx
+    grad_fn = hooked(model.loss_fn, schedule, axis_name=axis_name) if mode == "hooked" else None
+
+    def body(p, o, b):
+      if grad_fn is not None:
+        loss, g = grad_fn(p, b)
+      else:
+        loss, g = jax.value_and_grad(model.loss_fn)(jax.lax.pcast(p, axis_name, to="varying"), b)
+        if mode == "pmean":
+          g = jax.lax.pmean(g, axis_name)
+      updates, o = opt.update(g, o, p)
+      return optax.apply_updates(p, updates), o, jax.lax.pmean(loss, axis_name)
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis_name)),
+                                 out_specs=(P(), P(), P())))
+    args = (topology.abstract(params, P(), mesh=mesh),
+            topology.abstract(jax.eval_shape(opt.init, params), P(), mesh=mesh), a_batch)
+  return step.lower(*args)

@@ -1,0 +1,340 @@
+"""XLA:GPU without a GPU: every rewrite compiled for 8 compile-only H100s, and the compiled schedule audited.
+
+Each step is built the way a user writes it (`jax.jit(jax.shard_map(...))` over `gpu_topology("h100")`'s
+mesh, lowered on ShapeDtypeStructs, `prophet_jax._gpu.lower_step`) and compiled by XLA:GPU's whole
+pipeline (combiner, all-reduce-contiguous, async collectives, latency hiding scheduler, ptxas). Nothing
+runs. The claims, per model (cnn, gpt-tiny) x policy x {scheduled, hooked, pipelined}:
+- the audit is OK: one all-reduce per chunk, planned sizes, schedule order (the loss pmean that XLA:GPU
+  concatenates into the last chunk's all-reduce is read through and listed as foreign);
+- once the chunks' all-reduces begin, every remaining backward matmul/convolution is scheduled inside an
+  all-reduce window; for plans of whole layers on the cnn, every chunk but the last has backward compute
+  inside its own window (finer plans can leave a chunk exposed when the next chunk's gradients came out
+  of the same kernel: XLA fuses gpt-tiny's q/k/v weight gradients into one gemm, priority cuts one leaf
+  into several chunks);
+- in the pipelined step, the next step's forward is scheduled inside an all-reduce window exactly when
+  the last chunk does not hold the parameters the forward reads first.
+And: a plain pmean is one all-reduce with nothing overlapped; a step built to be merged, or reordered,
+fails the audit; users' XLA flags keep the guarantees (or the audit warns why the overlap is gone).
+
+Compiles are shared: policies with the same chunks (up to the order of slices inside a chunk) compile
+to the same program, compiled once, two at a time (compilation releases the GIL). No test is skipped:
+without the gpu-compile extra the `topo` fixture raises GpuCompileError saying how to install it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import prophet_jax as pj
+from prophet_jax import _gpu
+from prophet_jax._collectives import chunk_scope
+from prophet_jax.models import get_model
+
+AX = "data"
+NDEV = 8
+# two examples per device: with one, a Dense layer's weight gradient is an outer product that XLA emits
+# as an elementwise fusion, not a matmul, and its cost model then leaves a cnn convolution outside every
+# window (measured); the claims below are about XLA's schedule of real matmuls
+BATCH = 16
+MODELS = ("cnn", "gpt-tiny")
+POLICIES = ("wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet", "auto")
+MODES = ("scheduled", "hooked", "pipelined")
+# priority: partitions smaller than the cnn's large leaves, and a credit that makes it reorder
+OPTIONS = {"priority": {"partition_bytes": 16384, "credit_bytes": 16384}}
+# the parameters the forward pass reads first: until they are reduced, none of the next forward can run
+FIRST_READ = {"cnn": ("params/Conv_0/",), "gpt-tiny": ("params/wte/", "params/wpe/")}
+WHOLE_LAYER_POLICIES = ("wfbp", "mgwfbp", "prophet", "auto")
+# A fast link on which merging never pays: mgwfbp, prophet and auto plan per layer like wfbp, bucket and
+# xla one chunk (every layer merged), priority splits leaves: three programs per model and mode.
+# The cnn runs the full product policy x mode. A gpt-tiny compile costs ~5 CPU-seconds (the cnn's ~1.5),
+# so gpt-tiny runs a cover in which every policy and every mode appear (STYLE.md's pairwise cover; one
+# program per mode): its 19-chunk per-layer plans pipelined, priority's 40 split-leaf chunks hooked (the
+# hook groups), one chunk scheduled. bench/gpu_hlo.py compiles the full product for every model.
+CASES = {("cnn", mode): POLICIES for mode in MODES}
+CASES.update({("gpt-tiny", "scheduled"): ("bucket", "xla"), ("gpt-tiny", "hooked"): ("priority",),
+              ("gpt-tiny", "pipelined"): ("wfbp", "mgwfbp", "prophet", "auto")})
+NETWORK = pj.NetworkModel(alpha_s=1e-7, beta_s_per_byte=1e-10, workers=NDEV, name="fast")
+# On that link priority sends everything as it becomes ready, the front layers last, so no next forward
+# can start early. On 10gbe, with a small credit, it holds back-layer partitions behind the front
+# layers' (the reordering the pipelined step exists for): one more pipelined plan per model.
+SLOW = pj.NetworkModel.preset("10gbe", workers=NDEV)
+SLOW_OPTIONS = {"partition_bytes": 16384, "credit_bytes": 16384}
+
+
+@functools.lru_cache(maxsize=None)
+def schedule_for(model: str, policy: str, mode: str) -> pj.Schedule:
+  """The plan of `policy` ('priority@10gbe': priority on the slow link, pipelined only)."""
+  params = get_model(model).abstract_params()
+  profile = pj.GradientProfile.from_params(params, forward_s=1e-3, backward_s=2e-3)
+  if policy == "priority@10gbe":
+    return pj.plan(profile, SLOW, "priority", cross_step=True, **SLOW_OPTIONS)
+  return pj.plan(profile, NETWORK, policy, cross_step=mode == "pipelined",
+                 **OPTIONS.get(policy, {}))
+
+
+def program_key(s: pj.Schedule) -> tuple:
+  """Schedules with equal keys compile to the same program (the order of slices inside a chunk only
+  permutes the chunk's buffer)."""
+  return tuple(tuple(sorted(c.slices)) for c in s.chunks)
+
+
+@pytest.fixture(scope="module")
+def topo():
+  """8 compile-only H100s. Fails (never skips) where the gpu-compile extra is missing."""
+  try:
+    return pj.gpu_topology("h100", devices=NDEV)
+  except pj.GpuCompileError as e:
+    pytest.fail(f"{e}\nThe test extra includes gpu-compile: run `make test`, or install it into this "
+                f"environment: pip install -e '.[gpu-compile]'.", pytrace=False)
+
+
+def _cases():
+  """(model, mode, policy) of every audited step (the cnn's pipelined ones with priority@10gbe)."""
+  for (model, mode), policies in CASES.items():
+    extra = ("priority@10gbe",) if (model, mode) == ("cnn", "pipelined") else ()
+    for policy in policies + extra:
+      yield model, mode, policy
+
+
+@pytest.fixture(scope="module")
+def reports(topo):
+  """(model, mode, policy) -> AuditReport, and ('cnn', 'pmean') -> the plain step's; each distinct
+  program lowered once and compiled two at a time."""
+  lowered, key_of = {}, {}
+  for model, mode, policy in _cases():
+    s = schedule_for(model, policy, mode)
+    key = (model, mode, program_key(s))
+    if key not in lowered:
+      lowered[key] = _gpu.lower_step(get_model(model), s, mode, topo, batch_size=BATCH)
+    key_of[(model, mode, policy)] = key
+  # the plain step (one model is enough; bench/gpu_hlo.py has the others)
+  lowered[("cnn", "pmean")] = _gpu.lower_step(get_model("cnn"), schedule_for("cnn", "wfbp", "scheduled"),
+                                              "pmean", topo, batch_size=BATCH)
+  key_of[("cnn", "pmean")] = ("cnn", "pmean")
+  keys = list(lowered)
+  with ThreadPoolExecutor(2) as pool:
+    texts = dict(zip(keys, pool.map(lambda k: _gpu.compile_lowered(lowered[k])[0].as_text(), keys)))
+  out = {}
+  for name, key in key_of.items():
+    model, mode, policy = name if len(name) == 3 else ("cnn", "scheduled", "wfbp")
+    out[name] = pj.audit(texts[key], schedule_for(model, policy, mode))
+  return out
+
+
+@pytest.mark.parametrize("model,mode", list(CASES))
+def test_every_policy_keeps_its_chunks_and_overlaps_backward(reports, model, mode):
+  for policy in CASES[(model, mode)]:
+    s = schedule_for(model, policy, mode)
+    r = reports[(model, mode, policy)]
+    where = f"{model} {mode} {policy}\n{r.summary()}"
+    assert r.ok, where
+    assert r.order == tuple(range(s.num_allreduces)), where
+    assert [e.elements for e in r.chunks] == [c.size for c in s.chunks], where
+    assert r.max_in_flight <= 1, where  # the tie chain, and XLA:GPU's own default limit
+    if mode != "pipelined":  # the user's loss pmean, read through XLA:GPU's concatenation
+      assert [(e.elements, e.shared) for e in r.foreign] == [(1, True)], where
+    else:
+      assert not r.foreign, where
+    if s.num_allreduces > 1:
+      assert r.asynchronous and r.max_in_flight == 1, where
+      assert r.backward_outside_windows == 0, where
+      split = any(b - a < math.prod(s.rows[row][1]) for c in s.chunks for row, a, b in c.slices)
+      if model == "cnn" and policy in WHOLE_LAYER_POLICIES and not split:
+        overlapped = [e.chunk for e in r.chunks if e.window_ops("backward")]
+        assert set(range(s.num_allreduces - 1)) <= set(overlapped), where
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_pipelined_next_forward_runs_inside_an_allreduce_window_when_the_plan_allows(reports, model):
+  allowed_any = False
+  for policy in CASES[(model, "pipelined")] + (("priority@10gbe",) if model == "cnn" else ()):
+    s = schedule_for(model, policy, "pipelined")
+    r = reports[(model, "pipelined", policy)]
+    last_paths = {s.rows[row][0] for row, _, _ in s.chunks[-1].slices}
+    allowed = not any(p.startswith(FIRST_READ[model]) for p in last_paths)
+    allowed_any |= allowed
+    assert bool(r.forward_overlap) == allowed, f"{policy}: {r.summary()}"
+  assert allowed_any, "no plan lets the next forward start early: the claim was not exercised"
+
+
+def test_plain_pmean_is_one_allreduce_with_nothing_overlapped(reports):
+  r = reports[("cnn", "pmean")]
+  assert not r.ok and r.chunk_allreduces == 0
+  assert len({e.name for e in r.foreign}) == 1  # every gradient (and the loss) in one all-reduce
+  n_leaves = len(jax.tree.leaves(get_model("cnn").abstract_params()))
+  assert len(r.foreign) == n_leaves + 1
+  assert not any(e.overlapped for e in r.foreign)
+
+
+def _handmade_step(s, order, tie):
+  """The scheduled all-reduce written by hand: chunks in `order`, each under its chunk scope, tied (or
+  not) to the previous one's result."""
+
+  def allreduce(g):
+    flat = jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(g)])
+    out, prev = [], None
+    offs = [0]
+    for c in s.chunks:
+      offs.append(offs[-1] + c.size)
+    for k in order:
+      with jax.named_scope(chunk_scope(k)):
+        buf = flat[offs[k]:offs[k + 1]]
+        if tie and prev is not None:
+          buf = buf.at[0].add(prev[0] * 0)
+        red = jax.lax.psum(buf, AX)
+      out.append(red)
+      prev = red
+    return sum(jnp.sum(x) for x in out)
+
+  return allreduce
+
+
+@pytest.mark.parametrize("case", ["merged", "reordered"])
+def test_a_step_xla_merged_or_reordered_fails_the_audit(topo, case):
+  m = get_model("cnn")
+  s = schedule_for("cnn", "wfbp", "scheduled")
+  n = s.num_allreduces
+  order = list(range(n)) if case == "merged" else [1, 0] + list(range(2, n))
+  f = _handmade_step(s, order, tie=case == "reordered")
+  params = m.abstract_params()
+  # chunk sizes must add up to the flattened tree for the slicing above
+  assert sum(c.size for c in s.chunks) == sum(x.size for x in jax.tree.leaves(params))
+  step = jax.jit(jax.shard_map(lambda p: f(jax.lax.pcast(p, AX, to="varying")), mesh=topo.mesh(AX),
+                               in_specs=(P(),), out_specs=P()))
+  r = pj.audit(step.lower(topo.abstract(params, P())).compile(), s)
+  assert not r.ok, r.summary()
+  if case == "merged":  # independent all-reduces: XLA:GPU's combiner joins them into one
+    assert any("share one all-reduce" in p for p in r.problems), r.summary()
+    assert len({e.name for e in r.chunks}) == 1
+  else:
+    assert any("not in schedule order" in p for p in r.problems), r.summary()
+    assert r.order[:2] == (1, 0)
+
+
+# users' flags, as per-compile options (an unknown name in XLA_FLAGS would abort the process). Each of
+# the first three alone compiles to the same schedule as the default (bench/gpu_ordering.py); together
+# they are one compile here.
+BENIGN_FLAGS = {"xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30,
+                "xla_gpu_enable_latency_hiding_scheduler": False,
+                "xla_gpu_enable_pipelined_all_reduce": True}
+SYNC_FLAGS = {"xla_gpu_disable_async_collectives": "ALLREDUCE"}
+
+
+def test_users_xla_flags_keep_count_and_order_or_warn(topo):
+  m = get_model("cnn")
+  s = schedule_for("cnn", "wfbp", "hooked")
+  lowered = _gpu.lower_step(m, s, "hooked", topo, batch_size=BATCH)
+  with ThreadPoolExecutor(2) as pool:
+    benign, sync = pool.map(lambda o: pj.audit(_gpu.compile_lowered(lowered, o)[0], s),
+                            (BENIGN_FLAGS, SYNC_FLAGS))
+  for r in (benign, sync):
+    assert r.ok and r.order == tuple(range(s.num_allreduces)), r.summary()
+  assert not benign.exposed[:-1] and not benign.warnings and benign.backward_outside_windows == 0, \
+      benign.summary()
+  assert not sync.asynchronous and len(sync.exposed) == s.num_allreduces
+  assert any("synchronous" in w for w in sync.warnings), sync.summary()
+
+
+def test_a100_overlaps_only_with_the_latency_hiding_scheduler():
+  """jaxlib 0.10.2's XLA:GPU schedules for overlap by default only on Hopper: on an A100 the chunks'
+  all-reduces compile synchronous (the audit warns) unless the user turns the scheduler on."""
+  a100 = pj.gpu_topology("a100", devices=NDEV)
+  m = get_model("cnn")
+  s = schedule_for("cnn", "wfbp", "hooked")
+  lowered = _gpu.lower_step(m, s, "hooked", a100, batch_size=BATCH)
+  with ThreadPoolExecutor(2) as pool:
+    default, lhs = pool.map(lambda o: pj.audit(_gpu.compile_lowered(lowered, o)[0], s),
+                            (None, {"xla_gpu_enable_latency_hiding_scheduler": True}))
+  assert default.ok and not default.asynchronous and default.warnings, default.summary()
+  assert "xla_gpu_enable_latency_hiding_scheduler=true" in default.warnings[0]
+  assert lhs.ok and lhs.asynchronous and not lhs.warnings and not lhs.exposed[:-1], lhs.summary()
+
+
+def test_audit_report_round_trips_through_json(reports):
+  r = reports[("cnn", "pipelined", "priority")]
+  back = pj.AuditReport.from_json(r.to_json())
+  assert back == r and back.exposed == r.exposed and back.forward_overlap == r.forward_overlap
+  with pytest.raises(ValueError, match="unknown field"):
+    pj.AuditReport.from_json({**json.loads(r.to_json()), "nope": 1})
+  with pytest.raises(ValueError, match="schema"):
+    pj.AuditReport.from_json({**json.loads(r.to_json()), "schema": 99})
+
+
+# --------------------------------------------------------------------------------------------------
+# targets, errors, the command line
+
+
+def test_shipped_targets():
+  assert pj.GPU_TARGETS == ("h100", "a100", "v100")
+  h100, a100, v100 = (pj.gpu_target(t) for t in pj.GPU_TARGETS)
+  assert (h100.compute_capability, a100.compute_capability, v100.compute_capability) == ("9.0", "8.0",
+                                                                                          "7.0")
+  assert "H100" in h100.description and "A100" in a100.description and "V100" in v100.description
+  assert 60e12 < h100.peak_flops < 70e12 and 19e12 < a100.peak_flops < 20e12  # FP32 CUDA cores
+  assert pj.gpu_target("H100-SXM") == h100
+  with pytest.raises(ValueError, match=r"unknown GPU target 'b200'.*'h100', 'a100', 'v100'"):
+    pj.gpu_target("b200")
+  with pytest.raises(ValueError, match="positive number of GPUs"):
+    pj.gpu_topology("h100", devices=0)
+
+
+def test_v100_compiles(topo):
+  del topo  # the plugin is checked there
+  v100 = pj.gpu_topology("v100", devices=2)
+  assert len(v100.devices) == 2 and "V100" in v100.devices[0].device_kind
+
+
+def test_missing_plugin_ptxas_or_platform_say_what_to_do(monkeypatch):
+  monkeypatch.setattr(_gpu, "cuda_plugin_installed", lambda: False)
+  with pytest.raises(pj.GpuCompileError, match=r"not installed.*prophet-jax\[gpu-compile\]"):
+    pj.gpu_topology("h100")
+  monkeypatch.undo()
+  monkeypatch.setattr(_gpu, "find_ptxas", lambda: None)
+  with pytest.raises(pj.GpuCompileError, match="no ptxas found.*nvidia-cuda-nvcc-cu12"):
+    pj.gpu_topology("h100")
+  monkeypatch.undo()
+  before = jax.config.jax_platforms
+  jax.config.update("jax_platforms", None)
+  try:
+    with pytest.raises(pj.GpuCompileError, match="JAX_PLATFORMS is not set.*JAX_PLATFORMS=cpu"):
+      pj.gpu_topology("h100")
+  finally:
+    jax.config.update("jax_platforms", before)
+
+
+def test_cli_audit_in_a_process_without_jax_platforms_is_clean(tmp_path):
+  """`prophet-jax audit` where the environment does not pin jax: the CLI pins it (no GPU driver here),
+  and neither the plugin's 'Unable to load CUDA' traceback nor its driver-search lines reach stderr."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  out = subprocess.run([sys.executable, "-m", "prophet_jax", "audit", "--target", "h100", "--model",
+                        "cnn", "--policy", "wfbp", "--mode", "hooked", "--batch", "16", "--json"],
+                       capture_output=True, text=True, timeout=300, env=env)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stderr == "", out.stderr[-2000:]
+  obj = json.loads(out.stdout)
+  assert obj["target"] == "h100" and obj["report"]["ok"]
+  report = pj.AuditReport.from_json(obj["report"])
+  assert report.order == tuple(range(6)) and not report.exposed[:-1]
+  bad = subprocess.run([sys.executable, "-m", "prophet_jax", "audit", "--target", "b200"],
+                       capture_output=True, text=True, timeout=120, env=env)
+  assert bad.returncode == 2 and "unknown GPU target 'b200'" in bad.stderr
+
+
+def test_cli_pins_jax_to_the_cpu_only_where_the_plugin_cannot_load():
+  from prophet_jax._config import default_jax_platforms
+
+  assert default_jax_platforms({}, cuda_plugin=True, nvidia_driver=False) == "cpu"
+  assert default_jax_platforms({}, cuda_plugin=True, nvidia_driver=True) is None  # a GPU machine
+  assert default_jax_platforms({}, cuda_plugin=False, nvidia_driver=False) is None  # no plugin: no noise
+  assert default_jax_platforms({"JAX_PLATFORMS": ""}, cuda_plugin=True, nvidia_driver=False) is None
