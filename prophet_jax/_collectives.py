@@ -13,7 +13,6 @@ carry a NaN or Inf. That tie is `tie`, in one place, so a better mechanism repla
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,13 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._errors import AlreadyReducedError, ScheduleMismatchError, UnboundAxisError
-from ._tree import path_str
-from ._types import Schedule
+from ._errors import AlreadyReducedError, UnboundAxisError
+from ._schedule import Schedule
+from ._tree import is_reduced_leaf, match_tree
 
-__all__ = ["allreduce", "tie", "chunk_scope", "LeafMap", "match_tree", "axis_size",
-           "check_not_reduced", "vma_enabled", "reduce_chunks", "is_reduced_leaf",
-           "scheduled_allreduce"]
+__all__ = ["allreduce", "tie", "chunk_scope", "axis_size", "check_not_reduced", "vma_enabled",
+           "reduce_chunks", "scheduled_allreduce"]
 
 SCOPE_PREFIX = "prophet/chunk"
 
@@ -57,136 +55,6 @@ def tie(buf: jax.Array, prev: jax.Array | None) -> jax.Array:
   if prev is None:
     return buf
   return buf.at[0].add(_zero_of(prev, buf.dtype))
-
-
-# --------------------------------------------------------------------------------------------------
-# matching the tree to the schedule
-
-
-def is_reduced_leaf(leaf: Any) -> bool:
-  """True for leaves the rewrite reduces: inexact (floating or complex) dtypes; not ints or float0."""
-  dt = getattr(leaf, "dtype", None)
-  if dt is None:
-    return False
-  if dt == jax.dtypes.float0:
-    return False
-  return bool(jnp.issubdtype(dt, jnp.inexact))
-
-
-def _dtype_name(dt: Any) -> str:
-  return str(np.dtype(dt)) if str(dt) != "bfloat16" else "bfloat16"
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafMap:
-  """Where each schedule row lives in a flattened tree.
-
-  Attributes:
-    paths: canonical path of every leaf in flatten order.
-    row_leaf: for each schedule row, the index of its leaf in flatten order.
-  """
-
-  paths: tuple[str, ...]
-  row_leaf: tuple[int, ...]
-
-
-_VARIABLE_VALUE = "value"  # the attribute under which a flax.nnx Variable holds its array
-
-
-def _is_variable_value_key(key: Any) -> bool:
-  """True for the key path entry of an nnx Variable's array: GetAttrKey('value')."""
-  return isinstance(key, jax.tree_util.GetAttrKey) and key.name == _VARIABLE_VALUE
-
-
-def _paths_like(paths: Sequence[str], leaves: Sequence[Any], k: int = 4) -> str:
-  """'[p1, p2, ...] (n leaves)': a few of the tree's own floating-leaf paths, for error messages."""
-  floats = [p for p, x in zip(paths, leaves) if is_reduced_leaf(x)] or list(paths)
-  more = f" and {len(floats) - k} more" if len(floats) > k else ""
-  return f"the tree has paths like {floats[:k]}{more}"
-
-
-def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Schedule, *,
-               where: str = "allreduce", skip_prefixes: Sequence[str] = ()) -> LeafMap:
-  """Maps schedule rows to leaves BY PATH, checking shape and dtype; plain Python at trace time.
-
-  A flax.nnx Variable is a pytree node whose array sits under the key `.value`: the same parameter is
-  'l1/kernel/value' in `nnx.state(model, nnx.Param)` and 'l1/kernel' in the pure arrays that
-  `nnx.Optimizer.update` (through `nnx.as_pure`) and `nnx.to_pure_dict` give. A row matches its leaf
-  under either spelling (exact paths first), so a schedule planned from either form works with both
-  (`nnx.Optimizer`'s init sees Variables, its update pure arrays).
-
-  Args:
-    leaves_with_path: `jax.tree_util.tree_flatten_with_path(tree)[0]`.
-    schedule: the schedule whose rows must match the tree's reduced leaves.
-    where: the caller's name, for messages.
-    skip_prefixes: leaf paths starting with one of these are not the schedule's business (reduced
-      elsewhere, e.g. inside a scanned body by `loop_hook`).
-
-  Raises:
-    ScheduleMismatchError: a row's path is missing from the tree, a shape or dtype differs, or the tree
-      has a floating leaf the schedule does not know; the message lists some of the tree's own paths.
-  """
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"{where}: `schedule` must be a prophet_jax.Schedule, got {type(schedule).__name__}. "
-                    f"Make one with prophet_jax.plan(profile, network, policy).")
-  if not leaves_with_path:
-    raise ValueError(f"{where}: the gradient tree is empty; there is nothing to reduce. Pass the "
-                     f"gradients of the params the schedule was planned for.")
-  paths = tuple(path_str(p) for p, _ in leaves_with_path)
-  leaves = [leaf for _, leaf in leaves_with_path]
-  index = {p: i for i, p in enumerate(paths)}
-  # nnx spellings: a Variable's 'x/value' also answers to 'x'; a pure 'x' also answers to 'x/value'
-  alias: dict[str, int] = {}
-  for i, (kp, _) in enumerate(leaves_with_path):
-    if kp and _is_variable_value_key(kp[-1]):
-      alias.setdefault(path_str(kp[:-1]), i)
-    else:
-      alias.setdefault(f"{paths[i]}/{_VARIABLE_VALUE}", i)
-  like = _paths_like(paths, leaves)
-  fix = "The model changed after planning; run prophet_jax.plan() again on the current params."
-  row_leaf = []
-  for path, shape, dtype in schedule.rows:
-    i = index.get(path)
-    if i is None:
-      i = alias.get(path)
-    if i is None:
-      near = [p for p in paths if p.split("/")[-1] == path.split("/")[-1]][:3]
-      hint = f" (e.g. {near} end the same way)" if near else ""
-      raise ScheduleMismatchError(
-          f"{where}: the schedule has a row for leaf {path!r}, but the tree has no leaf at that path"
-          f"{hint}; {like}; the schedule covers {len(schedule.rows)} leaves, like "
-          f"{[r[0] for r in schedule.rows[:4]]}. {fix}")
-    leaf = leaves[i]
-    got_shape = tuple(int(d) for d in np.shape(leaf))
-    if got_shape != tuple(shape):
-      raise ScheduleMismatchError(
-          f"{where}: leaf {paths[i]!r} has shape {got_shape}, but the schedule was planned for shape "
-          f"{tuple(shape)} ({like}). {fix}")
-    got_dtype = _dtype_name(getattr(leaf, "dtype", None))
-    if got_dtype != dtype:
-      raise ScheduleMismatchError(
-          f"{where}: leaf {paths[i]!r} has dtype {got_dtype}, but the schedule was planned for dtype "
-          f"{dtype} ({like}). {fix} (Plan with the gradients' dtype, e.g. bfloat16 params give "
-          f"bfloat16 gradients.)")
-    row_leaf.append(i)
-  if len(set(row_leaf)) != len(row_leaf):
-    dup = next(i for i in row_leaf if row_leaf.count(i) > 1)
-    rows = [schedule.rows[k][0] for k, i in enumerate(row_leaf) if i == dup]
-    raise ScheduleMismatchError(
-        f"{where}: schedule rows {rows} all name the tree's leaf {paths[dup]!r} (an nnx Variable's "
-        f"'x/value' and a plain 'x' are the same leaf); {like}. {fix}")
-  rowset = set(row_leaf)
-  for i, leaf in enumerate(leaves):
-    if i in rowset or not is_reduced_leaf(leaf):
-      continue
-    if any(paths[i] == s or paths[i].startswith(s.rstrip("/") + "/") for s in skip_prefixes):
-      continue
-    raise ScheduleMismatchError(
-        f"{where}: the tree has floating leaf {paths[i]!r} (shape {tuple(np.shape(leaf))}, dtype "
-        f"{_dtype_name(leaf.dtype)}) that the schedule does not cover; the schedule was planned for "
-        f"{len(schedule.rows)} leaves, like {[r[0] for r in schedule.rows[:4]]}, and the tree has "
-        f"{sum(map(is_reduced_leaf, leaves))} floating ones ({like}). {fix}")
-  return LeafMap(paths=paths, row_leaf=tuple(row_leaf))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -89,11 +89,11 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from ._collectives import allreduce, axis_size, match_tree, vma_enabled
+from ._collectives import allreduce, axis_size, vma_enabled
 from ._errors import ScheduleMismatchError
 from ._residuals import VjpTrace, carried_avals, carry_plan, forward, recompute, vjp_jaxpr
-from ._tree import path_str
-from ._types import Schedule
+from ._schedule import Schedule
+from ._tree import is_reduced_leaf, match_tree, path_str
 
 __all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending", "save_matmuls"]
 
@@ -572,7 +572,7 @@ class Pipelined:
       return params
 
     def cast(x):
-      if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.inexact) or self._is_varying(x):
+      if not is_reduced_leaf(x) or self._is_varying(x):
         return x
       return jax.lax.pcast(x, self.axis_name, to="varying")
 

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._collectives import (_zero_of, axis_size, is_reduced_leaf, match_tree, reduce_chunks,
-                           scheduled_allreduce, tie, vma_enabled)
+from ._collectives import _zero_of, axis_size, reduce_chunks, scheduled_allreduce, tie, vma_enabled
 from ._errors import AlreadyReducedError, CompositionError
-from ._types import Chunk, Schedule
+from ._schedule import Chunk, Schedule
+from ._tree import dtype_name, is_float_dtype, is_reduced_leaf, match_tree, path_str
 
 __all__ = ["ScheduledState", "scheduled", "check_composition", "hooked", "loop_hook", "hook_groups", "LOOP_SCOPE"]
 
@@ -268,7 +268,7 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
     raise ValueError(f"check_composition: num_devices must be an integer >= 2, got {num_devices!r}.")
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   shapes = [(tuple(np.shape(x)), jnp.dtype(x.dtype)) for _, x in leaves_with_path]
-  paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in leaves_with_path]
+  paths = [path_str(p) for p, _ in leaves_with_path]
   params = jax.tree_util.tree_unflatten(treedef, [jnp.zeros(s, d) for s, d in shapes])
   rng = np.random.default_rng(seed)
 
@@ -281,7 +281,7 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
       return np.round(np.clip(rng.standard_normal(shape) * spread, -2 ** 12, 2 ** 12) * 256) / 256
     return np.round(np.clip(rng.standard_normal(shape) * min(spread, 4.0), -16, 16))
 
-  inexact = [jnp.issubdtype(d, jnp.inexact) for _, d in shapes]
+  inexact = [is_float_dtype(d) for _, d in shapes]
   base = [grid((num_devices, *s), d, 1.0).astype(np.float32) if f else np.zeros((num_devices, *s), d)
           for (s, d), f in zip(shapes, inexact)]
   variants = []
@@ -299,7 +299,7 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
   state = tx.init(params)
 
   def one(flat_g):
-    g = jax.tree_util.tree_unflatten(treedef, [x.astype(d) if jnp.issubdtype(d, jnp.inexact) else x
+    g = jax.tree_util.tree_unflatten(treedef, [x.astype(d) if is_float_dtype(d) else x
                                                for x, (_, d) in zip(flat_g, shapes)])
     st, outs = state, []
     for _ in range(steps):  # several steps, so that e.g. optax.MultiSteps emits an update
@@ -439,11 +439,11 @@ def loop_hook(tree: Any, *, name: str = "layer") -> Any:
   if not idx:
     return tree
   sel = [leaves[i] for i in idx]
-  dtypes = list(dict.fromkeys(str(x.dtype) for x in sel))
+  dtypes = list(dict.fromkeys(dtype_name(x.dtype) for x in sel))
   chunks = []
   for dt in dtypes:
     chunks.append(Chunk(slices=tuple((j, 0, int(np.size(x))) for j, x in enumerate(sel)
-                                     if str(x.dtype) == dt), dtype=dt))
+                                     if dtype_name(x.dtype) == dt), dtype=dt))
   cast = [vma and not _is_varying(x, axis_name) for x in sel]
 
   @jax.custom_vjp
