@@ -25,7 +25,7 @@ from ._schedule import Schedule
 from ._tree import is_reduced_leaf, match_tree
 
 __all__ = ["allreduce", "tie", "chunk_scope", "axis_size", "check_not_reduced", "vma_enabled",
-           "reduce_chunks", "scheduled_allreduce"]
+           "is_varying", "to_varying", "reduce_chunks", "scheduled_allreduce"]
 
 SCOPE_PREFIX = "prophet/chunk"
 
@@ -72,19 +72,30 @@ def axis_size(axis_name: Any, where: str) -> int:
         f"inside jax.pmap(..., axis_name={axis_name!r}).") from e
 
 
+def _axis_names(axis_name: Any) -> tuple[Any, ...]:
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def is_varying(x: Any, axis_name: Any) -> bool:
+  """True when `x`'s type says it varies over every axis of `axis_name` (jax's `vma` set, which only
+  shard_map with check_vma=True fills: docs/facts.md, "The 8x gradient trap")."""
+  varying = jax.typeof(x).manual_axis_type.varying
+  return all(n in varying for n in _axis_names(axis_name))
+
+
+def to_varying(x: Any, axis_name: Any) -> Any:
+  """`x` marked varying over `axis_name` (`jax.lax.pcast(x, axis_name, to="varying")`): its gradient
+  then stays per-device instead of being summed over the axis by `jax.grad`."""
+  return jax.lax.pcast(x, axis_name, to="varying")
+
+
 def vma_enabled(axis_name: Any) -> bool:
   """True under shard_map with check_vma=True, where values carry the axes they vary over.
 
   Under pmap and under shard_map(check_vma=False) nothing is marked varying, so an already-summed
   gradient cannot be told from a per-device one there.
   """
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  varying = jax.typeof(jax.lax.axis_index(axis_name)).manual_axis_type.varying
-  return all(n in varying for n in names)
-
-
-def _varying(x: Any) -> frozenset:
-  return jax.typeof(x).manual_axis_type.varying
+  return is_varying(jax.lax.axis_index(axis_name), axis_name)
 
 
 def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: str) -> None:
@@ -96,12 +107,10 @@ def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: 
   """
   if not vma_enabled(axis_name):
     return
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   for path, g in leaves:
     if not is_reduced_leaf(g) or np.size(g) == 0:
       continue
-    vary = _varying(g)
-    if not all(n in vary for n in names):
+    if not is_varying(g, axis_name):
       raise AlreadyReducedError(
           f"{where}: gradient {path!r} is already summed over axis {axis_name!r} (it does not vary over "
           f"it): under shard_map's default check_vma, jax.grad sums the gradients of replicated params. "
@@ -116,8 +125,13 @@ def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: 
 
 def reduce_chunks(flat: list[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
                   axis_name: Any, *, divisor: int | None, first_index: int = 0,
-                  prev: jax.Array | None = None) -> tuple[list[jax.Array], jax.Array | None]:
+                  prev: jax.Array | None = None,
+                  scope: str | None = None) -> tuple[list[jax.Array], jax.Array | None]:
   """Runs `chunks` in order on the flattened leaves `flat`; returns the new leaves and the last result.
+
+  Per chunk: gather its slices into one buffer, `tie` it to the previous result, one `psum` (divided
+  by `divisor`), scatter back. Every chunked all-reduce of the library goes through here: `allreduce`,
+  `scheduled`, `pipelined`, the hooks of `hooked` and the per-layer hook of `loop_hook`.
 
   Args:
     flat: leaves (any shape); rows index them through `row_leaf`.
@@ -127,6 +141,8 @@ def reduce_chunks(flat: list[jax.Array], chunks: Sequence[Any], row_leaf: Sequen
     divisor: divide each reduced buffer by this (the axis size, for a mean, as `pmean` does), or None.
     first_index: k of the first chunk, for its named scope 'prophet/chunk<k>'.
     prev: the result of the chunk issued just before (tied to the first chunk), or None.
+    scope: the named scope of every chunk instead of 'prophet/chunk<k>' (`loop_hook`'s
+      'prophet/loop/<name>', which `audit` reads as a loop-body all-reduce).
   """
   flat = list(flat)
   pieces: dict[int, list[tuple[int, jax.Array]]] = {}
@@ -136,7 +152,7 @@ def reduce_chunks(flat: list[jax.Array], chunks: Sequence[Any], row_leaf: Sequen
     for r, a, b in chunk.slices:
       leaf = flat[row_leaf[r]]
       parts.append(leaf.reshape(-1)[a:b])
-    with jax.named_scope(chunk_scope(k)):
+    with jax.named_scope(chunk_scope(k) if scope is None else scope):
       buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
       buf = tie(buf, prev)
       red = jax.lax.psum(buf, axis_name)

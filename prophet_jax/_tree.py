@@ -275,11 +275,9 @@ class LeafMap:
 
 
 def _schedule_rows(schedule: Any, where: str) -> tuple[Row, ...]:
-  from ._schedule import Schedule
+  from ._types import check_values
 
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"{where}: `schedule` must be a prophet_jax.Schedule, got {type(schedule).__name__}. "
-                    f"Make one with prophet_jax.plan(profile, network, policy).")
+  check_values(where, schedule=schedule)
   return schedule.rows
 
 

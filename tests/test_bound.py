@@ -286,7 +286,7 @@ def test_errors():
     best_ordered(big, net)
   with pytest.raises(TypeError, match="cross_step='auto'"):
     lower_bound(PROFILE, NET, cross_step="auto")
-  with pytest.raises(TypeError, match="must be a NetworkModel"):
+  with pytest.raises(TypeError, match="must be a prophet_jax.NetworkModel"):
     lower_bound(PROFILE, "10gbe")
 
 

@@ -286,7 +286,7 @@ def test_matches_plain_loop(mapping, modelname, txname, residuals, policy):
     found = chunk_allreduces(runner.compiled.as_text())
     assert found == [(k, c.size) for k, c in enumerate(schedule.chunks)], found
     report = audit(runner.compiled, schedule)
-    assert report.ok, report.summary()
+    assert report.ok, report.describe()
     assert report.order == tuple(range(len(schedule.chunks))) and not report.foreign
     if modelname == "cnn":  # evaluation after a flush equals the plain loop's
       ev = model.make_batch(jax.random.key(7), 64)
@@ -468,6 +468,8 @@ def test_bad_arguments():
     pipelined(model.loss_fn, optax.sgd(0.1), "wfbp", axis_name=AXIS)
   with pytest.raises(TypeError, match="callable"):
     pipelined(None, optax.sgd(0.1), pipe.schedule, axis_name=AXIS)
+  with pytest.raises(TypeError, match=r"pipelined: `axis_name` must be a non-empty string.*got \(\)"):
+    pipelined(model.loss_fn, optax.sgd(0.1), pipe.schedule, axis_name=())
   with pytest.raises(ValueError, match="residuals='dots'.*'all', 'min-cut', 'matmuls' or a jax.checkpoint policy"):
     pipelined(model.loss_fn, optax.sgd(0.1), pipe.schedule, axis_name=AXIS, residuals="dots")
   with pytest.raises(TypeError, match="expected the PipelinedState"):

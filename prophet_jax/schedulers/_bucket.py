@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .._types import GradientProfile, NetworkModel, Schedule
+from .._schedule import Schedule
+from .._types import GradientProfile, NetworkModel
 from ._base import Scheduler, Slice
 from ._common import check_bytes, check_inputs, schedule_from_groups, whole_slice
 
