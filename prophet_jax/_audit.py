@@ -36,7 +36,8 @@ from typing import Any
 
 from ._hlo import (AsyncWindow, ExecutedOp, HloInstruction, HloModule, OpCosts, async_windows,
                    collectives, execution_order, hlo_text, is_collective, parse_hlo, shape_elements)
-from ._types import Schedule
+from ._schedule import Schedule
+from ._types import check_values
 
 __all__ = ["audit", "AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "COMPUTE_KINDS",
            "NEXT_FORWARD"]
@@ -207,8 +208,8 @@ class AuditReport:
     ops = {o.name: o.flops for e in self.chunks for o in e.window if o.kind in COMPUTE_KINDS}
     return sum(ops.values())
 
-  def summary(self) -> str:
-    """A few lines for humans."""
+  def describe(self) -> str:
+    """A few lines for humans: the verdict, the order, the overlap (XLA:GPU), the problems and warnings."""
     head = (f"audit: {'OK' if self.ok else 'MISMATCH'}: {self.chunk_allreduces} chunk all-reduce(s) of "
             f"{self.planned} planned, order {list(self.order)}; {self.loop_allreduces} in loop bodies; "
             f"{len(self.foreign)} foreign; {self.inside_backward} issued inside backward")
@@ -222,6 +223,14 @@ class AuditReport:
     lines += [f"  problem: {p}" for p in self.problems]
     lines += [f"  warning: {w}" for w in self.warnings]
     return "\n".join(lines)
+
+  def summary(self) -> str:
+    """Deprecated: `describe()`, the name every value's human summary has."""
+    import warnings
+
+    warnings.warn("AuditReport.summary() is deprecated; use AuditReport.describe().", DeprecationWarning,
+                  stacklevel=2)
+    return self.describe()
 
   def window_table(self) -> str:
     """One line per chunk: elements, the ops its all-reduce window holds by kind, their FLOPs and bytes,
@@ -417,8 +426,7 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
   Raises:
     TypeError: `compiled` is not compiled, or `schedule` is not a Schedule.
   """
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"audit: `schedule` must be a prophet_jax.Schedule, got {type(schedule).__name__}.")
+  check_values("audit", schedule=schedule)
   text = hlo_text(compiled)
   module = parse_hlo(text)
   ops = execution_order(module)

@@ -377,7 +377,7 @@ def test_numerics_and_audit(policy, model, dtype, mapping, transform, instrument
     assert_close(wrong, teacher_forced_reference(model, dtype, s, sent_wrong), params)
   # the compiled plain-user step keeps the plan: count, order, sizes; the loss pmean is foreign
   report = pj.audit(compiled, s)
-  assert report.ok, report.summary()
+  assert report.ok, report.describe()
   assert report.chunk_allreduces == s.num_allreduces
   assert report.order == tuple(range(s.num_allreduces))
   assert [e.elements for e in report.chunks] == [c.size for c in s.chunks]
@@ -462,7 +462,7 @@ def test_hooked_scan_model_reduces_inside_the_backward_loop():
                                jax.tree_util.tree_flatten_with_path(ref)[0]):
     np.testing.assert_allclose(x, y, atol=1e-6, err_msg=pj_path(path))
   report = pj.audit(compiled, s)
-  assert report.ok, report.summary()
+  assert report.ok, report.describe()
   (loop,) = report.loops
   assert loop.trips == 3 and report.loop_allreduces == 3  # once per trip of the backward loop
   assert loop.elements == 32 * 32 + 32  # one layer's kernel and bias
