@@ -6,9 +6,10 @@ one `psum` under `jax.named_scope("prophet/chunk<k>")`, and scatters the result 
 
 XLA on the CPU merges every independent all-reduce into one (`cpu-all-reduce-combiner`) and strips
 optimization barriers before that pass runs, so neither independence nor barriers keep chunks apart in
-a user's own `jax.pmap` with default flags. What survives (FACTS.md, and the tests read the compiled
-HLO to prove it): chunk k+1's buffer depends on chunk k's *result* through an added zero that cannot
-carry a NaN or Inf. That tie is `tie`, in one place, so a better mechanism replaces it here alone.
+a user's own `jax.pmap` with default flags. What survives (docs/facts.md, "Ordering that survives a
+plain jax.pmap"; the tests read the compiled HLO to prove it): chunk k+1's buffer depends on chunk k's
+*result* through an added zero that cannot carry a NaN or Inf. That tie is `tie`, in one place, so a
+better mechanism replaces it here alone.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The cross-step pipelined train step: this backward, its all-reduces and the next forward in one program.
 
 In a plain JAX loop every step is one jitted call, so step k+1 cannot start before every all-reduce of
-step k has ended: the order of the all-reduces cannot help the next forward pass (DESIGN.md,
-`cross_step=False`). An asynchronous collective cannot stay in flight across two jitted calls either,
-so `pipelined` cuts the step elsewhere: *between forward and backward*. Each call receives the VJP
-residuals of the previous call's forward pass (`jax.vjp`'s closure, carried as plain arrays in the
-state), and in one program
+step k has ended: the order of the all-reduces cannot help the next forward pass (docs/design.md,
+"Simulator semantics", `cross_step=False`). An asynchronous collective cannot stay in flight across
+two jitted calls either, so `pipelined` cuts the step elsewhere: *between forward and backward*. Each
+call receives the VJP residuals of the previous call's forward pass (`jax.vjp`'s closure, carried as
+plain arrays in the state), and in one program
 
   1. runs that pending backward pass,
   2. all-reduces the gradients chunk by chunk, in the schedule's order (`prophet_jax.allreduce`),
@@ -322,8 +322,8 @@ class Pipelined:
     the same batch, i.e. at the parameters after the previous batches' updates and, with `has_state`,
     at the model state the previous batch's forward produced; `state.model_state` after the call is
     the plain loop's after this batch. The parameters lag by one update until `flush`; after it they
-    are the plain loop's. Equal means: up to float32 reduction order (DESIGN.md's tolerance);
-    bfloat16 parameters are rounded as the plain loop rounds them.
+    are the plain loop's. Equal means: up to float32 reduction order (docs/design.md, "Equivalence
+    tolerance"); bfloat16 parameters are rounded as the plain loop rounds them.
 
     Args:
       state: from `init`, `step` or `flush`.
@@ -561,8 +561,8 @@ class Pipelined:
     return ct
 
   def _varying_params(self, params: Any) -> Any:
-    """Under shard_map with check_vma, marks the params varying before differentiating (FACTS.md's 8x
-    trap: otherwise jax.grad returns gradients already summed over the axis)."""
+    """Under shard_map with check_vma, marks the params varying before differentiating (docs/facts.md,
+    "The 8x gradient trap": otherwise jax.grad returns gradients already summed over the axis)."""
     if not vma_enabled(self.axis_name):
       return params
 
@@ -659,7 +659,7 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
 
   Each `step` runs the previous batch's backward with the schedule's chunked, ordered all-reduces,
   `tx`'s update and this batch's forward in one program, so each layer's next forward can start as
-  soon as its chunks are reduced (DESIGN.md, `cross_step=True`).
+  soon as its chunks are reduced (docs/design.md, "Simulator semantics", `cross_step=True`).
 
   Equal to the plain loop: per call, the returned loss and aux are the plain step's on the same batch,
   `state.model_state` is the plain loop's after that batch, and after N steps and a `flush` the
