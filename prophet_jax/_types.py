@@ -60,11 +60,19 @@ def _loads(text_or_obj: str | Mapping[str, Any], what: str) -> dict[str, Any]:
   return obj
 
 
-def _fields(cls: type, obj: dict[str, Any], what: str) -> dict[str, Any]:
-  names = {f.name for f in dataclasses.fields(cls)}
+def _fields(cls: type, obj: dict[str, Any], what: str, *, required: bool = False) -> dict[str, Any]:
+  """`obj`, checked to hold only fields of the dataclass `cls` (and, with `required`, every field
+  without a default)."""
+  fields = dataclasses.fields(cls)
+  names = {f.name for f in fields}
   unknown = sorted(set(obj) - names)
   if unknown:
     raise ValueError(f"{what}.from_json: unknown field(s) {unknown}; expected some of {sorted(names)}.")
+  if required:
+    missing = sorted(f.name for f in fields if f.name not in obj and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    if missing:
+      raise ValueError(f"{what}.from_json: missing field(s) {missing}.")
   return obj
 
 
