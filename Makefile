@@ -14,7 +14,7 @@ demo: $(STAMP)
 	$(VENV)/bin/prophet-jax demo
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/scaling.py
