@@ -2,7 +2,8 @@
 
 profile -> measure -> plan -> rewrite -> simulate. Planning and simulation are pure numpy and work
 without jax; the jax-backed names (allreduce, scheduled, hooked, pipelined, audit, profile_step,
-measure_network, Monitor, gpu_topology) are imported lazily on first use.
+measure_network, Monitor, gpu_topology) are imported lazily on first use, as is matplotlib
+(plot_timelines).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ _EXPORTS: dict[str, str] = {
     # planning and simulation (pure)
     "plan": "_plan", "validate_schedule": "_plan", "POLICIES": "_plan",
     "simulate": "_simulate", "lower_bound": "_bound",
+    # plots (pure; matplotlib is imported when one is drawn)
+    "plot_timelines": "_timeline",
     # the rewrite and measurement (jax)
     "allreduce": "_collectives", "scheduled": "_transform", "hooked": "_transform",
     "loop_hook": "_transform", "check_composition": "_transform",
@@ -68,6 +71,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._plan import POLICIES, plan, validate_schedule
   from ._profile import profile_step
   from ._simulate import simulate
+  from ._timeline import plot_timelines
   from ._transform import check_composition, hooked, loop_hook, scheduled
   from ._schedule import Bucket, Chunk, Schedule
   from ._simulate import Event, SimResult

@@ -10,7 +10,8 @@ import prophet_jax
 
 PURE = ["prophet_jax", "prophet_jax._types", "prophet_jax._errors", "prophet_jax._plan", "prophet_jax._tree",
         "prophet_jax._core", "prophet_jax._schedule", "prophet_jax.launch",
-        "prophet_jax._simulate", "prophet_jax._bound", "prophet_jax.schedulers", "prophet_jax.cli"]
+        "prophet_jax._simulate", "prophet_jax._bound", "prophet_jax._timeline", "prophet_jax.schedulers",
+        "prophet_jax.cli"]
 
 
 @pytest.mark.parametrize("name", prophet_jax.__all__)
