@@ -1,0 +1,419 @@
+"""DLCP's deferral in the jitted step: deferral groups with error feedback (the jax half of issue 18).
+
+A deferral group (`Bucket(chunks, defer=k)`, planned by `dlcp`) has m chunks of one dtype, of which
+only m - k are all-reduced each step; `Bucket`'s docstring states the run-time semantics this module
+carries out. Per group and step, with static shapes (the step compiles once):
+
+  1. gather the m chunks into rows (m, c), c = `slot_size` (a smaller chunk zero-padded at its end);
+     add the residual (the local values this worker deferred last step) to the rows it came from;
+  2. rank: score = +inf for a chunk deferred last step, else the float32 L2 norm of its reduced values
+     when it was last sent; a stable argsort of -score (ties by chunk index); ranks 0..m-k-1 are sent,
+     the last k ranks wait;
+  3. slot s (s < m - k) carries the chunk of rank s: one `psum` each, tied to the previous all-reduce
+     by `_collectives.tie` (the one ordering mechanism), labelled `prophet/chunk<first + s>`;
+  4. scatter the reduced slots back; a deferred chunk contributes zero to this step's gradient;
+  5. new state: residual = the deferred rows (local, per device), index = their chunk numbers,
+     norms[sent] = the sent slots' L2 norms (replicated), deferred = the mask of the deferred chunks.
+
+A non-finite norm (NaN or Inf: the chunk overflowed) ranks just below a chunk deferred the previous
+step and above every finite norm, so a chunk deferred at t is always sent at t + 1 (2k <= m): the
+staleness bound holds even when gradients blow up. (`Bucket`'s docstring says "NaN counts as +inf";
+this is that rule with the deferred chunks kept first among the infinities.)
+
+Why every worker defers the same chunks. The ranking reads only replicated values: the norms of
+*reduced* slots and the mask of the previous choice. An all-reduce leaves bitwise the same result on
+every participant (a ring reduce-scatter + all-gather computes each element once and copies it, and
+so do NCCL's tree, gloo and XLA's in-process CPU all-reduce); the norm is then the same compiled
+computation on the same bits, hence the same float; the argsort is stable, so ties go by index. By
+induction from the common initial state (norms 0, nothing deferred: the first step defers the last
+k chunks by index), every worker holds the same state and makes the same choice, with no extra
+communication.
+
+What would break it: workers that compute the norm differently, i.e. heterogeneous hardware or
+software (a GPU model, a CPU's vector width, a jaxlib version or XLA flags that change the reduction
+order of the sum of squares) can round one norm differently, and two nearly equal norms could then
+rank differently on two workers; their slots would then sum different chunks: silently wrong.
+Guarding it in the step costs one more all-reduce per group (e.g. a pmin/pmax of the chosen indices),
+which the schedule's timing does not have, so the step does not; the tests gather the chosen indices
+from all 8 devices and from two processes. Run every worker on one hardware and software stack.
+
+The state (`DeferState`, a NamedTuple pytree) holds per group: `norms` f32[m], `deferred` bool[m]
+and `index` int32[k] (replicated: `P()` under shard_map) and `residual` dtype[1, k, c] (each
+device's own, with a leading axis of 1 so that under shard_map it is split over the axis,
+`P(axis)`, as pipelined's residuals are; under pmap the device axis comes in front). Its `tag` holds
+no arrays: its pytree structure carries the schedule's key (a hash of the tree fingerprint and the
+deferral groups' chunks) and the groups' layout, so a state from another schedule or tree is caught
+at trace time, naming both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._collectives import axis_size, check_not_reduced, chunk_scope, match_tree, tie
+from ._errors import ScheduleMismatchError
+from ._schedule import Chunk, Schedule
+
+__all__ = ["DeferGroup", "DeferState", "DeferTag", "defer_groups", "init", "check_state", "group_step",
+           "reduce_buckets", "deferred_allreduce", "state_specs"]
+
+
+# --------------------------------------------------------------------------------------------------
+# the static plan of the groups
+
+
+@dataclasses.dataclass(frozen=True)
+class DeferGroup:
+  """A deferral group as the step sees it.
+
+  Attributes:
+    bucket: the bucket's index in the schedule.
+    first: the index, among all issued all-reduces, of the group's first slot (its named scope).
+    chunks: the group's chunks, in chunk-index order.
+    defer: k, the chunks deferred per step.
+    size: c, elements per slot (the largest chunk).
+    dtype: the group's dtype name.
+  """
+
+  bucket: int
+  first: int
+  chunks: tuple[Chunk, ...]
+  defer: int
+  size: int
+  dtype: str
+
+  @property
+  def m(self) -> int:
+    return len(self.chunks)
+
+  @property
+  def slots(self) -> int:
+    return len(self.chunks) - self.defer
+
+
+@functools.lru_cache(maxsize=64)
+def defer_groups(schedule: Schedule) -> tuple[DeferGroup, ...]:
+  """The schedule's deferral groups (buckets with `defer > 0`), in issue order."""
+  out, first = [], 0
+  for b, bucket in enumerate(schedule.buckets):
+    if bucket.defer:
+      out.append(DeferGroup(bucket=b, first=first, chunks=bucket.chunks, defer=bucket.defer,
+                            size=bucket.slot_size, dtype=bucket.chunks[0].dtype))
+    first += bucket.slots
+  return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule_key(schedule: Schedule) -> str:
+  """A short hash of the tree fingerprint and the deferral groups' chunks (what a residual means)."""
+  h = hashlib.sha256(schedule.tree_fingerprint.encode())
+  for g in defer_groups(schedule):
+    h.update(repr((g.bucket, g.defer, tuple(c.slices for c in g.chunks))).encode())
+  return h.hexdigest()[:16]
+
+
+def _layout(schedule: Schedule) -> tuple[tuple[int, int, int, str], ...]:
+  return tuple((g.m, g.defer, g.size, g.dtype) for g in defer_groups(schedule))
+
+
+# --------------------------------------------------------------------------------------------------
+# the state
+
+
+@jax.tree_util.register_pytree_node_class
+class DeferTag:
+  """A leafless pytree node whose structure carries the schedule a `DeferState` belongs to.
+
+  Attributes:
+    key: `_schedule_key` of the schedule (tree fingerprint + the deferral groups' chunks).
+    fingerprint: the schedule's `tree_fingerprint` (for messages).
+    layout: (m, k, c, dtype) of every deferral group, in issue order.
+  """
+
+  __slots__ = ("key", "fingerprint", "layout")
+
+  def __init__(self, key: str, fingerprint: str, layout: tuple[tuple[int, int, int, str], ...]):
+    self.key, self.fingerprint, self.layout = key, fingerprint, tuple(layout)
+
+  def tree_flatten(self):
+    return (), (self.key, self.fingerprint, self.layout)
+
+  @classmethod
+  def tree_unflatten(cls, aux, _):
+    return cls(*aux)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, DeferTag) and (self.key, self.layout) == (other.key, other.layout)
+
+  def __hash__(self) -> int:
+    return hash((self.key, self.layout))
+
+  def __repr__(self) -> str:
+    return f"DeferTag(schedule {self.key}, tree {self.fingerprint}, {len(self.layout)} groups)"
+
+
+class DeferState(NamedTuple):
+  """The deferral state of a schedule's deferral groups (one entry per group, in issue order).
+
+  Attributes:
+    norms: f32[m] per group: the L2 norm of each chunk's reduced values when it was last sent
+      (replicated).
+    deferred: bool[m] per group: the chunks deferred in the previous step (replicated).
+    index: int32[k] per group: their chunk numbers, in rank order (replicated).
+    residual: dtype[1, k, c] per group: this device's values of those chunks, added to the same
+      elements at the next step (per device).
+    tag: no arrays; its pytree structure names the schedule (see `DeferTag`).
+  """
+
+  norms: tuple[jax.Array, ...]
+  deferred: tuple[jax.Array, ...]
+  index: tuple[jax.Array, ...]
+  residual: tuple[jax.Array, ...]
+  tag: DeferTag
+
+
+class GroupState(NamedTuple):
+  """One group's slice of a DeferState (norms, deferred, index, residual)."""
+
+  norms: jax.Array
+  deferred: jax.Array
+  index: jax.Array
+  residual: jax.Array
+
+
+def init(schedule: Schedule) -> DeferState:
+  """The state before the first step: norms 0, nothing deferred, zero residuals.
+
+  The residual of each device is zero, so the same state serves every device: under `pmap`,
+  replicate it (it has no device axis of its own); under `shard_map`, make it inside the mapped
+  function (or stack n copies of each residual on its leading axis) and pass it with `state_specs`.
+  The first step ranks by index and so defers the last k chunks of every group.
+  """
+  groups = defer_groups(schedule)
+  tag = DeferTag(_schedule_key(schedule), schedule.tree_fingerprint, _layout(schedule))
+  return DeferState(
+      norms=tuple(jnp.zeros((g.m,), jnp.float32) for g in groups),
+      deferred=tuple(jnp.zeros((g.m,), jnp.bool_) for g in groups),
+      index=tuple(jnp.arange(g.m - g.defer, g.m, dtype=jnp.int32) for g in groups),
+      residual=tuple(jnp.zeros((1, g.defer, g.size), g.dtype) for g in groups),
+      tag=tag)
+
+
+def state_specs(state: DeferState, axis_name: Any) -> DeferState:
+  """PartitionSpecs of a DeferState for `jax.shard_map`: `P()` for norms, deferred and index,
+  `P(axis_name)` for the residuals (each device's own, on their leading axis of 1)."""
+  from jax.sharding import PartitionSpec as P
+
+  if not isinstance(state, DeferState):
+    raise TypeError(f"state_specs: expected a DeferState, got {type(state).__name__}.")
+  rep = lambda xs: tuple(P() for _ in xs)  # noqa: E731
+  return DeferState(norms=rep(state.norms), deferred=rep(state.deferred), index=rep(state.index),
+                    residual=tuple(P(axis_name) for _ in state.residual), tag=state.tag)
+
+
+def check_state(state: Any, schedule: Schedule, where: str) -> None:
+  """ScheduleMismatchError unless `state` is this schedule's DeferState with the right shapes.
+
+  Plain Python at trace time: the tag (the schedule's key and the groups' layout) must match, then
+  every leaf's per-device shape and dtype.
+  """
+  if not isinstance(state, DeferState):
+    raise TypeError(f"{where}: the deferral state must be a DeferState (from the transformation's "
+                    f"init), got {type(state).__name__}.")
+  want = DeferTag(_schedule_key(schedule), schedule.tree_fingerprint, _layout(schedule))
+  tag = state.tag
+  if not isinstance(tag, DeferTag) or tag != want:
+    got = repr(tag) if isinstance(tag, DeferTag) else type(tag).__name__
+    same_tree = isinstance(tag, DeferTag) and tag.fingerprint == want.fingerprint
+    why = ("planned for the same tree but with other deferral groups" if same_tree else
+           "planned for another tree")
+    raise ScheduleMismatchError(
+        f"{where}: the deferral state belongs to another schedule ({got}, groups (m, k, c, dtype) "
+        f"{getattr(tag, 'layout', '?')}) than this one ({want!r}, groups {want.layout}): it was "
+        f"{why}. A residual only makes sense for the chunks it was deferred from: make a new state "
+        f"with this schedule's init (flush the old one's step with the old schedule first to keep "
+        f"its residual).")
+  for g, (norms, deferred, index, residual) in zip(defer_groups(schedule), zip(*state[:4])):
+    expect = (((g.m,), "float32"), ((g.m,), "bool"), ((g.defer,), "int32"),
+              ((1, g.defer, g.size), g.dtype))
+    for name, x, (shape, dtype) in zip(("norms", "deferred", "index", "residual"),
+                                       (norms, deferred, index, residual), expect):
+      got_shape, got_dtype = tuple(np.shape(x)), str(jnp.dtype(getattr(x, "dtype", np.float64)))
+      if got_shape != shape or got_dtype != dtype:
+        raise ScheduleMismatchError(
+            f"{where}: the deferral state's {name} of group {g.bucket} (bucket {g.bucket}, m={g.m}, "
+            f"k={g.defer}, c={g.size}) has shape {got_shape} and dtype {got_dtype}, expected {shape} "
+            f"{dtype} per device. Under shard_map pass the state with prophet_jax's state_specs "
+            f"(residuals P(axis), the rest P()); under pmap replicate it over the devices.")
+
+
+# --------------------------------------------------------------------------------------------------
+# one group's step
+
+
+def _norm(x: jax.Array) -> jax.Array:
+  """The float32 L2 norm of x (what the ranking reads)."""
+  x = x.astype(jnp.float32)
+  return jnp.sqrt(jnp.sum(x * x))
+
+
+def rank(norms: jax.Array, deferred: jax.Array) -> jax.Array:
+  """Chunk numbers in rank order: deferred last step first, then non-finite norms, then by norm
+  descending; ties by chunk index (a stable sort)."""
+  big = jnp.finfo(jnp.float32).max
+  score = jnp.where(deferred, jnp.inf, jnp.where(jnp.isfinite(norms), norms, big))
+  return jnp.argsort(-score, stable=True).astype(jnp.int32)
+
+
+def group_step(rows: jax.Array, gstate: GroupState, group: DeferGroup, axis_name: Any, *,
+               divisor: int | None, prev: jax.Array | None,
+               first_index: int | None = None) -> tuple[jax.Array, GroupState, jax.Array]:
+  """One deferral group's all-reduce with error feedback, on its gathered rows.
+
+  Args:
+    rows: (m, c) this device's values of the group's chunks (zero-padded), residual not yet added.
+    gstate: the group's state.
+    group: the group.
+    axis_name: the mapped axis.
+    divisor: divide each reduced slot by this (the axis size, for a mean), or None.
+    prev: the result of the all-reduce issued just before on this chain (tied to the first slot).
+    first_index: k of the first slot's named scope (default: `group.first`).
+
+  Returns:
+    (reduced rows (m, c), zero for the deferred chunks; the new state; the last slot's result).
+  """
+  m, k = group.m, group.defer
+  first = group.first if first_index is None else first_index
+  rows = rows.at[gstate.index].add(gstate.residual[0].astype(rows.dtype))
+  order = rank(gstate.norms, gstate.deferred)
+  send, wait = order[:m - k], order[m - k:]
+  reds, norms = [], []
+  for s in range(m - k):
+    with jax.named_scope(chunk_scope(first + s)):
+      buf = jax.lax.dynamic_index_in_dim(rows, send[s], axis=0, keepdims=False)
+      buf = tie(buf, prev)
+      red = jax.lax.psum(buf, axis_name)
+      if divisor is not None:
+        red = red / jnp.asarray(divisor, red.dtype)
+    prev = red
+    reds.append(red)
+    norms.append(_norm(red))
+  out = jnp.zeros_like(reds[0], shape=(m, group.size)).at[send].set(jnp.stack(reds))
+  new = GroupState(norms=gstate.norms.at[send].set(jnp.stack(norms)),
+                   deferred=jnp.zeros((m,), jnp.bool_).at[wait].set(True),
+                   index=wait,
+                   residual=rows[wait][None])
+  return out, new, prev
+
+
+# --------------------------------------------------------------------------------------------------
+# the whole schedule
+
+
+def _gather(flat: Sequence[jax.Array], chunk: Chunk, row_leaf: Sequence[int]) -> jax.Array:
+  parts = [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def reduce_buckets(flat: list[jax.Array], schedule: Schedule, row_leaf: Sequence[int],
+                   state: DeferState | None, axis_name: Any, *, divisor: int | None,
+                   chains: Sequence[int] | None = None
+                   ) -> tuple[list[jax.Array], DeferState | None]:
+  """Every bucket of `schedule` in issue order, deferral groups included; returns (leaves, state).
+
+  Args:
+    flat: leaves (any shape); schedule rows index them through `row_leaf`.
+    schedule: the schedule.
+    row_leaf: schedule row -> index into `flat`.
+    state: the DeferState (None when the schedule has no deferral group).
+    axis_name: the mapped axis.
+    divisor: divide each reduced buffer by this (the axis size, for a mean), or None.
+    chains: the tie chain (link) of every issued all-reduce, in issue order; None: one chain.
+  """
+  groups = {g.bucket: g for g in defer_groups(schedule)}
+  gstates = list(zip(*state[:4])) if state is not None and groups else []
+  new_g: list[GroupState] = []
+  flat = list(flat)
+  prev: dict[int, jax.Array | None] = {}
+  pieces: dict[int, list[tuple[int, jax.Array]]] = {}
+  touched: list[int] = []
+  issued = 0
+
+  def put(chunk: Chunk, red: jax.Array) -> None:
+    off = 0
+    for r, a, b in chunk.slices:
+      if r not in pieces:
+        pieces[r] = []
+        touched.append(r)
+      pieces[r].append((a, red[off:off + (b - a)]))
+      off += b - a
+
+  def chain(i: int) -> int:
+    return 0 if chains is None else int(chains[i])
+
+  for b, bucket in enumerate(schedule.buckets):
+    g = groups.get(b)
+    if g is None:
+      for chunk in bucket.chunks:
+        j = chain(issued)
+        with jax.named_scope(chunk_scope(issued)):
+          buf = tie(_gather(flat, chunk, row_leaf), prev.get(j))
+          red = jax.lax.psum(buf, axis_name)
+          if divisor is not None:
+            red = red / jnp.asarray(divisor, red.dtype)
+        prev[j] = red
+        put(chunk, red)
+        issued += 1
+      continue
+    rows = jnp.stack([jnp.pad(x, (0, g.size - x.shape[0])) for x in
+                      (_gather(flat, c, row_leaf) for c in g.chunks)])
+    j = chain(issued)
+    if chains is not None and len(set(int(x) for x in chains[issued:issued + g.slots])) > 1:
+      raise ValueError(f"bucket {b}: a deferral group's slots must share one tie chain, got "
+                       f"{tuple(chains[issued:issued + g.slots])}.")
+    out, gs, prev[j] = group_step(rows, GroupState(*gstates[len(new_g)]), g, axis_name,
+                                  divisor=divisor, prev=prev.get(j), first_index=issued)
+    new_g.append(gs)
+    for i, chunk in enumerate(g.chunks):
+      put(chunk, out[i, :chunk.size])
+    issued += g.slots
+  for r in touched:
+    i = row_leaf[r]
+    segs = [s for _, s in sorted(pieces[r], key=lambda t: t[0])]
+    full = segs[0] if len(segs) == 1 else jnp.concatenate(segs)
+    flat[i] = full.reshape(np.shape(flat[i]))
+  if state is None:
+    return flat, None
+  new_state = DeferState(*(tuple(x) for x in zip(*new_g)), tag=state.tag) if new_g else state
+  return flat, new_state
+
+
+def deferred_allreduce(grads: Any, schedule: Schedule, state: DeferState | None, axis_name: Any, *,
+                       mean: bool = True, where: str = "allreduce") -> tuple[Any, DeferState | None]:
+  """`allreduce` with the schedule's deferral groups: returns (reduced tree, new DeferState).
+
+  Inside `pmap` or `shard_map`; rows matched to leaves by path, as `allreduce` does. A deferred
+  chunk's elements are zero in the result and kept in the new state's residual.
+
+  Raises:
+    ScheduleMismatchError: the tree or the state belongs to another schedule.
+    UnboundAxisError, AlreadyReducedError: as `allreduce`.
+  """
+  n = axis_size(axis_name, where)
+  if schedule.defers:
+    check_state(state, schedule, where)
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(grads)
+  lmap = match_tree(leaves_with_path, schedule, where=where)
+  flat = [leaf for _, leaf in leaves_with_path]
+  check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
+  flat, new = reduce_buckets(flat, schedule, lmap.row_leaf, state if schedule.defers else None,
+                             axis_name, divisor=n if mean else None)
+  return jax.tree_util.tree_unflatten(treedef, flat), (new if schedule.defers else state)

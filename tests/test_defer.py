@@ -1,0 +1,204 @@
+"""_defer: DLCP's deferral groups in the jitted step, against the host oracle (tests/_defer_ref.py).
+
+Integer-valued gradients make every sum, mean and norm exact, so the step must equal the oracle bit
+for bit: conservation (sent + residual = the true sum) element for element, the deferred fraction,
+never twice in a row, the same choice on every device, one compile, the compiled all-reduces (count,
+sizes, order), and k = 0 as the lossless path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import prophet_jax as pj
+from prophet_jax import _defer
+from prophet_jax._hlo import collectives, hlo_text, parse_hlo
+from tests._defer_ref import RefDefer
+
+AX = "data"
+NDEV = 8
+STEPS = 5
+TREE = {"a": jnp.zeros((6, 10)), "b": jnp.zeros(37), "c": jnp.zeros(5), "d": jnp.zeros(9)}
+
+
+def _schedule(defer=(2, 1)):
+  """c (lossless), then a+b as 6 chunks deferring defer[0], then d as 3 chunks deferring defer[1]."""
+  rows = pj.GradientProfile.from_params(TREE).tree_rows()
+  r = {p.split("/")[-1].strip("[]'"): i for i, (p, _, _) in enumerate(rows)}
+  ch = lambda *s: pj.Chunk(slices=s, dtype="float32")  # noqa: E731
+  a, b, c, d = r["a"], r["b"], r["c"], r["d"]
+  g1 = (ch((a, 0, 16)), ch((a, 16, 32)), ch((a, 32, 48)), ch((a, 48, 60), (b, 0, 4)), ch((b, 4, 20)),
+        ch((b, 20, 37)))
+  g2 = (ch((d, 0, 3)), ch((d, 3, 6)), ch((d, 6, 9)))
+  return pj.Schedule(buckets=(pj.Bucket(chunks=(ch((c, 0, 5)),)), pj.Bucket(chunks=g1, defer=defer[0]),
+                              pj.Bucket(chunks=g2, defer=defer[1])), rows=rows)
+
+
+def _grads(seed):
+  """STEPS steps of per-device integer-valued gradients, some chunks much larger than others."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(STEPS):
+    g = {k: rng.integers(-8, 8, (NDEV, *v.shape)).astype(np.float32) for k, v in TREE.items()}
+    g["a"][:, rng.integers(0, 6)] *= 3  # a row of a several times larger: it should rank first
+    out.append(g)
+  return out
+
+
+def _rows(schedule, g):
+  keys = [p.split("/")[-1].strip("[]'") for p, _, _ in schedule.rows]
+  return keys, [g[k] for k in keys]
+
+
+def _check_against_oracle(schedule, grads, outs, states):
+  """Each step equals the oracle bit for bit; conservation; fraction; never twice; same on all devices."""
+  ref = RefDefer(schedule, NDEV)
+  keys, _ = _rows(schedule, grads[0])
+  total = {k: np.zeros(TREE[k].shape) for k in keys}
+  sent = {k: np.zeros(TREE[k].shape) for k in keys}
+  sizes = {k: int(np.prod(TREE[k].shape)) for k in keys}
+  for t, (g, out, st) in enumerate(zip(grads, outs, states)):
+    want = dict(zip(keys, ref.step(_rows(schedule, g)[1])))
+    for k in keys:
+      got = np.asarray(out[k])
+      for dev in range(NDEV):  # every device holds the same reduced values
+        np.testing.assert_array_equal(got[dev], want[k], err_msg=f"step {t} leaf {k} device {dev}")
+      total[k] += g[k].sum(0)
+      sent[k] += NDEV * want[k]
+    for gi, idx in enumerate(st.index):
+      idx = np.asarray(idx)
+      assert (idx == idx[:1]).all(), f"step {t} group {gi}: devices deferred different chunks {idx}"
+      assert tuple(idx[0]) == ref.history[-1][gi]
+    deferred = sum(grp["bucket"].chunks[int(i)].size for grp in ref.groups for i in grp["index"])
+    assert deferred / sum(sizes.values()) <= schedule.max_deferred_fraction + 1e-12
+  for a, b in zip(ref.history, ref.history[1:]):
+    for ga, gb in zip(a, b):
+      assert not set(ga) & set(gb), f"a chunk deferred twice in a row: {ga} then {gb}"
+  # the device residual equals the oracle's, and sent + residual = the true sum, element for element
+  res = dict(zip(keys, ref.residual_rows()))
+  last = states[-1]
+  for grp, idx, r in zip(ref.groups, last.index, last.residual):
+    np.testing.assert_array_equal(np.asarray(r)[:, 0], grp["residual"].astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(idx)[0], grp["index"])
+  for k in keys:
+    np.testing.assert_array_equal(sent[k] + res[k], total[k], err_msg=f"conservation of leaf {k}")
+  return ref
+
+
+TRACES: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _pmap_step(schedule):
+  def step(g, st):
+    TRACES[schedule] = TRACES.get(schedule, 0) + 1
+    return _defer.deferred_allreduce(g, schedule, st, AX)
+  return jax.pmap(step, axis_name=AX)
+
+
+def _run_pmap(schedule, grads):
+  st = jax.pmap(lambda _: _defer.init(schedule), axis_name=AX)(np.arange(NDEV))  # sharded as steps return it
+  step = _pmap_step(schedule)
+  outs, states = [], []
+  for g in grads:
+    out, st = step(g, st)
+    outs.append(out)
+    states.append(st)
+  return step, outs, states
+
+
+def test_pmap_equals_oracle_conserves_and_agrees_across_devices():
+  s = _schedule()
+  grads = _grads(0)
+  step, outs, states = _run_pmap(s, grads)
+  ref = _check_against_oracle(s, grads, outs, states)
+  assert any(h != ref.history[0] for h in ref.history[1:]), "the magnitude ranking never moved"
+  assert TRACES[s] == 1  # static shapes: one trace (one compile) for every step
+
+
+def test_shard_map_equals_oracle_state_specs_and_one_compile():
+  s = _schedule()
+  grads = _grads(1)
+  mesh = jax.make_mesh((NDEV,), (AX,))
+  st0 = _defer.init(s)
+  specs = _defer.state_specs(st0, AX)
+
+  def body(g, st):
+    g = jax.tree.map(lambda x: x[0], g)
+    out, st = _defer.deferred_allreduce(g, s, st, AX)
+    return jax.tree.map(lambda x: x[None], out), st
+
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX), specs), out_specs=(P(AX), specs)))
+  init = jax.jit(jax.shard_map(lambda: _defer.init(s), mesh=mesh, in_specs=(), out_specs=specs))
+  st = init()
+  assert st.residual[0].shape == (NDEV, 2, 17)  # each device's own residual on the leading axis
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P(AX)))  # noqa: E731
+  outs, states = [], []
+  for g in grads:
+    out, st = step(jax.tree.map(put, g), st)
+    outs.append(out)
+    # replicated leaves as the devices hold them: one copy per device, so disagreement would show
+    states.append(st._replace(index=tuple(np.stack([np.asarray(sh.data) for sh in x.addressable_shards])
+                                          for x in st.index),
+                              residual=tuple(np.asarray(x)[:, None] for x in st.residual)))
+  _check_against_oracle(s, grads, outs, states)
+  assert step._cache_size() == 1
+
+
+def test_compiled_allreduces_are_the_slots_in_order():
+  s = _schedule()
+  st = jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *x.shape)), _defer.init(s))
+  g = {k: jnp.zeros((NDEV, *v.shape)) for k, v in TREE.items()}
+  text = hlo_text(_pmap_step(s).lower(g, st).compile())
+  ops = collectives(parse_hlo(text))
+  assert len(ops) == s.num_allreduces == 7
+  assert tuple(op.instruction.elements for op in ops) == s.allreduce_sizes() == (5, 17, 17, 17, 17, 3, 3)
+  scopes = [int(op.instruction.op_name.split("prophet/chunk")[1].split("/")[0]) for op in ops]
+  assert scopes == list(range(7))
+
+
+def test_k0_is_the_lossless_path_same_hlo():
+  s0 = _schedule(defer=(0, 0))
+  assert not s0.defers and s0.num_allreduces == 10
+  g = {k: jnp.zeros((NDEV, *v.shape)) for k, v in TREE.items()}
+
+  def step(g):  # one name for both, so the modules' names match
+    return fn(g)
+
+  fn = lambda g: _defer.deferred_allreduce(g, s0, None, AX)[0]  # noqa: E731
+  a = jax.pmap(step, axis_name=AX).lower(g).compile().as_text()
+  fn = lambda g: pj.allreduce(g, s0, AX)  # noqa: E731
+  b = jax.pmap(step, axis_name=AX).lower(g).compile().as_text()
+  assert a == b
+
+
+def test_state_from_another_schedule_or_shape_raises():
+  s, other = _schedule(), _schedule(defer=(1, 1))
+  g = {k: jnp.zeros((NDEV, *v.shape)) for k, v in TREE.items()}
+  bcast = lambda st: jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *x.shape)), st)  # noqa: E731
+  with pytest.raises(pj.ScheduleMismatchError, match=r"another schedule.*same tree but with other deferral"):
+    _pmap_step(s)(g, bcast(_defer.init(other)))
+  bad = _defer.init(s)
+  bad = bad._replace(residual=(jnp.zeros((1, 2, 16)),) + bad.residual[1:])
+  with pytest.raises(pj.ScheduleMismatchError, match=r"residual of group 1 .* shape \(1, 2, 16\)"):
+    _pmap_step(s)(g, bcast(bad))
+  with pytest.raises(TypeError, match="must be a DeferState"):
+    _pmap_step(s)(g, None)
+
+
+def test_nan_norms_never_defer_a_chunk_twice_in_a_row():
+  """Chunks whose reduced values overflowed rank after the chunks deferred last step (not with them,
+  as a literal "NaN counts as +inf" with ties by index would): staleness stays one step."""
+  s = _schedule()
+  g = _grads(2)[:2]
+  g[0]["a"][:, :] = np.nan  # chunks 0-3 of the first group get NaN norms at step 1 (4 and 5 wait)
+  _, _, states = _run_pmap(s, g)
+  assert tuple(np.asarray(states[0].index[0])[0]) == (4, 5)
+  assert tuple(np.asarray(states[1].index[0])[0]) == (2, 3)  # 4, 5 sent first; then 0, 1 by index
