@@ -62,8 +62,8 @@ from ._collectives import axis_size, check_not_reduced, chunk_scope, match_tree,
 from ._errors import ScheduleMismatchError
 from ._schedule import Chunk, Schedule
 
-__all__ = ["DeferGroup", "DeferState", "DeferTag", "defer_groups", "init", "check_state", "group_step",
-           "reduce_buckets", "deferred_allreduce", "state_specs"]
+__all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "check_state",
+           "check_links", "group_step", "reduce_buckets", "deferred_allreduce", "state_specs"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -274,8 +274,9 @@ def rank(norms: jax.Array, deferred: jax.Array) -> jax.Array:
 
 
 def group_step(rows: jax.Array, gstate: GroupState, group: DeferGroup, axis_name: Any, *,
-               divisor: int | None, prev: jax.Array | None,
-               first_index: int | None = None) -> tuple[jax.Array, GroupState, jax.Array]:
+               divisor: int | None, prev: dict[int, jax.Array | None],
+               chains: Sequence[int] | None = None,
+               first_index: int | None = None) -> tuple[jax.Array, GroupState]:
   """One deferral group's all-reduce with error feedback, on its gathered rows.
 
   Args:
@@ -284,11 +285,13 @@ def group_step(rows: jax.Array, gstate: GroupState, group: DeferGroup, axis_name
     group: the group.
     axis_name: the mapped axis.
     divisor: divide each reduced slot by this (the axis size, for a mean), or None.
-    prev: the result of the all-reduce issued just before on this chain (tied to the first slot).
+    prev: the last all-reduce result of each tie chain (updated in place: each slot is tied to its
+      chain's previous result and becomes it).
+    chains: the tie chain of each slot (default: all on chain 0).
     first_index: k of the first slot's named scope (default: `group.first`).
 
   Returns:
-    (reduced rows (m, c), zero for the deferred chunks; the new state; the last slot's result).
+    (reduced rows (m, c), zero for the deferred chunks; the new state).
   """
   m, k = group.m, group.defer
   first = group.first if first_index is None else first_index
@@ -297,13 +300,14 @@ def group_step(rows: jax.Array, gstate: GroupState, group: DeferGroup, axis_name
   send, wait = order[:m - k], order[m - k:]
   reds, norms = [], []
   for s in range(m - k):
+    j = 0 if chains is None else int(chains[s])
     with jax.named_scope(chunk_scope(first + s)):
       buf = jax.lax.dynamic_index_in_dim(rows, send[s], axis=0, keepdims=False)
-      buf = tie(buf, prev)
+      buf = tie(buf, prev.get(j))
       red = jax.lax.psum(buf, axis_name)
       if divisor is not None:
         red = red / jnp.asarray(divisor, red.dtype)
-    prev = red
+    prev[j] = red
     reds.append(red)
     norms.append(_norm(red))
   out = jnp.zeros_like(reds[0], shape=(m, group.size)).at[send].set(jnp.stack(reds))
@@ -311,7 +315,7 @@ def group_step(rows: jax.Array, gstate: GroupState, group: DeferGroup, axis_name
                    deferred=jnp.zeros((m,), jnp.bool_).at[wait].set(True),
                    index=wait,
                    residual=rows[wait][None])
-  return out, new, prev
+  return out, new
 
 
 # --------------------------------------------------------------------------------------------------
@@ -375,12 +379,9 @@ def reduce_buckets(flat: list[jax.Array], schedule: Schedule, row_leaf: Sequence
       continue
     rows = jnp.stack([jnp.pad(x, (0, g.size - x.shape[0])) for x in
                       (_gather(flat, c, row_leaf) for c in g.chunks)])
-    j = chain(issued)
-    if chains is not None and len(set(int(x) for x in chains[issued:issued + g.slots])) > 1:
-      raise ValueError(f"bucket {b}: a deferral group's slots must share one tie chain, got "
-                       f"{tuple(chains[issued:issued + g.slots])}.")
-    out, gs, prev[j] = group_step(rows, GroupState(*gstates[len(new_g)]), g, axis_name,
-                                  divisor=divisor, prev=prev.get(j), first_index=issued)
+    out, gs = group_step(rows, GroupState(*gstates[len(new_g)]), g, axis_name, divisor=divisor,
+                         prev=prev, first_index=issued,
+                         chains=None if chains is None else chains[issued:issued + g.slots])
     new_g.append(gs)
     for i, chunk in enumerate(g.chunks):
       put(chunk, out[i, :chunk.size])
@@ -394,6 +395,45 @@ def reduce_buckets(flat: list[jax.Array], schedule: Schedule, row_leaf: Sequence
     return flat, None
   new_state = DeferState(*(tuple(x) for x in zip(*new_g)), tag=state.tag) if new_g else state
   return flat, new_state
+
+
+def _platform() -> str | None:
+  """The platform of the devices the current mapped computation is traced for ('cpu', 'gpu', ...).
+
+  Read from the abstract mesh (set under `shard_map` and `pmap`), so a compile-only GPU topology
+  counts as 'gpu' even in a process whose default backend is the CPU; None when unknown.
+  """
+  try:
+    return jax.sharding.get_abstract_mesh().abstract_device.platform
+  except (AttributeError, RuntimeError, ValueError):
+    return None
+
+
+# collectives one device runs at once, per platform, where it is known to be limited
+_PLATFORM_LINKS = {"cpu": 1}
+
+
+def check_links(schedule: Schedule, where: str) -> tuple[int, ...] | None:
+  """The tie chain of every issued all-reduce (`schedule.links`), or None for one chain.
+
+  Raises:
+    ValueError: the schedule stripes over more links than the platform runs at once: on the CPU
+      a collective blocks the executor (docs/facts.md, "CPU collectives are synchronous"), so two
+      chains there would only let XLA reorder or merge the chunks.
+  """
+  links = schedule.links
+  if not links or max(links) == 0:
+    return None
+  n = max(links) + 1
+  platform = _platform()
+  most = _PLATFORM_LINKS.get(platform or "")
+  if most is not None and n > most:
+    raise ValueError(
+        f"{where}: the schedule stripes its all-reduces over links={n} tie chains, more links than the "
+        f"platform can run at once ({platform}: {most}; its collectives are synchronous, so a second "
+        f"chain only lets XLA merge or reorder the chunks). Plan with NetworkModel(..., links={most}), "
+        f"or drop the assignment: dataclasses.replace(schedule, links=()).")
+  return links
 
 
 def deferred_allreduce(grads: Any, schedule: Schedule, state: DeferState | None, axis_name: Any, *,
@@ -415,5 +455,6 @@ def deferred_allreduce(grads: Any, schedule: Schedule, state: DeferState | None,
   flat = [leaf for _, leaf in leaves_with_path]
   check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
   flat, new = reduce_buckets(flat, schedule, lmap.row_leaf, state if schedule.defers else None,
-                             axis_name, divisor=n if mean else None)
+                             axis_name, divisor=n if mean else None,
+                             chains=check_links(schedule, where))
   return jax.tree_util.tree_unflatten(treedef, flat), (new if schedule.defers else state)

@@ -8,6 +8,7 @@ sizes, order), and k = 0 as the lossless path.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -202,3 +203,11 @@ def test_nan_norms_never_defer_a_chunk_twice_in_a_row():
   _, _, states = _run_pmap(s, g)
   assert tuple(np.asarray(states[0].index[0])[0]) == (4, 5)
   assert tuple(np.asarray(states[1].index[0])[0]) == (2, 3)  # 4, 5 sent first; then 0, 1 by index
+
+
+def test_links_over_one_on_the_cpu_raise_naming_the_value():
+  s = dataclasses.replace(_schedule(defer=(0, 0)), links=(0, 1) * 5)
+  g = {k: jnp.zeros((NDEV, *v.shape)) for k, v in TREE.items()}
+  with pytest.raises(ValueError, match=r"links=2 tie chains, more links than the platform can run at once "
+                                       r"\(cpu: 1"):
+    jax.pmap(lambda g: _defer.deferred_allreduce(g, s, None, AX)[0], axis_name=AX)(g)
