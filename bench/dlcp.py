@@ -186,12 +186,152 @@ def _timed(fn) -> float:
   return time.perf_counter() - t
 
 
+# the convergence part: a bandwidth-bound link (10 MB/s, 1 us per ring step) on which deferral pays for
+# these small models, so dlcp defers up to max_defer (its start-ups would cost more than it saves on
+# a preset's link: the models are 78-112 kB); the plain step; estimated times.
+CONV_MODELS = ("cnn", "gpt-tiny")
+CONV_DEFER = (0.0, 0.05, 0.1, 0.25)
+CONV_SEEDS = (0, 1, 2)
+CONV_LR = {"cnn": 0.02, "gpt-tiny": 0.1}
+CONV_NETWORK = dict(alpha_s=1e-6, beta_s_per_byte=1e-7)
+
+
+def _conv_schedule(m, params, max_defer):
+  import prophet_jax as pj
+
+  profile = pj.GradientProfile.from_params(params, forward_s=1e-3, backward_s=2e-3, model=m.name)
+  net = NetworkModel(workers=8, **CONV_NETWORK)
+  return pj.plan(profile, net, "dlcp", max_defer=max_defer)
+
+
+def _conv_run(m, schedule, steps, seed, batch_size):
+  """Trains `m` with scheduled(sgd-momentum) under `schedule` on 8 host devices, from seed `seed`,
+  with and without error feedback (the same compiled step: the residual is multiplied by 0 or 1
+  before the step, a bench-only switch); returns {feedback: (train losses, eval loss)}."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  import prophet_jax as pj
+
+  n = jax.local_device_count()
+  tx = pj.scheduled(optax.sgd(CONV_LR[m.name], momentum=0.9), schedule, axis_name="d")
+  params0 = m.init(jax.random.key(seed))
+
+  def step(params, opt_state, batch, keep):
+    loss, g = jax.value_and_grad(m.loss_fn)(params, batch)
+    opt_state = _drop_residual(opt_state, keep)
+    upd, opt_state = tx.update(g, opt_state, params)
+    return optax.apply_updates(params, upd), opt_state, jax.lax.pmean(loss, "d")
+
+  pstep = jax.pmap(step, axis_name="d")
+  init = jax.pmap(lambda p: (p, tx.init(p)), axis_name="d")
+  shard = lambda b: jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), b)  # noqa: E731
+  batches = [shard(m.make_batch(jax.random.key(10_000 * seed + t + 1), batch_size)) for t in range(steps)]
+  held_out = m.make_batch(jax.random.key(999_999), 4 * batch_size)
+  evaluate = jax.jit(m.loss_fn)
+  out = {}
+  for feedback in ((True, False) if schedule.defers else (True,)):
+    keep = np.full((n,), 1.0 if feedback else 0.0, np.float32)
+    params, opt_state = init(jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), params0))
+    losses = []
+    for b in batches:
+      params, opt_state, loss = pstep(params, opt_state, b, keep)
+      losses.append(loss)
+    losses = [float(x[0]) for x in losses]
+    out[feedback] = (losses, float(evaluate(jax.tree.map(lambda x: x[0], params), held_out)))
+  return out
+
+
+def _drop_residual(opt_state, keep):
+  """The bench-only switch: the deferral residual times `keep` (0: the deferred values are dropped)."""
+  defer = getattr(opt_state, "defer", None)
+  if defer is None:
+    return opt_state
+  return opt_state._replace(defer=defer._replace(
+      residual=tuple(r * keep.astype(r.dtype) for r in defer.residual)))
+
+
 def convergence(quick: bool = False) -> dict:
-  """The convergence part: needs the rewrite's deferral (the jax half of issue 18)."""
-  msg = ("the convergence part needs dlcp's rewrite (error-feedback residual in scheduled/hooked/"
-         "pipelined), the jax half of issue 18; nothing to run yet.")
-  print(msg)
-  return {"status": "pending", "note": msg}
+  """The convergence part: cnn and gpt-tiny trained with dlcp's deferral, with and without error
+  feedback, against the lossless baseline (max_defer 0) after the same number of steps."""
+  import jax
+
+  from prophet_jax.models import get_model
+
+  steps = 60 if quick else 300
+  seeds = CONV_SEEDS[:1] if quick else CONV_SEEDS
+  result = {"steps": steps, "seeds": list(seeds), "network": {**CONV_NETWORK, "workers": 8},
+            "lr": CONV_LR, "models": {}}
+  t_all = time.perf_counter()
+  print(f"{'model':9s} {'max_defer':>9s} {'deferred':>8s} {'feedback':>8s} "
+        + " ".join(f"{'seed ' + str(s):>9s}" for s in seeds) + f" {'mean':>8s} {'vs lossless':>11s} "
+        f"{'verdict':>8s}")
+  for name in CONV_MODELS:
+    m = get_model(name)
+    params = m.init(jax.random.key(0))
+    batch = m.default_batch_size * 4
+    runs = {}
+    for f in CONV_DEFER:
+      sched = _conv_schedule(m, params, f)
+      per_seed = [_conv_run(m, sched, steps, seed, batch) for seed in seeds]
+      for fb in per_seed[0]:
+        runs[(f, fb)] = {"max_defer": f, "feedback": fb, "deferred_fraction": sched.max_deferred_fraction,
+                         "allreduces": sched.num_allreduces,
+                         "groups": [[len(b.chunks), b.defer] for b in sched.buckets if b.defer],
+                         "eval_loss": [r[fb][1] for r in per_seed],
+                         "train_loss": [r[fb][0] for r in per_seed]}
+    base = runs[(0.0, True)]["eval_loss"]
+    base_mean = statistics.mean(base)
+    spread = max(base) - min(base)
+    for key, r in runs.items():
+      mean = statistics.mean(r["eval_loss"])
+      r["eval_loss_mean"] = mean
+      r["vs_lossless"] = mean / base_mean
+      r["within"] = bool(abs(mean - base_mean) <= max(0.02 * base_mean, spread))
+      print(f"{name:9s} {r['max_defer']:9.2f} {r['deferred_fraction']:8.1%} {str(r['feedback']):>8s} "
+            + " ".join(f"{x:9.4f}" for x in r["eval_loss"]) + f" {mean:8.4f} {r['vs_lossless']:11.4f} "
+            f"{'ok' if r['within'] else 'OFF':>8s}")
+    result["models"][name] = {"lossless_eval_loss": base, "lossless_spread": spread,
+                              "runs": [runs[k] for k in runs]}
+  result["seconds"] = round(time.perf_counter() - t_all, 1)
+  print(f"({result['seconds']} s; eval loss on a held-out batch after {steps} steps; ok = within 2% of "
+        f"the lossless mean or within the lossless seeds' spread)")
+  if not quick:
+    _plot_convergence(result)
+  return result
+
+
+def _plot_convergence(result: dict) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  models = list(result["models"])
+  fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2))
+  colors = {0.0: "black", 0.05: "tab:blue", 0.1: "tab:green", 0.25: "tab:red"}
+  for ax, name in zip(np.atleast_1d(axes), models):
+    for r in result["models"][name]["runs"]:
+      curve = np.mean(np.asarray(r["train_loss"]), axis=0)
+      k = max(1, len(curve) // 30)
+      smooth = np.convolve(curve, np.ones(k) / k, mode="valid")
+      label = (f"lossless" if r["max_defer"] == 0 else
+               f"defer {r['deferred_fraction']:.0%}{'' if r['feedback'] else ', no feedback'}")
+      ax.plot(np.arange(len(smooth)) + k, smooth, color=colors[r["max_defer"]],
+              ls="-" if r["feedback"] else ":", lw=1.4 if r["max_defer"] == 0 else 1.0, label=label)
+    ax.set_yscale("log")
+    ax.set_title(f"{name}: dlcp deferral, sgd-momentum, 8 devices (mean of {len(result['seeds'])} seeds)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (moving average)")
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  out = RESULTS / "dlcp_convergence.png"
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(out, dpi=120)
+  print(f"wrote {out}")
 
 
 PARTS = {"speed": speed, "convergence": convergence}

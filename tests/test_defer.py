@@ -9,6 +9,7 @@ sizes, order), and k = 0 as the lossless path.
 from __future__ import annotations
 
 import dataclasses
+import os
 import functools
 
 import jax
@@ -211,3 +212,106 @@ def test_links_over_one_on_the_cpu_raise_naming_the_value():
   with pytest.raises(ValueError, match=r"links=2 tie chains, more links than the platform can run at once "
                                        r"\(cpu: 1"):
     jax.pmap(lambda g: _defer.deferred_allreduce(g, s, None, AX)[0], axis_name=AX)(g)
+
+
+# XLA:GPU (compile-only H100s): two tie chains put two all-reduces in flight at once, given the flags
+STRIPE_FLAGS = {"xla_gpu_all_reduce_combine_threshold_bytes": 0,
+                "xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+
+
+def _gpu_step(schedule, topo, model):
+  import optax
+  params = model.abstract_params()
+  batch = jax.eval_shape(lambda k: model.make_batch(k, 16), jax.random.key(0))
+  tx = optax.sgd(0.1, momentum=0.9)
+  mesh = topo.mesh(AX)
+
+  def body(p, o, b):
+    loss, g = jax.value_and_grad(model.loss_fn)(jax.lax.pcast(p, AX, to="varying"), b)
+    g, _ = _defer.deferred_allreduce(g, schedule, None, AX)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o, loss[None]
+
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(AX)), out_specs=(P(), P(), P(AX))))
+  return step.lower(topo.abstract(params, P(), mesh=mesh),
+                    topo.abstract(jax.eval_shape(tx.init, params), P(), mesh=mesh),
+                    topo.abstract(batch, P(AX), mesh=mesh))
+
+
+def test_gpu_two_links_two_allreduces_in_flight():
+  from prophet_jax.models import get_model
+  topo = pj.gpu_topology("h100", devices=NDEV)
+  m = get_model("cnn")
+  prof = pj.GradientProfile.from_params(m.abstract_params(), forward_s=1e-3, backward_s=2e-3)
+  net = pj.NetworkModel(alpha_s=1e-7, beta_s_per_byte=1e-10, workers=NDEV, links=2)
+  s2 = pj.plan(prof, net, "wfbp")
+  assert len(set(s2.links)) == 2
+  s1 = dataclasses.replace(s2, links=())
+  two = pj.audit(_gpu_step(s2, topo, m).compile(compiler_options=STRIPE_FLAGS), s2)
+  assert two.ok and two.max_in_flight == 2, two.describe()
+  one = pj.audit(_gpu_step(s1, topo, m).compile(compiler_options=STRIPE_FLAGS), s1)
+  assert one.ok and one.max_in_flight == 1, one.describe()  # one chain: the tie keeps one in flight
+
+
+_TWO_PROCESSES = """
+from prophet_jax.launch import initialize
+assert initialize()
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+sys.path.insert(0, {root!r})
+from prophet_jax import _defer
+from tests.test_defer import _schedule, TREE
+s = _schedule()
+mesh = jax.make_mesh((jax.device_count(),), ("d",))
+specs = _defer.state_specs(_defer.init(s), "d")
+def body(g, st):
+  out, st = _defer.deferred_allreduce(jax.tree.map(lambda x: x[0], g), s, st, "d")
+  return jax.tree.map(lambda x: x[None], out), st
+step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"), specs), out_specs=(P("d"), specs)))
+st = jax.jit(jax.shard_map(lambda: _defer.init(s), mesh=mesh, in_specs=(), out_specs=specs))()
+n, rank = jax.device_count(), jax.process_index()
+for t in range(6):
+  rng = np.random.default_rng(t)   # every process draws all devices' gradients, keeps its own rows
+  full = {{k: (rng.standard_normal((n, *v.shape)) * rng.uniform(0.1, 10, v.shape)).astype(np.float32)
+          for k, v in TREE.items()}}
+  local = {{k: v[rank * jax.local_device_count():(rank + 1) * jax.local_device_count()]
+           for k, v in full.items()}}
+  g = {{k: jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), v) for k, v in local.items()}}
+  out, st = step(g, st)
+  for gi, (x, y) in enumerate(zip(st.index, st.norms)):
+    for a, b in zip(x.addressable_shards, y.addressable_shards):
+      print("step", t, "group", gi, "device", a.device.id, "defers", np.asarray(a.data).tolist(),
+            "norms", np.asarray(b.data).tobytes().hex(), flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_processes_defer_the_same_chunks():
+  """Two processes x 2 devices, float gradients of random scale: every device of both processes
+  ranks by the same norms (bitwise) and defers the same chunks at every step."""
+  import re
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  root = str(Path(__file__).resolve().parents[1])
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+             PROPHET_INIT_TIMEOUT_S="60")
+  r = subprocess.run([sys.executable, "-m", "prophet_jax.launch", "--nproc", "2", "--devices-per-process", "2", "--", sys.executable, "-c",
+                      _TWO_PROCESSES.format(root=root)], env=env, capture_output=True, text=True, timeout=240)
+  assert r.returncode == 0, r.stdout + r.stderr
+  seen: dict = {}
+  for line in r.stdout.splitlines():
+    m = re.search(r"\[rank (\d)\] step (\d) group (\d) device (\d+) defers (\[.*?\]) norms (\w+)", line)
+    if m:
+      rank, t, g, dev, chosen, norms = m.groups()
+      seen.setdefault((t, g), set()).add((rank, dev, chosen, norms))
+  assert len(seen) == 6 * 2, r.stdout
+  choices = set()
+  for (t, g), rows in seen.items():
+    assert len(rows) == 4 and {rk for rk, *_ in rows} == {"0", "1"}, rows  # 2 ranks x 2 devices
+    # the same chosen chunks, and the same norms bit for bit, on all 4 devices of both processes
+    assert len({(c, nb) for _, _, c, nb in rows}) == 1, f"step {t} group {g}: {rows}"
+    choices.add((g, next(iter(rows))[2]))
+  assert len(choices) > 4, "the ranking never changed: nothing was tested"
