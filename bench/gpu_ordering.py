@@ -11,7 +11,7 @@ replaced here for the experiment only):
 - `group`: independent psums, each in its own scheduling group (`jax.experimental.xla_metadata.
   set_xla_metadata(_scheduling_group_id=k)`, XLA's annotation for ops the scheduler keeps together).
 - `barrier`: chunk k+1's buffer passed through `lax.optimization_barrier` together with chunk k's result
-  (the tie as a barrier; FACTS.md guessed barriers may suffice on GPUs).
+  (the tie as a barrier; docs/facts.md once guessed barriers may suffice on GPUs).
 - `barrier-in`: the barrier on chunk k's *input* buffer (orders the issue without waiting for the done).
 - `none, no combiner`: independent psums compiled with `xla_gpu_all_reduce_combine_threshold_bytes=0`
   (a compile option, not available in a user's own jit): XLA's own order and overlap.

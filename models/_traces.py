@@ -289,7 +289,7 @@ def fit_allreduce(sizes, seconds, *, workers: int, overlap: bool = True,
   """A ring NetworkModel fitted to measured all-reduces by plain least squares on medians over repeats.
 
   The measured time of one all-reduce of M bytes is modelled as t = a + b·M, MG-WFBP's cost model, with
-  a = 2(P-1)·alpha_s and b = 2(P-1)/P·beta (DESIGN.md). The fit:
+  a = 2(P-1)·alpha_s and b = 2(P-1)/P·beta (docs/design.md, "Values"). The fit:
 
   1. takes the median over the repeats of each message size (a message measured twice counts once, and
      one slow repeat of three does not move it);
@@ -300,7 +300,7 @@ def fit_allreduce(sizes, seconds, *, workers: int, overlap: bool = True,
      weighted, just left out: a message that once took 5x its usual time says nothing about the link);
   4. turns a and b into alpha_s = a / (2(P-1)) and beta = b·P / (2(P-1)).
 
-  Unweighted squares on purpose (FACTS.md, "Fitting alpha/beta on a tbf link"): small messages now and
+  Unweighted squares on purpose (docs/facts.md, "Gloo across network namespaces"): small messages now and
   then take several times their usual time, and a fit weighted by relative error lets those outliers pull
   beta below the link's real cost. Plain squares are decided by the large messages, whose times are
   steady, but slow small ones still lift a and so tilt b down (by 2-11% on synthetic runs with a fifth

@@ -34,9 +34,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._hlo import (AsyncWindow, ExecutedOp, HloInstruction, HloModule, OpCosts, async_windows,
-                   collectives, execution_order, hlo_text, is_collective, parse_hlo, shape_elements)
-from ._types import Schedule
+from ._hlo import (AsyncWindow, ExecutedOp, HloInstruction, OpCosts, async_windows, collectives,
+                   contiguous_parts, execution_order, hlo_text, is_collective, parse_hlo, users)
+from ._schedule import Schedule
+from ._types import _fields, _loads, check_values
 
 __all__ = ["audit", "AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "COMPUTE_KINDS",
            "NEXT_FORWARD"]
@@ -44,9 +45,6 @@ __all__ = ["audit", "AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "CO
 AUDIT_SCHEMA = 1
 _CHUNK = re.compile(r"prophet/chunk(\d+)(?![0-9])")
 _LOOP = re.compile(r"prophet/loop/([\w.\-]+)")
-_SLICE = re.compile(r"slice=\{\[(\d+):(\d+)\]\}")
-_PARAM = re.compile(r"\bparameter\((\d+)\)")
-_PASS_THROUGH = ("bitcast", "copy", "reshape")
 # window op kinds that are work of the step (what hides a collective's latency)
 COMPUTE_KINDS = ("backward", "forward", "other")
 NEXT_FORWARD = "pipelined_forward"  # the named scope of the pipelined step's next forward
@@ -207,8 +205,8 @@ class AuditReport:
     ops = {o.name: o.flops for e in self.chunks for o in e.window if o.kind in COMPUTE_KINDS}
     return sum(ops.values())
 
-  def summary(self) -> str:
-    """A few lines for humans."""
+  def describe(self) -> str:
+    """A few lines for humans: the verdict, the order, the overlap (XLA:GPU), the problems and warnings."""
     head = (f"audit: {'OK' if self.ok else 'MISMATCH'}: {self.chunk_allreduces} chunk all-reduce(s) of "
             f"{self.planned} planned, order {list(self.order)}; {self.loop_allreduces} in loop bodies; "
             f"{len(self.foreign)} foreign; {self.inside_backward} issued inside backward")
@@ -222,6 +220,14 @@ class AuditReport:
     lines += [f"  problem: {p}" for p in self.problems]
     lines += [f"  warning: {w}" for w in self.warnings]
     return "\n".join(lines)
+
+  def summary(self) -> str:
+    """Deprecated: `describe()`, the name every value's human summary has."""
+    import warnings
+
+    warnings.warn("AuditReport.summary() is deprecated; use AuditReport.describe().", DeprecationWarning,
+                  stacklevel=2)
+    return self.describe()
 
   def window_table(self) -> str:
     """One line per chunk: elements, the ops its all-reduce window holds by kind, their FLOPs and bytes,
@@ -255,19 +261,11 @@ class AuditReport:
     Raises:
       ValueError: malformed JSON, unknown or missing fields, or another schema version.
     """
-    if isinstance(text_or_obj, Mapping):
-      obj = dict(text_or_obj)
-    else:
-      try:
-        obj = json.loads(text_or_obj)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"AuditReport.from_json: malformed JSON ({e.msg} at line {e.lineno}).") from e
-      if not isinstance(obj, dict):
-        raise ValueError(f"AuditReport.from_json: expected a JSON object, got {type(obj).__name__}.")
+    obj = _loads(text_or_obj, "AuditReport")
     if obj.get("schema", AUDIT_SCHEMA) != AUDIT_SCHEMA:
       raise ValueError(f"AuditReport.from_json: schema={obj.get('schema')!r}; this version reads "
                        f"{AUDIT_SCHEMA}.")
-    obj = _checked(cls, obj, "AuditReport")
+    obj = _fields(cls, obj, "AuditReport", required=True)
     for key in ("chunks", "loops", "foreign"):
       obj[key] = tuple(_entry(e) for e in obj[key])
     for key in ("order", "problems", "warnings"):
@@ -275,25 +273,11 @@ class AuditReport:
     return cls(**obj)
 
 
-def _checked(cls: type, obj: dict[str, Any], what: str) -> dict[str, Any]:
-  fields = dataclasses.fields(cls)
-  names = {f.name for f in fields}
-  unknown = sorted(set(obj) - names)
-  if unknown:
-    raise ValueError(f"{what}.from_json: unknown field(s) {unknown}; expected some of {sorted(names)}.")
-  required = {f.name for f in fields if f.default is dataclasses.MISSING
-              and f.default_factory is dataclasses.MISSING}
-  missing = sorted(required - set(obj))
-  if missing:
-    raise ValueError(f"{what}.from_json: missing field(s) {missing}.")
-  return dict(obj)
-
-
 def _entry(obj: Mapping[str, Any]) -> AuditEntry:
   if not isinstance(obj, Mapping):
     raise ValueError(f"AuditReport.from_json: an entry must be an object, got {type(obj).__name__}.")
-  obj = _checked(AuditEntry, dict(obj), "AuditEntry")
-  obj["window"] = tuple(WindowOp(**_checked(WindowOp, dict(o), "WindowOp"))
+  obj = _fields(AuditEntry, dict(obj), "AuditEntry", required=True)
+  obj["window"] = tuple(WindowOp(**_fields(WindowOp, dict(o), "WindowOp", required=True))
                         for o in obj.get("window", ()))
   return AuditEntry(**obj)
 
@@ -323,78 +307,8 @@ def _kind(ins: HloInstruction) -> str:
   return "other"
 
 
-def _through(module: HloModule, comp: str, name: str) -> HloInstruction | None:
-  """The producer of `name`, looking through bitcasts, copies and reshapes."""
-  ins = module.instruction(comp, name)
-  for _ in range(8):
-    if ins is None or ins.opcode not in _PASS_THROUGH or not ins.operands:
-      return ins
-    ins = module.instruction(comp, ins.operands[0])
-  return ins
-
-
 def _label(op_name: str) -> tuple[re.Match | None, re.Match | None]:
   return _CHUNK.search(op_name), _LOOP.search(op_name)
-
-
-def _concat_parts(module: HloModule, comp: str, ins: HloInstruction,
-                  users: list[HloInstruction]) -> list[tuple[int, str]] | None:
-  """For an all-reduce of one concatenated buffer (XLA:GPU's all-reduce-contiguous): each part's element
-  count and the op_name that names it (from the slice of the result that reads it back, else from its
-  producer). None when the operand is not a concatenation of several parts."""
-  if len(ins.operands) != 1:
-    return None
-  cat = _through(module, comp, ins.operands[0])
-  if cat is None:
-    return None
-  if cat.opcode == "concatenate":
-    part_shapes = [(module.instruction(comp, o).shape if module.instruction(comp, o) else "", o)
-                   for o in cat.operands]
-  elif cat.opcode == "fusion":
-    body = dict(cat.callees).get("calls")
-    root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
-    if root is None or root.opcode != "concatenate":
-      return None
-    part_shapes = []
-    for o in root.operands:
-      inner = _through(module, body, o)
-      pm = _PARAM.search(inner.text) if inner is not None and inner.opcode == "parameter" else None
-      outer = cat.operands[int(pm.group(1))] if pm and int(pm.group(1)) < len(cat.operands) else ""
-      shape = module.instruction(body, o).shape if module.instruction(body, o) else ""
-      part_shapes.append((shape, outer))
-  else:
-    return None
-  if len(part_shapes) < 2:
-    return None
-  slices: dict[tuple[int, int], str] = {}
-  for u in users:
-    text = u.text
-    if u.opcode == "fusion":
-      body = dict(u.callees).get("calls")
-      root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
-      if root is None or root.opcode != "slice":
-        continue
-      text = root.text
-    elif u.opcode != "slice":
-      continue
-    m = _SLICE.search(text)
-    if m:
-      slices[(int(m.group(1)), int(m.group(2)))] = u.op_name or slices.get(
-          (int(m.group(1)), int(m.group(2))), "")
-  parts, off = [], 0
-  for shape, outer in part_shapes:
-    n = shape_elements(shape)
-    name = slices.get((off, off + n), "")
-    if not any(_label(name)) and outer:
-      prod = _through(module, comp, outer)
-      name = prod.op_name if prod is not None else ""
-    parts.append((n, name))
-    off += n
-  return parts
-
-
-def _users(module: HloModule, comp: str, name: str) -> list[HloInstruction]:
-  return [i for i in module.computations.get(comp, ()) if name in i.operands]
 
 
 def _is_gpu(text: str) -> bool:
@@ -417,8 +331,7 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
   Raises:
     TypeError: `compiled` is not compiled, or `schedule` is not a Schedule.
   """
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"audit: `schedule` must be a prophet_jax.Schedule, got {type(schedule).__name__}.")
+  check_values("audit", schedule=schedule)
   text = hlo_text(compiled)
   module = parse_hlo(text)
   ops = execution_order(module)
@@ -437,7 +350,8 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
       names = [ins.op_name]
       if not (own_chunk or own_loop):  # XLA:GPU's contiguous form: concatenate, all-reduce, slices
         result = window.done.instruction.name if window else ins.name
-        cparts = _concat_parts(module, op.computation, ins, _users(module, op.computation, result))
+        cparts = contiguous_parts(module, op.computation, ins, users(module, op.computation, result),
+                                  named=lambda nm: any(_label(nm)))
         if cparts:
           parts = tuple(n for n, _ in cparts)
           names = [nm for _, nm in cparts]

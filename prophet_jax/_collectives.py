@@ -6,14 +6,14 @@ one `psum` under `jax.named_scope("prophet/chunk<k>")`, and scatters the result 
 
 XLA on the CPU merges every independent all-reduce into one (`cpu-all-reduce-combiner`) and strips
 optimization barriers before that pass runs, so neither independence nor barriers keep chunks apart in
-a user's own `jax.pmap` with default flags. What survives (FACTS.md, and the tests read the compiled
-HLO to prove it): chunk k+1's buffer depends on chunk k's *result* through an added zero that cannot
-carry a NaN or Inf. That tie is `tie`, in one place, so a better mechanism replaces it here alone.
+a user's own `jax.pmap` with default flags. What survives (docs/facts.md, "Ordering that survives a
+plain jax.pmap"; the tests read the compiled HLO to prove it): chunk k+1's buffer depends on chunk k's
+*result* through an added zero that cannot carry a NaN or Inf. That tie is `tie`, in one place, so a
+better mechanism replaces it here alone.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,13 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._errors import AlreadyReducedError, ScheduleMismatchError, UnboundAxisError
-from ._tree import path_str
-from ._types import Schedule
+from ._errors import AlreadyReducedError, UnboundAxisError
+from ._schedule import Schedule
+from ._tree import is_reduced_leaf, match_tree
 
-__all__ = ["allreduce", "tie", "chunk_scope", "LeafMap", "match_tree", "axis_size",
-           "check_not_reduced", "vma_enabled", "reduce_chunks", "is_reduced_leaf",
-           "scheduled_allreduce"]
+__all__ = ["allreduce", "tie", "chunk_scope", "axis_size", "check_not_reduced", "vma_enabled",
+           "is_varying", "to_varying", "reduce_chunks", "scheduled_allreduce"]
 
 SCOPE_PREFIX = "prophet/chunk"
 
@@ -60,136 +59,6 @@ def tie(buf: jax.Array, prev: jax.Array | None) -> jax.Array:
 
 
 # --------------------------------------------------------------------------------------------------
-# matching the tree to the schedule
-
-
-def is_reduced_leaf(leaf: Any) -> bool:
-  """True for leaves the rewrite reduces: inexact (floating or complex) dtypes; not ints or float0."""
-  dt = getattr(leaf, "dtype", None)
-  if dt is None:
-    return False
-  if dt == jax.dtypes.float0:
-    return False
-  return bool(jnp.issubdtype(dt, jnp.inexact))
-
-
-def _dtype_name(dt: Any) -> str:
-  return str(np.dtype(dt)) if str(dt) != "bfloat16" else "bfloat16"
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafMap:
-  """Where each schedule row lives in a flattened tree.
-
-  Attributes:
-    paths: canonical path of every leaf in flatten order.
-    row_leaf: for each schedule row, the index of its leaf in flatten order.
-  """
-
-  paths: tuple[str, ...]
-  row_leaf: tuple[int, ...]
-
-
-_VARIABLE_VALUE = "value"  # the attribute under which a flax.nnx Variable holds its array
-
-
-def _is_variable_value_key(key: Any) -> bool:
-  """True for the key path entry of an nnx Variable's array: GetAttrKey('value')."""
-  return isinstance(key, jax.tree_util.GetAttrKey) and key.name == _VARIABLE_VALUE
-
-
-def _paths_like(paths: Sequence[str], leaves: Sequence[Any], k: int = 4) -> str:
-  """'[p1, p2, ...] (n leaves)': a few of the tree's own floating-leaf paths, for error messages."""
-  floats = [p for p, x in zip(paths, leaves) if is_reduced_leaf(x)] or list(paths)
-  more = f" and {len(floats) - k} more" if len(floats) > k else ""
-  return f"the tree has paths like {floats[:k]}{more}"
-
-
-def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Schedule, *,
-               where: str = "allreduce", skip_prefixes: Sequence[str] = ()) -> LeafMap:
-  """Maps schedule rows to leaves BY PATH, checking shape and dtype; plain Python at trace time.
-
-  A flax.nnx Variable is a pytree node whose array sits under the key `.value`: the same parameter is
-  'l1/kernel/value' in `nnx.state(model, nnx.Param)` and 'l1/kernel' in the pure arrays that
-  `nnx.Optimizer.update` (through `nnx.as_pure`) and `nnx.to_pure_dict` give. A row matches its leaf
-  under either spelling (exact paths first), so a schedule planned from either form works with both
-  (`nnx.Optimizer`'s init sees Variables, its update pure arrays).
-
-  Args:
-    leaves_with_path: `jax.tree_util.tree_flatten_with_path(tree)[0]`.
-    schedule: the schedule whose rows must match the tree's reduced leaves.
-    where: the caller's name, for messages.
-    skip_prefixes: leaf paths starting with one of these are not the schedule's business (reduced
-      elsewhere, e.g. inside a scanned body by `loop_hook`).
-
-  Raises:
-    ScheduleMismatchError: a row's path is missing from the tree, a shape or dtype differs, or the tree
-      has a floating leaf the schedule does not know; the message lists some of the tree's own paths.
-  """
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"{where}: `schedule` must be a prophet_jax.Schedule, got {type(schedule).__name__}. "
-                    f"Make one with prophet_jax.plan(profile, network, policy).")
-  if not leaves_with_path:
-    raise ValueError(f"{where}: the gradient tree is empty; there is nothing to reduce. Pass the "
-                     f"gradients of the params the schedule was planned for.")
-  paths = tuple(path_str(p) for p, _ in leaves_with_path)
-  leaves = [leaf for _, leaf in leaves_with_path]
-  index = {p: i for i, p in enumerate(paths)}
-  # nnx spellings: a Variable's 'x/value' also answers to 'x'; a pure 'x' also answers to 'x/value'
-  alias: dict[str, int] = {}
-  for i, (kp, _) in enumerate(leaves_with_path):
-    if kp and _is_variable_value_key(kp[-1]):
-      alias.setdefault(path_str(kp[:-1]), i)
-    else:
-      alias.setdefault(f"{paths[i]}/{_VARIABLE_VALUE}", i)
-  like = _paths_like(paths, leaves)
-  fix = "The model changed after planning; run prophet_jax.plan() again on the current params."
-  row_leaf = []
-  for path, shape, dtype in schedule.rows:
-    i = index.get(path)
-    if i is None:
-      i = alias.get(path)
-    if i is None:
-      near = [p for p in paths if p.split("/")[-1] == path.split("/")[-1]][:3]
-      hint = f" (e.g. {near} end the same way)" if near else ""
-      raise ScheduleMismatchError(
-          f"{where}: the schedule has a row for leaf {path!r}, but the tree has no leaf at that path"
-          f"{hint}; {like}; the schedule covers {len(schedule.rows)} leaves, like "
-          f"{[r[0] for r in schedule.rows[:4]]}. {fix}")
-    leaf = leaves[i]
-    got_shape = tuple(int(d) for d in np.shape(leaf))
-    if got_shape != tuple(shape):
-      raise ScheduleMismatchError(
-          f"{where}: leaf {paths[i]!r} has shape {got_shape}, but the schedule was planned for shape "
-          f"{tuple(shape)} ({like}). {fix}")
-    got_dtype = _dtype_name(getattr(leaf, "dtype", None))
-    if got_dtype != dtype:
-      raise ScheduleMismatchError(
-          f"{where}: leaf {paths[i]!r} has dtype {got_dtype}, but the schedule was planned for dtype "
-          f"{dtype} ({like}). {fix} (Plan with the gradients' dtype, e.g. bfloat16 params give "
-          f"bfloat16 gradients.)")
-    row_leaf.append(i)
-  if len(set(row_leaf)) != len(row_leaf):
-    dup = next(i for i in row_leaf if row_leaf.count(i) > 1)
-    rows = [schedule.rows[k][0] for k, i in enumerate(row_leaf) if i == dup]
-    raise ScheduleMismatchError(
-        f"{where}: schedule rows {rows} all name the tree's leaf {paths[dup]!r} (an nnx Variable's "
-        f"'x/value' and a plain 'x' are the same leaf); {like}. {fix}")
-  rowset = set(row_leaf)
-  for i, leaf in enumerate(leaves):
-    if i in rowset or not is_reduced_leaf(leaf):
-      continue
-    if any(paths[i] == s or paths[i].startswith(s.rstrip("/") + "/") for s in skip_prefixes):
-      continue
-    raise ScheduleMismatchError(
-        f"{where}: the tree has floating leaf {paths[i]!r} (shape {tuple(np.shape(leaf))}, dtype "
-        f"{_dtype_name(leaf.dtype)}) that the schedule does not cover; the schedule was planned for "
-        f"{len(schedule.rows)} leaves, like {[r[0] for r in schedule.rows[:4]]}, and the tree has "
-        f"{sum(map(is_reduced_leaf, leaves))} floating ones ({like}). {fix}")
-  return LeafMap(paths=paths, row_leaf=tuple(row_leaf))
-
-
-# --------------------------------------------------------------------------------------------------
 # axis checks
 
 
@@ -204,19 +73,30 @@ def axis_size(axis_name: Any, where: str) -> int:
         f"inside jax.pmap(..., axis_name={axis_name!r}).") from e
 
 
+def _axis_names(axis_name: Any) -> tuple[Any, ...]:
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def is_varying(x: Any, axis_name: Any) -> bool:
+  """True when `x`'s type says it varies over every axis of `axis_name` (jax's `vma` set, which only
+  shard_map with check_vma=True fills: docs/facts.md, "The 8x gradient trap")."""
+  varying = jax.typeof(x).manual_axis_type.varying
+  return all(n in varying for n in _axis_names(axis_name))
+
+
+def to_varying(x: Any, axis_name: Any) -> Any:
+  """`x` marked varying over `axis_name` (`jax.lax.pcast(x, axis_name, to="varying")`): its gradient
+  then stays per-device instead of being summed over the axis by `jax.grad`."""
+  return jax.lax.pcast(x, axis_name, to="varying")
+
+
 def vma_enabled(axis_name: Any) -> bool:
   """True under shard_map with check_vma=True, where values carry the axes they vary over.
 
   Under pmap and under shard_map(check_vma=False) nothing is marked varying, so an already-summed
   gradient cannot be told from a per-device one there.
   """
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  varying = jax.typeof(jax.lax.axis_index(axis_name)).manual_axis_type.varying
-  return all(n in varying for n in names)
-
-
-def _varying(x: Any) -> frozenset:
-  return jax.typeof(x).manual_axis_type.varying
+  return is_varying(jax.lax.axis_index(axis_name), axis_name)
 
 
 def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: str) -> None:
@@ -228,12 +108,10 @@ def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: 
   """
   if not vma_enabled(axis_name):
     return
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   for path, g in leaves:
     if not is_reduced_leaf(g) or np.size(g) == 0:
       continue
-    vary = _varying(g)
-    if not all(n in vary for n in names):
+    if not is_varying(g, axis_name):
       raise AlreadyReducedError(
           f"{where}: gradient {path!r} is already summed over axis {axis_name!r} (it does not vary over "
           f"it): under shard_map's default check_vma, jax.grad sums the gradients of replicated params. "
@@ -248,8 +126,13 @@ def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: 
 
 def reduce_chunks(flat: list[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
                   axis_name: Any, *, divisor: int | None, first_index: int = 0,
-                  prev: jax.Array | None = None) -> tuple[list[jax.Array], jax.Array | None]:
+                  prev: jax.Array | None = None,
+                  scope: str | None = None) -> tuple[list[jax.Array], jax.Array | None]:
   """Runs `chunks` in order on the flattened leaves `flat`; returns the new leaves and the last result.
+
+  Per chunk: gather its slices into one buffer, `tie` it to the previous result, one `psum` (divided
+  by `divisor`), scatter back. Every chunked all-reduce of the library goes through here: `allreduce`,
+  `scheduled`, `pipelined`, the hooks of `hooked` and the per-layer hook of `loop_hook`.
 
   Args:
     flat: leaves (any shape); rows index them through `row_leaf`.
@@ -259,6 +142,8 @@ def reduce_chunks(flat: list[jax.Array], chunks: Sequence[Any], row_leaf: Sequen
     divisor: divide each reduced buffer by this (the axis size, for a mean, as `pmean` does), or None.
     first_index: k of the first chunk, for its named scope 'prophet/chunk<k>'.
     prev: the result of the chunk issued just before (tied to the first chunk), or None.
+    scope: the named scope of every chunk instead of 'prophet/chunk<k>' (`loop_hook`'s
+      'prophet/loop/<name>', which `audit` reads as a loop-body all-reduce).
   """
   flat = list(flat)
   pieces: dict[int, list[tuple[int, jax.Array]]] = {}
@@ -268,7 +153,7 @@ def reduce_chunks(flat: list[jax.Array], chunks: Sequence[Any], row_leaf: Sequen
     for r, a, b in chunk.slices:
       leaf = flat[row_leaf[r]]
       parts.append(leaf.reshape(-1)[a:b])
-    with jax.named_scope(chunk_scope(k)):
+    with jax.named_scope(chunk_scope(k) if scope is None else scope):
       buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
       buf = tie(buf, prev)
       red = jax.lax.psum(buf, axis_name)

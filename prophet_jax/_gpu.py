@@ -296,7 +296,7 @@ def gpu_topology(target: str = "h100", *, devices: int = 8) -> GpuTopology:
     >>> mesh = topo.mesh("data")
     >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
     >>> compiled = f.lower(topo.abstract(params, P()), topo.abstract(batch, P("data"))).compile()
-    >>> print(prophet_jax.audit(compiled, schedule).summary())
+    >>> print(prophet_jax.audit(compiled, schedule).describe())
   """
   spec = gpu_target(target)
   if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:

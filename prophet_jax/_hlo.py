@@ -11,6 +11,7 @@ Public helpers:
   execution_order(module) -> tuple[ExecutedOp, ...]
   collectives(module, opcodes=ALL_REDUCE_OPCODES) -> tuple[ExecutedOp, ...]
   async_windows(module) -> {start name: ops scheduled between an async collective's start and done}
+  contiguous_parts(module, ...) -> the parts of an all-reduce of one concatenated buffer (XLA:GPU)
   OpCosts(module).cost(computation, instruction) -> (flops, bytes), from the HLO shapes alone
   shape_elements(shape_text) -> int ; shape_bytes(shape_text) -> int ; shape_dtypes(shape_text)
 """
@@ -20,11 +21,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["HloInstruction", "HloModule", "ExecutedOp", "parse_hlo", "hlo_text", "execution_order",
            "collectives", "async_windows", "OpCosts", "shape_elements", "shape_bytes", "shape_dtypes",
-           "is_collective", "ALL_REDUCE_OPCODES"]
+           "is_collective", "ALL_REDUCE_OPCODES", "producer", "users", "contiguous_parts"]
 
 ALL_REDUCE_OPCODES = ("all-reduce", "all-reduce-start")
 
@@ -356,6 +358,91 @@ def async_windows(module: HloModule, ops: tuple[ExecutedOp, ...] | None = None
       if i is not None:
         out[ins.operands[0]] = AsyncWindow(start=ops[i], done=op, inside=ops[i + 1:op.index])
   return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Combined collectives: XLA:GPU's all-reduce-contiguous (concatenate, one all-reduce, slices)
+
+_SLICE = re.compile(r"slice=\{\[(\d+):(\d+)\]\}")
+_PARAM = re.compile(r"\bparameter\((\d+)\)")
+_PASS_THROUGH = ("bitcast", "copy", "reshape")
+
+
+def producer(module: HloModule, comp: str, name: str) -> HloInstruction | None:
+  """The producer of `name`, looking through bitcasts, copies and reshapes."""
+  ins = module.instruction(comp, name)
+  for _ in range(8):
+    if ins is None or ins.opcode not in _PASS_THROUGH or not ins.operands:
+      return ins
+    ins = module.instruction(comp, ins.operands[0])
+  return ins
+
+
+def users(module: HloModule, comp: str, name: str) -> list[HloInstruction]:
+  """The instructions of computation `comp` that read `name`."""
+  return [i for i in module.computations.get(comp, ()) if name in i.operands]
+
+
+def contiguous_parts(module: HloModule, comp: str, ins: HloInstruction, readers: list[HloInstruction], *,
+                     named: Callable[[str], bool]) -> list[tuple[int, str]] | None:
+  """For an all-reduce of one concatenated buffer (XLA:GPU's all-reduce-contiguous): each part's element
+  count and the op_name that names it (from the slice of the result that reads it back, else from its
+  producer). None when the operand is not a concatenation of several parts.
+
+  Args:
+    module, comp, ins: the all-reduce and its computation.
+    readers: the instructions that read its result (`users(module, comp, result)`).
+    named: whether an op_name names a part (else the part's producer's op_name is used).
+  """
+  if len(ins.operands) != 1:
+    return None
+  cat = producer(module, comp, ins.operands[0])
+  if cat is None:
+    return None
+  if cat.opcode == "concatenate":
+    part_shapes = [(module.instruction(comp, o).shape if module.instruction(comp, o) else "", o)
+                   for o in cat.operands]
+  elif cat.opcode == "fusion":
+    body = dict(cat.callees).get("calls")
+    root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+    if root is None or root.opcode != "concatenate":
+      return None
+    part_shapes = []
+    for o in root.operands:
+      inner = producer(module, body, o)
+      pm = _PARAM.search(inner.text) if inner is not None and inner.opcode == "parameter" else None
+      outer = cat.operands[int(pm.group(1))] if pm and int(pm.group(1)) < len(cat.operands) else ""
+      shape = module.instruction(body, o).shape if module.instruction(body, o) else ""
+      part_shapes.append((shape, outer))
+  else:
+    return None
+  if len(part_shapes) < 2:
+    return None
+  slices: dict[tuple[int, int], str] = {}
+  for u in readers:
+    text = u.text
+    if u.opcode == "fusion":
+      body = dict(u.callees).get("calls")
+      root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+      if root is None or root.opcode != "slice":
+        continue
+      text = root.text
+    elif u.opcode != "slice":
+      continue
+    m = _SLICE.search(text)
+    if m:
+      slices[(int(m.group(1)), int(m.group(2)))] = u.op_name or slices.get(
+          (int(m.group(1)), int(m.group(2))), "")
+  parts, off = [], 0
+  for shape, outer in part_shapes:
+    n = shape_elements(shape)
+    name = slices.get((off, off + n), "")
+    if not named(name) and outer:
+      prod = producer(module, comp, outer)
+      name = prod.op_name if prod is not None else ""
+    parts.append((n, name))
+    off += n
+  return parts
 
 
 # --------------------------------------------------------------------------------------------------

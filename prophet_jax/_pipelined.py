@@ -1,11 +1,11 @@
 """The cross-step pipelined train step: this backward, its all-reduces and the next forward in one program.
 
 In a plain JAX loop every step is one jitted call, so step k+1 cannot start before every all-reduce of
-step k has ended: the order of the all-reduces cannot help the next forward pass (DESIGN.md,
-`cross_step=False`). An asynchronous collective cannot stay in flight across two jitted calls either,
-so `pipelined` cuts the step elsewhere: *between forward and backward*. Each call receives the VJP
-residuals of the previous call's forward pass (`jax.vjp`'s closure, carried as plain arrays in the
-state), and in one program
+step k has ended: the order of the all-reduces cannot help the next forward pass (docs/design.md,
+"Simulator semantics", `cross_step=False`). An asynchronous collective cannot stay in flight across
+two jitted calls either, so `pipelined` cuts the step elsewhere: *between forward and backward*. Each
+call receives the VJP residuals of the previous call's forward pass (`jax.vjp`'s closure, carried as
+plain arrays in the state), and in one program
 
   1. runs that pending backward pass,
   2. all-reduces the gradients chunk by chunk, in the schedule's order (`prophet_jax.allreduce`),
@@ -89,11 +89,12 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from ._collectives import allreduce, axis_size, match_tree, vma_enabled
+from ._collectives import allreduce, axis_size, is_varying, to_varying, vma_enabled
 from ._errors import ScheduleMismatchError
 from ._residuals import VjpTrace, carried_avals, carry_plan, forward, recompute, vjp_jaxpr
-from ._tree import path_str
-from ._types import Schedule
+from ._schedule import Schedule
+from ._tree import is_reduced_leaf, match_tree, path_str
+from ._types import check_values
 
 __all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending", "save_matmuls"]
 
@@ -230,12 +231,6 @@ def _dtype_of(dt: Any) -> Any:
   return dt if jax.dtypes.issubdtype(dt, jax.dtypes.extended) else jnp.dtype(dt)
 
 
-def _varying(x: Any, axis_name: Any) -> bool:
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  vary = jax.typeof(x).manual_axis_type.varying
-  return all(n in vary for n in names)
-
-
 def _round_to_dtype(x: Any) -> Any:
   """`x` rounded to its own dtype in a way XLA keeps, for bfloat16 and float16 leaves; others as given.
 
@@ -327,8 +322,8 @@ class Pipelined:
     the same batch, i.e. at the parameters after the previous batches' updates and, with `has_state`,
     at the model state the previous batch's forward produced; `state.model_state` after the call is
     the plain loop's after this batch. The parameters lag by one update until `flush`; after it they
-    are the plain loop's. Equal means: up to float32 reduction order (DESIGN.md's tolerance);
-    bfloat16 parameters are rounded as the plain loop rounds them.
+    are the plain loop's. Equal means: up to float32 reduction order (docs/design.md, "Equivalence
+    tolerance"); bfloat16 parameters are rounded as the plain loop rounds them.
 
     Args:
       state: from `init`, `step` or `flush`.
@@ -552,7 +547,7 @@ class Pipelined:
     _, shape, dtype, varying = aval
     x = jax.lax.full(shape, 0, dtype)  # also for extended dtypes (typed PRNG keys)
     if varying and vma_enabled(self.axis_name):
-      x = jax.lax.pcast(x, self.axis_name, to="varying")
+      x = to_varying(x, self.axis_name)
     return x
 
   @property
@@ -562,25 +557,25 @@ class Pipelined:
   def _ones_ct(self, meta: _PendingMeta) -> jax.Array:
     ct = jnp.ones((), meta.loss_dtype)
     if meta.loss_varying and vma_enabled(self.axis_name):
-      ct = jax.lax.pcast(ct, self.axis_name, to="varying")
+      ct = to_varying(ct, self.axis_name)
     return ct
 
   def _varying_params(self, params: Any) -> Any:
-    """Under shard_map with check_vma, marks the params varying before differentiating (FACTS.md's 8x
-    trap: otherwise jax.grad returns gradients already summed over the axis)."""
+    """Under shard_map with check_vma, marks the params varying before differentiating (docs/facts.md,
+    "The 8x gradient trap": otherwise jax.grad returns gradients already summed over the axis)."""
     if not vma_enabled(self.axis_name):
       return params
 
     def cast(x):
-      if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.inexact) or self._is_varying(x):
+      if not is_reduced_leaf(x) or is_varying(x, self.axis_name):
         return x
-      return jax.lax.pcast(x, self.axis_name, to="varying")
+      return to_varying(x, self.axis_name)
 
     return jax.tree_util.tree_map(cast, params)
 
   # -- checks -------------------------------------------------------------------------------------
   def _is_varying(self, x: Any) -> bool:
-    return vma_enabled(self.axis_name) and _varying(x, self.axis_name)
+    return vma_enabled(self.axis_name) and is_varying(x, self.axis_name)
 
   def _check_state(self, state: Any, where: str) -> None:
     if not isinstance(state, PipelinedState):
@@ -664,7 +659,7 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
 
   Each `step` runs the previous batch's backward with the schedule's chunked, ordered all-reduces,
   `tx`'s update and this batch's forward in one program, so each layer's next forward can start as
-  soon as its chunks are reduced (DESIGN.md, `cross_step=True`).
+  soon as its chunks are reduced (docs/design.md, "Simulator semantics", `cross_step=True`).
 
   Equal to the plain loop: per call, the returned loss and aux are the plain step's on the same batch,
   `state.model_state` is the plain loop's after that batch, and after N steps and a `flush` the
@@ -732,15 +727,7 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     >>> p = prophet_jax.pipelined(loss_fn, tx, schedule, axis_name="data", has_state=True)
     >>> state = p.init(params, variables["batch_stats"])
   """
-  if not callable(loss_fn):
-    raise TypeError(f"pipelined(loss_fn=...): expected a callable loss_fn(params, batch) -> scalar, got "
-                    f"{type(loss_fn).__name__}.")
-  if not (hasattr(tx, "init") and hasattr(tx, "update")):
-    raise TypeError(f"pipelined(tx=...): expected an optax.GradientTransformation (with init and "
-                    f"update), got {type(tx).__name__}. Pass e.g. optax.sgd(0.1, momentum=0.9).")
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"pipelined(schedule=...): expected a prophet_jax.Schedule, got "
-                    f"{type(schedule).__name__}. Make one with prophet_jax.plan(profile, network, policy).")
+  check_values("pipelined", loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name)
   if not (callable(residuals) or isinstance(residuals, str) and residuals in ("all", "min-cut", "matmuls")):
     raise ValueError(f"pipelined(residuals={residuals!r}): expected 'all', 'min-cut', 'matmuls' or a "
                      f"jax.checkpoint policy (a callable, e.g. "
@@ -748,10 +735,5 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
   for name, flag in (("has_aux", has_aux), ("has_state", has_state)):
     if not isinstance(flag, bool):
       raise TypeError(f"pipelined({name}={flag!r}): expected True or False.")
-  try:
-    hash(axis_name)
-  except TypeError as e:
-    raise TypeError(f"pipelined(axis_name={axis_name!r}): an axis name must be hashable (a string, or "
-                    f"a tuple of strings).") from e
   return Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name, residuals=residuals,
                    has_aux=has_aux, has_state=has_state)

@@ -26,24 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._collectives import (_zero_of, axis_size, is_reduced_leaf, match_tree, reduce_chunks,
-                           scheduled_allreduce, tie, vma_enabled)
+from ._collectives import (_zero_of, axis_size, is_varying, reduce_chunks, scheduled_allreduce,
+                           to_varying, vma_enabled)
 from ._errors import AlreadyReducedError, CompositionError
-from ._types import Chunk, Schedule
+from ._schedule import Chunk, Schedule
+from ._types import check_values
+from ._tree import dtype_name, is_float_dtype, is_reduced_leaf, match_tree, path_str
 
 __all__ = ["ScheduledState", "scheduled", "check_composition", "hooked", "loop_hook", "hook_groups", "LOOP_SCOPE"]
 
 LOOP_SCOPE = "prophet/loop/"
-
-
-def _check_args(where: str, schedule: Any, axis_name: Any) -> None:
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"{where}: `schedule` must be a prophet_jax.Schedule, got {type(schedule).__name__}. "
-                    f"Make one with prophet_jax.plan(profile, network, policy) or Schedule.from_json.")
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if not names or not all(isinstance(n, str) and n for n in names):
-    raise TypeError(f"{where}: `axis_name` must be a non-empty string (or a tuple of them) naming the "
-                    f"pmap/shard_map axis, got {axis_name!r}.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -197,9 +189,7 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     >>> state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     >>> # inside jax.pmap(..., axis_name="data"): state = state.apply_gradients(grads=grads)
   """
-  if not (hasattr(tx, "init") and hasattr(tx, "update")):
-    raise TypeError(f"scheduled: `tx` must be an optax.GradientTransformation, got {type(tx).__name__}.")
-  _check_args("scheduled", schedule, axis_name)
+  check_values("scheduled", tx=tx, schedule=schedule, axis_name=axis_name)
 
   def init_fn(params):
     before = _ran_before_in_chain()
@@ -268,7 +258,7 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
     raise ValueError(f"check_composition: num_devices must be an integer >= 2, got {num_devices!r}.")
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   shapes = [(tuple(np.shape(x)), jnp.dtype(x.dtype)) for _, x in leaves_with_path]
-  paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in leaves_with_path]
+  paths = [path_str(p) for p, _ in leaves_with_path]
   params = jax.tree_util.tree_unflatten(treedef, [jnp.zeros(s, d) for s, d in shapes])
   rng = np.random.default_rng(seed)
 
@@ -281,7 +271,7 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
       return np.round(np.clip(rng.standard_normal(shape) * spread, -2 ** 12, 2 ** 12) * 256) / 256
     return np.round(np.clip(rng.standard_normal(shape) * min(spread, 4.0), -16, 16))
 
-  inexact = [jnp.issubdtype(d, jnp.inexact) for _, d in shapes]
+  inexact = [is_float_dtype(d) for _, d in shapes]
   base = [grid((num_devices, *s), d, 1.0).astype(np.float32) if f else np.zeros((num_devices, *s), d)
           for (s, d), f in zip(shapes, inexact)]
   variants = []
@@ -299,7 +289,7 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
   state = tx.init(params)
 
   def one(flat_g):
-    g = jax.tree_util.tree_unflatten(treedef, [x.astype(d) if jnp.issubdtype(d, jnp.inexact) else x
+    g = jax.tree_util.tree_unflatten(treedef, [x.astype(d) if is_float_dtype(d) else x
                                                for x, (_, d) in zip(flat_g, shapes)])
     st, outs = state, []
     for _ in range(steps):  # several steps, so that e.g. optax.MultiSteps emits an update
@@ -359,16 +349,6 @@ def hook_groups(schedule: Schedule) -> tuple[tuple[int, int, tuple[int, ...]], .
   return tuple((a, b, tuple(sorted(r))) for a, b, r in groups)
 
 
-def _to_varying(x: jax.Array, axis_name: Any) -> jax.Array:
-  return jax.lax.pcast(x, axis_name, to="varying")
-
-
-def _is_varying(x: Any, axis_name: Any) -> bool:
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  vary = jax.typeof(x).manual_axis_type.varying
-  return all(n in vary for n in names)
-
-
 def _make_hook(chunks: Sequence[Chunk], first_index: int, rows: Sequence[int], axis_name: Any,
                divisor: int, cast: Sequence[bool]) -> Callable:
   """A custom_vjp identity on (leaves of `rows`, token) whose backward runs `chunks` on the cotangents.
@@ -384,7 +364,7 @@ def _make_hook(chunks: Sequence[Chunk], first_index: int, rows: Sequence[int], a
 
   @jax.custom_vjp
   def hook(leaves, token):
-    return [(_to_varying(x, axis_name) if c else x) for x, c in zip(leaves, cast)], token
+    return [(to_varying(x, axis_name) if c else x) for x, c in zip(leaves, cast)], token
 
   def fwd(leaves, token):
     return hook(leaves, token), None
@@ -439,34 +419,24 @@ def loop_hook(tree: Any, *, name: str = "layer") -> Any:
   if not idx:
     return tree
   sel = [leaves[i] for i in idx]
-  dtypes = list(dict.fromkeys(str(x.dtype) for x in sel))
+  dtypes = list(dict.fromkeys(dtype_name(x.dtype) for x in sel))
   chunks = []
   for dt in dtypes:
     chunks.append(Chunk(slices=tuple((j, 0, int(np.size(x))) for j, x in enumerate(sel)
-                                     if str(x.dtype) == dt), dtype=dt))
-  cast = [vma and not _is_varying(x, axis_name) for x in sel]
+                                     if dtype_name(x.dtype) == dt), dtype=dt))
+  row_leaf = tuple(range(len(sel)))
+  cast = [vma and not is_varying(x, axis_name) for x in sel]
 
   @jax.custom_vjp
   def hook(xs):
-    return [(_to_varying(x, axis_name) if c else x) for x, c in zip(xs, cast)]
+    return [(to_varying(x, axis_name) if c else x) for x, c in zip(xs, cast)]
 
   def fwd(xs):
     return hook(xs), None
 
   def bwd(_, cts):
-    out = list(cts)
-    prev = None
-    for chunk in chunks:
-      parts = [out[j].reshape(-1) for j, _, _ in chunk.slices]
-      with jax.named_scope(f"{LOOP_SCOPE}{name}"):
-        buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-        buf = tie(buf, prev)
-        red = jax.lax.psum(buf, axis_name) / jnp.asarray(divisor, buf.dtype)
-      prev = red
-      off = 0
-      for j, _, b in chunk.slices:
-        out[j] = red[off:off + b].reshape(np.shape(out[j]))
-        off += b
+    out, _ = reduce_chunks(list(cts), chunks, row_leaf, axis_name, divisor=divisor,
+                           scope=f"{LOOP_SCOPE}{name}")
     return (out,)
 
   hook.defvjp(fwd, bwd)
@@ -510,9 +480,7 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
     TypeError: bad arguments (at construction).
     UnboundAxisError, ScheduleMismatchError: at trace time.
   """
-  if not callable(loss_fn):
-    raise TypeError(f"hooked: `loss_fn` must be callable, got {type(loss_fn).__name__}.")
-  _check_args("hooked", schedule, axis_name)
+  check_values("hooked", loss_fn=loss_fn, schedule=schedule, axis_name=axis_name)
   if isinstance(in_loop, str):
     in_loop = (in_loop,)
   in_loop = tuple(in_loop)
@@ -531,7 +499,7 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
     vma = vma_enabled(axis_name)
     hooks = []
     for a, b, rows in groups:
-      cast = [vma and not _is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
+      cast = [vma and not is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
       hooks.append((rows, _make_hook(chunks[a:b], a, rows, axis_name, n, cast)))
 
     def inner(flat_params):

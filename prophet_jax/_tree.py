@@ -82,15 +82,23 @@ def flatten_with_paths(tree: Any) -> list[tuple[str, Any]]:
 
 def dtype_name(dtype: Any) -> str:
   """The name a row records for a dtype: 'float32', 'bfloat16', 'float8_e4m3fn', ... ('void' for
-  jax's float0)."""
-  return np.dtype(dtype).name
+  jax's float0; an extended dtype such as a typed PRNG key's, which numpy does not know, by its own
+  name: 'key<fry>')."""
+  try:
+    return np.dtype(dtype).name
+  except TypeError:
+    return str(dtype)
 
 
 def is_float_dtype(dtype: Any) -> bool:
   """True for the dtypes the rewrite reduces: numpy's inexact kinds (float, complex) and the ml_dtypes
   floats (bfloat16, float8_*, float6_*, float4_*), exactly `jnp.issubdtype(dtype, jnp.inexact)`
-  without importing jax. False for integers, bools, int4 and float0."""
-  dt = np.dtype(dtype)
+  without importing jax. False for integers, bools, int4, float0 and jax's extended dtypes (typed PRNG
+  keys)."""
+  try:
+    dt = np.dtype(dtype)
+  except TypeError:  # an extended dtype (a typed PRNG key's): not a number
+    return False
   if dt.kind in "fc":
     return True
   return dt.kind == "V" and (dt.name == "bfloat16" or dt.name.startswith(("float8_", "float6_",
@@ -267,11 +275,9 @@ class LeafMap:
 
 
 def _schedule_rows(schedule: Any, where: str) -> tuple[Row, ...]:
-  from ._schedule import Schedule
+  from ._types import check_values
 
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"{where}: `schedule` must be a prophet_jax.Schedule, got {type(schedule).__name__}. "
-                    f"Make one with prophet_jax.plan(profile, network, policy).")
+  check_values(where, schedule=schedule)
   return schedule.rows
 
 
@@ -279,9 +285,26 @@ def _some(paths: Sequence[str], k: int = 3) -> str:
   return f"{list(paths[:k])}" + (f" and {len(paths) - k} more" if len(paths) > k else "")
 
 
+_VARIABLE_VALUE = "value"  # the attribute under which a flax.nnx Variable holds its array
+
+
+def _is_variable_value_key(key: Any) -> bool:
+  """True for the last key path entry of an nnx Variable's array: jax's GetAttrKey('value') (read by
+  name, so this module needs no jax)."""
+  return type(key).__name__ == "GetAttrKey" and getattr(key, "name", None) == _VARIABLE_VALUE
+
+
 def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Any, *, where: str = "allreduce",
                skip_prefixes: Sequence[str] = ()) -> LeafMap:
   """Maps schedule rows to a tree's leaves BY PATH, checking shape and dtype (plain Python).
+
+  A flax.nnx Variable is a pytree node whose array sits under the key `.value`: the same parameter is
+  'l1/kernel/value' in `nnx.state(model, nnx.Param)` and 'l1/kernel' in the pure arrays that
+  `nnx.Optimizer.update` (through `nnx.as_pure`) and `nnx.to_pure_dict` give. A row matches its leaf
+  under either spelling, exact paths first, so a schedule planned from either form works with both
+  (`nnx.Optimizer`'s init sees Variables, its update pure arrays); two rows naming one leaf are an
+  error. (With string paths, a Variable's key cannot be told from a dict key 'value': there only a
+  plain 'x' answers to 'x/value'.)
 
   Args:
     leaves_with_path: `jax.tree_util.tree_flatten_with_path(tree)[0]`, or `flatten_with_paths(tree)`
@@ -297,52 +320,69 @@ def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Any, *, wh
   Raises:
     TypeError: `schedule` is not a Schedule.
     ValueError: the tree is empty.
-    ScheduleMismatchError: a row's path is missing from the tree (naming near misses, or some of the
-      tree's paths), a shape or dtype differs, or the tree has a floating leaf the schedule lacks.
+    ScheduleMismatchError: a row's path is missing from the tree (naming near misses), a shape or dtype
+      differs, two rows name one leaf, or the tree has a floating leaf the schedule lacks; every message
+      lists some of the tree's own paths ("the tree has paths like [...]").
   """
   rows = _schedule_rows(schedule, where)
   if not leaves_with_path:
     raise ValueError(f"{where}: the gradient tree is empty; there is nothing to reduce. Pass the "
                      f"gradients of the params the schedule was planned for.")
   paths = tuple(path_str(p) for p, _ in leaves_with_path)
+  leaves = [leaf for _, leaf in leaves_with_path]
   index = {p: i for i, p in enumerate(paths)}
+  # nnx spellings: a Variable's 'x/value' also answers to 'x'; a plain 'x' also answers to 'x/value'
+  alias: dict[str, int] = {}
+  for i, (kp, _) in enumerate(leaves_with_path):
+    if not isinstance(kp, str) and kp and _is_variable_value_key(kp[-1]):
+      alias.setdefault(path_str(kp[:-1]), i)
+    else:
+      alias.setdefault(f"{paths[i]}/{_VARIABLE_VALUE}", i)
+  floats = [p for p, x in zip(paths, leaves) if is_reduced_leaf(x)] or list(paths)
+  like = f"the tree has paths like {_some(floats, 4)}"
+  covers = f"the schedule covers {len(rows)} leaves, like {_some([r[0] for r in rows], 4)}"
   row_leaf = []
   for path, shape, dtype in rows:
     i = index.get(path)
     if i is None:
+      i = alias.get(path)
+    if i is None:
       near = [p for p in paths if p.split("/")[-1] == path.split("/")[-1]]
-      hint = (f" (e.g. {_some(near)} end the same way; the tree has paths like {_some(paths)})" if near
-              else f" (the tree has paths like {_some(paths)})")
+      hint = f"e.g. {_some(near)} end the same way; {like}" if near else like
       raise ScheduleMismatchError(
-          f"{where}: the schedule has a row for leaf {path!r}, but the tree has no leaf at that path"
-          f"{hint}; the schedule covers {len(rows)} leaves. {_REPLAN}")
-    leaf = leaves_with_path[i][1]
+          f"{where}: the schedule has a row for leaf {path!r}, but the tree has no leaf at that path "
+          f"({hint}); {covers}. {_REPLAN}")
+    leaf = leaves[i]
     got_shape = tuple(int(d) for d in np.shape(leaf))
     if got_shape != tuple(shape):
       raise ScheduleMismatchError(
-          f"{where}: leaf {path!r} has shape {got_shape}, but the schedule was planned for shape "
-          f"{tuple(shape)} {dtype}. {_REPLAN}")
+          f"{where}: leaf {paths[i]!r} has shape {got_shape}, but the schedule was planned for shape "
+          f"{tuple(shape)} {dtype} ({like}). {_REPLAN}")
     got_dtype = dtype_name(getattr(leaf, "dtype", None))
     if got_dtype != dtype:
       raise ScheduleMismatchError(
-          f"{where}: leaf {path!r} has dtype {got_dtype}, but the schedule was planned for dtype {dtype}"
-          f". {_REPLAN} (Plan with the gradients' dtype, e.g. bfloat16 params give bfloat16 gradients.)")
+          f"{where}: leaf {paths[i]!r} has dtype {got_dtype}, but the schedule was planned for dtype "
+          f"{dtype} ({like}). {_REPLAN} (Plan with the gradients' dtype, e.g. bfloat16 params give "
+          f"bfloat16 gradients.)")
     row_leaf.append(i)
+  if len(set(row_leaf)) != len(row_leaf):
+    dup = next(i for i in row_leaf if row_leaf.count(i) > 1)
+    named = [rows[k][0] for k, i in enumerate(row_leaf) if i == dup]
+    raise ScheduleMismatchError(
+        f"{where}: schedule rows {named} all name the tree's leaf {paths[dup]!r} (an nnx Variable's "
+        f"'x/value' and a plain 'x' are the same leaf); {like}. {_REPLAN}")
   rowset = set(row_leaf)
   prefixes = tuple(s.rstrip("/") + "/" for s in skip_prefixes)
-  extra = [i for i, (_, leaf) in enumerate(leaves_with_path)
+  extra = [i for i, leaf in enumerate(leaves)
            if i not in rowset and is_reduced_leaf(leaf)
            and not (paths[i] in skip_prefixes or paths[i].startswith(prefixes))]
   if extra:
     i = extra[0]
-    leaf = leaves_with_path[i][1]
-    floating = sum(is_reduced_leaf(x) for _, x in leaves_with_path)
     raise ScheduleMismatchError(
-        f"{where}: the tree has floating leaf {paths[i]!r} (shape {tuple(np.shape(leaf))}, dtype "
-        f"{dtype_name(leaf.dtype)}) that the schedule does not cover"
-        f"{f' (nor {len(extra) - 1} more)' if len(extra) > 1 else ''}; the schedule was planned for "
-        f"{len(rows)} leaves and the tree has {floating} floating ones (the schedule covers {len(rows)} "
-        f"leaves, like {_some([r[0] for r in rows])}). {_REPLAN}")
+        f"{where}: the tree has floating leaf {paths[i]!r} (shape {tuple(np.shape(leaves[i]))}, dtype "
+        f"{dtype_name(leaves[i].dtype)}) that the schedule does not cover"
+        f"{f' (nor {len(extra) - 1} more)' if len(extra) > 1 else ''}; {covers}, and the tree has "
+        f"{sum(map(is_reduced_leaf, leaves))} floating ones ({like}). {_REPLAN}")
   return LeafMap(paths=paths, row_leaf=tuple(row_leaf))
 
 

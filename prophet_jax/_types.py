@@ -60,11 +60,19 @@ def _loads(text_or_obj: str | Mapping[str, Any], what: str) -> dict[str, Any]:
   return obj
 
 
-def _fields(cls: type, obj: dict[str, Any], what: str) -> dict[str, Any]:
-  names = {f.name for f in dataclasses.fields(cls)}
+def _fields(cls: type, obj: dict[str, Any], what: str, *, required: bool = False) -> dict[str, Any]:
+  """`obj`, checked to hold only fields of the dataclass `cls` (and, with `required`, every field
+  without a default)."""
+  fields = dataclasses.fields(cls)
+  names = {f.name for f in fields}
   unknown = sorted(set(obj) - names)
   if unknown:
     raise ValueError(f"{what}.from_json: unknown field(s) {unknown}; expected some of {sorted(names)}.")
+  if required:
+    missing = sorted(f.name for f in fields if f.name not in obj and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    if missing:
+      raise ValueError(f"{what}.from_json: missing field(s) {missing}.")
   return obj
 
 
@@ -603,29 +611,61 @@ def _nonneg_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Argument checks shared by plan, the schedulers, simulate, lower_bound and the Monitor
+# Argument checks shared by plan, the schedulers, simulate, lower_bound, the Monitor and the rewrite
 
 _UNSET: Any = object()
 
+# argument -> (what it must be, how to make one)
+_KINDS = {
+    "schedule": ("prophet_jax.Schedule",
+                 "Make one with prophet_jax.plan(profile, network, policy) or Schedule.from_json."),
+    "profile": ("prophet_jax.GradientProfile",
+                "Make one with prophet_jax.profile_step(...), GradientProfile.from_params(params) or "
+                "GradientProfile.from_json."),
+    "network": ("prophet_jax.NetworkModel",
+                "Make one with prophet_jax.measure_network(...), NetworkModel.preset(name, workers=...) "
+                "or NetworkModel.from_json."),
+}
 
-def check_values(where: str, *, schedule: Any = _UNSET, profile: Any = _UNSET, network: Any = _UNSET,
-                 cross_step: Any = _UNSET) -> None:
+
+def check_values(where: str, *, loss_fn: Any = _UNSET, tx: Any = _UNSET, schedule: Any = _UNSET,
+                 profile: Any = _UNSET, network: Any = _UNSET, cross_step: Any = _UNSET,
+                 axis_name: Any = _UNSET) -> None:
   """Raises TypeError naming `where` and the argument when one of those given has the wrong type.
 
+  The one argument check of the library: the planners and the simulator (profile, network, schedule,
+  cross_step) and the rewrite (`scheduled`, `hooked`, `pipelined`, `audit`: loss_fn, tx, schedule,
+  axis_name) call it, so one argument is always checked, and named, the same way.
+
   Args:
-    where: the caller, as the message should name it ('simulate()', 'wfbp scheduler', ...).
+    where: the caller, as the message should name it ('simulate()', 'wfbp scheduler', 'scheduled', ...).
+    loss_fn: must be callable.
+    tx: must be an optax GradientTransformation (anything with `init` and `update`).
     schedule, profile, network: must be a Schedule, a GradientProfile, a NetworkModel.
     cross_step: must be True or False (a step mode; 'auto' is resolved by plan() for policy 'auto').
+    axis_name: must be a non-empty string, or a non-empty tuple of them (a pmap/shard_map axis).
   """
   from ._schedule import Schedule
 
+  if loss_fn is not _UNSET and not callable(loss_fn):
+    raise TypeError(f"{where}: `loss_fn` must be callable, loss_fn(params, batch) -> loss, got "
+                    f"{type(loss_fn).__name__}.")
+  if tx is not _UNSET and not (hasattr(tx, "init") and hasattr(tx, "update")):
+    raise TypeError(f"{where}: `tx` must be an optax.GradientTransformation (with init and update), got "
+                    f"{type(tx).__name__}. Pass e.g. optax.sgd(0.1, momentum=0.9).")
   for name, value, cls in (("schedule", schedule, Schedule), ("profile", profile, GradientProfile),
                            ("network", network, NetworkModel)):
     if value is not _UNSET and not isinstance(value, cls):
-      raise TypeError(f"{where}: `{name}` must be a {cls.__name__}, got {type(value).__name__}.")
+      what, fix = _KINDS[name]
+      raise TypeError(f"{where}: `{name}` must be a {what}, got {type(value).__name__}. {fix}")
   if cross_step is not _UNSET and not isinstance(cross_step, (bool, np.bool_)):
     raise TypeError(f"{where}: cross_step={cross_step!r} must be True or False (the step mode); "
                     f"cross_step='auto' is a planning option of policy 'auto' only, through plan().")
+  if axis_name is not _UNSET:
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or not all(isinstance(n, str) and n for n in names):
+      raise TypeError(f"{where}: `axis_name` must be a non-empty string (or a tuple of them) naming the "
+                      f"pmap/shard_map axis, got {axis_name!r}.")
 
 
 def check_max_defer(where: str, max_defer: Any) -> float:
@@ -639,16 +679,3 @@ def check_max_defer(where: str, max_defer: Any) -> float:
     raise ValueError(f"{where}: max_defer={max_defer!r} must be a fraction of the gradient elements in "
                      f"[0, 1), e.g. 0.1 (0: lossless, every element sent every step).")
   return float(max_defer)
-
-
-def __getattr__(name: str) -> Any:
-  """The values that moved keep their old import path: `from ._types import Schedule` still works."""
-  if name in ("Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA"):
-    from . import _schedule
-
-    return getattr(_schedule, name)
-  if name in ("SimResult", "Event"):
-    from . import _simulate
-
-    return getattr(_simulate, name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

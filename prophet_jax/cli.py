@@ -267,6 +267,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
   """Compiles a bundled model's step for a compile-only GPU target and prints its audit."""
   from . import models, plan
   from ._gpu import compile_step, gpu_target, gpu_topology, quiet_cuda_stub
+  from ._schedule import Schedule
 
   target = gpu_target(a.target)  # an unknown target fails here, before jax starts
   model = models.get_model(a.model)
@@ -297,7 +298,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
     print(f"{a.model}, {a.mode} step, {schedule.policy} ({schedule.num_allreduces} chunk(s)): XLA:GPU's "
           f"compiled schedule for {a.devices} x {target.description} (compile-only: nothing ran; "
           f"compiled in {compile_s:.1f} s)")
-    print(report.summary())
+    print(report.describe())
     if report.chunks:
       print(report.window_table())
   return 0 if report.ok else 1

@@ -33,7 +33,7 @@ same mapping:
 - `mixed-bf16`: bfloat16 gradients are rounded per device before the mean, while the single-device
   step rounds the full-batch gradient once: the two differ by bfloat16 rounding (measured 1.2e-2 to
   2.1e-2 of the update on the bfloat16 leaves, 5.7e-3 on the float32 leaf after 3 steps, beyond
-  DESIGN's 1e-2 and 1e-3). The plain `pmean` step rounds the same way, and is the reference.
+  docs/design.md's 1e-2 and 1e-3). The plain `pmean` step rounds the same way, and is the reference.
 
 Sgd with momentum shows a wrong gradient scale; Adam hides one (its update is nearly invariant to the
 scale). So the adamw setups use `eps=1e-3`, of the size of the small gradients, where the update does

@@ -134,7 +134,7 @@ def test_bound_below_brute_force(seed, comm_ratio):
 def tightness_failures(r) -> list[str]:
   """What is loose in these bound/optimum ratios; empty when the bound is tight.
 
-  DESIGN.md asks for a median >= 0.9; the bound does much better (it equals the optimum on most
+  docs/design.md asks for a median >= 0.9; the bound does much better (it equals the optimum on most
   instances: median 1.000, mean 0.994 / 0.988, over 90% of instances within 5%, measured with the
   seed below), and a criterion at 0.9 would pass a bound 10% too low. These thresholds sit between
   what the bound achieves and what a 5% looser one would give, so a 10% loosening fails them.
@@ -164,7 +164,7 @@ def test_bound_is_tight_on_small_instances():
     ratios[True].append(lower_bound(p, net, cross_step=True) / best_ordered(p, net, cross_step=True)[0])
   for mode, r in ratios.items():
     assert np.max(r) <= 1 + REL
-    assert np.median(r) >= 0.9, f"cross_step={mode}: median bound/optimum {np.median(r):.3f}"  # DESIGN
+    assert np.median(r) >= 0.9, f"cross_step={mode}: median bound/optimum {np.median(r):.3f}"  # docs/design.md
     assert not tightness_failures(r), f"cross_step={mode}: {tightness_failures(r)}"
     # the criterion is sharp: the same bound 10% (or 5%) lower fails it
     assert tightness_failures(0.9 * np.asarray(r)), f"cross_step={mode}: a 10% looser bound passes"
@@ -286,7 +286,7 @@ def test_errors():
     best_ordered(big, net)
   with pytest.raises(TypeError, match="cross_step='auto'"):
     lower_bound(PROFILE, NET, cross_step="auto")
-  with pytest.raises(TypeError, match="must be a NetworkModel"):
+  with pytest.raises(TypeError, match="must be a prophet_jax.NetworkModel"):
     lower_bound(PROFILE, "10gbe")
 
 

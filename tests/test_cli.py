@@ -117,6 +117,8 @@ def test_plan_writes_a_schedule_from_profile_and_network_files(capsys, tmp_path)
       "tail_prob=2"], "tail_prob=2.0"),
     (["simulate", "--model", "resnet50", "--workers", "4", "--network", "10gbe", "--pressure",
       "tails=0.1"], "'tails=0.1' is not NAME=VALUE"),
+    (["audit", "--target", "h100", "--model", "cnn", "--schedule", "no/such/s.json"],
+     "schedule file 'no/such/s.json' does not exist"),  # a NameError before issue 17
 ])
 def test_bad_input_one_line_exit_2(capsys, argv, match):
   code, _, err = run(capsys, *argv)

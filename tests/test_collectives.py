@@ -135,7 +135,7 @@ def test_compiled_pmap_keeps_one_allreduce_per_chunk_in_order():
   s = _schedule(tree, {0: (10,)})
   c = jax.pmap(lambda g: pj.allreduce(g, s, AX), axis_name=AX).lower(_per_device(tree)).compile()
   report = pj.audit(c, s)
-  assert report.ok, report.summary()
+  assert report.ok, report.describe()
   assert report.order == tuple(range(s.num_allreduces)) and s.num_allreduces == 4
 
 

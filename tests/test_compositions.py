@@ -2,7 +2,7 @@
 
 Each composition that is supported is run for N steps of sgd(momentum) (or clipped adamw) under pmap
 and shard_map on a multi-chunk schedule and compared with the single-device full-batch computation
-(DESIGN.md's tolerance, tests/_assert.py). Each composition that cannot give the all-reduced result
+(docs/design.md's tolerance, tests/_assert.py). Each composition that cannot give the all-reduced result
 (`chain(clip, scheduled(...))`; `MultiSteps(scheduled(...))` under shard_map) raises CompositionError
 naming the composition to use, and `check_composition` tells the right ones from the wrong ones
 numerically.
@@ -127,7 +127,7 @@ def test_scheduled_inside_nnx_optimizer_matches_the_single_device_step(plan_from
   def step(state, batch):
     model, opt = nnx.merge(graphdef, state)
     mgraph, p, rest = nnx.split(model, nnx.Param, ...)
-    if mapping == "shard_map":  # own the all-reduce (FACTS.md, the 8x gradient trap)
+    if mapping == "shard_map":  # own the all-reduce (docs/facts.md, "The 8x gradient trap")
       p = jax.lax.pcast(p, AX, to="varying")
     grads = jax.grad(lambda p: _nnx_loss(nnx.merge(mgraph, p, rest), batch))(p)
     opt.update(model, grads)

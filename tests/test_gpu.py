@@ -137,7 +137,7 @@ def test_every_policy_keeps_its_chunks_and_overlaps_backward(reports, model, mod
   for policy in CASES[(model, mode)]:
     s = schedule_for(model, policy, mode)
     r = reports[(model, mode, policy)]
-    where = f"{model} {mode} {policy}\n{r.summary()}"
+    where = f"{model} {mode} {policy}\n{r.describe()}"
     assert r.ok, where
     assert r.order == tuple(range(s.num_allreduces)), where
     assert [e.elements for e in r.chunks] == [c.size for c in s.chunks], where
@@ -164,7 +164,7 @@ def test_pipelined_next_forward_runs_inside_an_allreduce_window_when_the_plan_al
     last_paths = {s.rows[row][0] for row, _, _ in s.chunks[-1].slices}
     allowed = not any(p.startswith(FIRST_READ[model]) for p in last_paths)
     allowed_any |= allowed
-    assert bool(r.forward_overlap) == allowed, f"{policy}: {r.summary()}"
+    assert bool(r.forward_overlap) == allowed, f"{policy}: {r.describe()}"
   assert allowed_any, "no plan lets the next forward start early: the claim was not exercised"
 
 
@@ -213,12 +213,12 @@ def test_a_step_xla_merged_or_reordered_fails_the_audit(topo, case):
   step = jax.jit(jax.shard_map(lambda p: f(jax.lax.pcast(p, AX, to="varying")), mesh=topo.mesh(AX),
                                in_specs=(P(),), out_specs=P()))
   r = pj.audit(step.lower(topo.abstract(params, P())).compile(), s)
-  assert not r.ok, r.summary()
+  assert not r.ok, r.describe()
   if case == "merged":  # independent all-reduces: XLA:GPU's combiner joins them into one
-    assert any("share one all-reduce" in p for p in r.problems), r.summary()
+    assert any("share one all-reduce" in p for p in r.problems), r.describe()
     assert len({e.name for e in r.chunks}) == 1
   else:
-    assert any("not in schedule order" in p for p in r.problems), r.summary()
+    assert any("not in schedule order" in p for p in r.problems), r.describe()
     assert r.order[:2] == (1, 0)
 
 
@@ -239,11 +239,11 @@ def test_users_xla_flags_keep_count_and_order_or_warn(topo):
     benign, sync = pool.map(lambda o: pj.audit(_gpu.compile_lowered(lowered, o)[0], s),
                             (BENIGN_FLAGS, SYNC_FLAGS))
   for r in (benign, sync):
-    assert r.ok and r.order == tuple(range(s.num_allreduces)), r.summary()
+    assert r.ok and r.order == tuple(range(s.num_allreduces)), r.describe()
   assert not benign.exposed[:-1] and not benign.warnings and benign.backward_outside_windows == 0, \
-      benign.summary()
+      benign.describe()
   assert not sync.asynchronous and len(sync.exposed) == s.num_allreduces
-  assert any("synchronous" in w for w in sync.warnings), sync.summary()
+  assert any("synchronous" in w for w in sync.warnings), sync.describe()
 
 
 def test_a100_overlaps_only_with_the_latency_hiding_scheduler():
@@ -256,9 +256,9 @@ def test_a100_overlaps_only_with_the_latency_hiding_scheduler():
   with ThreadPoolExecutor(2) as pool:
     default, lhs = pool.map(lambda o: pj.audit(_gpu.compile_lowered(lowered, o)[0], s),
                             (None, {"xla_gpu_enable_latency_hiding_scheduler": True}))
-  assert default.ok and not default.asynchronous and default.warnings, default.summary()
+  assert default.ok and not default.asynchronous and default.warnings, default.describe()
   assert "xla_gpu_enable_latency_hiding_scheduler=true" in default.warnings[0]
-  assert lhs.ok and lhs.asynchronous and not lhs.warnings and not lhs.exposed[:-1], lhs.summary()
+  assert lhs.ok and lhs.asynchronous and not lhs.warnings and not lhs.exposed[:-1], lhs.describe()
 
 
 def test_audit_report_round_trips_through_json(reports):

@@ -103,7 +103,8 @@ def test_a_bad_fit_warns_naming_the_residual(monkeypatch):
   good = _timings([t * f for t, f in zip(exact, (1.02, 0.97, 1.01, 0.99, 1.0))])
   assert _network.check_fit(good.fit(), good) is None
   ticked = list(exact)
-  ticked[0] = ticked[1] = 4e-3  # a 4 ms scheduler tick at the small sizes (FACTS.md)
+  # a 4 ms scheduler tick at the small sizes (docs/facts.md, "Several processes")
+  ticked[0] = ticked[1] = 4e-3
   bad = _timings(ticked)
   text = _network.check_fit(bad.fit(), bad)
   assert text is not None and "RMS residual of" in text and "not a straight line" in text

@@ -1,7 +1,7 @@
 """The cross-step pipelined step (`prophet_jax.pipelined`): equal to the plain loop, ordered chunks, errors.
 
 Every equivalence test runs N pipelined steps and a flush and compares the parameters with N plain steps
-(single-device full batch, and the plain `pmean` step under the same mapping) within DESIGN.md's
+(single-device full batch, and the plain `pmean` step under the same mapping) within docs/design.md's
 tolerance (tests/_assert.py). 8 CPU devices (conftest.py).
 """
 
@@ -286,7 +286,7 @@ def test_matches_plain_loop(mapping, modelname, txname, residuals, policy):
     found = chunk_allreduces(runner.compiled.as_text())
     assert found == [(k, c.size) for k, c in enumerate(schedule.chunks)], found
     report = audit(runner.compiled, schedule)
-    assert report.ok, report.summary()
+    assert report.ok, report.describe()
     assert report.order == tuple(range(len(schedule.chunks))) and not report.foreign
     if modelname == "cnn":  # evaluation after a flush equals the plain loop's
       ev = model.make_batch(jax.random.key(7), 64)
@@ -468,6 +468,8 @@ def test_bad_arguments():
     pipelined(model.loss_fn, optax.sgd(0.1), "wfbp", axis_name=AXIS)
   with pytest.raises(TypeError, match="callable"):
     pipelined(None, optax.sgd(0.1), pipe.schedule, axis_name=AXIS)
+  with pytest.raises(TypeError, match=r"pipelined: `axis_name` must be a non-empty string.*got \(\)"):
+    pipelined(model.loss_fn, optax.sgd(0.1), pipe.schedule, axis_name=())
   with pytest.raises(ValueError, match="residuals='dots'.*'all', 'min-cut', 'matmuls' or a jax.checkpoint policy"):
     pipelined(model.loss_fn, optax.sgd(0.1), pipe.schedule, axis_name=AXIS, residuals="dots")
   with pytest.raises(TypeError, match="expected the PipelinedState"):
@@ -665,7 +667,7 @@ def test_typed_keys_in_the_batch():
 def test_bf16_params_are_read_rounded_by_the_next_forward():
   """Mixed bfloat16/float32 params computing in float32 (flax's promotion), under `xla`'s plan (one
   chunk per dtype): the compiled full step rounds each updated bfloat16 leaf with a reduce-precision
-  XLA kept, and the result equals the plain pmean loop within DESIGN.md's tolerance (1e-3 for the
+  XLA kept, and the result equals the plain pmean loop within docs/design.md's tolerance (1e-3 for the
   float32 leaf, whose error the unrounded bfloat16 params used to make 2.5e-3; 3.4e-2 on a bfloat16
   kernel)."""
   import _user_setups as U
@@ -721,7 +723,7 @@ def bf16_compute_case():
 @pytest.mark.parametrize("mutation", [None, "mean-over-n-minus-1"])
 def test_bf16_compute_matches_a_reference_that_rounds_the_same_way(monkeypatch, mutation):
   """bfloat16 params *and* compute: against the plain pmean step, both compiled without XLA's excess
-  precision, so that every bfloat16 value is rounded where the program says: equal within DESIGN.md's
+  precision, so that every bfloat16 value is rounded where the program says: equal within docs/design.md's
   tolerance (bit for bit on the bfloat16 leaves, in fact), and a mean over n-1 fails it.
 
   With default flags the plain step may keep bfloat16 activations in float32 between its forward and

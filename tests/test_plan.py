@@ -116,9 +116,9 @@ def test_validate_schedule_names_what_differs():
     validate_schedule(s, GradientProfile(rows=P.rows[:2], forward_s=0.01, backward_s=0.02))
   with pytest.raises(ScheduleMismatchError, match=r"'b/w' \(16,\) float32"):
     validate_schedule(plan(_profile(n_b=16), NET, "wfbp"), P)
-  with pytest.raises(TypeError, match="`schedule` must be a Schedule"):
+  with pytest.raises(TypeError, match="`schedule` must be a prophet_jax.Schedule"):
     validate_schedule(s.to_dict(), P)
-  with pytest.raises(TypeError, match="`profile` must be a GradientProfile"):
+  with pytest.raises(TypeError, match="`profile` must be a prophet_jax.GradientProfile"):
     validate_schedule(s, NET)
 
 

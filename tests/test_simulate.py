@@ -331,9 +331,9 @@ def test_errors():
     simulate(WFBP, other, NET)
   with pytest.raises(TypeError, match="cross_step='auto'"):
     simulate(WFBP, PROFILE, NET, cross_step="auto")
-  with pytest.raises(TypeError, match="must be a Schedule"):
+  with pytest.raises(TypeError, match="must be a prophet_jax.Schedule"):
     simulate(PROFILE, PROFILE, NET)
-  with pytest.raises(TypeError, match="must be a NetworkModel"):
+  with pytest.raises(TypeError, match="must be a prophet_jax.NetworkModel"):
     simulate(WFBP, PROFILE, "10gbe")
 
 

@@ -171,7 +171,7 @@ def pmean_reference(model: str, dtype: str):
 
 
 def assert_close(got, ref, before, *, rel=None):
-  """DESIGN.md's tolerance (tests/_assert.py), with two floors it cannot express per leaf.
+  """docs/design.md's tolerance (tests/_assert.py), with two floors it cannot express per leaf.
 
   - A leaf whose true gradient is zero (e.g. an attention key bias: softmax ignores a shift) has an
     "update" made of float noise; its error is held to 1e-4 (bfloat16: 1e-3) of the largest update in
@@ -331,7 +331,7 @@ def teacher_forced_reference(model, dtype, schedule, sent):
   Each chunk's per-device buffers are summed in float64, rounded to the chunk's dtype and divided by
   n (what `psum` then the mean does), scattered into the leaves by the schedule's slices, and sgd
   (momentum) is applied on one device. This rounds the way the step does (the same gradient values,
-  the same bf16 rounding of the reduced gradients and of the update), so it holds bf16 to DESIGN's
+  the same bf16 rounding of the reduced gradients and of the update), so it holds bf16 to docs/design.md's
   1e-2 of the update, and it is independent of the library's gather, all-reduce and scatter.
   """
   _, params, _ = setup(model, dtype)
@@ -362,10 +362,10 @@ def test_numerics_and_audit(policy, model, dtype, mapping, transform, instrument
   compiled, carry, bs, unbox, s = build_step(model, dtype, policy, mapping, transform)
   assert s.num_allreduces > 1, f"{s.policy} planned one chunk: the case proves nothing about order"
   got, sent = run_steps(compiled, carry, bs, unbox, 1.0)
-  # DESIGN's tolerance (1e-3 float32, 1e-2 bfloat16) against the same values reduced by the test
+  # docs/design.md's tolerance (1e-3 float32, 1e-2 bfloat16) against the same values reduced by the test
   assert_close(got, teacher_forced_reference(model, dtype, s, sent), params)
   # and the whole computation against the single-device full batch and the plain pmean step: exact to
-  # DESIGN's tolerance in float32; with bf16 compute, the same batch's gradients computed by another
+  # docs/design.md's tolerance in float32; with bf16 compute, the same batch's gradients computed by another
   # program (one device; pmap instead of shard_map; another fusion) round differently, by up to 0.15
   # of the update measured (float32 biases of a bf16 model included), so there the whole-step check
   # is a coarse one (a psum instead of a pmean is 8x, a lost slice 1x the update)
@@ -377,7 +377,7 @@ def test_numerics_and_audit(policy, model, dtype, mapping, transform, instrument
     assert_close(wrong, teacher_forced_reference(model, dtype, s, sent_wrong), params)
   # the compiled plain-user step keeps the plan: count, order, sizes; the loss pmean is foreign
   report = pj.audit(compiled, s)
-  assert report.ok, report.summary()
+  assert report.ok, report.describe()
   assert report.chunk_allreduces == s.num_allreduces
   assert report.order == tuple(range(s.num_allreduces))
   assert [e.elements for e in report.chunks] == [c.size for c in s.chunks]
@@ -424,7 +424,7 @@ def test_check_fails_for_wrong_scale_and_lost_slice():
   ok, scale, sliced = (jax.tree.map(lambda x: np.asarray(x[0]), st[0]) for st in states)
   ref = single_device_reference(model, dtype)
   assert_close(ok, ref, params)
-  assert_trees_close(ok, ref, params)  # DESIGN.md's tolerance as tests/_assert.py states it
+  assert_trees_close(ok, ref, params)  # docs/design.md's tolerance as tests/_assert.py states it
   for check in (assert_close, assert_trees_close):
     with pytest.raises(AssertionError, match="max"):
       check(scale, ref, params)
@@ -462,7 +462,7 @@ def test_hooked_scan_model_reduces_inside_the_backward_loop():
                                jax.tree_util.tree_flatten_with_path(ref)[0]):
     np.testing.assert_allclose(x, y, atol=1e-6, err_msg=pj_path(path))
   report = pj.audit(compiled, s)
-  assert report.ok, report.summary()
+  assert report.ok, report.describe()
   (loop,) = report.loops
   assert loop.trips == 3 and report.loop_allreduces == 3  # once per trip of the backward loop
   assert loop.elements == 32 * 32 + 32  # one layer's kernel and bias

@@ -80,6 +80,45 @@ def test_match_tree_maps_rows_by_path_and_names_what_differs():
     match_tree([], s)
 
 
+def test_match_tree_reads_both_spellings_of_an_nnx_variable_and_rejects_two_rows_on_one_leaf():
+  jax = pytest.importorskip("jax")
+  from jax.tree_util import DictKey, GetAttrKey
+
+  w, b = np.zeros((3, 4), np.float32), np.zeros(4, np.float32)
+  pure = _schedule({"l1": {"bias": b, "kernel": w}})                 # rows 'l1/bias', 'l1/kernel'
+  # an nnx.State of Variables: each array under GetAttrKey('value'), 'l1/kernel/value'
+  variables = [((DictKey("l1"), DictKey(k), GetAttrKey("value")), x) for k, x in (("bias", b), ("kernel", w))]
+  lmap = match_tree(variables, pure, where="t")
+  assert lmap.paths == ("l1/bias/value", "l1/kernel/value") and lmap.row_leaf == (0, 1)
+  # planned from the Variables ('.../value'), applied to the pure arrays (keys or strings alike)
+  planned = _schedule({"l1": {"bias": {"value": b}, "kernel": {"value": w}}})
+  assert planned.rows[0][0] == "l1/bias/value"
+  assert match_tree(flatten_with_paths({"l1": {"bias": b, "kernel": w}}), planned).row_leaf == (0, 1)
+  assert match_tree(jax.tree_util.tree_flatten_with_path({"l1": {"bias": b, "kernel": w}})[0],
+                    planned).row_leaf == (0, 1)
+  # a dict key 'value' is not a Variable: its path does not answer to the shorter one
+  with pytest.raises(ScheduleMismatchError, match=r"no leaf at that path \(the tree has paths like "
+                                                   r"\['l1/bias/value', 'l1/kernel/value'\]\)"):
+    match_tree(jax.tree_util.tree_flatten_with_path({"l1": {"bias": {"value": b},
+                                                           "kernel": {"value": w}}})[0], pure)
+  # exact paths first; two rows on one leaf are an error naming both
+  both = _schedule({"a": b, "a/value": b})
+  assert [r[0] for r in both.rows] == ["a", "a/value"]
+  assert match_tree(flatten_with_paths({"a": b, "a/value": b}), both).row_leaf == (0, 1)
+  with pytest.raises(ScheduleMismatchError, match=r"t: schedule rows \['a', 'a/value'\] all name the tree's "
+                                                   r"leaf 'a'.*the tree has paths like \['a'\]"):
+    match_tree(flatten_with_paths({"a": b}), both, where="t")
+
+
+def test_typed_prng_keys_are_not_rows():
+  jax = pytest.importorskip("jax")
+  key = jax.random.key(0)
+  assert not is_float_dtype(key.dtype) and dtype_name(key.dtype) == "key<fry>"
+  tree = {"w": np.zeros(2, np.float32), "rng": key}
+  assert [r.path for r in GradientProfile.from_params(tree).rows] == ["w"]
+  assert match_tree(jax.tree_util.tree_flatten_with_path(tree)[0], _schedule({"w": tree["w"]})).row_leaf == (1,)
+
+
 def test_match_rows_names_the_row_and_the_fingerprints():
   s = _schedule()
   match_rows(s, GradientProfile.from_params(TREE).tree_rows(), where="w")

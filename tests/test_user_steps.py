@@ -1,7 +1,7 @@
 """The user-setup matrix: the setups of tests/_user_setups.py x {scheduled, hooked, pipelined} x {pmap,
 shard_map} (a pairwise cover: every setup with every API, and every setup and API under both mappings),
 against the setup's reference (the single-device full batch, or the plain pmean step where that is the
-right one: see _user_setups.py), with DESIGN.md's tolerance, on multi-chunk schedules.
+right one: see _user_setups.py), with docs/design.md's tolerance, on multi-chunk schedules.
 
 Each case runs STEPS steps the way a user would (host batches placed on the devices, the user's own
 `jax.pmap` or `jax.jit(jax.shard_map(...))`), then compares the parameters (and the model state) with
@@ -195,7 +195,7 @@ def reference(name: str, mapping: str):
 
 
 def check(name: str, mapping: str, got, *, params_only: bool = False) -> None:
-  """The case's result equals the reference: params and model state within DESIGN.md's tolerance, the
+  """The case's result equals the reference: params and model state within docs/design.md's tolerance, the
   losses and aux of each step. Raises AssertionError naming what differs."""
   s = U.setups()[name]
   p, ms, history = got

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .._types import GradientProfile, NetworkModel, Schedule
+from .._schedule import Schedule
+from .._types import GradientProfile, NetworkModel
 from ._base import Scheduler, Slice
 from ._common import check_bytes, check_inputs, schedule_from_groups, whole_slice
 
@@ -166,7 +167,8 @@ def bucket(*, style: str = "ddp", bucket_bytes: int | None = None, first_bucket_
   overshoot), the first bucket of each dtype capped at `first_bucket_bytes`. DDP issues the buckets in
   bucket order, each when its last leaf is ready. Defaults as in DDP: `bucket_bytes` 25 MiB; the first
   bucket 1 MiB only when `bucket_bytes` is left at its default (`bucket_cap_mb=None`), otherwise the same
-  as `bucket_bytes` (an explicit `bucket_cap_mb` sets both caps, measured with torch 2.13: FACTS.md);
+  as `bucket_bytes` (an explicit `bucket_cap_mb` sets both caps, measured with torch 2.13:
+  docs/facts.md, "The field, as measured or published");
   `first_bucket_bytes` overrides it (DDP's is the module constant `_DEFAULT_FIRST_BUCKET_BYTES`).
   Not modelled: DDP's first iteration (one bucket of everything, or reverse parameter order with the
   rebuild disabled), its gradient copies into the bucket views, `static_graph`, unused-parameter

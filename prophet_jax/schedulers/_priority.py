@@ -8,7 +8,8 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from .._types import GradientProfile, NetworkModel, Schedule, itemsize
+from .._schedule import Schedule
+from .._types import GradientProfile, NetworkModel, itemsize
 from ._base import Scheduler
 from ._common import check_bytes, check_inputs, partition_count, partition_row, schedule_from_groups
 
