@@ -58,12 +58,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._collectives import axis_size, check_not_reduced, chunk_scope, match_tree, tie
+from ._collectives import chunk_scope, tie
 from ._errors import ScheduleMismatchError
 from ._schedule import Chunk, Schedule
 
-__all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "check_state",
-           "check_links", "group_step", "reduce_buckets", "deferred_allreduce", "state_specs"]
+__all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "defer_state", "check_state",
+           "group_step", "rank", "unit_group", "group_states", "with_groups", "state_specs"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -189,14 +189,19 @@ class GroupState(NamedTuple):
   residual: jax.Array
 
 
-def init(schedule: Schedule) -> DeferState:
-  """The state before the first step: norms 0, nothing deferred, zero residuals.
+def init(schedule: Schedule) -> DeferState | None:
+  """The state before the first step: norms 0, nothing deferred, zero residuals (None when the
+  schedule defers nothing). Public as `prophet_jax.defer_state`.
 
   The residual of each device is zero, so the same state serves every device: under `pmap`,
   replicate it (it has no device axis of its own); under `shard_map`, make it inside the mapped
   function (or stack n copies of each residual on its leading axis) and pass it with `state_specs`.
   The first step ranks by index and so defers the last k chunks of every group.
   """
+  if not isinstance(schedule, Schedule):
+    raise TypeError(f"defer_state: expected a prophet_jax.Schedule, got {type(schedule).__name__}.")
+  if not schedule.defers:
+    return None
   groups = defer_groups(schedule)
   tag = DeferTag(_schedule_key(schedule), schedule.tree_fingerprint, _layout(schedule))
   return DeferState(
@@ -207,27 +212,68 @@ def init(schedule: Schedule) -> DeferState:
       tag=tag)
 
 
-def state_specs(state: DeferState, axis_name: Any) -> DeferState:
-  """PartitionSpecs of a DeferState for `jax.shard_map`: `P()` for norms, deferred and index,
-  `P(axis_name)` for the residuals (each device's own, on their leading axis of 1)."""
+def defer_state(schedule: Schedule) -> DeferState | None:
+  """The deferral state of `schedule` before its first step (None when it defers nothing).
+
+  Needed where the caller owns the step's state: `allreduce(..., defer_state=...)` and
+  `hooked`'s `grad_fn(params, batch, defer_state)` (`scheduled` and `pipelined` keep it in their
+  own states). Norms 0 and nothing deferred, so the first step defers the last k chunks of every
+  group; zero residuals, so one state serves every device: under `pmap` replicate it, under
+  `shard_map` make it inside the mapped function (or stack one copy per device on the residuals'
+  leading axis) and pass it with `state_specs`.
+
+  Raises:
+    TypeError: `schedule` is not a Schedule.
+  """
+  return init(schedule)
+
+
+def state_specs(state: Any, axis_name: Any) -> Any:
+  """PartitionSpecs for `jax.shard_map` of any state holding DeferStates (an optax state, a
+  TrainState, a PipelinedState, ...): `P(axis_name)` for each DeferState's residuals (each device's
+  own, on their leading axis of 1), `P()` for every other leaf (replicated).
+
+  Args:
+    state: the state (arrays or ShapeDtypeStructs, e.g. `jax.eval_shape(tx.init, params)`).
+    axis_name: the data-parallel mesh axis.
+
+  Returns:
+    A tree of PartitionSpecs with the structure of `state`.
+  """
   from jax.sharding import PartitionSpec as P
 
-  if not isinstance(state, DeferState):
-    raise TypeError(f"state_specs: expected a DeferState, got {type(state).__name__}.")
-  rep = lambda xs: tuple(P() for _ in xs)  # noqa: E731
-  return DeferState(norms=rep(state.norms), deferred=rep(state.deferred), index=rep(state.index),
-                    residual=tuple(P(axis_name) for _ in state.residual), tag=state.tag)
+  def one(x):
+    if isinstance(x, DeferState):
+      rep = lambda xs: tuple(P() for _ in xs)  # noqa: E731
+      return DeferState(norms=rep(x.norms), deferred=rep(x.deferred), index=rep(x.index),
+                        residual=tuple(P(axis_name) for _ in x.residual), tag=x.tag)
+    return P()
+
+  return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, DeferState))
 
 
 def check_state(state: Any, schedule: Schedule, where: str) -> None:
   """ScheduleMismatchError unless `state` is this schedule's DeferState with the right shapes.
 
-  Plain Python at trace time: the tag (the schedule's key and the groups' layout) must match, then
-  every leaf's per-device shape and dtype.
+  Plain Python at trace time: None for a schedule that defers nothing; else the tag (the schedule's
+  key and the groups' layout) must match, then every leaf's per-device shape and dtype.
+
+  Raises:
+    TypeError: a state for a schedule that defers nothing, or none (or not a DeferState) for one
+      that defers.
+    ScheduleMismatchError: the state belongs to another schedule or tree, or has other shapes.
   """
+  if not schedule.defers:
+    if state is not None:
+      raise TypeError(f"{where}: a deferral state was given, but the schedule ({schedule.policy}) "
+                      f"defers nothing; pass None (only a schedule with deferral groups, dlcp with "
+                      f"max_defer > 0, has a deferral state).")
+    return
   if not isinstance(state, DeferState):
-    raise TypeError(f"{where}: the deferral state must be a DeferState (from the transformation's "
-                    f"init), got {type(state).__name__}.")
+    raise TypeError(f"{where}: the schedule defers ({len(defer_groups(schedule))} deferral groups, up to "
+                    f"{schedule.max_deferred_fraction:.1%} of the elements per step), so it needs its "
+                    f"deferral state: a DeferState (prophet_jax.defer_state(schedule) before the first "
+                    f"step, then the one each step returns), got {type(state).__name__}.")
   want = DeferTag(_schedule_key(schedule), schedule.tree_fingerprint, _layout(schedule))
   tag = state.tag
   if not isinstance(tag, DeferTag) or tag != want:
@@ -319,142 +365,20 @@ def group_step(rows: jax.Array, gstate: GroupState, group: DeferGroup, axis_name
 
 
 # --------------------------------------------------------------------------------------------------
-# the whole schedule
+# glue for the engine (`_collectives.reduce_units`)
 
 
-def _gather(flat: Sequence[jax.Array], chunk: Chunk, row_leaf: Sequence[int]) -> jax.Array:
-  parts = [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+def unit_group(bucket: Any, first: int) -> DeferGroup:
+  """The DeferGroup of a deferral bucket whose first slot is all-reduce `first`."""
+  return DeferGroup(bucket=-1, first=first, chunks=bucket.chunks, defer=bucket.defer,
+                    size=bucket.slot_size, dtype=bucket.chunks[0].dtype)
 
 
-def reduce_buckets(flat: list[jax.Array], schedule: Schedule, row_leaf: Sequence[int],
-                   state: DeferState | None, axis_name: Any, *, divisor: int | None,
-                   chains: Sequence[int] | None = None
-                   ) -> tuple[list[jax.Array], DeferState | None]:
-  """Every bucket of `schedule` in issue order, deferral groups included; returns (leaves, state).
-
-  Args:
-    flat: leaves (any shape); schedule rows index them through `row_leaf`.
-    schedule: the schedule.
-    row_leaf: schedule row -> index into `flat`.
-    state: the DeferState (None when the schedule has no deferral group).
-    axis_name: the mapped axis.
-    divisor: divide each reduced buffer by this (the axis size, for a mean), or None.
-    chains: the tie chain (link) of every issued all-reduce, in issue order; None: one chain.
-  """
-  groups = {g.bucket: g for g in defer_groups(schedule)}
-  gstates = list(zip(*state[:4])) if state is not None and groups else []
-  new_g: list[GroupState] = []
-  flat = list(flat)
-  prev: dict[int, jax.Array | None] = {}
-  pieces: dict[int, list[tuple[int, jax.Array]]] = {}
-  touched: list[int] = []
-  issued = 0
-
-  def put(chunk: Chunk, red: jax.Array) -> None:
-    off = 0
-    for r, a, b in chunk.slices:
-      if r not in pieces:
-        pieces[r] = []
-        touched.append(r)
-      pieces[r].append((a, red[off:off + (b - a)]))
-      off += b - a
-
-  def chain(i: int) -> int:
-    return 0 if chains is None else int(chains[i])
-
-  for b, bucket in enumerate(schedule.buckets):
-    g = groups.get(b)
-    if g is None:
-      for chunk in bucket.chunks:
-        j = chain(issued)
-        with jax.named_scope(chunk_scope(issued)):
-          buf = tie(_gather(flat, chunk, row_leaf), prev.get(j))
-          red = jax.lax.psum(buf, axis_name)
-          if divisor is not None:
-            red = red / jnp.asarray(divisor, red.dtype)
-        prev[j] = red
-        put(chunk, red)
-        issued += 1
-      continue
-    rows = jnp.stack([jnp.pad(x, (0, g.size - x.shape[0])) for x in
-                      (_gather(flat, c, row_leaf) for c in g.chunks)])
-    out, gs = group_step(rows, GroupState(*gstates[len(new_g)]), g, axis_name, divisor=divisor,
-                         prev=prev, first_index=issued,
-                         chains=None if chains is None else chains[issued:issued + g.slots])
-    new_g.append(gs)
-    for i, chunk in enumerate(g.chunks):
-      put(chunk, out[i, :chunk.size])
-    issued += g.slots
-  for r in touched:
-    i = row_leaf[r]
-    segs = [s for _, s in sorted(pieces[r], key=lambda t: t[0])]
-    full = segs[0] if len(segs) == 1 else jnp.concatenate(segs)
-    flat[i] = full.reshape(np.shape(flat[i]))
-  if state is None:
-    return flat, None
-  new_state = DeferState(*(tuple(x) for x in zip(*new_g)), tag=state.tag) if new_g else state
-  return flat, new_state
+def group_states(state: DeferState | None) -> tuple[GroupState, ...]:
+  """The per-group states of a DeferState, in issue order (() for None)."""
+  return () if state is None else tuple(GroupState(*g) for g in zip(*state[:4]))
 
 
-def _platform() -> str | None:
-  """The platform of the devices the current mapped computation is traced for ('cpu', 'gpu', ...).
-
-  Read from the abstract mesh (set under `shard_map` and `pmap`), so a compile-only GPU topology
-  counts as 'gpu' even in a process whose default backend is the CPU; None when unknown.
-  """
-  try:
-    return jax.sharding.get_abstract_mesh().abstract_device.platform
-  except (AttributeError, RuntimeError, ValueError):
-    return None
-
-
-# collectives one device runs at once, per platform, where it is known to be limited
-_PLATFORM_LINKS = {"cpu": 1}
-
-
-def check_links(schedule: Schedule, where: str) -> tuple[int, ...] | None:
-  """The tie chain of every issued all-reduce (`schedule.links`), or None for one chain.
-
-  Raises:
-    ValueError: the schedule stripes over more links than the platform runs at once: on the CPU
-      a collective blocks the executor (docs/facts.md, "CPU collectives are synchronous"), so two
-      chains there would only let XLA reorder or merge the chunks.
-  """
-  links = schedule.links
-  if not links or max(links) == 0:
-    return None
-  n = max(links) + 1
-  platform = _platform()
-  most = _PLATFORM_LINKS.get(platform or "")
-  if most is not None and n > most:
-    raise ValueError(
-        f"{where}: the schedule stripes its all-reduces over links={n} tie chains, more links than the "
-        f"platform can run at once ({platform}: {most}; its collectives are synchronous, so a second "
-        f"chain only lets XLA merge or reorder the chunks). Plan with NetworkModel(..., links={most}), "
-        f"or drop the assignment: dataclasses.replace(schedule, links=()).")
-  return links
-
-
-def deferred_allreduce(grads: Any, schedule: Schedule, state: DeferState | None, axis_name: Any, *,
-                       mean: bool = True, where: str = "allreduce") -> tuple[Any, DeferState | None]:
-  """`allreduce` with the schedule's deferral groups: returns (reduced tree, new DeferState).
-
-  Inside `pmap` or `shard_map`; rows matched to leaves by path, as `allreduce` does. A deferred
-  chunk's elements are zero in the result and kept in the new state's residual.
-
-  Raises:
-    ScheduleMismatchError: the tree or the state belongs to another schedule.
-    UnboundAxisError, AlreadyReducedError: as `allreduce`.
-  """
-  n = axis_size(axis_name, where)
-  if schedule.defers:
-    check_state(state, schedule, where)
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(grads)
-  lmap = match_tree(leaves_with_path, schedule, where=where)
-  flat = [leaf for _, leaf in leaves_with_path]
-  check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
-  flat, new = reduce_buckets(flat, schedule, lmap.row_leaf, state if schedule.defers else None,
-                             axis_name, divisor=n if mean else None,
-                             chains=check_links(schedule, where))
-  return jax.tree_util.tree_unflatten(treedef, flat), (new if schedule.defers else state)
+def with_groups(state: DeferState, groups: Sequence[GroupState]) -> DeferState:
+  """`state` with its groups replaced (the same tag)."""
+  return DeferState(*(tuple(x) for x in zip(*groups)), tag=state.tag) if groups else state

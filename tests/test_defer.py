@@ -101,7 +101,7 @@ TRACES: dict = {}
 def _pmap_step(schedule):
   def step(g, st):
     TRACES[schedule] = TRACES.get(schedule, 0) + 1
-    return _defer.deferred_allreduce(g, schedule, st, AX)
+    return pj.allreduce(g, schedule, AX, defer_state=st)
   return jax.pmap(step, axis_name=AX)
 
 
@@ -134,7 +134,7 @@ def test_shard_map_equals_oracle_state_specs_and_one_compile():
 
   def body(g, st):
     g = jax.tree.map(lambda x: x[0], g)
-    out, st = _defer.deferred_allreduce(g, s, st, AX)
+    out, st = pj.allreduce(g, s, AX, defer_state=st)
     return jax.tree.map(lambda x: x[None], out), st
 
   step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX), specs), out_specs=(P(AX), specs)))
@@ -166,17 +166,54 @@ def test_compiled_allreduces_are_the_slots_in_order():
   assert scopes == list(range(7))
 
 
+def _reduce_chunks_before_issue_18(flat, chunks, row_leaf, axis_name, divisor):
+  """The lossless engine as it was before deferral groups and links (main at b3124b2), verbatim."""
+  from prophet_jax._collectives import chunk_scope, tie
+  flat = list(flat)
+  pieces, touched, prev = {}, [], None
+  for k, chunk in enumerate(chunks):
+    parts = [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
+    with jax.named_scope(chunk_scope(k)):
+      buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+      buf = tie(buf, prev)
+      red = jax.lax.psum(buf, axis_name)
+      red = red / jnp.asarray(divisor, red.dtype)
+    prev = red
+    off = 0
+    for r, a, b in chunk.slices:
+      if r not in pieces:
+        pieces[r] = []
+        touched.append(r)
+      pieces[r].append((a, red[off:off + (b - a)]))
+      off += b - a
+  for r in touched:
+    i = row_leaf[r]
+    segs = [x for _, x in sorted(pieces[r], key=lambda t: t[0])]
+    full = segs[0] if len(segs) == 1 else jnp.concatenate(segs)
+    flat[i] = full.reshape(np.shape(flat[i]))
+  return flat
+
+
 def test_k0_is_the_lossless_path_same_hlo():
+  """A schedule whose groups defer 0 is lossless: no state, and the very program of the engine
+  before deferral existed."""
+  from prophet_jax._tree import match_tree
   s0 = _schedule(defer=(0, 0))
-  assert not s0.defers and s0.num_allreduces == 10
+  assert not s0.defers and s0.num_allreduces == 10 and _defer.init(s0) is None
   g = {k: jnp.zeros((NDEV, *v.shape)) for k, v in TREE.items()}
 
   def step(g):  # one name for both, so the modules' names match
     return fn(g)
 
-  fn = lambda g: _defer.deferred_allreduce(g, s0, None, AX)[0]  # noqa: E731
-  a = jax.pmap(step, axis_name=AX).lower(g).compile().as_text()
+  def before(g):
+    lw, td = jax.tree_util.tree_flatten_with_path(g)
+    lmap = match_tree(lw, s0)
+    flat = _reduce_chunks_before_issue_18([x for _, x in lw], s0.chunks, lmap.row_leaf, AX, NDEV)
+    return jax.tree_util.tree_unflatten(td, flat)
+
   fn = lambda g: pj.allreduce(g, s0, AX)  # noqa: E731
+  a = jax.pmap(step, axis_name=AX).lower(g).compile().as_text()
+  fn = before
   b = jax.pmap(step, axis_name=AX).lower(g).compile().as_text()
   assert a == b
 
@@ -191,7 +228,7 @@ def test_state_from_another_schedule_or_shape_raises():
   bad = bad._replace(residual=(jnp.zeros((1, 2, 16)),) + bad.residual[1:])
   with pytest.raises(pj.ScheduleMismatchError, match=r"residual of group 1 .* shape \(1, 2, 16\)"):
     _pmap_step(s)(g, bcast(bad))
-  with pytest.raises(TypeError, match="must be a DeferState"):
+  with pytest.raises(TypeError, match=r"defers \(2 deferral groups.*prophet_jax.defer_state\(schedule\)"):
     _pmap_step(s)(g, None)
 
 
@@ -211,7 +248,7 @@ def test_links_over_one_on_the_cpu_raise_naming_the_value():
   g = {k: jnp.zeros((NDEV, *v.shape)) for k, v in TREE.items()}
   with pytest.raises(ValueError, match=r"links=2 tie chains, more links than the platform can run at once "
                                        r"\(cpu: 1"):
-    jax.pmap(lambda g: _defer.deferred_allreduce(g, s, None, AX)[0], axis_name=AX)(g)
+    jax.pmap(lambda g: pj.allreduce(g, s, AX), axis_name=AX)(g)
 
 
 # XLA:GPU (compile-only H100s): two tie chains put two all-reduces in flight at once, given the flags
@@ -228,7 +265,7 @@ def _gpu_step(schedule, topo, model):
 
   def body(p, o, b):
     loss, g = jax.value_and_grad(model.loss_fn)(jax.lax.pcast(p, AX, to="varying"), b)
-    g, _ = _defer.deferred_allreduce(g, schedule, None, AX)
+    g = pj.allreduce(g, schedule, AX)
     u, o = tx.update(g, o, p)
     return optax.apply_updates(p, u), o, loss[None]
 
@@ -260,13 +297,14 @@ import sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, {root!r})
+import prophet_jax as pj
 from prophet_jax import _defer
 from tests.test_defer import _schedule, TREE
 s = _schedule()
 mesh = jax.make_mesh((jax.device_count(),), ("d",))
 specs = _defer.state_specs(_defer.init(s), "d")
 def body(g, st):
-  out, st = _defer.deferred_allreduce(jax.tree.map(lambda x: x[0], g), s, st, "d")
+  out, st = pj.allreduce(jax.tree.map(lambda x: x[0], g), s, "d", defer_state=st)
   return jax.tree.map(lambda x: x[None], out), st
 step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"), specs), out_specs=(P("d"), specs)))
 st = jax.jit(jax.shard_map(lambda: _defer.init(s), mesh=mesh, in_specs=(), out_specs=specs))()
