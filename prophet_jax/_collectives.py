@@ -325,7 +325,7 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
 def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
                         where: str = "allreduce", defer_state: Any = None) -> tuple[Any, Any]:
   """`allreduce` as (reduced tree, new DeferState or None), with `where` naming the public caller."""
-  from ._defer import check_state, group_states, with_groups
+  from ._defer import check_residual_varying, check_state, group_states, with_groups
 
   if not isinstance(mean, bool):
     raise TypeError(f"{where}: `mean` must be True or False, got {mean!r}.")
@@ -336,6 +336,8 @@ def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean:
   chains = schedule_chains(schedule, where)
   flat = [leaf for _, leaf in leaves_with_path]
   check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
+  if defer_state is not None and vma_enabled(axis_name):
+    check_residual_varying(defer_state, axis_name, where)
   flat, _, groups = reduce_units(flat, schedule_units(schedule), lmap.row_leaf, axis_name,
                                  divisor=n if mean else None, defer=group_states(defer_state),
                                  prev=None if chains is None else (None,) * (max(chains) + 1),

@@ -63,7 +63,8 @@ from ._errors import ScheduleMismatchError
 from ._schedule import Chunk, Schedule
 
 __all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "defer_state", "check_state",
-           "group_step", "rank", "unit_group", "group_states", "with_groups", "state_specs"]
+           "group_step", "rank", "unit_group", "group_states", "with_groups", "state_specs",
+           "check_residual_varying"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -299,6 +300,26 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
             f"k={g.defer}, c={g.size}) has shape {got_shape} and dtype {got_dtype}, expected {shape} "
             f"{dtype} per device. Under shard_map pass the state with prophet_jax's state_specs "
             f"(residuals P(axis), the rest P()); under pmap replicate it over the devices.")
+
+
+def check_residual_varying(state: DeferState, axis_name: Any, where: str) -> None:
+  """ValueError when, under shard_map with check_vma, a residual arrives replicated (`P()`).
+
+  Each device's residual holds its own deferred values; passed with `P()`, every device starts from
+  one copy and the step's new residuals (which vary over the axis) cannot leave through `P()` either:
+  the deferred values of all devices but one would be lost. Only checkable where jax marks values
+  varying (shard_map's default check_vma); under pmap every state is per device anyway.
+  """
+  from ._collectives import is_varying
+
+  for gi, r in enumerate(state.residual):
+    if not is_varying(r, axis_name):
+      raise ValueError(
+          f"{where}: the deferral state's residual of group {gi} (shape {tuple(np.shape(r))} per "
+          f"device) is replicated over axis {axis_name!r} (passed with PartitionSpec P()), but each "
+          f"device's residual is its own: pass the state with prophet_jax.state_specs(state, "
+          f"{axis_name!r}) as in_specs and out_specs (P({axis_name!r}) for residuals, P() for the "
+          f"rest), and make the initial state inside the shard_map with those out_specs.")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import optax
 
 from ._collectives import (_zero_of, axis_size, is_varying, reduce_chunks, scheduled_allreduce,
                            to_varying, vma_enabled)
+from ._defer import init as defer_init
 from ._errors import AlreadyReducedError, CompositionError
 from ._schedule import Chunk, Schedule
 from ._types import check_values
@@ -43,9 +44,17 @@ LOOP_SCOPE = "prophet/loop/"
 
 
 class ScheduledState(NamedTuple):
-  """State of `scheduled(tx, ...)`: the wrapped transformation's state, unchanged."""
+  """State of `scheduled(tx, ...)`.
+
+  Attributes:
+    inner: the wrapped transformation's state, unchanged.
+    defer_state: the schedule's `DeferState` (`prophet_jax.defer_state`) when it defers (`dlcp` with
+      `max_defer > 0`), else None. Its residuals are each device's own: under `shard_map`, pass the
+      whole optimizer state with `prophet_jax.state_specs(opt_state, axis_name)`.
+  """
 
   inner: Any
+  defer_state: Any = None
 
 
 # Where `scheduled` sits in the user's optax composition is visible on the Python stack while the
@@ -166,6 +175,19 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   reduce once per k micro-steps instead, accumulate the micro-batch gradients in your own step (e.g.
   a `lax.scan` over micro-batches) and apply `scheduled` once.
 
+  Deferral (a `dlcp` schedule with `max_defer > 0`): the schedule's `DeferState` lives in the state
+  (`ScheduledState.defer_state`; None for a schedule that defers nothing, whose state and compiled
+  step are what they were before deferral existed). Each step, up to `max_defer` of the elements (a
+  group's lowest-ranked chunks by the previous step's reduced norms, the same on every device) are not
+  all-reduced; each device keeps its values in its residual and adds them to the same elements next
+  step (error feedback: nothing is lost, each value is applied at most one step late). Under `pmap`
+  nothing changes for the user: `init` once, replicate, as any optimizer state. Under `shard_map` the
+  residuals vary over the axis: pass the optimizer state with `prophet_jax.state_specs(opt_state,
+  axis_name)` (`P(axis_name)` for residuals, `P()` for the rest) as in_specs and out_specs, and make
+  it inside the map: `jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(
+  params)` with `specs = prophet_jax.state_specs(jax.eval_shape(tx.init, params), axis_name)`; a
+  residual passed replicated raises ValueError naming `state_specs`.
+
   Under `shard_map`'s default `check_vma=True`, `jax.grad` of replicated params already sums the
   gradients over the axis; that is detected and raises AlreadyReducedError naming the fix. Under
   `pmap` it cannot be detected (nothing is marked varying there); a pmap step is per-device already.
@@ -176,13 +198,17 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     axis_name: the data-parallel axis name.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` whose state is `ScheduledState(inner=tx_state)`.
+    An `optax.GradientTransformationExtraArgs` whose state is `ScheduledState(inner=tx_state,
+    defer_state=...)` (`defer_state` None unless the schedule defers).
 
   Raises:
     TypeError: `tx`, `schedule` or `axis_name` is of the wrong kind (at construction).
     CompositionError: at `init` or `update`, `scheduled` is not first in an `optax.chain`; at trace
       time, it is inside `optax.MultiSteps` under `shard_map`.
-    UnboundAxisError, ScheduleMismatchError, AlreadyReducedError: at trace time, from `update`.
+    UnboundAxisError, ScheduleMismatchError, AlreadyReducedError: at trace time, from `update`
+      (ScheduleMismatchError also for a state made by `init` of another deferring schedule).
+    ValueError: at trace time, the schedule stripes over more links than the platform runs at once
+      (CPU: 1), or, under shard_map, a deferral residual passed replicated.
 
   Example:
     >>> tx = prophet_jax.scheduled(optax.sgd(0.1, momentum=0.9), schedule, axis_name="data")
@@ -195,14 +221,15 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     before = _ran_before_in_chain()
     if before:
       raise _not_first_error(before, "init")
-    return ScheduledState(inner=tx.init(params))
+    return ScheduledState(inner=tx.init(params), defer_state=defer_init(schedule))
 
   def update_fn(updates, state, params=None, **extra_args):
     before = _ran_before_in_chain()
     if before:
       raise _not_first_error(before, "update")
     try:
-      reduced = scheduled_allreduce(updates, schedule, axis_name, mean=True, where="scheduled")
+      reduced, defer = scheduled_allreduce(updates, schedule, axis_name, mean=True, where="scheduled",
+                                           defer_state=state.defer_state)
     except AlreadyReducedError as e:
       if not _inside_multisteps():
         raise
@@ -217,7 +244,7 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
       new, inner = tx.update(reduced, state.inner, params, **extra_args)
     else:
       new, inner = tx.update(reduced, state.inner, params)
-    return new, ScheduledState(inner=inner)
+    return new, ScheduledState(inner=inner, defer_state=defer)
 
   init_fn._prophet_scheduled = True  # type: ignore[attr-defined]
   update_fn._prophet_scheduled = True  # type: ignore[attr-defined]

@@ -353,3 +353,315 @@ def test_two_processes_defer_the_same_chunks():
     assert len({(c, nb) for _, _, c, nb in rows}) == 1, f"step {t} group {g}: {rows}"
     choices.add((g, next(iter(rows))[2]))
   assert len(choices) > 4, "the ranking never changed: nothing was tested"
+
+
+# --------------------------------------------------------------------------------------------------
+# through `scheduled`: a planned dlcp schedule on a small model, sgd(momentum), 8 devices
+
+LR = 0.05
+SCHED_STEPS = 4
+WRONG_SCALE = NDEV / (NDEV - 1)  # the negative control: the sum divided by n - 1
+# a bandwidth-bound link on which deferral pays for a 46 kB model (a preset's start-ups cost more)
+SLOW = pj.NetworkModel(workers=NDEV, alpha_s=1e-6, beta_s_per_byte=1e-7)
+MAX_DEFER = 0.25
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp():
+  from prophet_jax.models import get_model
+  m = get_model("mlp")
+  params = m.init(jax.random.key(0))
+  batches = [m.make_batch(jax.random.key(100 + t), 32) for t in range(SCHED_STEPS)]
+  return m, params, batches
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp_plan(max_defer):
+  _, params, _ = _mlp()
+  prof = pj.GradientProfile.from_params(params, forward_s=1e-3, backward_s=2e-3)
+  return pj.plan(prof, SLOW, "dlcp", max_defer=max_defer)
+
+
+def _zero_defer(s):
+  """The same chunks with every group's `defer` set to 0: the lossless path."""
+  return dataclasses.replace(s, buckets=tuple(dataclasses.replace(b, defer=0) for b in s.buckets))
+
+
+def _capture():
+  """An optax member whose state is the update it was given: the reduced gradient `scheduled` applied."""
+  import optax
+  return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda u, s, p=None: (u, u))
+
+
+def _tx(schedule):
+  import optax
+  return pj.scheduled(optax.chain(_capture(), optax.sgd(LR, momentum=0.9)), schedule, axis_name=AX)
+
+
+_SCALE: list = []  # the runtime divisor scale of the step being traced (the negative control)
+
+
+def _scaled_units(real):
+  def units(flat, us, row_leaf, axis_name, *, divisor, **kw):
+    if _SCALE and divisor is not None:
+      divisor = divisor / _SCALE[-1]
+    return real(flat, us, row_leaf, axis_name, divisor=divisor, **kw)
+  return units
+
+
+@functools.lru_cache(maxsize=None)
+def _sched_step(schedule, mapping):
+  """(compiled step(params, opt_state, batch, scale) -> (params, opt_state), initial opt_state, put).
+
+  `scale` is a runtime scalar: the engine divides each sum by n / scale (1: the library's own mean,
+  exactly; n / (n - 1): a 14% gradient-scale bug), injected by wrapping `_collectives.reduce_units`
+  while this step is traced."""
+  import optax
+  from prophet_jax import _collectives
+  m, params, _ = _mlp()
+  tx = _tx(schedule)
+
+  def step(p, opt, batch, scale):
+    _SCALE.append(scale)
+    real = _collectives.reduce_units
+    _collectives.reduce_units = _scaled_units(real)
+    try:
+      pv = jax.lax.pcast(p, AX, to="varying") if mapping == "shard_map" else p
+      g = jax.grad(m.loss_fn)(pv, batch)
+      u, opt = tx.update(g, opt, p)
+    finally:
+      _collectives.reduce_units = real
+      _SCALE.pop()
+    return optax.apply_updates(p, u), opt
+
+  one = jnp.float32(1)
+  if mapping == "pmap":
+    f = jax.pmap(step, axis_name=AX, in_axes=(0, 0, 0, None))
+    rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *np.shape(x))), t)  # noqa: E731
+    opt0 = rep(tx.init(params))  # made once outside the map, replicated: zero residuals serve every device
+    put = lambda b: jax.tree.map(lambda x: x.reshape(NDEV, -1, *x.shape[1:]), b)  # noqa: E731
+    p0 = rep(params)
+    compiled = f.lower(p0, opt0, put(_mlp()[2][0]), one).compile()
+  else:
+    mesh = jax.make_mesh((NDEV,), (AX,))
+    specs = pj.state_specs(jax.eval_shape(tx.init, params), AX)
+    opt0 = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AX), P()), out_specs=(P(), specs)))
+    put = lambda b: jax.device_put(b, NamedSharding(mesh, P(AX)))  # noqa: E731
+    p0 = jax.device_put(params, NamedSharding(mesh, P()))
+    one = jax.device_put(one, NamedSharding(mesh, P()))
+    compiled = f.lower(p0, opt0, put(_mlp()[2][0]), one).compile()
+  return compiled, p0, opt0, put
+
+
+def _copies(x):
+  """Every device's copy of a replicated (or per-device) array: (NDEV, ...)."""
+  if hasattr(x, "addressable_shards") and len(x.addressable_shards) == NDEV and x.ndim and \
+      all(sh.data.shape == x.shape for sh in x.addressable_shards):
+    return np.stack([np.asarray(sh.data) for sh in x.addressable_shards])
+  return np.asarray(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _sched_run(schedule, mapping, scale=1.0):
+  """Runs SCHED_STEPS steps; per step: params before it, the applied reduced gradient (host),
+  each device's DeferState (indices, norms, residuals), as host arrays."""
+  compiled, p, opt, put = _sched_step(schedule, mapping)
+  one = lambda t: jax.tree.map(lambda x: np.asarray(x)[0], t) if mapping == "pmap" else jax.device_get(t)  # noqa: E731
+  out = []
+  for b in _mlp()[2]:
+    before = one(p)
+    p, opt = compiled(p, opt, put(b), jnp.float32(scale))
+    d = opt.defer_state
+    out.append({"params": before, "applied": one(opt.inner[0]),
+                "index": [_copies(x) for x in d.index] if d is not None else [],
+                "norms": [_copies(x) for x in d.norms] if d is not None else [],
+                "residual": [np.asarray(x).reshape(NDEV, *x.shape[-2:]) for x in d.residual] if d is not None else []})
+  return out, one(p)
+
+
+@functools.lru_cache(maxsize=None)
+def _true_grads():
+  """The single-device full-batch gradient (the loss is a mean: the mean of the devices' gradients)."""
+  return jax.jit(jax.grad(_mlp()[0].loss_fn))
+
+
+def _leaf_paths(tree):
+  from prophet_jax._tree import path_str
+  return {path_str(p): np.asarray(x, np.float64).reshape(-1) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _residual_leaves(schedule, groups_residual, groups_index, like):
+  """The mean over devices of each group's residual rows, scattered to the leaves' elements."""
+  flat = {k: np.zeros_like(v) for k, v in like.items()}
+  for g, res, idx in zip(_defer.defer_groups(schedule), groups_residual, groups_index):
+    mean = np.asarray(res, np.float64).mean(0)  # (k, c)
+    for row, j in zip(mean, idx[0]):
+      off = 0
+      for r, a, b in g.chunks[int(j)].slices:
+        flat[schedule.rows[r][0]][a:b] += row[off:off + b - a]
+        off += b - a
+  return flat
+
+
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
+def test_scheduled_defers_within_budget_never_twice_same_everywhere_and_conserves(mapping):
+  """sgd(momentum) through `scheduled` on a multi-chunk dlcp plan: per step at most max_defer of the
+  elements wait, never a chunk twice in a row, the same chunks (and bitwise the same norms) on all 8
+  devices; and the reduced gradients applied over the steps plus the final residual's mean equal the
+  sum of the true full-batch gradients element for element (nothing lost). The n - 1 divisor fails."""
+  s = _mlp_plan(MAX_DEFER)
+  groups = _defer.defer_groups(s)
+  assert len(groups) >= 2 and s.num_allreduces > len(groups), s.describe()
+  total = sum(int(np.prod(sh)) for _, sh, _ in s.rows)
+  steps, _ = _sched_run(s, mapping)
+  grad = _true_grads()
+  m, _, batches = _mlp()
+  for t, st in enumerate(steps):
+    deferred = 0
+    for g, idx, norms in zip(groups, st["index"], st["norms"]):
+      assert (idx == idx[:1]).all(), f"step {t}: devices deferred different chunks {idx}"
+      assert (norms.view(np.uint32) == norms[:1].view(np.uint32)).all(), f"step {t}: norms differ"
+      deferred += sum(g.chunks[int(j)].size for j in idx[0])
+      if t:
+        prev = steps[t - 1]["index"][groups.index(g)][0]
+        assert not set(prev.tolist()) & set(idx[0].tolist()), f"step {t}: deferred twice in a row"
+    assert 0 < deferred / total <= MAX_DEFER
+  assert any((a["index"][0][0] != b["index"][0][0]).any() for a, b in zip(steps, steps[1:])), \
+      "the magnitude ranking never moved"
+
+  def conservation(run):
+    applied = {k: np.zeros_like(v) for k, v in _leaf_paths(run[0]["params"]).items()}
+    true = {k: np.zeros_like(v) for k, v in applied.items()}
+    for st, b in zip(run, batches):
+      for k, v in _leaf_paths(st["applied"]).items():
+        applied[k] += v
+      for k, v in _leaf_paths(grad(st["params"], b)).items():
+        true[k] += v
+    res = _residual_leaves(s, run[-1]["residual"], run[-1]["index"], applied)
+    scale = max(float(np.max(np.abs(v))) for v in true.values())
+    for k in true:
+      np.testing.assert_allclose(applied[k] + res[k], true[k], rtol=0, atol=1e-5 * scale, err_msg=k)
+
+  conservation(steps)
+  wrong, _ = _sched_run(s, mapping, WRONG_SCALE)
+  with pytest.raises(AssertionError, match="Not equal to tolerance"):
+    conservation(wrong)
+
+
+def test_audit_expects_the_slots_of_a_deferring_scheduled_step():
+  """The compiled `scheduled` pmap step of the dlcp plan: `num_allreduces` all-reduces (a group's
+  m - k slots, not its m chunks) of `allreduce_sizes()` elements, in issue order."""
+  s = _mlp_plan(MAX_DEFER)
+  compiled = _sched_step(s, "pmap")[0]
+  report = pj.audit(compiled, s)
+  assert report.ok, report.describe()
+  assert report.planned == report.chunk_allreduces == s.num_allreduces < len(s.chunks)
+  assert tuple(e.elements for e in report.chunks) == s.allreduce_sizes()
+  assert report.order == tuple(range(s.num_allreduces))
+  # the same step read against the lossless schedule of the same chunks: the slots are missing
+  lossless = pj.audit(compiled, _zero_defer(s))
+  assert not lossless.ok and any("have no all-reduce" in p for p in lossless.problems)
+
+
+def _pmean_step():
+  """The plain step: jax.lax.pmean of the gradients, then the same optimizer (no schedule)."""
+  import optax
+  m, params, _ = _mlp()
+  tx = optax.chain(_capture(), optax.sgd(LR, momentum=0.9))
+
+  def step(p, opt, batch):
+    g = jax.lax.pmean(jax.grad(m.loss_fn)(p, batch), AX)
+    u, opt = tx.update(g, opt, p)
+    return optax.apply_updates(p, u), opt
+
+  rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *np.shape(x))), t)  # noqa: E731
+  p, opt = rep(params), rep(tx.init(params))
+  f = jax.pmap(step, axis_name=AX)
+  for b in _mlp()[2]:
+    p, opt = f(p, opt, jax.tree.map(lambda x: x.reshape(NDEV, -1, *x.shape[1:]), b))
+  return jax.tree.map(lambda x: np.asarray(x)[0], p)
+
+
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
+def test_k0_through_scheduled_equals_plain_pmean(mapping):
+  """The dlcp plan's chunks with nothing deferred (13 chunks): no state, and SCHED_STEPS steps of
+  sgd(momentum) equal the plain pmean step (docs/design.md's tolerance); n - 1 fails."""
+  from tests._assert import assert_trees_close
+  s0 = _zero_defer(_mlp_plan(MAX_DEFER))
+  assert not s0.defers and s0.num_allreduces == len(s0.chunks) > 8
+  _, _, opt0, _ = _sched_step(s0, mapping)
+  assert opt0.defer_state is None
+  ref, before = _pmean_step(), _mlp()[1]
+  _, got = _sched_run(s0, mapping)
+  assert_trees_close(got, ref, before)
+  _, wrong = _sched_run(s0, mapping, WRONG_SCALE)
+  with pytest.raises(AssertionError, match="max"):
+    assert_trees_close(wrong, ref, before)
+
+
+def test_max_defer_0_is_the_lossless_plan_and_the_same_hlo():
+  """plan(..., 'dlcp', max_defer=0) is auto's plan, and its `scheduled` step compiles to the same
+  program as the lossless plan's (no deferral state, no extra op)."""
+  import optax
+  s0, auto = _mlp_plan(0.0), pj.plan(pj.GradientProfile.from_params(_mlp()[1], forward_s=1e-3,
+                                                                     backward_s=2e-3), SLOW, "auto")
+  assert s0.buckets == auto.buckets and not s0.defers and s0.policy == "dlcp"
+  m, params, batches = _mlp()
+  rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *np.shape(x))), t)  # noqa: E731
+  b = jax.tree.map(lambda x: x.reshape(NDEV, -1, *x.shape[1:]), batches[0])
+
+  def text(s):
+    tx = pj.scheduled(optax.sgd(LR, momentum=0.9), s, axis_name=AX)
+
+    def step(p, opt, batch):
+      u, opt = tx.update(jax.grad(m.loss_fn)(p, batch), opt, p)
+      return optax.apply_updates(p, u), opt
+
+    return jax.pmap(step, axis_name=AX).lower(rep(params), rep(tx.init(params)), b).compile().as_text()
+
+  a, b = [text(s) for s in (s0, auto)]  # one call site: the source locations in the metadata match
+  assert a == b
+
+
+def test_scheduled_bad_input_links_state_of_another_schedule_and_replicated_residual():
+  """At trace time, through `scheduled`: links > 1 on the CPU names the value; the state of another
+  deferring schedule (other groups, same tree) is a ScheduleMismatchError naming both; under
+  shard_map a residual passed with P() (not state_specs) names state_specs."""
+  import optax
+  m, params, batches = _mlp()
+  s, other = _mlp_plan(MAX_DEFER), _mlp_plan(0.1)
+  assert other.defers and _defer.defer_groups(other) != _defer.defer_groups(s)
+  rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *np.shape(x))), t)  # noqa: E731
+  b = jax.tree.map(lambda x: x.reshape(NDEV, -1, *x.shape[1:]), batches[0])
+
+  def lower(s, opt_from):
+    tx = pj.scheduled(optax.sgd(LR), s, axis_name=AX)
+
+    def step(p, opt, batch):
+      return tx.update(jax.grad(m.loss_fn)(p, batch), opt, p)
+
+    return jax.pmap(step, axis_name=AX).lower(rep(params), rep(pj.scheduled(optax.sgd(LR), opt_from, axis_name=AX)
+                                                                 .init(params)), b)
+
+  striped = dataclasses.replace(s, links=(0, 1) * (s.num_allreduces // 2) + (0,) * (s.num_allreduces % 2))
+  with pytest.raises(ValueError, match=r"scheduled: the schedule stripes .* links=2 .*\(cpu: 1"):
+    lower(striped, striped)
+  with pytest.raises(pj.ScheduleMismatchError, match=r"scheduled: the deferral state belongs to another "
+                                                      r"schedule .* same tree but with other deferral groups"):
+    lower(s, other)
+  with pytest.raises(TypeError, match=r"scheduled: the schedule defers .* got NoneType"):
+    lower(s, _zero_defer(s))  # a lossless state (no deferral state) for a deferring schedule
+  # shard_map, the whole optimizer state replicated: each device's residual would be lost
+  mesh = jax.make_mesh((NDEV,), (AX,))
+  tx = pj.scheduled(optax.sgd(LR), s, axis_name=AX)
+
+  def body(p, opt, batch):
+    return tx.update(jax.grad(m.loss_fn)(jax.lax.pcast(p, AX, to="varying"), batch), opt, p)
+
+  bad = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(AX)), out_specs=P()))
+  with pytest.raises(ValueError, match=r"residual of group 0 .* is replicated over axis 'data' .* "
+                                       r"prophet_jax.state_specs\(state, 'data'\)"):
+    bad.lower(jax.device_put(params, NamedSharding(mesh, P())),
+              jax.device_put(tx.init(params), NamedSharding(mesh, P())),
+              jax.device_put(batches[0], NamedSharding(mesh, P(AX))))
