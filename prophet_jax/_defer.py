@@ -229,13 +229,27 @@ def defer_state(schedule: Schedule) -> DeferState | None:
   return init(schedule)
 
 
+def _key_name(k: Any) -> Any:
+  """The name in a pytree path entry (a dict key, an attribute or field name), else None."""
+  for attr in ("key", "name"):
+    v = getattr(k, attr, None)
+    if isinstance(v, str):
+      return v
+  return None
+
+
 def state_specs(state: Any, axis_name: Any) -> Any:
   """PartitionSpecs for `jax.shard_map` of any state holding DeferStates (an optax state, a
-  TrainState, a PipelinedState, ...): `P(axis_name)` for each DeferState's residuals (each device's
-  own, on their leading axis of 1), `P()` for every other leaf (replicated).
+  TrainState, a PipelinedState, a `flax.nnx` state, ...): `P(axis_name)` for each DeferState's
+  residuals (each device's own, on their leading axis of 1), `P()` for every other leaf (replicated).
+
+  A DeferState is found by its type, or, where a container re-labelled its fields (`flax.nnx`
+  stores an optimizer state as nested dicts of Variables), by its path: a leaf under a
+  `residual` entry that is under a `defer_state` entry (`ScheduledState.defer_state`).
 
   Args:
-    state: the state (arrays or ShapeDtypeStructs, e.g. `jax.eval_shape(tx.init, params)`).
+    state: the state (arrays or ShapeDtypeStructs, e.g. `jax.eval_shape(tx.init, params)`, or
+      `nnx.state(optimizer)`).
     axis_name: the data-parallel mesh axis.
 
   Returns:
@@ -243,14 +257,17 @@ def state_specs(state: Any, axis_name: Any) -> Any:
   """
   from jax.sharding import PartitionSpec as P
 
-  def one(x):
+  def one(path, x):
     if isinstance(x, DeferState):
       rep = lambda xs: tuple(P() for _ in xs)  # noqa: E731
       return DeferState(norms=rep(x.norms), deferred=rep(x.deferred), index=rep(x.index),
                         residual=tuple(P(axis_name) for _ in x.residual), tag=x.tag)
+    names = [_key_name(k) for k in path]
+    if "defer_state" in names and "residual" in names[names.index("defer_state"):]:
+      return P(axis_name)
     return P()
 
-  return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, DeferState))
+  return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, DeferState))
 
 
 def check_state(state: Any, schedule: Schedule, where: str) -> None:
