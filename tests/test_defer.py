@@ -665,3 +665,73 @@ def test_scheduled_bad_input_links_state_of_another_schedule_and_replicated_resi
     bad.lower(jax.device_put(params, NamedSharding(mesh, P())),
               jax.device_put(tx.init(params), NamedSharding(mesh, P())),
               jax.device_put(batches[0], NamedSharding(mesh, P(AX))))
+
+
+@functools.lru_cache(maxsize=None)
+def _hooked_run(schedule, mapping, scale=1.0):
+  """`hooked` with the deferral state: grad_fn(params, batch, defer_state) -> (loss, grads, state),
+  then chain(capture, sgd(momentum)); the final params and each step's chosen chunks."""
+  import optax
+  from prophet_jax import _collectives
+  m, params, batches = _mlp()
+  grad_fn = pj.hooked(m.loss_fn, schedule, axis_name=AX)
+  tx = optax.chain(_capture(), optax.sgd(LR, momentum=0.9))
+
+  def step(p, opt, dstate, batch, scale):
+    _SCALE.append(scale)
+    real = _collectives.reduce_units
+    _collectives.reduce_units = _scaled_units(real)
+    try:
+      _, g, dstate = grad_fn(p, batch, dstate)
+      u, opt = tx.update(g, opt, p)
+    finally:
+      _collectives.reduce_units = real
+      _SCALE.pop()
+    return optax.apply_updates(p, u), opt, dstate
+
+  d0 = pj.defer_state(schedule)
+  if mapping == "pmap":
+    rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *np.shape(x))), t)  # noqa: E731
+    f = jax.pmap(step, axis_name=AX, in_axes=(0, 0, 0, 0, None))
+    p, opt, d = rep(params), rep(tx.init(params)), rep(d0)
+    put = lambda b: jax.tree.map(lambda x: x.reshape(NDEV, -1, *x.shape[1:]), b)  # noqa: E731
+    one = lambda t: jax.tree.map(lambda x: np.asarray(x)[0], t)  # noqa: E731
+  else:
+    mesh = jax.make_mesh((NDEV,), (AX,))
+    specs = pj.state_specs(d0, AX)
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), specs, P(AX), P()),
+                              out_specs=(P(), P(), specs)))
+    d = jax.jit(jax.shard_map(lambda: pj.defer_state(schedule), mesh=mesh, in_specs=(), out_specs=specs))()
+    p, opt = jax.device_put((params, tx.init(params)), NamedSharding(mesh, P()))
+    put = lambda b: jax.device_put(b, NamedSharding(mesh, P(AX)))  # noqa: E731
+    one = jax.device_get
+  f = f.lower(p, opt, d, put(batches[0]), jnp.float32(scale)).compile()
+  chosen = []
+  for b in batches:
+    p, opt, d = f(p, opt, d, put(b), jnp.float32(scale))
+    chosen.append([_copies(x) for x in d.index])
+  return one(p), chosen, f
+
+
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
+def test_hooked_with_the_deferral_state_equals_scheduled(mapping):
+  """hooked's grad_fn(params, batch, defer_state) -> (loss, grads, new_state) on the dlcp plan: the
+  all-reduces inside the backward pass defer the same chunks at every step (on all 8 devices) as
+  `scheduled`, and SCHED_STEPS steps of sgd(momentum) end at the same params (docs/design.md's
+  tolerance); the n - 1 divisor fails; the compiled step keeps the slots (audit)."""
+  from tests._assert import assert_trees_close
+  s = _mlp_plan(MAX_DEFER)
+  steps, ref = _sched_run(s, mapping)
+  got, chosen, f = _hooked_run(s, mapping)
+  for t, (st, ch) in enumerate(zip(steps, chosen)):
+    for a, b in zip(st["index"], ch):
+      assert (b == b[:1]).all(), f"step {t}: devices deferred different chunks {b}"
+      np.testing.assert_array_equal(a[0], b[0], err_msg=f"step {t}")
+  assert_trees_close(got, ref, _mlp()[1])
+  wrong, _, _ = _hooked_run(s, mapping, WRONG_SCALE)
+  with pytest.raises(AssertionError, match="max"):
+    assert_trees_close(wrong, ref, _mlp()[1])
+  report = pj.audit(f, s)
+  assert report.ok and report.chunk_allreduces == s.num_allreduces, report.describe()
+  assert tuple(e.elements for e in report.chunks) == s.allreduce_sizes()
+  assert report.inside_backward >= 1, "hooked all-reduces should run while backward still runs"
