@@ -11,16 +11,27 @@ Parts (`--part`, default `speed`):
   do), and what pressure costs the simulator and dlcp's planner. Times are the simulator's
   predictions.
 * `convergence`: training with dlcp's deferral and error feedback (cnn, gpt-tiny; max_defer 0 /
-  0.05 / 0.1 / 0.25, with and without error feedback, 3 seeds). It needs the rewrite (the jax half
-  of issue 18), which is not written yet: this part says so and records nothing.
+  0.05 / 0.1 / 0.25, with and without error feedback, 3 seeds, 300 steps, global batch 4x the
+  model's default, sgd-momentum through `scheduled` under pmap on 8 host devices): the eval loss
+  after the same steps against the lossless plan's, steps to a target training loss, the curves in
+  bench/results/dlcp_convergence.png (about 5 minutes on 2 shared cores).
 
 Prints a table per part; writes bench/results/dlcp_<part>.json; never asserts.
 
     .venv/bin/python bench/dlcp.py                 # --part speed
     .venv/bin/python bench/dlcp.py --part speed --quick
+    .venv/bin/python bench/dlcp.py --part convergence   # --quick: 60 steps, one seed, no files
 """
 
 from __future__ import annotations
+
+import os
+
+# the convergence part trains on 8 host devices (the speed part never imports jax)
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import json
@@ -186,12 +197,178 @@ def _timed(fn) -> float:
   return time.perf_counter() - t
 
 
+# the convergence part: a bandwidth-bound link (10 MB/s, 1 us per ring step) on which deferral pays for
+# these small models, so dlcp defers up to max_defer (its start-ups would cost more than it saves on
+# a preset's link: the models are 78-112 kB); the plain step; estimated times.
+CONV_MODELS = ("cnn", "gpt-tiny")
+CONV_DEFER = (0.0, 0.05, 0.1, 0.25)
+CONV_SEEDS = (0, 1, 2)
+CONV_LR = {"cnn": 0.02, "gpt-tiny": 0.1}
+CONV_NETWORK = dict(alpha_s=1e-6, beta_s_per_byte=1e-7)
+# time to target: the first step at which the 10-step moving average of the training loss is at or
+# below this (cnn: past its plateau; gpt-tiny: near the bigram task's floor of about 0.77)
+CONV_TARGET = {"cnn": 0.1, "gpt-tiny": 0.85}
+
+
+def _steps_to(curve, target, k=10):
+  import numpy as np
+
+  smooth = np.convolve(np.asarray(curve), np.ones(k) / k, mode="valid")
+  hit = np.nonzero(smooth <= target)[0]
+  return int(hit[0] + k) if hit.size else None
+
+
+def _conv_schedule(m, params, max_defer):
+  import prophet_jax as pj
+
+  profile = pj.GradientProfile.from_params(params, forward_s=1e-3, backward_s=2e-3, model=m.name)
+  net = NetworkModel(workers=8, **CONV_NETWORK)
+  return pj.plan(profile, net, "dlcp", max_defer=max_defer)
+
+
+_CONV_STEPS: dict = {}
+
+
+def _conv_step(m, schedule):
+  """(pmapped step(params, opt_state, batch, keep), init), one per (model, schedule): every seed and
+  both feedback settings run the same compiled step."""
+  key = (m.name, schedule)
+  if key in _CONV_STEPS:
+    return _CONV_STEPS[key]
+  import jax
+  import optax
+
+  import prophet_jax as pj
+
+  tx = pj.scheduled(optax.sgd(CONV_LR[m.name], momentum=0.9), schedule, axis_name="d")
+
+  def step(params, opt_state, batch, keep):
+    loss, g = jax.value_and_grad(m.loss_fn)(params, batch)
+    opt_state = _drop_residual(opt_state, keep)
+    upd, opt_state = tx.update(g, opt_state, params)
+    return optax.apply_updates(params, upd), opt_state, jax.lax.pmean(loss, "d")
+
+  _CONV_STEPS[key] = (jax.pmap(step, axis_name="d"), jax.pmap(lambda p: (p, tx.init(p)), axis_name="d"))
+  return _CONV_STEPS[key]
+
+
+def _conv_run(m, schedule, steps, seed, batch_size):
+  """Trains `m` with scheduled(sgd-momentum) under `schedule` on 8 host devices, from seed `seed`,
+  with and without error feedback (the same compiled step: the residual is multiplied by 0 or 1
+  before the step, a bench-only switch); returns {feedback: (train losses, eval loss)}."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  n = jax.local_device_count()
+  pstep, init = _conv_step(m, schedule)
+  params0 = m.init(jax.random.key(seed))
+  shard = lambda b: jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), b)  # noqa: E731
+  batches = [shard(m.make_batch(jax.random.key(10_000 * seed + t + 1), batch_size)) for t in range(steps)]
+  held_out = m.make_batch(jax.random.key(999_999), 4 * batch_size)
+  evaluate = jax.jit(m.loss_fn)
+  out = {}
+  for feedback in ((True, False) if schedule.defers else (True,)):
+    keep = np.full((n,), 1.0 if feedback else 0.0, np.float32)
+    params, opt_state = init(jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), params0))
+    losses = []
+    for b in batches:
+      params, opt_state, loss = pstep(params, opt_state, b, keep)
+      losses.append(loss)
+    losses = [float(x[0]) for x in losses]
+    out[feedback] = (losses, float(evaluate(jax.tree.map(lambda x: x[0], params), held_out)))
+  return out
+
+
+def _drop_residual(opt_state, keep):
+  """The bench-only switch: the deferral residual times `keep` (0: the deferred values are dropped)."""
+  defer = getattr(opt_state, "defer_state", None)
+  if defer is None:
+    return opt_state
+  return opt_state._replace(defer_state=defer._replace(
+      residual=tuple(r * keep.astype(r.dtype) for r in defer.residual)))
+
+
 def convergence(quick: bool = False) -> dict:
-  """The convergence part: needs the rewrite's deferral (the jax half of issue 18)."""
-  msg = ("the convergence part needs dlcp's rewrite (error-feedback residual in scheduled/hooked/"
-         "pipelined), the jax half of issue 18; nothing to run yet.")
-  print(msg)
-  return {"status": "pending", "note": msg}
+  """The convergence part: cnn and gpt-tiny trained with dlcp's deferral, with and without error
+  feedback, against the lossless baseline (max_defer 0) after the same number of steps."""
+  import jax
+
+  from prophet_jax.models import get_model
+
+  steps = 60 if quick else 300
+  seeds = CONV_SEEDS[:1] if quick else CONV_SEEDS
+  result = {"steps": steps, "seeds": list(seeds), "network": {**CONV_NETWORK, "workers": 8},
+            "lr": CONV_LR, "models": {}}
+  t_all = time.perf_counter()
+  print(f"{'model':9s} {'max_defer':>9s} {'deferred':>8s} {'feedback':>8s} "
+        + " ".join(f"{'seed ' + str(s):>9s}" for s in seeds) + f" {'mean':>8s} {'vs lossless':>11s} "
+        f"{'verdict':>8s}  steps to target (per seed)")
+  for name in CONV_MODELS:
+    m = get_model(name)
+    params = m.init(jax.random.key(0))
+    batch = m.default_batch_size * 4
+    runs = {}
+    for f in CONV_DEFER:
+      sched = _conv_schedule(m, params, f)
+      per_seed = [_conv_run(m, sched, steps, seed, batch) for seed in seeds]
+      for fb in per_seed[0]:
+        runs[(f, fb)] = {"max_defer": f, "feedback": fb, "deferred_fraction": sched.max_deferred_fraction,
+                         "allreduces": sched.num_allreduces,
+                         "groups": [[len(b.chunks), b.defer] for b in sched.buckets if b.defer],
+                         "eval_loss": [r[fb][1] for r in per_seed],
+                         "train_loss": [r[fb][0] for r in per_seed]}
+    base = runs[(0.0, True)]["eval_loss"]
+    base_mean = statistics.mean(base)
+    spread = max(base) - min(base)
+    for key, r in runs.items():
+      mean = statistics.mean(r["eval_loss"])
+      r["eval_loss_mean"] = mean
+      r["vs_lossless"] = mean / base_mean
+      r["within"] = bool(abs(mean - base_mean) <= max(0.02 * base_mean, spread))
+      r["steps_to_target"] = [_steps_to(c, CONV_TARGET[name]) for c in r["train_loss"]]
+      print(f"{name:9s} {r['max_defer']:9.2f} {r['deferred_fraction']:8.1%} {str(r['feedback']):>8s} "
+            + " ".join(f"{x:9.4f}" for x in r["eval_loss"]) + f" {mean:8.4f} {r['vs_lossless']:11.4f} "
+            f"{'ok' if r['within'] else 'OFF':>8s}  {r['steps_to_target']}")
+    result["models"][name] = {"lossless_eval_loss": base, "lossless_spread": spread,
+                              "target_train_loss": CONV_TARGET[name], "runs": [runs[k] for k in runs]}
+  result["seconds"] = round(time.perf_counter() - t_all, 1)
+  print(f"({result['seconds']} s; eval loss on a held-out batch after {steps} steps; ok = within 2% of "
+        f"the lossless mean or within the lossless seeds' spread)")
+  if not quick:
+    _plot_convergence(result)
+  return result
+
+
+def _plot_convergence(result: dict) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  models = list(result["models"])
+  fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2))
+  colors = {0.0: "black", 0.05: "tab:blue", 0.1: "tab:green", 0.25: "tab:red"}
+  for ax, name in zip(np.atleast_1d(axes), models):
+    for r in result["models"][name]["runs"]:
+      curve = np.mean(np.asarray(r["train_loss"]), axis=0)
+      k = max(1, len(curve) // 30)
+      smooth = np.convolve(curve, np.ones(k) / k, mode="valid")
+      label = (f"lossless" if r["max_defer"] == 0 else
+               f"defer {r['deferred_fraction']:.0%}{'' if r['feedback'] else ', no feedback'}")
+      ax.plot(np.arange(len(smooth)) + k, smooth, color=colors[r["max_defer"]],
+              ls="-" if r["feedback"] else ":", lw=1.4 if r["max_defer"] == 0 else 1.0, label=label)
+    ax.set_yscale("log")
+    ax.set_title(f"{name}: dlcp deferral, sgd-momentum, 8 devices (mean of {len(result['seeds'])} seeds)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (moving average)")
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  out = RESULTS / "dlcp_convergence.png"
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(out, dpi=120)
+  print(f"wrote {out}")
 
 
 PARTS = {"speed": speed, "convergence": convergence}

@@ -3,7 +3,10 @@
 Reads the optimized HLO of a *compiled* step (`jax.pmap(step).lower(*args).compile()`, the same with
 `jax.jit`, or a step compiled for a compile-only GPU target, see `prophet_jax.gpu_topology`), finds
 every all-reduce, and sorts them by their op_name metadata:
-- `prophet/chunk<k>`: chunk k of the schedule (from `allreduce`, `scheduled`, `hooked` or `pipelined`);
+- `prophet/chunk<k>`: the k-th all-reduce the schedule issues per step (from `allreduce`, `scheduled`,
+  `hooked` or `pipelined`): chunk k of a lossless schedule; a deferral group (`Bucket.defer > 0`)
+  issues `slots` all-reduces of its padded slot size, so a deferring schedule is expected to have
+  `schedule.num_allreduces` of them, of `schedule.allreduce_sizes()` elements;
 - `prophet/loop/<name>`: a per-layer all-reduce in a scanned body (`loop_hook`), counted once per trip;
 - anything else: foreign (a user's `pmean` of the loss, BatchNorm statistics, ...), listed apart.
 The verdict is True when every chunk appears exactly once (per step), with its planned element count, in
@@ -136,7 +139,8 @@ class AuditReport:
   """What the compiled step does with the schedule's chunks.
 
   Attributes:
-    planned: the schedule's number of chunks (all-reduces per step).
+    planned: the all-reduces the schedule issues per step (`schedule.num_allreduces`: its chunks, a
+      deferral group counting its `slots`).
     chunks: the chunk all-reduces, in compiled execution order.
     loops: per-layer all-reduces inside loop bodies (`loop_hook`), each with its trip count.
     foreign: all-reduces that are not the schedule's.
@@ -338,7 +342,9 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
   after = _backward_after(ops)
   windows = async_windows(module, ops)
   costs = OpCosts(module)
-  sizes = [c.size for c in schedule.chunks]
+  # what the step issues: one all-reduce per chunk, a deferral group's slots (padded to its largest
+  # chunk; `prophet/chunk<k>` numbers the issued all-reduces, so a group's slots are consecutive k)
+  sizes = list(schedule.allreduce_sizes())
   chunks, loops, foreign = [], [], []
   for op in collectives(module):
     ins = op.instruction
@@ -397,7 +403,7 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
     order.extend([e.chunk] * (e.trips or 1))
     if e.chunk >= len(sizes):
       problems.append(f"all-reduce {e.name} is labelled chunk{e.chunk}, but the schedule has "
-                      f"{len(sizes)} chunks: was the step built with another schedule?")
+                      f"{len(sizes)} all-reduces per step: was the step built with another schedule?")
     elif e.elements != e.expected_elements:
       problems.append(f"chunk{e.chunk}: all-reduce {e.name} reduces {e.elements} elements, planned "
                       f"{e.expected_elements} (merged with other all-reduces by XLA's combiner?)")

@@ -22,11 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._errors import AlreadyReducedError, UnboundAxisError
-from ._schedule import Schedule
+from ._schedule import Bucket, Schedule
 from ._tree import is_reduced_leaf, match_tree
 
 __all__ = ["allreduce", "tie", "chunk_scope", "axis_size", "check_not_reduced", "vma_enabled",
-           "is_varying", "to_varying", "reduce_chunks", "scheduled_allreduce"]
+           "is_varying", "to_varying", "reduce_units", "reduce_chunks", "schedule_units",
+           "unit_allreduces", "schedule_chains", "scheduled_allreduce"]
 
 SCOPE_PREFIX = "prophet/chunk"
 
@@ -124,42 +125,94 @@ def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: 
 # the all-reduce
 
 
-def reduce_chunks(flat: list[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
-                  axis_name: Any, *, divisor: int | None, first_index: int = 0,
-                  prev: jax.Array | None = None,
-                  scope: str | None = None) -> tuple[list[jax.Array], jax.Array | None]:
-  """Runs `chunks` in order on the flattened leaves `flat`; returns the new leaves and the last result.
+def schedule_units(schedule: Schedule) -> tuple[Any, ...]:
+  """What the step issues, in issue order: each chunk of a lossless bucket, and each deferral group
+  (`Bucket` with `defer > 0`) as one unit of `slots` all-reduces."""
+  return tuple(u for b in schedule.buckets for u in ((b,) if b.defer else b.chunks))
 
-  Per chunk: gather its slices into one buffer, `tie` it to the previous result, one `psum` (divided
-  by `divisor`), scatter back. Every chunked all-reduce of the library goes through here: `allreduce`,
+
+def unit_allreduces(unit: Any) -> int:
+  """All-reduces a unit issues: 1 for a chunk, `slots` for a deferral group."""
+  return unit.slots if isinstance(unit, Bucket) else 1
+
+
+def _platform() -> str | None:
+  """The platform of the devices the mapped computation is traced for ('cpu', 'gpu', ...), from the
+  abstract mesh (set under shard_map and pmap): a compile-only GPU topology counts as 'gpu' in a
+  process whose default backend is the CPU. None when unknown."""
+  try:
+    return jax.sharding.get_abstract_mesh().abstract_device.platform
+  except (AttributeError, RuntimeError, ValueError):
+    return None
+
+
+# collectives a device runs at once, on the platforms where that is known to be limited
+_PLATFORM_LINKS = {"cpu": 1}
+
+
+def schedule_chains(schedule: Schedule, where: str) -> tuple[int, ...] | None:
+  """The tie chain of every issued all-reduce (`schedule.links`), or None for one chain.
+
+  Raises:
+    ValueError: the schedule stripes over more links than the platform runs at once. On the CPU a
+      collective blocks the executor (docs/facts.md, "CPU collectives are synchronous"): a second chain
+      there only lets XLA merge or reorder the chunks.
+  """
+  links = schedule.links
+  if not links or max(links) == 0:
+    return None
+  n = max(links) + 1
+  platform = _platform()
+  most = _PLATFORM_LINKS.get(platform or "")
+  if most is not None and n > most:
+    raise ValueError(
+        f"{where}: the schedule stripes its all-reduces over links={n} tie chains, more links than the "
+        f"platform can run at once ({platform}: {most}; its collectives are synchronous, so a second "
+        f"chain only lets XLA merge or reorder the chunks). Plan with NetworkModel(..., links={most}), "
+        f"or drop the assignment: dataclasses.replace(schedule, links=()).")
+  return links
+
+
+def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence[int], axis_name: Any, *,
+                 divisor: int | None, first_index: int = 0, prev: Any = None, scope: str | None = None,
+                 defer: Sequence[Any] = (), chains: Sequence[int] | None = None
+                 ) -> tuple[list[jax.Array], Any, tuple[Any, ...]]:
+  """Runs `units` in issue order on the flattened leaves `flat`: the one chunked all-reduce engine.
+
+  A unit is a Chunk (one all-reduce: gather its slices into one buffer, `tie` it to the previous
+  result of its chain, one `psum` divided by `divisor`, scatter back) or a deferral group (a Bucket
+  with `defer > 0`: `_defer.group_step`, its `slots` all-reduces tied the same way, with its state
+  from `defer`). Every chunked all-reduce of the library goes through here: `allreduce`,
   `scheduled`, `pipelined`, the hooks of `hooked` and the per-layer hook of `loop_hook`.
 
   Args:
     flat: leaves (any shape); rows index them through `row_leaf`.
-    chunks: the schedule's chunks to run, in issue order.
+    units: chunks and deferral groups to run, in issue order (`schedule_units`, or a range of it).
     row_leaf: schedule row -> index into `flat`.
     axis_name: the mapped axis.
     divisor: divide each reduced buffer by this (the axis size, for a mean, as `pmean` does), or None.
-    first_index: k of the first chunk, for its named scope 'prophet/chunk<k>'.
-    prev: the result of the chunk issued just before (tied to the first chunk), or None.
+    first_index: k of the first all-reduce, for its named scope 'prophet/chunk<k>'.
+    prev: the result of the all-reduce issued just before (tied to the first), or None; with several
+      chains, a tuple with one entry (or None) per chain.
     scope: the named scope of every chunk instead of 'prophet/chunk<k>' (`loop_hook`'s
       'prophet/loop/<name>', which `audit` reads as a loop-body all-reduce).
+    defer: the `_defer.GroupState` of each deferral group among `units`, in order.
+    chains: the tie chain of every issued all-reduce of the schedule (`schedule_chains`; indexed by
+      the all-reduce's k), or None for one chain.
+
+  Returns:
+    (the new leaves, the last result (a tuple per chain when `prev` is a tuple), the new GroupStates).
   """
+  from ._defer import group_step, unit_group
+
+  multi = isinstance(prev, tuple)
+  last: dict[int, Any] = dict(enumerate(prev)) if multi else {0: prev}
   flat = list(flat)
   pieces: dict[int, list[tuple[int, jax.Array]]] = {}
   touched: list[int] = []
-  for k, chunk in enumerate(chunks, start=first_index):
-    parts = []
-    for r, a, b in chunk.slices:
-      leaf = flat[row_leaf[r]]
-      parts.append(leaf.reshape(-1)[a:b])
-    with jax.named_scope(chunk_scope(k) if scope is None else scope):
-      buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-      buf = tie(buf, prev)
-      red = jax.lax.psum(buf, axis_name)
-      if divisor is not None:
-        red = red / jnp.asarray(divisor, red.dtype)
-    prev = red
+  new_defer: list[Any] = []
+
+  def put(chunk: Any, red: jax.Array) -> None:
     off = 0
     for r, a, b in chunk.slices:
       if r not in pieces:
@@ -167,15 +220,58 @@ def reduce_chunks(flat: list[jax.Array], chunks: Sequence[Any], row_leaf: Sequen
         touched.append(r)
       pieces[r].append((a, red[off:off + (b - a)]))
       off += b - a
+
+  def gather(chunk: Any) -> list[jax.Array]:
+    return [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
+
+  k = first_index
+  for unit in units:
+    if isinstance(unit, Bucket):
+      group = unit_group(unit, k)
+      rows = []
+      for chunk in unit.chunks:
+        parts = gather(chunk)
+        buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+        rows.append(jnp.pad(buf, (0, group.size - chunk.size)))
+      out, state = group_step(jnp.stack(rows), defer[len(new_defer)], group, axis_name, divisor=divisor,
+                              prev=last, chains=None if chains is None else chains[k:k + group.slots])
+      new_defer.append(state)
+      for i, chunk in enumerate(unit.chunks):
+        put(chunk, out[i, :chunk.size])
+      k += group.slots
+      continue
+    j = 0 if chains is None else int(chains[k])
+    parts = gather(unit)
+    with jax.named_scope(chunk_scope(k) if scope is None else scope):
+      buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+      buf = tie(buf, last.get(j))
+      red = jax.lax.psum(buf, axis_name)
+      if divisor is not None:
+        red = red / jnp.asarray(divisor, red.dtype)
+    last[j] = red
+    put(unit, red)
+    k += 1
   for r in touched:
     i = row_leaf[r]
     segs = [s for _, s in sorted(pieces[r], key=lambda t: t[0])]
     full = segs[0] if len(segs) == 1 else jnp.concatenate(segs)
     flat[i] = full.reshape(np.shape(flat[i]))
+  out_prev = tuple(last.get(j) for j in range(len(prev))) if multi else last[0]
+  return flat, out_prev, tuple(new_defer)
+
+
+def reduce_chunks(flat: list[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
+                  axis_name: Any, *, divisor: int | None, first_index: int = 0,
+                  prev: jax.Array | None = None,
+                  scope: str | None = None) -> tuple[list[jax.Array], jax.Array | None]:
+  """`reduce_units` of lossless chunks on one chain: returns the new leaves and the last result."""
+  flat, prev, _ = reduce_units(flat, chunks, row_leaf, axis_name, divisor=divisor,
+                               first_index=first_index, prev=prev, scope=scope)
   return flat, prev
 
 
-def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True) -> Any:
+def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
+              defer_state: Any = None) -> Any:
   """All-reduces `grads` over `axis_name` chunk by chunk, in the schedule's order.
 
   Call it inside `jax.pmap(..., axis_name=...)` or `jax.shard_map` (under `jit`). Rows of the schedule
@@ -183,7 +279,14 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
   order: its element slices are gathered into one flat buffer, reduced by one `psum` labelled
   `jax.named_scope("prophet/chunk<k>")`, and scattered back. Each chunk's buffer is tied to the previous
   chunk's result (an exact, NaN-proof zero), so the compiled program keeps one all-reduce per chunk, in
-  schedule order, even in a plain `jax.pmap` with default XLA flags on the CPU.
+  schedule order, even in a plain `jax.pmap` with default XLA flags on the CPU. With
+  `schedule.links` (planned for `links > 1`), each link is its own tie chain, so up to that many
+  all-reduces may be in flight (not on the CPU, whose collectives are synchronous: ValueError).
+
+  A schedule with deferral groups (`dlcp` with `max_defer > 0`) needs their state: pass
+  `defer_state` (from `prophet_jax.defer_state(schedule)`, then the one returned) and get
+  `(reduced, new_defer_state)`; a deferred chunk's elements are zero in `reduced` and kept in the
+  state's residual, to be added to the same elements at the next call (`Bucket` has the semantics).
 
   Integer leaves and float0 gradients pass through unreduced; zero-size leaves pass through unchanged.
 
@@ -196,33 +299,48 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
     schedule: a Schedule (from `prophet_jax.plan`).
     axis_name: the data-parallel axis (a name bound by pmap or shard_map).
     mean: divide the sums by the axis size (a `pmean`); False gives the `psum`.
+    defer_state: the DeferState of a schedule that defers (None otherwise).
 
   Returns:
-    The reduced tree, same structure, shapes and dtypes.
+    The reduced tree, same structure, shapes and dtypes; `(tree, new_defer_state)` when the schedule
+    defers.
 
   Raises:
     UnboundAxisError: `axis_name` is not bound here.
     ScheduleMismatchError: the schedule was planned for another tree (the path, shape or dtype at fault
-      is named).
+      is named), or `defer_state` belongs to another schedule.
     AlreadyReducedError: under shard_map with check_vma, the gradients are already summed.
-    ValueError: the tree is empty.
+    ValueError: the tree is empty; more links than the platform runs at once.
+    TypeError: a deferring schedule without `defer_state`, or a `defer_state` for one that does not
+      defer.
 
   Example:
     >>> step = jax.pmap(lambda g: prophet_jax.allreduce(g, schedule, "data"), axis_name="data")
   """
-  return scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce")
+  reduced, new = scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce",
+                                     defer_state=defer_state)
+  return (reduced, new) if schedule.defers else reduced
 
 
 def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
-                        where: str = "allreduce") -> Any:
-  """`allreduce`, with `where` naming the public caller in error messages."""
+                        where: str = "allreduce", defer_state: Any = None) -> tuple[Any, Any]:
+  """`allreduce` as (reduced tree, new DeferState or None), with `where` naming the public caller."""
+  from ._defer import check_residual_varying, check_state, group_states, with_groups
+
   if not isinstance(mean, bool):
     raise TypeError(f"{where}: `mean` must be True or False, got {mean!r}.")
   n = axis_size(axis_name, where)
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(grads)
   lmap = match_tree(leaves_with_path, schedule, where=where)
+  check_state(defer_state, schedule, where)
+  chains = schedule_chains(schedule, where)
   flat = [leaf for _, leaf in leaves_with_path]
   check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
-  flat, _ = reduce_chunks(flat, schedule.chunks, lmap.row_leaf, axis_name,
-                          divisor=n if mean else None)
-  return jax.tree_util.tree_unflatten(treedef, flat)
+  if defer_state is not None and vma_enabled(axis_name):
+    check_residual_varying(defer_state, axis_name, where)
+  flat, _, groups = reduce_units(flat, schedule_units(schedule), lmap.row_leaf, axis_name,
+                                 divisor=n if mean else None, defer=group_states(defer_state),
+                                 prev=None if chains is None else (None,) * (max(chains) + 1),
+                                 chains=chains)
+  new = with_groups(defer_state, groups) if schedule.defers else None
+  return jax.tree_util.tree_unflatten(treedef, flat), new

@@ -56,7 +56,9 @@ def plan(profile: GradientProfile, network: NetworkModel, policy: str | Callable
 
   Returns:
     The Schedule, validated against the profile, recording its policy, options and cross_step, with
-    `predicted_s` from `prophet_jax.simulate` (unless the policy predicted it).
+    `predicted_s` from `prophet_jax.simulate` (unless the policy predicted it), and with
+    `network.links > 1` the link of every all-reduce (`Schedule.links`, as the calm simulation
+    assigns them).
 
   Raises:
     ValueError: an unknown policy, or cross_step='auto' with a policy other than 'auto'; bad option
@@ -93,6 +95,11 @@ def plan(profile: GradientProfile, network: NetworkModel, policy: str | Callable
       changes["options"] = tuple(merged.items())
   if cross_step != "auto" and schedule.cross_step != cross_step:
     changes["cross_step"] = cross_step
+  if network.links > 1 and not schedule.links:
+    from ._simulate import link_assignment
+
+    changes["links"] = link_assignment(schedule, profile, network,
+                                       cross_step=bool(changes.get("cross_step", schedule.cross_step)))
   if schedule.predicted_s is None:
     from ._simulate import simulate
 

@@ -151,6 +151,10 @@ class Schedule:
     options: the policy's options, as sorted (name, value) pairs.
     cross_step: the step mode it was planned for (False: plain step; True: pipelined step).
     predicted_s: the simulator's iteration time at planning (None if not predicted).
+    links: the link (tie chain) of every issued all-reduce, in issue order (`num_allreduces` of
+      them); empty: one link. `plan` records the links its calm simulation assigned (earliest free
+      link, in issue order) when `network.links > 1`; the rewrite keeps one tie chain per link, so up
+      to that many all-reduces may be in flight.
     schema: format version.
 
   Invariant (checked on construction): every element of every row with a nonzero size is in exactly one
@@ -166,10 +170,12 @@ class Schedule:
   options: tuple[tuple[str, Any], ...] = ()
   cross_step: bool = False
   predicted_s: float | None = None
+  links: tuple[int, ...] = ()
   schema: int = SCHEDULE_SCHEMA
 
   def __post_init__(self):
     object.__setattr__(self, "buckets", tuple(self.buckets))
+    _check_links(self)
     info = rows_info(self.rows)
     object.__setattr__(self, "rows", info.rows)
     object.__setattr__(self, "options", tuple(sorted((str(k), _freeze(v)) for k, v in dict(self.options).items())))
@@ -229,6 +235,8 @@ class Schedule:
       lines[0] += (f"; {len(groups)} deferral groups defer {sum(b.defer for b in groups)} of "
                    f"{sum(len(b.chunks) for b in groups)} chunks per step (at most "
                    f"{self.max_deferred_fraction:.2%} of the elements, one step late)")
+    if self.links:
+      lines[0] += f"; striped over {max(self.links) + 1} links"
     for k, c in enumerate(self.chunks[:max_chunks]):
       paths = [self.rows[r][0] for r in c.rows]
       head = ", ".join(paths[:2]) + (f", +{len(paths) - 2}" if len(paths) > 2 else "")
@@ -244,7 +252,7 @@ class Schedule:
         "tree_fingerprint": self.tree_fingerprint,
         "rows": [[p, list(s), t] for p, s, t in self.rows],
         "buckets": [_bucket_json(b) for b in self.buckets],
-    }
+    } | ({"links": list(self.links)} if self.links else {})
 
   def to_json(self, indent: int | None = None) -> str:
     return json.dumps(self.to_dict(), indent=indent)
@@ -279,6 +287,20 @@ def _bucket_from_json(b: Any) -> Bucket:
     defer, b = b.get("defer", 0), b["chunks"]
   return Bucket(chunks=tuple(Chunk(slices=tuple(tuple(s) for s in c["slices"]), dtype=c["dtype"])
                              for c in b), defer=defer)
+
+
+def _check_links(s: Schedule) -> None:
+  links = s.links
+  if not isinstance(links, (tuple, list)) or any(isinstance(x, bool) or not isinstance(x, (int, np.integer))
+                                                 for x in links):
+    raise ScheduleError(f"schedule links={links!r}: expected a tuple of link indices (ints), one per "
+                        f"issued all-reduce, or () for one link.")
+  links = tuple(int(x) for x in links)
+  object.__setattr__(s, "links", links)
+  if links and (len(links) != s.num_allreduces or min(links) < 0):
+    raise ScheduleError(f"schedule links={links[:8]}{'...' if len(links) > 8 else ''} ({len(links)} "
+                        f"entries): expected {s.num_allreduces} link indices >= 0, one per issued "
+                        f"all-reduce, or () for one link. Plan again.")
 
 
 def _freeze(v: Any) -> Any:

@@ -183,6 +183,28 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
   return simulate_arrays(prob, schedule_arrays(prob, schedule.buckets), events=events)
 
 
+def link_assignment(schedule: Schedule, profile: GradientProfile, network: NetworkModel, *,
+                    cross_step: bool = False) -> tuple[int, ...]:
+  """The link of every all-reduce `schedule` issues, as `simulate` assigns them on a calm network.
+
+  Chunks go, in issue order, to the link that frees first (ties to the lowest index); this is what
+  `plan` records in `Schedule.links` when `network.links > 1`, so the rewrite's tie chains are the
+  links of the prediction. (Under pressure each sample's durations could assign differently; the
+  compiled program's assignment is static, so it is taken from the calm network.) () for one link.
+  """
+  check_values("link_assignment()", schedule=schedule, profile=profile, network=network)
+  if network.links == 1:
+    return ()
+  calm = network.replace(pressure=None) if network.pressure is not None else network
+  prob = problem(profile, calm, cross_step=bool(cross_step))
+  arrays = schedule_arrays(prob, schedule.buckets)
+  if not arrays.ready_s.size:
+    return ()
+  _, _, link, _, _ = link_loop(arrays.ready_s.tolist(), prob.durations(arrays.nbytes).tolist(),
+                               backward_s=prob.backward_s, links=network.links, overlap=network.overlap)
+  return tuple(int(x) for x in link)
+
+
 def simulate_chunks(prob: Problem, chunks: Iterable[Sequence[tuple[int, int, int]]], *,
                     events: bool = True) -> SimResult:
   """`simulate` of chunks given as their slices in issue order, on a Problem (no checks).

@@ -26,10 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._collectives import (_zero_of, axis_size, is_varying, reduce_chunks, scheduled_allreduce,
-                           to_varying, vma_enabled)
+from . import _collectives
+from ._collectives import (_zero_of, axis_size, is_varying, reduce_chunks, schedule_units,
+                           scheduled_allreduce, to_varying, unit_allreduces, vma_enabled)
+from ._defer import GroupState, check_residual_varying, check_state, group_states, with_groups
+from ._defer import init as defer_init
 from ._errors import AlreadyReducedError, CompositionError
-from ._schedule import Chunk, Schedule
+from ._schedule import Bucket, Chunk, Schedule
 from ._types import check_values
 from ._tree import dtype_name, is_float_dtype, is_reduced_leaf, match_tree, path_str
 
@@ -43,9 +46,17 @@ LOOP_SCOPE = "prophet/loop/"
 
 
 class ScheduledState(NamedTuple):
-  """State of `scheduled(tx, ...)`: the wrapped transformation's state, unchanged."""
+  """State of `scheduled(tx, ...)`.
+
+  Attributes:
+    inner: the wrapped transformation's state, unchanged.
+    defer_state: the schedule's `DeferState` (`prophet_jax.defer_state`) when it defers (`dlcp` with
+      `max_defer > 0`), else None. Its residuals are each device's own: under `shard_map`, pass the
+      whole optimizer state with `prophet_jax.state_specs(opt_state, axis_name)`.
+  """
 
   inner: Any
+  defer_state: Any = None
 
 
 # Where `scheduled` sits in the user's optax composition is visible on the Python stack while the
@@ -166,6 +177,19 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   reduce once per k micro-steps instead, accumulate the micro-batch gradients in your own step (e.g.
   a `lax.scan` over micro-batches) and apply `scheduled` once.
 
+  Deferral (a `dlcp` schedule with `max_defer > 0`): the schedule's `DeferState` lives in the state
+  (`ScheduledState.defer_state`; None for a schedule that defers nothing, whose state and compiled
+  step are what they were before deferral existed). Each step, up to `max_defer` of the elements (a
+  group's lowest-ranked chunks by the previous step's reduced norms, the same on every device) are not
+  all-reduced; each device keeps its values in its residual and adds them to the same elements next
+  step (error feedback: nothing is lost, each value is applied at most one step late). Under `pmap`
+  nothing changes for the user: `init` once, replicate, as any optimizer state. Under `shard_map` the
+  residuals vary over the axis: pass the optimizer state with `prophet_jax.state_specs(opt_state,
+  axis_name)` (`P(axis_name)` for residuals, `P()` for the rest) as in_specs and out_specs, and make
+  it inside the map: `jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(
+  params)` with `specs = prophet_jax.state_specs(jax.eval_shape(tx.init, params), axis_name)`; a
+  residual passed replicated raises ValueError naming `state_specs`.
+
   Under `shard_map`'s default `check_vma=True`, `jax.grad` of replicated params already sums the
   gradients over the axis; that is detected and raises AlreadyReducedError naming the fix. Under
   `pmap` it cannot be detected (nothing is marked varying there); a pmap step is per-device already.
@@ -176,13 +200,17 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     axis_name: the data-parallel axis name.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` whose state is `ScheduledState(inner=tx_state)`.
+    An `optax.GradientTransformationExtraArgs` whose state is `ScheduledState(inner=tx_state,
+    defer_state=...)` (`defer_state` None unless the schedule defers).
 
   Raises:
     TypeError: `tx`, `schedule` or `axis_name` is of the wrong kind (at construction).
     CompositionError: at `init` or `update`, `scheduled` is not first in an `optax.chain`; at trace
       time, it is inside `optax.MultiSteps` under `shard_map`.
-    UnboundAxisError, ScheduleMismatchError, AlreadyReducedError: at trace time, from `update`.
+    UnboundAxisError, ScheduleMismatchError, AlreadyReducedError: at trace time, from `update`
+      (ScheduleMismatchError also for a state made by `init` of another deferring schedule).
+    ValueError: at trace time, the schedule stripes over more links than the platform runs at once
+      (CPU: 1), or, under shard_map, a deferral residual passed replicated.
 
   Example:
     >>> tx = prophet_jax.scheduled(optax.sgd(0.1, momentum=0.9), schedule, axis_name="data")
@@ -195,14 +223,15 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     before = _ran_before_in_chain()
     if before:
       raise _not_first_error(before, "init")
-    return ScheduledState(inner=tx.init(params))
+    return ScheduledState(inner=tx.init(params), defer_state=defer_init(schedule))
 
   def update_fn(updates, state, params=None, **extra_args):
     before = _ran_before_in_chain()
     if before:
       raise _not_first_error(before, "update")
     try:
-      reduced = scheduled_allreduce(updates, schedule, axis_name, mean=True, where="scheduled")
+      reduced, defer = scheduled_allreduce(updates, schedule, axis_name, mean=True, where="scheduled",
+                                           defer_state=state.defer_state)
     except AlreadyReducedError as e:
       if not _inside_multisteps():
         raise
@@ -217,7 +246,7 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
       new, inner = tx.update(reduced, state.inner, params, **extra_args)
     else:
       new, inner = tx.update(reduced, state.inner, params)
-    return new, ScheduledState(inner=inner)
+    return new, ScheduledState(inner=inner, defer_state=defer)
 
   init_fn._prophet_scheduled = True  # type: ignore[attr-defined]
   update_fn._prophet_scheduled = True  # type: ignore[attr-defined]
@@ -328,16 +357,19 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
 
 
 def hook_groups(schedule: Schedule) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
-  """Splits the chunks into hook groups: (first chunk, end chunk, rows), in issue order.
+  """Splits the issued units into hook groups: (first unit, end unit, rows), in issue order.
 
-  A hook fires when all of its parameters' gradients exist, so a chunk must live in the hook of every
-  row it touches: chunks sharing a row share a group, and groups are contiguous ranges of the issue
-  order (so the token keeps the order of the schedule exactly). Typical schedules give one group per
-  chunk (merged leaves) or one group per leaf (a leaf split into partitions).
+  The units are `_collectives.schedule_units(schedule)`: each chunk of a lossless bucket, and each
+  deferral group (`Bucket.defer > 0`, whose chunks are ranked and reduced together) as one unit; for a
+  lossless schedule they are its chunks. A hook fires when all of its parameters' gradients exist, so
+  a unit must live in the hook of every row it touches: units sharing a row share a group, and groups
+  are contiguous ranges of the issue order (so the token keeps the order of the schedule exactly).
+  Typical schedules give one group per chunk (merged leaves) or one group per leaf (a leaf split into
+  partitions).
   """
   groups: list[list[Any]] = []  # [start, end, set(rows)]
-  for k, chunk in enumerate(schedule.chunks):
-    rows = set(chunk.rows)
+  for k, unit in enumerate(schedule_units(schedule)):
+    rows = set(unit.rows) if isinstance(unit, Chunk) else {r for c in unit.chunks for r in c.rows}
     hit = next((j for j, g in enumerate(groups) if g[2] & rows), None)
     if hit is None:
       groups.append([k, k + 1, rows])
@@ -349,31 +381,52 @@ def hook_groups(schedule: Schedule) -> tuple[tuple[int, int, tuple[int, ...]], .
   return tuple((a, b, tuple(sorted(r))) for a, b, r in groups)
 
 
-def _make_hook(chunks: Sequence[Chunk], first_index: int, rows: Sequence[int], axis_name: Any,
+def _encode(g: GroupState) -> tuple[jax.Array, ...]:
+  """A deferral group's state as floats, so it can be a custom_vjp primal input whose "cotangent" the
+  backward rule sets to the new state (an int or bool input only takes a float0 cotangent). The chunk
+  numbers and the mask are small integers: exact in float32."""
+  return (g.norms, g.deferred.astype(jnp.float32), g.index.astype(jnp.float32), g.residual)
+
+
+def _decode(x: Sequence[jax.Array]) -> GroupState:
+  norms, deferred, index, residual = x
+  return GroupState(norms=norms, deferred=deferred > 0.5, index=index.astype(jnp.int32), residual=residual)
+
+
+def _make_hook(units: Sequence[Any], first_index: int, rows: Sequence[int], axis_name: Any,
                divisor: int, cast: Sequence[bool]) -> Callable:
-  """A custom_vjp identity on (leaves of `rows`, token) whose backward runs `chunks` on the cotangents.
+  """A custom_vjp identity on (leaves of `rows`, token, deferral states) whose backward runs `units`.
 
   Forward: the leaves (cast to varying where `cast` says, so that under check_vma their cotangents
-  stay per-device) and the token, unchanged. Backward: the chunks' all-reduces on the leaves' cotangents,
-  the first tied to the incoming token cotangent, and a token cotangent tied to the last result.
+  stay per-device) and the token, unchanged. Backward: the units' all-reduces on the leaves'
+  cotangents, the first tied to the incoming token cotangent, and a token cotangent tied to the last
+  result. The deferral groups among `units` take their states (encoded by `_encode`) as primal inputs
+  and return the new states as those inputs' cotangents, so `jax.grad` with respect to the states
+  gives the new states.
   """
   local = {r: i for i, r in enumerate(rows)}
-  local_chunks = tuple(Chunk(slices=tuple((local[r], a, b) for r, a, b in c.slices), dtype=c.dtype)
-                       for c in chunks)
+
+  def relabel(c: Chunk) -> Chunk:
+    return Chunk(slices=tuple((local[r], a, b) for r, a, b in c.slices), dtype=c.dtype)
+
+  local_units = tuple(relabel(u) if isinstance(u, Chunk) else
+                      Bucket(chunks=tuple(relabel(c) for c in u.chunks), defer=u.defer) for u in units)
   row_leaf = tuple(range(len(rows)))
 
   @jax.custom_vjp
-  def hook(leaves, token):
+  def hook(leaves, token, states):
     return [(to_varying(x, axis_name) if c else x) for x, c in zip(leaves, cast)], token
 
-  def fwd(leaves, token):
-    return hook(leaves, token), None
+  def fwd(leaves, token, states):
+    return hook(leaves, token, states), states
 
-  def bwd(_, cts):
+  def bwd(states, cts):
     ct_leaves, ct_token = cts
-    out, last = reduce_chunks(list(ct_leaves), local_chunks, row_leaf, axis_name, divisor=divisor,
-                              first_index=first_index, prev=ct_token)
-    return out, _zero_of(last, ct_token.dtype)
+    # through the module, so that a test's wrapper of the one engine sees the hooks too
+    out, last, new = _collectives.reduce_units(list(ct_leaves), local_units, row_leaf, axis_name, divisor=divisor,
+                                  first_index=first_index, prev=ct_token,
+                                  defer=tuple(_decode(x) for x in states))
+    return out, _zero_of(last, ct_token.dtype), tuple(_encode(g) for g in new)
 
   hook.defvjp(fwd, bwd)
   return hook
@@ -450,6 +503,8 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
            has_aux: bool = False, in_loop: Sequence[str] = ()) -> Callable[..., Any]:
   """`grad_fn(params, batch) -> (loss, grads)` whose all-reduces run inside the backward pass.
 
+  (With a deferring schedule: `grad_fn(params, batch, defer_state) -> (loss, grads, new_state)`.)
+
   The chunks of `schedule` are issued from the backward rules of `custom_vjp` identities placed on the
   parameter groups before `loss_fn` runs: each group's all-reduce can start as soon as that group's
   gradients exist, while the rest of backward still runs. A scalar token threaded through the hooks (in
@@ -465,6 +520,16 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
   Integer leaves get float0 gradients (as `jax.grad(..., allow_int=True)` gives); zero-size leaves
   get their (empty) gradients unreduced.
 
+  A deferring schedule (`dlcp` with `max_defer > 0`) needs its deferral state, which the caller
+  owns here: `grad_fn(params, batch, defer_state) -> (loss, grads, new_defer_state)` (the state as
+  the last positional argument or `defer_state=`; `((loss, aux), grads, new_defer_state)` with
+  `has_aux`), starting from `prophet_jax.defer_state(schedule)` (under `shard_map`, made inside the
+  map and passed with `prophet_jax.state_specs(state, axis_name)`). Each deferral group's hook takes
+  its state as a primal input and its backward rule returns the new state as that input's
+  "cotangent" (chunk numbers and the mask encoded as float32, exact), so the ranking, the slots and
+  the residuals are those of `scheduled` and `allreduce`, issued inside the backward pass. The
+  deferred chunks' elements are zero in `grads` and wait in the new state's residual.
+
   Args:
     loss_fn: `loss_fn(params, batch) -> loss` (or `(loss, aux)` with `has_aux=True`).
     schedule: the Schedule to carry out; its rows are the params' floating leaves (minus `in_loop`).
@@ -474,21 +539,38 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
       `loop_hook`; the schedule does not cover them.
 
   Returns:
-    `grad_fn(params, batch)`.
+    `grad_fn(params, batch)` (`grad_fn(params, batch, defer_state)` for a deferring schedule).
 
   Raises:
-    TypeError: bad arguments (at construction).
-    UnboundAxisError, ScheduleMismatchError: at trace time.
+    TypeError: bad arguments (at construction); at trace time, a deferring schedule's grad_fn called
+      without its DeferState.
+    UnboundAxisError, ScheduleMismatchError: at trace time (ScheduleMismatchError also for the
+      DeferState of another schedule or tree).
+    ValueError: at trace time, under shard_map, a deferral residual passed replicated.
   """
   check_values("hooked", loss_fn=loss_fn, schedule=schedule, axis_name=axis_name)
   if isinstance(in_loop, str):
     in_loop = (in_loop,)
   in_loop = tuple(in_loop)
   groups = hook_groups(schedule)
-  chunks = schedule.chunks
+  units = schedule_units(schedule)
+  firsts = np.concatenate([[0], np.cumsum([unit_allreduces(u) for u in units])]).astype(int).tolist()
+  # the deferral groups (their index among the schedule's groups) each hook runs
+  group_index, seen = [], 0
+  for a, b, _ in groups:
+    n_groups = sum(isinstance(u, Bucket) for u in units[a:b])
+    group_index.append(tuple(range(seen, seen + n_groups)))
+    seen += n_groups
 
   def grad_fn(params, *args, **kwargs):
     n = axis_size(axis_name, "hooked")
+    defer_state = None
+    if schedule.defers:
+      if "defer_state" in kwargs:
+        defer_state = kwargs.pop("defer_state")
+      elif args:
+        *args, defer_state = args
+      check_state(defer_state, schedule, "hooked")
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     lmap = match_tree(leaves_with_path, schedule, where="hooked", skip_prefixes=in_loop)
     for p in in_loop:
@@ -497,29 +579,36 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
                          f"with {p!r}; the paths look like {lmap.paths[:3]}.")
     flat = [leaf for _, leaf in leaves_with_path]
     vma = vma_enabled(axis_name)
+    if defer_state is not None and vma:
+      check_residual_varying(defer_state, axis_name, "hooked")
     hooks = []
-    for a, b, rows in groups:
+    for (a, b, rows), gi in zip(groups, group_index):
       cast = [vma and not is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
-      hooks.append((rows, _make_hook(chunks[a:b], a, rows, axis_name, n, cast)))
+      hooks.append((rows, gi, _make_hook(units[a:b], firsts[a], rows, axis_name, n, cast)))
 
-    def inner(flat_params):
+    def inner(flat_params, states):
       flat_params = list(flat_params)
       token = jnp.zeros((), jnp.float32)
-      for rows, hook in reversed(hooks):  # backward runs them in reverse: issue order
+      for rows, gi, hook in reversed(hooks):  # backward runs them in reverse: issue order
         ids = [lmap.row_leaf[r] for r in rows]
-        out, token = hook([flat_params[i] for i in ids], token)
+        out, token = hook([flat_params[i] for i in ids], token, tuple(states[g] for g in gi))
         for i, x in zip(ids, out):
           flat_params[i] = x
       return loss_fn(jax.tree_util.tree_unflatten(treedef, flat_params), *args, **kwargs)
 
     calls: list[str] = []
+    states = tuple(_encode(g) for g in group_states(defer_state))
     with _loop_axis(axis_name, n, vma, calls):
-      value, grads = jax.value_and_grad(inner, has_aux=has_aux, allow_int=True)(flat)
+      value, (grads, new_states) = jax.value_and_grad(inner, argnums=(0, 1), has_aux=has_aux,
+                                                      allow_int=True)(flat, states)
     if in_loop and not calls:
       raise ValueError(f"hooked(in_loop={in_loop!r}): loss_fn never called prophet_jax's loop_hook, so "
                        f"those params would not be all-reduced. Apply loop_hook to the layer params "
                        f"inside the scanned body (see models/scan.py), or drop in_loop and plan a "
                        f"schedule that covers them.")
-    return value, jax.tree_util.tree_unflatten(treedef, grads)
+    grads = jax.tree_util.tree_unflatten(treedef, grads)
+    if schedule.defers:
+      return value, grads, with_groups(defer_state, [_decode(x) for x in new_states])
+    return value, grads
 
   return grad_fn

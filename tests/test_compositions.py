@@ -333,3 +333,101 @@ def test_clipping_per_device_is_what_the_check_prevents():
   assert rel > 0.5, rel  # measured 1.98 of the update on the worst leaf (issue 15 saw 0.70 elsewhere)
   with pytest.raises(AssertionError, match="max"):
     assert_trees_close(got, ref, params)
+
+
+# --------------------------------------------------------------------------------------------------
+# a deferring schedule (dlcp, issue 18): the DeferState rides in ScheduledState through each composition
+
+
+def _dlcp(tree) -> pj.Schedule:
+  """dlcp on a bandwidth-bound link, so that these small models get deferral groups."""
+  s = pj.plan(pj.GradientProfile.from_params(tree, forward_s=1e-3, backward_s=2e-3),
+              pj.NetworkModel(workers=NDEV, alpha_s=1e-7, beta_s_per_byte=1e-5), "dlcp", max_defer=0.25)
+  assert s.defers and s.num_allreduces > 1, s.describe()
+  return s
+
+
+def _map_deferring(step, mapping, carry, batches):
+  """`_map` with per-device deferral residuals: under shard_map the carry goes in and out with
+  `prophet_jax.state_specs`, its zero residuals stacked once per device on their leading axis."""
+  if mapping == "pmap":
+    return _map(step, mapping, carry, batches)
+  mesh = _mesh()
+  specs = pj.state_specs(carry, AX)
+  is_spec = lambda x: isinstance(x, P)  # noqa: E731
+  carry = jax.tree.map(lambda sp, x: jnp.repeat(x, NDEV, axis=0) if sp != P() else x, specs, carry,
+                       is_leaf=is_spec)
+  carry = jax.tree.map(lambda sp, x: jax.device_put(x, NamedSharding(mesh, sp)), specs, carry, is_leaf=is_spec)
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P(AX)), out_specs=specs))
+  for b in batches:
+    carry = f(carry, jax.device_put(b, NamedSharding(mesh, P(AX))))
+  return jax.device_get(carry)
+
+
+def _deferred(defer_state):
+  return [np.asarray(x).reshape(-1, np.shape(x)[-1])[0].tolist() for x in jax.tree.leaves(defer_state.index)]
+
+
+@pytest.mark.parametrize("composition", ["nnx.Optimizer", "scheduled(MultiSteps)"])
+def test_deferring_schedule_rides_through_the_composition_under_pmap_and_shard_map(composition):
+  """The same deferring run under pmap (state replicated as usual) and under shard_map (the state
+  passed with state_specs, nnx's dict-of-Variables form included) gives the same params, and the
+  deferral state moved on from its first-step choice (it was threaded, not reset)."""
+  finals = {}
+  for mapping in MAPPINGS:
+    if composition == "nnx.Optimizer":
+      model = _Net(nnx.Rngs(0))
+      before = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+      s = _dlcp(nnx.state(model, nnx.Param))
+      opt = nnx.Optimizer(model, pj.scheduled(optax.sgd(0.1, momentum=0.9), s, axis_name=AX), wrt=nnx.Param)
+      graphdef, state = nnx.split((model, opt))
+      first = _deferred(opt.opt_state.defer_state)
+
+      def step(state, batch):
+        model, opt = nnx.merge(graphdef, state)
+        mgraph, p, rest = nnx.split(model, nnx.Param, ...)
+        if mapping == "shard_map":
+          p = jax.lax.pcast(p, AX, to="varying")
+        opt.update(model, jax.grad(lambda p: _nnx_loss(nnx.merge(mgraph, p, rest), batch))(p))
+        return nnx.state((model, opt))
+
+      final = _map_deferring(step, mapping, state, _nnx_batches() * 2)
+      model, opt = nnx.merge(graphdef, final)
+      finals[mapping] = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+      last = _deferred(opt.opt_state.defer_state)
+    else:
+      m, before, batches, _ = _mlp()
+      s = _dlcp(before)
+      tx = pj.scheduled(optax.MultiSteps(optax.sgd(0.1, momentum=0.9), K), s, axis_name=AX)
+      state = TrainState.create(apply_fn=m.apply, params=before, tx=tx)
+      first = _deferred(state.opt_state.defer_state)
+
+      def step(state, batch):
+        p = state.params
+        if mapping == "shard_map":
+          p = jax.lax.pcast(p, AX, to="varying")
+        return state.apply_gradients(grads=jax.grad(m.loss_fn)(p, batch))
+
+      final = _map_deferring(step, mapping, state, batches[:2 * K])
+      finals[mapping] = final.params
+      last = _deferred(final.opt_state.defer_state)
+    assert last != first, (mapping, first, last)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(finals[mapping]))
+  assert_trees_close(finals["shard_map"], finals["pmap"], before)
+
+
+def test_multisteps_of_a_deferring_scheduled_runs_under_pmap():
+  """`MultiSteps(scheduled(tx))` (pmap only): the deferral state is kept on the emitting micro-steps,
+  as MultiSteps keeps any inner state; the step runs and the state moves on."""
+  m, params, batches, _ = _mlp()
+  s = _dlcp(params)
+  tx = optax.MultiSteps(pj.scheduled(optax.sgd(0.1, momentum=0.9), s, axis_name=AX), K)
+  state = TrainState.create(apply_fn=m.apply, params=params, tx=tx)
+  first = _deferred(state.opt_state.inner_opt_state.defer_state)
+
+  def step(state, batch):
+    return state.apply_gradients(grads=jax.grad(m.loss_fn)(state.params, batch))
+
+  final = _map(step, "pmap", state, batches[:2 * K])
+  assert _deferred(final.opt_state.inner_opt_state.defer_state) != first
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(final.params))

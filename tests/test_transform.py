@@ -9,7 +9,7 @@ merging policies from merging everything, `bucket` gets buckets of a quarter of 
 schedule order, with the user's pmean of the loss listed apart.
 
 Negative control: the same compiled step, run with the all-reduce's divisor n replaced by n - 1 (a
-14% gradient-scale bug, injected into the library's `reduce_chunks` through a runtime scalar by this
+14% gradient-scale bug, injected into the library's `reduce_units` through a runtime scalar by this
 test only), must fail the comparison in every case, bf16 included. The check is also shown to fail
 for a wrong scale (psum) and a lost slice.
 """
@@ -209,7 +209,7 @@ def _mesh():
   return jax.make_mesh((NDEV,), (AX,))
 
 
-# Test-only instrumentation of the library's `reduce_chunks` (monkeypatched by the fixture below), active
+# Test-only instrumentation of the library's `reduce_units` (monkeypatched by the fixture below), active
 # while a step is traced under `_instrument(scale, record)`:
 # - the negative control: it divides by n / scale instead of n, `scale` a runtime scalar argument of
 #   the compiled step: with scale = 1 that is the library's own division, exactly; with
@@ -218,20 +218,21 @@ def _mesh():
 #   all-reduce receives, in the chunk's dtype), which the step returns, so the test can reduce exactly
 #   those values itself and apply the optimizer to them (`teacher_forced_reference`).
 _CTX: contextvars.ContextVar = contextvars.ContextVar("prophet_test_instrument", default=None)
-_REDUCE_CHUNKS = _collectives.reduce_chunks
+_REDUCE_UNITS = _collectives.reduce_units
 
 
-def _reduce_chunks_instrumented(flat, chunks, row_leaf, axis_name, *, divisor, first_index=0, **kwargs):
+def _reduce_units_instrumented(flat, units, row_leaf, axis_name, *, divisor, first_index=0, **kwargs):
   ctx = _CTX.get()
   if ctx is not None:
     scale, record = ctx
-    for k, chunk in enumerate(chunks, start=first_index):
+    for k, chunk in enumerate(units, start=first_index):
+      assert isinstance(chunk, pj.Chunk), "these cases plan lossless schedules: chunks only"
       parts = [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
       record[k] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     if divisor is not None:
       divisor = divisor / scale
-  return _REDUCE_CHUNKS(flat, chunks, row_leaf, axis_name, divisor=divisor, first_index=first_index,
-                        **kwargs)
+  return _REDUCE_UNITS(flat, units, row_leaf, axis_name, divisor=divisor, first_index=first_index,
+                       **kwargs)
 
 
 @contextlib.contextmanager
@@ -245,8 +246,8 @@ def _instrument(scale, record):
 
 @pytest.fixture
 def instrumented(monkeypatch):
-  monkeypatch.setattr(_collectives, "reduce_chunks", _reduce_chunks_instrumented)
-  monkeypatch.setattr(_transform, "reduce_chunks", _reduce_chunks_instrumented)
+  # the one engine every chunked all-reduce goes through (allreduce, scheduled, hooked's hooks)
+  monkeypatch.setattr(_collectives, "reduce_units", _reduce_units_instrumented)
 
 
 def build_step(model, dtype, policy, mapping, transform):

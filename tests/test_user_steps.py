@@ -252,18 +252,17 @@ def test_setups_plan_several_chunks_and_clip_both_ways():
 
 @pytest.fixture
 def mean_over_n_minus_1(monkeypatch):
-  """Every chunked reduction divides by n-1 instead of n (test-only: the library's reduce_chunks is
-  wrapped where scheduled, allreduce/pipelined and hooked call it)."""
+  """Every chunked reduction divides by n-1 instead of n (test-only: the library's one engine,
+  `_collectives.reduce_units`, is wrapped; scheduled, allreduce, pipelined and hooked all reach it
+  through that module global)."""
   import prophet_jax._collectives as col
-  import prophet_jax._transform as tr
 
-  real = col.reduce_chunks
+  real = col.reduce_units
 
-  def wrong(flat, chunks, row_leaf, axis_name, *, divisor, **kw):
-    return real(flat, chunks, row_leaf, axis_name, divisor=None if divisor is None else divisor - 1, **kw)
+  def wrong(flat, units, row_leaf, axis_name, *, divisor, **kw):
+    return real(flat, units, row_leaf, axis_name, divisor=None if divisor is None else divisor - 1, **kw)
 
-  monkeypatch.setattr(col, "reduce_chunks", wrong)
-  monkeypatch.setattr(tr, "reduce_chunks", wrong)
+  monkeypatch.setattr(col, "reduce_units", wrong)
 
 
 @pytest.mark.parametrize("k,name", list(enumerate(U.SETUP_NAMES)))

@@ -1,0 +1,422 @@
+"""DLCP's deferral in the jitted step: deferral groups with error feedback (the jax half of issue 18).
+
+A deferral group (`Bucket(chunks, defer=k)`, planned by `dlcp`) has m chunks of one dtype, of which
+only m - k are all-reduced each step; `Bucket`'s docstring states the run-time semantics this module
+carries out. Per group and step, with static shapes (the step compiles once):
+
+  1. gather the m chunks into rows (m, c), c = `slot_size` (a smaller chunk zero-padded at its end);
+     add the residual (the local values this worker deferred last step) to the rows it came from;
+  2. rank: score = +inf for a chunk deferred last step, else the float32 L2 norm of its reduced values
+     when it was last sent; a stable argsort of -score (ties by chunk index); ranks 0..m-k-1 are sent,
+     the last k ranks wait;
+  3. slot s (s < m - k) carries the chunk of rank s: one `psum` each, tied to the previous all-reduce
+     by `_collectives.tie` (the one ordering mechanism), labelled `prophet/chunk<first + s>`;
+  4. scatter the reduced slots back; a deferred chunk contributes zero to this step's gradient;
+  5. new state: residual = the deferred rows (local, per device), index = their chunk numbers,
+     norms[sent] = the sent slots' L2 norms (replicated), deferred = the mask of the deferred chunks.
+
+A non-finite norm (NaN or Inf: the chunk overflowed) ranks just below a chunk deferred the previous
+step and above every finite norm, so a chunk deferred at t is always sent at t + 1 (2k <= m): the
+staleness bound holds even when gradients blow up. (`Bucket`'s docstring says "NaN counts as +inf";
+this is that rule with the deferred chunks kept first among the infinities.)
+
+Why every worker defers the same chunks. The ranking reads only replicated values: the norms of
+*reduced* slots and the mask of the previous choice. An all-reduce leaves bitwise the same result on
+every participant (a ring reduce-scatter + all-gather computes each element once and copies it, and
+so do NCCL's tree, gloo and XLA's in-process CPU all-reduce); the norm is then the same compiled
+computation on the same bits, hence the same float; the argsort is stable, so ties go by index. By
+induction from the common initial state (norms 0, nothing deferred: the first step defers the last
+k chunks by index), every worker holds the same state and makes the same choice, with no extra
+communication.
+
+What would break it: workers that compute the norm differently, i.e. heterogeneous hardware or
+software (a GPU model, a CPU's vector width, a jaxlib version or XLA flags that change the reduction
+order of the sum of squares) can round one norm differently, and two nearly equal norms could then
+rank differently on two workers; their slots would then sum different chunks: silently wrong.
+Guarding it in the step costs one more all-reduce per group (e.g. a pmin/pmax of the chosen indices),
+which the schedule's timing does not have, so the step does not; the tests gather the chosen indices
+from all 8 devices and from two processes. Run every worker on one hardware and software stack.
+
+The state (`DeferState`, a NamedTuple pytree) holds per group: `norms` f32[m], `deferred` bool[m]
+and `index` int32[k] (replicated: `P()` under shard_map) and `residual` dtype[1, k, c] (each
+device's own, with a leading axis of 1 so that under shard_map it is split over the axis,
+`P(axis)`, as pipelined's residuals are; under pmap the device axis comes in front). Its `tag` holds
+no arrays: its pytree structure carries the schedule's key (a hash of the tree fingerprint and the
+deferral groups' chunks) and the groups' layout, so a state from another schedule or tree is caught
+at trace time, naming both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._collectives import chunk_scope, tie
+from ._errors import ScheduleMismatchError
+from ._schedule import Chunk, Schedule
+
+__all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "defer_state", "check_state",
+           "group_step", "rank", "unit_group", "group_states", "with_groups", "state_specs",
+           "check_residual_varying"]
+
+
+# --------------------------------------------------------------------------------------------------
+# the static plan of the groups
+
+
+@dataclasses.dataclass(frozen=True)
+class DeferGroup:
+  """A deferral group as the step sees it.
+
+  Attributes:
+    bucket: the bucket's index in the schedule.
+    first: the index, among all issued all-reduces, of the group's first slot (its named scope).
+    chunks: the group's chunks, in chunk-index order.
+    defer: k, the chunks deferred per step.
+    size: c, elements per slot (the largest chunk).
+    dtype: the group's dtype name.
+  """
+
+  bucket: int
+  first: int
+  chunks: tuple[Chunk, ...]
+  defer: int
+  size: int
+  dtype: str
+
+  @property
+  def m(self) -> int:
+    return len(self.chunks)
+
+  @property
+  def slots(self) -> int:
+    return len(self.chunks) - self.defer
+
+
+@functools.lru_cache(maxsize=64)
+def defer_groups(schedule: Schedule) -> tuple[DeferGroup, ...]:
+  """The schedule's deferral groups (buckets with `defer > 0`), in issue order."""
+  out, first = [], 0
+  for b, bucket in enumerate(schedule.buckets):
+    if bucket.defer:
+      out.append(DeferGroup(bucket=b, first=first, chunks=bucket.chunks, defer=bucket.defer,
+                            size=bucket.slot_size, dtype=bucket.chunks[0].dtype))
+    first += bucket.slots
+  return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule_key(schedule: Schedule) -> str:
+  """A short hash of the tree fingerprint and the deferral groups' chunks (what a residual means)."""
+  h = hashlib.sha256(schedule.tree_fingerprint.encode())
+  for g in defer_groups(schedule):
+    h.update(repr((g.bucket, g.defer, tuple(c.slices for c in g.chunks))).encode())
+  return h.hexdigest()[:16]
+
+
+def _layout(schedule: Schedule) -> tuple[tuple[int, int, int, str], ...]:
+  return tuple((g.m, g.defer, g.size, g.dtype) for g in defer_groups(schedule))
+
+
+# --------------------------------------------------------------------------------------------------
+# the state
+
+
+@jax.tree_util.register_pytree_node_class
+class DeferTag:
+  """A leafless pytree node whose structure carries the schedule a `DeferState` belongs to.
+
+  Attributes:
+    key: `_schedule_key` of the schedule (tree fingerprint + the deferral groups' chunks).
+    fingerprint: the schedule's `tree_fingerprint` (for messages).
+    layout: (m, k, c, dtype) of every deferral group, in issue order.
+  """
+
+  __slots__ = ("key", "fingerprint", "layout")
+
+  def __init__(self, key: str, fingerprint: str, layout: tuple[tuple[int, int, int, str], ...]):
+    self.key, self.fingerprint, self.layout = key, fingerprint, tuple(layout)
+
+  def tree_flatten(self):
+    return (), (self.key, self.fingerprint, self.layout)
+
+  @classmethod
+  def tree_unflatten(cls, aux, _):
+    return cls(*aux)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, DeferTag) and (self.key, self.layout) == (other.key, other.layout)
+
+  def __hash__(self) -> int:
+    return hash((self.key, self.layout))
+
+  def __repr__(self) -> str:
+    return f"DeferTag(schedule {self.key}, tree {self.fingerprint}, {len(self.layout)} groups)"
+
+
+class DeferState(NamedTuple):
+  """The deferral state of a schedule's deferral groups (one entry per group, in issue order).
+
+  Attributes:
+    norms: f32[m] per group: the L2 norm of each chunk's reduced values when it was last sent
+      (replicated).
+    deferred: bool[m] per group: the chunks deferred in the previous step (replicated).
+    index: int32[k] per group: their chunk numbers, in rank order (replicated).
+    residual: dtype[1, k, c] per group: this device's values of those chunks, added to the same
+      elements at the next step (per device).
+    tag: no arrays; its pytree structure names the schedule (see `DeferTag`).
+  """
+
+  norms: tuple[jax.Array, ...]
+  deferred: tuple[jax.Array, ...]
+  index: tuple[jax.Array, ...]
+  residual: tuple[jax.Array, ...]
+  tag: DeferTag
+
+
+class GroupState(NamedTuple):
+  """One group's slice of a DeferState (norms, deferred, index, residual)."""
+
+  norms: jax.Array
+  deferred: jax.Array
+  index: jax.Array
+  residual: jax.Array
+
+
+def init(schedule: Schedule) -> DeferState | None:
+  """The state before the first step: norms 0, nothing deferred, zero residuals (None when the
+  schedule defers nothing). Public as `prophet_jax.defer_state`.
+
+  The residual of each device is zero, so the same state serves every device: under `pmap`,
+  replicate it (it has no device axis of its own); under `shard_map`, make it inside the mapped
+  function (or stack n copies of each residual on its leading axis) and pass it with `state_specs`.
+  The first step ranks by index and so defers the last k chunks of every group.
+  """
+  if not isinstance(schedule, Schedule):
+    raise TypeError(f"defer_state: expected a prophet_jax.Schedule, got {type(schedule).__name__}.")
+  if not schedule.defers:
+    return None
+  groups = defer_groups(schedule)
+  tag = DeferTag(_schedule_key(schedule), schedule.tree_fingerprint, _layout(schedule))
+  return DeferState(
+      norms=tuple(jnp.zeros((g.m,), jnp.float32) for g in groups),
+      deferred=tuple(jnp.zeros((g.m,), jnp.bool_) for g in groups),
+      index=tuple(jnp.arange(g.m - g.defer, g.m, dtype=jnp.int32) for g in groups),
+      residual=tuple(jnp.zeros((1, g.defer, g.size), g.dtype) for g in groups),
+      tag=tag)
+
+
+def defer_state(schedule: Schedule) -> DeferState | None:
+  """The deferral state of `schedule` before its first step (None when it defers nothing).
+
+  Needed where the caller owns the step's state: `allreduce(..., defer_state=...)` and
+  `hooked`'s `grad_fn(params, batch, defer_state)` (`scheduled` and `pipelined` keep it in their
+  own states). Norms 0 and nothing deferred, so the first step defers the last k chunks of every
+  group; zero residuals, so one state serves every device: under `pmap` replicate it, under
+  `shard_map` make it inside the mapped function (or stack one copy per device on the residuals'
+  leading axis) and pass it with `state_specs`.
+
+  Raises:
+    TypeError: `schedule` is not a Schedule.
+  """
+  return init(schedule)
+
+
+def _key_name(k: Any) -> Any:
+  """The name in a pytree path entry (a dict key, an attribute or field name), else None."""
+  for attr in ("key", "name"):
+    v = getattr(k, attr, None)
+    if isinstance(v, str):
+      return v
+  return None
+
+
+def state_specs(state: Any, axis_name: Any) -> Any:
+  """PartitionSpecs for `jax.shard_map` of any state holding DeferStates (an optax state, a
+  TrainState, a PipelinedState, a `flax.nnx` state, ...): `P(axis_name)` for each DeferState's
+  residuals (each device's own, on their leading axis of 1), `P()` for every other leaf (replicated).
+
+  A DeferState is found by its type, or, where a container re-labelled its fields (`flax.nnx`
+  stores an optimizer state as nested dicts of Variables), by its path: a leaf under a
+  `residual` entry that is under a `defer_state` entry (`ScheduledState.defer_state`).
+
+  Args:
+    state: the state (arrays or ShapeDtypeStructs, e.g. `jax.eval_shape(tx.init, params)`, or
+      `nnx.state(optimizer)`).
+    axis_name: the data-parallel mesh axis.
+
+  Returns:
+    A tree of PartitionSpecs with the structure of `state`.
+  """
+  from jax.sharding import PartitionSpec as P
+
+  def one(path, x):
+    if isinstance(x, DeferState):
+      rep = lambda xs: tuple(P() for _ in xs)  # noqa: E731
+      return DeferState(norms=rep(x.norms), deferred=rep(x.deferred), index=rep(x.index),
+                        residual=tuple(P(axis_name) for _ in x.residual), tag=x.tag)
+    names = [_key_name(k) for k in path]
+    if "defer_state" in names and "residual" in names[names.index("defer_state"):]:
+      return P(axis_name)
+    return P()
+
+  return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, DeferState))
+
+
+def check_state(state: Any, schedule: Schedule, where: str) -> None:
+  """ScheduleMismatchError unless `state` is this schedule's DeferState with the right shapes.
+
+  Plain Python at trace time: None for a schedule that defers nothing; else the tag (the schedule's
+  key and the groups' layout) must match, then every leaf's per-device shape and dtype.
+
+  Raises:
+    TypeError: a state for a schedule that defers nothing, or none (or not a DeferState) for one
+      that defers.
+    ScheduleMismatchError: the state belongs to another schedule or tree, or has other shapes.
+  """
+  if not schedule.defers:
+    if state is not None:
+      raise TypeError(f"{where}: a deferral state was given, but the schedule ({schedule.policy}) "
+                      f"defers nothing; pass None (only a schedule with deferral groups, dlcp with "
+                      f"max_defer > 0, has a deferral state).")
+    return
+  if not isinstance(state, DeferState):
+    raise TypeError(f"{where}: the schedule defers ({len(defer_groups(schedule))} deferral groups, up to "
+                    f"{schedule.max_deferred_fraction:.1%} of the elements per step), so it needs its "
+                    f"deferral state: a DeferState (prophet_jax.defer_state(schedule) before the first "
+                    f"step, then the one each step returns), got {type(state).__name__}.")
+  want = DeferTag(_schedule_key(schedule), schedule.tree_fingerprint, _layout(schedule))
+  tag = state.tag
+  if not isinstance(tag, DeferTag) or tag != want:
+    got = repr(tag) if isinstance(tag, DeferTag) else type(tag).__name__
+    same_tree = isinstance(tag, DeferTag) and tag.fingerprint == want.fingerprint
+    why = ("planned for the same tree but with other deferral groups" if same_tree else
+           "planned for another tree")
+    raise ScheduleMismatchError(
+        f"{where}: the deferral state belongs to another schedule ({got}, groups (m, k, c, dtype) "
+        f"{getattr(tag, 'layout', '?')}) than this one ({want!r}, groups {want.layout}): it was "
+        f"{why}. A residual only makes sense for the chunks it was deferred from: make a new state "
+        f"with this schedule's init (flush the old one's step with the old schedule first to keep "
+        f"its residual).")
+  for g, (norms, deferred, index, residual) in zip(defer_groups(schedule), zip(*state[:4])):
+    expect = (((g.m,), "float32"), ((g.m,), "bool"), ((g.defer,), "int32"),
+              ((1, g.defer, g.size), g.dtype))
+    for name, x, (shape, dtype) in zip(("norms", "deferred", "index", "residual"),
+                                       (norms, deferred, index, residual), expect):
+      got_shape, got_dtype = tuple(np.shape(x)), str(jnp.dtype(getattr(x, "dtype", np.float64)))
+      if got_shape != shape or got_dtype != dtype:
+        raise ScheduleMismatchError(
+            f"{where}: the deferral state's {name} of group {g.bucket} (bucket {g.bucket}, m={g.m}, "
+            f"k={g.defer}, c={g.size}) has shape {got_shape} and dtype {got_dtype}, expected {shape} "
+            f"{dtype} per device. Under shard_map pass the state with prophet_jax's state_specs "
+            f"(residuals P(axis), the rest P()); under pmap replicate it over the devices.")
+
+
+def check_residual_varying(state: DeferState, axis_name: Any, where: str) -> None:
+  """ValueError when, under shard_map with check_vma, a residual arrives replicated (`P()`).
+
+  Each device's residual holds its own deferred values; passed with `P()`, every device starts from
+  one copy and the step's new residuals (which vary over the axis) cannot leave through `P()` either:
+  the deferred values of all devices but one would be lost. Only checkable where jax marks values
+  varying (shard_map's default check_vma); under pmap every state is per device anyway.
+  """
+  from ._collectives import is_varying
+
+  for gi, r in enumerate(state.residual):
+    if not is_varying(r, axis_name):
+      raise ValueError(
+          f"{where}: the deferral state's residual of group {gi} (shape {tuple(np.shape(r))} per "
+          f"device) is replicated over axis {axis_name!r} (passed with PartitionSpec P()), but each "
+          f"device's residual is its own: pass the state with prophet_jax.state_specs(state, "
+          f"{axis_name!r}) as in_specs and out_specs (P({axis_name!r}) for residuals, P() for the "
+          f"rest), and make the initial state inside the shard_map with those out_specs.")
+
+
+# --------------------------------------------------------------------------------------------------
+# one group's step
+
+
+def _norm(x: jax.Array) -> jax.Array:
+  """The float32 L2 norm of x (what the ranking reads)."""
+  x = x.astype(jnp.float32)
+  return jnp.sqrt(jnp.sum(x * x))
+
+
+def rank(norms: jax.Array, deferred: jax.Array) -> jax.Array:
+  """Chunk numbers in rank order: deferred last step first, then non-finite norms, then by norm
+  descending; ties by chunk index (a stable sort)."""
+  big = jnp.finfo(jnp.float32).max
+  score = jnp.where(deferred, jnp.inf, jnp.where(jnp.isfinite(norms), norms, big))
+  return jnp.argsort(-score, stable=True).astype(jnp.int32)
+
+
+def group_step(rows: jax.Array, gstate: GroupState, group: DeferGroup, axis_name: Any, *,
+               divisor: int | None, prev: dict[int, jax.Array | None],
+               chains: Sequence[int] | None = None,
+               first_index: int | None = None) -> tuple[jax.Array, GroupState]:
+  """One deferral group's all-reduce with error feedback, on its gathered rows.
+
+  Args:
+    rows: (m, c) this device's values of the group's chunks (zero-padded), residual not yet added.
+    gstate: the group's state.
+    group: the group.
+    axis_name: the mapped axis.
+    divisor: divide each reduced slot by this (the axis size, for a mean), or None.
+    prev: the last all-reduce result of each tie chain (updated in place: each slot is tied to its
+      chain's previous result and becomes it).
+    chains: the tie chain of each slot (default: all on chain 0).
+    first_index: k of the first slot's named scope (default: `group.first`).
+
+  Returns:
+    (reduced rows (m, c), zero for the deferred chunks; the new state).
+  """
+  m, k = group.m, group.defer
+  first = group.first if first_index is None else first_index
+  rows = rows.at[gstate.index].add(gstate.residual[0].astype(rows.dtype))
+  order = rank(gstate.norms, gstate.deferred)
+  send, wait = order[:m - k], order[m - k:]
+  reds, norms = [], []
+  for s in range(m - k):
+    j = 0 if chains is None else int(chains[s])
+    with jax.named_scope(chunk_scope(first + s)):
+      buf = jax.lax.dynamic_index_in_dim(rows, send[s], axis=0, keepdims=False)
+      buf = tie(buf, prev.get(j))
+      red = jax.lax.psum(buf, axis_name)
+      if divisor is not None:
+        red = red / jnp.asarray(divisor, red.dtype)
+    prev[j] = red
+    reds.append(red)
+    norms.append(_norm(red))
+  out = jnp.zeros_like(reds[0], shape=(m, group.size)).at[send].set(jnp.stack(reds))
+  new = GroupState(norms=gstate.norms.at[send].set(jnp.stack(norms)),
+                   deferred=jnp.zeros((m,), jnp.bool_).at[wait].set(True),
+                   index=wait,
+                   residual=rows[wait][None])
+  return out, new
+
+
+# --------------------------------------------------------------------------------------------------
+# glue for the engine (`_collectives.reduce_units`)
+
+
+def unit_group(bucket: Any, first: int) -> DeferGroup:
+  """The DeferGroup of a deferral bucket whose first slot is all-reduce `first`."""
+  return DeferGroup(bucket=-1, first=first, chunks=bucket.chunks, defer=bucket.defer,
+                    size=bucket.slot_size, dtype=bucket.chunks[0].dtype)
+
+
+def group_states(state: DeferState | None) -> tuple[GroupState, ...]:
+  """The per-group states of a DeferState, in issue order (() for None)."""
+  return () if state is None else tuple(GroupState(*g) for g in zip(*state[:4]))
+
+
+def with_groups(state: DeferState, groups: Sequence[GroupState]) -> DeferState:
+  """`state` with its groups replaced (the same tag)."""
+  return DeferState(*(tuple(x) for x in zip(*groups)), tag=state.tag) if groups else state
