@@ -296,3 +296,42 @@ def test_a_deferral_state_from_another_schedule_is_named():
     jax.eval_shape(step1, wrong, batch)
   with pytest.raises(TypeError, match="state.defer must be None or a prophet_jax.DeferState"):
     p1.flush(pending._replace(defer=(1, 2)))
+
+
+def test_a_replan_that_changes_the_groups_ends_the_old_deferral_without_loss():
+  """Two calls under one dlcp plan, two under another (other groups), flush. The first call under the
+  new plan reduces the pending gradients with the old plan's chunks, all sent, the old residual added
+  back; the new deferral starts from its initial state. Equal to the plain loop doing the same."""
+  model, params, bs = setup()
+  s1, s2 = schedule(0.25), schedule(0.25, spread=2)
+  r1 = runner("pmap", 0.25)
+  p2 = pipelined(model.loss_fn, tx(), s2, axis_name=AXIS)
+  r2 = Runner(p2, "pmap")
+  state = r1.init(params)
+  for b in bs[:2]:
+    state, _ = r1.step(state, r1.batch(b))
+  # the transition program: s1's every chunk once (its groups without deferral), one psum each
+  jaxpr = str(jax.make_jaxpr(p2.step, axis_env=[(AXIS, NDEV)])(unrep(state), unrep(r1.batch(bs[2]))))
+  assert jaxpr.count("psum") == len(s1.chunks) > s1.num_allreduces
+  for b in bs[2:4]:
+    state, _ = r2.step(state, r2.batch(b))
+  state = r2.flush(state)
+  assert state.defer.tag == unrep(p2.init(params)).defer.tag
+
+  def step(s, p, o, st, b, settle=False):
+    g = jax.grad(model.loss_fn)(p, b)
+    if settle:  # the old groups end: their residual added back, every chunk sent
+      g = jax.tree.map(jnp.add, g, r1.pipe.deferred_grads(r1.pipe.init(params)._replace(defer=st)))
+      g, st = jax.lax.pmean(g, AXIS), pj.defer_state(s2)
+    else:
+      g, st = pj.allreduce(g, s, AXIS, defer_state=st)
+    u, o = tx().update(g, o, p)
+    return optax.apply_updates(p, u), o, st
+
+  p, o, st = replicate(params), replicate(tx().init(params)), replicate(pj.defer_state(s1))
+  for t, b in enumerate(bs[:4]):
+    f = jax.pmap(functools.partial(step, s1 if t < 1 else s2, settle=t == 1), axis_name=AXIS)
+    p, o, st = f(p, o, st, shard(b))
+  assert_trees_close(r2.params(state), unrep(p), params)
+  for got, want in zip(r2.index(state), st.index):
+    np.testing.assert_array_equal(got, np.asarray(want)[0])
