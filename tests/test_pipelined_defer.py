@@ -10,6 +10,7 @@ residuals). A tiny MLP, 8 CPU devices (conftest.py); compiled steps are cached.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -143,9 +144,16 @@ class Runner:
     return shard(b) if self.mapping == "pmap" else put(b, P(AXIS))
 
   def run(self, params, bs, state=None):
+    """Steps and a flush; under shard_map the full step is compiled once and kept (`self.compiled`)."""
     state = self.init(params) if state is None else state
+    self.compiled = None
     for b in bs:
-      state, _ = self.step(state, self.batch(b))
+      b = self.batch(b)
+      if state.pending is not None and self.mapping == "shard_map":
+        self.compiled = self.compiled or self.step.lower(state, b).compile()
+        state, _ = self.compiled(state, b)
+      else:
+        state, _ = self.step(state, b)
     return self.flush(state)
 
   def params(self, state):
@@ -194,6 +202,10 @@ def test_equals_the_plain_loop_with_the_same_deferral(mapping):
     want = np.asarray(want)[:, 0]
     assert np.abs(want).max() > 0  # the residuals are each device's own, and not empty
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max())
+  if mapping == "shard_map":  # the compiled step: one all-reduce per slot, prophet/chunk<k> in order
+    s = schedule(0.25)
+    found = [int(m) for m in re.findall(r"all-reduce(?:-start)?\(.*?prophet/chunk(\d+)", r.compiled.as_text())]
+    assert found == list(range(s.num_allreduces)), found
   # the deferral changes the result: the oracle is not the plain pmean loop
   with pytest.raises(AssertionError, match="max\\|got-ref\\|"):
     assert_trees_close(r.params(state), plain, params)
@@ -328,10 +340,11 @@ def test_a_replan_that_changes_the_groups_ends_the_old_deferral_without_loss():
     u, o = tx().update(g, o, p)
     return optax.apply_updates(p, u), o, st
 
+  fs = [jax.pmap(functools.partial(step, s, settle=settle), axis_name=AXIS)
+        for s, settle in ((s1, False), (s2, True), (s2, False))]
   p, o, st = replicate(params), replicate(tx().init(params)), replicate(pj.defer_state(s1))
   for t, b in enumerate(bs[:4]):
-    f = jax.pmap(functools.partial(step, s1 if t < 1 else s2, settle=t == 1), axis_name=AXIS)
-    p, o, st = f(p, o, st, shard(b))
+    p, o, st = fs[min(t, 2)](p, o, st, shard(b))
   assert_trees_close(r2.params(state), unrep(p), params)
   for got, want in zip(r2.index(state), st.index):
     np.testing.assert_array_equal(got, np.asarray(want)[0])
