@@ -59,6 +59,16 @@ produces, so the forward of step k+1 sees step k's state, exactly as in the plai
 state is an input of the forward like the batch: the values computed from it that the backward needs
 are carried with the residuals.
 
+Deferral (DLCP). With a schedule that defers (`plan(..., "dlcp", max_defer=...)`: `Bucket.defer > 0`),
+the step's all-reduce is `allreduce(grads, schedule, axis_name, defer_state=...)`: each deferral group
+sends m - k of its m chunks (its slots, consecutive `prophet/chunk<k>` all-reduces in the group's place
+in issue order) and keeps the other k in a per-device residual that the next step adds back
+(prophet_jax/_defer.py). Its state (`prophet_jax.DeferState`) rides in `PipelinedState.defer`: made by
+`init`, threaded by `step` and `flush`, its residuals per device (`state_specs` gives them
+`P(axis_name)`). The step then equals the plain loop with that all-reduce in place of `pmean`. The
+flushed step defers as any step: its deferred values stay in `state.defer` (`Pipelined.deferred_grads`
+puts them back in the parameters' shape, to apply at the end if wanted).
+
 Batches and model states may hold typed PRNG keys (`jax.random.key`, extended dtypes): they are traced
 as such; nothing converts them to numbers.
 
@@ -80,6 +90,7 @@ every value where the program says, and they are equal.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -89,7 +100,9 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
+from . import _defer
 from ._collectives import allreduce, axis_size, is_varying, to_varying, vma_enabled
+from ._defer import DeferState
 from ._errors import ScheduleMismatchError
 from ._residuals import VjpTrace, carried_avals, carry_plan, forward, recompute, vjp_jaxpr
 from ._schedule import Schedule
@@ -214,12 +227,16 @@ class PipelinedState(NamedTuple):
     model_state: with `has_state=True`, the model state the last forward produced (the one the plain
       loop holds after as many steps as `step` calls; `init`'s before any); `None` otherwise. Not
       touched by `flush`.
+    defer: the schedule's deferral state (`prophet_jax.DeferState`: the previous step's reduced chunk
+      norms and choice, replicated, and each device's residual of the chunks it deferred) when the
+      schedule defers (`dlcp` with `max_defer > 0`); `None` otherwise. Threaded by `step` and `flush`.
   """
 
   params: Any
   opt_state: Any
   pending: Pending | None
   model_state: Any = None
+  defer: DeferState | None = None
 
 
 def _meta_nbytes(meta: _PendingMeta) -> int:
@@ -288,7 +305,8 @@ class Pipelined:
 
   # -- public -------------------------------------------------------------------------------------
   def init(self, params: Any, model_state: Any = _NO_STATE) -> PipelinedState:
-    """The initial state: `params`, `tx.init(params)`, nothing pending, and the model state.
+    """The initial state: `params`, `tx.init(params)`, nothing pending, the model state and, for a
+    schedule that defers, its deferral state before the first step (`prophet_jax.defer_state`).
 
     Args:
       params: the parameters (the tree the schedule was planned for).
@@ -308,14 +326,22 @@ class Pipelined:
                       "has_state=True, so loss_fn would never see it. Pass has_state=True to pipelined "
                       "and write loss_fn(params, model_state, batch) -> (loss, new_model_state).")
     return PipelinedState(params=params, opt_state=self.tx.init(params), pending=None,
-                          model_state=None if model_state is _NO_STATE else model_state)
+                          model_state=None if model_state is _NO_STATE else model_state,
+                          defer=_defer.init(self.schedule))
 
   def step(self, state: PipelinedState, batch: Any) -> tuple[PipelinedState, Any]:
     """One pipelined step: pending backward, scheduled all-reduce, update, then the forward of `batch`.
 
     On the first call (nothing pending) only the forward runs. A state whose pending forward ran under
     another schedule for the same tree (a re-plan between calls) is flushed first, with the schedule it
-    was made under, inside the same program: the result stays exact.
+    was made under, inside the same program: the result stays exact. If the re-plan changes the
+    deferral groups, that transition sends every chunk of the old schedule, each deferred value added
+    back (nothing is lost), and the new schedule's deferral starts from its initial state.
+
+    With a schedule that defers (`dlcp`, `max_defer > 0`), the pending gradients go through its
+    deferral groups (`Bucket`): the step equals the plain loop with
+    `prophet_jax.allreduce(grads, schedule, axis_name, defer_state=...)` in place of `pmean`, the
+    deferral state threaded through `state.defer`.
 
     What equals the plain loop (`jax.value_and_grad(loss_fn, has_aux=...)`, `pmean`, `tx`, one jitted
     call per batch), call by call: the loss (and aux) returned for `batch` are the plain step's on
@@ -339,7 +365,8 @@ class Pipelined:
       TypeError: `state` is not a PipelinedState, or `loss_fn` returns something other than it should
         (a non-scalar loss, a tuple without `has_aux`, a model state of another structure).
       ValueError: the batch's shapes or dtypes differ from the pending forward's (flush first).
-      ScheduleMismatchError: the params, or the pending forward's schedule, belong to another tree.
+      ScheduleMismatchError: the params, or the pending forward's schedule, belong to another tree;
+        `state.defer` belongs to another schedule than the one it is used with.
       UnboundAxisError: `axis_name` is not bound here.
     """
     where = "pipelined.step"
@@ -347,13 +374,18 @@ class Pipelined:
     axis_size(self.axis_name, where)
     self._check_params(state.params, where)
     batch_tree, batch_avals = self._avals(batch)
-    params, opt_state = state.params, state.opt_state
+    params, opt_state, defer = state.params, state.opt_state, state.defer
     if state.pending is not None:
       self._check_batch(state.pending.meta, batch_tree, batch_avals)
-      params, opt_state = self._backward_and_update(params, opt_state, state.pending, where)
+      params, opt_state, defer = self._backward_and_update(params, opt_state, state.pending, defer, where)
+    elif defer is None and self.schedule.defers:
+      defer = _defer.init(self.schedule)  # nothing was deferred (a lossless step's state): start here
+    else:
+      self._check_defer(defer, self.schedule, where)
     loss, model_state, aux, pending = self._forward(params, state.model_state, batch, batch_tree,
                                                     batch_avals)
-    new = PipelinedState(params=params, opt_state=opt_state, pending=pending, model_state=model_state)
+    new = PipelinedState(params=params, opt_state=opt_state, pending=pending, model_state=model_state,
+                         defer=defer)
     return new, ((loss, aux) if self.has_aux else loss)
 
   def flush(self, state: PipelinedState) -> PipelinedState:
@@ -363,9 +395,18 @@ class Pipelined:
     afterwards `params(state)` equals the plain loop's parameters after as many steps as `step` calls
     (and `model_state(state)`, which `flush` leaves as it is, the plain loop's model state).
 
+    With a schedule that defers, the flushed step defers as any step does (the plain loop's last step
+    does too): the values it deferred are not lost, they stay in `state.defer.residual` (each
+    device's own), and the next `step` adds them to the same elements. To apply them at the end of
+    training, reduce and apply them as one more update: under the mapping,
+    `g = jax.lax.pmean(p.deferred_grads(state), axis_name)`, then `tx.update(g, ...)` (an optimizer
+    step of its own, beyond the plain loop's steps). Or simply stop: at most
+    `schedule.max_deferred_fraction` of one step's gradient waits, kept in a checkpoint of the state.
+
     Raises:
       TypeError: `state` is not a PipelinedState.
-      ScheduleMismatchError: the pending forward belongs to another tree.
+      ScheduleMismatchError: the pending forward belongs to another tree, or `state.defer` to another
+        schedule.
       UnboundAxisError: `axis_name` is not bound here (only checked when something is pending).
     """
     where = "pipelined.flush"
@@ -373,8 +414,9 @@ class Pipelined:
     if state.pending is None:
       return state
     axis_size(self.axis_name, where)
-    params, opt_state = self._backward_and_update(state.params, state.opt_state, state.pending, where)
-    return state._replace(params=params, opt_state=opt_state, pending=None)
+    params, opt_state, defer = self._backward_and_update(state.params, state.opt_state, state.pending,
+                                                         state.defer, where)
+    return state._replace(params=params, opt_state=opt_state, pending=None, defer=defer)
 
   def params(self, state: PipelinedState) -> Any:
     """The parameters after every applied update (`flush` first for the plain loop's parameters)."""
@@ -393,20 +435,27 @@ class Pipelined:
 
     Parameters and optimizer state are replicated (`P()`); the residuals are per device
     (`P(axis_name)`, each with a leading axis of size 1 per device); the model state is as
-    `model_state` says.
+    `model_state` says; the deferral state as `prophet_jax.state_specs` says (its residuals
+    `P(axis_name)`, its norms, mask and indices `P()`).
 
     Args:
-      state: optional. Without it the result is a *prefix* spec (one PartitionSpec per field), valid
-        for any state, pending or not, as shard_map accepts; with it, a spec for every leaf (e.g. for
-        `jax.device_put` with NamedShardings).
+      state: optional. Without it the result is a *prefix* spec (one PartitionSpec per field, and per
+        field of the DeferState when the schedule defers), valid for any state of this step, pending
+        or not, as shard_map accepts; with it, a spec for every leaf (e.g. for `jax.device_put` with
+        NamedShardings). (A re-plan from a schedule that defers to one that does not, or back, changes
+        `state.defer` between None and a DeferState: that one call takes the old step's specs in and
+        the new step's out.)
       model_state: the spec (or a prefix tree of specs) of the model state: `P()` (the default) when
         it is the same on every device (e.g. BatchNorm statistics averaged over the axis in `loss_fn`,
         a PRNG key split alike everywhere), `P(axis_name)` for per-device values stacked on a leading
         axis.
     """
     axis = self.axis_name
-    prefix = PipelinedState(params=PartitionSpec(), opt_state=PartitionSpec(),
-                            pending=PartitionSpec(axis), model_state=model_state)
+    rep = PartitionSpec()
+    defer = (DeferState(norms=rep, deferred=rep, index=rep, residual=PartitionSpec(axis), tag=rep)
+             if self.schedule.defers else rep)
+    prefix = PipelinedState(params=rep, opt_state=rep, pending=PartitionSpec(axis),
+                            model_state=model_state, defer=defer)
     if state is None:
       return prefix
     self._check_state(state, "pipelined.state_specs")
@@ -414,7 +463,29 @@ class Pipelined:
       return jax.tree_util.tree_map(lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub), spec, part,
                                     is_leaf=lambda x: isinstance(x, PartitionSpec))
 
-    return PipelinedState(*(expand(spec, part) for part, spec in zip(state, prefix)))
+    full = [expand(spec, part) for part, spec in zip(state[:-1], prefix[:-1])]
+    return PipelinedState(*full, defer=_defer.state_specs(state.defer, axis))
+
+  def deferred_grads(self, state: PipelinedState) -> Any:
+    """This device's deferred gradient values as a tree like the parameters (zero elsewhere).
+
+    The values in `state.defer.residual`, put back at their elements: what the next step would add
+    to its gradients. To apply them at the end of training, average them over the axis and apply
+    them as one more update (`jax.lax.pmean(p.deferred_grads(state), axis_name)`, then `tx`); their
+    `psum` plus every applied gradient times the axis size is the sum of every true gradient
+    (conservation). Pure and local: no collective; call it where the state's leaves are per device
+    (inside the mapping, or on one device's slice). A tree of zeros when the schedule defers nothing.
+
+    Raises:
+      TypeError: `state` is not a PipelinedState.
+      ScheduleMismatchError: `state.defer` belongs to another schedule.
+    """
+    where = "pipelined.deferred_grads"
+    self._check_state(state, where)
+    schedule = self.schedule if state.pending is None else state.pending.meta.schedule
+    self._check_defer(state.defer, schedule, where)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+    return zeros if state.defer is None else _add_deferred(zeros, schedule, state.defer, where)
 
   def residual_bytes(self, state: PipelinedState) -> int:
     """Bytes of carried residuals per device (0 when nothing is pending).
@@ -494,8 +565,8 @@ class Pipelined:
         state_tree=state_tree, state=state_avals, has_state=self.has_state)
     return loss, new_state, aux, Pending(tuple(x[None] for x in residuals), meta)
 
-  def _backward_and_update(self, params: Any, opt_state: Any, pending: Pending,
-                           where: str) -> tuple[Any, Any]:
+  def _backward_and_update(self, params: Any, opt_state: Any, pending: Pending, defer: Any,
+                           where: str) -> tuple[Any, Any, Any]:
     meta = pending.meta
     schedule = meta.schedule
     if schedule.tree_fingerprint != self.schedule.tree_fingerprint:
@@ -523,17 +594,38 @@ class Pipelined:
     if len(pending.residuals) != len(meta.residuals):
       raise ValueError(f"{where}: the state's pending node holds {len(pending.residuals)} arrays but "
                        f"records {len(meta.residuals)}; it was edited. Start from init(params).")
+    self._check_defer(defer, schedule, where)
     with jax.named_scope("pipelined_backward"):
       leaves = recompute(closed, plan, len(jax.tree_util.tree_leaves(pv)), n_head=trace.n_head)(
           *jax.tree_util.tree_leaves(pv), *(r[0] for r in pending.residuals))
       vjp_fn = jax.tree_util.tree_unflatten(trace.treedef, leaves)
       (grads,) = vjp_fn(self._ones_ct(meta))
-    grads = allreduce(grads, schedule, self.axis_name, mean=True)
+    grads, defer = self._reduce(grads, schedule, defer, where)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     # the next forward reads these inside this program: round low-precision leaves as memory would
     params = jax.tree_util.tree_map(_round_to_dtype, params)
-    return params, opt_state
+    return params, opt_state, defer
+
+  def _reduce(self, grads: Any, schedule: Schedule, defer: Any, where: str) -> tuple[Any, Any]:
+    """The pending gradients all-reduced (mean) with `schedule`, the one their forward ran under, and
+    the deferral state this step's schedule continues from.
+
+    Within one schedule (or schedules with the same deferral groups) the groups defer as in any step
+    (`allreduce(..., defer_state=)`). A re-plan between calls that changes the deferral groups ends the
+    old ones here: their residual is added back to its elements and every chunk of `schedule` is
+    sent (its groups without deferral, one all-reduce per chunk, in issue order: the simulator's
+    lossless reading of the schedule), and the new schedule's deferral starts from its initial state:
+    nothing deferred is lost across a re-plan.
+    """
+    if _same_deferral(schedule, self.schedule):
+      if not schedule.defers:
+        return allreduce(grads, schedule, self.axis_name, mean=True), None
+      return allreduce(grads, schedule, self.axis_name, mean=True, defer_state=defer)
+    if defer is not None:
+      grads = _add_deferred(grads, schedule, defer, where)
+    grads = allreduce(grads, _lossless(schedule), self.axis_name, mean=True)
+    return grads, _defer.init(self.schedule)
 
   def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> tuple[VjpTrace, tuple]:
     """The forward traced on the recorded input shapes (nothing of it runs): its `vjp_jaxpr` and the
@@ -584,6 +676,25 @@ class Pipelined:
     if state.pending is not None and not isinstance(state.pending, Pending):
       raise TypeError(f"{where}: state.pending must be None or a Pending node, got "
                       f"{type(state.pending).__name__}.")
+    if state.defer is not None and not isinstance(state.defer, DeferState):
+      raise TypeError(f"{where}: state.defer must be None or a prophet_jax.DeferState, got "
+                      f"{type(state.defer).__name__}. Start with state = pipelined(...).init(params).")
+
+  def _check_defer(self, defer: Any, schedule: Schedule, where: str) -> None:
+    """`_defer.check_state` for `state.defer` against the schedule it is used with, the fix said for
+    a pipelined state."""
+    hint = ("A pipelined step makes its deferral state in init and threads it through step and flush; "
+            "a re-plan between calls carries it over while a forward is pending (the first call under "
+            "the new schedule ends the old deferral groups, their residual added back). After a flush "
+            "under another schedule, its residual is only meaningful for that schedule's chunks: apply "
+            "it with that step (pmean of its deferred_grads(state), then tx) or drop it, then set "
+            "state = state._replace(defer=prophet_jax.defer_state(schedule)).")
+    try:
+      _defer.check_state(defer, schedule, where)
+    except ScheduleMismatchError as e:
+      raise ScheduleMismatchError(f"{e} {hint}") from None
+    except TypeError as e:
+      raise TypeError(f"{e} {hint}") from None
 
   def _check_params(self, params: Any, where: str) -> None:
     match_tree(jax.tree_util.tree_flatten_with_path(params)[0], self.schedule, where=where)
@@ -643,6 +754,45 @@ class Pipelined:
                       f"this device's batch.")
 
 
+def _same_deferral(a: Schedule, b: Schedule) -> bool:
+  """Whether a DeferState of schedule `a` is one of `b` (the same deferral groups and layout)."""
+  if a is b or not (a.defers or b.defers):
+    return True
+  return (a.defers and b.defers and _defer._schedule_key(a) == _defer._schedule_key(b)
+          and _defer._layout(a) == _defer._layout(b))
+
+
+@functools.lru_cache(maxsize=16)
+def _lossless(schedule: Schedule) -> Schedule:
+  """`schedule` with no deferral: every chunk one all-reduce, in issue order (one tie chain)."""
+  if not schedule.defers:
+    return schedule
+  buckets = tuple(dataclasses.replace(b, defer=0) if b.defer else b for b in schedule.buckets)
+  return dataclasses.replace(schedule, buckets=buckets, links=())
+
+
+def _add_deferred(tree: Any, schedule: Schedule, defer: DeferState, where: str) -> Any:
+  """`tree` (like the parameters) with `defer`'s residual added at the elements it was deferred from.
+
+  Group g's residual row j holds this device's values of chunk `index[j]` (zero-padded to the slot
+  size); the chunk's slices say where they go. The indices are traced (chosen at run time), so each
+  chunk's row is read from an (m, c) scatter of the residual: zero for the chunks not deferred.
+  """
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  row_leaf = match_tree(leaves_with_path, schedule, where=where).row_leaf
+  flat = [x for _, x in leaves_with_path]
+  for g, gs in zip(_defer.defer_groups(schedule), _defer.group_states(defer)):
+    rows = jnp.zeros((g.m, g.size), gs.residual.dtype).at[gs.index].add(gs.residual[0])
+    for i, chunk in enumerate(g.chunks):
+      off = 0
+      for r, a, b in chunk.slices:
+        leaf = flat[row_leaf[r]]
+        part = rows[i, off:off + b - a].astype(leaf.dtype)
+        flat[row_leaf[r]] = leaf.reshape(-1).at[a:b].add(part).reshape(leaf.shape)
+        off += b - a
+  return jax.tree_util.tree_unflatten(treedef, flat)
+
+
 def _size(closed: Any, n_head: int) -> tuple[int, int]:
   return len(closed.jaxpr.eqns), len(closed.jaxpr.outvars) - n_head
 
@@ -676,6 +826,7 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     tx: an optax GradientTransformation, applied to the averaged gradients. Transformations that need
       every gradient at once (`optax.clip_by_global_norm`) stay correct but remove the overlap.
     schedule: a Schedule for `params` (any policy; `plan(..., cross_step=True)` plans for this step).
+      With deferral groups (`dlcp`, `max_defer > 0`) the state carries their deferral state.
     axis_name: the data-parallel axis bound by the user's `jax.pmap` or `jax.shard_map`.
     residuals: what the forward keeps for the next call's backward. "min-cut" (the default): the
       fewest bytes from which the backward recomputes the rest of what it reads by elementwise and
@@ -693,7 +844,8 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
   Returns:
     A `Pipelined` with `init(params[, model_state])`, `step(state, batch) -> (state, loss)` (or
     `(state, (loss, aux))`), `flush(state)`, `params(state)`, `model_state(state)`,
-    `state_specs(state=None, *, model_state=P())` and `residual_bytes(state)`.
+    `state_specs(state=None, *, model_state=P())`, `residual_bytes(state)` and
+    `deferred_grads(state)`.
 
   Raises:
     TypeError: `loss_fn` is not callable, `tx` is not a GradientTransformation, `schedule` is not a
