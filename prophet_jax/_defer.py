@@ -61,10 +61,11 @@ import numpy as np
 from ._collectives import chunk_scope, tie
 from ._errors import ScheduleMismatchError
 from ._schedule import Chunk, Schedule
+from ._tree import match_tree
 
-__all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "defer_state", "check_state",
-           "group_step", "rank", "unit_group", "group_states", "with_groups", "state_specs",
-           "check_residual_varying"]
+__all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "defer_state",
+           "check_state", "group_step", "rank", "unit_group", "group_states", "with_groups", "state_specs",
+           "check_residual_varying", "same_groups", "lossless", "add_residual"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -420,3 +421,46 @@ def group_states(state: DeferState | None) -> tuple[GroupState, ...]:
 def with_groups(state: DeferState, groups: Sequence[GroupState]) -> DeferState:
   """`state` with its groups replaced (the same tag)."""
   return DeferState(*(tuple(x) for x in zip(*groups)), tag=state.tag) if groups else state
+
+
+# --------------------------------------------------------------------------------------------------
+# across schedules (a re-plan) and back to the parameters' shape
+
+
+def same_groups(a: Schedule, b: Schedule) -> bool:
+  """Whether a DeferState of schedule `a` is one of `b` (the same deferral groups and layout)."""
+  if a is b or not (a.defers or b.defers):
+    return True
+  return (a.defers and b.defers and _schedule_key(a) == _schedule_key(b)
+          and _layout(a) == _layout(b))
+
+
+@functools.lru_cache(maxsize=16)
+def lossless(schedule: Schedule) -> Schedule:
+  """`schedule` with no deferral: every chunk one all-reduce, in issue order (one tie chain)."""
+  if not schedule.defers:
+    return schedule
+  buckets = tuple(dataclasses.replace(b, defer=0) if b.defer else b for b in schedule.buckets)
+  return dataclasses.replace(schedule, buckets=buckets, links=())
+
+
+def add_residual(tree: Any, schedule: Schedule, defer: DeferState, where: str) -> Any:
+  """`tree` (like the parameters) with `defer`'s residual added at the elements it was deferred from.
+
+  Group g's residual row j holds this device's values of chunk `index[j]` (zero-padded to the slot
+  size); the chunk's slices say where they go. The indices are traced (chosen at run time), so each
+  chunk's row is read from an (m, c) scatter of the residual: zero for the chunks not deferred.
+  """
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  row_leaf = match_tree(leaves_with_path, schedule, where=where).row_leaf
+  flat = [x for _, x in leaves_with_path]
+  for g, gs in zip(defer_groups(schedule), group_states(defer)):
+    rows = jnp.zeros((g.m, g.size), gs.residual.dtype).at[gs.index].add(gs.residual[0])
+    for i, chunk in enumerate(g.chunks):
+      off = 0
+      for r, a, b in chunk.slices:
+        leaf = flat[row_leaf[r]]
+        part = rows[i, off:off + b - a].astype(leaf.dtype)
+        flat[row_leaf[r]] = leaf.reshape(-1).at[a:b].add(part).reshape(leaf.shape)
+        off += b - a
+  return jax.tree_util.tree_unflatten(treedef, flat)

@@ -90,7 +90,6 @@ every value where the program says, and they are equal.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -485,7 +484,7 @@ class Pipelined:
     schedule = self.schedule if state.pending is None else state.pending.meta.schedule
     self._check_defer(state.defer, schedule, where)
     zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
-    return zeros if state.defer is None else _add_deferred(zeros, schedule, state.defer, where)
+    return zeros if state.defer is None else _defer.add_residual(zeros, schedule, state.defer, where)
 
   def residual_bytes(self, state: PipelinedState) -> int:
     """Bytes of carried residuals per device (0 when nothing is pending).
@@ -618,13 +617,13 @@ class Pipelined:
     lossless reading of the schedule), and the new schedule's deferral starts from its initial state:
     nothing deferred is lost across a re-plan.
     """
-    if _same_deferral(schedule, self.schedule):
+    if _defer.same_groups(schedule, self.schedule):
       if not schedule.defers:
         return allreduce(grads, schedule, self.axis_name, mean=True), None
       return allreduce(grads, schedule, self.axis_name, mean=True, defer_state=defer)
     if defer is not None:
-      grads = _add_deferred(grads, schedule, defer, where)
-    grads = allreduce(grads, _lossless(schedule), self.axis_name, mean=True)
+      grads = _defer.add_residual(grads, schedule, defer, where)
+    grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=True)
     return grads, _defer.init(self.schedule)
 
   def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> tuple[VjpTrace, tuple]:
@@ -752,45 +751,6 @@ class Pipelined:
       raise TypeError(f"pipelined: loss_fn(params, batch) must return a floating scalar, got shape "
                       f"{np.shape(loss)} and dtype {jnp.result_type(loss)}. Return the mean loss over "
                       f"this device's batch.")
-
-
-def _same_deferral(a: Schedule, b: Schedule) -> bool:
-  """Whether a DeferState of schedule `a` is one of `b` (the same deferral groups and layout)."""
-  if a is b or not (a.defers or b.defers):
-    return True
-  return (a.defers and b.defers and _defer._schedule_key(a) == _defer._schedule_key(b)
-          and _defer._layout(a) == _defer._layout(b))
-
-
-@functools.lru_cache(maxsize=16)
-def _lossless(schedule: Schedule) -> Schedule:
-  """`schedule` with no deferral: every chunk one all-reduce, in issue order (one tie chain)."""
-  if not schedule.defers:
-    return schedule
-  buckets = tuple(dataclasses.replace(b, defer=0) if b.defer else b for b in schedule.buckets)
-  return dataclasses.replace(schedule, buckets=buckets, links=())
-
-
-def _add_deferred(tree: Any, schedule: Schedule, defer: DeferState, where: str) -> Any:
-  """`tree` (like the parameters) with `defer`'s residual added at the elements it was deferred from.
-
-  Group g's residual row j holds this device's values of chunk `index[j]` (zero-padded to the slot
-  size); the chunk's slices say where they go. The indices are traced (chosen at run time), so each
-  chunk's row is read from an (m, c) scatter of the residual: zero for the chunks not deferred.
-  """
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  row_leaf = match_tree(leaves_with_path, schedule, where=where).row_leaf
-  flat = [x for _, x in leaves_with_path]
-  for g, gs in zip(_defer.defer_groups(schedule), _defer.group_states(defer)):
-    rows = jnp.zeros((g.m, g.size), gs.residual.dtype).at[gs.index].add(gs.residual[0])
-    for i, chunk in enumerate(g.chunks):
-      off = 0
-      for r, a, b in chunk.slices:
-        leaf = flat[row_leaf[r]]
-        part = rows[i, off:off + b - a].astype(leaf.dtype)
-        flat[row_leaf[r]] = leaf.reshape(-1).at[a:b].add(part).reshape(leaf.shape)
-        off += b - a
-  return jax.tree_util.tree_unflatten(treedef, flat)
 
 
 def _size(closed: Any, n_head: int) -> tuple[int, int]:
