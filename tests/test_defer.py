@@ -288,6 +288,10 @@ def test_gpu_two_links_two_allreduces_in_flight():
   assert two.ok and two.max_in_flight == 2, two.describe()
   one = pj.audit(_gpu_step(s1, topo, m).compile(compiler_options=STRIPE_FLAGS), s1)
   assert one.ok and one.max_in_flight == 1, one.describe()  # one chain: the tie keeps one in flight
+  # default flags (as measured with each flag alone too): XLA keeps one in flight and interleaves the
+  # two chains, so the planned order is lost, and audit says so
+  default = pj.audit(_gpu_step(s2, topo, m).compile(), s2)
+  assert not default.ok and default.max_in_flight == 1, default.describe()
 
 
 _TWO_PROCESSES = """
