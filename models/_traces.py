@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from prophet_jax._errors import NetworkError, TraceUnavailableError
-from prophet_jax._types import GradientProfile, NetworkModel, ProfileRow
+from prophet_jax._types import GradientProfile, NetworkModel, ProfileRow, nonneg_line
 
 __all__ = ["TRACES", "load_trace", "googlenet_allreduce", "googlenet_available", "googlenet_dir",
            "googlenet_comm_s", "GOOGLENET_NODES", "ALGORITHM_SWITCH_BYTES", "fit_allreduce",
@@ -353,7 +353,7 @@ def fit_allreduce(sizes, seconds, *, workers: int, overlap: bool = True,
   med = np.array([np.nanmedian(y[x == v]) for v in sizes_u])
   keep = np.ones(len(sizes_u), dtype=bool)
   for _ in range(len(sizes_u)):
-    a, b = _nonneg_lstsq(sizes_u[keep], med[keep])
+    a, b = nonneg_line(sizes_u[keep], med[keep], relative=False)
     if reject is None:
       break
     pred = a + b * sizes_u
@@ -373,16 +373,6 @@ def fit_allreduce(sizes, seconds, *, workers: int, overlap: bool = True,
   resid = float(np.sqrt(np.mean((a + b * sizes_u[keep] - med[keep]) ** 2)))
   return NetworkModel(alpha_s=a / (2 * (p - 1)), beta_s_per_byte=beta, workers=p, overlap=overlap,
                       name=name, fit_residual_s=resid)
-
-
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-  """Ordinary least squares y = a + b·x with a, b >= 0 (the best of the interior and the two edges)."""
-  A = np.stack([np.ones_like(x), x], axis=1)
-  (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
-  if a >= 0 and b >= 0:
-    return float(a), float(b)
-  edges = [(float(np.mean(y)), 0.0), (0.0, max(float(np.dot(x, y) / max(np.dot(x, x), 1e-300)), 0.0))]
-  return min(edges, key=lambda ab: float(np.sum((ab[0] + ab[1] * x - y) ** 2)))
 
 
 def googlenet_layer_allreduce(nodes: int = 8, *, shared_dir: str | Path | None = None

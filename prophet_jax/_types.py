@@ -559,7 +559,7 @@ class NetworkModel:
                          f"beta; got sizes {tuple(np.unique(x).tolist())}.")
     if isinstance(workers, bool) or int(workers) < 2:
       raise NetworkError(f"NetworkModel.fit(workers={workers!r}): a fit needs at least 2 workers.")
-    a, b = _nonneg_line(x, y)
+    a, b = nonneg_line(x, y)
     resid = float(np.sqrt(np.mean((a + b * x - y) ** 2)))
     p = int(workers)
     return cls(alpha_s=a / (2 * (p - 1)), beta_s_per_byte=b * p / (2 * (p - 1)), workers=p,
@@ -595,12 +595,18 @@ class NetworkModel:
     return cls(**obj)
 
 
-def _nonneg_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-  """Least squares y = a + b x, a, b >= 0, in RELATIVE error (weights 1/y).
+def nonneg_line(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tuple[float, float]:
+  """Least squares y = a + b x with a, b >= 0 (the interior solution, else the better of the two
+  edges a = 0 and b = 0): the one alpha-beta line fit (`NetworkModel.fit`, `models.fit_allreduce`).
 
-  Message sizes span decades; unweighted squares let the largest messages decide alpha alone.
+  Args:
+    x, y: message sizes and times.
+    relative: weigh each point by 1/y, so the squares are relative errors: sizes span decades, and
+      unweighted squares let the largest messages decide alpha alone (the probe's fit). False: plain
+      squares (a fit that reproduces how an author fitted their own timings).
   """
-  w = 1.0 / np.maximum(y, max(float(np.max(y)) * 1e-9, 1e-300))
+  w = (1.0 / np.maximum(y, max(float(np.max(y)) * 1e-9, 1e-300)) if relative
+       else np.ones_like(y, dtype=float))
   A = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
   (a, b), *_ = np.linalg.lstsq(A, y * w, rcond=None)
   if a >= 0 and b >= 0:
