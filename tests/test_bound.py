@@ -1,6 +1,5 @@
 """The lower bound (valid for every schedule, tight on small instances) and the brute-force optima."""
 
-import time
 
 import numpy as np
 import pytest
@@ -260,19 +259,15 @@ def test_pareto_dp_equals_enumeration(seed, cross_step):
     assert t <= best_contiguous(p, net)[0] * (1 + REL)
 
 
-def test_brute_force_sizes_and_speed():
+def test_brute_force_sizes():
   rng = np.random.default_rng(5)
   p = random_profile(rng, 14, dtypes=("float32",))
   net = random_network(rng, p, links=1, overlap=True, comm_ratio=2.0)
-  t0 = time.perf_counter()
   t, s = best_contiguous(p, net)
-  assert time.perf_counter() - t0 < 2.0
   assert simulate(s, p, net).iteration_s == pytest.approx(t, rel=REL)
   p8 = random_profile(rng, 8, dtypes=("float32",))
   net8 = random_network(rng, p8, links=1, overlap=True, comm_ratio=2.0)
-  t0 = time.perf_counter()
   t, s = best_ordered(p8, net8)   # every one of the 545,835 ordered partitions, by the exact DP
-  assert time.perf_counter() - t0 < 3.0
   assert simulate(s, p8, net8, cross_step=True).iteration_s == pytest.approx(t, rel=REL)
   assert lower_bound(p8, net8, cross_step=True) <= t * (1 + REL)
 
@@ -388,14 +383,12 @@ def test_split_term_matches_its_definition(seed):
   assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
 
 
-def test_bound_speed_on_a_large_profile():
-  # 1,000 leaves in 1,000 layers: the large-profile paths keep the bound well under a second
+def test_bound_on_a_large_profile():
+  # 1,000 leaves in 1,000 layers: the large-profile paths (speed is bench's, never a test's)
   rng = np.random.default_rng(0)
   p = random_profile(rng, 1000, max_layers=1000, dtypes=("float32", "bfloat16"))
   net = random_network(rng, p, links=1, overlap=True, comm_ratio=2.0)
   for cross_step in (False, True):
-    t0 = time.perf_counter()
     lb = lower_bound(p, net, cross_step=cross_step)
-    assert time.perf_counter() - t0 < 1.0
     s = random_schedule(p, rng, in_ready_order=True)
     assert lb <= simulate(s, p, net, cross_step=cross_step, events=False).iteration_s * (1 + REL)

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -354,25 +353,15 @@ def _big(n=1000):
   return p, _sched(p, [[i] for i in p.ready_order()])
 
 
-def test_speed_1000_chunks():
+def test_1000_chunks():
+  # its speed (P8: < 5 ms) is measured by bench/scaling.py (`e_timings`), not asserted here
   p, s = _big()
   for cross_step in (False, True):
     net = NetworkModel.preset("10gbe", workers=8)
-    simulate(s, p, net, cross_step=cross_step, events=False)  # warm the memo
-    best = min(_timed(lambda: simulate(s, p, net, cross_step=cross_step, events=False)) for _ in range(7))
-    assert best < 5e-3, f"simulate of 1,000 chunks took {best * 1e3:.2f} ms (target < 5 ms)"
+    bare = simulate(s, p, net, cross_step=cross_step, events=False)
     r = simulate(s, p, net, cross_step=cross_step)
     assert len([e for e in r.events if e.kind == "allreduce"]) == 1000
-    # with the timeline (~4,000 events) it costs more (about 2-3 ms on an idle core); a loose
-    # bound, as the CPU is shared
-    best = min(_timed(lambda: simulate(s, p, net, cross_step=cross_step)) for _ in range(5))
-    assert best < 60e-3, f"simulate with events took {best * 1e3:.2f} ms"
-
-
-def _timed(fn):
-  t = time.perf_counter()
-  fn()
-  return time.perf_counter() - t
+    assert r.iteration_s == bare.iteration_s and bare.events == ()
 
 
 def test_docstring_examples_and_chrome_trace():
