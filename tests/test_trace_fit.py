@@ -71,7 +71,7 @@ def _write_logs(root, rng):
   bwd = rng.uniform(500, 5000, size=64)
 
   def line(vals):
-    return "I0219 13:29:27.119763 66221 distributed.cpp:112] [" + ", ".join(vals) + "]\n"
+    return "I0101 00:00:00.000000 1 distributed.cpp:1] [" + ", ".join(vals) + "]\n"
 
   # 8 nodes, 5 columns: a layer's weight and bias in one all-reduce, logged on the weight row, twice
   rows8 = []
