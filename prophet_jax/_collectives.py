@@ -25,7 +25,7 @@ from ._errors import AlreadyReducedError, UnboundAxisError
 from ._schedule import Bucket, Schedule
 from ._tree import is_reduced_leaf, match_tree
 
-__all__ = ["allreduce", "tie", "chunk_scope", "axis_size", "check_not_reduced", "vma_enabled",
+__all__ = ["allreduce", "tie", "reduce_tied", "chunk_scope", "axis_size", "check_not_reduced", "vma_enabled",
            "is_varying", "to_varying", "reduce_units", "reduce_chunks", "schedule_units",
            "unit_allreduces", "schedule_chains", "scheduled_allreduce"]
 
@@ -57,6 +57,14 @@ def tie(buf: jax.Array, prev: jax.Array | None) -> jax.Array:
   if prev is None:
     return buf
   return buf.at[0].add(_zero_of(prev, buf.dtype))
+
+
+def reduce_tied(buf: jax.Array, prev: jax.Array | None, axis_name: Any, divisor: int | None) -> jax.Array:
+  """One issued all-reduce: `buf` tied to `prev` (its chain's previous result), summed over the axis
+  and divided by `divisor` (in the buffer's dtype, as `pmean` does) unless None. The one place a chunk
+  or a deferral slot is reduced (`reduce_units`, `_defer.group_step`); the caller sets its scope."""
+  red = jax.lax.psum(tie(buf, prev), axis_name)
+  return red if divisor is None else red / jnp.asarray(divisor, red.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,10 +252,7 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
     parts = gather(unit)
     with jax.named_scope(chunk_scope(k) if scope is None else scope):
       buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-      buf = tie(buf, last.get(j))
-      red = jax.lax.psum(buf, axis_name)
-      if divisor is not None:
-        red = red / jnp.asarray(divisor, red.dtype)
+      red = reduce_tied(buf, last.get(j), axis_name, divisor)
     last[j] = red
     put(unit, red)
     k += 1

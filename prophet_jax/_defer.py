@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._collectives import chunk_scope, tie
+from ._collectives import chunk_scope, reduce_tied
 from ._errors import ScheduleMismatchError
 from ._schedule import Chunk, Schedule
 from ._tree import match_tree
@@ -388,10 +388,7 @@ def group_step(rows: jax.Array, gstate: GroupState, group: DeferGroup, axis_name
     j = 0 if chains is None else int(chains[s])
     with jax.named_scope(chunk_scope(first + s)):
       buf = jax.lax.dynamic_index_in_dim(rows, send[s], axis=0, keepdims=False)
-      buf = tie(buf, prev.get(j))
-      red = jax.lax.psum(buf, axis_name)
-      if divisor is not None:
-        red = red / jnp.asarray(divisor, red.dtype)
+      red = reduce_tied(buf, prev.get(j), axis_name, divisor)
     prev[j] = red
     reds.append(red)
     norms.append(_norm(red))
