@@ -298,7 +298,6 @@ class MeshGradFn:
     self._has_aux = has_aux
     self._has_state = has_state
     self._where = where
-    self.__doc__ = type(self).__doc__
 
   def defer_state(self) -> _defer.DeferState | None:
     """The deferral state before the first step, on the mesh (None when the schedule defers nothing):
