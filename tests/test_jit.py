@@ -505,6 +505,46 @@ def test_unreduced_gradients_are_reduced_on_the_schedule():
     auto.update(g, auto.init(g), g)
 
 
+def test_unreduced_gradients_with_a_deferring_schedule():
+  """dlcp (max_defer 0.25, three deferral groups) through `scheduled(mesh=)` on unreduced gradients:
+  `init` lays the residuals out on the mesh (8, k, c); 3 steps equal `scheduled` under a user-written
+  shard_map (per-device gradients, the deferral tested against its oracle in test_defer.py): the same
+  chunks deferred, the same params."""
+  s = U.setups()["int-labels"]
+  prof = pj.GradientProfile.from_params(s.params, forward_s=1e-4, backward_s=2e-4)
+  slow = pj.NetworkModel(alpha_s=1e-7, beta_s_per_byte=1e-7, workers=U.N_DEV)
+  schedule = pj.plan(prof, slow, "dlcp", max_defer=0.25, spread=3, cross_step=True)
+  assert sum(1 for b in schedule.buckets if b.defer) >= 2, schedule.describe()
+  tx = pj.scheduled(optax.sgd(0.2, momentum=0.9), schedule, axis_name=AXIS)
+  specs = pj.state_specs(jax.eval_shape(tx.init, s.params), AXIS)
+
+  def body(p, o, b):
+    g = jax.grad(unreduced_loss)(jax.lax.pcast(p, AXIS, to="varying"), b)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o
+
+  ref = jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)))
+  o = jax.jit(jax.shard_map(tx.init, mesh=mesh(), in_specs=P(), out_specs=specs))(s.params)
+  p = put(s.params, P())
+  with jax.set_mesh(mesh()):
+    txs = pj.scheduled(optax.sgd(0.2, momentum=0.9), schedule, axis_name=AXIS, mesh=mesh())
+
+    @jax.jit
+    def step(q, oq, b):
+      u, oq = txs.update(jax.grad(unreduced_loss)(_reduced(q), b), oq, q)
+      return optax.apply_updates(q, u), oq
+
+    q, oq = put(s.params, P()), txs.init(put(s.params, P()))
+    assert all(np.shape(r)[0] == U.N_DEV for r in oq.defer_state.residual)
+    for b in s.batches:
+      b = put(b, P(AXIS))
+      p, o = ref(p, o, b)
+      q, oq = step(q, oq, b)
+  assert_trees_close(jax.device_get(q), jax.device_get(p), s.params)
+  for got, want in zip(oq.defer_state.index, o.defer_state.index):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 # --------------------------------------------------------------------------------------------------
 # flax.nnx: an nnx.jit step with nnx.Optimizer and the scheduled gradient
 
