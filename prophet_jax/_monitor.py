@@ -98,6 +98,9 @@ class Monitor:
     num_devices: devices for the built-in probe (default all; across processes every device).
     schedule: the schedule to start with (default: planned now from `profile` and `network`).
     options: extra keyword options for `plan`.
+    mesh, axis_name: the mesh a plain `jax.jit` step trains on (`hooked(..., mesh=)`) and its data
+      axis: the built-in probe then times all-reduces over as many devices as that axis holds (every
+      device, across processes), and `network.workers` must be that count.
 
   Raises:
     TypeError, ValueError: bad arguments (named in the message).
@@ -109,7 +112,7 @@ class Monitor:
                drift: float = 0.25, build_step: Callable[[Schedule], Any] | None = None,
                probe_fn: Callable[[Sequence[int]], Sequence[float]] | None = None,
                num_devices: int | None = None, schedule: Schedule | None = None,
-               options: dict[str, Any] | None = None):
+               options: dict[str, Any] | None = None, mesh: Any = None, axis_name: Any = None):
     if not isinstance(profile, GradientProfile):
       raise TypeError(f"Monitor(profile=...): expected a GradientProfile, got {type(profile).__name__}.")
     if not isinstance(network, NetworkModel):
@@ -125,6 +128,23 @@ class Monitor:
     if network.workers < 2:
       raise ValueError(f"Monitor: the network has workers={network.workers}; there is nothing to "
                        f"all-reduce with one worker.")
+    if mesh is not None:  # the probe's devices and the workers from the training mesh's data axis
+      import jax
+
+      from ._mesh import axis_total, check_mesh
+
+      if axis_name is None and len(mesh.axis_names) == 1:
+        axis_name = mesh.axis_names[0]
+      if axis_name is None:
+        raise ValueError(f"Monitor(mesh=...): the mesh has axes {tuple(mesh.axis_names)}; name the one "
+                         f"the batch is split over: axis_name=...")
+      n = axis_total(mesh, check_mesh(mesh, axis_name, "Monitor"))
+      if network.workers != n:
+        raise ValueError(f"Monitor: the network has workers={network.workers}, but the mesh has {n} "
+                         f"devices along {axis_name!r}, the workers of its all-reduces: use "
+                         f"network.with_workers({n}).")
+      if num_devices is None and jax.process_count() == 1:
+        num_devices = n
     from ._network import QUICK_SIZES
 
     self.profile = profile

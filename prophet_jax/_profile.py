@@ -86,14 +86,24 @@ class _Setup:
   loss_of: Callable[..., Any]  # (diff_leaves, other_leaves, batch) -> scalar
 
 
-def _setup(loss_fn, params, batch, num_devices, layer_depth) -> _Setup:
+def _setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name=None) -> _Setup:
   import jax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   if not callable(loss_fn):
     raise TypeError(f"profile_step(loss_fn={loss_fn!r}): expected a callable loss_fn(params, batch).")
-  devices = jax.local_devices()
+  if mesh is None:
+    devices = jax.local_devices()
+  else:  # the training mesh: this process's devices along its data axis run the per-device step
+    from ._mesh import local_devices_along
+
+    if axis_name is None and len(mesh.axis_names) == 1:
+      axis_name = mesh.axis_names[0]
+    if axis_name is None:
+      raise ValueError(f"profile_step(mesh=...): the mesh has axes {tuple(mesh.axis_names)}; name the one "
+                       f"the batch is split over: axis_name=...")
+    devices = local_devices_along(mesh, axis_name, "profile_step")
   n = len(devices) if num_devices is None else num_devices
   if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
     raise ValueError(f"profile_step(num_devices={num_devices!r}): expected a positive integer.")
@@ -423,7 +433,8 @@ def _estimated(s: _Setup) -> tuple[float, float, list[float], dict[str, float], 
 def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
                  num_devices: int | None = None, steps: int = 20, warmup: int = 2, method: str = "auto",
                  tx: Any = None, layer_depth: int | None = None, model: str = "", device: str = "",
-                 trace_dir: str | None = None) -> GradientProfile:
+                 trace_dir: str | None = None, mesh: Any = None, axis_name: Any = None,
+                 has_aux: bool = False) -> GradientProfile:
   """Profiles a real gradient step: per-leaf ready times and per-layer forward times.
 
   Args:
@@ -441,6 +452,13 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
     layer_depth: key-path components naming a layer (default: all but the last, e.g. 'params/Dense_0').
     model, device: recorded in the profile (device defaults to the devices' kind).
     trace_dir: keep the profiler trace there (default: a temporary directory, removed).
+    mesh, axis_name: profile the step as it trains on this mesh (`hooked(..., mesh=)`, a plain
+      `jax.jit` on global arrays): on this process's devices along the data axis `axis_name` (at the
+      first index of any other axis; `num_devices` defaults to their number), each with its slice of
+      `batch`, which holds the rows those devices train on (the global batch in one process; it may
+      be a global `jax.Array`). `axis_name` may be left out for a one-axis mesh.
+    has_aux: `loss_fn` returns `(loss, aux)` (the loss `hooked(..., has_aux=True)` takes); only the
+      loss is differentiated.
 
   Returns:
     A GradientProfile with one row per floating leaf in forward (priority) order, exact shapes, dtypes
@@ -467,7 +485,19 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   for name, v, lo in (("steps", steps, 1), ("warmup", warmup, 0)):
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
       raise ValueError(f"profile_step({name}={v!r}): expected an integer >= {lo}.")
-  s = _setup(loss_fn, params, batch, num_devices, layer_depth)
+  if has_aux:  # the same loss hooked(..., has_aux=True) takes: profile its scalar
+    aux_loss = loss_fn
+    loss_fn = lambda p, b: aux_loss(p, b)[0]  # noqa: E731
+  if mesh is not None:  # host rows, sliced over the profiled devices below
+
+    def host(x):
+      if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        raise ValueError("profile_step(mesh=...): the batch holds a global array that spans processes; "
+                         "pass the rows this process's devices train on (host data).")
+      return jax.device_get(x)
+
+    batch = jax.tree_util.tree_map(host, batch)
+  s = _setup(loss_fn, params, batch, num_devices, layer_depth, mesh=mesh, axis_name=axis_name)
   update = _update_program(s, tx) if tx is not None else None
   notes = []
   result = None

@@ -1,4 +1,5 @@
-"""The README's training-loop snippet runs as written (a host batch included) and trains correctly."""
+"""The README's training-loop snippets (the plain jax.jit one and the shard_map one) run as written (a host
+batch included) and train correctly."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+import pytest
 
 import prophet_jax
 from _assert import assert_trees_close
@@ -25,8 +27,9 @@ def _snippet(section: str) -> str:
   return m.group(1)
 
 
-def test_the_training_loop_snippet_runs_and_matches_the_single_device_step(monkeypatch):
-  code = _snippet("## Use it in a flax/optax training loop")
+@pytest.mark.parametrize("section", ["### A plain `jax.jit` step on global arrays", "### Under `jax.shard_map`"])
+def test_the_training_loop_snippet_runs_and_matches_the_single_device_step(monkeypatch, section):
+  code = _snippet(section)
   assert "jax.device_put(batch, NamedSharding(mesh, P(\"dp\")))" in code
   m = get_model("mlp")
   params = m.init(jax.random.key(0))
