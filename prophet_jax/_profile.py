@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import statistics
 import tempfile
 import time
@@ -56,7 +57,7 @@ import numpy as np
 
 from ._errors import ProfileError
 from . import _xplane
-from ._tree import forward_paths, is_reduced_leaf, layer_of, path_str
+from ._tree import dtype_name, forward_paths, is_reduced_leaf, layer_of, path_str
 from ._types import GradientProfile, ProfileRow, itemsize
 
 _AXIS = "prophet_profile"
@@ -234,19 +235,45 @@ def _wall_median(f: Callable[[], Any], repeats: int) -> float:
 # The three methods
 
 
-def _rows(s: _Setup, ready: Sequence[float], fwd_layer: Mapping[str, float], update_s: float
+@dataclasses.dataclass
+class _RowSpec:
+  """What a profile's rows are made of besides the timings (no jax): per gradient leaf k (flatten
+  order of the float leaves, i.e. the grad program's output k) its path, shape, dtype and layer, and
+  the priority (forward) order of the k."""
+
+  paths: list[str]
+  shapes: list[tuple[int, ...]]
+  dtypes: list[str]
+  layers: list[str]
+  order: list[int]
+
+  @property
+  def layers_in_order(self) -> list[str]:
+    return list(dict.fromkeys(self.layers[k] for k in self.order))
+
+  def nbytes(self, k: int) -> int:
+    return int(math.prod(self.shapes[k])) * itemsize(self.dtypes[k])
+
+
+def _spec(s: _Setup) -> _RowSpec:
+  leaves = [s.leaves[i] for i in s.diff_idx]
+  return _RowSpec(paths=[s.paths[i] for i in s.diff_idx], shapes=[tuple(x.shape) for x in leaves],
+                  dtypes=[str(x.dtype) for x in leaves], layers=[s.layers[i] for i in s.diff_idx],
+                  order=list(s.order))
+
+
+def _rows(spec: _RowSpec | _Setup, ready: Sequence[float], fwd_layer: Mapping[str, float], update_s: float
           ) -> tuple[ProfileRow, ...]:
-  """Rows in priority order; `ready` is indexed like diff_idx."""
-  total = max(sum(_nbytes(s.leaves[i]) for i in s.diff_idx), 1)
+  """Rows in priority order; `ready` is indexed like the spec's leaves (diff_idx)."""
+  spec = _spec(spec) if isinstance(spec, _Setup) else spec
+  total = max(sum(spec.nbytes(k) for k in range(len(spec.paths))), 1)
   rows, seen = [], set()
-  for k in s.order:
-    i = s.diff_idx[k]
-    x = s.leaves[i]
-    layer = s.layers[i]
+  for k in spec.order:
+    layer = spec.layers[k]
     fwd = fwd_layer.get(layer, 0.0) if layer not in seen else 0.0
     seen.add(layer)
-    nb = _nbytes(x)
-    rows.append(ProfileRow(path=s.paths[i], layer=layer, shape=tuple(x.shape), dtype=str(x.dtype),
+    nb = spec.nbytes(k)
+    rows.append(ProfileRow(path=spec.paths[k], layer=layer, shape=tuple(spec.shapes[k]), dtype=spec.dtypes[k],
                            nbytes=nb, ready_s=float(ready[k]), fwd_s=float(fwd),
                            update_s=update_s * nb / total))
   return tuple(rows)
@@ -268,7 +295,9 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
   diff, other = _split(s)
   prog = _grad_program(s)
   compiled = prog.lower(diff, other, s.batch).compile()
-  hlo = _xplane.step_hlo(compiled.as_text())
+  text = compiled.as_text()
+  hlo = _xplane.step_hlo(text)
+  spec = _spec(s)
   if len(hlo.root_operands) != len(s.diff_idx):
     raise _NoProfilerEvents(f"the compiled step returns {len(hlo.root_operands)} outputs for {len(s.diff_idx)} "
                    f"gradient leaves; cannot map them")
@@ -284,6 +313,7 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
     jax.block_until_ready(run())
     walls.append(time.perf_counter() - t0)
   wall_s = statistics.median(walls)
+  upd_module = f"jit_{_UPDATE_NAME}"
   with tempfile.TemporaryDirectory(prefix="prophet_trace_") as tmp:
     d = trace_dir or tmp
     opts = jax.profiler.ProfileOptions()
@@ -293,21 +323,19 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
         jax.block_until_ready(compiled(diff, other, s.batch))
         if update is not None:
           jax.block_until_ready(update())
-    events = _xplane.op_events(d, hlo.module)
-    upd_events = _xplane.op_events(d, f"jit_{_UPDATE_NAME}") if update is not None else []
-  if not events:
-    raise _NoProfilerEvents(f"the profiler recorded no events of module {hlo.module!r}")
-  layers = _layers_in_order(s)
-  results = [r for ex in _xplane.executions(events)
-             if (r := _xplane.analyse_execution(ex, hlo, list(range(len(s.diff_idx))), len(s.diff_idx),
-                                               layers)) is not None]
-  if not results:
-    raise _NoProfilerEvents(f"no execution of {hlo.module!r} in the trace had backward ops to map")
-  backward_s = statistics.median(r[1] for r in results)
-  ready = [statistics.median(r[2][k] for r in results) for k in range(len(s.diff_idx))]
-  fwd_layer = {l: statistics.median(r[3][l] for r in results) for l in layers}
+    if trace_dir:  # what profile_from_trace needs besides the trace
+      with open(os.path.join(trace_dir, HLO_FILE), "w") as f:
+        f.write(text)
+    try:
+      trace, an = _from_trace(d, hlo, spec, extra_modules=[upd_module], expected=steps * s.num_devices,
+                              expected_why=f" ({steps} steps x {s.num_devices} devices)")
+    except ProfileError as e:
+      raise _NoProfilerEvents(str(e)) from None
+  events = trace.events[hlo.module]
+  backward_s, ready, fwd_layer = an.backward_s, an.ready_s, an.fwd_layer
   device_span = sum(fwd_layer.values()) + backward_s
   update_span = 0.0
+  upd_events = trace.events.get(upd_module, []) if update is not None else []
   if upd_events:  # one device's update span
     spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _xplane.executions(upd_events) if ex]
     update_span = statistics.median(spans) if spans else 0.0
@@ -318,17 +346,53 @@ def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | No
   envelope = _xplane.median_envelope(events)
   span = device_span + update_span
   scale = wall_s / span if span > 0 else 1.0
+  if scale < 0.1:
+    raise _NoProfilerEvents(
+        f"implausible trace: one device's traced step ({span * 1e3:.3f} ms) is {1 / scale:.0f} times the "
+        f"untraced step ({wall_s * 1e3:.3f} ms); {an.held}")
   note = (f"measured: jax.profiler trace of {steps} steps x {s.num_devices} devices "
-          f"({len(results)} executions), medians; ops mapped to leaves via the ENTRY ROOT tuple, to "
-          f"layers via op_name metadata; one device's span {device_span * 1e3:.3f} ms + update "
-          f"{update_span * 1e3:.3f} ms ({'traced' if upd_events else 'not measured'}) stretched x"
-          f"{scale:.2f} to the median untraced wall clock of a step {wall_s * 1e3:.3f} ms (the "
-          f"synchronous step waits for the last device and pays its launch; the traced envelope over "
-          f"devices was {envelope * 1e3:.3f} ms)")
+          f"({an.executions} executions, {_LINKED[trace.linked.get(hlo.module, 'run_id')]}), medians; ops "
+          f"mapped to leaves via the ENTRY ROOT tuple, to layers via op_name metadata; one device's span "
+          f"{device_span * 1e3:.3f} ms + update {update_span * 1e3:.3f} ms "
+          f"({'traced' if upd_events else 'not measured'}) stretched x{scale:.2f} to the median untraced "
+          f"wall clock of a step {wall_s * 1e3:.3f} ms (the synchronous step waits for the last device and "
+          f"pays its launch; the traced envelope over devices was {envelope * 1e3:.3f} ms)")
   ready = [x * scale for x in ready]
   fwd_layer = {l: v * scale for l, v in fwd_layer.items()}
   update_s = update_span * scale
   return sum(fwd_layer.values()), backward_s * scale, ready, fwd_layer, update_s, note
+
+
+HLO_FILE = "prophet_profile_step.hlo.txt"
+_LINKED = {"run_id": "executions by run_id", "host launch": "executions by the host's launches",
+           "segments": "executions cut where another program ran"}
+
+
+def _from_trace(trace: str | os.PathLike[str], hlo: _xplane.StepHlo, spec: _RowSpec, *,
+                outputs: Sequence[str] | None = None, extra_modules: Sequence[str] = (),
+                expected: int | None = None, expected_why: str = "") -> tuple[_xplane.Trace, _xplane.Analysis]:
+  """The trace's executions of the step `hlo`, analysed for the spec's rows (output k is leaf k; or
+  `outputs[k]`): the one analysis behind `profile_step` and `profile_from_trace`.
+
+  Raises:
+    ProfileError: the trace holds no event of the step's module, or its profile is implausible
+      (the message says what the trace held).
+  """
+  trace = _xplane.read_trace(trace, [hlo.module, *extra_modules])
+  if not trace.events.get(hlo.module):
+    seen = ", ".join(f"{m!r} ({k} events)" for m, k in sorted(trace.modules.items(), key=lambda kv: -kv[1])[:6])
+    raise ProfileError(f"the profiler recorded no events of module {hlo.module!r} (the trace holds "
+                       f"{seen or 'no XLA op events'})")
+  if expected is None and hlo.module in trace.launches:  # the host's launches, on every device
+    devices = len({e["device"] for e in trace.events[hlo.module]})
+    expected = trace.launches[hlo.module] * devices
+    expected_why = f" ({trace.launches[hlo.module]} host launches x {devices} devices)"
+  n = len(spec.paths)
+  an = _xplane.analyse(trace.events[hlo.module], hlo, list(range(n)), n, spec.layers_in_order,
+                       outputs=outputs, expected=expected, expected_why=expected_why, row_layers=spec.layers)
+  if an.problems:
+    raise ProfileError(f"implausible trace: {'; '.join(an.problems)}; {an.held}")
+  return trace, an
 
 
 class _NoProfilerEvents(Exception):
@@ -499,6 +563,160 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   return GradientProfile(rows=rows, forward_s=fsum if fsum > 0 else forward_s, backward_s=backward_s,
                          method=got, model=model, device=dev,
                          notes="; ".join(notes + [note, f"{s.num_devices} devices"]))
+
+
+def profile_from_trace(trace: str | os.PathLike[str], hlo_text: str, params: Any, *,
+                       layer_depth: int | None = None) -> GradientProfile:
+  """A measured GradientProfile from a kept `jax.profiler` trace of a compiled gradient step.
+
+  For profiling on the cluster and planning elsewhere: trace a few steps of the program that
+  computes the gradients (`profile_step(..., trace_dir=d)` keeps its trace in `d` and the program's
+  HLO text in `d/prophet_profile_step.hlo.txt`; or trace your own `jax.jit(jax.grad(loss_fn))` and
+  keep `jitted.lower(...).compile().as_text()`), copy the trace and the text, and read them here.
+  Nothing runs: the trace is read with `jax.profiler.ProfileData`, which works without the device
+  it was taken on.
+
+  What it reads (docs/facts.md, "Profiler traces on a GPU"): the program's op events, grouped into
+  executions (XLA:CPU's events carry a `run_id`; XLA:GPU's kernels are tied to the host's launch of
+  the program through their `correlation_id`, every stream of a device together); output k of the
+  ENTRY ROOT tuple is gradient leaf k, ready when the last op producing it ends; `transpose(...)` in
+  an op's name marks backward; flax's module names in the name stack give each forward op's layer.
+  Every number is the median over the executions, on the trace's own clock (`profile_step` also
+  stretches it to the untraced step). The rows' priority order is where the compiled forward pass
+  first reads each parameter (the first op reading it that also depends on the batch: the program's
+  parameters after the gradient leaves). The optimizer's update is not in a gradient program:
+  `update_s` is 0.
+
+  Args:
+    trace: the `.xplane.pb` file, or the directory given to `jax.profiler.trace` (every
+      `.xplane.pb` under it is read: one per host).
+    hlo_text: `compiled.as_text()` of the traced program (a compiled executable is accepted too).
+      Its outputs must be the gradients, in the flatten order of `params`'s floating leaves (a
+      `value_and_grad` program's loss beside them is fine); its first parameters the parameters, in
+      the same order (else the rows keep flatten order, and the notes say so).
+    params: the gradient (or parameter) tree: arrays or `jax.ShapeDtypeStruct`s; its floating leaves
+      are the rows (integer and float0 leaves are not).
+    layer_depth: key-path components naming a layer (default: all but the last).
+
+  Returns:
+    A GradientProfile with `method='measured'`, one row per floating leaf in forward order, `ready_s`
+    from the start of backward, the per-layer forward times, and notes saying what the trace held.
+
+  Raises:
+    FileNotFoundError: no trace file at `trace`.
+    TypeError: `hlo_text` is neither text nor a compiled executable; a leaf of `params` is no array.
+    ValueError: `hlo_text` is not HLO module text; the program's outputs do not match the leaves of `params` (the message names the
+      first leaf that differs and the program's output there).
+    ProfileError: the trace holds no event of the program, or an implausible profile: executions
+      that do not match the host's launches, backward under a tenth of forward, most layers ready at
+      one instant (the message says what the trace held).
+
+  Example:
+    >>> prof = profile_step(loss_fn, params, batch, trace_dir="/tmp/t")     # doctest: +SKIP
+    >>> hlo = open("/tmp/t/prophet_profile_step.hlo.txt").read()             # doctest: +SKIP
+    >>> profile_from_trace("/tmp/t", hlo, params).method                     # doctest: +SKIP
+    'measured'
+  """
+  import jax
+
+  from ._hlo import hlo_text as _as_text
+
+  text = _as_text(hlo_text)
+  if "HloModule" not in text:
+    raise ValueError(f"profile_from_trace: hlo_text is not HLO module text (it starts {text[:40]!r}); pass "
+                     f"compiled.as_text() of the traced program (jax.jit(f).lower(...).compile()).")
+  hlo = _xplane.step_hlo(text)
+  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  leaves = [(path_str(p), x) for p, x in flat if is_reduced_leaf(x)]
+  for path, x in ((path_str(p), x) for p, x in flat):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"profile_from_trace: leaf {path!r} of params is a {type(x).__name__}; expected arrays "
+                      f"or jax.ShapeDtypeStructs.")
+  if not leaves:
+    raise ProfileError("profile_from_trace: params have no floating-point leaves, so there is no gradient "
+                       "to profile; pass the model's float parameters (or their ShapeDtypeStructs).")
+  paths = [p for p, _ in leaves]
+  shapes = [tuple(int(d) for d in x.shape) for _, x in leaves]
+  dtypes = [dtype_name(x.dtype) for _, x in leaves]
+  outputs = _gradient_outputs(hlo, paths, shapes, dtypes)
+  positions = None
+  notes = []
+  if all(_hlo_matches(hlo.instrs[hlo.params[k]].shape, shapes[k], dtypes[k]) if k in hlo.params else False
+         for k in range(len(paths))):
+    positions = _xplane.forward_positions(hlo, len(paths))
+  if positions is None:
+    order = list(range(len(paths)))
+    notes.append("rows in flatten order (the program's first parameters are not the leaves of params, so "
+                 "its forward order could not be read)")
+  else:
+    unread = len(paths) + max((p for p in positions if p is not None), default=0)
+    order = sorted(range(len(paths)), key=lambda k: (positions[k] if positions[k] is not None else unread,
+                                                     -math.prod(shapes[k]), k))
+  spec = _RowSpec(paths=paths, shapes=shapes, dtypes=dtypes, layers=[layer_of(p, layer_depth) for p in paths],
+                  order=order)
+  try:
+    trace_read, an = _from_trace(trace, hlo, spec, outputs=outputs)
+  except ProfileError as e:
+    raise ProfileError(f"profile_from_trace({os.fspath(trace)!r}): {e}.") from None
+  rows = _rows(spec, an.ready_s, an.fwd_layer, 0.0)
+  fsum = sum(r.fwd_s for r in rows)
+  note = (f"measured: profile_from_trace of {os.fspath(trace)}: {an.executions} executions "
+          f"({_LINKED[trace_read.linked.get(hlo.module, 'run_id')]}) on {an.devices} device(s), medians on "
+          f"the trace's clock; {an.held}; ops mapped to leaves via the ENTRY ROOT tuple, to layers via "
+          f"op_name metadata; rows in the compiled forward's order of first use; update not in the "
+          f"program (update_s 0)")
+  return GradientProfile(rows=rows, forward_s=fsum if fsum > 0 else an.forward_s, backward_s=an.backward_s,
+                         method="measured", model="", device=trace_read.device_name or trace_read.platform,
+                         notes="; ".join(notes + [note]))
+
+
+_HLO_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "complex64": "c64",
+               "complex128": "c128"}
+
+
+def _hlo_dtype(name: str) -> str:
+  if name in _HLO_DTYPES:
+    return _HLO_DTYPES[name]
+  if name.startswith("float8_"):
+    return "f8" + name[len("float8_"):]
+  return name
+
+
+def _hlo_matches(shape_text: str, shape: tuple[int, ...], dtype: str) -> bool:
+  from ._hlo import shape_dims, shape_dtypes
+
+  return shape_dims(shape_text) == (tuple(shape),) and shape_dtypes(shape_text) == (_hlo_dtype(dtype),)
+
+
+def _gradient_outputs(hlo: _xplane.StepHlo, paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                      dtypes: Sequence[str]) -> list[str]:
+  """The program outputs that are the gradient leaves: the one run of consecutive ENTRY ROOT operands
+  whose shapes and dtypes are the leaves', in order."""
+  outs = hlo.root_operands
+  n = len(paths)
+  fits = [off for off in range(len(outs) - n + 1)
+          if all(_hlo_matches(hlo.instrs[outs[off + k]].shape, shapes[k], dtypes[k]) for k in range(n))]
+  if len(fits) == 1:
+    return list(outs[fits[0]:fits[0] + n])
+  if len(fits) > 1:
+    raise ValueError(f"profile_from_trace: the program's outputs hold the shapes of the {n} leaves of params "
+                     f"at {len(fits)} places (outputs {fits[0]}.. and {fits[1]}..): cannot tell which are the "
+                     f"gradients. Trace a program that returns the gradients alone (jax.grad), as "
+                     f"profile_step does.")
+  # name the first leaf that differs, against the best alignment (outputs 0.. or 1.. for value_and_grad)
+  best, where = -1, 0
+  for off in range(max(len(outs) - n + 1, 1)):
+    k = 0
+    while k < n and off + k < len(outs) and _hlo_matches(hlo.instrs[outs[off + k]].shape, shapes[k], dtypes[k]):
+      k += 1
+    if k > best:
+      best, where = k, off
+  got = hlo.instrs[outs[where + best]].shape if where + best < len(outs) else "nothing (too few outputs)"
+  raise ValueError(
+      f"profile_from_trace: the program {hlo.module!r} has {len(outs)} outputs; they do not match the {n} "
+      f"floating leaves of params: leaf {paths[best]!r} ({dtypes[best]}{list(shapes[best])}) meets output "
+      f"{where + best}, {got}. Pass the tree whose gradients the traced program returns (in its flatten "
+      f"order), and the HLO text of that same program.")
 
 
 def _update_program(s: _Setup, tx: Any) -> Callable[[], Any]:
