@@ -231,6 +231,39 @@ def _wall_median(f: Callable[[], Any], repeats: int) -> float:
   return float(statistics.median(ts))
 
 
+class _Prog:
+  """A lowered program with its arguments: compiled once (several at once by `_compile_all`), then run
+  by calling it."""
+
+  def __init__(self, lowered: Any, args: Sequence[Any]):
+    self.lowered = lowered
+    self.args = tuple(args)
+    self.compiled: Any = None
+
+  def compile(self) -> _Prog:
+    if self.compiled is None:
+      self.compiled = self.lowered.compile()
+    return self
+
+  def __call__(self) -> Any:
+    return self.compile().compiled(*self.args)
+
+
+def _compile_all(progs: Sequence[_Prog | None]) -> None:
+  """Compiles the programs at once: XLA releases the GIL while it compiles, so on a host with a few
+  cores the gradient step, the local train step and the update compile in the time of the slowest."""
+  todo = [p for p in progs if p is not None and p.compiled is None]
+  if len(todo) <= 1:
+    for p in todo:
+      p.compile()
+    return
+  from concurrent.futures import ThreadPoolExecutor
+
+  with ThreadPoolExecutor(len(todo)) as pool:
+    for f in [pool.submit(p.compile) for p in todo]:
+      f.result()
+
+
 # --------------------------------------------------------------------------------------------------
 # The three methods
 
@@ -287,14 +320,14 @@ def _layers_in_order(s: _Setup) -> list[str]:
   return list(dict.fromkeys(s.layers[s.diff_idx[k]] for k in s.order))
 
 
-def _measured(s: _Setup, steps: int, warmup: int, update: Callable[[], Any] | None,
-              whole: Callable[[], Any] | None, trace_dir: str | None
-              ) -> tuple[float, float, list[float], dict[str, float], float, str]:
+def _measured(s: _Setup, steps: int, warmup: int, update: _Prog | None, whole: _Prog | None,
+              trace_dir: str | None) -> tuple[float, float, list[float], dict[str, float], float, str]:
   import jax
 
   diff, other = _split(s)
-  prog = _grad_program(s)
-  compiled = prog.lower(diff, other, s.batch).compile()
+  grad = _Prog(_grad_program(s).lower(diff, other, s.batch), (diff, other, s.batch))
+  _compile_all([grad, whole, update])
+  compiled = grad.compiled
   text = compiled.as_text()
   hlo = _xplane.step_hlo(text)
   spec = _spec(s)
@@ -411,14 +444,30 @@ def _timed(s: _Setup, repeats: int, update: Callable[[], Any] | None
   by_layer: dict[str, list[int]] = {}
   for k in range(len(s.diff_idx)):
     by_layer.setdefault(s.layers[s.diff_idx[k]], []).append(k)
-  ready = [0.0] * len(s.diff_idx)
+  # grad w.r.t. one layer alone: one compile per layer, so at most TIMED_LAYERS of them, evenly spaced
+  # in forward order (the first and the last included); the layers between are interpolated by
+  # parameter bytes, counted from the back (backward reaches them in that order)
+  sampled = _sample(len(layers), TIMED_LAYERS)
   layer_ready = {}
-  for layer in layers:
-    ks = by_layer[layer]
+  for j in sampled:
+    ks = by_layer[layers[j]]
     g = _grad_program(s, wrt=ks, name=f"{_STEP_NAME}_part")
     t = _wall_median(lambda g=g: g(diff, other, s.batch), repeats)
-    layer_ready[layer] = min(max(t - t_fwd, 0.0), backward_s)
-    for k in ks:
+    layer_ready[layers[j]] = min(max(t - t_fwd, 0.0), backward_s)
+  if len(sampled) < len(layers):
+    size = [sum(_nbytes(s.leaves[s.diff_idx[k]]) for k in by_layer[l]) for l in layers]
+    back = [0.0] * len(layers)  # bytes from the back of the net to each layer's end
+    acc = 0.0
+    for j in range(len(layers) - 1, -1, -1):
+      acc += size[j]
+      back[j] = acc
+    for a, b in zip(sampled, sampled[1:]):  # a in front of b; a is ready later
+      for j in range(a + 1, b):
+        w = (back[j] - back[b]) / (back[a] - back[b]) if back[a] > back[b] else (b - j) / (b - a)
+        layer_ready[layers[j]] = layer_ready[layers[b]] + w * (layer_ready[layers[a]] - layer_ready[layers[b]])
+  ready = [0.0] * len(s.diff_idx)
+  for layer in layers:
+    for k in by_layer[layer]:
       ready[k] = layer_ready[layer]
   # forward per layer: in proportion to each layer's backward segment (ready-time gaps, back to front)
   by_ready = sorted(layers, key=lambda l: layer_ready[l])
@@ -429,10 +478,23 @@ def _timed(s: _Setup, repeats: int, update: Callable[[], Any] | None
   tot = sum(seg.values())
   fwd_layer = {l: t_fwd * (seg[l] / tot if tot > 0 else 1 / len(layers)) for l in layers}
   update_s = _wall_median(update, repeats) if update is not None else 0.0
-  note = (f"timed: wall-clock medians of {max(3, repeats)} runs of grad w.r.t. each layer alone minus the "
+  which = ("each layer" if len(sampled) == len(layers) else
+           f"{len(sampled)} of the {len(layers)} layers (evenly spaced in forward order; the others "
+           f"interpolated by parameter bytes)")
+  note = (f"timed: wall-clock medians of {max(3, repeats)} runs of grad w.r.t. {which} alone minus the "
           f"forward ({t_fwd * 1e3:.3f} ms; includes dispatch); forward spread over layers by backward "
           f"segment")
   return t_fwd, backward_s, ready, fwd_layer, update_s, note
+
+
+TIMED_LAYERS = 12  # at most this many per-layer gradient programs (each is compiled): BERT-base has 100 layers
+
+
+def _sample(n: int, k: int) -> list[int]:
+  """k indices of range(n) evenly spaced, the first and the last included (all of them when n <= k)."""
+  if n <= k:
+    return list(range(n))
+  return sorted({round(j * (n - 1) / (k - 1)) for j in range(k)})
 
 
 def _device_flops_per_s(s: _Setup) -> float:
@@ -719,7 +781,7 @@ def _gradient_outputs(hlo: _xplane.StepHlo, paths: Sequence[str], shapes: Sequen
       f"order), and the HLO text of that same program.")
 
 
-def _update_program(s: _Setup, tx: Any) -> Callable[[], Any]:
+def _update_program(s: _Setup, tx: Any) -> _Prog:
   import jax
   from jax.sharding import PartitionSpec as P
 
@@ -734,7 +796,7 @@ def _update_program(s: _Setup, tx: Any) -> Callable[[], Any]:
   f = jax.jit(jax.shard_map(upd, mesh=s.mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()),
                             check_vma=False))
   grads = jax.tree_util.tree_map(lambda x: x * 0 + 1e-3, diff)
-  return lambda: f(diff, grads, state)
+  return _Prog(f.lower(diff, grads, state), (diff, grads, state))
 
 
 def _updater(tx: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
@@ -748,7 +810,7 @@ def _updater(tx: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
   return upd
 
 
-def _local_step_program(s: _Setup, tx: Any) -> Callable[[], Any]:
+def _local_step_program(s: _Setup, tx: Any) -> _Prog:
   """A train step with no reduction (gradients, then `tx`'s update, in one program): the step's cost
   with free communication."""
   import jax
@@ -763,4 +825,4 @@ def _local_step_program(s: _Setup, tx: Any) -> Callable[[], Any]:
 
   f = jax.jit(jax.shard_map(local_step, mesh=s.mesh, in_specs=(P(), P(), P(_AXIS), P()),
                             out_specs=(P(), P()), check_vma=False))
-  return lambda: f(diff, other, s.batch, state)
+  return _Prog(f.lower(diff, other, s.batch, state), (diff, other, s.batch, state))
