@@ -2,24 +2,29 @@
 
 Public API:
   profile_step(loss_fn, params, batch, *, num_devices=None, ...) -> GradientProfile
+  profile_from_trace(trace, hlo_text, params, *, layer_depth=None) -> GradientProfile
 
 How (`method='measured'`): the gradient step `jax.grad(loss_fn)` is compiled under `jax.shard_map` over
 a 1-D mesh of `num_devices` devices (parameters replicated, the batch split on its leading axis, no
 all-reduce: the same per-device program as training without its communication), run `warmup` times,
-then `steps` times under `jax.profiler.trace`. The trace's XLA op events (`hlo_module`, `hlo_op`,
-`run_id`, `device_ordinal`) are grouped into executions (one per step and device) and mapped
-(`_xplane`):
+then `steps` times under `jax.profiler.trace`. The trace's XLA op events are grouped into executions
+(one per step and device; `_xplane.read_trace`: XLA:CPU's events carry a `run_id`, XLA:GPU's kernels
+are tied to the host's launch of the program through their `correlation_id`, every stream of a device
+together) and mapped (`_xplane.analyse`, shared with `profile_from_trace`):
 
 - to gradient leaves through the compiled HLO: output k of the ENTRY ROOT tuple is leaf k; following
-  its operands through ops that have no event of their own (bitcast, copy, get-tuple-element, tuple),
-  the leaf is ready when the last op producing it ends;
+  its operands through ops that have no event of their own (bitcast, copy, get-tuple-element of a
+  tuple: that element only), the leaf is ready when the last op producing it ends;
 - to forward or backward through each op's `op_name` metadata: backward ops are under `transpose(...)`;
   backward starts with the first of them;
 - to layers through the same metadata (flax's module names in the name stack): each forward op's time
   (from the end of the previous op) goes to the layer its name matches, or to the layer before it.
 
-Every number is the median over the `steps x num_devices` executions. Ready times are *not* in layer
-order where XLA schedules them otherwise (it computes data gradients before large weight gradients).
+Every number is the median over the `steps x num_devices` executions. A trace that gives an implausible
+profile (executions that do not match the traced steps, backward under a tenth of forward, most layers
+ready at one instant) is not used: 'measured' raises ProfileError saying what the trace held, 'auto'
+falls back with a note saying why. Ready times are *not* in layer order where XLA schedules them
+otherwise (it computes data gradients before large weight gradients).
 The trace gives the timeline's *shape*; its length is the median untraced wall clock of a step
 (gradients and `tx`'s update in one program, with no reduction), timed just before: a synchronous
 data-parallel step waits for its slowest device and pays its launch, but not the profiler's own
@@ -27,19 +32,22 @@ overhead, which inflates traced ops on a loaded host. So one device's timeline (
 update) is stretched to that wall clock: with one device per accelerator the factor is about 1; with
 8 host devices sharing a few CPU cores it is several (the notes give it, and the traced envelope over
 devices beside it). The optimizer update (`tx`) is a separate program in the same trace; its
-stretched span is spread over the rows by bytes.
+stretched span is spread over the rows by bytes. The gradient step, the local train step and the
+update compile at once (XLA releases the GIL while compiling).
 
 Fallbacks, in order (`method='auto'`), each saying so in the profile's `method` and `notes`:
-- `'timed'`: when the profiler yields no events for the step (or they cannot be mapped): the
-  wall-clock median of `grad` with respect to each layer's parameters alone, minus the forward's,
-  gives that layer's ready time (XLA prunes the backward below the layer); forward time is spread
-  over layers in proportion to their backward segments.
+- `'timed'`: when the profiler yields no usable trace: the wall-clock median of `grad` with respect
+  to one layer's parameters alone, minus the forward's, gives that layer's ready time (XLA prunes the
+  backward below the layer); at most `TIMED_LAYERS` (12) layers are timed, evenly spaced in forward
+  order, each one compile, and the layers between are interpolated by parameter bytes; forward time is
+  spread over layers in proportion to their backward segments.
 - `'estimated'`: when timing fails too: XLA's cost analysis (FLOPs of the forward and of the full
   gradient step) divided by a measured matmul throughput of the devices, spread over layers by bytes.
 Made-up numbers are never labelled 'measured'.
 
 Rows are in forward (priority) order: the order in which the loss's jaxpr first reads each parameter
-(`_tree.forward_paths`), not flatten order.
+(`_tree.forward_paths`), not flatten order; `profile_from_trace`, without the loss, reads the order
+from the compiled program (`_xplane.forward_positions`).
 """
 
 from __future__ import annotations
@@ -566,7 +574,9 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
       rows by bytes (`update_s`), otherwise `update_s` is 0.
     layer_depth: key-path components naming a layer (default: all but the last, e.g. 'params/Dense_0').
     model, device: recorded in the profile (device defaults to the devices' kind).
-    trace_dir: keep the profiler trace there (default: a temporary directory, removed).
+    trace_dir: keep the profiler trace there (default: a temporary directory, removed), with the traced
+      program's HLO text beside it (`prophet_profile_step.hlo.txt`): `profile_from_trace(trace_dir,
+      hlo_text, params)` reads them again anywhere.
 
   Returns:
     A GradientProfile with one row per floating leaf in forward (priority) order, exact shapes, dtypes
@@ -577,7 +587,8 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
       params.
     ValueError: a batch leaf's leading axis is not divisible by num_devices, the batch does not fit the
       model, or too many devices are asked for.
-    ProfileError: `method='measured'` but the profiler yielded no usable events; or no float params.
+    ProfileError: `method='measured'` but the profiler yielded no usable events, or a trace whose profile
+      is implausible (the message says what the trace held); or no float params.
 
   Example:
     >>> m = prophet_jax.models.get_model("mlp")                                   # doctest: +SKIP

@@ -27,6 +27,6 @@ def test_gpu_step_dry_run_on_the_cpu_writes_every_section(tmp_path):
   assert r["profile_from_trace"]["backward_ms"] > 0 and r["layers"] == 12
   ovh = res["sections"]["overhead-mlp"]
   assert ovh["ok"], ovh.get("traceback")
-  assert set(ovh["result"]["ratio_vs_plain"]) == {"plain", "wfbp", "auto", "dlcp", "pipelined"}
+  assert set(ovh["result"]["ratio_vs_plain"]) == {"plain", "wfbp", "auto", "dlcp", "pipelined", "pipelined-all"}
   assert set(ovh["result"]["compile_s"]) == set(ovh["result"]["ratio_vs_plain"])
   assert "=== gpu_step: cpu ===" in p.stdout
