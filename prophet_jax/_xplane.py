@@ -343,17 +343,25 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
               runs_of[name].add((prefix, st["run_id"]))
     # a GPU kernel's execution: its host launch lies inside the host's Execute event (run_id) of
     # the same program, on the launching thread's line
+    # (or, when the launching thread is another one, e.g. a per-device thread, the latest Execute
+    # event of the program on any line that was open when the launch was made)
+    scopes[-1] = [x for k, v in scopes.items() for x in v]
     for v in scopes.values():
       v.sort()
     starts = {k: [s[0] for s in v] for k, v in scopes.items()}
     for e in dev_events:
       hit = launch_at.get(e["corr"]) if e["corr"] is not None else None
-      if hit is not None and hit[0] in scopes:
-        line_scopes, t = scopes[hit[0]], hit[1]
-        j = bisect.bisect_right(starts[hit[0]], t) - 1
-        for s, end, rid, name in reversed(line_scopes[max(j - 3, 0):j + 1]):
-          if s <= t <= end and name == e["module"]:
-            e["run"] = (prefix, rid)
+      if hit is not None:
+        for key, back in ((hit[0], 3), (-1, 64)):
+          if key not in scopes:
+            continue
+          line_scopes, t = scopes[key], hit[1]
+          j = bisect.bisect_right(starts[key], t) - 1
+          for s, end, rid, name in reversed(line_scopes[max(j - back, 0):j + 1]):
+            if s <= t <= end and name == e["module"]:
+              e["run"] = (prefix, rid)
+              break
+          if e["run"] is not None:
             break
       if e["run"] is None:
         unlinked.add(id(e))

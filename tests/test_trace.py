@@ -247,7 +247,7 @@ def _xspace(planes):
   return jax.profiler.ProfileData.text_proto_to_serialized_xspace(" ".join(out))
 
 
-def _two_gpu_trace(with_host=True):
+def _two_gpu_trace(with_host=True, device_threads=False):
   """Two steps of 'jit_s' on 2 GPUs: compute on one stream, the all-reduce on another, and an update
   program 'jit_u' between the steps; the host launches each step once (run_id 11, 12)."""
   planes, host, corr = {}, [], 100
@@ -264,8 +264,11 @@ def _two_gpu_trace(with_host=True):
     planes[f"/device:GPU:{g}"] = {"Stream #7(Compute)": comp, "Stream #9(Nccl)": coll}
   scopes = [("Execute (jit_s)", t0 - 600, 400, {"run_id": rid, "name": "jit_s"})
             for rid, t0 in ((11, 1000), (12, 5000))]
-  if with_host:
+  if with_host and not device_threads:
     planes["/host:CPU"] = {"python3": sorted(scopes + host, key=lambda e: e[1])}
+  elif with_host:  # each GPU's kernels launched from its own thread, inside the caller's Execute
+    planes["/host:CPU"] = {"python3": scopes,
+                           **{f"gpu{g} thread": [h for h in host if h[1] % 2 == g] for g in range(2)}}
   return _xspace(planes)
 
 
@@ -280,6 +283,16 @@ def test_several_gpus_each_execution_keeps_its_collective_stream(tmp_path):
     assert [e["op"] for e in g] == ["f", "b", "ar"]  # the all-reduce's stream stays with its step
     assert len({e["device"] for e in g}) == 1 and len({e["run"] for e in g}) == 1
   assert {e["run"] for e in ex[0]} != {e["run"] for e in ex[-1]}
+
+
+def test_launches_from_per_device_threads_find_the_execute_event_on_the_calling_thread(tmp_path):
+  f = tmp_path / "t.xplane.pb"
+  f.write_bytes(_two_gpu_trace(device_threads=True))
+  t = _xplane.read_trace(f, ["jit_s"])
+  assert t.linked == {"jit_s": "host launch"}
+  ex = _xplane.executions(t.events["jit_s"])
+  assert len(ex) == 4 and all([e["op"] for e in g] == ["f", "b", "ar"] for g in ex)
+  assert sorted({g[0]["run"][1] for g in ex}) == [11, 12]
 
 
 def test_without_host_events_a_device_is_cut_where_another_program_ran(tmp_path):
