@@ -7,6 +7,7 @@ the profile said ResNet-50's backward took 0.52 ms of a 19.2 ms step with 156 of
 instant. These tests pin the fix and the checks that would have refused that profile.
 """
 
+import functools
 import gzip
 import os
 
@@ -23,6 +24,7 @@ STEP = "jit_prophet_profile_step"
 UPDATE = "jit_prophet_profile_update"
 
 
+@functools.lru_cache(maxsize=None)
 def _hlo(name):
   with gzip.open(os.path.join(FIXTURES, f"h200-{name}.hlo.txt.gz"), "rt") as f:
     return f.read()
@@ -32,6 +34,7 @@ def _trace(name):
   return os.path.join(FIXTURES, f"h200-{name}.xplane.pb.gz")
 
 
+@functools.lru_cache(maxsize=None)  # tracing ResNet-50's forward for its order takes seconds: once
 def _params(name):
   if name == "cnn":
     from prophet_jax.models import get_model
