@@ -2,7 +2,7 @@
 
 profile -> measure -> plan -> rewrite -> simulate. Planning and simulation are pure numpy and work
 without jax; the jax-backed names (allreduce, scheduled, hooked, pipelined, audit, profile_step,
-measure_network, Monitor, gpu_topology) are imported lazily on first use, as is matplotlib
+profile_from_trace, measure_network, Monitor, gpu_topology) are imported lazily on first use, as is matplotlib
 (plot_timelines).
 """
 
@@ -34,7 +34,7 @@ _EXPORTS: dict[str, str] = {
     "defer_state": "_defer", "DeferState": "_defer", "state_specs": "_defer",
     "loop_hook": "_transform", "check_composition": "_transform",
     "pipelined": "_pipelined", "audit": "_audit", "AuditReport": "_audit",
-    "profile_step": "_profile", "measure_network": "_network", "probe": "_network",
+    "profile_step": "_profile", "profile_from_trace": "_profile", "measure_network": "_network", "probe": "_network",
     "AllreduceTimings": "_network", "Monitor": "_monitor",
     # compile-only GPU targets (jax, imported when a topology is made)
     "gpu_topology": "_gpu", "GpuTopology": "_gpu", "GpuTarget": "_gpu", "gpu_target": "_gpu",
@@ -71,7 +71,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._network import AllreduceTimings, measure_network, probe
   from ._pipelined import pipelined
   from ._plan import POLICIES, plan, validate_schedule
-  from ._profile import profile_step
+  from ._profile import profile_from_trace, profile_step
   from ._simulate import simulate
   from ._timeline import plot_timelines
   from ._transform import check_composition, hooked, loop_hook, scheduled
