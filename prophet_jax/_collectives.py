@@ -31,10 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._checks import check_bool, match_tree
 from ._defer import GroupState, check_state, group_states, with_groups
 from ._errors import AlreadyReducedError, UnboundAxisError
 from ._schedule import Bucket, Schedule
-from ._tree import is_reduced_leaf, match_tree
+from ._tree import is_reduced_leaf
 
 __all__ = ["allreduce", "tie", "reduce_tied", "chunk_scope", "axis_size", "check_not_reduced", "vma_enabled",
            "is_varying", "to_varying", "check_residual_varying", "rank", "reduce_units", "schedule_units",
@@ -450,8 +451,7 @@ def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean:
   """`allreduce` as (reduced tree, new DeferState or None), with `where` naming the public caller.
 
   A schedule that defers nothing, given no state, never calls into `_defer`."""
-  if not isinstance(mean, bool):
-    raise TypeError(f"{where}: `mean` must be True or False, got {mean!r}.")
+  check_bool(where, "mean", mean)
   n = axis_size(axis_name, where)
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(grads)
   lmap = match_tree(leaves_with_path, schedule, where=where)

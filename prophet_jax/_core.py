@@ -65,7 +65,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._types import GradientProfile, NetworkModel
+from ._network import NetworkModel
+from ._types import GradientProfile
 
 __all__ = ["Problem", "problem", "ChunkArrays", "chunk_arrays", "schedule_arrays", "split_by_dtype",
            "sync_waits", "link_loop", "ends_one_link", "iteration_s", "background_flows",

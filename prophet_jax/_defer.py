@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._checks import match_tree
 from ._errors import ScheduleMismatchError
 from ._schedule import Chunk, Schedule
-from ._tree import match_tree
 
 __all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "defer_state",
            "check_state", "group_states", "with_groups", "state_specs", "same_groups", "lossless",

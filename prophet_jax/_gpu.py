@@ -39,6 +39,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ._checks import check_int
 from ._errors import GpuCompileError
 
 __all__ = ["GPU_TARGETS", "GpuTarget", "GpuTopology", "gpu_target", "gpu_topology", "find_ptxas",
@@ -299,8 +300,7 @@ def gpu_topology(target: str = "h100", *, devices: int = 8) -> GpuTopology:
     >>> print(prophet_jax.audit(compiled, schedule).describe())
   """
   spec = gpu_target(target)
-  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-    raise ValueError(f"gpu_topology(devices={devices!r}): expected a positive number of GPUs, e.g. 8.")
+  check_int("gpu_topology", "devices", devices, lo=1, fix="It is a number of GPUs, e.g. 8.")
   _check_requirements()
   _check_platforms()
   return _make_topology(spec.name, devices)

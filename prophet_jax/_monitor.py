@@ -44,9 +44,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._tree import match_rows
+from ._checks import check_int, check_number, match_rows
+from ._network import NetworkModel
 from ._schedule import Schedule
-from ._types import GradientProfile, NetworkModel
+from ._types import GradientProfile
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,18 +115,15 @@ class Monitor:
       raise TypeError(f"Monitor(profile=...): expected a GradientProfile, got {type(profile).__name__}.")
     if not isinstance(network, NetworkModel):
       raise TypeError(f"Monitor(network=...): expected a NetworkModel, got {type(network).__name__}.")
-    if not (isinstance(threshold, (int, float)) and 0 <= threshold < 1):
-      raise ValueError(f"Monitor(threshold={threshold!r}): expected a fraction in [0, 1), e.g. 0.05.")
+    check_number("Monitor", "threshold", threshold, lo=0, hi=1, hi_open=True, fix="It is a fraction, e.g. 0.05.")
     for name, v, lo in (("probe_every", probe_every, 0), ("probe_repeats", probe_repeats, 3),
                         ("window", window, 1)):
-      if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"Monitor({name}={v!r}): expected an integer >= {lo}.")
-    if not (isinstance(drift, (int, float)) and drift > 0):
-      raise ValueError(f"Monitor(drift={drift!r}): expected a positive fraction, e.g. 0.25.")
+      check_int("Monitor", name, v, lo=lo)
+    check_number("Monitor", "drift", drift, lo=0, lo_open=True, fix="It is a fraction, e.g. 0.25.")
     if network.workers < 2:
       raise ValueError(f"Monitor: the network has workers={network.workers}; there is nothing to "
                        f"all-reduce with one worker.")
-    from ._network import QUICK_SIZES
+    from ._probe import QUICK_SIZES
 
     self.profile = profile
     self.network = network
@@ -232,7 +230,7 @@ class Monitor:
     if self._probe_fn is not None:
       seconds = list(self._probe_fn(sizes))
     else:
-      from ._network import probe
+      from ._probe import probe
 
       t = probe(self._num_devices, sizes=sizes, repeats=self.probe_repeats, inner=1)
       sizes, seconds = t.sizes, list(t.median_s)

@@ -9,9 +9,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ._tree import match_rows
+from ._checks import check_values, match_rows
+from ._network import NetworkModel
 from ._schedule import Schedule
-from ._types import GradientProfile, NetworkModel, check_values
+from ._types import GradientProfile
 from .schedulers._registry import POLICIES, resolve
 
 __all__ = ["plan", "validate_schedule", "POLICIES"]

@@ -18,7 +18,7 @@ import numpy as np
 
 from ._errors import ScheduleError
 from ._tree import RowsInfo, rows_info
-from ._types import _fields, _loads, itemsize
+from ._types import _fields, _loads, is_int, itemsize
 
 __all__ = ["Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA"]
 
@@ -102,7 +102,7 @@ class Bucket:
     if not self.chunks:
       raise ScheduleError("a bucket has no chunks.")
     k, m = self.defer, len(self.chunks)
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+    if not is_int(k):
       raise ScheduleError(f"a bucket of {m} chunks has defer={k!r}; `defer` must be an integer number of "
                           f"chunks (0 for a lossless bucket).")
     k = int(k)
@@ -291,8 +291,7 @@ def _bucket_from_json(b: Any) -> Bucket:
 
 def _check_links(s: Schedule) -> None:
   links = s.links
-  if not isinstance(links, (tuple, list)) or any(isinstance(x, bool) or not isinstance(x, (int, np.integer))
-                                                 for x in links):
+  if not isinstance(links, (tuple, list)) or not all(map(is_int, links)):
     raise ScheduleError(f"schedule links={links!r}: expected a tuple of link indices (ints), one per "
                         f"issued all-reduce, or () for one link.")
   links = tuple(int(x) for x in links)

@@ -24,11 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import check_values, match_rows
 from ._core import (ChunkArrays, Problem, chunk_arrays, ends_one_link, iterations, link_loop,
                     pressure_durations, problem, schedule_arrays, sync_waits)
+from ._network import NetworkModel
 from ._schedule import Schedule
-from ._tree import match_rows
-from ._types import GradientProfile, NetworkModel, _fields, _loads, check_values
+from ._types import GradientProfile, _fields, _loads
 
 __all__ = ["simulate", "SimResult", "Event"]
 

@@ -26,14 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._checks import check_int, check_values, match_tree
 from ._collectives import (_zero_of, axis_size, check_residual_varying, is_varying, reduce_units,
                            schedule_units, scheduled_allreduce, to_varying, unit_allreduces, vma_enabled)
-from ._defer import GroupState, check_state, group_states, with_groups
-from ._defer import init as defer_init
+from ._defer import GroupState, check_state, group_states, init as defer_init, with_groups
 from ._errors import AlreadyReducedError, CompositionError
 from ._schedule import Bucket, Chunk, Schedule
-from ._types import check_values
-from ._tree import dtype_name, is_float_dtype, is_reduced_leaf, match_tree, path_str
+from ._tree import dtype_name, is_float_dtype, is_reduced_leaf, path_str
 
 __all__ = ["ScheduledState", "scheduled", "check_composition", "hooked", "loop_hook", "hook_groups", "LOOP_SCOPE"]
 
@@ -283,8 +282,7 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
       of the difference).
     ValueError: `num_devices` < 2.
   """
-  if not isinstance(num_devices, int) or num_devices < 2:
-    raise ValueError(f"check_composition: num_devices must be an integer >= 2, got {num_devices!r}.")
+  check_int("check_composition", "num_devices", num_devices, lo=2)
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   shapes = [(tuple(np.shape(x)), jnp.dtype(x.dtype)) for _, x in leaves_with_path]
   paths = [path_str(p) for p, _ in leaves_with_path]

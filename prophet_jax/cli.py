@@ -16,7 +16,8 @@ from typing import Any
 
 from ._errors import ProphetError
 from ._launcher import add_arguments as add_launch_arguments
-from ._types import PRESETS, GradientProfile, NetworkModel, Pressure
+from ._network import NetworkModel, PRESETS, Pressure
+from ._types import GradientProfile
 
 DEFAULT_DEVICE = "v100"
 
@@ -220,7 +221,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 def cmd_probe(a: argparse.Namespace) -> int:
   _set_cpu_devices(a.num_devices)
-  from ._network import check_fit, probe
+  from ._probe import check_fit, probe
 
   # under `prophet-jax launch` (jax.distributed initialized) the probe spans every process's devices
   kw = {} if a.sizes is None else {"sizes": tuple(a.sizes)}

@@ -197,7 +197,7 @@ def _reduce_chunks_before_issue_18(flat, chunks, row_leaf, axis_name, divisor):
 def test_k0_is_the_lossless_path_same_hlo():
   """A schedule whose groups defer 0 is lossless: no state, and the very program of the engine
   before deferral existed."""
-  from prophet_jax._tree import match_tree
+  from prophet_jax._checks import match_tree
   s0 = _schedule(defer=(0, 0))
   assert not s0.defers and s0.num_allreduces == 10 and _defer.init(s0) is None
   g = {k: jnp.zeros((NDEV, *v.shape)) for k, v in TREE.items()}

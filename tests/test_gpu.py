@@ -285,7 +285,7 @@ def test_shipped_targets():
   assert pj.gpu_target("H100-SXM") == h100
   with pytest.raises(ValueError, match=r"unknown GPU target 'b200'.*'h100', 'a100', 'v100'"):
     pj.gpu_target("b200")
-  with pytest.raises(ValueError, match="positive number of GPUs"):
+  with pytest.raises(ValueError, match=r"`devices` must be an integer >= 1.*number of GPUs"):
     pj.gpu_topology("h100", devices=0)
 
 

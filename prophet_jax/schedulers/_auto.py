@@ -44,9 +44,11 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import check_bool, check_int, check_number
 from .._core import Problem, chunk_arrays, problem
+from .._network import NetworkModel
 from .._schedule import Schedule
-from .._types import GradientProfile, NetworkModel
+from .._types import GradientProfile
 from ._base import Scheduler
 from ._common import buckets_from_groups, check_inputs, make_schedule
 from ._joint import SearchChunk, chunk_stats, contiguous_dp, evaluate, make_chunk, own_candidates
@@ -112,15 +114,10 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
   """
   for name, value in (("search_options", search_options), ("local_search", local_search),
                       ("verify", verify)):
-    if not isinstance(value, bool):
-      raise TypeError(f"auto({name}={value!r}): `{name}` must be True or False.")
-  if isinstance(max_evals, bool) or not isinstance(max_evals, int) or max_evals < 1:
-    raise ValueError(f"auto(max_evals={max_evals!r}): `max_evals` must be a positive integer number "
-                     f"of evaluations, e.g. 3000.")
+    check_bool("auto", name, value)
+  check_int("auto", "max_evals", max_evals, lo=1, fix="It is a number of evaluations, e.g. 3000.")
   for name, value, hi in (("robust", robust, 0.9), ("robust_tol", robust_tol, 1.0)):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= hi:
-      raise ValueError(f"auto({name}={value!r}): `{name}` must be a number in [0, {hi}], e.g. "
-                       f"{0.3 if name == 'robust' else 0.02}.")
+    check_number("auto", name, value, lo=0, hi=hi, fix=f"e.g. {0.3 if name == 'robust' else 0.02}.")
   options = {"search_options": search_options, "local_search": local_search, "max_evals": max_evals,
              "robust": float(robust), "robust_tol": float(robust_tol), "verify": verify}
 

@@ -12,7 +12,7 @@ Units: slices are element indices into the flattened leaf (row-major), sizes are
 
 Helpers: ``row_size``, ``whole_slice``, ``partition_row``, ``partition_count``,
 ``layer_groups``, ``chunks_of_group``, ``buckets_from_groups``, ``make_schedule``,
-``schedule_from_groups``, ``check_bytes``, ``check_positive``, ``check_inputs``.
+``schedule_from_groups``, ``check_inputs`` (option checks are `_checks`').
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .._checks import check_values
 from .._core import split_by_dtype
 from .._schedule import Bucket, Chunk, Schedule
-from .._types import GradientProfile, check_values, itemsize
+from .._types import GradientProfile, itemsize
 from ._base import Slice
 
 
@@ -148,32 +149,7 @@ def schedule_from_groups(profile: GradientProfile, groups: Iterable[Iterable[Sli
 
 
 # --------------------------------------------------------------------------------------------------
-# Option checks (raise ValueError/TypeError naming the policy, option and value)
-
-
-def check_bytes(policy: str, name: str, value: Any, *, allow_none: bool = True,
-                hint: str = "") -> int | None:
-  """A positive integer number of bytes (or None when allowed); returns it as int."""
-  if value is None and allow_none:
-    return None
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-      isinstance(value, float) and not value.is_integer()):
-    raise TypeError(f"{policy}({name}={value!r}): `{name}` must be an integer number of bytes"
-                    f"{' or None' if allow_none else ''}.{(' ' + hint) if hint else ''}")
-  if not math.isfinite(value) or value <= 0:
-    raise ValueError(f"{policy}({name}={value!r}): `{name}` must be a positive number of bytes."
-                     f"{(' ' + hint) if hint else ''}")
-  return int(value)
-
-
-def check_positive(policy: str, name: str, value: Any, *, hint: str = "") -> float:
-  """A positive finite real number; returns it as float."""
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    raise TypeError(f"{policy}({name}={value!r}): `{name}` must be a number.{(' ' + hint) if hint else ''}")
-  if not math.isfinite(value) or value <= 0:
-    raise ValueError(f"{policy}({name}={value!r}): `{name}` must be a positive finite number."
-                     f"{(' ' + hint) if hint else ''}")
-  return float(value)
+# The inputs every scheduler checks first
 
 
 def check_inputs(policy: str, profile: Any, network: Any, cross_step: Any) -> bool:

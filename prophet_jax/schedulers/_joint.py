@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from .._core import Problem, iteration_s, split_by_dtype
+from .._network import NetworkModel
 from ._base import Slice
 from ._prophet import _Planner as ProphetPlanner
 

@@ -5,8 +5,9 @@ Pure: numpy only, never jax.
 
 from __future__ import annotations
 
+from .._network import NetworkModel
 from .._schedule import Schedule
-from .._types import GradientProfile, NetworkModel
+from .._types import GradientProfile
 from ._base import Scheduler
 from ._common import check_inputs, layer_groups, schedule_from_groups, whole_slice
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
+from .._checks import check_bytes
+from .._network import NetworkModel
 from .._schedule import Schedule
-from .._types import GradientProfile, NetworkModel, itemsize
+from .._types import GradientProfile, itemsize
 from ._base import Scheduler
-from ._common import check_bytes, check_inputs, partition_count, partition_row, schedule_from_groups
+from ._common import check_inputs, partition_count, partition_row, schedule_from_groups
 
 POLICY = "priority"
 # ByteScheduler's defaults, in parameters (elements), per its `arch` (bytedance/byteps, bytescheduler/):

@@ -10,11 +10,13 @@ import math
 
 import numpy as np
 
+from .._checks import check_positive
 from .._core import Problem, chunk_arrays, iteration_s, problem, split_by_dtype
+from .._network import NetworkModel
 from .._schedule import Schedule
-from .._types import GradientProfile, NetworkModel
+from .._types import GradientProfile
 from ._base import Scheduler
-from ._common import buckets_from_groups, check_inputs, check_positive, make_schedule
+from ._common import buckets_from_groups, check_inputs, make_schedule
 
 POLICY = "prophet"
 # Candidate start-up fractions (a / block time) searched when `alpha_fraction` is None.
