@@ -66,7 +66,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._network import NetworkModel
-from ._types import GradientProfile
+from ._types import GradientProfile, itemsize
 
 __all__ = ["Problem", "problem", "ChunkArrays", "chunk_arrays", "schedule_arrays", "split_by_dtype",
            "sync_waits", "link_loop", "ends_one_link", "iteration_s", "background_flows",
@@ -137,8 +137,6 @@ class Problem:
 
 
 def _build(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Problem:
-  from ._types import itemsize as itemsize_of
-
   rows = profile.rows
   n = len(rows)
   layers = profile.layers
@@ -166,7 +164,7 @@ def _build(profile: GradientProfile, network: NetworkModel, cross_step: bool) ->
   sizes: dict[str, int] = {}
   for r in rows:
     if r.dtype not in sizes:
-      sizes[r.dtype] = itemsize_of(r.dtype)
+      sizes[r.dtype] = itemsize(r.dtype)
   backward_s = float(profile.backward_s)
   return Problem(
       profile=profile, network=network, cross_step=bool(cross_step), fingerprint=profile.fingerprint(),

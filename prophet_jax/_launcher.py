@@ -30,6 +30,8 @@ from typing import IO, Any
 
 from ._checks import check_int
 from ._config import config
+from ._distributed import check_interface
+from ._errors import ProphetError
 
 __all__ = ["launch", "add_arguments", "run", "main", "free_port"]
 
@@ -191,8 +193,6 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
       raise ValueError(f"launch(coordinator={host!r}): cannot pick a free port on that address ({e}); "
                        f"give one with --port.") from None
   if gloo_interface is not None:
-    from ._distributed import check_interface
-
     check_interface(gloo_interface)
   base = dict(os.environ)
   config()  # the parent's PROPHET_* flags are checked here, so a typo fails before anything starts
@@ -282,8 +282,6 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
   """`python -m prophet_jax.launch ARGS -- CMD ...`: as `prophet-jax launch`; a bad argument prints one
   line and returns 2."""
-  from ._errors import ProphetError
-
   parser = add_arguments(argparse.ArgumentParser(
       prog="python -m prophet_jax.launch", description="Start N local processes wired with jax.distributed."))
   args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -40,13 +40,18 @@ from __future__ import annotations
 
 import collections
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ._agreement import broadcast_schedule
 from ._checks import check_int, check_number, match_rows
 from ._network import NetworkModel
+from ._plan import plan
+from ._probe import QUICK_SIZES, probe
 from ._schedule import Schedule
+from ._simulate import simulate
 from ._types import GradientProfile
 
 
@@ -123,8 +128,6 @@ class Monitor:
     if network.workers < 2:
       raise ValueError(f"Monitor: the network has workers={network.workers}; there is nothing to "
                        f"all-reduce with one worker.")
-    from ._probe import QUICK_SIZES
-
     self.profile = profile
     self.network = network
     self.policy = policy
@@ -153,13 +156,9 @@ class Monitor:
 
   # -- planning ---------------------------------------------------------------------------------------
   def _plan(self, network: NetworkModel) -> Schedule:
-    from ._plan import plan
-
     return plan(self.profile, network, self.policy, cross_step=self.cross_step, **self.options)
 
   def _predict(self, schedule: Schedule, network: NetworkModel) -> float:
-    from ._simulate import simulate
-
     return float(simulate(schedule, self.profile, network, cross_step=self.cross_step).iteration_s)
 
   def _check(self, schedule: Schedule) -> None:
@@ -167,13 +166,9 @@ class Monitor:
 
   def _agree(self, schedule: Schedule) -> Schedule:
     """Rank 0's schedule on every process (no-op in one process); each checks its fingerprint."""
-    import sys
-
     jax = sys.modules.get("jax")
     if jax is None or jax.process_count() == 1:
       return schedule
-    from ._agreement import broadcast_schedule
-
     got = broadcast_schedule(schedule)
     self._check(got)
     return got
@@ -181,8 +176,6 @@ class Monitor:
   @property
   def is_decider(self) -> bool:
     """True on the process whose decisions count (rank 0; the only one in a single process)."""
-    import sys
-
     jax = sys.modules.get("jax")
     return jax is None or jax.process_index() == 0
 
@@ -215,8 +208,6 @@ class Monitor:
     return self.probe_now() if due else None
 
   def _drifted(self) -> bool:
-    import sys
-
     jax = sys.modules.get("jax")
     if jax is not None and jax.process_count() > 1:
       return False  # processes would disagree on when to probe: periodic probes only
@@ -230,8 +221,6 @@ class Monitor:
     if self._probe_fn is not None:
       seconds = list(self._probe_fn(sizes))
     else:
-      from ._probe import probe
-
       t = probe(self._num_devices, sizes=sizes, repeats=self.probe_repeats, inner=1)
       sizes, seconds = t.sizes, list(t.median_s)
     return self.observe(sizes, seconds)

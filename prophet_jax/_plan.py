@@ -12,6 +12,7 @@ from typing import Any
 from ._checks import check_values, match_rows
 from ._network import NetworkModel
 from ._schedule import Schedule
+from ._simulate import link_assignment, simulate
 from ._types import GradientProfile
 from .schedulers._registry import POLICIES, resolve
 
@@ -97,13 +98,9 @@ def plan(profile: GradientProfile, network: NetworkModel, policy: str | Callable
   if cross_step != "auto" and schedule.cross_step != cross_step:
     changes["cross_step"] = cross_step
   if network.links > 1 and not schedule.links:
-    from ._simulate import link_assignment
-
     changes["links"] = link_assignment(schedule, profile, network,
                                        cross_step=bool(changes.get("cross_step", schedule.cross_step)))
   if schedule.predicted_s is None:
-    from ._simulate import simulate
-
     mode = changes.get("cross_step", schedule.cross_step)
     changes["predicted_s"] = simulate(schedule, profile, network, cross_step=mode, events=False).iteration_s
   return dataclasses.replace(schedule, **changes) if changes else schedule

@@ -100,3 +100,17 @@ def test_every_import_arrow_points_down():
 
   for m in graph:
     place(m)
+
+
+def test_the_type_checkers_list_is_the_export_list():
+  """`prophet_jax/__init__.py` names each public name twice, for the lazy `__getattr__` (`_EXPORTS`)
+  and for type checkers (the imports under TYPE_CHECKING): the two lists must be the same names from
+  the same modules."""
+  import ast
+  import pathlib
+
+  tree = ast.parse(pathlib.Path(prophet_jax.__file__).read_text())
+  block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+  typed = {a.asname or a.name: node.module.lstrip(".") for node in ast.walk(block)
+           if isinstance(node, ast.ImportFrom) for a in node.names}
+  assert typed == prophet_jax._EXPORTS

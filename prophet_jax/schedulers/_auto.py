@@ -48,11 +48,18 @@ from .._checks import check_bool, check_int, check_number
 from .._core import Problem, chunk_arrays, problem
 from .._network import NetworkModel
 from .._schedule import Schedule
+from .._simulate import simulate_chunks
 from .._types import GradientProfile
 from ._base import Scheduler
+from ._bucket import bucket
 from ._common import buckets_from_groups, check_inputs, make_schedule
 from ._joint import SearchChunk, chunk_stats, contiguous_dp, evaluate, make_chunk, own_candidates
+from ._mgwfbp import mgwfbp
+from ._priority import priority
+from ._prophet import prophet
 from ._search import iterated_local_search, local_search
+from ._wfbp import wfbp
+from ._xla import xla
 
 _POLICY = "auto"
 # Local search: schedules of at most _SMALL chunks and _SLICES slices get the rich neighbourhood (move a
@@ -144,13 +151,6 @@ def _baselines(prob: Problem) -> list[tuple[str, Scheduler]]:
 
   Labels without parentheses are the defaults (the ones auto must never lose to).
   """
-  from ._bucket import bucket
-  from ._mgwfbp import mgwfbp
-  from ._priority import priority
-  from ._prophet import prophet
-  from ._wfbp import wfbp
-  from ._xla import xla
-
   mib = 2**20
   item = max(prob.itemsize) if prob.itemsize else 4
   out: list[tuple[str, Scheduler]] = [("wfbp", wfbp()), ("xla", xla()), ("mgwfbp", mgwfbp()),
@@ -273,8 +273,6 @@ def _plan_auto(profile: GradientProfile, network: NetworkModel, cross: bool,
     chosen = _robust_choice(prob, cands, options)
   predicted = chosen.nominal
   if options["verify"]:
-    from .._simulate import simulate_chunks
-
     predicted = simulate_chunks(prob, chosen.slices(), events=False).iteration_s
   opts = dict(options, candidate=chosen.label)
   if chosen.schedule is not None:

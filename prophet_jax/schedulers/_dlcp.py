@@ -65,6 +65,7 @@ from .._checks import check_bytes, check_int, check_max_defer
 from .._core import Problem, iteration_s, link_loop, problem, schedule_arrays, typical_costs
 from .._network import NetworkModel
 from .._schedule import Bucket, Chunk, Schedule
+from .._simulate import simulate_arrays
 from .._types import GradientProfile, itemsize
 from ._auto import auto
 from ._base import Scheduler, Slice
@@ -178,8 +179,6 @@ def _search(prob: Problem, base: Schedule, budget: int, compute: float,
             options: dict[str, Any]) -> tuple[tuple[Bucket, ...], float]:
   """The budget rounds (module docstring, steps 3-5) with at most `budget` elements deferred per
   step: the best buckets found and their simulated iteration (base's if nothing beat it)."""
-  from .._simulate import simulate_arrays
-
   a_eff, b_eff = typical_costs(prob)
   chunks = base.chunks
   layer = prob.row_layer
