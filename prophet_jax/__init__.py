@@ -2,8 +2,8 @@
 
 profile -> measure -> plan -> rewrite -> simulate. Planning and simulation are pure numpy and work
 without jax; the jax-backed names (allreduce, scheduled, hooked, pipelined, audit, profile_step,
-measure_network, Monitor, gpu_topology) are imported lazily on first use, as is matplotlib
-(plot_timelines).
+measure_network, Monitor, gpu_topology, lower_step, compile_step) are imported lazily on first use, as
+is matplotlib (plot_timelines).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     "AllreduceTimings": "_probe", "Monitor": "_monitor",
     # compile-only GPU targets (jax, imported when a topology is made)
     "gpu_topology": "_gpu", "GpuTopology": "_gpu", "GpuTarget": "_gpu", "gpu_target": "_gpu",
-    "GPU_TARGETS": "_gpu",
+    "GPU_TARGETS": "_gpu", "lower_step": "_steps", "compile_step": "_steps",
 }
 
 __all__ = sorted(_EXPORTS) + ["schedulers"]
@@ -73,6 +73,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._plan import POLICIES, plan, validate_schedule
   from ._profile import profile_step
   from ._simulate import simulate
+  from ._steps import compile_step, lower_step
   from ._timeline import plot_timelines
   from ._transform import check_composition, hooked, loop_hook, scheduled
   from ._schedule import Bucket, Chunk, Schedule

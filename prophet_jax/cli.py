@@ -267,7 +267,7 @@ def _xla_option(text: str) -> tuple[str, Any]:
 def cmd_audit(a: argparse.Namespace) -> int:
   """Compiles a bundled model's step for a compile-only GPU target and prints its audit."""
   from . import models, plan
-  from ._gpu import compile_step, gpu_target, gpu_topology, quiet_cuda_stub
+  from ._gpu import gpu_target, gpu_topology, quiet_cuda_stub
   from ._schedule import Schedule
 
   target = gpu_target(a.target)  # an unknown target fails here, before jax starts
@@ -285,6 +285,8 @@ def cmd_audit(a: argparse.Namespace) -> int:
     schedule = plan(profile, net, a.policy, cross_step=cross_step)
   with quiet_cuda_stub():
     topo = gpu_topology(target.name, devices=a.devices)
+    from ._steps import compile_step  # imports jax: after the topology checked the environment
+
     compiled, compile_s = compile_step(model, schedule, a.mode, topo, batch_size=a.batch,
                                        compiler_options=dict(a.xla_option or ()) or None)
   from ._audit import audit
