@@ -86,7 +86,9 @@ def plan(profile: GradientProfile, network: NetworkModel, policy: str | Callable
   schedule = scheduler(profile, network, cross_step=cross_step)
   if not isinstance(schedule, Schedule):
     raise TypeError(f"policy {name!r} returned {type(schedule).__name__}, not a Schedule.")
-  validate_schedule(schedule, profile)
+  # validate_schedule's check, the types being known (the rows of every built-in policy's Schedule are
+  # the profile's own tuple: an identity compare); coverage is Schedule's own, checked when it was built
+  match_rows(schedule, profile.tree_rows(), where="validate_schedule")
   changes: dict[str, Any] = {}
   if isinstance(policy, str) and name != "auto":
     if schedule.policy != name:

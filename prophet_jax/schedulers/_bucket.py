@@ -10,10 +10,9 @@ from collections.abc import Sequence
 
 from .._checks import check_bytes, check_number
 from .._network import NetworkModel
-from .._schedule import Schedule
 from .._types import GradientProfile
 from ._base import Scheduler, Slice
-from ._common import check_inputs, schedule_from_groups, whole_slice
+from ._common import Groups, grouped_scheduler, whole_slice
 
 POLICY = "bucket"
 STYLES = ("ddp", "horovod")
@@ -251,13 +250,12 @@ def bucket(*, style: str = "ddp", bucket_bytes: int | None = None, first_bucket_
   options = {"style": style, "bucket_bytes": bucket_bytes, "first_bucket_bytes": first_bucket_bytes,
              "cycle_s": cycle_s}
 
-  def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
-    cross_step = check_inputs(POLICY, profile, network, cross_step)
+  def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
     order = profile.ready_order()
     if style == "ddp":
       groups = ddp_buckets(profile, order, bucket_bytes, first_bucket_bytes)
     else:
       groups = horovod_buckets(profile, order, bucket_bytes, cycle_s)
-    return schedule_from_groups(profile, groups, policy=POLICY, options=options, cross_step=cross_step)
+    return groups
 
-  return scheduler
+  return grouped_scheduler(POLICY, options, plan_groups)

@@ -3,29 +3,38 @@
 Pure: numpy only, never jax. Every policy builds its Schedule the same way:
 
 1. decide an ordered list of *groups*, each group an ordered sequence of element slices
-   ``(row, start, stop)`` (a group is one Bucket: e.g. one layer, one DDP bucket, one Prophet block);
+   ``(row, start, stop)`` (a group is one Bucket: e.g. one layer, one DDP bucket, one Prophet block):
+   the policy's ``plan_groups(profile, network, cross_step)``;
 2. ``buckets_from_groups(profile, groups)`` turns each group into a Bucket with one Chunk (one
    all-reduce) per dtype, dropping empty slices and empty groups;
 3. ``make_schedule(buckets, profile, policy=..., options=..., cross_step=...)`` wraps them.
+
+``grouped_scheduler(policy, options, plan_groups)`` is that Scheduler: it checks its inputs, plans the
+groups and builds one Schedule; its ``plan_groups`` attribute is the plan alone, which `auto` weighs
+among its candidates without building (and checking) a Schedule for each.
 
 Units: slices are element indices into the flattened leaf (row-major), sizes are bytes.
 
 Helpers: ``row_size``, ``whole_slice``, ``partition_row``, ``partition_count``,
 ``layer_groups``, ``chunks_of_group``, ``buckets_from_groups``, ``make_schedule``,
-``schedule_from_groups``, ``check_inputs`` (option checks are `_checks`').
+``schedule_from_groups``, ``grouped_scheduler``, ``check_inputs`` (option checks are `_checks`').
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .._checks import check_values
 from .._core import split_by_dtype
+from .._network import NetworkModel
 from .._schedule import Bucket, Chunk, Schedule
 from .._types import GradientProfile, itemsize
-from ._base import Slice
+from ._base import Scheduler, Slice
+
+Groups = Sequence[Sequence[Slice]]   # a plan: ordered groups (each one Bucket) of ordered slices
+PlanGroups = Callable[[GradientProfile, NetworkModel, bool], Groups]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -133,11 +142,11 @@ def buckets_from_groups(profile: GradientProfile,
 
 def make_schedule(buckets: Iterable[Bucket], profile: GradientProfile, *, policy: str,
                   options: Mapping[str, Any] | None = None, cross_step: bool = False,
-                  predicted_s: float | None = None) -> Schedule:
+                  predicted_s: float | None = None, links: tuple[int, ...] = ()) -> Schedule:
   """A Schedule for `profile` (rows and fingerprint from it); Schedule checks coverage itself."""
   return Schedule(buckets=tuple(buckets), rows=profile.tree_rows(), policy=policy,
                   options=tuple(dict(options or {}).items()), cross_step=bool(cross_step),
-                  predicted_s=predicted_s)
+                  predicted_s=predicted_s, links=links)
 
 
 def schedule_from_groups(profile: GradientProfile, groups: Iterable[Iterable[Slice]], *, policy: str,
@@ -156,3 +165,26 @@ def check_inputs(policy: str, profile: Any, network: Any, cross_step: Any) -> bo
   """Type checks every scheduler runs first; returns cross_step as bool."""
   check_values(f"{policy} scheduler", profile=profile, network=network, cross_step=cross_step)
   return bool(cross_step)
+
+
+def grouped_scheduler(policy: str, options: Mapping[str, Any], plan_groups: PlanGroups) -> Scheduler:
+  """The Scheduler of a policy that plans groups (see the module docstring).
+
+  Args:
+    policy: the policy's name (recorded in the Schedule, and in error messages).
+    options: the factory's options (recorded in the Schedule).
+    plan_groups: `plan_groups(profile, network, cross_step) -> groups`, the policy's plan; it may
+      assume checked inputs.
+
+  Returns:
+    `scheduler(profile, network, *, cross_step=False) -> Schedule`, with `scheduler.plan_groups` the
+    unchecked plan.
+  """
+
+  def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
+    cross = check_inputs(policy, profile, network, cross_step)
+    return schedule_from_groups(profile, plan_groups(profile, network, cross), policy=policy,
+                                options=options, cross_step=cross)
+
+  scheduler.plan_groups = plan_groups  # type: ignore[attr-defined]
+  return scheduler
