@@ -25,7 +25,6 @@ it: its compiled program is the lossless engine's.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -37,6 +36,7 @@ import numpy as np
 from ._checks import match_tree
 from ._errors import ScheduleMismatchError
 from ._schedule import Chunk, Schedule
+from ._tree import IdentityMemo
 
 __all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "defer_state",
            "check_state", "group_states", "with_groups", "state_specs", "same_groups", "lossless",
@@ -76,7 +76,7 @@ class DeferGroup:
     return len(self.chunks) - self.defer
 
 
-@functools.lru_cache(maxsize=64)
+@IdentityMemo(64)
 def defer_groups(schedule: Schedule) -> tuple[DeferGroup, ...]:
   """The schedule's deferral groups (buckets with `defer > 0`), in issue order."""
   out, first = [], 0
@@ -88,7 +88,7 @@ def defer_groups(schedule: Schedule) -> tuple[DeferGroup, ...]:
   return tuple(out)
 
 
-@functools.lru_cache(maxsize=64)
+@IdentityMemo(64)
 def _schedule_key(schedule: Schedule) -> str:
   """A short hash of the tree fingerprint and the deferral groups' chunks (what a residual means)."""
   h = hashlib.sha256(schedule.tree_fingerprint.encode())
@@ -321,7 +321,7 @@ def same_groups(a: Schedule, b: Schedule) -> bool:
           and _layout(a) == _layout(b))
 
 
-@functools.lru_cache(maxsize=16)
+@IdentityMemo(16)
 def lossless(schedule: Schedule) -> Schedule:
   """`schedule` with no deferral: every chunk one all-reduce, in issue order (one tie chain)."""
   if not schedule.defers:

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 __all__ = ["path_str", "flatten_with_paths", "dtype_name", "is_float_dtype", "is_reduced_leaf",
-           "layer_of", "forward_paths", "tree_fingerprint", "RowsInfo", "rows_info", "Row"]
+           "layer_of", "forward_paths", "tree_fingerprint", "RowsInfo", "rows_info", "Row", "IdentityMemo"]
 
 Row = tuple[str, tuple[int, ...], str]   # (path, shape, dtype) of one reduced leaf
 
@@ -227,31 +227,61 @@ class RowsInfo(NamedTuple):
   dtypes: dict[str, int]
 
 
-# An identity memo (rows are frozen tuples; an entry holds its tuple, so an id is never reused while
-# cached): a schedule's rows are shared by every schedule planned from one profile and by every copy
+class IdentityMemo:
+  """The library's one memo policy: a small first-in-first-out table of values derived from frozen
+  values, keyed by the identities of those values.
+
+  Frozen values are never mutated, so what is derived from one never changes; keying by identity costs
+  nothing (a Schedule's hash walks all its chunks) and holds each key object in its entry, so an id is
+  never reused while it is cached. Used for a tuple of rows (`rows_info`), a profile's rows
+  (`GradientProfile.tree_rows`), a (profile, network, step mode)'s Problem (`_core.problem`) and a
+  schedule's deferral groups (`_defer`).
+  """
+
+  __slots__ = ("_table", "_size")
+
+  def __init__(self, size: int):
+    self._table: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
+    self._size = size
+
+  def get(self, *keys: Any) -> Any:
+    """The value stored for exactly these objects, or None."""
+    hit = self._table.get(tuple(map(id, keys)))
+    if hit is not None and all(a is b for a, b in zip(hit[0], keys)):
+      return hit[1]
+    return None
+
+  def put(self, keys: tuple[Any, ...], value: Any) -> Any:
+    """Stores `value` for the objects `keys` (evicting the oldest entry when full); returns it."""
+    if len(self._table) >= self._size:
+      self._table.pop(next(iter(self._table)))
+    self._table[tuple(map(id, keys))] = (keys, value)
+    return value
+
+  def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` memoized by the identities of its positional arguments."""
+    def memoized(*args: Any) -> Any:
+      hit = self.get(*args)
+      return hit if hit is not None else self.put(args, fn(*args))
+    memoized.__doc__, memoized.__name__, memoized.__wrapped__ = fn.__doc__, fn.__name__, fn
+    return memoized
+
+
+# A schedule's rows are shared by every schedule planned from one profile and by every copy
 # (`dataclasses.replace`), so they are normalized and fingerprinted once per tuple, not per Schedule.
-_ROWS: dict[int, tuple[Any, RowsInfo]] = {}
-_MEMO_SIZE = 64
-
-
-def remember(table: dict[int, tuple[Any, Any]], key: Any, value: Any, size: int = _MEMO_SIZE) -> None:
-  """Stores `value` under `key`'s identity in a small first-in-first-out identity memo."""
-  if len(table) >= size:
-    table.pop(next(iter(table)))
-  table[id(key)] = (key, value)
+_ROWS = IdentityMemo(64)
 
 
 def rows_info(rows: Sequence[tuple[str, Sequence[int], str]]) -> RowsInfo:
   """The normalized rows (path str, shape of ints, dtype str), their fingerprint, element counts and
   dtype codes; memoized by the identity of the normalized tuple."""
-  hit = _ROWS.get(id(rows))
-  if hit is not None and hit[0] is rows:
-    return hit[1]
+  hit = _ROWS.get(rows)
+  if hit is not None:
+    return hit
   norm = tuple((str(p), tuple(int(d) for d in s), str(t)) for p, s, t in rows)
   dtypes = {d: i for i, d in enumerate(dict.fromkeys(t for _, _, t in norm))}
   info = RowsInfo(rows=norm, fingerprint=tree_fingerprint(norm),
                   sizes=np.fromiter((math.prod(s) for _, s, _ in norm), dtype=np.int64, count=len(norm)),
                   dtype_code=np.fromiter((dtypes[t] for _, _, t in norm), dtype=np.int64, count=len(norm)),
                   dtypes=dtypes)
-  remember(_ROWS, norm, info)
-  return info
+  return _ROWS.put((norm,), info)

@@ -21,13 +21,13 @@ from typing import Any
 import numpy as np
 
 from ._errors import ProfileError
-from ._tree import dtype_name, flatten_with_paths, is_reduced_leaf, layer_of, remember, rows_info
+from ._tree import IdentityMemo, dtype_name, flatten_with_paths, is_reduced_leaf, layer_of, rows_info
 
 PROFILE_SCHEMA = 1
 PROFILE_METHODS = ("measured", "timed", "estimated")
 
-# GradientProfile.tree_rows, memoized by the profile's identity (see `_tree.rows_info`)
-_PROFILE_ROWS: dict[int, tuple[Any, Any]] = {}
+# GradientProfile.tree_rows, memoized by the profile's identity (the one memo policy, `_tree.IdentityMemo`)
+_PROFILE_ROWS = IdentityMemo(64)
 
 _ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float0": 0}
 
@@ -232,12 +232,10 @@ class GradientProfile:
 
   def tree_rows(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
     """(path, shape, dtype) of every row, in order: what a Schedule for this profile records."""
-    hit = _PROFILE_ROWS.get(id(self))
-    if hit is not None and hit[0] is self:
-      return hit[1]
-    rows = rows_info(tuple((r.path, r.shape, r.dtype) for r in self.rows)).rows
-    remember(_PROFILE_ROWS, self, rows)
-    return rows
+    hit = _PROFILE_ROWS.get(self)
+    if hit is not None:
+      return hit
+    return _PROFILE_ROWS.put((self,), rows_info(tuple((r.path, r.shape, r.dtype) for r in self.rows)).rows)
 
   def fingerprint(self) -> str:
     """The tree fingerprint of `tree_rows()` (what `Schedule.tree_fingerprint` must equal)."""

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .._checks import check_values
-from .._core import split_by_dtype
+from .._core import equal_parts, part_count, split_by_dtype
 from .._network import NetworkModel
 from .._schedule import Bucket, Chunk, Schedule
 from .._types import GradientProfile, itemsize
@@ -58,45 +58,14 @@ def whole_slice(profile: GradientProfile, row: int) -> Slice | None:
 
 
 def partition_row(profile: GradientProfile, row: int, max_bytes: int | None) -> list[Slice]:
-  """Split row `row` into consecutive element ranges of at most `max_bytes` bytes each.
-
-  Every part holds at least one element (a part never splits an element), so with `max_bytes` smaller
-  than one element every element is its own part. The parts are as equal as possible (sizes differ by
-  at most one element), so no tiny tail part pays a whole start-up cost.
-
-  Args:
-    profile: the profile.
-    row: the row index.
-    max_bytes: the largest part in bytes; None means no limit (one part).
-
-  Returns:
-    The slices in element order; empty for a zero-size row.
-  """
-  n = row_size(profile, row)
-  if n == 0:
-    return []
-  if max_bytes is None:
-    return [(row, 0, n)]
-  per = max(1, int(max_bytes) // max(row_itemsize(profile, row), 1))
-  parts = max(1, math.ceil(n / per))
-  base, extra = divmod(n, parts)
-  out, pos = [], 0
-  for k in range(parts):
-    step = base + (1 if k < extra else 0)
-    out.append((row, pos, pos + step))
-    pos += step
-  return out
+  """Row `row` cut into consecutive element ranges of at most `max_bytes` bytes each (None: one part),
+  as equal as possible: the one partition rule, `_core.equal_parts` (empty for a zero-size row)."""
+  return [(row, a, b) for a, b in equal_parts(row_size(profile, row), row_itemsize(profile, row), max_bytes)]
 
 
 def partition_count(profile: GradientProfile, row: int, max_bytes: int | None) -> int:
   """How many parts `partition_row(profile, row, max_bytes)` makes, without making them."""
-  n = row_size(profile, row)
-  if n == 0:
-    return 0
-  if max_bytes is None:
-    return 1
-  per = max(1, int(max_bytes) // max(row_itemsize(profile, row), 1))
-  return max(1, math.ceil(n / per))
+  return part_count(row_size(profile, row), row_itemsize(profile, row), max_bytes)
 
 
 def layer_groups(profile: GradientProfile) -> list[tuple[str, list[int], float]]:
