@@ -2,8 +2,11 @@
 
 Measured on the compiled schedule (8 compile-only H100s, `prophet_jax.gpu_topology`; no GPU runs), for
 the scheduled step of `cnn` (wfbp: 6 chunks; priority: 19 split-leaf chunks) and `gpt-tiny` (wfbp: 19
-chunks), with the same chunks issued in different ways (the chunk loop of `_collectives.reduce_chunks`,
-replaced here for the experiment only):
+chunks), with the same chunks issued in different ways: `tie` is the library's own step (`prophet_jax.
+lower_step(..., "scheduled", ...)`, i.e. `scheduled(tx)`, the program a user gets); every other variant
+is the same step with this script's own chunk loop in place of `scheduled`'s all-reduce (the same
+gather, psum, divide and scatter per chunk, under the same `prophet/chunk<k>` scopes, so `audit` reads it
+the same way):
 
 - `tie`: the library's rewrite: chunk k+1's buffer adds an exact zero computed from chunk k's result
   (`_collectives.tie`), so chunk k+1 starts after chunk k is done: one in flight, in order.
@@ -48,8 +51,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental.xla_metadata import set_xla_metadata  # noqa: E402
 
+import optax  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
 import prophet_jax as pj  # noqa: E402
-from prophet_jax import _collectives, _gpu, _transform  # noqa: E402
 from prophet_jax.models import get_model  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "gpu_ordering.json"
@@ -66,32 +71,34 @@ FLAGS = (("combine 1 GiB", {"xla_gpu_all_reduce_combine_threshold_bytes": 1 << 3
          ("LHS off", {"xla_gpu_enable_latency_hiding_scheduler": False}),
          ("pipelined all-reduce", {"xla_gpu_enable_pipelined_all_reduce": True}),
          ("async all-reduce off", {"xla_gpu_disable_async_collectives": "ALLREDUCE"}))
-_MODE = {"issue": "tie"}
-_original = _collectives.reduce_chunks
+BATCH = 16
+AXIS = "data"
 
 
-def reduce_chunks(flat, chunks, row_leaf, axis_name, *, divisor, first_index=0, prev=None):
-  """`_collectives.reduce_chunks` with the issue mechanism of `_MODE['issue']` (experiment only)."""
-  how = _MODE["issue"]
-  if how == "tie":
-    return _original(flat, chunks, row_leaf, axis_name, divisor=divisor, first_index=first_index,
-                     prev=prev)
-  flat = list(flat)
+def path_of(keypath) -> str:
+  return jax.tree_util.keystr(keypath, simple=True, separator="/")
+
+
+def variant_allreduce(grads, schedule, how):
+  """The schedule's chunks, each gathered, psum'd and averaged, issued the way `how` says (no tie)."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
+  index = {path_of(kp): i for i, (kp, _) in enumerate(leaves)}
+  flat = [x for _, x in leaves]
+  row_leaf = [index[path] for path, _, _ in schedule.rows]
+  n = jax.lax.axis_size(AXIS)
   pieces: dict[int, list] = {}
-  prev_buf = None
-  for k, chunk in enumerate(chunks, start=first_index):
+  prev = prev_buf = None
+  for k, chunk in enumerate(schedule.chunks):
     parts = [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
     group = set_xla_metadata(_scheduling_group_id=str(k)) if how == "group" else contextlib.nullcontext()
-    with jax.named_scope(_collectives.chunk_scope(k)), group:
+    with jax.named_scope(f"prophet/chunk{k}"), group:  # the scope `audit` reads (docs/design.md)
       buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
       if how == "barrier" and prev is not None:
         buf, _ = jax.lax.optimization_barrier((buf, prev))
       elif how == "barrier-in" and prev_buf is not None:
         buf, _ = jax.lax.optimization_barrier((buf, prev_buf))
       prev_buf = buf
-      red = jax.lax.psum(buf, axis_name)
-      if divisor is not None:
-        red = red / jnp.asarray(divisor, red.dtype)
+      red = jax.lax.psum(buf, AXIS) / jnp.asarray(n, buf.dtype)
     prev = red
     off = 0
     for r, a, b in chunk.slices:
@@ -101,12 +108,34 @@ def reduce_chunks(flat, chunks, row_leaf, axis_name, *, divisor, first_index=0, 
     segs = [x for _, x in sorted(segs, key=lambda t: t[0])]
     full = segs[0] if len(segs) == 1 else jnp.concatenate(segs)
     flat[row_leaf[r]] = full.reshape(np.shape(flat[row_leaf[r]]))
-  return flat, prev
+  return jax.tree_util.tree_unflatten(treedef, flat)
 
 
-def measure(model, schedule, topo, options):
-  compiled, compile_s = _gpu.compile_lowered(
-      _gpu.lower_step(model, schedule, "scheduled", topo, batch_size=16), options)
+def lower_variant(model, schedule, topo, how):
+  """The `scheduled` step of `pj.lower_step`, with `variant_allreduce` in place of `scheduled(tx)`."""
+  if how == "tie":
+    return pj.lower_step(model, schedule, "scheduled", topo, batch_size=BATCH, axis_name=AXIS)
+  tx = optax.sgd(0.1, momentum=0.9)
+  mesh = topo.mesh(AXIS)
+  params = model.abstract_params()
+  batch = jax.eval_shape(lambda k: model.make_batch(k, BATCH), jax.random.key(0))
+
+  def body(p, o, b):
+    loss, g = jax.value_and_grad(model.loss_fn)(jax.lax.pcast(p, AXIS, to="varying"), b)
+    updates, o = tx.update(variant_allreduce(g, schedule, how), o, p)
+    return optax.apply_updates(p, updates), o, jax.lax.pmean(loss, AXIS)
+
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=(P(), P(), P())))
+  return step.lower(topo.abstract(params, P(), mesh=mesh),
+                    topo.abstract(jax.eval_shape(tx.init, params), P(), mesh=mesh),
+                    topo.abstract(batch, P(AXIS), mesh=mesh))
+
+
+def measure(model, schedule, topo, how, options):
+  lowered = lower_variant(model, schedule, topo, how)
+  t0 = time.perf_counter()
+  compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+  compile_s = time.perf_counter() - t0
   r = pj.audit(compiled, schedule)
   order = list(r.order)
   return {"found": r.chunk_allreduces, "planned": schedule.num_allreduces, "ok": r.ok,
@@ -119,8 +148,6 @@ def measure(model, schedule, topo, options):
 
 
 def main() -> int:
-  _collectives.reduce_chunks = reduce_chunks
-  _transform.reduce_chunks = reduce_chunks
   topo = pj.gpu_topology("h100", devices=8)
   rows, t0 = [], time.time()
   for model_name, policy, options in CASES:
@@ -129,15 +156,13 @@ def main() -> int:
     s = pj.plan(profile, NET, policy, **options)
     default_text = None
     for label, how, copts in VARIANTS + tuple((f"tie + {n}", "tie", o) for n, o in FLAGS):
-      _MODE["issue"] = how
-      row = {"model": model_name, "policy": policy, "variant": label, **measure(m, s, topo, copts)}
+      row = {"model": model_name, "policy": policy, "variant": label, **measure(m, s, topo, how, copts)}
       text = row.pop("schedule_text")
       if label == "tie":
         default_text = text
       row["same_schedule_as_tie"] = text == default_text
       rows.append(row)
       print(f"  {model_name} {policy} {label} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-  _MODE["issue"] = "tie"
   print(f"{'model':8s} {'policy':8s} {'variant':28s} {'found':>9s} {'ok':>3s} {'order':>5s} {'instr':>5s} "
         f"{'inflt':>5s} {'exposed':>7s} {'MFLOP ovl':>9s} {'bwd out':>7s} {'=tie':>4s}")
   for r in rows:

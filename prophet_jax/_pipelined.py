@@ -100,13 +100,13 @@ import optax
 from jax.sharding import PartitionSpec
 
 from . import _defer
+from ._checks import check_values, match_tree
 from ._collectives import allreduce, axis_size, is_varying, to_varying, vma_enabled
 from ._defer import DeferState
 from ._errors import ScheduleMismatchError
 from ._residuals import VjpTrace, carried_avals, carry_plan, forward, recompute, vjp_jaxpr
 from ._schedule import Schedule
-from ._tree import is_reduced_leaf, match_tree, path_str
-from ._types import check_values
+from ._tree import is_reduced_leaf, path_str
 
 __all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending", "save_matmuls"]
 

@@ -63,8 +63,9 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import ProfileError
 from . import _xplane
+from ._checks import check_int
+from ._errors import ProfileError
 from ._tree import dtype_name, forward_paths, is_reduced_leaf, layer_of, path_str
 from ._types import GradientProfile, ProfileRow, itemsize
 
@@ -114,8 +115,7 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_nam
                        f"the batch is split over: axis_name=...")
     devices = local_devices_along(mesh, axis_name, "profile_step")
   n = len(devices) if num_devices is None else num_devices
-  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-    raise ValueError(f"profile_step(num_devices={num_devices!r}): expected a positive integer.")
+  check_int("profile_step", "num_devices", n, lo=1)
   if n > len(devices):
     raise ValueError(f"profile_step(num_devices={n}): only {len(devices)} {devices[0].platform} device(s) "
                      f"here. On the CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n} before "
@@ -620,8 +620,7 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   if method not in METHODS:
     raise ValueError(f"profile_step(method={method!r}): expected one of {METHODS}.")
   for name, v, lo in (("steps", steps, 1), ("warmup", warmup, 0)):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-      raise ValueError(f"profile_step({name}={v!r}): expected an integer >= {lo}.")
+    check_int("profile_step", name, v, lo=lo)
   if has_aux:  # the same loss hooked(..., has_aux=True) takes: profile its scalar
     aux_loss = loss_fn
     loss_fn = lambda p, b: aux_loss(p, b)[0]  # noqa: E731

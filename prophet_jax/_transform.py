@@ -26,15 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import _collectives
-from ._collectives import (_zero_of, axis_size, is_varying, reduce_chunks, schedule_units,
-                           scheduled_allreduce, to_varying, unit_allreduces, vma_enabled)
-from ._defer import GroupState, check_residual_varying, check_state, group_states, with_groups
-from ._defer import init as defer_init
+from ._checks import check_int, check_values, match_tree
+from ._collectives import (_zero_of, axis_size, check_residual_varying, is_varying, reduce_units,
+                           schedule_units, scheduled_allreduce, to_varying, unit_allreduces, vma_enabled)
+from ._defer import GroupState, check_state, group_states, init as defer_init, with_groups
 from ._errors import AlreadyReducedError, CompositionError
 from ._schedule import Bucket, Chunk, Schedule
-from ._types import check_values
-from ._tree import dtype_name, is_float_dtype, is_reduced_leaf, match_tree, path_str
+from ._tree import dtype_name, is_float_dtype, is_reduced_leaf, path_str
 
 __all__ = ["ScheduledState", "scheduled", "check_composition", "hooked", "loop_hook", "hook_groups", "LOOP_SCOPE"]
 
@@ -236,7 +234,9 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     before = _ran_before_in_chain()
     if before:
       raise _not_first_error(before, "init")
-    defer = defer_init(schedule) if mesh is None else _mesh.global_defer_state(schedule, mesh, axis_name)
+    defer = None
+    if schedule.defers:
+      defer = defer_init(schedule) if mesh is None else _mesh.global_defer_state(schedule, mesh, axis_name)
     return ScheduledState(inner=tx.init(params), defer_state=defer)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -301,8 +301,7 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
       of the difference).
     ValueError: `num_devices` < 2.
   """
-  if not isinstance(num_devices, int) or num_devices < 2:
-    raise ValueError(f"check_composition: num_devices must be an integer >= 2, got {num_devices!r}.")
+  check_int("check_composition", "num_devices", num_devices, lo=2)
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   shapes = [(tuple(np.shape(x)), jnp.dtype(x.dtype)) for _, x in leaves_with_path]
   paths = [path_str(p) for p, _ in leaves_with_path]
@@ -440,8 +439,7 @@ def _make_hook(units: Sequence[Any], first_index: int, rows: Sequence[int], axis
 
   def bwd(states, cts):
     ct_leaves, ct_token = cts
-    # through the module, so that a test's wrapper of the one engine sees the hooks too
-    out, last, new = _collectives.reduce_units(list(ct_leaves), local_units, row_leaf, axis_name, divisor=divisor,
+    out, last, new = reduce_units(list(ct_leaves), local_units, row_leaf, axis_name, divisor=divisor,
                                   first_index=first_index, prev=ct_token,
                                   defer=tuple(_decode(x) for x in states))
     return out, _zero_of(last, ct_token.dtype), tuple(_encode(g) for g in new)
@@ -506,8 +504,8 @@ def loop_hook(tree: Any, *, name: str = "layer") -> Any:
     return hook(xs), None
 
   def bwd(_, cts):
-    out, _ = reduce_chunks(list(cts), chunks, row_leaf, axis_name, divisor=divisor,
-                           scope=f"{LOOP_SCOPE}{name}")
+    out, _, _ = reduce_units(list(cts), chunks, row_leaf, axis_name, divisor=divisor,
+                             scope=f"{LOOP_SCOPE}{name}")
     return (out,)
 
   hook.defvjp(fwd, bwd)
@@ -644,7 +642,7 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
       return loss_fn(jax.tree_util.tree_unflatten(treedef, flat_params), *args, **kwargs)
 
     calls: list[str] = []
-    states = tuple(_encode(g) for g in group_states(defer_state))
+    states = tuple(_encode(g) for g in group_states(defer_state)) if schedule.defers else ()
     with _loop_axis(axis_name, n, vma, calls):
       value, (grads, new_states) = jax.value_and_grad(inner, argnums=(0, 1), has_aux=has_aux or has_state,
                                                       allow_int=True)(flat, states)

@@ -144,15 +144,11 @@ def test_jit_step_matches_reference(name, api, kind):
 
 
 @pytest.fixture
-def mean_over_n_minus_1(monkeypatch):
-  """Every chunked reduction divides by n-1 instead of n (test-only: the library's one engine is
-  wrapped; hooked and pipelined reach it through the module global, on the mesh path as elsewhere)."""
-  real = _collectives.reduce_units
-
-  def wrong(flat, units, row_leaf, axis_name, *, divisor, **kw):
-    return real(flat, units, row_leaf, axis_name, divisor=None if divisor is None else divisor - 1, **kw)
-
-  monkeypatch.setattr(_collectives, "reduce_units", wrong)
+def mean_over_n_minus_1():
+  """Every chunked reduction divides by n-1 instead of n (test-only, through the one engine's seam,
+  `_collectives.engine_hooks`: hooked and pipelined reach it on the mesh path as elsewhere)."""
+  with _collectives.engine_hooks(divisor=lambda n: n - 1):
+    yield
 
 
 @pytest.mark.parametrize("k,name", list(enumerate(U.SETUP_NAMES)))
@@ -440,19 +436,14 @@ def _reduced(p):
 def _unreduced_steps(schedule, scale=None):
   """(the scheduled(mesh=) jit step on unreduced gradients, its tx; the plain jit step, its tx).
   `scale`: the sums are multiplied by it (the negative control), injected into the one engine."""
-  real = _collectives.reduce_units
   txs = pj.scheduled(optax.sgd(0.2, momentum=0.9), schedule, axis_name=AXIS, mesh=mesh())
   tx = optax.sgd(0.2, momentum=0.9)
 
   @jax.jit
   def step(p, o, b):
-    if scale is not None:
-      _collectives.reduce_units = lambda *a, divisor, **kw: real(*a, divisor=1 / scale, **kw)
-    try:
+    with _collectives.engine_hooks(sum_divisor=None if scale is None else 1 / scale):
       g = jax.grad(unreduced_loss)(_reduced(p), b)
       u, o = txs.update(g, o, p)
-    finally:
-      _collectives.reduce_units = real
     return optax.apply_updates(p, u), o
 
   @jax.jit
@@ -609,13 +600,8 @@ def test_nnx_jit_step_with_nnx_optimizer():
       opt.update(model, grads)
       return loss
 
-    real = _collectives.reduce_units
-    if wrong:
-      _collectives.reduce_units = lambda *a, divisor, **kw: real(*a, divisor=divisor - 1, **kw)
-    try:
+    with _collectives.engine_hooks(divisor=(lambda n: n - 1) if wrong else None):
       losses = [float(train_step(model, opt, put(b, P(AXIS)))) for b in batches]
-    finally:
-      _collectives.reduce_units = real
     return jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param))), losses
 
   got, losses = train(False)
