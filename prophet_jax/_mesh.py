@@ -41,7 +41,6 @@ unreduced and whose body runs the chunks' `psum`s (sums: the partial sums alread
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,8 +50,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _defer
+from ._collectives import scheduled_allreduce
 from ._errors import AlreadyReducedError
-from ._pipelined import _NO_STATE, Pipelined, PipelinedState
 from ._schedule import Schedule
 from ._tree import is_reduced_leaf, path_str
 
@@ -380,92 +379,94 @@ class MeshGradFn:
 # pipelined(..., mesh=)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class MeshPipelined(Pipelined):
+class MeshPipelined:
   """`pipelined(..., mesh=mesh)`: the pipelined step on global arrays, inside the user's `jax.jit`.
 
-  The same `init`, `step`, `flush` as `Pipelined`, each mapped over `mesh` itself: `init(params[,
-  model_state])` returns the global state (params, optimizer and model state replicated; the
-  deferral state's residuals and, once a forward is pending, the carried residuals on a leading
-  device axis, `P(axis_name)`, as `state_specs()` says); `step(state, batch)` takes the global batch
-  (split over the data axis) and returns the loss as the mean over the global batch (and the aux
-  stacked per device on a new leading axis, as `hooked(mesh=)` does); `deferred_grads(state)` returns
-  the deferred values averaged over the axis (replicated: what to apply with `tx` at the end).
+  The same `init`, `step`, `flush` as `Pipelined` (the per-device step it wraps, `inner`), each mapped
+  over `mesh` itself: `init(params[, model_state])` returns the global state (params, optimizer and
+  model state replicated; the deferral state's residuals and, once a forward is pending, the carried
+  residuals on a leading device axis, `P(axis_name)`, as `state_specs()` says); `step(state, batch)`
+  takes the global batch (split over the data axis) and returns the loss as the mean over the global
+  batch (and the aux stacked per device on a new leading axis, as `hooked(mesh=)` does);
+  `deferred_grads(state)` returns the deferred values averaged over the axis (replicated: what to
+  apply with `tx` at the end). Every other attribute and method (`params`, `state_specs`,
+  `residual_bytes`, `schedule`, ...) is the inner step's.
 
   Attributes:
-    mesh: the mesh (the other fields as `Pipelined`'s).
+    inner: the per-device `Pipelined` step.
+    mesh: the mesh.
   """
 
-  mesh: Any = None
+  def __init__(self, inner: Any, *, mesh: Any):
+    self.inner = inner
+    self.mesh = mesh
+    self._axes = check_mesh(mesh, inner.axis_name, "pipelined")
 
-  def __post_init__(self):
-    super().__post_init__()
-    object.__setattr__(self, "_axes", check_mesh(self.mesh, self.axis_name, "pipelined"))
+  def __getattr__(self, name: str) -> Any:  # the per-device step's fields and read-only helpers
+    return getattr(self.inner, name)
 
   @property
   def _entry(self) -> Any:
     return _spec_entry(self._axes)
 
-  def init(self, params: Any, model_state: Any = _NO_STATE) -> PipelinedState:
+  def init(self, params: Any, *model_state: Any) -> Any:
     """The global initial state (see `Pipelined.init`), mapped over the mesh."""
     where = "pipelined(mesh=...).init"
     _check_not_mapped(self._axes, where)
     check_replicated(params, "params", where, "Place them with jax.device_put(params, NamedSharding("
                      "mesh, P())).")
-    args = (params,) if model_state is _NO_STATE else (params, model_state)
-    if model_state is not _NO_STATE:
-      check_replicated(model_state, "model_state", where, "The model state is replicated: place it with P().")
-    specs = Pipelined.state_specs(self)
-    return jax.shard_map(lambda *a: Pipelined.init(self, *a), mesh=self.mesh,
-                         in_specs=tuple(P() for _ in args), out_specs=specs)(*args)
+    if model_state:
+      check_replicated(model_state[0], "model_state", where,
+                       "The model state is replicated: place it with P().")
+    args = (params, *model_state)
+    return jax.shard_map(self.inner.init, mesh=self.mesh, in_specs=tuple(P() for _ in args),
+                         out_specs=self.inner.state_specs())(*args)
 
-  def step(self, state: PipelinedState, batch: Any) -> tuple[PipelinedState, Any]:
+  def step(self, state: Any, batch: Any) -> tuple[Any, Any]:
     """One pipelined step on the global state and batch (see `Pipelined.step`): returns the new state
     and the loss averaged over the global batch (with `has_aux`, `(loss, aux)`, aux stacked per device).
     """
     where = "pipelined(mesh=...).step"
-    self._check_state(state, where)
+    self.inner._check_state(state, where)
     _check_not_mapped(self._axes, where)
     check_replicated(state.params, "params", where, "Start from this step's init(params).")
     check_batch(batch, self.mesh, self._axes, where)
     self._check_global_defer(state, where)
-    specs = Pipelined.state_specs(self)
+    specs = self.inner.state_specs()
     data = P(self._entry)
 
     def body(state, batch):
-      new, out = Pipelined.step(self, state, batch)
-      if self.has_aux:
+      new, out = self.inner.step(state, batch)
+      if self.inner.has_aux:
         loss, aux = out
         return new, (jax.lax.pmean(loss, self._axes), _stack(aux))
       return new, jax.lax.pmean(out, self._axes)
 
-    value_spec = (P(), data) if self.has_aux else P()
+    value_spec = (P(), data) if self.inner.has_aux else P()
     return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, data),
                          out_specs=(specs, value_spec))(state, batch)
 
-  def flush(self, state: PipelinedState) -> PipelinedState:
+  def flush(self, state: Any) -> Any:
     """Runs the pending backward, its all-reduces and the update (see `Pipelined.flush`), on the mesh."""
     where = "pipelined(mesh=...).flush"
-    self._check_state(state, where)
+    self.inner._check_state(state, where)
     if state.pending is None:
       return state
     _check_not_mapped(self._axes, where)
     self._check_global_defer(state, where)
-    specs = Pipelined.state_specs(self)
-    return jax.shard_map(lambda s: Pipelined.flush(self, s), mesh=self.mesh, in_specs=(specs,),
-                         out_specs=specs)(state)
+    specs = self.inner.state_specs()
+    return jax.shard_map(self.inner.flush, mesh=self.mesh, in_specs=(specs,), out_specs=specs)(state)
 
-  def deferred_grads(self, state: PipelinedState) -> Any:
+  def deferred_grads(self, state: Any) -> Any:
     """The deferred gradient values, averaged over the data axis, as a replicated tree like the params
     (zeros when nothing is deferred): apply them with `tx` at the end of training if wanted."""
     where = "pipelined(mesh=...).deferred_grads"
-    self._check_state(state, where)
+    self.inner._check_state(state, where)
     self._check_global_defer(state, where)
-    specs = Pipelined.state_specs(self)
-    return jax.shard_map(lambda s: jax.lax.pmean(Pipelined.deferred_grads(self, s), self._axes),
-                         mesh=self.mesh, in_specs=(specs,), out_specs=P())(state)
+    return jax.shard_map(lambda s: jax.lax.pmean(self.inner.deferred_grads(s), self._axes),
+                         mesh=self.mesh, in_specs=(self.inner.state_specs(),), out_specs=P())(state)
 
-  def _check_global_defer(self, state: PipelinedState, where: str) -> None:
+  def _check_global_defer(self, state: Any, where: str) -> None:
     if state.defer is not None:
       _check_defer_layout(state.defer, axis_total(self.mesh, self._axes), where,
                           "Start from this step's init(params), which makes the state on the mesh.")
@@ -526,7 +527,6 @@ def reduce_unreduced(grads: Any, schedule: Schedule, *, mesh: Any, axis_name: An
   Returns (the replicated gradients, the new deferral state or None). The chunks' `psum`s are sums:
   each device's partial sum already carries the loss's mean over the global batch.
   """
-  from ._collectives import scheduled_allreduce
 
   axes = check_mesh(mesh, axis_name, where)
   _check_not_mapped(axes, where)

@@ -104,6 +104,7 @@ from ._checks import check_values, match_tree
 from ._collectives import allreduce, axis_size, is_varying, to_varying, vma_enabled
 from ._defer import DeferState
 from ._errors import ScheduleMismatchError
+from ._mesh import MeshPipelined
 from ._residuals import VjpTrace, carried_avals, carry_plan, forward, recompute, vjp_jaxpr
 from ._schedule import Schedule
 from ._tree import is_reduced_leaf, path_str
@@ -851,9 +852,7 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
   for name, flag in (("has_aux", has_aux), ("has_state", has_state)):
     if not isinstance(flag, bool):
       raise TypeError(f"pipelined({name}={flag!r}): expected True or False.")
-  if mesh is not None:  # global arrays in a plain jax.jit: the same step mapped over the mesh
-    from ._mesh import MeshPipelined
-    return MeshPipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name,
-                         residuals=residuals, has_aux=has_aux, has_state=has_state, mesh=mesh)
-  return Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name, residuals=residuals,
+  step = Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name, residuals=residuals,
                    has_aux=has_aux, has_state=has_state)
+  # global arrays in a plain jax.jit: the same step mapped over the mesh
+  return step if mesh is None else MeshPipelined(step, mesh=mesh)

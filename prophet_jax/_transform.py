@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from . import _mesh
 from ._checks import check_int, check_values, match_tree
 from ._collectives import (_zero_of, axis_size, check_residual_varying, is_varying, reduce_units,
                            schedule_units, scheduled_allreduce, to_varying, unit_allreduces, vma_enabled)
@@ -227,7 +228,6 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   """
   check_values("scheduled", tx=tx, schedule=schedule, axis_name=axis_name)
   if mesh is not None:
-    from . import _mesh
     _mesh.check_mesh(mesh, axis_name, "scheduled")
 
   def init_fn(params):
@@ -657,7 +657,6 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
     return value, grads
 
   if mesh is not None:  # global arrays in a plain jax.jit: the same grad_fn mapped over the mesh
-    from ._mesh import MeshGradFn
-    return MeshGradFn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
+    return _mesh.MeshGradFn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
                       has_state=has_state)
   return grad_fn
