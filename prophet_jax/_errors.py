@@ -69,3 +69,10 @@ class GpuCompileError(ProphetError, RuntimeError):
   """A compile-only GPU build (`prophet_jax.gpu_topology`) cannot start here: jax's CUDA plugin or ptxas
   is missing (install the `gpu-compile` extra: pip install 'prophet-jax[gpu-compile]'), the plugin's
   version differs from jaxlib's, or the process did not set JAX_PLATFORMS=cpu."""
+
+
+class DeferralWarning(UserWarning):
+  """`plan(..., "dlcp", max_defer=f)` with f > 0 under a network where communication is exposed found no
+  deferral that shortens the predicted iteration, and returned auto's lossless plan. The schedule's
+  `decision` option (printed by `Schedule.describe()`) says why and from which `max_defer` deferral
+  would pay. Silence it with `warnings.filterwarnings("ignore", category=prophet_jax.DeferralWarning)`."""

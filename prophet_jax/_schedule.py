@@ -232,7 +232,8 @@ class Schedule:
                  for n, c in zip(b.allreduce_sizes(), b.chunks))
 
   def describe(self, max_chunks: int = 12) -> str:
-    """A short human summary: buckets, chunks, bytes and leading paths, in issue order."""
+    """A short human summary: buckets, chunks, bytes and leading paths, in issue order; and the
+    planner's `decision` option where it recorded one (`dlcp`: how much it defers, or why not)."""
     lines = [f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step): "
              f"{len(self.buckets)} buckets, {self.num_allreduces} all-reduces"]
     if self.defers:
@@ -242,6 +243,9 @@ class Schedule:
                    f"{self.max_deferred_fraction:.2%} of the elements, one step late)")
     if self.links:
       lines[0] += f"; striped over {max(self.links) + 1} links"
+    decision = dict(self.options).get("decision")
+    if decision:
+      lines.append(f"  decision: {decision}")
     for k, c in enumerate(self.chunks[:max_chunks]):
       paths = [self.rows[r][0] for r in c.rows]
       head = ", ".join(paths[:2]) + (f", +{len(paths) - 2}" if len(paths) > 2 else "")

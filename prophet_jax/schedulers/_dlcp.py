@@ -26,17 +26,40 @@ The plan:
    deferred from the chunks of that busy period, least important first (back layers: the last the
    next forward needs, DLCP's layer priority), at most a quarter of the budget per round and never
    more than `max_defer` of all elements in total.
-4. Deferring x elements from one of auto's chunks carves its spread·x least important elements
-   (back layers first) into a deferral group issued right after the rest of the chunk: m =
-   spread·k equal parts of which k wait each step (k = 1, or parts of at most `chunk_bytes`). The
-   group's m - k slots and the rest replace one message, so a deferral costs spread - 1 start-ups
-   (k = 1) and saves b'·x: a chunk too small ever to pay for them is left alone. With spread > 2 the run-time magnitude ranking chooses which parts wait (with
-   spread = 2 the two halves simply alternate).
+4. Deferring from one of auto's chunks: the unit follows from the budget and the model, not from a
+   fixed size. x elements (a round's need, or all the budget and the chunk allow at once) of the
+   chunk's rows that may wait (below), back layers first, element ranges inside a leaf where x
+   ends there, become a deferral group of spread·x elements: m = spread·k equal parts of which k
+   wait each step (k = 1, or parts of at most `chunk_bytes`), issued where the chunk was. The rest
+   of the chunk stays lossless: its own message, or merged into the chunk before or after it in
+   issue order (a whole chunk of auto's, same dtype), or nothing when the group takes the whole
+   chunk. A group's m - k slots replace one message: with spread 2 (the default; its two halves
+   alternate) and its rest merged, a deferral adds no start-up at all, so it pays at any model size
+   whenever bytes are on the critical path. Each variant that could ever pay for its start-ups at
+   the typical costs is simulated, and the fastest is kept. Issue 18's search (spread 4, so the
+   run-time magnitude ranking chooses which parts wait; the rest its own message; a round's need at
+   a time) runs beside it, at spreads 4 and 2, and the plan takes the fastest of all three.
 5. Steps 3-4 repeat (the critical message moves as the link empties), up to 16 rounds, each
    candidate simulated; the fastest is kept, and if none beats T0 the plan is auto's (lossless). The
-   whole search runs once per budget level of a fixed ladder below `max_defer` (0.01, 0.02, 0.05,
-   0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, ...) and at `max_defer` itself, so a larger `max_defer`
-   never predicts a slower plan at the ladder's levels.
+   whole search runs once per budget level of a fixed ladder below `max_defer` (0.02, 0.05, 0.1,
+   0.25, 0.5) and at `max_defer` itself, so a larger `max_defer` never predicts a slower plan at
+   the ladder's levels.
+6. The decision (`options['decision']`, printed by `Schedule.describe()`) says how much it defers,
+   or why nothing: max_defer=0, communication hidden, or no deferral within the budget shortening
+   the iteration, with the cost that stood in the way (start-ups against the bytes saved) and the
+   smallest `max_defer` of 0.25 / 0.5 / 0.75 at which one would; in that last case `dlcp` also warns
+   (`DeferralWarning`).
+
+Which layers wait. By default the first and the last layer in priority (forward) order never wait
+(with more than two layers; `all_layers=True` lets every layer wait). Training the issue's small CNN
+(`bench/dlcp.py --part convergence`, its study table in the README) with half of its head deferred
+(0.4% of the elements) raised the loss after 120 steps by 5.2%, half of its first convolution (0.3%)
+by 1.5%, while deferring the middle layers cost about 0.35% of loss per 1% of the elements; the
+first and the last layer are also small, so excluding them costs little time. What staleness costs
+beyond that depends on the training (the learning rate, the optimizer, how steep the loss still
+is), which a plan cannot see: `max_defer` is the user's bound on it. The study found nothing in the
+rewrite that removes that cost (error feedback with DGC's momentum correction, reusing the stale
+values, finer parts for the magnitude choice, a warm-up without deferral: the README's table).
 
 So dlcp is never predicted slower than auto, and equal to it when deferral cannot help.
 
@@ -56,12 +79,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .._checks import check_bytes, check_int, check_max_defer
+from .._checks import check_bool, check_bytes, check_int, check_max_defer
+from .._errors import DeferralWarning
 from .._core import Problem, iteration_s, link_loop, problem, schedule_arrays, typical_costs
 from .._network import NetworkModel
 from .._schedule import Bucket, Chunk, Schedule
@@ -72,6 +98,8 @@ from ._base import Scheduler, Slice
 from ._common import check_inputs
 
 _POLICY = "dlcp"
+# How a decision that deferral was asked for, was possible to time, and found nothing starts.
+_NOTHING_PAYS = "lossless: no deferral of at most"
 # Communication counts as hidden when the lossless plan is within this fraction of compute only.
 _HIDDEN_TOL = 0.01
 # Budget rounds per level (each one simulation), and the ladder of budget levels below max_defer.
@@ -79,30 +107,47 @@ _MAX_ROUNDS = 16
 _LADDER = (0.02, 0.05, 0.1, 0.25, 0.5)
 # At most this many parts per deferral group.
 _MAX_GROUP_CHUNKS = 1024
+# The searches run at every budget level (module docstring, step 4): spread-2 groups that may take a
+# whole message or pass their rest to a neighbour, sized a round's need or the budget at once; and
+# issue 18's search (spread-4 groups, their rest its own message, a round's need at a time).
+_STRATEGIES = ({"spreads": (2,), "legacy": False}, {"spreads": (4,), "legacy": True},
+               {"spreads": (2,), "legacy": True})
+# Levels tried above max_defer to say from which one deferral would pay (only when none does).
+_WHY_LEVELS = (0.25, 0.5, 0.75)
 
 
-def dlcp(*, max_defer: float = 0.0, spread: int = 4, chunk_bytes: int | None = None) -> Scheduler:
+def dlcp(*, max_defer: float = 0.0, spread: int | None = None, chunk_bytes: int | None = None,
+         all_layers: bool = False) -> Scheduler:
   """DLCP in software: layer-prioritised chunks, a per-step send budget, bounded deferral.
 
   Args:
     max_defer: the largest fraction of the gradient elements that may wait one step, in [0, 1)
       (`Schedule.max_deferred_fraction` never exceeds it). 0, the default, is lossless: the plan is
       auto's.
-    spread: a deferral group has spread x k parts of which k wait each step (an integer >= 2). With
-      2 the two halves alternate; larger spreads let the run-time magnitude ranking choose the k
-      smallest of (spread - 1) x k eligible parts, for a few more start-ups.
+    spread: a deferral group has spread x k parts of which k wait each step (an integer >= 2), or
+      None (the default): the planner's choice, 2 (the two halves alternate; with the rest of the
+      chunk merged into a neighbour a deferral costs no start-up) or issue 18's 4 (the run-time
+      magnitude ranking chooses the k smallest of 3k eligible parts), whichever predicts faster.
     chunk_bytes: the largest part of a deferral group, bytes (finer parts: a finer magnitude choice,
       more start-ups); None (the default): k = 1, the fewest start-ups.
+    all_layers: let the first and the last layer (in priority order) wait too. False, the default:
+      they never wait (their staleness cost the most per element in the convergence study; see the
+      module docstring, "Which layers wait").
 
   Returns:
     A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule`. The schedule's options
-    record `max_defer`, `spread`, `chunk_bytes`, `base` (auto's candidate) and `decision` (how much
-    it defers, or why it does not: 'max_defer=0', 'communication hidden', 'no gain', ...).
+    record `max_defer`, `spread`, `chunk_bytes`, `all_layers`, `base` (auto's candidate) and
+    `decision` (how much it defers, or why not: max_defer=0, communication hidden, or what stood in
+    the way and from which max_defer deferral would pay), which `Schedule.describe()` prints.
+
+  Warns:
+    DeferralWarning: `max_defer > 0`, communication exposed, and no deferral within the budget
+      shortens the predicted iteration (the plan is auto's); the message is the decision.
 
   Raises:
     ValueError: `max_defer` outside [0, 1), `spread` below 2, `chunk_bytes` not positive (each
       named in the message).
-    TypeError: `spread` or `chunk_bytes` not an integer.
+    TypeError: `spread` or `chunk_bytes` not an integer, `all_layers` not a bool.
 
   Examples:
     >>> import prophet_jax as pj
@@ -122,21 +167,38 @@ def dlcp(*, max_defer: float = 0.0, spread: int = 4, chunk_bytes: int | None = N
     OptiReduce (NSDI 2025); Peng et al.: ByteScheduler (SOSP 2019), issues #339/#370.
   """
   max_defer = check_max_defer("dlcp()", max_defer)
-  check_int("dlcp", "spread", spread, lo=2, fix="A group defers k of its spread x k parts, at most half, so "
-            "each deferred part is sent the next step; e.g. 4.")
+  spread = check_int("dlcp", "spread", spread, lo=2, none=True,
+                     fix="A group defers k of its spread x k parts, at most half, so each deferred part "
+                     "is sent the next step; e.g. 4, or None to let the planner choose.")
+  check_bool("dlcp", "all_layers", all_layers)
   chunk_bytes = check_bytes(_POLICY, "chunk_bytes", chunk_bytes,
                             hint="Try None (one deferred part per group) or 4 * 2**20.")
   base_planner = auto()
-  options = {"max_defer": max_defer, "spread": spread, "chunk_bytes": chunk_bytes}
+  options = {"max_defer": max_defer, "spread": spread, "chunk_bytes": chunk_bytes, "all_layers": all_layers}
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
     cross = check_inputs(_POLICY, profile, network, cross_step)
     base = base_planner(profile, network, cross_step=cross)
-    return _plan(problem(profile, network, cross_step=cross), base, options)
+    s = _plan(problem(profile, network, cross_step=cross), base, options)
+    decision = dict(s.options)["decision"]
+    if max_defer > 0 and not s.defers and decision.startswith(_NOTHING_PAYS):
+      warnings.warn(f"dlcp(max_defer={max_defer:g}) defers nothing although communication is exposed: "
+                    f"{decision[len('lossless: '):]}. The plan is auto's (lossless); Schedule.describe() "
+                    f"repeats this.", DeferralWarning, stacklevel=_warn_level())
+    return s
 
   scheduler.__name__ = _POLICY
   scheduler.__qualname__ = _POLICY
   return scheduler
+
+
+def _warn_level() -> int:
+  """The stack level of the first frame outside prophet_jax (the user's call to `plan` or to the
+  scheduler), for `warnings.warn`."""
+  frame, level = sys._getframe(1), 1
+  while frame is not None and frame.f_globals.get("__name__", "").startswith("prophet_jax"):
+    frame, level = frame.f_back, level + 1
+  return level
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,93 +220,216 @@ def _plan(prob: Problem, base: Schedule, options: dict[str, Any]) -> Schedule:
   compute = iteration_s(prob, arrays.ready_s, np.zeros(arrays.ready_s.size), arrays.tail_s)
   t0 = float(base.predicted_s)
   if t0 <= compute * (1 + _HIDDEN_TOL):
-    return lossless("lossless: communication hidden")
+    return lossless(f"lossless: communication hidden (auto's plan predicts {_time(t0)}, compute alone "
+                    f"{_time(compute)})")
   if typical_costs(prob)[1] <= 0:
     return lossless("lossless: no per-byte cost to save")
-  best_buckets, best_t = base.buckets, t0
+  may_wait = _may_wait(prob, options["all_layers"])
+  if not any(may_wait[r] for r in prob.live):
+    return lossless(f"{_NOTHING_PAYS} {max_defer:g} of the elements can wait: only the first and the last layer "
+                    f"hold elements, and they never wait (dlcp(all_layers=True) lets them)")
   total = sum(prob.size)
+  best_buckets, best_t = base.buckets, t0
   for level in [f for f in _LADDER if f < max_defer] + [max_defer]:
-    buckets, t = _search(prob, base, math.floor(level * total), compute, options)
-    if t < best_t * (1 - 1e-9):
-      best_buckets, best_t = buckets, t
+    for strategy in _strategies(options):
+      buckets, t = _search(prob, base, math.floor(level * total), compute, options, strategy, may_wait)
+      if t < best_t * (1 - 1e-9):
+        best_buckets, best_t = buckets, t
   if best_buckets is base.buckets:
-    return lossless("lossless: deferral did not shorten the predicted iteration")
+    return lossless(_why_not(prob, base, compute, options, may_wait))
   s = Schedule(buckets=best_buckets, rows=base.rows, policy=_POLICY, cross_step=base.cross_step,
                predicted_s=best_t)
-  options["decision"] = f"defer {s.max_deferred_fraction:.4f} of the elements per step"
+  f = s.max_deferred_fraction
+  why = ""
+  if f < max_defer * (1 - 0.01):
+    why = "; no larger deferral found predicts a shorter iteration"
+    if not options["all_layers"] and not all(may_wait[r] for r in prob.live):
+      why += " (the first and the last layer never wait: dlcp(all_layers=True) lets them)"
+  options["decision"] = (f"defer {f:.4f} of the elements per step (max_defer {max_defer:g}): predicted "
+                         f"{_time(best_t)} against auto's {_time(t0)}{why}")
   return dataclasses.replace(s, options=tuple(options.items()))
 
 
-def _search(prob: Problem, base: Schedule, budget: int, compute: float,
-            options: dict[str, Any]) -> tuple[tuple[Bucket, ...], float]:
+def _why_not(prob: Problem, base: Schedule, compute: float, options: dict[str, Any],
+             may_wait: np.ndarray) -> str:
+  """Why no deferral within max_defer shortens the iteration, and from which max_defer one would."""
+  a_eff, b_eff = typical_costs(prob)
+  total = sum(prob.size)
+  t0 = float(base.predicted_s)
+  budget = math.floor(options["max_defer"] * total)
+  saves = b_eff * budget * max(prob.itemsize)
+  if saves <= a_eff:
+    reason = (f"holding back {budget} elements would save at most {_time(saves)} on the link, less than "
+              f"the {_time(a_eff)} start-up of the one more all-reduce a deferral group costs unless it "
+              f"takes a whole message's place")
+  else:
+    reason = ("no deferral group tried (spread 2 or 4; the rest of its chunk alone or merged into a "
+              "neighbour) made the simulated iteration shorter")
+  if not options["all_layers"] and not all(may_wait[r] for r in prob.live):
+    reason += "; the first and the last layer never wait (dlcp(all_layers=True) lets them)"
+  text = (f"{_NOTHING_PAYS} {options['max_defer']:g} of the elements shortens the predicted iteration "
+          f"(auto's {_time(t0)}): {reason}")
+  for level in _WHY_LEVELS:
+    if level <= options["max_defer"]:
+      continue
+    buckets, t = min((_search(prob, base, math.floor(level * total), compute, options, strategy, may_wait)
+                      for strategy in _strategies(options)), key=lambda z: z[1])
+    if t < t0 * (1 - 1e-9):
+      got = Schedule(buckets=buckets, rows=base.rows).max_deferred_fraction
+      return f"{text}; with max_defer={level:g} it would defer {got:.4f} of the elements for a predicted {_time(t)}"
+  return f"{text}; nor would any max_defer up to {_WHY_LEVELS[-1]:g}"
+
+
+def _time(seconds: float) -> str:
+  """A duration for a message: 'us' below a millisecond, 'ms' below a second, else 's'."""
+  if seconds < 1e-3:
+    return f"{seconds * 1e6:.4g} us"
+  return f"{seconds * 1e3:.4g} ms" if seconds < 1 else f"{seconds:.4g} s"
+
+
+def _strategies(options: dict[str, Any]) -> list[dict[str, Any]]:
+  """`_STRATEGIES`, each once with the spreads it would use (a `spread` option makes some the same)."""
+  out = []
+  for st in _STRATEGIES:
+    st = {**st, "spreads": (options["spread"],) if options["spread"] is not None else st["spreads"]}
+    if st not in out:
+      out.append(st)
+  return out
+
+
+def _may_wait(prob: Problem, all_layers: bool) -> np.ndarray:
+  """Per row: may its elements be deferred? Every row but those of the first and the last layer in
+  priority (forward) order, when there are more than two layers; every row with `all_layers`. See
+  the module docstring, "Which layers wait"."""
+  n = len(prob.layers)
+  if all_layers or n <= 2:
+    return np.ones(len(prob.size), dtype=bool)
+  return (prob.row_layer > 0) & (prob.row_layer < n - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mod:
+  """What became of one of auto's chunks: x, the elements asked of it; its deferral group; its
+  lossless rest (its own message, merged into the neighbouring chunk `into`, or none)."""
+
+  x: int
+  group: Bucket
+  rest: tuple[Slice, ...]
+  into: int | None
+
+
+def _search(prob: Problem, base: Schedule, budget: int, compute: float, options: dict[str, Any],
+            strategy: dict[str, Any], may_wait: np.ndarray) -> tuple[tuple[Bucket, ...], float]:
   """The budget rounds (module docstring, steps 3-5) with at most `budget` elements deferred per
   step: the best buckets found and their simulated iteration (base's if nothing beat it)."""
   a_eff, b_eff = typical_costs(prob)
   chunks = base.chunks
   layer = prob.row_layer
   priority = [min(int(layer[r]) for r, _, _ in c.slices) for c in chunks]
-  spread, chunk_bytes = options["spread"], options["chunk_bytes"]
-  groups: dict[int, tuple[Chunk | None, Bucket]] = {}   # auto's chunk i -> (its rest, its group)
-  want: dict[int, int] = {}                             # elements deferred from chunk i
+  mods: dict[int, _Mod] = {}
   best_buckets, best_t = base.buckets, float(base.predicted_s)
-  buckets = base.buckets
+  buckets, origin = base.buckets, list(range(len(chunks)))
+
+  def simulated(trial: dict[int, _Mod]) -> tuple[tuple[Bucket, ...], list[int], float]:
+    bk, org = _buckets(base.buckets, chunks, trial)
+    return bk, org, simulate_arrays(prob, schedule_arrays(prob, bk), events=False).iteration_s
+
   for _ in range(_MAX_ROUNDS):
     arr = schedule_arrays(prob, buckets)
     period, exposed = _critical_period(prob, arr, a_eff, b_eff, compute)
     if exposed <= compute * _HIDDEN_TOL:
       break
-    sizes = [(1 if groups[i][0] is not None else 0) + groups[i][1].slots if i in groups else 1
-             for i in range(len(chunks))]
-    origin = np.repeat(np.arange(len(chunks)), sizes)
-    touched = sorted({int(origin[k]) for k in period}, key=lambda i: (-priority[i], -i))
+    touched = sorted({origin[k] for k in period}, key=lambda i: (-priority[i], -i))
     need = min(exposed / b_eff, budget / 4 * max(prob.itemsize))   # bytes this round
     added, changed = 0.0, False
     for i in touched:
-      c = chunks[i]
-      isz = itemsize(c.dtype)
-      left = budget - sum(g.deferred_size for j, (_, g) in groups.items() if j != i)
-      most = min(c.size // spread, left)
-      parts = 1 if chunk_bytes is None else max(1, math.ceil(most * isz / chunk_bytes))
-      if b_eff * most * isz <= spread * parts * a_eff:
-        continue        # it can never pay for its start-ups: (spread - 1)·k slots and the rest
-      have = want.get(i, 0)
-      x = min(c.size // spread, have + math.ceil((need - added) / isz), left)
-      if x <= have:
+      if any(m.into == i for j, m in mods.items() if j != i):
+        continue        # it holds another chunk's rest
+      left = budget - sum(m.group.deferred_size for j, m in mods.items() if j != i)
+      have = mods[i].x if i in mods else 0
+      want = have + math.ceil((need - added) / itemsize(chunks[i].dtype))
+      held = mods[i].group.deferred_size if i in mods else 0
+      trials = []
+      for v in _variants(prob, chunks, i, want, left, mods, options, strategy, may_wait, a_eff, b_eff):
+        if v.x > have and v.group.deferred_size > held:
+          trials.append((*simulated({**mods, i: v}), v))
+      if not trials:
         continue
-      made = _group(prob, c, x, spread, chunk_bytes, left)
-      if made is None:
-        continue
-      gain = made[1].deferred_size - (groups[i][1].deferred_size if i in groups else 0)
-      if gain <= 0:
-        continue
-      groups[i], want[i], changed = made, x, True
-      added += gain * isz
+      buckets, origin, t, v = min(trials, key=lambda z: (z[2], z[3].group.deferred_size))
+      added += (v.group.deferred_size - held) * itemsize(chunks[i].dtype)
+      mods[i], changed = v, True
+      if t < best_t * (1 - 1e-9):
+        best_buckets, best_t = buckets, t
       if added >= need:
         break
     if not changed:
       break
-    buckets = _buckets(base.buckets, groups)
-    t = simulate_arrays(prob, schedule_arrays(prob, buckets), events=False).iteration_s
-    if t < best_t * (1 - 1e-9):
-      best_buckets, best_t = buckets, t
   return best_buckets, best_t
 
 
-def _group(prob: Problem, chunk: Chunk, x: int, spread: int, chunk_bytes: int | None,
-           left: int) -> tuple[Chunk | None, Bucket] | None:
-  """(the rest of `chunk`, a deferral group of its spread·x least important elements), deferring
-  about x elements per step and at most `left`; None if no such group fits.
+def _variants(prob: Problem, chunks: Sequence[Chunk], i: int, want: int, left: int,
+              mods: dict[int, _Mod], options: dict[str, Any], strategy: dict[str, Any],
+              may_wait: np.ndarray, a_eff: float, b_eff: float) -> list[_Mod]:
+  """The ways to defer about `want` elements (at most `left`) from auto's chunk i (module docstring,
+  step 4), each of which could pay for its start-ups at the typical costs.
 
-  The carved elements are taken from the chunk's slices of the highest layer index first (back
-  layers: the last the next forward needs), the latest slice first, from its end; the rest keeps
-  the chunk's order. The group: m = spread·k equal parts, k = 1 or ceil(x / parts of at most
-  `chunk_bytes`); more parts (smaller) while its k largest parts exceed `left`.
+  A group of spread·x of the chunk's elements that may wait (back layers first), x deferred per step
+  (x = `want`, or as many as the budget and the chunk allow), spread 2 (or the `spread` option); or
+  every element of the chunk that may wait in the group (spread the smallest within `left`). The
+  rest of the chunk: its own message, or merged into the chunk before or after it in issue order
+  (one of auto's chunks left whole, of the same dtype: no start-up added).
+  """
+  c = chunks[i]
+  isz = itemsize(c.dtype)
+  eligible = sum(b - a for r, a, b in c.slices if may_wait[r])
+  if eligible < 2 or left < 1:
+    return []
+  neighbours = [j for j in (i + 1, i - 1)
+                if 0 <= j < len(chunks) and j not in mods and chunks[j].dtype == c.dtype]
+  tries: list[tuple[int, int, int, int]] = []   # (spread, elements carved, x asked, most it may defer)
+  for spread in strategy["spreads"]:
+    most = min(eligible // spread, left)
+    if most < 1:
+      continue
+    if strategy["legacy"]:
+      parts = 1 if options["chunk_bytes"] is None else max(1, math.ceil(most * isz / options["chunk_bytes"]))
+      if b_eff * most * isz <= spread * parts * a_eff:
+        continue      # issue 18's gate: it can never pay for its start-ups (slots and the rest)
+    x = max(1, min(want, most))
+    tries.append((spread, min(eligible, spread * x), x, most))
+    if not strategy["legacy"]:
+      tries.append((spread, min(eligible, spread * most), most, most))
+  if not strategy["legacy"]:
+    spread = options["spread"] or max(2, math.ceil(eligible / max(1, left)))
+    tries.append((spread, eligible, eligible // spread, eligible // spread))
+  out: list[_Mod] = []
+  for spread, n, x, most in dict.fromkeys(tries):
+    made = _group(prob, c, n, spread, options["chunk_bytes"], left, may_wait)
+    if made is None:
+      continue
+    group, rest = made
+    for into in ([None, *neighbours] if rest and not strategy["legacy"] else [None]):
+      added = group.slots + (1 if rest and into is None else 0) - 1
+      if strategy["legacy"] or b_eff * most * isz > a_eff * added:    # it can pay for its start-ups
+        out.append(_Mod(x=x, group=group, rest=rest, into=into))
+  return out
+
+
+def _group(prob: Problem, chunk: Chunk, n: int, spread: int, chunk_bytes: int | None, left: int,
+           may_wait: np.ndarray) -> tuple[Bucket, tuple[Slice, ...]] | None:
+  """(a deferral group of n of `chunk`'s elements that may wait, the rest of its slices); None if no
+  such group defers at most `left` elements per step.
+
+  The carved elements are taken from the chunk's slices of rows that may wait, of the highest layer
+  index first (back layers: the last the next forward needs), the latest slice first, from its end;
+  the rest keeps the chunk's order. The group: m = spread·k equal parts, k = 1 or ceil(n / spread /
+  parts of at most `chunk_bytes`); more parts (smaller) while its k largest parts exceed `left`.
   """
   per = None if chunk_bytes is None else max(1, chunk_bytes // itemsize(chunk.dtype))
-  k = 1 if per is None else max(1, math.ceil(x / per))
-  n = min(chunk.size, spread * x)
+  k = 1 if per is None else max(1, math.ceil(n / spread / per))
   slices = list(chunk.slices)
-  order = sorted(range(len(slices)), key=lambda j: (-int(prob.row_layer[slices[j][0]]), -j))
+  order = sorted((j for j in range(len(slices)) if may_wait[slices[j][0]]),
+                 key=lambda j: (-int(prob.row_layer[slices[j][0]]), -j))
   carved: list[Slice] = []
   rest = dict(enumerate(slices))
   need = n
@@ -259,14 +444,14 @@ def _group(prob: Problem, chunk: Chunk, x: int, spread: int, chunk_bytes: int | 
     else:
       rest[j] = (r, a, b - take)
     need -= take
+  n -= need
   m = spread * k
   while m <= min(_MAX_GROUP_CHUNKS, n):
-    base, extra = divmod(n, m)
-    if k * base + min(k, extra) <= left:
+    size, extra = divmod(n, m)
+    if k * size + min(k, extra) <= left:
       group = Bucket(chunks=tuple(Chunk(slices=tuple(p), dtype=chunk.dtype)
                                   for p in _equal_parts(carved, m)), defer=k)
-      remainder = [rest[j] for j in sorted(rest)]
-      return (Chunk(slices=tuple(remainder), dtype=chunk.dtype) if remainder else None), group
+      return group, tuple(rest[j] for j in sorted(rest))
     m += 1
   return None
 
@@ -317,25 +502,37 @@ def _critical_period(prob: Problem, arr: Any, a_eff: float, b_eff: float,
   return period, exposed
 
 
-def _buckets(base: Sequence[Bucket], groups: dict[int, tuple[Chunk | None, Bucket]]) -> tuple[Bucket, ...]:
-  """auto's buckets, each of its chunks i in `groups` replaced, in place, by its rest (a lossless
-  chunk, if any) and then its deferral group (the bucket around them split there)."""
+def _buckets(base: Sequence[Bucket], chunks: Sequence[Chunk],
+             mods: dict[int, _Mod]) -> tuple[tuple[Bucket, ...], list[int]]:
+  """auto's buckets with each of its chunks i in `mods` replaced, in place, by its rest (its own
+  lossless message, unless merged into a neighbour) and then its deferral group (the bucket around
+  them split there); a neighbour that takes a rest sends it after its own slices. Also: the auto
+  chunk each issued message comes from."""
+  merged: dict[int, list[Slice]] = {}
+  for m in mods.values():
+    if m.into is not None and m.rest:
+      merged.setdefault(m.into, []).extend(m.rest)
   out: list[Bucket] = []
+  origin: list[int] = []
   i = 0
   for b in base:
     kept: list[Chunk] = []
-    for c in b.chunks:
-      if i in groups:
-        rest, group = groups[i]
-        if rest is not None:
-          kept.append(rest)
+    for _ in b.chunks:
+      c = chunks[i]
+      if i in mods:
+        m = mods[i]
+        if m.rest and m.into is None:
+          kept.append(Chunk(slices=m.rest, dtype=c.dtype))
+          origin.append(i)
         if kept:
           out.append(Bucket(chunks=tuple(kept)))
           kept = []
-        out.append(group)
+        out.append(m.group)
+        origin.extend([i] * m.group.slots)
       else:
-        kept.append(c)
+        kept.append(Chunk(slices=c.slices + tuple(merged.get(i, ())), dtype=c.dtype) if i in merged else c)
+        origin.append(i)
       i += 1
     if kept:
       out.append(Bucket(chunks=tuple(kept)))
-  return tuple(out)
+  return tuple(out), origin
