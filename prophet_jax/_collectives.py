@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._accumulate import check_state as check_accum
 from ._checks import check_bool, match_tree
 from ._defer import GroupState, check_state, group_states, with_groups
 from ._errors import AlreadyReducedError, UnboundAxisError
@@ -39,7 +40,8 @@ from ._tree import is_reduced_leaf
 
 __all__ = ["allreduce", "tie", "reduce_tied", "chunk_scope", "axis_size", "check_not_reduced", "vma_enabled",
            "is_varying", "to_varying", "check_residual_varying", "rank", "reduce_units", "schedule_units",
-           "unit_allreduces", "schedule_chains", "scheduled_allreduce", "EngineHooks", "engine_hooks"]
+           "unit_allreduces", "schedule_chains", "scheduled_allreduce", "accumulated_allreduce", "EngineHooks",
+           "engine_hooks"]
 
 SCOPE_PREFIX = "prophet/chunk"
 
@@ -476,3 +478,61 @@ def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean:
                                  chains=chains)
   new = with_groups(defer_state, groups) if schedule.defers else None
   return jax.tree_util.tree_unflatten(treedef, flat), new
+
+
+def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, every_k: int, accum: Any,
+                          mean: bool = True, where: str = "scheduled", defer_state: Any = None
+                          ) -> tuple[Any, Any, Any, jax.Array]:
+  """`scheduled_allreduce` once per `every_k` calls: gradient accumulation (`scheduled(..., every_k=k)`).
+
+  Adds this device's `grads` to `accum`'s sums (an `_accumulate.AccumState`); on the k-th call since
+  the last all-reduce it reduces the mean of the k micro-steps' gradients on the schedule (every
+  chunk, deferral included) and resets the sums, and on the other calls it issues nothing: the
+  all-reduces sit in the true branch of one `lax.cond` on the replicated count, so the compiled
+  program runs them only when that branch is taken. The reduced gradients are zero on the other calls.
+
+  Returns:
+    (the reduced tree on the k-th call, zeros otherwise; the new DeferState or None, changed on the
+    k-th call only; the new AccumState; `emit`, a replicated bool: whether this call reduced).
+  """
+  check_bool(where, "mean", mean)
+  axis_size(axis_name, where)
+  check_accum(accum, schedule, where)
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(grads)
+  lmap = match_tree(leaves_with_path, schedule, where=where)
+  flat = [leaf for _, leaf in leaves_with_path]
+  check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
+  if schedule.defers:
+    check_state(defer_state, schedule, where)
+  if vma_enabled(axis_name):
+    for (path, _, _), a in zip(schedule.rows, accum.grads):
+      if not is_varying(a, axis_name):
+        raise ValueError(
+            f"{where}: the gradient accumulator's sum for {path!r} (shape {tuple(np.shape(a))} per device) "
+            f"is replicated over axis {axis_name!r} (passed with PartitionSpec P()), but each device "
+            f"sums its own gradients: pass the optimizer state with prophet_jax.state_specs(state, "
+            f"{axis_name!r}) as in_specs and out_specs (P({axis_name!r}) for the sums, P() for the rest), "
+            f"and make the initial state inside the shard_map with those out_specs.")
+  rows = tuple(a[0] + flat[i].astype(a.dtype) for a, i in zip(accum.grads, lmap.row_leaf))
+  count = accum.count + 1
+  emit = count >= every_k
+
+  def fire(rows, defer):
+    mine = list(flat)
+    for i, r in zip(lmap.row_leaf, rows):
+      mine[i] = (r / every_k).astype(flat[i].dtype)
+    red, new = scheduled_allreduce(jax.tree_util.tree_unflatten(treedef, mine), schedule, axis_name,
+                                   mean=mean, where=where, defer_state=defer)
+    red = jax.tree_util.tree_leaves(red)
+    return tuple(red[i] for i in lmap.row_leaf), new, tuple(jnp.zeros_like(r) for r in rows)
+
+  def wait(rows, defer):
+    return tuple(jnp.zeros(np.shape(flat[i]), flat[i].dtype) for i in lmap.row_leaf), defer, rows
+
+  reduced, new_defer, rows = jax.lax.cond(emit, fire, wait, rows, defer_state)
+  out = list(flat)
+  for i, r in zip(lmap.row_leaf, reduced):
+    out[i] = r
+  new_accum = type(accum)(count=jnp.where(emit, 0, count).astype(jnp.int32),
+                          grads=tuple(r[None] for r in rows))
+  return jax.tree_util.tree_unflatten(treedef, out), new_defer, new_accum, emit

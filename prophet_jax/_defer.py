@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._accumulate import AccumState, is_grads_path
 from ._checks import match_tree
 from ._errors import ScheduleMismatchError
 from ._schedule import Chunk, Schedule
@@ -215,13 +216,15 @@ def _key_name(k: Any) -> Any:
 
 
 def state_specs(state: Any, axis_name: Any) -> Any:
-  """PartitionSpecs for `jax.shard_map` of any state holding DeferStates (an optax state, a
-  TrainState, a PipelinedState, a `flax.nnx` state, ...): `P(axis_name)` for each DeferState's
-  residuals (each device's own, on their leading axis of 1), `P()` for every other leaf (replicated).
+  """PartitionSpecs for `jax.shard_map` of any state holding DeferStates or gradient accumulators (an
+  optax state, a TrainState, a PipelinedState, a `flax.nnx` state, ...): `P(axis_name)` for each
+  DeferState's residuals and each accumulator's sums (`scheduled(..., every_k=k)`; each device's own,
+  on their leading axis of 1), `P()` for every other leaf (replicated).
 
-  A DeferState is found by its type, or, where a container re-labelled its fields (`flax.nnx`
-  stores an optimizer state as nested dicts of Variables), by its path: a leaf under a
-  `residual` entry that is under a `defer_state` entry (`ScheduledState.defer_state`).
+  A DeferState (an AccumState) is found by its type, or, where a container re-labelled its fields
+  (`flax.nnx` stores an optimizer state as nested dicts of Variables), by its path: a leaf under a
+  `residual` entry that is under a `defer_state` entry (`ScheduledState.defer_state`), a leaf under a
+  `grads` entry that is under an `accum` entry (`ScheduledState.accum`).
 
   Args:
     state: the state (arrays or ShapeDtypeStructs, e.g. `jax.eval_shape(tx.init, params)`, or
@@ -238,12 +241,17 @@ def state_specs(state: Any, axis_name: Any) -> Any:
       rep = lambda xs: tuple(P() for _ in xs)  # noqa: E731
       return DeferState(norms=rep(x.norms), deferred=rep(x.deferred), index=rep(x.index),
                         residual=tuple(P(axis_name) for _ in x.residual), tag=x.tag)
+    if isinstance(x, AccumState):
+      return AccumState(count=P(), grads=tuple(P(axis_name) for _ in x.grads))
     names = [_key_name(k) for k in path]
     if "defer_state" in names and "residual" in names[names.index("defer_state"):]:
       return P(axis_name)
+    if is_grads_path(names):
+      return P(axis_name)
     return P()
 
-  return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, DeferState))
+  return jax.tree_util.tree_map_with_path(one, state,
+                                          is_leaf=lambda x: isinstance(x, (DeferState, AccumState)))
 
 
 def check_state(state: Any, schedule: Schedule, where: str) -> None:

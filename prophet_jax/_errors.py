@@ -61,8 +61,8 @@ class CompositionError(ProphetError, ValueError):
   """`scheduled(...)` sits where it cannot give the all-reduced result: after another transformation in
   an `optax.chain` (clipping or normalising per-device gradients before the all-reduce gives another
   result, silently), or inside `optax.MultiSteps` under `shard_map` (the per-device accumulator cannot
-  live in a replicated optimizer state). Put `scheduled` outermost: `scheduled(optax.chain(clip, tx))`,
-  `scheduled(optax.MultiSteps(tx, k))`."""
+  live in a replicated optimizer state). Put `scheduled` outermost: `scheduled(optax.chain(clip, tx))`;
+  accumulate with `scheduled(tx, ..., every_k=k)`."""
 
 
 class GpuCompileError(ProphetError, RuntimeError):

@@ -49,14 +49,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _defer
-from ._collectives import scheduled_allreduce
+from . import _accumulate, _defer
+from ._collectives import accumulated_allreduce, scheduled_allreduce
 from ._errors import AlreadyReducedError
 from ._schedule import Schedule
 from ._tree import is_reduced_leaf, path_str
 
 __all__ = ["data_axes", "check_mesh", "axis_total", "MeshGradFn", "MeshPipelined", "reduce_unreduced",
-           "global_defer_state", "local_devices_along"]
+           "global_defer_state", "global_accum_state", "accumulate_unreduced", "local_devices_along"]
 
 P = PartitionSpec
 
@@ -554,6 +554,53 @@ def reduce_unreduced(grads: Any, schedule: Schedule, *, mesh: Any, axis_name: An
   mapped = jax.shard_map(body, mesh=mesh, in_specs=(gspecs, dspec), out_specs=(P(), dspec),
                          check_vma=False)
   return mapped(grads, defer_state)
+
+
+def global_accum_state(schedule: Schedule, mesh: Any, axis_name: Any) -> _accumulate.AccumState:
+  """`scheduled(..., every_k=k)`'s gradient accumulator laid out on the mesh: each row's sums `(n,
+  *shape)` split over the data axis (each device's own, zero), the count replicated."""
+  axes = check_mesh(mesh, axis_name, "scheduled")
+  specs = _defer.state_specs(_accumulate.init(schedule), _spec_entry(axes))
+  return jax.shard_map(lambda: _accumulate.init(schedule), mesh=mesh, in_specs=(), out_specs=specs)()
+
+
+def accumulate_unreduced(grads: Any, schedule: Schedule, *, mesh: Any, axis_name: Any, where: str,
+                         every_k: int, accum: Any, defer_state: Any = None) -> tuple[Any, Any, Any, Any]:
+  """Gradients unreduced over the data axis, accumulated per device and reduced on the schedule once
+  per `every_k` calls (`_collectives.accumulated_allreduce` on each device's partial sums, inside one
+  `shard_map`). Returns (the replicated reduced gradients on the k-th call, zeros otherwise; the new
+  deferral state or None; the new accumulator; whether this call reduced, replicated)."""
+  axes = check_mesh(mesh, axis_name, where)
+  _check_not_mapped(axes, where)
+  _check_unreduced(grads, mesh, axes, where)
+  entry = _spec_entry(axes)
+  n = axis_total(mesh, axes)
+  fix = "Make the optimizer state with this transformation's init on the mesh."
+  if defer_state is not None:
+    _check_defer_layout(defer_state, n, where, fix)
+  if isinstance(accum, _accumulate.AccumState):
+    for (path, _, _), g in zip(schedule.rows, accum.grads):
+      if np.shape(g)[:1] != (n,):
+        raise ValueError(
+            f"{where}: the gradient accumulator's sum for {path!r} has shape {tuple(np.shape(g))}, but on "
+            f"the mesh it holds each device's sum on its leading axis ({n} devices): ({n}, ...). {fix}")
+
+  def spec_of(g):
+    spec = jax.typeof(g).sharding.spec
+    return spec if set(axes) <= set(getattr(spec, "unreduced", ()) or ()) else P()
+
+  gspecs = jax.tree_util.tree_map(spec_of, grads)
+  dspec = _defer.state_specs(defer_state, entry) if defer_state is not None else P()
+  aspec = _defer.state_specs(accum, entry)
+
+  def body(g, a, d):
+    return accumulated_allreduce(g, schedule, axes if len(axes) > 1 else axes[0], every_k=every_k,
+                                 accum=a, mean=False, where=where, defer_state=d)
+
+  # check_vma=False, as in reduce_unreduced: inside, the partial sums are plain per-device values
+  mapped = jax.shard_map(body, mesh=mesh, in_specs=(gspecs, aspec, dspec),
+                         out_specs=(P(), dspec, aspec, P()), check_vma=False)
+  return mapped(grads, accum, defer_state)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -28,8 +28,10 @@ import optax
 
 from . import _mesh
 from ._checks import check_int, check_values, match_tree
-from ._collectives import (_zero_of, axis_size, check_residual_varying, is_varying, reduce_units,
-                           schedule_units, scheduled_allreduce, to_varying, unit_allreduces, vma_enabled)
+from ._accumulate import init as accum_init
+from ._collectives import (_zero_of, accumulated_allreduce, axis_size, check_residual_varying, is_varying,
+                           reduce_units, schedule_units, scheduled_allreduce, to_varying, unit_allreduces,
+                           vma_enabled)
 from ._defer import GroupState, check_state, group_states, init as defer_init, with_groups
 from ._errors import AlreadyReducedError, CompositionError
 from ._schedule import Bucket, Chunk, Schedule
@@ -52,10 +54,13 @@ class ScheduledState(NamedTuple):
     defer_state: the schedule's `DeferState` (`prophet_jax.defer_state`) when it defers (`dlcp` with
       `max_defer > 0`), else None. Its residuals are each device's own: under `shard_map`, pass the
       whole optimizer state with `prophet_jax.state_specs(opt_state, axis_name)`.
+    accum: with `every_k > 1`, the gradient accumulator (`AccumState`: the micro-step count and each
+      device's sums, which `state_specs` also gives `P(axis_name)`), else None.
   """
 
   inner: Any
   defer_state: Any = None
+  accum: Any = None
 
 
 # Where `scheduled` sits in the user's optax composition is visible on the Python stack while the
@@ -143,7 +148,8 @@ def _not_first_error(before: list[str], where: str) -> CompositionError:
 
 
 def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
-              axis_name: str | tuple[str, ...], mesh: Any = None) -> optax.GradientTransformationExtraArgs:
+              axis_name: str | tuple[str, ...], mesh: Any = None,
+              every_k: int = 1) -> optax.GradientTransformationExtraArgs:
   """An optax transformation that all-reduces the gradients as `schedule` says, then applies `tx`.
 
   Use it in place of a `jax.lax.pmean(grads, axis_name)` followed by `tx`: inside `jax.pmap(...,
@@ -166,15 +172,21 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   params, axis_name=...)` tests numerically that the optimizer's result depends only on the mean
   gradient.
 
-  Gradient accumulation: use `scheduled(optax.MultiSteps(tx, k), ...)`. It all-reduces each
-  micro-step's gradients and accumulates the averaged ones, so the whole optimizer state (the
-  accumulator included) stays replicated: it works under `pmap` and `shard_map` alike.
-  `optax.MultiSteps(scheduled(tx), k)` accumulates per-device gradients (and all-reduces the running
-  mean on every micro-step, keeping the result on the k-th): correct under `pmap`, where each device
-  holds its own optimizer state, but under `shard_map` a per-device accumulator cannot live in a
-  replicated (`P()`) state, so there it raises CompositionError naming the composition above. To
-  reduce once per k micro-steps instead, accumulate the micro-batch gradients in your own step (e.g.
-  a `lax.scan` over micro-batches) and apply `scheduled` once.
+  Gradient accumulation: `scheduled(tx, schedule, axis_name=..., every_k=k)`. Each call adds this
+  device's gradients to a per-device accumulator (`ScheduledState.accum`); every k-th call all-reduces
+  the mean of the k micro-steps' gradients on the schedule and applies `tx`, the other calls return
+  zero updates and leave `tx`'s state alone: the full-batch step over k micro-batches, for one
+  all-reduce of the gradients per k micro-steps (the compiled program holds the chunks' all-reduces
+  in the branch of one `lax.cond` taken on the k-th call). It works under `pmap`, `shard_map` (pass
+  the state with `prophet_jax.state_specs`, which gives the accumulator's sums `P(axis_name)`, and
+  make it inside the map, as for deferral residuals) and on the mesh (`mesh=`: `init` lays the sums
+  out over the data axis). The sums are float32 for gradients narrower than 32 bits. A deferring
+  schedule defers once per k micro-steps. Why not `optax.MultiSteps`: in optax 0.2.8 its `update`
+  runs the inner transformation on every micro-step and keeps the result with `jnp.where`, so
+  `MultiSteps(scheduled(tx), k)` all-reduces (the running mean) on every micro-step, and under
+  `shard_map` its per-device accumulator cannot live in a replicated state (it raises
+  CompositionError naming `every_k`); `scheduled(optax.MultiSteps(tx, k))` all-reduces every
+  micro-step's gradients (correct, replicated, k times the communication).
 
   Deferral (a `dlcp` schedule with `max_defer > 0`): the schedule's `DeferState` lives in the state
   (`ScheduledState.defer_state`; None for a schedule that defers nothing, whose state and compiled
@@ -207,19 +219,23 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     axis_name: the data-parallel axis name.
     mesh: reduce gradients obtained unreduced over `axis_name` on this mesh, inside a plain
       `jax.jit` on global arrays (see above); None: inside `jax.pmap` or `jax.shard_map`.
+    every_k: micro-steps per all-reduce and update (gradient accumulation, see above); 1, the
+      default, reduces and updates on every call.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is `ScheduledState(inner=tx_state,
-    defer_state=...)` (`defer_state` None unless the schedule defers).
+    defer_state=..., accum=...)` (`defer_state` None unless the schedule defers; `accum` None unless
+    `every_k > 1`).
 
   Raises:
-    TypeError: `tx`, `schedule` or `axis_name` is of the wrong kind (at construction).
+    TypeError: `tx`, `schedule`, `axis_name` or `every_k` is of the wrong kind (at construction).
+    ValueError: `every_k` below 1 (at construction).
     CompositionError: at `init` or `update`, `scheduled` is not first in an `optax.chain`; at trace
       time, it is inside `optax.MultiSteps` under `shard_map`.
     UnboundAxisError, ScheduleMismatchError, AlreadyReducedError: at trace time, from `update`
       (ScheduleMismatchError also for a state made by `init` of another deferring schedule).
     ValueError: at trace time, the schedule stripes over more links than the platform runs at once
-      (CPU: 1), or, under shard_map, a deferral residual passed replicated.
+      (CPU: 1), or, under shard_map, a deferral residual or an accumulator's sums passed replicated.
 
   Example:
     >>> tx = prophet_jax.scheduled(optax.sgd(0.1, momentum=0.9), schedule, axis_name="data")
@@ -227,6 +243,8 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     >>> # inside jax.pmap(..., axis_name="data"): state = state.apply_gradients(grads=grads)
   """
   check_values("scheduled", tx=tx, schedule=schedule, axis_name=axis_name)
+  every_k = check_int("scheduled", "every_k", every_k, lo=1,
+                      fix="It is the number of micro-steps per all-reduce and update; 1 reduces every call.")
   if mesh is not None:
     _mesh.check_mesh(mesh, axis_name, "scheduled")
 
@@ -234,17 +252,33 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     before = _ran_before_in_chain()
     if before:
       raise _not_first_error(before, "init")
-    defer = None
+    defer = accum = None
     if schedule.defers:
       defer = defer_init(schedule) if mesh is None else _mesh.global_defer_state(schedule, mesh, axis_name)
-    return ScheduledState(inner=tx.init(params), defer_state=defer)
+    if every_k > 1:
+      accum = accum_init(schedule) if mesh is None else _mesh.global_accum_state(schedule, mesh, axis_name)
+    return ScheduledState(inner=tx.init(params), defer_state=defer, accum=accum)
+
+  def inner_update(reduced, inner, params, extra_args):
+    if isinstance(tx, optax.GradientTransformationExtraArgs):
+      return tx.update(reduced, inner, params, **extra_args)
+    return tx.update(reduced, inner, params)
 
   def update_fn(updates, state, params=None, **extra_args):
     before = _ran_before_in_chain()
     if before:
       raise _not_first_error(before, "update")
     try:
-      if mesh is not None:  # global gradients, unreduced over the axis: reduced on the mesh
+      if every_k > 1:
+        if mesh is not None:
+          reduced, defer, accum, emit = _mesh.accumulate_unreduced(
+              updates, schedule, mesh=mesh, axis_name=axis_name, where="scheduled(mesh=...)",
+              every_k=every_k, accum=state.accum, defer_state=state.defer_state)
+        else:
+          reduced, defer, accum, emit = accumulated_allreduce(
+              updates, schedule, axis_name, every_k=every_k, accum=state.accum, mean=True,
+              where="scheduled", defer_state=state.defer_state)
+      elif mesh is not None:  # global gradients, unreduced over the axis: reduced on the mesh
         reduced, defer = _mesh.reduce_unreduced(updates, schedule, mesh=mesh, axis_name=axis_name,
                                                 where="scheduled(mesh=...)", defer_state=state.defer_state)
       else:
@@ -256,15 +290,21 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
       raise CompositionError(
           f"scheduled(...) inside optax.MultiSteps under shard_map: MultiSteps keeps an accumulator of "
           f"each device's own gradients, which varies over axis {axis_name!r} and cannot live in the "
-          f"replicated optimizer state (optax's own update then fails). Swap the two: "
-          f"prophet_jax.scheduled(optax.MultiSteps(tx, k), schedule, axis_name={axis_name!r}) "
-          f"all-reduces each micro-step's gradients and accumulates the averaged ones (the same "
-          f"all-reduces, a replicated state); it works under pmap and shard_map.") from e
-    if isinstance(tx, optax.GradientTransformationExtraArgs):
-      new, inner = tx.update(reduced, state.inner, params, **extra_args)
-    else:
-      new, inner = tx.update(reduced, state.inner, params)
-    return new, ScheduledState(inner=inner, defer_state=defer)
+          f"replicated optimizer state (optax's own update then fails); and MultiSteps runs the inner "
+          f"transformation on every micro-step, so the all-reduces would run on every one anyway. "
+          f"Accumulate in scheduled itself: prophet_jax.scheduled(tx, schedule, axis_name={axis_name!r}, "
+          f"every_k=k) all-reduces once per k micro-steps (pass its state with "
+          f"prophet_jax.state_specs(state, {axis_name!r})).") from e
+    if every_k == 1:
+      new, inner = inner_update(reduced, state.inner, params, extra_args)
+      return new, ScheduledState(inner=inner, defer_state=defer)
+    # the update on the k-th micro-step only, zeros (and tx's state unchanged) on the others
+    apply = lambda r, i: inner_update(r, i, params, extra_args)  # noqa: E731
+    shapes = jax.eval_shape(apply, reduced, state.inner)[0]
+    new, inner = jax.lax.cond(
+        emit, apply, lambda r, i: (jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), i),
+        reduced, state.inner)
+    return new, ScheduledState(inner=inner, defer_state=defer, accum=accum)
 
   init_fn._prophet_scheduled = True  # type: ignore[attr-defined]
   update_fn._prophet_scheduled = True  # type: ignore[attr-defined]

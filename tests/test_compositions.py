@@ -226,8 +226,9 @@ def test_multisteps_of_scheduled_under_shard_map_names_the_composition_to_use():
 
   mesh = _mesh()
   f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AX)), out_specs=P()))
-  with pytest.raises(pj.CompositionError, match=r"inside optax.MultiSteps under shard_map.*"
-                                                r"prophet_jax.scheduled\(optax.MultiSteps\(tx, k\)"):
+  with pytest.raises(pj.CompositionError, match=r"inside optax.MultiSteps under shard_map.*every "
+                                                r"micro-step.*prophet_jax.scheduled\(tx, schedule, "
+                                                r"axis_name='dp', every_k=k\)"):
     f.trace(jax.device_put(state, NamedSharding(mesh, P())),
             jax.device_put(batches[0], NamedSharding(mesh, P(AX))))
   # the 8x trap alone (no MultiSteps) still says what it is

@@ -1,0 +1,92 @@
+"""Gradient accumulation in `scheduled(tx, schedule, axis_name=..., every_k=k)`: the state a step carries.
+
+With `every_k = k > 1`, `scheduled` adds each micro-step's gradients to a per-device accumulator and
+all-reduces (the schedule's chunks, under a `lax.cond`) only on every k-th call, then applies `tx` to
+the mean over the k micro-steps: the full-batch step over k micro-batches, for one all-reduce of the
+gradients per k micro-steps. (`optax.MultiSteps` cannot give that: in optax 0.2.8 its `update` runs
+the inner transformation on every micro-step and keeps the result with `jnp.where`, so a `scheduled`
+inside it, or around it, all-reduces on every micro-step.) The step itself is the engine's
+(`_collectives.accumulated_allreduce`); this module keeps what it carries from one call to the next:
+
+- `AccumState(count, grads)` (a NamedTuple pytree): `count` int32[] (micro-steps accumulated since
+  the last all-reduce, replicated, `P()` under shard_map); `grads`, one array per schedule row, shape
+  `(1, *row shape)`: this device's sum of its micro-step gradients, in float32 for rows narrower than
+  32 bits (a bfloat16 sum of k values would lose the low bits), else in the row's dtype. The leading
+  axis of 1 makes it each device's own under `shard_map` (`P(axis_name)`, as `state_specs` gives it)
+  and on the mesh (`(n, *shape)` split over the data axis), as DLCP's deferral residuals are.
+- `init` (the state before the first micro-step), `check_state` (the state against a schedule), and
+  `is_grads_path` (the rule `state_specs` applies to states whose containers re-labelled the fields).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._errors import ScheduleMismatchError
+from ._schedule import Schedule
+from ._types import itemsize
+
+__all__ = ["AccumState", "accum_dtype", "init", "check_state", "is_grads_path"]
+
+
+class AccumState(NamedTuple):
+  """The gradient accumulator of `scheduled(..., every_k=k)`.
+
+  Attributes:
+    count: int32[]: micro-steps accumulated since the last all-reduce (replicated; 0 after the k-th).
+    grads: per schedule row (its order), `(1, *row shape)`: this device's sum of the micro-step
+      gradients since the last all-reduce (float32 for rows narrower than 32 bits).
+  """
+
+  count: jax.Array
+  grads: tuple[jax.Array, ...]
+
+
+def accum_dtype(dtype: Any) -> str:
+  """The dtype a row's gradients are summed in: float32 for floats narrower than 32 bits, else the row's."""
+  name = str(jnp.dtype(dtype))
+  return "float32" if itemsize(name) < 4 else name
+
+
+def init(schedule: Schedule) -> AccumState:
+  """The accumulator before the first micro-step: count 0, zero sums (one per schedule row, each with a
+  leading axis of 1; under shard_map make it inside the map, or stack one per device on that axis)."""
+  return AccumState(count=jnp.zeros((), jnp.int32),
+                    grads=tuple(jnp.zeros((1, *shape), accum_dtype(dtype)) for _, shape, dtype in schedule.rows))
+
+
+def check_state(state: Any, schedule: Schedule, where: str) -> None:
+  """TypeError unless `state` is an AccumState; ScheduleMismatchError unless it has one sum per row of
+  `schedule`, each `(1, *row shape)` in the accumulation dtype (per device)."""
+  if not isinstance(state, AccumState):
+    raise TypeError(f"{where}: with every_k > 1 the optimizer state holds the gradient accumulator, an "
+                    f"AccumState (made by this transformation's init), got {type(state).__name__}.")
+  rows = schedule.rows
+  if len(state.grads) != len(rows):
+    raise ScheduleMismatchError(
+        f"{where}: the gradient accumulator holds {len(state.grads)} sums, but the schedule has {len(rows)} "
+        f"rows: it was made by the init of another schedule's transformation. Make the state with this "
+        f"transformation's init.")
+  for (path, shape, dtype), g in zip(rows, state.grads):
+    want = ((1, *shape), accum_dtype(dtype))
+    got = (tuple(np.shape(g)), str(jnp.dtype(getattr(g, "dtype", np.float64))))
+    if got != want:
+      raise ScheduleMismatchError(
+          f"{where}: the gradient accumulator's sum for {path!r} has shape {got[0]} and dtype {got[1]} "
+          f"per device, expected {want[0]} {want[1]} (the row {path!r} of shape {tuple(shape)}, {dtype}, "
+          f"on a leading axis of 1). Under shard_map pass the optimizer state with "
+          f"prophet_jax.state_specs(state, axis_name) (the sums P(axis_name), the rest P()) and make it "
+          f"inside the map; under pmap replicate it over the devices.")
+
+
+def is_grads_path(names: Sequence[Any]) -> bool:
+  """Whether a leaf at a path of entry names is an accumulator sum: under an `accum` entry, then a
+  `grads` entry (`ScheduledState.accum.grads`, where a container such as `flax.nnx` turned the
+  NamedTuples into dicts)."""
+  names = list(names)
+  return "accum" in names and "grads" in names[names.index("accum"):]
