@@ -39,7 +39,7 @@ from prophet_jax._types import itemsize
 from prophet_jax._checks import check_values
 
 __all__ = ["best_contiguous", "best_ordered", "best_sharded", "random_profile", "random_network", "random_schedule",
-           "random_deferral", "split_group"]
+           "random_deferral", "split_group", "random_sharded"]
 
 MAX_CONTIGUOUS_LEAVES = 22
 MAX_ORDERED_LEAVES = 12
@@ -489,3 +489,21 @@ def random_deferral(schedule: Schedule, rng: np.random.Generator, *, prob: float
     if kept:
       buckets.append(Bucket(chunks=tuple(kept), defer=b.defer))
   return Schedule(buckets=tuple(buckets), rows=schedule.rows, policy=schedule.policy)
+
+
+def random_sharded(profile: GradientProfile, rng: np.random.Generator, **kw) -> Schedule:
+  """A random valid sharded schedule: `random_schedule`'s chunks (random slices, merges, order) as the
+  reduce-scatters, their indices split at random into dtype-homogeneous gathers in random order (the
+  profile must have a row with nbytes > 0)."""
+  base = random_schedule(profile, rng, **kw)
+  chunks = base.chunks
+  order = [int(k) for k in rng.permutation(len(chunks))]
+  gathers: list[list[int]] = []
+  for k in order:
+    same = [g for g in gathers if chunks[g[0]].dtype == chunks[k].dtype]
+    if same and rng.random() < 0.5:
+      same[int(rng.integers(len(same)))].append(k)
+    else:
+      gathers.append([k])
+  return Schedule(buckets=tuple(Bucket(chunks=(c,)) for c in chunks), rows=profile.tree_rows(),
+                  policy="random-sharded", gathers=tuple(tuple(g) for g in gathers))

@@ -62,6 +62,7 @@ from .._core import Problem, problem
 from .._network import NetworkModel
 from .._schedule import Bucket, Chunk, Schedule
 from .._sharded import sharded_arrays, sharded_durations, sharded_iteration_s, sharded_run
+from .._simulate import simulate_sharded
 from .._types import GradientProfile
 from ._base import Scheduler, Slice
 from ._common import check_inputs, make_schedule
@@ -121,6 +122,8 @@ def dear(*, bucket_bytes: int | None = None) -> Scheduler:
     check_network(network)
     prob = problem(profile, network, cross_step=cross)
     label, chunks, gathers, predicted = plan_sharded(prob, bucket_bytes)
+    if network.pressure is not None and chunks:     # `simulate`'s number, under the pressure
+      predicted = simulate_sharded(prob, sharded_arrays(prob, chunks, gathers), events=False).iteration_s
     return sharded_schedule(profile, chunks, gathers, options=dict(options, candidate=label),
                             cross_step=cross, predicted_s=predicted)
 
@@ -162,8 +165,8 @@ def plan_sharded(prob: Problem, bucket_bytes: int | None = None
   """(label, reduce-scatter chunks, gathers, predicted iteration) of the best sharded plan for `prob`
   (see the module docstring); with `bucket_bytes`, DeAR's fixed fusion at that threshold alone.
 
-  The prediction is the calm simulation's (`_sharded.sharded_iteration_s`); under network pressure
-  the chosen plan is the calm one's and `plan` simulates it under pressure.
+  The candidates are ranked by the calm simulation (`_sharded.sharded_iteration_s`, as `auto` ranks
+  its own); under network pressure the scheduler predicts the chosen plan under it.
   """
   if not prob.live:
     return "empty", [], [], float(max(prob.backward_s + prob.after_s, prob.floor_s))
