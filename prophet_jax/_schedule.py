@@ -244,6 +244,12 @@ class Schedule:
     schedule's reduce-scatter sends; `workers` x `shard_size`), in issue order."""
     return tuple(int(workers) * shard_size(c.size, workers) for c in self.chunks)
 
+  def shard_nbytes(self, workers: int) -> int:
+    """Bytes of one device's shards of every chunk (each chunk's buffer padded on its own,
+    `shard_size` elements of its dtype): what a sharded (ZeRO-1) step keeps per device of a
+    per-parameter optimizer state of the gradients' dtype, against `sum(chunk.nbytes)` replicated."""
+    return sum(shard_size(c.size, workers) * itemsize(c.dtype) for c in self.chunks)
+
   def gather_sizes(self, workers: int) -> tuple[int, ...]:
     """Elements of every all-gather's result, in all-gather order: `workers` x the sum of its chunks'
     shards (each chunk padded on its own). Empty for an all-reduce schedule."""

@@ -80,6 +80,7 @@ def test_padding_and_sizes():
   s = sharded(PROFILE, [[1], [0]], [[1, 0]])
   assert s.padded_sizes(3) == (501, 252) and s.gather_sizes(3) == (252 + 501,)
   assert s.padded_sizes(1) == (500, 250)
+  assert s.shard_nbytes(3) == (167 + 84) * 4 and s.shard_nbytes(1) == 3000
 
 
 @pytest.mark.parametrize("workers", [1, 2, 7, 64])

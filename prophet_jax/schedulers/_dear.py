@@ -316,48 +316,48 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> list[l
       f[j] = v[k]
       choice[j - 1] = int(i[k])
     return _groups_from_choice(seq, choice)
-  # pipelined: Pareto program over prefixes of (link free, max of end + forward tail)
-  tail = [float(prob.layer_fwd_tail_s[int(prob.row_layer[front[k]])]) for k in seq]
-  fronts: list[list[tuple[float, float, int, int]]] = [[] for _ in range(k_n + 1)]
-  fronts[0] = [(t_rs, -math.inf, -1, -1)]
+  # pipelined: Pareto program over prefixes of (link free, max of end + forward tail), vectorised: every
+  # prefix's front is a run of one flat array (entries of prefix i at starts[i]:starts[i + 1])
+  tail = np.array([float(prob.layer_fwd_tail_s[int(prob.row_layer[front[k]])]) for k in seq])
+  ends = [t_rs]
+  costs = [-math.inf]
+  parent = [-1]
+  owner = [0]
+  starts = [0, 1]
   for j in range(1, k_n + 1):
-    cand: list[tuple[float, float, int, int]] = []
-    rel_max = t_head = -math.inf
-    for i in range(j - 1, run_start[j - 1] - 1, -1):
-      rel_max = max(rel_max, float(end_rs[i]))
-      t_head = max(t_head, tail[i])
-      release = rel_max + float(cum_upd[j] - cum_upd[i])
-      dur = a + b * float(prefix[j] - prefix[i])
-      for idx, (e, c, _, _) in enumerate(fronts[i]):
-        e2 = max(e, release) + dur
-        c2 = max(c, e2 + t_head)
-        cand.append((e2, c2, i, idx))
-    fronts[j] = _pareto(cand)
-  best = min(range(len(fronts[k_n])), key=lambda x: (fronts[k_n][x][1], fronts[k_n][x][0]))
+    lo = run_start[j - 1]
+    rel = np.maximum.accumulate(end_rs[lo:j][::-1])[::-1]          # max RS end over chunks i..j-1
+    head = np.maximum.accumulate(tail[lo:j][::-1])[::-1]           # the group's largest forward tail
+    release = rel + (cum_upd[j] - cum_upd[lo:j])
+    dur = a + b * (prefix[j] - prefix[lo:j])
+    sl = slice(starts[lo], starts[j])
+    e_prev = np.asarray(ends[sl])
+    c_prev = np.asarray(costs[sl])
+    i = np.asarray(owner[sl]) - lo
+    e2 = np.maximum(e_prev, release[i]) + dur[i]
+    c2 = np.maximum(c_prev, e2 + head[i])
+    order = np.lexsort((c2, e2))                                  # by end, then cost
+    c_sorted = c2[order]
+    keep = np.r_[True, c_sorted[1:] < np.minimum.accumulate(c_sorted)[:-1]]
+    kept = order[keep]
+    if kept.size > _FRONT:                                        # the lowest-cost ones
+      kept = kept[np.argsort(c2[kept], kind="stable")[:_FRONT]]
+    ends.extend(e2[kept].tolist())
+    costs.extend(c2[kept].tolist())
+    parent.extend((sl.start + kept).tolist())
+    owner.extend([j] * kept.size)
+    starts.append(len(ends))
+  last = range(starts[k_n], starts[k_n + 1])
+  x = min(last, key=lambda x: (costs[x], ends[x]))
   groups: list[list[int]] = []
-  j, idx = k_n, best
+  j = k_n
   while j > 0:
-    _, _, i, pidx = fronts[j][idx]
-    groups.append([seq[x] for x in range(i, j)])
-    j, idx = i, pidx
+    px = parent[x]
+    i = owner[px]
+    groups.append([seq[y] for y in range(i, j)])
+    j, x = i, px
   groups.reverse()
   return groups
-
-
-def _pareto(cand: list[tuple[float, float, int, int]]) -> list[tuple[float, float, int, int]]:
-  """The non-dominated (end, cost) pairs of `cand` (both minimised), at most `_FRONT` of them (the
-  lowest-cost ones when more)."""
-  cand.sort(key=lambda x: (x[0], x[1]))
-  out: list[tuple[float, float, int, int]] = []
-  best = math.inf
-  for x in cand:
-    if x[1] < best:
-      out.append(x)
-      best = x[1]
-  if len(out) > _FRONT:
-    out = sorted(out, key=lambda x: x[1])[:_FRONT]
-    out.sort(key=lambda x: x[0])
-  return out
 
 
 def _groups_from_choice(seq: Sequence[int], choice: Sequence[int]) -> list[list[int]]:
