@@ -45,6 +45,10 @@ _CHEAP = frozenset({
     "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "or", "pow", "pvary",
     "reduce_precision", "rem", "round", "rsqrt", "select_n", "sign", "sin", "sqrt", "square", "sub",
     "tanh", "xor", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev",
+    # transcendental elementwise; jax 0.12 added `one_minus_square` (tanh's and asin's derivatives write
+    # 1 - x^2 with it) and `log2`
+    "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "cosh", "log2",
+    "one_minus_square", "sinh", "tan",
 })
 
 
