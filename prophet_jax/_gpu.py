@@ -438,16 +438,21 @@ def import_jax_quietly() -> None:
   (XLA_FLAGS, e.g. the host device count, are still read later, when the first backend starts).
 
   Registering the plugins is what loads the CUDA plugin's library (two more lines of driver-search noise);
-  it is done through jax's private `_discover_and_register_pjrt_plugins`, skipped if that is gone (the
-  lines then print, nothing else changes).
+  it is done through jax's private `_discover_and_register_pjrt_plugins` (`_jaxcompat.PRIVATE_JAX`),
+  skipped where a jax lacks it: the lines then print, nothing else changes (cosmetic, so not an error).
   """
+  from ._errors import JaxVersionError
+  from ._jaxcompat import private
+
   with quiet_cuda_stub():
     import jax  # noqa: F401
-    from jax._src import xla_bridge
 
-    register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
-    if callable(register):
-      register()
+    try:
+      register = private("jax._src.xla_bridge", "_discover_and_register_pjrt_plugins",
+                         feature="the command line's quiet start")
+    except JaxVersionError:
+      return
+    register()
 
 
 # --------------------------------------------------------------------------------------------------

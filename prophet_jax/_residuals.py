@@ -23,6 +23,10 @@ both.
 
 The plan is positions in the jaxpr of `vjp_jaxpr` (deterministic for a given function and shapes), so
 the forward (on the real batch) and the next call's backward (tracing on the recorded shapes) agree.
+
+Jaxprs are read through `jax.extend.core` (checked first: `_jaxcompat.check_jaxpr_api`). jax 0.11 merged
+`ClosedJaxpr` into `Jaxpr` (a jaxpr's `.jaxpr` is itself, its `.consts` its constants); the code reads
+`closed.jaxpr` and `closed.consts`, which both versions have.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex_core
+
+from ._jaxcompat import check_jaxpr_api
 
 # Position of a value in a jaxpr: (-1, k) the k-th input; (i, j) output j of equation i.
 Position = tuple[int, int]
@@ -79,6 +85,7 @@ def vjp_jaxpr(forward_fn: Callable[[Any, Any], Any], pv: Any, batch: Any, *,
   With `has_aux`, `forward_fn` returns `(loss, aux)`; aux is not differentiated, and its leaves are the
   jaxpr's outputs after the loss.
   """
+  check_jaxpr_api("pipelined's residual analysis")
   p_leaves, p_tree = jax.tree_util.tree_flatten(pv)
   b_leaves, b_tree = jax.tree_util.tree_flatten(batch)
   box: list[Any] = []

@@ -11,6 +11,7 @@ import prophet_jax
 PURE = ["prophet_jax", "prophet_jax._types", "prophet_jax._errors", "prophet_jax._plan", "prophet_jax._tree",
         "prophet_jax._core", "prophet_jax._schedule", "prophet_jax.launch",
         "prophet_jax._simulate", "prophet_jax._bound", "prophet_jax._timeline", "prophet_jax.schedulers",
+        "prophet_jax._jaxcompat",
         "prophet_jax.cli"]
 
 
