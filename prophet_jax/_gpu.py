@@ -47,7 +47,7 @@ from typing import Any
 from ._errors import GpuCompileError
 
 __all__ = ["GPU_TARGETS", "GpuTarget", "GpuTopology", "gpu_target", "gpu_topology", "find_ptxas",
-           "cuda_plugin_installed", "cuda_plugin", "CudaPlugin", "CUDA_MAJORS", "quiet_cuda_stub", "import_jax_quietly", "compile_step",
+           "cuda_plugin_installed", "cuda_plugin", "CudaPlugin", "CUDA_MAJORS", "xla_option_accepted", "quiet_cuda_stub", "import_jax_quietly", "compile_step",
            "lower_step", "compile_lowered", "STEP_MODES", "GPU_COMPILE_EXTRA"]
 
 # name -> (file under prophet_jax/targets, aliases)
@@ -286,6 +286,25 @@ def _check_requirements(target: str) -> CudaPlugin:
                           f"pip install {nvcc} (CUDA {plugin.major}, as {plugin.plugin}), or put a CUDA "
                           f"toolkit's bin/ on PATH (or set CUDA_HOME).")
   return plugin
+
+
+def xla_option_accepted(name: str, value: Any) -> bool:
+  """Whether the installed jaxlib's XLA takes the per-compile option `name=value` (GPU options parse on
+  the CPU as well, so this compiles a trivial CPU program with it). Options come and go between jaxlib
+  versions: 0.12 refuses 0.10's `xla_gpu_enable_pipelined_all_reduce` and adds
+  `xla_gpu_experimental_use_collective_kernels`; an unknown name in XLA_FLAGS aborts the process, as a
+  compile option it is refused ('No such compile option')."""
+  import jax
+  import jax.numpy as jnp
+
+  lowered = jax.jit(lambda x: x + 1).lower(jnp.zeros(2, jnp.float32))
+  try:
+    lowered.compile(compiler_options={name: value})
+  except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error type
+    if "No such compile option" in str(e) or "not a valid" in str(e):
+      return False
+    raise
+  return True
 
 
 def _check_platforms() -> None:

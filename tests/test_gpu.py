@@ -72,19 +72,6 @@ SLOW = pj.NetworkModel.preset("10gbe", workers=NDEV)
 SLOW_OPTIONS = {"partition_bytes": 16384, "credit_bytes": 16384}
 
 
-def xla_option_accepted(name: str, value) -> bool:
-  """Whether this jaxlib's XLA knows the per-compile option (GPU options parse on the CPU too; an unknown
-  name is refused with 'No such compile option')."""
-  lowered = jax.jit(lambda x: x + 1).lower(jnp.zeros(2))
-  try:
-    lowered.compile(compiler_options={name: value})
-  except Exception as e:  # noqa: BLE001 - jaxlib's own runtime error type
-    if "No such compile option" in str(e) or "not a valid" in str(e):
-      return False
-    raise
-  return True
-
-
 # jaxlib >= 0.12's XLA:GPU runs an all-reduce of up to a few MiB on one host as a one-shot Triton kernel
 # (an asynchronous collective fusion, `fusion-start`), and its scheduler puts little or nothing inside
 # those windows in these tiny models; larger all-reduces (>= 16 MiB measured) take the NCCL path, which
@@ -92,7 +79,7 @@ def xla_option_accepted(name: str, value) -> bool:
 # claims below are about the NCCL path: where this jaxlib has collective kernels, the audited programs
 # are compiled with them off (the option's empty list); `test_default_flags_...` audits the default.
 NCCL_PATH = ({"xla_gpu_experimental_use_collective_kernels": ""}
-             if xla_option_accepted("xla_gpu_experimental_use_collective_kernels", "") else {})
+             if _gpu.xla_option_accepted("xla_gpu_experimental_use_collective_kernels", "") else {})
 
 
 @functools.lru_cache(maxsize=None)
@@ -274,7 +261,7 @@ def test_a_step_xla_merged_or_reordered_fails_the_audit(topo, case):
 # jaxlib 0.12 replaced the boolean xla_gpu_enable_pipelined_all_reduce by the mode
 # xla_gpu_pipeline_all_reduce (the old name is refused as a compile option there).
 PIPELINED_ALL_REDUCE = (("xla_gpu_enable_pipelined_all_reduce", True)
-                        if xla_option_accepted("xla_gpu_enable_pipelined_all_reduce", True)
+                        if _gpu.xla_option_accepted("xla_gpu_enable_pipelined_all_reduce", True)
                         else ("xla_gpu_pipeline_all_reduce", "COLLECTIVE_PIPELINING_MODE_ON"))
 BENIGN_FLAGS = {"xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30,
                 PIPELINED_ALL_REDUCE[0]: PIPELINED_ALL_REDUCE[1], **NCCL_PATH}
