@@ -501,8 +501,7 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
       warnings.append(f"chunk(s) {kernels[:10]}{'...' if len(kernels) > 10 else ''} run as XLA:GPU collective "
                       f"kernels (one-shot Triton kernels in an asynchronous collective fusion, fusion-start: "
                       f"jaxlib >= 0.12's default for all-reduces of up to a few MiB on one host) with no "
-                      f"compute inside their windows (count and order still hold). XLA's NCCL path overlaps "
-                      f"them: XLA_FLAGS=--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE (or the "
+                      f"compute inside their windows. XLA's NCCL path overlaps them: XLA_FLAGS=--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE (or the "
                       f"compile option xla_gpu_experimental_use_collective_kernels='').")
   return AuditReport(planned=len(sizes), chunks=tuple(chunks), loops=tuple(loops),
                      foreign=tuple(foreign), order=tuple(order), ok=not problems,
