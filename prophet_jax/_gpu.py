@@ -47,8 +47,9 @@ from typing import Any
 from ._errors import GpuCompileError
 
 __all__ = ["GPU_TARGETS", "GpuTarget", "GpuTopology", "gpu_target", "gpu_topology", "find_ptxas",
-           "cuda_plugin_installed", "cuda_plugin", "CudaPlugin", "CUDA_MAJORS", "xla_option_accepted", "quiet_cuda_stub", "import_jax_quietly", "compile_step",
-           "lower_step", "compile_lowered", "STEP_MODES", "GPU_COMPILE_EXTRA"]
+           "cuda_plugin_installed", "cuda_plugin", "CudaPlugin", "CUDA_MAJORS", "xla_option_accepted",
+           "quiet_cuda_stub", "import_jax_quietly", "compile_step", "lower_step", "compile_lowered",
+           "STEP_MODES", "GPU_COMPILE_EXTRA"]
 
 # name -> (file under prophet_jax/targets, aliases)
 _TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -200,7 +201,8 @@ def cuda_plugin() -> CudaPlugin | None:
   if len(found) > 1:
     raise GpuCompileError(f"both jax-cuda12-plugin and jax-cuda13-plugin are installed; jax loads one "
                           f"platform 'cuda', so keep one: pip uninstall jax-cuda12-plugin jax-cuda12-pjrt "
-                          f"(CUDA 13) or pip uninstall jax-cuda13-plugin jax-cuda13-pjrt (CUDA 12).")
+                          f"(to keep CUDA 13) or pip uninstall jax-cuda13-plugin jax-cuda13-pjrt (to keep "
+                          f"CUDA 12).")
   if not found:
     return None
   return CudaPlugin(major=found[0], plugin=f"jax-cuda{found[0]}-plugin", pjrt=f"jax-cuda{found[0]}-pjrt")
