@@ -290,8 +290,8 @@ def test_users_xla_flags_keep_count_and_order_or_warn(topo):
 
 
 def test_a100_overlaps_only_with_the_latency_hiding_scheduler():
-  """jaxlib 0.10.2's XLA:GPU schedules for overlap by default only on Hopper: on an A100 the chunks'
-  all-reduces compile synchronous (the audit warns) unless the user turns the scheduler on."""
+  """XLA:GPU (jaxlib 0.10.2 and 0.12) schedules for overlap by default only on Hopper: on an A100 the
+  chunks' all-reduces compile synchronous (the audit warns) unless the user turns the scheduler on."""
   a100 = pj.gpu_topology("a100", devices=NDEV)
   m = get_model("cnn")
   s = schedule_for("cnn", "wfbp", "hooked")
