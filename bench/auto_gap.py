@@ -15,7 +15,10 @@ heavier search, every schedule scored by `prophet_jax.simulate` (the model auto 
   up to 24 chunks, whatever the number of slices) with 10x auto's whole budget, from that one start.
 
 The last two reuse auto's own search engine, so they get stronger whenever it does: what they find is
-the depth a 10x budget buys, not a family auto lacks. Prints per cell auto's predicted iteration time,
+the depth a 10x budget buys, not a family auto lacks. That is also why this bench alone imports private
+code (auto's block planner `_Planner`, its problem, chunks and local search): the oracle measures how
+much deeper auto's own engine could go, so it must run that engine, not a copy. Schedules are built
+with the public values (`_schedules.schedule_of`). Prints per cell auto's predicted iteration time,
 the best found and by whom, and the gap (how much faster the oracle's schedule is than auto's, in %);
 with --before, whether auto got slower anywhere; writes bench/results/auto_gap.json. Never asserts.
 
@@ -36,11 +39,12 @@ import platform
 import sys
 import time
 
+from _schedules import schedule_of
+
 from prophet_jax import NetworkModel, plan, simulate
 from prophet_jax._core import problem
 from prophet_jax.models import load_trace
 from prophet_jax.schedulers import auto
-from prophet_jax.schedulers._common import schedule_from_groups
 from prophet_jax.schedulers._joint import make_chunk
 from prophet_jax.schedulers._prophet import _Planner
 from prophet_jax.schedulers._search import iterated_local_search
@@ -80,7 +84,7 @@ def heavier_search(profile, network, cross_step: bool, heavy: bool) -> dict[str,
         for g in TAIL_GROWTHS:
           for small_first in (True, False):
             groups, _ = planner.plan(mb * MIB, g, small_first)
-            s = schedule_from_groups(profile, groups, policy="blocks", cross_step=cross_step)
+            s = schedule_of(profile, groups, policy="blocks", cross_step=cross_step)
             t = _sim(s, profile, network, cross_step)
             how = f"min_block={mb}MiB, tail_growth={g}, small_first={small_first}, gap_factor={gf}"
             keep("blocks", t, how)
@@ -97,11 +101,11 @@ def heavier_search(profile, network, cross_step: bool, heavy: bool) -> dict[str,
     s = plan(profile, network, "auto", cross_step=cross_step, max_evals=evals)
     keep(name, _sim(s, profile, network, cross_step), dict(s.options).get("candidate", ""))
   if best_groups is not None:
-    s = schedule_from_groups(profile, best_groups, policy="blocks", cross_step=cross_step)
+    s = schedule_of(profile, best_groups, policy="blocks", cross_step=cross_step)
     chunks = [make_chunk(prob, c.slices) for c in s.chunks]
     small = len(chunks) <= 24
     refined, _ = iterated_local_search(prob, chunks, 10 * DEFAULT_EVALS, small)
-    s = schedule_from_groups(profile, [c.slices for c in refined], policy="blocks+ls", cross_step=cross_step)
+    s = schedule_of(profile, [c.slices for c in refined], policy="blocks+ls", cross_step=cross_step)
     keep("blocks+ls", _sim(s, profile, network, cross_step), found["blocks"][1])
   return found
 

@@ -21,10 +21,10 @@ import json
 import pathlib
 import statistics
 
-from prophet_jax import NetworkModel, plan, simulate
+from _schedules import schedule_of
+
+from prophet_jax import GradientProfile, NetworkModel, plan, simulate
 from prophet_jax.models import load_trace
-from prophet_jax.schedulers._bucket import fill_buckets
-from prophet_jax.schedulers._common import schedule_from_groups
 
 MODELS = ("resnet50", "vgg16", "bert-base", "gpt2")
 DEVICES = ("v100", "h100")
@@ -35,15 +35,33 @@ STYLES = {"ddp": {}, "horovod": {"style": "horovod"},
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "bucket_styles.json"
 
 
+def close_before_overflow(prof: GradientProfile, cap: int) -> list[list[tuple[int, int, int]]]:
+  """`bucket` before issue 19 (and XLA's combiner rule): whole rows in ready order; a row that would
+  overflow the open bucket closes it, and a bucket that reaches `cap` closes; no first bucket, no
+  cycle. Zero-size rows are in no bucket."""
+  groups, cur, size = [], [], 0
+  for r in prof.ready_order():
+    row = prof.rows[r]
+    if not row.nbytes:
+      continue
+    if cur and size + row.nbytes > cap:
+      groups.append(cur)
+      cur, size = [], 0
+    cur.append((r, 0, row.size))
+    size += row.nbytes
+    if size >= cap:
+      groups.append(cur)
+      cur, size = [], 0
+  return groups + ([cur] if cur else [])
+
+
 def main() -> None:
   cells = []
   for model in MODELS:
     for device in DEVICES:
       prof = load_trace(f"{model}-{device}")
-      legacy = schedule_from_groups(prof, fill_buckets(prof, prof.ready_order(), 25 * 2**20),
-                                    policy="bucket")
-      nocycle = schedule_from_groups(prof, fill_buckets(prof, prof.ready_order(), 64 * 2**20),
-                                     policy="bucket")
+      legacy = schedule_of(prof, close_before_overflow(prof, 25 * 2**20), policy="bucket")
+      nocycle = schedule_of(prof, close_before_overflow(prof, 64 * 2**20), policy="bucket")
       for net_name in NETWORKS:
         for workers in WORKERS:
           net = NetworkModel.preset(net_name, workers=workers)

@@ -41,7 +41,7 @@ import sys
 import time
 
 from prophet_jax import NetworkModel, lower_bound, plan, simulate
-from prophet_jax._types import Pressure
+from prophet_jax import Pressure
 from prophet_jax.models import load_trace
 
 MODELS = ("resnet50", "vgg16", "bert-base", "gpt2")

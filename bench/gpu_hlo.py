@@ -44,8 +44,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import prophet_jax as pj  # noqa: E402
-from prophet_jax import _gpu  # noqa: E402
-from prophet_jax._audit import COMPUTE_KINDS  # noqa: E402
 from prophet_jax.models import architecture, get_model, load_trace  # noqa: E402
 
 POLICIES = ("wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet", "auto")
@@ -104,12 +102,18 @@ def sim_overlapped(schedule, profile, net) -> int:
   return sum(1 for e in sim.events if e.kind == "allreduce" and e.start_s < end)
 
 
+COMPUTE = ("backward", "forward", "other")  # the window ops that are the step's compute (AuditEntry.window_ops)
+
+
+def compute_ops(entry):
+  return [o for kind in COMPUTE for o in entry.window_ops(kind)]
+
+
 def row_of(report, schedule, target, compile_s, sim_ovl):
-  ops = {o.name: o for e in report.chunks for o in e.window if o.kind in COMPUTE_KINDS}
+  ops = {o.name: o for e in report.chunks for o in compute_ops(e)}
   overlap_s = sum(target.roofline_s(o.flops, o.nbytes) for o in ops.values())
   chunks = [[e.chunk, e.elements, int(e.asynchronous), e.window_flops, e.window_bytes,
-             round(1e6 * sum(target.roofline_s(o.flops, o.nbytes) for o in e.window
-                             if o.kind in COMPUTE_KINDS), 3),
+             round(1e6 * sum(target.roofline_s(o.flops, o.nbytes) for o in compute_ops(e)), 3),
              len(e.window_ops("backward")), len(e.window_ops("forward")), len(e.window_ops("other"))]
             for e in report.chunks]
   return {"planned": schedule.num_allreduces, "found": report.chunk_allreduces, "ok": report.ok,
@@ -166,10 +170,10 @@ def main(argv=None) -> int:
         for pol, s in plans.items():
           key = tuple(tuple(sorted(c.slices)) for c in s.chunks)
           if key not in done:
-            lowered = _gpu.lower_step(model, s, mode, topo, batch_size=BATCH)
-            compiled, compile_s = _gpu.compile_lowered(lowered, options)
+            compiled, compile_s = pj.compile_step(model, s, mode, topo, batch_size=BATCH,
+                                                  compiler_options=options)
             done[key] = (pj.audit(compiled, s), compile_s)
-            del compiled, lowered
+            del compiled
           report, compile_s = done[key]
           row = {"model": model_name, "target": tname, "device": topo.target.description,
                  "mode": mode, "policy": pol,

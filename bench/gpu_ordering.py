@@ -8,7 +8,7 @@ same program but for the mechanism:
 
 - `tie`: chunk k+1's buffer adds an exact zero computed from chunk k's result (`_collectives.tie`, what
   the library does): chunk k+1 starts after chunk k is done; `tie (library)` is the library's own
-  `scheduled` step, for reference (it should read the same);
+  `scheduled` step (`prophet_jax.lower_step(..., "scheduled", ...)`), for reference;
 - `none`: independent psums (what XLA does left alone);
 - `metadata group`: each psum under `set_xla_metadata(_scheduling_group_id=k)` (XLA's scheduling-group
   annotation as an attribute);
@@ -147,7 +147,7 @@ def allreduce(grads, s: pj.Schedule, how: str):
 
 def lower(model, s: pj.Schedule, topo, how: str):
   if how == "tie (library)":
-    return _gpu.lower_step(model, s, "scheduled", topo, batch_size=BATCH)
+    return pj.lower_step(model, s, "scheduled", topo, batch_size=BATCH)
   tx = optax.sgd(0.1, momentum=0.9)
   mesh = topo.mesh(AX)
 
@@ -174,8 +174,10 @@ def measure(model, s, topo, how, options, reps):
   try:
     times = []
     for _ in range(reps):  # lowered anew each time: jax caches the executable of one Lowered
-      compiled, t = _gpu.compile_lowered(lower(model, s, topo, how), options)
-      times.append(t)
+      lowered = lower(model, s, topo, how)
+      t = time.perf_counter()
+      compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+      times.append(time.perf_counter() - t)
   except Exception as e:  # noqa: BLE001 - record what XLA or jax said
     return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"}
   r = pj.audit(compiled, s)

@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from prophet_jax._errors import NetworkError, TraceUnavailableError
-from prophet_jax._types import GradientProfile, NetworkModel, ProfileRow, nonneg_line
+from prophet_jax._types import GradientProfile, ProfileRow, is_int
+from prophet_jax._network import NetworkModel, nonneg_line
 
 __all__ = ["TRACES", "load_trace", "googlenet_allreduce", "googlenet_available", "googlenet_dir",
            "googlenet_comm_s", "GOOGLENET_NODES", "ALGORITHM_SWITCH_BYTES", "fit_allreduce",
@@ -342,8 +343,9 @@ def fit_allreduce(sizes, seconds, *, workers: int, overlap: bool = True,
   if not np.all(np.isfinite(x)) or np.any(x < 0) or np.any(y[np.isfinite(y)] < 0) or np.any(np.isinf(y)):
     raise NetworkError("fit_allreduce(): sizes and times must be finite and >= 0 (NaN marks a missing "
                        "repeat).")
-  if isinstance(workers, bool) or int(workers) < 2:
-    raise NetworkError(f"fit_allreduce(workers={workers!r}): a fit needs at least 2 workers.")
+  if not is_int(workers) or workers < 2:
+    raise NetworkError(f"fit_allreduce(workers={workers!r}): a fit needs an integer number of workers "
+                       f">= 2.")
   keep = np.any(np.isfinite(y), axis=1)
   x, y = x[keep], y[keep]
   sizes_u = np.unique(x)

@@ -34,6 +34,7 @@ import numpy as np
 import flax.linen as nn
 
 from prophet_jax._tree import forward_paths, is_reduced_leaf, layer_of
+from prophet_jax._checks import check_int
 
 __all__ = ["MODELS", "PARAM_DTYPES", "TrainableModel", "get_model", "layer_of", "forward_paths",
            "num_params"]
@@ -308,9 +309,8 @@ class TrainableModel:
       ValueError: `batch_size` is not a positive integer.
     """
     n = self.default_batch_size if batch_size is None else batch_size
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-      raise ValueError(f"{self.name}.make_batch(batch_size={batch_size!r}): expected a positive "
-                       f"integer (default {self.default_batch_size}).")
+    check_int(f"{self.name}.make_batch", "batch_size", n, lo=1,
+              fix=f"The default is {self.default_batch_size}.")
     return self._make_batch(rng, int(n))
 
   def forward_paths(self, params: Any | None = None) -> tuple[str, ...]:

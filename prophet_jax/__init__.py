@@ -2,8 +2,8 @@
 
 profile -> measure -> plan -> rewrite -> simulate. Planning and simulation are pure numpy and work
 without jax; the jax-backed names (allreduce, scheduled, hooked, pipelined, audit, profile_step,
-measure_network, Monitor, gpu_topology) are imported lazily on first use, as is matplotlib
-(plot_timelines).
+measure_network, Monitor, gpu_topology, lower_step, compile_step, profile_from_trace) are imported lazily on
+first use, as is matplotlib (plot_timelines).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 # public name -> private module that defines it
 _EXPORTS: dict[str, str] = {
     # values (pure)
-    "GradientProfile": "_types", "ProfileRow": "_types", "NetworkModel": "_types", "Pressure": "_types",
+    "GradientProfile": "_types", "ProfileRow": "_types", "NetworkModel": "_network", "Pressure": "_network",
     "Chunk": "_schedule",
     "Bucket": "_schedule", "Schedule": "_schedule", "SimResult": "_simulate", "Event": "_simulate",
     # errors (pure)
@@ -35,11 +35,11 @@ _EXPORTS: dict[str, str] = {
     "defer_state": "_defer", "DeferState": "_defer", "state_specs": "_defer",
     "loop_hook": "_transform", "check_composition": "_transform",
     "pipelined": "_pipelined", "audit": "_audit", "AuditReport": "_audit",
-    "profile_step": "_profile", "measure_network": "_network", "probe": "_network",
-    "AllreduceTimings": "_network", "Monitor": "_monitor",
+    "profile_step": "_profile", "profile_from_trace": "_profile", "measure_network": "_probe",
+    "probe": "_probe", "AllreduceTimings": "_probe", "Monitor": "_monitor",
     # compile-only GPU targets (jax, imported when a topology is made)
     "gpu_topology": "_gpu", "GpuTopology": "_gpu", "GpuTarget": "_gpu", "gpu_target": "_gpu",
-    "GPU_TARGETS": "_gpu",
+    "GPU_TARGETS": "_gpu", "lower_step": "_steps", "compile_step": "_steps",
 }
 
 __all__ = sorted(_EXPORTS) + ["schedulers"]
@@ -69,13 +69,15 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
                         ScheduleError, ScheduleMismatchError, TraceUnavailableError, UnboundAxisError)
   from ._gpu import GPU_TARGETS, GpuTarget, GpuTopology, gpu_target, gpu_topology
   from ._monitor import Monitor
-  from ._network import AllreduceTimings, measure_network, probe
+  from ._probe import AllreduceTimings, measure_network, probe
   from ._pipelined import pipelined
   from ._plan import POLICIES, plan, validate_schedule
-  from ._profile import profile_step
+  from ._profile import profile_from_trace, profile_step
   from ._simulate import simulate
+  from ._steps import compile_step, lower_step
   from ._timeline import plot_timelines
   from ._transform import check_composition, hooked, loop_hook, scheduled
   from ._schedule import Bucket, Chunk, Schedule
   from ._simulate import Event, SimResult
-  from ._types import GradientProfile, NetworkModel, Pressure, ProfileRow
+  from ._types import GradientProfile, ProfileRow
+  from ._network import NetworkModel, Pressure

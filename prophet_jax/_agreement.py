@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._checks import match_tree
 from ._errors import LaunchError, ProphetError
-from ._tree import flatten_with_paths, match_tree
 from ._schedule import Schedule
+from ._tree import flatten_with_paths
 
 __all__ = ["broadcast_schedule"]
 

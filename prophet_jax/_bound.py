@@ -13,8 +13,10 @@ import math
 
 import numpy as np
 
+from ._checks import check_max_defer, check_values
 from ._core import Problem, background_flows, problem
-from ._types import GradientProfile, NetworkModel, check_max_defer, check_values
+from ._network import NetworkModel
+from ._types import GradientProfile
 
 __all__ = ["lower_bound"]
 

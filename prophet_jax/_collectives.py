@@ -10,24 +10,36 @@ a user's own `jax.pmap` with default flags. What survives (docs/facts.md, "Order
 plain jax.pmap"; the tests read the compiled HLO to prove it): chunk k+1's buffer depends on chunk k's
 *result* through an added zero that cannot carry a NaN or Inf. That tie is `tie`, in one place, so a
 better mechanism replaces it here alone.
+
+The one engine (`reduce_units`) runs both kinds of unit a schedule issues: a Chunk (one all-reduce) and
+a deferral group (a `Bucket` with `defer = k > 0`: m chunks of which m - k are all-reduced each step,
+ranked by `rank` from the norms of their reduced values; `Bucket`'s docstring states the semantics).
+Only the state of the groups (`DeferState`: init, shapes, specs, the checks that a state belongs to a
+schedule) lives in `_defer`, below this module; a schedule that defers nothing never calls into it.
+Tests reach the engine through one explicit seam, `engine_hooks` (never by patching a module
+attribute).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._checks import check_bool, match_tree
+from ._defer import GroupState, check_state, group_states, with_groups
 from ._errors import AlreadyReducedError, UnboundAxisError
 from ._schedule import Bucket, Schedule
-from ._tree import is_reduced_leaf, match_tree
+from ._tree import is_reduced_leaf
 
 __all__ = ["allreduce", "tie", "reduce_tied", "chunk_scope", "axis_size", "check_not_reduced", "vma_enabled",
-           "is_varying", "to_varying", "reduce_units", "reduce_chunks", "schedule_units",
-           "unit_allreduces", "schedule_chains", "scheduled_allreduce"]
+           "is_varying", "to_varying", "check_residual_varying", "rank", "reduce_units", "schedule_units",
+           "unit_allreduces", "schedule_chains", "scheduled_allreduce", "EngineHooks", "engine_hooks"]
 
 SCOPE_PREFIX = "prophet/chunk"
 
@@ -62,7 +74,7 @@ def tie(buf: jax.Array, prev: jax.Array | None) -> jax.Array:
 def reduce_tied(buf: jax.Array, prev: jax.Array | None, axis_name: Any, divisor: int | None) -> jax.Array:
   """One issued all-reduce: `buf` tied to `prev` (its chain's previous result), summed over the axis
   and divided by `divisor` (in the buffer's dtype, as `pmean` does) unless None. The one place a chunk
-  or a deferral slot is reduced (`reduce_units`, `_defer.group_step`); the caller sets its scope."""
+  or a deferral slot is reduced (`reduce_units`); the caller sets its scope."""
   red = jax.lax.psum(tie(buf, prev), axis_name)
   return red if divisor is None else red / jnp.asarray(divisor, red.dtype)
 
@@ -129,6 +141,70 @@ def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: 
           f"check_vma=False)).")
 
 
+def check_residual_varying(state: Any, axis_name: Any, where: str) -> None:
+  """ValueError when, under shard_map with check_vma, a DeferState's residual arrives replicated (`P()`).
+
+  Each device's residual holds its own deferred values; passed with `P()`, every device starts from
+  one copy and the step's new residuals (which vary over the axis) cannot leave through `P()` either:
+  the deferred values of all devices but one would be lost. Only checkable where jax marks values
+  varying (shard_map's default check_vma); under pmap every state is per device anyway.
+  """
+  for gi, r in enumerate(state.residual):
+    if not is_varying(r, axis_name):
+      raise ValueError(
+          f"{where}: the deferral state's residual of group {gi} (shape {tuple(np.shape(r))} per "
+          f"device) is replicated over axis {axis_name!r} (passed with PartitionSpec P()), but each "
+          f"device's residual is its own: pass the state with prophet_jax.state_specs(state, "
+          f"{axis_name!r}) as in_specs and out_specs (P({axis_name!r}) for residuals, P() for the "
+          f"rest), and make the initial state inside the shard_map with those out_specs.")
+
+
+# --------------------------------------------------------------------------------------------------
+# the seam: how tests hook the engine
+
+
+class EngineHooks(NamedTuple):
+  """Test-only hooks of the one engine, read while a step is traced (`engine_hooks`).
+
+  Attributes:
+    divisor: maps the divisor the engine was given (the axis size for a mean; never called for a
+      sum) to the one it uses: e.g. `lambda n: n - 1` (a 14% gradient-scale bug, the negative control
+      of the equivalence tests) or `lambda n: n / scale` with `scale` a traced scalar (one compiled
+      step runs both the library's division, scale = 1, and the bug).
+    gathered: called with (k, buffer) for every all-reduce k the engine issues, with the buffer as
+      gathered on this device, before the tie (a chunk's slices; a deferral slot's chosen row).
+    sum_divisor: the divisor a sum (no divisor given) uses instead: e.g. `1 / scale` multiplies
+      every summed chunk by a traced `scale` (the negative control of a path that sums).
+  """
+
+  divisor: Callable[[Any], Any] | None = None
+  gathered: Callable[[int, jax.Array], None] | None = None
+  sum_divisor: Any = None
+
+
+_HOOKS: contextvars.ContextVar[EngineHooks | None] = contextvars.ContextVar("prophet_engine_hooks",
+                                                                             default=None)
+
+
+@contextlib.contextmanager
+def engine_hooks(*, divisor: Callable[[Any], Any] | None = None,
+                 gathered: Callable[[int, jax.Array], None] | None = None,
+                 sum_divisor: Any = None) -> Iterator[EngineHooks]:
+  """Hooks every all-reduce the engine issues while a step is traced inside this context.
+
+  The explicit seam through which tests reach the one engine (`reduce_units`): `scheduled`,
+  `allreduce`, `hooked` (its backward rules run inside the trace of `jax.grad`), `pipelined` and
+  `loop_hook` all reach it. Nothing changes outside the context, and a step traced outside it
+  compiles to the library's own program. See `EngineHooks` for the hooks.
+  """
+  hooks = EngineHooks(divisor=divisor, gathered=gathered, sum_divisor=sum_divisor)
+  tok = _HOOKS.set(hooks)
+  try:
+    yield hooks
+  finally:
+    _HOOKS.reset(tok)
+
+
 # --------------------------------------------------------------------------------------------------
 # the all-reduce
 
@@ -181,17 +257,56 @@ def schedule_chains(schedule: Schedule, where: str) -> tuple[int, ...] | None:
   return links
 
 
+def _norm(x: jax.Array) -> jax.Array:
+  """The float32 L2 norm of x (what the ranking reads)."""
+  x = x.astype(jnp.float32)
+  return jnp.sqrt(jnp.sum(x * x))
+
+
+def rank(norms: jax.Array, deferred: jax.Array) -> jax.Array:
+  """A deferral group's chunk numbers in rank order: the chunks deferred last step first, then
+  non-finite norms, then by norm descending; ties by chunk index (a stable sort).
+
+  A non-finite norm (NaN or Inf: the chunk overflowed) ranks just below a chunk deferred the previous
+  step and above every finite norm, so a chunk deferred at t is always sent at t + 1 (2k <= m): the
+  staleness bound holds even when gradients blow up. (`Bucket`'s docstring says "NaN counts as +inf";
+  this is that rule with the deferred chunks kept first among the infinities.)
+
+  Why every worker defers the same chunks: the ranking reads only replicated values, the norms of
+  *reduced* slots and the mask of the previous choice. An all-reduce leaves bitwise the same result on
+  every participant (a ring reduce-scatter + all-gather computes each element once and copies it, and
+  so do NCCL's tree, gloo and XLA's in-process CPU all-reduce); the norm is then the same compiled
+  computation on the same bits, hence the same float; the argsort is stable, so ties go by index. By
+  induction from the common initial state (norms 0, nothing deferred: the first step defers the last
+  k chunks by index), every worker holds the same state and makes the same choice, with no extra
+  communication. What would break it: workers that compute the norm differently (heterogeneous
+  hardware or software: a GPU model, a CPU's vector width, a jaxlib version or XLA flags that change
+  the reduction order of the sum of squares) can round one norm differently, and two nearly equal
+  norms could then rank differently on two workers: silently wrong. Guarding it costs one more
+  all-reduce per group, which the schedule's timing does not have, so the step does not; the tests
+  gather the chosen indices from all 8 devices and from two processes. Run every worker on one
+  hardware and software stack.
+  """
+  big = jnp.finfo(jnp.float32).max
+  score = jnp.where(deferred, jnp.inf, jnp.where(jnp.isfinite(norms), norms, big))
+  return jnp.argsort(-score, stable=True).astype(jnp.int32)
+
+
 def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence[int], axis_name: Any, *,
                  divisor: int | None, first_index: int = 0, prev: Any = None, scope: str | None = None,
-                 defer: Sequence[Any] = (), chains: Sequence[int] | None = None
-                 ) -> tuple[list[jax.Array], Any, tuple[Any, ...]]:
+                 defer: Sequence[GroupState] = (), chains: Sequence[int] | None = None
+                 ) -> tuple[list[jax.Array], Any, tuple[GroupState, ...]]:
   """Runs `units` in issue order on the flattened leaves `flat`: the one chunked all-reduce engine.
 
   A unit is a Chunk (one all-reduce: gather its slices into one buffer, `tie` it to the previous
   result of its chain, one `psum` divided by `divisor`, scatter back) or a deferral group (a Bucket
-  with `defer > 0`: `_defer.group_step`, its `slots` all-reduces tied the same way, with its state
-  from `defer`). Every chunked all-reduce of the library goes through here: `allreduce`,
-  `scheduled`, `pipelined`, the hooks of `hooked` and the per-layer hook of `loop_hook`.
+  with `defer = k > 0`, with its state from `defer`): its m chunks gathered into rows (m, c), c its
+  `slot_size` (a smaller chunk zero-padded at its end), the residual (the values this worker deferred
+  last step) added to the rows it came from, the chunks ranked (`rank`), and m - k slots issued, slot s
+  carrying the chunk of rank s, each tied and reduced as a chunk is; a deferred chunk contributes zero
+  to this step's gradient and its local values become the new residual. Every chunked all-reduce of
+  the library goes through here: `allreduce`, `scheduled`, `pipelined`, the hooks of `hooked` and the
+  per-layer hook of `loop_hook`.
 
   Args:
     flat: leaves (any shape); rows index them through `row_leaf`.
@@ -204,21 +319,25 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
       chains, a tuple with one entry (or None) per chain.
     scope: the named scope of every chunk instead of 'prophet/chunk<k>' (`loop_hook`'s
       'prophet/loop/<name>', which `audit` reads as a loop-body all-reduce).
-    defer: the `_defer.GroupState` of each deferral group among `units`, in order.
+    defer: the `GroupState` of each deferral group among `units`, in order.
     chains: the tie chain of every issued all-reduce of the schedule (`schedule_chains`; indexed by
       the all-reduce's k), or None for one chain.
 
   Returns:
     (the new leaves, the last result (a tuple per chain when `prev` is a tuple), the new GroupStates).
   """
-  from ._defer import group_step, unit_group
-
+  hooks = _HOOKS.get()
+  if hooks is not None and hooks.divisor is not None and divisor is not None:
+    divisor = hooks.divisor(divisor)
+  elif hooks is not None and hooks.sum_divisor is not None and divisor is None:
+    divisor = hooks.sum_divisor
+  seen = None if hooks is None else hooks.gathered
   multi = isinstance(prev, tuple)
   last: dict[int, Any] = dict(enumerate(prev)) if multi else {0: prev}
   flat = list(flat)
   pieces: dict[int, list[tuple[int, jax.Array]]] = {}
   touched: list[int] = []
-  new_defer: list[Any] = []
+  new_defer: list[GroupState] = []
 
   def put(chunk: Any, red: jax.Array) -> None:
     off = 0
@@ -232,28 +351,44 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
   def gather(chunk: Any) -> list[jax.Array]:
     return [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
 
+  def join(parts: list[jax.Array]) -> jax.Array:
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+  def issue(k: int, buf: jax.Array) -> jax.Array:
+    """All-reduce k: `buf` tied to its chain's last result, reduced; it becomes that result."""
+    if seen is not None:
+      seen(k, buf)
+    j = 0 if chains is None else int(chains[k])
+    red = reduce_tied(buf, last.get(j), axis_name, divisor)
+    last[j] = red
+    return red
+
   k = first_index
   for unit in units:
     if isinstance(unit, Bucket):
-      group = unit_group(unit, k)
-      rows = []
-      for chunk in unit.chunks:
-        parts = gather(chunk)
-        buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-        rows.append(jnp.pad(buf, (0, group.size - chunk.size)))
-      out, state = group_step(jnp.stack(rows), defer[len(new_defer)], group, axis_name, divisor=divisor,
-                              prev=last, chains=None if chains is None else chains[k:k + group.slots])
-      new_defer.append(state)
+      state = defer[len(new_defer)]
+      m, size, slots = len(unit.chunks), unit.slot_size, unit.slots
+      rows = jnp.stack([jnp.pad(join(gather(c)), (0, size - c.size)) for c in unit.chunks])
+      rows = rows.at[state.index].add(state.residual[0].astype(rows.dtype))
+      order = rank(state.norms, state.deferred)
+      send, wait = order[:slots], order[slots:]
+      reds, norms = [], []
+      for s in range(slots):
+        with jax.named_scope(chunk_scope(k + s)):
+          red = issue(k + s, jax.lax.dynamic_index_in_dim(rows, send[s], axis=0, keepdims=False))
+        reds.append(red)
+        norms.append(_norm(red))
+      out = jnp.zeros_like(reds[0], shape=(m, size)).at[send].set(jnp.stack(reds))
+      new_defer.append(GroupState(norms=state.norms.at[send].set(jnp.stack(norms)),
+                                  deferred=jnp.zeros((m,), jnp.bool_).at[wait].set(True),
+                                  index=wait, residual=rows[wait][None]))
       for i, chunk in enumerate(unit.chunks):
         put(chunk, out[i, :chunk.size])
-      k += group.slots
+      k += slots
       continue
-    j = 0 if chains is None else int(chains[k])
     parts = gather(unit)
     with jax.named_scope(chunk_scope(k) if scope is None else scope):
-      buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-      red = reduce_tied(buf, last.get(j), axis_name, divisor)
-    last[j] = red
+      red = issue(k, join(parts))
     put(unit, red)
     k += 1
   for r in touched:
@@ -263,16 +398,6 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
     flat[i] = full.reshape(np.shape(flat[i]))
   out_prev = tuple(last.get(j) for j in range(len(prev))) if multi else last[0]
   return flat, out_prev, tuple(new_defer)
-
-
-def reduce_chunks(flat: list[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
-                  axis_name: Any, *, divisor: int | None, first_index: int = 0,
-                  prev: jax.Array | None = None,
-                  scope: str | None = None) -> tuple[list[jax.Array], jax.Array | None]:
-  """`reduce_units` of lossless chunks on one chain: returns the new leaves and the last result."""
-  flat, prev, _ = reduce_units(flat, chunks, row_leaf, axis_name, divisor=divisor,
-                               first_index=first_index, prev=prev, scope=scope)
-  return flat, prev
 
 
 def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
@@ -329,22 +454,24 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
 
 def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
                         where: str = "allreduce", defer_state: Any = None) -> tuple[Any, Any]:
-  """`allreduce` as (reduced tree, new DeferState or None), with `where` naming the public caller."""
-  from ._defer import check_residual_varying, check_state, group_states, with_groups
+  """`allreduce` as (reduced tree, new DeferState or None), with `where` naming the public caller.
 
-  if not isinstance(mean, bool):
-    raise TypeError(f"{where}: `mean` must be True or False, got {mean!r}.")
+  A schedule that defers nothing, given no state, never calls into `_defer`."""
+  check_bool(where, "mean", mean)
   n = axis_size(axis_name, where)
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(grads)
   lmap = match_tree(leaves_with_path, schedule, where=where)
-  check_state(defer_state, schedule, where)
+  deferring = schedule.defers or defer_state is not None
+  if deferring:
+    check_state(defer_state, schedule, where)
   chains = schedule_chains(schedule, where)
   flat = [leaf for _, leaf in leaves_with_path]
   check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
   if defer_state is not None and vma_enabled(axis_name):
     check_residual_varying(defer_state, axis_name, where)
   flat, _, groups = reduce_units(flat, schedule_units(schedule), lmap.row_leaf, axis_name,
-                                 divisor=n if mean else None, defer=group_states(defer_state),
+                                 divisor=n if mean else None,
+                                 defer=group_states(defer_state) if deferring else (),
                                  prev=None if chains is None else (None,) * (max(chains) + 1),
                                  chains=chains)
   new = with_groups(defer_state, groups) if schedule.defers else None

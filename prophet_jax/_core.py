@@ -65,11 +65,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._types import GradientProfile, NetworkModel
+from ._network import NetworkModel
+from ._tree import IdentityMemo
+from ._types import GradientProfile, itemsize
 
 __all__ = ["Problem", "problem", "ChunkArrays", "chunk_arrays", "schedule_arrays", "split_by_dtype",
-           "sync_waits", "link_loop", "ends_one_link", "iteration_s", "background_flows",
-           "typical_costs", "pressure_durations", "iterations"]
+           "equal_parts", "part_count", "link_end", "sync_waits", "link_loop", "ends_one_link",
+           "iteration_s", "background_flows", "typical_costs", "pressure_durations", "iterations"]
 
 Slice = tuple[int, int, int]  # (profile row, start element, stop element)
 
@@ -136,8 +138,6 @@ class Problem:
 
 
 def _build(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Problem:
-  from ._types import itemsize as itemsize_of
-
   rows = profile.rows
   n = len(rows)
   layers = profile.layers
@@ -165,7 +165,7 @@ def _build(profile: GradientProfile, network: NetworkModel, cross_step: bool) ->
   sizes: dict[str, int] = {}
   for r in rows:
     if r.dtype not in sizes:
-      sizes[r.dtype] = itemsize_of(r.dtype)
+      sizes[r.dtype] = itemsize(r.dtype)
   backward_s = float(profile.backward_s)
   return Problem(
       profile=profile, network=network, cross_step=bool(cross_step), fingerprint=profile.fingerprint(),
@@ -181,24 +181,14 @@ def _build(profile: GradientProfile, network: NetworkModel, cross_step: bool) ->
       overlap=network.overlap, skew=0.0 if network.overlap else network.skew)
 
 
-# A small memo keyed by object identity (the values are frozen), so the repeated simulations and
-# estimates of one profile skip the per-row Python work. Entries hold the keyed objects themselves
-# (in the Problem), so an id is never reused while cached.
-_MEMO: dict[tuple[int, int, bool], Problem] = {}
-_MEMO_SIZE = 16
+# The repeated simulations and estimates of one profile skip the per-row Python work (the one memo
+# policy, `_tree.IdentityMemo`: the values are frozen).
+_build_memo = IdentityMemo(16)(_build)
 
 
 def problem(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Problem:
   """The Problem of (profile, network, cross_step), from a small identity-keyed memo."""
-  key = (id(profile), id(network), bool(cross_step))
-  hit = _MEMO.get(key)
-  if hit is not None and hit.profile is profile and hit.network is network:
-    return hit
-  prob = _build(profile, network, bool(cross_step))
-  if len(_MEMO) >= _MEMO_SIZE:
-    _MEMO.pop(next(iter(_MEMO)))
-  _MEMO[key] = prob
-  return prob
+  return _build_memo(profile, network, bool(cross_step))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,6 +265,37 @@ def schedule_arrays(prob: Problem, buckets: Iterable[Any]) -> ChunkArrays:
   return arrays._replace(nbytes=np.where(np.isnan(over), arrays.nbytes, over))
 
 
+def part_count(size: int, itemsize: int, max_bytes: float | None) -> int:
+  """How many parts `equal_parts(size, itemsize, max_bytes)` makes, without making them."""
+  if size == 0:
+    return 0
+  if max_bytes is None:
+    return 1
+  per = max(1, int(max_bytes) // max(itemsize, 1))
+  return -(-size // per)
+
+
+def equal_parts(size: int, itemsize: int, max_bytes: float | None) -> list[tuple[int, int]]:
+  """The one partition rule: `size` elements of `itemsize` bytes cut into consecutive [start, stop)
+  ranges of at most `max_bytes` bytes each (None: one part), as equal as possible.
+
+  Every part holds at least one element (a part never splits an element), so with `max_bytes` smaller
+  than one element every element is its own part; sizes differ by at most one element, so no tiny tail
+  part pays a whole start-up cost. Empty for `size` 0. What `priority` partitions rows by, and the
+  joint optimiser's partition grid.
+  """
+  parts = part_count(size, itemsize, max_bytes)
+  if parts == 0:
+    return []
+  base, extra = divmod(size, parts)
+  out, pos = [], 0
+  for k in range(parts):
+    step = base + (1 if k < extra else 0)
+    out.append((pos, pos + step))
+    pos += step
+  return out
+
+
 def split_by_dtype(dtype_of: Callable[[int], str], slices: Iterable[Slice]) -> list[list[Slice]]:
   """A group's slices as one chunk per dtype (`dtype_of(row)`), in order of each dtype's first slice,
   slices kept in order, empty ones dropped: how a Bucket holds a group, one all-reduce per dtype."""
@@ -287,6 +308,16 @@ def split_by_dtype(dtype_of: Callable[[int], str], slices: Iterable[Slice]) -> l
 
 # --------------------------------------------------------------------------------------------------
 # The link engine
+
+
+def link_end(t: float, ready_s: float, nbytes: float, a: float, b: float) -> float:
+  """The one-link recurrence, one chunk: issued when the link is free (at `t`, the previous chunk's
+  end) and the chunk is ready, it ends at max(t, ready_s) + a + b·nbytes.
+
+  `ends_one_link` is its closed form over a whole schedule; the planners that build or edit a
+  schedule one chunk at a time (`_joint`'s greedy heads, `_search`'s incremental scorer) step it.
+  """
+  return (t if t > ready_s else ready_s) + a + b * nbytes
 
 
 def sync_waits(ready: np.ndarray, skew: float, cycle_s: float, backward_s: float) -> np.ndarray:
@@ -361,17 +392,26 @@ def link_loop(ready: Sequence[float], dur: Sequence[float], *, backward_s: float
 
 
 def ends_one_link(ready: np.ndarray, dur: np.ndarray, backward_s: float,
-                  overlap: bool) -> tuple[np.ndarray, float]:
-  """Closed form of the one-link recurrences: (end of every chunk, backward end)."""
-  c = np.cumsum(dur)
+                  overlap: bool) -> tuple[np.ndarray, Any]:
+  """Closed form of the one-link recurrence (`link_end`, every chunk in issue order): (end of every
+  chunk, backward end).
+
+  `dur` is one schedule's durations [messages], or one row per sample [samples, messages] (the same
+  `ready` for each): the ends then have its shape, and the backward end is one per sample.
+  """
+  c = np.cumsum(dur, axis=-1)
+  samples = () if dur.ndim == 1 else dur.shape[:1]
   if overlap:
     # end_k = max(ready_k, end_{k-1}) + d_k  <=>  end_k = C_k + max_{j<=k}(ready_j - C_{j-1})
-    return c + np.maximum.accumulate(ready - (c - dur)), float(backward_s)
+    end = c + np.maximum.accumulate(ready - (c - dur), axis=-1)
+    return end, float(backward_s) if not samples else np.full(samples, float(backward_s))
   # progress at issue q_k = max_{j<=k} ready_j; end_k = q_k + C_k; backward resumes after the chunks
   # issued before progress reached backward_s.
   q = np.maximum.accumulate(ready)
   m = int(np.searchsorted(q, backward_s, side="left"))  # chunks issued while q < backward_s
-  return q + c, float(backward_s) + (float(c[m - 1]) if m > 0 else 0.0)
+  if not samples:
+    return q + c, float(backward_s) + (float(c[m - 1]) if m > 0 else 0.0)
+  return q + c, float(backward_s) + (c[:, m - 1] if m > 0 else np.zeros(samples))
 
 
 def iteration_s(prob: Problem, ready_s: np.ndarray, dur_s: np.ndarray,
@@ -479,15 +519,7 @@ def iterations(prob: Problem, ready_s: np.ndarray, dur_s: np.ndarray,
   if prob.skew and not prob.overlap:
     dur = dur + sync_waits(ready, prob.skew, prob.cycle_s, backward_s)[None, :]
   if prob.links == 1:
-    c = np.cumsum(dur, axis=1)
-    if prob.overlap:
-      end = c + np.maximum.accumulate(ready[None, :] - (c - dur), axis=1)
-      bw_end = np.full(samples, float(backward_s))
-    else:
-      q = np.maximum.accumulate(ready)
-      end = q[None, :] + c
-      m = int(np.searchsorted(q, backward_s, side="left"))
-      bw_end = float(backward_s) + (c[:, m - 1] if m > 0 else 0.0)
+    end, bw_end = ends_one_link(ready, dur, backward_s, prob.overlap)
   else:
     start, end = np.empty_like(dur), np.empty_like(dur)
     bw_end = np.empty(samples)

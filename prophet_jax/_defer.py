@@ -1,55 +1,30 @@
-"""DLCP's deferral in the jitted step: deferral groups with error feedback (the jax half of issue 18).
+"""DLCP's deferral in the jitted step: the state of the deferral groups (the jax half of issue 18).
 
 A deferral group (`Bucket(chunks, defer=k)`, planned by `dlcp`) has m chunks of one dtype, of which
-only m - k are all-reduced each step; `Bucket`'s docstring states the run-time semantics this module
-carries out. Per group and step, with static shapes (the step compiles once):
+only m - k are all-reduced each step; `Bucket`'s docstring states the run-time semantics. The step
+itself (gather, add the residual, rank, issue the m - k slots, scatter, the new state) is the one
+engine's (`_collectives.reduce_units`, with `rank`); this module keeps what the step carries from one
+call to the next, and the checks that a state belongs to the schedule it is used with:
 
-  1. gather the m chunks into rows (m, c), c = `slot_size` (a smaller chunk zero-padded at its end);
-     add the residual (the local values this worker deferred last step) to the rows it came from;
-  2. rank: score = +inf for a chunk deferred last step, else the float32 L2 norm of its reduced values
-     when it was last sent; a stable argsort of -score (ties by chunk index); ranks 0..m-k-1 are sent,
-     the last k ranks wait;
-  3. slot s (s < m - k) carries the chunk of rank s: one `psum` each, tied to the previous all-reduce
-     by `_collectives.tie` (the one ordering mechanism), labelled `prophet/chunk<first + s>`;
-  4. scatter the reduced slots back; a deferred chunk contributes zero to this step's gradient;
-  5. new state: residual = the deferred rows (local, per device), index = their chunk numbers,
-     norms[sent] = the sent slots' L2 norms (replicated), deferred = the mask of the deferred chunks.
+- `DeferState` (a NamedTuple pytree), per group: `norms` f32[m] (the L2 norm of each chunk's reduced
+  values when it was last sent), `deferred` bool[m] (the chunks deferred in the previous step) and
+  `index` int32[k] (their chunk numbers, in rank order), all replicated (`P()` under shard_map), and
+  `residual` dtype[1, k, c] (this device's values of those chunks, with a leading axis of 1 so that
+  under shard_map it is split over the axis, `P(axis)`, as pipelined's residuals are; under pmap the
+  device axis comes in front). Its `tag` holds no arrays: its pytree structure carries the
+  schedule's key (a hash of the tree fingerprint and the deferral groups' chunks) and the groups'
+  layout, so a state from another schedule or tree is caught at trace time, naming both.
+- `init` / `defer_state` (the state before the first step), `state_specs` (PartitionSpecs for
+  shard_map), `check_state` (the state against a schedule), `group_states` / `with_groups` (the
+  engine's per-group view), and across a re-plan `same_groups`, `lossless` and `add_residual`.
 
-A non-finite norm (NaN or Inf: the chunk overflowed) ranks just below a chunk deferred the previous
-step and above every finite norm, so a chunk deferred at t is always sent at t + 1 (2k <= m): the
-staleness bound holds even when gradients blow up. (`Bucket`'s docstring says "NaN counts as +inf";
-this is that rule with the deferred chunks kept first among the infinities.)
-
-Why every worker defers the same chunks. The ranking reads only replicated values: the norms of
-*reduced* slots and the mask of the previous choice. An all-reduce leaves bitwise the same result on
-every participant (a ring reduce-scatter + all-gather computes each element once and copies it, and
-so do NCCL's tree, gloo and XLA's in-process CPU all-reduce); the norm is then the same compiled
-computation on the same bits, hence the same float; the argsort is stable, so ties go by index. By
-induction from the common initial state (norms 0, nothing deferred: the first step defers the last
-k chunks by index), every worker holds the same state and makes the same choice, with no extra
-communication.
-
-What would break it: workers that compute the norm differently, i.e. heterogeneous hardware or
-software (a GPU model, a CPU's vector width, a jaxlib version or XLA flags that change the reduction
-order of the sum of squares) can round one norm differently, and two nearly equal norms could then
-rank differently on two workers; their slots would then sum different chunks: silently wrong.
-Guarding it in the step costs one more all-reduce per group (e.g. a pmin/pmax of the chosen indices),
-which the schedule's timing does not have, so the step does not; the tests gather the chosen indices
-from all 8 devices and from two processes. Run every worker on one hardware and software stack.
-
-The state (`DeferState`, a NamedTuple pytree) holds per group: `norms` f32[m], `deferred` bool[m]
-and `index` int32[k] (replicated: `P()` under shard_map) and `residual` dtype[1, k, c] (each
-device's own, with a leading axis of 1 so that under shard_map it is split over the axis,
-`P(axis)`, as pipelined's residuals are; under pmap the device axis comes in front). Its `tag` holds
-no arrays: its pytree structure carries the schedule's key (a hash of the tree fingerprint and the
-deferral groups' chunks) and the groups' layout, so a state from another schedule or tree is caught
-at trace time, naming both.
+A schedule that defers nothing has no state (None), and the rewrite never calls into this module for
+it: its compiled program is the lossless engine's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -58,14 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._collectives import chunk_scope, reduce_tied
+from ._checks import match_tree
 from ._errors import ScheduleMismatchError
 from ._schedule import Chunk, Schedule
-from ._tree import match_tree
+from ._tree import IdentityMemo
 
 __all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "defer_state",
-           "check_state", "group_step", "rank", "unit_group", "group_states", "with_groups", "state_specs",
-           "check_residual_varying", "same_groups", "lossless", "add_residual"]
+           "check_state", "group_states", "with_groups", "state_specs", "same_groups", "lossless",
+           "add_residual"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -101,7 +76,7 @@ class DeferGroup:
     return len(self.chunks) - self.defer
 
 
-@functools.lru_cache(maxsize=64)
+@IdentityMemo(64)
 def defer_groups(schedule: Schedule) -> tuple[DeferGroup, ...]:
   """The schedule's deferral groups (buckets with `defer > 0`), in issue order."""
   out, first = [], 0
@@ -113,7 +88,7 @@ def defer_groups(schedule: Schedule) -> tuple[DeferGroup, ...]:
   return tuple(out)
 
 
-@functools.lru_cache(maxsize=64)
+@IdentityMemo(64)
 def _schedule_key(schedule: Schedule) -> str:
   """A short hash of the tree fingerprint and the deferral groups' chunks (what a residual means)."""
   h = hashlib.sha256(schedule.tree_fingerprint.encode())
@@ -320,94 +295,8 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
             f"(residuals P(axis), the rest P()); under pmap replicate it over the devices.")
 
 
-def check_residual_varying(state: DeferState, axis_name: Any, where: str) -> None:
-  """ValueError when, under shard_map with check_vma, a residual arrives replicated (`P()`).
-
-  Each device's residual holds its own deferred values; passed with `P()`, every device starts from
-  one copy and the step's new residuals (which vary over the axis) cannot leave through `P()` either:
-  the deferred values of all devices but one would be lost. Only checkable where jax marks values
-  varying (shard_map's default check_vma); under pmap every state is per device anyway.
-  """
-  from ._collectives import is_varying
-
-  for gi, r in enumerate(state.residual):
-    if not is_varying(r, axis_name):
-      raise ValueError(
-          f"{where}: the deferral state's residual of group {gi} (shape {tuple(np.shape(r))} per "
-          f"device) is replicated over axis {axis_name!r} (passed with PartitionSpec P()), but each "
-          f"device's residual is its own: pass the state with prophet_jax.state_specs(state, "
-          f"{axis_name!r}) as in_specs and out_specs (P({axis_name!r}) for residuals, P() for the "
-          f"rest), and make the initial state inside the shard_map with those out_specs.")
-
-
 # --------------------------------------------------------------------------------------------------
-# one group's step
-
-
-def _norm(x: jax.Array) -> jax.Array:
-  """The float32 L2 norm of x (what the ranking reads)."""
-  x = x.astype(jnp.float32)
-  return jnp.sqrt(jnp.sum(x * x))
-
-
-def rank(norms: jax.Array, deferred: jax.Array) -> jax.Array:
-  """Chunk numbers in rank order: deferred last step first, then non-finite norms, then by norm
-  descending; ties by chunk index (a stable sort)."""
-  big = jnp.finfo(jnp.float32).max
-  score = jnp.where(deferred, jnp.inf, jnp.where(jnp.isfinite(norms), norms, big))
-  return jnp.argsort(-score, stable=True).astype(jnp.int32)
-
-
-def group_step(rows: jax.Array, gstate: GroupState, group: DeferGroup, axis_name: Any, *,
-               divisor: int | None, prev: dict[int, jax.Array | None],
-               chains: Sequence[int] | None = None,
-               first_index: int | None = None) -> tuple[jax.Array, GroupState]:
-  """One deferral group's all-reduce with error feedback, on its gathered rows.
-
-  Args:
-    rows: (m, c) this device's values of the group's chunks (zero-padded), residual not yet added.
-    gstate: the group's state.
-    group: the group.
-    axis_name: the mapped axis.
-    divisor: divide each reduced slot by this (the axis size, for a mean), or None.
-    prev: the last all-reduce result of each tie chain (updated in place: each slot is tied to its
-      chain's previous result and becomes it).
-    chains: the tie chain of each slot (default: all on chain 0).
-    first_index: k of the first slot's named scope (default: `group.first`).
-
-  Returns:
-    (reduced rows (m, c), zero for the deferred chunks; the new state).
-  """
-  m, k = group.m, group.defer
-  first = group.first if first_index is None else first_index
-  rows = rows.at[gstate.index].add(gstate.residual[0].astype(rows.dtype))
-  order = rank(gstate.norms, gstate.deferred)
-  send, wait = order[:m - k], order[m - k:]
-  reds, norms = [], []
-  for s in range(m - k):
-    j = 0 if chains is None else int(chains[s])
-    with jax.named_scope(chunk_scope(first + s)):
-      buf = jax.lax.dynamic_index_in_dim(rows, send[s], axis=0, keepdims=False)
-      red = reduce_tied(buf, prev.get(j), axis_name, divisor)
-    prev[j] = red
-    reds.append(red)
-    norms.append(_norm(red))
-  out = jnp.zeros_like(reds[0], shape=(m, group.size)).at[send].set(jnp.stack(reds))
-  new = GroupState(norms=gstate.norms.at[send].set(jnp.stack(norms)),
-                   deferred=jnp.zeros((m,), jnp.bool_).at[wait].set(True),
-                   index=wait,
-                   residual=rows[wait][None])
-  return out, new
-
-
-# --------------------------------------------------------------------------------------------------
-# glue for the engine (`_collectives.reduce_units`)
-
-
-def unit_group(bucket: Any, first: int) -> DeferGroup:
-  """The DeferGroup of a deferral bucket whose first slot is all-reduce `first`."""
-  return DeferGroup(bucket=-1, first=first, chunks=bucket.chunks, defer=bucket.defer,
-                    size=bucket.slot_size, dtype=bucket.chunks[0].dtype)
+# the engine's per-group view (`_collectives.reduce_units`)
 
 
 def group_states(state: DeferState | None) -> tuple[GroupState, ...]:
@@ -432,7 +321,7 @@ def same_groups(a: Schedule, b: Schedule) -> bool:
           and _layout(a) == _layout(b))
 
 
-@functools.lru_cache(maxsize=16)
+@IdentityMemo(16)
 def lossless(schedule: Schedule) -> Schedule:
   """`schedule` with no deferral: every chunk one all-reduce, in issue order (one tie chain)."""
   if not schedule.defers:

@@ -37,19 +37,18 @@ import re
 import shutil
 import sys
 import tempfile
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ._checks import check_int
 from ._errors import GpuCompileError
 
 __all__ = ["GPU_TARGETS", "GpuTarget", "GpuTopology", "gpu_target", "gpu_topology", "find_ptxas",
            "cuda_plugin_installed", "cuda_plugin", "CudaPlugin", "CUDA_MAJORS", "xla_option_accepted",
-           "quiet_cuda_stub", "import_jax_quietly", "compile_step", "lower_step", "compile_lowered",
-           "STEP_MODES", "GPU_COMPILE_EXTRA"]
+           "quiet_cuda_stub", "import_jax_quietly", "GPU_COMPILE_EXTRA"]
 
 # name -> (file under prophet_jax/targets, aliases)
 _TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -58,7 +57,6 @@ _TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "v100": ("v100.txtpb", ("v100-sxm2", "v100-sxm2-16gb")),
 }
 GPU_TARGETS: tuple[str, ...] = tuple(_TARGETS)
-STEP_MODES = ("scheduled", "hooked", "pipelined", "pmean")
 # the CUDA majors whose compiler builds for each target: CUDA 13 compiles for compute capability 7.5 and
 # newer (it dropped Maxwell, Pascal and Volta), so the V100 (7.0) needs CUDA 12
 CUDA_MAJORS: dict[str, tuple[int, ...]] = {"h100": (12, 13), "a100": (12, 13), "v100": (12,)}
@@ -402,8 +400,7 @@ def gpu_topology(target: str = "h100", *, devices: int = 8) -> GpuTopology:
     >>> print(prophet_jax.audit(compiled, schedule).describe())
   """
   spec = gpu_target(target)
-  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-    raise ValueError(f"gpu_topology(devices={devices!r}): expected a positive number of GPUs, e.g. 8.")
+  check_int("gpu_topology", "devices", devices, lo=1, fix="It is a number of GPUs, e.g. 8.")
   _check_requirements(spec.name)
   _check_platforms()
   return _make_topology(spec.name, devices)
@@ -475,115 +472,3 @@ def import_jax_quietly() -> None:
       return
     register()
 
-
-# --------------------------------------------------------------------------------------------------
-# compiling a step, the way a user writes it
-
-
-def compile_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
-                 batch_size: int | None = None, axis_name: str = "data", tx: Any = None,
-                 compiler_options: Mapping[str, Any] | None = None) -> tuple[Any, float]:
-  """Compiles one data-parallel train step of `model` for `topology`, the way a user writes it.
-
-  `lower_step(...)` then `compile_lowered(...)`; see `lower_step` for the step of each mode.
-
-  Returns:
-    (the compiled step, seconds spent in `compile()`).
-  """
-  lowered = lower_step(model, schedule, mode, topology, batch_size=batch_size, axis_name=axis_name,
-                       tx=tx)
-  return compile_lowered(lowered, compiler_options)
-
-
-def compile_lowered(lowered: Any, compiler_options: Mapping[str, Any] | None = None
-                    ) -> tuple[Any, float]:
-  """`lowered.compile(compiler_options=...)` and the seconds it took (the GIL is released meanwhile:
-  several compiles can run in threads)."""
-  t0 = time.perf_counter()
-  compiled = lowered.compile(compiler_options=dict(compiler_options)) if compiler_options \
-      else lowered.compile()
-  return compiled, time.perf_counter() - t0
-
-
-def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
-               batch_size: int | None = None, axis_name: str = "data", tx: Any = None) -> Any:
-  """Lowers one data-parallel train step of `model` for `topology`, the way a user writes it.
-
-  The step is `jax.jit(jax.shard_map(...))` over `topology.mesh(axis_name)`, lowered on
-  ShapeDtypeStructs (nothing is allocated or run):
-  - 'scheduled': `jax.value_and_grad` of the loss at params marked varying, `prophet_jax.scheduled(tx,
-    schedule)` as the optimizer, and the user's `pmean` of the loss;
-  - 'hooked': `prophet_jax.hooked(loss_fn, schedule)` gradients, a plain `tx`, the loss `pmean`;
-  - 'pipelined': `prophet_jax.pipelined(loss_fn, tx, schedule).step`, with a forward pending (the
-    program that runs the previous backward, the all-reduces, the update and the next forward);
-  - 'pmean': the plain step, `jax.lax.pmean` of the gradient tree (the baseline XLA merges).
-
-  Args:
-    model: a `prophet_jax.models` TrainableModel, or any object with `abstract_params()`,
-      `loss_fn(params, batch)` and `make_batch(rng, batch_size)` (and `default_batch_size` when
-      `batch_size` is None).
-    schedule: the Schedule to carry out (ignored by 'pmean').
-    mode: one of STEP_MODES.
-    topology: from `gpu_topology`.
-    batch_size: global batch (divisible by the device count); default `model.default_batch_size`.
-    axis_name: the mesh axis.
-    tx: the optimizer (default `optax.sgd(0.1, momentum=0.9)`).
-
-  Returns:
-    The `jax.stages.Lowered` step (compile it with `compile_lowered`, or `.compile(compiler_options=
-    {...})` for per-compile XLA options such as `xla_gpu_all_reduce_combine_threshold_bytes`).
-
-  Raises:
-    ValueError: an unknown mode, or a batch that does not split over the devices.
-  """
-  import jax
-  import optax
-  from jax.sharding import PartitionSpec as P
-
-  from ._pipelined import pipelined
-  from ._transform import hooked, scheduled
-
-  if mode not in STEP_MODES:
-    raise ValueError(f"compile_step(mode={mode!r}): expected one of {list(STEP_MODES)}.")
-  n = len(topology.devices)
-  batch_size = int(batch_size or getattr(model, "default_batch_size", n))
-  if batch_size % n:
-    raise ValueError(f"compile_step(batch_size={batch_size}): the global batch must split evenly over "
-                     f"{n} devices; use a multiple of {n}.")
-  tx = optax.sgd(0.1, momentum=0.9) if tx is None else tx
-  mesh = topology.mesh(axis_name)
-  params = model.abstract_params()
-  batch = jax.eval_shape(lambda k: model.make_batch(k, batch_size), jax.random.key(0))
-  a_batch = topology.abstract(batch, P(axis_name), mesh=mesh)
-  if mode == "pipelined":
-    pipe = pipelined(model.loss_fn, tx, schedule, axis_name=axis_name)
-    specs = pipe.state_specs()
-
-    def body(state, b):
-      state, loss = pipe.step(state, b)
-      return state, loss[None]
-
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis_name)),
-                                 out_specs=(specs, P(axis_name))))
-    state0 = topology.abstract(jax.eval_shape(pipe.init, params), P(), mesh=mesh)
-    pending, _ = jax.eval_shape(step, state0, a_batch)  # the state after a first, forward-only call
-    args = (topology.abstract(pending, pipe.state_specs(pending), mesh=mesh), a_batch)
-  else:
-    opt = scheduled(tx, schedule, axis_name=axis_name) if mode == "scheduled" else tx
-    grad_fn = hooked(model.loss_fn, schedule, axis_name=axis_name) if mode == "hooked" else None
-
-    def body(p, o, b):
-      if grad_fn is not None:
-        loss, g = grad_fn(p, b)
-      else:
-        loss, g = jax.value_and_grad(model.loss_fn)(jax.lax.pcast(p, axis_name, to="varying"), b)
-        if mode == "pmean":
-          g = jax.lax.pmean(g, axis_name)
-      updates, o = opt.update(g, o, p)
-      return optax.apply_updates(p, updates), o, jax.lax.pmean(loss, axis_name)
-
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis_name)),
-                                 out_specs=(P(), P(), P())))
-    args = (topology.abstract(params, P(), mesh=mesh),
-            topology.abstract(jax.eval_shape(opt.init, params), P(), mesh=mesh), a_batch)
-  return step.lower(*args)

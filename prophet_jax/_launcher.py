@@ -28,7 +28,10 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
+from ._checks import check_int
 from ._config import config
+from ._distributed import check_interface
+from ._errors import ProphetError
 
 __all__ = ["launch", "add_arguments", "run", "main", "free_port"]
 
@@ -179,14 +182,9 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
   if not cmd:
     raise ValueError("launch: the command is empty; give it after `--`, e.g. "
                      "`prophet-jax launch --nproc 2 -- python train.py`.")
-  if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-    raise ValueError(f"launch(nproc={nproc!r}): nproc must be an integer >= 1.")
-  if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-    raise ValueError(f"launch(port={port!r}): a TCP port is an integer in [1, 65535].")
-  if devices_per_process is not None and (isinstance(devices_per_process, bool)
-                                          or not isinstance(devices_per_process, int)
-                                          or devices_per_process < 1):
-    raise ValueError(f"launch(devices_per_process={devices_per_process!r}): must be an integer >= 1.")
+  check_int("launch", "nproc", nproc, lo=1)
+  check_int("launch", "port", port, lo=1, hi=65535, none=True, fix="It is a TCP port.")
+  check_int("launch", "devices_per_process", devices_per_process, lo=1, none=True)
   host, port = _split_coordinator(coordinator, port)
   if port is None:
     try:
@@ -195,8 +193,6 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
       raise ValueError(f"launch(coordinator={host!r}): cannot pick a free port on that address ({e}); "
                        f"give one with --port.") from None
   if gloo_interface is not None:
-    from ._distributed import check_interface
-
     check_interface(gloo_interface)
   base = dict(os.environ)
   config()  # the parent's PROPHET_* flags are checked here, so a typo fails before anything starts
@@ -286,8 +282,6 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
   """`python -m prophet_jax.launch ARGS -- CMD ...`: as `prophet-jax launch`; a bad argument prints one
   line and returns 2."""
-  from ._errors import ProphetError
-
   parser = add_arguments(argparse.ArgumentParser(
       prog="python -m prophet_jax.launch", description="Start N local processes wired with jax.distributed."))
   args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -40,13 +40,19 @@ from __future__ import annotations
 
 import collections
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._tree import match_rows
+from ._agreement import broadcast_schedule
+from ._checks import check_int, check_number, match_rows
+from ._network import NetworkModel
+from ._plan import plan
+from ._probe import QUICK_SIZES, probe
 from ._schedule import Schedule
-from ._types import GradientProfile, NetworkModel
+from ._simulate import simulate
+from ._types import GradientProfile
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,6 +104,9 @@ class Monitor:
     num_devices: devices for the built-in probe (default all; across processes every device).
     schedule: the schedule to start with (default: planned now from `profile` and `network`).
     options: extra keyword options for `plan`.
+    mesh, axis_name: the mesh a plain `jax.jit` step trains on (`hooked(..., mesh=)`) and its data
+      axis: the built-in probe then times all-reduces over as many devices as that axis holds (every
+      device, across processes), and `network.workers` must be that count.
 
   Raises:
     TypeError, ValueError: bad arguments (named in the message).
@@ -109,24 +118,36 @@ class Monitor:
                drift: float = 0.25, build_step: Callable[[Schedule], Any] | None = None,
                probe_fn: Callable[[Sequence[int]], Sequence[float]] | None = None,
                num_devices: int | None = None, schedule: Schedule | None = None,
-               options: dict[str, Any] | None = None):
+               options: dict[str, Any] | None = None, mesh: Any = None, axis_name: Any = None):
     if not isinstance(profile, GradientProfile):
       raise TypeError(f"Monitor(profile=...): expected a GradientProfile, got {type(profile).__name__}.")
     if not isinstance(network, NetworkModel):
       raise TypeError(f"Monitor(network=...): expected a NetworkModel, got {type(network).__name__}.")
-    if not (isinstance(threshold, (int, float)) and 0 <= threshold < 1):
-      raise ValueError(f"Monitor(threshold={threshold!r}): expected a fraction in [0, 1), e.g. 0.05.")
+    check_number("Monitor", "threshold", threshold, lo=0, hi=1, hi_open=True, fix="It is a fraction, e.g. 0.05.")
     for name, v, lo in (("probe_every", probe_every, 0), ("probe_repeats", probe_repeats, 3),
                         ("window", window, 1)):
-      if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"Monitor({name}={v!r}): expected an integer >= {lo}.")
-    if not (isinstance(drift, (int, float)) and drift > 0):
-      raise ValueError(f"Monitor(drift={drift!r}): expected a positive fraction, e.g. 0.25.")
+      check_int("Monitor", name, v, lo=lo)
+    check_number("Monitor", "drift", drift, lo=0, lo_open=True, fix="It is a fraction, e.g. 0.25.")
     if network.workers < 2:
       raise ValueError(f"Monitor: the network has workers={network.workers}; there is nothing to "
                        f"all-reduce with one worker.")
-    from ._network import QUICK_SIZES
+    if mesh is not None:  # the probe's devices and the workers from the training mesh's data axis
+      import jax
 
+      from ._mesh import axis_total, check_mesh
+
+      if axis_name is None and len(mesh.axis_names) == 1:
+        axis_name = mesh.axis_names[0]
+      if axis_name is None:
+        raise ValueError(f"Monitor(mesh=...): the mesh has axes {tuple(mesh.axis_names)}; name the one "
+                         f"the batch is split over: axis_name=...")
+      n = axis_total(mesh, check_mesh(mesh, axis_name, "Monitor"))
+      if network.workers != n:
+        raise ValueError(f"Monitor: the network has workers={network.workers}, but the mesh has {n} "
+                         f"devices along {axis_name!r}, the workers of its all-reduces: use "
+                         f"network.with_workers({n}).")
+      if num_devices is None and jax.process_count() == 1:
+        num_devices = n
     self.profile = profile
     self.network = network
     self.policy = policy
@@ -155,13 +176,9 @@ class Monitor:
 
   # -- planning ---------------------------------------------------------------------------------------
   def _plan(self, network: NetworkModel) -> Schedule:
-    from ._plan import plan
-
     return plan(self.profile, network, self.policy, cross_step=self.cross_step, **self.options)
 
   def _predict(self, schedule: Schedule, network: NetworkModel) -> float:
-    from ._simulate import simulate
-
     return float(simulate(schedule, self.profile, network, cross_step=self.cross_step).iteration_s)
 
   def _check(self, schedule: Schedule) -> None:
@@ -169,13 +186,9 @@ class Monitor:
 
   def _agree(self, schedule: Schedule) -> Schedule:
     """Rank 0's schedule on every process (no-op in one process); each checks its fingerprint."""
-    import sys
-
     jax = sys.modules.get("jax")
     if jax is None or jax.process_count() == 1:
       return schedule
-    from ._agreement import broadcast_schedule
-
     got = broadcast_schedule(schedule)
     self._check(got)
     return got
@@ -183,8 +196,6 @@ class Monitor:
   @property
   def is_decider(self) -> bool:
     """True on the process whose decisions count (rank 0; the only one in a single process)."""
-    import sys
-
     jax = sys.modules.get("jax")
     return jax is None or jax.process_index() == 0
 
@@ -217,8 +228,6 @@ class Monitor:
     return self.probe_now() if due else None
 
   def _drifted(self) -> bool:
-    import sys
-
     jax = sys.modules.get("jax")
     if jax is not None and jax.process_count() > 1:
       return False  # processes would disagree on when to probe: periodic probes only
@@ -232,8 +241,6 @@ class Monitor:
     if self._probe_fn is not None:
       seconds = list(self._probe_fn(sizes))
     else:
-      from ._network import probe
-
       t = probe(self._num_devices, sizes=sizes, repeats=self.probe_repeats, inner=1)
       sizes, seconds = t.sizes, list(t.median_s)
     return self.observe(sizes, seconds)

@@ -100,13 +100,14 @@ import optax
 from jax.sharding import PartitionSpec
 
 from . import _defer
+from ._checks import check_values, match_tree
 from ._collectives import allreduce, axis_size, is_varying, to_varying, vma_enabled
 from ._defer import DeferState
 from ._errors import ScheduleMismatchError
+from ._mesh import MeshPipelined
 from ._residuals import VjpTrace, carried_avals, carry_plan, forward, recompute, vjp_jaxpr
 from ._schedule import Schedule
-from ._tree import is_reduced_leaf, match_tree, path_str
-from ._types import check_values
+from ._tree import is_reduced_leaf, path_str
 
 __all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending", "save_matmuls"]
 
@@ -764,7 +765,7 @@ def _short(avals: tuple) -> str:
 
 def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
               schedule: Schedule, *, axis_name: Any, residuals: Any = "min-cut", has_aux: bool = False,
-              has_state: bool = False) -> Pipelined:
+              has_state: bool = False, mesh: Any = None) -> Pipelined:
   """The cross-step pipelined train step for `loss_fn`, `tx` and `schedule` over `axis_name`.
 
   Each `step` runs the previous batch's backward with the schedule's chunked, ordered all-reduces,
@@ -800,6 +801,10 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
       forward reads and updates without differentiating it) and returns the new one. The state lives
       in `PipelinedState.model_state` (`init(params, model_state)`); each forward reads the state the
       previous forward produced. Under `shard_map`, name its spec in `state_specs(model_state=...)`.
+    mesh: run `init`, `step` and `flush` on global arrays inside a plain `jax.jit` over this mesh
+      (a `MeshPipelined`: params replicated, the batch split over `axis_name`, the loss averaged
+      over the global batch, as `hooked(..., mesh=)` does); None: call them under your own
+      `jax.shard_map` or `jax.pmap`.
 
   Returns:
     A `Pipelined` with `init(params[, model_state])`, `step(state, batch) -> (state, loss)` (or
@@ -847,5 +852,7 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
   for name, flag in (("has_aux", has_aux), ("has_state", has_state)):
     if not isinstance(flag, bool):
       raise TypeError(f"pipelined({name}={flag!r}): expected True or False.")
-  return Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name, residuals=residuals,
+  step = Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name, residuals=residuals,
                    has_aux=has_aux, has_state=has_state)
+  # global arrays in a plain jax.jit: the same step mapped over the mesh
+  return step if mesh is None else MeshPipelined(step, mesh=mesh)

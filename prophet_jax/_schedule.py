@@ -18,7 +18,7 @@ import numpy as np
 
 from ._errors import ScheduleError
 from ._tree import RowsInfo, rows_info
-from ._types import _fields, _loads, itemsize
+from ._types import _fields, _loads, is_int, itemsize
 
 __all__ = ["Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA"]
 
@@ -35,11 +35,16 @@ class Chunk:
   def __post_init__(self):
     object.__setattr__(self, "slices", tuple((int(r), int(a), int(b)) for r, a, b in self.slices))
     if not self.slices:
-      raise ScheduleError("a chunk has no slices; every chunk must send at least one element.")
-    for r, a, b in self.slices:
+      raise ScheduleError(f"a {self.dtype} chunk has no slices; every chunk must send at least one "
+                          f"element. Drop the chunk, or give it the (row, start, stop) slices it sends.")
+    for i, (r, a, b) in enumerate(self.slices):
       if r < 0 or a < 0 or b <= a:
-        raise ScheduleError(f"chunk slice (row={r}, start={a}, stop={b}) is empty or negative; need "
-                            f"0 <= start < stop.")
+        shown = self.slices[:4]
+        raise ScheduleError(
+            f"the {self.dtype} chunk with slices {shown}{' ...' if len(self.slices) > 4 else ''} has "
+            f"slice {i} (row={r}, start={a}, stop={b}), which is {'empty' if b == a else 'negative'}: "
+            f"a slice needs row >= 0 and 0 <= start < stop. Drop an empty slice (a zero-size leaf is "
+            f"in no chunk), or plan again.")
 
   @property
   def size(self) -> int:
@@ -102,7 +107,7 @@ class Bucket:
     if not self.chunks:
       raise ScheduleError("a bucket has no chunks.")
     k, m = self.defer, len(self.chunks)
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+    if not is_int(k):
       raise ScheduleError(f"a bucket of {m} chunks has defer={k!r}; `defer` must be an integer number of "
                           f"chunks (0 for a lossless bucket).")
     k = int(k)
@@ -261,7 +266,7 @@ class Schedule:
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Schedule:
     obj = _fields(cls, _loads(text_or_obj, "Schedule"), "Schedule")
     try:
-      buckets = tuple(_bucket_from_json(b) for b in obj.pop("buckets"))
+      buckets = tuple(_bucket_from_json(b, i) for i, b in enumerate(obj.pop("buckets")))
       rows = tuple((p, tuple(s), t) for p, s, t in obj.pop("rows"))
     except (KeyError, TypeError, ValueError) as e:
       if isinstance(e, ScheduleError):
@@ -277,7 +282,7 @@ def _bucket_json(b: Bucket) -> Any:
   return {"defer": b.defer, "chunks": chunks} if b.defer else chunks
 
 
-def _bucket_from_json(b: Any) -> Bucket:
+def _bucket_from_json(b: Any, i: int) -> Bucket:
   defer = 0
   if isinstance(b, Mapping):
     unknown = sorted(set(b) - {"defer", "chunks"})
@@ -285,14 +290,18 @@ def _bucket_from_json(b: Any) -> Bucket:
       raise ScheduleError(f"Schedule.from_json: a bucket has unknown field(s) {unknown}; expected "
                           f"'chunks' and 'defer'.")
     defer, b = b.get("defer", 0), b["chunks"]
-  return Bucket(chunks=tuple(Chunk(slices=tuple(tuple(s) for s in c["slices"]), dtype=c["dtype"])
-                             for c in b), defer=defer)
+  chunks = []
+  for j, c in enumerate(b):
+    try:
+      chunks.append(Chunk(slices=tuple(tuple(s) for s in c["slices"]), dtype=c["dtype"]))
+    except ScheduleError as e:
+      raise ScheduleError(f"Schedule.from_json: bucket {i}, chunk {j}: {e}") from None
+  return Bucket(chunks=tuple(chunks), defer=defer)
 
 
 def _check_links(s: Schedule) -> None:
   links = s.links
-  if not isinstance(links, (tuple, list)) or any(isinstance(x, bool) or not isinstance(x, (int, np.integer))
-                                                 for x in links):
+  if not isinstance(links, (tuple, list)) or not all(map(is_int, links)):
     raise ScheduleError(f"schedule links={links!r}: expected a tuple of link indices (ints), one per "
                         f"issued all-reduce, or () for one link.")
   links = tuple(int(x) for x in links)
@@ -344,7 +353,10 @@ def _coverage_error(s: Schedule) -> None:
   for k, c in enumerate(s.chunks):
     for r, a, b in c.slices:
       if r >= len(sizes):
-        raise ScheduleError(f"chunk{k} names row {r}, but the schedule has {len(sizes)} rows.")
+        raise ScheduleError(f"chunk{k} names row {r}, but the schedule has {len(sizes)} rows (0 to "
+                            f"{len(sizes) - 1}, its `rows` in profile order): the chunk was planned for "
+                            f"another tree, or the file was edited. Plan again for this profile "
+                            f"(prophet_jax.plan).")
       path, _, dtype = s.rows[r]
       if dtype != c.dtype:
         raise ScheduleError(f"chunk{k} has dtype {c.dtype} but holds leaf {path!r} of dtype {dtype}; one "

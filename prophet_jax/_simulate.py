@@ -24,11 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import check_values, match_rows
 from ._core import (ChunkArrays, Problem, chunk_arrays, ends_one_link, iterations, link_loop,
                     pressure_durations, problem, schedule_arrays, sync_waits)
+from ._network import NetworkModel
 from ._schedule import Schedule
-from ._tree import match_rows
-from ._types import GradientProfile, NetworkModel, _fields, _loads, check_values
+from ._types import GradientProfile, _fields, _loads
 
 __all__ = ["simulate", "SimResult", "Event"]
 
@@ -195,13 +196,17 @@ def link_assignment(schedule: Schedule, profile: GradientProfile, network: Netwo
   check_values("link_assignment()", schedule=schedule, profile=profile, network=network)
   if network.links == 1:
     return ()
-  calm = network.replace(pressure=None) if network.pressure is not None else network
-  prob = problem(profile, calm, cross_step=bool(cross_step))
-  arrays = schedule_arrays(prob, schedule.buckets)
-  if not arrays.ready_s.size:
+  prob = problem(profile, network, cross_step=bool(cross_step))
+  return chunk_links(prob, schedule_arrays(prob, schedule.buckets))
+
+
+def chunk_links(prob: Problem, arrays: ChunkArrays) -> tuple[int, ...]:
+  """The link of every message of `arrays`, in issue order, on the calm network (durations a + b x
+  bytes: pressure never moves the assignment; see `link_assignment`); () for one link or none."""
+  if prob.links == 1 or not arrays.ready_s.size:
     return ()
   _, _, link, _, _ = link_loop(arrays.ready_s.tolist(), prob.durations(arrays.nbytes).tolist(),
-                               backward_s=prob.backward_s, links=network.links, overlap=network.overlap)
+                               backward_s=prob.backward_s, links=prob.links, overlap=prob.overlap)
   return tuple(int(x) for x in link)
 
 

@@ -26,15 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import _collectives
-from ._collectives import (_zero_of, axis_size, is_varying, reduce_chunks, schedule_units,
-                           scheduled_allreduce, to_varying, unit_allreduces, vma_enabled)
-from ._defer import GroupState, check_residual_varying, check_state, group_states, with_groups
-from ._defer import init as defer_init
+from . import _mesh
+from ._checks import check_int, check_values, match_tree
+from ._collectives import (_zero_of, axis_size, check_residual_varying, is_varying, reduce_units,
+                           schedule_units, scheduled_allreduce, to_varying, unit_allreduces, vma_enabled)
+from ._defer import GroupState, check_state, group_states, init as defer_init, with_groups
 from ._errors import AlreadyReducedError, CompositionError
 from ._schedule import Bucket, Chunk, Schedule
-from ._types import check_values
-from ._tree import dtype_name, is_float_dtype, is_reduced_leaf, match_tree, path_str
+from ._tree import dtype_name, is_float_dtype, is_reduced_leaf, path_str
 
 __all__ = ["ScheduledState", "scheduled", "check_composition", "hooked", "loop_hook", "hook_groups", "LOOP_SCOPE"]
 
@@ -144,7 +143,7 @@ def _not_first_error(before: list[str], where: str) -> CompositionError:
 
 
 def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
-              axis_name: str | tuple[str, ...]) -> optax.GradientTransformationExtraArgs:
+              axis_name: str | tuple[str, ...], mesh: Any = None) -> optax.GradientTransformationExtraArgs:
   """An optax transformation that all-reduces the gradients as `schedule` says, then applies `tx`.
 
   Use it in place of a `jax.lax.pmean(grads, axis_name)` followed by `tx`: inside `jax.pmap(...,
@@ -194,10 +193,20 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   gradients over the axis; that is detected and raises AlreadyReducedError naming the fix. Under
   `pmap` it cannot be detected (nothing is marked varying there); a pmap step is per-device already.
 
+  On global arrays, in a plain `jax.jit` (`mesh=`): the gradients must come *unreduced* over the
+  data axis, each device's partial sum (jax's `unreduced` sharding type, on a mesh with Explicit
+  axes: differentiate with respect to params resharded to `P(reduced={axis_name})`, and `jax.grad`
+  leaves the sum to you); `update` then reduces them on the schedule (its chunks' all-reduces, in
+  order, summed: the partial sums already carry the loss's mean) and applies `tx` to the replicated
+  result. Replicated gradients (the partitioner already reduced them) raise AlreadyReducedError; with
+  a deferring schedule, `init` lays the deferral residuals out on the mesh (`P(axis_name)`).
+
   Args:
     tx: the optimizer to apply to the averaged gradients (e.g. `optax.sgd(0.1, momentum=0.9)`).
     schedule: the Schedule to carry out (from `prophet_jax.plan`).
     axis_name: the data-parallel axis name.
+    mesh: reduce gradients obtained unreduced over `axis_name` on this mesh, inside a plain
+      `jax.jit` on global arrays (see above); None: inside `jax.pmap` or `jax.shard_map`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is `ScheduledState(inner=tx_state,
@@ -218,22 +227,31 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     >>> # inside jax.pmap(..., axis_name="data"): state = state.apply_gradients(grads=grads)
   """
   check_values("scheduled", tx=tx, schedule=schedule, axis_name=axis_name)
+  if mesh is not None:
+    _mesh.check_mesh(mesh, axis_name, "scheduled")
 
   def init_fn(params):
     before = _ran_before_in_chain()
     if before:
       raise _not_first_error(before, "init")
-    return ScheduledState(inner=tx.init(params), defer_state=defer_init(schedule))
+    defer = None
+    if schedule.defers:
+      defer = defer_init(schedule) if mesh is None else _mesh.global_defer_state(schedule, mesh, axis_name)
+    return ScheduledState(inner=tx.init(params), defer_state=defer)
 
   def update_fn(updates, state, params=None, **extra_args):
     before = _ran_before_in_chain()
     if before:
       raise _not_first_error(before, "update")
     try:
-      reduced, defer = scheduled_allreduce(updates, schedule, axis_name, mean=True, where="scheduled",
-                                           defer_state=state.defer_state)
+      if mesh is not None:  # global gradients, unreduced over the axis: reduced on the mesh
+        reduced, defer = _mesh.reduce_unreduced(updates, schedule, mesh=mesh, axis_name=axis_name,
+                                                where="scheduled(mesh=...)", defer_state=state.defer_state)
+      else:
+        reduced, defer = scheduled_allreduce(updates, schedule, axis_name, mean=True, where="scheduled",
+                                             defer_state=state.defer_state)
     except AlreadyReducedError as e:
-      if not _inside_multisteps():
+      if mesh is not None or not _inside_multisteps():
         raise
       raise CompositionError(
           f"scheduled(...) inside optax.MultiSteps under shard_map: MultiSteps keeps an accumulator of "
@@ -283,8 +301,7 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
       of the difference).
     ValueError: `num_devices` < 2.
   """
-  if not isinstance(num_devices, int) or num_devices < 2:
-    raise ValueError(f"check_composition: num_devices must be an integer >= 2, got {num_devices!r}.")
+  check_int("check_composition", "num_devices", num_devices, lo=2)
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   shapes = [(tuple(np.shape(x)), jnp.dtype(x.dtype)) for _, x in leaves_with_path]
   paths = [path_str(p) for p, _ in leaves_with_path]
@@ -422,8 +439,7 @@ def _make_hook(units: Sequence[Any], first_index: int, rows: Sequence[int], axis
 
   def bwd(states, cts):
     ct_leaves, ct_token = cts
-    # through the module, so that a test's wrapper of the one engine sees the hooks too
-    out, last, new = _collectives.reduce_units(list(ct_leaves), local_units, row_leaf, axis_name, divisor=divisor,
+    out, last, new = reduce_units(list(ct_leaves), local_units, row_leaf, axis_name, divisor=divisor,
                                   first_index=first_index, prev=ct_token,
                                   defer=tuple(_decode(x) for x in states))
     return out, _zero_of(last, ct_token.dtype), tuple(_encode(g) for g in new)
@@ -488,8 +504,8 @@ def loop_hook(tree: Any, *, name: str = "layer") -> Any:
     return hook(xs), None
 
   def bwd(_, cts):
-    out, _ = reduce_chunks(list(cts), chunks, row_leaf, axis_name, divisor=divisor,
-                           scope=f"{LOOP_SCOPE}{name}")
+    out, _, _ = reduce_units(list(cts), chunks, row_leaf, axis_name, divisor=divisor,
+                             scope=f"{LOOP_SCOPE}{name}")
     return (out,)
 
   hook.defvjp(fwd, bwd)
@@ -500,7 +516,8 @@ def loop_hook(tree: Any, *, name: str = "layer") -> Any:
 
 
 def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | tuple[str, ...],
-           has_aux: bool = False, in_loop: Sequence[str] = ()) -> Callable[..., Any]:
+           has_aux: bool = False, has_state: bool = False, in_loop: Sequence[str] = (),
+           mesh: Any = None) -> Callable[..., Any]:
   """`grad_fn(params, batch) -> (loss, grads)` whose all-reduces run inside the backward pass.
 
   (With a deferring schedule: `grad_fn(params, batch, defer_state) -> (loss, grads, new_state)`.)
@@ -530,25 +547,53 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
   the residuals are those of `scheduled` and `allreduce`, issued inside the backward pass. The
   deferred chunks' elements are zero in `grads` and wait in the new state's residual.
 
+  On global arrays, in a plain `jax.jit` (or `nnx.jit`) step: pass `mesh=` (the mesh the arrays are
+  placed on; `axis_name` its data axis). The returned `grad_fn` (a `MeshGradFn`) then takes the params
+  replicated (`NamedSharding(mesh, P())`) and the global batch split over the axis (`P(axis_name)`),
+  maps the per-device step above over the mesh itself (`jax.shard_map`, manual over every mesh axis:
+  other axes only replicate it), and returns the loss averaged over the global batch, the gradients
+  replicated for the user's own `tx`, any model state replicated and the aux stacked per device on a
+  new leading axis; the compiled program's gradient all-reduces are the schedule's chunks alone (the
+  partitioner's own all-reduce is gone). `loss_fn` then runs per device, on its slice of the batch, as
+  under `shard_map`: it must be a mean over the examples it is given (a sum would make the gradient
+  the mean of per-device sums), and anything computed across examples (BatchNorm statistics) is per
+  device unless it averages over the axis itself (flax: `nn.BatchNorm(axis_name=...)`). Bad
+  placement is refused with the leaf and the fix (see prophet_jax/_mesh.py); a deferring schedule's
+  state starts from `grad_fn.defer_state()`.
+
   Args:
-    loss_fn: `loss_fn(params, batch) -> loss` (or `(loss, aux)` with `has_aux=True`).
+    loss_fn: `loss_fn(params, batch) -> loss` (or `(loss, aux)` with `has_aux=True`; with
+      `has_state=True`, `loss_fn(params, model_state, batch) -> (loss, new_model_state)`, and with
+      both `(loss, (new_model_state, aux))`, as `pipelined` takes it).
     schedule: the Schedule to carry out; its rows are the params' floating leaves (minus `in_loop`).
     axis_name: the data-parallel axis name.
     has_aux: `loss_fn` returns `(loss, aux)`; `grad_fn` then returns `((loss, aux), grads)`.
+    has_state: `loss_fn` takes a model state after the params and returns `(loss, new_model_state)`;
+      `grad_fn(params, model_state, batch)` then returns `((loss, new_model_state), grads)` (as
+      `jax.value_and_grad(loss_fn, has_aux=True)` does).
     in_loop: path prefixes (e.g. 'params/blocks') of params reduced inside a scanned body by
       `loop_hook`; the schedule does not cover them.
+    mesh: run on global arrays inside a plain `jax.jit` over this mesh (see above); None (the
+      default): call `grad_fn` inside your own `jax.shard_map` or `jax.pmap`.
 
   Returns:
-    `grad_fn(params, batch)` (`grad_fn(params, batch, defer_state)` for a deferring schedule).
+    `grad_fn(params, batch)` (`grad_fn(params, batch, defer_state)` for a deferring schedule); with
+    `mesh`, a `MeshGradFn` taking and returning global arrays.
 
   Raises:
     TypeError: bad arguments (at construction); at trace time, a deferring schedule's grad_fn called
       without its DeferState.
+    ValueError: `mesh` lacks an axis of `axis_name` (at construction); with `mesh`, at call time,
+      params or a model state not replicated, a batch leaf not split over the axis on its leading
+      axis (or not divisible over it), a new model state that varies over the axis.
     UnboundAxisError, ScheduleMismatchError: at trace time (ScheduleMismatchError also for the
       DeferState of another schedule or tree).
     ValueError: at trace time, under shard_map, a deferral residual passed replicated.
   """
   check_values("hooked", loss_fn=loss_fn, schedule=schedule, axis_name=axis_name)
+  for name, flag in (("has_aux", has_aux), ("has_state", has_state)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"hooked({name}={flag!r}): expected True or False.")
   if isinstance(in_loop, str):
     in_loop = (in_loop,)
   in_loop = tuple(in_loop)
@@ -597,9 +642,9 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
       return loss_fn(jax.tree_util.tree_unflatten(treedef, flat_params), *args, **kwargs)
 
     calls: list[str] = []
-    states = tuple(_encode(g) for g in group_states(defer_state))
+    states = tuple(_encode(g) for g in group_states(defer_state)) if schedule.defers else ()
     with _loop_axis(axis_name, n, vma, calls):
-      value, (grads, new_states) = jax.value_and_grad(inner, argnums=(0, 1), has_aux=has_aux,
+      value, (grads, new_states) = jax.value_and_grad(inner, argnums=(0, 1), has_aux=has_aux or has_state,
                                                       allow_int=True)(flat, states)
     if in_loop and not calls:
       raise ValueError(f"hooked(in_loop={in_loop!r}): loss_fn never called prophet_jax's loop_hook, so "
@@ -611,4 +656,7 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
       return value, grads, with_groups(defer_state, [_decode(x) for x in new_states])
     return value, grads
 
+  if mesh is not None:  # global arrays in a plain jax.jit: the same grad_fn mapped over the mesh
+    return _mesh.MeshGradFn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
+                      has_state=has_state)
   return grad_fn

@@ -10,9 +10,11 @@ One place for every rule that ties a pytree to the rows of a GradientProfile or 
   `layer_depth` of them);
 - `forward_paths`: the order in which a loss function first reads each parameter (the rows' priority
   order);
-- `match_rows` (a schedule against a profile's or a process's rows) and `match_tree` (a schedule
-  against a pytree, giving the row -> leaf map): errors that name the row, path, shape or dtype that
-  differs and some of the tree's own paths.
+- `tree_fingerprint`, `rows_info`: the hash of a tree's rows (a Schedule's `tree_fingerprint`) and
+  what a Schedule's checks read from its rows, once per row tuple.
+
+Whether a schedule fits a tree or a profile (`match_tree`, `match_rows`) is an argument check: it
+lives with the others, in `_checks`.
 
 Pure where it can be: jax is imported only by `path_str`, `forward_paths` and, when jax is installed,
 `flatten_with_paths` (plain dicts, lists and tuples flatten the same way without it, dict keys sorted),
@@ -21,7 +23,6 @@ so the planner reads trees on a machine without jax.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Sequence
@@ -29,15 +30,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._errors import ScheduleMismatchError
-
 __all__ = ["path_str", "flatten_with_paths", "dtype_name", "is_float_dtype", "is_reduced_leaf",
-           "layer_of", "forward_paths", "tree_fingerprint", "RowsInfo", "rows_info", "LeafMap", "match_tree",
-           "match_rows"]
+           "layer_of", "forward_paths", "tree_fingerprint", "RowsInfo", "rows_info", "Row", "IdentityMemo"]
 
 Row = tuple[str, tuple[int, ...], str]   # (path, shape, dtype) of one reduced leaf
-
-_REPLAN = "The model changed after planning; run prophet_jax.plan() again on the current params."
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,7 +210,7 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any) -> tuple[str,
 
 
 # --------------------------------------------------------------------------------------------------
-# Does this schedule fit this tree?
+# Rows: their fingerprint and what the checks of a Schedule read from them
 
 
 def tree_fingerprint(rows: Sequence[tuple[str, Sequence[int], str]]) -> str:
@@ -235,190 +231,61 @@ class RowsInfo(NamedTuple):
   dtypes: dict[str, int]
 
 
-# An identity memo (rows are frozen tuples; an entry holds its tuple, so an id is never reused while
-# cached): a schedule's rows are shared by every schedule planned from one profile and by every copy
+class IdentityMemo:
+  """The library's one memo policy: a small first-in-first-out table of values derived from frozen
+  values, keyed by the identities of those values.
+
+  Frozen values are never mutated, so what is derived from one never changes; keying by identity costs
+  nothing (a Schedule's hash walks all its chunks) and holds each key object in its entry, so an id is
+  never reused while it is cached. Used for a tuple of rows (`rows_info`), a profile's rows
+  (`GradientProfile.tree_rows`), a (profile, network, step mode)'s Problem (`_core.problem`) and a
+  schedule's deferral groups (`_defer`).
+  """
+
+  __slots__ = ("_table", "_size")
+
+  def __init__(self, size: int):
+    self._table: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
+    self._size = size
+
+  def get(self, *keys: Any) -> Any:
+    """The value stored for exactly these objects, or None."""
+    hit = self._table.get(tuple(map(id, keys)))
+    if hit is not None and all(a is b for a, b in zip(hit[0], keys)):
+      return hit[1]
+    return None
+
+  def put(self, keys: tuple[Any, ...], value: Any) -> Any:
+    """Stores `value` for the objects `keys` (evicting the oldest entry when full); returns it."""
+    if len(self._table) >= self._size:
+      self._table.pop(next(iter(self._table)))
+    self._table[tuple(map(id, keys))] = (keys, value)
+    return value
+
+  def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` memoized by the identities of its positional arguments."""
+    def memoized(*args: Any) -> Any:
+      hit = self.get(*args)
+      return hit if hit is not None else self.put(args, fn(*args))
+    memoized.__doc__, memoized.__name__, memoized.__wrapped__ = fn.__doc__, fn.__name__, fn
+    return memoized
+
+
+# A schedule's rows are shared by every schedule planned from one profile and by every copy
 # (`dataclasses.replace`), so they are normalized and fingerprinted once per tuple, not per Schedule.
-_ROWS: dict[int, tuple[Any, RowsInfo]] = {}
-_MEMO_SIZE = 64
-
-
-def remember(table: dict[int, tuple[Any, Any]], key: Any, value: Any, size: int = _MEMO_SIZE) -> None:
-  """Stores `value` under `key`'s identity in a small first-in-first-out identity memo."""
-  if len(table) >= size:
-    table.pop(next(iter(table)))
-  table[id(key)] = (key, value)
+_ROWS = IdentityMemo(64)
 
 
 def rows_info(rows: Sequence[tuple[str, Sequence[int], str]]) -> RowsInfo:
   """The normalized rows (path str, shape of ints, dtype str), their fingerprint, element counts and
   dtype codes; memoized by the identity of the normalized tuple."""
-  hit = _ROWS.get(id(rows))
-  if hit is not None and hit[0] is rows:
-    return hit[1]
+  hit = _ROWS.get(rows)
+  if hit is not None:
+    return hit
   norm = tuple((str(p), tuple(int(d) for d in s), str(t)) for p, s, t in rows)
   dtypes = {d: i for i, d in enumerate(dict.fromkeys(t for _, _, t in norm))}
   info = RowsInfo(rows=norm, fingerprint=tree_fingerprint(norm),
                   sizes=np.fromiter((math.prod(s) for _, s, _ in norm), dtype=np.int64, count=len(norm)),
                   dtype_code=np.fromiter((dtypes[t] for _, _, t in norm), dtype=np.int64, count=len(norm)),
                   dtypes=dtypes)
-  remember(_ROWS, norm, info)
-  return info
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafMap:
-  """Where each schedule row lives in a flattened tree.
-
-  Attributes:
-    paths: canonical path of every leaf in flatten order.
-    row_leaf: for each schedule row, the index of its leaf in flatten order.
-  """
-
-  paths: tuple[str, ...]
-  row_leaf: tuple[int, ...]
-
-
-def _schedule_rows(schedule: Any, where: str) -> tuple[Row, ...]:
-  from ._types import check_values
-
-  check_values(where, schedule=schedule)
-  return schedule.rows
-
-
-def _some(paths: Sequence[str], k: int = 3) -> str:
-  return f"{list(paths[:k])}" + (f" and {len(paths) - k} more" if len(paths) > k else "")
-
-
-_VARIABLE_VALUE = "value"  # the attribute under which a flax.nnx Variable holds its array
-
-
-def _is_variable_value_key(key: Any) -> bool:
-  """True for the last key path entry of an nnx Variable's array: jax's GetAttrKey('value') (read by
-  name, so this module needs no jax)."""
-  return type(key).__name__ == "GetAttrKey" and getattr(key, "name", None) == _VARIABLE_VALUE
-
-
-def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Any, *, where: str = "allreduce",
-               skip_prefixes: Sequence[str] = ()) -> LeafMap:
-  """Maps schedule rows to a tree's leaves BY PATH, checking shape and dtype (plain Python).
-
-  A flax.nnx Variable is a pytree node whose array sits under the key `.value`: the same parameter is
-  'l1/kernel/value' in `nnx.state(model, nnx.Param)` and 'l1/kernel' in the pure arrays that
-  `nnx.Optimizer.update` (through `nnx.as_pure`) and `nnx.to_pure_dict` give. A row matches its leaf
-  under either spelling, exact paths first, so a schedule planned from either form works with both
-  (`nnx.Optimizer`'s init sees Variables, its update pure arrays); two rows naming one leaf are an
-  error. (With string paths, a Variable's key cannot be told from a dict key 'value': there only a
-  plain 'x' answers to 'x/value'.)
-
-  Args:
-    leaves_with_path: `jax.tree_util.tree_flatten_with_path(tree)[0]`, or `flatten_with_paths(tree)`
-      (paths as key paths or as strings).
-    schedule: the Schedule whose rows must be exactly the tree's floating leaves.
-    where: the caller's name, for messages.
-    skip_prefixes: leaf paths equal to, or under, one of these are not the schedule's business
-      (reduced elsewhere, e.g. inside a scanned body by `loop_hook`).
-
-  Returns:
-    The LeafMap (every leaf's path in flatten order, and each row's leaf index).
-
-  Raises:
-    TypeError: `schedule` is not a Schedule.
-    ValueError: the tree is empty.
-    ScheduleMismatchError: a row's path is missing from the tree (naming near misses), a shape or dtype
-      differs, two rows name one leaf, or the tree has a floating leaf the schedule lacks; every message
-      lists some of the tree's own paths ("the tree has paths like [...]").
-  """
-  rows = _schedule_rows(schedule, where)
-  if not leaves_with_path:
-    raise ValueError(f"{where}: the gradient tree is empty; there is nothing to reduce. Pass the "
-                     f"gradients of the params the schedule was planned for.")
-  paths = tuple(path_str(p) for p, _ in leaves_with_path)
-  leaves = [leaf for _, leaf in leaves_with_path]
-  index = {p: i for i, p in enumerate(paths)}
-  # nnx spellings: a Variable's 'x/value' also answers to 'x'; a plain 'x' also answers to 'x/value'
-  alias: dict[str, int] = {}
-  for i, (kp, _) in enumerate(leaves_with_path):
-    if not isinstance(kp, str) and kp and _is_variable_value_key(kp[-1]):
-      alias.setdefault(path_str(kp[:-1]), i)
-    else:
-      alias.setdefault(f"{paths[i]}/{_VARIABLE_VALUE}", i)
-  floats = [p for p, x in zip(paths, leaves) if is_reduced_leaf(x)] or list(paths)
-  like = f"the tree has paths like {_some(floats, 4)}"
-  covers = f"the schedule covers {len(rows)} leaves, like {_some([r[0] for r in rows], 4)}"
-  row_leaf = []
-  for path, shape, dtype in rows:
-    i = index.get(path)
-    if i is None:
-      i = alias.get(path)
-    if i is None:
-      near = [p for p in paths if p.split("/")[-1] == path.split("/")[-1]]
-      hint = f"e.g. {_some(near)} end the same way; {like}" if near else like
-      raise ScheduleMismatchError(
-          f"{where}: the schedule has a row for leaf {path!r}, but the tree has no leaf at that path "
-          f"({hint}); {covers}. {_REPLAN}")
-    leaf = leaves[i]
-    got_shape = tuple(int(d) for d in np.shape(leaf))
-    if got_shape != tuple(shape):
-      raise ScheduleMismatchError(
-          f"{where}: leaf {paths[i]!r} has shape {got_shape}, but the schedule was planned for shape "
-          f"{tuple(shape)} {dtype} ({like}). {_REPLAN}")
-    got_dtype = dtype_name(getattr(leaf, "dtype", None))
-    if got_dtype != dtype:
-      raise ScheduleMismatchError(
-          f"{where}: leaf {paths[i]!r} has dtype {got_dtype}, but the schedule was planned for dtype "
-          f"{dtype} ({like}). {_REPLAN} (Plan with the gradients' dtype, e.g. bfloat16 params give "
-          f"bfloat16 gradients.)")
-    row_leaf.append(i)
-  if len(set(row_leaf)) != len(row_leaf):
-    dup = next(i for i in row_leaf if row_leaf.count(i) > 1)
-    named = [rows[k][0] for k, i in enumerate(row_leaf) if i == dup]
-    raise ScheduleMismatchError(
-        f"{where}: schedule rows {named} all name the tree's leaf {paths[dup]!r} (an nnx Variable's "
-        f"'x/value' and a plain 'x' are the same leaf); {like}. {_REPLAN}")
-  rowset = set(row_leaf)
-  prefixes = tuple(s.rstrip("/") + "/" for s in skip_prefixes)
-  extra = [i for i, leaf in enumerate(leaves)
-           if i not in rowset and is_reduced_leaf(leaf)
-           and not (paths[i] in skip_prefixes or paths[i].startswith(prefixes))]
-  if extra:
-    i = extra[0]
-    raise ScheduleMismatchError(
-        f"{where}: the tree has floating leaf {paths[i]!r} (shape {tuple(np.shape(leaves[i]))}, dtype "
-        f"{dtype_name(leaves[i].dtype)}) that the schedule does not cover"
-        f"{f' (nor {len(extra) - 1} more)' if len(extra) > 1 else ''}; {covers}, and the tree has "
-        f"{sum(map(is_reduced_leaf, leaves))} floating ones ({like}). {_REPLAN}")
-  return LeafMap(paths=paths, row_leaf=tuple(row_leaf))
-
-
-def match_rows(schedule: Any, rows: Sequence[Row], *, where: str, theirs: str = "the profile") -> None:
-  """Checks that a schedule was planned for exactly these rows (same paths, shapes, dtypes, order).
-
-  The rows are a GradientProfile's (`profile.tree_rows()`), or a process's. Equal tree fingerprints
-  short-circuit the comparison.
-
-  Args:
-    schedule: the Schedule.
-    rows: the (path, shape, dtype) rows it must have.
-    where: the caller's name, for messages.
-    theirs: what `rows` are, for messages ('the profile', "this process's profile").
-
-  Raises:
-    TypeError: `schedule` is not a Schedule.
-    ScheduleMismatchError: naming the row count, or the first row that differs on both sides, and
-      the two tree fingerprints.
-  """
-  mine = _schedule_rows(schedule, where)
-  rows = tuple(rows)
-  if mine == rows:
-    return
-  fps = (f"(tree fingerprints: the Schedule's {schedule.tree_fingerprint!r}, {theirs}'s "
-         f"{tree_fingerprint(rows)!r})")
-  fix = f"Run prophet_jax.plan() again on {theirs}."
-  if len(mine) != len(rows):
-    raise ScheduleMismatchError(
-        f"{where}: this Schedule was planned for a tree with {len(mine)} leaves, but {theirs} has "
-        f"{len(rows)} {fps}. {fix}")
-  k, got, want = next((k, a, b) for k, (a, b) in enumerate(zip(mine, rows)) if a != b)
-  raise ScheduleMismatchError(
-      f"{where}: row {k} of the Schedule is {got[0]!r} {got[1]} {got[2]}, but {theirs}'s is "
-      f"{want[0]!r} {want[1]} {want[2]} {fps}. {fix}")
+  return _ROWS.put((norm,), info)

@@ -1,19 +1,35 @@
 """Reading a jax.profiler trace (.xplane.pb) of one compiled step: which op made which leaf, and when.
 
-Used by `_profile` (`method='measured'`):
+Used by `_profile` (`method='measured'`, `profile_from_trace`):
   step_hlo(text) -> StepHlo             the optimized module: instructions, operands, op_name metadata,
-                                        the ENTRY ROOT's operands (the gradient leaves, in output order)
-  op_events(trace_dir, module)          the module's XLA op events in a trace directory
+                                        the ENTRY ROOT's operands (the program's outputs, in order)
+  read_trace(trace, modules) -> Trace   the modules' op events in a trace file or directory, each tied
+                                        to the execution (run) it belongs to
   executions(events)                    grouped per (run, device), in time order
   analyse_execution(ex, hlo, ...)       forward/backward spans, per-leaf ready times, per-layer forward
+  analyse(events, hlo, ...)             every execution, their medians, and what makes them implausible
+  forward_positions(hlo, n)             where the forward pass first reads each of the first n parameters
   match_layer(op_name, layers)          the layer an op belongs to, from flax's name stack
   median_envelope(events)               the median span of a run over every device
 
 An op's name stack marks backward ops with `transpose(...)` and forward ops with `jvp(...)`.
+
+Which execution an event belongs to (docs/facts.md, "Profiler traces on a GPU"):
+- XLA:CPU's op events carry the execution's `run_id` and the `device_ordinal`: grouped by both.
+- XLA:GPU's kernel events (on `/device:GPU:k`, one line per CUDA stream) carry `hlo_module`, `hlo_op`,
+  `program_id` and the CUPTI `correlation_id` of the host call that launched them (a kernel inside one
+  of XLA's command buffers carries the graph launch's), but no `run_id`. The host's launch call (same
+  `correlation_id`, on the launching thread's line) lies inside the host's `Execute` event of that
+  program, which has the `run_id`: that is the kernel's execution. Every line (stream) of a device
+  plane is one device, so a collective on its own stream stays in its execution.
+- Without host events, a device's events are cut where another program ran on the device between two
+  of them (the optimizer's update program between steps); the analysis then checks the count of
+  executions against the host's launches or the traced steps.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import glob
 import math
@@ -28,6 +44,10 @@ from ._hlo import parse_hlo
 # --------------------------------------------------------------------------------------------------
 # HLO text (parsed by _hlo): instructions, operands, op_name metadata
 
+_STRUCTURAL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy",
+                         "copy-start", "copy-done", "after-all", "opt-barrier"})
+_GTE_INDEX = re.compile(r"\bindex=(\d+)")
+
 
 @dataclasses.dataclass
 class Instr:
@@ -36,6 +56,10 @@ class Instr:
   operands: list[str]
   op_name: str
   calls: list[str]
+  opcode: str = ""
+  shape: str = ""
+  index: int | None = None      # a get-tuple-element's tuple index
+  parameter: int | None = None  # an ENTRY parameter's number
 
 
 @dataclasses.dataclass
@@ -45,29 +69,51 @@ class StepHlo:
   comps: dict[str, list[str]]
   entry: str
   root_operands: list[str]
+  params: dict[int, str] = dataclasses.field(default_factory=dict)   # ENTRY parameter number -> name
+  position: dict[str, int] = dataclasses.field(default_factory=dict)  # ENTRY instruction -> its index
+  layer_cache: dict[tuple[str, tuple[str, ...]], str | None] = dataclasses.field(default_factory=dict,
+                                                                                 repr=False)
 
 
 def step_hlo(text: str) -> StepHlo:
   """The optimized module as the trace analysis reads it: instructions by name (HLO names are unique
-  in a module), operands within their own computation, called computations, and the ENTRY ROOT's
-  operands (the gradient leaves, in output order)."""
+  in a module), operands within their own computation, called computations, the ENTRY ROOT's
+  operands (the program's outputs, in output order), ENTRY parameters by number and the ENTRY's
+  schedule positions (a compiled module is scheduled: instruction order is execution order)."""
   m = parse_hlo(text)
   instrs: dict[str, Instr] = {}
   comps: dict[str, list[str]] = {}
   root_operands: list[str] = []
+  params: dict[int, str] = {}
   for comp, body in m.computations.items():
     names = {i.name for i in body}
     comps[comp] = [i.name for i in body]
     for i in body:
+      index = param = None
+      if i.opcode == "get-tuple-element":
+        im = _GTE_INDEX.search(i.text)
+        index = int(im.group(1)) if im else None
+      if i.opcode == "parameter" and comp == m.entry:
+        pm = re.search(r"\bparameter\((\d+)\)", i.text)
+        if pm:
+          param = int(pm.group(1))
+          params[param] = i.name
       instrs[i.name] = Instr(name=i.name, comp=comp, operands=[o for o in i.operands if o in names],
-                              op_name=i.op_name, calls=[c for _, c in i.callees])
+                             op_name=i.op_name, calls=[c for _, c in i.callees], opcode=i.opcode,
+                             shape=i.shape, index=index, parameter=param)
       if i.root and comp == m.entry:
         root_operands = list(i.operands) if i.opcode == "tuple" else [i.name]
-  return StepHlo(module=m.name, instrs=instrs, comps=comps, entry=m.entry, root_operands=root_operands)
+  position = {n: k for k, n in enumerate(comps.get(m.entry, []))}
+  return StepHlo(module=m.name, instrs=instrs, comps=comps, entry=m.entry, root_operands=root_operands,
+                 params=params, position=position)
 
 
 def is_backward(op_name: str) -> bool:
   return "transpose(" in op_name
+
+
+def is_forward(op_name: str) -> bool:
+  return "jvp(" in op_name and "transpose(" not in op_name
 
 
 def segments(op_name: str) -> list[str]:
@@ -84,54 +130,299 @@ def segments(op_name: str) -> list[str]:
   return out
 
 
+class _LayerIndex:
+  """Every suffix of every layer path -> the first layer (in order) that ends with it: matching an
+  op's name is then one dictionary look-up per run of consecutive segments, not a scan of the layers
+  (BERT-base has 200 layers and a long trace has 10^5 events)."""
+
+  def __init__(self, layers: Sequence[str]):
+    self.by_suffix: dict[tuple[str, ...], int] = {}
+    self.layers = list(layers)
+    self.longest = 0
+    for k, layer in enumerate(self.layers):
+      comps = tuple(layer.split("/"))
+      self.longest = max(self.longest, len(comps))
+      for start in range(len(comps)):
+        self.by_suffix.setdefault(comps[start:], k)
+
+  def match(self, op_name: str) -> str | None:
+    segs = segments(op_name)
+    for k in range(min(self.longest, len(segs)), 0, -1):
+      hits = [self.by_suffix[t] for j in range(len(segs) - k + 1) if (t := tuple(segs[j:j + k])) in
+              self.by_suffix]
+      if hits:
+        return self.layers[min(hits)]
+    return None
+
+
+_INDEXES: dict[tuple[str, ...], _LayerIndex] = {}
+
+
+def _layer_index(layers: Sequence[str]) -> _LayerIndex:
+  key = tuple(layers)
+  idx = _INDEXES.get(key)
+  if idx is None:
+    if len(_INDEXES) > 16:
+      _INDEXES.clear()
+    idx = _INDEXES[key] = _LayerIndex(key)
+  return idx
+
+
 def match_layer(op_name: str, layers: Sequence[str]) -> str | None:
-  """The layer whose path (its longest suffix) appears as consecutive segments of the op's name."""
-  segs = segments(op_name)
-  best, best_len = None, 0
-  for layer in layers:
-    comps = layer.split("/")
-    for start in range(len(comps)):
-      suf = comps[start:]
-      if len(suf) <= best_len:
-        break
-      k = len(suf)
-      if any(segs[j:j + k] == suf for j in range(len(segs) - k + 1)):
-        best, best_len = layer, k
-        break
-  return best
+  """The layer whose path (its longest suffix) appears as consecutive segments of the op's name;
+  among layers matching equally long suffixes, the first in `layers`."""
+  return _layer_index(layers).match(op_name)
+
+
+def forward_positions(hlo: StepHlo, n: int) -> list[int | None]:
+  """For ENTRY parameters 0..n-1 (the gradient leaves' parameters): the schedule position of the first
+  op that reads it (through ops that read no data) and also depends on the data (the ENTRY parameters
+  numbered n and up: the batch); None when no such op reads it.
+
+  That is where the compiled forward pass first needs the parameter: its priority order, read from
+  the program without the loss function (`profile_from_trace`). Ops that read parameters alone
+  (layout transposes of kernels, a BatchNorm's folded scale) run whenever XLA schedules them, often
+  at the start: they pass the parameter on and do not count as its use.
+  """
+  entry = hlo.comps.get(hlo.entry, [])
+  users: dict[str, list[str]] = {}
+  for name in entry:
+    for o in hlo.instrs[name].operands:
+      users.setdefault(o, []).append(name)
+  data = {name for k, name in hlo.params.items() if k >= n}
+  for name in entry:  # schedule order is a topological order
+    if name not in data and any(o in data for o in hlo.instrs[name].operands):
+      data.add(name)
+  out: list[int | None] = []
+  for k in range(n):
+    start = hlo.params.get(k)
+    best = None
+    stack, seen = ([start] if start else []), set()
+    while stack:
+      for u in users.get(stack.pop(), ()):
+        if u in seen:
+          continue
+        seen.add(u)
+        if u in data:
+          pos = hlo.position[u]
+          best = pos if best is None else min(best, pos)
+        else:
+          stack.append(u)
+    out.append(best)
+  return out
 
 
 # --------------------------------------------------------------------------------------------------
 # Profiler trace
 
 
-def op_events(trace_dir: str, module: str) -> list[dict[str, Any]]:
-  """XLA op events of `module` in the trace: dicts with op, start_ns, end_ns, run, device."""
+_TRACE_SUFFIXES = (".xplane.pb", ".xplane.pb.gz")
+
+
+def trace_files(trace: str | os.PathLike[str]) -> list[str]:
+  """The trace files of a trace: the file itself (`.xplane.pb`, or gzipped `.xplane.pb.gz`), or every
+  one under a trace directory.
+
+  Raises:
+    FileNotFoundError: the path does not exist, or a directory holds no trace file.
+  """
+  path = os.fspath(trace)
+  if os.path.isfile(path):
+    return [path]
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"trace {path!r}: no such file or directory; pass the .xplane.pb file that "
+                            f"jax.profiler.trace wrote, or the directory it wrote into.")
+  files = sorted(f for suffix in _TRACE_SUFFIXES
+                 for f in glob.glob(os.path.join(path, "**", "*" + suffix), recursive=True))
+  if not files:
+    raise FileNotFoundError(f"trace directory {path!r} holds no .xplane.pb file; pass the directory given "
+                            f"to jax.profiler.trace (it writes plugins/profile/<run>/<host>.xplane.pb).")
+  return files
+
+
+def _load(path: str) -> Any:
   import jax
 
-  files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-  out: list[dict[str, Any]] = []
-  for f in files:
-    pd = jax.profiler.ProfileData.from_file(f)
+  if path.endswith(".gz"):
+    import gzip
+
+    with gzip.open(path, "rb") as f:
+      return jax.profiler.ProfileData.from_serialized_xspace(f.read())
+  return jax.profiler.ProfileData.from_file(path)
+
+
+@dataclasses.dataclass
+class Trace:
+  """The op events of some modules in a trace, each tied to its execution where the trace says how.
+
+  Attributes:
+    events: module -> op events, dicts with `op`, `start_ns`, `end_ns`, `run` (the execution: a
+      run_id, or a segment of the device's timeline), `device`, `program` (program_id or None).
+    launches: module -> how many executions the host launched (distinct run_ids of the host's
+      Execute events of that module), where the trace has them.
+    linked: module -> how its executions were found: 'run_id' (on the events, XLA:CPU), 'host
+      launch' (XLA:GPU kernels through their correlation_id) or 'segments' (cut where another
+      program ran on the device).
+    platform: 'gpu' when the trace has a /device:GPU plane, else 'cpu'.
+    files: the .xplane.pb files read.
+    modules: every module with op events in the trace -> how many it has.
+    device_name: the GPU's name as the trace records it ('' when it does not).
+  """
+
+  events: dict[str, list[dict[str, Any]]]
+  launches: dict[str, int]
+  linked: dict[str, str]
+  platform: str
+  files: list[str]
+  modules: dict[str, int] = dataclasses.field(default_factory=dict)
+  device_name: str = ""
+
+
+_EXEC_NAME = re.compile(r"Execute\s*\(([^)]*)\)")
+
+
+def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
+  """The op events of `modules` in a trace file or directory, tied to their executions.
+
+  One pass over every event of every file: ProfileData's events are Python objects, so everything
+  the analysis needs is read here once.
+  """
+  files = trace_files(trace)
+  wanted = set(modules)
+  events: dict[str, list[dict[str, Any]]] = {m: [] for m in modules}
+  runs_of: dict[str, set[Any]] = {m: set() for m in modules}
+  platform, device_name = "cpu", ""
+  counts: dict[str, int] = {}
+  unlinked: set[int] = set()
+  # per device: (start_ns, module) of every op event of any module (segment boundaries)
+  timeline: dict[Any, list[tuple[float, str]]] = {}
+  for fi, f in enumerate(files):
+    pd = _load(f)
+    prefix = f"{fi}:" if len(files) > 1 else ""
+    launch_at: dict[Any, tuple[int, float]] = {}          # correlation_id -> (line key, start)
+    scopes: dict[int, list[tuple[float, float, Any, str]]] = {}  # line -> (start, end, run_id, module)
+    dev_events: list[dict[str, Any]] = []
+    line_key = 0
     for plane in pd.planes:
+      is_device = plane.name.startswith("/device:")
+      if plane.name.startswith("/device:GPU"):
+        platform = "gpu"
+        device_name = device_name or str(dict(plane.stats).get("gpu_device_name", ""))
       for line in plane.lines:
+        line_key += 1
         for ev in line.events:
           st = dict(ev.stats)
-          if st.get("hlo_module") != module or "hlo_op" not in st:
+          mod = st.get("hlo_module")
+          if mod is not None and "hlo_op" in st:
+            dev = st.get("device_ordinal", plane.name) if not is_device else plane.name
+            dev = f"{prefix}{dev}"
+            start = float(ev.start_ns)
+            timeline.setdefault(dev, []).append((start, mod))
+            counts[mod] = counts.get(mod, 0) + 1
+            if mod not in wanted:
+              continue
+            e = {"op": st["hlo_op"], "start_ns": start, "end_ns": start + float(ev.duration_ns),
+                 "run": st.get("run_id"), "device": dev, "program": st.get("program_id"),
+                 "corr": st.get("correlation_id"), "module": mod}
+            events[mod].append(e)
+            if e["run"] is None:
+              dev_events.append(e)
             continue
-          run = st.get("run_id", f"{plane.name}/{line.name}")
-          out.append({"op": st["hlo_op"], "start_ns": float(ev.start_ns),
-                      "end_ns": float(ev.start_ns + ev.duration_ns), "run": run,
-                      "device": st.get("device_ordinal", plane.name)})
-  return out
+          if is_device:
+            continue
+          if "correlation_id" in st:
+            launch_at[st["correlation_id"]] = (line_key, float(ev.start_ns))
+          if "run_id" in st:
+            name = st.get("name") or st.get("module_name")
+            if not isinstance(name, str):
+              em = _EXEC_NAME.search(ev.name)
+              name = em.group(1) if em else ""
+            if name in wanted:
+              s = float(ev.start_ns)
+              scopes.setdefault(line_key, []).append((s, s + float(ev.duration_ns), st["run_id"], name))
+              runs_of[name].add((prefix, st["run_id"]))
+    # a GPU kernel's execution: its host launch lies inside the host's Execute event (run_id) of
+    # the same program, on the launching thread's line
+    # (or, when the launching thread is another one, e.g. a per-device thread, the latest Execute
+    # event of the program on any line that was open when the launch was made)
+    scopes[-1] = [x for k, v in scopes.items() for x in v]
+    for v in scopes.values():
+      v.sort()
+    starts = {k: [s[0] for s in v] for k, v in scopes.items()}
+    for e in dev_events:
+      hit = launch_at.get(e["corr"]) if e["corr"] is not None else None
+      if hit is not None:
+        for key, back in ((hit[0], 3), (-1, 64)):
+          if key not in scopes:
+            continue
+          line_scopes, t = scopes[key], hit[1]
+          j = bisect.bisect_right(starts[key], t) - 1
+          for s, end, rid, name in reversed(line_scopes[max(j - back, 0):j + 1]):
+            if s <= t <= end and name == e["module"]:
+              e["run"] = (prefix, rid)
+              break
+          if e["run"] is not None:
+            break
+      if e["run"] is None:
+        unlinked.add(id(e))
+  linked: dict[str, str] = {}
+  for m in modules:
+    evs = events[m]
+    if not evs:
+      continue
+    if any(id(e) in unlinked for e in evs):
+      linked[m] = "segments"
+    elif all(isinstance(e["run"], tuple) for e in evs):
+      linked[m] = "host launch"
+    else:
+      linked[m] = "run_id"
+  if unlinked:
+    _segment(events, timeline, linked)
+  for e in (x for v in events.values() for x in v):
+    e.pop("corr", None)
+  return Trace(events=events, launches={m: len(r) for m, r in runs_of.items() if r}, linked=linked,
+               platform=platform, files=files, modules=counts, device_name=device_name)
+
+
+def _segment(events: dict[str, list[dict[str, Any]]], timeline: dict[Any, list[tuple[float, str]]],
+             linked: dict[str, str]) -> None:
+  """Runs for modules whose events could not be tied to a host launch: per device, a new execution
+  starts wherever another program's op ran on the device since the module's previous op."""
+  for dev, tl in timeline.items():
+    tl.sort()
+  bounds: dict[tuple[Any, str], list[float]] = {}
+  for dev, tl in timeline.items():
+    mods = {m for _, m in tl}
+    for m in mods:
+      if m not in linked or linked[m] != "segments":
+        continue
+      # starts of this module's ops that follow another module's op: execution boundaries
+      b, prev = [], None
+      for t, mm in tl:
+        if mm == m and prev is not None and prev != m:
+          b.append(t)
+        prev = mm
+      bounds[(dev, m)] = b
+  for m, evs in events.items():
+    if linked.get(m) != "segments":
+      continue
+    for e in evs:
+      b = bounds.get((e["device"], m), [])
+      e["run"] = ("segment", bisect.bisect_right(b, e["start_ns"]))
+
+
+def op_events(trace_dir: str, module: str) -> list[dict[str, Any]]:
+  """XLA op events of `module` in the trace: dicts with op, start_ns, end_ns, run, device."""
+  return read_trace(trace_dir, [module]).events[module]
 
 
 def executions(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+  """Events grouped per (run, device), each group in time order, groups in order of their start."""
   groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
   for e in events:
     groups.setdefault((e["run"], e["device"]), []).append(e)
-  return [sorted(g, key=lambda e: e["start_ns"])
-          for _, g in sorted(groups.items(), key=lambda kv: str(kv[0]))]
+  out = [sorted(g, key=lambda e: e["start_ns"]) for g in groups.values()]
+  return sorted(out, key=lambda g: (g[0]["start_ns"], str(g[0]["device"])))
 
 
 def backward_start(ex: list[dict[str, Any]], hlo: StepHlo) -> float | None:
@@ -159,11 +450,18 @@ def backward_start(ex: list[dict[str, Any]], hlo: StepHlo) -> float | None:
 
 
 def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[int], n_rows: int,
-                      layers_in_order: Sequence[str]
+                      layers_in_order: Sequence[str], *, outputs: Sequence[str] | None = None
                       ) -> tuple[float, float, list[float], dict[str, float]] | None:
-  """(forward_s, backward_s, ready_s per row, fwd_s per layer) of one execution, or None."""
+  """(forward_s, backward_s, ready_s per row, fwd_s per layer) of one execution, or None.
+
+  Output k of the program (`outputs`, default the ENTRY ROOT's operands) is row `leaf_rows[k]`
+  (-1: not a row). A leaf is ready when the last op producing it ends, following its value back
+  through ops that have no event of their own (bitcast, copy, a get-tuple-element of a tuple: only
+  the tuple's operand at that index).
+  """
   if not ex:
     return None
+  outputs = list(hlo.root_operands if outputs is None else outputs)
   t0 = ex[0]["start_ns"]
   t_end = max(e["end_ns"] for e in ex)
   b0 = backward_start(ex, hlo)
@@ -172,8 +470,6 @@ def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[in
   ends: dict[str, float] = {}
   for e in ex:
     ends[e["op"]] = max(ends.get(e["op"], 0.0), e["end_ns"])
-
-  memo: dict[str, float] = {}
 
   def own_end(name: str, depth: int = 0) -> float | None:
     if name in ends:
@@ -184,6 +480,8 @@ def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[in
     vals = [v for c in ins.calls for i in hlo.comps.get(c, []) if (v := own_end(i, depth + 1)) is not None]
     return max(vals) if vals else None
 
+  memo: dict[str, float] = {}
+
   def ready(name: str) -> float:
     if name in memo:
       return memo[name]
@@ -192,26 +490,39 @@ def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[in
     if v is None:
       ins = hlo.instrs.get(name)
       ops = ins.operands if ins else []
+      if ins is not None and ins.opcode == "get-tuple-element" and ins.index is not None and ops:
+        src = hlo.instrs.get(ops[0])
+        if src is not None and src.opcode == "tuple" and own_end(src.name) is None \
+           and ins.index < len(src.operands):
+          ops = [src.operands[ins.index]]  # one element of a tuple, not all of it
       v = max((ready(o) for o in ops), default=t0)
     memo[name] = v
     return v
 
-  if len(hlo.root_operands) != len(leaf_rows):
+  if len(outputs) != len(leaf_rows):
     return None
   bwd_s = max(t_end - b0, 0.0)
   rows = [0.0] * n_rows
-  for out_name, r in zip(hlo.root_operands, leaf_rows):
+  for out_name, r in zip(outputs, leaf_rows):
     if r >= 0:
       rows[r] = min(max(ready(out_name) - b0, 0.0), bwd_s)
   # forward time per layer: each op before backward starts, from the previous op's end to its end
   fwd = dict.fromkeys(layers_in_order, 0.0)
+  index = _layer_index(layers_in_order)
+  key = tuple(layers_in_order)
   current = layers_in_order[0]
   prev = t0
   for e in ex:
     if e["start_ns"] >= b0:
       break
     ins = hlo.instrs.get(e["op"])
-    lay = match_layer(ins.op_name, layers_in_order) if ins else None
+    lay = None
+    if ins is not None:
+      ck = (ins.name, key)
+      if ck in hlo.layer_cache:
+        lay = hlo.layer_cache[ck]
+      else:
+        lay = hlo.layer_cache[ck] = index.match(ins.op_name)
     if lay is not None:
       current = lay
     end = min(e["end_ns"], b0)
@@ -230,3 +541,114 @@ def median_envelope(events: list[dict[str, Any]]) -> float:
     lo_hi[1] = max(lo_hi[1], e["end_ns"])
   spans = [(hi - lo) * 1e-9 for lo, hi in runs.values() if hi > lo]
   return statistics.median(spans) if spans else 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Every execution of a step, their medians, and the checks that keep a wrong trace from passing
+
+
+@dataclasses.dataclass
+class Analysis:
+  """The medians over a step's executions in a trace, and why they cannot be trusted (`problems`).
+
+  Attributes:
+    forward_s, backward_s: median forward and backward spans of one device's execution.
+    ready_s: per row, the median ready time from the start of backward.
+    fwd_layer: per layer, the median forward time.
+    executions: executions analysed; `found`: executions (run x device) in the trace; `devices`.
+    events: op events of the step's program used.
+    held: one line saying what the trace held (for notes and errors).
+    problems: reasons the profile is implausible (empty when it is not).
+  """
+
+  forward_s: float
+  backward_s: float
+  ready_s: list[float]
+  fwd_layer: dict[str, float]
+  executions: int
+  found: int
+  devices: int
+  events: int
+  held: str
+  problems: list[str]
+
+
+def select_program(events: list[dict[str, Any]], hlo: StepHlo) -> tuple[list[dict[str, Any]], str]:
+  """The events of the one compiled program that `hlo` is: a module name may belong to several
+  programs in a trace (a step compiled again for other shapes); keep the program whose op names are
+  all in the HLO, the most-run one if several are."""
+  by_prog: dict[Any, list[dict[str, Any]]] = {}
+  for e in events:
+    by_prog.setdefault(e.get("program"), []).append(e)
+  if len(by_prog) <= 1:
+    return events, ""
+  fits = {p: v for p, v in by_prog.items() if all(e["op"] in hlo.instrs for e in v)}
+  pick = max(fits or by_prog, key=lambda p: len((fits or by_prog)[p]))
+  return by_prog[pick], (f"{len(by_prog)} programs named {hlo.module!r} in the trace; used program_id "
+                         f"{pick} ({len(by_prog[pick])} events{'' if fits else ', some ops not in the HLO'})")
+
+
+def analyse(events: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[int], n_rows: int,
+            layers_in_order: Sequence[str], *, outputs: Sequence[str] | None = None,
+            expected: int | None = None, expected_why: str = "", row_layers: Sequence[str] | None = None
+            ) -> Analysis:
+  """Every execution of the step in `events`, the medians over them, and the problems that make the
+  result implausible:
+
+  - the executions found do not match what was traced (`expected` executions, e.g. steps x devices,
+    or the host's launches times the devices), or some execution runs far fewer ops than the others
+    (a step the profiler caught in part is dropped, and said so);
+  - backward is under a tenth of forward (a backward pass costs about twice the forward);
+  - most layers' gradients are ready at one instant (within 0.1% of backward), with 3 layers or
+    more (`row_layers`: each row's layer).
+  """
+  events, prog_note = select_program(events, hlo)
+  groups = executions(events)
+  devices = len({e["device"] for e in events})
+  problems: list[str] = []
+  notes = [prog_note] if prog_note else []
+  # an execution the profiler caught in part (it started or stopped inside it) runs fewer ops
+  sizes = [len(g) for g in groups]
+  if len(groups) > 1:
+    typical = statistics.median(sizes)
+    whole = [g for g in groups if len(g) >= 0.9 * typical]
+    if len(whole) < len(groups):
+      notes.append(f"{len(groups) - len(whole)} execution(s) with under 90% of the typical "
+                   f"{typical:.0f} ops dropped (caught in part by the profiler)")
+    groups = whole
+  results = [r for g in groups
+             if (r := analyse_execution(g, hlo, leaf_rows, n_rows, layers_in_order, outputs=outputs))
+             is not None]
+  held = (f"the trace held {len(events)} op events of {hlo.module!r} in {len(sizes)} execution(s) on "
+          f"{devices} device(s)" + (f" ({'; '.join(notes)})" if notes else ""))
+  if expected is not None and len(sizes) != expected:
+    problems.append(f"{len(sizes)} execution(s) found where {expected} were traced{expected_why}")
+  if not results:
+    problems.append("no execution had backward ops (op names under transpose(...)) to map")
+    return Analysis(0.0, 0.0, [0.0] * n_rows, dict.fromkeys(layers_in_order, 0.0), 0, len(sizes), devices,
+                    len(events), held, problems)
+  forward_s = statistics.median(r[0] for r in results)
+  backward_s = statistics.median(r[1] for r in results)
+  ready = [statistics.median(r[2][k] for r in results) for k in range(n_rows)]
+  fwd_layer = {l: statistics.median(r[3][l] for r in results) for l in layers_in_order}
+  if backward_s < 0.1 * forward_s:
+    problems.append(f"backward {backward_s * 1e3:.3f} ms is under a tenth of forward {forward_s * 1e3:.3f} ms "
+                    f"(a backward pass costs about twice its forward)")
+  if row_layers is not None and len(set(row_layers)) >= 3 and backward_s > 0:
+    tol = 1e-3 * backward_s
+    order = sorted(range(n_rows), key=lambda k: ready[k])
+    best_layers: set[str] = set()
+    best_rows = 0
+    lo = 0
+    for hi in range(n_rows):  # the most layers whose rows fall in one window of width tol
+      while ready[order[hi]] - ready[order[lo]] > tol:
+        lo += 1
+      window = {row_layers[order[k]] for k in range(lo, hi + 1)}
+      if len(window) > len(best_layers):
+        best_layers, best_rows = window, hi - lo + 1
+    n_layers = len(set(row_layers))
+    if len(best_layers) > n_layers / 2:
+      problems.append(f"{best_rows} of {n_rows} gradients ({len(best_layers)} of {n_layers} layers) are "
+                      f"ready within {tol * 1e6:.2f} us of each other (backward {backward_s * 1e3:.3f} ms)")
+  return Analysis(forward_s, backward_s, ready, fwd_layer, len(results), len(sizes), devices, len(events),
+                  held, problems)

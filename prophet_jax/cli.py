@@ -16,7 +16,8 @@ from typing import Any
 
 from ._errors import ProphetError
 from ._launcher import add_arguments as add_launch_arguments
-from ._types import PRESETS, GradientProfile, NetworkModel, Pressure
+from ._network import NetworkModel, PRESETS, Pressure
+from ._types import GradientProfile
 
 DEFAULT_DEVICE = "v100"
 
@@ -220,7 +221,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 def cmd_probe(a: argparse.Namespace) -> int:
   _set_cpu_devices(a.num_devices)
-  from ._network import check_fit, probe
+  from ._probe import check_fit, probe
 
   # under `prophet-jax launch` (jax.distributed initialized) the probe spans every process's devices
   kw = {} if a.sizes is None else {"sizes": tuple(a.sizes)}
@@ -266,7 +267,7 @@ def _xla_option(text: str) -> tuple[str, Any]:
 def cmd_audit(a: argparse.Namespace) -> int:
   """Compiles a bundled model's step for a compile-only GPU target and prints its audit."""
   from . import models, plan
-  from ._gpu import compile_step, gpu_target, gpu_topology, quiet_cuda_stub
+  from ._gpu import gpu_target, gpu_topology, quiet_cuda_stub
   from ._schedule import Schedule
 
   target = gpu_target(a.target)  # an unknown target fails here, before jax starts
@@ -284,6 +285,8 @@ def cmd_audit(a: argparse.Namespace) -> int:
     schedule = plan(profile, net, a.policy, cross_step=cross_step)
   with quiet_cuda_stub():
     topo = gpu_topology(target.name, devices=a.devices)
+    from ._steps import compile_step  # imports jax: after the topology checked the environment
+
     compiled, compile_s = compile_step(model, schedule, a.mode, topo, batch_size=a.batch,
                                        compiler_options=dict(a.xla_option or ()) or None)
   from ._audit import audit

@@ -29,7 +29,8 @@ import numpy as np
 
 from prophet_jax._core import chunk_arrays, iteration_s, problem
 from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, ProfileRow, Schedule
-from prophet_jax._types import check_values, itemsize
+from prophet_jax._types import itemsize
+from prophet_jax._checks import check_values
 
 __all__ = ["best_contiguous", "best_ordered", "random_profile", "random_network", "random_schedule",
            "random_deferral", "split_group"]

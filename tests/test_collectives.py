@@ -104,6 +104,31 @@ def test_nan_in_one_chunk_stays_in_that_chunk():
   np.testing.assert_array_equal(inf, np.ones(3))
 
 
+def test_a_lossless_schedule_never_calls_deferral_code(monkeypatch):
+  """allreduce, scheduled (init and update) and hooked trace a schedule that defers nothing without
+  calling into `_defer` (its state, its checks): the lossless walk to the psum has no deferral stop."""
+  import optax
+
+  from prophet_jax import _collectives, _transform
+
+  def boom(*args, **kwargs):
+    raise AssertionError("a lossless schedule called deferral code")
+
+  for mod in (_collectives, _transform):
+    for name in ("check_state", "group_states", "with_groups", "defer_init"):
+      if hasattr(mod, name):
+        monkeypatch.setattr(mod, name, boom)
+  tree = {"a": jnp.zeros((4, 5)), "b": jnp.zeros(7)}
+  s = _schedule(tree, {0: (10,)})
+  grads = {k: jnp.zeros((NDEV, *v.shape)) for k, v in tree.items()}
+  jax.eval_shape(jax.vmap(lambda g: pj.allreduce(g, s, AX), axis_name=AX), grads)
+  tx = pj.scheduled(optax.sgd(0.1), s, axis_name=AX)
+  opt = tx.init(tree)
+  jax.eval_shape(jax.vmap(lambda g: tx.update(g, opt, tree)[0], axis_name=AX), grads)
+  grad_fn = pj.hooked(lambda p, x: sum(jnp.sum(v) * x for v in p.values()), s, axis_name=AX)
+  jax.eval_shape(jax.vmap(lambda x: grad_fn(tree, x)[1], axis_name=AX), jnp.ones(NDEV))
+
+
 @st.composite
 def trees_and_schedules(draw):
   n = draw(st.integers(1, 4))

@@ -197,7 +197,7 @@ def _reduce_chunks_before_issue_18(flat, chunks, row_leaf, axis_name, divisor):
 def test_k0_is_the_lossless_path_same_hlo():
   """A schedule whose groups defer 0 is lossless: no state, and the very program of the engine
   before deferral existed."""
-  from prophet_jax._tree import match_tree
+  from prophet_jax._checks import match_tree
   s0 = _schedule(defer=(0, 0))
   assert not s0.defers and s0.num_allreduces == 10 and _defer.init(s0) is None
   g = {k: jnp.zeros((NDEV, *v.shape)) for k, v in TREE.items()}
@@ -406,15 +406,10 @@ def _tx(schedule):
   return pj.scheduled(optax.chain(_capture(), optax.sgd(LR, momentum=0.9)), schedule, axis_name=AX)
 
 
-_SCALE: list = []  # the runtime divisor scale of the step being traced (the negative control)
-
-
-def _scaled_units(real):
-  def units(flat, us, row_leaf, axis_name, *, divisor, **kw):
-    if _SCALE and divisor is not None:
-      divisor = divisor / _SCALE[-1]
-    return real(flat, us, row_leaf, axis_name, divisor=divisor, **kw)
-  return units
+def _scaled(scale):
+  """The one engine's test seam: every sum divided by n / scale instead of n."""
+  from prophet_jax._collectives import engine_hooks
+  return engine_hooks(divisor=lambda n: n / scale)
 
 
 @functools.lru_cache(maxsize=None)
@@ -422,24 +417,17 @@ def _sched_step(schedule, mapping):
   """(compiled step(params, opt_state, batch, scale) -> (params, opt_state), initial opt_state, put).
 
   `scale` is a runtime scalar: the engine divides each sum by n / scale (1: the library's own mean,
-  exactly; n / (n - 1): a 14% gradient-scale bug), injected by wrapping `_collectives.reduce_units`
-  while this step is traced."""
+  exactly; n / (n - 1): a 14% gradient-scale bug), injected through the engine's test seam while
+  this step is traced."""
   import optax
-  from prophet_jax import _collectives
   m, params, _ = _mlp()
   tx = _tx(schedule)
 
   def step(p, opt, batch, scale):
-    _SCALE.append(scale)
-    real = _collectives.reduce_units
-    _collectives.reduce_units = _scaled_units(real)
-    try:
+    with _scaled(scale):
       pv = jax.lax.pcast(p, AX, to="varying") if mapping == "shard_map" else p
       g = jax.grad(m.loss_fn)(pv, batch)
       u, opt = tx.update(g, opt, p)
-    finally:
-      _collectives.reduce_units = real
-      _SCALE.pop()
     return optax.apply_updates(p, u), opt
 
   one = jnp.float32(1)
@@ -680,21 +668,14 @@ def _hooked_run(schedule, mapping, scale=1.0):
   """`hooked` with the deferral state: grad_fn(params, batch, defer_state) -> (loss, grads, state),
   then chain(capture, sgd(momentum)); the final params and each step's chosen chunks."""
   import optax
-  from prophet_jax import _collectives
   m, params, batches = _mlp()
   grad_fn = pj.hooked(m.loss_fn, schedule, axis_name=AX)
   tx = optax.chain(_capture(), optax.sgd(LR, momentum=0.9))
 
   def step(p, opt, dstate, batch, scale):
-    _SCALE.append(scale)
-    real = _collectives.reduce_units
-    _collectives.reduce_units = _scaled_units(real)
-    try:
+    with _scaled(scale):
       _, g, dstate = grad_fn(p, batch, dstate)
       u, opt = tx.update(g, opt, p)
-    finally:
-      _collectives.reduce_units = real
-      _SCALE.pop()
     return optax.apply_updates(p, u), opt, dstate
 
   d0 = pj.defer_state(schedule)

@@ -16,7 +16,7 @@ from _brute import random_deferral, random_network, random_profile, random_sched
 from _instances import NET, PROFILE, row, sched
 from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, Schedule, ScheduleError, plan
 from prophet_jax._simulate import simulate
-from prophet_jax._types import Pressure
+from prophet_jax._network import Pressure
 from prophet_jax.schedulers import auto, dlcp
 
 SEEDS = st.integers(0, 2**32 - 1)
@@ -161,7 +161,7 @@ NET10 = NetworkModel.preset("10gbe", workers=8)
     (dict(max_defer=float("nan")), ValueError, r"max_defer=nan"),
     (dict(max_defer="0.1"), ValueError, r"max_defer='0.1'"),
     (dict(max_defer=True), ValueError, r"max_defer=True"),
-    (dict(spread=1), ValueError, r"dlcp\(spread=1\): `spread` must be >= 2"),
+    (dict(spread=1), ValueError, r"dlcp\(spread=1\): `spread` must be an integer >= 2"),
     (dict(spread=2.0), TypeError, r"dlcp\(spread=2.0\)"),
     (dict(chunk_bytes=0), ValueError, r"dlcp\(chunk_bytes=0\)"),
 ])

@@ -1,7 +1,7 @@
 """XLA:GPU without a GPU: every rewrite compiled for 8 compile-only H100s, and the compiled schedule audited.
 
 Each step is built the way a user writes it (`jax.jit(jax.shard_map(...))` over `gpu_topology("h100")`'s
-mesh, lowered on ShapeDtypeStructs, `prophet_jax._gpu.lower_step`) and compiled by XLA:GPU's whole
+mesh, lowered on ShapeDtypeStructs, `prophet_jax.lower_step`) and compiled by XLA:GPU's whole
 pipeline (combiner, all-reduce-contiguous, async collectives, latency hiding scheduler, ptxas). Nothing
 runs. The claims, per model (cnn, gpt-tiny) x policy x {scheduled, hooked, pipelined}:
 - the audit is OK: one all-reduce per chunk, planned sizes, schedule order (the loss pmean that XLA:GPU
@@ -126,15 +126,15 @@ def reports(topo):
     s = schedule_for(model, policy, mode)
     key = (model, mode, program_key(s))
     if key not in lowered:
-      lowered[key] = _gpu.lower_step(get_model(model), s, mode, topo, batch_size=BATCH)
+      lowered[key] = pj.lower_step(get_model(model), s, mode, topo, batch_size=BATCH)
     key_of[(model, mode, policy)] = key
   # the plain step (one model is enough; bench/gpu_hlo.py has the others)
-  lowered[("cnn", "pmean")] = _gpu.lower_step(get_model("cnn"), schedule_for("cnn", "wfbp", "scheduled"),
+  lowered[("cnn", "pmean")] = pj.lower_step(get_model("cnn"), schedule_for("cnn", "wfbp", "scheduled"),
                                               "pmean", topo, batch_size=BATCH)
   key_of[("cnn", "pmean")] = ("cnn", "pmean")
   keys = list(lowered)
   with ThreadPoolExecutor(2) as pool:
-    texts = dict(zip(keys, pool.map(lambda k: _gpu.compile_lowered(lowered[k], NCCL_PATH)[0].as_text(),
+    texts = dict(zip(keys, pool.map(lambda k: lowered[k].compile(compiler_options=NCCL_PATH).as_text(),
                                     keys)))
   out = {}
   for name, key in key_of.items():
@@ -172,8 +172,7 @@ def test_default_flags_keep_count_and_order_and_the_audit_says_which_form_it_rea
   kernels (fusion-start) and leaves chunk 0's window empty, which the audit reads, counts and warns about
   (docs/facts.md, "XLA:GPU 0.12's collective kernels")."""
   s = schedule_for("cnn", "wfbp", "pipelined")
-  r = pj.audit(_gpu.compile_lowered(_gpu.lower_step(get_model("cnn"), s, "pipelined", topo,
-                                                    batch_size=BATCH))[0], s)
+  r = pj.audit(pj.lower_step(get_model("cnn"), s, "pipelined", topo, batch_size=BATCH).compile(), s)
   assert r.ok and r.order == tuple(range(s.num_allreduces)) and r.max_in_flight == 1, r.describe()
   kernel_warning = [w for w in r.warnings if "collective kernels" in w]
   if NCCL_PATH:  # this jaxlib has collective kernels
@@ -272,9 +271,9 @@ SYNC_FLAGS = {"xla_gpu_disable_async_collectives": "ALLREDUCE", **NCCL_PATH}
 def test_users_xla_flags_keep_count_and_order_or_warn(topo):
   m = get_model("cnn")
   s = schedule_for("cnn", "wfbp", "hooked")
-  lowered = _gpu.lower_step(m, s, "hooked", topo, batch_size=BATCH)
+  lowered = pj.lower_step(m, s, "hooked", topo, batch_size=BATCH)
   with ThreadPoolExecutor(2) as pool:
-    benign, lhs_off, sync = pool.map(lambda o: pj.audit(_gpu.compile_lowered(lowered, o)[0], s),
+    benign, lhs_off, sync = pool.map(lambda o: pj.audit(lowered.compile(compiler_options=o), s),
                                      (BENIGN_FLAGS, LHS_OFF_FLAGS, SYNC_FLAGS))
   for r in (benign, lhs_off, sync):
     assert r.ok and r.order == tuple(range(s.num_allreduces)), r.describe()
@@ -295,9 +294,9 @@ def test_a100_overlaps_only_with_the_latency_hiding_scheduler():
   a100 = pj.gpu_topology("a100", devices=NDEV)
   m = get_model("cnn")
   s = schedule_for("cnn", "wfbp", "hooked")
-  lowered = _gpu.lower_step(m, s, "hooked", a100, batch_size=BATCH)
+  lowered = pj.lower_step(m, s, "hooked", a100, batch_size=BATCH)
   with ThreadPoolExecutor(2) as pool:
-    default, lhs = pool.map(lambda o: pj.audit(_gpu.compile_lowered(lowered, o)[0], s),
+    default, lhs = pool.map(lambda o: pj.audit(lowered.compile(compiler_options=o), s),
                             (None, {"xla_gpu_enable_latency_hiding_scheduler": True}))
   assert default.ok and not default.asynchronous and default.warnings, default.describe()
   assert "xla_gpu_enable_latency_hiding_scheduler=true" in default.warnings[0]
@@ -328,7 +327,7 @@ def test_shipped_targets():
   assert pj.gpu_target("H100-SXM") == h100
   with pytest.raises(ValueError, match=r"unknown GPU target 'b200'.*'h100', 'a100', 'v100'"):
     pj.gpu_target("b200")
-  with pytest.raises(ValueError, match="positive number of GPUs"):
+  with pytest.raises(ValueError, match=r"`devices` must be an integer >= 1.*number of GPUs"):
     pj.gpu_topology("h100", devices=0)
 
 

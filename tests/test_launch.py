@@ -85,7 +85,7 @@ def test_coordinator_parsing():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(nproc=0), "nproc must be an integer >= 1"),
+    (dict(nproc=0), "`nproc` must be an integer >= 1"),
     (dict(nproc=2, port=70000), "port=70000"),
     (dict(nproc=2, devices_per_process=0), "devices_per_process=0"),
     (dict(nproc=2, gloo_interface="nosuchif0"), "gloo_interface='nosuchif0' is not a network interface"),

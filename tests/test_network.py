@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prophet_jax import NetworkError, NetworkModel, measure_network
-from prophet_jax import _network
+from prophet_jax import _probe
 
 
 @settings(deadline=None, max_examples=25)
@@ -14,11 +14,11 @@ from prophet_jax import _network
        seed=st.integers(0, 2**16))
 def test_fit_reproduces_synthetic_timings(alpha, beta, workers, seed):
   truth = NetworkModel(alpha_s=alpha, beta_s_per_byte=beta, workers=workers)
-  sizes = np.asarray(_network.DEFAULT_SIZES, dtype=float)
+  sizes = np.asarray(_probe.DEFAULT_SIZES, dtype=float)
   exact = np.array([truth.allreduce_s(s) for s in sizes])
   rng = np.random.default_rng(seed)
   noisy = exact * (1 + 0.01 * rng.standard_normal(exact.size))  # 1% noise
-  t = _network.AllreduceTimings(sizes=tuple(int(s) for s in sizes), median_s=tuple(noisy),
+  t = _probe.AllreduceTimings(sizes=tuple(int(s) for s in sizes), median_s=tuple(noisy),
                                 low_s=tuple(exact * 0.9), percentile=10, repeats=5, workers=workers,
                                 processes=1, platform="cpu")
   net = t.fit()
@@ -34,7 +34,7 @@ def test_fit_reproduces_synthetic_timings(alpha, beta, workers, seed):
 
 
 def test_fit_rejects_bad_stat():
-  t = _network.AllreduceTimings(sizes=(1024, 2048), median_s=(1e-4, 2e-4), low_s=(1e-4, 2e-4),
+  t = _probe.AllreduceTimings(sizes=(1024, 2048), median_s=(1e-4, 2e-4), low_s=(1e-4, 2e-4),
                                 percentile=10, repeats=3, workers=2, processes=1, platform="gpu")
   assert t.fit().overlap is True  # overlap from the platform
   with pytest.raises(ValueError, match="stat='mean'"):
@@ -42,7 +42,7 @@ def test_fit_rejects_bad_stat():
 
 
 def test_probe_across_eight_cpu_devices():
-  t = _network.probe(8, sizes=(2**10, 2**14, 2**18), repeats=4, inner=2)
+  t = _probe.probe(8, sizes=(2**10, 2**14, 2**18), repeats=4, inner=2)
   assert t.workers == 8 and t.processes == 1 and t.platform == "cpu"
   assert all(m > 0 for m in t.median_s)
   assert all(lo <= m for lo, m in zip(t.low_s, t.median_s))
@@ -59,16 +59,16 @@ def test_probe_across_eight_cpu_devices():
 def test_interleaved_probe_measures_skew_and_carries_it():
   # 21 rounds: the small matmul's compute is a difference of two ~0.1 ms timings, and with 3 rounds
   # its median came out negative in 10 of 48 probes here (0 of 48 with 21)
-  t = _network.probe(8, sizes=(2**10, 2**14), repeats=21, inner=1, interleave=True)
+  t = _probe.probe(8, sizes=(2**10, 2**14), repeats=21, inner=1, interleave=True)
   assert t.skew >= 0 and len(t.compute_s) == 2 and all(c > 0 for c in t.compute_s)
   assert all(m >= 0 for m in t.median_s)
   net = t.fit()
   assert net.skew == t.skew and net.overlap is False
-  given = _network.probe(2, sizes=(2**10, 2**14), repeats=3, inner=1, interleave=True, skew=0.25)
+  given = _probe.probe(2, sizes=(2**10, 2**14), repeats=3, inner=1, interleave=True, skew=0.25)
   assert given.skew == 0.25 and len(given.compute_s) == 1
   assert "skew 0.250" in given.describe()
   with pytest.raises(ValueError, match="skew=-1"):
-    _network.probe(2, sizes=(1024, 4096), repeats=3, interleave=True, skew=-1)
+    _probe.probe(2, sizes=(1024, 4096), repeats=3, interleave=True, skew=-1)
 
 
 def test_measure_network_returns_model_on_subset_of_devices():
@@ -93,7 +93,7 @@ def test_single_device_and_bad_arguments_are_clear():
 
 def _timings(ys, workers=8):
   sizes = (2**10, 2**14, 2**18, 2**20, 2**22)
-  return _network.AllreduceTimings(sizes=sizes, median_s=tuple(ys), low_s=tuple(ys), percentile=10,
+  return _probe.AllreduceTimings(sizes=sizes, median_s=tuple(ys), low_s=tuple(ys), percentile=10,
                                    repeats=5, workers=workers, processes=1, platform="cpu")
 
 
@@ -102,21 +102,21 @@ def test_a_bad_fit_warns_naming_the_residual(monkeypatch):
   sizes = (2**10, 2**14, 2**18, 2**20, 2**22)
   exact = [line.allreduce_s(s) for s in sizes]
   good = _timings([t * f for t, f in zip(exact, (1.02, 0.97, 1.01, 0.99, 1.0))])
-  assert _network.check_fit(good.fit(), good) is None
+  assert _probe.check_fit(good.fit(), good) is None
   ticked = list(exact)
   # a 4 ms scheduler tick at the small sizes (docs/facts.md, "Several processes")
   ticked[0] = ticked[1] = 4e-3
   bad = _timings(ticked)
-  text = _network.check_fit(bad.fit(), bad)
+  text = _probe.check_fit(bad.fit(), bad)
   assert text is not None and "RMS residual of" in text and "not a straight line" in text
   assert "worst at" in text and "stat='low'" in text
   zero = _timings([0.0] * 5)
-  assert "every measured all-reduce time is 0" in _network.check_fit(zero.fit(), zero)
+  assert "every measured all-reduce time is 0" in _probe.check_fit(zero.fit(), zero)
   # measure_network itself warns (the probe replaced by those timings: no minute-long run here)
-  monkeypatch.setattr(_network, "probe", lambda *a, **k: bad)
+  monkeypatch.setattr(_probe, "probe", lambda *a, **k: bad)
   with pytest.warns(UserWarning, match="measure_network: the alpha-beta fit leaves an RMS residual"):
     measure_network(8)
-  monkeypatch.setattr(_network, "probe", lambda *a, **k: good)
+  monkeypatch.setattr(_probe, "probe", lambda *a, **k: good)
   import warnings
 
   with warnings.catch_warnings():

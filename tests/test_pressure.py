@@ -19,7 +19,7 @@ from prophet_jax import NetworkError, NetworkModel, SimResult, plan
 from prophet_jax._bound import lower_bound
 from prophet_jax._core import background_flows
 from prophet_jax._simulate import simulate
-from prophet_jax._types import Pressure
+from prophet_jax._network import Pressure
 
 SEEDS = st.integers(0, 2**32 - 1)
 WFBP = sched(PROFILE, [[1], [0]])

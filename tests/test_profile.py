@@ -28,6 +28,11 @@ def _tiny():
   return loss, params, batch
 
 
+def _empty_trace(trace, modules):
+  """A trace in which the profiler recorded nothing of the step."""
+  return _xplane.Trace(events={m: [] for m in modules}, launches={}, linked={}, platform="cpu", files=[])
+
+
 @pytest.fixture(scope="module")
 def mlp_profile():
   from prophet_jax.models import get_model
@@ -69,7 +74,7 @@ def test_measured_profile_has_every_row_exact_sizes_and_ready_within_step(mlp_pr
 
 def test_no_profiler_events_falls_back_to_timing(monkeypatch):
   loss, params, batch = _tiny()
-  monkeypatch.setattr(_xplane, "op_events", lambda d, module: [])
+  monkeypatch.setattr(_xplane, "read_trace", _empty_trace)
   prof = profile_step(loss, params, batch, num_devices=N, steps=3)
   assert prof.method == "timed"
   assert "profiler unusable" in prof.notes and "no events" in prof.notes
@@ -84,7 +89,7 @@ def test_estimated_when_asked_and_when_timing_fails(monkeypatch):
   prof = profile_step(loss, params, batch, num_devices=N, method="estimated")
   assert prof.method == "estimated" and "FLOPs" in prof.notes
   assert prof.forward_s > 0 and prof.backward_s > 0
-  monkeypatch.setattr(_xplane, "op_events", lambda d, module: [])
+  monkeypatch.setattr(_xplane, "read_trace", _empty_trace)
 
   def broken(*a, **k):
     raise RuntimeError("no clock")
@@ -151,3 +156,65 @@ ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
   fwd_s, bwd_s, ready, fwd = _xplane.analyse_execution(ev, hlo, [0, 1], 2, ["params/Dense_1"])
   assert fwd_s == 0 and bwd_s == pytest.approx(300e-9)
   assert ready == [pytest.approx(300e-9), 0.0]  # the copy of f is ready when f ends; a parameter at 0
+
+
+def test_implausible_trace_falls_back_with_a_note_or_raises_saying_what_it_held(monkeypatch):
+  """The GPU bug on the CPU: every traced step in one execution. 'auto' falls back to timing and says
+  why; 'measured' raises with what the trace held."""
+  loss, params, batch = _tiny()
+  real = _xplane.read_trace
+
+  def merged(trace, modules):
+    t = real(trace, modules)
+    for evs in t.events.values():
+      for e in evs:
+        e["run"] = 0
+    return t
+
+  monkeypatch.setattr(_xplane, "read_trace", merged)
+  prof = profile_step(loss, params, batch, num_devices=2, steps=3)
+  assert prof.method == "timed"
+  assert "profiler unusable (implausible trace: 2 execution(s) found where 6 were traced (3 steps x 2 " \
+         "devices)" in prof.notes
+  with pytest.raises(ProfileError, match=r"method='measured'\): implausible trace: 2 execution\(s\) found "
+                                         r"where 6 were traced.*the trace held \d+ op events of "
+                                         r"'jit_prophet_profile_step' in 2 execution\(s\) on 2 device\(s\)"):
+    profile_step(loss, params, batch, num_devices=2, steps=3, method="measured")
+
+
+def test_kept_cpu_trace_reads_back_with_profile_from_trace(tmp_path):
+  """profile_step(trace_dir=d) keeps the trace and the program's HLO; profile_from_trace reads them
+  (XLA:CPU's events carry run_id): the same rows, the same executions, the trace's own clock."""
+  from prophet_jax import profile_from_trace
+
+  loss, params, batch = _tiny()
+  prof = profile_step(loss, params, batch, num_devices=2, steps=2, method="measured", trace_dir=str(tmp_path))
+  with open(tmp_path / _profile.HLO_FILE) as f:
+    text = f.read()
+  back = profile_from_trace(tmp_path, text, params)
+  assert back.method == "measured" and "4 executions (executions by run_id) on 2 device(s)" in back.notes
+  assert [r.path for r in back.rows] == [r.path for r in prof.rows] == ["l0/w", "l0/b", "l1/w", "l2/w"]
+  ready = {r.path: r.ready_s for r in back.rows}
+  assert ready["l2/w"] <= ready["l0/w"] and back.backward_s > 0 and back.update_s == 0
+
+
+def test_timing_compiles_a_bounded_number_of_layer_programs(monkeypatch):
+  """One gradient program per layer is one compile per layer (BERT-base: 100): at most TIMED_LAYERS,
+  evenly spaced, the layers between interpolated by parameter bytes."""
+  loss, params, batch = _tiny()
+  monkeypatch.setattr(_profile, "TIMED_LAYERS", 2)
+  made = []
+  real = _profile._grad_program
+
+  def counting(s, wrt=None, name=_profile._STEP_NAME):
+    made.append(wrt)
+    return real(s, wrt, name)
+
+  monkeypatch.setattr(_profile, "_grad_program", counting)
+  prof = profile_step(loss, params, batch, num_devices=2, steps=3, method="timed")
+  assert prof.method == "timed" and "2 of the 3 layers" in prof.notes
+  assert [w for w in made if w is not None] == [[0, 1], [3]]  # l0 (w, b) and l2; l1 interpolated
+  ready = {r.path: r.ready_s for r in prof.rows}
+  lo, hi = sorted((ready["l0/w"], ready["l2/w"]))
+  assert lo <= ready["l1/w"] <= hi and ready["l0/b"] == ready["l0/w"]
+  assert _profile._sample(100, 12) == [0, 9, 18, 27, 36, 45, 54, 63, 72, 81, 90, 99]

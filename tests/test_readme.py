@@ -1,4 +1,5 @@
-"""The README's training-loop snippet runs as written (a host batch included) and trains correctly."""
+"""The README's training-loop snippets (the plain jax.jit one and the shard_map one) run as written (a host
+batch included) and train correctly."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+import pytest
 
 import prophet_jax
 from _assert import assert_trees_close
@@ -25,16 +27,17 @@ def _snippet(section: str) -> str:
   return m.group(1)
 
 
-def test_the_training_loop_snippet_runs_and_matches_the_single_device_step(monkeypatch):
-  code = _snippet("## Use it in a flax/optax training loop")
+@pytest.mark.parametrize("section", ["### A plain `jax.jit` step on global arrays", "### Under `jax.shard_map`"])
+def test_the_training_loop_snippet_runs_and_matches_the_single_device_step(monkeypatch, section):
+  code = _snippet(section)
   assert "jax.device_put(batch, NamedSharding(mesh, P(\"dp\")))" in code
   m = get_model("mlp")
   params = m.init(jax.random.key(0))
   batches = [jax.device_get(m.make_batch(jax.random.key(10 + i), 16)) for i in range(2)]  # on the host
   # the snippet's measure_network(8) is the real probe (about a minute); a short one here
-  from prophet_jax import _network
+  from prophet_jax import _probe
 
-  quick = functools.partial(_network.measure_network, sizes=(2**10, 2**16), repeats=3, inner=1)
+  quick = functools.partial(_probe.measure_network, sizes=(2**10, 2**16), repeats=3, inner=1)
   monkeypatch.setattr(prophet_jax, "measure_network", lambda n, **kw: quick(n, **kw), raising=False)
   monkeypatch.setattr(prophet_jax, "profile_step", functools.partial(prophet_jax.profile_step, steps=2),
                       raising=False)

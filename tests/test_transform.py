@@ -9,15 +9,13 @@ merging policies from merging everything, `bucket` gets buckets of a quarter of 
 schedule order, with the user's pmean of the loss listed apart.
 
 Negative control: the same compiled step, run with the all-reduce's divisor n replaced by n - 1 (a
-14% gradient-scale bug, injected into the library's `reduce_units` through a runtime scalar by this
-test only), must fail the comparison in every case, bf16 included. The check is also shown to fail
-for a wrong scale (psum) and a lost slice.
+14% gradient-scale bug, injected through the one engine's test seam, `_collectives.engine_hooks`, and
+a runtime scalar), must fail the comparison in every case, bf16 included. The check is also shown to
+fail for a wrong scale (psum) and a lost slice.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import itertools
 
@@ -32,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
 from _assert import assert_trees_close
-from prophet_jax import _collectives, _transform
+from prophet_jax import _collectives
 from prophet_jax.models import get_model
 
 AX = "data"
@@ -209,50 +207,21 @@ def _mesh():
   return jax.make_mesh((NDEV,), (AX,))
 
 
-# Test-only instrumentation of the library's `reduce_units` (monkeypatched by the fixture below), active
-# while a step is traced under `_instrument(scale, record)`:
-# - the negative control: it divides by n / scale instead of n, `scale` a runtime scalar argument of
-#   the compiled step: with scale = 1 that is the library's own division, exactly; with
+# Test-only instrumentation of the library's one engine, through its seam (`_collectives.engine_hooks`),
+# active while a step is traced under `_instrument(scale, record)`:
+# - the negative control: the engine divides by n / scale instead of n, `scale` a runtime scalar
+#   argument of the compiled step: with scale = 1 that is the library's own division, exactly; with
 #   scale = n / (n - 1) it divides by n - 1 (a 14% gradient-scale bug);
 # - the same-rounding reference: it records each chunk's gathered buffer (the per-device values the
 #   all-reduce receives, in the chunk's dtype), which the step returns, so the test can reduce exactly
 #   those values itself and apply the optimizer to them (`teacher_forced_reference`).
-_CTX: contextvars.ContextVar = contextvars.ContextVar("prophet_test_instrument", default=None)
-_REDUCE_UNITS = _collectives.reduce_units
-
-
-def _reduce_units_instrumented(flat, units, row_leaf, axis_name, *, divisor, first_index=0, **kwargs):
-  ctx = _CTX.get()
-  if ctx is not None:
-    scale, record = ctx
-    for k, chunk in enumerate(units, start=first_index):
-      assert isinstance(chunk, pj.Chunk), "these cases plan lossless schedules: chunks only"
-      parts = [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
-      record[k] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    if divisor is not None:
-      divisor = divisor / scale
-  return _REDUCE_UNITS(flat, units, row_leaf, axis_name, divisor=divisor, first_index=first_index,
-                       **kwargs)
-
-
-@contextlib.contextmanager
 def _instrument(scale, record):
-  tok = _CTX.set((scale, record))
-  try:
-    yield
-  finally:
-    _CTX.reset(tok)
-
-
-@pytest.fixture
-def instrumented(monkeypatch):
-  # the one engine every chunked all-reduce goes through (allreduce, scheduled, hooked's hooks)
-  monkeypatch.setattr(_collectives, "reduce_units", _reduce_units_instrumented)
+  return _collectives.engine_hooks(divisor=lambda n: n / scale, gathered=record.__setitem__)
 
 
 def build_step(model, dtype, policy, mapping, transform):
   """(compiled step(carry, batch, scale) -> (carry, loss, chunk buffers), initial carry, batches in
-  the mapping's layout, carry -> params, schedule). Needs the `instrumented` fixture."""
+  the mapping's layout, carry -> params, schedule)."""
   m, params, batches = setup(model, dtype)
   s = schedule_for(model, dtype, policy)
   tx = _tx()
@@ -358,7 +327,7 @@ def teacher_forced_reference(model, dtype, schedule, sent):
 
 
 @pytest.mark.parametrize("policy,model,dtype,mapping,transform", CASES)
-def test_numerics_and_audit(policy, model, dtype, mapping, transform, instrumented):
+def test_numerics_and_audit(policy, model, dtype, mapping, transform):
   _, params, _ = setup(model, dtype)
   compiled, carry, bs, unbox, s = build_step(model, dtype, policy, mapping, transform)
   assert s.num_allreduces > 1, f"{s.policy} planned one chunk: the case proves nothing about order"

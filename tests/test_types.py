@@ -134,5 +134,14 @@ def test_schedule_round_trip_and_invariants():
   edited["rows"][0][1] = [4, 4]
   with pytest.raises(ScheduleError, match="does not match its rows"):
     Schedule.from_json(edited)
-  with pytest.raises(ScheduleError, match="empty or negative"):
-    Chunk(slices=((0, 5, 5),), dtype="float32")
+  with pytest.raises(ScheduleError, match=r"float32 chunk with slices \(\(0, 0, 3\), \(0, 5, 5\)\) has slice 1 "
+                                          r"\(row=0, start=5, stop=5\), which is empty.*Drop an empty slice"):
+    Chunk(slices=((0, 0, 3), (0, 5, 5)), dtype="float32")
+  bad = json.loads(s.to_json())
+  bad["buckets"][0][0]["slices"][1] = [1, -2, 3]
+  with pytest.raises(ScheduleError, match=r"from_json: bucket 0, chunk 0: .* has slice 1 \(row=1, start=-2, "
+                                          r"stop=3\), which is negative"):
+    Schedule.from_json(bad)
+  with pytest.raises(ScheduleError, match=r"chunk0 names row 4, but the schedule has 4 rows \(0 to 3.*Plan "
+                                          r"again for this profile"):
+    _schedule(p, ((0, 0, 12), (1, 0, 12), (2, 0, 12), (4, 0, 1)))

@@ -251,18 +251,13 @@ def test_setups_plan_several_chunks_and_clip_both_ways():
 
 
 @pytest.fixture
-def mean_over_n_minus_1(monkeypatch):
-  """Every chunked reduction divides by n-1 instead of n (test-only: the library's one engine,
-  `_collectives.reduce_units`, is wrapped; scheduled, allreduce, pipelined and hooked all reach it
-  through that module global)."""
-  import prophet_jax._collectives as col
+def mean_over_n_minus_1():
+  """Every chunked reduction divides by n-1 instead of n (through the one engine's test seam,
+  `_collectives.engine_hooks`: scheduled, allreduce, pipelined and hooked all reach the engine)."""
+  from prophet_jax._collectives import engine_hooks
 
-  real = col.reduce_units
-
-  def wrong(flat, units, row_leaf, axis_name, *, divisor, **kw):
-    return real(flat, units, row_leaf, axis_name, divisor=None if divisor is None else divisor - 1, **kw)
-
-  monkeypatch.setattr(col, "reduce_units", wrong)
+  with engine_hooks(divisor=lambda n: n - 1):
+    yield
 
 
 @pytest.mark.parametrize("k,name", list(enumerate(U.SETUP_NAMES)))

@@ -38,19 +38,28 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .._core import Problem, chunk_arrays, problem
+from .._checks import check_bool, check_int, check_number
+from .._core import Problem, chunk_arrays, problem, split_by_dtype
+from .._network import NetworkModel
 from .._schedule import Schedule
-from .._types import GradientProfile, NetworkModel
+from .._simulate import chunk_links, simulate_chunks
+from .._types import GradientProfile
 from ._base import Scheduler
-from ._common import buckets_from_groups, check_inputs, make_schedule
+from ._bucket import bucket
+from ._common import Groups, buckets_from_groups, check_inputs, make_schedule
 from ._joint import SearchChunk, chunk_stats, contiguous_dp, evaluate, make_chunk, own_candidates
+from ._mgwfbp import mgwfbp
+from ._priority import priority
+from ._prophet import prophet
 from ._search import iterated_local_search, local_search
+from ._wfbp import wfbp
+from ._xla import xla
 
 _POLICY = "auto"
 # Local search: schedules of at most _SMALL chunks and _SLICES slices get the rich neighbourhood (move a
@@ -112,26 +121,22 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
   """
   for name, value in (("search_options", search_options), ("local_search", local_search),
                       ("verify", verify)):
-    if not isinstance(value, bool):
-      raise TypeError(f"auto({name}={value!r}): `{name}` must be True or False.")
-  if isinstance(max_evals, bool) or not isinstance(max_evals, int) or max_evals < 1:
-    raise ValueError(f"auto(max_evals={max_evals!r}): `max_evals` must be a positive integer number "
-                     f"of evaluations, e.g. 3000.")
+    check_bool("auto", name, value)
+  check_int("auto", "max_evals", max_evals, lo=1, fix="It is a number of evaluations, e.g. 3000.")
   for name, value, hi in (("robust", robust, 0.9), ("robust_tol", robust_tol, 1.0)):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= hi:
-      raise ValueError(f"auto({name}={value!r}): `{name}` must be a number in [0, {hi}], e.g. "
-                       f"{0.3 if name == 'robust' else 0.02}.")
+    check_number("auto", name, value, lo=0, hi=hi, fix=f"e.g. {0.3 if name == 'robust' else 0.02}.")
   options = {"search_options": search_options, "local_search": local_search, "max_evals": max_evals,
              "robust": float(robust), "robust_tol": float(robust_tol), "verify": verify}
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool | str = False
                 ) -> Schedule:
     if cross_step == "auto" and isinstance(cross_step, str):
-      plain = scheduler(profile, network, cross_step=False)
-      piped = scheduler(profile, network, cross_step=True)
-      return piped if piped.predicted_s < plain.predicted_s else plain
+      check_inputs(_POLICY, profile, network, False)
+      plain = _contest(profile, network, False, options)
+      piped = _contest(profile, network, True, options)
+      return _schedule(profile, *(piped if piped[2] < plain[2] else plain), options)
     cross = check_inputs(_POLICY, profile, network, cross_step)
-    return _plan_auto(profile, network, cross, options)
+    return _schedule(profile, *_contest(profile, network, cross, options), options)
 
   scheduler.__name__ = "auto"
   scheduler.__qualname__ = "auto"
@@ -143,17 +148,11 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
 
 
 def _baselines(prob: Problem) -> list[tuple[str, Scheduler]]:
-  """(label, scheduler) for every baseline policy at its defaults and over a grid of its options.
+  """(label, scheduler) for every baseline policy at its defaults and over a grid of its options
+  (each a `grouped_scheduler`: auto weighs its `plan_groups`, never builds its Schedule).
 
   Labels without parentheses are the defaults (the ones auto must never lose to).
   """
-  from ._bucket import bucket
-  from ._mgwfbp import mgwfbp
-  from ._priority import priority
-  from ._prophet import prophet
-  from ._wfbp import wfbp
-  from ._xla import xla
-
   mib = 2**20
   item = max(prob.itemsize) if prob.itemsize else 4
   out: list[tuple[str, Scheduler]] = [("wfbp", wfbp()), ("xla", xla()), ("mgwfbp", mgwfbp()),
@@ -169,44 +168,50 @@ def _baselines(prob: Problem) -> list[tuple[str, Scheduler]]:
 
 
 class _Candidate:
-  """A candidate: a baseline's Schedule or the joint optimiser's chunks; its per-chunk arrays (ready,
-  nbytes, tail) and predicted times."""
+  """A candidate: a baseline's plan (its groups of slices, each group one bucket) or the joint
+  optimiser's chunks; its per-chunk arrays (ready, nbytes, tail) and predicted times. No Schedule is
+  built for a candidate: only the chosen one becomes one (`_schedule`)."""
 
-  __slots__ = ("label", "_chunks", "schedule", "default_baseline", "arrays", "nominal", "point", "worst",
-               "_prob")
+  __slots__ = ("label", "_chunks", "_groups", "_slices", "default_baseline", "arrays", "nominal", "point",
+               "worst", "_prob")
 
   def __init__(self, prob: Problem, label: str, chunks: list[SearchChunk] | None = None,
-               schedule: Schedule | None = None, default_baseline: bool = False,
+               groups: Groups | None = None, default_baseline: bool = False,
                point: tuple | None = None):
     self.label = label
     self._prob = prob
     self._chunks = chunks
-    self.schedule = schedule
+    self._groups = groups
     self.default_baseline = default_baseline
     self.point = point
     if chunks is None:
-      self.arrays = chunk_arrays(prob, (c.slices for c in schedule.chunks))[:3]
+      # a group is one bucket with one chunk (one all-reduce) per dtype, as the baseline's Schedule has
+      self._slices = [c for g in groups for c in split_by_dtype(prob.dtype.__getitem__, g)]
+      self.arrays = chunk_arrays(prob, self._slices)[:3]
     else:
+      self._slices = None
       self.arrays = chunk_stats(chunks)
     self.nominal = evaluate(prob, *self.arrays)
     self.worst = 1.0
 
   @property
   def chunks(self) -> list[SearchChunk]:
-    """The candidate as search chunks (built from a baseline's Schedule when first asked)."""
+    """The candidate as search chunks (built from a baseline's plan when first asked)."""
     if self._chunks is None:
-      self._chunks = [make_chunk(self._prob, c.slices) for c in self.schedule.chunks]
+      self._chunks = [make_chunk(self._prob, c) for c in self._slices]
     return self._chunks
 
   @property
   def num_chunks(self) -> int:
-    return len(self._chunks) if self._chunks is not None else self.schedule.num_allreduces
+    return len(self._slices) if self._slices is not None else len(self._chunks)
 
-  def slices(self) -> list[tuple[tuple[int, int, int], ...]]:
+  def slices(self) -> list[Sequence[tuple[int, int, int]]]:
     """Each chunk's slices, in issue order."""
-    if self._chunks is None:
-      return [c.slices for c in self.schedule.chunks]
-    return [c.slices for c in self._chunks]
+    return self._slices if self._slices is not None else [c.slices for c in self._chunks]
+
+  def groups(self) -> Groups:
+    """The candidate's buckets as groups of slices: a baseline's own grouping, else one per chunk."""
+    return self._groups if self._groups is not None else self.slices()
 
 
 def _small(c: _Candidate) -> bool:
@@ -253,16 +258,17 @@ def _refine(prob: Problem, cands: list[_Candidate], budget: int) -> list[_Candid
   return out
 
 
-def _plan_auto(profile: GradientProfile, network: NetworkModel, cross: bool,
-               options: dict[str, Any]) -> Schedule:
+def _contest(profile: GradientProfile, network: NetworkModel, cross: bool,
+             options: dict[str, Any]) -> tuple[Problem, _Candidate, float]:
+  """(the problem, the chosen candidate, its predicted iteration) for one step mode."""
   prob = problem(profile, network, cross_step=cross)
   cands: list[_Candidate] = []
   baselines = _baselines(prob)
   if not options["search_options"]:
     baselines = [(label, s) for label, s in baselines if "(" not in label]
   for label, sched in baselines:
-    s = sched(profile, network, cross_step=cross)
-    cands.append(_Candidate(prob, label, schedule=s, default_baseline="(" not in label))
+    cands.append(_Candidate(prob, label, groups=sched.plan_groups(profile, network, cross),
+                            default_baseline="(" not in label))
   for label, chunks, point in own_candidates(prob, cross):
     cands.append(_Candidate(prob, label, chunks, point=point))
   cands.sort(key=lambda c: c.nominal)
@@ -276,15 +282,18 @@ def _plan_auto(profile: GradientProfile, network: NetworkModel, cross: bool,
     chosen = _robust_choice(prob, cands, options)
   predicted = chosen.nominal
   if options["verify"]:
-    from .._simulate import simulate_chunks
-
     predicted = simulate_chunks(prob, chosen.slices(), events=False).iteration_s
-  opts = dict(options, candidate=chosen.label)
-  if chosen.schedule is not None:
-    return dataclasses.replace(chosen.schedule, policy=_POLICY, options=tuple(opts.items()),
-                               cross_step=cross, predicted_s=predicted)
-  return make_schedule(buckets_from_groups(profile, chosen.slices()), profile, policy=_POLICY,
-                       options=opts, cross_step=cross, predicted_s=predicted)
+  return prob, chosen, predicted
+
+
+def _schedule(profile: GradientProfile, prob: Problem, chosen: _Candidate, predicted: float,
+              options: dict[str, Any]) -> Schedule:
+  """The one Schedule of `auto`: the chosen candidate's buckets, its prediction and, with several
+  links, the link of every all-reduce (as `plan` would assign them: `link_assignment`)."""
+  links = chunk_links(prob, chunk_arrays(prob, chosen.slices())) if prob.links > 1 else ()
+  return make_schedule(buckets_from_groups(profile, chosen.groups()), profile, policy=_POLICY,
+                       options=dict(options, candidate=chosen.label), cross_step=prob.cross_step,
+                       predicted_s=predicted, links=links)
 
 
 # --------------------------------------------------------------------------------------------------

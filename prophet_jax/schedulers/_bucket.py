@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .._schedule import Schedule
-from .._types import GradientProfile, NetworkModel
+from .._checks import check_bytes, check_number
+from .._network import NetworkModel
+from .._types import GradientProfile
 from ._base import Scheduler, Slice
-from ._common import check_bytes, check_inputs, schedule_from_groups, whole_slice
+from ._common import Groups, grouped_scheduler, whole_slice
 
 POLICY = "bucket"
 STYLES = ("ddp", "horovod")
@@ -243,23 +244,18 @@ def bucket(*, style: str = "ddp", bucket_bytes: int | None = None, first_bucket_
       bucket_bytes = HOROVOD_FUSION_BYTES
     if cycle_s is None:
       cycle_s = HOROVOD_CYCLE_S
-    if isinstance(cycle_s, bool) or not isinstance(cycle_s, (int, float)):
-      raise TypeError(f"bucket(cycle_s={cycle_s!r}): `cycle_s` must be a number of seconds. Try 5e-3 "
-                      f"(Horovod before v0.21) or 1e-3 (v0.21 and later).")
-    if not math.isfinite(cycle_s) or cycle_s < 0:
-      raise ValueError(f"bucket(cycle_s={cycle_s!r}): `cycle_s` must be a finite number of seconds >= 0. "
-                       f"Try 5e-3 (Horovod before v0.21) or 1e-3 (v0.21 and later).")
+    cycle_s = check_number("bucket", "cycle_s", cycle_s, lo=0,
+                           fix="It is seconds: try 5e-3 (Horovod before v0.21) or 1e-3 (v0.21 and later).")
     cycle_s = float(cycle_s)
   options = {"style": style, "bucket_bytes": bucket_bytes, "first_bucket_bytes": first_bucket_bytes,
              "cycle_s": cycle_s}
 
-  def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
-    cross_step = check_inputs(POLICY, profile, network, cross_step)
+  def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
     order = profile.ready_order()
     if style == "ddp":
       groups = ddp_buckets(profile, order, bucket_bytes, first_bucket_bytes)
     else:
       groups = horovod_buckets(profile, order, bucket_bytes, cycle_s)
-    return schedule_from_groups(profile, groups, policy=POLICY, options=options, cross_step=cross_step)
+    return groups
 
-  return scheduler
+  return grouped_scheduler(POLICY, options, plan_groups)

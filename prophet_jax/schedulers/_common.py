@@ -3,28 +3,38 @@
 Pure: numpy only, never jax. Every policy builds its Schedule the same way:
 
 1. decide an ordered list of *groups*, each group an ordered sequence of element slices
-   ``(row, start, stop)`` (a group is one Bucket: e.g. one layer, one DDP bucket, one Prophet block);
+   ``(row, start, stop)`` (a group is one Bucket: e.g. one layer, one DDP bucket, one Prophet block):
+   the policy's ``plan_groups(profile, network, cross_step)``;
 2. ``buckets_from_groups(profile, groups)`` turns each group into a Bucket with one Chunk (one
    all-reduce) per dtype, dropping empty slices and empty groups;
 3. ``make_schedule(buckets, profile, policy=..., options=..., cross_step=...)`` wraps them.
+
+``grouped_scheduler(policy, options, plan_groups)`` is that Scheduler: it checks its inputs, plans the
+groups and builds one Schedule; its ``plan_groups`` attribute is the plan alone, which `auto` weighs
+among its candidates without building (and checking) a Schedule for each.
 
 Units: slices are element indices into the flattened leaf (row-major), sizes are bytes.
 
 Helpers: ``row_size``, ``whole_slice``, ``partition_row``, ``partition_count``,
 ``layer_groups``, ``chunks_of_group``, ``buckets_from_groups``, ``make_schedule``,
-``schedule_from_groups``, ``check_bytes``, ``check_positive``, ``check_inputs``.
+``schedule_from_groups``, ``grouped_scheduler``, ``check_inputs`` (option checks are `_checks`').
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .._core import split_by_dtype
+from .._checks import check_values
+from .._core import equal_parts, part_count, split_by_dtype
+from .._network import NetworkModel
 from .._schedule import Bucket, Chunk, Schedule
-from .._types import GradientProfile, check_values, itemsize
-from ._base import Slice
+from .._types import GradientProfile, itemsize
+from ._base import Scheduler, Slice
+
+Groups = Sequence[Sequence[Slice]]   # a plan: ordered groups (each one Bucket) of ordered slices
+PlanGroups = Callable[[GradientProfile, NetworkModel, bool], Groups]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -48,45 +58,14 @@ def whole_slice(profile: GradientProfile, row: int) -> Slice | None:
 
 
 def partition_row(profile: GradientProfile, row: int, max_bytes: int | None) -> list[Slice]:
-  """Split row `row` into consecutive element ranges of at most `max_bytes` bytes each.
-
-  Every part holds at least one element (a part never splits an element), so with `max_bytes` smaller
-  than one element every element is its own part. The parts are as equal as possible (sizes differ by
-  at most one element), so no tiny tail part pays a whole start-up cost.
-
-  Args:
-    profile: the profile.
-    row: the row index.
-    max_bytes: the largest part in bytes; None means no limit (one part).
-
-  Returns:
-    The slices in element order; empty for a zero-size row.
-  """
-  n = row_size(profile, row)
-  if n == 0:
-    return []
-  if max_bytes is None:
-    return [(row, 0, n)]
-  per = max(1, int(max_bytes) // max(row_itemsize(profile, row), 1))
-  parts = max(1, math.ceil(n / per))
-  base, extra = divmod(n, parts)
-  out, pos = [], 0
-  for k in range(parts):
-    step = base + (1 if k < extra else 0)
-    out.append((row, pos, pos + step))
-    pos += step
-  return out
+  """Row `row` cut into consecutive element ranges of at most `max_bytes` bytes each (None: one part),
+  as equal as possible: the one partition rule, `_core.equal_parts` (empty for a zero-size row)."""
+  return [(row, a, b) for a, b in equal_parts(row_size(profile, row), row_itemsize(profile, row), max_bytes)]
 
 
 def partition_count(profile: GradientProfile, row: int, max_bytes: int | None) -> int:
   """How many parts `partition_row(profile, row, max_bytes)` makes, without making them."""
-  n = row_size(profile, row)
-  if n == 0:
-    return 0
-  if max_bytes is None:
-    return 1
-  per = max(1, int(max_bytes) // max(row_itemsize(profile, row), 1))
-  return max(1, math.ceil(n / per))
+  return part_count(row_size(profile, row), row_itemsize(profile, row), max_bytes)
 
 
 def layer_groups(profile: GradientProfile) -> list[tuple[str, list[int], float]]:
@@ -132,11 +111,11 @@ def buckets_from_groups(profile: GradientProfile,
 
 def make_schedule(buckets: Iterable[Bucket], profile: GradientProfile, *, policy: str,
                   options: Mapping[str, Any] | None = None, cross_step: bool = False,
-                  predicted_s: float | None = None) -> Schedule:
+                  predicted_s: float | None = None, links: tuple[int, ...] = ()) -> Schedule:
   """A Schedule for `profile` (rows and fingerprint from it); Schedule checks coverage itself."""
   return Schedule(buckets=tuple(buckets), rows=profile.tree_rows(), policy=policy,
                   options=tuple(dict(options or {}).items()), cross_step=bool(cross_step),
-                  predicted_s=predicted_s)
+                  predicted_s=predicted_s, links=links)
 
 
 def schedule_from_groups(profile: GradientProfile, groups: Iterable[Iterable[Slice]], *, policy: str,
@@ -148,35 +127,33 @@ def schedule_from_groups(profile: GradientProfile, groups: Iterable[Iterable[Sli
 
 
 # --------------------------------------------------------------------------------------------------
-# Option checks (raise ValueError/TypeError naming the policy, option and value)
-
-
-def check_bytes(policy: str, name: str, value: Any, *, allow_none: bool = True,
-                hint: str = "") -> int | None:
-  """A positive integer number of bytes (or None when allowed); returns it as int."""
-  if value is None and allow_none:
-    return None
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-      isinstance(value, float) and not value.is_integer()):
-    raise TypeError(f"{policy}({name}={value!r}): `{name}` must be an integer number of bytes"
-                    f"{' or None' if allow_none else ''}.{(' ' + hint) if hint else ''}")
-  if not math.isfinite(value) or value <= 0:
-    raise ValueError(f"{policy}({name}={value!r}): `{name}` must be a positive number of bytes."
-                     f"{(' ' + hint) if hint else ''}")
-  return int(value)
-
-
-def check_positive(policy: str, name: str, value: Any, *, hint: str = "") -> float:
-  """A positive finite real number; returns it as float."""
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    raise TypeError(f"{policy}({name}={value!r}): `{name}` must be a number.{(' ' + hint) if hint else ''}")
-  if not math.isfinite(value) or value <= 0:
-    raise ValueError(f"{policy}({name}={value!r}): `{name}` must be a positive finite number."
-                     f"{(' ' + hint) if hint else ''}")
-  return float(value)
+# The inputs every scheduler checks first
 
 
 def check_inputs(policy: str, profile: Any, network: Any, cross_step: Any) -> bool:
   """Type checks every scheduler runs first; returns cross_step as bool."""
   check_values(f"{policy} scheduler", profile=profile, network=network, cross_step=cross_step)
   return bool(cross_step)
+
+
+def grouped_scheduler(policy: str, options: Mapping[str, Any], plan_groups: PlanGroups) -> Scheduler:
+  """The Scheduler of a policy that plans groups (see the module docstring).
+
+  Args:
+    policy: the policy's name (recorded in the Schedule, and in error messages).
+    options: the factory's options (recorded in the Schedule).
+    plan_groups: `plan_groups(profile, network, cross_step) -> groups`, the policy's plan; it may
+      assume checked inputs.
+
+  Returns:
+    `scheduler(profile, network, *, cross_step=False) -> Schedule`, with `scheduler.plan_groups` the
+    unchecked plan.
+  """
+
+  def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
+    cross = check_inputs(policy, profile, network, cross_step)
+    return schedule_from_groups(profile, plan_groups(profile, network, cross), policy=policy,
+                                options=options, cross_step=cross)
+
+  scheduler.plan_groups = plan_groups  # type: ignore[attr-defined]
+  return scheduler

@@ -61,12 +61,15 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import check_bytes, check_int, check_max_defer
 from .._core import Problem, iteration_s, link_loop, problem, schedule_arrays, typical_costs
+from .._network import NetworkModel
 from .._schedule import Bucket, Chunk, Schedule
-from .._types import GradientProfile, NetworkModel, check_max_defer, itemsize
+from .._simulate import simulate_arrays
+from .._types import GradientProfile, itemsize
 from ._auto import auto
 from ._base import Scheduler, Slice
-from ._common import check_bytes, check_inputs
+from ._common import check_inputs
 
 _POLICY = "dlcp"
 # Communication counts as hidden when the lossless plan is within this fraction of compute only.
@@ -119,11 +122,8 @@ def dlcp(*, max_defer: float = 0.0, spread: int = 4, chunk_bytes: int | None = N
     OptiReduce (NSDI 2025); Peng et al.: ByteScheduler (SOSP 2019), issues #339/#370.
   """
   max_defer = check_max_defer("dlcp()", max_defer)
-  if isinstance(spread, bool) or not isinstance(spread, int):
-    raise TypeError(f"dlcp(spread={spread!r}): `spread` must be an integer >= 2, e.g. 4.")
-  if spread < 2:
-    raise ValueError(f"dlcp(spread={spread!r}): `spread` must be >= 2 (a group defers k of its spread x k "
-                     f"parts, at most half, so each deferred part is sent the next step), e.g. 4.")
+  check_int("dlcp", "spread", spread, lo=2, fix="A group defers k of its spread x k parts, at most half, so "
+            "each deferred part is sent the next step; e.g. 4.")
   chunk_bytes = check_bytes(_POLICY, "chunk_bytes", chunk_bytes,
                             hint="Try None (one deferred part per group) or 4 * 2**20.")
   base_planner = auto()
@@ -179,8 +179,6 @@ def _search(prob: Problem, base: Schedule, budget: int, compute: float,
             options: dict[str, Any]) -> tuple[tuple[Bucket, ...], float]:
   """The budget rounds (module docstring, steps 3-5) with at most `budget` elements deferred per
   step: the best buckets found and their simulated iteration (base's if nothing beat it)."""
-  from .._simulate import simulate_arrays
-
   a_eff, b_eff = typical_costs(prob)
   chunks = base.chunks
   layer = prob.row_layer

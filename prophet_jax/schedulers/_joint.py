@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .._core import Problem, iteration_s, split_by_dtype
+from .._core import Problem, equal_parts, iteration_s, link_end, split_by_dtype
+from .._network import NetworkModel
 from ._base import Slice
 from ._prophet import _Planner as ProphetPlanner
 
@@ -167,19 +168,10 @@ def contiguous_dp(prob: Problem, networks: Sequence[NetworkModel] = ()) -> list[
 
 
 def partition_units(prob: Problem, partition_bytes: float | None) -> list[tuple[float, int, int, int]]:
-  """Rows cut into parts of at most `partition_bytes` (as equal as possible, as
-  `_common.partition_row` cuts them), as (ready, -row, start, stop) sorted by readiness."""
-  units: list[tuple[float, int, int, int]] = []
-  for r in prob.live:
-    ready, n = float(prob.ready[r]), prob.size[r]
-    per = n if partition_bytes is None else max(1, int(partition_bytes) // prob.itemsize[r])
-    parts = -(-n // per)
-    base, extra = divmod(n, parts)
-    pos = 0
-    for k in range(parts):
-      step = base + (1 if k < extra else 0)
-      units.append((ready, -r, pos, pos + step))
-      pos += step
+  """Rows cut into parts of at most `partition_bytes` (the one partition rule, `_core.equal_parts`),
+  as (ready, -row, start, stop) sorted by readiness."""
+  units = [(float(prob.ready[r]), -r, a, b) for r in prob.live
+           for a, b in equal_parts(prob.size[r], prob.itemsize[r], partition_bytes)]
   units.sort()
   return units
 
@@ -256,7 +248,7 @@ def priority_head(prob: Problem, units: Sequence[tuple[float, int, int, int]], b
     avail_bytes -= nbytes
     chunk = make_chunk(prob, picked)
     chunks.append(chunk)
-    t = max(t, chunk.ready_s) + a_s + b_s * nbytes
+    t = link_end(t, chunk.ready_s, nbytes, a_s, b_s)
   return chunks, sorted(avail)
 
 
@@ -359,7 +351,7 @@ def prophet_blocks(prob: Problem) -> list[tuple[str, list[SearchChunk], None]]:
       continue
     t, head = 0.0, 0
     while head < len(chunks) and max(t, chunks[head].ready_s) < last_ready:
-      t = max(t, chunks[head].ready_s) + a + b * chunks[head].nbytes
+      t = link_end(t, chunks[head].ready_s, chunks[head].nbytes, a, b)
       head += 1
     key = tuple(c.slices for c in chunks[:head])
     if key not in seen:

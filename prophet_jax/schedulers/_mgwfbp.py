@@ -5,10 +5,10 @@ Pure: numpy only, never jax.
 
 from __future__ import annotations
 
-from .._schedule import Schedule
-from .._types import GradientProfile, NetworkModel
+from .._network import NetworkModel
+from .._types import GradientProfile
 from ._base import Scheduler
-from ._common import check_inputs, layer_groups, schedule_from_groups, whole_slice
+from ._common import Groups, grouped_scheduler, layer_groups, whole_slice
 
 POLICY = "mgwfbp"
 
@@ -90,8 +90,7 @@ def mgwfbp() -> Scheduler:
     Communication in Distributed Deep Learning").
   """
 
-  def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
-    cross_step = check_inputs(POLICY, profile, network, cross_step)
+  def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
     layers = layer_groups(profile)
     ready = [t for _, _, t in layers]
     nbytes = []
@@ -105,6 +104,6 @@ def mgwfbp() -> Scheduler:
     groups = []
     for run in merge_groups(ready, nbytes, network):
       groups.append([s for u in run for r in layers[u][1] if (s := whole_slice(profile, r)) is not None])
-    return schedule_from_groups(profile, groups, policy=POLICY, options={}, cross_step=cross_step)
+    return groups
 
-  return scheduler
+  return grouped_scheduler(POLICY, {}, plan_groups)

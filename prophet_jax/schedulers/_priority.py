@@ -8,10 +8,11 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from .._schedule import Schedule
-from .._types import GradientProfile, NetworkModel, itemsize
+from .._checks import check_bytes
+from .._network import NetworkModel
+from .._types import GradientProfile, itemsize
 from ._base import Scheduler
-from ._common import check_bytes, check_inputs, partition_count, partition_row, schedule_from_groups
+from ._common import Groups, grouped_scheduler, partition_count, partition_row
 
 POLICY = "priority"
 # ByteScheduler's defaults, in parameters (elements), per its `arch` (bytedance/byteps, bytescheduler/):
@@ -163,9 +164,8 @@ def priority(*, partition_bytes: int | None = None, credit_bytes: int | None = N
                              hint=f"Try {4 * default_credit} or None ({default_credit:,} parameters).")
   options = {"partition_bytes": partition_bytes, "credit_bytes": credit_bytes, "mode": mode}
 
-  def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
-    cross_step = check_inputs(POLICY, profile, network, cross_step)
+  def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
     groups = [[s] for s in issue_order(profile, network, partition_bytes, credit_bytes, mode=mode)]
-    return schedule_from_groups(profile, groups, policy=POLICY, options=options, cross_step=cross_step)
+    return groups
 
-  return scheduler
+  return grouped_scheduler(POLICY, options, plan_groups)

@@ -10,11 +10,12 @@ import math
 
 import numpy as np
 
+from .._checks import check_positive
 from .._core import Problem, chunk_arrays, iteration_s, problem, split_by_dtype
-from .._schedule import Schedule
-from .._types import GradientProfile, NetworkModel
+from .._network import NetworkModel
+from .._types import GradientProfile
 from ._base import Scheduler
-from ._common import buckets_from_groups, check_inputs, check_positive, make_schedule
+from ._common import Groups, grouped_scheduler
 
 POLICY = "prophet"
 # Candidate start-up fractions (a / block time) searched when `alpha_fraction` is None.
@@ -226,8 +227,7 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
                        f"backward never shrink). Try 2.0 or None.")
   options = {"gap_factor": gap_factor, "alpha_fraction": alpha_fraction, "tail_growth": tail_growth}
 
-  def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
-    cross_step = check_inputs(POLICY, profile, network, cross_step)
+  def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
     prob = problem(profile, network, cross_step=cross_step)
     if not network.overlap:
       groups = [[(r, 0, prob.size[r]) for r in prob.live]]
@@ -247,7 +247,6 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
             if best is None or est < best[0] - 1e-15:
               best = (est, blocks)
       groups = best[1]
-    return make_schedule(buckets_from_groups(profile, groups), profile, policy=POLICY, options=options,
-                         cross_step=cross_step)
+    return groups
 
-  return scheduler
+  return grouped_scheduler(POLICY, options, plan_groups)

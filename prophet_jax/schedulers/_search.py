@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from .._core import Problem, iteration_s
+from .._core import Problem, iteration_s, link_end
 from ._joint import SearchChunk, make_chunk, merged
 
 PATIENCE = 40   # kicks in a row without improvement before the iterated search stops
@@ -42,8 +42,8 @@ def _join(x: Stats, y: Stats) -> Stats:
 class Scorer:
   """The iteration time of a candidate and of edits of it (replace chunks i..j-1 with others).
 
-  With overlap: the chunks go, in issue order, to the link that frees first (one link:
-  `end_k = max(ready_k, end_{k-1}) + a + b·bytes_k`), and the iteration is max(backward end + what
+  With overlap: the chunks go, in issue order, to the link that frees first (one link: the core's
+  recurrence `_core.link_end`, end_k = max(ready_k, end_{k-1}) + a + b·bytes_k), and the iteration is max(backward end + what
   follows, max_k(end_k + tail_k), floor): `_core.iteration_s`'s closed form run as its recurrence (the
   state after chunk k: the links' free times and the last start), from the edit on. Without overlap
   the core scores the whole edited schedule.
@@ -70,7 +70,7 @@ class Scorer:
     if self.links == 1:
       t = -math.inf
       for k, (r, nb, q) in enumerate(st):
-        t = (t if t > r else r) + a + b * nb
+        t = link_end(t, r, nb, a, b)
         ends[k] = t
         m = max(m, t + q)
         best[k] = m
@@ -111,7 +111,7 @@ class Scorer:
     else:
       t, m = -math.inf, self.base
     for r, nb, q in new:
-      t = (t if t > r else r) + a + b * nb
+      t = link_end(t, r, nb, a, b)
       if t + q > m:
         m = t + q
         if m >= limit:
@@ -119,7 +119,7 @@ class Scorer:
     st, ends, after = self.st, self.ends, self.after
     for u in range(j, len(st)):
       r, nb, q = st[u]
-      t = (t if t > r else r) + a + b * nb
+      t = link_end(t, r, nb, a, b)
       if t == ends[u]:   # back on the old timeline: the rest is unchanged
         return m if m > after[u] else after[u]
       if t + q > m:

@@ -5,10 +5,10 @@ Pure: numpy only, never jax.
 
 from __future__ import annotations
 
-from .._schedule import Schedule
-from .._types import GradientProfile, NetworkModel
+from .._network import NetworkModel
+from .._types import GradientProfile
 from ._base import Scheduler
-from ._common import check_inputs, layer_groups, schedule_from_groups, whole_slice
+from ._common import Groups, grouped_scheduler, layer_groups, whole_slice
 
 POLICY = "wfbp"
 
@@ -39,10 +39,9 @@ def wfbp() -> Scheduler:
     GPU Clusters", USENIX ATC 2017 (wait-free backpropagation, WFBP).
   """
 
-  def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
-    cross_step = check_inputs(POLICY, profile, network, cross_step)
+  def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
     groups = [[s for r in rows if (s := whole_slice(profile, r)) is not None]
               for _, rows, _ in layer_groups(profile)]
-    return schedule_from_groups(profile, groups, policy=POLICY, options={}, cross_step=cross_step)
+    return groups
 
-  return scheduler
+  return grouped_scheduler(POLICY, {}, plan_groups)

@@ -5,11 +5,11 @@ Pure: numpy only, never jax.
 
 from __future__ import annotations
 
-from .._schedule import Schedule
-from .._types import GradientProfile, NetworkModel
+from .._network import NetworkModel
+from .._types import GradientProfile
 from ._base import Scheduler
 from ._bucket import fill_buckets
-from ._common import check_inputs, schedule_from_groups, whole_slice
+from ._common import Groups, grouped_scheduler, whole_slice
 
 POLICY = "xla"
 GPU_COMBINE_THRESHOLD_BYTES = 30 * 2**20  # xla_gpu_all_reduce_combine_threshold_bytes' default
@@ -33,13 +33,12 @@ def xla() -> Scheduler:
     `xla_gpu_all_reduce_combine_threshold_bytes` (openxla/xla, 2023-2025); docs/facts.md, "XLA on the CPU merges and reorders all-reduces".
   """
 
-  def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
-    cross_step = check_inputs(POLICY, profile, network, cross_step)
+  def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
     order = profile.ready_order()
     if network.overlap:
       groups = fill_buckets(profile, order, GPU_COMBINE_THRESHOLD_BYTES)
     else:
       groups = [[s for r in order if (s := whole_slice(profile, r)) is not None]]
-    return schedule_from_groups(profile, groups, policy=POLICY, options={}, cross_step=cross_step)
+    return groups
 
-  return scheduler
+  return grouped_scheduler(POLICY, {}, plan_groups)

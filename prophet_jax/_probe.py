@@ -1,0 +1,391 @@
+"""The network probe: time all-reduces against message size, and fit a NetworkModel (alpha, beta).
+
+Public API:
+  probe(num_devices=None, *, sizes=..., repeats=..., ...) -> AllreduceTimings   (the raw timings)
+  measure_network(num_devices=None, *, ..., stat='median') -> NetworkModel       (probe, then fit)
+  AllreduceTimings.fit(stat) -> NetworkModel; AllreduceTimings.describe() -> str
+  check_fit(network, timings) -> str | None   (the warning measure_network gives on a bad fit)
+
+One act, one name: *probing* times the all-reduces (`probe`, the CLI's `prophet-jax probe`, the
+Monitor's `probe_every`); `measure_network` is a probe and its fit.
+
+How it measures: for each message size, one compiled program issues `1` all-reduce and another issues
+`1 + inner` all-reduces chained by their data (so XLA cannot combine them), inside `jax.shard_map`
+over a 1-D mesh of the devices. The cost of one all-reduce is the paired difference of the two
+programs' wall times divided by `inner`, which cancels dispatch and launch overheads. The two programs
+are timed alternately, `repeats` times. The machine's scheduler tick (about 4 ms) poisons means, so
+every size keeps the **median** and a **low percentile** (default p10); the fitted model uses the
+median (to predict median step times) unless `stat='low'` asks for the floor. `NetworkModel.name` says
+which.
+
+With `interleave=True` every round is [a fixed matmul, then the all-reduce], as in a training step
+where collectives block the executor (the CPU): there an all-reduce waits for the slowest device, and
+devices that share cores drift apart while they compute. The same rounds without the all-reduce give
+the compute's own time, which is subtracted; a second, larger matmul measures how the extra cost grows
+with the compute before the all-reduce: that slope is the network's `skew` (see NetworkModel). Off by
+default: on a shared 2-core machine the measured skew varied from 0.17 to 0.55 between runs.
+
+Across processes (`jax.process_count() > 1`, after `jax.distributed.initialize`): the mesh spans every
+device of every process, each process feeds its local shard, and rank 0's timings are broadcast so
+every process returns the same model.
+
+`overlap` comes from the platform: False on the CPU (an XLA CPU collective blocks the executor), True
+on GPUs and TPUs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._checks import check_int, check_number
+from ._errors import NetworkError
+from ._network import NetworkModel
+
+#: 1 KiB .. 64 MiB in powers of 4: the default probe.
+DEFAULT_SIZES: tuple[int, ...] = tuple(2**k for k in range(10, 27, 2))
+#: A quick probe (for tests and the Monitor's periodic probe).
+QUICK_SIZES: tuple[int, ...] = (2**10, 2**14, 2**18, 2**20)
+_AXIS = "prophet_probe"
+#: The compute put before each all-reduce when interleaving: (rows, d) @ (d, d) per device, at two
+#: sizes (the second only to measure skew).
+_ROWS = 32
+_COMPUTE_D = (256, 768)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllreduceTimings:
+  """Measured cost of one all-reduce per message size.
+
+  Attributes:
+    sizes: message sizes in bytes (per worker: the bytes each device contributes).
+    median_s: median seconds of one all-reduce at each size.
+    low_s: the `percentile`-th percentile (the floor without scheduler hiccups).
+    percentile: which percentile `low_s` holds.
+    repeats: paired measurements per size.
+    workers: devices (ranks) taking part.
+    processes: processes taking part.
+    platform: 'cpu', 'gpu', 'tpu'.
+    skew: the slowest device's lag per second of compute (0 unless measured; see NetworkModel).
+    compute_s: the compute put before each all-reduce (seconds per round; the second, larger one
+      measured the skew), empty when the all-reduces ran back to back.
+  """
+
+  sizes: tuple[int, ...]
+  median_s: tuple[float, ...]
+  low_s: tuple[float, ...]
+  percentile: float
+  repeats: int
+  workers: int
+  processes: int
+  platform: str
+  skew: float = 0.0
+  compute_s: tuple[float, ...] = ()
+
+  def fit(self, stat: str = "median") -> NetworkModel:
+    """The NetworkModel least-squares-fitted to the median (default) or the low percentile."""
+    if stat not in ("median", "low"):
+      raise ValueError(f"fit(stat={stat!r}): expected 'median' (to predict median step times) or 'low' "
+                       f"(the floor).")
+    ys = self.median_s if stat == "median" else self.low_s
+    label = "median" if stat == "median" else f"p{self.percentile:g}"
+    return NetworkModel.fit(self.sizes, ys, workers=self.workers, overlap=self.platform != "cpu",
+                            name=f"probe:{self.platform}x{self.workers}:{label}", skew=self.skew)
+
+  def describe(self, network: NetworkModel | None = None) -> str:
+    """A short human summary: the fitted model (`network`, default `fit()`) and, per size, the median
+    and low times beside the model's prediction."""
+    network = self.fit() if network is None else network
+    head = network.describe().splitlines()
+    lines = [line for line in head if not line.lstrip().startswith("predicted all-reduce")]
+    lines.append(f"  {'bytes':>10} {'median us':>10} {'p%g us' % self.percentile:>10} {'model us':>10}")
+    for s, m, lo in zip(self.sizes, self.median_s, self.low_s):
+      lines.append(f"  {s:>10} {m * 1e6:>10.1f} {lo * 1e6:>10.1f} {network.allreduce_s(s) * 1e6:>10.1f}")
+    return "\n".join(lines)
+
+
+def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
+  try:
+    out = tuple(int(s) for s in sizes)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"measure_network(sizes={sizes!r}): sizes must be integers (bytes).") from e
+  bad = [s for s in out if s < 4]
+  if bad:
+    raise ValueError(f"measure_network(sizes=...): size {bad[0]} is too small; every message must be "
+                     f">= 4 bytes (one float32).")
+  if len(set(out)) < 2:
+    raise ValueError(f"measure_network(sizes={out}): needs at least 2 distinct sizes to fit alpha and beta.")
+  return tuple(sorted(set(out)))
+
+
+def _mesh_devices(num_devices: int | None):
+  import jax
+
+  if jax.process_count() > 1:
+    devices = jax.devices()
+    if num_devices is not None and num_devices != len(devices):
+      raise ValueError(f"measure_network(num_devices={num_devices}): across {jax.process_count()} "
+                       f"processes the probe uses every device ({len(devices)}); pass None or "
+                       f"{len(devices)}.")
+  else:
+    local = jax.local_devices()
+    n = len(local) if num_devices is None else int(num_devices)
+    if n > len(local):
+      raise NetworkError(f"measure_network(num_devices={n}): only {len(local)} {local[0].platform} "
+                         f"device(s) here. On the CPU, set XLA_FLAGS=--xla_force_host_platform_device_"
+                         f"count={n} before jax starts, or launch several processes.")
+    devices = local[:n]
+  if len(devices) < 2:
+    raise NetworkError(
+        f"measure_network: an all-reduce needs at least 2 devices, got {len(devices)} "
+        f"({devices[0].platform}). On the CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+        f"before jax starts, or run under `prophet-jax launch --nproc 2`.")
+  return devices
+
+
+def _fmt_bytes(n: int) -> str:
+  for unit, k in (("MiB", 2**20), ("KiB", 2**10)):
+    if n >= k:
+      return f"{n / k:g} {unit}"
+  return f"{n} B"
+
+
+def _reporter(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
+  if callable(progress):
+    return progress
+  if progress:
+    return lambda line: print(line, file=sys.stderr, flush=True)
+  return lambda line: None
+
+
+#: warn when the straight-line fit misses the measured times by this much: its RMS residual against
+#: the RMS of the times, or its worst miss at one size relative to that size's time.
+RESIDUAL_WARN_REL_RMS = 0.2
+RESIDUAL_WARN_WORST = 1.0
+
+
+def check_fit(network: NetworkModel, timings: AllreduceTimings, stat: str = "median") -> str | None:
+  """A warning text when the fitted model misses the measured times badly, else None.
+
+  The model says one all-reduce of M bytes costs 2(P-1)·alpha + 2(P-1)/P·M·beta: a straight line in M.
+  When the measured times are not (a scheduler tick that hits some sizes, cores shared with other
+  work, a change of algorithm between sizes), the least-squares line is off by about its RMS residual
+  at every size, and the plans and predictions made from it are off by as much.
+  """
+  ys = np.asarray(timings.median_s if stat == "median" else timings.low_s, np.float64)
+  pred = np.asarray([network.allreduce_s(s) for s in timings.sizes], np.float64)
+  resid = float(network.fit_residual_s if network.fit_residual_s is not None
+                else np.sqrt(np.mean((pred - ys) ** 2)))
+  rms = float(np.sqrt(np.mean(ys ** 2)))
+  if rms == 0:
+    return (f"measure_network: every measured all-reduce time is 0 (the paired difference of the "
+            f"two timed programs stayed below the timing noise at {timings.repeats} repeats), so the "
+            f"fitted alpha and beta mean nothing. Measure with more repeats, a larger `inner`, or "
+            f"larger sizes.")
+  rel = np.abs(pred - ys) / np.maximum(ys, 1e-12)
+  worst = int(np.argmax(rel))
+  if rms > 0 and resid <= RESIDUAL_WARN_REL_RMS * rms and rel[worst] <= RESIDUAL_WARN_WORST:
+    return None
+  return (f"measure_network: the alpha-beta fit leaves an RMS residual of {resid * 1e6:.1f} us, "
+          f"{resid / max(rms, 1e-12):.0%} of the RMS measured time ({rms * 1e6:.1f} us; times from "
+          f"{ys.min() * 1e6:.1f} to {ys.max() * 1e6:.1f} us); worst at {_fmt_bytes(timings.sizes[worst])}: "
+          f"the model says {pred[worst] * 1e6:.1f} us, measured {ys[worst] * 1e6:.1f} us. The all-reduce "
+          f"cost here is not a straight line in the message size (scheduler ticks, cores shared with "
+          f"other work, a change of regime between sizes), so predictions and plans from this model "
+          f"are off by about that much. Re-run on a quieter machine or with more repeats, fit the floor "
+          f"with stat='low', or measure only the sizes your schedules send (sizes=...).")
+
+
+def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20,
+          inner: int = 3, percentile: float = 10.0, dtype: str = "float32",
+          max_seconds_per_size: float | None = None, interleave: bool = False,
+          skew: float | None = None,
+          progress: bool | Callable[[str], None] = False) -> AllreduceTimings:
+  """Times one all-reduce (psum) at each message size across the devices (or processes).
+
+  Args:
+    num_devices: devices on this host to use (default all); must be None or all of them across
+      processes.
+    sizes: message sizes in bytes per worker (default 1 KiB .. 64 MiB, powers of 4).
+    repeats: paired measurements per size (median and percentile are taken over these).
+    inner: extra chained all-reduces in the longer program (the difference is divided by it).
+    percentile: the low percentile kept besides the median (e.g. 10 for p10).
+    dtype: element type of the messages.
+    max_seconds_per_size: stop repeating a size after this long (at least 3 repeats run).
+    interleave: put a fixed piece of compute before every chained all-reduce, as in a training step,
+      and measure `skew` (default False: back to back). A synchronous all-reduce after compute costs
+      more than one right after another: it waits for the slowest device, and devices that share
+      cores drift apart while they compute. Off by default because the skew it measures on a shared
+      2-core machine varies from run to run (0.17 to 0.55 in three runs) by more than it corrects.
+    skew: with `interleave`, the known skew (see NetworkModel); None measures it from a second,
+      larger piece of compute at the smallest size.
+    progress: report each size as it finishes: True prints a line to stderr, a callable receives the
+      line (default False: quiet; `prophet-jax probe` shows it). Only rank 0 reports.
+
+  Returns:
+    AllreduceTimings (identical on every process); with `interleave`, the times exclude the
+    compute and the skew share of it, and `skew` holds the measured (or given) skew.
+
+  Raises:
+    NetworkError: a single device, or more devices requested than exist.
+    ValueError: bad sizes, repeats, inner, percentile or skew.
+  """
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  sizes = _check_sizes(sizes)
+  repeats = check_int("measure_network", "repeats", repeats, lo=3, fix="A median needs at least 3.")
+  inner = check_int("measure_network", "inner", inner, lo=1)
+  check_number("measure_network", "percentile", percentile, lo=0, hi=50, lo_open=True, hi_open=True,
+               fix="It is the low percentile, e.g. 10.")
+  check_number("measure_network", "skew", skew, lo=0, none=True, fix="None measures it.")
+  devices = _mesh_devices(num_devices)
+  p = len(devices)
+  platform = devices[0].platform
+  interleave = bool(interleave)
+  mesh = jax.sharding.Mesh(np.asarray(devices), (_AXIS,))
+  sharding = NamedSharding(mesh, P(_AXIS))
+  itemsz = int(np.dtype(jnp.dtype(dtype)).itemsize)
+  n_local = len([d for d in devices if d.process_index == jax.process_index()])
+  inner = int(inner)
+
+  def program(k: int, reduce: bool):
+    """k rounds of [compute on h (if interleaving), then one psum of x], each waiting for the last."""
+    def body(x, h, w):
+      scale = jnp.asarray(1.0 / p, x.dtype)
+      def one(_, xh):
+        x, h = xh
+        if interleave:  # compute that waits for the previous all-reduce, and the next waits for it
+          h = jnp.tanh(h @ w) + x[0].astype(h.dtype) * 0
+          x = x.at[0].add((h[0, 0] * 0).astype(x.dtype))
+        if reduce:
+          x = jax.lax.psum(x, _AXIS) * scale
+        return x, h
+      return jax.lax.fori_loop(0, k, one, (x, h))
+    spec = P(_AXIS)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec),
+                                 check_vma=False))
+
+  def global_array(local: np.ndarray):
+    shape = (local.shape[0] // n_local * p, *local.shape[1:])
+    return jax.make_array_from_process_local_data(sharding, local, shape)
+
+  def operands(nbytes: int, d: int):
+    n = max(1, nbytes // itemsz)
+    x = global_array(np.ones((n * n_local,), dtype=jnp.dtype(dtype)))
+    h = global_array(np.full((_ROWS * n_local, d), 0.01, np.float32))
+    w = global_array(np.full((d * n_local, d), 0.01, np.float32))
+    return x, h, w
+
+  def paired(short, long_, args, budget: float | None) -> np.ndarray:
+    for f in (short, long_):  # compile and warm up
+      jax.block_until_ready(f(*args))
+      jax.block_until_ready(f(*args))
+    diffs, t_start = [], time.perf_counter()
+    for r in range(int(repeats)):
+      t0 = time.perf_counter()
+      jax.block_until_ready(short(*args))
+      t1 = time.perf_counter()
+      jax.block_until_ready(long_(*args))
+      t2 = time.perf_counter()
+      diffs.append(((t2 - t1) - (t1 - t0)) / inner)
+      if budget is not None and r >= 2 and time.perf_counter() - t_start > budget:
+        break
+    return np.asarray(diffs)
+
+  d_lo = _COMPUTE_D[0] if interleave else 1
+  short, long_ = program(1, True), program(1 + inner, True)
+  say = _reporter(progress if jax.process_index() == 0 else False)
+  say(f"measure_network: {p} {platform} device(s), {len(sizes)} sizes from {_fmt_bytes(sizes[0])} to "
+      f"{_fmt_bytes(sizes[-1])}, {int(repeats)} paired repeats each")
+  d_lo = _COMPUTE_D[0] if interleave else 1
+  short, long_ = program(1, True), program(1 + inner, True)
+  rounds = []
+  t_all = time.perf_counter()
+  for i, nbytes in enumerate(sizes):
+    t_size = time.perf_counter()
+    rounds.append(paired(short, long_, operands(nbytes, d_lo), max_seconds_per_size))
+    r = np.maximum(rounds[-1], 0.0)
+    say(f"measure_network: size {i + 1}/{len(sizes)} ({_fmt_bytes(nbytes)}): median "
+        f"{np.median(r) * 1e6:.1f} us, p{percentile:g} {np.percentile(r, percentile) * 1e6:.1f} us "
+        f"over {len(r)} repeats ({time.perf_counter() - t_size:.1f} s; {time.perf_counter() - t_all:.1f} s "
+        f"so far)")
+  measured_skew, compute = 0.0, ()
+  if interleave:  # per-round compute (paired like the all-reduces), and the skew
+    c_short, c_long = program(1, False), program(1 + inner, False)
+    c_lo = float(np.median(paired(c_short, c_long, operands(sizes[0], d_lo), max_seconds_per_size)))
+    if skew is None:
+      hi = operands(sizes[0], _COMPUTE_D[1])
+      c_hi = float(np.median(paired(c_short, c_long, hi, max_seconds_per_size)))
+      ar_hi = float(np.median(paired(short, long_, hi, max_seconds_per_size)))
+      ar_lo = float(np.median(rounds[0]))
+      # a round with compute c costs c + allreduce + skew * c: the slope over two compute sizes
+      measured_skew = max(0.0, ((ar_hi - c_hi) - (ar_lo - c_lo)) / (c_hi - c_lo)) if c_hi > c_lo else 0.0
+      compute = (c_lo, c_hi)
+    else:
+      measured_skew, compute = float(skew), (c_lo,)
+    rounds = [r - c_lo * (1 + measured_skew) for r in rounds]
+  med = [float(np.median(np.maximum(r, 0.0))) for r in rounds]
+  low = [float(np.percentile(np.maximum(r, 0.0), percentile)) for r in rounds]
+  if jax.process_count() > 1:  # every process must return the same model: rank 0's numbers
+    from jax.experimental import multihost_utils
+
+    both = multihost_utils.broadcast_one_to_all(
+        np.asarray(med + low + [measured_skew], dtype=np.float64))
+    k = len(med)
+    med, low, measured_skew = [float(v) for v in both[:k]], [float(v) for v in both[k:2 * k]], float(both[-1])
+  return AllreduceTimings(sizes=tuple(max(1, s // itemsz) * itemsz for s in sizes), median_s=tuple(med),
+                          low_s=tuple(low), percentile=float(percentile), repeats=int(repeats),
+                          workers=p, processes=jax.process_count(), platform=platform,
+                          skew=float(measured_skew), compute_s=tuple(compute))
+
+
+def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES,
+                    repeats: int = 20, inner: int = 3, stat: str = "median", percentile: float = 10.0,
+                    dtype: str = "float32", max_seconds_per_size: float | None = None,
+                    interleave: bool = False,
+                    progress: bool | Callable[[str], None] = False) -> NetworkModel:
+  """Measures all-reduce cost against message size and fits alpha and beta.
+
+  Args:
+    num_devices: devices on this host (default all of them); across processes, every device.
+    sizes: message sizes in bytes per worker (default 1 KiB .. 64 MiB).
+    repeats: paired measurements per size.
+    inner: extra chained all-reduces in the longer timed program.
+    stat: 'median' (default: the model predicts median step times) or 'low' (the `percentile` floor).
+    percentile: the low percentile kept besides the median.
+    dtype: element type of the messages.
+    max_seconds_per_size: cap on the time spent on one size.
+    interleave: time each all-reduce after a fixed piece of compute and measure `skew` (see
+      `probe`).
+    progress: True prints a line per size to stderr; a callable receives the lines (default quiet).
+
+  Returns:
+    A NetworkModel: `alpha_s` per ring step and `beta_s_per_byte` from a least-squares fit (its RMS
+    residual in `fit_residual_s`), `workers` the devices taking part, `overlap` False on the CPU, and
+    `name` saying the platform and the statistic fitted, e.g. 'probe:cpux8:median'.
+
+  Raises:
+    NetworkError: a single device (an all-reduce needs at least 2).
+
+  Example:
+    >>> net = measure_network(8, sizes=(2**10, 2**16), repeats=5)   # doctest: +SKIP
+    >>> net.workers, net.overlap                                      # doctest: +SKIP
+    (8, False)
+  """
+  if stat not in ("median", "low"):
+    raise ValueError(f"measure_network(stat={stat!r}): expected 'median' or 'low'.")
+  t = probe(num_devices, sizes=sizes, repeats=repeats, inner=inner, percentile=percentile, dtype=dtype,
+            max_seconds_per_size=max_seconds_per_size, interleave=interleave, progress=progress)
+  net = t.fit(stat)
+  text = check_fit(net, t, stat)
+  if text is not None:
+    warnings.warn(text, UserWarning, stacklevel=2)
+  return net
