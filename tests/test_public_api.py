@@ -12,7 +12,7 @@ PURE = ["prophet_jax", "prophet_jax._types", "prophet_jax._errors", "prophet_jax
         "prophet_jax._core", "prophet_jax._schedule", "prophet_jax._network", "prophet_jax._checks",
         "prophet_jax.launch",
         "prophet_jax._simulate", "prophet_jax._sharded", "prophet_jax._bound", "prophet_jax._timeline",
-        "prophet_jax.schedulers", "prophet_jax.schedulers._dear",
+        "prophet_jax.schedulers", "prophet_jax.schedulers._dear", "prophet_jax._jaxcompat",
         "prophet_jax.cli"]
 
 
