@@ -389,15 +389,18 @@ def _final(losses):
 
 
 def _time_to_loss(curve, lossless, t_step, t_lossless):
-  """(len(curve) x t_step) / (s x t_lossless), s the first step at which the lossless run's 10-step mean
-  loss is at or below `curve`'s final loss (len(lossless) + 1 if it never is: a bound)."""
+  """The simulated wall time each run takes to reach the worse of the two final losses (10-step means):
+  (s x t_step) / (s0 x t_lossless), s and s0 the first steps at which `curve`'s and `lossless`'s 10-step
+  mean loss is at or below it. Below 1: the run gets there sooner than the lossless one."""
   import numpy as np
 
-  target = _final(curve)
-  smooth = np.convolve(np.asarray(lossless), np.ones(10) / 10, mode="valid")
-  hit = np.nonzero(smooth <= target)[0]
-  s = int(hit[0]) + 10 if hit.size else len(lossless) + 1
-  return len(curve) * t_step / (s * t_lossless)
+  target = max(_final(curve), _final(lossless))
+
+  def first(c):
+    smooth = np.convolve(np.asarray(c), np.ones(10) / 10, mode="valid")
+    return int(np.nonzero(smooth <= target * (1 + 1e-12))[0][0]) + 10
+
+  return first(curve) * t_step / (first(lossless) * t_lossless)
 
 
 def convergence(quick: bool = False) -> dict:
@@ -439,8 +442,8 @@ def convergence(quick: bool = False) -> dict:
   out["seconds"] = round(time.perf_counter() - t_all, 1)
   print(f"({out['seconds']} s; final loss: mean training loss of the last 10 steps; ok: the mean over "
         f"the seeds within {CONV_TOL:.0%} of the lossless mean; time to loss: the median over the seeds "
-        f"of (steps x dlcp's predicted iteration) / (the lossless run's steps to the same 10-step mean "
-        f"loss x auto's predicted iteration), below 1: dlcp reaches its final loss sooner in simulated time)")
+        f"of the simulated time (steps x predicted iteration) to the worse of the two runs' final 10-step "
+        f"mean losses, over the lossless run's; below 1: dlcp gets there sooner)")
   return out
 
 
