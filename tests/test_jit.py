@@ -643,6 +643,22 @@ def test_profile_step_and_monitor_take_the_mesh():
     pj.Monitor(prof, net.replace(workers=8), mesh=m, axis_name=AXIS)
 
 
+def test_profile_step_takes_a_model_state():
+  """The loss hooked(..., has_state=True) takes: `profile_step(..., has_state=True, model_state=)`
+  profiles it at that state (BatchNorm statistics averaged over the mesh's data axis inside the loss),
+  one row per parameter leaf; a state without the flag, or the flag without a state, is a TypeError."""
+  s = U.setups()["batchnorm"]
+  m = mesh("2d")
+  prof = pj.profile_step(s.loss_fn, s.params, s.batches[0], mesh=m, axis_name=AXIS, has_state=True,
+                         model_state=s.model_state, steps=2, method="timed")
+  assert {r.path for r in prof.rows} == {r.path for r in pj.GradientProfile.from_params(s.params).rows}
+  assert prof.method == "timed" and sum(r.fwd_s for r in prof.rows) > 0, prof.notes
+  with pytest.raises(TypeError, match="pass model_state="):
+    pj.profile_step(s.loss_fn, s.params, s.batches[0], mesh=m, axis_name=AXIS, has_state=True)
+  with pytest.raises(TypeError, match="without has_state=True"):
+    pj.profile_step(s.loss_fn, s.params, s.batches[0], mesh=m, axis_name=AXIS, model_state=s.model_state)
+
+
 # --------------------------------------------------------------------------------------------------
 # compile-only H100s
 
