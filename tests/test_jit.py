@@ -729,3 +729,22 @@ def test_h100_audit_of_the_jit_steps(topo):
   r = pj.audit(compiled["plain"], schedule)
   assert r.chunk_allreduces == 0 and len({e.name for e in r.foreign}) == 1, r.describe()
   assert len(r.foreign) == len(jax.tree.leaves(params)) + 1 and not any(e.overlapped for e in r.foreign)
+
+
+def test_cli_audits_the_plain_jit_step():
+  """`prophet-jax audit --jit --mode hooked`: the plain jax.jit step with hooked(mesh=) gradients, compiled
+  for 8 H100s, audits OK (the wfbp plan's chunks, in order); `--jit --mode scheduled` (gradients the
+  partitioner already reduced) is one line naming the modes that work, exit 2."""
+  import json
+  import subprocess
+  import sys
+
+  cmd = [sys.executable, "-m", "prophet_jax", "audit", "--target", "h100", "--model", "mlp", "--policy",
+         "wfbp", "--batch", "16", "--jit", "--json"]
+  out = subprocess.run([*cmd, "--mode", "hooked"], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  report = pj.AuditReport.from_json(json.loads(out.stdout)["report"])
+  assert report.ok and len(report.order) >= 2 and report.order == tuple(range(len(report.order)))
+  bad = subprocess.run([*cmd, "--mode", "scheduled"], capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2 and "audit --jit --mode hooked" in bad.stderr
+  assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
