@@ -69,3 +69,9 @@ class GpuCompileError(ProphetError, RuntimeError):
   """A compile-only GPU build (`prophet_jax.gpu_topology`) cannot start here: jax's CUDA plugin or ptxas
   is missing (install the `gpu-compile` extra: pip install 'prophet-jax[gpu-compile]'), the plugin's
   version differs from jaxlib's, or the process did not set JAX_PLATFORMS=cpu."""
+
+
+class ShardingError(ProphetError, ValueError):
+  """The optimizer cannot run on ZeRO-1 shards: under a sharded schedule (`dear`), `scheduled(tx, ...)`
+  runs `tx` on each device's flat shards of the chunks, and this `tx` needs whole leaves or the params'
+  tree (per-leaf norms, masks, matrix-shaped updates). Use an all-reduce schedule for it."""

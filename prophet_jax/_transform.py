@@ -26,13 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import _mesh
+from . import _mesh, _zero
 from ._checks import check_int, check_values, match_tree
-from ._collectives import (_zero_of, axis_size, check_residual_varying, is_varying, reduce_units,
-                           schedule_units, scheduled_allreduce, to_varying, unit_allreduces, vma_enabled)
+from ._collectives import (_zero_of, axis_size, check_residual_varying, is_varying, reduce_scatter_chunks,
+                           reduce_units, schedule_units, scheduled_allreduce, to_varying, unit_allreduces,
+                           vma_enabled)
 from ._defer import GroupState, check_state, group_states, init as defer_init, with_groups
 from ._errors import AlreadyReducedError, CompositionError
-from ._schedule import Bucket, Chunk, Schedule
+from ._schedule import Bucket, Chunk, Schedule, shard_size
 from ._tree import dtype_name, is_float_dtype, is_reduced_leaf, path_str
 
 __all__ = ["ScheduledState", "scheduled", "check_composition", "hooked", "loop_hook", "hook_groups", "LOOP_SCOPE"]
@@ -234,6 +235,10 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     before = _ran_before_in_chain()
     if before:
       raise _not_first_error(before, "init")
+    if schedule.sharded:  # ZeRO-1: tx's state for this device's shards only
+      if mesh is not None:
+        return ScheduledState(inner=_mesh.sharded_init(tx, params, schedule, mesh=mesh, axis_name=axis_name))
+      return ScheduledState(inner=_zero.init(tx, params, schedule, axis_name, "scheduled"))
     defer = None
     if schedule.defers:
       defer = defer_init(schedule) if mesh is None else _mesh.global_defer_state(schedule, mesh, axis_name)
@@ -243,6 +248,14 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     before = _ran_before_in_chain()
     if before:
       raise _not_first_error(before, "update")
+    if schedule.sharded:  # reduce-scatter, tx on this device's shards, all-gather the update
+      if mesh is not None:
+        new, inner = _mesh.sharded_update(tx, updates, state.inner, params, schedule, mesh=mesh,
+                                          axis_name=axis_name, extra_args=extra_args)
+      else:
+        new, inner = _zero.update(tx, updates, state.inner, params, schedule, axis_name, where="scheduled",
+                                  extra_args=extra_args)
+      return new, ScheduledState(inner=inner)
     try:
       if mesh is not None:  # global gradients, unreduced over the axis: reduced on the mesh
         reduced, defer = _mesh.reduce_unreduced(updates, schedule, mesh=mesh, axis_name=axis_name,
@@ -448,6 +461,78 @@ def _make_hook(units: Sequence[Any], first_index: int, rows: Sequence[int], axis
   return hook
 
 
+def _make_rs_hook(chunks: Sequence[Chunk], first_index: int, rows: Sequence[int], axis_name: Any, n: int,
+                  divisor: int, cast: Sequence[bool], avals: Sequence[tuple[tuple[int, ...], Any]]) -> Callable:
+  """A custom_vjp identity on (leaves of `rows`, token, shard slots) whose backward reduce-scatters
+  `chunks` (a sharded schedule's hook: the DeAR pipeline's first half).
+
+  Forward: the leaves (cast to varying where `cast` says) and the token, unchanged; the slots (one
+  zero array of `shard_size` elements per chunk) are inputs only. Backward: the chunks'
+  reduce-scatters on the leaves' cotangents, the first tied to the incoming token cotangent; the
+  reduced shards are returned as the slots' cotangents (so `jax.grad` with respect to the slots gives
+  them), zeros as the leaves' (nothing reads the full gradients), and a token cotangent tied to the
+  last result.
+  """
+  local = {r: i for i, r in enumerate(rows)}
+  local_chunks = tuple(Chunk(slices=tuple((local[r], a, b) for r, a, b in c.slices), dtype=c.dtype)
+                       for c in chunks)
+  row_leaf = tuple(range(len(rows)))
+
+  @jax.custom_vjp
+  def hook(leaves, token, slots):
+    return [(to_varying(x, axis_name) if c else x) for x, c in zip(leaves, cast)], token
+
+  def fwd(leaves, token, slots):
+    return hook(leaves, token, slots), None
+
+  def bwd(_, cts):
+    ct_leaves, ct_token = cts
+    shards, last = reduce_scatter_chunks(list(ct_leaves), local_chunks, row_leaf, axis_name, n=n,
+                                         divisor=divisor, first_index=first_index, prev=ct_token)
+    return [jnp.zeros(s, d) for s, d in avals], _zero_of(last, ct_token.dtype), tuple(shards)
+
+  hook.defvjp(fwd, bwd)
+  return hook
+
+
+def _hooked_sharded(loss_fn: Callable[..., Any], schedule: Schedule, axis_name: Any, has_aux: bool,
+                    has_state: bool) -> Callable[..., Any]:
+  """`hooked`'s grad_fn for a sharded schedule: (value, GradShards), the reduce-scatters in backward."""
+  groups = hook_groups(schedule)
+  chunks = schedule.chunks
+
+  def grad_fn(params, *args, **kwargs):
+    n = axis_size(axis_name, "hooked")
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    lmap = match_tree(leaves_with_path, schedule, where="hooked")
+    flat = [leaf for _, leaf in leaves_with_path]
+    vma = vma_enabled(axis_name)
+    varying = (lambda x: to_varying(x, axis_name)) if vma else (lambda x: x)
+    hooks = []
+    for a, b, rows in groups:
+      cast = [vma and not is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
+      avals = [(np.shape(flat[lmap.row_leaf[r]]), flat[lmap.row_leaf[r]].dtype) for r in rows]
+      hooks.append((rows, a, b, _make_rs_hook(chunks[a:b], a, rows, axis_name, n, n, cast, avals)))
+    slots = tuple(varying(jnp.zeros((shard_size(c.size, n),), c.dtype)) for c in chunks)
+
+    def inner(flat_params, token, slots):
+      flat_params = list(flat_params)
+      for rows, a, b, hook in reversed(hooks):  # backward runs them in reverse: issue order
+        ids = [lmap.row_leaf[r] for r in rows]
+        out, token = hook([flat_params[i] for i in ids], token, slots[a:b])
+        for i, x in zip(ids, out):
+          flat_params[i] = x
+      return loss_fn(jax.tree_util.tree_unflatten(treedef, flat_params), *args, **kwargs)
+
+    token = varying(jnp.zeros((), jnp.float32))
+    value, (_, tok, shards) = jax.value_and_grad(inner, argnums=(0, 1, 2), has_aux=has_aux or has_state,
+                                                 allow_int=True)(flat, token, slots)
+    return value, _zero.GradShards(shards=tuple(shards), token=tok.reshape(1),
+                                   tag=_zero._tag(schedule, n, ""))
+
+  return grad_fn
+
+
 _LOOP_AXIS: contextvars.ContextVar[Any] = contextvars.ContextVar("prophet_loop_axis", default=None)
 
 
@@ -597,6 +682,18 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
   if isinstance(in_loop, str):
     in_loop = (in_loop,)
   in_loop = tuple(in_loop)
+  if schedule.sharded:
+    if in_loop:
+      raise ValueError(f"hooked(in_loop={in_loop!r}) with a sharded schedule ({schedule.policy}): "
+                       f"loop_hook all-reduces a scanned layer's gradients inside the loop, but a "
+                       f"sharded (ZeRO-1) step updates every parameter from its reduce-scatter shard, "
+                       f"and the schedule does not cover those params. Plan the sharded schedule over "
+                       f"every param and drop in_loop, or use an all-reduce schedule with in_loop.")
+    grad_fn = _hooked_sharded(loss_fn, schedule, axis_name, has_aux, has_state)
+    if mesh is not None:
+      return _mesh.MeshGradFn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
+                              has_state=has_state)
+    return grad_fn
   groups = hook_groups(schedule)
   units = schedule_units(schedule)
   firsts = np.concatenate([[0], np.cumsum([unit_allreduces(u) for u in units])]).astype(int).tolist()

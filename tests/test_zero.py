@@ -1,0 +1,364 @@
+"""Sharded schedules in the rewrite (issue 28): reduce-scatters in backward, the ZeRO-1 update of each
+device's shard, all-gathers for the next forward.
+
+The matrix: `scheduled`, `hooked` (+ `scheduled` consuming its GradShards) and `pipelined` under
+`jax.pmap`, `jax.shard_map` and the plain-jit mesh path, on the setups of tests/_user_setups.py
+(SGD+momentum, AdamW, clip_by_global_norm + AdamW, bfloat16 params), every API with every mapping,
+on multi-bucket sharded schedules whose chunks are not divisible by the 8 devices (one holds 3
+elements: 5 of its 8 shard slots are padding). Each case runs 3 steps and compares the params with
+the single-device full batch (or the plain pmean step, for bfloat16: tests/_user_setups.py says why)
+within docs/design.md's tolerance; the same compiled step, run with the reduce-scatters' divisor n
+replaced by n - 1 (a 14% gradient scale, through the engine's seam and a runtime scalar), fails
+every case. The optimizer state per device is measured: 1/n of the replicated one plus the padding.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import _user_setups as U
+import prophet_jax as pj
+from _assert import assert_trees_close
+from prophet_jax import _collectives, _zero
+from prophet_jax._schedule import shard_size
+from test_jit import _reduced, mesh, put, unreduced_loss
+from test_user_steps import _replicate, _split, reference
+
+AXIS = "data"
+N = U.N_DEV
+WRONG = N / (N - 1)   # the negative control: the reduce-scatters divide by n - 1
+
+
+# --------------------------------------------------------------------------------------------------
+# sharded schedules with uneven chunks
+
+
+def _cuts(total: int, fractions=(0.3, 0.6)) -> list[int]:
+  """Cut points of a row of `total` elements: a 3-element first piece, then pieces at `fractions`,
+  every piece's size not a multiple of N (so every reduce-scatter pads)."""
+  cuts = [0, min(3, total)]
+  for f in fractions:
+    c = max(cuts[-1] + 1, int(total * f))
+    while (c - cuts[-1]) % N == 0 or (total - c) % N == 0:
+      c += 1
+    if c < total:
+      cuts.append(c)
+  return sorted(set(cuts + [total]))
+
+
+@functools.cache
+def sharded_for(name: str) -> pj.Schedule:
+  """A sharded schedule for the setup's params: per dtype, the rows in backward order (last first)
+  cut into uneven chunks; all-gathers front first, of one chunk and of two alternately."""
+  params = U.setups()[name].params
+  rows = pj.GradientProfile.from_params(params).tree_rows()
+  chunks = []
+  for dt in dict.fromkeys(d for _, _, d in rows):
+    order = [r for r in reversed(range(len(rows))) if rows[r][2] == dt]
+    spans, off = [], 0
+    for r in order:
+      n = math.prod(rows[r][1])
+      spans.append((r, off, off + n))
+      off += n
+    cuts = _cuts(off)
+    for a, b in zip(cuts[:-1], cuts[1:]):
+      sl = tuple((r, max(a, lo) - lo, min(b, hi) - lo) for r, lo, hi in spans if max(a, lo) < min(b, hi))
+      chunks.append(pj.Chunk(slices=sl, dtype=dt))
+  gathers, k, pair = [], len(chunks) - 1, False
+  while k >= 0:  # alternately one chunk and two (of one dtype), front first
+    if pair and k >= 1 and chunks[k - 1].dtype == chunks[k].dtype:
+      gathers.append((k, k - 1))
+      k -= 2
+    else:
+      gathers.append((k,))
+      k -= 1
+    pair = not pair
+  half = (len(chunks) + 1) // 2
+  return pj.Schedule(buckets=(pj.Bucket(chunks=tuple(chunks[:half])), pj.Bucket(chunks=tuple(chunks[half:]))),
+                     rows=rows, gathers=tuple(gathers), policy="custom")
+
+
+def test_the_schedules_are_uneven_multi_bucket_and_sharded():
+  for name in ("int-labels", "mixed-bf16"):
+    s = sharded_for(name)
+    assert s.sharded and len(s.buckets) == 2 and len(s.chunks) >= 4 and len(s.gathers) >= 3
+    assert all(c.size % N for c in s.chunks), [c.size for c in s.chunks]
+    assert min(c.size for c in s.chunks) < N  # a chunk smaller than the axis: mostly padding
+    assert any(len(g) > 1 for g in s.gathers)
+
+
+# --------------------------------------------------------------------------------------------------
+# the steps a user writes, instrumented: scale is a runtime scalar (1: the library; WRONG: n - 1)
+
+
+def _hooks(scale):
+  return _collectives.engine_hooks(divisor=lambda n: n / scale, sum_divisor=1 / scale)
+
+
+def _grads(s: U.Setup, p, b):
+  if s.has_aux:
+    return jax.grad(s.loss_fn, has_aux=True)(p, b)[0]
+  return jax.grad(s.loss_fn)(p, b)
+
+
+def _flags(s: U.Setup) -> dict:
+  return {"has_aux": True} if s.has_aux else {}
+
+
+def _run_plain(s: U.Setup, sched: pj.Schedule, api: str, mapping: str):
+  """(compiled step(p, o, b, scale) -> (p, o), initial (p, o), place(batch), fetch(params))."""
+  if mapping == "mesh":
+    m = mesh()
+    tx = pj.scheduled(s.make_tx(), sched, axis_name=AXIS, mesh=m)
+    grad_fn = pj.hooked(s.loss_fn, sched, axis_name=AXIS, mesh=m, **_flags(s))
+
+    def step(p, o, b, scale):
+      with _hooks(scale):
+        if api == "hooked":
+          g = grad_fn(p, b)[1]
+        else:  # gradients obtained unreduced (each device's partial sum), reduce-scattered on the mesh
+          g = jax.grad(unreduced_loss)(_reduced(p), b)
+        u, o = tx.update(g, o, p)
+      return optax.apply_updates(p, u), o
+
+    jitted = jax.jit(step, static_argnums=3)  # a scalar closed over by the mesh's shard_map must be static
+
+    def in_mesh(*args):  # the unreduced gradients' reshard names the mesh's axis
+      with jax.set_mesh(m):
+        return jitted(*args)
+
+    p = put(s.params, P())
+    return in_mesh, (p, tx.init(p)), (lambda b: put(b, P(AXIS))), jax.device_get
+  tx = pj.scheduled(s.make_tx(), sched, axis_name=AXIS)
+  grad_fn = pj.hooked(s.loss_fn, sched, axis_name=AXIS, **_flags(s))
+
+  def step(p, o, b, scale):
+    with _hooks(scale):
+      if api == "hooked":
+        g = grad_fn(p, b)[1]
+        assert isinstance(g, pj.GradShards)
+      else:
+        g = _grads(s, jax.lax.pcast(p, AXIS, to="varying") if mapping == "shard_map" else p, b)
+      u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o
+
+  if mapping == "pmap":
+    p = _replicate(s.params)
+    o = jax.pmap(tx.init, axis_name=AXIS)(p)
+    return (jax.pmap(step, axis_name=AXIS, in_axes=(0, 0, 0, None)), (p, o), _split,
+            lambda t: jax.tree.map(lambda x: np.asarray(x[0]), t))
+  sm = functools.partial(jax.shard_map, mesh=mesh())
+  o = jax.jit(sm(tx.init, in_specs=P(), out_specs=P(AXIS)))(put(s.params, P()))
+  f = jax.jit(sm(step, in_specs=(P(), P(AXIS), P(AXIS), P()), out_specs=(P(), P(AXIS))))
+  return f, (put(s.params, P()), o), (lambda b: put(b, P(AXIS))), jax.device_get
+
+
+def _run_pipelined(s: U.Setup, sched: pj.Schedule, mapping: str):
+  """(compiled step(state, b, scale) -> state, initial (state,), place, fetch, flush(state, scale))."""
+  pipe = pj.pipelined(s.loss_fn, s.make_tx(), sched, axis_name=AXIS,
+                      mesh=mesh() if mapping == "mesh" else None, **_flags(s))
+
+  def step(st, b, scale):
+    with _hooks(scale):
+      return pipe.step(st, b)[0]
+
+  def flush(st, scale):
+    with _hooks(scale):
+      return pipe.flush(st)
+
+  if mapping == "mesh":
+    return (jax.jit(step, static_argnums=2), (pipe.init(put(s.params, P())),), (lambda b: put(b, P(AXIS))),
+            jax.device_get, jax.jit(flush, static_argnums=1))
+  if mapping == "pmap":
+    st = jax.pmap(pipe.init, axis_name=AXIS)(_replicate(s.params))
+    return (jax.pmap(step, axis_name=AXIS, in_axes=(0, 0, None)), (st,), _split,
+            lambda t: jax.tree.map(lambda x: np.asarray(x[0]), t),
+            jax.pmap(flush, axis_name=AXIS, in_axes=(0, None)))
+  specs = pipe.state_specs()
+  sm = functools.partial(jax.shard_map, mesh=mesh())
+  st = jax.jit(sm(pipe.init, in_specs=P(), out_specs=specs))(put(s.params, P()))
+  return (jax.jit(sm(step, in_specs=(specs, P(AXIS), P()), out_specs=specs)), (st,),
+          (lambda b: put(b, P(AXIS))), jax.device_get,
+          jax.jit(sm(flush, in_specs=(specs, P()), out_specs=specs)))
+
+
+def _scalar(scale, mapping):
+  """The control's scale as the step takes it: a runtime scalar (one compiled step runs both), or, on
+  the mesh path (where the engine runs inside the library's own shard_map, which cannot close over a
+  value typed on Explicit axes), a static Python float (two compiles)."""
+  if mapping == "mesh":
+    return float(scale)
+  x = jnp.float32(scale)
+  return put(x, P()) if mapping == "shard_map" else x
+
+
+@functools.cache
+def run(name: str, api: str, mapping: str):
+  """(params after 3 steps, the same with the n-1 divisor, the initial optimizer state, the lowered
+  args for an audit: (compiled step, example args))."""
+  s, sched = U.setups()[name], sharded_for(name)
+  out = []
+  if api == "pipelined":
+    step, init, place, fetch, flush = _run_pipelined(s, sched, mapping)
+    for scale in (1.0, WRONG):
+      (st,) = init
+      for b in s.batches:
+        st = step(st, place(b), _scalar(scale, mapping))
+      st = flush(st, _scalar(scale, mapping))
+      out.append(fetch(st.params))
+    opt_state = init[0].opt_state
+  else:
+    step, init, place, fetch = _run_plain(s, sched, api, mapping)
+    for scale in (1.0, WRONG):
+      p, o = init
+      for b in s.batches:
+        p, o = step(p, o, place(b), _scalar(scale, mapping))
+      out.append(fetch(p))
+    opt_state = init[1]
+  return out[0], out[1], opt_state
+
+
+# every API with every mapping (9), and every setup with every API and mapping at least once (checked)
+CASES = [
+    ("int-labels", "scheduled", "pmap"), ("adamw", "scheduled", "shard_map"),
+    ("int-labels", "scheduled", "mesh"),
+    ("clip-adamw", "hooked", "pmap"), ("mixed-bf16", "hooked", "shard_map"), ("adamw", "hooked", "mesh"),
+    ("mixed-bf16", "pipelined", "pmap"), ("clip-adamw", "pipelined", "shard_map"),
+    ("int-labels", "pipelined", "mesh"),
+    ("mixed-bf16", "scheduled", "shard_map"),
+]
+
+
+def test_the_cases_cover_every_api_with_every_mapping():
+  assert {(a, m) for _, a, m in CASES} == {(a, m) for a in ("scheduled", "hooked", "pipelined")
+                                          for m in ("pmap", "shard_map", "mesh")}
+  for name in ("int-labels", "adamw", "clip-adamw", "mixed-bf16"):
+    assert {a for n, a, _ in CASES if n == name} and {m for n, _, m in CASES if n == name}
+
+
+def _reference(name: str, mapping: str):
+  return reference(name, "pmap" if mapping == "pmap" else "shard_map")[0]
+
+
+@pytest.mark.parametrize("name,api,mapping", CASES)
+def test_sharded_step_equals_the_reference_and_the_n_minus_1_control_fails(name, api, mapping):
+  s = U.setups()[name]
+  got, wrong, _ = run(name, api, mapping)
+  ref = _reference(name, mapping)
+  assert_trees_close(got, ref, s.params)
+  with pytest.raises(AssertionError, match=r"max\|got-ref\|"):
+    assert_trees_close(wrong, ref, s.params)
+
+
+# --------------------------------------------------------------------------------------------------
+# the optimizer state per device: 1/n (+ padding) of the replicated one
+
+
+def _per_device_nbytes(opt_state, mapping: str) -> int:
+  """Bytes of one device's optimizer state."""
+  leaves = jax.tree.leaves(opt_state)
+  if mapping == "pmap":   # stacked per device
+    return sum(x[0].nbytes for x in leaves)
+  return sum(x.addressable_shards[0].data.nbytes for x in leaves)
+
+
+@pytest.mark.parametrize("name,api,mapping", [("adamw", "scheduled", "shard_map"),
+                                              ("int-labels", "scheduled", "pmap"),
+                                              ("int-labels", "pipelined", "mesh")])
+def test_the_optimizer_state_per_device_is_one_nth_plus_padding(name, api, mapping):
+  s, sched = U.setups()[name], sharded_for(name)
+  opt_state = run(name, api, mapping)[2]
+  replicated = s.make_tx().init(s.params)
+  rep = sum(np.asarray(x).nbytes for x in jax.tree.leaves(replicated))
+  got = _per_device_nbytes(opt_state, mapping)
+  # per-parameter state arrays (momentum: 1, adam: 2) of every chunk's shard, plus scalars
+  per_param = sum(np.asarray(x).nbytes for x in jax.tree.leaves(replicated) if np.ndim(x)) // sum(
+      c.nbytes for c in sched.chunks)
+  scalars = rep - per_param * sum(c.nbytes for c in sched.chunks)
+  assert got == per_param * sched.shard_nbytes(N) + scalars
+  assert got <= rep / N + per_param * sum((N * shard_size(c.size, N) - c.size) * 4 // N + 4
+                                          for c in sched.chunks) + scalars
+  assert got < rep / 4, (got, rep)
+
+
+# --------------------------------------------------------------------------------------------------
+# allreduce with a sharded schedule: reduce-scatter + all-gather, replicated
+
+
+def test_allreduce_with_a_sharded_schedule_is_the_mean():
+  s, sched = U.setups()["int-labels"], sharded_for("int-labels")
+
+  def body(p, b):
+    g = _grads(s, p, b)
+    return pj.allreduce(g, sched, AXIS), jax.lax.pmean(g, AXIS), pj.allreduce(g, sched, AXIS, mean=False)
+
+  f = jax.pmap(body, axis_name=AXIS)
+  got, ref, total = f(_replicate(s.params), _split(s.batches[0]))
+  for x, y, z in zip(jax.tree.leaves(got), jax.tree.leaves(ref), jax.tree.leaves(total)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(z), N * np.asarray(y), rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(x) == np.asarray(x)[:1])  # replicated
+
+
+# --------------------------------------------------------------------------------------------------
+# what tx may be, and the errors
+
+
+def test_shard_modes_and_unshardable_optimizers():
+  params = U.setups()["int-labels"].params
+  assert _zero.shard_mode(optax.sgd(0.1, momentum=0.9), params) == "elementwise"
+  assert _zero.shard_mode(optax.adamw(1e-3), params) == "elementwise"
+  assert _zero.shard_mode(U.clip_adamw(), params) == "global-norm"
+  with pytest.raises(pj.ShardingError, match=r"differs from its update on the params' tree .* whole leaves"):
+    _zero.shard_mode(optax.lamb(1e-3), params)
+  with pytest.raises(pj.ShardingError, match=r"a mask that picks leaves .*\(masked\)"):
+    _zero.shard_mode(optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)), params)
+  with pytest.raises(pj.ShardingError, match=r"Adafactor"):
+    _zero.shard_mode(optax.adafactor(1e-3), params)
+
+
+def test_sharded_state_errors():
+  s, sched = U.setups()["int-labels"], sharded_for("int-labels")
+  tx = pj.scheduled(optax.sgd(0.1, momentum=0.9), sched, axis_name=AXIS)
+  with pytest.raises(pj.UnboundAxisError, match=r"sharded \(ZeRO-1\).*jax.pmap\(tx.init"):
+    tx.init(s.params)
+  other = pj.Schedule(buckets=sched.buckets, rows=sched.rows, gathers=tuple(reversed(sched.gathers)))
+  o = jax.pmap(pj.scheduled(optax.sgd(0.1, momentum=0.9), other, axis_name=AXIS).init,
+               axis_name=AXIS)(_replicate(s.params))
+
+  def step(p, o, b):
+    return tx.update(_grads(s, p, b), o, p)
+
+  with pytest.raises(pj.ScheduleMismatchError, match="does not belong to this schedule"):
+    jax.pmap(step, axis_name=AXIS).lower(_replicate(s.params), o, _split(s.batches[0]))
+  grad_fn = pj.hooked(s.loss_fn, sched, axis_name=AXIS, has_aux=True)
+  o = jax.pmap(tx.init, axis_name=AXIS)(_replicate(s.params))
+
+  def no_params(p, o, b):
+    return tx.update(grad_fn(p, b)[1], o)
+
+  with pytest.raises(TypeError, match="needs the params"):
+    jax.pmap(no_params, axis_name=AXIS).lower(_replicate(s.params), o, _split(s.batches[0]))
+  with pytest.raises(ValueError, match="in_loop"):
+    pj.hooked(s.loss_fn, sched, axis_name=AXIS, in_loop=("params/x",))
+
+
+def test_state_specs_of_a_sharded_state():
+  s, sched = U.setups()["adamw"], sharded_for("adamw")
+  opt_state = run("adamw", "scheduled", "shard_map")[2]
+  specs = pj.state_specs(opt_state, AXIS)
+  flat = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  assert flat and all(x == P(AXIS) for x in flat)
+  assert isinstance(opt_state.inner, pj.ShardedState)
+  mixed = {"params": s.params, "opt": opt_state}
+  specs = pj.state_specs(mixed, AXIS)
+  assert all(x == P() for x in jax.tree.leaves(specs["params"], is_leaf=lambda x: isinstance(x, P)))
