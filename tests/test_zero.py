@@ -362,3 +362,88 @@ def test_state_specs_of_a_sharded_state():
   mixed = {"params": s.params, "opt": opt_state}
   specs = pj.state_specs(mixed, AXIS)
   assert all(x == P() for x in jax.tree.leaves(specs["params"], is_leaf=lambda x: isinstance(x, P)))
+
+
+# --------------------------------------------------------------------------------------------------
+# the compiled programs (CPU): one reduce-scatter per chunk, then one all-gather per gather, in order
+
+
+def _compiled(name: str, api: str, mapping: str):
+  s, sched = U.setups()[name], sharded_for(name)
+  one = _scalar(1.0, mapping)
+  if api == "pipelined":
+    step, (st,), place, _, _ = _run_pipelined(s, sched, mapping)
+    st = step(st, place(s.batches[0]), one)  # a forward pending: the program with the whole step
+    return step.lower(st, place(s.batches[1]), one).compile()
+  step, (p, o), place, _ = _run_plain(s, sched, api, mapping)
+  return step.lower(p, o, place(s.batches[0]), one).compile()
+
+
+@pytest.mark.parametrize("name,api,mapping", [("int-labels", "scheduled", "pmap"),
+                                              ("mixed-bf16", "hooked", "shard_map"),
+                                              ("clip-adamw", "pipelined", "shard_map")])
+def test_audit_finds_the_reduce_scatters_then_the_all_gathers_in_plan_order(name, api, mapping):
+  sched = sharded_for(name)
+  r = pj.audit(_compiled(name, api, mapping), sched)
+  assert r.ok and r.sharded, r.describe()
+  assert r.order == tuple(range(len(sched.chunks))) and r.gather_order == tuple(range(len(sched.gathers)))
+  assert [e.elements for e in r.chunks] == list(sched.padded_sizes(N))
+  assert [e.elements for e in r.gathers] == list(sched.gather_sizes(N))
+  assert {e.collective for e in r.chunks} == {"reduce-scatter"}
+  assert {e.collective for e in r.gathers} == {"all-gather"}
+  if api == "hooked":  # issued from the backward rules: backward compute still follows them
+    assert r.inside_backward >= 1, r.describe()
+  if name == "clip-adamw":  # the global norm's one extra psum, foreign to the schedule
+    assert any("prophet/norm" in e.op_name for e in r.foreign), [e.op_name for e in r.foreign]
+  assert "sharded" in r.describe()
+  assert pj.AuditReport.from_json(r.to_json()) == r
+
+
+# --------------------------------------------------------------------------------------------------
+# compile-only H100s: XLA:GPU's schedule of the reduce-scatters and all-gathers
+
+
+@pytest.fixture(scope="module")
+def topo():
+  """8 compile-only H100s. Fails (never skips) where the gpu-compile extra is missing."""
+  try:
+    return pj.gpu_topology("h100", devices=N)
+  except pj.GpuCompileError as e:
+    pytest.fail(f"{e}\nThe test extra includes gpu-compile: run `make test`.", pytrace=False)
+
+
+def test_h100_audit_of_the_sharded_steps(topo):
+  """The cnn with a per-layer sharded schedule (one reduce-scatter per layer in backward order, one
+  all-gather per layer, front first), `scheduled`, `hooked` and `pipelined` compiled by XLA:GPU for 8
+  H100s: one async reduce-scatter per chunk and one async all-gather per gather, padded sizes, plan
+  order, the two halves one chain (one in flight); every reduce-scatter but the last holds backward
+  compute in its window and none of backward's matmuls/convolutions runs outside the windows once
+  they begin; `hooked` issues them inside backward; in the pipelined step the next forward runs inside
+  an all-gather's window (jaxlib 0.10.2 and 0.12.0.1 compile the same schedule)."""
+  from concurrent.futures import ThreadPoolExecutor
+
+  from prophet_jax.models import get_model
+
+  m = get_model("cnn")
+  prof = pj.GradientProfile.from_params(m.abstract_params(), forward_s=1e-3, backward_s=2e-3)
+  w = pj.plan(prof, pj.NetworkModel(alpha_s=1e-7, beta_s_per_byte=1e-10, workers=N), "wfbp")
+  s = pj.Schedule(buckets=w.buckets, rows=w.rows, gathers=tuple((k,) for k in reversed(range(len(w.chunks)))))
+  assert len(s.chunks) >= 5 and any(c.size % N for c in s.chunks)
+  modes = ("scheduled", "hooked", "pipelined")
+  lowered = {mode: pj.lower_step(m, s, mode, topo, batch_size=16) for mode in modes}
+  with ThreadPoolExecutor(2) as pool:  # compilation releases the GIL
+    compiled = dict(zip(modes, pool.map(lambda k: lowered[k].compile(), modes)))
+  for mode in modes:
+    r = pj.audit(compiled[mode], s)
+    where = f"{mode}\n{r.describe()}"
+    assert r.ok and r.sharded and r.asynchronous and r.max_in_flight == 1, where
+    assert r.order == tuple(range(len(s.chunks))) and r.gather_order == tuple(range(len(s.gathers))), where
+    assert [e.elements for e in r.chunks] == list(s.padded_sizes(N)), where
+    assert [e.elements for e in r.gathers] == list(s.gather_sizes(N)), where
+    assert all(e.asynchronous for e in r.gathers), where
+    assert set(range(len(s.chunks) - 1)) <= {e.chunk for e in r.chunks if e.window_ops("backward")}, where
+    assert r.backward_outside_windows == 0, where
+    if mode == "hooked":  # every reduce-scatter but the front layer's (the last) inside backward
+      assert r.inside_backward >= len(s.chunks) - 1, where
+    if mode == "pipelined":
+      assert r.gathers_forward_overlap, where
