@@ -12,6 +12,17 @@ every all-reduce, and sorts them by their op_name metadata:
 The verdict is True when every chunk appears exactly once (per step), with its planned element count, in
 schedule order, and no all-reduce carries two chunks.
 
+A sharded schedule (`dear`, `Schedule.gathers`) is audited by its own collectives (`_audit_sharded`):
+every `reduce-scatter` labelled `prophet/rs<k>` is chunk k's (`chunks`, `elements` its whole buffer,
+padded to a multiple of the axis size: `schedule.padded_sizes(n)`, n read from the first one), every
+`all-gather` labelled `prophet/ag<g>` is gather g's (`gathers`, `elements` its whole result:
+`schedule.gather_sizes(n)`), in any form XLA writes them (synchronous, `-start`/`-done`, or wrapped in
+a `fusion-start`/`async-start`); every all-reduce is foreign there (the loss `pmean`, a global norm's
+`prophet/norm` psum). The verdict: each chunk's reduce-scatter once, each gather's all-gather once,
+planned sizes, plan order, and every reduce-scatter before every all-gather (one tie chain). Their
+windows are read as an all-reduce's are: backward compute in the reduce-scatters', and, in a
+pipelined step, the next forward in the all-gathers' (`gathers_forward_overlap`).
+
 XLA may combine a chunk's all-reduce with a *foreign* one (the loss `pmean`: independent of every chunk,
 so the combiner is free to join it to any of them). On the CPU the combined all-reduce is a tuple; on
 XLA:GPU `all-reduce-contiguous` flattens it into one buffer: a concatenation of the operands, one
