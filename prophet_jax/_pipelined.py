@@ -69,6 +69,13 @@ in issue order) and keeps the other k in a per-device residual that the next ste
 flushed step defers as any step: its deferred values stay in `state.defer` (`Pipelined.deferred_grads`
 puts them back in the parameters' shape, to apply at the end if wanted).
 
+Sharded schedules (`dear`, ZeRO-1). The pending gradients are reduce-scattered chunk by chunk, `tx`
+updates this device's shards (its state, `PipelinedState.opt_state`, is `scheduled`'s `ShardedState`:
+1/n per device, `P(axis_name)` in `state_specs`, made by `init` where the axis is bound), and the
+update is all-gathered gather by gather, front layers first: the next forward reads each gather's
+params in the same program, so each all-gather runs inside that forward, before the layers that read
+it (where XLA places it: `audit`'s `gathers_forward_overlap`).
+
 Batches and model states may hold typed PRNG keys (`jax.random.key`, extended dtypes): they are traced
 as such; nothing converts them to numbers.
 

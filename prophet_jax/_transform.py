@@ -194,6 +194,17 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   gradients over the axis; that is detected and raises AlreadyReducedError naming the fix. Under
   `pmap` it cannot be detected (nothing is marked varying there); a pmap step is per-device already.
 
+  A sharded schedule (`dear`, ZeRO-1; docs/design.md, "Sharded schedules in the rewrite"): `update`
+  reduce-scatters the gradients chunk by chunk (or takes `hooked`'s `GradShards`, whose
+  reduce-scatters ran inside backward, and then needs `params`), runs `tx` on the tuple of this
+  device's shards (one 1-D array per chunk, the params' shards beside them), and all-gathers the
+  update, returned whole and replicated. The state is `ScheduledState(inner=ShardedState(...))`,
+  `tx`'s state for this device's shards only: 1/n of the replicated one plus the padding. `init`
+  runs where the axis is bound (`jax.pmap(tx.init, axis_name=...)`, inside the `shard_map` with
+  `out_specs=P(axis_name)`, or anywhere with `mesh=`), and checks what `tx` may be: elementwise
+  transformations run as they are, `clip_by_global_norm` gets the global norm from one extra psum,
+  anything needing whole leaves or the params' tree raises ShardingError (`_zero.shard_mode`).
+
   On global arrays, in a plain `jax.jit` (`mesh=`): the gradients must come *unreduced* over the
   data axis, each device's partial sum (jax's `unreduced` sharding type, on a mesh with Explicit
   axes: differentiate with respect to params resharded to `P(reduced={axis_name})`, and `jax.grad`
@@ -221,6 +232,8 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
       (ScheduleMismatchError also for a state made by `init` of another deferring schedule).
     ValueError: at trace time, the schedule stripes over more links than the platform runs at once
       (CPU: 1), or, under shard_map, a deferral residual passed replicated.
+    ShardingError: a sharded schedule, at `init`: `tx` cannot run on shards.
+    UnboundAxisError: a sharded schedule, `init` outside the mapping (without `mesh=`).
 
   Example:
     >>> tx = prophet_jax.scheduled(optax.sgd(0.1, momentum=0.9), schedule, axis_name="data")
@@ -345,12 +358,11 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
       dev[0], dev[1] = e, -e  # sums to exactly zero
       v.append(g + dev)
     variants.append(v)
-  state = tx.init(params)
-
   def one(flat_g):
     g = jax.tree_util.tree_unflatten(treedef, [x.astype(d) if is_float_dtype(d) else x
                                                for x, (_, d) in zip(flat_g, shapes)])
-    st, outs = state, []
+    # init where the axis is bound (a sharded schedule's state is each device's shard state)
+    st, outs = tx.init(params), []
     for _ in range(steps):  # several steps, so that e.g. optax.MultiSteps emits an update
       u, st = tx.update(g, st, params)
       outs += [jnp.asarray(x, jnp.float32) for x in jax.tree_util.tree_leaves(u)]
@@ -621,6 +633,12 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
   fine and the gradients come back replicated (invariant); do not `pcast` them yourself.
   Integer leaves get float0 gradients (as `jax.grad(..., allow_int=True)` gives); zero-size leaves
   get their (empty) gradients unreduced.
+
+  A sharded schedule (`dear`, ZeRO-1) makes the hooks reduce-scatter instead: `grad_fn` returns
+  `(value, GradShards)`, this device's mean gradient shards (the DeAR pipeline's first half), which
+  `scheduled(tx, schedule, axis_name=...)`'s `update(shards, opt_state, params)` consumes: it skips
+  its own reduce-scatters, updates the shards and all-gathers the update (flax's
+  `state.apply_gradients(grads=shards)` works as it is). The full gradients are never formed.
 
   A deferring schedule (`dlcp` with `max_defer > 0`) needs its deferral state, which the caller
   owns here: `grad_fn(params, batch, defer_state) -> (loss, grads, new_defer_state)` (the state as

@@ -541,3 +541,13 @@ def test_the_readme_snippet_runs_and_matches_the_single_device_step():
     u, o = tx.update(jax.grad(m.loss_fn)(p, b), o, p)
     p = optax.apply_updates(p, u)
   assert_trees_close(jax.device_get(state.params), jax.device_get(p), params)
+
+
+def test_check_composition_takes_a_sharded_scheduled():
+  """check_composition runs `init` where its simulated axis is bound, so a sharded (ZeRO-1) scheduled
+  passes it; a transformation before it in a chain is still refused at init."""
+  s, sched = U.setups()["int-labels"], sharded_for("int-labels")
+  pj.check_composition(pj.scheduled(U.clip_adamw(), sched, axis_name=AXIS), s.params, axis_name=AXIS)
+  bad = optax.chain(optax.clip_by_global_norm(1.0), pj.scheduled(optax.sgd(0.1), sched, axis_name=AXIS))
+  with pytest.raises(pj.CompositionError, match="runs after the chain's member #0"):
+    pj.check_composition(bad, s.params, axis_name=AXIS)
