@@ -149,7 +149,8 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
 
   The semantics are docs/design.md's "Simulator semantics"; `_core`'s docstring states them in full
   (chunk readiness, the link recurrence, `links > 1`, `overlap=False`, both step modes), this
-  module's how `idle_s` is counted.
+  module's how `idle_s` is counted. A sharded schedule (`Schedule.gathers`: reduce-scatters, the
+  update of each device's shard, all-gathers) is simulated by `_sharded`'s model, on one link.
 
   Args:
     schedule: the plan; its rows must be the profile's rows (same paths, shapes, dtypes).
@@ -165,11 +166,14 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
     durations), idle_s, network_busy (fraction of the iteration some link is busy), allreduces and
     events (per-layer 'backward' and 'forward' spans on lane 'device', 'allreduce' spans named
     'chunk<k>' on lane 'link<j>', 'update' spans: one on 'device' in the plain step, one per layer on
-    lane 'update' in the pipelined step).
+    lane 'update' in the pipelined step). For a sharded schedule: 'reduce_scatter' spans named
+    'chunk<k>' and 'all_gather' spans named 'gather<g>' on lane 'link0', `allreduces` 0 and
+    `reduce_scatters`, `all_gathers` counted, `compute_s` with the update of the shards (update / P).
 
   Raises:
     TypeError: an argument of the wrong type (cross_step must be a bool here).
     ScheduleMismatchError: the schedule was planned for other rows than the profile's.
+    ValueError: a sharded schedule on a network with `links > 1` (it runs on one tie chain).
 
   Examples:
     >>> from prophet_jax import GradientProfile, NetworkModel, Schedule, Bucket, Chunk

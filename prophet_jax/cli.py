@@ -382,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "needed) and audit its all-reduces: count, order, what overlaps them; exit 1 on a "
                      "mismatch")
   s.add_argument("--target", default="h100", help="h100, a100 or v100 (compile-only; needs the gpu-compile "
-                 "extra)")
+                 "extra, or gpu-compile-cuda13, which cannot build for the v100)")
   s.add_argument("--devices", type=_positive, default=8)
   s.add_argument("--model", default="cnn", help="mlp, cnn, gpt-tiny, resnet-small")
   s.add_argument("--mode", default="scheduled", choices=("scheduled", "hooked", "pipelined", "pmean"))

@@ -65,7 +65,7 @@ from .._sharded import sharded_arrays, sharded_durations, sharded_iteration_s, s
 from .._simulate import simulate_sharded
 from .._types import GradientProfile
 from ._base import Scheduler, Slice
-from ._common import check_inputs, make_schedule
+from ._common import check_inputs
 
 _POLICY = "dear"
 # Caps on a reduce-scatter bucket, as fractions 1/k of the total bytes (None: no cap), and one row per
@@ -147,13 +147,10 @@ def sharded_schedule(profile: GradientProfile, chunks: Sequence[Sequence[Slice]]
   one bucket per reduce-scatter chunk."""
   rows = profile.rows
   buckets = tuple(Bucket(chunks=(Chunk(slices=tuple(c), dtype=rows[c[0][0]].dtype),)) for c in chunks)
-  s = make_schedule(buckets, profile, policy=policy, options=options, cross_step=cross_step,
-                    predicted_s=predicted_s)
-  if not chunks:        # nothing to send (every row empty): an empty, unsharded schedule
-    return s
-  return Schedule(buckets=s.buckets, rows=s.rows, tree_fingerprint=s.tree_fingerprint, policy=s.policy,
-                  options=s.options, cross_step=s.cross_step, predicted_s=s.predicted_s,
-                  gathers=tuple(tuple(g) for g in gathers))
+  # nothing to send (every row empty): an empty schedule, with no gathers (so not sharded)
+  return Schedule(buckets=buckets, rows=profile.tree_rows(), policy=policy,
+                  options=tuple(options.items()), cross_step=bool(cross_step), predicted_s=predicted_s,
+                  gathers=tuple(tuple(g) for g in gathers) if chunks else ())
 
 
 # --------------------------------------------------------------------------------------------------
