@@ -286,7 +286,8 @@ class AuditReport:
       lines.append("read: " + ", ".join(f"{n} {_FORM_WORDS.get(f, f)}" for f, n in self.forms.items()))
     if self.asynchronous:
       n = len(self.chunks)
-      lines.append(f"overlap: {n - len(self.exposed)}/{n} chunk(s) have compute inside their all-reduce "
+      what = "reduce-scatter" if self.sharded else "all-reduce"
+      lines.append(f"overlap: {n - len(self.exposed)}/{n} chunk(s) have compute inside their {what} "
                    f"window ({self.overlapped_flops / 1e6:.3g} MFLOP); exposed {list(self.exposed)}; "
                    f"next forward inside {list(self.forward_overlap)}; at most {self.max_in_flight} "
                    f"in flight")

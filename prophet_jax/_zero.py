@@ -166,15 +166,17 @@ def _bound_size(axis_name: Any, where: str) -> int:
   try:
     return int(jax.lax.axis_size(axis_name))
   except NameError as e:
+    piped = where.startswith("pipelined")
+    init, specs = ("p.init", "p.state_specs()") if piped else ("tx.init", f"P({axis_name!r})")
     raise UnboundAxisError(
         f"{where}: the schedule is sharded (ZeRO-1): each device keeps the optimizer state of its own "
         f"shard, whose size depends on the number of devices on axis {axis_name!r} and whose values on "
         f"the device's index, so the state is made where that axis is bound. Under pmap: state = "
-        f"jax.pmap(tx.init, axis_name={axis_name!r})(replicated_params) (or TrainState.create inside "
-        f"the pmap); under shard_map: jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), "
-        f"out_specs=P({axis_name!r})))(params), and pass it with P({axis_name!r}) (or "
-        f"prophet_jax.state_specs(state, {axis_name!r})); on global arrays in a plain jax.jit: "
-        f"scheduled(..., mesh=mesh).") from e
+        f"jax.pmap({init}, axis_name={axis_name!r})(replicated_params)"
+        f"{'' if piped else ' (or TrainState.create inside the pmap)'}; under shard_map: "
+        f"jax.jit(jax.shard_map({init}, mesh=mesh, in_specs=P(), out_specs={specs}))(params), and pass "
+        f"it with those specs (prophet_jax.state_specs(state, {axis_name!r}) gives them per leaf); on "
+        f"global arrays in a plain jax.jit: {'pipelined' if piped else 'scheduled'}(..., mesh=mesh).") from e
 
 
 # --------------------------------------------------------------------------------------------------

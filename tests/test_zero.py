@@ -333,6 +333,9 @@ def test_sharded_state_errors():
   tx = pj.scheduled(optax.sgd(0.1, momentum=0.9), sched, axis_name=AXIS)
   with pytest.raises(pj.UnboundAxisError, match=r"sharded \(ZeRO-1\).*jax.pmap\(tx.init"):
     tx.init(s.params)
+  pipe = pj.pipelined(s.loss_fn, optax.sgd(0.1), sched, axis_name=AXIS, has_aux=True)
+  with pytest.raises(pj.UnboundAxisError, match=r"pipelined.init: .*jax.pmap\(p.init.*p.state_specs"):
+    pipe.init(s.params)
   other = pj.Schedule(buckets=sched.buckets, rows=sched.rows, gathers=tuple(reversed(sched.gathers)))
   o = jax.pmap(pj.scheduled(optax.sgd(0.1, momentum=0.9), other, axis_name=AXIS).init,
                axis_name=AXIS)(_replicate(s.params))
