@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     # the rewrite and measurement (jax)
     "allreduce": "_collectives", "scheduled": "_transform", "hooked": "_transform",
     "defer_state": "_defer", "DeferState": "_defer", "state_specs": "_zero",
-    "ShardedState": "_zero", "GradShards": "_zero",
+    "ShardedState": "_zero", "GradShards": "_zero", "unshard_state": "_zero", "shard_state": "_zero",
     "loop_hook": "_transform", "check_composition": "_transform",
     "pipelined": "_pipelined", "audit": "_audit", "AuditReport": "_audit",
     "profile_step": "_profile", "profile_from_trace": "_profile", "measure_network": "_probe",
@@ -82,5 +82,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._schedule import Bucket, Chunk, Schedule
   from ._simulate import Event, SimResult
   from ._types import GradientProfile, ProfileRow
-  from ._zero import GradShards, ShardedState, state_specs
+  from ._zero import GradShards, ShardedState, shard_state, state_specs, unshard_state
   from ._network import NetworkModel, Pressure

@@ -51,14 +51,15 @@ from jax.sharding import PartitionSpec
 
 from . import _defer
 from ._checks import match_tree
-from ._collectives import (all_gather_chunks, axis_size, check_not_reduced, local_shards,
-                           reduce_scatter_chunks, scatter_chunks)
+from ._collectives import (_chunk_buffer, _padded, all_gather_chunks, axis_size, check_not_reduced,
+                           local_shards, reduce_scatter_chunks, scatter_chunks)
 from ._errors import ScheduleMismatchError, ShardingError, UnboundAxisError
 from ._schedule import Schedule, shard_size
 from ._tree import IdentityMemo, is_reduced_leaf, path_str
 
 __all__ = ["ShardTag", "ShardedState", "GradShards", "shard_mode", "init", "update", "reduce_scatter",
-           "state_specs", "schedule_key", "check_state", "check_grad_shards", "NORM_SCOPE", "MODES"]
+           "state_specs", "schedule_key", "check_state", "check_grad_shards", "unshard_state", "shard_state",
+           "NORM_SCOPE", "MODES"]
 
 NORM_SCOPE = "prophet/norm"  # the one extra psum of a global-norm transformation's squares
 MODES = ("elementwise", "global-norm")
@@ -544,3 +545,160 @@ def state_specs(state: Any, axis_name: Any) -> Any:
           "defer_state" in names and "residual" in names[names.index("defer_state"):])
       out.append(P(axis_name) if mine else P())
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# between layouts (host side): the whole optimizer state and back, for checkpoints, a re-plan, or
+# another device count
+
+
+def _host(x: Any) -> np.ndarray:
+  return np.asarray(jax.device_get(x))
+
+
+def _groups(schedule: Schedule, n: int, mode: str, params: Any, tx: Any, where: str):
+  """(per-device template of tx's shard state flattened into groups, the replicated template flattened
+  into groups, lmap, flat params): a group is the tuple of shards (one per chunk, + the norm carrier)
+  or the params' tree; a leaf is anything else (a step count, a scalar)."""
+  flat, treedef, lmap = _flat(params, schedule, where)
+  chunks = schedule.chunks
+  shard_struct = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in chunks)
+  if mode == "global-norm":
+    shard_struct = shard_struct + (jax.ShapeDtypeStruct((), jnp.float32),)
+  k = len(shard_struct)
+  shapes = [tuple(np.shape(s)) for s in shard_struct]
+
+  def is_shards(x: Any) -> bool:
+    return type(x) is tuple and len(x) == k and all(
+        tuple(np.shape(y)) == s for y, s in zip(x, shapes))
+
+  pshapes = [tuple(np.shape(x)) for x in flat]
+
+  def is_params(x: Any) -> bool:
+    leaves, td = jax.tree_util.tree_flatten(x)
+    return td == treedef and [tuple(np.shape(y)) for y in leaves] == pshapes
+
+  per = jax.eval_shape(tx.init, shard_struct)
+  rep = jax.eval_shape(tx.init, jax.tree_util.tree_unflatten(treedef, flat))
+  per_items, per_def = jax.tree_util.tree_flatten(per, is_leaf=is_shards)
+  rep_items, rep_def = jax.tree_util.tree_flatten(rep, is_leaf=is_params)
+  kinds = lambda items, f: [bool(f(x)) for x in items]  # noqa: E731
+  if len(per_items) != len(rep_items) or kinds(per_items, is_shards) != kinds(rep_items, is_params):
+    raise ShardingError(
+        f"{where}: tx's state on the shards ({per_def}) does not match its state on the params' tree "
+        f"({rep_def}) part for part, so the two layouts cannot be converted: tx's state holds something "
+        f"other than per-parameter arrays and scalars.")
+  return per_def, per_items, is_shards, rep_def, rep_items, is_params, treedef, flat, lmap
+
+
+def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
+  """Every `ShardedState` in `state` replaced by `tx`'s whole (replicated) state for `params`, on the
+  host: what `tx.init(params)` and the same updates on the whole tree would hold.
+
+  For a checkpoint that any device count (or an all-reduce schedule) can resume from, and, with
+  `shard_state`, to re-shard a ZeRO-1 state after a re-plan or for another device count. Takes the
+  state as the step leaves it: global arrays of all devices' shards (shard_map, `mesh=`: each leaf
+  `(n, ...)`) or pmap's stacked per-device values (`(n, 1, ...)`); any tree holding ShardedStates
+  (a TrainState, `scheduled`'s ScheduledState, a PipelinedState). Per-parameter arrays (momenta) are
+  put back at their slices (the padding dropped); scalars (step counts) are taken from device 0
+  (every device holds the same); the global-norm carrier's entries (`shard_mode`) are dropped.
+
+  Args:
+    state: a tree holding ShardedStates (fetched or not; read with jax.device_get).
+    tx: the optimizer the state was made by (the one passed to `scheduled`).
+    params: the params' tree (arrays or ShapeDtypeStructs): the layout of the whole state.
+    schedule: the sharded schedule the state was made for.
+
+  Returns:
+    `state` with each ShardedState replaced by a tree like `tx.init(params)` of numpy arrays.
+
+  Raises:
+    ScheduleMismatchError: a ShardedState was made for another schedule or tree.
+    ShardingError: tx's state is not per-parameter arrays and scalars.
+  """
+  where = "unshard_state"
+
+  def one(s: ShardedState) -> Any:
+    n = s.tag.n
+    check_state(s, schedule, n, where)
+    per_def, per_items, is_shards, rep_def, rep_items, _, treedef, flat, lmap = _groups(
+        schedule, n, s.tag.mode, params, tx, where)
+    got = per_def.flatten_up_to(s.per_device)
+    out = []
+    for tmpl, have, like in zip(per_items, got, rep_items):
+      if is_shards(tmpl):
+        bufs = []
+        for c, part in zip(schedule.chunks, have):
+          a = _host(part)
+          if a.shape[1:2] == (1,) and a.ndim == 3:   # pmap: (n, 1, s)
+            a = a[:, 0]
+          bufs.append(a.reshape(-1)[:c.size])
+        base = [np.zeros(np.shape(x), like_leaf.dtype) for x, like_leaf in
+                zip(flat, jax.tree_util.tree_leaves(like))]
+        leaves = [np.asarray(x) for x in scatter_chunks(base, schedule.chunks, lmap.row_leaf, bufs)]
+        out.append(jax.tree_util.tree_unflatten(treedef, [x.astype(t.dtype) for x, t in zip(
+            leaves, jax.tree_util.tree_leaves(like))]))
+      else:
+        a = _host(have)
+        out.append(a.reshape((a.shape[0], -1))[0].reshape(np.shape(tmpl)).astype(tmpl.dtype))
+    return jax.tree_util.tree_unflatten(rep_def, out)
+
+  return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, ShardedState))
+
+
+def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int, *,
+                pmap: bool = False) -> ShardedState:
+  """`tx`'s whole state for `params` (as `tx.init(params)` makes it, or `unshard_state` gives it) cut
+  into the ZeRO-1 shard state of `schedule` for `n` devices, on the host: the inverse of
+  `unshard_state`.
+
+  Resume a replicated checkpoint (or an all-reduce schedule's state) under a sharded schedule, or
+  re-shard after a re-plan or for another device count: `shard_state(unshard_state(old, tx, params,
+  old_schedule), tx, params, new_schedule, n)`. Put it in `scheduled`'s state in place of the one
+  `init` made (`opt_state._replace(inner=...)`).
+
+  Args:
+    tx_state: tx's state for the whole params' tree.
+    tx: the optimizer (the one passed to `scheduled`).
+    params: the params' tree (arrays or ShapeDtypeStructs).
+    schedule: the sharded schedule to cut for.
+    n: the number of devices on the data axis.
+    pmap: lay each leaf out as pmap's stacked per-device values `(n, 1, ...)`; by default a global
+      array `(n, ...)` to place split over the axis (`jax.device_put(s, NamedSharding(mesh,
+      P(axis)))`, as `state_specs` says) for shard_map or `mesh=`.
+
+  Returns:
+    A ShardedState of numpy arrays.
+
+  Raises:
+    ShardingError: tx cannot run on shards, or its state is not per-parameter arrays and scalars.
+  """
+  where = "shard_state"
+  if not schedule.sharded:
+    raise ValueError(f"{where}: schedule ({schedule.policy}) is not sharded (no gathers): its "
+                     f"optimizer state is tx's whole state, nothing to cut.")
+  n = int(n)
+  if n < 1:
+    raise ValueError(f"{where}: n={n}: the number of devices on the data axis must be >= 1.")
+  mode = shard_mode(tx, params, where)
+  per_def, per_items, is_shards, rep_def, rep_items, is_params, treedef, flat, lmap = _groups(
+      schedule, n, mode, params, tx, where)
+  have = rep_def.flatten_up_to(tx_state)
+  out = []
+  for tmpl, like, x in zip(per_items, rep_items, have):
+    if is_shards(tmpl):
+      leaves = [_host(v) for v in treedef.flatten_up_to(x)]
+      parts = []
+      for c, t in zip(schedule.chunks, tmpl):
+        buf = np.asarray(_padded(_chunk_buffer(leaves, c, lmap.row_leaf), n)).astype(t.dtype)
+        parts.append(buf.reshape(n, -1))
+      if mode == "global-norm":  # the carrier's entry: what init gives it (its update is dropped)
+        parts.append(np.zeros((n,), tmpl[-1].dtype))
+      group = tuple(parts)
+    else:
+      group = np.broadcast_to(_host(x).astype(tmpl.dtype), (n,) + tuple(np.shape(tmpl))).copy()
+    out.append(group)
+  per_device = jax.tree_util.tree_unflatten(per_def, out)
+  if pmap:
+    per_device = jax.tree_util.tree_map(lambda a: a[:, None], per_device)
+  return ShardedState(per_device=per_device, tag=_tag(schedule, n, mode))

@@ -14,6 +14,7 @@ every case. The optimizer state per device is measured: 1/n of the replicated on
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -203,8 +204,8 @@ def _scalar(scale, mapping):
 
 @functools.cache
 def run(name: str, api: str, mapping: str):
-  """(params after 3 steps, the same with the n-1 divisor, the initial optimizer state, the lowered
-  args for an audit: (compiled step, example args))."""
+  """(params after 3 steps, the same with the n-1 divisor, the initial optimizer state, the optimizer
+  state after the 3 steps (as the step leaves it: global arrays, or pmap's stacked values))."""
   s, sched = U.setups()[name], sharded_for(name)
   out = []
   if api == "pipelined":
@@ -215,6 +216,8 @@ def run(name: str, api: str, mapping: str):
         st = step(st, place(b), _scalar(scale, mapping))
       st = flush(st, _scalar(scale, mapping))
       out.append(fetch(st.params))
+      if scale == 1.0:
+        final = st.opt_state
     opt_state = init[0].opt_state
   else:
     step, init, place, fetch = _run_plain(s, sched, api, mapping)
@@ -223,8 +226,10 @@ def run(name: str, api: str, mapping: str):
       for b in s.batches:
         p, o = step(p, o, place(b), _scalar(scale, mapping))
       out.append(fetch(p))
+      if scale == 1.0:
+        final = o
     opt_state = init[1]
-  return out[0], out[1], opt_state
+  return out[0], out[1], opt_state, final
 
 
 # every API with every mapping (9), and every setup with every API and mapping at least once (checked)
@@ -252,7 +257,7 @@ def _reference(name: str, mapping: str):
 @pytest.mark.parametrize("name,api,mapping", CASES)
 def test_sharded_step_equals_the_reference_and_the_n_minus_1_control_fails(name, api, mapping):
   s = U.setups()[name]
-  got, wrong, _ = run(name, api, mapping)
+  got, wrong = run(name, api, mapping)[:2]
   ref = _reference(name, mapping)
   assert_trees_close(got, ref, s.params)
   with pytest.raises(AssertionError, match=r"max\|got-ref\|"):
@@ -367,6 +372,94 @@ def test_state_specs_of_a_sharded_state():
   mixed = {"params": s.params, "opt": opt_state}
   specs = pj.state_specs(mixed, AXIS)
   assert all(x == P() for x in jax.tree.leaves(specs["params"], is_leaf=lambda x: isinstance(x, P)))
+
+
+# --------------------------------------------------------------------------------------------------
+# between layouts: the whole optimizer state (a checkpoint any device count resumes) and back
+
+
+@functools.cache
+def _full_batch_opt_state(name: str):
+  """The optimizer state after the setup's steps on one device with the full batch (as
+  tests/_user_setups.single_device_reference steps, keeping the state)."""
+  s = U.setups()[name]
+  tx = s.make_tx()
+
+  @jax.jit
+  def step(p, o, b):
+    g = U.value_and_grad(s, p, s.model_state, b)[1]
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o
+
+  p, o = s.params, tx.init(s.params)
+  for b in s.batches:
+    p, o = step(p, o, b)
+  return jax.device_get(o)
+
+
+def _leaves_close(got, ref, what):
+  g, r = jax.tree.leaves(got), jax.tree.leaves(ref)
+  assert len(g) == len(r), (what, len(g), len(r))
+  for k, (x, y) in enumerate(zip(g, r)):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    assert x.shape == y.shape, (what, k, x.shape, y.shape)
+    np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-6 * (np.max(np.abs(y)) if y.size else 0),
+                               err_msg=f"{what}: leaf {k}")
+
+
+@pytest.mark.parametrize("name,api,mapping", [("adamw", "scheduled", "shard_map"),
+                                              ("int-labels", "scheduled", "pmap"),
+                                              ("clip-adamw", "pipelined", "shard_map")])
+def test_unshard_state_is_the_full_batch_state_and_shard_state_inverts_it(name, api, mapping):
+  s, sched = U.setups()[name], sharded_for(name)
+  tx = s.make_tx()
+  final = run(name, api, mapping)[3]
+  whole = pj.unshard_state(final, tx, s.params, sched)   # ScheduledState(inner=tx's whole state)
+  assert not [x for x in jax.tree.leaves(whole, is_leaf=lambda x: isinstance(x, pj.ShardedState))
+              if isinstance(x, pj.ShardedState)]
+  ref = _full_batch_opt_state(name)
+  assert jax.tree.structure(jax.tree.leaves(whole)) == jax.tree.structure(jax.tree.leaves(ref))
+  _leaves_close(whole, ref, "unsharded vs the full batch's state")
+  # the momenta moved (a wrong slice would not pass silently), and the step counts are exact
+  assert any(np.ndim(x) and np.max(np.abs(x)) > 0 for x in jax.tree.leaves(ref))
+  for x, y in zip(jax.tree.leaves(whole), jax.tree.leaves(ref)):
+    if np.issubdtype(np.asarray(y).dtype, np.integer):
+      np.testing.assert_array_equal(x, y)
+  inner = [x for x in jax.tree.leaves(final, is_leaf=lambda x: isinstance(x, pj.ShardedState))
+           if isinstance(x, pj.ShardedState)]
+  assert len(inner) == 1
+  tx_whole = jax.tree.unflatten(jax.tree.structure(ref), jax.tree.leaves(whole))
+  back = pj.shard_state(tx_whole, tx, s.params, sched, N, pmap=mapping == "pmap")
+  assert back.tag == inner[0].tag
+  again = pj.unshard_state(back, tx, s.params, sched)
+  for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(tx_whole)):
+    np.testing.assert_array_equal(x, y)
+  if inner[0].tag.mode == "elementwise":  # every entry of the shard state back, padding (zeros) included
+    for x, y in zip(jax.tree.leaves(back.per_device), jax.tree.leaves(inner[0].per_device)):
+      np.testing.assert_array_equal(x, jax.device_get(y))
+
+
+def test_reshard_to_another_device_count_and_resume_from_the_whole_state():
+  """A state cut for 4 devices and gathered back is the whole state; the initial shard state
+  (weight decay's zeros aside) is what shard_state cuts from tx.init; bad input is named."""
+  s, sched = U.setups()["adamw"], sharded_for("adamw")
+  tx = s.make_tx()
+  ref = _full_batch_opt_state("adamw")
+  four = pj.shard_state(ref, tx, s.params, sched, 4)
+  assert four.tag.n == 4 and four.tag.sizes == tuple(shard_size(c.size, 4) for c in sched.chunks)
+  lead = {np.shape(x)[0] for x in jax.tree.leaves(four.per_device)}
+  assert lead == {4}
+  for x, y in zip(jax.tree.leaves(pj.unshard_state(four, tx, s.params, sched)), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(x, y)
+  init = run("adamw", "scheduled", "shard_map")[2].inner
+  cut = pj.shard_state(tx.init(s.params), tx, s.params, sched, N)
+  for x, y in zip(jax.tree.leaves(cut.per_device), jax.tree.leaves(init.per_device)):
+    np.testing.assert_array_equal(x, jax.device_get(y))
+  with pytest.raises(pj.ScheduleMismatchError, match="another schedule"):
+    pj.unshard_state(init, tx, s.params, dataclasses.replace(
+        sched, gathers=tuple((k,) for k in reversed(range(len(sched.chunks))))))
+  with pytest.raises(ValueError, match="not sharded"):
+    pj.shard_state(ref, tx, s.params, U.schedule_for("adamw"), N)
 
 
 # --------------------------------------------------------------------------------------------------
