@@ -379,9 +379,9 @@ def test_state_specs_of_a_sharded_state():
 
 
 @functools.cache
-def _full_batch_opt_state(name: str):
-  """The optimizer state after the setup's steps on one device with the full batch (as
-  tests/_user_setups.single_device_reference steps, keeping the state)."""
+def _full_batch_states(name: str) -> list:
+  """[(params, optimizer state)] after each of the setup's steps on one device with the full batch
+  (as tests/_user_setups.single_device_reference steps, keeping the state)."""
   s = U.setups()[name]
   tx = s.make_tx()
 
@@ -391,10 +391,16 @@ def _full_batch_opt_state(name: str):
     u, o = tx.update(g, o, p)
     return optax.apply_updates(p, u), o
 
-  p, o = s.params, tx.init(s.params)
+  p, o, out = s.params, tx.init(s.params), []
   for b in s.batches:
     p, o = step(p, o, b)
-  return jax.device_get(o)
+    out.append(jax.device_get((p, o)))
+  return out
+
+
+def _full_batch_opt_state(name: str):
+  """The optimizer state after the setup's steps on one device with the full batch."""
+  return _full_batch_states(name)[-1][1]
 
 
 def _leaves_close(got, ref, what):
@@ -460,6 +466,40 @@ def test_reshard_to_another_device_count_and_resume_from_the_whole_state():
         sched, gathers=tuple((k,) for k in reversed(range(len(sched.chunks))))))
   with pytest.raises(ValueError, match="not sharded"):
     pj.shard_state(ref, tx, s.params, U.schedule_for("adamw"), N)
+
+
+def test_a_whole_state_cut_for_4_devices_resumes_there_and_equals_the_full_batch():
+  """The full batch's first step (params, AdamW state) cut by shard_state for a 4-device mesh; the
+  remaining steps there (scheduled, shard_map) end where the full batch does; the same cut with the
+  first moments taken from step 0 (a stale state) does not."""
+  s, sched = U.setups()["adamw"], sharded_for("adamw")
+  tx0 = s.make_tx()
+  (p1, o1), *_ = _full_batch_states("adamw")
+  m4 = jax.make_mesh((4,), (AXIS,), devices=jax.devices()[:4])
+  tx = pj.scheduled(tx0, sched, axis_name=AXIS)
+
+  def step(p, o, b):
+    g = _grads(s, jax.lax.pcast(p, AXIS, to="varying"), b)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o
+
+  def resume(whole):
+    inner = pj.shard_state(whole, tx0, s.params, sched, 4)
+    init = jax.eval_shape(jax.shard_map(tx.init, mesh=m4, in_specs=P(), out_specs=P(AXIS)), s.params)
+    o = init._replace(inner=inner)
+    specs = pj.state_specs(o, AXIS)
+    o = jax.tree.map(lambda x, sp: jax.device_put(x, NamedSharding(m4, sp)), o, specs)
+    f = jax.jit(jax.shard_map(step, mesh=m4, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)))
+    p = jax.device_put(p1, NamedSharding(m4, P()))
+    for b in s.batches[1:]:
+      p, o = f(p, o, jax.device_put(b, NamedSharding(m4, P(AXIS))))
+    return jax.device_get(p)
+
+  ref = U.single_device_reference("adamw")[0]
+  assert_trees_close(resume(o1), ref, s.params)
+  stale = jax.tree.map(lambda a, b: b if np.ndim(a) else a, o1, tx0.init(s.params))  # moments reset
+  with pytest.raises(AssertionError, match=r"max\|got-ref\|"):
+    assert_trees_close(resume(stale), ref, s.params)
 
 
 # --------------------------------------------------------------------------------------------------
