@@ -277,6 +277,9 @@ def cmd_audit(a: argparse.Namespace) -> int:
   from ._gpu import gpu_target, gpu_topology, quiet_cuda_stub
   from ._schedule import Schedule
 
+  if a.jit and a.mode == "scheduled":
+    raise ValueError("audit --jit --mode scheduled: a plain jax.jit step's gradients come already reduced "
+                     "by the partitioner; audit --jit --mode hooked (or pipelined, or pmean for the plain step).")
   target = gpu_target(a.target)  # an unknown target fails here, before jax starts
   model = models.get_model(a.model)
   cross_step = a.mode == "pipelined"
@@ -295,7 +298,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
     from ._steps import compile_step  # imports jax: after the topology checked the environment
 
     compiled, compile_s = compile_step(model, schedule, a.mode, topo, batch_size=a.batch,
-                                       compiler_options=dict(a.xla_option or ()) or None)
+                                       compiler_options=dict(a.xla_option or ()) or None, jit=a.jit)
   from ._audit import audit
 
   report = audit(compiled, schedule)
@@ -397,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--batch", type=_positive, default=None, help="global batch (default: the model's)")
   s.add_argument("--xla-option", type=_xla_option, action="append", metavar="KEY=VALUE",
                  help="a per-compile XLA option, e.g. xla_gpu_enable_latency_hiding_scheduler=true")
+  s.add_argument("--jit", action="store_true", help="the plain jax.jit step over sharded arrays (hooked or "
+                 "pipelined with mesh=; pmean: the partitioner's all-reduce) instead of a shard_map step")
   s.add_argument("--json", action="store_true", help="print the report as JSON")
   s.set_defaults(fn=cmd_audit)
   return p
