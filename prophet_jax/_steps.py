@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ._gpu import GpuTopology
 from ._pipelined import pipelined
 from ._transform import hooked, scheduled
+from ._zero import state_specs
 
 __all__ = ["STEP_MODES", "lower_step", "compile_step"]
 
@@ -178,11 +179,18 @@ def _lower_jit(model: Any, schedule: Any, mode: str, topology: GpuTopology, mesh
     return jax.jit(pipe.step).lower(topology.abstract(pending, pipe.state_specs(pending), mesh=mesh), a_batch)
   grad_fn = (hooked(model.loss_fn, schedule, axis_name=axis_name, mesh=mesh) if mode == "hooked"
              else jax.value_and_grad(model.loss_fn))
+  # a sharded schedule's hooked gradients are reduce-scattered shards that scheduled(tx, mesh=) consumes
+  sharded = mode == "hooked" and schedule.sharded
+  opt = scheduled(tx, schedule, axis_name=axis_name, mesh=mesh) if sharded else tx
 
   def step(p, o, b):
     loss, g = grad_fn(p, b)
-    updates, o = tx.update(g, o, p)
+    updates, o = opt.update(g, o, p)
     return optax.apply_updates(p, updates), o, loss
 
-  a_opt = topology.abstract(jax.eval_shape(tx.init, params), P(), mesh=mesh)
+  if sharded:  # ZeRO-1: each device's shard state, a global array split over the axis
+    o0 = jax.eval_shape(opt.init, a_params)
+    a_opt = topology.abstract(o0, state_specs(o0, axis_name), mesh=mesh)
+  else:
+    a_opt = topology.abstract(jax.eval_shape(tx.init, params), P(), mesh=mesh)
   return jax.jit(step).lower(a_params, a_opt, a_batch)

@@ -557,7 +557,8 @@ def test_h100_audit_of_the_sharded_steps(topo):
   order, the two halves one chain (one in flight); every reduce-scatter but the last holds backward
   compute in its window and none of backward's matmuls/convolutions runs outside the windows once
   they begin; `hooked` issues them inside backward; in the pipelined step the next forward runs inside
-  an all-gather's window (jaxlib 0.10.2 and 0.12.0.1 compile the same schedule)."""
+  an all-gather's window (jaxlib 0.10.2 and 0.12.0.1 compile the same schedule). The same for the plain
+  jax.jit steps on global arrays (`hooked`/`pipelined` with mesh=, `lower_step(jit=True)`)."""
   from concurrent.futures import ThreadPoolExecutor
 
   from prophet_jax.models import get_model
@@ -567,13 +568,16 @@ def test_h100_audit_of_the_sharded_steps(topo):
   w = pj.plan(prof, pj.NetworkModel(alpha_s=1e-7, beta_s_per_byte=1e-10, workers=N), "wfbp")
   s = pj.Schedule(buckets=w.buckets, rows=w.rows, gathers=tuple((k,) for k in reversed(range(len(w.chunks)))))
   assert len(s.chunks) >= 5 and any(c.size % N for c in s.chunks)
-  modes = ("scheduled", "hooked", "pipelined")
-  lowered = {mode: pj.lower_step(m, s, mode, topo, batch_size=16) for mode in modes}
+  # the shard_map steps, and the plain jax.jit steps on global arrays (mesh=; lower_step(jit=True))
+  modes = ("scheduled", "hooked", "pipelined", "hooked-jit", "pipelined-jit")
+  lowered = {mode: pj.lower_step(m, s, mode.removesuffix("-jit"), topo, batch_size=16,
+                                 jit=mode.endswith("-jit")) for mode in modes}
   with ThreadPoolExecutor(2) as pool:  # compilation releases the GIL
     compiled = dict(zip(modes, pool.map(lambda k: lowered[k].compile(), modes)))
-  for mode in modes:
-    r = pj.audit(compiled[mode], s)
-    where = f"{mode}\n{r.describe()}"
+  for key in modes:
+    mode = key.removesuffix("-jit")
+    r = pj.audit(compiled[key], s)
+    where = f"{key}\n{r.describe()}"
     assert r.ok and r.sharded and r.asynchronous and r.max_in_flight == 1, where
     assert r.order == tuple(range(len(s.chunks))) and r.gather_order == tuple(range(len(s.gathers))), where
     assert [e.elements for e in r.chunks] == list(s.padded_sizes(N)), where
