@@ -643,7 +643,14 @@ def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
         out.append(a.reshape((a.shape[0], -1))[0].reshape(np.shape(tmpl)).astype(tmpl.dtype))
     return jax.tree_util.tree_unflatten(rep_def, out)
 
-  return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, ShardedState))
+  is_state = lambda x: isinstance(x, ShardedState)  # noqa: E731
+  if not any(is_state(x) for x in jax.tree_util.tree_leaves(state, is_leaf=is_state)):
+    raise TypeError(
+        f"{where}: no ShardedState in the given {type(state).__name__}: pass the optimizer state (or a "
+        f"TrainState holding it) of scheduled(tx, schedule) with a sharded schedule, as the step returns "
+        f"it. A container that re-labels its fields (flax.nnx's Optimizer keeps nested dicts) hides the "
+        f"type: give the ShardedState itself (ScheduledState.inner).")
+  return jax.tree_util.tree_map(one, state, is_leaf=is_state)
 
 
 def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int, *,

@@ -466,6 +466,8 @@ def test_reshard_to_another_device_count_and_resume_from_the_whole_state():
         sched, gathers=tuple((k,) for k in reversed(range(len(sched.chunks))))))
   with pytest.raises(ValueError, match="not sharded"):
     pj.shard_state(ref, tx, s.params, U.schedule_for("adamw"), N)
+  with pytest.raises(TypeError, match="no ShardedState"):  # never silently the state unchanged
+    pj.unshard_state({"opt": ref}, tx, s.params, sched)
 
 
 def test_a_whole_state_cut_for_4_devices_resumes_there_and_equals_the_full_batch():
