@@ -41,7 +41,7 @@ __all__ = ["allreduce", "tie", "reduce_tied", "chunk_scope", "axis_size", "check
            "is_varying", "to_varying", "check_residual_varying", "rank", "reduce_units", "schedule_units",
            "unit_allreduces", "schedule_chains", "scheduled_allreduce", "EngineHooks", "engine_hooks",
            "rs_scope", "ag_scope", "reduce_scatter_chunks", "all_gather_chunks", "scatter_chunks",
-           "local_shards", "sharded_allreduce"]
+           "local_shards", "shards_square_sum", "sharded_allreduce"]
 
 SCOPE_PREFIX = "prophet/chunk"
 RS_PREFIX = "prophet/rs"   # a sharded schedule's reduce-scatter of chunk k
@@ -535,6 +535,14 @@ def local_shards(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Seq
     s = shard_size(chunk.size, n)
     out.append(jax.lax.dynamic_slice_in_dim(_padded(_chunk_buffer(flat, chunk, row_leaf), n), i * s, s))
   return tuple(out)
+
+
+def shards_square_sum(shards: Sequence[jax.Array], axis_name: Any, scope: str) -> tuple[jax.Array, jax.Array]:
+  """(this device's sum of squares of `shards` in float32, the sum over the axis: one `psum` labelled
+  `scope`): the global norm a ZeRO-1 update's global-norm transformation reads."""
+  local = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in shards)
+  with jax.named_scope(scope):
+    return local, jax.lax.psum(local, axis_name)
 
 
 def sharded_allreduce(flat: Sequence[jax.Array], schedule: Schedule, row_leaf: Sequence[int], axis_name: Any,

@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec
 from . import _defer
 from ._checks import match_tree
 from ._collectives import (_chunk_buffer, _padded, all_gather_chunks, axis_size, check_not_reduced,
-                           local_shards, reduce_scatter_chunks, scatter_chunks)
+                           local_shards, reduce_scatter_chunks, scatter_chunks, shards_square_sum)
 from ._errors import ScheduleMismatchError, ShardingError, UnboundAxisError
 from ._schedule import Schedule, shard_size
 from ._tree import IdentityMemo, is_reduced_leaf, path_str
@@ -486,9 +486,7 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
     pflat, _, plmap = _flat(params, schedule, where)
     p = local_shards(pflat, chunks, plmap.row_leaf, axis_name, n)
   if state.tag.mode == "global-norm":
-    local = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in shards)
-    with jax.named_scope(NORM_SCOPE):
-      total = jax.lax.psum(local, axis_name)
+    local, total = shards_square_sum(shards, axis_name, NORM_SCOPE)
     shards = shards + (jnp.sqrt(jnp.maximum(total - local, 0.0)),)
     if p is not None:
       p = p + (jnp.zeros((), jnp.float32),)
