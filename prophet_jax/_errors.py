@@ -80,6 +80,12 @@ class JaxVersionError(ProphetError, RuntimeError):
   (`_jaxcompat.TESTED_JAX_VERSIONS`)."""
 
 
+class ShardingError(ProphetError, ValueError):
+  """The optimizer cannot run on ZeRO-1 shards: under a sharded schedule (`dear`), `scheduled(tx, ...)`
+  runs `tx` on each device's flat shards of the chunks, and this `tx` needs whole leaves or the params'
+  tree (per-leaf norms, masks, matrix-shaped updates). Use an all-reduce schedule for it."""
+
+
 class DeferralWarning(UserWarning):
   """`plan(..., "dlcp", max_defer=f)` with f > 0 under a network where communication is exposed found no
   deferral that shortens the predicted iteration, and returned auto's lossless plan. The schedule's

@@ -69,6 +69,13 @@ in issue order) and keeps the other k in a per-device residual that the next ste
 flushed step defers as any step: its deferred values stay in `state.defer` (`Pipelined.deferred_grads`
 puts them back in the parameters' shape, to apply at the end if wanted).
 
+Sharded schedules (`dear`, ZeRO-1). The pending gradients are reduce-scattered chunk by chunk, `tx`
+updates this device's shards (its state, `PipelinedState.opt_state`, is `scheduled`'s `ShardedState`:
+1/n per device, `P(axis_name)` in `state_specs`, made by `init` where the axis is bound), and the
+update is all-gathered gather by gather, front layers first: the next forward reads each gather's
+params in the same program, so each all-gather runs inside that forward, before the layers that read
+it (where XLA places it: `audit`'s `gathers_forward_overlap`).
+
 Batches and model states may hold typed PRNG keys (`jax.random.key`, extended dtypes): they are traced
 as such; nothing converts them to numbers.
 
@@ -99,7 +106,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from . import _defer
+from . import _defer, _zero
 from ._checks import check_values, match_tree
 from ._collectives import allreduce, axis_size, is_varying, to_varying, vma_enabled
 from ._defer import DeferState
@@ -333,7 +340,9 @@ class Pipelined:
       raise TypeError("pipelined.init: a model_state was given, but this step was made without "
                       "has_state=True, so loss_fn would never see it. Pass has_state=True to pipelined "
                       "and write loss_fn(params, model_state, batch) -> (loss, new_model_state).")
-    return PipelinedState(params=params, opt_state=self.tx.init(params), pending=None,
+    opt_state = (_zero.init(self.tx, params, self.schedule, self.axis_name, "pipelined.init")
+                 if self.schedule.sharded else self.tx.init(params))
+    return PipelinedState(params=params, opt_state=opt_state, pending=None,
                           model_state=None if model_state is _NO_STATE else model_state,
                           defer=_defer.init(self.schedule))
 
@@ -443,7 +452,8 @@ class Pipelined:
                   model_state: Any = PartitionSpec()) -> PipelinedState:
     """PartitionSpecs of the state for `jax.shard_map`'s in_specs / out_specs.
 
-    Parameters and optimizer state are replicated (`P()`); the residuals are per device
+    Parameters and optimizer state are replicated (`P()`; a sharded schedule's optimizer state is each
+    device's shard state, `P(axis_name)`, as `prophet_jax.state_specs` says); the residuals are per device
     (`P(axis_name)`, each with a leading axis of size 1 per device); the model state is as
     `model_state` says; the deferral state as `prophet_jax.state_specs` says (its residuals
     `P(axis_name)`, its norms, mask and indices `P()`).
@@ -464,7 +474,8 @@ class Pipelined:
     rep = PartitionSpec()
     defer = (DeferState(norms=rep, deferred=rep, index=rep, residual=PartitionSpec(axis), tag=rep)
              if self.schedule.defers else rep)
-    prefix = PipelinedState(params=rep, opt_state=rep, pending=PartitionSpec(axis),
+    opt = PartitionSpec(axis) if self.schedule.sharded else rep  # ZeRO-1: each device's shard state
+    prefix = PipelinedState(params=rep, opt_state=opt, pending=PartitionSpec(axis),
                             model_state=model_state, defer=defer)
     if state is None:
       return prefix
@@ -621,8 +632,22 @@ class Pipelined:
           *jax.tree_util.tree_leaves(pv), *(r[0] for r in pending.residuals))
       vjp_fn = jax.tree_util.tree_unflatten(trace.treedef, leaves)
       (grads,) = vjp_fn(self._ones_ct(meta))
-    grads, defer = self._reduce(grads, schedule, defer, where)
-    updates, opt_state = self.tx.update(grads, opt_state, params)
+    if schedule.sharded or self.schedule.sharded:
+      if schedule.sharded != self.schedule.sharded:
+        was = "a sharded" if schedule.sharded else "an all-reduce"
+        now = "sharded" if self.schedule.sharded else "an all-reduce one"
+        raise ValueError(
+            f"{where}: the state's pending forward ran under {was} schedule ({schedule.policy}), but this "
+            f"pipelined step's is {now} ({self.schedule.policy}): the "
+            f"optimizer state's layout (each device's shard, or replicated) changes between them. Flush "
+            f"with the step that made the state, then start this one from init(params).")
+      # ZeRO-1: reduce-scatter, tx on this device's shards, all-gather the update (the next forward
+      # reads each gather's params as soon as it lands: the all-gathers run inside it)
+      updates, opt_state = _zero.update(self.tx, grads, opt_state, params, schedule, self.axis_name,
+                                        where=where)
+    else:
+      grads, defer = self._reduce(grads, schedule, defer, where)
+      updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     # the next forward reads these inside this program: round low-precision leaves as memory would
     params = jax.tree_util.tree_map(_round_to_dtype, params)

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ._gpu import GpuTopology
 from ._pipelined import pipelined
 from ._transform import hooked, scheduled
+from ._zero import state_specs
 
 __all__ = ["STEP_MODES", "lower_step", "compile_step"]
 
@@ -66,10 +67,13 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
   ShapeDtypeStructs (nothing is allocated or run):
   - 'scheduled': `jax.value_and_grad` of the loss at params marked varying, `prophet_jax.scheduled(tx,
     schedule)` as the optimizer, and the user's `pmean` of the loss;
-  - 'hooked': `prophet_jax.hooked(loss_fn, schedule)` gradients, a plain `tx`, the loss `pmean`;
+  - 'hooked': `prophet_jax.hooked(loss_fn, schedule)` gradients, a plain `tx`, the loss `pmean` (a
+    sharded schedule's: its reduce-scattered GradShards, `scheduled(tx, schedule)`);
   - 'pipelined': `prophet_jax.pipelined(loss_fn, tx, schedule).step`, with a forward pending (the
     program that runs the previous backward, the all-reduces, the update and the next forward);
   - 'pmean': the plain step, `jax.lax.pmean` of the gradient tree (the baseline XLA merges).
+  With a sharded schedule (`dear`) the optimizer state is each device's shard state (ZeRO-1), made
+  inside the map and passed with `P(axis_name)`.
 
   With `jit=True`, the step as plain `jax.jit` users write it, on global arrays (params `P()`, the batch
   `P(axis_name)`) and no `shard_map` of the user's: 'hooked' and 'pipelined' take `mesh=`, 'pmean' is
@@ -125,11 +129,19 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
 
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis_name)),
                                  out_specs=(specs, P(axis_name))))
-    state0 = topology.abstract(jax.eval_shape(pipe.init, params), P(), mesh=mesh)
+    if schedule.sharded:  # the shard state is made inside the map
+      init = jax.shard_map(pipe.init, mesh=mesh, in_specs=P(), out_specs=specs)
+      state0 = jax.eval_shape(init, topology.abstract(params, P(), mesh=mesh))
+      state0 = topology.abstract(state0, pipe.state_specs(state0), mesh=mesh)
+    else:
+      state0 = topology.abstract(jax.eval_shape(pipe.init, params), P(), mesh=mesh)
     pending, _ = jax.eval_shape(step, state0, a_batch)  # the state after a first, forward-only call
     args = (topology.abstract(pending, pipe.state_specs(pending), mesh=mesh), a_batch)
   else:
-    opt = scheduled(tx, schedule, axis_name=axis_name) if mode == "scheduled" else tx
+    sharded = mode != "pmean" and schedule.sharded
+    # a sharded schedule's hooked gradients are reduce-scattered shards that scheduled(tx) consumes
+    opt = scheduled(tx, schedule, axis_name=axis_name) if mode == "scheduled" or (
+        sharded and mode == "hooked") else tx
     grad_fn = hooked(model.loss_fn, schedule, axis_name=axis_name) if mode == "hooked" else None
 
     def body(p, o, b):
@@ -142,10 +154,16 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
       updates, o = opt.update(g, o, p)
       return optax.apply_updates(p, updates), o, jax.lax.pmean(loss, axis_name)
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis_name)),
-                                 out_specs=(P(), P(), P())))
-    args = (topology.abstract(params, P(), mesh=mesh),
-            topology.abstract(jax.eval_shape(opt.init, params), P(), mesh=mesh), a_batch)
+    ospec = P(axis_name) if sharded else P()  # ZeRO-1: each device's shard state, made inside the map
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), ospec, P(axis_name)),
+                                 out_specs=(P(), ospec, P())))
+    a_params = topology.abstract(params, P(), mesh=mesh)
+    if sharded:
+      init = jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=ospec)
+      a_opt = topology.abstract(jax.eval_shape(init, a_params), ospec, mesh=mesh)
+    else:
+      a_opt = topology.abstract(jax.eval_shape(opt.init, params), P(), mesh=mesh)
+    args = (a_params, a_opt, a_batch)
   return step.lower(*args)
 
 
@@ -161,11 +179,18 @@ def _lower_jit(model: Any, schedule: Any, mode: str, topology: GpuTopology, mesh
     return jax.jit(pipe.step).lower(topology.abstract(pending, pipe.state_specs(pending), mesh=mesh), a_batch)
   grad_fn = (hooked(model.loss_fn, schedule, axis_name=axis_name, mesh=mesh) if mode == "hooked"
              else jax.value_and_grad(model.loss_fn))
+  # a sharded schedule's hooked gradients are reduce-scattered shards that scheduled(tx, mesh=) consumes
+  sharded = mode == "hooked" and schedule.sharded
+  opt = scheduled(tx, schedule, axis_name=axis_name, mesh=mesh) if sharded else tx
 
   def step(p, o, b):
     loss, g = grad_fn(p, b)
-    updates, o = tx.update(g, o, p)
+    updates, o = opt.update(g, o, p)
     return optax.apply_updates(p, updates), o, loss
 
-  a_opt = topology.abstract(jax.eval_shape(tx.init, params), P(), mesh=mesh)
+  if sharded:  # ZeRO-1: each device's shard state, a global array split over the axis
+    o0 = jax.eval_shape(opt.init, a_params)
+    a_opt = topology.abstract(o0, state_specs(o0, axis_name), mesh=mesh)
+  else:
+    a_opt = topology.abstract(jax.eval_shape(tx.init, params), P(), mesh=mesh)
   return jax.jit(step).lower(a_params, a_opt, a_batch)

@@ -308,7 +308,9 @@ def cmd_audit(a: argparse.Namespace) -> int:
                       "compile_s": compile_s, "xla_options": dict(a.xla_option or ()),
                       "report": report.to_dict()}, indent=1))
   else:
-    print(f"{a.model}, {a.mode} step, {schedule.policy} ({schedule.num_allreduces} chunk(s)): XLA:GPU's "
+    count = (f"{schedule.num_reduce_scatters} reduce-scatter(s), {schedule.num_all_gathers} all-gather(s)"
+             if schedule.sharded else f"{schedule.num_allreduces} chunk(s)")
+    print(f"{a.model}, {a.mode} step, {schedule.policy} ({count}): XLA:GPU's "
           f"compiled schedule for {a.devices} x {target.description} (compile-only: nothing ran; "
           f"compiled in {compile_s:.1f} s)")
     print(report.describe())
