@@ -240,6 +240,12 @@ def test_bad_every_k_a_replicated_accumulator_and_another_schedules_state():
     pj.scheduled(optax.sgd(0.1), _schedule(), axis_name=AX, every_k=0)
   with pytest.raises(TypeError, match=r"scheduled\(every_k=2.0\)"):
     pj.scheduled(optax.sgd(0.1), _schedule(), axis_name=AX, every_k=2.0)
+  # a sharded schedule (dear: reduce-scatters and all-gathers) has no accumulation of its own
+  prof = pj.GradientProfile.from_params(s.params, forward_s=1e-4, backward_s=2e-4)
+  dear = pj.plan(prof, U.NETWORK, "dear")
+  assert dear.sharded
+  with pytest.raises(ValueError, match=r"every_k=3 with a sharded schedule .*optax\.MultiSteps\(tx, 3\)"):
+    pj.scheduled(optax.sgd(0.1), dear, axis_name=AX, every_k=K)
   tx = pj.scheduled(optax.sgd(0.1), _schedule(), axis_name=AX, every_k=K)
 
   def step(p, o, b):
