@@ -52,14 +52,14 @@ The plan:
 
 Which layers wait. By default the first and the last layer in priority (forward) order never wait
 (with more than two layers; `all_layers=True` lets every layer wait). Training the issue's small CNN
-(`bench/dlcp.py --part convergence`, its study table in the README) with half of its head deferred
+(`bench/dlcp.py --part study`, its table in the README) with half of its head deferred
 (0.4% of the elements) raised the loss after 120 steps by 5.2%, half of its first convolution (0.3%)
 by 1.5%, while deferring the middle layers cost about 0.35% of loss per 1% of the elements; the
 first and the last layer are also small, so excluding them costs little time. What staleness costs
 beyond that depends on the training (the learning rate, the optimizer, how steep the loss still
-is), which a plan cannot see: `max_defer` is the user's bound on it (0.05 kept every run of the
-study within 2%; 0.25 cost the CNN 6.7% with sgd-momentum, the MLP 0.6%). The study found nothing in
-the rewrite that removes that cost (DGC's momentum correction, half the residual fed back, spread 4 or
+is), which a plan cannot see: `max_defer` is the user's bound on it (its 0.05 plans kept every run
+of `--part convergence` within 2%; 0.25 cost the CNN 6.7% with sgd-momentum, the MLP 0.6%). The
+study found nothing in the rewrite that removes that cost (DGC's momentum correction, half the residual fed back, spread 4 or
 finer parts for the magnitude choice, a warm-up without deferral, a lower momentum: the README's
 table). Dropping the deferred values instead of feeding them back cost the CNN less (+4.0% against
 +6.7%) but loses gradient for good; error feedback stays (nothing is lost, which the tests check).
