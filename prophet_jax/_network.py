@@ -18,7 +18,7 @@ import numpy as np
 from ._errors import NetworkError
 from ._types import _fields, _loads, is_int, is_number
 
-__all__ = ["NetworkModel", "Pressure", "PRESETS", "ALGORITHMS", "nonneg_line"]
+__all__ = ["NetworkModel", "Pressure", "PRESETS", "ALGORITHMS", "nonneg_line", "typical_network"]
 
 ALGORITHMS = ("ring",)
 
@@ -294,6 +294,30 @@ class NetworkModel:
           raise
         raise NetworkError(f"NetworkModel.from_json: 'pressure': {e}") from e
     return cls(**obj)
+
+
+def typical_network(network: NetworkModel) -> NetworkModel:
+  """The calm network whose all-reduce costs are a typical message's under `network.pressure`.
+
+  Its start-up is a' = a + 2(P-1)·tail_prob·E[delay] (the expected tail delay of one message's 2(P-1)
+  ring steps; E[delay] = tail_scale_s·shape/(shape - 1) for a Pareto shape above 1, the median
+  tail_scale_s·2^(1/shape) otherwise, where the mean is infinite) and its per-byte cost
+  b' = b·(1 + background_flows) (the mean bandwidth share): one deterministic number per message for
+  the planning decisions that need one (how large a block, how many messages), while the simulation
+  and the planners' final scores draw the seeded samples. `network` itself when it is calm.
+  """
+  q = network.pressure
+  if q is None or q.calm:
+    return network
+  p = network.workers
+  steps = 2 * (p - 1)
+  if steps == 0:
+    return network.replace(pressure=None)
+  delay = q.tail_scale_s * (q.tail_shape / (q.tail_shape - 1) if q.tail_shape > 1 else 2 ** (1 / q.tail_shape))
+  startup = network.startup_s + steps * q.tail_prob * delay
+  per_byte = network.per_byte_s * (1.0 + q.background_flows)
+  return network.replace(alpha_s=startup / steps, beta_s_per_byte=per_byte * p / steps, pressure=None,
+                         name=f"{network.name or 'network'} (typical under pressure)")
 
 
 def nonneg_line(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tuple[float, float]:
