@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "plot_timelines": "_timeline",
     # the rewrite and measurement (jax)
     "allreduce": "_collectives", "scheduled": "_transform", "hooked": "_transform",
-    "defer_state": "_defer", "DeferState": "_defer", "state_specs": "_defer",
+    "defer_state": "_defer", "DeferState": "_defer", "state_specs": "_defer", "deferred_grads": "_defer",
     "loop_hook": "_transform", "check_composition": "_transform",
     "pipelined": "_pipelined", "audit": "_audit", "AuditReport": "_audit",
     "profile_step": "_profile", "profile_from_trace": "_profile", "measure_network": "_probe",
@@ -62,7 +62,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._audit import AuditReport, audit
   from ._bound import lower_bound
   from ._collectives import allreduce
-  from ._defer import DeferState, defer_state, state_specs
+  from ._defer import DeferState, defer_state, deferred_grads, state_specs
   from ._errors import (AlreadyReducedError, CompositionError, GlooBindError, GpuCompileError,
                         LaunchError, NetworkError, ProfileError, ProphetError, ScheduleError,
                         ScheduleMismatchError, TraceUnavailableError, UnboundAxisError)
