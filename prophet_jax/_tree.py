@@ -30,7 +30,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["path_str", "flatten_with_paths", "flatten_with_layer_paths", "check_layer_depth", "dtype_name", "is_float_dtype", "is_reduced_leaf",
+__all__ = ["path_str", "flatten_with_paths", "flatten_with_layer_paths", "layer_path", "check_layer_depth",
+           "dtype_name", "is_float_dtype", "is_reduced_leaf",
            "layer_of", "forward_paths", "tree_fingerprint", "RowsInfo", "rows_info", "Row", "IdentityMemo"]
 
 Row = tuple[str, tuple[int, ...], str]   # (path, shape, dtype) of one reduced leaf
@@ -120,13 +121,21 @@ def flatten_with_layer_paths(tree: Any) -> list[tuple[str, str, Any]]:
     import jax
   except ImportError:
     return [(p, p, leaf) for p, leaf in flatten_with_paths(tree)]
-  out = []
-  for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    path = path_str(kp)
-    last = kp[-1] if kp else None
-    variable = type(last).__name__ == "GetAttrKey" and getattr(last, "name", None) == "value" and len(kp) > 1
-    out.append((path, path_str(kp[:-1]) if variable else path, leaf))
-  return out
+  return [(path_str(kp), layer_path(kp), leaf) for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def layer_path(keypath: Any) -> str:
+  """The path a leaf's layer is read from (`layer_of`): its key path without a flax.nnx Variable's
+  trailing `value` key (jax's GetAttrKey('value'), read by name), so that `nnx.state(model,
+  nnx.Param)`'s 'l0/kernel/value' is in layer 'l0', as the pure tree's 'l0/kernel' is. A string path
+  is taken as it is (a plain 'x/value' may be a dict key)."""
+  if isinstance(keypath, str):
+    return keypath
+  kp = tuple(keypath)
+  last = kp[-1] if kp else None
+  if len(kp) > 1 and type(last).__name__ == "GetAttrKey" and getattr(last, "name", None) == "value":
+    kp = kp[:-1]
+  return path_str(kp)
 
 
 def check_layer_depth(where: str, layer_depth: Any) -> int | None:
