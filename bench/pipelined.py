@@ -68,7 +68,7 @@ TRACE_MODELS = ("resnet50", "vgg16", "bert-base", "gpt2")
 TRACE_DEVICES = ("v100", "h100")
 NETWORKS = ("1gbe", "10gbe", "25gbe", "100gb-ib", "nvlink")
 WORKERS = (8, 64)
-SIM_POLICIES = tuple(p for p in POLICIES if p != "dlcp")
+SIM_POLICIES = tuple(p for p in POLICIES if p not in ("dlcp", "dear"))  # all-reduce plans only
 # the pipelined arms: arm -> pipelined(..., residuals=...)
 PIPELINED = {"pipelined": "all", "pipelined-min-cut": "min-cut", "pipelined-matmuls": "matmuls"}
 

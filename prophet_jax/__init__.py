@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "ScheduleError": "_errors", "ScheduleMismatchError": "_errors", "UnboundAxisError": "_errors",
     "AlreadyReducedError": "_errors", "TraceUnavailableError": "_errors", "LaunchError": "_errors",
     "GlooBindError": "_errors", "CompositionError": "_errors", "GpuCompileError": "_errors",
+    "JaxVersionError": "_errors",
     # planning and simulation (pure)
     "plan": "_plan", "validate_schedule": "_plan", "POLICIES": "_plan",
     "simulate": "_simulate", "lower_bound": "_bound",
@@ -64,8 +65,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._collectives import allreduce
   from ._defer import DeferState, defer_state, deferred_grads, state_specs
   from ._errors import (AlreadyReducedError, CompositionError, GlooBindError, GpuCompileError,
-                        LaunchError, NetworkError, ProfileError, ProphetError, ScheduleError,
-                        ScheduleMismatchError, TraceUnavailableError, UnboundAxisError)
+                        JaxVersionError, LaunchError, NetworkError, ProfileError, ProphetError,
+                        ScheduleError, ScheduleMismatchError, TraceUnavailableError, UnboundAxisError)
   from ._gpu import GPU_TARGETS, GpuTarget, GpuTopology, gpu_target, gpu_topology
   from ._monitor import Monitor
   from ._probe import AllreduceTimings, measure_network, probe

@@ -21,7 +21,14 @@ sharing its all-reduce with a foreign scalar keeps its count, size and order (th
 that: the loss pmean is the user's, and a compile option is not available in the user's own jit); two
 chunks sharing one all-reduce is a failure.
 
-The schedule of an async collective (XLA:GPU's `all-reduce-start` / `all-reduce-done`) is read as well:
+An all-reduce is read in any of the forms XLA writes (`AuditEntry.form`, `AuditReport.forms`): a
+synchronous `all-reduce`; an async `all-reduce-start` / `all-reduce-done` pair (XLA:GPU); jaxlib 0.12's
+asynchronous collective fusion, a `fusion-start` / `fusion-done` pair whose called computation's ROOT is
+the all-reduce; XLA's generic `async-start` wrapper. jaxlib 0.12 names a combined instruction by the
+op_names it merged ('.../(prophet/chunk5/psum:psum)', `_hlo.merged_op_names`): read through like an
+unnamed one.
+
+The schedule of an async collective (XLA:GPU's start / done pairs) is read as well:
 each entry's `window` holds the ops the compiled program runs between the start and the done, with their
 kind (backward, forward, other compute, the rewrite's own gather/tie ops, collectives) and their FLOPs and
 bytes from the HLO shapes (`_hlo.OpCosts`). A chunk with no backward, forward or other compute in its
@@ -38,8 +45,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._checks import check_values
-from ._hlo import (AsyncWindow, ExecutedOp, HloInstruction, OpCosts, async_windows, collectives,
-                   contiguous_parts, execution_order, hlo_text, is_collective, parse_hlo, users)
+from ._hlo import (AsyncWindow, ExecutedOp, HloInstruction, OpCosts, allreduces, async_windows,
+                   contiguous_parts, execution_order, hlo_text, is_collective, merged_op_names, parse_hlo,
+                   users)
 from ._schedule import Schedule
 from ._types import _fields, _loads
 
@@ -52,6 +60,9 @@ _LOOP = re.compile(r"prophet/loop/([\w.\-]+)")
 # window op kinds that are work of the step (what hides a collective's latency)
 COMPUTE_KINDS = ("backward", "forward", "other")
 NEXT_FORWARD = "pipelined_forward"  # the named scope of the pipelined step's next forward
+_FORM_WORDS = {"all-reduce": "all-reduce (synchronous)", "all-reduce-start": "all-reduce-start/done (async)",
+               "fusion-start": "fusion-start/done (async collective fusion)",
+               "async-start": "async-start/done (async wrapper)"}
 _GPU_MARKERS = ('"collective_backend_config"', "__cudnn$", "__cublas", "gemm_fusion", "triton")
 
 
@@ -99,6 +110,10 @@ class AuditEntry:
       foreign one riding along (a user's pmean of the loss) is harmless; two chunks sharing one is not.
     asynchronous: issued as an async start/done pair (XLA:GPU); False for a synchronous all-reduce.
     window: the ops scheduled between its start and its done (empty when synchronous).
+    form: how the compiled program writes the all-reduce (`_hlo.ALL_REDUCE_FORMS`): 'all-reduce'
+      (synchronous), 'all-reduce-start' (an async start/done pair), 'fusion-start' (jaxlib 0.12's
+      XLA:GPU: an asynchronous collective fusion whose called computation is the all-reduce) or
+      'async-start'; '' in reports written before it was recorded.
   """
 
   name: str
@@ -114,6 +129,7 @@ class AuditEntry:
   shared: bool = False
   asynchronous: bool = False
   window: tuple[WindowOp, ...] = ()
+  form: str = ""
 
   @property
   def window_flops(self) -> int:
@@ -192,6 +208,15 @@ class AuditReport:
     return any(e.asynchronous for e in self.chunks)
 
   @property
+  def forms(self) -> dict[str, int]:
+    """How the compiled program writes its all-reduces (`AuditEntry.form`) -> how many of the chunks',
+    loops' and foreign entries were read in that form."""
+    out: dict[str, int] = {}
+    for e in self.chunks + self.loops + self.foreign:
+      out[e.form or "?"] = out.get(e.form or "?", 0) + 1
+    return out
+
+  @property
   def exposed(self) -> tuple[int, ...]:
     """Chunks with no compute scheduled inside their all-reduce window (every chunk when synchronous)."""
     return tuple(e.chunk for e in self.chunks if not e.overlapped)
@@ -216,6 +241,8 @@ class AuditReport:
             f"{self.planned} planned, order {list(self.order)}; {self.loop_allreduces} in loop bodies; "
             f"{len(self.foreign)} foreign; {self.inside_backward} issued inside backward")
     lines = [head]
+    if self.forms:
+      lines.append("read: " + ", ".join(f"{n} {_FORM_WORDS.get(f, f)}" for f, n in self.forms.items()))
     if self.asynchronous:
       n = len(self.chunks)
       lines.append(f"overlap: {n - len(self.exposed)}/{n} chunk(s) have compute inside their all-reduce "
@@ -299,9 +326,9 @@ def _backward_after(ops: tuple[ExecutedOp, ...]) -> list[int]:
   return after
 
 
-def _kind(ins: HloInstruction) -> str:
+def _kind(ins: HloInstruction, collective_names: set[str] = frozenset()) -> str:
   name = ins.op_name
-  if is_collective(ins.opcode):
+  if is_collective(ins.opcode) or ins.name in collective_names:
     return "collective"
   if "prophet/" in name:
     return "rewrite"
@@ -347,44 +374,53 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
   # chunk; `prophet/chunk<k>` numbers the issued all-reduces, so a group's slots are consecutive k)
   sizes = list(schedule.allreduce_sizes())
   chunks, loops, foreign = [], [], []
-  for op in collectives(module):
-    ins = op.instruction
-    window: AsyncWindow | None = windows.get(ins.name)
-    parts = ins.part_elements or (ins.elements,)
-    own_chunk, own_loop = _label(ins.op_name)
+  found = allreduces(module, ops)
+  coll_names = {a.op.instruction.name for a in found}
+  coll_names |= {w.done.instruction.name for w in windows.values() if w.start.instruction.name in coll_names}
+  for ar in found:
+    op, ins = ar.op, ar.op.instruction
+    window: AsyncWindow | None = windows.get(ins.name) if ar.form != "all-reduce" else None
+    parts = ar.part_elements or (ar.elements,)
+    merged = merged_op_names(ar.op_name)
+    own_chunk, own_loop = _label(ar.op_name) if len(merged) == 1 else (None, None)
     if len(parts) == 1:
       labels = [(own_chunk, own_loop)]
-      names = [ins.op_name]
+      names = [ar.op_name]
       if not (own_chunk or own_loop):  # XLA:GPU's contiguous form: concatenate, all-reduce, slices
         result = window.done.instruction.name if window else ins.name
         cparts = contiguous_parts(module, op.computation, ins, users(module, op.computation, result),
-                                  named=lambda nm: any(_label(nm)))
+                                  named=lambda nm: any(_label(nm)), operands=ar.operands)
         if cparts:
           parts = tuple(n for n, _ in cparts)
           names = [nm for _, nm in cparts]
           labels = [_label(nm) for nm in names]
+        elif len(merged) > 1:  # combined, but not read back by slices: label it by what it merged
+          names = [next((nm for nm in merged if any(_label(nm))), ar.op_name)]
+          labels = [_label(names[0])]
     else:  # a combined all-reduce (a tuple): label each operand by its producer's scope
       labels, names = [], []
-      for opnd in ins.operands[:len(parts)]:
+      for opnd in ar.operands[:len(parts)]:
         prod = module.instruction(op.computation, opnd)
         pn = prod.op_name if prod is not None else ""
         labels.append(_label(pn))
         names.append(pn)
       labels += [(None, None)] * (len(parts) - len(labels))
       names += [""] * (len(parts) - len(names))
-      if own_chunk and not any(c and c.group(1) == own_chunk.group(1) for c, _ in labels):
-        k = int(own_chunk.group(1))
+      for own in ([own_chunk] if own_chunk else [_CHUNK.search(nm) for nm in merged if len(merged) > 1]):
+        if own is None or any(c and c.group(1) == own.group(1) for c, _ in labels):
+          continue
+        k = int(own.group(1))
         want = sizes[k] if k < len(sizes) else None
         for i, (c, lp) in enumerate(labels):
           if c is None and lp is None and parts[i] == want:
-            labels[i] = (own_chunk, None)
+            labels[i] = (own, None)
             break
     # XLA:GPU issues a synchronous all-reduce as a start/done pair too, marked is_sync
-    asynchronous = window is not None and '"is_sync":true' not in ins.text.replace(" ", "")
+    asynchronous = window is not None and not ar.is_sync()
     inside = ()
     if window is not None:
       inside = tuple(WindowOp(name=w.instruction.name, opcode=w.instruction.opcode,
-                              kind=_kind(w.instruction),
+                              kind=_kind(w.instruction, coll_names),
                               flops=(c := costs.cost(w.computation, w.instruction))[0], nbytes=c[1],
                               op_name=w.instruction.op_name)
                      for w in window.inside)
@@ -395,8 +431,8 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
           label=lm.group(1) if lm else "", elements=elements,
           expected_elements=sizes[k] if k is not None and k < len(sizes) else None,
           trips=op.trips, position=op.index, backward_ops_after=after[op.index + 1],
-          op_name=nm or ins.op_name, shared=len(parts) > 1, asynchronous=asynchronous,
-          window=inside)
+          op_name=nm or ar.op_name, shared=len(parts) > 1, asynchronous=asynchronous,
+          window=inside, form=ar.form)
       (chunks if m else loops if lm else foreign).append(entry)
   problems = []
   order = []
@@ -431,33 +467,43 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
   if not schedule.chunks:
     problems.append("the schedule has no chunks.")
   in_flight = peak = 0
+  async_starts = {a.op.instruction.name for a in found if a.form != "all-reduce" and not a.is_sync()}
   open_starts: set[str] = set()
   for op in ops:
     ins = op.instruction
-    if ins.opcode == "all-reduce-start" and '"is_sync":true' not in ins.text.replace(" ", ""):
+    if ins.name in async_starts:
       open_starts.add(ins.name)
       in_flight += 1
       peak = max(peak, in_flight)
-    elif ins.opcode == "all-reduce-done" and ins.operands and ins.operands[0] in open_starts:
+    elif ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in open_starts:
       open_starts.discard(ins.operands[0])
       in_flight -= 1
   first = min((e.position for e in chunks if e.asynchronous), default=None)
   covered = {w.index for win in windows.values() for w in win.inside}
   outside = 0 if first is None else sum(
-      1 for op in ops[first + 1:] if op.index not in covered and _kind(op.instruction) == "backward"
+      1 for op in ops[first + 1:] if op.index not in covered and _kind(op.instruction, coll_names) == "backward"
       and costs.flops(op.computation, op.instruction) > 0)
   warnings = []
   if chunks and _is_gpu(text):
     if not any(e.asynchronous for e in chunks):
       warnings.append("the chunks' all-reduces are synchronous in this compiled program: no compute can "
-                      "overlap them (count and order still hold). XLA:GPU in jaxlib 0.10.2 runs its latency "
-                      "hiding scheduler by default only on Hopper and later; for an A100 or V100 set "
-                      "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true (and do not set "
-                      "xla_gpu_disable_async_collectives).")
+                      "overlap them (count and order still hold). XLA:GPU (jaxlib 0.10 to 0.12) runs its "
+                      "latency hiding scheduler by default only on Hopper and later; for an A100 or V100 set "
+                      "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true, and on any GPU do not set it "
+                      "to false (jaxlib 0.12 then makes them synchronous on an H100 too) nor set "
+                      "xla_gpu_disable_async_collectives.")
     elif len(chunks) > 1 and not any(e.overlapped for e in chunks):
       warnings.append("no compute is scheduled inside any chunk's all-reduce window: every all-reduce is "
                       "exposed (count and order still hold). Is XLA's latency hiding scheduler off "
                       "(xla_gpu_enable_latency_hiding_scheduler=false)?")
+    kernels = [e.chunk for e in chunks[:-1] if e.form == "fusion-start" and e.asynchronous
+               and not e.overlapped]
+    if kernels:
+      warnings.append(f"chunk(s) {kernels[:10]}{'...' if len(kernels) > 10 else ''} run as XLA:GPU collective "
+                      f"kernels (one-shot Triton kernels in an asynchronous collective fusion, fusion-start: "
+                      f"jaxlib >= 0.12's default for all-reduces of up to a few MiB on one host) with no "
+                      f"compute inside their windows. XLA's NCCL path overlaps them: XLA_FLAGS=--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE (or the "
+                      f"compile option xla_gpu_experimental_use_collective_kernels='').")
   return AuditReport(planned=len(sizes), chunks=tuple(chunks), loops=tuple(loops),
                      foreign=tuple(foreign), order=tuple(order), ok=not problems,
                      problems=tuple(problems), total_ops=len(ops), max_in_flight=peak,

@@ -16,7 +16,7 @@ import numpy as np
 from ._checks import check_max_defer, check_values
 from ._core import Problem, background_flows, problem
 from ._network import NetworkModel
-from ._types import GradientProfile
+from ._types import GradientProfile, is_bool
 
 __all__ = ["lower_bound"]
 
@@ -34,8 +34,16 @@ _SPLIT_HELD = 8
 
 
 def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False,
-                max_defer: float = 0.0) -> float:
+                max_defer: float = 0.0, sharded: bool | None = None) -> float:
   r"""A lower bound on the iteration time of every schedule, in seconds.
+
+  Every schedule is either an all-reduce schedule (chunks of all-reduces, deferral groups included)
+  or a sharded one (`Schedule.gathers`: reduce-scatters, the shard update, all-gathers; the `dear`
+  policy). The bound is min(B_allreduce, B_sharded): each family's bound is at most the iteration of
+  every schedule of that family, so the smaller is at most the iteration of every schedule of either
+  (`sharded=False` / `True` return one family's alone). B_allreduce is proven first; B_sharded, with
+  its proof, at the end ("Sharded schedules"). Sharded schedules run on one link: with
+  `network.links > 1` only B_allreduce applies.
 
   Notation: a = `network.startup_s`, b = `network.per_byte_s`, L = `network.links`. For a set R of
   rows with nbytes > 0 ("sent rows"), B(R) is their bytes and k(R) the number of distinct dtypes among
@@ -134,19 +142,55 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   are the same draws as `simulate`'s (`_core.background_flows`), independent of the schedule. The
   tail delays are not bounded (they depend on how many messages a schedule sends).
 
+  Sharded schedules (B_sharded). Notation as above with a' = a/2, b' = b/2 (a reduce-scatter or an
+  all-gather of n bytes lasts a' + b'·(its padded bytes) >= a' + b'·n), W'(R) = k(R)·a' + b'·B(R) on
+  the one link, U' = (update_s of the sent rows) / P, f(l) and F as above, and ftail(l) = f(l) + ... +
+  f(last layer). A sharded schedule's chunks are reduce-scatters on the link, then its all-gathers
+  (every chunk in one, so they carry every sent byte, in >= one message per dtype), first-in first-out:
+  every all-gather starts no earlier than T_rs, the end of the last reduce-scatter.
+  (i) The reduce-scatters alone are a one-link schedule of chunks with start-up a' and per-byte b', so
+  the work, batching and overlap=False arguments above hold for them with (a', b'): T_rs >= RS :=
+  max(max_t (t + W'(S_t)), M'(every sent row), M'(the sent rows of each dtype)) with overlap, T_rs >=
+  max_t (t + W'(S_t)) and backward end >= backward_s + W'(S_0) without (M' is M with a', b').
+  (ii) Plain step: iteration = max(T0 + U', last all-gather end) + F with T0 = max(backward end, T_rs),
+  each all-gather released after the update of its shards (>= T0; the last one at T0 + U'). The
+  all-gathers run one at a time after T0: the last ends >= T0 + W'(every sent row), and >= T0 + U' + a'.
+  So iteration >= max(backward_s, RS) + max(W'(all), U' + a') + F with overlap; without, the device runs
+  the update and the all-gathers in turn: iteration >= max(backward_s + W'(all), max_t (t + W'(S_t)))
+  + U' + W'(all) + F.
+  (iii) Pipelined step with overlap: iteration = max(backward end + F, max over rows r of (the end of
+  the last all-gather holding r) + ftail(layer of r)) (unrolling the forward recurrence; a row with
+  nbytes = 0 counts at its ready_s). Relax: every all-gather released at RS (they start >= T_rs >= RS),
+  dtypes ignored. For messages in link order with given sizes, refilling them with the rows' bytes
+  sorted by ftail, largest first, never raises that max: for each row r, the bytes of r and of the rows
+  before it fill messages up to r's new last one, j, past the sizes of messages 1..j-1, so one of
+  them sat in a message j' >= j before, in a row r' with ftail(r') >= ftail(r), whose term was >= the
+  new term of r. Then a message boundary inside a row moves to the row's start (the earlier message
+  ends earlier, the later one's end is unchanged, an emptied message goes and every later one ends
+  a' sooner). So iteration >= RS + H, where H is the least max over groups (end + the group's largest
+  ftail) over contiguous partitions of the rows in that order, from time 0 (an O(rows²) program,
+  `_gather_chain`); likewise for the rows of each dtype alone (the others dropped, which only lowers
+  every end). Without overlap the device is serial after backward and the reduce-scatters:
+  iteration >= max(backward_s + W'(all), max_t (t + W'(S_t))) + W'(all) + F. Both: iteration >=
+  backward_s + F and >= ready_s + ftail(l) of every row with nbytes = 0. []
+  Under pressure each sample's B_sharded uses b'·(1 + n_s), as above, and the result is
+  min(mean of the B_allreduce, mean of the B_sharded): each schedule's mean is at least its family's.
+
   Args:
     profile: the per-leaf readiness and compute times.
     network: the all-reduce cost model (its pressure, if any: see above).
     cross_step: the step mode (as in `simulate`).
     max_defer: the largest fraction of the elements a schedule may defer per step, in [0, 1) (0: the
-      bound over lossless schedules, the default).
+      bound over lossless schedules, the default). Sharded schedules never defer.
+    sharded: None (the default): the bound over every schedule, min(B_allreduce, B_sharded). False:
+      over all-reduce schedules only (B_allreduce); True: over sharded schedules only (B_sharded).
 
   Returns:
     The bound in seconds.
 
   Raises:
     TypeError: an argument of the wrong type.
-    ValueError: `max_defer` outside [0, 1).
+    ValueError: `max_defer` outside [0, 1); `sharded=True` with `network.links > 1`.
 
   Examples:
     >>> from prophet_jax import GradientProfile, NetworkModel
@@ -158,14 +202,92 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   """
   check_values("lower_bound()", profile=profile, network=network, cross_step=cross_step)
   check_max_defer("lower_bound()", max_defer)
+  if sharded is not None and not is_bool(sharded):
+    raise TypeError(f"lower_bound(sharded={sharded!r}): expected None (every schedule), False "
+                    f"(all-reduce schedules) or True (sharded schedules).")
+  if sharded and network.links != 1:
+    raise ValueError(f"lower_bound(sharded=True): sharded schedules run on one link, but network.links="
+                     f"{network.links}; use network.replace(links=1).")
   prob = problem(profile, network, cross_step=bool(cross_step))
   deferred = _deferred_bytes(prob, float(max_defer))
+  families = []
+  if not sharded:
+    families.append(lambda b: _bound(prob, b, deferred))
+  if sharded is not False and network.links == 1 and prob.live:
+    families.append(lambda b: _sharded_bound(prob, b))
   q = network.pressure
   if q is None or q.background_flows == 0:
-    return _bound(prob, prob.per_byte_s, deferred)
+    return float(min(f(prob.per_byte_s) for f in families))
   values, counts = np.unique(background_flows(q), return_counts=True)
-  bounds = [_bound(prob, prob.per_byte_s * (1.0 + float(v)), deferred) for v in values]
-  return float(np.dot(bounds, counts) / counts.sum())
+  means = []
+  for f in families:
+    bounds = [f(prob.per_byte_s * (1.0 + float(v))) for v in values]
+    means.append(float(np.dot(bounds, counts) / counts.sum()))
+  return float(min(means))
+
+
+def _sharded_bound(prob: Problem, b_full: float) -> float:
+  """B_sharded of `lower_bound` (its docstring, "Sharded schedules"), per-byte cost `b_full` of an
+  all-reduce (so b' = b_full / 2), one link; the problem has sent rows."""
+  a, b = 0.5 * prob.startup_s, 0.5 * b_full
+  ready, nbytes, dtype, layer = prob.row_ready_s, prob.row_nbytes, prob.row_dtype_code, prob.row_layer
+  sent = nbytes > 0
+  idx = np.flatnonzero(sent)
+  order = idx[np.argsort(-ready[idx], kind="stable")]           # latest first: prefixes are S_t
+  r_s, b_s, d_s = ready[order], nbytes[order], dtype[order]
+  nd = int(dtype.max()) + 1
+  k = np.zeros(order.size)
+  for d in range(nd):
+    k += np.cumsum(d_s == d) > 0
+  thr = float(np.max(r_s + k * a + b * np.cumsum(b_s)))          # max_t (t + W'(S_t))
+  w_all = float(k[-1] * a + b * b_s.sum())
+  forward, backward = prob.forward_s, prob.backward_s
+  update = float(prob.row_update_s[sent].sum()) / prob.network.workers
+  if prob.overlap:
+    rs = max(thr, _batched_makespan(r_s[::-1], b_s[::-1], a, b))
+    if nd > 1:
+      for d in range(nd):
+        sel = (d_s == d)[::-1]
+        if sel.any():
+          rs = max(rs, _batched_makespan(r_s[::-1][sel], b_s[::-1][sel], a, b))
+  else:
+    rs = max(backward + w_all, thr)
+  if not prob.cross_step:
+    if prob.overlap:
+      return float(max(backward, rs) + max(w_all, update + a) + forward)
+    return float(rs + update + w_all + forward)
+  ftail = prob.layer_fwd_tail_s
+  bound = backward + forward
+  zero = ~sent
+  if zero.any():
+    bound = max(bound, float(np.max(ready[zero] + ftail[layer[zero]])))
+  if not prob.overlap:
+    return float(max(bound, rs + w_all + forward))
+  q_row = ftail[layer[idx]]
+  by_q = np.lexsort((idx, -q_row))                                 # ftail descending, then row order
+  q_s, bq_s, dq_s = q_row[by_q], nbytes[idx][by_q], dtype[idx][by_q]
+  bound = max(bound, rs + _gather_chain(bq_s, q_s, a, b))
+  if nd > 1:
+    for d in range(nd):
+      sel = dq_s == d
+      if sel.any():
+        bound = max(bound, rs + _gather_chain(bq_s[sel], q_s[sel], a, b))
+  return float(bound)
+
+
+def _gather_chain(nbytes: np.ndarray, tail: np.ndarray, a: float, b: float) -> float:
+  """H: the least max over groups of (group end + its largest tail) over contiguous partitions of the
+  rows in the given order (tails non-increasing), messages back to back from time 0, each a + b x its
+  bytes. Reverse program: h[i] = min_j max(a + b·bytes(i..j) + tail_i, a + b·bytes(i..j) + h[j+1])."""
+  n = nbytes.size
+  if n == 0:
+    return -np.inf
+  prefix = np.concatenate([[0.0], np.cumsum(nbytes)])
+  h = np.full(n + 1, -np.inf)
+  for i in range(n - 1, -1, -1):
+    span = a + b * (prefix[i + 1:] - prefix[i])                   # groups i..j, j = i..n-1
+    h[i] = float(np.min(span + np.maximum(tail[i], h[i + 1:])))
+  return float(h[0])
 
 
 def _deferred_bytes(prob: Problem, max_defer: float) -> float:

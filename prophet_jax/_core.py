@@ -96,6 +96,9 @@ class Problem:
     live: the rows with nbytes > 0 (every other row is in no chunk).
     layers, layer_fwd_s, layer_update_s, layer_tail_s: per layer in priority order: name, forward
       time, update time (sum of its rows' update_s), update + forward of it and every later layer.
+    layer_fwd_tail_s: per layer, the forward of it and every later layer (what must follow its
+      all-gather in the pipelined step of a sharded schedule).
+    row_update_s: per row, float64: update_s (a sharded schedule's shard update is 1/P of it).
     backward_s, forward_s, update_s, cycle_s: backward, forward, update; their sum.
     after_s: what follows backward's end (update + forward in the plain step, forward in the
       pipelined step).
@@ -123,6 +126,8 @@ class Problem:
   layer_fwd_s: np.ndarray
   layer_update_s: np.ndarray
   layer_tail_s: np.ndarray
+  layer_fwd_tail_s: np.ndarray
+  row_update_s: np.ndarray
   backward_s: float
   forward_s: float
   update_s: float
@@ -152,10 +157,12 @@ def _build(profile: GradientProfile, network: NetworkModel, cross_step: bool) ->
   fwd_map = profile.layer_fwd_s()
   layer_fwd = np.array([fwd_map[name] for name in layers], dtype=np.float64)
   layer_upd = np.zeros(len(layers))
-  np.add.at(layer_upd, row_layer, np.fromiter((r.update_s for r in rows), dtype=np.float64, count=n))
+  row_upd = np.fromiter((r.update_s for r in rows), dtype=np.float64, count=n)
+  np.add.at(layer_upd, row_layer, row_upd)
   forward_s = float(layer_fwd.sum())
   update_s = float(layer_upd.sum())
-  layer_tail = layer_upd + np.cumsum(layer_fwd[::-1])[::-1]   # update(l) + forward of layers l..L-1
+  layer_fwd_tail = np.cumsum(layer_fwd[::-1])[::-1]             # forward of layers l..L-1
+  layer_tail = layer_upd + layer_fwd_tail                       # update(l) + forward of layers l..L-1
   if cross_step:
     row_tail = layer_tail[row_layer]
     zero = row_nbytes == 0
@@ -178,6 +185,7 @@ def _build(profile: GradientProfile, network: NetworkModel, cross_step: bool) ->
       size=tuple(math.prod(r.shape) for r in rows), itemsize=tuple(sizes[r.dtype] for r in rows),
       dtype=tuple(r.dtype for r in rows), live=tuple(i for i, r in enumerate(rows) if r.nbytes > 0),
       layers=layers, layer_fwd_s=layer_fwd, layer_update_s=layer_upd, layer_tail_s=layer_tail,
+      layer_fwd_tail_s=layer_fwd_tail, row_update_s=row_upd,
       backward_s=backward_s, forward_s=forward_s, update_s=update_s,
       cycle_s=forward_s + backward_s + update_s, after_s=after, floor_s=floor,
       startup_s=network.startup_s, per_byte_s=network.per_byte_s, links=network.links,
@@ -503,7 +511,7 @@ def objective_s(prob: Problem, ready_s: np.ndarray, nbytes: np.ndarray, tail_s: 
   return float(t.mean())
 
 
-def pressure_durations(prob: Problem, nbytes: np.ndarray) -> np.ndarray:
+def pressure_durations(prob: Problem, nbytes: np.ndarray, *, half: bool = False) -> np.ndarray:
   """Every sample's message durations under `prob.network.pressure`: an array [samples, messages].
 
   duration(s, k) = a + b·nbytes_k·(1 + n_s) + the sum of h(s, k) Pareto delays (`Pressure`), with
@@ -511,13 +519,17 @@ def pressure_durations(prob: Problem, nbytes: np.ndarray) -> np.ndarray:
   schedule), and h(s, k) ~ Binomial(2(P-1), tail_prob), the delays tail_scale_s·(1 + Lomax(shape))
   from the stream (seed, 1), drawn in sample-major, issue order. Deterministic for a seed.
   Without skew; `iterations` adds the skew waits.
+
+  `half`: the messages are reduce-scatters and all-gathers (a sharded schedule's, in issue order):
+  each costs a/2 + b/2·nbytes·(1 + n_s) and has P-1 ring steps that may be delayed.
   """
   q = prob.network.pressure
   nb = np.asarray(nbytes, dtype=np.float64)
   n = nb.size
   flows = background_flows(q)
-  dur = prob.startup_s + prob.per_byte_s * nb[None, :] * (1.0 + flows.astype(np.float64))[:, None]
-  steps = 2 * (prob.network.workers - 1)
+  scale = 0.5 if half else 1.0
+  dur = scale * (prob.startup_s + prob.per_byte_s * nb[None, :] * (1.0 + flows.astype(np.float64))[:, None])
+  steps = (1 if half else 2) * (prob.network.workers - 1)
   if q.tail_prob > 0 and q.tail_scale_s > 0 and steps > 0 and n:
     rng = np.random.default_rng([q.seed, 1])
     hits = rng.binomial(steps, q.tail_prob, size=(q.samples, n))

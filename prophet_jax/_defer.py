@@ -408,7 +408,11 @@ def add_residual(tree: Any, schedule: Schedule, defer: DeferState, where: str) -
       for r, a, b in chunk.slices:
         leaf = flat[row_leaf[r]]
         part = rows[i, off:off + b - a].astype(leaf.dtype)
-        flat[row_leaf[r]] = leaf.reshape(-1).at[a:b].add(part).reshape(leaf.shape)
+        # not `.at[a:b].add(part)`: its scatter's empty index array is hoisted into the enclosing
+        # shard_map/pmap as a zero-size operand, which crashes jax 0.11.2's XLA:CPU compiler
+        # (docs/facts.md, "jax 0.11.2: zero-size operands of a mapped program")
+        flat1 = leaf.reshape(-1)
+        flat[row_leaf[r]] = jax.lax.dynamic_update_slice(flat1, flat1[a:b] + part, (a,)).reshape(leaf.shape)
         off += b - a
   return jax.tree_util.tree_unflatten(treedef, flat)
 

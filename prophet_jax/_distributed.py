@@ -9,12 +9,13 @@ process_id)` with a short initialization timeout, so an unreachable coordinator 
 With PROPHET_GLOO_INTERFACE set, gloo (jax's CPU collectives) is first bound to that interface
 (docs/facts.md, "Gloo across network namespaces"): gloo finds its own address by resolving the
 hostname, which in network namespaces is 127.0.0.1. jax 0.10 exposes no public option for the
-interface; its CPU client is built by `jax._src.xla_bridge.make_cpu_client`, which calls the private
-`jax._src.lib._jax.make_gloo_tcp_collectives(distributed_client, hostname=None, interface=None)`.
-`bind_gloo_interface` is the ONE place that private call is made: it builds those collectives with
-`interface=` and registers a CPU backend factory that uses them, after `jax.distributed.initialize`
-and before the first jax operation. Every private name is checked first, with a clear GlooBindError
-when a jax upgrade removed it.
+interface (0.10 to 0.12); its CPU client is built by `jax._src.xla_bridge.make_cpu_client`, which
+calls the private `jax._src.lib._jax.make_gloo_tcp_collectives(distributed_client, hostname=None,
+interface=None)`. `bind_gloo_interface` is the ONE place that private call is made: it builds those
+collectives with `interface=` and registers a CPU backend factory that uses them, after
+`jax.distributed.initialize` and before the first jax operation. Every private name is read through
+`_jaxcompat.private` (the inventory of private JAX), with a clear GlooBindError when a jax upgrade
+removed it; cluster detection likewise, with a LaunchError.
 """
 
 from __future__ import annotations
@@ -29,22 +30,41 @@ import warnings
 
 from ._config import config
 from ._errors import GlooBindError, LaunchError
+from ._jaxcompat import TESTED_JAX_VERSIONS, private
 
 __all__ = ["initialize", "bind_gloo_interface", "check_interface"]
 
-TESTED_JAX_VERSIONS = ("0.10.2",)
+_CLUSTER = "prophet_jax.launch.initialize() (detecting a SLURM, Open MPI, Kubernetes or Cloud TPU cluster)"
+_CLUSTER_FIX = ("call jax.distributed.initialize(...) yourself before any other jax call (initialize() then "
+                "sees it initialized), or set JAX_COORDINATOR_ADDRESS")
 
 
 def _cluster_detected() -> bool:
-  """True when jax's own cluster detection would find a cluster (SLURM, Open MPI, k8s, Cloud TPU)."""
+  """True when jax's own cluster detection would find a cluster (SLURM, Open MPI, k8s, Cloud TPU).
+
+  Reads jax's private cluster registry (`_jaxcompat.PRIVATE_JAX`). Where a jax has moved it, this raises
+  LaunchError rather than answering False: a wrong False would make every process of a cluster job
+  train alone, silently.
+
+  Raises:
+    LaunchError: this jax has no such registry, or its entries changed shape (the message names it).
+  """
   if os.environ.get("JAX_COORDINATOR_ADDRESS"):
     return True
+  types = private("jax._src.clusters", "ClusterEnv._cluster_types", feature=_CLUSTER, error=LaunchError,
+                  fix=_CLUSTER_FIX)
   try:
-    from jax._src.clusters import ClusterEnv
+    return any(not env.opt_in_only_method and env.is_env_present() for env in types)
+  except AttributeError as e:
+    raise LaunchError(f"{_CLUSTER} reads jax's private jax._src.clusters.ClusterEnv entries, whose shape "
+                      f"changed in jax {_jax_version()} ({e}); prophet_jax was tested with jax "
+                      f"{', '.join(TESTED_JAX_VERSIONS)}. Install one of those, or {_CLUSTER_FIX}.") from e
 
-    return any(not env.opt_in_only_method and env.is_env_present() for env in ClusterEnv._cluster_types)
-  except Exception:  # noqa: BLE001 - a private API: when it moved, assume no cluster
-    return False
+
+def _jax_version() -> str:
+  import jax
+
+  return jax.__version__
 
 
 def _wait_for_coordinator(address: str, deadline: float, where: str) -> None:
@@ -161,25 +181,24 @@ def bind_gloo_interface(interface: str) -> None:
   check_interface(interface)
   import jax
 
-  try:
-    from jax._src import distributed, xla_bridge
-    from jax._src.lib import _jax
-    make = _jax.make_gloo_tcp_collectives
-    register = xla_bridge.register_backend_factory
-    make_cpu_client = xla_bridge.make_cpu_client
-    started = xla_bridge.backends_are_initialized
-  except (ImportError, AttributeError) as e:
-    raise GlooBindError(
-        f"jax {jax.__version__} lacks the private call prophet_jax uses to bind gloo to an interface "
-        f"({e}); it was tested with jax {', '.join(TESTED_JAX_VERSIONS)}. Install one of those, or run "
-        f"without --gloo-interface.") from e
+  fix = "run without --gloo-interface (gloo then resolves the hostname)"
+  make = private("jax._src.lib", "_jax.make_gloo_tcp_collectives", feature="--gloo-interface",
+                 error=GlooBindError, fix=fix)
+  register = private("jax._src.xla_bridge", "register_backend_factory", feature="--gloo-interface",
+                     error=GlooBindError, fix=fix)
+  make_cpu_client = private("jax._src.xla_bridge", "make_cpu_client", feature="--gloo-interface",
+                            error=GlooBindError, fix=fix)
+  started = private("jax._src.xla_bridge", "backends_are_initialized", feature="--gloo-interface",
+                    error=GlooBindError, fix=fix)
+  global_state = private("jax._src.distributed", "global_state", feature="--gloo-interface",
+                         error=GlooBindError, fix=fix)
   if "interface" not in (make.__doc__ or ""):
     raise GlooBindError(f"jax {jax.__version__}: make_gloo_tcp_collectives takes no `interface` "
                         f"argument any more; tested with jax {', '.join(TESTED_JAX_VERSIONS)}.")
   if jax.__version__ not in TESTED_JAX_VERSIONS:
     warnings.warn(f"binding gloo to {interface!r} through a private jax call tested only with jax "
                   f"{', '.join(TESTED_JAX_VERSIONS)}; this is jax {jax.__version__}.", stacklevel=2)
-  client = distributed.global_state.client
+  client = global_state.client
   if client is None:
     raise GlooBindError("bind_gloo_interface() needs jax.distributed.initialize() first (gloo "
                         "rendezvous goes through the distributed client).")

@@ -67,5 +67,14 @@ class CompositionError(ProphetError, ValueError):
 
 class GpuCompileError(ProphetError, RuntimeError):
   """A compile-only GPU build (`prophet_jax.gpu_topology`) cannot start here: jax's CUDA plugin or ptxas
-  is missing (install the `gpu-compile` extra: pip install 'prophet-jax[gpu-compile]'), the plugin's
-  version differs from jaxlib's, or the process did not set JAX_PLATFORMS=cpu."""
+  is missing (install a `gpu-compile` extra: pip install 'prophet-jax[gpu-compile]' for CUDA 12,
+  'prophet-jax[gpu-compile-cuda13]' for CUDA 13), the plugin's version differs from jaxlib's, the
+  plugin's CUDA cannot compile for the target (CUDA 13 dropped the V100), or the process did not set
+  JAX_PLATFORMS=cpu."""
+
+
+class JaxVersionError(ProphetError, RuntimeError):
+  """The installed jax lacks a name prophet_jax needs: one of the private JAX names it reads
+  (`prophet_jax._jaxcompat.PRIVATE_JAX`) or the `jax.extend.core` jaxpr API the pipelined step's residual
+  analysis reads. The message names it; install a jax prophet_jax was tested with
+  (`_jaxcompat.TESTED_JAX_VERSIONS`)."""

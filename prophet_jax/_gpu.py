@@ -9,9 +9,14 @@ scheduler, LLVM -> PTX -> ptxas): `compiled.as_text()` is the schedule a GPU wou
 `prophet_jax.audit(compiled, schedule)` reads it. Nothing runs: the devices cannot execute (use
 `shard_map` over the mesh; `pmap` needs real devices).
 
-What it needs (the `gpu-compile` extra: `pip install 'prophet-jax[gpu-compile]'`):
-- `jax-cuda12-plugin` and `jax-cuda12-pjrt` at jaxlib's version (XLA:GPU's compiler);
-- ptxas, from the `nvidia-cuda-nvcc-cu12` wheel (XLA finds it in site-packages) or a CUDA toolkit;
+What it needs (one `gpu-compile` extra per CUDA major: `pip install 'prophet-jax[gpu-compile]'` for CUDA
+12, `pip install 'prophet-jax[gpu-compile-cuda13]'` for CUDA 13, what jax >= 0.11 installs for GPUs):
+- jax's CUDA plugin, `jax-cuda12-plugin` or `jax-cuda13-plugin` (and its `-pjrt` library) at jaxlib's
+  version (XLA:GPU's compiler); one of them, not both;
+- ptxas of the same CUDA major, from the `nvidia-cuda-nvcc-cu12` / `nvidia-cuda-nvcc` (CUDA 13) wheel
+  (XLA finds it in site-packages) or a CUDA toolkit;
+- a target the plugin's CUDA compiles for: CUDA 13 dropped Volta, so the `v100` target needs CUDA 12
+  (`CUDA_MAJORS` of each target);
 - a process whose jax runs on the CPU only: `JAX_PLATFORMS=cpu` (or `jax.config.update("jax_platforms",
   "cpu")` before the first jax operation). Without it the CUDA plugin tries to load a GPU driver, fails,
   and jax refuses to make a CUDA topology ("topology not implemented for cuda").
@@ -42,7 +47,8 @@ from ._checks import check_int
 from ._errors import GpuCompileError
 
 __all__ = ["GPU_TARGETS", "GpuTarget", "GpuTopology", "gpu_target", "gpu_topology", "find_ptxas",
-           "cuda_plugin_installed", "quiet_cuda_stub", "import_jax_quietly", "GPU_COMPILE_EXTRA"]
+           "cuda_plugin_installed", "cuda_plugin", "CudaPlugin", "CUDA_MAJORS", "xla_option_accepted",
+           "quiet_cuda_stub", "import_jax_quietly", "GPU_COMPILE_EXTRA"]
 
 # name -> (file under prophet_jax/targets, aliases)
 _TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -51,8 +57,18 @@ _TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "v100": ("v100.txtpb", ("v100-sxm2", "v100-sxm2-16gb")),
 }
 GPU_TARGETS: tuple[str, ...] = tuple(_TARGETS)
-GPU_COMPILE_EXTRA = ("pip install 'prophet-jax[gpu-compile]' (or: pip install jax-cuda12-plugin=={v} "
-                     "jax-cuda12-pjrt=={v} nvidia-cuda-nvcc-cu12)")
+# the CUDA majors whose compiler builds for each target: CUDA 13 compiles for compute capability 7.5 and
+# newer (it dropped Maxwell, Pascal and Volta), so the V100 (7.0) needs CUDA 12
+CUDA_MAJORS: dict[str, tuple[int, ...]] = {"h100": (12, 13), "a100": (12, 13), "v100": (12,)}
+# CUDA major -> (the extra, its pip line at jaxlib's version {v}, the ptxas wheel)
+_EXTRAS: dict[int, tuple[str, str, str]] = {
+    12: ("gpu-compile", "pip install jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v} nvidia-cuda-nvcc-cu12",
+         "nvidia-cuda-nvcc-cu12"),
+    13: ("gpu-compile-cuda13", "pip install jax-cuda13-plugin=={v} jax-cuda13-pjrt=={v} nvidia-cuda-nvcc",
+         "nvidia-cuda-nvcc"),
+}
+GPU_COMPILE_EXTRA = ("pip install 'prophet-jax[gpu-compile]' for CUDA 12 (or: {cuda12}), or "
+                     "'prophet-jax[gpu-compile-cuda13]' for CUDA 13 (or: {cuda13})")
 _PLATFORMS_FIX = ("set JAX_PLATFORMS=cpu in the environment before Python starts, or call "
                   "jax.config.update('jax_platforms', 'cpu') before the first jax operation")
 # lines the CUDA plugin's libraries print on load where no driver is installed (absl, before logging is
@@ -146,12 +162,53 @@ def gpu_target(name: str) -> GpuTarget:
 # what a compile-only build needs
 
 
+@dataclass(frozen=True, slots=True)
+class CudaPlugin:
+  """jax's CUDA plugin found in this environment (`cuda_plugin()`).
+
+  Attributes:
+    major: the CUDA major it is built for: 12 or 13.
+    plugin: its distribution, 'jax-cuda12-plugin' or 'jax-cuda13-plugin'.
+    pjrt: the PJRT library's distribution, 'jax-cuda12-pjrt' or 'jax-cuda13-pjrt'.
+  """
+
+  major: int
+  plugin: str
+  pjrt: str
+
+
+def _plugins_found() -> tuple[int, ...]:
+  found = []
+  for major in sorted(_EXTRAS):
+    try:
+      if importlib.util.find_spec(f"jax_plugins.xla_cuda{major}") is not None:
+        found.append(major)
+    except (ImportError, ValueError):
+      pass
+  return tuple(found)
+
+
+def cuda_plugin() -> CudaPlugin | None:
+  """The CUDA plugin jax would load (found without importing it or jax), or None.
+
+  Raises:
+    GpuCompileError: both the CUDA 12 and the CUDA 13 plugin are installed (both register the platform
+      'cuda'; keep one).
+  """
+  found = _plugins_found()
+  if len(found) > 1:
+    raise GpuCompileError(f"both jax-cuda12-plugin and jax-cuda13-plugin are installed; jax loads one "
+                          f"platform 'cuda', so keep one: pip uninstall jax-cuda12-plugin jax-cuda12-pjrt "
+                          f"(to keep CUDA 13) or pip uninstall jax-cuda13-plugin jax-cuda13-pjrt (to keep "
+                          f"CUDA 12).")
+  if not found:
+    return None
+  return CudaPlugin(major=found[0], plugin=f"jax-cuda{found[0]}-plugin", pjrt=f"jax-cuda{found[0]}-pjrt")
+
+
 def cuda_plugin_installed() -> bool:
-  """Whether jax's CUDA plugin is installed (found without importing it or jax)."""
-  try:
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-  except (ImportError, ValueError):
-    return False
+  """Whether a jax CUDA plugin (CUDA 12 or 13) is installed (found without importing it or jax)."""
+  return bool(_plugins_found())
 
 
 def _version(dist: str) -> str | None:
@@ -161,19 +218,27 @@ def _version(dist: str) -> str | None:
     return None
 
 
+def _nvcc_wheel_dirs() -> list[str]:
+  """The ptxas wheels' roots in site-packages: `nvidia/cuda_nvcc` (CUDA 12) and `nvidia/cu13` (CUDA 13)."""
+  dirs = []
+  for module in ("nvidia.cuda_nvcc", "nvidia.cu13"):
+    try:
+      spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+      spec = None
+    dirs += list(spec.submodule_search_locations or []) if spec else []
+  return dirs
+
+
 def find_ptxas() -> str | None:
-  """The ptxas XLA:GPU will find, or None: the `nvidia-cuda-nvcc-cu12` wheel's, a CUDA toolkit's
-  (`--xla_gpu_cuda_data_dir` in XLA_FLAGS, CUDA_HOME, CUDA_PATH, CUDA_DIR, /usr/local/cuda), or PATH's."""
+  """The ptxas XLA:GPU will find, or None: the `nvidia-cuda-nvcc-cu12` or `nvidia-cuda-nvcc` (CUDA 13)
+  wheel's, a CUDA toolkit's (`--xla_gpu_cuda_data_dir` in XLA_FLAGS, CUDA_HOME, CUDA_PATH, CUDA_DIR,
+  /usr/local/cuda), or PATH's."""
   dirs = []
   m = re.search(r"--xla_gpu_cuda_data_dir=(\S+)", os.environ.get("XLA_FLAGS", ""))
   if m:
     dirs.append(m.group(1))
-  try:
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
-  except (ImportError, ValueError):
-    spec = None
-  for loc in (spec.submodule_search_locations or []) if spec else []:
-    dirs.append(loc)
+  dirs += _nvcc_wheel_dirs()
   dirs += [os.environ[k] for k in ("CUDA_HOME", "CUDA_PATH", "CUDA_DIR") if os.environ.get(k)]
   dirs.append("/usr/local/cuda")
   for d in dirs:
@@ -183,26 +248,63 @@ def find_ptxas() -> str | None:
   return shutil.which("ptxas")
 
 
-def _check_requirements() -> None:
+def _install_line(version: str) -> str:
+  return GPU_COMPILE_EXTRA.format(cuda12=_EXTRAS[12][1].format(v=version),
+                                  cuda13=_EXTRAS[13][1].format(v=version))
+
+
+def _check_requirements(target: str) -> CudaPlugin:
   import jaxlib
 
   want = jaxlib.__version__
-  fix = GPU_COMPILE_EXTRA.format(v=want)
-  if not cuda_plugin_installed():
-    raise GpuCompileError(f"gpu_topology: jax's CUDA plugin (jax-cuda12-plugin, XLA:GPU's compiler) is "
-                          f"not installed. Install it: {fix}.")
-  for dist in ("jax-cuda12-plugin", "jax-cuda12-pjrt"):
+  plugin = cuda_plugin()
+  if plugin is None:
+    raise GpuCompileError(f"gpu_topology: jax's CUDA plugin (jax-cuda12-plugin or jax-cuda13-plugin, "
+                          f"XLA:GPU's compiler) is not installed. Install it: {_install_line(want)}.")
+  extra, line, nvcc = _EXTRAS[plugin.major]
+  for dist in (plugin.plugin, plugin.pjrt):
     got = _version(dist)
     if got is None:
-      raise GpuCompileError(f"gpu_topology: {dist} is not installed. Install it: {fix}.")
+      raise GpuCompileError(f"gpu_topology: {dist} is not installed. Install it: pip install "
+                            f"'prophet-jax[{extra}]' (or: {line.format(v=want)}).")
     if got != want:
       raise GpuCompileError(f"gpu_topology: {dist} is {got} but jaxlib is {want}; they must match. "
                             f"Install: pip install {dist}=={want}.")
+  if plugin.major not in CUDA_MAJORS[target]:
+    spec = gpu_target(target)
+    ok = " or ".join(str(m) for m in CUDA_MAJORS[target])
+    raise GpuCompileError(
+        f"gpu_topology({target!r}): the installed CUDA plugin is {plugin.plugin} (CUDA {plugin.major}), "
+        f"which cannot compile for the {spec.description} (compute capability {spec.compute_capability}): "
+        f"CUDA 13 dropped Volta and older GPUs. Compile for it with CUDA {ok}: pip uninstall "
+        f"{plugin.plugin} {plugin.pjrt} && pip install 'prophet-jax[{_EXTRAS[CUDA_MAJORS[target][0]][0]}]'; "
+        f"or pick a target CUDA {plugin.major} supports: "
+        f"{[t for t in GPU_TARGETS if plugin.major in CUDA_MAJORS[t]]}.")
   if find_ptxas() is None:
-    raise GpuCompileError("gpu_topology: no ptxas found (XLA:GPU compiles PTX with it; without it every "
-                          "compile fails with 'No PTX compilation provider is available'). Install it: "
-                          "pip install nvidia-cuda-nvcc-cu12, or put a CUDA toolkit's bin/ on PATH (or "
-                          "set CUDA_HOME).")
+    raise GpuCompileError(f"gpu_topology: no ptxas found (XLA:GPU compiles PTX with it; without it every "
+                          f"compile fails with 'No PTX compilation provider is available'). Install it: "
+                          f"pip install {nvcc} (CUDA {plugin.major}, as {plugin.plugin}), or put a CUDA "
+                          f"toolkit's bin/ on PATH (or set CUDA_HOME).")
+  return plugin
+
+
+def xla_option_accepted(name: str, value: Any) -> bool:
+  """Whether the installed jaxlib's XLA takes the per-compile option `name=value` (GPU options parse on
+  the CPU as well, so this compiles a trivial CPU program with it). Options come and go between jaxlib
+  versions: 0.12 refuses 0.10's `xla_gpu_enable_pipelined_all_reduce` and adds
+  `xla_gpu_experimental_use_collective_kernels`; an unknown name in XLA_FLAGS aborts the process, as a
+  compile option it is refused ('No such compile option')."""
+  import jax
+  import jax.numpy as jnp
+
+  lowered = jax.jit(lambda x: x + 1).lower(jnp.zeros(2, jnp.float32))
+  try:
+    lowered.compile(compiler_options={name: value})
+  except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error type
+    if "No such compile option" in str(e) or "not a valid" in str(e):
+      return False
+    raise
+  return True
 
 
 def _check_platforms() -> None:
@@ -277,8 +379,8 @@ def gpu_topology(target: str = "h100", *, devices: int = 8) -> GpuTopology:
   (one host), which `prophet_jax.audit` reads. It cannot run.
 
   Args:
-    target: 'h100' (H100 SXM 80GB), 'a100' (A100 SXM4 80GB) or 'v100' (V100 SXM2 16GB); see
-      `GPU_TARGETS`.
+    target: 'h100' (H100 SXM 80GB), 'a100' (A100 SXM4 80GB) or 'v100' (V100 SXM2 16GB, CUDA 12 only);
+      see `GPU_TARGETS` and `CUDA_MAJORS`.
     devices: GPUs in the data-parallel group (one host).
 
   Returns:
@@ -287,7 +389,8 @@ def gpu_topology(target: str = "h100", *, devices: int = 8) -> GpuTopology:
   Raises:
     ValueError: an unknown target or a bad device count.
     GpuCompileError: the CUDA plugin or ptxas is missing, the plugin's version differs from jaxlib's,
-      or the process did not set JAX_PLATFORMS=cpu (each message says what to do).
+      the plugin's CUDA cannot compile for the target (CUDA 13 and the V100), or the process did not set
+      JAX_PLATFORMS=cpu (each message says what to do).
 
   Example:
     >>> topo = prophet_jax.gpu_topology("h100", devices=8)       # JAX_PLATFORMS=cpu
@@ -298,7 +401,7 @@ def gpu_topology(target: str = "h100", *, devices: int = 8) -> GpuTopology:
   """
   spec = gpu_target(target)
   check_int("gpu_topology", "devices", devices, lo=1, fix="It is a number of GPUs, e.g. 8.")
-  _check_requirements()
+  _check_requirements(spec.name)
   _check_platforms()
   return _make_topology(spec.name, devices)
 
@@ -313,8 +416,8 @@ def _make_topology(name: str, devices: int) -> GpuTopology:
                                         topology=f"1x1x{devices}")
   except Exception as e:  # jaxlib raises its own runtime errors: name the target and the fix
     raise GpuCompileError(f"gpu_topology({name!r}, devices={devices}): XLA could not make the compile-only "
-                          f"topology: {type(e).__name__}: {e}. Check that jax-cuda12-plugin matches jaxlib "
-                          f"and that JAX_PLATFORMS=cpu.") from e
+                          f"topology: {type(e).__name__}: {e}. Check that the CUDA plugin (jax-cuda12-plugin "
+                          f"or jax-cuda13-plugin) matches jaxlib and that JAX_PLATFORMS=cpu.") from e
   return GpuTopology(target=spec, devices=tuple(topo.devices))
 
 
@@ -353,13 +456,19 @@ def import_jax_quietly() -> None:
   (XLA_FLAGS, e.g. the host device count, are still read later, when the first backend starts).
 
   Registering the plugins is what loads the CUDA plugin's library (two more lines of driver-search noise);
-  it is done through jax's private `_discover_and_register_pjrt_plugins`, skipped if that is gone (the
-  lines then print, nothing else changes).
+  it is done through jax's private `_discover_and_register_pjrt_plugins` (`_jaxcompat.PRIVATE_JAX`),
+  skipped where a jax lacks it: the lines then print, nothing else changes (cosmetic, so not an error).
   """
+  from ._errors import JaxVersionError
+  from ._jaxcompat import private
+
   with quiet_cuda_stub():
     import jax  # noqa: F401
-    from jax._src import xla_bridge
 
-    register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
-    if callable(register):
-      register()
+    try:
+      register = private("jax._src.xla_bridge", "_discover_and_register_pjrt_plugins",
+                         feature="the command line's quiet start")
+    except JaxVersionError:
+      return
+    register()
+

@@ -9,8 +9,10 @@ their call sites, so collectives in a loop body appear once, at the loop, with t
 Public helpers:
   parse_hlo(text) -> HloModule
   execution_order(module) -> tuple[ExecutedOp, ...]
-  collectives(module, opcodes=ALL_REDUCE_OPCODES) -> tuple[ExecutedOp, ...]
+  collectives(module, opcodes=ALL_REDUCE_OPCODES) -> tuple[ExecutedOp, ...]   (by opcode)
+  allreduces(module) -> tuple[AllReduceOp, ...]   every all-reduce, in whichever form XLA wrote it
   async_windows(module) -> {start name: ops scheduled between an async collective's start and done}
+  merged_op_names(op_name) -> the op_names XLA joined into one when it combined instructions
   contiguous_parts(module, ...) -> the parts of an all-reduce of one concatenated buffer (XLA:GPU)
   OpCosts(module).cost(computation, instruction) -> (flops, bytes), from the HLO shapes alone
   shape_elements(shape_text) -> int ; shape_bytes(shape_text) -> int ; shape_dtypes(shape_text)
@@ -25,10 +27,18 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["HloInstruction", "HloModule", "ExecutedOp", "parse_hlo", "hlo_text", "execution_order",
-           "collectives", "async_windows", "OpCosts", "shape_elements", "shape_bytes", "shape_dtypes",
+           "collectives", "allreduces", "AllReduceOp", "ALL_REDUCE_FORMS", "merged_op_names", "async_windows", "OpCosts", "shape_elements", "shape_bytes", "shape_dtypes",
            "is_collective", "ALL_REDUCE_OPCODES", "producer", "users", "contiguous_parts"]
 
 ALL_REDUCE_OPCODES = ("all-reduce", "all-reduce-start")
+# how a compiled program writes an all-reduce (`AllReduceOp.form`): a synchronous `all-reduce` (the CPU's,
+# or XLA:GPU's when nothing can overlap it); an async `all-reduce-start` / `all-reduce-done` pair (XLA:GPU;
+# jaxlib 0.10 gives the start the result's shape, 0.12 a tuple (operands, result)); a `fusion-start` /
+# `fusion-done` pair whose called computation's ROOT is the all-reduce (jaxlib 0.12's XLA:GPU wraps a
+# collective in an asynchronous collective fusion, kind=kCustom, `__triton_collective`); an `async-start`
+# / `async-done` pair around a called all-reduce (XLA's generic async wrapper)
+ALL_REDUCE_FORMS = ("all-reduce", "all-reduce-start", "fusion-start", "async-start")
+_WRAPPED_FORMS = ("fusion-start", "async-start")
 
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR_HEAD = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
@@ -302,8 +312,141 @@ def execution_order(module: HloModule) -> tuple[ExecutedOp, ...]:
 
 def collectives(module: HloModule, opcodes: tuple[str, ...] = ALL_REDUCE_OPCODES
                 ) -> tuple[ExecutedOp, ...]:
-  """The collectives of `opcodes` in execution order, with their trip counts."""
+  """The collectives of `opcodes` in execution order, with their trip counts (by opcode: an all-reduce
+  wrapped in an async collective fusion is a `fusion-start`; `allreduces` finds every form)."""
   return tuple(op for op in execution_order(module) if op.instruction.opcode in opcodes)
+
+
+def _top_level(shape: str) -> list[str]:
+  """The elements of a tuple shape at its top level ('(f32[2]{0}, (s32[], f32[3]))' -> ['f32[2]{0}',
+  '(s32[], f32[3])']); [shape] for an array shape."""
+  shape = shape.strip()
+  if not shape.startswith("("):
+    return [shape]
+  out, depth, start = [], 0, 1
+  for i, ch in enumerate(shape):
+    if ch in "({[":
+      depth += 1
+    elif ch in ")}]":
+      depth -= 1
+      if depth == 0:
+        out.append(shape[start:i])
+        break
+    elif ch == "," and depth == 1:
+      out.append(shape[start:i])
+      start = i + 1
+  return [re.sub(r"/\*[^*]*\*/", "", e).strip() for e in out if e.strip()]
+
+
+def merged_op_names(op_name: str) -> tuple[str, ...]:
+  """The op_names XLA joined when it combined instructions into one, else `(op_name,)`.
+
+  jaxlib 0.12's XLA writes a combined instruction's op_name as the common prefix and the differing
+  rests in parentheses, separated by ':' ('jit(f)/(prophet/chunk5/psum:psum)' -> ('jit(f)/prophet/chunk5/
+  psum', 'jit(f)/psum')); jaxlib 0.10's left such an instruction without op_name.
+  """
+  if not op_name.endswith(")"):
+    return (op_name,)
+  depth = 0
+  for i in range(len(op_name) - 1, -1, -1):
+    depth += (op_name[i] == ")") - (op_name[i] == "(")
+    if depth == 0:
+      break
+  else:
+    return (op_name,)
+  inner, prefix = op_name[i + 1:-1], op_name[:i]
+  parts, depth, start = [], 0, 0
+  for j, ch in enumerate(inner):
+    depth += (ch == "(") - (ch == ")")
+    if ch == ":" and depth == 0:
+      parts.append(inner[start:j])
+      start = j + 1
+  parts.append(inner[start:])
+  if len(parts) < 2 or (i > 0 and op_name[i - 1] not in "/"):  # 'jvp(x)' is a name, not a merge
+    return (op_name,)
+  return tuple(prefix + p for p in parts)
+
+
+@dataclass(frozen=True, slots=True)
+class AllReduceOp:
+  """An all-reduce of the compiled program, in whichever form XLA wrote it (`ALL_REDUCE_FORMS`).
+
+  Attributes:
+    op: where it is issued in the execution order: the `all-reduce`, or the `-start` of an async form.
+    form: 'all-reduce', 'all-reduce-start', 'fusion-start' or 'async-start'.
+    reduction: the all-reduce instruction itself (for a wrapped form, the ROOT of the called computation).
+    shape: the shape of the reduced values (an async start's tuple (operands, result) unwrapped; a
+      combined all-reduce's is a tuple, one array per operand).
+    operands: the names of the values reduced, in the issuing computation (a wrapped form's called
+      computation's parameters mapped to the start's operands).
+    op_name: the op_name metadata (the start's, else the reduction's).
+  """
+
+  op: ExecutedOp
+  form: str
+  reduction: HloInstruction
+  shape: str
+  operands: tuple[str, ...]
+  op_name: str
+
+  @property
+  def part_elements(self) -> tuple[int, ...]:
+    """Elements of each reduced array (one per operand of a combined all-reduce)."""
+    return tuple(shape_elements(f"{d}[{dims}]") for d, dims in _ARRAY.findall(self.shape) if d != "token")
+
+  @property
+  def elements(self) -> int:
+    return shape_elements(self.shape)
+
+  def is_sync(self) -> bool:
+    """XLA:GPU marked it synchronous (`"is_sync":true` in its backend config): nothing overlaps it."""
+    return any('"is_sync":true' in t.replace(" ", "") for t in (self.op.instruction.text,
+                                                                  self.reduction.text))
+
+
+def _wrapped_allreduce(module: HloModule, ins: HloInstruction) -> tuple[HloInstruction, str] | None:
+  """The all-reduce a `fusion-start` / `async-start` calls (its called computation's ROOT), and that
+  computation's name; None when it wraps something else."""
+  body = dict(ins.callees).get("calls")
+  root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+  if root is None or root.opcode not in ALL_REDUCE_OPCODES:
+    return None
+  return root, body
+
+
+def allreduces(module: HloModule, ops: tuple[ExecutedOp, ...] | None = None) -> tuple[AllReduceOp, ...]:
+  """Every all-reduce in execution order, whichever form (`ALL_REDUCE_FORMS`) XLA wrote it in.
+
+  Args:
+    module: a parsed module.
+    ops: `execution_order(module)`, if already computed.
+  """
+  ops = execution_order(module) if ops is None else ops
+  out = []
+  for op in ops:
+    ins = op.instruction
+    if ins.opcode == "all-reduce":
+      out.append(AllReduceOp(op=op, form="all-reduce", reduction=ins, shape=ins.shape,
+                             operands=ins.operands, op_name=ins.op_name))
+    elif ins.opcode == "all-reduce-start":
+      top = _top_level(ins.shape)  # jaxlib 0.12: ((operands...), result); 0.10: the result
+      shape = top[-1] if ins.shape.lstrip().startswith("((") and len(top) == 2 else ins.shape
+      out.append(AllReduceOp(op=op, form="all-reduce-start", reduction=ins, shape=shape,
+                             operands=ins.operands, op_name=ins.op_name))
+    elif ins.opcode in _WRAPPED_FORMS:
+      found = _wrapped_allreduce(module, ins)
+      if found is None:
+        continue
+      red, body = found
+      operands = []
+      for o in red.operands:
+        inner = module.instruction(body, o)
+        pm = _PARAM.search(inner.text) if inner is not None and inner.opcode == "parameter" else None
+        k = int(pm.group(1)) if pm else -1
+        operands.append(ins.operands[k] if 0 <= k < len(ins.operands) else "")
+      out.append(AllReduceOp(op=op, form=ins.opcode, reduction=red, shape=red.shape,
+                             operands=tuple(operands), op_name=ins.op_name or red.op_name))
+  return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -384,7 +527,8 @@ def users(module: HloModule, comp: str, name: str) -> list[HloInstruction]:
 
 
 def contiguous_parts(module: HloModule, comp: str, ins: HloInstruction, readers: list[HloInstruction], *,
-                     named: Callable[[str], bool]) -> list[tuple[int, str]] | None:
+                     named: Callable[[str], bool], operands: tuple[str, ...] | None = None
+                     ) -> list[tuple[int, str]] | None:
   """For an all-reduce of one concatenated buffer (XLA:GPU's all-reduce-contiguous): each part's element
   count and the op_name that names it (from the slice of the result that reads it back, else from its
   producer). None when the operand is not a concatenation of several parts.
@@ -393,10 +537,12 @@ def contiguous_parts(module: HloModule, comp: str, ins: HloInstruction, readers:
     module, comp, ins: the all-reduce and its computation.
     readers: the instructions that read its result (`users(module, comp, result)`).
     named: whether an op_name names a part (else the part's producer's op_name is used).
+    operands: the values it reduces, when they are not `ins.operands` (`AllReduceOp.operands`).
   """
-  if len(ins.operands) != 1:
+  operands = ins.operands if operands is None else operands
+  if len(operands) != 1 or not operands[0]:
     return None
-  cat = producer(module, comp, ins.operands[0])
+  cat = producer(module, comp, operands[0])
   if cat is None:
     return None
   if cat.opcode == "concatenate":

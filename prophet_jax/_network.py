@@ -213,6 +213,17 @@ class NetworkModel:
     """Ring all-reduce time of `nbytes`: 2(P-1)·alpha_s + 2(P-1)/P·nbytes·beta (0 for one worker)."""
     return self.startup_s + self.per_byte_s * nbytes
 
+  def reduce_scatter_s(self, nbytes: float) -> float:
+    """Ring reduce-scatter time of a buffer of `nbytes` (the full buffer, each device keeping 1/P):
+    (P-1)·alpha_s + (P-1)/P·nbytes·beta, the first half of a ring all-reduce (0 for one worker)."""
+    return 0.5 * self.startup_s + 0.5 * self.per_byte_s * nbytes
+
+  def all_gather_s(self, nbytes: float) -> float:
+    """Ring all-gather time of a buffer of `nbytes` (the full result, each device contributing 1/P):
+    (P-1)·alpha_s + (P-1)/P·nbytes·beta, the second half of a ring all-reduce, so
+    `reduce_scatter_s(n) + all_gather_s(n) == allreduce_s(n)` (0 for one worker)."""
+    return 0.5 * self.startup_s + 0.5 * self.per_byte_s * nbytes
+
   def describe(self) -> str:
     """A short human summary: alpha, beta, overlap, the fit's residual and skew, and what a 1 KiB,
     1 MiB and 64 MiB all-reduce would take."""

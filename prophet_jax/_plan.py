@@ -50,7 +50,7 @@ def plan(profile: GradientProfile, network: NetworkModel, policy: str | Callable
     profile: per-leaf gradient sizes and ready times (rows in priority order).
     network: the all-reduce cost model.
     policy: a name in `POLICIES` ('wfbp', 'bucket', 'xla', 'mgwfbp', 'priority', 'prophet', 'auto',
-      'dlcp') or a Scheduler callable `scheduler(profile, network, *, cross_step) -> Schedule`.
+      'dlcp', 'dear') or a Scheduler callable `scheduler(profile, network, *, cross_step) -> Schedule`.
     cross_step: the step mode to plan for: False (a plain step: the next step starts when every
       all-reduce is done), True (the pipelined step: the next forward overlaps the all-reduces), or
       'auto' (policy 'auto' only: the planner chooses and records it).
@@ -101,7 +101,7 @@ def plan(profile: GradientProfile, network: NetworkModel, policy: str | Callable
       changes["options"] = tuple(merged.items())
   if cross_step != "auto" and schedule.cross_step != cross_step:
     changes["cross_step"] = cross_step
-  if network.links > 1 and not schedule.links:
+  if network.links > 1 and not schedule.links and not schedule.gathers:
     changes["links"] = link_assignment(schedule, profile, network,
                                        cross_step=bool(changes.get("cross_step", schedule.cross_step)))
   if schedule.predicted_s is None:

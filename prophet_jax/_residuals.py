@@ -23,6 +23,10 @@ both.
 
 The plan is positions in the jaxpr of `vjp_jaxpr` (deterministic for a given function and shapes), so
 the forward (on the real batch) and the next call's backward (tracing on the recorded shapes) agree.
+
+Jaxprs are read through `jax.extend.core` (checked first: `_jaxcompat.check_jaxpr_api`). jax 0.11 merged
+`ClosedJaxpr` into `Jaxpr` (a jaxpr's `.jaxpr` is itself, its `.consts` its constants); the code reads
+`closed.jaxpr` and `closed.consts`, which both versions have.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex_core
+
+from ._jaxcompat import check_jaxpr_api
 
 # Position of a value in a jaxpr: (-1, k) the k-th input; (i, j) output j of equation i.
 Position = tuple[int, int]
@@ -45,6 +51,10 @@ _CHEAP = frozenset({
     "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "or", "pow", "pvary",
     "reduce_precision", "rem", "round", "rsqrt", "select_n", "sign", "sin", "sqrt", "square", "sub",
     "tanh", "xor", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev",
+    # transcendental elementwise; jax 0.12 added `one_minus_square` (tanh's and asin's derivatives write
+    # 1 - x^2 with it) and `log2`
+    "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "cosh", "log2",
+    "one_minus_square", "sinh", "tan",
 })
 
 
@@ -75,6 +85,7 @@ def vjp_jaxpr(forward_fn: Callable[[Any, Any], Any], pv: Any, batch: Any, *,
   With `has_aux`, `forward_fn` returns `(loss, aux)`; aux is not differentiated, and its leaves are the
   jaxpr's outputs after the loss.
   """
+  check_jaxpr_api("pipelined's residual analysis")
   p_leaves, p_tree = jax.tree_util.tree_flatten(pv)
   b_leaves, b_tree = jax.tree_util.tree_flatten(batch)
   box: list[Any] = []

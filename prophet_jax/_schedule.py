@@ -20,9 +20,15 @@ from ._errors import ScheduleError
 from ._tree import RowsInfo, is_float_dtype, rows_info
 from ._types import _fields, _loads, is_bool, is_int, is_number, itemsize
 
-__all__ = ["Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA"]
+__all__ = ["Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA", "shard_size"]
 
 SCHEDULE_SCHEMA = 1
+
+
+def shard_size(size: int, workers: int) -> int:
+  """Elements of one device's shard of a reduce-scatter of `size` elements among `workers`: the buffer
+  is zero-padded at its end to a multiple of `workers` (ceil(size / workers) each; 0 for 0)."""
+  return -(-int(size) // max(int(workers), 1))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -176,12 +182,21 @@ class Schedule:
       them); empty: one link. `plan` records the links its calm simulation assigned (earliest free
       link, in issue order) when `network.links > 1`; the rewrite keeps one tie chain per link, so up
       to that many all-reduces may be in flight.
+    gathers: empty for an all-reduce schedule. Non-empty for a *sharded* schedule (the `dear` policy,
+      ZeRO-1): each chunk is then one **reduce-scatter** of its flat buffer (its slices gathered in
+      order, zero-padded at the end to a multiple of the axis size, `shard_size`), issued in chunk
+      order in backward, after which each device holds and updates 1/n of the chunk; each entry of
+      `gathers` is one **all-gather**, listing the indices (into `chunks`, issue order) of the
+      reduce-scatter chunks whose (updated) shards it gathers, in all-gather issue order (front layers
+      first, for the next forward). Every chunk index is in exactly one gather, and a gather holds
+      chunks of one dtype. A sharded schedule has no deferral groups and one link.
     schema: format version.
 
   Invariant (checked on construction): every element of every row with a nonzero size is in exactly one
   chunk, once; every chunk holds rows of its own dtype. A deferral group (`Bucket.defer > 0`) holds
   its elements in its chunks like any bucket: coverage is unchanged; at run time up to `defer` of its
-  chunks wait one step (error feedback, nothing lost; see `Bucket`).
+  chunks wait one step (error feedback, nothing lost; see `Bucket`). A sharded schedule's `gathers`
+  partition its chunk indices, one dtype per gather (errors name the gather).
   """
 
   buckets: tuple[Bucket, ...]
@@ -192,6 +207,7 @@ class Schedule:
   cross_step: bool = False
   predicted_s: float | None = None
   links: tuple[int, ...] = ()
+  gathers: tuple[tuple[int, ...], ...] = ()
   schema: int = SCHEDULE_SCHEMA
 
   def __post_init__(self):
@@ -201,6 +217,7 @@ class Schedule:
       raise ScheduleError(f"a schedule has a bucket {bad!r} of type {type(bad).__name__}; buckets are "
                           f"prophet_jax.Bucket values.")
     _check_links(self)
+    _check_gathers(self)
     try:
       info = rows_info(self.rows)
     except (TypeError, ValueError) as e:
@@ -240,8 +257,42 @@ class Schedule:
 
   @property
   def num_allreduces(self) -> int:
-    """All-reduces issued per step: one per chunk, but a deferral group's `slots` (m - k)."""
+    """All-reduces issued per step: one per chunk, but a deferral group's `slots` (m - k). For a
+    sharded schedule, the chunk messages are reduce-scatters: this counts them (`num_reduce_scatters`)."""
     return sum(b.slots for b in self.buckets)
+
+  @property
+  def sharded(self) -> bool:
+    """True for a sharded (ZeRO-1, `dear`) schedule: reduce-scatters (the chunks) and all-gathers
+    (`gathers`) instead of all-reduces."""
+    return bool(self.gathers)
+
+  @property
+  def num_reduce_scatters(self) -> int:
+    """Reduce-scatters issued per step: one per chunk of a sharded schedule, else 0."""
+    return len(self.chunks) if self.gathers else 0
+
+  @property
+  def num_all_gathers(self) -> int:
+    """All-gathers issued per step: `len(gathers)` (0 for an all-reduce schedule)."""
+    return len(self.gathers)
+
+  def padded_sizes(self, workers: int) -> tuple[int, ...]:
+    """Elements of every chunk's buffer once zero-padded to a multiple of `workers` (what a sharded
+    schedule's reduce-scatter sends; `workers` x `shard_size`), in issue order."""
+    return tuple(int(workers) * shard_size(c.size, workers) for c in self.chunks)
+
+  def shard_nbytes(self, workers: int) -> int:
+    """Bytes of one device's shards of every chunk (each chunk's buffer padded on its own,
+    `shard_size` elements of its dtype): what a sharded (ZeRO-1) step keeps per device of a
+    per-parameter optimizer state of the gradients' dtype, against `sum(chunk.nbytes)` replicated."""
+    return sum(shard_size(c.size, workers) * itemsize(c.dtype) for c in self.chunks)
+
+  def gather_sizes(self, workers: int) -> tuple[int, ...]:
+    """Elements of every all-gather's result, in all-gather order: `workers` x the sum of its chunks'
+    shards (each chunk padded on its own). Empty for an all-reduce schedule."""
+    chunks = self.chunks
+    return tuple(int(workers) * sum(shard_size(chunks[k].size, workers) for k in g) for g in self.gathers)
 
   @property
   def defers(self) -> bool:
@@ -273,6 +324,10 @@ class Schedule:
     """A short human summary: buckets, chunks, bytes and leading paths, in issue order."""
     lines = [f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step): "
              f"{len(self.buckets)} buckets, {self.num_allreduces} all-reduces"]
+    if self.gathers:
+      lines[0] = (f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step), sharded "
+                  f"(ZeRO-1): {self.num_reduce_scatters} reduce-scatters in backward, "
+                  f"{self.num_all_gathers} all-gathers for the next forward")
     if self.defers:
       groups = [b for b in self.buckets if b.defer]
       lines[0] += (f"; {len(groups)} deferral groups defer {sum(b.defer for b in groups)} of "
@@ -286,6 +341,11 @@ class Schedule:
       lines.append(f"  chunk{k}: {c.nbytes / 2**20:8.3f} MiB {c.dtype:9s} [{head}]")
     if self.num_allreduces > max_chunks:
       lines.append(f"  ... {self.num_allreduces - max_chunks} more")
+    for g, ks in enumerate(self.gathers[:max_chunks]):
+      head = ", ".join(f"chunk{k}" for k in ks[:4]) + (f", +{len(ks) - 4}" if len(ks) > 4 else "")
+      lines.append(f"  gather{g}: {sum(self.chunks[k].nbytes for k in ks) / 2**20:8.3f} MiB [{head}]")
+    if len(self.gathers) > max_chunks:
+      lines.append(f"  ... {len(self.gathers) - max_chunks} more gathers")
     return "\n".join(lines)
 
   def to_dict(self) -> dict[str, Any]:
@@ -295,7 +355,8 @@ class Schedule:
         "tree_fingerprint": self.tree_fingerprint,
         "rows": [[p, list(s), t] for p, s, t in self.rows],
         "buckets": [_bucket_json(b) for b in self.buckets],
-    } | ({"links": list(self.links)} if self.links else {})
+    } | ({"links": list(self.links)} if self.links else {}) | (
+        {"gathers": [list(g) for g in self.gathers]} if self.gathers else {})
 
   def to_json(self, indent: int | None = None) -> str:
     return json.dumps(self.to_dict(), indent=indent)
@@ -316,10 +377,12 @@ class Schedule:
     try:
       buckets = tuple(_bucket_from_json(b, i) for i, b in enumerate(obj.pop("buckets")))
       rows = tuple(_row_from_json(r, k) for k, r in enumerate(obj.pop("rows")))
+      if "gathers" in obj:
+        obj["gathers"] = tuple(tuple(g) for g in obj["gathers"])
     except (KeyError, TypeError, ValueError) as e:
       if isinstance(e, ScheduleError):
         raise
-      raise ScheduleError(f"Schedule.from_json: malformed 'buckets' or 'rows' ({e!r}).") from e
+      raise ScheduleError(f"Schedule.from_json: malformed 'buckets', 'rows' or 'gathers' ({e!r}).") from e
     return cls(buckets=buckets, rows=rows, **obj)
 
 
@@ -374,6 +437,59 @@ def _check_links(s: Schedule) -> None:
     raise ScheduleError(f"schedule links={links[:8]}{'...' if len(links) > 8 else ''} ({len(links)} "
                         f"entries): expected {s.num_allreduces} link indices >= 0, one per issued "
                         f"all-reduce, or () for one link. Plan again.")
+
+
+def _check_gathers(s: Schedule) -> None:
+  """A sharded schedule's gathers: a partition of the chunk indices, one dtype per gather; no deferral
+  group, one link (the rewrite runs one tie chain of reduce-scatters, then one of all-gathers)."""
+  gathers = s.gathers
+  if not isinstance(gathers, (tuple, list)) or not all(isinstance(g, (tuple, list)) for g in gathers):
+    raise ScheduleError(f"schedule gathers={gathers!r}: expected a tuple of all-gathers, each a tuple of "
+                        f"chunk indices (ints), or () for an all-reduce schedule.")
+  if not gathers:
+    object.__setattr__(s, "gathers", ())
+    return
+  chunks = s.chunks
+  n = len(chunks)
+  out, seen = [], {}
+  for g, ks in enumerate(gathers):
+    if not ks:
+      raise ScheduleError(f"gather {g} is empty; every all-gather gathers the shards of at least one "
+                          f"reduce-scatter chunk. Drop it, or plan again (prophet_jax.plan(..., 'dear')).")
+    if not all(map(is_int, ks)):
+      raise ScheduleError(f"gather {g} is {tuple(ks)!r}: expected chunk indices (ints) into the "
+                          f"schedule's {n} chunks (issue order).")
+    ks = tuple(int(k) for k in ks)
+    for k in ks:
+      if not 0 <= k < n:
+        raise ScheduleError(f"gather {g} names chunk {k}, but the schedule has {n} chunks (0 to {n - 1}, "
+                            f"issue order). Plan again (prophet_jax.plan(..., 'dear')).")
+      if k in seen:
+        raise ScheduleError(f"chunk{k} is in gather {seen[k]} and gather {g}; every reduce-scatter "
+                            f"chunk's shard is all-gathered exactly once. Plan again.")
+      seen[k] = g
+    dtypes = sorted({chunks[k].dtype for k in ks})
+    if len(dtypes) > 1:
+      raise ScheduleError(f"gather {g} (chunks {ks}) mixes dtypes {dtypes}; one all-gather gathers one "
+                          f"dtype. Make one gather per dtype.")
+    out.append(ks)
+  missing = [k for k in range(n) if k not in seen]
+  if missing:
+    raise ScheduleError(f"chunk(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} are in no gather; in a "
+                        f"sharded schedule every reduce-scatter chunk's shard is all-gathered once (the "
+                        f"other devices would miss its update). Add them to a gather, or plan again.")
+  deferring = [i for i, b in enumerate(s.buckets) if b.defer]
+  if deferring:
+    raise ScheduleError(f"a sharded schedule (gathers) cannot hold deferral groups, but bucket "
+                        f"{deferring[0]} has defer={s.buckets[deferring[0]].defer}: a deferred chunk "
+                        f"would leave its shard's update one step late on one device only. Use "
+                        f"'dlcp' or 'dear', not both.")
+  if s.links:
+    raise ScheduleError(f"a sharded schedule (gathers) runs on one link (one tie chain of "
+                        f"reduce-scatters, then one of all-gathers), but it has links="
+                        f"{s.links[:8]}{'...' if len(s.links) > 8 else ''}. Drop `links`, or plan it "
+                        f"with network.links=1.")
+  object.__setattr__(s, "gathers", tuple(out))
 
 
 def _freeze(v: Any) -> Any:

@@ -29,6 +29,7 @@ from ._core import (ChunkArrays, Problem, chunk_arrays, ends_one_link, iteration
                     pressure_durations, problem, schedule_arrays, sync_waits)
 from ._network import NetworkModel
 from ._schedule import Schedule
+from ._sharded import ShardedArrays, ShardedRun, sharded_arrays, sharded_durations, sharded_run
 from ._types import GradientProfile, _fields, _loads
 
 __all__ = ["simulate", "SimResult", "Event"]
@@ -42,7 +43,7 @@ __all__ = ["simulate", "SimResult", "Event"]
 class Event:
   """One span of the simulated timeline. lane: 'device' or 'link<k>'."""
 
-  kind: str   # 'forward' | 'backward' | 'update' | 'allreduce'
+  kind: str   # 'forward' | 'backward' | 'update' | 'allreduce' | 'reduce_scatter' | 'all_gather'
   name: str
   start_s: float
   end_s: float
@@ -59,7 +60,8 @@ class SimResult:
     comm_s: sum of all-reduce durations.
     idle_s: time the device waits (iteration - compute).
     network_busy: fraction of the iteration some link is busy.
-    allreduces: number of all-reduces issued per step (a deferral group's slots, not its chunks).
+    allreduces: number of all-reduces issued per step (a deferral group's slots, not its chunks; 0
+      for a sharded schedule).
     events: the timeline (kind, name, start, end).
     cross_step: the step mode simulated.
     samples: 0 on a calm network. Under network pressure (`NetworkModel.pressure`), the number of
@@ -69,6 +71,8 @@ class SimResult:
     iteration_p50_s, iteration_p99_s: under pressure, the median and the 99th percentile of the
       samples' iterations (each a sample's own value: the smallest with at least 50% / 99% of the
       samples at or below it, so with 64 samples p99 is the slowest); None on a calm network.
+    reduce_scatters, all_gathers: a sharded schedule's collectives per step (0 for all-reduces).
+      Its `compute_s` counts the update of the shards (update / P), and `comm_s` both kinds.
   """
 
   iteration_s: float
@@ -82,6 +86,8 @@ class SimResult:
   samples: int = 0
   iteration_p50_s: float | None = None
   iteration_p99_s: float | None = None
+  reduce_scatters: int = 0
+  all_gathers: int = 0
 
   def to_dict(self, *, events: bool = True) -> dict[str, Any]:
     """The fields as JSON-ready values; `events=False` leaves the timeline out (an empty list)."""
@@ -143,7 +149,8 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
 
   The semantics are docs/design.md's "Simulator semantics"; `_core`'s docstring states them in full
   (chunk readiness, the link recurrence, `links > 1`, `overlap=False`, both step modes), this
-  module's how `idle_s` is counted.
+  module's how `idle_s` is counted. A sharded schedule (`Schedule.gathers`: reduce-scatters, the
+  update of each device's shard, all-gathers) is simulated by `_sharded`'s model, on one link.
 
   Args:
     schedule: the plan; its rows must be the profile's rows (same paths, shapes, dtypes).
@@ -159,11 +166,14 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
     durations), idle_s, network_busy (fraction of the iteration some link is busy), allreduces and
     events (per-layer 'backward' and 'forward' spans on lane 'device', 'allreduce' spans named
     'chunk<k>' on lane 'link<j>', 'update' spans: one on 'device' in the plain step, one per layer on
-    lane 'update' in the pipelined step).
+    lane 'update' in the pipelined step). For a sharded schedule: 'reduce_scatter' spans named
+    'chunk<k>' and 'all_gather' spans named 'gather<g>' on lane 'link0', `allreduces` 0 and
+    `reduce_scatters`, `all_gathers` counted, `compute_s` with the update of the shards (update / P).
 
   Raises:
     TypeError: an argument of the wrong type (cross_step must be a bool here).
     ScheduleMismatchError: the schedule was planned for other rows than the profile's.
+    ValueError: a sharded schedule on a network with `links > 1` (it runs on one tie chain).
 
   Examples:
     >>> from prophet_jax import GradientProfile, NetworkModel, Schedule, Bucket, Chunk
@@ -181,7 +191,90 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
   prob = problem(profile, network, cross_step=cross_step)
   if schedule.tree_fingerprint != prob.fingerprint:
     match_rows(schedule, profile.tree_rows(), where="simulate()")
+  if schedule.gathers:
+    check_one_link("simulate()", network)
+    arr = sharded_arrays(prob, [c.slices for c in schedule.chunks], schedule.gathers)
+    return simulate_sharded(prob, arr, events=events)
   return simulate_arrays(prob, schedule_arrays(prob, schedule.buckets), events=events)
+
+
+def check_one_link(where: str, network: NetworkModel) -> None:
+  """A sharded schedule runs on one link (one tie chain); a network with several is refused."""
+  if network.links != 1:
+    raise ValueError(f"{where}: a sharded schedule (reduce-scatters and all-gathers, policy 'dear') runs "
+                     f"its collectives on one tie chain, but network.links={network.links}. Use "
+                     f"network.replace(links=1), or an all-reduce policy to use {network.links} links.")
+
+
+def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) -> SimResult:
+  """`simulate` of a sharded schedule's arrays (`_sharded.sharded_arrays`) on a Problem (no checks).
+
+  On a calm network one run of the engine (`_sharded.sharded_run`); under pressure every seeded
+  sample at once, the reduce-scatters then the all-gathers drawn in issue order (`_core.
+  pressure_durations(..., half=True)`), and the median sample's timeline (as `simulate_arrays`).
+  """
+  k_n = arr.rs_nbytes.size
+  if prob.network.pressure is None:
+    rs, ag = sharded_durations(prob, arr)
+  else:
+    dur = pressure_durations(prob, np.concatenate([arr.rs_nbytes, arr.ag_nbytes]), half=True)
+    rs, ag = dur[:, :k_n], dur[:, k_n:]
+  run = sharded_run(prob, arr, rs, ag)
+  iters = run.iteration_s
+  if iters.size == 1:
+    i = 0
+  else:
+    order = np.argsort(iters, kind="stable")
+    i = _quantile_index(order, 0.5)
+  forward_s, backward_s = prob.forward_s, prob.backward_s
+  update_s = float(arr.rs_update_s.sum())
+  comm = (run.rs_end - run.rs_start).sum(axis=1) + (run.ag_end - run.ag_start).sum(axis=1)
+  compute = forward_s + backward_s + (0.0 if prob.cross_step else update_s)
+  mean = float(iters.mean())
+  evs: tuple[Event, ...] = ()
+  if events:
+    evs = _sharded_events(prob, arr, run, i, rs)
+  extra: dict[str, Any] = {}
+  if iters.size > 1:
+    extra = dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
+                 iteration_p99_s=float(iters[_quantile_index(np.argsort(iters, kind="stable"), 0.99)]))
+  comm_mean = float(comm.mean())
+  return SimResult(iteration_s=mean, compute_s=forward_s + backward_s + update_s, comm_s=comm_mean,
+                   idle_s=max(mean - compute, 0.0), network_busy=comm_mean / mean if mean > 0 else 0.0,
+                   allreduces=0, reduce_scatters=int(k_n), all_gathers=int(arr.ag_nbytes.size),
+                   events=evs, cross_step=prob.cross_step, **extra)
+
+
+def _sharded_events(prob: Problem, arr: ShardedArrays, run: ShardedRun, i: int,
+                    rs_dur: np.ndarray) -> tuple[Event, ...]:
+  """The timeline of sample `i`: backward (around the stalls of overlap=False), the reduce-scatters
+  ('reduce_scatter', 'chunk<k>') and all-gathers ('all_gather', 'gather<g>') on lane 'link0', the
+  update (plain step: one span on 'device'; pipelined: one per gather on lane 'update'), forward."""
+  ev = _new_event
+  out: list[Event] = []
+  stalls: list[tuple[float, float]] = []
+  if not prob.overlap and arr.rs_ready_s.size:
+    dur = rs_dur[i]
+    if prob.skew:
+      dur = dur + sync_waits(arr.rs_ready_s, prob.skew, prob.cycle_s, prob.backward_s)
+    stalls = link_loop(arr.rs_ready_s.tolist(), dur.tolist(), backward_s=prob.backward_s, links=1,
+                       overlap=False)[4]
+  layers = prob.layers
+  _backward_events(prob, layers, stalls, out)
+  for k, (a, b) in enumerate(zip(run.rs_start[i].tolist(), run.rs_end[i].tolist())):
+    out.append(ev("reduce_scatter", f"chunk{k}", a, b, "link0"))
+  for g, (a, b) in enumerate(zip(run.ag_start[i].tolist(), run.ag_end[i].tolist())):
+    out.append(ev("all_gather", f"gather{g}", a, b, "link0"))
+  upd = arr.ag_update_s.tolist()
+  if prob.cross_step:
+    for g, r in enumerate(run.release[i].tolist()):
+      if upd[g] > 0:
+        out.append(ev("update", f"gather{g}", r - upd[g], r, "update"))
+  elif sum(upd) > 0:
+    t0 = float(run.t0[i])
+    out.append(ev("update", "update", t0, t0 + sum(upd)))
+  _forward_events(prob, layers, run.fwd_start[i].tolist(), out)
+  return tuple(out)
 
 
 def link_assignment(schedule: Schedule, profile: GradientProfile, network: NetworkModel, *,
@@ -346,8 +439,35 @@ def _events(prob: Problem, layers: tuple[str, ...], start: np.ndarray,
             update_s: float) -> tuple[Event, ...]:
   ev = _new_event
   out: list[Event] = []
-  # backward spans, in backward order: layer l runs from the previous layer's ready time to its own
-  # (the last one runs to backward_s), in progress time, mapped to the wall clock around stalls.
+  _backward_events(prob, layers, stalls, out)
+  lanes = [f"link{j}" for j in range(int(link.max()) + 1)] if link.size else []
+  for k, (a, b, j) in enumerate(zip(start.tolist(), end.tolist(), link.tolist())):
+    out.append(ev("allreduce", f"chunk{k}", a, b, lanes[j]))
+  nl = len(layers)
+  if cross_step:
+    upd = prob.layer_update_s.tolist()
+    red = reduced.tolist() if reduced is not None else [-np.inf] * nl
+    for l in range(nl):
+      if upd[l] > 0 and red[l] != -np.inf:
+        out.append(ev("update", layers[l], red[l], red[l] + upd[l], "update"))
+  elif update_s > 0:
+    out.append(ev("update", "update", t0, t0 + update_s))
+  _forward_events(prob, layers, fwd_start, out)
+  return tuple(out)
+
+
+def _forward_events(prob: Problem, layers: tuple[str, ...], fwd_start: Sequence[float],
+                    out: list[Event]) -> None:
+  fs, ff = list(fwd_start), prob.layer_fwd_s.tolist()
+  for l in range(len(layers)):
+    out.append(_new_event("forward", layers[l], fs[l], fs[l] + ff[l]))
+
+
+def _backward_events(prob: Problem, layers: tuple[str, ...], stalls: list[tuple[float, float]],
+                     out: list[Event]) -> None:
+  """Backward spans, in backward order: layer l runs from the previous layer's ready time to its own
+  (the last one runs to backward_s), in progress time, mapped to the wall clock around stalls."""
+  ev = _new_event
   nl = len(layers)
   layer_ready = np.full(nl, 0.0)
   np.maximum.at(layer_ready, prob.row_layer, prob.row_ready_s)
@@ -379,18 +499,3 @@ def _events(prob: Problem, layers: tuple[str, ...], start: np.ndarray,
       cur_p = q
     out.append(ev("backward", layers[l], seg_start, seg_start + (p1 - cur_p)))
     p0 = p1
-  lanes = [f"link{j}" for j in range(int(link.max()) + 1)] if link.size else []
-  for k, (a, b, j) in enumerate(zip(start.tolist(), end.tolist(), link.tolist())):
-    out.append(ev("allreduce", f"chunk{k}", a, b, lanes[j]))
-  if cross_step:
-    upd = prob.layer_update_s.tolist()
-    red = reduced.tolist() if reduced is not None else [-np.inf] * nl
-    for l in range(nl):
-      if upd[l] > 0 and red[l] != -np.inf:
-        out.append(ev("update", layers[l], red[l], red[l] + upd[l], "update"))
-  elif update_s > 0:
-    out.append(ev("update", "update", t0, t0 + update_s))
-  fs, ff = fwd_start.tolist(), prob.layer_fwd_s.tolist()
-  for l in range(nl):
-    out.append(ev("forward", layers[l], fs[l], fs[l] + ff[l]))
-  return tuple(out)

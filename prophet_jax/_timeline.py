@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from ._simulate import SimResult
 
 _COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "update": "#8172B3", "allreduce": "#55A868",
-           "measured": "#C44E52"}
+           "reduce_scatter": "#64B5CD", "all_gather": "#CCB974", "measured": "#C44E52"}
 
 
 def plot_timelines(sims: Mapping[str, SimResult], path: str, *, title: str = "",
@@ -43,12 +43,17 @@ def plot_timelines(sims: Mapping[str, SimResult], path: str, *, title: str = "",
       ax.barh(y["measured"], measured_s[n] * 1e3, left=0, height=0.7, color=_COLORS["measured"])
     ax.axvline(sim.iteration_s * 1e3, color="black", linewidth=0.8, linestyle="--")
     ax.set_yticks([y[lane] for lane in lanes], lanes, fontsize=8)
-    ax.set_title(f"{n}: predicted {sim.iteration_s * 1e3:.2f} ms, {sim.allreduces} all-reduces"
+    what = (f"{sim.reduce_scatters} reduce-scatters + {sim.all_gathers} all-gathers" if sim.all_gathers
+            else f"{sim.allreduces} all-reduces")
+    ax.set_title(f"{n}: predicted {sim.iteration_s * 1e3:.2f} ms, {what}"
                  + (f", measured {measured_s[n] * 1e3:.2f} ms" if measured_s and n in measured_s else ""),
                  fontsize=9, loc="left")
   axes[-1, 0].set_xlabel("ms from the start of backward")
-  fig.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()
-                      if k != "measured" or measured_s], loc="upper right", ncol=5, fontsize=8)
+  kinds = {e.kind for n in names for e in sims[n].events}
+  shown = [k for k in _COLORS if (k != "measured" or measured_s)            # the sharded kinds if drawn
+           and (k in kinds or k not in ("reduce_scatter", "all_gather"))]
+  fig.legend(handles=[Patch(color=_COLORS[k], label=k) for k in shown], loc="upper right", ncol=5,
+             fontsize=8)
   if title:
     fig.suptitle(title, x=0.01, ha="left", fontsize=10)
   fig.tight_layout(rect=(0, 0, 1, 0.97))

@@ -209,7 +209,11 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any) -> tuple[str,
     Every leaf path of `params`, each once.
   """
   import jax
+  from jax.extend.core import Literal
 
+  from ._jaxcompat import check_jaxpr_api
+
+  check_jaxpr_api("forward_paths")
   leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
   paths = [path_str(p) for p, _ in leaves_with_paths]
   leaves = [x for _, x in leaves_with_paths]
@@ -225,13 +229,13 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any) -> tuple[str,
     """mapping: id(var) -> leaf index; grows with the outputs that carry a leaf unchanged."""
     for eqn in jx.eqns:
       ins = [(k, mapping[id(v)]) for k, v in enumerate(eqn.invars)
-             if type(v).__name__ != "Literal" and id(v) in mapping]
+             if not isinstance(v, Literal) and id(v) in mapping]
       if not ins:
         continue
       sub = None
       for name in _CALL_PARAMS:
         cand = eqn.params.get(name)
-        cand = getattr(cand, "jaxpr", cand)  # ClosedJaxpr -> Jaxpr
+        cand = getattr(cand, "jaxpr", cand)  # ClosedJaxpr -> Jaxpr (jax >= 0.11: the same object)
         if (cand is not None and hasattr(cand, "eqns") and len(cand.invars) == len(eqn.invars)
             and len(cand.outvars) == len(eqn.outvars)):
           sub = cand
@@ -240,7 +244,7 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any) -> tuple[str,
         inner = {id(sub.invars[k]): i for k, i in ins}
         walk(sub, inner)
         for ov, iv in zip(eqn.outvars, sub.outvars):  # passed through unchanged: alias, not a use
-          if type(iv).__name__ != "Literal" and id(iv) in inner:
+          if not isinstance(iv, Literal) and id(iv) in inner:
             mapping[id(ov)] = inner[id(iv)]
       elif eqn.primitive.name in _ALIAS_PRIMITIVES and len(eqn.invars) == len(eqn.outvars):
         for k, i in ins:

@@ -177,7 +177,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     _check_out(a.timeline, "--timeline", model=a.model, network=a.network)
   profile, model = load_model(a.model, a.device)
   net = load_network(a.network, a.workers, pressure=a.pressure)
-  policies = a.policy or list(POLICIES)
+  # every policy, or those named; 'dear' (sharded schedules, one tie chain) where it applies: one link
+  policies = a.policy or [p for p in POLICIES if p != "dear" or net.links == 1]
   bound = lower_bound(profile, net, cross_step=a.cross_step)
   rows, sims = [], {}
   for name in policies:
@@ -192,6 +193,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
       r.update(iteration_p50_s=d["iteration_p50_s"], iteration_p99_s=d["iteration_p99_s"])
     if name == "dlcp":               # lossy per step: how much waits (vs_lower_bound may be < 1)
       r.update(max_defer=a.max_defer, deferred_fraction=sched.max_deferred_fraction)
+    if sched.sharded:                # ZeRO-1: reduce-scatters and all-gathers instead of all-reduces
+      r.update(sharded=True, reduce_scatters=d["reduce_scatters"], all_gathers=d["all_gathers"])
     rows.append(r)
   q = net.pressure
   if a.json:
@@ -214,13 +217,17 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             f"(seed {q.seed})")
     if "dlcp" in policies:
       print(f"dlcp: max_defer {a.max_defer:g} (elements that may wait one step, with error feedback)")
+    if any(r.get("sharded") for r in rows):
+      print("dear: sharded (ZeRO-1): its collectives are shown as reduce-scatters+all-gathers; each "
+            "device updates 1/P of the parameters")
     tail = q is not None
     print(f"{'policy':10s} {'iter ms':>10s} {'/bound':>7s} {'idle ms':>9s} {'allreduces':>10s}"
           + (f" {'p50 ms':>9s} {'p99 ms':>9s}" if tail else "") + f" {'deferred':>8s}"
           + (f" {'vs wfbp':>8s}" if base else ""))
     for r in rows:
+      count = (f"{r['reduce_scatters']}+{r['all_gathers']}" if r.get("sharded") else str(r["allreduces"]))
       print(f"{r['policy']:10s} {r['iteration_s'] * 1e3:10.3f} {r['vs_lower_bound']:7.3f} "
-            f"{r['idle_s'] * 1e3:9.3f} {r['allreduces']:10d}"
+            f"{r['idle_s'] * 1e3:9.3f} {count:>10s}"
             + (f" {r['iteration_p50_s'] * 1e3:9.3f} {r['iteration_p99_s'] * 1e3:9.3f}" if tail else "")
             + f" {r.get('deferred_fraction', 0.0):8.1%}"
             + (f" {base / r['iteration_s']:7.2f}x" if base else ""))
@@ -451,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "needed) and audit its all-reduces: count, order, what overlaps them; exit 1 on a "
                      "mismatch")
   s.add_argument("--target", default="h100", help="h100, a100 or v100 (compile-only; needs the gpu-compile "
-                 "extra)")
+                 "extra, or gpu-compile-cuda13, which cannot build for the v100)")
   s.add_argument("--devices", type=_positive, default=8)
   s.add_argument("--model", default="cnn", help="mlp, cnn, gpt-tiny, resnet-small")
   s.add_argument("--mode", default="scheduled", choices=("scheduled", "hooked", "pipelined", "pmean"))

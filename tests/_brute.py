@@ -12,7 +12,13 @@
   dominated state can never lead to a better schedule; it handles 8 leaves in well under a second.
   Other networks fall back to explicit enumeration (`_enumerate_ordered`, up to 7 leaves).
 
-Both return `(best_time_s, schedule)`; `simulate(schedule, ...)` gives the same time (up to rounding).
+- `best_sharded(profile, network, cross_step=...)`: the best *sharded* schedule (reduce-scatters,
+  all-gathers: `Schedule.gathers`) over every partition of the leaves into reduce-scatter chunks (one
+  dtype each) times every issue order, times every partition of those chunks into all-gathers (one
+  dtype each) times every all-gather order, each scored by the simulator's own engine
+  (`_sharded.sharded_run`); explicit enumeration, up to `MAX_SHARDED_LEAVES` (4) leaves.
+
+All return `(best_time_s, schedule)`; `simulate(schedule, ...)` gives the same time (up to rounding).
 Rows with nbytes=0 are in no chunk, as in every schedule.
 
 `random_profile`, `random_network` and `random_schedule` make the random instances that the tests and
@@ -32,12 +38,13 @@ from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, ProfileRow
 from prophet_jax._types import itemsize
 from prophet_jax._checks import check_values
 
-__all__ = ["best_contiguous", "best_ordered", "random_profile", "random_network", "random_schedule",
-           "random_deferral", "split_group"]
+__all__ = ["best_contiguous", "best_ordered", "best_sharded", "random_profile", "random_network", "random_schedule",
+           "random_deferral", "split_group", "random_sharded"]
 
 MAX_CONTIGUOUS_LEAVES = 22
 MAX_ORDERED_LEAVES = 12
 MAX_ENUMERATED_LEAVES = 7
+MAX_SHARDED_LEAVES = 4
 
 
 def _sent_rows(profile: GradientProfile) -> list[int]:
@@ -300,6 +307,54 @@ def _enumerate_ordered(profile: GradientProfile, network: NetworkModel, *,
 
 
 # --------------------------------------------------------------------------------------------------
+# sharded schedules: every reduce-scatter ordered partition x every all-gather ordered partition
+
+
+def best_sharded(profile: GradientProfile, network: NetworkModel, *,
+                 cross_step: bool = True) -> tuple[float, Schedule]:
+  """The best sharded schedule of whole leaves (explicit enumeration, one link).
+
+  Args:
+    profile: at most `MAX_SHARDED_LEAVES` rows with nbytes > 0 (and at least one).
+    network: one link.
+    cross_step: the step mode.
+
+  Returns:
+    (iteration_s, schedule) of an optimal sharded schedule (the first found among equals).
+
+  Raises:
+    ValueError: too many leaves, none, or several links.
+  """
+  from prophet_jax._sharded import sharded_arrays, sharded_iteration_s
+
+  _check_args("best_sharded", profile, network)
+  if network.links != 1:
+    raise ValueError("best_sharded: sharded schedules run on one link.")
+  cross_step = bool(cross_step)
+  seq = sorted(_sent_rows(profile))
+  n = len(seq)
+  if not 1 <= n <= MAX_SHARDED_LEAVES:
+    raise ValueError(f"best_sharded: {n} leaves to send; enumeration handles 1 to {MAX_SHARDED_LEAVES}.")
+  prob = problem(profile, network, cross_step=cross_step)
+  dtypes = [profile.rows[r].dtype for r in seq]
+  best_t, best = np.inf, None
+  for groups in _ordered_partitions(seq, dtypes):
+    chunks = [[(r, 0, profile.rows[r].size) for r in sorted(g)] for g in groups]
+    cdt = [profile.rows[g[0]].dtype for g in groups]
+    for gathers in _ordered_partitions(list(range(len(chunks))), cdt):
+      t = sharded_iteration_s(prob, sharded_arrays(prob, chunks, gathers))
+      if t < best_t:
+        best_t, best = t, (groups, gathers)
+  groups, gathers = best
+  chunks = tuple(Chunk(slices=tuple((r, 0, profile.rows[r].size) for r in sorted(g)),
+                       dtype=profile.rows[g[0]].dtype) for g in groups)
+  s = Schedule(buckets=tuple(Bucket(chunks=(c,)) for c in chunks), rows=profile.tree_rows(),
+               policy="brute-sharded", cross_step=cross_step, predicted_s=float(best_t),
+               gathers=tuple(tuple(g) for g in gathers))
+  return float(best_t), s
+
+
+# --------------------------------------------------------------------------------------------------
 # random instances
 
 
@@ -434,3 +489,21 @@ def random_deferral(schedule: Schedule, rng: np.random.Generator, *, prob: float
     if kept:
       buckets.append(Bucket(chunks=tuple(kept), defer=b.defer))
   return Schedule(buckets=tuple(buckets), rows=schedule.rows, policy=schedule.policy)
+
+
+def random_sharded(profile: GradientProfile, rng: np.random.Generator, **kw) -> Schedule:
+  """A random valid sharded schedule: `random_schedule`'s chunks (random slices, merges, order) as the
+  reduce-scatters, their indices split at random into dtype-homogeneous gathers in random order (the
+  profile must have a row with nbytes > 0)."""
+  base = random_schedule(profile, rng, **kw)
+  chunks = base.chunks
+  order = [int(k) for k in rng.permutation(len(chunks))]
+  gathers: list[list[int]] = []
+  for k in order:
+    same = [g for g in gathers if chunks[g[0]].dtype == chunks[k].dtype]
+    if same and rng.random() < 0.5:
+      same[int(rng.integers(len(same)))].append(k)
+    else:
+      gathers.append([k])
+  return Schedule(buckets=tuple(Bucket(chunks=(c,)) for c in chunks), rows=profile.tree_rows(),
+                  policy="random-sharded", gathers=tuple(tuple(g) for g in gathers))

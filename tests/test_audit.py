@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
-from prophet_jax._hlo import collectives, execution_order, parse_hlo, shape_elements
+from prophet_jax._hlo import allreduces, collectives, execution_order, merged_op_names, parse_hlo, shape_elements
 from prophet_jax.models import get_model
 
 AX = "data"
@@ -232,3 +232,100 @@ def test_audit_report_json_round_trip_on_the_cpu():
     pj.AuditReport.from_json("{")
   with pytest.raises(ValueError, match="missing field"):
     pj.AuditReport.from_json({"planned": 1})
+
+
+# jaxlib 0.12's XLA:GPU (as `prophet-jax audit` compiled it, trimmed): chunk 0 in an asynchronous collective
+# fusion (fusion-start/done whose called computation's ROOT is the all-reduce), chunk 1 concatenated with
+# the loss into one all-reduce-start whose shape is (operands, result) and whose op_name merges both
+GPU_HLO_012 = """HloModule g, is_scheduled=true
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}
+
+%fused_psum.0.clone (param_0.1: f32[4]) -> f32[4] {
+  %param_0.1 = f32[4]{0} parameter(0)
+  ROOT %psum.2 = f32[4]{0} all-reduce(%param_0.1), channel_id=1, to_apply=%sum, metadata={op_name="jit(step)/shard_map/prophet/chunk0/psum"}, backend_config={"collective_backend_config":{"is_sync":false}}
+}
+
+%cat_body (p0: f32[6], p1: f32[1]) -> f32[7] {
+  %p0 = f32[6]{0} parameter(0)
+  %p1 = f32[1]{0} parameter(1)
+  ROOT %c = f32[7]{0} concatenate(%p0, %p1), dimensions={0}
+}
+
+%slice_a (q: f32[7]) -> f32[6] {
+  %q = f32[7]{0} parameter(0)
+  ROOT %s = f32[6]{0} slice(%q), slice={[0:6]}
+}
+
+%slice_b (q2: f32[7]) -> f32[1] {
+  %q2 = f32[7]{0} parameter(0)
+  ROOT %s2 = f32[1]{0} slice(%q2), slice={[6:7]}
+}
+
+%gemm (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %b = f32[16,4]{1,0} parameter(1)
+  ROOT %d = f32[8,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f32[8,16], w: f32[16,4]) -> f32[] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %w = f32[16,4]{1,0} parameter(1)
+  %g0 = f32[4]{0} fusion(%x), kind=kLoop, calls=%gemm, metadata={op_name="jit(step)/shard_map/transpose(jvp(M))/Dense_1/reduce_sum"}
+  %fusion-start = ((f32[4]{0}), f32[4]{0}) fusion-start(%g0), kind=kCustom, calls=%fused_psum.0.clone, metadata={op_name="jit(step)/shard_map/prophet/chunk0/psum"}, backend_config={"fusion_backend_config":{"kind":"__triton_collective"}}
+  %mm = f32[8,4]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm, metadata={op_name="jit(step)/shard_map/transpose(jvp(M))/Dense_0/dot_general"}
+  %fusion-done = f32[4]{0} fusion-done(%fusion-start), metadata={op_name="jit(step)/shard_map/prophet/chunk0/psum"}
+  %tie = f32[6]{0} fusion(%mm, %fusion-done), kind=kLoop, calls=%gemm, metadata={op_name="jit(step)/shard_map/prophet/chunk1/add"}
+  %loss = f32[1]{0} fusion(%x), kind=kLoop, calls=%gemm, metadata={op_name="jit(step)/shard_map/jvp()/neg"}
+  %wc = f32[7]{0} fusion(%tie, %loss), kind=kLoop, calls=%cat_body
+  %all-reduce-start = ((f32[7]{0}), f32[7]{0}) all-reduce-start(%wc), channel_id=2, to_apply=%sum, metadata={op_name="jit(step)/shard_map/(prophet/chunk1/psum:psum)"}, backend_config={"collective_backend_config":{"is_sync":false}}
+  %upd = f32[16,4]{1,0} fusion(%w, %fusion-done), kind=kLoop, calls=%gemm, metadata={op_name="jit(step)/shard_map/sub"}
+  %all-reduce-done = f32[7]{0} all-reduce-done(%all-reduce-start), metadata={op_name="jit(step)/shard_map/(prophet/chunk1/psum:psum)"}
+  %sa = f32[6]{0} fusion(%all-reduce-done), kind=kLoop, calls=%slice_a, metadata={op_name="jit(step)/shard_map/prophet/chunk1/psum"}
+  %sb = f32[1]{0} fusion(%all-reduce-done), kind=kLoop, calls=%slice_b
+  ROOT %r = f32[] add(%sa, %sb)
+}
+"""
+
+
+def test_merged_op_names():
+  assert merged_op_names("jit(f)/shard_map/(prophet/chunk5/psum:psum)") == (
+      "jit(f)/shard_map/prophet/chunk5/psum", "jit(f)/shard_map/psum")
+  assert merged_op_names("jit(f)/(transpose(jvp(M))/prophet/chunk2/psum:a:b)") == (
+      "jit(f)/transpose(jvp(M))/prophet/chunk2/psum", "jit(f)/a", "jit(f)/b")
+  for one in ("jit(f)/transpose(jvp(M))", "jit(f)/prophet/chunk1/psum", "", "(a:b"):
+    assert merged_op_names(one) == (one,)
+
+
+def test_audit_reads_jaxlib_0_12_collective_fusions_and_merged_names_and_says_the_form():
+  s = _two_chunks()
+  r = pj.audit(GPU_HLO_012, s)
+  assert r.ok, r.describe()
+  assert [(e.chunk, e.elements, e.shared, e.form) for e in r.chunks] == [
+      (0, 4, False, "fusion-start"), (1, 6, True, "all-reduce-start")]
+  assert [(e.elements, e.shared, e.form) for e in r.foreign] == [(1, True, "all-reduce-start")]
+  assert r.forms == {"fusion-start": 1, "all-reduce-start": 2}
+  assert "read: 1 fusion-start/done (async collective fusion), 2 all-reduce-start/done (async)" in r.describe()
+  c0, c1 = r.chunks
+  assert c0.asynchronous and [(o.name, o.kind) for o in c0.window] == [("mm", "backward")]
+  assert c1.asynchronous and [o.name for o in c1.window] == ["upd"]
+  assert r.max_in_flight == 1 and r.exposed == () and not r.warnings
+  # fusion-start/done inside another window count as collectives, not compute
+  ops = allreduces(parse_hlo(GPU_HLO_012))
+  assert [(a.form, a.elements, a.operands) for a in ops] == [("fusion-start", 4, ("g0",)),
+                                                            ("all-reduce-start", 7, ("wc",))]
+  # chunk 0 exposed as a collective kernel: the audit says why and what to set
+  mm = next(line for line in GPU_HLO_012.splitlines() if line.startswith("  %mm = "))
+  exposed = GPU_HLO_012.replace(mm + "\n", "").replace("(%mm, %fusion-done)", "(%x, %fusion-done)")
+  r2 = pj.audit(exposed, s)
+  assert r2.ok and r2.exposed == (0,), r2.describe()
+  assert any("collective kernels" in w and "use_collective_kernels=-ALL_REDUCE" in w for w in r2.warnings)
+  # a merged name of two chunks is still two chunks in one all-reduce
+  both = (GPU_HLO_012.replace("(prophet/chunk1/psum:psum)", "(prophet/chunk1/psum:prophet/chunk0/psum)")
+          .replace("calls=%slice_b\n", 'calls=%slice_b, metadata={op_name="x/prophet/chunk0/psum"}\n'))
+  r3 = pj.audit(both, s)
+  assert not r3.ok and any("chunk0" in p for p in r3.problems), r3.describe()

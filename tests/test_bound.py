@@ -38,8 +38,15 @@ def test_hand_bounds():
   assert lower_bound(PROFILE, NET, cross_step=True) == pytest.approx(6.2)
   # no overlap: backward 3.0 + W(all) = 0.5 + 3.0, + 1.8 = 8.3, which one merged chunk attains.
   no = NET.replace(overlap=False)
-  assert lower_bound(PROFILE, no) == pytest.approx(8.3)
+  assert lower_bound(PROFILE, no, sharded=False) == pytest.approx(8.3)
   assert simulate(_sched(PROFILE, [[0, 1]]), PROFILE, no).iteration_s == pytest.approx(8.3)
+  # ... but a sharded schedule updates 1/P = 1/2 of the parameters: one reduce-scatter after backward
+  # (3.0 + 0.25 + 1.5), the update 0.3 / 2, one all-gather 1.75, forward 1.5: 8.15, the bound over
+  # every schedule (B_sharded: max(3.0 + W'(all) = 4.75, thresholds) + U' 0.15 + W'(all) + F)
+  assert lower_bound(PROFILE, no) == pytest.approx(8.15)
+  assert lower_bound(PROFILE, no, sharded=True) == pytest.approx(8.15)
+  one = Schedule(buckets=_sched(PROFILE, [[0, 1]]).buckets, rows=PROFILE.tree_rows(), gathers=((0,),))
+  assert simulate(one, PROFILE, no).iteration_s == pytest.approx(8.15)
   # two links (no batching term): W(S_1.0) = max(0.5 * ceil(1/2), (0.5 + 3.0) / 2) = 1.75: 1.0 +
   # 1.75 = 2.75; S_3.0: max(0.5, 1.5 / 2) = 0.75: 3.75. max(3.0, 3.75) + 1.8 = 5.55.
   assert lower_bound(PROFILE, NET.replace(links=2)) == pytest.approx(5.55)
@@ -47,9 +54,13 @@ def test_hand_bounds():
 
 def test_free_network_bound_is_compute():
   free = NET.replace(alpha_s=0.0, beta_s_per_byte=0.0)
-  assert lower_bound(PROFILE, free) == pytest.approx(PROFILE.compute_s)
+  assert lower_bound(PROFILE, free, sharded=False) == pytest.approx(PROFILE.compute_s)
+  # a sharded schedule updates 1/P of the parameters: forward + backward + update / 2
+  assert lower_bound(PROFILE, free) == pytest.approx(PROFILE.compute_s - PROFILE.update_s / 2)
   # pipelined: update is a latency: A's forward waits for A's update at 3.0 + 0.1: 3.1 + 1.5 = 4.6
-  assert lower_bound(PROFILE, free, cross_step=True) == pytest.approx(4.6)
+  assert lower_bound(PROFILE, free, cross_step=True, sharded=False) == pytest.approx(4.6)
+  # sharded, the bound leaves the (halved) update latency out: backward 3.0 + forward 1.5
+  assert lower_bound(PROFILE, free, cross_step=True) == pytest.approx(4.5)
   assert simulate(_sched(PROFILE, [[1], [0]]), PROFILE, free, cross_step=True).iteration_s == \
       pytest.approx(4.6)
 
@@ -105,9 +116,11 @@ def test_bound_below_every_policy():
       for cross_step in (False, True):
         lb = lower_bound(p, net, cross_step=cross_step)
         for name in names:
-          s = plan(p, net, name, cross_step=cross_step)
-          t = simulate(s, p, net, cross_step=cross_step, events=False).iteration_s
-          assert lb <= t * (1 + REL), (name, cross_step, lb, t)
+          n = net.replace(links=1) if name == "dear" else net    # sharded schedules: one link
+          s = plan(p, n, name, cross_step=cross_step)
+          t = simulate(s, p, n, cross_step=cross_step, events=False).iteration_s
+          bound = lb if n is net else lower_bound(p, n, cross_step=cross_step)
+          assert bound <= t * (1 + REL), (name, cross_step, bound, t)
           checked += 1
   assert checked >= 4 * 2 * 2 * len(names)
 
@@ -159,8 +172,9 @@ def test_bound_is_tight_on_small_instances():
     net = random_network(rng, p, links=1, overlap=True, comm_ratio=[0.3, 1.0, 3.0, 10.0][k % 4])
     # (the ordered optimum: with two dtypes the best contiguous merge of the ready order is not
     # always optimal, and the bound is measured against the best schedule)
-    ratios[False].append(lower_bound(p, net) / best_ordered(p, net, cross_step=False)[0])
-    ratios[True].append(lower_bound(p, net, cross_step=True) / best_ordered(p, net, cross_step=True)[0])
+    ratios[False].append(lower_bound(p, net, sharded=False) / best_ordered(p, net, cross_step=False)[0])
+    ratios[True].append(lower_bound(p, net, cross_step=True, sharded=False)
+                        / best_ordered(p, net, cross_step=True)[0])
   for mode, r in ratios.items():
     assert np.max(r) <= 1 + REL
     assert np.median(r) >= 0.9, f"cross_step={mode}: median bound/optimum {np.median(r):.3f}"  # docs/design.md
@@ -238,7 +252,7 @@ def test_deferral_bound_errors_and_hand_value():
   # (3000 - 600) B x 0.001 = 2.9, + 1.8 = 7.7 (8.3 lossless)
   no = NET.replace(overlap=False)
   assert lower_bound(PROFILE, no, max_defer=0.2) == pytest.approx(7.7)
-  assert lower_bound(PROFILE, no, max_defer=0.0) == pytest.approx(8.3)
+  assert lower_bound(PROFILE, no, max_defer=0.0, sharded=False) == pytest.approx(8.3)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -347,7 +361,7 @@ def test_single_dtype_plain_bound_is_attained(seed, comm_ratio):
   rng = np.random.default_rng(seed)
   p = random_profile(rng, int(rng.integers(1, 9)), zero_prob=0.1)
   net = random_network(rng, p, links=1, overlap=True, comm_ratio=comm_ratio)
-  assert lower_bound(p, net) == pytest.approx(best_contiguous(p, net)[0], rel=1e-9)
+  assert lower_bound(p, net, sharded=False) == pytest.approx(best_contiguous(p, net)[0], rel=1e-9)
 
 
 def test_pareto_dp_equals_enumeration_six_leaves():

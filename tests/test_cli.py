@@ -25,15 +25,20 @@ def test_simulate_json_has_the_documented_fields(capsys):
   assert obj["model"] == "resnet50-v100" and obj["workers"] == 16 and obj["cross_step"] is False
   assert set(obj["network"]) == {"name", "alpha_s", "beta_s_per_byte"}
   names = [r["policy"] for r in obj["results"]]
-  assert names == ["wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet", "auto", "dlcp"]
-  lossless = [r for r in obj["results"] if r["policy"] != "dlcp"]
+  assert names == ["wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet", "auto", "dlcp", "dear"]
+  lossless = [r for r in obj["results"] if r["policy"] not in ("dlcp", "dear")]
   for r in lossless:
     assert set(r) == {"policy", "iteration_s", "idle_s", "allreduces", "vs_lower_bound"}
     assert r["vs_lower_bound"] >= 1 - 1e-9, r
   auto = next(r for r in obj["results"] if r["policy"] == "auto")
   assert auto["iteration_s"] <= min(r["iteration_s"] for r in lossless) * (1 + 1e-9)
+  # dear (sharded, ZeRO-1) says so and counts its collectives; the bound covers it too
+  de = obj["results"][-1]
+  assert set(de) == set(lossless[0]) | {"sharded", "reduce_scatters", "all_gathers"} and de["sharded"] is True
+  assert de["allreduces"] == 0 and de["reduce_scatters"] >= 1 and de["all_gathers"] >= 1
+  assert de["vs_lower_bound"] >= 1 - 1e-9
   # dlcp (max_defer 0.1 in this comparison) adds how much it defers; never slower than auto
-  dl = obj["results"][-1]
+  dl = obj["results"][-2]
   assert set(dl) == set(lossless[0]) | {"max_defer", "deferred_fraction"} and dl["max_defer"] == 0.1
   assert dl["iteration_s"] <= auto["iteration_s"] * (1 + 1e-12) and 0 <= dl["deferred_fraction"] <= 0.1
 
@@ -61,7 +66,7 @@ def test_simulate_under_pressure_from_a_network_file_and_a_flag(capsys, tmp_path
   code, out, _ = run(capsys, "simulate", "--model", "gpt2-h100", "--workers", "8", "--network", "10gbe",
                      "--pressure", "background_flows=0.5,samples=8,seed=2")
   assert code == 0 and "p99 ms" in out and "mean of 8 samples (seed 2)" in out
-  assert [l.split()[0] for l in out.splitlines()[4:]][-1] == "dlcp"
+  assert [l.split()[0] for l in out.splitlines()[4:]][-2:] == ["dlcp", "dear"]
 
 
 def test_simulate_table_named_policies_cross_step_and_timeline(capsys, tmp_path):
@@ -201,3 +206,25 @@ def test_launch_runs_a_trivial_command_on_two_ranks(capsys):
   assert rc == 3 and "rank 1" in err
   rc, _, err = run(capsys, "launch", "--nproc", "2")
   assert rc == 2 and "the command is empty; give it after `--`" in err
+
+
+def test_dear_rows_and_plan_writes_a_sharded_schedule(capsys, tmp_path):
+  from prophet_jax import NetworkModel, Schedule
+
+  # a network with two links: sharded schedules run on one tie chain, so no dear row there
+  path = tmp_path / "net.json"
+  path.write_text(NetworkModel.preset("10gbe", workers=8, links=2).to_json())
+  code, out, _ = run(capsys, "simulate", "--model", "resnet50", "--network", str(path), "--json")
+  assert code == 0 and "dear" not in [r["policy"] for r in json.loads(out)["results"]]
+  code, _, err = run(capsys, "simulate", "--model", "resnet50", "--network", str(path), "--policy", "dear")
+  assert code == 2 and "network.links=2" in err
+  # plan --policy dear writes a sharded schedule that loads
+  prof = tmp_path / "p.json"
+  from prophet_jax import models
+  prof.write_text(models.load_trace("resnet50-v100").to_json())
+  out_path = tmp_path / "s.json"
+  code, _, _ = run(capsys, "plan", "--profile", str(prof), "--network", "10gbe", "--workers", "16",
+                   "--policy", "dear", "--cross-step", "--out", str(out_path))
+  assert code == 0
+  s = Schedule.from_json(out_path.read_text())
+  assert s.policy == "dear" and s.sharded and s.cross_step and "gathers" in json.loads(out_path.read_text())

@@ -72,6 +72,16 @@ SLOW = pj.NetworkModel.preset("10gbe", workers=NDEV)
 SLOW_OPTIONS = {"partition_bytes": 16384, "credit_bytes": 16384}
 
 
+# jaxlib >= 0.12's XLA:GPU runs an all-reduce of up to a few MiB on one host as a one-shot Triton kernel
+# (an asynchronous collective fusion, `fusion-start`), and its scheduler puts little or nothing inside
+# those windows in these tiny models; larger all-reduces (>= 16 MiB measured) take the NCCL path, which
+# jaxlib 0.10 takes for every size (docs/facts.md, "XLA:GPU 0.12's collective kernels"). The overlap
+# claims below are about the NCCL path: where this jaxlib has collective kernels, the audited programs
+# are compiled with them off (the option's empty list); `test_default_flags_...` audits the default.
+NCCL_PATH = ({"xla_gpu_experimental_use_collective_kernels": ""}
+             if _gpu.xla_option_accepted("xla_gpu_experimental_use_collective_kernels", "") else {})
+
+
 @functools.lru_cache(maxsize=None)
 def schedule_for(model: str, policy: str, mode: str) -> pj.Schedule:
   """The plan of `policy` ('priority@10gbe': priority on the slow link, pipelined only)."""
@@ -124,7 +134,8 @@ def reports(topo):
   key_of[("cnn", "pmean")] = ("cnn", "pmean")
   keys = list(lowered)
   with ThreadPoolExecutor(2) as pool:
-    texts = dict(zip(keys, pool.map(lambda k: lowered[k].compile().as_text(), keys)))
+    texts = dict(zip(keys, pool.map(lambda k: lowered[k].compile(compiler_options=NCCL_PATH).as_text(),
+                                    keys)))
   out = {}
   for name, key in key_of.items():
     model, mode, policy = name if len(name) == 3 else ("cnn", "scheduled", "wfbp")
@@ -153,6 +164,25 @@ def test_every_policy_keeps_its_chunks_and_overlaps_backward(reports, model, mod
       if model == "cnn" and policy in WHOLE_LAYER_POLICIES and not split:
         overlapped = [e.chunk for e in r.chunks if e.window_ops("backward")]
         assert set(range(s.num_allreduces - 1)) <= set(overlapped), where
+
+
+def test_default_flags_keep_count_and_order_and_the_audit_says_which_form_it_read(topo):
+  """The pipelined cnn step under XLA's defaults: jaxlib 0.10's XLA:GPU writes every chunk as an
+  all-reduce-start/done pair and overlaps all but the last; jaxlib 0.12's writes them as collective
+  kernels (fusion-start) and leaves chunk 0's window empty, which the audit reads, counts and warns about
+  (docs/facts.md, "XLA:GPU 0.12's collective kernels")."""
+  s = schedule_for("cnn", "wfbp", "pipelined")
+  r = pj.audit(pj.lower_step(get_model("cnn"), s, "pipelined", topo, batch_size=BATCH).compile(), s)
+  assert r.ok and r.order == tuple(range(s.num_allreduces)) and r.max_in_flight == 1, r.describe()
+  kernel_warning = [w for w in r.warnings if "collective kernels" in w]
+  if NCCL_PATH:  # this jaxlib has collective kernels
+    assert r.forms == {"fusion-start": s.num_allreduces}, r.describe()
+    assert "fusion-start/done (async collective fusion)" in r.describe()
+    assert 0 in r.exposed and kernel_warning, r.describe()
+    assert "--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE" in kernel_warning[0]
+  else:
+    assert r.forms == {"all-reduce-start": s.num_allreduces}, r.describe()
+    assert not r.exposed[:-1] and not kernel_warning, r.describe()
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -223,12 +253,19 @@ def test_a_step_xla_merged_or_reordered_fails_the_audit(topo, case):
 
 
 # users' flags, as per-compile options (an unknown name in XLA_FLAGS would abort the process). Each of
-# the first three alone compiles to the same schedule as the default (bench/gpu_ordering.py); together
-# they are one compile here.
+# the benign two alone compiles to the same schedule as the default (bench/gpu_ordering.py); together
+# they are one compile here. The latency hiding scheduler off did nothing on an H100 target in jaxlib
+# 0.10.2 and makes the all-reduces synchronous in 0.12: either way count and order hold, and the audit
+# warns where nothing can overlap.
+# jaxlib 0.12 replaced the boolean xla_gpu_enable_pipelined_all_reduce by the mode
+# xla_gpu_pipeline_all_reduce (the old name is refused as a compile option there).
+PIPELINED_ALL_REDUCE = (("xla_gpu_enable_pipelined_all_reduce", True)
+                        if _gpu.xla_option_accepted("xla_gpu_enable_pipelined_all_reduce", True)
+                        else ("xla_gpu_pipeline_all_reduce", "COLLECTIVE_PIPELINING_MODE_ON"))
 BENIGN_FLAGS = {"xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30,
-                "xla_gpu_enable_latency_hiding_scheduler": False,
-                "xla_gpu_enable_pipelined_all_reduce": True}
-SYNC_FLAGS = {"xla_gpu_disable_async_collectives": "ALLREDUCE"}
+                PIPELINED_ALL_REDUCE[0]: PIPELINED_ALL_REDUCE[1], **NCCL_PATH}
+LHS_OFF_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": False, **NCCL_PATH}
+SYNC_FLAGS = {"xla_gpu_disable_async_collectives": "ALLREDUCE", **NCCL_PATH}
 
 
 def test_users_xla_flags_keep_count_and_order_or_warn(topo):
@@ -236,19 +273,24 @@ def test_users_xla_flags_keep_count_and_order_or_warn(topo):
   s = schedule_for("cnn", "wfbp", "hooked")
   lowered = pj.lower_step(m, s, "hooked", topo, batch_size=BATCH)
   with ThreadPoolExecutor(2) as pool:
-    benign, sync = pool.map(lambda o: pj.audit(lowered.compile(compiler_options=o), s),
-                            (BENIGN_FLAGS, SYNC_FLAGS))
-  for r in (benign, sync):
+    benign, lhs_off, sync = pool.map(lambda o: pj.audit(lowered.compile(compiler_options=o), s),
+                                     (BENIGN_FLAGS, LHS_OFF_FLAGS, SYNC_FLAGS))
+  for r in (benign, lhs_off, sync):
     assert r.ok and r.order == tuple(range(s.num_allreduces)), r.describe()
   assert not benign.exposed[:-1] and not benign.warnings and benign.backward_outside_windows == 0, \
       benign.describe()
   assert not sync.asynchronous and len(sync.exposed) == s.num_allreduces
   assert any("synchronous" in w for w in sync.warnings), sync.describe()
+  if lhs_off.asynchronous:  # jaxlib 0.10.2: the flag does nothing on Hopper
+    assert not lhs_off.exposed[:-1] and not lhs_off.warnings, lhs_off.describe()
+  else:  # jaxlib 0.12: synchronous, and said so
+    assert any("synchronous" in w and "latency_hiding_scheduler" in w for w in lhs_off.warnings), \
+        lhs_off.describe()
 
 
 def test_a100_overlaps_only_with_the_latency_hiding_scheduler():
-  """jaxlib 0.10.2's XLA:GPU schedules for overlap by default only on Hopper: on an A100 the chunks'
-  all-reduces compile synchronous (the audit warns) unless the user turns the scheduler on."""
+  """XLA:GPU (jaxlib 0.10.2 and 0.12) schedules for overlap by default only on Hopper: on an A100 the
+  chunks' all-reduces compile synchronous (the audit warns) unless the user turns the scheduler on."""
   a100 = pj.gpu_topology("a100", devices=NDEV)
   m = get_model("cnn")
   s = schedule_for("cnn", "wfbp", "hooked")
@@ -289,19 +331,40 @@ def test_shipped_targets():
     pj.gpu_topology("h100", devices=0)
 
 
-def test_v100_compiles(topo):
+def test_v100_compiles_with_cuda12_and_cuda13_says_it_cannot(topo, monkeypatch):
+  """CUDA 13 dropped Volta: with jax-cuda13-plugin, gpu_topology('v100') says so and what to install;
+  with jax-cuda12-plugin the V100 target compiles. Both answers are checked whichever plugin is here:
+  the refusal with the plugin's CUDA major faked to 13 where the installed one is 12."""
   del topo  # the plugin is checked there
-  v100 = pj.gpu_topology("v100", devices=2)
-  assert len(v100.devices) == 2 and "V100" in v100.devices[0].device_kind
+  plugin = _gpu.cuda_plugin()
+  assert plugin is not None and _gpu.CUDA_MAJORS["v100"] == (12,)
+  if plugin.major == 12:
+    v100 = pj.gpu_topology("v100", devices=2)
+    assert len(v100.devices) == 2 and "V100" in v100.devices[0].device_kind
+    fake = _gpu.CudaPlugin(major=13, plugin="jax-cuda13-plugin", pjrt="jax-cuda13-pjrt")
+    monkeypatch.setattr(_gpu, "cuda_plugin", lambda: fake)
+    monkeypatch.setattr(_gpu, "_version", lambda dist: __import__("jaxlib").__version__)
+  with pytest.raises(pj.GpuCompileError, match=r"gpu_topology\('v100'\).*jax-cuda13-plugin \(CUDA 13\).*"
+                     r"compute capability 7\.0.*CUDA 13 dropped Volta.*prophet-jax\[gpu-compile\].*"
+                     r"\['h100', 'a100'\]"):
+    pj.gpu_topology("v100", devices=2)
+  assert pj.gpu_topology("h100", devices=2).target.name == "h100"  # a target CUDA 13 supports
 
 
 def test_missing_plugin_ptxas_or_platform_say_what_to_do(monkeypatch):
-  monkeypatch.setattr(_gpu, "cuda_plugin_installed", lambda: False)
-  with pytest.raises(pj.GpuCompileError, match=r"not installed.*prophet-jax\[gpu-compile\]"):
+  monkeypatch.setattr(_gpu, "_plugins_found", lambda: ())
+  assert not _gpu.cuda_plugin_installed()
+  with pytest.raises(pj.GpuCompileError, match=r"not installed.*prophet-jax\[gpu-compile\]' for CUDA 12.*"
+                     r"prophet-jax\[gpu-compile-cuda13\]' for CUDA 13"):
     pj.gpu_topology("h100")
   monkeypatch.undo()
   monkeypatch.setattr(_gpu, "find_ptxas", lambda: None)
-  with pytest.raises(pj.GpuCompileError, match="no ptxas found.*nvidia-cuda-nvcc-cu12"):
+  wheel = {12: "nvidia-cuda-nvcc-cu12", 13: "nvidia-cuda-nvcc "}[_gpu.cuda_plugin().major]
+  with pytest.raises(pj.GpuCompileError, match=f"no ptxas found.*pip install {wheel}"):
+    pj.gpu_topology("h100")
+  monkeypatch.undo()
+  monkeypatch.setattr(_gpu, "_plugins_found", lambda: (12, 13))
+  with pytest.raises(pj.GpuCompileError, match="both jax-cuda12-plugin and jax-cuda13-plugin.*keep one"):
     pj.gpu_topology("h100")
   monkeypatch.undo()
   before = jax.config.jax_platforms

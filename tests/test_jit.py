@@ -690,8 +690,16 @@ def test_h100_audit_of_the_jit_steps(topo):
              "pipelined": jax.jit(pipe.step).lower(topo.abstract(pending, pipe.state_specs(pending),
                                                                  mesh=gmesh), args[2]),
              "plain": jax.jit(functools.partial(step, plain=True)).lower(*args)}
+  # jaxlib 0.12 runs these small all-reduces as one-shot collective kernels, with less inside their
+  # windows; the overlap claims are about NCCL's all-reduces, jaxlib 0.10's only path (docs/facts.md,
+  # "XLA:GPU 0.12's collective kernels"; test_gpu.py audits the default)
+  from prophet_jax import _gpu
+
+  nccl = ({"xla_gpu_experimental_use_collective_kernels": ""}
+          if _gpu.xla_option_accepted("xla_gpu_experimental_use_collective_kernels", "") else None)
   with ThreadPoolExecutor(2) as pool:  # compilation releases the GIL
-    compiled = dict(zip(lowered, pool.map(lambda k: lowered[k].compile(), list(lowered))))
+    compiled = dict(zip(lowered, pool.map(lambda k: lowered[k].compile(compiler_options=nccl),
+                                          list(lowered))))
   for mode in ("hooked", "pipelined"):
     s = schedule if mode == "hooked" else pipe.schedule
     r = pj.audit(compiled[mode], s)

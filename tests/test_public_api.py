@@ -11,7 +11,8 @@ import prophet_jax
 PURE = ["prophet_jax", "prophet_jax._types", "prophet_jax._errors", "prophet_jax._plan", "prophet_jax._tree",
         "prophet_jax._core", "prophet_jax._schedule", "prophet_jax._network", "prophet_jax._checks",
         "prophet_jax.launch",
-        "prophet_jax._simulate", "prophet_jax._bound", "prophet_jax._timeline", "prophet_jax.schedulers",
+        "prophet_jax._simulate", "prophet_jax._sharded", "prophet_jax._bound", "prophet_jax._timeline",
+        "prophet_jax.schedulers", "prophet_jax.schedulers._dear", "prophet_jax._jaxcompat",
         "prophet_jax.cli"]
 
 
@@ -35,11 +36,12 @@ p = pj.GradientProfile.from_params({{'a': {{'w': __import__('numpy').zeros((8, 8
                                    forward_s=1e-3, backward_s=2e-3)
 n = pj.NetworkModel.preset('10gbe', workers=8)
 s = pj.plan(p, n, 'wfbp')
-print(pj.simulate(s, p, n).iteration_s > 0, pj.lower_bound(p, n) > 0)
+d = pj.plan(p, n, 'dear', cross_step=True)
+print(pj.simulate(s, p, n).iteration_s > 0, pj.lower_bound(p, n) > 0, d.sharded)
 """
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
-  assert out.stdout.strip() == "True True"
+  assert out.stdout.strip() == "True True True"
 
 
 def test_import_has_no_side_effects():

@@ -141,9 +141,14 @@ def test_forward_and_recompute_give_the_vjp_closure_bit_for_bit(fn_name, how):
   for got, want in zip(leaves, jax.tree.leaves(ref_vjp)):
     np.testing.assert_array_equal(got, want)
   (g,) = jax.tree.unflatten(treedef, leaves)(jnp.ones((), loss.dtype))
+  (ref_same,) = ref_vjp(jnp.ones((), loss.dtype))  # jax's own closure, applied the same way: bit for bit
+  for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(ref_same)):
+    np.testing.assert_array_equal(got, want)
+  # jax.grad is another program (one jit, fused otherwise): float32 rounding apart (jaxlib 0.12's XLA:CPU
+  # differs from the closure applied op by op by up to 3.3e-6 relative on mlp_gelu, ~28 ulp)
   ref_g = jax.grad(FUNCS[fn_name])(p, b)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("fn_name", sorted(FUNCS))

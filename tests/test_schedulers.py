@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, Schedule
 from prophet_jax._types import itemsize
-from prophet_jax.schedulers import Scheduler, bucket, dlcp, mgwfbp, priority, prophet, wfbp, xla
+from prophet_jax.schedulers import Scheduler, bucket, dear, dlcp, mgwfbp, priority, prophet, wfbp, xla
 from prophet_jax.schedulers import _bucket as bucket_mod
 from prophet_jax.schedulers import _common
 from prophet_jax.schedulers import _priority as priority_mod
@@ -79,7 +79,8 @@ NETWORKS = {
 FACTORIES = {"wfbp": wfbp, "bucket": bucket, "xla": xla, "mgwfbp": mgwfbp, "priority": priority,
              "prophet": prophet, "bucket[horovod]": functools.partial(bucket, style="horovod"),
              "priority[allreduce]": functools.partial(priority, mode="allreduce"),
-             "dlcp[0.25]": functools.partial(dlcp, max_defer=0.25)}
+             "dlcp[0.25]": functools.partial(dlcp, max_defer=0.25), "dear": dear,
+             "dear[25MiB]": functools.partial(dear, bucket_bytes=25 * 2**20)}
 
 
 def assert_covers_exactly_once(s: Schedule, p: GradientProfile) -> None:
@@ -126,6 +127,10 @@ def test_conformance(name, cross_step, prof, net):
   assert Schedule.from_json(s.to_json()) == s             # JSON round trip
   if prof == "all_zero":
     assert s.num_allreduces == 0
+  if name.startswith("dear"):        # sharded: every chunk (a reduce-scatter) in one all-gather
+    assert s.sharded == (prof != "all_zero")
+    assert sorted(k for g in s.gathers for k in g) == list(range(len(s.chunks) if s.sharded else 0))
+    assert simulate(s, p, n, cross_step=cross_step).iteration_s == pytest.approx(s.predicted_s, rel=1e-9)
 
 
 def test_conformance_auto():

@@ -8,6 +8,7 @@ Each factory takes keyword-only, validated options and returns
 from ._auto import auto as auto
 from ._base import Scheduler as Scheduler
 from ._bucket import bucket as bucket
+from ._dear import dear as dear
 from ._dlcp import dlcp as dlcp
 from ._mgwfbp import mgwfbp as mgwfbp
 from ._priority import priority as priority
@@ -16,4 +17,4 @@ from ._registry import POLICIES as POLICIES
 from ._wfbp import wfbp as wfbp
 from ._xla import xla as xla
 
-__all__ = ["POLICIES", "Scheduler", "auto", "bucket", "dlcp", "mgwfbp", "priority", "prophet", "wfbp", "xla"]
+__all__ = ["POLICIES", "Scheduler", "auto", "bucket", "dear", "dlcp", "mgwfbp", "priority", "prophet", "wfbp", "xla"]

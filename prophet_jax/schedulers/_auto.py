@@ -26,6 +26,11 @@ Three parts, each in its own module:
 
 * ``cross_step="auto"``: both modes are planned and the faster prediction wins; the schedule records it.
 
+* ``sharded=True``: the `dear` policy's sharded plan (reduce-scatters, each device updating its shard
+  with 1/P of the optimizer state, all-gathers; `Schedule.gathers`) is a candidate too, and wins where
+  it is predicted faster. Off by default: a sharded plan changes the optimizer state's layout (ZeRO-1:
+  `scheduled`'s state holds 1/P of `tx`'s per device), so `auto` returns one only when asked.
+
 With ``robust > 0`` (alpha and beta uncertain by that fraction), auto returns instead the candidate
 whose worst slowdown over that box of networks is least (minimax regret), replanning its own candidates
 for the box's corners, among those predicted within ``robust_tol`` of the best default baseline.
@@ -51,11 +56,13 @@ from .._checks import check_bool, check_int, check_number
 from .._core import Problem, chunk_arrays, problem, search_problem, split_by_dtype
 from .._network import NetworkModel
 from .._schedule import Schedule
-from .._simulate import chunk_links, simulate_chunks
+from .._sharded import sharded_arrays
+from .._simulate import chunk_links, simulate_chunks, simulate_sharded
 from .._types import GradientProfile
 from ._base import Scheduler
 from ._bucket import bucket
 from ._common import Groups, buckets_from_groups, check_inputs, make_schedule
+from ._dear import plan_sharded, sharded_schedule
 from ._joint import SearchChunk, chunk_stats, contiguous_dp, evaluate, make_chunk, own_candidates
 from ._mgwfbp import mgwfbp
 from ._priority import priority
@@ -75,6 +82,9 @@ _KICKED = 3
 # Robust choice: the exact-tail grid points of the best few candidates are replanned per network.
 _ROBUST_POINTS = 3
 _INF = math.inf
+# With sharded=True, the sharded plan wins only when predicted faster than the best all-reduce plan by
+# more than this fraction: a tie (within the model's rounding) keeps the optimizer state's layout.
+_SHARDED_MARGIN = 1e-3
 
 
 # --------------------------------------------------------------------------------------------------
@@ -82,7 +92,8 @@ _INF = math.inf
 
 
 def auto(*, search_options: bool = True, local_search: bool = True, max_evals: int = 30000,
-         robust: float = 0.0, robust_tol: float = 0.02, verify: bool = True) -> Scheduler:
+         robust: float = 0.0, robust_tol: float = 0.02, verify: bool = True,
+         sharded: bool = False) -> Scheduler:
   """The best predicted schedule: every policy's option search plus a joint optimiser.
 
   Args:
@@ -100,6 +111,13 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
     robust_tol: the predicted time (relative) the robust choice may give up, e.g. 0.02.
     verify: compute `Schedule.predicted_s` with the simulator's own run (the search ranks candidates
       by the core's closed form, which agrees with it up to float rounding).
+    sharded: also weigh the `dear` policy's sharded plan (ZeRO-1: reduce-scatters, the update of each
+      device's 1/P shard, all-gathers) and return it where its simulated iteration is shorter than
+      the best all-reduce plan's by more than 0.1% (never with `network.links > 1`, where sharded
+      schedules do not
+      apply). False (the default) returns all-reduce plans only: a sharded plan changes the
+      optimizer state's layout (1/P of it per device), which a user should opt into. The options
+      record `candidate` ('dear...' when the sharded plan won).
 
   Returns:
     A Scheduler: ``scheduler(profile, network, *, cross_step) -> Schedule``; ``cross_step`` may be
@@ -123,23 +141,36 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
     ByteScheduler (SOSP 2019).
   """
   for name, value in (("search_options", search_options), ("local_search", local_search),
-                      ("verify", verify)):
+                      ("verify", verify), ("sharded", sharded)):
     check_bool("auto", name, value)
   check_int("auto", "max_evals", max_evals, lo=1, fix="It is a number of evaluations, e.g. 3000.")
   for name, value, hi in (("robust", robust, 0.9), ("robust_tol", robust_tol, 1.0)):
     check_number("auto", name, value, lo=0, hi=hi, fix=f"e.g. {0.3 if name == 'robust' else 0.02}.")
   options = {"search_options": search_options, "local_search": local_search, "max_evals": max_evals,
              "robust": float(robust), "robust_tol": float(robust_tol), "verify": verify}
+  if sharded:            # recorded only when set, so the options of every other auto plan are unchanged
+    options["sharded"] = True
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool | str = False
                 ) -> Schedule:
     if cross_step == "auto" and isinstance(cross_step, str):
       check_inputs(_POLICY, profile, network, False)
-      plain = _contest(profile, network, False, options)
-      piped = _contest(profile, network, True, options)
-      return _schedule(profile, *(piped if piped[2] < plain[2] else plain), options)
-    cross = check_inputs(_POLICY, profile, network, cross_step)
-    return _schedule(profile, *_contest(profile, network, cross, options), options)
+      modes = (False, True)
+    else:
+      modes = (check_inputs(_POLICY, profile, network, cross_step),)
+    best: tuple[float, int, Any] | None = None
+    for n, cross in enumerate(modes):
+      contest = _contest(profile, network, cross, options)
+      cands = [(contest[2], 2 * n, lambda c=contest: _schedule(profile, *c, options))]
+      if sharded and network.links == 1:
+        one = _sharded_candidate(profile, network, cross, options)
+        if one is not None:
+          cands.append((one[0] / (1 - _SHARDED_MARGIN), 2 * n + 1, one[1]))
+      for c in cands:
+        if best is None or c[0] < best[0]:
+          best = c
+    assert best is not None
+    return best[2]()
 
   scheduler.__name__ = "auto"
   scheduler.__qualname__ = "auto"
@@ -320,6 +351,20 @@ def _schedule(profile: GradientProfile, prob: Problem, chosen: _Candidate, predi
   return make_schedule(buckets_from_groups(profile, chosen.groups()), profile, policy=_POLICY,
                        options=dict(options, candidate=chosen.label), cross_step=prob.cross_step,
                        predicted_s=predicted, links=links)
+
+
+def _sharded_candidate(profile: GradientProfile, network: NetworkModel, cross: bool,
+                       options: dict[str, Any]) -> tuple[float, Any] | None:
+  """(predicted iteration, a thunk building the Schedule) of the `dear` plan for one step mode, its
+  prediction `simulate`'s (under the network's pressure, if any); None when nothing is sent."""
+  prob = problem(profile, network, cross_step=cross)
+  label, chunks, gathers, _ = plan_sharded(prob)
+  if not chunks:
+    return None
+  predicted = simulate_sharded(prob, sharded_arrays(prob, chunks, gathers), events=False).iteration_s
+  return predicted, lambda: sharded_schedule(profile, chunks, gathers, cross_step=cross, policy=_POLICY,
+                                             options=dict(options, candidate=f"dear:{label}"),
+                                             predicted_s=predicted)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 from ._auto import auto
 from ._base import Scheduler
 from ._bucket import bucket
+from ._dear import dear
 from ._dlcp import dlcp
 from ._mgwfbp import mgwfbp
 from ._priority import priority
@@ -22,7 +23,7 @@ from ._xla import xla
 
 class _Policies(Mapping[str, Callable[..., Scheduler]]):
   """Every policy name and its factory, read-only, in a fixed order: 'wfbp', 'bucket', 'xla', 'mgwfbp',
-  'priority', 'prophet', 'auto', 'dlcp'."""
+  'priority', 'prophet', 'auto', 'dlcp', 'dear'."""
 
   def __init__(self, table: Mapping[str, Callable[..., Scheduler]]):
     self._table = dict(table)
@@ -42,7 +43,7 @@ class _Policies(Mapping[str, Callable[..., Scheduler]]):
 
 POLICIES: Mapping[str, Callable[..., Scheduler]] = _Policies({
     "wfbp": wfbp, "bucket": bucket, "xla": xla, "mgwfbp": mgwfbp, "priority": priority,
-    "prophet": prophet, "auto": auto, "dlcp": dlcp})
+    "prophet": prophet, "auto": auto, "dlcp": dlcp, "dear": dear})
 
 
 def option_names(name: str) -> tuple[str, ...]:

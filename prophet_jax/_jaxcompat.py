@@ -1,0 +1,142 @@
+"""The JAX prophet_jax runs on: the versions it supports and tests, and every private JAX name it uses.
+
+prophet_jax uses JAX's public API wherever the supported range (`SUPPORTED_JAX`) has one. Three things
+it cannot do publicly, so it reads private names for them: each is listed in `PRIVATE_JAX` and read
+through `private()`, and a jax that lacks one gets an error naming it, the installed jax and the tested
+versions (never a silent fallback):
+- detecting a cluster the way `jax.distributed.initialize()` does (SLURM, Open MPI, Kubernetes, Cloud
+  TPU) without joining it, so that `launch.initialize()` does nothing in a single process:
+  `jax._src.clusters.ClusterEnv._cluster_types`. Without it a cluster job's processes would each train alone, so its
+  absence is a `LaunchError`;
+- binding gloo to one network interface (`--gloo-interface`; docs/facts.md, "Gloo across network
+  namespaces"): `jax._src.lib._jax.make_gloo_tcp_collectives`, the CPU backend factory in
+  `jax._src.xla_bridge`, `jax._src.distributed.global_state` (`GlooBindError`);
+- registering the PJRT plugins without starting a backend, so that the command line drops the CUDA
+  plugin's driver-search lines: `jax._src.xla_bridge._discover_and_register_pjrt_plugins` (cosmetic:
+  without it those lines print and nothing else changes, so its absence is not an error).
+The pipelined step's residual analysis (`_residuals`) and `_tree.forward_paths` read jaxprs through
+`jax.extend.core`, JAX's public API for extensions (less stable than its core API): the names they use
+are `JAXPR_API`, checked by `check_jaxpr_api()` with the same kind of error.
+
+`tests/test_jaxcompat.py` resolves every listed name on the installed jax: `make test` (jax 0.10.2) and
+`make test-latest` (the newest) prove them on both ends of the range.
+
+Pure: importing this module imports no jax.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+from ._errors import JaxVersionError
+
+__all__ = ["SUPPORTED_JAX", "TESTED_JAX_VERSIONS", "PRIVATE_JAX", "JAXPR_API", "private", "check_jaxpr_api"]
+
+# the range pyproject.toml declares (jax and jaxlib alike)
+SUPPORTED_JAX = ">=0.10.2,<0.13"
+# the versions the whole suite passed on (make test: 0.10.2 on Python 3.11; make test-latest: the newest,
+# 0.12.0.1 on Python 3.13 when this was written; 0.11.2 on Python 3.13 by hand, docs/facts.md)
+TESTED_JAX_VERSIONS = ("0.10.2", "0.11.2", "0.12.0.1")
+
+# (module, attribute path, what needs it)
+PRIVATE_JAX: tuple[tuple[str, str, str], ...] = (
+    ("jax._src.clusters", "ClusterEnv._cluster_types", "launch.initialize(): detecting a cluster"),
+    ("jax._src.lib", "_jax.make_gloo_tcp_collectives", "--gloo-interface"),
+    ("jax._src.xla_bridge", "register_backend_factory", "--gloo-interface"),
+    ("jax._src.xla_bridge", "make_cpu_client", "--gloo-interface"),
+    ("jax._src.xla_bridge", "backends_are_initialized", "--gloo-interface"),
+    ("jax._src.distributed", "global_state", "--gloo-interface"),
+    ("jax._src.xla_bridge", "_discover_and_register_pjrt_plugins", "the command line's quiet start"),
+)
+
+# public, for extensions: (module, attribute path)
+JAXPR_API: tuple[tuple[str, str], ...] = (
+    ("jax.extend.core", "Literal"),
+    ("jax.extend.core", "Jaxpr.replace"),
+    ("jax.extend.core", "JaxprEqn.replace"),
+    ("jax.extend.core", "ClosedJaxpr"),
+    ("jax.extend.core", "jaxpr_as_fun"),
+)
+# what the code reads from a traced jaxpr and its equations
+_JAXPR_FIELDS = ("jaxpr", "consts", "eqns", "invars", "outvars", "constvars", "effects", "debug_info")
+_EQN_FIELDS = ("primitive", "params", "invars", "outvars", "effects")
+
+
+def _installed() -> str:
+  try:
+    import jax
+
+    return jax.__version__
+  except ImportError:
+    return "(none)"
+
+
+def _advice(fix: str) -> str:
+  return (f"prophet_jax supports jax {SUPPORTED_JAX} and was tested with jax "
+          f"{', '.join(TESTED_JAX_VERSIONS)}: install one of those (pip install 'jax=={TESTED_JAX_VERSIONS[-1]}' "
+          f"'jaxlib=={TESTED_JAX_VERSIONS[-1]}'){'; or ' + fix if fix else ''}.")
+
+
+def private(module: str, attribute: str, *, feature: str, error: type[Exception] = JaxVersionError,
+            fix: str = "") -> Any:
+  """`module.attribute` (a dotted path), one of `PRIVATE_JAX`, or `error` naming it and what to do.
+
+  Args:
+    module, attribute: the private name, as listed in `PRIVATE_JAX`.
+    feature: what needs it, for the message ('--gloo-interface').
+    error: the exception to raise (a ProphetError subclass taking one message).
+    fix: another way out, for the message ('run without --gloo-interface').
+
+  Raises:
+    `error`: the installed jax does not have the name.
+    AssertionError: the name is not listed in PRIVATE_JAX (an internal error: the inventory must be
+      complete, docs/facts.md lists it).
+  """
+  if not any(m == module and a == attribute for m, a, _ in PRIVATE_JAX):
+    raise AssertionError(f"prophet_jax internal error: {module}.{attribute} is not in PRIVATE_JAX.")
+  try:
+    obj: Any = importlib.import_module(module)
+    for part in attribute.split("."):
+      obj = getattr(obj, part)
+  except (ImportError, AttributeError) as e:
+    raise error(f"{feature} needs jax's private {module}.{attribute}, which jax {_installed()} does not "
+                f"have ({type(e).__name__}: {e}). {_advice(fix)}") from e
+  return obj
+
+
+@functools.lru_cache(maxsize=None)
+def _jaxpr_api_missing() -> tuple[str, ...]:
+  missing = []
+  for module, attribute in JAXPR_API:
+    try:
+      obj: Any = importlib.import_module(module)
+      for part in attribute.split("."):
+        obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+      missing.append(f"{module}.{attribute}")
+  if missing:
+    return tuple(missing)
+  import jax
+
+  closed = jax.make_jaxpr(lambda x: jax.jit(lambda y: y * 2)(x) + 1)(1.0)
+  missing += [f"a traced jaxpr's .{f}" for f in _JAXPR_FIELDS if not hasattr(closed, f)
+              and not hasattr(getattr(closed, "jaxpr", None), f)]
+  eqn = closed.jaxpr.eqns[0] if hasattr(closed, "jaxpr") and getattr(closed.jaxpr, "eqns", None) else None
+  missing += [f"a jaxpr equation's .{f}" for f in _EQN_FIELDS if eqn is not None and not hasattr(eqn, f)]
+  if eqn is not None and "jaxpr" not in getattr(eqn, "params", {}):
+    missing.append("a nested jit equation's params['jaxpr']")
+  return tuple(missing)
+
+
+def check_jaxpr_api(feature: str) -> None:
+  """Checks that this jax has every `jax.extend.core` name and jaxpr field `feature` reads.
+
+  Raises:
+    JaxVersionError: one is missing (the message names each).
+  """
+  missing = _jaxpr_api_missing()
+  if missing:
+    raise JaxVersionError(f"{feature} reads jaxprs through jax.extend.core, and jax {_installed()} lacks "
+                          f"{', '.join(missing)}. {_advice('')}")

@@ -1,0 +1,278 @@
+"""The numeric core of sharded schedules (the `dear` policy, ZeRO-1): reduce-scatters in backward, the
+update of each device's shard, all-gathers before the next forward (pure numpy).
+
+A sharded Schedule (`Schedule.gathers` non-empty) issues, per step, one **reduce-scatter** per chunk
+(its flat buffer zero-padded to a multiple of P = `network.workers`, `_schedule.shard_size`), in
+chunk order, then one **all-gather** per entry of `gathers`, in that order, each gathering the
+updated shards of its chunks. With a ring, a reduce-scatter or an all-gather of a buffer of n bytes
+costs a/2 + b/2·n (`NetworkModel.reduce_scatter_s`, `all_gather_s`: (P-1)·alpha_s + (P-1)/P·n·beta),
+so the two halves of one buffer cost one all-reduce. Each device updates 1/P of the parameters: a
+chunk's shard update costs its rows' `update_s` (pro rata of the elements it holds) divided by P.
+
+The model (docs/design.md, "Simulator semantics"), on one link (the rewrite runs one tie chain), the
+link FIFO in issue order: every reduce-scatter, then every all-gather (`_core` for the terms):
+
+- Reduce-scatters: chunk k is ready at max(ready_s of its rows) and runs on the link exactly as an
+  all-reduce chunk does (`_core.ends_one_link`: overlap, or the device stalls of `overlap=False`,
+  the skew waits), lasting d_k = a/2 + b/2·padded bytes. T_rs = the last one's end.
+- Plain step (`cross_step=False`, one jitted call per step): the update runs on the device once
+  backward and every reduce-scatter have ended, at T0 = max(backward end, T_rs), gather by gather
+  in all-gather order (U' = U/P in all); all-gather g is released when the update of its chunks is
+  done, T0 + (update of gathers 0..g), and runs when the link is free; the next forward starts when
+  the update and every all-gather are done: iteration = max(T0 + U', last all-gather end) + F. Without
+  overlap the device runs the update and the all-gathers one after the other: iteration = T0 + U' +
+  sum of all-gather times + F.
+- Pipelined step (`cross_step=True`): the update of gather g's shards is a latency after the last of
+  its reduce-scatters (as the pipelined step's per-layer update is for all-reduces): all-gather g is
+  released at max_{k in g} end(RS_k) + update(g) and starts at max(release, the link free), the
+  link being free once every reduce-scatter and every earlier all-gather have ended. Layer l's
+  forward of the next step starts at max(fwd_end(l-1), gathered(l)), gathered(l) = the end of the
+  last all-gather holding an element of layer l (a row with nbytes=0 counts at its ready_s),
+  fwd_end(-1) = backward end. Without overlap the device is one serial resource after backward and
+  the reduce-scatters: for each layer in order it runs the all-gathers, in issue order, up to the
+  last one the layer needs (each at max(now, its release)), then the layer's forward.
+
+`sharded_arrays` turns a schedule (chunk slices + gathers) into per-message arrays; `sharded_run`
+computes the timeline for one or many samples of the message durations at once (the calm network:
+one sample); `sharded_iteration_s` is the calm iteration the planner ranks candidates by.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from ._core import Problem, ends_one_link, sync_waits
+
+__all__ = ["ShardedArrays", "ShardedRun", "sharded_arrays", "sharded_run", "sharded_durations",
+           "sharded_iteration_s"]
+
+Slice = tuple[int, int, int]
+
+
+class ShardedArrays(NamedTuple):
+  """A sharded schedule as arrays: K reduce-scatters (issue order), G all-gathers (issue order).
+
+  Attributes:
+    rs_ready_s, rs_nbytes, rs_update_s: per reduce-scatter: readiness (max ready_s of its rows),
+      padded buffer bytes, the update of its shard (update_s of its elements / P).
+    ag_nbytes, ag_update_s: per all-gather: padded result bytes (P x the sum of its chunks' shards),
+      the update of its chunks' shards.
+    members, member_start: the chunk indices of every gather, concatenated in gather order, and where
+      each gather's begin (for `np.maximum.reduceat`).
+    need: per layer, the index of the last all-gather (issue order) holding an element of it, -1 if
+      none.
+    gathered_pairs: (gather, layer) pairs, unique: which layers each all-gather completes a part of.
+    layer_floor_s: per layer, the latest ready_s of its rows with nbytes=0 (-inf if none).
+    ag_tail_s: per all-gather, the forward of the front-most layer it holds and every later layer.
+  """
+
+  rs_ready_s: np.ndarray
+  rs_nbytes: np.ndarray
+  rs_update_s: np.ndarray
+  ag_nbytes: np.ndarray
+  ag_update_s: np.ndarray
+  members: np.ndarray
+  member_start: np.ndarray
+  need: np.ndarray
+  gathered_pairs: tuple[np.ndarray, np.ndarray]
+  layer_floor_s: np.ndarray
+  ag_tail_s: np.ndarray
+
+
+class ShardedRun(NamedTuple):
+  """The timeline of `sharded_run`, one row per sample: iteration [S]; the reduce-scatters' and
+  all-gathers' start and end [S, K] / [S, G] (durations with the skew waits included); the backward
+  end [S]; T0 [S] (plain step: when the update starts; pipelined: when the forward may start); each
+  all-gather's release [S, G]; each layer's forward start [S, L]."""
+
+  iteration_s: np.ndarray
+  rs_start: np.ndarray
+  rs_end: np.ndarray
+  ag_start: np.ndarray
+  ag_end: np.ndarray
+  backward_end: np.ndarray
+  t0: np.ndarray
+  release: np.ndarray
+  fwd_start: np.ndarray
+
+
+def sharded_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]],
+                   gathers: Sequence[Sequence[int]]) -> ShardedArrays:
+  """The ShardedArrays of reduce-scatter chunks (their slices, issue order) and gathers (chunk indices,
+  all-gather order), for the problem's workers P."""
+  workers = prob.network.workers
+  k_n = len(chunks)
+  rs_ready = np.empty(k_n)
+  rs_nbytes = np.empty(k_n)
+  rs_update = np.empty(k_n)
+  layers_of: list[set[int]] = []
+  ready, size, isz = prob.row_ready_s, prob.size, prob.itemsize
+  upd, layer = prob.row_update_s, prob.row_layer
+  for k, c in enumerate(chunks):
+    elems = 0
+    r_max = -math.inf
+    u = 0.0
+    ls = set()
+    for r, a, b in c:
+      n = b - a
+      elems += n
+      if ready[r] > r_max:
+        r_max = float(ready[r])
+      if upd[r]:
+        u += float(upd[r]) * n / size[r]
+      ls.add(int(layer[r]))
+    rs_ready[k] = r_max
+    padded = workers * -(-elems // workers)
+    rs_nbytes[k] = padded * isz[c[0][0]]
+    rs_update[k] = u / workers
+    layers_of.append(ls)
+  g_n = len(gathers)
+  members = np.fromiter((k for g in gathers for k in g), dtype=np.int64)
+  counts = np.fromiter((len(g) for g in gathers), dtype=np.int64, count=g_n)
+  member_start = np.zeros(g_n, dtype=np.int64)
+  if g_n:
+    np.cumsum(counts[:-1], out=member_start[1:])
+  ag_nbytes = np.add.reduceat(rs_nbytes[members], member_start) if g_n else np.zeros(0)
+  ag_update = np.add.reduceat(rs_update[members], member_start) if g_n else np.zeros(0)
+  nl = len(prob.layers)
+  need = np.full(nl, -1, dtype=np.int64)
+  pg, pl = [], []
+  ag_tail = np.zeros(g_n)
+  fwd_tail = prob.layer_fwd_tail_s
+  for g, ks in enumerate(gathers):
+    ls = set().union(*(layers_of[k] for k in ks))
+    for l in ls:
+      pg.append(g)
+      pl.append(l)
+      if g > need[l]:
+        need[l] = g
+    ag_tail[g] = float(fwd_tail[min(ls)]) if ls else 0.0
+  floor = np.full(nl, -np.inf)
+  zero = prob.row_nbytes == 0
+  if zero.any():
+    np.maximum.at(floor, prob.row_layer[zero], prob.row_ready_s[zero])
+  return ShardedArrays(rs_ready_s=rs_ready, rs_nbytes=rs_nbytes, rs_update_s=rs_update,
+                       ag_nbytes=ag_nbytes, ag_update_s=ag_update, members=members,
+                       member_start=member_start, need=need,
+                       gathered_pairs=(np.asarray(pg, dtype=np.int64), np.asarray(pl, dtype=np.int64)),
+                       layer_floor_s=floor, ag_tail_s=ag_tail)
+
+
+def sharded_durations(prob: Problem, arr: ShardedArrays) -> tuple[np.ndarray, np.ndarray]:
+  """The calm durations (one sample): reduce-scatters [1, K] and all-gathers [1, G], a/2 + b/2·bytes."""
+  a, b = 0.5 * prob.startup_s, 0.5 * prob.per_byte_s
+  return (a + b * arr.rs_nbytes)[None, :], (a + b * arr.ag_nbytes)[None, :]
+
+
+def sharded_run(prob: Problem, arr: ShardedArrays, rs_dur: np.ndarray, ag_dur: np.ndarray) -> ShardedRun:
+  """The timeline of every sample at once (the module docstring's model).
+
+  Args:
+    prob: the problem (step mode, overlap, skew, compute times).
+    arr: the schedule's arrays.
+    rs_dur: [S, K] reduce-scatter durations, without the skew waits (added here, as for all-reduces).
+    ag_dur: [S, G] all-gather durations.
+  """
+  rs_dur = np.asarray(rs_dur, dtype=np.float64)
+  ag_dur = np.asarray(ag_dur, dtype=np.float64)
+  samples = rs_dur.shape[0]
+  g_n = ag_dur.shape[1]
+  overlap = prob.overlap
+  backward_s = prob.backward_s
+  if prob.skew and not overlap and rs_dur.shape[1]:
+    rs_dur = rs_dur + sync_waits(arr.rs_ready_s, prob.skew, prob.cycle_s, backward_s)[None, :]
+  if rs_dur.shape[1]:
+    rs_end, bw_end = ends_one_link(arr.rs_ready_s, rs_dur, backward_s, overlap)
+    bw_end = np.broadcast_to(np.asarray(bw_end, dtype=np.float64), (samples,)).copy()
+    t_rs = rs_end.max(axis=1)
+  else:
+    rs_end = np.zeros((samples, 0))
+    bw_end = np.full(samples, float(backward_s))
+    t_rs = np.full(samples, -np.inf)
+  rs_start = rs_end - rs_dur
+  ag_start = np.empty((samples, g_n))
+  ag_end = np.empty((samples, g_n))
+  release = np.empty((samples, g_n))
+  nl = len(prob.layers)
+  fwd = prob.layer_fwd_s
+  if not prob.cross_step:
+    t0 = np.maximum(bw_end, t_rs)
+    cum = np.cumsum(arr.ag_update_s)
+    release[:] = t0[:, None] + cum[None, :]
+    u_total = float(cum[-1]) if g_n else 0.0
+    if overlap:
+      t = t_rs.copy()
+      for g in range(g_n):
+        s = np.maximum(t, release[:, g])
+        ag_start[:, g] = s
+        t = s + ag_dur[:, g]
+        ag_end[:, g] = t
+      last = t if g_n else t0
+      start_fwd = np.maximum(t0 + u_total, last)
+    else:
+      t = t0.copy()
+      for g in range(g_n):
+        s = t + arr.ag_update_s[g]
+        ag_start[:, g] = s
+        t = s + ag_dur[:, g]
+        ag_end[:, g] = t
+      start_fwd = t if g_n else t0 + u_total
+    offs = np.concatenate([[0.0], np.cumsum(fwd)[:-1]]) if nl else np.zeros(0)
+    fwd_start = start_fwd[:, None] + offs[None, :]
+    iteration = start_fwd + prob.forward_s
+    return ShardedRun(iteration, rs_start, rs_end, ag_start, ag_end, bw_end, t0, release, fwd_start)
+  # pipelined step: all-gather g released after its chunks' reduce-scatters and its shards' update
+  if g_n:
+    release[:] = np.maximum.reduceat(rs_end[:, arr.members], arr.member_start, axis=1) + arr.ag_update_s[None, :]
+  fwd_start = np.empty((samples, nl))
+  floor = arr.layer_floor_s
+  if overlap:
+    t = t_rs.copy()
+    for g in range(g_n):
+      s = np.maximum(t, release[:, g])
+      ag_start[:, g] = s
+      t = s + ag_dur[:, g]
+      ag_end[:, g] = t
+    gathered = np.broadcast_to(floor[None, :], (samples, nl)).copy()
+    pg, pl = arr.gathered_pairs
+    if pg.size:
+      np.maximum.at(gathered.T, pl, ag_end.T[pg])
+    t0 = bw_end.copy()
+    t = t0.copy()
+    for l in range(nl):
+      s = np.maximum(t, gathered[:, l])
+      fwd_start[:, l] = s
+      t = s + fwd[l]
+    iteration = t
+  else:
+    t0 = np.maximum(bw_end, t_rs)
+    t = t0.copy()
+    j = 0
+    for l in range(nl):
+      while j <= arr.need[l]:
+        s = np.maximum(t, release[:, j])
+        ag_start[:, j] = s
+        t = s + ag_dur[:, j]
+        ag_end[:, j] = t
+        j += 1
+      s = np.maximum(t, floor[l])
+      fwd_start[:, l] = s
+      t = s + fwd[l]
+    while j < g_n:
+      s = np.maximum(t, release[:, j])
+      ag_start[:, j] = s
+      t = s + ag_dur[:, j]
+      ag_end[:, j] = t
+      j += 1
+    iteration = t
+  return ShardedRun(iteration, rs_start, rs_end, ag_start, ag_end, bw_end, t0, release, fwd_start)
+
+
+def sharded_iteration_s(prob: Problem, arr: ShardedArrays) -> float:
+  """The calm iteration time of a sharded schedule (what `simulate` returns on a calm network)."""
+  rs, ag = sharded_durations(prob, arr)
+  return float(sharded_run(prob, arr, rs, ag).iteration_s[0])

@@ -1,0 +1,368 @@
+"""The `dear` policy: reduce-scatters in backward, each device updates its shard (ZeRO-1), all-gathers
+in the next forward (DeAR).
+
+Pure: numpy only, never jax.
+
+A ring all-reduce is a reduce-scatter followed by an all-gather, each of (P-1)·alpha_s + (P-1)/P·n·beta
+for a buffer of n bytes (a/2 + b/2·n in MG-WFBP's terms: `NetworkModel.reduce_scatter_s`,
+`all_gather_s`). DeAR decouples the two: each bucket's reduce-scatter is issued in backward as soon as
+its gradients exist, and its all-gather just before the next forward needs it, so both halves overlap
+compute. Between the halves each device holds 1/P of every gradient; here it updates 1/P of the
+parameters with 1/P of the optimizer state (ZeRO-1) and the all-gathers carry the updated parameters,
+so the update costs update_s / P. The schedule (`Schedule.gathers`, see `Schedule`) lists the
+reduce-scatters as its chunks, in backward issue order, and each all-gather as the chunk indices it
+gathers, front layers first. `simulate`, `lower_bound` and `auto` know it (docs/design.md, "Simulator
+semantics").
+
+How the buckets are sized, under the alpha-beta model (with a' = a/2 the start-up of one
+reduce-scatter or all-gather, b' = b/2 its cost per byte):
+
+1. Reduce-scatter buckets: contiguous runs of rows in ready order (one dtype each), chosen by an exact
+   dynamic program that minimises the end of the last reduce-scatter, T_rs (f[j] = min_i max(f[i],
+   ready(j-1)) + a' + b'·bytes(i..j-1); the end of a prefix is monotone in the end before it, so the
+   earliest end per prefix is optimal; the same argument as `auto`'s plain-step program). Nothing
+   after backward can start before T_rs (the all-gathers follow every reduce-scatter on the link), so
+   T_rs is what the reduce-scatters decide. Since an all-gather gathers whole reduce-scatter buckets,
+   the buckets also bound how finely the all-gathers can follow the next forward: the program is also
+   run with a cap on a bucket's bytes (halving from the total down to one row per bucket) and every
+   capped plan is a candidate.
+2. All-gather buckets, for each reduce-scatter plan: contiguous runs of its buckets in forward order
+   (front layers first, one dtype each), chosen by an exact program for that order. Plain step: the
+   all-gathers wait for the update (T0 = max(backward end, T_rs), then U/P) and the next step waits
+   for all of them: the earliest last end, f[j] = min_i max(f[i], T0 + update through j) + a' +
+   b'·bytes(i..j-1). Pipelined step: layer l's forward waits for the all-gather holding it, so the
+   iteration is max(backward end + F, max over gathers of (end + forward from its front layer on));
+   a Pareto program over prefixes keeps the non-dominated (link free time, that max) pairs, both
+   monotone, so it is exact for the order (the front is capped at `_FRONT` pairs, rarely reached).
+3. DeAR's own fusion (`bucket_bytes`: layers in forward order fused while under the threshold, 25 MB
+   by default in its code, the same buckets for both halves) is a candidate too, and every candidate
+   is scored by the simulator's engine (`_sharded.sharded_iteration_s`): the fastest is returned, so
+   `dear` is never predicted slower than DeAR's fixed buckets.
+
+With `bucket_bytes` set, the plan is DeAR's fixed fusion alone, as its code builds it.
+
+References:
+  L. Zhang, S. Shi, X. Chu, W. Wang, B. Li, C. Liu. DeAR: Accelerating Distributed Deep Learning with
+  Fine-Grained All-Reduce Pipelining. ICDCS 2023 (arXiv:2302.12445, "Decoupling the All-Reduce
+  Primitive for Accelerating Distributed Deep Learning"); code: github.com/lzhangbv/dear_pytorch.
+  S. Rajbhandari, J. Rasley, O. Ruwase, Y. He. ZeRO: Memory optimizations toward training trillion
+  parameter models. SC 2020 (stage 1: optimizer state partitioning).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._checks import check_bytes
+from .._core import Problem, problem
+from .._network import NetworkModel
+from .._schedule import Bucket, Chunk, Schedule
+from .._sharded import sharded_arrays, sharded_durations, sharded_iteration_s, sharded_run
+from .._simulate import simulate_sharded
+from .._types import GradientProfile
+from ._base import Scheduler, Slice
+from ._common import check_inputs
+
+_POLICY = "dear"
+# Caps on a reduce-scatter bucket, as fractions 1/k of the total bytes (None: no cap), and one row per
+# bucket (0).
+_CAPS: tuple[int | None, ...] = (None, 2, 4, 8, 16, 32, 64, 128, 0)
+# DeAR's own default threshold (dear_pytorch, dopt_rsag.py: THRESHOLD = 25 MB).
+DEAR_BUCKET_BYTES = 25 * 2**20
+# The Pareto program's front, per prefix: at most this many (link free, cost) pairs.
+_FRONT = 32
+
+
+def dear(*, bucket_bytes: int | None = None) -> Scheduler:
+  """DeAR: reduce-scatter buckets in backward, all-gather buckets in the next forward (ZeRO-1).
+
+  The returned schedule is *sharded* (`Schedule.gathers`): each chunk is one reduce-scatter, in
+  backward issue order; each gather one all-gather of the updated shards of some chunks, front layers
+  first. `scheduled`/`hooked`/`pipelined` carry it out with 1/P of the optimizer state per device.
+  The module docstring says how the buckets are sized under the alpha-beta model.
+
+  Args:
+    bucket_bytes: None (the default): buckets planned under the alpha-beta model, the fastest
+      predicted of several plans (DeAR's own 25 MB fusion among them). An integer: DeAR's fixed
+      fusion alone, as its code builds it: layers in forward order joined into one bucket while the
+      bucket stays under `bucket_bytes` (a bucket's first layer always joins), the same buckets for
+      the reduce-scatters (in ready order) and the all-gathers (front first).
+
+  Returns:
+    A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule` (sharded). Its options
+    record `bucket_bytes` and `candidate` (which plan won).
+
+  Raises:
+    TypeError, ValueError: a bad `bucket_bytes` (named in the message); the scheduler raises
+      ValueError for a network with `links > 1` (a sharded schedule runs on one tie chain).
+
+  Examples:
+    >>> import prophet_jax as pj
+    >>> prof = pj.GradientProfile.from_rows(
+    ...     [dict(path=f"l{i}/w", layer=f"l{i}", shape=(2**18,), dtype="float32", nbytes=2**20,
+    ...           ready_s=0.001 * (4 - i), fwd_s=0.001) for i in range(4)],
+    ...     forward_s=0.004, backward_s=0.004)
+    >>> s = dear()(prof, pj.NetworkModel.preset("10gbe", workers=16), cross_step=True)
+    >>> s.sharded, s.num_reduce_scatters >= 1, sorted(k for g in s.gathers for k in g) == list(range(len(s.chunks)))
+    (True, True, True)
+
+  References:
+    L. Zhang et al., "DeAR: Accelerating Distributed Deep Learning with Fine-Grained All-Reduce
+    Pipelining", ICDCS 2023 (arXiv:2302.12445). S. Rajbhandari et al., "ZeRO", SC 2020.
+  """
+  check_bytes("dear", "bucket_bytes", bucket_bytes, hint="DeAR's default is 25 * 2**20 (25 MiB).")
+  options = {"bucket_bytes": bucket_bytes}
+
+  def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
+    cross = check_inputs(_POLICY, profile, network, cross_step)
+    check_network(network)
+    prob = problem(profile, network, cross_step=cross)
+    label, chunks, gathers, predicted = plan_sharded(prob, bucket_bytes)
+    if network.pressure is not None and chunks:     # `simulate`'s number, under the pressure
+      predicted = simulate_sharded(prob, sharded_arrays(prob, chunks, gathers), events=False).iteration_s
+    return sharded_schedule(profile, chunks, gathers, options=dict(options, candidate=label),
+                            cross_step=cross, predicted_s=predicted)
+
+  scheduler.__name__ = _POLICY
+  scheduler.__qualname__ = _POLICY
+  return scheduler
+
+
+def check_network(network: NetworkModel) -> None:
+  """A sharded schedule runs on one link: ValueError for `network.links > 1`."""
+  if network.links != 1:
+    raise ValueError(f"dear: a sharded schedule runs its reduce-scatters and all-gathers on one tie "
+                     f"chain, but network.links={network.links}. Plan it with network.replace(links=1), "
+                     f"or use an all-reduce policy to stripe over {network.links} links.")
+
+
+def sharded_schedule(profile: GradientProfile, chunks: Sequence[Sequence[Slice]],
+                     gathers: Sequence[Sequence[int]], *, options: dict[str, Any], cross_step: bool,
+                     predicted_s: float | None, policy: str = _POLICY) -> Schedule:
+  """The sharded Schedule of reduce-scatter chunks (slices, issue order) and gathers (chunk indices):
+  one bucket per reduce-scatter chunk."""
+  rows = profile.rows
+  buckets = tuple(Bucket(chunks=(Chunk(slices=tuple(c), dtype=rows[c[0][0]].dtype),)) for c in chunks)
+  # nothing to send (every row empty): an empty schedule, with no gathers (so not sharded)
+  return Schedule(buckets=buckets, rows=profile.tree_rows(), policy=policy,
+                  options=tuple(options.items()), cross_step=bool(cross_step), predicted_s=predicted_s,
+                  gathers=tuple(tuple(g) for g in gathers) if chunks else ())
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan
+
+
+def plan_sharded(prob: Problem, bucket_bytes: int | None = None
+                 ) -> tuple[str, list[list[Slice]], list[list[int]], float]:
+  """(label, reduce-scatter chunks, gathers, predicted iteration) of the best sharded plan for `prob`
+  (see the module docstring); with `bucket_bytes`, DeAR's fixed fusion at that threshold alone.
+
+  The candidates are ranked by the calm simulation (`_sharded.sharded_iteration_s`, as `auto` ranks
+  its own); under network pressure the scheduler predicts the chosen plan under it.
+  """
+  if not prob.live:
+    return "empty", [], [], float(max(prob.backward_s + prob.after_s, prob.floor_s))
+  if bucket_bytes is not None:
+    chunks, gathers = fixed_fusion(prob, bucket_bytes)
+    return (f"dear(bucket_bytes={bucket_bytes})", chunks, gathers,
+            sharded_iteration_s(prob, sharded_arrays(prob, chunks, gathers)))
+  best: tuple[float, int, str, list[list[Slice]], list[list[int]]] | None = None
+  seen: set[tuple] = set()
+  total = float(prob.row_nbytes.sum())
+  order = [i for i in prob.profile.ready_order() if prob.row_nbytes[i] > 0]
+  cands: list[tuple[str, list[list[Slice]], list[list[int]] | None]] = []
+  chunks, gathers = fixed_fusion(prob, DEAR_BUCKET_BYTES)
+  cands.append(("dear-25MiB", chunks, gathers))
+  cands.append(("dear-25MiB+gather-dp", chunks, None))
+  for cap in _CAPS:
+    limit = None if cap is None else (0.0 if cap == 0 else total / cap)
+    chunks = rs_partition(prob, order, limit)
+    key = tuple(map(tuple, chunks))
+    if key in seen:
+      continue
+    seen.add(key)
+    cands.append((f"rs-dp(cap={'none' if cap is None else ('row' if cap == 0 else f'1/{cap}')})", chunks, None))
+  for n, (label, chunks, gathers) in enumerate(cands):
+    if gathers is None:
+      gathers = gather_partition(prob, chunks)
+    arr = sharded_arrays(prob, chunks, gathers)
+    t = sharded_iteration_s(prob, arr)
+    if best is None or t < best[0] * (1 - 1e-12):
+      best = (t, n, label, chunks, gathers)
+  assert best is not None
+  t, _, label, chunks, gathers = best
+  return label, chunks, gathers, t
+
+
+def fixed_fusion(prob: Problem, bucket_bytes: float) -> tuple[list[list[Slice]], list[list[int]]]:
+  """DeAR's own tensor fusion: layers in forward order joined while the bucket stays under
+  `bucket_bytes` (a bucket's first layer always joins: dopt_rsag.py's `tot_size == 0 or tot_size +
+  mod_size < threshold`); one reduce-scatter per bucket and dtype, issued in ready order; the
+  all-gathers gather the same buckets, front first."""
+  rows_of: dict[int, list[int]] = {}
+  for i in prob.live:
+    rows_of.setdefault(int(prob.row_layer[i]), []).append(i)
+  groups: list[list[int]] = []
+  cur: list[int] = []
+  size = 0.0
+  for l in sorted(rows_of):
+    nb = float(sum(prob.row_nbytes[i] for i in rows_of[l]))
+    if not cur or size + nb < bucket_bytes:
+      cur += rows_of[l]
+      size += nb
+    else:
+      groups.append(cur)
+      cur, size = list(rows_of[l]), nb
+  if cur:
+    groups.append(cur)
+  chunks: list[tuple[float, int, list[Slice]]] = []   # (ready, group, slices) per dtype
+  for gi, rows in enumerate(groups):
+    by_dtype: dict[str, list[Slice]] = {}
+    for r in rows:
+      by_dtype.setdefault(prob.dtype[r], []).append((r, 0, prob.size[r]))
+    for sl in by_dtype.values():
+      chunks.append((max(prob.ready[r] for r, _, _ in sl), gi, sl))
+  order = sorted(range(len(chunks)), key=lambda k: (chunks[k][0], -chunks[k][1]))
+  issued = [chunks[k][2] for k in order]
+  where = {k: j for j, k in enumerate(order)}
+  gathers: list[list[int]] = []
+  for gi in range(len(groups)):
+    for k in range(len(chunks)):
+      if chunks[k][1] == gi:
+        gathers.append([where[k]])          # one all-gather per bucket and dtype
+  return issued, gathers
+
+
+def rs_partition(prob: Problem, order: Sequence[int], cap: float | None) -> list[list[Slice]]:
+  """Reduce-scatter buckets: contiguous runs of `order` (rows in ready order, nbytes > 0), one dtype
+  each, of at most `cap` bytes unless one row is larger (None: no cap), minimising the end of the last
+  reduce-scatter on one link (f[j] = min_i max(f[i], ready(j-1)) + a' + b'·bytes(i..j-1), exact)."""
+  n = len(order)
+  a, b = 0.5 * prob.startup_s, 0.5 * prob.per_byte_s
+  ready = prob.row_ready_s[list(order)]
+  nbytes = prob.row_nbytes[list(order)]
+  prefix = np.concatenate([[0.0], np.cumsum(nbytes)])
+  run_start = np.zeros(n, dtype=np.int64)
+  for j in range(1, n):
+    run_start[j] = run_start[j - 1] if prob.dtype[order[j]] == prob.dtype[order[j - 1]] else j
+  f = np.zeros(n + 1)
+  choice = np.zeros(n, dtype=np.int64)
+  for j in range(1, n + 1):
+    lo = int(run_start[j - 1])
+    i = np.arange(lo, j)
+    if cap is not None:
+      ok = (prefix[j] - prefix[i] <= cap) | (i == j - 1)
+      i = i[ok]
+    v = np.maximum(f[i], ready[j - 1]) + a + b * (prefix[j] - prefix[i])
+    k = int(np.argmin(v))
+    f[j] = v[k]
+    choice[j - 1] = i[k]
+  groups: list[list[Slice]] = []
+  j = n
+  while j > 0:
+    i = int(choice[j - 1])
+    groups.append([(r, 0, prob.size[r]) for r in sorted(order[i:j])])
+    j = i
+  groups.reverse()
+  return groups
+
+
+def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> list[list[int]]:
+  """All-gather buckets for reduce-scatter `chunks`: contiguous runs of the chunks in forward order
+  (by their front-most row), one dtype each, chosen by the exact program for that order (the module
+  docstring, step 2). Without overlap (every collective stalls the device) the fewest: one per dtype,
+  ordered by its front-most chunk."""
+  k_n = len(chunks)
+  singles = [[k] for k in range(k_n)]
+  arr = sharded_arrays(prob, chunks, singles)
+  rs, _ = sharded_durations(prob, arr)
+  run = sharded_run(prob, arr, rs, np.zeros((1, k_n)))
+  rs_end = run.rs_end[0]
+  front = [min(r for r, _, _ in c) for c in chunks]
+  seq = sorted(range(k_n), key=lambda k: (front[k], k))
+  dtype = [prob.dtype[chunks[k][0][0]] for k in seq]
+  a, b = 0.5 * prob.startup_s, 0.5 * prob.per_byte_s
+  nbytes = arr.rs_nbytes[seq]
+  upd = arr.rs_update_s[seq]
+  end_rs = rs_end[seq]
+  t_rs = float(rs_end.max())
+  prefix = np.concatenate([[0.0], np.cumsum(nbytes)])
+  cum_upd = np.concatenate([[0.0], np.cumsum(upd)])
+  run_start = [0] * k_n
+  for j in range(1, k_n):
+    run_start[j] = run_start[j - 1] if dtype[j] == dtype[j - 1] else j
+  if not prob.overlap:              # serial: the fewest all-gathers, one per dtype
+    by_dtype: dict[str, list[int]] = {}
+    for x, k in enumerate(seq):
+      by_dtype.setdefault(dtype[x], []).append(k)
+    return list(by_dtype.values())
+  if not prob.cross_step:
+    t0 = max(float(run.backward_end[0]), t_rs)
+    f = np.full(k_n + 1, math.inf)
+    f[0] = t_rs
+    choice = [0] * k_n
+    for j in range(1, k_n + 1):
+      i = np.arange(run_start[j - 1], j)
+      v = np.maximum(f[i], t0 + cum_upd[j]) + a + b * (prefix[j] - prefix[i])
+      k = int(np.argmin(v))
+      f[j] = v[k]
+      choice[j - 1] = int(i[k])
+    return _groups_from_choice(seq, choice)
+  # pipelined: Pareto program over prefixes of (link free, max of end + forward tail), vectorised: every
+  # prefix's front is a run of one flat array (entries of prefix i at starts[i]:starts[i + 1])
+  tail = np.array([float(prob.layer_fwd_tail_s[int(prob.row_layer[front[k]])]) for k in seq])
+  ends = [t_rs]
+  costs = [-math.inf]
+  parent = [-1]
+  owner = [0]
+  starts = [0, 1]
+  for j in range(1, k_n + 1):
+    lo = run_start[j - 1]
+    rel = np.maximum.accumulate(end_rs[lo:j][::-1])[::-1]          # max RS end over chunks i..j-1
+    head = np.maximum.accumulate(tail[lo:j][::-1])[::-1]           # the group's largest forward tail
+    release = rel + (cum_upd[j] - cum_upd[lo:j])
+    dur = a + b * (prefix[j] - prefix[lo:j])
+    sl = slice(starts[lo], starts[j])
+    e_prev = np.asarray(ends[sl])
+    c_prev = np.asarray(costs[sl])
+    i = np.asarray(owner[sl]) - lo
+    e2 = np.maximum(e_prev, release[i]) + dur[i]
+    c2 = np.maximum(c_prev, e2 + head[i])
+    order = np.lexsort((c2, e2))                                  # by end, then cost
+    c_sorted = c2[order]
+    keep = np.r_[True, c_sorted[1:] < np.minimum.accumulate(c_sorted)[:-1]]
+    kept = order[keep]
+    if kept.size > _FRONT:                                        # the lowest-cost ones
+      kept = kept[np.argsort(c2[kept], kind="stable")[:_FRONT]]
+    ends.extend(e2[kept].tolist())
+    costs.extend(c2[kept].tolist())
+    parent.extend((sl.start + kept).tolist())
+    owner.extend([j] * kept.size)
+    starts.append(len(ends))
+  last = range(starts[k_n], starts[k_n + 1])
+  x = min(last, key=lambda x: (costs[x], ends[x]))
+  groups: list[list[int]] = []
+  j = k_n
+  while j > 0:
+    px = parent[x]
+    i = owner[px]
+    groups.append([seq[y] for y in range(i, j)])
+    j, x = i, px
+  groups.reverse()
+  return groups
+
+
+def _groups_from_choice(seq: Sequence[int], choice: Sequence[int]) -> list[list[int]]:
+  groups: list[list[int]] = []
+  j = len(seq)
+  while j > 0:
+    i = choice[j - 1]
+    groups.append([seq[x] for x in range(i, j)])
+    j = i
+  groups.reverse()
+  return groups
