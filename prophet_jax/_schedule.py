@@ -280,19 +280,22 @@ class Schedule:
   def padded_sizes(self, workers: int) -> tuple[int, ...]:
     """Elements of every chunk's buffer once zero-padded to a multiple of `workers` (what a sharded
     schedule's reduce-scatter sends; `workers` x `shard_size`), in issue order."""
-    return tuple(int(workers) * shard_size(c.size, workers) for c in self.chunks)
+    workers = _check_workers("padded_sizes", workers)
+    return tuple(workers * shard_size(c.size, workers) for c in self.chunks)
 
   def shard_nbytes(self, workers: int) -> int:
     """Bytes of one device's shards of every chunk (each chunk's buffer padded on its own,
     `shard_size` elements of its dtype): what a sharded (ZeRO-1) step keeps per device of a
     per-parameter optimizer state of the gradients' dtype, against `sum(chunk.nbytes)` replicated."""
+    workers = _check_workers("shard_nbytes", workers)
     return sum(shard_size(c.size, workers) * itemsize(c.dtype) for c in self.chunks)
 
   def gather_sizes(self, workers: int) -> tuple[int, ...]:
     """Elements of every all-gather's result, in all-gather order: `workers` x the sum of its chunks'
     shards (each chunk padded on its own). Empty for an all-reduce schedule."""
+    workers = _check_workers("gather_sizes", workers)
     chunks = self.chunks
-    return tuple(int(workers) * sum(shard_size(chunks[k].size, workers) for k in g) for g in self.gathers)
+    return tuple(workers * sum(shard_size(chunks[k].size, workers) for k in g) for g in self.gathers)
 
   @property
   def defers(self) -> bool:
@@ -437,6 +440,17 @@ def _check_links(s: Schedule) -> None:
     raise ScheduleError(f"schedule links={links[:8]}{'...' if len(links) > 8 else ''} ({len(links)} "
                         f"entries): expected {s.num_allreduces} link indices >= 0, one per issued "
                         f"all-reduce, or () for one link. Plan again.")
+
+
+def _check_workers(call: str, workers: Any) -> int:
+  """`workers` as an int >= 1 (numpy integers welcome), or a TypeError/ValueError naming it."""
+  if not is_int(workers):
+    raise TypeError(f"Schedule.{call}(workers={workers!r}): `workers` must be an integer >= 1, the "
+                    f"number of devices sharing the shards, e.g. network.workers.")
+  if workers < 1:
+    raise ValueError(f"Schedule.{call}(workers={workers!r}): `workers` must be an integer >= 1, the "
+                     f"number of devices sharing the shards, e.g. network.workers.")
+  return int(workers)
 
 
 def _check_gathers(s: Schedule) -> None:

@@ -71,6 +71,8 @@ PROFILE = GradientProfile.from_rows([ROW, dict(ROW, path="b/w", layer="b", ready
 NET = NetworkModel.preset("10gbe", workers=8)
 SCHED = pj.plan(PROFILE, NET, "wfbp")
 SCHED_JSON = json.loads(SCHED.to_json())
+DEAR = pj.plan(PROFILE, NET, "dear")
+DEAR_JSON = json.loads(DEAR.to_json())
 NET_KW = dict(alpha_s=1e-6, beta_s_per_byte=1e-9, workers=4)
 ISSUE_PRESSURE = Pressure(background_flows=0.3, tail_prob=0.002, tail_scale_s=0.005)
 
@@ -403,6 +405,19 @@ CASES: list[tuple[str, Callable[[], Any], Expect]] = [
      raises(ValueError, "schedule=the_old_schedule")),
     ("N78 deferred_grads of a lossless state", lambda: pj.deferred_grads(None, TREE),
      ok(lambda t: not any(np.asarray(x).any() for x in jax.tree.leaves(t)))),
+    # the sharded schedules merged from issue 28 (dear, Schedule.gathers)
+    ("N89 shard_nbytes('64')", lambda: DEAR.shard_nbytes("64"), raises(TypeError, "workers='64'", "integer >= 1")),
+    ("N90 shard_nbytes(0)", lambda: DEAR.shard_nbytes(0), raises(ValueError, "workers=0", "integer >= 1")),
+    ("N91 padded_sizes(True)", lambda: DEAR.padded_sizes(True), raises(TypeError, "workers=True")),
+    ("N92 shard_nbytes(np.int64(8))", lambda: DEAR.shard_nbytes(np.int64(8)), ok(lambda n: n == sum(-(-c.size // 8) * 4 for c in DEAR.chunks))),
+    ("N93 schedule JSON gathers of strings", lambda: Schedule.from_json(dict(DEAR_JSON, gathers=[["0"]])),
+     raises(ScheduleError, "gather 0", "chunk indices")),
+    ("N94 auto(sharded='yes')", lambda: pj.plan(PROFILE, NET, "auto", sharded="yes"),
+     raises(TypeError, "sharded='yes'", "True or False")),
+    ("N95 dear(bucket_bytes='25')", lambda: pj.plan(PROFILE, NET, "dear", bucket_bytes="25"),
+     raises(TypeError, "bucket_bytes='25'")),
+    ("N96 dear on two links", lambda: pj.plan(PROFILE, NET.replace(links=2), "dear"),
+     raises(ValueError, "links=2", "links=1")),
 ]
 
 
