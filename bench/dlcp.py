@@ -50,7 +50,8 @@ DEVICES = ("v100", "h100")
 NETWORKS = ("10gbe", "100gb-ib")
 WORKERS = 8
 # every lossless policy, each planned for the cell's network (under pressure: the pressured one);
-# auto last (the ratios' reference and dlcp's starting plan)
+# auto last (the ratios' reference and dlcp's starting plan). All-reduce plans only: `dear` (sharded,
+# ZeRO-1: another optimizer-state layout) is compared with them in bench/dear.py.
 BASELINES = ("wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet", "auto")
 MAX_DEFER = (0.05, 0.1, 0.25)
 # A shared network: on average 0.3 other flows on the bottleneck (a message's bytes take 1.3x as long
