@@ -67,26 +67,25 @@ def main() -> int:
   import jax
 
   import prophet_jax as pj
-  from prophet_jax import _gpu, _pipelined
+  from prophet_jax import _steps
   from gpu_hlo import model_and_profile
 
   model, profile = model_and_profile(a.model)
   net = pj.NetworkModel.preset("10gbe", workers=8)
   topo = pj.gpu_topology("h100", devices=1)
-  real = _pipelined.pipelined
+  real = _steps.pipelined  # the name lower_step calls
   rows = {}
   for name, mode, policy, residuals in (("plain", "pmean", "xla", None), ("scheduled wfbp", "scheduled", "wfbp", None),
                                         ("pipelined wfbp min-cut", "pipelined", "wfbp", "min-cut"),
                                         ("pipelined wfbp all", "pipelined", "wfbp", "all")):
     sched = pj.plan(profile, net, policy, cross_step=mode == "pipelined")
-    _pipelined.pipelined = functools.partial(real, residuals=residuals) if residuals else real
+    _steps.pipelined = functools.partial(real, residuals=residuals) if residuals else real
     try:
       t = time.process_time()
-      lowered = _gpu.lower_step(model, sched, mode, topo, batch_size=a.batch)
-      compiled, _ = _gpu.compile_lowered(lowered)
+      compiled, _ = pj.compile_step(model, sched, mode, topo, batch_size=a.batch)
       cpu_s = time.process_time() - t
     finally:
-      _pipelined.pipelined = real
+      _steps.pipelined = real
     rows[name] = {"chunks": sched.num_allreduces if mode != "pmean" else 1, "lower_compile_cpu_s": cpu_s,
                   **work(compiled.as_text())}
     print(f"  {name}: {rows[name]['kernels']} kernels, {rows[name]['bytes'] / 1e9:.2f} GB", file=sys.stderr, flush=True)

@@ -12,6 +12,8 @@ from the plain step is where the gradients come from,
 whose all-reduces are the schedule's chunks, issued inside backward (the partitioner's own gradient
 all-reduce is gone from the compiled program). `--mode pipelined` runs `prophet_jax.pipelined(...,
 mesh=mesh)` instead (this step's backward, its all-reduces and the next forward in one program).
+`--policy dear` plans a sharded schedule (ZeRO-1): reduce-scatters in backward, each device updates its
+shard with 1/n of the optimizer state, all-gathers for the next forward.
 
 Run it:
 
@@ -44,7 +46,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--global-batch", type=int, default=None,
                  help="examples per step over all devices (default: the model's, 32)")
   p.add_argument("--lr", type=float, default=0.05)
-  p.add_argument("--policy", default="auto", help="scheduling policy (wfbp, mgwfbp, prophet, auto, ...)")
+  p.add_argument("--policy", default="auto",
+                 help="scheduling policy (wfbp, mgwfbp, prophet, auto, dear (ZeRO-1), ...)")
   p.add_argument("--network", default="1gbe", help="network preset or NetworkModel JSON used to plan")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=None, help="write the final params here (.npz, keys = leaf paths)")
@@ -111,8 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   # 3. The plain jit step; the gradients from hooked(..., mesh=mesh).
   if args.mode == "hooked":
     grad_fn = prophet_jax.hooked(model.loss_fn, schedule, axis_name="dp", mesh=mesh)
-    state = to_global(jax.device_get(TrainState.create(apply_fn=model.module.apply, params=params, tx=tx)),
-                      replicated)
+    if schedule.sharded:
+      # 'dear' (ZeRO-1): grad_fn returns each device's reduce-scattered gradient shards; the optimizer,
+      # wrapped in scheduled(..., mesh=mesh), updates them with 1/n of the optimizer state per device
+      # (a global array split over 'dp', made on the mesh) and all-gathers the update
+      state = TrainState.create(apply_fn=model.module.apply, params=to_global(params, replicated),
+                                tx=prophet_jax.scheduled(tx, schedule, axis_name="dp", mesh=mesh))
+    else:
+      state = to_global(jax.device_get(TrainState.create(apply_fn=model.module.apply, params=params,
+                                                         tx=tx)), replicated)
 
     def train_step(state, batch):
       loss, grads = grad_fn(state.params, batch)  # the mean loss over the global batch; grads replicated

@@ -24,7 +24,7 @@ _EXPORTS: dict[str, str] = {
     "ScheduleError": "_errors", "ScheduleMismatchError": "_errors", "UnboundAxisError": "_errors",
     "AlreadyReducedError": "_errors", "TraceUnavailableError": "_errors", "LaunchError": "_errors",
     "GlooBindError": "_errors", "CompositionError": "_errors", "GpuCompileError": "_errors",
-    "JaxVersionError": "_errors",
+    "ShardingError": "_errors", "JaxVersionError": "_errors",
     # planning and simulation (pure)
     "plan": "_plan", "validate_schedule": "_plan", "POLICIES": "_plan",
     "simulate": "_simulate", "lower_bound": "_bound",
@@ -32,7 +32,8 @@ _EXPORTS: dict[str, str] = {
     "plot_timelines": "_timeline",
     # the rewrite and measurement (jax)
     "allreduce": "_collectives", "scheduled": "_transform", "hooked": "_transform",
-    "defer_state": "_defer", "DeferState": "_defer", "state_specs": "_defer", "deferred_grads": "_defer",
+    "defer_state": "_defer", "DeferState": "_defer", "state_specs": "_zero", "deferred_grads": "_defer",
+    "ShardedState": "_zero", "GradShards": "_zero", "unshard_state": "_zero", "shard_state": "_zero",
     "loop_hook": "_transform", "check_composition": "_transform",
     "pipelined": "_pipelined", "audit": "_audit", "AuditReport": "_audit",
     "profile_step": "_profile", "profile_from_trace": "_profile", "measure_network": "_probe",
@@ -63,10 +64,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._audit import AuditReport, audit
   from ._bound import lower_bound
   from ._collectives import allreduce
-  from ._defer import DeferState, defer_state, deferred_grads, state_specs
+  from ._defer import DeferState, defer_state, deferred_grads
   from ._errors import (AlreadyReducedError, CompositionError, GlooBindError, GpuCompileError,
                         JaxVersionError, LaunchError, NetworkError, ProfileError, ProphetError,
-                        ScheduleError, ScheduleMismatchError, TraceUnavailableError, UnboundAxisError)
+                        ScheduleError, ScheduleMismatchError, ShardingError, TraceUnavailableError,
+                        UnboundAxisError)
   from ._gpu import GPU_TARGETS, GpuTarget, GpuTopology, gpu_target, gpu_topology
   from ._monitor import Monitor
   from ._probe import AllreduceTimings, measure_network, probe
@@ -80,4 +82,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._schedule import Bucket, Chunk, Schedule
   from ._simulate import Event, SimResult
   from ._types import GradientProfile, ProfileRow
+  from ._zero import GradShards, ShardedState, shard_state, state_specs, unshard_state
   from ._network import NetworkModel, Pressure

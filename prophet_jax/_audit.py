@@ -12,6 +12,17 @@ every all-reduce, and sorts them by their op_name metadata:
 The verdict is True when every chunk appears exactly once (per step), with its planned element count, in
 schedule order, and no all-reduce carries two chunks.
 
+A sharded schedule (`dear`, `Schedule.gathers`) is audited by its own collectives (`_audit_sharded`):
+every `reduce-scatter` labelled `prophet/rs<k>` is chunk k's (`chunks`, `elements` its whole buffer,
+padded to a multiple of the axis size: `schedule.padded_sizes(n)`, n read from the first one), every
+`all-gather` labelled `prophet/ag<g>` is gather g's (`gathers`, `elements` its whole result:
+`schedule.gather_sizes(n)`), in any form XLA writes them (synchronous, `-start`/`-done`, or wrapped in
+a `fusion-start`/`async-start`); every all-reduce is foreign there (the loss `pmean`, a global norm's
+`prophet/norm` psum). The verdict: each chunk's reduce-scatter once, each gather's all-gather once,
+planned sizes, plan order, and every reduce-scatter before every all-gather (one tie chain). Their
+windows are read as an all-reduce's are: backward compute in the reduce-scatters', and, in a
+pipelined step, the next forward in the all-gathers' (`gathers_forward_overlap`).
+
 XLA may combine a chunk's all-reduce with a *foreign* one (the loss `pmean`: independent of every chunk,
 so the combiner is free to join it to any of them). On the CPU the combined all-reduce is a tuple; on
 XLA:GPU `all-reduce-contiguous` flattens it into one buffer: a concatenation of the operands, one
@@ -47,7 +58,7 @@ from typing import Any
 from ._checks import check_values
 from ._hlo import (AsyncWindow, ExecutedOp, HloInstruction, OpCosts, allreduces, async_windows,
                    contiguous_parts, execution_order, hlo_text, is_collective, merged_op_names, parse_hlo,
-                   users)
+                   sharded_collectives, users)
 from ._schedule import Schedule
 from ._types import _fields, _loads
 
@@ -57,6 +68,8 @@ __all__ = ["audit", "AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "CO
 AUDIT_SCHEMA = 1
 _CHUNK = re.compile(r"prophet/chunk(\d+)(?![0-9])")
 _LOOP = re.compile(r"prophet/loop/([\w.\-]+)")
+_RS = re.compile(r"prophet/rs(\d+)(?![0-9])")  # a sharded schedule's reduce-scatter of chunk k
+_AG = re.compile(r"prophet/ag(\d+)(?![0-9])")  # its all-gather g
 # window op kinds that are work of the step (what hides a collective's latency)
 COMPUTE_KINDS = ("backward", "forward", "other")
 NEXT_FORWARD = "pipelined_forward"  # the named scope of the pipelined step's next forward
@@ -114,6 +127,9 @@ class AuditEntry:
       (synchronous), 'all-reduce-start' (an async start/done pair), 'fusion-start' (jaxlib 0.12's
       XLA:GPU: an asynchronous collective fusion whose called computation is the all-reduce) or
       'async-start'; '' in reports written before it was recorded.
+    collective: 'all-reduce', or, for a sharded schedule, 'reduce-scatter' (kind 'chunk': chunk k's;
+      `elements` is its whole buffer, padded to a multiple of the axis size) or 'all-gather' (kind
+      'gather': `chunk` is the gather's index; `elements` is its whole result).
   """
 
   name: str
@@ -130,6 +146,7 @@ class AuditEntry:
   asynchronous: bool = False
   window: tuple[WindowOp, ...] = ()
   form: str = ""
+  collective: str = "all-reduce"
 
   @property
   def window_flops(self) -> int:
@@ -157,7 +174,7 @@ class AuditReport:
 
   Attributes:
     planned: the all-reduces the schedule issues per step (`schedule.num_allreduces`: its chunks, a
-      deferral group counting its `slots`).
+      deferral group counting its `slots`); for a sharded schedule, its reduce-scatters.
     chunks: the chunk all-reduces, in compiled execution order.
     loops: per-layer all-reduces inside loop bodies (`loop_hook`), each with its trip count.
     foreign: all-reduces that are not the schedule's.
@@ -171,6 +188,10 @@ class AuditReport:
       have hidden. 0 means that once the all-reduces begin, every remaining backward matmul overlaps one.
     warnings: what weakens the overlap without breaking the verdict (synchronous collectives on a GPU,
       no compute inside any window), one line each.
+    gathers: a sharded schedule's all-gathers, in compiled order (`chunk` is the gather's index);
+      empty otherwise. (`chunks` then holds its reduce-scatters.)
+    gather_order: the gathers' indices in compiled order.
+    planned_gathers: the all-gathers the schedule issues per step (`schedule.num_all_gathers`).
     schema: the JSON schema version.
   """
 
@@ -185,7 +206,22 @@ class AuditReport:
   max_in_flight: int = 0
   backward_outside_windows: int = 0
   warnings: tuple[str, ...] = ()
+  gathers: tuple[AuditEntry, ...] = ()
+  gather_order: tuple[int, ...] = ()
+  planned_gathers: int = 0
   schema: int = AUDIT_SCHEMA
+
+  @property
+  def sharded(self) -> bool:
+    """The audit of a sharded schedule: `chunks` are its reduce-scatters, `gathers` its all-gathers."""
+    return self.planned_gathers > 0
+
+  @property
+  def gathers_forward_overlap(self) -> tuple[int, ...]:
+    """All-gathers whose window holds the next step's forward (a `pipelined` step of a sharded
+    schedule: each all-gather issued inside the forward that reads it)."""
+    return tuple(e.chunk for e in self.gathers
+                 if any(NEXT_FORWARD in o.op_name for o in e.window_ops("forward")))
 
   @property
   def chunk_allreduces(self) -> int:
@@ -240,15 +276,25 @@ class AuditReport:
     head = (f"audit: {'OK' if self.ok else 'MISMATCH'}: {self.chunk_allreduces} chunk all-reduce(s) of "
             f"{self.planned} planned, order {list(self.order)}; {self.loop_allreduces} in loop bodies; "
             f"{len(self.foreign)} foreign; {self.inside_backward} issued inside backward")
+    if self.sharded:
+      head = (f"audit: {'OK' if self.ok else 'MISMATCH'}: sharded: {len(self.chunks)} reduce-scatter(s) of "
+              f"{self.planned} planned, order {list(self.order)}; {len(self.gathers)} all-gather(s) of "
+              f"{self.planned_gathers} planned, order {list(self.gather_order)}; {len(self.foreign)} "
+              f"foreign; {self.inside_backward} reduce-scatter(s) issued inside backward")
     lines = [head]
     if self.forms:
       lines.append("read: " + ", ".join(f"{n} {_FORM_WORDS.get(f, f)}" for f, n in self.forms.items()))
     if self.asynchronous:
       n = len(self.chunks)
-      lines.append(f"overlap: {n - len(self.exposed)}/{n} chunk(s) have compute inside their all-reduce "
+      what = "reduce-scatter" if self.sharded else "all-reduce"
+      lines.append(f"overlap: {n - len(self.exposed)}/{n} chunk(s) have compute inside their {what} "
                    f"window ({self.overlapped_flops / 1e6:.3g} MFLOP); exposed {list(self.exposed)}; "
                    f"next forward inside {list(self.forward_overlap)}; at most {self.max_in_flight} "
                    f"in flight")
+    if self.sharded and any(e.asynchronous for e in self.gathers):
+      n = len(self.gathers)
+      lines.append(f"all-gathers: {sum(e.overlapped for e in self.gathers)}/{n} have compute inside their "
+                   f"window; next forward inside {list(self.gathers_forward_overlap)}")
     lines += [f"  problem: {p}" for p in self.problems]
     lines += [f"  warning: {w}" for w in self.warnings]
     return "\n".join(lines)
@@ -298,9 +344,9 @@ class AuditReport:
       raise ValueError(f"AuditReport.from_json: schema={obj.get('schema')!r}; this version reads "
                        f"{AUDIT_SCHEMA}.")
     obj = _fields(cls, obj, "AuditReport", required=True)
-    for key in ("chunks", "loops", "foreign"):
-      obj[key] = tuple(_entry(e) for e in obj[key])
-    for key in ("order", "problems", "warnings"):
+    for key in ("chunks", "loops", "foreign", "gathers"):
+      obj[key] = tuple(_entry(e) for e in obj.get(key, ()))
+    for key in ("order", "problems", "warnings", "gather_order"):
       obj[key] = tuple(obj.get(key, ()))
     return cls(**obj)
 
@@ -370,6 +416,8 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
   after = _backward_after(ops)
   windows = async_windows(module, ops)
   costs = OpCosts(module)
+  if schedule.sharded:
+    return _audit_sharded(text, module, ops, after, windows, costs, schedule)
   # what the step issues: one all-reduce per chunk, a deferral group's slots (padded to its largest
   # chunk; `prophet/chunk<k>` numbers the issued all-reduces, so a group's slots are consecutive k)
   sizes = list(schedule.allreduce_sizes())
@@ -508,3 +556,112 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
                      foreign=tuple(foreign), order=tuple(order), ok=not problems,
                      problems=tuple(problems), total_ops=len(ops), max_in_flight=peak,
                      backward_outside_windows=outside, warnings=tuple(warnings))
+
+
+# --------------------------------------------------------------------------------------------------
+# a sharded schedule: reduce-scatters and all-gathers
+
+
+def _audit_sharded(text: str, module: Any, ops: tuple[ExecutedOp, ...], after: list[int],
+                   windows: dict[str, AsyncWindow], costs: OpCosts, schedule: Schedule) -> AuditReport:
+  """`audit` for a sharded schedule: one reduce-scatter per chunk (`prophet/rs<k>`, its whole padded
+  buffer), in chunk order, then one all-gather per gather (`prophet/ag<g>`, its whole result), in
+  gather order; every all-reduce is foreign (the loss pmean, a global norm's psum `prophet/norm`)."""
+  found = sharded_collectives(module, ops)
+  reductions = allreduces(module, ops)
+  coll_names = {c.op.instruction.name for c in found} | {a.op.instruction.name for a in reductions}
+  coll_names |= {w.done.instruction.name for w in windows.values() if w.start.instruction.name in coll_names}
+  # the axis size, from the first labelled reduce-scatter (its buffer over its shard)
+  n = next((c.in_elements // c.out_elements for c in found if c.collective == "reduce-scatter"
+            and _RS.search(c.op_name) and c.out_elements), None)
+  if n is None:
+    n = next((c.out_elements // c.in_elements for c in found if c.collective == "all-gather"
+              and _AG.search(c.op_name) and c.in_elements), None)
+  padded = list(schedule.padded_sizes(n)) if n else []
+  gsizes = list(schedule.gather_sizes(n)) if n else []
+
+  def window_of(name: str, form: str) -> tuple[tuple[WindowOp, ...], bool]:
+    win = windows.get(name) if form.endswith("-start") else None
+    if win is None:
+      return (), False
+    return tuple(WindowOp(name=w.instruction.name, opcode=w.instruction.opcode,
+                          kind=_kind(w.instruction, coll_names),
+                          flops=(c := costs.cost(w.computation, w.instruction))[0], nbytes=c[1],
+                          op_name=w.instruction.op_name) for w in win.inside), True
+
+  chunks, gathers, foreign = [], [], []
+  for c in found:
+    label = (_RS if c.collective == "reduce-scatter" else _AG).search(c.op_name)
+    k = int(label.group(1)) if label else None
+    inside, has_window = window_of(c.op.instruction.name, c.form)
+    rs = c.collective == "reduce-scatter"
+    sizes = padded if rs else gsizes
+    entry = AuditEntry(
+        name=c.op.instruction.name, kind=("chunk" if rs else "gather") if label else "foreign", chunk=k,
+        label="", elements=c.in_elements if rs else c.out_elements,
+        expected_elements=sizes[k] if k is not None and k < len(sizes) else None,
+        trips=c.op.trips, position=c.op.index, backward_ops_after=after[c.op.index + 1],
+        op_name=c.op_name, asynchronous=has_window and not c.synchronous, window=inside,
+        form=c.form, collective=c.collective)
+    (foreign if label is None else chunks if rs else gathers).append(entry)
+  for ar in reductions:  # every all-reduce is foreign here (the loss pmean, prophet/norm), any form
+    op = ar.op
+    foreign.append(AuditEntry(name=op.instruction.name, kind="foreign", chunk=None, label="",
+                              elements=ar.elements, expected_elements=None, trips=op.trips,
+                              position=op.index, backward_ops_after=after[op.index + 1],
+                              op_name=ar.op_name, shared=len(ar.part_elements) > 1, form=ar.form))
+  problems: list[str] = []
+  order = [e.chunk for e in chunks for _ in range(e.trips or 1)]
+  gorder = [e.chunk for e in gathers for _ in range(e.trips or 1)]
+  for what, entries, planned, seq, unit in (
+      ("reduce-scatter", chunks, len(schedule.chunks), order, "chunk"),
+      ("all-gather", gathers, len(schedule.gathers), gorder, "gather")):
+    for e in entries:
+      if e.chunk >= planned:
+        problems.append(f"{what} {e.name} is labelled {unit} {e.chunk}, but the schedule has {planned}: "
+                        f"was the step built with another schedule?")
+      elif e.elements != e.expected_elements:
+        problems.append(f"{unit} {e.chunk}: {what} {e.name} has {e.elements} elements, planned "
+                        f"{e.expected_elements} (for {n} devices)")
+      if e.trips != 1:
+        problems.append(f"{unit} {e.chunk}: {what} {e.name} runs {e.trips} times per step, planned once.")
+    missing = [k for k in range(planned) if k not in seq]
+    repeated = sorted({k for k in seq if seq.count(k) > 1})
+    if missing:
+      problems.append(f"{unit}(s) {missing[:10]}{'...' if len(missing) > 10 else ''} have no {what} of "
+                      f"their own in the compiled program ({len(entries)} found, {planned} planned): XLA "
+                      f"merged them, or the step does not use this schedule.")
+    if repeated:
+      problems.append(f"{unit}(s) {repeated[:10]} run more than one {what} per step.")
+    if seq != sorted(seq):
+      problems.append(f"{what}s run in compiled order {seq[:20]}, not in schedule order.")
+  if chunks and gathers and max(e.position for e in chunks) > min(e.position for e in gathers):
+    problems.append("an all-gather runs before the last reduce-scatter: the two halves are not one "
+                    "chain (every reduce-scatter, then every all-gather).")
+  in_flight = peak = 0
+  open_starts: set[str] = set()
+  starts = {e.name for e in chunks + gathers if e.asynchronous}
+  for op in ops:
+    ins = op.instruction
+    if ins.name in starts:
+      open_starts.add(ins.name)
+      in_flight += 1
+      peak = max(peak, in_flight)
+    elif ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in open_starts:
+      open_starts.discard(ins.operands[0])
+      in_flight -= 1
+  first = min((e.position for e in chunks if e.asynchronous), default=None)
+  covered = {w.index for win in windows.values() for w in win.inside}
+  outside = 0 if first is None else sum(
+      1 for op in ops[first + 1:] if op.index not in covered
+      and _kind(op.instruction, coll_names) == "backward" and costs.flops(op.computation, op.instruction) > 0)
+  warnings = []
+  if chunks and _is_gpu(text) and not any(e.asynchronous for e in chunks + gathers):
+    warnings.append("the reduce-scatters and all-gathers are synchronous in this compiled program: no "
+                    "compute can overlap them (count and order still hold). Is XLA's latency hiding "
+                    "scheduler off, or are async collectives disabled?")
+  return AuditReport(planned=len(schedule.chunks), chunks=tuple(chunks), loops=(), foreign=tuple(foreign),
+                     order=tuple(order), ok=not problems, problems=tuple(problems), total_ops=len(ops),
+                     max_in_flight=peak, backward_outside_windows=outside, warnings=tuple(warnings),
+                     gathers=tuple(gathers), gather_order=tuple(gorder),
+                     planned_gathers=len(schedule.gathers))

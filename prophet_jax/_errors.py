@@ -78,3 +78,9 @@ class JaxVersionError(ProphetError, RuntimeError):
   (`prophet_jax._jaxcompat.PRIVATE_JAX`) or the `jax.extend.core` jaxpr API the pipelined step's residual
   analysis reads. The message names it; install a jax prophet_jax was tested with
   (`_jaxcompat.TESTED_JAX_VERSIONS`)."""
+
+
+class ShardingError(ProphetError, ValueError):
+  """The optimizer cannot run on ZeRO-1 shards: under a sharded schedule (`dear`), `scheduled(tx, ...)`
+  runs `tx` on each device's flat shards of the chunks, and this `tx` needs whole leaves or the params'
+  tree (per-leaf norms, masks, matrix-shaped updates). Use an all-reduce schedule for it."""

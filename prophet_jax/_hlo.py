@@ -14,6 +14,7 @@ Public helpers:
   async_windows(module) -> {start name: ops scheduled between an async collective's start and done}
   merged_op_names(op_name) -> the op_names XLA joined into one when it combined instructions
   contiguous_parts(module, ...) -> the parts of an all-reduce of one concatenated buffer (XLA:GPU)
+  sharded_collectives(module) -> every reduce-scatter and all-gather, in whichever form XLA wrote it
   OpCosts(module).cost(computation, instruction) -> (flops, bytes), from the HLO shapes alone
   shape_elements(shape_text) -> int ; shape_bytes(shape_text) -> int ; shape_dtypes(shape_text)
 """
@@ -28,7 +29,8 @@ from typing import Any
 
 __all__ = ["HloInstruction", "HloModule", "ExecutedOp", "parse_hlo", "hlo_text", "execution_order",
            "collectives", "allreduces", "AllReduceOp", "ALL_REDUCE_FORMS", "merged_op_names", "async_windows", "OpCosts", "shape_elements", "shape_bytes", "shape_dtypes",
-           "is_collective", "ALL_REDUCE_OPCODES", "producer", "users", "contiguous_parts"]
+           "is_collective", "ALL_REDUCE_OPCODES", "producer", "users", "contiguous_parts",
+           "SHARDED_COLLECTIVES", "ShardedCollectiveOp", "sharded_collectives"]
 
 ALL_REDUCE_OPCODES = ("all-reduce", "all-reduce-start")
 # how a compiled program writes an all-reduce (`AllReduceOp.form`): a synchronous `all-reduce` (the CPU's,
@@ -693,3 +695,73 @@ class OpCosts:
       return 0
     out_features = rhs[0][rhs_labels.index("o")] or 1
     return 2 * math.prod(out[0]) * math.prod(rhs[0]) // out_features
+
+
+# --------------------------------------------------------------------------------------------------
+# reduce-scatters and all-gathers (a sharded schedule's collectives), in whichever form XLA wrote them
+
+SHARDED_COLLECTIVES = ("reduce-scatter", "all-gather")
+_SHARDED_WRAPPERS = ("fusion-start", "async-start")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedCollectiveOp:
+  """A reduce-scatter or an all-gather of the compiled program, in whichever form XLA wrote it: the
+  synchronous op, an async `-start` / `-done` pair (XLA:GPU), or a `fusion-start` / `async-start`
+  whose called computation's ROOT is the collective (jaxlib 0.12's asynchronous collective fusions,
+  XLA's generic async wrapper).
+
+  Attributes:
+    op: where it is issued in the execution order (the op, or its `-start`).
+    collective: 'reduce-scatter' or 'all-gather'.
+    form: the opcode it was found under ('reduce-scatter', 'all-gather-start', 'fusion-start', ...).
+    in_elements: elements of its operand (a reduce-scatter's whole buffer, an all-gather's shard).
+    out_elements: elements of its result (a reduce-scatter's shard, an all-gather's whole buffer).
+    op_name: the op_name metadata (the start's, else the collective's).
+    synchronous: XLA:GPU marked it `"is_sync":true` (nothing overlaps it), or it has no start/done.
+  """
+
+  op: ExecutedOp
+  collective: str
+  form: str
+  in_elements: int
+  out_elements: int
+  op_name: str
+  synchronous: bool
+
+
+def sharded_collectives(module: HloModule, ops: tuple[ExecutedOp, ...] | None = None
+                        ) -> tuple[ShardedCollectiveOp, ...]:
+  """Every reduce-scatter and all-gather in execution order, whichever form XLA wrote it in."""
+  ops = execution_order(module) if ops is None else ops
+  out = []
+  for op in ops:
+    ins = op.instruction
+    kind = next((c for c in SHARDED_COLLECTIVES if ins.opcode in (c, f"{c}-start")), None)
+    if kind is not None:
+      if ins.opcode.endswith("-start"):  # jaxlib 0.10: ((operands...), result) or (operand, result)
+        items = _top_level(ins.shape)
+        n_in, n_out = shape_elements(items[0]), shape_elements(items[-1])
+        if len(items) == 1:  # a start of the result's shape alone
+          n_in = sum(shape_elements(module.instruction(op.computation, o).shape)
+                     for o in ins.operands if module.instruction(op.computation, o) is not None)
+      else:
+        n_in = sum(shape_elements(module.instruction(op.computation, o).shape)
+                   for o in ins.operands if module.instruction(op.computation, o) is not None)
+        n_out = ins.elements
+      sync = ins.opcode == kind or '"is_sync":true' in ins.text.replace(" ", "")
+      out.append(ShardedCollectiveOp(op=op, collective=kind, form=ins.opcode, in_elements=n_in,
+                                     out_elements=n_out, op_name=ins.op_name, synchronous=sync))
+    elif ins.opcode in _SHARDED_WRAPPERS:
+      body = dict(ins.callees).get("calls")
+      root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+      kind = next((c for c in SHARDED_COLLECTIVES if root is not None and root.opcode == c), None)
+      if kind is None:
+        continue
+      n_in = sum(shape_elements(module.instruction(body, o).shape)
+                 for o in root.operands if module.instruction(body, o) is not None)
+      sync = '"is_sync":true' in (ins.text + root.text).replace(" ", "")
+      out.append(ShardedCollectiveOp(op=op, collective=kind, form=ins.opcode, in_elements=n_in,
+                                     out_elements=root.elements, op_name=ins.op_name or root.op_name,
+                                     synchronous=sync))
+  return tuple(out)

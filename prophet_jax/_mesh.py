@@ -49,14 +49,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _defer
+from . import _defer, _zero
 from ._collectives import scheduled_allreduce
 from ._errors import AlreadyReducedError
 from ._schedule import Schedule
 from ._tree import is_reduced_leaf, path_str
 
 __all__ = ["data_axes", "check_mesh", "axis_total", "MeshGradFn", "MeshPipelined", "reduce_unreduced",
-           "global_defer_state", "local_devices_along"]
+           "global_defer_state", "local_devices_along", "sharded_init", "sharded_update"]
 
 P = PartitionSpec
 
@@ -377,7 +377,8 @@ class MeshGradFn:
     dspec = _defer.state_specs(defer_state, _spec_entry(axes)) if defer_state is not None else P()
     out_state = defer_state if _defer.belongs(defer_state, self.schedule) else _defer.init(self.schedule)
     dspec_out = _defer.state_specs(out_state, _spec_entry(axes)) if out_state is not None else P()
-    outs = (self._value_specs(), P()) + ((dspec_out,) if stateful else ())
+    gspec = data if self.schedule.sharded else P()  # a sharded schedule's GradShards: each device's own
+    outs = (self._value_specs(), gspec) + ((dspec_out,) if stateful else ())
     mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), P(), data, dspec), out_specs=outs)
     return mapped(params, tuple(reps), batch, defer_state)
 
@@ -565,6 +566,63 @@ def reduce_unreduced(grads: Any, schedule: Schedule, *, mesh: Any, axis_name: An
   mapped = jax.shard_map(body, mesh=mesh, in_specs=(gspecs, dspec), out_specs=(P(), dspec_out),
                          check_vma=False)
   return mapped(grads, defer_state)
+
+
+# --------------------------------------------------------------------------------------------------
+# a sharded schedule (ZeRO-1) on the mesh: the shard state is a global array split over the axis
+
+
+def sharded_init(tx: Any, params: Any, schedule: Schedule, *, mesh: Any, axis_name: Any) -> Any:
+  """`scheduled(tx, sharded_schedule, mesh=)`'s state: `_zero.init` on every device of the mesh, each
+  device's shard state on the leading axis of global arrays split over the data axis (`P(axis)`)."""
+  where = "scheduled(mesh=...).init"
+  axes = check_mesh(mesh, axis_name, where)
+  _check_not_mapped(axes, where)
+  check_replicated(params, "params", where, "Place them with jax.device_put(params, NamedSharding(mesh, "
+                   "P())).")
+  entry = _spec_entry(axes)
+  ax = axes if len(axes) > 1 else axes[0]
+  return jax.shard_map(lambda p: _zero.init(tx, p, schedule, ax, where), mesh=mesh, in_specs=P(),
+                       out_specs=P(entry))(params)
+
+
+def sharded_update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, *, mesh: Any,
+                   axis_name: Any, extra_args: dict | None = None) -> tuple[Any, Any]:
+  """`scheduled(tx, sharded_schedule, mesh=)`'s update on global arrays: the gradients unreduced over
+  the data axis (reduce-scattered here, summed: the partial sums carry the mean) or the GradShards of
+  `hooked(..., mesh=)` (split over the axis); `tx` on each device's shard; the update all-gathered,
+  returned replicated (`P()`), with the new shard state (`P(axis)`)."""
+  where = "scheduled(mesh=...)"
+  axes = check_mesh(mesh, axis_name, where)
+  _check_not_mapped(axes, where)
+  entry = _spec_entry(axes)
+  ax = axes if len(axes) > 1 else axes[0]
+  n = axis_total(mesh, axes)
+  if not isinstance(state, _zero.ShardedState):
+    _zero.check_state(state, schedule, n, where)
+  lead = [np.shape(x)[:1] for x in jax.tree_util.tree_leaves(state.per_device)]
+  if any(s != (n,) for s in lead):
+    raise ValueError(f"{where}: the sharded optimizer state's leaves have leading axes {sorted(set(lead))}, "
+                     f"but on the mesh each device's shard state is on a leading axis of {n} (the data "
+                     f"axis): make the state with this transformation's init on the mesh.")
+  if isinstance(updates, _zero.GradShards):
+    gspecs, mean = P(entry), True
+  else:
+    _check_unreduced(updates, mesh, axes, where)
+
+    def spec_of(g):
+      spec = jax.typeof(g).sharding.spec
+      return spec if set(axes) <= set(getattr(spec, "unreduced", ()) or ()) else P()
+
+    gspecs, mean = jax.tree_util.tree_map(spec_of, updates), False
+
+  def body(g, st, p):
+    return _zero.update(tx, g, st, p, schedule, ax, where=where, mean=mean, extra_args=extra_args)
+
+  # check_vma=False: inside, unreduced partial sums are plain per-device values (see reduce_unreduced)
+  mapped = jax.shard_map(body, mesh=mesh, in_specs=(gspecs, P(entry), P()), out_specs=(P(), P(entry)),
+                         check_vma=False)
+  return mapped(updates, state, params)
 
 
 # --------------------------------------------------------------------------------------------------

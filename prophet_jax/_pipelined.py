@@ -69,6 +69,13 @@ in issue order) and keeps the other k in a per-device residual that the next ste
 flushed step defers as any step: its deferred values stay in `state.defer` (`Pipelined.deferred_grads`
 puts them back in the parameters' shape, to apply at the end if wanted).
 
+Sharded schedules (`dear`, ZeRO-1). The pending gradients are reduce-scattered chunk by chunk, `tx`
+updates this device's shards (its state, `PipelinedState.opt_state`, is `scheduled`'s `ShardedState`:
+1/n per device, `P(axis_name)` in `state_specs`, made by `init` where the axis is bound), and the
+update is all-gathered gather by gather, front layers first: the next forward reads each gather's
+params in the same program, so each all-gather runs inside that forward, before the layers that read
+it (where XLA places it: `audit`'s `gathers_forward_overlap`).
+
 Batches and model states may hold typed PRNG keys (`jax.random.key`, extended dtypes): they are traced
 as such; nothing converts them to numbers.
 
@@ -99,7 +106,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from . import _defer
+from . import _defer, _zero
 from ._checks import check_values, match_tree
 from ._collectives import allreduce, axis_size, is_varying, to_varying, vma_enabled
 from ._defer import DeferState
@@ -131,6 +138,14 @@ def save_matmuls(prim: Any, *_: Any, **__: Any) -> bool:
 
 # --------------------------------------------------------------------------------------------------
 # state
+
+class _Traced(NamedTuple):
+  """The forward traced once inside a step's program: its inputs' types, `vjp_jaxpr` and carry plan."""
+
+  signature: tuple
+  trace: VjpTrace
+  plan: tuple
+
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
@@ -325,7 +340,9 @@ class Pipelined:
       raise TypeError("pipelined.init: a model_state was given, but this step was made without "
                       "has_state=True, so loss_fn would never see it. Pass has_state=True to pipelined "
                       "and write loss_fn(params, model_state, batch) -> (loss, new_model_state).")
-    return PipelinedState(params=params, opt_state=self.tx.init(params), pending=None,
+    opt_state = (_zero.init(self.tx, params, self.schedule, self.axis_name, "pipelined.init")
+                 if self.schedule.sharded else self.tx.init(params))
+    return PipelinedState(params=params, opt_state=opt_state, pending=None,
                           model_state=None if model_state is _NO_STATE else model_state,
                           defer=_defer.init(self.schedule))
 
@@ -375,9 +392,11 @@ class Pipelined:
     self._check_params(state.params, where)
     batch_tree, batch_avals = self._avals(batch)
     params, opt_state, defer = state.params, state.opt_state, state.defer
+    traced = None  # the backward's trace of the forward, which the next forward reuses when it can
     if state.pending is not None:
       self._check_batch(state.pending.meta, batch_tree, batch_avals)
-      params, opt_state, defer = self._backward_and_update(params, opt_state, state.pending, defer, where)
+      params, opt_state, defer, traced = self._backward_and_update(params, opt_state, state.pending, defer,
+                                                                   where)
     elif defer is None and self.schedule.defers:
       defer = _defer.init(self.schedule)  # nothing was deferred (a lossless step's state): start here
     elif not (_defer.carries_over(defer, self.schedule)):
@@ -385,7 +404,7 @@ class Pipelined:
     # else: a re-plan after a flush: the state of the old schedule rides until the next backward,
     # which adds its residual to those gradients (`_reduce`)
     loss, model_state, aux, pending = self._forward(params, state.model_state, batch, batch_tree,
-                                                    batch_avals)
+                                                    batch_avals, traced)
     new = PipelinedState(params=params, opt_state=opt_state, pending=pending, model_state=model_state,
                          defer=defer)
     return new, ((loss, aux) if self.has_aux else loss)
@@ -416,8 +435,8 @@ class Pipelined:
     if state.pending is None:
       return state
     axis_size(self.axis_name, where)
-    params, opt_state, defer = self._backward_and_update(state.params, state.opt_state, state.pending,
-                                                         state.defer, where)
+    params, opt_state, defer, _ = self._backward_and_update(state.params, state.opt_state,
+                                                            state.pending, state.defer, where)
     return state._replace(params=params, opt_state=opt_state, pending=None, defer=defer)
 
   def params(self, state: PipelinedState) -> Any:
@@ -435,7 +454,8 @@ class Pipelined:
                   model_state: Any = PartitionSpec()) -> PipelinedState:
     """PartitionSpecs of the state for `jax.shard_map`'s in_specs / out_specs.
 
-    Parameters and optimizer state are replicated (`P()`); the residuals are per device
+    Parameters and optimizer state are replicated (`P()`; a sharded schedule's optimizer state is each
+    device's shard state, `P(axis_name)`, as `prophet_jax.state_specs` says); the residuals are per device
     (`P(axis_name)`, each with a leading axis of size 1 per device); the model state is as
     `model_state` says; the deferral state as `prophet_jax.state_specs` says (its residuals
     `P(axis_name)`, its norms, mask and indices `P()`).
@@ -456,7 +476,8 @@ class Pipelined:
     rep = PartitionSpec()
     defer = (DeferState(norms=rep, deferred=rep, index=rep, residual=PartitionSpec(axis), tag=rep)
              if self.schedule.defers else rep)
-    prefix = PipelinedState(params=rep, opt_state=rep, pending=PartitionSpec(axis),
+    opt = PartitionSpec(axis) if self.schedule.sharded else rep  # ZeRO-1: each device's shard state
+    prefix = PipelinedState(params=rep, opt_state=opt, pending=PartitionSpec(axis),
                             model_state=model_state, defer=defer)
     if state is None:
       return prefix
@@ -540,18 +561,28 @@ class Pipelined:
   def _inputs(self, model_state: Any, batch: Any) -> Any:
     return (model_state, batch) if self.has_state else batch
 
-  def _trace(self, pv: Any, inputs: Any) -> tuple[VjpTrace, tuple]:
-    """The forward's `vjp_jaxpr` on `inputs` and its carry plan (nothing runs)."""
+  def _trace(self, pv: Any, inputs: Any, reuse: _Traced | None = None) -> _Traced:
+    """The forward's `vjp_jaxpr` on `inputs` and its carry plan (nothing runs).
+
+    `reuse`: a trace made earlier in the same program; returned as it is when its inputs' types (tree,
+    shapes, dtypes, weak types, varying axes) are these. The jaxpr depends on nothing else, so a
+    pipelined step traces its forward once, not once for the pending backward and again for the next
+    forward (a third of a ResNet-50 step's lowering time).
+    """
+    leaves, tree = jax.tree_util.tree_flatten((pv, inputs))
+    signature = (tree, tuple(jax.typeof(x) for x in leaves))
+    if reuse is not None and reuse.signature == signature:
+      return reuse
     trace = vjp_jaxpr(self._forward_fn, pv, inputs, has_aux=True)
     plan = carry_plan(trace.closed, len(jax.tree_util.tree_leaves(pv)), self._how, n_head=trace.n_head)
-    return trace, plan
+    return _Traced(signature, trace, plan)
 
   def _forward(self, params: Any, model_state: Any, batch: Any, batch_tree: Any,
-               batch_avals: tuple) -> tuple[jax.Array, Any, Any, Pending]:
+               batch_avals: tuple, traced: _Traced | None = None) -> tuple[jax.Array, Any, Any, Pending]:
     pv = self._varying_params(params)
     state_tree, state_avals = self._avals(model_state)
     # traced once, run from its jaxpr: the same trace says what to carry
-    trace, plan = self._trace(pv, self._inputs(model_state, batch))
+    _, trace, plan = self._trace(pv, self._inputs(model_state, batch), traced)
     n_head = trace.n_head
     with jax.named_scope("pipelined_forward"):
       loss, *outs = forward(trace.closed, plan, n_head=n_head)(
@@ -570,7 +601,7 @@ class Pipelined:
     return loss, new_state, aux, Pending(tuple(x[None] for x in residuals), meta)
 
   def _backward_and_update(self, params: Any, opt_state: Any, pending: Pending, defer: Any,
-                           where: str) -> tuple[Any, Any, Any]:
+                           where: str) -> tuple[Any, Any, Any, _Traced]:
     meta = pending.meta
     schedule = meta.schedule
     if schedule.tree_fingerprint != self.schedule.tree_fingerprint:
@@ -584,7 +615,8 @@ class Pipelined:
                        f"a model state, but this pipelined step has has_state={self.has_state}. Flush it "
                        f"with the step that made it, or start from init(...).")
     pv = self._varying_params(params)
-    trace, plan = self._vjp_structure(pv, meta)
+    traced = self._vjp_structure(pv, meta)
+    _, trace, plan = traced
     closed = trace.closed
     res_avals = tuple((tuple(a.shape), a.dtype) for a in carried_avals(closed, plan))
     if (res_avals != meta.residuals or plan != meta.carry
@@ -605,12 +637,26 @@ class Pipelined:
           *jax.tree_util.tree_leaves(pv), *(r[0] for r in pending.residuals))
       vjp_fn = jax.tree_util.tree_unflatten(trace.treedef, leaves)
       (grads,) = vjp_fn(self._ones_ct(meta))
-    grads, defer = self._reduce(grads, schedule, defer, where)
-    updates, opt_state = self.tx.update(grads, opt_state, params)
+    if schedule.sharded or self.schedule.sharded:
+      if schedule.sharded != self.schedule.sharded:
+        was = "a sharded" if schedule.sharded else "an all-reduce"
+        now = "sharded" if self.schedule.sharded else "an all-reduce one"
+        raise ValueError(
+            f"{where}: the state's pending forward ran under {was} schedule ({schedule.policy}), but this "
+            f"pipelined step's is {now} ({self.schedule.policy}): the "
+            f"optimizer state's layout (each device's shard, or replicated) changes between them. Flush "
+            f"with the step that made the state, then start this one from init(params).")
+      # ZeRO-1: reduce-scatter, tx on this device's shards, all-gather the update (the next forward
+      # reads each gather's params as soon as it lands: the all-gathers run inside it)
+      updates, opt_state = _zero.update(self.tx, grads, opt_state, params, schedule, self.axis_name,
+                                        where=where)
+    else:
+      grads, defer = self._reduce(grads, schedule, defer, where)
+      updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     # the next forward reads these inside this program: round low-precision leaves as memory would
     params = jax.tree_util.tree_map(_round_to_dtype, params)
-    return params, opt_state, defer
+    return params, opt_state, defer, traced
 
   def _reduce(self, grads: Any, schedule: Schedule, defer: Any, where: str) -> tuple[Any, Any]:
     """The pending gradients all-reduced (mean) with `schedule`, the one their forward ran under, and
@@ -633,7 +679,7 @@ class Pipelined:
     grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=True)
     return grads, _defer.init(self.schedule)
 
-  def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> tuple[VjpTrace, tuple]:
+  def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> _Traced:
     """The forward traced on the recorded input shapes (nothing of it runs): its `vjp_jaxpr` and the
     carry plan."""
     batch = jax.tree_util.tree_unflatten(meta.batch_tree, [self._placeholder(a) for a in meta.batch])

@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 
 from . import _xplane
-from ._checks import check_int
+from ._checks import check_bool, check_int
 from ._errors import ProfileError
 from ._tree import check_layer_depth, dtype_name, forward_paths, is_reduced_leaf, layer_of, layer_path, path_str
 from ._types import GradientProfile, ProfileRow, itemsize
@@ -570,7 +570,7 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
                  num_devices: int | None = None, steps: int = 20, warmup: int = 2, method: str = "auto",
                  tx: Any = None, layer_depth: int | None = None, model: str = "", device: str = "",
                  trace_dir: str | None = None, mesh: Any = None, axis_name: Any = None,
-                 has_aux: bool = False) -> GradientProfile:
+                 has_aux: bool = False, has_state: bool = False, model_state: Any = None) -> GradientProfile:
   """Profiles a real gradient step: per-leaf ready times and per-layer forward times.
 
   Args:
@@ -597,6 +597,10 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
       be a global `jax.Array`). `axis_name` may be left out for a one-axis mesh.
     has_aux: `loss_fn` returns `(loss, aux)` (the loss `hooked(..., has_aux=True)` takes); only the
       loss is differentiated.
+    has_state, model_state: `loss_fn(params, model_state, batch)` returns `(loss, new_model_state)` (or,
+      with `has_aux`, `(loss, (new_model_state, aux))`), the loss `hooked`/`pipelined(...,
+      has_state=True)` take; the step is profiled at `model_state` (e.g. BatchNorm statistics), which
+      stays as it is.
 
   Returns:
     A GradientProfile with one row per floating leaf in forward (priority) order, exact shapes, dtypes
@@ -623,6 +627,19 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
     raise ValueError(f"profile_step(method={method!r}): expected one of {METHODS}.")
   for name, v, lo in (("steps", steps, 1), ("warmup", warmup, 0)):
     check_int("profile_step", name, v, lo=lo)
+  check_bool("profile_step", "has_aux", has_aux)
+  check_bool("profile_step", "has_state", has_state)
+  if has_state:  # the loss hooked/pipelined(..., has_state=True) take, at this model state
+    if model_state is None:
+      raise TypeError("profile_step(has_state=True): pass model_state=, the state loss_fn(params, "
+                      "model_state, batch) reads (e.g. BatchNorm statistics).")
+    state_loss = loss_fn
+    loss_fn = lambda p, b: state_loss(p, model_state, b)  # noqa: E731
+    has_aux = True  # (loss, new_state) or (loss, (new_state, aux)): the loss first either way
+  elif model_state is not None:
+    raise TypeError("profile_step(model_state=...): given without has_state=True, so loss_fn(params, "
+                    "batch) would never see it; pass has_state=True and write loss_fn(params, "
+                    "model_state, batch) -> (loss, new_model_state).")
   if has_aux:  # the same loss hooked(..., has_aux=True) takes: profile its scalar
     aux_loss = loss_fn
     loss_fn = lambda p, b: aux_loss(p, b)[0]  # noqa: E731

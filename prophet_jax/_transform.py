@@ -26,14 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import _mesh
+from . import _mesh, _zero
 from ._checks import check_int, check_values, match_tree
 from ._collectives import (_zero_of, axis_size, carries, carry_over, check_residual_varying, is_varying,
-                           reduce_units, schedule_units, scheduled_allreduce, to_varying, unit_allreduces,
-                           vma_enabled)
+                           reduce_scatter_chunks, reduce_units, schedule_units, scheduled_allreduce,
+                           to_varying, unit_allreduces, vma_enabled)
 from ._defer import DeferState, GroupState, check_state, group_states, init as defer_init, with_groups
 from ._errors import AlreadyReducedError, CompositionError
-from ._schedule import Bucket, Chunk, Schedule
+from ._schedule import Bucket, Chunk, Schedule, shard_size
 from ._tree import dtype_name, is_float_dtype, is_reduced_leaf, path_str
 
 __all__ = ["ScheduledState", "scheduled", "check_composition", "hooked", "loop_hook", "hook_groups", "LOOP_SCOPE"]
@@ -194,6 +194,17 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   gradients over the axis; that is detected and raises AlreadyReducedError naming the fix. Under
   `pmap` it cannot be detected (nothing is marked varying there); a pmap step is per-device already.
 
+  A sharded schedule (`dear`, ZeRO-1; docs/design.md, "Sharded schedules in the rewrite"): `update`
+  reduce-scatters the gradients chunk by chunk (or takes `hooked`'s `GradShards`, whose
+  reduce-scatters ran inside backward, and then needs `params`), runs `tx` on the tuple of this
+  device's shards (one 1-D array per chunk, the params' shards beside them), and all-gathers the
+  update, returned whole and replicated. The state is `ScheduledState(inner=ShardedState(...))`,
+  `tx`'s state for this device's shards only: 1/n of the replicated one plus the padding. `init`
+  runs where the axis is bound (`jax.pmap(tx.init, axis_name=...)`, inside the `shard_map` with
+  `out_specs=P(axis_name)`, or anywhere with `mesh=`), and checks what `tx` may be: elementwise
+  transformations run as they are, `clip_by_global_norm` gets the global norm from one extra psum,
+  anything needing whole leaves or the params' tree raises ShardingError (`_zero.shard_mode`).
+
   On global arrays, in a plain `jax.jit` (`mesh=`): the gradients must come *unreduced* over the
   data axis, each device's partial sum (jax's `unreduced` sharding type, on a mesh with Explicit
   axes: differentiate with respect to params resharded to `P(reduced={axis_name})`, and `jax.grad`
@@ -221,6 +232,8 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
       (ScheduleMismatchError also for a state made by `init` of another deferring schedule).
     ValueError: at trace time, the schedule stripes over more links than the platform runs at once
       (CPU: 1), or, under shard_map, a deferral residual passed replicated.
+    ShardingError: a sharded schedule, at `init`: `tx` cannot run on shards.
+    UnboundAxisError: a sharded schedule, `init` outside the mapping (without `mesh=`).
 
   Example:
     >>> tx = prophet_jax.scheduled(optax.sgd(0.1, momentum=0.9), schedule, axis_name="data")
@@ -235,6 +248,10 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     before = _ran_before_in_chain()
     if before:
       raise _not_first_error(before, "init")
+    if schedule.sharded:  # ZeRO-1: tx's state for this device's shards only
+      if mesh is not None:
+        return ScheduledState(inner=_mesh.sharded_init(tx, params, schedule, mesh=mesh, axis_name=axis_name))
+      return ScheduledState(inner=_zero.init(tx, params, schedule, axis_name, "scheduled"))
     defer = None
     if schedule.defers:
       defer = defer_init(schedule) if mesh is None else _mesh.global_defer_state(schedule, mesh, axis_name)
@@ -250,6 +267,22 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
                       f"tx.init(params) returned (or the one the last update returned; TrainState and "
                       f"nnx.Optimizer keep it for you).")
     _check_masked(updates, schedule)
+    if schedule.sharded:  # reduce-scatter, tx on this device's shards, all-gather the update
+      if carries(state.defer_state, schedule):   # a re-plan from a deferring plan: carry its residual
+        if mesh is not None:
+          raise TypeError(
+              "scheduled(..., mesh=...).update: the state holds the deferral state of another (deferring) "
+              "plan, whose residual a sharded schedule's update on the mesh does not carry over. Keep it: "
+              "g = prophet_jax.deferred_grads(opt_state, params) (its mean over the data axis), one more "
+              "update with the old tx, then opt_state._replace(defer_state=None).")
+        updates, _ = carry_over(updates, state.defer_state, schedule, axis_name, "scheduled")
+      if mesh is not None:
+        new, inner = _mesh.sharded_update(tx, updates, state.inner, params, schedule, mesh=mesh,
+                                          axis_name=axis_name, extra_args=extra_args)
+      else:
+        new, inner = _zero.update(tx, updates, state.inner, params, schedule, axis_name, where="scheduled",
+                                  extra_args=extra_args)
+      return new, ScheduledState(inner=inner)
     try:
       if mesh is not None:  # global gradients, unreduced over the axis: reduced on the mesh
         reduced, defer = _mesh.reduce_unreduced(updates, schedule, mesh=mesh, axis_name=axis_name,
@@ -372,12 +405,11 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
       dev[0], dev[1] = e, -e  # sums to exactly zero
       v.append(g + dev)
     variants.append(v)
-  state = tx.init(params)
-
   def one(flat_g):
     g = jax.tree_util.tree_unflatten(treedef, [x.astype(d) if is_float_dtype(d) else x
                                                for x, (_, d) in zip(flat_g, shapes)])
-    st, outs = state, []
+    # init where the axis is bound (a sharded schedule's state is each device's shard state)
+    st, outs = tx.init(params), []
     for _ in range(steps):  # several steps, so that e.g. optax.MultiSteps emits an update
       u, st = tx.update(g, st, params)
       outs += [jnp.asarray(x, jnp.float32) for x in jax.tree_util.tree_leaves(u)]
@@ -486,6 +518,78 @@ def _make_hook(units: Sequence[Any], first_index: int, rows: Sequence[int], axis
 
   hook.defvjp(fwd, bwd)
   return hook
+
+
+def _make_rs_hook(chunks: Sequence[Chunk], first_index: int, rows: Sequence[int], axis_name: Any, n: int,
+                  divisor: int, cast: Sequence[bool], avals: Sequence[tuple[tuple[int, ...], Any]]) -> Callable:
+  """A custom_vjp identity on (leaves of `rows`, token, shard slots) whose backward reduce-scatters
+  `chunks` (a sharded schedule's hook: the DeAR pipeline's first half).
+
+  Forward: the leaves (cast to varying where `cast` says) and the token, unchanged; the slots (one
+  zero array of `shard_size` elements per chunk) are inputs only. Backward: the chunks'
+  reduce-scatters on the leaves' cotangents, the first tied to the incoming token cotangent; the
+  reduced shards are returned as the slots' cotangents (so `jax.grad` with respect to the slots gives
+  them), zeros as the leaves' (nothing reads the full gradients), and a token cotangent tied to the
+  last result.
+  """
+  local = {r: i for i, r in enumerate(rows)}
+  local_chunks = tuple(Chunk(slices=tuple((local[r], a, b) for r, a, b in c.slices), dtype=c.dtype)
+                       for c in chunks)
+  row_leaf = tuple(range(len(rows)))
+
+  @jax.custom_vjp
+  def hook(leaves, token, slots):
+    return [(to_varying(x, axis_name) if c else x) for x, c in zip(leaves, cast)], token
+
+  def fwd(leaves, token, slots):
+    return hook(leaves, token, slots), None
+
+  def bwd(_, cts):
+    ct_leaves, ct_token = cts
+    shards, last = reduce_scatter_chunks(list(ct_leaves), local_chunks, row_leaf, axis_name, n=n,
+                                         divisor=divisor, first_index=first_index, prev=ct_token)
+    return [jnp.zeros(s, d) for s, d in avals], _zero_of(last, ct_token.dtype), tuple(shards)
+
+  hook.defvjp(fwd, bwd)
+  return hook
+
+
+def _hooked_sharded(loss_fn: Callable[..., Any], schedule: Schedule, axis_name: Any, has_aux: bool,
+                    has_state: bool) -> Callable[..., Any]:
+  """`hooked`'s grad_fn for a sharded schedule: (value, GradShards), the reduce-scatters in backward."""
+  groups = hook_groups(schedule)
+  chunks = schedule.chunks
+
+  def grad_fn(params, *args, **kwargs):
+    n = axis_size(axis_name, "hooked")
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    lmap = match_tree(leaves_with_path, schedule, where="hooked")
+    flat = [leaf for _, leaf in leaves_with_path]
+    vma = vma_enabled(axis_name)
+    varying = (lambda x: to_varying(x, axis_name)) if vma else (lambda x: x)
+    hooks = []
+    for a, b, rows in groups:
+      cast = [vma and not is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
+      avals = [(np.shape(flat[lmap.row_leaf[r]]), flat[lmap.row_leaf[r]].dtype) for r in rows]
+      hooks.append((rows, a, b, _make_rs_hook(chunks[a:b], a, rows, axis_name, n, n, cast, avals)))
+    slots = tuple(varying(jnp.zeros((shard_size(c.size, n),), c.dtype)) for c in chunks)
+
+    def inner(flat_params, token, slots):
+      flat_params = list(flat_params)
+      for rows, a, b, hook in reversed(hooks):  # backward runs them in reverse: issue order
+        ids = [lmap.row_leaf[r] for r in rows]
+        out, token = hook([flat_params[i] for i in ids], token, slots[a:b])
+        for i, x in zip(ids, out):
+          flat_params[i] = x
+      return loss_fn(jax.tree_util.tree_unflatten(treedef, flat_params), *args, **kwargs)
+
+    token = varying(jnp.zeros((), jnp.float32))
+    value, (_, tok, shards) = jax.value_and_grad(inner, argnums=(0, 1, 2), has_aux=has_aux or has_state,
+                                                 allow_int=True)(flat, token, slots)
+    return value, _zero.GradShards(shards=tuple(shards), token=tok.reshape(1),
+                                   tag=_zero._tag(schedule, n, ""))
+
+  return grad_fn
 
 
 _LOOP_AXIS: contextvars.ContextVar[Any] = contextvars.ContextVar("prophet_loop_axis", default=None)
@@ -618,6 +722,12 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
   Integer leaves get float0 gradients (as `jax.grad(..., allow_int=True)` gives); zero-size leaves
   get their (empty) gradients unreduced.
 
+  A sharded schedule (`dear`, ZeRO-1) makes the hooks reduce-scatter instead: `grad_fn` returns
+  `(value, GradShards)`, this device's mean gradient shards (the DeAR pipeline's first half), which
+  `scheduled(tx, schedule, axis_name=...)`'s `update(shards, opt_state, params)` consumes: it skips
+  its own reduce-scatters, updates the shards and all-gathers the update (flax's
+  `state.apply_gradients(grads=shards)` works as it is). The full gradients are never formed.
+
   A deferring schedule (`dlcp` with `max_defer > 0`) needs its deferral state, which the caller
   owns here: `grad_fn(params, batch, defer_state) -> (loss, grads, new_defer_state)` (the state as
   the last positional argument or `defer_state=`; `((loss, aux), grads, new_defer_state)` with
@@ -678,6 +788,18 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
   if isinstance(in_loop, str):
     in_loop = (in_loop,)
   in_loop = tuple(in_loop)
+  if schedule.sharded:
+    if in_loop:
+      raise ValueError(f"hooked(in_loop={in_loop!r}) with a sharded schedule ({schedule.policy}): "
+                       f"loop_hook all-reduces a scanned layer's gradients inside the loop, but a "
+                       f"sharded (ZeRO-1) step updates every parameter from its reduce-scatter shard, "
+                       f"and the schedule does not cover those params. Plan the sharded schedule over "
+                       f"every param and drop in_loop, or use an all-reduce schedule with in_loop.")
+    grad_fn = _hooked_sharded(loss_fn, schedule, axis_name, has_aux, has_state)
+    if mesh is not None:
+      return _mesh.MeshGradFn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
+                              has_state=has_state)
+    return grad_fn
   groups = hook_groups(schedule)
   units = schedule_units(schedule)
   firsts = np.concatenate([[0], np.cumsum([unit_allreduces(u) for u in units])]).astype(int).tolist()

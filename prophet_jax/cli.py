@@ -336,6 +336,9 @@ def cmd_audit(a: argparse.Namespace) -> int:
   from ._gpu import gpu_target, gpu_topology, quiet_cuda_stub
   from ._schedule import Schedule
 
+  if a.jit and a.mode == "scheduled":
+    raise ValueError("audit --jit --mode scheduled: a plain jax.jit step's gradients come already reduced "
+                     "by the partitioner; audit --jit --mode hooked (or pipelined, or pmean for the plain step).")
   target = gpu_target(a.target)  # an unknown target fails here, before jax starts
   model = models.get_model(a.model)
   cross_step = a.mode == "pipelined"
@@ -356,7 +359,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
     options = dict(a.xla_option or ()) or None
     try:
       compiled, compile_s = compile_step(model, schedule, a.mode, topo, batch_size=a.batch,
-                                         compiler_options=options)
+                                         compiler_options=options, jit=a.jit)
     except Exception as e:  # noqa: BLE001 - XLA refusing an option: named, one line
       text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       if options and ("compile option" in text or "INVALID_ARGUMENT" in text):
@@ -374,7 +377,9 @@ def cmd_audit(a: argparse.Namespace) -> int:
                       "compile_s": compile_s, "xla_options": dict(a.xla_option or ()),
                       "report": report.to_dict()}, indent=1))
   else:
-    print(f"{a.model}, {a.mode} step, {schedule.policy} ({schedule.num_allreduces} chunk(s)): XLA:GPU's "
+    count = (f"{schedule.num_reduce_scatters} reduce-scatter(s), {schedule.num_all_gathers} all-gather(s)"
+             if schedule.sharded else f"{schedule.num_allreduces} chunk(s)")
+    print(f"{a.model}, {a.mode} step, {schedule.policy} ({count}): XLA:GPU's "
           f"compiled schedule for {a.devices} x {target.description} (compile-only: nothing ran; "
           f"compiled in {compile_s:.1f} s)")
     print(report.describe())
@@ -471,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--batch", type=_positive, default=None, help="global batch (default: the model's)")
   s.add_argument("--xla-option", type=_xla_option, action="append", metavar="KEY=VALUE",
                  help="a per-compile XLA option, e.g. xla_gpu_enable_latency_hiding_scheduler=true")
+  s.add_argument("--jit", action="store_true", help="the plain jax.jit step over sharded arrays (hooked or "
+                 "pipelined with mesh=; pmean: the partitioner's all-reduce) instead of a shard_map step")
   s.add_argument("--json", action="store_true", help="print the report as JSON")
   s.set_defaults(fn=cmd_audit)
   return p

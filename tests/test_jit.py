@@ -643,6 +643,22 @@ def test_profile_step_and_monitor_take_the_mesh():
     pj.Monitor(prof, net.replace(workers=8), mesh=m, axis_name=AXIS)
 
 
+def test_profile_step_takes_a_model_state():
+  """The loss hooked(..., has_state=True) takes: `profile_step(..., has_state=True, model_state=)`
+  profiles it at that state (BatchNorm statistics averaged over the mesh's data axis inside the loss),
+  one row per parameter leaf; a state without the flag, or the flag without a state, is a TypeError."""
+  s = U.setups()["batchnorm"]
+  m = mesh("2d")
+  prof = pj.profile_step(s.loss_fn, s.params, s.batches[0], mesh=m, axis_name=AXIS, has_state=True,
+                         model_state=s.model_state, steps=2, method="timed")
+  assert {r.path for r in prof.rows} == {r.path for r in pj.GradientProfile.from_params(s.params).rows}
+  assert prof.method == "timed" and sum(r.fwd_s for r in prof.rows) > 0, prof.notes
+  with pytest.raises(TypeError, match="pass model_state="):
+    pj.profile_step(s.loss_fn, s.params, s.batches[0], mesh=m, axis_name=AXIS, has_state=True)
+  with pytest.raises(TypeError, match="without has_state=True"):
+    pj.profile_step(s.loss_fn, s.params, s.batches[0], mesh=m, axis_name=AXIS, model_state=s.model_state)
+
+
 # --------------------------------------------------------------------------------------------------
 # compile-only H100s
 
@@ -713,3 +729,22 @@ def test_h100_audit_of_the_jit_steps(topo):
   r = pj.audit(compiled["plain"], schedule)
   assert r.chunk_allreduces == 0 and len({e.name for e in r.foreign}) == 1, r.describe()
   assert len(r.foreign) == len(jax.tree.leaves(params)) + 1 and not any(e.overlapped for e in r.foreign)
+
+
+def test_cli_audits_the_plain_jit_step():
+  """`prophet-jax audit --jit --mode hooked`: the plain jax.jit step with hooked(mesh=) gradients, compiled
+  for 8 H100s, audits OK (the wfbp plan's chunks, in order); `--jit --mode scheduled` (gradients the
+  partitioner already reduced) is one line naming the modes that work, exit 2."""
+  import json
+  import subprocess
+  import sys
+
+  cmd = [sys.executable, "-m", "prophet_jax", "audit", "--target", "h100", "--model", "mlp", "--policy",
+         "wfbp", "--batch", "16", "--jit", "--json"]
+  out = subprocess.run([*cmd, "--mode", "hooked"], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  report = pj.AuditReport.from_json(json.loads(out.stdout)["report"])
+  assert report.ok and len(report.order) >= 2 and report.order == tuple(range(len(report.order)))
+  bad = subprocess.run([*cmd, "--mode", "scheduled"], capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2 and "audit --jit --mode hooked" in bad.stderr
+  assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr

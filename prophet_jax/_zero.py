@@ -1,0 +1,709 @@
+"""ZeRO-1 under a sharded schedule: the optimizer runs on each device's shard of every chunk.
+
+A sharded schedule (`dear`, `Schedule.gathers`) reduce-scatters each chunk's flat buffer (its slices in
+order, zero-padded at the end to a multiple of the axis size n), so between the reduce-scatters and the
+all-gathers each device holds the mean gradient of 1/n of every chunk: its *shard*, `shard_size`
+elements (device i holds elements [i*s, (i+1)*s) of the padded buffer). `scheduled(tx, schedule)` runs
+`tx` there, on the tuple of this device's shards (one 1-D array per chunk, in chunk order) with the
+params' shards beside them (weight decay reads them), and keeps `tx`'s state for those shards only:
+1/n of the replicated state, plus the padding. The all-gathers then bring every device the whole
+update, in the gathers' order (front layers first), one tie chain after the reduce-scatters.
+
+What `tx` may be. It sees flat shards, not the params' tree, so it must give on them what it gives on
+the tree. `shard_mode` checks this once per (tx, tree): by name, it refuses what picks or shapes leaves
+by the tree (masks, labels, factored moments); then it runs `tx` on a few representative leaves (one
+per rank among the params' floating leaves, each dimension cut to at most 3) and on their flat shards
+over 3 simulated devices (two chunks, zero-padded), 3 steps at gradient scales 1e-6, 1 and 1e6 (so
+that any clipping threshold in between is crossed), one small program, and compares the updates:
+
+- *elementwise* transformations (sgd, momentum, Adam/AdamW, Lion, RMSProp, learning-rate schedules,
+  `MultiSteps` ...) give the same update on the shards: they run as they are;
+- transformations that read the global norm of the gradient (`clip_by_global_norm`) get it from one
+  extra `psum` of the shards' sums of squares (scope `prophet/norm`): the shards are given one more
+  leaf, a float32 scalar whose square is the rest of the tree's sum of squares (the other devices'
+  shards), so the norm `tx` computes over its tree is the global one; that leaf's update is dropped;
+- anything else (per-leaf norms: LAMB/LARS's trust ratio, `adaptive_grad_clip`, Adafactor's block RMS;
+  matrix-shaped updates such as Muon's; masks and labels that pick leaves by the tree: `optax.masked`,
+  `adamw(mask=)`, `multi_transform`; Adafactor's factored moments, which depend on leaf sizes) raises
+  `ShardingError` naming what differs: it needs whole leaves, which ZeRO-1's flat shards are not. Use
+  an all-reduce schedule for it.
+
+The state. `ShardedState(per_device, tag)`: `per_device` is `tx.init` of this device's shards, every
+leaf with a leading axis of 1 (so that under `shard_map` the whole of it is split over the axis,
+`P(axis)`, as the pipelined step's residuals and the deferral residuals are; under `pmap` the device
+axis comes in front; on a mesh, a global array `(n, ...)` split over the axis); `tag` holds no arrays:
+its structure records the schedule, n, the shard sizes and the mode, so a state from another schedule
+or axis size is refused naming both. `init` runs where the axis is bound (inside the `pmap` or
+`shard_map`): the shard sizes depend on n, and each device's shard of the params on its index.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec
+
+from . import _defer
+from ._checks import match_tree
+from ._collectives import (_chunk_buffer, _padded, all_gather_chunks, axis_size, check_not_reduced,
+                           local_shards, reduce_scatter_chunks, scatter_chunks, shards_square_sum)
+from ._errors import ScheduleMismatchError, ShardingError, UnboundAxisError
+from ._schedule import Schedule, shard_size
+from ._tree import IdentityMemo, is_reduced_leaf, path_str
+
+__all__ = ["ShardTag", "ShardedState", "GradShards", "shard_mode", "init", "update", "reduce_scatter",
+           "state_specs", "schedule_key", "check_state", "check_grad_shards", "unshard_state", "shard_state",
+           "NORM_SCOPE", "MODES"]
+
+NORM_SCOPE = "prophet/norm"  # the one extra psum of a global-norm transformation's squares
+MODES = ("elementwise", "global-norm")
+
+# transformations that choose or shape leaves by the params' tree (by name: a numeric check on a few
+# small representative leaves cannot see what depends on paths or on the leaves' real sizes)
+_STRUCTURAL = {
+    "masked": "a mask that picks leaves of the params' tree (optax.masked, adamw(mask=...))",
+    "partition": "labels that route leaves of the params' tree (optax.multi_transform / partition)",
+    "multi_transform": "labels that route leaves of the params' tree (optax.multi_transform)",
+    "scale_by_factored_rms": "second moments factored over each leaf's two largest axes (Adafactor)",
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# values
+
+
+@jax.tree_util.register_pytree_node_class
+class ShardTag:
+  """A leafless pytree node whose structure records what a sharded state or gradient belongs to.
+
+  Attributes:
+    key: `schedule_key` of the schedule (tree fingerprint, chunk sizes, gathers).
+    fingerprint: the schedule's tree fingerprint (for messages).
+    n: the axis size the shards were cut for.
+    sizes: `shard_size` of every chunk, in chunk order.
+    mode: 'elementwise' or 'global-norm' (`shard_mode`) for an optimizer state; '' for gradients.
+  """
+
+  __slots__ = ("key", "fingerprint", "n", "sizes", "mode")
+
+  def __init__(self, key: str, fingerprint: str, n: int, sizes: tuple[int, ...], mode: str = ""):
+    self.key, self.fingerprint, self.n, self.sizes, self.mode = key, fingerprint, int(n), tuple(sizes), mode
+
+  def tree_flatten(self):
+    return (), (self.key, self.fingerprint, self.n, self.sizes, self.mode)
+
+  @classmethod
+  def tree_unflatten(cls, aux, _):
+    return cls(*aux)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, ShardTag) and (self.key, self.n, self.sizes, self.mode) == (
+        other.key, other.n, other.sizes, other.mode)
+
+  def __hash__(self) -> int:
+    return hash((self.key, self.n, self.sizes, self.mode))
+
+  def __repr__(self) -> str:
+    mode = f", {self.mode}" if self.mode else ""
+    return f"ShardTag(schedule {self.key}, tree {self.fingerprint}, n={self.n}, {len(self.sizes)} shards{mode})"
+
+
+class ShardedState(NamedTuple):
+  """The optimizer state of `scheduled(tx, sharded_schedule)` (ZeRO-1): `tx`'s state for this
+  device's shards only.
+
+  Attributes:
+    per_device: `tx.init` of this device's shards (a tuple of 1-D arrays, one per chunk, and a float32
+      scalar in 'global-norm' mode), every leaf with a leading axis of 1: each device's own
+      (`P(axis_name)` under shard_map, `state_specs` says so; under pmap, per device as any state).
+    tag: no arrays; its structure records the schedule, the axis size and the mode (`ShardTag`).
+  """
+
+  per_device: Any
+  tag: ShardTag
+
+
+class GradShards(NamedTuple):
+  """This device's reduced gradient shards, as `hooked(loss_fn, sharded_schedule)` returns them.
+
+  The reduce-scatters ran inside backward; `scheduled(tx, schedule)`'s `update` takes this value in
+  place of the gradients (and the params, which it needs to lay out the update), skips its own
+  reduce-scatters, runs `tx` on the shards and all-gathers the update: the DeAR pipeline.
+
+  Attributes:
+    shards: the mean gradient of this device's shard of every chunk (`shard_size` elements each), in
+      chunk order.
+    token: shape (1,): an exact zero tied to the last reduce-scatter's result (the next all-gather of
+      the same tie chain is tied to it).
+    tag: no arrays; the schedule and the axis size (`ShardTag`, mode '').
+  """
+
+  shards: tuple[jax.Array, ...]
+  token: jax.Array
+  tag: ShardTag
+
+
+@IdentityMemo(64)
+def schedule_key(schedule: Schedule) -> str:
+  """A short hash of what a shard means: the tree fingerprint, the chunks' slices and the gathers."""
+  h = hashlib.sha256(schedule.tree_fingerprint.encode())
+  h.update(repr(tuple(c.slices for c in schedule.chunks)).encode())
+  h.update(repr(schedule.gathers).encode())
+  return h.hexdigest()[:16]
+
+
+def _tag(schedule: Schedule, n: int, mode: str) -> ShardTag:
+  return ShardTag(schedule_key(schedule), schedule.tree_fingerprint, n,
+                  tuple(shard_size(c.size, n) for c in schedule.chunks), mode)
+
+
+def _bound_size(axis_name: Any, where: str) -> int:
+  try:
+    return int(jax.lax.axis_size(axis_name))
+  except NameError as e:
+    piped = where.startswith("pipelined")
+    init, specs = ("p.init", "p.state_specs()") if piped else ("tx.init", f"P({axis_name!r})")
+    raise UnboundAxisError(
+        f"{where}: the schedule is sharded (ZeRO-1): each device keeps the optimizer state of its own "
+        f"shard, whose size depends on the number of devices on axis {axis_name!r} and whose values on "
+        f"the device's index, so the state is made where that axis is bound. Under pmap: state = "
+        f"jax.pmap({init}, axis_name={axis_name!r})(replicated_params)"
+        f"{'' if piped else ' (or TrainState.create inside the pmap)'}; under shard_map: "
+        f"jax.jit(jax.shard_map({init}, mesh=mesh, in_specs=P(), out_specs={specs}))(params), and pass "
+        f"it with those specs (prophet_jax.state_specs(state, {axis_name!r}) gives them per leaf); on "
+        f"global arrays in a plain jax.jit: {'pipelined' if piped else 'scheduled'}(..., mesh=mesh).") from e
+
+
+# --------------------------------------------------------------------------------------------------
+# may tx run on shards?
+
+
+def _names(tx: Any, limit: int = 400) -> set[str]:
+  """Names of the functions reachable from tx's init and update through closures (optax builds every
+  transformation as closures: 'masked', 'clip_by_global_norm', ...)."""
+  seen: set[int] = set()
+  names: set[str] = set()
+  todo = [tx.init, tx.update]
+  while todo and len(seen) < limit:
+    o = todo.pop()
+    if id(o) in seen:
+      continue
+    seen.add(id(o))
+    if isinstance(o, (tuple, list)):
+      todo.extend(o)
+    elif isinstance(o, dict):
+      todo.extend(o.values())
+    elif callable(o):
+      q = getattr(o, "__qualname__", "") or ""
+      names.add(q.split(".<locals>")[0])
+      todo.extend(getattr(o, "func", None) for _ in (0,) if hasattr(o, "func"))  # functools.partial
+      for cell in getattr(o, "__closure__", None) or ():
+        try:
+          todo.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+          pass
+  return names
+
+
+def _mini(x: Any) -> tuple[tuple[int, ...], bool]:
+  shape = tuple(min(int(d), 3) for d in np.shape(x))
+  return shape, is_reduced_leaf(x) and int(np.prod(shape, dtype=np.int64)) > 0
+
+
+_PROBE_DEVICES = 3
+_PROBE_STEPS = 3
+_PROBE_SCALES = (1e-6, 1.0, 1e6)
+_PROBE_RTOL = 1e-4
+_PROBE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+_MODE_MEMO: dict[tuple, tuple[Any, str]] = {}
+
+
+def shard_mode(tx: Any, params: Any, where: str = "scheduled") -> str:
+  """How `tx` runs on ZeRO-1 shards: 'elementwise' or 'global-norm' (see the module docstring).
+
+  Refuses by name what picks or shapes leaves by the params' tree; then runs `tx` on representative
+  leaves (one per rank of `params`' floating leaves, dimensions cut to at most 3) and on their flat
+  shards over 3 simulated devices (two chunks, zero-padded), 3 steps at gradient scales 1e-6, 1 and
+  1e6, and compares the updates element by element (rtol 1e-4 of the largest): one small program
+  (about 0.3 s of CPU), run in a thread of its own (jax's trace state is per thread), so it may be
+  called while a step is traced; memoized per (tx, representative shapes).
+
+  Raises:
+    ShardingError: `tx` needs whole leaves or the params' tree (names what differs and the fix).
+  """
+  # one leaf per rank of the params' floating leaves (the first leaf of that rank, each dimension cut
+  # to at most 3): what a leaf's shape can change; masks and labels by path are refused by name above
+  ranks: dict[int, tuple[str, tuple[int, ...]]] = {}
+  for p, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    shape, ok = _mini(x)
+    if ok:
+      ranks.setdefault(len(shape), (path_str(p), shape))
+  reps = tuple(ranks[r] for r in sorted(ranks))
+  key = (id(tx.init), id(tx.update), reps)
+  hit = _MODE_MEMO.get(key)
+  if hit is not None and hit[0] is tx:
+    return hit[1]
+  found = sorted(set(_STRUCTURAL) & _names(tx))
+  if found:
+    raise ShardingError(
+        f"{where}: the schedule is sharded (ZeRO-1), so tx runs on each device's flat shards of the "
+        f"chunks, not on the params' tree, but tx uses {_STRUCTURAL[found[0]]} ({found[0]}): on flat "
+        f"shards that would silently change which values it touches. Drop it (e.g. adamw without "
+        f"mask=), or use an all-reduce schedule (any policy but 'dear') for this optimizer.")
+  # in a thread of its own: jax's trace state is per thread, so the probe runs (one small compiled
+  # program) even while the caller is tracing a step (an init inside pmap or shard_map)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    mode = pool.submit(_probe, tx, reps, where).result()
+  if len(_MODE_MEMO) > 64:
+    _MODE_MEMO.clear()
+  _MODE_MEMO[key] = (tx, mode)
+  return mode
+
+
+def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -> str:
+  if not reps:
+    return "elementwise"
+  paths = [p for p, _ in reps]
+  shapes = [s for _, s in reps]
+  sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+  total = sum(sizes)
+  cut = max(1, total // 2)                                   # two chunks of the flat vector
+  chunk_sizes = [cut, total - cut] if total > 1 else [total]
+  d = _PROBE_DEVICES
+  shard = [shard_size(c, d) for c in chunk_sizes]
+  rng = np.random.default_rng(0)
+  p0 = rng.standard_normal(total).astype(np.float32)
+  grads = rng.standard_normal((_PROBE_STEPS, total)).astype(np.float32)
+
+  def tree_of(vec):  # the representative leaves, as a tuple (one per rank)
+    out, off = [], 0
+    for shape, size in zip(shapes, sizes):
+      out.append(vec[off:off + size].reshape(shape))
+      off += size
+    return tuple(out)
+
+  def flat_of(tree):
+    return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in tree])
+
+  def whole(scale, p0, grads):
+    p, out = tree_of(p0), []
+    st = tx.init(p)
+    for t in range(_PROBE_STEPS):
+      u, st = tx.update(tree_of(grads[t] * scale), st, p)
+      out.append(flat_of(u))
+    return jnp.stack(out)
+
+  def split(vec):
+    parts, off = [], 0
+    for c, s in zip(chunk_sizes, shard):
+      parts.append(jnp.pad(vec[off:off + c], (0, d * s - c)).reshape(d, s))
+      off += c
+    return parts
+
+  def sharded(scale, carrier, p0, grads):
+    p_parts = split(p0)
+
+    def one(dev):
+      p = tuple(part[dev] for part in p_parts)
+      if carrier:
+        p = p + (jnp.zeros((), jnp.float32),)
+      st, out = tx.init(p), []
+      for t in range(_PROBE_STEPS):
+        g_parts = split(grads[t] * scale)
+        g = tuple(part[dev] for part in g_parts)
+        if carrier:
+          total_sq = sum(jnp.sum(jnp.square(part)) for part in g_parts)
+          local_sq = sum(jnp.sum(jnp.square(x)) for x in g)
+          g = g + (jnp.sqrt(jnp.maximum(total_sq - local_sq, 0.0)),)
+        u, st = tx.update(g, st, p)
+        out.append(u[:len(chunk_sizes)])
+      return out
+
+    per_dev = jax.vmap(one)(jnp.arange(d))             # per step: tuple of (d, s) parts
+    return jnp.stack([jnp.concatenate([part.reshape(-1)[:c] for part, c in zip(step, chunk_sizes)])
+                      for step in per_dev])
+
+  def run(scales, p0, grads):  # the values are arguments: nothing is evaluated while tracing
+    return (jax.vmap(lambda sc: whole(sc, p0, grads))(scales),
+            jax.vmap(lambda sc: sharded(sc, False, p0, grads))(scales),
+            jax.vmap(lambda sc: sharded(sc, True, p0, grads))(scales))
+
+  def compare(ref: np.ndarray, got: np.ndarray) -> tuple[float, float, int]:
+    worst = (0.0, 1.0, 0)
+    for r, g in zip(ref, got):
+      big = float(np.max(np.abs(r))) or 1.0
+      if not np.array_equal(np.isfinite(g), np.isfinite(r)):
+        return float("inf"), big, int(np.argmax(np.isfinite(g) != np.isfinite(r)) % total)
+      diff = np.abs(g - r)
+      err = float(np.nanmax(diff)) if diff.size else 0.0
+      if err / big > worst[0] / worst[1]:
+        worst = (err, big, int(np.nanargmax(diff)) % total)
+    return worst
+
+  try:  # one small program, compiled once: the tree, the shards, the shards with the global norm
+    args = (np.asarray(_PROBE_SCALES, np.float32), p0, grads)
+    # many tiny ops: XLA's backend optimisations cost seconds here and save nothing
+    out = jax.jit(run).lower(*args).compile(compiler_options=_PROBE_OPTIONS)(*args)
+    ref, plain, normed = (np.asarray(x, np.float64) for x in out)
+    err, big, at = compare(ref, plain)
+    if err <= _PROBE_RTOL * big:
+      return "elementwise"
+    err2, big2, _ = compare(ref, normed)
+    if err2 <= _PROBE_RTOL * big2:
+      return "global-norm"
+  except (TypeError, ValueError) as e:
+    raise ShardingError(
+        f"{where}: the schedule is sharded (ZeRO-1), so tx runs on each device's flat shards of the "
+        f"chunks (a tuple of 1-D arrays), not on the params' tree; tx fails there ({type(e).__name__}: "
+        f"{str(e)[:300]}). It depends on the params' tree: use an all-reduce schedule (any policy but "
+        f"'dear') for this optimizer.") from e
+  # name the leaf (of the representatives) where the sharded update differs most
+  off, leaf = 0, paths[0]
+  for path, size in zip(paths, sizes):
+    if at < off + size:
+      leaf = path
+      break
+    off += size
+  raise ShardingError(
+      f"{where}: the schedule is sharded (ZeRO-1), so tx runs on each device's flat shards of the chunks, "
+      f"but its update there differs from its update on the params' tree (on a small stand-in "
+      f"for the params' leaf {leaf!r}: by {err:.3g} where the largest update is {big:.3g}; with the global norm given, "
+      f"by {err2:.3g}): tx needs whole leaves (per-leaf norms such as LAMB/LARS's trust ratio or "
+      f"adaptive_grad_clip, matrix-shaped updates, a leaf's shape), which flat shards are not. Only "
+      f"elementwise transformations (sgd, momentum, Adam/AdamW, ...) and global-norm ones "
+      f"(clip_by_global_norm) run sharded; use an all-reduce schedule (any policy but 'dear') for this "
+      f"optimizer.")
+
+
+# --------------------------------------------------------------------------------------------------
+# init and update, per device (inside pmap / shard_map)
+
+
+def _flat(tree: Any, schedule: Schedule, where: str) -> tuple[list, Any, Any]:
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  lmap = match_tree(leaves_with_path, schedule, where=where)
+  return [x for _, x in leaves_with_path], treedef, lmap
+
+
+def init(tx: Any, params: Any, schedule: Schedule, axis_name: Any, where: str = "scheduled") -> ShardedState:
+  """`tx`'s state for this device's shards of `params` (inside the mapping: the axis must be bound).
+
+  Raises:
+    UnboundAxisError: called outside pmap / shard_map (says where to make the state).
+    ShardingError: `tx` cannot run on shards (`shard_mode`).
+    ScheduleMismatchError: `params` is not the schedule's tree.
+  """
+  n = _bound_size(axis_name, where)
+  flat, _, lmap = _flat(params, schedule, where)
+  mode = shard_mode(tx, params, where)
+  p = local_shards(flat, schedule.chunks, lmap.row_leaf, axis_name, n)
+  if mode == "global-norm":
+    p = p + (jnp.zeros((), jnp.float32),)
+  state = tx.init(p)
+  return ShardedState(per_device=jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], state),
+                      tag=_tag(schedule, n, mode))
+
+
+def check_state(state: Any, schedule: Schedule, n: int, where: str) -> None:
+  """ScheduleMismatchError unless `state` is a ShardedState of this schedule for n devices."""
+  if not isinstance(state, ShardedState):
+    raise TypeError(
+        f"{where}: the schedule is sharded (ZeRO-1), so the optimizer state is each device's shard "
+        f"state (a prophet_jax.ShardedState made by this transformation's init inside the mapping), got "
+        f"{type(state).__name__}. Make it with init where the axis is bound (jax.pmap(tx.init, ...) or "
+        f"inside the shard_map).")
+  tag = state.tag
+  want_key, want_sizes = schedule_key(schedule), tuple(shard_size(c.size, n) for c in schedule.chunks)
+  if not isinstance(tag, ShardTag) or tag.key != want_key or tag.n != n or tag.sizes != want_sizes:
+    got = repr(tag) if isinstance(tag, ShardTag) else type(tag).__name__
+    why = (f"made for {tag.n} devices, this axis has {n}" if isinstance(tag, ShardTag) and
+           tag.key == want_key else "made for another schedule or tree")
+    raise ScheduleMismatchError(
+        f"{where}: the sharded optimizer state ({got}) does not belong to this schedule "
+        f"({_tag(schedule, n, '')!r}): it was {why}. A shard state holds one device's part of the "
+        f"chunks it was cut from: make a new one with init (a re-plan or a new device count re-shards "
+        f"the optimizer state: gather it with the old step first to keep it).")
+
+
+def check_grad_shards(g: Any, schedule: Schedule, n: int, where: str) -> None:
+  """ScheduleMismatchError unless `g` is a GradShards of this schedule for n devices."""
+  tag = g.tag
+  want = _tag(schedule, n, "")
+  if not isinstance(tag, ShardTag) or (tag.key, tag.n, tag.sizes) != (want.key, want.n, want.sizes):
+    raise ScheduleMismatchError(
+        f"{where}: the gradient shards ({tag!r}) were reduce-scattered for another schedule or axis "
+        f"size than this one ({want!r}): use the same schedule in hooked and scheduled.")
+  if len(g.shards) != len(want.sizes):
+    raise ScheduleMismatchError(f"{where}: the gradient shards hold {len(g.shards)} arrays, the schedule "
+                                f"has {len(want.sizes)} chunks; they were edited.")
+
+
+def reduce_scatter(grads: Any, schedule: Schedule, axis_name: Any, *, where: str, mean: bool = True
+                   ) -> GradShards:
+  """The schedule's reduce-scatters of `grads` (per-device gradients): this device's mean (or sum)
+  shards, the chain's last result in `token`."""
+  n = axis_size(axis_name, where)
+  flat, _, lmap = _flat(grads, schedule, where)
+  check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
+  shards, last = reduce_scatter_chunks(flat, schedule.chunks, lmap.row_leaf, axis_name, n=n,
+                                       divisor=n if mean else None)
+  token = jnp.where(jnp.isfinite(last[0]), last[0] * 0, 0).astype(jnp.float32)[None]
+  return GradShards(shards=shards, token=token, tag=_tag(schedule, n, ""))
+
+
+def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, axis_name: Any, *,
+           where: str = "scheduled", mean: bool = True, extra_args: dict | None = None
+           ) -> tuple[Any, ShardedState]:
+  """The ZeRO-1 step: reduce-scatter (unless `updates` is already `GradShards`), `tx` on this
+  device's shards, all-gather the update; returns (the whole update, replicated, in the tree's
+  structure; the new ShardedState).
+
+  Leaves the schedule does not cover (integers, float0, zero-size) get a zero update (float0 stays).
+  """
+  n = axis_size(axis_name, where)
+  check_state(state, schedule, n, where)
+  chunks = schedule.chunks
+  if isinstance(updates, GradShards):
+    check_grad_shards(updates, schedule, n, where)
+    if params is None:
+      raise TypeError(f"{where}: given the gradient shards of hooked(...) (GradShards), update needs the "
+                      f"params to lay the update out in their tree: tx.update(shards, opt_state, params) "
+                      f"(flax's TrainState.apply_gradients and nnx.Optimizer pass them).")
+    g = updates
+    template, treedef, lmap = _flat(params, schedule, where)
+  else:
+    g = reduce_scatter(updates, schedule, axis_name, where=where, mean=mean)
+    template, treedef, lmap = _flat(updates, schedule, where)
+  shards, prev = tuple(g.shards), g.token[0]
+  p = None
+  if params is not None:
+    pflat, _, plmap = _flat(params, schedule, where)
+    p = local_shards(pflat, chunks, plmap.row_leaf, axis_name, n)
+  if state.tag.mode == "global-norm":
+    local, total = shards_square_sum(shards, axis_name, NORM_SCOPE)
+    shards = shards + (jnp.sqrt(jnp.maximum(total - local, 0.0)),)
+    if p is not None:
+      p = p + (jnp.zeros((), jnp.float32),)
+  inner = jax.tree_util.tree_map(lambda x: x[0], state.per_device)
+  if isinstance(tx, optax.GradientTransformationExtraArgs):
+    u, inner = tx.update(shards, inner, p, **(extra_args or {}))
+  else:
+    u, inner = tx.update(shards, inner, p)
+  u = tuple(u)[:len(chunks)]
+  bufs, _ = all_gather_chunks(u, chunks, schedule.gathers, axis_name, n=n, prev=prev)
+  rows = set(lmap.row_leaf)
+  base = [x if i in rows or getattr(x, "dtype", None) == jax.dtypes.float0 else jnp.zeros_like(x)
+          for i, x in enumerate(template)]
+  out = scatter_chunks(base, chunks, lmap.row_leaf, bufs)
+  new = ShardedState(per_device=jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], inner), tag=state.tag)
+  return jax.tree_util.tree_unflatten(treedef, out), new
+
+
+# --------------------------------------------------------------------------------------------------
+# specs
+
+
+def state_specs(state: Any, axis_name: Any) -> Any:
+  """PartitionSpecs for `jax.shard_map` of any state holding per-device parts (an optax state, a
+  TrainState, a PipelinedState, a `flax.nnx` state, ...): `P(axis_name)` for every leaf of a
+  `ShardedState` (a sharded schedule's optimizer state: each device's shard, on a leading axis of 1)
+  and of `GradShards`, and for each DeferState's residuals; `P()` for every other leaf (replicated).
+
+  A ShardedState or DeferState is found by its type, or, where a container re-labelled its fields
+  (`flax.nnx` stores an optimizer state as nested dicts of Variables), by its path: a leaf under a
+  `per_device` entry, or under a `residual` entry under a `defer_state` entry.
+
+  Args:
+    state: the state (arrays or ShapeDtypeStructs; for a sharded schedule, made inside the mapping:
+      its shard sizes depend on the axis size).
+    axis_name: the data-parallel mesh axis.
+
+  Returns:
+    A tree of PartitionSpecs with the structure of `state`.
+  """
+  P = PartitionSpec
+  per = lambda x: isinstance(x, (ShardedState, GradShards))  # noqa: E731
+  special = lambda x: per(x) or isinstance(x, _defer.DeferState)  # noqa: E731
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=special)
+  out = []
+  for path, x in leaves:
+    if isinstance(x, _defer.DeferState):
+      out.append(_defer.state_specs(x, axis_name))
+    elif per(x):
+      out.append(type(x)(*(jax.tree_util.tree_map(lambda _: P(axis_name), f) for f in x[:-1]), x.tag))
+    else:
+      names = [_defer._key_name(k) for k in path]
+      mine = "per_device" in names or (
+          "defer_state" in names and "residual" in names[names.index("defer_state"):])
+      out.append(P(axis_name) if mine else P())
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# between layouts (host side): the whole optimizer state and back, for checkpoints, a re-plan, or
+# another device count
+
+
+def _host(x: Any) -> np.ndarray:
+  return np.asarray(jax.device_get(x))
+
+
+def _groups(schedule: Schedule, n: int, mode: str, params: Any, tx: Any, where: str):
+  """(per-device template of tx's shard state flattened into groups, the replicated template flattened
+  into groups, lmap, flat params): a group is the tuple of shards (one per chunk, + the norm carrier)
+  or the params' tree; a leaf is anything else (a step count, a scalar)."""
+  flat, treedef, lmap = _flat(params, schedule, where)
+  chunks = schedule.chunks
+  shard_struct = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in chunks)
+  if mode == "global-norm":
+    shard_struct = shard_struct + (jax.ShapeDtypeStruct((), jnp.float32),)
+  k = len(shard_struct)
+  shapes = [tuple(np.shape(s)) for s in shard_struct]
+
+  def is_shards(x: Any) -> bool:
+    return type(x) is tuple and len(x) == k and all(
+        tuple(np.shape(y)) == s for y, s in zip(x, shapes))
+
+  pshapes = [tuple(np.shape(x)) for x in flat]
+
+  def is_params(x: Any) -> bool:
+    leaves, td = jax.tree_util.tree_flatten(x)
+    return td == treedef and [tuple(np.shape(y)) for y in leaves] == pshapes
+
+  per = jax.eval_shape(tx.init, shard_struct)
+  rep = jax.eval_shape(tx.init, jax.tree_util.tree_unflatten(treedef, flat))
+  per_items, per_def = jax.tree_util.tree_flatten(per, is_leaf=is_shards)
+  rep_items, rep_def = jax.tree_util.tree_flatten(rep, is_leaf=is_params)
+  kinds = lambda items, f: [bool(f(x)) for x in items]  # noqa: E731
+  if len(per_items) != len(rep_items) or kinds(per_items, is_shards) != kinds(rep_items, is_params):
+    raise ShardingError(
+        f"{where}: tx's state on the shards ({per_def}) does not match its state on the params' tree "
+        f"({rep_def}) part for part, so the two layouts cannot be converted: tx's state holds something "
+        f"other than per-parameter arrays and scalars.")
+  return per_def, per_items, is_shards, rep_def, rep_items, is_params, treedef, flat, lmap
+
+
+def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
+  """Every `ShardedState` in `state` replaced by `tx`'s whole (replicated) state for `params`, on the
+  host: what `tx.init(params)` and the same updates on the whole tree would hold.
+
+  For a checkpoint that any device count (or an all-reduce schedule) can resume from, and, with
+  `shard_state`, to re-shard a ZeRO-1 state after a re-plan or for another device count. Takes the
+  state as the step leaves it: global arrays of all devices' shards (shard_map, `mesh=`: each leaf
+  `(n, ...)`) or pmap's stacked per-device values (`(n, 1, ...)`); any tree holding ShardedStates
+  (a TrainState, `scheduled`'s ScheduledState, a PipelinedState). Per-parameter arrays (momenta) are
+  put back at their slices (the padding dropped); scalars (step counts) are taken from device 0
+  (every device holds the same); the global-norm carrier's entries (`shard_mode`) are dropped.
+
+  Args:
+    state: a tree holding ShardedStates (fetched or not; read with jax.device_get).
+    tx: the optimizer the state was made by (the one passed to `scheduled`).
+    params: the params' tree (arrays or ShapeDtypeStructs): the layout of the whole state.
+    schedule: the sharded schedule the state was made for.
+
+  Returns:
+    `state` with each ShardedState replaced by a tree like `tx.init(params)` of numpy arrays.
+
+  Raises:
+    ScheduleMismatchError: a ShardedState was made for another schedule or tree.
+    ShardingError: tx's state is not per-parameter arrays and scalars.
+  """
+  where = "unshard_state"
+
+  def one(s: ShardedState) -> Any:
+    n = s.tag.n
+    check_state(s, schedule, n, where)
+    per_def, per_items, is_shards, rep_def, rep_items, _, treedef, flat, lmap = _groups(
+        schedule, n, s.tag.mode, params, tx, where)
+    got = per_def.flatten_up_to(s.per_device)
+    out = []
+    for tmpl, have, like in zip(per_items, got, rep_items):
+      if is_shards(tmpl):
+        bufs = []
+        for c, part in zip(schedule.chunks, have):
+          a = _host(part)
+          if a.shape[1:2] == (1,) and a.ndim == 3:   # pmap: (n, 1, s)
+            a = a[:, 0]
+          bufs.append(a.reshape(-1)[:c.size])
+        base = [np.zeros(np.shape(x), like_leaf.dtype) for x, like_leaf in
+                zip(flat, jax.tree_util.tree_leaves(like))]
+        leaves = [np.asarray(x) for x in scatter_chunks(base, schedule.chunks, lmap.row_leaf, bufs)]
+        out.append(jax.tree_util.tree_unflatten(treedef, [x.astype(t.dtype) for x, t in zip(
+            leaves, jax.tree_util.tree_leaves(like))]))
+      else:
+        a = _host(have)
+        out.append(a.reshape((a.shape[0], -1))[0].reshape(np.shape(tmpl)).astype(tmpl.dtype))
+    return jax.tree_util.tree_unflatten(rep_def, out)
+
+  is_state = lambda x: isinstance(x, ShardedState)  # noqa: E731
+  if not any(is_state(x) for x in jax.tree_util.tree_leaves(state, is_leaf=is_state)):
+    raise TypeError(
+        f"{where}: no ShardedState in the given {type(state).__name__}: pass the optimizer state (or a "
+        f"TrainState holding it) of scheduled(tx, schedule) with a sharded schedule, as the step returns "
+        f"it. A container that re-labels its fields (flax.nnx's Optimizer keeps nested dicts) hides the "
+        f"type: give the ShardedState itself (ScheduledState.inner).")
+  return jax.tree_util.tree_map(one, state, is_leaf=is_state)
+
+
+def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int, *,
+                pmap: bool = False) -> ShardedState:
+  """`tx`'s whole state for `params` (as `tx.init(params)` makes it, or `unshard_state` gives it) cut
+  into the ZeRO-1 shard state of `schedule` for `n` devices, on the host: the inverse of
+  `unshard_state`.
+
+  Resume a replicated checkpoint (or an all-reduce schedule's state) under a sharded schedule, or
+  re-shard after a re-plan or for another device count: `shard_state(unshard_state(old, tx, params,
+  old_schedule), tx, params, new_schedule, n)`. Put it in `scheduled`'s state in place of the one
+  `init` made (`opt_state._replace(inner=...)`).
+
+  Args:
+    tx_state: tx's state for the whole params' tree.
+    tx: the optimizer (the one passed to `scheduled`).
+    params: the params' tree (arrays or ShapeDtypeStructs).
+    schedule: the sharded schedule to cut for.
+    n: the number of devices on the data axis.
+    pmap: lay each leaf out as pmap's stacked per-device values `(n, 1, ...)`; by default a global
+      array `(n, ...)` to place split over the axis (`jax.device_put(s, NamedSharding(mesh,
+      P(axis)))`, as `state_specs` says) for shard_map or `mesh=`.
+
+  Returns:
+    A ShardedState of numpy arrays.
+
+  Raises:
+    ShardingError: tx cannot run on shards, or its state is not per-parameter arrays and scalars.
+  """
+  where = "shard_state"
+  if not schedule.sharded:
+    raise ValueError(f"{where}: schedule ({schedule.policy}) is not sharded (no gathers): its "
+                     f"optimizer state is tx's whole state, nothing to cut.")
+  n = int(n)
+  if n < 1:
+    raise ValueError(f"{where}: n={n}: the number of devices on the data axis must be >= 1.")
+  mode = shard_mode(tx, params, where)
+  per_def, per_items, is_shards, rep_def, rep_items, is_params, treedef, flat, lmap = _groups(
+      schedule, n, mode, params, tx, where)
+  have = rep_def.flatten_up_to(tx_state)
+  out = []
+  for tmpl, like, x in zip(per_items, rep_items, have):
+    if is_shards(tmpl):
+      leaves = [_host(v) for v in treedef.flatten_up_to(x)]
+      parts = []
+      for c, t in zip(schedule.chunks, tmpl):
+        buf = np.asarray(_padded(_chunk_buffer(leaves, c, lmap.row_leaf), n)).astype(t.dtype)
+        parts.append(buf.reshape(n, -1))
+      if mode == "global-norm":  # the carrier's entry: what init gives it (its update is dropped)
+        parts.append(np.zeros((n,), tmpl[-1].dtype))
+      group = tuple(parts)
+    else:
+      group = np.broadcast_to(_host(x).astype(tmpl.dtype), (n,) + tuple(np.shape(tmpl))).copy()
+    out.append(group)
+  per_device = jax.tree_util.tree_unflatten(per_def, out)
+  if pmap:
+    per_device = jax.tree_util.tree_map(lambda a: a[:, None], per_device)
+  return ShardedState(per_device=per_device, tag=_tag(schedule, n, mode))
