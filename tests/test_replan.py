@@ -275,3 +275,37 @@ def test_what_cannot_be_carried_raises_saying_how():
   with pytest.raises(ValueError, match=r"pass it: deferred_grads\(state, params, schedule="):
     pj.deferred_grads(bare, TREE)
   assert all(not np.asarray(v).any() for v in jax.tree.leaves(pj.deferred_grads(bare, TREE, schedule=A)))
+
+
+def test_scheduled_carries_a_deferring_state_into_a_sharded_plan():
+  """A re-plan from dlcp to a sharded (dear, ZeRO-1) schedule: the new tx's state made by its init with
+  the old state's deferral state kept (`opt._replace(inner=...)`, as shard_state's docstring says);
+  the first sharded update adds the old residual before its reduce-scatter. The control (the
+  deferral state dropped) fails conservation."""
+  sharded = pj.plan(pj.GradientProfile.from_params(TREE), pj.NetworkModel.preset("10gbe", workers=NDEV),
+                    "dear")
+  assert sharded.sharded
+  tx_s = pj.scheduled(optax.sgd(1.0), sharded, axis_name=AX)
+  step_s = jax.pmap(lambda g, opt: tx_s.update(g, opt, TREE), axis_name=AX)
+  init_s = jax.pmap(lambda _: tx_s.init(TREE), axis_name=AX)
+  grads = _grads(5, 5)
+  tx_a, step_a = _sched_step(A)
+  opt = jax.pmap(lambda _: tx_a.init(TREE), axis_name=AX)(np.arange(NDEV))
+  applied = []
+  for g in grads[:3]:
+    opt = step_a(g, opt)
+    applied.append(opt.inner[0])
+  assert sum(np.abs(v).sum() for v in _residual_sum(opt, A).values()) > 0
+
+  def run(first):
+    out, st = list(applied), first
+    for g in grads[3:]:
+      upd, st = step_s(g, st)
+      out.append(jax.tree.map(lambda u: -u, upd))      # sgd(1.0): the update is minus the mean gradient
+    assert st.defer_state is None
+    return out
+
+  fresh = init_s(np.arange(NDEV))
+  _check_conserved(grads, run(fresh._replace(defer_state=opt.defer_state)), _residual_sum(None, sharded))
+  with pytest.raises(AssertionError, match="conservation"):
+    _check_conserved(grads, run(fresh), _residual_sum(None, sharded))
