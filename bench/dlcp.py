@@ -2,8 +2,9 @@
 
 Parts (`--part`, default `speed`):
 
-* `speed`: the simulated iteration of `dlcp` at max_defer 0.05 / 0.1 / 0.25 against `prophet`,
-  `priority`, `mgwfbp` and `auto`, on the bundled traces (resnet50, vgg16, bert-base, gpt2 on v100
+* `speed`: the simulated iteration of `dlcp` at max_defer 0.05 / 0.1 / 0.25 against every lossless
+  policy (`wfbp`, `bucket`, `xla`, `mgwfbp`, `priority`, `prophet`, `auto`), each planned for the
+  same network (calm or pressured), on the bundled traces (resnet50, vgg16, bert-base, gpt2 on v100
   and h100), 8 workers on 10gbe and 100gb-ib, both step modes, on a calm network and under pressure
   (`PRESSURE`: competing flows, heavy-tailed delays; the mean over 64 seeded samples, with p50 and
   p99). Also: the calm cells where communication is hidden (dlcp must be auto's plan exactly: no
@@ -52,7 +53,10 @@ MODELS = ("resnet50", "vgg16", "bert-base", "gpt2")
 DEVICES = ("v100", "h100")
 NETWORKS = ("10gbe", "100gb-ib")
 WORKERS = 8
-BASELINES = ("prophet", "priority", "mgwfbp", "auto")
+# every lossless policy, each planned for the cell's network (under pressure: the pressured one);
+# auto last (the ratios' reference and dlcp's starting plan). All-reduce plans only: `dear` (sharded,
+# ZeRO-1: another optimizer-state layout) is compared with them in bench/dear.py.
+BASELINES = ("wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet", "auto")
 MAX_DEFER = (0.05, 0.1, 0.25)
 # A shared network: on average 0.3 other flows on the bottleneck (a message's bytes take 1.3x as long
 # on average), and 1 ring step in 500 delayed by a Pareto(1.5) delay of at least 5 ms (a retransmission
@@ -159,6 +163,15 @@ def _summary(rows: list[dict]) -> dict:
     for b in BASELINES[:-1]:
       ratios = [c["policies"][b]["iteration_s"] / c["policies"]["auto"]["iteration_s"] for c in cells]
       out[f"{tag}: {b}/auto, median"] = round(statistics.median(ratios), 4)
+    # auto against every lossless policy planned for the same network (it must never lose)
+    best = [min(c["policies"][b]["iteration_s"] for b in BASELINES) for c in cells]
+    out[f"{tag}: auto / the best lossless policy, worst"] = round(
+        max(c["policies"]["auto"]["iteration_s"] / b for c, b in zip(cells, best)), 6)
+    for f in MAX_DEFER:
+      ratios = [c["policies"][f"dlcp@{f}"]["iteration_s"] / b for c, b in zip(cells, best) if not c["hidden"]]
+      if ratios:
+        out[f"{tag}: dlcp@{f} / the best lossless policy, median over exposed cells"] = \
+            round(statistics.median(ratios), 4)
     hidden = [c for c in cells if c["hidden"]]
     same = sum(all(c["policies"][f"dlcp@{f}"]["same_plan_as_auto"] for f in MAX_DEFER) for c in hidden)
     out[f"{tag}: communication hidden, dlcp's plan is auto's (cells)"] = f"{same} of {len(hidden)}"

@@ -32,7 +32,7 @@ _EXPORTS: dict[str, str] = {
     "plot_timelines": "_timeline",
     # the rewrite and measurement (jax)
     "allreduce": "_collectives", "scheduled": "_transform", "hooked": "_transform",
-    "defer_state": "_defer", "DeferState": "_defer", "state_specs": "_zero",
+    "defer_state": "_defer", "DeferState": "_defer", "state_specs": "_zero", "deferred_grads": "_defer",
     "ShardedState": "_zero", "GradShards": "_zero", "unshard_state": "_zero", "shard_state": "_zero",
     "loop_hook": "_transform", "check_composition": "_transform",
     "pipelined": "_pipelined", "audit": "_audit", "AuditReport": "_audit",
@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._audit import AuditReport, audit
   from ._bound import lower_bound
   from ._collectives import allreduce
-  from ._defer import DeferState, defer_state
+  from ._defer import DeferState, defer_state, deferred_grads
   from ._errors import (AlreadyReducedError, CompositionError, DeferralWarning, GlooBindError, GpuCompileError,
                         JaxVersionError, LaunchError, NetworkError, ProfileError, ProphetError,
                         ScheduleError, ScheduleMismatchError, ShardingError, TraceUnavailableError,

@@ -33,8 +33,10 @@ import numpy as np
 
 from ._accumulate import check_state as check_accum
 from ._checks import check_bool, match_tree
-from ._defer import GroupState, check_state, group_states, with_groups
-from ._errors import AlreadyReducedError, UnboundAxisError
+from ._defer import (DeferState, GroupState, add_residual, belongs, check_state, group_states, schedule_of,
+                     with_groups)
+from ._defer import init as defer_init
+from ._errors import AlreadyReducedError, ScheduleMismatchError, UnboundAxisError
 from ._schedule import Bucket, Schedule, shard_size
 from ._tree import is_reduced_leaf
 
@@ -580,6 +582,9 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
   `defer_state` (from `prophet_jax.defer_state(schedule)`, then the one returned) and get
   `(reduced, new_defer_state)`; a deferred chunk's elements are zero in `reduced` and kept in the
   state's residual, to be added to the same elements at the next call (`Bucket` has the semantics).
+  After a re-plan, pass the old schedule's state to the new one: its residual is added to these
+  gradients (nothing deferred is lost) and the new schedule starts from its initial state (None for
+  a lossless one: then `(reduced, None)` is returned).
 
   Integer leaves and float0 gradients pass through unreduced; zero-size leaves pass through unchanged.
 
@@ -612,16 +617,59 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
   """
   reduced, new = scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce",
                                      defer_state=defer_state)
-  return (reduced, new) if schedule.defers else reduced
+  return (reduced, new) if schedule.defers or defer_state is not None else reduced
+
+
+def carries(state: Any, schedule: Schedule) -> bool:
+  """Whether `state` is a DeferState of another schedule than `schedule` (a re-plan's): one whose
+  residual the step carries over (`carry_over`) instead of using it as its own."""
+  return isinstance(state, DeferState) and not belongs(state, schedule)
+
+
+def carry_over(grads: Any, state: DeferState, schedule: Schedule, axis_name: Any, where: str
+               ) -> tuple[Any, Any]:
+  """A re-plan without a lost byte: (`grads` with `state`'s residual added at the elements it was
+  deferred from, `schedule`'s initial deferral state or None).
+
+  `state` was made by another schedule of the same tree (it records which, `_defer.schedule_of`): its
+  residual holds this device's deferred values, which that schedule would have added to the next
+  gradients; they are added to these, which `schedule` then reduces from its own initial state (the
+  first step of a new plan). Under shard_map with check_vma the new residuals are marked varying,
+  as every device's own.
+
+  Raises:
+    ScheduleMismatchError: the state's schedule was planned for another tree (the residual's elements
+      are not these gradients'), or the state does not record its schedule; both say how to keep it.
+  """
+  old = schedule_of(state)
+  if old is None:
+    check_state(state, schedule, where)   # raises, saying how to carry a residual
+  try:
+    grads = add_residual(grads, old, state, where)
+  except ScheduleMismatchError as e:
+    raise ScheduleMismatchError(
+        f"{where}: the deferral state was made by a schedule for another tree (a {old.policy} plan of "
+        f"{len(old.rows)} leaves), so its residual, gradient values deferred and not yet applied, "
+        f"cannot be added to these gradients ({e}). Apply it with the old model before changing it: "
+        f"g = jax.lax.pmean(prophet_jax.deferred_grads(state, old_params), axis), then tx.update(g, "
+        f"...), and start the new plan from its init.") from None
+  new = defer_init(schedule)
+  if new is not None and vma_enabled(axis_name):
+    new = new._replace(residual=tuple(to_varying(r, axis_name) for r in new.residual))
+  return grads, new
 
 
 def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
                         where: str = "allreduce", defer_state: Any = None) -> tuple[Any, Any]:
   """`allreduce` as (reduced tree, new DeferState or None), with `where` naming the public caller.
 
-  A schedule that defers nothing, given no state, never calls into `_defer`."""
+  A schedule that defers nothing, given no state, never calls into `_defer`. A DeferState of another
+  schedule of the same tree (a re-plan) is carried over (`carry_over`): its residual is added to
+  `grads`, and `schedule` starts from its initial state."""
   check_bool(where, "mean", mean)
   n = axis_size(axis_name, where)
+  if defer_state is not None and carries(defer_state, schedule):
+    grads, defer_state = carry_over(grads, defer_state, schedule, axis_name, where)
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(grads)
   lmap = match_tree(leaves_with_path, schedule, where=where)
   deferring = schedule.defers or defer_state is not None

@@ -45,8 +45,10 @@ Network pressure (`NetworkModel.pressure`): `pressure_durations` draws, for each
 seeded samples, every message's duration a + b·nbytes·(1 + n_s) + its tail delays (see `Pressure`);
 `iterations` evaluates the closed form below for every sample at once (one link: vectorised over the
 samples; several links: the event loop per sample). Without pressure nothing here changes. The
-planners' own scoring (`iteration_s`, used by `auto`, `prophet` and the joint optimiser) is the calm
-model; `simulate` (and so `Schedule.predicted_s` and the `dlcp` planner) is pressure-aware.
+planners score their candidates with `objective_s`: the closed form on a calm network, the mean over
+the samples under pressure (the number `simulate` returns), and search on `search_problem` (the same
+profile on `typical_network`, a typical message's costs, calm) where a rule needs one number per
+message.
 
 `iteration_s` is the closed form of that iteration: max(backward_end + after_s, max_k(end_k +
 tail_k), floor_s [, max_k end_k + after_s when overlap=False]), where tail_k = update + forward in the
@@ -65,13 +67,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._network import NetworkModel
+from ._network import NetworkModel, typical_network
 from ._tree import IdentityMemo
 from ._types import GradientProfile, itemsize
 
 __all__ = ["Problem", "problem", "ChunkArrays", "chunk_arrays", "schedule_arrays", "split_by_dtype",
            "equal_parts", "part_count", "link_end", "sync_waits", "link_loop", "ends_one_link",
-           "iteration_s", "background_flows", "typical_costs", "pressure_durations", "iterations"]
+           "iteration_s", "background_flows", "typical_costs", "search_problem", "pressured", "objective_s",
+           "pressure_durations", "iterations"]
 
 Slice = tuple[int, int, int]  # (profile row, start element, stop element)
 
@@ -468,19 +471,44 @@ def background_flows(pressure: Any) -> np.ndarray:
 
 def typical_costs(prob: Problem) -> tuple[float, float]:
   """(a', b'): a typical message's start-up and per-byte cost under the network's pressure, for
-  planning decisions that need one deterministic number (the simulation itself draws samples).
+  planning decisions that need one deterministic number (the simulation itself draws samples): the
+  costs of `_network.typical_network` (b' = b·(1 + background_flows), a' = a plus the expected tail
+  delay of one message). Calm: (a, b)."""
+  if prob.network.pressure is None:
+    return prob.startup_s, prob.per_byte_s
+  net = typical_network(prob.network)
+  return net.startup_s, net.per_byte_s
 
-  b' = b·(1 + background_flows) (the mean bandwidth share); a' = a plus the expected tail delay of
-  one message, 2(P-1)·tail_prob·E[delay] with E[delay] = tail_scale_s·shape/(shape - 1) for a shape
-  above 1, the median tail_scale_s·2^(1/shape) otherwise (the mean is infinite). Calm: (a, b).
-  """
-  a, b = prob.startup_s, prob.per_byte_s
+
+def search_problem(prob: Problem) -> Problem:
+  """The calm Problem a planner searches on for `prob`: `prob` itself on a calm network; under
+  pressure the same profile and step mode on `typical_network` (a typical message's costs), where the
+  closed form and the planners' greedy rules apply. A planner searches there and scores what it found
+  with `objective_s` on `prob`."""
   q = prob.network.pressure
-  if q is None:
-    return a, b
-  steps = 2 * (prob.network.workers - 1)
-  delay = q.tail_scale_s * (q.tail_shape / (q.tail_shape - 1) if q.tail_shape > 1 else 2 ** (1 / q.tail_shape))
-  return a + steps * q.tail_prob * delay, b * (1.0 + q.background_flows)
+  if q is None or q.calm:
+    return prob
+  return problem(prob.profile, typical_network(prob.network), cross_step=prob.cross_step)
+
+
+def pressured(prob: Problem) -> bool:
+  """True when `prob`'s network carries a pressure that changes any message's time."""
+  q = prob.network.pressure
+  return q is not None and not q.calm
+
+
+def objective_s(prob: Problem, ready_s: np.ndarray, nbytes: np.ndarray, tail_s: np.ndarray | float) -> float:
+  """The iteration every planner minimises, from per-message arrays in issue order: `iteration_s` on
+  a calm network; under pressure the mean over the pressure's seeded samples (`iterations` of
+  `pressure_durations`), the number `simulate` returns as `SimResult.iteration_s`. Every candidate
+  of `auto`, `prophet`'s knobs and `dlcp`'s rounds are ranked by it, so a plan is chosen for the
+  network it was given."""
+  if not pressured(prob):
+    return float(iteration_s(prob, ready_s, prob.durations(np.asarray(nbytes, dtype=np.float64)), tail_s))
+  nb = np.asarray(nbytes, dtype=np.float64)
+  t, _, _ = iterations(prob, ready_s, pressure_durations(prob, nb), np.broadcast_to(
+      np.asarray(tail_s, dtype=np.float64), nb.shape))
+  return float(t.mean())
 
 
 def pressure_durations(prob: Problem, nbytes: np.ndarray, *, half: bool = False) -> np.ndarray:

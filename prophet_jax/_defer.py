@@ -41,7 +41,7 @@ from ._tree import IdentityMemo
 
 __all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "defer_state",
            "check_state", "group_states", "with_groups", "state_specs", "same_groups", "lossless",
-           "add_residual"]
+           "add_residual", "schedule_of", "belongs", "carries_over", "find_states", "deferred_grads"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,6 +106,26 @@ def _layout(schedule: Schedule) -> tuple[tuple[int, int, int, str], ...]:
 # the state
 
 
+class _ScheduleRef:
+  """The schedule a DeferTag was made for, carried in the tag's pytree data so that a state can be
+  carried across a re-plan (its residual put back at its elements) wherever it goes. Compared by the
+  schedule's key alone: treedef comparisons (jit's cache) stay as cheap as before."""
+
+  __slots__ = ("key", "schedule")
+
+  def __init__(self, key: str, schedule: Schedule | None):
+    self.key, self.schedule = key, schedule
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _ScheduleRef) and other.key == self.key
+
+  def __hash__(self) -> int:
+    return hash(self.key)
+
+  def __repr__(self) -> str:
+    return f"<schedule {self.key}>"
+
+
 @jax.tree_util.register_pytree_node_class
 class DeferTag:
   """A leafless pytree node whose structure carries the schedule a `DeferState` belongs to.
@@ -114,15 +134,23 @@ class DeferTag:
     key: `_schedule_key` of the schedule (tree fingerprint + the deferral groups' chunks).
     fingerprint: the schedule's `tree_fingerprint` (for messages).
     layout: (m, k, c, dtype) of every deferral group, in issue order.
+    schedule: the Schedule itself (what a re-plan needs to put the residual back at its elements:
+      `deferred_grads`, and the carry of `allreduce`/`scheduled`/`hooked`/`pipelined`), or None.
   """
 
-  __slots__ = ("key", "fingerprint", "layout")
+  __slots__ = ("key", "fingerprint", "layout", "_ref")
 
-  def __init__(self, key: str, fingerprint: str, layout: tuple[tuple[int, int, int, str], ...]):
+  def __init__(self, key: str, fingerprint: str, layout: tuple[tuple[int, int, int, str], ...],
+               schedule: Schedule | _ScheduleRef | None = None):
     self.key, self.fingerprint, self.layout = key, fingerprint, tuple(layout)
+    self._ref = schedule if isinstance(schedule, _ScheduleRef) else _ScheduleRef(key, schedule)
+
+  @property
+  def schedule(self) -> Schedule | None:
+    return self._ref.schedule
 
   def tree_flatten(self):
-    return (), (self.key, self.fingerprint, self.layout)
+    return (), (self.key, self.fingerprint, self.layout, self._ref)
 
   @classmethod
   def tree_unflatten(cls, aux, _):
@@ -136,6 +164,10 @@ class DeferTag:
 
   def __repr__(self) -> str:
     return f"DeferTag(schedule {self.key}, tree {self.fingerprint}, {len(self.layout)} groups)"
+
+
+def _tag(schedule: Schedule) -> DeferTag:
+  return DeferTag(_schedule_key(schedule), schedule.tree_fingerprint, _layout(schedule), schedule)
 
 
 class DeferState(NamedTuple):
@@ -181,7 +213,7 @@ def init(schedule: Schedule) -> DeferState | None:
   if not schedule.defers:
     return None
   groups = defer_groups(schedule)
-  tag = DeferTag(_schedule_key(schedule), schedule.tree_fingerprint, _layout(schedule))
+  tag = _tag(schedule)
   return DeferState(
       norms=tuple(jnp.zeros((g.m,), jnp.float32) for g in groups),
       deferred=tuple(jnp.zeros((g.m,), jnp.bool_) for g in groups),
@@ -254,6 +286,36 @@ def state_specs(state: Any, axis_name: Any) -> Any:
                                           is_leaf=lambda x: isinstance(x, (DeferState, AccumState)))
 
 
+_HOW_TO_CARRY = (
+    "A residual holds gradient values that were deferred and not yet applied: dropping it loses them. "
+    "Either pass the old state to the new step (scheduled's update, hooked's grad_fn, pipelined's step "
+    "and allreduce carry a state made by another schedule of the same tree: its residual is added to "
+    "the next gradients), or take it out with prophet_jax.deferred_grads(state, params) (this device's "
+    "deferred values in the parameters' shape; average them over the axis and apply them as one more "
+    "update) before starting the new plan's state from its init.")
+
+
+def schedule_of(state: Any) -> Schedule | None:
+  """The schedule a DeferState was made for (recorded in its tag), or None when it is not recorded."""
+  tag = getattr(state, "tag", None)
+  return tag.schedule if isinstance(tag, DeferTag) else None
+
+
+def belongs(state: Any, schedule: Schedule) -> bool:
+  """Whether `state` is what `schedule`'s step takes as is: its own DeferState (same key and layout),
+  or None for a schedule that defers nothing. Anything else is a re-plan's state (or a mistake)."""
+  if state is None:
+    return not schedule.defers
+  return (schedule.defers and isinstance(state, DeferState) and isinstance(state.tag, DeferTag)
+          and state.tag == _tag(schedule))
+
+
+def carries_over(state: Any, schedule: Schedule) -> bool:
+  """Whether `state` is a DeferState of another schedule that records its own (a re-plan's state,
+  whose residual the next step of `schedule` adds to its gradients)."""
+  return isinstance(state, DeferState) and not belongs(state, schedule) and schedule_of(state) is not None
+
+
 def check_state(state: Any, schedule: Schedule, where: str) -> None:
   """ScheduleMismatchError unless `state` is this schedule's DeferState with the right shapes.
 
@@ -268,15 +330,15 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
   if not schedule.defers:
     if state is not None:
       raise TypeError(f"{where}: a deferral state was given, but the schedule ({schedule.policy}) "
-                      f"defers nothing; pass None (only a schedule with deferral groups, dlcp with "
-                      f"max_defer > 0, has a deferral state).")
+                      f"defers nothing and the state does not say which schedule it came from, so its "
+                      f"residual cannot be carried over. {_HOW_TO_CARRY}")
     return
   if not isinstance(state, DeferState):
     raise TypeError(f"{where}: the schedule defers ({len(defer_groups(schedule))} deferral groups, up to "
                     f"{schedule.max_deferred_fraction:.1%} of the elements per step), so it needs its "
                     f"deferral state: a DeferState (prophet_jax.defer_state(schedule) before the first "
                     f"step, then the one each step returns), got {type(state).__name__}.")
-  want = DeferTag(_schedule_key(schedule), schedule.tree_fingerprint, _layout(schedule))
+  want = _tag(schedule)
   tag = state.tag
   if not isinstance(tag, DeferTag) or tag != want:
     got = repr(tag) if isinstance(tag, DeferTag) else type(tag).__name__
@@ -286,9 +348,8 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
     raise ScheduleMismatchError(
         f"{where}: the deferral state belongs to another schedule ({got}, groups (m, k, c, dtype) "
         f"{getattr(tag, 'layout', '?')}) than this one ({want!r}, groups {want.layout}): it was "
-        f"{why}. A residual only makes sense for the chunks it was deferred from: make a new state "
-        f"with this schedule's init (flush the old one's step with the old schedule first to keep "
-        f"its residual).")
+        f"{why}, and it does not record that schedule, so its residual cannot be carried over. "
+        f"{_HOW_TO_CARRY}")
   for g, (norms, deferred, index, residual) in zip(defer_groups(schedule), zip(*state[:4])):
     expect = (((g.m,), "float32"), ((g.m,), "bool"), ((g.defer,), "int32"),
               ((1, g.defer, g.size), g.dtype))
@@ -362,3 +423,61 @@ def add_residual(tree: Any, schedule: Schedule, defer: DeferState, where: str) -
         flat[row_leaf[r]] = jax.lax.dynamic_update_slice(flat1, flat1[a:b] + part, (a,)).reshape(leaf.shape)
         off += b - a
   return jax.tree_util.tree_unflatten(treedef, flat)
+
+
+# --------------------------------------------------------------------------------------------------
+# the residual out of any state
+
+
+def find_states(state: Any) -> list[DeferState]:
+  """Every DeferState inside `state` (a DeferState, an optax state holding ScheduledStates, a
+  TrainState, a PipelinedState, a dict, ...), in flatten order."""
+  found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, DeferState))
+           if isinstance(x, DeferState)]
+  return found
+
+
+def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None) -> Any:
+  """This device's deferred gradient values, as a tree like `params` (zero elsewhere).
+
+  The residual of every deferral state in `state`, put back at the elements it was deferred from:
+  exactly what the next step of its schedule would add to its gradients. Use it to end a deferring
+  plan without losing anything: at the end of training, before a re-plan that starts from a fresh
+  state, or before changing the model. Average it over the axis and apply it as one more update
+  (inside the mapping: `g = jax.lax.pmean(prophet_jax.deferred_grads(opt_state, params), axis)`,
+  then `tx.update(g, ...)`), or add it to the next step's gradients yourself. (Passing the old state
+  to the new plan's step does the latter for you: `scheduled`'s update, `hooked`'s grad_fn,
+  `pipelined`'s step and `allreduce` carry a state of another schedule of the same tree.)
+
+  Pure and local, no collective: call it where the state's residuals are per device (inside
+  `pmap`/`shard_map`, or on one device's slice); the residual of the state `scheduled(...,
+  mesh=...)` keeps on global arrays is split over the mesh axis, so there call it inside a
+  `jax.shard_map` with `state_specs`.
+
+  Args:
+    state: any pytree holding DeferStates: a DeferState, `scheduled`'s state (`ScheduledState`, or an
+      optax/flax state holding one), `hooked`'s defer state, a `PipelinedState`; None or a state
+      without one gives zeros.
+    params: the parameters (or anything shaped like the gradients) the schedules were planned for.
+    schedule: the schedule, for a state that does not record its own (every state this library makes
+      records it).
+
+  Returns:
+    A tree like `params` (same structure, shapes and dtypes).
+
+  Raises:
+    ScheduleMismatchError: the state belongs to a schedule of another tree than `params`.
+    ValueError: a state that records no schedule, and none (or another) was given.
+  """
+  flat, treedef = jax.tree_util.tree_flatten(params)
+  out = jax.tree_util.tree_unflatten(treedef, [jnp.zeros(np.shape(x), getattr(x, "dtype", jnp.float32))
+                                               for x in flat])
+  for st in find_states(state):
+    sched = schedule_of(st)
+    if sched is None:
+      if schedule is None or not (schedule.defers and st.tag == _tag(schedule)):
+        raise ValueError("deferred_grads: the deferral state does not record the schedule it was made "
+                         "for; pass it: deferred_grads(state, params, schedule=the_old_schedule).")
+      sched = schedule
+    out = add_residual(out, sched, st, "deferred_grads")
+  return out

@@ -318,6 +318,7 @@ class MeshGradFn:
     where, axes = f"{self._where}(mesh=...)'s grad_fn", self._axes
     args = list(args)
     defer_state = None
+    stateful = self.schedule.defers
     if self.schedule.defers:
       if "defer_state" in kwargs:
         defer_state = kwargs.pop("defer_state")
@@ -326,6 +327,10 @@ class MeshGradFn:
       else:
         raise TypeError(f"{where}: the schedule defers, so the grad_fn takes its deferral state last: "
                         f"grad_fn(params, batch, defer_state), starting from grad_fn.defer_state().")
+    elif isinstance(kwargs.get("defer_state"), _defer.DeferState) or (
+        len(args) >= 2 and isinstance(args[-1], _defer.DeferState)):   # a re-plan's state, carried over
+      defer_state = kwargs.pop("defer_state") if "defer_state" in kwargs else args.pop()
+      stateful = True
     if kwargs:
       raise TypeError(f"{where}: unexpected keyword arguments {sorted(kwargs)}; on the mesh every "
                       f"input is positional: grad_fn(params, [replicated inputs such as the model "
@@ -352,8 +357,8 @@ class MeshGradFn:
     data = P(_spec_entry(axes))
 
     def body(params, reps, batch, defer_state):
-      extra = (defer_state,) if self.schedule.defers else ()
-      out = self._fn(params, *reps, batch, *extra)
+      extra = {"defer_state": defer_state} if stateful else {}
+      out = self._fn(params, *reps, batch, **extra)
       value, grads = out[0], out[1]
       if self._has_aux or self._has_state:
         loss, rest = value
@@ -368,11 +373,13 @@ class MeshGradFn:
         value = (jax.lax.pmean(loss, axes), rest)
       else:
         value = jax.lax.pmean(value, axes)
-      return (value, grads, out[2]) if self.schedule.defers else (value, grads)
+      return (value, grads, out[2]) if stateful else (value, grads)
 
     dspec = _defer.state_specs(defer_state, _spec_entry(axes)) if defer_state is not None else P()
+    out_state = defer_state if _defer.belongs(defer_state, self.schedule) else _defer.init(self.schedule)
+    dspec_out = _defer.state_specs(out_state, _spec_entry(axes)) if out_state is not None else P()
     gspec = data if self.schedule.sharded else P()  # a sharded schedule's GradShards: each device's own
-    outs = (self._value_specs(), gspec) + ((dspec,) if self.schedule.defers else ())
+    outs = (self._value_specs(), gspec) + ((dspec_out,) if stateful else ())
     mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), P(), data, dspec), out_specs=outs)
     return mapped(params, tuple(reps), batch, defer_state)
 
@@ -545,6 +552,10 @@ def reduce_unreduced(grads: Any, schedule: Schedule, *, mesh: Any, axis_name: An
 
   gspecs = jax.tree_util.tree_map(spec_of, grads)
   dspec = _defer.state_specs(defer_state, entry) if defer_state is not None else P()
+  dspec_out = dspec
+  if defer_state is not None and not _defer.belongs(defer_state, schedule):   # a re-plan's state: carried
+    new = _defer.init(schedule)
+    dspec_out = _defer.state_specs(new, entry) if new is not None else P()
 
   def body(g, d):
     red, new = scheduled_allreduce(g, schedule, axes if len(axes) > 1 else axes[0], mean=False,
@@ -553,7 +564,7 @@ def reduce_unreduced(grads: Any, schedule: Schedule, *, mesh: Any, axis_name: An
 
   # check_vma=False: inside, the partial sums are plain per-device values (jax has no cast from
   # unreduced to varying); psum of them is the reduction, as under pmap
-  mapped = jax.shard_map(body, mesh=mesh, in_specs=(gspecs, dspec), out_specs=(P(), dspec),
+  mapped = jax.shard_map(body, mesh=mesh, in_specs=(gspecs, dspec), out_specs=(P(), dspec_out),
                          check_vma=False)
   return mapped(grads, defer_state)
 

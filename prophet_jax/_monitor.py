@@ -19,7 +19,7 @@ Why a probe: step times alone cannot separate alpha from beta (one number per st
 A step-time drift (the median of the last `window` steps more than `drift` away from the median just
 after the last plan) triggers a probe early, in a single process. The probes of the last `window`
 rounds are pooled (median per size) and `NetworkModel.fit` gives the new alpha and beta; `overlap`,
-`links` and `workers` are kept from the starting model.
+`links`, `workers` and `pressure` are kept from the starting model.
 
 Re-planning: `plan(profile, new_network, policy)` gives a candidate; both it and the current schedule
 are simulated on the new network; the monitor switches only when the candidate is predicted faster by
@@ -33,7 +33,9 @@ own profile's before switching: schedules planned separately per process could d
 collectives would mismatch and hang.
 
 Compiled steps are cached per schedule (keyed by its JSON without the prediction, `plan_key`), so switching back to an earlier
-plan costs no compilation.
+plan costs no compilation. A switch away from a deferring (`dlcp`) plan loses nothing as long as the
+training state goes on: give the new step the old optimizer (or deferral, or pipelined) state, and its
+first call adds the old plan's residual to its gradients (the state records its schedule).
 """
 
 from __future__ import annotations
@@ -259,7 +261,9 @@ class Monitor:
     ys = [statistics.median(pooled[s]) for s in xs]
     fit = NetworkModel.fit(xs, ys, workers=self.network.workers, overlap=self.network.overlap,
                            name="monitor", skew=self.network.skew)
-    self.network = fit.replace(links=self.network.links)
+    # the refit measures alpha and beta; the starting model's pressure (what the probe cannot see
+    # between steps) stays, so the re-plan is for the same shared network
+    self.network = fit.replace(links=self.network.links, pressure=self.network.pressure)
     return self.replan()
 
   def replan(self) -> Schedule | None:

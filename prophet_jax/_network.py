@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from ._errors import NetworkError
-from ._types import _fields, _loads, is_int, is_number
+from ._types import _fields, _loads, is_bool, is_int, is_number
 
-__all__ = ["NetworkModel", "Pressure", "PRESETS", "ALGORITHMS", "nonneg_line"]
+__all__ = ["NetworkModel", "Pressure", "PRESETS", "ALGORITHMS", "nonneg_line", "typical_network", "fit_warning",
+           "RESIDUAL_WARN_REL_RMS", "RESIDUAL_WARN_WORST"]
 
 ALGORITHMS = ("ring",)
 
@@ -177,9 +179,22 @@ class NetworkModel:
       if not is_int(v) or v < 1:
         raise NetworkError(f"NetworkModel has {n}={v!r}; it must be an integer >= 1.")
       object.__setattr__(self, n, int(v))
-    if self.algorithm not in ALGORITHMS:
+    if not isinstance(self.algorithm, str) or self.algorithm not in ALGORITHMS:
       raise NetworkError(f"NetworkModel has algorithm={self.algorithm!r}; expected one of {ALGORITHMS}.")
+    if not is_bool(self.overlap):
+      raise NetworkError(f"NetworkModel has overlap={self.overlap!r}; it must be True or False (JSON true or "
+                         f"false): whether the device computes while it communicates (True for GPUs, False "
+                         f"for XLA on the CPU).")
     object.__setattr__(self, "overlap", bool(self.overlap))
+    if not isinstance(self.name, str):
+      raise NetworkError(f"NetworkModel has name={self.name!r}; it must be a string (where the model came "
+                         f"from, e.g. '25gbe' or 'fit').")
+    r = self.fit_residual_s
+    if r is not None:
+      if not is_number(r) or not math.isfinite(r) or r < 0:
+        raise NetworkError(f"NetworkModel has fit_residual_s={r!r}; it must be a finite number >= 0 (the "
+                           f"fit's RMS residual, seconds) or None.")
+      object.__setattr__(self, "fit_residual_s", float(r))
     if self.pressure is not None and not isinstance(self.pressure, Pressure):
       raise NetworkError(f"NetworkModel has pressure={self.pressure!r}; it must be a Pressure or None "
                          f"(e.g. Pressure(background_flows=0.3, tail_prob=0.01, tail_scale_s=0.002)).")
@@ -239,7 +254,7 @@ class NetworkModel:
   @classmethod
   def preset(cls, name: str, *, workers: int, overlap: bool = True, links: int = 1) -> NetworkModel:
     """A named interconnect: one of `PRESETS` ('1gbe', '10gbe', '25gbe', '100gb-ib', 'nvlink')."""
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
       raise NetworkError(f"unknown network preset {name!r}; expected one of {sorted(PRESETS)}, or a "
                          f"NetworkModel JSON file.")
     alpha, beta = PRESETS[name]
@@ -248,7 +263,7 @@ class NetworkModel:
 
   @classmethod
   def fit(cls, sizes: Sequence[float], seconds: Sequence[float], *, workers: int,
-          overlap: bool = True, name: str = "fit", skew: float = 0.0) -> NetworkModel:
+          overlap: bool = True, name: str = "fit", skew: float = 0.0, warn: bool = True) -> NetworkModel:
     """Least-squares alpha and beta from measured (bytes, seconds) of single all-reduces.
 
     `skew` (measured apart, see the class) is carried into the model unchanged.
@@ -256,8 +271,14 @@ class NetworkModel:
     Fits seconds = a + b·bytes (a, b >= 0) in relative error, then alpha_s = a / (2(P-1)), beta = b·P / (2(P-1)).
     The RMS residual is kept in `fit_residual_s`.
 
+    A fit that does not describe the times warns (UserWarning, the text of `fit_warning`, as
+    `measure_network` does): times that fall as the size grows (beta clipped to 0: bytes would be
+    free), every time 0, or a residual above a fifth of the times (or a size missed by more than its
+    own time). `warn=False` leaves the check to the caller.
+
     Raises:
-      NetworkError: fewer than 2 distinct sizes, mismatched lengths, non-finite data, workers < 2.
+      NetworkError: fewer than 2 distinct sizes, mismatched lengths, non-finite data, workers < 2, a
+        non-boolean `overlap`.
     """
     x = np.asarray(sizes, dtype=np.float64).ravel()
     y = np.asarray(seconds, dtype=np.float64).ravel()
@@ -271,11 +292,18 @@ class NetworkModel:
     if not is_int(workers) or workers < 2:
       raise NetworkError(f"NetworkModel.fit(workers={workers!r}): a fit needs an integer number of "
                          f"workers >= 2.")
+    if not is_bool(warn):
+      raise TypeError(f"NetworkModel.fit(warn={warn!r}): `warn` must be True or False.")
     a, b = nonneg_line(x, y)
     resid = float(np.sqrt(np.mean((a + b * x - y) ** 2)))
     p = int(workers)
-    return cls(alpha_s=a / (2 * (p - 1)), beta_s_per_byte=b * p / (2 * (p - 1)), workers=p,
-               overlap=overlap, name=name, fit_residual_s=resid, skew=skew)
+    net = cls(alpha_s=a / (2 * (p - 1)), beta_s_per_byte=b * p / (2 * (p - 1)), workers=p,
+              overlap=overlap, name=name, fit_residual_s=resid, skew=skew)
+    if warn:
+      text = fit_warning(net, x, y, who="NetworkModel.fit")
+      if text is not None:
+        warnings.warn(text, UserWarning, stacklevel=2)
+    return net
 
   def to_dict(self) -> dict[str, Any]:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -305,6 +333,92 @@ class NetworkModel:
           raise
         raise NetworkError(f"NetworkModel.from_json: 'pressure': {e}") from e
     return cls(**obj)
+
+
+def typical_network(network: NetworkModel) -> NetworkModel:
+  """The calm network whose all-reduce costs are a typical message's under `network.pressure`.
+
+  Its start-up is a' = a + 2(P-1)·tail_prob·E[delay] (the expected tail delay of one message's 2(P-1)
+  ring steps; E[delay] = tail_scale_s·shape/(shape - 1) for a Pareto shape above 1, the median
+  tail_scale_s·2^(1/shape) otherwise, where the mean is infinite) and its per-byte cost
+  b' = b·(1 + background_flows) (the mean bandwidth share): one deterministic number per message for
+  the planning decisions that need one (how large a block, how many messages), while the simulation
+  and the planners' final scores draw the seeded samples. `network` itself when it is calm.
+  """
+  q = network.pressure
+  if q is None or q.calm:
+    return network
+  p = network.workers
+  steps = 2 * (p - 1)
+  if steps == 0:
+    return network.replace(pressure=None)
+  delay = q.tail_scale_s * (q.tail_shape / (q.tail_shape - 1) if q.tail_shape > 1 else 2 ** (1 / q.tail_shape))
+  startup = network.startup_s + steps * q.tail_prob * delay
+  per_byte = network.per_byte_s * (1.0 + q.background_flows)
+  return network.replace(alpha_s=startup / steps, beta_s_per_byte=per_byte * p / steps, pressure=None,
+                         name=f"{network.name or 'network'} (typical under pressure)")
+
+
+#: warn when the straight-line fit misses the measured times by this much: its RMS residual against
+#: the RMS of the times, or its worst miss at one size relative to that size's time.
+RESIDUAL_WARN_REL_RMS = 0.2
+RESIDUAL_WARN_WORST = 1.0
+
+
+def _fmt_bytes(n: float) -> str:
+  for unit, k in (("MiB", 2**20), ("KiB", 2**10)):
+    if n >= k:
+      return f"{n / k:g} {unit}"
+  return f"{n:g} B"
+
+
+def fit_warning(network: NetworkModel, sizes: Sequence[float], seconds: Sequence[float], *,
+                who: str = "NetworkModel.fit", advice: str = "") -> str | None:
+  """A warning text when the fitted `network` does not describe the measured (bytes, seconds), else None.
+
+  The model says one all-reduce of M bytes costs 2(P-1)·alpha + 2(P-1)/P·M·beta: a straight line in M
+  with a slope >= 0. Three ways measured times break it, each of which makes plans and predictions
+  wrong: every time is 0 (nothing was measured); the times fall as the size grows (the fit clips beta
+  to 0, so the model says bytes are free and every policy merges everything); or they are not on a
+  line (the RMS residual above `RESIDUAL_WARN_REL_RMS` of the RMS time, or one size missed by more than
+  `RESIDUAL_WARN_WORST` times its own time).
+
+  Args:
+    network: the fitted model (its `fit_residual_s` is used when set).
+    sizes, seconds: the measured message sizes (bytes) and times.
+    who: the caller, as the message names it ('NetworkModel.fit', 'measure_network').
+    advice: what to do about a residual, appended to that message.
+  """
+  x = np.asarray(sizes, np.float64).ravel()
+  ys = np.asarray(seconds, np.float64).ravel()
+  rms = float(np.sqrt(np.mean(ys ** 2))) if ys.size else 0.0
+  if rms == 0:
+    return (f"{who}: every measured all-reduce time is 0, so the fitted alpha and beta mean nothing. "
+            f"Measure with more repeats or larger sizes.")
+  pred = np.asarray([network.allreduce_s(s) for s in x], np.float64)
+  if network.beta_s_per_byte == 0 and len(np.unique(x)) > 1 and network.workers > 1:
+    slope = float(np.polyfit(x, ys, 1)[0])
+    why = (f"the times fall as the size grows (least-squares slope {slope:.3g} s/B)" if slope < 0 else
+           "the times barely grow with the size, or a time near 0 outweighs the rest in the relative-error fit")
+    order = np.argsort(x)
+    return (f"{who}: beta was clipped to 0, so the model says bytes are free (every policy would merge "
+            f"everything): {why}; from {ys[order[0]] * 1e6:.1f} us at {_fmt_bytes(x[order[0]])} to "
+            f"{ys[order[-1]] * 1e6:.1f} us at {_fmt_bytes(x[order[-1]])}. An all-reduce's time grows with "
+            f"its size: measure larger sizes, with more repeats, on a quieter machine, or check that the "
+            f"sizes and times are paired in the same order.")
+  resid = float(network.fit_residual_s if network.fit_residual_s is not None
+                else np.sqrt(np.mean((pred - ys) ** 2)))
+  rel = np.abs(pred - ys) / np.maximum(ys, 1e-12)
+  worst = int(np.argmax(rel))
+  if resid <= RESIDUAL_WARN_REL_RMS * rms and rel[worst] <= RESIDUAL_WARN_WORST:
+    return None
+  return (f"{who}: the alpha-beta fit leaves an RMS residual of {resid * 1e6:.1f} us, "
+          f"{resid / max(rms, 1e-12):.0%} of the RMS measured time ({rms * 1e6:.1f} us; times from "
+          f"{ys.min() * 1e6:.1f} to {ys.max() * 1e6:.1f} us); worst at {_fmt_bytes(x[worst])}: "
+          f"the model says {pred[worst] * 1e6:.1f} us, measured {ys[worst] * 1e6:.1f} us. The all-reduce "
+          f"cost here is not a straight line in the message size (scheduler ticks, cores shared with "
+          f"other work, a change of regime between sizes), so predictions and plans from this model "
+          f"are off by about that much.{(' ' + advice) if advice else ''}")
 
 
 def nonneg_line(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tuple[float, float]:

@@ -399,8 +399,10 @@ class Pipelined:
                                                                    where)
     elif defer is None and self.schedule.defers:
       defer = _defer.init(self.schedule)  # nothing was deferred (a lossless step's state): start here
-    else:
+    elif not (_defer.carries_over(defer, self.schedule)):
       self._check_defer(defer, self.schedule, where)
+    # else: a re-plan after a flush: the state of the old schedule rides until the next backward,
+    # which adds its residual to those gradients (`_reduce`)
     loss, model_state, aux, pending = self._forward(params, state.model_state, batch, batch_tree,
                                                     batch_avals, traced)
     new = PipelinedState(params=params, opt_state=opt_state, pending=pending, model_state=model_state,
@@ -504,6 +506,8 @@ class Pipelined:
     where = "pipelined.deferred_grads"
     self._check_state(state, where)
     schedule = self.schedule if state.pending is None else state.pending.meta.schedule
+    if _defer.carries_over(state.defer, schedule):
+      schedule = _defer.schedule_of(state.defer)   # a re-plan's state: its own schedule's elements
     self._check_defer(state.defer, schedule, where)
     zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
     return zeros if state.defer is None else _defer.add_residual(zeros, schedule, state.defer, where)
@@ -626,7 +630,8 @@ class Pipelined:
     if len(pending.residuals) != len(meta.residuals):
       raise ValueError(f"{where}: the state's pending node holds {len(pending.residuals)} arrays but "
                        f"records {len(meta.residuals)}; it was edited. Start from init(params).")
-    self._check_defer(defer, schedule, where)
+    if not _defer.carries_over(defer, schedule):   # a re-plan's state is carried over by `_reduce`
+      self._check_defer(defer, schedule, where)
     with jax.named_scope("pipelined_backward"):
       leaves = recompute(closed, plan, len(jax.tree_util.tree_leaves(pv)), n_head=trace.n_head)(
           *jax.tree_util.tree_leaves(pv), *(r[0] for r in pending.residuals))
@@ -665,11 +670,12 @@ class Pipelined:
     nothing deferred is lost across a re-plan.
     """
     if _defer.same_groups(schedule, self.schedule):
-      if not schedule.defers:
+      if not schedule.defers and defer is None:
         return allreduce(grads, schedule, self.axis_name, mean=True), None
+      # a state of a third schedule (a re-plan after a flush) is carried over by allreduce itself
       return allreduce(grads, schedule, self.axis_name, mean=True, defer_state=defer)
     if defer is not None:
-      grads = _defer.add_residual(grads, schedule, defer, where)
+      grads = _defer.add_residual(grads, _defer.schedule_of(defer) or schedule, defer, where)
     grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=True)
     return grads, _defer.init(self.schedule)
 

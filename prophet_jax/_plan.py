@@ -13,7 +13,7 @@ from ._checks import check_values, match_rows
 from ._network import NetworkModel
 from ._schedule import Schedule
 from ._simulate import link_assignment, simulate
-from ._types import GradientProfile
+from ._types import GradientProfile, is_bool
 from .schedulers._registry import POLICIES, resolve
 
 __all__ = ["plan", "validate_schedule", "POLICIES"]
@@ -79,9 +79,11 @@ def plan(profile: GradientProfile, network: NetworkModel, policy: str | Callable
     ('bucket', 1, 1024)
   """
   check_values("plan()", profile=profile, network=network)
-  if not (isinstance(cross_step, bool) or cross_step == "auto"):
+  if not (is_bool(cross_step) or (isinstance(cross_step, str) and cross_step == "auto")):
     raise ValueError(f"plan(cross_step={cross_step!r}): expected True, False or 'auto' (policy 'auto' "
                      f"only).")
+  if not isinstance(cross_step, str):
+    cross_step = bool(cross_step)
   name, scheduler = resolve(policy, options, cross_step)
   schedule = scheduler(profile, network, cross_step=cross_step)
   if not isinstance(schedule, Schedule):

@@ -45,7 +45,7 @@ import numpy as np
 
 from ._checks import check_int, check_number
 from ._errors import NetworkError
-from ._network import NetworkModel
+from ._network import NetworkModel, fit_warning
 
 #: 1 KiB .. 64 MiB in powers of 4: the default probe.
 DEFAULT_SIZES: tuple[int, ...] = tuple(2**k for k in range(10, 27, 2))
@@ -95,7 +95,8 @@ class AllreduceTimings:
     ys = self.median_s if stat == "median" else self.low_s
     label = "median" if stat == "median" else f"p{self.percentile:g}"
     return NetworkModel.fit(self.sizes, ys, workers=self.workers, overlap=self.platform != "cpu",
-                            name=f"probe:{self.platform}x{self.workers}:{label}", skew=self.skew)
+                            name=f"probe:{self.platform}x{self.workers}:{label}", skew=self.skew,
+                            warn=False)  # measure_network and the CLI warn with check_fit
 
   def describe(self, network: NetworkModel | None = None) -> str:
     """A short human summary: the fitted model (`network`, default `fit()`) and, per size, the median
@@ -125,6 +126,12 @@ def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
 
 def _mesh_devices(num_devices: int | None):
   import jax
+
+  check_int("measure_network", "num_devices", num_devices, none=True,
+            fix="It is the number of devices to measure across (at least 2), or None for all of them.")
+  if num_devices is not None and num_devices < 2:
+    raise NetworkError(f"measure_network(num_devices={num_devices}): an all-reduce needs at least 2 "
+                       f"devices; pass None (every device) or a count >= 2.")
 
   if jax.process_count() > 1:
     devices = jax.devices()
@@ -163,42 +170,20 @@ def _reporter(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
   return lambda line: None
 
 
-#: warn when the straight-line fit misses the measured times by this much: its RMS residual against
-#: the RMS of the times, or its worst miss at one size relative to that size's time.
-RESIDUAL_WARN_REL_RMS = 0.2
-RESIDUAL_WARN_WORST = 1.0
-
-
 def check_fit(network: NetworkModel, timings: AllreduceTimings, stat: str = "median") -> str | None:
-  """A warning text when the fitted model misses the measured times badly, else None.
-
-  The model says one all-reduce of M bytes costs 2(P-1)·alpha + 2(P-1)/P·M·beta: a straight line in M.
-  When the measured times are not (a scheduler tick that hits some sizes, cores shared with other
-  work, a change of algorithm between sizes), the least-squares line is off by about its RMS residual
-  at every size, and the plans and predictions made from it are off by as much.
+  """A warning text when the fitted model does not describe the measured times, else None: the checks
+  of `NetworkModel.fit` (`_network.fit_warning`: every time 0, times falling with size so that beta is
+  clipped to 0, a large residual), named for `measure_network`, with what to do about a residual.
   """
-  ys = np.asarray(timings.median_s if stat == "median" else timings.low_s, np.float64)
-  pred = np.asarray([network.allreduce_s(s) for s in timings.sizes], np.float64)
-  resid = float(network.fit_residual_s if network.fit_residual_s is not None
-                else np.sqrt(np.mean((pred - ys) ** 2)))
-  rms = float(np.sqrt(np.mean(ys ** 2)))
-  if rms == 0:
+  ys = timings.median_s if stat == "median" else timings.low_s
+  if not np.any(np.asarray(ys, np.float64)):
     return (f"measure_network: every measured all-reduce time is 0 (the paired difference of the "
             f"two timed programs stayed below the timing noise at {timings.repeats} repeats), so the "
             f"fitted alpha and beta mean nothing. Measure with more repeats, a larger `inner`, or "
             f"larger sizes.")
-  rel = np.abs(pred - ys) / np.maximum(ys, 1e-12)
-  worst = int(np.argmax(rel))
-  if rms > 0 and resid <= RESIDUAL_WARN_REL_RMS * rms and rel[worst] <= RESIDUAL_WARN_WORST:
-    return None
-  return (f"measure_network: the alpha-beta fit leaves an RMS residual of {resid * 1e6:.1f} us, "
-          f"{resid / max(rms, 1e-12):.0%} of the RMS measured time ({rms * 1e6:.1f} us; times from "
-          f"{ys.min() * 1e6:.1f} to {ys.max() * 1e6:.1f} us); worst at {_fmt_bytes(timings.sizes[worst])}: "
-          f"the model says {pred[worst] * 1e6:.1f} us, measured {ys[worst] * 1e6:.1f} us. The all-reduce "
-          f"cost here is not a straight line in the message size (scheduler ticks, cores shared with "
-          f"other work, a change of regime between sizes), so predictions and plans from this model "
-          f"are off by about that much. Re-run on a quieter machine or with more repeats, fit the floor "
-          f"with stat='low', or measure only the sizes your schedules send (sizes=...).")
+  return fit_warning(network, timings.sizes, ys, who="measure_network",
+                     advice="Re-run on a quieter machine or with more repeats, fit the floor with "
+                            "stat='low', or measure only the sizes your schedules send (sizes=...).")
 
 
 def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20,

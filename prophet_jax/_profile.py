@@ -66,7 +66,7 @@ import numpy as np
 from . import _xplane
 from ._checks import check_bool, check_int
 from ._errors import ProfileError
-from ._tree import dtype_name, forward_paths, is_reduced_leaf, layer_of, path_str
+from ._tree import check_layer_depth, dtype_name, forward_paths, is_reduced_leaf, layer_of, layer_path, path_str
 from ._types import GradientProfile, ProfileRow, itemsize
 
 _AXIS = "prophet_profile"
@@ -103,6 +103,7 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_nam
 
   if not callable(loss_fn):
     raise TypeError(f"profile_step(loss_fn={loss_fn!r}): expected a callable loss_fn(params, batch).")
+  check_layer_depth("profile_step", layer_depth)
   if mesh is None:
     devices = jax.local_devices()
   else:  # the training mesh: this process's devices along its data axis run the per-device step
@@ -179,7 +180,8 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_nam
   fwd = forward_paths(loss_fn, params, local_batch)
   pos = {p: k for k, p in enumerate(fwd)}
   order = sorted(range(len(diff_idx)), key=lambda k: (pos.get(paths[diff_idx[k]], len(pos)), k))
-  layers = {i: layer_of(paths[i], layer_depth) for i in diff_idx}
+  layer_paths = [layer_path(p) for p, _ in flat]   # an nnx Variable's '.value' is not a layer
+  layers = {i: layer_of(layer_paths[i], layer_depth) for i in diff_idx}
 
   rep = NamedSharding(mesh, P())
   shard = NamedSharding(mesh, P(_AXIS))
@@ -745,8 +747,10 @@ def profile_from_trace(trace: str | os.PathLike[str], hlo_text: str, params: Any
     raise ValueError(f"profile_from_trace: hlo_text is not HLO module text (it starts {text[:40]!r}); pass "
                      f"compiled.as_text() of the traced program (jax.jit(f).lower(...).compile()).")
   hlo = _xplane.step_hlo(text)
+  check_layer_depth("profile_from_trace", layer_depth)
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
   leaves = [(path_str(p), x) for p, x in flat if is_reduced_leaf(x)]
+  layer_of_path = {path_str(p): layer_path(p) for p, x in flat if is_reduced_leaf(x)}
   for path, x in ((path_str(p), x) for p, x in flat):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"profile_from_trace: leaf {path!r} of params is a {type(x).__name__}; expected arrays "
@@ -771,7 +775,7 @@ def profile_from_trace(trace: str | os.PathLike[str], hlo_text: str, params: Any
     unread = len(paths) + max((p for p in positions if p is not None), default=0)
     order = sorted(range(len(paths)), key=lambda k: (positions[k] if positions[k] is not None else unread,
                                                      -math.prod(shapes[k]), k))
-  spec = _RowSpec(paths=paths, shapes=shapes, dtypes=dtypes, layers=[layer_of(p, layer_depth) for p in paths],
+  spec = _RowSpec(paths=paths, shapes=shapes, dtypes=dtypes, layers=[layer_of(layer_of_path[p], layer_depth) for p in paths],
                   order=order)
   try:
     trace_read, an = _from_trace(trace, hlo, spec, outputs=outputs)

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from ._errors import ScheduleError
-from ._tree import RowsInfo, rows_info
-from ._types import _fields, _loads, is_int, itemsize
+from ._tree import RowsInfo, is_float_dtype, rows_info
+from ._types import _fields, _loads, is_bool, is_int, is_number, itemsize
 
 __all__ = ["Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA", "shard_size"]
 
@@ -39,7 +39,19 @@ class Chunk:
   dtype: str
 
   def __post_init__(self):
-    object.__setattr__(self, "slices", tuple((int(r), int(a), int(b)) for r, a, b in self.slices))
+    if not isinstance(self.dtype, str) or not is_float_dtype(self.dtype):
+      raise ScheduleError(f"a chunk has dtype={self.dtype!r}; chunks carry floating gradients only (e.g. "
+                          f"'float32', 'bfloat16'): integer and float0 leaves are not all-reduced.")
+    try:
+      slices = tuple(tuple(x) for x in self.slices)
+    except TypeError:
+      raise ScheduleError(f"a {self.dtype} chunk has slices={self.slices!r}; slices are (row, start, "
+                          f"stop) triples of integers.") from None
+    bad = next((x for x in slices if len(x) != 3 or not all(map(is_int, x))), None)
+    if bad is not None:
+      raise ScheduleError(f"a {self.dtype} chunk has slice {bad!r}; a slice is (row, start, stop), three "
+                          f"integers.")
+    object.__setattr__(self, "slices", tuple((int(r), int(a), int(b)) for r, a, b in slices))
     if not self.slices:
       raise ScheduleError(f"a {self.dtype} chunk has no slices; every chunk must send at least one "
                           f"element. Drop the chunk, or give it the (row, start, stop) slices it sends.")
@@ -112,6 +124,10 @@ class Bucket:
     object.__setattr__(self, "chunks", tuple(self.chunks))
     if not self.chunks:
       raise ScheduleError("a bucket has no chunks.")
+    bad = next((c for c in self.chunks if not isinstance(c, Chunk)), None)
+    if bad is not None:
+      raise ScheduleError(f"a bucket has a chunk {bad!r} of type {type(bad).__name__}; chunks are "
+                          f"prophet_jax.Chunk values.")
     k, m = self.defer, len(self.chunks)
     if not is_int(k):
       raise ScheduleError(f"a bucket of {m} chunks has defer={k!r}; `defer` must be an integer number of "
@@ -196,12 +212,34 @@ class Schedule:
 
   def __post_init__(self):
     object.__setattr__(self, "buckets", tuple(self.buckets))
+    bad = next((b for b in self.buckets if not isinstance(b, Bucket)), None)
+    if bad is not None:
+      raise ScheduleError(f"a schedule has a bucket {bad!r} of type {type(bad).__name__}; buckets are "
+                          f"prophet_jax.Bucket values.")
     _check_links(self)
     _check_gathers(self)
-    info = rows_info(self.rows)
+    try:
+      info = rows_info(self.rows)
+    except (TypeError, ValueError) as e:
+      raise ScheduleError(f"schedule rows: {e} Plan again (prophet_jax.plan) for the current profile.") from None
     object.__setattr__(self, "rows", info.rows)
+    if not isinstance(self.policy, str) or not self.policy:
+      raise ScheduleError(f"schedule has policy={self.policy!r}; it must be a non-empty string naming the "
+                          f"policy that planned it.")
+    if not isinstance(self.options, (Mapping, tuple, list)):
+      raise ScheduleError(f"schedule has options={self.options!r}; expected the policy's options as an "
+                          f"object of name: value.")
     object.__setattr__(self, "options", tuple(sorted((str(k), _freeze(v)) for k, v in dict(self.options).items())))
+    if not is_bool(self.cross_step):
+      raise ScheduleError(f"schedule has cross_step={self.cross_step!r}; it must be True or False (JSON true "
+                          f"or false): the step mode it was planned for.")
     object.__setattr__(self, "cross_step", bool(self.cross_step))
+    p = self.predicted_s
+    if p is not None:
+      if not is_number(p) or not math.isfinite(p) or p < 0:
+        raise ScheduleError(f"schedule has predicted_s={p!r}; it must be a finite number of seconds >= 0 "
+                            f"(the simulator's iteration at planning) or null.")
+      object.__setattr__(self, "predicted_s", float(p))
     if self.schema != SCHEDULE_SCHEMA:
       raise ScheduleError(f"schedule has schema={self.schema!r}; this version reads {SCHEDULE_SCHEMA}.")
     fp = info.fingerprint
@@ -242,19 +280,22 @@ class Schedule:
   def padded_sizes(self, workers: int) -> tuple[int, ...]:
     """Elements of every chunk's buffer once zero-padded to a multiple of `workers` (what a sharded
     schedule's reduce-scatter sends; `workers` x `shard_size`), in issue order."""
-    return tuple(int(workers) * shard_size(c.size, workers) for c in self.chunks)
+    workers = _check_workers("padded_sizes", workers)
+    return tuple(workers * shard_size(c.size, workers) for c in self.chunks)
 
   def shard_nbytes(self, workers: int) -> int:
     """Bytes of one device's shards of every chunk (each chunk's buffer padded on its own,
     `shard_size` elements of its dtype): what a sharded (ZeRO-1) step keeps per device of a
     per-parameter optimizer state of the gradients' dtype, against `sum(chunk.nbytes)` replicated."""
+    workers = _check_workers("shard_nbytes", workers)
     return sum(shard_size(c.size, workers) * itemsize(c.dtype) for c in self.chunks)
 
   def gather_sizes(self, workers: int) -> tuple[int, ...]:
     """Elements of every all-gather's result, in all-gather order: `workers` x the sum of its chunks'
     shards (each chunk padded on its own). Empty for an all-reduce schedule."""
+    workers = _check_workers("gather_sizes", workers)
     chunks = self.chunks
-    return tuple(int(workers) * sum(shard_size(chunks[k].size, workers) for k in g) for g in self.gathers)
+    return tuple(workers * sum(shard_size(chunks[k].size, workers) for k in g) for g in self.gathers)
 
   @property
   def defers(self) -> bool:
@@ -330,9 +371,19 @@ class Schedule:
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Schedule:
     obj = _fields(cls, _loads(text_or_obj, "Schedule"), "Schedule")
+    missing = sorted({"buckets", "rows"} - set(obj))
+    if missing:
+      raise ScheduleError(f"Schedule.from_json: missing field(s) {missing}; a schedule file is what "
+                          f"Schedule.to_json (or `prophet-jax plan --out`) writes.")
+    for name in ("buckets", "rows"):
+      if not isinstance(obj[name], list):
+        raise ScheduleError(f"Schedule.from_json: '{name}' must be a list, got {obj[name]!r:.60}.")
+    if not isinstance(obj.get("options", {}), Mapping):
+      raise ScheduleError(f"Schedule.from_json: 'options' must be an object of name: value, got "
+                          f"{obj['options']!r:.60}.")
     try:
       buckets = tuple(_bucket_from_json(b, i) for i, b in enumerate(obj.pop("buckets")))
-      rows = tuple((p, tuple(s), t) for p, s, t in obj.pop("rows"))
+      rows = tuple(_row_from_json(r, k) for k, r in enumerate(obj.pop("rows")))
       if "gathers" in obj:
         obj["gathers"] = tuple(tuple(g) for g in obj["gathers"])
     except (KeyError, TypeError, ValueError) as e:
@@ -349,6 +400,16 @@ def _bucket_json(b: Bucket) -> Any:
   return {"defer": b.defer, "chunks": chunks} if b.defer else chunks
 
 
+def _row_from_json(r: Any, k: int) -> tuple[Any, Any, Any]:
+  if not isinstance(r, list) or len(r) != 3:
+    raise ScheduleError(f"Schedule.from_json: row {k} is {r!r:.60}; a row is [path, shape, dtype].")
+  p, s, t = r
+  if not isinstance(s, list):
+    raise ScheduleError(f"Schedule.from_json: row {k} ({p!r}) has shape {s!r}; a shape is a list of "
+                        f"integers.")
+  return p, tuple(s), t
+
+
 def _bucket_from_json(b: Any, i: int) -> Bucket:
   defer = 0
   if isinstance(b, Mapping):
@@ -357,8 +418,14 @@ def _bucket_from_json(b: Any, i: int) -> Bucket:
       raise ScheduleError(f"Schedule.from_json: a bucket has unknown field(s) {unknown}; expected "
                           f"'chunks' and 'defer'.")
     defer, b = b.get("defer", 0), b["chunks"]
+  if not isinstance(b, list):
+    raise ScheduleError(f"Schedule.from_json: bucket {i} is {b!r:.60}; a bucket is a list of chunks (or "
+                        f"an object with 'chunks' and 'defer').")
   chunks = []
   for j, c in enumerate(b):
+    if not isinstance(c, Mapping) or set(c) != {"dtype", "slices"}:
+      raise ScheduleError(f"Schedule.from_json: bucket {i}, chunk {j} is {c!r:.60}; a chunk is an object "
+                          f"with 'dtype' and 'slices'.")
     try:
       chunks.append(Chunk(slices=tuple(tuple(s) for s in c["slices"]), dtype=c["dtype"]))
     except ScheduleError as e:
@@ -377,6 +444,17 @@ def _check_links(s: Schedule) -> None:
     raise ScheduleError(f"schedule links={links[:8]}{'...' if len(links) > 8 else ''} ({len(links)} "
                         f"entries): expected {s.num_allreduces} link indices >= 0, one per issued "
                         f"all-reduce, or () for one link. Plan again.")
+
+
+def _check_workers(call: str, workers: Any) -> int:
+  """`workers` as an int >= 1 (numpy integers welcome), or a TypeError/ValueError naming it."""
+  if not is_int(workers):
+    raise TypeError(f"Schedule.{call}(workers={workers!r}): `workers` must be an integer >= 1, the "
+                    f"number of devices sharing the shards, e.g. network.workers.")
+  if workers < 1:
+    raise ValueError(f"Schedule.{call}(workers={workers!r}): `workers` must be an integer >= 1, the "
+                     f"number of devices sharing the shards, e.g. network.workers.")
+  return int(workers)
 
 
 def _check_gathers(s: Schedule) -> None:

@@ -29,11 +29,10 @@ import optax
 from . import _mesh, _zero
 from ._checks import check_int, check_values, match_tree
 from ._accumulate import init as accum_init
-from ._collectives import (_zero_of, accumulated_allreduce, axis_size, check_residual_varying, is_varying,
-                           reduce_scatter_chunks,
-                           reduce_units, schedule_units, scheduled_allreduce, to_varying, unit_allreduces,
-                           vma_enabled)
-from ._defer import GroupState, check_state, group_states, init as defer_init, with_groups
+from ._collectives import (_zero_of, accumulated_allreduce, axis_size, carries, carry_over,
+                           check_residual_varying, is_varying, reduce_scatter_chunks, reduce_units,
+                           schedule_units, scheduled_allreduce, to_varying, unit_allreduces, vma_enabled)
+from ._defer import DeferState, GroupState, check_state, group_states, init as defer_init, with_groups
 from ._errors import AlreadyReducedError, CompositionError
 from ._schedule import Bucket, Chunk, Schedule, shard_size
 from ._tree import dtype_name, is_float_dtype, is_reduced_leaf, path_str
@@ -292,7 +291,21 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
     before = _ran_before_in_chain()
     if before:
       raise _not_first_error(before, "update")
+    if not (isinstance(state, tuple) and hasattr(state, "inner") and hasattr(state, "defer_state")):
+      raise TypeError(f"scheduled(...).update(updates, state): state={state!r:.80} is not the state this "
+                      f"transformation's init made (a ScheduledState(inner, defer_state)). Pass the state "
+                      f"tx.init(params) returned (or the one the last update returned; TrainState and "
+                      f"nnx.Optimizer keep it for you).")
+    _check_masked(updates, schedule)
     if schedule.sharded:  # reduce-scatter, tx on this device's shards, all-gather the update
+      if carries(state.defer_state, schedule):   # a re-plan from a deferring plan: carry its residual
+        if mesh is not None:
+          raise TypeError(
+              "scheduled(..., mesh=...).update: the state holds the deferral state of another (deferring) "
+              "plan, whose residual a sharded schedule's update on the mesh does not carry over. Keep it: "
+              "g = prophet_jax.deferred_grads(opt_state, params) (its mean over the data axis), one more "
+              "update with the old tx, then opt_state._replace(defer_state=None).")
+        updates, _ = carry_over(updates, state.defer_state, schedule, axis_name, "scheduled")
       if mesh is not None:
         new, inner = _mesh.sharded_update(tx, updates, state.inner, params, schedule, mesh=mesh,
                                           axis_name=axis_name, extra_args=extra_args)
@@ -341,6 +354,39 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   init_fn._prophet_scheduled = True  # type: ignore[attr-defined]
   update_fn._prophet_scheduled = True  # type: ignore[attr-defined]
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_masked(updates: Any, schedule: Schedule) -> None:
+  """CompositionError when `scheduled` runs inside `optax.masked` / `optax.multi_transform` and sees
+  only part of the tree its schedule was planned for (the other leaves arrive as optax's MaskedNode).
+
+  With a mask (or partition) that gives this transformation every leaf, or a schedule planned for
+  exactly the leaves it sees, nothing is raised: that composition works. Otherwise the leaves masked
+  away from `scheduled` would not be all-reduced by it, and the schedule's rows for them have no leaf:
+  the message names them and the two compositions that work.
+  """
+  masked_type = getattr(optax, "MaskedNode", None)
+  if masked_type is None:
+    return
+  with_masks, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=lambda x: isinstance(x, masked_type))
+  masked = [path_str(p) for p, x in with_masks if isinstance(x, masked_type)]
+  if not masked:
+    return
+  present = {path_str(p) for p, x in with_masks if not isinstance(x, masked_type)}
+  alias = lambda p: p[:-len("/value")] if p.endswith("/value") else p  # noqa: E731 (nnx spelling)
+  present |= {alias(p) for p in present}
+  missing = [r[0] for r in schedule.rows if r[0] not in present and alias(r[0]) not in present]
+  if not missing:
+    return   # the schedule covers exactly what this transformation sees: a partition of its own
+  raise CompositionError(
+      f"scheduled(...) runs inside optax.masked or optax.multi_transform, which give it only part of the "
+      f"gradient tree: {len(masked)} leaves are masked away from it (e.g. {masked[:3]}), and the "
+      f"schedule was planned for {len(schedule.rows)} leaves, {len(missing)} of them masked away (e.g. "
+      f"{missing[:3]}); the model did not change. Either make scheduled the outermost transformation, "
+      f"prophet_jax.scheduled(optax.multi_transform(...), schedule, axis_name=...) (every leaf "
+      f"all-reduced, then partitioned), or plan a schedule for exactly the leaves this partition gets "
+      f"(GradientProfile.from_params of that subtree) and give every other partition its own "
+      f"scheduled(...) (a masked-away leaf that no scheduled(...) reduces is never all-reduced).")
 
 
 def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_name: str | tuple[str, ...],
@@ -658,6 +704,47 @@ def loop_hook(tree: Any, *, name: str = "layer") -> Any:
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+_NO_STATE = object()
+
+
+def _check_loss_output(out: Any, has_aux: bool, has_state: bool) -> Any:
+  """The loss in `loss_fn`'s output, with a TypeError that names the fix when the output's form is not
+  the one hooked was told (a `(loss, aux)` tuple without `has_aux=True`, a non-scalar loss)."""
+  if has_aux or has_state:
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      flag = "has_state" if has_state else "has_aux"
+      raise TypeError(f"hooked(..., {flag}=True): loss_fn must return a pair (loss, "
+                      f"{'new_model_state' if has_state else 'aux'}), got {type(out).__name__}.")
+    loss = out[0]
+  else:
+    if isinstance(out, (tuple, list)):
+      raise TypeError(f"hooked: loss_fn returned a {type(out).__name__} of {len(out)} values, not a scalar "
+                      f"loss. If it returns (loss, aux), pass has_aux=True (grad_fn then returns ((loss, "
+                      f"aux), grads)); if (loss, new_model_state) with a model state argument, "
+                      f"has_state=True.")
+    loss = out
+  shape = np.shape(loss)
+  if shape != () or not is_float_dtype(getattr(loss, "dtype", np.float32)):
+    raise TypeError(f"hooked: the loss must be a real floating scalar to be differentiated; loss_fn "
+                    f"returned {getattr(loss, 'dtype', type(loss).__name__)}{tuple(shape)}. Reduce it to a "
+                    f"scalar (e.g. .mean()) and return other values as aux (has_aux=True).")
+  return loss
+
+
+def _check_not_varying(flat: Sequence[Any], lmap: Any, axis_name: Any) -> None:
+  """ValueError when, under shard_map with check_vma, a parameter already varies over the axis: the
+  README's `pcast` line of `scheduled` kept in a `hooked` step. hooked marks the params varying itself
+  (and returns the gradients replicated), so the cast is not needed and breaks the hooks' types."""
+  for r, i in enumerate(lmap.row_leaf):
+    if is_varying(flat[i], axis_name):
+      raise ValueError(
+          f"hooked: parameter {lmap.paths[i]!r} already varies over axis {axis_name!r} (e.g. "
+          f"jax.lax.pcast(params, {axis_name!r}, to='varying'), the line a scheduled(...) step needs, or "
+          f"params passed with in_specs P({axis_name!r})). hooked marks the replicated params varying "
+          f"itself and returns gradients averaged over the axis: pass them as they are (replicated, "
+          f"in_specs P()), without the pcast.")
+
+
 def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | tuple[str, ...],
            has_aux: bool = False, has_state: bool = False, in_loop: Sequence[str] = (),
            mesh: Any = None) -> Callable[..., Any]:
@@ -770,12 +857,14 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
 
   def grad_fn(params, *args, **kwargs):
     n = axis_size(axis_name, "hooked")
-    defer_state = None
-    if schedule.defers:
-      if "defer_state" in kwargs:
-        defer_state = kwargs.pop("defer_state")
-      elif args:
-        *args, defer_state = args
+    given = _NO_STATE
+    if "defer_state" in kwargs:
+      given = kwargs.pop("defer_state")
+    elif args and (schedule.defers or isinstance(args[-1], DeferState)):
+      *args, given = args
+    defer_state = None if given is _NO_STATE else given
+    carried = defer_state if carries(defer_state, schedule) else None
+    if carried is None and schedule.defers:
       check_state(defer_state, schedule, "hooked")
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     lmap = match_tree(leaves_with_path, schedule, where="hooked", skip_prefixes=in_loop)
@@ -785,12 +874,21 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
                          f"with {p!r}; the paths look like {lmap.paths[:3]}.")
     flat = [leaf for _, leaf in leaves_with_path]
     vma = vma_enabled(axis_name)
+    if vma:
+      _check_not_varying(flat, lmap, axis_name)
+    residual = None
+    if carried is not None:  # a re-plan: the old schedule's residual joins these gradients
+      zeros = jax.tree_util.tree_unflatten(treedef, [jnp.zeros(np.shape(x), x.dtype) if is_reduced_leaf(x)
+                                                     else x for x in flat])
+      residual, defer_state = carry_over(zeros, carried, schedule, axis_name, "hooked")
+      residual = jax.tree_util.tree_leaves(residual)
     if defer_state is not None and vma:
       check_residual_varying(defer_state, axis_name, "hooked")
     hooks = []
     for (a, b, rows), gi in zip(groups, group_index):
       cast = [vma and not is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
       hooks.append((rows, gi, _make_hook(units[a:b], firsts[a], rows, axis_name, n, cast)))
+    with_aux = has_aux or has_state
 
     def inner(flat_params, states):
       flat_params = list(flat_params)
@@ -800,13 +898,24 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
         out, token = hook([flat_params[i] for i in ids], token, tuple(states[g] for g in gi))
         for i, x in zip(ids, out):
           flat_params[i] = x
-      return loss_fn(jax.tree_util.tree_unflatten(treedef, flat_params), *args, **kwargs)
+      out = loss_fn(jax.tree_util.tree_unflatten(treedef, flat_params), *args, **kwargs)
+      loss = _check_loss_output(out, has_aux, has_state)
+      if residual is None:
+        return out
+      # d/dp sum(r * p) = r: the carried residual joins each leaf's cotangent before its hook reduces
+      # it; the value is unchanged (the term minus itself), and the user's output rides as aux
+      term = sum(jnp.sum(r.astype(jnp.float32) * x.astype(jnp.float32))
+                 for r, x, leaf in zip(residual, flat_params, flat) if is_reduced_leaf(leaf))
+      return loss + (term - jax.lax.stop_gradient(term)).astype(loss.dtype), out
 
     calls: list[str] = []
     states = tuple(_encode(g) for g in group_states(defer_state)) if schedule.defers else ()
     with _loop_axis(axis_name, n, vma, calls):
-      value, (grads, new_states) = jax.value_and_grad(inner, argnums=(0, 1), has_aux=has_aux or has_state,
+      value, (grads, new_states) = jax.value_and_grad(inner, argnums=(0, 1),
+                                                      has_aux=with_aux or residual is not None,
                                                       allow_int=True)(flat, states)
+    if residual is not None:
+      value = value[1]   # what loss_fn returned: the carry term is not part of the value
     if in_loop and not calls:
       raise ValueError(f"hooked(in_loop={in_loop!r}): loss_fn never called prophet_jax's loop_hook, so "
                        f"those params would not be all-reduced. Apply loop_hook to the layer params "
@@ -815,6 +924,8 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
     grads = jax.tree_util.tree_unflatten(treedef, grads)
     if schedule.defers:
       return value, grads, with_groups(defer_state, [_decode(x) for x in new_states])
+    if given is not _NO_STATE:   # a state was passed (a re-plan's): state in, state out
+      return value, grads, None
     return value, grads
 
   if mesh is not None:  # global arrays in a plain jax.jit: the same grad_fn mapped over the mesh

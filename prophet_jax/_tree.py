@@ -6,8 +6,8 @@ One place for every rule that ties a pytree to the rows of a GradientProfile or 
   flatten order (rows map to leaves by path, never by position);
 - `is_reduced_leaf`, `dtype_name`: which leaves are rows (floating dtypes, bfloat16 and the float8
   kinds included; integer and float0 leaves pass through unreduced), and how a dtype is named;
-- `layer_of`: the layer a leaf belongs to (every path component but the last, or the first
-  `layer_depth` of them);
+- `layer_of`, `flatten_with_layer_paths`: the layer a leaf belongs to (every path component but the
+  last, or the first `layer_depth` of them; a flax.nnx Variable's trailing `value` key is not one);
 - `forward_paths`: the order in which a loss function first reads each parameter (the rows' priority
   order);
 - `tree_fingerprint`, `rows_info`: the hash of a tree's rows (a Schedule's `tree_fingerprint`) and
@@ -30,7 +30,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["path_str", "flatten_with_paths", "dtype_name", "is_float_dtype", "is_reduced_leaf",
+__all__ = ["path_str", "flatten_with_paths", "flatten_with_layer_paths", "layer_path", "check_layer_depth",
+           "dtype_name", "is_float_dtype", "is_reduced_leaf",
            "layer_of", "forward_paths", "tree_fingerprint", "RowsInfo", "rows_info", "Row", "IdentityMemo"]
 
 Row = tuple[str, tuple[int, ...], str]   # (path, shape, dtype) of one reduced leaf
@@ -91,6 +92,8 @@ def is_float_dtype(dtype: Any) -> bool:
   floats (bfloat16, float8_*, float6_*, float4_*), exactly `jnp.issubdtype(dtype, jnp.inexact)`
   without importing jax. False for integers, bools, int4, float0 and jax's extended dtypes (typed PRNG
   keys)."""
+  if isinstance(dtype, str) and (dtype == "bfloat16" or dtype.startswith(("float8_", "float6_", "float4_"))):
+    return True   # the ml_dtypes floats by name (numpy knows them only once ml_dtypes is imported)
   try:
     dt = np.dtype(dtype)
   except TypeError:  # an extended dtype (a typed PRNG key's): not a number
@@ -109,6 +112,52 @@ def is_reduced_leaf(leaf: Any) -> bool:
   return dt is not None and is_float_dtype(dt)
 
 
+def flatten_with_layer_paths(tree: Any) -> list[tuple[str, str, Any]]:
+  """[(path, layer path, leaf)] in jax's flatten order: the layer path is the leaf's path without a
+  flax.nnx Variable's trailing `value` key (jax's GetAttrKey('value'), read by name), so that the
+  layers of `nnx.state(model, nnx.Param)` ('l0/kernel/value') are those of the pure-dict tree
+  ('l0/kernel' is in layer 'l0'). Without jax (plain dicts and lists) the two paths are the same."""
+  try:
+    import jax
+  except ImportError:
+    return [(p, p, leaf) for p, leaf in flatten_with_paths(tree)]
+  return [(path_str(kp), layer_path(kp), leaf) for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def layer_path(keypath: Any) -> str:
+  """The path a leaf's layer is read from (`layer_of`): its key path without a flax.nnx Variable's
+  trailing `value` key (jax's GetAttrKey('value'), read by name), so that `nnx.state(model,
+  nnx.Param)`'s 'l0/kernel/value' is in layer 'l0', as the pure tree's 'l0/kernel' is. A string path
+  is taken as it is (a plain 'x/value' may be a dict key)."""
+  if isinstance(keypath, str):
+    return keypath
+  kp = tuple(keypath)
+  last = kp[-1] if kp else None
+  if len(kp) > 1 and type(last).__name__ == "GetAttrKey" and getattr(last, "name", None) == "value":
+    kp = kp[:-1]
+  return path_str(kp)
+
+
+def check_layer_depth(where: str, layer_depth: Any) -> int | None:
+  """`layer_depth` as None or an integer >= 1 (the number of key-path components naming a layer).
+
+  Raises:
+    TypeError: not an integer (a bool is not one) nor None.
+    ValueError: below 1.
+  """
+  if layer_depth is None:
+    return None
+  ok = isinstance(layer_depth, (int, np.integer)) and not isinstance(layer_depth, (bool, np.bool_))
+  if not ok:
+    raise TypeError(f"{where}(layer_depth={layer_depth!r}): `layer_depth` must be an integer >= 1 (the "
+                    f"key-path components that name a layer) or None (all but the last).")
+  if layer_depth < 1:
+    raise ValueError(f"{where}(layer_depth={layer_depth!r}): `layer_depth` must be >= 1 (the key-path "
+                     f"components that name a layer, e.g. 2 for 'params/Dense_0'), or None for all but "
+                     f"the last component.")
+  return int(layer_depth)
+
+
 def layer_of(path: str, layer_depth: int | None = None) -> str:
   """The layer a leaf belongs to: the first `layer_depth` path components (default: all but the
   last); a one-component path is its own layer.
@@ -117,11 +166,13 @@ def layer_of(path: str, layer_depth: int | None = None) -> str:
   `profile_step`, `prophet_jax.models.layer_of` and the bundled traces.
 
   Raises:
-    ValueError: `path` is empty or not a string.
+    ValueError: `path` is empty or not a string, or `layer_depth` is below 1.
+    TypeError: `layer_depth` is not an integer or None.
   """
   if not isinstance(path, str) or not path:
     raise ValueError(f"layer_of(path={path!r}): expected a non-empty key path such as "
                      f"'params/Conv_0/kernel'.")
+  layer_depth = check_layer_depth("layer_of", layer_depth)
   parts = path.split("/")
   return "/".join(parts[:layer_depth] if layer_depth else parts[:-1]) or parts[0]
 
@@ -276,13 +327,39 @@ class IdentityMemo:
 _ROWS = IdentityMemo(64)
 
 
+def _norm_row(k: int, row: Any) -> Row:
+  """Row k as (path, shape of ints, dtype name), strictly: a ValueError names the row and the value
+  (a path that is not a non-empty string, a shape that is not a sequence of integers >= 0, a dtype
+  that is not a floating dtype's name)."""
+  try:
+    p, shape, t = row
+  except (TypeError, ValueError):
+    raise ValueError(f"row {k} is {row!r}; a row is [path, shape, dtype].") from None
+  if not isinstance(p, str) or not p:
+    raise ValueError(f"row {k} has path {p!r}; a path is a non-empty string.")
+  if isinstance(shape, (str, bytes)) or not isinstance(shape, (Sequence, np.ndarray)):
+    raise ValueError(f"row {k} ({p!r}) has shape {shape!r}; a shape is a list of integers.")
+  dims = list(shape)
+  if not all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) and d >= 0
+             for d in dims):
+    raise ValueError(f"row {k} ({p!r}) has shape {shape!r}; every dimension must be an integer >= 0.")
+  if not isinstance(t, str) or not is_float_dtype(t):
+    raise ValueError(f"row {k} ({p!r}) has dtype {t!r}; rows are floating leaves (e.g. 'float32', "
+                     f"'bfloat16').")
+  return p, tuple(int(d) for d in dims), t
+
+
 def rows_info(rows: Sequence[tuple[str, Sequence[int], str]]) -> RowsInfo:
   """The normalized rows (path str, shape of ints, dtype str), their fingerprint, element counts and
-  dtype codes; memoized by the identity of the normalized tuple."""
+  dtype codes; memoized by the identity of the normalized tuple.
+
+  Raises:
+    ValueError: a row that is not [non-empty path, list of integers >= 0, floating dtype name].
+  """
   hit = _ROWS.get(rows)
   if hit is not None:
     return hit
-  norm = tuple((str(p), tuple(int(d) for d in s), str(t)) for p, s, t in rows)
+  norm = tuple(_norm_row(k, row) for k, row in enumerate(rows))
   dtypes = {d: i for i, d in enumerate(dict.fromkeys(t for _, _, t in norm))}
   info = RowsInfo(rows=norm, fingerprint=tree_fingerprint(norm),
                   sizes=np.fromiter((math.prod(s) for _, s, _ in norm), dtype=np.int64, count=len(norm)),

@@ -14,14 +14,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ._errors import ProfileError
-from ._tree import IdentityMemo, dtype_name, flatten_with_paths, is_reduced_leaf, layer_of, rows_info
+from ._tree import (IdentityMemo, check_layer_depth, dtype_name, flatten_with_layer_paths, is_float_dtype,
+                    is_reduced_leaf, layer_of, rows_info)
 
 PROFILE_SCHEMA = 1
 PROFILE_METHODS = ("measured", "timed", "estimated")
@@ -63,11 +64,50 @@ def is_number(x: Any) -> bool:
   return isinstance(x, (int, float, np.integer, np.floating)) and not is_bool(x)
 
 
-def _finite_nonneg(owner: str, name: str, value: float) -> float:
+def _finite_nonneg(owner: str, name: str, value: Any) -> float:
+  if not is_number(value):
+    raise ProfileError(f"{owner} has {name}={value!r}; {name} must be a number of seconds (finite, >= 0), "
+                       f"not {type(value).__name__}.")
   value = float(value)
   if not math.isfinite(value) or value < 0:
     raise ProfileError(f"{owner} has {name}={value!r}; {name} must be finite and >= 0.")
   return value
+
+
+def _row_shape(path: str, shape: Any) -> tuple[int, ...]:
+  """A row's shape: a sequence (list or tuple) of integers >= 0, nothing else (a string of digits, a
+  float, a bool or None is refused, naming the leaf and the value)."""
+  if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) and not isinstance(shape, np.ndarray):
+    raise ProfileError(f"leaf {path!r} has shape={shape!r}; a shape must be a list (or tuple) of integers "
+                       f"such as [64, 128] ([] for a scalar).")
+  dims = list(shape.tolist() if isinstance(shape, np.ndarray) else shape)
+  bad = [d for d in dims if not is_int(d)]
+  if bad:
+    raise ProfileError(f"leaf {path!r} has shape={shape!r}; every dimension must be an integer, got "
+                       f"{bad[0]!r} ({type(bad[0]).__name__}).")
+  out = tuple(int(d) for d in dims)
+  if any(d < 0 for d in out):
+    raise ProfileError(f"leaf {path!r} has shape {out}; dimensions must be >= 0.")
+  return out
+
+
+def _row_dtype(path: str, dtype: Any) -> str:
+  """A row's dtype: the name of a floating dtype ('float32', 'bfloat16', 'float8_e4m3fn', ...): only
+  floating leaves are rows (integer and float0 leaves pass through unreduced)."""
+  if not isinstance(dtype, str) or not dtype:
+    raise ProfileError(f"leaf {path!r} has dtype={dtype!r}; a dtype is a name such as 'float32' or "
+                       f"'bfloat16'.")
+  if dtype not in _ITEMSIZE:
+    try:
+      np.dtype(dtype)
+    except TypeError:
+      raise ProfileError(f"leaf {path!r} has dtype={dtype!r}, which is not a dtype name; expected a "
+                         f"floating one such as 'float32' or 'bfloat16'.") from None
+  if not is_float_dtype(dtype):
+    raise ProfileError(f"leaf {path!r} has dtype={dtype!r}; profile rows are floating gradients only "
+                       f"(float32, bfloat16, float16, ...): integer, bool and float0 leaves are not "
+                       f"all-reduced and have no row. Drop the row, or give its gradient's float dtype.")
+  return dtype
 
 
 def _loads(text_or_obj: str | Mapping[str, Any], what: str) -> dict[str, Any]:
@@ -129,9 +169,16 @@ class ProfileRow:
   def __post_init__(self):
     if not isinstance(self.path, str) or not self.path:
       raise ProfileError(f"a profile row has path={self.path!r}; paths must be non-empty strings.")
-    object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-    if any(d < 0 for d in self.shape):
-      raise ProfileError(f"leaf {self.path!r} has shape {self.shape}; dimensions must be >= 0.")
+    if not isinstance(self.layer, str) or not self.layer:
+      raise ProfileError(f"leaf {self.path!r} has layer={self.layer!r}; a layer is a non-empty string naming "
+                         f"the layer the leaf belongs to (e.g. {layer_of(self.path)!r}; wfbp sends one "
+                         f"all-reduce per layer).")
+    object.__setattr__(self, "shape", _row_shape(self.path, self.shape))
+    object.__setattr__(self, "dtype", _row_dtype(self.path, self.dtype))
+    if not (is_int(self.nbytes) or (is_number(self.nbytes) and math.isfinite(self.nbytes)
+                                    and float(self.nbytes).is_integer())):
+      raise ProfileError(f"leaf {self.path!r} has nbytes={self.nbytes!r}; nbytes must be an integer number "
+                         f"of bytes.")
     expected = int(np.prod(self.shape, dtype=np.int64)) * itemsize(self.dtype)
     if int(self.nbytes) != expected:
       raise ProfileError(
@@ -173,12 +220,21 @@ class GradientProfile:
   schema: int = PROFILE_SCHEMA
 
   def __post_init__(self):
+    if isinstance(self.rows, (str, bytes, Mapping)) or not isinstance(self.rows, Iterable):
+      raise ProfileError(f"the profile has rows={self.rows!r}; rows must be a list of ProfileRows.")
     object.__setattr__(self, "rows", tuple(self.rows))
     if not self.rows:
       raise ProfileError("the profile is empty: it needs at least one gradient row.")
-    if self.method not in PROFILE_METHODS:
+    bad = next((r for r in self.rows if not isinstance(r, ProfileRow)), None)
+    if bad is not None:
+      raise ProfileError(f"the profile has a row {bad!r} of type {type(bad).__name__}; rows must be "
+                         f"ProfileRows (GradientProfile.from_rows takes dicts).")
+    if not isinstance(self.method, str) or self.method not in PROFILE_METHODS:
       raise ProfileError(f"profile has method={self.method!r}; expected one of {PROFILE_METHODS}.")
-    if self.schema != PROFILE_SCHEMA:
+    for name in ("model", "device", "notes"):
+      if not isinstance(getattr(self, name), str):
+        raise ProfileError(f"profile has {name}={getattr(self, name)!r}; it must be a string (free text).")
+    if self.schema != PROFILE_SCHEMA or not is_int(self.schema):
       raise ProfileError(f"profile has schema={self.schema!r}; this version reads {PROFILE_SCHEMA}.")
     for name in ("forward_s", "backward_s"):
       object.__setattr__(self, name, _finite_nonneg("the profile", name, getattr(self, name)))
@@ -253,7 +309,15 @@ class GradientProfile:
             f"{self.rows[i].path} @{self.rows[i].ready_s * 1e3:.3f}ms" for i in order[:max_rows])])
 
   def scaled(self, compute: float) -> GradientProfile:
-    """The same profile with every time multiplied by `compute` (a faster or slower device)."""
+    """The same profile with every time multiplied by `compute` (a faster or slower device).
+
+    Raises:
+      ValueError: `compute` is not a finite number > 0 (e.g. 0.5 for a device twice as fast).
+    """
+    if not is_number(compute) or not math.isfinite(compute) or compute <= 0:
+      raise ValueError(f"GradientProfile.scaled(compute={compute!r}): `compute` must be a finite number > 0, "
+                       f"the factor every time is multiplied by (e.g. 0.5 for a device twice as fast).")
+    compute = float(compute)
     rows = tuple(dataclasses.replace(r, ready_s=r.ready_s * compute, fwd_s=r.fwd_s * compute,
                                      update_s=r.update_s * compute) for r in self.rows)
     return dataclasses.replace(self, rows=rows, forward_s=self.forward_s * compute,
@@ -262,8 +326,17 @@ class GradientProfile:
   # -- construction ---------------------------------------------------------------------------------
   @classmethod
   def from_rows(cls, rows: Iterable[Mapping[str, Any] | ProfileRow], **kw) -> GradientProfile:
-    return cls(rows=tuple(r if isinstance(r, ProfileRow) else ProfileRow(**_row_kwargs(r)) for r in rows),
-               **kw)
+    """A profile from rows given as ProfileRows or dicts of their fields (the other fields as keywords)."""
+    if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Iterable):
+      raise ProfileError(f"GradientProfile.from_rows: rows must be a list of row objects (dicts of "
+                         f"ProfileRow's fields), got {type(rows).__name__}.")
+    out = []
+    for k, r in enumerate(rows):
+      if not isinstance(r, (ProfileRow, Mapping)):
+        raise ProfileError(f"profile row {k} is {r!r} ({type(r).__name__}); a row is an object of "
+                           f"ProfileRow's fields (path, layer, shape, dtype, nbytes, ready_s, ...).")
+      out.append(r if isinstance(r, ProfileRow) else ProfileRow(**_row_kwargs(r)))
+    return cls(rows=tuple(out), **kw)
 
   @classmethod
   def from_params(cls, params: Any, *, forward_s: float = 0.0, backward_s: float = 0.0,
@@ -279,11 +352,29 @@ class GradientProfile:
       params: a pytree of arrays (or anything with .shape and .dtype).
       forward_s, backward_s: step times in seconds to spread over the layers.
       update_s_per_byte: optimizer time per gradient byte.
-      layer_depth: key-path components that name a layer (default: all but the last).
+      layer_depth: key-path components that name a layer (an integer >= 1; default: all but the
+        last). A flax.nnx Variable's trailing `value` key is not a component: `nnx.state(model,
+        nnx.Param)` gives the layers of the pure-dict tree.
       model, device: recorded in the profile.
+
+    Raises:
+      ValueError, TypeError: a time that is not a finite number >= 0, a `layer_depth` below 1 (each
+        named in the message).
+      ProfileError: the tree has no floating-point leaves.
     """
-    leaves = [(path, layer_of(path, layer_depth), tuple(leaf.shape), dtype_name(leaf.dtype))
-              for path, leaf in flatten_with_paths(params) if is_reduced_leaf(leaf)]
+    for name, value in (("forward_s", forward_s), ("backward_s", backward_s),
+                        ("update_s_per_byte", update_s_per_byte)):
+      if not is_number(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"GradientProfile.from_params({name}={value!r}): `{name}` must be a finite number "
+                         f">= 0 ({'seconds per gradient byte' if name == 'update_s_per_byte' else 'seconds'}"
+                         f").")
+    check_layer_depth("GradientProfile.from_params", layer_depth)
+    for name, value in (("model", model), ("device", device)):
+      if not isinstance(value, str):
+        raise TypeError(f"GradientProfile.from_params({name}={value!r}): `{name}` must be a string.")
+    forward_s, backward_s, update_s_per_byte = float(forward_s), float(backward_s), float(update_s_per_byte)
+    leaves = [(path, layer_of(layer_path, layer_depth), tuple(leaf.shape), dtype_name(leaf.dtype))
+              for path, layer_path, leaf in flatten_with_layer_paths(params) if is_reduced_leaf(leaf)]
     if not leaves:
       raise ProfileError("from_params: the tree has no floating-point leaves to reduce.")
     nbytes = [int(np.prod(s, dtype=np.int64)) * itemsize(d) for _, _, s, d in leaves]

@@ -24,13 +24,69 @@ DEFAULT_DEVICE = "v100"
 
 # -- argument resolution ---------------------------------------------------------------------------
 
-def _read_json(path: str, what: str) -> Any:
+# what each kind of input file is, and how to make one: for the messages
+_MAKERS = {
+    "profile": ("a GradientProfile", "`prophet-jax profile --out P.json` or GradientProfile.to_json()"),
+    "network": ("a NetworkModel", "`prophet-jax probe --out N.json` or NetworkModel.to_json()"),
+    "schedule": ("a Schedule", "`prophet-jax plan --out S.json` or Schedule.to_json()"),
+}
+
+
+def _read_json(path: str, what: str, flag: str | None = None) -> dict[str, Any]:
+  """The JSON object in `path`, the file `flag` names; one clear ValueError (naming the flag, the file
+  and how to make a good one) for a missing, unreadable or malformed file, or one that holds anything
+  but an object (a list, a string, a number)."""
+  flag = flag or f"--{what}"
+  kind, maker = _MAKERS.get(what, (f"a {what}", "the library's to_json()"))
   try:
-    return json.loads(Path(path).read_text())
+    text = Path(path).read_text()
   except FileNotFoundError as e:
     raise ValueError(f"{what} file {path!r} does not exist.") from e
+  except IsADirectoryError as e:
+    raise ValueError(f"{flag} {path!r} is a directory; give the {what} JSON file.") from e
+  except (PermissionError, UnicodeDecodeError) as e:
+    raise ValueError(f"{flag} {path!r}: cannot read the {what} file ({type(e).__name__}).") from e
+  try:
+    obj = json.loads(text)
   except json.JSONDecodeError as e:
-    raise ValueError(f"{what} file {path!r} is malformed JSON ({e.msg} at line {e.lineno}).") from e
+    raise ValueError(f"{what} file {path!r} is malformed JSON ({e.msg} at line {e.lineno}); {flag} takes "
+                     f"{kind} as written by {maker}.") from e
+  if not isinstance(obj, dict):
+    held = {list: "a JSON list", str: "a JSON string", bool: "a JSON boolean", type(None): "null"}.get(
+        type(obj), "a JSON number")
+    raise ValueError(f"{flag} {path!r} holds {held} ({json.dumps(obj)[:40]}), not a JSON object: {flag} "
+                     f"takes {kind} object as written by {maker}.")
+  return obj
+
+
+def _load(cls: Any, path: str, what: str, flag: str | None = None) -> Any:
+  """`cls.from_json` of the object in `path`; its errors name the flag and the file."""
+  obj = _read_json(path, what, flag)
+  try:
+    return cls.from_json(obj)
+  except (ProphetError, ValueError, TypeError) as e:
+    kind = type(e) if isinstance(e, ProphetError) else ValueError
+    raise kind(f"{flag or '--' + what} {path!r}: {e}") from e
+
+
+def _same_file(a: str, b: str) -> bool:
+  """Whether paths `a` and `b` name one file (the same resolved path, or the same existing file)."""
+  pa, pb = Path(a), Path(b)
+  try:
+    if pa.exists() and pb.exists():
+      return os.path.samefile(pa, pb)
+  except OSError:
+    pass
+  return pa.resolve() == pb.resolve()
+
+
+def _check_out(out: str, flag: str, **inputs: str | None) -> None:
+  """ValueError when the output file `out` (of `flag`) is one of the command's input files: writing
+  it would destroy the input (a measured profile overwritten by a schedule)."""
+  for name, path in inputs.items():
+    if path and _same_file(out, path):
+      raise ValueError(f"{flag} {out!r} is also the input of --{name.replace('_', '-')}: writing it would "
+                       f"overwrite that {name.replace('_', ' ')} file. Give {flag} another path.")
 
 
 def load_model(model: str, device: str | None = None) -> tuple[GradientProfile, str]:
@@ -38,7 +94,7 @@ def load_model(model: str, device: str | None = None) -> tuple[GradientProfile, 
   from . import models
 
   if model.endswith(".json") or os.path.sep in model:
-    return GradientProfile.from_json(_read_json(model, "profile")), model
+    return _load(GradientProfile, model, "profile", "--model"), model
   names = tuple(models.TRACES)
   if model in names:
     return models.load_trace(model), model
@@ -79,7 +135,7 @@ def load_network(network: str, workers: int | None, *, overlap: bool | None = No
       raise ValueError(f"--network {network}: a preset needs --workers.")
     net = NetworkModel.preset(network, workers=workers)
   elif network.endswith(".json") or Path(network).exists():
-    net = NetworkModel.from_json(_read_json(network, "network"))
+    net = _load(NetworkModel, network, "network")
     if workers is not None:
       net = net.with_workers(workers)
   else:
@@ -117,6 +173,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
   from . import lower_bound, plan, simulate
   from ._plan import POLICIES
 
+  if a.timeline:
+    _check_out(a.timeline, "--timeline", model=a.model, network=a.network)
   profile, model = load_model(a.model, a.device)
   net = load_network(a.network, a.workers, pressure=a.pressure)
   # every policy, or those named; 'dear' (sharded schedules, one tie chain) where it applies: one link
@@ -184,7 +242,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 def cmd_plan(a: argparse.Namespace) -> int:
   from . import plan, simulate
 
-  profile = GradientProfile.from_json(_read_json(a.profile, "profile"))
+  _check_out(a.out, "--out", profile=a.profile, network=a.network)
+  profile = _load(GradientProfile, a.profile, "profile")
   net = load_network(a.network, a.workers, pressure=a.pressure)
   options = {}
   if a.max_defer is not None:
@@ -284,10 +343,10 @@ def cmd_audit(a: argparse.Namespace) -> int:
   model = models.get_model(a.model)
   cross_step = a.mode == "pipelined"
   if a.schedule:
-    schedule = Schedule.from_json(_read_json(a.schedule, "schedule"))
+    schedule = _load(Schedule, a.schedule, "schedule")
   else:
     if a.profile:
-      profile = GradientProfile.from_json(_read_json(a.profile, "profile"))
+      profile = _load(GradientProfile, a.profile, "profile")
     else:
       profile = GradientProfile.from_params(model.abstract_params(), forward_s=1e-3, backward_s=2e-3,
                                             model=a.model)
@@ -297,8 +356,18 @@ def cmd_audit(a: argparse.Namespace) -> int:
     topo = gpu_topology(target.name, devices=a.devices)
     from ._steps import compile_step  # imports jax: after the topology checked the environment
 
-    compiled, compile_s = compile_step(model, schedule, a.mode, topo, batch_size=a.batch,
-                                       compiler_options=dict(a.xla_option or ()) or None, jit=a.jit)
+    options = dict(a.xla_option or ()) or None
+    try:
+      compiled, compile_s = compile_step(model, schedule, a.mode, topo, batch_size=a.batch,
+                                         compiler_options=options, jit=a.jit)
+    except Exception as e:  # noqa: BLE001 - XLA refusing an option: named, one line
+      text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      if options and ("compile option" in text or "INVALID_ARGUMENT" in text):
+        given = " ".join(f"{k}={v}" for k, v in options.items())
+        raise ValueError(f"--xla-option {given}: XLA refused it ({text}). Give options this jaxlib's XLA "
+                         f"knows, with values of their type (e.g. "
+                         f"xla_gpu_enable_latency_hiding_scheduler=true).") from e
+      raise
   from ._audit import audit
 
   report = audit(compiled, schedule)
@@ -321,12 +390,19 @@ def cmd_audit(a: argparse.Namespace) -> int:
 
 # -- parser ----------------------------------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+  """argparse, but a usage error is one line (naming the flag, and where to read the usage), exit 2."""
+
+  def error(self, message: str) -> Any:
+    self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-  common = argparse.ArgumentParser(add_help=False)
+  common = _Parser(add_help=False)
   common.add_argument("--debug", action="store_true", help="show the traceback on errors")
-  p = argparse.ArgumentParser(prog="prophet-jax", parents=[common],
-                              description="Plan, simulate and run scheduled gradient all-reduces.")
-  sub = p.add_subparsers(dest="command", required=True)
+  p = _Parser(prog="prophet-jax", parents=[common],
+              description="Plan, simulate and run scheduled gradient all-reduces.")
+  sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
   s = sub.add_parser("simulate", parents=[common], help="every policy (or those named) on a model")
   s.add_argument("--model", required=True, help="trace name (resnet50-h100, googlenet-k80), model name "
@@ -429,10 +505,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     _quiet_jax_start(args.command)
     return int(args.fn(args) or 0)
-  except (ProphetError, ValueError, FileNotFoundError) as e:
+  except (ProphetError, ValueError, TypeError, OSError) as e:
     if args.debug:
       raise
-    print(f"prophet-jax {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+    text = " ".join(str(e).split())   # one line, whatever the message held
+    print(f"prophet-jax {args.command}: {type(e).__name__}: {text}", file=sys.stderr)
     return 2
 
 

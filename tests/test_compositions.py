@@ -432,3 +432,63 @@ def test_multisteps_of_a_deferring_scheduled_runs_under_pmap():
   final = _map(step, "pmap", state, batches[:2 * K])
   assert _deferred(final.opt_state.inner_opt_state.defer_state) != first
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(final.params))
+
+
+# --------------------------------------------------------------------------------------------------
+# issue 29: the layers of an nnx tree; optax.masked and optax.multi_transform around scheduled
+
+
+def test_nnx_state_has_the_layers_of_the_pure_tree_and_wfbp_one_chunk_per_layer():
+  """`nnx.state(model, nnx.Param)`'s paths end in the Variable's `value` ('l1/kernel/value'): read as a
+  plain path that made every leaf its own layer, and wfbp planned one chunk per leaf, not per layer."""
+  from prophet_jax._tree import layer_of
+
+  state = nnx.state(_Net(nnx.Rngs(0)), nnx.Param)
+  a = pj.GradientProfile.from_params(state)
+  b = pj.GradientProfile.from_params(nnx.to_pure_dict(state))
+  assert a.layers == b.layers == ("l1", "l2", "ln")              # flatten order (sorted keys)
+  assert [r.layer for r in a.rows] == [r.layer for r in b.rows]
+  assert [r.path for r in a.rows][0].endswith("/value")          # the rows keep the leaves' own paths
+  net = pj.NetworkModel.preset("10gbe", workers=NDEV)
+  assert pj.plan(a, net, "wfbp").num_allreduces == 3 == pj.plan(b, net, "wfbp").num_allreduces
+  assert layer_of("l1/kernel/value") == "l1/kernel"               # the control: the string rule alone
+
+
+TREE2 = {"enc": {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.arange(4.0)}, "head": {"w": jnp.arange(8.0)}}
+
+
+def _grads_of(tree):
+  return jax.tree.map(lambda x: jnp.stack([x * (i + 1) for i in range(NDEV)]), tree)
+
+
+def _updates(tx):
+  step = jax.pmap(lambda g: tx.update(g, tx.init(TREE2), TREE2)[0], axis_name=AX)
+  return _unrep(step(_grads_of(TREE2)))
+
+
+def test_scheduled_inside_masked_or_multi_transform():
+  """An identity mask or partition works; a partition whose scheduled(...) has a schedule of its own
+  leaves works; a mask that takes leaves away from a schedule that covers them names them and the two
+  compositions that work (it said "the model changed after planning")."""
+  full = _wfbp(TREE2)
+  want = _updates(pj.scheduled(optax.sgd(0.1), full, axis_name=AX))
+  every = jax.tree.map(lambda _: True, TREE2)
+  assert_trees_close(_updates(optax.masked(pj.scheduled(optax.sgd(0.1), full, axis_name=AX), every)), want,
+                     TREE2)
+  labels = {"enc": {"w": "a", "b": "a"}, "head": {"w": "b"}}
+  same = jax.tree.map(lambda _: "a", TREE2)
+  assert_trees_close(_updates(optax.multi_transform({"a": pj.scheduled(optax.sgd(0.1), full, axis_name=AX)},
+                                                    same)), want, TREE2)
+  own = {k: pj.plan(pj.GradientProfile.from_params(sub, backward_s=1e-3),
+                    pj.NetworkModel.preset("10gbe", workers=NDEV), "wfbp")
+         for k, sub in (("a", {"enc": TREE2["enc"]}), ("b", {"head": TREE2["head"]}))}
+  parts = optax.multi_transform({k: pj.scheduled(optax.sgd(0.1), s, axis_name=AX) for k, s in own.items()},
+                                labels)
+  assert_trees_close(_updates(parts), want, TREE2)
+  for tx in (optax.masked(pj.scheduled(optax.sgd(0.1), full, axis_name=AX),
+                          {"enc": {"w": True, "b": True}, "head": {"w": False}}),
+             optax.multi_transform({"a": pj.scheduled(optax.sgd(0.1), full, axis_name=AX),
+                                    "b": optax.sgd(0.1)}, labels)):
+    with pytest.raises(pj.CompositionError, match=r"masked or optax.multi_transform.*'head/w'.*the model did "
+                                                  r"not change.*scheduled\(optax.multi_transform"):
+      _updates(tx)

@@ -283,9 +283,11 @@ def test_state_specs_give_the_residuals_the_axis():
   assert runner("shard_map", 0.0).pipe.state_specs().defer == P()
 
 
-def test_a_deferral_state_from_another_schedule_is_named():
+def test_a_deferral_state_from_another_schedule_is_carried_or_named():
   """A flushed state of one dlcp plan stepped by another plan's pipelined step, or a pending state
-  holding another plan's deferral state: ScheduleMismatchError naming the state's schedule."""
+  holding another plan's deferral state: carried over (its residual joins the next backward's
+  gradients, tests/test_replan.py); a state that does not record its schedule: ScheduleMismatchError
+  naming the state's schedule and how to keep its residual."""
   model, params, bs = setup()
   s1, s2 = schedule(0.25), schedule(0.25, spread=2)
   assert _defer._schedule_key(s1) != _defer._schedule_key(s2)
@@ -295,13 +297,17 @@ def test_a_deferral_state_from_another_schedule_is_named():
   step1, step2 = jax.pmap(p1.step, axis_name=AXIS), jax.pmap(p2.step, axis_name=AXIS)
   st = replicate(p1.init(params))
   key1 = _defer._schedule_key(s1)
-  with pytest.raises(ScheduleMismatchError, match=f"pipelined.step: the deferral state belongs to "
-                                                  f"another schedule .*{key1}.*defer_state\\(schedule\\)"):
-    jax.eval_shape(step2, st, batch)
+  after, _ = jax.eval_shape(step2, st, batch)           # carried: rides until the next backward
+  assert after.defer.tag == st.defer.tag
   pending, _ = jax.eval_shape(step1, st, batch)
   wrong = pending._replace(defer=replicate(p2.init(params)).defer)
-  with pytest.raises(ScheduleMismatchError, match=_defer._schedule_key(s2)):
-    jax.eval_shape(step1, wrong, batch)
+  after, _ = jax.eval_shape(step1, wrong, batch)         # s2's residual joins s1's backward
+  assert after.defer.tag == st.defer.tag
+  bare = st.defer._replace(tag=_defer.DeferTag(st.defer.tag.key, st.defer.tag.fingerprint,
+                                               st.defer.tag.layout))
+  with pytest.raises(ScheduleMismatchError, match=f"pipelined.step: the deferral state belongs to "
+                                                  f"another schedule .*{key1}.*deferred_grads"):
+    jax.eval_shape(jax.pmap(lambda s, b: p2.step(s, b), axis_name=AXIS), st._replace(defer=bare), batch)
   with pytest.raises(TypeError, match="state.defer must be None or a prophet_jax.DeferState"):
     p1.flush(pending._replace(defer=(1, 2)))
 

@@ -52,3 +52,25 @@ def test_the_training_loop_snippet_runs_and_matches_the_single_device_step(monke
     u, o = tx.update(jax.grad(m.loss_fn)(p, b), o, p)
     p = optax.apply_updates(p, u)
   assert_trees_close(got, jax.device_get(p), params)
+
+
+def test_the_gpu_compile_snippet_defines_its_step_and_compiles_as_written(capsys):
+  """issue 29: the snippet once used a `step` it never defined; written the obvious way it failed with
+  jax's "could not infer replication". As written now: compiled for 8 compile-only H100s, audited OK."""
+  try:
+    prophet_jax.gpu_topology("h100", devices=8)
+  except prophet_jax.GpuCompileError as e:
+    pytest.fail(f"{e}\nThe test extra includes gpu-compile: pip install -e '.[gpu-compile]'.", pytrace=False)
+  code = _snippet("## Compile for a GPU on a machine without one")
+  assert "def step(" in code and "pip install -e '.[gpu-compile]'" in README.read_text()
+  m = get_model("mlp")
+  params = m.abstract_params()
+  batch = jax.eval_shape(lambda: m.make_batch(jax.random.key(0), 16))
+  profile = prophet_jax.GradientProfile.from_params(params, forward_s=1e-3, backward_s=2e-3)
+  network = prophet_jax.NetworkModel.preset("10gbe", workers=8)
+  schedule = prophet_jax.plan(profile, network, "wfbp")
+  ns = {"loss_fn": m.loss_fn, "params": params, "batch": batch, "schedule": schedule, "network": network}
+  exec(compile(code, str(README), "exec"), ns)  # noqa: S102
+  assert ns["report"].ok and len(ns["report"].chunks) == schedule.num_allreduces
+  assert prophet_jax.audit(ns["compiled"], ns["cnn_schedule"]).ok
+  assert "OK" in capsys.readouterr().out

@@ -4,10 +4,13 @@ Pure: numpy only, never jax.
 
 `auto` plans every baseline policy at its defaults and over a small grid of its options, runs its own
 joint optimiser of merge points, issue order and partition sizes, predicts every candidate's iteration
-time with the numeric core (`_core.iteration_s`, the number `simulate` returns, up to rounding), and
-returns the fastest, built into a Schedule once, at the end. The baselines at their defaults are
-among the candidates, so `auto` is never predicted slower than the best of them under the model it
-planned with.
+time with the numeric core (`_core.objective_s`: the number `simulate` returns, up to rounding; under
+network pressure the mean over the pressure's seeded samples), and returns the fastest, built into a
+Schedule once, at the end. The baselines at their defaults are among the candidates, so `auto` is never
+predicted slower than the best of them on the network it was given, pressure included. Under pressure
+the joint optimiser and the local search run on calm problems (`_core.search_problem`: the typical
+costs of a message under the pressure, and the network without it) and what they find is scored under
+the pressure with every other candidate; the baselines planned at the typical costs join too.
 
 Three parts, each in its own module:
 
@@ -50,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from .._checks import check_bool, check_int, check_number
-from .._core import Problem, chunk_arrays, problem, split_by_dtype
+from .._core import Problem, chunk_arrays, problem, search_problem, split_by_dtype
 from .._network import NetworkModel
 from .._schedule import Schedule
 from .._sharded import sharded_arrays
@@ -252,18 +255,24 @@ def _small(c: _Candidate) -> bool:
   return sum(len(x.slices) for x in c.chunks) <= _SLICES
 
 
-def _refine(prob: Problem, cands: list[_Candidate], budget: int) -> list[_Candidate]:
+def _refine(search: Problem, prob: Problem, cands: list[_Candidate], budget: int) -> list[_Candidate]:
   """The local search's improvements on the ranked candidates, within `budget` evaluations.
 
-  The best candidate, when it is large, gets the cheap neighbourhood (a tenth of the budget). The
-  best `_STARTS` distinct small candidates each get a plain local search over the rich neighbourhood
-  (half of the budget, shared), and the best `_KICKED` local optima found that way the kicks (the rest):
-  different starts end in different basins, and the kicks pay most in the best of them.
+  The search runs on `search` (the calm problem, `_core.search_problem(prob)`: `prob` itself on a calm
+  network) and its results are candidates of `prob`, scored there like every other. The best
+  candidate, when it is large, gets the cheap neighbourhood (a tenth of the budget). The best
+  `_STARTS` distinct small candidates each get a plain local search over the rich neighbourhood
+  (half of the budget, shared), and the best `_KICKED` local optima found that way the kicks (the
+  rest): different starts end in different basins, and the kicks pay most in the best of them.
   """
   out: list[_Candidate] = []
+
+  def start_value(c: _Candidate) -> float:
+    return c.nominal if search is prob else evaluate(search, *c.arrays)
+
   if not _small(cands[0]):
-    refined, v = iterated_local_search(prob, cands[0].chunks, max(1, budget // 10), False)
-    if v < cands[0].nominal * (1 - 1e-12):
+    refined, v = iterated_local_search(search, cands[0].chunks, max(1, budget // 10), False)
+    if v < start_value(cands[0]) * (1 - 1e-12):
       out.append(_Candidate(prob, cands[0].label + "+local", refined, point=cands[0].point))
   starts, seen = [], set()
   for c in cands:
@@ -277,22 +286,31 @@ def _refine(prob: Problem, cands: list[_Candidate], budget: int) -> list[_Candid
   share = max(1, budget // (2 * len(starts)))
   optima = []
   for c in starts:
-    chunks, v, _ = local_search(prob, c.chunks, share, True)
+    chunks, v, _ = local_search(search, c.chunks, share, True)
     optima.append((v, len(optima), c, chunks))
   optima.sort(key=lambda x: x[:2])
   kicked = optima[:_KICKED]
   share = max(1, (budget - budget // 2) // len(kicked))
   for v, _, c, chunks in kicked:
-    refined, v2 = iterated_local_search(prob, chunks, share, True)
-    if v2 < c.nominal * (1 - 1e-12):
+    refined, v2 = iterated_local_search(search, chunks, share, True)
+    if v2 < start_value(c) * (1 - 1e-12):
       out.append(_Candidate(prob, c.label + "+local", refined, point=c.point))
   return out
 
 
 def _contest(profile: GradientProfile, network: NetworkModel, cross: bool,
              options: dict[str, Any]) -> tuple[Problem, _Candidate, float]:
-  """(the problem, the chosen candidate, its predicted iteration) for one step mode."""
+  """(the problem, the chosen candidate, its predicted iteration) for one step mode.
+
+  Every candidate is scored on the network given (`_core.objective_s`: under pressure the mean over
+  its seeded samples, what `simulate` reports), so the choice is never predicted slower than any
+  baseline at its defaults on that network. Under pressure the joint optimiser and the local search
+  run on calm problems (the typical costs under the pressure, `_core.search_problem`, and the calm
+  network without it) and their plans join the contest; so do the baselines planned for the typical
+  costs (labelled '@typical').
+  """
   prob = problem(profile, network, cross_step=cross)
+  search = search_problem(prob)
   cands: list[_Candidate] = []
   baselines = _baselines(prob)
   if not options["search_options"]:
@@ -300,13 +318,21 @@ def _contest(profile: GradientProfile, network: NetworkModel, cross: bool,
   for label, sched in baselines:
     cands.append(_Candidate(prob, label, groups=sched.plan_groups(profile, network, cross),
                             default_baseline="(" not in label))
-  for label, chunks, point in own_candidates(prob, cross):
-    cands.append(_Candidate(prob, label, chunks, point=point))
+  searches = [search]
+  if search is not prob:   # under pressure: the baselines at the typical costs, and the calm network too
+    for label, sched in baselines:
+      cands.append(_Candidate(prob, label + "@typical", groups=sched.plan_groups(profile, search.network, cross)))
+    searches.append(problem(profile, network.replace(pressure=None), cross_step=cross))
+  for where in searches:
+    suffix = "" if where is search else "@calm"
+    for label, chunks, point in own_candidates(where, cross):
+      cands.append(_Candidate(prob, label + suffix, chunks, point=point))
   cands.sort(key=lambda c: c.nominal)
-  # With one link, no contiguous merge beats the plain step's DP and no other order or cut helps.
+  # With one link, no contiguous merge beats the plain step's DP and no other order or cut helps (on the
+  # calm problem the search runs on).
   exact = not cross and prob.links == 1
   if options["local_search"] and prob.overlap and prob.live and not exact:
-    cands += _refine(prob, cands, options["max_evals"])
+    cands += _refine(search, prob, cands, options["max_evals"])
     cands.sort(key=lambda c: c.nominal)
   chosen = cands[0]
   if options["robust"] > 0 and prob.live and len(cands) > 1:
@@ -366,11 +392,12 @@ def _robust_choice(prob: Problem, cands: list[_Candidate], options: dict[str, An
   probs = [problem(prob.profile, n, cross_step=cross) for n in nets]
   top_points = list(dict.fromkeys(c.point for c in cands if c.point is not None))[:_ROBUST_POINTS]
   if prob.overlap:
-    cands.append(_Candidate(prob, "contiguous-dp-hedged", contiguous_dp(prob, [network] + nets)))
+    cands.append(_Candidate(prob, "contiguous-dp-hedged",
+                            contiguous_dp(search_problem(prob), [search_problem(p).network for p in [prob] + probs])))
   lo, hi = 1 / (1 + options["robust"]), 1 / (1 - options["robust"])
   factors = [(fa, fb) for fa in (lo, hi) for fb in (lo, hi)]  # the order of _scenarios
   for (fa, fb), si in zip(factors, probs):
-    for label, chunks, _ in own_candidates(si, cross, grid=top_points):
+    for label, chunks, _ in own_candidates(search_problem(si), cross, grid=top_points):
       if label != "one-per-dtype":
         cands.append(_Candidate(prob, f"{label}@alpha*{fa:.2f},beta*{fb:.2f}", chunks))
   times = np.array([[c.nominal] + [evaluate(si, *c.arrays) for si in probs] for c in cands])

@@ -12,9 +12,11 @@ deferred bytes on the link.
 
 The plan:
 
-1. The best lossless plan: `auto`'s (its chunks and order: front layers first in the pipelined
-   step, readiness in the plain step), its predicted iteration T0 (simulated under the network's
-   pressure, the mean over the seeded samples), and C, the same plan's iteration on a free network.
+1. The best lossless plan: `auto`'s for the same network (its chunks and order: front layers first in
+   the pipelined step, readiness in the plain step; under pressure auto scores its candidates on the
+   pressured mean, so the start is the best lossless plan for the pressured network), its predicted
+   iteration T0 (simulated under the network's pressure, the mean over the seeded samples), and C, the
+   same plan's iteration on a free network.
 2. Switched off: with `max_defer=0`, or when communication is already hidden (T0 <= 1.01·C), the
    plan *is* auto's (same buckets and chunks; policy 'dlcp'). ByteScheduler's issues #339/#370:
    splitting tensors loses when communication is hidden, so the policy must not split then.

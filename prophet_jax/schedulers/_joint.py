@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core import Problem, equal_parts, iteration_s, link_end, split_by_dtype
+from .._core import Problem, equal_parts, link_end, objective_s, split_by_dtype
 from .._network import NetworkModel
 from ._base import Slice
 from ._prophet import _Planner as ProphetPlanner
@@ -107,8 +107,10 @@ def chunk_stats(chunks: Sequence[SearchChunk]) -> tuple[np.ndarray, np.ndarray, 
 
 
 def evaluate(prob: Problem, ready: np.ndarray, nbytes: np.ndarray, tail: np.ndarray) -> float:
-  """The iteration time of per-chunk arrays in issue order (`_core.iteration_s`)."""
-  return float(iteration_s(prob, ready, prob.durations(nbytes), tail))
+  """The iteration time of per-chunk arrays in issue order (`_core.objective_s`: the closed form on a
+  calm network, the mean over the seeded samples under pressure; the joint optimiser itself runs on
+  calm problems, `_core.search_problem`)."""
+  return objective_s(prob, ready, nbytes, tail)
 
 
 def evaluate_chunks(prob: Problem, chunks: Sequence[SearchChunk]) -> float:

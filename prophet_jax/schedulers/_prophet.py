@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from .._checks import check_positive
-from .._core import Problem, chunk_arrays, iteration_s, problem, split_by_dtype
+from .._core import Problem, chunk_arrays, objective_s, problem, search_problem, split_by_dtype
 from .._network import NetworkModel
 from .._types import GradientProfile
 from ._base import Scheduler
@@ -42,8 +42,9 @@ def find_stages(ready_s: list[float], gap_factor: float) -> list[float]:
 class _Planner:
   """One greedy pass of Prophet's block rule for fixed knobs, on the problem's per-row arrays."""
 
-  def __init__(self, prob: Problem, gap_factor: float):
+  def __init__(self, prob: Problem, gap_factor: float, score: Problem | None = None):
     self.prob = prob
+    self.score = prob if score is None else score   # the problem its plans are scored on
     self.a = prob.startup_s
     self.b = prob.per_byte_s
     self.nbytes = [n * k for n, k in zip(prob.size, prob.itemsize)]
@@ -158,13 +159,13 @@ class _Planner:
 
   def _estimate(self, blocks: list[list[tuple[int, int, int]]], mixed: list[int]) -> float:
     """The iteration time of the chunks the blocks become (`mixed`: the blocks of several dtypes)."""
-    prob = self.prob
+    prob = self.score
     if mixed:   # such a block holds one chunk (all-reduce) per dtype
       split, dtype_of = set(mixed), prob.dtype.__getitem__
       blocks = [c for k, blk in enumerate(blocks)
                 for c in (split_by_dtype(dtype_of, blk) if k in split else (blk,))]
     ready, nbytes, tail, _, _ = chunk_arrays(prob, blocks)
-    return iteration_s(prob, ready, prob.durations(nbytes), tail)
+    return objective_s(prob, ready, nbytes, tail)
 
 
 def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
@@ -194,10 +195,11 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
   first small block (the first layer's bytes) so that the next forward starts early.
 
   The knobs left as None, and whether to send that small first block, are chosen per profile, network
-  and step mode by predicting each candidate's iteration time with the numeric core (`_core.iteration_s`,
-  the simulator's closed form; alpha_fraction in `ALPHA_FRACTIONS`, tail_growth in `TAIL_GROWTHS`), as
-  Prophet sizes its blocks
-  from measured timings; ties go to the first candidate. With `network.overlap` False (the device
+  and step mode by predicting each candidate's iteration time with the numeric core (`_core.objective_s`,
+  the simulator's number: under network pressure the mean over its seeded samples; alpha_fraction in
+  `ALPHA_FRACTIONS`, tail_growth in `TAIL_GROWTHS`), as Prophet sizes its blocks from measured timings;
+  under pressure the same knobs are also tried at a typical message's costs (`_network.typical_network`);
+  ties go to the first candidate. With `network.overlap` False (the device
   cannot compute while it communicates) every block pauses the device, so the plan is one block, one
   all-reduce per dtype, after backward, rows in priority order. The plan models one link; with
   `network.links` > 1 the same order is used.
@@ -235,17 +237,22 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
       fracs = ALPHA_FRACTIONS if alpha_fraction is None else (alpha_fraction,)
       growths = TAIL_GROWTHS if tail_growth is None else (tail_growth,)
       best = None
-      a, b = network.startup_s, network.per_byte_s
       # never more than about MAX_BLOCKS blocks of the floor (a free start-up would allow any number)
       least = max(1.0, profile.total_nbytes / MAX_BLOCKS)
-      planner = _Planner(prob, gap_factor)
-      for frac in fracs:
-        floor = max(least, a / (frac * b) if b > 0 else math.inf)
-        for g in growths:
-          for small_first in (True, False):
-            blocks, est = planner.plan(floor, g, small_first)
-            if best is None or est < best[0] - 1e-15:
-              best = (est, blocks)
+      # under pressure the block rule also runs at a typical message's costs (as Prophet sizes blocks
+      # from measured timings); every plan is scored on the network given (`_core.objective_s`)
+      search = search_problem(prob)
+      planners = [_Planner(prob, gap_factor)] + ([_Planner(search, gap_factor, score=prob)]
+                                                 if search is not prob else [])
+      for planner in planners:
+        a, b = planner.a, planner.b
+        for frac in fracs:
+          floor = max(least, a / (frac * b) if b > 0 else math.inf)
+          for g in growths:
+            for small_first in (True, False):
+              blocks, est = planner.plan(floor, g, small_first)
+              if best is None or est < best[0] - 1e-15:
+                best = (est, blocks)
       groups = best[1]
     return groups
 

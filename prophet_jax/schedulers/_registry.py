@@ -77,6 +77,18 @@ def resolve(policy: Any, options: Mapping[str, Any], cross_step: Any) -> tuple[s
     if options:
       raise TypeError(f"plan(): options {sorted(options)} are for named policies; configure the "
                       f"Scheduler callable itself (e.g. prophet_jax.schedulers.bucket(bucket_bytes=...)).")
-    return getattr(policy, "__name__", "custom"), policy
+    name = getattr(policy, "__name__", None) or type(policy).__name__
+    try:
+      sig = inspect.signature(policy)
+    except (TypeError, ValueError):   # a builtin or C callable without a signature: tried as is
+      return name, policy
+    try:
+      sig.bind(None, None, cross_step=cross_step)
+    except TypeError as e:
+      raise TypeError(f"plan(policy={name}): a Scheduler is called as scheduler(profile, network, *, "
+                      f"cross_step=...) -> Schedule, but {name}{sig} cannot be ({e}). Define it as "
+                      f"def {name}(profile, network, *, cross_step=False): ... (see "
+                      f"prophet_jax.schedulers.Scheduler).") from None
+    return name, policy
   raise TypeError(f"plan(policy={policy!r}): a policy is a name ({sorted(POLICIES)}) or a Scheduler "
                   f"callable.")
