@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -514,23 +514,8 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
     problems.append(f"chunks run in compiled order {order[:20]}, not in schedule order.")
   if not schedule.chunks:
     problems.append("the schedule has no chunks.")
-  in_flight = peak = 0
-  async_starts = {a.op.instruction.name for a in found if a.form != "all-reduce" and not a.is_sync()}
-  open_starts: set[str] = set()
-  for op in ops:
-    ins = op.instruction
-    if ins.name in async_starts:
-      open_starts.add(ins.name)
-      in_flight += 1
-      peak = max(peak, in_flight)
-    elif ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in open_starts:
-      open_starts.discard(ins.operands[0])
-      in_flight -= 1
-  first = min((e.position for e in chunks if e.asynchronous), default=None)
-  covered = {w.index for win in windows.values() for w in win.inside}
-  outside = 0 if first is None else sum(
-      1 for op in ops[first + 1:] if op.index not in covered and _kind(op.instruction, coll_names) == "backward"
-      and costs.flops(op.computation, op.instruction) > 0)
+  peak = _peak_in_flight(ops, {a.op.instruction.name for a in found if a.form != "all-reduce" and not a.is_sync()})
+  outside = _backward_outside(ops, chunks, windows, coll_names, costs)
   warnings = []
   if chunks and _is_gpu(text):
     if not any(e.asynchronous for e in chunks):
@@ -638,23 +623,8 @@ def _audit_sharded(text: str, module: Any, ops: tuple[ExecutedOp, ...], after: l
   if chunks and gathers and max(e.position for e in chunks) > min(e.position for e in gathers):
     problems.append("an all-gather runs before the last reduce-scatter: the two halves are not one "
                     "chain (every reduce-scatter, then every all-gather).")
-  in_flight = peak = 0
-  open_starts: set[str] = set()
-  starts = {e.name for e in chunks + gathers if e.asynchronous}
-  for op in ops:
-    ins = op.instruction
-    if ins.name in starts:
-      open_starts.add(ins.name)
-      in_flight += 1
-      peak = max(peak, in_flight)
-    elif ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in open_starts:
-      open_starts.discard(ins.operands[0])
-      in_flight -= 1
-  first = min((e.position for e in chunks if e.asynchronous), default=None)
-  covered = {w.index for win in windows.values() for w in win.inside}
-  outside = 0 if first is None else sum(
-      1 for op in ops[first + 1:] if op.index not in covered
-      and _kind(op.instruction, coll_names) == "backward" and costs.flops(op.computation, op.instruction) > 0)
+  peak = _peak_in_flight(ops, {e.name for e in chunks + gathers if e.asynchronous})
+  outside = _backward_outside(ops, chunks, windows, coll_names, costs)
   warnings = []
   if chunks and _is_gpu(text) and not any(e.asynchronous for e in chunks + gathers):
     warnings.append("the reduce-scatters and all-gathers are synchronous in this compiled program: no "
@@ -665,3 +635,31 @@ def _audit_sharded(text: str, module: Any, ops: tuple[ExecutedOp, ...], after: l
                      max_in_flight=peak, backward_outside_windows=outside, warnings=tuple(warnings),
                      gathers=tuple(gathers), gather_order=tuple(gorder),
                      planned_gathers=len(schedule.gathers))
+
+
+def _peak_in_flight(ops: Sequence[Any], starts: set[str]) -> int:
+  """The most asynchronous collectives in flight at once: `starts` (their start ops' names) opened,
+  each closed by the `-done` op that reads it."""
+  in_flight = peak = 0
+  open_starts: set[str] = set()
+  for op in ops:
+    ins = op.instruction
+    if ins.name in starts:
+      open_starts.add(ins.name)
+      in_flight += 1
+      peak = max(peak, in_flight)
+    elif ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in open_starts:
+      open_starts.discard(ins.operands[0])
+      in_flight -= 1
+  return peak
+
+
+def _backward_outside(ops: Sequence[Any], chunks: Sequence[Any], windows: dict, coll_names: Any,
+                      costs: Any) -> int:
+  """Backward ops with FLOPs after the first asynchronous chunk started that sit in no window."""
+  first = min((e.position for e in chunks if e.asynchronous), default=None)
+  if first is None:
+    return 0
+  covered = {w.index for win in windows.values() for w in win.inside}
+  return sum(1 for op in ops[first + 1:] if op.index not in covered
+             and _kind(op.instruction, coll_names) == "backward" and costs.flops(op.computation, op.instruction) > 0)

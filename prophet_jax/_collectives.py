@@ -299,6 +299,18 @@ def rank(norms: jax.Array, deferred: jax.Array) -> jax.Array:
   return jnp.argsort(-score, stable=True).astype(jnp.int32)
 
 
+def _hooked(divisor: Any) -> tuple[Any, Any]:
+  """(the divisor as the tests' seam changes it, the seam's `gathered` callback or None)."""
+  hooks = _HOOKS.get()
+  if hooks is None:
+    return divisor, None
+  if hooks.divisor is not None and divisor is not None:
+    divisor = hooks.divisor(divisor)
+  elif hooks.sum_divisor is not None and divisor is None:
+    divisor = hooks.sum_divisor
+  return divisor, hooks.gathered
+
+
 def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence[int], axis_name: Any, *,
                  divisor: int | None, first_index: int = 0, prev: Any = None, scope: str | None = None,
                  defer: Sequence[GroupState] = (), chains: Sequence[int] | None = None
@@ -333,12 +345,7 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
   Returns:
     (the new leaves, the last result (a tuple per chain when `prev` is a tuple), the new GroupStates).
   """
-  hooks = _HOOKS.get()
-  if hooks is not None and hooks.divisor is not None and divisor is not None:
-    divisor = hooks.divisor(divisor)
-  elif hooks is not None and hooks.sum_divisor is not None and divisor is None:
-    divisor = hooks.sum_divisor
-  seen = None if hooks is None else hooks.gathered
+  divisor, seen = _hooked(divisor)
   multi = isinstance(prev, tuple)
   last: dict[int, Any] = dict(enumerate(prev)) if multi else {0: prev}
   flat = list(flat)
@@ -458,12 +465,7 @@ def reduce_scatter_chunks(flat: Sequence[jax.Array], chunks: Sequence[Any], row_
   Returns:
     (this device's shard of every chunk, `shard_size` elements each, in chunk order; the last result).
   """
-  hooks = _HOOKS.get()
-  if hooks is not None and hooks.divisor is not None and divisor is not None:
-    divisor = hooks.divisor(divisor)
-  elif hooks is not None and hooks.sum_divisor is not None and divisor is None:
-    divisor = hooks.sum_divisor
-  seen = None if hooks is None else hooks.gathered
+  divisor, seen = _hooked(divisor)
   shards = []
   for k, chunk in enumerate(chunks, start=first_index):
     buf = _chunk_buffer(flat, chunk, row_leaf)
