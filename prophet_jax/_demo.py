@@ -117,26 +117,30 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
   batch = shard(make(2))
   repeats = 4 if quick else 15
   measured: dict[str, float] = {}
-  timed = policies if not quick else ["wfbp", "mgwfbp", "auto"]  # quick: fewer compiles
+  timed = policies if not quick else ["wfbp", "mgwfbp", "dear", "auto"]  # quick: fewer compiles
   txs = {"pmean": _pmean_tx(tx)} | {p: pj.scheduled(tx, schedules[p], axis_name=AXIS) for p in timed}
   for name, t in tqdm(txs.items(), desc="measuring policies", leave=False):
     step = _train_step(m.loss_fn, t)
-    state = (replicate(params), replicate(t.init(params)))
+    # made where the axis is bound: a sharded plan (dear, ZeRO-1) keeps each device's shard of the state
+    state = (replicate(params), jax.pmap(t.init, axis_name=AXIS)(replicate(params)))
     state = step(*state, batch)[:2]  # compile
     measured[name], _ = _median_step_s(lambda p, o, b: step(p, o, b)[:2], state, batch, repeats)
   print(f"{'policy':10s} {'chunks':>6s} {'predicted ms':>13s} {'measured ms':>12s} {'error':>7s}")
   rows = []
   for p in timed:
     pred, meas = sims[p].iteration_s, measured[p]
-    rows.append({"policy": p, "allreduces": sims[p].allreduces, "predicted_s": pred, "measured_s": meas})
-    print(f"{p:10s} {sims[p].allreduces:6d} {pred * 1e3:13.2f} {meas * 1e3:12.2f} "
-          f"{(pred - meas) / meas:+7.1%}")
+    s = schedules[p]
+    rows.append({"policy": p, "allreduces": sims[p].allreduces, "predicted_s": pred, "measured_s": meas,
+                 **({"reduce_scatters": s.num_reduce_scatters, "all_gathers": s.num_all_gathers} if s.sharded
+                    else {})})
+    chunks = f"{s.num_reduce_scatters}+{s.num_all_gathers}" if s.sharded else str(sims[p].allreduces)
+    print(f"{p:10s} {chunks:>6s} {pred * 1e3:13.2f} {meas * 1e3:12.2f} {(pred - meas) / meas:+7.1%}")
   print(f"{'pmean':10s} {'(xla)':>6s} {'':13s} {measured['pmean'] * 1e3:12.2f}\n")
 
   # 4. train with the auto plan
   auto_tx = txs["auto"]
   step = _train_step(m.loss_fn, auto_tx)
-  p_, o_ = replicate(params), replicate(auto_tx.init(params))
+  p_, o_ = replicate(params), jax.pmap(auto_tx.init, axis_name=AXIS)(replicate(params))
   losses = []
   bar = tqdm(range(steps), desc="training (auto plan)", unit="step")
   for k in bar:
