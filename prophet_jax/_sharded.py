@@ -207,10 +207,7 @@ def sharded_run(prob: Problem, arr: ShardedArrays, rs_dur: np.ndarray, ag_dur: n
     if overlap:
       t = t_rs.copy()
       for g in range(g_n):
-        s = np.maximum(t, release[:, g])
-        ag_start[:, g] = s
-        t = s + ag_dur[:, g]
-        ag_end[:, g] = t
+        t = _gather(t, g, release, ag_dur, ag_start, ag_end)
       last = t if g_n else t0
       start_fwd = np.maximum(t0 + u_total, last)
     else:
@@ -233,10 +230,7 @@ def sharded_run(prob: Problem, arr: ShardedArrays, rs_dur: np.ndarray, ag_dur: n
   if overlap:
     t = t_rs.copy()
     for g in range(g_n):
-      s = np.maximum(t, release[:, g])
-      ag_start[:, g] = s
-      t = s + ag_dur[:, g]
-      ag_end[:, g] = t
+      t = _gather(t, g, release, ag_dur, ag_start, ag_end)
     gathered = np.broadcast_to(floor[None, :], (samples, nl)).copy()
     pg, pl = arr.gathered_pairs
     if pg.size:
@@ -254,22 +248,28 @@ def sharded_run(prob: Problem, arr: ShardedArrays, rs_dur: np.ndarray, ag_dur: n
     j = 0
     for l in range(nl):
       while j <= arr.need[l]:
-        s = np.maximum(t, release[:, j])
-        ag_start[:, j] = s
-        t = s + ag_dur[:, j]
-        ag_end[:, j] = t
+        t = _gather(t, j, release, ag_dur, ag_start, ag_end)
         j += 1
       s = np.maximum(t, floor[l])
       fwd_start[:, l] = s
       t = s + fwd[l]
     while j < g_n:
-      s = np.maximum(t, release[:, j])
-      ag_start[:, j] = s
-      t = s + ag_dur[:, j]
-      ag_end[:, j] = t
+      t = _gather(t, j, release, ag_dur, ag_start, ag_end)
       j += 1
     iteration = t
   return ShardedRun(iteration, rs_start, rs_end, ag_start, ag_end, bw_end, t0, release, fwd_start)
+
+
+def _gather(t: np.ndarray, g: int, release: np.ndarray, ag_dur: np.ndarray, ag_start: np.ndarray,
+            ag_end: np.ndarray) -> np.ndarray:
+  """All-gather `g` on the link free at `t` (per sample): it starts once the link is free and the gather
+  is released (the one-link recurrence, `_core.link_end`, over the samples); its window goes into
+  `ag_start`/`ag_end`. Returns when the link is free again."""
+  s = np.maximum(t, release[:, g])
+  ag_start[:, g] = s
+  t = s + ag_dur[:, g]
+  ag_end[:, g] = t
+  return t
 
 
 def sharded_iteration_s(prob: Problem, arr: ShardedArrays) -> float:
