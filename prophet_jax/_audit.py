@@ -48,6 +48,7 @@ window is *exposed*: nothing hides its latency.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import re
@@ -501,17 +502,7 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
   for name, ks in by_ins.items():
     if len(ks) > 1:
       problems.append(f"chunks {ks} share one all-reduce ({name}): XLA's combiner merged them.")
-  counts = {k: order.count(k) for k in range(len(sizes))}
-  missing = [k for k, c in counts.items() if c == 0]
-  repeated = [k for k, c in counts.items() if c > 1]
-  if missing:
-    problems.append(f"chunk(s) {missing[:10]}{'...' if len(missing) > 10 else ''} have no all-reduce of "
-                    f"their own in the compiled program ({len(chunks)} found, {len(sizes)} planned): XLA "
-                    f"merged them, or the step does not use this schedule.")
-  if repeated:
-    problems.append(f"chunk(s) {repeated[:10]} run more than once per step.")
-  if order != sorted(order):
-    problems.append(f"chunks run in compiled order {order[:20]}, not in schedule order.")
+  problems += _sequence_problems(order, len(sizes), len(chunks), "chunk", "all-reduce")
   if not schedule.chunks:
     problems.append("the schedule has no chunks.")
   peak = _peak_in_flight(ops, {a.op.instruction.name for a in found if a.form != "all-reduce" and not a.is_sync()})
@@ -610,16 +601,7 @@ def _audit_sharded(text: str, module: Any, ops: tuple[ExecutedOp, ...], after: l
                         f"{e.expected_elements} (for {n} devices)")
       if e.trips != 1:
         problems.append(f"{unit} {e.chunk}: {what} {e.name} runs {e.trips} times per step, planned once.")
-    missing = [k for k in range(planned) if k not in seq]
-    repeated = sorted({k for k in seq if seq.count(k) > 1})
-    if missing:
-      problems.append(f"{unit}(s) {missing[:10]}{'...' if len(missing) > 10 else ''} have no {what} of "
-                      f"their own in the compiled program ({len(entries)} found, {planned} planned): XLA "
-                      f"merged them, or the step does not use this schedule.")
-    if repeated:
-      problems.append(f"{unit}(s) {repeated[:10]} run more than one {what} per step.")
-    if seq != sorted(seq):
-      problems.append(f"{what}s run in compiled order {seq[:20]}, not in schedule order.")
+    problems += _sequence_problems(seq, planned, len(entries), unit, what)
   if chunks and gathers and max(e.position for e in chunks) > min(e.position for e in gathers):
     problems.append("an all-gather runs before the last reduce-scatter: the two halves are not one "
                     "chain (every reduce-scatter, then every all-gather).")
@@ -635,6 +617,24 @@ def _audit_sharded(text: str, module: Any, ops: tuple[ExecutedOp, ...], after: l
                      max_in_flight=peak, backward_outside_windows=outside, warnings=tuple(warnings),
                      gathers=tuple(gathers), gather_order=tuple(gorder),
                      planned_gathers=len(schedule.gathers))
+
+
+def _sequence_problems(seq: list[int], planned: int, found: int, unit: str, what: str) -> list[str]:
+  """What is wrong with the compiled sequence `seq` of planned indices (each `unit`'s `what`, once per
+  trip): units with none of their own, units run more than once, an order other than the schedule's."""
+  counts = collections.Counter(seq)
+  missing = [k for k in range(planned) if not counts[k]]
+  repeated = [k for k in range(planned) if counts[k] > 1]
+  problems = []
+  if missing:
+    problems.append(f"{unit}(s) {missing[:10]}{'...' if len(missing) > 10 else ''} have no {what} of their "
+                    f"own in the compiled program ({found} found, {planned} planned): XLA merged them, or "
+                    f"the step does not use this schedule.")
+  if repeated:
+    problems.append(f"{unit}(s) {repeated[:10]} run more than one {what} per step.")
+  if seq != sorted(seq):
+    problems.append(f"{what}s run in compiled order {seq[:20]}, not in schedule order.")
+  return problems
 
 
 def _peak_in_flight(ops: Sequence[Any], starts: set[str]) -> int:
