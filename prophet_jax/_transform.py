@@ -18,7 +18,7 @@ import contextlib
 import contextvars
 import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -527,6 +527,11 @@ def _decode(x: Sequence[jax.Array]) -> GroupState:
   return GroupState(norms=norms, deferred=deferred > 0.5, index=index.astype(jnp.int32), residual=residual)
 
 
+def _relabel(c: Chunk, local: Mapping[int, int]) -> Chunk:
+  """`c` with its rows renumbered to a hook's own leaves (`local`: schedule row -> the hook's index)."""
+  return Chunk(slices=tuple((local[r], a, b) for r, a, b in c.slices), dtype=c.dtype)
+
+
 def _make_hook(units: Sequence[Any], first_index: int, rows: Sequence[int], axis_name: Any,
                divisor: int, cast: Sequence[bool]) -> Callable:
   """A custom_vjp identity on (leaves of `rows`, token, deferral states) whose backward runs `units`.
@@ -539,12 +544,8 @@ def _make_hook(units: Sequence[Any], first_index: int, rows: Sequence[int], axis
   gives the new states.
   """
   local = {r: i for i, r in enumerate(rows)}
-
-  def relabel(c: Chunk) -> Chunk:
-    return Chunk(slices=tuple((local[r], a, b) for r, a, b in c.slices), dtype=c.dtype)
-
-  local_units = tuple(relabel(u) if isinstance(u, Chunk) else
-                      Bucket(chunks=tuple(relabel(c) for c in u.chunks), defer=u.defer) for u in units)
+  local_units = tuple(_relabel(u, local) if isinstance(u, Chunk) else
+                      Bucket(chunks=tuple(_relabel(c, local) for c in u.chunks), defer=u.defer) for u in units)
   row_leaf = tuple(range(len(rows)))
 
   @jax.custom_vjp
@@ -578,8 +579,7 @@ def _make_rs_hook(chunks: Sequence[Chunk], first_index: int, rows: Sequence[int]
   last result.
   """
   local = {r: i for i, r in enumerate(rows)}
-  local_chunks = tuple(Chunk(slices=tuple((local[r], a, b) for r, a, b in c.slices), dtype=c.dtype)
-                       for c in chunks)
+  local_chunks = tuple(_relabel(c, local) for c in chunks)
   row_leaf = tuple(range(len(rows)))
 
   @jax.custom_vjp
