@@ -297,13 +297,10 @@ def test_two_processes_with_a_multi_chunk_schedule_match_the_single_device_full_
   import re
   from pathlib import Path
 
-  import jax
   import numpy as np
-  import optax
 
-  from prophet_jax._tree import flatten_with_paths
-  from prophet_jax.models import get_model
   from tests._assert import assert_trees_close
+  from tests._example_ref import full_batch_mlp
 
   steps, out = 3, tmp_path / "two.npz"
   example = str(Path(__file__).resolve().parents[1] / "examples" / "train_flax.py")
@@ -317,20 +314,7 @@ def test_two_processes_with_a_multi_chunk_schedule_match_the_single_device_full_
   chunks = int(re.search(r"\[rank 0\] schedule wfbp .*?(\d+) all-reduces", r.stdout).group(1))
   assert chunks > 1, "a one-chunk schedule proves nothing about order or slicing"
 
-  m = get_model("mlp")
-  params = m.init(jax.random.key(0))
-  tx = optax.sgd(0.05, momentum=0.9)  # the example's defaults: lr 0.05, seed 0, batch 32
-
-  @jax.jit
-  def step(p, o, batch):
-    u, o = tx.update(jax.grad(m.loss_fn)(p, batch), o, p)
-    return optax.apply_updates(p, u), o
-
-  p, o = params, tx.init(params)
-  for k in range(steps):
-    p, o = step(p, o, m.make_batch(jax.random.key(10_000 + k), m.default_batch_size))
-  ref = {k: np.asarray(v) for k, v in flatten_with_paths(p)}
-  before = {k: np.asarray(v) for k, v in flatten_with_paths(params)}
+  before, ref = full_batch_mlp(steps)  # the example's defaults: lr 0.05, seed 0, batch 32
   with np.load(out) as z:
     got = {k: z[k] for k in z.files}
   assert sorted(got) == sorted(ref)

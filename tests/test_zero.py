@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 import _user_setups as U
 import prophet_jax as pj
 from _assert import assert_trees_close
+from _example_ref import full_batch_mlp
 from prophet_jax import _collectives, _zero
 from prophet_jax._schedule import shard_size
 from test_jit import _reduced, mesh, put, unreduced_loss
@@ -597,28 +598,6 @@ def test_h100_audit_of_the_sharded_steps(topo):
 # two real processes
 
 
-def _full_batch_mlp(steps: int):
-  """The single-device full-batch loop of examples/train_jit.py's defaults (mlp, sgd 0.05 momentum
-  0.9, seed 0, batch 32): (final params, initial params) by leaf path."""
-  from prophet_jax._tree import flatten_with_paths
-  from prophet_jax.models import get_model
-
-  m = get_model("mlp")
-  params = m.init(jax.random.key(0))
-  tx = optax.sgd(0.05, momentum=0.9)
-
-  @jax.jit
-  def step(p, o, batch):
-    u, o = tx.update(jax.grad(m.loss_fn)(p, batch), o, p)
-    return optax.apply_updates(p, u), o
-
-  p, o = params, tx.init(params)
-  for k in range(steps):
-    p, o = step(p, o, m.make_batch(jax.random.key(10_000 + k), m.default_batch_size))
-  return ({k: np.asarray(v) for k, v in flatten_with_paths(p)},
-          {k: np.asarray(v) for k, v in flatten_with_paths(params)})
-
-
 @pytest.mark.multiprocess
 def test_two_processes_with_a_dear_schedule_match_the_single_device_full_batch(tmp_path):
   """examples/train_jit.py --policy dear under launch (2 processes x 4 devices): the plain jit step
@@ -641,7 +620,7 @@ def test_two_processes_with_a_dear_schedule_match_the_single_device_full_batch(t
   assert "2 process(es) x 4 device(s), hooked, policy dear" in r.stdout, r.stdout
   found = re.search(r"sharded \(ZeRO-1\): (\d+) reduce-scatters in backward, (\d+) all-gathers", r.stdout)
   assert found and int(found.group(1)) > 1 and int(found.group(2)) >= 1, r.stdout  # the plain step: 1 gather
-  ref, before = _full_batch_mlp(steps)
+  before, ref = full_batch_mlp(steps)
   with np.load(out) as z:
     got = {k: z[k] for k in z.files}
   assert sorted(got) == sorted(ref)

@@ -1,0 +1,31 @@
+"""The single-device full-batch loop that the examples' multi-process runs must equal."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def full_batch_mlp(steps: int, lr: float = 0.05) -> tuple[dict, dict]:
+  """examples/train_flax.py's and train_jit.py's defaults (mlp, sgd lr momentum 0.9, seed 0, the
+  model's default global batch, batch k from key 10_000 + k) on one device for `steps` steps:
+  (initial params, final params), each as {leaf path: array}."""
+  import jax
+  import optax
+
+  from prophet_jax._tree import flatten_with_paths
+  from prophet_jax.models import get_model
+
+  m = get_model("mlp")
+  params = m.init(jax.random.key(0))
+  tx = optax.sgd(lr, momentum=0.9)
+
+  @jax.jit
+  def step(p, o, batch):
+    u, o = tx.update(jax.grad(m.loss_fn)(p, batch), o, p)
+    return optax.apply_updates(p, u), o
+
+  p, o = params, tx.init(params)
+  for k in range(steps):
+    p, o = step(p, o, m.make_batch(jax.random.key(10_000 + k), m.default_batch_size))
+  as_dict = lambda t: {k: np.asarray(v) for k, v in flatten_with_paths(t)}  # noqa: E731
+  return as_dict(params), as_dict(p)
