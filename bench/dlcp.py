@@ -16,8 +16,11 @@ Parts (`--part`, default `speed`):
   8 host devices under pmap) of dlcp's plans at max_defer 0 / 0.05 / 0.1 / 0.25 on issue 27's slow
   link, for the issue's small CNN and an MLP on fixed teacher-labelled tasks, sgd with momentum and
   adamw, 3 seeds, against the lossless run (about 10 minutes on 2 shared cores).
-* `study`: what helps convergence under deferral, on the CNN: error feedback or not, DGC's momentum
-  correction, a warm-up, which layers wait and how often, finer parts, another momentum.
+* `study`: what helps convergence under deferral, on the CNN: how much of a residual each send
+  releases (dlcp's `release`), error feedback or not, DGC's momentum correction, a warm-up, which
+  layers wait and how often, finer parts, another momentum.
+* `long`: the CNN past the issue's 120 steps (480), lossless against dlcp's 0.25 plan at release 1,
+  0.1 and 0.05, both optimizers, 3 seeds.
 
 Prints a table per part; writes bench/results/dlcp_<part>.json; never asserts.
 
@@ -25,6 +28,7 @@ Prints a table per part; writes bench/results/dlcp_<part>.json; never asserts.
     .venv/bin/python bench/dlcp.py --part speed --quick
     .venv/bin/python bench/dlcp.py --part convergence   # --quick: 40 steps, one seed, no files
     .venv/bin/python bench/dlcp.py --part study
+    .venv/bin/python bench/dlcp.py --part long
 """
 
 from __future__ import annotations
@@ -225,6 +229,9 @@ def _timed(fn) -> float:
 
 CONV_LINK = dict(alpha_s=50e-6, beta_s_per_byte=1 / 20e6, workers=8)
 CONV_DEFER = (0.0, 0.05, 0.1, 0.25)
+# beside the default damped feedback (dlcp's `release`), the one-step-late feedback of issue 18
+# (`release=1`: a deferred chunk's whole residual goes with its next send) at these levels
+CONV_UNDAMPED = (0.1, 0.25)
 CONV_SEEDS = (0, 1, 2)
 CONV_STEPS, CONV_BATCH = 120, 128
 CONV_LR = {"sgdm": 0.05, "adamw": 3e-3}
@@ -424,20 +431,22 @@ def convergence(quick: bool = False) -> dict:
   out = {"steps": steps, "batch": CONV_BATCH, "seeds": list(seeds), "link": CONV_LINK, "lr": CONV_LR,
          "tolerance": CONV_TOL, "rows": []}
   t_all = time.perf_counter()
-  print(f"{'model':5s} {'opt':6s} {'max_defer':>9s} {'deferred':>8s} {'pred ms':>8s} {'/auto':>6s} "
+  print(f"{'model':5s} {'opt':6s} {'max_defer':>9s} {'release':>7s} {'deferred':>8s} {'pred ms':>8s} {'/auto':>6s} "
         + " ".join(f"{'seed ' + str(s):>8s}" for s in seeds) + f" {'mean':>7s} {'vs lossless':>11s} verdict "
         f"{'time to loss':>12s}")
   for name in CONV_MODELS:
     for kind in ("sgdm", "adamw"):
       base = None
-      for f in CONV_DEFER:
-        sched = conv_plan(name, f)
+      for f, release in [(f, None) for f in CONV_DEFER] + [(f, 1.0) for f in CONV_UNDAMPED]:
+        sched = conv_plan(name, f) if release is None else conv_plan(name, f, release=release)
+        releases = sorted({b.release for b in sched.buckets if b.defer})
         curves = [train(name, sched, kind, seed, steps=steps) for seed in seeds]
         finals = [_final(c) for c in curves]
         mean = statistics.mean(finals)
         if f == 0:
           base, base_curves, base_s = mean, curves, sched.predicted_s
-        row = {"model": name, "optimizer": kind, "max_defer": f, "deferred": sched.max_deferred_fraction,
+        row = {"model": name, "optimizer": kind, "max_defer": f,
+               "release": releases[0] if releases else None, "deferred": sched.max_deferred_fraction,
                "predicted_ms": sched.predicted_s * 1e3, "allreduces": sched.num_allreduces,
                "groups": [[len(b.chunks), b.defer] for b in sched.buckets if b.defer],
                "final_loss": finals, "mean": mean, "vs_lossless": mean / base,
@@ -448,7 +457,8 @@ def convergence(quick: bool = False) -> dict:
         row["time_to_loss"] = ratios
         row["time_to_loss_median"] = statistics.median(ratios)
         out["rows"].append(row)
-        print(f"{name:5s} {kind:6s} {f:9.2f} {row['deferred']:8.1%} {row['predicted_ms']:8.3f} "
+        rel = "-" if row["release"] is None else f"{row['release']:g}"
+        print(f"{name:5s} {kind:6s} {f:9.2f} {rel:>7s} {row['deferred']:8.1%} {row['predicted_ms']:8.3f} "
               f"{row['vs_auto']:6.3f} " + " ".join(f"{x:8.4f}" for x in finals)
               + f" {mean:7.4f} {row['vs_lossless']:11.4f} {'ok' if row['within'] else 'OFF':>7s} "
               f"{row['time_to_loss_median']:12.3f}", flush=True)
@@ -461,8 +471,8 @@ def convergence(quick: bool = False) -> dict:
 
 
 def _hand(name, groups):
-  """A plan by hand: one chunk per row, the rows in `groups` ({path: (m, k)}) as deferral groups of m
-  equal parts, k deferred (to defer chosen layers at chosen rates)."""
+  """A plan by hand: one chunk per row, the rows in `groups` ({path: (m, k) or (m, k, release)}) as
+  deferral groups of m equal parts, k deferred (to defer chosen layers at chosen rates)."""
   import prophet_jax as pj
 
   rows = pj.GradientProfile.from_params(conv_params(name)).tree_rows()
@@ -470,10 +480,10 @@ def _hand(name, groups):
   for r, (path, shape, dtype) in enumerate(rows):
     size = math.prod(shape)
     if path in groups:
-      m, k = groups[path]
+      m, k, release = (*groups[path], 1.0)[:3]
       cuts = [size * i // m for i in range(m + 1)]
       buckets.append(pj.Bucket(chunks=tuple(pj.Chunk(slices=((r, a, b),), dtype=dtype)
-                                            for a, b in zip(cuts, cuts[1:])), defer=k))
+                                            for a, b in zip(cuts, cuts[1:])), defer=k, release=release))
     else:
       buckets.append(pj.Bucket(chunks=(pj.Chunk(slices=((r, 0, size),), dtype=dtype),)))
   return pj.Schedule(buckets=tuple(buckets), rows=rows)
@@ -486,19 +496,23 @@ def study(quick: bool = False) -> dict:
   steps = 40 if quick else CONV_STEPS
   name = "cnn"
   lossless = conv_plan(name, 0.0)
-  plan25 = conv_plan(name, 0.25)
+  plan25 = conv_plan(name, 0.25, release=1.0)      # the one-step-late feedback of issue 18
+  damped = {r: conv_plan(name, 0.25, release=r) for r in STUDY_RELEASES}
   big = "Dense_0/kernel"
   variants = [
       # (label, optimizer, plan, train options)
       ("lossless", "sgdm", lossless, {}),
-      ("dlcp 0.25 (error feedback)", "sgdm", plan25, {}),
-      ("dlcp 0.25, dropped (no feedback)", "sgdm", plan25, {"feedback": 0.0}),
-      ("dlcp 0.25, half the residual fed back", "sgdm", plan25, {"feedback": 0.5}),
-      ("dlcp 0.25, DGC momentum correction", "sgdm", plan25, {"dgc": True}),
-      ("dlcp 0.25, warm-up: no deferral for 30 steps", "sgdm", plan25, {"warmup": 30, "lossless": lossless}),
-      ("dlcp 0.25, all_layers=True", "sgdm", conv_plan(name, 0.25, all_layers=True), {}),
-      ("dlcp 0.25, spread=4 (magnitude ranking)", "sgdm", conv_plan(name, 0.25, spread=4), {}),
+      ("dlcp 0.25, release 1 (all at the next send)", "sgdm", plan25, {}),
+      *((f"dlcp 0.25, release {r:g}", "sgdm", damped[r], {}) for r in STUDY_RELEASES),
+      ("dlcp 0.25, release 1, dropped (no feedback)", "sgdm", plan25, {"feedback": 0.0}),
+      ("dlcp 0.25, release 1, half the residual fed back", "sgdm", plan25, {"feedback": 0.5}),
+      ("dlcp 0.25, release 1, DGC momentum correction", "sgdm", plan25, {"dgc": True}),
+      ("dlcp 0.25, release 1, warm-up: 30 steps lossless", "sgdm", plan25, {"warmup": 30, "lossless": lossless}),
+      ("dlcp 0.25, release 1, all_layers=True", "sgdm", conv_plan(name, 0.25, all_layers=True, release=1.0), {}),
+      ("dlcp 0.25, release 1, spread=4 (magnitude rank)", "sgdm", conv_plan(name, 0.25, spread=4, release=1.0), {}),
+      ("dlcp 0.25, release 0.05, spread=4", "sgdm", conv_plan(name, 0.25, spread=4), {}),
       ("Dense_0 kernel: 1 of 4 parts (23%)", "sgdm", _hand(name, {big: (4, 1)}), {}),
+      ("Dense_0 kernel: 1 of 4 parts, release 0.05", "sgdm", _hand(name, {big: (4, 1, 0.05)}), {}),
       ("Dense_0 kernel: 16 of 64 parts (23%)", "sgdm", _hand(name, {big: (64, 16)}), {}),
       ("Dense_0 kernel: 1 of 4, dropped", "sgdm", _hand(name, {big: (4, 1)}), {"feedback": 0.0}),
       ("Dense_0 kernel: 1 of 8 parts (12%)", "sgdm", _hand(name, {big: (8, 1)}), {}),
@@ -507,19 +521,27 @@ def study(quick: bool = False) -> dict:
       ("Conv_1 kernel (2nd layer): half (2.9%)", "sgdm", _hand(name, {"Conv_1/kernel": (2, 1)}), {}),
       ("Conv_0 kernel (first layer): half (0.3%)", "sgdm", _hand(name, {"Conv_0/kernel": (2, 1)}), {}),
       ("Dense_1 kernel (the head): half (0.4%)", "sgdm", _hand(name, {"Dense_1/kernel": (2, 1)}), {}),
+      ("Dense_1 kernel (the head): half, release 0.05", "sgdm", _hand(name, {"Dense_1/kernel": (2, 1, 0.05)}), {}),
       ("lossless, momentum 0.8 (lr 0.1)", "sgdm0.8", lossless, {"lr": 0.1}),
       ("Dense_0 kernel: 1 of 4, momentum 0.8 (lr 0.1)", "sgdm0.8", _hand(name, {big: (4, 1)}), {"lr": 0.1}),
       ("lossless", "adamw", lossless, {}),
-      ("dlcp 0.25 (error feedback)", "adamw", plan25, {}),
-      ("dlcp 0.25, dropped (no feedback)", "adamw", plan25, {"feedback": 0.0}),
+      ("dlcp 0.25, release 1 (all at the next send)", "adamw", plan25, {}),
+      *((f"dlcp 0.25, release {r:g}", "adamw", damped[r], {}) for r in STUDY_RELEASES),
+      ("dlcp 0.25, release 1, dropped (no feedback)", "adamw", plan25, {"feedback": 0.0}),
       ("Dense_0 kernel: 1 of 4 parts (23%)", "adamw", _hand(name, {big: (4, 1)}), {}),
       ("Dense_0 kernel: 1 of 16 parts (5.8%)", "adamw", _hand(name, {big: (16, 1)}), {}),
       ("Dense_1 kernel (the head): half (0.4%)", "adamw", _hand(name, {"Dense_1/kernel": (2, 1)}), {}),
   ]
   out = {"model": name, "steps": steps, "seeds": list(seeds), "rows": []}
+  # why one step late hurts: heavy-ball's stable step x curvature, without and with one step of delay
+  out["stability"] = [{"momentum": b, "no_delay": delay_stability(b, 0), "one_step": delay_stability(b, 1)}
+                      for b in (0.0, 0.5, 0.9)]
+  print("heavy-ball, largest stable lr x curvature: "
+        + "; ".join(f"momentum {r['momentum']:g}: {r['no_delay']:.3f} fresh, {r['one_step']:.3f} one step late"
+                    for r in out["stability"]))
   t_all = time.perf_counter()
   base: dict = {}
-  print(f"{'variant':46s} {'opt':7s} {'deferred':>8s} " + " ".join(f"{'seed ' + str(s):>8s}" for s in seeds)
+  print(f"{'variant':50s} {'opt':7s} {'deferred':>8s} " + " ".join(f"{'seed ' + str(s):>8s}" for s in seeds)
         + f" {'mean':>7s} {'vs lossless':>11s}")
   for label, kind, sched, opts in variants:
     finals = [_final(train(name, sched, kind, seed, steps=steps, **opts)) for seed in seeds]
@@ -529,10 +551,62 @@ def study(quick: bool = False) -> dict:
     row = {"variant": label, "optimizer": kind, "deferred": sched.max_deferred_fraction,
            "final_loss": finals, "mean": mean, "vs_lossless": mean / base[kind]}
     out["rows"].append(row)
-    print(f"{label:46s} {kind:7s} {row['deferred']:8.1%} " + " ".join(f"{x:8.4f}" for x in finals)
+    print(f"{label:50s} {kind:7s} {row['deferred']:8.1%} " + " ".join(f"{x:8.4f}" for x in finals)
           + f" {mean:7.4f} {row['vs_lossless']:11.4f}", flush=True)
   out["seconds"] = round(time.perf_counter() - t_all, 1)
   print(f"({out['seconds']} s)")
+  return out
+
+
+def delay_stability(momentum: float, delay: int) -> float:
+  """The largest step size x curvature (lr·h) for which heavy-ball on a quadratic stays stable when
+  its gradient arrives `delay` steps late: v_t = momentum·v_(t-1) + h·x_(t-delay), x_(t+1) = x_t - lr·v_t,
+  whose characteristic polynomial is z^delay·(z - 1)(z - momentum) + lr·h·z = 0 (bisection on the
+  largest root's modulus; 2(1 + momentum) without delay)."""
+  import numpy as np
+
+  def stable(lh):
+    poly = np.polymul(np.polymul([1.0, -1.0], [1.0, -momentum]), [1.0] + [0.0] * delay)
+    poly[-2] += lh
+    return max(abs(np.roots(poly))) < 1
+
+  lo, hi = 0.0, 10.0
+  for _ in range(60):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if stable(mid) else (lo, mid)
+  return lo
+
+
+STUDY_RELEASES = (0.5, 0.25, 0.1, 0.05)
+LONG_STEPS, LONG_AT = 480, (120, 240, 360, 480)
+LONG_RELEASES = (1.0, 0.1, 0.05)
+
+
+def long_run(quick: bool = False) -> dict:
+  """Past the issue's 120 steps: the CNN trained 480 steps, lossless and dlcp's 0.25 plan at each
+  release in LONG_RELEASES, sgd with momentum and adamw, 3 seeds; the seeds' mean 10-step loss at
+  120 / 240 / 360 / 480 steps over the lossless run's."""
+  seeds = CONV_SEEDS[:1] if quick else CONV_SEEDS
+  steps = 120 if quick else LONG_STEPS
+  at = [t for t in LONG_AT if t <= steps]
+  name = "cnn"
+  out = {"model": name, "steps": steps, "seeds": list(seeds), "max_defer": 0.25, "at": at, "rows": []}
+  t_all = time.perf_counter()
+  print(f"{'optimizer':9s} {'plan':24s} " + " ".join(f"{'step ' + str(t):>9s}" for t in at))
+  for kind in ("sgdm", "adamw"):
+    base = None
+    for label, sched in [("lossless", conv_plan(name, 0.0))] + [
+        (f"dlcp 0.25, release {r:g}", conv_plan(name, 0.25, release=r)) for r in LONG_RELEASES]:
+      curves = [train(name, sched, kind, seed, steps=steps) for seed in seeds]
+      means = [statistics.mean(sum(c[t - 10:t]) / 10 for c in curves) for t in at]
+      base = means if base is None else base
+      row = {"optimizer": kind, "plan": label, "mean_loss": means,
+             "vs_lossless": [m / b for m, b in zip(means, base)]}
+      out["rows"].append(row)
+      print(f"{kind:9s} {label:24s} " + " ".join(f"{v:9.4f}" for v in row["vs_lossless"]), flush=True)
+  out["seconds"] = round(time.perf_counter() - t_all, 1)
+  print(f"({out['seconds']} s; each cell: the seeds' mean 10-step training loss ending at that step, over "
+        f"the lossless run's)")
   return out
 
 
@@ -571,7 +645,7 @@ def issue_case() -> dict:
   return out
 
 
-PARTS = {"speed": speed, "convergence": convergence, "study": study}
+PARTS = {"speed": speed, "convergence": convergence, "study": study, "long": long_run}
 
 
 def main(argv: list[str] | None = None) -> None:

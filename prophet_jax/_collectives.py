@@ -323,7 +323,9 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
   `slot_size` (a smaller chunk zero-padded at its end), the residual (the values this worker deferred
   last step) added to the rows it came from, the chunks ranked (`rank`), and m - k slots issued, slot s
   carrying the chunk of rank s, each tied and reduced as a chunk is; a deferred chunk contributes zero
-  to this step's gradient and its local values become the new residual. Every chunked all-reduce of
+  to this step's gradient and its local values become the new residual. Under damped feedback
+  (`Bucket.release` r < 1) the residual has a row per chunk: a slot carries its chunk plus r of the
+  chunk's row, which keeps the rest, and a deferred chunk's row takes its values. Every chunked all-reduce of
   the library goes through here: `allreduce`, `scheduled`, `pipelined`, the hooks of `hooked` and the
   per-layer hook of `loop_hook`.
 
@@ -383,19 +385,27 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
       state = defer[len(new_defer)]
       m, size, slots = len(unit.chunks), unit.slot_size, unit.slots
       rows = jnp.stack([jnp.pad(join(gather(c)), (0, size - c.size)) for c in unit.chunks])
-      rows = rows.at[state.index].add(state.residual[0].astype(rows.dtype))
+      residual = state.residual[0].astype(rows.dtype)
       order = rank(state.norms, state.deferred)
       send, wait = order[:slots], order[slots:]
+      if unit.release == 1:     # all of a residual goes with the next send: k rows, at `index`
+        rows = rows.at[state.index].add(residual)
+        picks, kept, index = rows, rows[wait], wait
+      else:                     # damped: a send carries `release` of its row; the rest stays (m rows)
+        r = jnp.asarray(unit.release, rows.dtype)
+        picks = rows + r * residual
+        kept = (residual - r * residual).at[wait].set(rows[wait] + residual[wait])
+        index = state.index
       reds, norms = [], []
       for s in range(slots):
         with jax.named_scope(chunk_scope(k + s)):
-          red = issue(k + s, jax.lax.dynamic_index_in_dim(rows, send[s], axis=0, keepdims=False))
+          red = issue(k + s, jax.lax.dynamic_index_in_dim(picks, send[s], axis=0, keepdims=False))
         reds.append(red)
         norms.append(_norm(red))
       out = jnp.zeros_like(reds[0], shape=(m, size)).at[send].set(jnp.stack(reds))
       new_defer.append(GroupState(norms=state.norms.at[send].set(jnp.stack(norms)),
                                   deferred=jnp.zeros((m,), jnp.bool_).at[wait].set(True),
-                                  index=wait, residual=rows[wait][None]))
+                                  index=index, residual=kept[None]))
       for i, chunk in enumerate(unit.chunks):
         put(chunk, out[i, :chunk.size])
       k += slots

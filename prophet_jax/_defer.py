@@ -11,7 +11,8 @@ call to the next, and the checks that a state belongs to the schedule it is used
   `index` int32[k] (their chunk numbers, in rank order), all replicated (`P()` under shard_map), and
   `residual` dtype[1, k, c] (this device's values of those chunks, with a leading axis of 1 so that
   under shard_map it is split over the axis, `P(axis)`, as pipelined's residuals are; under pmap the
-  device axis comes in front). Its `tag` holds no arrays: its pytree structure carries the
+  device axis comes in front); under damped feedback (`Bucket.release` < 1) `index` int32[m] and
+  `residual` dtype[1, m, c], a row per chunk (what each has not sent yet). Its `tag` holds no arrays: its pytree structure carries the
   schedule's key (a hash of the tree fingerprint and the deferral groups' chunks) and the groups'
   layout, so a state from another schedule or tree is caught at trace time, naming both.
 - `init` / `defer_state` (the state before the first step), `state_specs` (PartitionSpecs for
@@ -59,6 +60,7 @@ class DeferGroup:
     defer: k, the chunks deferred per step.
     size: c, elements per slot (the largest chunk).
     dtype: the group's dtype name.
+    release: r, the fraction of a chunk's residual each send carries (`Bucket.release`).
   """
 
   bucket: int
@@ -67,6 +69,7 @@ class DeferGroup:
   defer: int
   size: int
   dtype: str
+  release: float = 1.0
 
   @property
   def m(self) -> int:
@@ -76,6 +79,12 @@ class DeferGroup:
   def slots(self) -> int:
     return len(self.chunks) - self.defer
 
+  @property
+  def rows(self) -> int:
+    """Rows of the residual: k (the chunks deferred last step) when a send carries all of its
+    residual, else m (every chunk may hold an unsent part)."""
+    return self.defer if self.release == 1 else len(self.chunks)
+
 
 @IdentityMemo(64)
 def defer_groups(schedule: Schedule) -> tuple[DeferGroup, ...]:
@@ -84,7 +93,7 @@ def defer_groups(schedule: Schedule) -> tuple[DeferGroup, ...]:
   for b, bucket in enumerate(schedule.buckets):
     if bucket.defer:
       out.append(DeferGroup(bucket=b, first=first, chunks=bucket.chunks, defer=bucket.defer,
-                            size=bucket.slot_size, dtype=bucket.chunks[0].dtype))
+                            size=bucket.slot_size, dtype=bucket.chunks[0].dtype, release=bucket.release))
     first += bucket.slots
   return tuple(out)
 
@@ -94,12 +103,14 @@ def _schedule_key(schedule: Schedule) -> str:
   """A short hash of the tree fingerprint and the deferral groups' chunks (what a residual means)."""
   h = hashlib.sha256(schedule.tree_fingerprint.encode())
   for g in defer_groups(schedule):
-    h.update(repr((g.bucket, g.defer, tuple(c.slices for c in g.chunks))).encode())
+    h.update(repr((g.bucket, g.defer, tuple(c.slices for c in g.chunks))
+                  + ((g.release,) if g.release != 1 else ())).encode())
   return h.hexdigest()[:16]
 
 
 def _layout(schedule: Schedule) -> tuple[tuple[int, int, int, str], ...]:
-  return tuple((g.m, g.defer, g.size, g.dtype) for g in defer_groups(schedule))
+  """(m, residual rows, c, dtype) per group: k rows, or m under damped feedback."""
+  return tuple((g.m, g.rows, g.size, g.dtype) for g in defer_groups(schedule))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -177,9 +188,11 @@ class DeferState(NamedTuple):
     norms: f32[m] per group: the L2 norm of each chunk's reduced values when it was last sent
       (replicated).
     deferred: bool[m] per group: the chunks deferred in the previous step (replicated).
-    index: int32[k] per group: their chunk numbers, in rank order (replicated).
+    index: int32[k] per group: their chunk numbers, in rank order (replicated); under damped
+      feedback (`Bucket.release` < 1) int32[m], every chunk's number in order.
     residual: dtype[1, k, c] per group: this device's values of those chunks, added to the same
-      elements at the next step (per device).
+      elements at the next step (per device); dtype[1, m, c] under damped feedback: each chunk's
+      values not yet sent.
     tag: no arrays; its pytree structure names the schedule (see `DeferTag`).
   """
 
@@ -217,8 +230,8 @@ def init(schedule: Schedule) -> DeferState | None:
   return DeferState(
       norms=tuple(jnp.zeros((g.m,), jnp.float32) for g in groups),
       deferred=tuple(jnp.zeros((g.m,), jnp.bool_) for g in groups),
-      index=tuple(jnp.arange(g.m - g.defer, g.m, dtype=jnp.int32) for g in groups),
-      residual=tuple(jnp.zeros((1, g.defer, g.size), g.dtype) for g in groups),
+      index=tuple(jnp.arange(g.m - g.rows, g.m, dtype=jnp.int32) for g in groups),
+      residual=tuple(jnp.zeros((1, g.rows, g.size), g.dtype) for g in groups),
       tag=tag)
 
 
@@ -351,8 +364,8 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
         f"{why}, and it does not record that schedule, so its residual cannot be carried over. "
         f"{_HOW_TO_CARRY}")
   for g, (norms, deferred, index, residual) in zip(defer_groups(schedule), zip(*state[:4])):
-    expect = (((g.m,), "float32"), ((g.m,), "bool"), ((g.defer,), "int32"),
-              ((1, g.defer, g.size), g.dtype))
+    expect = (((g.m,), "float32"), ((g.m,), "bool"), ((g.rows,), "int32"),
+              ((1, g.rows, g.size), g.dtype))
     for name, x, (shape, dtype) in zip(("norms", "deferred", "index", "residual"),
                                        (norms, deferred, index, residual), expect):
       got_shape, got_dtype = tuple(np.shape(x)), str(jnp.dtype(getattr(x, "dtype", np.float64)))

@@ -100,25 +100,40 @@ class Bucket:
     all-reduce results), and the ranking is the same computation on the same floats, so every
     worker sends and defers the same chunks, with no extra communication.
   * Never twice in a row. A chunk deferred at step t has score +inf at t + 1, so it is sent then
-    (this needs 2k <= m, an invariant): staleness is at most one step.
+    (this needs 2k <= m, an invariant): with `release` 1, staleness is at most one step.
   * The first step. Before any step, norm = 0 and nothing was deferred: the ranking is by index, so
     the first step sends chunks 0..m-k-1 and defers the last k.
   * Error feedback, so nothing is lost. A deferred chunk contributes zero to this step's reduced
-    gradient; each worker keeps its local values of it (the residual) and adds them to the same
-    elements of its gradient at the next step, which sends them (never twice in a row). Summed over
-    steps, every worker's every gradient value is all-reduced exactly once, at most one step late.
+    gradient; each worker keeps its local values of it (the residual) and, with `release` 1, adds
+    them to the same elements of its gradient at the next step, which sends them (never twice in a
+    row). Summed over steps, every worker's every gradient value is all-reduced exactly once, at most
+    one step late.
+  * Damped feedback (`release` = r < 1). A send carries the chunk's gradient plus only r of its
+    residual; the rest, (1 - r) of it, stays in the residual (now one row per chunk, m rows), which a
+    deferral adds the chunk's values to. A deferred value is then applied over the chunk's following
+    sends, r, r(1 - r), r(1 - r)^2, ... of it: still nothing lost (what is not yet sent is in the
+    residual: `prophet_jax.deferred_grads`), but the late part reaches the optimizer spread out and
+    damped. Why: a gradient applied one step late inside a momentum optimizer feeds back with a
+    delay, and a delayed loop is far less stable (heavy-ball with momentum 0.9 stays stable for a
+    step size times curvature below 3.8 without delay and below 0.1 with one step of it); sending
+    the late values back at once made the issue-27 CNN end 6.7% above the lossless run, worse than
+    dropping them, and r = 0.05 (`dlcp`'s default) within 2% (bench/dlcp.py --part convergence).
 
   Attributes:
     chunks: the chunks (issue order without deferral; the deferral group's chunk index order).
     defer: k, the number of chunks not all-reduced each step (0 <= 2k <= m; k > 0 needs one dtype).
+    release: r, the fraction of a chunk's residual each send carries (0 < r <= 1; 1, the default:
+      all of it, one step late). Without deferral there is no residual: stored as 1.
 
   Raises:
     ScheduleError: no chunks; `defer` not an integer, negative, or more than half the chunks; a
-      deferral group mixing dtypes (each message names the bucket's values).
+      deferral group mixing dtypes; `release` not a number in (0, 1] (each message names the
+      bucket's values).
   """
 
   chunks: tuple[Chunk, ...]
   defer: int = 0
+  release: float = 1.0
 
   def __post_init__(self):
     object.__setattr__(self, "chunks", tuple(self.chunks))
@@ -138,6 +153,14 @@ class Bucket:
       raise ScheduleError(f"a bucket of {m} chunks has defer={k}; a deferral group defers 0 <= defer <= "
                           f"{m // 2} of its {m} chunks (at most half, so a chunk deferred at one step "
                           f"can be sent at the next). Split the group into more chunks or defer fewer.")
+    r = self.release
+    if is_bool(r) or not is_number(r) or not 0 < float(r) <= 1:
+      raise ScheduleError(f"a bucket of {m} chunks (defer={k}) has release={r!r}; `release` is the fraction "
+                          f"of a deferred chunk's residual each send carries, a number in (0, 1] (1: all "
+                          f"of it, at the next step).")
+    # a lossless bucket has no residual: its release means nothing, stored as 1 (equal buckets compare
+    # equal, and `dataclasses.replace(group, defer=0)` is the lossless bucket)
+    object.__setattr__(self, "release", float(r) if k else 1.0)
     if k and len({c.dtype for c in self.chunks}) > 1:
       raise ScheduleError(f"a deferral group (defer={k}) mixes dtypes "
                           f"{sorted({c.dtype for c in self.chunks})}; its chunks share one slot shape, so "
@@ -195,7 +218,7 @@ class Schedule:
   Invariant (checked on construction): every element of every row with a nonzero size is in exactly one
   chunk, once; every chunk holds rows of its own dtype. A deferral group (`Bucket.defer > 0`) holds
   its elements in its chunks like any bucket: coverage is unchanged; at run time up to `defer` of its
-  chunks wait one step (error feedback, nothing lost; see `Bucket`). A sharded schedule's `gathers`
+  chunks wait each step (error feedback, nothing lost; see `Bucket`). A sharded schedule's `gathers`
   partition its chunk indices, one dtype per gather (errors name the gather).
   """
 
@@ -336,7 +359,9 @@ class Schedule:
       groups = [b for b in self.buckets if b.defer]
       lines[0] += (f"; {len(groups)} deferral groups defer {sum(b.defer for b in groups)} of "
                    f"{sum(len(b.chunks) for b in groups)} chunks per step (at most "
-                   f"{self.max_deferred_fraction:.2%} of the elements, one step late)")
+                   f"{self.max_deferred_fraction:.2%} of the elements, "
+                   + ("one step late)" if all(b.release == 1 for b in groups) else
+                      f"released {min(b.release for b in groups):g} per send)"))
     if self.links:
       lines[0] += f"; striped over {max(self.links) + 1} links"
     decision = dict(self.options).get("decision")
@@ -395,9 +420,12 @@ class Schedule:
 
 def _bucket_json(b: Bucket) -> Any:
   """A bucket as JSON: the list of its chunks (as every schedule file since schema 1 has it), or, for
-  a deferral group, {"defer": k, "chunks": [...]} (so files without deferral are unchanged)."""
+  a deferral group, {"defer": k, "chunks": [...]} with "release": r when r < 1 (so files without
+  deferral, or with r = 1, are unchanged)."""
   chunks = [{"dtype": c.dtype, "slices": [list(s) for s in c.slices]} for c in b.chunks]
-  return {"defer": b.defer, "chunks": chunks} if b.defer else chunks
+  if not b.defer:
+    return chunks
+  return {"defer": b.defer, "chunks": chunks} | ({"release": b.release} if b.release != 1 else {})
 
 
 def _row_from_json(r: Any, k: int) -> tuple[Any, Any, Any]:
@@ -411,13 +439,13 @@ def _row_from_json(r: Any, k: int) -> tuple[Any, Any, Any]:
 
 
 def _bucket_from_json(b: Any, i: int) -> Bucket:
-  defer = 0
+  defer, release = 0, 1.0
   if isinstance(b, Mapping):
-    unknown = sorted(set(b) - {"defer", "chunks"})
+    unknown = sorted(set(b) - {"defer", "chunks", "release"})
     if unknown:
       raise ScheduleError(f"Schedule.from_json: a bucket has unknown field(s) {unknown}; expected "
-                          f"'chunks' and 'defer'.")
-    defer, b = b.get("defer", 0), b["chunks"]
+                          f"'chunks', 'defer' and 'release'.")
+    defer, release, b = b.get("defer", 0), b.get("release", 1.0), b["chunks"]
   if not isinstance(b, list):
     raise ScheduleError(f"Schedule.from_json: bucket {i} is {b!r:.60}; a bucket is a list of chunks (or "
                         f"an object with 'chunks' and 'defer').")
@@ -430,7 +458,7 @@ def _bucket_from_json(b: Any, i: int) -> Bucket:
       chunks.append(Chunk(slices=tuple(tuple(s) for s in c["slices"]), dtype=c["dtype"]))
     except ScheduleError as e:
       raise ScheduleError(f"Schedule.from_json: bucket {i}, chunk {j}: {e}") from None
-  return Bucket(chunks=tuple(chunks), defer=defer)
+  return Bucket(chunks=tuple(chunks), defer=defer, release=release)
 
 
 def _check_links(s: Schedule) -> None:

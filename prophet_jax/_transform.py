@@ -192,8 +192,9 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   (`ScheduledState.defer_state`; None for a schedule that defers nothing, whose state and compiled
   step are what they were before deferral existed). Each step, up to `max_defer` of the elements (a
   group's lowest-ranked chunks by the previous step's reduced norms, the same on every device) are not
-  all-reduced; each device keeps its values in its residual and adds them to the same elements next
-  step (error feedback: nothing is lost, each value is applied at most one step late). Under `pmap`
+  all-reduced; each device keeps its values in its residual, which later sends of the same chunks
+  carry (error feedback: nothing is lost; all at the next step with `Bucket.release` 1, damped over
+  the following sends below 1, dlcp's default). Under `pmap`
   nothing changes for the user: `init` once, replicate, as any optimizer state. Under `shard_map` the
   residuals vary over the axis: pass the optimizer state with `prophet_jax.state_specs(opt_state,
   axis_name)` (`P(axis_name)` for residuals, `P()` for the rest) as in_specs and out_specs, and make
@@ -545,7 +546,8 @@ def _make_hook(units: Sequence[Any], first_index: int, rows: Sequence[int], axis
   """
   local = {r: i for i, r in enumerate(rows)}
   local_units = tuple(_relabel(u, local) if isinstance(u, Chunk) else
-                      Bucket(chunks=tuple(_relabel(c, local) for c in u.chunks), defer=u.defer) for u in units)
+                      Bucket(chunks=tuple(_relabel(c, local) for c in u.chunks), defer=u.defer, release=u.release)
+                      for u in units)
   row_leaf = tuple(range(len(rows)))
 
   @jax.custom_vjp

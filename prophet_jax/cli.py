@@ -216,7 +216,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             f"tail >= {q.tail_scale_s * 1e3:g} ms (shape {q.tail_shape:g}); mean of {q.samples} samples "
             f"(seed {q.seed})")
     if "dlcp" in policies:
-      print(f"dlcp: max_defer {a.max_defer:g} (elements that may wait one step, with error feedback)")
+      print(f"dlcp: max_defer {a.max_defer:g} (elements that may wait each step, with error feedback)")
     if any(r.get("sharded") for r in rows):
       print("dear: sharded (ZeRO-1): its collectives are shown as reduce-scatters+all-gathers; each "
             "device updates 1/P of the parameters")

@@ -5,7 +5,9 @@ implementation of them, used to check the jitted step (and, in bench/dlcp.py, to
 feedback). Per group and step: rows (n devices, m, c) = the chunks, zero-padded, plus each device's
 residual at the chunks it deferred last step; rank by (deferred last step first, then non-finite
 norms, then norm descending, ties by index); the first m - k ranks are summed over the devices and
-divided by n; the last k ranks contribute zero and become the residual.
+divided by n; the last k ranks contribute zero and become the residual. With `Bucket.release` r < 1
+(damped feedback) the residual has a row per chunk: a sent chunk carries its values plus r of its
+row and keeps (1 - r) of it; a deferred chunk's row becomes its values plus its whole row.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ class RefDefer:
     for b in schedule.buckets:
       if b.defer:
         m = len(b.chunks)
-        self.groups.append(dict(bucket=b, m=m, k=b.defer, c=b.slot_size,
+        rows = b.defer if b.release == 1 else m
+        self.groups.append(dict(bucket=b, m=m, k=b.defer, c=b.slot_size, r=b.release,
                                 norms=np.zeros(m, np.float32), deferred=np.zeros(m, bool),
-                                index=np.arange(m - b.defer, m),
-                                residual=np.zeros((n, b.defer, b.slot_size), np.float64)))
+                                index=np.arange(m - rows, m),
+                                residual=np.zeros((n, rows, b.slot_size), np.float64)))
     self.history = []  # the chunks deferred at each step, per group
 
   @staticmethod
@@ -55,16 +58,23 @@ class RefDefer:
       rows = np.zeros((n, m, cs))
       for i, c in enumerate(b.chunks):
         rows[:, i, :c.size] = np.concatenate([flat[r][:, a:e] for r, a, e in c.slices], axis=1)
-      if feedback:
-        rows[:, g["index"], :] += g["residual"]
       order = self.order(g["norms"], g["deferred"])
       send, wait = order[:m - k], order[m - k:]
-      red = (rows[:, send, :].sum(0) / n).astype(dtype)
+      res = g["residual"] if feedback else np.zeros_like(g["residual"])
+      if g["r"] == 1:
+        rows[:, g["index"], :] += res
+        picks, kept, index = rows, rows[:, wait, :].copy(), wait
+      else:
+        picks = rows + g["r"] * res
+        kept = res * (1 - g["r"])
+        kept[:, wait, :] = rows[:, wait, :] + res[:, wait, :]
+        index = g["index"]
+      red = (picks[:, send, :].sum(0) / n).astype(dtype)
       g["norms"][send] = np.sqrt(np.sum(red.astype(np.float32) ** 2, axis=1, dtype=np.float32))
       g["deferred"] = np.zeros(m, bool)
       g["deferred"][wait] = True
-      g["index"] = wait
-      g["residual"] = rows[:, wait, :].copy()
+      g["index"] = index
+      g["residual"] = kept
       deferred_now.append(tuple(int(x) for x in wait))
       full = np.zeros((m, cs))
       full[send] = red

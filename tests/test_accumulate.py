@@ -227,7 +227,7 @@ def test_a_deferring_schedule_accumulates_the_mean_it_reduces():
   for t in range(UPDATES):
     p, o = f(p, o, *[_put(b, P(AX)) for b in mb[t * K:(t + 1) * K]])
   assert_trees_close(got, jax.device_get(p), s.params)
-  for a, b in zip(states[-1].defer_state.index, o.defer_state.index):
+  for a, b in zip(states[-1].defer_state.deferred, o.defer_state.deferred):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # on the micro-steps between, the deferral state stays as it was
   for a, b in zip(states[0].defer_state.norms, states[1].defer_state.norms):

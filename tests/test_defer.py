@@ -30,8 +30,9 @@ STEPS = 5
 TREE = {"a": jnp.zeros((6, 10)), "b": jnp.zeros(37), "c": jnp.zeros(5), "d": jnp.zeros(9)}
 
 
-def _schedule(defer=(2, 1)):
-  """c (lossless), then a+b as 6 chunks deferring defer[0], then d as 3 chunks deferring defer[1]."""
+def _schedule(defer=(2, 1), release=1.0):
+  """c (lossless), then a+b as 6 chunks deferring defer[0], then d as 3 chunks deferring defer[1]
+  (each group releasing `release` of a residual per send)."""
   rows = pj.GradientProfile.from_params(TREE).tree_rows()
   r = {p.split("/")[-1].strip("[]'"): i for i, (p, _, _) in enumerate(rows)}
   ch = lambda *s: pj.Chunk(slices=s, dtype="float32")  # noqa: E731
@@ -39,8 +40,9 @@ def _schedule(defer=(2, 1)):
   g1 = (ch((a, 0, 16)), ch((a, 16, 32)), ch((a, 32, 48)), ch((a, 48, 60), (b, 0, 4)), ch((b, 4, 20)),
         ch((b, 20, 37)))
   g2 = (ch((d, 0, 3)), ch((d, 3, 6)), ch((d, 6, 9)))
-  return pj.Schedule(buckets=(pj.Bucket(chunks=(ch((c, 0, 5)),)), pj.Bucket(chunks=g1, defer=defer[0]),
-                              pj.Bucket(chunks=g2, defer=defer[1])), rows=rows)
+  return pj.Schedule(buckets=(pj.Bucket(chunks=(ch((c, 0, 5)),)),
+                              pj.Bucket(chunks=g1, defer=defer[0], release=release),
+                              pj.Bucket(chunks=g2, defer=defer[1], release=release)), rows=rows)
 
 
 def _grads(seed):
@@ -74,11 +76,13 @@ def _check_against_oracle(schedule, grads, outs, states):
         np.testing.assert_array_equal(got[dev], want[k], err_msg=f"step {t} leaf {k} device {dev}")
       total[k] += g[k].sum(0)
       sent[k] += NDEV * want[k]
-    for gi, idx in enumerate(st.index):
-      idx = np.asarray(idx)
-      assert (idx == idx[:1]).all(), f"step {t} group {gi}: devices deferred different chunks {idx}"
-      assert tuple(idx[0]) == ref.history[-1][gi]
-    deferred = sum(grp["bucket"].chunks[int(i)].size for grp in ref.groups for i in grp["index"])
+    for gi, (idx, mask) in enumerate(zip(st.index, st.deferred)):
+      idx, mask = np.asarray(idx), np.asarray(mask)
+      assert (idx == idx[:1]).all(), f"step {t} group {gi}: devices hold different indices {idx}"
+      assert (mask == mask[:1]).all(), f"step {t} group {gi}: devices deferred different chunks {mask}"
+      assert set(np.flatnonzero(mask[0])) == set(ref.history[-1][gi])
+    deferred = sum(grp["bucket"].chunks[int(i)].size for grp, wait in zip(ref.groups, ref.history[-1])
+                   for i in wait)
     assert deferred / sum(sizes.values()) <= schedule.max_deferred_fraction + 1e-12
   for a, b in zip(ref.history, ref.history[1:]):
     for ga, gb in zip(a, b):
@@ -116,8 +120,9 @@ def _run_pmap(schedule, grads):
   return step, outs, states
 
 
-def test_pmap_equals_oracle_conserves_and_agrees_across_devices():
-  s = _schedule()
+@pytest.mark.parametrize("release", [1.0, 0.5])
+def test_pmap_equals_oracle_conserves_and_agrees_across_devices(release):
+  s = _schedule(release=release)
   grads = _grads(0)
   step, outs, states = _run_pmap(s, grads)
   ref = _check_against_oracle(s, grads, outs, states)
@@ -147,8 +152,9 @@ def test_shard_map_equals_oracle_state_specs_and_one_compile():
     out, st = step(jax.tree.map(put, g), st)
     outs.append(out)
     # replicated leaves as the devices hold them: one copy per device, so disagreement would show
-    states.append(st._replace(index=tuple(np.stack([np.asarray(sh.data) for sh in x.addressable_shards])
-                                          for x in st.index),
+    per_device = lambda xs: tuple(np.stack([np.asarray(sh.data) for sh in x.addressable_shards])  # noqa: E731
+                                  for x in xs)
+    states.append(st._replace(index=per_device(st.index), deferred=per_device(st.deferred),
                               residual=tuple(np.asarray(x)[:, None] for x in st.residual)))
   _check_against_oracle(s, grads, outs, states)
   assert step._cache_size() == 1
@@ -481,6 +487,7 @@ def _sched_run(schedule, mapping, scale=1.0):
     d = opt.defer_state
     out.append({"params": before, "applied": one(opt.inner[0]),
                 "index": [_copies(x) for x in d.index] if d is not None else [],
+                "deferred": [_copies(x) for x in d.deferred] if d is not None else [],
                 "norms": [_copies(x) for x in d.norms] if d is not None else [],
                 "residual": [np.asarray(x).reshape(NDEV, *x.shape[-2:]) for x in d.residual] if d is not None else []})
   return out, one(p)
@@ -525,15 +532,16 @@ def test_scheduled_defers_within_budget_never_twice_same_everywhere_and_conserve
   m, _, batches = _mlp()
   for t, st in enumerate(steps):
     deferred = 0
-    for g, idx, norms in zip(groups, st["index"], st["norms"]):
-      assert (idx == idx[:1]).all(), f"step {t}: devices deferred different chunks {idx}"
+    for g, mask, norms in zip(groups, st["deferred"], st["norms"]):
+      assert (mask == mask[:1]).all(), f"step {t}: devices deferred different chunks {mask}"
       assert (norms.view(np.uint32) == norms[:1].view(np.uint32)).all(), f"step {t}: norms differ"
-      deferred += sum(g.chunks[int(j)].size for j in idx[0])
+      assert mask[0].sum() == g.defer
+      deferred += sum(g.chunks[int(j)].size for j in np.flatnonzero(mask[0]))
       if t:
-        prev = steps[t - 1]["index"][groups.index(g)][0]
-        assert not set(prev.tolist()) & set(idx[0].tolist()), f"step {t}: deferred twice in a row"
+        prev = steps[t - 1]["deferred"][groups.index(g)][0]
+        assert not (prev & mask[0]).any(), f"step {t}: deferred twice in a row"
     assert 0 < deferred / total <= MAX_DEFER
-  assert any((a["index"][0][0] != b["index"][0][0]).any() for a, b in zip(steps, steps[1:])), \
+  assert any((a["deferred"][0][0] != b["deferred"][0][0]).any() for a, b in zip(steps, steps[1:])), \
       "the magnitude ranking never moved"
 
   def conservation(run):
@@ -706,7 +714,7 @@ def _hooked_run(schedule, mapping, scale=1.0):
   chosen = []
   for b in batches:
     p, opt, d = f(p, opt, d, put(b), jnp.float32(scale))
-    chosen.append([_copies(x) for x in d.index])
+    chosen.append([_copies(x) for x in d.deferred])
   return one(p), chosen, f
 
 
@@ -721,7 +729,7 @@ def test_hooked_with_the_deferral_state_equals_scheduled(mapping):
   steps, ref = _sched_run(s, mapping)
   got, chosen, f = _hooked_run(s, mapping)
   for t, (st, ch) in enumerate(zip(steps, chosen)):
-    for a, b in zip(st["index"], ch):
+    for a, b in zip(st["deferred"], ch):
       assert (b == b[:1]).all(), f"step {t}: devices deferred different chunks {b}"
       np.testing.assert_array_equal(a[0], b[0], err_msg=f"step {t}")
   assert_trees_close(got, ref, _mlp()[1])
@@ -732,3 +740,42 @@ def test_hooked_with_the_deferral_state_equals_scheduled(mapping):
   assert report.ok and report.chunk_allreduces == s.num_allreduces, report.describe()
   assert tuple(e.elements for e in report.chunks) == s.allreduce_sizes()
   assert report.inside_backward >= 1, "hooked all-reduces should run while backward still runs"
+
+
+def test_release_checked_saved_and_shaping_the_state():
+  """`Bucket.release`: a number in (0, 1], meaningless (stored as 1) without deferral; JSON keeps it (and files
+  without it load as 1); a damped group's state has a residual row per chunk, and a state of the
+  undamped schedule is refused by the damped one (another schedule key)."""
+  ch = pj.Chunk(slices=((0, 0, 4),), dtype="float32")
+  two = (ch, pj.Chunk(slices=((0, 4, 8),), dtype="float32"))
+  for bad in (0, 0.0, -0.5, 1.5, float("nan"), True, "0.1"):
+    with pytest.raises(pj.ScheduleError, match=r"release="):
+      pj.Bucket(chunks=two, defer=1, release=bad)
+  assert pj.Bucket(chunks=two, release=0.5) == pj.Bucket(chunks=two)   # no residual: stored as 1
+  damped, undamped = _schedule(release=0.25), _schedule()
+  assert pj.Schedule.from_json(damped.to_json()) == damped
+  assert '"release"' in damped.to_json() and '"release"' not in undamped.to_json()
+  st = _defer.init(damped)
+  assert [r.shape for r in st.residual] == [(1, 6, 17), (1, 3, 3)]
+  assert [tuple(np.asarray(i)) for i in st.index] == [tuple(range(6)), tuple(range(3))]
+  with pytest.raises(pj.ScheduleMismatchError, match="another schedule"):
+    _defer.check_state(_defer.init(undamped), damped, "test")
+
+
+def test_undamped_state_carried_into_a_damped_schedule_loses_nothing():
+  """A re-plan from release 1 to release 0.5 (same groups): the old residual goes into the first damped
+  step; sent + the new residual = every gradient, element for element."""
+  old, new = _schedule(), _schedule(release=0.5)
+  grads = _grads(2)
+  st = jax.pmap(lambda _: _defer.init(old), axis_name=AX)(np.arange(NDEV))
+  keys = [p.split("/")[-1].strip("[]'") for p, _, _ in old.rows]
+  sent = {k: np.zeros(TREE[k].shape) for k in keys}
+  for t, g in enumerate(grads):
+    out, st = _pmap_step(old if t < 2 else new)(g, st)
+    for k in keys:
+      sent[k] += NDEV * np.asarray(out[k])[0]
+  assert st.residual[0].shape == (NDEV, 1, 6, 17)
+  left = jax.pmap(lambda s: pj.deferred_grads(s, TREE), axis_name=AX)(st)
+  for k in keys:
+    np.testing.assert_allclose(sent[k] + np.asarray(left[k]).sum(0), sum(g[k].sum(0) for g in grads),
+                               rtol=0, atol=1e-4, err_msg=f"leaf {k}")

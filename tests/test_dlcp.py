@@ -174,7 +174,7 @@ def test_bad_options(kw, err, match):
 
 def test_unknown_option_names_the_valid_ones():
   with pytest.raises(TypeError, match=r"unknown option\(s\) \['drop_fraction'\]; 'dlcp' accepts "
-                                      r"\['max_defer', 'spread', 'chunk_bytes', 'all_layers'\]"):
+                                      r"\['max_defer', 'spread', 'chunk_bytes', 'all_layers', 'release'\]"):
     plan(PROFILE, NET, "dlcp", drop_fraction=0.1)
 
 

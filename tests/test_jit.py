@@ -404,7 +404,7 @@ def test_a_deferring_schedule_on_the_mesh_equals_the_loop_with_the_same_deferral
     state = jax.jit(pipe.flush)(state)
     p, d = state.params, state.defer
   assert_trees_close(jax.device_get(p), ref, params)
-  for got, want in zip(d.index, ref_st.index):
+  for got, want in zip(d.deferred, ref_st.deferred):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[0])
   for got, want in zip(d.residual, ref_st.residual):
     want = np.asarray(want)[:, 0]
@@ -532,7 +532,7 @@ def test_unreduced_gradients_with_a_deferring_schedule():
       p, o = ref(p, o, b)
       q, oq = step(q, oq, b)
   assert_trees_close(jax.device_get(q), jax.device_get(p), s.params)
-  for got, want in zip(oq.defer_state.index, o.defer_state.index):
+  for got, want in zip(oq.defer_state.deferred, o.defer_state.deferred):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

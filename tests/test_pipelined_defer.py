@@ -164,7 +164,8 @@ class Runner:
     return [np.asarray(r).reshape(NDEV, *r.shape[-2:]) for r in state.defer.residual]
 
   def index(self, state):
-    return [np.asarray(i)[0] if self.mapping == "pmap" else np.asarray(i) for i in state.defer.index]
+    """The chunks each group deferred last step (its `deferred` mask)."""
+    return [np.asarray(i)[0] if self.mapping == "pmap" else np.asarray(i) for i in state.defer.deferred]
 
 
 @functools.cache
@@ -196,7 +197,7 @@ def test_equals_the_plain_loop_with_the_same_deferral(mapping):
   state = r.run(params, bs)
   assert state.pending is None and isinstance(state.defer, DeferState)
   assert_trees_close(r.params(state), ref, params)
-  for got, want in zip(r.index(state), ref_st.index):
+  for got, want in zip(r.index(state), ref_st.deferred):
     np.testing.assert_array_equal(got, np.asarray(want)[0])
   for got, want in zip(r.residuals(state), ref_st.residual):
     want = np.asarray(want)[:, 0]
@@ -348,5 +349,5 @@ def test_a_replan_that_changes_the_groups_ends_the_old_deferral_without_loss():
   for t, b in enumerate(bs[:4]):
     p, o, st = fs[min(t, 2)](p, o, st, shard(b))
   assert_trees_close(r2.params(state), unrep(p), params)
-  for got, want in zip(r2.index(state), st.index):
+  for got, want in zip(r2.index(state), st.deferred):
     np.testing.assert_array_equal(got, np.asarray(want)[0])

@@ -4,11 +4,11 @@ Pure: numpy only, never jax.
 
 DLCP (switch level) drops the least important packets of late flows and relies on SGD's tolerance
 of bounded loss. A synchronous all-reduce cannot drop a late packet and a compiled step has no
-clock, so the software form decides at plan time *how many* chunks of a group wait one step
+clock, so the software form decides at plan time *how many* chunks of a group wait a step
 (`Bucket.defer`) and at run time *which* (by magnitude, from values every worker holds identically),
-and nothing is lost: a deferred chunk's values are added to the next step's gradient (error
-feedback) and sent then (`Bucket` states the exact run-time semantics). What a step saves is the
-deferred bytes on the link.
+and nothing is lost: a deferred chunk's values stay in a residual and go out with the chunk's later
+sends (error feedback, damped by `release`; `Bucket` states the exact run-time semantics). What a
+step saves is the deferred bytes on the link.
 
 The plan:
 
@@ -52,19 +52,30 @@ The plan:
    smallest `max_defer` of 0.25 / 0.5 / 0.75 at which one would; in that last case `dlcp` also warns
    (`DeferralWarning`).
 
+How deferred values come back (`release`). A deferred chunk's values are not lost: each worker keeps
+them (the residual) and they are all-reduced with the chunk's later sends. Sent all at once at the
+next send (`release=1`, issue 18's error feedback), they reach the optimizer one step late, and a
+delayed gradient inside a momentum optimizer is a delayed feedback loop: heavy-ball with momentum 0.9
+stays stable for a step size times curvature below 3.8 without delay, below 0.1 with one step of it
+(without momentum: 2 and 1; `bench/dlcp.py --part study` prints them).
+Training the issue's small CNN (`bench/dlcp.py --part convergence`, 120 steps, 3 seeds) with a
+quarter of its elements deferred that way ended 6.7% (sgd-momentum) and 7.9% (adamw) above the
+lossless run, worse than dropping the deferred values (+4.0%, +3.8%), and the gap stayed over 480
+steps (`--part long`: +6.7%, +16.5%). So by default a send carries only `release` = 0.05 of its
+chunk's residual and keeps the rest (`Bucket.release`): the late values return spread over the
+following sends, damped, and still none is lost. With it every run of `--part convergence` ends within
+2% of the lossless run at every `max_defer` up to 0.25 (worst +1.5%, the MLP with adamw; the CNN
+-0.3% / +0.6% at 0.25), and at 480 steps the CNN is at 0.967 (sgd-momentum) and 1.011 (adamw) of
+the lossless loss. `--part study` compares 1, 0.5, 0.25, 0.1 and 0.05; smaller keeps more in the
+residual (about 1/release sends' worth of a chunk's gradient at steady state). The release changes
+nothing on the link, so it does not enter the plan's timing.
+
 Which layers wait. By default the first and the last layer in priority (forward) order never wait
-(with more than two layers; `all_layers=True` lets every layer wait). Training the issue's small CNN
-(`bench/dlcp.py --part study`, its table in the README) with half of its head deferred
-(0.4% of the elements) raised the loss after 120 steps by 5.2%, half of its first convolution (0.3%)
-by 1.5%, while deferring the middle layers cost about 0.35% of loss per 1% of the elements; the
-first and the last layer are also small, so excluding them costs little time. What staleness costs
-beyond that depends on the training (the learning rate, the optimizer, how steep the loss still
-is), which a plan cannot see: `max_defer` is the user's bound on it (its 0.05 plans kept every run
-of `--part convergence` within 2%; 0.25 cost the CNN 6.7% with sgd-momentum, the MLP 0.6%). The
-study found nothing in the rewrite that removes that cost (DGC's momentum correction, half the residual fed back, spread 4 or
-finer parts for the magnitude choice, a warm-up without deferral, a lower momentum: the README's
-table). Dropping the deferred values instead of feeding them back cost the CNN less (+4.0% against
-+6.7%) but loses gradient for good; error feedback stays (nothing is lost, which the tests check).
+(with more than two layers; `all_layers=True` lets every layer wait): with one-step-late feedback,
+half of the CNN's head deferred (0.4% of the elements) cost 5.2% of loss after 120 steps and half of
+its first convolution (0.3%) 1.5%, while the middle layers cost about 0.3% per 1% of the elements;
+the first and the last layer are also small, so excluding them costs little time. `max_defer` stays
+the user's bound on what may wait.
 
 So dlcp is never predicted slower than auto, and equal to it when deferral cannot help.
 
@@ -91,7 +102,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import check_bool, check_bytes, check_int, check_max_defer
+from .._checks import check_bool, check_bytes, check_int, check_max_defer, check_number
 from .._errors import DeferralWarning
 from .._core import Problem, iteration_s, link_loop, problem, schedule_arrays, typical_costs
 from .._network import NetworkModel
@@ -117,16 +128,18 @@ _MAX_GROUP_CHUNKS = 1024
 # issue 18's search (spread-4 groups, their rest its own message, a round's need at a time).
 _STRATEGIES = ({"spreads": (2,), "legacy": False}, {"spreads": (4,), "legacy": True},
                {"spreads": (2,), "legacy": True})
+# The fraction of a deferred chunk's residual each send carries (`Bucket.release`), by default.
+RELEASE = 0.05
 # Levels tried above max_defer to say from which one deferral would pay (only when none does).
 _WHY_LEVELS = (0.25, 0.5, 0.75)
 
 
 def dlcp(*, max_defer: float = 0.0, spread: int | None = None, chunk_bytes: int | None = None,
-         all_layers: bool = False) -> Scheduler:
+         all_layers: bool = False, release: float = RELEASE) -> Scheduler:
   """DLCP in software: layer-prioritised chunks, a per-step send budget, bounded deferral.
 
   Args:
-    max_defer: the largest fraction of the gradient elements that may wait one step, in [0, 1)
+    max_defer: the largest fraction of the gradient elements that may wait each step, in [0, 1)
       (`Schedule.max_deferred_fraction` never exceeds it). 0, the default, is lossless: the plan is
       auto's.
     spread: a deferral group has spread x k parts of which k wait each step (an integer >= 2), or
@@ -138,10 +151,14 @@ def dlcp(*, max_defer: float = 0.0, spread: int | None = None, chunk_bytes: int 
     all_layers: let the first and the last layer (in priority order) wait too. False, the default:
       they never wait (their staleness cost the most per element in the convergence study; see the
       module docstring, "Which layers wait").
+    release: the fraction of a deferred chunk's residual each later send carries, in (0, 1]
+      (`Bucket.release`): 1 sends all of it at the next step (one step late); 0.05, the default,
+      returns it damped over the following sends, which kept training within 2% of the lossless run
+      where one step late did not (module docstring, "How deferred values come back").
 
   Returns:
     A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule`. The schedule's options
-    record `max_defer`, `spread`, `chunk_bytes`, `all_layers`, `base` (auto's candidate) and
+    record `max_defer`, `spread`, `chunk_bytes`, `all_layers`, `release`, `base` (auto's candidate) and
     `decision` (how much it defers, or why not: max_defer=0, communication hidden, or what stood in
     the way and from which max_defer deferral would pay), which `Schedule.describe()` prints.
 
@@ -150,9 +167,10 @@ def dlcp(*, max_defer: float = 0.0, spread: int | None = None, chunk_bytes: int 
       shortens the predicted iteration (the plan is auto's); the message is the decision.
 
   Raises:
-    ValueError: `max_defer` outside [0, 1), `spread` below 2, `chunk_bytes` not positive (each
-      named in the message).
-    TypeError: `spread` or `chunk_bytes` not an integer, `all_layers` not a bool.
+    ValueError: `max_defer` outside [0, 1), `spread` below 2, `chunk_bytes` not positive, `release`
+      outside (0, 1] (each named in the message).
+    TypeError: `spread` or `chunk_bytes` not an integer, `all_layers` not a bool, `release` not a
+      number.
 
   Examples:
     >>> import prophet_jax as pj
@@ -176,10 +194,14 @@ def dlcp(*, max_defer: float = 0.0, spread: int | None = None, chunk_bytes: int 
                      fix="A group defers k of its spread x k parts, at most half, so each deferred part "
                      "is sent the next step; e.g. 4, or None to let the planner choose.")
   check_bool("dlcp", "all_layers", all_layers)
+  release = check_number("dlcp", "release", release, lo=0, hi=1, lo_open=True,
+                         fix="It is the fraction of a deferred chunk's residual each send carries: 1 sends "
+                         "all of it at the next step, 0.05 (the default) damps the late part.")
   chunk_bytes = check_bytes(_POLICY, "chunk_bytes", chunk_bytes,
                             hint="Try None (one deferred part per group) or 4 * 2**20.")
   base_planner = auto()
-  options = {"max_defer": max_defer, "spread": spread, "chunk_bytes": chunk_bytes, "all_layers": all_layers}
+  options = {"max_defer": max_defer, "spread": spread, "chunk_bytes": chunk_bytes, "all_layers": all_layers,
+             "release": release}
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
     cross = check_inputs(_POLICY, profile, network, cross_step)
@@ -242,6 +264,9 @@ def _plan(prob: Problem, base: Schedule, options: dict[str, Any]) -> Schedule:
         best_buckets, best_t = buckets, t
   if best_buckets is base.buckets:
     return lossless(_why_not(prob, base, compute, options, may_wait))
+  # the release changes when deferred values reach the optimizer, not what the link carries: set last
+  best_buckets = tuple(dataclasses.replace(b, release=options["release"]) if b.defer else b
+                       for b in best_buckets)
   s = Schedule(buckets=best_buckets, rows=base.rows, policy=_POLICY, cross_step=base.cross_step,
                predicted_s=best_t)
   f = s.max_deferred_fraction
