@@ -366,7 +366,9 @@ def _map_deferring(step, mapping, carry, batches):
 
 
 def _deferred(defer_state):
-  return [np.asarray(x).reshape(-1, np.shape(x)[-1])[0].tolist() for x in jax.tree.leaves(defer_state.index)]
+  """The chunks each group deferred last step (from its `deferred` mask; the first device's)."""
+  return [np.flatnonzero(np.asarray(x).reshape(-1, np.shape(x)[-1])[0]).tolist()
+          for x in jax.tree.leaves(defer_state.deferred)]
 
 
 @pytest.mark.parametrize("composition", ["nnx.Optimizer", "scheduled(MultiSteps)"])
