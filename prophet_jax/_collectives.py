@@ -385,16 +385,17 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
       state = defer[len(new_defer)]
       m, size, slots = len(unit.chunks), unit.slot_size, unit.slots
       rows = jnp.stack([jnp.pad(join(gather(c)), (0, size - c.size)) for c in unit.chunks])
-      residual = state.residual[0].astype(rows.dtype)
       order = rank(state.norms, state.deferred)
       send, wait = order[:slots], order[slots:]
       if unit.release == 1:     # all of a residual goes with the next send: k rows, at `index`
-        rows = rows.at[state.index].add(residual)
+        rows = rows.at[state.index].add(state.residual[0].astype(rows.dtype))
         picks, kept, index = rows, rows[wait], wait
       else:                     # damped: a send carries `release` of its row; the rest stays (m rows)
-        r = jnp.asarray(unit.release, rows.dtype)
-        picks = rows + r * residual
-        kept = (residual - r * residual).at[wait].set(rows[wait] + residual[wait])
+        residual = state.residual[0]                  # float32 for a narrower float (`_defer`)
+        owed = rows.astype(residual.dtype) + residual
+        picks = (owed - jnp.asarray(1 - unit.release, residual.dtype) * residual).astype(rows.dtype)
+        # a sent row keeps what it owed less what it sent, as sent (a bfloat16 rounding included)
+        kept = (owed - picks.astype(residual.dtype)).at[wait].set(owed[wait])
         index = state.index
       reds, norms = [], []
       for s in range(slots):

@@ -12,7 +12,8 @@ call to the next, and the checks that a state belongs to the schedule it is used
   `residual` dtype[1, k, c] (this device's values of those chunks, with a leading axis of 1 so that
   under shard_map it is split over the axis, `P(axis)`, as pipelined's residuals are; under pmap the
   device axis comes in front); under damped feedback (`Bucket.release` < 1) `index` int32[m] and
-  `residual` dtype[1, m, c], a row per chunk (what each has not sent yet). Its `tag` holds no arrays: its pytree structure carries the
+  `residual` dtype[1, m, c], a row per chunk (what each has not sent yet; float32 for a narrower
+  float). Its `tag` holds no arrays: its pytree structure carries the
   schedule's key (a hash of the tree fingerprint and the deferral groups' chunks) and the groups'
   layout, so a state from another schedule or tree is caught at trace time, naming both.
 - `init` / `defer_state` (the state before the first step), `state_specs` (PartitionSpecs for
@@ -85,6 +86,14 @@ class DeferGroup:
     residual, else m (every chunk may hold an unsent part)."""
     return self.defer if self.release == 1 else len(self.chunks)
 
+  @property
+  def residual_dtype(self) -> str:
+    """The residual's dtype: the group's, but float32 under damped feedback for a narrower float (a
+    bfloat16 residual that keeps 1 - release of itself every send would round away a part of each
+    deferred value; at release 1 it holds one step's values, as the gradient does)."""
+    narrow = np.dtype(jnp.dtype(self.dtype)).itemsize < 4
+    return "float32" if self.release != 1 and narrow else self.dtype
+
 
 @IdentityMemo(64)
 def defer_groups(schedule: Schedule) -> tuple[DeferGroup, ...]:
@@ -110,7 +119,7 @@ def _schedule_key(schedule: Schedule) -> str:
 
 def _layout(schedule: Schedule) -> tuple[tuple[int, int, int, str], ...]:
   """(m, residual rows, c, dtype) per group: k rows, or m under damped feedback."""
-  return tuple((g.m, g.rows, g.size, g.dtype) for g in defer_groups(schedule))
+  return tuple((g.m, g.rows, g.size, g.residual_dtype) for g in defer_groups(schedule))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,7 +240,7 @@ def init(schedule: Schedule) -> DeferState | None:
       norms=tuple(jnp.zeros((g.m,), jnp.float32) for g in groups),
       deferred=tuple(jnp.zeros((g.m,), jnp.bool_) for g in groups),
       index=tuple(jnp.arange(g.m - g.rows, g.m, dtype=jnp.int32) for g in groups),
-      residual=tuple(jnp.zeros((1, g.rows, g.size), g.dtype) for g in groups),
+      residual=tuple(jnp.zeros((1, g.rows, g.size), g.residual_dtype) for g in groups),
       tag=tag)
 
 
@@ -365,7 +374,7 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
         f"{_HOW_TO_CARRY}")
   for g, (norms, deferred, index, residual) in zip(defer_groups(schedule), zip(*state[:4])):
     expect = (((g.m,), "float32"), ((g.m,), "bool"), ((g.rows,), "int32"),
-              ((1, g.rows, g.size), g.dtype))
+              ((1, g.rows, g.size), g.residual_dtype))
     for name, x, (shape, dtype) in zip(("norms", "deferred", "index", "residual"),
                                        (norms, deferred, index, residual), expect):
       got_shape, got_dtype = tuple(np.shape(x)), str(jnp.dtype(getattr(x, "dtype", np.float64)))

@@ -779,3 +779,34 @@ def test_undamped_state_carried_into_a_damped_schedule_loses_nothing():
   for k in keys:
     np.testing.assert_allclose(sent[k] + np.asarray(left[k]).sum(0), sum(g[k].sum(0) for g in grads),
                                rtol=0, atol=1e-4, err_msg=f"leaf {k}")
+
+
+def test_damped_bfloat16_group_keeps_a_float32_residual_and_loses_nothing():
+  """A damped bfloat16 group keeps its residual in float32 and puts back what the bfloat16 cast of a
+  send rounded away: the values sent + the residual = every gradient, to float32 rounding, although
+  the exact sends (the float64 oracle's, r = 0.3) hold fractions bfloat16 cannot. Only device 0's
+  gradients are nonzero, so the all-reduce itself adds nothing but zeros (no rounding of its own)."""
+  tree = {"a": jnp.zeros(60, jnp.bfloat16)}
+  rows = pj.GradientProfile.from_params(tree).tree_rows()
+  parts = tuple(pj.Chunk(slices=((0, 15 * i, 15 * (i + 1)),), dtype="bfloat16") for i in range(4))
+  s = pj.Schedule(buckets=(pj.Bucket(chunks=parts, defer=1, release=0.3),), rows=rows)
+  assert _defer.init(s).residual[0].dtype == jnp.float32
+  rng = np.random.default_rng(3)
+  grads = []
+  for _ in range(6):
+    g = np.zeros((NDEV, 60), np.float32)
+    g[0] = rng.integers(-100, 100, 60)
+    grads.append({"a": g.astype(jnp.bfloat16)})
+  step = jax.pmap(lambda g, st: pj.allreduce(g, s, AX, defer_state=st), axis_name=AX)
+  st = jax.pmap(lambda _: _defer.init(s), axis_name=AX)(np.arange(NDEV))
+  ref = RefDefer(s, NDEV)
+  sent, exact_sends = np.zeros(60), []
+  for g in grads:
+    out, st = step(g, st)
+    sent += NDEV * np.asarray(out["a"][0], np.float64)
+    exact_sends.append(NDEV * ref.step([np.asarray(g["a"], np.float64)], dtype=np.float64)[0])
+  exact = np.concatenate(exact_sends)
+  assert np.any(exact != exact.astype(jnp.bfloat16).astype(np.float64)), "no send needed rounding"
+  left = np.asarray(st.residual[0], np.float64)[:, 0].sum(0).reshape(-1)
+  total = sum(np.asarray(g["a"], np.float64).sum(0) for g in grads)
+  np.testing.assert_allclose(sent + left, total, rtol=0, atol=1e-4)
