@@ -109,7 +109,8 @@ class Bucket:
     row). Summed over steps, every worker's every gradient value is all-reduced exactly once, at most
     one step late.
   * Damped feedback (`release` = r < 1). A send carries the chunk's gradient plus only r of its
-    residual; the rest, (1 - r) of it, stays in the residual (now one row per chunk, m rows), which a
+    residual; the rest, (1 - r) of it, stays in the residual (now one row per chunk, m rows; float32
+    for a narrower float, and a sent row keeps what it owed less what it sent, as cast), which a
     deferral adds the chunk's values to. A deferred value is then applied over the chunk's following
     sends, r, r(1 - r), r(1 - r)^2, ... of it: still nothing lost (what is not yet sent is in the
     residual: `prophet_jax.deferred_grads`), but the late part reaches the optimizer spread out and
