@@ -65,8 +65,8 @@ steps (`--part long`: +6.7%, +16.5%). So by default a send carries only `release
 chunk's residual and keeps the rest (`Bucket.release`): the late values return spread over the
 following sends, damped, and still none is lost. With it every run of `--part convergence` ends within
 2% of the lossless run at every `max_defer` up to 0.25 (worst +1.5%, the MLP with adamw; the CNN
--0.3% / +0.6% at 0.25), and at 480 steps the CNN is at 0.967 (sgd-momentum) and 1.011 (adamw) of
-the lossless loss. `--part study` compares 1, 0.5, 0.25, 0.1 and 0.05; smaller keeps more in the
+-0.2% / +0.5% at 0.25), and at 480 steps the CNN is at 0.973 (sgd-momentum) and 1.012 (adamw) of
+the lossless loss (adamw 1.036 at 360). `--part study` compares 1, 0.5, 0.25, 0.1 and 0.05; smaller keeps more in the
 residual (about 1/release sends' worth of a chunk's gradient at steady state). The release changes
 nothing on the link, so it does not enter the plan's timing.
 
