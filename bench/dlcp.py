@@ -15,7 +15,8 @@ Parts (`--part`, default `speed`):
 * `convergence`: the final loss (mean training loss of the last 10 of 120 steps, global batch 128,
   8 host devices under pmap) of dlcp's plans at max_defer 0 / 0.05 / 0.1 / 0.25 on issue 27's slow
   link, for the issue's small CNN and an MLP on fixed teacher-labelled tasks, sgd with momentum and
-  adamw, 3 seeds, against the lossless run (about 10 minutes on 2 shared cores).
+  adamw, 3 seeds, against the lossless run, and the same plans with `release=1` at 0.1 and 0.25 (about
+  3 minutes on 2 shared cores).
 * `study`: what helps convergence under deferral, on the CNN: how much of a residual each send
   releases (dlcp's `release`), error feedback or not, DGC's momentum correction, a warm-up, which
   layers wait and how often, finer parts, another momentum.
