@@ -40,6 +40,7 @@ from ._checks import match_tree
 from ._errors import ScheduleMismatchError
 from ._schedule import Chunk, Schedule
 from ._tree import IdentityMemo
+from ._types import itemsize
 
 __all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "defer_state",
            "check_state", "group_states", "with_groups", "state_specs", "same_groups", "lossless",
@@ -91,8 +92,7 @@ class DeferGroup:
     """The residual's dtype: the group's, but float32 under damped feedback for a narrower float (a
     bfloat16 residual that keeps 1 - release of itself every send would round away a part of each
     deferred value; at release 1 it holds one step's values, as the gradient does)."""
-    narrow = np.dtype(jnp.dtype(self.dtype)).itemsize < 4
-    return "float32" if self.release != 1 and narrow else self.dtype
+    return "float32" if self.release != 1 and itemsize(self.dtype) < 4 else self.dtype
 
 
 @IdentityMemo(64)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import contextvars
 import functools
 import sys
@@ -546,8 +547,7 @@ def _make_hook(units: Sequence[Any], first_index: int, rows: Sequence[int], axis
   """
   local = {r: i for i, r in enumerate(rows)}
   local_units = tuple(_relabel(u, local) if isinstance(u, Chunk) else
-                      Bucket(chunks=tuple(_relabel(c, local) for c in u.chunks), defer=u.defer, release=u.release)
-                      for u in units)
+                      dataclasses.replace(u, chunks=tuple(_relabel(c, local) for c in u.chunks)) for u in units)
   row_leaf = tuple(range(len(rows)))
 
   @jax.custom_vjp
