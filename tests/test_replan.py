@@ -122,17 +122,24 @@ def _sched_step(schedule):
   return tx, jax.pmap(lambda g, opt: tx.update(g, opt, TREE)[1], axis_name=AX)
 
 
-def test_scheduled_carries_the_old_state_across_a_replan():
-  """The issue's case: a dlcp tx, then a re-plan to a lossless tx given the old optimizer state (as
-  `state.replace(tx=new_tx)` or the Monitor's new step does): nothing is lost; the state's
-  deferred_grads (taken out of a whole optax state) are what is held."""
-  grads = _grads(1, 5)
+def _three_deferring_steps(grads):
+  """The dlcp tx of plan A from its initial state over grads[:3]: (its state, the update each step
+  applied, from the capture)."""
   tx_a, step_a = _sched_step(A)
   opt = jax.pmap(lambda _: tx_a.init(TREE), axis_name=AX)(np.arange(NDEV))
   applied = []
   for g in grads[:3]:
     opt = step_a(g, opt)
     applied.append(opt.inner[0])
+  return opt, applied
+
+
+def test_scheduled_carries_the_old_state_across_a_replan():
+  """The issue's case: a dlcp tx, then a re-plan to a lossless tx given the old optimizer state (as
+  `state.replace(tx=new_tx)` or the Monitor's new step does): nothing is lost; the state's
+  deferred_grads (taken out of a whole optax state) are what is held."""
+  grads = _grads(1, 5)
+  opt, applied = _three_deferring_steps(grads)
   held = _residual_sum(opt, A)     # deferred_grads finds the DeferState inside the ScheduledState
   assert sum(np.abs(v).sum() for v in held.values()) > 0
   _, step_b = _sched_step(B_LOSSLESS)
@@ -289,12 +296,7 @@ def test_scheduled_carries_a_deferring_state_into_a_sharded_plan():
   step_s = jax.pmap(lambda g, opt: tx_s.update(g, opt, TREE), axis_name=AX)
   init_s = jax.pmap(lambda _: tx_s.init(TREE), axis_name=AX)
   grads = _grads(5, 5)
-  tx_a, step_a = _sched_step(A)
-  opt = jax.pmap(lambda _: tx_a.init(TREE), axis_name=AX)(np.arange(NDEV))
-  applied = []
-  for g in grads[:3]:
-    opt = step_a(g, opt)
-    applied.append(opt.inner[0])
+  opt, applied = _three_deferring_steps(grads)
   assert sum(np.abs(v).sum() for v in _residual_sum(opt, A).values()) > 0
 
   def run(first):
