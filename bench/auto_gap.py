@@ -42,7 +42,7 @@ import time
 from _schedules import schedule_of
 
 from prophet_jax import NetworkModel, plan, simulate
-from prophet_jax._core import problem
+from prophet_jax._planning._core import problem
 from prophet_jax.models import load_trace
 from prophet_jax.schedulers import auto
 from prophet_jax.schedulers._joint import make_chunk

@@ -57,9 +57,9 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import prophet_jax as pj  # noqa: E402
-from prophet_jax import _gpu  # noqa: E402
-from prophet_jax._collectives import chunk_scope, tie  # noqa: E402
-from prophet_jax._tree import path_str  # noqa: E402
+from prophet_jax._compiled import _gpu
+from prophet_jax._rewrite._collectives import chunk_scope, tie  # noqa: E402
+from prophet_jax._values._tree import path_str  # noqa: E402
 from prophet_jax.models import get_model  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "gpu_ordering.json"

@@ -88,7 +88,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import prophet_jax as pj  # noqa: E402
-from prophet_jax import _profile  # noqa: E402
+from prophet_jax._measure import _profile
 from prophet_jax.models import architecture, get_model  # noqa: E402
 
 
@@ -173,7 +173,7 @@ def spearman(a, b):
 def shape_of(prof, forward_paths):
   """backward / forward, Spearman(layer forward index, layer ready time), distinct layer ready times: a
   layer is ready when its last gradient is; its forward index is the model's own (jaxpr) order."""
-  from prophet_jax._tree import layer_of
+  from prophet_jax._values._tree import layer_of
 
   layer_ready = {}
   for r in prof.rows:

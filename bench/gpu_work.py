@@ -34,7 +34,7 @@ _SKIP = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant")
 
 
 def work(compiled_text: str) -> dict:
-  from prophet_jax._hlo import OpCosts, parse_hlo, shape_bytes
+  from prophet_jax._compiled._hlo import OpCosts, parse_hlo, shape_bytes
 
   m = parse_hlo(compiled_text)
   costs = OpCosts(m)

@@ -66,8 +66,10 @@ def _params(name):
 def part_trace(repeats):
   import jax
 
-  from prophet_jax import _xplane, profile_from_trace
-  from prophet_jax._tree import layer_of, path_str
+  from prophet_jax._measure import _xplane
+
+  from prophet_jax import profile_from_trace
+  from prophet_jax._values._tree import layer_of, path_str
 
   out = {}
   for name in ("cnn", "resnet50"):
@@ -183,7 +185,7 @@ def part_bert(batch_n, steps):
   import optax
 
   import prophet_jax as pj
-  from prophet_jax import _profile
+  from prophet_jax._measure import _profile
 
   t = time.perf_counter()
   loss_fn, params, batch = _bert(batch_n)

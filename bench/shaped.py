@@ -2,7 +2,7 @@
 
 Two processes, each in its own network namespace, joined by a veth pair capped with `tc ... tbf`
 (1 Gbit/s, and a second rate, 100 Mbit/s by default, where communication weighs more). gloo is bound
-to the veth (the private call of prophet_jax._distributed; the coordinator listens on the veth address of
+to the veth (the private call of prophet_jax._multiprocess._distributed; the coordinator listens on the veth address of
 rank 0's namespace). Model: `resnet-small` at 32 images per process (1 CPU device per process).
 
 Per rate: probe the link (`measure_network` across the two processes), profile the step

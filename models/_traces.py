@@ -1,6 +1,6 @@
 """Bundled traces: `load_trace(name)`, `TRACES`, and the GoogLeNet/K80 trace read at run time.
 
-Pure: numpy and prophet_jax._types only, never jax.
+Pure: numpy and prophet_jax._values._types only, never jax.
 
 * `{model}-{device}` for model in resnet50, vgg16, bert-base, gpt2 and device in v100, h100: estimated
   GradientProfiles shipped as package data (`models/traces/*.json`, written by `models/make_traces.py`;
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from prophet_jax._errors import NetworkError, TraceUnavailableError
-from prophet_jax._types import GradientProfile, ProfileRow, is_int
-from prophet_jax._network import NetworkModel, nonneg_line
+from prophet_jax._values._errors import NetworkError, TraceUnavailableError
+from prophet_jax._values._types import GradientProfile, ProfileRow, is_int
+from prophet_jax._values._network import NetworkModel, nonneg_line
 
 __all__ = ["TRACES", "load_trace", "googlenet_allreduce", "googlenet_available", "googlenet_dir",
            "googlenet_comm_s", "GOOGLENET_NODES", "ALGORITHM_SWITCH_BYTES", "fit_allreduce",

@@ -2,7 +2,7 @@
 
 Run from the repository root:  `python models/make_traces.py`  (writes models/traces/*.json).
 
-Pure (numpy and prophet_jax._types only, never jax). Each published model (ResNet-50, VGG-16,
+Pure (numpy and prophet_jax._values._types only, never jax). Each published model (ResNet-50, VGG-16,
 BERT-base, GPT-2 small) is written out as a list of LAYERS in forward order; a layer carries its
 parameter leaves (the same paths and shapes as the flax definitions in `models/zoo.py`: a test checks
 that they agree) and the operations it runs. Parameter-free operations (ReLU, pooling, residual adds,
@@ -47,7 +47,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script from a checkout: `python models/make_traces.py`
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from prophet_jax._types import GradientProfile, ProfileRow  # noqa: E402
+from prophet_jax._values._types import GradientProfile, ProfileRow  # noqa: E402
 
 MODELS = ("resnet50", "vgg16", "bert-base", "gpt2")
 

@@ -16,31 +16,31 @@ __version__ = "0.1.0"
 # public name -> private module that defines it
 _EXPORTS: dict[str, str] = {
     # values (pure)
-    "GradientProfile": "_types", "ProfileRow": "_types", "NetworkModel": "_network", "Pressure": "_network",
-    "Chunk": "_schedule",
-    "Bucket": "_schedule", "Schedule": "_schedule", "SimResult": "_simulate", "Event": "_simulate",
+    "GradientProfile": "_values._types", "ProfileRow": "_values._types", "NetworkModel": "_values._network", "Pressure": "_values._network",
+    "Chunk": "_values._schedule",
+    "Bucket": "_values._schedule", "Schedule": "_values._schedule", "SimResult": "_planning._simulate", "Event": "_planning._simulate",
     # errors (pure)
-    "ProphetError": "_errors", "ProfileError": "_errors", "NetworkError": "_errors",
-    "ScheduleError": "_errors", "ScheduleMismatchError": "_errors", "UnboundAxisError": "_errors",
-    "AlreadyReducedError": "_errors", "TraceUnavailableError": "_errors", "LaunchError": "_errors",
-    "GlooBindError": "_errors", "CompositionError": "_errors", "GpuCompileError": "_errors",
-    "DeferralWarning": "_errors", "ShardingError": "_errors", "JaxVersionError": "_errors",
+    "ProphetError": "_values._errors", "ProfileError": "_values._errors", "NetworkError": "_values._errors",
+    "ScheduleError": "_values._errors", "ScheduleMismatchError": "_values._errors", "UnboundAxisError": "_values._errors",
+    "AlreadyReducedError": "_values._errors", "TraceUnavailableError": "_values._errors", "LaunchError": "_values._errors",
+    "GlooBindError": "_values._errors", "CompositionError": "_values._errors", "GpuCompileError": "_values._errors",
+    "DeferralWarning": "_values._errors", "ShardingError": "_values._errors", "JaxVersionError": "_values._errors",
     # planning and simulation (pure)
-    "plan": "_plan", "validate_schedule": "_plan", "POLICIES": "_plan",
-    "simulate": "_simulate", "lower_bound": "_bound",
+    "plan": "_planning._plan", "validate_schedule": "_planning._plan", "POLICIES": "_planning._plan",
+    "simulate": "_planning._simulate", "lower_bound": "_planning._bound",
     # plots (pure; matplotlib is imported when one is drawn)
-    "plot_timelines": "_timeline",
+    "plot_timelines": "_planning._timeline",
     # the rewrite and measurement (jax)
-    "allreduce": "_collectives", "scheduled": "_transform", "hooked": "_transform",
-    "defer_state": "_defer", "DeferState": "_defer", "state_specs": "_zero", "deferred_grads": "_defer",
-    "ShardedState": "_zero", "GradShards": "_zero", "unshard_state": "_zero", "shard_state": "_zero",
-    "loop_hook": "_transform", "check_composition": "_transform",
-    "pipelined": "_pipelined", "audit": "_audit", "AuditReport": "_audit",
-    "profile_step": "_profile", "profile_from_trace": "_profile", "measure_network": "_probe",
-    "probe": "_probe", "AllreduceTimings": "_probe", "Monitor": "_monitor",
+    "allreduce": "_rewrite._collectives", "scheduled": "_rewrite._transform", "hooked": "_rewrite._transform",
+    "defer_state": "_rewrite._defer", "DeferState": "_rewrite._defer", "state_specs": "_rewrite._zero", "deferred_grads": "_rewrite._defer",
+    "ShardedState": "_rewrite._zero", "GradShards": "_rewrite._zero", "unshard_state": "_rewrite._zero", "shard_state": "_rewrite._zero",
+    "loop_hook": "_rewrite._transform", "check_composition": "_rewrite._transform",
+    "pipelined": "_rewrite._pipelined", "audit": "_compiled._audit", "AuditReport": "_compiled._audit",
+    "profile_step": "_measure._profile", "profile_from_trace": "_measure._profile", "measure_network": "_measure._probe",
+    "probe": "_measure._probe", "AllreduceTimings": "_measure._probe", "Monitor": "_multiprocess._monitor",
     # compile-only GPU targets (jax, imported when a topology is made)
-    "gpu_topology": "_gpu", "GpuTopology": "_gpu", "GpuTarget": "_gpu", "gpu_target": "_gpu",
-    "GPU_TARGETS": "_gpu", "lower_step": "_steps", "compile_step": "_steps",
+    "gpu_topology": "_compiled._gpu", "GpuTopology": "_compiled._gpu", "GpuTarget": "_compiled._gpu", "gpu_target": "_compiled._gpu",
+    "GPU_TARGETS": "_compiled._gpu", "lower_step": "_steps", "compile_step": "_steps",
 }
 
 __all__ = sorted(_EXPORTS) + ["schedulers"]
@@ -61,26 +61,26 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs only
-  from ._audit import AuditReport, audit
-  from ._bound import lower_bound
-  from ._collectives import allreduce
-  from ._defer import DeferState, defer_state, deferred_grads
-  from ._errors import (AlreadyReducedError, CompositionError, DeferralWarning, GlooBindError, GpuCompileError,
+  from ._compiled._audit import AuditReport, audit
+  from ._planning._bound import lower_bound
+  from ._rewrite._collectives import allreduce
+  from ._rewrite._defer import DeferState, defer_state, deferred_grads
+  from ._values._errors import (AlreadyReducedError, CompositionError, DeferralWarning, GlooBindError, GpuCompileError,
                         JaxVersionError, LaunchError, NetworkError, ProfileError, ProphetError,
                         ScheduleError, ScheduleMismatchError, ShardingError, TraceUnavailableError,
                         UnboundAxisError)
-  from ._gpu import GPU_TARGETS, GpuTarget, GpuTopology, gpu_target, gpu_topology
-  from ._monitor import Monitor
-  from ._probe import AllreduceTimings, measure_network, probe
-  from ._pipelined import pipelined
-  from ._plan import POLICIES, plan, validate_schedule
-  from ._profile import profile_from_trace, profile_step
-  from ._simulate import simulate
+  from ._compiled._gpu import GPU_TARGETS, GpuTarget, GpuTopology, gpu_target, gpu_topology
+  from ._multiprocess._monitor import Monitor
+  from ._measure._probe import AllreduceTimings, measure_network, probe
+  from ._rewrite._pipelined import pipelined
+  from ._planning._plan import POLICIES, plan, validate_schedule
+  from ._measure._profile import profile_from_trace, profile_step
+  from ._planning._simulate import simulate
   from ._steps import compile_step, lower_step
-  from ._timeline import plot_timelines
-  from ._transform import check_composition, hooked, loop_hook, scheduled
-  from ._schedule import Bucket, Chunk, Schedule
-  from ._simulate import Event, SimResult
-  from ._types import GradientProfile, ProfileRow
-  from ._zero import GradShards, ShardedState, shard_state, state_specs, unshard_state
-  from ._network import NetworkModel, Pressure
+  from ._planning._timeline import plot_timelines
+  from ._rewrite._transform import check_composition, hooked, loop_hook, scheduled
+  from ._values._schedule import Bucket, Chunk, Schedule
+  from ._planning._simulate import Event, SimResult
+  from ._values._types import GradientProfile, ProfileRow
+  from ._rewrite._zero import GradShards, ShardedState, shard_state, state_specs, unshard_state
+  from ._values._network import NetworkModel, Pressure

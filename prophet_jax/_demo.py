@@ -78,7 +78,7 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
 
   import prophet_jax as pj
   from prophet_jax import POLICIES
-  from prophet_jax._timeline import plot_timelines
+  from prophet_jax._planning._timeline import plot_timelines
   from prophet_jax.models import get_model
 
   out = Path(out_dir)

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._errors import ProphetError
-from ._launcher import add_arguments as add_launch_arguments
-from ._network import NetworkModel, PRESETS, Pressure
-from ._types import GradientProfile
+from ._values._errors import ProphetError
+from ._multiprocess._launcher import add_arguments as add_launch_arguments
+from ._values._network import NetworkModel, PRESETS, Pressure
+from ._values._types import GradientProfile
 
 DEFAULT_DEVICE = "v100"
 
@@ -171,7 +171,7 @@ def _positive(text: str) -> int:
 
 def cmd_simulate(a: argparse.Namespace) -> int:
   from . import lower_bound, plan, simulate
-  from ._plan import POLICIES
+  from ._planning._plan import POLICIES
 
   if a.timeline:
     _check_out(a.timeline, "--timeline", model=a.model, network=a.network)
@@ -232,7 +232,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             + f" {r.get('deferred_fraction', 0.0):8.1%}"
             + (f" {base / r['iteration_s']:7.2f}x" if base else ""))
   if a.timeline:
-    from ._timeline import plot_timelines
+    from ._planning._timeline import plot_timelines
 
     plot_timelines(sims, str(_out_path(a.timeline)), title=f"{model}, {net.name or a.network} x {net.workers}")
     print(f"timeline written to {a.timeline}", file=sys.stderr)
@@ -272,7 +272,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
   import optax
 
   from . import models
-  from ._profile import profile_step
+  from ._measure._profile import profile_step
 
   m = models.get_model(a.model)
   params = m.init(jax.random.key(0))
@@ -287,7 +287,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 def cmd_probe(a: argparse.Namespace) -> int:
   _set_cpu_devices(a.num_devices)
-  from ._probe import check_fit, probe
+  from ._measure._probe import check_fit, probe
 
   # under `prophet-jax launch` (jax.distributed initialized) the probe spans every process's devices
   kw = {} if a.sizes is None else {"sizes": tuple(a.sizes)}
@@ -310,7 +310,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_launch(a: argparse.Namespace) -> int:
-  from ._launcher import run
+  from ._multiprocess._launcher import run
 
   return run(a)
 
@@ -333,8 +333,8 @@ def _xla_option(text: str) -> tuple[str, Any]:
 def cmd_audit(a: argparse.Namespace) -> int:
   """Compiles a bundled model's step for a compile-only GPU target and prints its audit."""
   from . import models, plan
-  from ._gpu import gpu_target, gpu_topology, quiet_cuda_stub
-  from ._schedule import Schedule
+  from ._compiled._gpu import gpu_target, gpu_topology, quiet_cuda_stub
+  from ._values._schedule import Schedule
 
   if a.jit and a.mode == "scheduled":
     raise ValueError("audit --jit --mode scheduled: a plain jax.jit step's gradients come already reduced "
@@ -368,7 +368,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
                          f"knows, with values of their type (e.g. "
                          f"xla_gpu_enable_latency_hiding_scheduler=true).") from e
       raise
-  from ._audit import audit
+  from ._compiled._audit import audit
 
   report = audit(compiled, schedule)
   if a.json:
@@ -487,8 +487,8 @@ def _quiet_jax_start(command: str) -> None:
   """Where jax's CUDA plugin is installed but no NVIDIA driver is (a CPU machine with the gpu-compile
   extra, as `make test` builds it): pin jax to the CPU (`_config.default_jax_platforms` says why) and
   import jax with the plugin's driver-search lines dropped, so commands print only their own output."""
-  from ._config import default_jax_platforms, nvidia_driver_present
-  from ._gpu import cuda_plugin_installed, import_jax_quietly
+  from ._values._config import default_jax_platforms, nvidia_driver_present
+  from ._compiled._gpu import cuda_plugin_installed, import_jax_quietly
 
   plugin = cuda_plugin_installed()
   driver = nvidia_driver_present()

@@ -9,7 +9,7 @@
 * `broadcast_schedule(schedule, params)`: rank 0's schedule on every process, each checking it against
   its own parameter tree; all fail together when one does not match.
 
-Environment set by `launch` for each process (read through `prophet_jax._config`):
+Environment set by `launch` for each process (read through `prophet_jax._values._config`):
 
   PROPHET_PROCESS_ID      rank of this process, 0 .. N-1
   PROPHET_NUM_PROCESSES   N
@@ -31,11 +31,11 @@ Without launch and without a cluster, `initialize()` does nothing and the script
 The training script is the same in all three cases.
 """
 
-from ._agreement import broadcast_schedule as broadcast_schedule
-from ._distributed import initialize as initialize
-from ._errors import LaunchError as LaunchError
-from ._launcher import launch as launch
-from ._launcher import main as main
+from ._multiprocess._agreement import broadcast_schedule as broadcast_schedule
+from ._multiprocess._distributed import initialize as initialize
+from ._values._errors import LaunchError as LaunchError
+from ._multiprocess._launcher import launch as launch
+from ._multiprocess._launcher import main as main
 
 __all__ = ["launch", "initialize", "broadcast_schedule", "LaunchError"]
 

@@ -33,10 +33,10 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from prophet_jax._core import chunk_arrays, iteration_s, problem
+from prophet_jax._planning._core import chunk_arrays, iteration_s, problem
 from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, ProfileRow, Schedule
-from prophet_jax._types import itemsize
-from prophet_jax._checks import check_values
+from prophet_jax._values._types import itemsize
+from prophet_jax._values._checks import check_values
 
 __all__ = ["best_contiguous", "best_ordered", "best_sharded", "random_profile", "random_network", "random_schedule",
            "random_deferral", "split_group", "random_sharded"]
@@ -122,7 +122,7 @@ def best_contiguous(profile: GradientProfile, network: NetworkModel) -> tuple[fl
       if network.overlap:
         end = np.where(cut[i], np.maximum(end, ready[i]) + d, end)
       else:
-        # ready is sorted, so the progress at issue is ready[i]: end = q + C (see prophet_jax._core)
+        # ready is sorted, so the progress at issue is ready[i]: end = q + C (see prophet_jax._planning._core)
         csum = np.where(cut[i], csum + d, csum)
         end = np.where(cut[i], ready[i] + csum, end)
         if ready[i] < prob.backward_s:
@@ -325,7 +325,7 @@ def best_sharded(profile: GradientProfile, network: NetworkModel, *,
   Raises:
     ValueError: too many leaves, none, or several links.
   """
-  from prophet_jax._sharded import sharded_arrays, sharded_iteration_s
+  from prophet_jax._planning._sharded import sharded_arrays, sharded_iteration_s
 
   _check_args("best_sharded", profile, network)
   if network.links != 1:

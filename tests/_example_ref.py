@@ -12,7 +12,7 @@ def full_batch_mlp(steps: int, lr: float = 0.05) -> tuple[dict, dict]:
   import jax
   import optax
 
-  from prophet_jax._tree import flatten_with_paths
+  from prophet_jax._values._tree import flatten_with_paths
   from prophet_jax.models import get_model
 
   m = get_model("mlp")

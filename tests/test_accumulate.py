@@ -22,8 +22,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
-from prophet_jax._collectives import engine_hooks
-from prophet_jax._hlo import parse_hlo
+from prophet_jax._rewrite._collectives import engine_hooks
+from prophet_jax._compiled._hlo import parse_hlo
 from tests import _user_setups as U
 from tests._assert import assert_trees_close
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import prophet_jax as pj
 import _brute
-from prophet_jax._core import chunk_arrays, iteration_s, problem
+from prophet_jax._planning._core import chunk_arrays, iteration_s, problem
 from prophet_jax.models import load_trace
 from prophet_jax.schedulers import _joint, _search, auto
 from prophet_jax.schedulers._common import schedule_from_groups

@@ -32,9 +32,9 @@ from jax.sharding import PartitionSpec as P
 import prophet_jax as pj
 from prophet_jax import (GradientProfile, NetworkError, NetworkModel, ProfileError, Schedule, ScheduleError,
                          ScheduleMismatchError)
-from prophet_jax._defer import DeferState, DeferTag
-from prophet_jax._network import Pressure
-from prophet_jax._tree import layer_of
+from prophet_jax._rewrite._defer import DeferState, DeferTag
+from prophet_jax._values._network import Pressure
+from prophet_jax._values._tree import layer_of
 from prophet_jax.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def _carry_to_lossless():
 
 def _bare_state_to_lossless():
   st = pj.defer_state(_deferring_tree_schedule())
-  from prophet_jax import _defer
+  from prophet_jax._rewrite import _defer
 
   bare = st._replace(tag=_defer.DeferTag(st.tag.key, st.tag.fingerprint, st.tag.layout))
   rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *x.shape)), bare)

@@ -7,11 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prophet_jax import NetworkModel
-from prophet_jax._bound import lower_bound
+from prophet_jax._planning._bound import lower_bound
 from _brute import (_enumerate_ordered, best_contiguous, best_ordered, random_deferral, random_network,
                     random_profile, random_schedule, split_group)
 from prophet_jax import Bucket, Chunk, Schedule
-from prophet_jax._simulate import simulate
+from prophet_jax._planning._simulate import simulate
 
 from _instances import NET, PROFILE
 from _instances import row as _row, sched as _sched
@@ -104,7 +104,7 @@ def test_bound_below_every_schedule(seed, cross_step, comm_ratio):
 
 def test_bound_below_every_policy():
   from prophet_jax import plan
-  from prophet_jax._plan import POLICIES
+  from prophet_jax._planning._plan import POLICIES
 
   names = list(POLICIES)                          # dlcp at its default: lossless
   rng = np.random.default_rng(7)
@@ -304,7 +304,7 @@ def test_errors():
 def test_large_profile_path_is_weaker_but_valid(seed):
   # Large profiles use prefixes (evenly spaced ones when huge) and single layers instead of every
   # range of layers: a subset of the same terms, so never above the full bound, and still a bound.
-  import prophet_jax._bound as bound_mod
+  import prophet_jax._planning._bound as bound_mod
 
   rng = np.random.default_rng(seed)
   p = random_profile(rng, int(rng.integers(2, 12)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
@@ -329,7 +329,7 @@ def test_large_profile_path_is_weaker_but_valid(seed):
 @settings(deadline=None, max_examples=60)
 @given(SEEDS)
 def test_batched_makespan_matches_quadratic_dp(seed):
-  from prophet_jax._bound import _batched_makespan
+  from prophet_jax._planning._bound import _batched_makespan
 
   rng = np.random.default_rng(seed)
   n = int(rng.integers(1, 12))
@@ -345,7 +345,7 @@ def test_batched_makespan_matches_quadratic_dp(seed):
 
 
 def test_jackson_preemptive_lmax():
-  from prophet_jax._bound import _jackson_lmax
+  from prophet_jax._planning._bound import _jackson_lmax
 
   # job 0 (released 0, 2 s of work, q 0) runs 0-1; job 1 (released 1, 1 s, q 5) preempts it, ends
   # at 2: 2 + 5 = 7; job 0 resumes and ends at 3: 3 + 0. L* = 7.
@@ -378,7 +378,7 @@ def test_pareto_dp_equals_enumeration_six_leaves():
 def test_split_term_matches_its_definition(seed):
   # m_i = M(held rows + the i earliest others), each from the batching DP on the concatenation;
   # bound = min(m_K + tail_H, min_i max(m_i + tail_H, g_{i+1})).
-  from prophet_jax._bound import _batched_makespan, _split_term
+  from prophet_jax._planning._bound import _batched_makespan, _split_term
 
   rng = np.random.default_rng(seed)
   k, h = int(rng.integers(0, 7)), int(rng.integers(1, 4))

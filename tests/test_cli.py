@@ -45,7 +45,7 @@ def test_simulate_json_has_the_documented_fields(capsys):
 
 def test_simulate_under_pressure_from_a_network_file_and_a_flag(capsys, tmp_path):
   from prophet_jax import NetworkModel
-  from prophet_jax._network import Pressure
+  from prophet_jax._values._network import Pressure
 
   net = NetworkModel.preset("10gbe", workers=8).replace(
       pressure=Pressure(background_flows=0.3, tail_prob=0.01, tail_scale_s=0.002, samples=16))

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
-from prophet_jax._collectives import tie
+from prophet_jax._rewrite._collectives import tie
 
 AX = "data"
 NDEV = 8
@@ -109,7 +109,7 @@ def test_a_lossless_schedule_never_calls_deferral_code(monkeypatch):
   calling into `_defer` (its state, its checks): the lossless walk to the psum has no deferral stop."""
   import optax
 
-  from prophet_jax import _collectives, _transform
+  from prophet_jax._rewrite import _collectives, _transform
 
   def boom(*args, **kwargs):
     raise AssertionError("a lossless schedule called deferral code")

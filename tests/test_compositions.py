@@ -443,7 +443,7 @@ def test_multisteps_of_a_deferring_scheduled_runs_under_pmap():
 def test_nnx_state_has_the_layers_of_the_pure_tree_and_wfbp_one_chunk_per_layer():
   """`nnx.state(model, nnx.Param)`'s paths end in the Variable's `value` ('l1/kernel/value'): read as a
   plain path that made every leaf its own layer, and wfbp planned one chunk per leaf, not per layer."""
-  from prophet_jax._tree import layer_of
+  from prophet_jax._values._tree import layer_of
 
   state = nnx.state(_Net(nnx.Rngs(0)), nnx.Param)
   a = pj.GradientProfile.from_params(state)

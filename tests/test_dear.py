@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import prophet_jax as pj
 from prophet_jax import Bucket, Chunk, NetworkModel, Pressure, Schedule, ScheduleError, lower_bound, plan, simulate
-from prophet_jax._schedule import shard_size
+from prophet_jax._values._schedule import shard_size
 from prophet_jax.schedulers import dear
 
 from _brute import (best_ordered, best_sharded, random_network, random_profile, random_schedule,

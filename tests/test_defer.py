@@ -20,8 +20,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
-from prophet_jax import _defer, _gpu
-from prophet_jax._hlo import collectives, hlo_text, parse_hlo
+from prophet_jax._rewrite import _defer
+from prophet_jax._compiled import _gpu
+from prophet_jax._compiled._hlo import collectives, hlo_text, parse_hlo
 from tests._defer_ref import RefDefer
 
 AX = "data"
@@ -174,7 +175,7 @@ def test_compiled_allreduces_are_the_slots_in_order():
 
 def _reduce_chunks_before_issue_18(flat, chunks, row_leaf, axis_name, divisor):
   """The lossless engine as it was before deferral groups and links (main at b3124b2), verbatim."""
-  from prophet_jax._collectives import chunk_scope, tie
+  from prophet_jax._rewrite._collectives import chunk_scope, tie
   flat = list(flat)
   pieces, touched, prev = {}, [], None
   for k, chunk in enumerate(chunks):
@@ -203,7 +204,7 @@ def _reduce_chunks_before_issue_18(flat, chunks, row_leaf, axis_name, divisor):
 def test_k0_is_the_lossless_path_same_hlo():
   """A schedule whose groups defer 0 is lossless: no state, and the very program of the engine
   before deferral existed."""
-  from prophet_jax._checks import match_tree
+  from prophet_jax._values._checks import match_tree
   s0 = _schedule(defer=(0, 0))
   assert not s0.defers and s0.num_allreduces == 10 and _defer.init(s0) is None
   g = {k: jnp.zeros((NDEV, *v.shape)) for k, v in TREE.items()}
@@ -320,7 +321,8 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, {root!r})
 import prophet_jax as pj
-from prophet_jax import _defer, _gpu
+from prophet_jax._rewrite import _defer
+from prophet_jax._compiled import _gpu
 from tests.test_defer import _schedule, TREE
 s = _schedule()
 mesh = jax.make_mesh((jax.device_count(),), ("d",))
@@ -424,7 +426,7 @@ def _tx(schedule):
 
 def _scaled(scale):
   """The one engine's test seam: every sum divided by n / scale instead of n."""
-  from prophet_jax._collectives import engine_hooks
+  from prophet_jax._rewrite._collectives import engine_hooks
   return engine_hooks(divisor=lambda n: n / scale)
 
 
@@ -500,7 +502,7 @@ def _true_grads():
 
 
 def _leaf_paths(tree):
-  from prophet_jax._tree import path_str
+  from prophet_jax._values._tree import path_str
   return {path_str(p): np.asarray(x, np.float64).reshape(-1) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 

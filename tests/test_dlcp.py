@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from _brute import random_deferral, random_network, random_profile, random_schedule, split_group
 from _instances import NET, PROFILE, row, sched
 from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, Schedule, ScheduleError, plan
-from prophet_jax._simulate import simulate
-from prophet_jax._network import Pressure
+from prophet_jax._planning._simulate import simulate
+from prophet_jax._values._network import Pressure
 from prophet_jax.schedulers import auto, dlcp
 
 SEEDS = st.integers(0, 2**32 - 1)
@@ -209,7 +209,7 @@ def test_defers_within_budget_and_gains_when_communication_bound(cross_step):
   assert times[0] >= times[1] >= times[2]               # a larger budget is never predicted slower
 
 
-@pytest.mark.filterwarnings("ignore::prophet_jax._errors.DeferralWarning")
+@pytest.mark.filterwarnings("ignore::prophet_jax._values._errors.DeferralWarning")
 @settings(deadline=None, max_examples=25)
 @given(SEEDS, st.booleans(), st.sampled_from([0.05, 0.1, 0.25, 0.5]))
 def test_never_over_budget_never_slower_than_auto(seed, cross_step, max_defer):
@@ -237,7 +237,7 @@ def test_plans_against_pressure():
   assert s.predicted_s < plan(p, net, "auto").predicted_s
 
 
-@pytest.mark.filterwarnings("ignore::prophet_jax._errors.DeferralWarning")
+@pytest.mark.filterwarnings("ignore::prophet_jax._values._errors.DeferralWarning")
 def test_fine_parts_with_chunk_bytes():
   p = _comm_bound()
   s = plan(p, NET10, "dlcp", max_defer=0.25, chunk_bytes=2**20, spread=3)

@@ -23,7 +23,7 @@ import dlcp as bench  # noqa: E402
 STEPS = 120
 
 
-@pytest.mark.filterwarnings("ignore::prophet_jax._errors.DeferralWarning")
+@pytest.mark.filterwarnings("ignore::prophet_jax._values._errors.DeferralWarning")
 def test_cnn_with_a_quarter_deferred_ends_within_2_percent_of_lossless_and_undamped_does_not():
   lossless = bench.conv_plan("cnn", 0.0)
   plan = bench.conv_plan("cnn", 0.25)

@@ -39,7 +39,7 @@ def _load(path):
 def _initial_params():
   import jax
 
-  from prophet_jax._tree import flatten_with_paths
+  from prophet_jax._values._tree import flatten_with_paths
   from prophet_jax.models import get_model
 
   params = get_model("mlp").init(jax.random.key(0))

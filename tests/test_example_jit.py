@@ -42,7 +42,7 @@ def _plain_jit_reference():
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from prophet_jax._tree import flatten_with_paths
+  from prophet_jax._values._tree import flatten_with_paths
   from prophet_jax.models import get_model
 
   model = get_model("mlp")

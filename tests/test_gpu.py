@@ -37,8 +37,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
-from prophet_jax import _gpu
-from prophet_jax._collectives import chunk_scope
+from prophet_jax._compiled import _gpu
+from prophet_jax._rewrite._collectives import chunk_scope
 from prophet_jax.models import get_model
 
 AX = "data"
@@ -395,7 +395,7 @@ def test_cli_audit_in_a_process_without_jax_platforms_is_clean(tmp_path):
 
 
 def test_cli_pins_jax_to_the_cpu_only_where_the_plugin_cannot_load():
-  from prophet_jax._config import default_jax_platforms
+  from prophet_jax._values._config import default_jax_platforms
 
   assert default_jax_platforms({}, cuda_plugin=True, nvidia_driver=False) == "cpu"
   assert default_jax_platforms({}, cuda_plugin=True, nvidia_driver=True) is None  # a GPU machine

@@ -12,7 +12,8 @@ import jax
 import pytest
 
 import prophet_jax as pj
-from prophet_jax import _distributed, _jaxcompat
+from prophet_jax._multiprocess import _distributed
+from prophet_jax._compiled import _jaxcompat
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import _user_setups as U
 import prophet_jax as pj
 from _assert import assert_trees_close
-from prophet_jax import _collectives
+from prophet_jax._rewrite import _collectives
 from test_user_steps import check, reference
 
 AXIS = "data"
@@ -709,7 +709,7 @@ def test_h100_audit_of_the_jit_steps(topo):
   # jaxlib 0.12 runs these small all-reduces as one-shot collective kernels, with less inside their
   # windows; the overlap claims are about NCCL's all-reduces, jaxlib 0.10's only path (docs/facts.md,
   # "XLA:GPU 0.12's collective kernels"; test_gpu.py audits the default)
-  from prophet_jax import _gpu
+  from prophet_jax._compiled import _gpu
 
   nccl = ({"xla_gpu_experimental_use_collective_kernels": ""}
           if _gpu.xla_option_accepted("xla_gpu_experimental_use_collective_kernels", "") else None)

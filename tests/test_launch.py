@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from prophet_jax import _config
-from prophet_jax._launcher import _device_flags, _split_coordinator, free_port
+from prophet_jax._values import _config
+from prophet_jax._multiprocess._launcher import _device_flags, _split_coordinator, free_port
 from prophet_jax.launch import launch
 
 PY = sys.executable
@@ -100,7 +100,8 @@ def test_launch_rejects_bad_arguments(kw, match):
 def test_one_parser_for_the_cli_and_python_m(monkeypatch):
   """`prophet-jax launch` and `python -m prophet_jax.launch` parse the same arguments (the error for an
   uneven device split names --devices-per-process, so the CLI must take it) and hand them to launch."""
-  from prophet_jax import _launcher, cli
+  from prophet_jax._multiprocess import _launcher
+  from prophet_jax import cli
 
   seen = []
   monkeypatch.setattr(_launcher, "launch", lambda cmd, **kw: seen.append((cmd, kw)) or 0)
@@ -114,7 +115,8 @@ def test_one_parser_for_the_cli_and_python_m(monkeypatch):
 
 
 def test_launch_errors_are_prophet_errors_and_print_one_line(monkeypatch, capsys):
-  from prophet_jax import GlooBindError, LaunchError, ProphetError, _launcher, cli
+  from prophet_jax import GlooBindError, LaunchError, ProphetError, cli
+  from prophet_jax._multiprocess import _launcher
 
   assert issubclass(LaunchError, ProphetError) and issubclass(GlooBindError, ProphetError)
 
@@ -190,7 +192,7 @@ def test_rank0_alone_says_why_before_jaxlib_aborts():
 
 @pytest.mark.multiprocess
 def test_gloo_bind_errors_clearly_without_distributed():
-  code = ("from prophet_jax._distributed import bind_gloo_interface, GlooBindError\n"
+  code = ("from prophet_jax._multiprocess._distributed import bind_gloo_interface, GlooBindError\n"
           "try:\n  bind_gloo_interface('lo')\nexcept GlooBindError as e:\n  print('ERR', e)\n")
   r = subprocess.run([PY, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
   assert "ERR bind_gloo_interface() needs jax.distributed.initialize() first" in r.stdout, r.stderr

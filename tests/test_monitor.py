@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from prophet_jax import GradientProfile, Monitor, NetworkModel, ScheduleMismatchError
-from prophet_jax._monitor import plan_key
+from prophet_jax._multiprocess._monitor import plan_key
 
 SIZES = (2**10, 2**14, 2**18, 2**20)
 
@@ -122,7 +122,7 @@ _TWO_PROCESS = textwrap.dedent("""
     launch.initialize()
     import jax
     from prophet_jax import GradientProfile, Monitor, NetworkModel, measure_network, plan
-    from prophet_jax._monitor import plan_key
+    from prophet_jax._multiprocess._monitor import plan_key
     rank = jax.process_index()
     L = 32
     prof = GradientProfile.from_rows(

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prophet_jax import NetworkError, NetworkModel, measure_network
-from prophet_jax import _probe
+from prophet_jax._measure import _probe
 
 
 @settings(deadline=None, max_examples=25)

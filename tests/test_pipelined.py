@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 from _assert import assert_trees_close
 import prophet_jax as pj
 from prophet_jax import Bucket, Chunk, GradientProfile, Schedule, ScheduleMismatchError, audit
-from prophet_jax._pipelined import Pending, PipelinedState, pipelined
-from prophet_jax._tree import path_str
+from prophet_jax._rewrite._pipelined import Pending, PipelinedState, pipelined
+from prophet_jax._values._tree import path_str
 from prophet_jax.models import get_model
 
 AXIS = "data"
@@ -324,7 +324,7 @@ def test_schedule_change_between_calls_flushes_first_and_stays_exact():
 def test_tolerance_catches_wrong_scale_and_lost_slice(monkeypatch, mutation):
   """The equivalence check used above fails for a psum in place of a pmean, a mean over n-1 devices
   (a 14% scale), or a slice left out."""
-  import prophet_jax._pipelined as mod
+  import prophet_jax._rewrite._pipelined as mod
 
   model, params, bs, ref, _ = case("mlp", "sgd-momentum")
   schedule = make_schedule(params)
@@ -732,7 +732,7 @@ def test_bf16_compute_matches_a_reference_that_rounds_the_same_way(monkeypatch, 
   1e-2 and 1e-3), and 0.26 on the cnn's bfloat16 kernels, whose updates are ~5 ulps (one-ulp flips).
   The single-device full batch differs from any 8-way bfloat16 step by more (cnn: 0.5), since the
   per-device gradients are rounded before the mean."""
-  import prophet_jax._pipelined as mod
+  import prophet_jax._rewrite._pipelined as mod
 
   params, bs, ref = bf16_compute_case()
   if mutation:

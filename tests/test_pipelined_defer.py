@@ -22,8 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from _assert import assert_trees_close
 import prophet_jax as pj
-from prophet_jax import DeferState, ScheduleMismatchError, _collectives, _defer
-from prophet_jax._pipelined import pipelined
+from prophet_jax import DeferState, ScheduleMismatchError
+from prophet_jax._rewrite import _collectives, _defer
+from prophet_jax._rewrite._pipelined import pipelined
 from prophet_jax.models import get_model
 
 AXIS = "data"

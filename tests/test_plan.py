@@ -11,8 +11,8 @@ import pytest
 
 from prophet_jax import (Bucket, Chunk, GradientProfile, NetworkModel, Schedule, ScheduleError,
                          ScheduleMismatchError, plan, validate_schedule)
-from prophet_jax._plan import POLICIES
-from prophet_jax._simulate import simulate
+from prophet_jax._planning._plan import POLICIES
+from prophet_jax._planning._simulate import simulate
 from prophet_jax.schedulers import _auto, bucket, wfbp
 
 NET = NetworkModel.preset("10gbe", workers=8)

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from _brute import random_deferral, random_network, random_profile, random_schedule
 from _instances import NET, PROFILE, sched
 from prophet_jax import NetworkError, NetworkModel, SimResult, plan
-from prophet_jax._bound import lower_bound
-from prophet_jax._core import background_flows
-from prophet_jax._simulate import simulate
-from prophet_jax._network import Pressure
+from prophet_jax._planning._bound import lower_bound
+from prophet_jax._planning._core import background_flows
+from prophet_jax._planning._simulate import simulate
+from prophet_jax._values._network import Pressure
 
 SEEDS = st.integers(0, 2**32 - 1)
 WFBP = sched(PROFILE, [[1], [0]])
@@ -172,7 +172,7 @@ def test_bound_under_pressure_is_below_every_schedule(seed, cross_step):
 
 
 def test_bound_under_pressure_below_every_policy():
-  from prophet_jax._plan import POLICIES
+  from prophet_jax._planning._plan import POLICIES
 
   rng = np.random.default_rng(11)
   for _ in range(3):

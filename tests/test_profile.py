@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from prophet_jax import GradientProfile, ProfileError, profile_step
-from prophet_jax import _profile, _xplane
+from prophet_jax._measure import _profile, _xplane
 
 N = 8  # conftest gives 8 CPU devices
 

@@ -8,11 +8,11 @@ import pytest
 
 import prophet_jax
 
-PURE = ["prophet_jax", "prophet_jax._types", "prophet_jax._errors", "prophet_jax._plan", "prophet_jax._tree",
-        "prophet_jax._core", "prophet_jax._schedule", "prophet_jax._network", "prophet_jax._checks",
+PURE = ["prophet_jax", "prophet_jax._values._types", "prophet_jax._values._errors", "prophet_jax._planning._plan", "prophet_jax._values._tree",
+        "prophet_jax._planning._core", "prophet_jax._values._schedule", "prophet_jax._values._network", "prophet_jax._values._checks",
         "prophet_jax.launch",
-        "prophet_jax._simulate", "prophet_jax._sharded", "prophet_jax._bound", "prophet_jax._timeline",
-        "prophet_jax.schedulers", "prophet_jax.schedulers._dear", "prophet_jax._jaxcompat",
+        "prophet_jax._planning._simulate", "prophet_jax._planning._sharded", "prophet_jax._planning._bound", "prophet_jax._planning._timeline",
+        "prophet_jax.schedulers", "prophet_jax.schedulers._dear", "prophet_jax._compiled._jaxcompat",
         "prophet_jax.cli"]
 
 

@@ -35,7 +35,7 @@ def test_the_training_loop_snippet_runs_and_matches_the_single_device_step(monke
   params = m.init(jax.random.key(0))
   batches = [jax.device_get(m.make_batch(jax.random.key(10 + i), 16)) for i in range(2)]  # on the host
   # the snippet's measure_network(8) is the real probe (about a minute); a short one here
-  from prophet_jax import _probe
+  from prophet_jax._measure import _probe
 
   quick = functools.partial(_probe.measure_network, sizes=(2**10, 2**16), repeats=3, inner=1)
   monkeypatch.setattr(prophet_jax, "measure_network", lambda n, **kw: quick(n, **kw), raising=False)

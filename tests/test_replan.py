@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
-from prophet_jax import _defer
+from prophet_jax._rewrite import _defer
 
 AX = "data"
 NDEV = 8

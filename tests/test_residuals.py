@@ -1,4 +1,4 @@
-"""The carry plan of the pipelined forward (`prophet_jax._residuals`): minimal, complete and exact.
+"""The carry plan of the pipelined forward (`prophet_jax._rewrite._residuals`): minimal, complete and exact.
 
 The min-cut plan is checked against brute force (every subset of the batch values, on small forwards,
 with which values depend on the batch taken from JAX's own dead-code elimination); the flow graph
@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 
-from prophet_jax._residuals import (_CHEAP, _FlowGraph, _batch_vars, _is_var, _nbytes, carried_avals,
+from prophet_jax._rewrite._residuals import (_CHEAP, _FlowGraph, _batch_vars, _is_var, _nbytes, carried_avals,
                                     carry_plan, forward, recompute, vjp_jaxpr)
 
 

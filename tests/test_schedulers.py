@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from prophet_jax import Bucket, Chunk, GradientProfile, NetworkModel, Schedule
-from prophet_jax._types import itemsize
+from prophet_jax._values._types import itemsize
 from prophet_jax.schedulers import Scheduler, bucket, dear, dlcp, mgwfbp, priority, prophet, wfbp, xla
 from prophet_jax.schedulers import _bucket as bucket_mod
 from prophet_jax.schedulers import _common
@@ -22,7 +22,7 @@ from prophet_jax.schedulers._mgwfbp import merge_groups
 from prophet_jax.schedulers._prophet import find_stages
 
 from prophet_jax import models
-from prophet_jax._simulate import simulate
+from prophet_jax._planning._simulate import simulate
 from prophet_jax.schedulers import _auto as auto_mod
 
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from prophet_jax import (Bucket, Chunk, Event, GradientProfile, NetworkModel, Schedule, ScheduleMismatchError,
                          SimResult)
 from _brute import random_network, random_profile, random_schedule
-from prophet_jax._core import chunk_arrays, iteration_s, problem
-from prophet_jax._simulate import simulate
+from prophet_jax._planning._core import chunk_arrays, iteration_s, problem
+from prophet_jax._planning._simulate import simulate
 
 from _instances import NET, PROFILE
 from _instances import row as _row, sched as _sched
@@ -339,7 +339,7 @@ def test_errors():
 def test_pure_without_jax():
   code = ("import sys; sys.modules['jax'] = None\n"
           f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-          "from prophet_jax._simulate import simulate; from prophet_jax._bound import lower_bound\n"
+          "from prophet_jax._planning._simulate import simulate; from prophet_jax._planning._bound import lower_bound\n"
           "from _brute import best_contiguous, best_ordered\n"
           "assert 'jax' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n")
   subprocess.run([sys.executable, "-c", code], check=True)
@@ -367,10 +367,10 @@ def test_1000_chunks():
 def test_docstring_examples_and_chrome_trace():
   import doctest
 
-  import prophet_jax._bound
-  import prophet_jax._simulate
+  import prophet_jax._planning._bound
+  import prophet_jax._planning._simulate
 
-  for mod in (prophet_jax._simulate, prophet_jax._bound):
+  for mod in (prophet_jax._planning._simulate, prophet_jax._planning._bound):
     res = doctest.testmod(mod)
     assert res.attempted > 0 and res.failed == 0, mod.__name__
   r = simulate(WFBP, PROFILE, NET.replace(links=2, overlap=False), cross_step=True)
@@ -395,7 +395,7 @@ def test_simresult_json_round_trip():
 def test_fast_event_maker_builds_equal_events():
   """The timeline's events are built by filling Event's slots; that is only right while Event's
   constructor checks nothing."""
-  from prophet_jax._simulate import _new_event
+  from prophet_jax._planning._simulate import _new_event
 
   assert not hasattr(Event, "__post_init__")
   assert _new_event("allreduce", "chunk0", 0.5, 1.0, "link1") == Event(kind="allreduce", name="chunk0",

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from prophet_jax import GradientProfile, NetworkModel, ProfileError, plan, profile_from_trace
-from prophet_jax import _xplane
-from prophet_jax._tree import layer_of
+from prophet_jax._measure import _xplane
+from prophet_jax._values._tree import layer_of
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 STEP = "jit_prophet_profile_step"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from prophet_jax import NetworkModel, plan, simulate
-from prophet_jax._errors import NetworkError, TraceUnavailableError
+from prophet_jax._values._errors import NetworkError, TraceUnavailableError
 from prophet_jax.models import (fit_allreduce, googlenet_available, googlenet_layer_allreduce,
                                 googlenet_merged_groups, googlenet_network, load_trace)
 from prophet_jax.models import _traces

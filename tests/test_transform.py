@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
 from _assert import assert_trees_close
-from prophet_jax import _collectives
+from prophet_jax._rewrite import _collectives
 from prophet_jax.models import get_model
 
 AX = "data"

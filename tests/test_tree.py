@@ -12,8 +12,8 @@ import pytest
 import _brute
 from prophet_jax import (Bucket, Chunk, GradientProfile, NetworkModel, Schedule, ScheduleError,
                          ScheduleMismatchError, plan)
-from prophet_jax._tree import dtype_name, flatten_with_paths, is_float_dtype, layer_of
-from prophet_jax._checks import match_rows, match_tree
+from prophet_jax._values._tree import dtype_name, flatten_with_paths, is_float_dtype, layer_of
+from prophet_jax._values._checks import match_rows, match_tree
 
 TREE = {"params": {"Dense_0": {"kernel": np.zeros((3, 4), np.float32), "bias": np.zeros(4, np.float32)},
                    "Dense_1": {"kernel": np.zeros((4, 2), np.float32)},

@@ -254,7 +254,7 @@ def test_setups_plan_several_chunks_and_clip_both_ways():
 def mean_over_n_minus_1():
   """Every chunked reduction divides by n-1 instead of n (through the one engine's test seam,
   `_collectives.engine_hooks`: scheduled, allreduce, pipelined and hooked all reach the engine)."""
-  from prophet_jax._collectives import engine_hooks
+  from prophet_jax._rewrite._collectives import engine_hooks
 
   with engine_hooks(divisor=lambda n: n - 1):
     yield

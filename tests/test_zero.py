@@ -30,8 +30,8 @@ import _user_setups as U
 import prophet_jax as pj
 from _assert import assert_trees_close
 from _example_ref import full_batch_mlp
-from prophet_jax import _collectives, _zero
-from prophet_jax._schedule import shard_size
+from prophet_jax._rewrite import _collectives, _zero
+from prophet_jax._values._schedule import shard_size
 from test_jit import _reduced, mesh, put, unreduced_loss
 from test_user_steps import _replicate, _split, reference
 

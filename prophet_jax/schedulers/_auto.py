@@ -52,13 +52,13 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import check_bool, check_int, check_number
-from .._core import Problem, chunk_arrays, problem, search_problem, split_by_dtype
-from .._network import NetworkModel
-from .._schedule import Schedule
-from .._sharded import sharded_arrays
-from .._simulate import chunk_links, simulate_chunks, simulate_sharded
-from .._types import GradientProfile
+from .._values._checks import check_bool, check_int, check_number
+from .._planning._core import Problem, chunk_arrays, problem, search_problem, split_by_dtype
+from .._values._network import NetworkModel
+from .._values._schedule import Schedule
+from .._planning._sharded import sharded_arrays
+from .._planning._simulate import chunk_links, simulate_chunks, simulate_sharded
+from .._values._types import GradientProfile
 from ._base import Scheduler
 from ._bucket import bucket
 from ._common import Groups, buckets_from_groups, check_inputs, make_schedule

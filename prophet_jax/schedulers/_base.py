@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from .._network import NetworkModel
-from .._schedule import Schedule
-from .._types import GradientProfile
+from .._values._network import NetworkModel
+from .._values._schedule import Schedule
+from .._values._types import GradientProfile
 
 Slice = tuple[int, int, int]  # (profile row, start element, stop element)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .._checks import check_bytes, check_number
-from .._network import NetworkModel
-from .._types import GradientProfile
+from .._values._checks import check_bytes, check_number
+from .._values._network import NetworkModel
+from .._values._types import GradientProfile
 from ._base import Scheduler, Slice
 from ._common import Groups, grouped_scheduler, whole_slice
 

@@ -26,11 +26,11 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .._checks import check_values
-from .._core import equal_parts, part_count, split_by_dtype
-from .._network import NetworkModel
-from .._schedule import Bucket, Chunk, Schedule
-from .._types import GradientProfile, itemsize
+from .._values._checks import check_values
+from .._planning._core import equal_parts, part_count, split_by_dtype
+from .._values._network import NetworkModel
+from .._values._schedule import Bucket, Chunk, Schedule
+from .._values._types import GradientProfile, itemsize
 from ._base import Scheduler, Slice
 
 Groups = Sequence[Sequence[Slice]]   # a plan: ordered groups (each one Bucket) of ordered slices

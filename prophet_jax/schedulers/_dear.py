@@ -57,13 +57,13 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import check_bytes
-from .._core import Problem, problem
-from .._network import NetworkModel
-from .._schedule import Bucket, Chunk, Schedule
-from .._sharded import sharded_arrays, sharded_durations, sharded_iteration_s, sharded_run
-from .._simulate import simulate_sharded
-from .._types import GradientProfile
+from .._values._checks import check_bytes
+from .._planning._core import Problem, problem
+from .._values._network import NetworkModel
+from .._values._schedule import Bucket, Chunk, Schedule
+from .._planning._sharded import sharded_arrays, sharded_durations, sharded_iteration_s, sharded_run
+from .._planning._simulate import simulate_sharded
+from .._values._types import GradientProfile
 from ._base import Scheduler, Slice
 from ._common import check_inputs
 

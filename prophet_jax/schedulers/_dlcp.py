@@ -102,13 +102,13 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import check_bool, check_bytes, check_int, check_max_defer, check_number
-from .._errors import DeferralWarning
-from .._core import Problem, iteration_s, link_loop, problem, schedule_arrays, typical_costs
-from .._network import NetworkModel
-from .._schedule import Bucket, Chunk, Schedule
-from .._simulate import simulate_arrays
-from .._types import GradientProfile, itemsize
+from .._values._checks import check_bool, check_bytes, check_int, check_max_defer, check_number
+from .._values._errors import DeferralWarning
+from .._planning._core import Problem, iteration_s, link_loop, problem, schedule_arrays, typical_costs
+from .._values._network import NetworkModel
+from .._values._schedule import Bucket, Chunk, Schedule
+from .._planning._simulate import simulate_arrays
+from .._values._types import GradientProfile, itemsize
 from ._auto import auto
 from ._base import Scheduler, Slice
 from ._common import check_inputs

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .._core import Problem, equal_parts, link_end, objective_s, split_by_dtype
-from .._network import NetworkModel
+from .._planning._core import Problem, equal_parts, link_end, objective_s, split_by_dtype
+from .._values._network import NetworkModel
 from ._base import Slice
 from ._prophet import _Planner as ProphetPlanner
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from .._checks import check_bytes
-from .._network import NetworkModel
-from .._types import GradientProfile, itemsize
+from .._values._checks import check_bytes
+from .._values._network import NetworkModel
+from .._values._types import GradientProfile, itemsize
 from ._base import Scheduler
 from ._common import Groups, grouped_scheduler, partition_count, partition_row
 

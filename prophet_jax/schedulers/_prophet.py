@@ -10,10 +10,10 @@ import math
 
 import numpy as np
 
-from .._checks import check_positive
-from .._core import Problem, chunk_arrays, objective_s, problem, search_problem, split_by_dtype
-from .._network import NetworkModel
-from .._types import GradientProfile
+from .._values._checks import check_positive
+from .._planning._core import Problem, chunk_arrays, objective_s, problem, search_problem, split_by_dtype
+from .._values._network import NetworkModel
+from .._values._types import GradientProfile
 from ._base import Scheduler
 from ._common import Groups, grouped_scheduler
 

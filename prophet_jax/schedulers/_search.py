@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from .._core import Problem, iteration_s, link_end
+from .._planning._core import Problem, iteration_s, link_end
 from ._joint import SearchChunk, make_chunk, merged
 
 PATIENCE = 40   # kicks in a row without improvement before the iterated search stops

@@ -5,8 +5,8 @@ Pure: numpy only, never jax.
 
 from __future__ import annotations
 
-from .._network import NetworkModel
-from .._types import GradientProfile
+from .._values._network import NetworkModel
+from .._values._types import GradientProfile
 from ._base import Scheduler
 from ._bucket import fill_buckets
 from ._common import Groups, grouped_scheduler, whole_slice

@@ -32,13 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._accumulate import check_state as check_accum
-from ._checks import check_bool, match_tree
+from .._values._checks import check_bool, match_tree
 from ._defer import (DeferState, GroupState, add_residual, belongs, check_state, group_states, schedule_of,
                      with_groups)
 from ._defer import init as defer_init
-from ._errors import AlreadyReducedError, ScheduleMismatchError, UnboundAxisError
-from ._schedule import Bucket, Schedule, shard_size
-from ._tree import is_reduced_leaf
+from .._values._errors import AlreadyReducedError, ScheduleMismatchError, UnboundAxisError
+from .._values._schedule import Bucket, Schedule, shard_size
+from .._values._tree import is_reduced_leaf
 
 __all__ = ["allreduce", "tie", "reduce_tied", "chunk_scope", "axis_size", "check_not_reduced", "vma_enabled",
            "is_varying", "to_varying", "check_residual_varying", "rank", "reduce_units", "schedule_units",

@@ -67,9 +67,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._network import NetworkModel, typical_network
-from ._tree import IdentityMemo
-from ._types import GradientProfile, itemsize
+from .._values._network import NetworkModel, typical_network
+from .._values._tree import IdentityMemo
+from .._values._types import GradientProfile, itemsize
 
 __all__ = ["Problem", "problem", "ChunkArrays", "chunk_arrays", "schedule_arrays", "split_by_dtype",
            "equal_parts", "part_count", "link_end", "sync_waits", "link_loop", "ends_one_link",

@@ -211,7 +211,7 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any) -> tuple[str,
   import jax
   from jax.extend.core import Literal
 
-  from ._jaxcompat import check_jaxpr_api
+  from .._compiled._jaxcompat import check_jaxpr_api
 
   check_jaxpr_api("forward_paths")
   leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)

@@ -13,10 +13,10 @@ import math
 
 import numpy as np
 
-from ._checks import check_max_defer, check_values
+from .._values._checks import check_max_defer, check_values
 from ._core import Problem, background_flows, problem
-from ._network import NetworkModel
-from ._types import GradientProfile, is_bool
+from .._values._network import NetworkModel
+from .._values._types import GradientProfile, is_bool
 
 __all__ = ["lower_bound"]
 

@@ -28,9 +28,9 @@ import threading
 import time
 import warnings
 
-from ._config import config
-from ._errors import GlooBindError, LaunchError
-from ._jaxcompat import TESTED_JAX_VERSIONS, private
+from .._values._config import config
+from .._values._errors import GlooBindError, LaunchError
+from .._compiled._jaxcompat import TESTED_JAX_VERSIONS, private
 
 __all__ = ["initialize", "bind_gloo_interface", "check_interface"]
 

@@ -28,10 +28,10 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from ._checks import check_int
-from ._config import config
+from .._values._checks import check_int
+from .._values._config import config
 from ._distributed import check_interface
-from ._errors import ProphetError
+from .._values._errors import ProphetError
 
 __all__ = ["launch", "add_arguments", "run", "main", "free_port"]
 

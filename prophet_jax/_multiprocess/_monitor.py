@@ -48,13 +48,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._agreement import broadcast_schedule
-from ._checks import check_int, check_number, match_rows
-from ._network import NetworkModel
-from ._plan import plan
-from ._probe import QUICK_SIZES, probe
-from ._schedule import Schedule
-from ._simulate import simulate
-from ._types import GradientProfile
+from .._values._checks import check_int, check_number, match_rows
+from .._values._network import NetworkModel
+from .._planning._plan import plan
+from .._measure._probe import QUICK_SIZES, probe
+from .._values._schedule import Schedule
+from .._planning._simulate import simulate
+from .._values._types import GradientProfile
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,7 +136,7 @@ class Monitor:
     if mesh is not None:  # the probe's devices and the workers from the training mesh's data axis
       import jax
 
-      from ._mesh import axis_total, check_mesh
+      from .._rewrite._mesh import axis_total, check_mesh
 
       if axis_name is None and len(mesh.axis_names) == 1:
         axis_name = mesh.axis_names[0]

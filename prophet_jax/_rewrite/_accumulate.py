@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._errors import ScheduleMismatchError
-from ._schedule import Schedule
-from ._types import itemsize
+from .._values._errors import ScheduleMismatchError
+from .._values._schedule import Schedule
+from .._values._types import itemsize
 
 __all__ = ["AccumState", "accum_dtype", "init", "check_state", "is_grads_path"]
 

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._checks import check_int, check_number
-from ._errors import NetworkError
-from ._network import NetworkModel, fit_warning
+from .._values._checks import check_int, check_number
+from .._values._errors import NetworkError
+from .._values._network import NetworkModel, fit_warning
 
 #: 1 KiB .. 64 MiB in powers of 4: the default probe.
 DEFAULT_SIZES: tuple[int, ...] = tuple(2**k for k in range(10, 27, 2))

@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import check_values, match_rows
+from .._values._checks import check_values, match_rows
 from ._core import (ChunkArrays, Problem, chunk_arrays, ends_one_link, iterations, link_loop,
                     pressure_durations, problem, schedule_arrays, sync_waits)
-from ._network import NetworkModel
-from ._schedule import Schedule
+from .._values._network import NetworkModel
+from .._values._schedule import Schedule
 from ._sharded import ShardedArrays, ShardedRun, sharded_arrays, sharded_durations, sharded_run
-from ._types import GradientProfile, _fields, _loads
+from .._values._types import GradientProfile, _fields, _loads
 
 __all__ = ["simulate", "SimResult", "Event"]
 

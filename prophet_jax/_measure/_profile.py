@@ -64,10 +64,10 @@ from typing import Any
 import numpy as np
 
 from . import _xplane
-from ._checks import check_bool, check_int
-from ._errors import ProfileError
-from ._tree import check_layer_depth, dtype_name, forward_paths, is_reduced_leaf, layer_of, layer_path, path_str
-from ._types import GradientProfile, ProfileRow, itemsize
+from .._values._checks import check_bool, check_int
+from .._values._errors import ProfileError
+from .._values._tree import check_layer_depth, dtype_name, forward_paths, is_reduced_leaf, layer_of, layer_path, path_str
+from .._values._types import GradientProfile, ProfileRow, itemsize
 
 _AXIS = "prophet_profile"
 _STEP_NAME = "prophet_profile_step"
@@ -107,7 +107,7 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_nam
   if mesh is None:
     devices = jax.local_devices()
   else:  # the training mesh: this process's devices along its data axis run the per-device step
-    from ._mesh import local_devices_along
+    from .._rewrite._mesh import local_devices_along
 
     if axis_name is None and len(mesh.axis_names) == 1:
       axis_name = mesh.axis_names[0]
@@ -740,7 +740,7 @@ def profile_from_trace(trace: str | os.PathLike[str], hlo_text: str, params: Any
   """
   import jax
 
-  from ._hlo import hlo_text as _as_text
+  from .._compiled._hlo import hlo_text as _as_text
 
   text = _as_text(hlo_text)
   if "HloModule" not in text:
@@ -806,7 +806,7 @@ def _hlo_dtype(name: str) -> str:
 
 
 def _hlo_matches(shape_text: str, shape: tuple[int, ...], dtype: str) -> bool:
-  from ._hlo import shape_dims, shape_dtypes
+  from .._compiled._hlo import shape_dims, shape_dtypes
 
   return shape_dims(shape_text) == (tuple(shape),) and shape_dtypes(shape_text) == (_hlo_dtype(dtype),)
 

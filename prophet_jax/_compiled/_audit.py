@@ -56,12 +56,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._checks import check_values
+from .._values._checks import check_values
 from ._hlo import (AsyncWindow, ExecutedOp, HloInstruction, OpCosts, allreduces, async_windows,
                    contiguous_parts, execution_order, hlo_text, is_collective, merged_op_names, parse_hlo,
                    sharded_collectives, users)
-from ._schedule import Schedule
-from ._types import _fields, _loads
+from .._values._schedule import Schedule
+from .._values._types import _fields, _loads
 
 __all__ = ["audit", "AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "COMPUTE_KINDS",
            "NEXT_FORWARD"]

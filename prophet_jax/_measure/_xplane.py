@@ -39,7 +39,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from ._hlo import parse_hlo
+from .._compiled._hlo import parse_hlo
 
 # --------------------------------------------------------------------------------------------------
 # HLO text (parsed by _hlo): instructions, operands, op_name metadata

@@ -43,8 +43,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ._checks import check_int
-from ._errors import GpuCompileError
+from .._values._checks import check_int
+from .._values._errors import GpuCompileError
 
 __all__ = ["GPU_TARGETS", "GpuTarget", "GpuTopology", "gpu_target", "gpu_topology", "find_ptxas",
            "cuda_plugin_installed", "cuda_plugin", "CudaPlugin", "CUDA_MAJORS", "xla_option_accepted",
@@ -459,7 +459,7 @@ def import_jax_quietly() -> None:
   it is done through jax's private `_discover_and_register_pjrt_plugins` (`_jaxcompat.PRIVATE_JAX`),
   skipped where a jax lacks it: the lines then print, nothing else changes (cosmetic, so not an error).
   """
-  from ._errors import JaxVersionError
+  from .._values._errors import JaxVersionError
   from ._jaxcompat import private
 
   with quiet_cuda_stub():

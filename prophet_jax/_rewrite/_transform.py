@@ -28,15 +28,15 @@ import numpy as np
 import optax
 
 from . import _mesh, _zero
-from ._checks import check_int, check_values, match_tree
+from .._values._checks import check_int, check_values, match_tree
 from ._accumulate import init as accum_init
 from ._collectives import (_zero_of, accumulated_allreduce, axis_size, carries, carry_over,
                            check_residual_varying, is_varying, reduce_scatter_chunks, reduce_units,
                            schedule_units, scheduled_allreduce, to_varying, unit_allreduces, vma_enabled)
 from ._defer import DeferState, GroupState, check_state, group_states, init as defer_init, with_groups
-from ._errors import AlreadyReducedError, CompositionError
-from ._schedule import Bucket, Chunk, Schedule, shard_size
-from ._tree import dtype_name, is_float_dtype, is_reduced_leaf, path_str
+from .._values._errors import AlreadyReducedError, CompositionError
+from .._values._schedule import Bucket, Chunk, Schedule, shard_size
+from .._values._tree import dtype_name, is_float_dtype, is_reduced_leaf, path_str
 
 __all__ = ["ScheduledState", "scheduled", "check_composition", "hooked", "loop_hook", "hook_groups", "LOOP_SCOPE"]
 

@@ -51,9 +51,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _accumulate, _defer, _zero
 from ._collectives import accumulated_allreduce, scheduled_allreduce
-from ._errors import AlreadyReducedError
-from ._schedule import Schedule
-from ._tree import is_reduced_leaf, path_str
+from .._values._errors import AlreadyReducedError
+from .._values._schedule import Schedule
+from .._values._tree import is_reduced_leaf, path_str
 
 __all__ = ["data_axes", "check_mesh", "axis_total", "MeshGradFn", "MeshPipelined", "reduce_unreduced",
            "global_defer_state", "global_accum_state", "accumulate_unreduced", "local_devices_along",

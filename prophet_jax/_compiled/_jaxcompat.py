@@ -30,7 +30,7 @@ import functools
 import importlib
 from typing import Any
 
-from ._errors import JaxVersionError
+from .._values._errors import JaxVersionError
 
 __all__ = ["SUPPORTED_JAX", "TESTED_JAX_VERSIONS", "PRIVATE_JAX", "JAXPR_API", "private", "check_jaxpr_api"]
 

@@ -107,14 +107,14 @@ import optax
 from jax.sharding import PartitionSpec
 
 from . import _defer, _zero
-from ._checks import check_values, match_tree
+from .._values._checks import check_values, match_tree
 from ._collectives import allreduce, axis_size, is_varying, to_varying, vma_enabled
 from ._defer import DeferState
-from ._errors import ScheduleMismatchError
+from .._values._errors import ScheduleMismatchError
 from ._mesh import MeshPipelined
 from ._residuals import VjpTrace, carried_avals, carry_plan, forward, recompute, vjp_jaxpr
-from ._schedule import Schedule
-from ._tree import is_reduced_leaf, path_str
+from .._values._schedule import Schedule
+from .._values._tree import is_reduced_leaf, path_str
 
 __all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending", "save_matmuls"]
 

@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._accumulate import AccumState, is_grads_path
-from ._checks import match_tree
-from ._errors import ScheduleMismatchError
-from ._schedule import Chunk, Schedule
-from ._tree import IdentityMemo
-from ._types import itemsize
+from .._values._checks import match_tree
+from .._values._errors import ScheduleMismatchError
+from .._values._schedule import Chunk, Schedule
+from .._values._tree import IdentityMemo
+from .._values._types import itemsize
 
 __all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "defer_state",
            "check_state", "group_states", "with_groups", "state_specs", "same_groups", "lossless",

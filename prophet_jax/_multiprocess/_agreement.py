@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._checks import match_tree
-from ._errors import LaunchError, ProphetError
-from ._schedule import Schedule
-from ._tree import flatten_with_paths
+from .._values._checks import match_tree
+from .._values._errors import LaunchError, ProphetError
+from .._values._schedule import Schedule
+from .._values._tree import flatten_with_paths
 
 __all__ = ["broadcast_schedule"]
 

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.extend.core as jex_core
 
-from ._jaxcompat import check_jaxpr_api
+from .._compiled._jaxcompat import check_jaxpr_api
 
 # Position of a value in a jaxpr: (-1, k) the k-th input; (i, j) output j of equation i.
 Position = tuple[int, int]

@@ -50,12 +50,12 @@ import optax
 from jax.sharding import PartitionSpec
 
 from . import _accumulate, _defer
-from ._checks import match_tree
+from .._values._checks import match_tree
 from ._collectives import (_chunk_buffer, _padded, all_gather_chunks, axis_size, check_not_reduced,
                            local_shards, reduce_scatter_chunks, scatter_chunks, shards_square_sum)
-from ._errors import ScheduleMismatchError, ShardingError, UnboundAxisError
-from ._schedule import Schedule, shard_size
-from ._tree import IdentityMemo, is_reduced_leaf, path_str
+from .._values._errors import ScheduleMismatchError, ShardingError, UnboundAxisError
+from .._values._schedule import Schedule, shard_size
+from .._values._tree import IdentityMemo, is_reduced_leaf, path_str
 
 __all__ = ["ShardTag", "ShardedState", "GradShards", "shard_mode", "init", "update", "reduce_scatter",
            "state_specs", "schedule_key", "check_state", "check_grad_shards", "unshard_state", "shard_state",

@@ -1,0 +1,1 @@
+"""Compiled programs: HLO reading, the audit, compile-only GPU targets, jax version checks."""

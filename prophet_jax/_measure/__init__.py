@@ -1,0 +1,1 @@
+"""Measurement: the profiler, the xplane reader and the network probe."""

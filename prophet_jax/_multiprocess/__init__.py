@@ -1,0 +1,1 @@
+"""Several processes: jax.distributed set-up, the launcher, agreement, the Monitor."""

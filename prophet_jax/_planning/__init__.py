@@ -1,0 +1,1 @@
+"""Planning: the numeric core, the simulator, the bound and plan() (pure numpy)."""

@@ -1,0 +1,1 @@
+"""Values: small typed frozen values, errors and checks (pure: never imports jax)."""
