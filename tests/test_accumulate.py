@@ -271,14 +271,14 @@ def test_the_readme_snippet_runs_and_equals_the_full_batch_step():
   import re
   from pathlib import Path
 
-  text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+  text = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
   start = text.index("**Gradient accumulation: `every_k`.**")
   code = re.compile(r"```python\n(.*?)```", re.S).search(text, start).group(1)
   s = _setup()
   mesh = jax.make_mesh((U.N_DEV,), ("dp",))
   ns = {"jax": jax, "optax": optax, "pj": pj, "P": P, "schedule": _schedule(), "params": s.params,
         "loss_fn": _loss, "mesh": mesh}
-  exec(compile(code, "README.md", "exec"), ns)  # noqa: S102
+  exec(compile(code, "docs/usage.md", "exec"), ns)  # noqa: S102
   k = 4
   mb = [s.batches[i % len(s.batches)] for i in range(k)]
   p, o = jax.device_put(s.params, NamedSharding(mesh, P())), ns["opt_state"]

@@ -437,10 +437,10 @@ def test_the_readme_snippet_runs():
   import re
   from pathlib import Path
 
-  text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+  text = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
   start = text.index("## Sharded steps (DeAR, ZeRO-1)")
   code = re.compile(r"```python\n(.*?)```", re.S).search(text, start).group(1)
   ns: dict = {}
-  exec(compile(code, "README.md", "exec"), ns)  # noqa: S102
+  exec(compile(code, "docs/usage.md", "exec"), ns)  # noqa: S102
   assert ns["s"].sharded and ns["s"].cross_step
   assert ns["a"].sharded         # BERT-base on 10GbE x 64, pipelined: the sharded plan wins there

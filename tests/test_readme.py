@@ -1,5 +1,5 @@
-"""The README's training-loop snippets (the plain jax.jit one and the shard_map one) run as written (a host
-batch included) and train correctly."""
+"""The documented training-loop snippets (the README's plain jax.jit one and docs/usage.md's shard_map one)
+run as written (a host batch included) and train correctly; docs/gpu.md's compile-only one compiles."""
 
 from __future__ import annotations
 
@@ -16,20 +16,24 @@ import prophet_jax
 from _assert import assert_trees_close
 from prophet_jax.models import get_model
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+USAGE = ROOT / "docs" / "usage.md"
+GPU = ROOT / "docs" / "gpu.md"
 
 
-def _snippet(section: str) -> str:
-  text = README.read_text()
+def _snippet(doc: Path, section: str) -> str:
+  text = doc.read_text()
   start = text.index(section)
   m = re.compile(r"```python\n(.*?)```", re.S).search(text, start)
-  assert m is not None, f"no python block after {section!r}"
+  assert m is not None, f"no python block after {section!r} in {doc.name}"
   return m.group(1)
 
 
-@pytest.mark.parametrize("section", ["### A plain `jax.jit` step on global arrays", "### Under `jax.shard_map`"])
-def test_the_training_loop_snippet_runs_and_matches_the_single_device_step(monkeypatch, section):
-  code = _snippet(section)
+@pytest.mark.parametrize("doc, section", [(README, "### A plain `jax.jit` step on global arrays"),
+                                          (USAGE, "## Under `jax.shard_map`")], ids=["README-jit", "usage-shard_map"])
+def test_the_training_loop_snippet_runs_and_matches_the_single_device_step(monkeypatch, doc, section):
+  code = _snippet(doc, section)
   assert "jax.device_put(batch, NamedSharding(mesh, P(\"dp\")))" in code
   m = get_model("mlp")
   params = m.init(jax.random.key(0))
@@ -42,7 +46,7 @@ def test_the_training_loop_snippet_runs_and_matches_the_single_device_step(monke
   monkeypatch.setattr(prophet_jax, "profile_step", functools.partial(prophet_jax.profile_step, steps=2),
                       raising=False)
   ns = {"loss_fn": m.loss_fn, "params": params, "batch": batches[0], "batches": batches, "model": m}
-  exec(compile(code, str(README), "exec"), ns)  # noqa: S102
+  exec(compile(code, str(doc), "exec"), ns)  # noqa: S102
   got = jax.device_get(ns["state"].params)
   assert np.isfinite(float(ns["loss"]))
 
@@ -61,7 +65,7 @@ def test_the_gpu_compile_snippet_defines_its_step_and_compiles_as_written(capsys
     prophet_jax.gpu_topology("h100", devices=8)
   except prophet_jax.GpuCompileError as e:
     pytest.fail(f"{e}\nThe test extra includes gpu-compile: pip install -e '.[gpu-compile]'.", pytrace=False)
-  code = _snippet("## Compile for a GPU on a machine without one")
+  code = _snippet(README, "## Compile for a GPU on a machine without one")
   assert "def step(" in code and "pip install -e '.[gpu-compile]'" in README.read_text()
   m = get_model("mlp")
   params = m.abstract_params()
