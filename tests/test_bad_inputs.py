@@ -38,7 +38,8 @@ from prophet_jax._values._tree import layer_of
 from prophet_jax.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+# the README and docs/, where its longer parts moved (docs/usage.md, docs/gpu.md)
+README = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
 AX = "dp"
 NDEV = 8
 

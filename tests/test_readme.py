@@ -65,8 +65,8 @@ def test_the_gpu_compile_snippet_defines_its_step_and_compiles_as_written(capsys
     prophet_jax.gpu_topology("h100", devices=8)
   except prophet_jax.GpuCompileError as e:
     pytest.fail(f"{e}\nThe test extra includes gpu-compile: pip install -e '.[gpu-compile]'.", pytrace=False)
-  code = _snippet(README, "## Compile for a GPU on a machine without one")
-  assert "def step(" in code and "pip install -e '.[gpu-compile]'" in README.read_text()
+  code = _snippet(GPU, "## Compile for a GPU on a machine without one")
+  assert "def step(" in code and "pip install -e '.[gpu-compile]'" in GPU.read_text()
   m = get_model("mlp")
   params = m.abstract_params()
   batch = jax.eval_shape(lambda: m.make_batch(jax.random.key(0), 16))
@@ -74,7 +74,7 @@ def test_the_gpu_compile_snippet_defines_its_step_and_compiles_as_written(capsys
   network = prophet_jax.NetworkModel.preset("10gbe", workers=8)
   schedule = prophet_jax.plan(profile, network, "wfbp")
   ns = {"loss_fn": m.loss_fn, "params": params, "batch": batch, "schedule": schedule, "network": network}
-  exec(compile(code, str(README), "exec"), ns)  # noqa: S102
+  exec(compile(code, str(GPU), "exec"), ns)  # noqa: S102
   assert ns["report"].ok and len(ns["report"].chunks) == schedule.num_allreduces
   assert prophet_jax.audit(ns["compiled"], ns["cnn_schedule"]).ok
   assert "OK" in capsys.readouterr().out
