@@ -272,7 +272,7 @@ def test_the_readme_snippet_runs_and_equals_the_full_batch_step():
   from pathlib import Path
 
   text = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
-  start = text.index("**Gradient accumulation: `every_k`.**")
+  start = text.index("## Gradient accumulation: `every_k`")
   code = re.compile(r"```python\n(.*?)```", re.S).search(text, start).group(1)
   s = _setup()
   mesh = jax.make_mesh((U.N_DEV,), ("dp",))
