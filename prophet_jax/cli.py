@@ -157,6 +157,16 @@ def _out_path(path: str) -> Path:
   return out
 
 
+def _non_negative(text: str) -> float:
+  try:
+    v = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+  if not v >= 0 or v == float("inf"):
+    raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+  return v
+
+
 def _positive(text: str) -> int:
   try:
     v = int(text)
@@ -291,7 +301,8 @@ def cmd_probe(a: argparse.Namespace) -> int:
 
   # under `prophet-jax launch` (jax.distributed initialized) the probe spans every process's devices
   kw = {} if a.sizes is None else {"sizes": tuple(a.sizes)}
-  timings = probe(a.num_devices, repeats=a.repeats, max_seconds_per_size=20.0, progress=True, **kw)
+  timings = probe(a.num_devices, repeats=a.repeats, max_seconds_per_size=20.0, progress=True,
+                  time_budget_s=a.time_budget or None, **kw)
   net = timings.fit()
   warning = check_fit(net, timings)
   if warning is not None:
@@ -446,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--sizes", type=_positive, nargs="+", default=None, metavar="BYTES",
                  help="message sizes in bytes per device (default 1 KiB .. 64 MiB, powers of 4)")
   s.add_argument("--repeats", type=_positive, default=15, help="paired timings per size (default 15)")
+  s.add_argument("--time-budget", type=_non_negative, default=6.0, metavar="SECONDS",
+                 help="seconds the probe may take, compiles included (default 6; 0: no budget): sizes "
+                      "run smallest first until the next would not fit, and the output names those cut")
   s.add_argument("--out", required=True)
   s.set_defaults(fn=cmd_probe)
 
