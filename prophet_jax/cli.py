@@ -101,7 +101,8 @@ def load_model(model: str, device: str | None = None) -> tuple[GradientProfile, 
   name = f"{model}-{device or DEFAULT_DEVICE}"
   if name in names:
     return models.load_trace(name), name
-  raise ValueError(f"--model {model!r} is neither a bundled trace ({', '.join(names)}), a model name "
+  listed = ", ".join(n + (" (development checkout only)" if n == "googlenet-k80" else "") for n in names)
+  raise ValueError(f"--model {model!r} is neither a bundled trace ({listed}), a model name "
                    f"that --device completes, nor a GradientProfile JSON file.")
 
 
@@ -416,8 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
   s = sub.add_parser("simulate", parents=[common], help="every policy (or those named) on a model")
-  s.add_argument("--model", required=True, help="trace name (resnet50-h100, googlenet-k80), model name "
-                 "completed by --device, or a GradientProfile JSON")
+  s.add_argument("--model", required=True, help="trace name (resnet50-h100, ...; googlenet-k80 in a "
+                 "development checkout only: it reads the public GoogLeNet logs beside the repository), model "
+                 "name completed by --device, or a GradientProfile JSON")
   s.add_argument("--device", default=None, help=f"device of the bundled trace (default {DEFAULT_DEVICE})")
   s.add_argument("--workers", type=_positive, default=None)
   s.add_argument("--network", required=True, help=f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON")
