@@ -107,8 +107,9 @@ def googlenet_dir(shared_dir: str | Path | None = None) -> Path:
     if (d / "tmp8comm.log").is_file():
       return d
   raise TraceUnavailableError(
-      "the GoogLeNet/K80 trace (a public data set read at run time, not shipped with the package) is "
-      "not on this machine; looked for traces/googlenet-caffe-k80/tmp8comm.log under "
+      "the GoogLeNet/K80 trace is for a development checkout only (a public data set read at run time "
+      "from ../shared beside the repository, not shipped with the package) and is not on this machine; "
+      "looked for traces/googlenet-caffe-k80/tmp8comm.log under "
       + ", ".join(str(d) for d in tried)
       + ". Pass shared_dir= (the directory that holds traces/), or use a bundled trace: "
       + ", ".join(_BUNDLED) + ".")

@@ -101,7 +101,8 @@ def load_model(model: str, device: str | None = None) -> tuple[GradientProfile, 
   name = f"{model}-{device or DEFAULT_DEVICE}"
   if name in names:
     return models.load_trace(name), name
-  raise ValueError(f"--model {model!r} is neither a bundled trace ({', '.join(names)}), a model name "
+  listed = ", ".join(n + (" (development checkout only)" if n == "googlenet-k80" else "") for n in names)
+  raise ValueError(f"--model {model!r} is neither a bundled trace ({listed}), a model name "
                    f"that --device completes, nor a GradientProfile JSON file.")
 
 
@@ -155,6 +156,16 @@ def _out_path(path: str) -> Path:
     except (FileExistsError, NotADirectoryError) as e:
       raise ValueError(f"cannot write {path!r}: {out.parent} exists and is not a directory.") from e
   return out
+
+
+def _non_negative(text: str) -> float:
+  try:
+    v = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+  if not v >= 0 or v == float("inf"):
+    raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+  return v
 
 
 def _positive(text: str) -> int:
@@ -291,7 +302,8 @@ def cmd_probe(a: argparse.Namespace) -> int:
 
   # under `prophet-jax launch` (jax.distributed initialized) the probe spans every process's devices
   kw = {} if a.sizes is None else {"sizes": tuple(a.sizes)}
-  timings = probe(a.num_devices, repeats=a.repeats, max_seconds_per_size=20.0, progress=True, **kw)
+  timings = probe(a.num_devices, repeats=a.repeats, max_seconds_per_size=20.0, progress=True,
+                  time_budget_s=a.time_budget or None, **kw)
   net = timings.fit()
   warning = check_fit(net, timings)
   if warning is not None:
@@ -405,8 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
   s = sub.add_parser("simulate", parents=[common], help="every policy (or those named) on a model")
-  s.add_argument("--model", required=True, help="trace name (resnet50-h100, googlenet-k80), model name "
-                 "completed by --device, or a GradientProfile JSON")
+  s.add_argument("--model", required=True, help="trace name (resnet50-h100, ...; googlenet-k80 in a "
+                 "development checkout only: it reads the public GoogLeNet logs beside the repository), model "
+                 "name completed by --device, or a GradientProfile JSON")
   s.add_argument("--device", default=None, help=f"device of the bundled trace (default {DEFAULT_DEVICE})")
   s.add_argument("--workers", type=_positive, default=None)
   s.add_argument("--network", required=True, help=f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON")
@@ -446,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--sizes", type=_positive, nargs="+", default=None, metavar="BYTES",
                  help="message sizes in bytes per device (default 1 KiB .. 64 MiB, powers of 4)")
   s.add_argument("--repeats", type=_positive, default=15, help="paired timings per size (default 15)")
+  s.add_argument("--time-budget", type=_non_negative, default=6.0, metavar="SECONDS",
+                 help="seconds the probe may take, compiles included (default 6; 0: no budget): sizes "
+                      "run smallest first until the next would not fit, and the output names those cut")
   s.add_argument("--out", required=True)
   s.set_defaults(fn=cmd_probe)
 

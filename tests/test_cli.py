@@ -112,6 +112,8 @@ def test_plan_writes_a_schedule_from_profile_and_network_files(capsys, tmp_path)
 
 @pytest.mark.parametrize("argv, match", [
     (["simulate", "--model", "alexnet", "--workers", "4", "--network", "10gbe"], "--model 'alexnet'"),
+    (["simulate", "--model", "alexnet", "--workers", "4", "--network", "10gbe"],
+     "googlenet-k80 (development checkout only)"),
     (["simulate", "--model", "resnet50", "--workers", "4", "--network", "5gbe"], "--network '5gbe'"),
     (["simulate", "--model", "resnet50", "--network", "10gbe"], "a preset needs --workers"),
     (["simulate", "--model", "resnet50", "--workers", "4", "--network", "10gbe", "--policy", "fastest"],
@@ -129,6 +131,12 @@ def test_bad_input_one_line_exit_2(capsys, argv, match):
   code, _, err = run(capsys, *argv)
   assert code == 2
   assert len(err.strip().splitlines()) == 1 and match in err
+
+
+def test_help_marks_the_googlenet_trace_development_only(capsys):
+  with pytest.raises(SystemExit):
+    main(["simulate", "--help"])
+  assert "googlenet-k80 in a development checkout only" in " ".join(capsys.readouterr().out.split())
 
 
 def test_malformed_profile_json(capsys, tmp_path):

@@ -1,5 +1,6 @@
 """measure_network: the fit reproduces synthetic data; the probe runs across 8 CPU devices; bad input."""
 
+import dataclasses
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -42,7 +43,7 @@ def test_fit_rejects_bad_stat():
 
 
 def test_probe_across_eight_cpu_devices():
-  t = _probe.probe(8, sizes=(2**10, 2**14, 2**18), repeats=4, inner=2)
+  t = _probe.probe(8, sizes=(2**10, 2**14, 2**18), repeats=4, inner=2, time_budget_s=None)
   assert t.workers == 8 and t.processes == 1 and t.platform == "cpu"
   assert all(m > 0 for m in t.median_s)
   assert all(lo <= m for lo, m in zip(t.low_s, t.median_s))
@@ -54,6 +55,19 @@ def test_probe_across_eight_cpu_devices():
   text = t.describe(net)
   assert "probe:cpux8:median" in text and "p10 us" in text and "262144" in text
   assert "predicted all-reduce" in net.describe()
+
+
+def test_a_time_budget_cuts_the_sizes_that_do_not_fit_and_says_so():
+  # the two smallest sizes always run (a fit needs two); a budget already spent cuts the rest
+  t = _probe.probe(2, sizes=(2**10, 2**12, 2**18, 2**20), repeats=3, inner=1, time_budget_s=1e-3)
+  assert t.sizes == (2**10, 2**12) and t.cut_sizes == (2**18, 2**20) and t.time_budget_s == 1e-3
+  assert "not measured (the 0.001 s time budget): 256 KiB, 1 MiB" in t.describe()
+  bad = dataclasses.replace(t, median_s=(1e-3, 1e-6))  # times falling with size: the fit warns
+  text = _probe.check_fit(bad.fit(), bad)
+  assert "time budget measured sizes up to 4 KiB and cut 256 KiB..1 MiB" in text and "time_budget_s" in text
+  for budget in (0, -1.0, float("nan"), "10"):
+    with pytest.raises((ValueError, TypeError), match="time_budget_s"):
+      _probe.probe(2, sizes=(2**10, 2**12), time_budget_s=budget)
 
 
 def test_interleaved_probe_measures_skew_and_carries_it():
@@ -129,7 +143,8 @@ def test_progress_is_quiet_by_default_and_reports_each_size(capsys):
   assert capsys.readouterr().err == ""
   lines = []
   measure_network(2, sizes=(2**10, 2**12), repeats=3, inner=1, progress=lines.append)
-  assert len(lines) == 3 and "2 cpu device(s), 2 sizes" in lines[0]
+  assert len(lines) == 3 and "over 2 cpu device(s) at up to 2 message sizes" in lines[0]
+  assert "as fit in 6 s" in lines[0]
   assert lines[1].startswith("measure_network: size 1/2 (1 KiB): median") and "size 2/2 (4 KiB)" in lines[2]
   measure_network(2, sizes=(2**10, 2**12), repeats=3, inner=1, progress=True)
   assert "size 2/2" in capsys.readouterr().err

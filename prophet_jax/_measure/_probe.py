@@ -51,6 +51,9 @@ from .._values._network import NetworkModel, fit_warning
 DEFAULT_SIZES: tuple[int, ...] = tuple(2**k for k in range(10, 27, 2))
 #: A quick probe (for tests and the Monitor's periodic probe).
 QUICK_SIZES: tuple[int, ...] = (2**10, 2**14, 2**18, 2**20)
+#: The probe's default time budget in seconds (compiles included): on 8 GPUs of one node the default sizes
+#: should fit (about 0.2 s of compiling each); on 8 host CPU devices it reaches about 1 MiB.
+DEFAULT_BUDGET_S = 6.0
 _AXIS = "prophet_probe"
 #: The compute put before each all-reduce when interleaving: (rows, d) @ (d, d) per device, at two
 #: sizes (the second only to measure skew).
@@ -86,6 +89,8 @@ class AllreduceTimings:
   platform: str
   skew: float = 0.0
   compute_s: tuple[float, ...] = ()
+  time_budget_s: float | None = None
+  cut_sizes: tuple[int, ...] = ()
 
   def fit(self, stat: str = "median") -> NetworkModel:
     """The NetworkModel least-squares-fitted to the median (default) or the low percentile."""
@@ -107,6 +112,9 @@ class AllreduceTimings:
     lines.append(f"  {'bytes':>10} {'median us':>10} {'p%g us' % self.percentile:>10} {'model us':>10}")
     for s, m, lo in zip(self.sizes, self.median_s, self.low_s):
       lines.append(f"  {s:>10} {m * 1e6:>10.1f} {lo * 1e6:>10.1f} {network.allreduce_s(s) * 1e6:>10.1f}")
+    if self.cut_sizes:
+      lines.append(f"  not measured (the {self.time_budget_s:g} s time budget): "
+                   f"{', '.join(_fmt_bytes(s) for s in self.cut_sizes)}")
     return "\n".join(lines)
 
 
@@ -162,6 +170,19 @@ def _fmt_bytes(n: int) -> str:
   return f"{n} B"
 
 
+def _agree(flag: bool) -> bool:
+  """Rank 0's `flag` on every process. A decision taken from a wall clock (stop repeating, skip a size)
+  must be the same everywhere, or the processes issue different numbers of all-reduces and wait for
+  each other forever."""
+  import jax  # this module imports jax only where it measures (planning imports it without jax)
+
+  if jax.process_count() == 1:
+    return bool(flag)
+  from jax.experimental import multihost_utils  # multi-process only
+
+  return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag, np.int32)))
+
+
 def _reporter(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
   if callable(progress):
     return progress
@@ -181,15 +202,20 @@ def check_fit(network: NetworkModel, timings: AllreduceTimings, stat: str = "med
             f"two timed programs stayed below the timing noise at {timings.repeats} repeats), so the "
             f"fitted alpha and beta mean nothing. Measure with more repeats, a larger `inner`, or "
             f"larger sizes.")
-  return fit_warning(network, timings.sizes, ys, who="measure_network",
+  text = fit_warning(network, timings.sizes, ys, who="measure_network",
                      advice="Re-run on a quieter machine or with more repeats, fit the floor with "
                             "stat='low', or measure only the sizes your schedules send (sizes=...).")
+  if text is not None and timings.cut_sizes:
+    text += (f" The {timings.time_budget_s:g} s time budget measured sizes up to "
+             f"{_fmt_bytes(timings.sizes[-1])} and cut {_fmt_bytes(timings.cut_sizes[0])}.."
+             f"{_fmt_bytes(timings.cut_sizes[-1])}: pass a larger time_budget_s (or None) to measure them.")
+  return text
 
 
 def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20,
           inner: int = 3, percentile: float = 10.0, dtype: str = "float32",
           max_seconds_per_size: float | None = None, interleave: bool = False,
-          skew: float | None = None,
+          skew: float | None = None, time_budget_s: float | None = DEFAULT_BUDGET_S,
           progress: bool | Callable[[str], None] = False) -> AllreduceTimings:
   """Times one all-reduce (psum) at each message size across the devices (or processes).
 
@@ -209,6 +235,12 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
       2-core machine varies from run to run (0.17 to 0.55 in three runs) by more than it corrects.
     skew: with `interleave`, the known skew (see NetworkModel); None measures it from a second,
       larger piece of compute at the smallest size.
+    time_budget_s: seconds the whole probe may take (default 6), compiles included; None for no
+      budget. Sizes run smallest first; a size starts only when its shortest measurement (3 repeats),
+      predicted from the sizes before it, still fits, and each size's repeats stop when its share of
+      what is left runs out. The two smallest sizes always run (a fit needs two). The sizes cut are in
+      `cut_sizes`, and `measure_network`'s fit warning names them. Across processes rank 0's clock
+      decides, so every process issues the same all-reduces.
     progress: report each size as it finishes: True prints a line to stderr, a callable receives the
       line (default False: quiet; `prophet-jax probe` shows it). Only rank 0 reports.
 
@@ -231,6 +263,8 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
   check_number("measure_network", "percentile", percentile, lo=0, hi=50, lo_open=True, hi_open=True,
                fix="It is the low percentile, e.g. 10.")
   check_number("measure_network", "skew", skew, lo=0, none=True, fix="None measures it.")
+  check_number("measure_network", "time_budget_s", time_budget_s, lo=0, lo_open=True, none=True,
+               fix="Give seconds, e.g. 10, or None for no budget.")
   devices = _mesh_devices(num_devices)
   p = len(devices)
   platform = devices[0].platform
@@ -270,10 +304,13 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
     return x, h, w
 
   def paired(short, long_, args, budget: float | None) -> np.ndarray:
+    """`repeats` paired timings (fewer once `budget` seconds are spent, at least 3); records the set-up
+    (compile and warm-up) and one round's wall time of this size in `costs`."""
+    t_setup = time.perf_counter()
     for f in (short, long_):  # compile and warm up
       jax.block_until_ready(f(*args))
       jax.block_until_ready(f(*args))
-    diffs, t_start = [], time.perf_counter()
+    diffs, rounds_s, t_start = [], [], time.perf_counter()
     for r in range(int(repeats)):
       t0 = time.perf_counter()
       jax.block_until_ready(short(*args))
@@ -281,22 +318,43 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
       jax.block_until_ready(long_(*args))
       t2 = time.perf_counter()
       diffs.append(((t2 - t1) - (t1 - t0)) / inner)
-      if budget is not None and r >= 2 and time.perf_counter() - t_start > budget:
+      rounds_s.append(t2 - t0)
+      if budget is not None and r >= 2 and _agree(time.perf_counter() - t_start > budget):
         break
+    costs.append((t_start - t_setup, float(np.median(rounds_s))))
     return np.asarray(diffs)
+
+  def fits(i: int, nbytes: int) -> bool:
+    """Whether size i's shortest measurement (set-up and 3 rounds), predicted from the sizes measured
+    before it (round time linear in bytes through the last two, never below the last), fits what is
+    left of the budget."""
+    (setup_a, round_a), (setup_b, round_b) = costs[-2], costs[-1]
+    a, b = sizes[i - 2], sizes[i - 1]
+    round_s = max(round_b, round_b + (round_b - round_a) / (b - a) * (nbytes - b))
+    need = max(setup_a, setup_b) + 5 * round_s  # warm-up: 2 calls of each program; then 3 rounds
+    return time.perf_counter() - t_all + need <= time_budget_s
 
   d_lo = _COMPUTE_D[0] if interleave else 1
   short, long_ = program(1, True), program(1 + inner, True)
   say = _reporter(progress if jax.process_index() == 0 else False)
-  say(f"measure_network: {p} {platform} device(s), {len(sizes)} sizes from {_fmt_bytes(sizes[0])} to "
-      f"{_fmt_bytes(sizes[-1])}, {int(repeats)} paired repeats each")
-  d_lo = _COMPUTE_D[0] if interleave else 1
-  short, long_ = program(1, True), program(1 + inner, True)
-  rounds = []
+  within = "" if time_budget_s is None else f" as fit in {time_budget_s:g} s"
+  say(f"measure_network: timing one all-reduce over {p} {platform} device(s) at up to {len(sizes)} message "
+      f"sizes from {_fmt_bytes(sizes[0])} to {_fmt_bytes(sizes[-1])}{within}, {int(repeats)} paired "
+      f"repeats each")
+  rounds, costs, cut = [], [], ()
   t_all = time.perf_counter()
   for i, nbytes in enumerate(sizes):
+    if time_budget_s is not None and i >= 2 and not _agree(fits(i, nbytes)):
+      cut = sizes[i:]
+      say(f"measure_network: the {time_budget_s:g} s budget leaves no room for {_fmt_bytes(nbytes)} "
+          f"and up; fitting {i} sizes")
+      break
     t_size = time.perf_counter()
-    rounds.append(paired(short, long_, operands(nbytes, d_lo), max_seconds_per_size))
+    budget = max_seconds_per_size
+    if time_budget_s is not None:  # this size's share of what is left: the rest split over 2 sizes at most
+      share = (time_budget_s - (t_size - t_all)) / max(1, min(2, len(sizes) - i))
+      budget = share if budget is None else min(budget, share)
+    rounds.append(paired(short, long_, operands(nbytes, d_lo), budget))
     r = np.maximum(rounds[-1], 0.0)
     say(f"measure_network: size {i + 1}/{len(sizes)} ({_fmt_bytes(nbytes)}): median "
         f"{np.median(r) * 1e6:.1f} us, p{percentile:g} {np.percentile(r, percentile) * 1e6:.1f} us "
@@ -326,16 +384,19 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
         np.asarray(med + low + [measured_skew], dtype=np.float64))
     k = len(med)
     med, low, measured_skew = [float(v) for v in both[:k]], [float(v) for v in both[k:2 * k]], float(both[-1])
+  sizes = sizes[:len(rounds)]
   return AllreduceTimings(sizes=tuple(max(1, s // itemsz) * itemsz for s in sizes), median_s=tuple(med),
                           low_s=tuple(low), percentile=float(percentile), repeats=int(repeats),
                           workers=p, processes=jax.process_count(), platform=platform,
-                          skew=float(measured_skew), compute_s=tuple(compute))
+                          skew=float(measured_skew), compute_s=tuple(compute),
+                          time_budget_s=None if time_budget_s is None else float(time_budget_s),
+                          cut_sizes=tuple(cut))
 
 
 def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES,
                     repeats: int = 20, inner: int = 3, stat: str = "median", percentile: float = 10.0,
                     dtype: str = "float32", max_seconds_per_size: float | None = None,
-                    interleave: bool = False,
+                    interleave: bool = False, time_budget_s: float | None = DEFAULT_BUDGET_S,
                     progress: bool | Callable[[str], None] = False) -> NetworkModel:
   """Measures all-reduce cost against message size and fits alpha and beta.
 
@@ -350,6 +411,9 @@ def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DE
     max_seconds_per_size: cap on the time spent on one size.
     interleave: time each all-reduce after a fixed piece of compute and measure `skew` (see
       `probe`).
+    time_budget_s: seconds the probe may take (default 6, compiles included; None: every size):
+      sizes run smallest first until the next would not fit (see `probe`); the fit warning says
+      which were cut.
     progress: True prints a line per size to stderr; a callable receives the lines (default quiet).
 
   Returns:
@@ -368,7 +432,8 @@ def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DE
   if stat not in ("median", "low"):
     raise ValueError(f"measure_network(stat={stat!r}): expected 'median' or 'low'.")
   t = probe(num_devices, sizes=sizes, repeats=repeats, inner=inner, percentile=percentile, dtype=dtype,
-            max_seconds_per_size=max_seconds_per_size, interleave=interleave, progress=progress)
+            max_seconds_per_size=max_seconds_per_size, interleave=interleave, time_budget_s=time_budget_s,
+            progress=progress)
   net = t.fit(stat)
   text = check_fit(net, t, stat)
   if text is not None:

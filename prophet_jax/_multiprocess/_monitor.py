@@ -243,7 +243,8 @@ class Monitor:
     if self._probe_fn is not None:
       seconds = list(self._probe_fn(sizes))
     else:
-      t = probe(self._num_devices, sizes=sizes, repeats=self.probe_repeats, inner=1)
+      t = probe(self._num_devices, sizes=sizes, repeats=self.probe_repeats, inner=1,
+                time_budget_s=None)  # its few quick sizes, all of them, every time
       sizes, seconds = t.sizes, list(t.median_s)
     return self.observe(sizes, seconds)
 
