@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from prophet_jax import GradientProfile, ProfileError, profile_step
-from prophet_jax._measure import _profile, _xplane
+from prophet_jax._measure import _profile, _profile_methods, _xplane
 
 N = 8  # conftest gives 8 CPU devices
 
@@ -202,19 +202,19 @@ def test_timing_compiles_a_bounded_number_of_layer_programs(monkeypatch):
   """One gradient program per layer is one compile per layer (BERT-base: 100): at most TIMED_LAYERS,
   evenly spaced, the layers between interpolated by parameter bytes."""
   loss, params, batch = _tiny()
-  monkeypatch.setattr(_profile, "TIMED_LAYERS", 2)
+  monkeypatch.setattr(_profile_methods, "TIMED_LAYERS", 2)
   made = []
-  real = _profile._grad_program
+  real = _profile_methods._grad_program
 
-  def counting(s, wrt=None, name=_profile._STEP_NAME):
+  def counting(s, wrt=None, name=_profile_methods._STEP_NAME):
     made.append(wrt)
     return real(s, wrt, name)
 
-  monkeypatch.setattr(_profile, "_grad_program", counting)
+  monkeypatch.setattr(_profile_methods, "_grad_program", counting)
   prof = profile_step(loss, params, batch, num_devices=2, steps=3, method="timed")
   assert prof.method == "timed" and "2 of the 3 layers" in prof.notes
   assert [w for w in made if w is not None] == [[0, 1], [3]]  # l0 (w, b) and l2; l1 interpolated
   ready = {r.path: r.ready_s for r in prof.rows}
   lo, hi = sorted((ready["l0/w"], ready["l2/w"]))
   assert lo <= ready["l1/w"] <= hi and ready["l0/b"] == ready["l0/w"]
-  assert _profile._sample(100, 12) == [0, 9, 18, 27, 36, 45, 54, 63, 72, 81, 90, 99]
+  assert _profile_methods._sample(100, 12) == [0, 9, 18, 27, 36, 45, 54, 63, 72, 81, 90, 99]

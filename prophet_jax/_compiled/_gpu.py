@@ -354,18 +354,9 @@ class GpuTopology:
         pytree of them with `tree`'s structure (a prefix, as shard_map's in_specs).
       mesh: the mesh (default `self.mesh(axis_name)`).
     """
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
+    from ._devices import placed  # imports jax: this module stays pure until a topology is made
 
-    mesh = self.mesh(axis_name) if mesh is None else mesh
-
-    def one(s, sub):
-      return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                         sharding=NamedSharding(mesh, s)), sub)
-
-    if isinstance(spec, PartitionSpec):
-      return one(spec, tree)
-    return jax.tree.map(one, spec, tree, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+    return placed(tree, spec, mesh, default=lambda: self.mesh(axis_name))
 
   def __repr__(self) -> str:
     return f"GpuTopology({self.target.name}: {len(self.devices)} x {self.target.description}, compile-only)"
