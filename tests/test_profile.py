@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from prophet_jax import GradientProfile, ProfileError, profile_step
-from prophet_jax._measure import _profile, _profile_methods, _xplane
+from prophet_jax._measure import _profile, _profile_methods, _step_hlo, _xplane
 
 N = 8  # conftest gives 8 CPU devices
 
@@ -144,13 +144,13 @@ ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
   ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%c, %a)
 }
 """
-  hlo = _xplane.step_hlo(text)
+  hlo = _step_hlo.step_hlo(text)
   assert hlo.module == "jit_m" and hlo.entry == "main" and hlo.root_operands == ["c", "a"]
   assert hlo.instrs["f"].calls == ["fused"] and hlo.instrs["f"].operands == ["a"]
   assert hlo.instrs["c"].operands == ["f"]
-  assert _xplane.match_layer(hlo.instrs["f"].op_name, ["params/Dense_0", "params/Dense_1"]) == \
+  assert _step_hlo.match_layer(hlo.instrs["f"].op_name, ["params/Dense_0", "params/Dense_1"]) == \
       "params/Dense_1"
-  assert _xplane.match_layer("jit(f)/jvp(Net)/Block_1/Dense_0/dot",
+  assert _step_hlo.match_layer("jit(f)/jvp(Net)/Block_1/Dense_0/dot",
                                ["p/Block_0/Dense_0", "p/Block_1/Dense_0"]) == "p/Block_1/Dense_0"
   ev = [{"op": "f", "start_ns": 100.0, "end_ns": 400.0, "run": 1, "device": 0}]
   fwd_s, bwd_s, ready, fwd = _xplane.analyse_execution(ev, hlo, [0, 1], 2, ["params/Dense_1"])

@@ -47,7 +47,7 @@ Made-up numbers are never labelled 'measured'.
 
 Rows are in forward (priority) order: the order in which the loss's jaxpr first reads each parameter
 (`_jaxpr.forward_paths`), not flatten order; `profile_from_trace`, without the loss, reads the order
-from the compiled program (`_xplane.forward_positions`).
+from the compiled program (`_step_hlo.forward_positions`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from typing import Any
 
 import jax
 
-from . import _xplane
+from . import _step_hlo
 from ._profile_harness import _local_step_program, _setup, _update_program
 from ._profile_methods import (HLO_FILE, TIMED_LAYERS, _LINKED, _NoProfilerEvents, _RowSpec, _estimated,
                                _from_trace, _measured, _rows, _timed)
@@ -245,7 +245,7 @@ def profile_from_trace(trace: str | os.PathLike[str], hlo_text: str, params: Any
   if "HloModule" not in text:
     raise ValueError(f"profile_from_trace: hlo_text is not HLO module text (it starts {text[:40]!r}); pass "
                      f"compiled.as_text() of the traced program (jax.jit(f).lower(...).compile()).")
-  hlo = _xplane.step_hlo(text)
+  hlo = _step_hlo.step_hlo(text)
   check_layer_depth("profile_from_trace", layer_depth)
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
   leaves = [(path_str(p), x) for p, x in flat if is_reduced_leaf(x)]
@@ -265,7 +265,7 @@ def profile_from_trace(trace: str | os.PathLike[str], hlo_text: str, params: Any
   notes = []
   if all(_hlo_matches(hlo.instrs[hlo.params[k]].shape, shapes[k], dtypes[k]) if k in hlo.params else False
          for k in range(len(paths))):
-    positions = _xplane.forward_positions(hlo, len(paths))
+    positions = _step_hlo.forward_positions(hlo, len(paths))
   if positions is None:
     order = list(range(len(paths)))
     notes.append("rows in flatten order (the program's first parameters are not the leaves of params, so "

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from . import _xplane
+from . import _step_hlo, _xplane
 from ._profile_harness import (_AXIS, _UPDATE_NAME, _STEP_NAME, _Prog, _Setup, _compile_all, _grad_program,
                                _layers_in_order, _loss_program, _nbytes, _split, _wall_median)
 from .._values._errors import ProfileError
@@ -80,7 +80,7 @@ def _measured(s: _Setup, steps: int, warmup: int, update: _Prog | None, whole: _
   _compile_all([grad, whole, update])
   compiled = grad.compiled
   text = compiled.as_text()
-  hlo = _xplane.step_hlo(text)
+  hlo = _step_hlo.step_hlo(text)
   spec = _spec(s)
   if len(hlo.root_operands) != len(s.diff_idx):
     raise _NoProfilerEvents(f"the compiled step returns {len(hlo.root_operands)} outputs for {len(s.diff_idx)} "
@@ -152,7 +152,7 @@ _LINKED = {"run_id": "executions by run_id", "host launch": "executions by the h
            "segments": "executions cut where another program ran"}
 
 
-def _from_trace(trace: str | os.PathLike[str], hlo: _xplane.StepHlo, spec: _RowSpec, *,
+def _from_trace(trace: str | os.PathLike[str], hlo: _step_hlo.StepHlo, spec: _RowSpec, *,
                 outputs: Sequence[str] | None = None, extra_modules: Sequence[str] = (),
                 expected: int | None = None, expected_why: str = "") -> tuple[_xplane.Trace, _xplane.Analysis]:
   """The trace's executions of the step `hlo`, analysed for the spec's rows (output k is leaf k; or

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import _xplane
+from . import _step_hlo
 from .._compiled._hlo import shape_dims, shape_dtypes
 
 _HLO_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "complex64": "c64",
@@ -29,7 +29,7 @@ def _hlo_matches(shape_text: str, shape: tuple[int, ...], dtype: str) -> bool:
   return shape_dims(shape_text) == (tuple(shape),) and shape_dtypes(shape_text) == (_hlo_dtype(dtype),)
 
 
-def _gradient_outputs(hlo: _xplane.StepHlo, paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
+def _gradient_outputs(hlo: _step_hlo.StepHlo, paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
                       dtypes: Sequence[str]) -> list[str]:
   """The program outputs that are the gradient leaves: the one run of consecutive ENTRY ROOT operands
   whose shapes and dtypes are the leaves', in order."""

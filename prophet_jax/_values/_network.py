@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import NetworkError
-from ._types import _fields, _loads, is_bool, is_int, is_number
+from ._types import _fields, _loads, is_bool, is_finite_nonneg, is_int
 
 __all__ = ["NetworkModel", "Pressure", "PRESETS", "ALGORITHMS", "nonneg_line", "typical_network", "fit_warning",
            "RESIDUAL_WARN_REL_RMS", "RESIDUAL_WARN_WORST"]
@@ -103,7 +103,7 @@ class Pressure:
   def __post_init__(self):
     for n in ("background_flows", "tail_prob", "tail_scale_s", "tail_shape"):
       v = getattr(self, n)
-      if not is_number(v) or not math.isfinite(v) or v < 0:
+      if not is_finite_nonneg(v):
         raise NetworkError(f"Pressure has {n}={v!r}; it must be a finite number >= 0.")
       object.__setattr__(self, n, float(v))
     if self.tail_prob > 1:
@@ -171,7 +171,7 @@ class NetworkModel:
   def __post_init__(self):
     for n in ("alpha_s", "beta_s_per_byte", "skew"):
       v = getattr(self, n)
-      if not is_number(v) or not math.isfinite(v) or v < 0:
+      if not is_finite_nonneg(v):
         raise NetworkError(f"NetworkModel has {n}={v!r}; it must be a finite number >= 0.")
       object.__setattr__(self, n, float(v))
     for n in ("workers", "links"):
@@ -191,7 +191,7 @@ class NetworkModel:
                          f"from, e.g. '25gbe' or 'fit').")
     r = self.fit_residual_s
     if r is not None:
-      if not is_number(r) or not math.isfinite(r) or r < 0:
+      if not is_finite_nonneg(r):
         raise NetworkError(f"NetworkModel has fit_residual_s={r!r}; it must be a finite number >= 0 (the "
                            f"fit's RMS residual, seconds) or None.")
       object.__setattr__(self, "fit_residual_s", float(r))

@@ -64,12 +64,18 @@ def is_number(x: Any) -> bool:
   return isinstance(x, (int, float, np.integer, np.floating)) and not is_bool(x)
 
 
+def is_finite_nonneg(x: Any) -> bool:
+  """True for a real number that is finite and >= 0 (a time, a rate, a residual): the one rule every
+  value checks its non-negative numbers by."""
+  return is_number(x) and math.isfinite(x) and x >= 0
+
+
 def _finite_nonneg(owner: str, name: str, value: Any) -> float:
   if not is_number(value):
     raise ProfileError(f"{owner} has {name}={value!r}; {name} must be a number of seconds (finite, >= 0), "
                        f"not {type(value).__name__}.")
   value = float(value)
-  if not math.isfinite(value) or value < 0:
+  if not is_finite_nonneg(value):
     raise ProfileError(f"{owner} has {name}={value!r}; {name} must be finite and >= 0.")
   return value
 
@@ -364,7 +370,7 @@ class GradientProfile:
     """
     for name, value in (("forward_s", forward_s), ("backward_s", backward_s),
                         ("update_s_per_byte", update_s_per_byte)):
-      if not is_number(value) or not math.isfinite(value) or value < 0:
+      if not is_finite_nonneg(value):
         raise ValueError(f"GradientProfile.from_params({name}={value!r}): `{name}` must be a finite number "
                          f">= 0 ({'seconds per gradient byte' if name == 'update_s_per_byte' else 'seconds'}"
                          f").")
