@@ -66,7 +66,7 @@ _EQN_FIELDS = ("primitive", "params", "invars", "outvars", "effects")
 
 def _installed() -> str:
   try:
-    import jax
+    import jax  # lazy: a pure module
 
     return jax.__version__
   except ImportError:
@@ -118,7 +118,7 @@ def _jaxpr_api_missing() -> tuple[str, ...]:
       missing.append(f"{module}.{attribute}")
   if missing:
     return tuple(missing)
-  import jax
+  import jax  # lazy: a pure module
 
   closed = jax.make_jaxpr(lambda x: jax.jit(lambda y: y * 2)(x) + 1)(1.0)
   missing += [f"a traced jaxpr's .{f}" for f in _JAXPR_FIELDS if not hasattr(closed, f)

@@ -43,7 +43,7 @@ def path_str(keypath: Any) -> str:
   """'params/Conv_0/kernel' for a jax key path (a string passes through unchanged)."""
   if isinstance(keypath, str):
     return keypath
-  import jax
+  import jax  # lazy: the planner reads trees without jax
 
   return jax.tree_util.keystr(tuple(keypath), simple=True, separator="/")
 
@@ -51,7 +51,7 @@ def path_str(keypath: Any) -> str:
 def flatten_with_paths(tree: Any) -> list[tuple[str, Any]]:
   """[(path, leaf)] in jax's flatten order (a pure walk of dicts, lists and tuples without jax)."""
   try:
-    import jax
+    import jax  # lazy: the planner reads trees without jax
   except ImportError:  # the pure walk: dicts (sorted keys), lists and tuples, as jax flattens them
     out: list[tuple[str, Any]] = []
 
@@ -116,7 +116,7 @@ def flatten_with_layer_paths(tree: Any) -> list[tuple[str, str, Any]]:
   layers of `nnx.state(model, nnx.Param)` ('l0/kernel/value') are those of the pure-dict tree
   ('l0/kernel' is in layer 'l0'). Without jax (plain dicts and lists) the two paths are the same."""
   try:
-    import jax
+    import jax  # lazy: the planner reads trees without jax
   except ImportError:
     return [(p, p, leaf) for p, leaf in flatten_with_paths(tree)]
   return [(path_str(kp), layer_path(kp), leaf) for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
