@@ -5,13 +5,12 @@ and its JSON form (`AUDIT_SCHEMA`)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._values._types import _fields, _loads
+from .._values._types import JsonValue, _fields, _loads
 
 __all__ = ["AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "COMPUTE_KINDS", "NEXT_FORWARD"]
 
@@ -114,7 +113,7 @@ class AuditEntry:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AuditReport:
+class AuditReport(JsonValue):
   """What the compiled step does with the schedule's chunks.
 
   Attributes:
@@ -271,9 +270,6 @@ class AuditReport:
   def to_dict(self) -> dict[str, Any]:
     """A JSON-ready dict (every field; entries and window ops as objects)."""
     return dataclasses.asdict(self)
-
-  def to_json(self, indent: int | None = None) -> str:
-    return json.dumps(self.to_dict(), indent=indent)
 
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> AuditReport:

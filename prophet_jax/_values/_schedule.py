@@ -8,7 +8,6 @@ the row's dtype (vectorised over the slices; memoized per row tuple, see `_tree.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from typing import Any
 from ._errors import ScheduleError
 from ._tree import is_float_dtype, rows_info
 from ._schedule_checks import check_coverage, check_gathers, check_links
-from ._types import _fields, _loads, is_bool, is_finite_nonneg, is_int, is_number, itemsize
+from ._types import JsonValue, check_items, is_bool, is_int, nonneg_or_none, is_number, itemsize
 
 __all__ = ["Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA", "shard_size"]
 
@@ -137,12 +136,8 @@ class Bucket:
 
   def __post_init__(self):
     object.__setattr__(self, "chunks", tuple(self.chunks))
-    if not self.chunks:
-      raise ScheduleError("a bucket has no chunks.")
-    bad = next((c for c in self.chunks if not isinstance(c, Chunk)), None)
-    if bad is not None:
-      raise ScheduleError(f"a bucket has a chunk {bad!r} of type {type(bad).__name__}; chunks are "
-                          f"prophet_jax.Chunk values.")
+    check_items(self.chunks, Chunk, ScheduleError, "a bucket has no chunks.", "a bucket has a chunk",
+                "chunks are prophet_jax.Chunk values.")
     k, m = self.defer, len(self.chunks)
     if not is_int(k):
       raise ScheduleError(f"a bucket of {m} chunks has defer={k!r}; `defer` must be an integer number of "
@@ -190,7 +185,7 @@ class Bucket:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Schedule:
+class Schedule(JsonValue):
   """An ordered plan of all-reduces for one gradient tree.
 
   Attributes:
@@ -235,10 +230,8 @@ class Schedule:
 
   def __post_init__(self):
     object.__setattr__(self, "buckets", tuple(self.buckets))
-    bad = next((b for b in self.buckets if not isinstance(b, Bucket)), None)
-    if bad is not None:
-      raise ScheduleError(f"a schedule has a bucket {bad!r} of type {type(bad).__name__}; buckets are "
-                          f"prophet_jax.Bucket values.")
+    check_items(self.buckets, Bucket, ScheduleError, None, "a schedule has a bucket",
+                "buckets are prophet_jax.Bucket values.")
     check_links(self)
     check_gathers(self)
     try:
@@ -257,12 +250,9 @@ class Schedule:
       raise ScheduleError(f"schedule has cross_step={self.cross_step!r}; it must be True or False (JSON true "
                           f"or false): the step mode it was planned for.")
     object.__setattr__(self, "cross_step", bool(self.cross_step))
-    p = self.predicted_s
-    if p is not None:
-      if not is_finite_nonneg(p):
-        raise ScheduleError(f"schedule has predicted_s={p!r}; it must be a finite number of seconds >= 0 "
-                            f"(the simulator's iteration at planning) or null.")
-      object.__setattr__(self, "predicted_s", float(p))
+    object.__setattr__(self, "predicted_s", nonneg_or_none(self.predicted_s, lambda p: ScheduleError(
+        f"schedule has predicted_s={p!r}; it must be a finite number of seconds >= 0 (the simulator's "
+        f"iteration at planning) or null.")))
     if self.schema != SCHEDULE_SCHEMA:
       raise ScheduleError(f"schedule has schema={self.schema!r}; this version reads {SCHEDULE_SCHEMA}.")
     fp = info.fingerprint
@@ -390,12 +380,9 @@ class Schedule:
     } | ({"links": list(self.links)} if self.links else {}) | (
         {"gathers": [list(g) for g in self.gathers]} if self.gathers else {})
 
-  def to_json(self, indent: int | None = None) -> str:
-    return json.dumps(self.to_dict(), indent=indent)
-
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Schedule:
-    obj = _fields(cls, _loads(text_or_obj, "Schedule"), "Schedule")
+    obj = cls._json_fields(text_or_obj)
     missing = sorted({"buckets", "rows"} - set(obj))
     if missing:
       raise ScheduleError(f"Schedule.from_json: missing field(s) {missing}; a schedule file is what "
