@@ -183,3 +183,46 @@ def test_every_in_function_import_says_why():
 def test_every_in_function_import_in_the_rewrite_says_why():
   """The same for the rewrite stage."""
   assert not _silent_imports(inside_rewrite=True), _silent_imports(inside_rewrite=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# bench/ and examples/ on the public surface
+
+REPO = ROOT.parent
+# The scripts that study internals, each saying why at its top ("... imports private code ...").
+STUDIES_INTERNALS = {
+    "bench/auto_gap.py",      # runs auto's own search engine deeper (an oracle of the same engine)
+    "bench/gpu_ordering.py",  # the tie itself against jax's ordering means
+    "bench/gpu_work.py",      # per-op costs from the library's HLO cost model
+    "bench/profile_time.py",  # the measure step's phases, timed one by one
+}
+
+
+def _private_imports(path: pathlib.Path) -> list[str]:
+  """The private names of prophet_jax a script imports (at the top or in a function)."""
+  out = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "prophet_jax":
+      names = node.module.split(".") + [a.name for a in node.names]
+    elif isinstance(node, ast.Import):
+      names = [part for a in node.names if a.name.split(".")[0] == "prophet_jax" for part in a.name.split(".")]
+    else:
+      continue
+    if any(n.startswith("_") for n in names):
+      out.append(f"line {node.lineno}: {ast.unparse(node)}")
+  return out
+
+
+def test_bench_and_examples_use_the_public_surface():
+  """bench/ and examples/ import only public names (`prophet_jax`, `.schedulers`, `.launch`,
+  `.models`), except the listed scripts that study internals, each with its reason at its top; a
+  listed script that no longer needs private code leaves the list."""
+  scripts = sorted(p for d in ("bench", "examples") for p in (REPO / d).glob("*.py"))
+  assert len(scripts) > 10
+  found = {p.relative_to(REPO).as_posix(): _private_imports(p) for p in scripts}
+  unlisted = {k: v for k, v in found.items() if v and k not in STUDIES_INTERNALS}
+  assert not unlisted, f"private imports outside the listed studies of internals: {unlisted}"
+  for name in STUDIES_INTERNALS:
+    assert found.get(name), f"{name} imports no private code any more: take it off STUDIES_INTERNALS"
+    doc = " ".join((ast.get_docstring(ast.parse((REPO / name).read_text())) or "").split())
+    assert "imports private code" in doc, f"{name}: say at its top why it imports private code"
