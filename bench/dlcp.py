@@ -374,7 +374,6 @@ def train(name, schedule, kind="sgdm", seed=0, *, steps=CONV_STEPS, lr=None, fee
   import numpy as np
 
   import prophet_jax as pj
-  from prophet_jax._rewrite._transform import ScheduledState
 
   lr = CONV_LR["adamw" if kind == "adamw" else "sgdm"] if lr is None else lr
   n = 8
@@ -388,7 +387,8 @@ def train(name, schedule, kind="sgdm", seed=0, *, steps=CONV_STEPS, lr=None, fee
   losses = []
   for t, batch in enumerate(_batches(name, seed, steps)):
     if warmup and t == warmup:
-      opt_state = ScheduledState(inner=opt_state.inner, defer_state=rep(pj.defer_state(schedule)))
+      # scheduled()'s state is a NamedTuple (inner, defer_state, accum): the deferring plan's residuals join it
+      opt_state = opt_state._replace(defer_state=rep(pj.defer_state(schedule)))
     params, opt_state, velocity, loss = (first if t < warmup else pstep)(params, opt_state, velocity, batch, keep)
     # one step at a time: on this 2-core machine about 100 pmapped deferring steps in flight deadlocked
     # XLA:CPU's all-reduce rendezvous (docs/facts.md); the lossless step did not

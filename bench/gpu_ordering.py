@@ -29,6 +29,10 @@ MFLOP of matmul/convolution work inside the windows, backward matmuls outside ev
 start, and the compile time (median of --reps compiles for cnn wfbp, one compile elsewhere; seconds on a
 busy 2-core machine: compare within one run).
 
+Why it imports private code: it studies the library's ordering mechanism itself (`_collectives.tie` and
+`chunk_scope`, in a step written out here beside the alternatives) and asks `_gpu.xla_option_accepted`
+which XLA:GPU options this jaxlib takes; neither is a public name.
+
     JAX_PLATFORMS=cpu .venv/bin/python bench/gpu_ordering.py                # jax 0.10.2 (make test's venv)
     .ci/latest shell, then /opt/venv/bin/python bench/gpu_ordering.py      # the newest jax (make test-latest's root)
 

@@ -88,7 +88,6 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import prophet_jax as pj  # noqa: E402
-from prophet_jax._measure import _profile
 from prophet_jax.models import architecture, get_model  # noqa: E402
 
 
@@ -173,7 +172,7 @@ def spearman(a, b):
 def shape_of(prof, forward_paths):
   """backward / forward, Spearman(layer forward index, layer ready time), distinct layer ready times: a
   layer is ready when its last gradient is; its forward index is the model's own (jaxpr) order."""
-  from prophet_jax._values._tree import layer_of
+  from prophet_jax.models import layer_of
 
   layer_ready = {}
   for r in prof.rows:
@@ -231,7 +230,7 @@ def profile(name):
            "predicted_step_ms": 1e3 * predicted,
            "predicted_over_measured": predicted / (plain["median_ms"] / 1e3),
            **shape_of(prof, m.forward_paths)}
-    hlo_file = os.path.join(d, _profile.HLO_FILE)
+    hlo_file = os.path.join(d, "prophet_profile_step.hlo.txt")  # profile_step(trace_dir=d) writes it there
     if prof.method == "measured" and os.path.exists(hlo_file):
       with open(hlo_file) as f:
         text = f.read()

@@ -2,12 +2,15 @@
 
 Compile-only (nothing runs): each step of ResNet-50 (batch 64, as the H200 run of issue 23) is compiled
 for ONE H100 (`gpu_topology("h100", devices=1)`, a one-device mesh: no all-reduce to hide, as on the
-H200), and its ENTRY computation read with `_hlo.OpCosts`: kernels (fusions and library calls), matmul
+H200), and its ENTRY computation read with `_hlo_costs.OpCosts`: kernels (fusions and library calls), matmul
 and convolution FLOPs, and bytes (every op's operands and result, read and written once: an estimate of
 memory traffic, not a measurement). Steps: the plain `pmean` step, `scheduled` wfbp, and `pipelined`
 wfbp with min-cut residuals (the default) and with `residuals="all"`. Per op kind the bytes say where
 the difference goes (min-cut recomputes elementwise ops in the backward: more `maximum`, `select`,
 `compare` traffic).
+
+Why it imports private code: it reads the compiled HLO with the library's own HLO parser and op-cost
+model (`_hlo`, `_hlo_costs`, what `audit` counts window FLOPs with); no public name returns per-op costs.
 
     JAX_PLATFORMS=cpu .venv/bin/python bench/gpu_work.py [--model resnet50] [--batch 64]
 
@@ -34,7 +37,8 @@ _SKIP = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant")
 
 
 def work(compiled_text: str) -> dict:
-  from prophet_jax._compiled._hlo import OpCosts, parse_hlo, shape_bytes
+  from prophet_jax._compiled._hlo import parse_hlo, shape_bytes
+  from prophet_jax._compiled._hlo_costs import OpCosts
 
   m = parse_hlo(compiled_text)
   costs = OpCosts(m)

@@ -2,7 +2,7 @@
 
 Part `trace` (no device needed): `profile_from_trace` on the kept H200 traces (tests/fixtures: cnn, and
 ResNet-50's 2,190 kernel events in 3 steps), split into reading the trace (`_xplane.read_trace`), parsing
-the HLO (`_xplane.step_hlo`) and the analysis (`_xplane.analyse`); and the analysis of a long trace made
+the HLO (`_step_hlo.step_hlo`) and the analysis (`_xplane.analyse`); and the analysis of a long trace made
 by repeating ResNet-50's executions (30 steps, 21,900 events). Medians of `--repeats` runs.
 
 Part `bert`: `profile_step` of `architecture("bert-base")` (batch `--batch` x 128 tokens, one device,
@@ -10,8 +10,12 @@ Part `bert`: `profile_step` of `architecture("bert-base")` (batch `--batch` x 12
 tracing the loss (`_setup`: eval_shape of the loss and of its gradient, the jaxpr's forward order),
 compiling (the gradient step, the local train step and the update, at once), running the steps (warm-up,
 untraced wall clock, traced), reading and analysing the trace, and the rest (lowering, the profiler's
-start and stop); then the same with `method="timed"` (at most `_profile.TIMED_LAYERS` per-layer
+start and stop); then the same with `method="timed"` (at most `_profile_methods.TIMED_LAYERS` per-layer
 programs: BERT-base has 100 layers).
+
+Why it imports private code: it times the measure step's own phases (the trace reader `_xplane`, the
+HLO reader `_step_hlo`, and `_profile`'s setup, compile and analysis, wrapped for the run): no public
+name exposes them one by one.
 
   JAX_PLATFORMS=cpu .venv/bin/python bench/profile_time.py [--part trace|bert|all] [--batch 2] [--steps 3]
 
@@ -66,7 +70,7 @@ def _params(name):
 def part_trace(repeats):
   import jax
 
-  from prophet_jax._measure import _xplane
+  from prophet_jax._measure import _step_hlo, _xplane
 
   from prophet_jax import profile_from_trace
   from prophet_jax._values._tree import layer_of, path_str
@@ -79,7 +83,7 @@ def part_trace(repeats):
     params, fwd = _params(name)
     total, prof = _median_time(lambda: profile_from_trace(trace, text, params), repeats)
     read, tr = _median_time(lambda: _xplane.read_trace(trace, [STEP]), repeats)
-    parse, hlo = _median_time(lambda: _xplane.step_hlo(text), repeats)
+    parse, hlo = _median_time(lambda: _step_hlo.step_hlo(text), repeats)
     paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
     n = len(paths)
     layers = list(dict.fromkeys(layer_of(p) for p in fwd))
@@ -127,8 +131,9 @@ class _Phases:
   """Wall time spent inside some functions during a run (patched for the run): `_profile`'s own,
   `jax.block_until_ready` (running the programs) and the `.lower` of the gradient programs."""
 
-  def __init__(self, mod):
-    self.mod = mod
+  def __init__(self, mod, methods):
+    self.mod = mod            # _profile: profile_step and what it calls first
+    self.methods = methods    # _profile_methods: the measured method's compile, run and analysis
     self.t = {"setup": 0.0, "lower": 0.0, "compile": 0.0, "run": 0.0, "analysis": 0.0}
     self.saved = []
 
@@ -152,11 +157,11 @@ class _Phases:
     self._wrap(self.mod, "_setup", "setup")
     self._wrap(self.mod, "_update_program", "lower")
     self._wrap(self.mod, "_local_step_program", "lower")
-    self._wrap(self.mod, "_compile_all", "compile")
-    self._wrap(self.mod, "_from_trace", "analysis")
+    self._wrap(self.methods, "_compile_all", "compile")
+    self._wrap(self.methods, "_from_trace", "analysis")
     self._wrap(jax, "block_until_ready", "run")
     phases = self
-    real_grad = self.mod._grad_program
+    real_grad = self.methods._grad_program
 
     def grad_program(*a, **k):
       f = real_grad(*a, **k)
@@ -172,8 +177,8 @@ class _Phases:
         def __call__(self, *ca, **ck):
           return f(*ca, **ck)
       return Timed()
-    self.saved.append((self.mod, "_grad_program", real_grad))
-    self.mod._grad_program = grad_program
+    self.saved.append((self.methods, "_grad_program", real_grad))
+    self.methods._grad_program = grad_program
     return self
 
   def __exit__(self, *exc):
@@ -185,14 +190,14 @@ def part_bert(batch_n, steps):
   import optax
 
   import prophet_jax as pj
-  from prophet_jax._measure import _profile
+  from prophet_jax._measure import _profile, _profile_methods
 
   t = time.perf_counter()
   loss_fn, params, batch = _bert(batch_n)
   init_s = time.perf_counter() - t
   out = {"batch": [batch_n, 128], "steps": steps, "init_s": init_s}
   for method in ("auto", "timed"):
-    with _Phases(_profile) as ph:
+    with _Phases(_profile, _profile_methods) as ph:
       t = time.perf_counter()
       prof = pj.profile_step(loss_fn, params, batch, num_devices=1, steps=steps, warmup=1,
                              tx=optax.sgd(0.01, momentum=0.9), method=method, model="bert-base")
@@ -203,7 +208,7 @@ def part_bert(batch_n, steps):
            "forward_ms": prof.forward_s * 1e3, "backward_ms": prof.backward_s * 1e3, "notes": prof.notes[:400]}
     row["other_s"] = total - sum(row[k] for k in ("setup_s", "lower_s", "compile_s", "run_s", "trace_analysis_s"))
     if method == "timed":  # compiles happen at each program's first call, inside "run"
-      row["gradient_programs"] = min(_profile.TIMED_LAYERS, row["layers"]) + 1  # the layers' and the full
+      row["gradient_programs"] = min(_profile_methods.TIMED_LAYERS, row["layers"]) + 1  # the layers' and the full
     out[method] = row
   return out
 

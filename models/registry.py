@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import flax.linen as nn
 
-from prophet_jax._values._tree import forward_paths, is_reduced_leaf, layer_of
+from prophet_jax._compiled._jaxpr import forward_paths
+from prophet_jax._values._tree import is_reduced_leaf, layer_of
 from prophet_jax._values._checks import check_int
 
 __all__ = ["MODELS", "PARAM_DTYPES", "TrainableModel", "get_model", "layer_of", "forward_paths",

@@ -1,6 +1,6 @@
 """`prophet-jax demo` (= `make demo`): profile, probe, plan every policy, measure, train with `auto`.
 
-On 8 host devices (the CLI sets XLA_FLAGS before jax starts): profile a real step of a small model,
+On 8 host devices (the CLI sets XLA_FLAGS before it imports this module, so before jax starts): profile a real step of a small model,
 probe the all-reduce's alpha and beta, plan every policy, measure each policy's scheduled step beside
 the simulator's prediction, then train with the `auto` plan, showing the loss fall. Writes a timeline
 PNG (predicted Gantt per policy, measured beside it) and a Chrome trace (Perfetto) to `out_dir`.
@@ -12,7 +12,15 @@ import json
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
+import optax
+from tqdm import tqdm
+
+import prophet_jax as pj
+from prophet_jax import POLICIES
+from prophet_jax._planning._timeline import plot_timelines
+from prophet_jax.models import get_model
 
 DEMO_MODEL = "cnn"
 AXIS = "dp"
@@ -21,8 +29,6 @@ AXIS = "dp"
 def step_times(step, state, batch, repeats: int) -> tuple[list[float], tuple]:
   """Wall-clock seconds of `repeats` calls of `state = step(*state, batch)` (each waited for), and the
   last state. The one timing loop of the demo and the benches."""
-  import jax
-
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
@@ -39,9 +45,6 @@ def _median_step_s(step, state, batch, repeats: int) -> tuple[float, tuple]:
 
 def _train_step(loss_fn, tx):
   """A plain user train step under jax.pmap: grads per device, the transformation reduces them."""
-  import jax
-  import optax
-
   def step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -52,9 +55,6 @@ def _train_step(loss_fn, tx):
 
 def _pmean_tx(tx):
   """The baseline: XLA's own reduction (a per-leaf pmean, which XLA combines), then tx."""
-  import jax
-  import optax
-
   def update(grads, state, params=None):
     return tx.update(jax.lax.pmean(grads, AXIS), state, params)
 
@@ -72,14 +72,7 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
     model: a trainable model of `prophet_jax.models`.
     lr: SGD learning rate (momentum 0.9).
   """
-  import jax
-  import optax
-  from tqdm import tqdm
 
-  import prophet_jax as pj
-  from prophet_jax import POLICIES
-  from prophet_jax._planning._timeline import plot_timelines
-  from prophet_jax.models import get_model
 
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)

@@ -91,7 +91,7 @@ def _check_out(out: str, flag: str, **inputs: str | None) -> None:
 
 def load_model(model: str, device: str | None = None) -> tuple[GradientProfile, str]:
   """A profile from a bundled trace name, a model name completed by `device`, or a JSON file."""
-  from . import models
+  from . import models  # lazy: the CLI starts without jax
 
   if model.endswith(".json") or os.path.sep in model:
     return _load(GradientProfile, model, "profile", "--model"), model
@@ -181,7 +181,7 @@ def _positive(text: str) -> int:
 # -- commands --------------------------------------------------------------------------------------
 
 def cmd_simulate(a: argparse.Namespace) -> int:
-  from . import lower_bound, plan, simulate
+  from . import lower_bound, plan, simulate  # lazy: the CLI starts without jax
   from ._planning._plan import POLICIES
 
   if a.timeline:
@@ -243,7 +243,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             + f" {r.get('deferred_fraction', 0.0):8.1%}"
             + (f" {base / r['iteration_s']:7.2f}x" if base else ""))
   if a.timeline:
-    from ._planning._timeline import plot_timelines
+    from ._planning._timeline import plot_timelines  # lazy: the CLI starts without jax
 
     plot_timelines(sims, str(_out_path(a.timeline)), title=f"{model}, {net.name or a.network} x {net.workers}")
     print(f"timeline written to {a.timeline}", file=sys.stderr)
@@ -251,7 +251,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-  from . import plan, simulate
+  from . import plan, simulate  # lazy: the CLI starts without jax
 
   _check_out(a.out, "--out", profile=a.profile, network=a.network)
   profile = _load(GradientProfile, a.profile, "profile")
@@ -279,7 +279,7 @@ def _set_cpu_devices(n: int) -> None:
 def cmd_profile(a: argparse.Namespace) -> int:
   """profile_step on a bundled trainable model, with the update of optax.sgd(0.1, momentum=0.9)."""
   _set_cpu_devices(a.num_devices)
-  import jax
+  import jax  # lazy: the CLI starts without jax
   import optax
 
   from . import models
@@ -298,7 +298,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 def cmd_probe(a: argparse.Namespace) -> int:
   _set_cpu_devices(a.num_devices)
-  from ._measure._probe import check_fit, probe
+  from ._measure._probe import check_fit, probe  # lazy: the CLI starts without jax
 
   # under `prophet-jax launch` (jax.distributed initialized) the probe spans every process's devices
   kw = {} if a.sizes is None else {"sizes": tuple(a.sizes)}
@@ -316,13 +316,13 @@ def cmd_probe(a: argparse.Namespace) -> int:
 
 def cmd_demo(a: argparse.Namespace) -> int:
   _set_cpu_devices(8)
-  from ._demo import run_demo
+  from ._demo import run_demo  # lazy: the CLI starts without jax
 
   return run_demo(steps=a.steps, out_dir=a.out_dir, quick=a.quick)
 
 
 def cmd_launch(a: argparse.Namespace) -> int:
-  from ._multiprocess._launcher import run
+  from ._multiprocess._launcher import run  # lazy: the CLI starts without jax
 
   return run(a)
 
@@ -344,7 +344,7 @@ def _xla_option(text: str) -> tuple[str, Any]:
 
 def cmd_audit(a: argparse.Namespace) -> int:
   """Compiles a bundled model's step for a compile-only GPU target and prints its audit."""
-  from . import models, plan
+  from . import models, plan  # lazy: the CLI starts without jax
   from ._compiled._gpu import gpu_target, gpu_topology, quiet_cuda_stub
   from ._values._schedule import Schedule
 
@@ -380,7 +380,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
                          f"knows, with values of their type (e.g. "
                          f"xla_gpu_enable_latency_hiding_scheduler=true).") from e
       raise
-  from ._compiled._audit import audit
+  from ._compiled._audit import audit  # lazy: the CLI starts without jax
 
   report = audit(compiled, schedule)
   if a.json:
@@ -503,7 +503,7 @@ def _quiet_jax_start(command: str) -> None:
   """Where jax's CUDA plugin is installed but no NVIDIA driver is (a CPU machine with the gpu-compile
   extra, as `make test` builds it): pin jax to the CPU (`_config.default_jax_platforms` says why) and
   import jax with the plugin's driver-search lines dropped, so commands print only their own output."""
-  from ._values._config import default_jax_platforms, nvidia_driver_present
+  from ._values._config import default_jax_platforms, nvidia_driver_present  # lazy: the CLI starts without jax
   from ._compiled._gpu import cuda_plugin_installed, import_jax_quietly
 
   plugin = cuda_plugin_installed()

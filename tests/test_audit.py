@@ -10,7 +10,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
-from prophet_jax._compiled._hlo import allreduces, collectives, execution_order, merged_op_names, parse_hlo, shape_elements
+from prophet_jax._compiled._hlo import execution_order, parse_hlo, shape_elements
+from prophet_jax._compiled._hlo_collectives import allreduces, collectives, merged_op_names
 from prophet_jax.models import get_model
 
 AX = "data"

@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 import prophet_jax as pj
 from prophet_jax._rewrite import _defer
 from prophet_jax._compiled import _gpu
-from prophet_jax._compiled._hlo import collectives, hlo_text, parse_hlo
+from prophet_jax._compiled._hlo import hlo_text, parse_hlo
+from prophet_jax._compiled._hlo_collectives import collectives
 from tests._defer_ref import RefDefer
 
 AX = "data"

@@ -58,7 +58,7 @@ def test_config_rejects_bad_values(env, match):
 
 
 def test_config_is_pure():
-  code = ("import sys; sys.modules['jax'] = None; from prophet_jax import _config; "
+  code = ("import sys; sys.modules['jax'] = None; from prophet_jax._values import _config; "
           "print(_config.read_config({}).launched)")
   r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
   assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr

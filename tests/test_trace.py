@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from prophet_jax import GradientProfile, NetworkModel, ProfileError, plan, profile_from_trace
-from prophet_jax._measure import _xplane
+from prophet_jax._measure import _step_hlo, _xplane
 from prophet_jax._values._tree import layer_of
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -101,8 +101,8 @@ def test_the_bug_reproduced_and_the_checks_refuse_it(model):
     return _xplane.analyse(events, hlo, list(range(n)), n, list(dict.fromkeys(layer_of(p) for p in fwd)),
                            expected=3, row_layers=[layer_of(p) for p in paths])
 
-  hlo = _xplane.step_hlo(text)
-  old_hlo = _xplane.step_hlo(text)
+  hlo = _step_hlo.step_hlo(text)
+  old_hlo = _step_hlo.step_hlo(text)
   for ins in old_hlo.instrs.values():
     ins.index = None  # the old reading: a get-tuple-element waits for its whole tuple
   old = [dict(e, run=f"{e['device']}/Stream #14(Memset,Compute)") for e in trace.events[STEP]]
@@ -316,7 +316,7 @@ def test_cpu_events_keep_their_run_id():
 
 def test_a_partial_execution_is_dropped_and_said_so():
   text = _hlo("cnn")
-  hlo = _xplane.step_hlo(text)
+  hlo = _step_hlo.step_hlo(text)
   t = _xplane.read_trace(_trace("cnn"), [STEP])
   ev = t.events[STEP]
   first_run = ev[0]["run"]

@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from .._values._checks import check_int
-from .._values._errors import GpuCompileError
+from ._jaxcompat import private
+from .._values._errors import GpuCompileError, JaxVersionError
 
 __all__ = ["GPU_TARGETS", "GpuTarget", "GpuTopology", "gpu_target", "gpu_topology", "find_ptxas",
            "cuda_plugin_installed", "cuda_plugin", "CudaPlugin", "CUDA_MAJORS", "xla_option_accepted",
@@ -254,7 +255,7 @@ def _install_line(version: str) -> str:
 
 
 def _check_requirements(target: str) -> CudaPlugin:
-  import jaxlib
+  import jaxlib  # lazy: pure until a topology is made
 
   want = jaxlib.__version__
   plugin = cuda_plugin()
@@ -294,7 +295,7 @@ def xla_option_accepted(name: str, value: Any) -> bool:
   versions: 0.12 refuses 0.10's `xla_gpu_enable_pipelined_all_reduce` and adds
   `xla_gpu_experimental_use_collective_kernels`; an unknown name in XLA_FLAGS aborts the process, as a
   compile option it is refused ('No such compile option')."""
-  import jax
+  import jax  # lazy: pure until a topology is made
   import jax.numpy as jnp
 
   lowered = jax.jit(lambda x: x + 1).lower(jnp.zeros(2, jnp.float32))
@@ -308,7 +309,7 @@ def xla_option_accepted(name: str, value: Any) -> bool:
 
 
 def _check_platforms() -> None:
-  import jax
+  import jax  # lazy: pure until a topology is made
 
   value = jax.config.jax_platforms
   platforms = [p.strip() for p in (value or "").split(",") if p.strip()]
@@ -338,7 +339,7 @@ class GpuTopology:
 
   def mesh(self, axis_name: str = "data") -> Any:
     """A one-axis `jax.sharding.Mesh` over the devices, for `jax.shard_map(..., mesh=...)`."""
-    from jax.sharding import Mesh
+    from jax.sharding import Mesh  # lazy: pure until a topology is made
 
     if not isinstance(axis_name, str) or not axis_name:
       raise TypeError(f"GpuTopology.mesh: `axis_name` must be a non-empty string, got {axis_name!r}.")
@@ -354,18 +355,9 @@ class GpuTopology:
         pytree of them with `tree`'s structure (a prefix, as shard_map's in_specs).
       mesh: the mesh (default `self.mesh(axis_name)`).
     """
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
+    from ._devices import placed  # imports jax: this module stays pure until a topology is made
 
-    mesh = self.mesh(axis_name) if mesh is None else mesh
-
-    def one(s, sub):
-      return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                         sharding=NamedSharding(mesh, s)), sub)
-
-    if isinstance(spec, PartitionSpec):
-      return one(spec, tree)
-    return jax.tree.map(one, spec, tree, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+    return placed(tree, spec, mesh, default=lambda: self.mesh(axis_name))
 
   def __repr__(self) -> str:
     return f"GpuTopology({self.target.name}: {len(self.devices)} x {self.target.description}, compile-only)"
@@ -408,7 +400,7 @@ def gpu_topology(target: str = "h100", *, devices: int = 8) -> GpuTopology:
 
 @functools.lru_cache(maxsize=None)
 def _make_topology(name: str, devices: int) -> GpuTopology:
-  from jax.experimental import topologies
+  from jax.experimental import topologies  # lazy: pure until a topology is made
 
   spec = gpu_target(name)
   try:
@@ -459,11 +451,8 @@ def import_jax_quietly() -> None:
   it is done through jax's private `_discover_and_register_pjrt_plugins` (`_jaxcompat.PRIVATE_JAX`),
   skipped where a jax lacks it: the lines then print, nothing else changes (cosmetic, so not an error).
   """
-  from .._values._errors import JaxVersionError
-  from ._jaxcompat import private
-
   with quiet_cuda_stub():
-    import jax  # noqa: F401
+    import jax  # noqa: F401 - imported inside the stub: the point of this function
 
     try:
       register = private("jax._src.xla_bridge", "_discover_and_register_pjrt_plugins",

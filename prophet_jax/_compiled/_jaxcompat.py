@@ -14,7 +14,7 @@ versions (never a silent fallback):
 - registering the PJRT plugins without starting a backend, so that the command line drops the CUDA
   plugin's driver-search lines: `jax._src.xla_bridge._discover_and_register_pjrt_plugins` (cosmetic:
   without it those lines print and nothing else changes, so its absence is not an error).
-The pipelined step's residual analysis (`_residuals`) and `_tree.forward_paths` read jaxprs through
+The pipelined step's residual analysis (`_residuals`) and `_jaxpr.forward_paths` read jaxprs through
 `jax.extend.core`, JAX's public API for extensions (less stable than its core API): the names they use
 are `JAXPR_API`, checked by `check_jaxpr_api()` with the same kind of error.
 
@@ -66,7 +66,7 @@ _EQN_FIELDS = ("primitive", "params", "invars", "outvars", "effects")
 
 def _installed() -> str:
   try:
-    import jax
+    import jax  # lazy: a pure module
 
     return jax.__version__
   except ImportError:
@@ -118,7 +118,7 @@ def _jaxpr_api_missing() -> tuple[str, ...]:
       missing.append(f"{module}.{attribute}")
   if missing:
     return tuple(missing)
-  import jax
+  import jax  # lazy: a pure module
 
   closed = jax.make_jaxpr(lambda x: jax.jit(lambda y: y * 2)(x) + 1)(1.0)
   missing += [f"a traced jaxpr's .{f}" for f in _JAXPR_FIELDS if not hasattr(closed, f)

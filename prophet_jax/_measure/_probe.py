@@ -41,7 +41,12 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .._values._checks import check_int, check_number
 from .._values._errors import NetworkError
@@ -133,8 +138,6 @@ def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 def _mesh_devices(num_devices: int | None):
-  import jax
-
   check_int("measure_network", "num_devices", num_devices, none=True,
             fix="It is the number of devices to measure across (at least 2), or None for all of them.")
   if num_devices is not None and num_devices < 2:
@@ -252,11 +255,6 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
     NetworkError: a single device, or more devices requested than exist.
     ValueError: bad sizes, repeats, inner, percentile or skew.
   """
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
   sizes = _check_sizes(sizes)
   repeats = check_int("measure_network", "repeats", repeats, lo=3, fix="A median needs at least 3.")
   inner = check_int("measure_network", "inner", inner, lo=1)
@@ -378,8 +376,6 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
   med = [float(np.median(np.maximum(r, 0.0))) for r in rounds]
   low = [float(np.percentile(np.maximum(r, 0.0), percentile)) for r in rounds]
   if jax.process_count() > 1:  # every process must return the same model: rank 0's numbers
-    from jax.experimental import multihost_utils
-
     both = multihost_utils.broadcast_one_to_all(
         np.asarray(med + low + [measured_skew], dtype=np.float64))
     k = len(med)

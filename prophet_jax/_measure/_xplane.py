@@ -1,15 +1,11 @@
 """Reading a jax.profiler trace (.xplane.pb) of one compiled step: which op made which leaf, and when.
 
-Used by `_profile` (`method='measured'`, `profile_from_trace`):
-  step_hlo(text) -> StepHlo             the optimized module: instructions, operands, op_name metadata,
-                                        the ENTRY ROOT's operands (the program's outputs, in order)
+Used by `_profile` (`method='measured'`, `profile_from_trace`), with the step's HLO as `_step_hlo` reads it:
   read_trace(trace, modules) -> Trace   the modules' op events in a trace file or directory, each tied
                                         to the execution (run) it belongs to
   executions(events)                    grouped per (run, device), in time order
   analyse_execution(ex, hlo, ...)       forward/backward spans, per-leaf ready times, per-layer forward
   analyse(events, hlo, ...)             every execution, their medians, and what makes them implausible
-  forward_positions(hlo, n)             where the forward pass first reads each of the first n parameters
-  match_layer(op_name, layers)          the layer an op belongs to, from flax's name stack
   median_envelope(events)               the median span of a run over every device
 
 An op's name stack marks backward ops with `transpose(...)` and forward ops with `jvp(...)`.
@@ -32,6 +28,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import glob
+import gzip
 import math
 import os
 import re
@@ -39,178 +36,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from .._compiled._hlo import parse_hlo
+import jax
 
-# --------------------------------------------------------------------------------------------------
-# HLO text (parsed by _hlo): instructions, operands, op_name metadata
-
-_STRUCTURAL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy",
-                         "copy-start", "copy-done", "after-all", "opt-barrier"})
-_GTE_INDEX = re.compile(r"\bindex=(\d+)")
-
-
-@dataclasses.dataclass
-class Instr:
-  name: str
-  comp: str
-  operands: list[str]
-  op_name: str
-  calls: list[str]
-  opcode: str = ""
-  shape: str = ""
-  index: int | None = None      # a get-tuple-element's tuple index
-  parameter: int | None = None  # an ENTRY parameter's number
-
-
-@dataclasses.dataclass
-class StepHlo:
-  module: str
-  instrs: dict[str, Instr]
-  comps: dict[str, list[str]]
-  entry: str
-  root_operands: list[str]
-  params: dict[int, str] = dataclasses.field(default_factory=dict)   # ENTRY parameter number -> name
-  position: dict[str, int] = dataclasses.field(default_factory=dict)  # ENTRY instruction -> its index
-  layer_cache: dict[tuple[str, tuple[str, ...]], str | None] = dataclasses.field(default_factory=dict,
-                                                                                 repr=False)
-
-
-def step_hlo(text: str) -> StepHlo:
-  """The optimized module as the trace analysis reads it: instructions by name (HLO names are unique
-  in a module), operands within their own computation, called computations, the ENTRY ROOT's
-  operands (the program's outputs, in output order), ENTRY parameters by number and the ENTRY's
-  schedule positions (a compiled module is scheduled: instruction order is execution order)."""
-  m = parse_hlo(text)
-  instrs: dict[str, Instr] = {}
-  comps: dict[str, list[str]] = {}
-  root_operands: list[str] = []
-  params: dict[int, str] = {}
-  for comp, body in m.computations.items():
-    names = {i.name for i in body}
-    comps[comp] = [i.name for i in body]
-    for i in body:
-      index = param = None
-      if i.opcode == "get-tuple-element":
-        im = _GTE_INDEX.search(i.text)
-        index = int(im.group(1)) if im else None
-      if i.opcode == "parameter" and comp == m.entry:
-        pm = re.search(r"\bparameter\((\d+)\)", i.text)
-        if pm:
-          param = int(pm.group(1))
-          params[param] = i.name
-      instrs[i.name] = Instr(name=i.name, comp=comp, operands=[o for o in i.operands if o in names],
-                             op_name=i.op_name, calls=[c for _, c in i.callees], opcode=i.opcode,
-                             shape=i.shape, index=index, parameter=param)
-      if i.root and comp == m.entry:
-        root_operands = list(i.operands) if i.opcode == "tuple" else [i.name]
-  position = {n: k for k, n in enumerate(comps.get(m.entry, []))}
-  return StepHlo(module=m.name, instrs=instrs, comps=comps, entry=m.entry, root_operands=root_operands,
-                 params=params, position=position)
-
-
-def is_backward(op_name: str) -> bool:
-  return "transpose(" in op_name
-
-
-def is_forward(op_name: str) -> bool:
-  return "jvp(" in op_name and "transpose(" not in op_name
-
-
-def segments(op_name: str) -> list[str]:
-  out = []
-  for seg in op_name.split("/"):
-    seg = seg.strip()
-    while True:
-      m = re.match(r"^(?:transpose|jvp|jit|vmap|remat|checkpoint|pjit|custom_jvp|custom_vjp)\((.*)\)$", seg)
-      if not m:
-        break
-      seg = m.group(1)
-    if seg:
-      out.append(seg)
-  return out
-
-
-class _LayerIndex:
-  """Every suffix of every layer path -> the first layer (in order) that ends with it: matching an
-  op's name is then one dictionary look-up per run of consecutive segments, not a scan of the layers
-  (BERT-base has 200 layers and a long trace has 10^5 events)."""
-
-  def __init__(self, layers: Sequence[str]):
-    self.by_suffix: dict[tuple[str, ...], int] = {}
-    self.layers = list(layers)
-    self.longest = 0
-    for k, layer in enumerate(self.layers):
-      comps = tuple(layer.split("/"))
-      self.longest = max(self.longest, len(comps))
-      for start in range(len(comps)):
-        self.by_suffix.setdefault(comps[start:], k)
-
-  def match(self, op_name: str) -> str | None:
-    segs = segments(op_name)
-    for k in range(min(self.longest, len(segs)), 0, -1):
-      hits = [self.by_suffix[t] for j in range(len(segs) - k + 1) if (t := tuple(segs[j:j + k])) in
-              self.by_suffix]
-      if hits:
-        return self.layers[min(hits)]
-    return None
-
-
-_INDEXES: dict[tuple[str, ...], _LayerIndex] = {}
-
-
-def _layer_index(layers: Sequence[str]) -> _LayerIndex:
-  key = tuple(layers)
-  idx = _INDEXES.get(key)
-  if idx is None:
-    if len(_INDEXES) > 16:
-      _INDEXES.clear()
-    idx = _INDEXES[key] = _LayerIndex(key)
-  return idx
-
-
-def match_layer(op_name: str, layers: Sequence[str]) -> str | None:
-  """The layer whose path (its longest suffix) appears as consecutive segments of the op's name;
-  among layers matching equally long suffixes, the first in `layers`."""
-  return _layer_index(layers).match(op_name)
-
-
-def forward_positions(hlo: StepHlo, n: int) -> list[int | None]:
-  """For ENTRY parameters 0..n-1 (the gradient leaves' parameters): the schedule position of the first
-  op that reads it (through ops that read no data) and also depends on the data (the ENTRY parameters
-  numbered n and up: the batch); None when no such op reads it.
-
-  That is where the compiled forward pass first needs the parameter: its priority order, read from
-  the program without the loss function (`profile_from_trace`). Ops that read parameters alone
-  (layout transposes of kernels, a BatchNorm's folded scale) run whenever XLA schedules them, often
-  at the start: they pass the parameter on and do not count as its use.
-  """
-  entry = hlo.comps.get(hlo.entry, [])
-  users: dict[str, list[str]] = {}
-  for name in entry:
-    for o in hlo.instrs[name].operands:
-      users.setdefault(o, []).append(name)
-  data = {name for k, name in hlo.params.items() if k >= n}
-  for name in entry:  # schedule order is a topological order
-    if name not in data and any(o in data for o in hlo.instrs[name].operands):
-      data.add(name)
-  out: list[int | None] = []
-  for k in range(n):
-    start = hlo.params.get(k)
-    best = None
-    stack, seen = ([start] if start else []), set()
-    while stack:
-      for u in users.get(stack.pop(), ()):
-        if u in seen:
-          continue
-        seen.add(u)
-        if u in data:
-          pos = hlo.position[u]
-          best = pos if best is None else min(best, pos)
-        else:
-          stack.append(u)
-    out.append(best)
-  return out
-
+from ._step_hlo import StepHlo, layer_index, is_backward
 
 # --------------------------------------------------------------------------------------------------
 # Profiler trace
@@ -241,11 +69,7 @@ def trace_files(trace: str | os.PathLike[str]) -> list[str]:
 
 
 def _load(path: str) -> Any:
-  import jax
-
   if path.endswith(".gz"):
-    import gzip
-
     with gzip.open(path, "rb") as f:
       return jax.profiler.ProfileData.from_serialized_xspace(f.read())
   return jax.profiler.ProfileData.from_file(path)
@@ -411,11 +235,6 @@ def _segment(events: dict[str, list[dict[str, Any]]], timeline: dict[Any, list[t
       e["run"] = ("segment", bisect.bisect_right(b, e["start_ns"]))
 
 
-def op_events(trace_dir: str, module: str) -> list[dict[str, Any]]:
-  """XLA op events of `module` in the trace: dicts with op, start_ns, end_ns, run, device."""
-  return read_trace(trace_dir, [module]).events[module]
-
-
 def executions(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
   """Events grouped per (run, device), each group in time order, groups in order of their start."""
   groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
@@ -508,7 +327,7 @@ def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[in
       rows[r] = min(max(ready(out_name) - b0, 0.0), bwd_s)
   # forward time per layer: each op before backward starts, from the previous op's end to its end
   fwd = dict.fromkeys(layers_in_order, 0.0)
-  index = _layer_index(layers_in_order)
+  index = layer_index(layers_in_order)
   key = tuple(layers_in_order)
   current = layers_in_order[0]
   prev = t0

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .._values._checks import match_tree
 from .._values._errors import LaunchError, ProphetError
 from .._values._schedule import Schedule
@@ -28,8 +30,7 @@ _MESSAGE_BYTES = 600  # each rank's error message, as gathered for the others (t
 
 def _gather_messages(text: str) -> list[str]:
   """Every process's `text` (at most _MESSAGE_BYTES bytes of it), in rank order."""
-  import numpy as np
-  from jax.experimental import multihost_utils
+  from jax.experimental import multihost_utils  # lazy: `launch` (pure) imports this module
 
   raw = text.encode()[:_MESSAGE_BYTES]
   buf = np.zeros(_MESSAGE_BYTES + 1, np.uint8)
@@ -69,8 +70,7 @@ def broadcast_schedule(schedule: Schedule | BaseException | None, params: Any = 
     >>> schedule = plan(profile, network, "auto") if jax.process_index() == 0 else None  # doctest: +SKIP
     >>> schedule = broadcast_schedule(schedule, params)                                   # doctest: +SKIP
   """
-  import jax
-  import numpy as np
+  import jax  # lazy: `launch` (pure) imports this module
 
   rank0_error: BaseException | None = None
   if not isinstance(schedule, Schedule):
@@ -83,7 +83,7 @@ def broadcast_schedule(schedule: Schedule | BaseException | None, params: Any = 
     if params is not None:
       _check_tree(schedule, params)
     return schedule
-  from jax.experimental import multihost_utils
+  from jax.experimental import multihost_utils  # the same reason: launch imports this module
 
   rank = jax.process_index()
   if rank == 0:

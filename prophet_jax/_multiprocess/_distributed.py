@@ -62,7 +62,7 @@ def _cluster_detected() -> bool:
 
 
 def _jax_version() -> str:
-  import jax
+  import jax  # lazy: `launch` (pure) imports this module
 
   return jax.__version__
 
@@ -103,7 +103,7 @@ def initialize(*, timeout_s: int | None = None) -> bool:
     LaunchError: the coordinator was not reachable in time (names the address and the rank).
     ValueError: malformed PROPHET_* variables (names the variable).
   """
-  import jax
+  import jax  # lazy: `launch` (pure) imports this module
 
   cfg = config()
   if jax.distributed.is_initialized():
@@ -179,7 +179,7 @@ def bind_gloo_interface(interface: str) -> None:
       option and let gloo resolve the hostname).
   """
   check_interface(interface)
-  import jax
+  import jax  # lazy: `launch` (pure) imports this module
 
   fix = "run without --gloo-interface (gloo then resolves the hostname)"
   make = private("jax._src.lib", "_jax.make_gloo_tcp_collectives", feature="--gloo-interface",

@@ -41,13 +41,17 @@ first call adds the old plan's residual to its gradients (the state records its 
 from __future__ import annotations
 
 import collections
+import json
 import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+
 from ._agreement import broadcast_schedule
+from .._compiled._devices import mesh_workers
 from .._values._checks import check_int, check_number, match_rows
 from .._values._network import NetworkModel
 from .._planning._plan import plan
@@ -80,8 +84,6 @@ class Decision:
 
 def plan_key(schedule: Schedule) -> str:
   """What makes two schedules the same plan: everything but the prediction (`predicted_s`)."""
-  import json
-
   d = schedule.to_dict()
   d.pop("predicted_s", None)
   return json.dumps(d, sort_keys=True)
@@ -133,23 +135,13 @@ class Monitor:
     if network.workers < 2:
       raise ValueError(f"Monitor: the network has workers={network.workers}; there is nothing to "
                        f"all-reduce with one worker.")
-    if mesh is not None:  # the probe's devices and the workers from the training mesh's data axis
-      import jax
-
-      from .._rewrite._mesh import axis_total, check_mesh
-
-      if axis_name is None and len(mesh.axis_names) == 1:
-        axis_name = mesh.axis_names[0]
-      if axis_name is None:
-        raise ValueError(f"Monitor(mesh=...): the mesh has axes {tuple(mesh.axis_names)}; name the one "
-                         f"the batch is split over: axis_name=...")
-      n = axis_total(mesh, check_mesh(mesh, axis_name, "Monitor"))
-      if network.workers != n:
-        raise ValueError(f"Monitor: the network has workers={network.workers}, but the mesh has {n} "
-                         f"devices along {axis_name!r}, the workers of its all-reduces: use "
-                         f"network.with_workers({n}).")
-      if num_devices is None and jax.process_count() == 1:
-        num_devices = n
+    n = mesh_workers(mesh, axis_name, "Monitor")  # the training mesh's data axis (None: no mesh)
+    if n is not None and network.workers != n:
+      raise ValueError(f"Monitor: the network has workers={network.workers}, but the mesh has {n} "
+                       f"devices along {axis_name or mesh.axis_names[0]!r}, the workers of its "
+                       f"all-reduces: use network.with_workers({n}).")
+    if n is not None and num_devices is None and jax.process_count() == 1:
+      num_devices = n  # the probe's devices: the mesh's data axis
     self.profile = profile
     self.network = network
     self.policy = policy

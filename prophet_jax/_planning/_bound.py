@@ -244,12 +244,7 @@ def _sharded_bound(prob: Problem, b_full: float) -> float:
   forward, backward = prob.forward_s, prob.backward_s
   update = float(prob.row_update_s[sent].sum()) / prob.network.workers
   if prob.overlap:
-    rs = max(thr, _batched_makespan(r_s[::-1], b_s[::-1], a, b))
-    if nd > 1:
-      for d in range(nd):
-        sel = (d_s == d)[::-1]
-        if sel.any():
-          rs = max(rs, _batched_makespan(r_s[::-1][sel], b_s[::-1][sel], a, b))
+    rs = max(thr, _makespan_per_dtype(r_s, b_s, d_s, nd, a, b))
   else:
     rs = max(backward + w_all, thr)
   if not prob.cross_step:
@@ -353,12 +348,7 @@ def _bound(prob: Problem, b: float, deferred: float) -> float:
     t0 = max(backward + w_all, thr_all)
   if not cross_step:
     if network.overlap and links == 1 and n and not deferred:
-      t0 = max(t0, _batched_makespan(r_s[::-1], b_s[::-1], a, b))
-      if nd > 1:
-        for dt in range(nd):
-          sel = (d_s == dt)[::-1]
-          if sel.any():
-            t0 = max(t0, _batched_makespan(r_s[::-1][sel], b_s[::-1][sel], a, b))
+      t0 = max(t0, _makespan_per_dtype(r_s, b_s, d_s, nd, a, b))
     return float(t0 + update + forward)
 
   tail = prob.layer_tail_s
@@ -422,6 +412,19 @@ def _ranges(nl: int, n: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo in range(nl) for hi in range(lo, nl)]
   ends = np.unique(np.linspace(0, nl - 1, min(nl, _BATCH_PREFIXES)).round().astype(int))
   return [(0, int(e)) for e in ends]
+
+
+def _makespan_per_dtype(r_s: np.ndarray, b_s: np.ndarray, d_s: np.ndarray, nd: int, a: float, b: float
+                        ) -> float:
+  """M over every row, and over the rows of each of the `nd` dtypes alone (one chunk holds one dtype),
+  the largest: rows given latest first (`r_s` ready times, `b_s` bytes, `d_s` dtype codes)."""
+  m = _batched_makespan(r_s[::-1], b_s[::-1], a, b)
+  if nd > 1:
+    for d in range(nd):
+      sel = (d_s == d)[::-1]
+      if sel.any():
+        m = max(m, _batched_makespan(r_s[::-1][sel], b_s[::-1][sel], a, b))
+  return m
 
 
 def _batched_makespan(ready: np.ndarray, nbytes: np.ndarray, a: float, b: float) -> float:

@@ -20,10 +20,10 @@ def plot_timelines(sims: Mapping[str, SimResult], path: str, *, title: str = "",
     title: figure title.
     measured_s: policy name -> measured median step time, drawn as a bar beside the prediction.
   """
-  import matplotlib
+  import matplotlib  # pure module: matplotlib (an optional dependency) only when a plot is drawn
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # after choosing the Agg backend
   from matplotlib.patches import Patch
 
   names = list(sims)

@@ -7,7 +7,6 @@ Pure: numpy only, never jax. Measuring a network (the probe) is `_probe`'s.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import NetworkError
-from ._types import _fields, _loads, is_bool, is_int, is_number
+from ._types import JsonValue, is_bool, is_finite_nonneg, is_int, nonneg_or_none
 
 __all__ = ["NetworkModel", "Pressure", "PRESETS", "ALGORITHMS", "nonneg_line", "typical_network", "fit_warning",
            "RESIDUAL_WARN_REL_RMS", "RESIDUAL_WARN_WORST"]
@@ -36,7 +35,7 @@ PRESETS: dict[str, tuple[float, float]] = {
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Pressure:
+class Pressure(JsonValue):
   """Network pressure: seeded background traffic and heavy-tailed per-message delays.
 
   A calm `NetworkModel` gives every all-reduce the same alpha-beta time. A shared network does not:
@@ -103,7 +102,7 @@ class Pressure:
   def __post_init__(self):
     for n in ("background_flows", "tail_prob", "tail_scale_s", "tail_shape"):
       v = getattr(self, n)
-      if not is_number(v) or not math.isfinite(v) or v < 0:
+      if not is_finite_nonneg(v):
         raise NetworkError(f"Pressure has {n}={v!r}; it must be a finite number >= 0.")
       object.__setattr__(self, n, float(v))
     if self.tail_prob > 1:
@@ -128,15 +127,11 @@ class Pressure:
 
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Pressure:
-    obj = _fields(cls, _loads(text_or_obj, "Pressure"), "Pressure")
+    obj = cls._json_fields(text_or_obj)
     return cls(**obj)
 
-  def to_json(self, indent: int | None = None) -> str:
-    return json.dumps(self.to_dict(), indent=indent)
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
-class NetworkModel:
+class NetworkModel(JsonValue):
   """Alpha-beta cost of an all-reduce among `workers`.
 
   Attributes:
@@ -171,7 +166,7 @@ class NetworkModel:
   def __post_init__(self):
     for n in ("alpha_s", "beta_s_per_byte", "skew"):
       v = getattr(self, n)
-      if not is_number(v) or not math.isfinite(v) or v < 0:
+      if not is_finite_nonneg(v):
         raise NetworkError(f"NetworkModel has {n}={v!r}; it must be a finite number >= 0.")
       object.__setattr__(self, n, float(v))
     for n in ("workers", "links"):
@@ -189,12 +184,9 @@ class NetworkModel:
     if not isinstance(self.name, str):
       raise NetworkError(f"NetworkModel has name={self.name!r}; it must be a string (where the model came "
                          f"from, e.g. '25gbe' or 'fit').")
-    r = self.fit_residual_s
-    if r is not None:
-      if not is_number(r) or not math.isfinite(r) or r < 0:
-        raise NetworkError(f"NetworkModel has fit_residual_s={r!r}; it must be a finite number >= 0 (the "
-                           f"fit's RMS residual, seconds) or None.")
-      object.__setattr__(self, "fit_residual_s", float(r))
+    object.__setattr__(self, "fit_residual_s", nonneg_or_none(self.fit_residual_s, lambda r: NetworkError(
+        f"NetworkModel has fit_residual_s={r!r}; it must be a finite number >= 0 (the fit's RMS residual, "
+        f"seconds) or None.")))
     if self.pressure is not None and not isinstance(self.pressure, Pressure):
       raise NetworkError(f"NetworkModel has pressure={self.pressure!r}; it must be a Pressure or None "
                          f"(e.g. Pressure(background_flows=0.3, tail_prob=0.01, tail_scale_s=0.002)).")
@@ -313,12 +305,9 @@ class NetworkModel:
       d["pressure"] = self.pressure.to_dict()
     return d
 
-  def to_json(self, indent: int | None = None) -> str:
-    return json.dumps(self.to_dict(), indent=indent)
-
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> NetworkModel:
-    obj = _fields(cls, _loads(text_or_obj, "NetworkModel"), "NetworkModel")
+    obj = cls._json_fields(text_or_obj)
     missing = sorted({"alpha_s", "beta_s_per_byte", "workers"} - set(obj))
     if missing:
       raise NetworkError(f"NetworkModel.from_json: missing field(s) {missing}.")

@@ -8,17 +8,15 @@ the row's dtype (vectorised over the slices; memoized per row tuple, see `_tree.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ._errors import ScheduleError
-from ._tree import RowsInfo, is_float_dtype, rows_info
-from ._types import _fields, _loads, is_bool, is_int, is_number, itemsize
+from ._tree import is_float_dtype, rows_info
+from ._schedule_checks import check_coverage, check_gathers, check_links
+from ._types import JsonValue, check_items, is_bool, is_int, nonneg_or_none, is_number, itemsize
 
 __all__ = ["Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA", "shard_size"]
 
@@ -138,12 +136,8 @@ class Bucket:
 
   def __post_init__(self):
     object.__setattr__(self, "chunks", tuple(self.chunks))
-    if not self.chunks:
-      raise ScheduleError("a bucket has no chunks.")
-    bad = next((c for c in self.chunks if not isinstance(c, Chunk)), None)
-    if bad is not None:
-      raise ScheduleError(f"a bucket has a chunk {bad!r} of type {type(bad).__name__}; chunks are "
-                          f"prophet_jax.Chunk values.")
+    check_items(self.chunks, Chunk, ScheduleError, "a bucket has no chunks.", "a bucket has a chunk",
+                "chunks are prophet_jax.Chunk values.")
     k, m = self.defer, len(self.chunks)
     if not is_int(k):
       raise ScheduleError(f"a bucket of {m} chunks has defer={k!r}; `defer` must be an integer number of "
@@ -191,7 +185,7 @@ class Bucket:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Schedule:
+class Schedule(JsonValue):
   """An ordered plan of all-reduces for one gradient tree.
 
   Attributes:
@@ -236,12 +230,10 @@ class Schedule:
 
   def __post_init__(self):
     object.__setattr__(self, "buckets", tuple(self.buckets))
-    bad = next((b for b in self.buckets if not isinstance(b, Bucket)), None)
-    if bad is not None:
-      raise ScheduleError(f"a schedule has a bucket {bad!r} of type {type(bad).__name__}; buckets are "
-                          f"prophet_jax.Bucket values.")
-    _check_links(self)
-    _check_gathers(self)
+    check_items(self.buckets, Bucket, ScheduleError, None, "a schedule has a bucket",
+                "buckets are prophet_jax.Bucket values.")
+    check_links(self)
+    check_gathers(self)
     try:
       info = rows_info(self.rows)
     except (TypeError, ValueError) as e:
@@ -258,12 +250,9 @@ class Schedule:
       raise ScheduleError(f"schedule has cross_step={self.cross_step!r}; it must be True or False (JSON true "
                           f"or false): the step mode it was planned for.")
     object.__setattr__(self, "cross_step", bool(self.cross_step))
-    p = self.predicted_s
-    if p is not None:
-      if not is_number(p) or not math.isfinite(p) or p < 0:
-        raise ScheduleError(f"schedule has predicted_s={p!r}; it must be a finite number of seconds >= 0 "
-                            f"(the simulator's iteration at planning) or null.")
-      object.__setattr__(self, "predicted_s", float(p))
+    object.__setattr__(self, "predicted_s", nonneg_or_none(self.predicted_s, lambda p: ScheduleError(
+        f"schedule has predicted_s={p!r}; it must be a finite number of seconds >= 0 (the simulator's "
+        f"iteration at planning) or null.")))
     if self.schema != SCHEDULE_SCHEMA:
       raise ScheduleError(f"schedule has schema={self.schema!r}; this version reads {SCHEDULE_SCHEMA}.")
     fp = info.fingerprint
@@ -272,7 +261,7 @@ class Schedule:
     elif self.tree_fingerprint != fp:
       raise ScheduleError(f"schedule's tree_fingerprint {self.tree_fingerprint!r} does not match its rows "
                           f"(which hash to {fp!r}): the file was edited. Plan again.")
-    _check_coverage(self, info)
+    check_coverage(self, info)
 
   @property
   def chunks(self) -> tuple[Chunk, ...]:
@@ -391,12 +380,9 @@ class Schedule:
     } | ({"links": list(self.links)} if self.links else {}) | (
         {"gathers": [list(g) for g in self.gathers]} if self.gathers else {})
 
-  def to_json(self, indent: int | None = None) -> str:
-    return json.dumps(self.to_dict(), indent=indent)
-
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Schedule:
-    obj = _fields(cls, _loads(text_or_obj, "Schedule"), "Schedule")
+    obj = cls._json_fields(text_or_obj)
     missing = sorted({"buckets", "rows"} - set(obj))
     if missing:
       raise ScheduleError(f"Schedule.from_json: missing field(s) {missing}; a schedule file is what "
@@ -462,19 +448,6 @@ def _bucket_from_json(b: Any, i: int) -> Bucket:
   return Bucket(chunks=tuple(chunks), defer=defer, release=release)
 
 
-def _check_links(s: Schedule) -> None:
-  links = s.links
-  if not isinstance(links, (tuple, list)) or not all(map(is_int, links)):
-    raise ScheduleError(f"schedule links={links!r}: expected a tuple of link indices (ints), one per "
-                        f"issued all-reduce, or () for one link.")
-  links = tuple(int(x) for x in links)
-  object.__setattr__(s, "links", links)
-  if links and (len(links) != s.num_allreduces or min(links) < 0):
-    raise ScheduleError(f"schedule links={links[:8]}{'...' if len(links) > 8 else ''} ({len(links)} "
-                        f"entries): expected {s.num_allreduces} link indices >= 0, one per issued "
-                        f"all-reduce, or () for one link. Plan again.")
-
-
 def _check_workers(call: str, workers: Any) -> int:
   """`workers` as an int >= 1 (numpy integers welcome), or a TypeError/ValueError naming it."""
   if not is_int(workers):
@@ -486,120 +459,9 @@ def _check_workers(call: str, workers: Any) -> int:
   return int(workers)
 
 
-def _check_gathers(s: Schedule) -> None:
-  """A sharded schedule's gathers: a partition of the chunk indices, one dtype per gather; no deferral
-  group, one link (the rewrite runs one tie chain of reduce-scatters, then one of all-gathers)."""
-  gathers = s.gathers
-  if not isinstance(gathers, (tuple, list)) or not all(isinstance(g, (tuple, list)) for g in gathers):
-    raise ScheduleError(f"schedule gathers={gathers!r}: expected a tuple of all-gathers, each a tuple of "
-                        f"chunk indices (ints), or () for an all-reduce schedule.")
-  if not gathers:
-    object.__setattr__(s, "gathers", ())
-    return
-  chunks = s.chunks
-  n = len(chunks)
-  out, seen = [], {}
-  for g, ks in enumerate(gathers):
-    if not ks:
-      raise ScheduleError(f"gather {g} is empty; every all-gather gathers the shards of at least one "
-                          f"reduce-scatter chunk. Drop it, or plan again (prophet_jax.plan(..., 'dear')).")
-    if not all(map(is_int, ks)):
-      raise ScheduleError(f"gather {g} is {tuple(ks)!r}: expected chunk indices (ints) into the "
-                          f"schedule's {n} chunks (issue order).")
-    ks = tuple(int(k) for k in ks)
-    for k in ks:
-      if not 0 <= k < n:
-        raise ScheduleError(f"gather {g} names chunk {k}, but the schedule has {n} chunks (0 to {n - 1}, "
-                            f"issue order). Plan again (prophet_jax.plan(..., 'dear')).")
-      if k in seen:
-        raise ScheduleError(f"chunk{k} is in gather {seen[k]} and gather {g}; every reduce-scatter "
-                            f"chunk's shard is all-gathered exactly once. Plan again.")
-      seen[k] = g
-    dtypes = sorted({chunks[k].dtype for k in ks})
-    if len(dtypes) > 1:
-      raise ScheduleError(f"gather {g} (chunks {ks}) mixes dtypes {dtypes}; one all-gather gathers one "
-                          f"dtype. Make one gather per dtype.")
-    out.append(ks)
-  missing = [k for k in range(n) if k not in seen]
-  if missing:
-    raise ScheduleError(f"chunk(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} are in no gather; in a "
-                        f"sharded schedule every reduce-scatter chunk's shard is all-gathered once (the "
-                        f"other devices would miss its update). Add them to a gather, or plan again.")
-  deferring = [i for i, b in enumerate(s.buckets) if b.defer]
-  if deferring:
-    raise ScheduleError(f"a sharded schedule (gathers) cannot hold deferral groups, but bucket "
-                        f"{deferring[0]} has defer={s.buckets[deferring[0]].defer}: a deferred chunk "
-                        f"would leave its shard's update one step late on one device only. Use "
-                        f"'dlcp' or 'dear', not both.")
-  if s.links:
-    raise ScheduleError(f"a sharded schedule (gathers) runs on one link (one tie chain of "
-                        f"reduce-scatters, then one of all-gathers), but it has links="
-                        f"{s.links[:8]}{'...' if len(s.links) > 8 else ''}. Drop `links`, or plan it "
-                        f"with network.links=1.")
-  object.__setattr__(s, "gathers", tuple(out))
-
-
 def _freeze(v: Any) -> Any:
   if isinstance(v, list | tuple):
     return tuple(_freeze(x) for x in v)
   if isinstance(v, dict):
     return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
   return v
-
-
-def _check_coverage(s: Schedule, info: RowsInfo) -> None:
-  """Every element of every row in exactly one chunk, once, in a chunk of the row's dtype.
-
-  Vectorised over the slices; on a violation, `_coverage_error` walks them to name it.
-  """
-  chunks = s.chunks
-  sizes = info.sizes
-  counts = [len(c.slices) for c in chunks]
-  flat = np.array([x for c in chunks for x in c.slices], dtype=np.int64).reshape(-1, 3)
-  r, a, b = flat[:, 0], flat[:, 1], flat[:, 2]
-  ok = bool((r < len(sizes)).all())
-  if ok and r.size:
-    chunk_code = np.array([info.dtypes.get(c.dtype, -1) for c in chunks], dtype=np.int64)
-    ok = bool((info.dtype_code[r] == np.repeat(chunk_code, counts)).all() and (b <= sizes[r]).all())
-  if ok:
-    order = np.lexsort((a, r))
-    r, a, b = r[order], a[order], b[order]
-    first = np.r_[True, r[1:] != r[:-1]] if r.size else np.zeros(0, dtype=bool)
-    expected = np.where(first, 0, np.r_[0, b[:-1]])        # a row's slices start where the last ended
-    last = np.r_[first[1:], True] if r.size else first
-    ok = bool((a == expected).all() and (b[last] == sizes[r[last]]).all()
-              and np.count_nonzero(first) == np.count_nonzero(sizes))
-  if not ok:
-    _coverage_error(s)
-
-
-def _coverage_error(s: Schedule) -> None:
-  """Raises the ScheduleError that names the first chunk or leaf breaking coverage."""
-  sizes = [math.prod(shape) for _, shape, _ in s.rows]
-  covered: list[list[tuple[int, int]]] = [[] for _ in sizes]
-  for k, c in enumerate(s.chunks):
-    for r, a, b in c.slices:
-      if r >= len(sizes):
-        raise ScheduleError(f"chunk{k} names row {r}, but the schedule has {len(sizes)} rows (0 to "
-                            f"{len(sizes) - 1}, its `rows` in profile order): the chunk was planned for "
-                            f"another tree, or the file was edited. Plan again for this profile "
-                            f"(prophet_jax.plan).")
-      path, _, dtype = s.rows[r]
-      if dtype != c.dtype:
-        raise ScheduleError(f"chunk{k} has dtype {c.dtype} but holds leaf {path!r} of dtype {dtype}; one "
-                            f"dtype per chunk.")
-      if b > sizes[r]:
-        raise ScheduleError(f"chunk{k} slices leaf {path!r} at [{a}:{b}], past its {sizes[r]} elements.")
-      covered[r].append((a, b))
-  for r, spans in enumerate(covered):
-    spans.sort()
-    pos = 0
-    for a, b in spans:
-      if a != pos:
-        what = "repeats" if a < pos else "drops"
-        raise ScheduleError(f"the schedule {what} elements of leaf {s.rows[r][0]!r} at "
-                            f"[{min(a, pos)}:{max(a, pos)}]; every element must be sent exactly once.")
-      pos = b
-    if pos != sizes[r]:
-      raise ScheduleError(f"the schedule drops elements of leaf {s.rows[r][0]!r} at [{pos}:{sizes[r]}]; "
-                          f"every element must be sent exactly once.")

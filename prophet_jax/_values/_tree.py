@@ -8,15 +8,13 @@ One place for every rule that ties a pytree to the rows of a GradientProfile or 
   kinds included; integer and float0 leaves pass through unreduced), and how a dtype is named;
 - `layer_of`, `flatten_with_layer_paths`: the layer a leaf belongs to (every path component but the
   last, or the first `layer_depth` of them; a flax.nnx Variable's trailing `value` key is not one);
-- `forward_paths`: the order in which a loss function first reads each parameter (the rows' priority
-  order);
 - `tree_fingerprint`, `rows_info`: the hash of a tree's rows (a Schedule's `tree_fingerprint`) and
   what a Schedule's checks read from its rows, once per row tuple.
 
 Whether a schedule fits a tree or a profile (`match_tree`, `match_rows`) is an argument check: it
 lives with the others, in `_checks`.
 
-Pure where it can be: jax is imported only by `path_str`, `forward_paths` and, when jax is installed,
+Pure where it can be: jax is imported only by `path_str` and, when jax is installed,
 `flatten_with_paths` (plain dicts, lists and tuples flatten the same way without it, dict keys sorted),
 so the planner reads trees on a machine without jax.
 """
@@ -32,7 +30,7 @@ import numpy as np
 
 __all__ = ["path_str", "flatten_with_paths", "flatten_with_layer_paths", "layer_path", "check_layer_depth",
            "dtype_name", "is_float_dtype", "is_reduced_leaf",
-           "layer_of", "forward_paths", "tree_fingerprint", "RowsInfo", "rows_info", "Row", "IdentityMemo"]
+           "layer_of", "tree_fingerprint", "RowsInfo", "rows_info", "Row", "IdentityMemo"]
 
 Row = tuple[str, tuple[int, ...], str]   # (path, shape, dtype) of one reduced leaf
 
@@ -45,7 +43,7 @@ def path_str(keypath: Any) -> str:
   """'params/Conv_0/kernel' for a jax key path (a string passes through unchanged)."""
   if isinstance(keypath, str):
     return keypath
-  import jax
+  import jax  # lazy: the planner reads trees without jax
 
   return jax.tree_util.keystr(tuple(keypath), simple=True, separator="/")
 
@@ -53,7 +51,7 @@ def path_str(keypath: Any) -> str:
 def flatten_with_paths(tree: Any) -> list[tuple[str, Any]]:
   """[(path, leaf)] in jax's flatten order (a pure walk of dicts, lists and tuples without jax)."""
   try:
-    import jax
+    import jax  # lazy: the planner reads trees without jax
   except ImportError:  # the pure walk: dicts (sorted keys), lists and tuples, as jax flattens them
     out: list[tuple[str, Any]] = []
 
@@ -118,7 +116,7 @@ def flatten_with_layer_paths(tree: Any) -> list[tuple[str, str, Any]]:
   layers of `nnx.state(model, nnx.Param)` ('l0/kernel/value') are those of the pure-dict tree
   ('l0/kernel' is in layer 'l0'). Without jax (plain dicts and lists) the two paths are the same."""
   try:
-    import jax
+    import jax  # lazy: the planner reads trees without jax
   except ImportError:
     return [(p, p, leaf) for p, leaf in flatten_with_paths(tree)]
   return [(path_str(kp), layer_path(kp), leaf) for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
@@ -175,89 +173,6 @@ def layer_of(path: str, layer_depth: int | None = None) -> str:
   layer_depth = check_layer_depth("layer_of", layer_depth)
   parts = path.split("/")
   return "/".join(parts[:layer_depth] if layer_depth else parts[:-1]) or parts[0]
-
-
-# --------------------------------------------------------------------------------------------------
-# Forward order
-
-# jaxpr params holding a sub-jaxpr whose invars and outvars map one-to-one onto the equation's
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-# primitives that only re-label a value (its k-th output is its k-th input, re-typed or re-shaped):
-# not a use; the use is wherever the result is read
-_ALIAS_PRIMITIVES = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims",
-                               "broadcast_in_dim", "transpose", "copy", "copy_p", "pvary", "pcast",
-                               "optimization_barrier", "device_put"})
-
-
-def forward_paths(fn: Callable[..., Any], params: Any, *args: Any) -> tuple[str, ...]:
-  """Leaf paths of `params` in FORWARD order: the order in which `fn(params, *args)` first uses them.
-
-  The order comes from the jaxpr of `fn`: the first equation that reads each parameter, descending
-  into `jit` / `scan` / custom-derivative sub-jaxprs, and following values through re-labelling
-  primitives (casts, reshapes, transposes, identity `custom_vjp` hooks), so a hook or a cast applied
-  to every parameter up front does not count as a use. It does not come from the pytree: flax stores
-  submodules in dicts whose sorted keys put `Dense_10` before `Dense_2`. A tied embedding is placed
-  where the forward pass first reads it (the input lookup, so row 0). Leaves `fn` never reads come
-  last, in flatten order.
-
-  Args:
-    fn: e.g. a loss function; traced abstractly (nothing runs), so `args` may be ShapeDtypeStructs.
-    params: the parameter pytree (arrays or ShapeDtypeStructs).
-    *args: the other arguments of `fn` (e.g. a batch).
-
-  Returns:
-    Every leaf path of `params`, each once.
-  """
-  import jax
-  from jax.extend.core import Literal
-
-  from .._compiled._jaxcompat import check_jaxpr_api
-
-  check_jaxpr_api("forward_paths")
-  leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-  paths = [path_str(p) for p, _ in leaves_with_paths]
-  leaves = [x for _, x in leaves_with_paths]
-
-  def flat_fn(flat, *rest):
-    return fn(jax.tree_util.tree_unflatten(treedef, flat), *rest)
-
-  jaxpr = jax.make_jaxpr(flat_fn)(leaves, *args).jaxpr
-  order: list[int] = []
-  seen: set[int] = set()
-
-  def walk(jx: Any, mapping: dict[int, int]) -> None:
-    """mapping: id(var) -> leaf index; grows with the outputs that carry a leaf unchanged."""
-    for eqn in jx.eqns:
-      ins = [(k, mapping[id(v)]) for k, v in enumerate(eqn.invars)
-             if not isinstance(v, Literal) and id(v) in mapping]
-      if not ins:
-        continue
-      sub = None
-      for name in _CALL_PARAMS:
-        cand = eqn.params.get(name)
-        cand = getattr(cand, "jaxpr", cand)  # ClosedJaxpr -> Jaxpr (jax >= 0.11: the same object)
-        if (cand is not None and hasattr(cand, "eqns") and len(cand.invars) == len(eqn.invars)
-            and len(cand.outvars) == len(eqn.outvars)):
-          sub = cand
-          break
-      if sub is not None:
-        inner = {id(sub.invars[k]): i for k, i in ins}
-        walk(sub, inner)
-        for ov, iv in zip(eqn.outvars, sub.outvars):  # passed through unchanged: alias, not a use
-          if not isinstance(iv, Literal) and id(iv) in inner:
-            mapping[id(ov)] = inner[id(iv)]
-      elif eqn.primitive.name in _ALIAS_PRIMITIVES and len(eqn.invars) == len(eqn.outvars):
-        for k, i in ins:
-          mapping[id(eqn.outvars[k])] = i
-      else:
-        for _, i in ins:
-          if i not in seen:
-            seen.add(i)
-            order.append(i)
-
-  walk(jaxpr, {id(v): i for i, v in enumerate(jaxpr.invars[:len(leaves)])})
-  order += [i for i in range(len(leaves)) if i not in seen]
-  return tuple(paths[i] for i in order)
 
 
 # --------------------------------------------------------------------------------------------------

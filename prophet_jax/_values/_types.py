@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,12 +64,38 @@ def is_number(x: Any) -> bool:
   return isinstance(x, (int, float, np.integer, np.floating)) and not is_bool(x)
 
 
+def is_finite_nonneg(x: Any) -> bool:
+  """True for a real number that is finite and >= 0 (a time, a rate, a residual): the one rule every
+  value checks its non-negative numbers by."""
+  return is_number(x) and math.isfinite(x) and x >= 0
+
+
+def check_items(items: tuple[Any, ...], kind: type, error: type[Exception], empty: str | None, has: str,
+                fix: str) -> None:
+  """Raises `error(empty)` when `items` is empty (unless `empty` is None), and `error` naming the first
+  item that is not a `kind` ('{has} {item!r} of type T; {fix}'): the check of a value's tuple of parts."""
+  if not items and empty is not None:
+    raise error(empty)
+  bad = next((x for x in items if not isinstance(x, kind)), None)
+  if bad is not None:
+    raise error(f"{has} {bad!r} of type {type(bad).__name__}; {fix}")
+
+
+def nonneg_or_none(value: Any, error: Callable[[Any], Exception]) -> float | None:
+  """None, or `value` as a float when it is a finite number >= 0; otherwise raises `error(value)`."""
+  if value is None:
+    return None
+  if not is_finite_nonneg(value):
+    raise error(value)
+  return float(value)
+
+
 def _finite_nonneg(owner: str, name: str, value: Any) -> float:
   if not is_number(value):
     raise ProfileError(f"{owner} has {name}={value!r}; {name} must be a number of seconds (finite, >= 0), "
                        f"not {type(value).__name__}.")
   value = float(value)
-  if not math.isfinite(value) or value < 0:
+  if not is_finite_nonneg(value):
     raise ProfileError(f"{owner} has {name}={value!r}; {name} must be finite and >= 0.")
   return value
 
@@ -138,6 +164,24 @@ def _fields(cls: type, obj: dict[str, Any], what: str, *, required: bool = False
   return obj
 
 
+class JsonValue:
+  """What every JSON value of the library shares: `to_json` writes `to_dict()`, and `from_json` starts
+  from `_json_fields` (the text or dict read, checked to hold only the value's fields)."""
+
+  __slots__ = ()
+
+  def to_dict(self) -> dict[str, Any]:
+    raise NotImplementedError
+
+  def to_json(self, indent: int | None = None) -> str:
+    """`to_dict()` as JSON text."""
+    return json.dumps(self.to_dict(), indent=indent)
+
+  @classmethod
+  def _json_fields(cls, text_or_obj: str | Mapping[str, Any]) -> dict[str, Any]:
+    return _fields(cls, _loads(text_or_obj, cls.__name__), cls.__name__)
+
+
 # --------------------------------------------------------------------------------------------------
 # GradientProfile
 
@@ -195,7 +239,7 @@ class ProfileRow:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class GradientProfile:
+class GradientProfile(JsonValue):
   """Per-leaf gradient readiness of one training step, rows in priority (forward) order.
 
   Row 0 is the leaf the next forward pass needs first. Integer and float0 leaves are not rows.
@@ -223,12 +267,8 @@ class GradientProfile:
     if isinstance(self.rows, (str, bytes, Mapping)) or not isinstance(self.rows, Iterable):
       raise ProfileError(f"the profile has rows={self.rows!r}; rows must be a list of ProfileRows.")
     object.__setattr__(self, "rows", tuple(self.rows))
-    if not self.rows:
-      raise ProfileError("the profile is empty: it needs at least one gradient row.")
-    bad = next((r for r in self.rows if not isinstance(r, ProfileRow)), None)
-    if bad is not None:
-      raise ProfileError(f"the profile has a row {bad!r} of type {type(bad).__name__}; rows must be "
-                         f"ProfileRows (GradientProfile.from_rows takes dicts).")
+    check_items(self.rows, ProfileRow, ProfileError, "the profile is empty: it needs at least one gradient row.",
+                "the profile has a row", "rows must be ProfileRows (GradientProfile.from_rows takes dicts).")
     if not isinstance(self.method, str) or self.method not in PROFILE_METHODS:
       raise ProfileError(f"profile has method={self.method!r}; expected one of {PROFILE_METHODS}.")
     for name in ("model", "device", "notes"):
@@ -364,7 +404,7 @@ class GradientProfile:
     """
     for name, value in (("forward_s", forward_s), ("backward_s", backward_s),
                         ("update_s_per_byte", update_s_per_byte)):
-      if not is_number(value) or not math.isfinite(value) or value < 0:
+      if not is_finite_nonneg(value):
         raise ValueError(f"GradientProfile.from_params({name}={value!r}): `{name}` must be a finite number "
                          f">= 0 ({'seconds per gradient byte' if name == 'update_s_per_byte' else 'seconds'}"
                          f").")
@@ -404,12 +444,9 @@ class GradientProfile:
     d["rows"] = [dataclasses.asdict(r) | {"shape": list(r.shape)} for r in self.rows]
     return d
 
-  def to_json(self, indent: int | None = None) -> str:
-    return json.dumps(self.to_dict(), indent=indent)
-
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> GradientProfile:
-    obj = _fields(cls, _loads(text_or_obj, "GradientProfile"), "GradientProfile")
+    obj = cls._json_fields(text_or_obj)
     if not isinstance(obj.get("rows"), list):
       raise ProfileError("GradientProfile.from_json: field 'rows' must be a list of row objects.")
     try:

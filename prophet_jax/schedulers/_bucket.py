@@ -226,27 +226,23 @@ def bucket(*, style: str = "ddp", bucket_bytes: int | None = None, first_bucket_
                                   "style's default.")
   first_bucket_bytes = check_bytes(POLICY, "first_bucket_bytes", first_bucket_bytes,
                                    hint="Try 2**20 (1 MiB, as DDP) or None.")
+  # each style refuses the other's option, then fills in its own defaults
+  other, name, value, why = (("horovod", "cycle_s", cycle_s, "`cycle_s` is Horovod's background cycle")
+                             if style == "ddp" else
+                             ("ddp", "first_bucket_bytes", first_bucket_bytes,
+                              "Horovod has no first bucket; `first_bucket_bytes` is DDP's"))
+  if value is not None:
+    raise ValueError(f"bucket(style={style!r}, {name}={value!r}): {why}. Use style={other!r} or leave "
+                     f"{name}=None.")
   if style == "ddp":
-    if cycle_s is not None:
-      raise ValueError(f"bucket(style='ddp', cycle_s={cycle_s!r}): `cycle_s` is Horovod's background "
-                       f"cycle; use style='horovod' or leave cycle_s=None.")
     if bucket_bytes is None:
-      bucket_bytes = DDP_BUCKET_BYTES
-      if first_bucket_bytes is None:
-        first_bucket_bytes = DDP_FIRST_BUCKET_BYTES
-    elif first_bucket_bytes is None:
-      first_bucket_bytes = bucket_bytes
+      bucket_bytes, first_bucket_bytes = DDP_BUCKET_BYTES, first_bucket_bytes or DDP_FIRST_BUCKET_BYTES
+    first_bucket_bytes = first_bucket_bytes or bucket_bytes
   else:
-    if first_bucket_bytes is not None:
-      raise ValueError(f"bucket(style='horovod', first_bucket_bytes={first_bucket_bytes!r}): Horovod has "
-                       f"no first bucket; `first_bucket_bytes` is DDP's. Use style='ddp' or leave it None.")
-    if bucket_bytes is None:
-      bucket_bytes = HOROVOD_FUSION_BYTES
-    if cycle_s is None:
-      cycle_s = HOROVOD_CYCLE_S
-    cycle_s = check_number("bucket", "cycle_s", cycle_s, lo=0,
-                           fix="It is seconds: try 5e-3 (Horovod before v0.21) or 1e-3 (v0.21 and later).")
-    cycle_s = float(cycle_s)
+    bucket_bytes = bucket_bytes or HOROVOD_FUSION_BYTES
+    cycle_s = HOROVOD_CYCLE_S if cycle_s is None else cycle_s
+    cycle_s = float(check_number("bucket", "cycle_s", cycle_s, lo=0, fix="It is seconds: try 5e-3 (Horovod "
+                                 "before v0.21) or 1e-3 (v0.21 and later)."))
   options = {"style": style, "bucket_bytes": bucket_bytes, "first_bucket_bytes": first_bucket_bytes,
              "cycle_s": cycle_s}
 

@@ -101,11 +101,9 @@ def dear(*, bucket_bytes: int | None = None) -> Scheduler:
       ValueError for a network with `links > 1` (a sharded schedule runs on one tie chain).
 
   Examples:
-    >>> import prophet_jax as pj
-    >>> prof = pj.GradientProfile.from_rows(
-    ...     [dict(path=f"l{i}/w", layer=f"l{i}", shape=(2**18,), dtype="float32", nbytes=2**20,
-    ...           ready_s=0.001 * (4 - i), fwd_s=0.001) for i in range(4)],
-    ...     forward_s=0.004, backward_s=0.004)
+    >>> import numpy as np, prophet_jax as pj
+    >>> params = {f"l{i}": {"w": np.zeros(2**18, np.float32)} for i in range(4)}   # four 1 MiB layers
+    >>> prof = pj.GradientProfile.from_params(params, forward_s=0.004, backward_s=0.004)
     >>> s = dear()(prof, pj.NetworkModel.preset("10gbe", workers=16), cross_step=True)
     >>> s.sharded, s.num_reduce_scatters >= 1, sorted(k for g in s.gathers for k in g) == list(range(len(s.chunks)))
     (True, True, True)

@@ -1,0 +1,140 @@
+"""Mesh geometry: which devices, along which axes, hold what (the floor under measure and rewrite).
+
+The one place outside the rewrite's mesh layer that looks at a `jax.sharding.Mesh`: its data axes
+(`check_mesh`, `axis_total`), the devices a per-device profile of a mesh's step runs on
+(`local_devices_along`, `profiled_devices`), the workers a monitor's probe spans (`mesh_workers`),
+and abstract values placed on a mesh (`placed`). Measurement (`profile_step(mesh=)`, `Monitor(mesh=)`)
+and compile-only targets (`GpuTopology.abstract`) use it without importing the rewrite; a function
+given no mesh gets the per-device answer here, so its callers hold no placement branch of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+__all__ = ["data_axes", "check_mesh", "axis_total", "local_devices_along", "profiled_devices",
+           "mesh_workers", "host_rows", "placed"]
+
+
+def data_axes(axis_name: Any) -> tuple[Any, ...]:
+  """The data axis as a tuple of mesh axis names ('dp' -> ('dp',))."""
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _names(mesh: Any) -> tuple[Any, ...]:
+  return tuple(mesh.axis_names)
+
+
+def check_mesh(mesh: Any, axis_name: Any, where: str) -> tuple[Any, ...]:
+  """The data axes, after checking that `mesh` is a mesh that has every one of them.
+
+  Raises:
+    TypeError: `mesh` is not a `jax.sharding.Mesh` / `AbstractMesh`.
+    ValueError: the mesh lacks an axis of `axis_name` (its axes are named).
+  """
+  if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(f"{where}(mesh={mesh!r}): expected a jax.sharding.Mesh (e.g. jax.make_mesh((8,), "
+                    f"({axis_name!r},))), got {type(mesh).__name__}.")
+  axes = data_axes(axis_name)
+  missing = [a for a in axes if a not in _names(mesh)]
+  if missing:
+    shape = dict(zip(_names(mesh), mesh.axis_sizes))
+    raise ValueError(
+        f"{where}(axis_name={axis_name!r}, mesh=...): the mesh has no axis {missing[0]!r}; its axes are "
+        f"{shape}. Pass the name of the mesh axis the batch is split over (axis_name="
+        f"{_names(mesh)[0]!r}?), or make the mesh with that name: jax.make_mesh((n,), ({missing[0]!r},)).")
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"{where}(axis_name={axis_name!r}): an axis is named twice.")
+  return axes
+
+
+def axis_total(mesh: Any, axes: Sequence[Any]) -> int:
+  """Devices along the data axes (the product of their sizes): the number of per-device batches."""
+  sizes = dict(zip(_names(mesh), mesh.axis_sizes))
+  return int(np.prod([sizes[a] for a in axes], dtype=np.int64))
+
+
+def _data_axis(mesh: Any, axis_name: Any, where: str) -> Any:
+  """`axis_name`, or the mesh's only axis when it has one and `axis_name` is left out."""
+  if axis_name is None and len(mesh.axis_names) == 1:
+    return mesh.axis_names[0]
+  if axis_name is None:
+    raise ValueError(f"{where}(mesh=...): the mesh has axes {tuple(mesh.axis_names)}; name the one "
+                     f"the batch is split over: axis_name=...")
+  return axis_name
+
+
+def local_devices_along(mesh: Any, axis_name: Any, where: str) -> list[Any]:
+  """This process's devices along the data axes of `mesh` (at the first index of every other axis):
+  the devices a per-device profile of the mesh's step runs on."""
+  axes = check_mesh(mesh, axis_name, where)
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"{where}(mesh=...): profiling runs the step, so it needs a mesh of real devices "
+                    f"(jax.sharding.Mesh), not {type(mesh).__name__}.")
+  names = _names(mesh)
+  devices = np.asarray(mesh.devices)
+  index = tuple(slice(None) if n in axes else 0 for n in names)
+  along = devices[index]
+  order = [n for n in names if n in axes]
+  along = np.transpose(along, [order.index(a) for a in axes]).reshape(-1)
+  here = jax.process_index()
+  out = [d for d in along if d.process_index == here]
+  if not out:
+    raise ValueError(f"{where}(mesh=...): none of the mesh's devices along {axes} belongs to this "
+                     f"process.")
+  return out
+
+
+def profiled_devices(mesh: Any, axis_name: Any, where: str) -> list[Any]:
+  """The devices a per-device profile runs on: this process's devices, or, given the training mesh,
+  those of them along its data axis (`axis_name` may be left out for a one-axis mesh)."""
+  if mesh is None:
+    return jax.local_devices()
+  return local_devices_along(mesh, _data_axis(mesh, axis_name, where), where)
+
+
+def mesh_workers(mesh: Any, axis_name: Any, where: str) -> int | None:
+  """The devices along the training mesh's data axis (the workers of its all-reduces); None without
+  a mesh (`axis_name` may be left out for a one-axis mesh)."""
+  if mesh is None:
+    return None
+  return axis_total(mesh, check_mesh(mesh, _data_axis(mesh, axis_name, where), where))
+
+
+def host_rows(batch: Any, mesh: Any, where: str) -> Any:
+  """With a training mesh, the batch as host data (the rows this process's devices train on, sliced
+  over the profiled devices later); without one, the batch as it is.
+
+  Raises:
+    ValueError: a leaf is a global array that spans processes.
+  """
+  if mesh is None:
+    return batch
+
+  def host(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      raise ValueError(f"{where}(mesh=...): the batch holds a global array that spans processes; "
+                       f"pass the rows this process's devices train on (host data).")
+    return jax.device_get(x)
+
+  return jax.tree_util.tree_map(host, batch)
+
+
+def placed(tree: Any, spec: Any, mesh: Any, default: Callable[[], Any]) -> Any:
+  """`tree` as ShapeDtypeStructs placed on `mesh` (or on `default()` when it is None) with
+  PartitionSpec `spec`, one for every leaf or a pytree of them (a prefix of `tree`, as shard_map's
+  in_specs). Nothing is allocated."""
+  mesh = default() if mesh is None else mesh
+
+  def one(s, sub):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                       sharding=NamedSharding(mesh, s)), sub)
+
+  if isinstance(spec, PartitionSpec):
+    return one(spec, tree)
+  return jax.tree.map(one, spec, tree, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)

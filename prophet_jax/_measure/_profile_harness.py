@@ -1,0 +1,267 @@
+"""The program harness behind `profile_step`: the gradient step of a user's loss, on a 1-D mesh.
+
+`_setup` checks the loss, the params and the batch (a per-device batch that fits the model, a real
+floating scalar, differentiable in the float leaves), reads the leaves' forward (priority) order and
+their layers, and places the params replicated and the batch split over a mesh of `num_devices`
+devices. The programs are built on it: the gradient step (`jax.grad` under `jax.shard_map`, no
+all-reduce: the per-device program of training without its communication), the forward alone, the
+optimizer's update and a local train step (gradients and update in one program); `_Prog` holds a
+lowered program with its arguments, and `_compile_all` compiles several at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._compiled._devices import profiled_devices
+from .._values._checks import check_int
+from .._values._errors import ProfileError
+from .._compiled._jaxpr import forward_paths
+from .._values._tree import check_layer_depth, is_reduced_leaf, layer_of, layer_path, path_str
+from .._values._types import itemsize
+
+_AXIS = "prophet_profile"
+_STEP_NAME = "prophet_profile_step"
+_UPDATE_NAME = "prophet_profile_update"
+
+# --------------------------------------------------------------------------------------------------
+# Setup shared by every method
+
+
+@dataclasses.dataclass
+class _Setup:
+  """Everything the methods share: the mesh, the sharded inputs, the rows and their order."""
+
+  mesh: Any
+  num_devices: int
+  params: Any                 # replicated on the mesh
+  batch: Any                  # sharded on the mesh
+  diff_idx: list[int]         # flat indices of the differentiated (floating) leaves, flatten order
+  treedef: Any
+  leaves: list[Any]
+  paths: list[str]            # flatten order
+  order: list[int]            # indices into diff_idx, forward (priority) order
+  layers: dict[int, str]      # flat index -> layer name
+  loss_of: Callable[..., Any]  # (diff_leaves, other_leaves, batch) -> scalar
+
+
+def _setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name=None) -> _Setup:
+  if not callable(loss_fn):
+    raise TypeError(f"profile_step(loss_fn={loss_fn!r}): expected a callable loss_fn(params, batch).")
+  check_layer_depth("profile_step", layer_depth)
+  devices = profiled_devices(mesh, axis_name, "profile_step")
+  n = len(devices) if num_devices is None else num_devices
+  check_int("profile_step", "num_devices", n, lo=1)
+  if n > len(devices):
+    raise ValueError(f"profile_step(num_devices={n}): only {len(devices)} {devices[0].platform} device(s) "
+                     f"here. On the CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n} before "
+                     f"jax starts.")
+  n = int(n)
+  mesh = jax.sharding.Mesh(np.asarray(devices[:n]), (_AXIS,))
+
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  paths = [path_str(p) for p, _ in flat]
+  leaves = [x for _, x in flat]
+  for path, x in zip(paths, leaves):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"profile_step: parameter leaf {path!r} is a {type(x).__name__}; expected arrays.")
+  diff_idx = [i for i, x in enumerate(leaves) if is_reduced_leaf(x)]
+  if not diff_idx:
+    raise ProfileError("profile_step: params have no floating-point leaves, so nothing is differentiable; "
+                       "pass the model's float parameters.")
+  bflat, _ = jax.tree_util.tree_flatten_with_path(batch)
+  if not bflat:
+    raise ValueError("profile_step: the batch has no array leaves; pass the global batch (leading axis = "
+                     "examples).")
+  for kp, x in bflat:
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) == 0 or shape[0] % n or shape[0] == 0:
+      raise ValueError(
+          f"profile_step: batch leaf {'batch/' + path_str(kp) if kp else 'batch'!r} has shape "
+          f"{tuple(shape) if shape is not None else None}; every batch leaf needs a leading (example) "
+          f"axis divisible by num_devices={n}, e.g. ({8 * n}, ...).")
+
+  def loss_of(diff_leaves, other_leaves, b):
+    full, di, oi = [], iter(diff_leaves), iter(other_leaves)
+    dset = set(diff_idx)
+    for i in range(len(leaves)):
+      full.append(next(di) if i in dset else next(oi))
+    return loss_fn(jax.tree_util.tree_unflatten(treedef, full), b)
+
+  # Abstract check: differentiable, scalar, batch shapes the model accepts (per-device shapes).
+  diff = [leaves[i] for i in diff_idx]
+  other = [x for i, x in enumerate(leaves) if i not in set(diff_idx)]
+  local_batch = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), batch)
+  try:
+    out = jax.eval_shape(loss_fn, params, local_batch)
+  except Exception as e:  # noqa: BLE001 - re-raised with context
+    raise ValueError(
+        f"profile_step: loss_fn(params, batch) failed on a per-device batch of shapes "
+        f"{_shapes(local_batch)} (the global batch split over {n} devices): {type(e).__name__}: "
+        f"{str(e).splitlines()[0] if str(e) else ''}. Check the batch's shapes against the model.") from e
+  if not hasattr(out, "shape") or out.shape != () or not is_reduced_leaf(out):
+    raise TypeError(f"profile_step: loss_fn must return a real floating scalar to be differentiated; it "
+                    f"returned {getattr(out, 'dtype', type(out).__name__)}{tuple(getattr(out, 'shape', ()))}."
+                    f" Reduce the loss to a scalar (e.g. jnp.mean) and return aux values separately.")
+  try:
+    jax.eval_shape(jax.grad(loss_of), diff, other, local_batch)
+  except Exception as e:  # noqa: BLE001
+    raise TypeError(f"profile_step: loss_fn is not differentiable in params: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}. Every floating parameter must reach the "
+                    f"loss through differentiable operations.") from e
+
+  # Forward (priority) order: first use in the loss's jaxpr.
+  fwd = forward_paths(loss_fn, params, local_batch)
+  pos = {p: k for k, p in enumerate(fwd)}
+  order = sorted(range(len(diff_idx)), key=lambda k: (pos.get(paths[diff_idx[k]], len(pos)), k))
+  layer_paths = [layer_path(p) for p, _ in flat]   # an nnx Variable's '.value' is not a layer
+  layers = {i: layer_of(layer_paths[i], layer_depth) for i in diff_idx}
+
+  rep = NamedSharding(mesh, P())
+  shard = NamedSharding(mesh, P(_AXIS))
+  params_d = jax.device_put(params, rep)
+  batch_d = jax.device_put(batch, shard)
+  return _Setup(mesh=mesh, num_devices=n, params=params_d, batch=batch_d, diff_idx=diff_idx,
+                treedef=treedef, leaves=list(jax.tree_util.tree_leaves(params_d)), paths=paths,
+                order=order, layers=layers, loss_of=loss_of)
+
+
+def _shapes(tree: Any) -> str:
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return "{" + ", ".join(f"{path_str(k) or 'batch'}: {tuple(x.shape)}" for k, x in flat) + "}"
+
+
+def _split(s: _Setup) -> tuple[list[Any], list[Any]]:
+  dset = set(s.diff_idx)
+  return ([s.leaves[i] for i in s.diff_idx], [x for i, x in enumerate(s.leaves) if i not in dset])
+
+
+def _grad_program(s: _Setup, wrt: Sequence[int] | None = None, name: str = _STEP_NAME):
+  """jit(shard_map(grad)) over the mesh, with no all-reduce; `wrt` restricts to some diff leaves."""
+  def step(diff, other, b):
+    if wrt is None:
+      return jax.grad(s.loss_of)(diff, other, b)
+    keep = list(wrt)
+
+    def part(sub, diff, other, b):
+      full = list(diff)
+      for k, x in zip(keep, sub):
+        full[k] = x
+      return s.loss_of(full, other, b)
+
+    return jax.grad(part)([diff[k] for k in keep], diff, other, b)
+
+  step.__name__ = name
+  step.__qualname__ = name
+  return jax.jit(jax.shard_map(step, mesh=s.mesh, in_specs=(P(), P(), P(_AXIS)), out_specs=P(),
+                               check_vma=False))
+
+
+def _loss_program(s: _Setup):
+  def fwd(diff, other, b):
+    return s.loss_of(diff, other, b)
+
+  return jax.jit(jax.shard_map(fwd, mesh=s.mesh, in_specs=(P(), P(), P(_AXIS)), out_specs=P(),
+                               check_vma=False))
+
+
+def _wall_median(f: Callable[[], Any], repeats: int) -> float:
+  jax.block_until_ready(f())
+  ts = []
+  for _ in range(max(3, repeats)):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f())
+    ts.append(time.perf_counter() - t0)
+  return float(statistics.median(ts))
+
+
+class _Prog:
+  """A lowered program with its arguments: compiled once (several at once by `_compile_all`), then run
+  by calling it."""
+
+  def __init__(self, lowered: Any, args: Sequence[Any]):
+    self.lowered = lowered
+    self.args = tuple(args)
+    self.compiled: Any = None
+
+  def compile(self) -> _Prog:
+    if self.compiled is None:
+      self.compiled = self.lowered.compile()
+    return self
+
+  def __call__(self) -> Any:
+    return self.compile().compiled(*self.args)
+
+
+def _compile_all(progs: Sequence[_Prog | None]) -> None:
+  """Compiles the programs at once: XLA releases the GIL while it compiles, so on a host with a few
+  cores the gradient step, the local train step and the update compile in the time of the slowest."""
+  todo = [p for p in progs if p is not None and p.compiled is None]
+  if len(todo) <= 1:
+    for p in todo:
+      p.compile()
+    return
+
+  with ThreadPoolExecutor(len(todo)) as pool:
+    for f in [pool.submit(p.compile) for p in todo]:
+      f.result()
+
+
+def _nbytes(x: Any) -> int:
+  return int(math.prod(x.shape)) * itemsize(str(x.dtype))
+
+
+def _layers_in_order(s: _Setup) -> list[str]:
+  return list(dict.fromkeys(s.layers[s.diff_idx[k]] for k in s.order))
+
+
+def _update_program(s: _Setup, tx: Any) -> _Prog:
+  if not hasattr(tx, "init") or not hasattr(tx, "update"):
+    raise TypeError(f"profile_step(tx={tx!r}): expected an optax GradientTransformation (init/update).")
+
+  diff, _ = _split(s)
+  state = tx.init(diff)
+  upd = _updater(tx)
+  upd.__name__ = _UPDATE_NAME
+  upd.__qualname__ = _UPDATE_NAME
+  f = jax.jit(jax.shard_map(upd, mesh=s.mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()),
+                            check_vma=False))
+  grads = jax.tree_util.tree_map(lambda x: x * 0 + 1e-3, diff)
+  return _Prog(f.lower(diff, grads, state), (diff, grads, state))
+
+
+def _updater(tx: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+  """(params, grads, opt_state) -> (params, opt_state): one step of `tx`."""
+  def upd(p, g, st):
+    u, st = tx.update(g, st, p)
+    return optax.apply_updates(p, u), st
+
+  return upd
+
+
+def _local_step_program(s: _Setup, tx: Any) -> _Prog:
+  """A train step with no reduction (gradients, then `tx`'s update, in one program): the step's cost
+  with free communication."""
+  diff, other = _split(s)
+  state = tx.init(diff)
+  upd = _updater(tx)
+
+  def local_step(p, o, b, st):
+    return upd(p, jax.grad(s.loss_of)(p, o, b), st)
+
+  f = jax.jit(jax.shard_map(local_step, mesh=s.mesh, in_specs=(P(), P(), P(_AXIS), P()),
+                            out_specs=(P(), P()), check_vma=False))
+  return _Prog(f.lower(diff, other, s.batch, state), (diff, other, s.batch, state))

@@ -1,0 +1,175 @@
+"""The compiled step as the trace analysis reads it: its HLO's instructions, operands, outputs and
+parameters (`step_hlo`), which ops are backward (`is_backward`: `transpose(...)` in the name stack),
+the layer an op belongs to (`match_layer`: flax's module names in its op_name), and where the compiled
+forward pass first reads each parameter (`forward_positions`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+from .._compiled._hlo import parse_hlo
+
+_STRUCTURAL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy",
+                         "copy-start", "copy-done", "after-all", "opt-barrier"})
+_GTE_INDEX = re.compile(r"\bindex=(\d+)")
+
+
+@dataclasses.dataclass
+class Instr:
+  name: str
+  comp: str
+  operands: list[str]
+  op_name: str
+  calls: list[str]
+  opcode: str = ""
+  shape: str = ""
+  index: int | None = None      # a get-tuple-element's tuple index
+  parameter: int | None = None  # an ENTRY parameter's number
+
+
+@dataclasses.dataclass
+class StepHlo:
+  module: str
+  instrs: dict[str, Instr]
+  comps: dict[str, list[str]]
+  entry: str
+  root_operands: list[str]
+  params: dict[int, str] = dataclasses.field(default_factory=dict)   # ENTRY parameter number -> name
+  position: dict[str, int] = dataclasses.field(default_factory=dict)  # ENTRY instruction -> its index
+  layer_cache: dict[tuple[str, tuple[str, ...]], str | None] = dataclasses.field(default_factory=dict,
+                                                                                 repr=False)
+
+
+def step_hlo(text: str) -> StepHlo:
+  """The optimized module as the trace analysis reads it: instructions by name (HLO names are unique
+  in a module), operands within their own computation, called computations, the ENTRY ROOT's
+  operands (the program's outputs, in output order), ENTRY parameters by number and the ENTRY's
+  schedule positions (a compiled module is scheduled: instruction order is execution order)."""
+  m = parse_hlo(text)
+  instrs: dict[str, Instr] = {}
+  comps: dict[str, list[str]] = {}
+  root_operands: list[str] = []
+  params: dict[int, str] = {}
+  for comp, body in m.computations.items():
+    names = {i.name for i in body}
+    comps[comp] = [i.name for i in body]
+    for i in body:
+      index = param = None
+      if i.opcode == "get-tuple-element":
+        im = _GTE_INDEX.search(i.text)
+        index = int(im.group(1)) if im else None
+      if i.opcode == "parameter" and comp == m.entry:
+        pm = re.search(r"\bparameter\((\d+)\)", i.text)
+        if pm:
+          param = int(pm.group(1))
+          params[param] = i.name
+      instrs[i.name] = Instr(name=i.name, comp=comp, operands=[o for o in i.operands if o in names],
+                             op_name=i.op_name, calls=[c for _, c in i.callees], opcode=i.opcode,
+                             shape=i.shape, index=index, parameter=param)
+      if i.root and comp == m.entry:
+        root_operands = list(i.operands) if i.opcode == "tuple" else [i.name]
+  position = {n: k for k, n in enumerate(comps.get(m.entry, []))}
+  return StepHlo(module=m.name, instrs=instrs, comps=comps, entry=m.entry, root_operands=root_operands,
+                 params=params, position=position)
+
+
+def is_backward(op_name: str) -> bool:
+  return "transpose(" in op_name
+
+
+def segments(op_name: str) -> list[str]:
+  out = []
+  for seg in op_name.split("/"):
+    seg = seg.strip()
+    while True:
+      m = re.match(r"^(?:transpose|jvp|jit|vmap|remat|checkpoint|pjit|custom_jvp|custom_vjp)\((.*)\)$", seg)
+      if not m:
+        break
+      seg = m.group(1)
+    if seg:
+      out.append(seg)
+  return out
+
+
+class _LayerIndex:
+  """Every suffix of every layer path -> the first layer (in order) that ends with it: matching an
+  op's name is then one dictionary look-up per run of consecutive segments, not a scan of the layers
+  (BERT-base has 200 layers and a long trace has 10^5 events)."""
+
+  def __init__(self, layers: Sequence[str]):
+    self.by_suffix: dict[tuple[str, ...], int] = {}
+    self.layers = list(layers)
+    self.longest = 0
+    for k, layer in enumerate(self.layers):
+      comps = tuple(layer.split("/"))
+      self.longest = max(self.longest, len(comps))
+      for start in range(len(comps)):
+        self.by_suffix.setdefault(comps[start:], k)
+
+  def match(self, op_name: str) -> str | None:
+    segs = segments(op_name)
+    for k in range(min(self.longest, len(segs)), 0, -1):
+      hits = [self.by_suffix[t] for j in range(len(segs) - k + 1) if (t := tuple(segs[j:j + k])) in
+              self.by_suffix]
+      if hits:
+        return self.layers[min(hits)]
+    return None
+
+
+_INDEXES: dict[tuple[str, ...], _LayerIndex] = {}
+
+
+def layer_index(layers: Sequence[str]) -> _LayerIndex:
+  key = tuple(layers)
+  idx = _INDEXES.get(key)
+  if idx is None:
+    if len(_INDEXES) > 16:
+      _INDEXES.clear()
+    idx = _INDEXES[key] = _LayerIndex(key)
+  return idx
+
+
+def match_layer(op_name: str, layers: Sequence[str]) -> str | None:
+  """The layer whose path (its longest suffix) appears as consecutive segments of the op's name;
+  among layers matching equally long suffixes, the first in `layers`."""
+  return layer_index(layers).match(op_name)
+
+
+def forward_positions(hlo: StepHlo, n: int) -> list[int | None]:
+  """For ENTRY parameters 0..n-1 (the gradient leaves' parameters): the schedule position of the first
+  op that reads it (through ops that read no data) and also depends on the data (the ENTRY parameters
+  numbered n and up: the batch); None when no such op reads it.
+
+  That is where the compiled forward pass first needs the parameter: its priority order, read from
+  the program without the loss function (`profile_from_trace`). Ops that read parameters alone
+  (layout transposes of kernels, a BatchNorm's folded scale) run whenever XLA schedules them, often
+  at the start: they pass the parameter on and do not count as its use.
+  """
+  entry = hlo.comps.get(hlo.entry, [])
+  users: dict[str, list[str]] = {}
+  for name in entry:
+    for o in hlo.instrs[name].operands:
+      users.setdefault(o, []).append(name)
+  data = {name for k, name in hlo.params.items() if k >= n}
+  for name in entry:  # schedule order is a topological order
+    if name not in data and any(o in data for o in hlo.instrs[name].operands):
+      data.add(name)
+  out: list[int | None] = []
+  for k in range(n):
+    start = hlo.params.get(k)
+    best = None
+    stack, seen = ([start] if start else []), set()
+    while stack:
+      for u in users.get(stack.pop(), ()):
+        if u in seen:
+          continue
+        seen.add(u)
+        if u in data:
+          pos = hlo.position[u]
+          best = pos if best is None else min(best, pos)
+        else:
+          stack.append(u)
+    out.append(best)
+  return out
