@@ -3,7 +3,7 @@
 Every ratio the simulator reports is a model's; before trusting one, time the steps where they will
 run. `choose` does that the way a careful benchmark does it: every step on its own copy of the state,
 compiled and warmed up first (not timed), then timed in interleaved rounds (round r runs every step
-once, the order rotated by r), each candidate's time divided by the control's *in the same round*,
+once, in an order that balances positions and predecessors), each candidate's time divided by the control's *in the same round*,
 so drift of the machine between rounds cancels. The statistics and the rule are
 `_planning._paired` (pure, tested with an injected clock): the median ratio per candidate, a
 distribution-free interval of it, and a candidate wins only when its interval clears `min_gain`.
