@@ -162,7 +162,7 @@ def _canonical(d: Mapping[str, Any]) -> str:
   return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Choice:
   """The outcome of `choose`: which step to train with, measured against the control.
 
