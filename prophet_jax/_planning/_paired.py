@@ -43,6 +43,7 @@ sigma / sqrt(rounds).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -119,6 +120,7 @@ def interleave(names: Sequence[str], rounds: int, measure: Callable[[str, int], 
   return out
 
 
+@functools.lru_cache(maxsize=64)
 def _coverage_index(n: int, confidence: float) -> int:
   """The largest j >= 1 with 1 - 2 P(Bin(n, 1/2) <= j-1) >= confidence, or 0 when none exists."""
   alpha = (1.0 - confidence) / 2.0
