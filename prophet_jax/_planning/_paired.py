@@ -3,7 +3,7 @@
 `choose` (in `_multiprocess._choose`) runs the steps; this module is everything that is statistics,
 so it is tested with an injected clock and never needs jax:
 
-- `interleave(names, rounds, measure)`: round r times every step once, in the order of row r of a
+- `interleave(names, rounds, measure)`: round r times every step once, in the order of a row of a
   Williams design (`round_order`: each step takes every position equally often and follows every
   other step equally often, so what a step inherits from the one before it is no one's bias), and
   returns a (rounds, steps) array of seconds.
