@@ -2,7 +2,7 @@
 
 profile -> measure -> plan -> rewrite -> simulate. Planning and simulation are pure numpy and work
 without jax; the jax-backed names (allreduce, scheduled, hooked, pipelined, audit, profile_step,
-measure_network, Monitor, gpu_topology, lower_step, compile_step, profile_from_trace) are imported lazily on
+measure_network, Monitor, choose, gpu_topology, lower_step, compile_step, profile_from_trace) are imported lazily on
 first use, as is matplotlib (plot_timelines).
 """
 
@@ -38,6 +38,8 @@ _EXPORTS: dict[str, str] = {
     "pipelined": "_rewrite._pipelined", "audit": "_compiled._audit", "AuditReport": "_compiled._audit",
     "profile_step": "_measure._profile", "profile_from_trace": "_measure._profile", "measure_network": "_measure._probe",
     "probe": "_measure._probe", "AllreduceTimings": "_measure._probe", "Monitor": "_multiprocess._monitor",
+    # measured choice between steps (the statistics are pure; choose runs the steps)
+    "choose": "_multiprocess._choose", "Choice": "_planning._paired",
     # compile-only GPU targets (jax, imported when a topology is made)
     "gpu_topology": "_compiled._gpu", "GpuTopology": "_compiled._gpu", "GpuTarget": "_compiled._gpu", "gpu_target": "_compiled._gpu",
     "GPU_TARGETS": "_compiled._gpu", "lower_step": "_steps", "compile_step": "_steps",
@@ -70,7 +72,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
                         ScheduleError, ScheduleMismatchError, ShardingError, TraceUnavailableError,
                         UnboundAxisError)
   from ._compiled._gpu import GPU_TARGETS, GpuTarget, GpuTopology, gpu_target, gpu_topology
+  from ._multiprocess._choose import choose
   from ._multiprocess._monitor import Monitor
+  from ._planning._paired import Choice
   from ._measure._probe import AllreduceTimings, measure_network, probe
   from ._rewrite._pipelined import pipelined
   from ._planning._plan import POLICIES, plan, validate_schedule

@@ -12,6 +12,7 @@ Public API (class `Monitor`):
   monitor.replan()                   re-plan from the current network model (rank 0 decides)
   monitor.decisions                  every re-plan considered: Decision(step, current_s, candidate_s,
                                      gain, switched, network)
+  monitor.confirmations              with `confirm=`: the Choice of every measured confirmation
 
 Why a probe: step times alone cannot separate alpha from beta (one number per step), so every
 `probe_every` steps, between steps (never inside the jitted step), a few small all-reduces are timed
@@ -24,6 +25,10 @@ rounds are pooled (median per size) and `NetworkModel.fit` gives the new alpha a
 Re-planning: `plan(profile, new_network, policy)` gives a candidate; both it and the current schedule
 are simulated on the new network; the monitor switches only when the candidate is predicted faster by
 more than `threshold` (relative), so noise in the probe does not make it flap between plans.
+Opt-in, `confirm=fn`: a switch the prediction wants is then measured before it happens: every process
+calls `fn(current_schedule, new_schedule)`, which returns a `prophet_jax.Choice` (from `choose`, the new
+plan's step against the running one as the control), and the monitor switches only when the Choice's
+`best` is not its control.
 
 Several processes (jax.distributed): only rank 0's decision counts. At every re-plan point (reached
 at the same step on every process: periodic probes only, since step-time drift differs between
@@ -54,6 +59,7 @@ from ._agreement import broadcast_schedule
 from .._compiled._devices import mesh_workers
 from .._values._checks import check_int, check_number, match_rows
 from .._values._network import NetworkModel
+from .._planning._paired import Choice
 from .._planning._plan import plan
 from .._measure._probe import QUICK_SIZES, probe
 from .._values._schedule import Schedule
@@ -108,6 +114,9 @@ class Monitor:
     num_devices: devices for the built-in probe (default all; across processes every device).
     schedule: the schedule to start with (default: planned now from `profile` and `network`).
     options: extra keyword options for `plan`.
+    confirm: `confirm(current, new) -> Choice`, called on every process before a predicted switch
+      (e.g. `prophet_jax.choose({"new": step(new)}, states, batches, control=step(current))`); the
+      switch happens only when the Choice picks a candidate. Default None: the prediction decides.
     mesh, axis_name: the mesh a plain `jax.jit` step trains on (`hooked(..., mesh=)`) and its data
       axis: the built-in probe then times all-reduces over as many devices as that axis holds (every
       device, across processes), and `network.workers` must be that count.
@@ -122,7 +131,8 @@ class Monitor:
                drift: float = 0.25, build_step: Callable[[Schedule], Any] | None = None,
                probe_fn: Callable[[Sequence[int]], Sequence[float]] | None = None,
                num_devices: int | None = None, schedule: Schedule | None = None,
-               options: dict[str, Any] | None = None, mesh: Any = None, axis_name: Any = None):
+               options: dict[str, Any] | None = None, mesh: Any = None, axis_name: Any = None,
+               confirm: Callable[[Schedule, Schedule], Choice] | None = None):
     if not isinstance(profile, GradientProfile):
       raise TypeError(f"Monitor(profile=...): expected a GradientProfile, got {type(profile).__name__}.")
     if not isinstance(network, NetworkModel):
@@ -132,6 +142,9 @@ class Monitor:
                         ("window", window, 1)):
       check_int("Monitor", name, v, lo=lo)
     check_number("Monitor", "drift", drift, lo=0, lo_open=True, fix="It is a fraction, e.g. 0.25.")
+    if confirm is not None and not callable(confirm):
+      raise TypeError(f"Monitor(confirm=...): expected confirm(current, new) -> Choice (or None), got "
+                      f"{type(confirm).__name__}.")
     if network.workers < 2:
       raise ValueError(f"Monitor: the network has workers={network.workers}; there is nothing to "
                        f"all-reduce with one worker.")
@@ -162,6 +175,8 @@ class Monitor:
     self._cache: dict[str, Any] = {}
     self.steps = 0
     self.decisions: list[Decision] = []
+    self._confirm = confirm
+    self.confirmations: list[Choice] = []
     self.builds = 0
     if schedule is None:
       schedule = self._plan(network)
@@ -280,7 +295,18 @@ class Monitor:
     self._check(chosen)
     if plan_key(chosen) == plan_key(self.schedule):
       return None
+    if self._confirm is not None and not self._confirmed(chosen):
+      return None
     self.schedule = chosen
     self._baseline_s = None  # a new plan: a new step-time baseline
     self._steps.clear()
     return chosen
+
+  def _confirmed(self, new: Schedule) -> bool:
+    """`confirm(current, new)`'s measured verdict (the same on every process: `choose` decides once)."""
+    choice = self._confirm(self.schedule, new)
+    if not isinstance(choice, Choice):
+      raise TypeError(f"Monitor(confirm=...): confirm(current, new) returned a {type(choice).__name__}; "
+                      f"it must return the prophet_jax.Choice of choose(...).")
+    self.confirmations.append(choice)
+    return choice.switched
