@@ -18,6 +18,9 @@ Steps compared:
 veth pair capped with `tc ... tbf` (bench/_netns.py; needs root, else it says why and measures only the
 local part). Both parts go to bench/results/choose.json (`--out`); a part not run keeps the file's
 earlier entry. A benchmark: it prints and writes numbers, it asserts nothing.
+
+Why it imports private code: `--power` runs choose's decision rule (`_planning._paired.decide`) on an
+injected clock, thousands of trials without a step or jax, to size the default `rounds`.
 """
 
 from __future__ import annotations

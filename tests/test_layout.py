@@ -196,6 +196,7 @@ REPO = ROOT.parent
 # The scripts that study internals, each saying why at its top ("... imports private code ...").
 STUDIES_INTERNALS = {
     "bench/auto_gap.py",      # runs auto's own search engine deeper (an oracle of the same engine)
+    "bench/choose.py",        # choose's decision rule on an injected clock (--power), no steps
     "bench/gpu_ordering.py",  # the tie itself against jax's ordering means
     "bench/gpu_work.py",      # per-op costs from the library's HLO cost model
     "bench/profile_time.py",  # the measure step's phases, timed one by one
