@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import ScheduleError
+from ._sharding import FsdpPlan, check_fsdp, check_gathers, fsdp_fingerprint
 from ._tree import RowsInfo, is_float_dtype, rows_info
 from ._types import _fields, _loads, is_bool, is_int, is_number, itemsize
 
@@ -214,6 +215,9 @@ class Schedule:
       reduce-scatter chunks whose (updated) shards it gathers, in all-gather issue order (front layers
       first, for the next forward). Every chunk index is in exactly one gather, and a gather holds
       chunks of one dtype. A sharded schedule has no deferral groups and one link.
+    fsdp: None, or the FSDP (ZeRO-3) plan (`_sharding.FsdpPlan`; the `fsdp` policy): which chunks are
+      reduce-scattered FSDP buckets (the rest replicated leaves' all-reduces), their forward all-gather
+      order and prefetch, what backward gathers again, and the rows' placement (in the fingerprint).
     schema: format version.
 
   Invariant (checked on construction): every element of every row with a nonzero size is in exactly one
@@ -232,6 +236,7 @@ class Schedule:
   predicted_s: float | None = None
   links: tuple[int, ...] = ()
   gathers: tuple[tuple[int, ...], ...] = ()
+  fsdp: FsdpPlan | None = None
   schema: int = SCHEDULE_SCHEMA
 
   def __post_init__(self):
@@ -241,7 +246,7 @@ class Schedule:
       raise ScheduleError(f"a schedule has a bucket {bad!r} of type {type(bad).__name__}; buckets are "
                           f"prophet_jax.Bucket values.")
     _check_links(self)
-    _check_gathers(self)
+    check_gathers(self)
     try:
       info = rows_info(self.rows)
     except (TypeError, ValueError) as e:
@@ -266,13 +271,14 @@ class Schedule:
       object.__setattr__(self, "predicted_s", float(p))
     if self.schema != SCHEDULE_SCHEMA:
       raise ScheduleError(f"schedule has schema={self.schema!r}; this version reads {SCHEDULE_SCHEMA}.")
-    fp = info.fingerprint
+    fp = fsdp_fingerprint(info.fingerprint, self.fsdp)
     if not self.tree_fingerprint:
       object.__setattr__(self, "tree_fingerprint", fp)
     elif self.tree_fingerprint != fp:
       raise ScheduleError(f"schedule's tree_fingerprint {self.tree_fingerprint!r} does not match its rows "
                           f"(which hash to {fp!r}): the file was edited. Plan again.")
     _check_coverage(self, info)
+    check_fsdp(self)
 
   @property
   def chunks(self) -> tuple[Chunk, ...]:
@@ -389,7 +395,8 @@ class Schedule:
         "rows": [[p, list(s), t] for p, s, t in self.rows],
         "buckets": [_bucket_json(b) for b in self.buckets],
     } | ({"links": list(self.links)} if self.links else {}) | (
-        {"gathers": [list(g) for g in self.gathers]} if self.gathers else {})
+        {"gathers": [list(g) for g in self.gathers]} if self.gathers else {}) | (
+        {"fsdp": self.fsdp.to_dict()} if self.fsdp is not None else {})
 
   def to_json(self, indent: int | None = None) -> str:
     return json.dumps(self.to_dict(), indent=indent)
@@ -412,6 +419,8 @@ class Schedule:
       rows = tuple(_row_from_json(r, k) for k, r in enumerate(obj.pop("rows")))
       if "gathers" in obj:
         obj["gathers"] = tuple(tuple(g) for g in obj["gathers"])
+      if obj.get("fsdp") is not None:
+        obj["fsdp"] = FsdpPlan.from_dict(obj["fsdp"])
     except (KeyError, TypeError, ValueError) as e:
       if isinstance(e, ScheduleError):
         raise
@@ -484,59 +493,6 @@ def _check_workers(call: str, workers: Any) -> int:
     raise ValueError(f"Schedule.{call}(workers={workers!r}): `workers` must be an integer >= 1, the "
                      f"number of devices sharing the shards, e.g. network.workers.")
   return int(workers)
-
-
-def _check_gathers(s: Schedule) -> None:
-  """A sharded schedule's gathers: a partition of the chunk indices, one dtype per gather; no deferral
-  group, one link (the rewrite runs one tie chain of reduce-scatters, then one of all-gathers)."""
-  gathers = s.gathers
-  if not isinstance(gathers, (tuple, list)) or not all(isinstance(g, (tuple, list)) for g in gathers):
-    raise ScheduleError(f"schedule gathers={gathers!r}: expected a tuple of all-gathers, each a tuple of "
-                        f"chunk indices (ints), or () for an all-reduce schedule.")
-  if not gathers:
-    object.__setattr__(s, "gathers", ())
-    return
-  chunks = s.chunks
-  n = len(chunks)
-  out, seen = [], {}
-  for g, ks in enumerate(gathers):
-    if not ks:
-      raise ScheduleError(f"gather {g} is empty; every all-gather gathers the shards of at least one "
-                          f"reduce-scatter chunk. Drop it, or plan again (prophet_jax.plan(..., 'dear')).")
-    if not all(map(is_int, ks)):
-      raise ScheduleError(f"gather {g} is {tuple(ks)!r}: expected chunk indices (ints) into the "
-                          f"schedule's {n} chunks (issue order).")
-    ks = tuple(int(k) for k in ks)
-    for k in ks:
-      if not 0 <= k < n:
-        raise ScheduleError(f"gather {g} names chunk {k}, but the schedule has {n} chunks (0 to {n - 1}, "
-                            f"issue order). Plan again (prophet_jax.plan(..., 'dear')).")
-      if k in seen:
-        raise ScheduleError(f"chunk{k} is in gather {seen[k]} and gather {g}; every reduce-scatter "
-                            f"chunk's shard is all-gathered exactly once. Plan again.")
-      seen[k] = g
-    dtypes = sorted({chunks[k].dtype for k in ks})
-    if len(dtypes) > 1:
-      raise ScheduleError(f"gather {g} (chunks {ks}) mixes dtypes {dtypes}; one all-gather gathers one "
-                          f"dtype. Make one gather per dtype.")
-    out.append(ks)
-  missing = [k for k in range(n) if k not in seen]
-  if missing:
-    raise ScheduleError(f"chunk(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} are in no gather; in a "
-                        f"sharded schedule every reduce-scatter chunk's shard is all-gathered once (the "
-                        f"other devices would miss its update). Add them to a gather, or plan again.")
-  deferring = [i for i, b in enumerate(s.buckets) if b.defer]
-  if deferring:
-    raise ScheduleError(f"a sharded schedule (gathers) cannot hold deferral groups, but bucket "
-                        f"{deferring[0]} has defer={s.buckets[deferring[0]].defer}: a deferred chunk "
-                        f"would leave its shard's update one step late on one device only. Use "
-                        f"'dlcp' or 'dear', not both.")
-  if s.links:
-    raise ScheduleError(f"a sharded schedule (gathers) runs on one link (one tie chain of "
-                        f"reduce-scatters, then one of all-gathers), but it has links="
-                        f"{s.links[:8]}{'...' if len(s.links) > 8 else ''}. Drop `links`, or plan it "
-                        f"with network.links=1.")
-  object.__setattr__(s, "gathers", tuple(out))
 
 
 def _freeze(v: Any) -> Any:
