@@ -75,3 +75,188 @@ def test_from_params_reads_specs_and_named_shardings():
 def test_bad_placement_names_the_leaf(shardings, mesh, match):
   with pytest.raises(ProfileError, match=match):
     pj.GradientProfile.from_params(_params(), shardings=shardings, mesh=mesh)
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan, its simulation and memory
+
+
+def _layered(n_layers=12, mesh=None, width=1024, seed=None):
+  params = {f"l{i:02d}": {"w": np.zeros((width, width), np.float32), "b": np.zeros((width,), np.float32)}
+            for i in range(n_layers)}
+  shardings = {f"l{i:02d}": {"w": ("data", None), "b": None} for i in range(n_layers)}
+  return pj.GradientProfile.from_params(params, forward_s=0.01, backward_s=0.02, update_s_per_byte=1e-12,
+                                        mesh=mesh or {"data": 8}, shardings=shardings)
+
+
+def _covered_once(s):
+  seen = {}
+  for c in s.chunks:
+    for r, a, b in c.slices:
+      seen.setdefault(r, []).append((a, b))
+  for r, (_, shape, _) in enumerate(s.rows):
+    n = int(np.prod(shape))
+    if n:
+      spans = sorted(seen[r])
+      assert spans[0][0] == 0 and spans[-1][1] == n and all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("mesh, net", [({"data": 8}, "100gb-ib"), ({"replica": 4, "data": 8}, "nvlink+400gb-ib")])
+def test_fsdp_plan_conforms_and_fits_the_budget(mesh, net):
+  prof = _layered(mesh=mesh)
+  network = pj.NetworkModel.preset(net, workers=prof.shard_count * prof.replica_count)
+  bound = pj.lower_bound(prof, network, sharded="fsdp")
+  prev = None
+  for budget in (None, 32 * 2**20, 8 * 2**20):
+    s = pj.plan(prof, network, "fsdp", memory_budget_bytes=budget)
+    _covered_once(s)
+    f = s.fsdp
+    assert s.policy == "fsdp" and not s.gathers and f.mesh == prof.mesh and f.memory_budget_bytes == budget
+    for k, c in enumerate(s.chunks):                     # a unit: whole sharded leaves; the rest replicated
+      assert all((prof.rows[r].shard_dim is not None) == (k in f.units) for r, _, _ in c.slices)
+    r = pj.simulate(s, prof, network)
+    assert r.peak_memory_bytes <= (budget or np.inf) and r.iteration_s == pytest.approx(s.predicted_s)
+    assert bound <= r.iteration_s * (1 + 1e-9) and r.iteration_s <= bound * 1.03
+    assert pj.Schedule.from_json(s.to_json()) == s
+    assert s.tree_fingerprint == prof.fingerprint()
+    if prev is not None:
+      assert r.peak_memory_bytes <= prev.peak_memory_bytes
+    prev = r
+  assert prev.peak_memory_bytes < 10 * 2**20 and r.all_gathers > r.reduce_scatters   # re-gathers under 8 MiB
+
+
+def test_fsdp_budget_errors_name_the_leaf_and_bad_inputs():
+  prof = _layered(n_layers=3)
+  net = pj.NetworkModel.preset("100gb-ib", workers=8)
+  with pytest.raises(ValueError, match=r"leaf 'l00/w' needs 8388608 bytes"):
+    pj.plan(prof, net, "fsdp", memory_budget_bytes=6 * 2**20)
+  with pytest.raises(ValueError, match="no sharded rows"):
+    pj.plan(pj.GradientProfile.from_json(_OLD_PROFILE), net, "fsdp")
+  with pytest.raises(ValueError, match="network.with_workers\\(8\\)"):
+    pj.plan(prof, net.with_workers(16), "fsdp")
+  with pytest.raises(ValueError, match="memory_budget_bytes"):
+    pj.plan(prof, net, "fsdp", memory_budget_bytes=0)
+
+
+def test_fsdp_simulated_timeline_and_control():
+  """The engine's numbers by hand on two layers, one link: forward gathers, backward reduce-scatters."""
+  rows = [dict(path=f"l{i}/w", layer=f"l{i}", shape=(8, 125), dtype="float32", nbytes=4000, ready_s=r,
+               fwd_s=1.0, shard_dim=0) for i, r in ((0, 4.0), (1, 2.0))]
+  prof = pj.GradientProfile.from_rows(rows, forward_s=2.0, backward_s=4.0, mesh={"data": 2}, shard_axes=["data"])
+  net = pj.NetworkModel(alpha_s=0.5, beta_s_per_byte=0.001, workers=2)   # a gather/scatter of n: 0.5 + n/2000
+  from prophet_jax._values._sharding import FsdpPlan
+  from prophet_jax._values._schedule import Bucket, Chunk
+  buckets = tuple(Bucket(chunks=(Chunk(slices=((r, 0, 1000),), dtype="float32"),)) for r in (1, 0))
+  plan = FsdpPlan(units=(1, 0), keep=(True, True), prefetch=1, shard_dims=(0, 0), mesh={"data": 2},
+                  shard_axes=("data",))
+  s = pj.Schedule(buckets=buckets, rows=prof.tree_rows(), fsdp=plan)
+  # gathers: [0, 2.5], [2.5, 5] (unit 1 issued when layer 0 starts at 2.5); forward [2.5, 3.5], [5, 6];
+  # backward l1 [6, 8], l0 [8, 10]; scatters [8, 10.5], [10.5, 13]
+  r = pj.simulate(s, prof, net)
+  assert r.iteration_s == pytest.approx(13.0) and r.peak_memory_bytes == 3 * 4000   # 2 params + l1's grad
+  # re-gather both in backward: [6, 8.5] and [8.5, 11]; backward l1 [8.5, 10.5], l0 [11, 13]; scatters
+  # [11, 13.5], [13.5, 16]
+  lean = pj.simulate(dataclasses_replace(s, fsdp=dataclasses_replace(plan, keep=(False, False))), prof, net)
+  assert lean.iteration_s == pytest.approx(16.0) and lean.all_gathers == 4 and lean.reduce_scatters == 2
+  assert pj.lower_bound(prof, net, sharded="fsdp") <= 12.0
+
+
+def dataclasses_replace(x, **kw):
+  import dataclasses
+  return dataclasses.replace(x, **kw)
+
+
+def test_two_level_network_json_and_costs():
+  old = pj.NetworkModel.from_json(_OLD_NETWORK)
+  assert old.node_size == 0 and json.loads(old.to_json()) == json.loads(_OLD_NETWORK)
+  two = pj.NetworkModel.preset("nvlink+400gb-ib", workers=64)
+  assert pj.NetworkModel.from_json(two.to_json()) == two and two.node_size == 8
+  assert two.link_costs(8) == (2e-6, 1 / 150e9) and two.link_costs(16) == (5e-6, 1 / 50e9)
+  # a ring across nodes is costed on the outer link; inside one node on the inner
+  assert two.allreduce_s(2**20) == pytest.approx(2 * 63 * 5e-6 + 2 * 63 / 64 * 2**20 / 50e9)
+  assert two.with_workers(8).allreduce_s(2**20) == pytest.approx(2 * 7 * 2e-6 + 2 * 7 / 8 * 2**20 / 150e9)
+
+
+def test_auto_weighs_fsdp_only_for_sharded_profiles():
+  prof = _layered(n_layers=4)
+  net = pj.NetworkModel.preset("100gb-ib", workers=8)
+  assert pj.plan(prof, net, "auto", sharded=True).fsdp is not None
+  plain = pj.GradientProfile.from_json(_OLD_PROFILE)
+  assert pj.plan(plain, net, "auto", sharded=True).fsdp is None
+
+
+# --------------------------------------------------------------------------------------------------
+# The bound against brute force
+
+
+def _partitions(items):
+  if not items:
+    yield []
+    return
+  head, rest = items[0], items[1:]
+  for p in _partitions(rest):
+    for k in range(len(p)):
+      yield p[:k] + [[head] + p[k]] + p[k + 1:]
+    yield [[head]] + p
+
+
+def _random_instance(rng):
+  n_layers = int(rng.integers(2, 4))
+  s, r = (int(rng.choice([2, 4])), int(rng.choice([1, 1, 2])))
+  rows = []
+  ready = np.sort(rng.uniform(0.1, 1.0, n_layers))[::-1] * 3.0
+  for l in range(n_layers):
+    width = 4 * s * int(rng.integers(1, 50))
+    rows.append(dict(path=f"l{l}/w", layer=f"l{l}", shape=(width,), dtype="float32", nbytes=4 * width,
+                     ready_s=float(ready[l]), fwd_s=float(rng.uniform(0.1, 1.0)), shard_dim=0,
+                     update_s=float(rng.uniform(0, 0.2))))
+    if rng.random() < 0.25:
+      rows.append(dict(path=f"l{l}/b", layer=f"l{l}", shape=(3,), dtype="float32", nbytes=12,
+                       ready_s=float(ready[l]), update_s=0.01))
+  mesh = {"replica": r, "data": s} if r > 1 else {"data": s}
+  prof = pj.GradientProfile.from_rows(rows, forward_s=sum(x.get("fwd_s", 0.0) for x in rows),
+                                      backward_s=float(ready[0]) + 0.1, mesh=mesh, shard_axes=["data"])
+  alpha, beta = float(rng.uniform(0.001, 0.05)), float(rng.uniform(1e-5, 2e-3))
+  net = pj.NetworkModel(alpha_s=alpha, beta_s_per_byte=beta, workers=s * r, overlap=bool(rng.random() < 0.8),
+                        node_size=s if r > 1 else 0, outer_alpha_s=2 * alpha, outer_beta_s_per_byte=3 * beta)
+  return prof, net
+
+
+def _brute(prof, net):
+  """The least simulated iteration over every FSDP schedule of whole-leaf units (every partition of the
+  sharded leaves, every issue order of the backward chunks, keep patterns, prefetch depths)."""
+  import itertools
+
+  from prophet_jax._planning._core import problem
+  from prophet_jax._planning._fsdp import fsdp_arrays, fsdp_run
+  prob = problem(prof, net)
+  sharded = [i for i, r in enumerate(prof.rows) if r.shard_dim is not None]
+  rep = [[(i, 0, 3)] for i, r in enumerate(prof.rows) if r.shard_dim is None]
+  best = np.inf
+  for part in _partitions(sharded):
+    units = sorted(part, key=lambda u: min(int(prob.row_layer[i]) for i in u))
+    base = [[(i, 0, prob.size[i]) for i in sorted(u)] for u in units]
+    for order in itertools.permutations(range(len(base) + len(rep))):
+      allc = base + rep
+      chunks = [allc[k] for k in order]
+      idx = [order.index(u) for u in range(len(base))]
+      for keep in itertools.product([True, False], repeat=len(units)):
+        for d in range(1, len(units) + 1):
+          for db in ((1,) if all(keep) else (1, 2)):
+            arr = fsdp_arrays(prob, chunks, idx, keep, d, db, prof.shard_count, prof.replica_count)
+            best = min(best, fsdp_run(prob, arr).iteration_s)
+  return best
+
+
+def test_fsdp_bound_never_above_brute_force_and_plan_between():
+  rng = np.random.default_rng(40)
+  ratios = []
+  for _ in range(8):
+    prof, net = _random_instance(rng)
+    opt = _brute(prof, net)
+    bound = pj.lower_bound(prof, net, sharded="fsdp")
+    planned = pj.simulate(pj.plan(prof, net, "fsdp"), prof, net).iteration_s
+    assert bound <= opt * (1 + 1e-9) <= planned * (1 + 1e-9)
+    assert pj.lower_bound(prof, net) <= bound * (1 + 1e-12)          # the minimum over the families
+    ratios.append(bound / opt)
+  assert np.median(ratios) >= 0.9, ratios
