@@ -260,3 +260,11 @@ def test_fsdp_bound_never_above_brute_force_and_plan_between():
     assert pj.lower_bound(prof, net) <= bound * (1 + 1e-12)          # the minimum over the families
     ratios.append(bound / opt)
   assert np.median(ratios) >= 0.9, ratios
+
+
+def test_rewrite_refuses_an_fsdp_schedule_clearly():
+  from prophet_jax._values._checks import match_tree
+  prof = _layered(n_layers=2)
+  s = pj.plan(prof, pj.NetworkModel.preset("100gb-ib", workers=8), "fsdp")
+  with pytest.raises(ValueError, match="FSDP schedule.*not implemented yet"):
+    match_tree([(r.path, np.zeros(r.shape, np.float32)) for r in prof.rows], s, where="scheduled")

@@ -98,60 +98,52 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
   Raises:
     ValueError: the units are not in forward order (a unit's first layer before the previous one's).
   """
-  layer = prob.row_layer
+  layer = prob.row_layer.tolist()
+  nbytes = prob.row_nbytes.tolist()
+  size = prob.size
   nl = len(prob.layers)
   ready_l = np.zeros(nl)
-  np.maximum.at(ready_l, layer, prob.row_ready_s)
-  bwd_layers = sorted(range(nl), key=lambda l: (ready_l[l], -l))
+  np.maximum.at(ready_l, prob.row_layer, prob.row_ready_s)
+  bwd = np.lexsort((-np.arange(nl), ready_l))                 # ready order, ties: later layers first
+  r_sorted = ready_l[bwd]
+  dur = np.diff(r_sorted, prepend=0.0).tolist()
+  tail = max(float(prob.backward_s) - (float(r_sorted[-1]) if nl else 0.0), 0.0)
+  bwd_layers = bwd.tolist()
   pos = [0] * nl
-  prev = 0.0
-  dur = []
   for k, l in enumerate(bwd_layers):
     pos[l] = k
-    dur.append(float(ready_l[l]) - prev)
-    prev = float(ready_l[l])
-  tail = max(float(prob.backward_s) - prev, 0.0)
   unit_of = {int(c): u for u, c in enumerate(units)}
-  ul, first, ub, bf, bl = [], [], [], [], []
+  n_u = len(units)
+  ul: list[tuple[int, ...]] = [()] * n_u
+  ub = [0.0] * n_u
   layer_units: list[list[int]] = [[] for _ in range(nl)]
   rep_bytes, order, ready_pos = [], [], []
-  nbytes = prob.row_nbytes
+  sharded_rows: list[int] = []
   for k, c in enumerate(chunks):
-    ls = sorted({int(layer[r]) for r, _, _ in c})
-    ps = [pos[l] for l in ls]
-    ready_pos.append(max(ps))
-    b = float(sum(nbytes[r] * (hi - lo) / prob.size[r] if prob.size[r] else 0.0 for r, lo, hi in c))
-    if k in unit_of:
-      order.append(("u", unit_of[k]))
-    else:
+    ls = sorted({layer[r] for r, _, _ in c})
+    ready_pos.append(max(pos[l] for l in ls))
+    u = unit_of.get(k)
+    if u is None:
       order.append(("r", len(rep_bytes)))
-      rep_bytes.append(b)
-  by_unit: list[tuple] = [()] * len(units)
-  for k, c in enumerate(chunks):
-    if k in unit_of:
-      u = unit_of[k]
-      ls = tuple(sorted({int(layer[r]) for r, _, _ in c}))
-      b = float(sum(nbytes[r] for r, _, _ in c))
-      by_unit[u] = (ls, b)
-  for u, (ls, b) in enumerate(by_unit):
-    ul.append(ls)
-    first.append(ls[0])
-    ub.append(b)
-    ps = [pos[l] for l in ls]
-    bf.append(max(ps))
-    bl.append(min(ps))
-    for l in ls:
-      layer_units[l].append(u)
-    if u and first[u] < first[u - 1]:
+      rep_bytes.append(sum(nbytes[r] * (hi - lo) / size[r] for r, lo, hi in c if size[r]))
+    else:
+      order.append(("u", u))
+      ul[u] = tuple(ls)
+      ub[u] = float(sum(nbytes[r] for r, _, _ in c))
+      sharded_rows.extend(r for r, _, _ in c)
+      for l in ls:
+        layer_units[l].append(u)
+  first = [ls[0] for ls in ul]
+  bf = [max(pos[l] for l in ls) for ls in ul]
+  bl = [min(pos[l] for l in ls) for ls in ul]
+  for u in range(1, n_u):
+    if first[u] < first[u - 1]:
       raise ValueError(f"FSDP units must be in forward order: unit {u} starts at layer "
                        f"{prob.layers[first[u]]!r}, before unit {u - 1}'s first layer "
                        f"{prob.layers[first[u - 1]]!r}.")
-  sharded = np.zeros(len(prob.size), dtype=bool)
-  for c in (chunks[int(k)] for k in units):
-    for r, _, _ in c:
-      sharded[r] = True
   upd = prob.row_update_s
-  update_s = float(upd[sharded].sum()) / shards + float(upd[~sharded].sum())
+  up_sh = float(upd[sharded_rows].sum()) if sharded_rows else 0.0
+  update_s = up_sh / shards + float(upd.sum()) - up_sh
   return FsdpArrays(tuple(ul), tuple(first), tuple(ub), tuple(bool(x) for x in keep), int(prefetch),
                     int(backward_prefetch), tuple(rep_bytes), tuple(order), tuple(ready_pos),
                     tuple(tuple(x) for x in layer_units), tuple(bwd_layers), tuple(dur), tail, tuple(bf),

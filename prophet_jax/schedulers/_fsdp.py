@@ -38,6 +38,8 @@ import bisect
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from .._planning._core import Problem, problem
 from .._planning._fsdp import FsdpArrays, fsdp_arrays, fsdp_run
 from .._values._checks import check_bytes
@@ -51,6 +53,7 @@ from ._common import check_inputs
 _POLICY = "fsdp"
 _CAPS_MIB = (1, 4, 16, 64, 256, 1024)
 _PREFETCH = (1, 2, 3, 4)
+_DEEPER = 3                  # unit sets (the fastest at depth 1) tried at deeper prefetch
 
 
 def fsdp(*, memory_budget_bytes: int | None = None, bucket_bytes: int | None = None,
@@ -146,6 +149,7 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   """The best FSDP candidate for `prob` under `budget` (module docstring)."""
   s, r = check_fsdp_inputs(prob)
   rows = prob.profile.rows
+  rows_ = _Rows(prob)
   sharded = [i for i in prob.live if rows[i].shard_dim is not None]
   if budget is not None:
     big = max(sharded, key=lambda i: prob.row_nbytes[i])
@@ -156,32 +160,43 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
                        f"gathered and its unsharded gradient); raise the budget to at least {need}, or shard "
                        f"the leaf over more devices.")
   if bucket is not None:
-    unit_sets = [(f"bucket_bytes={bucket}", _runs(prob, sharded, float(bucket)))]
+    unit_sets = [(f"bucket_bytes={bucket}", _runs(rows_, sharded, float(bucket)))]
   else:
-    unit_sets = [("per-leaf", [[i] for i in sharded]), ("per-layer", _runs(prob, sharded, 0.0))]
+    unit_sets = [("per-leaf", [[i] for i in sharded]), ("per-layer", _runs(rows_, sharded, 0.0))]
     seen = {_key(u) for _, u in unit_sets}
     for mib in _CAPS_MIB:
-      u = _runs(prob, sharded, mib * 2.0**20)
+      u = _runs(rows_, sharded, mib * 2.0**20)
       if _key(u) not in seen:
         seen.add(_key(u))
         unit_sets.append((f"cap={mib}MiB", u))
   depths = _PREFETCH if prefetch is None else (prefetch,)
   best: Plan | None = None
   smallest = None
+  limit = budget if budget is not None else float("inf")
+  # every unit set at the first depth; the deeper prefetches for the best few (deeper only pays while
+  # the link is ahead of the compute, so each set stops at the first depth that does not help)
+  structs = []
   for label, units in unit_sets:
-    chunks, unit_idx = _chunks(prob, units)
+    chunks, unit_idx = _chunks(rows_, units)
+    base = fsdp_arrays(prob, chunks, unit_idx, [True] * len(units), depths[0], 1, s, r)
+    structs.append((label, chunks, unit_idx, base))
+  first = []
+  for label, chunks, unit_idx, base in structs:
+    cand = _best_keep(prob, base, chunks, unit_idx, depths[0], budget, label)
+    first.append(cand)
+  ranked = sorted(range(len(structs)), key=lambda i: (first[i].peak > limit, first[i].iteration))
+  for rank, i in enumerate(ranked):
+    label, chunks, unit_idx, base = structs[i]
     for d in depths:
-      if d > 1 and d > len(units):
+      if d > 1 and (d > len(unit_idx) or rank >= _DEEPER):
         break
-      cand = _best_keep(prob, chunks, unit_idx, d, s, r, budget, label)
-      if cand is None:
-        continue
+      cand = first[i] if d == depths[0] else _best_keep(prob, base, chunks, unit_idx, d, budget, label)
       if smallest is None or cand.peak < smallest:
         smallest = cand.peak
-      if cand.peak <= (budget if budget is not None else float("inf")) and (
+      if cand.peak <= limit and (
           best is None or (cand.iteration, cand.peak) < (best.iteration * (1 - 1e-12), best.peak)):
         best = cand
-      elif best is not None and d > 1 and cand.iteration >= best.iteration:
+      elif d > depths[0] and best is not None and cand.iteration >= best.iteration:
         break                              # deeper prefetch no longer pays for this unit set
   if best is None:
     raise ValueError(f"fsdp(memory_budget_bytes={budget}): no plan fits; the least memory found is "
@@ -189,15 +204,15 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   return best
 
 
-def _best_keep(prob: Problem, chunks, unit_idx, d: int, s: int, r: int, budget: int | None,
-               label: str) -> Plan | None:
+def _best_keep(prob: Problem, base: FsdpArrays, chunks, unit_idx, d: int, budget: int | None,
+               label: str) -> Plan:
   """The keep pattern (the last k units keep) that fits the budget with the most k, and its run;
   without re-gathers the backward prefetch does not matter, with them 1 and 2 are tried."""
   n = len(unit_idx)
 
   def run(k: int, db: int) -> tuple[float, float, FsdpArrays]:
-    keep = [u >= n - k for u in range(n)]
-    arr = fsdp_arrays(prob, chunks, unit_idx, keep, d, db, s, r)
+    keep = tuple(u >= n - k for u in range(n))
+    arr = base._replace(keep=keep, prefetch=d, backward_prefetch=db)
     res = fsdp_run(prob, arr)
     return res.iteration_s, res.peak_memory_bytes, arr
 
@@ -230,58 +245,72 @@ def _key(units: Sequence[Sequence[int]]) -> tuple:
   return tuple(map(tuple, units))
 
 
-def _runs(prob: Problem, sharded: Sequence[int], cap: float) -> list[list[int]]:
+class _Rows:
+  """Per-row lists the unit and chunk builders read, computed once per plan: layer, backward position
+  of the layer (its rank in ready order), bytes, dtype."""
+
+  def __init__(self, prob: Problem):
+    self.layer = prob.row_layer.tolist()
+    nl = len(prob.layers)
+    ready_l = np.zeros(nl)
+    np.maximum.at(ready_l, prob.row_layer, prob.row_ready_s)
+    order = sorted(range(nl), key=lambda l: (ready_l[l], -l))
+    pos_l = [0] * nl
+    for k, l in enumerate(order):
+      pos_l[l] = k
+    self.nl = nl
+    self.pos = [pos_l[l] for l in self.layer]
+    self.nbytes = prob.row_nbytes.tolist()
+    self.dtype = prob.dtype
+    self.size = prob.size
+    rows = prob.profile.rows
+    self.rep = [i for i in prob.live if rows[i].shard_dim is None]
+
+
+def _runs(rows: _Rows, sharded: Sequence[int], cap: float) -> list[list[int]]:
   """Sharded rows grouped into units: runs of whole layers in forward order, one dtype each, closed
   once a unit reaches `cap` bytes (0: one unit per layer and dtype)."""
   by_layer: dict[int, list[int]] = {}
   for i in sharded:
-    by_layer.setdefault(int(prob.row_layer[i]), []).append(i)
-  units: list[list[int]] = []
-  open_: dict[str, list[int]] = {}
+    by_layer.setdefault(rows.layer[i], []).append(i)
+  units: list[tuple[int, list[int]]] = []
+  open_: dict[str, tuple[int, list[int]]] = {}
   size: dict[str, float] = {}
   for l in sorted(by_layer):
     for i in by_layer[l]:
-      dt = prob.dtype[i]
-      open_.setdefault(dt, []).append(i)
-      size[dt] = size.get(dt, 0.0) + float(prob.row_nbytes[i])
+      dt = rows.dtype[i]
+      if dt not in open_:
+        open_[dt] = (l, [])
+        size[dt] = 0.0
+      open_[dt][1].append(i)
+      size[dt] += rows.nbytes[i]
     for dt in list(open_):
       if size[dt] >= cap:
         units.append(open_.pop(dt))
-        size[dt] = 0.0
   units.extend(open_.values())
-  first = {id(u): min(int(prob.row_layer[i]) for i in u) for u in units}
-  units.sort(key=lambda u: first[id(u)])
-  return units
+  units.sort(key=lambda u: u[0])
+  return [u for _, u in units]
 
 
-def _chunks(prob: Problem, units: Sequence[Sequence[int]]) -> tuple[list[list[Slice]], list[int]]:
+def _chunks(rows: _Rows, units: Sequence[Sequence[int]]) -> tuple[list[list[Slice]], list[int]]:
   """The schedule's chunks in issue order (each unit's reduce-scatter once its backward has ended; the
   replicated rows in one chunk per dtype and unit window, after the unit's) and the chunk index of
   every unit (forward order)."""
-  rows = prob.profile.rows
-  nl = len(prob.layers)
-  ready_l = [0.0] * nl
-  for i, r in enumerate(rows):
-    l = int(prob.row_layer[i])
-    ready_l[l] = max(ready_l[l], r.ready_s)
-  pos = {l: k for k, l in enumerate(sorted(range(nl), key=lambda l: (ready_l[l], -l)))}
+  pos, size = rows.pos, rows.size
   items: list[tuple[int, int, int, list[Slice]]] = []     # (ready position, 0 unit / 1 replicated, id, slices)
   unit_ready = []
   for u, rs in enumerate(units):
-    p = max(pos[int(prob.row_layer[i])] for i in rs)
+    p = max(pos[i] for i in rs)
     unit_ready.append(p)
-    items.append((p, 0, u, [(i, 0, prob.size[i]) for i in sorted(rs)]))
+    items.append((p, 0, u, [(i, 0, size[i]) for i in rs]))          # rs ascending (forward order)
   marks = sorted(unit_ready)
-  rep = [i for i in prob.live if rows[i].shard_dim is None]
   groups: dict[tuple[int, str], list[int]] = {}
-  for i in rep:
-    p = pos[int(prob.row_layer[i])]
-    w = bisect.bisect_left(marks, p)                # the first unit window ending at or after it
-    win = marks[w] if w < len(marks) else nl
-    groups.setdefault((win, prob.dtype[i]), []).append(i)
+  for i in rows.rep:
+    w = bisect.bisect_left(marks, pos[i])            # the first unit window ending at or after it
+    win = marks[w] if w < len(marks) else rows.nl
+    groups.setdefault((win, rows.dtype[i]), []).append(i)
   for n, ((win, _), rs) in enumerate(sorted(groups.items())):
-    items.append((max(win, max(pos[int(prob.row_layer[i])] for i in rs)), 1, n,
-                  [(i, 0, prob.size[i]) for i in sorted(rs)]))
+    items.append((max(win, max(pos[i] for i in rs)), 1, n, [(i, 0, size[i]) for i in rs]))
   items.sort(key=lambda x: (x[0], x[1], x[2]))
   chunks = [it[3] for it in items]
   unit_idx = [0] * len(units)
