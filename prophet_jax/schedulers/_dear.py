@@ -299,10 +299,12 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> list[l
   # pipelined: Pareto program over prefixes of (link free, max of end + forward tail), vectorised: every
   # prefix's front is a run of one flat array (entries of prefix i at starts[i]:starts[i + 1])
   tail = np.array([float(prob.layer_fwd_tail_s[int(prob.row_layer[front[k]])]) for k in seq])
-  ends = [t_rs]
-  costs = [-math.inf]
-  parent = [-1]
-  owner = [0]
+  cap = 1 + k_n * _FRONT                                          # every prefix's front, flat
+  ends = np.empty(cap)
+  costs = np.empty(cap)
+  parent = np.empty(cap, dtype=np.int64)
+  owner = np.empty(cap, dtype=np.int64)
+  ends[0], costs[0], parent[0], owner[0] = t_rs, -math.inf, -1, 0
   starts = [0, 1]
   for j in range(1, k_n + 1):
     lo = run_start[j - 1]
@@ -310,10 +312,10 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> list[l
     head = np.maximum.accumulate(tail[lo:j][::-1])[::-1]           # the group's largest forward tail
     release = rel + (cum_upd[j] - cum_upd[lo:j])
     dur = a + b * (prefix[j] - prefix[lo:j])
-    sl = slice(starts[lo], starts[j])
-    e_prev = np.asarray(ends[sl])
-    c_prev = np.asarray(costs[sl])
-    i = np.asarray(owner[sl]) - lo
+    a0, a1 = starts[lo], starts[j]
+    e_prev = ends[a0:a1]
+    c_prev = costs[a0:a1]
+    i = owner[a0:a1] - lo
     e2 = np.maximum(e_prev, release[i]) + dur[i]
     c2 = np.maximum(c_prev, e2 + head[i])
     order = np.lexsort((c2, e2))                                  # by end, then cost
@@ -324,18 +326,19 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> list[l
     kept = order[keep]
     if kept.size > _FRONT:                                        # the lowest-cost ones
       kept = kept[np.argsort(c2[kept], kind="stable")[:_FRONT]]
-    ends.extend(e2[kept].tolist())
-    costs.extend(c2[kept].tolist())
-    parent.extend((sl.start + kept).tolist())
-    owner.extend([j] * kept.size)
-    starts.append(len(ends))
+    m = kept.size
+    ends[a1:a1 + m] = e2[kept]
+    costs[a1:a1 + m] = c2[kept]
+    parent[a1:a1 + m] = a0 + kept
+    owner[a1:a1 + m] = j
+    starts.append(a1 + m)
   last = range(starts[k_n], starts[k_n + 1])
-  x = min(last, key=lambda x: (costs[x], ends[x]))
+  x = min(last, key=lambda x: (float(costs[x]), float(ends[x])))
   groups: list[list[int]] = []
   j = k_n
   while j > 0:
-    px = parent[x]
-    i = owner[px]
+    px = int(parent[x])
+    i = int(owner[px])
     groups.append([seq[y] for y in range(i, j)])
     j, x = i, px
   groups.reverse()
