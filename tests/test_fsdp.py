@@ -210,7 +210,7 @@ def _random_instance(rng):
     rows.append(dict(path=f"l{l}/w", layer=f"l{l}", shape=(width,), dtype="float32", nbytes=4 * width,
                      ready_s=float(ready[l]), fwd_s=float(rng.uniform(0.1, 1.0)), shard_dim=0,
                      update_s=float(rng.uniform(0, 0.2))))
-    if rng.random() < 0.25:
+    if l == n_layers - 1 and rng.random() < 0.5:   # one replicated leaf at most: any grouping is one chunk
       rows.append(dict(path=f"l{l}/b", layer=f"l{l}", shape=(3,), dtype="float32", nbytes=12,
                        ready_s=float(ready[l]), update_s=0.01))
   mesh = {"replica": r, "data": s} if r > 1 else {"data": s}
@@ -268,3 +268,19 @@ def test_rewrite_refuses_an_fsdp_schedule_clearly():
   s = pj.plan(prof, pj.NetworkModel.preset("100gb-ib", workers=8), "fsdp")
   with pytest.raises(ValueError, match="FSDP schedule.*not implemented yet"):
     match_tree([(r.path, np.zeros(r.shape, np.float32)) for r in prof.rows], s, where="scheduled")
+
+
+def test_hsdp_each_collective_on_its_link():
+  """HSDP on (replica 4 x data 8): gathers and reduce-scatters over the shard axis on link 0 (NVLink in a
+  node), each reduced shard all-reduced over the replica axis on link 1 (InfiniBand) after its scatter."""
+  prof = _layered(n_layers=4, mesh={"replica": 4, "data": 8})
+  net = pj.NetworkModel.preset("nvlink+400gb-ib", workers=32)
+  r = pj.simulate(pj.plan(prof, net, "fsdp"), prof, net)
+  lanes = {(e.kind, e.lane) for e in r.events if e.lane != "device"}
+  assert lanes == {("all_gather", "link0"), ("reduce_scatter", "link0"), ("allreduce", "link1")}
+  rs_end = {e.name: e.end_s for e in r.events if e.kind == "reduce_scatter"}
+  shard_ar = [e for e in r.events if e.lane == "link1" and e.name.startswith("unit")]
+  assert len(shard_ar) == len(rs_end) and all(e.start_s >= rs_end[e.name] - 1e-12 for e in shard_ar)
+  # the same plan as pure FSDP over 32 devices crosses nodes on every ring: slower
+  flat = _layered(n_layers=4, mesh={"data": 32})
+  assert pj.simulate(pj.plan(flat, net, "fsdp"), flat, net).iteration_s > r.iteration_s

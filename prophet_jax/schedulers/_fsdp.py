@@ -20,7 +20,8 @@ What is planned (the model is `_planning/_fsdp.py`'s; docs/fsdp.md says it for u
    found by bisection); without a budget every unit keeps (no re-gather: the least communication).
 4. Replicated leaves: all-reduced over the whole mesh in chunks of one dtype, one per unit window of
    backward (the replicated rows that become ready during a unit's backward, issued after its
-   reduce-scatter); on one link they share it with the units' collectives first-in first-out in issue
+   reduce-scatter), or all in one chunk per dtype at the end of backward (both are candidates: over
+   many devices one all-reduce's start-up, 2(P-1)·alpha, can outweigh a norm's bytes); on one link they share it with the units' collectives first-in first-out in issue
    order; on an HSDP mesh they go on the outer link (link 1) beside the shards' replica all-reduces.
 
 Every candidate is scored by the simulator's engine (`_fsdp.fsdp_run`): the fastest whose peak fits
@@ -52,6 +53,7 @@ from ._common import check_inputs
 
 _POLICY = "fsdp"
 _CAPS_MIB = (1, 4, 16, 64, 256, 1024)
+_RAMP_MIB = ((8, 256), (8, 1024), (32, 1024))   # ramps (first, last): unit k closes at first·2^k, capped
 _PREFETCH = (1, 2, 3, 4)
 _DEEPER = 3                  # unit sets (the fastest at depth 1) tried at deeper prefetch
 
@@ -164,11 +166,11 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   else:
     unit_sets = [("per-leaf", [[i] for i in sharded]), ("per-layer", _runs(rows_, sharded, 0.0))]
     seen = {_key(u) for _, u in unit_sets}
-    for mib in _CAPS_MIB:
-      u = _runs(rows_, sharded, mib * 2.0**20)
+    for label, u in [(f"cap={mib}MiB", _runs(rows_, sharded, mib * 2.0**20)) for mib in _CAPS_MIB] + [
+        (f"ramp={lo}-{mib}MiB", _runs(rows_, sharded, mib * 2.0**20, ramp=lo * 2.0**20)) for lo, mib in _RAMP_MIB]:
       if _key(u) not in seen:
         seen.add(_key(u))
-        unit_sets.append((f"cap={mib}MiB", u))
+        unit_sets.append((label, u))
   depths = _PREFETCH if prefetch is None else (prefetch,)
   best: Plan | None = None
   smallest = None
@@ -177,9 +179,10 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   # the link is ahead of the compute, so each set stops at the first depth that does not help)
   structs = []
   for label, units in unit_sets:
-    chunks, unit_idx = _chunks(rows_, units)
-    base = fsdp_arrays(prob, chunks, unit_idx, [True] * len(units), depths[0], 1, s, r)
-    structs.append((label, chunks, unit_idx, base))
+    for tail in ((False, True) if rows_.rep else (False,)):
+      chunks, unit_idx = _chunks(rows_, units, tail=tail)
+      base = fsdp_arrays(prob, chunks, unit_idx, [True] * len(units), depths[0], 1, s, r)
+      structs.append((label + (",replicated-at-end" if tail else ""), chunks, unit_idx, base))
   first = []
   for label, chunks, unit_idx, base in structs:
     cand = _best_keep(prob, base, chunks, unit_idx, depths[0], budget, label)
@@ -267,16 +270,27 @@ class _Rows:
     self.rep = [i for i in prob.live if rows[i].shard_dim is None]
 
 
-def _runs(rows: _Rows, sharded: Sequence[int], cap: float) -> list[list[int]]:
+def _runs(rows: _Rows, sharded: Sequence[int], cap: float, *, ramp: float = 0.0) -> list[list[int]]:
   """Sharded rows grouped into units: runs of whole layers in forward order, one dtype each, closed
-  once a unit reaches `cap` bytes (0: one unit per layer and dtype)."""
+  once a unit reaches `cap` bytes (0: one unit per layer and dtype). With `ramp` > 0, unit k of a dtype
+  closes once it reaches min(cap, ramp·2^k, max(ramp, the sharded bytes of the layers after it)): small
+  units at both ends (forward starts waiting on the front's gathers; backward's first reduce-scatters
+  can start only once a whole back unit is done, and it ends waiting on the front's), doubling towards
+  the middle, where fewer start-ups pay."""
   by_layer: dict[int, list[int]] = {}
   for i in sharded:
     by_layer.setdefault(rows.layer[i], []).append(i)
   units: list[tuple[int, list[int]]] = []
   open_: dict[str, tuple[int, list[int]]] = {}
   size: dict[str, float] = {}
-  for l in sorted(by_layer):
+  count: dict[str, int] = {}
+  layers = sorted(by_layer)
+  after = {}
+  rest = 0.0
+  for l in reversed(layers):
+    after[l] = rest
+    rest += sum(rows.nbytes[i] for i in by_layer[l])
+  for l in layers:
     for i in by_layer[l]:
       dt = rows.dtype[i]
       if dt not in open_:
@@ -285,17 +299,22 @@ def _runs(rows: _Rows, sharded: Sequence[int], cap: float) -> list[list[int]]:
       open_[dt][1].append(i)
       size[dt] += rows.nbytes[i]
     for dt in list(open_):
-      if size[dt] >= cap:
+      limit = min(cap, ramp * 2.0 ** count.get(dt, 0), max(ramp, after[l])) if ramp else cap
+      if size[dt] >= limit:
         units.append(open_.pop(dt))
+        count[dt] = count.get(dt, 0) + 1
   units.extend(open_.values())
   units.sort(key=lambda u: u[0])
   return [u for _, u in units]
 
 
-def _chunks(rows: _Rows, units: Sequence[Sequence[int]]) -> tuple[list[list[Slice]], list[int]]:
+def _chunks(rows: _Rows, units: Sequence[Sequence[int]], *, tail: bool = False
+            ) -> tuple[list[list[Slice]], list[int]]:
   """The schedule's chunks in issue order (each unit's reduce-scatter once its backward has ended; the
-  replicated rows in one chunk per dtype and unit window, after the unit's) and the chunk index of
-  every unit (forward order)."""
+  replicated rows in one chunk per dtype and unit window, after the unit's, or with `tail` in one chunk
+  per dtype, issued once its last row is ready: one start-up, which over many devices may cost more
+  than its bytes) and the
+  chunk index of every unit (forward order)."""
   pos, size = rows.pos, rows.size
   items: list[tuple[int, int, int, list[Slice]]] = []     # (ready position, 0 unit / 1 replicated, id, slices)
   unit_ready = []
@@ -307,7 +326,7 @@ def _chunks(rows: _Rows, units: Sequence[Sequence[int]]) -> tuple[list[list[Slic
   groups: dict[tuple[int, str], list[int]] = {}
   for i in rows.rep:
     w = bisect.bisect_left(marks, pos[i])            # the first unit window ending at or after it
-    win = marks[w] if w < len(marks) else rows.nl
+    win = -1 if tail else (marks[w] if w < len(marks) else rows.nl)
     groups.setdefault((win, rows.dtype[i]), []).append(i)
   for n, ((win, _), rs) in enumerate(sorted(groups.items())):
     items.append((max(win, max(pos[i] for i in rs)), 1, n, [(i, 0, size[i]) for i in rs]))
