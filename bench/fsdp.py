@@ -141,8 +141,9 @@ def main() -> None:
   def stats(xs):
     return {"median": float(np.median(xs)), "worst": float(np.max(xs)), "n": len(xs)}
   plan_rows = [r for r in results if r["schedule"] == "plan"]
-  same_rows = {(r["model"], r["gpus"], r["mode"]): r for r in results if r["schedule"] == "plan@partitioner-mem"}
-  part_rows = {(r["model"], r["gpus"], r["mode"]): r for r in results if r["schedule"] == "partitioner (modelled)"}
+  def by(label):
+    return {(r["model"], r["gpus"], r["mode"]): r for r in results if r["schedule"] == label}
+  same_rows, part_rows = by("plan@partitioner-mem"), by("partitioner (modelled)")
   speedups = [part_rows[k]["iteration_ms"] / same_rows[k]["iteration_ms"] for k in same_rows if k[1] >= 64]
   summary = {"plan_vs_bound": stats([r["vs_bound"] for r in plan_rows]),
              "plan_at_partitioner_memory_vs_bound": stats([r["vs_bound"] for r in same_rows.values()]),

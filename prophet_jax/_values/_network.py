@@ -19,7 +19,8 @@ import numpy as np
 from ._errors import NetworkError
 from ._types import _fields, _loads, is_bool, is_int, is_number
 
-__all__ = ["NetworkModel", "Pressure", "PRESETS", "PRESETS_TWO_LEVEL", "ALGORITHMS", "nonneg_line", "typical_network", "fit_warning",
+__all__ = ["NetworkModel", "Pressure", "PRESETS", "PRESETS_TWO_LEVEL", "ALGORITHMS", "nonneg_line", "typical_network",
+           "fit_warning",
            "RESIDUAL_WARN_REL_RMS", "RESIDUAL_WARN_WORST"]
 
 ALGORITHMS = ("ring",)

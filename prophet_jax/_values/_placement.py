@@ -83,7 +83,8 @@ def check_mesh(where: str, mesh: Any) -> Mesh:
   return tuple((k, int(v)) for k, v in out)
 
 
-def leaf_placement(path: str, shape: Sequence[int], sharding: Any, mesh: Mesh) -> tuple[int | None, tuple[str, ...]]:
+def leaf_placement(path: str, shape: Sequence[int], sharding: Any, mesh: Mesh
+                   ) -> tuple[int | None, tuple[str, ...]]:
   """(shard_dim, axes) of one leaf: the dimension split over the data axes and those axes in mesh
   order, or (None, ()) for a replicated leaf.
 

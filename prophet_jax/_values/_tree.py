@@ -30,7 +30,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["path_str", "flatten_with_paths", "shardings_by_path", "flatten_with_layer_paths", "layer_path", "check_layer_depth",
+__all__ = ["path_str", "flatten_with_paths", "shardings_by_path", "flatten_with_layer_paths", "layer_path",
+           "check_layer_depth",
            "dtype_name", "is_float_dtype", "is_reduced_leaf",
            "layer_of", "forward_paths", "tree_fingerprint", "RowsInfo", "rows_info", "Row", "IdentityMemo"]
 
