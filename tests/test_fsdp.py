@@ -284,3 +284,24 @@ def test_hsdp_each_collective_on_its_link():
   # the same plan as pure FSDP over 32 devices crosses nodes on every ring: slower
   flat = _layered(n_layers=4, mesh={"data": 32})
   assert pj.simulate(pj.plan(flat, net, "fsdp"), flat, net).iteration_s > r.iteration_s
+
+
+def test_gather_groups_apart_from_scatter_units():
+  """FsdpPlan.gathers: all-gather groups that differ from the reduce-scatter units (as XLA's combiners
+  make them): validated, in JSON, simulated, and never below the bound."""
+  import dataclasses
+
+  from prophet_jax._values._errors import ScheduleError
+  prof = _layered(n_layers=4)
+  net = pj.NetworkModel.preset("100gb-ib", workers=8)
+  s = pj.plan(prof, net, "fsdp", bucket_bytes=64 * 2**20)              # one unit: every sharded leaf
+  f = s.fsdp
+  rows = [r for u in f.units for r, _, _ in s.chunks[u].slices]
+  split = dataclasses.replace(f, gathers=tuple((r,) for r in rows), keep=(False,) * len(rows))
+  t = dataclasses.replace(s, fsdp=split)
+  assert pj.Schedule.from_json(t.to_json()) == t
+  r = pj.simulate(t, prof, net)
+  assert r.all_gathers == 2 * len(rows) and r.reduce_scatters == len(f.units)
+  assert pj.lower_bound(prof, net, sharded="fsdp") <= r.iteration_s
+  with pytest.raises(ScheduleError, match="gathers do not hold each row"):
+    dataclasses.replace(s, fsdp=dataclasses.replace(split, gathers=split.gathers[1:], keep=split.keep[1:]))

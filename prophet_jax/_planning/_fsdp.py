@@ -58,8 +58,10 @@ Slice = tuple[int, int, int]
 
 
 class FsdpArrays(NamedTuple):
-  """An FSDP schedule as the sweep reads it (`fsdp_arrays`). Units in forward order; `order` the chunk
-  issue order as ('u', unit) / ('r', replicated index) pairs."""
+  """An FSDP schedule as the sweep reads it (`fsdp_arrays`). The "units" here are the all-gather groups,
+  in forward order (the FsdpPlan's units' rows, or its own `gathers`); the reduce-scatter units are
+  `rs_bytes` (one per FsdpPlan unit); `order` is the chunk issue order as ('u', reduce-scatter unit) /
+  ('r', replicated index) pairs."""
 
   unit_layers: tuple[tuple[int, ...], ...]
   first: tuple[int, ...]
@@ -79,6 +81,8 @@ class FsdpArrays(NamedTuple):
   update_s: float
   shards: int
   replicas: int
+  rs_bytes: tuple[float, ...] = ()
+  rs_at: tuple[tuple[int, ...], ...] = ()  # per backward position, the reduce-scatter units starting there
 
 
 class FsdpRun(NamedTuple):
@@ -92,11 +96,15 @@ class FsdpRun(NamedTuple):
 
 
 def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequence[int], keep: Sequence[bool],
-                prefetch: int, backward_prefetch: int, shards: int, replicas: int) -> FsdpArrays:
-  """The FsdpArrays of a schedule's chunks (issue order) and its FSDP plan.
+                prefetch: int, backward_prefetch: int, shards: int, replicas: int,
+                gathers: Sequence[Sequence[int]] | None = None) -> FsdpArrays:
+  """The FsdpArrays of a schedule's chunks (issue order) and its FSDP plan: `units` the reduce-scatter
+  chunks (indices into `chunks`), `gathers` the all-gather groups (rows, forward order; None: each
+  unit's rows, in `units` order), `keep` one per all-gather group.
 
   Raises:
-    ValueError: the units are not in forward order (a unit's first layer before the previous one's).
+    ValueError: the all-gather groups are not in forward order (a group's first layer before the
+      previous one's).
   """
   layer = prob.row_layer.tolist()
   nbytes = prob.row_nbytes.tolist()
@@ -113,26 +121,35 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
   for k, l in enumerate(bwd_layers):
     pos[l] = k
   unit_of = {int(c): u for u, c in enumerate(units)}
-  n_u = len(units)
-  ul: list[tuple[int, ...]] = [()] * n_u
-  ub = [0.0] * n_u
-  layer_units: list[list[int]] = [[] for _ in range(nl)]
   rep_bytes, order, ready_pos = [], [], []
+  rs_bytes = [0.0] * len(units)
+  rs_at: list[list[int]] = [[] for _ in range(nl)]
   sharded_rows: list[int] = []
   for k, c in enumerate(chunks):
-    ls = sorted({layer[r] for r, _, _ in c})
-    ready_pos.append(max(pos[l] for l in ls))
+    ls = {layer[r] for r, _, _ in c}
+    ps = [pos[l] for l in ls]
+    ready_pos.append(max(ps))
     u = unit_of.get(k)
     if u is None:
       order.append(("r", len(rep_bytes)))
       rep_bytes.append(sum(nbytes[r] * (hi - lo) / size[r] for r, lo, hi in c if size[r]))
     else:
       order.append(("u", u))
-      ul[u] = tuple(ls)
-      ub[u] = float(sum(nbytes[r] for r, _, _ in c))
+      rs_bytes[u] = float(sum(nbytes[r] for r, _, _ in c))
+      rs_at[max(ps)].append(u)          # its gradient buffer: from the start of its first backward layer
       sharded_rows.extend(r for r, _, _ in c)
-      for l in ls:
-        layer_units[l].append(u)
+  if gathers is None:
+    gathers = [[r for r, _, _ in chunks[int(c)]] for c in units]
+  n_u = len(gathers)
+  ul: list[tuple[int, ...]] = []
+  ub: list[float] = []
+  layer_units: list[list[int]] = [[] for _ in range(nl)]
+  for u, rows in enumerate(gathers):
+    ls = sorted({layer[r] for r in rows})
+    ul.append(tuple(ls))
+    ub.append(float(sum(nbytes[r] for r in rows)))
+    for l in ls:
+      layer_units[l].append(u)
   first = [ls[0] for ls in ul]
   bf = [max(pos[l] for l in ls) for ls in ul]
   bl = [min(pos[l] for l in ls) for ls in ul]
@@ -147,7 +164,8 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
   return FsdpArrays(tuple(ul), tuple(first), tuple(ub), tuple(bool(x) for x in keep), int(prefetch),
                     int(backward_prefetch), tuple(rep_bytes), tuple(order), tuple(ready_pos),
                     tuple(tuple(x) for x in layer_units), tuple(bwd_layers), tuple(dur), tail, tuple(bf),
-                    tuple(bl), update_s, int(shards), int(replicas))
+                    tuple(bl), update_s, int(shards), int(replicas), tuple(rs_bytes),
+                    tuple(tuple(x) for x in rs_at))
 
 
 def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float, float, float, float, float]:
@@ -237,7 +255,6 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
     if not arr.keep[u]:
       mem.append((fwd_end_layer[last_l], -arr.unit_bytes[u]))
   link1: list[tuple[float, float, str]] = []
-  rs_end = [0.0] * n_u
   unit_bwd_end = [0.0] * n_u
 
   def regather(us: Sequence[int], at: float) -> None:
@@ -264,9 +281,8 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
     s = max(t_dev, need_b[l])
     if serial:
       s = max(s, t_link)
-    for u in arr.layer_units[l]:
-      if arr.unit_bwd_first[u] == k:
-        mem.append((s, arr.unit_bytes[u]))        # its gradient buffer
+    for x in arr.rs_at[k]:
+      mem.append((s, arr.rs_bytes[x]))            # a reduce-scatter unit's gradient buffer
     if k in regather_at:
       regather(regather_at[k], s)
       if serial:
@@ -281,16 +297,15 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
       kind, x = arr.order[ci]
       last_issue = max(last_issue, t_dev)
       if kind == "u":
-        dur = a_g + b_g * arr.unit_bytes[x]
+        dur = a_g + b_g * arr.rs_bytes[x]
         st = max(last_issue, t_link, t_dev) if serial else max(last_issue, t_link)
         t_link = st + dur
         comm += dur
-        rs_end[x] = t_link
-        mem.append((t_link, -arr.unit_bytes[x]))  # the gradient buffer, reduced
+        mem.append((t_link, -arr.rs_bytes[x]))    # the gradient buffer, reduced
         if spans:
           out.append(("reduce_scatter", f"unit{x}", st, t_link, "link0"))
         if two:
-          link1.append((t_link, a_r + b_r * arr.unit_bytes[x], f"unit{x}"))
+          link1.append((t_link, a_r + b_r * arr.rs_bytes[x], f"unit{x}"))
       else:
         dur = a_a + b_a * arr.rep_bytes[x]
         if two:
@@ -357,4 +372,4 @@ def fsdp_arrays_of(prob: Problem, schedule) -> FsdpArrays:
     raise ValueError(f"the FSDP schedule's mesh {dict(f.mesh)} has {p} devices, but network.workers="
                      f"{prob.network.workers}; use network.with_workers({p}).")
   return fsdp_arrays(prob, [c.slices for c in schedule.chunks], f.units, f.keep, f.prefetch,
-                     f.backward_prefetch, f.shard_count, f.replica_count)
+                     f.backward_prefetch, f.shard_count, f.replica_count, f.gathers or None)

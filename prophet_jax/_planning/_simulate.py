@@ -219,12 +219,12 @@ def simulate_fsdp(prob: Problem, arr: FsdpArrays, *, events: bool = True) -> Sim
   """`simulate` of an FSDP schedule's arrays (`_fsdp.fsdp_arrays`): one calm run of `_fsdp.fsdp_run`."""
   run = fsdp_run(prob, arr, spans=events)
   compute = prob.forward_s + prob.backward_s + arr.update_s
-  n_u = len(arr.unit_bytes)
+  n_g = len(arr.unit_bytes)
   regathers = sum(1 for k in arr.keep if not k)
   it = run.iteration_s
   return SimResult(iteration_s=it, compute_s=compute, comm_s=run.comm_s, idle_s=max(it - compute, 0.0),
                    network_busy=run.comm_s / it if it > 0 else 0.0, allreduces=len(arr.rep_bytes),
-                   reduce_scatters=n_u, all_gathers=n_u + regathers, cross_step=prob.cross_step,
+                   reduce_scatters=len(arr.rs_bytes), all_gathers=n_g + regathers, cross_step=prob.cross_step,
                    peak_memory_bytes=int(round(run.peak_memory_bytes)),
                    events=tuple(_new_event(*sp) for sp in run.spans))
 

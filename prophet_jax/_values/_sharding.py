@@ -46,6 +46,10 @@ class FsdpPlan:
     mesh, shard_axes: the mesh shape ((name, size) pairs) and the axes the sharded rows are split over
       (the others are replica axes: HSDP).
     memory_budget_bytes: the budget it was planned under (None: no cap); docs/fsdp.md says what it counts.
+    gathers: () (the default): forward gathers each unit's leaves, `keep` one per unit. Otherwise the
+      all-gather groups, which may differ from the reduce-scatter units (as XLA's combiners make them):
+      row indices of whole sharded leaves, one dtype per group, every row of the units in exactly one,
+      in forward use order; `keep` then has one entry per group.
   """
 
   units: tuple[int, ...]
@@ -56,8 +60,15 @@ class FsdpPlan:
   mesh: tuple[tuple[str, int], ...]
   shard_axes: tuple[str, ...]
   memory_budget_bytes: int | None = None
+  gathers: tuple[tuple[int, ...], ...] = ()
 
   def __post_init__(self):
+    g = self.gathers
+    if isinstance(g, (str, bytes, Mapping)) or not isinstance(g, (tuple, list)) or not all(
+        isinstance(x, (tuple, list)) and x and all(map(is_int, x)) for x in g):
+      raise ScheduleError(f"FsdpPlan has gathers={g!r:.80}; expected lists of row indices (ints), one per "
+                          f"all-gather group, or [] (each unit gathered whole).")
+    object.__setattr__(self, "gathers", tuple(tuple(int(r) for r in x) for x in g))
     for name in ("units", "keep", "shard_dims", "shard_axes"):
       v = getattr(self, name)
       if isinstance(v, (str, bytes, Mapping)) or not isinstance(v, (tuple, list)):
@@ -69,9 +80,10 @@ class FsdpPlan:
     if len(set(self.units)) != len(self.units):
       raise ScheduleError(f"FsdpPlan names a chunk twice in units={self.units}; each FSDP bucket is "
                           f"gathered once per forward.")
-    if len(self.keep) != len(self.units) or not all(map(is_bool, self.keep)):
-      raise ScheduleError(f"FsdpPlan has keep={self.keep!r}; expected one True/False per unit "
-                          f"({len(self.units)}).")
+    n_keep = len(self.gathers) if self.gathers else len(self.units)
+    if len(self.keep) != n_keep or not all(map(is_bool, self.keep)):
+      raise ScheduleError(f"FsdpPlan has keep={self.keep!r}; expected one True/False per "
+                          f"{'all-gather group' if self.gathers else 'unit'} ({n_keep}).")
     object.__setattr__(self, "keep", tuple(bool(k) for k in self.keep))
     for name in ("prefetch", "backward_prefetch"):
       v = getattr(self, name)
@@ -107,7 +119,8 @@ class FsdpPlan:
     return {"units": list(self.units), "keep": list(self.keep), "prefetch": self.prefetch,
             "backward_prefetch": self.backward_prefetch, "shard_dims": list(self.shard_dims),
             "mesh": dict(self.mesh), "shard_axes": list(self.shard_axes),
-            "memory_budget_bytes": self.memory_budget_bytes}
+            "memory_budget_bytes": self.memory_budget_bytes} | (
+                {"gathers": [list(x) for x in self.gathers]} if self.gathers else {})
 
   @classmethod
   def from_dict(cls, obj: Any) -> FsdpPlan:
@@ -175,6 +188,18 @@ def check_fsdp(s: Any) -> None:
       elif d is not None:
         raise ScheduleError(f"chunk{k} holds sharded leaf {path!r} but is not an FSDP bucket (units); "
                             f"sharded leaves are reduce-scattered in their bucket.")
+  if f.gathers:
+    in_units = sorted(r for u in f.units for r, _, _ in chunks[u].slices)
+    grouped = sorted(r for g in f.gathers for r in g)
+    if grouped != in_units:
+      extra = sorted(set(grouped) - set(in_units)) or sorted(set(in_units) - set(grouped))
+      raise ScheduleError(f"the FSDP plan's gathers do not hold each row of its units exactly once (leaf "
+                          f"{rows[extra[0]][0] if extra and extra[0] < len(rows) else '?'!r}); plan again.")
+    for g, rs in enumerate(f.gathers):
+      dtypes = {rows[r][2] for r in rs}
+      if len(dtypes) > 1:
+        raise ScheduleError(f"FSDP gather group {g} mixes dtypes {sorted(dtypes)}; one all-gather gathers "
+                            f"one dtype.")
 
 
 def check_gathers(s: Any) -> None:
