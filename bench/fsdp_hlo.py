@@ -2,7 +2,10 @@
 all-gathers and reduce-scatters (count, sizes, order) of a small Llama-style decoder whose 2-D weights are
 sharded over the data axis (`P("data", None)`), under default flags, with and without per-layer remat,
 and the compiled `memory_analysis()`. It checks the assumptions of the partitioner schedule that
-bench/fsdp.py MODELS (one all-gather per weight, neighbours combined, gathered again in backward or not).
+bench/fsdp.py MODELS (one all-gather per weight, neighbours combined, gathered again in backward or not),
+and reads each program into a Schedule (`read_schedule`) that the simulator runs beside the `fsdp` plan
+held to its peak, on one profile and network model (all simulated; the 64- and 256-GPU rows reuse the
+8-GPU program's grouping).
 
 Compile-only (FACTS.md, "XLA:GPU without a GPU"): run with JAX_PLATFORMS=cpu. Prints a table and writes
 bench/results/fsdp_hlo.json. Never asserts. A small model (4 layers, d=1024) because XLA:GPU's pipeline on
@@ -14,6 +17,7 @@ a large unscanned model is too slow to compile on 2 cores; the per-weight struct
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -102,6 +106,97 @@ def collectives(hlo: str) -> list[dict]:
   return out
 
 
+_PARAM = re.compile(r"%([\w.-]+) = \S+ parameter\(\d+\).*?op_name=\"p((?:\[\\?'[^\]]+\\?'\])+)\"")
+_KEY = re.compile(r"\[\\?'([^\]\\']+)\\?'\]")
+_OPERANDS = re.compile(r"(all-gather|reduce-scatter|all-reduce)-start\(([^)]*)\)")
+
+
+def read_schedule(hlo: str, profile: pj.GradientProfile) -> tuple[pj.Schedule, list[str]]:
+  """The compiled program's FSDP collectives as a Schedule the simulator runs, and notes on what was
+  assumed. All-gathers: the ENTRY parameters each gathers (named by their op_name metadata), grouped as
+  compiled, in order of first gather (a weight gathered again is not kept: re-gathered in backward);
+  reduce-scatters: the 2-D gradients of each, assigned to the weights of their shapes in backward order
+  (the program does not name them); activation collectives are left out (they are not the plan's);
+  the all-reduce of the concatenated norms is one replicated chunk at its place."""
+  from prophet_jax._values._schedule import Bucket, Chunk
+  from prophet_jax._values._sharding import FsdpPlan
+
+  entry = hlo[hlo.index("\nENTRY"):]
+  names = {}
+  for m in _PARAM.finditer(entry):
+    names[m.group(1)] = "/".join(_KEY.findall(m.group(2)))
+  index = {r.path: i for i, r in enumerate(profile.rows)}
+  sharded = {i for i, r in enumerate(profile.rows) if r.shard_dim is not None}
+  rep_rows = [i for i, r in enumerate(profile.rows) if r.shard_dim is None and r.nbytes]
+  gathers, seen, again = [], set(), set()
+  rs_groups, events = [], []
+  notes = []
+  backward_pool = sorted(sharded, reverse=True)                     # back layers are ready first
+  for line in entry.splitlines():
+    m = _OPERANDS.search(line)
+    if not m or "-start(" not in line:
+      continue
+    kind, ops = m.group(1), [o.strip().lstrip("%").split(" ")[0] for o in m.group(2).split(",")]
+    ops = [o.split("*/")[-1].lstrip("%") for o in ops]
+    if kind == "all-gather":
+      rows = [index[names[o]] for o in ops if o in names and names[o] in index and index[names[o]] in sharded]
+      fresh = [r for r in rows if r not in seen]
+      again.update(r for r in rows if r in seen)
+      seen.update(fresh)
+      if fresh:
+        gathers.append(fresh)
+      elif not rows and seen:              # remat: a weight gathered again from a rematerialised copy,
+        result = line.split(" = ", 1)[1].split(" all-gather-start(")[0]     # known by its gathered shape
+        arrays = _SHAPE.findall(result)
+        for _, d in arrays[len(arrays) // 2:]:
+          shp = tuple(int(x) for x in d.split(",") if x)
+          r = next((r for r in sorted(seen - again, reverse=True) if profile.rows[r].shape == shp), None)
+          if r is not None:
+            again.add(r)
+    elif kind == "reduce-scatter":
+      result = line.split(" = ", 1)[1].split(" reduce-scatter-start(")[0]
+      arrays = _SHAPE.findall(result)
+      shapes = [tuple(int(x) for x in d.split(",") if x) for _, d in arrays[:(len(arrays) + 1) // 2]]
+      rows = []
+      for shp in shapes:
+        r = next((r for r in backward_pool if profile.rows[r].shape == shp), None)
+        if r is not None:
+          backward_pool.remove(r)
+          rows.append(r)
+      if rows:
+        rs_groups.append(sorted(rows))
+        events.append(("u", len(rs_groups) - 1))
+    elif kind == "all-reduce" and rep_rows and "wrapped_concatenate" in line:
+      events.append(("r", 0))
+  if backward_pool:
+    notes.append(f"{len(backward_pool)} gradient(s) found in no reduce-scatter "
+                 f"({[profile.rows[r].path for r in backward_pool][:3]}): one unit at the end")
+    rs_groups.append(sorted(backward_pool))
+    events.append(("u", len(rs_groups) - 1))
+  if rep_rows and ("r", 0) not in events:
+    events.append(("r", 0))
+    notes.append("the replicated leaves' all-reduce was not found: one chunk at the end")
+  never = sorted(sharded - seen)
+  if never:
+    notes.append(f"{[profile.rows[r].path for r in never]} never all-gathered (the partitioner moves "
+                 f"activations instead): modelled as one gather group at its first use")
+    gathers.append(never)
+  layer = {i: profile.layers.index(r.layer) for i, r in enumerate(profile.rows)}
+  gathers.sort(key=lambda g: min(layer[r] for r in g))
+  chunks, units = [], []
+  for kind, x in events:
+    rows = rs_groups[x] if kind == "u" else rep_rows
+    if kind == "u":
+      units.append(len(chunks))
+    chunks.append(Chunk(slices=tuple((r, 0, profile.rows[r].size) for r in rows), dtype="float32"))
+  plan = FsdpPlan(units=tuple(units), keep=tuple(not (set(g) & again) for g in gathers), prefetch=1,
+                  backward_prefetch=1, shard_dims=tuple(r.shard_dim for r in profile.rows), mesh=profile.mesh,
+                  shard_axes=profile.shard_axes, gathers=tuple(tuple(g) for g in gathers))
+  sched = pj.Schedule(buckets=tuple(Bucket(chunks=(c,)) for c in chunks), rows=profile.tree_rows(),
+                      policy="partitioner-compiled", fsdp=plan)
+  return sched, notes
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--layers", type=int, default=4)
@@ -123,6 +218,14 @@ def main() -> None:
   results = []
   print(f"{a.layers} layers, d={a.d}, {len(weights)} sharded weights, {param_bytes / 2**20:.1f} MiB of f32 "
         f"parameters, {a.devices} compile-only H100s, default flags")
+  tokens_per_gpu = 16384
+  flops = 2 * param_bytes / 4 * tokens_per_gpu
+  fwd_s = flops / (989e12 * 0.5)
+  prof = pj.GradientProfile.from_params(params, forward_s=fwd_s, backward_s=2 * fwd_s,
+                                        update_s_per_byte=30 / 4 / (3.35e12 * 0.8), shardings=specs,
+                                        mesh={"data": a.devices}, model="decoder-small", device="h100")
+  net = pj.NetworkModel.preset("nvlink+400gb-ib", workers=a.devices)
+  bound = pj.lower_bound(prof, net, sharded="fsdp")
   for remat in {"both": (False, True), "no": (False,), "yes": (True,)}[a.remat]:
     def step(p, t, remat=remat):
       g = jax.grad(loss_fn)(p, t, layers=a.layers, remat=remat)
@@ -147,14 +250,40 @@ def main() -> None:
            "scattered_bytes": sum(c["bytes"] for c in rs), "param_bytes": param_bytes,
            "sharded_weights": len(weights), "temp_bytes": temp,
            "sequence": cs}
+    read, notes = read_schedule(text, prof)
+    sim = pj.simulate(read, prof, net, events=False)
+    same = pj.plan(prof, net, "fsdp", memory_budget_bytes=sim.peak_memory_bytes)
+    mine = pj.simulate(same, prof, net, events=False)
+    row.update(read_iteration_ms=sim.iteration_s * 1e3, read_peak_bytes=sim.peak_memory_bytes,
+               plan_at_its_memory_ms=mine.iteration_s * 1e3, plan_peak_bytes=mine.peak_memory_bytes,
+               bound_ms=bound * 1e3, read_notes=notes, read_schedule=json.loads(read.to_json()))
     results.append(row)
     print(f"remat={remat}: {len(ag)} all-gathers ({row['gathered_bytes'] / 2**20:.1f} MiB gathered = "
           f"{row['gathered_bytes'] / param_bytes:.2f} x the parameters), {len(rs)} reduce-scatters "
           f"({row['scattered_bytes'] / 2**20:.1f} MiB), {len(ar)} all-reduces; temp "
           f"{(temp or 0) / 2**20:.1f} MiB; compiled in {secs:.1f} s")
     tag = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR"}
+    print(f"  read into a Schedule and simulated ({tokens_per_gpu} tokens per GPU, nvlink, simulated): "
+          f"{sim.iteration_s * 1e3:.3f} ms, peak {sim.peak_memory_bytes / 2**20:.0f} MiB; fsdp plan at that "
+          f"memory {mine.iteration_s * 1e3:.3f} ms ({sim.iteration_s / mine.iteration_s:.2f}x); bound "
+          f"{bound * 1e3:.3f} ms; {'; '.join(notes) or 'every collective mapped'}")
     print("  schedule order (MiB, x arrays combined, s = synchronous):",
           " ".join(f"{tag[c['kind']]}{c['bytes'] / 2**20:.1f}x{c['arrays']}{'s' if c['sync'] else ''}" for c in cs))
+    row["extrapolated"] = []
+    for gpus in (64, 256):                  # the 8-GPU program's grouping, simulated on more GPUs
+      big = dataclasses.replace(prof, mesh=(("data", gpus),))
+      bnet = pj.NetworkModel.preset("nvlink+400gb-ib", workers=gpus)
+      bread = dataclasses.replace(read, fsdp=dataclasses.replace(read.fsdp, mesh=(("data", gpus),)),
+                                  tree_fingerprint="")
+      bsim = pj.simulate(bread, big, bnet, events=False)
+      bmine = pj.simulate(pj.plan(big, bnet, "fsdp", memory_budget_bytes=bsim.peak_memory_bytes), big, bnet,
+                          events=False)
+      bb = pj.lower_bound(big, bnet, sharded="fsdp")
+      row["extrapolated"].append({"gpus": gpus, "read_iteration_ms": bsim.iteration_s * 1e3,
+                                  "plan_at_its_memory_ms": bmine.iteration_s * 1e3, "bound_ms": bb * 1e3})
+      print(f"  the same grouping on {gpus} GPUs (nvlink+400gb-ib, simulated): {bsim.iteration_s * 1e3:.3f} ms; "
+            f"fsdp plan at its memory {bmine.iteration_s * 1e3:.3f} ms "
+            f"({bsim.iteration_s / bmine.iteration_s:.2f}x); bound {bb * 1e3:.3f} ms")
   out = pathlib.Path(a.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"layers": a.layers, "d": a.d, "devices": a.devices, "target": "h100",
