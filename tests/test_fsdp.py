@@ -305,3 +305,14 @@ def test_gather_groups_apart_from_scatter_units():
   assert pj.lower_bound(prof, net, sharded="fsdp") <= r.iteration_s
   with pytest.raises(ScheduleError, match="gathers do not hold each row"):
     dataclasses.replace(s, fsdp=dataclasses.replace(split, gathers=split.gathers[1:], keep=split.keep[1:]))
+
+
+def test_with_placement_on_an_existing_profile():
+  plain = pj.GradientProfile.from_params(_params(), forward_s=1e-3, backward_s=2e-3)
+  specs = {"a": {"w": ("data", None), "b": None}, "c": {"w": (None, "data")}}
+  placed = plain.with_placement(_params(), specs, mesh={"data": 4})
+  direct = pj.GradientProfile.from_params(_params(), forward_s=1e-3, backward_s=2e-3, shardings=specs,
+                                          mesh={"data": 4})
+  assert placed == direct and placed.fingerprint() == direct.fingerprint()
+  with pytest.raises(ProfileError, match="'a/b' of the profile is not in params"):
+    plain.with_placement({"c": _params()["c"]}, {"c": {"w": None}}, mesh={"data": 4})

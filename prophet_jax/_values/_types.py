@@ -365,6 +365,25 @@ class GradientProfile:
     return dataclasses.replace(self, rows=rows, forward_s=self.forward_s * compute,
                                backward_s=self.backward_s * compute)
 
+  def with_placement(self, params: Any, shardings: Any, *, mesh: Any = None) -> GradientProfile:
+    """This profile with the placement of `params` (`from_params`' `shardings` and `mesh`): e.g. a
+    measured profile (`profile_step`) made ready for the `fsdp` policy. Rows are matched by path; times
+    are kept.
+
+    Raises:
+      ProfileError: as `from_params` (a leaf's placement named), or a row whose path is not in `params`.
+    """
+    flat = flatten_with_layer_paths(params)
+    specs = shardings_by_path(params, shardings)
+    dims, shape, axes = _placements(flat, specs, shardings, mesh)
+    paths = {p for p, _, _ in flat}
+    missing = [r.path for r in self.rows if r.path not in paths]
+    if missing:
+      raise ProfileError(f"with_placement: leaf {missing[0]!r} of the profile is not in params (paths like "
+                         f"{sorted(paths)[:3]}); pass the params the profile was made from.")
+    rows = tuple(dataclasses.replace(r, shard_dim=dims.get(r.path)) for r in self.rows)
+    return dataclasses.replace(self, rows=rows, mesh=shape, shard_axes=axes)
+
   # -- construction ---------------------------------------------------------------------------------
   @classmethod
   def from_rows(cls, rows: Iterable[Mapping[str, Any] | ProfileRow], **kw) -> GradientProfile:
