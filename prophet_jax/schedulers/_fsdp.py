@@ -164,7 +164,9 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   if bucket is not None:
     unit_sets = [(f"bucket_bytes={bucket}", _runs(rows_, sharded, float(bucket)))]
   else:
-    unit_sets = [("per-leaf", [[i] for i in sharded]), ("per-layer", _runs(rows_, sharded, 0.0))]
+    unit_sets = [("per-layer", _runs(rows_, sharded, 0.0))]
+    if budget is not None:             # the least memory; never the fastest without a cap (most start-ups)
+      unit_sets.append(("per-leaf", [[i] for i in sharded]))
     seen = {_key(u) for _, u in unit_sets}
     for label, u in [(f"cap={mib}MiB", _runs(rows_, sharded, mib * 2.0**20)) for mib in _CAPS_MIB] + [
         (f"ramp={lo}-{mib}MiB", _runs(rows_, sharded, mib * 2.0**20, ramp=lo * 2.0**20)) for lo, mib in _RAMP_MIB]:
@@ -177,16 +179,18 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   limit = budget if budget is not None else float("inf")
   # every unit set at the first depth; the deeper prefetches for the best few (deeper only pays while
   # the link is ahead of the compute, so each set stops at the first depth that does not help)
-  structs = []
-  for label, units in unit_sets:
-    for tail in ((False, True) if rows_.rep else (False,)):
+  # the replicated leaves' grouping (per unit window, or at once) is chosen on the first unit set and
+  # kept for the others (it depends on the network's start-up far more than on the units)
+  structs, first = [], []
+  tails = (False, True) if rows_.rep else (False,)
+  for n, (label, units) in enumerate(unit_sets):
+    for tail in (tails if n == 0 else (tails[0],)):
       chunks, unit_idx = _chunks(rows_, units, tail=tail)
       base = fsdp_arrays(prob, chunks, unit_idx, [True] * len(units), depths[0], 1, s, r)
       structs.append((label + (",replicated-at-end" if tail else ""), chunks, unit_idx, base))
-  first = []
-  for label, chunks, unit_idx, base in structs:
-    cand = _best_keep(prob, base, chunks, unit_idx, depths[0], budget, label)
-    first.append(cand)
+      first.append(_best_keep(prob, base, chunks, unit_idx, depths[0], budget, structs[-1][0]))
+    if n == 0 and len(tails) > 1:
+      tails = (first[-1].iteration < first[-2].iteration,)
   ranked = sorted(range(len(structs)), key=lambda i: (first[i].peak > limit, first[i].iteration))
   for rank, i in enumerate(ranked):
     label, chunks, unit_idx, base = structs[i]
