@@ -117,7 +117,7 @@ def test_fsdp_plan_conforms_and_fits_the_budget(mesh, net):
     r = pj.simulate(s, prof, network)
     assert r.peak_memory_bytes <= (budget or np.inf) and r.iteration_s == pytest.approx(s.predicted_s)
     assert bound <= r.iteration_s * (1 + 1e-9) and r.iteration_s <= bound * 1.03
-    assert pj.Schedule.from_json(s.to_json()) == s
+    assert pj.Schedule.from_json(s.to_json()) == s and "FSDP on" in s.describe()
     assert s.tree_fingerprint == prof.fingerprint()
     if prev is not None:
       assert r.peak_memory_bytes <= prev.peak_memory_bytes

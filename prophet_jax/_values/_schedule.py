@@ -362,6 +362,13 @@ class Schedule:
       lines[0] = (f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step), sharded "
                   f"(ZeRO-1): {self.num_reduce_scatters} reduce-scatters in backward, "
                   f"{self.num_all_gathers} all-gathers for the next forward")
+    f = self.fsdp
+    if f is not None:
+      n_g = len(f.gathers or f.units)
+      lines[0] = (f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step), FSDP on "
+                  f"{dict(f.mesh)} (shards over {', '.join(f.shard_axes)}): {n_g} all-gathers in forward "
+                  f"(prefetch {f.prefetch}), {n_g - sum(f.keep)} again in backward, {len(f.units)} "
+                  f"reduce-scatters, {len(self.chunks) - len(f.units)} all-reduces of replicated leaves")
     if self.defers:
       groups = [b for b in self.buckets if b.defer]
       lines[0] += (f"; {len(groups)} deferral groups defer {sum(b.defer for b in groups)} of "
