@@ -4,14 +4,14 @@ sharded over the data axis (`P("data", None)`), under default flags, with and wi
 and the compiled `memory_analysis()`. It checks the assumptions of the partitioner schedule that
 bench/fsdp.py MODELS (one all-gather per weight, neighbours combined, gathered again in backward or not),
 and reads each program into a Schedule (`read_schedule`) that the simulator runs beside the `fsdp` plan
-held to its peak, on one profile and network model (all simulated; the 64- and 256-GPU rows reuse the
-8-GPU program's grouping).
+held to its peak, on one profile and network model (all simulated; programs compiled for 8 and 64
+GPUs; the rows for more GPUs reuse a program's grouping).
 
 Compile-only (FACTS.md, "XLA:GPU without a GPU"): run with JAX_PLATFORMS=cpu. Prints a table and writes
 bench/results/fsdp_hlo.json. Never asserts. A small model (4 layers, d=1024) because XLA:GPU's pipeline on
 a large unscanned model is too slow to compile on 2 cores; the per-weight structure is what carries over.
 
-    JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py [--layers 4] [--devices 8]
+    JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py [--layers 4] [--devices 8 64]
 """
 
 from __future__ import annotations
@@ -201,89 +201,92 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--layers", type=int, default=4)
   ap.add_argument("--remat", choices=["both", "no", "yes"], default="both")
-  ap.add_argument("--devices", type=int, default=8)
+  ap.add_argument("--devices", type=int, nargs="+", default=[8, 64])
   ap.add_argument("--d", type=int, default=1024)
   ap.add_argument("--dump", default=None, help="a folder for the compiled HLO texts")
   ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "fsdp_hlo.json"))
   a = ap.parse_args()
-  topo = pj.gpu_topology("h100", devices=a.devices)
-  mesh = topo.mesh("data")
-  ff, vocab, seq = 4 * a.d, 8192, 512
-  params = params_of(a.layers, a.d, ff, vocab)
-  specs = jax.tree.map(lambda s: P("data", None) if len(s.shape) == 2 else P(), params)
-  shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-  tokens = jax.ShapeDtypeStruct((a.devices, seq), jnp.int32)
-  param_bytes = sum(4 * math.prod(s.shape) for s in jax.tree.leaves(params))
-  weights = [s for s in jax.tree.leaves(params) if len(s.shape) == 2]
   results = []
-  print(f"{a.layers} layers, d={a.d}, {len(weights)} sharded weights, {param_bytes / 2**20:.1f} MiB of f32 "
-        f"parameters, {a.devices} compile-only H100s, default flags")
-  tokens_per_gpu = 16384
-  flops = 2 * param_bytes / 4 * tokens_per_gpu
-  fwd_s = flops / (989e12 * 0.5)
-  prof = pj.GradientProfile.from_params(params, forward_s=fwd_s, backward_s=2 * fwd_s,
-                                        update_s_per_byte=30 / 4 / (3.35e12 * 0.8), shardings=specs,
-                                        mesh={"data": a.devices}, model="decoder-small", device="h100")
-  net = pj.NetworkModel.preset("nvlink+400gb-ib", workers=a.devices)
-  bound = pj.lower_bound(prof, net, sharded="fsdp")
-  for remat in {"both": (False, True), "no": (False,), "yes": (True,)}[a.remat]:
-    def step(p, t, remat=remat):
-      g = jax.grad(loss_fn)(p, t, layers=a.layers, remat=remat)
-      return jax.tree.map(lambda x, y: x - 1e-3 * y, p, g)
-    f = jax.jit(step, in_shardings=(shard, NamedSharding(mesh, P("data"))), out_shardings=shard)
-    t0 = time.perf_counter()
-    compiled = f.lower(topo.abstract(params, specs, mesh=mesh),
-                       topo.abstract(tokens, P("data"), mesh=mesh)).compile()
-    secs = time.perf_counter() - t0
-    text = compiled.as_text()
-    if a.dump:
-      pathlib.Path(a.dump).mkdir(parents=True, exist_ok=True)
-      (pathlib.Path(a.dump) / f"fsdp_remat{int(remat)}.hlo.txt").write_text(text)
-    cs = collectives(text)
-    ag = [c for c in cs if c["kind"] == "all-gather"]
-    rs = [c for c in cs if c["kind"] == "reduce-scatter"]
-    ar = [c for c in cs if c["kind"] == "all-reduce"]
-    mem = compiled.memory_analysis()
-    temp = getattr(mem, "temp_size_in_bytes", None)
-    row = {"remat": remat, "compile_s": secs, "all_gathers": len(ag), "reduce_scatters": len(rs),
-           "all_reduces": len(ar), "gathered_bytes": sum(c["bytes"] for c in ag),
-           "scattered_bytes": sum(c["bytes"] for c in rs), "param_bytes": param_bytes,
-           "sharded_weights": len(weights), "temp_bytes": temp,
-           "sequence": cs}
-    read, notes = read_schedule(text, prof)
-    sim = pj.simulate(read, prof, net, events=False)
-    same = pj.plan(prof, net, "fsdp", memory_budget_bytes=sim.peak_memory_bytes)
-    mine = pj.simulate(same, prof, net, events=False)
-    row.update(read_iteration_ms=sim.iteration_s * 1e3, read_peak_bytes=sim.peak_memory_bytes,
-               plan_at_its_memory_ms=mine.iteration_s * 1e3, plan_peak_bytes=mine.peak_memory_bytes,
-               bound_ms=bound * 1e3, read_notes=notes, read_schedule=json.loads(read.to_json()))
-    results.append(row)
-    print(f"remat={remat}: {len(ag)} all-gathers ({row['gathered_bytes'] / 2**20:.1f} MiB gathered = "
-          f"{row['gathered_bytes'] / param_bytes:.2f} x the parameters), {len(rs)} reduce-scatters "
-          f"({row['scattered_bytes'] / 2**20:.1f} MiB), {len(ar)} all-reduces; temp "
-          f"{(temp or 0) / 2**20:.1f} MiB; compiled in {secs:.1f} s")
-    tag = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR"}
-    print(f"  read into a Schedule and simulated ({tokens_per_gpu} tokens per GPU, nvlink, simulated): "
-          f"{sim.iteration_s * 1e3:.3f} ms, peak {sim.peak_memory_bytes / 2**20:.0f} MiB; fsdp plan at that "
-          f"memory {mine.iteration_s * 1e3:.3f} ms ({sim.iteration_s / mine.iteration_s:.2f}x); bound "
-          f"{bound * 1e3:.3f} ms; {'; '.join(notes) or 'every collective mapped'}")
-    print("  schedule order (MiB, x arrays combined, s = synchronous):",
-          " ".join(f"{tag[c['kind']]}{c['bytes'] / 2**20:.1f}x{c['arrays']}{'s' if c['sync'] else ''}" for c in cs))
-    row["extrapolated"] = []
-    for gpus in (64, 256):                  # the 8-GPU program's grouping, simulated on more GPUs
-      big = dataclasses.replace(prof, mesh=(("data", gpus),))
-      bnet = pj.NetworkModel.preset("nvlink+400gb-ib", workers=gpus)
-      bread = dataclasses.replace(read, fsdp=dataclasses.replace(read.fsdp, mesh=(("data", gpus),)),
-                                  tree_fingerprint="")
-      bsim = pj.simulate(bread, big, bnet, events=False)
-      bmine = pj.simulate(pj.plan(big, bnet, "fsdp", memory_budget_bytes=bsim.peak_memory_bytes), big, bnet,
-                          events=False)
-      bb = pj.lower_bound(big, bnet, sharded="fsdp")
-      row["extrapolated"].append({"gpus": gpus, "read_iteration_ms": bsim.iteration_s * 1e3,
-                                  "plan_at_its_memory_ms": bmine.iteration_s * 1e3, "bound_ms": bb * 1e3})
-      print(f"  the same grouping on {gpus} GPUs (nvlink+400gb-ib, simulated): {bsim.iteration_s * 1e3:.3f} ms; "
-            f"fsdp plan at its memory {bmine.iteration_s * 1e3:.3f} ms "
-            f"({bsim.iteration_s / bmine.iteration_s:.2f}x); bound {bb * 1e3:.3f} ms")
+  for devices in a.devices:
+    topo = pj.gpu_topology("h100", devices=devices)
+    mesh = topo.mesh("data")
+    ff, vocab, seq = 4 * a.d, 8192, 512
+    params = params_of(a.layers, a.d, ff, vocab)
+    specs = jax.tree.map(lambda s: P("data", None) if len(s.shape) == 2 else P(), params)
+    shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    tokens = jax.ShapeDtypeStruct((devices, seq), jnp.int32)
+    param_bytes = sum(4 * math.prod(s.shape) for s in jax.tree.leaves(params))
+    weights = [s for s in jax.tree.leaves(params) if len(s.shape) == 2]
+    print(f"{a.layers} layers, d={a.d}, {len(weights)} sharded weights, {param_bytes / 2**20:.1f} MiB of f32 "
+          f"parameters, {devices} compile-only H100s, default flags")
+    tokens_per_gpu = 16384
+    flops = 2 * param_bytes / 4 * tokens_per_gpu
+    fwd_s = flops / (989e12 * 0.5)
+    prof = pj.GradientProfile.from_params(params, forward_s=fwd_s, backward_s=2 * fwd_s,
+                                          update_s_per_byte=30 / 4 / (3.35e12 * 0.8), shardings=specs,
+                                          mesh={"data": devices}, model="decoder-small", device="h100")
+    net = pj.NetworkModel.preset("nvlink+400gb-ib", workers=devices)
+    bound = pj.lower_bound(prof, net, sharded="fsdp")
+    for remat in {"both": (False, True), "no": (False,), "yes": (True,)}[a.remat]:
+      def step(p, t, remat=remat):
+        g = jax.grad(loss_fn)(p, t, layers=a.layers, remat=remat)
+        return jax.tree.map(lambda x, y: x - 1e-3 * y, p, g)
+      f = jax.jit(step, in_shardings=(shard, NamedSharding(mesh, P("data"))), out_shardings=shard)
+      t0 = time.perf_counter()
+      compiled = f.lower(topo.abstract(params, specs, mesh=mesh),
+                         topo.abstract(tokens, P("data"), mesh=mesh)).compile()
+      secs = time.perf_counter() - t0
+      text = compiled.as_text()
+      if a.dump:
+        pathlib.Path(a.dump).mkdir(parents=True, exist_ok=True)
+        (pathlib.Path(a.dump) / f"fsdp_remat{int(remat)}.hlo.txt").write_text(text)
+      cs = collectives(text)
+      ag = [c for c in cs if c["kind"] == "all-gather"]
+      rs = [c for c in cs if c["kind"] == "reduce-scatter"]
+      ar = [c for c in cs if c["kind"] == "all-reduce"]
+      mem = compiled.memory_analysis()
+      temp = getattr(mem, "temp_size_in_bytes", None)
+      row = {"devices": devices, "remat": remat, "compile_s": secs, "all_gathers": len(ag), "reduce_scatters": len(rs),
+             "all_reduces": len(ar), "gathered_bytes": sum(c["bytes"] for c in ag),
+             "scattered_bytes": sum(c["bytes"] for c in rs), "param_bytes": param_bytes,
+             "sharded_weights": len(weights), "temp_bytes": temp,
+             "sequence": cs}
+      read, notes = read_schedule(text, prof)
+      sim = pj.simulate(read, prof, net, events=False)
+      same = pj.plan(prof, net, "fsdp", memory_budget_bytes=sim.peak_memory_bytes)
+      mine = pj.simulate(same, prof, net, events=False)
+      row.update(read_iteration_ms=sim.iteration_s * 1e3, read_peak_bytes=sim.peak_memory_bytes,
+                 plan_at_its_memory_ms=mine.iteration_s * 1e3, plan_peak_bytes=mine.peak_memory_bytes,
+                 bound_ms=bound * 1e3, read_notes=notes, read_schedule=json.loads(read.to_json()))
+      results.append(row)
+      print(f"remat={remat}: {len(ag)} all-gathers ({row['gathered_bytes'] / 2**20:.1f} MiB gathered = "
+            f"{row['gathered_bytes'] / param_bytes:.2f} x the parameters), {len(rs)} reduce-scatters "
+            f"({row['scattered_bytes'] / 2**20:.1f} MiB), {len(ar)} all-reduces; temp "
+            f"{(temp or 0) / 2**20:.1f} MiB; compiled in {secs:.1f} s")
+      tag = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR"}
+      print(f"  read into a Schedule and simulated ({tokens_per_gpu} tokens per GPU, {net.name} x {devices}, "
+            f"simulated): "
+            f"{sim.iteration_s * 1e3:.3f} ms, peak {sim.peak_memory_bytes / 2**20:.0f} MiB; fsdp plan at that "
+            f"memory {mine.iteration_s * 1e3:.3f} ms ({sim.iteration_s / mine.iteration_s:.2f}x); bound "
+            f"{bound * 1e3:.3f} ms; {'; '.join(notes) or 'every collective mapped'}")
+      print("  schedule order (MiB, x arrays combined, s = synchronous):",
+            " ".join(f"{tag[c['kind']]}{c['bytes'] / 2**20:.1f}x{c['arrays']}{'s' if c['sync'] else ''}" for c in cs))
+      row["extrapolated"] = []
+      for gpus in (g for g in (64, 256) if g > devices):   # this program's grouping on more GPUs
+        big = dataclasses.replace(prof, mesh=(("data", gpus),))
+        bnet = pj.NetworkModel.preset("nvlink+400gb-ib", workers=gpus)
+        bread = dataclasses.replace(read, fsdp=dataclasses.replace(read.fsdp, mesh=(("data", gpus),)),
+                                    tree_fingerprint="")
+        bsim = pj.simulate(bread, big, bnet, events=False)
+        bmine = pj.simulate(pj.plan(big, bnet, "fsdp", memory_budget_bytes=bsim.peak_memory_bytes), big, bnet,
+                            events=False)
+        bb = pj.lower_bound(big, bnet, sharded="fsdp")
+        row["extrapolated"].append({"gpus": gpus, "read_iteration_ms": bsim.iteration_s * 1e3,
+                                    "plan_at_its_memory_ms": bmine.iteration_s * 1e3, "bound_ms": bb * 1e3})
+        print(f"  the same grouping on {gpus} GPUs (nvlink+400gb-ib, simulated): {bsim.iteration_s * 1e3:.3f} "
+              f"ms; "
+              f"fsdp plan at its memory {bmine.iteration_s * 1e3:.3f} ms "
+              f"({bsim.iteration_s / bmine.iteration_s:.2f}x); bound {bb * 1e3:.3f} ms")
   out = pathlib.Path(a.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"layers": a.layers, "d": a.d, "devices": a.devices, "target": "h100",
