@@ -39,8 +39,9 @@ R > 1: HSDP). One step, from the start of forward (t = 0):
   False) or to the end of its backward (`keep` True), and again from the start of its re-gather to the
   end of its backward; its G bytes of gradient from the start of its backward to the end of its
   reduce-scatter. With `FsdpPlan.gathers` the all-gathers (and `keep`, and the parameters' memory) are
-  per gather group and the reduce-scatters (and the gradients' memory) per unit. The shards, replicated leaves, optimizer state and activations are the same for
-  every FSDP plan of a profile and are not counted. At equal times frees come before allocations.
+  per gather group and the reduce-scatters (and the gradients' memory) per unit. The shards, replicated
+  leaves, optimizer state and activations are the same for every FSDP plan of a profile and are not
+  counted. At equal times frees come before allocations.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ ends at >= F'. The collectives holding a row ready at >= R(l) start at >= F' + R
 carry s_ge sharded bytes (reduce-scatters, >= one) and r_ge replicated ones (all-reduces, >= one)
 one at a time per link: link 0 ends >= F' + R(l) + W0(l) (with R > 1 the shard all-reduce of the
 last reduce-scatter then takes >= a_r), link 1 >= F' + R(l) + W1(l). Backward starts at forward's end
-and lasts >= B (waits only add), so it ends at >= F' + B; a row of layer l is produced no earlier than F' + R(l) (backward runs in
-ready order, its layers' spans only shifted later), so the reduce-scatters of the units holding layer
+and lasts >= B (waits only add), so it ends at >= F' + B; a row of layer l is produced no earlier
+than F' + R(l) (backward runs in ready order, its layers' spans only shifted later), so the reduce-scatters of the units holding layer
 l's rows start at >= F' + R(l) and the last of them ends >= F' + R(l) + a_g + b_g·s(l), then (R > 1)
 the shard all-reduces, issued at those ends, >= a_r + b_r·s(l) more; likewise the replicated chunks of
 layer l, each issued once its rows are ready. The update follows every collective and backward: +U'.

@@ -21,8 +21,9 @@ What is planned (the model is `_planning/_fsdp.py`'s; docs/fsdp.md says it for u
 4. Replicated leaves: all-reduced over the whole mesh in chunks of one dtype, one per unit window of
    backward (the replicated rows that become ready during a unit's backward, issued after its
    reduce-scatter), or all in one chunk per dtype at the end of backward (both are candidates: over
-   many devices one all-reduce's start-up, 2(P-1)·alpha, can outweigh a norm's bytes); on one link they share it with the units' collectives first-in first-out in issue
-   order; on an HSDP mesh they go on the outer link (link 1) beside the shards' replica all-reduces.
+   many devices one all-reduce's start-up, 2(P-1)·alpha, can outweigh a norm's bytes); on one link they
+   share it with the units' collectives first-in first-out in issue order; on an HSDP mesh they go on
+   the outer link (link 1) beside the shards' replica all-reduces.
 
 Every candidate is scored by the simulator's engine (`_fsdp.fsdp_run`): the fastest whose peak fits
 the budget wins (ties: the smaller peak).
