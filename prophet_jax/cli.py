@@ -221,9 +221,14 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             f"(seed {q.seed})")
     if "dlcp" in policies:
       print(f"dlcp: max_defer {a.max_defer:g} (elements that may wait each step, with error feedback)")
-    if any(r.get("sharded") for r in rows):
+    if any(r.get("sharded") for r in rows if r["policy"] != "fsdp"):
       print("dear: sharded (ZeRO-1): its collectives are shown as reduce-scatters+all-gathers; each "
             "device updates 1/P of the parameters")
+    for r in rows:
+      if r["policy"] == "fsdp":
+        print(f"fsdp: parameters sharded (ZeRO-3): reduce-scatters+all-gathers (re-gathers included); "
+              f"peak {r['peak_memory_bytes'] / 2**30:.2f} GiB per device of gathered parameters and "
+              f"unsharded gradients")
     tail = q is not None
     print(f"{'policy':10s} {'iter ms':>10s} {'/bound':>7s} {'idle ms':>9s} {'allreduces':>10s}"
           + (f" {'p50 ms':>9s} {'p99 ms':>9s}" if tail else "") + f" {'deferred':>8s}"

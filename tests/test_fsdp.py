@@ -316,3 +316,14 @@ def test_with_placement_on_an_existing_profile():
   assert placed == direct and placed.fingerprint() == direct.fingerprint()
   with pytest.raises(ProfileError, match="'a/b' of the profile is not in params"):
     plain.with_placement({"c": _params()["c"]}, {"c": {"w": None}}, mesh={"data": 4})
+
+
+def test_cli_simulate_json_fsdp_row_carries_peak_memory(tmp_path, capsys):
+  from prophet_jax.cli import main
+  path = tmp_path / "sharded.json"
+  path.write_text(_layered(n_layers=4, mesh={"replica": 2, "data": 8}).to_json())
+  code = main(["simulate", "--model", str(path), "--workers", "16", "--network", "nvlink+400gb-ib",
+               "--policy", "dear", "fsdp", "--json"])
+  rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+  assert code == 0 and rows["fsdp"]["sharded"] is True and rows["fsdp"]["vs_lower_bound"] >= 1 - 1e-9
+  assert 0 < rows["fsdp"]["peak_memory_bytes"] < rows["dear"]["peak_memory_bytes"]
