@@ -1,5 +1,7 @@
 """How long planning takes: every policy on a 1,000-leaf profile (the target: < 50 ms each, auto < 1 s).
 
+`fsdp` plans the same profile with its kernels sharded over the data axis (`sharded_profile`).
+
 The targets are for calm networks; the same networks under `PRESSURE` (issue 29's: every candidate
 scored on the mean over 64 seeded samples, the joint optimiser run at the typical costs and on the calm
 network) are timed too, rows marked 'pressure'.
@@ -44,6 +46,23 @@ def thousand_leaf_profile(leaves: int, seed: int = 0) -> GradientProfile:
   return GradientProfile.from_rows(rows, forward_s=fwd, backward_s=backward_s, model=f"random{leaves}")
 
 
+def sharded_profile(leaves: int, workers: int, seed: int = 0) -> GradientProfile:
+  """The same profile with its kernels sharded over a 'data' axis of `workers` devices (sizes rounded up
+  to a multiple of it) and its biases replicated: what the `fsdp` policy plans."""
+  base = thousand_leaf_profile(leaves, seed)
+  rows = []
+  for r in base.rows:
+    d = {f: getattr(r, f) for f in ("path", "layer", "dtype", "ready_s", "fwd_s", "update_s")}
+    if r.path.endswith("kernel"):
+      n = -(-r.size // workers) * workers
+      d.update(shape=(n,), nbytes=r.nbytes // r.size * n, shard_dim=0)
+    else:
+      d.update(shape=r.shape, nbytes=r.nbytes)
+    rows.append(d)
+  return GradientProfile.from_rows(rows, forward_s=base.forward_s, backward_s=base.backward_s,
+                                   model=base.model, mesh={"data": workers}, shard_axes=["data"])
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--leaves", type=int, default=1000)
@@ -61,17 +80,18 @@ def main() -> None:
     for name in POLICIES:
       if name == "dlcp":
         continue
+      prof = sharded_profile(a.leaves, workers) if name == "fsdp" else profile
       for cross_step in (False, True):
         best, cpu, raw, s = float("inf"), float("inf"), float("inf"), None
         try:
           for _ in range(a.repeats if name != "auto" else 1):
             t0, c0 = time.perf_counter(), time.process_time()
-            s = plan(profile, net, name, cross_step=cross_step)
+            s = plan(prof, net, name, cross_step=cross_step)
             best = min(best, time.perf_counter() - t0)
             cpu = min(cpu, time.process_time() - c0)
             if name != "auto":  # the policy alone: no validation, no prediction
               t0 = time.perf_counter()
-              POLICIES[name]()(profile, net, cross_step=cross_step)
+              POLICIES[name]()(prof, net, cross_step=cross_step)
               raw = min(raw, time.perf_counter() - t0)
         except ImportError as e:  # auto may not be present yet
           print(f"{name:10s} unavailable: {e}")

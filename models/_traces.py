@@ -42,7 +42,8 @@ __all__ = ["TRACES", "load_trace", "googlenet_allreduce", "googlenet_available",
 
 _BUNDLED_MODELS = ("resnet50", "vgg16", "bert-base", "gpt2")
 _BUNDLED_DEVICES = ("v100", "h100")
-_BUNDLED = tuple(f"{m}-{d}" for m in _BUNDLED_MODELS for d in _BUNDLED_DEVICES)
+_BUNDLED = tuple(f"{m}-{d}" for m in _BUNDLED_MODELS for d in _BUNDLED_DEVICES) + (
+    "llama-1b-h100", "llama-8b-h100")         # decoder-only transformers for FSDP planning (bench/fsdp.py)
 TRACES: tuple[str, ...] = _BUNDLED + ("googlenet-k80",)
 
 GOOGLENET_NODES = (2, 4, 8)

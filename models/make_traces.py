@@ -1,6 +1,7 @@
 """Generate the bundled traces `{model}-{device}.json` (GradientProfile, method='estimated').
 
-Run from the repository root:  `python models/make_traces.py`  (writes models/traces/*.json).
+Run from the repository root:  `python models/make_traces.py [OUT_DIR [NAME ...]]`  (writes
+models/traces/*.json, or only the traces named, e.g. `llama-8b-h100`).
 
 Pure (numpy and prophet_jax._values._types only, never jax). Each published model (ResNet-50, VGG-16,
 BERT-base, GPT-2 small) is written out as a list of LAYERS in forward order; a layer carries its
@@ -50,6 +51,9 @@ if __package__ in (None, ""):  # run as a script from a checkout: `python models
 from prophet_jax._values._types import GradientProfile, ProfileRow  # noqa: E402
 
 MODELS = ("resnet50", "vgg16", "bert-base", "gpt2")
+# Decoder-only transformers for FSDP / HSDP planning (bench/fsdp.py), on h100 only; bfloat16 rows.
+DECODERS = ("llama-1b", "llama-8b")
+DECODER_DEVICES = ("h100",)
 
 
 @dataclass(frozen=True)
@@ -242,12 +246,62 @@ def gpt2_layers(b=8, t=1024, d=768, heads=12, vocab=50257, max_len=1024, depth=1
   return layers + [ln_f]
 
 
+def _flash_attention_core(b, t, d):
+  # causal flash attention: q @ k^T and p @ v over half the (t x t) scores, nothing materialised
+  return [Op(flops=2 * b * t * t * d, act=4 * b * t * d)]
+
+
+def _rms(name, n_elems, c):
+  return Layer(f"params/{name}", [("scale", (c,))], [Op(flops=4 * n_elems, act=2 * n_elems)])
+
+
+def decoder_layers(b=2, t=4096, d=2048, heads=32, kv_heads=8, ff=8192, vocab=128256, depth=16, tied=True):
+  """A Llama-style decoder (RMSNorm, grouped-query attention, SwiGLU MLP, rotary positions): Llama 3.2
+  1B at the defaults (tied embeddings), Llama 3 8B with d=4096, ff=14336, depth=32, tied=False."""
+  n = b * t
+  kv = d // heads * kv_heads
+  layers = [_embed("embed", n, vocab, d)]
+  for i in range(depth):
+    p = f"layer_{i}"
+    q = _dense(f"{p}/attn/q", n, d, d, bias=False)
+    k = _dense(f"{p}/attn/k", n, d, kv, bias=False)
+    v = _dense(f"{p}/attn/v", n, d, kv, bias=False)
+    v.ops.append(_eltwise(2 * n * (d + kv)))             # rotary on q and k
+    v.ops += _flash_attention_core(b, t, d)
+    o = _dense(f"{p}/attn/o", n, d, d, bias=False)
+    o.ops.append(_eltwise(n * d, reads=2))               # residual
+    gate = _dense(f"{p}/mlp/gate", n, d, ff, bias=False)
+    up = _dense(f"{p}/mlp/up", n, d, ff, bias=False)
+    up.ops.append(_eltwise(n * ff, reads=2))             # silu(gate) * up
+    down = _dense(f"{p}/mlp/down", n, ff, d, bias=False)
+    down.ops.append(_eltwise(n * d, reads=2))            # residual
+    layers += [_rms(f"{p}/attn_norm", n * d, d), q, k, v, o, _rms(f"{p}/mlp_norm", n * d, d), gate, up, down]
+  norm = _rms("norm", n * d, d)
+  head_op = Op(flops=2 * n * d * vocab, act=n * (d + vocab), weights=vocab * d)
+  loss = Op(flops=5 * n * vocab, act=3 * n * vocab)      # softmax cross-entropy
+  if tied:                                               # logits = h @ embed.T: charged to the norm
+    norm.ops += [head_op, loss]
+    return layers + [norm]
+  head = Layer("params/lm_head", [("kernel", (d, vocab))], [head_op, loss])
+  return layers + [norm, head]
+
+
+def llama_8b_layers():
+  return decoder_layers(d=4096, ff=14336, depth=32, tied=False)
+
+
 BUILDERS = {"resnet50": resnet50_layers, "vgg16": vgg16_layers, "bert-base": bert_base_layers,
-            "gpt2": gpt2_layers}
+            "gpt2": gpt2_layers, "llama-1b": decoder_layers, "llama-8b": llama_8b_layers}
 BATCH = {"resnet50": "64 images of 224x224", "vgg16": "64 images of 224x224",
-         "bert-base": "32 sequences x 128 tokens", "gpt2": "8 sequences x 1024 tokens"}
+         "bert-base": "32 sequences x 128 tokens", "gpt2": "8 sequences x 1024 tokens",
+         "llama-1b": "2 sequences x 4096 tokens", "llama-8b": "2 sequences x 4096 tokens"}
 OPTIMIZER = {"resnet50": ("SGD momentum", 20), "vgg16": ("SGD momentum", 20),
-             "bert-base": ("AdamW", 28), "gpt2": ("AdamW", 28)}
+             "bert-base": ("AdamW", 28), "gpt2": ("AdamW", 28), "llama-1b": ("AdamW", 28),
+             "llama-8b": ("AdamW", 28)}
+# bytes of a gradient (and gathered parameter) element: float32 (fp32 master weights, fp32 reduction)
+# except the decoders, planned for FSDP with bfloat16 gathers and reductions (PyTorch FSDP2's
+# MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16), MaxText's bf16 all-gathers)
+GRAD_DTYPE = {"llama-1b": ("bfloat16", 2), "llama-8b": ("bfloat16", 2)}
 
 
 def notes_for(model: str, device: Device) -> str:
@@ -263,11 +317,20 @@ def notes_for(model: str, device: Device) -> str:
                   "for FP32 ResNet-50 v1.5 on one V100 16GB (NVIDIA DeepLearningExamples, "
                   "pytorch-21.03); direct-convolution FLOPs, no Winograd.",
       "vgg16": "",
+      "llama-1b": " Llama 3.2 1B shapes (1,235,814,400 parameters; tied embeddings: the LM head is "
+                  "charged to the final norm); grouped-query attention (8 KV heads), SwiGLU MLP, causal "
+                  "flash attention (scores never materialised). Rows are bfloat16: FSDP gathers the "
+                  "parameters and reduces the gradients in bf16 (fp32 master weights in the update).",
+      "llama-8b": " Llama 3 8B shapes (8,030,261,248 parameters; untied LM head); grouped-query "
+                  "attention (8 KV heads), SwiGLU MLP, causal flash attention. Rows are bfloat16: FSDP "
+                  "gathers the parameters and reduces the gradients in bf16 (fp32 master weights in the "
+                  "update).",
   }[model]
   return (f"Estimated from FLOPs and memory traffic (models/make_traces.py): {device.description}; "
           f"per-op roofline t = max(flops / (peak * {device.flop_eff}), bytes / (bandwidth * "
           f"{device.bw_eff})) + {device.launch_s * 1e6:g} us launch; {device.act_bytes}-byte "
-          f"activations and weights in compute; gradients float32 (fp32 master weights). Batch per "
+          f"activations and weights in compute; gradients {GRAD_DTYPE.get(model, ('float32',))[0]} "
+          f"(fp32 master weights). Batch per "
           f"device: {BATCH[model]}. Backward = 2x forward FLOPs and memory traffic per op (embedding "
           f"backward writes the dense table gradient); backward runs last layer to first, and a "
           f"layer's leaves are ready when its backward segment ends. Parameter-free ops (activations, "
@@ -298,27 +361,31 @@ def build_profile(model: str, device: str) -> GradientProfile:
   for i, layer in enumerate(layers):
     for j, (leaf, shape) in enumerate(layer.params):
       size = math.prod(shape)
-      rows.append(ProfileRow(path=f"{layer.name}/{leaf}", layer=layer.name, shape=shape, dtype="float32",
-                             nbytes=4 * size, ready_s=ready[i], fwd_s=fwd[i] if j == 0 else 0.0,
+      dtype, isz = GRAD_DTYPE.get(model, ("float32", 4))
+      rows.append(ProfileRow(path=f"{layer.name}/{leaf}", layer=layer.name, shape=shape, dtype=dtype,
+                             nbytes=isz * size, ready_s=ready[i], fwd_s=fwd[i] if j == 0 else 0.0,
                              update_s=size * per_param_update_s))
   return GradientProfile(rows=tuple(rows), forward_s=sum(r.fwd_s for r in rows), backward_s=backward_s,
                          method="estimated", model=model, device=device, notes=notes_for(model, dev))
 
 
-def main(out_dir: str | Path | None = None) -> list[Path]:
+def main(out_dir: str | Path | None = None, only: tuple[str, ...] = ()) -> list[Path]:
+  """Write every bundled trace (or those named in `only`, e.g. ('llama-8b-h100',)) into `out_dir`."""
   out = Path(out_dir) if out_dir else Path(__file__).resolve().parent / "traces"
   written = []
-  for model in MODELS:
-    for device in DEVICES:
-      prof = build_profile(model, device)
-      path = out / f"{model}-{device}.json"
-      path.write_text(prof.to_json(indent=1) + "\n")
-      written.append(path)
-      print(f"{path.name:20s} rows={len(prof.rows):4d} MB={prof.total_nbytes / 1e6:8.2f} "
-            f"fwd={prof.forward_s * 1e3:8.2f} ms bwd={prof.backward_s * 1e3:8.2f} ms "
-            f"update={prof.update_s * 1e3:6.2f} ms")
+  pairs = [(m, d) for m in MODELS for d in DEVICES] + [(m, d) for m in DECODERS for d in DECODER_DEVICES]
+  for model, device in pairs:
+    if only and f"{model}-{device}" not in only:
+      continue
+    prof = build_profile(model, device)
+    path = out / f"{model}-{device}.json"
+    path.write_text(prof.to_json(indent=1) + "\n")
+    written.append(path)
+    print(f"{path.name:20s} rows={len(prof.rows):4d} MB={prof.total_nbytes / 1e6:8.2f} "
+          f"fwd={prof.forward_s * 1e3:8.2f} ms bwd={prof.backward_s * 1e3:8.2f} ms "
+          f"update={prof.update_s * 1e3:6.2f} ms")
   return written
 
 
 if __name__ == "__main__":
-  main(sys.argv[1] if len(sys.argv) > 1 else None)
+  main(sys.argv[1] if len(sys.argv) > 1 else None, tuple(sys.argv[2:]))

@@ -16,7 +16,7 @@ from typing import Any
 
 from ._values._errors import ProphetError
 from ._multiprocess._launcher import add_arguments as add_launch_arguments
-from ._values._network import NetworkModel, PRESETS, Pressure
+from ._values._network import NetworkModel, PRESETS, PRESETS_TWO_LEVEL, Pressure
 from ._values._types import GradientProfile
 
 DEFAULT_DEVICE = "v100"
@@ -131,7 +131,7 @@ def load_network(network: str, workers: int | None, *, overlap: bool | None = No
                  pressure: str | None = None) -> NetworkModel:
   """A preset name or a NetworkModel JSON file (its `pressure` field included); `workers` overrides
   the file's, and `pressure` (`--pressure`, see `parse_pressure`) its pressure."""
-  if network in PRESETS:
+  if network in PRESETS or network in PRESETS_TWO_LEVEL:
     if workers is None:
       raise ValueError(f"--network {network}: a preset needs --workers.")
     net = NetworkModel.preset(network, workers=workers)
@@ -140,7 +140,8 @@ def load_network(network: str, workers: int | None, *, overlap: bool | None = No
     if workers is not None:
       net = net.with_workers(workers)
   else:
-    raise ValueError(f"--network {network!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+    raise ValueError(f"--network {network!r} is neither a preset "
+                     f"({', '.join([*PRESETS, *PRESETS_TWO_LEVEL])}) nor a "
                      f"NetworkModel JSON file.")
   if pressure is not None:
     net = net.replace(pressure=parse_pressure(pressure))
@@ -188,8 +189,10 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     _check_out(a.timeline, "--timeline", model=a.model, network=a.network)
   profile, model = load_model(a.model, a.device)
   net = load_network(a.network, a.workers, pressure=a.pressure)
-  # every policy, or those named; 'dear' (sharded schedules, one tie chain) where it applies: one link
-  policies = a.policy or [p for p in POLICIES if p != "dear" or net.links == 1]
+  # every policy, or those named; 'dear' (sharded schedules, one tie chain) where it applies: one link;
+  # 'fsdp' for a profile whose parameters are sharded on a mesh of --workers devices
+  fsdp_ok = profile.sharded and net.links == 1 and profile.shard_count * profile.replica_count == net.workers
+  policies = a.policy or [p for p in POLICIES if (p != "dear" or net.links == 1) and (p != "fsdp" or fsdp_ok)]
   bound = lower_bound(profile, net, cross_step=a.cross_step)
   rows, sims = [], {}
   for name in policies:
@@ -204,8 +207,9 @@ def cmd_simulate(a: argparse.Namespace) -> int:
       r.update(iteration_p50_s=d["iteration_p50_s"], iteration_p99_s=d["iteration_p99_s"])
     if name == "dlcp":               # lossy per step: how much waits (vs_lower_bound may be < 1)
       r.update(max_defer=a.max_defer, deferred_fraction=sched.max_deferred_fraction)
-    if sched.sharded:                # ZeRO-1: reduce-scatters and all-gathers instead of all-reduces
-      r.update(sharded=True, reduce_scatters=d["reduce_scatters"], all_gathers=d["all_gathers"])
+    if sched.sharded or sched.fsdp is not None:   # reduce-scatters and all-gathers instead of all-reduces
+      r.update(sharded=True, reduce_scatters=d["reduce_scatters"], all_gathers=d["all_gathers"],
+               peak_memory_bytes=d["peak_memory_bytes"])
     rows.append(r)
   q = net.pressure
   if a.json:
@@ -228,9 +232,14 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             f"(seed {q.seed})")
     if "dlcp" in policies:
       print(f"dlcp: max_defer {a.max_defer:g} (elements that may wait each step, with error feedback)")
-    if any(r.get("sharded") for r in rows):
+    if any(r.get("sharded") for r in rows if r["policy"] != "fsdp"):
       print("dear: sharded (ZeRO-1): its collectives are shown as reduce-scatters+all-gathers; each "
             "device updates 1/P of the parameters")
+    for r in rows:
+      if r["policy"] == "fsdp":
+        print(f"fsdp: parameters sharded (ZeRO-3): reduce-scatters+all-gathers (re-gathers included); "
+              f"peak {r['peak_memory_bytes'] / 2**30:.2f} GiB per device of gathered parameters and "
+              f"unsharded gradients")
     tail = q is not None
     print(f"{'policy':10s} {'iter ms':>10s} {'/bound':>7s} {'idle ms':>9s} {'allreduces':>10s}"
           + (f" {'p50 ms':>9s} {'p99 ms':>9s}" if tail else "") + f" {'deferred':>8s}"

@@ -106,7 +106,8 @@ def test_bound_below_every_policy():
   from prophet_jax import plan
   from prophet_jax._planning._plan import POLICIES
 
-  names = list(POLICIES)                          # dlcp at its default: lossless
+  names = [n for n in POLICIES if n != "fsdp"]    # dlcp at its default: lossless; fsdp needs a sharded
+                                                  # profile: its bound is test_fsdp's
   rng = np.random.default_rng(7)
   checked = 0
   for _ in range(4):

@@ -34,7 +34,8 @@ def test_simulate_json_has_the_documented_fields(capsys):
   assert auto["iteration_s"] <= min(r["iteration_s"] for r in lossless) * (1 + 1e-9)
   # dear (sharded, ZeRO-1) says so and counts its collectives; the bound covers it too
   de = obj["results"][-1]
-  assert set(de) == set(lossless[0]) | {"sharded", "reduce_scatters", "all_gathers"} and de["sharded"] is True
+  assert set(de) == set(lossless[0]) | {"sharded", "reduce_scatters", "all_gathers", "peak_memory_bytes"}
+  assert de["sharded"] is True and de["peak_memory_bytes"] > 0
   assert de["allreduces"] == 0 and de["reduce_scatters"] >= 1 and de["all_gathers"] >= 1
   assert de["vs_lower_bound"] >= 1 - 1e-9
   # dlcp (max_defer 0.1 in this comparison) adds how much it defers; never slower than auto

@@ -140,6 +140,8 @@ from prophet_jax.models import (ALGORITHM_SWITCH_BYTES, ARCHITECTURES, TRACES, a
 GOOGLENET_OK, GOOGLENET_WHY = googlenet_available()
 needs_googlenet = pytest.mark.skipif(not GOOGLENET_OK, reason=GOOGLENET_WHY)
 BUNDLED = [t for t in TRACES if t != "googlenet-k80"]
+# the decoder-only traces (FSDP planning; h100 only, bfloat16 rows): published parameter counts
+DECODER_PARAMS = {"llama-1b": 1_235_814_400, "llama-8b": 8_030_261_248}
 
 
 def test_architecture_param_counts_match_the_published_models():
@@ -188,17 +190,19 @@ def test_bundled_traces(name):
   prof = load_trace(name)
   model, device = name.rsplit("-", 1)
   assert (prof.model, prof.device, prof.method) == (model, device, "estimated")
-  assert all(r.dtype == "float32" and r.nbytes == 4 * r.size for r in prof.rows)
-  assert sum(r.size for r in prof.rows) == reference_param_count(model)
+  dtype, isz = ("bfloat16", 2) if model in DECODER_PARAMS else ("float32", 4)
+  assert all(r.dtype == dtype and r.nbytes == isz * r.size for r in prof.rows)
+  assert sum(r.size for r in prof.rows) == (DECODER_PARAMS.get(model) or reference_param_count(model))
   assert 1.9 <= prof.backward_s / prof.forward_s <= 2.1
   assert prof.update_s > 0 and all(r.update_s > 0 for r in prof.rows)
   # backward runs from the last layer to the first: ready times never increase along the rows
   ready = [r.ready_s for r in prof.rows]
   assert all(a >= b for a, b in zip(ready, ready[1:]))
   assert ready[0] == pytest.approx(prof.backward_s) and ready[-1] < prof.backward_s / 2
-  assert "float32" in prof.notes and ("v100" in name) == ("15.7 TFLOP/s" in prof.notes)
+  assert dtype in prof.notes and ("v100" in name) == ("15.7 TFLOP/s" in prof.notes)
   first = {"resnet50": "params/conv1/kernel", "vgg16": "params/conv1_1/kernel",
-           "bert-base": "params/embeddings/word_embeddings/embedding", "gpt2": "params/wte/embedding"}
+           "bert-base": "params/embeddings/word_embeddings/embedding", "gpt2": "params/wte/embedding",
+           "llama-1b": "params/embed/embedding", "llama-8b": "params/embed/embedding"}
   assert prof.rows[0].path == first[model]
 
 
@@ -246,7 +250,7 @@ def _same_up_to_rounding(a, b, where: str = "profile") -> None:
 def test_bundled_traces_are_up_to_date():
   from prophet_jax.models import make_traces
 
-  for name in ("gpt2-v100", "resnet50-h100"):
+  for name in ("gpt2-v100", "resnet50-h100", "llama-8b-h100"):
     model, device = name.rsplit("-", 1)
     _same_up_to_rounding(make_traces.build_profile(model, device), load_trace(name), name)
   # the comparison fails for a real change: one row's time moved by one part in a million

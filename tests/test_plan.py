@@ -32,7 +32,7 @@ BASELINES = ["wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet"]
 
 
 def test_policies_table_names_every_policy():
-  assert list(POLICIES) == BASELINES[:3] + ["mgwfbp", "priority", "prophet", "auto", "dlcp", "dear"]
+  assert list(POLICIES) == BASELINES[:3] + ["mgwfbp", "priority", "prophet", "auto", "dlcp", "dear", "fsdp"]
   s = plan(P, NET, "dlcp")                     # lossless by default: auto's plan, named dlcp
   assert s.policy == "dlcp" and s.buckets == plan(P, NET, "auto").buckets
   with pytest.raises(TypeError, match=r"unknown option\(s\) \['drop_fraction'\]"):

@@ -561,3 +561,34 @@ def test_prophet_beats_priority_on_balanced_bundled_traces(trace, net, workers):
   t_pro = simulate(prophet()(p, n, cross_step=True), p, n, cross_step=True).iteration_s
   t_pri = simulate(priority()(p, n, cross_step=True), p, n, cross_step=True).iteration_s
   assert t_pro * 1.2 <= t_pri, (t_pro, t_pri)
+
+
+def _sharded(p: GradientProfile, workers: int) -> GradientProfile:
+  """`p` with every row whose first dimension divides by `workers` sharded on it, the rest replicated."""
+  import dataclasses
+
+  rows = tuple(dataclasses.replace(r, shard_dim=0 if r.shape and r.shape[0] and r.shape[0] % workers == 0
+                                   else None) for r in p.rows)
+  return dataclasses.replace(p, rows=rows, mesh=(("data", workers),), shard_axes=("data",))
+
+
+@pytest.mark.parametrize("net", sorted(NETWORKS))
+@pytest.mark.parametrize("prof", ["random", "multi_dtype", "large"])
+def test_conformance_fsdp(prof, net):
+  """fsdp as the others: every element in exactly one chunk, deterministic, JSON, its prediction
+  simulate's; each unit whole sharded leaves, the other chunks replicated ones."""
+  from prophet_jax.schedulers import fsdp
+
+  n = NETWORKS[net]
+  p = _sharded(PROFILES[prof], n.workers)
+  assert p.sharded
+  for cross_step in (False, True):
+    s = fsdp()(p, n, cross_step=cross_step)
+    assert s.policy == "fsdp" and s.cross_step is cross_step and s.tree_fingerprint == p.fingerprint()
+    assert_covers_exactly_once(s, p)
+    assert fsdp()(p, n, cross_step=cross_step) == s and Schedule.from_json(s.to_json()) == s
+    units = set(s.fsdp.units)
+    for k, c in enumerate(s.chunks):
+      assert all((p.rows[r].shard_dim is not None) == (k in units) for r, _, _ in c.slices)
+      assert k not in units or all((a, b) == (0, p.rows[r].size) for r, a, b in c.slices)
+    assert simulate(s, p, n, cross_step=cross_step).iteration_s == pytest.approx(s.predicted_s, rel=1e-9)

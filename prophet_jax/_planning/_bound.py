@@ -15,6 +15,7 @@ import numpy as np
 
 from .._values._checks import check_max_defer, check_values
 from ._core import Problem, background_flows, problem
+from ._fsdp_bound import fsdp_bound
 from .._values._network import NetworkModel
 from .._values._types import GradientProfile, is_bool
 
@@ -34,7 +35,7 @@ _SPLIT_HELD = 8
 
 
 def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False,
-                max_defer: float = 0.0, sharded: bool | None = None) -> float:
+                max_defer: float = 0.0, sharded: bool | str | None = None) -> float:
   r"""A lower bound on the iteration time of every schedule, in seconds.
 
   Every schedule is either an all-reduce schedule (chunks of all-reduces, deferral groups included)
@@ -182,8 +183,10 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
     cross_step: the step mode (as in `simulate`).
     max_defer: the largest fraction of the elements a schedule may defer per step, in [0, 1) (0: the
       bound over lossless schedules, the default). Sharded schedules never defer.
-    sharded: None (the default): the bound over every schedule, min(B_allreduce, B_sharded). False:
-      over all-reduce schedules only (B_allreduce); True: over sharded schedules only (B_sharded).
+    sharded: None (the default): the bound over every schedule, min(B_allreduce, B_sharded), and
+      B_fsdp (`_fsdp_bound`) too for a profile whose rows are sharded on a mesh of `network.workers`
+      devices. False: over all-reduce schedules only (B_allreduce); True: over `dear`'s sharded
+      schedules only (B_sharded); 'fsdp': over FSDP / HSDP schedules only (B_fsdp, calm).
 
   Returns:
     The bound in seconds.
@@ -202,9 +205,12 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   """
   check_values("lower_bound()", profile=profile, network=network, cross_step=cross_step)
   check_max_defer("lower_bound()", max_defer)
-  if sharded is not None and not is_bool(sharded):
+  fsdp_only = isinstance(sharded, str) and sharded == "fsdp"
+  if sharded is not None and not is_bool(sharded) and not fsdp_only:
     raise TypeError(f"lower_bound(sharded={sharded!r}): expected None (every schedule), False "
-                    f"(all-reduce schedules) or True (sharded schedules).")
+                    f"(all-reduce schedules), True (sharded schedules) or 'fsdp' (FSDP schedules).")
+  if fsdp_only:
+    return fsdp_bound(problem(profile, network, cross_step=bool(cross_step)))
   if sharded and network.links != 1:
     raise ValueError(f"lower_bound(sharded=True): sharded schedules run on one link, but network.links="
                      f"{network.links}; use network.replace(links=1).")
@@ -215,6 +221,9 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
     families.append(lambda b: _bound(prob, b, deferred))
   if sharded is not False and network.links == 1 and prob.live:
     families.append(lambda b: _sharded_bound(prob, b))
+  if (sharded is None and profile.sharded and network.links == 1
+      and profile.shard_count * profile.replica_count == network.workers):
+    families.append(lambda b: fsdp_bound(prob))      # FSDP is simulated calm: its bound is too
   q = network.pressure
   if q is None or q.background_flows == 0:
     return float(min(f(prob.per_byte_s) for f in families))

@@ -110,8 +110,8 @@ def sharded_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]],
   rs_nbytes = np.empty(k_n)
   rs_update = np.empty(k_n)
   layers_of: list[set[int]] = []
-  ready, size, isz = prob.row_ready_s, prob.size, prob.itemsize
-  upd, layer = prob.row_update_s, prob.row_layer
+  ready, size, isz = prob.ready, prob.size, prob.itemsize      # Python values: no numpy scalars per slice
+  upd, layer = prob.row_update_s.tolist(), prob.row_layer.tolist()
   for k, c in enumerate(chunks):
     elems = 0
     r_max = -math.inf
@@ -121,10 +121,10 @@ def sharded_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]],
       n = b - a
       elems += n
       if ready[r] > r_max:
-        r_max = float(ready[r])
+        r_max = ready[r]
       if upd[r]:
-        u += float(upd[r]) * n / size[r]
-      ls.add(int(layer[r]))
+        u += upd[r] * n / size[r]
+      ls.add(layer[r])
     rs_ready[k] = r_max
     padded = workers * -(-elems // workers)
     rs_nbytes[k] = padded * isz[c[0][0]]

@@ -29,6 +29,7 @@ from ._core import (ChunkArrays, Problem, chunk_arrays, ends_one_link, iteration
                     pressure_durations, problem, schedule_arrays, sync_waits)
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
+from ._fsdp import FsdpArrays, dear_peak_bytes, fsdp_arrays_of, fsdp_run
 from ._sharded import ShardedArrays, ShardedRun, sharded_arrays, sharded_durations, sharded_run
 from .._values._types import GradientProfile, _fields, _loads
 
@@ -73,6 +74,9 @@ class SimResult:
       samples at or below it, so with 64 samples p99 is the slowest); None on a calm network.
     reduce_scatters, all_gathers: a sharded schedule's collectives per step (0 for all-reduces).
       Its `compute_s` counts the update of the shards (update / P), and `comm_s` both kinds.
+    peak_memory_bytes: for a sharded schedule (`dear`, `fsdp`), the most bytes one device holds of
+      gathered (whole) parameters and unsharded gradient buffers at once (`_fsdp`'s model; what
+      `fsdp`'s `memory_budget_bytes` bounds); None for an all-reduce schedule.
   """
 
   iteration_s: float
@@ -88,10 +92,13 @@ class SimResult:
   iteration_p99_s: float | None = None
   reduce_scatters: int = 0
   all_gathers: int = 0
+  peak_memory_bytes: int | None = None
 
   def to_dict(self, *, events: bool = True) -> dict[str, Any]:
     """The fields as JSON-ready values; `events=False` leaves the timeline out (an empty list)."""
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "events"}
+    if d["peak_memory_bytes"] is None:      # an all-reduce result is written as before
+      del d["peak_memory_bytes"]
     d["events"] = [dataclasses.asdict(e) for e in self.events] if events else []
     return d
 
@@ -191,6 +198,8 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
   prob = problem(profile, network, cross_step=cross_step)
   if schedule.tree_fingerprint != prob.fingerprint:
     match_rows(schedule, profile.tree_rows(), where="simulate()")
+  if schedule.fsdp is not None:
+    return simulate_fsdp(prob, fsdp_arrays_of(prob, schedule), events=events)
   if schedule.gathers:
     check_one_link("simulate()", network)
     arr = sharded_arrays(prob, [c.slices for c in schedule.chunks], schedule.gathers)
@@ -204,6 +213,20 @@ def check_one_link(where: str, network: NetworkModel) -> None:
     raise ValueError(f"{where}: a sharded schedule (reduce-scatters and all-gathers, policy 'dear') runs "
                      f"its collectives on one tie chain, but network.links={network.links}. Use "
                      f"network.replace(links=1), or an all-reduce policy to use {network.links} links.")
+
+
+def simulate_fsdp(prob: Problem, arr: FsdpArrays, *, events: bool = True) -> SimResult:
+  """`simulate` of an FSDP schedule's arrays (`_fsdp.fsdp_arrays`): one calm run of `_fsdp.fsdp_run`."""
+  run = fsdp_run(prob, arr, spans=events)
+  compute = prob.forward_s + prob.backward_s + arr.update_s
+  n_g = len(arr.unit_bytes)
+  regathers = sum(1 for k in arr.keep if not k)
+  it = run.iteration_s
+  return SimResult(iteration_s=it, compute_s=compute, comm_s=run.comm_s, idle_s=max(it - compute, 0.0),
+                   network_busy=run.comm_s / it if it > 0 else 0.0, allreduces=len(arr.rep_bytes),
+                   reduce_scatters=len(arr.rs_bytes), all_gathers=n_g + regathers, cross_step=prob.cross_step,
+                   peak_memory_bytes=int(round(run.peak_memory_bytes)),
+                   events=tuple(_new_event(*sp) for sp in run.spans))
 
 
 def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) -> SimResult:
@@ -239,10 +262,11 @@ def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) 
     extra = dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
                  iteration_p99_s=float(iters[_quantile_index(np.argsort(iters, kind="stable"), 0.99)]))
   comm_mean = float(comm.mean())
+  peak = dear_peak_bytes(prob, arr.rs_ready_s, arr.rs_nbytes, run.rs_end[i])
   return SimResult(iteration_s=mean, compute_s=forward_s + backward_s + update_s, comm_s=comm_mean,
                    idle_s=max(mean - compute, 0.0), network_busy=comm_mean / mean if mean > 0 else 0.0,
                    allreduces=0, reduce_scatters=int(k_n), all_gathers=int(arr.ag_nbytes.size),
-                   events=evs, cross_step=prob.cross_step, **extra)
+                   events=evs, cross_step=prob.cross_step, peak_memory_bytes=int(round(peak)), **extra)
 
 
 def _sharded_events(prob: Problem, arr: ShardedArrays, run: ShardedRun, i: int,

@@ -250,12 +250,16 @@ def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Any, *, wh
 
   Raises:
     TypeError: `schedule` is not a Schedule.
-    ValueError: the tree is empty.
+    ValueError: the tree is empty; an FSDP schedule (not carried out by the rewrite yet).
     ScheduleMismatchError: a row's path is missing from the tree (naming near misses), a shape or dtype
       differs, two rows name one leaf, or the tree has a floating leaf the schedule lacks; every message
       lists some of the tree's own paths ("the tree has paths like [...]").
   """
   rows = _schedule_rows(schedule, where)
+  if getattr(schedule, "fsdp", None) is not None:   # every rewrite path maps its tree here
+    raise ValueError(f"{where}: this is an FSDP schedule (policy {schedule.policy!r}: parameters sharded "
+                     f"over the data axis); it is planned, simulated and bounded, but carrying it out in "
+                     f"the step is not implemented yet. Plan 'dear' or 'auto' for the rewrite.")
   if not leaves_with_path:
     raise ValueError(f"{where}: the gradient tree is empty; there is nothing to reduce. Pass the "
                      f"gradients of the params the schedule was planned for.")

@@ -18,7 +18,8 @@ import numpy as np
 from ._errors import NetworkError
 from ._types import JsonValue, is_bool, is_finite_nonneg, is_int, nonneg_or_none
 
-__all__ = ["NetworkModel", "Pressure", "PRESETS", "ALGORITHMS", "nonneg_line", "typical_network", "fit_warning",
+__all__ = ["NetworkModel", "Pressure", "PRESETS", "PRESETS_TWO_LEVEL", "ALGORITHMS", "nonneg_line", "typical_network",
+           "fit_warning",
            "RESIDUAL_WARN_REL_RMS", "RESIDUAL_WARN_WORST"]
 
 ALGORITHMS = ("ring",)
@@ -31,6 +32,14 @@ PRESETS: dict[str, tuple[float, float]] = {
     "25gbe": (10e-6, 1 / 3.125e9),
     "100gb-ib": (3e-6, 1 / 12.5e9),
     "nvlink": (2e-6, 1 / 150e9),
+    "400gb-ib": (5e-6, 1 / 50e9),
+}
+
+# Two-level presets, name: (inner preset, outer preset, devices per node): an inner link in a node and
+# an outer link across nodes (HSDP, hierarchical plans). NVLink in an 8-GPU node, 400 Gb/s InfiniBand
+# (one NIC per GPU) between nodes.
+PRESETS_TWO_LEVEL: dict[str, tuple[str, str, int]] = {
+    "nvlink+400gb-ib": ("nvlink", "400gb-ib", 8),
 }
 
 
@@ -150,6 +159,11 @@ class NetworkModel(JsonValue):
       8 host devices on 2 CPU cores). Ignored when `overlap` is True.
     pressure: background traffic and heavy-tailed delays (`Pressure`), or None for a calm network.
       With it, `simulate` reports the mean over seeded samples and their tail; see `Pressure`.
+    node_size: devices per node for a two-level network (0: one level, every link alike). Then
+      `alpha_s`/`beta_s_per_byte` are the inner link's (in a node) and `outer_alpha_s`/
+      `outer_beta_s_per_byte` the outer link's (across nodes); a ring that spans more than one node is
+      costed on the outer link (its slowest hop), so `allreduce_s` among `workers > node_size` uses
+      the outer terms (`link_costs`).
   """
 
   alpha_s: float
@@ -162,13 +176,20 @@ class NetworkModel(JsonValue):
   fit_residual_s: float | None = None
   skew: float = 0.0
   pressure: Pressure | None = None
+  node_size: int = 0
+  outer_alpha_s: float = 0.0
+  outer_beta_s_per_byte: float = 0.0
 
   def __post_init__(self):
-    for n in ("alpha_s", "beta_s_per_byte", "skew"):
+    for n in ("alpha_s", "beta_s_per_byte", "skew", "outer_alpha_s", "outer_beta_s_per_byte"):
       v = getattr(self, n)
       if not is_finite_nonneg(v):
         raise NetworkError(f"NetworkModel has {n}={v!r}; it must be a finite number >= 0.")
       object.__setattr__(self, n, float(v))
+    if not is_int(self.node_size) or self.node_size < 0:
+      raise NetworkError(f"NetworkModel has node_size={self.node_size!r}; it must be an integer >= 0 "
+                         f"(devices per node of a two-level network; 0 for one level).")
+    object.__setattr__(self, "node_size", int(self.node_size))
     for n in ("workers", "links"):
       v = getattr(self, n)
       if not is_int(v) or v < 1:
@@ -191,15 +212,24 @@ class NetworkModel(JsonValue):
       raise NetworkError(f"NetworkModel has pressure={self.pressure!r}; it must be a Pressure or None "
                          f"(e.g. Pressure(background_flows=0.3, tail_prob=0.01, tail_scale_s=0.002)).")
 
+  def link_costs(self, span: int) -> tuple[float, float]:
+    """(alpha_s, beta_s_per_byte) of a ring whose members span `span` consecutive devices: the inner
+    link's when it stays in one node (or the network has one level), else the outer link's."""
+    if self.node_size and span > self.node_size:
+      return self.outer_alpha_s, self.outer_beta_s_per_byte
+    return self.alpha_s, self.beta_s_per_byte
+
   @property
   def startup_s(self) -> float:
-    """MG-WFBP's `a`: the fixed cost of one all-reduce, 2(P-1)·alpha_s."""
-    return 2 * (self.workers - 1) * self.alpha_s
+    """MG-WFBP's `a`: the fixed cost of one all-reduce, 2(P-1)·alpha_s (a two-level network: the
+    outer link's alpha when the ring spans nodes)."""
+    return 2 * (self.workers - 1) * self.link_costs(self.workers)[0]
 
   @property
   def per_byte_s(self) -> float:
-    """MG-WFBP's `b`: seconds per byte of one all-reduce, 2(P-1)/P·beta."""
-    return 2 * (self.workers - 1) / self.workers * self.beta_s_per_byte
+    """MG-WFBP's `b`: seconds per byte of one all-reduce, 2(P-1)/P·beta (a two-level network: the outer
+    link's beta when the ring spans nodes)."""
+    return 2 * (self.workers - 1) / self.workers * self.link_costs(self.workers)[1]
 
   def allreduce_s(self, nbytes: float) -> float:
     """Ring all-reduce time of `nbytes`: 2(P-1)·alpha_s + 2(P-1)/P·nbytes·beta (0 for one worker)."""
@@ -245,10 +275,17 @@ class NetworkModel(JsonValue):
 
   @classmethod
   def preset(cls, name: str, *, workers: int, overlap: bool = True, links: int = 1) -> NetworkModel:
-    """A named interconnect: one of `PRESETS` ('1gbe', '10gbe', '25gbe', '100gb-ib', 'nvlink')."""
+    """A named interconnect: one of `PRESETS` ('1gbe', '10gbe', '25gbe', '100gb-ib', 'nvlink',
+    '400gb-ib') or of `PRESETS_TWO_LEVEL` ('nvlink+400gb-ib': NVLink in 8-GPU nodes, 400 Gb/s
+    InfiniBand across them)."""
+    if isinstance(name, str) and name in PRESETS_TWO_LEVEL:
+      inner, outer, node = PRESETS_TWO_LEVEL[name]
+      (a_in, b_in), (a_out, b_out) = PRESETS[inner], PRESETS[outer]
+      return cls(alpha_s=a_in, beta_s_per_byte=b_in, workers=workers, overlap=overlap, links=links,
+                 name=name, node_size=node, outer_alpha_s=a_out, outer_beta_s_per_byte=b_out)
     if not isinstance(name, str) or name not in PRESETS:
-      raise NetworkError(f"unknown network preset {name!r}; expected one of {sorted(PRESETS)}, or a "
-                         f"NetworkModel JSON file.")
+      raise NetworkError(f"unknown network preset {name!r}; expected one of "
+                         f"{sorted(PRESETS) + sorted(PRESETS_TWO_LEVEL)}, or a NetworkModel JSON file.")
     alpha, beta = PRESETS[name]
     return cls(alpha_s=alpha, beta_s_per_byte=beta, workers=workers, overlap=overlap, links=links,
                name=name)
@@ -299,6 +336,8 @@ class NetworkModel(JsonValue):
 
   def to_dict(self) -> dict[str, Any]:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    if not self.node_size:   # a one-level network's file is what it was before two levels existed
+      del d["node_size"], d["outer_alpha_s"], d["outer_beta_s_per_byte"]
     if self.pressure is None:
       del d["pressure"]      # a calm network's file is what it was before pressure existed
     else:

@@ -16,6 +16,7 @@ from typing import Any
 from ._errors import ScheduleError
 from ._tree import is_float_dtype, rows_info
 from ._schedule_checks import check_coverage, check_gathers, check_links
+from ._sharding import FsdpPlan, check_fsdp, fsdp_fingerprint
 from ._types import JsonValue, check_items, is_bool, is_int, nonneg_or_none, is_number, itemsize
 
 __all__ = ["Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA", "shard_size"]
@@ -208,6 +209,9 @@ class Schedule(JsonValue):
       reduce-scatter chunks whose (updated) shards it gathers, in all-gather issue order (front layers
       first, for the next forward). Every chunk index is in exactly one gather, and a gather holds
       chunks of one dtype. A sharded schedule has no deferral groups and one link.
+    fsdp: None, or the FSDP (ZeRO-3) plan (`_sharding.FsdpPlan`; the `fsdp` policy): which chunks are
+      reduce-scattered FSDP buckets (the rest replicated leaves' all-reduces), their forward all-gather
+      order and prefetch, what backward gathers again, and the rows' placement (in the fingerprint).
     schema: format version.
 
   Invariant (checked on construction): every element of every row with a nonzero size is in exactly one
@@ -226,6 +230,7 @@ class Schedule(JsonValue):
   predicted_s: float | None = None
   links: tuple[int, ...] = ()
   gathers: tuple[tuple[int, ...], ...] = ()
+  fsdp: FsdpPlan | None = None
   schema: int = SCHEDULE_SCHEMA
 
   def __post_init__(self):
@@ -255,13 +260,14 @@ class Schedule(JsonValue):
         f"iteration at planning) or null.")))
     if self.schema != SCHEDULE_SCHEMA:
       raise ScheduleError(f"schedule has schema={self.schema!r}; this version reads {SCHEDULE_SCHEMA}.")
-    fp = info.fingerprint
+    fp = fsdp_fingerprint(info.fingerprint, self.fsdp)
     if not self.tree_fingerprint:
       object.__setattr__(self, "tree_fingerprint", fp)
     elif self.tree_fingerprint != fp:
       raise ScheduleError(f"schedule's tree_fingerprint {self.tree_fingerprint!r} does not match its rows "
                           f"(which hash to {fp!r}): the file was edited. Plan again.")
     check_coverage(self, info)
+    check_fsdp(self)
 
   @property
   def chunks(self) -> tuple[Chunk, ...]:
@@ -345,6 +351,13 @@ class Schedule(JsonValue):
       lines[0] = (f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step), sharded "
                   f"(ZeRO-1): {self.num_reduce_scatters} reduce-scatters in backward, "
                   f"{self.num_all_gathers} all-gathers for the next forward")
+    f = self.fsdp
+    if f is not None:
+      n_g = len(f.gathers or f.units)
+      lines[0] = (f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step), FSDP on "
+                  f"{dict(f.mesh)} (shards over {', '.join(f.shard_axes)}): {n_g} all-gathers in forward "
+                  f"(prefetch {f.prefetch}), {n_g - sum(f.keep)} again in backward, {len(f.units)} "
+                  f"reduce-scatters, {len(self.chunks) - len(f.units)} all-reduces of replicated leaves")
     if self.defers:
       groups = [b for b in self.buckets if b.defer]
       lines[0] += (f"; {len(groups)} deferral groups defer {sum(b.defer for b in groups)} of "
@@ -378,7 +391,8 @@ class Schedule(JsonValue):
         "rows": [[p, list(s), t] for p, s, t in self.rows],
         "buckets": [_bucket_json(b) for b in self.buckets],
     } | ({"links": list(self.links)} if self.links else {}) | (
-        {"gathers": [list(g) for g in self.gathers]} if self.gathers else {})
+        {"gathers": [list(g) for g in self.gathers]} if self.gathers else {}) | (
+        {"fsdp": self.fsdp.to_dict()} if self.fsdp is not None else {})
 
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Schedule:
@@ -398,6 +412,8 @@ class Schedule(JsonValue):
       rows = tuple(_row_from_json(r, k) for k, r in enumerate(obj.pop("rows")))
       if "gathers" in obj:
         obj["gathers"] = tuple(tuple(g) for g in obj["gathers"])
+      if obj.get("fsdp") is not None:
+        obj["fsdp"] = FsdpPlan.from_dict(obj["fsdp"])
     except (KeyError, TypeError, ValueError) as e:
       if isinstance(e, ScheduleError):
         raise

@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["path_str", "flatten_with_paths", "flatten_with_layer_paths", "layer_path", "check_layer_depth",
+__all__ = ["path_str", "flatten_with_paths", "shardings_by_path", "flatten_with_layer_paths", "layer_path",
+           "check_layer_depth",
            "dtype_name", "is_float_dtype", "is_reduced_leaf",
            "layer_of", "tree_fingerprint", "RowsInfo", "rows_info", "Row", "IdentityMemo"]
 
@@ -69,6 +70,44 @@ def flatten_with_paths(tree: Any) -> list[tuple[str, Any]]:
     return out
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
   return [(path_str(p), leaf) for p, leaf in leaves]
+
+
+def shardings_by_path(params: Any, shardings: Any) -> list[Any]:
+  """The node of `shardings` at each leaf of `params`, in `flatten_with_paths(params)` order: the
+  shardings tree has the parameters' structure down to each leaf, where it holds one leaf's sharding
+  (a PartitionSpec-like tuple, a NamedSharding-like object, or None), taken whole.
+
+  Raises:
+    ValueError: the two trees differ in structure (jax's message, or the first path that differs).
+  """
+  try:
+    import jax
+  except ImportError:  # the pure walk, in the same order as flatten_with_paths'
+    out: list[Any] = []
+
+    def walk(prefix: str, node: Any, spec: Any) -> None:
+      if isinstance(node, dict):
+        if not isinstance(spec, dict) or set(spec) != set(node):
+          raise ValueError(f"shardings do not match params at {prefix or 'the root'!r}: expected keys "
+                           f"{sorted(node)}, got {spec!r}.")
+        for k in sorted(node):
+          walk(f"{prefix}/{k}" if prefix else str(k), node[k], spec[k])
+      elif isinstance(node, (list, tuple)):
+        if not isinstance(spec, (list, tuple)) or len(spec) != len(node):
+          raise ValueError(f"shardings do not match params at {prefix or 'the root'!r}: expected "
+                           f"{len(node)} entries, got {spec!r}.")
+        for i, x in enumerate(node):
+          walk(f"{prefix}/{i}" if prefix else str(i), x, spec[i])
+      elif node is not None:
+        out.append(spec)
+
+    walk("", params, shardings)
+    return out
+  treedef = jax.tree_util.tree_structure(params)
+  try:
+    return list(treedef.flatten_up_to(shardings))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"shardings do not match the structure of params: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -21,8 +21,10 @@ from typing import Any
 import numpy as np
 
 from ._errors import ProfileError
+from ._placement import (check_mesh, check_placement, leaf_placement, mesh_of, placement_fingerprint,
+                         replica_count, shard_count)
 from ._tree import (IdentityMemo, check_layer_depth, dtype_name, flatten_with_layer_paths, is_float_dtype,
-                    is_reduced_leaf, layer_of, rows_info)
+                    is_reduced_leaf, layer_of, rows_info, shardings_by_path)
 
 PROFILE_SCHEMA = 1
 PROFILE_METHODS = ("measured", "timed", "estimated")
@@ -199,6 +201,8 @@ class ProfileRow:
     ready_s: when backward has produced it, seconds from the start of backward.
     fwd_s: forward time of its layer, carried on the layer's first row (0 on the others).
     update_s: optimizer time for this leaf (0 when unknown).
+    shard_dim: the dimension sharded over the profile's `shard_axes` (FSDP), or None: replicated (or
+      no placement known). See `_placement`.
   """
 
   path: str
@@ -209,6 +213,7 @@ class ProfileRow:
   ready_s: float
   fwd_s: float = 0.0
   update_s: float = 0.0
+  shard_dim: int | None = None
 
   def __post_init__(self):
     if not isinstance(self.path, str) or not self.path:
@@ -231,6 +236,12 @@ class ProfileRow:
     object.__setattr__(self, "nbytes", int(self.nbytes))
     for name in ("ready_s", "fwd_s", "update_s"):
       object.__setattr__(self, name, _finite_nonneg(f"leaf {self.path!r}", name, getattr(self, name)))
+    d = self.shard_dim
+    if d is not None and (not is_int(d) or not 0 <= d < len(self.shape)):
+      raise ProfileError(f"leaf {self.path!r} has shard_dim={d!r}; expected a dimension of its shape "
+                         f"{self.shape} or null (replicated).")
+    if d is not None:
+      object.__setattr__(self, "shard_dim", int(d))
 
   @property
   def size(self) -> int:
@@ -251,6 +262,10 @@ class GradientProfile(JsonValue):
     method: 'measured' (profiler trace of the real step), 'timed' (per-layer vjp timing) or
       'estimated' (from FLOPs).
     model, device, notes: free text saying what was profiled and how.
+    mesh: the mesh shape the parameters live on, (axis name, size) pairs in mesh order; () when no
+      placement is known (then every row is replicated and nothing below changes).
+    shard_axes: the mesh axes every sharded row (`ProfileRow.shard_dim`) is split over; the other
+      axes replicate it (HSDP's replica axis).
     schema: format version.
   """
 
@@ -261,6 +276,8 @@ class GradientProfile(JsonValue):
   model: str = ""
   device: str = ""
   notes: str = ""
+  mesh: tuple[tuple[str, int], ...] = ()
+  shard_axes: tuple[str, ...] = ()
   schema: int = PROFILE_SCHEMA
 
   def __post_init__(self):
@@ -288,6 +305,12 @@ class GradientProfile(JsonValue):
         raise ProfileError(
             f"leaf {r.path!r} has ready_s={r.ready_s}; ready times must be <= backward_s="
             f"{self.backward_s}.")
+    object.__setattr__(self, "mesh", check_mesh("the profile", self.mesh) if self.mesh else ())
+    if isinstance(self.shard_axes, str) or not all(isinstance(a, str) for a in self.shard_axes):
+      raise ProfileError(f"the profile has shard_axes={self.shard_axes!r}; expected a list of mesh axis "
+                         f"names such as ['data'].")
+    object.__setattr__(self, "shard_axes", tuple(self.shard_axes))
+    check_placement(self.rows, self.mesh, self.shard_axes)
     fwd = sum(r.fwd_s for r in self.rows)
     if fwd > 0 and abs(fwd - self.forward_s) > 1e-9 + 1e-6 * self.forward_s:
       raise ProfileError(
@@ -302,6 +325,21 @@ class GradientProfile(JsonValue):
   @property
   def update_s(self) -> float:
     return sum(r.update_s for r in self.rows)
+
+  @property
+  def sharded(self) -> bool:
+    """True when some row is sharded over the data axis (`ProfileRow.shard_dim`): an FSDP profile."""
+    return any(r.shard_dim is not None for r in self.rows)
+
+  @property
+  def shard_count(self) -> int:
+    """Devices a sharded row is split over (the product of `shard_axes`' sizes; 1 without placement)."""
+    return shard_count(self.mesh, self.shard_axes)
+
+  @property
+  def replica_count(self) -> int:
+    """Copies of each shard on the mesh (the product of the other axes' sizes; 1 without placement)."""
+    return replica_count(self.mesh, self.shard_axes)
 
   @property
   def compute_s(self) -> float:
@@ -334,8 +372,12 @@ class GradientProfile(JsonValue):
     return _PROFILE_ROWS.put((self,), rows_info(tuple((r.path, r.shape, r.dtype) for r in self.rows)).rows)
 
   def fingerprint(self) -> str:
-    """The tree fingerprint of `tree_rows()` (what `Schedule.tree_fingerprint` must equal)."""
-    return rows_info(self.tree_rows()).fingerprint
+    """The tree fingerprint of `tree_rows()` (what `Schedule.tree_fingerprint` must equal), with the
+    placement folded in when the profile has one (`_placement.placement_fingerprint`)."""
+    fp = rows_info(self.tree_rows()).fingerprint
+    if not self.mesh:
+      return fp
+    return placement_fingerprint(fp, [r.shard_dim for r in self.rows], self.mesh, self.shard_axes)
 
   def describe(self, max_rows: int = 8) -> str:
     """A short human summary: totals, how it was made, and the first rows in ready order."""
@@ -363,6 +405,25 @@ class GradientProfile(JsonValue):
     return dataclasses.replace(self, rows=rows, forward_s=self.forward_s * compute,
                                backward_s=self.backward_s * compute)
 
+  def with_placement(self, params: Any, shardings: Any, *, mesh: Any = None) -> GradientProfile:
+    """This profile with the placement of `params` (`from_params`' `shardings` and `mesh`): e.g. a
+    measured profile (`profile_step`) made ready for the `fsdp` policy. Rows are matched by path; times
+    are kept.
+
+    Raises:
+      ProfileError: as `from_params` (a leaf's placement named), or a row whose path is not in `params`.
+    """
+    flat = flatten_with_layer_paths(params)
+    specs = shardings_by_path(params, shardings)
+    dims, shape, axes = _placements(flat, specs, shardings, mesh)
+    paths = {p for p, _, _ in flat}
+    missing = [r.path for r in self.rows if r.path not in paths]
+    if missing:
+      raise ProfileError(f"with_placement: leaf {missing[0]!r} of the profile is not in params (paths like "
+                         f"{sorted(paths)[:3]}); pass the params the profile was made from.")
+    rows = tuple(dataclasses.replace(r, shard_dim=dims.get(r.path)) for r in self.rows)
+    return dataclasses.replace(self, rows=rows, mesh=shape, shard_axes=axes)
+
   # -- construction ---------------------------------------------------------------------------------
   @classmethod
   def from_rows(cls, rows: Iterable[Mapping[str, Any] | ProfileRow], **kw) -> GradientProfile:
@@ -381,7 +442,7 @@ class GradientProfile(JsonValue):
   @classmethod
   def from_params(cls, params: Any, *, forward_s: float = 0.0, backward_s: float = 0.0,
                   update_s_per_byte: float = 0.0, layer_depth: int | None = None, model: str = "",
-                  device: str = "") -> GradientProfile:
+                  device: str = "", shardings: Any = None, mesh: Any = None) -> GradientProfile:
     """A profile from a parameter pytree alone: exact paths, shapes and sizes; estimated times.
 
     Leaves are taken in flatten order (taken as forward order). Times are spread over layers in
@@ -396,11 +457,18 @@ class GradientProfile(JsonValue):
         last). A flax.nnx Variable's trailing `value` key is not a component: `nnx.state(model,
         nnx.Param)` gives the layers of the pure-dict tree.
       model, device: recorded in the profile.
+      shardings: None (no placement), or a tree with the structure of `params` holding, per leaf, a
+        PartitionSpec-like tuple (e.g. `('data', None)`; None: replicated) or a NamedSharding-like
+        object (`.spec`, and `.mesh.shape` for the mesh). Duck-typed: jax is not imported. Each leaf is
+        sharded on one dimension or replicated (`_placement`); every sharded leaf over the same axes.
+      mesh: the mesh shape (a mapping axis -> size, or a jax Mesh); needed with tuple specs, read from
+        the shardings' `.mesh` otherwise.
 
     Raises:
       ValueError, TypeError: a time that is not a finite number >= 0, a `layer_depth` below 1 (each
-        named in the message).
-      ProfileError: the tree has no floating-point leaves.
+        named in the message); shardings whose structure differs from params'.
+      ProfileError: the tree has no floating-point leaves; a leaf split on two dimensions, over an
+        axis not in the mesh, or unevenly (named); sharded leaves over different axes.
     """
     for name, value in (("forward_s", forward_s), ("backward_s", backward_s),
                         ("update_s_per_byte", update_s_per_byte)):
@@ -413,10 +481,13 @@ class GradientProfile(JsonValue):
       if not isinstance(value, str):
         raise TypeError(f"GradientProfile.from_params({name}={value!r}): `{name}` must be a string.")
     forward_s, backward_s, update_s_per_byte = float(forward_s), float(backward_s), float(update_s_per_byte)
+    flat = flatten_with_layer_paths(params)
+    specs = [None] * len(flat) if shardings is None else shardings_by_path(params, shardings)
     leaves = [(path, layer_of(layer_path, layer_depth), tuple(leaf.shape), dtype_name(leaf.dtype))
-              for path, layer_path, leaf in flatten_with_layer_paths(params) if is_reduced_leaf(leaf)]
+              for path, layer_path, leaf in flat if is_reduced_leaf(leaf)]
     if not leaves:
       raise ProfileError("from_params: the tree has no floating-point leaves to reduce.")
+    place = _placements(flat, specs, shardings, mesh)
     nbytes = [int(np.prod(s, dtype=np.int64)) * itemsize(d) for _, _, s, d in leaves]
     total = max(sum(nbytes), 1)
     layer_bytes: dict[str, int] = {}
@@ -432,16 +503,23 @@ class GradientProfile(JsonValue):
       fwd = forward_s * layer_bytes[layer] / total if layer not in seen else 0.0
       seen.add(layer)
       rows.append(ProfileRow(path=path, layer=layer, shape=shape, dtype=dtype, nbytes=b,
-                             ready_s=ready_of[layer], fwd_s=fwd, update_s=update_s_per_byte * b))
+                             ready_s=ready_of[layer], fwd_s=fwd, update_s=update_s_per_byte * b,
+                             shard_dim=place[0].get(path)))
     fsum = sum(r.fwd_s for r in rows)
     return cls(rows=tuple(rows), forward_s=fsum if fsum > 0 else forward_s, backward_s=backward_s,
                method="estimated", model=model, device=device,
-               notes="from_params: sizes exact; times spread over layers by bytes")
+               notes="from_params: sizes exact; times spread over layers by bytes", mesh=place[1],
+               shard_axes=place[2])
 
   # -- JSON -----------------------------------------------------------------------------------------
   def to_dict(self) -> dict[str, Any]:
     d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rows"}
-    d["rows"] = [dataclasses.asdict(r) | {"shape": list(r.shape)} for r in self.rows]
+    d["rows"] = [_row_dict(r) for r in self.rows]
+    if self.mesh:         # placement keys only when present: a profile without one is written as before
+      d["mesh"] = dict(self.mesh)
+      d["shard_axes"] = list(self.shard_axes)
+    else:
+      del d["mesh"], d["shard_axes"]
     return d
 
   @classmethod
@@ -453,6 +531,42 @@ class GradientProfile(JsonValue):
       return cls.from_rows(obj.pop("rows"), **obj)
     except TypeError as e:
       raise ProfileError(f"GradientProfile.from_json: {e}") from e
+
+
+def _row_dict(r: ProfileRow) -> dict[str, Any]:
+  d = dataclasses.asdict(r) | {"shape": list(r.shape)}
+  if r.shard_dim is None:
+    del d["shard_dim"]
+  return d
+
+
+def _placements(flat: Sequence[tuple[str, str, Any]], specs: Sequence[Any], shardings: Any, mesh: Any
+                ) -> tuple[dict[str, int], tuple[tuple[str, int], ...], tuple[str, ...]]:
+  """({path: shard_dim} of the sharded leaves, mesh shape, shard axes) of `from_params`' shardings."""
+  if shardings is None:
+    if mesh is not None:
+      return {}, check_mesh("GradientProfile.from_params", mesh), ()
+    return {}, (), ()
+  shape = check_mesh("GradientProfile.from_params", mesh) if mesh is not None else next(
+      (m for m in map(mesh_of, specs) if m is not None), None)
+  if shape is None:
+    raise ProfileError("GradientProfile.from_params(shardings=...): the mesh shape is unknown; pass "
+                       "mesh={'data': 8} (axis name -> size, or the jax Mesh) with PartitionSpec-like specs.")
+  dims: dict[str, int] = {}
+  axes: tuple[str, ...] | None = None
+  first = ""
+  for (path, _, leaf), spec in zip(flat, specs):
+    if not is_reduced_leaf(leaf):
+      continue
+    dim, ax = leaf_placement(path, tuple(leaf.shape), spec, shape)
+    if dim is None:
+      continue
+    if axes is not None and ax != axes:
+      raise ProfileError(f"leaf {path!r} is split over {ax}, but leaf {first!r} over {axes}; every sharded "
+                         f"leaf of one profile is split over the same data axes.")
+    axes, first = ax, first or path
+    dims[path] = dim
+  return dims, shape, axes or ()
 
 
 def _row_kwargs(r: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from ._base import Scheduler as Scheduler
 from ._bucket import bucket as bucket
 from ._dear import dear as dear
 from ._dlcp import dlcp as dlcp
+from ._fsdp import fsdp as fsdp
 from ._mgwfbp import mgwfbp as mgwfbp
 from ._priority import priority as priority
 from ._prophet import prophet as prophet
@@ -17,4 +18,4 @@ from ._registry import POLICIES as POLICIES
 from ._wfbp import wfbp as wfbp
 from ._xla import xla as xla
 
-__all__ = ["POLICIES", "Scheduler", "auto", "bucket", "dear", "dlcp", "mgwfbp", "priority", "prophet", "wfbp", "xla"]
+__all__ = ["POLICIES", "Scheduler", "auto", "bucket", "dear", "dlcp", "fsdp", "mgwfbp", "priority", "prophet", "wfbp", "xla"]

@@ -29,7 +29,10 @@ Three parts, each in its own module:
 * ``sharded=True``: the `dear` policy's sharded plan (reduce-scatters, each device updating its shard
   with 1/P of the optimizer state, all-gathers; `Schedule.gathers`) is a candidate too, and wins where
   it is predicted faster. Off by default: a sharded plan changes the optimizer state's layout (ZeRO-1:
-  `scheduled`'s state holds 1/P of `tx`'s per device), so `auto` returns one only when asked.
+  `scheduled`'s state holds 1/P of `tx`'s per device), so `auto` returns one only when asked. For a
+  profile whose parameters are sharded over the data axis (`GradientProfile.sharded`: FSDP), the
+  candidates are the `fsdp` policy's plans alone (all-reduce and `dear` plans would replicate the
+  parameters: auto never changes the user's placement), the fastest over the step modes asked for.
 
 With ``robust > 0`` (alpha and beta uncertain by that fraction), auto returns instead the candidate
 whose worst slowdown over that box of networks is least (minimax regret), replanning its own candidates
@@ -63,6 +66,7 @@ from ._base import Scheduler
 from ._bucket import bucket
 from ._common import Groups, buckets_from_groups, check_inputs, make_schedule
 from ._dear import plan_sharded, sharded_schedule
+from ._fsdp import fsdp_schedule, plan_fsdp
 from ._joint import SearchChunk, chunk_stats, contiguous_dp, evaluate, make_chunk, own_candidates
 from ._mgwfbp import mgwfbp
 from ._priority import priority
@@ -158,6 +162,8 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
       modes = (False, True)
     else:
       modes = (check_inputs(_POLICY, profile, network, cross_step),)
+    if sharded and profile.sharded:
+      return _fsdp_candidate(profile, network, modes, options)
     best: tuple[float, int, Any] | None = None
     for n, cross in enumerate(modes):
       contest = _contest(profile, network, cross, options)
@@ -365,6 +371,20 @@ def _sharded_candidate(profile: GradientProfile, network: NetworkModel, cross: b
   return predicted, lambda: sharded_schedule(profile, chunks, gathers, cross_step=cross, policy=_POLICY,
                                              options=dict(options, candidate=f"dear:{label}"),
                                              predicted_s=predicted)
+
+
+def _fsdp_candidate(profile: GradientProfile, network: NetworkModel, modes: tuple[bool, ...],
+                    options: dict[str, Any]) -> Schedule:
+  """The fastest `fsdp` plan (no memory cap) over the step modes, as auto's Schedule."""
+  best = None
+  for cross in modes:
+    prob = problem(profile, network, cross_step=cross)
+    one = plan_fsdp(prob, None)
+    if best is None or one.iteration < best[0].iteration:
+      best = (one, cross)
+  one, cross = best
+  return fsdp_schedule(profile, one, options=dict(options, candidate=f"fsdp:{one.label}"), cross_step=cross,
+                       budget=None, policy=_POLICY)
 
 
 # --------------------------------------------------------------------------------------------------

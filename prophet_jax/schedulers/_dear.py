@@ -51,6 +51,7 @@ References:
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -242,24 +243,13 @@ def rs_partition(prob: Problem, order: Sequence[int], cap: float | None) -> list
   reduce-scatter on one link (f[j] = min_i max(f[i], ready(j-1)) + a' + b'·bytes(i..j-1), exact)."""
   n = len(order)
   a, b = 0.5 * prob.startup_s, 0.5 * prob.per_byte_s
-  ready = prob.row_ready_s[list(order)]
+  ready = prob.row_ready_s[list(order)].tolist()
   nbytes = prob.row_nbytes[list(order)]
-  prefix = np.concatenate([[0.0], np.cumsum(nbytes)])
-  run_start = np.zeros(n, dtype=np.int64)
+  prefix = np.concatenate([[0.0], np.cumsum(nbytes)]).tolist()
+  run_start = [0] * n
   for j in range(1, n):
     run_start[j] = run_start[j - 1] if prob.dtype[order[j]] == prob.dtype[order[j - 1]] else j
-  f = np.zeros(n + 1)
-  choice = np.zeros(n, dtype=np.int64)
-  for j in range(1, n + 1):
-    lo = int(run_start[j - 1])
-    i = np.arange(lo, j)
-    if cap is not None:
-      ok = (prefix[j] - prefix[i] <= cap) | (i == j - 1)
-      i = i[ok]
-    v = np.maximum(f[i], ready[j - 1]) + a + b * (prefix[j] - prefix[i])
-    k = int(np.argmin(v))
-    f[j] = v[k]
-    choice[j - 1] = i[k]
+  choice = contiguous_dp(ready, prefix, run_start, a, b, cap)[1]
   groups: list[list[Slice]] = []
   j = n
   while j > 0:
@@ -281,7 +271,7 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> list[l
   rs, _ = sharded_durations(prob, arr)
   run = sharded_run(prob, arr, rs, np.zeros((1, k_n)))
   rs_end = run.rs_end[0]
-  front = [min(r for r, _, _ in c) for c in chunks]
+  front = [min(c)[0] for c in chunks]                  # the front-most row (slices are (row, a, b))
   seq = sorted(range(k_n), key=lambda k: (front[k], k))
   dtype = [prob.dtype[chunks[k][0][0]] for k in seq]
   a, b = 0.5 * prob.startup_s, 0.5 * prob.per_byte_s
@@ -301,23 +291,18 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> list[l
     return list(by_dtype.values())
   if not prob.cross_step:
     t0 = max(float(run.backward_end[0]), t_rs)
-    f = np.full(k_n + 1, math.inf)
-    f[0] = t_rs
-    choice = [0] * k_n
-    for j in range(1, k_n + 1):
-      i = np.arange(run_start[j - 1], j)
-      v = np.maximum(f[i], t0 + cum_upd[j]) + a + b * (prefix[j] - prefix[i])
-      k = int(np.argmin(v))
-      f[j] = v[k]
-      choice[j - 1] = int(i[k])
+    release = (t0 + cum_upd[1:]).tolist()
+    choice = contiguous_dp(release, prefix.tolist(), run_start, a, b, None, start=t_rs)[1]
     return _groups_from_choice(seq, choice)
   # pipelined: Pareto program over prefixes of (link free, max of end + forward tail), vectorised: every
   # prefix's front is a run of one flat array (entries of prefix i at starts[i]:starts[i + 1])
   tail = np.array([float(prob.layer_fwd_tail_s[int(prob.row_layer[front[k]])]) for k in seq])
-  ends = [t_rs]
-  costs = [-math.inf]
-  parent = [-1]
-  owner = [0]
+  cap = 1 + k_n * _FRONT                                          # every prefix's front, flat
+  ends = np.empty(cap)
+  costs = np.empty(cap)
+  parent = np.empty(cap, dtype=np.int64)
+  owner = np.empty(cap, dtype=np.int64)
+  ends[0], costs[0], parent[0], owner[0] = t_rs, -math.inf, -1, 0
   starts = [0, 1]
   for j in range(1, k_n + 1):
     lo = run_start[j - 1]
@@ -325,34 +310,90 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> list[l
     head = np.maximum.accumulate(tail[lo:j][::-1])[::-1]           # the group's largest forward tail
     release = rel + (cum_upd[j] - cum_upd[lo:j])
     dur = a + b * (prefix[j] - prefix[lo:j])
-    sl = slice(starts[lo], starts[j])
-    e_prev = np.asarray(ends[sl])
-    c_prev = np.asarray(costs[sl])
-    i = np.asarray(owner[sl]) - lo
+    a0, a1 = starts[lo], starts[j]
+    e_prev = ends[a0:a1]
+    c_prev = costs[a0:a1]
+    i = owner[a0:a1] - lo
     e2 = np.maximum(e_prev, release[i]) + dur[i]
     c2 = np.maximum(c_prev, e2 + head[i])
     order = np.lexsort((c2, e2))                                  # by end, then cost
     c_sorted = c2[order]
-    keep = np.r_[True, c_sorted[1:] < np.minimum.accumulate(c_sorted)[:-1]]
+    keep = np.empty(c_sorted.size, dtype=bool)
+    keep[0] = True
+    keep[1:] = c_sorted[1:] < np.minimum.accumulate(c_sorted)[:-1]
     kept = order[keep]
     if kept.size > _FRONT:                                        # the lowest-cost ones
       kept = kept[np.argsort(c2[kept], kind="stable")[:_FRONT]]
-    ends.extend(e2[kept].tolist())
-    costs.extend(c2[kept].tolist())
-    parent.extend((sl.start + kept).tolist())
-    owner.extend([j] * kept.size)
-    starts.append(len(ends))
+    m = kept.size
+    ends[a1:a1 + m] = e2[kept]
+    costs[a1:a1 + m] = c2[kept]
+    parent[a1:a1 + m] = a0 + kept
+    owner[a1:a1 + m] = j
+    starts.append(a1 + m)
   last = range(starts[k_n], starts[k_n + 1])
-  x = min(last, key=lambda x: (costs[x], ends[x]))
+  x = min(last, key=lambda x: (float(costs[x]), float(ends[x])))
   groups: list[list[int]] = []
   j = k_n
   while j > 0:
-    px = parent[x]
-    i = owner[px]
+    px = int(parent[x])
+    i = int(owner[px])
     groups.append([seq[y] for y in range(i, j)])
     j, x = i, px
   groups.reverse()
   return groups
+
+
+def contiguous_dp(release: Sequence[float], prefix: Sequence[float], run_start: Sequence[int], a: float,
+                  b: float, cap: float | None, *, start: float = 0.0) -> tuple[list[float], list[int]]:
+  """The exact one-link program over contiguous groups, in O(n): f[0] = start, f[j] = min over i in
+  [L_j, j) of max(f[i], release[j-1]) + a + b·(prefix[j] - prefix[i]), with L_j the first index of item
+  j-1's dtype run and, under `cap`, the first i whose group stays within it (i = j-1 always allowed).
+  Returns (f, choice), choice[j-1] the minimising i (the smallest on ties, as an argmin over i).
+
+  Why O(n): with `release` nondecreasing (items in release order) and every item's bytes > 0, f is
+  nondecreasing (dropping the last item from the last group never ends later). So {i: f[i] <= r_j}
+  is a prefix [0, q_j) with q_j nondecreasing: on it the term is r_j + a + b·(prefix[j] - prefix[i]),
+  least at its largest i; beyond it the term is g[i] + a + b·prefix[j] with g[i] = f[i] - b·prefix[i],
+  a minimum over a window whose two ends only move right: a monotone deque (each index pushed and
+  popped once).
+  """
+  n = len(release)
+  f = [0.0] * (n + 1)
+  f[0] = start
+  choice = [0] * n
+  dq: collections.deque[int] = collections.deque()
+  g = [0.0] * (n + 1)
+  q = 0                    # first index with f[i] > release (among those pushed: 0..j-1)
+  cap_lo = 0
+  for j in range(1, n + 1):
+    i_new = j - 1
+    g[i_new] = f[i_new] - b * prefix[i_new]
+    while dq and g[dq[-1]] > g[i_new]:
+      dq.pop()
+    dq.append(i_new)
+    r = release[j - 1]
+    while q < j and f[q] <= r:
+      q += 1
+    lo = run_start[j - 1]
+    if cap is not None:
+      while prefix[j] - prefix[cap_lo] > cap:
+        cap_lo += 1
+      lo = max(lo, min(cap_lo, j - 1))
+    best_i, best_v = -1, math.inf
+    if q - 1 >= lo:                                   # f[q-1] <= r: the largest such i
+      best_i = q - 1
+      best_v = r + a + b * (prefix[j] - prefix[best_i])
+    left = max(lo, q)
+    while dq and dq[0] < left:
+      dq.popleft()
+    if dq and left <= j - 1:
+      i = dq[0]
+      v = f[i] + a + b * (prefix[j] - prefix[i])
+      if v < best_v:
+        best_i, best_v = i, v
+    f[j] = best_v
+    choice[j - 1] = best_i
+  return f, choice
 
 
 def _groups_from_choice(seq: Sequence[int], choice: Sequence[int]) -> list[list[int]]:

@@ -14,6 +14,7 @@ from ._base import Scheduler
 from ._bucket import bucket
 from ._dear import dear
 from ._dlcp import dlcp
+from ._fsdp import fsdp
 from ._mgwfbp import mgwfbp
 from ._priority import priority
 from ._prophet import prophet
@@ -23,7 +24,7 @@ from ._xla import xla
 
 class _Policies(Mapping[str, Callable[..., Scheduler]]):
   """Every policy name and its factory, read-only, in a fixed order: 'wfbp', 'bucket', 'xla', 'mgwfbp',
-  'priority', 'prophet', 'auto', 'dlcp', 'dear'."""
+  'priority', 'prophet', 'auto', 'dlcp', 'dear', 'fsdp'."""
 
   def __init__(self, table: Mapping[str, Callable[..., Scheduler]]):
     self._table = dict(table)
@@ -43,7 +44,7 @@ class _Policies(Mapping[str, Callable[..., Scheduler]]):
 
 POLICIES: Mapping[str, Callable[..., Scheduler]] = _Policies({
     "wfbp": wfbp, "bucket": bucket, "xla": xla, "mgwfbp": mgwfbp, "priority": priority,
-    "prophet": prophet, "auto": auto, "dlcp": dlcp, "dear": dear})
+    "prophet": prophet, "auto": auto, "dlcp": dlcp, "dear": dear, "fsdp": fsdp})
 
 
 def option_names(name: str) -> tuple[str, ...]:

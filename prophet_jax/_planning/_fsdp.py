@@ -1,0 +1,377 @@
+"""The numeric core of FSDP (ZeRO-3) and HSDP schedules: the step's timeline with forward all-gathers
+interleaved with compute, backward re-gathers interleaved with reduce-scatters, the replicated leaves'
+all-reduces, and the per-device memory the gathered parameters and unsharded gradients take (pure numpy).
+
+The model (docs/fsdp.md states it for users; docs/design.md, "Simulator semantics"). A schedule with
+`Schedule.fsdp` has U **units** (FSDP buckets: whole sharded leaves, in forward use order) and some
+replicated chunks. P = S x R devices: S along the shard axes, R along the replica axes (R = 1: FSDP;
+R > 1: HSDP). One step, from the start of forward (t = 0):
+
+- Costs (a ring, `NetworkModel.link_costs(span)`: the inner link when the ring stays in a node):
+  a unit of G gathered bytes is all-gathered and reduce-scattered over the shard axes on link 0 in
+  (S-1)·alpha + (S-1)/S·G·beta each (span S); with R > 1 each device's reduced shard (G/S bytes) is
+  then all-reduced over the replica axes on link 1, 2(R-1)·alpha' + 2(R-1)/R·(G/S)·beta' (span P);
+  a replicated chunk of n bytes is all-reduced over all P devices, 2(P-1)·alpha' + 2(P-1)/P·n·beta'
+  (span P), on link 1 when R > 1, else on link 0 (then it shares link 0 with the units' collectives,
+  first-in first-out in issue order, issued when its rows are ready).
+- Forward (link 0 first-in first-out in unit order): unit u's all-gather is issued at the start of the
+  step for u < d (d = `prefetch`), else when the forward of unit u-d's first layer starts; it starts
+  when issued and the link is free. Layer l's forward starts at max(end of layer l-1, the all-gather
+  end of every unit holding a row of l).
+- Backward (layers in ready order, each lasting its ready_s minus the previous one's; backward starts
+  when forward ends): a unit with `keep` False is all-gathered again, issued at backward's start for
+  the first d_b units in backward order (d_b = `backward_prefetch`), else when the backward of the
+  unit d_b before it starts; a layer's backward starts at max(end of the previous layer, the gather end
+  of every unit holding a row of it). Link 0 carries, in issue order, the re-gathers (issued at a
+  layer's start) and the reduce-scatters and replicated all-reduces in the schedule's chunk order,
+  chunk k issued when the backward of every row in it has ended (and not before chunk k-1). Link 1
+  (R > 1) carries, first-in first-out by issue time, each unit's replica all-reduce (issued when its
+  reduce-scatter ends) and the replicated chunks' all-reduces.
+- The step ends with the update of each device's shards (update_s of the sharded rows / S, the
+  replicated rows' in full) once backward and every collective have ended: iteration = max(backward
+  end, every link's last end) + update. `cross_step=True` is simulated the same way (the pipelined
+  FSDP step, whose first gathers could overlap the previous backward, is not modelled yet). Without
+  overlap the device and the links are one serial resource: iteration = compute + every collective.
+  Pressure is not modelled for FSDP (the calm costs).
+- Memory, per device (what `memory_budget_bytes` bounds; `SimResult.peak_memory_bytes`): the bytes of
+  gathered parameters alive plus unsharded gradient buffers alive. Unit u's G bytes of parameters are
+  alive from the start of its forward all-gather to the end of the forward of its last layer (`keep`
+  False) or to the end of its backward (`keep` True), and again from the start of its re-gather to the
+  end of its backward; its G bytes of gradient from the start of its backward to the end of its
+  reduce-scatter. With `FsdpPlan.gathers` the all-gathers (and `keep`, and the parameters' memory) are
+  per gather group and the reduce-scatters (and the gradients' memory) per unit. The shards, replicated
+  leaves, optimizer state and activations are the same for every FSDP plan of a profile and are not
+  counted. At equal times frees come before allocations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from ._core import Problem
+
+__all__ = ["FsdpArrays", "FsdpRun", "fsdp_arrays", "fsdp_run", "fsdp_iteration_s", "unit_costs", "dear_peak_bytes",
+           "fsdp_arrays_of"]
+
+Slice = tuple[int, int, int]
+
+
+class FsdpArrays(NamedTuple):
+  """An FSDP schedule as the sweep reads it (`fsdp_arrays`). The "units" here are the all-gather groups,
+  in forward order (the FsdpPlan's units' rows, or its own `gathers`); the reduce-scatter units are
+  `rs_bytes` (one per FsdpPlan unit); `order` is the chunk issue order as ('u', reduce-scatter unit) /
+  ('r', replicated index) pairs."""
+
+  unit_layers: tuple[tuple[int, ...], ...]
+  first: tuple[int, ...]
+  unit_bytes: tuple[float, ...]
+  keep: tuple[bool, ...]
+  prefetch: int
+  backward_prefetch: int
+  rep_bytes: tuple[float, ...]
+  order: tuple[tuple[str, int], ...]
+  chunk_ready_pos: tuple[int, ...]          # per issued chunk (order), the backward position it waits for
+  layer_units: tuple[tuple[int, ...], ...]
+  bwd_layers: tuple[int, ...]
+  bwd_dur: tuple[float, ...]
+  bwd_tail: float
+  unit_bwd_first: tuple[int, ...]           # per unit: backward position of its first / last layer
+  unit_bwd_last: tuple[int, ...]
+  update_s: float
+  shards: int
+  replicas: int
+  rs_bytes: tuple[float, ...] = ()
+  rs_at: tuple[tuple[int, ...], ...] = ()  # per backward position, the reduce-scatter units starting there
+
+
+class FsdpRun(NamedTuple):
+  """One simulated FSDP step: the iteration, the memory peak, the link busy time, and the spans
+  (kind, name, start, end, lane) when asked for."""
+
+  iteration_s: float
+  peak_memory_bytes: float
+  comm_s: float
+  spans: list[tuple[str, str, float, float, str]]
+
+
+def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequence[int], keep: Sequence[bool],
+                prefetch: int, backward_prefetch: int, shards: int, replicas: int,
+                gathers: Sequence[Sequence[int]] | None = None) -> FsdpArrays:
+  """The FsdpArrays of a schedule's chunks (issue order) and its FSDP plan: `units` the reduce-scatter
+  chunks (indices into `chunks`), `gathers` the all-gather groups (rows, forward order; None: each
+  unit's rows, in `units` order), `keep` one per all-gather group.
+
+  Raises:
+    ValueError: the all-gather groups are not in forward order (a group's first layer before the
+      previous one's).
+  """
+  layer = prob.row_layer.tolist()
+  nbytes = prob.row_nbytes.tolist()
+  size = prob.size
+  nl = len(prob.layers)
+  ready_l = np.zeros(nl)
+  np.maximum.at(ready_l, prob.row_layer, prob.row_ready_s)
+  bwd = np.lexsort((-np.arange(nl), ready_l))                 # ready order, ties: later layers first
+  r_sorted = ready_l[bwd]
+  dur = np.diff(r_sorted, prepend=0.0).tolist()
+  tail = max(float(prob.backward_s) - (float(r_sorted[-1]) if nl else 0.0), 0.0)
+  bwd_layers = bwd.tolist()
+  pos = [0] * nl
+  for k, l in enumerate(bwd_layers):
+    pos[l] = k
+  unit_of = {int(c): u for u, c in enumerate(units)}
+  rep_bytes, order, ready_pos = [], [], []
+  rs_bytes = [0.0] * len(units)
+  rs_at: list[list[int]] = [[] for _ in range(nl)]
+  sharded_rows: list[int] = []
+  for k, c in enumerate(chunks):
+    ls = {layer[r] for r, _, _ in c}
+    ps = [pos[l] for l in ls]
+    ready_pos.append(max(ps))
+    u = unit_of.get(k)
+    if u is None:
+      order.append(("r", len(rep_bytes)))
+      rep_bytes.append(sum(nbytes[r] * (hi - lo) / size[r] for r, lo, hi in c if size[r]))
+    else:
+      order.append(("u", u))
+      rs_bytes[u] = float(sum(nbytes[r] for r, _, _ in c))
+      rs_at[max(ps)].append(u)          # its gradient buffer: from the start of its first backward layer
+      sharded_rows.extend(r for r, _, _ in c)
+  if gathers is None:
+    gathers = [[r for r, _, _ in chunks[int(c)]] for c in units]
+  n_u = len(gathers)
+  ul: list[tuple[int, ...]] = []
+  ub: list[float] = []
+  layer_units: list[list[int]] = [[] for _ in range(nl)]
+  for u, rows in enumerate(gathers):
+    ls = sorted({layer[r] for r in rows})
+    ul.append(tuple(ls))
+    ub.append(float(sum(nbytes[r] for r in rows)))
+    for l in ls:
+      layer_units[l].append(u)
+  first = [ls[0] for ls in ul]
+  bf = [max(pos[l] for l in ls) for ls in ul]
+  bl = [min(pos[l] for l in ls) for ls in ul]
+  for u in range(1, n_u):
+    if first[u] < first[u - 1]:
+      raise ValueError(f"FSDP units must be in forward order: unit {u} starts at layer "
+                       f"{prob.layers[first[u]]!r}, before unit {u - 1}'s first layer "
+                       f"{prob.layers[first[u - 1]]!r}.")
+  upd = prob.row_update_s
+  up_sh = float(upd[sharded_rows].sum()) if sharded_rows else 0.0
+  update_s = up_sh / shards + float(upd.sum()) - up_sh
+  return FsdpArrays(tuple(ul), tuple(first), tuple(ub), tuple(bool(x) for x in keep), int(prefetch),
+                    int(backward_prefetch), tuple(rep_bytes), tuple(order), tuple(ready_pos),
+                    tuple(tuple(x) for x in layer_units), tuple(bwd_layers), tuple(dur), tail, tuple(bf),
+                    tuple(bl), update_s, int(shards), int(replicas), tuple(rs_bytes),
+                    tuple(tuple(x) for x in rs_at))
+
+
+def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float, float, float, float, float]:
+  """(a, b) of a unit's all-gather or reduce-scatter over the shard axes (link 0), of a shard's
+  all-reduce over the replica axes (per byte of the *unit*, link 1), and of a replicated chunk's
+  all-reduce over every device, in that order: six numbers, a + b·bytes each."""
+  net = prob.network
+  s, r = shards, replicas
+  p = s * r
+  a0, b0 = net.link_costs(s)
+  a1, b1 = net.link_costs(p)
+  ag = ((s - 1) * a0, (s - 1) / s * b0)
+  rep = (2 * (r - 1) * a1, 2 * (r - 1) / r * b1 / s) if r > 1 else (0.0, 0.0)
+  ar = (2 * (p - 1) * a1, 2 * (p - 1) / p * b1) if p > 1 else (0.0, 0.0)
+  return ag + rep + ar
+
+
+def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
+  """The step's timeline under the module docstring's model (one calm sample)."""
+  a_g, b_g, a_r, b_r, a_a, b_a = unit_costs(prob, arr.shards, arr.replicas)
+  serial = not prob.overlap
+  two = arr.replicas > 1
+  fwd = prob.layer_fwd_s
+  nl = len(fwd)
+  n_u = len(arr.first)
+  d = arr.prefetch
+  out: list[tuple[str, str, float, float, str]] = []
+  mem: list[tuple[float, float]] = []
+  ag_end = [0.0] * n_u
+  need = [0.0] * nl
+  fwd_start = [0.0] * nl
+  t_link = 0.0
+  t_dev = 0.0
+  nxt = 0
+  comm = 0.0
+  issue = 0.0
+  for u in range(n_u):
+    v = u - d
+    if v >= 0 and arr.first[v] < arr.first[u]:
+      fl = arr.first[v]
+      while nxt <= fl:                     # run forward through layer fl
+        s = max(t_dev, need[nxt])
+        fwd_start[nxt] = s
+        t_dev = s + fwd[nxt]
+        if spans:
+          out.append(("forward", prob.layers[nxt], s, t_dev, "device"))
+        nxt += 1
+      issue = fwd_start[fl]
+    dur = a_g + b_g * arr.unit_bytes[u]
+    s = max(issue, t_link, t_dev) if serial else max(issue, t_link)
+    t_link = s + dur
+    if serial:
+      t_dev = t_link
+    comm += dur
+    ag_end[u] = t_link
+    mem.append((s, arr.unit_bytes[u]))
+    for l in arr.unit_layers[u]:
+      if t_link > need[l]:
+        need[l] = t_link
+    if spans:
+      out.append(("all_gather", f"unit{u}", s, t_link, "link0"))
+  while nxt < nl:
+    s = max(t_dev, need[nxt])
+    fwd_start[nxt] = s
+    t_dev = s + fwd[nxt]
+    if spans:
+      out.append(("forward", prob.layers[nxt], s, t_dev, "device"))
+    nxt += 1
+  fwd_end_layer = [fwd_start[l] + fwd[l] for l in range(nl)]
+  # backward
+  bwd_units = sorted(range(n_u), key=lambda u: -arr.unit_bwd_first[u])   # backward order
+  brank = {u: j for j, u in enumerate(bwd_units)}
+  db = arr.backward_prefetch
+  need_b = [0.0] * nl
+  regather_at: dict[int, list[int]] = {}         # backward position -> units whose re-gather it issues
+  first_ready: list[int] = []
+  for j, u in enumerate(bwd_units):
+    if arr.keep[u]:
+      for l in arr.unit_layers[u]:
+        need_b[l] = max(need_b[l], ag_end[u])
+    elif j < db:
+      first_ready.append(u)
+    else:
+      regather_at.setdefault(arr.unit_bwd_first[bwd_units[j - db]], []).append(u)
+  for u in range(n_u):
+    last_l = max(arr.unit_layers[u])
+    if not arr.keep[u]:
+      mem.append((fwd_end_layer[last_l], -arr.unit_bytes[u]))
+  link1: list[tuple[float, float, str]] = []
+  unit_bwd_end = [0.0] * n_u
+
+  def regather(us: Sequence[int], at: float) -> None:
+    nonlocal t_link, t_dev, comm
+    for u in us:
+      dur = a_g + b_g * arr.unit_bytes[u]
+      s = max(at, t_link, t_dev) if serial else max(at, t_link)
+      t_link = s + dur
+      if serial:
+        t_dev = t_link
+      comm += dur
+      mem.append((s, arr.unit_bytes[u]))
+      for l in arr.unit_layers[u]:
+        if t_link > need_b[l]:
+          need_b[l] = t_link
+      if spans:
+        out.append(("all_gather", f"unit{u}(backward)", s, t_link, "link0"))
+
+  regather(first_ready, t_dev)
+  ci = 0
+  n_c = len(arr.order)
+  last_issue = 0.0
+  for k, l in enumerate(arr.bwd_layers):
+    s = max(t_dev, need_b[l])
+    if serial:
+      s = max(s, t_link)
+    for x in arr.rs_at[k]:
+      mem.append((s, arr.rs_bytes[x]))            # a reduce-scatter unit's gradient buffer
+    if k in regather_at:
+      regather(regather_at[k], s)
+      if serial:
+        s = max(s, t_dev)
+    t_dev = s + arr.bwd_dur[k]
+    if spans:
+      out.append(("backward", prob.layers[l], s, t_dev, "device"))
+    for u in arr.layer_units[l]:
+      if arr.unit_bwd_last[u] == k:
+        unit_bwd_end[u] = t_dev
+    while ci < n_c and arr.chunk_ready_pos[ci] <= k:
+      kind, x = arr.order[ci]
+      last_issue = max(last_issue, t_dev)
+      if kind == "u":
+        dur = a_g + b_g * arr.rs_bytes[x]
+        st = max(last_issue, t_link, t_dev) if serial else max(last_issue, t_link)
+        t_link = st + dur
+        comm += dur
+        mem.append((t_link, -arr.rs_bytes[x]))    # the gradient buffer, reduced
+        if spans:
+          out.append(("reduce_scatter", f"unit{x}", st, t_link, "link0"))
+        if two:
+          link1.append((t_link, a_r + b_r * arr.rs_bytes[x], f"unit{x}"))
+      else:
+        dur = a_a + b_a * arr.rep_bytes[x]
+        if two:
+          link1.append((last_issue, dur, f"replicated{x}"))
+        else:
+          st = max(last_issue, t_link, t_dev) if serial else max(last_issue, t_link)
+          t_link = st + dur
+          comm += dur
+          if spans:
+            out.append(("allreduce", f"replicated{x}", st, t_link, "link0"))
+      if serial:
+        t_dev = max(t_dev, t_link)
+      ci += 1
+  for u in range(n_u):
+    mem.append((unit_bwd_end[u], -arr.unit_bytes[u]))    # the parameters kept or gathered again
+  t_dev += arr.bwd_tail
+  t1 = 0.0
+  for at, dur, name in sorted(link1, key=lambda x: x[0]):
+    s = max(at, t1, t_dev) if serial else max(at, t1)
+    t1 = s + dur
+    if serial:
+      t_dev = t1
+    comm += dur
+    if spans:
+      out.append(("allreduce", name, s, t1, "link1"))
+  end = float(max(t_dev, t_link, t1))
+  iteration = end + arr.update_s
+  if spans and arr.update_s > 0:
+    out.append(("update", "update", end, iteration, "device"))
+  t = np.fromiter((m[0] for m in mem), dtype=np.float64, count=len(mem))
+  dlt = np.fromiter((m[1] for m in mem), dtype=np.float64, count=len(mem))
+  o = np.lexsort((dlt, t))
+  peak = float(np.cumsum(dlt[o]).max()) if len(mem) else 0.0
+  return FsdpRun(float(iteration), max(peak, 0.0), float(comm), out)
+
+
+def dear_peak_bytes(prob: Problem, rs_ready: np.ndarray, rs_nbytes: np.ndarray, rs_end: np.ndarray) -> float:
+  """The memory a `dear` (ZeRO-1) step holds per device, counted as for FSDP: every parameter is
+  whole (replicated), so all of them, plus each reduce-scatter chunk's unsharded gradient from its
+  ready time (backward start + its rows' last ready_s) to its reduce-scatter's end."""
+  params = float(prob.row_nbytes.sum())
+  if not rs_nbytes.size:
+    return params
+  t = np.concatenate([rs_ready, rs_end])
+  dlt = np.concatenate([rs_nbytes, -rs_nbytes])
+  o = np.lexsort((dlt, t))
+  return params + max(float(np.cumsum(dlt[o]).max()), 0.0)
+
+
+def fsdp_iteration_s(prob: Problem, arr: FsdpArrays) -> float:
+  """The calm iteration of an FSDP schedule (what `simulate` returns)."""
+  return fsdp_run(prob, arr).iteration_s
+
+
+def fsdp_arrays_of(prob: Problem, schedule) -> FsdpArrays:
+  """The FsdpArrays of a Schedule with `fsdp` on `prob` (the mesh must hold network.workers devices).
+
+  Raises:
+    ValueError: the plan's mesh has another number of devices than `network.workers`.
+  """
+  f = schedule.fsdp
+  p = f.shard_count * f.replica_count
+  if p != prob.network.workers:
+    raise ValueError(f"the FSDP schedule's mesh {dict(f.mesh)} has {p} devices, but network.workers="
+                     f"{prob.network.workers}; use network.with_workers({p}).")
+  return fsdp_arrays(prob, [c.slices for c in schedule.chunks], f.units, f.keep, f.prefetch,
+                     f.backward_prefetch, f.shard_count, f.replica_count, f.gathers or None)

@@ -1,0 +1,203 @@
+"""The extra structure of sharded schedules, checked when a Schedule is built: `dear`'s all-gathers
+(`check_gathers`) and FSDP's plan (`FsdpPlan`, `check_fsdp`).
+
+Pure: numpy only, never jax.
+
+An FSDP schedule (`Schedule.fsdp`, the `fsdp` policy; docs/fsdp.md) keeps the Schedule's chunks as the
+units of backward communication, in issue order: the chunks named in `FsdpPlan.units` are the FSDP
+buckets, each one **reduce-scatter** over the shard axes of whole sharded leaves (one dtype), laid out
+so that each device's slice of the bucket is that device's shard of every leaf in turn (so the
+reduce-scatter's output is exactly each leaf's shard, and the all-gather's input is the device's own
+shards, concatenated); every other chunk holds replicated leaves and is one **all-reduce** over the
+whole mesh. The same buckets are **all-gathered** in forward, in `units` order (the order forward uses
+them), and, where `keep` is False, all-gathered again in backward. Coverage is the Schedule's own
+invariant: every element of every row in exactly one chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import ScheduleError
+from ._placement import check_mesh, placement_fingerprint, replica_count, shard_count
+from ._types import is_bool, is_int
+
+__all__ = ["FsdpPlan", "check_fsdp", "fsdp_fingerprint"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FsdpPlan:
+  """The FSDP part of a Schedule (the `fsdp` policy): which chunks are FSDP buckets, in what order forward
+  gathers them, how far ahead, and what backward gathers again.
+
+  Attributes:
+    units: the chunk index (into `Schedule.chunks`) of every FSDP bucket, in forward use order (the
+      forward all-gathers' issue order, front layers first). Chunks not named are replicated leaves'
+      all-reduces.
+    keep: per unit (same order): True keeps the parameters gathered in forward until the unit's backward
+      has run (no re-gather); False frees them after the unit's forward and all-gathers them again in
+      backward.
+    prefetch: forward prefetch depth d >= 1: unit u's all-gather is issued when the forward of unit
+      u - d starts (units 0..d-1 at the start of the step), so up to d units are gathered ahead.
+    backward_prefetch: the same depth for backward's re-gathers, counted in backward order.
+    shard_dims: per schedule row, its sharded dimension, or None (replicated).
+    mesh, shard_axes: the mesh shape ((name, size) pairs) and the axes the sharded rows are split over
+      (the others are replica axes: HSDP).
+    memory_budget_bytes: the budget it was planned under (None: no cap); docs/fsdp.md says what it counts.
+    gathers: () (the default): forward gathers each unit's leaves, `keep` one per unit. Otherwise the
+      all-gather groups, which may differ from the reduce-scatter units (as XLA's combiners make them):
+      row indices of whole sharded leaves, one dtype per group, every row of the units in exactly one,
+      in forward use order; `keep` then has one entry per group.
+  """
+
+  units: tuple[int, ...]
+  keep: tuple[bool, ...]
+  prefetch: int = 1
+  backward_prefetch: int = 1
+  shard_dims: tuple[int | None, ...]
+  mesh: tuple[tuple[str, int], ...]
+  shard_axes: tuple[str, ...]
+  memory_budget_bytes: int | None = None
+  gathers: tuple[tuple[int, ...], ...] = ()
+
+  def __post_init__(self):
+    g = self.gathers
+    if isinstance(g, (str, bytes, Mapping)) or not isinstance(g, (tuple, list)) or not all(
+        isinstance(x, (tuple, list)) and x and all(map(is_int, x)) for x in g):
+      raise ScheduleError(f"FsdpPlan has gathers={g!r:.80}; expected lists of row indices (ints), one per "
+                          f"all-gather group, or [] (each unit gathered whole).")
+    object.__setattr__(self, "gathers", tuple(tuple(int(r) for r in x) for x in g))
+    for name in ("units", "keep", "shard_dims", "shard_axes"):
+      v = getattr(self, name)
+      if isinstance(v, (str, bytes, Mapping)) or not isinstance(v, (tuple, list)):
+        raise ScheduleError(f"FsdpPlan has {name}={v!r}; expected a list.")
+      object.__setattr__(self, name, tuple(v))
+    if not all(map(is_int, self.units)):
+      raise ScheduleError(f"FsdpPlan has units={self.units!r}; expected chunk indices (ints).")
+    object.__setattr__(self, "units", tuple(int(u) for u in self.units))
+    if len(set(self.units)) != len(self.units):
+      raise ScheduleError(f"FsdpPlan names a chunk twice in units={self.units}; each FSDP bucket is "
+                          f"gathered once per forward.")
+    n_keep = len(self.gathers) if self.gathers else len(self.units)
+    if len(self.keep) != n_keep or not all(map(is_bool, self.keep)):
+      raise ScheduleError(f"FsdpPlan has keep={self.keep!r}; expected one True/False per "
+                          f"{'all-gather group' if self.gathers else 'unit'} ({n_keep}).")
+    object.__setattr__(self, "keep", tuple(bool(k) for k in self.keep))
+    for name in ("prefetch", "backward_prefetch"):
+      v = getattr(self, name)
+      if not is_int(v) or v < 1:
+        raise ScheduleError(f"FsdpPlan has {name}={v!r}; a prefetch depth is an integer >= 1.")
+      object.__setattr__(self, name, int(v))
+    if not all(d is None or is_int(d) for d in self.shard_dims):
+      raise ScheduleError(f"FsdpPlan has shard_dims={self.shard_dims!r:.80}; expected ints or null.")
+    object.__setattr__(self, "shard_dims", tuple(None if d is None else int(d) for d in self.shard_dims))
+    try:
+      object.__setattr__(self, "mesh", check_mesh("FsdpPlan", self.mesh))
+    except ValueError as e:
+      raise ScheduleError(str(e)) from None
+    bad = [a for a in self.shard_axes if a not in dict(self.mesh)]
+    if bad or not self.shard_axes:
+      raise ScheduleError(f"FsdpPlan has shard_axes={self.shard_axes!r}; expected mesh axes of "
+                          f"{dict(self.mesh)}.")
+    b = self.memory_budget_bytes
+    if b is not None and (not is_int(b) or b < 0):
+      raise ScheduleError(f"FsdpPlan has memory_budget_bytes={b!r}; expected an integer >= 0 or null.")
+
+  @property
+  def shard_count(self) -> int:
+    """Devices each sharded leaf is split over (the shard axes' product)."""
+    return shard_count(self.mesh, self.shard_axes)
+
+  @property
+  def replica_count(self) -> int:
+    """Copies of each shard (the other axes' product; > 1 is HSDP)."""
+    return replica_count(self.mesh, self.shard_axes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"units": list(self.units), "keep": list(self.keep), "prefetch": self.prefetch,
+            "backward_prefetch": self.backward_prefetch, "shard_dims": list(self.shard_dims),
+            "mesh": dict(self.mesh), "shard_axes": list(self.shard_axes),
+            "memory_budget_bytes": self.memory_budget_bytes} | (
+                {"gathers": [list(x) for x in self.gathers]} if self.gathers else {})
+
+  @classmethod
+  def from_dict(cls, obj: Any) -> FsdpPlan:
+    if not isinstance(obj, Mapping):
+      raise ScheduleError(f"Schedule.from_json: 'fsdp' must be an object of FsdpPlan fields, got {obj!r:.60}.")
+    names = set(cls.__dataclass_fields__)
+    unknown = sorted(set(obj) - names)
+    if unknown:
+      raise ScheduleError(f"Schedule.from_json: 'fsdp' has unknown field(s) {unknown}; expected some of "
+                          f"{sorted(names)}.")
+    try:
+      return cls(**obj)
+    except TypeError as e:
+      raise ScheduleError(f"Schedule.from_json: 'fsdp': {e}") from None
+
+
+def fsdp_fingerprint(rows_fingerprint: str, plan: FsdpPlan | None) -> str:
+  """A schedule's tree fingerprint: its rows', with an FSDP plan's placement folded in (as the profile's
+  `fingerprint()` folds its own)."""
+  if plan is None:
+    return rows_fingerprint
+  return placement_fingerprint(rows_fingerprint, plan.shard_dims, plan.mesh, plan.shard_axes)
+
+
+def check_fsdp(s: Any) -> None:
+  """An FSDP schedule's plan against its chunks: one link, no gathers, no deferral; every unit chunk
+  holds whole sharded rows (evenly divisible over the shard axes), every other chunk replicated rows.
+
+  Raises:
+    ScheduleError: naming the chunk or the leaf at fault.
+  """
+  f = s.fsdp
+  if f is None:
+    return
+  if not isinstance(f, FsdpPlan):
+    raise ScheduleError(f"schedule has fsdp={f!r:.60}; expected an FsdpPlan or None.")
+  if s.gathers or s.links or any(b.defer for b in s.buckets):
+    raise ScheduleError("an FSDP schedule (fsdp) has no dear gathers, no links and no deferral groups.")
+  rows = s.rows
+  if len(f.shard_dims) != len(rows):
+    raise ScheduleError(f"the FSDP plan has {len(f.shard_dims)} shard_dims for {len(rows)} rows; plan again.")
+  chunks = s.chunks
+  n = f.shard_count
+  units = set(f.units)
+  for u in f.units:
+    if not 0 <= u < len(chunks):
+      raise ScheduleError(f"the FSDP plan names chunk {u}, but the schedule has {len(chunks)} chunks.")
+  for k, c in enumerate(chunks):
+    for r, a, b in c.slices:
+      path, shape, _ = rows[r]
+      d = f.shard_dims[r]
+      if k in units:
+        if d is None:
+          raise ScheduleError(f"FSDP bucket chunk{k} holds leaf {path!r}, which is replicated; a bucket "
+                              f"holds sharded leaves only (replicated ones are all-reduced).")
+        size = 1
+        for x in shape:
+          size *= x
+        if (a, b) != (0, size):
+          raise ScheduleError(f"FSDP bucket chunk{k} holds [{a}:{b}] of leaf {path!r}; a bucket holds "
+                              f"whole leaves (each device's slice is its shard of every leaf).")
+        if not 0 <= d < len(shape) or shape[d] % n:
+          raise ScheduleError(f"leaf {path!r} of shape {shape} cannot be split on dimension {d} over {n} "
+                              f"devices.")
+      elif d is not None:
+        raise ScheduleError(f"chunk{k} holds sharded leaf {path!r} but is not an FSDP bucket (units); "
+                            f"sharded leaves are reduce-scattered in their bucket.")
+  if f.gathers:
+    in_units = sorted(r for u in f.units for r, _, _ in chunks[u].slices)
+    grouped = sorted(r for g in f.gathers for r in g)
+    if grouped != in_units:
+      extra = sorted(set(grouped) - set(in_units)) or sorted(set(in_units) - set(grouped))
+      raise ScheduleError(f"the FSDP plan's gathers do not hold each row of its units exactly once (leaf "
+                          f"{rows[extra[0]][0] if extra and extra[0] < len(rows) else '?'!r}); plan again.")
+    for g, rs in enumerate(f.gathers):
+      dtypes = {rows[r][2] for r in rs}
+      if len(dtypes) > 1:
+        raise ScheduleError(f"FSDP gather group {g} mixes dtypes {sorted(dtypes)}; one all-gather gathers "
+                            f"one dtype.")
+

@@ -1,0 +1,329 @@
+"""FSDP and HSDP planning (pure): placement in the profile, the `fsdp` policy, its simulation, memory
+model and bound, the two-level network."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import prophet_jax as pj
+from prophet_jax._values._errors import ProfileError
+
+# A profile JSON written by the code before placement existed (no shard_dim, no mesh keys).
+_OLD_PROFILE = (
+    '{"forward_s": 0.001, "backward_s": 0.002, "method": "estimated", "model": "", "device": "", "notes": '
+    '"from_params: sizes exact; times spread over layers by bytes", "schema": 1, "rows": [{"path": "a/b", '
+    '"layer": "a", "shape": [4], "dtype": "float32", "nbytes": 16, "ready_s": 0.002, "fwd_s": 0.001, '
+    '"update_s": 0.0}, {"path": "a/w", "layer": "a", "shape": [8, 4], "dtype": "float32", "nbytes": 128, '
+    '"ready_s": 0.002, "fwd_s": 0.0, "update_s": 0.0}]}')
+_OLD_FINGERPRINT = "22c05ea6d0afcb19"
+_OLD_NETWORK = ('{"alpha_s": 2e-06, "beta_s_per_byte": 6.666666666666666e-12, "workers": 8, "algorithm": '
+                '"ring", "overlap": true, "links": 1, "name": "nvlink", "fit_residual_s": null, "skew": 0.0}')
+
+
+def _params():
+  return {"a": {"w": np.zeros((8, 4), np.float32), "b": np.zeros((4,), np.float32)},
+          "c": {"w": np.zeros((4, 16), np.float32)}}
+
+
+class _Mesh:
+  shape = {"data": 4}
+
+
+class _Named:
+  """A NamedSharding look-alike: `.spec` and `.mesh.shape` (duck-typed; no jax)."""
+
+  def __init__(self, *spec):
+    self.spec, self.mesh = spec, _Mesh()
+
+
+def test_old_profile_json_loads_unchanged():
+  p = pj.GradientProfile.from_json(_OLD_PROFILE)
+  assert p.fingerprint() == _OLD_FINGERPRINT and not p.sharded and p.mesh == ()
+  assert json.loads(p.to_json()) == json.loads(_OLD_PROFILE)       # written back as it was
+
+
+def test_from_params_reads_specs_and_named_shardings():
+  by_spec = pj.GradientProfile.from_params(
+      _params(), forward_s=1e-3, backward_s=2e-3, mesh={"data": 4},
+      shardings={"a": {"w": ("data", None), "b": None}, "c": {"w": (None, "data")}})
+  by_named = pj.GradientProfile.from_params(
+      _params(), forward_s=1e-3, backward_s=2e-3,
+      shardings={"a": {"w": _Named("data", None), "b": _Named()}, "c": {"w": _Named(None, "data")}})
+  assert by_spec == by_named
+  assert {r.path: r.shard_dim for r in by_spec.rows} == {"a/b": None, "a/w": 0, "c/w": 1}
+  assert by_spec.mesh == (("data", 4),) and by_spec.shard_axes == ("data",) and by_spec.shard_count == 4
+  back = pj.GradientProfile.from_json(by_spec.to_json())
+  assert back == by_spec and back.fingerprint() == by_spec.fingerprint()
+  plain = pj.GradientProfile.from_params(_params(), forward_s=1e-3, backward_s=2e-3)
+  assert plain.fingerprint() != by_spec.fingerprint()               # placement is in the fingerprint
+  moved = pj.GradientProfile.from_params(
+      _params(), forward_s=1e-3, backward_s=2e-3, mesh={"data": 4},
+      shardings={"a": {"w": (None, "data"), "b": None}, "c": {"w": (None, "data")}})
+  assert moved.fingerprint() != by_spec.fingerprint()
+
+
+@pytest.mark.parametrize("shardings, mesh, match", [
+    ({"a": {"w": ("data", "x"), "b": None}, "c": {"w": None}}, {"data": 4, "x": 2}, "a/w.*two|a/w.*dimensions"),
+    ({"a": {"w": None, "b": None}, "c": {"w": ("data",)}}, {"data": 8}, "c/w.*does not divide"),
+    ({"a": {"w": ("model",), "b": None}, "c": {"w": None}}, {"data": 4}, "a/w.*'model'.*not in the mesh"),
+    ({"a": {"w": ("data",), "b": None}, "c": {"w": (None, ("data", "x"))}}, {"data": 2, "x": 2}, "c/w.*same"),
+    ({"a": {"w": ("data",), "b": None}, "c": {"w": None}}, None, "mesh shape is unknown"),
+])
+def test_bad_placement_names_the_leaf(shardings, mesh, match):
+  with pytest.raises(ProfileError, match=match):
+    pj.GradientProfile.from_params(_params(), shardings=shardings, mesh=mesh)
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan, its simulation and memory
+
+
+def _layered(n_layers=12, mesh=None, width=1024, seed=None):
+  params = {f"l{i:02d}": {"w": np.zeros((width, width), np.float32), "b": np.zeros((width,), np.float32)}
+            for i in range(n_layers)}
+  shardings = {f"l{i:02d}": {"w": ("data", None), "b": None} for i in range(n_layers)}
+  return pj.GradientProfile.from_params(params, forward_s=0.01, backward_s=0.02, update_s_per_byte=1e-12,
+                                        mesh=mesh or {"data": 8}, shardings=shardings)
+
+
+def _covered_once(s):
+  seen = {}
+  for c in s.chunks:
+    for r, a, b in c.slices:
+      seen.setdefault(r, []).append((a, b))
+  for r, (_, shape, _) in enumerate(s.rows):
+    n = int(np.prod(shape))
+    if n:
+      spans = sorted(seen[r])
+      assert spans[0][0] == 0 and spans[-1][1] == n and all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("mesh, net", [({"data": 8}, "100gb-ib"), ({"replica": 4, "data": 8}, "nvlink+400gb-ib")])
+def test_fsdp_plan_conforms_and_fits_the_budget(mesh, net):
+  prof = _layered(mesh=mesh)
+  network = pj.NetworkModel.preset(net, workers=prof.shard_count * prof.replica_count)
+  bound = pj.lower_bound(prof, network, sharded="fsdp")
+  prev = None
+  for budget in (None, 32 * 2**20, 8 * 2**20):
+    s = pj.plan(prof, network, "fsdp", memory_budget_bytes=budget)
+    _covered_once(s)
+    f = s.fsdp
+    assert s.policy == "fsdp" and not s.gathers and f.mesh == prof.mesh and f.memory_budget_bytes == budget
+    for k, c in enumerate(s.chunks):                     # a unit: whole sharded leaves; the rest replicated
+      assert all((prof.rows[r].shard_dim is not None) == (k in f.units) for r, _, _ in c.slices)
+    r = pj.simulate(s, prof, network)
+    assert r.peak_memory_bytes <= (budget or np.inf) and r.iteration_s == pytest.approx(s.predicted_s)
+    assert bound <= r.iteration_s * (1 + 1e-9) and r.iteration_s <= bound * 1.03
+    assert pj.Schedule.from_json(s.to_json()) == s and "FSDP on" in s.describe()
+    assert s.tree_fingerprint == prof.fingerprint()
+    if prev is not None:
+      assert r.peak_memory_bytes <= prev.peak_memory_bytes
+    prev = r
+  assert prev.peak_memory_bytes < 10 * 2**20 and r.all_gathers > r.reduce_scatters   # re-gathers under 8 MiB
+
+
+def test_fsdp_budget_errors_name_the_leaf_and_bad_inputs():
+  prof = _layered(n_layers=3)
+  net = pj.NetworkModel.preset("100gb-ib", workers=8)
+  with pytest.raises(ValueError, match=r"leaf 'l00/w' needs 8388608 bytes"):
+    pj.plan(prof, net, "fsdp", memory_budget_bytes=6 * 2**20)
+  with pytest.raises(ValueError, match="no sharded rows"):
+    pj.plan(pj.GradientProfile.from_json(_OLD_PROFILE), net, "fsdp")
+  with pytest.raises(ValueError, match="network.with_workers\\(8\\)"):
+    pj.plan(prof, net.with_workers(16), "fsdp")
+  with pytest.raises(ValueError, match="memory_budget_bytes"):
+    pj.plan(prof, net, "fsdp", memory_budget_bytes=0)
+
+
+def test_fsdp_simulated_timeline_and_control():
+  """The engine's numbers by hand on two layers, one link: forward gathers, backward reduce-scatters."""
+  rows = [dict(path=f"l{i}/w", layer=f"l{i}", shape=(8, 125), dtype="float32", nbytes=4000, ready_s=r,
+               fwd_s=1.0, shard_dim=0) for i, r in ((0, 4.0), (1, 2.0))]
+  prof = pj.GradientProfile.from_rows(rows, forward_s=2.0, backward_s=4.0, mesh={"data": 2}, shard_axes=["data"])
+  net = pj.NetworkModel(alpha_s=0.5, beta_s_per_byte=0.001, workers=2)   # a gather/scatter of n: 0.5 + n/2000
+  from prophet_jax._values._sharding import FsdpPlan
+  from prophet_jax._values._schedule import Bucket, Chunk
+  buckets = tuple(Bucket(chunks=(Chunk(slices=((r, 0, 1000),), dtype="float32"),)) for r in (1, 0))
+  plan = FsdpPlan(units=(1, 0), keep=(True, True), prefetch=1, shard_dims=(0, 0), mesh={"data": 2},
+                  shard_axes=("data",))
+  s = pj.Schedule(buckets=buckets, rows=prof.tree_rows(), fsdp=plan)
+  # gathers: [0, 2.5], [2.5, 5] (unit 1 issued when layer 0 starts at 2.5); forward [2.5, 3.5], [5, 6];
+  # backward l1 [6, 8], l0 [8, 10]; scatters [8, 10.5], [10.5, 13]
+  r = pj.simulate(s, prof, net)
+  assert r.iteration_s == pytest.approx(13.0) and r.peak_memory_bytes == 3 * 4000   # 2 params + l1's grad
+  # re-gather both in backward: [6, 8.5] and [8.5, 11]; backward l1 [8.5, 10.5], l0 [11, 13]; scatters
+  # [11, 13.5], [13.5, 16]
+  lean = pj.simulate(dataclasses_replace(s, fsdp=dataclasses_replace(plan, keep=(False, False))), prof, net)
+  assert lean.iteration_s == pytest.approx(16.0) and lean.all_gathers == 4 and lean.reduce_scatters == 2
+  assert pj.lower_bound(prof, net, sharded="fsdp") <= 12.0
+
+
+def dataclasses_replace(x, **kw):
+  import dataclasses
+  return dataclasses.replace(x, **kw)
+
+
+def test_two_level_network_json_and_costs():
+  old = pj.NetworkModel.from_json(_OLD_NETWORK)
+  assert old.node_size == 0 and json.loads(old.to_json()) == json.loads(_OLD_NETWORK)
+  two = pj.NetworkModel.preset("nvlink+400gb-ib", workers=64)
+  assert pj.NetworkModel.from_json(two.to_json()) == two and two.node_size == 8
+  assert two.link_costs(8) == (2e-6, 1 / 150e9) and two.link_costs(16) == (5e-6, 1 / 50e9)
+  # a ring across nodes is costed on the outer link; inside one node on the inner
+  assert two.allreduce_s(2**20) == pytest.approx(2 * 63 * 5e-6 + 2 * 63 / 64 * 2**20 / 50e9)
+  assert two.with_workers(8).allreduce_s(2**20) == pytest.approx(2 * 7 * 2e-6 + 2 * 7 / 8 * 2**20 / 150e9)
+
+
+def test_auto_weighs_fsdp_only_for_sharded_profiles():
+  prof = _layered(n_layers=4)
+  net = pj.NetworkModel.preset("100gb-ib", workers=8)
+  assert pj.plan(prof, net, "auto", sharded=True).fsdp is not None
+  plain = pj.GradientProfile.from_json(_OLD_PROFILE)
+  assert pj.plan(plain, net, "auto", sharded=True).fsdp is None
+
+
+# --------------------------------------------------------------------------------------------------
+# The bound against brute force
+
+
+def _partitions(items):
+  if not items:
+    yield []
+    return
+  head, rest = items[0], items[1:]
+  for p in _partitions(rest):
+    for k in range(len(p)):
+      yield p[:k] + [[head] + p[k]] + p[k + 1:]
+    yield [[head]] + p
+
+
+def _random_instance(rng):
+  n_layers = int(rng.integers(2, 4))
+  s, r = (int(rng.choice([2, 4])), int(rng.choice([1, 1, 2])))
+  rows = []
+  ready = np.sort(rng.uniform(0.1, 1.0, n_layers))[::-1] * 3.0
+  for l in range(n_layers):
+    width = 4 * s * int(rng.integers(1, 50))
+    rows.append(dict(path=f"l{l}/w", layer=f"l{l}", shape=(width,), dtype="float32", nbytes=4 * width,
+                     ready_s=float(ready[l]), fwd_s=float(rng.uniform(0.1, 1.0)), shard_dim=0,
+                     update_s=float(rng.uniform(0, 0.2))))
+    if l == n_layers - 1 and rng.random() < 0.5:   # one replicated leaf at most: any grouping is one chunk
+      rows.append(dict(path=f"l{l}/b", layer=f"l{l}", shape=(3,), dtype="float32", nbytes=12,
+                       ready_s=float(ready[l]), update_s=0.01))
+  mesh = {"replica": r, "data": s} if r > 1 else {"data": s}
+  prof = pj.GradientProfile.from_rows(rows, forward_s=sum(x.get("fwd_s", 0.0) for x in rows),
+                                      backward_s=float(ready[0]) + 0.1, mesh=mesh, shard_axes=["data"])
+  alpha, beta = float(rng.uniform(0.001, 0.05)), float(rng.uniform(1e-5, 2e-3))
+  net = pj.NetworkModel(alpha_s=alpha, beta_s_per_byte=beta, workers=s * r, overlap=bool(rng.random() < 0.8),
+                        node_size=s if r > 1 else 0, outer_alpha_s=2 * alpha, outer_beta_s_per_byte=3 * beta)
+  return prof, net
+
+
+def _brute(prof, net):
+  """The least simulated iteration over every FSDP schedule of whole-leaf units (every partition of the
+  sharded leaves, every issue order of the backward chunks, keep patterns, prefetch depths)."""
+  import itertools
+
+  from prophet_jax._planning._core import problem
+  from prophet_jax._planning._fsdp import fsdp_arrays, fsdp_run
+  prob = problem(prof, net)
+  sharded = [i for i, r in enumerate(prof.rows) if r.shard_dim is not None]
+  rep = [[(i, 0, 3)] for i, r in enumerate(prof.rows) if r.shard_dim is None]
+  best = np.inf
+  for part in _partitions(sharded):
+    units = sorted(part, key=lambda u: min(int(prob.row_layer[i]) for i in u))
+    base = [[(i, 0, prob.size[i]) for i in sorted(u)] for u in units]
+    for order in itertools.permutations(range(len(base) + len(rep))):
+      allc = base + rep
+      chunks = [allc[k] for k in order]
+      idx = [order.index(u) for u in range(len(base))]
+      for keep in itertools.product([True, False], repeat=len(units)):
+        for d in range(1, len(units) + 1):
+          for db in ((1,) if all(keep) else (1, 2)):
+            arr = fsdp_arrays(prob, chunks, idx, keep, d, db, prof.shard_count, prof.replica_count)
+            best = min(best, fsdp_run(prob, arr).iteration_s)
+  return best
+
+
+def test_fsdp_bound_never_above_brute_force_and_plan_between():
+  rng = np.random.default_rng(40)
+  ratios = []
+  for _ in range(8):
+    prof, net = _random_instance(rng)
+    opt = _brute(prof, net)
+    bound = pj.lower_bound(prof, net, sharded="fsdp")
+    planned = pj.simulate(pj.plan(prof, net, "fsdp"), prof, net).iteration_s
+    assert bound <= opt * (1 + 1e-9) <= planned * (1 + 1e-9)
+    assert pj.lower_bound(prof, net) <= bound * (1 + 1e-12)          # the minimum over the families
+    ratios.append(bound / opt)
+  assert np.median(ratios) >= 0.9, ratios
+
+
+def test_rewrite_refuses_an_fsdp_schedule_clearly():
+  from prophet_jax._values._checks import match_tree
+  prof = _layered(n_layers=2)
+  s = pj.plan(prof, pj.NetworkModel.preset("100gb-ib", workers=8), "fsdp")
+  with pytest.raises(ValueError, match="FSDP schedule.*not implemented yet"):
+    match_tree([(r.path, np.zeros(r.shape, np.float32)) for r in prof.rows], s, where="scheduled")
+
+
+def test_hsdp_each_collective_on_its_link():
+  """HSDP on (replica 4 x data 8): gathers and reduce-scatters over the shard axis on link 0 (NVLink in a
+  node), each reduced shard all-reduced over the replica axis on link 1 (InfiniBand) after its scatter."""
+  prof = _layered(n_layers=4, mesh={"replica": 4, "data": 8})
+  net = pj.NetworkModel.preset("nvlink+400gb-ib", workers=32)
+  r = pj.simulate(pj.plan(prof, net, "fsdp"), prof, net)
+  lanes = {(e.kind, e.lane) for e in r.events if e.lane != "device"}
+  assert lanes == {("all_gather", "link0"), ("reduce_scatter", "link0"), ("allreduce", "link1")}
+  rs_end = {e.name: e.end_s for e in r.events if e.kind == "reduce_scatter"}
+  shard_ar = [e for e in r.events if e.lane == "link1" and e.name.startswith("unit")]
+  assert len(shard_ar) == len(rs_end) and all(e.start_s >= rs_end[e.name] - 1e-12 for e in shard_ar)
+  # the same plan as pure FSDP over 32 devices crosses nodes on every ring: slower
+  flat = _layered(n_layers=4, mesh={"data": 32})
+  assert pj.simulate(pj.plan(flat, net, "fsdp"), flat, net).iteration_s > r.iteration_s
+
+
+def test_gather_groups_apart_from_scatter_units():
+  """FsdpPlan.gathers: all-gather groups that differ from the reduce-scatter units (as XLA's combiners
+  make them): validated, in JSON, simulated, and never below the bound."""
+  import dataclasses
+
+  from prophet_jax._values._errors import ScheduleError
+  prof = _layered(n_layers=4)
+  net = pj.NetworkModel.preset("100gb-ib", workers=8)
+  s = pj.plan(prof, net, "fsdp", bucket_bytes=64 * 2**20)              # one unit: every sharded leaf
+  f = s.fsdp
+  rows = [r for u in f.units for r, _, _ in s.chunks[u].slices]
+  split = dataclasses.replace(f, gathers=tuple((r,) for r in rows), keep=(False,) * len(rows))
+  t = dataclasses.replace(s, fsdp=split)
+  assert pj.Schedule.from_json(t.to_json()) == t
+  r = pj.simulate(t, prof, net)
+  assert r.all_gathers == 2 * len(rows) and r.reduce_scatters == len(f.units)
+  assert pj.lower_bound(prof, net, sharded="fsdp") <= r.iteration_s
+  with pytest.raises(ScheduleError, match="gathers do not hold each row"):
+    dataclasses.replace(s, fsdp=dataclasses.replace(split, gathers=split.gathers[1:], keep=split.keep[1:]))
+
+
+def test_with_placement_on_an_existing_profile():
+  plain = pj.GradientProfile.from_params(_params(), forward_s=1e-3, backward_s=2e-3)
+  specs = {"a": {"w": ("data", None), "b": None}, "c": {"w": (None, "data")}}
+  placed = plain.with_placement(_params(), specs, mesh={"data": 4})
+  direct = pj.GradientProfile.from_params(_params(), forward_s=1e-3, backward_s=2e-3, shardings=specs,
+                                          mesh={"data": 4})
+  assert placed == direct and placed.fingerprint() == direct.fingerprint()
+  with pytest.raises(ProfileError, match="'a/b' of the profile is not in params"):
+    plain.with_placement({"c": _params()["c"]}, {"c": {"w": None}}, mesh={"data": 4})
+
+
+def test_cli_simulate_json_fsdp_row_carries_peak_memory(tmp_path, capsys):
+  from prophet_jax.cli import main
+  path = tmp_path / "sharded.json"
+  path.write_text(_layered(n_layers=4, mesh={"replica": 2, "data": 8}).to_json())
+  code = main(["simulate", "--model", str(path), "--workers", "16", "--network", "nvlink+400gb-ib",
+               "--policy", "dear", "fsdp", "--json"])
+  rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+  assert code == 0 and rows["fsdp"]["sharded"] is True and rows["fsdp"]["vs_lower_bound"] >= 1 - 1e-9
+  assert 0 < rows["fsdp"]["peak_memory_bytes"] < rows["dear"]["peak_memory_bytes"]
