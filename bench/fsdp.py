@@ -20,6 +20,10 @@ GPUs. HSDP: ('replica' P/8, 'data' 8): shards in a node, replicas across nodes.
 
 Prints a table and writes bench/results/fsdp.json. Never asserts.
 
+Why it imports private code: the modelled partitioner's schedule is built from the fsdp planner's own
+units and simulated on its timeline arrays (`schedulers._fsdp`, `_planning._fsdp`), so both sides share
+one model; no public name builds an arbitrary FSDP schedule.
+
     .venv/bin/python bench/fsdp.py [--gpus 8 64 256 1024]
 """
 

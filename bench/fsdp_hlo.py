@@ -12,6 +12,9 @@ bench/results/fsdp_hlo.json. Never asserts. A small model (4 layers, d=1024) bec
 a large unscanned model is too slow to compile on 2 cores; the per-weight structure is what carries over.
 
     JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py [--layers 4] [--devices 8 64]
+
+Why it imports private code: a compiled program's collectives become a Schedule with an `FsdpPlan`
+(`_values._sharding`), which no public name builds from outside a planner.
 """
 
 from __future__ import annotations

@@ -64,8 +64,10 @@ def mesh_of(sharding: Any) -> Mesh | None:
 
 def check_mesh(where: str, mesh: Any) -> Mesh:
   """A mesh shape from a mapping (axis -> size), an object with a `.shape` mapping (a jax Mesh), or a
-  sequence of (name, size) pairs; every size an integer >= 1, names unique."""
+  sequence of (name, size) pairs; every size an integer >= 1, names unique. None gives () (no mesh)."""
   shape = getattr(mesh, "shape", mesh)
+  if shape is None:
+    return ()
   items = list(shape.items()) if isinstance(shape, Mapping) else shape
   try:
     out = tuple((k, v) for k, v in items)

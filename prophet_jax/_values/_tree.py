@@ -81,7 +81,7 @@ def shardings_by_path(params: Any, shardings: Any) -> list[Any]:
     ValueError: the two trees differ in structure (jax's message, or the first path that differs).
   """
   try:
-    import jax
+    import jax  # optional: jax's own structure check where it is installed (this module is pure)
   except ImportError:  # the pure walk, in the same order as flatten_with_paths'
     out: list[Any] = []
 

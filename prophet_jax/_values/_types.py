@@ -543,12 +543,10 @@ def _row_dict(r: ProfileRow) -> dict[str, Any]:
 def _placements(flat: Sequence[tuple[str, str, Any]], specs: Sequence[Any], shardings: Any, mesh: Any
                 ) -> tuple[dict[str, int], tuple[tuple[str, int], ...], tuple[str, ...]]:
   """({path: shard_dim} of the sharded leaves, mesh shape, shard axes) of `from_params`' shardings."""
+  given = check_mesh("GradientProfile.from_params", mesh)  # a shape to plan for: () when none is given
   if shardings is None:
-    if mesh is not None:
-      return {}, check_mesh("GradientProfile.from_params", mesh), ()
-    return {}, (), ()
-  shape = check_mesh("GradientProfile.from_params", mesh) if mesh is not None else next(
-      (m for m in map(mesh_of, specs) if m is not None), None)
+    return {}, given, ()
+  shape = given or next((m for m in map(mesh_of, specs) if m is not None), None)
   if shape is None:
     raise ProfileError("GradientProfile.from_params(shardings=...): the mesh shape is unknown; pass "
                        "mesh={'data': 8} (axis name -> size, or the jax Mesh) with PartitionSpec-like specs.")
