@@ -37,7 +37,7 @@ from .._values._network import NetworkModel
 from .._values._schedule import Schedule
 from ._gpu import GpuTopology, cuda_plugin_installed, gpu_target
 
-__all__ = ["xla_options", "xla_settings", "XlaSettings", "plan_options", "network_flags", "cost_profile"]
+__all__ = ["xla_options", "xla_settings", "XlaSettings", "plan_options", "network_flags"]
 
 # per-compile options the plan sets, each a list of spellings across jaxlib versions (first accepted wins)
 _AR_THRESHOLD = ("xla_gpu_all_reduce_combine_threshold_bytes",)
@@ -332,26 +332,3 @@ def xla_options(schedule: Schedule, network: NetworkModel | None = None, *, targ
   return dict(s.compiler_options)
 
 
-
-def cost_profile(compiled: Any, network: NetworkModel) -> bytes:
-  """A cost profile for XLA's latency-hiding scheduler: every all-reduce of `compiled` at the cost
-  `network` gives it (`compiler_options={"fdo_profile": cost_profile(first, network)}` on a second
-  compile of the same program).
-
-  A `ProfiledInstructionsProto` in text form, `costs { name: "<start instruction>" cost_us: ... }`, keyed
-  by the optimized HLO's names (why it needs a first compile: the names exist only there). Compute
-  instructions are left to XLA's own estimate. Trial and verdict: bench/fdo_profile.py,
-  docs/xla_options.md ("The cost profile").
-
-  Args:
-    compiled: a compiled step (`jax.jit(f).lower(...).compile(...)`) for a GPU target.
-    network: the NetworkModel whose `allreduce_s` prices each all-reduce.
-  """
-  from ._hlo import allreduces, hlo_text, parse_hlo, shape_bytes
-
-  lines = []
-  for ar in allreduces(parse_hlo(hlo_text(compiled))):
-    nbytes = shape_bytes(ar.shape)
-    lines.append(f'costs {{ name: "{ar.op.instruction.name}" cost_us: '
-                 f'{network.allreduce_s(nbytes) * 1e6:.6f} }}\n')
-  return "".join(lines).encode()
