@@ -95,14 +95,28 @@ def _unit_bytes(schedule: Schedule, workers: int) -> dict[str, tuple[int, ...]]:
   return {"reduce-scatter": rs, "all-gather": ag}
 
 
+def _fill_cap(schedule: Schedule) -> int | None:
+  """The byte cap a threshold-fill plan filled its buckets to: `bucket`'s `bucket_bytes`, `xla`'s 30 MiB
+  (XLA:GPU's own default, which the policy models); None for other plans."""
+  if schedule.policy == "bucket":
+    cap = dict(schedule.options).get("bucket_bytes")
+    return int(cap) if cap else None
+  if schedule.policy == "xla" and schedule.num_allreduces > 1:
+    from ..schedulers._xla import GPU_COMBINE_THRESHOLD_BYTES  # pure; the cap the policy models
+
+    return GPU_COMBINE_THRESHOLD_BYTES
+  return None
+
+
 def plan_options(schedule: Schedule, network: NetworkModel | None = None) -> dict[str, tuple[tuple[str, ...], Any]]:
   """The settings a plan asks for, before any jaxlib is asked: setting -> (spellings, value).
 
-  - Combine thresholds: the largest unit's bytes, per collective kind the plan issues, so the combiner
-    can form every unit of the plan (a smaller threshold would split the largest) and merges no more
-    than that many bytes. Whether it forms the plan's units exactly is measured, not assumed
-    (bench/xla_options.py): for threshold-fill plans it does; a plan whose units differ in size cannot
-    be one threshold.
+  - Combine thresholds, per collective kind the plan issues: for a threshold-fill plan (`bucket`, `xla`)
+    the cap it filled to (on ResNet-50 `bucket`'s 25 MiB gave its 5 buckets where its largest bucket's
+    bytes gave 4); for any other plan the largest unit's bytes, so the combiner can form every unit (a
+    smaller threshold would split the largest) and merges no more than that. XLA merges in its own
+    program order, not the plan's ready order: the count can follow a plan, which leaves go together
+    does not (bench/xla_options.py, docs/xla_options.md).
   - The latency-hiding scheduler on (it is what overlaps a collective with compute on GPUs).
   - In flight: the plan's links (one tie chain per link: that many collectives at once).
   - Early start where the plan overlaps communication with backward (more than one unit: each starts as
@@ -121,7 +135,8 @@ def plan_options(schedule: Schedule, network: NetworkModel | None = None) -> dic
                       ("all-gather", _AG_THRESHOLD)):
     sizes = [n for n in units.get(kind, ()) if n > 0]
     if sizes:
-      out[f"{kind} threshold"] = (names, int(max(sizes)))
+      cap = _fill_cap(schedule) if kind == "all-reduce" else None
+      out[f"{kind} threshold"] = (names, int(cap or max(sizes)))
   out["latency-hiding scheduler"] = (_SCHEDULER, True)
   links = max(schedule.links, default=0) + 1
   out["in flight"] = (_IN_FLIGHT, int(links))
