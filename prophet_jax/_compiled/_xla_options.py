@@ -16,10 +16,10 @@ keeps only what the *installed* jaxlib accepts:
   process so that a refused entry cannot abort this one.
 
 What thresholds can and cannot do (measured: bench/xla_options.py, docs/xla_options.md): the combiner
-merges consecutive all-reduces in program order while the sum stays within the threshold, so one
-threshold reproduces a plan only where the plan itself is a threshold fill (`bucket`, `xla`); other plans'
-buckets (a per-layer plan, a priority plan with sliced leaves) need combiner keys
-(`enforce_order=False`) or the rewrite.
+merges consecutive all-reduces in its own program order while the sum stays within the threshold, so a
+threshold sets the *number* of buckets of a threshold-fill plan (`bucket`, `xla`), never which leaves go
+together; a per-layer plan, a priority plan with sliced leaves, or the exact membership of any plan needs
+combiner keys (`enforce_order=False`) or the library's own steps.
 """
 
 from __future__ import annotations
@@ -316,9 +316,10 @@ def xla_options(schedule: Schedule, network: NetworkModel | None = None, *, targ
   returned). XLA's analytical latency model filled from `network` cannot be a compile option on the
   jaxlibs measured (0.10.2, 0.12): `prophet-jax xla-flags` prints it as an XLA_FLAGS line.
 
-  Thresholds alone form the plan's buckets only for threshold-shaped plans (`bucket`, `xla`;
-  docs/xla_options.md has the measured table); for other plans use combiner keys
-  (`scheduled(..., enforce_order=False)`) or the rewrite itself.
+  Thresholds give the plan's *count* of buckets for threshold-fill plans (`bucket`, `xla`) but not
+  their membership (XLA merges in its own order; docs/xla_options.md has the measured table); for other
+  plans, and for exact buckets, use combiner keys (`scheduled(..., enforce_order=False)`) or the
+  library's own steps.
 
   Args:
     schedule: the plan (`prophet_jax.plan`).
