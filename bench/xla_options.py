@@ -27,7 +27,7 @@ are reduce-scatters and all-gathers: a plain step has none to combine).
     .ci/latest shell, then /opt/venv/bin/python bench/xla_options.py       # the newest jax (make test-latest's root)
 
 Prints a table; merges this jax's rows into bench/results/xla_options.json (one entry per jaxlib
-version); never asserts.
+version; a run replaces the rows of the targets and models it measured); never asserts.
 """
 
 from __future__ import annotations
@@ -185,6 +185,9 @@ def main() -> int:
   results.setdefault("what", "plain pmean step compiled for 8 compile-only GPUs with xla_options(plan); "
                      "no GPU ran")
   results.setdefault("runs", {})
+  old = results["runs"].get(jaxlib.__version__, {}).get("rows", [])
+  done = {(r["target"], r["model"]) for r in rows}    # a partial run replaces only its (target, model) rows
+  rows = [r for r in old if (r["target"], r["model"]) not in done] + rows
   results["runs"][jaxlib.__version__] = {"jax": jax.__version__, "network": net.to_dict(), "rows": rows,
                                          "seconds": time.time() - t0}
   OUT.parent.mkdir(parents=True, exist_ok=True)
