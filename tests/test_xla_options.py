@@ -65,6 +65,17 @@ def test_no_plugin_and_no_target_gives_nothing_and_says_why(cnn_plan, monkeypatc
   monkeypatch.setattr(_xla_options, "cuda_plugin_installed", lambda: False)
   with pytest.warns(UserWarning, match="CUDA plugin .* is not installed and no `target` was given"):
     assert pj.xla_options(schedule, NET) == {}
+  # a plugin, but an environment that cannot build the guessed target: {} and its reason, not a raise
+  monkeypatch.setattr(_xla_options, "_resolve_target", lambda target: ("h100", None))
+
+  def unbuildable(target, options):
+    raise pj.GpuCompileError("gpu_topology: JAX_PLATFORMS is not set")
+
+  monkeypatch.setattr(_xla_options, "_accepts", unbuildable)
+  with pytest.warns(UserWarning, match="no GPU target could be used .* JAX_PLATFORMS is not set"):
+    assert pj.xla_options(schedule, NET) == {}
+  with pytest.raises(pj.GpuCompileError, match="JAX_PLATFORMS"):   # a named target does raise
+    pj.xla_options(schedule, NET, target="h100")
 
 
 def test_cli_prints_the_flags_line_and_the_options(capsys):

@@ -33,6 +33,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from .._values._errors import GpuCompileError
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
 from ._gpu import GpuTopology, cuda_plugin_installed, gpu_target
@@ -121,6 +122,7 @@ def plan_options(schedule: Schedule, network: NetworkModel | None = None) -> dic
   - In flight: the plan's links (one tie chain per link: that many collectives at once).
   - Early start where the plan overlaps communication with backward (more than one unit: each starts as
     soon as its gradients exist); a plan of one unit sends it after backward, so it is not set.
+  A sharded plan's unit sizes depend on the workers: `network.workers`, or 8 without a network.
   """
   if not isinstance(schedule, Schedule):
     raise TypeError(f"xla_options: `schedule` must be a prophet_jax.Schedule (from prophet_jax.plan), got "
@@ -274,7 +276,14 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
 
   notes: list[str] = []
   candidates = {names[i]: value for names, value in wanted.values() for i in range(len(names))}
-  ok = _accepts(name, candidates)
+  try:
+    ok = _accepts(name, candidates)
+  except GpuCompileError as e:
+    if target is not None:
+      raise
+    # no target named: one was guessed from the installed plugin, and this environment cannot build it
+    return XlaSettings(compiler_options={}, xla_flags="", jaxlib=jaxlib.__version__, target="",
+                       notes=(f"no GPU target could be used to check the options: {e}",))
   options: dict[str, Any] = {}
   for setting, (names, value) in wanted.items():
     first = next((n for n in names if ok[n]), None)
