@@ -2,7 +2,8 @@
 
 profile -> measure -> plan -> rewrite -> simulate. Planning and simulation are pure numpy and work
 without jax; the jax-backed names (allreduce, scheduled, hooked, pipelined, audit, profile_step,
-measure_network, Monitor, choose, gpu_topology, lower_step, compile_step, profile_from_trace) are imported lazily on
+measure_network, Monitor, choose, gpu_topology, lower_step, compile_step, profile_from_trace,
+xla_options) are imported lazily on
 first use, as is matplotlib (plot_timelines).
 """
 
@@ -43,6 +44,8 @@ _EXPORTS: dict[str, str] = {
     # compile-only GPU targets (jax, imported when a topology is made)
     "gpu_topology": "_compiled._gpu", "GpuTopology": "_compiled._gpu", "GpuTarget": "_compiled._gpu", "gpu_target": "_compiled._gpu",
     "GPU_TARGETS": "_compiled._gpu", "lower_step": "_steps", "compile_step": "_steps",
+    # the plan as XLA settings, for a plain step (jax, imported when the options are checked)
+    "xla_options": "_compiled._xla_options",
 }
 
 __all__ = sorted(_EXPORTS) + ["schedulers"]
@@ -73,6 +76,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
                         UnboundAxisError)
   from ._compiled._gpu import GPU_TARGETS, GpuTarget, GpuTopology, gpu_target, gpu_topology
   from ._multiprocess._choose import choose
+  from ._compiled._xla_options import xla_options
   from ._multiprocess._monitor import Monitor
   from ._planning._paired import Choice
   from ._measure._probe import AllreduceTimings, measure_network, probe

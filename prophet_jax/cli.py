@@ -1,4 +1,4 @@
-"""The `prophet-jax` command line: simulate, plan, profile, probe, demo, launch, audit.
+"""The `prophet-jax` command line: simulate, plan, profile, probe, demo, launch, audit, xla-flags.
 
 Only JSON passes between steps. Bad input prints one line to stderr and exits 2 (`--debug` shows the
 traceback). The planning commands (simulate, plan) never import jax.
@@ -409,6 +409,37 @@ def cmd_audit(a: argparse.Namespace) -> int:
   return 0 if report.ok else 1
 
 
+# -- xla-flags: the plan as XLA settings for a plain step ------------------------------------------
+
+def cmd_xla_flags(a: argparse.Namespace) -> int:
+  """Plans, then prints the XLA_FLAGS line and the compiler_options that realise the plan as far as
+  settings can, checked against the installed jaxlib (`prophet_jax.xla_options`)."""
+  from . import plan
+  from ._compiled._gpu import gpu_target, quiet_cuda_stub
+
+  target = gpu_target(a.target).name if a.target else None  # an unknown target fails before jax starts
+  profile, model = load_model(a.model, a.device)
+  net = load_network(a.network, a.workers)
+  schedule = plan(profile, net, a.policy)
+  with quiet_cuda_stub():
+    from ._compiled._xla_options import xla_settings
+
+    s = xla_settings(schedule, net, target=target)
+  if a.json:
+    print(json.dumps({"model": model, "policy": schedule.policy, "workers": net.workers,
+                      "units": schedule.num_allreduces, **s.to_dict()}, indent=1))
+    return 0
+  print(f'XLA_FLAGS="{s.xla_flags}"')
+  print(f"compiler_options={json.dumps(s.compiler_options)}")
+  if s.target:
+    where = "this machine's GPU" if s.target == "gpu" else f"a compile-only {s.target}"
+    print(f"checked against jaxlib {s.jaxlib} on {where}; plan: {model}, {schedule.policy}, "
+          f"{schedule.num_allreduces} unit(s), {net.workers} workers")
+  for note in s.notes:
+    print(f"note: {note}")
+  return 0
+
+
 # -- parser ----------------------------------------------------------------------------------------
 
 class _Parser(argparse.ArgumentParser):
@@ -505,6 +536,20 @@ def build_parser() -> argparse.ArgumentParser:
                  "pipelined with mesh=; pmean: the partitioner's all-reduce) instead of a shard_map step")
   s.add_argument("--json", action="store_true", help="print the report as JSON")
   s.set_defaults(fn=cmd_audit)
+
+  s = sub.add_parser("xla-flags", parents=[common], help="the XLA_FLAGS line and compiler_options that "
+                     "realise a plan as far as XLA settings can (for a plain jax.jit step), checked "
+                     "against the installed jaxlib")
+  s.add_argument("--model", required=True, help="trace name, model name completed by --device, or a "
+                 "GradientProfile JSON")
+  s.add_argument("--device", default=None, help=f"device of the bundled trace (default {DEFAULT_DEVICE})")
+  s.add_argument("--workers", type=_positive, default=None)
+  s.add_argument("--network", required=True, help=f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON")
+  s.add_argument("--policy", default="auto")
+  s.add_argument("--target", default=None, help="h100, a100 or v100: check on that compile-only GPU "
+                 "(default: this machine's GPU, else a compile-only h100 where jax's CUDA plugin is installed)")
+  s.add_argument("--json", action="store_true", help="print the settings, the jaxlib and the notes as JSON")
+  s.set_defaults(fn=cmd_xla_flags)
   return p
 
 
