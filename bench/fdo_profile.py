@@ -18,6 +18,9 @@ instruction names). The trial, on 8 compile-only H100s (`gpu_topology`; nothing 
     JAX_PLATFORMS=cpu .venv/bin/python bench/fdo_profile.py
 
 Prints the verdict; writes bench/results/fdo_profile.json (one entry per jaxlib); never asserts.
+
+Why it imports private code: the cost-profile trial writes instruction costs keyed by the compiled
+program's own names and reads the windows back with the library's HLO reader (`_compiled._hlo*`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ OUT = Path(__file__).parent / "results" / "fdo_profile.json"
 def collective_windows(compiled) -> dict[str, tuple[int, int, int]]:
   """Every all-reduce of a compiled program, by the name of its start: (bytes, ops inside its window,
   FLOPs inside its window)."""
-  from prophet_jax._compiled._hlo import OpCosts, allreduces, async_windows, execution_order, hlo_text, parse_hlo, shape_bytes
+  from prophet_jax._compiled._hlo import execution_order, hlo_text, parse_hlo, shape_bytes
+  from prophet_jax._compiled._hlo_collectives import allreduces, async_windows
+  from prophet_jax._compiled._hlo_costs import OpCosts
 
   module = parse_hlo(hlo_text(compiled))
   ops = execution_order(module)
@@ -60,7 +65,8 @@ def cost_profile(compiled, network) -> bytes:
   """A ProfiledInstructionsProto in text form: every all-reduce of `compiled` (its start instruction, by
   the optimized HLO's name) at the cost `network.allreduce_s` gives its bytes; compute is left to XLA.
   Not shipped in the library: the trial does not pass (docs/xla_options.md)."""
-  from prophet_jax._compiled._hlo import allreduces, hlo_text, parse_hlo, shape_bytes
+  from prophet_jax._compiled._hlo import hlo_text, parse_hlo, shape_bytes
+  from prophet_jax._compiled._hlo_collectives import allreduces
 
   lines = [f'costs {{ name: "{ar.op.instruction.name}" cost_us: '
            f'{network.allreduce_s(shape_bytes(ar.shape)) * 1e6:.6f} }}\n'

@@ -28,6 +28,9 @@ are reduce-scatters and all-gathers: a plain step has none to combine).
 
 Prints a table; merges this jax's rows into bench/results/xla_options.json (one entry per jaxlib
 version; a run replaces the rows of the targets and models it measured); never asserts.
+
+Why it imports private code: it counts the compiled program's all-reduces and their bytes with the
+library's HLO reader (`_compiled._hlo`, `_hlo_collectives`) and compiles bundled steps with `_steps`.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ XLA_GPU_DEFAULT_BYTES = 30 * 2**20
 
 def gradient_allreduces(compiled) -> list[int]:
   """Bytes of every all-reduce of the compiled step (all f32 here; the lone loss scalar dropped)."""
-  from prophet_jax._compiled._hlo import allreduces, hlo_text, parse_hlo, shape_bytes
+  from prophet_jax._compiled._hlo import hlo_text, parse_hlo, shape_bytes
+  from prophet_jax._compiled._hlo_collectives import allreduces
 
   sizes = [shape_bytes(op.shape) for op in allreduces(parse_hlo(hlo_text(compiled)))]
   return [b for b in sizes if b > 4]

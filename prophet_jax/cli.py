@@ -414,7 +414,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
 def cmd_xla_flags(a: argparse.Namespace) -> int:
   """Plans, then prints the XLA_FLAGS line and the compiler_options that realise the plan as far as
   settings can, checked against the installed jaxlib (`prophet_jax.xla_options`)."""
-  from . import plan
+  from . import plan  # lazy: the CLI starts without jax
   from ._compiled._gpu import gpu_target, quiet_cuda_stub
 
   target = gpu_target(a.target).name if a.target else None  # an unknown target fails before jax starts
@@ -422,7 +422,7 @@ def cmd_xla_flags(a: argparse.Namespace) -> int:
   net = load_network(a.network, a.workers)
   schedule = plan(profile, net, a.policy)
   with quiet_cuda_stub():
-    from ._compiled._xla_options import xla_settings
+    from ._compiled._xla_options import xla_settings  # inside the stub's quiet: the plugin may print
 
     s = xla_settings(schedule, net, target=target)
   if a.json:

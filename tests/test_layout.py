@@ -197,6 +197,8 @@ REPO = ROOT.parent
 STUDIES_INTERNALS = {
     "bench/auto_gap.py",      # runs auto's own search engine deeper (an oracle of the same engine)
     "bench/choose.py",        # choose's decision rule on an injected clock (--power), no steps
+    "bench/fdo_profile.py",   # XLA's cost profile keyed by the compiled program's instruction names
+    "bench/xla_options.py",   # thresholds vs plans: the compiled all-reduces read with the HLO reader
     "bench/fsdp.py",          # the modelled partitioner's schedule on the fsdp planner's own units
     "bench/fsdp_hlo.py",      # the partitioner's compiled FSDP program read into a Schedule (FsdpPlan)
     "bench/gpu_ordering.py",  # the tie itself against jax's ordering means

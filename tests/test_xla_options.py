@@ -15,7 +15,8 @@ import pytest
 import prophet_jax as pj
 from prophet_jax import cli, models
 from prophet_jax._compiled import _xla_options
-from prophet_jax._compiled._hlo import allreduces, hlo_text, parse_hlo, shape_bytes
+from prophet_jax._compiled._hlo import hlo_text, parse_hlo, shape_bytes
+from prophet_jax._compiled._hlo_collectives import allreduces
 
 NET = pj.NetworkModel.preset("10gbe", workers=8)
 

@@ -171,16 +171,16 @@ def network_flags(network: NetworkModel) -> dict[str, str]:
 @functools.lru_cache(maxsize=None)
 def _probe_program(target: str) -> Any:
   """A tiny psum program lowered for `target` ('gpu': the real GPU), to compile candidate options on."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import PartitionSpec as P
+  import jax  # jax starts here, after gpu_target/_resolve_target looked at the environment (JAX_PLATFORMS)
+  import jax.numpy as jnp  # (the same reason)
+  from jax.sharding import PartitionSpec as P  # (the same reason)
 
   if target == "gpu":
     devices = jax.devices()[:1]
     mesh = jax.sharding.Mesh(devices, ("data",))
     x = jax.ShapeDtypeStruct((64,), jnp.float32)
   else:
-    from ._gpu import gpu_topology
+    from ._gpu import gpu_topology  # (the same reason: it sets up the compile-only platform first)
 
     topo = gpu_topology(target, devices=2)
     mesh = topo.mesh("data")
@@ -249,7 +249,7 @@ def _resolve_target(target: Any) -> tuple[str | None, str | None]:
                   "`target` was given, so no XLA:GPU option can be checked and none is returned. Install "
                   "'prophet-jax[gpu-compile]' and pass target='h100' (or 'a100', 'v100'), or call it on a "
                   "machine with a GPU.")
-  import jax
+  import jax  # only once a plugin is known to be there: jax then starts with it
 
   try:
     if jax.devices()[0].platform == "gpu":
@@ -272,7 +272,7 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
   name, why = _resolve_target(target)
   if name is None:
     return XlaSettings(compiler_options={}, xla_flags="", jaxlib="", target="", notes=(why,))
-  import jaxlib
+  import jaxlib  # only where a target exists (the CLI's xla-flags imports this module without jax)
 
   notes: list[str] = []
   candidates = {names[i]: value for names, value in wanted.values() for i in range(len(names))}
