@@ -99,7 +99,9 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
   print(net.describe(), f"\n  ({time.perf_counter() - t0:.1f} s)\n")
 
   # 2. plan every policy and predict
-  policies = [p for p in POLICIES if p != "dlcp"]
+  # dlcp is lossy (the demo compares lossless steps); fsdp plans parameters sharded over the data axis,
+  # which the demo's replicated model is not (and the rewrite does not carry fsdp plans out yet)
+  policies = [p for p in POLICIES if p not in ("dlcp", "fsdp")]
   schedules = {p: pj.plan(profile, net, p) for p in policies}
   sims = {p: pj.simulate(s, profile, net) for p, s in schedules.items()}
   print(schedules["auto"].describe(), "\n")
