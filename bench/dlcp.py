@@ -374,7 +374,7 @@ def train(name, schedule, kind="sgdm", seed=0, *, steps=CONV_STEPS, lr=None, fee
   import numpy as np
 
   import prophet_jax as pj
-  from prophet_jax._rewrite._transform import ScheduledState
+  from prophet_jax._rewrite._states import ScheduledState
 
   lr = CONV_LR["adamw" if kind == "adamw" else "sgdm"] if lr is None else lr
   n = 8

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _accumulate, _defer, _zero
+from . import _accumulate, _defer, _states, _zero
 from ._collectives import accumulated_allreduce, scheduled_allreduce
 from .._values._errors import AlreadyReducedError
 from .._values._schedule import Schedule
@@ -375,9 +375,9 @@ class MeshGradFn:
         value = jax.lax.pmean(value, axes)
       return (value, grads, out[2]) if stateful else (value, grads)
 
-    dspec = _defer.state_specs(defer_state, _spec_entry(axes)) if defer_state is not None else P()
+    dspec = _states.state_specs(defer_state, _spec_entry(axes)) if defer_state is not None else P()
     out_state = defer_state if _defer.belongs(defer_state, self.schedule) else _defer.init(self.schedule)
-    dspec_out = _defer.state_specs(out_state, _spec_entry(axes)) if out_state is not None else P()
+    dspec_out = _states.state_specs(out_state, _spec_entry(axes)) if out_state is not None else P()
     gspec = data if self.schedule.sharded else P()  # a sharded schedule's GradShards: each device's own
     outs = (self._value_specs(), gspec) + ((dspec_out,) if stateful else ())
     mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), P(), data, dspec), out_specs=outs)
@@ -492,7 +492,7 @@ def global_defer_state(schedule: Schedule, mesh: Any, axis_name: Any) -> _defer.
     return None
   axes = check_mesh(mesh, axis_name, "defer_state")
   abstract = _defer.init(schedule)
-  specs = _defer.state_specs(abstract, _spec_entry(axes))
+  specs = _states.state_specs(abstract, _spec_entry(axes))
   return jax.shard_map(lambda: _defer.init(schedule), mesh=mesh, in_specs=(), out_specs=specs)()
 
 
@@ -551,11 +551,11 @@ def reduce_unreduced(grads: Any, schedule: Schedule, *, mesh: Any, axis_name: An
     return spec if set(axes) <= set(getattr(spec, "unreduced", ()) or ()) else P()
 
   gspecs = jax.tree_util.tree_map(spec_of, grads)
-  dspec = _defer.state_specs(defer_state, entry) if defer_state is not None else P()
+  dspec = _states.state_specs(defer_state, entry) if defer_state is not None else P()
   dspec_out = dspec
   if defer_state is not None and not _defer.belongs(defer_state, schedule):   # a re-plan's state: carried
     new = _defer.init(schedule)
-    dspec_out = _defer.state_specs(new, entry) if new is not None else P()
+    dspec_out = _states.state_specs(new, entry) if new is not None else P()
 
   def body(g, d):
     red, new = scheduled_allreduce(g, schedule, axes if len(axes) > 1 else axes[0], mean=False,
@@ -569,11 +569,11 @@ def reduce_unreduced(grads: Any, schedule: Schedule, *, mesh: Any, axis_name: An
   return mapped(grads, defer_state)
 
 
-def global_accum_state(schedule: Schedule, mesh: Any, axis_name: Any) -> _accumulate.AccumState:
+def global_accum_state(schedule: Schedule, mesh: Any, axis_name: Any) -> _states.AccumState:
   """`scheduled(..., every_k=k)`'s gradient accumulator laid out on the mesh: each row's sums `(n,
   *shape)` split over the data axis (each device's own, zero), the count replicated."""
   axes = check_mesh(mesh, axis_name, "scheduled")
-  specs = _defer.state_specs(_accumulate.init(schedule), _spec_entry(axes))
+  specs = _states.state_specs(_accumulate.init(schedule), _spec_entry(axes))
   return jax.shard_map(lambda: _accumulate.init(schedule), mesh=mesh, in_specs=(), out_specs=specs)()
 
 
@@ -591,7 +591,7 @@ def accumulate_unreduced(grads: Any, schedule: Schedule, *, mesh: Any, axis_name
   fix = "Make the optimizer state with this transformation's init on the mesh."
   if defer_state is not None:
     _check_defer_layout(defer_state, n, where, fix)
-  if isinstance(accum, _accumulate.AccumState):
+  if isinstance(accum, _states.AccumState):
     for (path, _, _), g in zip(schedule.rows, accum.grads):
       if np.shape(g)[:1] != (n,):
         raise ValueError(
@@ -603,8 +603,8 @@ def accumulate_unreduced(grads: Any, schedule: Schedule, *, mesh: Any, axis_name
     return spec if set(axes) <= set(getattr(spec, "unreduced", ()) or ()) else P()
 
   gspecs = jax.tree_util.tree_map(spec_of, grads)
-  dspec = _defer.state_specs(defer_state, entry) if defer_state is not None else P()
-  aspec = _defer.state_specs(accum, entry)
+  dspec = _states.state_specs(defer_state, entry) if defer_state is not None else P()
+  aspec = _states.state_specs(accum, entry)
 
   def body(g, a, d):
     return accumulated_allreduce(g, schedule, axes if len(axes) > 1 else axes[0], every_k=every_k,
@@ -646,14 +646,14 @@ def sharded_update(tx: Any, updates: Any, state: Any, params: Any, schedule: Sch
   entry = _spec_entry(axes)
   ax = axes if len(axes) > 1 else axes[0]
   n = axis_total(mesh, axes)
-  if not isinstance(state, _zero.ShardedState):
+  if not isinstance(state, _states.ShardedState):
     _zero.check_state(state, schedule, n, where)
   lead = [np.shape(x)[:1] for x in jax.tree_util.tree_leaves(state.per_device)]
   if any(s != (n,) for s in lead):
     raise ValueError(f"{where}: the sharded optimizer state's leaves have leading axes {sorted(set(lead))}, "
                      f"but on the mesh each device's shard state is on a leading axis of {n} (the data "
                      f"axis): make the state with this transformation's init on the mesh.")
-  if isinstance(updates, _zero.GradShards):
+  if isinstance(updates, _states.GradShards):
     gspecs, mean = P(entry), True
   else:
     _check_unreduced(updates, mesh, axes, where)

@@ -106,7 +106,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from . import _defer, _zero
+from . import _defer, _states, _zero
 from .._values._checks import check_values, match_tree
 from ._collectives import allreduce, axis_size, is_varying, to_varying, vma_enabled
 from ._defer import DeferState
@@ -487,7 +487,7 @@ class Pipelined:
                                     is_leaf=lambda x: isinstance(x, PartitionSpec))
 
     full = [expand(spec, part) for part, spec in zip(state[:-1], prefix[:-1])]
-    return PipelinedState(*full, defer=_defer.state_specs(state.defer, axis))
+    return PipelinedState(*full, defer=_states.state_specs(state.defer, axis))
 
   def deferred_grads(self, state: PipelinedState) -> Any:
     """This device's deferred gradient values as a tree like the parameters (zero elsewhere).

@@ -33,6 +33,7 @@ from ._accumulate import init as accum_init
 from ._collectives import (_zero_of, accumulated_allreduce, axis_size, carries, carry_over,
                            check_residual_varying, is_varying, reduce_scatter_chunks, reduce_units,
                            schedule_units, scheduled_allreduce, to_varying, unit_allreduces, vma_enabled)
+from ._states import GradShards, ScheduledState
 from ._defer import DeferState, GroupState, check_state, group_states, init as defer_init, with_groups
 from .._values._errors import AlreadyReducedError, CompositionError
 from .._values._schedule import Bucket, Chunk, Schedule, shard_size
@@ -45,23 +46,6 @@ LOOP_SCOPE = "prophet/loop/"
 
 # --------------------------------------------------------------------------------------------------
 # scheduled: the optax wrapper
-
-
-class ScheduledState(NamedTuple):
-  """State of `scheduled(tx, ...)`.
-
-  Attributes:
-    inner: the wrapped transformation's state, unchanged.
-    defer_state: the schedule's `DeferState` (`prophet_jax.defer_state`) when it defers (`dlcp` with
-      `max_defer > 0`), else None. Its residuals are each device's own: under `shard_map`, pass the
-      whole optimizer state with `prophet_jax.state_specs(opt_state, axis_name)`.
-    accum: with `every_k > 1`, the gradient accumulator (`AccumState`: the micro-step count and each
-      device's sums, which `state_specs` also gives `P(axis_name)`), else None.
-  """
-
-  inner: Any
-  defer_state: Any = None
-  accum: Any = None
 
 
 # Where `scheduled` sits in the user's optax composition is visible on the Python stack while the
@@ -633,7 +617,7 @@ def _hooked_sharded(loss_fn: Callable[..., Any], schedule: Schedule, axis_name: 
     token = varying(jnp.zeros((), jnp.float32))
     value, (_, tok, shards) = jax.value_and_grad(inner, argnums=(0, 1, 2), has_aux=has_aux or has_state,
                                                  allow_int=True)(flat, token, slots)
-    return value, _zero.GradShards(shards=tuple(shards), token=tok.reshape(1),
+    return value, GradShards(shards=tuple(shards), token=tok.reshape(1),
                                    tag=_zero._tag(schedule, n, ""))
 
   return grad_fn
