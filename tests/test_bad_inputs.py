@@ -173,8 +173,8 @@ def _carry_to_lossless():
 
 
 def _bare_state_to_lossless():
+  st = pj.defer_state(_deferring_tree_schedule())
   from prophet_jax._rewrite import _states
-  from prophet_jax._rewrite import _defer
 
   bare = st._replace(tag=_states.StateTag(st.tag.key, st.tag.fingerprint, st.tag.layout))
   rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *x.shape)), bare)

@@ -107,7 +107,7 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_nam
   if mesh is None:
     devices = jax.local_devices()
   else:  # the training mesh: this process's devices along its data axis run the per-device step
-    from .._rewrite._mesh import local_devices_along
+    from .._compiled._devices import local_devices_along  # imports jax, which this module imports in functions
 
     if axis_name is None and len(mesh.axis_names) == 1:
       axis_name = mesh.axis_names[0]

@@ -136,7 +136,7 @@ class Monitor:
     if mesh is not None:  # the probe's devices and the workers from the training mesh's data axis
       import jax
 
-      from .._rewrite._mesh import axis_total, check_mesh
+      from .._compiled._devices import axis_total, check_mesh  # imports jax, as the line above does
 
       if axis_name is None and len(mesh.axis_names) == 1:
         axis_name = mesh.axis_names[0]

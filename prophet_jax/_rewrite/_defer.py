@@ -129,14 +129,7 @@ class GroupState(NamedTuple):
 
 
 def init(schedule: Schedule) -> DeferState | None:
-  """The state before the first step: norms 0, nothing deferred, zero residuals (None when the
-  schedule defers nothing). Public as `prophet_jax.defer_state`.
-
-  The residual of each device is zero, so the same state serves every device: under `pmap`,
-  replicate it (it has no device axis of its own); under `shard_map`, make it inside the mapped
-  function (or stack n copies of each residual on its leading axis) and pass it with `state_specs`.
-  The first step ranks by index and so defers the last k chunks of every group.
-  """
+  """The state before the first step (public as `prophet_jax.defer_state`, which says more)."""
   if not isinstance(schedule, Schedule):
     raise TypeError(f"defer_state: expected a prophet_jax.Schedule, got {type(schedule).__name__}.")
   if not schedule.defers:

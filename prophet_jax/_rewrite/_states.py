@@ -1,31 +1,19 @@
 """The library's per-device states, as one layer: what a step carries from one call to the next.
 
-Every state a schedule's step keeps for itself is here, by type, with what all of them share:
-
 - `ScheduledState(inner, defer_state, accum)`: the state of `scheduled(tx, ...)`;
-- `DeferState`: a deferring schedule's groups (norms, deferred mask, index, each device's residual;
-  `_defer` makes and checks it, the engine steps it);
-- `ShardedState(per_device, tag)`: a sharded schedule's optimizer state, `tx`'s state of this device's
-  shards (`_zero`), and `GradShards`, the reduce-scattered gradients `hooked` hands to `scheduled`;
+- `DeferState`: a deferring schedule's groups (`_defer` makes and checks it, the engine steps it);
+- `ShardedState(per_device, tag)`: `tx`'s state of this device's shards under a sharded schedule, and
+  `GradShards`, the reduce-scattered gradients `hooked` hands to `scheduled` (`_zero`);
 - `AccumState(count, grads)`: the micro-step sums of `scheduled(..., every_k=k)` (`_accumulate`).
 
-One tag. A state that depends on its schedule carries a `StateTag`: a leafless pytree node whose
-structure holds the schedule's one key (`schedule_key`: the tree fingerprint, every chunk's slices,
-the deferral groups and the gathers), the state's layout (a deferral group's (m, rows, c, dtype), or a
-shard state's `ShardLayout(n, sizes, mode)`) and the schedule itself (compared by key alone, so jit's
-treedef comparisons stay cheap): a state of another schedule or tree is caught at trace time, and a
-state records what it needs to be converted.
-
-One rule for specs. `state_specs` gives `P(axis)` to what is each device's own (a ShardedState's and a
-GradShards' leaves, a DeferState's residuals, an AccumState's sums) and `P()` to the rest, found by
-type, or, in containers that re-label fields (`flax.nnx` keeps an optimizer state as nested dicts of
-Variables), by the one path rule `per_device_path`.
-
-One conversion, on the host, from a schedule's layout to another's: `_convert.convert` (above the
-modules that make and check each state, which it reads).
-
-Saved states keep their field names and key paths (tests/test_states.py restores states saved before
-this module existed).
+One tag: `StateTag`, a leafless pytree node whose structure holds the schedule's one key
+(`schedule_key`), the state's layout (a deferral group's (m, rows, c, dtype), or a `ShardLayout`) and
+the schedule itself (compared by key alone, so jit's treedef comparisons stay cheap): a state of
+another schedule or tree is caught at trace time, and a state records what converting it needs
+(`_convert.convert`, above the modules that make each state). One rule for specs: `state_specs`
+gives `P(axis)` to each device's own parts, found by type or, in containers that re-label fields
+(`flax.nnx`), by the one path rule `per_device_path`. Saved states keep their field names and key
+paths (tests/test_states.py restores states saved before this module existed).
 """
 
 from __future__ import annotations
@@ -35,14 +23,13 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec
 
 from .._values._schedule import Schedule
 from .._values._tree import IdentityMemo
 
 __all__ = ["StateTag", "ShardLayout", "schedule_key", "ScheduledState", "DeferState", "ShardedState",
-           "GradShards", "AccumState", "per_device_path", "state_specs", "is_state"]
+           "GradShards", "AccumState", "per_device_path", "state_specs", "is_state", "per_device_leaves"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,3 +296,21 @@ def state_specs(state: Any, axis_name: Any) -> Any:
     return PartitionSpec(axis_name) if per_device_path([_key_name(k) for k in path]) else PartitionSpec()
 
   return jax.tree_util.tree_map_with_path(one, state, is_leaf=is_state)
+
+
+def per_device_leaves(state: Any) -> list[tuple[str, Any]]:
+  """(a name for messages, the leaf) for every leaf of `state` that `state_specs` gives the axis: what
+  a placement check reads (each device's part, on the leading axis of a global array)."""
+  out: list[tuple[str, Any]] = []
+  for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_state)[0]:
+    if isinstance(x, DeferState):
+      out += [(f"the deferral state's residual of group {i}", r) for i, r in enumerate(x.residual)]
+    elif isinstance(x, AccumState):
+      out += [(f"the gradient accumulator's sum {i}", g) for i, g in enumerate(x.grads)]
+    elif isinstance(x, (ShardedState, GradShards)):
+      what = "sharded optimizer state" if isinstance(x, ShardedState) else "gradient shards"
+      out += [(f"the {what}'s leaf {jax.tree_util.keystr(p)}", y)
+              for p, y in jax.tree_util.tree_flatten_with_path(x[:-1])[0]]
+    elif per_device_path([_key_name(k) for k in path]):
+      out.append((f"the state's leaf {jax.tree_util.keystr(path)}", x))
+  return out
