@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from _assert import assert_trees_close
 import prophet_jax as pj
 from prophet_jax import DeferState, ScheduleMismatchError
-from prophet_jax._rewrite import _collectives, _defer, _states
+from prophet_jax._rewrite import _collectives, _states
 from prophet_jax._rewrite._pipelined import pipelined
 from prophet_jax.models import get_model
 

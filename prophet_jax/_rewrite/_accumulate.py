@@ -6,7 +6,7 @@ the mean over the k micro-steps: the full-batch step over k micro-batches, for o
 gradients per k micro-steps. (`optax.MultiSteps` cannot give that: in optax 0.2.8 its `update` runs
 the inner transformation on every micro-step and keeps the result with `jnp.where`, so a `scheduled`
 inside it, or around it, all-reduces on every micro-step.) The step itself is the engine's
-(`_collectives.accumulated_allreduce`); this module keeps what it carries from one call to the next:
+(`_reduction.accumulated_allreduce`); this module keeps what it carries from one call to the next:
 
 - `AccumState(count, grads)` (a NamedTuple pytree): `count` int32[] (micro-steps accumulated since
   the last all-reduce, replicated, `P()` under shard_map); `grads`, one array per schedule row, shape

@@ -33,10 +33,14 @@ mesh lacks, are refused everywhere.
 
 Gradients obtained *unreduced* (jax's `reduced`/`unreduced` sharding types: differentiate with
 respect to params resharded to `P(reduced={axis})` and `jax.grad` returns each device's partial sum,
-typed `{U:axis}`, with no all-reduce) are reduced on the schedule by `reduce_unreduced` (what
-`scheduled(tx, ..., mesh=)` does in its `update`): a `shard_map` whose in_specs keep the gradients
-unreduced and whose body runs the chunks' `psum`s (sums: the partial sums already carry the mean's
-1/batch), so the compiled program's gradient all-reduces are the schedule's, in order.
+typed `{U:axis}`, with no all-reduce) are reduced on the schedule by `scheduled(tx, ..., mesh=)`'s
+`update` (`MeshTransformation`): a `shard_map` whose in_specs keep the gradients unreduced and whose
+body runs the per-device update on them as sums (the partial sums already carry the mean's 1/batch),
+so the compiled program's gradient all-reduces are the schedule's, in order.
+
+This module is the placement layer: `placed`, `placed_grad_fn` and `placed_step` return a front-end's
+per-device function as it is without a mesh, or wrapped over the mesh. It owns the placement checks and
+specs, and reads the library's states only through the state layer (`_states`).
 """
 
 from __future__ import annotations
