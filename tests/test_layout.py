@@ -140,8 +140,6 @@ def test_placement_is_decided_outside_the_rewrite_only_in_the_mesh_geometry():
   assert not outside, outside
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: the front-ends' `mesh=` branches (scheduled, hooked, "
-                   "pipelined) become one wrapper in the mesh layer in separate work; this flips when it lands")
 def test_placement_is_decided_only_in_the_mesh_layer():
   """Every front-end is written once, per device; `mesh=` is one wrapper over it: no `mesh is None` /
   `mesh is not None` test outside `_rewrite/_mesh.py` (and the mesh geometry under it)."""
@@ -182,8 +180,6 @@ def test_every_in_function_import_says_why():
   assert not _silent_imports(inside_rewrite=False), _silent_imports(inside_rewrite=False)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: one in-function import in the rewrite (_defer's "
-                   "PartitionSpec) has no reason; the rewrite's refactor, in separate work, removes or explains it")
 def test_every_in_function_import_in_the_rewrite_says_why():
   """The same for the rewrite stage."""
   assert not _silent_imports(inside_rewrite=True), _silent_imports(inside_rewrite=True)
