@@ -6,9 +6,10 @@ over the mesh itself) and compared with its reference by docs/design.md's tolera
 schedules: the setups of tests/_user_setups.py (the single-device full-batch step, or the plain pmean
 step where that is the right one) with SGD+momentum or AdamW, on a one-axis mesh with Explicit axes
 (`jax.make_mesh`'s default) and on a ("data", "model") mesh with Auto axes; the n-1 divisor control
-(the case's own compiled step, the divisor a runtime scalar) fails every case, bfloat16 included. The compiled programs: the plain jit step's own gradient
-all-reduce is gone (not doubled), the chunks are there in order inside backward (CPU, and compile-only
-H100s), no collective runs over the other mesh axis. Bad placement gets an error naming the leaf.
+(the case's own compiled step, the divisor a runtime scalar) fails every case, bfloat16 included. The
+compiled programs: the plain jit step's own gradient all-reduce is gone (not doubled), the chunks are
+there in order inside backward (CPU, and compile-only H100s), no collective runs over the other mesh
+axis. Bad placement gets an error naming the leaf.
 """
 
 from __future__ import annotations
