@@ -3,7 +3,7 @@
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-PYTEST_ARGS := -q -p no:cacheprovider -n 2 --dist loadfile
+PYTEST_ARGS := -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)

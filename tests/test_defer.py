@@ -294,6 +294,7 @@ def _gpu_step(schedule, topo, model):
                     topo.abstract(batch, P(AX), mesh=mesh))
 
 
+@pytest.mark.gpu
 def test_gpu_two_links_two_allreduces_in_flight():
   from prophet_jax.models import get_model
   topo = pj.gpu_topology("h100", devices=NDEV)

@@ -78,6 +78,8 @@ SLOW_OPTIONS = {"partition_bytes": 16384, "credit_bytes": 16384}
 # jaxlib 0.10 takes for every size (docs/facts.md, "XLA:GPU 0.12's collective kernels"). The overlap
 # claims below are about the NCCL path: where this jaxlib has collective kernels, the audited programs
 # are compiled with them off (the option's empty list); `test_default_flags_...` audits the default.
+pytestmark = pytest.mark.gpu  # compile-only XLA:GPU: the gpu-compile extra, no GPU
+
 NCCL_PATH = ({"xla_gpu_experimental_use_collective_kernels": ""}
              if _gpu.xla_option_accepted("xla_gpu_experimental_use_collective_kernels", "") else {})
 
@@ -196,6 +198,18 @@ def test_pipelined_next_forward_runs_inside_an_allreduce_window_when_the_plan_al
     allowed_any |= allowed
     assert bool(r.forward_overlap) == allowed, f"{policy}: {r.describe()}"
   assert allowed_any, "no plan lets the next forward start early: the claim was not exercised"
+
+
+def test_the_suites_backend_optimisation_level_leaves_the_gpu_hlo_and_its_audit_unchanged(topo):
+  """tests/conftest.py sets XLA's backend optimisation level 0 for the suite: the scheduled HLO XLA:GPU
+  writes (and the audit reads) is byte for byte level 3's (XLA's default), windows included."""
+  s = schedule_for("cnn", "wfbp", "pipelined")
+  lowered = pj.lower_step(get_model("cnn"), s, "pipelined", topo, batch_size=BATCH)
+  texts = [lowered.compile(compiler_options={**NCCL_PATH, "xla_backend_optimization_level": level}).as_text()
+           for level in (0, 3)]
+  assert texts[0] == texts[1]
+  r = pj.audit(texts[0], s)
+  assert r.ok and r.asynchronous and r.backward_outside_windows == 0, r.describe()
 
 
 def test_plain_pmean_is_one_allreduce_with_nothing_overlapped(reports):

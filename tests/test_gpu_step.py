@@ -10,7 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_gpu_step_dry_run_on_the_cpu_writes_every_section(tmp_path):
   env = dict(os.environ, QUICK="1", JAX_PLATFORMS="cpu", OUT=str(tmp_path))
-  env.pop("XLA_FLAGS", None)  # one device, as on one GPU
+  # one device, as on one GPU; the suite's backend optimisation level (tests/conftest.py) for its compiles
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
   p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_step.py")], env=env, capture_output=True,
                      text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-3000:]

@@ -6,9 +6,10 @@ over the mesh itself) and compared with its reference by docs/design.md's tolera
 schedules: the setups of tests/_user_setups.py (the single-device full-batch step, or the plain pmean
 step where that is the right one) with SGD+momentum or AdamW, on a one-axis mesh with Explicit axes
 (`jax.make_mesh`'s default) and on a ("data", "model") mesh with Auto axes; the n-1 divisor control
-fails every setup, bfloat16 included. The compiled programs: the plain jit step's own gradient
-all-reduce is gone (not doubled), the chunks are there in order inside backward (CPU, and compile-only
-H100s), no collective runs over the other mesh axis. Bad placement gets an error naming the leaf.
+(the case's own compiled step, the divisor a runtime scalar) fails every case, bfloat16 included. The
+compiled programs: the plain jit step's own gradient all-reduce is gone (not doubled), the chunks are
+there in order inside backward (CPU, and compile-only H100s), no collective runs over the other mesh
+axis. Bad placement gets an error naming the leaf.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import _user_setups as U
 import prophet_jax as pj
 from _assert import assert_trees_close
 from prophet_jax._rewrite import _collectives
-from test_user_steps import check, reference
+from test_user_steps import WRONG_SCALE, _scaled, check, reference
 
 AXIS = "data"
 APIS = ("hooked", "pipelined")
@@ -64,12 +65,11 @@ def _flags(s: U.Setup) -> dict:
 
 
 def hooked_step(s: U.Setup, schedule: pj.Schedule, kind: str):
-  """jit(step(params, opt_state, model_state, batch) -> (params, opt_state, model_state, loss, aux))
+  """step(params, opt_state, model_state, batch) -> (params, opt_state, model_state, loss, aux), to jit,
   with hooked(..., mesh=) gradients and the user's own tx, and tx."""
   tx = s.make_tx()
   grad_fn = pj.hooked(s.loss_fn, schedule, axis_name=AXIS, mesh=mesh(kind), **_flags(s))
 
-  @jax.jit
   def step(p, o, ms, b):
     aux = None
     if s.has_state:
@@ -84,34 +84,57 @@ def hooked_step(s: U.Setup, schedule: pj.Schedule, kind: str):
   return step, tx
 
 
-def run_hooked(s: U.Setup, schedule: pj.Schedule, kind: str):
-  step, tx = hooked_step(s, schedule, kind)
-  p, o, ms = put(s.params, P(), kind), put(tx.init(s.params), P(), kind), put(s.model_state, P(), kind)
-  history = []
-  for b in s.batches:
-    p, o, ms, loss, aux = step(p, o, ms, put(b, P(AXIS), kind))
-    history.append((np.asarray(loss), None if aux is None else np.asarray(aux)))
-  return jax.device_get(p), ms, history
+def hooked_runner(s: U.Setup, schedule: pj.Schedule, kind: str):
+  body, tx = hooked_step(s, schedule, kind)
+  step = jax.jit(_scaled(body))
+  p0, o0 = put(s.params, P(), kind), put(tx.init(s.params), P(), kind)
+  ms0 = put(s.model_state, P(), kind)
+
+  def go(scale: float):
+    p, o, ms, history = p0, o0, ms0, []
+    for b in s.batches:
+      p, o, ms, loss, aux = step(p, o, ms, put(b, P(AXIS), kind), _scale(scale))
+      history.append((np.asarray(loss), None if aux is None else np.asarray(aux)))
+    return jax.device_get(p), ms, history
+
+  return go
 
 
-def run_pipelined(s: U.Setup, schedule: pj.Schedule, kind: str):
+def pipelined_runner(s: U.Setup, schedule: pj.Schedule, kind: str):
   pipe = pj.pipelined(s.loss_fn, s.make_tx(), schedule, axis_name=AXIS, mesh=mesh(kind), **_flags(s))
   params = put(s.params, P(), kind)
-  state = pipe.init(params, put(s.model_state, P(), kind)) if s.has_state else pipe.init(params)
-  step, flush = jax.jit(pipe.step), jax.jit(pipe.flush)
-  history = []
-  for b in s.batches:
-    state, out = step(state, put(b, P(AXIS), kind))
-    loss, aux = out if s.has_aux else (out, None)
-    history.append((np.asarray(loss), None if aux is None else np.asarray(aux)))
-  state = flush(state)
-  assert state.pending is None
-  return jax.device_get(state.params), state.model_state, history
+  state0 = pipe.init(params, put(s.model_state, P(), kind)) if s.has_state else pipe.init(params)
+  step, flush = jax.jit(_scaled(pipe.step)), jax.jit(_scaled(pipe.flush))
+
+  def go(scale: float):
+    state, history = state0, []
+    for b in s.batches:
+      state, out = step(state, put(b, P(AXIS), kind), _scale(scale))
+      loss, aux = out if s.has_aux else (out, None)
+      history.append((np.asarray(loss), None if aux is None else np.asarray(aux)))
+    state = flush(state, _scale(scale))
+    assert state.pending is None
+    return jax.device_get(state.params), state.model_state, history
+
+  return go
+
+
+def _scale(scale: float):
+  """The runtime scalar as an uncommitted host value: the mesh path's shard_map closes over it (jax
+  refuses to close over a value committed to Explicit axes)."""
+  return np.float32(scale)
+
+
+@functools.cache
+def runner(name: str, api: str, kind: str):
+  """scale -> the case's result: one compiled step (and flush) per case, cached; the chunked reductions
+  divide by n / scale (`_scaled`)."""
+  s, schedule = U.setups()[name], U.schedule_for(name)
+  return (hooked_runner if api == "hooked" else pipelined_runner)(s, schedule, kind)
 
 
 def run(name: str, api: str, kind: str):
-  s, schedule = U.setups()[name], U.schedule_for(name)
-  return (run_hooked if api == "hooked" else run_pipelined)(s, schedule, kind)
+  return runner(name, api, kind)(1.0)
 
 
 @functools.cache
@@ -143,19 +166,11 @@ def test_jit_step_matches_reference(name, api, kind):
   check(name, "shard_map", cached_run(name, api, kind))
 
 
-@pytest.fixture
-def mean_over_n_minus_1():
-  """Every chunked reduction divides by n-1 instead of n (test-only, through the one engine's seam,
-  `_collectives.engine_hooks`: hooked and pipelined reach it on the mesh path as elsewhere)."""
-  with _collectives.engine_hooks(divisor=lambda n: n - 1):
-    yield
-
-
-@pytest.mark.parametrize("k,name", list(enumerate(U.SETUP_NAMES)))
-def test_a_14_percent_gradient_scale_fails_every_setup(mean_over_n_minus_1, k, name):
-  api = APIS[k % 2]
-  reference(name, "shard_map")  # computed with the real reduction (a pmean reference does not use it)
-  got = run(name, api, "1d")
+@pytest.mark.parametrize("name,api,kind", CASES)
+def test_a_14_percent_gradient_scale_fails_every_case(name, api, kind):
+  """The case's own compiled step, run with every chunked reduction dividing by n - 1 (the one engine's
+  seam and a runtime scalar: hooked and pipelined reach it on the mesh path as elsewhere), fails."""
+  got = runner(name, api, kind)(WRONG_SCALE)
   with pytest.raises(AssertionError, match=r"max\|got-ref\|"):
     check(name, "shard_map", got, params_only=True)
 
@@ -226,7 +241,7 @@ def test_the_plain_jit_steps_allreduce_is_replaced_by_the_chunks():
           put(s.batches[0], P(AXIS), "1d-auto"))
   before = pj.audit(plain.lower(*auto).compile(), schedule)
   assert before.chunk_allreduces == 0 and sum(e.elements for e in before.foreign) >= n_grad
-  step, _ = hooked_step(s, schedule, "1d")
+  step = jax.jit(hooked_step(s, schedule, "1d")[0])
   after = pj.audit(step.lower(args[0], args[1], None, args[2]).compile(), schedule)
   assert after.ok and after.order == tuple(range(len(schedule.chunks))), after.describe()
   assert [e.elements for e in after.chunks] == [c.size for c in schedule.chunks]
@@ -269,7 +284,7 @@ def test_other_mesh_axes_are_untouched(api):
   b = put(s.batches[0], P(AXIS), kind)
   if api == "hooked":
     step, tx = hooked_step(s, schedule, kind)
-    text = step.lower(put(s.params, P(), kind), put(tx.init(s.params), P(), kind), None, b).compile().as_text()
+    text = jax.jit(step).lower(put(s.params, P(), kind), put(tx.init(s.params), P(), kind), None, b).compile().as_text()
   else:
     pipe = pj.pipelined(s.loss_fn, s.make_tx(), schedule, axis_name=AXIS, mesh=mesh(kind), has_aux=True)
     state, _ = jax.jit(pipe.step)(pipe.init(put(s.params, P(), kind)), b)
@@ -672,6 +687,7 @@ def topo():
     pytest.fail(f"{e}\nThe test extra includes gpu-compile: run `make test`.", pytrace=False)
 
 
+@pytest.mark.gpu
 def test_h100_audit_of_the_jit_steps(topo):
   """The cnn's plain jit step with hooked(mesh=) gradients and its pipelined(mesh=) step, compiled by
   XLA:GPU for 8 H100s: one async all-reduce per chunk, planned sizes, schedule order, one in flight,

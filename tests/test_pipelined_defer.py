@@ -54,6 +54,17 @@ def schedule(max_defer: float, spread: int = 3) -> pj.Schedule:
   return pj.plan(prof, NET, "dlcp", cross_step=True, max_defer=max_defer, spread=spread)
 
 
+def _scaled(fn):
+  """fn(*args) -> fn(*args, scale), traced with every chunked reduction dividing by n / scale."""
+
+  def scaled(*args):
+    *args, scale = args
+    with _collectives.engine_hooks(divisor=lambda n: n / scale):  # the one engine's test seam
+      return fn(*args)
+
+  return scaled
+
+
 @functools.cache
 def mesh():
   return jax.make_mesh((NDEV,), (AXIS,))
@@ -113,13 +124,16 @@ def loop_ref(max_defer: float):
 
 
 class Runner:
-  """A Pipelined under pmap or shard_map, as a user runs it (jit caches the compiled programs)."""
+  """A Pipelined under pmap or shard_map, as a user runs it (jit caches the compiled programs). Its
+  step and flush take a runtime `scale`: every chunked reduction divides by n / scale (the one engine's
+  test seam), 1 by default (the library's own division, exactly); the negative control passes
+  n / (n - 1) to the same compiled programs."""
 
   def __init__(self, pipe, mapping):
-    self.pipe, self.mapping = pipe, mapping
+    self.pipe, self.mapping, self.compiled = pipe, mapping, None
     if mapping == "pmap":
-      self.step = jax.pmap(pipe.step, axis_name=AXIS)
-      self.flush = jax.pmap(pipe.flush, axis_name=AXIS)
+      step = jax.pmap(_scaled(pipe.step), axis_name=AXIS, in_axes=(0, 0, None))
+      flush = jax.pmap(_scaled(pipe.flush), axis_name=AXIS, in_axes=(0, None))
     else:
       specs = pipe.state_specs()
 
@@ -127,9 +141,13 @@ class Runner:
         st, loss = pipe.step(st, b)
         return st, loss[None]
 
-      self.step = jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=(specs, P(AXIS)),
-                                        out_specs=(specs, P(AXIS))))
-      self.flush = jax.jit(jax.shard_map(pipe.flush, mesh=mesh(), in_specs=(specs,), out_specs=specs))
+      step = jax.jit(jax.shard_map(_scaled(body), mesh=mesh(), in_specs=(specs, P(AXIS), P()),
+                                   out_specs=(specs, P(AXIS))))
+      flush = jax.jit(jax.shard_map(_scaled(pipe.flush), mesh=mesh(), in_specs=(specs, P()),
+                                    out_specs=specs))
+    self._step = step
+    self.step = lambda st, b, scale=1.0: step(st, b, jnp.float32(scale))
+    self.flush = lambda st, scale=1.0: flush(st, jnp.float32(scale))
 
   def init(self, params):
     if self.mapping == "pmap":
@@ -144,18 +162,17 @@ class Runner:
   def batch(self, b):
     return shard(b) if self.mapping == "pmap" else put(b, P(AXIS))
 
-  def run(self, params, bs, state=None):
+  def run(self, params, bs, state=None, scale=1.0):
     """Steps and a flush; under shard_map the full step is compiled once and kept (`self.compiled`)."""
     state = self.init(params) if state is None else state
-    self.compiled = None
     for b in bs:
       b = self.batch(b)
       if state.pending is not None and self.mapping == "shard_map":
-        self.compiled = self.compiled or self.step.lower(state, b).compile()
-        state, _ = self.compiled(state, b)
+        self.compiled = self.compiled or self._step.lower(state, b, jnp.float32(1)).compile()
+        state, _ = self.compiled(state, b, jnp.float32(scale))
       else:
-        state, _ = self.step(state, b)
-    return self.flush(state)
+        state, _ = self.step(state, b, scale)
+    return self.flush(state, scale)
 
   def params(self, state):
     return unrep(state.params) if self.mapping == "pmap" else state.params
@@ -261,10 +278,9 @@ def test_a_mean_over_n_minus_1_fails(max_defer):
   fails the comparison used above."""
   _, params, bs = setup()
   ref = loop_ref(max_defer)[0]  # traced without the hook
-  model, _, _ = setup()
-  r = Runner(pipelined(model.loss_fn, tx(), schedule(max_defer), axis_name=AXIS), "shard_map")
-  with _collectives.engine_hooks(divisor=lambda n: n - 1):  # the one engine's test seam
-    state = r.run(params, bs)
+  r = runner("shard_map", max_defer)  # the compiled programs the equivalence tests ran
+  assert_trees_close(r.params(r.run(params, bs)), ref, params)
+  state = r.run(params, bs, scale=NDEV / (NDEV - 1))
   with pytest.raises(AssertionError, match="max\\|got-ref\\|"):
     assert_trees_close(r.params(state), ref, params)
 

@@ -59,6 +59,7 @@ def test_the_training_loop_snippet_runs_and_matches_the_single_device_step(monke
   assert_trees_close(got, jax.device_get(p), params)
 
 
+@pytest.mark.gpu
 def test_the_gpu_compile_snippet_defines_its_step_and_compiles_as_written(capsys):
   """issue 29: the snippet once used a `step` it never defined; written the obvious way it failed with
   jax's "could not infer replication". As written now: compiled for 8 compile-only H100s, audited OK."""

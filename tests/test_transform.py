@@ -219,7 +219,7 @@ def _instrument(scale, record):
   return _collectives.engine_hooks(divisor=lambda n: n / scale, gathered=record.__setitem__)
 
 
-def build_step(model, dtype, policy, mapping, transform):
+def build_step(model, dtype, policy, mapping, transform, compiler_options=None):
   """(compiled step(carry, batch, scale) -> (carry, loss, chunk buffers), initial carry, batches in
   the mapping's layout, carry -> params, schedule)."""
   m, params, batches = setup(model, dtype)
@@ -269,7 +269,7 @@ def build_step(model, dtype, policy, mapping, transform):
     bs = [jax.device_put(b, NamedSharding(mesh, P(AX))) for b in batches]
     one = jax.device_put(one, NamedSharding(mesh, P()))
     unbox = lambda c: jax.device_get(get_params(c))
-  compiled = f.lower(carry, bs[0], one).compile()
+  compiled = f.lower(carry, bs[0], one).compile(compiler_options=compiler_options)
   return compiled, carry, bs, unbox, s
 
 
@@ -354,6 +354,21 @@ def test_numerics_and_audit(policy, model, dtype, mapping, transform):
   assert sum(e.elements for e in report.foreign) >= 1  # the user's pmean of the loss
   if transform == "hooked":
     assert report.inside_backward >= 1, "hooked all-reduces should run while backward still runs"
+
+
+def test_the_suites_backend_optimisation_level_leaves_the_hlo_and_its_audit_unchanged():
+  """tests/conftest.py compiles the suite at XLA's backend (LLVM) optimisation level 0: the optimized HLO
+  that every audit and HLO test reads is byte for byte the one of level 3 (XLA's default), here for a
+  cnn step with backward hooks (test_gpu.py shows the same for XLA:GPU)."""
+  policy, model, dtype, mapping, transform = next(c for c in CASES if c[1] == "cnn" and c[4] == "hooked")
+  texts, audits = [], []
+  for level in (0, 3):
+    compiled, *_, s = build_step(model, dtype, policy, mapping, transform,
+                                 compiler_options={"xla_backend_optimization_level": level})
+    texts.append(compiled.as_text())
+    audits.append(pj.audit(compiled, s).describe())
+  assert texts[0] == texts[1], (policy, model, dtype, mapping, transform)
+  assert audits[0] == audits[1] and audits[0].startswith("audit: OK"), audits[0]
 
 
 def test_check_fails_for_wrong_scale_and_lost_slice():

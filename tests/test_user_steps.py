@@ -6,9 +6,10 @@ right one: see _user_setups.py), with docs/design.md's tolerance, on multi-chunk
 Each case runs STEPS steps the way a user would (host batches placed on the devices, the user's own
 `jax.pmap` or `jax.jit(jax.shard_map(...))`), then compares the parameters (and the model state) with
 the reference's, and each step's loss (mean over devices) and aux (summed over devices) with the
-reference step's on the same batch. The negative control runs the same harness with the gradient mean
-taken over n-1 devices (a 14% scale, injected into the chunked reduction in a test-only way) and
-checks that the comparison fails for every setup, bfloat16 included.
+reference step's on the same batch. The negative control runs the same compiled step of every case with
+the gradient mean taken over n-1 devices (a 14% scale, injected into the chunked reduction through the
+engine's test seam and a runtime scalar: with 1 it is the library's own division by n, exactly) and
+checks that the comparison fails for every case, bfloat16 included.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from jax.sharding import PartitionSpec as P
 import _user_setups as U
 import prophet_jax as pj
 from _assert import assert_trees_close
+from prophet_jax._rewrite._collectives import engine_hooks
 
 AXIS = "data"
 APIS = ("scheduled", "hooked", "pipelined")
 MAPPINGS = ("pmap", "shard_map")
+WRONG_SCALE = U.N_DEV / (U.N_DEV - 1)  # the negative control: the chunked reductions divide by n - 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -83,6 +86,19 @@ def _pcast(params):
   return jax.tree.map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), params)
 
 
+def _scaled(fn):
+  """fn(*args) -> fn(*args, scale): traced with every chunked reduction dividing by n / scale, `scale` a
+  runtime scalar (the engine's test seam, `engine_hooks`): 1 is the library's own division, exactly;
+  WRONG_SCALE divides by n - 1. One compiled step serves the case and its negative control."""
+
+  def scaled(*args):
+    *args, scale = args
+    with engine_hooks(divisor=lambda n: n / scale):
+      return fn(*args)
+
+  return scaled
+
+
 # --------------------------------------------------------------------------------------------------
 # the steps a user writes
 
@@ -109,43 +125,53 @@ def _plain_body(s: U.Setup, api: str, mapping: str, schedule: pj.Schedule):
   return tx, body
 
 
-def run_plain(s: U.Setup, api: str, mapping: str, schedule: pj.Schedule):
-  """STEPS one-call steps: (params, model_state, [(per-device losses, per-device aux)])."""
+def plain_runner(s: U.Setup, api: str, mapping: str, schedule: pj.Schedule):
+  """scale -> STEPS one-call steps of one compiled step: (params, model_state, [(per-device losses,
+  per-device aux)])."""
   tx, body = _plain_body(s, api, mapping, schedule)
   opt = tx.init(s.params)
   if mapping == "pmap":
-    f = jax.pmap(body, axis_name=AXIS)
-    p, o, ms = _replicate(s.params), _replicate(opt), _replicate(s.model_state)
+    f = jax.pmap(_scaled(body), axis_name=AXIS, in_axes=(0, 0, 0, 0, None))
+    p0, o0, ms0 = _replicate(s.params), _replicate(opt), _replicate(s.model_state)
     place, fetch = _split, _first
   else:
     def sm_body(p, o, ms, b):
       p, o, ms, loss, aux = body(p, o, ms, b)
       return p, o, ms, loss[None], jax.tree.map(lambda a: a[None], aux)
 
-    f = jax.jit(jax.shard_map(sm_body, mesh=_mesh(), in_specs=(P(), P(), P(), P(AXIS)),
+    f = jax.jit(jax.shard_map(_scaled(sm_body), mesh=_mesh(), in_specs=(P(), P(), P(), P(AXIS), P()),
                               out_specs=(P(), P(), P(), P(AXIS), P(AXIS))))
-    p, o, ms = _put(s.params, P()), _put(opt, P()), _put(s.model_state, P())
+    p0, o0, ms0 = _put(s.params, P()), _put(opt, P()), _put(s.model_state, P())
     place, fetch = (lambda b: _put(b, P(AXIS))), (lambda t: t)
-  history = []
-  for b in s.batches:
-    p, o, ms, loss, aux = f(p, o, ms, place(b))
-    history.append((np.asarray(loss), None if aux is None else np.asarray(aux)))
-  return fetch(p), fetch(ms), history
+
+  def go(scale: float):
+    p, o, ms, history = p0, o0, ms0, []
+    for b in s.batches:
+      p, o, ms, loss, aux = f(p, o, ms, place(b), jnp.float32(scale))
+      history.append((np.asarray(loss), None if aux is None else np.asarray(aux)))
+    return fetch(p), fetch(ms), history
+
+  return go
 
 
-def run_pipelined(s: U.Setup, mapping: str, schedule: pj.Schedule):
+def run_plain(s: U.Setup, api: str, mapping: str, schedule: pj.Schedule):
+  """STEPS one-call steps: (params, model_state, [(per-device losses, per-device aux)])."""
+  return plain_runner(s, api, mapping, schedule)(1.0)
+
+
+def pipelined_runner(s: U.Setup, mapping: str, schedule: pj.Schedule):
   flags = {k: v for k, v in (("has_aux", s.has_aux), ("has_state", s.has_state)) if v}
   pipe = pj.pipelined(s.loss_fn, s.make_tx(), schedule, axis_name=AXIS, **flags)
-  state = pipe.init(s.params, s.model_state) if s.has_state else pipe.init(s.params)
+  state0 = pipe.init(s.params, s.model_state) if s.has_state else pipe.init(s.params)
 
   def split_out(out):
     return out if s.has_aux else (out, None)
 
   if mapping == "pmap":
-    step = jax.pmap(lambda st, b: (lambda st2, out: (st2, *split_out(out)))(*pipe.step(st, b)),
-                    axis_name=AXIS)
-    flush = jax.pmap(pipe.flush, axis_name=AXIS)
-    state, place, fetch = _replicate(state), _split, _first
+    step = jax.pmap(_scaled(lambda st, b: (lambda st2, out: (st2, *split_out(out)))(*pipe.step(st, b))),
+                    axis_name=AXIS, in_axes=(0, 0, None))
+    flush = jax.pmap(_scaled(pipe.flush), axis_name=AXIS, in_axes=(0, None))
+    state0, place, fetch = _replicate(state0), _split, _first
   else:
     specs = pipe.state_specs()
 
@@ -154,29 +180,35 @@ def run_pipelined(s: U.Setup, mapping: str, schedule: pj.Schedule):
       loss, aux = split_out(out)
       return st, loss[None], jax.tree.map(lambda a: a[None], aux)
 
-    step = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(specs, P(AXIS)),
+    step = jax.jit(jax.shard_map(_scaled(body), mesh=_mesh(), in_specs=(specs, P(AXIS), P()),
                                  out_specs=(specs, P(AXIS), P(AXIS))))
-    flush = jax.jit(jax.shard_map(pipe.flush, mesh=_mesh(), in_specs=(specs,), out_specs=specs))
-    state, place, fetch = _put(state, P()), (lambda b: _put(b, P(AXIS))), (lambda t: t)
-  history = []
-  for b in s.batches:
-    state, loss, aux = step(state, place(b))
-    history.append((np.asarray(loss), None if aux is None else np.asarray(aux)))
-  state = flush(state)
-  assert state.pending is None
-  return fetch(state.params), fetch(state.model_state), history
+    flush = jax.jit(jax.shard_map(_scaled(pipe.flush), mesh=_mesh(), in_specs=(specs, P()), out_specs=specs))
+    state0, place, fetch = _put(state0, P()), (lambda b: _put(b, P(AXIS))), (lambda t: t)
+
+  def go(scale: float):
+    state, history = state0, []
+    for b in s.batches:
+      state, loss, aux = step(state, place(b), jnp.float32(scale))
+      history.append((np.asarray(loss), None if aux is None else np.asarray(aux)))
+    state = flush(state, jnp.float32(scale))
+    assert state.pending is None
+    return fetch(state.params), fetch(state.model_state), history
+
+  return go
 
 
-def run(name: str, api: str, mapping: str):
+@functools.cache
+def runner(name: str, api: str, mapping: str):
+  """scale -> the case's result; one compiled step (and flush) per case, cached."""
   s, schedule = U.setups()[name], U.schedule_for(name)
   if api == "pipelined":
-    return run_pipelined(s, mapping, schedule)
-  return run_plain(s, api, mapping, schedule)
+    return pipelined_runner(s, mapping, schedule)
+  return plain_runner(s, api, mapping, schedule)
 
 
 @functools.cache
 def cached_run(name: str, api: str, mapping: str):
-  return run(name, api, mapping)
+  return runner(name, api, mapping)(1.0)
 
 
 @functools.cache
@@ -250,20 +282,9 @@ def test_setups_plan_several_chunks_and_clip_both_ways():
 # the negative control
 
 
-@pytest.fixture
-def mean_over_n_minus_1():
-  """Every chunked reduction divides by n-1 instead of n (through the one engine's test seam,
-  `_collectives.engine_hooks`: scheduled, allreduce, pipelined and hooked all reach the engine)."""
-  from prophet_jax._rewrite._collectives import engine_hooks
-
-  with engine_hooks(divisor=lambda n: n - 1):
-    yield
-
-
-@pytest.mark.parametrize("k,name", list(enumerate(U.SETUP_NAMES)))
-def test_a_14_percent_gradient_scale_fails_every_setup(mean_over_n_minus_1, k, name):
-  api, mapping = APIS[k % len(APIS)], MAPPINGS[k % len(MAPPINGS)]
-  reference(name, mapping)  # computed with the real reduction (pmean references do not use it anyway)
-  got = run(name, api, mapping)
+@pytest.mark.parametrize("name,api,mapping", CASES)
+def test_a_14_percent_gradient_scale_fails_every_case(name, api, mapping):
+  """The case's own compiled step, run with the chunked reductions dividing by n - 1, fails the check."""
+  got = runner(name, api, mapping)(WRONG_SCALE)
   with pytest.raises(AssertionError, match=r"max\|got-ref\|"):  # the parameters themselves differ
     check(name, mapping, got, params_only=True)

@@ -553,6 +553,7 @@ def topo():
     pytest.fail(f"{e}\nThe test extra includes gpu-compile: run `make test`.", pytrace=False)
 
 
+@pytest.mark.gpu
 def test_h100_audit_of_the_sharded_steps(topo):
   """The cnn with a per-layer sharded schedule (one reduce-scatter per layer in backward order, one
   all-gather per layer, front first), `scheduled`, `hooked` and `pipelined` compiled by XLA:GPU for 8
