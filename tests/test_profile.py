@@ -4,9 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from prophet_jax import GradientProfile, ProfileError, profile_step
 from prophet_jax._measure import _profile, _profile_methods, _step_hlo, _xplane
+from prophet_jax._values._tree import path_str
 
 N = 8  # conftest gives 8 CPU devices
 
@@ -50,11 +53,6 @@ def mlp_profile():
 def _fsdp_placed(params, split=lambda path: path.endswith("kernel")):
   """params on an 8-device ('data',) mesh: leaves whose path `split` picks with P('data', None),
   the others P()."""
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  from prophet_jax._values._tree import path_str
-
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:N]), ("data",))
   return jax.tree_util.tree_map_with_path(
       lambda kp, x: jax.device_put(x, NamedSharding(mesh, P("data", None) if split(path_str(kp)) else P())),
@@ -138,9 +136,6 @@ def test_placement_is_recorded_not_measured():
                             method="estimated")
   assert replicated.mesh == () and all(r.shard_dim is None for r in replicated.rows)
   assert replicated.fingerprint() == host.fingerprint()
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
   grid = jax.sharding.Mesh(np.asarray(jax.devices()[:N]).reshape(2, 4), ("a", "b"))
   twice = {**params, "l1": {"w": jax.device_put(params["l1"]["w"], NamedSharding(grid, P("a", "b")))}}
   with pytest.raises(ProfileError, match="profile_step.*'l1/w'.*split on dimensions"):
