@@ -4,9 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from prophet_jax import GradientProfile, ProfileError, profile_step
 from prophet_jax._measure import _profile, _profile_methods, _step_hlo, _xplane
+from prophet_jax._values._tree import path_str
 
 N = 8  # conftest gives 8 CPU devices
 
@@ -38,13 +41,22 @@ def mlp_profile():
   from prophet_jax.models import get_model
 
   m = get_model("mlp")
-  params = m.init(jax.random.key(0))
+  params = _fsdp_placed(m.init(jax.random.key(0)))  # kernels sharded over 'data' (FSDP), biases replicated
   batch = m.make_batch(jax.random.key(1), m.default_batch_size)
   import optax
 
   prof = profile_step(m.loss_fn, params, batch, num_devices=N, steps=2, warmup=1,
                       tx=optax.sgd(0.1, momentum=0.9), model="mlp")
   return m, params, prof
+
+
+def _fsdp_placed(params, split=lambda path: path.endswith("kernel")):
+  """params on an 8-device ('data',) mesh: leaves whose path `split` picks with P('data', None),
+  the others P()."""
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:N]), ("data",))
+  return jax.tree_util.tree_map_with_path(
+      lambda kp, x: jax.device_put(x, NamedSharding(mesh, P("data", None) if split(path_str(kp)) else P())),
+      params)
 
 
 def test_measured_profile_has_every_row_exact_sizes_and_ready_within_step(mlp_profile):
@@ -66,7 +78,12 @@ def test_measured_profile_has_every_row_exact_sizes_and_ready_within_step(mlp_pr
   # per-layer forward times sum to forward_s, and more than one layer got some
   assert sum(r.fwd_s for r in prof.rows) == pytest.approx(prof.forward_s)
   assert sum(1 for r in prof.rows if r.fwd_s > 0) >= 6
-  # JSON round trip and the CLI summary
+  # the placement is read from the arrays (kernels sharded on dimension 0 over 'data', biases replicated)
+  assert prof.mesh == (("data", N),) and prof.shard_axes == ("data",)
+  assert {r.path: r.shard_dim for r in prof.rows} == {r.path: 0 if r.path.endswith("kernel") else None
+                                                      for r in ref.rows}
+  assert prof.fingerprint() != ref.fingerprint()
+  # JSON round trip (placement included) and the CLI summary
   assert GradientProfile.from_json(prof.to_json()) == prof
   text = prof.describe()
   assert "measured" in text and "24 gradients" in text
@@ -97,6 +114,32 @@ def test_estimated_when_asked_and_when_timing_fails(monkeypatch):
   monkeypatch.setattr(_profile, "_timed", broken)
   prof = profile_step(loss, params, batch, num_devices=N, steps=1)
   assert prof.method == "estimated" and "timing failed" in prof.notes
+
+
+def test_placement_is_recorded_not_measured():
+  """Params placed on the mesh: sharded leaves give rows with shard_dim and the mesh's shape, the
+  programs measured are the same (the same FLOPs as the host params'); all-replicated params give the
+  profile without placement (the fingerprint of host params); a leaf split on two dimensions is
+  refused before anything compiles."""
+  loss, params, batch = _tiny()
+  host = profile_step(loss, params, batch, num_devices=N, method="estimated")
+  placed = _fsdp_placed(params, lambda p: p in ("l0/w", "l1/w"))
+  mesh = next(iter(placed["l0"]["w"].sharding.mesh.shape.items()))
+  prof = profile_step(loss, placed, batch, num_devices=N, method="estimated")
+  assert prof.mesh == (mesh,) == (("data", N),) and prof.shard_axes == ("data",)
+  assert {r.path: r.shard_dim for r in prof.rows} == {"l0/w": 0, "l1/w": 0, "l0/b": None, "l2/w": None}
+  assert prof.fingerprint() != host.fingerprint()
+  assert prof.notes.split(" FLOPs")[0] == host.notes.split(" FLOPs")[0]   # what is measured is unchanged
+  shardings = jax.tree_util.tree_map(lambda x: x.sharding, placed)
+  assert prof.fingerprint() == host.with_placement(params, shardings).fingerprint()
+  replicated = profile_step(loss, _fsdp_placed(params, lambda p: False), batch, num_devices=N,
+                            method="estimated")
+  assert replicated.mesh == () and all(r.shard_dim is None for r in replicated.rows)
+  assert replicated.fingerprint() == host.fingerprint()
+  grid = jax.sharding.Mesh(np.asarray(jax.devices()[:N]).reshape(2, 4), ("a", "b"))
+  twice = {**params, "l1": {"w": jax.device_put(params["l1"]["w"], NamedSharding(grid, P("a", "b")))}}
+  with pytest.raises(ProfileError, match="profile_step.*'l1/w'.*split on dimensions"):
+    profile_step(loss, twice, batch, num_devices=N, method="estimated")
 
 
 def test_measured_tiny_model_maps_every_leaf():

@@ -58,6 +58,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 
 from . import _step_hlo
 from ._profile_harness import _local_step_program, _setup, _update_program
@@ -117,7 +118,12 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
 
   Returns:
     A GradientProfile with one row per floating leaf in forward (priority) order, exact shapes, dtypes
-    and sizes; `ready_s` from the start of backward; `method` and `notes` say how it was made.
+    and sizes; `ready_s` from the start of backward; `method` and `notes` say how it was made. When
+    `params` are arrays placed with `NamedSharding`s that shard some floating leaf (e.g. `P("data",
+    None)` on the training mesh, FSDP), the profile records that placement (`with_placement`: each
+    row's `shard_dim`, the arrays' mesh shape, `shard_axes`), read from the arrays whether or not
+    `mesh` is given; what is measured is the same (the programs replicate the params on their own
+    mesh). Params that are all replicated give a profile without placement, as before.
 
   Raises:
     TypeError: loss_fn is not callable, does not return a real scalar, or is not differentiable in
@@ -125,7 +131,8 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
     ValueError: a batch leaf's leading axis is not divisible by num_devices, the batch does not fit the
       model, or too many devices are asked for.
     ProfileError: `method='measured'` but the profiler yielded no usable events, or a trace whose profile
-      is implausible (the message says what the trace held); or no float params.
+      is implausible (the message says what the trace held); or no float params; or a placement a
+      profile cannot hold (a leaf sharded on two dimensions or unevenly, named), before any compile.
 
   Example:
     >>> m = prophet_jax.models.get_model("mlp")                                   # doctest: +SKIP
@@ -154,6 +161,7 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   if has_aux:  # the same loss hooked(..., has_aux=True) takes: profile its scalar
     aux_loss = loss_fn
     loss_fn = lambda p, b: aux_loss(p, b)[0]  # noqa: E731
+  shardings = _sharded_placement(params)  # before any compile: a placement it cannot record fails fast
   batch = host_rows(batch, mesh, "profile_step")
   s = _setup(loss_fn, params, batch, num_devices, layer_depth, mesh=mesh, axis_name=axis_name)
   update = _update_program(s, tx) if tx is not None else None
@@ -184,9 +192,36 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   rows = _rows(s, ready, fwd_layer, update_s)
   fsum = sum(r.fwd_s for r in rows)
   dev = device or jax.local_devices()[0].device_kind
-  return GradientProfile(rows=rows, forward_s=fsum if fsum > 0 else forward_s, backward_s=backward_s,
+  prof = GradientProfile(rows=rows, forward_s=fsum if fsum > 0 else forward_s, backward_s=backward_s,
                          method=got, model=model, device=dev,
                          notes="; ".join(notes + [note, f"{s.num_devices} devices"]))
+  return prof if shardings is None else prof.with_placement(params, shardings)
+
+
+def _sharded_placement(params: Any) -> Any:
+  """The params' placement, as `GradientProfile.from_params(shardings=)` takes it, when some floating
+  leaf is sharded; None otherwise (then the profile carries no placement and its fingerprint is what it
+  was before placement existed).
+
+  Read from the arrays: a leaf's `NamedSharding` (its spec, and its mesh's shape for the profile's
+  mesh); any other leaf (a host array, a single-device or other sharding) counts as replicated. The
+  programs `profile_step` measures are unchanged by it: they replicate the params on their own 1-D mesh
+  (`_setup`), so the placement is recorded, never measured.
+
+  Raises:
+    ProfileError: a placement a profile cannot hold (a leaf split on two dimensions, unevenly, or
+      sharded leaves over different axes), naming the leaf.
+  """
+  shardings = jax.tree_util.tree_map(
+      lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else None, params)
+  if not any(s is not None for s in jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: x is None)):
+    return None
+  try:
+    probe = GradientProfile.from_params(params, shardings=shardings)
+  except ProfileError as e:
+    raise ProfileError(f"profile_step: the params' shardings: {e} (pass host arrays, jax.device_get(params), "
+                       f"to profile without a placement)") from None
+  return shardings if any(r.shard_dim is not None for r in probe.rows) else None
 
 
 def profile_from_trace(trace: str | os.PathLike[str], hlo_text: str, params: Any, *,

@@ -22,7 +22,34 @@ Claim: every FSDP schedule's simulated iteration is >= max(B1, B2, B3) with (ove
   B2 = 2(a_g + b_g·Σ_s) + (a_a + b_a·Σ_r if R = 1 and Σ_r > 0) + U'                   (link 0's work)
   B3 = (a_r + b_r·Σ_s if R > 1) + (a_a + b_a·Σ_r if R > 1 and Σ_r > 0) + U'            (link 1's work)
 
-and with overlap=False iteration >= F + B + U' + (B2 - U') + (B3 - U').
+and with overlap=False iteration >= F + B + U' + (B2 - U') + (B3 - U'). With overlap, also B4 >= B1, which
+charges each unit's start-up a_g in forward and in backward (B1 charges one at each end):
+
+  B4 = F'' + max(back(B1), E'' + (a_r if R > 1)) + U'
+  F'' = min over partitions of the sharded layers (forward order) into contiguous blocks D_1..D_J of the
+       recurrence of F' in which the first layer of block j waits for j·a_g + b_g·(s(0) + ... + s(last
+       layer of D_j)) (j charged min(j, K) start-ups, K = `_BLOCKS`: a relaxation past K blocks)
+  E'' = min over partitions of the sharded layers in ready order (R nondecreasing) into contiguous
+       blocks C_1..C_J of the chain e_j = max(e_{j-1}, R(last layer of C_j)) + a_g + b_g·bytes(C_j), e_0 = 0
+  back(B1) = B1 - F' - U' (the max of B and the R(l) + W(l) terms above)
+
+Proof of B4. Forward: let the units' all-gathers be g_1..g_K in link order (forward order), X_k the
+bytes of g_1..g_k; gather k ends at >= k·a_g + b_g·X_k (one at a time from 0). For a sharded layer l let
+m(l) be the largest index of a unit holding a row of layers 0..l (nondecreasing in l); then every row
+of layers 0..l is in g_1..g_m(l), so X_m(l) >= s(0) + ... + s(l). The layers with one value of m form a
+contiguous block; its first layer holds a row of unit m (the index rises there), so it starts after
+gather m ends, at >= m·a_g + b_g·(s(0) + ... + s(its block's last layer)), and m >= the block's rank j.
+So forward ends at >= the recurrence for that partition, >= F''. Backward: let the reduce-scatters be
+u_1..u_K in link order (their issue order) and, for a sharded layer at ready position p, q(p) the
+least index of a unit holding a row at position >= p (nondecreasing in p). The positions with one
+value of q form a contiguous block C_j; unit q holds a row at the block's last position (beyond it q
+rises), so it is issued at >= F_end + R(that layer), and units q..K, issued after it and carrying every
+row at positions >= the block's first (>= bytes(C_j) + ... + bytes(C_J)), one at a time on link 0, end at
+>= F_end + R(last of C_j) + (J - j + 1)·a_g + b_g·(bytes(C_j) + ... + bytes(C_J)) (there are >= J - j + 1
+of them: q rises at every later block). The chain e_J unrolls to the max of those terms over j, so the
+last reduce-scatter ends at >= F_end + E''; with R > 1 its shard all-reduce follows, >= a_r; the update
+follows every collective. back(B1) bounds the same span from F_end, so iteration >= F_end + max(...) + U'
+with F_end >= F''. []
 
 Proof. Plain step, overlap=True. (B1) Forward starts at 0 with nothing gathered. Layer l's forward
 starts only after every unit holding a row of layers 0..l has been gathered in forward (units are
@@ -54,6 +81,12 @@ from ._core import Problem
 from ._fsdp import unit_costs
 
 __all__ = ["fsdp_bound"]
+
+# Forward blocks whose start-ups B4 counts exactly; past it each block is charged this many (a relaxation).
+_BLOCKS = 16
+# F'' compares every pair of sharded layers (n x n arrays per block count): past this many sharded layers
+# B4 uses F' instead (F'' >= F', so the bound stays valid, only less tight).
+_BLOCK_LAYERS = 2048
 
 
 def fsdp_bound(prob: Problem) -> float:
@@ -115,4 +148,57 @@ def fsdp_bound(prob: Problem) -> float:
     tail_s = a_g + b_g * s_l[has_s] + ((a_r + b_r * s_l[has_s]) if r > 1 else 0.0)
     back = max(back, float(np.max(ready_l[has_s] + tail_s)))
   b1 = f_end + back + update
-  return max(b1, link0 + update, link1 + update)
+  b4 = f_end
+  if has_s.any():                      # B4: every unit's start-up, in forward and in backward
+    f_blocks = f_end
+    if int(has_s.sum()) <= _BLOCK_LAYERS:
+      f_blocks = max(_forward_blocks(s_l, np.asarray(fwd, dtype=float), a_g, b_g), f_end)
+    pos = np.lexsort((-np.arange(nl), ready_l))
+    pos = pos[has_s[pos]]
+    e = _backward_chain(ready_l[pos], s_l[pos], a_g, b_g) + (a_r if r > 1 else 0.0)
+    b4 = f_blocks + max(back, e) + update
+  return max(b1, b4, link0 + update, link1 + update)
+
+
+def _forward_blocks(s_l: np.ndarray, fwd: np.ndarray, a: float, b: float) -> float:
+  """F'' of the module docstring: the least forward end over contiguous blocks of the sharded layers,
+  block j's first layer waiting for min(j, _BLOCKS)·a + b·(the sharded bytes through the block's end)."""
+  nl = len(s_l)
+  sh = np.flatnonzero(s_l > 0)
+  n = len(sh)
+  fpre = np.concatenate([[0.0], np.cumsum(fwd)])          # forward of the layers before x
+  cum = np.cumsum(s_l)[sh]
+  nxt = np.append(sh[1:], nl)                              # after a block ending at sharded j: layers to here
+  lo = fpre[sh]
+  hi = fpre[nxt]
+  upper = np.triu(np.ones((n, n), dtype=bool))             # a block i..j needs i <= j
+  state = np.full(n + 1, np.inf)                           # state[i]: forward done up to layer sh[i]
+  state[0] = fpre[sh[0]]
+  best = np.inf
+  for k in range(1, _BLOCKS):
+    gate = k * a + b * cum
+    m = np.maximum(state[:n, None], gate[None, :]) - lo[:, None] + hi[None, :]
+    nxt_state = np.full(n + 1, np.inf)
+    nxt_state[1:] = np.where(upper, m, np.inf).min(axis=0)
+    best = min(best, float(nxt_state[n]))                  # exactly k blocks
+    state = nxt_state
+    if not np.isfinite(state[:n]).any():
+      return best
+  # block _BLOCKS onwards, each charged _BLOCKS start-ups: single layers are then best (a layer's gate
+  # only grows with its block), so from state i the end is the chain over the layers left
+  tail = _BLOCKS * a + b * cum + (fpre[nl] - lo)
+  suffix = np.maximum.accumulate(tail[::-1])[::-1]
+  ends = np.maximum(state[:n] + fpre[nl] - lo, suffix)
+  return min(best, float(ends.min()))
+
+
+def _backward_chain(ready: np.ndarray, nbytes: np.ndarray, a: float, b: float) -> float:
+  """E'' of the module docstring: the least end of the chain over contiguous blocks of the sharded
+  layers in ready order (`ready` nondecreasing), e_j = max(e_{j-1}, ready of its last) + a + b·bytes."""
+  m = len(ready)
+  cum = np.concatenate([[0.0], np.cumsum(nbytes)])
+  e = np.empty(m + 1)
+  e[0] = 0.0
+  for j in range(1, m + 1):
+    e[j] = float(np.min(np.maximum(e[:j], ready[j - 1]) + a + b * (cum[j] - cum[:j])))
+  return float(e[m])

@@ -47,7 +47,7 @@ import numpy as np
 
 from ._core import Problem, ends_one_link, sync_waits
 
-__all__ = ["ShardedArrays", "ShardedRun", "sharded_arrays", "sharded_run", "sharded_durations",
+__all__ = ["ShardedArrays", "ShardedRun", "sharded_arrays", "chunk_arrays", "sharded_run", "sharded_durations",
            "sharded_iteration_s"]
 
 Slice = tuple[int, int, int]
@@ -100,36 +100,15 @@ class ShardedRun(NamedTuple):
   fwd_start: np.ndarray
 
 
-def sharded_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]],
-                   gathers: Sequence[Sequence[int]]) -> ShardedArrays:
+ChunkArrays = tuple[np.ndarray, np.ndarray, np.ndarray, list[set[int]]]
+
+
+def sharded_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], gathers: Sequence[Sequence[int]], *,
+                   per_chunk: ChunkArrays | None = None) -> ShardedArrays:
   """The ShardedArrays of reduce-scatter chunks (their slices, issue order) and gathers (chunk indices,
-  all-gather order), for the problem's workers P."""
-  workers = prob.network.workers
-  k_n = len(chunks)
-  rs_ready = np.empty(k_n)
-  rs_nbytes = np.empty(k_n)
-  rs_update = np.empty(k_n)
-  layers_of: list[set[int]] = []
-  ready, size, isz = prob.ready, prob.size, prob.itemsize      # Python values: no numpy scalars per slice
-  upd, layer = prob.row_update_s.tolist(), prob.row_layer.tolist()
-  for k, c in enumerate(chunks):
-    elems = 0
-    r_max = -math.inf
-    u = 0.0
-    ls = set()
-    for r, a, b in c:
-      n = b - a
-      elems += n
-      if ready[r] > r_max:
-        r_max = ready[r]
-      if upd[r]:
-        u += upd[r] * n / size[r]
-      ls.add(layer[r])
-    rs_ready[k] = r_max
-    padded = workers * -(-elems // workers)
-    rs_nbytes[k] = padded * isz[c[0][0]]
-    rs_update[k] = u / workers
-    layers_of.append(ls)
+  all-gather order), for the problem's workers P. `per_chunk`: `chunk_arrays(prob, chunks)` when the
+  caller has it (a planner trying several gathers for one set of chunks computes it once)."""
+  rs_ready, rs_nbytes, rs_update, layers_of = chunk_arrays(prob, chunks) if per_chunk is None else per_chunk
   g_n = len(gathers)
   members = np.fromiter((k for g in gathers for k in g), dtype=np.int64)
   counts = np.fromiter((len(g) for g in gathers), dtype=np.int64, count=g_n)
@@ -160,6 +139,37 @@ def sharded_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]],
                        member_start=member_start, need=need,
                        gathered_pairs=(np.asarray(pg, dtype=np.int64), np.asarray(pl, dtype=np.int64)),
                        layer_floor_s=floor, ag_tail_s=ag_tail)
+
+
+def chunk_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> ChunkArrays:
+  """Per reduce-scatter chunk: its ready time, padded bytes, update share (per worker) and layers."""
+  workers = prob.network.workers
+  k_n = len(chunks)
+  rs_ready = np.empty(k_n)
+  rs_nbytes = np.empty(k_n)
+  rs_update = np.empty(k_n)
+  layers_of: list[set[int]] = []
+  ready, size, isz = prob.ready, prob.size, prob.itemsize      # Python values: no numpy scalars per slice
+  upd, layer = prob.row_update_s.tolist(), prob.row_layer.tolist()
+  for k, c in enumerate(chunks):
+    elems = 0
+    r_max = -math.inf
+    u = 0.0
+    ls = set()
+    for r, a, b in c:
+      n = b - a
+      elems += n
+      if ready[r] > r_max:
+        r_max = ready[r]
+      if upd[r]:
+        u += upd[r] * n / size[r]
+      ls.add(layer[r])
+    rs_ready[k] = r_max
+    padded = workers * -(-elems // workers)
+    rs_nbytes[k] = padded * isz[c[0][0]]
+    rs_update[k] = u / workers
+    layers_of.append(ls)
+  return rs_ready, rs_nbytes, rs_update, layers_of
 
 
 def sharded_durations(prob: Problem, arr: ShardedArrays) -> tuple[np.ndarray, np.ndarray]:

@@ -37,7 +37,9 @@ reduce-scatter or all-gather, b' = b/2 its cost per byte):
 3. DeAR's own fusion (`bucket_bytes`: layers in forward order fused while under the threshold, 25 MB
    by default in its code, the same buckets for both halves) is a candidate too, and every candidate
    is scored by the simulator's engine (`_sharded.sharded_iteration_s`): the fastest is returned, so
-   `dear` is never predicted slower than DeAR's fixed buckets.
+   `dear` is never predicted slower than DeAR's fixed buckets. A candidate whose lower bound (its
+   last reduce-scatter's end plus every byte gathered after it, `gather_partition`) is no better than
+   the best so far is not gathered nor scored: it could not win, so the plan is the same, sooner.
 
 With `bucket_bytes` set, the plan is DeAR's fixed fusion alone, as its code builds it.
 
@@ -59,10 +61,10 @@ from typing import Any
 import numpy as np
 
 from .._values._checks import check_bytes
-from .._planning._core import Problem, problem
+from .._planning._core import Problem, ends_one_link, problem
 from .._values._network import NetworkModel
 from .._values._schedule import Bucket, Chunk, Schedule
-from .._planning._sharded import sharded_arrays, sharded_durations, sharded_iteration_s, sharded_run
+from .._planning._sharded import chunk_arrays, sharded_arrays, sharded_iteration_s
 from .._planning._simulate import simulate_sharded
 from .._values._types import GradientProfile
 from ._base import Scheduler, Slice
@@ -178,19 +180,30 @@ def plan_sharded(prob: Problem, bucket_bytes: int | None = None
   chunks, gathers = fixed_fusion(prob, DEAR_BUCKET_BYTES)
   cands.append(("dear-25MiB", chunks, gathers))
   cands.append(("dear-25MiB+gather-dp", chunks, None))
-  for cap in _CAPS:
+  inputs = _rs_inputs(prob, order)
+  chunks, largest = [], math.inf
+  for cap in _CAPS:      # limits decreasing: a plan whose buckets all fit the next limit is its plan too
     limit = None if cap is None else (0.0 if cap == 0 else total / cap)
-    chunks = rs_partition(prob, order, limit)
+    if limit is None or largest > limit:
+      chunks = rs_partition(prob, order, limit, inputs=inputs)
+      largest = max((sum(float(prob.row_nbytes[r]) for r, _, _ in c) for c in chunks if len(c) > 1),
+                    default=0.0)
     key = tuple(map(tuple, chunks))
     if key in seen:
       continue
     seen.add(key)
     cands.append((f"rs-dp(cap={'none' if cap is None else ('row' if cap == 0 else f'1/{cap}')})", chunks, None))
+  per_chunk = None
   for n, (label, chunks, gathers) in enumerate(cands):
-    if gathers is None:
-      gathers = gather_partition(prob, chunks)
-    arr = sharded_arrays(prob, chunks, gathers)
-    t = sharded_iteration_s(prob, arr)
+    if gathers is None:     # the chunks of the candidate before (dear-25MiB's) or new ones
+      per_chunk = per_chunk if n == 1 else chunk_arrays(prob, chunks)
+      gathers = gather_partition(prob, chunks, per_chunk=per_chunk,
+                                 beat=math.inf if best is None else best[0])
+      if gathers is None:   # it cannot beat the best so far (its lower bound says so)
+        continue
+    else:
+      per_chunk = chunk_arrays(prob, chunks)
+    t = sharded_iteration_s(prob, sharded_arrays(prob, chunks, gathers, per_chunk=per_chunk))
     if best is None or t < best[0] * (1 - 1e-12):
       best = (t, n, label, chunks, gathers)
   assert best is not None
@@ -237,18 +250,27 @@ def fixed_fusion(prob: Problem, bucket_bytes: float) -> tuple[list[list[Slice]],
   return issued, gathers
 
 
-def rs_partition(prob: Problem, order: Sequence[int], cap: float | None) -> list[list[Slice]]:
-  """Reduce-scatter buckets: contiguous runs of `order` (rows in ready order, nbytes > 0), one dtype
-  each, of at most `cap` bytes unless one row is larger (None: no cap), minimising the end of the last
-  reduce-scatter on one link (f[j] = min_i max(f[i], ready(j-1)) + a' + b'·bytes(i..j-1), exact)."""
+def _rs_inputs(prob: Problem, order: Sequence[int]) -> tuple[list[float], list[float], list[int]]:
+  """`rs_partition`'s inputs for `order`: ready times, byte prefix sums, each item's dtype-run start."""
   n = len(order)
-  a, b = 0.5 * prob.startup_s, 0.5 * prob.per_byte_s
   ready = prob.row_ready_s[list(order)].tolist()
   nbytes = prob.row_nbytes[list(order)]
   prefix = np.concatenate([[0.0], np.cumsum(nbytes)]).tolist()
   run_start = [0] * n
   for j in range(1, n):
     run_start[j] = run_start[j - 1] if prob.dtype[order[j]] == prob.dtype[order[j - 1]] else j
+  return ready, prefix, run_start
+
+
+def rs_partition(prob: Problem, order: Sequence[int], cap: float | None, *,
+                 inputs: tuple[list[float], list[float], list[int]] | None = None) -> list[list[Slice]]:
+  """Reduce-scatter buckets: contiguous runs of `order` (rows in ready order, nbytes > 0), one dtype
+  each, of at most `cap` bytes unless one row is larger (None: no cap), minimising the end of the last
+  reduce-scatter on one link (f[j] = min_i max(f[i], ready(j-1)) + a' + b'·bytes(i..j-1), exact).
+  `inputs`: `_rs_inputs(prob, order)`, when the caller runs several caps on one order."""
+  n = len(order)
+  a, b = 0.5 * prob.startup_s, 0.5 * prob.per_byte_s
+  ready, prefix, run_start = _rs_inputs(prob, order) if inputs is None else inputs
   choice = contiguous_dp(ready, prefix, run_start, a, b, cap)[1]
   groups: list[list[Slice]] = []
   j = n
@@ -260,23 +282,33 @@ def rs_partition(prob: Problem, order: Sequence[int], cap: float | None) -> list
   return groups
 
 
-def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> list[list[int]]:
+def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]], *, per_chunk: Any = None,
+                     beat: float = math.inf) -> list[list[int]] | None:
   """All-gather buckets for reduce-scatter `chunks`: contiguous runs of the chunks in forward order
   (by their front-most row), one dtype each, chosen by the exact program for that order (the module
   docstring, step 2). Without overlap (every collective stalls the device) the fewest: one per dtype,
-  ordered by its front-most chunk."""
+  ordered by its front-most chunk. `per_chunk`: `chunk_arrays(prob, chunks)` when the caller has it.
+
+  With overlap, None when no grouping can end the step before `beat` (a candidate that cannot beat the
+  best so far): every all-gather follows the last reduce-scatter (T_rs) on the one link and the step
+  ends after the last of them, so any grouping's step is at least T_rs + a'·(its number of gathers,
+  at least one per dtype run) + b'·(the bytes gathered, every chunk's once), whatever the grouping.
+  """
   k_n = len(chunks)
-  singles = [[k] for k in range(k_n)]
-  arr = sharded_arrays(prob, chunks, singles)
-  rs, _ = sharded_durations(prob, arr)
-  run = sharded_run(prob, arr, rs, np.zeros((1, k_n)))
-  rs_end = run.rs_end[0]
   front = [min(c)[0] for c in chunks]                  # the front-most row (slices are (row, a, b))
   seq = sorted(range(k_n), key=lambda k: (front[k], k))
   dtype = [prob.dtype[chunks[k][0][0]] for k in seq]
+  if not prob.overlap:              # serial: the fewest all-gathers, one per dtype
+    by_dtype: dict[str, list[int]] = {}
+    for x, k in enumerate(seq):
+      by_dtype.setdefault(dtype[x], []).append(k)
+    return list(by_dtype.values())
+  rs_ready, rs_nbytes, rs_update, _ = chunk_arrays(prob, chunks) if per_chunk is None else per_chunk
   a, b = 0.5 * prob.startup_s, 0.5 * prob.per_byte_s
-  nbytes = arr.rs_nbytes[seq]
-  upd = arr.rs_update_s[seq]
+  # the reduce-scatters on the link, as the simulator runs them with overlap (`_sharded.sharded_run`)
+  rs_end, _ = ends_one_link(rs_ready, a + b * rs_nbytes, prob.backward_s, True)
+  nbytes = rs_nbytes[seq]
+  upd = rs_update[seq]
   end_rs = rs_end[seq]
   t_rs = float(rs_end.max())
   prefix = np.concatenate([[0.0], np.cumsum(nbytes)])
@@ -284,13 +316,11 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> list[l
   run_start = [0] * k_n
   for j in range(1, k_n):
     run_start[j] = run_start[j - 1] if dtype[j] == dtype[j - 1] else j
-  if not prob.overlap:              # serial: the fewest all-gathers, one per dtype
-    by_dtype: dict[str, list[int]] = {}
-    for x, k in enumerate(seq):
-      by_dtype.setdefault(dtype[x], []).append(k)
-    return list(by_dtype.values())
+  runs = 1 + sum(1 for j in range(1, k_n) if run_start[j] == j)
+  if t_rs + a * runs + b * float(prefix[-1]) >= beat:
+    return None
   if not prob.cross_step:
-    t0 = max(float(run.backward_end[0]), t_rs)
+    t0 = max(float(prob.backward_s), t_rs)       # with overlap, backward ends on time
     release = (t0 + cum_upd[1:]).tolist()
     choice = contiguous_dp(release, prefix.tolist(), run_start, a, b, None, start=t_rs)[1]
     return _groups_from_choice(seq, choice)

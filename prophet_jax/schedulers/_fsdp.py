@@ -10,8 +10,10 @@ What is planned (the model is `_planning/_fsdp.py`'s; docs/fsdp.md says it for u
 1. Units (FSDP buckets): contiguous runs of layers in forward order, each the sharded leaves of those
    layers of one dtype, whole (each device's slice of a bucket is its shard of every leaf in turn, so
    a reduce-scatter's output is exactly each leaf's shard). Candidates: one unit per leaf (the least
-   memory), one per layer (FSDP2's per-module default), and runs of layers closed once they reach a cap
-   (2^k MiB, 1 to 1,024).
+   memory), one per layer (FSDP2's per-module default), runs of layers closed once they reach a cap
+   (2^k MiB, 1 to 2,048), ramps (small at both ends), and tapers (`_taper`: 4 to 32 units filled from
+   the back, equal or growing towards the front; over many devices, where each start-up is costly,
+   they come closest to the bound B_fsdp).
 2. Forward prefetch depth d in {1, 2, 3, 4} (unit u's all-gather issued when unit u-d's forward
    starts) and, where backward gathers again, backward prefetch depth in {1, 2}.
 3. Keep or gather again, per unit, under the budget: the last k units in forward order (the first
@@ -53,8 +55,11 @@ from ._base import Scheduler, Slice
 from ._common import check_inputs
 
 _POLICY = "fsdp"
-_CAPS_MIB = (1, 4, 16, 64, 256, 1024)
+_CAPS_MIB = (1, 4, 16, 64, 256, 1024, 2048)
 _RAMP_MIB = ((8, 256), (8, 1024), (32, 1024))   # ramps (first, last): unit k closes at first·2^k, capped
+# tapers (units, growth): about `units` units filled from the back, unit k from the back closing at
+# lo·(1 + growth·k), lo such that they hold the dtype's bytes
+_TAPERS = tuple((n, g) for n in (4, 8, 16, 32) for g in (0.0, 1.0))
 _PREFETCH = (1, 2, 3, 4)
 _DEEPER = 3                  # unit sets (the fastest at depth 1) tried at deeper prefetch
 
@@ -170,7 +175,8 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
       unit_sets.append(("per-leaf", [[i] for i in sharded]))
     seen = {_key(u) for _, u in unit_sets}
     for label, u in [(f"cap={mib}MiB", _runs(rows_, sharded, mib * 2.0**20)) for mib in _CAPS_MIB] + [
-        (f"ramp={lo}-{mib}MiB", _runs(rows_, sharded, mib * 2.0**20, ramp=lo * 2.0**20)) for lo, mib in _RAMP_MIB]:
+        (f"ramp={lo}-{mib}MiB", _runs(rows_, sharded, mib * 2.0**20, ramp=lo * 2.0**20)) for lo, mib in _RAMP_MIB] + [
+        (f"taper={n},{g:g}", _taper(rows_, unit_sets[0][1], n, g)) for n, g in _TAPERS]:
       if _key(u) not in seen:
         seen.add(_key(u))
         unit_sets.append((label, u))
@@ -311,6 +317,33 @@ def _runs(rows: _Rows, sharded: Sequence[int], cap: float, *, ramp: float = 0.0)
   units.extend(open_.values())
   units.sort(key=lambda u: u[0])
   return [u for _, u in units]
+
+
+def _taper(rows: _Rows, per_layer: Sequence[Sequence[int]], n_units: int, growth: float) -> list[list[int]]:
+  """Sharded rows grouped into about `n_units` units per dtype, filled from the back of the model: runs
+  of whole layers, unit k from the back closing once it reaches lo·(1 + growth·k) bytes (lo: the
+  dtype's bytes over the sum of those factors), the front unit taking what is left. Small units at the
+  back let backward's first reduce-scatters start early; with growth > 0 they grow towards the front,
+  where forward's and backward's ends make fewer start-ups pay."""
+  by_dtype: dict[str, list[tuple[Sequence[int], float]]] = {}
+  for u in per_layer:                                  # one unit per layer and dtype, forward order
+    by_dtype.setdefault(rows.dtype[u[0]], []).append((u, float(sum(rows.nbytes[i] for i in u))))
+  units: list[list[int]] = []
+  for layers in by_dtype.values():
+    total = sum(b for _, b in layers)
+    lo = total / sum(1.0 + growth * k for k in range(n_units))
+    parts: list[Sequence[int]] = []
+    size, k = 0.0, 0
+    for u, nb in reversed(layers):
+      parts.append(u)
+      size += nb
+      if size >= lo * (1.0 + growth * k) * (1 - 1e-12):
+        units.append([i for p in reversed(parts) for i in p])
+        parts, size, k = [], 0.0, k + 1
+    if parts:
+      units.append([i for p in reversed(parts) for i in p])
+  units.sort(key=lambda u: rows.layer[u[0]])
+  return units
 
 
 def _chunks(rows: _Rows, units: Sequence[Sequence[int]], *, tail: bool = False
