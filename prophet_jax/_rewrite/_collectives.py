@@ -36,6 +36,7 @@ from .._values._checks import check_bool, match_tree
 from ._defer import (DeferState, GroupState, add_residual, belongs, check_state, group_states, schedule_of,
                      with_groups)
 from ._defer import init as defer_init
+from ._keys import check_enforce_order, enforced, ordering, unit_scope
 from .._values._errors import AlreadyReducedError, ScheduleMismatchError, UnboundAxisError
 from .._values._schedule import Bucket, Schedule, shard_size
 from .._values._tree import is_reduced_leaf
@@ -73,7 +74,7 @@ def tie(buf: jax.Array, prev: jax.Array | None) -> jax.Array:
   from being combined into one by XLA's all-reduce combiner (which only merges independent ones). The
   zero is `where(isfinite(p), p * 0, 0)`, so a NaN or Inf in one chunk never leaks into the next.
   """
-  if prev is None:
+  if prev is None or not enforced():   # keyed units (`_keys`): XLA orders them, nothing ties them
     return buf
   return buf.at[0].add(_zero_of(prev, buf.dtype))
 
@@ -399,7 +400,7 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
         index = state.index
       reds, norms = [], []
       for s in range(slots):
-        with jax.named_scope(chunk_scope(k + s)):
+        with unit_scope(chunk_scope(k + s)):
           red = issue(k + s, jax.lax.dynamic_index_in_dim(picks, send[s], axis=0, keepdims=False))
         reds.append(red)
         norms.append(_norm(red))
@@ -412,7 +413,7 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
       k += slots
       continue
     parts = gather(unit)
-    with jax.named_scope(chunk_scope(k) if scope is None else scope):
+    with unit_scope(chunk_scope(k) if scope is None else scope):
       red = issue(k, join(parts))
     put(unit, red)
     k += 1
@@ -482,7 +483,7 @@ def reduce_scatter_chunks(flat: Sequence[jax.Array], chunks: Sequence[Any], row_
     buf = _chunk_buffer(flat, chunk, row_leaf)
     if seen is not None:
       seen(k, buf)
-    with jax.named_scope(rs_scope(k)):
+    with unit_scope(rs_scope(k)):
       red = jax.lax.psum_scatter(tie(_padded(buf, n), prev), axis_name, scatter_dimension=0, tiled=True)
       if divisor is not None:
         red = red / jnp.asarray(divisor, red.dtype)
@@ -510,7 +511,7 @@ def all_gather_chunks(shards: Sequence[jax.Array], chunks: Sequence[Any], gather
   for g, ks in enumerate(gathers):
     sizes = [shard_size(chunks[k].size, n) for k in ks]
     buf = shards[ks[0]] if len(ks) == 1 else jnp.concatenate([shards[k] for k in ks])
-    with jax.named_scope(ag_scope(g)):
+    with unit_scope(ag_scope(g)):
       full = jax.lax.all_gather(tie(buf, prev), axis_name, axis=0, tiled=True,
                                 **({"to": "invarying"} if vma else {}))
     prev = full
@@ -572,7 +573,7 @@ def sharded_allreduce(flat: Sequence[jax.Array], schedule: Schedule, row_leaf: S
 
 
 def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
-              defer_state: Any = None) -> Any:
+              defer_state: Any = None, enforce_order: bool = True) -> Any:
   """All-reduces `grads` over `axis_name` chunk by chunk, in the schedule's order.
 
   Call it inside `jax.pmap(..., axis_name=...)` or `jax.shard_map` (under `jit`). Rows of the schedule
@@ -611,6 +612,10 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
     axis_name: the data-parallel axis (a name bound by pmap or shard_map).
     mean: divide the sums by the axis size (a `pmean`); False gives the `psum`.
     defer_state: the DeferState of a schedule that defers (None otherwise).
+    enforce_order: True (the default): the tie keeps one collective per unit, in schedule order.
+      False: each unit (a chunk, a deferral slot, a reduce-scatter, an all-gather) carries one XLA
+      `combiner_key` and no tie: XLA:GPU keeps exactly the plan's units and orders them itself
+      (`_keys`); XLA:CPU ignores the key and merges them (the numbers are the same).
 
   Returns:
     The reduced tree, same structure, shapes and dtypes; `(tree, new_defer_state)` when the schedule
@@ -628,8 +633,9 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
   Example:
     >>> step = jax.pmap(lambda g: prophet_jax.allreduce(g, schedule, "data"), axis_name="data")
   """
-  reduced, new = scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce",
-                                     defer_state=defer_state)
+  with ordering(check_enforce_order("allreduce", enforce_order)):
+    reduced, new = scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce",
+                                       defer_state=defer_state)
   return (reduced, new) if schedule.defers or defer_state is not None else reduced
 
 

@@ -33,6 +33,7 @@ from ._accumulate import init as accum_init
 from ._collectives import (_zero_of, accumulated_allreduce, axis_size, carries, carry_over,
                            check_residual_varying, is_varying, reduce_scatter_chunks, reduce_units,
                            schedule_units, scheduled_allreduce, to_varying, unit_allreduces, vma_enabled)
+from ._keys import check_enforce_order, ordered_by
 from ._defer import DeferState, GroupState, check_state, group_states, init as defer_init, with_groups
 from .._values._errors import AlreadyReducedError, CompositionError
 from .._values._schedule import Bucket, Chunk, Schedule, shard_size
@@ -150,7 +151,7 @@ def _not_first_error(before: list[str], where: str) -> CompositionError:
 
 def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
               axis_name: str | tuple[str, ...], mesh: Any = None,
-              every_k: int = 1) -> optax.GradientTransformationExtraArgs:
+              every_k: int = 1, enforce_order: bool = True) -> optax.GradientTransformationExtraArgs:
   """An optax transformation that all-reduces the gradients as `schedule` says, then applies `tx`.
 
   Use it in place of a `jax.lax.pmean(grads, axis_name)` followed by `tx`: inside `jax.pmap(...,
@@ -234,6 +235,9 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
       `jax.jit` on global arrays (see above); None: inside `jax.pmap` or `jax.shard_map`.
     every_k: micro-steps per all-reduce and update (gradient accumulation, see above); 1, the
       default, reduces and updates on every call.
+    enforce_order: True (the default): the tie keeps one collective per unit, in schedule order.
+      False: each unit carries one XLA `combiner_key` and no tie; XLA:GPU keeps exactly the plan's
+      units and orders them itself (`prophet_jax.allreduce` says more).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is `ScheduledState(inner=tx_state,
@@ -268,6 +272,7 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
         f"an all-reduce policy for every_k.")
   if mesh is not None:
     _mesh.check_mesh(mesh, axis_name, "scheduled")
+  check_enforce_order("scheduled", enforce_order)
 
   def init_fn(params):
     before = _ran_before_in_chain()
@@ -353,6 +358,7 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
         reduced, state.inner)
     return new, ScheduledState(inner=inner, defer_state=defer, accum=accum)
 
+  update_fn = ordered_by(enforce_order, update_fn)
   init_fn._prophet_scheduled = True  # type: ignore[attr-defined]
   update_fn._prophet_scheduled = True  # type: ignore[attr-defined]
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -749,7 +755,7 @@ def _check_not_varying(flat: Sequence[Any], lmap: Any, axis_name: Any) -> None:
 
 def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | tuple[str, ...],
            has_aux: bool = False, has_state: bool = False, in_loop: Sequence[str] = (),
-           mesh: Any = None) -> Callable[..., Any]:
+           mesh: Any = None, enforce_order: bool = True) -> Callable[..., Any]:
   """`grad_fn(params, batch) -> (loss, grads)` whose all-reduces run inside the backward pass.
 
   (With a deferring schedule: `grad_fn(params, batch, defer_state) -> (loss, grads, new_state)`.)
@@ -813,6 +819,9 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
       `loop_hook`; the schedule does not cover them.
     mesh: run on global arrays inside a plain `jax.jit` over this mesh (see above); None (the
       default): call `grad_fn` inside your own `jax.shard_map` or `jax.pmap`.
+    enforce_order: True (the default): the token ties the hooks' collectives in schedule order.
+      False: each unit carries one XLA `combiner_key` and no tie; XLA:GPU keeps exactly the plan's
+      units and orders them itself (`prophet_jax.allreduce` says more).
 
   Returns:
     `grad_fn(params, batch)` (`grad_fn(params, batch, defer_state)` for a deferring schedule); with
@@ -842,7 +851,8 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
                        f"sharded (ZeRO-1) step updates every parameter from its reduce-scatter shard, "
                        f"and the schedule does not cover those params. Plan the sharded schedule over "
                        f"every param and drop in_loop, or use an all-reduce schedule with in_loop.")
-    grad_fn = _hooked_sharded(loss_fn, schedule, axis_name, has_aux, has_state)
+    grad_fn = ordered_by(check_enforce_order("hooked", enforce_order),
+                         _hooked_sharded(loss_fn, schedule, axis_name, has_aux, has_state))
     if mesh is not None:
       return _mesh.MeshGradFn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
                               has_state=has_state)
@@ -930,6 +940,7 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
       return value, grads, None
     return value, grads
 
+  grad_fn = ordered_by(check_enforce_order("hooked", enforce_order), grad_fn)
   if mesh is not None:  # global arrays in a plain jax.jit: the same grad_fn mapped over the mesh
     return _mesh.MeshGradFn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
                       has_state=has_state)
