@@ -193,6 +193,9 @@ class AuditReport:
       empty otherwise. (`chunks` then holds its reduce-scatters.)
     gather_order: the gathers' indices in compiled order.
     planned_gathers: the all-gathers the schedule issues per step (`schedule.num_all_gathers`).
+    order_by: 'schedule' (the tie: `order` is held to the plan's) or 'xla' (`audit(...,
+      enforce_order=False)`, `_keyed_audit`: units matched by size and provenance, `order` is XLA's
+      choice and no problem).
     schema: the JSON schema version.
   """
 
@@ -210,6 +213,7 @@ class AuditReport:
   gathers: tuple[AuditEntry, ...] = ()
   gather_order: tuple[int, ...] = ()
   planned_gathers: int = 0
+  order_by: str = "schedule"
   schema: int = AUDIT_SCHEMA
 
   @property
@@ -283,6 +287,8 @@ class AuditReport:
               f"{self.planned_gathers} planned, order {list(self.gather_order)}; {len(self.foreign)} "
               f"foreign; {self.inside_backward} reduce-scatter(s) issued inside backward")
     lines = [head]
+    if self.order_by == "xla":
+      lines.append("order: XLA's (keyed units, matched by size and provenance): " + str(list(self.order)))
     if self.forms:
       lines.append("read: " + ", ".join(f"{n} {_FORM_WORDS.get(f, f)}" for f, n in self.forms.items()))
     if self.asynchronous:
@@ -394,7 +400,7 @@ def _is_gpu(text: str) -> bool:
   return any(m in text for m in _GPU_MARKERS)
 
 
-def audit(compiled: Any, schedule: Schedule) -> AuditReport:
+def audit(compiled: Any, schedule: Schedule, *, enforce_order: bool = True) -> AuditReport:
   """Checks a compiled step's all-reduces against `schedule`, and reads what overlaps them.
 
   Args:
@@ -402,6 +408,10 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
       .compile()`, or a step compiled for a compile-only GPU target, `prophet_jax.gpu_topology`), or
       its HLO text. Not a Lowered: XLA's merging and scheduling happen at compile time.
     schedule: the schedule the step carries out.
+    enforce_order: how the step was built (`scheduled(..., enforce_order=)` and the other front-ends).
+      False: a keyed program: its units are matched by element count and operand provenance, not by
+      name (combined collectives keep none), and the order is XLA's, reported, not checked
+      (`_keyed_audit`).
 
   Returns:
     An AuditReport; `report.ok` is the verdict, `report.problems` says what differs; per chunk, the
@@ -411,6 +421,10 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
     TypeError: `compiled` is not compiled, or `schedule` is not a Schedule.
   """
   check_values("audit", schedule=schedule)
+  if not enforce_order:
+    # imported here: the keyed reading builds on this module's report types
+    from ._keyed_audit import keyed_audit
+    return keyed_audit(compiled, schedule)
   text = hlo_text(compiled)
   module = parse_hlo(text)
   ops = execution_order(module)
