@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "ShardedState": "_rewrite._zero", "GradShards": "_rewrite._zero", "unshard_state": "_rewrite._zero", "shard_state": "_rewrite._zero",
     "loop_hook": "_rewrite._transform", "check_composition": "_rewrite._transform",
     "pipelined": "_rewrite._pipelined", "audit": "_compiled._audit", "AuditReport": "_compiled._audit",
+    "tag_layers": "_rewrite._tagging", "tag_plan": "_rewrite._tagging", "TaggedPlan": "_rewrite._tagging",
     "profile_step": "_measure._profile", "profile_from_trace": "_measure._profile", "measure_network": "_measure._probe",
     "probe": "_measure._probe", "AllreduceTimings": "_measure._probe", "Monitor": "_multiprocess._monitor",
     # compile-only GPU targets (jax, imported when a topology is made)
@@ -79,6 +80,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._steps import compile_step, lower_step
   from ._planning._timeline import plot_timelines
   from ._rewrite._transform import check_composition, hooked, loop_hook, scheduled
+  from ._rewrite._tagging import TaggedPlan, tag_layers, tag_plan
   from ._values._schedule import Bucket, Chunk, Schedule
   from ._planning._simulate import Event, SimResult
   from ._values._types import GradientProfile, ProfileRow

@@ -56,7 +56,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import sys
+
 from .._values._checks import check_values
+from ._keyed_audit import KeyedUnit, keyed_audit
 from ._hlo import (AsyncWindow, ExecutedOp, HloInstruction, OpCosts, allreduces, async_windows,
                    contiguous_parts, execution_order, hlo_text, is_collective, merged_op_names, parse_hlo,
                    sharded_collectives, users)
@@ -422,9 +425,7 @@ def audit(compiled: Any, schedule: Schedule, *, enforce_order: bool = True) -> A
   """
   check_values("audit", schedule=schedule)
   if not enforce_order:
-    # imported here: the keyed reading builds on this module's report types
-    from ._keyed_audit import keyed_audit
-    return keyed_audit(compiled, schedule)
+    return audit_keyed(compiled, schedule)
   text = hlo_text(compiled)
   module = parse_hlo(text)
   ops = execution_order(module)
@@ -631,6 +632,13 @@ def _audit_sharded(text: str, module: Any, ops: tuple[ExecutedOp, ...], after: l
                      max_in_flight=peak, backward_outside_windows=outside, warnings=tuple(warnings),
                      gathers=tuple(gathers), gather_order=tuple(gorder),
                      planned_gathers=len(schedule.gathers))
+
+
+def audit_keyed(compiled: Any, schedule: Schedule, units: Sequence[KeyedUnit] | None = None) -> AuditReport:
+  """A keyed program's audit (`audit(..., enforce_order=False)`; `units`: what a tagged step should hold,
+  `TaggedPlan.units()`): `_keyed_audit` matches its collectives, with this module's report types."""
+  check_values("audit", schedule=schedule)
+  return keyed_audit(compiled, schedule, kit=sys.modules[__name__], units=units)
 
 
 def _sequence_problems(seq: list[int], planned: int, found: int, unit: str, what: str) -> list[str]:

@@ -30,8 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._audit import (AuditEntry, AuditReport, WindowOp, _backward_after, _backward_outside, _is_gpu, _kind,
-                     _peak_in_flight)
 from ._hlo import (HloModule, OpCosts, allreduces, async_windows, execution_order, hlo_text, parse_hlo,
                    sharded_collectives)
 from .._values._schedule import Bucket, Schedule
@@ -150,30 +148,35 @@ def match_units(found: Sequence[_Found], units: Sequence[KeyedUnit]) -> tuple[di
   return out, ambiguous
 
 
-def _window(windows: dict, coll_names: set[str], costs: OpCosts, start: str) -> tuple[WindowOp, ...]:
+def _window(kit: Any, windows: dict, coll_names: set[str], costs: OpCosts, start: str) -> tuple[Any, ...]:
   win = windows.get(start)
   if win is None:
     return ()
-  return tuple(WindowOp(name=w.instruction.name, opcode=w.instruction.opcode,
-                        kind=_kind(w.instruction, coll_names),
+  return tuple(kit.WindowOp(name=w.instruction.name, opcode=w.instruction.opcode,
+                        kind=kit._kind(w.instruction, coll_names),
                         flops=(c := costs.cost(w.computation, w.instruction))[0], nbytes=c[1],
                         op_name=w.instruction.op_name) for w in win.inside)
 
 
-def keyed_audit(compiled: Any, schedule: Schedule, *, units: Sequence[KeyedUnit] | None = None) -> AuditReport:
+def keyed_audit(compiled: Any, schedule: Schedule, *, kit: Any, units: Sequence[KeyedUnit] | None = None) -> Any:
   """`audit(compiled, schedule, enforce_order=False)`: the plan's units matched by size and provenance
   (module docstring), the order XLA chose, the compute inside each window.
 
   Args:
     compiled: the compiled step or its HLO text.
     schedule: the plan the step carries out.
+    kit: the module that owns the report types and the window readers (`_audit`, which calls this):
+      passed in, not imported, so that `_audit` can import this module.
     units: the all-reduce units to find instead of the schedule's (`tag_layers`' buckets of whole
       leaves, `TaggedPlan.units()`); None: the schedule's own.
+
+  Returns:
+    An `AuditReport` with `order_by='xla'`.
   """
   text = hlo_text(compiled)
   module = parse_hlo(text)
   ops = execution_order(module)
-  after = _backward_after(ops)
+  after = kit._backward_after(ops)
   windows = async_windows(module, ops)
   costs = OpCosts(module)
   ars = allreduces(module, ops)
@@ -191,9 +194,9 @@ def keyed_audit(compiled: Any, schedule: Schedule, *, units: Sequence[KeyedUnit]
     kinds = (("all-reduce", tuple(units) if units is not None else units_of(schedule)[0][1]),)
     sources = {"all-reduce": [(a.op, a.form, a.elements, a.operands, a.form == "all-reduce" or a.is_sync(),
                                a.op_name) for a in ars]}
-  sections: dict[str, tuple[list[AuditEntry], list[int]]] = {}
-  foreign: list[AuditEntry] = [
-      AuditEntry(name=a.op.instruction.name, kind="foreign", chunk=None, label="", elements=a.elements,
+  sections: dict[str, tuple[list[Any], list[int]]] = {}
+  foreign: list[Any] = [
+      kit.AuditEntry(name=a.op.instruction.name, kind="foreign", chunk=None, label="", elements=a.elements,
                  expected_elements=None, trips=a.op.trips, position=a.op.index,
                  backward_ops_after=after[a.op.index + 1], op_name=a.op_name, form=a.form)
       for a in (ars if schedule.sharded else ())]   # a sharded plan's all-reduces are never its units
@@ -208,8 +211,8 @@ def keyed_audit(compiled: Any, schedule: Schedule, *, units: Sequence[KeyedUnit]
     sizes = {u.index: u.elements for u in kunits}
     for i, (op, form, e, _, sync, op_name) in enumerate(src):
       k = match.get(i)
-      inside = _window(windows, coll_names, costs, op.instruction.name) if form.endswith("-start") else ()
-      entry = AuditEntry(
+      inside = _window(kit, windows, coll_names, costs, op.instruction.name) if form.endswith("-start") else ()
+      entry = kit.AuditEntry(
           name=op.instruction.name, kind=("gather" if kind == "all-gather" else "chunk") if k is not None
           else "foreign", chunk=k, label="", elements=e, expected_elements=sizes.get(k),
           trips=op.trips, position=op.index, backward_ops_after=after[op.index + 1], op_name=op_name,
@@ -235,17 +238,17 @@ def keyed_audit(compiled: Any, schedule: Schedule, *, units: Sequence[KeyedUnit]
     sections[kind] = (entries, order)
   warnings.append("order: XLA's (enforce_order=False: each unit carries a combiner key and no tie; "
                   "the order shown is the one XLA chose).")
-  if not _is_gpu(text):
+  if not kit._is_gpu(text):
     warnings.append("XLA:CPU ignores combiner keys and merges independent all-reduces: on the CPU a "
                     "keyed program proves numbers only; audit a compile-only GPU target "
                     "(prophet_jax.gpu_topology) for counts and sizes.")
   chunk_kind = "reduce-scatter" if schedule.sharded else "all-reduce"
   chunks, order = sections[chunk_kind]
   gathers, gorder = sections.get("all-gather", ([], []))
-  peak = _peak_in_flight(ops, {e.name for e in chunks + gathers if e.asynchronous})
-  outside = _backward_outside(ops, chunks, windows, coll_names, costs)
+  peak = kit._peak_in_flight(ops, {e.name for e in chunks + gathers if e.asynchronous})
+  outside = kit._backward_outside(ops, chunks, windows, coll_names, costs)
   planned = len(kinds[0][1])
-  return AuditReport(planned=planned, chunks=tuple(chunks), loops=(), foreign=tuple(foreign),
+  return kit.AuditReport(planned=planned, chunks=tuple(chunks), loops=(), foreign=tuple(foreign),
                      order=tuple(order), ok=not problems, problems=tuple(problems), total_ops=len(ops),
                      max_in_flight=peak, backward_outside_windows=outside, warnings=tuple(warnings),
                      gathers=tuple(gathers), gather_order=tuple(gorder),

@@ -33,8 +33,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 
+from .._compiled._audit import audit_keyed
 from .._compiled._keyed_audit import KeyedUnit
 from .._values._schedule import Schedule
 
@@ -102,9 +102,7 @@ class TaggedPlan:
     """The AuditReport of a compiled tagged step: one all-reduce per bucket, matched by element count
     and operand provenance (`_compiled._keyed_audit`; the partitioner's combined all-reduces keep no
     name), its planned size, the order XLA chose and the compute inside each window."""
-    # imported here: the compiled-program reader sits beside this module, not below it
-    from .._compiled._keyed_audit import keyed_audit
-    return keyed_audit(compiled, self.schedule, units=self.units())
+    return audit_keyed(compiled, self.schedule, units=self.units())
 
 
 def tag_plan(schedule: Schedule) -> TaggedPlan:
