@@ -34,7 +34,7 @@ from ._hlo import (HloModule, OpCosts, allreduces, async_windows, execution_orde
                    sharded_collectives)
 from .._values._schedule import Bucket, Schedule
 
-__all__ = ["KeyedUnit", "units_of", "keyed_audit", "match_units", "provenance"]
+__all__ = ["KeyedUnit", "units_of", "keyed_audit", "match_units", "provenance", "slice_start"]
 
 # ops the provenance walk looks through: the rewrite's own buffer handling and pure data movement
 _THROUGH = {"bitcast", "copy", "reshape", "concatenate", "slice", "tuple", "get-tuple-element", "pad",
@@ -45,11 +45,13 @@ _WORD = re.compile(r"[A-Za-z_][\w.\-]*")
 @dataclass(frozen=True, slots=True)
 class KeyedUnit:
   """One unit a keyed program is expected to hold: its index in the plan's issue order, its element
-  count, and the layers (path components) of its rows, which its operands' producers name."""
+  count, the layers (path components) of its rows, which its operands' producers name, and, for a
+  unit that is one slice of one leaf, where the slice starts in the leaf (None otherwise)."""
 
   index: int
   elements: int
   layers: frozenset[str]
+  start: int | None = None
 
 
 def _layers(paths: Sequence[str]) -> frozenset[str]:
@@ -71,7 +73,7 @@ def units_of(schedule: Schedule, *, workers: int | None = None) -> tuple[tuple[s
     if workers is None:
       raise ValueError("units_of: a sharded schedule's padded sizes need workers= (the axis size).")
     chunks = schedule.chunks
-    rs = tuple(KeyedUnit(k, e, _layers([paths[r] for r, _, _ in c.slices]))
+    rs = tuple(KeyedUnit(k, e, _layers([paths[r] for r, _, _ in c.slices]), _start(c.slices))
                for k, (c, e) in enumerate(zip(chunks, schedule.padded_sizes(workers))))
     ag = tuple(KeyedUnit(g, e, _layers([paths[r] for k in ks for r, _, _ in chunks[k].slices]))
                for g, (ks, e) in enumerate(zip(schedule.gathers, schedule.gather_sizes(workers))))
@@ -81,10 +83,61 @@ def units_of(schedule: Schedule, *, workers: int | None = None) -> tuple[tuple[s
     for u in ((b,) if b.defer else b.chunks):
       rows = [r for c in (u.chunks if isinstance(u, Bucket) else (u,)) for r, _, _ in c.slices]
       sizes = (u.slot_size,) * u.slots if isinstance(u, Bucket) else (u.size,)
+      start = None if isinstance(u, Bucket) else _start(u.slices)
       for e in sizes:
-        units.append(KeyedUnit(k, e, _layers([paths[r] for r in rows])))
+        units.append(KeyedUnit(k, e, _layers([paths[r] for r in rows]), start))
         k += 1
   return (("all-reduce", tuple(units)),)
+
+
+def _start(slices: Sequence[tuple[int, int, int]]) -> int | None:
+  """Where a unit of one partial slice of one leaf starts in it; None for anything else."""
+  return slices[0][1] if len(slices) == 1 else None
+
+
+_SLICE = re.compile(r"slice=\{((?:\[\d+:\d+(?::\d+)?\],?\s*)+)\}")
+_GTE = re.compile(r"\bindex=(\d+)")
+_MOVES = ("bitcast", "copy", "reshape", "transpose")
+
+
+def slice_start(module: HloModule, computation: str, name: str) -> int | None:
+  """The flat start (row-major in the sliced operand) of the slice that produces `name`, looking through
+  bitcasts and transposes, into a fusion (its ROOT, or the ROOT tuple's element a get-tuple-element
+  reads); None when no slice makes it. A unit that is a part of a leaf reads its gradient so."""
+  comp, ins = computation, module.instruction(computation, name)
+  for _ in range(8):
+    if ins is None:
+      return None
+    if ins.opcode == "get-tuple-element" and ins.operands:
+      src = module.instruction(comp, ins.operands[0])
+      m = _GTE.search(ins.text)
+      body = dict(src.callees).get("calls") if src is not None and src.opcode == "fusion" else None
+      root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+      if root is None or m is None or root.opcode != "tuple" or int(m.group(1)) >= len(root.operands):
+        return None
+      comp, ins = body, module.instruction(body, root.operands[int(m.group(1))])
+    elif ins.opcode == "fusion":
+      body = dict(ins.callees).get("calls")
+      comp, ins = body, next((i for i in module.computations.get(body or "", ()) if i.root), None)
+    elif ins.opcode in _MOVES and ins.operands:
+      ins = module.instruction(comp, ins.operands[0])
+    elif ins.opcode == "slice" and ins.operands:
+      m = _SLICE.search(ins.text)
+      src = module.instruction(comp, ins.operands[0])
+      if m is None or src is None:
+        return None
+      starts = [int(b.split(":")[0].strip("[")) for b in re.findall(r"\[\d+:\d+", m.group(1))]
+      dims = [int(d) for d in re.findall(r"\d+", src.shape.split("]")[0].split("[")[-1])]
+      if len(dims) != len(starts):
+        return None
+      flat, stride = 0, 1
+      for st, d in zip(reversed(starts), reversed(dims)):
+        flat += st * stride
+        stride *= d
+      return flat
+    else:
+      return None
+  return None
 
 
 def provenance(module: HloModule, computation: str, operands: Sequence[str], *, depth: int = 12) -> tuple[str, ...]:
@@ -108,9 +161,10 @@ def provenance(module: HloModule, computation: str, operands: Sequence[str], *, 
   return tuple(out)
 
 
-def _score(names: Sequence[str], unit: KeyedUnit) -> int:
-  words = {w for n in names for w in _WORD.findall(n.replace("/", " "))}
-  return len(unit.layers & words)
+def _score(found: _Found, unit: KeyedUnit) -> tuple[int, int]:
+  """(layers its operands' producers name, whether its operand is the slice where the unit starts)."""
+  words = {w for n in found.names for w in _WORD.findall(n.replace("/", " "))}
+  return len(unit.layers & words), int(unit.start is not None and found.start == unit.start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +172,7 @@ class _Found:
   name: str
   elements: int
   names: tuple[str, ...]
+  start: int | None = None
 
 
 def match_units(found: Sequence[_Found], units: Sequence[KeyedUnit]) -> tuple[dict[int, int], list[tuple[int, ...]]]:
@@ -130,14 +185,14 @@ def match_units(found: Sequence[_Found], units: Sequence[KeyedUnit]) -> tuple[di
   ambiguous: list[tuple[int, ...]] = []
   for size, cands in by_size.items():
     idx = [i for i, f in enumerate(found) if f.elements == size]
-    pairs = sorted(((-_score(found[i].names, u), u.index, i) for i in idx for u in cands))
+    pairs = sorted(((tuple(-x for x in _score(found[i], u)), u.index, i) for i in idx for u in cands))
     used_f, used_u = set(), set()
     tied: set[int] = set()
     for neg, k, i in pairs:
       if i in used_f or k in used_u:
         continue
       rivals = [u.index for u in cands if u.index not in used_u and u.index != k
-                and _score(found[i].names, u) == -neg]
+                and _score(found[i], u) == tuple(-x for x in neg)]
       if rivals:
         tied.update([k, *rivals])
       out[i] = k
@@ -204,7 +259,8 @@ def keyed_audit(compiled: Any, schedule: Schedule, *, kit: Any, units: Sequence[
   warnings: list[str] = []
   for kind, kunits in kinds:
     src = sources[kind]
-    found = [_Found(op.instruction.name, e, provenance(module, op.computation, opnds))
+    found = [_Found(op.instruction.name, e, provenance(module, op.computation, opnds),
+                    slice_start(module, op.computation, opnds[0]) if len(opnds) == 1 else None)
              for op, _, e, opnds, _, _ in src]
     match, ambiguous = match_units(found, kunits)
     entries, order = [], []
@@ -227,10 +283,15 @@ def keyed_audit(compiled: Any, schedule: Schedule, *, kit: Any, units: Sequence[
         problems.append(f"unit {k}: {kind} {entry.name} runs {entry.trips} times per step, planned once.")
     missing = sorted(set(sizes) - set(match.values()))
     if missing:
+      twins = [k for k in missing if any(sizes[j] == sizes[k] for j in match.values())]
       problems.append(f"{kind} unit(s) {missing[:10]}{'...' if len(missing) > 10 else ''} (of "
                       f"{[sizes[k] for k in missing[:10]]} elements) have no {kind} of their own in the "
                       f"compiled program ({len(entries)} of {len(sizes)} found): XLA merged them (are the "
-                      f"keys on? enforce_order=False), or the step does not use this plan.")
+                      f"keys on? enforce_order=False), or the step does not use this plan."
+                      + (f" Units {twins[:10]} have the size of a unit that was found: where two units "
+                         f"reduce equal values (two batch-norm biases that meet at a residual add have "
+                         f"equal gradients), XLA's CSE keeps one {kind} for both, which the tie prevents."
+                         if twins else ""))
     for group in ambiguous:
       warnings.append(f"ambiguous: {kind} units {list(group)} have {sizes[group[0]]} elements each and "
                       f"operands this audit cannot tell apart; matched in plan order (their count and "
