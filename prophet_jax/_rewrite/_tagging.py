@@ -201,9 +201,8 @@ def tag_layers(plan: Schedule | TaggedPlan, *, model: Any = None) -> Iterator[Ta
     import flax.linen as nn
 
     def interceptor(next_fun, args, kwargs, context):
+      # every method of a tagged module: a tied embedding's `attend` reads its params too
       key = tagged.keys.get("/".join(str(p) for p in context.module.path))
-      if context.method_name != "__call__":
-        key = None
       return _keyed_call(next_fun, key, args, kwargs)
 
     with nn.intercept_methods(interceptor):
