@@ -8,6 +8,7 @@ Three parts, each written to bench/results/keys.json:
   all-gathers). Per cell: planned units, units found (`audit`, keyed: by size and provenance), ok, the
   order (the tie's is the plan's; the keys' is XLA's), exposed units, FLOPs inside the windows, compile
   seconds. Policies with the same units compile the same program: compiled once per model, target, way.
+- `deferral`: cnn, a `dlcp` plan with a deferral group (its slot is a unit of its own), tie and keys.
 - `tagged`: the same models x policies on h100, each a plain `jax.jit` step whose layers are tagged
   (`prophet_jax.tag_layers`): the partitioner's all-reduces found against `tag_plan`'s buckets, and
   whether that tagging is the plan's exactly.
@@ -141,6 +142,46 @@ def tagged(models) -> list[dict]:
   return rows
 
 
+def deferral() -> list[dict]:
+  """cnn, `dlcp` on 1 GbE (max_defer 0.2: a deferral group of 2 chunks, 1 slot), the `scheduled` step
+  with its state made inside the map (`state_specs`): tie and keys on h100."""
+  import jax
+  import optax
+  from jax.sharding import PartitionSpec as P
+
+  import prophet_jax as pj
+  from prophet_jax.models import get_model
+
+  topo = pj.gpu_topology("h100", devices=NDEV)
+  mesh = topo.mesh("data")
+  m = get_model("cnn")
+  params = m.abstract_params()
+  prof = pj.GradientProfile.from_params(params, forward_s=1e-3, backward_s=2e-3)
+  s = pj.plan(prof, pj.NetworkModel.preset("1gbe", workers=NDEV), "dlcp", max_defer=0.2)
+  batch = jax.eval_shape(lambda k: m.make_batch(k, BATCH), jax.random.key(0))
+  row = {"model": "cnn", "policy": "dlcp@1gbe", "max_defer": 0.2, "defers": s.defers,
+         "planned": s.num_allreduces, "sizes": list(s.allreduce_sizes())}
+  for way, eo in (("tie", True), ("keys", False)):
+    opt = pj.scheduled(optax.sgd(0.1, momentum=0.9), s, axis_name="data", enforce_order=eo)
+    specs = pj.state_specs(jax.eval_shape(opt.init, params), "data")
+    o0 = jax.eval_shape(jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs),
+                        topo.abstract(params, P(), mesh=mesh))
+
+    def body(p, o, b, opt=opt):
+      g = jax.grad(m.loss_fn)(jax.lax.pcast(p, "data", to="varying"), b)
+      u, o = opt.update(g, o, p)
+      return optax.apply_updates(p, u), o
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)))
+    t0 = time.perf_counter()
+    compiled = step.lower(topo.abstract(params, P(), mesh=mesh), topo.abstract(o0, specs, mesh=mesh),
+                          topo.abstract(batch, P("data"), mesh=mesh)).compile()
+    row[way] = _cell(pj.audit(compiled, s, enforce_order=eo), s, time.perf_counter() - t0)
+  print(f"  deferral cnn dlcp@1gbe units {s.num_allreduces} tie {_show(row['tie'])} keys {_show(row['keys'])}",
+        file=sys.stderr, flush=True)
+  return [row]
+
+
 def one_compile(model_name: str, enforce_order: bool) -> dict:
   """In this process: lower and compile the `scheduled` priority step of a published model; audit it."""
   import jax
@@ -213,6 +254,7 @@ def main() -> int:
   res = {"what": __doc__.split("\n\n")[0], "jax": jax.__version__, "devices": NDEV, "batch": BATCH}
   res["matrix"] = old.get("matrix", []) if a.skip_matrix else matrix(a.models, a.targets)
   res["tagged"] = old.get("tagged", []) if a.skip_matrix else tagged(a.models)
+  res["deferral"] = old.get("deferral", []) if a.skip_matrix else deferral()
   res["compile_time"] = compile_time(a.repeats) if a.compile_time else old.get("compile_time", [])
   Path(a.out).write_text(json.dumps(res, indent=1))
   print(table(res))
