@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "ShardedState": "_rewrite._states", "GradShards": "_rewrite._states", "unshard_state": "_rewrite._convert", "shard_state": "_rewrite._convert",
     "loop_hook": "_rewrite._hooked", "check_composition": "_rewrite._compose",
     "pipelined": "_rewrite._pipelined", "audit": "_compiled._audit", "AuditReport": "_compiled._audit",
+    "tag_layers": "_rewrite._tagging", "tag_plan": "_rewrite._tagging", "TaggedPlan": "_rewrite._tagging",
     "profile_step": "_measure._profile", "profile_from_trace": "_measure._profile", "measure_network": "_measure._probe",
     "probe": "_measure._probe", "AllreduceTimings": "_measure._probe", "Monitor": "_multiprocess._monitor",
     # measured choice between steps (the statistics are pure; choose runs the steps)
@@ -89,6 +90,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._rewrite._compose import check_composition
   from ._rewrite._hooked import hooked, loop_hook
   from ._rewrite._transform import scheduled
+  from ._rewrite._tagging import TaggedPlan, tag_layers, tag_plan
   from ._values._schedule import Bucket, Chunk, Schedule
   from ._planning._simulate import Event, SimResult
   from ._values._types import GradientProfile, ProfileRow

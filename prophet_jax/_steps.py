@@ -33,7 +33,8 @@ STEP_MODES = ("scheduled", "hooked", "pipelined", "pmean")
 
 def compile_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
                  batch_size: int | None = None, axis_name: str = "data", tx: Any = None,
-                 compiler_options: Mapping[str, Any] | None = None, jit: bool = False) -> tuple[Any, float]:
+                 compiler_options: Mapping[str, Any] | None = None, jit: bool = False,
+                 enforce_order: bool = True) -> tuple[Any, float]:
   """Compiles one data-parallel train step of `model` for `topology`, the way a user writes it.
 
   `lower_step(...)`, then `.compile(compiler_options=...)`; see `lower_step` for the step of each mode
@@ -52,7 +53,7 @@ def compile_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
     >>> print(prophet_jax.audit(compiled, schedule).describe())
   """
   lowered = lower_step(model, schedule, mode, topology, batch_size=batch_size, axis_name=axis_name,
-                       tx=tx, jit=jit)
+                       tx=tx, jit=jit, enforce_order=enforce_order)
   t0 = time.perf_counter()
   compiled = lowered.compile(compiler_options=dict(compiler_options)) if compiler_options \
       else lowered.compile()
@@ -61,7 +62,7 @@ def compile_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
 
 def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
                batch_size: int | None = None, axis_name: str = "data", tx: Any = None,
-               jit: bool = False) -> Any:
+               jit: bool = False, enforce_order: bool = True) -> Any:
   """Lowers one data-parallel train step of `model` for `topology`, the way a user writes it.
 
   The step is `jax.jit(jax.shard_map(...))` over `topology.mesh(axis_name)`, lowered on
@@ -92,6 +93,7 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
     axis_name: the mesh axis.
     tx: the optimizer (default `optax.sgd(0.1, momentum=0.9)`).
     jit: the plain `jax.jit` step over sharded arrays (above) instead of `jax.jit(jax.shard_map(...))`.
+    enforce_order: passed to the rewrite (False: combiner keys in place of the tie).
 
   Returns:
     The `jax.stages.Lowered` step: `.compile()` it (or `.compile(compiler_options={...})` for
@@ -119,9 +121,10 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
   batch = jax.eval_shape(lambda k: model.make_batch(k, batch_size), jax.random.key(0))
   a_batch = topology.abstract(batch, P(axis_name), mesh=mesh)
   if jit:
-    return _lower_jit(model, schedule, mode, topology, mesh, params, a_batch, axis_name, tx)
+    return _lower_jit(model, schedule, mode, topology, mesh, params, a_batch, axis_name, tx, enforce_order)
+  keys = {"enforce_order": enforce_order}
   if mode == "pipelined":
-    pipe = pipelined(model.loss_fn, tx, schedule, axis_name=axis_name)
+    pipe = pipelined(model.loss_fn, tx, schedule, axis_name=axis_name, **keys)
     specs = pipe.state_specs()
 
     def body(state, b):
@@ -141,9 +144,9 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
   else:
     sharded = mode != "pmean" and schedule.sharded
     # a sharded schedule's hooked gradients are reduce-scattered shards that scheduled(tx) consumes
-    opt = scheduled(tx, schedule, axis_name=axis_name) if mode == "scheduled" or (
+    opt = scheduled(tx, schedule, axis_name=axis_name, **keys) if mode == "scheduled" or (
         sharded and mode == "hooked") else tx
-    grad_fn = hooked(model.loss_fn, schedule, axis_name=axis_name) if mode == "hooked" else None
+    grad_fn = hooked(model.loss_fn, schedule, axis_name=axis_name, **keys) if mode == "hooked" else None
 
     def body(p, o, b):
       if grad_fn is not None:
@@ -169,20 +172,20 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
 
 
 def _lower_jit(model: Any, schedule: Any, mode: str, topology: GpuTopology, mesh: Any, params: Any,
-               a_batch: Any, axis_name: str, tx: Any) -> Any:
+               a_batch: Any, axis_name: str, tx: Any, enforce_order: bool = True) -> Any:
   """`lower_step(..., jit=True)`: the plain `jax.jit` step on global arrays."""
   a_params = topology.abstract(params, P(), mesh=mesh)
   if mode == "pipelined":
-    pipe = pipelined(model.loss_fn, tx, schedule, axis_name=axis_name, mesh=mesh)
+    pipe = pipelined(model.loss_fn, tx, schedule, axis_name=axis_name, mesh=mesh, enforce_order=enforce_order)
     state0 = jax.eval_shape(pipe.init, a_params)
     pending, _ = jax.eval_shape(pipe.step, topology.abstract(state0, pipe.state_specs(state0), mesh=mesh),
                                 a_batch)  # the state after a first, forward-only call
     return jax.jit(pipe.step).lower(topology.abstract(pending, pipe.state_specs(pending), mesh=mesh), a_batch)
-  grad_fn = (hooked(model.loss_fn, schedule, axis_name=axis_name, mesh=mesh) if mode == "hooked"
-             else jax.value_and_grad(model.loss_fn))
+  grad_fn = (hooked(model.loss_fn, schedule, axis_name=axis_name, mesh=mesh, enforce_order=enforce_order)
+             if mode == "hooked" else jax.value_and_grad(model.loss_fn))
   # a sharded schedule's hooked gradients are reduce-scattered shards that scheduled(tx, mesh=) consumes
   sharded = mode == "hooked" and schedule.sharded
-  opt = scheduled(tx, schedule, axis_name=axis_name, mesh=mesh) if sharded else tx
+  opt = scheduled(tx, schedule, axis_name=axis_name, mesh=mesh, enforce_order=enforce_order) if sharded else tx
 
   def step(p, o, b):
     loss, g = grad_fn(p, b)

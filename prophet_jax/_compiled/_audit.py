@@ -49,6 +49,7 @@ window is *exposed*: nothing hides its latency.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from ._audit_checks import (backward_after, backward_outside, entry_problems, is_gpu, peak_in_flight,
@@ -56,6 +57,7 @@ from ._audit_checks import (backward_after, backward_outside, entry_problems, is
 from ._audit_report import AUDIT_SCHEMA, COMPUTE_KINDS, NEXT_FORWARD, AuditEntry, AuditReport, WindowOp
 from ._audit_sharded import audit_sharded
 from ._hlo import execution_order, hlo_text, parse_hlo, users
+from ._keyed_audit import KeyedUnit, keyed_audit
 from ._hlo_collectives import AsyncWindow, allreduces, async_windows, contiguous_parts, merged_op_names
 from ._hlo_costs import OpCosts
 from .._values._checks import check_values
@@ -73,7 +75,7 @@ def _label(op_name: str) -> tuple[re.Match | None, re.Match | None]:
 
 
 
-def audit(compiled: Any, schedule: Schedule) -> AuditReport:
+def audit(compiled: Any, schedule: Schedule, *, enforce_order: bool = True) -> AuditReport:
   """Checks a compiled step's all-reduces against `schedule`, and reads what overlaps them.
 
   Args:
@@ -81,6 +83,10 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
       .compile()`, or a step compiled for a compile-only GPU target, `prophet_jax.gpu_topology`), or
       its HLO text. Not a Lowered: XLA's merging and scheduling happen at compile time.
     schedule: the schedule the step carries out.
+    enforce_order: how the step was built (`scheduled(..., enforce_order=)` and the other front-ends).
+      False: a keyed program: its units are matched by element count and operand provenance, not by
+      name (combined collectives keep none), and the order is XLA's, reported, not checked
+      (`_keyed_audit`).
 
   Returns:
     An AuditReport; `report.ok` is the verdict, `report.problems` says what differs; per chunk, the
@@ -90,6 +96,8 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
     TypeError: `compiled` is not compiled, or `schedule` is not a Schedule.
   """
   check_values("audit", schedule=schedule)
+  if not enforce_order:
+    return keyed_audit(compiled, schedule)
   text = hlo_text(compiled)
   module = parse_hlo(text)
   ops = execution_order(module)
@@ -198,3 +206,10 @@ def audit(compiled: Any, schedule: Schedule) -> AuditReport:
                      foreign=tuple(foreign), order=tuple(order), ok=not problems,
                      problems=tuple(problems), total_ops=len(ops), max_in_flight=peak,
                      backward_outside_windows=outside, warnings=tuple(warnings))
+
+
+def audit_keyed(compiled: Any, schedule: Schedule, units: Sequence[KeyedUnit] | None = None) -> AuditReport:
+  """A keyed program's audit (`audit(..., enforce_order=False)`; `units`: what a tagged step should hold,
+  `TaggedPlan.units()`): `_keyed_audit` matches its collectives by size and provenance."""
+  check_values("audit", schedule=schedule)
+  return keyed_audit(compiled, schedule, units=units)

@@ -153,6 +153,7 @@ class AuditReport(JsonValue):
   gathers: tuple[AuditEntry, ...] = ()
   gather_order: tuple[int, ...] = ()
   planned_gathers: int = 0
+  order_by: str = "schedule"
   schema: int = AUDIT_SCHEMA
 
   @property
@@ -226,6 +227,8 @@ class AuditReport(JsonValue):
               f"{self.planned_gathers} planned, order {list(self.gather_order)}; {len(self.foreign)} "
               f"foreign; {self.inside_backward} reduce-scatter(s) issued inside backward")
     lines = [head]
+    if self.order_by == "xla":
+      lines.append("order: XLA's (keyed units, matched by size and provenance): " + str(list(self.order)))
     if self.forms:
       lines.append("read: " + ", ".join(f"{n} {_FORM_WORDS.get(f, f)}" for f, n in self.forms.items()))
     if self.asynchronous:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._defer import GroupState
+from ._keys import enforced, unit_scope
 from .._values._errors import AlreadyReducedError, UnboundAxisError
 from .._values._schedule import Bucket, Schedule, shard_size
 from .._values._tree import is_reduced_leaf
@@ -68,7 +69,7 @@ def tie(buf: jax.Array, prev: jax.Array | None) -> jax.Array:
   from being combined into one by XLA's all-reduce combiner (which only merges independent ones). The
   zero is `where(isfinite(p), p * 0, 0)`, so a NaN or Inf in one chunk never leaks into the next.
   """
-  if prev is None:
+  if prev is None or not enforced():   # keyed units (`_keys`): XLA orders them, nothing ties them
     return buf
   return buf.at[0].add(_zero_of(prev, buf.dtype))
 
@@ -376,7 +377,7 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
         index = state.index
       reds, norms = [], []
       for s in range(slots):
-        with jax.named_scope(chunk_scope(k + s)):
+        with unit_scope(chunk_scope(k + s)):
           red = issue(k + s, jax.lax.dynamic_index_in_dim(picks, send[s], axis=0, keepdims=False))
         reds.append(red)
         norms.append(_norm(red))
@@ -389,7 +390,7 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
       k += slots
       continue
     parts = gather(unit)
-    with jax.named_scope(chunk_scope(k) if scope is None else scope):
+    with unit_scope(chunk_scope(k) if scope is None else scope):
       red = issue(k, join(parts))
     put(unit, red)
     k += 1
@@ -459,7 +460,7 @@ def reduce_scatter_chunks(flat: Sequence[jax.Array], chunks: Sequence[Any], row_
     buf = _chunk_buffer(flat, chunk, row_leaf)
     if seen is not None:
       seen(k, buf)
-    with jax.named_scope(rs_scope(k)):
+    with unit_scope(rs_scope(k)):
       red = jax.lax.psum_scatter(tie(_padded(buf, n), prev), axis_name, scatter_dimension=0, tiled=True)
       if divisor is not None:
         red = red / jnp.asarray(divisor, red.dtype)
@@ -487,7 +488,7 @@ def all_gather_chunks(shards: Sequence[jax.Array], chunks: Sequence[Any], gather
   for g, ks in enumerate(gathers):
     sizes = [shard_size(chunks[k].size, n) for k in ks]
     buf = shards[ks[0]] if len(ks) == 1 else jnp.concatenate([shards[k] for k in ks])
-    with jax.named_scope(ag_scope(g)):
+    with unit_scope(ag_scope(g)):
       full = jax.lax.all_gather(tie(buf, prev), axis_name, axis=0, tiled=True,
                                 **({"to": "invarying"} if vma else {}))
     prev = full

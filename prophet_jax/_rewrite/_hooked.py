@@ -25,6 +25,7 @@ import numpy as np
 from . import _mesh, _zero
 from ._collectives import _zero_of, is_varying, reduce_scatter_chunks, reduce_units, schedule_units, to_varying, unit_allreduces
 from ._defer import DeferState, GroupState, group_states, init as defer_init, with_groups
+from ._keys import check_enforce_order, ordered_by
 from ._reduction import step_setup
 from ._states import GradShards
 from .._values._checks import check_values
@@ -275,7 +276,7 @@ def _check_loss_output(out: Any, has_aux: bool, has_state: bool) -> Any:
 
 def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | tuple[str, ...],
            has_aux: bool = False, has_state: bool = False, in_loop: Sequence[str] = (),
-           mesh: Any = None) -> Callable[..., Any]:
+           mesh: Any = None, enforce_order: bool = True) -> Callable[..., Any]:
   """`grad_fn(params, batch) -> (loss, grads)` whose all-reduces run inside the backward pass.
 
   (With a deferring schedule: `grad_fn(params, batch, defer_state) -> (loss, grads, new_state)`.)
@@ -339,6 +340,9 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
       `loop_hook`; the schedule does not cover them.
     mesh: run on global arrays inside a plain `jax.jit` over this mesh (see above); None (the
       default): call `grad_fn` inside your own `jax.shard_map` or `jax.pmap`.
+    enforce_order: True (the default): the token ties the hooks' collectives in schedule order.
+      False: each unit carries one XLA `combiner_key` and no tie; XLA:GPU keeps exactly the plan's
+      units and orders them itself (`prophet_jax.allreduce` says more).
 
   Returns:
     `grad_fn(params, batch)` (`grad_fn(params, batch, defer_state)` for a deferring schedule); with
@@ -368,7 +372,8 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
                        f"sharded (ZeRO-1) step updates every parameter from its reduce-scatter shard, "
                        f"and the schedule does not cover those params. Plan the sharded schedule over "
                        f"every param and drop in_loop, or use an all-reduce schedule with in_loop.")
-    grad_fn = _hooked_sharded(loss_fn, schedule, axis_name, has_aux, has_state)
+    grad_fn = ordered_by(check_enforce_order("hooked", enforce_order),
+                         _hooked_sharded(loss_fn, schedule, axis_name, has_aux, has_state))
     return _mesh.placed_grad_fn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
                                 has_state=has_state)
   groups = hook_groups(schedule)
@@ -439,6 +444,7 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
       return value, grads, None
     return value, grads
 
+  grad_fn = ordered_by(check_enforce_order("hooked", enforce_order), grad_fn)
   # global arrays in a plain jax.jit (mesh=): the same grad_fn mapped over the mesh
   return _mesh.placed_grad_fn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
                               has_state=has_state, init_state=(lambda: defer_init(schedule)) if schedule.defers

@@ -111,6 +111,7 @@ from .._values._checks import check_values, match_tree
 from ._collectives import axis_size, is_varying, to_varying, vma_enabled
 from ._reduction import allreduce
 from ._defer import DeferState
+from ._keys import check_enforce_order, ordered_by
 from .._values._errors import ScheduleMismatchError
 from ._mesh import placed_step
 from ._pending import Pending, PipelinedState, _meta_nbytes, _PendingMeta, _round_to_dtype, _Traced
@@ -161,6 +162,7 @@ class Pipelined:
       "matmuls" (`save_matmuls`), or a `jax.checkpoint` policy.
     has_aux: `loss_fn` returns an auxiliary output beside the loss.
     has_state: `loss_fn` takes and returns a model state.
+    enforce_order: False: the schedule's units carry XLA combiner keys instead of the tie (`_keys`).
   """
 
   loss_fn: Callable[..., Any]
@@ -170,11 +172,15 @@ class Pipelined:
   residuals: Any = "min-cut"
   has_aux: bool = False
   has_state: bool = False
+  enforce_order: bool = True
 
   def __post_init__(self):
     # one callable for the life of this step: jax.checkpoint caches its trace of a function by identity,
     # and a bound method is a new object at every access
     object.__setattr__(self, "_loss_call", self._call)
+    if not self.enforce_order:   # the programs that reduce are traced with keys in place of the tie
+      for name in ("step", "flush"):
+        object.__setattr__(self, name, ordered_by(False, getattr(self, name)))
 
   # -- public -------------------------------------------------------------------------------------
   def init(self, params: Any, model_state: Any = _NO_STATE) -> PipelinedState:
@@ -529,12 +535,14 @@ class Pipelined:
     """
     if _defer.same_groups(schedule, self.schedule):
       if not schedule.defers and defer is None:
-        return allreduce(grads, schedule, self.axis_name, mean=True), None
+        return allreduce(grads, schedule, self.axis_name, mean=True, enforce_order=self.enforce_order), None
       # a state of a third schedule (a re-plan after a flush) is carried over by allreduce itself
-      return allreduce(grads, schedule, self.axis_name, mean=True, defer_state=defer)
+      return allreduce(grads, schedule, self.axis_name, mean=True, defer_state=defer,
+                       enforce_order=self.enforce_order)
     if defer is not None:
       grads = _defer.add_residual(grads, _defer.schedule_of(defer) or schedule, defer, where)
-    grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=True)
+    grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=True,
+                      enforce_order=self.enforce_order)
     return grads, _defer.init(self.schedule)
 
   def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> _Traced:
@@ -675,7 +683,7 @@ def _short(avals: tuple) -> str:
 
 def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
               schedule: Schedule, *, axis_name: Any, residuals: Any = "min-cut", has_aux: bool = False,
-              has_state: bool = False, mesh: Any = None) -> Pipelined:
+              has_state: bool = False, mesh: Any = None, enforce_order: bool = True) -> Pipelined:
   """The cross-step pipelined train step for `loss_fn`, `tx` and `schedule` over `axis_name`.
 
   Each `step` runs the previous batch's backward with the schedule's chunked, ordered all-reduces,
@@ -715,6 +723,9 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
       (a `MeshPipelined`: params replicated, the batch split over `axis_name`, the loss averaged
       over the global batch, as `hooked(..., mesh=)` does); None: call them under your own
       `jax.shard_map` or `jax.pmap`.
+    enforce_order: True (the default): the tie keeps one collective per unit, in schedule order.
+      False: each unit carries one XLA `combiner_key` and no tie; XLA:GPU keeps exactly the plan's
+      units and orders them itself (`prophet_jax.allreduce` says more).
 
   Returns:
     A `Pipelined` with `init(params[, model_state])`, `step(state, batch) -> (state, loss)` (or
@@ -763,6 +774,7 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     if not isinstance(flag, bool):
       raise TypeError(f"pipelined({name}={flag!r}): expected True or False.")
   step = Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name, residuals=residuals,
-                   has_aux=has_aux, has_state=has_state)
+                   has_aux=has_aux, has_state=has_state,
+                   enforce_order=check_enforce_order("pipelined", enforce_order))
   # global arrays in a plain jax.jit: the same step mapped over the mesh
   return placed_step(step, mesh=mesh)

@@ -18,6 +18,7 @@ from ._collectives import (axis_size, check_not_reduced, is_varying, reduce_unit
                            sharded_allreduce, to_varying, vma_enabled)
 from ._defer import (DeferState, add_residual, belongs, check_state, group_states, schedule_of, with_groups)
 from ._defer import init as defer_init
+from ._keys import check_enforce_order, ordering
 from .._values._checks import check_bool, match_tree
 from .._values._errors import ScheduleMismatchError
 from .._values._schedule import Schedule
@@ -46,7 +47,7 @@ def check_residual_varying(state: Any, axis_name: Any, where: str) -> None:
 
 
 def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
-              defer_state: Any = None) -> Any:
+              defer_state: Any = None, enforce_order: bool = True) -> Any:
   """All-reduces `grads` over `axis_name` chunk by chunk, in the schedule's order.
 
   Call it inside `jax.pmap(..., axis_name=...)` or `jax.shard_map` (under `jit`). Rows of the schedule
@@ -85,6 +86,10 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
     axis_name: the data-parallel axis (a name bound by pmap or shard_map).
     mean: divide the sums by the axis size (a `pmean`); False gives the `psum`.
     defer_state: the DeferState of a schedule that defers (None otherwise).
+    enforce_order: True (the default): the tie keeps one collective per unit, in schedule order.
+      False: each unit (a chunk, a deferral slot, a reduce-scatter, an all-gather) carries one XLA
+      `combiner_key` and no tie: XLA:GPU keeps exactly the plan's units and orders them itself
+      (`_keys`); XLA:CPU ignores the key and merges them (the numbers are the same).
 
   Returns:
     The reduced tree, same structure, shapes and dtypes; `(tree, new_defer_state)` when the schedule
@@ -102,8 +107,9 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
   Example:
     >>> step = jax.pmap(lambda g: prophet_jax.allreduce(g, schedule, "data"), axis_name="data")
   """
-  reduced, new = scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce",
-                                     defer_state=defer_state)
+  with ordering(check_enforce_order("allreduce", enforce_order)):
+    reduced, new = scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce",
+                                       defer_state=defer_state)
   return (reduced, new) if schedule.defers or defer_state is not None else reduced
 
 

@@ -20,6 +20,7 @@ from ._accumulate import init as accum_init
 from ._compose import _check_masked, _inside_multisteps, _not_first_error, _ran_before_in_chain
 from ._defer import init as defer_init
 from ._reduction import accumulated_allreduce, carries, carry_over, scheduled_allreduce
+from ._keys import check_enforce_order, ordered_by
 from ._states import ScheduledState
 from .._values._checks import check_int, check_values
 from .._values._errors import AlreadyReducedError, CompositionError
@@ -30,7 +31,7 @@ __all__ = ["ScheduledState", "scheduled"]
 
 def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
               axis_name: str | tuple[str, ...], mesh: Any = None,
-              every_k: int = 1) -> optax.GradientTransformationExtraArgs:
+              every_k: int = 1, enforce_order: bool = True) -> optax.GradientTransformationExtraArgs:
   """An optax transformation that all-reduces the gradients as `schedule` says, then applies `tx`.
 
   Use it in place of a `jax.lax.pmean(grads, axis_name)` followed by `tx`: inside `jax.pmap(...,
@@ -114,6 +115,9 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
       `jax.jit` on global arrays (see above); None: inside `jax.pmap` or `jax.shard_map`.
     every_k: micro-steps per all-reduce and update (gradient accumulation, see above); 1, the
       default, reduces and updates on every call.
+    enforce_order: True (the default): the tie keeps one collective per unit, in schedule order.
+      False: each unit carries one XLA `combiner_key` and no tie; XLA:GPU keeps exactly the plan's
+      units and orders them itself (`prophet_jax.allreduce` says more).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is `ScheduledState(inner=tx_state,
@@ -146,6 +150,7 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
         f"and all-gathers): its accumulation is not built for the shards. Accumulate inside instead, "
         f"scheduled(optax.MultiSteps(tx, {every_k}), schedule) (it reduce-scatters every micro-step), or plan "
         f"an all-reduce policy for every_k.")
+  enforce_order = check_enforce_order("scheduled", enforce_order)
   per_device = functools.partial(_scheduled_per_device, tx, schedule, axis_name, every_k)
   step = _mesh.placed(per_device, mesh=mesh, axis_name=axis_name, where="scheduled")
 
@@ -162,7 +167,8 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
       raise _not_first_error(before, "update")
     return step.update(updates, state, params, **extra_args)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # keys or the tie: read where the units are issued, while this update traces
+  return optax.GradientTransformationExtraArgs(init_fn, ordered_by(enforce_order, update_fn))
 
 
 def _scheduled_per_device(tx: Any, schedule: Schedule, axis_name: Any, every_k: int, mean: bool
