@@ -32,8 +32,8 @@ _EXPORTS: dict[str, str] = {
     "plot_timelines": "_planning._timeline",
     # the rewrite and measurement (jax)
     "allreduce": "_rewrite._collectives", "scheduled": "_rewrite._transform", "hooked": "_rewrite._transform",
-    "defer_state": "_rewrite._defer", "DeferState": "_rewrite._defer", "state_specs": "_rewrite._zero", "deferred_grads": "_rewrite._defer",
-    "ShardedState": "_rewrite._zero", "GradShards": "_rewrite._zero", "unshard_state": "_rewrite._zero", "shard_state": "_rewrite._zero",
+    "defer_state": "_rewrite._defer", "DeferState": "_rewrite._defer", "state_specs": "_rewrite._containers", "deferred_grads": "_rewrite._containers",
+    "ShardedState": "_rewrite._zero", "GradShards": "_rewrite._zero", "unshard_state": "_rewrite._containers", "shard_state": "_rewrite._containers",
     "loop_hook": "_rewrite._transform", "check_composition": "_rewrite._transform",
     "pipelined": "_rewrite._pipelined", "audit": "_compiled._audit", "AuditReport": "_compiled._audit",
     "profile_step": "_measure._profile", "profile_from_trace": "_measure._profile", "measure_network": "_measure._probe",
@@ -64,7 +64,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._compiled._audit import AuditReport, audit
   from ._planning._bound import lower_bound
   from ._rewrite._collectives import allreduce
-  from ._rewrite._defer import DeferState, defer_state, deferred_grads
+  from ._rewrite._containers import deferred_grads, shard_state, state_specs, unshard_state
+  from ._rewrite._defer import DeferState, defer_state
   from ._values._errors import (AlreadyReducedError, CompositionError, DeferralWarning, GlooBindError, GpuCompileError,
                         JaxVersionError, LaunchError, NetworkError, ProfileError, ProphetError,
                         ScheduleError, ScheduleMismatchError, ShardingError, TraceUnavailableError,
@@ -82,5 +83,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._values._schedule import Bucket, Chunk, Schedule
   from ._planning._simulate import Event, SimResult
   from ._values._types import GradientProfile, ProfileRow
-  from ._rewrite._zero import GradShards, ShardedState, shard_state, state_specs, unshard_state
+  from ._rewrite._zero import GradShards, ShardedState
   from ._values._network import NetworkModel, Pressure
