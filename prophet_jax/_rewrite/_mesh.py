@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _accumulate, _defer, _zero
+from . import _accumulate, _defer, _reduction, _zero
 from ._collectives import accumulated_allreduce, scheduled_allreduce
 from .._values._errors import AlreadyReducedError
 from .._values._schedule import Schedule
@@ -289,9 +289,10 @@ class MeshGradFn:
   """
 
   def __init__(self, per_device: Callable[..., Any], schedule: Schedule, *, mesh: Any, axis_name: Any,
-               has_aux: bool, has_state: bool, where: str = "hooked"):
+               has_aux: bool, has_state: bool, where: str = "hooked", reduction: str = "mean"):
     self._axes = check_mesh(mesh, axis_name, where)
     self._fn = per_device
+    self.reduction = reduction
     self.mesh = mesh
     self.axis_name = axis_name
     self.schedule = schedule
@@ -370,9 +371,9 @@ class MeshGradFn:
           _check_model_state(rest, axes, where)
         else:
           rest = _stack(rest)
-        value = (jax.lax.pmean(loss, axes), rest)
+        value = (_reduction.combine(loss, axes, self.reduction), rest)
       else:
-        value = jax.lax.pmean(value, axes)
+        value = _reduction.combine(value, axes, self.reduction)
       return (value, grads, out[2]) if stateful else (value, grads)
 
     dspec = _defer.state_specs(defer_state, _spec_entry(axes)) if defer_state is not None else P()
@@ -448,8 +449,8 @@ class MeshPipelined:
       new, out = self.inner.step(state, batch)
       if self.inner.has_aux:
         loss, aux = out
-        return new, (jax.lax.pmean(loss, self._axes), _stack(aux))
-      return new, jax.lax.pmean(out, self._axes)
+        return new, (_reduction.combine(loss, self._axes, self.inner.reduction), _stack(aux))
+      return new, _reduction.combine(out, self._axes, self.inner.reduction)
 
     value_spec = (P(), data) if self.inner.has_aux else P()
     return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, data),
@@ -472,7 +473,8 @@ class MeshPipelined:
     where = "pipelined(mesh=...).deferred_grads"
     self.inner._check_state(state, where)
     self._check_global_defer(state, where)
-    return jax.shard_map(lambda s: jax.lax.pmean(self.inner.deferred_grads(s), self._axes),
+    return jax.shard_map(lambda s: _reduction.combine(self.inner.deferred_grads(s), self._axes,
+                                                      self.inner.reduction),
                          mesh=self.mesh, in_specs=(self.inner.state_specs(),), out_specs=P())(state)
 
   def _check_global_defer(self, state: Any, where: str) -> None:

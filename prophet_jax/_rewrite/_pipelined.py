@@ -106,7 +106,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from . import _defer, _zero
+from . import _defer, _reduction, _zero
 from .._values._checks import check_values, match_tree
 from ._collectives import allreduce, axis_size, is_varying, to_varying, vma_enabled
 from ._defer import DeferState
@@ -303,6 +303,7 @@ class Pipelined:
       "matmuls" (`save_matmuls`), or a `jax.checkpoint` policy.
     has_aux: `loss_fn` returns an auxiliary output beside the loss.
     has_state: `loss_fn` takes and returns a model state.
+    reduction: "mean" (`loss_fn` averages over its examples) or "sum" (it sums over them).
   """
 
   loss_fn: Callable[..., Any]
@@ -312,6 +313,7 @@ class Pipelined:
   residuals: Any = "min-cut"
   has_aux: bool = False
   has_state: bool = False
+  reduction: str = "mean"
 
   def __post_init__(self):
     # one callable for the life of this step: jax.checkpoint caches its trace of a function by identity,
@@ -649,7 +651,7 @@ class Pipelined:
       # ZeRO-1: reduce-scatter, tx on this device's shards, all-gather the update (the next forward
       # reads each gather's params as soon as it lands: the all-gathers run inside it)
       updates, opt_state = _zero.update(self.tx, grads, opt_state, params, schedule, self.axis_name,
-                                        where=where)
+                                        where=where, mean=_reduction.is_mean(self.reduction))
     else:
       grads, defer = self._reduce(grads, schedule, defer, where)
       updates, opt_state = self.tx.update(grads, opt_state, params)
@@ -671,12 +673,13 @@ class Pipelined:
     """
     if _defer.same_groups(schedule, self.schedule):
       if not schedule.defers and defer is None:
-        return allreduce(grads, schedule, self.axis_name, mean=True), None
+        return allreduce(grads, schedule, self.axis_name, mean=_reduction.is_mean(self.reduction)), None
       # a state of a third schedule (a re-plan after a flush) is carried over by allreduce itself
-      return allreduce(grads, schedule, self.axis_name, mean=True, defer_state=defer)
+      return allreduce(grads, schedule, self.axis_name, mean=_reduction.is_mean(self.reduction),
+                       defer_state=defer)
     if defer is not None:
       grads = _defer.add_residual(grads, _defer.schedule_of(defer) or schedule, defer, where)
-    grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=True)
+    grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=_reduction.is_mean(self.reduction))
     return grads, _defer.init(self.schedule)
 
   def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> _Traced:
@@ -817,7 +820,7 @@ def _short(avals: tuple) -> str:
 
 def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
               schedule: Schedule, *, axis_name: Any, residuals: Any = "min-cut", has_aux: bool = False,
-              has_state: bool = False, mesh: Any = None) -> Pipelined:
+              has_state: bool = False, mesh: Any = None, reduction: str = "mean") -> Pipelined:
   """The cross-step pipelined train step for `loss_fn`, `tx` and `schedule` over `axis_name`.
 
   Each `step` runs the previous batch's backward with the schedule's chunked, ordered all-reduces,
@@ -857,6 +860,9 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
       (a `MeshPipelined`: params replicated, the batch split over `axis_name`, the loss averaged
       over the global batch, as `hooked(..., mesh=)` does); None: call them under your own
       `jax.shard_map` or `jax.pmap`.
+    reduction: "mean" (the default): `loss_fn` averages over its examples, the gradients are the
+      devices' mean (with `mesh`, the loss too); "sum": it sums over them, and the gradients (with
+      `mesh`, the loss) are the devices' sum: the plain step's over the global batch either way.
 
   Returns:
     A `Pipelined` with `init(params[, model_state])`, `step(state, batch) -> (state, loss)` (or
@@ -905,6 +911,6 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     if not isinstance(flag, bool):
       raise TypeError(f"pipelined({name}={flag!r}): expected True or False.")
   step = Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name, residuals=residuals,
-                   has_aux=has_aux, has_state=has_state)
+                   has_aux=has_aux, has_state=has_state, reduction=_reduction.check(reduction, "pipelined"))
   # global arrays in a plain jax.jit: the same step mapped over the mesh
   return step if mesh is None else MeshPipelined(step, mesh=mesh)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import _mesh, _zero
+from . import _mesh, _reduction, _zero
 from .._values._checks import check_int, check_values, match_tree
 from ._accumulate import init as accum_init
 from ._collectives import (_zero_of, accumulated_allreduce, axis_size, carries, carry_over,
@@ -602,7 +602,7 @@ def _make_rs_hook(chunks: Sequence[Chunk], first_index: int, rows: Sequence[int]
 
 
 def _hooked_sharded(loss_fn: Callable[..., Any], schedule: Schedule, axis_name: Any, has_aux: bool,
-                    has_state: bool) -> Callable[..., Any]:
+                    has_state: bool, reduction: str = "mean") -> Callable[..., Any]:
   """`hooked`'s grad_fn for a sharded schedule: (value, GradShards), the reduce-scatters in backward."""
   groups = hook_groups(schedule)
   chunks = schedule.chunks
@@ -618,7 +618,8 @@ def _hooked_sharded(loss_fn: Callable[..., Any], schedule: Schedule, axis_name: 
     for a, b, rows in groups:
       cast = [vma and not is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
       avals = [(np.shape(flat[lmap.row_leaf[r]]), flat[lmap.row_leaf[r]].dtype) for r in rows]
-      hooks.append((rows, a, b, _make_rs_hook(chunks[a:b], a, rows, axis_name, n, n, cast, avals)))
+      hooks.append((rows, a, b, _make_rs_hook(chunks[a:b], a, rows, axis_name, n,
+                                              _reduction.divisor(reduction, n), cast, avals)))
     slots = tuple(varying(jnp.zeros((shard_size(c.size, n),), c.dtype)) for c in chunks)
 
     def inner(flat_params, token, slots):
@@ -749,7 +750,7 @@ def _check_not_varying(flat: Sequence[Any], lmap: Any, axis_name: Any) -> None:
 
 def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | tuple[str, ...],
            has_aux: bool = False, has_state: bool = False, in_loop: Sequence[str] = (),
-           mesh: Any = None) -> Callable[..., Any]:
+           mesh: Any = None, reduction: str = "mean") -> Callable[..., Any]:
   """`grad_fn(params, batch) -> (loss, grads)` whose all-reduces run inside the backward pass.
 
   (With a deferring schedule: `grad_fn(params, batch, defer_state) -> (loss, grads, new_state)`.)
@@ -813,6 +814,10 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
       `loop_hook`; the schedule does not cover them.
     mesh: run on global arrays inside a plain `jax.jit` over this mesh (see above); None (the
       default): call `grad_fn` inside your own `jax.shard_map` or `jax.pmap`.
+    reduction: "mean" (the default): `loss_fn` averages over its examples, the gradients are the
+      devices' mean (and with `mesh`, the loss their mean); "sum": `loss_fn` sums over its examples,
+      the gradients (and with `mesh`, the loss) are the devices' sum: the plain step's over the
+      global batch either way.
 
   Returns:
     `grad_fn(params, batch)` (`grad_fn(params, batch, defer_state)` for a deferring schedule); with
@@ -829,6 +834,7 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
     ValueError: at trace time, under shard_map, a deferral residual passed replicated.
   """
   check_values("hooked", loss_fn=loss_fn, schedule=schedule, axis_name=axis_name)
+  _reduction.check(reduction, "hooked")
   for name, flag in (("has_aux", has_aux), ("has_state", has_state)):
     if not isinstance(flag, bool):
       raise TypeError(f"hooked({name}={flag!r}): expected True or False.")
@@ -842,10 +848,10 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
                        f"sharded (ZeRO-1) step updates every parameter from its reduce-scatter shard, "
                        f"and the schedule does not cover those params. Plan the sharded schedule over "
                        f"every param and drop in_loop, or use an all-reduce schedule with in_loop.")
-    grad_fn = _hooked_sharded(loss_fn, schedule, axis_name, has_aux, has_state)
+    grad_fn = _hooked_sharded(loss_fn, schedule, axis_name, has_aux, has_state, reduction)
     if mesh is not None:
       return _mesh.MeshGradFn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
-                              has_state=has_state)
+                              has_state=has_state, reduction=reduction)
     return grad_fn
   groups = hook_groups(schedule)
   units = schedule_units(schedule)
@@ -889,7 +895,8 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
     hooks = []
     for (a, b, rows), gi in zip(groups, group_index):
       cast = [vma and not is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
-      hooks.append((rows, gi, _make_hook(units[a:b], firsts[a], rows, axis_name, n, cast)))
+      hooks.append((rows, gi, _make_hook(units[a:b], firsts[a], rows, axis_name,
+                                         _reduction.divisor(reduction, n), cast)))
     with_aux = has_aux or has_state
 
     def inner(flat_params, states):
@@ -912,7 +919,7 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
 
     calls: list[str] = []
     states = tuple(_encode(g) for g in group_states(defer_state)) if schedule.defers else ()
-    with _loop_axis(axis_name, n, vma, calls):
+    with _loop_axis(axis_name, _reduction.divisor(reduction, n), vma, calls):
       value, (grads, new_states) = jax.value_and_grad(inner, argnums=(0, 1),
                                                       has_aux=with_aux or residual is not None,
                                                       allow_int=True)(flat, states)
@@ -932,5 +939,5 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
 
   if mesh is not None:  # global arrays in a plain jax.jit: the same grad_fn mapped over the mesh
     return _mesh.MeshGradFn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
-                      has_state=has_state)
+                      has_state=has_state, reduction=reduction)
   return grad_fn
