@@ -302,3 +302,22 @@ def test_deferred_grads_of_an_nnx_optimizer_and_its_opt_state(worlds):
   assert sum(float(np.abs(np.asarray(x)).sum()) for x in jax.tree.leaves(want)) > 0
   for given in (opt, opt.opt_state):
     assert _same_arrays(pj.deferred_grads(given, w.params), want)
+
+
+def test_the_mesh_grad_fn_gives_the_deferred_values_averaged(worlds):
+  """`hooked(..., mesh=)`'s grad_fn.deferred_grads, as MeshPipelined's: the devices' deferred values
+  averaged (replicated), which equal the mean of the per-device stack deferred_grads gives outside."""
+  from jax.sharding import NamedSharding
+
+  w = worlds["tree"]
+  mesh = jax.make_mesh((N,), (AX,))
+  rng = np.random.default_rng(3)
+  glob = w.defer._replace(residual=tuple(rng.standard_normal((N, *np.shape(r)[1:])).astype(np.float32)
+                                         for r in w.defer.residual))
+  glob = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), glob, pj.state_specs(glob, AX))
+  g = pj.hooked(lambda p, x: jnp.mean(x @ p["a"]["w"]), w.sched["dlcp"], axis_name=AX, mesh=mesh)
+  got = g.deferred_grads(glob, jax.device_put(w.params, NamedSharding(mesh, P())))
+  want = pj.deferred_grads(glob, w.params, average=True)
+  assert all(np.allclose(np.asarray(a), np.asarray(b), atol=1e-6) for a, b in zip(jax.tree.leaves(got),
+                                                                                  jax.tree.leaves(want)))
+  assert sum(float(np.abs(np.asarray(x)).sum()) for x in jax.tree.leaves(got)) > 0

@@ -470,7 +470,9 @@ def _global_n(found: list) -> int | None:
 
 
 def _device(s: Any, i: int) -> Any:
-  """Device i's DeferState out of a global (residual (n, k, c)) or pmap-stacked state."""
+  """Device i's DeferState out of a global (residual (n, k, c)) or pmap-stacked state (on the host: a
+  global array split over an Explicit mesh axis cannot be sliced outside a map)."""
+  s = jax.tree_util.tree_map(lambda x: np.asarray(jax.device_get(x)), s)
   stacked = any(np.ndim(r) == 4 for r in s.residual)
   pick = (lambda xs: tuple(x[i] for x in xs)) if stacked else (lambda xs: tuple(xs))
   return _defer.DeferState(norms=pick(s.norms), deferred=pick(s.deferred), index=pick(s.index),

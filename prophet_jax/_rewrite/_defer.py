@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _tag_text
 from ._accumulate import AccumState, is_grads_path
 from .._values._checks import match_tree
 from .._values._errors import ScheduleMismatchError
@@ -169,8 +170,8 @@ class DeferTag:
   def schedule(self) -> Schedule | None:
     return self._ref.schedule
 
-  def tree_flatten(self):
-    return (), (self.key, self.fingerprint, self.layout, self._ref)
+  def tree_flatten(self):  # the metadata's repr says what the state is (jax prints it on a mismatch)
+    return (), _tag_text.DeferAux((self.key, self.fingerprint, self.layout, self._ref))
 
   @classmethod
   def tree_unflatten(cls, aux, _):

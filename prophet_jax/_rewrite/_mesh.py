@@ -215,6 +215,13 @@ def check_batch(batch: Any, mesh: Any, axes: tuple[Any, ...], where: str) -> Non
           f"(has_state=True) or in loss_fn's closure.")
     spec = _known_spec(x)
     if spec is None:
+      if set(axes) & _explicit_axes(mesh):   # jax's shard_map would refuse it, naming only in_specs
+        what = "host data (numpy), not placed on the mesh" if not isinstance(x, jax.Array) else (
+            "not placed on the mesh (its type names no mesh axis)")
+        raise ValueError(
+            f"{where}: batch leaf {name!r} (shape {shape}) is {what}, but the mesh's axis {entry!r} is "
+            f"Explicit, so the batch must arrive split over it: jax.device_put(batch, NamedSharding(mesh, "
+            f"P({entry!r}))) before the step (outside the jit).")
       continue
     split = _spec_axes(spec)
     lead = _entry_axes(spec[0]) if len(spec) else ()
@@ -304,6 +311,19 @@ class MeshGradFn:
     """The deferral state before the first step, on the mesh (None when the schedule defers nothing):
     each device's (zero) residual on the leading axis, `P(axis_name)`, the rest replicated."""
     return global_defer_state(self.schedule, self.mesh, self.axis_name)
+
+  def deferred_grads(self, defer_state: Any, params: Any) -> Any:
+    """The deferred gradient values in `defer_state` (this grad_fn's, on the mesh), combined over the
+    data axis (the mean; the sum with reduction='sum'), as a replicated tree like `params` (zeros
+    when nothing is deferred): apply them with `tx` at the end of training, as `MeshPipelined` does."""
+    where = f"{self._where}(mesh=...)'s grad_fn.deferred_grads"
+    entry = _spec_entry(self._axes)
+    if defer_state is not None:
+      _check_defer_layout(defer_state, axis_total(self.mesh, self._axes), where,
+                          "Pass the state this grad_fn returned (it starts from grad_fn.defer_state()).")
+    specs = _defer.state_specs(defer_state, entry) if defer_state is not None else P()
+    body = lambda s, p: _reduction.combine(_defer.deferred_grads(s, p), self._axes, self.reduction)  # noqa: E731
+    return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P()), out_specs=P())(defer_state, params)
 
   def _value_specs(self) -> Any:
     data = P(_spec_entry(self._axes))

@@ -53,7 +53,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from . import _accumulate, _defer, _probe_trials
+from . import _accumulate, _defer, _probe_trials, _tag_text
 from .._values._checks import match_tree
 from ._collectives import (_chunk_buffer, _padded, all_gather_chunks, axis_size, check_not_reduced, is_varying,
                            local_shards, reduce_scatter_chunks, scatter_chunks, shards_square_sum, to_varying,
@@ -100,8 +100,8 @@ class ShardTag:
   def __init__(self, key: str, fingerprint: str, n: int, sizes: tuple[int, ...], mode: str = ""):
     self.key, self.fingerprint, self.n, self.sizes, self.mode = key, fingerprint, int(n), tuple(sizes), mode
 
-  def tree_flatten(self):
-    return (), (self.key, self.fingerprint, self.n, self.sizes, self.mode)
+  def tree_flatten(self):  # the metadata's repr says what the state is (jax prints it on a mismatch)
+    return (), _tag_text.ShardAux((self.key, self.fingerprint, self.n, self.sizes, self.mode))
 
   @classmethod
   def tree_unflatten(cls, aux, _):
@@ -134,7 +134,13 @@ class ShardedState(NamedTuple):
   tag: ShardTag
 
 
-class GradShards(NamedTuple):
+class _GradShardsFields(NamedTuple):
+  shards: tuple[jax.Array, ...]
+  token: jax.Array
+  tag: ShardTag
+
+
+class GradShards(_GradShardsFields, metaclass=_tag_text.HintedClass):
   """This device's reduced gradient shards, as `hooked(loss_fn, sharded_schedule)` returns them.
 
   The reduce-scatters ran inside backward; `scheduled(tx, schedule)`'s `update` takes this value in
@@ -149,9 +155,12 @@ class GradShards(NamedTuple):
     tag: no arrays; the schedule and the axis size (`ShardTag`, mode '').
   """
 
-  shards: tuple[jax.Array, ...]
-  token: jax.Array
-  tag: ShardTag
+  __slots__ = ()
+  # jax names this class when a plain optax tx is given the shards (its tree_map fails before any
+  # library code runs): the class's repr says what pairs with them
+  __hint__ = ("the gradient shards of hooked(loss_fn, sharded_schedule): only the update of "
+              "prophet_jax.scheduled(tx, schedule, axis_name=...) takes them, not a plain optax tx; wrap tx "
+              "in prophet_jax.scheduled (docs/pairing.md)")
 
 
 @IdentityMemo(64)
