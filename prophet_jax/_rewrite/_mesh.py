@@ -507,6 +507,26 @@ class MeshPipelined:
 # the deferral state on the mesh
 
 
+_JITTED: dict[tuple, tuple[tuple, Any]] = {}
+
+
+def _jitted(kind: str, objs: tuple, mesh: Any, make: Callable[[], Any]) -> Any:
+  """The jitted state-making shard_map for (kind, these objects by identity, (mesh, axis)), made once.
+
+  Called eagerly (`TrainState.create`, `nnx.Optimizer`), an un-jitted shard_map runs its body op by op
+  on every device (seconds per call on a small host); jitted once, a call is a cache hit; inside the
+  user's jit it is inlined."""
+  key = (kind, tuple(id(o) for o in objs), mesh)
+  hit = _JITTED.get(key)
+  if hit is not None and all(a is b for a, b in zip(hit[0], objs)):
+    return hit[1]
+  if len(_JITTED) > 32:
+    _JITTED.clear()
+  fn = make()
+  _JITTED[key] = (objs, fn)
+  return fn
+
+
 def global_defer_state(schedule: Schedule, mesh: Any, axis_name: Any) -> _defer.DeferState | None:
   """`prophet_jax.defer_state(schedule)` laid out on the mesh: residuals `(n, k, c)` split over the
   data axis (each device's own, zero), the rest replicated; None when the schedule defers nothing."""
@@ -515,7 +535,8 @@ def global_defer_state(schedule: Schedule, mesh: Any, axis_name: Any) -> _defer.
   axes = check_mesh(mesh, axis_name, "defer_state")
   abstract = _defer.init(schedule)
   specs = _defer.state_specs(abstract, _spec_entry(axes))
-  return jax.shard_map(lambda: _defer.init(schedule), mesh=mesh, in_specs=(), out_specs=specs)()
+  return _jitted("defer", (schedule,), (mesh, _spec_entry(axes)), lambda: jax.jit(jax.shard_map(
+      lambda: _defer.init(schedule), mesh=mesh, in_specs=(), out_specs=specs)))()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -596,7 +617,8 @@ def global_accum_state(schedule: Schedule, mesh: Any, axis_name: Any) -> _accumu
   *shape)` split over the data axis (each device's own, zero), the count replicated."""
   axes = check_mesh(mesh, axis_name, "scheduled")
   specs = _defer.state_specs(_accumulate.init(schedule), _spec_entry(axes))
-  return jax.shard_map(lambda: _accumulate.init(schedule), mesh=mesh, in_specs=(), out_specs=specs)()
+  return _jitted("accum", (schedule,), (mesh, _spec_entry(axes)), lambda: jax.jit(jax.shard_map(
+      lambda: _accumulate.init(schedule), mesh=mesh, in_specs=(), out_specs=specs)))()
 
 
 def accumulate_unreduced(grads: Any, schedule: Schedule, *, mesh: Any, axis_name: Any, where: str,
@@ -652,8 +674,8 @@ def sharded_init(tx: Any, params: Any, schedule: Schedule, *, mesh: Any, axis_na
                    "P())).")
   entry = _spec_entry(axes)
   ax = axes if len(axes) > 1 else axes[0]
-  return jax.shard_map(lambda p: _zero.init(tx, p, schedule, ax, where), mesh=mesh, in_specs=P(),
-                       out_specs=P(entry))(params)
+  return _jitted("sharded", (tx, schedule), (mesh, entry), lambda: jax.jit(jax.shard_map(
+      lambda p: _zero.init(tx, p, schedule, ax, where), mesh=mesh, in_specs=P(), out_specs=P(entry))))(params)
 
 
 def sharded_update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, *, mesh: Any,
