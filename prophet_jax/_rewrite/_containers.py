@@ -93,7 +93,8 @@ def _holds_library(x: Any) -> bool:
 
 def _not_a_state(where: str, obj: Any, wanted: str) -> TypeError:
   return TypeError(
-      f"{where}: {type(obj).__name__} {obj!r:.60} neither is nor holds {wanted}. Pass the optimizer state "
+      f"{where}: no {wanted} in the given {type(obj).__name__}: it neither is nor holds one. Pass the "
+      f"optimizer state "
       f"of prophet_jax.scheduled(...) (tx.init(params) or what the step returned), a PipelinedState, or a "
       f"container holding one: a flax TrainState, an nnx.Optimizer or nnx.state(optimizer), a dict, an "
       f"optax chain's tuple.")
@@ -269,16 +270,16 @@ def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
     return _zero.unshard_state(s, tx, params, schedule)
 
   if _is_optimizer(state):
-    return _on_optimizer(state, lambda st: _typed(st, _is_sharded, one, where, "a ShardedState"))
+    return _on_optimizer(state, lambda st: _typed(st, _is_sharded, one, where, "ShardedState"))
   if _is_nnx_state(state):
     def from_labels(d: Mapping) -> Any:
       s = _sharded_from_labels(d, tx, schedule, where)
       return _labelled(_to_nnx(_zero.unshard_state(s, tx, params, schedule)))
     new, count = _walk_mappings(_labelled(state), lambda d: "per_device" in d, from_labels)
     if not count:
-      raise _not_a_state(where, state, "a sharded optimizer state (no 'per_device' entry)")
+      raise _not_a_state(where, state, "sharded optimizer state (no 'per_device' entry)")
     return _as_state(new)
-  return _typed(state, _is_sharded, one, where, "a ShardedState")
+  return _typed(state, _is_sharded, one, where, "ShardedState")
 
 
 def _typed(state: Any, pred, fn, where: str, wanted: str) -> Any:
@@ -448,7 +449,7 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None,
   else:
     state = _unwrap(state)
     if not _holds_library(state):
-      raise _not_a_state(where, state, "a library state (a ScheduledState, DeferState, PipelinedState)")
+      raise _not_a_state(where, state, "library state (a ScheduledState, DeferState, PipelinedState)")
   found = _defer.find_states(state)
   n = _global_n(found)
   if n is None:
@@ -493,7 +494,7 @@ def _defer_from_labels(labelled: Mapping, schedule: Schedule | None, where: str)
   _walk_mappings(labelled, lambda d: {"residual", "index"} <= set(d), take)
   holds = found or _walk_mappings(labelled, lambda d: "inner" in d or "per_device" in d, lambda d: d)[1]
   if not holds:
-    raise _not_a_state(where, labelled, "a library state")
+    raise _not_a_state(where, labelled, "library state")
   if not found:
     return []
   if schedule is None or not schedule.defers:
