@@ -321,3 +321,16 @@ def test_the_mesh_grad_fn_gives_the_deferred_values_averaged(worlds):
   assert all(np.allclose(np.asarray(a), np.asarray(b), atol=1e-6) for a, b in zip(jax.tree.leaves(got),
                                                                                   jax.tree.leaves(want)))
   assert sum(float(np.abs(np.asarray(x)).sum()) for x in jax.tree.leaves(got)) > 0
+
+
+@pytest.mark.parametrize("container", ["train_state", "pipelined", "dict"])
+def test_the_issues_crash_unshard_of_a_dear_state_in_its_container(worlds, container):
+  """unshard_state of a TrainState, a PipelinedState, {"opt": opt_state, "step": 3} holding a dear
+  state: `'int' object has no attribute 'tag'` before; the whole state in the same container now."""
+  w = worlds["tree"]
+  obj = _wrap(container, "dear", w, worlds["model"])
+  out = pj.unshard_state(obj, TX, w.params, w.sched["dear"])
+  assert type(out) is type(obj)
+  _check_unshard(out, w, "dear", container)
+  if container == "train_state":
+    assert out.step == 3 and _same_arrays(out.params, obj.params)
