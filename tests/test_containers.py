@@ -75,8 +75,10 @@ class World:
     self.sharded = pj.shard_state(self.whole, TX, params, self.sched["dear"], N)
 
   def state(self, family: str) -> ScheduledState:
-    return {"lossless": ScheduledState(inner=self.whole), "dlcp": ScheduledState(inner=self.whole, defer_state=self.defer),
-            "dear": ScheduledState(inner=self.sharded), "every_k": ScheduledState(inner=self.whole, accum=self.accum)}[family]
+    return {"lossless": ScheduledState(inner=self.whole),
+            "dlcp": ScheduledState(inner=self.whole, defer_state=self.defer),
+            "dear": ScheduledState(inner=self.sharded),
+            "every_k": ScheduledState(inner=self.whole, accum=self.accum)}[family]
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ of it from the whole, and one NaN in one shard), one small program, and compares
 - *elementwise* transformations (sgd, momentum, Adam/AdamW, Lion, RMSProp, learning-rate schedules,
   `MultiSteps` ...) give the same update on the shards: they run as they are;
 - transformations that read the global norm of the gradient or decide from the whole update
-  (`clip_by_global_norm`, `apply_if_finite`, `skip_not_finite`/`skip_large_updates` in `MultiSteps`) get it from one
-  extra `psum` of the shards' sums of squares (scope `prophet/norm`): the shards are given one more
+  (`clip_by_global_norm`, `apply_if_finite`, `skip_not_finite`/`skip_large_updates` in `MultiSteps`)
+  get it from one extra `psum` of the shards' sums of squares (scope `prophet/norm`): the shards are given one more
   leaf, a float32 scalar whose square is the rest of the tree's sum of squares (the other devices'
   shards), so the norm `tx` computes over its tree is the global one, and a non-finite value anywhere
   is non-finite on every device: every device decides as the whole tree would; that leaf's update is
