@@ -128,3 +128,20 @@ def test_a_transformation_that_needs_whole_leaves_is_refused_at_init_by_name(nam
   s = pj.scheduled(tx, DEAR, axis_name=AX)
   with pytest.raises(pj.ShardingError, match=name):
     jax.eval_shape(jax.shard_map(s.init, mesh=mesh, in_specs=P(), out_specs=P(AX)), PARAMS)
+
+
+def test_reduce_on_plateau_under_check_vma_says_how_to_map_it():
+  """Its lax.cond mixes the per-device (varying) state with constants, which shard_map's check_vma
+  refuses in jax's words; the library's say which mapping runs it (the exact runs above use them)."""
+  mesh = jax.make_mesh((N,), (AX,))
+  tx = pj.scheduled(EXACT[3][1], DEAR, axis_name=AX)
+  state = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(AX)), PARAMS)
+  grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct((N,) + x.shape, x.dtype,
+                                                      sharding=NamedSharding(mesh, P(AX))), CLEAN)
+
+  def body(p, s, g):
+    return tx.update(jax.tree.map(lambda x: x[0], g), s, p, value=jnp.float32(1.0))[0]
+
+  with pytest.raises(TypeError, match="check_vma=False"):
+    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AX), P(AX)), out_specs=P()),
+                   jax.device_put(PARAMS, NamedSharding(mesh, P())), state, grads)

@@ -510,10 +510,20 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
   if vma_enabled(axis_name):  # each device's own (a state made in this same map may be invariant):
     # a transformation's lax.cond (apply_if_finite) needs both branches' states typed alike
     inner = jax.tree_util.tree_map(lambda x: x if is_varying(x, axis_name) else to_varying(x, axis_name), inner)
-  if isinstance(tx, optax.GradientTransformationExtraArgs):
-    u, inner = tx.update(shards, inner, p, **(extra_args or {}))
-  else:
-    u, inner = tx.update(shards, inner, p)
+  try:
+    if isinstance(tx, optax.GradientTransformationExtraArgs):
+      u, inner = tx.update(shards, inner, p, **(extra_args or {}))
+    else:
+      u, inner = tx.update(shards, inner, p)
+  except TypeError as e:  # jax's words for a per-device state meeting tx's constants in a lax.cond
+    if "manual axis types do not match" not in str(e):
+      raise
+    raise TypeError(
+        f"{where}: under shard_map with check_vma=True, tx's state on the shards is each device's own "
+        f"(varying over {axis_name!r}), and tx picks between it and constants in a lax.cond "
+        f"(contrib.reduce_on_plateau does), which jax's type check refuses. Map the step with "
+        f"jax.shard_map(..., check_vma=False), or use scheduled(..., mesh=mesh) in a plain jax.jit, or "
+        f"pmap. (jax: {str(e).splitlines()[0]})") from e
   u = tuple(u)[:len(chunks)]
   bufs, _ = all_gather_chunks(u, chunks, schedule.gathers, axis_name, n=n, prev=prev)
   rows = set(lmap.row_leaf)
