@@ -69,11 +69,9 @@ def main() -> None:
       _timed(lambda: jitted_init(placed))
       jitted = statistics.median(_timed(lambda: jitted_init(placed)) for _ in range(args.repeats))
     before = None
-    if policy == "dear":   # the old path: the same shard_map, not jitted
-      from prophet_jax._rewrite import _zero  # internals: the un-jitted path this bench compares against
-
-      before = _timed(lambda: jax.shard_map(lambda p: _zero.init(optax.adamw(1e-3), p, schedule, AX),
-                                            mesh=mesh, in_specs=P(), out_specs=P(AX))(placed))
+    if policy == "dear":   # the old path: the same per-device init in a shard_map, not jitted
+      per_device = pj.scheduled(optax.adamw(1e-3), schedule, axis_name=AX)
+      before = _timed(lambda: jax.shard_map(per_device.init, mesh=mesh, in_specs=P(), out_specs=P(AX))(placed))
     rows.append({"plan": name, "first_s": first, "eager_s": eager, "jit_s": jitted, "before_s": before})
   print(f"{'plan':<10} {'first s':>8} {'eager s':>8} {'jit s':>8} {'before s':>9}")
   for r in rows:
