@@ -336,3 +336,9 @@ def test_the_issues_crash_unshard_of_a_dear_state_in_its_container(worlds, conta
   _check_unshard(out, w, "dear", container)
   if container == "train_state":
     assert out.step == 3 and _same_arrays(out.params, obj.params)
+
+
+def test_deferred_grads_of_an_nnx_optimizer_of_a_plain_tx_is_a_type_error(worlds):
+  opt = nnx.Optimizer(worlds["model"], TX, wrt=nnx.Param)
+  with pytest.raises(TypeError, match="in the given Optimizer: it neither is nor holds"):
+    pj.deferred_grads(opt, worlds["nnx"].params)

@@ -442,14 +442,13 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None,
     raise TypeError(f"{where}: average={average!r}: expected True or False.")
   if state is None:
     return _defer.deferred_grads(None, params)
-  if _is_optimizer(state):
-    state = _unwrap(state.opt_state)
-  elif _is_nnx_state(state):
+  given = state
+  if _is_nnx_state(state):
     state = _defer_from_labels(_labelled(state), schedule, where)
   else:
-    state = _unwrap(state)
+    state = _unwrap(state.opt_state if _is_optimizer(state) else state)
     if not _holds_library(state):
-      raise _not_a_state(where, state, "library state (a ScheduledState, DeferState, PipelinedState)")
+      raise _not_a_state(where, given, "library state (a ScheduledState, DeferState, PipelinedState)")
   found = _defer.find_states(state)
   n = _global_n(found)
   if n is None:
