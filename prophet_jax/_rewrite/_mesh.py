@@ -323,7 +323,8 @@ class MeshGradFn:
                           "Pass the state this grad_fn returned (it starts from grad_fn.defer_state()).")
     specs = _defer.state_specs(defer_state, entry) if defer_state is not None else P()
     body = lambda s, p: _reduction.combine(_defer.deferred_grads(s, p), self._axes, self.reduction)  # noqa: E731
-    return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P()), out_specs=P())(defer_state, params)
+    # jitted: un-jitted, a shard_map runs op by op on every device
+    return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P()), out_specs=P()))(defer_state, params)
 
   def _value_specs(self) -> Any:
     data = P(_spec_entry(self._axes))
