@@ -33,8 +33,8 @@ _EXPORTS: dict[str, str] = {
     "plot_timelines": "_planning._timeline",
     # the rewrite and measurement (jax)
     "allreduce": "_rewrite._reduction", "scheduled": "_rewrite._transform", "hooked": "_rewrite._hooked",
-    "defer_state": "_rewrite._defer", "DeferState": "_rewrite._states", "state_specs": "_rewrite._states", "deferred_grads": "_rewrite._defer",
-    "ShardedState": "_rewrite._states", "GradShards": "_rewrite._states", "unshard_state": "_rewrite._convert", "shard_state": "_rewrite._convert",
+    "defer_state": "_rewrite._defer", "DeferState": "_rewrite._states", "state_specs": "_rewrite._containers", "deferred_grads": "_rewrite._containers",
+    "ShardedState": "_rewrite._states", "GradShards": "_rewrite._states", "unshard_state": "_rewrite._containers", "shard_state": "_rewrite._containers",
     "loop_hook": "_rewrite._hooked", "check_composition": "_rewrite._compose",
     "pipelined": "_rewrite._pipelined", "audit": "_compiled._audit", "AuditReport": "_compiled._audit",
     "tag_layers": "_rewrite._tagging", "tag_plan": "_rewrite._tagging", "TaggedPlan": "_rewrite._tagging",
@@ -70,7 +70,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._compiled._audit import AuditReport, audit
   from ._planning._bound import lower_bound
   from ._rewrite._reduction import allreduce
-  from ._rewrite._defer import defer_state, deferred_grads
+  from ._rewrite._containers import deferred_grads, shard_state, state_specs, unshard_state
+  from ._rewrite._defer import defer_state
   from ._values._errors import (AlreadyReducedError, CompositionError, DeferralWarning, GlooBindError, GpuCompileError,
                         JaxVersionError, LaunchError, NetworkError, ProfileError, ProphetError,
                         ScheduleError, ScheduleMismatchError, ShardingError, TraceUnavailableError,
@@ -94,6 +95,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._values._schedule import Bucket, Chunk, Schedule
   from ._planning._simulate import Event, SimResult
   from ._values._types import GradientProfile, ProfileRow
-  from ._rewrite._convert import shard_state, unshard_state
-  from ._rewrite._states import DeferState, GradShards, ShardedState, state_specs
+  from ._rewrite._states import DeferState, GradShards, ShardedState
   from ._values._network import NetworkModel, Pressure

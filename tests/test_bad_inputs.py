@@ -197,6 +197,52 @@ def _replicated_residual_under_check_vma():
       jax.ShapeDtypeStruct(X.shape, X.dtype, sharding=jax.sharding.NamedSharding(mesh, P(AX))))
 
 
+# -- issue 35: the library's own words where jax's were ---------------------------------------------
+
+TDEAR = pj.plan(TPROF, NET, "dear")
+
+
+def _hooked_dear_with_a_plain_tx():
+  g = pj.hooked(_tloss, TDEAR, axis_name=AX)
+  tx = optax.sgd(0.1, momentum=0.9)
+
+  def step(x):
+    _, shards = g(TREE, x)
+    return tx.update(shards, tx.init(TREE), TREE)[0]
+
+  return jax.eval_shape(jax.pmap(step, axis_name=AX), X)
+
+
+def _host_batch_to_the_mesh_grad_fn():
+  mesh = jax.make_mesh((NDEV,), (AX,))
+  g = pj.hooked(_tloss, TSCHED, axis_name=AX, mesh=mesh)
+  return g(jax.device_put(TREE, jax.sharding.NamedSharding(mesh, P())), np.ones((2 * NDEV, 4), np.float32))
+
+
+def _state_of_another_schedule(kind):
+  """A step's shard_map built for one schedule's state, given another's: jax rejects it before any
+  library code runs; its message must carry the tag's own words."""
+  from prophet_jax._rewrite import _zero
+
+  mesh = jax.make_mesh((NDEV,), (AX,))
+  if kind == "dear":
+    make = lambda s: _zero.ShardedState(per_device=(jnp.zeros((NDEV, 2)),), tag=_zero._tag(s, NDEV, "elementwise"))  # noqa: E731
+    a, b = make(TDEAR), make(pj.plan(TPROF, NET.replace(workers=4), "dear", bucket_bytes=8))
+  else:
+    a, b = pj.defer_state(_deferring_tree_schedule()), pj.defer_state(_deferring_tree_schedule_2())
+    a, b = (jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV,) + x.shape[1:]) if x.ndim == 3 else x, s)
+            for s in (a, b))
+  specs = pj.state_specs(a, AX)
+  return jax.eval_shape(jax.shard_map(lambda s: 0.0, mesh=mesh, in_specs=(specs,), out_specs=P()), b)
+
+
+def _deferring_tree_schedule_2():
+  rows = TPROF.tree_rows()
+  ch = lambda *s: pj.Chunk(slices=s, dtype="float32")  # noqa: E731
+  return Schedule(buckets=(pj.Bucket(chunks=(ch((0, 0, 4)), ch((0, 4, 12))), defer=1),
+                           pj.Bucket(chunks=(ch((1, 0, 3)),))), rows=rows)
+
+
 CASES: list[tuple[str, Callable[[], Any], Expect]] = [
     # ---- issue 29, silent -------------------------------------------------------------------------
     # I1-I3: planning for the pressured network (more cells: tests/test_pressure.py)
@@ -419,6 +465,22 @@ CASES: list[tuple[str, Callable[[], Any], Expect]] = [
      raises(TypeError, "bucket_bytes='25'")),
     ("N96 dear on two links", lambda: pj.plan(PROFILE, NET.replace(links=2), "dear"),
      raises(ValueError, "links=2", "links=1")),
+    # ---- issue 35: opaque errors made the library's (the rest: tests/test_containers.py,
+    # tests/test_global_decisions.py, tests/test_reduction.py) ----------------------------------------
+    ("J1 hooked(dear) paired with a plain optax tx", _hooked_dear_with_a_plain_tx,
+     raises(ValueError, "prophet_jax.GradShards", "wrap tx in prophet_jax.scheduled")),
+    ("J2 a host batch to hooked(mesh=)'s grad_fn", _host_batch_to_the_mesh_grad_fn,
+     raises(ValueError, "batch leaf 'batch'", "host data", "jax.device_put(batch, NamedSharding(mesh, P('dp')))")),
+    ("J3 a sharded state of another schedule to a compiled step", lambda: _state_of_another_schedule("dear"),
+     raises(ValueError, "optimizer state of a sharded (dear, ZeRO-1) plan", "unshard_state")),
+    ("J4 a deferral state of another schedule to a compiled step", lambda: _state_of_another_schedule("dlcp"),
+     raises(ValueError, "deferral state of a deferring (dlcp) plan", "deferred_grads")),
+    ("J5 hooked(reduction='avg')", lambda: pj.hooked(_tloss, TSCHED, axis_name=AX, reduction="avg"),
+     raises(ValueError, "reduction='avg'", "'sum'")),
+    ("J6 scheduled(sm3, dear).init", lambda: jax.eval_shape(jax.pmap(
+        pj.scheduled(optax.sm3(0.1), TDEAR, axis_name=AX).init, axis_name=AX), jax.tree.map(
+            lambda x: jnp.broadcast_to(x, (NDEV,) + x.shape), TREE)),
+     raises(pj.ShardingError, "scale_by_sm3", "IndexError")),
 ]
 
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _mesh, _zero
+from . import _loss_reduction, _mesh, _zero
 from ._collectives import _zero_of, is_varying, reduce_scatter_chunks, reduce_units, schedule_units, to_varying, unit_allreduces
 from ._defer import DeferState, GroupState, group_states, init as defer_init, with_groups
 from ._keys import check_enforce_order, ordered_by
@@ -132,13 +132,14 @@ def _allreduce_hook(units: Sequence[Any], first_index: int, rows: Sequence[int],
 
 
 def _rs_hook(chunks: Sequence[Chunk], first_index: int, rows: Sequence[int], axis_name: Any, n: int,
-             cast: Sequence[bool], avals: Sequence[tuple[tuple[int, ...], Any]]) -> Callable:
-  """The hook of a sharded schedule's group: its chunks' reduce-scatters (mean) in backward, the
-  shards returned as the slots' cotangents, zeros as the leaves' (nothing reads the full gradients)."""
+             divisor: int, cast: Sequence[bool], avals: Sequence[tuple[tuple[int, ...], Any]]) -> Callable:
+  """The hook of a sharded schedule's group: its chunks' reduce-scatters (divided by `divisor`: the mean
+  or the sum, `reduction`) in backward, the shards returned as the slots' cotangents, zeros as the
+  leaves' (nothing reads the full gradients)."""
   local_chunks, row_leaf = _local(chunks, rows), tuple(range(len(rows)))
 
   def backward(ct_leaves, ct_token, slots):
-    shards, last = reduce_scatter_chunks(ct_leaves, local_chunks, row_leaf, axis_name, n=n, divisor=n,
+    shards, last = reduce_scatter_chunks(ct_leaves, local_chunks, row_leaf, axis_name, n=n, divisor=divisor,
                                          first_index=first_index, prev=ct_token)
     return [jnp.zeros(s, d) for s, d in avals], last, tuple(shards)
 
@@ -146,7 +147,7 @@ def _rs_hook(chunks: Sequence[Chunk], first_index: int, rows: Sequence[int], axi
 
 
 def _hooked_sharded(loss_fn: Callable[..., Any], schedule: Schedule, axis_name: Any, has_aux: bool,
-                    has_state: bool) -> Callable[..., Any]:
+                    has_state: bool, reduction: str = "mean") -> Callable[..., Any]:
   """`hooked`'s grad_fn for a sharded schedule: (value, GradShards), the reduce-scatters in backward."""
   groups = hook_groups(schedule)
   chunks = schedule.chunks
@@ -159,7 +160,8 @@ def _hooked_sharded(loss_fn: Callable[..., Any], schedule: Schedule, axis_name: 
     for a, b, rows in groups:
       cast = [vma and not is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
       avals = [(np.shape(flat[lmap.row_leaf[r]]), flat[lmap.row_leaf[r]].dtype) for r in rows]
-      hooks.append((rows, a, b, _rs_hook(chunks[a:b], a, rows, axis_name, n, cast, avals)))
+      hooks.append((rows, a, b, _rs_hook(chunks[a:b], a, rows, axis_name, n,
+                                         _loss_reduction.divisor(reduction, n), cast, avals)))
     slots = tuple(varying(jnp.zeros((shard_size(c.size, n),), c.dtype)) for c in chunks)
 
     def inner(flat_params, token, slots):
@@ -276,7 +278,7 @@ def _check_loss_output(out: Any, has_aux: bool, has_state: bool) -> Any:
 
 def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | tuple[str, ...],
            has_aux: bool = False, has_state: bool = False, in_loop: Sequence[str] = (),
-           mesh: Any = None, enforce_order: bool = True) -> Callable[..., Any]:
+           mesh: Any = None, reduction: str = "mean", enforce_order: bool = True) -> Callable[..., Any]:
   """`grad_fn(params, batch) -> (loss, grads)` whose all-reduces run inside the backward pass.
 
   (With a deferring schedule: `grad_fn(params, batch, defer_state) -> (loss, grads, new_state)`.)
@@ -340,6 +342,10 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
       `loop_hook`; the schedule does not cover them.
     mesh: run on global arrays inside a plain `jax.jit` over this mesh (see above); None (the
       default): call `grad_fn` inside your own `jax.shard_map` or `jax.pmap`.
+    reduction: "mean" (the default): `loss_fn` averages over its examples, the gradients are the
+      devices' mean (and with `mesh`, the loss their mean); "sum": `loss_fn` sums over its examples,
+      the gradients (and with `mesh`, the loss) are the devices' sum: the plain step's over the
+      global batch either way.
     enforce_order: True (the default): the token ties the hooks' collectives in schedule order.
       False: each unit carries one XLA `combiner_key` and no tie; XLA:GPU keeps exactly the plan's
       units and orders them itself (`prophet_jax.allreduce` says more).
@@ -359,6 +365,7 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
     ValueError: at trace time, under shard_map, a deferral residual passed replicated.
   """
   check_values("hooked", loss_fn=loss_fn, schedule=schedule, axis_name=axis_name)
+  _loss_reduction.check(reduction, "hooked")
   for name, flag in (("has_aux", has_aux), ("has_state", has_state)):
     if not isinstance(flag, bool):
       raise TypeError(f"hooked({name}={flag!r}): expected True or False.")
@@ -373,9 +380,9 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
                        f"and the schedule does not cover those params. Plan the sharded schedule over "
                        f"every param and drop in_loop, or use an all-reduce schedule with in_loop.")
     grad_fn = ordered_by(check_enforce_order("hooked", enforce_order),
-                         _hooked_sharded(loss_fn, schedule, axis_name, has_aux, has_state))
+                         _hooked_sharded(loss_fn, schedule, axis_name, has_aux, has_state, reduction))
     return _mesh.placed_grad_fn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
-                                has_state=has_state)
+                                has_state=has_state, reduction=reduction)
   groups = hook_groups(schedule)
   units = schedule_units(schedule)
   firsts = np.concatenate([[0], np.cumsum([unit_allreduces(u) for u in units])]).astype(int).tolist()
@@ -403,7 +410,8 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
     hooks = []
     for (a, b, rows), gi in zip(groups, group_index):
       cast = [vma and not is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
-      hooks.append((rows, gi, _allreduce_hook(units[a:b], firsts[a], rows, axis_name, n, cast)))
+      hooks.append((rows, gi, _allreduce_hook(units[a:b], firsts[a], rows, axis_name,
+                                              _loss_reduction.divisor(reduction, n), cast)))
     with_aux = has_aux or has_state
 
     def inner(flat_params, states):
@@ -426,7 +434,7 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
 
     calls: list[str] = []
     states = tuple(_encode(g) for g in group_states(defer_state)) if schedule.defers else ()
-    with _loop_axis(axis_name, n, vma, calls):
+    with _loop_axis(axis_name, _loss_reduction.divisor(reduction, n), vma, calls):
       value, (grads, new_states) = jax.value_and_grad(inner, argnums=(0, 1),
                                                       has_aux=with_aux or residual is not None,
                                                       allow_int=True)(flat, states)
@@ -448,4 +456,4 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
   # global arrays in a plain jax.jit (mesh=): the same grad_fn mapped over the mesh
   return _mesh.placed_grad_fn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
                               has_state=has_state, init_state=(lambda: defer_init(schedule)) if schedule.defers
-                              else None)
+                              else None, reduction=reduction)

@@ -39,8 +39,8 @@ body runs the per-device update on them as sums (the partial sums already carry 
 so the compiled program's gradient all-reduces are the schedule's, in order.
 
 This module is the placement layer: `placed`, `placed_grad_fn` and `placed_step` return a front-end's
-per-device function as it is without a mesh, or wrapped over the mesh. It owns the placement checks and
-specs, and reads the library's states only through the state layer (`_states`).
+per-device function as it is without a mesh, or wrapped over the mesh. It owns the placement checks
+(`_placement`) and specs, and reads the library's states only through the state layer (`_states`).
 """
 
 from __future__ import annotations
@@ -51,13 +51,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from . import _states
+from . import _loss_reduction, _states
+from ._defer import deferred_grads as _deferred_grads
+from ._placement import (_check_model_state, _check_not_mapped, _explicit_axes, _known_spec, _leaves, _spec_axes,
+                         _spec_entry, check_batch, check_replicated)
 from .._compiled._devices import _names, axis_total, check_mesh, data_axes
 from .._values._errors import AlreadyReducedError
 from .._values._schedule import Schedule
-from .._values._tree import is_reduced_leaf, path_str
+from .._values._tree import is_reduced_leaf
 
 __all__ = ["data_axes", "check_mesh", "axis_total", "MeshGradFn", "MeshPipelined", "MeshTransformation",
            "placed", "placed_grad_fn", "placed_step", "place_state", "check_layout"]
@@ -66,152 +69,12 @@ P = PartitionSpec
 
 
 # --------------------------------------------------------------------------------------------------
-# the mesh and its data axis
-
-
-def _spec_entry(axes: tuple[Any, ...]) -> Any:
-  """The PartitionSpec entry splitting one array axis over `axes` ('dp', or ('a', 'b'))."""
-  return axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def _explicit_axes(mesh: Any) -> frozenset[Any]:
-  types = getattr(mesh, "axis_types", None) or ()
-  return frozenset(n for n, t in zip(_names(mesh), types) if t == jax.sharding.AxisType.Explicit)
-
-
-def _check_not_mapped(axes: tuple[Any, ...], where: str) -> None:
-  """ValueError when called where the data axis is already manual (inside the user's shard_map)."""
-  try:
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-  except (AttributeError, RuntimeError, ValueError):
-    return
-  inside = [a for a in axes if a in manual]
-  if inside:
-    raise ValueError(
-        f"{where}: called inside a jax.shard_map (or pmap) over {inside[0]!r}, but it was made with "
-        f"mesh=..., which maps over the mesh itself, for a plain jax.jit on global arrays. Inside your "
-        f"own shard_map, make it without mesh= (it then works on this device's values).")
-
-
-# --------------------------------------------------------------------------------------------------
-# placement checks (where placement is visible)
-
-
-def _known_spec(x: Any) -> PartitionSpec | None:
-  """The PartitionSpec `x` is known to have, or None where that is not visible.
-
-  Concrete arrays: from their sharding. Traced values: from their type, which carries a spec only on
-  a mesh with Explicit axes (and names only those axes). Host data (numpy): None (it is placed by
-  the call).
-  """
-  if isinstance(x, jax.core.Tracer):
-    sharding = jax.typeof(x).sharding
-    if not _explicit_axes(sharding.mesh):
-      return None
-    return sharding.spec
-  if isinstance(x, jax.Array):
-    sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, NamedSharding):
-      return sharding.spec
-    if sharding is not None and getattr(sharding, "is_fully_replicated", False):
-      return P()
-  return None
-
-
-def _entry_axes(entry: Any) -> tuple[Any, ...]:
-  if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-    return ()
-  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def _spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[Any, ...]]]:
-  """(array axis, mesh axes) for every array axis `spec` splits."""
-  return [(i, _entry_axes(e)) for i, e in enumerate(spec) if _entry_axes(e)]
-
-
-def _extras(spec: PartitionSpec) -> str:
-  """' unreduced={...}' / ' reduced={...}' of a spec, or ''."""
-  out = ""
-  for name in ("unreduced", "reduced"):
-    s = getattr(spec, name, None)
-    if s:
-      out += f" {name}={set(s)}"
-  return out
-
-
-def _leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return [((f"{prefix}/{path_str(p)}" if path_str(p) else prefix), x) for p, x in flat]
-
-
-def check_replicated(tree: Any, what: str, where: str, fix: str) -> None:
-  """ValueError when a leaf of `tree` is known to be split (or unreduced/reduced) over any mesh axis."""
-  for name, x in _leaves(tree, what):
-    spec = _known_spec(x)
-    if spec is None:
-      continue
-    split = _spec_axes(spec)
-    extra = _extras(spec)
-    if split or extra:
-      dim, axes = split[0] if split else (None, ())
-      how = (f"split over mesh axis {axes[0] if len(axes) == 1 else axes!r} on its axis {dim}" if split
-             else f"typed{extra}")
-      raise ValueError(
-          f"{where}: {what} leaf {name!r} (shape {tuple(np.shape(x))}) is {how} (PartitionSpec "
-          f"{spec}), but data parallelism needs every {what} leaf replicated, P(). {fix}")
-
-
-def check_batch(batch: Any, mesh: Any, axes: tuple[Any, ...], where: str) -> None:
-  """ValueError for a batch leaf that cannot be split over the data axes on its leading axis, or is
-  known to be placed otherwise (replicated, split over another axis, or on another array axis)."""
-  n = axis_total(mesh, axes)
-  entry = _spec_entry(axes)
-  leaves = _leaves(batch, "batch")
-  if not leaves:
-    raise ValueError(f"{where}: the batch has no array leaves; pass the global batch (leading axis: "
-                     f"examples, split over {entry!r}).")
-  for name, x in leaves:
-    shape = tuple(np.shape(x))
-    if not shape or shape[0] % n:
-      raise ValueError(
-          f"{where}: batch leaf {name!r} has shape {shape}; every batch leaf needs a leading (example) "
-          f"axis that splits over mesh axis {entry!r} ({n} devices), e.g. ({4 * n}, ...). Values that "
-          f"are the same for the whole batch (a PRNG key, a step number) belong in the model state "
-          f"(has_state=True) or in loss_fn's closure.")
-    spec = _known_spec(x)
-    if spec is None:
-      continue
-    split = _spec_axes(spec)
-    lead = _entry_axes(spec[0]) if len(spec) else ()
-    if tuple(lead) != axes or len(split) != 1 or _extras(spec):
-      now = "replicated (not split over any axis)" if not split else f"placed as {spec}"
-      raise ValueError(
-          f"{where}: batch leaf {name!r} (shape {shape}) is {now}, but the batch must be split over "
-          f"mesh axis {entry!r} on its leading axis and nothing else: "
-          f"jax.device_put(batch, NamedSharding(mesh, P({entry!r}))) before the step (or, inside a "
-          f"jit on Explicit axes, jax.sharding.reshard(x, P({entry!r}))).")
-
-
-def _varying_over(x: Any, axes: tuple[Any, ...]) -> bool:
-  varying = jax.typeof(x).manual_axis_type.varying
-  return any(a in varying for a in axes)
+# per device, stacked
 
 
 def _stack(tree: Any) -> Any:
   """Each leaf with a new leading axis of 1 (per device; `P(axis)` makes it the device axis)."""
   return jax.tree_util.tree_map(lambda a: jnp.expand_dims(jnp.asarray(a), 0), tree)
-
-
-def _check_model_state(new: Any, axes: tuple[Any, ...], where: str) -> None:
-  for name, x in _leaves(new, "model_state"):
-    if hasattr(x, "dtype") and _varying_over(x, axes):
-      entry = _spec_entry(axes)
-      raise ValueError(
-          f"{where}: the new model state's leaf {name!r} varies over mesh axis {entry!r} (it was "
-          f"computed from each device's own batch), but on the mesh the model state is one value, "
-          f"replicated, as in a plain jax.jit step. Average it over the axis in loss_fn: "
-          f"jax.lax.pmean(..., {entry!r}) (flax: nn.BatchNorm(axis_name={entry!r}), which is what a "
-          f"plain jax.jit step over the global batch computes).")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -243,10 +106,12 @@ class MeshGradFn:
   """
 
   def __init__(self, per_device: Callable[..., Any], schedule: Schedule, *, mesh: Any, axis_name: Any,
-               has_aux: bool, has_state: bool, where: str = "hooked", init_state: Callable[[], Any] | None = None):
+               has_aux: bool, has_state: bool, where: str = "hooked", init_state: Callable[[], Any] | None = None,
+               reduction: str = "mean"):
     self._axes = check_mesh(mesh, axis_name, where)
     self._fn = per_device
     self._init_state = init_state   # the per-device state before the first step (None: the step has none)
+    self.reduction = reduction
     self.mesh = mesh
     self.axis_name = axis_name
     self.schedule = schedule
@@ -264,6 +129,20 @@ class MeshGradFn:
   def defer_state_abstract(self) -> Any:
     """The per-device state before the first step, abstract (None when the step keeps none)."""
     return None if self._init_state is None else jax.eval_shape(self._init_state)
+
+  def deferred_grads(self, defer_state: Any, params: Any) -> Any:
+    """The deferred gradient values in `defer_state` (this grad_fn's, on the mesh), combined over the
+    data axis (the mean; the sum with reduction='sum'), as a replicated tree like `params` (zeros
+    when nothing is deferred): apply them with `tx` at the end of training, as `MeshPipelined` does."""
+    where = f"{self._where}(mesh=...)'s grad_fn.deferred_grads"
+    entry = _spec_entry(self._axes)
+    if defer_state is not None:
+      check_layout(defer_state, axis_total(self.mesh, self._axes), where,
+                   "Pass the state this grad_fn returned (it starts from grad_fn.defer_state()).")
+    specs = _states.state_specs(defer_state, entry) if defer_state is not None else P()
+    body = lambda s, p: _loss_reduction.combine(_deferred_grads(s, p), self._axes, self.reduction)  # noqa: E731
+    # jitted: un-jitted, a shard_map runs op by op on every device
+    return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P()), out_specs=P()))(defer_state, params)
 
   def _value_specs(self) -> Any:
     data = P(_spec_entry(self._axes))
@@ -330,9 +209,9 @@ class MeshGradFn:
           _check_model_state(rest, axes, where)
         else:
           rest = _stack(rest)
-        value = (jax.lax.pmean(loss, axes), rest)
+        value = (_loss_reduction.combine(loss, axes, self.reduction), rest)
       else:
-        value = jax.lax.pmean(value, axes)
+        value = _loss_reduction.combine(value, axes, self.reduction)
       return (value, grads, out[2]) if stateful else (value, grads)
 
     dspec = _states.state_specs(defer_state, _spec_entry(axes))
@@ -411,8 +290,8 @@ class MeshPipelined:
       new, out = self.inner.step(state, batch)
       if self.inner.has_aux:
         loss, aux = out
-        return new, (jax.lax.pmean(loss, self._axes), _stack(aux))
-      return new, jax.lax.pmean(out, self._axes)
+        return new, (_loss_reduction.combine(loss, self._axes, self.inner.reduction), _stack(aux))
+      return new, _loss_reduction.combine(out, self._axes, self.inner.reduction)
 
     value_spec = (P(), data) if self.inner.has_aux else P()
     return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, data),
@@ -435,7 +314,8 @@ class MeshPipelined:
     where = "pipelined(mesh=...).deferred_grads"
     self.inner._check_state(state, where)
     self._check_global_defer(state, where)
-    return jax.shard_map(lambda s: jax.lax.pmean(self.inner.deferred_grads(s), self._axes),
+    return jax.shard_map(lambda s: _loss_reduction.combine(self.inner.deferred_grads(s), self._axes,
+                                                           self.inner.reduction),
                          mesh=self.mesh, in_specs=(self.inner.state_specs(),), out_specs=P())(state)
 
   def _check_global_defer(self, state: Any, where: str) -> None:
@@ -447,6 +327,27 @@ class MeshPipelined:
 # a per-device state on the mesh (any of the state layer's: each device's parts on a leading axis)
 
 
+_JITTED: dict[tuple, tuple[tuple, Any]] = {}
+
+
+def _jitted(kind: str, objs: tuple, key: Any, make: Callable[[], Any]) -> Any:
+  """The jitted state-making shard_map for (kind, these objects by identity, key: the mesh and axis),
+  made once.
+
+  Called eagerly (`TrainState.create`, `nnx.Optimizer`), an un-jitted shard_map runs its body op by op
+  on every device (seconds per call on a small host); jitted once, a call is a cache hit; inside the
+  user's jit it is inlined."""
+  full = (kind, tuple(id(o) for o in objs), key)
+  hit = _JITTED.get(full)
+  if hit is not None and all(a is b for a, b in zip(hit[0], objs)):
+    return hit[1]
+  if len(_JITTED) > 32:
+    _JITTED.clear()
+  fn = make()
+  _JITTED[full] = (objs, fn)
+  return fn
+
+
 def place_state(make: Callable[[], Any], mesh: Any, axis_name: Any, where: str) -> Any:
   """The state `make()` builds per device, laid out on the mesh: its per-device parts (`state_specs`)
   on the leading axis of global arrays split over the data axis, the rest replicated (None stays None)."""
@@ -454,7 +355,9 @@ def place_state(make: Callable[[], Any], mesh: Any, axis_name: Any, where: str) 
   abstract = jax.eval_shape(make)
   if abstract is None:
     return None
-  return jax.shard_map(make, mesh=mesh, in_specs=(), out_specs=_states.state_specs(abstract, _spec_entry(axes)))()
+  specs = _states.state_specs(abstract, _spec_entry(axes))
+  return _jitted("state", (make,), (mesh, _spec_entry(axes)), lambda: jax.jit(jax.shard_map(
+      make, mesh=mesh, in_specs=(), out_specs=specs)))()
 
 
 def check_layout(state: Any, n: int, where: str, fix: str) -> None:
@@ -529,18 +432,23 @@ class MeshTransformation:
   partial sums (`mean=False`: the partial sums already carry the mean's 1/batch).
   """
 
-  def __init__(self, per_device: Any, *, mesh: Any, axis_name: Any, where: str):
+  def __init__(self, per_device: Any, *, mesh: Any, axis_name: Any, where: str, key: tuple = ()):
     self._axes = check_mesh(mesh, axis_name, where)
     self.inner, self.mesh, self.axis_name, self._where = per_device, mesh, axis_name, where
+    self._key = key or (per_device,)   # what the per-device transformation is made of (its init's cache key)
 
   def init(self, params: Any) -> Any:
     where = f"{self._where}(mesh=...).init"
     _check_not_mapped(self._axes, where)
     check_replicated(params, "params", where, "Place them with jax.device_put(params, NamedSharding(mesh, "
                      "P())).")
-    entry = _spec_entry(self._axes)
-    return jax.shard_map(self.inner.init, mesh=self.mesh, in_specs=P(),
-                         out_specs=_out_specs(self.inner.init, (params,), (P(),), self.mesh, entry))(params)
+    entry, mesh, inner_init = _spec_entry(self._axes), self.mesh, self.inner.init
+
+    def make():   # the out_specs follow the params' structure: found while tracing, per structure
+      return jax.jit(lambda p: jax.shard_map(inner_init, mesh=mesh, in_specs=P(), out_specs=_out_specs(
+          inner_init, (p,), (P(),), mesh, entry))(p))
+
+    return _jitted(f"init {self._where}", self._key, (mesh, entry), make)(params)
 
   def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
     where, axes = f"{self._where}(mesh=...)", self._axes
@@ -571,13 +479,14 @@ def placed_step(step: Any, *, mesh: Any) -> Any:
 
 
 def placed_grad_fn(grad_fn: Callable[..., Any], schedule: Schedule, *, mesh: Any, axis_name: Any,
-                   has_aux: bool, has_state: bool, init_state: Callable[[], Any] | None = None) -> Any:
+                   has_aux: bool, has_state: bool, init_state: Callable[[], Any] | None = None,
+                   reduction: str = "mean") -> Any:
   """The placement layer of `hooked`: its per-device `grad_fn` as it is without a mesh; with one,
-  mapped over the mesh (`MeshGradFn`)."""
+  mapped over the mesh (`MeshGradFn`; `reduction` says how it combines the devices' losses)."""
   if mesh is None:
     return grad_fn
   return MeshGradFn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux, has_state=has_state,
-                    init_state=init_state)
+                    init_state=init_state, reduction=reduction)
 
 
 def placed(per_device: Callable[[bool], Any], *, mesh: Any, axis_name: Any, where: str) -> Any:
@@ -586,6 +495,7 @@ def placed(per_device: Callable[[bool], Any], *, mesh: Any, axis_name: Any, wher
   mapped over the mesh (`MeshTransformation`)."""
   if mesh is None:
     return per_device(True)
-  return MeshTransformation(per_device(False), mesh=mesh, axis_name=axis_name, where=where)
+  return MeshTransformation(per_device(False), mesh=mesh, axis_name=axis_name, where=where,
+                            key=tuple(getattr(per_device, "args", ())))
 
 

@@ -106,7 +106,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from . import _defer, _states, _zero
+from . import _defer, _loss_reduction, _states, _zero
 from .._values._checks import check_values, match_tree
 from ._collectives import axis_size, is_varying, to_varying, vma_enabled
 from ._reduction import allreduce
@@ -115,29 +115,11 @@ from ._keys import check_enforce_order, ordered_by
 from .._values._errors import ScheduleMismatchError
 from ._mesh import placed_step
 from ._pending import Pending, PipelinedState, _meta_nbytes, _PendingMeta, _round_to_dtype, _Traced
-from ._residuals import carried_avals, carry_plan, forward, recompute, vjp_jaxpr
+from ._residuals import carried_avals, carry_plan, forward, recompute, save_matmuls, vjp_jaxpr
 from .._values._schedule import Schedule
 from .._values._tree import is_reduced_leaf, path_str
 
 __all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending", "save_matmuls"]
-
-# outputs `save_matmuls` keeps: products (expensive to recompute) and reductions (small, and their
-# recomputation would read a whole input again); everything else is recomputed in the backward
-_SAVED_PRIMITIVES = frozenset({
-    "dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
-    "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
-})
-
-
-def save_matmuls(prim: Any, *_: Any, **__: Any) -> bool:
-  """A `jax.checkpoint` policy: keep matmul, convolution and reduction outputs; recompute the rest.
-
-  What `pipelined(..., residuals="matmuls")` uses. The recomputed operations are elementwise: XLA
-  fuses them into the backward's consumers, so they cost little compute and save the bytes the
-  pipelined step would otherwise write out and read back.
-  """
-  return prim.name in _SAVED_PRIMITIVES
-
 
 # --------------------------------------------------------------------------------------------------
 # the object
@@ -162,6 +144,7 @@ class Pipelined:
       "matmuls" (`save_matmuls`), or a `jax.checkpoint` policy.
     has_aux: `loss_fn` returns an auxiliary output beside the loss.
     has_state: `loss_fn` takes and returns a model state.
+    reduction: "mean" (`loss_fn` averages over its examples) or "sum" (it sums over them).
     enforce_order: False: the schedule's units carry XLA combiner keys instead of the tie (`_keys`).
   """
 
@@ -172,6 +155,7 @@ class Pipelined:
   residuals: Any = "min-cut"
   has_aux: bool = False
   has_state: bool = False
+  reduction: str = "mean"
   enforce_order: bool = True
 
   def __post_init__(self):
@@ -513,7 +497,7 @@ class Pipelined:
       # ZeRO-1: reduce-scatter, tx on this device's shards, all-gather the update (the next forward
       # reads each gather's params as soon as it lands: the all-gathers run inside it)
       updates, opt_state = _zero.update(self.tx, grads, opt_state, params, schedule, self.axis_name,
-                                        where=where)
+                                        where=where, mean=_loss_reduction.is_mean(self.reduction))
     else:
       grads, defer = self._reduce(grads, schedule, defer, where)
       updates, opt_state = self.tx.update(grads, opt_state, params)
@@ -533,15 +517,16 @@ class Pipelined:
     lossless reading of the schedule), and the new schedule's deferral starts from its initial state:
     nothing deferred is lost across a re-plan.
     """
+    mean = _loss_reduction.is_mean(self.reduction)
     if _defer.same_groups(schedule, self.schedule):
       if not schedule.defers and defer is None:
-        return allreduce(grads, schedule, self.axis_name, mean=True, enforce_order=self.enforce_order), None
+        return allreduce(grads, schedule, self.axis_name, mean=mean, enforce_order=self.enforce_order), None
       # a state of a third schedule (a re-plan after a flush) is carried over by allreduce itself
-      return allreduce(grads, schedule, self.axis_name, mean=True, defer_state=defer,
+      return allreduce(grads, schedule, self.axis_name, mean=mean, defer_state=defer,
                        enforce_order=self.enforce_order)
     if defer is not None:
       grads = _defer.add_residual(grads, _defer.schedule_of(defer) or schedule, defer, where)
-    grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=True,
+    grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=mean,
                       enforce_order=self.enforce_order)
     return grads, _defer.init(self.schedule)
 
@@ -683,7 +668,8 @@ def _short(avals: tuple) -> str:
 
 def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
               schedule: Schedule, *, axis_name: Any, residuals: Any = "min-cut", has_aux: bool = False,
-              has_state: bool = False, mesh: Any = None, enforce_order: bool = True) -> Pipelined:
+              has_state: bool = False, mesh: Any = None, reduction: str = "mean",
+              enforce_order: bool = True) -> Pipelined:
   """The cross-step pipelined train step for `loss_fn`, `tx` and `schedule` over `axis_name`.
 
   Each `step` runs the previous batch's backward with the schedule's chunked, ordered all-reduces,
@@ -723,6 +709,9 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
       (a `MeshPipelined`: params replicated, the batch split over `axis_name`, the loss averaged
       over the global batch, as `hooked(..., mesh=)` does); None: call them under your own
       `jax.shard_map` or `jax.pmap`.
+    reduction: "mean" (the default): `loss_fn` averages over its examples, the gradients are the
+      devices' mean (with `mesh`, the loss too); "sum": it sums over them, and the gradients (with
+      `mesh`, the loss) are the devices' sum: the plain step's over the global batch either way.
     enforce_order: True (the default): the tie keeps one collective per unit, in schedule order.
       False: each unit carries one XLA `combiner_key` and no tie; XLA:GPU keeps exactly the plan's
       units and orders them itself (`prophet_jax.allreduce` says more).
@@ -774,7 +763,7 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     if not isinstance(flag, bool):
       raise TypeError(f"pipelined({name}={flag!r}): expected True or False.")
   step = Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name, residuals=residuals,
-                   has_aux=has_aux, has_state=has_state,
+                   has_aux=has_aux, has_state=has_state, reduction=_loss_reduction.check(reduction, "pipelined"),
                    enforce_order=check_enforce_order("pipelined", enforce_order))
   # global arrays in a plain jax.jit: the same step mapped over the mesh
   return placed_step(step, mesh=mesh)

@@ -43,6 +43,24 @@ from .._compiled._jaxcompat import check_jaxpr_api
 # Position of a value in a jaxpr: (-1, k) the k-th input; (i, j) output j of equation i.
 Position = tuple[int, int]
 
+# outputs `save_matmuls` keeps: products (expensive to recompute) and reductions (small, and their
+# recomputation would read a whole input again); everything else is recomputed in the backward
+_SAVED_PRIMITIVES = frozenset({
+    "dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+    "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+})
+
+
+def save_matmuls(prim: Any, *_: Any, **__: Any) -> bool:
+  """A `jax.checkpoint` policy: keep matmul, convolution and reduction outputs; recompute the rest.
+
+  What `pipelined(..., residuals="matmuls")` uses. The recomputed operations are elementwise: XLA
+  fuses them into the backward's consumers, so they cost little compute and save the bytes the
+  pipelined step would otherwise write out and read back.
+  """
+  return prim.name in _SAVED_PRIMITIVES
+
+
 # recomputed in the backward when that carries fewer bytes: elementwise and layout operations, which
 # XLA fuses into their consumers
 _CHEAP = frozenset({

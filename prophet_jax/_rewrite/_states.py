@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec
 
+from . import _tag_text
 from .._values._schedule import Schedule
 from .._values._tree import IdentityMemo
 
@@ -107,8 +108,8 @@ class StateTag:
   sizes = property(lambda self: self.layout.sizes)
   mode = property(lambda self: self.layout.mode)
 
-  def tree_flatten(self):
-    return (), (self.key, self.fingerprint, self.layout, self._ref)
+  def tree_flatten(self):  # the metadata's repr says what the state is (jax prints it on a mismatch)
+    return (), _tag_text.StateAux((self.key, self.fingerprint, self.layout, self._ref))
 
   @classmethod
   def tree_unflatten(cls, aux, _):
@@ -189,7 +190,13 @@ class ShardedState(NamedTuple):
   tag: StateTag
 
 
-class GradShards(NamedTuple):
+class _GradShardsFields(NamedTuple):
+  shards: tuple[jax.Array, ...]
+  token: jax.Array
+  tag: StateTag
+
+
+class GradShards(_GradShardsFields, metaclass=_tag_text.HintedClass):
   """This device's reduced gradient shards, as `hooked(loss_fn, sharded_schedule)` returns them.
 
   The reduce-scatters ran inside backward; `scheduled(tx, schedule)`'s `update` takes this value in
@@ -204,9 +211,12 @@ class GradShards(NamedTuple):
     tag: no arrays; the schedule and the axis size (`StateTag`, mode '').
   """
 
-  shards: tuple[jax.Array, ...]
-  token: jax.Array
-  tag: StateTag
+  __slots__ = ()
+  # jax names this class when a plain optax tx is given the shards (its tree_map fails before any
+  # library code runs): the class's repr says what pairs with them
+  __hint__ = ("the gradient shards of hooked(loss_fn, sharded_schedule): only the update of "
+              "prophet_jax.scheduled(tx, schedule, axis_name=...) takes them, not a plain optax tx; wrap tx "
+              "in prophet_jax.scheduled (docs/pairing.md)")
 
 
 class AccumState(NamedTuple):

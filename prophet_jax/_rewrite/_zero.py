@@ -13,15 +13,19 @@ What `tx` may be. It sees flat shards, not the params' tree, so it must give on 
 the tree. `shard_mode` checks this once per (tx, tree): by name, it refuses what picks or shapes leaves
 by the tree (masks, labels, factored moments); then it runs `tx` on a few representative leaves (one
 per rank among the params' floating leaves, each dimension cut to at most 3) and on their flat shards
-over 3 simulated devices (two chunks, zero-padded), 3 steps at gradient scales 1e-6, 1 and 1e6 (so
-that any clipping threshold in between is crossed), one small program, and compares the updates:
+over 3 simulated devices (two chunks, zero-padded), 3 steps of the trials `_probe_trials` makes (scales
+1e-6 ... 1e6 over shards of very different norms, so that a threshold puts some shard on the other side
+of it from the whole, and one NaN in one shard), one small program, and compares the updates:
 
 - *elementwise* transformations (sgd, momentum, Adam/AdamW, Lion, RMSProp, learning-rate schedules,
   `MultiSteps` ...) give the same update on the shards: they run as they are;
-- transformations that read the global norm of the gradient (`clip_by_global_norm`) get it from one
-  extra `psum` of the shards' sums of squares (scope `prophet/norm`): the shards are given one more
+- transformations that read the global norm of the gradient or decide from the whole update
+  (`clip_by_global_norm`, `apply_if_finite`, `skip_not_finite`/`skip_large_updates` in `MultiSteps`)
+  get it from one extra `psum` of the shards' sums of squares (scope `prophet/norm`): the shards are given one more
   leaf, a float32 scalar whose square is the rest of the tree's sum of squares (the other devices'
-  shards), so the norm `tx` computes over its tree is the global one; that leaf's update is dropped;
+  shards), so the norm `tx` computes over its tree is the global one, and a non-finite value anywhere
+  is non-finite on every device: every device decides as the whole tree would; that leaf's update is
+  dropped;
 - anything else (per-leaf norms: LAMB/LARS's trust ratio, `adaptive_grad_clip`, Adafactor's block RMS;
   matrix-shaped updates such as Muon's; masks and labels that pick leaves by the tree: `optax.masked`,
   `adamw(mask=)`, `multi_transform`; Adafactor's factored moments, which depend on leaf sizes) raises
@@ -46,10 +50,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from . import _probe_trials
 from ._states import GradShards, ShardedState, ShardLayout, StateTag
 from .._values._checks import match_tree
-from ._collectives import (all_gather_chunks, axis_size, check_not_reduced, local_shards, reduce_scatter_chunks,
-                           scatter_chunks, shards_square_sum)
+from ._collectives import (all_gather_chunks, axis_size, check_not_reduced, is_varying, local_shards,
+                           reduce_scatter_chunks, scatter_chunks, shards_square_sum, to_varying, vma_enabled)
 from .._values._errors import ScheduleMismatchError, ShardingError, UnboundAxisError
 from .._values._schedule import Schedule, shard_size
 from .._values._tree import is_reduced_leaf, path_str
@@ -194,7 +199,8 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
   shard = [shard_size(c, d) for c in chunk_sizes]
   rng = np.random.default_rng(0)
   p0 = rng.standard_normal(total).astype(np.float32)
-  grads = rng.standard_normal((_PROBE_STEPS, total)).astype(np.float32)
+  grads = _probe_trials.gradients(rng, _PROBE_STEPS, chunk_sizes, shard)  # (trial, step, total)
+  names = _names(tx)
 
   def tree_of(vec):  # the representative leaves, as a tuple (one per rank)
     out, off = [], 0
@@ -210,7 +216,7 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
     p, out = tree_of(p0), []
     st = tx.init(p)
     for t in range(_PROBE_STEPS):
-      u, st = tx.update(tree_of(grads[t] * scale), st, p)
+      u, st = tx.update(tree_of(grads[t] * scale), st, p, **_probe_trials.extra_args(names, t))
       out.append(flat_of(u))
     return jnp.stack(out)
 
@@ -236,7 +242,7 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
           total_sq = sum(jnp.sum(jnp.square(part)) for part in g_parts)
           local_sq = sum(jnp.sum(jnp.square(x)) for x in g)
           g = g + (jnp.sqrt(jnp.maximum(total_sq - local_sq, 0.0)),)
-        u, st = tx.update(g, st, p)
+        u, st = tx.update(g, st, p, **_probe_trials.extra_args(names, t))
         out.append(u[:len(chunk_sizes)])
       return out
 
@@ -245,14 +251,14 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
                       for step in per_dev])
 
   def run(scales, p0, grads):  # the values are arguments: nothing is evaluated while tracing
-    return (jax.vmap(lambda sc: whole(sc, p0, grads))(scales),
-            jax.vmap(lambda sc: sharded(sc, False, p0, grads))(scales),
-            jax.vmap(lambda sc: sharded(sc, True, p0, grads))(scales))
+    return (jax.vmap(lambda sc, g: whole(sc, p0, g))(scales, grads),
+            jax.vmap(lambda sc, g: sharded(sc, False, p0, g))(scales, grads),
+            jax.vmap(lambda sc, g: sharded(sc, True, p0, g))(scales, grads))
 
   def compare(ref: np.ndarray, got: np.ndarray) -> tuple[float, float, int]:
     worst = (0.0, 1.0, 0)
     for r, g in zip(ref, got):
-      big = float(np.max(np.abs(r))) or 1.0
+      big = (float(np.nanmax(np.abs(r))) if np.isfinite(r).any() else 0.0) or 1.0
       if not np.array_equal(np.isfinite(g), np.isfinite(r)):
         return float("inf"), big, int(np.argmax(np.isfinite(g) != np.isfinite(r)) % total)
       diff = np.abs(g - r)
@@ -262,7 +268,7 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
     return worst
 
   try:  # one small program, compiled once: the tree, the shards, the shards with the global norm
-    args = (np.asarray(_PROBE_SCALES, np.float32), p0, grads)
+    args = (_probe_trials.scales(), p0, grads)
     # many tiny ops: XLA's backend optimisations cost seconds here and save nothing
     out = jax.jit(run).lower(*args).compile(compiler_options=_PROBE_OPTIONS)(*args)
     ref, plain, normed = (np.asarray(x, np.float64) for x in out)
@@ -272,10 +278,11 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
     err2, big2, _ = compare(ref, normed)
     if err2 <= _PROBE_RTOL * big2:
       return "global-norm"
-  except (TypeError, ValueError) as e:
+  except Exception as e:  # noqa: BLE001 (whatever tx raises on flat shards: sm3's IndexError, ...)
     raise ShardingError(
-        f"{where}: the schedule is sharded (ZeRO-1), so tx runs on each device's flat shards of the "
-        f"chunks (a tuple of 1-D arrays), not on the params' tree; tx fails there ({type(e).__name__}: "
+        f"{where}: the schedule is sharded (ZeRO-1), so tx ({_probe_trials.tx_names(names)}) runs on each "
+        f"device's flat shards of the chunks (a tuple of 1-D arrays), not on the params' tree; tx fails "
+        f"there ({type(e).__name__}: "
         f"{str(e)[:300]}). It depends on the params' tree: use an all-reduce schedule (any policy but "
         f"'dear') for this optimizer.") from e
   # name the leaf (of the representatives) where the sharded update differs most
@@ -286,8 +293,8 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
       break
     off += size
   raise ShardingError(
-      f"{where}: the schedule is sharded (ZeRO-1), so tx runs on each device's flat shards of the chunks, "
-      f"but its update there differs from its update on the params' tree (on a small stand-in "
+      f"{where}: the schedule is sharded (ZeRO-1), so tx ({_probe_trials.tx_names(names)}) runs on each "
+      f"device's flat shards of the chunks, but its update there differs from its update on the params' tree (on a small stand-in "
       f"for the params' leaf {leaf!r}: by {err:.3g} where the largest update is {big:.3g}; with the global norm given, "
       f"by {err2:.3g}): tx needs whole leaves (per-leaf norms such as LAMB/LARS's trust ratio or "
       f"adaptive_grad_clip, matrix-shaped updates, a leaf's shape), which flat shards are not. Only "
@@ -407,10 +414,23 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
     if p is not None:
       p = p + (jnp.zeros((), jnp.float32),)
   inner = jax.tree_util.tree_map(lambda x: x[0], state.per_device)
-  if isinstance(tx, optax.GradientTransformationExtraArgs):
-    u, inner = tx.update(shards, inner, p, **(extra_args or {}))
-  else:
-    u, inner = tx.update(shards, inner, p)
+  if vma_enabled(axis_name):  # each device's own (a state made in this same map may be invariant):
+    # a transformation's lax.cond (apply_if_finite) needs both branches' states typed alike
+    inner = jax.tree_util.tree_map(lambda x: x if is_varying(x, axis_name) else to_varying(x, axis_name), inner)
+  try:
+    if isinstance(tx, optax.GradientTransformationExtraArgs):
+      u, inner = tx.update(shards, inner, p, **(extra_args or {}))
+    else:
+      u, inner = tx.update(shards, inner, p)
+  except TypeError as e:  # jax's words for a per-device state meeting tx's constants in a lax.cond
+    if "manual axis types do not match" not in str(e):
+      raise
+    raise TypeError(
+        f"{where}: under shard_map with check_vma=True, tx's state on the shards is each device's own "
+        f"(varying over {axis_name!r}), and tx picks between it and constants in a lax.cond "
+        f"(contrib.reduce_on_plateau does), which jax's type check refuses. Map the step with "
+        f"jax.shard_map(..., check_vma=False), or use scheduled(..., mesh=mesh) in a plain jax.jit, or "
+        f"pmap. (jax: {str(e).splitlines()[0]})") from e
   u = tuple(u)[:len(chunks)]
   bufs, _ = all_gather_chunks(u, chunks, schedule.gathers, axis_name, n=n, prev=prev)
   rows = set(lmap.row_leaf)

@@ -1,0 +1,505 @@
+"""The public state helpers on whatever container a user holds the library's states in.
+
+`unshard_state`, `shard_state`, `state_specs` and `deferred_grads` each act on the library's own
+per-device states (`ShardedState`, `DeferState`, `AccumState`, `scheduled`'s `ScheduledState`, a
+`PipelinedState`). Users hold those inside containers: a flax `TrainState`, an `nnx.Optimizer` or its
+`nnx.state(...)`, a dict, a `PipelinedState`, an optax chain's tuple. One walker serves the four helpers:
+
+- a pytree container (`TrainState`, dict, tuple, NamedTuple, `PipelinedState`, the bare state): the
+  library states inside it are found by type, the helper is applied to each, and `jax.tree_util`
+  rebuilds the same container around the results (nothing is mutated);
+- an `nnx.Optimizer`: its `opt_state` keeps the library's types (and their tags); flax's variables
+  (`OptArray`) are unwrapped to their arrays first, and the result comes back as an `nnx.State` for
+  `nnx.update` (the optimizer is not touched);
+- an `nnx.State` (`nnx.state(optimizer)`): nnx has re-labelled every NamedTuple as nested dicts and
+  dropped the leafless tags, so a state is found by its field names (a `per_device` entry, a deferral
+  state's `residual` and `index`) and rebuilt on the layout `tx`/`schedule` give.
+
+An object that neither is nor holds a library state is a TypeError (it used to pass through as zeros or
+crash deep inside jax). Pure Python over pytrees at call time; no traced decisions.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _convert, _defer, _states, _zero
+from ._pending import PipelinedState
+from ._states import AccumState, DeferState, GradShards, ScheduledState, ShardedState
+from .._values._errors import ShardingError
+from .._values._schedule import Schedule, shard_size
+
+__all__ = ["unshard_state", "shard_state", "state_specs", "deferred_grads"]
+
+_LIBRARY = (ShardedState, GradShards, DeferState, AccumState, ScheduledState,
+            PipelinedState)
+
+
+# --------------------------------------------------------------------------------------------------
+# what a container is
+
+
+def _nnx() -> Any:
+  """flax.nnx if the user imported it (an nnx object cannot exist otherwise): no import of our own."""
+  return sys.modules.get("flax.nnx")
+
+
+def _is_optimizer(x: Any) -> bool:
+  nnx = _nnx()
+  return nnx is not None and isinstance(x, nnx.Optimizer)
+
+
+def _is_nnx_state(x: Any) -> bool:
+  nnx = _nnx()
+  return nnx is not None and isinstance(x, nnx.State)
+
+
+def _is_variable(x: Any) -> bool:
+  nnx = _nnx()
+  return nnx is not None and isinstance(x, nnx.Variable)
+
+
+def _values(tree: Any) -> Any:
+  return jax.tree_util.tree_map(lambda v: v.get_value() if _is_variable(v) else v, tree, is_leaf=_is_variable)
+
+
+_PER_DEVICE = (ShardedState, GradShards, DeferState, AccumState)
+
+
+def _unwrap(tree: Any) -> Any:
+  """`tree` with the flax Variables inside the library's per-device states (nnx.Optimizer wraps every
+  array in an OptArray) replaced by their values; the library's types and tags kept. A tx state's own
+  Variables (Param-shaped momenta) stay: `_recast` lays them on tx's template."""
+  if _nnx() is None:
+    return tree
+  pred = lambda x: isinstance(x, _PER_DEVICE)  # noqa: E731
+  return jax.tree_util.tree_map(lambda x: _values(x) if pred(x) else x, tree, is_leaf=pred)
+
+
+def _is_library(x: Any) -> bool:
+  return isinstance(x, _LIBRARY)
+
+
+def _holds_library(x: Any) -> bool:
+  return any(_is_library(y) for y in jax.tree_util.tree_leaves(x, is_leaf=_is_library))
+
+
+def _not_a_state(where: str, obj: Any, wanted: str) -> TypeError:
+  return TypeError(
+      f"{where}: no {wanted} in the given {type(obj).__name__}: it neither is nor holds one. Pass the "
+      f"optimizer state "
+      f"of prophet_jax.scheduled(...) (tx.init(params) or what the step returned), a PipelinedState, or a "
+      f"container holding one: a flax TrainState, an nnx.Optimizer or nnx.state(optimizer), a dict, an "
+      f"optax chain's tuple.")
+
+
+def _check_axis_name(axis_name: Any, where: str) -> None:
+  ok = (isinstance(axis_name, str) and axis_name) or (
+      isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) and a for a in axis_name))
+  if not ok:
+    raise TypeError(f"{where}: axis_name={axis_name!r}: expected the data-parallel mesh axis's name (a "
+                    f"non-empty string such as 'data', or a tuple of them), as given to scheduled(..., "
+                    f"axis_name=...).")
+
+
+# nnx's labels: a path entry's name (a dict key, an attribute, a tuple index)
+
+
+def _label(k: Any) -> Any:
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return getattr(k, attr)
+  return k
+
+
+def _labelled(tree: Any) -> dict:
+  """`tree` (with flax Variables as leaves) as the nested dicts nnx.state uses: one key per path entry."""
+  out: dict = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)[0]:
+    d = out
+    for k in path[:-1]:
+      d = d.setdefault(_label(k), {})
+    d[_label(path[-1])] = leaf
+  return out
+
+
+def _to_nnx(tree: Any) -> Any:
+  """A typed state of arrays as nnx.Optimizer keeps it (arrays in OptArray, Variables in OptVariable)."""
+  from flax.nnx.training.optimizer import to_opt_state  # only reached with flax.nnx already imported
+  return to_opt_state(tree)
+
+
+def _rebuild(template: Any, labelled: Mapping, where: str) -> Any:
+  """The typed tree `template` (arrays or ShapeDtypeStructs) with its leaves looked up by path in the
+  nnx-labelled `labelled` (values unwrapped from their Variables)."""
+  paths, _ = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_variable)
+  treedef = jax.tree_util.tree_structure(template)   # a Variable holds one leaf: the same order
+  leaves = []
+  for path, _ in paths:
+    d: Any = labelled
+    for k in path:
+      key = _label(k)
+      if not isinstance(d, Mapping) or key not in d:
+        names = "/".join(str(_label(q)) for q in path)
+        raise ShardingError(f"{where}: the nnx state has no entry {names!r} where the optimizer's state "
+                            f"keeps one: it was made by another transformation than the tx given.")
+      d = d[key]
+    leaves.append(d.get_value() if _is_variable(d) else d)
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _walk_mappings(tree: Any, pred, fn) -> tuple[Any, int]:
+  """Every Mapping of the nnx-labelled `tree` for which `pred` holds replaced by `fn(it)` (not
+  descending into it); returns (the new tree as plain nested dicts, how many were replaced)."""
+  if isinstance(tree, Mapping):
+    if pred(tree):
+      return fn(tree), 1
+    out, count = {}, 0
+    for k, v in tree.items():
+      out[k], c = _walk_mappings(v, pred, fn)
+      count += c
+    return out, count
+  return tree, 0
+
+
+def _as_state(d: Any) -> Any:
+  return _nnx().State(d) if isinstance(d, Mapping) else d
+
+
+# --------------------------------------------------------------------------------------------------
+# the walker for typed pytrees
+
+
+def _map_typed(obj: Any, pred, fn) -> tuple[Any, int]:
+  found = [x for x in jax.tree_util.tree_leaves(obj, is_leaf=pred) if pred(x)]
+  out = jax.tree_util.tree_map(lambda x: fn(x) if pred(x) else x, obj, is_leaf=pred)
+  return out, len(found)
+
+
+def _on_optimizer(opt: Any, fn) -> Any:
+  """fn on the optimizer's typed (unwrapped) opt_state; the result as the nnx.State of an optimizer
+  holding it (for nnx.update)."""
+  new = fn(_unwrap(opt.opt_state))
+  rest = {k: v for k, v in _labelled(_nnx().state(opt)).items() if k != "opt_state"}
+  return _as_state({**rest, "opt_state": _labelled(_to_nnx(new))})
+
+
+# --------------------------------------------------------------------------------------------------
+# the helpers
+
+
+def _is_sharded(x: Any) -> bool:
+  return isinstance(x, ShardedState)
+
+
+def _recast(given: Any, template: Any, where: str, what: str, lead: bool = False) -> Any:
+  """`given`'s leaves in `template`'s structure (an nnx.Optimizer keeps a Param-shaped state's leaves in
+  OptVariables, tx.init makes Params: the same leaves); ShardingError naming both transformations'
+  states when the two are not the same state (other types, leaf counts or shapes). With `lead`, the
+  given leaves carry leading device axes (a global or pmap-stacked per-device state)."""
+  got, want = jax.tree_util.tree_leaves(given), jax.tree_util.tree_flatten(template)
+  tail = lambda a, b: np.shape(a)[np.ndim(a) - np.ndim(b):] if lead else np.shape(a)  # noqa: E731
+  if (_types(given) != _types(template) or len(got) != len(want[0])
+      or any(tail(a, b) != np.shape(b) for a, b in zip(got, want[0]))):
+    raise ShardingError(
+        f"{where}: the {what} given is {_kinds(given)}, but tx's state is {_kinds(template)}: the state "
+        f"was made by another transformation than the tx given, or for other params. Pass the tx the "
+        f"state was made by (the one given to scheduled) and its params.")
+  return jax.tree_util.tree_unflatten(want[1], got)
+
+
+def _types(tree: Any) -> list[str]:
+  """The names of the NamedTuples in `tree`, in order (an optax state's shape by its types)."""
+  out: list[str] = []
+  if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+    out.append(type(tree).__name__)
+  if isinstance(tree, (tuple, list)):
+    for x in tree:
+      out.extend(_types(x))
+  elif isinstance(tree, Mapping) and not _is_variable(tree):
+    for k in tree:
+      out.extend(_types(tree[k]))
+  return out
+
+
+def _kinds(tree: Any) -> str:
+  """The state's structure by its types' names, no values: e.g. '(TraceState, EmptyState)'."""
+  def name(x: Any, depth: int = 0) -> str:
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+      return type(x).__name__
+    if isinstance(x, (tuple, list)) and depth < 2:
+      return "(" + ", ".join(name(y, depth + 1) for y in x) + ")"
+    if isinstance(x, Mapping):
+      return "{" + ", ".join(map(str, list(x)[:6])) + "}"
+    return type(x).__name__
+  return name(tree)
+
+
+def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
+  """Every `ShardedState` in `state` replaced by `tx`'s whole (replicated) state for `params`, on the
+  host, in the container it came in (see `prophet_jax._rewrite._convert.unshard_state` for the layout).
+
+  Args:
+    state: a ShardedState or any container holding one: `scheduled`'s state, a flax TrainState, an
+      nnx.Optimizer (an nnx.State comes out, for `nnx.update` of an optimizer made with the new tx) or
+      `nnx.state(optimizer)`, a dict, a PipelinedState, a chain's tuple. Not mutated.
+    tx: the optimizer the state was made by (the one passed to `scheduled`).
+    params: the params' tree (arrays or ShapeDtypeStructs).
+    schedule: the sharded schedule the state was made for.
+
+  Returns:
+    The same kind of container with each ShardedState replaced by a tree like `tx.init(params)`.
+
+  Raises:
+    TypeError: `state` neither is nor holds a ShardedState.
+    ScheduleMismatchError: a ShardedState was made for another schedule or tree.
+    ShardingError: the state was made by another tx.
+  """
+  where = "unshard_state"
+  _check_schedule(schedule, where)
+
+  def one(s: Any) -> Any:
+    _check_shards(s, tx, schedule, where)
+    return _convert.unshard_state(s, tx, params, schedule)
+
+  if _is_optimizer(state):
+    return _on_optimizer(state, lambda st: _typed(st, _is_sharded, one, where, "ShardedState"))
+  if _is_nnx_state(state):
+    def from_labels(d: Mapping) -> Any:
+      s = _sharded_from_labels(d, tx, schedule, where)
+      return _labelled(_to_nnx(_convert.unshard_state(s, tx, params, schedule)))
+    new, count = _walk_mappings(_labelled(state), lambda d: "per_device" in d, from_labels)
+    if not count:
+      raise _not_a_state(where, state, "sharded optimizer state (no 'per_device' entry)")
+    return _as_state(new)
+  return _typed(state, _is_sharded, one, where, "ShardedState")
+
+
+def _typed(state: Any, pred, fn, where: str, wanted: str) -> Any:
+  out, count = _map_typed(_unwrap(state), pred, fn)
+  if not count:
+    raise _not_a_state(where, state, wanted)
+  return out
+
+
+def _check_schedule(schedule: Any, where: str) -> None:
+  if not isinstance(schedule, Schedule):
+    raise TypeError(f"{where}: schedule={schedule!r:.60} is not a prophet_jax.Schedule.")
+
+
+def _check_shards(s: Any, tx: Any, schedule: Schedule, where: str) -> None:
+  n, mode = s.tag.n, s.tag.mode
+  struct = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in schedule.chunks)
+  if mode == "global-norm":
+    struct = struct + (jax.ShapeDtypeStruct((), jnp.float32),)
+  _recast(s.per_device, jax.eval_shape(tx.init, struct), where, "sharded optimizer state", lead=True)
+
+
+def _sharded_from_labels(d: Mapping, tx: Any, schedule: Schedule, where: str) -> Any:
+  """The ShardedState nnx re-labelled as {'per_device': ...}: its tag rebuilt from the schedule, the
+  axis size read from the leaves' leading axis, the mode from the number of shard entries."""
+  leaves = [x.get_value() if _is_variable(x) else x
+            for x in jax.tree_util.tree_leaves(d["per_device"], is_leaf=_is_variable)]
+  if not leaves:
+    raise ShardingError(f"{where}: the sharded optimizer state holds no arrays.")
+  n = int(np.shape(leaves[0])[0])
+  last = None
+  for mode in _zero.MODES:
+    struct = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in schedule.chunks)
+    if mode == "global-norm":
+      struct = struct + (jax.ShapeDtypeStruct((), jnp.float32),)
+    template = jax.eval_shape(tx.init, struct)
+    try:
+      per = _rebuild(template, d["per_device"], where)
+    except ShardingError as e:
+      last = e
+      continue
+    if len(jax.tree_util.tree_leaves(template)) == len(leaves):
+      return ShardedState(per_device=per, tag=_zero._tag(schedule, n, mode))
+  raise last or ShardingError(f"{where}: the sharded optimizer state was made by another tx than the one "
+                              f"given.")
+
+
+def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int, *, pmap: bool = False) -> Any:
+  """`tx`'s whole state cut into the ZeRO-1 shard state of `schedule` for `n` devices, on the host, in
+  the container it came in: the inverse of `unshard_state`.
+
+  Takes `tx.init(params)` itself (a `ShardedState` comes out), or a container holding `scheduled`'s
+  state of an all-reduce plan (each `ScheduledState`'s `inner` is cut), or a `PipelinedState` of an
+  all-reduce plan (its `opt_state` is cut): a flax TrainState, an nnx.Optimizer (an nnx.State comes
+  out) or its nnx.state, a dict, a chain's tuple. Not mutated. See `prophet_jax._rewrite._convert.shard_state`.
+
+  Raises:
+    TypeError: `n` is not an integer (a bool or 2.7 are refused), or the object holds no tx state.
+    ValueError: `n` < 1, the schedule is not sharded, or a ScheduledState holds a deferral or
+      accumulation state that cutting would drop.
+    ShardingError: tx cannot run on shards, or the state was made by another tx.
+  """
+  where = "shard_state"
+  _check_schedule(schedule, where)
+  if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+    raise TypeError(f"{where}: n={n!r}: the number of devices on the data axis must be an integer >= 1.")
+  if not isinstance(pmap, bool):
+    raise TypeError(f"{where}: pmap={pmap!r}: expected True or False.")
+  n = int(n)
+  template = jax.eval_shape(tx.init, params)
+
+  def cut(whole: Any) -> Any:
+    whole = _recast(whole, template, where, "optimizer state")
+    return _convert.shard_state(whole, tx, params, schedule, n, pmap=pmap)
+
+  def fits(x: Any) -> bool:
+    try:
+      _recast(x, template, where, "")
+      return True
+    except ShardingError:
+      return False
+
+  def scheduled_state(s: ScheduledState) -> ScheduledState:
+    if _is_sharded(s.inner):
+      return s
+    for name in ("defer_state", "accum"):
+      if getattr(s, name) is not None:
+        raise ValueError(f"{where}: the ScheduledState holds a {name} (its plan defers or accumulates): "
+                         f"cutting it would drop those values. Apply them first (prophet_jax.deferred_grads, "
+                         f"or finish the k micro-steps), then pass the state without them.")
+    return ScheduledState(inner=cut(s.inner))
+
+  def typed(state: Any) -> Any:
+    state = _unwrap(state)
+    if not _holds_library(state) and fits(state):
+      return cut(state)
+    out, count = _map_typed(state, lambda x: isinstance(x, ScheduledState), scheduled_state)
+    if count:
+      return out
+    out, count = _map_typed(state, lambda x: isinstance(x, PipelinedState),
+                            lambda p: p if _is_sharded(p.opt_state) else p._replace(opt_state=cut(p.opt_state)))
+    if count:
+      return out
+    if not _holds_library(state):
+      cut(state)  # names both transformations' states
+    raise _not_a_state(where, state, "tx's whole optimizer state")
+
+  if _is_optimizer(tx_state):
+    return _on_optimizer(tx_state, typed)
+  if _is_nnx_state(tx_state):
+    def from_labels(d: Mapping) -> Any:
+      if isinstance(d["inner"], Mapping) and "per_device" in d["inner"]:
+        return d
+      for name in ("defer_state", "accum"):
+        if name in d:
+          raise ValueError(f"{where}: the optimizer state holds a {name} (its plan defers or accumulates): "
+                           f"cutting it would drop those values. Apply them first, then pass the state "
+                           f"without them.")
+      return {**d, "inner": _labelled(_to_nnx(cut(_rebuild(template, d["inner"], where))))}
+    new, count = _walk_mappings(_labelled(tx_state), lambda d: "inner" in d, from_labels)
+    if not count:
+      raise _not_a_state(where, tx_state, "scheduled's optimizer state (no 'inner' entry)")
+    return _as_state(new)
+  return typed(tx_state)
+
+
+def state_specs(state: Any, axis_name: Any) -> Any:
+  """PartitionSpecs for `jax.shard_map` of any state holding the library's per-device parts, in the
+  container it came in (an nnx.Optimizer gives the specs of `nnx.state(optimizer)`); see
+  `prophet_jax._rewrite._states.state_specs` for the rule.
+
+  Raises:
+    TypeError: `axis_name` is not a non-empty string (or tuple of them).
+  """
+  where = "state_specs"
+  _check_axis_name(axis_name, where)
+  if _is_optimizer(state):
+    state = _nnx().state(state)
+  return _states.state_specs(state, axis_name)
+
+
+def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None, average: bool = False) -> Any:
+  """This device's deferred gradient values, as a tree like `params` (zero elsewhere); see
+  `prophet_jax._rewrite._defer.deferred_grads`.
+
+  `state` is any container of a library state (a ScheduledState, DeferState, PipelinedState, a
+  TrainState, an nnx.Optimizer or its nnx.state (give `schedule=` there: nnx drops the record of
+  it), a dict, a chain's tuple) or None; a library state with nothing deferred gives zeros.
+
+  Outside a mapping, on the global state of `mesh=` (each residual `(n, k, c)`) or pmap's stacked
+  states (`(n, 1, k, c)`): the per-device values stacked on a new leading axis `(n, ...)`, or with
+  `average=True` their mean over the devices (what to apply with `tx`).
+
+  Raises:
+    TypeError: `state` neither is nor holds a library state.
+    ValueError: a state that records no schedule (an nnx.state), and none (or another) was given.
+  """
+  where = "deferred_grads"
+  if not isinstance(average, bool):
+    raise TypeError(f"{where}: average={average!r}: expected True or False.")
+  if state is None:
+    return _defer.deferred_grads(None, params)
+  given = state
+  if _is_nnx_state(state):
+    state = _defer_from_labels(_labelled(state), schedule, where)
+  else:
+    state = _unwrap(state.opt_state if _is_optimizer(state) else state)
+    if not _holds_library(state):
+      raise _not_a_state(where, given, "library state (a ScheduledState, DeferState, PipelinedState)")
+  found = _defer.find_states(state)
+  n = _global_n(found)
+  if n is None:
+    return _defer.deferred_grads(state, params, schedule=schedule)
+  per = [_defer.deferred_grads([_device(s, i) for s in found], params, schedule=schedule) for i in range(n)]
+  stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *per)
+  return jax.tree_util.tree_map(lambda x: jnp.mean(x, axis=0).astype(x.dtype), stacked) if average else stacked
+
+
+def _global_n(found: list) -> int | None:
+  """The device count of states laid out outside a mapping (residual (n, k, c) or (n, 1, k, c)), else None."""
+  shapes = {np.shape(r) for s in found for r in s.residual}
+  if not shapes:
+    return None
+  lead = {s[0] for s in shapes}
+  if len(lead) == 1 and (lead != {1} or any(len(s) == 4 for s in shapes)):
+    return int(lead.pop())
+  return None
+
+
+def _device(s: Any, i: int) -> Any:
+  """Device i's DeferState out of a global (residual (n, k, c)) or pmap-stacked state (on the host: a
+  global array split over an Explicit mesh axis cannot be sliced outside a map)."""
+  s = jax.tree_util.tree_map(lambda x: np.asarray(jax.device_get(x)), s)
+  stacked = any(np.ndim(r) == 4 for r in s.residual)
+  pick = (lambda xs: tuple(x[i] for x in xs)) if stacked else (lambda xs: tuple(xs))
+  return DeferState(norms=pick(s.norms), deferred=pick(s.deferred), index=pick(s.index),
+                           residual=tuple(r[i] if stacked else r[i:i + 1] for r in s.residual), tag=s.tag)
+
+
+def _defer_from_labels(labelled: Mapping, schedule: Schedule | None, where: str) -> list:
+  """The DeferStates nnx re-labelled as {'norms', 'deferred', 'index', 'residual'} dicts, rebuilt with
+  the schedule's tag (nnx drops it)."""
+  keys = {"norms", "deferred", "index", "residual"}
+  found: list = []
+
+  def take(d: Mapping) -> Any:
+    seq = lambda m: tuple((m[k].get_value() if _is_variable(m[k]) else m[k]) for k in sorted(m))  # noqa: E731
+    found.append({k: seq(d[k]) for k in keys if isinstance(d.get(k), Mapping)})
+    return d
+
+  _walk_mappings(labelled, lambda d: {"residual", "index"} <= set(d), take)
+  holds = found or _walk_mappings(labelled, lambda d: "inner" in d or "per_device" in d, lambda d: d)[1]
+  if not holds:
+    raise _not_a_state(where, labelled, "library state")
+  if not found:
+    return []
+  if schedule is None or not schedule.defers:
+    raise ValueError(f"{where}: an nnx.state holds {len(found)} deferral state(s), but nnx drops the "
+                     f"record of the schedule they were made for: pass it, deferred_grads(state, params, "
+                     f"schedule=the_schedule), or pass the nnx.Optimizer itself.")
+  tag = _defer._tag(schedule)
+  return [DeferState(norms=f.get("norms", ()), deferred=f.get("deferred", ()), index=f["index"],
+                            residual=f["residual"], tag=tag) for f in found]

@@ -1,0 +1,43 @@
+"""What the library's state types say about themselves where jax, not the library, rejects them.
+
+A compiled step (or a plain optax `tx`) given a state of another schedule fails inside jax before any
+library code runs: jax's pytree message prints the node's type and its metadata. So the metadata of the
+schedule tag (`_states.StateTag`) is a tuple whose repr says what the state is and how to convert
+it, and the class of `hooked`'s gradient shards says which transformation takes them. The values and
+their equality are plain tuples': treedef comparisons (jit's cache) are unchanged.
+"""
+
+from __future__ import annotations
+
+__all__ = ["StateAux", "HintedClass"]
+
+_CONVERT = ("convert it with prophet_jax.unshard_state(state, tx, params, old_schedule) and "
+            "shard_state(..., new_schedule, n) (or start the new plan's state from its init)")
+
+
+class StateAux(tuple):
+  """StateTag's pytree metadata: (key, fingerprint, layout, schedule ref). The layout is a shard
+  state's (`ShardLayout`: n, sizes, mode) or a deferral state's (one entry per group)."""
+
+  __slots__ = ()
+
+  def __repr__(self) -> str:
+    key, fingerprint, layout = self[:3]
+    if hasattr(layout, "sizes"):  # a ShardLayout: an optimizer state (mode set) or gradient shards
+      what = (f"the optimizer state of a sharded (dear, ZeRO-1) plan, {layout.mode}" if layout.mode else
+              "the gradient shards of a sharded (dear) plan")
+      return (f"<{what}: schedule {key}, tree {fingerprint}, cut for {layout.n} devices into "
+              f"{len(layout.sizes)} chunk shards; a step compiled for another schedule or device count "
+              f"cannot take it: {_CONVERT}>")
+    return (f"<the deferral state of a deferring (dlcp) plan: schedule {key}, tree {fingerprint}, "
+            f"{len(layout)} deferral groups; a step compiled for another schedule cannot take it: apply "
+            f"its residual with prophet_jax.deferred_grads(state, params) and start the new plan's state "
+            f"from its init>")
+
+
+class HintedClass(type):
+  """A metaclass whose class repr carries a hint (`__hint__`): jax names the class in its messages."""
+
+  def __repr__(cls) -> str:
+    hint = cls.__dict__.get("__hint__")
+    return f"<class 'prophet_jax.{cls.__name__}': {hint}>" if hint else super().__repr__()
