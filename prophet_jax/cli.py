@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,24 +159,23 @@ def _out_path(path: str) -> Path:
   return out
 
 
-def _non_negative(text: str) -> float:
+def _parsed(text: str, kind: type, ok: Callable[[Any], bool], expected: str) -> Any:
+  """`text` as `kind` where `ok` holds, else argparse's error saying what was `expected`."""
   try:
-    v = float(text)
+    v = kind(text)
   except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-  if not v >= 0 or v == float("inf"):
-    raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    v = None
+  if v is None or not ok(v):
+    raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
   return v
+
+
+def _non_negative(text: str) -> float:
+  return _parsed(text, float, lambda v: 0 <= v < float("inf"), "a finite number of seconds >= 0")
 
 
 def _positive(text: str) -> int:
-  try:
-    v = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-  if v < 1:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-  return v
+  return _parsed(text, int, lambda v: v >= 1, "a positive integer")
 
 
 # -- commands --------------------------------------------------------------------------------------

@@ -52,14 +52,13 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ._audit_checks import (backward_after, backward_outside, entry_problems, is_gpu, peak_in_flight,
+from ._audit_checks import (backward_outside, entry_problems, is_gpu, peak_in_flight, read_program,
                             sequence_problems, window_ops)
 from ._audit_report import AUDIT_SCHEMA, COMPUTE_KINDS, NEXT_FORWARD, AuditEntry, AuditReport, WindowOp
 from ._audit_sharded import audit_sharded
-from ._hlo import execution_order, hlo_text, parse_hlo, users
+from ._hlo import users
 from ._keyed_audit import KeyedUnit, keyed_audit
-from ._hlo_collectives import AsyncWindow, allreduces, async_windows, contiguous_parts, merged_op_names
-from ._hlo_costs import OpCosts
+from ._hlo_collectives import AsyncWindow, allreduces, contiguous_parts, merged_op_names
 from .._values._checks import check_values
 from .._values._schedule import Schedule
 
@@ -98,12 +97,7 @@ def audit(compiled: Any, schedule: Schedule, *, enforce_order: bool = True) -> A
   check_values("audit", schedule=schedule)
   if not enforce_order:
     return keyed_audit(compiled, schedule)
-  text = hlo_text(compiled)
-  module = parse_hlo(text)
-  ops = execution_order(module)
-  after = backward_after(ops)
-  windows = async_windows(module, ops)
-  costs = OpCosts(module)
+  text, module, ops, after, windows, costs = read_program(compiled)
   if schedule.sharded:
     return audit_sharded(text, module, ops, after, windows, costs, schedule)
   # what the step issues: one all-reduce per chunk, a deferral group's slots (padded to its largest

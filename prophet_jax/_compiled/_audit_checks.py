@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._audit_report import NEXT_FORWARD, WindowOp
-from ._hlo import ExecutedOp, HloInstruction
-from ._hlo_collectives import AsyncWindow, is_collective
+from ._hlo import ExecutedOp, HloInstruction, execution_order, hlo_text, parse_hlo
+from ._hlo_collectives import AsyncWindow, async_windows, is_collective
 from ._hlo_costs import OpCosts
 
 _GPU_MARKERS = ('"collective_backend_config"', "__cudnn$", "__cublas", "gemm_fusion", "triton")
@@ -117,3 +117,12 @@ def backward_outside(ops: Sequence[Any], chunks: Sequence[Any], windows: dict, c
   covered = {w.index for win in windows.values() for w in win.inside}
   return sum(1 for op in ops[first + 1:] if op.index not in covered
              and op_kind(op.instruction, coll_names) == "backward" and costs.flops(op.computation, op.instruction) > 0)
+
+
+def read_program(compiled: Any) -> tuple[str, Any, tuple[ExecutedOp, ...], list[int], dict, OpCosts]:
+  """What every audit reads of a compiled step (or its HLO text): (text, module, executed ops, backward
+  ops after each, async windows by start name, op costs)."""
+  text = hlo_text(compiled)
+  module = parse_hlo(text)
+  ops = execution_order(module)
+  return text, module, ops, backward_after(ops), async_windows(module, ops), OpCosts(module)

@@ -30,11 +30,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._audit_checks import backward_after, backward_outside, is_gpu, peak_in_flight, window_ops
+from ._audit_checks import backward_outside, is_gpu, peak_in_flight, read_program, window_ops
 from ._audit_report import AuditEntry, AuditReport
-from ._hlo import HloModule, execution_order, hlo_text, parse_hlo
-from ._hlo_collectives import allreduces, async_windows, sharded_collectives
-from ._hlo_costs import OpCosts
+from ._hlo import HloModule
+from ._hlo_collectives import allreduces, sharded_collectives
 from .._values._schedule import Bucket, Schedule
 
 __all__ = ["KeyedUnit", "units_of", "keyed_audit", "match_units", "provenance", "slice_start"]
@@ -219,12 +218,7 @@ def keyed_audit(compiled: Any, schedule: Schedule, *, units: Sequence[KeyedUnit]
   Returns:
     An `AuditReport` with `order_by='xla'`.
   """
-  text = hlo_text(compiled)
-  module = parse_hlo(text)
-  ops = execution_order(module)
-  after = backward_after(ops)
-  windows = async_windows(module, ops)
-  costs = OpCosts(module)
+  text, module, ops, after, windows, costs = read_program(compiled)
   ars = allreduces(module, ops)
   shc = sharded_collectives(module, ops) if schedule.sharded else ()
   coll_names = {a.op.instruction.name for a in ars} | {c.op.instruction.name for c in shc}

@@ -32,7 +32,7 @@ from typing import Any
 from ._errors import ProfileError
 
 __all__ = ["spec_of", "mesh_of", "leaf_placement", "check_mesh", "check_placement", "placement_fingerprint",
-           "shard_count", "replica_count"]
+           "shard_count", "replica_count", "Placed"]
 
 Mesh = tuple[tuple[str, int], ...]
 
@@ -169,6 +169,24 @@ def shard_count(mesh: Mesh, shard_axes: Sequence[str]) -> int:
   """How many devices a sharded leaf is split over: the product of the shard axes' sizes."""
   sizes = dict(mesh)
   return math.prod(sizes[a] for a in shard_axes) if shard_axes else 1
+
+
+class Placed:
+  """What a value placed on a mesh (`mesh`, `shard_axes`) says of it: `shard_count` and `replica_count`
+  (`GradientProfile`, `FsdpPlan`)."""
+
+  __slots__ = ()
+
+  @property
+  def shard_count(self) -> int:
+    """Devices a sharded leaf is split over (the product of `shard_axes`' sizes; 1 without placement)."""
+    return shard_count(self.mesh, self.shard_axes)  # type: ignore[attr-defined]
+
+  @property
+  def replica_count(self) -> int:
+    """Copies of each shard on the mesh (the product of the other axes' sizes; > 1 is HSDP; 1 without
+    placement)."""
+    return replica_count(self.mesh, self.shard_axes)  # type: ignore[attr-defined]
 
 
 def replica_count(mesh: Mesh, shard_axes: Sequence[str]) -> int:

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._errors import ScheduleError
-from ._placement import check_mesh, placement_fingerprint, replica_count, shard_count
+from ._placement import Placed, check_mesh, placement_fingerprint
 from ._types import is_bool, is_int
 
 __all__ = ["FsdpPlan", "check_fsdp", "fsdp_fingerprint"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class FsdpPlan:
+class FsdpPlan(Placed):
   """The FSDP part of a Schedule (the `fsdp` policy): which chunks are FSDP buckets, in what order forward
   gathers them, how far ahead, and what backward gathers again.
 
@@ -105,15 +105,6 @@ class FsdpPlan:
     if b is not None and (not is_int(b) or b < 0):
       raise ScheduleError(f"FsdpPlan has memory_budget_bytes={b!r}; expected an integer >= 0 or null.")
 
-  @property
-  def shard_count(self) -> int:
-    """Devices each sharded leaf is split over (the shard axes' product)."""
-    return shard_count(self.mesh, self.shard_axes)
-
-  @property
-  def replica_count(self) -> int:
-    """Copies of each shard (the other axes' product; > 1 is HSDP)."""
-    return replica_count(self.mesh, self.shard_axes)
 
   def to_dict(self) -> dict[str, Any]:
     return {"units": list(self.units), "keep": list(self.keep), "prefetch": self.prefetch,

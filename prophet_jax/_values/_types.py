@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import ProfileError
-from ._placement import (check_mesh, check_placement, leaf_placement, mesh_of, placement_fingerprint,
-                         replica_count, shard_count)
+from ._placement import (Placed, check_mesh, check_placement, leaf_placement, mesh_of, placement_fingerprint)
 from ._tree import (IdentityMemo, check_layer_depth, dtype_name, flatten_with_layer_paths, is_float_dtype,
                     is_reduced_leaf, layer_of, rows_info, shardings_by_path)
 
@@ -250,7 +249,7 @@ class ProfileRow:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class GradientProfile(JsonValue):
+class GradientProfile(JsonValue, Placed):
   """Per-leaf gradient readiness of one training step, rows in priority (forward) order.
 
   Row 0 is the leaf the next forward pass needs first. Integer and float0 leaves are not rows.
@@ -331,15 +330,6 @@ class GradientProfile(JsonValue):
     """True when some row is sharded over the data axis (`ProfileRow.shard_dim`): an FSDP profile."""
     return any(r.shard_dim is not None for r in self.rows)
 
-  @property
-  def shard_count(self) -> int:
-    """Devices a sharded row is split over (the product of `shard_axes`' sizes; 1 without placement)."""
-    return shard_count(self.mesh, self.shard_axes)
-
-  @property
-  def replica_count(self) -> int:
-    """Copies of each shard on the mesh (the product of the other axes' sizes; 1 without placement)."""
-    return replica_count(self.mesh, self.shard_axes)
 
   @property
   def compute_s(self) -> float:
