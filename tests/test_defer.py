@@ -360,8 +360,8 @@ def test_two_processes_defer_the_same_chunks():
   from pathlib import Path
 
   root = str(Path(__file__).resolve().parents[1])
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-             PROPHET_INIT_TIMEOUT_S="60")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0",
+             JAX_PLATFORMS="cpu", PROPHET_INIT_TIMEOUT_S="60")
   r = subprocess.run([sys.executable, "-m", "prophet_jax.launch", "--nproc", "2", "--devices-per-process", "2", "--", sys.executable, "-c",
                       _TWO_PROCESSES.format(root=root)], env=env, capture_output=True, text=True, timeout=240)
   assert r.returncode == 0, r.stdout + r.stderr

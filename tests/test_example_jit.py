@@ -25,8 +25,8 @@ pytestmark = pytest.mark.multiprocess
 
 def _env():
   env = dict(os.environ)
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-             PROPHET_INIT_TIMEOUT_S="60")
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+             JAX_PLATFORMS="cpu", PROPHET_INIT_TIMEOUT_S="60")
   return env
 
 

@@ -306,8 +306,8 @@ def test_two_processes_with_a_multi_chunk_schedule_match_the_single_device_full_
 
   steps, out = 3, tmp_path / "two.npz"
   example = str(Path(__file__).resolve().parents[1] / "examples" / "train_flax.py")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-             PROPHET_INIT_TIMEOUT_S="60")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+             JAX_PLATFORMS="cpu", PROPHET_INIT_TIMEOUT_S="60")
   r = subprocess.run([PY, "-m", "prophet_jax.launch", "--nproc", "2", "--", PY, example, "--model", "mlp",
                       "--steps", str(steps), "--policy", "wfbp", "--out", str(out)], env=env,
                      capture_output=True, text=True, timeout=240)
