@@ -32,10 +32,10 @@ _EXPORTS: dict[str, str] = {
     # plots (pure; matplotlib is imported when one is drawn)
     "plot_timelines": "_planning._timeline",
     # the rewrite and measurement (jax)
-    "allreduce": "_rewrite._collectives", "scheduled": "_rewrite._transform", "hooked": "_rewrite._transform",
-    "defer_state": "_rewrite._defer", "DeferState": "_rewrite._defer", "state_specs": "_rewrite._zero", "deferred_grads": "_rewrite._defer",
-    "ShardedState": "_rewrite._zero", "GradShards": "_rewrite._zero", "unshard_state": "_rewrite._zero", "shard_state": "_rewrite._zero",
-    "loop_hook": "_rewrite._transform", "check_composition": "_rewrite._transform",
+    "allreduce": "_rewrite._reduction", "scheduled": "_rewrite._transform", "hooked": "_rewrite._hooked",
+    "defer_state": "_rewrite._defer", "DeferState": "_rewrite._states", "state_specs": "_rewrite._states", "deferred_grads": "_rewrite._defer",
+    "ShardedState": "_rewrite._states", "GradShards": "_rewrite._states", "unshard_state": "_rewrite._convert", "shard_state": "_rewrite._convert",
+    "loop_hook": "_rewrite._hooked", "check_composition": "_rewrite._compose",
     "pipelined": "_rewrite._pipelined", "audit": "_compiled._audit", "AuditReport": "_compiled._audit",
     "profile_step": "_measure._profile", "profile_from_trace": "_measure._profile", "measure_network": "_measure._probe",
     "probe": "_measure._probe", "AllreduceTimings": "_measure._probe", "Monitor": "_multiprocess._monitor",
@@ -68,8 +68,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._compiled._audit import AuditReport, audit
   from ._planning._bound import lower_bound
-  from ._rewrite._collectives import allreduce
-  from ._rewrite._defer import DeferState, defer_state, deferred_grads
+  from ._rewrite._reduction import allreduce
+  from ._rewrite._defer import defer_state, deferred_grads
   from ._values._errors import (AlreadyReducedError, CompositionError, DeferralWarning, GlooBindError, GpuCompileError,
                         JaxVersionError, LaunchError, NetworkError, ProfileError, ProphetError,
                         ScheduleError, ScheduleMismatchError, ShardingError, TraceUnavailableError,
@@ -86,9 +86,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._planning._simulate import simulate
   from ._steps import compile_step, lower_step
   from ._planning._timeline import plot_timelines
-  from ._rewrite._transform import check_composition, hooked, loop_hook, scheduled
+  from ._rewrite._compose import check_composition
+  from ._rewrite._hooked import hooked, loop_hook
+  from ._rewrite._transform import scheduled
   from ._values._schedule import Bucket, Chunk, Schedule
   from ._planning._simulate import Event, SimResult
   from ._values._types import GradientProfile, ProfileRow
-  from ._rewrite._zero import GradShards, ShardedState, shard_state, state_specs, unshard_state
+  from ._rewrite._convert import shard_state, unshard_state
+  from ._rewrite._states import DeferState, GradShards, ShardedState, state_specs
   from ._values._network import NetworkModel, Pressure

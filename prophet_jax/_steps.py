@@ -22,8 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from ._compiled._gpu import GpuTopology
 from ._rewrite._pipelined import pipelined
-from ._rewrite._transform import hooked, scheduled
-from ._rewrite._zero import state_specs
+from ._rewrite._hooked import hooked
+from ._rewrite._transform import scheduled
+from ._rewrite._states import state_specs
 
 __all__ = ["STEP_MODES", "lower_step", "compile_step"]
 

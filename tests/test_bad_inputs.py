@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 import prophet_jax as pj
 from prophet_jax import (GradientProfile, NetworkError, NetworkModel, ProfileError, Schedule, ScheduleError,
                          ScheduleMismatchError)
-from prophet_jax._rewrite._defer import DeferState, DeferTag
+from prophet_jax._rewrite._states import DeferState, StateTag
 from prophet_jax._values._network import Pressure
 from prophet_jax._values._tree import layer_of
 from prophet_jax.cli import main
@@ -175,9 +175,9 @@ def _carry_to_lossless():
 
 def _bare_state_to_lossless():
   st = pj.defer_state(_deferring_tree_schedule())
-  from prophet_jax._rewrite import _defer
+  from prophet_jax._rewrite import _states
 
-  bare = st._replace(tag=_defer.DeferTag(st.tag.key, st.tag.fingerprint, st.tag.layout))
+  bare = st._replace(tag=_states.StateTag(st.tag.key, st.tag.fingerprint, st.tag.layout))
   rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *x.shape)), bare)
   g = jax.tree.map(lambda x: jnp.ones((NDEV, *x.shape)), TREE)
   return jax.eval_shape(jax.pmap(lambda g, s: pj.allreduce(g, TSCHED, AX, defer_state=s), axis_name=AX), g, rep)
@@ -402,7 +402,7 @@ CASES: list[tuple[str, Callable[[], Any], Expect]] = [
     ("N76 scheduled(axis_name='')", lambda: pj.scheduled(optax.sgd(0.1), TSCHED, axis_name=""),
      raises(TypeError, "axis_name")),
     ("N77 deferred_grads of a state with no schedule", lambda: pj.deferred_grads(
-        DeferState(*pj.defer_state(_deferring_tree_schedule())[:4], tag=DeferTag("k", "f", ())), TREE),
+        DeferState(*pj.defer_state(_deferring_tree_schedule())[:4], tag=StateTag("k", "f", ())), TREE),
      raises(ValueError, "schedule=the_old_schedule")),
     ("N78 deferred_grads of a lossless state", lambda: pj.deferred_grads(None, TREE),
      ok(lambda t: not any(np.asarray(x).any() for x in jax.tree.leaves(t)))),

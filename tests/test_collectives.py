@@ -109,12 +109,12 @@ def test_a_lossless_schedule_never_calls_deferral_code(monkeypatch):
   calling into `_defer` (its state, its checks): the lossless walk to the psum has no deferral stop."""
   import optax
 
-  from prophet_jax._rewrite import _collectives, _transform
+  from prophet_jax._rewrite import _collectives, _hooked, _reduction, _transform
 
   def boom(*args, **kwargs):
     raise AssertionError("a lossless schedule called deferral code")
 
-  for mod in (_collectives, _transform):
+  for mod in (_collectives, _reduction, _transform, _hooked):
     for name in ("check_state", "group_states", "with_groups", "defer_init"):
       if hasattr(mod, name):
         monkeypatch.setattr(mod, name, boom)

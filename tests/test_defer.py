@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
-from prophet_jax._rewrite import _defer
+from prophet_jax._rewrite import _defer, _states
 from prophet_jax._compiled import _gpu
 from prophet_jax._compiled._hlo import hlo_text, parse_hlo
 from prophet_jax._compiled._hlo_collectives import collectives
@@ -137,7 +137,7 @@ def test_shard_map_equals_oracle_state_specs_and_one_compile():
   grads = _grads(1)
   mesh = jax.make_mesh((NDEV,), (AX,))
   st0 = _defer.init(s)
-  specs = _defer.state_specs(st0, AX)
+  specs = _states.state_specs(st0, AX)
 
   def body(g, st):
     g = jax.tree.map(lambda x: x[0], g)
@@ -235,7 +235,7 @@ def test_state_from_another_schedule_or_shape_raises():
   _, new = _pmap_step(s)(g, bcast(_defer.init(other)))
   assert new.tag == _defer.init(s).tag
   o = _defer.init(other)
-  bare = o._replace(tag=_defer.DeferTag(o.tag.key, o.tag.fingerprint, o.tag.layout))
+  bare = o._replace(tag=_states.StateTag(o.tag.key, o.tag.fingerprint, o.tag.layout))
   fresh = jax.pmap(lambda g, st: pj.allreduce(g, s, AX, defer_state=st), axis_name=AX)
   with pytest.raises(pj.ScheduleMismatchError, match=r"another schedule.*same tree but with other deferral"
                                                       r".*deferred_grads"):
@@ -322,12 +322,12 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, {root!r})
 import prophet_jax as pj
-from prophet_jax._rewrite import _defer
+from prophet_jax._rewrite import _defer, _states
 from prophet_jax._compiled import _gpu
 from tests.test_defer import _schedule, TREE
 s = _schedule()
 mesh = jax.make_mesh((jax.device_count(),), ("d",))
-specs = _defer.state_specs(_defer.init(s), "d")
+specs = _states.state_specs(_defer.init(s), "d")
 def body(g, st):
   out, st = pj.allreduce(jax.tree.map(lambda x: x[0], g), s, "d", defer_state=st)
   return jax.tree.map(lambda x: x[None], out), st

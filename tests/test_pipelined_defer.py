@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from _assert import assert_trees_close
 import prophet_jax as pj
 from prophet_jax import DeferState, ScheduleMismatchError
-from prophet_jax._rewrite import _collectives, _defer
+from prophet_jax._rewrite import _collectives, _defer, _states
 from prophet_jax._rewrite._pipelined import pipelined
 from prophet_jax.models import get_model
 
@@ -292,20 +292,20 @@ def test_a_deferral_state_from_another_schedule_is_carried_or_named():
   naming the state's schedule and how to keep its residual."""
   model, params, bs = setup()
   s1, s2 = schedule(0.25), schedule(0.25, spread=2)
-  assert _defer._schedule_key(s1) != _defer._schedule_key(s2)
+  assert _states.schedule_key(s1) != _states.schedule_key(s2)
   p1 = pipelined(model.loss_fn, tx(), s1, axis_name=AXIS)
   p2 = pipelined(model.loss_fn, tx(), s2, axis_name=AXIS)
   batch = shard(bs[0])
   step1, step2 = jax.pmap(p1.step, axis_name=AXIS), jax.pmap(p2.step, axis_name=AXIS)
   st = replicate(p1.init(params))
-  key1 = _defer._schedule_key(s1)
+  key1 = _states.schedule_key(s1)
   after, _ = jax.eval_shape(step2, st, batch)           # carried: rides until the next backward
   assert after.defer.tag == st.defer.tag
   pending, _ = jax.eval_shape(step1, st, batch)
   wrong = pending._replace(defer=replicate(p2.init(params)).defer)
   after, _ = jax.eval_shape(step1, wrong, batch)         # s2's residual joins s1's backward
   assert after.defer.tag == st.defer.tag
-  bare = st.defer._replace(tag=_defer.DeferTag(st.defer.tag.key, st.defer.tag.fingerprint,
+  bare = st.defer._replace(tag=_states.StateTag(st.defer.tag.key, st.defer.tag.fingerprint,
                                                st.defer.tag.layout))
   with pytest.raises(ScheduleMismatchError, match=f"pipelined.step: the deferral state belongs to "
                                                   f"another schedule .*{key1}.*deferred_grads"):

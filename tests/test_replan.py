@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
-from prophet_jax._rewrite import _defer
+from prophet_jax._rewrite import _defer, _states
 
 AX = "data"
 NDEV = 8
@@ -274,7 +274,7 @@ def test_what_cannot_be_carried_raises_saying_how():
     _allreduce_step(B_LOSSLESS)(g, _init(other))
   # a state that does not record its schedule: the how-to
   st = _defer.init(A)
-  bare = st._replace(tag=_defer.DeferTag(st.tag.key, st.tag.fingerprint, st.tag.layout))
+  bare = st._replace(tag=_states.StateTag(st.tag.key, st.tag.fingerprint, st.tag.layout))
   rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *x.shape)), bare)
   fresh = jax.pmap(lambda g, st: pj.allreduce(g, B_LOSSLESS, AX, defer_state=st), axis_name=AX)
   with pytest.raises(TypeError, match=r"cannot be carried over.*deferred_grads\(state, params\)"):

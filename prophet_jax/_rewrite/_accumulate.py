@@ -14,37 +14,23 @@ inside it, or around it, all-reduces on every micro-step.) The step itself is th
   32 bits (a bfloat16 sum of k values would lose the low bits), else in the row's dtype. The leading
   axis of 1 makes it each device's own under `shard_map` (`P(axis_name)`, as `state_specs` gives it)
   and on the mesh (`(n, *shape)` split over the data axis), as DLCP's deferral residuals are.
-- `init` (the state before the first micro-step), `check_state` (the state against a schedule), and
-  `is_grads_path` (the rule `state_specs` applies to states whose containers re-labelled the fields).
+- `init` (the state before the first micro-step) and `check_state` (the state against a schedule); the
+  type and its specs are the state layer's (`_states`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._states import AccumState
 from .._values._errors import ScheduleMismatchError
 from .._values._schedule import Schedule
 from .._values._types import itemsize
 
-__all__ = ["AccumState", "accum_dtype", "init", "check_state", "is_grads_path"]
-
-
-class AccumState(NamedTuple):
-  """The gradient accumulator of `scheduled(..., every_k=k)`.
-
-  Attributes:
-    count: int32[]: micro-steps accumulated since the last all-reduce (replicated; 0 after the k-th).
-    grads: per schedule row (its order), `(1, *row shape)`: this device's sum of the micro-step
-      gradients since the last all-reduce (float32 for rows narrower than 32 bits).
-  """
-
-  count: jax.Array
-  grads: tuple[jax.Array, ...]
+__all__ = ["AccumState", "accum_dtype", "init", "check_state"]
 
 
 def accum_dtype(dtype: Any) -> str:
@@ -82,11 +68,3 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
           f"on a leading axis of 1). Under shard_map pass the optimizer state with "
           f"prophet_jax.state_specs(state, axis_name) (the sums P(axis_name), the rest P()) and make it "
           f"inside the map; under pmap replicate it over the devices.")
-
-
-def is_grads_path(names: Sequence[Any]) -> bool:
-  """Whether a leaf at a path of entry names is an accumulator sum: under an `accum` entry, then a
-  `grads` entry (`ScheduledState.accum.grads`, where a container such as `flax.nnx` turned the
-  NamedTuples into dicts)."""
-  names = list(names)
-  return "accum" in names and "grads" in names[names.index("accum"):]

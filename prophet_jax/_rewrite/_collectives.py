@@ -31,18 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._accumulate import check_state as check_accum
-from .._values._checks import check_bool, match_tree
-from ._defer import (DeferState, GroupState, add_residual, belongs, check_state, group_states, schedule_of,
-                     with_groups)
-from ._defer import init as defer_init
-from .._values._errors import AlreadyReducedError, ScheduleMismatchError, UnboundAxisError
+from ._defer import GroupState
+from .._values._errors import AlreadyReducedError, UnboundAxisError
 from .._values._schedule import Bucket, Schedule, shard_size
 from .._values._tree import is_reduced_leaf
 
-__all__ = ["allreduce", "tie", "reduce_tied", "chunk_scope", "axis_size", "check_not_reduced", "vma_enabled",
-           "is_varying", "to_varying", "check_residual_varying", "rank", "reduce_units", "schedule_units",
-           "unit_allreduces", "schedule_chains", "scheduled_allreduce", "accumulated_allreduce", "EngineHooks",
+__all__ = ["tie", "reduce_tied", "chunk_scope", "axis_size", "check_not_reduced", "vma_enabled", "is_varying",
+           "to_varying", "rank", "reduce_units", "schedule_units", "unit_allreduces", "schedule_chains", "EngineHooks",
            "engine_hooks", "rs_scope", "ag_scope", "reduce_scatter_chunks", "all_gather_chunks", "scatter_chunks",
            "local_shards", "shards_square_sum", "sharded_allreduce"]
 
@@ -146,24 +141,6 @@ def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: 
           f"Mark the params varying before jax.grad: params = jax.lax.pcast(params, {axis_name!r}, "
           f"to='varying'), or use prophet_jax.hooked, which does it for you (or shard_map(..., "
           f"check_vma=False)).")
-
-
-def check_residual_varying(state: Any, axis_name: Any, where: str) -> None:
-  """ValueError when, under shard_map with check_vma, a DeferState's residual arrives replicated (`P()`).
-
-  Each device's residual holds its own deferred values; passed with `P()`, every device starts from
-  one copy and the step's new residuals (which vary over the axis) cannot leave through `P()` either:
-  the deferred values of all devices but one would be lost. Only checkable where jax marks values
-  varying (shard_map's default check_vma); under pmap every state is per device anyway.
-  """
-  for gi, r in enumerate(state.residual):
-    if not is_varying(r, axis_name):
-      raise ValueError(
-          f"{where}: the deferral state's residual of group {gi} (shape {tuple(np.shape(r))} per "
-          f"device) is replicated over axis {axis_name!r} (passed with PartitionSpec P()), but each "
-          f"device's residual is its own: pass the state with prophet_jax.state_specs(state, "
-          f"{axis_name!r}) as in_specs and out_specs (P({axis_name!r}) for residuals, P() for the "
-          f"rest), and make the initial state inside the shard_map with those out_specs.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -569,195 +546,3 @@ def sharded_allreduce(flat: Sequence[jax.Array], schedule: Schedule, row_leaf: S
   shards, last = reduce_scatter_chunks(flat, chunks, row_leaf, axis_name, n=n, divisor=divisor)
   bufs, _ = all_gather_chunks(shards, chunks, schedule.gathers, axis_name, n=n, prev=last)
   return scatter_chunks(flat, chunks, row_leaf, bufs)
-
-
-def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
-              defer_state: Any = None) -> Any:
-  """All-reduces `grads` over `axis_name` chunk by chunk, in the schedule's order.
-
-  Call it inside `jax.pmap(..., axis_name=...)` or `jax.shard_map` (under `jit`). Rows of the schedule
-  are matched to leaves by their canonical path ('params/Dense_0/kernel'). For each chunk, in issue
-  order: its element slices are gathered into one flat buffer, reduced by one `psum` labelled
-  `jax.named_scope("prophet/chunk<k>")`, and scattered back. Each chunk's buffer is tied to the previous
-  chunk's result (an exact, NaN-proof zero), so the compiled program keeps one all-reduce per chunk, in
-  schedule order, even in a plain `jax.pmap` with default XLA flags on the CPU. With
-  `schedule.links` (planned for `links > 1`), each link is its own tie chain, so up to that many
-  all-reduces may be in flight (not on the CPU, whose collectives are synchronous: ValueError).
-
-  A sharded schedule (`dear`, `schedule.gathers`) is carried out as reduce-scatters then all-gathers:
-  each chunk's buffer (zero-padded to a multiple of the axis size) is reduce-scattered under
-  `prophet/rs<k>`, in chunk order, then each gather's shards are all-gathered under `prophet/ag<g>`,
-  in gather order, all in one tie chain; the result is the replicated mean, as above. (Inside a
-  training step, `scheduled(tx, schedule)` updates each device's shard between the two halves
-  instead: ZeRO-1.)
-
-  A schedule with deferral groups (`dlcp` with `max_defer > 0`) needs their state: pass
-  `defer_state` (from `prophet_jax.defer_state(schedule)`, then the one returned) and get
-  `(reduced, new_defer_state)`; a deferred chunk's elements are zero in `reduced` and kept in the
-  state's residual, to be added to the same elements at the next call (`Bucket` has the semantics).
-  After a re-plan, pass the old schedule's state to the new one: its residual is added to these
-  gradients (nothing deferred is lost) and the new schedule starts from its initial state (None for
-  a lossless one: then `(reduced, None)` is returned).
-
-  Integer leaves and float0 gradients pass through unreduced; zero-size leaves pass through unchanged.
-
-  Under `shard_map` with `check_vma=True` (the default) the gradients of replicated params are already
-  summed by `jax.grad`; this is detected and raises AlreadyReducedError. Under `pmap` (and
-  `check_vma=False`) it cannot be detected: there, make sure the gradients are per-device.
-
-  Args:
-    grads: a pytree of per-device gradients, the tree the schedule was planned for.
-    schedule: a Schedule (from `prophet_jax.plan`).
-    axis_name: the data-parallel axis (a name bound by pmap or shard_map).
-    mean: divide the sums by the axis size (a `pmean`); False gives the `psum`.
-    defer_state: the DeferState of a schedule that defers (None otherwise).
-
-  Returns:
-    The reduced tree, same structure, shapes and dtypes; `(tree, new_defer_state)` when the schedule
-    defers.
-
-  Raises:
-    UnboundAxisError: `axis_name` is not bound here.
-    ScheduleMismatchError: the schedule was planned for another tree (the path, shape or dtype at fault
-      is named), or `defer_state` belongs to another schedule.
-    AlreadyReducedError: under shard_map with check_vma, the gradients are already summed.
-    ValueError: the tree is empty; more links than the platform runs at once.
-    TypeError: a deferring schedule without `defer_state`, or a `defer_state` for one that does not
-      defer.
-
-  Example:
-    >>> step = jax.pmap(lambda g: prophet_jax.allreduce(g, schedule, "data"), axis_name="data")
-  """
-  reduced, new = scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce",
-                                     defer_state=defer_state)
-  return (reduced, new) if schedule.defers or defer_state is not None else reduced
-
-
-def carries(state: Any, schedule: Schedule) -> bool:
-  """Whether `state` is a DeferState of another schedule than `schedule` (a re-plan's): one whose
-  residual the step carries over (`carry_over`) instead of using it as its own."""
-  return isinstance(state, DeferState) and not belongs(state, schedule)
-
-
-def carry_over(grads: Any, state: DeferState, schedule: Schedule, axis_name: Any, where: str
-               ) -> tuple[Any, Any]:
-  """A re-plan without a lost byte: (`grads` with `state`'s residual added at the elements it was
-  deferred from, `schedule`'s initial deferral state or None).
-
-  `state` was made by another schedule of the same tree (it records which, `_defer.schedule_of`): its
-  residual holds this device's deferred values, which that schedule would have added to the next
-  gradients; they are added to these, which `schedule` then reduces from its own initial state (the
-  first step of a new plan). Under shard_map with check_vma the new residuals are marked varying,
-  as every device's own.
-
-  Raises:
-    ScheduleMismatchError: the state's schedule was planned for another tree (the residual's elements
-      are not these gradients'), or the state does not record its schedule; both say how to keep it.
-  """
-  old = schedule_of(state)
-  if old is None:
-    check_state(state, schedule, where)   # raises, saying how to carry a residual
-  try:
-    grads = add_residual(grads, old, state, where)
-  except ScheduleMismatchError as e:
-    raise ScheduleMismatchError(
-        f"{where}: the deferral state was made by a schedule for another tree (a {old.policy} plan of "
-        f"{len(old.rows)} leaves), so its residual, gradient values deferred and not yet applied, "
-        f"cannot be added to these gradients ({e}). Apply it with the old model before changing it: "
-        f"g = jax.lax.pmean(prophet_jax.deferred_grads(state, old_params), axis), then tx.update(g, "
-        f"...), and start the new plan from its init.") from None
-  new = defer_init(schedule)
-  if new is not None and vma_enabled(axis_name):
-    new = new._replace(residual=tuple(to_varying(r, axis_name) for r in new.residual))
-  return grads, new
-
-
-def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
-                        where: str = "allreduce", defer_state: Any = None) -> tuple[Any, Any]:
-  """`allreduce` as (reduced tree, new DeferState or None), with `where` naming the public caller.
-
-  A schedule that defers nothing, given no state, never calls into `_defer`. A DeferState of another
-  schedule of the same tree (a re-plan) is carried over (`carry_over`): its residual is added to
-  `grads`, and `schedule` starts from its initial state."""
-  check_bool(where, "mean", mean)
-  n = axis_size(axis_name, where)
-  if defer_state is not None and carries(defer_state, schedule):
-    grads, defer_state = carry_over(grads, defer_state, schedule, axis_name, where)
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(grads)
-  lmap = match_tree(leaves_with_path, schedule, where=where)
-  deferring = schedule.defers or defer_state is not None
-  if deferring:
-    check_state(defer_state, schedule, where)
-  chains = schedule_chains(schedule, where)
-  flat = [leaf for _, leaf in leaves_with_path]
-  check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
-  if schedule.sharded:  # reduce-scatters, then all-gathers: replicated, as an all-reduce's result
-    flat = sharded_allreduce(flat, schedule, lmap.row_leaf, axis_name, n=n, divisor=n if mean else None)
-    return jax.tree_util.tree_unflatten(treedef, flat), None
-  if defer_state is not None and vma_enabled(axis_name):
-    check_residual_varying(defer_state, axis_name, where)
-  flat, _, groups = reduce_units(flat, schedule_units(schedule), lmap.row_leaf, axis_name,
-                                 divisor=n if mean else None,
-                                 defer=group_states(defer_state) if deferring else (),
-                                 prev=None if chains is None else (None,) * (max(chains) + 1),
-                                 chains=chains)
-  new = with_groups(defer_state, groups) if schedule.defers else None
-  return jax.tree_util.tree_unflatten(treedef, flat), new
-
-
-def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, every_k: int, accum: Any,
-                          mean: bool = True, where: str = "scheduled", defer_state: Any = None
-                          ) -> tuple[Any, Any, Any, jax.Array]:
-  """`scheduled_allreduce` once per `every_k` calls: gradient accumulation (`scheduled(..., every_k=k)`).
-
-  Adds this device's `grads` to `accum`'s sums (an `_accumulate.AccumState`); on the k-th call since
-  the last all-reduce it reduces the mean of the k micro-steps' gradients on the schedule (every
-  chunk, deferral included) and resets the sums, and on the other calls it issues nothing: the
-  all-reduces sit in the true branch of one `lax.cond` on the replicated count, so the compiled
-  program runs them only when that branch is taken. The reduced gradients are zero on the other calls.
-
-  Returns:
-    (the reduced tree on the k-th call, zeros otherwise; the new DeferState or None, changed on the
-    k-th call only; the new AccumState; `emit`, a replicated bool: whether this call reduced).
-  """
-  check_bool(where, "mean", mean)
-  axis_size(axis_name, where)
-  check_accum(accum, schedule, where)
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(grads)
-  lmap = match_tree(leaves_with_path, schedule, where=where)
-  flat = [leaf for _, leaf in leaves_with_path]
-  check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
-  if schedule.defers:
-    check_state(defer_state, schedule, where)
-  if vma_enabled(axis_name):
-    for (path, _, _), a in zip(schedule.rows, accum.grads):
-      if not is_varying(a, axis_name):
-        raise ValueError(
-            f"{where}: the gradient accumulator's sum for {path!r} (shape {tuple(np.shape(a))} per device) "
-            f"is replicated over axis {axis_name!r} (passed with PartitionSpec P()), but each device "
-            f"sums its own gradients: pass the optimizer state with prophet_jax.state_specs(state, "
-            f"{axis_name!r}) as in_specs and out_specs (P({axis_name!r}) for the sums, P() for the rest), "
-            f"and make the initial state inside the shard_map with those out_specs.")
-  rows = tuple(a[0] + flat[i].astype(a.dtype) for a, i in zip(accum.grads, lmap.row_leaf))
-  count = accum.count + 1
-  emit = count >= every_k
-
-  def fire(rows, defer):
-    mine = list(flat)
-    for i, r in zip(lmap.row_leaf, rows):
-      mine[i] = (r / every_k).astype(flat[i].dtype)
-    red, new = scheduled_allreduce(jax.tree_util.tree_unflatten(treedef, mine), schedule, axis_name,
-                                   mean=mean, where=where, defer_state=defer)
-    red = jax.tree_util.tree_leaves(red)
-    return tuple(red[i] for i in lmap.row_leaf), new, tuple(jnp.zeros_like(r) for r in rows)
-
-  def wait(rows, defer):
-    return tuple(jnp.zeros(np.shape(flat[i]), flat[i].dtype) for i in lmap.row_leaf), defer, rows
-
-  reduced, new_defer, rows = jax.lax.cond(emit, fire, wait, rows, defer_state)
-  out = list(flat)
-  for i, r in zip(lmap.row_leaf, reduced):
-    out[i] = r
-  new_accum = type(accum)(count=jnp.where(emit, 0, count).astype(jnp.int32),
-                          grads=tuple(r[None] for r in rows))
-  return jax.tree_util.tree_unflatten(treedef, out), new_defer, new_accum, emit

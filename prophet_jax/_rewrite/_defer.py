@@ -13,11 +13,11 @@ call to the next, and the checks that a state belongs to the schedule it is used
   under shard_map it is split over the axis, `P(axis)`, as pipelined's residuals are; under pmap the
   device axis comes in front); under damped feedback (`Bucket.release` < 1) `index` int32[m] and
   `residual` dtype[1, m, c], a row per chunk (what each has not sent yet; float32 for a narrower
-  float). Its `tag` holds no arrays: its pytree structure carries the
-  schedule's key (a hash of the tree fingerprint and the deferral groups' chunks) and the groups'
-  layout, so a state from another schedule or tree is caught at trace time, naming both.
-- `init` / `defer_state` (the state before the first step), `state_specs` (PartitionSpecs for
-  shard_map), `check_state` (the state against a schedule), `group_states` / `with_groups` (the
+  float). The type, its tag (`StateTag`: the schedule's one key and the groups' layout, so a state from
+  another schedule or tree is caught at trace time, naming both) and its specs are the state layer's
+  (`_states`).
+- `init` / `defer_state` (the state before the first step), `check_state` (the state against a
+  schedule), `group_states` / `with_groups` (the
   engine's per-group view), and across a re-plan `same_groups`, `lossless` and `add_residual`.
 
 A schedule that defers nothing has no state (None), and the rewrite never calls into this module for
@@ -27,7 +27,6 @@ it: its compiled program is the lossless engine's.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -35,15 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._accumulate import AccumState, is_grads_path
+from ._states import DeferState, StateTag
 from .._values._checks import match_tree
 from .._values._errors import ScheduleMismatchError
 from .._values._schedule import Chunk, Schedule
 from .._values._tree import IdentityMemo
 from .._values._types import itemsize
 
-__all__ = ["DeferGroup", "DeferState", "DeferTag", "GroupState", "defer_groups", "init", "defer_state",
-           "check_state", "group_states", "with_groups", "state_specs", "same_groups", "lossless",
+__all__ = ["DeferGroup", "DeferState", "GroupState", "defer_groups", "init", "defer_state",
+           "check_state", "group_states", "with_groups", "same_groups", "lossless",
            "add_residual", "schedule_of", "belongs", "carries_over", "find_states", "deferred_grads"]
 
 
@@ -107,16 +106,6 @@ def defer_groups(schedule: Schedule) -> tuple[DeferGroup, ...]:
   return tuple(out)
 
 
-@IdentityMemo(64)
-def _schedule_key(schedule: Schedule) -> str:
-  """A short hash of the tree fingerprint and the deferral groups' chunks (what a residual means)."""
-  h = hashlib.sha256(schedule.tree_fingerprint.encode())
-  for g in defer_groups(schedule):
-    h.update(repr((g.bucket, g.defer, tuple(c.slices for c in g.chunks))
-                  + ((g.release,) if g.release != 1 else ())).encode())
-  return h.hexdigest()[:16]
-
-
 def _layout(schedule: Schedule) -> tuple[tuple[int, int, int, str], ...]:
   """(m, residual rows, c, dtype) per group: k rows, or m under damped feedback."""
   return tuple((g.m, g.rows, g.size, g.residual_dtype) for g in defer_groups(schedule))
@@ -126,90 +115,8 @@ def _layout(schedule: Schedule) -> tuple[tuple[int, int, int, str], ...]:
 # the state
 
 
-class _ScheduleRef:
-  """The schedule a DeferTag was made for, carried in the tag's pytree data so that a state can be
-  carried across a re-plan (its residual put back at its elements) wherever it goes. Compared by the
-  schedule's key alone: treedef comparisons (jit's cache) stay as cheap as before."""
-
-  __slots__ = ("key", "schedule")
-
-  def __init__(self, key: str, schedule: Schedule | None):
-    self.key, self.schedule = key, schedule
-
-  def __eq__(self, other: object) -> bool:
-    return isinstance(other, _ScheduleRef) and other.key == self.key
-
-  def __hash__(self) -> int:
-    return hash(self.key)
-
-  def __repr__(self) -> str:
-    return f"<schedule {self.key}>"
-
-
-@jax.tree_util.register_pytree_node_class
-class DeferTag:
-  """A leafless pytree node whose structure carries the schedule a `DeferState` belongs to.
-
-  Attributes:
-    key: `_schedule_key` of the schedule (tree fingerprint + the deferral groups' chunks).
-    fingerprint: the schedule's `tree_fingerprint` (for messages).
-    layout: (m, k, c, dtype) of every deferral group, in issue order.
-    schedule: the Schedule itself (what a re-plan needs to put the residual back at its elements:
-      `deferred_grads`, and the carry of `allreduce`/`scheduled`/`hooked`/`pipelined`), or None.
-  """
-
-  __slots__ = ("key", "fingerprint", "layout", "_ref")
-
-  def __init__(self, key: str, fingerprint: str, layout: tuple[tuple[int, int, int, str], ...],
-               schedule: Schedule | _ScheduleRef | None = None):
-    self.key, self.fingerprint, self.layout = key, fingerprint, tuple(layout)
-    self._ref = schedule if isinstance(schedule, _ScheduleRef) else _ScheduleRef(key, schedule)
-
-  @property
-  def schedule(self) -> Schedule | None:
-    return self._ref.schedule
-
-  def tree_flatten(self):
-    return (), (self.key, self.fingerprint, self.layout, self._ref)
-
-  @classmethod
-  def tree_unflatten(cls, aux, _):
-    return cls(*aux)
-
-  def __eq__(self, other: object) -> bool:
-    return isinstance(other, DeferTag) and (self.key, self.layout) == (other.key, other.layout)
-
-  def __hash__(self) -> int:
-    return hash((self.key, self.layout))
-
-  def __repr__(self) -> str:
-    return f"DeferTag(schedule {self.key}, tree {self.fingerprint}, {len(self.layout)} groups)"
-
-
-def _tag(schedule: Schedule) -> DeferTag:
-  return DeferTag(_schedule_key(schedule), schedule.tree_fingerprint, _layout(schedule), schedule)
-
-
-class DeferState(NamedTuple):
-  """The deferral state of a schedule's deferral groups (one entry per group, in issue order).
-
-  Attributes:
-    norms: f32[m] per group: the L2 norm of each chunk's reduced values when it was last sent
-      (replicated).
-    deferred: bool[m] per group: the chunks deferred in the previous step (replicated).
-    index: int32[k] per group: their chunk numbers, in rank order (replicated); under damped
-      feedback (`Bucket.release` < 1) int32[m], every chunk's number in order.
-    residual: dtype[1, k, c] per group: this device's values of those chunks, added to the same
-      elements at the next step (per device); dtype[1, m, c] under damped feedback: each chunk's
-      values not yet sent.
-    tag: no arrays; its pytree structure names the schedule (see `DeferTag`).
-  """
-
-  norms: tuple[jax.Array, ...]
-  deferred: tuple[jax.Array, ...]
-  index: tuple[jax.Array, ...]
-  residual: tuple[jax.Array, ...]
-  tag: DeferTag
+def _tag(schedule: Schedule) -> StateTag:
+  return StateTag.of(schedule, _layout(schedule))
 
 
 class GroupState(NamedTuple):
@@ -222,14 +129,7 @@ class GroupState(NamedTuple):
 
 
 def init(schedule: Schedule) -> DeferState | None:
-  """The state before the first step: norms 0, nothing deferred, zero residuals (None when the
-  schedule defers nothing). Public as `prophet_jax.defer_state`.
-
-  The residual of each device is zero, so the same state serves every device: under `pmap`,
-  replicate it (it has no device axis of its own); under `shard_map`, make it inside the mapped
-  function (or stack n copies of each residual on its leading axis) and pass it with `state_specs`.
-  The first step ranks by index and so defers the last k chunks of every group.
-  """
+  """The state before the first step (public as `prophet_jax.defer_state`, which says more)."""
   if not isinstance(schedule, Schedule):
     raise TypeError(f"defer_state: expected a prophet_jax.Schedule, got {type(schedule).__name__}.")
   if not schedule.defers:
@@ -260,54 +160,6 @@ def defer_state(schedule: Schedule) -> DeferState | None:
   return init(schedule)
 
 
-def _key_name(k: Any) -> Any:
-  """The name in a pytree path entry (a dict key, an attribute or field name), else None."""
-  for attr in ("key", "name"):
-    v = getattr(k, attr, None)
-    if isinstance(v, str):
-      return v
-  return None
-
-
-def state_specs(state: Any, axis_name: Any) -> Any:
-  """PartitionSpecs for `jax.shard_map` of any state holding DeferStates or gradient accumulators (an
-  optax state, a TrainState, a PipelinedState, a `flax.nnx` state, ...): `P(axis_name)` for each
-  DeferState's residuals and each accumulator's sums (`scheduled(..., every_k=k)`; each device's own,
-  on their leading axis of 1), `P()` for every other leaf (replicated).
-
-  A DeferState (an AccumState) is found by its type, or, where a container re-labelled its fields
-  (`flax.nnx` stores an optimizer state as nested dicts of Variables), by its path: a leaf under a
-  `residual` entry that is under a `defer_state` entry (`ScheduledState.defer_state`), a leaf under a
-  `grads` entry that is under an `accum` entry (`ScheduledState.accum`).
-
-  Args:
-    state: the state (arrays or ShapeDtypeStructs, e.g. `jax.eval_shape(tx.init, params)`, or
-      `nnx.state(optimizer)`).
-    axis_name: the data-parallel mesh axis.
-
-  Returns:
-    A tree of PartitionSpecs with the structure of `state`.
-  """
-  from jax.sharding import PartitionSpec as P
-
-  def one(path, x):
-    if isinstance(x, DeferState):
-      rep = lambda xs: tuple(P() for _ in xs)  # noqa: E731
-      return DeferState(norms=rep(x.norms), deferred=rep(x.deferred), index=rep(x.index),
-                        residual=tuple(P(axis_name) for _ in x.residual), tag=x.tag)
-    if isinstance(x, AccumState):
-      return AccumState(count=P(), grads=tuple(P(axis_name) for _ in x.grads))
-    names = [_key_name(k) for k in path]
-    if "defer_state" in names and "residual" in names[names.index("defer_state"):]:
-      return P(axis_name)
-    if is_grads_path(names):
-      return P(axis_name)
-    return P()
-
-  return jax.tree_util.tree_map_with_path(one, state,
-                                          is_leaf=lambda x: isinstance(x, (DeferState, AccumState)))
-
-
 _HOW_TO_CARRY = (
     "A residual holds gradient values that were deferred and not yet applied: dropping it loses them. "
     "Either pass the old state to the new step (scheduled's update, hooked's grad_fn, pipelined's step "
@@ -320,7 +172,7 @@ _HOW_TO_CARRY = (
 def schedule_of(state: Any) -> Schedule | None:
   """The schedule a DeferState was made for (recorded in its tag), or None when it is not recorded."""
   tag = getattr(state, "tag", None)
-  return tag.schedule if isinstance(tag, DeferTag) else None
+  return tag.schedule if isinstance(tag, StateTag) else None
 
 
 def belongs(state: Any, schedule: Schedule) -> bool:
@@ -328,7 +180,7 @@ def belongs(state: Any, schedule: Schedule) -> bool:
   or None for a schedule that defers nothing. Anything else is a re-plan's state (or a mistake)."""
   if state is None:
     return not schedule.defers
-  return (schedule.defers and isinstance(state, DeferState) and isinstance(state.tag, DeferTag)
+  return (schedule.defers and isinstance(state, DeferState) and isinstance(state.tag, StateTag)
           and state.tag == _tag(schedule))
 
 
@@ -362,9 +214,9 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
                     f"step, then the one each step returns), got {type(state).__name__}.")
   want = _tag(schedule)
   tag = state.tag
-  if not isinstance(tag, DeferTag) or tag != want:
-    got = repr(tag) if isinstance(tag, DeferTag) else type(tag).__name__
-    same_tree = isinstance(tag, DeferTag) and tag.fingerprint == want.fingerprint
+  if not isinstance(tag, StateTag) or tag != want:
+    got = repr(tag) if isinstance(tag, StateTag) else type(tag).__name__
+    same_tree = isinstance(tag, StateTag) and tag.fingerprint == want.fingerprint
     why = ("planned for the same tree but with other deferral groups" if same_tree else
            "planned for another tree")
     raise ScheduleMismatchError(
@@ -408,8 +260,7 @@ def same_groups(a: Schedule, b: Schedule) -> bool:
   """Whether a DeferState of schedule `a` is one of `b` (the same deferral groups and layout)."""
   if a is b or not (a.defers or b.defers):
     return True
-  return (a.defers and b.defers and _schedule_key(a) == _schedule_key(b)
-          and _layout(a) == _layout(b))
+  return a.defers and b.defers and _tag(a) == _tag(b)
 
 
 @IdentityMemo(16)

@@ -41,7 +41,7 @@ unreduced and whose body runs the chunks' `psum`s (sums: the partial sums alread
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,15 +49,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _accumulate, _defer, _zero
-from ._collectives import accumulated_allreduce, scheduled_allreduce
+from . import _states
+from .._compiled._devices import _names, axis_total, check_mesh, data_axes
 from .._values._errors import AlreadyReducedError
 from .._values._schedule import Schedule
 from .._values._tree import is_reduced_leaf, path_str
 
-__all__ = ["data_axes", "check_mesh", "axis_total", "MeshGradFn", "MeshPipelined", "reduce_unreduced",
-           "global_defer_state", "global_accum_state", "accumulate_unreduced", "local_devices_along",
-           "sharded_init", "sharded_update"]
+__all__ = ["data_axes", "check_mesh", "axis_total", "MeshGradFn", "MeshPipelined", "MeshTransformation",
+           "placed", "placed_grad_fn", "placed_step", "place_state", "check_layout"]
 
 P = PartitionSpec
 
@@ -66,47 +65,9 @@ P = PartitionSpec
 # the mesh and its data axis
 
 
-def data_axes(axis_name: Any) -> tuple[Any, ...]:
-  """The data axis as a tuple of mesh axis names ('dp' -> ('dp',))."""
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
 def _spec_entry(axes: tuple[Any, ...]) -> Any:
   """The PartitionSpec entry splitting one array axis over `axes` ('dp', or ('a', 'b'))."""
   return axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def _names(mesh: Any) -> tuple[Any, ...]:
-  return tuple(mesh.axis_names)
-
-
-def check_mesh(mesh: Any, axis_name: Any, where: str) -> tuple[Any, ...]:
-  """The data axes, after checking that `mesh` is a mesh that has every one of them.
-
-  Raises:
-    TypeError: `mesh` is not a `jax.sharding.Mesh` / `AbstractMesh`.
-    ValueError: the mesh lacks an axis of `axis_name` (its axes are named).
-  """
-  if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-    raise TypeError(f"{where}(mesh={mesh!r}): expected a jax.sharding.Mesh (e.g. jax.make_mesh((8,), "
-                    f"({axis_name!r},))), got {type(mesh).__name__}.")
-  axes = data_axes(axis_name)
-  missing = [a for a in axes if a not in _names(mesh)]
-  if missing:
-    shape = dict(zip(_names(mesh), mesh.axis_sizes))
-    raise ValueError(
-        f"{where}(axis_name={axis_name!r}, mesh=...): the mesh has no axis {missing[0]!r}; its axes are "
-        f"{shape}. Pass the name of the mesh axis the batch is split over (axis_name="
-        f"{_names(mesh)[0]!r}?), or make the mesh with that name: jax.make_mesh((n,), ({missing[0]!r},)).")
-  if len(set(axes)) != len(axes):
-    raise ValueError(f"{where}(axis_name={axis_name!r}): an axis is named twice.")
-  return axes
-
-
-def axis_total(mesh: Any, axes: Sequence[Any]) -> int:
-  """Devices along the data axes (the product of their sizes): the number of per-device batches."""
-  sizes = dict(zip(_names(mesh), mesh.axis_sizes))
-  return int(np.prod([sizes[a] for a in axes], dtype=np.int64))
 
 
 def _explicit_axes(mesh: Any) -> frozenset[Any]:
@@ -227,17 +188,6 @@ def check_batch(batch: Any, mesh: Any, axes: tuple[Any, ...], where: str) -> Non
           f"jit on Explicit axes, jax.sharding.reshard(x, P({entry!r}))).")
 
 
-def _check_defer_layout(defer_state: Any, n: int, where: str, fix: str) -> None:
-  if not isinstance(defer_state, _defer.DeferState):
-    return  # _defer.check_state names what is wrong, inside the map
-  for gi, r in enumerate(defer_state.residual):
-    if np.shape(r)[:1] != (n,):
-      raise ValueError(
-          f"{where}: the deferral state's residual of group {gi} has shape {tuple(np.shape(r))}, but on "
-          f"the mesh it holds each device's residual on its leading axis ({n} devices): "
-          f"({n}, ...). {fix}")
-
-
 def _varying_over(x: Any, axes: tuple[Any, ...]) -> bool:
   varying = jax.typeof(x).manual_axis_type.varying
   return any(a in varying for a in axes)
@@ -289,9 +239,10 @@ class MeshGradFn:
   """
 
   def __init__(self, per_device: Callable[..., Any], schedule: Schedule, *, mesh: Any, axis_name: Any,
-               has_aux: bool, has_state: bool, where: str = "hooked"):
+               has_aux: bool, has_state: bool, where: str = "hooked", init_state: Callable[[], Any] | None = None):
     self._axes = check_mesh(mesh, axis_name, where)
     self._fn = per_device
+    self._init_state = init_state   # the per-device state before the first step (None: the step has none)
     self.mesh = mesh
     self.axis_name = axis_name
     self.schedule = schedule
@@ -299,10 +250,16 @@ class MeshGradFn:
     self._has_state = has_state
     self._where = where
 
-  def defer_state(self) -> _defer.DeferState | None:
+  def defer_state(self) -> Any:
     """The deferral state before the first step, on the mesh (None when the schedule defers nothing):
     each device's (zero) residual on the leading axis, `P(axis_name)`, the rest replicated."""
-    return global_defer_state(self.schedule, self.mesh, self.axis_name)
+    if self._init_state is None:
+      return None
+    return place_state(self._init_state, self.mesh, self.axis_name, "defer_state")
+
+  def defer_state_abstract(self) -> Any:
+    """The per-device state before the first step, abstract (None when the step keeps none)."""
+    return None if self._init_state is None else jax.eval_shape(self._init_state)
 
   def _value_specs(self) -> Any:
     data = P(_spec_entry(self._axes))
@@ -318,8 +275,8 @@ class MeshGradFn:
     where, axes = f"{self._where}(mesh=...)'s grad_fn", self._axes
     args = list(args)
     defer_state = None
-    stateful = self.schedule.defers
-    if self.schedule.defers:
+    stateful = self.defer_state_abstract() is not None
+    if stateful:
       if "defer_state" in kwargs:
         defer_state = kwargs.pop("defer_state")
       elif len(args) >= 2:
@@ -327,8 +284,8 @@ class MeshGradFn:
       else:
         raise TypeError(f"{where}: the schedule defers, so the grad_fn takes its deferral state last: "
                         f"grad_fn(params, batch, defer_state), starting from grad_fn.defer_state().")
-    elif isinstance(kwargs.get("defer_state"), _defer.DeferState) or (
-        len(args) >= 2 and isinstance(args[-1], _defer.DeferState)):   # a re-plan's state, carried over
+    elif _states.is_state(kwargs.get("defer_state")) or (
+        len(args) >= 2 and _states.is_state(args[-1])):   # a re-plan's state, carried over
       defer_state = kwargs.pop("defer_state") if "defer_state" in kwargs else args.pop()
       stateful = True
     if kwargs:
@@ -351,9 +308,8 @@ class MeshGradFn:
                        "Inputs between the params and the batch are replicated: place them with P().")
     check_batch(batch, self.mesh, axes, where)
     n = axis_total(self.mesh, axes)
-    if defer_state is not None:
-      _check_defer_layout(defer_state, n, where, "Start from grad_fn.defer_state() and pass on the state "
-                          "each call returns.")
+    check_layout(defer_state, n, where, "Start from grad_fn.defer_state() and pass on the state each call "
+                 "returns.")
     data = P(_spec_entry(axes))
 
     def body(params, reps, batch, defer_state):
@@ -375,9 +331,12 @@ class MeshGradFn:
         value = jax.lax.pmean(value, axes)
       return (value, grads, out[2]) if stateful else (value, grads)
 
-    dspec = _defer.state_specs(defer_state, _spec_entry(axes)) if defer_state is not None else P()
-    out_state = defer_state if _defer.belongs(defer_state, self.schedule) else _defer.init(self.schedule)
-    dspec_out = _defer.state_specs(out_state, _spec_entry(axes)) if out_state is not None else P()
+    dspec = _states.state_specs(defer_state, _spec_entry(axes))
+    # the step continues its own state; any other (a re-plan's) gives way to the first one
+    first = self.defer_state_abstract()
+    out_state = defer_state if jax.tree_util.tree_structure(defer_state) == jax.tree_util.tree_structure(
+        first) else first
+    dspec_out = _states.state_specs(out_state, _spec_entry(axes))
     gspec = data if self.schedule.sharded else P()  # a sharded schedule's GradShards: each device's own
     outs = (self._value_specs(), gspec) + ((dspec_out,) if stateful else ())
     mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), P(), data, dspec), out_specs=outs)
@@ -476,28 +435,43 @@ class MeshPipelined:
                          mesh=self.mesh, in_specs=(self.inner.state_specs(),), out_specs=P())(state)
 
   def _check_global_defer(self, state: Any, where: str) -> None:
-    if state.defer is not None:
-      _check_defer_layout(state.defer, axis_total(self.mesh, self._axes), where,
-                          "Start from this step's init(params), which makes the state on the mesh.")
+    check_layout(state, axis_total(self.mesh, self._axes), where,
+                 "Start from this step's init(params), which makes the state on the mesh.")
 
 
 # --------------------------------------------------------------------------------------------------
-# the deferral state on the mesh
+# a per-device state on the mesh (any of the state layer's: each device's parts on a leading axis)
 
 
-def global_defer_state(schedule: Schedule, mesh: Any, axis_name: Any) -> _defer.DeferState | None:
-  """`prophet_jax.defer_state(schedule)` laid out on the mesh: residuals `(n, k, c)` split over the
-  data axis (each device's own, zero), the rest replicated; None when the schedule defers nothing."""
-  if not schedule.defers:
+def place_state(make: Callable[[], Any], mesh: Any, axis_name: Any, where: str) -> Any:
+  """The state `make()` builds per device, laid out on the mesh: its per-device parts (`state_specs`)
+  on the leading axis of global arrays split over the data axis, the rest replicated (None stays None)."""
+  axes = check_mesh(mesh, axis_name, where)
+  abstract = jax.eval_shape(make)
+  if abstract is None:
     return None
-  axes = check_mesh(mesh, axis_name, "defer_state")
-  abstract = _defer.init(schedule)
-  specs = _defer.state_specs(abstract, _spec_entry(axes))
-  return jax.shard_map(lambda: _defer.init(schedule), mesh=mesh, in_specs=(), out_specs=specs)()
+  return jax.shard_map(make, mesh=mesh, in_specs=(), out_specs=_states.state_specs(abstract, _spec_entry(axes)))()
+
+
+def check_layout(state: Any, n: int, where: str, fix: str) -> None:
+  """ValueError when a per-device part of `state` (`_states.per_device_leaves`) is not on a leading
+  axis of n devices (a state made per device, or for another device count, passed to the mesh)."""
+  for name, x in _states.per_device_leaves(state):
+    if np.shape(x)[:1] != (n,):
+      raise ValueError(f"{where}: {name} has shape {tuple(np.shape(x))}, but on the mesh it holds each "
+                       f"device's part on its leading axis ({n} devices): ({n}, ...). {fix}")
+
+
+def _out_specs(fn: Callable[..., Any], args: tuple, in_specs: tuple, mesh: Any, entry: Any) -> Any:
+  """The out_specs of `fn` mapped over the mesh: the state layer's specs of what it returns (traced
+  once, abstractly: a state's structure may change, e.g. a re-plan's deferral state carried over)."""
+  shapes = jax.eval_shape(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False),
+                          *args)
+  return _states.state_specs(shapes, entry)
 
 
 # --------------------------------------------------------------------------------------------------
-# gradients obtained unreduced: reduced on the schedule
+# an optax transformation on the mesh: `scheduled(..., mesh=)`
 
 
 def _check_unreduced(grads: Any, mesh: Any, axes: tuple[Any, ...], where: str) -> None:
@@ -529,170 +503,85 @@ def _check_unreduced(grads: Any, mesh: Any, axes: tuple[Any, ...], where: str) -
           f"{entry!r}: the gradients must be each device's partial sums, typed {{U:{entry}}}: {how}.")
 
 
-def reduce_unreduced(grads: Any, schedule: Schedule, *, mesh: Any, axis_name: Any, where: str,
-                     defer_state: Any = None) -> tuple[Any, Any]:
-  """Gradients unreduced over the data axis (global arrays typed `{U:axis}`), reduced on the schedule.
+def _unreduced_specs(grads: Any, axes: tuple[Any, ...]) -> Any:
+  """Each gradient's spec, kept unreduced over the data axes (jax has no cast from unreduced to
+  varying: inside, with check_vma=False, the partial sums are plain per-device values)."""
+  def spec_of(g):
+    spec = jax.typeof(g).sharding.spec
+    return spec if set(axes) <= set(getattr(spec, "unreduced", ()) or ()) else P()
 
-  Returns (the replicated gradients, the new deferral state or None). The chunks' `psum`s are sums:
-  each device's partial sum already carries the loss's mean over the global batch.
+  return jax.tree_util.tree_map(spec_of, grads)
+
+
+class MeshTransformation:
+  """A per-device optax transformation (`scheduled`'s), on global arrays inside a plain `jax.jit`.
+
+  `init(params)` maps the per-device `init` over the mesh (params replicated; each device's parts of
+  the state, `state_specs`, on a leading axis split over the data axis). `update(updates, state,
+  params)` takes the gradients *unreduced* over the data axis (each device's partial sum of the global
+  mean, typed `{U:axis}`), or a library state of per-device parts (`hooked(mesh=)`'s GradShards), and
+  maps the per-device `update` over the mesh: the schedule's collectives are the program's only
+  gradient reduction, the update comes out replicated. The per-device transformation was made for
+  partial sums (`mean=False`: the partial sums already carry the mean's 1/batch).
   """
 
-  axes = check_mesh(mesh, axis_name, where)
-  _check_not_mapped(axes, where)
-  _check_unreduced(grads, mesh, axes, where)
-  entry = _spec_entry(axes)
-  n = axis_total(mesh, axes)
-  if defer_state is not None:
-    _check_defer_layout(defer_state, n, where, "Make the optimizer state with this transformation's "
-                        "init on the mesh (its deferral residuals then have that leading axis).")
+  def __init__(self, per_device: Any, *, mesh: Any, axis_name: Any, where: str):
+    self._axes = check_mesh(mesh, axis_name, where)
+    self.inner, self.mesh, self.axis_name, self._where = per_device, mesh, axis_name, where
 
-  def spec_of(g):
-    spec = jax.typeof(g).sharding.spec
-    return spec if set(axes) <= set(getattr(spec, "unreduced", ()) or ()) else P()
+  def init(self, params: Any) -> Any:
+    where = f"{self._where}(mesh=...).init"
+    _check_not_mapped(self._axes, where)
+    check_replicated(params, "params", where, "Place them with jax.device_put(params, NamedSharding(mesh, "
+                     "P())).")
+    entry = _spec_entry(self._axes)
+    return jax.shard_map(self.inner.init, mesh=self.mesh, in_specs=P(),
+                         out_specs=_out_specs(self.inner.init, (params,), (P(),), self.mesh, entry))(params)
 
-  gspecs = jax.tree_util.tree_map(spec_of, grads)
-  dspec = _defer.state_specs(defer_state, entry) if defer_state is not None else P()
-  dspec_out = dspec
-  if defer_state is not None and not _defer.belongs(defer_state, schedule):   # a re-plan's state: carried
-    new = _defer.init(schedule)
-    dspec_out = _defer.state_specs(new, entry) if new is not None else P()
+  def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+    where, axes = f"{self._where}(mesh=...)", self._axes
+    _check_not_mapped(axes, where)
+    entry = _spec_entry(axes)
+    check_layout(state, axis_total(self.mesh, axes), where,
+                 "Make the optimizer state with this transformation's init on the mesh.")
+    if _states.is_state(updates):   # per-device parts already (hooked(mesh=)'s gradient shards)
+      gspecs = _states.state_specs(updates, entry)
+    else:
+      _check_unreduced(updates, self.mesh, axes, where)
+      gspecs = _unreduced_specs(updates, axes)
 
-  def body(g, d):
-    red, new = scheduled_allreduce(g, schedule, axes if len(axes) > 1 else axes[0], mean=False,
-                                   where=where, defer_state=d)
-    return red, new
+    def body(g, st, p):
+      return self.inner.update(g, st, p, **extra_args)
 
-  # check_vma=False: inside, the partial sums are plain per-device values (jax has no cast from
-  # unreduced to varying); psum of them is the reduction, as under pmap
-  mapped = jax.shard_map(body, mesh=mesh, in_specs=(gspecs, dspec), out_specs=(P(), dspec_out),
-                         check_vma=False)
-  return mapped(grads, defer_state)
-
-
-def global_accum_state(schedule: Schedule, mesh: Any, axis_name: Any) -> _accumulate.AccumState:
-  """`scheduled(..., every_k=k)`'s gradient accumulator laid out on the mesh: each row's sums `(n,
-  *shape)` split over the data axis (each device's own, zero), the count replicated."""
-  axes = check_mesh(mesh, axis_name, "scheduled")
-  specs = _defer.state_specs(_accumulate.init(schedule), _spec_entry(axes))
-  return jax.shard_map(lambda: _accumulate.init(schedule), mesh=mesh, in_specs=(), out_specs=specs)()
+    in_specs = (gspecs, _states.state_specs(state, entry), P())
+    out = _out_specs(body, (updates, state, params), in_specs, self.mesh, entry)
+    # check_vma=False: inside, unreduced partial sums are plain per-device values
+    return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=(P(), out[1]),
+                         check_vma=False)(updates, state, params)
 
 
-def accumulate_unreduced(grads: Any, schedule: Schedule, *, mesh: Any, axis_name: Any, where: str,
-                         every_k: int, accum: Any, defer_state: Any = None) -> tuple[Any, Any, Any, Any]:
-  """Gradients unreduced over the data axis, accumulated per device and reduced on the schedule once
-  per `every_k` calls (`_collectives.accumulated_allreduce` on each device's partial sums, inside one
-  `shard_map`). Returns (the replicated reduced gradients on the k-th call, zeros otherwise; the new
-  deferral state or None; the new accumulator; whether this call reduced, replicated)."""
-  axes = check_mesh(mesh, axis_name, where)
-  _check_not_mapped(axes, where)
-  _check_unreduced(grads, mesh, axes, where)
-  entry = _spec_entry(axes)
-  n = axis_total(mesh, axes)
-  fix = "Make the optimizer state with this transformation's init on the mesh."
-  if defer_state is not None:
-    _check_defer_layout(defer_state, n, where, fix)
-  if isinstance(accum, _accumulate.AccumState):
-    for (path, _, _), g in zip(schedule.rows, accum.grads):
-      if np.shape(g)[:1] != (n,):
-        raise ValueError(
-            f"{where}: the gradient accumulator's sum for {path!r} has shape {tuple(np.shape(g))}, but on "
-            f"the mesh it holds each device's sum on its leading axis ({n} devices): ({n}, ...). {fix}")
-
-  def spec_of(g):
-    spec = jax.typeof(g).sharding.spec
-    return spec if set(axes) <= set(getattr(spec, "unreduced", ()) or ()) else P()
-
-  gspecs = jax.tree_util.tree_map(spec_of, grads)
-  dspec = _defer.state_specs(defer_state, entry) if defer_state is not None else P()
-  aspec = _defer.state_specs(accum, entry)
-
-  def body(g, a, d):
-    return accumulated_allreduce(g, schedule, axes if len(axes) > 1 else axes[0], every_k=every_k,
-                                 accum=a, mean=False, where=where, defer_state=d)
-
-  # check_vma=False, as in reduce_unreduced: inside, the partial sums are plain per-device values
-  mapped = jax.shard_map(body, mesh=mesh, in_specs=(gspecs, aspec, dspec),
-                         out_specs=(P(), dspec, aspec, P()), check_vma=False)
-  return mapped(grads, accum, defer_state)
+def placed_step(step: Any, *, mesh: Any) -> Any:
+  """The placement layer of `pipelined`: its per-device step as it is without a mesh; with one, each
+  of its methods mapped over the mesh (`MeshPipelined`)."""
+  return step if mesh is None else MeshPipelined(step, mesh=mesh)
 
 
-# --------------------------------------------------------------------------------------------------
-# a sharded schedule (ZeRO-1) on the mesh: the shard state is a global array split over the axis
+def placed_grad_fn(grad_fn: Callable[..., Any], schedule: Schedule, *, mesh: Any, axis_name: Any,
+                   has_aux: bool, has_state: bool, init_state: Callable[[], Any] | None = None) -> Any:
+  """The placement layer of `hooked`: its per-device `grad_fn` as it is without a mesh; with one,
+  mapped over the mesh (`MeshGradFn`)."""
+  if mesh is None:
+    return grad_fn
+  return MeshGradFn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux, has_state=has_state,
+                    init_state=init_state)
 
 
-def sharded_init(tx: Any, params: Any, schedule: Schedule, *, mesh: Any, axis_name: Any) -> Any:
-  """`scheduled(tx, sharded_schedule, mesh=)`'s state: `_zero.init` on every device of the mesh, each
-  device's shard state on the leading axis of global arrays split over the data axis (`P(axis)`)."""
-  where = "scheduled(mesh=...).init"
-  axes = check_mesh(mesh, axis_name, where)
-  _check_not_mapped(axes, where)
-  check_replicated(params, "params", where, "Place them with jax.device_put(params, NamedSharding(mesh, "
-                   "P())).")
-  entry = _spec_entry(axes)
-  ax = axes if len(axes) > 1 else axes[0]
-  return jax.shard_map(lambda p: _zero.init(tx, p, schedule, ax, where), mesh=mesh, in_specs=P(),
-                       out_specs=P(entry))(params)
+def placed(per_device: Callable[[bool], Any], *, mesh: Any, axis_name: Any, where: str) -> Any:
+  """The placement layer of an optax front-end: `per_device(mean=True)` as it is (inside the user's
+  pmap / shard_map) without a mesh; with one, `per_device(mean=False)` (it is given partial sums)
+  mapped over the mesh (`MeshTransformation`)."""
+  if mesh is None:
+    return per_device(True)
+  return MeshTransformation(per_device(False), mesh=mesh, axis_name=axis_name, where=where)
 
 
-def sharded_update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, *, mesh: Any,
-                   axis_name: Any, extra_args: dict | None = None) -> tuple[Any, Any]:
-  """`scheduled(tx, sharded_schedule, mesh=)`'s update on global arrays: the gradients unreduced over
-  the data axis (reduce-scattered here, summed: the partial sums carry the mean) or the GradShards of
-  `hooked(..., mesh=)` (split over the axis); `tx` on each device's shard; the update all-gathered,
-  returned replicated (`P()`), with the new shard state (`P(axis)`)."""
-  where = "scheduled(mesh=...)"
-  axes = check_mesh(mesh, axis_name, where)
-  _check_not_mapped(axes, where)
-  entry = _spec_entry(axes)
-  ax = axes if len(axes) > 1 else axes[0]
-  n = axis_total(mesh, axes)
-  if not isinstance(state, _zero.ShardedState):
-    _zero.check_state(state, schedule, n, where)
-  lead = [np.shape(x)[:1] for x in jax.tree_util.tree_leaves(state.per_device)]
-  if any(s != (n,) for s in lead):
-    raise ValueError(f"{where}: the sharded optimizer state's leaves have leading axes {sorted(set(lead))}, "
-                     f"but on the mesh each device's shard state is on a leading axis of {n} (the data "
-                     f"axis): make the state with this transformation's init on the mesh.")
-  if isinstance(updates, _zero.GradShards):
-    gspecs, mean = P(entry), True
-  else:
-    _check_unreduced(updates, mesh, axes, where)
-
-    def spec_of(g):
-      spec = jax.typeof(g).sharding.spec
-      return spec if set(axes) <= set(getattr(spec, "unreduced", ()) or ()) else P()
-
-    gspecs, mean = jax.tree_util.tree_map(spec_of, updates), False
-
-  def body(g, st, p):
-    return _zero.update(tx, g, st, p, schedule, ax, where=where, mean=mean, extra_args=extra_args)
-
-  # check_vma=False: inside, unreduced partial sums are plain per-device values (see reduce_unreduced)
-  mapped = jax.shard_map(body, mesh=mesh, in_specs=(gspecs, P(entry), P()), out_specs=(P(), P(entry)),
-                         check_vma=False)
-  return mapped(updates, state, params)
-
-
-# --------------------------------------------------------------------------------------------------
-# profiling on the mesh
-
-
-def local_devices_along(mesh: Any, axis_name: Any, where: str) -> list[Any]:
-  """This process's devices along the data axes of `mesh` (at the first index of every other axis):
-  the devices a per-device profile of the mesh's step runs on."""
-  axes = check_mesh(mesh, axis_name, where)
-  if not isinstance(mesh, jax.sharding.Mesh):
-    raise TypeError(f"{where}(mesh=...): profiling runs the step, so it needs a mesh of real devices "
-                    f"(jax.sharding.Mesh), not {type(mesh).__name__}.")
-  names = _names(mesh)
-  devices = np.asarray(mesh.devices)
-  index = tuple(slice(None) if n in axes else 0 for n in names)
-  along = devices[index]
-  order = [n for n in names if n in axes]
-  along = np.transpose(along, [order.index(a) for a in axes]).reshape(-1)
-  here = jax.process_index()
-  out = [d for d in along if d.process_index == here]
-  if not out:
-    raise ValueError(f"{where}(mesh=...): none of the mesh's devices along {axes} belongs to this "
-                     f"process.")
-  return out

@@ -98,7 +98,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -106,13 +106,15 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from . import _defer, _zero
+from . import _defer, _states, _zero
 from .._values._checks import check_values, match_tree
-from ._collectives import allreduce, axis_size, is_varying, to_varying, vma_enabled
+from ._collectives import axis_size, is_varying, to_varying, vma_enabled
+from ._reduction import allreduce
 from ._defer import DeferState
 from .._values._errors import ScheduleMismatchError
-from ._mesh import MeshPipelined
-from ._residuals import VjpTrace, carried_avals, carry_plan, forward, recompute, vjp_jaxpr
+from ._mesh import placed_step
+from ._pending import Pending, PipelinedState, _meta_nbytes, _PendingMeta, _round_to_dtype, _Traced
+from ._residuals import carried_avals, carry_plan, forward, recompute, vjp_jaxpr
 from .._values._schedule import Schedule
 from .._values._tree import is_reduced_leaf, path_str
 
@@ -134,150 +136,6 @@ def save_matmuls(prim: Any, *_: Any, **__: Any) -> bool:
   pipelined step would otherwise write out and read back.
   """
   return prim.name in _SAVED_PRIMITIVES
-
-
-# --------------------------------------------------------------------------------------------------
-# state
-
-class _Traced(NamedTuple):
-  """The forward traced once inside a step's program: its inputs' types, `vjp_jaxpr` and carry plan."""
-
-  signature: tuple
-  trace: VjpTrace
-  plan: tuple
-
-
-
-@dataclasses.dataclass(frozen=True, eq=True)
-class _PendingMeta:
-  """Static facts about a pending forward pass (pytree aux data, hashed into jit's cache key).
-
-  Attributes:
-    schedule: the schedule the pending gradients will be reduced with (the one the forward ran under).
-    batch_tree: the batch's treedef.
-    batch: (path, shape, dtype, varying) of every batch leaf, as the step saw it (per device); dtype is
-      the dtype object (a numpy dtype, or an extended dtype such as a typed PRNG key's).
-    residuals: (shape, dtype) of every carried residual, per device, in flatten order.
-    carry: where the carried values are in the forward's jaxpr (`_residuals.carry_plan`); the
-      backward recomputes the rest of what it reads from them and the state's parameters.
-    forward_size: (equations, outputs after the loss) of that jaxpr: the backward's trace must match.
-    loss_varying: whether the loss varied over the axis (shard_map with check_vma).
-    loss_dtype: the loss's dtype (the cotangent's).
-    state_tree: the treedef of the model state the forward read (that of `None` without `has_state`).
-    state: (path, shape, dtype, varying) of every leaf of that model state.
-    has_state: whether the forward ran with a model state (`pipelined(..., has_state=True)`).
-  """
-
-  schedule: Schedule
-  batch_tree: Any
-  batch: tuple[tuple[str, tuple[int, ...], Any, bool], ...]
-  residuals: tuple[tuple[tuple[int, ...], Any], ...]
-  carry: tuple[tuple[int, int], ...]
-  forward_size: tuple[int, int]
-  loss_varying: bool
-  loss_dtype: Any = np.dtype("float32")
-  state_tree: Any = None
-  state: tuple[tuple[str, tuple[int, ...], Any, bool], ...] = ()
-  has_state: bool = False
-
-  def __hash__(self) -> int:  # the schedule can be large: hash once
-    h = self.__dict__.get("_hash")
-    if h is None:
-      h = hash((self.schedule.tree_fingerprint, len(self.schedule.chunks), self.batch_tree, self.batch,
-                self.residuals, self.carry, self.forward_size, self.loss_varying, self.loss_dtype,
-                self.state_tree, self.state, self.has_state))
-      object.__setattr__(self, "_hash", h)
-    return h
-
-  def __eq__(self, other: object) -> bool:
-    if self is other:
-      return True
-    if not isinstance(other, _PendingMeta):
-      return NotImplemented
-    return (self.batch == other.batch and self.residuals == other.residuals
-            and self.carry == other.carry and self.forward_size == other.forward_size
-            and self.loss_varying == other.loss_varying and self.loss_dtype == other.loss_dtype
-            and self.batch_tree == other.batch_tree and self.state_tree == other.state_tree
-            and self.state == other.state and self.has_state == other.has_state
-            and (self.schedule is other.schedule or self.schedule == other.schedule))
-
-
-@jax.tree_util.register_pytree_node_class
-class Pending:
-  """The residuals of a forward pass whose backward has not run yet.
-
-  Attributes:
-    residuals: the `jax.vjp` closure's arrays, in flatten order, each with a leading axis of size 1
-      (so that under `shard_map` every residual, scalars included, has an axis to split over devices:
-      `P(axis_name)`; under `pmap` the device axis comes in front of it).
-    meta: static shapes, dtypes and the schedule (see `_PendingMeta`); part of the pytree structure.
-  """
-
-  __slots__ = ("residuals", "meta")
-
-  def __init__(self, residuals: tuple[Any, ...], meta: _PendingMeta):
-    self.residuals = tuple(residuals)
-    self.meta = meta
-
-  def tree_flatten(self):
-    return self.residuals, self.meta
-
-  @classmethod
-  def tree_unflatten(cls, meta, residuals):
-    return cls(tuple(residuals), meta)
-
-  def __repr__(self) -> str:
-    return f"Pending({len(self.residuals)} residuals, {_meta_nbytes(self.meta)} bytes per device)"
-
-
-class PipelinedState(NamedTuple):
-  """State of the pipelined step.
-
-  Attributes:
-    params: the parameters after every *applied* update (replicated over the axis). While a backward is
-      pending they lag the plain loop by one step: `flush` first to evaluate or checkpoint.
-    opt_state: `tx`'s state (replicated).
-    pending: `None` when nothing is pending (after `init` and `flush`), else a `Pending` holding the last
-      forward's residuals (per device).
-    model_state: with `has_state=True`, the model state the last forward produced (the one the plain
-      loop holds after as many steps as `step` calls; `init`'s before any); `None` otherwise. Not
-      touched by `flush`.
-    defer: the schedule's deferral state (`prophet_jax.DeferState`: the previous step's reduced chunk
-      norms and choice, replicated, and each device's residual of the chunks it deferred) when the
-      schedule defers (`dlcp` with `max_defer > 0`); `None` otherwise. Threaded by `step` and `flush`.
-  """
-
-  params: Any
-  opt_state: Any
-  pending: Pending | None
-  model_state: Any = None
-  defer: DeferState | None = None
-
-
-def _meta_nbytes(meta: _PendingMeta) -> int:
-  return int(sum(int(np.prod(s, dtype=np.int64)) * _dtype_of(d).itemsize for s, d in meta.residuals))
-
-
-def _dtype_of(dt: Any) -> Any:
-  """A dtype object from a dtype or its name (numpy dtypes, bfloat16, extended dtypes as they are)."""
-  return dt if jax.dtypes.issubdtype(dt, jax.dtypes.extended) else jnp.dtype(dt)
-
-
-def _round_to_dtype(x: Any) -> Any:
-  """`x` rounded to its own dtype in a way XLA keeps, for bfloat16 and float16 leaves; others as given.
-
-  XLA's CPU backend computes in float32 and, with excess precision allowed (its default), may hand a
-  fused consumer the float32 value of a bfloat16 result instead of the rounded one. `reduce_precision`
-  on the float32 value rounds exactly as the conversion to the dtype does (round to nearest even, the
-  same exponent range), and XLA cannot remove it: on float32 it is not a no-op.
-  """
-  dt = getattr(x, "dtype", None)
-  if dt is None or dt not in (jnp.bfloat16, jnp.float16):
-    return x
-  info = jnp.finfo(dt)
-  wide = jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=int(info.nexp),
-                                  mantissa_bits=int(info.nmant))
-  return wide.astype(dt)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -487,7 +345,7 @@ class Pipelined:
                                     is_leaf=lambda x: isinstance(x, PartitionSpec))
 
     full = [expand(spec, part) for part, spec in zip(state[:-1], prefix[:-1])]
-    return PipelinedState(*full, defer=_defer.state_specs(state.defer, axis))
+    return PipelinedState(*full, defer=_states.state_specs(state.defer, axis))
 
   def deferred_grads(self, state: PipelinedState) -> Any:
     """This device's deferred gradient values as a tree like the parameters (zero elsewhere).
@@ -907,4 +765,4 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
   step = Pipelined(loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name, residuals=residuals,
                    has_aux=has_aux, has_state=has_state)
   # global arrays in a plain jax.jit: the same step mapped over the mesh
-  return step if mesh is None else MeshPipelined(step, mesh=mesh)
+  return placed_step(step, mesh=mesh)

@@ -40,26 +40,22 @@ or axis size is refused naming both. `init` runs where the axis is bound (inside
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec
-
-from . import _accumulate, _defer
+from ._states import GradShards, ShardedState, ShardLayout, StateTag
 from .._values._checks import match_tree
-from ._collectives import (_chunk_buffer, _padded, all_gather_chunks, axis_size, check_not_reduced,
-                           local_shards, reduce_scatter_chunks, scatter_chunks, shards_square_sum)
+from ._collectives import (all_gather_chunks, axis_size, check_not_reduced, local_shards, reduce_scatter_chunks,
+                           scatter_chunks, shards_square_sum)
 from .._values._errors import ScheduleMismatchError, ShardingError, UnboundAxisError
 from .._values._schedule import Schedule, shard_size
-from .._values._tree import IdentityMemo, is_reduced_leaf, path_str
+from .._values._tree import is_reduced_leaf, path_str
 
-__all__ = ["ShardTag", "ShardedState", "GradShards", "shard_mode", "init", "update", "reduce_scatter",
-           "state_specs", "schedule_key", "check_state", "check_grad_shards", "unshard_state", "shard_state",
-           "NORM_SCOPE", "MODES"]
+__all__ = ["ShardedState", "GradShards", "shard_mode", "init", "update", "reduce_scatter", "check_state",
+           "check_grad_shards", "NORM_SCOPE", "MODES"]
 
 NORM_SCOPE = "prophet/norm"  # the one extra psum of a global-norm transformation's squares
 MODES = ("elementwise", "global-norm")
@@ -78,89 +74,8 @@ _STRUCTURAL = {
 # values
 
 
-@jax.tree_util.register_pytree_node_class
-class ShardTag:
-  """A leafless pytree node whose structure records what a sharded state or gradient belongs to.
-
-  Attributes:
-    key: `schedule_key` of the schedule (tree fingerprint, chunk sizes, gathers).
-    fingerprint: the schedule's tree fingerprint (for messages).
-    n: the axis size the shards were cut for.
-    sizes: `shard_size` of every chunk, in chunk order.
-    mode: 'elementwise' or 'global-norm' (`shard_mode`) for an optimizer state; '' for gradients.
-  """
-
-  __slots__ = ("key", "fingerprint", "n", "sizes", "mode")
-
-  def __init__(self, key: str, fingerprint: str, n: int, sizes: tuple[int, ...], mode: str = ""):
-    self.key, self.fingerprint, self.n, self.sizes, self.mode = key, fingerprint, int(n), tuple(sizes), mode
-
-  def tree_flatten(self):
-    return (), (self.key, self.fingerprint, self.n, self.sizes, self.mode)
-
-  @classmethod
-  def tree_unflatten(cls, aux, _):
-    return cls(*aux)
-
-  def __eq__(self, other: object) -> bool:
-    return isinstance(other, ShardTag) and (self.key, self.n, self.sizes, self.mode) == (
-        other.key, other.n, other.sizes, other.mode)
-
-  def __hash__(self) -> int:
-    return hash((self.key, self.n, self.sizes, self.mode))
-
-  def __repr__(self) -> str:
-    mode = f", {self.mode}" if self.mode else ""
-    return f"ShardTag(schedule {self.key}, tree {self.fingerprint}, n={self.n}, {len(self.sizes)} shards{mode})"
-
-
-class ShardedState(NamedTuple):
-  """The optimizer state of `scheduled(tx, sharded_schedule)` (ZeRO-1): `tx`'s state for this
-  device's shards only.
-
-  Attributes:
-    per_device: `tx.init` of this device's shards (a tuple of 1-D arrays, one per chunk, and a float32
-      scalar in 'global-norm' mode), every leaf with a leading axis of 1: each device's own
-      (`P(axis_name)` under shard_map, `state_specs` says so; under pmap, per device as any state).
-    tag: no arrays; its structure records the schedule, the axis size and the mode (`ShardTag`).
-  """
-
-  per_device: Any
-  tag: ShardTag
-
-
-class GradShards(NamedTuple):
-  """This device's reduced gradient shards, as `hooked(loss_fn, sharded_schedule)` returns them.
-
-  The reduce-scatters ran inside backward; `scheduled(tx, schedule)`'s `update` takes this value in
-  place of the gradients (and the params, which it needs to lay out the update), skips its own
-  reduce-scatters, runs `tx` on the shards and all-gathers the update: the DeAR pipeline.
-
-  Attributes:
-    shards: the mean gradient of this device's shard of every chunk (`shard_size` elements each), in
-      chunk order.
-    token: shape (1,): an exact zero tied to the last reduce-scatter's result (the next all-gather of
-      the same tie chain is tied to it).
-    tag: no arrays; the schedule and the axis size (`ShardTag`, mode '').
-  """
-
-  shards: tuple[jax.Array, ...]
-  token: jax.Array
-  tag: ShardTag
-
-
-@IdentityMemo(64)
-def schedule_key(schedule: Schedule) -> str:
-  """A short hash of what a shard means: the tree fingerprint, the chunks' slices and the gathers."""
-  h = hashlib.sha256(schedule.tree_fingerprint.encode())
-  h.update(repr(tuple(c.slices for c in schedule.chunks)).encode())
-  h.update(repr(schedule.gathers).encode())
-  return h.hexdigest()[:16]
-
-
-def _tag(schedule: Schedule, n: int, mode: str) -> ShardTag:
-  return ShardTag(schedule_key(schedule), schedule.tree_fingerprint, n,
-                  tuple(shard_size(c.size, n) for c in schedule.chunks), mode)
+def _tag(schedule: Schedule, n: int, mode: str) -> StateTag:
+  return StateTag.of(schedule, ShardLayout(int(n), tuple(shard_size(c.size, n) for c in schedule.chunks), mode))
 
 
 def _bound_size(axis_name: Any, where: str) -> int:
@@ -418,15 +333,15 @@ def check_state(state: Any, schedule: Schedule, n: int, where: str) -> None:
         f"state (a prophet_jax.ShardedState made by this transformation's init inside the mapping), got "
         f"{type(state).__name__}. Make it with init where the axis is bound (jax.pmap(tx.init, ...) or "
         f"inside the shard_map).")
-  tag = state.tag
-  want_key, want_sizes = schedule_key(schedule), tuple(shard_size(c.size, n) for c in schedule.chunks)
-  if not isinstance(tag, ShardTag) or tag.key != want_key or tag.n != n or tag.sizes != want_sizes:
-    got = repr(tag) if isinstance(tag, ShardTag) else type(tag).__name__
-    why = (f"made for {tag.n} devices, this axis has {n}" if isinstance(tag, ShardTag) and
-           tag.key == want_key else "made for another schedule or tree")
+  tag, want = state.tag, _tag(schedule, n, "")
+  shard = isinstance(tag, StateTag) and isinstance(tag.layout, ShardLayout)
+  if not shard or tag.key != want.key or tag.layout[:2] != want.layout[:2]:
+    got = repr(tag) if isinstance(tag, StateTag) else type(tag).__name__
+    why = (f"made for {tag.n} devices, this axis has {n}" if shard and tag.key == want.key
+           else "made for another schedule or tree")
     raise ScheduleMismatchError(
         f"{where}: the sharded optimizer state ({got}) does not belong to this schedule "
-        f"({_tag(schedule, n, '')!r}): it was {why}. A shard state holds one device's part of the "
+        f"({want!r}): it was {why}. A shard state holds one device's part of the "
         f"chunks it was cut from: make a new one with init (a re-plan or a new device count re-shards "
         f"the optimizer state: gather it with the old step first to keep it).")
 
@@ -435,7 +350,8 @@ def check_grad_shards(g: Any, schedule: Schedule, n: int, where: str) -> None:
   """ScheduleMismatchError unless `g` is a GradShards of this schedule for n devices."""
   tag = g.tag
   want = _tag(schedule, n, "")
-  if not isinstance(tag, ShardTag) or (tag.key, tag.n, tag.sizes) != (want.key, want.n, want.sizes):
+  if not (isinstance(tag, StateTag) and isinstance(tag.layout, ShardLayout)) or (
+      tag.key, tag.layout[:2]) != (want.key, want.layout[:2]):
     raise ScheduleMismatchError(
         f"{where}: the gradient shards ({tag!r}) were reduce-scattered for another schedule or axis "
         f"size than this one ({want!r}): use the same schedule in hooked and scheduled.")
@@ -503,210 +419,3 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
   out = scatter_chunks(base, chunks, lmap.row_leaf, bufs)
   new = ShardedState(per_device=jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], inner), tag=state.tag)
   return jax.tree_util.tree_unflatten(treedef, out), new
-
-
-# --------------------------------------------------------------------------------------------------
-# specs
-
-
-def state_specs(state: Any, axis_name: Any) -> Any:
-  """PartitionSpecs for `jax.shard_map` of any state holding per-device parts (an optax state, a
-  TrainState, a PipelinedState, a `flax.nnx` state, ...): `P(axis_name)` for every leaf of a
-  `ShardedState` (a sharded schedule's optimizer state: each device's shard, on a leading axis of 1)
-  and of `GradShards`, for each DeferState's residuals and for each gradient accumulator's sums
-  (`scheduled(..., every_k=k)`'s `AccumState`); `P()` for every other leaf (replicated).
-
-  A ShardedState, DeferState or AccumState is found by its type, or, where a container re-labelled its
-  fields (`flax.nnx` stores an optimizer state as nested dicts of Variables), by its path: a leaf under a
-  `per_device` entry, under a `residual` entry under a `defer_state` entry, or under a `grads` entry
-  under an `accum` entry.
-
-  Args:
-    state: the state (arrays or ShapeDtypeStructs; for a sharded schedule, made inside the mapping:
-      its shard sizes depend on the axis size).
-    axis_name: the data-parallel mesh axis.
-
-  Returns:
-    A tree of PartitionSpecs with the structure of `state`.
-  """
-  P = PartitionSpec
-  per = lambda x: isinstance(x, (ShardedState, GradShards))  # noqa: E731
-  mine_type = (_defer.DeferState, _accumulate.AccumState)
-  special = lambda x: per(x) or isinstance(x, mine_type)  # noqa: E731
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=special)
-  out = []
-  for path, x in leaves:
-    if isinstance(x, mine_type):
-      out.append(_defer.state_specs(x, axis_name))
-    elif per(x):
-      out.append(type(x)(*(jax.tree_util.tree_map(lambda _: P(axis_name), f) for f in x[:-1]), x.tag))
-    else:
-      names = [_defer._key_name(k) for k in path]
-      mine = "per_device" in names or _accumulate.is_grads_path(names) or (
-          "defer_state" in names and "residual" in names[names.index("defer_state"):])
-      out.append(P(axis_name) if mine else P())
-  return jax.tree_util.tree_unflatten(treedef, out)
-
-
-# --------------------------------------------------------------------------------------------------
-# between layouts (host side): the whole optimizer state and back, for checkpoints, a re-plan, or
-# another device count
-
-
-def _host(x: Any) -> np.ndarray:
-  return np.asarray(jax.device_get(x))
-
-
-def _groups(schedule: Schedule, n: int, mode: str, params: Any, tx: Any, where: str):
-  """(per-device template of tx's shard state flattened into groups, the replicated template flattened
-  into groups, lmap, flat params): a group is the tuple of shards (one per chunk, + the norm carrier)
-  or the params' tree; a leaf is anything else (a step count, a scalar)."""
-  flat, treedef, lmap = _flat(params, schedule, where)
-  chunks = schedule.chunks
-  shard_struct = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in chunks)
-  if mode == "global-norm":
-    shard_struct = shard_struct + (jax.ShapeDtypeStruct((), jnp.float32),)
-  k = len(shard_struct)
-  shapes = [tuple(np.shape(s)) for s in shard_struct]
-
-  def is_shards(x: Any) -> bool:
-    return type(x) is tuple and len(x) == k and all(
-        tuple(np.shape(y)) == s for y, s in zip(x, shapes))
-
-  pshapes = [tuple(np.shape(x)) for x in flat]
-
-  def is_params(x: Any) -> bool:
-    leaves, td = jax.tree_util.tree_flatten(x)
-    return td == treedef and [tuple(np.shape(y)) for y in leaves] == pshapes
-
-  per = jax.eval_shape(tx.init, shard_struct)
-  rep = jax.eval_shape(tx.init, jax.tree_util.tree_unflatten(treedef, flat))
-  per_items, per_def = jax.tree_util.tree_flatten(per, is_leaf=is_shards)
-  rep_items, rep_def = jax.tree_util.tree_flatten(rep, is_leaf=is_params)
-  kinds = lambda items, f: [bool(f(x)) for x in items]  # noqa: E731
-  if len(per_items) != len(rep_items) or kinds(per_items, is_shards) != kinds(rep_items, is_params):
-    raise ShardingError(
-        f"{where}: tx's state on the shards ({per_def}) does not match its state on the params' tree "
-        f"({rep_def}) part for part, so the two layouts cannot be converted: tx's state holds something "
-        f"other than per-parameter arrays and scalars.")
-  return per_def, per_items, is_shards, rep_def, rep_items, is_params, treedef, flat, lmap
-
-
-def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
-  """Every `ShardedState` in `state` replaced by `tx`'s whole (replicated) state for `params`, on the
-  host: what `tx.init(params)` and the same updates on the whole tree would hold.
-
-  For a checkpoint that any device count (or an all-reduce schedule) can resume from, and, with
-  `shard_state`, to re-shard a ZeRO-1 state after a re-plan or for another device count. Takes the
-  state as the step leaves it: global arrays of all devices' shards (shard_map, `mesh=`: each leaf
-  `(n, ...)`) or pmap's stacked per-device values (`(n, 1, ...)`); any tree holding ShardedStates
-  (a TrainState, `scheduled`'s ScheduledState, a PipelinedState). Per-parameter arrays (momenta) are
-  put back at their slices (the padding dropped); scalars (step counts) are taken from device 0
-  (every device holds the same); the global-norm carrier's entries (`shard_mode`) are dropped.
-
-  Args:
-    state: a tree holding ShardedStates (fetched or not; read with jax.device_get).
-    tx: the optimizer the state was made by (the one passed to `scheduled`).
-    params: the params' tree (arrays or ShapeDtypeStructs): the layout of the whole state.
-    schedule: the sharded schedule the state was made for.
-
-  Returns:
-    `state` with each ShardedState replaced by a tree like `tx.init(params)` of numpy arrays.
-
-  Raises:
-    ScheduleMismatchError: a ShardedState was made for another schedule or tree.
-    ShardingError: tx's state is not per-parameter arrays and scalars.
-  """
-  where = "unshard_state"
-
-  def one(s: ShardedState) -> Any:
-    n = s.tag.n
-    check_state(s, schedule, n, where)
-    per_def, per_items, is_shards, rep_def, rep_items, _, treedef, flat, lmap = _groups(
-        schedule, n, s.tag.mode, params, tx, where)
-    got = per_def.flatten_up_to(s.per_device)
-    out = []
-    for tmpl, have, like in zip(per_items, got, rep_items):
-      if is_shards(tmpl):
-        bufs = []
-        for c, part in zip(schedule.chunks, have):
-          a = _host(part)
-          if a.shape[1:2] == (1,) and a.ndim == 3:   # pmap: (n, 1, s)
-            a = a[:, 0]
-          bufs.append(a.reshape(-1)[:c.size])
-        base = [np.zeros(np.shape(x), like_leaf.dtype) for x, like_leaf in
-                zip(flat, jax.tree_util.tree_leaves(like))]
-        leaves = [np.asarray(x) for x in scatter_chunks(base, schedule.chunks, lmap.row_leaf, bufs)]
-        out.append(jax.tree_util.tree_unflatten(treedef, [x.astype(t.dtype) for x, t in zip(
-            leaves, jax.tree_util.tree_leaves(like))]))
-      else:
-        a = _host(have)
-        out.append(a.reshape((a.shape[0], -1))[0].reshape(np.shape(tmpl)).astype(tmpl.dtype))
-    return jax.tree_util.tree_unflatten(rep_def, out)
-
-  is_state = lambda x: isinstance(x, ShardedState)  # noqa: E731
-  if not any(is_state(x) for x in jax.tree_util.tree_leaves(state, is_leaf=is_state)):
-    raise TypeError(
-        f"{where}: no ShardedState in the given {type(state).__name__}: pass the optimizer state (or a "
-        f"TrainState holding it) of scheduled(tx, schedule) with a sharded schedule, as the step returns "
-        f"it. A container that re-labels its fields (flax.nnx's Optimizer keeps nested dicts) hides the "
-        f"type: give the ShardedState itself (ScheduledState.inner).")
-  return jax.tree_util.tree_map(one, state, is_leaf=is_state)
-
-
-def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int, *,
-                pmap: bool = False) -> ShardedState:
-  """`tx`'s whole state for `params` (as `tx.init(params)` makes it, or `unshard_state` gives it) cut
-  into the ZeRO-1 shard state of `schedule` for `n` devices, on the host: the inverse of
-  `unshard_state`.
-
-  Resume a replicated checkpoint (or an all-reduce schedule's state) under a sharded schedule, or
-  re-shard after a re-plan or for another device count: `shard_state(unshard_state(old, tx, params,
-  old_schedule), tx, params, new_schedule, n)`. Put it in `scheduled`'s state in place of the one
-  `init` made (`opt_state._replace(inner=...)`).
-
-  Args:
-    tx_state: tx's state for the whole params' tree.
-    tx: the optimizer (the one passed to `scheduled`).
-    params: the params' tree (arrays or ShapeDtypeStructs).
-    schedule: the sharded schedule to cut for.
-    n: the number of devices on the data axis.
-    pmap: lay each leaf out as pmap's stacked per-device values `(n, 1, ...)`; by default a global
-      array `(n, ...)` to place split over the axis (`jax.device_put(s, NamedSharding(mesh,
-      P(axis)))`, as `state_specs` says) for shard_map or `mesh=`.
-
-  Returns:
-    A ShardedState of numpy arrays.
-
-  Raises:
-    ShardingError: tx cannot run on shards, or its state is not per-parameter arrays and scalars.
-  """
-  where = "shard_state"
-  if not schedule.sharded:
-    raise ValueError(f"{where}: schedule ({schedule.policy}) is not sharded (no gathers): its "
-                     f"optimizer state is tx's whole state, nothing to cut.")
-  n = int(n)
-  if n < 1:
-    raise ValueError(f"{where}: n={n}: the number of devices on the data axis must be >= 1.")
-  mode = shard_mode(tx, params, where)
-  per_def, per_items, is_shards, rep_def, rep_items, is_params, treedef, flat, lmap = _groups(
-      schedule, n, mode, params, tx, where)
-  have = rep_def.flatten_up_to(tx_state)
-  out = []
-  for tmpl, like, x in zip(per_items, rep_items, have):
-    if is_shards(tmpl):
-      leaves = [_host(v) for v in treedef.flatten_up_to(x)]
-      parts = []
-      for c, t in zip(schedule.chunks, tmpl):
-        buf = np.asarray(_padded(_chunk_buffer(leaves, c, lmap.row_leaf), n)).astype(t.dtype)
-        parts.append(buf.reshape(n, -1))
-      if mode == "global-norm":  # the carrier's entry: what init gives it (its update is dropped)
-        parts.append(np.zeros((n,), tmpl[-1].dtype))
-      group = tuple(parts)
-    else:
-      group = np.broadcast_to(_host(x).astype(tmpl.dtype), (n,) + tuple(np.shape(tmpl))).copy()
-    out.append(group)
-  per_device = jax.tree_util.tree_unflatten(per_def, out)
-  if pmap:
-    per_device = jax.tree_util.tree_map(lambda a: a[:, None], per_device)
-  return ShardedState(per_device=per_device, tag=_tag(schedule, n, mode))

@@ -1,0 +1,391 @@
+"""Between layouts, on the host: a schedule's states taken to another schedule's, or to and from the
+whole optimizer state (for checkpoints, a re-plan, another device count).
+
+- `unshard_state` / `shard_state`: a sharded schedule's ZeRO-1 optimizer state (`ShardedState`)
+  gathered into `tx`'s whole state, and the whole state cut into shards for any device count.
+- `convert(state, params, new_schedule, ...)`: the state layer's one conversion primitive: every
+  library state in any container taken from its own schedule's layout (recorded in its `StateTag`) to
+  `new_schedule`'s, nothing lost, bit for bit (see its docstring).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _defer
+from ._collectives import _chunk_buffer, _padded, scatter_chunks
+from ._states import AccumState, DeferState, ScheduledState, ShardedState, StateTag
+from ._zero import _flat, _tag, check_state, shard_mode
+from .._values._errors import ScheduleMismatchError, ShardingError
+from .._values._schedule import Schedule, shard_size
+
+__all__ = ["unshard_state", "shard_state", "Converted", "convert"]
+
+
+def _host(x: Any) -> np.ndarray:
+  return np.asarray(jax.device_get(x))
+
+
+def _groups(schedule: Schedule, n: int, mode: str, params: Any, tx: Any, where: str):
+  """(per-device template of tx's shard state flattened into groups, the replicated template flattened
+  into groups, lmap, flat params): a group is the tuple of shards (one per chunk, + the norm carrier)
+  or the params' tree; a leaf is anything else (a step count, a scalar)."""
+  flat, treedef, lmap = _flat(params, schedule, where)
+  chunks = schedule.chunks
+  shard_struct = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in chunks)
+  if mode == "global-norm":
+    shard_struct = shard_struct + (jax.ShapeDtypeStruct((), jnp.float32),)
+  k = len(shard_struct)
+  shapes = [tuple(np.shape(s)) for s in shard_struct]
+
+  def is_shards(x: Any) -> bool:
+    # (an optimizer's own tuple of k states, e.g. adam's (ScaleByAdamState, EmptyState) for k = 2, is
+    # not a group of shards: only arrays are)
+    return type(x) is tuple and len(x) == k and all(
+        hasattr(y, "shape") and tuple(y.shape) == s for y, s in zip(x, shapes))
+
+  pshapes = [tuple(np.shape(x)) for x in flat]
+
+  def is_params(x: Any) -> bool:
+    leaves, td = jax.tree_util.tree_flatten(x)
+    return td == treedef and [tuple(np.shape(y)) for y in leaves] == pshapes
+
+  per = jax.eval_shape(tx.init, shard_struct)
+  rep = jax.eval_shape(tx.init, jax.tree_util.tree_unflatten(treedef, flat))
+  per_items, per_def = jax.tree_util.tree_flatten(per, is_leaf=is_shards)
+  rep_items, rep_def = jax.tree_util.tree_flatten(rep, is_leaf=is_params)
+  kinds = lambda items, f: [bool(f(x)) for x in items]  # noqa: E731
+  if len(per_items) != len(rep_items) or kinds(per_items, is_shards) != kinds(rep_items, is_params):
+    raise ShardingError(
+        f"{where}: tx's state on the shards ({per_def}) does not match its state on the params' tree "
+        f"({rep_def}) part for part, so the two layouts cannot be converted: tx's state holds something "
+        f"other than per-parameter arrays and scalars.")
+  return per_def, per_items, is_shards, rep_def, rep_items, is_params, treedef, flat, lmap
+
+
+def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
+  """Every `ShardedState` in `state` replaced by `tx`'s whole (replicated) state for `params`, on the
+  host: what `tx.init(params)` and the same updates on the whole tree would hold.
+
+  For a checkpoint that any device count (or an all-reduce schedule) can resume from, and, with
+  `shard_state`, to re-shard a ZeRO-1 state after a re-plan or for another device count. Takes the
+  state as the step leaves it: global arrays of all devices' shards (shard_map, `mesh=`: each leaf
+  `(n, ...)`) or pmap's stacked per-device values (`(n, 1, ...)`); any tree holding ShardedStates
+  (a TrainState, `scheduled`'s ScheduledState, a PipelinedState). Per-parameter arrays (momenta) are
+  put back at their slices (the padding dropped); scalars (step counts) are taken from device 0
+  (every device holds the same); the global-norm carrier's entries (`shard_mode`) are dropped.
+
+  Args:
+    state: a tree holding ShardedStates (fetched or not; read with jax.device_get).
+    tx: the optimizer the state was made by (the one passed to `scheduled`).
+    params: the params' tree (arrays or ShapeDtypeStructs): the layout of the whole state.
+    schedule: the sharded schedule the state was made for.
+
+  Returns:
+    `state` with each ShardedState replaced by a tree like `tx.init(params)` of numpy arrays.
+
+  Raises:
+    ScheduleMismatchError: a ShardedState was made for another schedule or tree.
+    ShardingError: tx's state is not per-parameter arrays and scalars.
+  """
+  where = "unshard_state"
+
+  def one(s: ShardedState) -> Any:
+    n = s.tag.n
+    check_state(s, schedule, n, where)
+    per_def, per_items, is_shards, rep_def, rep_items, _, treedef, flat, lmap = _groups(
+        schedule, n, s.tag.mode, params, tx, where)
+    got = per_def.flatten_up_to(s.per_device)
+    out = []
+    for tmpl, have, like in zip(per_items, got, rep_items):
+      if is_shards(tmpl):
+        bufs = []
+        for c, part in zip(schedule.chunks, have):
+          a = _host(part)
+          if a.shape[1:2] == (1,) and a.ndim == 3:   # pmap: (n, 1, s)
+            a = a[:, 0]
+          bufs.append(a.reshape(-1)[:c.size])
+        base = [np.zeros(np.shape(x), like_leaf.dtype) for x, like_leaf in
+                zip(flat, jax.tree_util.tree_leaves(like))]
+        leaves = [np.asarray(x) for x in scatter_chunks(base, schedule.chunks, lmap.row_leaf, bufs)]
+        out.append(jax.tree_util.tree_unflatten(treedef, [x.astype(t.dtype) for x, t in zip(
+            leaves, jax.tree_util.tree_leaves(like))]))
+      else:
+        a = _host(have)
+        out.append(a.reshape((a.shape[0], -1))[0].reshape(np.shape(tmpl)).astype(tmpl.dtype))
+    return jax.tree_util.tree_unflatten(rep_def, out)
+
+  is_state = lambda x: isinstance(x, ShardedState)  # noqa: E731
+  if not any(is_state(x) for x in jax.tree_util.tree_leaves(state, is_leaf=is_state)):
+    raise TypeError(
+        f"{where}: no ShardedState in the given {type(state).__name__}: pass the optimizer state (or a "
+        f"TrainState holding it) of scheduled(tx, schedule) with a sharded schedule, as the step returns "
+        f"it. A container that re-labels its fields (flax.nnx's Optimizer keeps nested dicts) hides the "
+        f"type: give the ShardedState itself (ScheduledState.inner).")
+  return jax.tree_util.tree_map(one, state, is_leaf=is_state)
+
+
+def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int, *,
+                pmap: bool = False) -> ShardedState:
+  """`tx`'s whole state for `params` (as `tx.init(params)` makes it, or `unshard_state` gives it) cut
+  into the ZeRO-1 shard state of `schedule` for `n` devices, on the host: the inverse of
+  `unshard_state`.
+
+  Resume a replicated checkpoint (or an all-reduce schedule's state) under a sharded schedule, or
+  re-shard after a re-plan or for another device count: `shard_state(unshard_state(old, tx, params,
+  old_schedule), tx, params, new_schedule, n)`. Put it in `scheduled`'s state in place of the one
+  `init` made (`opt_state._replace(inner=...)`).
+
+  Args:
+    tx_state: tx's state for the whole params' tree.
+    tx: the optimizer (the one passed to `scheduled`).
+    params: the params' tree (arrays or ShapeDtypeStructs).
+    schedule: the sharded schedule to cut for.
+    n: the number of devices on the data axis.
+    pmap: lay each leaf out as pmap's stacked per-device values `(n, 1, ...)`; by default a global
+      array `(n, ...)` to place split over the axis (`jax.device_put(s, NamedSharding(mesh,
+      P(axis)))`, as `state_specs` says) for shard_map or `mesh=`.
+
+  Returns:
+    A ShardedState of numpy arrays.
+
+  Raises:
+    ShardingError: tx cannot run on shards, or its state is not per-parameter arrays and scalars.
+  """
+  where = "shard_state"
+  if not schedule.sharded:
+    raise ValueError(f"{where}: schedule ({schedule.policy}) is not sharded (no gathers): its "
+                     f"optimizer state is tx's whole state, nothing to cut.")
+  n = int(n)
+  if n < 1:
+    raise ValueError(f"{where}: n={n}: the number of devices on the data axis must be >= 1.")
+  mode = shard_mode(tx, params, where)
+  per_def, per_items, is_shards, rep_def, rep_items, is_params, treedef, flat, lmap = _groups(
+      schedule, n, mode, params, tx, where)
+  have = rep_def.flatten_up_to(tx_state)
+  out = []
+  for tmpl, like, x in zip(per_items, rep_items, have):
+    if is_shards(tmpl):
+      leaves = [_host(v) for v in treedef.flatten_up_to(x)]
+      parts = []
+      for c, t in zip(schedule.chunks, tmpl):
+        buf = np.asarray(_padded(_chunk_buffer(leaves, c, lmap.row_leaf), n)).astype(t.dtype)
+        parts.append(buf.reshape(n, -1))
+      if mode == "global-norm":  # the carrier's entry: what init gives it (its update is dropped)
+        parts.append(np.zeros((n,), tmpl[-1].dtype))
+      group = tuple(parts)
+    else:
+      group = np.broadcast_to(_host(x).astype(tmpl.dtype), (n,) + tuple(np.shape(tmpl))).copy()
+    out.append(group)
+  per_device = jax.tree_util.tree_unflatten(per_def, out)
+  if pmap:
+    per_device = jax.tree_util.tree_map(lambda a: a[:, None], per_device)
+  return ShardedState(per_device=per_device, tag=_tag(schedule, n, mode))
+
+
+# --------------------------------------------------------------------------------------------------
+# the one conversion between schedules
+
+
+class Converted(NamedTuple):
+  """What `convert` returns.
+
+  Attributes:
+    state: the state in the new schedule's layout (the same containers as went in).
+    owed: what the new layout cannot hold: the deferred gradient values the old schedule would have
+      added to its next gradients, as a tree like the params, with the state's device axis in front
+      where it had one (pmap's or a global state's `(n, ...)`), to be added to the new schedule's first
+      gradients; None when nothing is owed.
+  """
+
+  state: Any
+  owed: Any
+
+
+def _is_mine(x: Any) -> bool:
+  return isinstance(x, (ScheduledState, DeferState, ShardedState, AccumState))
+
+
+def _pmap_layout(s: ShardedState) -> bool:
+  """Whether a shard state's leaves are pmap's `(n, 1, ...)` (else a global `(n, ...)`): a shard is
+  `(n, 1, s)` there, a scalar `(n, 1)`; a global layout with every shard of size 1 reads as global."""
+  leaves = [np.shape(x) for x in jax.tree_util.tree_leaves(s.per_device)]
+  return any(len(x) == 3 for x in leaves) or (
+      all(x[1:] == (1,) for x in leaves) and any(z != 1 for z in s.tag.sizes))
+
+
+def _defer_like(new: Schedule, rep_prefix: tuple[int, ...], res_prefix: tuple[int, ...]) -> Any:
+  """`new`'s initial deferral state laid out as another one was: replicated leaves with `rep_prefix`
+  in front, residuals with `res_prefix` in place of their leading 1 (None when `new` defers nothing)."""
+  init = _defer.init(new)
+  if init is None:
+    return None
+  rep = lambda xs: tuple(np.broadcast_to(np.asarray(x), rep_prefix + x.shape).copy() for x in xs)  # noqa: E731
+  return init._replace(norms=rep(init.norms), deferred=rep(init.deferred), index=rep(init.index),
+                       residual=tuple(np.zeros(res_prefix + x.shape[1:], x.dtype) for x in init.residual))
+
+
+def _owed_of(d: DeferState, old: Schedule, params: Any) -> tuple[Any, tuple[int, ...]]:
+  """(each device's deferred values at their elements, stacked on a device axis; that axis' shape)."""
+  res_prefix = tuple(np.shape(d.residual[0])[:-2])
+  devices = int(np.prod(res_prefix, dtype=np.int64))
+  rep_devices = int(np.prod(np.shape(d.norms[0])[:-1], dtype=np.int64))
+  flat, treedef = jax.tree_util.tree_flatten(params)
+  zeros = jax.tree_util.tree_unflatten(treedef, [np.zeros(np.shape(x), getattr(x, "dtype", np.float32))
+                                                 for x in flat])
+
+  def pick(xs: Any, k: int, dims: int) -> tuple[np.ndarray, ...]:   # device k's copy (the last `dims` axes)
+    return tuple(np.asarray(x).reshape((-1,) + np.shape(x)[np.ndim(x) - dims:])[k] for x in xs)
+
+  per = []
+  for i in range(devices):
+    j = i if rep_devices == devices else 0   # pmap keeps a copy of the replicated parts per device
+    one = DeferState(norms=pick(d.norms, j, 1), deferred=pick(d.deferred, j, 1), index=pick(d.index, j, 1),
+                     residual=tuple(r[None] for r in pick(d.residual, i, 2)), tag=d.tag)
+    per.append(_defer.add_residual(zeros, old, one, "convert"))
+  if res_prefix == (1,):
+    return per[0], ()
+  return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *per), (devices,)
+
+
+def convert(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = None, n: int | None = None
+            ) -> Converted:
+  """Every library state in `state` taken from its own schedule's layout to `new_schedule`'s, on the host.
+
+  The state layer's one conversion between schedules (the public `convert_state` builds on it).
+  Outside the step, on fetched values: a state as `init` and the step leave it, per device (a
+  mapping's layout: a residual `(1, k, c)`), stacked by pmap (`(n, 1, ...)`) or global (shard_map,
+  `mesh=`: `(n, ...)`). Each state records its schedule in its `StateTag`:
+
+  - a `DeferState`: kept as it is when `new_schedule` gives the same tag; otherwise replaced by
+    `new_schedule`'s initial deferral state in the same layout (None for a schedule that defers
+    nothing), and its residual, each device's deferred values, returned in `owed` at the elements it
+    was deferred from: exactly what the old schedule would have added to its next gradients. Add it
+    to the new schedule's first gradients and nothing is lost.
+  - a `ShardedState` (ZeRO-1): kept when `new_schedule` gives the same tag for the same `n`;
+    otherwise gathered into `tx`'s whole state (`unshard_state`) and, when `new_schedule` is sharded,
+    cut again for it and `n` devices (`shard_state`, in the same layout), else left whole (a pmap
+    layout keeps its device axis: each device's copy).
+  - a `ScheduledState` whose `inner` is `tx`'s whole state, going to a sharded `new_schedule`: cut
+    into shards for `n` devices (pmap's layout when the whole state was stacked per device); its
+    `defer_state` converted as above, or, when the old schedule deferred nothing and the new one
+    defers, `new_schedule`'s initial deferral state (per device; global `(n, ...)` residuals given `n`).
+  - an `AccumState`: kept (its sums are the tree's rows, which every schedule of the tree shares).
+
+  Every value is carried bit for bit: a residual is put back at its elements in the leaf's dtype, as
+  the step adds it; optimizer shards are moved, never recomputed.
+
+  Args:
+    state: any tree holding library states (a ScheduledState, an optax chain's tuple, a dict, a
+      PipelinedState's `opt_state` and `defer`, a bare DeferState or ShardedState).
+    params: the params' tree (arrays or ShapeDtypeStructs) the schedules were planned for.
+    new_schedule: the schedule to convert to.
+    tx: the optimizer, wherever a ZeRO-1 state is gathered or cut.
+    n: devices on the data axis, where a state is cut into shards (default: the old shard state's).
+
+  Returns:
+    `Converted(state, owed)`.
+
+  Raises:
+    ValueError: a ZeRO-1 state to gather or cut without `tx`, a cut without `n`, or a state that does
+      not record its schedule.
+    ScheduleMismatchError: a state's schedule is of another tree than `params`, or an accumulator's
+      sums are not `new_schedule`'s rows.
+  """
+  where = "convert"
+  if not isinstance(new_schedule, Schedule):
+    raise TypeError(f"{where}: new_schedule must be a prophet_jax.Schedule, got {type(new_schedule).__name__}.")
+  owed: list[tuple[Any, tuple[int, ...]]] = []
+
+  def need_tx(what: str) -> None:
+    if tx is None:
+      raise ValueError(f"{where}: {what}, which needs the optimizer: pass tx= (the one given to scheduled).")
+
+  def old_schedule(tag: Any, what: str) -> Schedule:
+    sched = tag.schedule if isinstance(tag, StateTag) else None
+    if sched is None:
+      raise ValueError(f"{where}: the {what} does not record the schedule it was made for (its tag was "
+                       f"rebuilt without it); make the state with this library's init or step.")
+    return sched
+
+  def defer(d: DeferState) -> Any:
+    if new_schedule.defers and d.tag == _defer._tag(new_schedule):
+      return d
+    old = old_schedule(d.tag, "deferral state")
+    owed.append(_owed_of(d, old, params))
+    return _defer_like(new_schedule, tuple(np.shape(d.norms[0])[:-1]), tuple(np.shape(d.residual[0])[:-2]))
+
+  def sharded(s: ShardedState) -> Any:
+    old = old_schedule(s.tag, "ZeRO-1 optimizer state")
+    count = n or s.tag.n
+    if new_schedule.sharded and s.tag == _tag(new_schedule, count, s.tag.mode):
+      return s
+    need_tx("a ZeRO-1 optimizer state is gathered")
+    pmap = _pmap_layout(s)
+    whole = unshard_state(s, tx, params, old)
+    if new_schedule.sharded:
+      return shard_state(whole, tx, params, new_schedule, count, pmap=pmap)
+    if pmap:   # each device's copy, as pmap keeps a replicated state
+      return jax.tree_util.tree_map(lambda x: np.broadcast_to(x, (s.tag.n,) + np.shape(x)).copy(), whole)
+    return whole
+
+  def accum(a: AccumState) -> AccumState:
+    rows = new_schedule.rows
+    ok = len(a.grads) == len(rows) and all(
+        tuple(np.shape(g))[len(np.shape(g)) - len(shape):] == tuple(shape) for (_, shape, _), g in zip(rows, a.grads))
+    if not ok:
+      raise ScheduleMismatchError(
+          f"{where}: the gradient accumulator holds {len(a.grads)} sums shaped "
+          f"{[tuple(np.shape(g)) for g in a.grads][:4]}, which are not the rows of the new schedule "
+          f"({len(rows)} rows): it was planned for another tree.")
+    return a
+
+  def whole_to_shards(inner: Any) -> Any:
+    need_tx("a whole optimizer state is cut into ZeRO-1 shards")
+    tmpl = jax.tree_util.tree_leaves(jax.eval_shape(tx.init, params))
+    have = jax.tree_util.tree_leaves(inner)
+    stacked = bool(tmpl) and len(have) == len(tmpl) and np.ndim(have[0]) == len(tmpl[0].shape) + 1
+    count = n or (np.shape(have[0])[0] if stacked else None)
+    if count is None:
+      raise ValueError(f"{where}: cutting the whole optimizer state into ZeRO-1 shards needs the number of "
+                       f"devices: pass n=.")
+    if stacked:
+      inner = jax.tree_util.tree_map(lambda x: np.asarray(x)[0], inner)
+    return shard_state(inner, tx, params, new_schedule, count, pmap=stacked)
+
+  def one(x: Any) -> Any:
+    if isinstance(x, DeferState):
+      return defer(x)
+    if isinstance(x, ShardedState):
+      return sharded(x)
+    if isinstance(x, AccumState):
+      return accum(x)
+    if isinstance(x, ScheduledState):
+      if isinstance(x.inner, ShardedState):
+        inner = sharded(x.inner)
+      elif new_schedule.sharded:
+        inner = whole_to_shards(x.inner)
+      else:
+        inner = x.inner
+      if x.defer_state is not None:
+        d = defer(x.defer_state)
+      elif new_schedule.defers:
+        d = _defer_like(new_schedule, (), (n,) if n else (1,))
+      else:
+        d = None
+      return ScheduledState(inner=inner, defer_state=d, accum=None if x.accum is None else accum(x.accum))
+    return x
+
+  out = jax.tree_util.tree_map(one, state, is_leaf=_is_mine)
+  if not owed:
+    return Converted(out, None)
+  total, axis = owed[0]
+  for tree, ax in owed[1:]:
+    if ax != axis:
+      raise ValueError(f"{where}: the state holds deferral states in two layouts ({axis} and {ax} devices).")
+    total = jax.tree_util.tree_map(np.add, total, tree)
+  return Converted(out, total)

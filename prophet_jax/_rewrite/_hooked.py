@@ -1,0 +1,445 @@
+"""`hooked` and its hooks: a Schedule carried out inside the backward pass of the user's own step.
+
+- `hooked(loss_fn, schedule, axis_name=...)` returns `grad_fn(params, batch) -> (loss, grads)` whose
+  all-reduces run *inside* the backward pass: each group of chunks is issued from the backward rule of a
+  `custom_vjp` identity on its parameters, as soon as their gradients exist, and a scalar token threaded
+  through the hooks keeps the issue order of the schedule in the compiled program.
+- `loop_hook(tree, name=...)` is the model-side helper for scan-over-layers models: applied to a layer's
+  params inside the scanned body (e.g. through `flax.linen.map_variables`), it all-reduces that layer's
+  gradients inside the backward loop, one trip per layer, when the step runs under `hooked(...,
+  in_loop=(...))`; elsewhere it is the identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import contextvars
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _mesh, _zero
+from ._collectives import _zero_of, is_varying, reduce_scatter_chunks, reduce_units, schedule_units, to_varying, unit_allreduces
+from ._defer import DeferState, GroupState, group_states, init as defer_init, with_groups
+from ._reduction import step_setup
+from ._states import GradShards
+from .._values._checks import check_values
+from .._values._schedule import Bucket, Chunk, Schedule, shard_size
+from .._values._tree import dtype_name, is_float_dtype, is_reduced_leaf
+
+__all__ = ["hooked", "loop_hook", "hook_groups", "LOOP_SCOPE"]
+
+LOOP_SCOPE = "prophet/loop/"
+
+
+# --------------------------------------------------------------------------------------------------
+# hooked: all-reduces inside the backward pass
+
+
+def hook_groups(schedule: Schedule) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+  """Splits the issued units into hook groups: (first unit, end unit, rows), in issue order.
+
+  The units are `_collectives.schedule_units(schedule)`: each chunk of a lossless bucket, and each
+  deferral group (`Bucket.defer > 0`, whose chunks are ranked and reduced together) as one unit; for a
+  lossless schedule they are its chunks. A hook fires when all of its parameters' gradients exist, so
+  a unit must live in the hook of every row it touches: units sharing a row share a group, and groups
+  are contiguous ranges of the issue order (so the token keeps the order of the schedule exactly).
+  Typical schedules give one group per chunk (merged leaves) or one group per leaf (a leaf split into
+  partitions).
+  """
+  groups: list[list[Any]] = []  # [start, end, set(rows)]
+  for k, unit in enumerate(schedule_units(schedule)):
+    rows = set(unit.rows) if isinstance(unit, Chunk) else {r for c in unit.chunks for r in c.rows}
+    hit = next((j for j, g in enumerate(groups) if g[2] & rows), None)
+    if hit is None:
+      groups.append([k, k + 1, rows])
+    else:
+      merged = set(rows)
+      for g in groups[hit:]:
+        merged |= g[2]
+      groups[hit:] = [[groups[hit][0], k + 1, merged]]
+  return tuple((a, b, tuple(sorted(r))) for a, b, r in groups)
+
+
+def _encode(g: GroupState) -> tuple[jax.Array, ...]:
+  """A deferral group's state as floats, so it can be a custom_vjp primal input whose "cotangent" the
+  backward rule sets to the new state (an int or bool input only takes a float0 cotangent). The chunk
+  numbers and the mask are small integers: exact in float32."""
+  return (g.norms, g.deferred.astype(jnp.float32), g.index.astype(jnp.float32), g.residual)
+
+
+def _decode(x: Sequence[jax.Array]) -> GroupState:
+  norms, deferred, index, residual = x
+  return GroupState(norms=norms, deferred=deferred > 0.5, index=index.astype(jnp.int32), residual=residual)
+
+
+def _relabel(c: Chunk, local: Mapping[int, int]) -> Chunk:
+  """`c` with its rows renumbered to a hook's own leaves (`local`: schedule row -> the hook's index)."""
+  return Chunk(slices=tuple((local[r], a, b) for r, a, b in c.slices), dtype=c.dtype)
+
+
+def _local(units: Sequence[Any], rows: Sequence[int]) -> tuple[Any, ...]:
+  """`units` (chunks, deferral groups) with their rows renumbered to a hook's own leaves."""
+  local = {r: i for i, r in enumerate(rows)}
+  return tuple(_relabel(u, local) if isinstance(u, Chunk) else
+               dataclasses.replace(u, chunks=tuple(_relabel(c, local) for c in u.chunks)) for u in units)
+
+
+def _make_hook(backward: Callable, cast: Sequence[bool], axis_name: Any) -> Callable:
+  """A custom_vjp identity on (a hook group's leaves, token, extra) whose backward runs `backward`.
+
+  Forward: the leaves (cast to varying where `cast` says, so that under check_vma their cotangents
+  stay per-device) and the token, unchanged; `extra` is an input only. Backward:
+  `backward(leaf cotangents, token cotangent, extra) -> (leaf cotangents, last result, extra's
+  cotangent)`: the group's collectives, the first tied to the incoming token cotangent; the token's
+  cotangent is tied to the last result. What `extra` carries is the caller's: the deferral groups'
+  states (encoded by `_encode`; their new states come back as its cotangent) for the all-reduce
+  hooks, the shard slots (the reduced shards come back as its cotangent) for a sharded schedule's.
+  """
+  @jax.custom_vjp
+  def hook(leaves, token, extra):
+    return [(to_varying(x, axis_name) if c else x) for x, c in zip(leaves, cast)], token
+
+  def fwd(leaves, token, extra):
+    return hook(leaves, token, extra), extra
+
+  def bwd(extra, cts):
+    ct_leaves, ct_token = cts
+    out, last, extra_ct = backward(list(ct_leaves), ct_token, extra)
+    return out, _zero_of(last, ct_token.dtype), extra_ct
+
+  hook.defvjp(fwd, bwd)
+  return hook
+
+
+def _allreduce_hook(units: Sequence[Any], first_index: int, rows: Sequence[int], axis_name: Any,
+                    divisor: int, cast: Sequence[bool]) -> Callable:
+  """The hook of an all-reduce schedule's group: its units' all-reduces (and deferral) in backward."""
+  local_units, row_leaf = _local(units, rows), tuple(range(len(rows)))
+
+  def backward(ct_leaves, ct_token, states):
+    out, last, new = reduce_units(ct_leaves, local_units, row_leaf, axis_name, divisor=divisor,
+                                  first_index=first_index, prev=ct_token,
+                                  defer=tuple(_decode(x) for x in states))
+    return out, last, tuple(_encode(g) for g in new)
+
+  return _make_hook(backward, cast, axis_name)
+
+
+def _rs_hook(chunks: Sequence[Chunk], first_index: int, rows: Sequence[int], axis_name: Any, n: int,
+             cast: Sequence[bool], avals: Sequence[tuple[tuple[int, ...], Any]]) -> Callable:
+  """The hook of a sharded schedule's group: its chunks' reduce-scatters (mean) in backward, the
+  shards returned as the slots' cotangents, zeros as the leaves' (nothing reads the full gradients)."""
+  local_chunks, row_leaf = _local(chunks, rows), tuple(range(len(rows)))
+
+  def backward(ct_leaves, ct_token, slots):
+    shards, last = reduce_scatter_chunks(ct_leaves, local_chunks, row_leaf, axis_name, n=n, divisor=n,
+                                         first_index=first_index, prev=ct_token)
+    return [jnp.zeros(s, d) for s, d in avals], last, tuple(shards)
+
+  return _make_hook(backward, cast, axis_name)
+
+
+def _hooked_sharded(loss_fn: Callable[..., Any], schedule: Schedule, axis_name: Any, has_aux: bool,
+                    has_state: bool) -> Callable[..., Any]:
+  """`hooked`'s grad_fn for a sharded schedule: (value, GradShards), the reduce-scatters in backward."""
+  groups = hook_groups(schedule)
+  chunks = schedule.chunks
+
+  def grad_fn(params, *args, **kwargs):
+    setup = step_setup(params, schedule, axis_name, "hooked", grads=False)
+    n, flat, treedef, lmap, vma = setup.n, setup.flat, setup.treedef, setup.lmap, setup.vma
+    varying = (lambda x: to_varying(x, axis_name)) if vma else (lambda x: x)
+    hooks = []
+    for a, b, rows in groups:
+      cast = [vma and not is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
+      avals = [(np.shape(flat[lmap.row_leaf[r]]), flat[lmap.row_leaf[r]].dtype) for r in rows]
+      hooks.append((rows, a, b, _rs_hook(chunks[a:b], a, rows, axis_name, n, cast, avals)))
+    slots = tuple(varying(jnp.zeros((shard_size(c.size, n),), c.dtype)) for c in chunks)
+
+    def inner(flat_params, token, slots):
+      flat_params = list(flat_params)
+      for rows, a, b, hook in reversed(hooks):  # backward runs them in reverse: issue order
+        ids = [lmap.row_leaf[r] for r in rows]
+        out, token = hook([flat_params[i] for i in ids], token, slots[a:b])
+        for i, x in zip(ids, out):
+          flat_params[i] = x
+      return loss_fn(jax.tree_util.tree_unflatten(treedef, flat_params), *args, **kwargs)
+
+    token = varying(jnp.zeros((), jnp.float32))
+    value, (_, tok, shards) = jax.value_and_grad(inner, argnums=(0, 1, 2), has_aux=has_aux or has_state,
+                                                 allow_int=True)(flat, token, slots)
+    return value, GradShards(shards=tuple(shards), token=tok.reshape(1),
+                                   tag=_zero._tag(schedule, n, ""))
+
+  return grad_fn
+
+
+_LOOP_AXIS: contextvars.ContextVar[Any] = contextvars.ContextVar("prophet_loop_axis", default=None)
+
+
+@contextlib.contextmanager
+def _loop_axis(axis_name: Any, divisor: int, vma: bool, calls: list[str]):
+  tok = _LOOP_AXIS.set((axis_name, divisor, vma, calls))
+  try:
+    yield
+  finally:
+    _LOOP_AXIS.reset(tok)
+
+
+def loop_hook(tree: Any, *, name: str = "layer") -> Any:
+  """Model-side helper: all-reduce `tree`'s gradients inside a scanned body's backward pass.
+
+  Apply it to one layer's params *inside* the body of `jax.lax.scan` / `flax.linen.scan` (for linen,
+  wrap the scanned module: `nn.map_variables(Block, "params", trans_in_fn=lambda p: loop_hook(p),
+  init=True)`). When the step runs under `hooked(..., in_loop=(path prefix of the scanned params,))`,
+  the body's backward then all-reduces that layer's gradients (one all-reduce per dtype, labelled
+  `prophet/loop/<name>`) on every trip of the backward loop, right after the layer's weight
+  gradients exist, which a loss-level hook or `scheduled` cannot do (their all-reduces run after the
+  loop ends). Outside `hooked` (init, evaluation, a plain `jax.grad`) it is the identity.
+
+  Args:
+    tree: the layer's params (one scan slice).
+    name: a label for the all-reduce's named scope.
+
+  Returns:
+    `tree`, unchanged in value.
+  """
+  ctx = _LOOP_AXIS.get()
+  if ctx is None:
+    return tree
+  axis_name, divisor, vma, calls = ctx
+  calls.append(name)
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  idx = [i for i, x in enumerate(leaves) if is_reduced_leaf(x) and np.size(x) > 0]
+  if not idx:
+    return tree
+  sel = [leaves[i] for i in idx]
+  dtypes = list(dict.fromkeys(dtype_name(x.dtype) for x in sel))
+  chunks = []
+  for dt in dtypes:
+    chunks.append(Chunk(slices=tuple((j, 0, int(np.size(x))) for j, x in enumerate(sel)
+                                     if dtype_name(x.dtype) == dt), dtype=dt))
+  row_leaf = tuple(range(len(sel)))
+  cast = [vma and not is_varying(x, axis_name) for x in sel]
+
+  @jax.custom_vjp
+  def hook(xs):
+    return [(to_varying(x, axis_name) if c else x) for x, c in zip(xs, cast)]
+
+  def fwd(xs):
+    return hook(xs), None
+
+  def bwd(_, cts):
+    out, _, _ = reduce_units(list(cts), chunks, row_leaf, axis_name, divisor=divisor,
+                             scope=f"{LOOP_SCOPE}{name}")
+    return (out,)
+
+  hook.defvjp(fwd, bwd)
+  new = hook(sel)
+  for i, x in zip(idx, new):
+    leaves[i] = x
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+_NO_STATE = object()
+
+
+def _check_loss_output(out: Any, has_aux: bool, has_state: bool) -> Any:
+  """The loss in `loss_fn`'s output, with a TypeError that names the fix when the output's form is not
+  the one hooked was told (a `(loss, aux)` tuple without `has_aux=True`, a non-scalar loss)."""
+  if has_aux or has_state:
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      flag = "has_state" if has_state else "has_aux"
+      raise TypeError(f"hooked(..., {flag}=True): loss_fn must return a pair (loss, "
+                      f"{'new_model_state' if has_state else 'aux'}), got {type(out).__name__}.")
+    loss = out[0]
+  else:
+    if isinstance(out, (tuple, list)):
+      raise TypeError(f"hooked: loss_fn returned a {type(out).__name__} of {len(out)} values, not a scalar "
+                      f"loss. If it returns (loss, aux), pass has_aux=True (grad_fn then returns ((loss, "
+                      f"aux), grads)); if (loss, new_model_state) with a model state argument, "
+                      f"has_state=True.")
+    loss = out
+  shape = np.shape(loss)
+  if shape != () or not is_float_dtype(getattr(loss, "dtype", np.float32)):
+    raise TypeError(f"hooked: the loss must be a real floating scalar to be differentiated; loss_fn "
+                    f"returned {getattr(loss, 'dtype', type(loss).__name__)}{tuple(shape)}. Reduce it to a "
+                    f"scalar (e.g. .mean()) and return other values as aux (has_aux=True).")
+  return loss
+
+
+def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | tuple[str, ...],
+           has_aux: bool = False, has_state: bool = False, in_loop: Sequence[str] = (),
+           mesh: Any = None) -> Callable[..., Any]:
+  """`grad_fn(params, batch) -> (loss, grads)` whose all-reduces run inside the backward pass.
+
+  (With a deferring schedule: `grad_fn(params, batch, defer_state) -> (loss, grads, new_state)`.)
+
+  The chunks of `schedule` are issued from the backward rules of `custom_vjp` identities placed on the
+  parameter groups before `loss_fn` runs: each group's all-reduce can start as soon as that group's
+  gradients exist, while the rest of backward still runs. A scalar token threaded through the hooks (in
+  reverse issue order) ties each group's first buffer to the previous group's result, so the compiled
+  program keeps one all-reduce per chunk in schedule order (XLA's CPU combiner cannot merge them).
+  Chunks that share a leaf are issued from one hook (see `hook_groups`); issuing in an order other than
+  readiness makes a chunk wait for the slowest one before it.
+
+  The returned gradients are already averaged over `axis_name`: pair them with a plain `tx` (not
+  `scheduled`). The loss is the per-device loss (average it yourself if you log it). Under
+  `shard_map` the hooks also cast the params to varying themselves, so replicated params (`P()`) are
+  fine and the gradients come back replicated (invariant); do not `pcast` them yourself.
+  Integer leaves get float0 gradients (as `jax.grad(..., allow_int=True)` gives); zero-size leaves
+  get their (empty) gradients unreduced.
+
+  A sharded schedule (`dear`, ZeRO-1) makes the hooks reduce-scatter instead: `grad_fn` returns
+  `(value, GradShards)`, this device's mean gradient shards (the DeAR pipeline's first half), which
+  `scheduled(tx, schedule, axis_name=...)`'s `update(shards, opt_state, params)` consumes: it skips
+  its own reduce-scatters, updates the shards and all-gathers the update (flax's
+  `state.apply_gradients(grads=shards)` works as it is). The full gradients are never formed.
+
+  A deferring schedule (`dlcp` with `max_defer > 0`) needs its deferral state, which the caller
+  owns here: `grad_fn(params, batch, defer_state) -> (loss, grads, new_defer_state)` (the state as
+  the last positional argument or `defer_state=`; `((loss, aux), grads, new_defer_state)` with
+  `has_aux`), starting from `prophet_jax.defer_state(schedule)` (under `shard_map`, made inside the
+  map and passed with `prophet_jax.state_specs(state, axis_name)`). Each deferral group's hook takes
+  its state as a primal input and its backward rule returns the new state as that input's
+  "cotangent" (chunk numbers and the mask encoded as float32, exact), so the ranking, the slots and
+  the residuals are those of `scheduled` and `allreduce`, issued inside the backward pass. The
+  deferred chunks' elements are zero in `grads` and wait in the new state's residual.
+
+  On global arrays, in a plain `jax.jit` (or `nnx.jit`) step: pass `mesh=` (the mesh the arrays are
+  placed on; `axis_name` its data axis). The returned `grad_fn` (a `MeshGradFn`) then takes the params
+  replicated (`NamedSharding(mesh, P())`) and the global batch split over the axis (`P(axis_name)`),
+  maps the per-device step above over the mesh itself (`jax.shard_map`, manual over every mesh axis:
+  other axes only replicate it), and returns the loss averaged over the global batch, the gradients
+  replicated for the user's own `tx`, any model state replicated and the aux stacked per device on a
+  new leading axis; the compiled program's gradient all-reduces are the schedule's chunks alone (the
+  partitioner's own all-reduce is gone). `loss_fn` then runs per device, on its slice of the batch, as
+  under `shard_map`: it must be a mean over the examples it is given (a sum would make the gradient
+  the mean of per-device sums), and anything computed across examples (BatchNorm statistics) is per
+  device unless it averages over the axis itself (flax: `nn.BatchNorm(axis_name=...)`). Bad
+  placement is refused with the leaf and the fix (see prophet_jax/_mesh.py); a deferring schedule's
+  state starts from `grad_fn.defer_state()`.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> loss` (or `(loss, aux)` with `has_aux=True`; with
+      `has_state=True`, `loss_fn(params, model_state, batch) -> (loss, new_model_state)`, and with
+      both `(loss, (new_model_state, aux))`, as `pipelined` takes it).
+    schedule: the Schedule to carry out; its rows are the params' floating leaves (minus `in_loop`).
+    axis_name: the data-parallel axis name.
+    has_aux: `loss_fn` returns `(loss, aux)`; `grad_fn` then returns `((loss, aux), grads)`.
+    has_state: `loss_fn` takes a model state after the params and returns `(loss, new_model_state)`;
+      `grad_fn(params, model_state, batch)` then returns `((loss, new_model_state), grads)` (as
+      `jax.value_and_grad(loss_fn, has_aux=True)` does).
+    in_loop: path prefixes (e.g. 'params/blocks') of params reduced inside a scanned body by
+      `loop_hook`; the schedule does not cover them.
+    mesh: run on global arrays inside a plain `jax.jit` over this mesh (see above); None (the
+      default): call `grad_fn` inside your own `jax.shard_map` or `jax.pmap`.
+
+  Returns:
+    `grad_fn(params, batch)` (`grad_fn(params, batch, defer_state)` for a deferring schedule); with
+    `mesh`, a `MeshGradFn` taking and returning global arrays.
+
+  Raises:
+    TypeError: bad arguments (at construction); at trace time, a deferring schedule's grad_fn called
+      without its DeferState.
+    ValueError: `mesh` lacks an axis of `axis_name` (at construction); with `mesh`, at call time,
+      params or a model state not replicated, a batch leaf not split over the axis on its leading
+      axis (or not divisible over it), a new model state that varies over the axis.
+    UnboundAxisError, ScheduleMismatchError: at trace time (ScheduleMismatchError also for the
+      DeferState of another schedule or tree).
+    ValueError: at trace time, under shard_map, a deferral residual passed replicated.
+  """
+  check_values("hooked", loss_fn=loss_fn, schedule=schedule, axis_name=axis_name)
+  for name, flag in (("has_aux", has_aux), ("has_state", has_state)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"hooked({name}={flag!r}): expected True or False.")
+  if isinstance(in_loop, str):
+    in_loop = (in_loop,)
+  in_loop = tuple(in_loop)
+  if schedule.sharded:
+    if in_loop:
+      raise ValueError(f"hooked(in_loop={in_loop!r}) with a sharded schedule ({schedule.policy}): "
+                       f"loop_hook all-reduces a scanned layer's gradients inside the loop, but a "
+                       f"sharded (ZeRO-1) step updates every parameter from its reduce-scatter shard, "
+                       f"and the schedule does not cover those params. Plan the sharded schedule over "
+                       f"every param and drop in_loop, or use an all-reduce schedule with in_loop.")
+    grad_fn = _hooked_sharded(loss_fn, schedule, axis_name, has_aux, has_state)
+    return _mesh.placed_grad_fn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
+                                has_state=has_state)
+  groups = hook_groups(schedule)
+  units = schedule_units(schedule)
+  firsts = np.concatenate([[0], np.cumsum([unit_allreduces(u) for u in units])]).astype(int).tolist()
+  # the deferral groups (their index among the schedule's groups) each hook runs
+  group_index, seen = [], 0
+  for a, b, _ in groups:
+    n_groups = sum(isinstance(u, Bucket) for u in units[a:b])
+    group_index.append(tuple(range(seen, seen + n_groups)))
+    seen += n_groups
+
+  def grad_fn(params, *args, **kwargs):
+    given = _NO_STATE
+    if "defer_state" in kwargs:
+      given = kwargs.pop("defer_state")
+    elif args and (schedule.defers or isinstance(args[-1], DeferState)):
+      *args, given = args
+    setup = step_setup(params, schedule, axis_name, "hooked", defer_state=None if given is _NO_STATE else given,
+                       grads=False, skip_prefixes=in_loop)
+    n, flat, treedef, lmap, vma = setup.n, setup.flat, setup.treedef, setup.lmap, setup.vma
+    defer_state, residual = setup.defer_state, setup.owed
+    for p in in_loop:
+      if not any(q == p or q.startswith(p.rstrip("/") + "/") for q in lmap.paths):
+        raise ValueError(f"hooked(in_loop={in_loop!r}): no leaf of the params has a path starting "
+                         f"with {p!r}; the paths look like {lmap.paths[:3]}.")
+    hooks = []
+    for (a, b, rows), gi in zip(groups, group_index):
+      cast = [vma and not is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
+      hooks.append((rows, gi, _allreduce_hook(units[a:b], firsts[a], rows, axis_name, n, cast)))
+    with_aux = has_aux or has_state
+
+    def inner(flat_params, states):
+      flat_params = list(flat_params)
+      token = jnp.zeros((), jnp.float32)
+      for rows, gi, hook in reversed(hooks):  # backward runs them in reverse: issue order
+        ids = [lmap.row_leaf[r] for r in rows]
+        out, token = hook([flat_params[i] for i in ids], token, tuple(states[g] for g in gi))
+        for i, x in zip(ids, out):
+          flat_params[i] = x
+      out = loss_fn(jax.tree_util.tree_unflatten(treedef, flat_params), *args, **kwargs)
+      loss = _check_loss_output(out, has_aux, has_state)
+      if residual is None:
+        return out
+      # d/dp sum(r * p) = r: the carried residual joins each leaf's cotangent before its hook reduces
+      # it; the value is unchanged (the term minus itself), and the user's output rides as aux
+      term = sum(jnp.sum(r.astype(jnp.float32) * x.astype(jnp.float32))
+                 for r, x in zip(residual, flat_params) if r is not None)
+      return loss + (term - jax.lax.stop_gradient(term)).astype(loss.dtype), out
+
+    calls: list[str] = []
+    states = tuple(_encode(g) for g in group_states(defer_state)) if schedule.defers else ()
+    with _loop_axis(axis_name, n, vma, calls):
+      value, (grads, new_states) = jax.value_and_grad(inner, argnums=(0, 1),
+                                                      has_aux=with_aux or residual is not None,
+                                                      allow_int=True)(flat, states)
+    if residual is not None:
+      value = value[1]   # what loss_fn returned: the carry term is not part of the value
+    if in_loop and not calls:
+      raise ValueError(f"hooked(in_loop={in_loop!r}): loss_fn never called prophet_jax's loop_hook, so "
+                       f"those params would not be all-reduced. Apply loop_hook to the layer params "
+                       f"inside the scanned body (see models/scan.py), or drop in_loop and plan a "
+                       f"schedule that covers them.")
+    grads = jax.tree_util.tree_unflatten(treedef, grads)
+    if schedule.defers:
+      return value, grads, with_groups(defer_state, [_decode(x) for x in new_states])
+    if given is not _NO_STATE:   # a state was passed (a re-plan's): state in, state out
+      return value, grads, None
+    return value, grads
+
+  # global arrays in a plain jax.jit (mesh=): the same grad_fn mapped over the mesh
+  return _mesh.placed_grad_fn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
+                              has_state=has_state, init_state=(lambda: defer_init(schedule)) if schedule.defers
+                              else None)

@@ -1,0 +1,312 @@
+"""The reduction paths' entry points, over the one engine (`_collectives`): `allreduce`, the step's
+`scheduled_allreduce` and `accumulated_allreduce`, and the one step setup every path runs first
+(`step_setup`: the axis size, the tree matched to the schedule, the state's schedule, a re-plan's
+state carried over (`carry_over`), the varying checks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._accumulate import check_state as check_accum
+from ._collectives import (axis_size, check_not_reduced, is_varying, reduce_units, schedule_chains, schedule_units,
+                           sharded_allreduce, to_varying, vma_enabled)
+from ._defer import (DeferState, add_residual, belongs, check_state, group_states, schedule_of, with_groups)
+from ._defer import init as defer_init
+from .._values._checks import check_bool, match_tree
+from .._values._errors import ScheduleMismatchError
+from .._values._schedule import Schedule
+from .._values._tree import is_reduced_leaf
+
+__all__ = ["allreduce", "step_setup", "StepSetup", "carries", "carry_over", "scheduled_allreduce",
+           "accumulated_allreduce", "check_residual_varying", "check_not_varying"]
+
+
+def check_residual_varying(state: Any, axis_name: Any, where: str) -> None:
+  """ValueError when, under shard_map with check_vma, a DeferState's residual arrives replicated (`P()`).
+
+  Each device's residual holds its own deferred values; passed with `P()`, every device starts from
+  one copy and the step's new residuals (which vary over the axis) cannot leave through `P()` either:
+  the deferred values of all devices but one would be lost. Only checkable where jax marks values
+  varying (shard_map's default check_vma); under pmap every state is per device anyway.
+  """
+  for gi, r in enumerate(state.residual):
+    if not is_varying(r, axis_name):
+      raise ValueError(
+          f"{where}: the deferral state's residual of group {gi} (shape {tuple(np.shape(r))} per "
+          f"device) is replicated over axis {axis_name!r} (passed with PartitionSpec P()), but each "
+          f"device's residual is its own: pass the state with prophet_jax.state_specs(state, "
+          f"{axis_name!r}) as in_specs and out_specs (P({axis_name!r}) for residuals, P() for the "
+          f"rest), and make the initial state inside the shard_map with those out_specs.")
+
+
+def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
+              defer_state: Any = None) -> Any:
+  """All-reduces `grads` over `axis_name` chunk by chunk, in the schedule's order.
+
+  Call it inside `jax.pmap(..., axis_name=...)` or `jax.shard_map` (under `jit`). Rows of the schedule
+  are matched to leaves by their canonical path ('params/Dense_0/kernel'). For each chunk, in issue
+  order: its element slices are gathered into one flat buffer, reduced by one `psum` labelled
+  `jax.named_scope("prophet/chunk<k>")`, and scattered back. Each chunk's buffer is tied to the previous
+  chunk's result (an exact, NaN-proof zero), so the compiled program keeps one all-reduce per chunk, in
+  schedule order, even in a plain `jax.pmap` with default XLA flags on the CPU. With
+  `schedule.links` (planned for `links > 1`), each link is its own tie chain, so up to that many
+  all-reduces may be in flight (not on the CPU, whose collectives are synchronous: ValueError).
+
+  A sharded schedule (`dear`, `schedule.gathers`) is carried out as reduce-scatters then all-gathers:
+  each chunk's buffer (zero-padded to a multiple of the axis size) is reduce-scattered under
+  `prophet/rs<k>`, in chunk order, then each gather's shards are all-gathered under `prophet/ag<g>`,
+  in gather order, all in one tie chain; the result is the replicated mean, as above. (Inside a
+  training step, `scheduled(tx, schedule)` updates each device's shard between the two halves
+  instead: ZeRO-1.)
+
+  A schedule with deferral groups (`dlcp` with `max_defer > 0`) needs their state: pass
+  `defer_state` (from `prophet_jax.defer_state(schedule)`, then the one returned) and get
+  `(reduced, new_defer_state)`; a deferred chunk's elements are zero in `reduced` and kept in the
+  state's residual, to be added to the same elements at the next call (`Bucket` has the semantics).
+  After a re-plan, pass the old schedule's state to the new one: its residual is added to these
+  gradients (nothing deferred is lost) and the new schedule starts from its initial state (None for
+  a lossless one: then `(reduced, None)` is returned).
+
+  Integer leaves and float0 gradients pass through unreduced; zero-size leaves pass through unchanged.
+
+  Under `shard_map` with `check_vma=True` (the default) the gradients of replicated params are already
+  summed by `jax.grad`; this is detected and raises AlreadyReducedError. Under `pmap` (and
+  `check_vma=False`) it cannot be detected: there, make sure the gradients are per-device.
+
+  Args:
+    grads: a pytree of per-device gradients, the tree the schedule was planned for.
+    schedule: a Schedule (from `prophet_jax.plan`).
+    axis_name: the data-parallel axis (a name bound by pmap or shard_map).
+    mean: divide the sums by the axis size (a `pmean`); False gives the `psum`.
+    defer_state: the DeferState of a schedule that defers (None otherwise).
+
+  Returns:
+    The reduced tree, same structure, shapes and dtypes; `(tree, new_defer_state)` when the schedule
+    defers.
+
+  Raises:
+    UnboundAxisError: `axis_name` is not bound here.
+    ScheduleMismatchError: the schedule was planned for another tree (the path, shape or dtype at fault
+      is named), or `defer_state` belongs to another schedule.
+    AlreadyReducedError: under shard_map with check_vma, the gradients are already summed.
+    ValueError: the tree is empty; more links than the platform runs at once.
+    TypeError: a deferring schedule without `defer_state`, or a `defer_state` for one that does not
+      defer.
+
+  Example:
+    >>> step = jax.pmap(lambda g: prophet_jax.allreduce(g, schedule, "data"), axis_name="data")
+  """
+  reduced, new = scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce",
+                                     defer_state=defer_state)
+  return (reduced, new) if schedule.defers or defer_state is not None else reduced
+
+
+def carries(state: Any, schedule: Schedule) -> bool:
+  """Whether `state` is a DeferState of another schedule than `schedule` (a re-plan's): one whose
+  residual the step carries over (`carry_over`) instead of using it as its own."""
+  return isinstance(state, DeferState) and not belongs(state, schedule)
+
+
+def carry_over(grads: Any, state: DeferState, schedule: Schedule, axis_name: Any, where: str
+               ) -> tuple[Any, Any]:
+  """A re-plan without a lost byte: (`grads` with `state`'s residual added at the elements it was
+  deferred from, `schedule`'s initial deferral state or None).
+
+  `state` was made by another schedule of the same tree (it records which, `_defer.schedule_of`): its
+  residual holds this device's deferred values, which that schedule would have added to the next
+  gradients; they are added to these, which `schedule` then reduces from its own initial state (the
+  first step of a new plan). Under shard_map with check_vma the new residuals are marked varying,
+  as every device's own.
+
+  Raises:
+    ScheduleMismatchError: the state's schedule was planned for another tree (the residual's elements
+      are not these gradients'), or the state does not record its schedule; both say how to keep it.
+  """
+  old = schedule_of(state)
+  if old is None:
+    check_state(state, schedule, where)   # raises, saying how to carry a residual
+  try:
+    grads = add_residual(grads, old, state, where)
+  except ScheduleMismatchError as e:
+    raise ScheduleMismatchError(
+        f"{where}: the deferral state was made by a schedule for another tree (a {old.policy} plan of "
+        f"{len(old.rows)} leaves), so its residual, gradient values deferred and not yet applied, "
+        f"cannot be added to these gradients ({e}). Apply it with the old model before changing it: "
+        f"g = jax.lax.pmean(prophet_jax.deferred_grads(state, old_params), axis), then tx.update(g, "
+        f"...), and start the new plan from its init.") from None
+  new = defer_init(schedule)
+  if new is not None and vma_enabled(axis_name):
+    new = new._replace(residual=tuple(to_varying(r, axis_name) for r in new.residual))
+  return grads, new
+
+
+class StepSetup(NamedTuple):
+  """What every reduction path knows once its preamble ran (`step_setup`).
+
+  Attributes:
+    n: the size of the bound axis.
+    flat: the tree's leaves, in flatten order.
+    treedef: the tree's structure.
+    lmap: the schedule's rows matched to `flat` (`match_tree`).
+    defer_state: the deferral state this step continues from: the given one, or, for a re-plan's
+      state of another schedule, this schedule's initial one (None when it defers nothing).
+    owed: for a re-plan's state, the old residual at its elements, one entry per leaf of `flat`
+      (None for a leaf no row covers), to be added to this step's gradients; else None.
+    vma: whether values carry the axes they vary over here (shard_map's check_vma).
+  """
+
+  n: int
+  flat: list[Any]
+  treedef: Any
+  lmap: Any
+  defer_state: Any
+  owed: list[Any] | None
+  vma: bool
+
+
+def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, defer_state: Any = None,
+               grads: bool = True, carry: bool = True, skip_prefixes: Sequence[str] = ()) -> StepSetup:
+  """The preamble every reduction path runs, written once: the axis size, the tree matched to the
+  schedule, the state's schedule (a re-plan's state carried over: `carry_over`; this schedule's own
+  checked: `_defer.check_state`), and the varying checks under shard_map's check_vma.
+
+  Args:
+    tree: the per-device gradients (`grads=True`: none may be already summed over the axis) or the
+      params of `hooked` (`grads=False`: none may already vary over the axis).
+    schedule: the schedule the step carries out.
+    axis_name: the mapped axis.
+    where: the public caller, for messages.
+    defer_state: the deferral state given to the step, or None.
+    carry: carry a re-plan's state over here; False leaves such a state as it is, for a path that
+      carries it later (`accumulated_allreduce`, on the k-th micro-step).
+    skip_prefixes: paths the schedule does not cover (`hooked(in_loop=...)`).
+
+  Raises:
+    UnboundAxisError, ScheduleMismatchError, AlreadyReducedError, TypeError, ValueError: as the
+    checks named above.
+  """
+  n = axis_size(axis_name, where)
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  lmap = match_tree(leaves_with_path, schedule, where=where, skip_prefixes=skip_prefixes)
+  flat = [leaf for _, leaf in leaves_with_path]
+  vma = vma_enabled(axis_name)
+  owed = None
+  if carries(defer_state, schedule):
+    if carry:   # a re-plan: the old schedule's residual joins these gradients
+      zeros = jax.tree_util.tree_unflatten(treedef, [jnp.zeros(np.shape(x), x.dtype) if is_reduced_leaf(x)
+                                                     else x for x in flat])
+      zeros, defer_state = carry_over(zeros, defer_state, schedule, axis_name, where)
+      rows = set(lmap.row_leaf)
+      owed = [x if i in rows else None for i, x in enumerate(jax.tree_util.tree_leaves(zeros))]
+  elif schedule.defers or defer_state is not None:
+    check_state(defer_state, schedule, where)
+  if grads:
+    check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
+  elif vma:
+    check_not_varying(flat, lmap, axis_name, where)
+  if isinstance(defer_state, DeferState) and vma and not carries(defer_state, schedule):
+    check_residual_varying(defer_state, axis_name, where)
+  return StepSetup(n=n, flat=flat, treedef=treedef, lmap=lmap, defer_state=defer_state, owed=owed, vma=vma)
+
+
+def check_not_varying(flat: Sequence[Any], lmap: Any, axis_name: Any, where: str) -> None:
+  """ValueError when, under shard_map with check_vma, a parameter already varies over the axis: the
+  README's `pcast` line of `scheduled` kept in a `hooked` step. hooked marks the params varying itself
+  (and returns the gradients replicated), so the cast is not needed and breaks the hooks' types."""
+  for i in lmap.row_leaf:
+    if is_varying(flat[i], axis_name):
+      raise ValueError(
+          f"{where}: parameter {lmap.paths[i]!r} already varies over axis {axis_name!r} (e.g. "
+          f"jax.lax.pcast(params, {axis_name!r}, to='varying'), the line a scheduled(...) step needs, or "
+          f"params passed with in_specs P({axis_name!r})). hooked marks the replicated params varying "
+          f"itself and returns gradients averaged over the axis: pass them as they are (replicated, "
+          f"in_specs P()), without the pcast.")
+
+
+def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
+                        where: str = "allreduce", defer_state: Any = None) -> tuple[Any, Any]:
+  """`allreduce` as (reduced tree, new DeferState or None), with `where` naming the public caller.
+
+  A schedule that defers nothing, given no state, never calls into `_defer`. A DeferState of another
+  schedule of the same tree (a re-plan) is carried over (`carry_over`): its residual is added to
+  `grads`, and `schedule` starts from its initial state."""
+  check_bool(where, "mean", mean)
+  s = step_setup(grads, schedule, axis_name, where, defer_state=defer_state)
+  flat, n, defer_state = with_owed(s), s.n, s.defer_state
+  chains = schedule_chains(schedule, where)
+  if schedule.sharded:  # reduce-scatters, then all-gathers: replicated, as an all-reduce's result
+    flat = sharded_allreduce(flat, schedule, s.lmap.row_leaf, axis_name, n=n, divisor=n if mean else None)
+    return jax.tree_util.tree_unflatten(s.treedef, flat), None
+  flat, _, groups = reduce_units(flat, schedule_units(schedule), s.lmap.row_leaf, axis_name,
+                                 divisor=n if mean else None,
+                                 defer=() if defer_state is None else group_states(defer_state),
+                                 prev=None if chains is None else (None,) * (max(chains) + 1),
+                                 chains=chains)
+  new = with_groups(defer_state, groups) if schedule.defers else None
+  return jax.tree_util.tree_unflatten(s.treedef, flat), new
+
+
+def with_owed(s: StepSetup) -> list[Any]:
+  """The setup's leaves with a re-plan's owed residual added (`StepSetup.owed`)."""
+  if s.owed is None:
+    return s.flat
+  return [x if o is None else x + o for x, o in zip(s.flat, s.owed)]
+
+
+def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, every_k: int, accum: Any,
+                          mean: bool = True, where: str = "scheduled", defer_state: Any = None
+                          ) -> tuple[Any, Any, Any, jax.Array]:
+  """`scheduled_allreduce` once per `every_k` calls: gradient accumulation (`scheduled(..., every_k=k)`).
+
+  Adds this device's `grads` to `accum`'s sums (an `_accumulate.AccumState`); on the k-th call since
+  the last all-reduce it reduces the mean of the k micro-steps' gradients on the schedule (every
+  chunk, deferral included) and resets the sums, and on the other calls it issues nothing: the
+  all-reduces sit in the true branch of one `lax.cond` on the replicated count, so the compiled
+  program runs them only when that branch is taken. The reduced gradients are zero on the other calls.
+
+  Returns:
+    (the reduced tree on the k-th call, zeros otherwise; the new DeferState or None, changed on the
+    k-th call only; the new AccumState; `emit`, a replicated bool: whether this call reduced).
+  """
+  check_bool(where, "mean", mean)
+  check_accum(accum, schedule, where)
+  s = step_setup(grads, schedule, axis_name, where, defer_state=defer_state, carry=False)
+  flat, treedef, lmap = s.flat, s.treedef, s.lmap
+  if s.vma:
+    for (path, _, _), a in zip(schedule.rows, accum.grads):
+      if not is_varying(a, axis_name):
+        raise ValueError(
+            f"{where}: the gradient accumulator's sum for {path!r} (shape {tuple(np.shape(a))} per device) "
+            f"is replicated over axis {axis_name!r} (passed with PartitionSpec P()), but each device "
+            f"sums its own gradients: pass the optimizer state with prophet_jax.state_specs(state, "
+            f"{axis_name!r}) as in_specs and out_specs (P({axis_name!r}) for the sums, P() for the rest), "
+            f"and make the initial state inside the shard_map with those out_specs.")
+  rows = tuple(a[0] + flat[i].astype(a.dtype) for a, i in zip(accum.grads, lmap.row_leaf))
+  count = accum.count + 1
+  emit = count >= every_k
+
+  def fire(rows, defer):
+    mine = list(flat)
+    for i, r in zip(lmap.row_leaf, rows):
+      mine[i] = (r / every_k).astype(flat[i].dtype)
+    red, new = scheduled_allreduce(jax.tree_util.tree_unflatten(treedef, mine), schedule, axis_name,
+                                   mean=mean, where=where, defer_state=defer)
+    red = jax.tree_util.tree_leaves(red)
+    return tuple(red[i] for i in lmap.row_leaf), new, tuple(jnp.zeros_like(r) for r in rows)
+
+  def wait(rows, defer):
+    return tuple(jnp.zeros(np.shape(flat[i]), flat[i].dtype) for i in lmap.row_leaf), defer, rows
+
+  reduced, new_defer, rows = jax.lax.cond(emit, fire, wait, rows, defer_state)
+  out = list(flat)
+  for i, r in zip(lmap.row_leaf, reduced):
+    out[i] = r
+  new_accum = type(accum)(count=jnp.where(emit, 0, count).astype(jnp.int32),
+                          grads=tuple(r[None] for r in rows))
+  return jax.tree_util.tree_unflatten(treedef, out), new_defer, new_accum, emit

@@ -1,0 +1,316 @@
+"""The library's per-device states, as one layer: what a step carries from one call to the next.
+
+- `ScheduledState(inner, defer_state, accum)`: the state of `scheduled(tx, ...)`;
+- `DeferState`: a deferring schedule's groups (`_defer` makes and checks it, the engine steps it);
+- `ShardedState(per_device, tag)`: `tx`'s state of this device's shards under a sharded schedule, and
+  `GradShards`, the reduce-scattered gradients `hooked` hands to `scheduled` (`_zero`);
+- `AccumState(count, grads)`: the micro-step sums of `scheduled(..., every_k=k)` (`_accumulate`).
+
+One tag: `StateTag`, a leafless pytree node whose structure holds the schedule's one key
+(`schedule_key`), the state's layout (a deferral group's (m, rows, c, dtype), or a `ShardLayout`) and
+the schedule itself (compared by key alone, so jit's treedef comparisons stay cheap): a state of
+another schedule or tree is caught at trace time, and a state records what converting it needs
+(`_convert.convert`, above the modules that make each state). One rule for specs: `state_specs`
+gives `P(axis)` to each device's own parts, found by type or, in containers that re-label fields
+(`flax.nnx`), by the one path rule `per_device_path`. Saved states keep their field names and key
+paths (tests/test_states.py restores states saved before this module existed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import PartitionSpec
+
+from .._values._schedule import Schedule
+from .._values._tree import IdentityMemo
+
+__all__ = ["StateTag", "ShardLayout", "schedule_key", "ScheduledState", "DeferState", "ShardedState",
+           "GradShards", "AccumState", "per_device_path", "state_specs", "is_state", "per_device_leaves"]
+
+
+# --------------------------------------------------------------------------------------------------
+# the one tag
+
+
+@IdentityMemo(64)
+def schedule_key(schedule: Schedule) -> str:
+  """A short hash of everything a state's layout depends on: the tree fingerprint, every bucket's
+  chunks (their slices), its deferral and release, and the gathers of a sharded schedule."""
+  h = hashlib.sha256(schedule.tree_fingerprint.encode())
+  for b in schedule.buckets:
+    h.update(repr((tuple(c.slices for c in b.chunks), b.defer) + ((b.release,) if b.release != 1 else ()))
+             .encode())
+  h.update(repr(schedule.gathers).encode())
+  return h.hexdigest()[:16]
+
+
+class ShardLayout(NamedTuple):
+  """A shard state's layout: the axis size `n` its shards were cut for, `shard_size` of every chunk,
+  and the mode ('elementwise' or 'global-norm' for an optimizer state, '' for gradient shards)."""
+
+  n: int
+  sizes: tuple[int, ...]
+  mode: str = ""
+
+
+class _ScheduleRef:
+  """The schedule a tag was made for, in the tag's pytree data; compared by the schedule's key alone."""
+
+  __slots__ = ("key", "schedule")
+
+  def __init__(self, key: str, schedule: Schedule | None):
+    self.key, self.schedule = key, schedule
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _ScheduleRef) and other.key == self.key
+
+  def __hash__(self) -> int:
+    return hash(self.key)
+
+  def __repr__(self) -> str:
+    return f"<schedule {self.key}>"
+
+
+@jax.tree_util.register_pytree_node_class
+class StateTag:
+  """A leafless pytree node whose structure says which schedule a state belongs to, and its layout.
+
+  Attributes:
+    key: `schedule_key` of the schedule.
+    fingerprint: the schedule's `tree_fingerprint` (for messages).
+    layout: a DeferState's (m, rows, c, dtype) per deferral group, in issue order; a ShardedState's or
+      GradShards' `ShardLayout`.
+    schedule: the Schedule itself (what `convert` and a re-plan's carry need), or None.
+  """
+
+  __slots__ = ("key", "fingerprint", "layout", "_ref")
+
+  def __init__(self, key: str, fingerprint: str, layout: Any, schedule: Schedule | _ScheduleRef | None = None):
+    self.key, self.fingerprint = key, fingerprint
+    self.layout = layout if isinstance(layout, ShardLayout) else tuple(layout)
+    self._ref = schedule if isinstance(schedule, _ScheduleRef) else _ScheduleRef(key, schedule)
+
+  @classmethod
+  def of(cls, schedule: Schedule, layout: Any) -> StateTag:
+    return cls(schedule_key(schedule), schedule.tree_fingerprint, layout, schedule)
+
+  @property
+  def schedule(self) -> Schedule | None:
+    return self._ref.schedule
+
+  # a shard state's layout, by name
+  n = property(lambda self: self.layout.n)
+  sizes = property(lambda self: self.layout.sizes)
+  mode = property(lambda self: self.layout.mode)
+
+  def tree_flatten(self):
+    return (), (self.key, self.fingerprint, self.layout, self._ref)
+
+  @classmethod
+  def tree_unflatten(cls, aux, _):
+    return cls(*aux)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, StateTag) and (self.key, self.layout) == (other.key, other.layout)
+
+  def __hash__(self) -> int:
+    return hash((self.key, self.layout))
+
+  def __repr__(self) -> str:
+    if isinstance(self.layout, ShardLayout):
+      what = "optimizer state" if self.layout.mode else "gradient shards"
+      mode = f", {self.layout.mode}" if self.layout.mode else ""
+      return (f"StateTag(the ZeRO-1 {what} of schedule {self.key}, tree {self.fingerprint}, "
+              f"n={self.layout.n}, {len(self.layout.sizes)} shards{mode})")
+    return (f"StateTag(the deferral state of schedule {self.key}, tree {self.fingerprint}, "
+            f"{len(self.layout)} groups)")
+
+
+# --------------------------------------------------------------------------------------------------
+# the states
+
+
+class ScheduledState(NamedTuple):
+  """State of `scheduled(tx, ...)`.
+
+  Attributes:
+    inner: the wrapped transformation's state, unchanged (a `ShardedState` under a sharded schedule).
+    defer_state: the schedule's `DeferState` (`prophet_jax.defer_state`) when it defers (`dlcp` with
+      `max_defer > 0`), else None. Its residuals are each device's own: under `shard_map`, pass the
+      whole optimizer state with `prophet_jax.state_specs(opt_state, axis_name)`.
+    accum: with `every_k > 1`, the gradient accumulator (`AccumState`: the micro-step count and each
+      device's sums, which `state_specs` also gives `P(axis_name)`), else None.
+  """
+
+  inner: Any
+  defer_state: Any = None
+  accum: Any = None
+
+
+class DeferState(NamedTuple):
+  """The deferral state of a schedule's deferral groups (one entry per group, in issue order).
+
+  Attributes:
+    norms: f32[m] per group: the L2 norm of each chunk's reduced values when it was last sent
+      (replicated).
+    deferred: bool[m] per group: the chunks deferred in the previous step (replicated).
+    index: int32[k] per group: their chunk numbers, in rank order (replicated); under damped
+      feedback (`Bucket.release` < 1) int32[m], every chunk's number in order.
+    residual: dtype[1, k, c] per group: this device's values of those chunks, added to the same
+      elements at the next step (per device); dtype[1, m, c] under damped feedback: each chunk's
+      values not yet sent.
+    tag: no arrays; its pytree structure names the schedule (`StateTag`).
+  """
+
+  norms: tuple[jax.Array, ...]
+  deferred: tuple[jax.Array, ...]
+  index: tuple[jax.Array, ...]
+  residual: tuple[jax.Array, ...]
+  tag: StateTag
+
+
+class ShardedState(NamedTuple):
+  """The optimizer state of `scheduled(tx, sharded_schedule)` (ZeRO-1): `tx`'s state for this
+  device's shards only.
+
+  Attributes:
+    per_device: `tx.init` of this device's shards (a tuple of 1-D arrays, one per chunk, and a float32
+      scalar in 'global-norm' mode), every leaf with a leading axis of 1: each device's own
+      (`P(axis_name)` under shard_map, `state_specs` says so; under pmap, per device as any state).
+    tag: no arrays; its structure records the schedule, the axis size and the mode (`StateTag` with a
+      `ShardLayout`).
+  """
+
+  per_device: Any
+  tag: StateTag
+
+
+class GradShards(NamedTuple):
+  """This device's reduced gradient shards, as `hooked(loss_fn, sharded_schedule)` returns them.
+
+  The reduce-scatters ran inside backward; `scheduled(tx, schedule)`'s `update` takes this value in
+  place of the gradients (and the params, which it needs to lay out the update), skips its own
+  reduce-scatters, runs `tx` on the shards and all-gathers the update: the DeAR pipeline.
+
+  Attributes:
+    shards: the mean gradient of this device's shard of every chunk (`shard_size` elements each), in
+      chunk order.
+    token: shape (1,): an exact zero tied to the last reduce-scatter's result (the next all-gather of
+      the same tie chain is tied to it).
+    tag: no arrays; the schedule and the axis size (`StateTag`, mode '').
+  """
+
+  shards: tuple[jax.Array, ...]
+  token: jax.Array
+  tag: StateTag
+
+
+class AccumState(NamedTuple):
+  """The gradient accumulator of `scheduled(..., every_k=k)`.
+
+  Attributes:
+    count: int32[]: micro-steps accumulated since the last all-reduce (replicated; 0 after the k-th).
+    grads: per schedule row (its order), `(1, *row shape)`: this device's sum of the micro-step
+      gradients since the last all-reduce (float32 for rows narrower than 32 bits).
+  """
+
+  count: jax.Array
+  grads: tuple[jax.Array, ...]
+
+
+_STATES = (DeferState, ShardedState, GradShards, AccumState)
+
+
+def is_state(x: Any) -> bool:
+  """Whether `x` is one of the library's per-device states (a DeferState, ShardedState, GradShards or
+  AccumState)."""
+  return isinstance(x, _STATES)
+
+
+# --------------------------------------------------------------------------------------------------
+# specs: one rule
+
+
+def _key_name(k: Any) -> Any:
+  """The name in a pytree path entry (a dict key, an attribute or field name), else None."""
+  for attr in ("key", "name"):
+    v = getattr(k, attr, None)
+    if isinstance(v, str):
+      return v
+  return None
+
+
+def per_device_path(names: Sequence[Any]) -> bool:
+  """Whether a leaf at a path of entry names is each device's own, where a container re-labelled the
+  library's NamedTuples (`flax.nnx` keeps them as nested dicts): under a `per_device` entry (a
+  ShardedState), under `residual` under `defer_state` (a ScheduledState's DeferState), or under
+  `grads` under `accum` (a ScheduledState's AccumState)."""
+  names = list(names)
+
+  def under(outer: str, inner: str) -> bool:
+    return outer in names and inner in names[names.index(outer):]
+
+  return "per_device" in names or under("defer_state", "residual") or under("accum", "grads")
+
+
+def _specs_of(x: Any, axis_name: Any) -> Any:
+  """The specs of one library state: its per-device parts `P(axis_name)`, the rest `P()`."""
+  P = PartitionSpec
+  each = lambda f: jax.tree_util.tree_map(lambda _: P(axis_name), f)  # noqa: E731
+  rep = lambda f: jax.tree_util.tree_map(lambda _: P(), f)  # noqa: E731
+  if isinstance(x, DeferState):
+    return DeferState(norms=rep(x.norms), deferred=rep(x.deferred), index=rep(x.index),
+                      residual=each(x.residual), tag=x.tag)
+  if isinstance(x, AccumState):
+    return AccumState(count=P(), grads=each(x.grads))
+  return type(x)(*(each(f) for f in x[:-1]), x.tag)   # ShardedState, GradShards: all per device
+
+
+def state_specs(state: Any, axis_name: Any) -> Any:
+  """PartitionSpecs for `jax.shard_map` of any state holding the library's per-device parts (an optax
+  state, a TrainState, a PipelinedState, a `flax.nnx` state, ...): `P(axis_name)` for every leaf of a
+  `ShardedState` (a sharded schedule's optimizer state: each device's shard, on a leading axis of 1)
+  and of `GradShards`, for each DeferState's residuals and for each gradient accumulator's sums
+  (`scheduled(..., every_k=k)`'s `AccumState`); `P()` for every other leaf (replicated).
+
+  A ShardedState, DeferState or AccumState is found by its type, or, where a container re-labelled its
+  fields (`flax.nnx` stores an optimizer state as nested dicts of Variables), by its path: a leaf under a
+  `per_device` entry, under a `residual` entry under a `defer_state` entry, or under a `grads` entry
+  under an `accum` entry.
+
+  Args:
+    state: the state (arrays or ShapeDtypeStructs; for a sharded schedule, made inside the mapping:
+      its shard sizes depend on the axis size).
+    axis_name: the data-parallel mesh axis.
+
+  Returns:
+    A tree of PartitionSpecs with the structure of `state`.
+  """
+  def one(path, x):
+    if is_state(x):
+      return _specs_of(x, axis_name)
+    return PartitionSpec(axis_name) if per_device_path([_key_name(k) for k in path]) else PartitionSpec()
+
+  return jax.tree_util.tree_map_with_path(one, state, is_leaf=is_state)
+
+
+def per_device_leaves(state: Any) -> list[tuple[str, Any]]:
+  """(a name for messages, the leaf) for every leaf of `state` that `state_specs` gives the axis: what
+  a placement check reads (each device's part, on the leading axis of a global array)."""
+  out: list[tuple[str, Any]] = []
+  for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_state)[0]:
+    if isinstance(x, DeferState):
+      out += [(f"the deferral state's residual of group {i}", r) for i, r in enumerate(x.residual)]
+    elif isinstance(x, AccumState):
+      out += [(f"the gradient accumulator's sum {i}", g) for i, g in enumerate(x.grads)]
+    elif isinstance(x, (ShardedState, GradShards)):
+      what = "sharded optimizer state" if isinstance(x, ShardedState) else "gradient shards"
+      out += [(f"the {what}'s leaf {jax.tree_util.keystr(p)}", y)
+              for p, y in jax.tree_util.tree_flatten_with_path(x[:-1])[0]]
+    elif per_device_path([_key_name(k) for k in path]):
+      out.append((f"the state's leaf {jax.tree_util.keystr(path)}", x))
+  return out
