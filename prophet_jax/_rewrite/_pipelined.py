@@ -109,8 +109,9 @@ from jax.sharding import PartitionSpec
 from . import _defer, _states, _zero
 from .._values._checks import check_values, match_tree
 from ._collectives import axis_size, is_varying, to_varying, vma_enabled
-from ._reduction import allreduce
+from ._reduction import add_owed, allreduce, check_foreign
 from ._defer import DeferState
+from ._states import OwedState
 from .._values._errors import ScheduleMismatchError
 from ._mesh import placed_step
 from ._pending import Pending, PipelinedState, _meta_nbytes, _PendingMeta, _round_to_dtype, _Traced
@@ -257,10 +258,10 @@ class Pipelined:
                                                                    where)
     elif defer is None and self.schedule.defers:
       defer = _defer.init(self.schedule)  # nothing was deferred (a lossless step's state): start here
-    elif not (_defer.carries_over(defer, self.schedule)):
+    elif isinstance(defer, OwedState):   # convert_state's owed values ride until the next backward,
+      check_foreign(defer, self.schedule, where)   # which adds them to its gradients (`_reduce`)
+    else:
       self._check_defer(defer, self.schedule, where)
-    # else: a re-plan after a flush: the state of the old schedule rides until the next backward,
-    # which adds its residual to those gradients (`_reduce`)
     loss, model_state, aux, pending = self._forward(params, state.model_state, batch, batch_tree,
                                                     batch_avals, traced)
     new = PipelinedState(params=params, opt_state=opt_state, pending=pending, model_state=model_state,
@@ -364,10 +365,11 @@ class Pipelined:
     where = "pipelined.deferred_grads"
     self._check_state(state, where)
     schedule = self.schedule if state.pending is None else state.pending.meta.schedule
-    if _defer.carries_over(state.defer, schedule):
-      schedule = _defer.schedule_of(state.defer)   # a re-plan's state: its own schedule's elements
-    self._check_defer(state.defer, schedule, where)
     zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+    if isinstance(state.defer, OwedState):   # convert_state's: owed to the next backward
+      check_foreign(state.defer, self.schedule, where)
+      return add_owed(zeros, state.defer, self.schedule, where)
+    self._check_defer(state.defer, schedule, where)
     return zeros if state.defer is None else _defer.add_residual(zeros, schedule, state.defer, where)
 
   def residual_bytes(self, state: PipelinedState) -> int:
@@ -488,7 +490,9 @@ class Pipelined:
     if len(pending.residuals) != len(meta.residuals):
       raise ValueError(f"{where}: the state's pending node holds {len(pending.residuals)} arrays but "
                        f"records {len(meta.residuals)}; it was edited. Start from init(params).")
-    if not _defer.carries_over(defer, schedule):   # a re-plan's state is carried over by `_reduce`
+    if isinstance(defer, OwedState):   # convert_state's owed values: added by `_reduce`
+      check_foreign(defer, self.schedule, where)
+    else:
       self._check_defer(defer, schedule, where)
     with jax.named_scope("pipelined_backward"):
       leaves = recompute(closed, plan, len(jax.tree_util.tree_leaves(pv)), n_head=trace.n_head)(
@@ -530,9 +534,16 @@ class Pipelined:
     if _defer.same_groups(schedule, self.schedule):
       if not schedule.defers and defer is None:
         return allreduce(grads, schedule, self.axis_name, mean=True), None
-      # a state of a third schedule (a re-plan after a flush) is carried over by allreduce itself
+      if isinstance(defer, OwedState):   # convert_state's owed values join these gradients
+        grads, defer = add_owed(grads, defer, self.schedule, where), _defer.init(schedule)
+        if defer is None:
+          return allreduce(grads, schedule, self.axis_name, mean=True), None
+        defer = defer._replace(residual=tuple(to_varying(r, self.axis_name) if vma_enabled(self.axis_name)
+                                              else r for r in defer.residual))
       return allreduce(grads, schedule, self.axis_name, mean=True, defer_state=defer)
-    if defer is not None:
+    if isinstance(defer, OwedState):
+      grads = add_owed(grads, defer, self.schedule, where)
+    elif defer is not None:
       grads = _defer.add_residual(grads, _defer.schedule_of(defer) or schedule, defer, where)
     grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=True)
     return grads, _defer.init(self.schedule)
@@ -586,19 +597,18 @@ class Pipelined:
     if state.pending is not None and not isinstance(state.pending, Pending):
       raise TypeError(f"{where}: state.pending must be None or a Pending node, got "
                       f"{type(state.pending).__name__}.")
-    if state.defer is not None and not isinstance(state.defer, DeferState):
-      raise TypeError(f"{where}: state.defer must be None or a prophet_jax.DeferState, got "
+    if state.defer is not None and not isinstance(state.defer, (DeferState, OwedState)):
+      raise TypeError(f"{where}: state.defer must be None or a prophet_jax.DeferState (or convert_state's "
+                      f"OwedState), got "
                       f"{type(state.defer).__name__}. Start with state = pipelined(...).init(params).")
 
   def _check_defer(self, defer: Any, schedule: Schedule, where: str) -> None:
     """`_defer.check_state` for `state.defer` against the schedule it is used with, the fix said for
     a pipelined state."""
     hint = ("A pipelined step makes its deferral state in init and threads it through step and flush; "
-            "a re-plan between calls carries it over while a forward is pending (the first call under "
-            "the new schedule ends the old deferral groups, their residual added back). After a flush "
-            "under another schedule, its residual is only meaningful for that schedule's chunks: apply "
-            "it with that step (pmean of its deferred_grads(state), then tx) or drop it, then set "
-            "state = state._replace(defer=prophet_jax.defer_state(schedule)).")
+            "to change plans, flush with the old step and convert the state outside the step: "
+            "state = prophet_jax.convert_state(state, params, new_schedule) (nothing deferred is lost).")
+    check_foreign(defer, schedule, where)
     try:
       _defer.check_state(defer, schedule, where)
     except ScheduleMismatchError as e:
