@@ -208,11 +208,10 @@ class Pipelined:
   def step(self, state: PipelinedState, batch: Any) -> tuple[PipelinedState, Any]:
     """One pipelined step: pending backward, scheduled all-reduce, update, then the forward of `batch`.
 
-    On the first call (nothing pending) only the forward runs. A state whose pending forward ran under
-    another schedule for the same tree (a re-plan between calls) is flushed first, with the schedule it
-    was made under, inside the same program: the result stays exact. If the re-plan changes the
-    deferral groups, that transition sends every chunk of the old schedule, each deferred value added
-    back (nothing is lost), and the new schedule's deferral starts from its initial state.
+    On the first call (nothing pending) only the forward runs. A state of another plan (its pending
+    forward or its deferral state) raises ScheduleMismatchError: to change plans, flush with the old
+    plan's step and convert the state outside the step (`prophet_jax.convert_state`); what the old
+    plan deferred is added by the new plan's next backward (nothing is lost).
 
     With a schedule that defers (`dlcp`, `max_defer > 0`), the pending gradients go through its
     deferral groups (`Bucket`): the step equals the plain loop with
@@ -323,9 +322,8 @@ class Pipelined:
       state: optional. Without it the result is a *prefix* spec (one PartitionSpec per field, and per
         field of the DeferState when the schedule defers), valid for any state of this step, pending
         or not, as shard_map accepts; with it, a spec for every leaf (e.g. for `jax.device_put` with
-        NamedShardings). (A re-plan from a schedule that defers to one that does not, or back, changes
-        `state.defer` between None and a DeferState: that one call takes the old step's specs in and
-        the new step's out.)
+        NamedShardings). (After `convert_state`, `state.defer` may hold an OwedState until the next
+        backward: give that call `prophet_jax.first_step_specs(state, axis)`.)
       model_state: the spec (or a prefix tree of specs) of the model state: `P()` (the default) when
         it is the same on every device (e.g. BatchNorm statistics averaged over the axis in `loss_fn`,
         a PRNG key split alike everywhere), `P(axis_name)` for per-device values stacked on a leading
@@ -470,6 +468,12 @@ class Pipelined:
           f"{schedule.tree_fingerprint!r}; this pipelined step's schedule has "
           f"{self.schedule.tree_fingerprint!r}). The state was made by a pipelined step of a different "
           f"model: flush it with that step, or start from init(params) with this one.")
+    if _states.schedule_key(schedule) != _states.schedule_key(self.schedule):
+      raise ScheduleMismatchError(
+          f"{where}: the state's pending forward ran under another plan ({schedule.policy}, key "
+          f"{_states.schedule_key(schedule)}) than this step's ({self.schedule.policy}): a step takes only "
+          f"its own plan's state. Flush it with the old plan's step, then change plans outside the step: "
+          f"state = prophet_jax.convert_state(state, params, new_schedule, tx=tx).")
     if meta.has_state != self.has_state:
       raise ValueError(f"{where}: the state's pending forward ran {'with' if meta.has_state else 'without'} "
                        f"a model state, but this pipelined step has has_state={self.has_state}. Flush it "
@@ -507,7 +511,10 @@ class Pipelined:
             f"{where}: the state's pending forward ran under {was} schedule ({schedule.policy}), but this "
             f"pipelined step's is {now} ({self.schedule.policy}): the "
             f"optimizer state's layout (each device's shard, or replicated) changes between them. Flush "
-            f"with the step that made the state, then start this one from init(params).")
+            f"with the step that made the state, then prophet_jax.convert_state(state, params, schedule, "
+            f"tx=tx).")
+      if isinstance(defer, OwedState):   # convert_state's owed values join these gradients
+        grads, defer = add_owed(grads, defer, self.schedule, where), None
       # ZeRO-1: reduce-scatter, tx on this device's shards, all-gather the update (the next forward
       # reads each gather's params as soon as it lands: the all-gathers run inside it)
       updates, opt_state = _zero.update(self.tx, grads, opt_state, params, schedule, self.axis_name,
@@ -521,32 +528,13 @@ class Pipelined:
     return params, opt_state, defer, traced
 
   def _reduce(self, grads: Any, schedule: Schedule, defer: Any, where: str) -> tuple[Any, Any]:
-    """The pending gradients all-reduced (mean) with `schedule`, the one their forward ran under, and
-    the deferral state this step's schedule continues from.
-
-    Within one schedule (or schedules with the same deferral groups) the groups defer as in any step
-    (`allreduce(..., defer_state=)`). A re-plan between calls that changes the deferral groups ends the
-    old ones here: their residual is added back to its elements and every chunk of `schedule` is
-    sent (its groups without deferral, one all-reduce per chunk, in issue order: the simulator's
-    lossless reading of the schedule), and the new schedule's deferral starts from its initial state:
-    nothing deferred is lost across a re-plan.
-    """
-    if _defer.same_groups(schedule, self.schedule):
-      if not schedule.defers and defer is None:
-        return allreduce(grads, schedule, self.axis_name, mean=True), None
-      if isinstance(defer, OwedState):   # convert_state's owed values join these gradients
-        grads, defer = add_owed(grads, defer, self.schedule, where), _defer.init(schedule)
-        if defer is None:
-          return allreduce(grads, schedule, self.axis_name, mean=True), None
-        defer = defer._replace(residual=tuple(to_varying(r, self.axis_name) if vma_enabled(self.axis_name)
-                                              else r for r in defer.residual))
-      return allreduce(grads, schedule, self.axis_name, mean=True, defer_state=defer)
-    if isinstance(defer, OwedState):
-      grads = add_owed(grads, defer, self.schedule, where)
-    elif defer is not None:
-      grads = _defer.add_residual(grads, _defer.schedule_of(defer) or schedule, defer, where)
-    grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=True)
-    return grads, _defer.init(self.schedule)
+    """The pending gradients all-reduced (mean) with `schedule` (this step's: a pending forward of
+    another plan is refused before), and the deferral state the next step continues from. The groups
+    defer as in any step (`allreduce(..., defer_state=)`); `convert_state`'s OwedState is added to
+    these gradients there, and the schedule's deferral starts from its initial state."""
+    if not schedule.defers and defer is None:
+      return allreduce(grads, schedule, self.axis_name, mean=True), None
+    return allreduce(grads, schedule, self.axis_name, mean=True, defer_state=defer)
 
   def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> _Traced:
     """The forward traced on the recorded input shapes (nothing of it runs): its `vjp_jaxpr` and the
