@@ -80,6 +80,7 @@ def _run(a, b, tx, mapping, grads, switch, how):
                jax.jit(jax.shard_map(stx_b.init, mesh=mesh, in_specs=P(), out_specs=spec_b))(TREE))
       else:
         kw = {"mesh": mesh, "axis_name": AX} if mapping == "shard_map" else {"num_devices": NDEV}
+        kw["every_k"] = 2 if b == "K" else (1 if a == "K" else None)
         opt = pj.convert_state(opt, TREE, SCHED[b], tx=tx, **kw)
         if how == "drop":
           opt = pj._rewrite._convert_state.steady_state(opt)
@@ -109,19 +110,21 @@ def test_a_lossless_switch_equals_the_never_switched_run(a, b, mapping):
   assert any(not np.array_equal(fresh[k], never[k]) for k in TREE)
 
 
-LOSSY = [("D", "Z", "pmap"), ("Z", "D", "shard_map"), ("D", "L", "shard_map")]
+LOSSY = [("D", "Z", "pmap"), ("Z", "D", "shard_map"), ("D", "L", "shard_map"), ("D", "K", "pmap"),
+         ("K", "D", "shard_map")]
 
 
-def _conserved(grads, switch, b, params, held):
-  k_b = 2 if b == "K" else 1
+def _conserved(grads, switch, a, b, params, held):
+  """every_k's update is the mean of its k micro-steps: each gradient counts 1/k there."""
+  w = lambda fam: 0.5 if fam == "K" else 1.0  # noqa: E731
   for k in TREE:
-    true = sum(np.asarray(g[k], np.float64).sum(0) * (1 if t < switch else 1 / k_b) for t, g in enumerate(grads))
+    true = sum(np.asarray(g[k], np.float64).sum(0) * (w(a) if t < switch else w(b)) for t, g in enumerate(grads))
     np.testing.assert_array_equal(-NDEV * params[k] + held[k], true, err_msg=f"conservation of leaf {k}")
 
 
 @pytest.mark.parametrize("a,b,mapping", LOSSY)
 def test_a_lossy_switch_conserves_every_value(a, b, mapping):
-  grads = _grads(12, 4)
+  grads = _grads(12, 4)   # K: the switch and the end at multiples of k = 2
   params, opt = _run(a, b, SGD, mapping, grads, 2, "convert")
   if mapping == "pmap":
     held = _residual_sum(opt.defer_state, SCHED[b]) if SCHED[b].defers else _residual_sum(None, None)
@@ -133,13 +136,13 @@ def test_a_lossy_switch_conserves_every_value(a, b, mapping):
       per = jax.jit(jax.shard_map(lambda o: jax.tree.map(lambda x: x[None], pj.deferred_grads(o, TREE)),
                                   mesh=mesh, in_specs=(spec,), out_specs=P(AX)))(opt)
       held = {k: np.asarray(per[k], np.float64).sum(0) for k in TREE}
-  _conserved(grads, 2, b, params, held)
+  _conserved(grads, 2, a, b, params, held)
   if a == "D":   # the control: the owed values dropped
     params, opt = _run(a, b, SGD, mapping, grads, 2, "drop")
     if mapping == "pmap":
       held = _residual_sum(opt.defer_state, SCHED[b]) if SCHED[b].defers else _residual_sum(None, None)
     with pytest.raises(AssertionError, match="conservation"):
-      _conserved(grads, 2, b, params, held)
+      _conserved(grads, 2, a, b, params, held)
 
 
 def test_the_step_names_convert_state_and_the_tag_says_what_it_is():
@@ -183,3 +186,41 @@ def test_containers_come_back_as_they_went_in_and_the_monitor_converts():
   via = mon.convert_state(opt, TREE)
   for x, y in zip(jax.tree.leaves(via), jax.tree.leaves(out["opt"][0])):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@functools.lru_cache(maxsize=None)
+def _pipe(fam):
+  from test_replan import _linear_loss
+  pipe = pj.pipelined(_linear_loss, MOMENTUM, SCHED[fam], axis_name=AX)
+  return (pipe, jax.pmap(lambda _: pipe.init(TREE), axis_name=AX), jax.pmap(pipe.step, axis_name=AX),
+          jax.pmap(pipe.flush, axis_name=AX))
+
+
+@pytest.mark.parametrize("a,b", [("Z", "L"), ("L", "Z")])
+def test_pipelined_lossless_switch_equals_the_never_switched_run(a, b):
+  """A flushed pipelined state converted between dear (its ZeRO-1 momentum) and an all-reduce plan;
+  a pending forward is refused; the control (the new plan's fresh state) differs."""
+  batches = _grads(15, 5)
+
+  def run(switch, how):
+    _, init, step, flush = _pipe(a)
+    st = init(np.arange(NDEV))
+    for t, x in enumerate(batches):
+      if t == switch:
+        if how == "pending":
+          pj.convert_state(st, TREE, SCHED[b], tx=MOMENTUM, num_devices=NDEV)
+        st = flush(st)
+        _, init_b, step, flush = _pipe(b)
+        st = (pj.convert_state(st, TREE, SCHED[b], tx=MOMENTUM, num_devices=NDEV) if how == "convert" else
+              st._replace(opt_state=init_b(np.arange(NDEV)).opt_state))
+      st, _ = step(st, x)
+    return {k: np.asarray(v)[0] for k, v in flush(st).params.items()}
+
+  never = run(99, "convert")
+  got = run(3, "convert")
+  for k in TREE:
+    np.testing.assert_array_equal(got[k], never[k], err_msg=k)
+  fresh = run(3, "fresh")
+  assert any(not np.array_equal(fresh[k], never[k]) for k in TREE)
+  with pytest.raises(ValueError, match=r"pending forward.*flush"):
+    run(3, "pending")

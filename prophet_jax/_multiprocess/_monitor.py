@@ -225,13 +225,13 @@ class Monitor:
     return self._cache[key]
 
   def convert_state(self, state: Any, params: Any, *, tx: Any = None, mesh: Any = None, axis_name: Any = None,
-                    num_devices: int | None = None) -> Any:
+                    num_devices: int | None = None, every_k: int | None = None) -> Any:
     """`state` converted to the schedule in use (`prophet_jax.convert_state(state, params,
     self.schedule, ...)`): call it after a switch (a non-None return of `record_step`, `probe_now`,
     `observe` or `replan`), before the new `step_fn` runs; a state already of this schedule comes back
     as it is. Every process converts the same way (the schedule is rank 0's, fingerprint-checked)."""
     return convert_state(state, params, self.schedule, tx=tx, mesh=mesh, axis_name=axis_name,
-                         num_devices=num_devices)
+                         num_devices=num_devices, every_k=every_k)
 
   # -- measurements ---------------------------------------------------------------------------------
   def record_step(self, seconds: float) -> Schedule | None:

@@ -22,7 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _convert, _defer
+from . import _convert
+from ._accumulate import accum_dtype
 from ._pending import PipelinedState
 from ._reduction import owed_tag
 from ._states import DeferState, OwedState, ScheduledState, ShardedState, AccumState, state_specs
@@ -66,7 +67,7 @@ def _is_nnx(state: Any) -> bool:
 
 
 def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = None, mesh: Any = None,
-                  axis_name: Any = None, num_devices: int | None = None) -> Any:
+                  axis_name: Any = None, num_devices: int | None = None, every_k: int | None = None) -> Any:
   """Any state of the library, in the container it is held in, taken from its schedule's layout to
   `new_schedule`'s, outside the step: the one way to change plans. Nothing is lost, bit for bit.
 
@@ -95,13 +96,18 @@ def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = 
     axis_name: the data axis of `mesh` (a name or a tuple of names).
     num_devices: the devices on the data axis, where a whole state is cut into shards (default: the
       mesh's, else the old shard state's or the state's device axis).
+    every_k: the new `scheduled(..., every_k=)` where it differs from the old one's: 1 drops the
+      gradient accumulator (it must be empty: convert at the k-th micro-step), k > 1 adds an empty
+      one where there is none (laid out as the state's deferral state, else global under `mesh=`,
+      else per device). None keeps what is there.
 
   Returns:
     The converted state, in the same kind of container (numpy arrays, or placed on `mesh`).
 
   Raises:
     TypeError: `state` holds no library state and is not None, or `new_schedule` is not a Schedule.
-    ValueError: a pipelined forward is pending; a ZeRO-1 state without `tx`; bad `num_devices`/`mesh`.
+    ValueError: a pipelined forward is pending; a ZeRO-1 state without `tx`; bad `num_devices`/`mesh`;
+      `every_k=1` with micro-steps not yet all-reduced.
     ScheduleMismatchError: a state's schedule is of another tree than `params`.
   """
   where = "convert_state"
@@ -118,13 +124,43 @@ def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = 
         f"{where}: no state of this library in the given {type(state).__name__}: pass the optimizer "
         f"state of scheduled(tx, schedule), a TrainState or dict holding it, a PipelinedState, or the "
         f"DeferState of hooked/allreduce.")
+  if every_k is not None and (isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer))
+                              or every_k < 1):
+    raise ValueError(f"{where}: every_k={every_k!r}: the new transformation's every_k, an int >= 1.")
   out = _convert_tree(state, params, new_schedule, tx, n, where)
+  if every_k is not None:
+    out = jax.tree_util.tree_map(lambda x: _accum_for(x, new_schedule, int(every_k), n, mesh is not None, where),
+                                 out, is_leaf=_is_lib)
   if mesh is not None:
     # sharding types are only needed to place on a mesh
     from jax.sharding import NamedSharding
     specs = state_specs(out, axis_name)
     out = jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), out, specs)
   return out
+
+
+def _accum_for(x: Any, schedule: Schedule, every_k: int, n: int | None, on_mesh: bool, where: str) -> Any:
+  """A ScheduledState given the accumulator `every_k` needs (dropped when empty, or an empty one added)."""
+  if not isinstance(x, ScheduledState):
+    return x
+  if every_k == 1:
+    if x.accum is not None and np.any(np.asarray(jax.device_get(x.accum.count)) != 0):
+      raise ValueError(
+          f"{where}: the gradient accumulator holds {int(np.max(np.asarray(x.accum.count)))} micro-steps not yet "
+          f"all-reduced, which a plan without every_k would drop: convert at the k-th micro-step (count 0).")
+    return x._replace(accum=None)
+  if x.accum is not None:
+    return x
+  d = x.defer_state
+  if isinstance(d, (DeferState, OwedState)):
+    first = d.residual[0] if isinstance(d, DeferState) else d.owed[0]
+    row0 = schedule.rows[0][1] if isinstance(d, OwedState) else None
+    prefix = tuple(np.shape(first)[:-2]) if row0 is None else tuple(np.shape(first)[:len(np.shape(first)) - len(row0)])
+  else:
+    prefix = (n,) if on_mesh and n else (1,)
+  count = np.zeros(prefix[:1] if len(prefix) == 2 else (), np.int32)
+  grads = tuple(np.zeros(prefix + tuple(shape), accum_dtype(dtype)) for _, shape, dtype in schedule.rows)
+  return x._replace(accum=AccumState(count=count, grads=grads))
 
 
 def _is_lib(x: Any) -> bool:
@@ -152,7 +188,8 @@ def _convert_tree(state: Any, params: Any, new: Schedule, tx: Any, n: int | None
             f"{where}: the PipelinedState holds a pending forward of its plan (half of a step): flush it "
             f"with the old plan's step first (state = jax.pmap(old.flush, axis_name=...)(state), or "
             f"old.flush inside its shard_map / jit), then convert.")
-      opt = _convert_tree(x.opt_state, params, new, tx, n, where)
+      # tx's state, whole or ZeRO-1 shards (a pipelined step keeps it bare): converted as scheduled's
+      opt = _convert.convert(ScheduledState(inner=x.opt_state), params, new, tx=tx, n=n).state.inner
       return x._replace(opt_state=opt, defer=None if x.defer is None else defer(x.defer))
     if isinstance(x, ScheduledState):
       rest = _convert.convert(x._replace(defer_state=None), params, new, tx=tx, n=n).state
