@@ -21,7 +21,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
-from prophet_jax._rewrite import _states
 from test_replan import A, AX, B_LOSSLESS, NDEV, TREE, _grads, _residual_sum
 
 DEAR = pj.plan(pj.GradientProfile.from_params(TREE), pj.NetworkModel.preset("10gbe", workers=NDEV), "dear")
