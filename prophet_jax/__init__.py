@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "allreduce": "_rewrite._reduction", "scheduled": "_rewrite._transform", "hooked": "_rewrite._hooked",
     "defer_state": "_rewrite._defer", "DeferState": "_rewrite._states", "state_specs": "_rewrite._containers", "deferred_grads": "_rewrite._containers",
     "ShardedState": "_rewrite._states", "GradShards": "_rewrite._states", "unshard_state": "_rewrite._containers", "shard_state": "_rewrite._containers",
+    "convert_state": "_rewrite._convert_state", "first_step_specs": "_rewrite._convert_state", "OwedState": "_rewrite._states",
     "loop_hook": "_rewrite._hooked", "check_composition": "_rewrite._compose",
     "pipelined": "_rewrite._pipelined", "audit": "_compiled._audit", "AuditReport": "_compiled._audit",
     "tag_layers": "_rewrite._tagging", "tag_plan": "_rewrite._tagging", "TaggedPlan": "_rewrite._tagging",
@@ -95,5 +96,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._values._schedule import Bucket, Chunk, Schedule
   from ._planning._simulate import Event, SimResult
   from ._values._types import GradientProfile, ProfileRow
-  from ._rewrite._states import DeferState, GradShards, ShardedState
+  from ._rewrite._convert_state import convert_state, first_step_specs
+  from ._rewrite._states import DeferState, GradShards, OwedState, ShardedState
   from ._values._network import NetworkModel, Pressure

@@ -164,12 +164,15 @@ def _deferring_tree_schedule():
                            pj.Bucket(chunks=(ch((b, 0, 3)),))), rows=rows)
 
 
-def _carry_to_lossless():
-  """I5: the old deferring state passed to the new lossless plan: carried, (reduced, None)."""
+def _carry_to_lossless(convert=True):
+  """I4: the old deferring state converted for the new lossless plan: its first step gives (reduced,
+  None); unconverted, the step names convert_state."""
   d = _deferring_tree_schedule()
   st = pj.defer_state(d)
   g = jax.tree.map(lambda x: jnp.ones((NDEV, *x.shape)), TREE)
   rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *x.shape)), st)
+  if convert:
+    rep = pj.convert_state(rep, TREE, TSCHED)
   return jax.pmap(lambda g, s: pj.allreduce(g, TSCHED, AX, defer_state=s), axis_name=AX)(g, rep)
 
 
@@ -251,10 +254,12 @@ CASES: list[tuple[str, Callable[[], Any], Expect]] = [
     ("I3 bench compares bucket and xla too", _bench_baselines,
      ok(lambda b: {"wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet", "auto"} <= set(b))),
     # I4-I7: deferred residuals across a re-plan (conservation: tests/test_replan.py)
-    ("I4 old state to a new lossless plan is carried", _carry_to_lossless,
+    ("I4 old state converted to a new lossless plan", _carry_to_lossless,
      ok(lambda r: r[1] is None and float(np.asarray(r[0]["a"]["w"]).sum()) > 0)),
+    ("I4b old state given unconverted names convert_state", lambda: _carry_to_lossless(False),
+     raises(pj.ScheduleMismatchError, "convert_state")),
     ("I5 a state that cannot be carried says how", _bare_state_to_lossless,
-     raises(TypeError, "cannot be carried over", "deferred_grads(state, params)")),
+     raises(TypeError, "cannot be carried over", "convert_state", "deferred_grads(state, params)")),
     ("I6 a way to take the residual out", lambda: pj.deferred_grads(
         pj.scheduled(optax.sgd(0.1), _deferring_tree_schedule(), axis_name=AX).init(TREE), TREE),
      ok(lambda t: jax.tree.structure(t) == jax.tree.structure(TREE))),

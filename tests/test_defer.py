@@ -230,9 +230,12 @@ def test_state_from_another_schedule_or_shape_raises():
   s, other = _schedule(), _schedule(defer=(1, 1))
   g = {k: jnp.zeros((NDEV, *v.shape)) for k, v in TREE.items()}
   bcast = lambda st: jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *x.shape)), st)  # noqa: E731
-  # a state of another schedule of this tree is a re-plan's: carried over (tests/test_replan.py), and
-  # one that does not record its schedule cannot be: the error names both and says how to keep it
-  _, new = _pmap_step(s)(g, bcast(_defer.init(other)))
+  # a state of another schedule of this tree is a re-plan's: the step names convert_state (after
+  # which the first step continues from s's own state, tests/test_replan.py), and one that does not
+  # record its schedule cannot be converted: the error names both and says how to keep it
+  with pytest.raises(pj.ScheduleMismatchError, match="convert_state"):
+    _pmap_step(s)(g, bcast(_defer.init(other)))
+  _, new = _pmap_step(s)(g, pj.convert_state(bcast(_defer.init(other)), TREE, s))
   assert new.tag == _defer.init(s).tag
   o = _defer.init(other)
   bare = o._replace(tag=_states.StateTag(o.tag.key, o.tag.fingerprint, o.tag.layout))
@@ -665,7 +668,8 @@ def test_scheduled_bad_input_links_state_of_another_schedule_and_replicated_resi
   striped = dataclasses.replace(s, links=(0, 1) * (s.num_allreduces // 2) + (0,) * (s.num_allreduces % 2))
   with pytest.raises(ValueError, match=r"scheduled: the schedule stripes .* links=2 .*\(cpu: 1"):
     lower(striped, striped)
-  lower(s, other)   # another plan's state of this tree: carried over (tests/test_replan.py), no error
+  with pytest.raises(pj.ScheduleMismatchError, match="convert_state"):
+    lower(s, other)   # another plan's state of this tree: convert it outside the step
   with pytest.raises(TypeError, match=r"scheduled: the schedule defers .* got NoneType"):
     lower(s, _zero_defer(s))  # a lossless state (no deferral state) for a deferring schedule
   # shard_map, the whole optimizer state replicated: each device's residual would be lost
@@ -766,15 +770,17 @@ def test_release_checked_saved_and_shaping_the_state():
     _defer.check_state(_defer.init(undamped), damped, "test")
 
 
-def test_undamped_state_carried_into_a_damped_schedule_loses_nothing():
-  """A re-plan from release 1 to release 0.5 (same groups): the old residual goes into the first damped
-  step; sent + the new residual = every gradient, element for element."""
+def test_undamped_state_converted_into_a_damped_schedule_loses_nothing():
+  """A re-plan from release 1 to release 0.5 (same groups), through convert_state: the old residual
+  goes into the first damped step; sent + the new residual = every gradient, element for element."""
   old, new = _schedule(), _schedule(release=0.5)
   grads = _grads(2)
   st = jax.pmap(lambda _: _defer.init(old), axis_name=AX)(np.arange(NDEV))
   keys = [p.split("/")[-1].strip("[]'") for p, _, _ in old.rows]
   sent = {k: np.zeros(TREE[k].shape) for k in keys}
   for t, g in enumerate(grads):
+    if t == 2:
+      st = pj.convert_state(st, TREE, new)
     out, st = _pmap_step(old if t < 2 else new)(g, st)
     for k in keys:
       sent[k] += NDEV * np.asarray(out[k])[0]

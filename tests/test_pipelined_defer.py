@@ -301,11 +301,10 @@ def test_state_specs_give_the_residuals_the_axis():
   assert runner("shard_map", 0.0).pipe.state_specs().defer == P()
 
 
-def test_a_deferral_state_from_another_schedule_is_carried_or_named():
-  """A flushed state of one dlcp plan stepped by another plan's pipelined step, or a pending state
-  holding another plan's deferral state: carried over (its residual joins the next backward's
-  gradients, tests/test_replan.py); a state that does not record its schedule: ScheduleMismatchError
-  naming the state's schedule and how to keep its residual."""
+def test_a_state_of_another_schedule_is_named_with_convert_state():
+  """A state of one dlcp plan stepped by another plan's pipelined step (its deferral state, or its
+  pending forward): ScheduleMismatchError naming convert_state (the in-step carry is retired); a state
+  that does not record its schedule: ScheduleMismatchError naming how to keep its residual."""
   model, params, bs = setup()
   s1, s2 = schedule(0.25), schedule(0.25, spread=2)
   assert _states.schedule_key(s1) != _states.schedule_key(s2)
@@ -315,12 +314,13 @@ def test_a_deferral_state_from_another_schedule_is_carried_or_named():
   step1, step2 = jax.pmap(p1.step, axis_name=AXIS), jax.pmap(p2.step, axis_name=AXIS)
   st = replicate(p1.init(params))
   key1 = _states.schedule_key(s1)
-  after, _ = jax.eval_shape(step2, st, batch)           # carried: rides until the next backward
-  assert after.defer.tag == st.defer.tag
+  with pytest.raises(ScheduleMismatchError, match="convert_state"):
+    jax.eval_shape(step2, st, batch)
   pending, _ = jax.eval_shape(step1, st, batch)
-  wrong = pending._replace(defer=replicate(p2.init(params)).defer)
-  after, _ = jax.eval_shape(step1, wrong, batch)         # s2's residual joins s1's backward
-  assert after.defer.tag == st.defer.tag
+  with pytest.raises(ScheduleMismatchError, match=r"pending forward ran under another plan.*Flush.*convert_state"):
+    jax.eval_shape(step2, pending._replace(defer=replicate(p2.init(params)).defer), batch)
+  with pytest.raises(ScheduleMismatchError, match="convert_state"):
+    jax.eval_shape(step1, pending._replace(defer=replicate(p2.init(params)).defer), batch)
   bare = st.defer._replace(tag=_states.StateTag(st.defer.tag.key, st.defer.tag.fingerprint,
                                                st.defer.tag.layout))
   with pytest.raises(ScheduleMismatchError, match=f"pipelined.step: the deferral state belongs to "
@@ -330,41 +330,42 @@ def test_a_deferral_state_from_another_schedule_is_carried_or_named():
     p1.flush(pending._replace(defer=(1, 2)))
 
 
-def test_a_replan_that_changes_the_groups_ends_the_old_deferral_without_loss():
-  """Two calls under one dlcp plan, two under another (other groups), flush. The first call under the
-  new plan reduces the pending gradients with the old plan's chunks, all sent, the old residual added
-  back; the new deferral starts from its initial state. Equal to the plain loop doing the same."""
+def test_a_replan_to_a_lossless_plan_loses_nothing_through_convert_state():
+  """Two calls under a dlcp plan, flush, convert_state to a lossless plan (other chunks, no deferral),
+  two calls, flush. The new plan's first backward adds what the old one deferred to its gradients:
+  equal to the plain loop doing the same; the control (the owed values dropped) is not."""
   model, params, bs = setup()
-  s1, s2 = schedule(0.25), schedule(0.25, spread=2)
+  s1, s2 = schedule(0.25), schedule(0.0)
   r1 = runner("pmap", 0.25)
-  p2 = pipelined(model.loss_fn, tx(), s2, axis_name=AXIS)
-  r2 = Runner(p2, "pmap")
+  r2 = runner("pmap", 0.0)
   state = r1.init(params)
   for b in bs[:2]:
     state, _ = r1.step(state, r1.batch(b))
-  # the transition program: s1's every chunk once (its groups without deferral), one psum each
-  jaxpr = str(jax.make_jaxpr(p2.step, axis_env=[(AXIS, NDEV)])(unrep(state), unrep(r1.batch(bs[2]))))
-  assert jaxpr.count("psum") == len(s1.chunks) > s1.num_allreduces
+  state = pj.convert_state(r1.flush(state), params, s2)
+  assert isinstance(state.defer, pj.OwedState)
+  control = state._replace(defer=None)
   for b in bs[2:4]:
     state, _ = r2.step(state, r2.batch(b))
-  state = r2.flush(state)
-  assert state.defer.tag == unrep(p2.init(params)).defer.tag
+    control, _ = r2.step(control, r2.batch(b))
+  state, control = r2.flush(state), r2.flush(control)
+  assert state.defer is None
 
   def step(s, p, o, st, b, settle=False):
     g = jax.grad(model.loss_fn)(p, b)
-    if settle:  # the old groups end: their residual added back, every chunk sent
+    if settle:  # the old plan's residual joins the new plan's first gradients
       g = jax.tree.map(jnp.add, g, r1.pipe.deferred_grads(r1.pipe.init(params)._replace(defer=st)))
-      g, st = jax.lax.pmean(g, AXIS), pj.defer_state(s2)
-    else:
+    if s.defers:
       g, st = pj.allreduce(g, s, AXIS, defer_state=st)
+    else:
+      g = pj.allreduce(g, s, AXIS)
     u, o = tx().update(g, o, p)
     return optax.apply_updates(p, u), o, st
 
   fs = [jax.pmap(functools.partial(step, s, settle=settle), axis_name=AXIS)
         for s, settle in ((s1, False), (s2, True), (s2, False))]
   p, o, st = replicate(params), replicate(tx().init(params)), replicate(pj.defer_state(s1))
-  for t, b in enumerate(bs[:4]):
-    p, o, st = fs[min(t, 2)](p, o, st, shard(b))
+  for t, b in enumerate(bs[:4]):    # s1, s1 (the flush), then s2's first step adds what s1 owed
+    p, o, st = fs[(0, 0, 1, 2)[t]](p, o, st, shard(b))
   assert_trees_close(r2.params(state), unrep(p), params)
-  for got, want in zip(r2.index(state), st.deferred):
-    np.testing.assert_array_equal(got, np.asarray(want)[0])
+  with pytest.raises(AssertionError):
+    assert_trees_close(r2.params(control), unrep(p), params)

@@ -1,6 +1,7 @@
-"""No deferred byte lost across a re-plan (issue 29): the residual of a deferring plan's state is
-carried into the next plan's step (allreduce, scheduled, hooked, pipelined, the mesh path), or taken
-out with `deferred_grads`; what cannot be carried raises saying how.
+"""No deferred byte lost across a re-plan (issues 29, 36): the residual of a deferring plan's state is
+converted outside the step (`convert_state`) and added by the next plan's first step (allreduce,
+scheduled, hooked, pipelined, the mesh path), or taken out with `deferred_grads`; a step given another
+plan's state, and what cannot be converted, raise saying how.
 
 Integer-valued gradients make every sum exact, so conservation is checked bit for bit: the sum of the
 applied (all-reduced) gradients times the axis size, plus the last state's residuals summed over the
@@ -84,7 +85,7 @@ def _init(schedule):
 
 
 @pytest.mark.parametrize("new", ["lossless", "deferring"])
-def test_allreduce_carries_the_old_residual_into_the_new_plan(new):
+def test_allreduce_takes_the_converted_residual_into_the_new_plan(new):
   b = B_LOSSLESS if new == "lossless" else B_DEFER
   grads = _grads(0, 5)
   st, applied = _init(A), []
@@ -93,8 +94,12 @@ def test_allreduce_carries_the_old_residual_into_the_new_plan(new):
     applied.append(out)
   held = _residual_sum(st, A)
   assert any(np.abs(v).sum() > 0 for v in held.values())       # something is deferred at the re-plan
+  with pytest.raises(pj.ScheduleMismatchError, match="convert_state"):
+    _allreduce_step(b)(grads[3], st)                         # the in-step carry is retired
+  st = pj.convert_state(st, TREE, b)
+  assert isinstance(st, pj.OwedState)
   for g in grads[3:]:
-    r = _allreduce_step(b)(g, st)                            # the first call gets A's state
+    r = _allreduce_step(b)(g, st)                            # the first call adds what A owed
     out, st = r if st is not None or b.defers else (r, None)
     applied.append(out)
   assert (st is None) == (new == "lossless")
@@ -134,15 +139,15 @@ def _three_deferring_steps(grads):
   return opt, applied
 
 
-def test_scheduled_carries_the_old_state_across_a_replan():
-  """The issue's case: a dlcp tx, then a re-plan to a lossless tx given the old optimizer state (as
-  `state.replace(tx=new_tx)` or the Monitor's new step does): nothing is lost; the state's
-  deferred_grads (taken out of a whole optax state) are what is held."""
+def test_scheduled_takes_the_converted_state_across_a_replan():
+  """The issue's case: a dlcp tx, then a re-plan to a lossless tx given the converted optimizer state:
+  nothing is lost; the state's deferred_grads (taken out of a whole optax state) are what is held."""
   grads = _grads(1, 5)
   opt, applied = _three_deferring_steps(grads)
   held = _residual_sum(opt, A)     # deferred_grads finds the DeferState inside the ScheduledState
   assert sum(np.abs(v).sum() for v in held.values()) > 0
   _, step_b = _sched_step(B_LOSSLESS)
+  opt = pj.convert_state(opt, TREE, B_LOSSLESS)
   for g in grads[3:]:
     opt = step_b(g, opt)
     applied.append(opt.inner[0])
@@ -150,9 +155,9 @@ def test_scheduled_carries_the_old_state_across_a_replan():
   _check_conserved(grads, applied, _residual_sum(opt, B_LOSSLESS))
 
 
-def test_scheduled_carry_under_shard_map_with_state_specs():
-  """Under shard_map (check_vma) the call that carries takes the old state's specs in and the new
-  state's out; the new residuals are the devices' own (varying)."""
+def test_scheduled_first_step_under_shard_map_with_first_step_specs():
+  """Under shard_map (check_vma) the first step after convert_state takes the converted state's specs
+  in and the steady state's out (`first_step_specs`); the new residuals are the devices' own."""
   mesh = jax.make_mesh((NDEV,), (AX,))
   tx_a, _ = _sched_step(A)
   tx_b, _ = _sched_step(B_DEFER)
@@ -167,13 +172,17 @@ def test_scheduled_carry_under_shard_map_with_state_specs():
 
   init = jax.jit(jax.shard_map(tx_a.init, mesh=mesh, in_specs=P(), out_specs=spec_a))
   step_a = jax.jit(jax.shard_map(body(tx_a), mesh=mesh, in_specs=(P(AX), spec_a), out_specs=spec_a))
-  carry = jax.jit(jax.shard_map(body(tx_b), mesh=mesh, in_specs=(P(AX), spec_a), out_specs=spec_b))
+  carry = None
   step_b = jax.jit(jax.shard_map(body(tx_b), mesh=mesh, in_specs=(P(AX), spec_b), out_specs=spec_b))
   put = lambda g: jax.device_put(g, NamedSharding(mesh, P(AX)))  # noqa: E731
   opt, applied = init(TREE), []
   for g in grads[:2]:
     opt = step_a(put(g), opt)
     applied.append(jax.tree.map(lambda x: np.asarray(x)[None], opt.inner[0]))
+  opt = pj.convert_state(opt, TREE, B_DEFER, mesh=mesh, axis_name=AX)
+  spec_in, spec_out = pj.first_step_specs(opt, AX)
+  assert spec_out == spec_b
+  carry = jax.jit(jax.shard_map(body(tx_b), mesh=mesh, in_specs=(P(AX), spec_in), out_specs=spec_out))
   for f, g in zip((carry, step_b), grads[2:]):
     opt = f(put(g), opt)
     applied.append(jax.tree.map(lambda x: np.asarray(x)[None], opt.inner[0]))
@@ -192,7 +201,7 @@ def _linear_loss(p, x):
   return sum(jnp.sum(p[k] * x[k]) for k in p)
 
 
-def test_hooked_carries_the_old_state_and_keeps_the_loss():
+def test_hooked_takes_the_converted_state_and_keeps_the_loss():
   grads = _grads(3, 4)
   ga, gb = pj.hooked(_linear_loss, A, axis_name=AX), pj.hooked(_linear_loss, B_LOSSLESS, axis_name=AX)
   step_a = jax.pmap(lambda x, st: ga(TREE, x, st)[1:], axis_name=AX)
@@ -202,7 +211,7 @@ def test_hooked_carries_the_old_state_and_keeps_the_loss():
   for g in grads[:2]:
     out, st = step_a(g, st)
     applied.append(out)
-  loss, out, new = carry(grads[2], st)
+  loss, out, new = carry(grads[2], pj.convert_state(st, TREE, B_LOSSLESS))
   assert new is None
   np.testing.assert_allclose(np.asarray(loss), 0.0)            # the value is loss_fn's (params are 0)
   applied.append(out)
@@ -210,9 +219,10 @@ def test_hooked_carries_the_old_state_and_keeps_the_loss():
   _check_conserved(grads, applied, _residual_sum(None, B_LOSSLESS))
 
 
-def test_pipelined_carries_a_flushed_state_into_another_plan():
-  """A flushed dlcp pipelined state stepped by a lossless plan's pipelined step: the old residual is
-  applied with the next backward; after the final flush, the params are the plain loop's exactly."""
+def test_pipelined_converts_a_flushed_state_into_another_plan():
+  """A flushed dlcp pipelined state converted to a lossless plan: the old residual is applied with the
+  next backward; after the final flush, the params are the plain loop's exactly. A pending forward is
+  refused, saying to flush."""
   def loss(p, x):
     return _linear_loss(p, x)
 
@@ -224,9 +234,12 @@ def test_pipelined_carries_a_flushed_state_into_another_plan():
   state = jax.pmap(lambda _: pa.init(TREE), axis_name=AX)(np.arange(NDEV))
   for x in batches[:3]:
     state, _ = sa(state, x)
+  with pytest.raises(ValueError, match=r"pending forward.*flush"):
+    pj.convert_state(state, TREE, B_LOSSLESS)
   state = fa(state)
   assert sum(np.abs(np.asarray(v)).sum() for v in jax.tree.leaves(
       jax.pmap(pa.deferred_grads, axis_name=AX)(state))) > 0
+  state = pj.convert_state(state, TREE, B_LOSSLESS)
   for x in batches[3:]:
     state, _ = sb(state, x)
   state = fb(state)
@@ -238,7 +251,7 @@ def test_pipelined_carries_a_flushed_state_into_another_plan():
 
 def test_deferred_grads_from_any_state_and_the_mesh_path():
   """deferred_grads: zeros for a lossless state, the DeferState found inside a TrainState-like tuple,
-  and on the jit path a hooked(mesh=) grad_fn carrying a deferring state into a lossless plan."""
+  and on the jit path a hooked(mesh=) grad_fn given a converted deferring state in a lossless plan."""
   zero = pj.deferred_grads(None, TREE)
   assert all(not np.asarray(v).any() for v in jax.tree.leaves(zero))
   mesh = jax.make_mesh((NDEV,), (AX,))
@@ -252,14 +265,15 @@ def test_deferred_grads_from_any_state_and_the_mesh_path():
   for g in grads[:2]:
     _, out, st = jax.jit(ga)(params, put(g), st)
     applied.append(jax.tree.map(lambda x: np.asarray(x)[None], out))
-  _, out, new = jax.jit(gb)(params, put(grads[2]), st)
+  _, out, new = jax.jit(gb)(params, put(grads[2]), pj.convert_state(st, TREE, B_LOSSLESS, mesh=mesh,
+                                                                     axis_name=AX))
   assert new is None
   applied.append(jax.tree.map(lambda x: np.asarray(x)[None], out))
   # device i's batch is grads[t][i]: the gradients returned are their mean over the devices
   _check_conserved(grads, applied, {k: np.zeros(v.shape) for k, v in TREE.items()})
 
 
-def test_what_cannot_be_carried_raises_saying_how():
+def test_what_cannot_be_converted_raises_saying_how():
   # a state of a schedule for another tree: its residual's elements are not these gradients'
   other_tree = {"a": jnp.zeros((6, 10)), "b": jnp.zeros(37), "c": jnp.zeros(5), "d": jnp.zeros(9),
                 "e": jnp.zeros(3)}
@@ -270,25 +284,26 @@ def test_what_cannot_be_carried_raises_saying_how():
                                pj.Bucket(chunks=(_ch((idx["a"], 0, 60)), _ch((idx["b"], 0, 37)),
                                                  _ch((idx["e"], 0, 3))))), rows=rows)
   g = {k: jnp.zeros((NDEV, *v.shape)) for k, v in TREE.items()}
-  with pytest.raises(pj.ScheduleMismatchError, match=r"another tree.*deferred_grads\(state, old_params\)"):
+  with pytest.raises(pj.ScheduleMismatchError, match=r"convert_state"):
     _allreduce_step(B_LOSSLESS)(g, _init(other))
+  with pytest.raises(pj.ScheduleMismatchError):
+    pj.convert_state(_init(other), TREE, B_LOSSLESS)
   # a state that does not record its schedule: the how-to
   st = _defer.init(A)
   bare = st._replace(tag=_states.StateTag(st.tag.key, st.tag.fingerprint, st.tag.layout))
   rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *x.shape)), bare)
   fresh = jax.pmap(lambda g, st: pj.allreduce(g, B_LOSSLESS, AX, defer_state=st), axis_name=AX)
-  with pytest.raises(TypeError, match=r"cannot be carried over.*deferred_grads\(state, params\)"):
+  with pytest.raises(TypeError, match=r"cannot be carried over.*convert_state.*deferred_grads\(state, params\)"):
     fresh(g, rep)
   with pytest.raises(ValueError, match=r"pass it: deferred_grads\(state, params, schedule="):
     pj.deferred_grads(bare, TREE)
   assert all(not np.asarray(v).any() for v in jax.tree.leaves(pj.deferred_grads(bare, TREE, schedule=A)))
 
 
-def test_scheduled_carries_a_deferring_state_into_a_sharded_plan():
-  """A re-plan from dlcp to a sharded (dear, ZeRO-1) schedule: the new tx's state made by its init with
-  the old state's deferral state kept (`opt._replace(inner=...)`, as shard_state's docstring says);
-  the first sharded update adds the old residual before its reduce-scatter. The control (the
-  deferral state dropped) fails conservation."""
+def test_scheduled_converts_a_deferring_state_into_a_sharded_plan():
+  """A re-plan from dlcp to a sharded (dear, ZeRO-1) schedule: the whole state (here sgd's, with the
+  old deferral state) converted; the first sharded update adds the owed values before its
+  reduce-scatter. The control (the deferral state dropped) fails conservation."""
   sharded = pj.plan(pj.GradientProfile.from_params(TREE), pj.NetworkModel.preset("10gbe", workers=NDEV),
                     "dear")
   assert sharded.sharded
@@ -308,6 +323,10 @@ def test_scheduled_carries_a_deferring_state_into_a_sharded_plan():
     return out
 
   fresh = init_s(np.arange(NDEV))
-  _check_conserved(grads, run(fresh._replace(defer_state=opt.defer_state)), _residual_sum(None, sharded))
+  whole = _states.ScheduledState(inner=jax.pmap(lambda _: optax.sgd(1.0).init(TREE))(np.arange(NDEV)),
+                                 defer_state=opt.defer_state)
+  conv = pj.convert_state(whole, TREE, sharded, tx=optax.sgd(1.0), num_devices=NDEV)
+  assert isinstance(conv.defer_state, pj.OwedState) and isinstance(conv.inner, pj.ShardedState)
+  _check_conserved(grads, run(conv), _residual_sum(None, sharded))
   with pytest.raises(AssertionError, match="conservation"):
     _check_conserved(grads, run(fresh), _residual_sum(None, sharded))

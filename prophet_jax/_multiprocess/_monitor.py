@@ -38,9 +38,11 @@ own profile's before switching: schedules planned separately per process could d
 collectives would mismatch and hang.
 
 Compiled steps are cached per schedule (keyed by its JSON without the prediction, `plan_key`), so switching back to an earlier
-plan costs no compilation. A switch away from a deferring (`dlcp`) plan loses nothing as long as the
-training state goes on: give the new step the old optimizer (or deferral, or pipelined) state, and its
-first call adds the old plan's residual to its gradients (the state records its schedule).
+plan costs no compilation. A switch converts the training state outside the step
+(`monitor.convert_state(state, params, tx=...)`, i.e. `prophet_jax.convert_state` to the schedule in
+use; every process converts the same state the same way, after rank 0's decision and the fingerprint
+check): a deferring (`dlcp`) plan's residual is added by the new plan's first step, a ZeRO-1 state is
+re-cut; nothing is lost. A step given the old plan's state unconverted raises ScheduleMismatchError.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from .._planning._plan import plan
 from .._measure._probe import QUICK_SIZES, probe
 from .._values._schedule import Schedule
 from .._planning._simulate import simulate
+from .._rewrite._convert_state import convert_state
 from .._values._types import GradientProfile
 
 
@@ -220,6 +223,15 @@ class Monitor:
       self._cache[key] = self._build_step(self.schedule)
       self.builds += 1
     return self._cache[key]
+
+  def convert_state(self, state: Any, params: Any, *, tx: Any = None, mesh: Any = None, axis_name: Any = None,
+                    num_devices: int | None = None, every_k: int | None = None) -> Any:
+    """`state` converted to the schedule in use (`prophet_jax.convert_state(state, params,
+    self.schedule, ...)`): call it after a switch (a non-None return of `record_step`, `probe_now`,
+    `observe` or `replan`), before the new `step_fn` runs; a state already of this schedule comes back
+    as it is. Every process converts the same way (the schedule is rank 0's, fingerprint-checked)."""
+    return convert_state(state, params, self.schedule, tx=tx, mesh=mesh, axis_name=axis_name,
+                         num_devices=num_devices, every_k=every_k)
 
   # -- measurements ---------------------------------------------------------------------------------
   def record_step(self, seconds: float) -> Schedule | None:

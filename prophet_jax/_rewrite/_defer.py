@@ -43,7 +43,7 @@ from .._values._types import itemsize
 
 __all__ = ["DeferGroup", "DeferState", "GroupState", "defer_groups", "init", "defer_state",
            "check_state", "group_states", "with_groups", "same_groups", "lossless",
-           "add_residual", "schedule_of", "belongs", "carries_over", "find_states", "deferred_grads"]
+           "add_residual", "schedule_of", "belongs", "find_states", "deferred_grads"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,11 +162,10 @@ def defer_state(schedule: Schedule) -> DeferState | None:
 
 _HOW_TO_CARRY = (
     "A residual holds gradient values that were deferred and not yet applied: dropping it loses them. "
-    "Either pass the old state to the new step (scheduled's update, hooked's grad_fn, pipelined's step "
-    "and allreduce carry a state made by another schedule of the same tree: its residual is added to "
-    "the next gradients), or take it out with prophet_jax.deferred_grads(state, params) (this device's "
-    "deferred values in the parameters' shape; average them over the axis and apply them as one more "
-    "update) before starting the new plan's state from its init.")
+    "Change plans outside the step with prophet_jax.convert_state(state, params, new_schedule) (the new "
+    "plan's first step adds them), or take them out with prophet_jax.deferred_grads(state, params) "
+    "(this device's deferred values in the parameters' shape; average them over the axis and apply them "
+    "as one more update) before starting the new plan's state from its init.")
 
 
 def schedule_of(state: Any) -> Schedule | None:
@@ -182,12 +181,6 @@ def belongs(state: Any, schedule: Schedule) -> bool:
     return not schedule.defers
   return (schedule.defers and isinstance(state, DeferState) and isinstance(state.tag, StateTag)
           and state.tag == _tag(schedule))
-
-
-def carries_over(state: Any, schedule: Schedule) -> bool:
-  """Whether `state` is a DeferState of another schedule that records its own (a re-plan's state,
-  whose residual the next step of `schedule` adds to its gradients)."""
-  return isinstance(state, DeferState) and not belongs(state, schedule) and schedule_of(state) is not None
 
 
 def check_state(state: Any, schedule: Schedule, where: str) -> None:
@@ -318,9 +311,8 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None)
   plan without losing anything: at the end of training, before a re-plan that starts from a fresh
   state, or before changing the model. Average it over the axis and apply it as one more update
   (inside the mapping: `g = jax.lax.pmean(prophet_jax.deferred_grads(opt_state, params), axis)`,
-  then `tx.update(g, ...)`), or add it to the next step's gradients yourself. (Passing the old state
-  to the new plan's step does the latter for you: `scheduled`'s update, `hooked`'s grad_fn,
-  `pipelined`'s step and `allreduce` carry a state of another schedule of the same tree.)
+  then `tx.update(g, ...)`), or add it to the next step's gradients yourself. (`convert_state` does
+  the latter for you: the new plan's first step adds what it owes.)
 
   Pure and local, no collective: call it where the state's residuals are per device (inside
   `pmap`/`shard_map`, or on one device's slice); the residual of the state `scheduled(...,

@@ -27,7 +27,7 @@ from ._collectives import _zero_of, is_varying, reduce_scatter_chunks, reduce_un
 from ._defer import DeferState, GroupState, group_states, init as defer_init, with_groups
 from ._keys import check_enforce_order, ordered_by
 from ._reduction import step_setup
-from ._states import GradShards
+from ._states import GradShards, OwedState
 from .._values._checks import check_values
 from .._values._schedule import Bucket, Chunk, Schedule, shard_size
 from .._values._tree import dtype_name, is_float_dtype, is_reduced_leaf
@@ -361,7 +361,8 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
       params or a model state not replicated, a batch leaf not split over the axis on its leading
       axis (or not divisible over it), a new model state that varies over the axis.
     UnboundAxisError, ScheduleMismatchError: at trace time (ScheduleMismatchError also for the
-      DeferState of another schedule or tree).
+      DeferState of another schedule or tree: convert it with `convert_state`, and pass the
+      `OwedState` it may leave as the first call's last argument).
     ValueError: at trace time, under shard_map, a deferral residual passed replicated.
   """
   check_values("hooked", loss_fn=loss_fn, schedule=schedule, axis_name=axis_name)
@@ -397,7 +398,7 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
     given = _NO_STATE
     if "defer_state" in kwargs:
       given = kwargs.pop("defer_state")
-    elif args and (schedule.defers or isinstance(args[-1], DeferState)):
+    elif args and (schedule.defers or isinstance(args[-1], (DeferState, OwedState))):
       *args, given = args
     setup = step_setup(params, schedule, axis_name, "hooked", defer_state=None if given is _NO_STATE else given,
                        grads=False, skip_prefixes=in_loop)

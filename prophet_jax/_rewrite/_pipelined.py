@@ -109,9 +109,10 @@ from jax.sharding import PartitionSpec
 from . import _defer, _loss_reduction, _states, _zero
 from .._values._checks import check_values, match_tree
 from ._collectives import axis_size, is_varying, to_varying, vma_enabled
-from ._reduction import allreduce
+from ._reduction import add_owed, allreduce, check_foreign
 from ._defer import DeferState
 from ._keys import check_enforce_order, ordered_by
+from ._states import OwedState
 from .._values._errors import ScheduleMismatchError
 from ._mesh import placed_step
 from ._pending import Pending, PipelinedState, _meta_nbytes, _PendingMeta, _round_to_dtype, _Traced
@@ -197,11 +198,10 @@ class Pipelined:
   def step(self, state: PipelinedState, batch: Any) -> tuple[PipelinedState, Any]:
     """One pipelined step: pending backward, scheduled all-reduce, update, then the forward of `batch`.
 
-    On the first call (nothing pending) only the forward runs. A state whose pending forward ran under
-    another schedule for the same tree (a re-plan between calls) is flushed first, with the schedule it
-    was made under, inside the same program: the result stays exact. If the re-plan changes the
-    deferral groups, that transition sends every chunk of the old schedule, each deferred value added
-    back (nothing is lost), and the new schedule's deferral starts from its initial state.
+    On the first call (nothing pending) only the forward runs. A state of another plan (its pending
+    forward or its deferral state) raises ScheduleMismatchError: to change plans, flush with the old
+    plan's step and convert the state outside the step (`prophet_jax.convert_state`); what the old
+    plan deferred is added by the new plan's next backward (nothing is lost).
 
     With a schedule that defers (`dlcp`, `max_defer > 0`), the pending gradients go through its
     deferral groups (`Bucket`): the step equals the plain loop with
@@ -247,10 +247,10 @@ class Pipelined:
                                                                    where)
     elif defer is None and self.schedule.defers:
       defer = _defer.init(self.schedule)  # nothing was deferred (a lossless step's state): start here
-    elif not (_defer.carries_over(defer, self.schedule)):
+    elif isinstance(defer, OwedState):   # convert_state's owed values ride until the next backward,
+      check_foreign(defer, self.schedule, where)   # which adds them to its gradients (`_reduce`)
+    else:
       self._check_defer(defer, self.schedule, where)
-    # else: a re-plan after a flush: the state of the old schedule rides until the next backward,
-    # which adds its residual to those gradients (`_reduce`)
     loss, model_state, aux, pending = self._forward(params, state.model_state, batch, batch_tree,
                                                     batch_avals, traced)
     new = PipelinedState(params=params, opt_state=opt_state, pending=pending, model_state=model_state,
@@ -312,9 +312,8 @@ class Pipelined:
       state: optional. Without it the result is a *prefix* spec (one PartitionSpec per field, and per
         field of the DeferState when the schedule defers), valid for any state of this step, pending
         or not, as shard_map accepts; with it, a spec for every leaf (e.g. for `jax.device_put` with
-        NamedShardings). (A re-plan from a schedule that defers to one that does not, or back, changes
-        `state.defer` between None and a DeferState: that one call takes the old step's specs in and
-        the new step's out.)
+        NamedShardings). (After `convert_state`, `state.defer` may hold an OwedState until the next
+        backward: give that call `prophet_jax.first_step_specs(state, axis)`.)
       model_state: the spec (or a prefix tree of specs) of the model state: `P()` (the default) when
         it is the same on every device (e.g. BatchNorm statistics averaged over the axis in `loss_fn`,
         a PRNG key split alike everywhere), `P(axis_name)` for per-device values stacked on a leading
@@ -354,10 +353,11 @@ class Pipelined:
     where = "pipelined.deferred_grads"
     self._check_state(state, where)
     schedule = self.schedule if state.pending is None else state.pending.meta.schedule
-    if _defer.carries_over(state.defer, schedule):
-      schedule = _defer.schedule_of(state.defer)   # a re-plan's state: its own schedule's elements
-    self._check_defer(state.defer, schedule, where)
     zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+    if isinstance(state.defer, OwedState):   # convert_state's: owed to the next backward
+      check_foreign(state.defer, self.schedule, where)
+      return add_owed(zeros, state.defer, self.schedule, where)
+    self._check_defer(state.defer, schedule, where)
     return zeros if state.defer is None else _defer.add_residual(zeros, schedule, state.defer, where)
 
   def residual_bytes(self, state: PipelinedState) -> int:
@@ -458,6 +458,12 @@ class Pipelined:
           f"{schedule.tree_fingerprint!r}; this pipelined step's schedule has "
           f"{self.schedule.tree_fingerprint!r}). The state was made by a pipelined step of a different "
           f"model: flush it with that step, or start from init(params) with this one.")
+    if _states.schedule_key(schedule) != _states.schedule_key(self.schedule):
+      raise ScheduleMismatchError(
+          f"{where}: the state's pending forward ran under another plan ({schedule.policy}, key "
+          f"{_states.schedule_key(schedule)}) than this step's ({self.schedule.policy}): a step takes only "
+          f"its own plan's state. Flush it with the old plan's step, then change plans outside the step: "
+          f"state = prophet_jax.convert_state(state, params, new_schedule, tx=tx).")
     if meta.has_state != self.has_state:
       raise ValueError(f"{where}: the state's pending forward ran {'with' if meta.has_state else 'without'} "
                        f"a model state, but this pipelined step has has_state={self.has_state}. Flush it "
@@ -478,7 +484,9 @@ class Pipelined:
     if len(pending.residuals) != len(meta.residuals):
       raise ValueError(f"{where}: the state's pending node holds {len(pending.residuals)} arrays but "
                        f"records {len(meta.residuals)}; it was edited. Start from init(params).")
-    if not _defer.carries_over(defer, schedule):   # a re-plan's state is carried over by `_reduce`
+    if isinstance(defer, OwedState):   # convert_state's owed values: added by `_reduce`
+      check_foreign(defer, self.schedule, where)
+    else:
       self._check_defer(defer, schedule, where)
     with jax.named_scope("pipelined_backward"):
       leaves = recompute(closed, plan, len(jax.tree_util.tree_leaves(pv)), n_head=trace.n_head)(
@@ -493,7 +501,10 @@ class Pipelined:
             f"{where}: the state's pending forward ran under {was} schedule ({schedule.policy}), but this "
             f"pipelined step's is {now} ({self.schedule.policy}): the "
             f"optimizer state's layout (each device's shard, or replicated) changes between them. Flush "
-            f"with the step that made the state, then start this one from init(params).")
+            f"with the step that made the state, then prophet_jax.convert_state(state, params, schedule, "
+            f"tx=tx).")
+      if isinstance(defer, OwedState):   # convert_state's owed values join these gradients
+        grads, defer = add_owed(grads, defer, self.schedule, where), None
       # ZeRO-1: reduce-scatter, tx on this device's shards, all-gather the update (the next forward
       # reads each gather's params as soon as it lands: the all-gathers run inside it)
       updates, opt_state = _zero.update(self.tx, grads, opt_state, params, schedule, self.axis_name,
@@ -507,28 +518,15 @@ class Pipelined:
     return params, opt_state, defer, traced
 
   def _reduce(self, grads: Any, schedule: Schedule, defer: Any, where: str) -> tuple[Any, Any]:
-    """The pending gradients all-reduced (mean) with `schedule`, the one their forward ran under, and
-    the deferral state this step's schedule continues from.
-
-    Within one schedule (or schedules with the same deferral groups) the groups defer as in any step
-    (`allreduce(..., defer_state=)`). A re-plan between calls that changes the deferral groups ends the
-    old ones here: their residual is added back to its elements and every chunk of `schedule` is
-    sent (its groups without deferral, one all-reduce per chunk, in issue order: the simulator's
-    lossless reading of the schedule), and the new schedule's deferral starts from its initial state:
-    nothing deferred is lost across a re-plan.
-    """
+    """The pending gradients all-reduced with `schedule` (this step's: a pending forward of another
+    plan is refused before), and the deferral state the next step continues from. The groups defer as
+    in any step (`allreduce(..., defer_state=)`); `convert_state`'s OwedState is added to these
+    gradients there, and the schedule's deferral starts from its initial state."""
     mean = _loss_reduction.is_mean(self.reduction)
-    if _defer.same_groups(schedule, self.schedule):
-      if not schedule.defers and defer is None:
-        return allreduce(grads, schedule, self.axis_name, mean=mean, enforce_order=self.enforce_order), None
-      # a state of a third schedule (a re-plan after a flush) is carried over by allreduce itself
-      return allreduce(grads, schedule, self.axis_name, mean=mean, defer_state=defer,
-                       enforce_order=self.enforce_order)
-    if defer is not None:
-      grads = _defer.add_residual(grads, _defer.schedule_of(defer) or schedule, defer, where)
-    grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=mean,
-                      enforce_order=self.enforce_order)
-    return grads, _defer.init(self.schedule)
+    if not schedule.defers and defer is None:
+      return allreduce(grads, schedule, self.axis_name, mean=mean, enforce_order=self.enforce_order), None
+    return allreduce(grads, schedule, self.axis_name, mean=mean, defer_state=defer,
+                     enforce_order=self.enforce_order)
 
   def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> _Traced:
     """The forward traced on the recorded input shapes (nothing of it runs): its `vjp_jaxpr` and the
@@ -579,19 +577,18 @@ class Pipelined:
     if state.pending is not None and not isinstance(state.pending, Pending):
       raise TypeError(f"{where}: state.pending must be None or a Pending node, got "
                       f"{type(state.pending).__name__}.")
-    if state.defer is not None and not isinstance(state.defer, DeferState):
-      raise TypeError(f"{where}: state.defer must be None or a prophet_jax.DeferState, got "
+    if state.defer is not None and not isinstance(state.defer, (DeferState, OwedState)):
+      raise TypeError(f"{where}: state.defer must be None or a prophet_jax.DeferState (or convert_state's "
+                      f"OwedState), got "
                       f"{type(state.defer).__name__}. Start with state = pipelined(...).init(params).")
 
   def _check_defer(self, defer: Any, schedule: Schedule, where: str) -> None:
     """`_defer.check_state` for `state.defer` against the schedule it is used with, the fix said for
     a pipelined state."""
     hint = ("A pipelined step makes its deferral state in init and threads it through step and flush; "
-            "a re-plan between calls carries it over while a forward is pending (the first call under "
-            "the new schedule ends the old deferral groups, their residual added back). After a flush "
-            "under another schedule, its residual is only meaningful for that schedule's chunks: apply "
-            "it with that step (pmean of its deferred_grads(state), then tx) or drop it, then set "
-            "state = state._replace(defer=prophet_jax.defer_state(schedule)).")
+            "to change plans, flush with the old step and convert the state outside the step: "
+            "state = prophet_jax.convert_state(state, params, new_schedule) (nothing deferred is lost).")
+    check_foreign(defer, schedule, where)
     try:
       _defer.check_state(defer, schedule, where)
     except ScheduleMismatchError as e:

@@ -1,7 +1,8 @@
 """The reduction paths' entry points, over the one engine (`_collectives`): `allreduce`, the step's
 `scheduled_allreduce` and `accumulated_allreduce`, and the one step setup every path runs first
-(`step_setup`: the axis size, the tree matched to the schedule, the state's schedule, a re-plan's
-state carried over (`carry_over`), the varying checks).
+(`step_setup`: the axis size, the tree matched to the schedule, the state's schedule (a converted
+state's owed values taken: `take_owed`; another schedule's state refused: `check_foreign`), the
+varying checks).
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ import numpy as np
 from ._accumulate import check_state as check_accum
 from ._collectives import (axis_size, check_not_reduced, is_varying, reduce_units, schedule_chains, schedule_units,
                            sharded_allreduce, to_varying, vma_enabled)
-from ._defer import (DeferState, add_residual, belongs, check_state, group_states, schedule_of, with_groups)
+from ._defer import DeferState, belongs, check_state, group_states, schedule_of, with_groups
 from ._defer import init as defer_init
 from ._keys import check_enforce_order, ordering
+from ._states import OwedState, StateTag
 from .._values._checks import check_bool, match_tree
 from .._values._errors import ScheduleMismatchError
 from .._values._schedule import Schedule
-from .._values._tree import is_reduced_leaf
 
-__all__ = ["allreduce", "step_setup", "StepSetup", "carries", "carry_over", "scheduled_allreduce",
+__all__ = ["allreduce", "step_setup", "StepSetup", "owed_tag", "check_foreign", "take_owed", "add_owed", "scheduled_allreduce",
            "accumulated_allreduce", "check_residual_varying", "check_not_varying"]
 
 
@@ -70,9 +71,10 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
   `defer_state` (from `prophet_jax.defer_state(schedule)`, then the one returned) and get
   `(reduced, new_defer_state)`; a deferred chunk's elements are zero in `reduced` and kept in the
   state's residual, to be added to the same elements at the next call (`Bucket` has the semantics).
-  After a re-plan, pass the old schedule's state to the new one: its residual is added to these
-  gradients (nothing deferred is lost) and the new schedule starts from its initial state (None for
-  a lossless one: then `(reduced, None)` is returned).
+  After a re-plan, convert the old schedule's state (`prophet_jax.convert_state`) and pass what it
+  gives: where it owes deferred values (an `OwedState`) they are added to these gradients (nothing
+  deferred is lost) and the new schedule continues from its initial state (None for a lossless one:
+  then `(reduced, None)` is returned). Another schedule's DeferState raises ScheduleMismatchError.
 
   Integer leaves and float0 gradients pass through unreduced; zero-size leaves pass through unchanged.
 
@@ -98,7 +100,7 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
   Raises:
     UnboundAxisError: `axis_name` is not bound here.
     ScheduleMismatchError: the schedule was planned for another tree (the path, shape or dtype at fault
-      is named), or `defer_state` belongs to another schedule.
+      is named), or `defer_state` belongs to another schedule (convert it with `convert_state`).
     AlreadyReducedError: under shard_map with check_vma, the gradients are already summed.
     ValueError: the tree is empty; more links than the platform runs at once.
     TypeError: a deferring schedule without `defer_state`, or a `defer_state` for one that does not
@@ -113,43 +115,53 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
   return (reduced, new) if schedule.defers or defer_state is not None else reduced
 
 
-def carries(state: Any, schedule: Schedule) -> bool:
-  """Whether `state` is a DeferState of another schedule than `schedule` (a re-plan's): one whose
-  residual the step carries over (`carry_over`) instead of using it as its own."""
-  return isinstance(state, DeferState) and not belongs(state, schedule)
+def owed_tag(schedule: Schedule) -> StateTag:
+  """The tag of an `OwedState` owed to `schedule`'s first step."""
+  return StateTag.of(schedule, ("owed", len(schedule.rows)))
 
 
-def carry_over(grads: Any, state: DeferState, schedule: Schedule, axis_name: Any, where: str
-               ) -> tuple[Any, Any]:
-  """A re-plan without a lost byte: (`grads` with `state`'s residual added at the elements it was
-  deferred from, `schedule`'s initial deferral state or None).
-
-  `state` was made by another schedule of the same tree (it records which, `_defer.schedule_of`): its
-  residual holds this device's deferred values, which that schedule would have added to the next
-  gradients; they are added to these, which `schedule` then reduces from its own initial state (the
-  first step of a new plan). Under shard_map with check_vma the new residuals are marked varying,
-  as every device's own.
-
-  Raises:
-    ScheduleMismatchError: the state's schedule was planned for another tree (the residual's elements
-      are not these gradients'), or the state does not record its schedule; both say how to keep it.
-  """
-  old = schedule_of(state)
-  if old is None:
-    check_state(state, schedule, where)   # raises, saying how to carry a residual
-  try:
-    grads = add_residual(grads, old, state, where)
-  except ScheduleMismatchError as e:
+def check_foreign(state: Any, schedule: Schedule, where: str) -> None:
+  """ScheduleMismatchError naming `convert_state` when `state` is a DeferState or OwedState that
+  records another schedule (a re-plan's state given to the new plan's step unconverted)."""
+  if isinstance(state, OwedState):
+    if state.tag != owed_tag(schedule):
+      raise ScheduleMismatchError(
+          f"{where}: the state owes deferred values to another schedule's first step ({state.tag!r}), "
+          f"not this one's ({schedule.policy} plan, key {owed_tag(schedule).key}): convert the state for "
+          f"this schedule with prophet_jax.convert_state(state, params, schedule).")
+    return
+  old = schedule_of(state) if isinstance(state, DeferState) else None
+  if old is not None and not belongs(state, schedule):
     raise ScheduleMismatchError(
-        f"{where}: the deferral state was made by a schedule for another tree (a {old.policy} plan of "
-        f"{len(old.rows)} leaves), so its residual, gradient values deferred and not yet applied, "
-        f"cannot be added to these gradients ({e}). Apply it with the old model before changing it: "
-        f"g = jax.lax.pmean(prophet_jax.deferred_grads(state, old_params), axis), then tx.update(g, "
-        f"...), and start the new plan from its init.") from None
+        f"{where}: the deferral state was made by another schedule (a {old.policy} plan, key "
+        f"{state.tag.key}) than this step's ({schedule.policy} plan): a step takes only its own "
+        f"schedule's state. Change plans outside the step: state = prophet_jax.convert_state(state, "
+        f"params, new_schedule) (nothing deferred is lost: the first step of the new plan adds it).")
+
+
+def take_owed(state: Any, schedule: Schedule, flat: Sequence[Any], lmap: Any, axis_name: Any
+              ) -> tuple[list[Any], Any]:
+  """(an `OwedState`'s values per leaf of `flat` (None for a leaf no row covers), `schedule`'s
+  initial deferral state or None): what the first step after `convert_state` adds and continues from.
+  Under shard_map with check_vma the new residuals are marked varying, as every device's own."""
+  owed: list[Any] = [None] * len(flat)
+  for r, i in enumerate(lmap.row_leaf):
+    owed[i] = jnp.reshape(state.owed[r], np.shape(flat[i])).astype(flat[i].dtype)
   new = defer_init(schedule)
   if new is not None and vma_enabled(axis_name):
     new = new._replace(residual=tuple(to_varying(r, axis_name) for r in new.residual))
-  return grads, new
+  return owed, new
+
+
+def add_owed(tree: Any, state: OwedState, schedule: Schedule, where: str) -> Any:
+  """`tree` (per-device, the schedule's tree) with an `OwedState`'s values added at their elements."""
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  lmap = match_tree(leaves_with_path, schedule, where=where)
+  flat = [x for _, x in leaves_with_path]
+  owed: list[Any] = [None] * len(flat)
+  for r, i in enumerate(lmap.row_leaf):
+    owed[i] = jnp.reshape(state.owed[r], np.shape(flat[i])).astype(flat[i].dtype)
+  return jax.tree_util.tree_unflatten(treedef, [x if o is None else x + o for x, o in zip(flat, owed)])
 
 
 class StepSetup(NamedTuple):
@@ -160,10 +172,10 @@ class StepSetup(NamedTuple):
     flat: the tree's leaves, in flatten order.
     treedef: the tree's structure.
     lmap: the schedule's rows matched to `flat` (`match_tree`).
-    defer_state: the deferral state this step continues from: the given one, or, for a re-plan's
-      state of another schedule, this schedule's initial one (None when it defers nothing).
-    owed: for a re-plan's state, the old residual at its elements, one entry per leaf of `flat`
-      (None for a leaf no row covers), to be added to this step's gradients; else None.
+    defer_state: the deferral state this step continues from: the given one, or, for a converted
+      state's `OwedState`, this schedule's initial one (None when it defers nothing).
+    owed: for an `OwedState`, its values at their elements, one entry per leaf of `flat` (None for a
+      leaf no row covers), to be added to this step's gradients; else None.
     vma: whether values carry the axes they vary over here (shard_map's check_vma).
   """
 
@@ -179,8 +191,9 @@ class StepSetup(NamedTuple):
 def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, defer_state: Any = None,
                grads: bool = True, carry: bool = True, skip_prefixes: Sequence[str] = ()) -> StepSetup:
   """The preamble every reduction path runs, written once: the axis size, the tree matched to the
-  schedule, the state's schedule (a re-plan's state carried over: `carry_over`; this schedule's own
-  checked: `_defer.check_state`), and the varying checks under shard_map's check_vma.
+  schedule, the state's schedule (a converted state's owed values taken: `take_owed`; another
+  schedule's refused: `check_foreign`; this schedule's own checked: `_defer.check_state`), and the
+  varying checks under shard_map's check_vma.
 
   Args:
     tree: the per-device gradients (`grads=True`: none may be already summed over the axis) or the
@@ -189,8 +202,8 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
     axis_name: the mapped axis.
     where: the public caller, for messages.
     defer_state: the deferral state given to the step, or None.
-    carry: carry a re-plan's state over here; False leaves such a state as it is, for a path that
-      carries it later (`accumulated_allreduce`, on the k-th micro-step).
+    carry: take an `OwedState`'s values here; False leaves it as it is, for a path that takes it
+      itself (`accumulated_allreduce`).
     skip_prefixes: paths the schedule does not cover (`hooked(in_loop=...)`).
 
   Raises:
@@ -203,20 +216,17 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
   flat = [leaf for _, leaf in leaves_with_path]
   vma = vma_enabled(axis_name)
   owed = None
-  if carries(defer_state, schedule):
-    if carry:   # a re-plan: the old schedule's residual joins these gradients
-      zeros = jax.tree_util.tree_unflatten(treedef, [jnp.zeros(np.shape(x), x.dtype) if is_reduced_leaf(x)
-                                                     else x for x in flat])
-      zeros, defer_state = carry_over(zeros, defer_state, schedule, axis_name, where)
-      rows = set(lmap.row_leaf)
-      owed = [x if i in rows else None for i, x in enumerate(jax.tree_util.tree_leaves(zeros))]
+  check_foreign(defer_state, schedule, where)
+  if isinstance(defer_state, OwedState):
+    if carry:   # the first step after convert_state: the owed values join these gradients
+      owed, defer_state = take_owed(defer_state, schedule, flat, lmap, axis_name)
   elif schedule.defers or defer_state is not None:
     check_state(defer_state, schedule, where)
   if grads:
     check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
   elif vma:
     check_not_varying(flat, lmap, axis_name, where)
-  if isinstance(defer_state, DeferState) and vma and not carries(defer_state, schedule):
+  if isinstance(defer_state, DeferState) and vma:
     check_residual_varying(defer_state, axis_name, where)
   return StepSetup(n=n, flat=flat, treedef=treedef, lmap=lmap, defer_state=defer_state, owed=owed, vma=vma)
 
@@ -239,9 +249,9 @@ def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean:
                         where: str = "allreduce", defer_state: Any = None) -> tuple[Any, Any]:
   """`allreduce` as (reduced tree, new DeferState or None), with `where` naming the public caller.
 
-  A schedule that defers nothing, given no state, never calls into `_defer`. A DeferState of another
-  schedule of the same tree (a re-plan) is carried over (`carry_over`): its residual is added to
-  `grads`, and `schedule` starts from its initial state."""
+  A schedule that defers nothing, given no state, never calls into `_defer`. An `OwedState` (what
+  `convert_state` leaves after a re-plan) is added to `grads`, and `schedule` starts from its
+  initial state."""
   check_bool(where, "mean", mean)
   s = step_setup(grads, schedule, axis_name, where, defer_state=defer_state)
   flat, n, defer_state = with_owed(s), s.n, s.defer_state
@@ -275,6 +285,8 @@ def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, eve
   chunk, deferral included) and resets the sums, and on the other calls it issues nothing: the
   all-reduces sit in the true branch of one `lax.cond` on the replicated count, so the compiled
   program runs them only when that branch is taken. The reduced gradients are zero on the other calls.
+  An `OwedState` (the first call after `convert_state`) joins this call's gradients `every_k` times,
+  so the k-th call's mean adds it once.
 
   Returns:
     (the reduced tree on the k-th call, zeros otherwise; the new DeferState or None, changed on the
@@ -293,6 +305,9 @@ def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, eve
             f"sums its own gradients: pass the optimizer state with prophet_jax.state_specs(state, "
             f"{axis_name!r}) as in_specs and out_specs (P({axis_name!r}) for the sums, P() for the rest), "
             f"and make the initial state inside the shard_map with those out_specs.")
+  if isinstance(s.defer_state, OwedState):   # convert_state's owed values: k times into the sums,
+    owed, defer_state = take_owed(s.defer_state, schedule, flat, lmap, axis_name)   # so their mean adds them once
+    flat = [x if o is None else x + o * every_k for x, o in zip(flat, owed)]
   rows = tuple(a[0] + flat[i].astype(a.dtype) for a, i in zip(accum.grads, lmap.row_leaf))
   count = accum.count + 1
   emit = count >= every_k

@@ -4,7 +4,9 @@
 - `DeferState`: a deferring schedule's groups (`_defer` makes and checks it, the engine steps it);
 - `ShardedState(per_device, tag)`: `tx`'s state of this device's shards under a sharded schedule, and
   `GradShards`, the reduce-scattered gradients `hooked` hands to `scheduled` (`_zero`);
-- `AccumState(count, grads)`: the micro-step sums of `scheduled(..., every_k=k)` (`_accumulate`).
+- `AccumState(count, grads)`: the micro-step sums of `scheduled(..., every_k=k)` (`_accumulate`);
+- `OwedState(owed, tag)`: what `convert_state` leaves where a re-plan's deferred values are owed to
+  the new schedule's first step (in place of its DeferState, or of None for one that defers nothing).
 
 One tag: `StateTag`, a leafless pytree node whose structure holds the schedule's one key
 (`schedule_key`), the state's layout (a deferral group's (m, rows, c, dtype), or a `ShardLayout`) and
@@ -30,7 +32,7 @@ from .._values._schedule import Schedule
 from .._values._tree import IdentityMemo
 
 __all__ = ["StateTag", "ShardLayout", "schedule_key", "ScheduledState", "DeferState", "ShardedState",
-           "GradShards", "AccumState", "per_device_path", "state_specs", "is_state", "per_device_leaves"]
+           "GradShards", "AccumState", "OwedState", "per_device_path", "state_specs", "is_state", "per_device_leaves"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,8 +129,11 @@ class StateTag:
       mode = f", {self.layout.mode}" if self.layout.mode else ""
       return (f"StateTag(the ZeRO-1 {what} of schedule {self.key}, tree {self.fingerprint}, "
               f"n={self.layout.n}, {len(self.layout.sizes)} shards{mode})")
+    if self.layout[:1] == ("owed",):
+      return (f"StateTag(a converted state owing deferred values to the first step of schedule {self.key}, "
+              f"tree {self.fingerprint}: made by prophet_jax.convert_state for that schedule's step)")
     return (f"StateTag(the deferral state of schedule {self.key}, tree {self.fingerprint}, "
-            f"{len(self.layout)} groups)")
+            f"{len(self.layout)} groups; another schedule's step takes it after prophet_jax.convert_state)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -232,7 +237,25 @@ class AccumState(NamedTuple):
   grads: tuple[jax.Array, ...]
 
 
-_STATES = (DeferState, ShardedState, GradShards, AccumState)
+class OwedState(NamedTuple):
+  """Deferred gradient values a re-plan owes the new schedule's first step (`convert_state`).
+
+  Stands where the new schedule's step takes its deferral state (`ScheduledState.defer_state`,
+  `PipelinedState.defer`, the `defer_state` of `hooked`'s grad_fn and `allreduce`). The first step
+  adds `owed` to this device's gradients before its all-reduces and returns the schedule's steady
+  state (its initial DeferState, or None): nothing deferred is lost.
+
+  Attributes:
+    owed: per schedule row (its order), `(1, *row shape)` in the row's dtype: this device's values
+      (each device's own, `P(axis)` under shard_map, as `state_specs` says).
+    tag: no arrays; the schedule it is owed to (`StateTag` with layout ("owed", rows)).
+  """
+
+  owed: tuple[jax.Array, ...]
+  tag: StateTag
+
+
+_STATES = (DeferState, ShardedState, GradShards, AccumState, OwedState)
 
 
 def is_state(x: Any) -> bool:
@@ -264,7 +287,8 @@ def per_device_path(names: Sequence[Any]) -> bool:
   def under(outer: str, inner: str) -> bool:
     return outer in names and inner in names[names.index(outer):]
 
-  return "per_device" in names or under("defer_state", "residual") or under("accum", "grads")
+  return ("per_device" in names or under("defer_state", "residual") or under("accum", "grads")
+          or under("defer_state", "owed") or under("defer", "owed"))
 
 
 def _specs_of(x: Any, axis_name: Any) -> Any:
@@ -277,6 +301,8 @@ def _specs_of(x: Any, axis_name: Any) -> Any:
                       residual=each(x.residual), tag=x.tag)
   if isinstance(x, AccumState):
     return AccumState(count=P(), grads=each(x.grads))
+  if isinstance(x, OwedState):
+    return OwedState(owed=each(x.owed), tag=x.tag)
   return type(x)(*(each(f) for f in x[:-1]), x.tag)   # ShardedState, GradShards: all per device
 
 
@@ -317,6 +343,8 @@ def per_device_leaves(state: Any) -> list[tuple[str, Any]]:
       out += [(f"the deferral state's residual of group {i}", r) for i, r in enumerate(x.residual)]
     elif isinstance(x, AccumState):
       out += [(f"the gradient accumulator's sum {i}", g) for i, g in enumerate(x.grads)]
+    elif isinstance(x, OwedState):
+      out += [(f"the converted state's owed values {i}", g) for i, g in enumerate(x.owed)]
     elif isinstance(x, (ShardedState, GradShards)):
       what = "sharded optimizer state" if isinstance(x, ShardedState) else "gradient shards"
       out += [(f"the {what}'s leaf {jax.tree_util.keystr(p)}", y)

@@ -19,11 +19,11 @@ from . import _mesh, _zero
 from ._accumulate import init as accum_init
 from ._compose import _check_masked, _inside_multisteps, _not_first_error, _ran_before_in_chain
 from ._defer import init as defer_init
-from ._reduction import accumulated_allreduce, carries, carry_over, scheduled_allreduce
+from ._reduction import accumulated_allreduce, check_foreign, scheduled_allreduce, step_setup, with_owed
 from ._keys import check_enforce_order, ordered_by
-from ._states import ScheduledState
+from ._states import GradShards, ScheduledState, ShardedState
 from .._values._checks import check_int, check_values
-from .._values._errors import AlreadyReducedError, CompositionError
+from .._values._errors import AlreadyReducedError, CompositionError, ScheduleMismatchError
 from .._values._schedule import Schedule
 
 __all__ = ["ScheduledState", "scheduled"]
@@ -196,9 +196,23 @@ def _scheduled_per_device(tx: Any, schedule: Schedule, axis_name: Any, every_k: 
                       f"tx.init(params) returned (or the one the last update returned; TrainState and "
                       f"nnx.Optimizer keep it for you).")
     _check_masked(updates, schedule)
+    if not schedule.sharded and isinstance(state.inner, ShardedState):
+      raise ScheduleMismatchError(
+          f"scheduled(...).update: the optimizer state is the ZeRO-1 shard state of a sharded schedule "
+          f"({state.inner.tag!r}), but this schedule ({schedule.policy}) all-reduces and keeps tx's whole "
+          f"state: unshard it outside the step with prophet_jax.convert_state(state, params, schedule, "
+          f"tx=tx).")
     if schedule.sharded:  # reduce-scatter, tx on this device's shards, all-gather the update
-      if carries(state.defer_state, schedule):   # a re-plan from a deferring plan: carry its residual
-        updates, _ = carry_over(updates, state.defer_state, schedule, axis_name, "scheduled")
+      check_foreign(state.defer_state, schedule, "scheduled")
+      if state.defer_state is not None and isinstance(updates, GradShards):
+        raise ValueError(
+            "scheduled(...).update: the state owes a re-plan's deferred values (convert_state's OwedState) "
+            "to this schedule's first step, which needs the gradients to add them to, but was given "
+            "hooked's reduce-scattered GradShards: run that first step with plain gradients (jax.grad of "
+            "the loss, then tx.update), or apply the owed values before converting.")
+      if state.defer_state is not None:   # convert_state's OwedState: added before the reduce-scatters
+        s = step_setup(updates, schedule, axis_name, "scheduled", defer_state=state.defer_state)
+        updates = jax.tree_util.tree_unflatten(s.treedef, with_owed(s))
       new, inner = _zero.update(tx, updates, state.inner, params, schedule, axis_name, where="scheduled",
                                 mean=mean, extra_args=extra_args)
       return new, ScheduledState(inner=inner)

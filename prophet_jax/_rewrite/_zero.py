@@ -339,7 +339,8 @@ def check_state(state: Any, schedule: Schedule, n: int, where: str) -> None:
         f"{where}: the schedule is sharded (ZeRO-1), so the optimizer state is each device's shard "
         f"state (a prophet_jax.ShardedState made by this transformation's init inside the mapping), got "
         f"{type(state).__name__}. Make it with init where the axis is bound (jax.pmap(tx.init, ...) or "
-        f"inside the shard_map).")
+        f"inside the shard_map), or, after a re-plan, convert the old state: "
+        f"prophet_jax.convert_state(state, params, schedule, tx=tx, num_devices=n).")
   tag, want = state.tag, _tag(schedule, n, "")
   shard = isinstance(tag, StateTag) and isinstance(tag.layout, ShardLayout)
   if not shard or tag.key != want.key or tag.layout[:2] != want.layout[:2]:
@@ -349,8 +350,8 @@ def check_state(state: Any, schedule: Schedule, n: int, where: str) -> None:
     raise ScheduleMismatchError(
         f"{where}: the sharded optimizer state ({got}) does not belong to this schedule "
         f"({want!r}): it was {why}. A shard state holds one device's part of the "
-        f"chunks it was cut from: make a new one with init (a re-plan or a new device count re-shards "
-        f"the optimizer state: gather it with the old step first to keep it).")
+        f"chunks it was cut from: after a re-plan or for another device count, re-shard it outside the "
+        f"step with prophet_jax.convert_state(state, params, schedule, tx=tx, num_devices=n).")
 
 
 def check_grad_shards(g: Any, schedule: Schedule, n: int, where: str) -> None:

@@ -1,0 +1,227 @@
+"""`convert_state`: the one way to change plans, outside the step.
+
+Built on the state layer's primitive (`_convert.convert`), for the containers users hold: any pytree
+holding library states (an optax state, a flax `TrainState`, a dict, an optax chain's tuple, a
+`PipelinedState`) and a `flax.nnx` state (`nnx.state(optimizer)`). The same kind of container comes out
+as went in; nothing is mutated.
+
+The rule for what the new plan cannot hold (a deferring plan's residual going to any other plan): the
+deferred values travel in the converted state as an `OwedState` where the new step takes its deferral
+state; the new plan's first step adds them to its gradients before its all-reduces and returns the
+plan's steady state. Why this rule: it is the only one that is exact for every pair (the values reach
+the optimizer with the first step's gradients, as the old plan would have sent them), it needs no
+extra optimizer step nor the old step's program, and a step refuses an OwedState owed to another
+schedule. The cost: the first step's state has another structure than the steady one
+(`first_step_specs` gives both specs) and compiles once more.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _convert
+from ._accumulate import accum_dtype
+from ._pending import PipelinedState
+from ._reduction import owed_tag
+from ._states import DeferState, OwedState, ScheduledState, ShardedState, AccumState, state_specs
+from .._values._checks import match_tree
+from .._values._schedule import Schedule
+
+__all__ = ["convert_state", "first_step_specs", "steady_state"]
+
+
+def _devices(mesh: Any, axis_name: Any, num_devices: Any, where: str) -> int | None:
+  if num_devices is not None:
+    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
+      raise ValueError(f"{where}: num_devices={num_devices!r}: the number of devices on the data axis, "
+                       f"an int >= 1.")
+    return int(num_devices)
+  if mesh is None:
+    return None
+  if axis_name is None:
+    raise ValueError(f"{where}: mesh= needs axis_name= (the data axis, or a tuple of axes) to count the "
+                     f"devices the state is laid out over.")
+  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  missing = [a for a in axes if a not in mesh.shape]
+  if missing:
+    raise ValueError(f"{where}: axis_name={axis_name!r}: the mesh has axes {tuple(mesh.shape)}, not {missing}.")
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def _owed_state(owed: Any, d: DeferState, params: Any, schedule: Schedule) -> OwedState:
+  """`convert`'s owed tree (per device, or stacked on a device axis) as an OwedState laid out as `d`
+  was: each row `(1, *shape)` per device, `(n, *shape)` global, `(n, 1, *shape)` under pmap."""
+  prefix = tuple(np.shape(d.residual[0])[:-2])
+  lmap = match_tree(jax.tree_util.tree_flatten_with_path(params)[0], schedule, where="convert_state")
+  flat = jax.tree_util.tree_leaves(owed)
+  rows = tuple(np.asarray(flat[i]).reshape(prefix + tuple(shape)).astype(dtype)
+               for i, (_, shape, dtype) in zip(lmap.row_leaf, schedule.rows))
+  return OwedState(owed=rows, tag=owed_tag(schedule))
+
+
+def _is_nnx(state: Any) -> bool:
+  return type(state).__module__.startswith("flax.nnx")
+
+
+def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = None, mesh: Any = None,
+                  axis_name: Any = None, num_devices: int | None = None, every_k: int | None = None) -> Any:
+  """Any state of the library, in the container it is held in, taken from its schedule's layout to
+  `new_schedule`'s, outside the step: the one way to change plans. Nothing is lost, bit for bit.
+
+  Each library state records the schedule it was made for; this converts:
+  - deferral residuals (a `dlcp` plan's): the values the old plan would have added to its next
+    gradients travel in an `OwedState` placed where the new step takes its deferral state; the new
+    plan's first step adds them to its gradients and returns its steady state (give that first step
+    `first_step_specs(converted, axis)` under shard_map). A state with nothing deferred goes straight
+    to the new plan's steady layout.
+  - a ZeRO-1 optimizer state (`dear`): gathered into `tx`'s whole state and, for a sharded
+    `new_schedule`, cut again for `num_devices` devices (any count); a whole state cut into shards.
+  - gradient accumulation sums (`every_k`): kept (they are per parameter, not per plan).
+  - a `PipelinedState`: its deferral state as above; a pending forward is refused (flush it with the
+    old plan's step first: it holds that plan's half-done step).
+  The layout (pmap's stacked `(n, 1, ...)`, a global `(n, ...)`, or one device's) is kept. Under
+  `mesh=` the result is placed on the mesh with `state_specs` (ready for `jax.jit`/shard_map).
+
+  Args:
+    state: the state as the step leaves it (fetched or not): a ScheduledState, an optax chain's
+      tuple, a flax TrainState, a dict, a PipelinedState, a bare DeferState (hooked/allreduce), or a
+      flax.nnx state (`nnx.state(optimizer)`; apply the result with `nnx.update(optimizer, new)`).
+    params: the params' tree (arrays or ShapeDtypeStructs) the schedules were planned for.
+    new_schedule: the schedule to go to.
+    tx: the optimizer given to `scheduled` (needed where a ZeRO-1 state is gathered or cut).
+    mesh: a mesh to count the devices of (with `axis_name`) and to place the result on.
+    axis_name: the data axis of `mesh` (a name or a tuple of names).
+    num_devices: the devices on the data axis, where a whole state is cut into shards (default: the
+      mesh's, else the old shard state's or the state's device axis).
+    every_k: the new `scheduled(..., every_k=)` where it differs from the old one's: 1 drops the
+      gradient accumulator (it must be empty: convert at the k-th micro-step), k > 1 adds an empty
+      one where there is none (laid out as the state's deferral state, else global under `mesh=`,
+      else per device). None keeps what is there.
+
+  Returns:
+    The converted state, in the same kind of container (numpy arrays, or placed on `mesh`).
+
+  Raises:
+    TypeError: `state` holds no library state and is not None, or `new_schedule` is not a Schedule.
+    ValueError: a pipelined forward is pending; a ZeRO-1 state without `tx`; bad `num_devices`/`mesh`;
+      `every_k=1` with micro-steps not yet all-reduced.
+    ScheduleMismatchError: a state's schedule is of another tree than `params`.
+  """
+  where = "convert_state"
+  if not isinstance(new_schedule, Schedule):
+    raise TypeError(f"{where}: new_schedule must be a prophet_jax.Schedule, got {type(new_schedule).__name__}.")
+  n = _devices(mesh, axis_name, num_devices, where)
+  if _is_nnx(state) and not _holds_state(state):
+    raise TypeError(
+        f"{where}: the {type(state).__name__} re-labels the library's states as nested dicts, so their "
+        f"schedules cannot be read: convert the optimizer's state as the transformation returns it "
+        f"(a ScheduledState) and set it back with nnx.update.")
+  if state is not None and not _holds_state(state):
+    raise TypeError(
+        f"{where}: no state of this library in the given {type(state).__name__}: pass the optimizer "
+        f"state of scheduled(tx, schedule), a TrainState or dict holding it, a PipelinedState, or the "
+        f"DeferState of hooked/allreduce.")
+  if every_k is not None and (isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer))
+                              or every_k < 1):
+    raise ValueError(f"{where}: every_k={every_k!r}: the new transformation's every_k, an int >= 1.")
+  out = _convert_tree(state, params, new_schedule, tx, n, where)
+  if every_k is not None:
+    out = jax.tree_util.tree_map(lambda x: _accum_for(x, new_schedule, int(every_k), n, mesh is not None, where),
+                                 out, is_leaf=_is_lib)
+  if mesh is not None:
+    # sharding types are only needed to place on a mesh
+    from jax.sharding import NamedSharding
+    specs = state_specs(out, axis_name)
+    out = jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), out, specs)
+  return out
+
+
+def _accum_for(x: Any, schedule: Schedule, every_k: int, n: int | None, on_mesh: bool, where: str) -> Any:
+  """A ScheduledState given the accumulator `every_k` needs (dropped when empty, or an empty one added)."""
+  if not isinstance(x, ScheduledState):
+    return x
+  if every_k == 1:
+    if x.accum is not None and np.any(np.asarray(jax.device_get(x.accum.count)) != 0):
+      raise ValueError(
+          f"{where}: the gradient accumulator holds {int(np.max(np.asarray(x.accum.count)))} micro-steps not yet "
+          f"all-reduced, which a plan without every_k would drop: convert at the k-th micro-step (count 0).")
+    return x._replace(accum=None)
+  if x.accum is not None:
+    return x
+  d = x.defer_state
+  if isinstance(d, (DeferState, OwedState)):
+    first = d.residual[0] if isinstance(d, DeferState) else d.owed[0]
+    row0 = schedule.rows[0][1] if isinstance(d, OwedState) else None
+    prefix = tuple(np.shape(first)[:-2]) if row0 is None else tuple(np.shape(first)[:len(np.shape(first)) - len(row0)])
+  else:
+    prefix = (n,) if on_mesh and n else (1,)
+  count = np.zeros(prefix[:1] if len(prefix) == 2 else (), np.int32)
+  grads = tuple(np.zeros(prefix + tuple(shape), accum_dtype(dtype)) for _, shape, dtype in schedule.rows)
+  return x._replace(accum=AccumState(count=count, grads=grads))
+
+
+def _is_lib(x: Any) -> bool:
+  return isinstance(x, (ScheduledState, DeferState, ShardedState, AccumState, OwedState, PipelinedState))
+
+
+def _holds_state(state: Any) -> bool:
+  return any(_is_lib(x) for x in jax.tree_util.tree_leaves(state, is_leaf=_is_lib))
+
+
+def _convert_tree(state: Any, params: Any, new: Schedule, tx: Any, n: int | None, where: str) -> Any:
+  def defer(d: Any) -> Any:
+    if isinstance(d, OwedState):
+      if d.tag == owed_tag(new):
+        return d
+      raise ValueError(f"{where}: the state still owes deferred values to the first step of another plan "
+                       f"({d.tag!r}): run that step once before converting again.")
+    c = _convert.convert(d, params, new, tx=tx, n=n)
+    return c.state if c.owed is None else _owed_state(c.owed, d, params, new)
+
+  def one(x: Any) -> Any:
+    if isinstance(x, PipelinedState):
+      if x.pending is not None:
+        raise ValueError(
+            f"{where}: the PipelinedState holds a pending forward of its plan (half of a step): flush it "
+            f"with the old plan's step first (state = jax.pmap(old.flush, axis_name=...)(state), or "
+            f"old.flush inside its shard_map / jit), then convert.")
+      # tx's state, whole or ZeRO-1 shards (a pipelined step keeps it bare): converted as scheduled's
+      opt = _convert.convert(ScheduledState(inner=x.opt_state), params, new, tx=tx, n=n).state.inner
+      return x._replace(opt_state=opt, defer=None if x.defer is None else defer(x.defer))
+    if isinstance(x, ScheduledState):
+      rest = _convert.convert(x._replace(defer_state=None), params, new, tx=tx, n=n).state
+      return rest if x.defer_state is None else rest._replace(defer_state=defer(x.defer_state))
+    if isinstance(x, (DeferState, OwedState)):
+      return defer(x)
+    if isinstance(x, (ShardedState, AccumState)):
+      return _convert.convert(x, params, new, tx=tx, n=n).state
+    return x
+
+  return jax.tree_util.tree_map(one, state, is_leaf=_is_lib)
+
+
+def steady_state(state: Any) -> Any:
+  """`state` (as `convert_state` returns it) with every `OwedState` replaced by what the new plan's first
+  step returns in its place (the plan's initial DeferState in the same layout, or None): the shapes of
+  the steady state, for specs or `jax.eval_shape`."""
+  def one(x: Any) -> Any:
+    if not isinstance(x, OwedState):
+      return x
+    sched = x.tag.schedule
+    shape0 = np.shape(x.owed[0]) if x.owed else (1,)
+    rank = len(sched.rows[0][1]) if sched.rows else 0
+    res = tuple(shape0[:len(shape0) - rank])
+    rep = res[:1] if len(res) == 2 else ()
+    return _convert._defer_like(sched, rep, res)
+
+  return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, OwedState))
+
+
+def first_step_specs(state: Any, axis_name: Any) -> tuple[Any, Any]:
+  """(in_specs, out_specs) of the state for the new plan's first step under shard_map: `state_specs` of
+  the converted state (with its OwedState) and of the steady state the step returns. Later steps use
+  the second for both."""
+  return state_specs(state, axis_name), state_specs(steady_state(state), axis_name)
