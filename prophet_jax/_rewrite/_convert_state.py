@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _convert
+from . import _convert, _mesh
 from ._accumulate import accum_dtype
 from ._pending import PipelinedState
 from ._reduction import owed_tag
@@ -39,16 +39,7 @@ def _devices(mesh: Any, axis_name: Any, num_devices: Any, where: str) -> int | N
       raise ValueError(f"{where}: num_devices={num_devices!r}: the number of devices on the data axis, "
                        f"an int >= 1.")
     return int(num_devices)
-  if mesh is None:
-    return None
-  if axis_name is None:
-    raise ValueError(f"{where}: mesh= needs axis_name= (the data axis, or a tuple of axes) to count the "
-                     f"devices the state is laid out over.")
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  missing = [a for a in axes if a not in mesh.shape]
-  if missing:
-    raise ValueError(f"{where}: axis_name={axis_name!r}: the mesh has axes {tuple(mesh.shape)}, not {missing}.")
-  return int(np.prod([mesh.shape[a] for a in axes]))
+  return _mesh.data_devices(mesh, axis_name, where)
 
 
 def _owed_state(owed: Any, d: DeferState, params: Any, schedule: Schedule) -> OwedState:
@@ -129,14 +120,10 @@ def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = 
     raise ValueError(f"{where}: every_k={every_k!r}: the new transformation's every_k, an int >= 1.")
   out = _convert_tree(state, params, new_schedule, tx, n, where)
   if every_k is not None:
-    out = jax.tree_util.tree_map(lambda x: _accum_for(x, new_schedule, int(every_k), n, mesh is not None, where),
+    global_layout = _mesh.data_devices(mesh, axis_name, where) is not None
+    out = jax.tree_util.tree_map(lambda x: _accum_for(x, new_schedule, int(every_k), n, global_layout, where),
                                  out, is_leaf=_is_lib)
-  if mesh is not None:
-    # sharding types are only needed to place on a mesh
-    from jax.sharding import NamedSharding
-    specs = state_specs(out, axis_name)
-    out = jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), out, specs)
-  return out
+  return _mesh.put_on(out, mesh, lambda: state_specs(out, axis_name))
 
 
 def _accum_for(x: Any, schedule: Schedule, every_k: int, n: int | None, on_mesh: bool, where: str) -> Any:

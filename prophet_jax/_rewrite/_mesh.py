@@ -51,7 +51,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _loss_reduction, _states
 from ._defer import deferred_grads as _deferred_grads
@@ -346,6 +346,28 @@ def _jitted(kind: str, objs: tuple, key: Any, make: Callable[[], Any]) -> Any:
   fn = make()
   _JITTED[full] = (objs, fn)
   return fn
+
+
+def data_devices(mesh: Any, axis_name: Any, where: str) -> int | None:
+  """Devices along `axis_name` (an axis or a tuple of axes) of `mesh`: the count a state's global layout
+  has there; None without a mesh."""
+  if mesh is None:
+    return None
+  if axis_name is None:
+    raise ValueError(f"{where}: mesh= needs axis_name= (the data axis, or a tuple of axes) to count the "
+                     f"devices the state is laid out over.")
+  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  missing = [a for a in axes if a not in mesh.shape]
+  if missing:
+    raise ValueError(f"{where}: axis_name={axis_name!r}: the mesh has axes {tuple(mesh.shape)}, not {missing}.")
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def put_on(tree: Any, mesh: Any, specs: Callable[[], Any]) -> Any:
+  """`tree` placed on `mesh` with the PartitionSpecs `specs()` gives (as it is without a mesh)."""
+  if mesh is None:
+    return tree
+  return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs())
 
 
 def place_state(make: Callable[[], Any], mesh: Any, axis_name: Any, where: str) -> Any:
