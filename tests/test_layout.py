@@ -117,8 +117,6 @@ def test_no_module_over_600_lines():
   assert not _long(inside_rewrite=False), _long(inside_rewrite=False)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: the rewrite's modules are being cut into layers "
-                   "(engine, states, front-ends, mesh layer) in separate work; this flips when it lands")
 def test_no_rewrite_module_over_600_lines():
   """The same for the rewrite stage."""
   assert not _long(inside_rewrite=True), _long(inside_rewrite=True)

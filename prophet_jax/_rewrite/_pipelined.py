@@ -1,97 +1,10 @@
 """The cross-step pipelined train step: this backward, its all-reduces and the next forward in one program.
 
-In a plain JAX loop every step is one jitted call, so step k+1 cannot start before every all-reduce of
-step k has ended: the order of the all-reduces cannot help the next forward pass (docs/design.md,
-"Simulator semantics", `cross_step=False`). An asynchronous collective cannot stay in flight across
-two jitted calls either, so `pipelined` cuts the step elsewhere: *between forward and backward*. Each
-call receives the VJP residuals of the previous call's forward pass (`jax.vjp`'s closure, carried as
-plain arrays in the state), and in one program
-
-  1. runs that pending backward pass,
-  2. all-reduces the gradients chunk by chunk, in the schedule's order (`prophet_jax.allreduce`),
-  3. applies the optimizer's update, and
-  4. runs the forward pass of the new batch, returning its residuals and its loss.
-
-Layer l's forward of step k+1 depends only on layer l's reduced and updated parameters, so in the
-compiled program it can start as soon as l's chunks are reduced, while the chunks of later layers are
-still in flight: the simulator's `cross_step=True`, where priority order (Prophet, ByteScheduler, P3)
-pays. (On the CPU a collective blocks the executor, so there is no overlap there; see
-bench/pipelined.py for the cost of the cut.)
-
-After N calls and a `flush`, the parameters equal N plain steps, up to float32 reduction order.
-
-Compiled programs. The first call (and the first after a `flush`) only runs a forward pass. Whether a
-backward is pending is part of the state's *structure* (`pending` is `None` or a `Pending` node), not
-a traced flag, so `jax.pmap`/`jax.jit` compile two programs: forward-only, and the full step. A single
-program with a traced flag would need a `lax.cond` around the backward (its collectives inside a
-conditional, where XLA cannot schedule them against the forward) and dummy residuals of the right
-shapes before any batch was seen. The cost is one extra compilation of the forward-only program.
-
-Residuals. What is carried is what a step holds between its forward and backward anyway: the values
-computed from the batch that the backward reads. Values that depend on the parameters alone (a
-parameter, its cast or transpose) or on nothing (a mask, an iota, a zero fill) are recomputed in the
-backward from the state's parameters, which are the ones the forward read. By default
-(`residuals="min-cut"`) the forward carries the fewest bytes from which the backward recomputes
-everything else it reads by elementwise and layout operations, fused by XLA into their consumers (a
-minimum cut of the forward's value graph, prophet_jax/_residuals.py): e.g. a tanh-GELU's input rather
-than the half dozen derivative terms `jax.vjp` keeps (gpt-tiny: 3.2x fewer bytes than
-`residuals="all"`, which carries what `jax.vjp` keeps). `residuals="matmuls"` or any `jax.checkpoint`
-policy runs the forward under `jax.checkpoint` instead. `Pipelined.residual_bytes(state)` reports the
-carried bytes per device.
-
-The residuals' pytree structure (which holds the linearized jaxpr, compared by identity) is not
-stored: each call rebuilds it from a trace of the forward (`jax.make_jaxpr`, nothing is computed) on
-the shapes recorded in the state, with the carry plan, so the state is a stable pytree of arrays and
-the user's `jax.pmap` traces each program once. The forward itself runs from the same trace (one trace
-of `loss_fn` per program). Writing the residuals out and reading them back in the next call is the
-cut's cost on the CPU (bench/pipelined.py).
-
-Transformations that need every gradient at once (e.g. `optax.clip_by_global_norm`) stay correct: the
-update then waits, through the dataflow, for the last chunk, so the next forward cannot start on the
-front layers early and the overlap is lost.
-
-Auxiliary outputs and model state. With `has_aux=True` the loss returns `(loss, aux)` and each `step`
-returns the aux of the forward it ran (this batch's), as the plain loop's step does. With
-`has_state=True` the loss is `loss_fn(params, model_state, batch) -> (loss, new_model_state)` (BatchNorm
-statistics, a PRNG key, any pytree that is not differentiated): the model state lives in the
-`PipelinedState`, each forward reads the state the previous forward produced and stores the one it
-produces, so the forward of step k+1 sees step k's state, exactly as in the plain loop. The model
-state is an input of the forward like the batch: the values computed from it that the backward needs
-are carried with the residuals.
-
-Deferral (DLCP). With a schedule that defers (`plan(..., "dlcp", max_defer=...)`: `Bucket.defer > 0`),
-the step's all-reduce is `allreduce(grads, schedule, axis_name, defer_state=...)`: each deferral group
-sends m - k of its m chunks (its slots, consecutive `prophet/chunk<k>` all-reduces in the group's place
-in issue order) and keeps the other k in a per-device residual that the next step adds back
-(prophet_jax/_defer.py). Its state (`prophet_jax.DeferState`) rides in `PipelinedState.defer`: made by
-`init`, threaded by `step` and `flush`, its residuals per device (`state_specs` gives them
-`P(axis_name)`). The step then equals the plain loop with that all-reduce in place of `pmean`. The
-flushed step defers as any step: its deferred values stay in `state.defer` (`Pipelined.deferred_grads`
-puts them back in the parameters' shape, to apply at the end if wanted).
-
-Sharded schedules (`dear`, ZeRO-1). The pending gradients are reduce-scattered chunk by chunk, `tx`
-updates this device's shards (its state, `PipelinedState.opt_state`, is `scheduled`'s `ShardedState`:
-1/n per device, `P(axis_name)` in `state_specs`, made by `init` where the axis is bound), and the
-update is all-gathered gather by gather, front layers first: the next forward reads each gather's
-params in the same program, so each all-gather runs inside that forward, before the layers that read
-it (where XLA places it: `audit`'s `gathers_forward_overlap`).
-
-Batches and model states may hold typed PRNG keys (`jax.random.key`, extended dtypes): they are traced
-as such; nothing converts them to numbers.
-
-Low-precision parameters. The updated parameters are both an output of the program and the input of
-the next forward inside it. XLA on the CPU computes bfloat16 arithmetic in float32 and, by default
-(`xla_allow_excess_precision`), lets a consumer read the unrounded float32 value of a bfloat16 result:
-the next forward would read parameters the plain loop never has (it reads them back from memory,
-rounded). So the updated bfloat16 and float16 parameters are rounded explicitly, by a
-`reduce_precision` on their float32 value, which XLA cannot drop (it is not a no-op on float32) and
-which equals the rounding to the parameter's dtype: the step is as exact as with
-`--xla_allow_excess_precision=false`. (bfloat16 parameters computing in float32, flax's promotion:
-equal to the plain loop.) What cannot be matched is bfloat16 *compute* across the cut: the residuals
-are written out in their dtype (rounded), while the plain step, one program, may keep some bfloat16
-activations in float32 between its forward and its backward. The two then differ by bfloat16 rounding
-(tests/test_pipelined.py measures it); compiled with `xla_allow_excess_precision=False` both round
-every value where the program says, and they are equal.
+Each call runs the previous forward's pending backward, its chunked all-reduces in the schedule's
+order, the update, and the next batch's forward, carrying the forward's residuals in the state: the
+simulator's `cross_step=True`. docs/design.md ("The pipelined step") says why the step is cut between
+forward and backward, what is carried (`residuals=`), the two compiled programs, deferral, sharded
+schedules, auxiliary outputs and model state, and low-precision parameters.
 """
 
 from __future__ import annotations
@@ -107,18 +20,18 @@ import optax
 from jax.sharding import PartitionSpec
 
 from . import _defer, _loss_reduction, _states, _zero
-from .._values._checks import check_values, match_tree
-from ._collectives import axis_size, is_varying, to_varying, vma_enabled
+from .._values._checks import check_values
+from ._collectives import axis_size
 from ._reduction import add_owed, allreduce, check_foreign
 from ._defer import DeferState
 from ._keys import check_enforce_order, ordered_by
 from ._states import OwedState
 from .._values._errors import ScheduleMismatchError
 from ._mesh import placed_step
+from ._pipelined_checks import PipelinedChecks, _short, _size
 from ._pending import Pending, PipelinedState, _meta_nbytes, _PendingMeta, _round_to_dtype, _Traced
 from ._residuals import carried_avals, carry_plan, forward, recompute, save_matmuls, vjp_jaxpr
 from .._values._schedule import Schedule
-from .._values._tree import is_reduced_leaf, path_str
 
 __all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending", "save_matmuls"]
 
@@ -129,7 +42,7 @@ _NO_STATE = object()  # `init`'s default: no model state given (None is a valid 
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Pipelined:
+class Pipelined(PipelinedChecks):
   """The pipelined train step returned by `pipelined(...)`: pure functions over a `PipelinedState`.
 
   Run `init` anywhere (or under the mapping), and `step` / `flush` under the user's own `jax.pmap` or
@@ -534,133 +447,6 @@ class Pipelined:
     batch = jax.tree_util.tree_unflatten(meta.batch_tree, [self._placeholder(a) for a in meta.batch])
     model_state = jax.tree_util.tree_unflatten(meta.state_tree, [self._placeholder(a) for a in meta.state])
     return self._trace(pv, self._inputs(model_state, batch))
-
-  def _placeholder(self, aval: tuple) -> jax.Array:
-    """A value of a recorded (path, shape, dtype, varying) leaf (a constant; only its type matters)."""
-    _, shape, dtype, varying = aval
-    x = jax.lax.full(shape, 0, dtype)  # also for extended dtypes (typed PRNG keys)
-    if varying and vma_enabled(self.axis_name):
-      x = to_varying(x, self.axis_name)
-    return x
-
-  @property
-  def _how(self) -> str:
-    return "min-cut" if self.residuals == "min-cut" else "closure"
-
-  def _ones_ct(self, meta: _PendingMeta) -> jax.Array:
-    ct = jnp.ones((), meta.loss_dtype)
-    if meta.loss_varying and vma_enabled(self.axis_name):
-      ct = to_varying(ct, self.axis_name)
-    return ct
-
-  def _varying_params(self, params: Any) -> Any:
-    """Under shard_map with check_vma, marks the params varying before differentiating (docs/facts.md,
-    "The 8x gradient trap": otherwise jax.grad returns gradients already summed over the axis)."""
-    if not vma_enabled(self.axis_name):
-      return params
-
-    def cast(x):
-      if not is_reduced_leaf(x) or is_varying(x, self.axis_name):
-        return x
-      return to_varying(x, self.axis_name)
-
-    return jax.tree_util.tree_map(cast, params)
-
-  # -- checks -------------------------------------------------------------------------------------
-  def _is_varying(self, x: Any) -> bool:
-    return vma_enabled(self.axis_name) and is_varying(x, self.axis_name)
-
-  def _check_state(self, state: Any, where: str) -> None:
-    if not isinstance(state, PipelinedState):
-      raise TypeError(f"{where}: expected the PipelinedState returned by init/step/flush, got "
-                      f"{type(state).__name__}. Start with state = pipelined(...).init(params).")
-    if state.pending is not None and not isinstance(state.pending, Pending):
-      raise TypeError(f"{where}: state.pending must be None or a Pending node, got "
-                      f"{type(state.pending).__name__}.")
-    if state.defer is not None and not isinstance(state.defer, (DeferState, OwedState)):
-      raise TypeError(f"{where}: state.defer must be None or a prophet_jax.DeferState (or convert_state's "
-                      f"OwedState), got "
-                      f"{type(state.defer).__name__}. Start with state = pipelined(...).init(params).")
-
-  def _check_defer(self, defer: Any, schedule: Schedule, where: str) -> None:
-    """`_defer.check_state` for `state.defer` against the schedule it is used with, the fix said for
-    a pipelined state."""
-    hint = ("A pipelined step makes its deferral state in init and threads it through step and flush; "
-            "to change plans, flush with the old step and convert the state outside the step: "
-            "state = prophet_jax.convert_state(state, params, new_schedule) (nothing deferred is lost).")
-    check_foreign(defer, schedule, where)
-    try:
-      _defer.check_state(defer, schedule, where)
-    except ScheduleMismatchError as e:
-      raise ScheduleMismatchError(f"{e} {hint}") from None
-    except TypeError as e:
-      raise TypeError(f"{e} {hint}") from None
-
-  def _check_params(self, params: Any, where: str) -> None:
-    match_tree(jax.tree_util.tree_flatten_with_path(params)[0], self.schedule, where=where)
-
-  def _avals(self, tree: Any) -> tuple[Any, tuple]:
-    """(treedef, ((path, shape, dtype, varying), ...)) of a batch or model state."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    avals = []
-    for path, x in leaves:
-      if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        x = jnp.asarray(x)
-      avals.append((path_str(path), tuple(int(d) for d in x.shape), x.dtype, self._is_varying(x)))
-    return jax.tree_util.tree_structure(tree), tuple(avals)
-
-  def _check_batch(self, meta: _PendingMeta, batch_tree: Any, avals: tuple) -> None:
-    fix = ("Every step between flushes must see the same batch shapes; call state = flush(state) "
-           "before changing them (e.g. for a last, smaller batch).")
-    if batch_tree != meta.batch_tree:
-      raise ValueError(f"pipelined.step: the batch's structure {batch_tree} differs from the pending "
-                       f"forward's {meta.batch_tree}. {fix}")
-    for (path, shape, dtype, vary), (_, shape0, dtype0, vary0) in zip(avals, meta.batch):
-      if shape != shape0 or dtype != dtype0:
-        raise ValueError(f"pipelined.step: batch leaf {path!r} has shape {shape} and dtype {dtype}, but "
-                         f"the pending forward ran on shape {shape0} and dtype {dtype0}. {fix}")
-      if vary != vary0:
-        raise ValueError(f"pipelined.step: batch leaf {path!r} is {'' if vary else 'not '}varying over "
-                         f"{self.axis_name!r} now but was {'' if vary0 else 'not '}before: keep the "
-                         f"same in_specs for the batch between flushes.")
-
-  def _check_new_state(self, old: Any, new: Any) -> None:
-    """The new model state must be a drop-in for the old: same structure, shapes, dtypes, and not
-    varying over the axis where the old one was not."""
-    fix = ("loss_fn(params, model_state, batch) must return a new model state of the same structure, "
-           "shapes and dtypes as the one it was given (flax: `variables['batch_stats']` in, "
-           "`updates['batch_stats']` out).")
-    old_tree, old_avals = self._avals(old)
-    new_tree, new_avals = self._avals(new)
-    if old_tree != new_tree:
-      raise TypeError(f"pipelined: the model state loss_fn returned has structure {new_tree}, but it was "
-                      f"given {old_tree}. {fix}")
-    for (path, shape, dtype, vary), (_, shape0, dtype0, vary0) in zip(new_avals, old_avals):
-      if shape != shape0 or dtype != dtype0:
-        raise TypeError(f"pipelined: model state leaf {path!r} comes back with shape {shape} and dtype "
-                        f"{dtype}, but went in with shape {shape0} and dtype {dtype0}. {fix}")
-      if vary and not vary0:
-        raise ValueError(
-            f"pipelined: model state leaf {path!r} went in the same on every device but comes back "
-            f"varying over {self.axis_name!r} (computed from this device's batch). Average it in "
-            f"loss_fn (jax.lax.pmean(..., {self.axis_name!r}), as synchronized BatchNorm statistics "
-            f"are), or keep it per device: pass it with a leading device axis and "
-            f"state_specs(model_state=P({self.axis_name!r})).")
-
-  def _check_loss(self, loss: Any) -> None:
-    if np.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
-      raise TypeError(f"pipelined: loss_fn(params, batch) must return a floating scalar, got shape "
-                      f"{np.shape(loss)} and dtype {jnp.result_type(loss)}. Return the mean loss over "
-                      f"this device's batch.")
-
-
-def _size(closed: Any, n_head: int) -> tuple[int, int]:
-  return len(closed.jaxpr.eqns), len(closed.jaxpr.outvars) - n_head
-
-
-def _short(avals: tuple) -> str:
-  text = ", ".join(f"{d}{list(s)}" for s, d in avals[:4])
-  return f"[{text}{', ...' if len(avals) > 4 else ''}]"
 
 
 def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
