@@ -677,14 +677,12 @@ class Pipelined:
     """
     if _defer.same_groups(schedule, self.schedule):
       if not schedule.defers and defer is None:
-        return allreduce(grads, schedule, self.axis_name, mean=True, enforce_order=self.enforce_order), None
+        return allreduce(grads, schedule, self.axis_name, mean=True), None
       # a state of a third schedule (a re-plan after a flush) is carried over by allreduce itself
-      return allreduce(grads, schedule, self.axis_name, mean=True, defer_state=defer,
-                       enforce_order=self.enforce_order)
+      return allreduce(grads, schedule, self.axis_name, mean=True, defer_state=defer)
     if defer is not None:
       grads = _defer.add_residual(grads, _defer.schedule_of(defer) or schedule, defer, where)
-    grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=True,
-                      enforce_order=self.enforce_order)
+    grads = allreduce(grads, _defer.lossless(schedule), self.axis_name, mean=True)
     return grads, _defer.init(self.schedule)
 
   def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> _Traced:
