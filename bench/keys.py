@@ -282,7 +282,8 @@ def table(res: dict) -> str:
                  f"{r['exact']!s:>5s} {'yes' if r['ok'] else 'NO':>4s} {r['found']:5d}")
   if res.get("compile_time"):
     lines.append("")
-    lines.append(f"{'model':10s} {'way':5s} {'chunks':>6s} {'lower cpu s':>11s} {'compile cpu s':>13s} {'ok':>4s}")
+    lines.append(f"{'model':10s} {'way':5s} {'chunks':>6s} {'lower cpu s':>11s} {'compile cpu s':>13s} "
+                 f"{'ok':>4s}")
     for r in res["compile_time"]:
       lines.append(f"{r['model']:10s} {r['way']:5s} {r.get('chunks', 0):6d} {r.get('lower_cpu_s', float('nan')):11.1f} "
                    f"{r.get('compile_cpu_s', float('nan')):13.1f} {'yes' if r.get('ok') else 'NO':>4s}")
