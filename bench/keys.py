@@ -273,7 +273,8 @@ def table(res: dict) -> str:
                    f"{c['overlap_mflop']:8.2f} {c['compile_s']:6.1f}  ")
     lines.append(f"{r['target']:6s} {r['model']:12s} {r['policy']:8s} {r['planned']:5d} | {cells[0]} | {cells[1]}")
   lines.append("")
-  lines.append(f"{'tagged':6s} {'model':12s} {'policy':8s} {'plan':>5s} {'bkts':>5s} {'exact':>5s} {'ok':>4s} {'found':>5s}")
+  lines.append(f"{'tagged':6s} {'model':12s} {'policy':8s} {'plan':>5s} {'bkts':>5s} {'exact':>5s} {'ok':>4s} "
+               f"{'found':>5s}")
   for r in res["tagged"]:
     if "note" in r:
       lines.append(f"{'':6s} {r['model']:12s} {r['policy']:8s} {r['note']}")
