@@ -273,7 +273,8 @@ def table(res: dict) -> str:
                    f"{c['overlap_mflop']:8.2f} {c['compile_s']:6.1f}  ")
     lines.append(f"{r['target']:6s} {r['model']:12s} {r['policy']:8s} {r['planned']:5d} | {cells[0]} | {cells[1]}")
   lines.append("")
-  lines.append(f"{'tagged':6s} {'model':12s} {'policy':8s} {'plan':>5s} {'bkts':>5s} {'exact':>5s} {'ok':>4s} {'found':>5s}")
+  lines.append(f"{'tagged':6s} {'model':12s} {'policy':8s} {'plan':>5s} {'bkts':>5s} {'exact':>5s} {'ok':>4s} "
+               f"{'found':>5s}")
   for r in res["tagged"]:
     if "note" in r:
       lines.append(f"{'':6s} {r['model']:12s} {r['policy']:8s} {r['note']}")
@@ -282,7 +283,8 @@ def table(res: dict) -> str:
                  f"{r['exact']!s:>5s} {'yes' if r['ok'] else 'NO':>4s} {r['found']:5d}")
   if res.get("compile_time"):
     lines.append("")
-    lines.append(f"{'model':10s} {'way':5s} {'chunks':>6s} {'lower cpu s':>11s} {'compile cpu s':>13s} {'ok':>4s}")
+    lines.append(f"{'model':10s} {'way':5s} {'chunks':>6s} {'lower cpu s':>11s} {'compile cpu s':>13s} "
+                 f"{'ok':>4s}")
     for r in res["compile_time"]:
       lines.append(f"{r['model']:10s} {r['way']:5s} {r.get('chunks', 0):6d} {r.get('lower_cpu_s', float('nan')):11.1f} "
                    f"{r.get('compile_cpu_s', float('nan')):13.1f} {'yes' if r.get('ok') else 'NO':>4s}")

@@ -15,9 +15,10 @@ chunk's reduce-scatter, a gather's all-gather. Two mechanisms keep units apart i
   path proves numbers only.
 
 The choice is one context variable, read while a step is traced: the front-ends (`allreduce`,
-`scheduled`, `hooked`, `pipelined`) take `enforce_order` and wrap the function they trace with
-`ordering(enforce_order)`; the engine asks `enforced()` (in `tie`) and `unit_scope(name)` (where it names
-a unit) and nothing else. `True` leaves every traced function exactly as it was.
+`scheduled`, `hooked`, `pipelined`) take `enforce_order` and, given False, trace their function under
+`ordering(False)` (`ordered_by`); the engine asks `enforced()` (in `tie`) and `unit_scope(name)` (where
+it names a unit) and nothing else. `True` adds nothing: every traced function stays exactly as it was,
+and a call made inside a keyed step (pipelined's `allreduce`) follows that step.
 """
 
 from __future__ import annotations

@@ -436,10 +436,9 @@ class Pipelined(PipelinedChecks):
     in any step (`allreduce(..., defer_state=)`); `convert_state`'s OwedState is added to these
     gradients there, and the schedule's deferral starts from its initial state."""
     mean = _loss_reduction.is_mean(self.reduction)
-    if not schedule.defers and defer is None:
-      return allreduce(grads, schedule, self.axis_name, mean=mean, enforce_order=self.enforce_order), None
-    return allreduce(grads, schedule, self.axis_name, mean=mean, defer_state=defer,
-                     enforce_order=self.enforce_order)
+    if not schedule.defers and defer is None:   # the ordering is this step's: allreduce follows it
+      return allreduce(grads, schedule, self.axis_name, mean=mean), None
+    return allreduce(grads, schedule, self.axis_name, mean=mean, defer_state=defer)
 
   def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> _Traced:
     """The forward traced on the recorded input shapes (nothing of it runs): its `vjp_jaxpr` and the

@@ -7,6 +7,7 @@ varying checks).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -88,9 +89,10 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
     axis_name: the data-parallel axis (a name bound by pmap or shard_map).
     mean: divide the sums by the axis size (a `pmean`); False gives the `psum`.
     defer_state: the DeferState of a schedule that defers (None otherwise).
-    enforce_order: True (the default): the tie keeps one collective per unit, in schedule order.
-      False: each unit (a chunk, a deferral slot, a reduce-scatter, an all-gather) carries one XLA
-      `combiner_key` and no tie: XLA:GPU keeps exactly the plan's units and orders them itself
+    enforce_order: True (the default): the tie keeps one collective per unit, in schedule order
+      (inside a step that `scheduled`, `hooked` or `pipelined` traces with `enforce_order=False`, their
+      keys). False: each unit (a chunk, a deferral slot, a reduce-scatter, an all-gather) carries one
+      XLA `combiner_key` and no tie: XLA:GPU keeps exactly the plan's units and orders them itself
       (`_keys`); XLA:CPU ignores the key and merges them (the numbers are the same).
 
   Returns:
@@ -109,7 +111,9 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
   Example:
     >>> step = jax.pmap(lambda g: prophet_jax.allreduce(g, schedule, "data"), axis_name="data")
   """
-  with ordering(check_enforce_order("allreduce", enforce_order)):
+  keyed = not check_enforce_order("allreduce", enforce_order)
+  # True leaves the ordering as it is: the tie, unless a front-end traces this call with keys
+  with ordering(False) if keyed else contextlib.nullcontext():
     reduced, new = scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce",
                                        defer_state=defer_state)
   return (reduced, new) if schedule.defers or defer_state is not None else reduced
