@@ -180,7 +180,7 @@ def test_bound_under_pressure_below_every_policy():
     net = random_network(rng, p, comm_ratio=2.0).replace(pressure=HEAVY)
     for cs in (False, True):
       lossless = lower_bound(p, net, cross_step=cs)
-      for name in POLICIES:
+      for name in (n for n in POLICIES if n != "fsdp"):   # fsdp plans sharded profiles (test_fsdp.py)
         opts = {"max_defer": 0.25} if name == "dlcp" else {}
         n = net.replace(links=1) if name == "dear" else net    # sharded schedules: one link
         s = plan(p, n, name, cross_step=cs, **opts)

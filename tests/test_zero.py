@@ -637,15 +637,15 @@ def test_two_processes_with_a_dear_schedule_match_the_single_device_full_batch(t
 
 def test_the_readme_snippet_runs_and_matches_the_single_device_step():
   """README, "DeAR and ZeRO-1": the snippet as written (a dear plan for the mlp; hooked(mesh=) shards,
-  scheduled(mesh=)'s ZeRO-1 update in a flax TrainState, host batches) equals the single-device loop,
+  scheduled(mesh=)'s ZeRO-1 update in a flax TrainState, host batches; docs/usage.md) equals the single-device loop,
   and its optimizer state is split over the devices."""
   import re
   from pathlib import Path
 
   from prophet_jax.models import get_model
 
-  text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-  start = text.index("### DeAR and ZeRO-1: a sharded schedule in the rewrite")
+  text = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+  start = text.index("## DeAR and ZeRO-1: a sharded schedule in the rewrite")
   code = re.compile(r"```python\n(.*?)```", re.S).search(text, start).group(1)
   m = get_model("mlp")
   params = m.init(jax.random.key(0))
