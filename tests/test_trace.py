@@ -10,6 +10,7 @@ instant. These tests pin the fix and the checks that would have refused that pro
 import functools
 import gzip
 import os
+import re
 
 import jax
 import numpy as np
@@ -200,6 +201,12 @@ def test_profile_from_trace_bad_input_is_named(tmp_path):
     profile_from_trace(tmp_path / "nothing", _hlo("cnn"), params)
   with pytest.raises(FileNotFoundError, match="holds no .xplane.pb"):
     profile_from_trace(tmp_path, _hlo("cnn"), params)
+  for name, data in (("notes.xplane.pb", b"this is a text file\n"), ("random.xplane.pb", bytes(range(256)) * 4),
+                     ("bad.xplane.pb.gz", b"not gzip")):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ProfileError, match=rf"trace '.*{re.escape(name)}' is not a profiler trace.*"
+                                           r"jax.profiler.trace\(dir\) writes"):
+      profile_from_trace(tmp_path / name, _hlo("cnn"), params)
   small = {"params": {"Conv_0": {"bias": np.zeros(16, np.float32), "kernel": np.zeros((2, 2), np.float32)}}}
   with pytest.raises(ValueError, match=r"has 12 outputs; they do not match the 2 floating leaves.*leaf "
                                        r"'params/Conv_0/kernel' \(float32\[2, 2\]\) meets output 1, "

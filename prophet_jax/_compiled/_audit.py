@@ -171,6 +171,11 @@ def audit(compiled: Any, schedule: Schedule, *, enforce_order: bool = True) -> A
     if len(ks) > 1:
       problems.append(f"chunks {ks} share one all-reduce ({name}): XLA's combiner merged them.")
   problems += sequence_problems(order, len(sizes), len(chunks), "chunk", "all-reduce")
+  if not chunks and sizes and not any(after):   # no backward and no chunk: a forward-only program
+    problems.append("this program has no backward pass and none of the schedule's all-reduces: it runs a "
+                    "forward alone, as a pipelined step does from a state with nothing pending (after "
+                    "init or flush). Lower the step from a state with a forward pending (after one step) "
+                    "to audit the program that reduces.")
   if not schedule.chunks:
     problems.append("the schedule has no chunks.")
   peak = peak_in_flight(ops, {a.op.instruction.name for a in found if a.form != "all-reduce" and not a.is_sync()})

@@ -39,6 +39,7 @@ from typing import Any
 import jax
 
 from ._step_hlo import StepHlo, layer_index, is_backward
+from .._values._errors import ProfileError
 
 # --------------------------------------------------------------------------------------------------
 # Profiler trace
@@ -69,10 +70,18 @@ def trace_files(trace: str | os.PathLike[str]) -> list[str]:
 
 
 def _load(path: str) -> Any:
-  if path.endswith(".gz"):
-    with gzip.open(path, "rb") as f:
-      return jax.profiler.ProfileData.from_serialized_xspace(f.read())
-  return jax.profiler.ProfileData.from_file(path)
+  """The profile in `path` (`.xplane.pb`, or gzipped); a file that is no trace is a ProfileError naming it."""
+  try:
+    if path.endswith(".gz"):
+      with gzip.open(path, "rb") as f:
+        return jax.profiler.ProfileData.from_serialized_xspace(f.read())
+    return jax.profiler.ProfileData.from_file(path)
+  except (RuntimeError, ValueError, OSError, EOFError) as e:   # jax's "Failed to parse XSpace", gzip's
+    raise ProfileError(
+        f"trace {path!r} is not a profiler trace ({type(e).__name__}: {str(e)[:120]}): a trace is the "
+        f".xplane.pb file that jax.profiler.trace(dir) writes under dir/plugins/profile/<run>/ (serialized "
+        f"XSpace protobuf, optionally gzipped); pass that file or the directory given to jax.profiler.trace."
+    ) from None
 
 
 @dataclasses.dataclass
