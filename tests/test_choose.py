@@ -2,12 +2,12 @@
 decision's JSON, the errors, a real choice on 8 host devices, two processes, and Monitor's confirmation."""
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+
+from _example_ref import two_process_results
 
 from prophet_jax import Choice, GradientProfile, Monitor, NetworkModel
 from prophet_jax._planning._paired import (DEFAULT_ROUNDS, decide, interleave, median_interval, min_rounds,
@@ -278,13 +278,7 @@ _TWO_PROCESS = textwrap.dedent("""
 def test_two_processes_one_decision_from_the_slowest_process(tmp_path):
   script = tmp_path / "two.py"
   script.write_text(_TWO_PROCESS)
-  proc = subprocess.run([sys.executable, "-m", "prophet_jax.launch", "--nproc", "2", "--init-timeout",
-                         "60", "--", sys.executable, str(script)], capture_output=True, text=True,
-                        timeout=240)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-             if "RESULT " in line]
-  assert sorted(r["rank"] for r in results) == [0, 1]
+  results = two_process_results(script)
   a, b = (Choice.from_json(r["choice"]) for r in results)
   assert a == b and a.processes == 2
   # rank 0 alone would pick the candidate; its time is rank 1's (slower), so the control stays

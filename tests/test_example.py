@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _example_ref import example_env, load_npz
+
 from tests._assert import assert_trees_close
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,16 +26,7 @@ STEPS = 3
 pytestmark = pytest.mark.multiprocess
 
 
-def _env():
-  env = dict(os.environ)
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-             JAX_PLATFORMS="cpu", PROPHET_INIT_TIMEOUT_S="60")
-  return env
-
-
-def _load(path):
-  with np.load(path) as z:
-    return {k: z[k] for k in z.files}
+_env, _load = example_env, load_npz
 
 
 def _initial_params():

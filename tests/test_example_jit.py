@@ -4,13 +4,14 @@ jit step (the partitioner's own gradient all-reduce) ends, within docs/design.md
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from _example_ref import example_env, load_npz
 
 from tests._assert import assert_trees_close
 
@@ -23,16 +24,7 @@ LR = 0.05
 pytestmark = pytest.mark.multiprocess
 
 
-def _env():
-  env = dict(os.environ)
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-             JAX_PLATFORMS="cpu", PROPHET_INIT_TIMEOUT_S="60")
-  return env
-
-
-def _load(path):
-  with np.load(path) as z:
-    return {k: z[k] for k in z.files}
+_env, _load = example_env, load_npz
 
 
 def _plain_jit_reference():

@@ -1,12 +1,11 @@
 """Monitor: re-plans on a degraded network, not on noise; caches compiled steps; processes agree."""
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+
+from _example_ref import two_process_results
 
 from prophet_jax import GradientProfile, Monitor, NetworkModel, ScheduleMismatchError
 from prophet_jax._multiprocess._monitor import plan_key
@@ -149,13 +148,7 @@ _TWO_PROCESS = textwrap.dedent("""
 def test_two_processes_agree_on_the_schedule(tmp_path):
   script = tmp_path / "two.py"
   script.write_text(_TWO_PROCESS)
-  proc = subprocess.run([sys.executable, "-m", "prophet_jax.launch", "--nproc", "2", "--init-timeout",
-                         "60", "--", sys.executable, str(script)], capture_output=True, text=True,
-                        timeout=240)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-             if "RESULT " in line]
-  assert sorted(r["rank"] for r in results) == [0, 1]
+  results = two_process_results(script)
   a, b = results
   assert a["own"] != b["own"]  # alone, the ranks would plan differently
   assert a["schedule"] == b["schedule"]  # with the Monitor, rank 0 decides for both

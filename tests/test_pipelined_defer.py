@@ -93,6 +93,20 @@ def put(tree, spec):
   return jax.device_put(tree, NamedSharding(mesh(), spec))
 
 
+def _plain_step(model, s, p, o, st, b, owed=None):
+  """One step of the plain loop the pipelined step must equal (inside pmap): grad, plus `owed(st)` (an
+  old plan's residual) when given, `allreduce` with schedule `s` (and its deferral state), tx."""
+  g = jax.grad(model.loss_fn)(p, b)
+  if owed is not None:
+    g = jax.tree.map(jnp.add, g, owed(st))
+  if s.defers:
+    g, st = pj.allreduce(g, s, AXIS, defer_state=st)
+  else:
+    g = pj.allreduce(g, s, AXIS)
+  u, o = tx().update(g, o, p)
+  return optax.apply_updates(p, u), o, st
+
+
 @functools.cache
 def loop_ref(max_defer: float):
   """STEPS plain steps (grad, allreduce with the deferral state, tx) under pmap: (params, DeferState
@@ -100,14 +114,7 @@ def loop_ref(max_defer: float):
   model, params, bs = setup()
   s = schedule(max_defer)
 
-  def step(p, o, st, b):
-    g = jax.grad(model.loss_fn)(p, b)
-    if s.defers:
-      g, st = pj.allreduce(g, s, AXIS, defer_state=st)
-    else:
-      g = pj.allreduce(g, s, AXIS)
-    u, o = tx().update(g, o, p)
-    return optax.apply_updates(p, u), o, st
+  step = functools.partial(_plain_step, model, s)
 
   def plain(p, o, b):
     g = jax.lax.pmean(jax.grad(model.loss_fn)(p, b), AXIS)
@@ -350,19 +357,11 @@ def test_a_replan_to_a_lossless_plan_loses_nothing_through_convert_state():
   state, control = r2.flush(state), r2.flush(control)
   assert state.defer is None
 
-  def step(s, p, o, st, b, settle=False):
-    g = jax.grad(model.loss_fn)(p, b)
-    if settle:  # the old plan's residual joins the new plan's first gradients
-      g = jax.tree.map(jnp.add, g, r1.pipe.deferred_grads(r1.pipe.init(params)._replace(defer=st)))
-    if s.defers:
-      g, st = pj.allreduce(g, s, AXIS, defer_state=st)
-    else:
-      g = pj.allreduce(g, s, AXIS)
-    u, o = tx().update(g, o, p)
-    return optax.apply_updates(p, u), o, st
+  def owed(st):  # the old plan's residual joins the new plan's first gradients
+    return r1.pipe.deferred_grads(r1.pipe.init(params)._replace(defer=st))
 
-  fs = [jax.pmap(functools.partial(step, s, settle=settle), axis_name=AXIS)
-        for s, settle in ((s1, False), (s2, True), (s2, False))]
+  fs = [jax.pmap(functools.partial(_plain_step, model, s, owed=o), axis_name=AXIS)
+        for s, o in ((s1, None), (s2, owed), (s2, None))]
   p, o, st = replicate(params), replicate(tx().init(params)), replicate(pj.defer_state(s1))
   for t, b in enumerate(bs[:4]):    # s1, s1 (the flush), then s2's first step adds what s1 owed
     p, o, st = fs[(0, 0, 1, 2)[t]](p, o, st, shard(b))

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from _trace_bug import merge_runs
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -205,16 +207,7 @@ def test_implausible_trace_falls_back_with_a_note_or_raises_saying_what_it_held(
   """The GPU bug on the CPU: every traced step in one execution. 'auto' falls back to timing and says
   why; 'measured' raises with what the trace held."""
   loss, params, batch = _tiny()
-  real = _xplane.read_trace
-
-  def merged(trace, modules):
-    t = real(trace, modules)
-    for evs in t.events.values():
-      for e in evs:
-        e["run"] = 0
-    return t
-
-  monkeypatch.setattr(_xplane, "read_trace", merged)
+  merge_runs(monkeypatch)   # the old bug: every step in one run
   prof = profile_step(loss, params, batch, num_devices=2, steps=3)
   assert prof.method == "timed"
   assert "profiler unusable (implausible trace: 2 execution(s) found where 6 were traced (3 steps x 2 " \

@@ -16,6 +16,8 @@ import jax
 import numpy as np
 import pytest
 
+from _trace_bug import merge_runs
+
 from prophet_jax import GradientProfile, NetworkModel, ProfileError, plan, profile_from_trace
 from prophet_jax._measure import _step_hlo, _xplane
 from prophet_jax._values._tree import layer_of
@@ -178,16 +180,7 @@ def test_profile_from_trace_reads_a_directory_and_a_compiled_program(tmp_path):
 
 def test_profile_from_trace_refuses_an_implausible_trace(monkeypatch):
   """Executions that do not match the host's launches: ProfileError saying what the trace held."""
-  real = _xplane.read_trace
-
-  def merged(trace, modules):  # the old bug: every step in one run
-    t = real(trace, modules)
-    for evs in t.events.values():
-      for e in evs:
-        e["run"] = 0
-    return t
-
-  monkeypatch.setattr(_xplane, "read_trace", merged)
+  merge_runs(monkeypatch)   # the old bug: every step in one run
   params, _ = _params("cnn")
   with pytest.raises(ProfileError, match=r"implausible trace: 1 execution\(s\) found where 3 were traced \(3 "
                                          r"host launches x 1 devices\).*held 177 op events"):
