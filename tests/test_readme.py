@@ -80,3 +80,7 @@ def test_the_gpu_compile_snippet_defines_its_step_and_compiles_as_written(capsys
   assert ns["report"].ok and len(ns["report"].chunks) == schedule.num_allreduces
   assert prophet_jax.audit(ns["compiled"], ns["cnn_schedule"]).ok
   assert "OK" in capsys.readouterr().out
+  # issue 35: the dear variant, as docs/gpu.md writes it, in the same names
+  exec(compile(_snippet(GPU, "### A sharded (`dear`) schedule's step"), str(GPU), "exec"), ns)  # noqa: S102
+  report = prophet_jax.audit(ns["compiled"], ns["dear"])
+  assert report.ok and ns["dear"].sharded, report.describe()
