@@ -173,6 +173,12 @@ def _fmt_bytes(n: int) -> str:
   return f"{n} B"
 
 
+def _span(sizes: Sequence[int]) -> str:
+  """'4 MiB' for one size, '4 MiB..64 MiB' for several."""
+  first, last = _fmt_bytes(sizes[0]), _fmt_bytes(sizes[-1])
+  return first if len(sizes) == 1 else f"{first}..{last}"
+
+
 def _agree(flag: bool) -> bool:
   """Rank 0's `flag` on every process. A decision taken from a wall clock (stop repeating, skip a size)
   must be the same everywhere, or the processes issue different numbers of all-reduces and wait for
@@ -210,8 +216,8 @@ def check_fit(network: NetworkModel, timings: AllreduceTimings, stat: str = "med
                             "stat='low', or measure only the sizes your schedules send (sizes=...).")
   if text is not None and timings.cut_sizes:
     text += (f" The {timings.time_budget_s:g} s time budget measured sizes up to "
-             f"{_fmt_bytes(timings.sizes[-1])} and cut {_fmt_bytes(timings.cut_sizes[0])}.."
-             f"{_fmt_bytes(timings.cut_sizes[-1])}: pass a larger time_budget_s (or None) to measure them.")
+             f"{_fmt_bytes(timings.sizes[-1])} and cut {_span(timings.cut_sizes)}: pass a larger "
+             f"time_budget_s (or None) to measure them.")
   return text
 
 
