@@ -204,18 +204,22 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
   nxt = 0
   comm = 0.0
   issue = 0.0
+
+  def run_forward(last: int) -> None:      # the device runs forward through layer `last`
+    nonlocal t_dev, nxt
+    while nxt <= last:
+      s = max(t_dev, need[nxt])
+      fwd_start[nxt] = s
+      t_dev = s + fwd[nxt]
+      if spans:
+        out.append(("forward", prob.layers[nxt], s, t_dev, "device"))
+      nxt += 1
+
   for u in range(n_u):
     v = u - d
     if v >= 0 and arr.first[v] < arr.first[u]:
-      fl = arr.first[v]
-      while nxt <= fl:                     # run forward through layer fl
-        s = max(t_dev, need[nxt])
-        fwd_start[nxt] = s
-        t_dev = s + fwd[nxt]
-        if spans:
-          out.append(("forward", prob.layers[nxt], s, t_dev, "device"))
-        nxt += 1
-      issue = fwd_start[fl]
+      run_forward(arr.first[v])
+      issue = fwd_start[arr.first[v]]
     dur = a_g + b_g * arr.unit_bytes[u]
     s = max(issue, t_link, t_dev) if serial else max(issue, t_link)
     t_link = s + dur
@@ -229,13 +233,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
         need[l] = t_link
     if spans:
       out.append(("all_gather", f"unit{u}", s, t_link, "link0"))
-  while nxt < nl:
-    s = max(t_dev, need[nxt])
-    fwd_start[nxt] = s
-    t_dev = s + fwd[nxt]
-    if spans:
-      out.append(("forward", prob.layers[nxt], s, t_dev, "device"))
-    nxt += 1
+  run_forward(nl - 1)
   fwd_end_layer = [fwd_start[l] + fwd[l] for l in range(nl)]
   # backward
   bwd_units = sorted(range(n_u), key=lambda u: -arr.unit_bwd_first[u])   # backward order
