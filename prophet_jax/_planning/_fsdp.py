@@ -215,24 +215,30 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
         out.append(("forward", prob.layers[nxt], s, t_dev, "device"))
       nxt += 1
 
+  def gather(u: int, at: float, needs: list[float], label: str) -> None:
+    """Unit u's all-gather on link 0, issued at `at`: the link (and, without overlap, the device) busy,
+    its gathered bytes alive from its start, its layers' parameters there (`needs`) at its end."""
+    nonlocal t_link, t_dev, comm
+    dur = a_g + b_g * arr.unit_bytes[u]
+    s = max(at, t_link, t_dev) if serial else max(at, t_link)
+    t_link = s + dur
+    if serial:
+      t_dev = t_link
+    comm += dur
+    mem.append((s, arr.unit_bytes[u]))
+    for l in arr.unit_layers[u]:
+      if t_link > needs[l]:
+        needs[l] = t_link
+    if spans:
+      out.append(("all_gather", label, s, t_link, "link0"))
+
   for u in range(n_u):
     v = u - d
     if v >= 0 and arr.first[v] < arr.first[u]:
       run_forward(arr.first[v])
       issue = fwd_start[arr.first[v]]
-    dur = a_g + b_g * arr.unit_bytes[u]
-    s = max(issue, t_link, t_dev) if serial else max(issue, t_link)
-    t_link = s + dur
-    if serial:
-      t_dev = t_link
-    comm += dur
+    gather(u, issue, need, f"unit{u}")
     ag_end[u] = t_link
-    mem.append((s, arr.unit_bytes[u]))
-    for l in arr.unit_layers[u]:
-      if t_link > need[l]:
-        need[l] = t_link
-    if spans:
-      out.append(("all_gather", f"unit{u}", s, t_link, "link0"))
   run_forward(nl - 1)
   fwd_end_layer = [fwd_start[l] + fwd[l] for l in range(nl)]
   # backward
@@ -258,20 +264,8 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
   unit_bwd_end = [0.0] * n_u
 
   def regather(us: Sequence[int], at: float) -> None:
-    nonlocal t_link, t_dev, comm
     for u in us:
-      dur = a_g + b_g * arr.unit_bytes[u]
-      s = max(at, t_link, t_dev) if serial else max(at, t_link)
-      t_link = s + dur
-      if serial:
-        t_dev = t_link
-      comm += dur
-      mem.append((s, arr.unit_bytes[u]))
-      for l in arr.unit_layers[u]:
-        if t_link > need_b[l]:
-          need_b[l] = t_link
-      if spans:
-        out.append(("all_gather", f"unit{u}(backward)", s, t_link, "link0"))
+      gather(u, at, need_b, f"unit{u}(backward)")
 
   regather(first_ready, t_dev)
   ci = 0
