@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 
@@ -49,16 +46,3 @@ def load_npz(path) -> dict[str, np.ndarray]:
   """Every array of an .npz file, by name."""
   with np.load(path) as z:
     return {k: z[k] for k in z.files}
-
-
-def two_process_results(script) -> list[dict]:
-  """Runs `script` under `prophet_jax.launch --nproc 2` and returns each rank's `RESULT <json>` line,
-  parsed, by rank; fails with both processes' output when the launch fails."""
-  proc = subprocess.run([sys.executable, "-m", "prophet_jax.launch", "--nproc", "2", "--init-timeout",
-                         "60", "--", sys.executable, str(script)], capture_output=True, text=True,
-                        timeout=240)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-             if "RESULT " in line]
-  assert sorted(r["rank"] for r in results) == [0, 1], proc.stdout[-3000:]
-  return sorted(results, key=lambda r: r["rank"])

@@ -2,12 +2,10 @@
 decision's JSON, the errors, a real choice on 8 host devices, two processes, and Monitor's confirmation."""
 
 import json
-import textwrap
 
 import numpy as np
 import pytest
 
-from _example_ref import two_process_results
 
 from prophet_jax import Choice, GradientProfile, Monitor, NetworkModel
 from prophet_jax._planning._paired import (DEFAULT_ROUNDS, decide, interleave, median_interval, min_rounds,
@@ -245,41 +243,3 @@ def test_monitor_switches_only_when_the_measurement_confirms(measured_ratio, swi
   assert (out is not None) == switches and (mon.schedule is first) != switches
   with pytest.raises(TypeError, match="confirm"):
     Monitor(_profile(), FAST, confirm=3)
-
-
-# --------------------------------------------------------------------------------------------------
-# two processes: the slowest process's time counts, one decision everywhere
-
-_TWO_PROCESS = textwrap.dedent("""
-    import json, time
-    import numpy as np
-    from prophet_jax import launch
-    launch.initialize()
-    import jax, jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import prophet_jax as pj
-    rank = jax.process_index()
-    # local work only: no collective makes one process wait for the other, so each times its own
-    state = jnp.ones(64, jnp.float32)
-    step = jax.jit(lambda s, b: s * 0.999 + b)
-    def looks_fast(s, b):  # faster than the control on rank 0, 7 ms slower on rank 1
-        if rank == 1:
-            time.sleep(0.008)
-        return step(s, b)
-    def control(s, b):
-        time.sleep(0.001)
-        return step(s, b)
-    c = pj.choose({"cand": looks_fast}, state, [1.0], control=control, rounds=20)
-    print("RESULT " + json.dumps({"rank": rank, "choice": c.to_json(), "fp": c.fingerprint}), flush=True)
-""")
-
-
-@pytest.mark.multiprocess
-def test_two_processes_one_decision_from_the_slowest_process(tmp_path):
-  script = tmp_path / "two.py"
-  script.write_text(_TWO_PROCESS)
-  results = two_process_results(script)
-  a, b = (Choice.from_json(r["choice"]) for r in results)
-  assert a == b and a.processes == 2
-  # rank 0 alone would pick the candidate; its time is rank 1's (slower), so the control stays
-  assert a.best == "control" and a.verdicts["cand"] == "slower" and a.median_s["cand"] > 0.008, a.describe()

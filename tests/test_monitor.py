@@ -1,11 +1,9 @@
 """Monitor: re-plans on a degraded network, not on noise; caches compiled steps; processes agree."""
 
-import textwrap
 
 import numpy as np
 import pytest
 
-from _example_ref import two_process_results
 
 from prophet_jax import GradientProfile, Monitor, NetworkModel, ScheduleMismatchError
 from prophet_jax._multiprocess._monitor import plan_key
@@ -112,46 +110,3 @@ def test_real_probe_on_cpu_devices():
   mon.record_step(0.01)
   assert len(mon.decisions) == 1 and mon.network.workers == 8 and mon.network.overlap is False
   assert mon.network.name == "monitor"
-
-
-_TWO_PROCESS = textwrap.dedent("""
-    import json, sys
-    import numpy as np
-    from prophet_jax import launch
-    launch.initialize()
-    import jax
-    from prophet_jax import GradientProfile, Monitor, NetworkModel, measure_network, plan
-    from prophet_jax._multiprocess._monitor import plan_key
-    rank = jax.process_index()
-    L = 32
-    prof = GradientProfile.from_rows(
-        [dict(path=f"l{i}/w", layer=f"l{i}", shape=(25000,), dtype="float32", nbytes=100000,
-              ready_s=0.01 * (L - i) / L, fwd_s=2e-4) for i in range(L)], forward_s=2e-4 * L,
-        backward_s=0.01)
-    fast = NetworkModel(alpha_s=2e-6, beta_s_per_byte=1e-10, workers=8, overlap=True)
-    slow = fast.replace(alpha_s=40e-6, beta_s_per_byte=5e-10)
-    # each rank sees another network: planned separately they would disagree
-    seen = slow if rank == 0 else fast
-    probe = lambda sizes: [seen.allreduce_s(s) * (1 + 0.01 * rank) for s in sizes]
-    mon = Monitor(prof, fast, policy="mgwfbp", probe_every=2, window=1, probe_fn=probe)
-    own = plan(prof, seen, "mgwfbp")  # what this rank alone would plan
-    for _ in range(4):
-        mon.record_step(0.02)
-    net = measure_network(sizes=(1024, 16384), repeats=3, inner=1)
-    print("RESULT " + json.dumps({"rank": rank, "schedule": plan_key(mon.schedule),
-                                  "own": plan_key(own), "switched": mon.schedule.policy,
-                                  "probe": net.to_json(), "workers": net.workers}), flush=True)
-""")
-
-
-@pytest.mark.multiprocess
-def test_two_processes_agree_on_the_schedule(tmp_path):
-  script = tmp_path / "two.py"
-  script.write_text(_TWO_PROCESS)
-  results = two_process_results(script)
-  a, b = results
-  assert a["own"] != b["own"]  # alone, the ranks would plan differently
-  assert a["schedule"] == b["schedule"]  # with the Monitor, rank 0 decides for both
-  rank0 = next(r for r in results if r["rank"] == 0)
-  assert rank0["schedule"] == rank0["own"]  # and rank 0 saw the slow link: it switched
-  assert a["probe"] == b["probe"] and a["workers"] == 8  # the probe spans both processes' devices
