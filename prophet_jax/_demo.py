@@ -114,8 +114,9 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
   measured: dict[str, float] = {}
   timed = policies if not quick else ["wfbp", "mgwfbp", "dear", "auto"]  # quick: fewer compiles
   txs = {"pmean": _pmean_tx(tx)} | {p: pj.scheduled(tx, schedules[p], axis_name=AXIS) for p in timed}
+  steps_of = {name: _train_step(m.loss_fn, t) for name, t in txs.items()}  # compiled once, trained below
   for name, t in tqdm(txs.items(), desc="measuring policies", leave=False):
-    step = _train_step(m.loss_fn, t)
+    step = steps_of[name]
     # made where the axis is bound: a sharded plan (dear, ZeRO-1) keeps each device's shard of the state
     state = (replicate(params), jax.pmap(t.init, axis_name=AXIS)(replicate(params)))
     state = step(*state, batch)[:2]  # compile
@@ -133,8 +134,7 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
   print(f"{'pmean':10s} {'(xla)':>6s} {'':13s} {measured['pmean'] * 1e3:12.2f}\n")
 
   # 4. train with the auto plan
-  auto_tx = txs["auto"]
-  step = _train_step(m.loss_fn, auto_tx)
+  auto_tx, step = txs["auto"], steps_of["auto"]
   p_, o_ = replicate(params), jax.pmap(auto_tx.init, axis_name=AXIS)(replicate(params))
   losses = []
   bar = tqdm(range(steps), desc="training (auto plan)", unit="step")

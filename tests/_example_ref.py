@@ -14,21 +14,14 @@ def full_batch_mlp(steps: int, lr: float = 0.05) -> tuple[dict, dict]:
   import jax
   import optax
 
+  from _reference import full_batch
   from prophet_jax._values._tree import flatten_with_paths
   from prophet_jax.models import get_model
 
   m = get_model("mlp")
   params = m.init(jax.random.key(0))
-  tx = optax.sgd(lr, momentum=0.9)
-
-  @jax.jit
-  def step(p, o, batch):
-    u, o = tx.update(jax.grad(m.loss_fn)(p, batch), o, p)
-    return optax.apply_updates(p, u), o
-
-  p, o = params, tx.init(params)
-  for k in range(steps):
-    p, o = step(p, o, m.make_batch(jax.random.key(10_000 + k), m.default_batch_size))
+  batches = [m.make_batch(jax.random.key(10_000 + k), m.default_batch_size) for k in range(steps)]
+  p, _ = full_batch(m.loss_fn, params, optax.sgd(lr, momentum=0.9), batches)
   as_dict = lambda t: {k: np.asarray(v) for k, v in flatten_with_paths(t)}  # noqa: E731
   return as_dict(params), as_dict(p)
 

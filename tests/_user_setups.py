@@ -281,8 +281,9 @@ def value_and_grad(s: Setup, params, model_state, batch):
 
 
 @functools.cache
-def single_device_reference(name: str):
-  """STEPS plain steps on one device with the full batch: (params, model_state, [(loss, aux)])."""
+def _single_device_run(name: str):
+  """STEPS plain steps on one device with the full batch: (params, model_state, [(loss, aux)], [the
+  full-batch gradient's global norm])."""
   s = setups()[name]
   tx = s.make_tx()
 
@@ -291,30 +292,22 @@ def single_device_reference(name: str):
     (loss, out), g = value_and_grad(s, p, ms, b)
     u, o = tx.update(g, o, p)
     ms, aux = (out, None) if s.has_state else (ms, out)
-    return optax.apply_updates(p, u), o, ms, (loss, aux)
+    return optax.apply_updates(p, u), o, ms, (loss, aux), optax.tree.norm(g)
 
   p, o, ms = s.params, tx.init(s.params), s.model_state
-  history = []
+  history, norms = [], []
   for b in s.batches:
-    p, o, ms, la = step(p, o, ms, b)
+    p, o, ms, la, norm = step(p, o, ms, b)
     history.append(jax.device_get(la))
-  return jax.device_get(p), ms, history
+    norms.append(float(norm))
+  return jax.device_get(p), ms, history, norms
+
+
+def single_device_reference(name: str):
+  """STEPS plain steps on one device with the full batch: (params, model_state, [(loss, aux)])."""
+  return _single_device_run(name)[:3]
 
 
 def gradient_norms(name: str) -> list[float]:
   """The full-batch gradient's global norm at each step of the single-device reference."""
-  s = setups()[name]
-  tx = s.make_tx()
-
-  @jax.jit
-  def step(p, o, ms, b):
-    (_, out), g = value_and_grad(s, p, ms, b)
-    u, o = tx.update(g, o, p)
-    return optax.apply_updates(p, u), o, (out if s.has_state else ms), optax.tree.norm(g)
-
-  p, o, ms = s.params, tx.init(s.params), s.model_state
-  norms = []
-  for b in s.batches:
-    p, o, ms, norm = step(p, o, ms, b)
-    norms.append(float(norm))
-  return norms
+  return _single_device_run(name)[3]

@@ -28,3 +28,19 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, deadline=None)
 settings.register_profile("explore", max_examples=500, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def topo():
+  """8 compile-only H100s, for the tests that compile for GPUs (marked `gpu`). Fails (never skips) where
+  the gpu-compile extra is missing: the test extra includes it."""
+  import prophet_jax as pj
+
+  try:
+    return pj.gpu_topology("h100", devices=8)
+  except pj.GpuCompileError as e:
+    pytest.fail(f"{e}\nThe test extra includes gpu-compile: run `make test`, or install it into this "
+                f"environment: pip install -e '.[gpu-compile]'.", pytrace=False)

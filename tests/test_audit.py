@@ -145,20 +145,14 @@ def test_hlo_parser_loops_trip_counts_and_combined_operands():
 # XLA:GPU's forms: async start/done windows, and all-reduce-contiguous (concatenate, all-reduce, slices)
 
 
-GPU_HLO = """HloModule g, is_scheduled=true
-
-%cat_body (p0: f32[6], p1: f32[1]) -> f32[7] {
+# the computations and ENTRY head both GPU modules below share
+_GPU_CAT = """%cat_body (p0: f32[6], p1: f32[1]) -> f32[7] {
   %p0 = f32[6]{0} parameter(0)
   %p1 = f32[1]{0} parameter(1)
   ROOT %c = f32[7]{0} concatenate(%p0, %p1), dimensions={0}
 }
-
-%slice_a (q: f32[7]) -> f32[6] {
-  %q = f32[7]{0} parameter(0)
-  ROOT %s = f32[6]{0} slice(%q), slice={[0:6]}, metadata={op_name="jit(step)/prophet/SECOND/psum"}
-}
-
-%slice_b (q2: f32[7]) -> f32[1] {
+"""
+_GPU_TAIL = """%slice_b (q2: f32[7]) -> f32[1] {
   %q2 = f32[7]{0} parameter(0)
   ROOT %s2 = f32[1]{0} slice(%q2), slice={[6:7]}
 }
@@ -172,7 +166,18 @@ GPU_HLO = """HloModule g, is_scheduled=true
 ENTRY %main (x: f32[8,16], w: f32[16,4]) -> f32[] {
   %x = f32[8,16]{1,0} parameter(0)
   %w = f32[16,4]{1,0} parameter(1)
-  %g0 = f32[4]{0} fusion(%x), kind=kLoop, calls=%gemm, metadata={op_name="jit(step)/transpose(jvp(M))/Dense_1/reduce_sum"}
+"""
+
+
+GPU_HLO = """HloModule g, is_scheduled=true
+
+""" + _GPU_CAT + """
+%slice_a (q: f32[7]) -> f32[6] {
+  %q = f32[7]{0} parameter(0)
+  ROOT %s = f32[6]{0} slice(%q), slice={[0:6]}, metadata={op_name="jit(step)/prophet/SECOND/psum"}
+}
+
+""" + _GPU_TAIL + """  %g0 = f32[4]{0} fusion(%x), kind=kLoop, calls=%gemm, metadata={op_name="jit(step)/transpose(jvp(M))/Dense_1/reduce_sum"}
   %ar0 = f32[4]{0} all-reduce-start(%g0), channel_id=1, to_apply=%sum, metadata={op_name="jit(step)/prophet/chunk0/psum"}, backend_config={"collective_backend_config":{"is_sync":false}}
   %mm = f32[8,4]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm, metadata={op_name="jit(step)/transpose(jvp(M))/Dense_0/dot_general"}
   %tie = f32[6]{0} fusion(%mm), kind=kLoop, calls=%gemm, metadata={op_name="jit(step)/prophet/chunk1/add"}
@@ -251,32 +256,13 @@ GPU_HLO_012 = """HloModule g, is_scheduled=true
   ROOT %psum.2 = f32[4]{0} all-reduce(%param_0.1), channel_id=1, to_apply=%sum, metadata={op_name="jit(step)/shard_map/prophet/chunk0/psum"}, backend_config={"collective_backend_config":{"is_sync":false}}
 }
 
-%cat_body (p0: f32[6], p1: f32[1]) -> f32[7] {
-  %p0 = f32[6]{0} parameter(0)
-  %p1 = f32[1]{0} parameter(1)
-  ROOT %c = f32[7]{0} concatenate(%p0, %p1), dimensions={0}
-}
-
+""" + _GPU_CAT + """
 %slice_a (q: f32[7]) -> f32[6] {
   %q = f32[7]{0} parameter(0)
   ROOT %s = f32[6]{0} slice(%q), slice={[0:6]}
 }
 
-%slice_b (q2: f32[7]) -> f32[1] {
-  %q2 = f32[7]{0} parameter(0)
-  ROOT %s2 = f32[1]{0} slice(%q2), slice={[6:7]}
-}
-
-%gemm (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {
-  %a = f32[8,16]{1,0} parameter(0)
-  %b = f32[16,4]{1,0} parameter(1)
-  ROOT %d = f32[8,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
-ENTRY %main (x: f32[8,16], w: f32[16,4]) -> f32[] {
-  %x = f32[8,16]{1,0} parameter(0)
-  %w = f32[16,4]{1,0} parameter(1)
-  %g0 = f32[4]{0} fusion(%x), kind=kLoop, calls=%gemm, metadata={op_name="jit(step)/shard_map/transpose(jvp(M))/Dense_1/reduce_sum"}
+""" + _GPU_TAIL + """  %g0 = f32[4]{0} fusion(%x), kind=kLoop, calls=%gemm, metadata={op_name="jit(step)/shard_map/transpose(jvp(M))/Dense_1/reduce_sum"}
   %fusion-start = ((f32[4]{0}), f32[4]{0}) fusion-start(%g0), kind=kCustom, calls=%fused_psum.0.clone, metadata={op_name="jit(step)/shard_map/prophet/chunk0/psum"}, backend_config={"fusion_backend_config":{"kind":"__triton_collective"}}
   %mm = f32[8,4]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm, metadata={op_name="jit(step)/shard_map/transpose(jvp(M))/Dense_0/dot_general"}
   %fusion-done = f32[4]{0} fusion-done(%fusion-start), metadata={op_name="jit(step)/shard_map/prophet/chunk0/psum"}

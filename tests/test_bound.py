@@ -89,12 +89,18 @@ def _simple_schedules(p, rng):
   return out
 
 
+def _instance(seed, lo, hi, net_kw):
+  """A random profile of lo..hi-1 layers (float32 and bfloat16, a tenth of the rows empty) and a random
+  network for it (`net_kw(rng)` its options, drawn after the profile); the generator, drawn on after them."""
+  rng = np.random.default_rng(seed)
+  p = random_profile(rng, int(rng.integers(lo, hi)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
+  return rng, p, random_network(rng, p, **net_kw(rng))
+
+
 @settings(deadline=None, max_examples=60)
 @given(SEEDS, st.booleans(), st.sampled_from([0.1, 1.0, 5.0]))
 def test_bound_below_every_schedule(seed, cross_step, comm_ratio):
-  rng = np.random.default_rng(seed)
-  p = random_profile(rng, int(rng.integers(1, 9)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
-  net = random_network(rng, p, comm_ratio=comm_ratio)
+  rng, p, net = _instance(seed, 1, 9, lambda rng: dict(comm_ratio=comm_ratio))
   lb = lower_bound(p, net, cross_step=cross_step)
   assert lb >= p.backward_s + p.forward_s - 1e-12
   for s in _simple_schedules(p, rng):
@@ -129,9 +135,8 @@ def test_bound_below_every_policy():
 @settings(deadline=None, max_examples=40)
 @given(SEEDS, st.sampled_from([0.3, 1.0, 3.0, 10.0]))
 def test_bound_below_brute_force(seed, comm_ratio):
-  rng = np.random.default_rng(seed)
-  p = random_profile(rng, int(rng.integers(1, 7)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
-  net = random_network(rng, p, links=1, overlap=bool(rng.random() < 0.7), comm_ratio=comm_ratio)
+  rng, p, net = _instance(seed, 1, 7, lambda rng: dict(links=1, overlap=bool(rng.random() < 0.7),
+                                                              comm_ratio=comm_ratio))
   n = sum(r.nbytes > 0 for r in p.rows)
   for cross_step in (False, True):
     lb = lower_bound(p, net, cross_step=cross_step)
@@ -192,9 +197,7 @@ def test_bound_is_tight_on_small_instances():
 @settings(deadline=None, max_examples=50)
 @given(SEEDS, st.booleans(), st.sampled_from([0.3, 2.0, 8.0]))
 def test_deferral_bound_below_every_deferring_schedule(seed, cross_step, comm_ratio):
-  rng = np.random.default_rng(seed)
-  p = random_profile(rng, int(rng.integers(1, 9)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
-  net = random_network(rng, p, comm_ratio=comm_ratio)
+  rng, p, net = _instance(seed, 1, 9, lambda rng: dict(comm_ratio=comm_ratio))
   for _ in range(4):
     s = random_deferral(random_schedule(p, rng), rng, prob=0.7)
     f = s.max_deferred_fraction
@@ -233,9 +236,8 @@ def _best_deferring(p, net, cross_step, max_defer):
 @settings(deadline=None, max_examples=12)
 @given(SEEDS, st.sampled_from([0.3, 3.0, 10.0]), st.sampled_from([0.1, 0.3, 0.5]))
 def test_deferral_bound_below_brute_force(seed, comm_ratio, max_defer):
-  rng = np.random.default_rng(seed)
-  p = random_profile(rng, int(rng.integers(1, 4)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
-  net = random_network(rng, p, links=1, overlap=bool(rng.random() < 0.7), comm_ratio=comm_ratio)
+  rng, p, net = _instance(seed, 1, 4, lambda rng: dict(links=1, overlap=bool(rng.random() < 0.7),
+                                                              comm_ratio=comm_ratio))
   for cross_step in (False, True):
     lb = lower_bound(p, net, cross_step=cross_step, max_defer=max_defer)
     best = _best_deferring(p, net, cross_step, max_defer)
@@ -263,9 +265,7 @@ def test_deferral_bound_errors_and_hand_value():
 @settings(deadline=None, max_examples=25)
 @given(SEEDS, st.booleans())
 def test_pareto_dp_equals_enumeration(seed, cross_step):
-  rng = np.random.default_rng(seed)
-  p = random_profile(rng, int(rng.integers(1, 6)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
-  net = random_network(rng, p, links=1, overlap=True, comm_ratio=float(rng.choice([0.3, 3.0])))
+  rng, p, net = _instance(seed, 1, 6, lambda rng: dict(links=1, overlap=True, comm_ratio=float(rng.choice([0.3, 3.0]))))
   t, s = best_ordered(p, net, cross_step=cross_step)
   assert t == pytest.approx(_enumerate_ordered(p, net, cross_step=cross_step), rel=REL)
   assert simulate(s, p, net, cross_step=cross_step).iteration_s == pytest.approx(t, rel=REL)
@@ -307,9 +307,7 @@ def test_large_profile_path_is_weaker_but_valid(seed):
   # range of layers: a subset of the same terms, so never above the full bound, and still a bound.
   import prophet_jax._planning._bound as bound_mod
 
-  rng = np.random.default_rng(seed)
-  p = random_profile(rng, int(rng.integers(2, 12)), dtypes=("float32", "bfloat16"), zero_prob=0.1)
-  net = random_network(rng, p, comm_ratio=float(rng.choice([0.3, 3.0])))
+  rng, p, net = _instance(seed, 2, 12, lambda rng: dict(comm_ratio=float(rng.choice([0.3, 3.0]))))
   full = lower_bound(p, net, cross_step=True)
   names = ("_INTERVAL_WORK", "_PREFIX_WORK", "_BATCH_WORK", "_BATCH_PREFIXES", "_SPLIT_HELD")
   saved = {k: getattr(bound_mod, k) for k in names}

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
 from _assert import assert_trees_close
+from _reference import full_batch
 from prophet_jax.models import get_model
 
 AX = "dp"
@@ -167,16 +168,7 @@ def _mlp():
 def _reference(tx, n_batches):
   """The single-device full-batch loop with `tx` (no all-reduce)."""
   m, params, batches, _ = _mlp()
-
-  @jax.jit
-  def step(p, o, batch):
-    u, o = tx.update(jax.grad(m.loss_fn)(p, batch), o, p)
-    return optax.apply_updates(p, u), o
-
-  p, o = params, tx.init(params)
-  for b in batches[:n_batches]:
-    p, o = step(p, o, b)
-  return jax.device_get(p)
+  return full_batch(m.loss_fn, params, tx, batches[:n_batches])[0]
 
 
 def _train_state_run(tx, mapping, n_batches):

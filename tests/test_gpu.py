@@ -101,16 +101,6 @@ def program_key(s: pj.Schedule) -> tuple:
   return tuple(tuple(sorted(c.slices)) for c in s.chunks)
 
 
-@pytest.fixture(scope="module")
-def topo():
-  """8 compile-only H100s. Fails (never skips) where the gpu-compile extra is missing."""
-  try:
-    return pj.gpu_topology("h100", devices=NDEV)
-  except pj.GpuCompileError as e:
-    pytest.fail(f"{e}\nThe test extra includes gpu-compile: run `make test`, or install it into this "
-                f"environment: pip install -e '.[gpu-compile]'.", pytrace=False)
-
-
 def _cases():
   """(model, mode, policy) of every audited step (the cnn's pipelined ones with priority@10gbe)."""
   for (model, mode), policies in CASES.items():

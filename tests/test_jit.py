@@ -678,15 +678,6 @@ def test_profile_step_takes_a_model_state():
 # compile-only H100s
 
 
-@pytest.fixture(scope="module")
-def topo():
-  """8 compile-only H100s. Fails (never skips) where the gpu-compile extra is missing."""
-  try:
-    return pj.gpu_topology("h100", devices=U.N_DEV)
-  except pj.GpuCompileError as e:
-    pytest.fail(f"{e}\nThe test extra includes gpu-compile: run `make test`.", pytrace=False)
-
-
 @pytest.mark.gpu
 def test_h100_audit_of_the_jit_steps(topo):
   """The cnn's plain jit step with hooked(mesh=) gradients and its pipelined(mesh=) step, compiled by

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
 from _assert import assert_trees_close
+from _reference import full_batch
 from prophet_jax._rewrite import _collectives
 from prophet_jax.models import get_model
 
@@ -61,16 +62,7 @@ def schedule_for(policy: str) -> pj.Schedule:
 @functools.lru_cache(maxsize=None)
 def reference():
   m, params, batches = setup()
-  tx = optax.sgd(LR, momentum=0.9)
-
-  @jax.jit
-  def step(p, o, b):
-    u, o = tx.update(jax.grad(m.loss_fn)(p, b), o, p)
-    return optax.apply_updates(p, u), o
-
-  p, o = params, tx.init(params)
-  for b in batches:
-    p, o = step(p, o, b)
+  p, _ = full_batch(m.loss_fn, params, optax.sgd(LR, momentum=0.9), batches)
   return jax.device_get(p)
 
 
@@ -128,14 +120,6 @@ def test_keyed_step_equals_the_full_batch_step_on_the_cpu_and_carries_keys_not_t
   assert_trees_close(run(1.0), reference(), params)
   with pytest.raises(AssertionError):   # the control: a 14% scale (n - 1 divisor) fails the same check
     assert_trees_close(run(NDEV / (NDEV - 1)), reference(), params)
-
-
-@pytest.fixture(scope="module")
-def topo():
-  try:
-    return pj.gpu_topology("h100", devices=NDEV)
-  except pj.GpuCompileError as e:
-    pytest.fail(f"{e}\nInstall the gpu-compile extra: pip install -e '.[gpu-compile]'.", pytrace=False)
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

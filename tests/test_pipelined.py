@@ -20,13 +20,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from _assert import assert_trees_close
+from _placement import AXIS, mesh, put, replicate, shard, unrep
+from _reference import full_batch
 import prophet_jax as pj
 from prophet_jax import Bucket, Chunk, GradientProfile, Schedule, ScheduleMismatchError, audit
 from prophet_jax._rewrite._pipelined import Pending, PipelinedState, pipelined
 from prophet_jax._values._tree import path_str
 from prophet_jax.models import get_model
 
-AXIS = "data"
 N_DEV = 8
 STEPS = 3
 
@@ -73,54 +74,6 @@ def schedule_for(params, policy: str) -> Schedule:
 
 def batches(model, n, batch_size):
   return [model.make_batch(jax.random.key(100 + k), batch_size) for k in range(n)]
-
-
-@functools.cache
-def mesh():
-  return jax.make_mesh((N_DEV,), (AXIS,))
-
-
-@functools.cache
-def pmap_sharding():
-  # pmap's own output sharding: inputs already laid out this way do not make pmap compile again
-  return NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:N_DEV]), (AXIS,)), P(AXIS))
-
-
-def shard(x):
-  """Global batch (B, ...) -> (N_DEV, B / N_DEV, ...), laid out for pmap."""
-  x = jax.tree.map(lambda a: np.asarray(a).reshape(N_DEV, a.shape[0] // N_DEV, *a.shape[1:]), x)
-  return jax.device_put(x, pmap_sharding())
-
-
-def replicate(tree):
-  # on the host (numpy): an eager jnp op per leaf shape would compile a small program each
-  return jax.device_put(jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (N_DEV, *np.shape(a))), tree),
-                        pmap_sharding())
-
-
-def unrep(tree):
-  return jax.tree.map(lambda a: np.asarray(a)[0], tree)
-
-
-def put(tree, spec):
-  return jax.device_put(tree, NamedSharding(mesh(), spec))
-
-
-def single_device_ref(model, tx, params, bs):
-  """N plain steps on one device with the full batch; returns (params, losses)."""
-
-  @jax.jit
-  def step(p, o, b):
-    loss, g = jax.value_and_grad(model.loss_fn)(p, b)
-    u, o = tx.update(g, o, p)
-    return optax.apply_updates(p, u), o, loss
-
-  o = tx.init(params)
-  losses = []
-  for b in bs:
-    params, o, loss = step(params, o, b)
-    losses.append(float(loss))
-  return params, losses
 
 
 def pmean_ref(mapping, model, tx, params, bs, *, compiler_options=None):
@@ -217,7 +170,7 @@ def case(modelname, txname, steps=STEPS):
   model = get_model(modelname)
   params = model.init(jax.random.key(0))
   bs = batches(model, steps, 32)
-  ref, ref_losses = single_device_ref(model, TXS[txname](), params, bs)
+  ref, ref_losses = full_batch(model.loss_fn, params, TXS[txname](), bs)
   return model, params, bs, ref, ref_losses
 
 
@@ -524,7 +477,7 @@ def test_integer_labels_from_the_second_step(residuals):
   model.loss_fn = loss_fn
   bs = tiny_batches(2)
   tx = optax.sgd(0.1, momentum=0.9)
-  ref, ref_losses = single_device_ref(model, tx, params, bs)
+  ref, ref_losses = full_batch(model.loss_fn, params, tx, bs)
   runner = Runner(pipelined(loss_fn, tx, schedule_for(params, "wfbp"), axis_name=AXIS, residuals=residuals),
                   "shard_map", keep_compiled=False)
   state, losses = runner.run(params, bs)
@@ -658,7 +611,7 @@ def test_typed_keys_in_the_batch():
   model = Model()
   model.loss_fn = loss_fn
   tx = optax.sgd(0.2, momentum=0.9)
-  ref, _ = single_device_ref(model, tx, params, bs)
+  ref, _ = full_batch(model.loss_fn, params, tx, bs)
   runner = Runner(pipelined(loss_fn, tx, schedule_for(params, "wfbp"), axis_name=AXIS), "shard_map",
                   keep_compiled=False)
   state = runner.init(params)

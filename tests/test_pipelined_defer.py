@@ -17,17 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from _assert import assert_trees_close
+from _placement import AXIS, mesh, put, replicate, shard, unrep
 import prophet_jax as pj
 from prophet_jax import DeferState, ScheduleMismatchError
 from prophet_jax._rewrite import _collectives, _states
 from prophet_jax._rewrite._pipelined import pipelined
 from prophet_jax.models import get_model
 
-AXIS = "data"
 NDEV = 8
 STEPS = 5
 LR, MOMENTUM = 0.05, 0.9
@@ -63,34 +62,6 @@ def _scaled(fn):
       return fn(*args)
 
   return scaled
-
-
-@functools.cache
-def mesh():
-  return jax.make_mesh((NDEV,), (AXIS,))
-
-
-@functools.cache
-def pmap_sharding():
-  return NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:NDEV]), (AXIS,)), P(AXIS))
-
-
-def shard(x):
-  x = jax.tree.map(lambda a: np.asarray(a).reshape(NDEV, a.shape[0] // NDEV, *a.shape[1:]), x)
-  return jax.device_put(x, pmap_sharding())
-
-
-def replicate(tree):
-  return jax.device_put(jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (NDEV, *np.shape(a))), tree),
-                        pmap_sharding())
-
-
-def unrep(tree):
-  return jax.tree.map(lambda a: np.asarray(a)[0], tree)
-
-
-def put(tree, spec):
-  return jax.device_put(tree, NamedSharding(mesh(), spec))
 
 
 def _plain_step(model, s, p, o, st, b, owed=None):

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
 from _assert import assert_trees_close
+from _reference import full_batch
 from prophet_jax._rewrite import _collectives
 from prophet_jax.models import get_model
 
@@ -171,18 +172,7 @@ def _tx():
 def single_device_reference(model: str, dtype: str):
   """N steps on one device with the full batch: the ground truth."""
   m, params, batches = setup(model, dtype)
-  tx = _tx()
-
-  @jax.jit
-  def step(p, o, batch):
-    g = jax.grad(m.loss_fn)(p, batch)
-    u, o = tx.update(g, o, p)
-    return optax.apply_updates(p, u), o
-
-  p, o = params, tx.init(params)
-  for b in batches:
-    p, o = step(p, o, b)
-  return jax.device_get(p)
+  return full_batch(m.loss_fn, params, _tx(), batches)[0]
 
 
 def _replicate(tree):

@@ -543,15 +543,6 @@ def test_audit_finds_the_reduce_scatters_then_the_all_gathers_in_plan_order(name
 # compile-only H100s: XLA:GPU's schedule of the reduce-scatters and all-gathers
 
 
-@pytest.fixture(scope="module")
-def topo():
-  """8 compile-only H100s. Fails (never skips) where the gpu-compile extra is missing."""
-  try:
-    return pj.gpu_topology("h100", devices=N)
-  except pj.GpuCompileError as e:
-    pytest.fail(f"{e}\nThe test extra includes gpu-compile: run `make test`.", pytrace=False)
-
-
 @pytest.mark.gpu
 def test_h100_audit_of_the_sharded_steps(topo):
   """The cnn with a per-layer sharded schedule (one reduce-scatter per layer in backward order, one
