@@ -167,27 +167,40 @@ def _env(**extra):
   return env
 
 
-@pytest.mark.multiprocess
-def test_unreachable_coordinator_is_a_clear_error_not_a_hang():
-  port = free_port()  # nobody listens there
-  env = _env(PROPHET_PROCESS_ID="1", PROPHET_NUM_PROCESSES="2", PROPHET_COORDINATOR=f"127.0.0.1:{port}",
-             PROPHET_INIT_TIMEOUT_S="2")
+@pytest.fixture(scope="module")
+def failed_joins():
+  """Two processes that fail to join, started at once (each mostly waits: on a timeout, on jaxlib's
+  abort): rank 1 of 2 with nobody listening at the coordinator's port, and rank 0 alone. name ->
+  (the finished process, its stderr, seconds it took)."""
+  ports = {"unreachable": free_port(), "alone": free_port()}
+  envs = {"unreachable": _env(PROPHET_PROCESS_ID="1", PROPHET_NUM_PROCESSES="2", PROPHET_INIT_TIMEOUT_S="2",
+                              PROPHET_COORDINATOR=f"127.0.0.1:{ports['unreachable']}"),
+          "alone": _env(PROPHET_PROCESS_ID="0", PROPHET_NUM_PROCESSES="2", PROPHET_INIT_TIMEOUT_S="1",
+                        PROPHET_COORDINATOR=f"127.0.0.1:{ports['alone']}")}
   t0 = time.monotonic()
-  r = subprocess.run([PY, "-c", "from prophet_jax.launch import initialize; initialize()"], env=env,
-                     capture_output=True, text=True, timeout=60)
-  assert r.returncode != 0
-  assert "LaunchError" in r.stderr and f"coordinator is unreachable (rank 1 of 2, coordinator 127.0.0.1:{port}" in r.stderr
-  assert time.monotonic() - t0 < 30
+  procs = {name: subprocess.Popen([PY, "-c", "from prophet_jax.launch import initialize; initialize()"],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for name, env in envs.items()}
+  out = {}
+  for name, p in procs.items():
+    _, err = p.communicate(timeout=60)
+    out[name] = (p, err, time.monotonic() - t0, ports[name])
+  return out
 
 
 @pytest.mark.multiprocess
-def test_rank0_alone_says_why_before_jaxlib_aborts():
-  env = _env(PROPHET_PROCESS_ID="0", PROPHET_NUM_PROCESSES="2",
-             PROPHET_COORDINATOR=f"127.0.0.1:{free_port()}", PROPHET_INIT_TIMEOUT_S="1")
-  r = subprocess.run([PY, "-c", "from prophet_jax.launch import initialize; initialize()"], env=env,
-                     capture_output=True, text=True, timeout=60)
-  assert r.returncode != 0
-  assert "did not finish connecting (rank 0 of 2" in r.stderr and "Did every rank start?" in r.stderr
+def test_unreachable_coordinator_is_a_clear_error_not_a_hang(failed_joins):
+  p, err, dt, port = failed_joins["unreachable"]  # nobody listens at that port
+  assert p.returncode != 0
+  assert "LaunchError" in err and f"coordinator is unreachable (rank 1 of 2, coordinator 127.0.0.1:{port}" in err
+  assert dt < 30
+
+
+@pytest.mark.multiprocess
+def test_rank0_alone_says_why_before_jaxlib_aborts(failed_joins):
+  p, err, _, _ = failed_joins["alone"]
+  assert p.returncode != 0
+  assert "did not finish connecting (rank 0 of 2" in err and "Did every rank start?" in err
 
 
 @pytest.mark.multiprocess
