@@ -53,7 +53,7 @@ import numpy as np
 
 from ._core import Problem
 
-__all__ = ["FsdpArrays", "FsdpRun", "fsdp_arrays", "fsdp_run", "fsdp_iteration_s", "unit_costs", "dear_peak_bytes",
+__all__ = ["BackwardOrder", "FsdpArrays", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run", "fsdp_iteration_s", "unit_costs", "dear_peak_bytes",
            "fsdp_arrays_of"]
 
 Slice = tuple[int, int, int]
@@ -97,12 +97,38 @@ class FsdpRun(NamedTuple):
   spans: list[tuple[str, str, float, float, str]]
 
 
+class BackwardOrder(NamedTuple):
+  """A profile's layers in backward (ready) order, read by every FSDP schedule of it: the layers in that
+  order, each one's backward time, the time after the last, and each row's backward position."""
+
+  layers: tuple[int, ...]
+  dur: tuple[float, ...]
+  tail: float
+  row_pos: tuple[int, ...]
+
+
+def backward_order(prob: Problem) -> BackwardOrder:
+  """The BackwardOrder of `prob` (ready order; ties: later layers first)."""
+  nl = len(prob.layers)
+  ready_l = np.zeros(nl)
+  np.maximum.at(ready_l, prob.row_layer, prob.row_ready_s)
+  bwd = np.lexsort((-np.arange(nl), ready_l))
+  r_sorted = ready_l[bwd]
+  pos = np.empty(nl, np.int64)
+  pos[bwd] = np.arange(nl)
+  return BackwardOrder(tuple(bwd.tolist()), tuple(np.diff(r_sorted, prepend=0.0).tolist()),
+                       max(float(prob.backward_s) - (float(r_sorted[-1]) if nl else 0.0), 0.0),
+                       tuple(pos[prob.row_layer].tolist()))
+
+
 def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequence[int], keep: Sequence[bool],
                 prefetch: int, backward_prefetch: int, shards: int, replicas: int,
-                gathers: Sequence[Sequence[int]] | None = None) -> FsdpArrays:
+                gathers: Sequence[Sequence[int]] | None = None, *,
+                order_of: BackwardOrder | None = None) -> FsdpArrays:
   """The FsdpArrays of a schedule's chunks (issue order) and its FSDP plan: `units` the reduce-scatter
   chunks (indices into `chunks`), `gathers` the all-gather groups (rows, forward order; None: each
-  unit's rows, in `units` order), `keep` one per all-gather group.
+  unit's rows, in `units` order), `keep` one per all-gather group; `order_of` the profile's
+  `backward_order` (computed when None; a planner scoring many schedules passes it once).
 
   Raises:
     ValueError: the all-gather groups are not in forward order (a group's first layer before the
@@ -112,49 +138,44 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
   nbytes = prob.row_nbytes.tolist()
   size = prob.size
   nl = len(prob.layers)
-  ready_l = np.zeros(nl)
-  np.maximum.at(ready_l, prob.row_layer, prob.row_ready_s)
-  bwd = np.lexsort((-np.arange(nl), ready_l))                 # ready order, ties: later layers first
-  r_sorted = ready_l[bwd]
-  dur = np.diff(r_sorted, prepend=0.0).tolist()
-  tail = max(float(prob.backward_s) - (float(r_sorted[-1]) if nl else 0.0), 0.0)
-  bwd_layers = bwd.tolist()
-  pos = [0] * nl
-  for k, l in enumerate(bwd_layers):
-    pos[l] = k
+  bo = order_of if order_of is not None else backward_order(prob)
+  row_pos = bo.row_pos
   unit_of = {int(c): u for u, c in enumerate(units)}
   rep_bytes, order, ready_pos = [], [], []
   rs_bytes = [0.0] * len(units)
   rs_at: list[list[int]] = [[] for _ in range(nl)]
   sharded_rows: list[int] = []
   for k, c in enumerate(chunks):
-    ls = {layer[r] for r, _, _ in c}
-    ps = [pos[l] for l in ls]
-    ready_pos.append(max(ps))
+    rp = max([row_pos[r] for r, _, _ in c])
+    ready_pos.append(rp)
     u = unit_of.get(k)
     if u is None:
       order.append(("r", len(rep_bytes)))
       rep_bytes.append(sum(nbytes[r] * (hi - lo) / size[r] for r, lo, hi in c if size[r]))
     else:
       order.append(("u", u))
-      rs_bytes[u] = float(sum(nbytes[r] for r, _, _ in c))
-      rs_at[max(ps)].append(u)          # its gradient buffer: from the start of its first backward layer
-      sharded_rows.extend(r for r, _, _ in c)
+      rows = [r for r, _, _ in c]
+      rs_bytes[u] = float(sum([nbytes[r] for r in rows]))
+      rs_at[rp].append(u)               # its gradient buffer: from the start of its first backward layer
+      sharded_rows.extend(rows)
   if gathers is None:
     gathers = [[r for r, _, _ in chunks[int(c)]] for c in units]
   n_u = len(gathers)
   ul: list[tuple[int, ...]] = []
   ub: list[float] = []
   layer_units: list[list[int]] = [[] for _ in range(nl)]
+  bf: list[int] = []
+  bl: list[int] = []
   for u, rows in enumerate(gathers):
     ls = sorted({layer[r] for r in rows})
     ul.append(tuple(ls))
-    ub.append(float(sum(nbytes[r] for r in rows)))
+    ub.append(float(sum([nbytes[r] for r in rows])))
+    ps = [row_pos[r] for r in rows]
+    bf.append(max(ps))
+    bl.append(min(ps))
     for l in ls:
       layer_units[l].append(u)
   first = [ls[0] for ls in ul]
-  bf = [max(pos[l] for l in ls) for ls in ul]
-  bl = [min(pos[l] for l in ls) for ls in ul]
   for u in range(1, n_u):
     if first[u] < first[u - 1]:
       raise ValueError(f"FSDP units must be in forward order: unit {u} starts at layer "
@@ -165,7 +186,7 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
   update_s = up_sh / shards + float(upd.sum()) - up_sh
   return FsdpArrays(tuple(ul), tuple(first), tuple(ub), tuple(bool(x) for x in keep), int(prefetch),
                     int(backward_prefetch), tuple(rep_bytes), tuple(order), tuple(ready_pos),
-                    tuple(tuple(x) for x in layer_units), tuple(bwd_layers), tuple(dur), tail, tuple(bf),
+                    tuple(tuple(x) for x in layer_units), bo.layers, bo.dur, bo.tail, tuple(bf),
                     tuple(bl), update_s, int(shards), int(replicas), tuple(rs_bytes),
                     tuple(tuple(x) for x in rs_at))
 

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from .._planning._core import Problem, problem
-from .._planning._fsdp import FsdpArrays, fsdp_arrays, fsdp_run
+from .._planning._fsdp import FsdpArrays, backward_order, fsdp_arrays, fsdp_run
 from .._values._checks import check_bytes
 from .._values._network import NetworkModel
 from .._values._schedule import Bucket, Chunk, Schedule
@@ -189,11 +189,12 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   # the replicated leaves' grouping (per unit window, or at once) is chosen on the first unit set and
   # kept for the others (it depends on the network's start-up far more than on the units)
   structs, first = [], []
+  bo = backward_order(prob)
   tails = (False, True) if rows_.rep else (False,)
   for n, (label, units) in enumerate(unit_sets):
     for tail in (tails if n == 0 else (tails[0],)):
       chunks, unit_idx = _chunks(rows_, units, tail=tail)
-      base = fsdp_arrays(prob, chunks, unit_idx, [True] * len(units), depths[0], 1, s, r)
+      base = fsdp_arrays(prob, chunks, unit_idx, [True] * len(units), depths[0], 1, s, r, order_of=bo)
       structs.append((label + (",replicated-at-end" if tail else ""), chunks, unit_idx, base))
       first.append(_best_keep(prob, base, chunks, unit_idx, depths[0], budget, structs[-1][0]))
     if n == 0 and len(tails) > 1:
