@@ -171,9 +171,11 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
     unit_sets = [(f"bucket_bytes={bucket}", _runs(rows_, sharded, float(bucket)))]
   else:
     unit_sets = [("per-layer", _runs(rows_, sharded, 0.0))]
-    if budget is not None:             # the least memory; never the fastest without a cap (most start-ups)
-      unit_sets.append(("per-leaf", [[i] for i in sharded]))
-    seen = {_key(u) for _, u in unit_sets}
+    seen = {_key(unit_sets[0][1])}
+    per_leaf = [[i] for i in sharded]
+    if budget is not None and _key(per_leaf) not in seen:  # the least memory; never the fastest without
+      unit_sets.append(("per-leaf", per_leaf))              # a cap (the most start-ups)
+      seen.add(_key(per_leaf))
     for label, u in [(f"cap={mib}MiB", _runs(rows_, sharded, mib * 2.0**20)) for mib in _CAPS_MIB] + [
         (f"ramp={lo}-{mib}MiB", _runs(rows_, sharded, mib * 2.0**20, ramp=lo * 2.0**20)) for lo, mib in _RAMP_MIB] + [
         (f"taper={n},{g:g}", _taper(rows_, unit_sets[0][1], n, g)) for n, g in _TAPERS]:
