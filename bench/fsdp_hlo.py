@@ -1,7 +1,7 @@
 """What XLA's partitioner makes of an FSDP step, read from its compiled program on compile-only H100s: the
 all-gathers and reduce-scatters (count, sizes, order) of a small Llama-style decoder whose 2-D weights are
-sharded over the data axis (`P("data", None)`), under default flags, with and without per-layer remat,
-and the compiled `memory_analysis()`. It checks the assumptions of the partitioner schedule that
+sharded over the data axis (`P("data", None)`), under default flags and under the flag set large-model
+users set (`LARGE_MODEL`), with and without per-layer remat, and the compiled `memory_analysis()`. It checks the assumptions of the partitioner schedule that
 bench/fsdp.py MODELS (one all-gather per weight, neighbours combined, gathered again in backward or not),
 and reads each program into a Schedule (`read_schedule`) that the simulator runs beside the `fsdp` plan
 held to its peak, on one profile and network model (all simulated; programs compiled for 8 and 64
@@ -11,7 +11,7 @@ Compile-only (FACTS.md, "XLA:GPU without a GPU"): run with JAX_PLATFORMS=cpu. Pr
 bench/results/fsdp_hlo.json. Never asserts. A small model (4 layers, d=1024) because XLA:GPU's pipeline on
 a large unscanned model is too slow to compile on 2 cores; the per-weight structure is what carries over.
 
-    JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py [--layers 4] [--devices 8 64]
+    JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py [--layers 4] [--devices 8 64] [--flags both]
 
 Why it imports private code: a compiled program's collectives become a Schedule with an `FsdpPlan`
 (`_values._sharding`), which no public name builds from outside a planner.
@@ -37,6 +37,18 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import prophet_jax as pj  # noqa: E402
 
+# The flag set of NVIDIA's JAX-Toolbox GPU performance guide and the MaxText/Paxml GPU scripts for large
+# models (FSDP): the latency-hiding scheduler on the highest-priority stream, pipelined all-gather,
+# reduce-scatter and all-reduce, while-loop double buffering, and combine thresholds of 1 GiB
+# (all-reduce), 1 GiB / 8 GPUs (all-gather) and 1 GiB / 16 (reduce-scatter). Options this jaxlib refuses
+# are left out and named.
+_GIB = 2**30
+LARGE_MODEL = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_highest_priority_async_stream": True,
+               "xla_gpu_enable_pipelined_all_gather": True, "xla_gpu_enable_pipelined_reduce_scatter": True,
+               "xla_gpu_enable_pipelined_all_reduce": True, "xla_gpu_enable_while_loop_double_buffering": True,
+               "xla_gpu_all_reduce_combine_threshold_bytes": _GIB,
+               "xla_gpu_all_gather_combine_threshold_bytes": _GIB // 8,
+               "xla_gpu_reduce_scatter_combine_threshold_bytes": _GIB // 16}
 _DT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
 _SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8)\[([0-9,]*)\]")
 _START = re.compile(r"%([\w.-]+) = (.*?) (all-gather|reduce-scatter|all-reduce)-start\(")
@@ -206,9 +218,19 @@ def main() -> None:
   ap.add_argument("--remat", choices=["both", "no", "yes"], default="both")
   ap.add_argument("--devices", type=int, nargs="+", default=[8, 64])
   ap.add_argument("--d", type=int, default=1024)
+  ap.add_argument("--flags", choices=["both", "default", "large-model"], default="both",
+                  help="XLA's default flags, the large-model flag set (LARGE_MODEL), or both")
   ap.add_argument("--dump", default=None, help="a folder for the compiled HLO texts")
   ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "fsdp_hlo.json"))
   a = ap.parse_args()
+  from prophet_jax._compiled._gpu import xla_option_accepted  # which of LARGE_MODEL this jaxlib takes
+
+  large = {k: v for k, v in LARGE_MODEL.items() if xla_option_accepted(k, v)}
+  refused = sorted(set(LARGE_MODEL) - set(large))
+  flag_sets = {"both": ("default", "large-model"), "default": ("default",), "large-model": ("large-model",)}[a.flags]
+  if "large-model" in flag_sets:
+    print(f"large-model flag set: {len(large)} options" + (f"; refused by this jaxlib: {', '.join(refused)}"
+                                                           if refused else ""))
   results = []
   for devices in a.devices:
     topo = pj.gpu_topology("h100", devices=devices)
@@ -221,7 +243,7 @@ def main() -> None:
     param_bytes = sum(4 * math.prod(s.shape) for s in jax.tree.leaves(params))
     weights = [s for s in jax.tree.leaves(params) if len(s.shape) == 2]
     print(f"{a.layers} layers, d={a.d}, {len(weights)} sharded weights, {param_bytes / 2**20:.1f} MiB of f32 "
-          f"parameters, {devices} compile-only H100s, default flags")
+          f"parameters, {devices} compile-only H100s")
     tokens_per_gpu = 16384
     flops = 2 * param_bytes / 4 * tokens_per_gpu
     fwd_s = flops / (989e12 * 0.5)
@@ -230,26 +252,28 @@ def main() -> None:
                                           mesh={"data": devices}, model="decoder-small", device="h100")
     net = pj.NetworkModel.preset("nvlink+400gb-ib", workers=devices)
     bound = pj.lower_bound(prof, net, sharded="fsdp")
-    for remat in {"both": (False, True), "no": (False,), "yes": (True,)}[a.remat]:
+    for flags, remat in [(f, r) for f in flag_sets
+                         for r in {"both": (False, True), "no": (False,), "yes": (True,)}[a.remat]]:
       def step(p, t, remat=remat):
         g = jax.grad(loss_fn)(p, t, layers=a.layers, remat=remat)
         return jax.tree.map(lambda x, y: x - 1e-3 * y, p, g)
       f = jax.jit(step, in_shardings=(shard, NamedSharding(mesh, P("data"))), out_shardings=shard)
       t0 = time.perf_counter()
       compiled = f.lower(topo.abstract(params, specs, mesh=mesh),
-                         topo.abstract(tokens, P("data"), mesh=mesh)).compile()
+                         topo.abstract(tokens, P("data"), mesh=mesh)).compile(
+                             compiler_options=large if flags == "large-model" else None)
       secs = time.perf_counter() - t0
       text = compiled.as_text()
       if a.dump:
         pathlib.Path(a.dump).mkdir(parents=True, exist_ok=True)
-        (pathlib.Path(a.dump) / f"fsdp_remat{int(remat)}.hlo.txt").write_text(text)
+        (pathlib.Path(a.dump) / f"fsdp_{devices}_{flags}_remat{int(remat)}.hlo.txt").write_text(text)
       cs = collectives(text)
       ag = [c for c in cs if c["kind"] == "all-gather"]
       rs = [c for c in cs if c["kind"] == "reduce-scatter"]
       ar = [c for c in cs if c["kind"] == "all-reduce"]
       mem = compiled.memory_analysis()
       temp = getattr(mem, "temp_size_in_bytes", None)
-      row = {"devices": devices, "remat": remat, "compile_s": secs, "all_gathers": len(ag), "reduce_scatters": len(rs),
+      row = {"devices": devices, "flags": flags, "remat": remat, "compile_s": secs, "all_gathers": len(ag), "reduce_scatters": len(rs),
              "all_reduces": len(ar), "gathered_bytes": sum(c["bytes"] for c in ag),
              "scattered_bytes": sum(c["bytes"] for c in rs), "param_bytes": param_bytes,
              "sharded_weights": len(weights), "temp_bytes": temp,
@@ -262,7 +286,7 @@ def main() -> None:
                  plan_at_its_memory_ms=mine.iteration_s * 1e3, plan_peak_bytes=mine.peak_memory_bytes,
                  bound_ms=bound * 1e3, read_notes=notes, read_schedule=json.loads(read.to_json()))
       results.append(row)
-      print(f"remat={remat}: {len(ag)} all-gathers ({row['gathered_bytes'] / 2**20:.1f} MiB gathered = "
+      print(f"{flags} flags, remat={remat}: {len(ag)} all-gathers ({row['gathered_bytes'] / 2**20:.1f} MiB gathered = "
             f"{row['gathered_bytes'] / param_bytes:.2f} x the parameters), {len(rs)} reduce-scatters "
             f"({row['scattered_bytes'] / 2**20:.1f} MiB), {len(ar)} all-reduces; temp "
             f"{(temp or 0) / 2**20:.1f} MiB; compiled in {secs:.1f} s")
@@ -293,7 +317,8 @@ def main() -> None:
   out = pathlib.Path(a.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"layers": a.layers, "d": a.d, "devices": a.devices, "target": "h100",
-                             "jax": jax.__version__, "results": results}, indent=1))
+                             "jax": jax.__version__, "large_model_flags": large,
+                             "large_model_refused": refused, "results": results}, indent=1))
   print(f"wrote {out}")
 
 
