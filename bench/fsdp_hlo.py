@@ -8,8 +8,13 @@ held to its peak, on one profile and network model (all simulated; programs comp
 GPUs; the rows for more GPUs reuse a program's grouping).
 
 Compile-only (FACTS.md, "XLA:GPU without a GPU"): run with JAX_PLATFORMS=cpu. Prints a table and writes
-bench/results/fsdp_hlo.json. Never asserts. A small model (4 layers, d=1024) because XLA:GPU's pipeline on
-a large unscanned model is too slow to compile on 2 cores; the per-weight structure is what carries over.
+bench/results/fsdp_hlo.json. Never asserts. By default a small model (4 layers, d=1024); the Llama 3.2 1B
+and Llama 3 8B shapes compile too (each program in seconds to a minute on 2 cores; --out elsewhere):
+
+    JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py --layers 16 --d 2048 --ff 8192 --vocab 128256 \
+        --name llama-1b --out bench/results/fsdp_hlo_1b.json
+    JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py --layers 32 --d 4096 --ff 14336 --vocab 128256 \
+        --name llama-8b --out bench/results/fsdp_hlo_8b.json
 
     JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py [--layers 4] [--devices 8 64] [--flags both]
 
@@ -218,6 +223,9 @@ def main() -> None:
   ap.add_argument("--remat", choices=["both", "no", "yes"], default="both")
   ap.add_argument("--devices", type=int, nargs="+", default=[8, 64])
   ap.add_argument("--d", type=int, default=1024)
+  ap.add_argument("--ff", type=int, default=None, help="the MLP's width (default 4 d)")
+  ap.add_argument("--vocab", type=int, default=8192)
+  ap.add_argument("--name", default="decoder-small", help="the profile's model name")
   ap.add_argument("--flags", choices=["both", "default", "large-model"], default="both",
                   help="XLA's default flags, the large-model flag set (LARGE_MODEL), or both")
   ap.add_argument("--dump", default=None, help="a folder for the compiled HLO texts")
@@ -235,7 +243,7 @@ def main() -> None:
   for devices in a.devices:
     topo = pj.gpu_topology("h100", devices=devices)
     mesh = topo.mesh("data")
-    ff, vocab, seq = 4 * a.d, 8192, 512
+    ff, vocab, seq = a.ff or 4 * a.d, a.vocab, 512
     params = params_of(a.layers, a.d, ff, vocab)
     specs = jax.tree.map(lambda s: P("data", None) if len(s.shape) == 2 else P(), params)
     shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
@@ -249,7 +257,7 @@ def main() -> None:
     fwd_s = flops / (989e12 * 0.5)
     prof = pj.GradientProfile.from_params(params, forward_s=fwd_s, backward_s=2 * fwd_s,
                                           update_s_per_byte=30 / 4 / (3.35e12 * 0.8), shardings=specs,
-                                          mesh={"data": devices}, model="decoder-small", device="h100")
+                                          mesh={"data": devices}, model=a.name, device="h100")
     net = pj.NetworkModel.preset("nvlink+400gb-ib", workers=devices)
     bound = pj.lower_bound(prof, net, sharded="fsdp")
     for flags, remat in [(f, r) for f in flag_sets
@@ -316,7 +324,8 @@ def main() -> None:
               f"({bsim.iteration_s / bmine.iteration_s:.2f}x); bound {bb * 1e3:.3f} ms")
   out = pathlib.Path(a.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"layers": a.layers, "d": a.d, "devices": a.devices, "target": "h100",
+  out.write_text(json.dumps({"layers": a.layers, "d": a.d, "ff": a.ff or 4 * a.d, "vocab": a.vocab,
+                             "model": a.name, "devices": a.devices, "target": "h100",
                              "jax": jax.__version__, "large_model_flags": large,
                              "large_model_refused": refused, "results": results}, indent=1))
   print(f"wrote {out}")
