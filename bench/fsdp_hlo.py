@@ -16,6 +16,9 @@ and Llama 3 8B shapes compile too (each program in seconds to a minute on 2 core
     JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py --layers 32 --d 4096 --ff 14336 --vocab 128256 \
         --name llama-8b --out bench/results/fsdp_hlo_8b.json
 
+On 1,024 GPUs (`--devices 1024 --remat no`) the vocabulary must divide by 1,024: `--vocab 131072`
+(bench/results/fsdp_hlo_1b_1024.json, fsdp_hlo_8b_1024.json).
+
     JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py [--layers 4] [--devices 8 64] [--flags both]
 
 Why it imports private code: a compiled program's collectives become a Schedule with an `FsdpPlan`
