@@ -175,19 +175,15 @@ def _scheduled_per_device(tx: Any, schedule: Schedule, axis_name: Any, every_k: 
                           ) -> optax.GradientTransformationExtraArgs:
   """`scheduled`'s transformation per device (inside pmap / shard_map, or inside the mesh layer's map):
   the scheduled reduction of the gradients (their mean, or, given each device's partial sums of a
-  global mean, `mean=False`: their sum), then `tx`; a sharded schedule's ZeRO-1 update; `every_k`'s
-  accumulation."""
-
-  def init_fn(params):
-    if schedule.sharded:  # ZeRO-1: tx's state for this device's shards only
-      return ScheduledState(inner=_zero.init(tx, params, schedule, axis_name, "scheduled"))
-    return ScheduledState(inner=tx.init(params), defer_state=defer_init(schedule) if schedule.defers else None,
-                          accum=accum_init(schedule) if every_k > 1 else None)
-
-  def inner_update(reduced, inner, params, extra_args):
-    if isinstance(tx, optax.GradientTransformationExtraArgs):
-      return tx.update(reduced, inner, params, **extra_args)
-    return tx.update(reduced, inner, params)
+  global mean, `mean=False`: their sum), then `tx`. One layer checks the state; under it, chosen once
+  from the schedule, the reduction and update of one kind: a sharded schedule's ZeRO-1 update
+  (`_zero_layer`), `every_k`'s accumulation (`_accumulating_layer`), or the all-reduce (`_allreduce_layer`)."""
+  if schedule.sharded:
+    init_fn, update = _zero_layer(tx, schedule, axis_name, mean)
+  elif every_k > 1:
+    init_fn, update = _accumulating_layer(tx, schedule, axis_name, every_k, mean)
+  else:
+    init_fn, update = _allreduce_layer(tx, schedule, axis_name, mean)
 
   def update_fn(updates, state, params=None, **extra_args):
     if not (isinstance(state, tuple) and hasattr(state, "inner") and hasattr(state, "defer_state")):
@@ -202,48 +198,92 @@ def _scheduled_per_device(tx: Any, schedule: Schedule, axis_name: Any, every_k: 
           f"({state.inner.tag!r}), but this schedule ({schedule.policy}) all-reduces and keeps tx's whole "
           f"state: unshard it outside the step with prophet_jax.convert_state(state, params, schedule, "
           f"tx=tx).")
-    if schedule.sharded:  # reduce-scatter, tx on this device's shards, all-gather the update
-      check_foreign(state.defer_state, schedule, "scheduled")
-      if state.defer_state is not None and isinstance(updates, GradShards):
-        raise ValueError(
-            "scheduled(...).update: the state owes a re-plan's deferred values (convert_state's OwedState) "
-            "to this schedule's first step, which needs the gradients to add them to, but was given "
-            "hooked's reduce-scattered GradShards: run that first step with plain gradients (jax.grad of "
-            "the loss, then tx.update), or apply the owed values before converting.")
-      if state.defer_state is not None:   # convert_state's OwedState: added before the reduce-scatters
-        s = step_setup(updates, schedule, axis_name, "scheduled", defer_state=state.defer_state)
-        updates = jax.tree_util.tree_unflatten(s.treedef, with_owed(s))
-      new, inner = _zero.update(tx, updates, state.inner, params, schedule, axis_name, where="scheduled",
-                                mean=mean, extra_args=extra_args)
-      return new, ScheduledState(inner=inner)
-    try:
-      if every_k > 1:
-        reduced, defer, accum, emit = accumulated_allreduce(
-            updates, schedule, axis_name, every_k=every_k, accum=state.accum, mean=mean,
-            where="scheduled", defer_state=state.defer_state)
-      else:
-        reduced, defer = scheduled_allreduce(updates, schedule, axis_name, mean=mean, where="scheduled",
-                                             defer_state=state.defer_state)
-    except AlreadyReducedError as e:
-      if not _inside_multisteps():
-        raise
-      raise CompositionError(
-          f"scheduled(...) inside optax.MultiSteps under shard_map: MultiSteps keeps an accumulator of "
-          f"each device's own gradients, which varies over axis {axis_name!r} and cannot live in the "
-          f"replicated optimizer state (optax's own update then fails); and MultiSteps runs the inner "
-          f"transformation on every micro-step, so the all-reduces would run on every one anyway. "
-          f"Accumulate in scheduled itself: prophet_jax.scheduled(tx, schedule, axis_name={axis_name!r}, "
-          f"every_k=k) all-reduces once per k micro-steps (pass its state with "
-          f"prophet_jax.state_specs(state, {axis_name!r})).") from e
-    if every_k == 1:
-      new, inner = inner_update(reduced, state.inner, params, extra_args)
-      return new, ScheduledState(inner=inner, defer_state=defer)
-    # the update on the k-th micro-step only, zeros (and tx's state unchanged) on the others
-    apply = lambda r, i: inner_update(r, i, params, extra_args)  # noqa: E731
+    return update(updates, state, params, extra_args)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _inner_update(tx, reduced, inner, params, extra_args):
+  """`tx.update` on the reduced gradients (with the extra arguments when `tx` takes them)."""
+  if isinstance(tx, optax.GradientTransformationExtraArgs):
+    return tx.update(reduced, inner, params, **extra_args)
+  return tx.update(reduced, inner, params)
+
+
+def _zero_layer(tx, schedule, axis_name, mean):
+  """ZeRO-1: reduce-scatter, `tx` on this device's shards (its state for them only), all-gather the
+  update; a re-plan's owed values (convert_state's OwedState) added before the reduce-scatters."""
+
+  def init_fn(params):
+    return ScheduledState(inner=_zero.init(tx, params, schedule, axis_name, "scheduled"))
+
+  def update(updates, state, params, extra_args):
+    check_foreign(state.defer_state, schedule, "scheduled")
+    if state.defer_state is not None and isinstance(updates, GradShards):
+      raise ValueError(
+          "scheduled(...).update: the state owes a re-plan's deferred values (convert_state's OwedState) "
+          "to this schedule's first step, which needs the gradients to add them to, but was given "
+          "hooked's reduce-scattered GradShards: run that first step with plain gradients (jax.grad of "
+          "the loss, then tx.update), or apply the owed values before converting.")
+    if state.defer_state is not None:
+      s = step_setup(updates, schedule, axis_name, "scheduled", defer_state=state.defer_state)
+      updates = jax.tree_util.tree_unflatten(s.treedef, with_owed(s))
+    new, inner = _zero.update(tx, updates, state.inner, params, schedule, axis_name, where="scheduled",
+                              mean=mean, extra_args=extra_args)
+    return new, ScheduledState(inner=inner)
+
+  return init_fn, update
+
+
+def _allreduce_layer(tx, schedule, axis_name, mean):
+  """The scheduled all-reduce (with the deferral state of a deferring plan), then `tx`."""
+
+  def init_fn(params):
+    return ScheduledState(inner=tx.init(params), defer_state=defer_init(schedule) if schedule.defers else None)
+
+  def update(updates, state, params, extra_args):
+    reduced, defer = _composed(lambda: scheduled_allreduce(
+        updates, schedule, axis_name, mean=mean, where="scheduled", defer_state=state.defer_state), axis_name)
+    new, inner = _inner_update(tx, reduced, state.inner, params, extra_args)
+    return new, ScheduledState(inner=inner, defer_state=defer)
+
+  return init_fn, update
+
+
+def _accumulating_layer(tx, schedule, axis_name, every_k, mean):
+  """`every_k` micro-steps accumulated, their mean all-reduced on the schedule and `tx` applied on the
+  k-th; zeros (and tx's state unchanged) on the others."""
+
+  def init_fn(params):
+    return ScheduledState(inner=tx.init(params), defer_state=defer_init(schedule) if schedule.defers else None,
+                          accum=accum_init(schedule))
+
+  def update(updates, state, params, extra_args):
+    reduced, defer, accum, emit = _composed(lambda: accumulated_allreduce(
+        updates, schedule, axis_name, every_k=every_k, accum=state.accum, mean=mean, where="scheduled",
+        defer_state=state.defer_state), axis_name)
+    apply = lambda r, i: _inner_update(tx, r, i, params, extra_args)  # noqa: E731
     shapes = jax.eval_shape(apply, reduced, state.inner)[0]
     new, inner = jax.lax.cond(
         emit, apply, lambda r, i: (jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), i),
         reduced, state.inner)
     return new, ScheduledState(inner=inner, defer_state=defer, accum=accum)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return init_fn, update
+
+
+def _composed(reduce, axis_name):
+  """`reduce()`, with the error of `scheduled` inside optax.MultiSteps under shard_map said as such."""
+  try:
+    return reduce()
+  except AlreadyReducedError as e:
+    if not _inside_multisteps():
+      raise
+    raise CompositionError(
+        f"scheduled(...) inside optax.MultiSteps under shard_map: MultiSteps keeps an accumulator of "
+        f"each device's own gradients, which varies over axis {axis_name!r} and cannot live in the "
+        f"replicated optimizer state (optax's own update then fails); and MultiSteps runs the inner "
+        f"transformation on every micro-step, so the all-reduces would run on every one anyway. "
+        f"Accumulate in scheduled itself: prophet_jax.scheduled(tx, schedule, axis_name={axis_name!r}, "
+        f"every_k=k) all-reduces once per k micro-steps (pass its state with "
+        f"prophet_jax.state_specs(state, {axis_name!r})).") from e
