@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from _placement import replicate
 import prophet_jax as pj
 from prophet_jax._rewrite._collectives import engine_hooks
 from prophet_jax._compiled._hlo import parse_hlo
@@ -124,7 +125,7 @@ def _step(mapping, schedule=None, jit_scale=None):
 
   one = jnp.float32(1)
   if mapping == "pmap":
-    rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *np.shape(x))), t)  # noqa: E731
+    rep = replicate
     p0, o0 = rep(s.params), rep(tx.init(s.params))
     put = lambda b: jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), b)  # noqa: E731
     f = jax.pmap(step, axis_name=AX, in_axes=(0, 0, 0, None))
@@ -261,7 +262,7 @@ def test_bad_every_k_a_replicated_accumulator_and_another_schedules_state():
   assert pj.scheduled(optax.sgd(0.1), _schedule(), axis_name=AX).init(s.params).accum is None
   bad = tx.init(s.params)._replace(accum=other.init(s.params).accum._replace(grads=()))
   g = jax.pmap(lambda p, o, b: tx.update(jax.grad(_loss)(p, b), o, p), axis_name=AX)
-  rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (U.N_DEV, *np.shape(x))), t)  # noqa: E731
+  rep = replicate
   batch = jax.tree.map(lambda x: x.reshape(U.N_DEV, -1, *x.shape[1:]), _micro()[0])
   with pytest.raises(pj.ScheduleMismatchError, match=r"accumulator holds 0 sums, but the schedule has 6 rows"):
     g(rep(s.params), rep(bad), batch)

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
 from _assert import assert_trees_close
+from _placement import replicate, shard, unrep
 from _reference import full_batch
 from prophet_jax.models import get_model
 
@@ -34,16 +35,8 @@ STEPS = 2
 MAPPINGS = ("pmap", "shard_map")
 
 
-def _replicate(tree):
-  return jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (NDEV, *jnp.shape(a))), tree)
-
-
-def _split(batch):
-  return jax.tree.map(lambda a: a.reshape(NDEV, -1, *a.shape[1:]), batch)
-
-
-def _unrep(tree):
-  return jax.tree.map(lambda a: np.asarray(a[0]), tree)
+# on the host, placed as pmap places its own outputs (tests/_placement.py)
+_replicate, _split, _unrep = replicate, shard, unrep
 
 
 def _mesh():

@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from _placement import replicate
 import prophet_jax as pj
 from prophet_jax._rewrite import _defer, _states
 from prophet_jax._compiled import _gpu
@@ -163,7 +164,7 @@ def test_shard_map_equals_oracle_state_specs_and_one_compile():
 
 def test_compiled_allreduces_are_the_slots_in_order():
   s = _schedule()
-  st = jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *x.shape)), _defer.init(s))
+  st = replicate(_defer.init(s))
   g = {k: jnp.zeros((NDEV, *v.shape)) for k, v in TREE.items()}
   text = hlo_text(_pmap_step(s).lower(g, st).compile())
   ops = collectives(parse_hlo(text))
@@ -228,7 +229,7 @@ def test_k0_is_the_lossless_path_same_hlo():
 def test_state_from_another_schedule_or_shape_raises():
   s, other = _schedule(), _schedule(defer=(1, 1))
   g = {k: jnp.zeros((NDEV, *v.shape)) for k, v in TREE.items()}
-  bcast = lambda st: jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *x.shape)), st)  # noqa: E731
+  bcast = replicate
   # a state of another schedule of this tree is a re-plan's: the step names convert_state (after
   # which the first step continues from s's own state, tests/test_replan.py), and one that does not
   # record its schedule cannot be converted: the error names both and says how to keep it
@@ -389,7 +390,7 @@ def _sched_step(schedule, mapping):
   one = jnp.float32(1)
   if mapping == "pmap":
     f = jax.pmap(step, axis_name=AX, in_axes=(0, 0, 0, None))
-    rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *np.shape(x))), t)  # noqa: E731
+    rep = replicate
     opt0 = rep(tx.init(params))  # made once outside the map, replicated: zero residuals serve every device
     put = lambda b: jax.tree.map(lambda x: x.reshape(NDEV, -1, *x.shape[1:]), b)  # noqa: E731
     p0 = rep(params)
@@ -529,7 +530,7 @@ def _pmean_step():
     u, opt = tx.update(g, opt, p)
     return optax.apply_updates(p, u), opt
 
-  rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *np.shape(x))), t)  # noqa: E731
+  rep = replicate
   p, opt = rep(params), rep(tx.init(params))
   f = jax.pmap(step, axis_name=AX)
   for b in _mlp()[2]:
@@ -562,7 +563,7 @@ def test_max_defer_0_is_the_lossless_plan_and_the_same_hlo():
                                                                      backward_s=2e-3), SLOW, "auto")
   assert s0.buckets == auto.buckets and not s0.defers and s0.policy == "dlcp"
   m, params, batches = _mlp()
-  rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *np.shape(x))), t)  # noqa: E731
+  rep = replicate
   b = jax.tree.map(lambda x: x.reshape(NDEV, -1, *x.shape[1:]), batches[0])
 
   def text(s):
@@ -586,7 +587,7 @@ def test_scheduled_bad_input_links_state_of_another_schedule_and_replicated_resi
   m, params, batches = _mlp()
   s, other = _mlp_plan(MAX_DEFER), _mlp_plan(0.1)
   assert other.defers and _defer.defer_groups(other) != _defer.defer_groups(s)
-  rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *np.shape(x))), t)  # noqa: E731
+  rep = replicate
   b = jax.tree.map(lambda x: x.reshape(NDEV, -1, *x.shape[1:]), batches[0])
 
   def lower(s, opt_from):
@@ -637,7 +638,7 @@ def _hooked_run(schedule, mapping, scale=1.0):
 
   d0 = pj.defer_state(schedule)
   if mapping == "pmap":
-    rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (NDEV, *np.shape(x))), t)  # noqa: E731
+    rep = replicate
     f = jax.pmap(step, axis_name=AX, in_axes=(0, 0, 0, 0, None))
     p, opt, d = rep(params), rep(tx.init(params)), rep(d0)
     put = lambda b: jax.tree.map(lambda x: x.reshape(NDEV, -1, *x.shape[1:]), b)  # noqa: E731

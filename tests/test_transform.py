@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
 from _assert import assert_trees_close
+from _placement import replicate, shard, unrep
 from _reference import full_batch
 from prophet_jax._rewrite import _collectives
 from prophet_jax.models import get_model
@@ -183,12 +184,9 @@ def single_device_reference(model: str, dtype: str):
   return full_batch(m.loss_fn, params, _tx(), batches)[0]
 
 
-def _replicate(tree):
-  return jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (NDEV, *jnp.shape(a))), tree)
-
-
-def _split(batch):
-  return jax.tree.map(lambda a: a.reshape(NDEV, -1, *a.shape[1:]), batch)
+# on the host, placed as pmap places its own outputs (tests/_placement.py): an eager jnp op per leaf
+# shape would compile a small program each
+_replicate, _split = replicate, shard
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,7 +204,7 @@ def pmean_reference(model: str, dtype: str):
   p, o = _replicate(params), _replicate(tx.init(params))
   for b in batches:
     p, o = f(p, o, _split(b))
-  return jax.tree.map(lambda a: np.asarray(a[0]), p)
+  return unrep(p)
 
 
 def assert_close(got, ref, before, *, rel=None):
@@ -301,7 +299,7 @@ def build_step(model, dtype, policy, mapping, transform, compiler_options=None):
   if mapping == "pmap":
     f = jax.pmap(step, axis_name=AX, in_axes=(0, 0, None))
     carry, bs = _replicate(carry), [_split(b) for b in batches]
-    unbox = lambda c: jax.tree.map(lambda a: np.asarray(a[0]), get_params(c))
+    unbox = lambda c: unrep(get_params(c))
   else:
     mesh = _mesh()
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AX), P()),
@@ -448,7 +446,7 @@ def test_check_fails_for_wrong_scale_and_lost_slice():
   states = _replicate(tuple((params, tx.init(params)) for _ in range(3)))
   for bt in batches:
     states = f(states, _split(bt))
-  ok, scale, sliced = (jax.tree.map(lambda x: np.asarray(x[0]), st[0]) for st in states)
+  ok, scale, sliced = (unrep(st[0]) for st in states)
   ref = single_device_reference(model, dtype)
   assert_close(ok, ref, params)
   assert_trees_close(ok, ref, params)  # docs/design.md's tolerance as tests/_assert.py states it
