@@ -225,40 +225,46 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
   nxt = 0
   comm = 0.0
   issue = 0.0
+  unit_bytes, unit_layers, first = arr.unit_bytes, arr.unit_layers, arr.first  # (the loops' hot reads)
 
   def run_forward(last: int) -> None:      # the device runs forward through layer `last`
     nonlocal t_dev, nxt
     while nxt <= last:
-      s = max(t_dev, need[nxt])
+      nd = need[nxt]
+      s = t_dev if t_dev >= nd else nd
       fwd_start[nxt] = s
       t_dev = s + fwd[nxt]
       if spans:
         out.append(("forward", prob.layers[nxt], s, t_dev, "device"))
       nxt += 1
 
-  def gather(u: int, at: float, needs: list[float], label: str) -> None:
+  def gather(u: int, at: float, needs: list[float], again: bool) -> None:
     """Unit u's all-gather on link 0, issued at `at`: the link (and, without overlap, the device) busy,
-    its gathered bytes alive from its start, its layers' parameters there (`needs`) at its end."""
+    its gathered bytes alive from its start, its layers' parameters there (`needs`) at its end; `again`:
+    a backward re-gather."""
     nonlocal t_link, t_dev, comm
-    dur = a_g + b_g * arr.unit_bytes[u]
-    s = max(at, t_link, t_dev) if serial else max(at, t_link)
+    nb = unit_bytes[u]
+    dur = a_g + b_g * nb
+    s = at if at >= t_link else t_link
+    if serial and t_dev > s:
+      s = t_dev
     t_link = s + dur
     if serial:
       t_dev = t_link
     comm += dur
-    mem.append((s, arr.unit_bytes[u]))
-    for l in arr.unit_layers[u]:
+    mem.append((s, nb))
+    for l in unit_layers[u]:
       if t_link > needs[l]:
         needs[l] = t_link
     if spans:
-      out.append(("all_gather", label, s, t_link, "link0"))
+      out.append(("all_gather", f"unit{u}(backward)" if again else f"unit{u}", s, t_link, "link0"))
 
   for u in range(n_u):
     v = u - d
-    if v >= 0 and arr.first[v] < arr.first[u]:
-      run_forward(arr.first[v])
-      issue = fwd_start[arr.first[v]]
-    gather(u, issue, need, f"unit{u}")
+    if v >= 0 and first[v] < first[u]:
+      run_forward(first[v])
+      issue = fwd_start[first[v]]
+    gather(u, issue, need, False)
     ag_end[u] = t_link
   run_forward(nl - 1)
   fwd_end_layer = [fwd_start[l] + fwd[l] for l in range(nl)]
@@ -286,33 +292,38 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
 
   def regather(us: Sequence[int], at: float) -> None:
     for u in us:
-      gather(u, at, need_b, f"unit{u}(backward)")
+      gather(u, at, need_b, True)
 
   regather(first_ready, t_dev)
   ci = 0
   n_c = len(arr.order)
   last_issue = 0.0
+  rs_at, rs_bytes, bwd_dur, layer_units, unit_bwd_last = (arr.rs_at, arr.rs_bytes, arr.bwd_dur, arr.layer_units,
+                                                           arr.unit_bwd_last)
+  ready_pos, order = arr.chunk_ready_pos, arr.order
   for k, l in enumerate(arr.bwd_layers):
-    s = max(t_dev, need_b[l])
-    if serial:
-      s = max(s, t_link)
-    for x in arr.rs_at[k]:
-      mem.append((s, arr.rs_bytes[x]))            # a reduce-scatter unit's gradient buffer
+    nb = need_b[l]
+    s = t_dev if t_dev >= nb else nb
+    if serial and t_link > s:
+      s = t_link
+    for x in rs_at[k]:
+      mem.append((s, rs_bytes[x]))                # a reduce-scatter unit's gradient buffer
     if k in regather_at:
       regather(regather_at[k], s)
-      if serial:
-        s = max(s, t_dev)
-    t_dev = s + arr.bwd_dur[k]
+      if serial and t_dev > s:
+        s = t_dev
+    t_dev = s + bwd_dur[k]
     if spans:
       out.append(("backward", prob.layers[l], s, t_dev, "device"))
-    for u in arr.layer_units[l]:
-      if arr.unit_bwd_last[u] == k:
+    for u in layer_units[l]:
+      if unit_bwd_last[u] == k:
         unit_bwd_end[u] = t_dev
-    while ci < n_c and arr.chunk_ready_pos[ci] <= k:
-      kind, x = arr.order[ci]
-      last_issue = max(last_issue, t_dev)
+    while ci < n_c and ready_pos[ci] <= k:
+      kind, x = order[ci]
+      if t_dev > last_issue:
+        last_issue = t_dev
       if kind == "u":
-        dur = a_g + b_g * arr.rs_bytes[x]
+        dur = a_g + b_g * rs_bytes[x]
         st = max(last_issue, t_link, t_dev) if serial else max(last_issue, t_link)
         t_link = st + dur
         comm += dur
