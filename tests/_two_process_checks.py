@@ -129,14 +129,11 @@ def check_monitor() -> dict:
   """A Monitor whose ranks probe different networks: rank 0 decides for both; a real probe spans both
   processes' devices."""
   from prophet_jax._multiprocess._monitor import plan_key
+  from tests.test_monitor import FAST as fast
+  from tests.test_monitor import SLOW as slow
+  from tests.test_monitor import _profile
 
-  layers = 32
-  prof = pj.GradientProfile.from_rows(
-      [dict(path=f"l{i}/w", layer=f"l{i}", shape=(25000,), dtype="float32", nbytes=100000,
-            ready_s=0.01 * (layers - i) / layers, fwd_s=2e-4) for i in range(layers)],
-      forward_s=2e-4 * layers, backward_s=0.01)
-  fast = pj.NetworkModel(alpha_s=2e-6, beta_s_per_byte=1e-10, workers=8, overlap=True)
-  slow = fast.replace(alpha_s=40e-6, beta_s_per_byte=5e-10)
+  prof = _profile()  # 32 layers of 100 kB
   seen = slow if RANK == 0 else fast  # each rank sees another network: alone they would disagree
   mon = pj.Monitor(prof, fast, policy="mgwfbp", probe_every=2, window=1,
                    probe_fn=lambda sizes: [seen.allreduce_s(s) * (1 + 0.01 * RANK) for s in sizes])

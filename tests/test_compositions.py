@@ -24,12 +24,11 @@ from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
 from _assert import assert_trees_close
-from _placement import replicate, shard, unrep
+from _placement import NDEV, replicate, shard, unrep
 from _reference import full_batch
 from prophet_jax.models import get_model
 
 AX = "dp"
-NDEV = 8
 BATCH = 16
 STEPS = 2
 MAPPINGS = ("pmap", "shard_map")

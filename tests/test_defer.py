@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from _placement import replicate
+from _placement import NDEV, replicate
 import prophet_jax as pj
 from prophet_jax._rewrite import _defer, _states
 from prophet_jax._compiled import _gpu
@@ -27,7 +27,6 @@ from prophet_jax._compiled._hlo_collectives import collectives
 from tests._defer_ref import RefDefer
 
 AX = "data"
-NDEV = 8
 STEPS = 5
 TREE = {"a": jnp.zeros((6, 10)), "b": jnp.zeros(37), "c": jnp.zeros(5), "d": jnp.zeros(9)}
 

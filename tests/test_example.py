@@ -23,13 +23,11 @@ PY = sys.executable
 pytestmark = pytest.mark.multiprocess
 
 
-_env = example_env
-
 
 def test_killed_worker_stops_the_launch():
   cmd = [PY, "-m", "prophet_jax.launch", "--nproc", "2", "--", PY, EXAMPLE, "--model", "mlp",
          "--steps", "400", "--step-delay", "0.2", "--log-every", "1"]
-  p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+  p = subprocess.Popen(cmd, env=example_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                        start_new_session=True)
   try:
     pid, stepping = None, False

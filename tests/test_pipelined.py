@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from _assert import assert_trees_close
 from _placement import AXIS, mesh, put, replicate, shard, unrep
+from _placement import NDEV as N_DEV
 from _reference import full_batch
 import prophet_jax as pj
 from prophet_jax import Bucket, Chunk, GradientProfile, Schedule, ScheduleMismatchError, audit
@@ -28,7 +29,6 @@ from prophet_jax._rewrite._pipelined import Pending, PipelinedState, pipelined
 from prophet_jax._values._tree import path_str
 from prophet_jax.models import get_model
 
-N_DEV = 8
 STEPS = 3
 
 

@@ -20,14 +20,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from _assert import assert_trees_close
-from _placement import AXIS, mesh, put, replicate, shard, unrep
+from _placement import AXIS, NDEV, mesh, put, replicate, shard, unrep
 import prophet_jax as pj
 from prophet_jax import DeferState, ScheduleMismatchError
 from prophet_jax._rewrite import _collectives, _states
 from prophet_jax._rewrite._pipelined import pipelined
 from prophet_jax.models import get_model
 
-NDEV = 8
 STEPS = 5
 LR, MOMENTUM = 0.05, 0.9
 # a communication-bound network: dlcp splits layers into groups of 3 chunks, 1 deferred per step

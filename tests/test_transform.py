@@ -34,13 +34,12 @@ from jax.sharding import PartitionSpec as P
 
 import prophet_jax as pj
 from _assert import assert_trees_close
-from _placement import replicate, shard, unrep
+from _placement import NDEV, replicate, shard, unrep
 from _reference import full_batch
 from prophet_jax._rewrite import _collectives
 from prophet_jax.models import get_model
 
 AX = "data"
-NDEV = 8
 N_STEPS = 2
 BATCH = 16
 LR = 0.05

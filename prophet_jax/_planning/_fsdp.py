@@ -53,8 +53,8 @@ import numpy as np
 
 from ._core import Problem
 
-__all__ = ["BackwardOrder", "FsdpArrays", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run", "fsdp_iteration_s", "unit_costs", "dear_peak_bytes",
-           "fsdp_arrays_of"]
+__all__ = ["BackwardOrder", "FsdpArrays", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run", "fsdp_iteration_s",
+           "unit_costs", "dear_peak_bytes", "fsdp_arrays_of"]
 
 Slice = tuple[int, int, int]
 
