@@ -53,7 +53,7 @@ import numpy as np
 
 from ._core import Problem
 
-__all__ = ["BackwardOrder", "FsdpArrays", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run", "fsdp_iteration_s",
+__all__ = ["BackwardOrder", "FsdpArrays", "FsdpForward", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run", "fsdp_iteration_s",
            "unit_costs", "dear_peak_bytes", "fsdp_arrays_of"]
 
 Slice = tuple[int, int, int]
@@ -87,14 +87,31 @@ class FsdpArrays(NamedTuple):
   rs_at: tuple[tuple[int, ...], ...] = ()  # per backward position, the reduce-scatter units starting there
 
 
+class FsdpForward(NamedTuple):
+  """Where a step stands when forward ends (link 0 and the device free from, link time so far, each
+  unit's forward all-gather end, each layer's forward end, the memory events so far): the same for
+  every keep pattern and backward prefetch of one FsdpArrays."""
+
+  t_link: float
+  t_dev: float
+  comm: float
+  ag_end: list[float]
+  fwd_end: list[float]
+  mem_t: list[float]
+  mem_d: list[float]
+  bwd_units: list[int]                   # the units in backward order
+  ends_at: list[list[int]]               # per backward position, the units whose backward ends there
+
+
 class FsdpRun(NamedTuple):
-  """One simulated FSDP step: the iteration, the memory peak, the link busy time, and the spans
-  (kind, name, start, end, lane) when asked for."""
+  """One simulated FSDP step: the iteration, the memory peak, the link busy time, the spans (kind,
+  name, start, end, lane) when asked for, and its forward (for `fsdp_run(forward=)`)."""
 
   iteration_s: float
   peak_memory_bytes: float
   comm_s: float
   spans: list[tuple[str, str, float, float, str]]
+  forward: FsdpForward | None = None
 
 
 class BackwardOrder(NamedTuple):
@@ -145,34 +162,43 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
   rs_bytes = [0.0] * len(units)
   rs_at: list[list[int]] = [[] for _ in range(nl)]
   sharded_rows: list[int] = []
+  unit_rows: list[list[int]] = [[] for _ in units]
+  unit_pos: list[list[int]] = [[] for _ in units]
   for k, c in enumerate(chunks):
-    rp = max([row_pos[r] for r, _, _ in c])
-    ready_pos.append(rp)
     u = unit_of.get(k)
     if u is None:
+      rp = max([row_pos[r] for r, _, _ in c])
       order.append(("r", len(rep_bytes)))
       rep_bytes.append(sum(nbytes[r] * (hi - lo) / size[r] for r, lo, hi in c if size[r]))
     else:
+      rows = unit_rows[u] = [r for r, _, _ in c]
+      ps = unit_pos[u] = [row_pos[r] for r in rows]
+      rp = max(ps)
       order.append(("u", u))
-      rows = [r for r, _, _ in c]
       rs_bytes[u] = float(sum([nbytes[r] for r in rows]))
       rs_at[rp].append(u)               # its gradient buffer: from the start of its first backward layer
       sharded_rows.extend(rows)
-  if gathers is None:
-    gathers = [[r for r, _, _ in chunks[int(c)]] for c in units]
-  n_u = len(gathers)
+    ready_pos.append(rp)
   ul: list[tuple[int, ...]] = []
   ub: list[float] = []
-  layer_units: list[list[int]] = [[] for _ in range(nl)]
   bf: list[int] = []
   bl: list[int] = []
+  if gathers is None:                   # each unit's rows, gathered whole
+    gathers, ub = unit_rows, rs_bytes
+    for ps in unit_pos:
+      bf.append(max(ps))
+      bl.append(min(ps))
+  else:
+    for rows in gathers:
+      ub.append(float(sum([nbytes[r] for r in rows])))
+      ps = [row_pos[r] for r in rows]
+      bf.append(max(ps))
+      bl.append(min(ps))
+  n_u = len(gathers)
+  layer_units: list[list[int]] = [[] for _ in range(nl)]
   for u, rows in enumerate(gathers):
-    ls = sorted({layer[r] for r in rows})
+    ls = sorted({layer[r] for r in rows}) if len(rows) > 1 else [layer[rows[0]]]
     ul.append(tuple(ls))
-    ub.append(float(sum([nbytes[r] for r in rows])))
-    ps = [row_pos[r] for r in rows]
-    bf.append(max(ps))
-    bl.append(min(ps))
     for l in ls:
       layer_units[l].append(u)
   first = [ls[0] for ls in ul]
@@ -206,8 +232,10 @@ def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float,
   return ag + rep + ar
 
 
-def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
-  """The step's timeline under the module docstring's model (one calm sample)."""
+def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: FsdpForward | None = None) -> FsdpRun:
+  """The step's timeline under the module docstring's model (one calm sample). `forward`: the
+  FsdpRun.forward of a run of `arr` with another keep pattern or backward prefetch (a planner trying
+  many of them runs forward once); ignored with `spans`."""
   a_g, b_g, a_r, b_r, a_a, b_a = unit_costs(prob, arr.shards, arr.replicas)
   serial = not prob.overlap
   two = arr.replicas > 1
@@ -216,7 +244,8 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
   n_u = len(arr.first)
   d = arr.prefetch
   out: list[tuple[str, str, float, float, str]] = []
-  mem: list[tuple[float, float]] = []
+  mem_t: list[float] = []                  # memory events: when, and the bytes allocated (+) or freed (-)
+  mem_d: list[float] = []
   ag_end = [0.0] * n_u
   need = [0.0] * nl
   fwd_start = [0.0] * nl
@@ -252,25 +281,35 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
     if serial:
       t_dev = t_link
     comm += dur
-    mem.append((s, nb))
+    mem_t.append(s)
+    mem_d.append(nb)
     for l in unit_layers[u]:
       if t_link > needs[l]:
         needs[l] = t_link
     if spans:
       out.append(("all_gather", f"unit{u}(backward)" if again else f"unit{u}", s, t_link, "link0"))
 
-  for u in range(n_u):
-    v = u - d
-    if v >= 0 and first[v] < first[u]:
-      run_forward(first[v])
-      issue = fwd_start[first[v]]
-    gather(u, issue, need, False)
-    ag_end[u] = t_link
-  run_forward(nl - 1)
-  fwd_end_layer = [fwd_start[l] + fwd[l] for l in range(nl)]
+  if forward is None or spans:
+    for u in range(n_u):
+      v = u - d
+      if v >= 0 and first[v] < first[u]:
+        run_forward(first[v])
+        issue = fwd_start[first[v]]
+      gather(u, issue, need, False)
+      ag_end[u] = t_link
+    run_forward(nl - 1)
+    fwd_end_layer = [fwd_start[l] + fwd[l] for l in range(nl)]
+    ends_at: list[list[int]] = [[] for _ in range(nl)]
+    for u, k in enumerate(arr.unit_bwd_last):
+      ends_at[k].append(u)
+    forward = FsdpForward(t_link, t_dev, comm, ag_end, fwd_end_layer, mem_t[:], mem_d[:],
+                          sorted(range(n_u), key=lambda u: -arr.unit_bwd_first[u]), ends_at)
+  else:
+    t_link, t_dev, comm, ag_end, fwd_end_layer = forward[:5]
+    mem_t.extend(forward.mem_t)
+    mem_d.extend(forward.mem_d)
   # backward
-  bwd_units = sorted(range(n_u), key=lambda u: -arr.unit_bwd_first[u])   # backward order
-  brank = {u: j for j, u in enumerate(bwd_units)}
+  bwd_units = forward.bwd_units
   db = arr.backward_prefetch
   need_b = [0.0] * nl
   regather_at: dict[int, list[int]] = {}         # backward position -> units whose re-gather it issues
@@ -284,9 +323,9 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
     else:
       regather_at.setdefault(arr.unit_bwd_first[bwd_units[j - db]], []).append(u)
   for u in range(n_u):
-    last_l = max(arr.unit_layers[u])
     if not arr.keep[u]:
-      mem.append((fwd_end_layer[last_l], -arr.unit_bytes[u]))
+      mem_t.append(fwd_end_layer[unit_layers[u][-1]])
+      mem_d.append(-unit_bytes[u])
   link1: list[tuple[float, float, str]] = []
   unit_bwd_end = [0.0] * n_u
 
@@ -298,8 +337,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
   ci = 0
   n_c = len(arr.order)
   last_issue = 0.0
-  rs_at, rs_bytes, bwd_dur, layer_units, unit_bwd_last = (arr.rs_at, arr.rs_bytes, arr.bwd_dur, arr.layer_units,
-                                                           arr.unit_bwd_last)
+  rs_at, rs_bytes, bwd_dur, ends_at = arr.rs_at, arr.rs_bytes, arr.bwd_dur, forward.ends_at
   ready_pos, order = arr.chunk_ready_pos, arr.order
   for k, l in enumerate(arr.bwd_layers):
     nb = need_b[l]
@@ -307,7 +345,8 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
     if serial and t_link > s:
       s = t_link
     for x in rs_at[k]:
-      mem.append((s, rs_bytes[x]))                # a reduce-scatter unit's gradient buffer
+      mem_t.append(s)                             # a reduce-scatter unit's gradient buffer
+      mem_d.append(rs_bytes[x])
     if k in regather_at:
       regather(regather_at[k], s)
       if serial and t_dev > s:
@@ -315,19 +354,21 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
     t_dev = s + bwd_dur[k]
     if spans:
       out.append(("backward", prob.layers[l], s, t_dev, "device"))
-    for u in layer_units[l]:
-      if unit_bwd_last[u] == k:
-        unit_bwd_end[u] = t_dev
+    for u in ends_at[k]:
+      unit_bwd_end[u] = t_dev
     while ci < n_c and ready_pos[ci] <= k:
       kind, x = order[ci]
       if t_dev > last_issue:
         last_issue = t_dev
       if kind == "u":
         dur = a_g + b_g * rs_bytes[x]
-        st = max(last_issue, t_link, t_dev) if serial else max(last_issue, t_link)
+        st = last_issue if last_issue >= t_link else t_link
+        if serial and t_dev > st:
+          st = t_dev
         t_link = st + dur
         comm += dur
-        mem.append((t_link, -arr.rs_bytes[x]))    # the gradient buffer, reduced
+        mem_t.append(t_link)                      # the gradient buffer, reduced
+        mem_d.append(-rs_bytes[x])
         if spans:
           out.append(("reduce_scatter", f"unit{x}", st, t_link, "link0"))
         if two:
@@ -346,7 +387,8 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
         t_dev = max(t_dev, t_link)
       ci += 1
   for u in range(n_u):
-    mem.append((unit_bwd_end[u], -arr.unit_bytes[u]))    # the parameters kept or gathered again
+    mem_t.append(unit_bwd_end[u])                  # the parameters kept or gathered again
+    mem_d.append(-unit_bytes[u])
   t_dev += arr.bwd_tail
   t1 = 0.0
   for at, dur, name in sorted(link1, key=lambda x: x[0]):
@@ -361,11 +403,11 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False) -> FsdpRun:
   iteration = end + arr.update_s
   if spans and arr.update_s > 0:
     out.append(("update", "update", end, iteration, "device"))
-  t = np.fromiter((m[0] for m in mem), dtype=np.float64, count=len(mem))
-  dlt = np.fromiter((m[1] for m in mem), dtype=np.float64, count=len(mem))
+  t = np.array(mem_t, dtype=np.float64)
+  dlt = np.array(mem_d, dtype=np.float64)
   o = np.lexsort((dlt, t))
-  peak = float(np.cumsum(dlt[o]).max()) if len(mem) else 0.0
-  return FsdpRun(float(iteration), max(peak, 0.0), float(comm), out)
+  peak = float(np.cumsum(dlt[o]).max()) if mem_t else 0.0
+  return FsdpRun(float(iteration), max(peak, 0.0), float(comm), out, forward)
 
 
 def dear_peak_bytes(prob: Problem, rs_ready: np.ndarray, rs_nbytes: np.ndarray, rs_end: np.ndarray) -> float:

@@ -80,7 +80,7 @@ import numpy as np
 from ._core import Problem
 from ._fsdp import unit_costs
 
-__all__ = ["fsdp_bound"]
+__all__ = ["backward_chain", "forward_blocks", "fsdp_bound"]
 
 # Forward blocks whose start-ups B4 counts exactly; past it each block is charged this many (a relaxation).
 _BLOCKS = 16
@@ -152,53 +152,88 @@ def fsdp_bound(prob: Problem) -> float:
   if has_s.any():                      # B4: every unit's start-up, in forward and in backward
     f_blocks = f_end
     if int(has_s.sum()) <= _BLOCK_LAYERS:
-      f_blocks = max(_forward_blocks(s_l, np.asarray(fwd, dtype=float), a_g, b_g), f_end)
+      f_blocks = max(forward_blocks(s_l, np.asarray(fwd, dtype=float), a_g, b_g)[0], f_end)
     pos = np.lexsort((-np.arange(nl), ready_l))
     pos = pos[has_s[pos]]
-    e = _backward_chain(ready_l[pos], s_l[pos], a_g, b_g) + (a_r if r > 1 else 0.0)
+    e = backward_chain(ready_l[pos], s_l[pos], a_g, b_g)[0] + (a_r if r > 1 else 0.0)
     b4 = f_blocks + max(back, e) + update
   return max(b1, b4, link0 + update, link1 + update)
 
 
-def _forward_blocks(s_l: np.ndarray, fwd: np.ndarray, a: float, b: float) -> float:
-  """F'' of the module docstring: the least forward end over contiguous blocks of the sharded layers,
-  block j's first layer waiting for min(j, _BLOCKS)·a + b·(the sharded bytes through the block's end)."""
+def forward_blocks(s_l: np.ndarray, fwd: np.ndarray, a: float, b: float, ends: np.ndarray | None = None
+                   ) -> tuple[float, list[int]]:
+  """F'' of the module docstring (the least forward end over contiguous blocks of the sharded layers,
+  block j's first layer waiting for min(j, _BLOCKS)·a + b·(the sharded bytes through the block's end)),
+  and the blocks of the least partition into fewer than _BLOCKS blocks (counted exactly): the layer
+  (index into `s_l`) each block ends at, in forward order. `ends`: the sharded layers' ranks (0 = the
+  first sharded layer; ascending, the last one included) a block may end at, for a planner that wants
+  the partition fast; then the value is that restricted partition's forward end (no longer F'')."""
   nl = len(s_l)
   sh = np.flatnonzero(s_l > 0)
-  n = len(sh)
+  e = np.arange(len(sh)) if ends is None else np.asarray(ends, dtype=np.int64)
+  n = len(e)
   fpre = np.concatenate([[0.0], np.cumsum(fwd)])          # forward of the layers before x
-  cum = np.cumsum(s_l)[sh]
-  nxt = np.append(sh[1:], nl)                              # after a block ending at sharded j: layers to here
-  lo = fpre[sh]
-  hi = fpre[nxt]
-  upper = np.triu(np.ones((n, n), dtype=bool))             # a block i..j needs i <= j
-  state = np.full(n + 1, np.inf)                           # state[i]: forward done up to layer sh[i]
+  cum = np.cumsum(s_l)[sh][e]
+  starts = np.concatenate([[0], e[:-1] + 1])               # block i.. starts at sharded rank starts[i]
+  lo = fpre[sh[starts]]
+  hi = fpre[np.append(sh[1:], nl)[e]]                      # after a block ending at e[j]: layers to here
+  upper = np.triu(np.ones((n, n), dtype=bool))             # a block starts[i]..e[j] needs i <= j
+  state = np.full(n + 1, np.inf)                           # state[i]: forward done up to layer sh[starts[i]]
   state[0] = fpre[sh[0]]
-  best = np.inf
+  best, best_k, back = np.inf, 0, []
+  cols = np.arange(n)
   for k in range(1, _BLOCKS):
     gate = k * a + b * cum
-    m = np.maximum(state[:n, None], gate[None, :]) - lo[:, None] + hi[None, :]
+    m = np.where(upper, np.maximum(state[:n, None], gate[None, :]) - lo[:, None] + hi[None, :], np.inf)
+    arg = m.argmin(axis=0)
+    back.append(arg)
     nxt_state = np.full(n + 1, np.inf)
-    nxt_state[1:] = np.where(upper, m, np.inf).min(axis=0)
-    best = min(best, float(nxt_state[n]))                  # exactly k blocks
+    nxt_state[1:] = m[arg, cols]
+    if nxt_state[n] < best:                                # exactly k blocks
+      best, best_k = float(nxt_state[n]), k
     state = nxt_state
     if not np.isfinite(state[:n]).any():
-      return best
+      break
+  blocks, j = [], n - 1
+  for k in range(best_k, 0, -1):
+    blocks.append(int(sh[e[j]]))
+    j = int(back[k - 1][j]) - 1
+  blocks.reverse()
+  if ends is not None or not np.isfinite(state[:n]).any():
+    return best, blocks
   # block _BLOCKS onwards, each charged _BLOCKS start-ups: single layers are then best (a layer's gate
   # only grows with its block), so from state i the end is the chain over the layers left
   tail = _BLOCKS * a + b * cum + (fpre[nl] - lo)
   suffix = np.maximum.accumulate(tail[::-1])[::-1]
-  ends = np.maximum(state[:n] + fpre[nl] - lo, suffix)
-  return min(best, float(ends.min()))
+  return min(best, float(np.maximum(state[:n] + fpre[nl] - lo, suffix).min())), blocks
 
 
-def _backward_chain(ready: np.ndarray, nbytes: np.ndarray, a: float, b: float) -> float:
-  """E'' of the module docstring: the least end of the chain over contiguous blocks of the sharded
-  layers in ready order (`ready` nondecreasing), e_j = max(e_{j-1}, ready of its last) + a + b·bytes."""
+def backward_chain(ready: np.ndarray, nbytes: np.ndarray, a: float, b: float,
+                   ends: np.ndarray | None = None, second: tuple[float, float] | None = None
+                   ) -> tuple[float, list[int]]:
+  """E'' of the module docstring (the least end of the chain over contiguous blocks of the sharded
+  layers in ready order (`ready` nondecreasing), e_j = max(e_{j-1}, ready of its last) + a + b·bytes)
+  and the blocks of its least partition: the position (index into `ready`) each ends at, ascending.
+  `ends`: the positions a block may end at (ascending, the last one included). `second`: (a2, b2) of a
+  second link each block crosses after the first (HSDP's replica all-reduce); the chain then charges
+  each block its slower stage (a planner's heuristic: the value is no longer a bound)."""
   m = len(ready)
-  cum = np.concatenate([[0.0], np.cumsum(nbytes)])
-  e = np.empty(m + 1)
+  e_at = np.arange(m) if ends is None else np.asarray(ends, dtype=np.int64)
+  cum = np.concatenate([[0.0], np.cumsum(nbytes)])[np.concatenate([[0], e_at + 1])]
+  rdy = np.asarray(ready)[e_at]
+  n = len(e_at)
+  e = np.empty(n + 1)
   e[0] = 0.0
-  for j in range(1, m + 1):
-    e[j] = float(np.min(np.maximum(e[:j], ready[j - 1]) + a + b * (cum[j] - cum[:j])))
-  return float(e[m])
+  arg = [0] * (n + 1)
+  for j in range(1, n + 1):
+    g = cum[j] - cum[:j]
+    cost = a + b * g if second is None else np.maximum(a + b * g, second[0] + second[1] * g)
+    v = np.maximum(e[:j], rdy[j - 1]) + cost
+    i = int(v.argmin())
+    e[j], arg[j] = v[i], i
+  blocks, j = [], n
+  while j > 0:
+    blocks.append(int(e_at[j - 1]))
+    j = arg[j]
+  blocks.reverse()
+  return float(e[n]), blocks

@@ -12,14 +12,18 @@ What is planned (the model is `_planning/_fsdp.py`'s; docs/fsdp.md says it for u
    a reduce-scatter's output is exactly each leaf's shard). Candidates: one unit per leaf (the least
    memory), one per layer (FSDP2's per-module default), runs of layers closed once they reach a cap
    (2^k MiB, 1 to 2,048), ramps (small at both ends), and tapers (`_taper`: 4 to 32 units filled from
-   the back, equal or growing towards the front; over many devices, where each start-up is costly,
-   they come closest to the bound B_fsdp).
+   the back, equal or growing towards the front), and `split` (`_split`): the all-gather groups apart
+   from the reduce-scatter units (`FsdpPlan.gathers`), each from the partition that the bound B_fsdp's
+   relaxations find least (F'' for forward, E'' for backward); over many devices, where each start-up is
+   costly, forward wants a few large gathers early and backward small scatters soon after each block
+   is ready, and one grouping cannot give both (bench/fsdp.py: every row within 2% of the bound, where
+   the planned groupings shared by both were up to 6.5% above it).
 2. Forward prefetch depth d in {1, 2, 3, 4} (unit u's all-gather issued when unit u-d's forward
    starts) and, where backward gathers again, backward prefetch depth in {1, 2}.
-3. Keep or gather again, per unit, under the budget: the last k units in forward order (the first
-   backward needs) keep their parameters from forward; the others are freed after their forward and
-   gathered again in backward. k is the largest whose peak fits the budget (the peak grows with k;
-   found by bisection); without a budget every unit keeps (no re-gather: the least communication).
+3. Keep or gather again, per all-gather group, under the budget: the last k groups in forward order
+   (the first backward needs) keep their parameters from forward; the others are freed after their
+   forward and gathered again in backward. k is the largest whose peak fits the budget (the peak grows
+   with k; `_Keeps`); without a budget every group keeps (no re-gather: the least communication).
 4. Replicated leaves: all-reduced over the whole mesh in chunks of one dtype, one per unit window of
    backward (the replicated rows that become ready during a unit's backward, issued after its
    reduce-scatter), or all in one chunk per dtype at the end of backward (both are candidates: over
@@ -28,7 +32,8 @@ What is planned (the model is `_planning/_fsdp.py`'s; docs/fsdp.md says it for u
    the outer link (link 1) beside the shards' replica all-reduces.
 
 Every candidate is scored by the simulator's engine (`_fsdp.fsdp_run`): the fastest whose peak fits
-the budget wins (ties: the smaller peak).
+the budget wins (ties: the smaller peak). Under a budget a unit set is searched only if a bound on its
+fastest fitting pattern (`_Keeps.bound`) can beat the plans found so far.
 
 References:
   S. Rajbhandari et al., "ZeRO: Memory optimizations toward training trillion parameter models", SC
@@ -40,12 +45,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .._planning._core import Problem, problem
-from .._planning._fsdp import FsdpArrays, backward_order, fsdp_arrays, fsdp_run
+from .._planning._fsdp import FsdpArrays, backward_order, fsdp_arrays, fsdp_run, unit_costs
+from .._planning._fsdp_bound import backward_chain, forward_blocks
 from .._values._checks import check_bytes
 from .._values._network import NetworkModel
 from .._values._schedule import Bucket, Chunk, Schedule
@@ -62,6 +68,7 @@ _RAMP_MIB = ((8, 256), (8, 1024), (32, 1024))   # ramps (first, last): unit k cl
 _TAPERS = tuple((n, g) for n in (4, 8, 16, 32) for g in (0.0, 1.0))
 _PREFETCH = (1, 2, 3, 4)
 _DEEPER = 3                  # unit sets (the fastest at depth 1) tried at deeper prefetch
+_GRID = 128                  # `_split`'s blocks end at no more than this many places
 
 
 def fsdp(*, memory_budget_bytes: int | None = None, bucket_bytes: int | None = None,
@@ -125,11 +132,12 @@ class Plan:
   """One FSDP candidate: chunks (issue order), units (chunk indices, forward order), keep, depths, and
   its simulated iteration and peak."""
 
-  __slots__ = ("label", "chunks", "units", "keep", "prefetch", "backward_prefetch", "iteration", "peak")
+  __slots__ = ("label", "chunks", "units", "keep", "prefetch", "backward_prefetch", "iteration", "peak", "gathers")
 
-  def __init__(self, label, chunks, units, keep, prefetch, backward_prefetch, iteration, peak):
+  def __init__(self, label, chunks, units, keep, prefetch, backward_prefetch, iteration, peak, gathers=None):
     self.label, self.chunks, self.units, self.keep = label, chunks, units, keep
     self.prefetch, self.backward_prefetch, self.iteration, self.peak = prefetch, backward_prefetch, iteration, peak
+    self.gathers = gathers          # the all-gather groups (rows), apart from the units; None: the units
 
 
 def check_fsdp_inputs(prob: Problem) -> tuple[int, int]:
@@ -168,20 +176,22 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
                        f"gathered and its unsharded gradient); raise the budget to at least {need}, or shard "
                        f"the leaf over more devices.")
   if bucket is not None:
-    unit_sets = [(f"bucket_bytes={bucket}", _runs(rows_, sharded, float(bucket)))]
+    unit_sets = [(f"bucket_bytes={bucket}", _runs(rows_, sharded, float(bucket)), None)]
   else:
-    unit_sets = [("per-layer", _runs(rows_, sharded, 0.0))]
+    unit_sets = [("per-layer", _runs(rows_, sharded, 0.0), None)]
     seen = {_key(unit_sets[0][1])}
     per_leaf = [[i] for i in sharded]
     if budget is not None and _key(per_leaf) not in seen:  # the least memory; never the fastest without
-      unit_sets.append(("per-leaf", per_leaf))              # a cap (the most start-ups)
+      unit_sets.append(("per-leaf", per_leaf, None))        # a cap (the most start-ups)
       seen.add(_key(per_leaf))
     for label, u in [(f"cap={mib}MiB", _runs(rows_, sharded, mib * 2.0**20)) for mib in _CAPS_MIB] + [
         (f"ramp={lo}-{mib}MiB", _runs(rows_, sharded, mib * 2.0**20, ramp=lo * 2.0**20)) for lo, mib in _RAMP_MIB] + [
         (f"taper={n},{g:g}", _taper(rows_, unit_sets[0][1], n, g)) for n, g in _TAPERS]:
       if _key(u) not in seen:
         seen.add(_key(u))
-        unit_sets.append((label, u))
+        unit_sets.append((label, u, None))
+    u, g = _split(prob, rows_, sharded, s, r)
+    unit_sets.append(("split", u, g))
   depths = _PREFETCH if prefetch is None else (prefetch,)
   best: Plan | None = None
   smallest = None
@@ -190,24 +200,41 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   # the link is ahead of the compute, so each set stops at the first depth that does not help)
   # the replicated leaves' grouping (per unit window, or at once) is chosen on the first unit set and
   # kept for the others (it depends on the network's start-up far more than on the units)
-  structs, first = [], []
+  # each set's keep search is bounded below before it runs (`_Keeps.bound`): the sets are searched in
+  # the order of their bounds, none whose bound is no better than the _DEEPER fastest plans that fit
+  structs: list[_Set] = []
+  keeps: list[_Keeps] = []
   bo = backward_order(prob)
   tails = (False, True) if rows_.rep else (False,)
-  for n, (label, units) in enumerate(unit_sets):
+  for n, (label, units, gathers) in enumerate(unit_sets):
     for tail in (tails if n == 0 else (tails[0],)):
       chunks, unit_idx = _chunks(rows_, units, tail=tail)
-      base = fsdp_arrays(prob, chunks, unit_idx, [True] * len(units), depths[0], 1, s, r, order_of=bo)
-      structs.append((label + (",replicated-at-end" if tail else ""), chunks, unit_idx, base))
-      first.append(_best_keep(prob, base, chunks, unit_idx, depths[0], budget, structs[-1][0]))
-    if n == 0 and len(tails) > 1:
-      tails = (first[-1].iteration < first[-2].iteration,)
-  ranked = sorted(range(len(structs)), key=lambda i: (first[i].peak > limit, first[i].iteration))
+      base = fsdp_arrays(prob, chunks, unit_idx, [True] * len(gathers or units), depths[0], 1, s, r, gathers,
+                         order_of=bo)
+      structs.append(_Set(label + (",replicated-at-end" if tail else ""), chunks, unit_idx, base, gathers))
+      keeps.append(_Keeps(prob, base, depths[0], budget))
+    if n == 0 and len(tails) > 1:          # (on the iteration with every unit kept)
+      t0, t1 = (k.run(k.n, 1)[0] for k in keeps[-2:])
+      tails = (t1 < t0,)
+  first: dict[int, Plan] = {}
+  fastest: list[float] = []              # the _DEEPER fastest first-depth plans that fit, so far
+  for i in sorted(range(len(structs)), key=lambda i: keeps[i].bound()):
+    if len(fastest) == _DEEPER and keeps[i].bound() >= fastest[-1]:
+      break                              # neither the fastest nor among the _DEEPER tried deeper
+    first[i] = keeps[i].plan(structs[i])
+    if first[i].peak <= limit:
+      fastest = sorted(fastest + [first[i].iteration])[:_DEEPER]
+  ranked = sorted(first, key=lambda i: (first[i].peak > limit, first[i].iteration))
   for rank, i in enumerate(ranked):
-    label, chunks, unit_idx, base = structs[i]
+    base = structs[i].base
     for d in depths:
-      if d > 1 and (d > len(unit_idx) or rank >= _DEEPER):
+      if d > 1 and (d > len(base.keep) or rank >= _DEEPER):
         break
-      cand = first[i] if d == depths[0] else _best_keep(prob, base, chunks, unit_idx, d, budget, label)
+      if d > depths[0]:
+        deeper = _Keeps(prob, base, d, budget)
+        if best is not None and deeper.bound() > best.iteration:
+          break                            # deeper prefetch no longer pays for this unit set
+      cand = first[i] if d == depths[0] else deeper.plan(structs[i])
       if smallest is None or cand.peak < smallest:
         smallest = cand.peak
       if cand.peak <= limit and (
@@ -221,41 +248,114 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   return best
 
 
-def _best_keep(prob: Problem, base: FsdpArrays, chunks, unit_idx, d: int, budget: int | None,
-               label: str) -> Plan:
-  """The keep pattern (the last k units keep) that fits the budget with the most k, and its run;
-  without re-gathers the backward prefetch does not matter, with them 1 and 2 are tried."""
-  n = len(unit_idx)
+class _Set(NamedTuple):
+  """One unit set as scored: its label, chunks (issue order), units (chunk indices), timeline arrays
+  (every group kept) and all-gather groups (None: the units)."""
 
-  def run(k: int, db: int) -> tuple[float, float, FsdpArrays]:
-    keep = tuple(u >= n - k for u in range(n))
-    arr = base._replace(keep=keep, prefetch=d, backward_prefetch=db)
-    res = fsdp_run(prob, arr)
-    return res.iteration_s, res.peak_memory_bytes, arr
+  label: str
+  chunks: list[list[Slice]]
+  unit_idx: list[int]
+  base: FsdpArrays
+  gathers: list[list[int]] | None
 
-  it, pk, _ = run(n, 1)
-  if budget is None or pk <= budget:
-    return Plan(f"{label},prefetch={d},keep=all", chunks, unit_idx, [True] * n, d, 1, it, pk)
-  best = None
-  for db in (1, 2):
-    it0, pk0, _ = run(0, db)
-    if pk0 > budget:
-      continue
-    lo, hi, res = 0, n, (it0, pk0)     # the largest k in [0, n) that fits: bisection on the monotone peak
-    while hi - lo > 1:
-      mid = (lo + hi) // 2
-      it_m, pk_m, _ = run(mid, db)
-      if pk_m <= budget:
-        lo, res = mid, (it_m, pk_m)
-      else:
-        hi = mid
-    cand = Plan(f"{label},prefetch={d},keep=last{lo},backward_prefetch={db}", chunks, unit_idx,
-                [u >= n - lo for u in range(n)], d, db, res[0], res[1])
-    if best is None or (cand.iteration, cand.peak) < (best.iteration, best.peak):
-      best = cand
-  if best is None:                      # nothing fits: the least-memory pattern, for the error message
-    return Plan(f"{label},prefetch={d},keep=none", chunks, unit_idx, [False] * n, d, 1, *run(0, 1)[:2])
-  return best
+
+class _Keeps:
+  """The keep patterns of one unit set at one prefetch depth: the last k all-gather groups keep their
+  parameters from forward, the others are gathered again in backward with backward prefetch 1 or 2;
+  each pattern run once, when asked for.
+
+  The peak grows with k and the iteration falls (a re-gather only adds work on link 0 and a wait in
+  backward), so the plan is the largest k that fits: found by galloping from a guess (`_largest`).
+  Every kept group is alive at the end of forward, so the peak is at least the kept groups' bytes: k is
+  at most `top`, the most groups from the back whose bytes fit, and no pattern that fits runs faster
+  than k = `top` does (`bound`)."""
+
+  def __init__(self, prob: Problem, base: FsdpArrays, d: int, budget: int | None):
+    self.prob, self.base, self.d, self.budget = prob, base, d, budget
+    self.n = n = len(base.keep)
+    self.kept = np.concatenate([[0.0], np.cumsum(base.unit_bytes[::-1])])   # bytes of the last k groups
+    self.top = n if budget is None else int(np.searchsorted(self.kept, budget, side="right")) - 1
+    self.runs: dict[tuple[int, int], tuple[float, float]] = {}
+    self.forward = None                  # every pattern's forward is the same: run once
+
+  def run(self, k: int, db: int) -> tuple[float, float]:
+    """(iteration, peak) with the last k groups kept and backward prefetch db."""
+    if (k, db) not in self.runs:
+      n = self.n
+      res = fsdp_run(self.prob, self.base._replace(keep=tuple(u >= n - k for u in range(n)), prefetch=self.d,
+                                                   backward_prefetch=db), forward=self.forward)
+      self.forward = res.forward
+      self.runs[k, db] = res.iteration_s, res.peak_memory_bytes
+    return self.runs[k, db]
+
+  def bound(self) -> float:
+    """No keep pattern that fits the budget runs faster than this."""
+    if self.top >= self.n:
+      return self.run(self.n, 1)[0]
+    return min(self.run(self.top, db)[0] for db in (1, 2))
+
+  def plan(self, st: _Set) -> Plan:
+    """The largest k that fits, at the faster backward prefetch; when none fits, the pattern of least
+    memory (its peak over the budget, for the error message)."""
+    n, d, budget = self.n, self.d, self.budget
+    label, chunks, unit_idx, _, gathers = st
+    if self.top >= n:
+      it, pk = self.run(n, 1)
+      if budget is None or pk <= budget:
+        return Plan(f"{label},prefetch={d},keep=all", chunks, unit_idx, [True] * n, d, 1, it, pk, gathers)
+    best = None
+    hi = min(self.top, n - 1)
+    guess = None
+    for db in (1, 2):
+      if best is not None and self.run(hi, db)[0] > best.iteration:
+        continue                         # no k that fits is faster at this backward prefetch
+      def fits(k: int) -> bool:
+        return self.run(k, db)[1] <= budget
+      if guess is None and not fits(hi):   # about where the peak, less what hi keeps beyond k, fits
+        guess = int(np.searchsorted(self.kept, budget - self.run(hi, db)[1] + self.kept[hi], side="right")) - 1
+      g = hi if guess is None else min(guess, hi)
+      if not fits(g) and not fits(0):
+        continue                         # no k fits at this backward prefetch
+      k = _largest(fits, hi + 1, g)
+      guess = k
+      it, pk = self.run(k, db)
+      cand = Plan(f"{label},prefetch={d},keep=last{k},backward_prefetch={db}", chunks, unit_idx,
+                  [u >= n - k for u in range(n)], d, db, it, pk, gathers)
+      if best is None or (cand.iteration, cand.peak) < (best.iteration, best.peak):
+        best = cand
+    if best is None:
+      return Plan(f"{label},prefetch={d},keep=none", chunks, unit_idx, [False] * n, d, 1, *self.run(0, 1),
+                  gathers)
+    return best
+
+
+def _largest(fits, n: int, guess: int) -> int:
+  """The largest k in [0, n) with fits(k), for fits monotone (False from some k on; known False at n),
+  or -1 if none: galloping out from `guess`, then bisection (a few calls when the guess is close,
+  about 2·log2(n) at worst)."""
+  lo, hi = -1, n
+  k, step = min(max(guess, 0), n - 1), 1
+  if fits(k):
+    lo = k
+    while lo + step < hi:
+      if not fits(lo + step):
+        hi = lo + step
+        break
+      lo, step = lo + step, step * 2
+  else:
+    hi = k
+    while hi - step > lo:
+      if fits(hi - step):
+        lo = hi - step
+        break
+      hi, step = hi - step, step * 2
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    if fits(mid):
+      lo = mid
+    else:
+      hi = mid
+  return lo
 
 
 def _key(units: Sequence[Sequence[int]]) -> tuple:
@@ -275,7 +375,7 @@ class _Rows:
     pos_l = [0] * nl
     for k, l in enumerate(order):
       pos_l[l] = k
-    self.nl = nl
+    self.nl, self.pos_l, self.ready_l = nl, pos_l, ready_l.tolist()
     self.pos = [pos_l[l] for l in self.layer]
     self.nbytes = prob.row_nbytes.tolist()
     self.dtype = prob.dtype
@@ -301,7 +401,7 @@ def _runs(rows: _Rows, sharded: Sequence[int], cap: float, *, ramp: float = 0.0)
   layers = sorted(by_layer)
   after = {}
   rest = 0.0
-  for l in reversed(layers):
+  for l in reversed(layers if ramp else ()):
     after[l] = rest
     rest += sum(rows.nbytes[i] for i in by_layer[l])
   for l in layers:
@@ -349,6 +449,54 @@ def _taper(rows: _Rows, per_layer: Sequence[Sequence[int]], n_units: int, growth
   return units
 
 
+def _split(prob: Problem, rows: _Rows, sharded: Sequence[int], s: int, r: int
+           ) -> tuple[list[list[int]], list[list[int]]]:
+  """Reduce-scatter units and all-gather groups apart, each from the partition B_fsdp's relaxations
+  find least (`_fsdp_bound`): the gathers from F'' (forward blocks, each waiting for the start-ups and
+  the bytes through it), the units from E'' (blocks in ready order chained on the link; on an HSDP mesh
+  each charged its slower link). Over _GRID sharded layers blocks end only where the bytes cross a
+  1/_GRID step (the partitions cost the square of the places). Each block is split by dtype."""
+  a_g, b_g, a_r, b_r, _, _ = unit_costs(prob, s, r)
+  by_layer: dict[int, list[int]] = {}
+  for i in sharded:
+    by_layer.setdefault(rows.layer[i], []).append(i)
+  s_l = np.zeros(rows.nl)
+  for l, rs in by_layer.items():
+    s_l[l] = sum(rows.nbytes[i] for i in rs)
+  layers = sorted(by_layer)
+  _, f_ends = forward_blocks(s_l, np.asarray(prob.layer_fwd_s, dtype=float), a_g, b_g, _grid(s_l[layers]))
+  in_ready = sorted(layers, key=lambda l: rows.pos_l[l])
+  _, b_ends = backward_chain(np.array([rows.ready_l[l] for l in in_ready]), s_l[in_ready], a_g, b_g,
+                             _grid(s_l[in_ready]), (a_r, b_r) if r > 1 else None)
+  gathers, lo = [], 0
+  for end in f_ends:
+    gathers += _by_dtype(rows, [i for l in range(lo, end + 1) for i in by_layer.get(l, ())])
+    lo = end + 1
+  units, lo = [], 0
+  for end in b_ends:
+    units += _by_dtype(rows, sorted(i for l in in_ready[lo:end + 1] for i in by_layer[l]))
+    lo = end + 1
+  first_layer = lambda u: rows.layer[u[0]]
+  return sorted(units, key=first_layer), sorted(gathers, key=first_layer)
+
+
+def _grid(nbytes: np.ndarray) -> np.ndarray | None:
+  """Where `_split`'s blocks may end among `nbytes`' places: anywhere up to _GRID places (None), else
+  where the bytes cross a 1/_GRID step, and at the last."""
+  if len(nbytes) <= _GRID:
+    return None
+  cum = np.cumsum(nbytes)
+  return np.unique(np.append(np.searchsorted(cum, cum[-1] * np.arange(1, _GRID) / _GRID), len(nbytes) - 1))
+
+
+def _by_dtype(rows: _Rows, rs: Sequence[int]) -> list[list[int]]:
+  """Rows (forward order) in one group per dtype."""
+  out: dict[str, list[int]] = {}
+  for i in rs:
+    out.setdefault(rows.dtype[i], []).append(i)
+  return list(out.values())
+
+
 def _chunks(rows: _Rows, units: Sequence[Sequence[int]], *, tail: bool = False
             ) -> tuple[list[list[Slice]], list[int]]:
   """The schedule's chunks in issue order (each unit's reduce-scatter once its backward has ended; the
@@ -387,6 +535,7 @@ def fsdp_schedule(profile: GradientProfile, best: Plan, *, options: dict[str, An
   buckets = tuple(Bucket(chunks=(Chunk(slices=tuple(c), dtype=rows[c[0][0]].dtype),)) for c in best.chunks)
   plan = FsdpPlan(units=tuple(best.units), keep=tuple(best.keep), prefetch=best.prefetch,
                   backward_prefetch=best.backward_prefetch, shard_dims=tuple(r.shard_dim for r in rows),
-                  mesh=profile.mesh, shard_axes=profile.shard_axes, memory_budget_bytes=budget)
+                  mesh=profile.mesh, shard_axes=profile.shard_axes, memory_budget_bytes=budget,
+                  gathers=tuple(map(tuple, best.gathers or ())))
   return Schedule(buckets=buckets, rows=profile.tree_rows(), policy=policy, options=tuple(options.items()),
                   cross_step=bool(cross_step), predicted_s=best.iteration, fsdp=plan)
