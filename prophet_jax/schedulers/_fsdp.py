@@ -213,9 +213,8 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
                          order_of=bo)
       structs.append(_Set(label + (",replicated-at-end" if tail else ""), chunks, unit_idx, base, gathers))
       keeps.append(_Keeps(prob, base, depths[0], budget))
-    if n == 0 and len(tails) > 1:          # (on the iteration with every unit kept)
-      t0, t1 = (k.run(k.n, 1)[0] for k in keeps[-2:])
-      tails = (t1 < t0,)
+    if n == 0 and len(tails) > 1:          # (on their bounds)
+      tails = (keeps[-1].bound() < keeps[-2].bound(),)
   first: dict[int, Plan] = {}
   fastest: list[float] = []              # the _DEEPER fastest first-depth plans that fit, so far
   for i in sorted(range(len(structs)), key=lambda i: keeps[i].bound()):
