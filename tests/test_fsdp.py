@@ -384,3 +384,24 @@ def test_keep_search_finds_the_largest_k_that_fits_from_any_guess():
         fits = lambda k: calls.append(k) or k <= edge
         assert _largest(fits, n, guess) == edge
         assert all(0 <= k < n for k in calls) and len(calls) <= 2 * max(n, 2).bit_length() + 2
+
+
+@pytest.mark.parametrize("mesh, net", [({"data": 8}, "100gb-ib"), ({"replica": 4, "data": 8}, "nvlink+400gb-ib")])
+def test_fsdp_under_network_pressure(mesh, net):
+  """Under `NetworkModel.pressure` an FSDP schedule is simulated per seeded sample (each collective its
+  own ring's costs and delays): the plan predicts the pressured mean, its memory is the calm
+  timeline's (within the budget); a pressure that adds nothing (the control) gives the calm step to the
+  bit."""
+  prof = _layered(mesh=mesh)
+  calm = pj.NetworkModel.preset(net, workers=prof.shard_count * prof.replica_count)
+  none = calm.replace(pressure=pj.Pressure(background_flows=0.0, tail_prob=0.0, tail_scale_s=0.0, samples=4))
+  hot = calm.replace(pressure=pj.Pressure(background_flows=0.5, tail_prob=0.01, tail_scale_s=0.002))
+  budget = 32 * 2**20
+  s = pj.plan(prof, calm, "fsdp", memory_budget_bytes=budget)
+  a, b = pj.simulate(s, prof, calm), pj.simulate(s, prof, none)
+  assert (a.iteration_s, a.peak_memory_bytes) == (b.iteration_s, b.peak_memory_bytes) and b.samples == 4
+  h = pj.plan(prof, hot, "fsdp", memory_budget_bytes=budget)
+  r = pj.simulate(h, prof, hot)
+  assert h.predicted_s == r.iteration_s and r.samples == hot.pressure.samples
+  assert a.iteration_s < r.iteration_p50_s <= r.iteration_p99_s and r.iteration_s > a.iteration_s
+  assert r.peak_memory_bytes <= budget and pj.lower_bound(prof, hot, sharded="fsdp") <= r.iteration_s

@@ -74,7 +74,7 @@ from .._values._types import GradientProfile, itemsize
 __all__ = ["Problem", "problem", "ChunkArrays", "chunk_arrays", "schedule_arrays", "split_by_dtype",
            "equal_parts", "part_count", "link_end", "sync_waits", "link_loop", "ends_one_link",
            "iteration_s", "background_flows", "typical_costs", "search_problem", "pressured", "objective_s",
-           "pressure_durations", "iterations"]
+           "pressure_durations", "sampled_durations", "iterations"]
 
 Slice = tuple[int, int, int]  # (profile row, start element, stop element)
 
@@ -523,16 +523,25 @@ def pressure_durations(prob: Problem, nbytes: np.ndarray, *, half: bool = False)
   `half`: the messages are reduce-scatters and all-gathers (a sharded schedule's, in issue order):
   each costs a/2 + b/2·nbytes·(1 + n_s) and has P-1 ring steps that may be delayed.
   """
-  q = prob.network.pressure
+  scale = 0.5 if half else 1.0
+  return sampled_durations(prob.network.pressure, scale * prob.startup_s, scale * prob.per_byte_s, nbytes,
+                           (1 if half else 2) * (prob.network.workers - 1))
+
+
+def sampled_durations(q: Any, a: Any, b: Any, nbytes: np.ndarray, steps: Any) -> np.ndarray:
+  """`pressure_durations` of messages with their own costs: message k lasts a_k + b_k·nbytes_k·(1 + n_s)
+  plus the Pareto delays of its steps_k ring steps (each delayed with tail_prob); `a`, `b`, `steps`
+  scalars or one per message. An array [samples, messages], drawn as `pressure_durations` draws."""
   nb = np.asarray(nbytes, dtype=np.float64)
   n = nb.size
   flows = background_flows(q)
-  scale = 0.5 if half else 1.0
-  dur = scale * (prob.startup_s + prob.per_byte_s * nb[None, :] * (1.0 + flows.astype(np.float64))[:, None])
-  steps = (1 if half else 2) * (prob.network.workers - 1)
-  if q.tail_prob > 0 and q.tail_scale_s > 0 and steps > 0 and n:
+  dur = np.asarray(a, dtype=np.float64) + np.asarray(b, dtype=np.float64) * nb[None, :] * (
+      1.0 + flows.astype(np.float64))[:, None]
+  dur = np.broadcast_to(dur, (q.samples, n)).copy()
+  steps = np.asarray(steps, dtype=np.int64)
+  if q.tail_prob > 0 and q.tail_scale_s > 0 and steps.max(initial=0) > 0 and n:
     rng = np.random.default_rng([q.seed, 1])
-    hits = rng.binomial(steps, q.tail_prob, size=(q.samples, n))
+    hits = rng.binomial(np.broadcast_to(steps, (q.samples, n)), q.tail_prob)
     total = int(hits.sum())
     if total:
       delays = q.tail_scale_s * (rng.pareto(q.tail_shape, total) + 1.0)

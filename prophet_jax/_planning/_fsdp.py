@@ -29,10 +29,16 @@ R > 1: HSDP). One step, from the start of forward (t = 0):
   reduce-scatter ends) and the replicated chunks' all-reduces.
 - The step ends with the update of each device's shards (update_s of the sharded rows / S, the
   replicated rows' in full) once backward and every collective have ended: iteration = max(backward
-  end, every link's last end) + update. `cross_step=True` is simulated the same way (the pipelined
-  FSDP step, whose first gathers could overlap the previous backward, is not modelled yet). Without
+  end, every link's last end) + update. `cross_step=True` is simulated the same way: the next
+  forward needs the front unit's updated shards first, and the front unit's reduce-scatter is the last
+  of backward, so a pipelined step could overlap only each unit's shard update with the reduce-scatters
+  after it; charging the update after the last collective bounds such a step from above. Without
   overlap the device and the links are one serial resource: iteration = compute + every collective.
-  Pressure is not modelled for FSDP (the calm costs).
+- Under pressure (`NetworkModel.pressure`) one run per seeded sample, each collective lasting its own
+  ring's a + b·bytes·(1 + n_s) plus the tail delays of its ring steps (`fsdp_durations`); `simulate`
+  returns their mean, median and 99th percentile and the median sample's timeline; the memory peak is
+  the calm timeline's (the schedule's order decides which buffers live together, as a compiled program's
+  buffer assignment does, not the network's delays), so a plan's budget holds under any pressure.
 - Memory, per device (what `memory_budget_bytes` bounds; `SimResult.peak_memory_bytes`): the bytes of
   gathered parameters alive plus unsharded gradient buffers alive. Unit u's G bytes of parameters are
   alive from the start of its forward all-gather to the end of the forward of its last layer (`keep`
@@ -51,10 +57,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._core import Problem
+from ._core import Problem, sampled_durations
 
-__all__ = ["BackwardOrder", "FsdpArrays", "FsdpForward", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run", "fsdp_iteration_s",
-           "unit_costs", "dear_peak_bytes", "fsdp_arrays_of"]
+__all__ = ["BackwardOrder", "FsdpArrays", "FsdpForward", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run",
+           "fsdp_iteration_s", "unit_costs", "dear_peak_bytes", "fsdp_arrays_of", "fsdp_durations"]
 
 Slice = tuple[int, int, int]
 
@@ -232,11 +238,20 @@ def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float,
   return ag + rep + ar
 
 
-def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: FsdpForward | None = None) -> FsdpRun:
-  """The step's timeline under the module docstring's model (one calm sample). `forward`: the
-  FsdpRun.forward of a run of `arr` with another keep pattern or backward prefetch (a planner trying
-  many of them runs forward once); ignored with `spans`."""
+def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: FsdpForward | None = None,
+             durations: np.ndarray | None = None, memory: bool = True) -> FsdpRun:
+  """The step's timeline under the module docstring's model: the calm one, or with `dur` one sample's
+  durations of every collective (a row of `fsdp_durations`). `forward`: the FsdpRun.forward of a calm
+  run of `arr` with another keep pattern or backward prefetch (a planner trying many of them runs
+  forward once); ignored with `spans` or `durations`. `memory` False: the peak is not computed (0)."""
   a_g, b_g, a_r, b_r, a_a, b_a = unit_costs(prob, arr.shards, arr.replicas)
+  n_g, n_rs = len(arr.first), len(arr.rs_bytes)
+  ag_d = reg_d = rs_d = r1_d = rep_d = None
+  if durations is not None:               # fsdp_durations' order: gathers, re-gathers, reduce-scatters,
+    d_ = durations.tolist()               # replica all-reduces, replicated all-reduces
+    ag_d, reg_d, rs_d = d_[:n_g], d_[n_g:2 * n_g], d_[2 * n_g:2 * n_g + n_rs]
+    r1_d, rep_d = d_[2 * n_g + n_rs:2 * n_g + 2 * n_rs], d_[2 * n_g + 2 * n_rs:]
+    forward = None
   serial = not prob.overlap
   two = arr.replicas > 1
   fwd = prob.layer_fwd_s
@@ -273,7 +288,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
     a backward re-gather."""
     nonlocal t_link, t_dev, comm
     nb = unit_bytes[u]
-    dur = a_g + b_g * nb
+    dur = a_g + b_g * nb if ag_d is None else (reg_d[u] if again else ag_d[u])
     s = at if at >= t_link else t_link
     if serial and t_dev > s:
       s = t_dev
@@ -361,7 +376,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
       if t_dev > last_issue:
         last_issue = t_dev
       if kind == "u":
-        dur = a_g + b_g * rs_bytes[x]
+        dur = a_g + b_g * rs_bytes[x] if rs_d is None else rs_d[x]
         st = last_issue if last_issue >= t_link else t_link
         if serial and t_dev > st:
           st = t_dev
@@ -372,9 +387,9 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
         if spans:
           out.append(("reduce_scatter", f"unit{x}", st, t_link, "link0"))
         if two:
-          link1.append((t_link, a_r + b_r * arr.rs_bytes[x], f"unit{x}"))
+          link1.append((t_link, a_r + b_r * arr.rs_bytes[x] if r1_d is None else r1_d[x], f"unit{x}"))
       else:
-        dur = a_a + b_a * arr.rep_bytes[x]
+        dur = a_a + b_a * arr.rep_bytes[x] if rep_d is None else rep_d[x]
         if two:
           link1.append((last_issue, dur, f"replicated{x}"))
         else:
@@ -403,10 +418,11 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
   iteration = end + arr.update_s
   if spans and arr.update_s > 0:
     out.append(("update", "update", end, iteration, "device"))
-  t = np.array(mem_t, dtype=np.float64)
-  dlt = np.array(mem_d, dtype=np.float64)
-  o = np.lexsort((dlt, t))
-  peak = float(np.cumsum(dlt[o]).max()) if mem_t else 0.0
+  peak = 0.0
+  if memory and mem_t:
+    t = np.array(mem_t, dtype=np.float64)
+    dlt = np.array(mem_d, dtype=np.float64)
+    peak = float(np.cumsum(dlt[np.lexsort((dlt, t))]).max())
   return FsdpRun(float(iteration), max(peak, 0.0), float(comm), out, forward)
 
 
@@ -421,6 +437,24 @@ def dear_peak_bytes(prob: Problem, rs_ready: np.ndarray, rs_nbytes: np.ndarray, 
   dlt = np.concatenate([rs_nbytes, -rs_nbytes])
   o = np.lexsort((dlt, t))
   return params + max(float(np.cumsum(dlt[o]).max()), 0.0)
+
+
+def fsdp_durations(prob: Problem, arr: FsdpArrays) -> np.ndarray:
+  """Every sample's durations of an FSDP schedule's collectives under `prob.network.pressure`
+  ([samples, messages], `_core.sampled_durations`): the forward all-gathers, the re-gathers (one per
+  group, drawn whether or not it is gathered again), the reduce-scatters, the shards' replica
+  all-reduces (one per unit) and the replicated all-reduces, in that order; each with its own ring's
+  steps (S-1 for a gather or a reduce-scatter, 2(R-1) for a replica all-reduce, 2(P-1) for a replicated
+  one)."""
+  a_g, b_g, a_r, b_r, a_a, b_a = unit_costs(prob, arr.shards, arr.replicas)
+  s, r = arr.shards, arr.replicas
+  n_g, n_rs, n_rep = len(arr.unit_bytes), len(arr.rs_bytes), len(arr.rep_bytes)
+  nbytes = np.concatenate([arr.unit_bytes, arr.unit_bytes, arr.rs_bytes, arr.rs_bytes, arr.rep_bytes])
+  kinds = np.repeat(np.arange(4), [2 * n_g + n_rs, 0, n_rs, n_rep])   # link-0 ring, -, replica, all
+  a = np.array([a_g, 0.0, a_r, a_a])[kinds]
+  b = np.array([b_g, 0.0, b_r, b_a])[kinds]
+  steps = np.array([s - 1, 0, 2 * (r - 1), 2 * (s * r - 1)])[kinds]
+  return sampled_durations(prob.network.pressure, a, b, nbytes.astype(np.float64), steps)
 
 
 def fsdp_iteration_s(prob: Problem, arr: FsdpArrays) -> float:

@@ -29,7 +29,7 @@ from ._core import (ChunkArrays, Problem, chunk_arrays, ends_one_link, iteration
                     pressure_durations, problem, schedule_arrays, sync_waits)
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
-from ._fsdp import FsdpArrays, dear_peak_bytes, fsdp_arrays_of, fsdp_run
+from ._fsdp import FsdpArrays, dear_peak_bytes, fsdp_arrays_of, fsdp_durations, fsdp_run
 from ._sharded import ShardedArrays, ShardedRun, sharded_arrays, sharded_durations, sharded_run
 from .._values._types import GradientProfile, _fields, _loads
 
@@ -216,17 +216,31 @@ def check_one_link(where: str, network: NetworkModel) -> None:
 
 
 def simulate_fsdp(prob: Problem, arr: FsdpArrays, *, events: bool = True) -> SimResult:
-  """`simulate` of an FSDP schedule's arrays (`_fsdp.fsdp_arrays`): one calm run of `_fsdp.fsdp_run`."""
-  run = fsdp_run(prob, arr, spans=events)
+  """`simulate` of an FSDP schedule's arrays (`_fsdp.fsdp_arrays`): one calm run of `_fsdp.fsdp_run`;
+  under pressure one run per seeded sample (`_fsdp.fsdp_durations`), their mean, median and 99th
+  percentile and the median sample's timeline (as `simulate_sharded`), and the calm run's memory peak
+  (the schedule's order decides which buffers are alive together, not the network's delays)."""
+  extra: dict[str, Any] = {}
+  run = fsdp_run(prob, arr, spans=events and prob.network.pressure is None)
+  it, comm, peak = run.iteration_s, run.comm_s, run.peak_memory_bytes
+  if prob.network.pressure is not None:
+    dur = fsdp_durations(prob, arr)
+    runs = [fsdp_run(prob, arr, durations=d, memory=False) for d in dur]
+    iters = np.array([r.iteration_s for r in runs])
+    order = np.argsort(iters, kind="stable")
+    i = _quantile_index(order, 0.5)
+    if events:
+      run = fsdp_run(prob, arr, spans=True, durations=dur[i], memory=False)
+    it, comm = float(iters.mean()), float(np.mean([r.comm_s for r in runs]))
+    extra = dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
+                 iteration_p99_s=float(iters[_quantile_index(order, 0.99)]))
   compute = prob.forward_s + prob.backward_s + arr.update_s
-  n_g = len(arr.unit_bytes)
   regathers = sum(1 for k in arr.keep if not k)
-  it = run.iteration_s
-  return SimResult(iteration_s=it, compute_s=compute, comm_s=run.comm_s, idle_s=max(it - compute, 0.0),
-                   network_busy=run.comm_s / it if it > 0 else 0.0, allreduces=len(arr.rep_bytes),
-                   reduce_scatters=len(arr.rs_bytes), all_gathers=n_g + regathers, cross_step=prob.cross_step,
-                   peak_memory_bytes=int(round(run.peak_memory_bytes)),
-                   events=tuple(_new_event(*sp) for sp in run.spans))
+  return SimResult(iteration_s=it, compute_s=compute, comm_s=comm, idle_s=max(it - compute, 0.0),
+                   network_busy=comm / it if it > 0 else 0.0, allreduces=len(arr.rep_bytes),
+                   reduce_scatters=len(arr.rs_bytes), all_gathers=len(arr.unit_bytes) + regathers,
+                   cross_step=prob.cross_step, peak_memory_bytes=int(round(peak)),
+                   events=tuple(_new_event(*sp) for sp in run.spans), **extra)
 
 
 def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) -> SimResult:

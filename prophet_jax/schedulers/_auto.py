@@ -66,7 +66,7 @@ from ._base import Scheduler
 from ._bucket import bucket
 from ._common import Groups, buckets_from_groups, check_inputs, make_schedule
 from ._dear import plan_sharded, sharded_schedule
-from ._fsdp import fsdp_schedule, plan_fsdp
+from ._fsdp import fsdp_schedule, plan_fsdp, prediction
 from ._joint import SearchChunk, chunk_stats, contiguous_dp, evaluate, make_chunk, own_candidates
 from ._mgwfbp import mgwfbp
 from ._priority import priority
@@ -384,7 +384,8 @@ def _fsdp_candidate(profile: GradientProfile, network: NetworkModel, modes: tupl
       best = (one, cross)
   one, cross = best
   return fsdp_schedule(profile, one, options=dict(options, candidate=f"fsdp:{one.label}"), cross_step=cross,
-                       budget=None, policy=_POLICY)
+                       budget=None, policy=_POLICY,
+                       predicted_s=prediction(problem(profile, network, cross_step=cross), one))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ import numpy as np
 from .._planning._core import Problem, problem
 from .._planning._fsdp import FsdpArrays, backward_order, fsdp_arrays, fsdp_run, unit_costs
 from .._planning._fsdp_bound import backward_chain, forward_blocks
+from .._planning._simulate import simulate_fsdp
 from .._values._checks import check_bytes
 from .._values._network import NetworkModel
 from .._values._schedule import Bucket, Chunk, Schedule
@@ -121,7 +122,7 @@ def fsdp(*, memory_budget_bytes: int | None = None, bucket_bytes: int | None = N
     best = plan_fsdp(prob, budget, bucket, prefetch)
     return fsdp_schedule(profile, best, options=dict(options, candidate=best.label,
                                                      peak_memory_bytes=int(round(best.peak))),
-                         cross_step=cross, budget=budget)
+                         cross_step=cross, budget=budget, predicted_s=prediction(prob, best))
 
   scheduler.__name__ = _POLICY
   scheduler.__qualname__ = _POLICY
@@ -162,7 +163,7 @@ def check_fsdp_inputs(prob: Problem) -> tuple[int, int]:
 
 
 def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, prefetch: int | None = None) -> Plan:
-  """The best FSDP candidate for `prob` under `budget` (module docstring)."""
+  """The best FSDP candidate for `prob` under `budget` (module docstring), on the calm network."""
   s, r = check_fsdp_inputs(prob)
   rows = prob.profile.rows
   rows_ = _Rows(prob)
@@ -527,8 +528,18 @@ def _chunks(rows: _Rows, units: Sequence[Sequence[int]], *, tail: bool = False
   return chunks, unit_idx
 
 
+def prediction(prob: Problem, p: Plan) -> float:
+  """`simulate`'s iteration of a candidate: its own on a calm network; under pressure the mean over the
+  seeded samples (`_simulate.simulate_fsdp`; the memory peak is the calm timeline's either way)."""
+  if prob.network.pressure is None:
+    return p.iteration
+  s, r = prob.profile.shard_count, prob.profile.replica_count
+  return simulate_fsdp(prob, fsdp_arrays(prob, p.chunks, p.units, p.keep, p.prefetch, p.backward_prefetch, s, r,
+                                         p.gathers), events=False).iteration_s
+
+
 def fsdp_schedule(profile: GradientProfile, best: Plan, *, options: dict[str, Any], cross_step: bool,
-                  budget: int | None, policy: str = _POLICY) -> Schedule:
+                  budget: int | None, policy: str = _POLICY, predicted_s: float | None = None) -> Schedule:
   """The Schedule of an FSDP candidate: one bucket per chunk (issue order), `fsdp` set."""
   rows = profile.rows
   buckets = tuple(Bucket(chunks=(Chunk(slices=tuple(c), dtype=rows[c[0][0]].dtype),)) for c in best.chunks)
@@ -537,4 +548,5 @@ def fsdp_schedule(profile: GradientProfile, best: Plan, *, options: dict[str, An
                   mesh=profile.mesh, shard_axes=profile.shard_axes, memory_budget_bytes=budget,
                   gathers=tuple(map(tuple, best.gathers or ())))
   return Schedule(buckets=buckets, rows=profile.tree_rows(), policy=policy, options=tuple(options.items()),
-                  cross_step=bool(cross_step), predicted_s=best.iteration, fsdp=plan)
+                  cross_step=bool(cross_step), predicted_s=best.iteration if predicted_s is None else predicted_s,
+                  fsdp=plan)
