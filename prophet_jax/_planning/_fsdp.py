@@ -80,7 +80,7 @@ class FsdpArrays(NamedTuple):
   rep_bytes: tuple[float, ...]
   order: tuple[tuple[str, int], ...]
   chunk_ready_pos: tuple[int, ...]          # per issued chunk (order), the backward position it waits for
-  layer_units: tuple[tuple[int, ...], ...]
+  layer_units: Sequence[Sequence[int]]
   bwd_layers: tuple[int, ...]
   bwd_dur: tuple[float, ...]
   bwd_tail: float
@@ -90,7 +90,7 @@ class FsdpArrays(NamedTuple):
   shards: int
   replicas: int
   rs_bytes: tuple[float, ...] = ()
-  rs_at: tuple[tuple[int, ...], ...] = ()  # per backward position, the reduce-scatter units starting there
+  rs_at: Sequence[Sequence[int]] = ()     # per backward position, the reduce-scatter units starting there
 
 
 class FsdpForward(NamedTuple):
@@ -218,9 +218,8 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
   update_s = up_sh / shards + float(upd.sum()) - up_sh
   return FsdpArrays(tuple(ul), tuple(first), tuple(ub), tuple(bool(x) for x in keep), int(prefetch),
                     int(backward_prefetch), tuple(rep_bytes), tuple(order), tuple(ready_pos),
-                    tuple(tuple(x) for x in layer_units), bo.layers, bo.dur, bo.tail, tuple(bf),
-                    tuple(bl), update_s, int(shards), int(replicas), tuple(rs_bytes),
-                    tuple(tuple(x) for x in rs_at))
+                    layer_units, bo.layers, bo.dur, bo.tail, tuple(bf), tuple(bl), update_s, int(shards),
+                    int(replicas), tuple(rs_bytes), rs_at)
 
 
 def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float, float, float, float, float]:

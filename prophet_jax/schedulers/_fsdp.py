@@ -382,6 +382,7 @@ class _Rows:
     self.size = prob.size
     rows = prob.profile.rows
     self.rep = [i for i in prob.live if rows[i].shard_dim is None]
+    self.tail_items = None              # `_chunks`' replicated chunks at the end, once computed
 
 
 def _runs(rows: _Rows, sharded: Sequence[int], cap: float, *, ramp: float = 0.0) -> list[list[int]]:
@@ -511,14 +512,20 @@ def _chunks(rows: _Rows, units: Sequence[Sequence[int]], *, tail: bool = False
     p = max(pos[i] for i in rs)
     unit_ready.append(p)
     items.append((p, 0, u, [(i, 0, size[i]) for i in rs]))          # rs ascending (forward order)
-  marks = sorted(unit_ready)
-  groups: dict[tuple[int, str], list[int]] = {}
-  for i in rows.rep:
-    w = bisect.bisect_left(marks, pos[i])            # the first unit window ending at or after it
-    win = -1 if tail else (marks[w] if w < len(marks) else rows.nl)
-    groups.setdefault((win, rows.dtype[i]), []).append(i)
-  for n, ((win, _), rs) in enumerate(sorted(groups.items())):
-    items.append((max(win, max(pos[i] for i in rs)), 1, n, [(i, 0, size[i]) for i in rs]))
+  if tail and rows.tail_items is not None:        # the same for every unit set
+    items.extend(rows.tail_items)
+  else:
+    marks = sorted(unit_ready)
+    groups: dict[tuple[int, str], list[int]] = {}
+    for i in rows.rep:
+      w = bisect.bisect_left(marks, pos[i])            # the first unit window ending at or after it
+      win = -1 if tail else (marks[w] if w < len(marks) else rows.nl)
+      groups.setdefault((win, rows.dtype[i]), []).append(i)
+    rep = [(max(win, max(pos[i] for i in rs)), 1, n, [(i, 0, size[i]) for i in rs])
+           for n, ((win, _), rs) in enumerate(sorted(groups.items()))]
+    if tail:
+      rows.tail_items = rep
+    items.extend(rep)
   items.sort(key=lambda x: (x[0], x[1], x[2]))
   chunks = [it[3] for it in items]
   unit_idx = [0] * len(units)
