@@ -1,6 +1,8 @@
 """How long planning takes: every policy on a 1,000-leaf profile (the target: < 50 ms each, auto < 1 s).
 
-`fsdp` plans the same profile with its kernels sharded over the data axis (`sharded_profile`).
+`fsdp` plans the same profile with its kernels sharded over the data axis (`sharded_profile`), without a
+budget and under one that binds (`BUDGET`, 128 MiB: about a fifth of what keeping every gathered
+parameter takes; rows marked '+budget').
 
 The targets are for calm networks; the same networks under `PRESSURE` (issue 29's: every candidate
 scored on the mean over 64 seeded samples, the joint optimiser run at the typical costs and on the calm
@@ -23,6 +25,7 @@ import numpy as np
 from prophet_jax import POLICIES, GradientProfile, NetworkModel, Pressure, plan
 
 PRESSURE = Pressure(background_flows=0.3, tail_prob=0.002, tail_scale_s=0.005)
+BUDGET = 128 * 2**20
 
 
 def thousand_leaf_profile(leaves: int, seed: int = 0) -> GradientProfile:
@@ -72,7 +75,7 @@ def main() -> None:
   profile = thousand_leaf_profile(a.leaves)
   results = []
   print(f"{a.leaves} leaves, {profile.total_nbytes / 2**20:.1f} MiB; best of {a.repeats} runs")
-  print(f"{'policy':10s} {'network':14s} {'pressure':8s} {'mode':9s} {'plan ms':>8s} {'cpu ms':>7s} "
+  print(f"{'policy':10s} {'network':14s} {'pressure':8s} {'mode':16s} {'plan ms':>8s} {'cpu ms':>7s} "
         f"{'policy ms':>9s} {'chunks':>7s}")
   for (net_name, workers), pressed in [(n, p) for p in (False, True)
                                        for n in (("10gbe", 16), ("100gb-ib", 256))]:
@@ -81,27 +84,29 @@ def main() -> None:
       if name == "dlcp":
         continue
       prof = sharded_profile(a.leaves, workers) if name == "fsdp" else profile
-      for cross_step in (False, True):
+      for cross_step, budget in [(c, b) for b in ((None, BUDGET) if name == "fsdp" else (None,))
+                                 for c in (False, True)]:
         best, cpu, raw, s = float("inf"), float("inf"), float("inf"), None
+        kw = {} if budget is None else {"memory_budget_bytes": budget}
         try:
           for _ in range(a.repeats if name != "auto" else 1):
             t0, c0 = time.perf_counter(), time.process_time()
-            s = plan(prof, net, name, cross_step=cross_step)
+            s = plan(prof, net, name, cross_step=cross_step, **kw)
             best = min(best, time.perf_counter() - t0)
             cpu = min(cpu, time.process_time() - c0)
             if name != "auto":  # the policy alone: no validation, no prediction
               t0 = time.perf_counter()
-              POLICIES[name]()(prof, net, cross_step=cross_step)
+              POLICIES[name](**kw)(prof, net, cross_step=cross_step)
               raw = min(raw, time.perf_counter() - t0)
         except ImportError as e:  # auto may not be present yet
           print(f"{name:10s} unavailable: {e}")
           break
-        mode = "pipelined" if cross_step else "plain"
-        print(f"{name:10s} {net_name + '/P' + str(workers):14s} {'yes' if pressed else '-':8s} {mode:9s} "
+        mode = ("pipelined" if cross_step else "plain") + ("" if budget is None else "+budget")
+        print(f"{name:10s} {net_name + '/P' + str(workers):14s} {'yes' if pressed else '-':8s} {mode:16s} "
               f"{best * 1e3:8.2f} {cpu * 1e3:7.2f} "
               f"{(f'{raw * 1e3:9.2f}' if raw < float('inf') else '        -')} {s.num_allreduces:7d}")
         results.append({"policy": name, "network": net_name, "workers": workers, "pressure": pressed,
-                        "cross_step": cross_step,
+                        "cross_step": cross_step, "memory_budget_bytes": budget,
                         "plan_ms": best * 1e3, "plan_cpu_ms": cpu * 1e3,
                         "policy_ms": None if name == "auto" else raw * 1e3,
                         "allreduces": s.num_allreduces, "predicted_s": s.predicted_s})
