@@ -239,8 +239,8 @@ def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float,
 
 def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: FsdpForward | None = None,
              durations: np.ndarray | None = None, memory: bool = True) -> FsdpRun:
-  """The step's timeline under the module docstring's model: the calm one, or with `dur` one sample's
-  durations of every collective (a row of `fsdp_durations`). `forward`: the FsdpRun.forward of a calm
+  """The step's timeline under the module docstring's model: the calm one, or with `durations` one
+  sample's duration of every collective (a row of `fsdp_durations`). `forward`: the FsdpRun.forward of a calm
   run of `arr` with another keep pattern or backward prefetch (a planner trying many of them runs
   forward once); ignored with `spans` or `durations`. `memory` False: the peak is not computed (0)."""
   a_g, b_g, a_r, b_r, a_a, b_a = unit_costs(prob, arr.shards, arr.replicas)
