@@ -405,3 +405,30 @@ def test_fsdp_under_network_pressure(mesh, net):
   assert h.predicted_s == r.iteration_s and r.samples == hot.pressure.samples
   assert a.iteration_s < r.iteration_p50_s <= r.iteration_p99_s and r.iteration_s > a.iteration_s
   assert r.peak_memory_bytes <= budget and pj.lower_bound(prof, hot, sharded="fsdp") <= r.iteration_s
+
+
+def test_pressure_samples_at_once_equal_each_samples_run():
+  """`fsdp_samples` (every sample's timeline at once, numpy over the samples) equals `fsdp_run` per
+  sample bit for bit: FSDP and HSDP, with and without overlap, kept and re-gathered units."""
+  from prophet_jax._planning._core import problem
+  from prophet_jax._planning._fsdp import fsdp_arrays_of, fsdp_durations, fsdp_run, fsdp_samples
+  rng = np.random.default_rng(3)
+  kinds = set()
+  for _ in range(12):
+    prof, net = _random_instance(rng)
+    net = net.replace(pressure=pj.Pressure(background_flows=0.5, tail_prob=0.05, tail_scale_s=0.01, samples=8))
+    big = max(r.nbytes for r in prof.rows if r.shard_dim is not None)
+    for budget in (None, 2 * big + prof.total_nbytes // 8):   # the latter re-gathers where it can
+      try:
+        s = pj.plan(prof, net, "fsdp", memory_budget_bytes=budget)
+      except ValueError:
+        continue
+      prob = problem(prof, net)
+      arr = fsdp_arrays_of(prob, s)
+      dur = fsdp_durations(prob, arr)
+      it, comm = fsdp_samples(prob, arr, dur)
+      runs = [fsdp_run(prob, arr, durations=d) for d in dur]
+      assert it.tolist() == [r.iteration_s for r in runs] and comm.tolist() == [r.comm_s for r in runs]
+      assert len(set(it.tolist())) > 1                       # the samples differ
+      kinds.add((prof.replica_count > 1, net.overlap, all(arr.keep)))
+  assert len(kinds) >= 5, kinds

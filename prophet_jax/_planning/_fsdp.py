@@ -60,7 +60,8 @@ import numpy as np
 from ._core import Problem, sampled_durations
 
 __all__ = ["BackwardOrder", "FsdpArrays", "FsdpForward", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run",
-           "fsdp_iteration_s", "unit_costs", "dear_peak_bytes", "fsdp_arrays_of", "fsdp_durations"]
+           "fsdp_iteration_s", "unit_costs", "dear_peak_bytes", "fsdp_arrays_of", "fsdp_durations",
+           "fsdp_samples"]
 
 Slice = tuple[int, int, int]
 
@@ -238,11 +239,11 @@ def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float,
 
 
 def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: FsdpForward | None = None,
-             durations: np.ndarray | None = None, memory: bool = True) -> FsdpRun:
+             durations: np.ndarray | None = None) -> FsdpRun:
   """The step's timeline under the module docstring's model: the calm one, or with `durations` one
-  sample's duration of every collective (a row of `fsdp_durations`). `forward`: the FsdpRun.forward of a calm
-  run of `arr` with another keep pattern or backward prefetch (a planner trying many of them runs
-  forward once); ignored with `spans` or `durations`. `memory` False: the peak is not computed (0)."""
+  sample's duration of every collective (a row of `fsdp_durations`; `fsdp_samples` runs them all at
+  once). `forward`: the FsdpRun.forward of a calm run of `arr` with another keep pattern or backward
+  prefetch (a planner trying many of them runs forward once); ignored with `spans` or `durations`."""
   a_g, b_g, a_r, b_r, a_a, b_a = unit_costs(prob, arr.shards, arr.replicas)
   n_g, n_rs = len(arr.first), len(arr.rs_bytes)
   ag_d = reg_d = rs_d = r1_d = rep_d = None
@@ -418,11 +419,114 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
   if spans and arr.update_s > 0:
     out.append(("update", "update", end, iteration, "device"))
   peak = 0.0
-  if memory and mem_t:
+  if mem_t:
     t = np.array(mem_t, dtype=np.float64)
     dlt = np.array(mem_d, dtype=np.float64)
     peak = float(np.cumsum(dlt[np.lexsort((dlt, t))]).max())
   return FsdpRun(float(iteration), max(peak, 0.0), float(comm), out, forward)
+
+
+def fsdp_samples(prob: Problem, arr: FsdpArrays, durations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Every sample's iteration and link time: `fsdp_run` with each row of `durations` ([samples,
+  messages], `fsdp_durations`' order), all samples at once (numpy over the samples, the same
+  additions in the same order: equal to the per-sample runs bit for bit); no spans, no memory."""
+  n_g, n_rs = len(arr.first), len(arr.rs_bytes)
+  dur = np.asarray(durations, dtype=np.float64).T         # [messages, samples]: a row per collective
+  ag_d, reg_d, rs_d = dur[:n_g], dur[n_g:2 * n_g], dur[2 * n_g:2 * n_g + n_rs]
+  r1_d, rep_d = dur[2 * n_g + n_rs:2 * n_g + 2 * n_rs], dur[2 * n_g + 2 * n_rs:]
+  serial, two = not prob.overlap, arr.replicas > 1
+  mx = np.maximum
+  fwd, nl, n_u, d = prob.layer_fwd_s, len(prob.layer_fwd_s), len(arr.first), arr.prefetch
+  zero = np.zeros(dur.shape[1])
+  need: list = [0.0] * nl
+  fwd_start: list = [zero] * nl
+  ag_end: list = [zero] * n_u
+  st = {"link": zero, "dev": zero, "comm": zero}          # link 0 and the device free from; link time
+
+  def run_forward(frm: int, last: int) -> None:
+    for l in range(frm, last + 1):
+      fwd_start[l] = s = mx(st["dev"], need[l])
+      st["dev"] = s + fwd[l]
+
+  def gather(u: int, at, needs: list, dur_u) -> None:
+    s = mx(at, st["link"])
+    if serial:
+      s = mx(s, st["dev"])
+    st["link"] = s + dur_u
+    if serial:
+      st["dev"] = st["link"]
+    st["comm"] = st["comm"] + dur_u
+    for l in arr.unit_layers[u]:
+      needs[l] = mx(needs[l], st["link"])
+
+  done, issue = 0, zero
+  for u in range(n_u):
+    v = u - d
+    if v >= 0 and arr.first[v] < arr.first[u]:
+      run_forward(done, arr.first[v])
+      done, issue = max(done, arr.first[v] + 1), fwd_start[arr.first[v]]
+    gather(u, issue, need, ag_d[u])
+    ag_end[u] = st["link"]
+  run_forward(done, nl - 1)
+  bwd_units = sorted(range(n_u), key=lambda u: -arr.unit_bwd_first[u])
+  db = arr.backward_prefetch
+  need_b: list = [0.0] * nl
+  regather_at: dict[int, list[int]] = {}
+  first_ready = []
+  for j, u in enumerate(bwd_units):
+    if arr.keep[u]:
+      for l in arr.unit_layers[u]:
+        need_b[l] = mx(need_b[l], ag_end[u])
+    elif j < db:
+      first_ready.append(u)
+    else:
+      regather_at.setdefault(arr.unit_bwd_first[bwd_units[j - db]], []).append(u)
+  at0 = st["dev"]
+  for u in first_ready:
+    gather(u, at0, need_b, reg_d[u])
+  link1_at, link1_dur = [], []
+  ci, last_issue = 0, zero
+  for k, l in enumerate(arr.bwd_layers):
+    s = mx(st["dev"], need_b[l])
+    if serial:
+      s = mx(s, st["link"])
+    for u in regather_at.get(k, ()):
+      gather(u, s, need_b, reg_d[u])
+    if serial and k in regather_at:
+      s = mx(s, st["dev"])
+    st["dev"] = s + arr.bwd_dur[k]
+    while ci < len(arr.order) and arr.chunk_ready_pos[ci] <= k:
+      kind, x = arr.order[ci]
+      last_issue = mx(last_issue, st["dev"])
+      if kind == "u" or not two:
+        dur_x = rs_d[x] if kind == "u" else rep_d[x]
+        s0 = mx(last_issue, st["link"])
+        st["link"] = (mx(s0, st["dev"]) if serial else s0) + dur_x
+        st["comm"] = st["comm"] + dur_x
+        if kind == "u" and two:
+          link1_at.append(st["link"])
+          link1_dur.append(r1_d[x])
+      else:
+        link1_at.append(last_issue)
+        link1_dur.append(rep_d[x])
+      if serial:
+        st["dev"] = mx(st["dev"], st["link"])
+      ci += 1
+  t_dev = st["dev"] + arr.bwd_tail
+  t1, comm = zero, st["comm"]
+  if link1_at:                                             # first-in first-out by issue time, per sample
+    at, du = np.array(link1_at), np.array(link1_dur)
+    o = np.argsort(at, axis=0, kind="stable")
+    at, du = np.take_along_axis(at, o, 0), np.take_along_axis(du, o, 0)
+    for a_j, d_j in zip(at, du):
+      s = mx(a_j, t1)
+      if serial:
+        s = mx(s, t_dev)
+      t1 = s + d_j
+      if serial:
+        t_dev = t1
+      comm = comm + d_j
+  return mx(mx(t_dev, st["link"]), t1) + arr.update_s, comm
 
 
 def dear_peak_bytes(prob: Problem, rs_ready: np.ndarray, rs_nbytes: np.ndarray, rs_end: np.ndarray) -> float:

@@ -29,7 +29,7 @@ from ._core import (ChunkArrays, Problem, chunk_arrays, ends_one_link, iteration
                     pressure_durations, problem, schedule_arrays, sync_waits)
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
-from ._fsdp import FsdpArrays, dear_peak_bytes, fsdp_arrays_of, fsdp_durations, fsdp_run
+from ._fsdp import FsdpArrays, dear_peak_bytes, fsdp_arrays_of, fsdp_durations, fsdp_run, fsdp_samples
 from ._sharded import ShardedArrays, ShardedRun, sharded_arrays, sharded_durations, sharded_run
 from .._values._types import GradientProfile, _fields, _loads
 
@@ -225,13 +225,12 @@ def simulate_fsdp(prob: Problem, arr: FsdpArrays, *, events: bool = True) -> Sim
   it, comm, peak = run.iteration_s, run.comm_s, run.peak_memory_bytes
   if prob.network.pressure is not None:
     dur = fsdp_durations(prob, arr)
-    runs = [fsdp_run(prob, arr, durations=d, memory=False) for d in dur]
-    iters = np.array([r.iteration_s for r in runs])
+    iters, comms = fsdp_samples(prob, arr, dur)
     order = np.argsort(iters, kind="stable")
     i = _quantile_index(order, 0.5)
     if events:
-      run = fsdp_run(prob, arr, spans=True, durations=dur[i], memory=False)
-    it, comm = float(iters.mean()), float(np.mean([r.comm_s for r in runs]))
+      run = fsdp_run(prob, arr, spans=True, durations=dur[i])
+    it, comm = float(iters.mean()), float(comms.mean())
     extra = dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
                  iteration_p99_s=float(iters[_quantile_index(order, 0.99)]))
   compute = prob.forward_s + prob.backward_s + arr.update_s
