@@ -162,6 +162,12 @@ def test_fsdp_simulated_timeline_and_control():
   # then the scatters' chain from its start: max(2, 0) + 2.5 = 4.5, max(4.5, 4) + 2.5 = 7: 13, this
   # schedule's iteration (the brute-force optimum too)
   assert pj.lower_bound(prof, net, sharded="fsdp") == pytest.approx(13.0)
+  # without overlap one serial resource: compute 6 + four collectives of 2.5; with skew every collective
+  # also waits for the slowest worker, one step's waits 0.1 x the compute 6 (the control: 0 skew)
+  serial = net.replace(overlap=False)
+  assert pj.simulate(s, prof, serial).iteration_s == pytest.approx(16.0)
+  assert pj.simulate(s, prof, serial.replace(skew=0.1)).iteration_s == pytest.approx(16.6)
+  assert pj.lower_bound(prof, serial.replace(skew=0.1), sharded="fsdp") == pytest.approx(6 + 2 * 4.5 + 0.6)
 
 
 def dataclasses_replace(x, **kw):

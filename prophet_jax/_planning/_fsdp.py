@@ -33,7 +33,9 @@ R > 1: HSDP). One step, from the start of forward (t = 0):
   forward needs the front unit's updated shards first, and the front unit's reduce-scatter is the last
   of backward, so a pipelined step could overlap only each unit's shard update with the reduce-scatters
   after it; charging the update after the last collective bounds such a step from above. Without
-  overlap the device and the links are one serial resource: iteration = compute + every collective.
+  overlap the device and the links are one serial resource: iteration = compute + every collective
+  (+ `skew_wait`: each synchronous collective also waits for the slowest worker; the spans leave
+  those waits out).
 - Under pressure (`NetworkModel.pressure`) one run per seeded sample, each collective lasting its own
   ring's a + b·bytes·(1 + n_s) plus the tail delays of its ring steps (`fsdp_durations`); `simulate`
   returns their mean, median and 99th percentile and the median sample's timeline; the memory peak is
@@ -61,7 +63,7 @@ from ._core import Problem, sampled_durations
 
 __all__ = ["BackwardOrder", "FsdpArrays", "FsdpForward", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run",
            "fsdp_iteration_s", "unit_costs", "dear_peak_bytes", "fsdp_arrays_of", "fsdp_durations",
-           "fsdp_samples"]
+           "fsdp_samples", "skew_wait"]
 
 Slice = tuple[int, int, int]
 
@@ -415,7 +417,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
     if spans:
       out.append(("allreduce", name, s, t1, "link1"))
   end = float(max(t_dev, t_link, t1))
-  iteration = end + arr.update_s
+  iteration = end + arr.update_s + skew_wait(prob, arr)
   if spans and arr.update_s > 0:
     out.append(("update", "update", end, iteration, "device"))
   peak = 0.0
@@ -424,6 +426,14 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
     dlt = np.array(mem_d, dtype=np.float64)
     peak = float(np.cumsum(dlt[np.lexsort((dlt, t))]).max())
   return FsdpRun(float(iteration), max(peak, 0.0), float(comm), out, forward)
+
+
+def skew_wait(prob: Problem, arr: FsdpArrays) -> float:
+  """What the slowest worker costs a step without overlap (`NetworkModel.skew`): every collective is
+  synchronous and waits for it, and it falls behind by skew x the compute since the previous
+  collective, so one step's waits add up to skew x its compute (forward, backward, update), as for
+  every schedule with a collective (`_core`); 0 with overlap or no skew."""
+  return prob.skew * (prob.forward_s + prob.backward_s + arr.update_s) if prob.skew else 0.0
 
 
 def fsdp_samples(prob: Problem, arr: FsdpArrays, durations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -526,7 +536,7 @@ def fsdp_samples(prob: Problem, arr: FsdpArrays, durations: np.ndarray) -> tuple
       if serial:
         t_dev = t1
       comm = comm + d_j
-  return mx(mx(t_dev, st["link"]), t1) + arr.update_s, comm
+  return mx(mx(t_dev, st["link"]), t1) + (arr.update_s + skew_wait(prob, arr)), comm
 
 
 def dear_peak_bytes(prob: Problem, rs_ready: np.ndarray, rs_nbytes: np.ndarray, rs_end: np.ndarray) -> float:

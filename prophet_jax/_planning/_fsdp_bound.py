@@ -22,7 +22,7 @@ Claim: every FSDP schedule's simulated iteration is >= max(B1, B2, B3) with (ove
   B2 = 2(a_g + b_g·Σ_s) + (a_a + b_a·Σ_r if R = 1 and Σ_r > 0) + U'                   (link 0's work)
   B3 = (a_r + b_r·Σ_s if R > 1) + (a_a + b_a·Σ_r if R > 1 and Σ_r > 0) + U'            (link 1's work)
 
-and with overlap=False iteration >= F + B + U' + (B2 - U') + (B3 - U'). With overlap, also B4 >= B1, which
+and with overlap=False iteration >= F + B + U' + (B2 - U') + (B3 - U') + skew·(F + B + U'). With overlap, also B4 >= B1, which
 charges each unit's start-up a_g in forward and in backward (B1 charges one at each end):
 
   B4 = F'' + max(back(B1), E'' + (a_r if R > 1)) + U'
@@ -69,7 +69,8 @@ layer l, each issued once its rows are ready. The update follows every collectiv
 reduce-scatter holding every sharded byte (the units partition the sharded rows; more units only add
 alphas) and, with R = 1, the replicated all-reduces (>= one, every replicated byte). (B3) the same on
 link 1. overlap=False: the device and the links are one serial resource, so the iteration is at least
-the compute plus every collective's time, each bounded as in B2 and B3. The pipelined step is simulated
+the compute plus every collective's time, each bounded as in B2 and B3, plus the slowest worker's
+waits, which the model charges as exactly skew·(F + B + U') (`_fsdp.skew_wait`). The pipelined step is simulated
 as the plain step (`_fsdp`), so the same bound holds. []
 """
 
@@ -121,8 +122,8 @@ def fsdp_bound(prob: Problem) -> float:
   if r > 1:
     link1 = a_r + b_r * sigma_s + (a_a + b_a * sigma_r if sigma_r > 0 else 0.0)
   compute = prob.forward_s + prob.backward_s
-  if not prob.overlap:
-    return compute + update + link0 + link1
+  if not prob.overlap:                       # (+ the slowest worker's waits, `_fsdp.skew_wait`)
+    return compute + update + link0 + link1 + prob.skew * (compute + update)
   # forward: layer l starts after every sharded byte of layers 0..l has been gathered on link 0
   cum_s = np.cumsum(s_l)
   t = 0.0
