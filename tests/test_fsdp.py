@@ -136,6 +136,10 @@ def test_fsdp_budget_errors_name_the_leaf_and_bad_inputs():
     pj.plan(prof, net.with_workers(16), "fsdp")
   with pytest.raises(ValueError, match="memory_budget_bytes"):
     pj.plan(prof, net, "fsdp", memory_budget_bytes=0)
+  s = pj.plan(prof, net, "fsdp")
+  for where in (lambda n: pj.plan(prof, n, "fsdp"), lambda n: pj.simulate(s, prof, n)):
+    with pytest.raises(ValueError, match=r"network.links=2; use network.replace\(links=1\)"):
+      where(net.replace(links=2))
 
 
 def test_fsdp_simulated_timeline_and_control():

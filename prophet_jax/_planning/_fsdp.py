@@ -579,12 +579,16 @@ def fsdp_arrays_of(prob: Problem, schedule) -> FsdpArrays:
   """The FsdpArrays of a Schedule with `fsdp` on `prob` (the mesh must hold network.workers devices).
 
   Raises:
-    ValueError: the plan's mesh has another number of devices than `network.workers`.
+    ValueError: the plan's mesh has another number of devices than `network.workers`, or the network
+      several links (an FSDP schedule has one issue order per link level).
   """
   f = schedule.fsdp
   p = f.shard_count * f.replica_count
   if p != prob.network.workers:
     raise ValueError(f"the FSDP schedule's mesh {dict(f.mesh)} has {p} devices, but network.workers="
                      f"{prob.network.workers}; use network.with_workers({p}).")
+  if prob.network.links != 1:
+    raise ValueError(f"an FSDP schedule runs its collectives in one issue order per link level, but "
+                     f"network.links={prob.network.links}; use network.replace(links=1).")
   return fsdp_arrays(prob, [c.slices for c in schedule.chunks], f.units, f.keep, f.prefetch,
                      f.backward_prefetch, f.shard_count, f.replica_count, f.gathers or None)
