@@ -327,18 +327,12 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
     mem_d.extend(forward.mem_d)
   # backward
   bwd_units = forward.bwd_units
-  db = arr.backward_prefetch
   need_b = [0.0] * nl
-  regather_at: dict[int, list[int]] = {}         # backward position -> units whose re-gather it issues
-  first_ready: list[int] = []
-  for j, u in enumerate(bwd_units):
+  first_ready, regather_at = _regathers(arr, bwd_units)
+  for u in bwd_units:
     if arr.keep[u]:
       for l in arr.unit_layers[u]:
         need_b[l] = max(need_b[l], ag_end[u])
-    elif j < db:
-      first_ready.append(u)
-    else:
-      regather_at.setdefault(arr.unit_bwd_first[bwd_units[j - db]], []).append(u)
   for u in range(n_u):
     if not arr.keep[u]:
       mem_t.append(fwd_end_layer[unit_layers[u][-1]])
@@ -428,6 +422,22 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
   return FsdpRun(float(iteration), max(peak, 0.0), float(comm), out, forward)
 
 
+def _regathers(arr: FsdpArrays, bwd_units: Sequence[int]) -> tuple[list[int], dict[int, list[int]]]:
+  """The re-gathers of `arr`'s keep pattern: the units not kept that are gathered again when backward
+  starts (the first `backward_prefetch` in backward order), and per backward position those issued
+  when it starts (the unit `backward_prefetch` before each, in backward order, starts there)."""
+  db = arr.backward_prefetch
+  first_ready: list[int] = []
+  at: dict[int, list[int]] = {}
+  for j, u in enumerate(bwd_units):
+    if not arr.keep[u]:
+      if j < db:
+        first_ready.append(u)
+      else:
+        at.setdefault(arr.unit_bwd_first[bwd_units[j - db]], []).append(u)
+  return first_ready, at
+
+
 def skew_wait(prob: Problem, arr: FsdpArrays) -> float:
   """What the slowest worker costs a step without overlap (`NetworkModel.skew`): every collective is
   synchronous and waits for it, and it falls behind by skew x the compute since the previous
@@ -479,18 +489,12 @@ def fsdp_samples(prob: Problem, arr: FsdpArrays, durations: np.ndarray) -> tuple
     ag_end[u] = st["link"]
   run_forward(done, nl - 1)
   bwd_units = sorted(range(n_u), key=lambda u: -arr.unit_bwd_first[u])
-  db = arr.backward_prefetch
   need_b: list = [0.0] * nl
-  regather_at: dict[int, list[int]] = {}
-  first_ready = []
-  for j, u in enumerate(bwd_units):
+  first_ready, regather_at = _regathers(arr, bwd_units)
+  for u in bwd_units:
     if arr.keep[u]:
       for l in arr.unit_layers[u]:
         need_b[l] = mx(need_b[l], ag_end[u])
-    elif j < db:
-      first_ready.append(u)
-    else:
-      regather_at.setdefault(arr.unit_bwd_first[bwd_units[j - db]], []).append(u)
   at0 = st["dev"]
   for u in first_ready:
     gather(u, at0, need_b, reg_d[u])
