@@ -214,7 +214,7 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
                          order_of=bo)
       structs.append(_Set(label + (",replicated-at-end" if tail else ""), chunks, unit_idx, base, gathers))
       keeps.append(_Keeps(prob, base, depths[0], budget))
-    if n == 0 and len(tails) > 1:          # (on their bounds)
+    if n == 0 and len(tails) > 1:          # the replicated leaves' grouping: the lower bound's
       tails = (keeps[-1].bound() < keeps[-2].bound(),)
   first: dict[int, Plan] = {}
   fastest: list[float] = []              # the _DEEPER fastest first-depth plans that fit, so far
