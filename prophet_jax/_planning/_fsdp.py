@@ -55,14 +55,14 @@ R > 1: HSDP). One step, from the start of forward (t = 0):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ._core import Problem, sampled_durations
 
 __all__ = ["BackwardOrder", "FsdpArrays", "FsdpForward", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run",
-           "fsdp_iteration_s", "unit_costs", "dear_peak_bytes", "fsdp_arrays_of", "fsdp_durations",
+           "unit_costs", "dear_peak_bytes", "fsdp_arrays_of", "fsdp_durations",
            "fsdp_samples", "skew_wait"]
 
 Slice = tuple[int, int, int]
@@ -83,12 +83,13 @@ class FsdpArrays(NamedTuple):
   rep_bytes: tuple[float, ...]
   order: tuple[tuple[str, int], ...]
   chunk_ready_pos: tuple[int, ...]          # per issued chunk (order), the backward position it waits for
-  layer_units: Sequence[Sequence[int]]
+  ends_at: Sequence[Sequence[int]]          # per backward position, the units whose backward ends there
   bwd_layers: tuple[int, ...]
   bwd_dur: tuple[float, ...]
   bwd_tail: float
   unit_bwd_first: tuple[int, ...]           # per unit: backward position of its first / last layer
   unit_bwd_last: tuple[int, ...]
+  bwd_units: tuple[int, ...]                # the units in backward order
   update_s: float
   shards: int
   replicas: int
@@ -108,8 +109,6 @@ class FsdpForward(NamedTuple):
   fwd_end: list[float]
   mem_t: list[float]
   mem_d: list[float]
-  bwd_units: list[int]                   # the units in backward order
-  ends_at: list[list[int]]               # per backward position, the units whose backward ends there
 
 
 class FsdpRun(NamedTuple):
@@ -125,12 +124,15 @@ class FsdpRun(NamedTuple):
 
 class BackwardOrder(NamedTuple):
   """A profile's layers in backward (ready) order, read by every FSDP schedule of it: the layers in that
-  order, each one's backward time, the time after the last, and each row's backward position."""
+  order, each one's backward time, the time after the last, each row's backward position, and each
+  layer's position and ready time (by layer index)."""
 
   layers: tuple[int, ...]
   dur: tuple[float, ...]
   tail: float
   row_pos: tuple[int, ...]
+  layer_pos: tuple[int, ...]
+  ready: tuple[float, ...]
 
 
 def backward_order(prob: Problem) -> BackwardOrder:
@@ -144,7 +146,7 @@ def backward_order(prob: Problem) -> BackwardOrder:
   pos[bwd] = np.arange(nl)
   return BackwardOrder(tuple(bwd.tolist()), tuple(np.diff(r_sorted, prepend=0.0).tolist()),
                        max(float(prob.backward_s) - (float(r_sorted[-1]) if nl else 0.0), 0.0),
-                       tuple(pos[prob.row_layer].tolist()))
+                       tuple(pos[prob.row_layer].tolist()), tuple(pos.tolist()), tuple(ready_l.tolist()))
 
 
 def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequence[int], keep: Sequence[bool],
@@ -204,12 +206,11 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
       bf.append(max(ps))
       bl.append(min(ps))
   n_u = len(gathers)
-  layer_units: list[list[int]] = [[] for _ in range(nl)]
-  for u, rows in enumerate(gathers):
-    ls = sorted({layer[r] for r in rows}) if len(rows) > 1 else [layer[rows[0]]]
-    ul.append(tuple(ls))
-    for l in ls:
-      layer_units[l].append(u)
+  for rows in gathers:
+    ul.append(tuple(sorted({layer[r] for r in rows})) if len(rows) > 1 else (layer[rows[0]],))
+  ends_at: list[list[int]] = [[] for _ in range(nl)]
+  for u, k in enumerate(bl):
+    ends_at[k].append(u)
   first = [ls[0] for ls in ul]
   for u in range(1, n_u):
     if first[u] < first[u - 1]:
@@ -221,8 +222,9 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
   update_s = up_sh / shards + float(upd.sum()) - up_sh
   return FsdpArrays(tuple(ul), tuple(first), tuple(ub), tuple(bool(x) for x in keep), int(prefetch),
                     int(backward_prefetch), tuple(rep_bytes), tuple(order), tuple(ready_pos),
-                    layer_units, bo.layers, bo.dur, bo.tail, tuple(bf), tuple(bl), update_s, int(shards),
-                    int(replicas), tuple(rs_bytes), rs_at)
+                    ends_at, bo.layers, bo.dur, bo.tail, tuple(bf), tuple(bl),
+                    tuple(sorted(range(n_u), key=lambda u: -bf[u])), update_s, int(shards), int(replicas),
+                    tuple(rs_bytes), rs_at)
 
 
 def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float, float, float, float, float]:
@@ -247,12 +249,9 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
   once). `forward`: the FsdpRun.forward of a calm run of `arr` with another keep pattern or backward
   prefetch (a planner trying many of them runs forward once); ignored with `spans` or `durations`."""
   a_g, b_g, a_r, b_r, a_a, b_a = unit_costs(prob, arr.shards, arr.replicas)
-  n_g, n_rs = len(arr.first), len(arr.rs_bytes)
   ag_d = reg_d = rs_d = r1_d = rep_d = None
-  if durations is not None:               # fsdp_durations' order: gathers, re-gathers, reduce-scatters,
-    d_ = durations.tolist()               # replica all-reduces, replicated all-reduces
-    ag_d, reg_d, rs_d = d_[:n_g], d_[n_g:2 * n_g], d_[2 * n_g:2 * n_g + n_rs]
-    r1_d, rep_d = d_[2 * n_g + n_rs:2 * n_g + 2 * n_rs], d_[2 * n_g + 2 * n_rs:]
+  if durations is not None:
+    ag_d, reg_d, rs_d, r1_d, rep_d = _by_kind(arr, durations.tolist())
     forward = None
   serial = not prob.overlap
   two = arr.replicas > 1
@@ -316,17 +315,13 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
       ag_end[u] = t_link
     run_forward(nl - 1)
     fwd_end_layer = [fwd_start[l] + fwd[l] for l in range(nl)]
-    ends_at: list[list[int]] = [[] for _ in range(nl)]
-    for u, k in enumerate(arr.unit_bwd_last):
-      ends_at[k].append(u)
-    forward = FsdpForward(t_link, t_dev, comm, ag_end, fwd_end_layer, mem_t[:], mem_d[:],
-                          sorted(range(n_u), key=lambda u: -arr.unit_bwd_first[u]), ends_at)
+    forward = FsdpForward(t_link, t_dev, comm, ag_end, fwd_end_layer, mem_t[:], mem_d[:])
   else:
     t_link, t_dev, comm, ag_end, fwd_end_layer = forward[:5]
     mem_t.extend(forward.mem_t)
     mem_d.extend(forward.mem_d)
   # backward
-  bwd_units = forward.bwd_units
+  bwd_units = arr.bwd_units
   need_b = [0.0] * nl
   first_ready, regather_at = _regathers(arr, bwd_units)
   for u in bwd_units:
@@ -348,7 +343,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
   ci = 0
   n_c = len(arr.order)
   last_issue = 0.0
-  rs_at, rs_bytes, bwd_dur, ends_at = arr.rs_at, arr.rs_bytes, arr.bwd_dur, forward.ends_at
+  rs_at, rs_bytes, bwd_dur, ends_at = arr.rs_at, arr.rs_bytes, arr.bwd_dur, arr.ends_at
   ready_pos, order = arr.chunk_ready_pos, arr.order
   for k, l in enumerate(arr.bwd_layers):
     nb = need_b[l]
@@ -450,10 +445,8 @@ def fsdp_samples(prob: Problem, arr: FsdpArrays, durations: np.ndarray) -> tuple
   """Every sample's iteration and link time: `fsdp_run` with each row of `durations` ([samples,
   messages], `fsdp_durations`' order), all samples at once (numpy over the samples, the same
   additions in the same order: equal to the per-sample runs bit for bit); no spans, no memory."""
-  n_g, n_rs = len(arr.first), len(arr.rs_bytes)
   dur = np.asarray(durations, dtype=np.float64).T         # [messages, samples]: a row per collective
-  ag_d, reg_d, rs_d = dur[:n_g], dur[n_g:2 * n_g], dur[2 * n_g:2 * n_g + n_rs]
-  r1_d, rep_d = dur[2 * n_g + n_rs:2 * n_g + 2 * n_rs], dur[2 * n_g + 2 * n_rs:]
+  ag_d, reg_d, rs_d, r1_d, rep_d = _by_kind(arr, dur)
   serial, two = not prob.overlap, arr.replicas > 1
   mx = np.maximum
   fwd, nl, n_u, d = prob.layer_fwd_s, len(prob.layer_fwd_s), len(arr.first), arr.prefetch
@@ -488,7 +481,7 @@ def fsdp_samples(prob: Problem, arr: FsdpArrays, durations: np.ndarray) -> tuple
     gather(u, issue, need, ag_d[u])
     ag_end[u] = st["link"]
   run_forward(done, nl - 1)
-  bwd_units = sorted(range(n_u), key=lambda u: -arr.unit_bwd_first[u])
+  bwd_units = arr.bwd_units
   need_b: list = [0.0] * nl
   first_ready, regather_at = _regathers(arr, bwd_units)
   for u in bwd_units:
@@ -556,6 +549,14 @@ def dear_peak_bytes(prob: Problem, rs_ready: np.ndarray, rs_nbytes: np.ndarray, 
   return params + max(float(np.cumsum(dlt[o]).max()), 0.0)
 
 
+def _by_kind(arr: FsdpArrays, d: Any) -> tuple[Any, Any, Any, Any, Any]:
+  """`d` (one entry per collective in `fsdp_durations`' order) cut into the forward all-gathers, the
+  re-gathers, the reduce-scatters, the replica all-reduces and the replicated all-reduces."""
+  n_g, n_rs = len(arr.first), len(arr.rs_bytes)
+  return (d[:n_g], d[n_g:2 * n_g], d[2 * n_g:2 * n_g + n_rs], d[2 * n_g + n_rs:2 * n_g + 2 * n_rs],
+          d[2 * n_g + 2 * n_rs:])
+
+
 def fsdp_durations(prob: Problem, arr: FsdpArrays) -> np.ndarray:
   """Every sample's durations of an FSDP schedule's collectives under `prob.network.pressure`
   ([samples, messages], `_core.sampled_durations`): the forward all-gathers, the re-gathers (one per
@@ -567,16 +568,11 @@ def fsdp_durations(prob: Problem, arr: FsdpArrays) -> np.ndarray:
   s, r = arr.shards, arr.replicas
   n_g, n_rs, n_rep = len(arr.unit_bytes), len(arr.rs_bytes), len(arr.rep_bytes)
   nbytes = np.concatenate([arr.unit_bytes, arr.unit_bytes, arr.rs_bytes, arr.rs_bytes, arr.rep_bytes])
-  kinds = np.repeat(np.arange(4), [2 * n_g + n_rs, 0, n_rs, n_rep])   # link-0 ring, -, replica, all
-  a = np.array([a_g, 0.0, a_r, a_a])[kinds]
-  b = np.array([b_g, 0.0, b_r, b_a])[kinds]
-  steps = np.array([s - 1, 0, 2 * (r - 1), 2 * (s * r - 1)])[kinds]
+  kinds = np.repeat([0, 1, 2], [2 * n_g + n_rs, n_rs, n_rep])   # the shard ring, replica, all devices
+  a = np.array([a_g, a_r, a_a])[kinds]
+  b = np.array([b_g, b_r, b_a])[kinds]
+  steps = np.array([s - 1, 2 * (r - 1), 2 * (s * r - 1)])[kinds]
   return sampled_durations(prob.network.pressure, a, b, nbytes.astype(np.float64), steps)
-
-
-def fsdp_iteration_s(prob: Problem, arr: FsdpArrays) -> float:
-  """The calm iteration of an FSDP schedule (what `simulate` returns)."""
-  return fsdp_run(prob, arr).iteration_s
 
 
 def fsdp_arrays_of(prob: Problem, schedule) -> FsdpArrays:

@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._planning._core import Problem, problem
-from .._planning._fsdp import FsdpArrays, backward_order, fsdp_arrays, fsdp_run, unit_costs
+from .._planning._fsdp import BackwardOrder, FsdpArrays, backward_order, fsdp_arrays, fsdp_run, unit_costs
 from .._planning._fsdp_bound import backward_chain, forward_blocks
 from .._planning._simulate import simulate_fsdp
 from .._values._checks import check_bytes
@@ -166,7 +166,8 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   """The best FSDP candidate for `prob` under `budget` (module docstring), on the calm network."""
   s, r = check_fsdp_inputs(prob)
   rows = prob.profile.rows
-  rows_ = _Rows(prob)
+  bo = backward_order(prob)
+  rows_ = _Rows(prob, bo)
   sharded = [i for i in prob.live if rows[i].shard_dim is not None]
   if budget is not None:
     big = max(sharded, key=lambda i: prob.row_nbytes[i])
@@ -205,7 +206,6 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   # the order of their bounds, none whose bound is no better than the _DEEPER fastest plans that fit
   structs: list[_Set] = []
   keeps: list[_Keeps] = []
-  bo = backward_order(prob)
   tails = (False, True) if rows_.rep else (False,)
   for n, (label, units, gathers) in enumerate(unit_sets):
     for tail in (tails if n == 0 else (tails[0],)):
@@ -364,19 +364,12 @@ def _key(units: Sequence[Sequence[int]]) -> tuple:
 
 class _Rows:
   """Per-row lists the unit and chunk builders read, computed once per plan: layer, backward position
-  of the layer (its rank in ready order), bytes, dtype."""
+  of the layer (its rank in ready order, from the profile's `backward_order`), bytes, dtype."""
 
-  def __init__(self, prob: Problem):
+  def __init__(self, prob: Problem, bo: BackwardOrder | None = None):
+    bo = bo if bo is not None else backward_order(prob)
     self.layer = prob.row_layer.tolist()
-    nl = len(prob.layers)
-    ready_l = np.zeros(nl)
-    np.maximum.at(ready_l, prob.row_layer, prob.row_ready_s)
-    order = sorted(range(nl), key=lambda l: (ready_l[l], -l))
-    pos_l = [0] * nl
-    for k, l in enumerate(order):
-      pos_l[l] = k
-    self.nl, self.pos_l, self.ready_l = nl, pos_l, ready_l.tolist()
-    self.pos = [pos_l[l] for l in self.layer]
+    self.nl, self.pos_l, self.ready_l, self.pos = len(prob.layers), bo.layer_pos, bo.ready, bo.row_pos
     self.nbytes = prob.row_nbytes.tolist()
     self.dtype = prob.dtype
     self.size = prob.size
