@@ -1,11 +1,12 @@
 """What XLA's partitioner makes of an FSDP step, read from its compiled program on compile-only H100s: the
-all-gathers and reduce-scatters (count, sizes, order) of a small Llama-style decoder whose 2-D weights are
+all-gathers and reduce-scatters (count, sizes, order) of a Llama-style decoder whose 2-D weights are
 sharded over the data axis (`P("data", None)`), under default flags and under the flag set large-model
-users set (`LARGE_MODEL`), with and without per-layer remat, and the compiled `memory_analysis()`. It checks the assumptions of the partitioner schedule that
-bench/fsdp.py MODELS (one all-gather per weight, neighbours combined, gathered again in backward or not),
-and reads each program into a Schedule (`read_schedule`) that the simulator runs beside the `fsdp` plan
-held to its peak, on one profile and network model (all simulated; programs compiled for 8 and 64
-GPUs; the rows for more GPUs reuse a program's grouping).
+users set (`LARGE_MODEL`), with and without per-layer remat, and the compiled `memory_analysis()`. It
+checks the assumptions of the partitioner schedule that bench/fsdp.py MODELS (one all-gather per weight,
+neighbours combined, gathered again in backward or not), and reads each program into a Schedule
+(`read_schedule`) that the simulator runs beside the `fsdp` plan held to its peak, on one profile and
+network model (all simulated; programs compiled for `--devices`; for the small model's programs the
+rows for 64 and 256 GPUs also reuse a program's grouping).
 
 Compile-only (FACTS.md, "XLA:GPU without a GPU"): run with JAX_PLATFORMS=cpu. Prints a table and writes
 bench/results/fsdp_hlo.json. Never asserts. By default a small model (4 layers, d=1024); the Llama 3.2 1B
