@@ -4,7 +4,7 @@ Per cell (bench/scaling.py's grid: 4 bundled traces x {v100, h100} x {10gbe, 25g
 workers {4, 16, 64, 256, 2048}, cross_step=True), `auto` at its defaults against the best of a
 heavier search, every schedule scored by `prophet_jax.simulate` (the model auto plans with):
 
-* `blocks`: Prophet's block rule (`_prophet._Planner`, the same greedy pass as `prophet`) with a minimum
+* `blocks`: Prophet's block rule (`_prophet.Planner`, the same greedy pass as `prophet`) with a minimum
   block size in absolute bytes, 1-128 MiB (the `prophet` policy's floor is relative to the network's
   start-up, auto's block family's to the total bytes), x tail growth x a small first block x Prophet's
   stage gap factor: the external search of issue 19;
@@ -16,7 +16,7 @@ heavier search, every schedule scored by `prophet_jax.simulate` (the model auto 
 
 The last two reuse auto's own search engine, so they get stronger whenever it does: what they find is
 the depth a 10x budget buys, not a family auto lacks. That is also why this bench alone imports private
-code (auto's block planner `_Planner`, its problem, chunks and local search): the oracle measures how
+code (auto's block planner `Planner`, its problem, chunks and local search): the oracle measures how
 much deeper auto's own engine could go, so it must run that engine, not a copy. Schedules are built
 with the public values (`_schedules.schedule_of`). Prints per cell auto's predicted iteration time,
 the best found and by whom, and the gap (how much faster the oracle's schedule is than auto's, in %);
@@ -46,7 +46,7 @@ from prophet_jax._planning._core import problem
 from prophet_jax.models import load_trace
 from prophet_jax.schedulers import auto
 from prophet_jax.schedulers._joint import make_chunk
-from prophet_jax.schedulers._prophet import _Planner
+from prophet_jax.schedulers._prophet import Planner
 from prophet_jax.schedulers._search import iterated_local_search
 
 MODELS = ("resnet50", "vgg16", "bert-base", "gpt2")
@@ -79,7 +79,7 @@ def heavier_search(profile, network, cross_step: bool, heavy: bool) -> dict[str,
   best_groups = None
   if network.overlap:
     for gf in GAP_FACTORS:
-      planner = _Planner(prob, gf)
+      planner = Planner(prob, gf)
       for mb in MIN_BLOCKS_MIB:
         for g in TAIL_GROWTHS:
           for small_first in (True, False):

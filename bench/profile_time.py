@@ -154,14 +154,14 @@ class _Phases:
   def __enter__(self):
     import jax
 
-    self._wrap(self.mod, "_setup", "setup")
-    self._wrap(self.mod, "_update_program", "lower")
-    self._wrap(self.mod, "_local_step_program", "lower")
-    self._wrap(self.methods, "_compile_all", "compile")
+    self._wrap(self.mod, "setup", "setup")
+    self._wrap(self.mod, "update_program", "lower")
+    self._wrap(self.mod, "local_step_program", "lower")
+    self._wrap(self.methods, "compile_all", "compile")
     self._wrap(self.methods, "_from_trace", "analysis")
     self._wrap(jax, "block_until_ready", "run")
     phases = self
-    real_grad = self.methods._grad_program
+    real_grad = self.methods.grad_program
 
     def grad_program(*a, **k):
       f = real_grad(*a, **k)
@@ -177,8 +177,8 @@ class _Phases:
         def __call__(self, *ca, **ck):
           return f(*ca, **ck)
       return Timed()
-    self.saved.append((self.methods, "_grad_program", real_grad))
-    self.methods._grad_program = grad_program
+    self.saved.append((self.methods, "grad_program", real_grad))
+    self.methods.grad_program = grad_program
     return self
 
   def __exit__(self, *exc):

@@ -23,7 +23,7 @@ from prophet_jax._planning._core import chunk_arrays, iteration_s, problem
 from prophet_jax.models import load_trace
 from prophet_jax.schedulers import _joint, _search, auto
 from prophet_jax.schedulers._common import schedule_from_groups
-from prophet_jax.schedulers._prophet import _Planner
+from prophet_jax.schedulers._prophet import Planner
 
 SEEDS = st.integers(0, 2**32 - 1)
 BASELINES = ("wfbp", "bucket", "xla", "mgwfbp", "priority", "prophet")
@@ -154,7 +154,7 @@ def test_no_slower_than_prophet_blocks_with_a_floor_in_bytes(trace, net, workers
   prob = problem(profile, network, cross_step=True)
   best = np.inf
   for gap_factor in (1.0, 2.0):
-    planner = _Planner(prob, gap_factor)
+    planner = Planner(prob, gap_factor)
     for mib in (4, 8, 16, 24, 32, 48, 64):
       for growth in (1.0, 1.5, 2.0, 4.0):
         for small_first in (True, False):

@@ -113,7 +113,7 @@ def test_estimated_when_asked_and_when_timing_fails(monkeypatch):
   def broken(*a, **k):
     raise RuntimeError("no clock")
 
-  monkeypatch.setattr(_profile, "_timed", broken)
+  monkeypatch.setattr(_profile, "timed", broken)
   prof = profile_step(loss, params, batch, num_devices=N, steps=1)
   assert prof.method == "estimated" and "timing failed" in prof.notes
 
@@ -240,13 +240,13 @@ def test_timing_compiles_a_bounded_number_of_layer_programs(monkeypatch):
   loss, params, batch = _tiny()
   monkeypatch.setattr(_profile_methods, "TIMED_LAYERS", 2)
   made = []
-  real = _profile_methods._grad_program
+  real = _profile_methods.grad_program
 
-  def counting(s, wrt=None, name=_profile_methods._STEP_NAME):
+  def counting(s, wrt=None, name=_profile_methods.STEP_NAME):
     made.append(wrt)
     return real(s, wrt, name)
 
-  monkeypatch.setattr(_profile_methods, "_grad_program", counting)
+  monkeypatch.setattr(_profile_methods, "grad_program", counting)
   prof = profile_step(loss, params, batch, num_devices=2, steps=3, method="timed")
   assert prof.method == "timed" and "2 of the 3 layers" in prof.notes
   assert [w for w in made if w is not None] == [[0, 1], [3]]  # l0 (w, b) and l2; l1 interpolated

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._values._types import JsonValue, _fields, _loads
+from .._values._types import JsonValue, json_fields, json_object
 
 __all__ = ["AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "COMPUTE_KINDS", "NEXT_FORWARD"]
 
@@ -281,11 +281,11 @@ class AuditReport(JsonValue):
     Raises:
       ValueError: malformed JSON, unknown or missing fields, or another schema version.
     """
-    obj = _loads(text_or_obj, "AuditReport")
+    obj = json_object(text_or_obj, "AuditReport")
     if obj.get("schema", AUDIT_SCHEMA) != AUDIT_SCHEMA:
       raise ValueError(f"AuditReport.from_json: schema={obj.get('schema')!r}; this version reads "
                        f"{AUDIT_SCHEMA}.")
-    obj = _fields(cls, obj, "AuditReport", required=True)
+    obj = json_fields(cls, obj, "AuditReport", required=True)
     for key in ("chunks", "loops", "foreign", "gathers"):
       obj[key] = tuple(_entry(e) for e in obj.get(key, ()))
     for key in ("order", "problems", "warnings", "gather_order"):
@@ -296,7 +296,7 @@ class AuditReport(JsonValue):
 def _entry(obj: Mapping[str, Any]) -> AuditEntry:
   if not isinstance(obj, Mapping):
     raise ValueError(f"AuditReport.from_json: an entry must be an object, got {type(obj).__name__}.")
-  obj = _fields(AuditEntry, dict(obj), "AuditEntry", required=True)
-  obj["window"] = tuple(WindowOp(**_fields(WindowOp, dict(o), "WindowOp", required=True))
+  obj = json_fields(AuditEntry, dict(obj), "AuditEntry", required=True)
+  obj["window"] = tuple(WindowOp(**json_fields(WindowOp, dict(o), "WindowOp", required=True))
                         for o in obj.get("window", ()))
   return AuditEntry(**obj)

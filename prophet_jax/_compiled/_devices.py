@@ -26,7 +26,7 @@ def data_axes(axis_name: Any) -> tuple[Any, ...]:
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def _names(mesh: Any) -> tuple[Any, ...]:
+def mesh_axis_names(mesh: Any) -> tuple[Any, ...]:
   return tuple(mesh.axis_names)
 
 
@@ -41,13 +41,13 @@ def check_mesh(mesh: Any, axis_name: Any, where: str) -> tuple[Any, ...]:
     raise TypeError(f"{where}(mesh={mesh!r}): expected a jax.sharding.Mesh (e.g. jax.make_mesh((8,), "
                     f"({axis_name!r},))), got {type(mesh).__name__}.")
   axes = data_axes(axis_name)
-  missing = [a for a in axes if a not in _names(mesh)]
+  missing = [a for a in axes if a not in mesh_axis_names(mesh)]
   if missing:
-    shape = dict(zip(_names(mesh), mesh.axis_sizes))
+    shape = dict(zip(mesh_axis_names(mesh), mesh.axis_sizes))
     raise ValueError(
         f"{where}(axis_name={axis_name!r}, mesh=...): the mesh has no axis {missing[0]!r}; its axes are "
         f"{shape}. Pass the name of the mesh axis the batch is split over (axis_name="
-        f"{_names(mesh)[0]!r}?), or make the mesh with that name: jax.make_mesh((n,), ({missing[0]!r},)).")
+        f"{mesh_axis_names(mesh)[0]!r}?), or make the mesh with that name: jax.make_mesh((n,), ({missing[0]!r},)).")
   if len(set(axes)) != len(axes):
     raise ValueError(f"{where}(axis_name={axis_name!r}): an axis is named twice.")
   return axes
@@ -55,7 +55,7 @@ def check_mesh(mesh: Any, axis_name: Any, where: str) -> tuple[Any, ...]:
 
 def axis_total(mesh: Any, axes: Sequence[Any]) -> int:
   """Devices along the data axes (the product of their sizes): the number of per-device batches."""
-  sizes = dict(zip(_names(mesh), mesh.axis_sizes))
+  sizes = dict(zip(mesh_axis_names(mesh), mesh.axis_sizes))
   return int(np.prod([sizes[a] for a in axes], dtype=np.int64))
 
 
@@ -76,7 +76,7 @@ def local_devices_along(mesh: Any, axis_name: Any, where: str) -> list[Any]:
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"{where}(mesh=...): profiling runs the step, so it needs a mesh of real devices "
                     f"(jax.sharding.Mesh), not {type(mesh).__name__}.")
-  names = _names(mesh)
+  names = mesh_axis_names(mesh)
   devices = np.asarray(mesh.devices)
   index = tuple(slice(None) if n in axes else 0 for n in names)
   along = devices[index]

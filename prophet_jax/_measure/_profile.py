@@ -61,10 +61,10 @@ import jax
 from jax.sharding import NamedSharding
 
 from . import _step_hlo
-from ._profile_harness import _local_step_program, _setup, _update_program
-from ._profile_methods import (HLO_FILE, TIMED_LAYERS, _LINKED, _NoProfilerEvents, _RowSpec, _estimated,
-                               _from_trace, _measured, _rows, _timed)
-from ._profile_outputs import _gradient_outputs, _hlo_matches
+from ._profile_harness import local_step_program, setup, update_program
+from ._profile_methods import (HLO_FILE, TIMED_LAYERS, LINKED, NoProfilerEvents, RowSpec, estimated,
+                               from_trace, measured, profile_rows, timed)
+from ._profile_outputs import gradient_outputs, hlo_matches
 from .._compiled._devices import host_rows
 from .._compiled._hlo import hlo_text as _as_text
 from .._values._checks import check_bool, check_int
@@ -163,15 +163,15 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
     loss_fn = lambda p, b: aux_loss(p, b)[0]  # noqa: E731
   shardings = _sharded_placement(params)  # before any compile: a placement it cannot record fails fast
   batch = host_rows(batch, mesh, "profile_step")
-  s = _setup(loss_fn, params, batch, num_devices, layer_depth, mesh=mesh, axis_name=axis_name)
-  update = _update_program(s, tx) if tx is not None else None
+  s = setup(loss_fn, params, batch, num_devices, layer_depth, mesh=mesh, axis_name=axis_name)
+  update = update_program(s, tx) if tx is not None else None
   notes = []
   result = None
   if method in ("auto", "measured"):
     try:
-      whole = _local_step_program(s, tx) if tx is not None else None
-      result = _measured(s, int(steps), int(warmup), update, whole, trace_dir)
-    except _NoProfilerEvents as e:
+      whole = local_step_program(s, tx) if tx is not None else None
+      result = measured(s, int(steps), int(warmup), update, whole, trace_dir)
+    except NoProfilerEvents as e:
       if method == "measured":
         raise ProfileError(f"profile_step(method='measured'): {e}. Use method='auto' to fall back to "
                            f"per-layer timing.") from None
@@ -179,17 +179,17 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   got = "measured" if result is not None else None
   if result is None and method in ("auto", "timed"):
     try:
-      result = _timed(s, max(3, int(steps)), update)
+      result = timed(s, max(3, int(steps)), update)
       got = "timed"
     except Exception as e:  # noqa: BLE001 - the documented fallback
       if method == "timed":
         raise
       notes.append(f"timing failed ({type(e).__name__}: {e}); fell back to FLOP estimates")
   if result is None:
-    result = _estimated(s)
+    result = estimated(s)
     got = "estimated"
   forward_s, backward_s, ready, fwd_layer, update_s, note = result
-  rows = _rows(s, ready, fwd_layer, update_s)
+  rows = profile_rows(s, ready, fwd_layer, update_s)
   fsum = sum(r.fwd_s for r in rows)
   dev = device or jax.local_devices()[0].device_kind
   prof = GradientProfile(rows=rows, forward_s=fsum if fsum > 0 else forward_s, backward_s=backward_s,
@@ -206,7 +206,7 @@ def _sharded_placement(params: Any) -> Any:
   Read from the arrays: a leaf's `NamedSharding` (its spec, and its mesh's shape for the profile's
   mesh); any other leaf (a host array, a single-device or other sharding) counts as replicated. The
   programs `profile_step` measures are unchanged by it: they replicate the params on their own 1-D mesh
-  (`_setup`), so the placement is recorded, never measured.
+  (`setup`), so the placement is recorded, never measured.
 
   Raises:
     ProfileError: a placement a profile cannot hold (a leaf split on two dimensions, unevenly, or
@@ -295,10 +295,10 @@ def profile_from_trace(trace: str | os.PathLike[str], hlo_text: str, params: Any
   paths = [p for p, _ in leaves]
   shapes = [tuple(int(d) for d in x.shape) for _, x in leaves]
   dtypes = [dtype_name(x.dtype) for _, x in leaves]
-  outputs = _gradient_outputs(hlo, paths, shapes, dtypes)
+  outputs = gradient_outputs(hlo, paths, shapes, dtypes)
   positions = None
   notes = []
-  if all(_hlo_matches(hlo.instrs[hlo.params[k]].shape, shapes[k], dtypes[k]) if k in hlo.params else False
+  if all(hlo_matches(hlo.instrs[hlo.params[k]].shape, shapes[k], dtypes[k]) if k in hlo.params else False
          for k in range(len(paths))):
     positions = _step_hlo.forward_positions(hlo, len(paths))
   if positions is None:
@@ -309,16 +309,16 @@ def profile_from_trace(trace: str | os.PathLike[str], hlo_text: str, params: Any
     unread = len(paths) + max((p for p in positions if p is not None), default=0)
     order = sorted(range(len(paths)), key=lambda k: (positions[k] if positions[k] is not None else unread,
                                                      -math.prod(shapes[k]), k))
-  spec = _RowSpec(paths=paths, shapes=shapes, dtypes=dtypes, layers=[layer_of(layer_of_path[p], layer_depth) for p in paths],
+  spec = RowSpec(paths=paths, shapes=shapes, dtypes=dtypes, layers=[layer_of(layer_of_path[p], layer_depth) for p in paths],
                   order=order)
   try:
-    trace_read, an = _from_trace(trace, hlo, spec, outputs=outputs)
+    trace_read, an = from_trace(trace, hlo, spec, outputs=outputs)
   except ProfileError as e:
     raise ProfileError(f"profile_from_trace({os.fspath(trace)!r}): {e}.") from None
-  rows = _rows(spec, an.ready_s, an.fwd_layer, 0.0)
+  rows = profile_rows(spec, an.ready_s, an.fwd_layer, 0.0)
   fsum = sum(r.fwd_s for r in rows)
   note = (f"measured: profile_from_trace of {os.fspath(trace)}: {an.executions} executions "
-          f"({_LINKED[trace_read.linked.get(hlo.module, 'run_id')]}) on {an.devices} device(s), medians on "
+          f"({LINKED[trace_read.linked.get(hlo.module, 'run_id')]}) on {an.devices} device(s), medians on "
           f"the trace's clock; {an.held}; ops mapped to leaves via the ENTRY ROOT tuple, to layers via "
           f"op_name metadata; rows in the compiled forward's order of first use; update not in the "
           f"program (update_s 0)")

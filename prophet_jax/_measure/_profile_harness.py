@@ -1,12 +1,12 @@
 """The program harness behind `profile_step`: the gradient step of a user's loss, on a 1-D mesh.
 
-`_setup` checks the loss, the params and the batch (a per-device batch that fits the model, a real
+`setup` checks the loss, the params and the batch (a per-device batch that fits the model, a real
 floating scalar, differentiable in the float leaves), reads the leaves' forward (priority) order and
 their layers, and places the params replicated and the batch split over a mesh of `num_devices`
 devices. The programs are built on it: the gradient step (`jax.grad` under `jax.shard_map`, no
 all-reduce: the per-device program of training without its communication), the forward alone, the
-optimizer's update and a local train step (gradients and update in one program); `_Prog` holds a
-lowered program with its arguments, and `_compile_all` compiles several at once.
+optimizer's update and a local train step (gradients and update in one program); `Prog` holds a
+lowered program with its arguments, and `compile_all` compiles several at once.
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ from .._compiled._jaxpr import forward_paths
 from .._values._tree import check_layer_depth, is_reduced_leaf, layer_of, layer_path, path_str
 from .._values._types import itemsize
 
-_AXIS = "prophet_profile"
-_STEP_NAME = "prophet_profile_step"
-_UPDATE_NAME = "prophet_profile_update"
+AXIS = "prophet_profile"
+STEP_NAME = "prophet_profile_step"
+UPDATE_NAME = "prophet_profile_update"
 
 # --------------------------------------------------------------------------------------------------
 # Setup shared by every method
 
 
 @dataclasses.dataclass
-class _Setup:
+class ProgramSetup:
   """Everything the methods share: the mesh, the sharded inputs, the rows and their order."""
 
   mesh: Any
@@ -57,7 +57,7 @@ class _Setup:
   loss_of: Callable[..., Any]  # (diff_leaves, other_leaves, batch) -> scalar
 
 
-def _setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name=None) -> _Setup:
+def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name=None) -> ProgramSetup:
   if not callable(loss_fn):
     raise TypeError(f"profile_step(loss_fn={loss_fn!r}): expected a callable loss_fn(params, batch).")
   check_layer_depth("profile_step", layer_depth)
@@ -69,7 +69,7 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_nam
                      f"here. On the CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n} before "
                      f"jax starts.")
   n = int(n)
-  mesh = jax.sharding.Mesh(np.asarray(devices[:n]), (_AXIS,))
+  mesh = jax.sharding.Mesh(np.asarray(devices[:n]), (AXIS,))
 
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   paths = [path_str(p) for p, _ in flat]
@@ -131,10 +131,10 @@ def _setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_nam
   layers = {i: layer_of(layer_paths[i], layer_depth) for i in diff_idx}
 
   rep = NamedSharding(mesh, P())
-  shard = NamedSharding(mesh, P(_AXIS))
+  shard = NamedSharding(mesh, P(AXIS))
   params_d = jax.device_put(params, rep)
   batch_d = jax.device_put(batch, shard)
-  return _Setup(mesh=mesh, num_devices=n, params=params_d, batch=batch_d, diff_idx=diff_idx,
+  return ProgramSetup(mesh=mesh, num_devices=n, params=params_d, batch=batch_d, diff_idx=diff_idx,
                 treedef=treedef, leaves=list(jax.tree_util.tree_leaves(params_d)), paths=paths,
                 order=order, layers=layers, loss_of=loss_of)
 
@@ -144,12 +144,12 @@ def _shapes(tree: Any) -> str:
   return "{" + ", ".join(f"{path_str(k) or 'batch'}: {tuple(x.shape)}" for k, x in flat) + "}"
 
 
-def _split(s: _Setup) -> tuple[list[Any], list[Any]]:
+def split_leaves(s: ProgramSetup) -> tuple[list[Any], list[Any]]:
   dset = set(s.diff_idx)
   return ([s.leaves[i] for i in s.diff_idx], [x for i, x in enumerate(s.leaves) if i not in dset])
 
 
-def _grad_program(s: _Setup, wrt: Sequence[int] | None = None, name: str = _STEP_NAME):
+def grad_program(s: ProgramSetup, wrt: Sequence[int] | None = None, name: str = STEP_NAME):
   """jit(shard_map(grad)) over the mesh, with no all-reduce; `wrt` restricts to some diff leaves."""
   def step(diff, other, b):
     if wrt is None:
@@ -166,19 +166,19 @@ def _grad_program(s: _Setup, wrt: Sequence[int] | None = None, name: str = _STEP
 
   step.__name__ = name
   step.__qualname__ = name
-  return jax.jit(jax.shard_map(step, mesh=s.mesh, in_specs=(P(), P(), P(_AXIS)), out_specs=P(),
+  return jax.jit(jax.shard_map(step, mesh=s.mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P(),
                                check_vma=False))
 
 
-def _loss_program(s: _Setup):
+def loss_program(s: ProgramSetup):
   def fwd(diff, other, b):
     return s.loss_of(diff, other, b)
 
-  return jax.jit(jax.shard_map(fwd, mesh=s.mesh, in_specs=(P(), P(), P(_AXIS)), out_specs=P(),
+  return jax.jit(jax.shard_map(fwd, mesh=s.mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P(),
                                check_vma=False))
 
 
-def _wall_median(f: Callable[[], Any], repeats: int) -> float:
+def wall_median(f: Callable[[], Any], repeats: int) -> float:
   jax.block_until_ready(f())
   ts = []
   for _ in range(max(3, repeats)):
@@ -188,8 +188,8 @@ def _wall_median(f: Callable[[], Any], repeats: int) -> float:
   return float(statistics.median(ts))
 
 
-class _Prog:
-  """A lowered program with its arguments: compiled once (several at once by `_compile_all`), then run
+class Prog:
+  """A lowered program with its arguments: compiled once (several at once by `compile_all`), then run
   by calling it."""
 
   def __init__(self, lowered: Any, args: Sequence[Any]):
@@ -197,7 +197,7 @@ class _Prog:
     self.args = tuple(args)
     self.compiled: Any = None
 
-  def compile(self) -> _Prog:
+  def compile(self) -> Prog:
     if self.compiled is None:
       self.compiled = self.lowered.compile()
     return self
@@ -206,7 +206,7 @@ class _Prog:
     return self.compile().compiled(*self.args)
 
 
-def _compile_all(progs: Sequence[_Prog | None]) -> None:
+def compile_all(progs: Sequence[Prog | None]) -> None:
   """Compiles the programs at once: XLA releases the GIL while it compiles, so on a host with a few
   cores the gradient step, the local train step and the update compile in the time of the slowest."""
   todo = [p for p in progs if p is not None and p.compiled is None]
@@ -220,27 +220,27 @@ def _compile_all(progs: Sequence[_Prog | None]) -> None:
       f.result()
 
 
-def _nbytes(x: Any) -> int:
+def array_nbytes(x: Any) -> int:
   return int(math.prod(x.shape)) * itemsize(str(x.dtype))
 
 
-def _layers_in_order(s: _Setup) -> list[str]:
+def ordered_layers(s: ProgramSetup) -> list[str]:
   return list(dict.fromkeys(s.layers[s.diff_idx[k]] for k in s.order))
 
 
-def _update_program(s: _Setup, tx: Any) -> _Prog:
+def update_program(s: ProgramSetup, tx: Any) -> Prog:
   if not hasattr(tx, "init") or not hasattr(tx, "update"):
     raise TypeError(f"profile_step(tx={tx!r}): expected an optax GradientTransformation (init/update).")
 
-  diff, _ = _split(s)
+  diff, _ = split_leaves(s)
   state = tx.init(diff)
   upd = _updater(tx)
-  upd.__name__ = _UPDATE_NAME
-  upd.__qualname__ = _UPDATE_NAME
+  upd.__name__ = UPDATE_NAME
+  upd.__qualname__ = UPDATE_NAME
   f = jax.jit(jax.shard_map(upd, mesh=s.mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()),
                             check_vma=False))
   grads = jax.tree_util.tree_map(lambda x: x * 0 + 1e-3, diff)
-  return _Prog(f.lower(diff, grads, state), (diff, grads, state))
+  return Prog(f.lower(diff, grads, state), (diff, grads, state))
 
 
 def _updater(tx: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
@@ -252,16 +252,16 @@ def _updater(tx: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
   return upd
 
 
-def _local_step_program(s: _Setup, tx: Any) -> _Prog:
+def local_step_program(s: ProgramSetup, tx: Any) -> Prog:
   """A train step with no reduction (gradients, then `tx`'s update, in one program): the step's cost
   with free communication."""
-  diff, other = _split(s)
+  diff, other = split_leaves(s)
   state = tx.init(diff)
   upd = _updater(tx)
 
   def local_step(p, o, b, st):
     return upd(p, jax.grad(s.loss_of)(p, o, b), st)
 
-  f = jax.jit(jax.shard_map(local_step, mesh=s.mesh, in_specs=(P(), P(), P(_AXIS), P()),
+  f = jax.jit(jax.shard_map(local_step, mesh=s.mesh, in_specs=(P(), P(), P(AXIS), P()),
                             out_specs=(P(), P()), check_vma=False))
-  return _Prog(f.lower(diff, other, s.batch, state), (diff, other, s.batch, state))
+  return Prog(f.lower(diff, other, s.batch, state), (diff, other, s.batch, state))

@@ -1,10 +1,10 @@
 """The three ways `profile_step` times a gradient step, and the rows they make.
 
-`_measured` traces the step with `jax.profiler` and reads the trace (`_from_trace`, shared with
-`profile_from_trace`), stretched to the untraced wall clock of a step; `_timed` times `grad` with
-respect to one layer at a time (at most `TIMED_LAYERS` of them) minus the forward; `_estimated`
+`measured` traces the step with `jax.profiler` and reads the trace (`from_trace`, shared with
+`profile_from_trace`), stretched to the untraced wall clock of a step; `timed` times `grad` with
+respect to one layer at a time (at most `TIMED_LAYERS` of them) minus the forward; `estimated`
 divides XLA's FLOP counts by a measured matmul throughput. Each returns (forward_s, backward_s,
-ready per leaf, forward per layer, update_s, note); `_rows` turns them into the profile's rows in
+ready per leaf, forward per layer, update_s, note); `profile_rows` turns them into the profile's rows in
 priority order (the module docstring of `_profile` says what each method reads and when each is used).
 """
 
@@ -24,13 +24,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from . import _step_hlo, _xplane
-from ._profile_harness import (_AXIS, _UPDATE_NAME, _STEP_NAME, _Prog, _Setup, _compile_all, _grad_program,
-                               _layers_in_order, _loss_program, _nbytes, _split, _wall_median)
+from ._profile_harness import (AXIS, UPDATE_NAME, STEP_NAME, Prog, ProgramSetup, compile_all, grad_program,
+                               ordered_layers, loss_program, array_nbytes, split_leaves, wall_median)
 from .._values._errors import ProfileError
 from .._values._types import ProfileRow, itemsize
 
 @dataclasses.dataclass
-class _RowSpec:
+class RowSpec:
   """What a profile's rows are made of besides the timings (no jax): per gradient leaf k (flatten
   order of the float leaves, i.e. the grad program's output k) its path, shape, dtype and layer, and
   the priority (forward) order of the k."""
@@ -49,17 +49,17 @@ class _RowSpec:
     return int(math.prod(self.shapes[k])) * itemsize(self.dtypes[k])
 
 
-def _spec(s: _Setup) -> _RowSpec:
+def _spec(s: ProgramSetup) -> RowSpec:
   leaves = [s.leaves[i] for i in s.diff_idx]
-  return _RowSpec(paths=[s.paths[i] for i in s.diff_idx], shapes=[tuple(x.shape) for x in leaves],
+  return RowSpec(paths=[s.paths[i] for i in s.diff_idx], shapes=[tuple(x.shape) for x in leaves],
                   dtypes=[str(x.dtype) for x in leaves], layers=[s.layers[i] for i in s.diff_idx],
                   order=list(s.order))
 
 
-def _rows(spec: _RowSpec | _Setup, ready: Sequence[float], fwd_layer: Mapping[str, float], update_s: float
+def profile_rows(spec: RowSpec | ProgramSetup, ready: Sequence[float], fwd_layer: Mapping[str, float], update_s: float
           ) -> tuple[ProfileRow, ...]:
   """Rows in priority order; `ready` is indexed like the spec's leaves (diff_idx)."""
-  spec = _spec(spec) if isinstance(spec, _Setup) else spec
+  spec = _spec(spec) if isinstance(spec, ProgramSetup) else spec
   total = max(sum(spec.nbytes(k) for k in range(len(spec.paths))), 1)
   rows, seen = [], set()
   for k in spec.order:
@@ -73,17 +73,17 @@ def _rows(spec: _RowSpec | _Setup, ready: Sequence[float], fwd_layer: Mapping[st
   return tuple(rows)
 
 
-def _measured(s: _Setup, steps: int, warmup: int, update: _Prog | None, whole: _Prog | None,
+def measured(s: ProgramSetup, steps: int, warmup: int, update: Prog | None, whole: Prog | None,
               trace_dir: str | None) -> tuple[float, float, list[float], dict[str, float], float, str]:
-  diff, other = _split(s)
-  grad = _Prog(_grad_program(s).lower(diff, other, s.batch), (diff, other, s.batch))
-  _compile_all([grad, whole, update])
+  diff, other = split_leaves(s)
+  grad = Prog(grad_program(s).lower(diff, other, s.batch), (diff, other, s.batch))
+  compile_all([grad, whole, update])
   compiled = grad.compiled
   text = compiled.as_text()
   hlo = _step_hlo.step_hlo(text)
   spec = _spec(s)
   if len(hlo.root_operands) != len(s.diff_idx):
-    raise _NoProfilerEvents(f"the compiled step returns {len(hlo.root_operands)} outputs for {len(s.diff_idx)} "
+    raise NoProfilerEvents(f"the compiled step returns {len(hlo.root_operands)} outputs for {len(s.diff_idx)} "
                    f"gradient leaves; cannot map them")
   for _ in range(max(1, warmup)):
     jax.block_until_ready(compiled(diff, other, s.batch))
@@ -97,7 +97,7 @@ def _measured(s: _Setup, steps: int, warmup: int, update: _Prog | None, whole: _
     jax.block_until_ready(run())
     walls.append(time.perf_counter() - t0)
   wall_s = statistics.median(walls)
-  upd_module = f"jit_{_UPDATE_NAME}"
+  upd_module = f"jit_{UPDATE_NAME}"
   with tempfile.TemporaryDirectory(prefix="prophet_trace_") as tmp:
     d = trace_dir or tmp
     opts = jax.profiler.ProfileOptions()
@@ -111,10 +111,10 @@ def _measured(s: _Setup, steps: int, warmup: int, update: _Prog | None, whole: _
       with open(os.path.join(trace_dir, HLO_FILE), "w") as f:
         f.write(text)
     try:
-      trace, an = _from_trace(d, hlo, spec, extra_modules=[upd_module], expected=steps * s.num_devices,
+      trace, an = from_trace(d, hlo, spec, extra_modules=[upd_module], expected=steps * s.num_devices,
                               expected_why=f" ({steps} steps x {s.num_devices} devices)")
     except ProfileError as e:
-      raise _NoProfilerEvents(str(e)) from None
+      raise NoProfilerEvents(str(e)) from None
   events = trace.events[hlo.module]
   backward_s, ready, fwd_layer = an.backward_s, an.ready_s, an.fwd_layer
   device_span = sum(fwd_layer.values()) + backward_s
@@ -131,11 +131,11 @@ def _measured(s: _Setup, steps: int, warmup: int, update: _Prog | None, whole: _
   span = device_span + update_span
   scale = wall_s / span if span > 0 else 1.0
   if scale < 0.1:
-    raise _NoProfilerEvents(
+    raise NoProfilerEvents(
         f"implausible trace: one device's traced step ({span * 1e3:.3f} ms) is {1 / scale:.0f} times the "
         f"untraced step ({wall_s * 1e3:.3f} ms); {an.held}")
   note = (f"measured: jax.profiler trace of {steps} steps x {s.num_devices} devices "
-          f"({an.executions} executions, {_LINKED[trace.linked.get(hlo.module, 'run_id')]}), medians; ops "
+          f"({an.executions} executions, {LINKED[trace.linked.get(hlo.module, 'run_id')]}), medians; ops "
           f"mapped to leaves via the ENTRY ROOT tuple, to layers via op_name metadata; one device's span "
           f"{device_span * 1e3:.3f} ms + update {update_span * 1e3:.3f} ms "
           f"({'traced' if upd_events else 'not measured'}) stretched x{scale:.2f} to the median untraced "
@@ -148,11 +148,11 @@ def _measured(s: _Setup, steps: int, warmup: int, update: _Prog | None, whole: _
 
 
 HLO_FILE = "prophet_profile_step.hlo.txt"
-_LINKED = {"run_id": "executions by run_id", "host launch": "executions by the host's launches",
+LINKED = {"run_id": "executions by run_id", "host launch": "executions by the host's launches",
            "segments": "executions cut where another program ran"}
 
 
-def _from_trace(trace: str | os.PathLike[str], hlo: _step_hlo.StepHlo, spec: _RowSpec, *,
+def from_trace(trace: str | os.PathLike[str], hlo: _step_hlo.StepHlo, spec: RowSpec, *,
                 outputs: Sequence[str] | None = None, extra_modules: Sequence[str] = (),
                 expected: int | None = None, expected_why: str = "") -> tuple[_xplane.Trace, _xplane.Analysis]:
   """The trace's executions of the step `hlo`, analysed for the spec's rows (output k is leaf k; or
@@ -179,19 +179,19 @@ def _from_trace(trace: str | os.PathLike[str], hlo: _step_hlo.StepHlo, spec: _Ro
   return trace, an
 
 
-class _NoProfilerEvents(Exception):
+class NoProfilerEvents(Exception):
   """The profiler trace could not be used (internal: triggers the fallback)."""
 
 
-def _timed(s: _Setup, repeats: int, update: Callable[[], Any] | None
+def timed(s: ProgramSetup, repeats: int, update: Callable[[], Any] | None
            ) -> tuple[float, float, list[float], dict[str, float], float, str]:
-  diff, other = _split(s)
-  fwd_prog = _loss_program(s)
-  t_fwd = _wall_median(lambda: fwd_prog(diff, other, s.batch), repeats)
-  full = _grad_program(s)
-  t_all = _wall_median(lambda: full(diff, other, s.batch), repeats)
+  diff, other = split_leaves(s)
+  fwd_prog = loss_program(s)
+  t_fwd = wall_median(lambda: fwd_prog(diff, other, s.batch), repeats)
+  full = grad_program(s)
+  t_all = wall_median(lambda: full(diff, other, s.batch), repeats)
   backward_s = max(t_all - t_fwd, 0.0)
-  layers = _layers_in_order(s)
+  layers = ordered_layers(s)
   by_layer: dict[str, list[int]] = {}
   for k in range(len(s.diff_idx)):
     by_layer.setdefault(s.layers[s.diff_idx[k]], []).append(k)
@@ -202,11 +202,11 @@ def _timed(s: _Setup, repeats: int, update: Callable[[], Any] | None
   layer_ready = {}
   for j in sampled:
     ks = by_layer[layers[j]]
-    g = _grad_program(s, wrt=ks, name=f"{_STEP_NAME}_part")
-    t = _wall_median(lambda g=g: g(diff, other, s.batch), repeats)
+    g = grad_program(s, wrt=ks, name=f"{STEP_NAME}_part")
+    t = wall_median(lambda g=g: g(diff, other, s.batch), repeats)
     layer_ready[layers[j]] = min(max(t - t_fwd, 0.0), backward_s)
   if len(sampled) < len(layers):
-    size = [sum(_nbytes(s.leaves[s.diff_idx[k]]) for k in by_layer[l]) for l in layers]
+    size = [sum(array_nbytes(s.leaves[s.diff_idx[k]]) for k in by_layer[l]) for l in layers]
     back = [0.0] * len(layers)  # bytes from the back of the net to each layer's end
     acc = 0.0
     for j in range(len(layers) - 1, -1, -1):
@@ -228,7 +228,7 @@ def _timed(s: _Setup, repeats: int, update: Callable[[], Any] | None
     prev = max(prev, layer_ready[l])
   tot = sum(seg.values())
   fwd_layer = {l: t_fwd * (seg[l] / tot if tot > 0 else 1 / len(layers)) for l in layers}
-  update_s = _wall_median(update, repeats) if update is not None else 0.0
+  update_s = wall_median(update, repeats) if update is not None else 0.0
   which = ("each layer" if len(sampled) == len(layers) else
            f"{len(sampled)} of the {len(layers)} layers (evenly spaced in forward order; the others "
            f"interpolated by parameter bytes)")
@@ -248,13 +248,13 @@ def _sample(n: int, k: int) -> list[int]:
   return sorted({round(j * (n - 1) / (k - 1)) for j in range(k)})
 
 
-def _device_flops_per_s(s: _Setup) -> float:
+def _device_flops_per_s(s: ProgramSetup) -> float:
   m = 256
   a = jnp.ones((s.num_devices * m, m), jnp.float32)
-  f = jax.jit(jax.shard_map(lambda x: x @ x.T[:, :m], mesh=s.mesh, in_specs=P(_AXIS),
-                            out_specs=P(_AXIS), check_vma=False))
-  a = jax.device_put(a, jax.sharding.NamedSharding(s.mesh, P(_AXIS)))
-  t = _wall_median(lambda: f(a), 5)
+  f = jax.jit(jax.shard_map(lambda x: x @ x.T[:, :m], mesh=s.mesh, in_specs=P(AXIS),
+                            out_specs=P(AXIS), check_vma=False))
+  a = jax.device_put(a, jax.sharding.NamedSharding(s.mesh, P(AXIS)))
+  t = wall_median(lambda: f(a), 5)
   return 2 * m * m * m / max(t, 1e-9)
 
 
@@ -265,18 +265,18 @@ def _flops(compiled: Any) -> float:
   return float((ca or {}).get("flops", 0.0))
 
 
-def _estimated(s: _Setup) -> tuple[float, float, list[float], dict[str, float], float, str]:
-  diff, other = _split(s)
-  f_fwd = _flops(_loss_program(s).lower(diff, other, s.batch).compile())
-  f_all = _flops(_grad_program(s).lower(diff, other, s.batch).compile())
+def estimated(s: ProgramSetup) -> tuple[float, float, list[float], dict[str, float], float, str]:
+  diff, other = split_leaves(s)
+  f_fwd = _flops(loss_program(s).lower(diff, other, s.batch).compile())
+  f_all = _flops(grad_program(s).lower(diff, other, s.batch).compile())
   rate = _device_flops_per_s(s)
   forward_s = f_fwd / rate
   backward_s = max(f_all - f_fwd, 0.0) / rate
   # spread by bytes: later layers ready first
-  layers = _layers_in_order(s)
+  layers = ordered_layers(s)
   lb = dict.fromkeys(layers, 0)
   for k in range(len(s.diff_idx)):
-    lb[s.layers[s.diff_idx[k]]] += _nbytes(s.leaves[s.diff_idx[k]])
+    lb[s.layers[s.diff_idx[k]]] += array_nbytes(s.leaves[s.diff_idx[k]])
   total = max(sum(lb.values()), 1)
   t, lr = 0.0, {}
   for l in reversed(layers):

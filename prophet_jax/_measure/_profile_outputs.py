@@ -1,9 +1,9 @@
 """Which outputs of a traced program are the gradient leaves: HLO shapes matched to the leaves'.
 
-`profile_from_trace` reads a program it did not build: `_gradient_outputs` finds the one run of
+`profile_from_trace` reads a program it did not build: `gradient_outputs` finds the one run of
 consecutive ENTRY ROOT operands whose shapes and dtypes are the leaves', in order (a
 `value_and_grad` program's loss beside them is fine), and otherwise names the first leaf that
-differs; `_hlo_matches` compares one HLO shape with a leaf's shape and dtype.
+differs; `hlo_matches` compares one HLO shape with a leaf's shape and dtype.
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ def _hlo_dtype(name: str) -> str:
   return name
 
 
-def _hlo_matches(shape_text: str, shape: tuple[int, ...], dtype: str) -> bool:
+def hlo_matches(shape_text: str, shape: tuple[int, ...], dtype: str) -> bool:
   return shape_dims(shape_text) == (tuple(shape),) and shape_dtypes(shape_text) == (_hlo_dtype(dtype),)
 
 
-def _gradient_outputs(hlo: _step_hlo.StepHlo, paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
+def gradient_outputs(hlo: _step_hlo.StepHlo, paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
                       dtypes: Sequence[str]) -> list[str]:
   """The program outputs that are the gradient leaves: the one run of consecutive ENTRY ROOT operands
   whose shapes and dtypes are the leaves', in order."""
   outs = hlo.root_operands
   n = len(paths)
   fits = [off for off in range(len(outs) - n + 1)
-          if all(_hlo_matches(hlo.instrs[outs[off + k]].shape, shapes[k], dtypes[k]) for k in range(n))]
+          if all(hlo_matches(hlo.instrs[outs[off + k]].shape, shapes[k], dtypes[k]) for k in range(n))]
   if len(fits) == 1:
     return list(outs[fits[0]:fits[0] + n])
   if len(fits) > 1:
@@ -48,7 +48,7 @@ def _gradient_outputs(hlo: _step_hlo.StepHlo, paths: Sequence[str], shapes: Sequ
   best, where = -1, 0
   for off in range(max(len(outs) - n + 1, 1)):
     k = 0
-    while k < n and off + k < len(outs) and _hlo_matches(hlo.instrs[outs[off + k]].shape, shapes[k], dtypes[k]):
+    while k < n and off + k < len(outs) and hlo_matches(hlo.instrs[outs[off + k]].shape, shapes[k], dtypes[k]):
       k += 1
     if k > best:
       best, where = k, off

@@ -28,7 +28,7 @@ def _check_tree(schedule: Schedule, params: Any) -> None:
 _MESSAGE_BYTES = 600  # each rank's error message, as gathered for the others (truncated)
 
 
-def _gather_messages(text: str) -> list[str]:
+def gather_messages(text: str) -> list[str]:
   """Every process's `text` (at most _MESSAGE_BYTES bytes of it), in rank order."""
   from jax.experimental import multihost_utils  # lazy: `launch` (pure) imports this module
 
@@ -112,7 +112,7 @@ def broadcast_schedule(schedule: Schedule | BaseException | None, params: Any = 
   except ProphetError as e:
     error = type(e)(f"rank {rank}: {e}")
     error.__cause__ = e
-  messages = _gather_messages("" if error is None else str(error))
+  messages = gather_messages("" if error is None else str(error))
   if error is not None:
     raise error
   bad = [r for r, m in enumerate(messages) if m]

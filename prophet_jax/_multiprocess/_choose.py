@@ -29,7 +29,7 @@ import numpy as np
 from .._planning._paired import DEFAULT_CONFIDENCE, Choice, check_options, decide, interleave
 from .._values._checks import check_int
 from .._values._errors import LaunchError
-from ._agreement import _gather_messages
+from ._agreement import gather_messages
 
 __all__ = ["choose", "Choice"]
 
@@ -110,7 +110,7 @@ def _agree_names(names: tuple[str, ...]) -> tuple[str, ...]:
   if jax.process_count() == 1:
     return names
   text = "\n".join(names)
-  mine = _gather_messages(text)
+  mine = gather_messages(text)
   if any(m != mine[0] for m in mine):
     bad = [r for r, m in enumerate(mine) if m != mine[0]]
     raise LaunchError(f"choose: rank(s) {bad} have other steps than rank 0: {mine[0].splitlines()} on "
@@ -145,7 +145,7 @@ def _agree_choice(mine: Choice) -> Choice:
   msg = "" if got.fingerprint == mine.fingerprint else (
       f"rank {rank} decided {mine.best!r} (fingerprint {mine.fingerprint}) from the same timings where "
       f"rank 0 decided {got.best!r} ({got.fingerprint})")
-  messages = _gather_messages(msg)
+  messages = gather_messages(msg)
   bad = [r for r, m in enumerate(messages) if m]
   if bad:
     raise LaunchError(f"choose: rank {rank}: rank(s) {bad} disagree with rank 0's decision: "

@@ -31,7 +31,7 @@ from .._values._network import NetworkModel
 from .._values._schedule import Schedule
 from ._fsdp import FsdpArrays, dear_peak_bytes, fsdp_arrays_of, fsdp_durations, fsdp_run, fsdp_samples
 from ._sharded import ShardedArrays, ShardedRun, sharded_arrays, sharded_durations, sharded_run
-from .._values._types import GradientProfile, _fields, _loads
+from .._values._types import GradientProfile, json_fields, json_object
 
 __all__ = ["simulate", "SimResult", "Event"]
 
@@ -107,12 +107,12 @@ class SimResult:
 
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> SimResult:
-    obj = _fields(cls, _loads(text_or_obj, "SimResult"), "SimResult")
+    obj = json_fields(cls, json_object(text_or_obj, "SimResult"), "SimResult")
     missing = sorted({"iteration_s", "compute_s", "comm_s", "idle_s", "network_busy", "allreduces"} - set(obj))
     if missing:
       raise ValueError(f"SimResult.from_json: missing field(s) {missing}.")
     try:
-      events = tuple(Event(**_fields(Event, dict(e), "SimResult event")) for e in obj.pop("events", ()))
+      events = tuple(Event(**json_fields(Event, dict(e), "SimResult event")) for e in obj.pop("events", ()))
     except TypeError as e:
       raise ValueError(f"SimResult.from_json: malformed 'events' ({e}).") from e
     return cls(events=events, **obj)

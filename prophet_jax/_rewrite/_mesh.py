@@ -57,7 +57,7 @@ from . import _loss_reduction, _states
 from ._defer import deferred_grads as _deferred_grads
 from ._placement import (_check_model_state, _check_not_mapped, _explicit_axes, _known_spec, _leaves, _spec_axes,
                          _spec_entry, check_batch, check_replicated)
-from .._compiled._devices import _names, axis_total, check_mesh, data_axes
+from .._compiled._devices import mesh_axis_names, axis_total, check_mesh, data_axes
 from .._values._errors import AlreadyReducedError
 from .._values._schedule import Schedule
 from .._values._tree import is_reduced_leaf
@@ -411,7 +411,7 @@ def _check_unreduced(grads: Any, mesh: Any, axes: tuple[Any, ...], where: str) -
   if not set(axes) <= _explicit_axes(mesh):
     raise ValueError(
         f"{where}: gradients obtained unreduced need mesh axes of type Explicit (jax.make_mesh's "
-        f"default; this mesh's are {dict(zip(_names(mesh), mesh.axis_types))}), where the type says "
+        f"default; this mesh's are {dict(zip(mesh_axis_names(mesh), mesh.axis_types))}), where the type says "
         f"they are unreduced. With Auto axes use prophet_jax.hooked(loss_fn, schedule, "
         f"axis_name={entry!r}, mesh=mesh), which issues the chunks inside backward itself.")
   for name, g in _leaves(grads, "grads"):

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._compiled._devices import _names, axis_total
+from .._compiled._devices import mesh_axis_names, axis_total
 from .._values._tree import path_str
 
 __all__ = ["check_replicated", "check_batch"]
@@ -31,7 +31,7 @@ def _spec_entry(axes: tuple[Any, ...]) -> Any:
 
 def _explicit_axes(mesh: Any) -> frozenset[Any]:
   types = getattr(mesh, "axis_types", None) or ()
-  return frozenset(n for n, t in zip(_names(mesh), types) if t == jax.sharding.AxisType.Explicit)
+  return frozenset(n for n, t in zip(mesh_axis_names(mesh), types) if t == jax.sharding.AxisType.Explicit)
 
 
 def _check_not_mapped(axes: tuple[Any, ...], where: str) -> None:

@@ -137,7 +137,7 @@ def _row_dtype(path: str, dtype: Any) -> str:
   return dtype
 
 
-def _loads(text_or_obj: str | Mapping[str, Any], what: str) -> dict[str, Any]:
+def json_object(text_or_obj: str | Mapping[str, Any], what: str) -> dict[str, Any]:
   if isinstance(text_or_obj, Mapping):
     return dict(text_or_obj)
   try:
@@ -149,7 +149,7 @@ def _loads(text_or_obj: str | Mapping[str, Any], what: str) -> dict[str, Any]:
   return obj
 
 
-def _fields(cls: type, obj: dict[str, Any], what: str, *, required: bool = False) -> dict[str, Any]:
+def json_fields(cls: type, obj: dict[str, Any], what: str, *, required: bool = False) -> dict[str, Any]:
   """`obj`, checked to hold only fields of the dataclass `cls` (and, with `required`, every field
   without a default)."""
   fields = dataclasses.fields(cls)
@@ -180,7 +180,7 @@ class JsonValue:
 
   @classmethod
   def _json_fields(cls, text_or_obj: str | Mapping[str, Any]) -> dict[str, Any]:
-    return _fields(cls, _loads(text_or_obj, cls.__name__), cls.__name__)
+    return json_fields(cls, json_object(text_or_obj, cls.__name__), cls.__name__)
 
 
 # --------------------------------------------------------------------------------------------------

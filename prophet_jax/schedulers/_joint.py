@@ -36,7 +36,7 @@ import numpy as np
 from .._planning._core import Problem, equal_parts, link_end, objective_s, split_by_dtype
 from .._values._network import NetworkModel
 from ._base import Slice
-from ._prophet import _Planner as ProphetPlanner
+from ._prophet import Planner as ProphetPlanner
 
 # The joint optimiser's grid, in units of the network's start-up/byte ratio a/b (the bytes whose transfer
 # time equals one start-up): partition size (None: whole rows), block size (None: no limit), and how the

@@ -39,7 +39,7 @@ def find_stages(ready_s: list[float], gap_factor: float) -> list[float]:
   return starts
 
 
-class _Planner:
+class Planner:
   """One greedy pass of Prophet's block rule for fixed knobs, on the problem's per-row arrays."""
 
   def __init__(self, prob: Problem, gap_factor: float, score: Problem | None = None):
@@ -242,7 +242,7 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
       # under pressure the block rule also runs at a typical message's costs (as Prophet sizes blocks
       # from measured timings); every plan is scored on the network given (`_core.objective_s`)
       search = search_problem(prob)
-      planners = [_Planner(prob, gap_factor)] + ([_Planner(search, gap_factor, score=prob)]
+      planners = [Planner(prob, gap_factor)] + ([Planner(search, gap_factor, score=prob)]
                                                  if search is not prob else [])
       for planner in planners:
         a, b = planner.a, planner.b
