@@ -145,3 +145,19 @@ def test_schedule_round_trip_and_invariants():
   with pytest.raises(ScheduleError, match=r"chunk0 names row 4, but the schedule has 4 rows \(0 to 3.*Plan "
                                           r"again for this profile"):
     _schedule(p, ((0, 0, 12), (1, 0, 12), (2, 0, 12), (4, 0, 1)))
+
+
+def test_schedule_family_is_one_field_in_json_derived_for_old_files_and_checked():
+  import prophet_jax as pj
+  from prophet_jax.models import load_trace
+
+  p, net = load_trace("resnet50-v100"), NetworkModel.preset("25gbe", workers=8)
+  for policy, family in (("wfbp", "allreduce"), ("dear", "zero1")):
+    s = pj.plan(p, net, policy)
+    d = json.loads(s.to_json())
+    assert s.family == d["family"] == family and s.sharded == (family == "zero1")
+    del d["family"]   # a file written before the field existed
+    assert Schedule.from_json(d) == s
+    with pytest.raises(ScheduleError, match=r"family='fsdp'.*'%s'" % family):
+      Schedule.from_json({**d, "family": "fsdp"})
+  assert isinstance(Schedule.sharded, property) and Schedule.sharded.fset is None   # derived, read-only

@@ -19,9 +19,10 @@ from ._schedule_checks import check_coverage, check_gathers, check_links
 from ._sharding import FsdpPlan, check_fsdp, fsdp_fingerprint
 from ._types import JsonValue, check_items, is_bool, is_int, nonneg_or_none, is_number, itemsize
 
-__all__ = ["Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA", "shard_size"]
+__all__ = ["Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA", "FAMILIES", "shard_size"]
 
 SCHEDULE_SCHEMA = 1
+FAMILIES = ("allreduce", "zero1", "fsdp")   # Schedule.family: what the plan's collectives do
 
 
 def shard_size(size: int, workers: int) -> int:
@@ -212,6 +213,10 @@ class Schedule(JsonValue):
     fsdp: None, or the FSDP (ZeRO-3) plan (`_sharding.FsdpPlan`; the `fsdp` policy): which chunks are
       reduce-scattered FSDP buckets (the rest replicated leaves' all-reduces), their forward all-gather
       order and prefetch, what backward gathers again, and the rows' placement (in the fingerprint).
+    family: the plan's family, the one field every choice between families reads: 'allreduce'
+      (all-reduces; gradients and optimizer state replicated), 'zero1' (a sharded schedule: `gathers`
+      non-empty) or 'fsdp' (`fsdp` set). Derived from `gathers` and `fsdp` when not given (files
+      written before the field existed); a given family must agree with them.
     schema: format version.
 
   Invariant (checked on construction): every element of every row with a nonzero size is in exactly one
@@ -231,6 +236,7 @@ class Schedule(JsonValue):
   links: tuple[int, ...] = ()
   gathers: tuple[tuple[int, ...], ...] = ()
   fsdp: FsdpPlan | None = None
+  family: str = ""
   schema: int = SCHEDULE_SCHEMA
 
   def __post_init__(self):
@@ -268,6 +274,11 @@ class Schedule(JsonValue):
                           f"(which hash to {fp!r}): the file was edited. Plan again.")
     check_coverage(self, info)
     check_fsdp(self)
+    family = "fsdp" if self.fsdp is not None else "zero1" if self.gathers else "allreduce"
+    if self.family not in ("", family):
+      raise ScheduleError(f"schedule has family={self.family!r}, but its collectives are those of "
+                          f"{family!r} (families: {', '.join(FAMILIES)}): the file was edited. Plan again.")
+    object.__setattr__(self, "family", family)
 
   @property
   def chunks(self) -> tuple[Chunk, ...]:
@@ -282,9 +293,8 @@ class Schedule(JsonValue):
 
   @property
   def sharded(self) -> bool:
-    """True for a sharded (ZeRO-1, `dear`) schedule: reduce-scatters (the chunks) and all-gathers
-    (`gathers`) instead of all-reduces."""
-    return bool(self.gathers)
+    """True for a ZeRO-1 (`dear`) schedule: `family == 'zero1'` (read-only, derived)."""
+    return self.family == "zero1"
 
   @property
   def num_reduce_scatters(self) -> int:
@@ -385,7 +395,7 @@ class Schedule(JsonValue):
 
   def to_dict(self) -> dict[str, Any]:
     return {
-        "schema": self.schema, "policy": self.policy, "options": dict(self.options),
+        "schema": self.schema, "family": self.family, "policy": self.policy, "options": dict(self.options),
         "cross_step": self.cross_step, "predicted_s": self.predicted_s,
         "tree_fingerprint": self.tree_fingerprint,
         "rows": [[p, list(s), t] for p, s, t in self.rows],
