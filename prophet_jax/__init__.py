@@ -27,7 +27,7 @@ _EXPORTS: dict[str, str] = {
     "GlooBindError": "_values._errors", "CompositionError": "_values._errors", "GpuCompileError": "_values._errors",
     "DeferralWarning": "_values._errors", "ShardingError": "_values._errors", "JaxVersionError": "_values._errors",
     # planning and simulation (pure)
-    "plan": "_planning._plan", "validate_schedule": "_planning._plan", "POLICIES": "_planning._plan",
+    "plan": "schedulers._plan", "validate_schedule": "schedulers._plan", "POLICIES": "schedulers._plan",
     "simulate": "_planning._simulate", "lower_bound": "_planning._bound",
     # plots (pure; matplotlib is imported when one is drawn)
     "plot_timelines": "_planning._timeline",
@@ -84,7 +84,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._planning._paired import Choice
   from ._measure._probe import AllreduceTimings, measure_network, probe
   from ._rewrite._pipelined import pipelined
-  from ._planning._plan import POLICIES, plan, validate_schedule
+  from .schedulers._plan import POLICIES, plan, validate_schedule
   from ._measure._profile import profile_from_trace, profile_step
   from ._planning._simulate import simulate
   from ._steps import compile_step, lower_step

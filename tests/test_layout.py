@@ -13,14 +13,15 @@ ROOT = pathlib.Path(prophet_jax.__file__).parent
 # The pipeline's stages, bottom to top: a module imports only from its own stage or the ones below.
 STAGES = {
     "_values": 0,                               # pure values: profile, network, schedule, tree, checks
-    "_planning": 1, "schedulers": 1,            # pure numpy: the core, simulation, bounds, the policies
-    "_compiled": 2,                             # reading compiled programs; GPU targets; mesh geometry
-    "_measure": 3,                              # profiling a step, reading traces, probing the network
-    "_rewrite": 4,                              # the engine, states, front-ends and the mesh layer
-    "_multiprocess": 5,                         # distributed start, launcher, agreement, monitor
-    "cli": 6, "launch": 6, "_steps": 6, "_demo": 6, "__main__": 6, "prophet_jax": 6,   # front doors
+    "_planning": 1,                             # pure numpy: the core, simulation, bounds
+    "schedulers": 2,                            # pure numpy: the policies, and plan() above them
+    "_compiled": 3,                             # reading compiled programs; GPU targets; mesh geometry
+    "_measure": 4,                              # profiling a step, reading traces, probing the network
+    "_rewrite": 5,                              # the engine, states, front-ends and the mesh layer
+    "_multiprocess": 6,                         # distributed start, launcher, agreement, monitor
+    "cli": 7, "launch": 7, "_steps": 7, "_demo": 7, "__main__": 7, "prophet_jax": 7,   # front doors
 }
-STAGE_NAMES = ["values", "planning", "compiled", "measure", "rewrite", "multiprocess", "front doors"]
+STAGE_NAMES = ["values", "planning", "policies", "compiled", "measure", "rewrite", "multiprocess", "front doors"]
 MAX_LINES = 600
 MESH_LAYER = {"_rewrite/_mesh.py", "_compiled/_devices.py"}  # placement (is there a mesh?) is decided here
 
@@ -72,7 +73,7 @@ def _upward(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_every_import_points_down_or_within_its_stage():
-  """values < planning (with schedulers) < compiled < measure < rewrite < multiprocess < front doors:
+  """values < planning < policies (schedulers, plan) < compiled < measure < rewrite < multiprocess < front doors:
   every import in the package, in-function ones included, points to a stage at or below its own."""
   up = _upward(_import_graph())
   assert not up, "imports pointing up the stages:\n  " + "\n  ".join(up)

@@ -8,7 +8,7 @@ import pytest
 
 import prophet_jax
 
-PURE = ["prophet_jax", "prophet_jax._values._types", "prophet_jax._values._errors", "prophet_jax._planning._plan", "prophet_jax._values._tree",
+PURE = ["prophet_jax", "prophet_jax._values._types", "prophet_jax._values._errors", "prophet_jax.schedulers._plan", "prophet_jax._values._tree",
         "prophet_jax._planning._core", "prophet_jax._planning._paired", "prophet_jax._values._schedule", "prophet_jax._values._schedule_checks", "prophet_jax._values._network", "prophet_jax._values._checks",
         "prophet_jax.launch", "prophet_jax._values._placement", "prophet_jax._values._sharding",
         "prophet_jax._planning._simulate", "prophet_jax._planning._sharded", "prophet_jax._planning._bound", "prophet_jax._planning._timeline",

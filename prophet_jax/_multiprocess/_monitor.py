@@ -62,7 +62,7 @@ from .._compiled._devices import mesh_workers
 from .._values._checks import check_int, check_number, match_rows
 from .._values._network import NetworkModel
 from .._planning._paired import Choice
-from .._planning._plan import plan
+from ..schedulers._plan import plan
 from .._measure._probe import QUICK_SIZES, probe
 from .._values._schedule import Schedule
 from .._planning._simulate import simulate

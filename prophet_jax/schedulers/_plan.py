@@ -12,9 +12,9 @@ from typing import Any
 from .._values._checks import check_values, match_rows
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
-from ._simulate import link_assignment, simulate
+from .._planning._simulate import link_assignment, simulate
 from .._values._types import GradientProfile, is_bool
-from ..schedulers._registry import POLICIES, resolve
+from ._registry import POLICIES, resolve
 
 __all__ = ["plan", "validate_schedule", "POLICIES"]
 
