@@ -33,14 +33,10 @@ import numpy as np
 
 from ._defer import GroupState
 from ._keys import enforced, unit_scope
-from .._values._errors import AlreadyReducedError, UnboundAxisError
-from .._values._schedule import Bucket, Schedule, shard_size
-from .._values._tree import is_reduced_leaf
+from .._values._schedule import Bucket, Schedule
 
-__all__ = ["tie", "reduce_tied", "chunk_scope", "axis_size", "check_not_reduced", "vma_enabled", "is_varying",
-           "to_varying", "rank", "reduce_units", "schedule_units", "unit_allreduces", "schedule_chains", "EngineHooks",
-           "engine_hooks", "rs_scope", "ag_scope", "reduce_scatter_chunks", "all_gather_chunks", "scatter_chunks",
-           "local_shards", "shards_square_sum", "sharded_allreduce"]
+__all__ = ["tie", "zero_of", "reduce_tied", "chunk_scope", "rank", "reduce_units", "schedule_units", "unit_allreduces",
+           "schedule_chains", "EngineHooks", "engine_hooks", "engine_divisor"]
 
 SCOPE_PREFIX = "prophet/chunk"
 RS_PREFIX = "prophet/rs"   # a sharded schedule's reduce-scatter of chunk k
@@ -56,7 +52,7 @@ def chunk_scope(k: int) -> str:
 # the tie
 
 
-def _zero_of(prev: jax.Array, dtype: Any) -> jax.Array:
+def zero_of(prev: jax.Array, dtype: Any) -> jax.Array:
   """An exact scalar zero that data-depends on `prev[0]` and is 0 even when prev[0] is NaN or Inf."""
   p = prev.reshape(-1)[0]
   return jnp.where(jnp.isfinite(p), p * 0, jnp.zeros((), p.dtype)).astype(dtype)
@@ -71,7 +67,7 @@ def tie(buf: jax.Array, prev: jax.Array | None) -> jax.Array:
   """
   if prev is None or not enforced():   # keyed units (`_keys`): XLA orders them, nothing ties them
     return buf
-  return buf.at[0].add(_zero_of(prev, buf.dtype))
+  return buf.at[0].add(zero_of(prev, buf.dtype))
 
 
 def reduce_tied(buf: jax.Array, prev: jax.Array | None, axis_name: Any, divisor: int | None) -> jax.Array:
@@ -80,68 +76,6 @@ def reduce_tied(buf: jax.Array, prev: jax.Array | None, axis_name: Any, divisor:
   or a deferral slot is reduced (`reduce_units`); the caller sets its scope."""
   red = jax.lax.psum(tie(buf, prev), axis_name)
   return red if divisor is None else red / jnp.asarray(divisor, red.dtype)
-
-
-# --------------------------------------------------------------------------------------------------
-# axis checks
-
-
-def axis_size(axis_name: Any, where: str) -> int:
-  """The size of a bound axis, or UnboundAxisError naming the fix."""
-  try:
-    return int(jax.lax.axis_size(axis_name))
-  except NameError as e:
-    raise UnboundAxisError(
-        f"{where}(..., axis_name={axis_name!r}) ran outside a mapped context (no axis {axis_name!r} is "
-        f"bound). Call the train step inside jax.shard_map with a mesh axis named {axis_name!r}, or "
-        f"inside jax.pmap(..., axis_name={axis_name!r}).") from e
-
-
-def _axis_names(axis_name: Any) -> tuple[Any, ...]:
-  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
-def is_varying(x: Any, axis_name: Any) -> bool:
-  """True when `x`'s type says it varies over every axis of `axis_name` (jax's `vma` set, which only
-  shard_map with check_vma=True fills: docs/facts.md, "The 8x gradient trap")."""
-  varying = jax.typeof(x).manual_axis_type.varying
-  return all(n in varying for n in _axis_names(axis_name))
-
-
-def to_varying(x: Any, axis_name: Any) -> Any:
-  """`x` marked varying over `axis_name` (`jax.lax.pcast(x, axis_name, to="varying")`): its gradient
-  then stays per-device instead of being summed over the axis by `jax.grad`."""
-  return jax.lax.pcast(x, axis_name, to="varying")
-
-
-def vma_enabled(axis_name: Any) -> bool:
-  """True under shard_map with check_vma=True, where values carry the axes they vary over.
-
-  Under pmap and under shard_map(check_vma=False) nothing is marked varying, so an already-summed
-  gradient cannot be told from a per-device one there.
-  """
-  return is_varying(jax.lax.axis_index(axis_name), axis_name)
-
-
-def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: str) -> None:
-  """AlreadyReducedError when a floating gradient is invariant over `axis_name` under check_vma.
-
-  Under shard_map's default check_vma, replicated params (in_specs P()) that meet per-device data get an
-  implicit pvary whose transpose is a psum: jax.grad then returns gradients already summed over the axis,
-  and reducing them again would make them `axis_size` times too large.
-  """
-  if not vma_enabled(axis_name):
-    return
-  for path, g in leaves:
-    if not is_reduced_leaf(g) or np.size(g) == 0:
-      continue
-    if not is_varying(g, axis_name):
-      raise AlreadyReducedError(
-          f"{where}: gradient {path!r} is already summed over axis {axis_name!r} (it does not vary over "
-          f"it): under shard_map's default check_vma, jax.grad sums the gradients of replicated params. "
-          f"Mark the params varying before jax.grad: params = jax.lax.pcast(params, {axis_name!r}, "
-          f"to='varying'), or use prophet_jax.hooked, which does it for you (or shard_map(..., "
-          f"check_vma=False)).")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,7 +211,7 @@ def rank(norms: jax.Array, deferred: jax.Array) -> jax.Array:
   return jnp.argsort(-score, stable=True).astype(jnp.int32)
 
 
-def _hooked(divisor: Any) -> tuple[Any, Any]:
+def engine_divisor(divisor: Any) -> tuple[Any, Any]:
   """(the divisor as the tests' seam changes it, the seam's `gathered` callback or None)."""
   hooks = _HOOKS.get()
   if hooks is None:
@@ -325,7 +259,7 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
   Returns:
     (the new leaves, the last result (a tuple per chain when `prev` is a tuple), the new GroupStates).
   """
-  divisor, seen = _hooked(divisor)
+  divisor, seen = engine_divisor(divisor)
   multi = isinstance(prev, tuple)
   last: dict[int, Any] = dict(enumerate(prev)) if multi else {0: prev}
   flat = list(flat)
@@ -401,149 +335,3 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
     flat[i] = full.reshape(np.shape(flat[i]))
   out_prev = tuple(last.get(j) for j in range(len(prev))) if multi else last[0]
   return flat, out_prev, tuple(new_defer)
-
-
-# --------------------------------------------------------------------------------------------------
-# the sharded engine: reduce-scatters and all-gathers (a sharded schedule, ZeRO-1)
-
-
-def rs_scope(k: int) -> str:
-  """The named scope of chunk k's reduce-scatter in a sharded schedule: 'prophet/rs<k>' (`audit`)."""
-  return f"{RS_PREFIX}{k}"
-
-
-def ag_scope(g: int) -> str:
-  """The named scope of all-gather g (`schedule.gathers[g]`): 'prophet/ag<g>' (`audit`)."""
-  return f"{AG_PREFIX}{g}"
-
-
-def _chunk_buffer(flat: Sequence[jax.Array], chunk: Any, row_leaf: Sequence[int]) -> jax.Array:
-  """Chunk's element slices gathered, in order, into one flat buffer (its dtype, `chunk.size` long)."""
-  parts = [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-
-
-def _padded(buf: jax.Array, n: int) -> jax.Array:
-  """`buf` zero-padded at its end to n x `shard_size(len, n)` elements (the reduce-scatter's buffer)."""
-  extra = n * shard_size(buf.shape[0], n) - buf.shape[0]
-  return buf if not extra else jnp.pad(buf, (0, extra))
-
-
-def reduce_scatter_chunks(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
-                          axis_name: Any, *, n: int, divisor: int | None, first_index: int = 0,
-                          prev: jax.Array | None = None) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
-  """One reduce-scatter per chunk, in issue order: the sharded half of the one engine.
-
-  Each chunk's slices are gathered into one flat buffer, zero-padded at its end to a multiple of `n`
-  (`shard_size`: padding never drops an element, and the zeros it adds reduce to zeros), `tie`d to the
-  chain's previous result, reduce-scattered (`psum_scatter`, tiled: device i receives elements
-  [i*s, (i+1)*s) of the sum, s = `shard_size(chunk.size, n)`) under `jax.named_scope("prophet/rs<k>")`
-  and divided by `divisor` (in the buffer's dtype, as `pmean` does) unless None. The test seam
-  (`engine_hooks`) sees each buffer as gathered (unpadded, before the tie) and may change the divisor,
-  as it does for an all-reduce.
-
-  Args:
-    flat: leaves (any shape); rows index them through `row_leaf`.
-    chunks: the chunks to reduce-scatter, in issue order.
-    row_leaf: schedule row -> index into `flat`.
-    axis_name: the mapped axis; `n` its size.
-    divisor: the axis size for a mean, None for a sum.
-    first_index: k of the first chunk (its scope 'prophet/rs<k>').
-    prev: the chain's previous result (tied to the first buffer), or None.
-
-  Returns:
-    (this device's shard of every chunk, `shard_size` elements each, in chunk order; the last result).
-  """
-  divisor, seen = _hooked(divisor)
-  shards = []
-  for k, chunk in enumerate(chunks, start=first_index):
-    buf = _chunk_buffer(flat, chunk, row_leaf)
-    if seen is not None:
-      seen(k, buf)
-    with unit_scope(rs_scope(k)):
-      red = jax.lax.psum_scatter(tie(_padded(buf, n), prev), axis_name, scatter_dimension=0, tiled=True)
-      if divisor is not None:
-        red = red / jnp.asarray(divisor, red.dtype)
-    shards.append(red)
-    prev = red
-  return tuple(shards), prev
-
-
-def all_gather_chunks(shards: Sequence[jax.Array], chunks: Sequence[Any], gathers: Sequence[Sequence[int]],
-                      axis_name: Any, *, n: int, prev: jax.Array | None = None
-                      ) -> tuple[list[jax.Array], jax.Array | None]:
-  """One all-gather per entry of `gathers`, in order: the other half of the sharded engine.
-
-  All-gather g concatenates this device's shards of its chunks (`shards[k]`, `shard_size` elements
-  each), `tie`s the buffer to the chain's previous result and all-gathers it (tiled) under
-  `jax.named_scope("prophet/ag<g>")`; each chunk's whole buffer is then read back from the result
-  (device i's part holds its shard of every chunk of the gather, in order) and its padding dropped.
-  Under shard_map with check_vma the result is typed invariant (the same on every device).
-
-  Returns:
-    (every chunk's whole buffer, `chunk.size` elements, in chunk order; the last result).
-  """
-  vma = vma_enabled(axis_name)
-  out: list[Any] = [None] * len(chunks)
-  for g, ks in enumerate(gathers):
-    sizes = [shard_size(chunks[k].size, n) for k in ks]
-    buf = shards[ks[0]] if len(ks) == 1 else jnp.concatenate([shards[k] for k in ks])
-    with unit_scope(ag_scope(g)):
-      full = jax.lax.all_gather(tie(buf, prev), axis_name, axis=0, tiled=True,
-                                **({"to": "invarying"} if vma else {}))
-    prev = full
-    rows = full.reshape(n, sum(sizes))
-    off = 0
-    for k, s in zip(ks, sizes):
-      out[k] = rows[:, off:off + s].reshape(-1)[:chunks[k].size]
-      off += s
-  return out, prev
-
-
-def scatter_chunks(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
-                   buffers: Sequence[jax.Array]) -> list[jax.Array]:
-  """`flat` with every chunk's buffer put back at its slices (the rows the chunks cover replaced)."""
-  flat = list(flat)
-  pieces: dict[int, list[tuple[int, jax.Array]]] = {}
-  for chunk, buf in zip(chunks, buffers):
-    off = 0
-    for r, a, b in chunk.slices:
-      pieces.setdefault(r, []).append((a, buf[off:off + (b - a)]))
-      off += b - a
-  for r, segs in pieces.items():
-    i = row_leaf[r]
-    parts = [s for _, s in sorted(segs, key=lambda t: t[0])]
-    full = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    flat[i] = full.reshape(np.shape(flat[i]))
-  return flat
-
-
-def local_shards(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int], axis_name: Any,
-                 n: int) -> tuple[jax.Array, ...]:
-  """This device's shard of every chunk's (padded) flat buffer of `flat`: elements [i*s, (i+1)*s), i
-  the device's index on the axis, s = `shard_size` (what its reduce-scatter leaves it). Used for the
-  parameters a ZeRO-1 update reads (weight decay)."""
-  i = jax.lax.axis_index(axis_name)
-  out = []
-  for chunk in chunks:
-    s = shard_size(chunk.size, n)
-    out.append(jax.lax.dynamic_slice_in_dim(_padded(_chunk_buffer(flat, chunk, row_leaf), n), i * s, s))
-  return tuple(out)
-
-
-def shards_square_sum(shards: Sequence[jax.Array], axis_name: Any, scope: str) -> tuple[jax.Array, jax.Array]:
-  """(this device's sum of squares of `shards` in float32, the sum over the axis: one `psum` labelled
-  `scope`): the global norm a ZeRO-1 update's global-norm transformation reads."""
-  local = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in shards)
-  with jax.named_scope(scope):
-    return local, jax.lax.psum(local, axis_name)
-
-
-def sharded_allreduce(flat: Sequence[jax.Array], schedule: Schedule, row_leaf: Sequence[int], axis_name: Any,
-                      *, n: int, divisor: int | None) -> list[jax.Array]:
-  """A sharded schedule carried out as an all-reduce: every chunk's reduce-scatter, then every
-  all-gather (one tie chain), the whole buffers scattered back (replicated)."""
-  chunks = schedule.chunks
-  shards, last = reduce_scatter_chunks(flat, chunks, row_leaf, axis_name, n=n, divisor=divisor)
-  bufs, _ = all_gather_chunks(shards, chunks, schedule.gathers, axis_name, n=n, prev=last)
-  return scatter_chunks(flat, chunks, row_leaf, bufs)

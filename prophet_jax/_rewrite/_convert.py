@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _defer
-from ._collectives import _chunk_buffer, _padded, scatter_chunks
+from ._sharded import chunk_buffer, padded, scatter_chunks
 from ._states import AccumState, DeferState, ScheduledState, ShardedState, StateTag
 from ._zero import _flat, _tag, check_state, shard_mode
 from .._values._errors import ScheduleMismatchError, ShardingError
@@ -173,7 +173,7 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
       leaves = [_host(v) for v in treedef.flatten_up_to(x)]
       parts = []
       for c, t in zip(schedule.chunks, tmpl):
-        buf = np.asarray(_padded(_chunk_buffer(leaves, c, lmap.row_leaf), n)).astype(t.dtype)
+        buf = np.asarray(padded(chunk_buffer(leaves, c, lmap.row_leaf), n)).astype(t.dtype)
         parts.append(buf.reshape(n, -1))
       if mode == "global-norm":  # the carrier's entry: what init gives it (its update is dropped)
         parts.append(np.zeros((n,), tmpl[-1].dtype))

@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _loss_reduction, _mesh, _zero
-from ._collectives import _zero_of, is_varying, reduce_scatter_chunks, reduce_units, schedule_units, to_varying, unit_allreduces
+from ._axis import is_varying, to_varying
+from ._collectives import reduce_units, schedule_units, unit_allreduces, zero_of
+from ._sharded import reduce_scatter_chunks
 from ._defer import DeferState, GroupState, group_states, init as defer_init, with_groups
 from ._keys import check_enforce_order, ordered_by
 from ._reduction import step_setup
@@ -111,7 +113,7 @@ def _make_hook(backward: Callable, cast: Sequence[bool], axis_name: Any) -> Call
   def bwd(extra, cts):
     ct_leaves, ct_token = cts
     out, last, extra_ct = backward(list(ct_leaves), ct_token, extra)
-    return out, _zero_of(last, ct_token.dtype), extra_ct
+    return out, zero_of(last, ct_token.dtype), extra_ct
 
   hook.defvjp(fwd, bwd)
   return hook

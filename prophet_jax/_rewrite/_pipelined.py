@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 
 from . import _defer, _loss_reduction, _states, _zero
 from .._values._checks import check_values
-from ._collectives import axis_size
+from ._axis import axis_size
 from ._reduction import add_owed, allreduce, check_foreign
 from ._defer import DeferState
 from ._keys import check_enforce_order, ordered_by

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _defer
-from ._collectives import is_varying, to_varying, vma_enabled
+from ._axis import is_varying, to_varying, vma_enabled
 from ._defer import DeferState
 from ._pending import Pending, PipelinedState, _PendingMeta
 from ._reduction import check_foreign

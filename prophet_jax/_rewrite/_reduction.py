@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._accumulate import check_state as check_accum
-from ._collectives import (axis_size, check_not_reduced, is_varying, reduce_units, schedule_chains, schedule_units,
-                           sharded_allreduce, to_varying, vma_enabled)
+from ._axis import axis_size, check_not_reduced, is_varying, to_varying, vma_enabled
+from ._collectives import reduce_units, schedule_chains, schedule_units
+from ._sharded import sharded_allreduce
 from ._defer import DeferState, belongs, check_state, group_states, schedule_of, with_groups
 from ._defer import init as defer_init
 from ._keys import check_enforce_order, ordering

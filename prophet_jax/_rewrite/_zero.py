@@ -53,9 +53,10 @@ import optax
 from . import _probe_trials
 from ._states import GradShards, ShardedState, ShardLayout, StateTag
 from .._values._checks import match_tree
-from ._collectives import (all_gather_chunks, axis_size, check_not_reduced, is_varying, local_shards,
-                           reduce_scatter_chunks, scatter_chunks, shards_square_sum, to_varying, vma_enabled)
-from .._values._errors import ScheduleMismatchError, ShardingError, UnboundAxisError
+from ._axis import axis_size, check_not_reduced, is_varying, to_varying, vma_enabled
+from ._sharded import (all_gather_chunks, local_shards, reduce_scatter_chunks, scatter_chunks,
+                       shards_square_sum)
+from .._values._errors import ScheduleMismatchError, ShardingError
 from .._values._schedule import Schedule, shard_size
 from .._values._tree import is_reduced_leaf, path_str
 
@@ -83,21 +84,17 @@ def _tag(schedule: Schedule, n: int, mode: str) -> StateTag:
   return StateTag.of(schedule, ShardLayout(int(n), tuple(shard_size(c.size, n) for c in schedule.chunks), mode))
 
 
-def _bound_size(axis_name: Any, where: str) -> int:
-  try:
-    return int(jax.lax.axis_size(axis_name))
-  except NameError as e:
-    piped = where.startswith("pipelined")
-    init, specs = ("p.init", "p.state_specs()") if piped else ("tx.init", f"P({axis_name!r})")
-    raise UnboundAxisError(
-        f"{where}: the schedule is sharded (ZeRO-1): each device keeps the optimizer state of its own "
-        f"shard, whose size depends on the number of devices on axis {axis_name!r} and whose values on "
-        f"the device's index, so the state is made where that axis is bound. Under pmap: state = "
-        f"jax.pmap({init}, axis_name={axis_name!r})(replicated_params)"
-        f"{'' if piped else ' (or TrainState.create inside the pmap)'}; under shard_map: "
-        f"jax.jit(jax.shard_map({init}, mesh=mesh, in_specs=P(), out_specs={specs}))(params), and pass "
-        f"it with those specs (prophet_jax.state_specs(state, {axis_name!r}) gives them per leaf); on "
-        f"global arrays in a plain jax.jit: {'pipelined' if piped else 'scheduled'}(..., mesh=mesh).") from e
+def _init_unbound(axis_name: Any, where: str) -> str:
+  piped = where.startswith("pipelined")
+  init, specs = ("p.init", "p.state_specs()") if piped else ("tx.init", f"P({axis_name!r})")
+  return (f"{where}: the schedule is sharded (ZeRO-1): each device keeps the optimizer state of its own "
+          f"shard, whose size depends on the number of devices on axis {axis_name!r} and whose values on "
+          f"the device's index, so the state is made where that axis is bound. Under pmap: state = "
+          f"jax.pmap({init}, axis_name={axis_name!r})(replicated_params)"
+          f"{'' if piped else ' (or TrainState.create inside the pmap)'}; under shard_map: "
+          f"jax.jit(jax.shard_map({init}, mesh=mesh, in_specs=P(), out_specs={specs}))(params), and pass "
+          f"it with those specs (prophet_jax.state_specs(state, {axis_name!r}) gives them per leaf); on "
+          f"global arrays in a plain jax.jit: {'pipelined' if piped else 'scheduled'}(..., mesh=mesh).")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,7 +318,7 @@ def init(tx: Any, params: Any, schedule: Schedule, axis_name: Any, where: str = 
     ShardingError: `tx` cannot run on shards (`shard_mode`).
     ScheduleMismatchError: `params` is not the schedule's tree.
   """
-  n = _bound_size(axis_name, where)
+  n = axis_size(axis_name, where, _init_unbound(axis_name, where))
   flat, _, lmap = _flat(params, schedule, where)
   mode = shard_mode(tx, params, where)
   p = local_shards(flat, schedule.chunks, lmap.row_leaf, axis_name, n)

@@ -1,0 +1,161 @@
+"""The engine's sharded half: reduce-scatters and all-gathers of a sharded schedule's chunks (ZeRO-1),
+one tie chain, each under its named scope; the chunks' flat, zero-padded buffers and this device's shards."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._axis import vma_enabled
+from ._collectives import AG_PREFIX, RS_PREFIX, engine_divisor, tie
+from ._keys import unit_scope
+from .._values._schedule import Schedule, shard_size
+
+__all__ = ["rs_scope", "ag_scope", "chunk_buffer", "padded", "reduce_scatter_chunks", "all_gather_chunks",
+           "scatter_chunks", "local_shards", "shards_square_sum", "sharded_allreduce"]
+
+
+def rs_scope(k: int) -> str:
+  """The named scope of chunk k's reduce-scatter in a sharded schedule: 'prophet/rs<k>' (`audit`)."""
+  return f"{RS_PREFIX}{k}"
+
+
+def ag_scope(g: int) -> str:
+  """The named scope of all-gather g (`schedule.gathers[g]`): 'prophet/ag<g>' (`audit`)."""
+  return f"{AG_PREFIX}{g}"
+
+
+def chunk_buffer(flat: Sequence[jax.Array], chunk: Any, row_leaf: Sequence[int]) -> jax.Array:
+  """Chunk's element slices gathered, in order, into one flat buffer (its dtype, `chunk.size` long)."""
+  parts = [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def padded(buf: jax.Array, n: int) -> jax.Array:
+  """`buf` zero-padded at its end to n x `shard_size(len, n)` elements (the reduce-scatter's buffer)."""
+  extra = n * shard_size(buf.shape[0], n) - buf.shape[0]
+  return buf if not extra else jnp.pad(buf, (0, extra))
+
+
+def reduce_scatter_chunks(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
+                          axis_name: Any, *, n: int, divisor: int | None, first_index: int = 0,
+                          prev: jax.Array | None = None) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
+  """One reduce-scatter per chunk, in issue order: the sharded half of the one engine.
+
+  Each chunk's slices are gathered into one flat buffer, zero-padded at its end to a multiple of `n`
+  (`shard_size`: padding never drops an element, and the zeros it adds reduce to zeros), `tie`d to the
+  chain's previous result, reduce-scattered (`psum_scatter`, tiled: device i receives elements
+  [i*s, (i+1)*s) of the sum, s = `shard_size(chunk.size, n)`) under `jax.named_scope("prophet/rs<k>")`
+  and divided by `divisor` (in the buffer's dtype, as `pmean` does) unless None. The test seam
+  (`engine_hooks`) sees each buffer as gathered (unpadded, before the tie) and may change the divisor,
+  as it does for an all-reduce.
+
+  Args:
+    flat: leaves (any shape); rows index them through `row_leaf`.
+    chunks: the chunks to reduce-scatter, in issue order.
+    row_leaf: schedule row -> index into `flat`.
+    axis_name: the mapped axis; `n` its size.
+    divisor: the axis size for a mean, None for a sum.
+    first_index: k of the first chunk (its scope 'prophet/rs<k>').
+    prev: the chain's previous result (tied to the first buffer), or None.
+
+  Returns:
+    (this device's shard of every chunk, `shard_size` elements each, in chunk order; the last result).
+  """
+  divisor, seen = engine_divisor(divisor)
+  shards = []
+  for k, chunk in enumerate(chunks, start=first_index):
+    buf = chunk_buffer(flat, chunk, row_leaf)
+    if seen is not None:
+      seen(k, buf)
+    with unit_scope(rs_scope(k)):
+      red = jax.lax.psum_scatter(tie(padded(buf, n), prev), axis_name, scatter_dimension=0, tiled=True)
+      if divisor is not None:
+        red = red / jnp.asarray(divisor, red.dtype)
+    shards.append(red)
+    prev = red
+  return tuple(shards), prev
+
+
+def all_gather_chunks(shards: Sequence[jax.Array], chunks: Sequence[Any], gathers: Sequence[Sequence[int]],
+                      axis_name: Any, *, n: int, prev: jax.Array | None = None
+                      ) -> tuple[list[jax.Array], jax.Array | None]:
+  """One all-gather per entry of `gathers`, in order: the other half of the sharded engine.
+
+  All-gather g concatenates this device's shards of its chunks (`shards[k]`, `shard_size` elements
+  each), `tie`s the buffer to the chain's previous result and all-gathers it (tiled) under
+  `jax.named_scope("prophet/ag<g>")`; each chunk's whole buffer is then read back from the result
+  (device i's part holds its shard of every chunk of the gather, in order) and its padding dropped.
+  Under shard_map with check_vma the result is typed invariant (the same on every device).
+
+  Returns:
+    (every chunk's whole buffer, `chunk.size` elements, in chunk order; the last result).
+  """
+  vma = vma_enabled(axis_name)
+  out: list[Any] = [None] * len(chunks)
+  for g, ks in enumerate(gathers):
+    sizes = [shard_size(chunks[k].size, n) for k in ks]
+    buf = shards[ks[0]] if len(ks) == 1 else jnp.concatenate([shards[k] for k in ks])
+    with unit_scope(ag_scope(g)):
+      full = jax.lax.all_gather(tie(buf, prev), axis_name, axis=0, tiled=True,
+                                **({"to": "invarying"} if vma else {}))
+    prev = full
+    rows = full.reshape(n, sum(sizes))
+    off = 0
+    for k, s in zip(ks, sizes):
+      out[k] = rows[:, off:off + s].reshape(-1)[:chunks[k].size]
+      off += s
+  return out, prev
+
+
+def scatter_chunks(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
+                   buffers: Sequence[jax.Array]) -> list[jax.Array]:
+  """`flat` with every chunk's buffer put back at its slices (the rows the chunks cover replaced)."""
+  flat = list(flat)
+  pieces: dict[int, list[tuple[int, jax.Array]]] = {}
+  for chunk, buf in zip(chunks, buffers):
+    off = 0
+    for r, a, b in chunk.slices:
+      pieces.setdefault(r, []).append((a, buf[off:off + (b - a)]))
+      off += b - a
+  for r, segs in pieces.items():
+    i = row_leaf[r]
+    parts = [s for _, s in sorted(segs, key=lambda t: t[0])]
+    full = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    flat[i] = full.reshape(np.shape(flat[i]))
+  return flat
+
+
+def local_shards(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int], axis_name: Any,
+                 n: int) -> tuple[jax.Array, ...]:
+  """This device's shard of every chunk's (padded) flat buffer of `flat`: elements [i*s, (i+1)*s), i
+  the device's index on the axis, s = `shard_size` (what its reduce-scatter leaves it). Used for the
+  parameters a ZeRO-1 update reads (weight decay)."""
+  i = jax.lax.axis_index(axis_name)
+  out = []
+  for chunk in chunks:
+    s = shard_size(chunk.size, n)
+    out.append(jax.lax.dynamic_slice_in_dim(padded(chunk_buffer(flat, chunk, row_leaf), n), i * s, s))
+  return tuple(out)
+
+
+def shards_square_sum(shards: Sequence[jax.Array], axis_name: Any, scope: str) -> tuple[jax.Array, jax.Array]:
+  """(this device's sum of squares of `shards` in float32, the sum over the axis: one `psum` labelled
+  `scope`): the global norm a ZeRO-1 update's global-norm transformation reads."""
+  local = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in shards)
+  with jax.named_scope(scope):
+    return local, jax.lax.psum(local, axis_name)
+
+
+def sharded_allreduce(flat: Sequence[jax.Array], schedule: Schedule, row_leaf: Sequence[int], axis_name: Any,
+                      *, n: int, divisor: int | None) -> list[jax.Array]:
+  """A sharded schedule carried out as an all-reduce: every chunk's reduce-scatter, then every
+  all-gather (one tie chain), the whole buffers scattered back (replicated)."""
+  chunks = schedule.chunks
+  shards, last = reduce_scatter_chunks(flat, chunks, row_leaf, axis_name, n=n, divisor=divisor)
+  bufs, _ = all_gather_chunks(shards, chunks, schedule.gathers, axis_name, n=n, prev=last)
+  return scatter_chunks(flat, chunks, row_leaf, bufs)
