@@ -229,7 +229,7 @@ def _state_of_another_schedule(kind):
 
   mesh = jax.make_mesh((NDEV,), (AX,))
   if kind == "dear":
-    make = lambda s: _zero.ShardedState(per_device=(jnp.zeros((NDEV, 2)),), tag=_zero._tag(s, NDEV, "elementwise"))  # noqa: E731
+    make = lambda s: _zero.ShardedState(per_device=(jnp.zeros((NDEV, 2)),), tag=_zero.shard_tag(s, NDEV, "elementwise"))  # noqa: E731
     a, b = make(TDEAR), make(pj.plan(TPROF, NET.replace(workers=4), "dear", bucket_bytes=8))
   else:
     a, b = pj.defer_state(_deferring_tree_schedule()), pj.defer_state(_deferring_tree_schedule_2())

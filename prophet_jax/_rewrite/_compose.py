@@ -1,8 +1,8 @@
 """Where `scheduled` sits in the user's optax composition: the guard that it runs first.
 
 `scheduled` all-reduces the gradients; anything before it (clipping, normalising) would act on each
-device's own gradients and give a silently different result. `_ran_before_in_chain` and
-`_inside_multisteps` read the Python stack while optax calls it; `_check_masked` refuses a mask that
+device's own gradients and give a silently different result. `ran_before_in_chain` and
+`inside_multisteps` read the Python stack while optax calls it; `check_masked` refuses a mask that
 hides part of its tree; `check_composition` tests any other composition numerically.
 """
 
@@ -53,7 +53,7 @@ def _transform_name(fn: Any) -> str:
   return name
 
 
-def _ran_before_in_chain(max_depth: int = 40) -> list[str]:
+def ran_before_in_chain(max_depth: int = 40) -> list[str]:
   """Names of the transformations an enclosing optax.chain / named_chain ran before the current member.
 
   Walks up the Python stack from the caller (plain host Python: at init, or while jax traces the step).
@@ -86,7 +86,7 @@ def _ran_before_in_chain(max_depth: int = 40) -> list[str]:
   return before
 
 
-def _inside_multisteps(max_depth: int = 100) -> bool:
+def inside_multisteps(max_depth: int = 100) -> bool:
   code = _optax_codes()["multisteps.update"]
   frame = sys._getframe(2)
   for _ in range(max_depth):
@@ -98,7 +98,7 @@ def _inside_multisteps(max_depth: int = 100) -> bool:
   return False
 
 
-def _not_first_error(before: list[str], where: str) -> CompositionError:
+def not_first_error(before: list[str], where: str) -> CompositionError:
   names = ", ".join(before)
   those = "<those transformations>" if any(b.startswith("the chain's") for b in before) else names
   return CompositionError(
@@ -109,7 +109,7 @@ def _not_first_error(before: list[str], where: str) -> CompositionError:
       f"schedule, axis_name=...).")
 
 
-def _check_masked(updates: Any, schedule: Schedule) -> None:
+def check_masked(updates: Any, schedule: Schedule) -> None:
   """CompositionError when `scheduled` runs inside `optax.masked` / `optax.multi_transform` and sees
   only part of the tree its schedule was planned for (the other leaves arrive as optax's MaskedNode).
 

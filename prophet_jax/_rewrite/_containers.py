@@ -322,7 +322,7 @@ def _sharded_from_labels(d: Mapping, tx: Any, schedule: Schedule, where: str) ->
       last = e
       continue
     if len(jax.tree_util.tree_leaves(template)) == len(leaves):
-      return ShardedState(per_device=per, tag=_zero._tag(schedule, n, mode))
+      return ShardedState(per_device=per, tag=_zero.shard_tag(schedule, n, mode))
   raise last or ShardingError(f"{where}: the sharded optimizer state was made by another tx than the one "
                               f"given.")
 
@@ -500,6 +500,6 @@ def _defer_from_labels(labelled: Mapping, schedule: Schedule | None, where: str)
     raise ValueError(f"{where}: an nnx.state holds {len(found)} deferral state(s), but nnx drops the "
                      f"record of the schedule they were made for: pass it, deferred_grads(state, params, "
                      f"schedule=the_schedule), or pass the nnx.Optimizer itself.")
-  tag = _defer._tag(schedule)
+  tag = _defer.defer_tag(schedule)
   return [DeferState(norms=f.get("norms", ()), deferred=f.get("deferred", ()), index=f["index"],
                             residual=f["residual"], tag=tag) for f in found]

@@ -19,7 +19,7 @@ import numpy as np
 from . import _defer
 from ._sharded import chunk_buffer, padded, scatter_chunks
 from ._states import AccumState, DeferState, ScheduledState, ShardedState, StateTag
-from ._zero import _flat, _tag, check_state, shard_mode
+from ._zero import matched_leaves, shard_tag, check_state, shard_mode
 from .._values._errors import ScheduleMismatchError, ShardingError
 from .._values._schedule import Schedule, shard_size
 
@@ -34,7 +34,7 @@ def _groups(schedule: Schedule, n: int, mode: str, params: Any, tx: Any, where: 
   """(per-device template of tx's shard state flattened into groups, the replicated template flattened
   into groups, lmap, flat params): a group is the tuple of shards (one per chunk, + the norm carrier)
   or the params' tree; a leaf is anything else (a step count, a scalar)."""
-  flat, treedef, lmap = _flat(params, schedule, where)
+  flat, treedef, lmap = matched_leaves(params, schedule, where)
   chunks = schedule.chunks
   shard_struct = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in chunks)
   if mode == "global-norm":
@@ -184,7 +184,7 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
   per_device = jax.tree_util.tree_unflatten(per_def, out)
   if pmap:
     per_device = jax.tree_util.tree_map(lambda a: a[:, None], per_device)
-  return ShardedState(per_device=per_device, tag=_tag(schedule, n, mode))
+  return ShardedState(per_device=per_device, tag=shard_tag(schedule, n, mode))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -218,7 +218,7 @@ def _pmap_layout(s: ShardedState) -> bool:
       all(x[1:] == (1,) for x in leaves) and any(z != 1 for z in s.tag.sizes))
 
 
-def _defer_like(new: Schedule, rep_prefix: tuple[int, ...], res_prefix: tuple[int, ...]) -> Any:
+def defer_like(new: Schedule, rep_prefix: tuple[int, ...], res_prefix: tuple[int, ...]) -> Any:
   """`new`'s initial deferral state laid out as another one was: replicated leaves with `rep_prefix`
   in front, residuals with `res_prefix` in place of their leading 1 (None when `new` defers nothing)."""
   init = _defer.init(new)
@@ -313,16 +313,16 @@ def convert(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = None, 
     return sched
 
   def defer(d: DeferState) -> Any:
-    if new_schedule.defers and d.tag == _defer._tag(new_schedule):
+    if new_schedule.defers and d.tag == _defer.defer_tag(new_schedule):
       return d
     old = old_schedule(d.tag, "deferral state")
     owed.append(_owed_of(d, old, params))
-    return _defer_like(new_schedule, tuple(np.shape(d.norms[0])[:-1]), tuple(np.shape(d.residual[0])[:-2]))
+    return defer_like(new_schedule, tuple(np.shape(d.norms[0])[:-1]), tuple(np.shape(d.residual[0])[:-2]))
 
   def sharded(s: ShardedState) -> Any:
     old = old_schedule(s.tag, "ZeRO-1 optimizer state")
     count = n or s.tag.n
-    if new_schedule.sharded and s.tag == _tag(new_schedule, count, s.tag.mode):
+    if new_schedule.sharded and s.tag == shard_tag(new_schedule, count, s.tag.mode):
       return s
     need_tx("a ZeRO-1 optimizer state is gathered")
     pmap = _pmap_layout(s)
@@ -374,7 +374,7 @@ def convert(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = None, 
       if x.defer_state is not None:
         d = defer(x.defer_state)
       elif new_schedule.defers:
-        d = _defer_like(new_schedule, (), (n,) if n else (1,))
+        d = defer_like(new_schedule, (), (n,) if n else (1,))
       else:
         d = None
       return ScheduledState(inner=inner, defer_state=d, accum=None if x.accum is None else accum(x.accum))

@@ -202,7 +202,7 @@ def steady_state(state: Any) -> Any:
     rank = len(sched.rows[0][1]) if sched.rows else 0
     res = tuple(shape0[:len(shape0) - rank])
     rep = res[:1] if len(res) == 2 else ()
-    return _convert._defer_like(sched, rep, res)
+    return _convert.defer_like(sched, rep, res)
 
   return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, OwedState))
 

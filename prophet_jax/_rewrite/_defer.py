@@ -115,7 +115,7 @@ def _layout(schedule: Schedule) -> tuple[tuple[int, int, int, str], ...]:
 # the state
 
 
-def _tag(schedule: Schedule) -> StateTag:
+def defer_tag(schedule: Schedule) -> StateTag:
   return StateTag.of(schedule, _layout(schedule))
 
 
@@ -135,7 +135,7 @@ def init(schedule: Schedule) -> DeferState | None:
   if not schedule.defers:
     return None
   groups = defer_groups(schedule)
-  tag = _tag(schedule)
+  tag = defer_tag(schedule)
   return DeferState(
       norms=tuple(jnp.zeros((g.m,), jnp.float32) for g in groups),
       deferred=tuple(jnp.zeros((g.m,), jnp.bool_) for g in groups),
@@ -180,7 +180,7 @@ def belongs(state: Any, schedule: Schedule) -> bool:
   if state is None:
     return not schedule.defers
   return (schedule.defers and isinstance(state, DeferState) and isinstance(state.tag, StateTag)
-          and state.tag == _tag(schedule))
+          and state.tag == defer_tag(schedule))
 
 
 def check_state(state: Any, schedule: Schedule, where: str) -> None:
@@ -205,7 +205,7 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
                     f"{schedule.max_deferred_fraction:.1%} of the elements per step), so it needs its "
                     f"deferral state: a DeferState (prophet_jax.defer_state(schedule) before the first "
                     f"step, then the one each step returns), got {type(state).__name__}.")
-  want = _tag(schedule)
+  want = defer_tag(schedule)
   tag = state.tag
   if not isinstance(tag, StateTag) or tag != want:
     got = repr(tag) if isinstance(tag, StateTag) else type(tag).__name__
@@ -253,7 +253,7 @@ def same_groups(a: Schedule, b: Schedule) -> bool:
   """Whether a DeferState of schedule `a` is one of `b` (the same deferral groups and layout)."""
   if a is b or not (a.defers or b.defers):
     return True
-  return a.defers and b.defers and _tag(a) == _tag(b)
+  return a.defers and b.defers and defer_tag(a) == defer_tag(b)
 
 
 @IdentityMemo(16)
@@ -340,7 +340,7 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None)
   for st in find_states(state):
     sched = schedule_of(st)
     if sched is None:
-      if schedule is None or not (schedule.defers and st.tag == _tag(schedule)):
+      if schedule is None or not (schedule.defers and st.tag == defer_tag(schedule)):
         raise ValueError("deferred_grads: the deferral state does not record the schedule it was made "
                          "for; pass it: deferred_grads(state, params, schedule=the_old_schedule).")
       sched = schedule

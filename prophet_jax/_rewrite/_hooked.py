@@ -179,7 +179,7 @@ def _hooked_sharded(loss_fn: Callable[..., Any], schedule: Schedule, axis_name: 
     value, (_, tok, shards) = jax.value_and_grad(inner, argnums=(0, 1, 2), has_aux=has_aux or has_state,
                                                  allow_int=True)(flat, token, slots)
     return value, GradShards(shards=tuple(shards), token=tok.reshape(1),
-                                   tag=_zero._tag(schedule, n, ""))
+                                   tag=_zero.shard_tag(schedule, n, ""))
 
   return grad_fn
 

@@ -55,8 +55,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _loss_reduction, _states
 from ._defer import deferred_grads as _deferred_grads
-from ._placement import (_check_model_state, _check_not_mapped, _explicit_axes, _known_spec, _leaves, _spec_axes,
-                         _spec_entry, check_batch, check_replicated)
+from ._placement import (check_model_state, check_not_mapped, explicit_axes, known_spec, named_leaves, spec_axes,
+                         spec_entry, check_batch, check_replicated)
 from .._compiled._devices import mesh_axis_names, axis_total, check_mesh, data_axes
 from .._values._errors import AlreadyReducedError
 from .._values._schedule import Schedule
@@ -135,7 +135,7 @@ class MeshGradFn:
     data axis (the mean; the sum with reduction='sum'), as a replicated tree like `params` (zeros
     when nothing is deferred): apply them with `tx` at the end of training, as `MeshPipelined` does."""
     where = f"{self._where}(mesh=...)'s grad_fn.deferred_grads"
-    entry = _spec_entry(self._axes)
+    entry = spec_entry(self._axes)
     if defer_state is not None:
       check_layout(defer_state, axis_total(self.mesh, self._axes), where,
                    "Pass the state this grad_fn returned (it starts from grad_fn.defer_state()).")
@@ -145,7 +145,7 @@ class MeshGradFn:
     return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P()), out_specs=P()))(defer_state, params)
 
   def _value_specs(self) -> Any:
-    data = P(_spec_entry(self._axes))
+    data = P(spec_entry(self._axes))
     if self._has_state and self._has_aux:
       return (P(), (P(), data))
     if self._has_state:
@@ -182,7 +182,7 @@ class MeshGradFn:
       raise TypeError(f"{where}: has_state=True, so the grad_fn takes (params, model_state, batch); got "
                       f"{1 + len(args)} positional arguments.")
     *reps, batch = args
-    _check_not_mapped(axes, where)
+    check_not_mapped(axes, where)
     fix_params = ("Place them with jax.device_put(params, NamedSharding(mesh, P())) (or "
                   "jax.sharding.reshard(params, P()) inside a jit on Explicit axes).")
     check_replicated(params, "params", where, fix_params)
@@ -193,7 +193,7 @@ class MeshGradFn:
     n = axis_total(self.mesh, axes)
     check_layout(defer_state, n, where, "Start from grad_fn.defer_state() and pass on the state each call "
                  "returns.")
-    data = P(_spec_entry(axes))
+    data = P(spec_entry(axes))
 
     def body(params, reps, batch, defer_state):
       extra = {"defer_state": defer_state} if stateful else {}
@@ -203,10 +203,10 @@ class MeshGradFn:
         loss, rest = value
         if self._has_state and self._has_aux:
           new_state, aux = rest
-          _check_model_state(new_state, axes, where)
+          check_model_state(new_state, axes, where)
           rest = (new_state, _stack(aux))
         elif self._has_state:
-          _check_model_state(rest, axes, where)
+          check_model_state(rest, axes, where)
         else:
           rest = _stack(rest)
         value = (_loss_reduction.combine(loss, axes, self.reduction), rest)
@@ -214,12 +214,12 @@ class MeshGradFn:
         value = _loss_reduction.combine(value, axes, self.reduction)
       return (value, grads, out[2]) if stateful else (value, grads)
 
-    dspec = _states.state_specs(defer_state, _spec_entry(axes))
+    dspec = _states.state_specs(defer_state, spec_entry(axes))
     # the step continues its own state; any other (a re-plan's) gives way to the first one
     first = self.defer_state_abstract()
     out_state = defer_state if jax.tree_util.tree_structure(defer_state) == jax.tree_util.tree_structure(
         first) else first
-    dspec_out = _states.state_specs(out_state, _spec_entry(axes))
+    dspec_out = _states.state_specs(out_state, spec_entry(axes))
     gspec = data if self.schedule.sharded else P()  # a sharded schedule's GradShards: each device's own
     outs = (self._value_specs(), gspec) + ((dspec_out,) if stateful else ())
     mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), P(), data, dspec), out_specs=outs)
@@ -258,12 +258,12 @@ class MeshPipelined:
 
   @property
   def _entry(self) -> Any:
-    return _spec_entry(self._axes)
+    return spec_entry(self._axes)
 
   def init(self, params: Any, *model_state: Any) -> Any:
     """The global initial state (see `Pipelined.init`), mapped over the mesh."""
     where = "pipelined(mesh=...).init"
-    _check_not_mapped(self._axes, where)
+    check_not_mapped(self._axes, where)
     check_replicated(params, "params", where, "Place them with jax.device_put(params, NamedSharding("
                      "mesh, P())).")
     if model_state:
@@ -279,7 +279,7 @@ class MeshPipelined:
     """
     where = "pipelined(mesh=...).step"
     self.inner._check_state(state, where)
-    _check_not_mapped(self._axes, where)
+    check_not_mapped(self._axes, where)
     check_replicated(state.params, "params", where, "Start from this step's init(params).")
     check_batch(batch, self.mesh, self._axes, where)
     self._check_global_defer(state, where)
@@ -303,7 +303,7 @@ class MeshPipelined:
     self.inner._check_state(state, where)
     if state.pending is None:
       return state
-    _check_not_mapped(self._axes, where)
+    check_not_mapped(self._axes, where)
     self._check_global_defer(state, where)
     specs = self.inner.state_specs()
     return jax.shard_map(self.inner.flush, mesh=self.mesh, in_specs=(specs,), out_specs=specs)(state)
@@ -377,8 +377,8 @@ def place_state(make: Callable[[], Any], mesh: Any, axis_name: Any, where: str) 
   abstract = jax.eval_shape(make)
   if abstract is None:
     return None
-  specs = _states.state_specs(abstract, _spec_entry(axes))
-  return _jitted("state", (make,), (mesh, _spec_entry(axes)), lambda: jax.jit(jax.shard_map(
+  specs = _states.state_specs(abstract, spec_entry(axes))
+  return _jitted("state", (make,), (mesh, spec_entry(axes)), lambda: jax.jit(jax.shard_map(
       make, mesh=mesh, in_specs=(), out_specs=specs)))()
 
 
@@ -404,23 +404,23 @@ def _out_specs(fn: Callable[..., Any], args: tuple, in_specs: tuple, mesh: Any, 
 
 
 def _check_unreduced(grads: Any, mesh: Any, axes: tuple[Any, ...], where: str) -> None:
-  entry = _spec_entry(axes)
+  entry = spec_entry(axes)
   how = (f"differentiate with respect to params resharded to P(reduced={{{entry!r}}}) "
          f"(jax.sharding.reshard(p, P(*[None] * p.ndim, reduced={{{entry!r}}})) for every leaf, before "
          f"jax.grad), so that jax.grad leaves each device's partial sum unreduced")
-  if not set(axes) <= _explicit_axes(mesh):
+  if not set(axes) <= explicit_axes(mesh):
     raise ValueError(
         f"{where}: gradients obtained unreduced need mesh axes of type Explicit (jax.make_mesh's "
         f"default; this mesh's are {dict(zip(mesh_axis_names(mesh), mesh.axis_types))}), where the type says "
         f"they are unreduced. With Auto axes use prophet_jax.hooked(loss_fn, schedule, "
         f"axis_name={entry!r}, mesh=mesh), which issues the chunks inside backward itself.")
-  for name, g in _leaves(grads, "grads"):
+  for name, g in named_leaves(grads, "grads"):
     if not is_reduced_leaf(g) or np.size(g) == 0:
       continue
-    spec = jax.typeof(g).sharding.spec if isinstance(g, jax.core.Tracer) else _known_spec(g)
+    spec = jax.typeof(g).sharding.spec if isinstance(g, jax.core.Tracer) else known_spec(g)
     unreduced = set(getattr(spec, "unreduced", ()) or ()) if spec is not None else set()
     if not set(axes) <= unreduced:
-      if spec is not None and not _spec_axes(spec) and not unreduced:
+      if spec is not None and not spec_axes(spec) and not unreduced:
         raise AlreadyReducedError(
             f"{where}: gradient {name!r} is replicated (type {jax.typeof(g)}): jax.grad already "
             f"all-reduced it over {entry!r} (the plain jit step's own all-reduce), and reducing it "
@@ -461,10 +461,10 @@ class MeshTransformation:
 
   def init(self, params: Any) -> Any:
     where = f"{self._where}(mesh=...).init"
-    _check_not_mapped(self._axes, where)
+    check_not_mapped(self._axes, where)
     check_replicated(params, "params", where, "Place them with jax.device_put(params, NamedSharding(mesh, "
                      "P())).")
-    entry, mesh, inner_init = _spec_entry(self._axes), self.mesh, self.inner.init
+    entry, mesh, inner_init = spec_entry(self._axes), self.mesh, self.inner.init
 
     def make():   # the out_specs follow the params' structure: found while tracing, per structure
       return jax.jit(lambda p: jax.shard_map(inner_init, mesh=mesh, in_specs=P(), out_specs=_out_specs(
@@ -474,8 +474,8 @@ class MeshTransformation:
 
   def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
     where, axes = f"{self._where}(mesh=...)", self._axes
-    _check_not_mapped(axes, where)
-    entry = _spec_entry(axes)
+    check_not_mapped(axes, where)
+    entry = spec_entry(axes)
     check_layout(state, axis_total(self.mesh, axes), where,
                  "Make the optimizer state with this transformation's init on the mesh.")
     if _states.is_state(updates):   # per-device parts already (hooked(mesh=)'s gradient shards)

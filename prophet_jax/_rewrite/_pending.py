@@ -1,5 +1,5 @@
 """What a pipelined step carries from one call to the next: the pending forward (`Pending`: its VJP
-residuals as plain arrays, and `_PendingMeta`, what the next call's backward needs to rebuild its
+residuals as plain arrays, and `PendingMeta`, what the next call's backward needs to rebuild its
 structure) and the step's whole state (`PipelinedState`).
 """
 
@@ -22,7 +22,7 @@ __all__ = ["Pending", "PipelinedState"]
 # --------------------------------------------------------------------------------------------------
 # state
 
-class _Traced(NamedTuple):
+class Traced(NamedTuple):
   """The forward traced once inside a step's program: its inputs' types, `vjp_jaxpr` and carry plan."""
 
   signature: tuple
@@ -32,7 +32,7 @@ class _Traced(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
-class _PendingMeta:
+class PendingMeta:
   """Static facts about a pending forward pass (pytree aux data, hashed into jit's cache key).
 
   Attributes:
@@ -75,7 +75,7 @@ class _PendingMeta:
   def __eq__(self, other: object) -> bool:
     if self is other:
       return True
-    if not isinstance(other, _PendingMeta):
+    if not isinstance(other, PendingMeta):
       return NotImplemented
     return (self.batch == other.batch and self.residuals == other.residuals
             and self.carry == other.carry and self.forward_size == other.forward_size
@@ -93,12 +93,12 @@ class Pending:
     residuals: the `jax.vjp` closure's arrays, in flatten order, each with a leading axis of size 1
       (so that under `shard_map` every residual, scalars included, has an axis to split over devices:
       `P(axis_name)`; under `pmap` the device axis comes in front of it).
-    meta: static shapes, dtypes and the schedule (see `_PendingMeta`); part of the pytree structure.
+    meta: static shapes, dtypes and the schedule (see `PendingMeta`); part of the pytree structure.
   """
 
   __slots__ = ("residuals", "meta")
 
-  def __init__(self, residuals: tuple[Any, ...], meta: _PendingMeta):
+  def __init__(self, residuals: tuple[Any, ...], meta: PendingMeta):
     self.residuals = tuple(residuals)
     self.meta = meta
 
@@ -110,7 +110,7 @@ class Pending:
     return cls(tuple(residuals), meta)
 
   def __repr__(self) -> str:
-    return f"Pending({len(self.residuals)} residuals, {_meta_nbytes(self.meta)} bytes per device)"
+    return f"Pending({len(self.residuals)} residuals, {meta_nbytes(self.meta)} bytes per device)"
 
 
 class PipelinedState(NamedTuple):
@@ -137,7 +137,7 @@ class PipelinedState(NamedTuple):
   defer: DeferState | None = None
 
 
-def _meta_nbytes(meta: _PendingMeta) -> int:
+def meta_nbytes(meta: PendingMeta) -> int:
   return int(sum(int(np.prod(s, dtype=np.int64)) * _dtype_of(d).itemsize for s, d in meta.residuals))
 
 
@@ -146,7 +146,7 @@ def _dtype_of(dt: Any) -> Any:
   return dt if jax.dtypes.issubdtype(dt, jax.dtypes.extended) else jnp.dtype(dt)
 
 
-def _round_to_dtype(x: Any) -> Any:
+def round_to_dtype(x: Any) -> Any:
   """`x` rounded to its own dtype in a way XLA keeps, for bfloat16 and float16 leaves; others as given.
 
   XLA's CPU backend computes in float32 and, with excess precision allowed (its default), may hand a

@@ -28,8 +28,8 @@ from ._keys import check_enforce_order, ordered_by
 from ._states import OwedState
 from .._values._errors import ScheduleMismatchError
 from ._mesh import placed_step
-from ._pipelined_checks import PipelinedChecks, _short, _size
-from ._pending import Pending, PipelinedState, _meta_nbytes, _PendingMeta, _round_to_dtype, _Traced
+from ._pipelined_checks import PipelinedChecks, short_avals, jaxpr_size
+from ._pending import Pending, PipelinedState, meta_nbytes, PendingMeta, round_to_dtype, Traced
 from ._residuals import carried_avals, carry_plan, forward, recompute, save_matmuls, vjp_jaxpr
 from .._values._schedule import Schedule
 
@@ -280,7 +280,7 @@ class Pipelined(PipelinedChecks):
     parameter copies the backward reads); the pipelined step holds them across the call boundary.
     """
     self._check_state(state, "pipelined.residual_bytes")
-    return 0 if state.pending is None else _meta_nbytes(state.pending.meta)
+    return 0 if state.pending is None else meta_nbytes(state.pending.meta)
 
   # -- the pieces ---------------------------------------------------------------------------------
   def _call(self, params: Any, inputs: Any) -> tuple[Any, tuple[Any, Any]]:
@@ -322,7 +322,7 @@ class Pipelined(PipelinedChecks):
   def _inputs(self, model_state: Any, batch: Any) -> Any:
     return (model_state, batch) if self.has_state else batch
 
-  def _trace(self, pv: Any, inputs: Any, reuse: _Traced | None = None) -> _Traced:
+  def _trace(self, pv: Any, inputs: Any, reuse: Traced | None = None) -> Traced:
     """The forward's `vjp_jaxpr` on `inputs` and its carry plan (nothing runs).
 
     `reuse`: a trace made earlier in the same program; returned as it is when its inputs' types (tree,
@@ -336,10 +336,10 @@ class Pipelined(PipelinedChecks):
       return reuse
     trace = vjp_jaxpr(self._forward_fn, pv, inputs, has_aux=True)
     plan = carry_plan(trace.closed, len(jax.tree_util.tree_leaves(pv)), self._how, n_head=trace.n_head)
-    return _Traced(signature, trace, plan)
+    return Traced(signature, trace, plan)
 
   def _forward(self, params: Any, model_state: Any, batch: Any, batch_tree: Any,
-               batch_avals: tuple, traced: _Traced | None = None) -> tuple[jax.Array, Any, Any, Pending]:
+               batch_avals: tuple, traced: Traced | None = None) -> tuple[jax.Array, Any, Any, Pending]:
     pv = self._varying_params(params)
     state_tree, state_avals = self._avals(model_state)
     # traced once, run from its jaxpr: the same trace says what to carry
@@ -353,16 +353,16 @@ class Pipelined(PipelinedChecks):
     self._check_loss(loss)
     if self.has_state:
       self._check_new_state(model_state, new_state)
-    meta = _PendingMeta(
+    meta = PendingMeta(
         schedule=self.schedule, batch_tree=batch_tree, batch=batch_avals,
         residuals=tuple((tuple(np.shape(x)), x.dtype) for x in residuals),
-        carry=plan, forward_size=_size(trace.closed, n_head),
+        carry=plan, forward_size=jaxpr_size(trace.closed, n_head),
         loss_varying=self._is_varying(loss), loss_dtype=jnp.result_type(loss),
         state_tree=state_tree, state=state_avals, has_state=self.has_state)
     return loss, new_state, aux, Pending(tuple(x[None] for x in residuals), meta)
 
   def _backward_and_update(self, params: Any, opt_state: Any, pending: Pending, defer: Any,
-                           where: str) -> tuple[Any, Any, Any, _Traced]:
+                           where: str) -> tuple[Any, Any, Any, Traced]:
     meta = pending.meta
     schedule = meta.schedule
     if schedule.tree_fingerprint != self.schedule.tree_fingerprint:
@@ -387,12 +387,12 @@ class Pipelined(PipelinedChecks):
     closed = trace.closed
     res_avals = tuple((tuple(a.shape), a.dtype) for a in carried_avals(closed, plan))
     if (res_avals != meta.residuals or plan != meta.carry
-        or _size(closed, trace.n_head) != meta.forward_size):
+        or jaxpr_size(closed, trace.n_head) != meta.forward_size):
       same = " (the same shapes, other values of the forward)" if res_avals == meta.residuals else ""
       raise ValueError(
-          f"{where}: the state carries {len(meta.residuals)} residuals {_short(meta.residuals)}, but this "
+          f"{where}: the state carries {len(meta.residuals)} residuals {short_avals(meta.residuals)}, but this "
           f"pipelined step's forward on the recorded batch shapes carries {len(res_avals)} "
-          f"{_short(res_avals)}{same}. The state was made by a pipelined step with another loss_fn or "
+          f"{short_avals(res_avals)}{same}. The state was made by a pipelined step with another loss_fn or "
           f"residuals= option: flush it with that step first, or start from init(params).")
     if len(pending.residuals) != len(meta.residuals):
       raise ValueError(f"{where}: the state's pending node holds {len(pending.residuals)} arrays but "
@@ -427,7 +427,7 @@ class Pipelined(PipelinedChecks):
       updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     # the next forward reads these inside this program: round low-precision leaves as memory would
-    params = jax.tree_util.tree_map(_round_to_dtype, params)
+    params = jax.tree_util.tree_map(round_to_dtype, params)
     return params, opt_state, defer, traced
 
   def _reduce(self, grads: Any, schedule: Schedule, defer: Any, where: str) -> tuple[Any, Any]:
@@ -440,7 +440,7 @@ class Pipelined(PipelinedChecks):
       return allreduce(grads, schedule, self.axis_name, mean=mean), None
     return allreduce(grads, schedule, self.axis_name, mean=mean, defer_state=defer)
 
-  def _vjp_structure(self, pv: Any, meta: _PendingMeta) -> _Traced:
+  def _vjp_structure(self, pv: Any, meta: PendingMeta) -> Traced:
     """The forward traced on the recorded input shapes (nothing of it runs): its `vjp_jaxpr` and the
     carry plan."""
     batch = jax.tree_util.tree_unflatten(meta.batch_tree, [self._placeholder(a) for a in meta.batch])

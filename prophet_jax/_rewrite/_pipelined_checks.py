@@ -13,7 +13,7 @@ import numpy as np
 from . import _defer
 from ._axis import is_varying, to_varying, vma_enabled
 from ._defer import DeferState
-from ._pending import Pending, PipelinedState, _PendingMeta
+from ._pending import Pending, PipelinedState, PendingMeta
 from ._reduction import check_foreign
 from ._states import OwedState
 from .._values._checks import match_tree
@@ -39,7 +39,7 @@ class PipelinedChecks:
   def _how(self) -> str:
     return "min-cut" if self.residuals == "min-cut" else "closure"
 
-  def _ones_ct(self, meta: _PendingMeta) -> jax.Array:
+  def _ones_ct(self, meta: PendingMeta) -> jax.Array:
     ct = jnp.ones((), meta.loss_dtype)
     if meta.loss_varying and vma_enabled(self.axis_name):
       ct = to_varying(ct, self.axis_name)
@@ -101,7 +101,7 @@ class PipelinedChecks:
       avals.append((path_str(path), tuple(int(d) for d in x.shape), x.dtype, self._is_varying(x)))
     return jax.tree_util.tree_structure(tree), tuple(avals)
 
-  def _check_batch(self, meta: _PendingMeta, batch_tree: Any, avals: tuple) -> None:
+  def _check_batch(self, meta: PendingMeta, batch_tree: Any, avals: tuple) -> None:
     fix = ("Every step between flushes must see the same batch shapes; call state = flush(state) "
            "before changing them (e.g. for a last, smaller batch).")
     if batch_tree != meta.batch_tree:
@@ -146,10 +146,10 @@ class PipelinedChecks:
                       f"this device's batch.")
 
 
-def _size(closed: Any, n_head: int) -> tuple[int, int]:
+def jaxpr_size(closed: Any, n_head: int) -> tuple[int, int]:
   return len(closed.jaxpr.eqns), len(closed.jaxpr.outvars) - n_head
 
 
-def _short(avals: tuple) -> str:
+def short_avals(avals: tuple) -> str:
   text = ", ".join(f"{d}{list(s)}" for s, d in avals[:4])
   return f"[{text}{', ...' if len(avals) > 4 else ''}]"

@@ -24,17 +24,17 @@ P = PartitionSpec
 # the mesh and its data axis
 
 
-def _spec_entry(axes: tuple[Any, ...]) -> Any:
+def spec_entry(axes: tuple[Any, ...]) -> Any:
   """The PartitionSpec entry splitting one array axis over `axes` ('dp', or ('a', 'b'))."""
   return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def _explicit_axes(mesh: Any) -> frozenset[Any]:
+def explicit_axes(mesh: Any) -> frozenset[Any]:
   types = getattr(mesh, "axis_types", None) or ()
   return frozenset(n for n, t in zip(mesh_axis_names(mesh), types) if t == jax.sharding.AxisType.Explicit)
 
 
-def _check_not_mapped(axes: tuple[Any, ...], where: str) -> None:
+def check_not_mapped(axes: tuple[Any, ...], where: str) -> None:
   """ValueError when called where the data axis is already manual (inside the user's shard_map)."""
   try:
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
@@ -52,7 +52,7 @@ def _check_not_mapped(axes: tuple[Any, ...], where: str) -> None:
 # placement checks (where placement is visible)
 
 
-def _known_spec(x: Any) -> PartitionSpec | None:
+def known_spec(x: Any) -> PartitionSpec | None:
   """The PartitionSpec `x` is known to have, or None where that is not visible.
 
   Concrete arrays: from their sharding. Traced values: from their type, which carries a spec only on
@@ -61,7 +61,7 @@ def _known_spec(x: Any) -> PartitionSpec | None:
   """
   if isinstance(x, jax.core.Tracer):
     sharding = jax.typeof(x).sharding
-    if not _explicit_axes(sharding.mesh):
+    if not explicit_axes(sharding.mesh):
       return None
     return sharding.spec
   if isinstance(x, jax.Array):
@@ -79,7 +79,7 @@ def _entry_axes(entry: Any) -> tuple[Any, ...]:
   return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def _spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[Any, ...]]]:
+def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[Any, ...]]]:
   """(array axis, mesh axes) for every array axis `spec` splits."""
   return [(i, _entry_axes(e)) for i, e in enumerate(spec) if _entry_axes(e)]
 
@@ -94,18 +94,18 @@ def _extras(spec: PartitionSpec) -> str:
   return out
 
 
-def _leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
+def named_leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   return [((f"{prefix}/{path_str(p)}" if path_str(p) else prefix), x) for p, x in flat]
 
 
 def check_replicated(tree: Any, what: str, where: str, fix: str) -> None:
   """ValueError when a leaf of `tree` is known to be split (or unreduced/reduced) over any mesh axis."""
-  for name, x in _leaves(tree, what):
-    spec = _known_spec(x)
+  for name, x in named_leaves(tree, what):
+    spec = known_spec(x)
     if spec is None:
       continue
-    split = _spec_axes(spec)
+    split = spec_axes(spec)
     extra = _extras(spec)
     if split or extra:
       dim, axes = split[0] if split else (None, ())
@@ -120,8 +120,8 @@ def check_batch(batch: Any, mesh: Any, axes: tuple[Any, ...], where: str) -> Non
   """ValueError for a batch leaf that cannot be split over the data axes on its leading axis, or is
   known to be placed otherwise (replicated, split over another axis, or on another array axis)."""
   n = axis_total(mesh, axes)
-  entry = _spec_entry(axes)
-  leaves = _leaves(batch, "batch")
+  entry = spec_entry(axes)
+  leaves = named_leaves(batch, "batch")
   if not leaves:
     raise ValueError(f"{where}: the batch has no array leaves; pass the global batch (leading axis: "
                      f"examples, split over {entry!r}).")
@@ -133,9 +133,9 @@ def check_batch(batch: Any, mesh: Any, axes: tuple[Any, ...], where: str) -> Non
           f"axis that splits over mesh axis {entry!r} ({n} devices), e.g. ({4 * n}, ...). Values that "
           f"are the same for the whole batch (a PRNG key, a step number) belong in the model state "
           f"(has_state=True) or in loss_fn's closure.")
-    spec = _known_spec(x)
+    spec = known_spec(x)
     if spec is None:
-      if set(axes) & _explicit_axes(mesh):   # jax's shard_map would refuse it, naming only in_specs
+      if set(axes) & explicit_axes(mesh):   # jax's shard_map would refuse it, naming only in_specs
         what = "host data (numpy), not placed on the mesh" if not isinstance(x, jax.Array) else (
             "not placed on the mesh (its type names no mesh axis)")
         raise ValueError(
@@ -143,7 +143,7 @@ def check_batch(batch: Any, mesh: Any, axes: tuple[Any, ...], where: str) -> Non
             f"Explicit, so the batch must arrive split over it: jax.device_put(batch, NamedSharding(mesh, "
             f"P({entry!r}))) before the step (outside the jit).")
       continue
-    split = _spec_axes(spec)
+    split = spec_axes(spec)
     lead = _entry_axes(spec[0]) if len(spec) else ()
     if tuple(lead) != axes or len(split) != 1 or _extras(spec):
       now = "replicated (not split over any axis)" if not split else f"placed as {spec}"
@@ -159,10 +159,10 @@ def _varying_over(x: Any, axes: tuple[Any, ...]) -> bool:
   return any(a in varying for a in axes)
 
 
-def _check_model_state(new: Any, axes: tuple[Any, ...], where: str) -> None:
-  for name, x in _leaves(new, "model_state"):
+def check_model_state(new: Any, axes: tuple[Any, ...], where: str) -> None:
+  for name, x in named_leaves(new, "model_state"):
     if hasattr(x, "dtype") and _varying_over(x, axes):
-      entry = _spec_entry(axes)
+      entry = spec_entry(axes)
       raise ValueError(
           f"{where}: the new model state's leaf {name!r} varies over mesh axis {entry!r} (it was "
           f"computed from each device's own batch), but on the mesh the model state is one value, "

@@ -17,7 +17,7 @@ import optax
 
 from . import _mesh, _zero
 from ._accumulate import init as accum_init
-from ._compose import _check_masked, _inside_multisteps, _not_first_error, _ran_before_in_chain
+from ._compose import check_masked, inside_multisteps, not_first_error, ran_before_in_chain
 from ._defer import init as defer_init
 from ._reduction import accumulated_allreduce, check_foreign, scheduled_allreduce, step_setup, with_owed
 from ._keys import check_enforce_order, ordered_by
@@ -156,15 +156,15 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
 
   # the composition guard is the outermost layer: it reads the caller's frames (an optax.chain's)
   def init_fn(params):
-    before = _ran_before_in_chain()
+    before = ran_before_in_chain()
     if before:
-      raise _not_first_error(before, "init")
+      raise not_first_error(before, "init")
     return step.init(params)
 
   def update_fn(updates, state, params=None, **extra_args):
-    before = _ran_before_in_chain()
+    before = ran_before_in_chain()
     if before:
-      raise _not_first_error(before, "update")
+      raise not_first_error(before, "update")
     return step.update(updates, state, params, **extra_args)
 
   # keys or the tie: read where the units are issued, while this update traces
@@ -191,7 +191,7 @@ def _scheduled_per_device(tx: Any, schedule: Schedule, axis_name: Any, every_k: 
                       f"transformation's init made (a ScheduledState(inner, defer_state)). Pass the state "
                       f"tx.init(params) returned (or the one the last update returned; TrainState and "
                       f"nnx.Optimizer keep it for you).")
-    _check_masked(updates, schedule)
+    check_masked(updates, schedule)
     if not schedule.sharded and isinstance(state.inner, ShardedState):
       raise ScheduleMismatchError(
           f"scheduled(...).update: the optimizer state is the ZeRO-1 shard state of a sharded schedule "
@@ -277,7 +277,7 @@ def _composed(reduce, axis_name):
   try:
     return reduce()
   except AlreadyReducedError as e:
-    if not _inside_multisteps():
+    if not inside_multisteps():
       raise
     raise CompositionError(
         f"scheduled(...) inside optax.MultiSteps under shard_map: MultiSteps keeps an accumulator of "

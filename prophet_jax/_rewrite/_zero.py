@@ -80,7 +80,7 @@ _STRUCTURAL = {
 # values
 
 
-def _tag(schedule: Schedule, n: int, mode: str) -> StateTag:
+def shard_tag(schedule: Schedule, n: int, mode: str) -> StateTag:
   return StateTag.of(schedule, ShardLayout(int(n), tuple(shard_size(c.size, n) for c in schedule.chunks), mode))
 
 
@@ -304,7 +304,7 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
 # init and update, per device (inside pmap / shard_map)
 
 
-def _flat(tree: Any, schedule: Schedule, where: str) -> tuple[list, Any, Any]:
+def matched_leaves(tree: Any, schedule: Schedule, where: str) -> tuple[list, Any, Any]:
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   lmap = match_tree(leaves_with_path, schedule, where=where)
   return [x for _, x in leaves_with_path], treedef, lmap
@@ -319,14 +319,14 @@ def init(tx: Any, params: Any, schedule: Schedule, axis_name: Any, where: str = 
     ScheduleMismatchError: `params` is not the schedule's tree.
   """
   n = axis_size(axis_name, where, _init_unbound(axis_name, where))
-  flat, _, lmap = _flat(params, schedule, where)
+  flat, _, lmap = matched_leaves(params, schedule, where)
   mode = shard_mode(tx, params, where)
   p = local_shards(flat, schedule.chunks, lmap.row_leaf, axis_name, n)
   if mode == "global-norm":
     p = p + (jnp.zeros((), jnp.float32),)
   state = tx.init(p)
   return ShardedState(per_device=jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], state),
-                      tag=_tag(schedule, n, mode))
+                      tag=shard_tag(schedule, n, mode))
 
 
 def check_state(state: Any, schedule: Schedule, n: int, where: str) -> None:
@@ -338,7 +338,7 @@ def check_state(state: Any, schedule: Schedule, n: int, where: str) -> None:
         f"{type(state).__name__}. Make it with init where the axis is bound (jax.pmap(tx.init, ...) or "
         f"inside the shard_map), or, after a re-plan, convert the old state: "
         f"prophet_jax.convert_state(state, params, schedule, tx=tx, num_devices=n).")
-  tag, want = state.tag, _tag(schedule, n, "")
+  tag, want = state.tag, shard_tag(schedule, n, "")
   shard = isinstance(tag, StateTag) and isinstance(tag.layout, ShardLayout)
   if not shard or tag.key != want.key or tag.layout[:2] != want.layout[:2]:
     got = repr(tag) if isinstance(tag, StateTag) else type(tag).__name__
@@ -354,7 +354,7 @@ def check_state(state: Any, schedule: Schedule, n: int, where: str) -> None:
 def check_grad_shards(g: Any, schedule: Schedule, n: int, where: str) -> None:
   """ScheduleMismatchError unless `g` is a GradShards of this schedule for n devices."""
   tag = g.tag
-  want = _tag(schedule, n, "")
+  want = shard_tag(schedule, n, "")
   if not (isinstance(tag, StateTag) and isinstance(tag.layout, ShardLayout)) or (
       tag.key, tag.layout[:2]) != (want.key, want.layout[:2]):
     raise ScheduleMismatchError(
@@ -370,12 +370,12 @@ def reduce_scatter(grads: Any, schedule: Schedule, axis_name: Any, *, where: str
   """The schedule's reduce-scatters of `grads` (per-device gradients): this device's mean (or sum)
   shards, the chain's last result in `token`."""
   n = axis_size(axis_name, where)
-  flat, _, lmap = _flat(grads, schedule, where)
+  flat, _, lmap = matched_leaves(grads, schedule, where)
   check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
   shards, last = reduce_scatter_chunks(flat, schedule.chunks, lmap.row_leaf, axis_name, n=n,
                                        divisor=n if mean else None)
   token = jnp.where(jnp.isfinite(last[0]), last[0] * 0, 0).astype(jnp.float32)[None]
-  return GradShards(shards=shards, token=token, tag=_tag(schedule, n, ""))
+  return GradShards(shards=shards, token=token, tag=shard_tag(schedule, n, ""))
 
 
 def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, axis_name: Any, *,
@@ -397,14 +397,14 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
                       f"params to lay the update out in their tree: tx.update(shards, opt_state, params) "
                       f"(flax's TrainState.apply_gradients and nnx.Optimizer pass them).")
     g = updates
-    template, treedef, lmap = _flat(params, schedule, where)
+    template, treedef, lmap = matched_leaves(params, schedule, where)
   else:
     g = reduce_scatter(updates, schedule, axis_name, where=where, mean=mean)
-    template, treedef, lmap = _flat(updates, schedule, where)
+    template, treedef, lmap = matched_leaves(updates, schedule, where)
   shards, prev = tuple(g.shards), g.token[0]
   p = None
   if params is not None:
-    pflat, _, plmap = _flat(params, schedule, where)
+    pflat, _, plmap = matched_leaves(params, schedule, where)
     p = local_shards(pflat, chunks, plmap.row_leaf, axis_name, n)
   if state.tag.mode == "global-norm":
     local, total = shards_square_sum(shards, axis_name, NORM_SCOPE)
