@@ -194,7 +194,8 @@ class StepSetup(NamedTuple):
 
 
 def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, defer_state: Any = None,
-               grads: bool = True, carry: bool = True, skip_prefixes: Sequence[str] = ()) -> StepSetup:
+               grads: bool = True, carry: bool = True, checks: bool = True, skip_prefixes: Sequence[str] = ()
+               ) -> StepSetup:
   """The preamble every reduction path runs, written once: the axis size, the tree matched to the
   schedule, the state's schedule (a converted state's owed values taken: `take_owed`; another
   schedule's refused: `check_foreign`; this schedule's own checked: `_defer.check_state`), and the
@@ -209,6 +210,8 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
     defer_state: the deferral state given to the step, or None.
     carry: take an `OwedState`'s values here; False leaves it as it is, for a path that takes it
       itself (`accumulated_allreduce`).
+    checks: run the varying checks on `tree` (False: a template of the tree, e.g. the params a
+      ZeRO-1 update lays hooked's gradient shards out in).
     skip_prefixes: paths the schedule does not cover (`hooked(in_loop=...)`).
 
   Raises:
@@ -227,9 +230,9 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
       owed, defer_state = take_owed(defer_state, schedule, flat, lmap, axis_name)
   elif schedule.defers or defer_state is not None:
     check_state(defer_state, schedule, where)
-  if grads:
+  if grads and checks:
     check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
-  elif vma:
+  elif vma and checks:
     check_not_varying(flat, lmap, axis_name, where)
   if isinstance(defer_state, DeferState) and vma:
     check_residual_varying(defer_state, axis_name, where)

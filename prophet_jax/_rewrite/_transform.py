@@ -19,9 +19,9 @@ from . import _mesh, _zero
 from ._accumulate import init as accum_init
 from ._compose import check_masked, inside_multisteps, not_first_error, ran_before_in_chain
 from ._defer import init as defer_init
-from ._reduction import accumulated_allreduce, check_foreign, scheduled_allreduce, step_setup, with_owed
+from ._reduction import accumulated_allreduce, scheduled_allreduce
 from ._keys import check_enforce_order, ordered_by
-from ._states import GradShards, ScheduledState, ShardedState
+from ._states import ScheduledState, ShardedState
 from .._values._checks import check_int, check_values
 from .._values._errors import AlreadyReducedError, CompositionError, ScheduleMismatchError
 from .._values._schedule import Schedule
@@ -218,18 +218,8 @@ def _zero_layer(tx, schedule, axis_name, mean):
     return ScheduledState(inner=_zero.init(tx, params, schedule, axis_name, "scheduled"))
 
   def update(updates, state, params, extra_args):
-    check_foreign(state.defer_state, schedule, "scheduled")
-    if state.defer_state is not None and isinstance(updates, GradShards):
-      raise ValueError(
-          "scheduled(...).update: the state owes a re-plan's deferred values (convert_state's OwedState) "
-          "to this schedule's first step, which needs the gradients to add them to, but was given "
-          "hooked's reduce-scattered GradShards: run that first step with plain gradients (jax.grad of "
-          "the loss, then tx.update), or apply the owed values before converting.")
-    if state.defer_state is not None:
-      s = step_setup(updates, schedule, axis_name, "scheduled", defer_state=state.defer_state)
-      updates = jax.tree_util.tree_unflatten(s.treedef, with_owed(s))
     new, inner = _zero.update(tx, updates, state.inner, params, schedule, axis_name, where="scheduled",
-                              mean=mean, extra_args=extra_args)
+                              mean=mean, extra_args=extra_args, defer_state=state.defer_state)
     return new, ScheduledState(inner=inner)
 
   return init_fn, update

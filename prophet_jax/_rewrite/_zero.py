@@ -53,14 +53,15 @@ import optax
 from . import _probe_trials
 from ._states import GradShards, ShardedState, ShardLayout, StateTag
 from .._values._checks import match_tree
-from ._axis import axis_size, check_not_reduced, is_varying, to_varying, vma_enabled
+from ._axis import axis_size, is_varying, to_varying, vma_enabled
+from ._reduction import step_setup, with_owed
 from ._sharded import (all_gather_chunks, local_shards, reduce_scatter_chunks, scatter_chunks,
                        shards_square_sum)
 from .._values._errors import ScheduleMismatchError, ShardingError
 from .._values._schedule import Schedule, shard_size
 from .._values._tree import is_reduced_leaf, path_str
 
-__all__ = ["ShardedState", "GradShards", "shard_mode", "init", "update", "reduce_scatter", "check_state",
+__all__ = ["ShardedState", "GradShards", "shard_mode", "init", "update", "check_state",
            "check_grad_shards", "NORM_SCOPE", "MODES"]
 
 NORM_SCOPE = "prophet/norm"  # the one extra psum of a global-norm transformation's squares
@@ -365,43 +366,37 @@ def check_grad_shards(g: Any, schedule: Schedule, n: int, where: str) -> None:
                                 f"has {len(want.sizes)} chunks; they were edited.")
 
 
-def reduce_scatter(grads: Any, schedule: Schedule, axis_name: Any, *, where: str, mean: bool = True
-                   ) -> GradShards:
-  """The schedule's reduce-scatters of `grads` (per-device gradients): this device's mean (or sum)
-  shards, the chain's last result in `token`."""
-  n = axis_size(axis_name, where)
-  flat, _, lmap = matched_leaves(grads, schedule, where)
-  check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
-  shards, last = reduce_scatter_chunks(flat, schedule.chunks, lmap.row_leaf, axis_name, n=n,
-                                       divisor=n if mean else None)
-  token = jnp.where(jnp.isfinite(last[0]), last[0] * 0, 0).astype(jnp.float32)[None]
-  return GradShards(shards=shards, token=token, tag=shard_tag(schedule, n, ""))
-
-
 def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, axis_name: Any, *,
-           where: str = "scheduled", mean: bool = True, extra_args: dict | None = None
+           where: str = "scheduled", mean: bool = True, extra_args: dict | None = None, defer_state: Any = None
            ) -> tuple[Any, ShardedState]:
   """The ZeRO-1 step: reduce-scatter (unless `updates` is already `GradShards`), `tx` on this
   device's shards, all-gather the update; returns (the whole update, replicated, in the tree's
-  structure; the new ShardedState).
+  structure; the new ShardedState). A re-plan's owed values (`defer_state`, convert_state's
+  OwedState) join the gradients before the reduce-scatters.
 
   Leaves the schedule does not cover (integers, float0, zero-size) get a zero update (float0 stays).
   """
-  n = axis_size(axis_name, where)
+  given = isinstance(updates, GradShards)
+  if given and defer_state is not None:
+    raise ValueError(
+        f"{where}: the state owes a re-plan's deferred values (convert_state's OwedState) to this "
+        f"schedule's first step, which needs the gradients to add them to, but was given hooked's "
+        f"reduce-scattered GradShards: run that first step with plain gradients (jax.grad of the loss, "
+        f"then tx.update), or apply the owed values before converting.")
+  if given and params is None:
+    raise TypeError(f"{where}: given the gradient shards of hooked(...) (GradShards), update needs the "
+                    f"params to lay the update out in their tree: tx.update(shards, opt_state, params) "
+                    f"(flax's TrainState.apply_gradients and nnx.Optimizer pass them).")
+  s = step_setup(params if given else updates, schedule, axis_name, where, defer_state=defer_state,
+                 grads=not given, checks=not given)
+  n, template, treedef, lmap, chunks = s.n, s.flat, s.treedef, s.lmap, schedule.chunks
   check_state(state, schedule, n, where)
-  chunks = schedule.chunks
-  if isinstance(updates, GradShards):
+  if given:
     check_grad_shards(updates, schedule, n, where)
-    if params is None:
-      raise TypeError(f"{where}: given the gradient shards of hooked(...) (GradShards), update needs the "
-                      f"params to lay the update out in their tree: tx.update(shards, opt_state, params) "
-                      f"(flax's TrainState.apply_gradients and nnx.Optimizer pass them).")
-    g = updates
-    template, treedef, lmap = matched_leaves(params, schedule, where)
+    shards, prev = tuple(updates.shards), updates.token[0]
   else:
-    g = reduce_scatter(updates, schedule, axis_name, where=where, mean=mean)
-    template, treedef, lmap = matched_leaves(updates, schedule, where)
-  shards, prev = tuple(g.shards), g.token[0]
+    shards, prev = reduce_scatter_chunks(with_owed(s), chunks, lmap.row_leaf, axis_name, n=n,
+                                         divisor=n if mean else None)
   p = None
   if params is not None:
     pflat, _, plmap = matched_leaves(params, schedule, where)
