@@ -280,29 +280,30 @@ def test_schedule_change_between_calls_flushes_first_and_stays_exact():
 def test_tolerance_catches_wrong_scale_and_lost_slice(monkeypatch, mutation):
   """The equivalence check used above fails for a psum in place of a pmean, a mean over n-1 devices
   (a 14% scale), or a slice left out."""
-  import prophet_jax._rewrite._pipelined as mod
+  import prophet_jax._rewrite._transform as mod   # the per-device update's all-reduce layer
 
   model, params, bs, ref, _ = case("mlp", "sgd-momentum")
   schedule = make_schedule(params)
-  real = mod.allreduce
+  real = mod.scheduled_allreduce
   r, a, b = schedule.chunks[0].slices[0]
   lost_path = schedule.rows[r][0]
 
-  def broken(grads, sched, axis_name, *, mean=True):
+  def broken(grads, sched, axis_name, *, mean=True, **kw):
     if mutation == "psum-not-pmean":
-      return real(grads, sched, axis_name, mean=False)
+      return real(grads, sched, axis_name, mean=False, **kw)
     if mutation == "mean-over-n-minus-1":
-      return jax.tree.map(lambda g: g / (N_DEV - 1), real(grads, sched, axis_name, mean=False))
-    out = real(grads, sched, axis_name, mean=mean)
+      out, st = real(grads, sched, axis_name, mean=False, **kw)
+      return jax.tree.map(lambda g: g / (N_DEV - 1), out), st
+    out, st = real(grads, sched, axis_name, mean=mean, **kw)
 
     def drop(path, g):  # (not `.at[a:b].set(0)`: docs/facts.md, "jax 0.11.2: zero-size operands ...")
       if path_str(path) != lost_path:
         return g
       return jax.lax.dynamic_update_slice(g.reshape(-1), jnp.zeros(b - a, g.dtype), (a,)).reshape(g.shape)
 
-    return jax.tree_util.tree_map_with_path(drop, out)
+    return jax.tree_util.tree_map_with_path(drop, out), st
 
-  monkeypatch.setattr(mod, "allreduce", broken)
+  monkeypatch.setattr(mod, "scheduled_allreduce", broken)
   runner = Runner(pipelined(model.loss_fn, TXS["sgd-momentum"](), schedule, axis_name=AXIS), "shard_map",
                   keep_compiled=False)
   state, _ = runner.run(params, bs)
@@ -688,13 +689,17 @@ def test_bf16_compute_matches_a_reference_that_rounds_the_same_way(monkeypatch, 
   1e-2 and 1e-3), and 0.26 on the cnn's bfloat16 kernels, whose updates are ~5 ulps (one-ulp flips).
   The single-device full batch differs from any 8-way bfloat16 step by more (cnn: 0.5), since the
   per-device gradients are rounded before the mean."""
-  import prophet_jax._rewrite._pipelined as mod
+  import prophet_jax._rewrite._transform as mod   # the per-device update's all-reduce layer
 
   params, bs, ref = bf16_compute_case()
   if mutation:
-    real = mod.allreduce
-    monkeypatch.setattr(mod, "allreduce", lambda g, sched, axis_name, *, mean=True: jax.tree.map(
-        lambda x: x / (N_DEV - 1), real(g, sched, axis_name, mean=False)))
+    real = mod.scheduled_allreduce
+
+    def broken(g, sched, axis_name, *, mean=True, **kw):
+      out, st = real(g, sched, axis_name, mean=False, **kw)
+      return jax.tree.map(lambda x: x / (N_DEV - 1), out), st
+
+    monkeypatch.setattr(mod, "scheduled_allreduce", broken)
   pipe = pipelined(Bf16ComputeModel.loss_fn, optax.sgd(0.2, momentum=0.9), schedule_for(params, "wfbp"),
                    axis_name=AXIS)
   runner = Runner(pipe, "shard_map", keep_compiled=False, compiler_options=NO_EXCESS_PRECISION)

@@ -1,9 +1,10 @@
 """The state layer (prophet_jax/_rewrite/_states.py, _convert.py): one tag, one `state_specs`, one
 conversion between schedules.
 
-- States saved before the layer existed (commit 5dc8ac8; tests/fixtures/make_states.py wrote them: a
-  deferring `dlcp` state, a ZeRO-1 `dear` state, an `every_k` accumulator) have the key paths today's
-  `init` makes, and today's step takes their leaves (traced under pmap: every check of the step runs).
+- States saved before the layer existed (commit 5dc8ac8) and before `pipelined` ran the per-device
+  update (7963a23; tests/fixtures/make_states.py wrote them: a deferring `dlcp` state, a ZeRO-1 `dear`
+  state, an `every_k` accumulator, flushed `pipelined` states of both plans) have the key paths
+  today's `init` makes, and today's step takes their leaves (traced under pmap: every check runs).
 - `convert` moves every value bit for bit: a deferral residual comes back in `owed` at the elements it
   was deferred from (per device, in each layout); a ZeRO-1 state goes to the whole state and back, to
   another device count and to an all-reduce schedule, equal to `shard_state`/`unshard_state` of the
@@ -37,31 +38,42 @@ def _maker():
 
 
 MAKE = _maker()
-META = json.loads((FIX / "states-5dc8ac8.json").read_text())["cases"]
-SAVED = np.load(FIX / "states-5dc8ac8.npz")
+FIXTURES = ("5dc8ac8", "7963a23")   # saved before the state layer; before pipelined ran scheduled's update
+SAVED = {c: (json.loads((FIX / f"states-{c}.json").read_text())["cases"], np.load(FIX / f"states-{c}.npz"))
+         for c in FIXTURES}
+META = SAVED["5dc8ac8"][0]
 
 
-def _case(case):
-  m = META[case]
+def _case(case, commit="5dc8ac8"):
+  meta, arrays = SAVED[commit]
+  m = meta[case]
   schedule = pj.Schedule.from_json(m["schedule"])
-  tx = pj.scheduled(MAKE.tx_for(case), schedule, axis_name=AX, every_k=m["every_k"])
-  leaves = [SAVED[f"{case}/{i}"] for i in range(len(m["paths"]))]
+  if case in MAKE.PIPELINED:
+    tx = pj.pipelined(MAKE.loss_fn, MAKE.tx_for(case), schedule, axis_name=AX)
+  else:
+    tx = pj.scheduled(MAKE.tx_for(case), schedule, axis_name=AX, every_k=m["every_k"])
+  leaves = [arrays[f"{case}/{i}"] for i in range(len(m["paths"]))]
   return schedule, tx, leaves
 
 
-@pytest.mark.parametrize("case", sorted(META))
-def test_a_state_saved_before_the_state_layer_restores(case):
-  schedule, tx, leaves = _case(case)
+@pytest.mark.parametrize("commit,case", [(c, k) for c in FIXTURES for k in sorted(SAVED[c][0])])
+def test_a_state_saved_before_the_state_layer_restores(commit, case):
+  schedule, tx, leaves = _case(case, commit)
   params = MAKE.params()
   rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (N, *x.shape)), params)
   now = jax.eval_shape(jax.pmap(tx.init, axis_name=AX), rep)
   flat, treedef = jax.tree_util.tree_flatten_with_path(now)
-  assert [jax.tree_util.keystr(p) for p, _ in flat] == META[case]["paths"]
+  assert [jax.tree_util.keystr(p) for p, _ in flat] == SAVED[commit][0][case]["paths"]
   assert [tuple(x.shape[1:]) for _, x in flat] == [np.shape(x) for x in leaves]
   assert [str(x.dtype) for _, x in flat] == [str(x.dtype) for x in leaves]
   restored = jax.tree_util.tree_unflatten(treedef, [np.broadcast_to(x, (N, *x.shape)) for x in leaves])
-  step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=AX)
-  updates, new = jax.eval_shape(step, MAKE.grads(0), restored, rep)
+  if case in MAKE.PIPELINED:
+    step = jax.pmap(tx.step, axis_name=AX)
+    new, _ = jax.eval_shape(step, *jax.eval_shape(step, restored, MAKE.batch(0))[:1], MAKE.batch(1))
+    new = jax.eval_shape(jax.pmap(tx.flush, axis_name=AX), new)
+  else:
+    step = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name=AX)
+    updates, new = jax.eval_shape(step, MAKE.grads(0), restored, rep)
   assert jax.tree.structure(new) == jax.tree.structure(restored)
 
 

@@ -54,6 +54,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _loss_reduction, _states
+from ._pending import check_state
 from ._defer import deferred_grads as _deferred_grads
 from ._placement import (check_model_state, check_not_mapped, explicit_axes, known_spec, named_leaves, spec_axes,
                          spec_entry, check_batch, check_replicated)
@@ -278,7 +279,7 @@ class MeshPipelined:
     and the loss averaged over the global batch (with `has_aux`, `(loss, aux)`, aux stacked per device).
     """
     where = "pipelined(mesh=...).step"
-    self.inner._check_state(state, where)
+    check_state(state, where)
     check_not_mapped(self._axes, where)
     check_replicated(state.params, "params", where, "Start from this step's init(params).")
     check_batch(batch, self.mesh, self._axes, where)
@@ -300,7 +301,7 @@ class MeshPipelined:
   def flush(self, state: Any) -> Any:
     """Runs the pending backward, its all-reduces and the update (see `Pipelined.flush`), on the mesh."""
     where = "pipelined(mesh=...).flush"
-    self.inner._check_state(state, where)
+    check_state(state, where)
     if state.pending is None:
       return state
     check_not_mapped(self._axes, where)
@@ -312,7 +313,7 @@ class MeshPipelined:
     """The deferred gradient values, averaged over the data axis, as a replicated tree like the params
     (zeros when nothing is deferred): apply them with `tx` at the end of training if wanted."""
     where = "pipelined(mesh=...).deferred_grads"
-    self.inner._check_state(state, where)
+    check_state(state, where)
     self._check_global_defer(state, where)
     return jax.shard_map(lambda s: _loss_reduction.combine(self.inner.deferred_grads(s), self._axes,
                                                            self.inner.reduction),
@@ -516,8 +517,8 @@ def placed(per_device: Callable[[bool], Any], *, mesh: Any, axis_name: Any, wher
   pmap / shard_map) without a mesh; with one, `per_device(mean=False)` (it is given partial sums)
   mapped over the mesh (`MeshTransformation`)."""
   if mesh is None:
-    return per_device(True)
-  return MeshTransformation(per_device(False), mesh=mesh, axis_name=axis_name, where=where,
+    return per_device(mean=True)
+  return MeshTransformation(per_device(mean=False), mesh=mesh, axis_name=axis_name, where=where,
                             key=tuple(getattr(per_device, "args", ())))
 
 

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._residuals import VjpTrace
-from ._states import DeferState
+from ._states import DeferState, declare, is_state
 from .._values._schedule import Schedule
 
-__all__ = ["Pending", "PipelinedState"]
+__all__ = ["Pending", "PipelinedState", "check_state"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -113,6 +113,7 @@ class Pending:
     return f"Pending({len(self.residuals)} residuals, {meta_nbytes(self.meta)} bytes per device)"
 
 
+@declare(per_device=("pending",), label="the pending forward's residual {}", convert="pipelined")
 class PipelinedState(NamedTuple):
   """State of the pipelined step.
 
@@ -161,3 +162,16 @@ def round_to_dtype(x: Any) -> Any:
   wide = jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=int(info.nexp),
                                   mantissa_bits=int(info.nmant))
   return wide.astype(dt)
+
+
+def check_state(state: Any, where: str) -> None:
+  """TypeError unless `state` is a PipelinedState (its pending node a Pending, its defer a state)."""
+  if not isinstance(state, PipelinedState):
+    raise TypeError(f"{where}: expected the PipelinedState returned by init/step/flush, got "
+                    f"{type(state).__name__}. Start with state = pipelined(...).init(params).")
+  if state.pending is not None and not isinstance(state.pending, Pending):
+    raise TypeError(f"{where}: state.pending must be None or a Pending node, got "
+                    f"{type(state.pending).__name__}.")
+  if state.defer is not None and not is_state(state.defer):
+    raise TypeError(f"{where}: state.defer must be None or a prophet_jax.DeferState (or convert_state's "
+                    f"OwedState), got {type(state.defer).__name__}. Start with state = pipelined(...).init(params).")

@@ -1,10 +1,10 @@
 """The cross-step pipelined train step: this backward, its all-reduces and the next forward in one program.
 
-Each call runs the previous forward's pending backward, its chunked all-reduces in the schedule's
-order, the update, and the next batch's forward, carrying the forward's residuals in the state: the
-simulator's `cross_step=True`. docs/design.md ("The pipelined step") says why the step is cut between
-forward and backward, what is carried (`residuals=`), the two compiled programs, deferral, sharded
-schedules, auxiliary outputs and model state, and low-precision parameters.
+Each call runs the previous forward's pending backward, the per-device scheduled update `scheduled`
+builds (`_transform.per_device`: the reduction layer chosen once from the schedule), and the next
+batch's forward, carrying the forward's residuals in the state: the simulator's `cross_step=True`.
+docs/design.md ("The pipelined step") says why the step is cut between forward and backward, what is
+carried (`residuals=`), deferral, sharded schedules, aux outputs, model state and low precision.
 """
 
 from __future__ import annotations
@@ -19,47 +19,32 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from . import _defer, _loss_reduction, _states, _zero
-from .._values._checks import check_values
-from ._axis import axis_size
-from ._reduction import add_owed, allreduce, check_foreign
-from ._defer import DeferState
+from . import _defer, _loss_reduction, _states
+from ._axis import axis_size, is_varying, to_varying, vma_enabled
 from ._keys import check_enforce_order, ordered_by
-from ._states import OwedState
-from .._values._errors import ScheduleMismatchError
 from ._mesh import placed_step
-from ._pipelined_checks import PipelinedChecks, short_avals, jaxpr_size
-from ._pending import Pending, PipelinedState, meta_nbytes, PendingMeta, round_to_dtype, Traced
+from ._pending import Pending, PendingMeta, PipelinedState, Traced, check_state, meta_nbytes, round_to_dtype
+from ._reduction import add_owed, check_foreign
 from ._residuals import carried_avals, carry_plan, forward, recompute, save_matmuls, vjp_jaxpr
+from ._states import OwedState, ScheduledState
+from ._transform import per_device
+from .._values._checks import check_values, match_tree
+from .._values._errors import ScheduleMismatchError
 from .._values._schedule import Schedule
+from .._values._tree import is_reduced_leaf, path_str
 
 __all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending", "save_matmuls"]
-
-# --------------------------------------------------------------------------------------------------
-# the object
 
 _NO_STATE = object()  # `init`'s default: no model state given (None is a valid model state)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Pipelined(PipelinedChecks):
+class Pipelined:
   """The pipelined train step returned by `pipelined(...)`: pure functions over a `PipelinedState`.
 
   Run `init` anywhere (or under the mapping), and `step` / `flush` under the user's own `jax.pmap` or
-  `jax.shard_map` (inside `jax.jit`) with the axis `axis_name` bound.
-
-  Attributes:
-    loss_fn: `loss_fn(params, batch)`, or `loss_fn(params, model_state, batch)` with `has_state`; it
-      returns the per-device mean loss, with the new model state and the aux as `pipelined` says.
-    tx: the optimizer (any optax GradientTransformation).
-    schedule: the all-reduce schedule (from `prophet_jax.plan`; any policy works).
-    axis_name: the data-parallel axis.
-    residuals: "min-cut" (the fewest bytes; `_residuals.carry_plan`), "all" (what `jax.vjp` keeps),
-      "matmuls" (`save_matmuls`), or a `jax.checkpoint` policy.
-    has_aux: `loss_fn` returns an auxiliary output beside the loss.
-    has_state: `loss_fn` takes and returns a model state.
-    reduction: "mean" (`loss_fn` averages over its examples) or "sum" (it sums over them).
-    enforce_order: False: the schedule's units carry XLA combiner keys instead of the tie (`_keys`).
+  `jax.shard_map` (inside `jax.jit`) with the axis `axis_name` bound. The fields are `pipelined`'s
+  arguments.
   """
 
   loss_fn: Callable[..., Any]
@@ -80,21 +65,22 @@ class Pipelined(PipelinedChecks):
       for name in ("step", "flush"):
         object.__setattr__(self, name, ordered_by(False, getattr(self, name)))
 
+  def _update(self, where: str) -> Any:
+    """The per-device scheduled update (`scheduled`'s, the reduction layer chosen once), for `where`."""
+    return per_device(self.tx, self.schedule, self.axis_name, mean=_loss_reduction.is_mean(self.reduction),
+                      where=where)
+
   # -- public -------------------------------------------------------------------------------------
   def init(self, params: Any, model_state: Any = _NO_STATE) -> PipelinedState:
-    """The initial state: `params`, `tx.init(params)`, nothing pending, the model state and, for a
-    schedule that defers, its deferral state before the first step (`prophet_jax.defer_state`).
-
-    Args:
-      params: the parameters (the tree the schedule was planned for).
-      model_state: with `has_state=True` (and only then), the model state the first forward reads
-        (e.g. `variables["batch_stats"]`, a PRNG key).
+    """The initial state: `params`, the update's state for them (tx's, or its ZeRO-1 shards), nothing
+    pending, the model state (with `has_state=True`, and only then) and the deferral state.
 
     Raises:
       ScheduleMismatchError: the schedule was planned for another tree (the leaf at fault is named).
       TypeError: `model_state` given without `has_state=True`, or missing with it.
     """
-    self._check_params(params, "pipelined.init")
+    where = "pipelined.init"
+    match_tree(jax.tree_util.tree_flatten_with_path(params)[0], self.schedule, where=where)
     if self.has_state and model_state is _NO_STATE:
       raise TypeError("pipelined.init: this step was made with has_state=True, so init needs the model "
                       "state the first forward reads: init(params, model_state).")
@@ -102,68 +88,46 @@ class Pipelined(PipelinedChecks):
       raise TypeError("pipelined.init: a model_state was given, but this step was made without "
                       "has_state=True, so loss_fn would never see it. Pass has_state=True to pipelined "
                       "and write loss_fn(params, model_state, batch) -> (loss, new_model_state).")
-    opt_state = (_zero.init(self.tx, params, self.schedule, self.axis_name, "pipelined.init")
-                 if self.schedule.sharded else self.tx.init(params))
-    return PipelinedState(params=params, opt_state=opt_state, pending=None,
-                          model_state=None if model_state is _NO_STATE else model_state,
-                          defer=_defer.init(self.schedule))
+    st = self._update(where).init(params)
+    return PipelinedState(params=params, opt_state=st.inner, pending=None,
+                          model_state=None if model_state is _NO_STATE else model_state, defer=st.defer_state)
 
   def step(self, state: PipelinedState, batch: Any) -> tuple[PipelinedState, Any]:
-    """One pipelined step: pending backward, scheduled all-reduce, update, then the forward of `batch`.
+    """One pipelined step: the pending backward, the scheduled update, then the forward of `batch`.
 
-    On the first call (nothing pending) only the forward runs. A state of another plan (its pending
-    forward or its deferral state) raises ScheduleMismatchError: to change plans, flush with the old
-    plan's step and convert the state outside the step (`prophet_jax.convert_state`); what the old
-    plan deferred is added by the new plan's next backward (nothing is lost).
-
-    With a schedule that defers (`dlcp`, `max_defer > 0`), the pending gradients go through its
-    deferral groups (`Bucket`): the step equals the plain loop with
-    `prophet_jax.allreduce(grads, schedule, axis_name, defer_state=...)` in place of `pmean`, the
-    deferral state threaded through `state.defer`.
-
-    What equals the plain loop (`jax.value_and_grad(loss_fn, has_aux=...)`, `pmean`, `tx`, one jitted
-    call per batch), call by call: the loss (and aux) returned for `batch` are the plain step's on
-    the same batch, i.e. at the parameters after the previous batches' updates and, with `has_state`,
-    at the model state the previous batch's forward produced; `state.model_state` after the call is
-    the plain loop's after this batch. The parameters lag by one update until `flush`; after it they
-    are the plain loop's. Equal means: up to float32 reduction order (docs/design.md, "Equivalence
-    tolerance"); bfloat16 parameters are rounded as the plain loop rounds them.
+    On the first call (nothing pending) only the forward runs. Per call, the loss (and aux) returned
+    for `batch` equal the plain step's on the same batch; after `flush` the parameters equal the
+    plain loop's (docs/design.md, "The pipelined step").
 
     Args:
       state: from `init`, `step` or `flush`.
-      batch: this device's batch (any pytree; typed PRNG keys allowed); every call between flushes must
-        see the same shapes.
+      batch: this device's batch; every call between flushes must see the same shapes.
 
     Returns:
-      `(state, loss)`, or `(state, (loss, aux))` with `has_aux=True`: the new state (holding this
-      batch's residuals and, with `has_state`, the model state this forward produced), this device's
-      loss on `batch` and the aux of this forward.
+      `(state, loss)`, or `(state, (loss, aux))` with `has_aux=True`.
 
     Raises:
-      TypeError: `state` is not a PipelinedState, or `loss_fn` returns something other than it should
-        (a non-scalar loss, a tuple without `has_aux`, a model state of another structure).
+      TypeError: a state that is not a PipelinedState, or a `loss_fn` output of the wrong form.
       ValueError: the batch's shapes or dtypes differ from the pending forward's (flush first).
-      ScheduleMismatchError: the params, or the pending forward's schedule, belong to another tree;
-        `state.defer` belongs to another schedule than the one it is used with.
+      ScheduleMismatchError: params, the pending forward or `state.defer` of another tree or plan
+        (change plans with `convert_state`).
       UnboundAxisError: `axis_name` is not bound here.
     """
     where = "pipelined.step"
-    self._check_state(state, where)
+    check_state(state, where)
     axis_size(self.axis_name, where)
-    self._check_params(state.params, where)
-    batch_tree, batch_avals = self._avals(batch)
+    match_tree(jax.tree_util.tree_flatten_with_path(state.params)[0], self.schedule, where=where)
+    batch_tree, batch_avals = _avals(batch, self.axis_name)
     params, opt_state, defer = state.params, state.opt_state, state.defer
     traced = None  # the backward's trace of the forward, which the next forward reuses when it can
     if state.pending is not None:
-      self._check_batch(state.pending.meta, batch_tree, batch_avals)
+      _check_batch(state.pending.meta, batch_tree, batch_avals, self.axis_name)
       params, opt_state, defer, traced = self._backward_and_update(params, opt_state, state.pending, defer,
                                                                    where)
     elif defer is None and self.schedule.defers:
       defer = _defer.init(self.schedule)  # nothing was deferred (a lossless step's state): start here
-    elif isinstance(defer, OwedState):   # convert_state's owed values ride until the next backward,
-      check_foreign(defer, self.schedule, where)   # which adds them to its gradients (`_reduce`)
-    else:
-      self._check_defer(defer, self.schedule, where)
+    else:   # convert_state's owed values ride until the next backward, which adds them
+      _check_defer(defer, self.schedule, where)
     loss, model_state, aux, pending = self._forward(params, state.model_state, batch, batch_tree,
                                                     batch_avals, traced)
     new = PipelinedState(params=params, opt_state=opt_state, pending=pending, model_state=model_state,
@@ -171,28 +135,19 @@ class Pipelined(PipelinedChecks):
     return new, ((loss, aux) if self.has_aux else loss)
 
   def flush(self, state: PipelinedState) -> PipelinedState:
-    """Runs the pending backward, its scheduled all-reduce and the update; a no-op when none is pending.
+    """Runs the pending backward and the scheduled update; a no-op when none is pending.
 
-    Call it before evaluating, checkpointing, changing the batch shape, and at the end of training:
-    afterwards `params(state)` equals the plain loop's parameters after as many steps as `step` calls
-    (and `model_state(state)`, which `flush` leaves as it is, the plain loop's model state).
-
-    With a schedule that defers, the flushed step defers as any step does (the plain loop's last step
-    does too): the values it deferred are not lost, they stay in `state.defer.residual` (each
-    device's own), and the next `step` adds them to the same elements. To apply them at the end of
-    training, reduce and apply them as one more update: under the mapping,
-    `g = jax.lax.pmean(p.deferred_grads(state), axis_name)`, then `tx.update(g, ...)` (an optimizer
-    step of its own, beyond the plain loop's steps). Or simply stop: at most
-    `schedule.max_deferred_fraction` of one step's gradient waits, kept in a checkpoint of the state.
+    Call it before evaluating, checkpointing, changing the batch shape and at the end of training:
+    `params(state)` is then the plain loop's. What a deferring plan deferred stays in `state.defer`
+    (apply it with `deferred_grads`, or let the next step add it).
 
     Raises:
       TypeError: `state` is not a PipelinedState.
-      ScheduleMismatchError: the pending forward belongs to another tree, or `state.defer` to another
-        schedule.
+      ScheduleMismatchError: the pending forward or `state.defer` of another tree or plan.
       UnboundAxisError: `axis_name` is not bound here (only checked when something is pending).
     """
     where = "pipelined.flush"
-    self._check_state(state, where)
+    check_state(state, where)
     if state.pending is None:
       return state
     axis_size(self.axis_name, where)
@@ -202,84 +157,59 @@ class Pipelined(PipelinedChecks):
 
   def params(self, state: PipelinedState) -> Any:
     """The parameters after every applied update (`flush` first for the plain loop's parameters)."""
-    self._check_state(state, "pipelined.params")
+    check_state(state, "pipelined.params")
     return state.params
 
   def model_state(self, state: PipelinedState) -> Any:
-    """The model state the last forward produced (`has_state=True`), the plain loop's after as many
-    steps; `None` without `has_state`."""
-    self._check_state(state, "pipelined.model_state")
+    """The model state the last forward produced (`has_state=True`); `None` without `has_state`."""
+    check_state(state, "pipelined.model_state")
     return state.model_state
 
   def state_specs(self, state: PipelinedState | None = None, *,
                   model_state: Any = PartitionSpec()) -> PipelinedState:
     """PartitionSpecs of the state for `jax.shard_map`'s in_specs / out_specs.
 
-    Parameters and optimizer state are replicated (`P()`; a sharded schedule's optimizer state is each
-    device's shard state, `P(axis_name)`, as `prophet_jax.state_specs` says); the residuals are per device
-    (`P(axis_name)`, each with a leading axis of size 1 per device); the model state is as
-    `model_state` says; the deferral state as `prophet_jax.state_specs` says (its residuals
-    `P(axis_name)`, its norms, mask and indices `P()`).
+    Each device's own parts (the pending residuals, a ZeRO-1 optimizer state, deferral residuals)
+    `P(axis_name)`, the rest `P()`, as `prophet_jax.state_specs` says; the model state as `model_state`
+    says (`P()` when it is the same on every device, `P(axis_name)` for per-device values).
 
     Args:
-      state: optional. Without it the result is a *prefix* spec (one PartitionSpec per field, and per
-        field of the DeferState when the schedule defers), valid for any state of this step, pending
-        or not, as shard_map accepts; with it, a spec for every leaf (e.g. for `jax.device_put` with
-        NamedShardings). (After `convert_state`, `state.defer` may hold an OwedState until the next
-        backward: give that call `prophet_jax.first_step_specs(state, axis)`.)
-      model_state: the spec (or a prefix tree of specs) of the model state: `P()` (the default) when
-        it is the same on every device (e.g. BatchNorm statistics averaged over the axis in `loss_fn`,
-        a PRNG key split alike everywhere), `P(axis_name)` for per-device values stacked on a leading
-        axis.
+      state: optional. Without it, a prefix spec valid for any state of this step; with it, a spec
+        for every leaf. (After `convert_state`, give the first call `prophet_jax.first_step_specs`.)
+      model_state: the spec (or a prefix tree of specs) of the model state.
     """
     axis = self.axis_name
-    rep = PartitionSpec()
-    defer = (DeferState(norms=rep, deferred=rep, index=rep, residual=PartitionSpec(axis), tag=rep)
-             if self.schedule.defers else rep)
-    opt = PartitionSpec(axis) if self.schedule.sharded else rep  # ZeRO-1: each device's shard state
-    prefix = PipelinedState(params=rep, opt_state=opt, pending=PartitionSpec(axis),
-                            model_state=model_state, defer=defer)
     if state is None:
-      return prefix
-    self._check_state(state, "pipelined.state_specs")
-    def expand(spec, part):  # a spec (or a prefix tree of them) -> one spec per leaf of `part`
-      return jax.tree_util.tree_map(lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub), spec, part,
-                                    is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-    full = [expand(spec, part) for part, spec in zip(state[:-1], prefix[:-1])]
-    return PipelinedState(*full, defer=_states.state_specs(state.defer, axis))
+      sp = self._update("pipelined.state_specs").specs(axis)
+      return PipelinedState(params=PartitionSpec(), opt_state=sp.inner, pending=PartitionSpec(axis),
+                            model_state=model_state, defer=sp.defer_state)
+    check_state(state, "pipelined.state_specs")
+    ms = jax.tree_util.tree_map(lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub), model_state,
+                                state.model_state, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return _states.state_specs(state, axis)._replace(model_state=ms)
 
   def deferred_grads(self, state: PipelinedState) -> Any:
-    """This device's deferred gradient values as a tree like the parameters (zero elsewhere).
-
-    The values in `state.defer.residual`, put back at their elements: what the next step would add
-    to its gradients. To apply them at the end of training, average them over the axis and apply
-    them as one more update (`jax.lax.pmean(p.deferred_grads(state), axis_name)`, then `tx`); their
-    `psum` plus every applied gradient times the axis size is the sum of every true gradient
-    (conservation). Pure and local: no collective; call it where the state's leaves are per device
-    (inside the mapping, or on one device's slice). A tree of zeros when the schedule defers nothing.
+    """This device's deferred gradient values as a tree like the parameters (zero elsewhere): what
+    the next step would add. Average them over the axis and apply them with `tx` to end a deferring
+    plan (pure and local: call it where the state's leaves are per device).
 
     Raises:
       TypeError: `state` is not a PipelinedState.
       ScheduleMismatchError: `state.defer` belongs to another schedule.
     """
     where = "pipelined.deferred_grads"
-    self._check_state(state, where)
+    check_state(state, where)
     schedule = self.schedule if state.pending is None else state.pending.meta.schedule
     zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
     if isinstance(state.defer, OwedState):   # convert_state's: owed to the next backward
       check_foreign(state.defer, self.schedule, where)
       return add_owed(zeros, state.defer, self.schedule, where)
-    self._check_defer(state.defer, schedule, where)
+    _check_defer(state.defer, schedule, where)
     return zeros if state.defer is None else _defer.add_residual(zeros, schedule, state.defer, where)
 
   def residual_bytes(self, state: PipelinedState) -> int:
-    """Bytes of carried residuals per device (0 when nothing is pending).
-
-    These are what a plain step holds between its forward and its backward anyway (activations and the
-    parameter copies the backward reads); the pipelined step holds them across the call boundary.
-    """
-    self._check_state(state, "pipelined.residual_bytes")
+    """Bytes of carried residuals per device (0 when nothing is pending)."""
+    check_state(state, "pipelined.residual_bytes")
     return 0 if state.pending is None else meta_nbytes(state.pending.meta)
 
   # -- the pieces ---------------------------------------------------------------------------------
@@ -335,13 +265,13 @@ class Pipelined(PipelinedChecks):
     if reuse is not None and reuse.signature == signature:
       return reuse
     trace = vjp_jaxpr(self._forward_fn, pv, inputs, has_aux=True)
-    plan = carry_plan(trace.closed, len(jax.tree_util.tree_leaves(pv)), self._how, n_head=trace.n_head)
+    plan = carry_plan(trace.closed, len(jax.tree_util.tree_leaves(pv)), ("min-cut" if self.residuals == "min-cut" else "closure"), n_head=trace.n_head)
     return Traced(signature, trace, plan)
 
   def _forward(self, params: Any, model_state: Any, batch: Any, batch_tree: Any,
                batch_avals: tuple, traced: Traced | None = None) -> tuple[jax.Array, Any, Any, Pending]:
-    pv = self._varying_params(params)
-    state_tree, state_avals = self._avals(model_state)
+    pv = _varying_params(params, self.axis_name)
+    state_tree, state_avals = _avals(model_state, self.axis_name)
     # traced once, run from its jaxpr: the same trace says what to carry
     _, trace, plan = self._trace(pv, self._inputs(model_state, batch), traced)
     n_head = trace.n_head
@@ -350,14 +280,14 @@ class Pipelined(PipelinedChecks):
           *jax.tree_util.tree_leaves(pv), *jax.tree_util.tree_leaves(self._inputs(model_state, batch)))
     new_state, aux = jax.tree_util.tree_unflatten(trace.aux_tree, outs[:n_head - 1])
     residuals = outs[n_head - 1:]
-    self._check_loss(loss)
+    _check_loss(loss)
     if self.has_state:
-      self._check_new_state(model_state, new_state)
+      _check_new_state(model_state, new_state, self.axis_name)
     meta = PendingMeta(
         schedule=self.schedule, batch_tree=batch_tree, batch=batch_avals,
         residuals=tuple((tuple(np.shape(x)), x.dtype) for x in residuals),
-        carry=plan, forward_size=jaxpr_size(trace.closed, n_head),
-        loss_varying=self._is_varying(loss), loss_dtype=jnp.result_type(loss),
+        carry=plan, forward_size=_jaxpr_size(trace.closed, n_head),
+        loss_varying=_varying(loss, self.axis_name), loss_dtype=jnp.result_type(loss),
         state_tree=state_tree, state=state_avals, has_state=self.has_state)
     return loss, new_state, aux, Pending(tuple(x[None] for x in residuals), meta)
 
@@ -381,71 +311,155 @@ class Pipelined(PipelinedChecks):
       raise ValueError(f"{where}: the state's pending forward ran {'with' if meta.has_state else 'without'} "
                        f"a model state, but this pipelined step has has_state={self.has_state}. Flush it "
                        f"with the step that made it, or start from init(...).")
-    pv = self._varying_params(params)
+    pv = _varying_params(params, self.axis_name)
     traced = self._vjp_structure(pv, meta)
     _, trace, plan = traced
     closed = trace.closed
     res_avals = tuple((tuple(a.shape), a.dtype) for a in carried_avals(closed, plan))
     if (res_avals != meta.residuals or plan != meta.carry
-        or jaxpr_size(closed, trace.n_head) != meta.forward_size):
+        or _jaxpr_size(closed, trace.n_head) != meta.forward_size):
       same = " (the same shapes, other values of the forward)" if res_avals == meta.residuals else ""
       raise ValueError(
-          f"{where}: the state carries {len(meta.residuals)} residuals {short_avals(meta.residuals)}, but this "
+          f"{where}: the state carries {len(meta.residuals)} residuals {_short(meta.residuals)}, but this "
           f"pipelined step's forward on the recorded batch shapes carries {len(res_avals)} "
-          f"{short_avals(res_avals)}{same}. The state was made by a pipelined step with another loss_fn or "
+          f"{_short(res_avals)}{same}. The state was made by a pipelined step with another loss_fn or "
           f"residuals= option: flush it with that step first, or start from init(params).")
     if len(pending.residuals) != len(meta.residuals):
       raise ValueError(f"{where}: the state's pending node holds {len(pending.residuals)} arrays but "
                        f"records {len(meta.residuals)}; it was edited. Start from init(params).")
-    if isinstance(defer, OwedState):   # convert_state's owed values: added by `_reduce`
-      check_foreign(defer, self.schedule, where)
-    else:
-      self._check_defer(defer, schedule, where)
+    _check_defer(defer, schedule, where)
     with jax.named_scope("pipelined_backward"):
       leaves = recompute(closed, plan, len(jax.tree_util.tree_leaves(pv)), n_head=trace.n_head)(
           *jax.tree_util.tree_leaves(pv), *(r[0] for r in pending.residuals))
       vjp_fn = jax.tree_util.tree_unflatten(trace.treedef, leaves)
-      (grads,) = vjp_fn(self._ones_ct(meta))
-    if schedule.sharded or self.schedule.sharded:
-      if schedule.sharded != self.schedule.sharded:
-        was = "a sharded" if schedule.sharded else "an all-reduce"
-        now = "sharded" if self.schedule.sharded else "an all-reduce one"
-        raise ValueError(
-            f"{where}: the state's pending forward ran under {was} schedule ({schedule.policy}), but this "
-            f"pipelined step's is {now} ({self.schedule.policy}): the "
-            f"optimizer state's layout (each device's shard, or replicated) changes between them. Flush "
-            f"with the step that made the state, then prophet_jax.convert_state(state, params, schedule, "
-            f"tx=tx).")
-      if isinstance(defer, OwedState):   # convert_state's owed values join these gradients
-        grads, defer = add_owed(grads, defer, self.schedule, where), None
-      # ZeRO-1: reduce-scatter, tx on this device's shards, all-gather the update (the next forward
-      # reads each gather's params as soon as it lands: the all-gathers run inside it)
-      updates, opt_state = _zero.update(self.tx, grads, opt_state, params, schedule, self.axis_name,
-                                        where=where, mean=_loss_reduction.is_mean(self.reduction))
-    else:
-      grads, defer = self._reduce(grads, schedule, defer, where)
-      updates, opt_state = self.tx.update(grads, opt_state, params)
+      (grads,) = vjp_fn(_ones_ct(meta, self.axis_name))
+    # the per-device scheduled update: a ZeRO-1 step's all-gathers run inside the next forward
+    updates, st = self._update(where).update(grads, ScheduledState(inner=opt_state, defer_state=defer), params)
+    opt_state, defer = st.inner, st.defer_state
     params = optax.apply_updates(params, updates)
     # the next forward reads these inside this program: round low-precision leaves as memory would
     params = jax.tree_util.tree_map(round_to_dtype, params)
     return params, opt_state, defer, traced
 
-  def _reduce(self, grads: Any, schedule: Schedule, defer: Any, where: str) -> tuple[Any, Any]:
-    """The pending gradients all-reduced with `schedule` (this step's: a pending forward of another
-    plan is refused before), and the deferral state the next step continues from. The groups defer as
-    in any step (`allreduce(..., defer_state=)`); `convert_state`'s OwedState is added to these
-    gradients there, and the schedule's deferral starts from its initial state."""
-    mean = _loss_reduction.is_mean(self.reduction)
-    if not schedule.defers and defer is None:   # the ordering is this step's: allreduce follows it
-      return allreduce(grads, schedule, self.axis_name, mean=mean), None
-    return allreduce(grads, schedule, self.axis_name, mean=mean, defer_state=defer)
-
   def _vjp_structure(self, pv: Any, meta: PendingMeta) -> Traced:
     """The forward traced on the recorded input shapes (nothing of it runs): its `vjp_jaxpr` and the
     carry plan."""
-    batch = jax.tree_util.tree_unflatten(meta.batch_tree, [self._placeholder(a) for a in meta.batch])
-    model_state = jax.tree_util.tree_unflatten(meta.state_tree, [self._placeholder(a) for a in meta.state])
+    batch = jax.tree_util.tree_unflatten(meta.batch_tree, [_placeholder(a, self.axis_name) for a in meta.batch])
+    model_state = jax.tree_util.tree_unflatten(meta.state_tree, [_placeholder(a, self.axis_name) for a in meta.state])
     return self._trace(pv, self._inputs(model_state, batch))
+
+
+
+
+# --------------------------------------------------------------------------------------------------
+# the checks, beside their callers
+
+
+def _check_defer(defer: Any, schedule: Schedule, where: str) -> None:
+  """`state.defer` against the schedule it is used with: its own DeferState (or None), or convert_state's
+  OwedState owed to it; the fix said for a pipelined state."""
+  check_foreign(defer, schedule, where)
+  if isinstance(defer, OwedState):
+    return
+  hint = ("A pipelined step makes its deferral state in init and threads it through step and flush; "
+          "to change plans, flush with the old step and convert the state outside the step: "
+          "state = prophet_jax.convert_state(state, params, new_schedule) (nothing deferred is lost).")
+  try:
+    _defer.check_state(defer, schedule, where)
+  except ScheduleMismatchError as e:
+    raise ScheduleMismatchError(f"{e} {hint}") from None
+  except TypeError as e:
+    raise TypeError(f"{e} {hint}") from None
+
+
+def _varying(x: Any, axis_name: Any) -> bool:
+  return vma_enabled(axis_name) and is_varying(x, axis_name)
+
+
+def _varying_params(params: Any, axis_name: Any) -> Any:
+  """Under shard_map with check_vma, the params marked varying before differentiating (docs/facts.md,
+  "The 8x gradient trap")."""
+  if not vma_enabled(axis_name):
+    return params
+  return jax.tree_util.tree_map(
+      lambda x: x if not is_reduced_leaf(x) or is_varying(x, axis_name) else to_varying(x, axis_name), params)
+
+
+def _placeholder(aval: tuple, axis_name: Any) -> jax.Array:
+  """A value of a recorded (path, shape, dtype, varying) leaf (a constant; only its type matters)."""
+  _, shape, dtype, varying = aval
+  x = jax.lax.full(shape, 0, dtype)  # also for extended dtypes (typed PRNG keys)
+  return to_varying(x, axis_name) if varying and vma_enabled(axis_name) else x
+
+
+def _ones_ct(meta: PendingMeta, axis_name: Any) -> jax.Array:
+  ct = jnp.ones((), meta.loss_dtype)
+  return to_varying(ct, axis_name) if meta.loss_varying and vma_enabled(axis_name) else ct
+
+
+def _avals(tree: Any, axis_name: Any) -> tuple[Any, tuple]:
+  """(treedef, ((path, shape, dtype, varying), ...)) of a batch or model state."""
+  avals = []
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      x = jnp.asarray(x)
+    avals.append((path_str(path), tuple(int(d) for d in x.shape), x.dtype, _varying(x, axis_name)))
+  return jax.tree_util.tree_structure(tree), tuple(avals)
+
+
+def _check_batch(meta: PendingMeta, batch_tree: Any, avals: tuple, axis_name: Any) -> None:
+  fix = ("Every step between flushes must see the same batch shapes; call state = flush(state) "
+         "before changing them (e.g. for a last, smaller batch).")
+  if batch_tree != meta.batch_tree:
+    raise ValueError(f"pipelined.step: the batch's structure {batch_tree} differs from the pending "
+                     f"forward's {meta.batch_tree}. {fix}")
+  for (path, shape, dtype, vary), (_, shape0, dtype0, vary0) in zip(avals, meta.batch):
+    if shape != shape0 or dtype != dtype0:
+      raise ValueError(f"pipelined.step: batch leaf {path!r} has shape {shape} and dtype {dtype}, but "
+                       f"the pending forward ran on shape {shape0} and dtype {dtype0}. {fix}")
+    if vary != vary0:
+      raise ValueError(f"pipelined.step: batch leaf {path!r} is {'' if vary else 'not '}varying over "
+                       f"{axis_name!r} now but was {'' if vary0 else 'not '}before: keep the "
+                       f"same in_specs for the batch between flushes.")
+
+
+def _check_new_state(old: Any, new: Any, axis_name: Any) -> None:
+  """The new model state must be a drop-in for the old: same structure, shapes, dtypes, and not
+  varying over the axis where the old one was not."""
+  fix = ("loss_fn(params, model_state, batch) must return a new model state of the same structure, "
+         "shapes and dtypes as the one it was given (flax: `variables['batch_stats']` in, "
+         "`updates['batch_stats']` out).")
+  (old_tree, old_avals), (new_tree, new_avals) = _avals(old, axis_name), _avals(new, axis_name)
+  if old_tree != new_tree:
+    raise TypeError(f"pipelined: the model state loss_fn returned has structure {new_tree}, but it was "
+                    f"given {old_tree}. {fix}")
+  for (path, shape, dtype, vary), (_, shape0, dtype0, vary0) in zip(new_avals, old_avals):
+    if shape != shape0 or dtype != dtype0:
+      raise TypeError(f"pipelined: model state leaf {path!r} comes back with shape {shape} and dtype "
+                      f"{dtype}, but went in with shape {shape0} and dtype {dtype0}. {fix}")
+    if vary and not vary0:
+      raise ValueError(
+          f"pipelined: model state leaf {path!r} went in the same on every device but comes back "
+          f"varying over {axis_name!r} (computed from this device's batch). Average it in "
+          f"loss_fn (jax.lax.pmean(..., {axis_name!r}), as synchronized BatchNorm statistics "
+          f"are), or keep it per device: pass it with a leading device axis and "
+          f"state_specs(model_state=P({axis_name!r})).")
+
+
+def _check_loss(loss: Any) -> None:
+  if np.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+    raise TypeError(f"pipelined: loss_fn(params, batch) must return a floating scalar, got shape "
+                    f"{np.shape(loss)} and dtype {jnp.result_type(loss)}. Return the mean loss over "
+                    f"this device's batch.")
+
+
+def _jaxpr_size(closed: Any, n_head: int) -> tuple[int, int]:
+  return len(closed.jaxpr.eqns), len(closed.jaxpr.outvars) - n_head
+
+
+def _short(avals: tuple) -> str:
+  text = ", ".join(f"{d}{list(s)}" for s, d in avals[:4])
+  return f"[{text}{', ...' if len(avals) > 4 else ''}]"
 
 
 def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,

@@ -32,7 +32,8 @@ from .._values._schedule import Schedule
 from .._values._tree import IdentityMemo
 
 __all__ = ["StateTag", "ShardLayout", "schedule_key", "ScheduledState", "DeferState", "ShardedState",
-           "GradShards", "AccumState", "OwedState", "per_device_path", "state_specs", "is_state", "per_device_leaves"]
+           "GradShards", "AccumState", "OwedState", "Kind", "KINDS", "declare", "kind_of", "per_device_path",
+           "state_specs", "prefix_specs", "is_state", "per_device_leaves"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -137,9 +138,48 @@ class StateTag:
 
 
 # --------------------------------------------------------------------------------------------------
+# the kinds: each state type declares itself once
+
+
+class Kind(NamedTuple):
+  """What a state type declares once, beside its class (`declare`); every helper reads it.
+
+  Attributes:
+    per_device: the fields each device holds its own values of (`P(axis)` under shard_map, a leading
+      device axis on a mesh); the other fields are replicated or nested states.
+    label: how a per-device leaf is named in messages ('{}' takes its index or path).
+    nnx: where a container that re-labels NamedTuples as dicts (`flax.nnx`) keeps a per-device leaf:
+      entry names that must appear in order on its path.
+    convert: the name of its conversion step between schedules (`_convert.Conversion`'s method).
+  """
+
+  per_device: tuple[str, ...] = ()
+  label: str = ""
+  nnx: tuple[tuple[str, ...], ...] = ()
+  convert: str = ""
+
+
+KINDS: dict[type, Kind] = {}
+
+
+def declare(**kind: Any):
+  """Class decorator: registers a state type's `Kind`."""
+  def put(cls: type) -> type:
+    KINDS[cls] = Kind(**kind)
+    return cls
+  return put
+
+
+def kind_of(x: Any) -> Kind | None:
+  """The declared kind of `x`'s type, or None for anything else."""
+  return KINDS.get(type(x))
+
+
+# --------------------------------------------------------------------------------------------------
 # the states
 
 
+@declare(convert="scheduled")
 class ScheduledState(NamedTuple):
   """State of `scheduled(tx, ...)`.
 
@@ -157,6 +197,8 @@ class ScheduledState(NamedTuple):
   accum: Any = None
 
 
+@declare(per_device=("residual",), label="the deferral state's residual of group {}",
+         nnx=(("defer_state", "residual"),), convert="defer")
 class DeferState(NamedTuple):
   """The deferral state of a schedule's deferral groups (one entry per group, in issue order).
 
@@ -179,6 +221,8 @@ class DeferState(NamedTuple):
   tag: StateTag
 
 
+@declare(per_device=("per_device",), label="the sharded optimizer state's leaf {}", nnx=(("per_device",),),
+         convert="sharded")
 class ShardedState(NamedTuple):
   """The optimizer state of `scheduled(tx, sharded_schedule)` (ZeRO-1): `tx`'s state for this
   device's shards only.
@@ -201,6 +245,7 @@ class _GradShardsFields(NamedTuple):
   tag: StateTag
 
 
+@declare(per_device=("shards", "token"), label="the gradient shards' leaf {}")
 class GradShards(_GradShardsFields, metaclass=_tag_text.HintedClass):
   """This device's reduced gradient shards, as `hooked(loss_fn, sharded_schedule)` returns them.
 
@@ -224,6 +269,8 @@ class GradShards(_GradShardsFields, metaclass=_tag_text.HintedClass):
               "in prophet_jax.scheduled (docs/pairing.md)")
 
 
+@declare(per_device=("grads",), label="the gradient accumulator's sum {}", nnx=(("accum", "grads"),),
+         convert="accum")
 class AccumState(NamedTuple):
   """The gradient accumulator of `scheduled(..., every_k=k)`.
 
@@ -237,6 +284,8 @@ class AccumState(NamedTuple):
   grads: tuple[jax.Array, ...]
 
 
+@declare(per_device=("owed",), label="the converted state's owed values {}",
+         nnx=(("defer_state", "owed"), ("defer", "owed")), convert="owed")
 class OwedState(NamedTuple):
   """Deferred gradient values a re-plan owes the new schedule's first step (`convert_state`).
 
@@ -255,17 +304,10 @@ class OwedState(NamedTuple):
   tag: StateTag
 
 
-_STATES = (DeferState, ShardedState, GradShards, AccumState, OwedState)
-
-
 def is_state(x: Any) -> bool:
-  """Whether `x` is one of the library's per-device states (a DeferState, ShardedState, GradShards or
-  AccumState)."""
-  return isinstance(x, _STATES)
-
-
-# --------------------------------------------------------------------------------------------------
-# specs: one rule
+  """Whether `x` is one of the library's per-device states (a kind with per-device fields)."""
+  kind = kind_of(x)
+  return kind is not None and bool(kind.per_device)
 
 
 def _key_name(k: Any) -> Any:
@@ -279,31 +321,39 @@ def _key_name(k: Any) -> Any:
 
 def per_device_path(names: Sequence[Any]) -> bool:
   """Whether a leaf at a path of entry names is each device's own, where a container re-labelled the
-  library's NamedTuples (`flax.nnx` keeps them as nested dicts): under a `per_device` entry (a
-  ShardedState), under `residual` under `defer_state` (a ScheduledState's DeferState), or under
-  `grads` under `accum` (a ScheduledState's AccumState)."""
+  library's NamedTuples (`flax.nnx` keeps them as nested dicts): on a path some kind declares (`nnx`)."""
   names = list(names)
 
-  def under(outer: str, inner: str) -> bool:
-    return outer in names and inner in names[names.index(outer):]
+  def has(pattern: tuple[str, ...]) -> bool:
+    at = 0
+    for p in pattern:
+      if p not in names[at:]:
+        return False
+      at = names.index(p, at) + 1
+    return True
 
-  return ("per_device" in names or under("defer_state", "residual") or under("accum", "grads")
-          or under("defer_state", "owed") or under("defer", "owed"))
+  return any(has(p) for k in KINDS.values() for p in k.nnx)
 
 
-def _specs_of(x: Any, axis_name: Any) -> Any:
-  """The specs of one library state: its per-device parts `P(axis_name)`, the rest `P()`."""
+def _fields(x: Any) -> list[tuple[str, Any, bool]]:
+  """(field name, value, per device?) of a declared state."""
+  per = kind_of(x).per_device
+  return [(f, getattr(x, f), f in per) for f in x._fields]
+
+
+def _is_kind(x: Any) -> bool:
+  return kind_of(x) is not None
+
+
+def prefix_specs(cls: type, axis_name: Any) -> Any:
+  """A prefix PartitionSpec valid for every state of kind `cls`: `P(axis)` when all its fields (but a
+  tag) are per device, else the NamedTuple of its fields' specs."""
   P = PartitionSpec
-  each = lambda f: jax.tree_util.tree_map(lambda _: P(axis_name), f)  # noqa: E731
-  rep = lambda f: jax.tree_util.tree_map(lambda _: P(), f)  # noqa: E731
-  if isinstance(x, DeferState):
-    return DeferState(norms=rep(x.norms), deferred=rep(x.deferred), index=rep(x.index),
-                      residual=each(x.residual), tag=x.tag)
-  if isinstance(x, AccumState):
-    return AccumState(count=P(), grads=each(x.grads))
-  if isinstance(x, OwedState):
-    return OwedState(owed=each(x.owed), tag=x.tag)
-  return type(x)(*(each(f) for f in x[:-1]), x.tag)   # ShardedState, GradShards: all per device
+  kind = KINDS[cls]
+  fields = [f for f in cls._fields if f != "tag"]
+  if set(fields) <= set(kind.per_device):
+    return P(axis_name)
+  return cls(**{f: (P(axis_name) if f in kind.per_device else P()) for f in cls._fields})
 
 
 def state_specs(state: Any, axis_name: Any) -> Any:
@@ -327,28 +377,27 @@ def state_specs(state: Any, axis_name: Any) -> Any:
     A tree of PartitionSpecs with the structure of `state`.
   """
   def one(path, x):
-    if is_state(x):
-      return _specs_of(x, axis_name)
+    if _is_kind(x):
+      return type(x)(*(jax.tree_util.tree_map(lambda _: PartitionSpec(axis_name), v) if per else
+                       state_specs(v, axis_name) for _, v, per in _fields(x)))
     return PartitionSpec(axis_name) if per_device_path([_key_name(k) for k in path]) else PartitionSpec()
 
-  return jax.tree_util.tree_map_with_path(one, state, is_leaf=is_state)
+  return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_kind)
 
 
 def per_device_leaves(state: Any) -> list[tuple[str, Any]]:
   """(a name for messages, the leaf) for every leaf of `state` that `state_specs` gives the axis: what
   a placement check reads (each device's part, on the leading axis of a global array)."""
   out: list[tuple[str, Any]] = []
-  for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_state)[0]:
-    if isinstance(x, DeferState):
-      out += [(f"the deferral state's residual of group {i}", r) for i, r in enumerate(x.residual)]
-    elif isinstance(x, AccumState):
-      out += [(f"the gradient accumulator's sum {i}", g) for i, g in enumerate(x.grads)]
-    elif isinstance(x, OwedState):
-      out += [(f"the converted state's owed values {i}", g) for i, g in enumerate(x.owed)]
-    elif isinstance(x, (ShardedState, GradShards)):
-      what = "sharded optimizer state" if isinstance(x, ShardedState) else "gradient shards"
-      out += [(f"the {what}'s leaf {jax.tree_util.keystr(p)}", y)
-              for p, y in jax.tree_util.tree_flatten_with_path(x[:-1])[0]]
+  for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_kind)[0]:
+    if _is_kind(x):
+      label = kind_of(x).label
+      for _, v, per in _fields(x):
+        if not per:
+          out += per_device_leaves(v)
+          continue
+        flat = jax.tree_util.tree_flatten_with_path(v)[0]
+        out += [(label.format(i if len(p) == 1 else jax.tree_util.keystr(p)), y) for i, (p, y) in enumerate(flat)]
     elif per_device_path([_key_name(k) for k in path]):
       out.append((f"the state's leaf {jax.tree_util.keystr(path)}", x))
   return out

@@ -9,11 +9,13 @@ layer. `hooked` (`_hooked`) issues the same collectives inside the backward pass
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from . import _mesh, _zero
 from ._accumulate import init as accum_init
@@ -21,12 +23,12 @@ from ._compose import check_masked, inside_multisteps, not_first_error, ran_befo
 from ._defer import init as defer_init
 from ._reduction import accumulated_allreduce, scheduled_allreduce
 from ._keys import check_enforce_order, ordered_by
-from ._states import ScheduledState, ShardedState
+from ._states import AccumState, DeferState, ScheduledState, ShardedState, prefix_specs
 from .._values._checks import check_int, check_values
 from .._values._errors import AlreadyReducedError, CompositionError, ScheduleMismatchError
 from .._values._schedule import Schedule
 
-__all__ = ["ScheduledState", "scheduled"]
+__all__ = ["ScheduledState", "scheduled", "per_device", "PerDevice"]
 
 
 def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
@@ -144,15 +146,9 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   check_values("scheduled", tx=tx, schedule=schedule, axis_name=axis_name)
   every_k = check_int("scheduled", "every_k", every_k, lo=1,
                       fix="It is the number of micro-steps per all-reduce and update; 1 reduces every call.")
-  if every_k > 1 and schedule.sharded:
-    raise ValueError(
-        f"scheduled: every_k={every_k} with a sharded schedule (policy {schedule.policy!r}: reduce-scatters "
-        f"and all-gathers): its accumulation is not built for the shards. Accumulate inside instead, "
-        f"scheduled(optax.MultiSteps(tx, {every_k}), schedule) (it reduce-scatters every micro-step), or plan "
-        f"an all-reduce policy for every_k.")
   enforce_order = check_enforce_order("scheduled", enforce_order)
-  per_device = functools.partial(_scheduled_per_device, tx, schedule, axis_name, every_k)
-  step = _mesh.placed(per_device, mesh=mesh, axis_name=axis_name, where="scheduled")
+  make = functools.partial(per_device, tx, schedule, axis_name, every_k=every_k)
+  step = _mesh.placed(make, mesh=mesh, axis_name=axis_name, where="scheduled")
 
   # the composition guard is the outermost layer: it reads the caller's frames (an optax.chain's)
   def init_fn(params):
@@ -171,36 +167,64 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
   return optax.GradientTransformationExtraArgs(init_fn, ordered_by(enforce_order, update_fn))
 
 
-def _scheduled_per_device(tx: Any, schedule: Schedule, axis_name: Any, every_k: int, mean: bool
-                          ) -> optax.GradientTransformationExtraArgs:
-  """`scheduled`'s transformation per device (inside pmap / shard_map, or inside the mesh layer's map):
-  the scheduled reduction of the gradients (their mean, or, given each device's partial sums of a
-  global mean, `mean=False`: their sum), then `tx`. One layer checks the state; under it, chosen once
-  from the schedule, the reduction and update of one kind: a sharded schedule's ZeRO-1 update
-  (`_zero_layer`), `every_k`'s accumulation (`_accumulating_layer`), or the all-reduce (`_allreduce_layer`)."""
-  if schedule.sharded:
-    init_fn, update = _zero_layer(tx, schedule, axis_name, mean)
+class PerDevice(NamedTuple):
+  """The per-device scheduled update (`per_device`): optax's `init` and `update`, and `specs(axis)`, the
+  prefix PartitionSpecs of its `ScheduledState` (each device's own parts `P(axis)`) for shard_map."""
+
+  init: Callable[..., Any]
+  update: Callable[..., Any]
+  specs: Callable[[Any], ScheduledState]
+
+
+def per_device(tx: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True, every_k: int = 1,
+               where: str = "scheduled") -> PerDevice:
+  """The scheduled reduction of the gradients, then `tx`, per device (inside pmap / shard_map, or the
+  mesh layer's map): `scheduled`'s transformation and `pipelined`'s backward-and-update.
+
+  One layer checks the state; under it, chosen once from the schedule's family, the reduction and
+  update of one kind: ZeRO-1 (`_zero_layer`), `every_k`'s accumulation (`_accumulating_layer`) or the
+  all-reduce (`_allreduce_layer`).
+
+  Args:
+    tx: the optimizer applied to the reduced gradients.
+    schedule: the schedule.
+    axis_name: the mapped data axis.
+    mean: reduce to the mean (False: the sum, for gradients that are each device's partial sums).
+    every_k: micro-steps per reduction.
+    where: the public caller, for messages.
+
+  Returns:
+    A `PerDevice`.
+  """
+  if schedule.family == "fsdp":
+    raise ValueError(
+        f"{where}: the schedule is an FSDP plan (policy {schedule.policy!r}: parameters sharded over the "
+        f"data axis, gathered in forward and reduce-scattered in backward), which only hooked carries "
+        f"out: grad_fn = prophet_jax.hooked(loss_fn, schedule, axis_name=..., mesh=mesh) with a plain optax "
+        f"tx on the sharded params. For {where}, plan an all-reduce or 'dear' policy.")
+  if schedule.family == "zero1":
+    if every_k > 1:
+      raise ValueError(
+          f"scheduled: every_k={every_k} with a sharded schedule (policy {schedule.policy!r}: reduce-scatters "
+          f"and all-gathers): its accumulation is not built for the shards. Accumulate inside instead, "
+          f"scheduled(optax.MultiSteps(tx, {every_k}), schedule) (it reduce-scatters every micro-step), or plan "
+          f"an all-reduce policy for every_k.")
+    layer = _zero_layer(tx, schedule, axis_name, mean, where)
   elif every_k > 1:
-    init_fn, update = _accumulating_layer(tx, schedule, axis_name, every_k, mean)
+    layer = _accumulating_layer(tx, schedule, axis_name, every_k, mean, where)
   else:
-    init_fn, update = _allreduce_layer(tx, schedule, axis_name, mean)
+    layer = _allreduce_layer(tx, schedule, axis_name, mean, where)
 
   def update_fn(updates, state, params=None, **extra_args):
     if not (isinstance(state, tuple) and hasattr(state, "inner") and hasattr(state, "defer_state")):
-      raise TypeError(f"scheduled(...).update(updates, state): state={state!r:.80} is not the state this "
+      raise TypeError(f"{where}(...).update(updates, state): state={state!r:.80} is not the state this "
                       f"transformation's init made (a ScheduledState(inner, defer_state)). Pass the state "
                       f"tx.init(params) returned (or the one the last update returned; TrainState and "
                       f"nnx.Optimizer keep it for you).")
     check_masked(updates, schedule)
-    if not schedule.sharded and isinstance(state.inner, ShardedState):
-      raise ScheduleMismatchError(
-          f"scheduled(...).update: the optimizer state is the ZeRO-1 shard state of a sharded schedule "
-          f"({state.inner.tag!r}), but this schedule ({schedule.policy}) all-reduces and keeps tx's whole "
-          f"state: unshard it outside the step with prophet_jax.convert_state(state, params, schedule, "
-          f"tx=tx).")
-    return update(updates, state, params, extra_args)
+    return layer.update(updates, state, params, extra_args)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return PerDevice(layer.init, update_fn, layer.specs)
 
 
 def _inner_update(tx, reduced, inner, params, extra_args):
@@ -210,37 +234,60 @@ def _inner_update(tx, reduced, inner, params, extra_args):
   return tx.update(reduced, inner, params)
 
 
-def _zero_layer(tx, schedule, axis_name, mean):
+class _Layer(NamedTuple):
+  init: Callable[..., Any]
+  update: Callable[..., Any]   # (updates, state, params, extra_args) -> (updates, ScheduledState)
+  specs: Callable[[Any], ScheduledState]
+
+
+def _zero_layer(tx, schedule, axis_name, mean, where):
   """ZeRO-1: reduce-scatter, `tx` on this device's shards (its state for them only), all-gather the
   update; a re-plan's owed values (convert_state's OwedState) added before the reduce-scatters."""
 
   def init_fn(params):
-    return ScheduledState(inner=_zero.init(tx, params, schedule, axis_name, "scheduled"))
+    return ScheduledState(inner=_zero.init(tx, params, schedule, axis_name, where))
 
   def update(updates, state, params, extra_args):
-    new, inner = _zero.update(tx, updates, state.inner, params, schedule, axis_name, where="scheduled",
+    new, inner = _zero.update(tx, updates, state.inner, params, schedule, axis_name, where=where,
                               mean=mean, extra_args=extra_args, defer_state=state.defer_state)
     return new, ScheduledState(inner=inner)
 
-  return init_fn, update
+  return _Layer(init_fn, update, lambda axis: ScheduledState(inner=P(axis), defer_state=P(), accum=P()))
 
 
-def _allreduce_layer(tx, schedule, axis_name, mean):
+def _whole(state, schedule, where):
+  """`state.inner`, refused when it is a ZeRO-1 shard state (this schedule keeps tx's whole state)."""
+  if isinstance(state.inner, ShardedState):
+    raise ScheduleMismatchError(
+        f"{where}(...).update: the optimizer state is the ZeRO-1 shard state of a sharded schedule "
+        f"({state.inner.tag!r}), but this schedule ({schedule.policy}) all-reduces and keeps tx's whole "
+        f"state: unshard it outside the step with prophet_jax.convert_state(state, params, schedule, "
+        f"tx=tx).")
+  return state.inner
+
+
+def _defer_specs(schedule, axis):
+  return prefix_specs(DeferState, axis) if schedule.defers else P()
+
+
+def _allreduce_layer(tx, schedule, axis_name, mean, where):
   """The scheduled all-reduce (with the deferral state of a deferring plan), then `tx`."""
 
   def init_fn(params):
     return ScheduledState(inner=tx.init(params), defer_state=defer_init(schedule) if schedule.defers else None)
 
   def update(updates, state, params, extra_args):
+    inner = _whole(state, schedule, where)
     reduced, defer = _composed(lambda: scheduled_allreduce(
-        updates, schedule, axis_name, mean=mean, where="scheduled", defer_state=state.defer_state), axis_name)
-    new, inner = _inner_update(tx, reduced, state.inner, params, extra_args)
+        updates, schedule, axis_name, mean=mean, where=where, defer_state=state.defer_state), axis_name)
+    new, inner = _inner_update(tx, reduced, inner, params, extra_args)
     return new, ScheduledState(inner=inner, defer_state=defer)
 
-  return init_fn, update
+  return _Layer(init_fn, update, lambda axis: ScheduledState(inner=P(), defer_state=_defer_specs(schedule, axis),
+                                                             accum=P()))
 
 
-def _accumulating_layer(tx, schedule, axis_name, every_k, mean):
+def _accumulating_layer(tx, schedule, axis_name, every_k, mean, where):
   """`every_k` micro-steps accumulated, their mean all-reduced on the schedule and `tx` applied on the
   k-th; zeros (and tx's state unchanged) on the others."""
 
@@ -249,17 +296,19 @@ def _accumulating_layer(tx, schedule, axis_name, every_k, mean):
                           accum=accum_init(schedule))
 
   def update(updates, state, params, extra_args):
+    inner = _whole(state, schedule, where)
     reduced, defer, accum, emit = _composed(lambda: accumulated_allreduce(
-        updates, schedule, axis_name, every_k=every_k, accum=state.accum, mean=mean, where="scheduled",
+        updates, schedule, axis_name, every_k=every_k, accum=state.accum, mean=mean, where=where,
         defer_state=state.defer_state), axis_name)
     apply = lambda r, i: _inner_update(tx, r, i, params, extra_args)  # noqa: E731
-    shapes = jax.eval_shape(apply, reduced, state.inner)[0]
+    shapes = jax.eval_shape(apply, reduced, inner)[0]
     new, inner = jax.lax.cond(
         emit, apply, lambda r, i: (jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), i),
-        reduced, state.inner)
+        reduced, inner)
     return new, ScheduledState(inner=inner, defer_state=defer, accum=accum)
 
-  return init_fn, update
+  return _Layer(init_fn, update, lambda axis: ScheduledState(inner=P(), defer_state=_defer_specs(schedule, axis),
+                                                             accum=prefix_specs(AccumState, axis)))
 
 
 def _composed(reduce, axis_name):
