@@ -34,9 +34,10 @@ _MAX_ROUNDS = 16
 _LADDER = (0.02, 0.05, 0.1, 0.25, 0.5)
 # At most this many parts per deferral group.
 _MAX_GROUP_CHUNKS = 1024
-# The searches run at every budget level (module docstring, step 4): spread-2 groups that may take a
-# whole message or pass their rest to a neighbour, sized a round's need or the budget at once; and
-# issue 18's search (spread-4 groups, their rest its own message, a round's need at a time).
+# The searches run at every budget level (docs/design.md, "The policies", dlcp step 4): spread-2
+# groups that may take a whole message or pass their rest to a neighbour, sized a round's need or the
+# budget at once; and issue 18's search (spread-4 groups, their rest its own message, a round's need
+# at a time).
 _STRATEGIES = ({"spreads": (2,), "legacy": False}, {"spreads": (4,), "legacy": True},
                {"spreads": (2,), "legacy": True})
 # The fraction of a deferred chunk's residual each send carries (`Bucket.release`), by default.
