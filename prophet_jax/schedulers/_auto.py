@@ -53,7 +53,9 @@ _SHARDED_MARGIN = 1e-3
 def auto(*, search_options: bool = True, local_search: bool = True, max_evals: int = 30000,
          robust: float = 0.0, robust_tol: float = 0.02, verify: bool = True,
          sharded: bool = False) -> Scheduler:
-  """The best predicted schedule: every policy's option search plus a joint optimiser (docs/design.md, "The policies").
+  """The best predicted schedule: every policy's option search plus a joint optimiser.
+
+  The rules: docs/design.md, "The policies", "auto".
 
   Args:
     search_options: also plan the baselines over a grid of their options.

@@ -49,8 +49,10 @@ def fill_buckets(profile: GradientProfile, order, bucket_bytes: int,
 
 def ddp_buckets(profile: GradientProfile, order: Sequence[int], bucket_bytes: int,
                 first_bucket_bytes: int) -> list[list[Slice]]:
-  """PyTorch DDP's bucket assignment (`compute_bucket_assignment_by_size`) over rows in `order`: a bucket
-  closes once it reaches its cap (docs/design.md, "The policies"). Returns the groups of slices, one per bucket, in issue order.
+  """PyTorch DDP's bucket assignment (`compute_bucket_assignment_by_size`) over rows in `order`.
+
+  A bucket closes once it reaches its cap (docs/design.md, "The policies"). Returns the groups of slices, in
+  issue order.
   """
   closed: list[list[Slice]] = []
   open_: dict[str, tuple[list[Slice], int]] = {}   # dtype -> (its open bucket's slices, bytes)
@@ -75,8 +77,10 @@ def ddp_buckets(profile: GradientProfile, order: Sequence[int], bucket_bytes: in
 
 def horovod_buckets(profile: GradientProfile, order: Sequence[int], fusion_bytes: int,
                     cycle_s: float) -> list[list[Slice]]:
-  """Horovod's tensor fusion: every `cycle_s`, the ready tensors fused per dtype into buffers of at most
-  `fusion_bytes` (docs/design.md, "The policies"). Returns the groups of slices, one per buffer, in issue order.
+  """Horovod's tensor fusion: every `cycle_s`, the ready tensors fused per dtype into buffers.
+
+  Buffers of at most `fusion_bytes` (docs/design.md, "The policies"). Returns the groups of slices, in issue
+  order.
   """
   def tick(r: int) -> float:
     t = profile.rows[r].ready_s
@@ -117,7 +121,9 @@ def horovod_buckets(profile: GradientProfile, order: Sequence[int], fusion_bytes
 
 def bucket(*, style: str = "ddp", bucket_bytes: int | None = None, first_bucket_bytes: int | None = None,
            cycle_s: float | None = None) -> Scheduler:
-  """Whole leaves fused into buckets by a byte threshold, as PyTorch DDP or Horovod does it (docs/design.md, "The policies").
+  """Whole leaves fused into buckets by a byte threshold, as PyTorch DDP or Horovod does it.
+
+  The models of both: docs/design.md, "The policies", "bucket".
 
   Args:
     style: "ddp" (DDP's steady state: a bucket closes once it reaches its cap) or "horovod" (fusion

@@ -32,8 +32,10 @@ _FRONT = 32
 
 
 def dear(*, bucket_bytes: int | None = None) -> Scheduler:
-  """DeAR: reduce-scatter buckets in backward, all-gather buckets in the next forward (ZeRO-1): a sharded
-  schedule, its buckets the fastest of several plans under the alpha-beta model (docs/design.md, "The policies").
+  """DeAR: reduce-scatter buckets in backward, all-gather buckets in the next forward (ZeRO-1).
+
+  A sharded schedule, its buckets the fastest of several plans under the alpha-beta model (docs/design.md,
+  "The policies", "dear").
 
   Args:
     bucket_bytes: None: the planned buckets (DeAR's own 25 MB fusion among the candidates); an integer:

@@ -48,8 +48,10 @@ _WHY_LEVELS = (0.25, 0.5, 0.75)
 
 def dlcp(*, max_defer: float = 0.0, spread: int | None = None, chunk_bytes: int | None = None,
          all_layers: bool = False, release: float = RELEASE) -> Scheduler:
-  """DLCP in software: auto's plan with up to `max_defer` of the elements per step in deferral groups
-  where communication is exposed, deferred values kept and sent later, damped (docs/design.md, "The policies").
+  """DLCP in software: layer-prioritised chunks, a per-step send budget, bounded deferral.
+
+  auto's plan with up to `max_defer` of the elements per step in deferral groups where communication is
+  exposed; deferred values are kept and sent later, damped (docs/design.md, "The policies", "dlcp").
 
   Args:
     max_defer: the largest fraction of the elements that may wait each step, in [0, 1); 0 (the

@@ -36,7 +36,7 @@ _INF = math.inf
 
 
 class SearchChunk:
-  """One all-reduce of a candidate: its slices, dtype, bytes, readiness and tail (what must follow its end)."""
+  """One all-reduce of a candidate: its slices, dtype, bytes, readiness and tail (what follows its end)."""
 
   __slots__ = ("slices", "dtype", "nbytes", "ready_s", "tail_s")
 

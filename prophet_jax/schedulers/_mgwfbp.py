@@ -17,9 +17,10 @@ def _cost_s(network: NetworkModel, bytes_by_dtype: dict[str, int]) -> float:
 
 def merge_groups(ready_s: list[float], bytes_by_dtype: list[dict[str, int]],
                  network: NetworkModel) -> list[list[int]]:
-  """MG-WFBP's merge rule over units (layers) in ready order, in one O(L) sweep (docs/design.md, "The policies"): `ready_s` per
-  unit (seconds, non-decreasing), `bytes_by_dtype` per unit, a and b from `network`. Returns the merged
-  runs of consecutive unit indices.
+  """MG-WFBP's merge rule over units (layers) in ready order, in one O(L) sweep.
+
+  The rule: docs/design.md, "The policies", "mgwfbp". `ready_s` per unit (seconds, non-decreasing),
+  `bytes_by_dtype` per unit, a and b from `network`. Returns the merged runs of consecutive unit indices.
   """
   n = len(ready_s)
   a = network.startup_s
@@ -50,8 +51,10 @@ def merge_groups(ready_s: list[float], bytes_by_dtype: list[dict[str, int]],
 
 
 def mgwfbp() -> Scheduler:
-  """MG-WFBP: merge a layer's all-reduce into the next one's when that saves a start-up (docs/design.md, "The policies"). Returns a
-  Scheduler, one bucket per merged group, the same plan for both step modes.
+  """MG-WFBP: merge a layer's all-reduce into the next one's when that saves a start-up.
+
+  The rule: docs/design.md, "The policies", "mgwfbp". Returns a Scheduler, one bucket per merged group, the
+  same plan for both step modes.
 
   References:
     S. Shi, X. Chu, B. Li, "MG-WFBP: Efficient Data Communication for Distributed Synchronous SGD

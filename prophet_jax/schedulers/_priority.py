@@ -25,10 +25,9 @@ MAX_PARTITIONS = 2**20
 
 def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes: int | None,
                 credit_bytes: int | None, *, mode: str = "ps") -> list[tuple[int, int, int]]:
-  """The partitions in the order ByteScheduler's loop would issue them, given the profile's timing (docs/design.md, "The policies").
+  """The partitions as (row, start, stop) slices in the order ByteScheduler's loop issues them.
 
-  Returns:
-    The partitions as (row, start, stop) slices in issue order.
+  The loop: docs/design.md, "The policies", "priority".
   """
   partition_params, credit_params = MODE_DEFAULTS[mode]
 

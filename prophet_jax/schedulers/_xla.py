@@ -13,8 +13,10 @@ GPU_COMBINE_THRESHOLD_BYTES = 30 * 2**20  # xla_gpu_all_reduce_combine_threshold
 
 
 def xla() -> Scheduler:
-  """XLA's own all-reduce combining: one all-reduce per dtype without overlap (CPU), whole leaves up to
-  30 MiB with overlap (GPU) (docs/design.md, "The policies"). Returns a Scheduler, the same plan for both step modes.
+  """XLA's own all-reduce combining, following `network.overlap`.
+
+  One all-reduce per dtype without overlap (CPU), whole leaves up to 30 MiB with overlap (GPU)
+  (docs/design.md, "The policies", "xla"). Returns a Scheduler, the same plan for both step modes.
 
   References:
     OpenXLA `AllReduceCombiner` / `CpuAllReduceCombiner`, `xla_gpu_all_reduce_combine_threshold_bytes`.
