@@ -17,7 +17,7 @@ from .._values._tree import IdentityMemo
 from .._values._types import GradientProfile, itemsize
 
 __all__ = ["Problem", "problem", "ChunkArrays", "chunk_arrays", "schedule_arrays", "split_by_dtype",
-           "equal_parts", "part_count", "link_end", "sync_waits", "link_loop", "ends_one_link",
+           "equal_parts", "equal_ranges", "part_count", "link_end", "sync_waits", "link_loop", "ends_one_link",
            "iteration_s", "background_flows", "typical_costs", "search_problem", "pressured", "objective_s",
            "pressure_durations", "sampled_durations", "iterations"]
 
@@ -213,15 +213,15 @@ def equal_parts(size: int, itemsize: int, max_bytes: float | None) -> list[tuple
   bytes (None: one part), sizes within one element of each other, at least one element each.
   """
   parts = part_count(size, itemsize, max_bytes)
-  if parts == 0:
-    return []
+  return equal_ranges(size, parts) if parts else []
+
+
+def equal_ranges(size: int, parts: int) -> list[tuple[int, int]]:
+  """`size` cut into `parts` consecutive [start, stop) ranges whose sizes differ by at most one, the
+  larger first."""
   base, extra = divmod(size, parts)
-  out, pos = [], 0
-  for k in range(parts):
-    step = base + (1 if k < extra else 0)
-    out.append((pos, pos + step))
-    pos += step
-  return out
+  bounds = [k * base + min(k, extra) for k in range(parts + 1)]
+  return list(zip(bounds[:-1], bounds[1:]))
 
 
 def split_by_dtype(dtype_of: Callable[[int], str], slices: Iterable[Slice]) -> list[list[Slice]]:
@@ -284,6 +284,7 @@ def link_loop(ready: Sequence[float], dur: Sequence[float], *, backward_s: float
   bw_end = None
   for k in range(n):
     r = ready[k]
+    f, j = heapq.heappop(free)
     if r > q:
       resume = max(busy_until, prev)   # compute resumes once every link is idle
       if resume > reach:
@@ -292,9 +293,7 @@ def link_loop(ready: Sequence[float], dur: Sequence[float], *, backward_s: float
         bw_end = resume + (backward_s - q)
       s = resume + (r - q)
       q, reach = r, s
-      f, j = heapq.heappop(free)
     else:
-      f, j = heapq.heappop(free)
       s = max(prev, f)
     e = s + dur[k]
     start[k], end[k], link[k] = s, e, j

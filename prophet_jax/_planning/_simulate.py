@@ -193,13 +193,10 @@ def simulate_fsdp(prob: Problem, arr: FsdpArrays, *, events: bool = True) -> Sim
   if prob.network.pressure is not None:
     dur = fsdp_durations(prob, arr)
     iters, comms = fsdp_samples(prob, arr, dur)
-    order = np.argsort(iters, kind="stable")
-    i = _quantile_index(order, 0.5)
+    i, extra = _samples(iters)
     if events:
       run = fsdp_run(prob, arr, spans=True, durations=dur[i])
     it, comm = float(iters.mean()), float(comms.mean())
-    extra = dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
-                 iteration_p99_s=float(iters[_quantile_index(order, 0.99)]))
   compute = prob.forward_s + prob.backward_s + arr.update_s
   regathers = sum(1 for k in arr.keep if not k)
   return SimResult(iteration_s=it, compute_s=compute, comm_s=comm, idle_s=max(it - compute, 0.0),
@@ -221,11 +218,7 @@ def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) 
     rs, ag = dur[:, :k_n], dur[:, k_n:]
   run = sharded_run(prob, arr, rs, ag)
   iters = run.iteration_s
-  if iters.size == 1:
-    i = 0
-  else:
-    order = np.argsort(iters, kind="stable")
-    i = _quantile_index(order, 0.5)
+  i, extra = _samples(iters, iters.size > 1)
   forward_s, backward_s = prob.forward_s, prob.backward_s
   update_s = float(arr.rs_update_s.sum())
   comm = (run.rs_end - run.rs_start).sum(axis=1) + (run.ag_end - run.ag_start).sum(axis=1)
@@ -234,10 +227,6 @@ def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) 
   evs: tuple[Event, ...] = ()
   if events:
     evs = _sharded_events(prob, arr, run, i, rs)
-  extra: dict[str, Any] = {}
-  if iters.size > 1:
-    extra = dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
-                 iteration_p99_s=float(iters[_quantile_index(np.argsort(iters, kind="stable"), 0.99)]))
   comm_mean = float(comm.mean())
   peak = dear_peak_bytes(prob, arr.rs_ready_s, arr.rs_nbytes, run.rs_end[i])
   return SimResult(iteration_s=mean, compute_s=forward_s + backward_s + update_s, comm_s=comm_mean,
@@ -321,11 +310,20 @@ def _quantile_index(order: np.ndarray, q: float) -> int:
   return int(order[max(int(np.ceil(q * order.size)) - 1, 0)])
 
 
+def _samples(iters: np.ndarray, several: bool = True) -> tuple[int, dict[str, Any]]:
+  """The median sample's index, and with `several` SimResult's fields of the samples (count, p50, p99)."""
+  order = np.argsort(iters, kind="stable")
+  i = _quantile_index(order, 0.5)
+  if not several:
+    return i, {}
+  return i, dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
+                 iteration_p99_s=float(iters[_quantile_index(order, 0.99)]))
+
+
 def _simulate_pressure(prob: Problem, arrays: ChunkArrays, events: bool) -> SimResult:
   dur = pressure_durations(prob, arrays.nbytes)
   iters, waited, start = iterations(prob, arrays.ready_s, dur, arrays.tail_s)
-  order = np.argsort(iters, kind="stable")
-  med = _quantile_index(order, 0.5)
+  med, extra = _samples(iters)
   one = _simulate_once(prob, arrays, dur[med], events)
   mean = float(iters.mean())
   comm = float(waited.sum(axis=1).mean()) if waited.size else 0.0
@@ -336,8 +334,7 @@ def _simulate_pressure(prob: Problem, arrays: ChunkArrays, events: bool) -> SimR
   compute = prob.forward_s + prob.backward_s + (0.0 if prob.cross_step else prob.update_s)
   return dataclasses.replace(
       one, iteration_s=mean, comm_s=comm, idle_s=max(mean - compute, 0.0),
-      network_busy=busy_s / mean if mean > 0 else 0.0, samples=int(dur.shape[0]),
-      iteration_p50_s=float(iters[med]), iteration_p99_s=float(iters[_quantile_index(order, 0.99)]))
+      network_busy=busy_s / mean if mean > 0 else 0.0, **extra)
 
 
 def _simulate_once(prob: Problem, arrays: ChunkArrays, dur: np.ndarray, events: bool) -> SimResult:

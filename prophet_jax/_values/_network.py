@@ -87,9 +87,6 @@ class Pressure(JsonValue):
     """True when no parameter adds anything (no background flows, no tail): every sample is calm."""
     return self.background_flows == 0 and (self.tail_prob == 0 or self.tail_scale_s == 0)
 
-  def to_dict(self) -> dict[str, Any]:
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Pressure:
     obj = cls._json_fields(text_or_obj)
@@ -269,7 +266,7 @@ class NetworkModel(JsonValue):
     return net
 
   def to_dict(self) -> dict[str, Any]:
-    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d = JsonValue.to_dict(self)
     if not self.node_size:   # a one-level network's file is what it was before two levels existed
       del d["node_size"], d["outer_alpha_s"], d["outer_beta_s_per_byte"]
     if self.pressure is None:

@@ -161,7 +161,7 @@ class JsonValue:
   __slots__ = ()
 
   def to_dict(self) -> dict[str, Any]:
-    raise NotImplementedError
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
   def to_json(self, indent: int | None = None) -> str:
     """`to_dict()` as JSON text."""

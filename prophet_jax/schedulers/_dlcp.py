@@ -15,7 +15,8 @@ import numpy as np
 
 from .._values._checks import check_bool, check_bytes, check_int, check_max_defer, check_number
 from .._values._errors import DeferralWarning
-from .._planning._core import Problem, iteration_s, link_loop, problem, schedule_arrays, typical_costs
+from .._planning._core import (Problem, equal_ranges, iteration_s, link_loop, problem, schedule_arrays,
+                               typical_costs)
 from .._values._network import NetworkModel
 from .._values._schedule import Bucket, Chunk, Schedule
 from .._planning._simulate import simulate_arrays
@@ -375,14 +376,9 @@ def _equal_parts(slices: Sequence[Slice], m: int) -> list[list[Slice]]:
   """The slices' elements cut into m consecutive parts as equal as possible (the larger first), as slices."""
   sizes = [b - a for _, a, b in slices]
   offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-  base, extra = divmod(offsets[-1], m)
-  parts, lo = [], 0
-  for p in range(m):
-    hi = lo + base + (1 if p < extra else 0)
-    parts.append([(r, a + max(lo, o) - o, a + min(hi, o + n) - o)
-                  for (r, a, _), o, n in zip(slices, offsets, sizes) if o < hi and o + n > lo])
-    lo = hi
-  return parts
+  return [[(r, a + max(lo, o) - o, a + min(hi, o + n) - o)
+           for (r, a, _), o, n in zip(slices, offsets, sizes) if o < hi and o + n > lo]
+          for lo, hi in equal_ranges(offsets[-1], m)]
 
 
 def _critical_period(prob: Problem, arr: Any, a_eff: float, b_eff: float,
