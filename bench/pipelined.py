@@ -12,7 +12,7 @@ says how much, and what the cost is made of. Arms, timed in interleaved rounds i
   all-reduces, the update, this batch's forward), carrying what `jax.vjp` keeps that depends on the
   batch (`residuals="all"`).
 - `pipelined-min-cut`: `residuals="min-cut"`: the fewest bytes from which the backward recomputes
-  the rest by elementwise and layout operations (prophet_jax/_residuals.py).
+  the rest by elementwise and layout operations (prophet_jax/_rewrite/_residuals.py).
 - `pipelined-matmuls`: `residuals="matmuls"`: the forward under `jax.checkpoint` keeping only
   matmul, convolution and reduction outputs (the elementwise rest is recomputed, fused, in the
   backward).

@@ -1,7 +1,8 @@
 """The host-side oracle of DLCP's deferral (numpy): exactly what a deferring step computes.
 
-`Bucket`'s docstring and prophet_jax/_defer.py state the semantics; this is an independent numpy
-implementation of them, used to check the jitted step (and, in bench/dlcp.py, to drop the error
+docs/design.md ("Deferral in the rewrite (DLCP)") and prophet_jax/_rewrite/_defer.py state the
+semantics; this is an independent numpy implementation of them, used to check the jitted step (and, in
+bench/dlcp.py, to drop the error
 feedback). Per group and step: rows (n devices, m, c) = the chunks, zero-padded, plus each device's
 residual at the chunks it deferred last step; rank by (deferred last step first, then non-finite
 norms, then norm descending, ties by index); the first m - k ranks are summed over the devices and

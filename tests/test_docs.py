@@ -75,3 +75,45 @@ def test_the_link_reader_finds_what_it_must():
   assert slug("Time of the measure step: `python bench/profile_time.py`") == (
       "time-of-the-measure-step-python-benchprofile_timepy")
   assert anchors("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
+
+
+# A path the docs name: a file of this repository when it starts in one of its folders (`prophet_jax/`,
+# a subpackage such as `_rewrite/` or `schedulers/`, `bench/`, `tests/`, `examples/`, `models/`);
+# other paths name files of other projects (`bytescheduler/common/bytecore.py`). A bare `_module.py`
+# names a private module somewhere in the repository.
+_PY_PATH = re.compile(r"(?<![\w./-])((?:[\w-]+/)+[\w-]+\.py)\b")
+_BARE_PRIVATE = re.compile(r"(?<![\w./-])(_[a-z]\w*\.py)\b")
+_OURS = ("prophet_jax", "bench", "tests", "examples", "models")
+
+
+def stale_paths(text: str) -> list[str]:
+  """The `.py` paths `text` names, in the repository's folders, that no file of the repository has."""
+  packages = {p.name for p in (ROOT / "prophet_jax").iterdir() if (p / "__init__.py").exists()}
+  private = {p.name for d in _OURS for p in (ROOT / d).rglob("_*.py")}
+  bad = []
+  for path in _PY_PATH.findall(text):
+    first = path.split("/")[0]
+    if first in _OURS:
+      where = [ROOT / path]
+    elif first in packages:                       # `_rewrite/_mesh.py`: under prophet_jax/
+      where = [ROOT / "prophet_jax" / path]
+    else:
+      continue
+    if not any(p.is_file() for p in where):
+      bad.append(path)
+  bad += [name for name in _BARE_PRIVATE.findall(text) if name not in private]
+  return bad
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
+def test_every_file_path_the_docs_name_exists(doc):
+  """A module moved (the subpackage move of 2026-12) leaves no path behind in the docs."""
+  bad = stale_paths(doc.read_text())
+  assert not bad, (f"{doc.relative_to(ROOT)} names files that do not exist: {bad}; write where they are "
+                   f"now (e.g. prophet_jax/_rewrite/_mesh.py, or _rewrite/_mesh.py)")
+
+
+def test_the_path_reader_finds_what_it_must():
+  text = ("`prophet_jax/_mesh.py` and `_rewrite/_mesh.py`, `_planning/_plan.py`, `schedulers/_plan.py`, "
+          "bench/nope.py, `_gloo.py`, `_collectives.py`, bytescheduler/common/bytecore.py, dopt_rsag.py")
+  assert stale_paths(text) == ["prophet_jax/_mesh.py", "_planning/_plan.py", "bench/nope.py", "_gloo.py"]

@@ -1,60 +1,5 @@
-"""The numeric core under planning, the bound and simulation (pure numpy).
-
-One (profile, network, step mode) is a `Problem`: per-row arrays (ready time, bytes, elements, dtype,
-layer, tail), per-layer forward and update times, and the network's terms. A schedule, or a
-candidate a planner is still weighing, is a few per-chunk arrays in issue order (`chunk_arrays`:
-readiness, bytes, tail). The link engine turns those into start and end times (`ends_one_link`, the
-exact closed form of the one-link recurrences; `link_loop`, the event loop for several links and for
-the device stalls of `overlap=False`), and `iteration_s` into the iteration time. `simulate` builds
-its timeline on this engine; `auto`, `prophet`, `lower_bound` and the tests' brute force use the
-same problem and the same engine, so one number is computed one way everywhere.
-
-The model (docs/design.md, "Simulator semantics"), per chunk c_k in issue order, with
-d_k = network.allreduce_s(bytes(c_k)):
-
-- ready(c_k) = max(ready_s of its rows) (seconds from the start of backward).
-- overlap=True, links=1: start_k = max(ready_k, end_{k-1}), end_k = start_k + d_k.
-  links>1: chunks are issued in schedule order (a chunk never starts before the previous one
-  started) and each goes to the link that frees first (ties: the lowest link index):
-  start_k = max(ready_k, start_{k-1}, earliest link free time). With one link both rules agree.
-- overlap=False: the device is one serial resource. Backward compute advances only while no chunk is
-  on any link. Chunk k is issued once backward's compute progress has reached ready_k, the previous
-  chunk has been issued and a link is free; while any chunk runs, compute stalls. With one link this
-  is start_k = max(end_{k-1}, ready_k + sum_{j<k} d_j), so the iteration is exactly
-  forward + backward + update + sum of all-reduce times (when every ready_s <= backward_s).
-- skew (overlap=False only): a synchronous all-reduce also waits for the slowest worker, which falls
-  behind by skew times the compute the device did since the previous issue. Chunk k's duration is
-  d_k + skew·(q_k - q_{k-1}), q_k = max ready_s of chunks 0..k (backward progress at its issue); for
-  the first chunk q_{-1} = q_last - (forward + update + backward), i.e. the compute since the previous
-  step's last issue. With one link this adds exactly skew·(forward + backward + update) to any
-  schedule with a chunk (when every ready_s <= backward_s).
-- cross_step=False: iteration = max(backward end, last chunk end) + update + forward.
-- cross_step=True: layer l's forward of step k+1 starts at max(fwd_end(l-1), reduced(l) + update(l)),
-  reduced(l) = when the last chunk holding an element of layer l ends (a row with nbytes=0 is in no
-  chunk: it counts as reduced at its own ready_s), fwd_end(-1) = backward end with overlap=True, and
-  max(backward end, last chunk end) with overlap=False.
-
-Deferral groups (`Bucket.defer = k > 0`, the `dlcp` policy): the group's m - k slots are m - k
-messages in its place in issue order, each of the group's padded slot bytes (`Bucket.slot_size`
-elements), each ready when the whole group is (max ready_s of its rows) and each holding every row of
-the group (its tail, and reduced(l) in the pipelined step, count every row of the group: which chunk
-rides in which slot is chosen at run time). `schedule_arrays` builds these messages; without
-deferral it is `chunk_arrays` of the chunks, unchanged.
-
-Network pressure (`NetworkModel.pressure`): `pressure_durations` draws, for each of the pressure's
-seeded samples, every message's duration a + b·nbytes·(1 + n_s) + its tail delays (see `Pressure`);
-`iterations` evaluates the closed form below for every sample at once (one link: vectorised over the
-samples; several links: the event loop per sample). Without pressure nothing here changes. The
-planners score their candidates with `objective_s`: the closed form on a calm network, the mean over
-the samples under pressure (the number `simulate` returns), and search on `search_problem` (the same
-profile on `typical_network`, a typical message's costs, calm) where a rule needs one number per
-message.
-
-`iteration_s` is the closed form of that iteration: max(backward_end + after_s, max_k(end_k +
-tail_k), floor_s [, max_k end_k + after_s when overlap=False]), where tail_k = update + forward in the
-plain step and max over the layers l the chunk touches of (update(l) + forward of layers l..L-1) in the
-pipelined step (unrolling fwd_end(l) = max(fwd_end(l-1), reduced(l) + update(l)) + fwd(l)). It is
-exact: the number `simulate` returns, up to float rounding (about 20 us for 1,000 chunks on one link).
+"""The numeric core under planning, the bound and simulation: a Problem's arrays, the link engine and the
+closed-form iteration (pure numpy; docs/design.md, "The numeric core and what simulate reports").
 """
 
 from __future__ import annotations
@@ -72,7 +17,7 @@ from .._values._tree import IdentityMemo
 from .._values._types import GradientProfile, itemsize
 
 __all__ = ["Problem", "problem", "ChunkArrays", "chunk_arrays", "schedule_arrays", "split_by_dtype",
-           "equal_parts", "part_count", "link_end", "sync_waits", "link_loop", "ends_one_link",
+           "equal_parts", "equal_ranges", "part_count", "link_end", "sync_waits", "link_loop", "ends_one_link",
            "iteration_s", "background_flows", "typical_costs", "search_problem", "pressured", "objective_s",
            "pressure_durations", "sampled_durations", "iterations"]
 
@@ -84,27 +29,16 @@ class Problem:
   """One (profile, network, step mode) as the arrays every estimator reads.
 
   Attributes:
-    profile, network, cross_step: what it was built from.
-    fingerprint: the profile's tree fingerprint.
-    row_ready_s, row_nbytes, row_tail_s: per row, float64: ready_s; nbytes; what a chunk holding the
-      row adds after its end (update + forward in the plain step; update(l) + forward of layers l..
-      in the pipelined step, l the row's layer).
-    row_layer, row_dtype_code: per row, int64: index into `layers`; index of its dtype among the
-      profile's dtypes in order of first appearance.
-    ready, tail, size, itemsize, dtype: the same per row as Python tuples (ready_s, tail, elements,
-      bytes per element, dtype name), for the planners' Python loops.
-    live: the rows with nbytes > 0 (every other row is in no chunk).
-    layers, layer_fwd_s, layer_update_s, layer_tail_s: per layer in priority order: name, forward
-      time, update time (sum of its rows' update_s), update + forward of it and every later layer.
-    layer_fwd_tail_s: per layer, the forward of it and every later layer (what must follow its
-      all-gather in the pipelined step of a sharded schedule).
-    row_update_s: per row, float64: update_s (a sharded schedule's shard update is 1/P of it).
-    backward_s, forward_s, update_s, cycle_s: backward, forward, update; their sum.
-    after_s: what follows backward's end (update + forward in the plain step, forward in the
-      pipelined step).
-    floor_s: a constant lower limit from rows in no chunk (nbytes=0) in the pipelined step, else 0.
-    startup_s, per_byte_s, links, overlap: the network's terms (a = 2(P-1)·alpha_s, b = 2(P-1)/P·beta).
-    skew: the network's skew when overlap is False, else 0.
+    profile, network, cross_step: what it was built from; fingerprint: the profile's.
+    row_ready_s, row_nbytes, row_tail_s, row_update_s: per row (float64): ready_s, bytes, what a chunk
+      holding it adds after its end, update_s.
+    row_layer, row_dtype_code: per row (int64): index into `layers`, index of its dtype.
+    ready, tail, size, itemsize, dtype: per row, as Python tuples for the planners' loops.
+    live: the rows with nbytes > 0.
+    layers, layer_fwd_s, layer_update_s, layer_tail_s, layer_fwd_tail_s: per layer in priority order.
+    backward_s, forward_s, update_s, cycle_s: backward, forward, update and their sum, seconds.
+    after_s, floor_s: what follows backward's end; the floor from rows in no chunk, seconds.
+    startup_s, per_byte_s, links, overlap, skew: the network's terms (skew 0 with overlap).
   """
 
   profile: GradientProfile
@@ -207,8 +141,7 @@ def problem(profile: GradientProfile, network: NetworkModel, *, cross_step: bool
 
 
 class ChunkArrays(NamedTuple):
-  """Per chunk in issue order: readiness (max ready_s of its rows), bytes, tail (max row_tail_s of its
-  rows); and per slice, in schedule order, the chunk and the row it belongs to."""
+  """Per chunk in issue order: readiness, bytes, tail; per slice, its chunk and row."""
 
   ready_s: np.ndarray
   nbytes: np.ndarray
@@ -218,10 +151,7 @@ class ChunkArrays(NamedTuple):
 
 
 def chunk_arrays(prob: Problem, chunks: Iterable[Sequence[Slice]]) -> ChunkArrays:
-  """The ChunkArrays of chunks given as sequences of (row, start, stop) slices, in issue order.
-
-  A chunk's bytes are its elements times its rows' itemsize (a chunk has one dtype).
-  """
+  """The ChunkArrays of chunks given as (row, start, stop) slices, in issue order."""
   rows: list[int] = []
   elems: list[int] = []
   counts: list[int] = []
@@ -246,16 +176,8 @@ def chunk_arrays(prob: Problem, chunks: Iterable[Sequence[Slice]]) -> ChunkArray
 
 
 def schedule_arrays(prob: Problem, buckets: Iterable[Any]) -> ChunkArrays:
-  """The ChunkArrays of the messages a schedule's buckets issue per step, in issue order.
-
-  A bucket without deferral gives its chunks, as `chunk_arrays` does (bit for bit the same arrays
-  when no bucket defers). A deferral group (`defer = k > 0`) gives m - k slots, each holding every
-  slice of the group (readiness and tail: the max over all its rows) and carrying `slot_size`
-  elements of its dtype (the padded slot: what the rewrite really sends).
-
-  Args:
-    prob: the Problem.
-    buckets: Buckets (`_schedule.Bucket`, or anything with `chunks`, `defer`, `slots`, `slot_size`).
+  """The ChunkArrays of the messages a schedule's buckets issue per step (a deferral group's slots: each
+  holding every row of the group, `slot_size` elements); `chunk_arrays` when nothing defers.
   """
   buckets = tuple(buckets)
   if not any(b.defer for b in buckets):
@@ -287,29 +209,23 @@ def part_count(size: int, itemsize: int, max_bytes: float | None) -> int:
 
 
 def equal_parts(size: int, itemsize: int, max_bytes: float | None) -> list[tuple[int, int]]:
-  """The one partition rule: `size` elements of `itemsize` bytes cut into consecutive [start, stop)
-  ranges of at most `max_bytes` bytes each (None: one part), as equal as possible.
-
-  Every part holds at least one element (a part never splits an element), so with `max_bytes` smaller
-  than one element every element is its own part; sizes differ by at most one element, so no tiny tail
-  part pays a whole start-up cost. Empty for `size` 0. What `priority` partitions rows by, and the
-  joint optimiser's partition grid.
+  """`size` elements of `itemsize` bytes cut into consecutive [start, stop) ranges of at most `max_bytes`
+  bytes (None: one part), sizes within one element of each other, at least one element each.
   """
   parts = part_count(size, itemsize, max_bytes)
-  if parts == 0:
-    return []
+  return equal_ranges(size, parts) if parts else []
+
+
+def equal_ranges(size: int, parts: int) -> list[tuple[int, int]]:
+  """`size` cut into `parts` consecutive [start, stop) ranges whose sizes differ by at most one, the
+  larger first."""
   base, extra = divmod(size, parts)
-  out, pos = [], 0
-  for k in range(parts):
-    step = base + (1 if k < extra else 0)
-    out.append((pos, pos + step))
-    pos += step
-  return out
+  bounds = [k * base + min(k, extra) for k in range(parts + 1)]
+  return list(zip(bounds[:-1], bounds[1:]))
 
 
 def split_by_dtype(dtype_of: Callable[[int], str], slices: Iterable[Slice]) -> list[list[Slice]]:
-  """A group's slices as one chunk per dtype (`dtype_of(row)`), in order of each dtype's first slice,
-  slices kept in order, empty ones dropped: how a Bucket holds a group, one all-reduce per dtype."""
+  """A group's slices as one chunk per dtype, in order of each dtype's first slice, empty slices dropped."""
   by_dtype: dict[str, list[Slice]] = {}
   for r, a, b in slices:
     if b > a:
@@ -322,12 +238,7 @@ def split_by_dtype(dtype_of: Callable[[int], str], slices: Iterable[Slice]) -> l
 
 
 def link_end(t: float, ready_s: float, nbytes: float, a: float, b: float) -> float:
-  """The one-link recurrence, one chunk: issued when the link is free (at `t`, the previous chunk's
-  end) and the chunk is ready, it ends at max(t, ready_s) + a + b·nbytes.
-
-  `ends_one_link` is its closed form over a whole schedule; the planners that build or edit a
-  schedule one chunk at a time (`_joint`'s greedy heads, `_search`'s incremental scorer) step it.
-  """
+  """The one-link recurrence for one chunk: max(t, ready_s) + a + b·nbytes, `t` the previous chunk's end."""
   return (t if t > ready_s else ready_s) + a + b * nbytes
 
 
@@ -346,9 +257,8 @@ def link_loop(ready: Sequence[float], dur: Sequence[float], *, backward_s: float
   """Event loop over the chunks in issue order.
 
   Returns:
-    (start, end, link, backward_end, stalls): per-chunk start and end times and link index; when
-    backward ends (wall clock); and the compute stalls of overlap=False as (progress_s, duration_s),
-    in progress order (progress = backward compute done, in the profile's time).
+    (start, end, link, backward_end, stalls): per chunk its times and link; backward's end; the compute
+    stalls of overlap=False as (progress_s, duration_s).
   """
   n = len(ready)
   start = [0.0] * n
@@ -374,6 +284,7 @@ def link_loop(ready: Sequence[float], dur: Sequence[float], *, backward_s: float
   bw_end = None
   for k in range(n):
     r = ready[k]
+    f, j = heapq.heappop(free)
     if r > q:
       resume = max(busy_until, prev)   # compute resumes once every link is idle
       if resume > reach:
@@ -382,9 +293,7 @@ def link_loop(ready: Sequence[float], dur: Sequence[float], *, backward_s: float
         bw_end = resume + (backward_s - q)
       s = resume + (r - q)
       q, reach = r, s
-      f, j = heapq.heappop(free)
     else:
-      f, j = heapq.heappop(free)
       s = max(prev, f)
     e = s + dur[k]
     start[k], end[k], link[k] = s, e, j
@@ -404,11 +313,8 @@ def link_loop(ready: Sequence[float], dur: Sequence[float], *, backward_s: float
 
 def ends_one_link(ready: np.ndarray, dur: np.ndarray, backward_s: float,
                   overlap: bool) -> tuple[np.ndarray, Any]:
-  """Closed form of the one-link recurrence (`link_end`, every chunk in issue order): (end of every
-  chunk, backward end).
-
-  `dur` is one schedule's durations [messages], or one row per sample [samples, messages] (the same
-  `ready` for each): the ends then have its shape, and the backward end is one per sample.
+  """Closed form of the one-link recurrence: (every chunk's end, backward's end); `dur` [messages] or
+  [samples, messages].
   """
   c = np.cumsum(dur, axis=-1)
   samples = () if dur.ndim == 1 else dur.shape[:1]
@@ -427,16 +333,13 @@ def ends_one_link(ready: np.ndarray, dur: np.ndarray, backward_s: float,
 
 def iteration_s(prob: Problem, ready_s: np.ndarray, dur_s: np.ndarray,
                 tail_s: np.ndarray | float) -> float:
-  """The iteration time from per-chunk arrays in issue order (the closed form in the module docstring).
+  """The iteration time, seconds, from per-chunk arrays in issue order (the closed form).
 
   Args:
-    prob: the Problem (backward, what follows it, the floor, links, overlap, skew).
-    ready_s: ready time of each chunk (max ready_s of its rows), seconds.
-    dur_s: all-reduce time of each chunk (`prob.durations(nbytes)`), seconds.
-    tail_s: per chunk, what must follow its end (max `row_tail_s` over its rows); a scalar broadcasts.
-
-  Returns:
-    The iteration time in seconds: `simulate`'s, up to float rounding.
+    prob: the Problem.
+    ready_s: each chunk's ready time, seconds.
+    dur_s: each chunk's all-reduce time, seconds.
+    tail_s: per chunk, what must follow its end, seconds (a scalar broadcasts).
   """
   ready = np.asarray(ready_s, dtype=np.float64)
   dur = np.asarray(dur_s, dtype=np.float64)
@@ -462,18 +365,14 @@ def iteration_s(prob: Problem, ready_s: np.ndarray, dur_s: np.ndarray,
 
 
 def background_flows(pressure: Any) -> np.ndarray:
-  """The competing flows n_s of every sample of `pressure` (Poisson, from the stream (seed, 0)):
-  independent of the schedule, so `lower_bound` can bound each sample's iteration."""
+  """The competing flows n_s of every sample of `pressure` (stream (seed, 0)), independent of the schedule."""
   if pressure.background_flows > 0:
     return np.random.default_rng([pressure.seed, 0]).poisson(pressure.background_flows, pressure.samples)
   return np.zeros(pressure.samples, dtype=np.int64)
 
 
 def typical_costs(prob: Problem) -> tuple[float, float]:
-  """(a', b'): a typical message's start-up and per-byte cost under the network's pressure, for
-  planning decisions that need one deterministic number (the simulation itself draws samples): the
-  costs of `_network.typical_network` (b' = b·(1 + background_flows), a' = a plus the expected tail
-  delay of one message). Calm: (a, b)."""
+  """(a', b'): a typical message's costs under the pressure (`typical_network`); calm: (a, b)."""
   if prob.network.pressure is None:
     return prob.startup_s, prob.per_byte_s
   net = typical_network(prob.network)
@@ -481,10 +380,7 @@ def typical_costs(prob: Problem) -> tuple[float, float]:
 
 
 def search_problem(prob: Problem) -> Problem:
-  """The calm Problem a planner searches on for `prob`: `prob` itself on a calm network; under
-  pressure the same profile and step mode on `typical_network` (a typical message's costs), where the
-  closed form and the planners' greedy rules apply. A planner searches there and scores what it found
-  with `objective_s` on `prob`."""
+  """The calm Problem a planner searches on: `prob` itself when calm, else the same on `typical_network`."""
   q = prob.network.pressure
   if q is None or q.calm:
     return prob
@@ -498,11 +394,9 @@ def pressured(prob: Problem) -> bool:
 
 
 def objective_s(prob: Problem, ready_s: np.ndarray, nbytes: np.ndarray, tail_s: np.ndarray | float) -> float:
-  """The iteration every planner minimises, from per-message arrays in issue order: `iteration_s` on
-  a calm network; under pressure the mean over the pressure's seeded samples (`iterations` of
-  `pressure_durations`), the number `simulate` returns as `SimResult.iteration_s`. Every candidate
-  of `auto`, `prophet`'s knobs and `dlcp`'s rounds are ranked by it, so a plan is chosen for the
-  network it was given."""
+  """The iteration every planner minimises: `iteration_s` when calm, else the mean over the seeded
+  samples (what `simulate` returns).
+  """
   if not pressured(prob):
     return float(iteration_s(prob, ready_s, prob.durations(np.asarray(nbytes, dtype=np.float64)), tail_s))
   nb = np.asarray(nbytes, dtype=np.float64)
@@ -512,16 +406,8 @@ def objective_s(prob: Problem, ready_s: np.ndarray, nbytes: np.ndarray, tail_s: 
 
 
 def pressure_durations(prob: Problem, nbytes: np.ndarray, *, half: bool = False) -> np.ndarray:
-  """Every sample's message durations under `prob.network.pressure`: an array [samples, messages].
-
-  duration(s, k) = a + b·nbytes_k·(1 + n_s) + the sum of h(s, k) Pareto delays (`Pressure`), with
-  n_s ~ Poisson(background_flows) from the stream (seed, 0), one per sample (the same for every
-  schedule), and h(s, k) ~ Binomial(2(P-1), tail_prob), the delays tail_scale_s·(1 + Lomax(shape))
-  from the stream (seed, 1), drawn in sample-major, issue order. Deterministic for a seed.
-  Without skew; `iterations` adds the skew waits.
-
-  `half`: the messages are reduce-scatters and all-gathers (a sharded schedule's, in issue order):
-  each costs a/2 + b/2·nbytes·(1 + n_s) and has P-1 ring steps that may be delayed.
+  """Every sample's message durations under the pressure, [samples, messages], without skew; `half`: the
+  messages are a sharded schedule's reduce-scatters and all-gathers.
   """
   scale = 0.5 if half else 1.0
   return sampled_durations(prob.network.pressure, scale * prob.startup_s, scale * prob.per_byte_s, nbytes,
@@ -529,9 +415,9 @@ def pressure_durations(prob: Problem, nbytes: np.ndarray, *, half: bool = False)
 
 
 def sampled_durations(q: Any, a: Any, b: Any, nbytes: np.ndarray, steps: Any) -> np.ndarray:
-  """`pressure_durations` of messages with their own costs: message k lasts a_k + b_k·nbytes_k·(1 + n_s)
-  plus the Pareto delays of its steps_k ring steps (each delayed with tail_prob); `a`, `b`, `steps`
-  scalars or one per message. An array [samples, messages], drawn as `pressure_durations` draws."""
+  """`pressure_durations` of messages with their own costs: `a`, `b` and ring `steps` scalars or one per
+  message.
+  """
   nb = np.asarray(nbytes, dtype=np.float64)
   n = nb.size
   flows = background_flows(q)
@@ -552,12 +438,8 @@ def sampled_durations(q: Any, a: Any, b: Any, nbytes: np.ndarray, steps: Any) ->
 
 def iterations(prob: Problem, ready_s: np.ndarray, dur_s: np.ndarray,
                tail_s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """`iteration_s` for every row of `dur_s` ([samples, messages], without skew) at once.
-
-  Returns:
-    (iteration per sample, the durations with the skew waits added, every message's start): the
-    closed form of the module docstring, vectorised over the samples with one link, the event loop
-    per sample with several.
+  """`iteration_s` for every row of `dur_s` [samples, messages] at once: (iterations, durations with the
+  skew waits, starts).
   """
   ready = np.asarray(ready_s, dtype=np.float64)
   dur = np.asarray(dur_s, dtype=np.float64)

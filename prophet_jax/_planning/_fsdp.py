@@ -1,55 +1,5 @@
-"""The numeric core of FSDP (ZeRO-3) and HSDP schedules: the step's timeline with forward all-gathers
-interleaved with compute, backward re-gathers interleaved with reduce-scatters, the replicated leaves'
-all-reduces, and the per-device memory the gathered parameters and unsharded gradients take (pure numpy).
-
-The model (docs/fsdp.md states it for users; docs/design.md, "Simulator semantics"). A schedule with
-`Schedule.fsdp` has U **units** (FSDP buckets: whole sharded leaves, in forward use order) and some
-replicated chunks. P = S x R devices: S along the shard axes, R along the replica axes (R = 1: FSDP;
-R > 1: HSDP). One step, from the start of forward (t = 0):
-
-- Costs (a ring, `NetworkModel.link_costs(span)`: the inner link when the ring stays in a node):
-  a unit of G gathered bytes is all-gathered and reduce-scattered over the shard axes on link 0 in
-  (S-1)·alpha + (S-1)/S·G·beta each (span S); with R > 1 each device's reduced shard (G/S bytes) is
-  then all-reduced over the replica axes on link 1, 2(R-1)·alpha' + 2(R-1)/R·(G/S)·beta' (span P);
-  a replicated chunk of n bytes is all-reduced over all P devices, 2(P-1)·alpha' + 2(P-1)/P·n·beta'
-  (span P), on link 1 when R > 1, else on link 0 (then it shares link 0 with the units' collectives,
-  first-in first-out in issue order, issued when its rows are ready).
-- Forward (link 0 first-in first-out in unit order): unit u's all-gather is issued at the start of the
-  step for u < d (d = `prefetch`), else when the forward of unit u-d's first layer starts; it starts
-  when issued and the link is free. Layer l's forward starts at max(end of layer l-1, the all-gather
-  end of every unit holding a row of l).
-- Backward (layers in ready order, each lasting its ready_s minus the previous one's; backward starts
-  when forward ends): a unit with `keep` False is all-gathered again, issued at backward's start for
-  the first d_b units in backward order (d_b = `backward_prefetch`), else when the backward of the
-  unit d_b before it starts; a layer's backward starts at max(end of the previous layer, the gather end
-  of every unit holding a row of it). Link 0 carries, in issue order, the re-gathers (issued at a
-  layer's start) and the reduce-scatters and replicated all-reduces in the schedule's chunk order,
-  chunk k issued when the backward of every row in it has ended (and not before chunk k-1). Link 1
-  (R > 1) carries, first-in first-out by issue time, each unit's replica all-reduce (issued when its
-  reduce-scatter ends) and the replicated chunks' all-reduces.
-- The step ends with the update of each device's shards (update_s of the sharded rows / S, the
-  replicated rows' in full) once backward and every collective have ended: iteration = max(backward
-  end, every link's last end) + update. `cross_step=True` is simulated the same way: the next
-  forward needs the front unit's updated shards first, and the front unit's reduce-scatter is the last
-  of backward, so a pipelined step could overlap only each unit's shard update with the reduce-scatters
-  after it; charging the update after the last collective bounds such a step from above. Without
-  overlap the device and the links are one serial resource: iteration = compute + every collective
-  (+ `skew_wait`: each synchronous collective also waits for the slowest worker; the spans leave
-  those waits out).
-- Under pressure (`NetworkModel.pressure`) one run per seeded sample, each collective lasting its own
-  ring's a + b·bytes·(1 + n_s) plus the tail delays of its ring steps (`fsdp_durations`); `simulate`
-  returns their mean, median and 99th percentile and the median sample's timeline; the memory peak is
-  the calm timeline's (the schedule's order decides which buffers live together, as a compiled program's
-  buffer assignment does, not the network's delays), so a plan's budget holds under any pressure.
-- Memory, per device (what `memory_budget_bytes` bounds; `SimResult.peak_memory_bytes`): the bytes of
-  gathered parameters alive plus unsharded gradient buffers alive. Unit u's G bytes of parameters are
-  alive from the start of its forward all-gather to the end of the forward of its last layer (`keep`
-  False) or to the end of its backward (`keep` True), and again from the start of its re-gather to the
-  end of its backward; its G bytes of gradient from the start of its backward to the end of its
-  reduce-scatter. With `FsdpPlan.gathers` the all-gathers (and `keep`, and the parameters' memory) are
-  per gather group and the reduce-scatters (and the gradients' memory) per unit. The shards, replicated
-  leaves, optimizer state and activations are the same for every FSDP plan of a profile and are not
-  counted. At equal times frees come before allocations.
+"""The timeline of FSDP (ZeRO-3) and HSDP schedules and their per-device memory peak (pure numpy; the
+model: docs/fsdp.md, "Simulator and bound").
 """
 
 from __future__ import annotations
@@ -69,10 +19,9 @@ Slice = tuple[int, int, int]
 
 
 class FsdpArrays(NamedTuple):
-  """An FSDP schedule as the sweep reads it (`fsdp_arrays`). The "units" here are the all-gather groups,
-  in forward order (the FsdpPlan's units' rows, or its own `gathers`); the reduce-scatter units are
-  `rs_bytes` (one per FsdpPlan unit); `order` is the chunk issue order as ('u', reduce-scatter unit) /
-  ('r', replicated index) pairs."""
+  """An FSDP schedule as the sweep reads it: "units" are the all-gather groups in forward order, `rs_bytes`
+  one per reduce-scatter unit, `order` the chunk issue order as ('u', unit) / ('r', replicated) pairs.
+  """
 
   unit_layers: tuple[tuple[int, ...], ...]
   first: tuple[int, ...]
@@ -98,9 +47,7 @@ class FsdpArrays(NamedTuple):
 
 
 class FsdpForward(NamedTuple):
-  """Where a step stands when forward ends (link 0 and the device free from, link time so far, each
-  unit's forward all-gather end, each layer's forward end, the memory events so far): the same for
-  every keep pattern and backward prefetch of one FsdpArrays."""
+  """Where a step stands when forward ends: the same for every keep pattern and backward prefetch."""
 
   t_link: float
   t_dev: float
@@ -123,9 +70,9 @@ class FsdpRun(NamedTuple):
 
 
 class BackwardOrder(NamedTuple):
-  """A profile's layers in backward (ready) order, read by every FSDP schedule of it: the layers in that
-  order, each one's backward time, the time after the last, each row's backward position, and each
-  layer's position and ready time (by layer index)."""
+  """A profile's layers in backward (ready) order with their times and positions, read by every FSDP
+  schedule of it.
+  """
 
   layers: tuple[int, ...]
   dur: tuple[float, ...]
@@ -153,14 +100,18 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
                 prefetch: int, backward_prefetch: int, shards: int, replicas: int,
                 gathers: Sequence[Sequence[int]] | None = None, *,
                 order_of: BackwardOrder | None = None) -> FsdpArrays:
-  """The FsdpArrays of a schedule's chunks (issue order) and its FSDP plan: `units` the reduce-scatter
-  chunks (indices into `chunks`), `gathers` the all-gather groups (rows, forward order; None: each
-  unit's rows, in `units` order), `keep` one per all-gather group; `order_of` the profile's
-  `backward_order` (computed when None; a planner scoring many schedules passes it once).
+  """The FsdpArrays of a schedule's chunks and its FSDP plan.
+
+  Args:
+    prob: the Problem.
+    chunks: the chunks' slices, issue order.
+    units: the reduce-scatter chunks (indices into `chunks`).
+    keep: one per all-gather group.
+    gathers: the all-gather groups (rows, forward order); None: each unit's rows.
+    order_of: the profile's `backward_order`, when the caller has it.
 
   Raises:
-    ValueError: the all-gather groups are not in forward order (a group's first layer before the
-      previous one's).
+    ValueError: the all-gather groups are not in forward order.
   """
   layer = prob.row_layer.tolist()
   nbytes = prob.row_nbytes.tolist()
@@ -228,9 +179,9 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
 
 
 def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float, float, float, float, float]:
-  """(a, b) of a unit's all-gather or reduce-scatter over the shard axes (link 0), of a shard's
-  all-reduce over the replica axes (per byte of the *unit*, link 1), and of a replicated chunk's
-  all-reduce over every device, in that order: six numbers, a + b·bytes each."""
+  """(a, b) of a unit's gather or reduce-scatter (link 0), of a shard's replica all-reduce (per unit byte,
+  link 1) and of a replicated chunk's all-reduce: six numbers.
+  """
   net = prob.network
   s, r = shards, replicas
   p = s * r
@@ -244,10 +195,9 @@ def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float,
 
 def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: FsdpForward | None = None,
              durations: np.ndarray | None = None) -> FsdpRun:
-  """The step's timeline under the module docstring's model: the calm one, or with `durations` one
-  sample's duration of every collective (a row of `fsdp_durations`; `fsdp_samples` runs them all at
-  once). `forward`: the FsdpRun.forward of a calm run of `arr` with another keep pattern or backward
-  prefetch (a planner trying many of them runs forward once); ignored with `spans` or `durations`."""
+  """The step's timeline: calm, or with `durations` one sample's collective durations; `forward` reuses a
+  calm run's forward (ignored with `spans` or `durations`).
+  """
   a_g, b_g, a_r, b_r, a_a, b_a = unit_costs(prob, arr.shards, arr.replicas)
   ag_d = reg_d = rs_d = r1_d = rep_d = None
   if durations is not None:
@@ -284,9 +234,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
       nxt += 1
 
   def gather(u: int, at: float, needs: list[float], again: bool) -> None:
-    """Unit u's all-gather on link 0, issued at `at`: the link (and, without overlap, the device) busy,
-    its gathered bytes alive from its start, its layers' parameters there (`needs`) at its end; `again`:
-    a backward re-gather."""
+    """Unit u's all-gather on link 0, issued at `at` (`again`: a backward re-gather)."""
     nonlocal t_link, t_dev, comm
     nb = unit_bytes[u]
     dur = a_g + b_g * nb if ag_d is None else (reg_d[u] if again else ag_d[u])
@@ -418,9 +366,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
 
 
 def _regathers(arr: FsdpArrays, bwd_units: Sequence[int]) -> tuple[list[int], dict[int, list[int]]]:
-  """The re-gathers of `arr`'s keep pattern: the units not kept that are gathered again when backward
-  starts (the first `backward_prefetch` in backward order), and per backward position those issued
-  when it starts (the unit `backward_prefetch` before each, in backward order, starts there)."""
+  """The units re-gathered when backward starts, and per backward position those issued there."""
   db = arr.backward_prefetch
   first_ready: list[int] = []
   at: dict[int, list[int]] = {}
@@ -434,17 +380,16 @@ def _regathers(arr: FsdpArrays, bwd_units: Sequence[int]) -> tuple[list[int], di
 
 
 def skew_wait(prob: Problem, arr: FsdpArrays) -> float:
-  """What the slowest worker costs a step without overlap (`NetworkModel.skew`): every collective is
-  synchronous and waits for it, and it falls behind by skew x the compute since the previous
-  collective, so one step's waits add up to skew x its compute (forward, backward, update), as for
-  every schedule with a collective (`_core`); 0 with overlap or no skew."""
+  """The slowest worker's cost to a step without overlap: skew x (forward + backward + update); 0 with
+  overlap or no skew.
+  """
   return prob.skew * (prob.forward_s + prob.backward_s + arr.update_s) if prob.skew else 0.0
 
 
 def fsdp_samples(prob: Problem, arr: FsdpArrays, durations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Every sample's iteration and link time: `fsdp_run` with each row of `durations` ([samples,
-  messages], `fsdp_durations`' order), all samples at once (numpy over the samples, the same
-  additions in the same order: equal to the per-sample runs bit for bit); no spans, no memory."""
+  """Every sample's iteration and link time, all samples at once (bit for bit the per-sample runs); no
+  spans, no memory.
+  """
   dur = np.asarray(durations, dtype=np.float64).T         # [messages, samples]: a row per collective
   ag_d, reg_d, rs_d, r1_d, rep_d = _by_kind(arr, dur)
   serial, two = not prob.overlap, arr.replicas > 1
@@ -537,9 +482,9 @@ def fsdp_samples(prob: Problem, arr: FsdpArrays, durations: np.ndarray) -> tuple
 
 
 def dear_peak_bytes(prob: Problem, rs_ready: np.ndarray, rs_nbytes: np.ndarray, rs_end: np.ndarray) -> float:
-  """The memory a `dear` (ZeRO-1) step holds per device, counted as for FSDP: every parameter is
-  whole (replicated), so all of them, plus each reduce-scatter chunk's unsharded gradient from its
-  ready time (backward start + its rows' last ready_s) to its reduce-scatter's end."""
+  """A `dear` (ZeRO-1) step's memory per device, counted as for FSDP: every parameter whole, plus each
+  chunk's unsharded gradient from its ready time to its reduce-scatter's end.
+  """
   params = float(prob.row_nbytes.sum())
   if not rs_nbytes.size:
     return params
@@ -550,20 +495,16 @@ def dear_peak_bytes(prob: Problem, rs_ready: np.ndarray, rs_nbytes: np.ndarray, 
 
 
 def _by_kind(arr: FsdpArrays, d: Any) -> tuple[Any, Any, Any, Any, Any]:
-  """`d` (one entry per collective in `fsdp_durations`' order) cut into the forward all-gathers, the
-  re-gathers, the reduce-scatters, the replica all-reduces and the replicated all-reduces."""
+  """`d` cut into forward all-gathers, re-gathers, reduce-scatters, replica and replicated all-reduces."""
   n_g, n_rs = len(arr.first), len(arr.rs_bytes)
   return (d[:n_g], d[n_g:2 * n_g], d[2 * n_g:2 * n_g + n_rs], d[2 * n_g + n_rs:2 * n_g + 2 * n_rs],
           d[2 * n_g + 2 * n_rs:])
 
 
 def fsdp_durations(prob: Problem, arr: FsdpArrays) -> np.ndarray:
-  """Every sample's durations of an FSDP schedule's collectives under `prob.network.pressure`
-  ([samples, messages], `_core.sampled_durations`): the forward all-gathers, the re-gathers (one per
-  group, drawn whether or not it is gathered again), the reduce-scatters, the shards' replica
-  all-reduces (one per unit) and the replicated all-reduces, in that order; each with its own ring's
-  steps (S-1 for a gather or a reduce-scatter, 2(R-1) for a replica all-reduce, 2(P-1) for a replicated
-  one)."""
+  """Every sample's collective durations under pressure, [samples, messages], in `_by_kind`'s order, each
+  with its ring's steps (S-1, 2(R-1) or 2(P-1)).
+  """
   a_g, b_g, a_r, b_r, a_a, b_a = unit_costs(prob, arr.shards, arr.replicas)
   s, r = arr.shards, arr.replicas
   n_g, n_rs, n_rep = len(arr.unit_bytes), len(arr.rs_bytes), len(arr.rep_bytes)
@@ -576,11 +517,8 @@ def fsdp_durations(prob: Problem, arr: FsdpArrays) -> np.ndarray:
 
 
 def fsdp_arrays_of(prob: Problem, schedule) -> FsdpArrays:
-  """The FsdpArrays of a Schedule with `fsdp` on `prob` (the mesh must hold network.workers devices).
-
-  Raises:
-    ValueError: the plan's mesh has another number of devices than `network.workers`, or the network
-      several links (an FSDP schedule has one issue order per link level).
+  """The FsdpArrays of a Schedule with `fsdp` on `prob`; ValueError for a mesh not of network.workers
+  devices, or several links.
   """
   f = schedule.fsdp
   p = f.shard_count * f.replica_count

@@ -1,77 +1,5 @@
-"""B_fsdp: a lower bound on the simulated iteration of every FSDP / HSDP schedule of a profile (pure
-numpy). `lower_bound(..., sharded="fsdp")` returns it; `lower_bound(...)` of a sharded profile takes the
-minimum with the other families' bounds.
-
-Notation (the model of `_fsdp`): S shards, R replicas, P = S·R; a unit of G bytes is all-gathered or
-reduce-scattered in a_g + b_g·G on link 0, its shard all-reduced over the replicas in a_r + b_r·G on
-link 1 (R > 1; b_r counts the unit's bytes), a replicated chunk of n bytes all-reduced in a_a + b_a·n
-(link 1 when R > 1, else link 0). Σ_s: bytes of the sharded rows, Σ_r: of the replicated rows (both
-> 0 rows only). F, B: forward and backward; U' = update of the sharded rows / S + of the replicated
-rows. For a layer l: s(l), r(l) its sharded and replicated bytes, pre(l) the forward of the layers
-before it, R(l) its latest ready_s.
-
-Claim: every FSDP schedule's simulated iteration is >= max(B1, B2, B3) with (overlap=True)
-
-  B1 = F' + max(B, max_l (R(l) + W(l)), max_l[s(l) > 0] (R(l) + a_g + b_g·s(l) + (a_r + b_r·s(l) if R > 1)))
-       + U'
-  F' = the forward recurrence t_l = max(t_{l-1} + f(l-1), a_g + b_g·(s(0) + ... + s(l)) if s(l) > 0),
-       F' = t_last + f(last)                                         (a layer waits for its rows' gathers)
-  W(l) = max(W0(l), W1(l)) over the layers ready at >= R(l), s_ge and r_ge their bytes:
-       W0 = (a_g + b_g·s_ge if s_ge > 0) + (a_a + b_a·r_ge if R = 1 and r_ge > 0) + (a_r if R > 1, s_ge > 0)
-       W1 = (a_r + b_r·s_ge if R > 1, s_ge > 0) + (a_a + b_a·r_ge if R > 1 and r_ge > 0)
-  B2 = 2(a_g + b_g·Σ_s) + (a_a + b_a·Σ_r if R = 1 and Σ_r > 0) + U'                   (link 0's work)
-  B3 = (a_r + b_r·Σ_s if R > 1) + (a_a + b_a·Σ_r if R > 1 and Σ_r > 0) + U'            (link 1's work)
-
-and with overlap=False iteration >= F + B + U' + (B2 - U') + (B3 - U') + skew·(F + B + U'). With overlap, also B4 >= B1, which
-charges each unit's start-up a_g in forward and in backward (B1 charges one at each end):
-
-  B4 = F'' + max(back(B1), E'' + (a_r if R > 1)) + U'
-  F'' = min over partitions of the sharded layers (forward order) into contiguous blocks D_1..D_J of the
-       recurrence of F' in which the first layer of block j waits for j·a_g + b_g·(s(0) + ... + s(last
-       layer of D_j)) (j charged min(j, K) start-ups, K = `_BLOCKS`: a relaxation past K blocks)
-  E'' = min over partitions of the sharded layers in ready order (R nondecreasing) into contiguous
-       blocks C_1..C_J of the chain e_j = max(e_{j-1}, R(last layer of C_j)) + a_g + b_g·bytes(C_j), e_0 = 0
-  back(B1) = B1 - F' - U' (the max of B and the R(l) + W(l) terms above)
-
-Proof of B4. Forward: let the units' all-gathers be g_1..g_K in link order (forward order), X_k the
-bytes of g_1..g_k; gather k ends at >= k·a_g + b_g·X_k (one at a time from 0). For a sharded layer l let
-m(l) be the largest index of a unit holding a row of layers 0..l (nondecreasing in l); then every row
-of layers 0..l is in g_1..g_m(l), so X_m(l) >= s(0) + ... + s(l). The layers with one value of m form a
-contiguous block; its first layer holds a row of unit m (the index rises there), so it starts after
-gather m ends, at >= m·a_g + b_g·(s(0) + ... + s(its block's last layer)), and m >= the block's rank j.
-So forward ends at >= the recurrence for that partition, >= F''. Backward: let the reduce-scatters be
-u_1..u_K in link order (their issue order) and, for a sharded layer at ready position p, q(p) the
-least index of a unit holding a row at position >= p (nondecreasing in p). The positions with one
-value of q form a contiguous block C_j; unit q holds a row at the block's last position (beyond it q
-rises), so it is issued at >= F_end + R(that layer), and units q..K, issued after it and carrying every
-row at positions >= the block's first (>= bytes(C_j) + ... + bytes(C_J)), one at a time on link 0, end at
->= F_end + R(last of C_j) + (J - j + 1)·a_g + b_g·(bytes(C_j) + ... + bytes(C_J)) (there are >= J - j + 1
-of them: q rises at every later block). The chain e_J unrolls to the max of those terms over j, so the
-last reduce-scatter ends at >= F_end + E''; with R > 1 its shard all-reduce follows, >= a_r; the update
-follows every collective. back(B1) bounds the same span from F_end, so iteration >= F_end + max(...) + U'
-with F_end >= F''. []
-
-Proof. Plain step, overlap=True. (B1) Forward starts at 0 with nothing gathered. Layer l's forward
-starts only after every unit holding a row of layers 0..l has been gathered in forward (units are
-gathered in forward order, each before its first layer runs); those units carry >= s(0) + ... + s(l)
-bytes on link 0, one at a time, each starting at >= 0 and lasting a_g + b_g·G, so the last ends >= a_g
-+ b_g·(s(0) + ... + s(l)) (one or more units: the alphas only add). Layers run in order, so forward
-ends at >= F'. The collectives holding a row ready at >= R(l) start at >= F' + R(l) (below) and
-carry s_ge sharded bytes (reduce-scatters, >= one) and r_ge replicated ones (all-reduces, >= one)
-one at a time per link: link 0 ends >= F' + R(l) + W0(l) (with R > 1 the shard all-reduce of the
-last reduce-scatter then takes >= a_r), link 1 >= F' + R(l) + W1(l). Backward starts at forward's end
-and lasts >= B (waits only add), so it ends at >= F' + B; a row of layer l is produced no earlier
-than F' + R(l) (backward runs in ready order, its layers' spans only shifted later), so the reduce-scatters of the units holding layer
-l's rows start at >= F' + R(l) and the last of them ends >= F' + R(l) + a_g + b_g·s(l), then (R > 1)
-the shard all-reduces, issued at those ends, >= a_r + b_r·s(l) more; likewise the replicated chunks of
-layer l, each issued once its rows are ready. The update follows every collective and backward: +U'.
-(B2) Link 0 runs one collective at a time within [0, iteration - U']: at least one all-gather and one
-reduce-scatter holding every sharded byte (the units partition the sharded rows; more units only add
-alphas) and, with R = 1, the replicated all-reduces (>= one, every replicated byte). (B3) the same on
-link 1. overlap=False: the device and the links are one serial resource, so the iteration is at least
-the compute plus every collective's time, each bounded as in B2 and B3, plus the slowest worker's
-waits, which the model charges as exactly skew·(F + B + U') (`_fsdp.skew_wait`). The pipelined step is simulated
-as the plain step (`_fsdp`), so the same bound holds. []
+"""B_fsdp: a lower bound on the simulated iteration of every FSDP / HSDP schedule (pure numpy; the claim
+and its proof: docs/fsdp.md, "B_fsdp and its proof").
 """
 
 from __future__ import annotations
@@ -91,10 +19,8 @@ _BLOCK_LAYERS = 2048
 
 
 def fsdp_bound(prob: Problem) -> float:
-  """B_fsdp of the module docstring for `prob`, whose profile carries its placement.
-
-  Raises:
-    ValueError: the profile has no sharded rows, or its mesh does not hold network.workers devices.
+  """B_fsdp for `prob`, whose profile carries its placement; ValueError without sharded rows or when the
+  mesh does not hold network.workers devices.
   """
   profile = prob.profile
   s, r = profile.shard_count, profile.replica_count
@@ -163,12 +89,11 @@ def fsdp_bound(prob: Problem) -> float:
 
 def forward_blocks(s_l: np.ndarray, fwd: np.ndarray, a: float, b: float, ends: np.ndarray | None = None
                    ) -> tuple[float, list[int]]:
-  """F'' of the module docstring (the least forward end over contiguous blocks of the sharded layers,
-  block j's first layer waiting for min(j, _BLOCKS)·a + b·(the sharded bytes through the block's end)),
-  and the blocks of the least partition into fewer than _BLOCKS blocks (counted exactly): the layer
-  (index into `s_l`) each block ends at, in forward order. `ends`: the sharded layers' ranks (0 = the
-  first sharded layer; ascending, the last one included) a block may end at, for a planner that wants
-  the partition fast; then the value is that restricted partition's forward end (no longer F'')."""
+  """F'' and the blocks of its least partition (fewer than _BLOCKS blocks): the layer each block ends at.
+
+  `ends` restricts where a block may end (the sharded layers' ranks, ascending, the last included); the
+  value is then that restricted partition's forward end, no longer F''.
+  """
   nl = len(s_l)
   sh = np.flatnonzero(s_l > 0)
   e = np.arange(len(sh)) if ends is None else np.asarray(ends, dtype=np.int64)
@@ -212,12 +137,11 @@ def forward_blocks(s_l: np.ndarray, fwd: np.ndarray, a: float, b: float, ends: n
 def backward_chain(ready: np.ndarray, nbytes: np.ndarray, a: float, b: float,
                    ends: np.ndarray | None = None, second: tuple[float, float] | None = None
                    ) -> tuple[float, list[int]]:
-  """E'' of the module docstring (the least end of the chain over contiguous blocks of the sharded
-  layers in ready order (`ready` nondecreasing), e_j = max(e_{j-1}, ready of its last) + a + b·bytes)
-  and the blocks of its least partition: the position (index into `ready`) each ends at, ascending.
-  `ends`: the positions a block may end at (ascending, the last one included). `second`: (a2, b2) of a
-  second link each block crosses after the first (HSDP's replica all-reduce); the chain then charges
-  each block its slower stage (a planner's heuristic: the value is no longer a bound)."""
+  """E'' and the positions its least partition's blocks end at (ascending; `ready` nondecreasing).
+
+  `ends` restricts where a block may end; `second` (a2, b2) charges each block its slower stage on a
+  second link (HSDP's replica all-reduce): a planner's heuristic, no longer a bound.
+  """
   m = len(ready)
   e_at = np.arange(m) if ends is None else np.asarray(ends, dtype=np.int64)
   cum = np.concatenate([[0.0], np.cumsum(nbytes)])[np.concatenate([[0], e_at + 1])]

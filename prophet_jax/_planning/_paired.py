@@ -1,44 +1,5 @@
-"""Paired, interleaved timing of steps against a control, and the decision it supports (pure numpy).
-
-`choose` (in `_multiprocess._choose`) runs the steps; this module is everything that is statistics,
-so it is tested with an injected clock and never needs jax:
-
-- `interleave(names, rounds, measure)`: round r times every step once, in the order of a row of a
-  Williams design (`round_order`: each step takes every position equally often and follows every
-  other step equally often, so what a step inherits from the one before it is no one's bias), and
-  returns a (rounds, steps) array of seconds.
-- `decide(names, seconds, control=..., min_gain=..., confidence=...)`: per candidate, the round's
-  log-ratio `d_r = log(t_candidate,r / t_control,r)` (paired in the same round, so drift of the machine
-  between rounds cancels), its median (`Choice.ratios[name] = exp(median d)`, the median of the
-  per-round time ratios), and a distribution-free confidence interval of that median from order
-  statistics (below); then the rule.
-
-The interval. For n rounds whose log-ratios are independent draws of one continuous distribution with
-median m, the number of rounds with d_r < m is Binomial(n, 1/2) whatever that distribution is; so the
-order statistics [d_(j), d_(n+1-j)] (1-based) cover m with probability 1 - 2 P(Bin(n, 1/2) <= j-1),
-and `j` is the largest index whose coverage is at least `confidence` (the sign-test interval).
-Chosen over a bootstrap (whose small-sample coverage is approximate and which depends on a seed) and
-over a t-interval on the mean (which a single slow round, the 4 ms scheduler tick FACTS.md reports,
-drags along): exact coverage, no assumption of normality or symmetry, and an outlier round moves one
-order statistic by one place. The price is efficiency: under normal noise it needs about pi/2 times
-the rounds of the mean's interval.
-
-The rule. Speed-up = 1 / time ratio; `min_gain` g is the smallest speed-up that counts:
-- "faster": the interval's upper end of the time ratio is below 1/(1+g), i.e. the lower end of the
-  speed-up's interval beats 1+g. Only such a candidate can win; among several, the smallest median
-  ratio wins.
-- "slower": the interval's lower end is above 1+g (slower by more than g, confidently).
-- "no difference": neither (the difference is within +-g, or the rounds could not tell).
-So a step 5% faster (ratio 1/1.05) wins with g = 0.02 once the interval is narrow enough, an identical
-one cannot (its interval sits around 1), and the control stays unless something wins.
-
-Default `rounds` (`DEFAULT_ROUNDS`) is sized for noisy machines: with multiplicative lognormal noise of
-sigma 0.10 on every timing (a per-round log-ratio spread of 0.14), 5% faster is chosen in 99.2% of
-trials, an identical step gives "no difference" in >99.9% and a 5% slower one is never chosen
-(`tests/test_choose.py` checks 19 of 20 seeded trials each; docs/choose.md has the power table). It
-costs `DEFAULT_ROUNDS` timed calls of every step (plus the warm-up): 750 x 3 = 2,250 steps for a
-control and two candidates. Quieter machines can pass fewer rounds: the interval's width scales as
-sigma / sqrt(rounds).
+"""Paired, interleaved timing of steps against a control, and the decision it supports: the statistics of
+`choose`, pure numpy (docs/choose.md, "The statistics and the rule").
 """
 
 from __future__ import annotations
@@ -65,8 +26,9 @@ SCHEMA = 1
 
 
 def _williams_row(n: int, k: int) -> list[int]:
-  """Row k of a Williams design on n treatments (n rows for even n, 2n for odd, the second half the
-  first half reversed): a Latin square in which every treatment follows every other equally often."""
+  """Row k of a Williams design on n treatments (n rows for even n, 2n for odd): a Latin square in which
+  every treatment follows every other equally often.
+  """
   base = [0] + [(i + 1) // 2 if i % 2 else n - i // 2 for i in range(1, n)]
   if k < n:
     return [(b + k) % n for b in base]
@@ -74,8 +36,7 @@ def _williams_row(n: int, k: int) -> list[int]:
 
 
 def _shuffled(m: int, seed: int) -> list[int]:
-  """A permutation of range(m) from a self-contained generator (splitmix64, Fisher-Yates): the same on
-  every process and every Python and numpy version, as the processes must run the same order."""
+  """A permutation of range(m) from splitmix64 and Fisher-Yates: the same on every process and version."""
   state = (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & (2**64 - 1)
   out = list(range(m))
   for i in range(m - 1, 0, -1):
@@ -89,16 +50,8 @@ def _shuffled(m: int, seed: int) -> list[int]:
 
 
 def round_order(names: Sequence[str], r: int) -> tuple[str, ...]:
-  """The order in which round `r` times the steps: a row of a Williams design over `names`.
-
-  A Williams design is a Latin square in which every step also follows every other step equally
-  often (n rows for an even number of steps, 2n for an odd one). Every block of that many rounds
-  uses each row once, in a shuffled (fixed-seed) order, so the step that ends one round and the one
-  that starts the next are a random pair. So every step takes every position equally often, and no
-  step runs after the same one more often than another does. That matters: a step's time carries
-  over from its predecessor (a collective's leftover work, processes left out of step by the previous
-  step); with a plain rotation, an identical copy of the control that always followed the fastest
-  candidate came out 8% "faster" across two processes (docs/choose.md).
+  """The order in which round `r` times the steps: a row of a Williams design over `names`, the rows of
+  each block of rounds shuffled (fixed seed; docs/choose.md, "What runs").
   """
   n = len(names)
   period = n if n % 2 == 0 else 2 * n
@@ -170,17 +123,13 @@ class Choice:
 
   Attributes:
     best: the winning candidate's name, or `control` when none beat it by `min_gain`.
-    control: the control's name ("control" when the control was given as a step function).
-    ratios: per candidate, the median over rounds of (its time / the control's time in the same round).
+    control: the control's name ("control" when given as a step function).
+    ratios: per candidate, the median over rounds of its time / the control's in the same round.
     intervals: per candidate, the (lower, upper) confidence interval of that median ratio.
-    verdicts: per candidate, "faster" (the interval's upper end < 1/(1+min_gain)), "slower" (lower end
-      > 1+min_gain) or "no difference".
-    reason: one sentence a person reads: why `best` is best.
-    median_s: per step (control included), its median step time in seconds (the slowest process's).
-    rounds: timed rounds; every step ran once per round.
-    min_gain: the speed-up a candidate had to show (0.02: 2%).
-    confidence: the interval's coverage.
-    processes: processes that timed (a step's time is the slowest process's).
+    verdicts: per candidate, "faster", "slower" or "no difference".
+    reason: one sentence: why `best` is best.
+    median_s: per step, its median step time in seconds (the slowest process's).
+    rounds, min_gain, confidence, processes: what it was measured with.
   """
 
   best: str
@@ -286,7 +235,7 @@ def decide(names: Sequence[str], seconds: Any, *, control: str, min_gain: float 
     processes: recorded in the Choice.
 
   Returns:
-    The Choice (see the module docstring for the rule).
+    The Choice (docs/choose.md has the rule).
 
   Raises:
     ValueError: a bad shape, a non-positive or non-finite time, too few rounds, or bad options.

@@ -1,40 +1,5 @@
-"""The numeric core of sharded schedules (the `dear` policy, ZeRO-1): reduce-scatters in backward, the
-update of each device's shard, all-gathers before the next forward (pure numpy).
-
-A sharded Schedule (`Schedule.gathers` non-empty) issues, per step, one **reduce-scatter** per chunk
-(its flat buffer zero-padded to a multiple of P = `network.workers`, `_schedule.shard_size`), in
-chunk order, then one **all-gather** per entry of `gathers`, in that order, each gathering the
-updated shards of its chunks. With a ring, a reduce-scatter or an all-gather of a buffer of n bytes
-costs a/2 + b/2·n (`NetworkModel.reduce_scatter_s`, `all_gather_s`: (P-1)·alpha_s + (P-1)/P·n·beta),
-so the two halves of one buffer cost one all-reduce. Each device updates 1/P of the parameters: a
-chunk's shard update costs its rows' `update_s` (pro rata of the elements it holds) divided by P.
-
-The model (docs/design.md, "Simulator semantics"), on one link (the rewrite runs one tie chain), the
-link FIFO in issue order: every reduce-scatter, then every all-gather (`_core` for the terms):
-
-- Reduce-scatters: chunk k is ready at max(ready_s of its rows) and runs on the link exactly as an
-  all-reduce chunk does (`_core.ends_one_link`: overlap, or the device stalls of `overlap=False`,
-  the skew waits), lasting d_k = a/2 + b/2·padded bytes. T_rs = the last one's end.
-- Plain step (`cross_step=False`, one jitted call per step): the update runs on the device once
-  backward and every reduce-scatter have ended, at T0 = max(backward end, T_rs), gather by gather
-  in all-gather order (U' = U/P in all); all-gather g is released when the update of its chunks is
-  done, T0 + (update of gathers 0..g), and runs when the link is free; the next forward starts when
-  the update and every all-gather are done: iteration = max(T0 + U', last all-gather end) + F. Without
-  overlap the device runs the update and the all-gathers one after the other: iteration = T0 + U' +
-  sum of all-gather times + F.
-- Pipelined step (`cross_step=True`): the update of gather g's shards is a latency after the last of
-  its reduce-scatters (as the pipelined step's per-layer update is for all-reduces): all-gather g is
-  released at max_{k in g} end(RS_k) + update(g) and starts at max(release, the link free), the
-  link being free once every reduce-scatter and every earlier all-gather have ended. Layer l's
-  forward of the next step starts at max(fwd_end(l-1), gathered(l)), gathered(l) = the end of the
-  last all-gather holding an element of layer l (a row with nbytes=0 counts at its ready_s),
-  fwd_end(-1) = backward end. Without overlap the device is one serial resource after backward and
-  the reduce-scatters: for each layer in order it runs the all-gathers, in issue order, up to the
-  last one the layer needs (each at max(now, its release)), then the layer's forward.
-
-`sharded_arrays` turns a schedule (chunk slices + gathers) into per-message arrays; `sharded_run`
-computes the timeline for one or many samples of the message durations at once (the calm network:
-one sample); `sharded_iteration_s` is the calm iteration the planner ranks candidates by.
+"""The numeric core of sharded (ZeRO-1, `dear`) schedules: reduce-scatters, the shard update and
+all-gathers on one link (pure numpy; the model: docs/design.md, "Simulator semantics").
 """
 
 from __future__ import annotations
@@ -54,20 +19,16 @@ Slice = tuple[int, int, int]
 
 
 class ShardedArrays(NamedTuple):
-  """A sharded schedule as arrays: K reduce-scatters (issue order), G all-gathers (issue order).
+  """A sharded schedule as arrays: K reduce-scatters and G all-gathers, each in issue order.
 
   Attributes:
-    rs_ready_s, rs_nbytes, rs_update_s: per reduce-scatter: readiness (max ready_s of its rows),
-      padded buffer bytes, the update of its shard (update_s of its elements / P).
-    ag_nbytes, ag_update_s: per all-gather: padded result bytes (P x the sum of its chunks' shards),
-      the update of its chunks' shards.
-    members, member_start: the chunk indices of every gather, concatenated in gather order, and where
-      each gather's begin (for `np.maximum.reduceat`).
-    need: per layer, the index of the last all-gather (issue order) holding an element of it, -1 if
-      none.
-    gathered_pairs: (gather, layer) pairs, unique: which layers each all-gather completes a part of.
-    layer_floor_s: per layer, the latest ready_s of its rows with nbytes=0 (-inf if none).
-    ag_tail_s: per all-gather, the forward of the front-most layer it holds and every later layer.
+    rs_ready_s, rs_nbytes, rs_update_s: per reduce-scatter: readiness, padded bytes, shard update (/P).
+    ag_nbytes, ag_update_s: per all-gather: padded result bytes, its chunks' shard update.
+    members, member_start: every gather's chunk indices, concatenated, and where each gather begins.
+    need: per layer, the last all-gather holding an element of it (-1: none).
+    gathered_pairs: unique (gather, layer) pairs.
+    layer_floor_s: per layer, the latest ready_s of its rows with nbytes=0 (-inf: none).
+    ag_tail_s: per all-gather, the forward from its front-most layer on.
   """
 
   rs_ready_s: np.ndarray
@@ -84,10 +45,9 @@ class ShardedArrays(NamedTuple):
 
 
 class ShardedRun(NamedTuple):
-  """The timeline of `sharded_run`, one row per sample: iteration [S]; the reduce-scatters' and
-  all-gathers' start and end [S, K] / [S, G] (durations with the skew waits included); the backward
-  end [S]; T0 [S] (plain step: when the update starts; pipelined: when the forward may start); each
-  all-gather's release [S, G]; each layer's forward start [S, L]."""
+  """The timeline of `sharded_run`, one row per sample: iteration, the collectives' starts and ends,
+  backward's end, T0, each all-gather's release, each layer's forward start.
+  """
 
   iteration_s: np.ndarray
   rs_start: np.ndarray
@@ -105,9 +65,9 @@ ChunkArrays = tuple[np.ndarray, np.ndarray, np.ndarray, list[set[int]]]
 
 def sharded_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], gathers: Sequence[Sequence[int]], *,
                    per_chunk: ChunkArrays | None = None) -> ShardedArrays:
-  """The ShardedArrays of reduce-scatter chunks (their slices, issue order) and gathers (chunk indices,
-  all-gather order), for the problem's workers P. `per_chunk`: `chunk_arrays(prob, chunks)` when the
-  caller has it (a planner trying several gathers for one set of chunks computes it once)."""
+  """The ShardedArrays of reduce-scatter chunks (slices) and gathers (chunk indices) for P =
+  network.workers; `per_chunk` reuses the caller's `chunk_arrays`.
+  """
   rs_ready, rs_nbytes, rs_update, layers_of = chunk_arrays(prob, chunks) if per_chunk is None else per_chunk
   g_n = len(gathers)
   members = np.fromiter((k for g in gathers for k in g), dtype=np.int64)
@@ -179,12 +139,12 @@ def sharded_durations(prob: Problem, arr: ShardedArrays) -> tuple[np.ndarray, np
 
 
 def sharded_run(prob: Problem, arr: ShardedArrays, rs_dur: np.ndarray, ag_dur: np.ndarray) -> ShardedRun:
-  """The timeline of every sample at once (the module docstring's model).
+  """The timeline of every sample at once.
 
   Args:
-    prob: the problem (step mode, overlap, skew, compute times).
+    prob: the problem.
     arr: the schedule's arrays.
-    rs_dur: [S, K] reduce-scatter durations, without the skew waits (added here, as for all-reduces).
+    rs_dur: [S, K] reduce-scatter durations without the skew waits (added here).
     ag_dur: [S, G] all-gather durations.
   """
   rs_dur = np.asarray(rs_dur, dtype=np.float64)
@@ -272,9 +232,9 @@ def sharded_run(prob: Problem, arr: ShardedArrays, rs_dur: np.ndarray, ag_dur: n
 
 def _gather(t: np.ndarray, g: int, release: np.ndarray, ag_dur: np.ndarray, ag_start: np.ndarray,
             ag_end: np.ndarray) -> np.ndarray:
-  """All-gather `g` on the link free at `t` (per sample): it starts once the link is free and the gather
-  is released (the one-link recurrence, `_core.link_end`, over the samples); its window goes into
-  `ag_start`/`ag_end`. Returns when the link is free again."""
+  """All-gather `g` on the link free at `t`, per sample (the one-link recurrence); returns when the link is
+  free again.
+  """
   s = np.maximum(t, release[:, g])
   ag_start[:, g] = s
   t = s + ag_dur[:, g]

@@ -1,16 +1,5 @@
-"""The simulator: one steady-state training iteration of a profile under a schedule (pure numpy).
-
-`simulate(schedule, profile, network, *, cross_step=False)` implements docs/design.md's "Simulator
-semantics" on the numeric core (`_core`: the problem's per-row arrays, the schedule's chunk arrays, the
-link engine), and adds what only a simulation has: the timeline (`SimResult.events`), the compute
-stalls of `overlap=False`, and how busy the network was. The model is stated in full in `_core`'s
-docstring.
-
-SimResult.idle_s is counted as follows. cross_step=False: iteration - (forward + backward + update),
-i.e. every moment the device neither computes nor runs the update (stalls under overlap=False, the
-wait for the last chunk after backward). cross_step=True: iteration - (forward + backward): the
-update is a latency there, so the time spent waiting for a layer's reduction *and* its update counts
-as idle. Both are >= 0.
+"""The simulator: one steady-state training iteration of a profile under a schedule, on the numeric core
+(pure numpy; docs/design.md, "Simulator semantics").
 """
 
 from __future__ import annotations
@@ -53,30 +42,22 @@ class Event:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SimResult:
-  """One steady-state iteration under a schedule.
+  """One steady-state iteration under a schedule (docs/design.md, "The numeric core and what simulate
+  reports").
 
   Attributes:
-    iteration_s: time from the start of one backward to the start of the next.
-    compute_s: forward + backward + update.
-    comm_s: sum of all-reduce durations.
-    idle_s: time the device waits (iteration - compute).
+    iteration_s: from the start of one backward to the start of the next, seconds.
+    compute_s: forward + backward + update, seconds (a sharded schedule's update / P).
+    comm_s: sum of the collectives' durations, seconds.
+    idle_s: time the device waits, seconds.
     network_busy: fraction of the iteration some link is busy.
-    allreduces: number of all-reduces issued per step (a deferral group's slots, not its chunks; 0
-      for a sharded schedule).
-    events: the timeline (kind, name, start, end).
-    cross_step: the step mode simulated.
-    samples: 0 on a calm network. Under network pressure (`NetworkModel.pressure`), the number of
-      seeded iterations simulated: `iteration_s`, `comm_s`, `idle_s` and `network_busy` are then
-      their means (network_busy: mean busy time over mean iteration), and `events` the timeline of
-      the median one.
-    iteration_p50_s, iteration_p99_s: under pressure, the median and the 99th percentile of the
-      samples' iterations (each a sample's own value: the smallest with at least 50% / 99% of the
-      samples at or below it, so with 64 samples p99 is the slowest); None on a calm network.
-    reduce_scatters, all_gathers: a sharded schedule's collectives per step (0 for all-reduces).
-      Its `compute_s` counts the update of the shards (update / P), and `comm_s` both kinds.
-    peak_memory_bytes: for a sharded schedule (`dear`, `fsdp`), the most bytes one device holds of
-      gathered (whole) parameters and unsharded gradient buffers at once (`_fsdp`'s model; what
-      `fsdp`'s `memory_budget_bytes` bounds); None for an all-reduce schedule.
+    allreduces: all-reduces issued per step (a deferral group's slots; 0 for a sharded schedule).
+    events: the timeline; cross_step: the step mode simulated.
+    samples: 0 when calm; under pressure the seeded iterations, whose means the fields above are.
+    iteration_p50_s, iteration_p99_s: under pressure, the samples' median and 99th percentile, else None.
+    reduce_scatters, all_gathers: a sharded schedule's collectives per step.
+    peak_memory_bytes: a sharded schedule's per-device peak of gathered parameters and unsharded
+      gradients, bytes; None for an all-reduce schedule.
   """
 
   iteration_s: float
@@ -152,35 +133,22 @@ def _union_length(start: np.ndarray, end: np.ndarray) -> float:
 
 def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel, *,
              cross_step: bool = False, events: bool = True) -> SimResult:
-  """Simulates one steady-state iteration of `profile` with the all-reduces of `schedule`.
-
-  The semantics are docs/design.md's "Simulator semantics"; `_core`'s docstring states them in full
-  (chunk readiness, the link recurrence, `links > 1`, `overlap=False`, both step modes), this
-  module's how `idle_s` is counted. A sharded schedule (`Schedule.gathers`: reduce-scatters, the
-  update of each device's shard, all-gathers) is simulated by `_sharded`'s model, on one link.
+  """Simulates one steady-state iteration of `profile` under `schedule`.
 
   Args:
-    schedule: the plan; its rows must be the profile's rows (same paths, shapes, dtypes).
+    schedule: the plan; its rows must be the profile's.
     profile: per-leaf readiness and the step's compute times, seconds.
-    network: the all-reduce cost model (`allreduce_s`, `links`, `overlap`, `skew`).
-    cross_step: False for the plain step (the next step starts after every chunk and the update);
-      True for the pipelined step (each layer's forward of the next step waits only for its own
-      reduction and update).
-    events: build the timeline (`SimResult.events`); False skips it, for speed.
+    network: the cost model (`allreduce_s`, `links`, `overlap`, `skew`, `pressure`).
+    cross_step: False for the plain step, True for the pipelined step.
+    events: build the timeline (`SimResult.events`); False is faster.
 
   Returns:
-    A SimResult: iteration_s, compute_s (forward + backward + update), comm_s (sum of all-reduce
-    durations), idle_s, network_busy (fraction of the iteration some link is busy), allreduces and
-    events (per-layer 'backward' and 'forward' spans on lane 'device', 'allreduce' spans named
-    'chunk<k>' on lane 'link<j>', 'update' spans: one on 'device' in the plain step, one per layer on
-    lane 'update' in the pipelined step). For a sharded schedule: 'reduce_scatter' spans named
-    'chunk<k>' and 'all_gather' spans named 'gather<g>' on lane 'link0', `allreduces` 0 and
-    `reduce_scatters`, `all_gathers` counted, `compute_s` with the update of the shards (update / P).
+    A SimResult.
 
   Raises:
-    TypeError: an argument of the wrong type (cross_step must be a bool here).
+    TypeError: an argument of the wrong type.
     ScheduleMismatchError: the schedule was planned for other rows than the profile's.
-    ValueError: a sharded schedule on a network with `links > 1` (it runs on one tie chain).
+    ValueError: a sharded schedule on a network with `links > 1`.
 
   Examples:
     >>> from prophet_jax import GradientProfile, NetworkModel, Schedule, Bucket, Chunk
@@ -216,23 +184,19 @@ def check_one_link(where: str, network: NetworkModel) -> None:
 
 
 def simulate_fsdp(prob: Problem, arr: FsdpArrays, *, events: bool = True) -> SimResult:
-  """`simulate` of an FSDP schedule's arrays (`_fsdp.fsdp_arrays`): one calm run of `_fsdp.fsdp_run`;
-  under pressure one run per seeded sample (`_fsdp.fsdp_durations`), their mean, median and 99th
-  percentile and the median sample's timeline (as `simulate_sharded`), and the calm run's memory peak
-  (the schedule's order decides which buffers are alive together, not the network's delays)."""
+  """`simulate` of an FSDP schedule's arrays: calm, or one run per seeded sample (mean, p50, p99, the
+  median sample's timeline) with the calm run's memory peak.
+  """
   extra: dict[str, Any] = {}
   run = fsdp_run(prob, arr, spans=events and prob.network.pressure is None)
   it, comm, peak = run.iteration_s, run.comm_s, run.peak_memory_bytes
   if prob.network.pressure is not None:
     dur = fsdp_durations(prob, arr)
     iters, comms = fsdp_samples(prob, arr, dur)
-    order = np.argsort(iters, kind="stable")
-    i = _quantile_index(order, 0.5)
+    i, extra = _samples(iters)
     if events:
       run = fsdp_run(prob, arr, spans=True, durations=dur[i])
     it, comm = float(iters.mean()), float(comms.mean())
-    extra = dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
-                 iteration_p99_s=float(iters[_quantile_index(order, 0.99)]))
   compute = prob.forward_s + prob.backward_s + arr.update_s
   regathers = sum(1 for k in arr.keep if not k)
   return SimResult(iteration_s=it, compute_s=compute, comm_s=comm, idle_s=max(it - compute, 0.0),
@@ -243,11 +207,8 @@ def simulate_fsdp(prob: Problem, arr: FsdpArrays, *, events: bool = True) -> Sim
 
 
 def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) -> SimResult:
-  """`simulate` of a sharded schedule's arrays (`_sharded.sharded_arrays`) on a Problem (no checks).
-
-  On a calm network one run of the engine (`_sharded.sharded_run`); under pressure every seeded
-  sample at once, the reduce-scatters then the all-gathers drawn in issue order (`_core.
-  pressure_durations(..., half=True)`), and the median sample's timeline (as `simulate_arrays`).
+  """`simulate` of a sharded schedule's arrays on a Problem (no checks): calm, or every seeded sample at
+  once with the median sample's timeline.
   """
   k_n = arr.rs_nbytes.size
   if prob.network.pressure is None:
@@ -257,11 +218,7 @@ def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) 
     rs, ag = dur[:, :k_n], dur[:, k_n:]
   run = sharded_run(prob, arr, rs, ag)
   iters = run.iteration_s
-  if iters.size == 1:
-    i = 0
-  else:
-    order = np.argsort(iters, kind="stable")
-    i = _quantile_index(order, 0.5)
+  i, extra = _samples(iters, iters.size > 1)
   forward_s, backward_s = prob.forward_s, prob.backward_s
   update_s = float(arr.rs_update_s.sum())
   comm = (run.rs_end - run.rs_start).sum(axis=1) + (run.ag_end - run.ag_start).sum(axis=1)
@@ -270,10 +227,6 @@ def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) 
   evs: tuple[Event, ...] = ()
   if events:
     evs = _sharded_events(prob, arr, run, i, rs)
-  extra: dict[str, Any] = {}
-  if iters.size > 1:
-    extra = dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
-                 iteration_p99_s=float(iters[_quantile_index(np.argsort(iters, kind="stable"), 0.99)]))
   comm_mean = float(comm.mean())
   peak = dear_peak_bytes(prob, arr.rs_ready_s, arr.rs_nbytes, run.rs_end[i])
   return SimResult(iteration_s=mean, compute_s=forward_s + backward_s + update_s, comm_s=comm_mean,
@@ -284,9 +237,9 @@ def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) 
 
 def _sharded_events(prob: Problem, arr: ShardedArrays, run: ShardedRun, i: int,
                     rs_dur: np.ndarray) -> tuple[Event, ...]:
-  """The timeline of sample `i`: backward (around the stalls of overlap=False), the reduce-scatters
-  ('reduce_scatter', 'chunk<k>') and all-gathers ('all_gather', 'gather<g>') on lane 'link0', the
-  update (plain step: one span on 'device'; pipelined: one per gather on lane 'update'), forward."""
+  """The timeline of sample `i`: backward, the reduce-scatters and all-gathers on 'link0', the update,
+  forward.
+  """
   ev = _new_event
   out: list[Event] = []
   stalls: list[tuple[float, float]] = []
@@ -316,12 +269,8 @@ def _sharded_events(prob: Problem, arr: ShardedArrays, run: ShardedRun, i: int,
 
 def link_assignment(schedule: Schedule, profile: GradientProfile, network: NetworkModel, *,
                     cross_step: bool = False) -> tuple[int, ...]:
-  """The link of every all-reduce `schedule` issues, as `simulate` assigns them on a calm network.
-
-  Chunks go, in issue order, to the link that frees first (ties to the lowest index); this is what
-  `plan` records in `Schedule.links` when `network.links > 1`, so the rewrite's tie chains are the
-  links of the prediction. (Under pressure each sample's durations could assign differently; the
-  compiled program's assignment is static, so it is taken from the calm network.) () for one link.
+  """The link of every all-reduce `schedule` issues, as the calm simulation assigns them (what `plan`
+  records in `Schedule.links`); () for one link.
   """
   check_values("link_assignment()", schedule=schedule, profile=profile, network=network)
   if network.links == 1:
@@ -331,8 +280,7 @@ def link_assignment(schedule: Schedule, profile: GradientProfile, network: Netwo
 
 
 def chunk_links(prob: Problem, arrays: ChunkArrays) -> tuple[int, ...]:
-  """The link of every message of `arrays`, in issue order, on the calm network (durations a + b x
-  bytes: pressure never moves the assignment; see `link_assignment`); () for one link or none."""
+  """The link of every message of `arrays` on the calm network; () for one link or none."""
   if prob.links == 1 or not arrays.ready_s.size:
     return ()
   _, _, link, _, _ = link_loop(arrays.ready_s.tolist(), prob.durations(arrays.nbytes).tolist(),
@@ -342,20 +290,15 @@ def chunk_links(prob: Problem, arrays: ChunkArrays) -> tuple[int, ...]:
 
 def simulate_chunks(prob: Problem, chunks: Iterable[Sequence[tuple[int, int, int]]], *,
                     events: bool = True) -> SimResult:
-  """`simulate` of chunks given as their slices in issue order, on a Problem (no checks).
-
-  What `simulate` runs once its arguments are checked, and what `auto` runs on the candidate it
-  chose, before building its one Schedule, so `Schedule.predicted_s` is `simulate`'s number.
+  """`simulate` of chunks given as slices in issue order, on a Problem (no checks): what `auto` runs on its
+  choice, so `predicted_s` is `simulate`'s number.
   """
   return simulate_arrays(prob, chunk_arrays(prob, chunks), events=events)
 
 
 def simulate_arrays(prob: Problem, arrays: ChunkArrays, *, events: bool = True) -> SimResult:
-  """`simulate` of the messages `arrays` (`_core.chunk_arrays` or `schedule_arrays`), on a Problem.
-
-  On a calm network, one run of the engine. Under pressure (`prob.network.pressure`), the closed
-  form over every seeded sample (`_core.iterations`), and one full run of the median sample for the
-  timeline (see SimResult).
+  """`simulate` of the messages `arrays` on a Problem: one run when calm; under pressure the closed form per
+  sample and one full run of the median sample.
   """
   if prob.network.pressure is None:
     return _simulate_once(prob, arrays, prob.durations(arrays.nbytes), events)
@@ -367,11 +310,20 @@ def _quantile_index(order: np.ndarray, q: float) -> int:
   return int(order[max(int(np.ceil(q * order.size)) - 1, 0)])
 
 
+def _samples(iters: np.ndarray, several: bool = True) -> tuple[int, dict[str, Any]]:
+  """The median sample's index, and with `several` SimResult's fields of the samples (count, p50, p99)."""
+  order = np.argsort(iters, kind="stable")
+  i = _quantile_index(order, 0.5)
+  if not several:
+    return i, {}
+  return i, dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
+                 iteration_p99_s=float(iters[_quantile_index(order, 0.99)]))
+
+
 def _simulate_pressure(prob: Problem, arrays: ChunkArrays, events: bool) -> SimResult:
   dur = pressure_durations(prob, arrays.nbytes)
   iters, waited, start = iterations(prob, arrays.ready_s, dur, arrays.tail_s)
-  order = np.argsort(iters, kind="stable")
-  med = _quantile_index(order, 0.5)
+  med, extra = _samples(iters)
   one = _simulate_once(prob, arrays, dur[med], events)
   mean = float(iters.mean())
   comm = float(waited.sum(axis=1).mean()) if waited.size else 0.0
@@ -382,8 +334,7 @@ def _simulate_pressure(prob: Problem, arrays: ChunkArrays, events: bool) -> SimR
   compute = prob.forward_s + prob.backward_s + (0.0 if prob.cross_step else prob.update_s)
   return dataclasses.replace(
       one, iteration_s=mean, comm_s=comm, idle_s=max(mean - compute, 0.0),
-      network_busy=busy_s / mean if mean > 0 else 0.0, samples=int(dur.shape[0]),
-      iteration_p50_s=float(iters[med]), iteration_p99_s=float(iters[_quantile_index(order, 0.99)]))
+      network_busy=busy_s / mean if mean > 0 else 0.0, **extra)
 
 
 def _simulate_once(prob: Problem, arrays: ChunkArrays, dur: np.ndarray, events: bool) -> SimResult:
@@ -449,9 +400,9 @@ def _simulate_once(prob: Problem, arrays: ChunkArrays, dur: np.ndarray, events: 
 
 
 def _event_maker():
-  """`Event(kind=..., ...)`, about 3x faster: a frozen slots dataclass's __init__ assigns each field
-  through object.__setattr__; Event checks nothing (tests/test_simulate.py keeps it so), so filling
-  its slots directly builds an equal object (a 1,000-chunk timeline has ~4,000 events)."""
+  """`Event(kind=..., ...)` about 3x faster: fills the frozen slots directly (Event checks nothing;
+  tests/test_simulate.py keeps it so).
+  """
   new = object.__new__
   sk, sn, ss, se, sl = (getattr(Event, f).__set__ for f in ("kind", "name", "start_s", "end_s", "lane"))
 
@@ -502,8 +453,9 @@ def _forward_events(prob: Problem, layers: tuple[str, ...], fwd_start: Sequence[
 
 def _backward_events(prob: Problem, layers: tuple[str, ...], stalls: list[tuple[float, float]],
                      out: list[Event]) -> None:
-  """Backward spans, in backward order: layer l runs from the previous layer's ready time to its own
-  (the last one runs to backward_s), in progress time, mapped to the wall clock around stalls."""
+  """Backward spans in backward order (each layer from the previous one's ready time to its own), mapped to
+  the wall clock around the stalls.
+  """
   ev = _new_event
   nl = len(layers)
   layer_ready = np.full(nl, 0.0)

@@ -1,18 +1,5 @@
-"""The argument checks of every entry point, in one room one floor above the values they check.
-
-Pure: numpy only, never jax. Three kinds, each written once:
-
-- scalar options (`check_bool`, `check_int`, `check_number`, `check_bytes`, `check_positive`,
-  `check_max_defer`): a factory's or an entry point's option, refused with TypeError when it is not
-  of the kind (by the one rule of `_types`: `is_bool`, `is_int`, `is_number`) and ValueError when it
-  is out of range; the message names the call, the option, the value and what it must be;
-- the kinds of the arguments (`check_values`): a Schedule, a GradientProfile, a NetworkModel, an optax
-  transformation, a loss function, an axis name, a step mode, each named the same way everywhere;
-- whether a schedule fits a tree or a profile (`match_tree`, `match_rows`): ScheduleMismatchError
-  naming the row, path, shape or dtype that differs and some of the tree's own paths.
-
-The values check their own invariants on construction (with the same rule); everything above them
-(planning, simulation, the rewrite, the CLI, the launcher) checks its arguments here.
+"""The argument checks of every entry point: scalar options, argument kinds, and whether a schedule fits
+a tree or a profile (pure numpy; docs/design.md, "Trees and rows").
 """
 
 from __future__ import annotations
@@ -66,12 +53,7 @@ def check_bool(call: str, name: str, value: Any, *, fix: str = "") -> bool:
 
 def check_int(call: str, name: str, value: Any, *, lo: int | None = None, hi: int | None = None,
               none: bool = False, fix: str = "") -> int | None:
-  """`value` as an int in [lo, hi] (None passes when `none`).
-
-  Raises:
-    TypeError: not an integer (a bool is not one).
-    ValueError: outside [lo, hi].
-  """
+  """`value` as an int in [lo, hi] (None passes when `none`); TypeError or ValueError otherwise."""
   if value is None and none:
     return None
   what = f"`{name}` must be an integer{_bounds(lo, hi, False, False)}{' or None' if none else ''}."
@@ -85,12 +67,7 @@ def check_int(call: str, name: str, value: Any, *, lo: int | None = None, hi: in
 def check_number(call: str, name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
                  lo_open: bool = False, hi_open: bool = False, none: bool = False,
                  fix: str = "") -> float | None:
-  """`value` as a finite float in the range (None passes when `none`).
-
-  Raises:
-    TypeError: not a number (a bool is not one).
-    ValueError: not finite, or outside the range.
-  """
+  """`value` as a finite float in the range (None passes when `none`); TypeError or ValueError otherwise."""
   if value is None and none:
     return None
   what = (f"`{name}` must be a finite number{_bounds(lo, hi, lo_open, hi_open)}"
@@ -103,8 +80,7 @@ def check_number(call: str, name: str, value: Any, *, lo: float | None = None, h
 
 
 def check_bytes(call: str, name: str, value: Any, *, allow_none: bool = True, hint: str = "") -> int | None:
-  """A positive whole number of bytes (an integer, or a float with an integer value), or None when
-  allowed; returns it as int."""
+  """A positive whole number of bytes (or None when allowed), as int."""
   if value is None and allow_none:
     return None
   if not is_number(value) or (not is_int(value) and not float(value).is_integer()):
@@ -121,11 +97,7 @@ def check_positive(call: str, name: str, value: Any, *, hint: str = "") -> float
 
 
 def check_max_defer(where: str, max_defer: Any) -> float:
-  """`max_defer` (the fraction of gradient elements a step may defer) as a float in [0, 1).
-
-  Raises:
-    ValueError: not a number in [0, 1); the message names `where` and the value.
-  """
+  """`max_defer` as a float in [0, 1) (a fraction of the elements); ValueError otherwise."""
   if not is_number(max_defer) or not 0 <= max_defer < 1:
     raise ValueError(f"{where}: max_defer={max_defer!r} must be a fraction of the gradient elements in "
                      f"[0, 1), e.g. 0.1 (0: lossless, every element sent every step).")
@@ -153,19 +125,9 @@ _KINDS = {
 def check_values(where: str, *, loss_fn: Any = _UNSET, tx: Any = _UNSET, schedule: Any = _UNSET,
                  profile: Any = _UNSET, network: Any = _UNSET, cross_step: Any = _UNSET,
                  axis_name: Any = _UNSET) -> None:
-  """Raises TypeError naming `where` and the argument when one of those given has the wrong type.
-
-  The one argument check of the library: the planners and the simulator (profile, network, schedule,
-  cross_step) and the rewrite (`scheduled`, `hooked`, `pipelined`, `audit`: loss_fn, tx, schedule,
-  axis_name) call it, so one argument is always checked, and named, the same way.
-
-  Args:
-    where: the caller, as the message should name it ('simulate()', 'wfbp scheduler', 'scheduled', ...).
-    loss_fn: must be callable.
-    tx: must be an optax GradientTransformation (anything with `init` and `update`).
-    schedule, profile, network: must be a Schedule, a GradientProfile, a NetworkModel.
-    cross_step: must be True or False (a step mode; 'auto' is resolved by plan() for policy 'auto').
-    axis_name: must be a non-empty string, or a non-empty tuple of them (a pmap/shard_map axis).
+  """Raises TypeError naming `where` and the argument when one of those given has the wrong kind: a
+  callable `loss_fn`, an optax `tx`, a Schedule, GradientProfile, NetworkModel, a bool `cross_step`, an
+  axis name (a non-empty string or tuple of them).
   """
   if loss_fn is not _UNSET and not callable(loss_fn):
     raise TypeError(f"{where}: `loss_fn` must be callable, loss_fn(params, batch) -> loss, got "
@@ -196,12 +158,7 @@ _REPLAN = "The model changed after planning; run prophet_jax.plan() again on the
 
 @dataclasses.dataclass(frozen=True)
 class LeafMap:
-  """Where each schedule row lives in a flattened tree.
-
-  Attributes:
-    paths: canonical path of every leaf in flatten order.
-    row_leaf: for each schedule row, the index of its leaf in flatten order.
-  """
+  """Where each schedule row lives in a flattened tree: every leaf's path and each row's leaf index."""
 
   paths: tuple[str, ...]
   row_leaf: tuple[int, ...]
@@ -220,40 +177,26 @@ _VARIABLE_VALUE = "value"  # the attribute under which a flax.nnx Variable holds
 
 
 def _is_variable_value_key(key: Any) -> bool:
-  """True for the last key path entry of an nnx Variable's array: jax's GetAttrKey('value') (read by
-  name, so this module needs no jax)."""
+  """True for an nnx Variable's array key, jax's GetAttrKey('value') (read by name)."""
   return type(key).__name__ == "GetAttrKey" and getattr(key, "name", None) == _VARIABLE_VALUE
 
 
 def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Any, *, where: str = "allreduce",
                skip_prefixes: Sequence[str] = ()) -> LeafMap:
-  """Maps schedule rows to a tree's leaves BY PATH, checking shape and dtype (plain Python).
-
-  A flax.nnx Variable is a pytree node whose array sits under the key `.value`: the same parameter is
-  'l1/kernel/value' in `nnx.state(model, nnx.Param)` and 'l1/kernel' in the pure arrays that
-  `nnx.Optimizer.update` (through `nnx.as_pure`) and `nnx.to_pure_dict` give. A row matches its leaf
-  under either spelling, exact paths first, so a schedule planned from either form works with both
-  (`nnx.Optimizer`'s init sees Variables, its update pure arrays); two rows naming one leaf are an
-  error. (With string paths, a Variable's key cannot be told from a dict key 'value': there only a
-  plain 'x' answers to 'x/value'.)
+  """Maps schedule rows to a tree's leaves by path, checking shape and dtype.
 
   Args:
-    leaves_with_path: `jax.tree_util.tree_flatten_with_path(tree)[0]`, or `flatten_with_paths(tree)`
-      (paths as key paths or as strings).
+    leaves_with_path: `jax.tree_util.tree_flatten_with_path(tree)[0]`, or `flatten_with_paths(tree)`.
     schedule: the Schedule whose rows must be exactly the tree's floating leaves.
     where: the caller's name, for messages.
-    skip_prefixes: leaf paths equal to, or under, one of these are not the schedule's business
-      (reduced elsewhere, e.g. inside a scanned body by `loop_hook`).
+    skip_prefixes: leaf paths at or under these are reduced elsewhere (e.g. by `loop_hook`).
 
   Returns:
-    The LeafMap (every leaf's path in flatten order, and each row's leaf index).
+    The LeafMap.
 
   Raises:
-    TypeError: `schedule` is not a Schedule.
-    ValueError: the tree is empty; an FSDP schedule (not carried out by the rewrite yet).
-    ScheduleMismatchError: a row's path is missing from the tree (naming near misses), a shape or dtype
-      differs, two rows name one leaf, or the tree has a floating leaf the schedule lacks; every message
-      lists some of the tree's own paths ("the tree has paths like [...]").
+    ValueError: an empty tree or an FSDP schedule; TypeError: not a Schedule.
+    ScheduleMismatchError: the tree and the rows differ (docs/design.md, "Trees and rows").
   """
   rows = _schedule_rows(schedule, where)
   if getattr(schedule, "fsdp", None) is not None:   # every rewrite path maps its tree here
@@ -322,21 +265,11 @@ def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Any, *, wh
 
 
 def match_rows(schedule: Any, rows: Sequence[Row], *, where: str, theirs: str = "the profile") -> None:
-  """Checks that a schedule was planned for exactly these rows (same paths, shapes, dtypes, order).
-
-  The rows are a GradientProfile's (`profile.tree_rows()`), or a process's. Equal tree fingerprints
-  short-circuit the comparison.
-
-  Args:
-    schedule: the Schedule.
-    rows: the (path, shape, dtype) rows it must have.
-    where: the caller's name, for messages.
-    theirs: what `rows` are, for messages ('the profile', "this process's profile").
+  """Checks that `schedule` was planned for exactly `rows` ((path, shape, dtype), in order); `where` and
+  `theirs` name the caller and the rows in messages.
 
   Raises:
-    TypeError: `schedule` is not a Schedule.
-    ScheduleMismatchError: naming the row count, or the first row that differs on both sides, and
-      the two tree fingerprints.
+    ScheduleMismatchError: naming the first differing row (or the counts) and both fingerprints.
   """
   mine = _schedule_rows(schedule, where)
   rows = tuple(rows)

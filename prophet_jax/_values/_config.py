@@ -1,30 +1,5 @@
-"""PROPHET_* environment flags, read and checked once (pure: never imports jax).
-
-Only `cli.py` and `launch.py` read the environment, and only through `config()`. Library functions take
-explicit arguments. Every flag is checked when it is read: an unknown PROPHET_* name or a bad value
-raises ValueError naming the variable, the value and what is valid.
-
-The flags (set by `prophet_jax.launch.launch` in each process it starts; you may also set them by
-hand to join a run, one set per process):
-
-  PROPHET_PROCESS_ID       this process's rank, 0 <= id < PROPHET_NUM_PROCESSES.
-  PROPHET_NUM_PROCESSES    number of processes in the run (>= 1).
-  PROPHET_COORDINATOR      'host:port' of the jax.distributed coordinator (rank 0 serves it).
-  PROPHET_GLOO_INTERFACE   network interface gloo binds to (e.g. 'veth0'); empty: gloo's default.
-  PROPHET_INIT_TIMEOUT_S   seconds to wait for the coordinator before failing (default 60).
-  PROPHET_HEARTBEAT_TIMEOUT_S  seconds without a heartbeat before jax.distributed declares a process
-                           dead (default jax's, 100); raise it on an overloaded machine.
-  PROPHET_LOCAL_DEVICES    CPU devices per process the launcher asked XLA for (informational).
-  PROPHET_DEBUG            '1'/'true'/'yes' or '0'/'false'/'no' (or empty): the CLI shows tracebacks.
-
-The first three come together: either all are set (the process runs under `launch`) or none is.
-
-`default_jax_platforms` decides whether the command line pins jax to the CPU (JAX_PLATFORMS=cpu) before
-jax starts: only where JAX_PLATFORMS is unset, jax's CUDA plugin is installed (the `gpu-compile` extra,
-which `make test` installs) and no NVIDIA driver is visible. There the plugin cannot load anyway and jax
-falls back to the CPU, but only after printing a "RuntimeError: Unable to load CUDA" traceback in every
-process; pinning gives the same devices without it. A machine with a GPU, or a user's own
-JAX_PLATFORMS, is left alone.
+"""The PROPHET_* environment flags, read and checked once, only by `cli.py` and `launch.py` (pure;
+docs/design.md, "Environment variables").
 """
 
 from __future__ import annotations
@@ -45,17 +20,8 @@ _FALSE = ("0", "false", "no", "off", "")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-  """The checked PROPHET_* flags.
-
-  Attributes:
-    process_id: this process's rank, or None when not started by `launch`.
-    num_processes: processes in the run, or None when not started by `launch`.
-    coordinator: 'host:port' of the jax.distributed coordinator, or None.
-    gloo_interface: the network interface gloo binds to, or None for gloo's default.
-    init_timeout_s: seconds to wait for the coordinator.
-    heartbeat_timeout_s: seconds without a heartbeat before a process counts as dead (None: jax's).
-    local_devices: CPU devices per process, when the launcher set them.
-    debug: show tracebacks in the CLI.
+  """The checked PROPHET_* flags, one field per flag, None where unset (docs/design.md, "Environment
+  variables").
   """
 
   process_id: int | None = None
@@ -86,11 +52,7 @@ def _int(name: str, text: str, *, minimum: int) -> int:
 
 
 def read_config(environ: Mapping[str, str]) -> Config:
-  """Reads and checks the PROPHET_* flags of `environ` (pure: for tests, pass a dict).
-
-  Raises:
-    ValueError: an unknown PROPHET_* name, a malformed value, or a partial set of process flags.
-  """
+  """The checked PROPHET_* flags of `environ`; ValueError naming a bad or unknown one."""
   unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in FLAGS)
   if unknown:
     raise ValueError(f"unknown environment variable(s) {unknown}; prophet_jax reads only {list(FLAGS)}. "
@@ -141,15 +103,8 @@ def nvidia_driver_present(root: str = "/") -> bool:
 
 def default_jax_platforms(environ: Mapping[str, str], *, cuda_plugin: bool,
                           nvidia_driver: bool) -> str | None:
-  """'cpu' when the command line should set JAX_PLATFORMS=cpu before jax starts, else None.
-
-  Pure: the caller passes the environment and what it found (`_gpu.cuda_plugin_installed()`,
-  `nvidia_driver_present()`).
-
-  Args:
-    environ: the environment (JAX_PLATFORMS set, even empty, is the user's choice and is kept).
-    cuda_plugin: jax's CUDA plugin is installed.
-    nvidia_driver: an NVIDIA driver is visible.
+  """'cpu' when the command line should set JAX_PLATFORMS=cpu before jax starts (unset JAX_PLATFORMS, a
+  CUDA plugin, no NVIDIA driver), else None.
   """
   if "JAX_PLATFORMS" in environ or not cuda_plugin or nvidia_driver:
     return None

@@ -75,8 +75,8 @@ class GpuCompileError(ProphetError, RuntimeError):
 
 class JaxVersionError(ProphetError, RuntimeError):
   """The installed jax lacks a name prophet_jax needs: one of the private JAX names it reads
-  (`prophet_jax._compiled._jaxcompat.PRIVATE_JAX`) or the `jax.extend.core` jaxpr API the pipelined step's residual
-  analysis reads. The message names it; install a jax prophet_jax was tested with
+  (`prophet_jax._compiled._jaxcompat.PRIVATE_JAX`) or the `jax.extend.core` jaxpr API the pipelined step's
+  residual analysis reads. The message names it; install a jax prophet_jax was tested with
   (`_jaxcompat.TESTED_JAX_VERSIONS`)."""
 
 

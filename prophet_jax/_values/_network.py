@@ -1,8 +1,4 @@
-"""The network model: NetworkModel (alpha-beta cost of an all-reduce), Pressure, the presets, and the
-alpha-beta line fit that makes a NetworkModel from measured times (`nonneg_line`).
-
-Pure: numpy only, never jax. Measuring a network (the probe) is `_probe`'s.
-"""
+"""NetworkModel, Pressure, the presets and the alpha-beta line fit (pure numpy; docs/design.md, "Values")."""
 
 from __future__ import annotations
 
@@ -47,58 +43,18 @@ PRESETS_TWO_LEVEL: dict[str, tuple[str, str, int]] = {
 class Pressure(JsonValue):
   """Network pressure: seeded background traffic and heavy-tailed per-message delays.
 
-  A calm `NetworkModel` gives every all-reduce the same alpha-beta time. A shared network does not:
-  other jobs' flows take part of the bandwidth, and a few messages take far longer than the rest
-  (losses and retransmission timeouts, incast, congestion pauses, a descheduled NIC thread). In a
-  synchronous step one late message delays everything queued behind it, so the tail, not the mean
-  bandwidth, sets the step time: the premise of DLCP/MLT (which stop waiting for the least important
-  late packets) and of OptiReduce (which bounds a collective's time because its measured completion
-  times in shared clouds have a long tail). `simulate` draws `samples` iterations of the exact
-  engine under this model and reports their mean (`SimResult.iteration_s`) and tail
-  (`iteration_p50_s`, `iteration_p99_s`).
-
-  The model, per simulated iteration s (a sample) and per message k (one all-reduce, in issue order):
-
-    duration(s, k) = a + b·nbytes_k·(1 + n_s) + sum of h(s, k) Pareto delays,
-
-  where a + b·nbytes is the calm time (`NetworkModel.allreduce_s`), n_s ~ Poisson(background_flows)
-  is drawn once per iteration, and h(s, k) ~ Binomial(2(P-1), tail_prob) is the number of the
-  message's 2(P-1) ring steps that hit a delay, each delay tail_scale_s·U^(-1/tail_shape) (a Pareto
-  with minimum tail_scale_s and shape tail_shape; U uniform on (0, 1]). Durations only grow under
-  pressure, so `lower_bound` stays valid per sample.
+  Each message lasts a + b·nbytes·(1 + n_s) plus Pareto delays on its delayed ring steps
+  (docs/design.md, "Network pressure", with the references).
 
   Attributes:
-    background_flows: the mean number of other flows sharing the bottleneck link during an
-      iteration (other jobs or tenants). Links are shared fairly (max-min), so with n competing flows
-      a message gets 1/(1 + n) of the bandwidth: its bytes take (1 + n) times longer; the start-up
-      (latency) is not affected. n is Poisson-distributed, drawn per iteration (background traffic
-      changes on a time scale of iterations, not of single messages). 0: a dedicated network.
-    tail_prob: the probability that one ring step (a point-to-point transfer between neighbours)
-      is delayed: a loss and its retransmission timeout, a congestion pause, a straggling peer. An
-      all-reduce among P workers has 2(P-1) steps, so its chance of a delay grows with P (the tail
-      at scale). A probability in [0, 1].
-    tail_scale_s: the least extra delay of a delayed step, seconds (e.g. a retransmission timeout
-      of a few milliseconds in a data center; 200 ms is Linux TCP's default minimum).
-    tail_shape: the Pareto shape of the extra delay (> 0): the smaller, the heavier the tail (at
-      most 2: infinite variance; at most 1: infinite mean, so the mean over samples never settles).
-      1.5, the default, is a heavy tail with a finite mean.
-    samples: the number of seeded iterations simulated (>= 1); their mean is the predicted
-      iteration, so more samples give a steadier mean (cost: linear in samples).
-    seed: the random seed (an integer >= 0): the same seed gives the same samples, so a
-      simulation under pressure is deterministic. The background draws depend only on the seed and
-      `samples`, not on the schedule, so every policy meets the same background (common random
-      numbers); the tail draws follow the schedule's messages in issue order.
+    background_flows: mean number of competing flows on the bottleneck link (Poisson per sample).
+    tail_prob: probability that one ring step is delayed, in [0, 1].
+    tail_scale_s: least extra delay of a delayed step, seconds.
+    tail_shape: Pareto shape of that delay (> 0; smaller is heavier).
+    samples, seed: seeded iterations simulated (>= 1), and their seed (>= 0).
 
   Raises:
-    NetworkError: a negative or non-finite parameter, tail_prob outside [0, 1], tail_shape <= 0,
-      samples < 1 or a negative seed (the message names the field and the value).
-
-  References:
-    H. Wang et al. Domain-specific communication optimization for distributed DNN training (DLCP).
-    arXiv:2008.08445, 2020; published as MLT (NSDI 2024).
-    E. Warraich et al. OptiReduce: Resilient and tail-optimal AllReduce for distributed deep
-    learning in the cloud. NSDI 2025.
-    J. Dean, L. A. Barroso. The tail at scale. CACM 2013.
+    NetworkError: a field out of its range, named.
   """
 
   background_flows: float = 0.0
@@ -131,9 +87,6 @@ class Pressure(JsonValue):
     """True when no parameter adds anything (no background flows, no tail): every sample is calm."""
     return self.background_flows == 0 and (self.tail_prob == 0 or self.tail_scale_s == 0)
 
-  def to_dict(self) -> dict[str, Any]:
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Pressure:
     obj = cls._json_fields(text_or_obj)
@@ -148,22 +101,14 @@ class NetworkModel(JsonValue):
     beta_s_per_byte: seconds per byte on one link (1 / bandwidth).
     workers: number of data-parallel workers P.
     algorithm: 'ring'.
-    overlap: whether the device computes while it communicates (True for GPUs; False for XLA on the
-      CPU, where a collective blocks the executor).
+    overlap: whether the device computes while it communicates (True for GPUs, False for XLA on CPU).
     links: parallel paths; chunks go to the earliest free one.
     name: where it came from (a preset name, 'fit', 'probe', ...).
-    fit_residual_s: RMS residual of the least-squares fit that produced it, if any.
-    skew: with `overlap` False, a synchronous all-reduce also waits for the slowest worker, which
-      falls behind by `skew` times the compute done since the previous all-reduce (0: workers keep
-      pace, as dedicated devices do; `measure_network` measures it where devices share cores, e.g.
-      8 host devices on 2 CPU cores). Ignored when `overlap` is True.
-    pressure: background traffic and heavy-tailed delays (`Pressure`), or None for a calm network.
-      With it, `simulate` reports the mean over seeded samples and their tail; see `Pressure`.
-    node_size: devices per node for a two-level network (0: one level, every link alike). Then
-      `alpha_s`/`beta_s_per_byte` are the inner link's (in a node) and `outer_alpha_s`/
-      `outer_beta_s_per_byte` the outer link's (across nodes); a ring that spans more than one node is
-      costed on the outer link (its slowest hop), so `allreduce_s` among `workers > node_size` uses
-      the outer terms (`link_costs`).
+    fit_residual_s: RMS residual of the fit that produced it, seconds, or None.
+    skew: without overlap, the slowest worker's lag per unit of compute (0: workers keep pace).
+    pressure: a `Pressure`, or None for a calm network.
+    node_size: devices per node of a two-level network (0: one level); `outer_alpha_s` and
+      `outer_beta_s_per_byte` are then the link across nodes, used by rings spanning nodes.
   """
 
   alpha_s: float
@@ -213,22 +158,21 @@ class NetworkModel(JsonValue):
                          f"(e.g. Pressure(background_flows=0.3, tail_prob=0.01, tail_scale_s=0.002)).")
 
   def link_costs(self, span: int) -> tuple[float, float]:
-    """(alpha_s, beta_s_per_byte) of a ring whose members span `span` consecutive devices: the inner
-    link's when it stays in one node (or the network has one level), else the outer link's."""
+    """(alpha_s, beta_s_per_byte) of a ring over `span` consecutive devices: the inner link's within a node,
+    else the outer link's.
+    """
     if self.node_size and span > self.node_size:
       return self.outer_alpha_s, self.outer_beta_s_per_byte
     return self.alpha_s, self.beta_s_per_byte
 
   @property
   def startup_s(self) -> float:
-    """MG-WFBP's `a`: the fixed cost of one all-reduce, 2(P-1)·alpha_s (a two-level network: the
-    outer link's alpha when the ring spans nodes)."""
+    """MG-WFBP's `a`: the fixed cost of one all-reduce, 2(P-1)·alpha_s, seconds."""
     return 2 * (self.workers - 1) * self.link_costs(self.workers)[0]
 
   @property
   def per_byte_s(self) -> float:
-    """MG-WFBP's `b`: seconds per byte of one all-reduce, 2(P-1)/P·beta (a two-level network: the outer
-    link's beta when the ring spans nodes)."""
+    """MG-WFBP's `b`: seconds per byte of one all-reduce, 2(P-1)/P·beta."""
     return 2 * (self.workers - 1) / self.workers * self.link_costs(self.workers)[1]
 
   def allreduce_s(self, nbytes: float) -> float:
@@ -236,19 +180,15 @@ class NetworkModel(JsonValue):
     return self.startup_s + self.per_byte_s * nbytes
 
   def reduce_scatter_s(self, nbytes: float) -> float:
-    """Ring reduce-scatter time of a buffer of `nbytes` (the full buffer, each device keeping 1/P):
-    (P-1)·alpha_s + (P-1)/P·nbytes·beta, the first half of a ring all-reduce (0 for one worker)."""
+    """Ring reduce-scatter time of a buffer of `nbytes` (the whole buffer): half an all-reduce, seconds."""
     return 0.5 * self.startup_s + 0.5 * self.per_byte_s * nbytes
 
   def all_gather_s(self, nbytes: float) -> float:
-    """Ring all-gather time of a buffer of `nbytes` (the full result, each device contributing 1/P):
-    (P-1)·alpha_s + (P-1)/P·nbytes·beta, the second half of a ring all-reduce, so
-    `reduce_scatter_s(n) + all_gather_s(n) == allreduce_s(n)` (0 for one worker)."""
+    """Ring all-gather time of a buffer of `nbytes` (the whole result): half an all-reduce, seconds."""
     return 0.5 * self.startup_s + 0.5 * self.per_byte_s * nbytes
 
   def describe(self) -> str:
-    """A short human summary: alpha, beta, overlap, the fit's residual and skew, and what a 1 KiB,
-    1 MiB and 64 MiB all-reduce would take."""
+    """A short human summary, with what a 1 KiB, 1 MiB and 64 MiB all-reduce take."""
     bw = math.inf if self.beta_s_per_byte == 0 else 1 / self.beta_s_per_byte
     lines = [f"{self.name or 'network'}: {self.workers} workers, alpha {self.alpha_s * 1e6:.2f} us per ring "
              f"step (one all-reduce starts in {self.startup_s * 1e6:.1f} us), beta "
@@ -275,9 +215,7 @@ class NetworkModel(JsonValue):
 
   @classmethod
   def preset(cls, name: str, *, workers: int, overlap: bool = True, links: int = 1) -> NetworkModel:
-    """A named interconnect: one of `PRESETS` ('1gbe', '10gbe', '25gbe', '100gb-ib', 'nvlink',
-    '400gb-ib') or of `PRESETS_TWO_LEVEL` ('nvlink+400gb-ib': NVLink in 8-GPU nodes, 400 Gb/s
-    InfiniBand across them)."""
+    """A named interconnect: one of `PRESETS` or `PRESETS_TWO_LEVEL` ('nvlink+400gb-ib')."""
     if isinstance(name, str) and name in PRESETS_TWO_LEVEL:
       inner, outer, node = PRESETS_TWO_LEVEL[name]
       (a_in, b_in), (a_out, b_out) = PRESETS[inner], PRESETS[outer]
@@ -295,19 +233,12 @@ class NetworkModel(JsonValue):
           overlap: bool = True, name: str = "fit", skew: float = 0.0, warn: bool = True) -> NetworkModel:
     """Least-squares alpha and beta from measured (bytes, seconds) of single all-reduces.
 
-    `skew` (measured apart, see the class) is carried into the model unchanged.
-
-    Fits seconds = a + b·bytes (a, b >= 0) in relative error, then alpha_s = a / (2(P-1)), beta = b·P / (2(P-1)).
-    The RMS residual is kept in `fit_residual_s`.
-
-    A fit that does not describe the times warns (UserWarning, the text of `fit_warning`, as
-    `measure_network` does): times that fall as the size grows (beta clipped to 0: bytes would be
-    free), every time 0, or a residual above a fifth of the times (or a size missed by more than its
-    own time). `warn=False` leaves the check to the caller.
+    Fits seconds = a + b·bytes (a, b >= 0, relative error), then alpha_s = a / (2(P-1)), beta =
+    b·P / (2(P-1)); warns with `fit_warning`'s text unless `warn` is False. `overlap`, `name` and `skew`
+    are carried into the model.
 
     Raises:
-      NetworkError: fewer than 2 distinct sizes, mismatched lengths, non-finite data, workers < 2, a
-        non-boolean `overlap`.
+      NetworkError: fewer than 2 distinct sizes, mismatched or non-finite data, workers < 2.
     """
     x = np.asarray(sizes, dtype=np.float64).ravel()
     y = np.asarray(seconds, dtype=np.float64).ravel()
@@ -335,7 +266,7 @@ class NetworkModel(JsonValue):
     return net
 
   def to_dict(self) -> dict[str, Any]:
-    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d = JsonValue.to_dict(self)
     if not self.node_size:   # a one-level network's file is what it was before two levels existed
       del d["node_size"], d["outer_alpha_s"], d["outer_beta_s_per_byte"]
     if self.pressure is None:
@@ -364,14 +295,8 @@ class NetworkModel(JsonValue):
 
 
 def typical_network(network: NetworkModel) -> NetworkModel:
-  """The calm network whose all-reduce costs are a typical message's under `network.pressure`.
-
-  Its start-up is a' = a + 2(P-1)·tail_prob·E[delay] (the expected tail delay of one message's 2(P-1)
-  ring steps; E[delay] = tail_scale_s·shape/(shape - 1) for a Pareto shape above 1, the median
-  tail_scale_s·2^(1/shape) otherwise, where the mean is infinite) and its per-byte cost
-  b' = b·(1 + background_flows) (the mean bandwidth share): one deterministic number per message for
-  the planning decisions that need one (how large a block, how many messages), while the simulation
-  and the planners' final scores draw the seeded samples. `network` itself when it is calm.
+  """The calm network with a typical message's costs under `network.pressure` (docs/design.md, "Network
+  pressure"); `network` itself when calm.
   """
   q = network.pressure
   if q is None or q.calm:
@@ -402,20 +327,10 @@ def _fmt_bytes(n: float) -> str:
 
 def fit_warning(network: NetworkModel, sizes: Sequence[float], seconds: Sequence[float], *,
                 who: str = "NetworkModel.fit", advice: str = "") -> str | None:
-  """A warning text when the fitted `network` does not describe the measured (bytes, seconds), else None.
+  """A warning text when `network` does not describe the measured (bytes, seconds), else None.
 
-  The model says one all-reduce of M bytes costs 2(P-1)·alpha + 2(P-1)/P·M·beta: a straight line in M
-  with a slope >= 0. Three ways measured times break it, each of which makes plans and predictions
-  wrong: every time is 0 (nothing was measured); the times fall as the size grows (the fit clips beta
-  to 0, so the model says bytes are free and every policy merges everything); or they are not on a
-  line (the RMS residual above `RESIDUAL_WARN_REL_RMS` of the RMS time, or one size missed by more than
-  `RESIDUAL_WARN_WORST` times its own time).
-
-  Args:
-    network: the fitted model (its `fit_residual_s` is used when set).
-    sizes, seconds: the measured message sizes (bytes) and times.
-    who: the caller, as the message names it ('NetworkModel.fit', 'measure_network').
-    advice: what to do about a residual, appended to that message.
+  Times all 0, falling with the size (beta clipped to 0), or off the line (RESIDUAL_WARN_REL_RMS,
+  RESIDUAL_WARN_WORST); `who` names the caller, `advice` ends a residual's message.
   """
   x = np.asarray(sizes, np.float64).ravel()
   ys = np.asarray(seconds, np.float64).ravel()
@@ -450,15 +365,7 @@ def fit_warning(network: NetworkModel, sizes: Sequence[float], seconds: Sequence
 
 
 def nonneg_line(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tuple[float, float]:
-  """Least squares y = a + b x with a, b >= 0 (the interior solution, else the better of the two
-  edges a = 0 and b = 0): the one alpha-beta line fit (`NetworkModel.fit`, `models.fit_allreduce`).
-
-  Args:
-    x, y: message sizes and times.
-    relative: weigh each point by 1/y, so the squares are relative errors: sizes span decades, and
-      unweighted squares let the largest messages decide alpha alone (the probe's fit). False: plain
-      squares (a fit that reproduces how an author fitted their own timings).
-  """
+  """Least squares (a, b) of y = a + b·x with a, b >= 0; `relative` weighs points by 1/y."""
   w = (1.0 / np.maximum(y, max(float(np.max(y)) * 1e-9, 1e-300)) if relative
        else np.ones_like(y, dtype=float))
   A = np.stack([np.ones_like(x), x], axis=1) * w[:, None]

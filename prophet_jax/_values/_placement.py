@@ -1,25 +1,5 @@
-"""Placement: how each parameter leaf lies on the mesh (sharded over the data axis on one dimension, or
-replicated), read from PartitionSpec-like values without importing jax.
-
-Pure: numpy only, never jax (jax is imported by `shardings_by_path` only when installed, to flatten a
-tree of shardings up to the parameters' structure, as `_tree.flatten_with_paths` does).
-
-The contract (DESIGN.md, 2026-11-27; docs/fsdp.md):
-
-- A *mesh shape* is the ordered mapping axis name -> size (a jax `Mesh.shape`), recorded on a profile as
-  `GradientProfile.mesh`, a tuple of (name, size) pairs.
-- A leaf's spec is read by duck typing: an object with `.spec` (a NamedSharding) gives its spec, and,
-  through `.mesh.shape`, the mesh shape; a tuple or list (a PartitionSpec is one, or a tuple subclass)
-  is the spec itself; None is replicated. Each entry of a spec is None (that dimension whole), an axis
-  name, or a tuple of axis names (the dimension split over their product).
-- A leaf is *sharded* when exactly one dimension is split over one or more mesh axes whose product is
-  > 1: `ProfileRow.shard_dim` is that dimension; it must divide evenly (jax's NamedSharding needs it,
-  and an FSDP bucket's slices must be equal). Every sharded leaf of one profile is split over the same
-  axes (`GradientProfile.shard_axes`, in mesh order); the other mesh axes replicate it (HSDP's replica
-  axis). A leaf split on two dimensions is refused, naming it (the data axis shards one dimension).
-- A leaf with no split dimension (or one over axes of size 1) is *replicated*: `shard_dim` None.
-- The placement is part of the profile's tree fingerprint only when present (`placement_fingerprint`),
-  so the fingerprint and the JSON of a profile without placement are what they were before.
+"""How each parameter leaf lies on the mesh (sharded on one dimension, or replicated), read from
+PartitionSpec-like values without jax (pure; docs/fsdp.md, "Placement as input").
 """
 
 from __future__ import annotations
@@ -38,9 +18,9 @@ Mesh = tuple[tuple[str, int], ...]
 
 
 def spec_of(sharding: Any) -> tuple | None:
-  """The PartitionSpec-like tuple of a leaf's sharding (duck-typed): `.spec` of a NamedSharding-like
-  object, a tuple or list as it is, None for None (replicated). Anything else is None too only if it
-  has a `.spec` attribute; otherwise a TypeError is raised by the caller (`leaf_placement`)."""
+  """The PartitionSpec-like tuple of a leaf's sharding (`.spec`, a tuple or list, None: replicated);
+  anything else is returned for `leaf_placement` to refuse.
+  """
   if sharding is None:
     return None
   spec = getattr(sharding, "spec", sharding)
@@ -63,8 +43,9 @@ def mesh_of(sharding: Any) -> Mesh | None:
 
 
 def check_mesh(where: str, mesh: Any) -> Mesh:
-  """A mesh shape from a mapping (axis -> size), an object with a `.shape` mapping (a jax Mesh), or a
-  sequence of (name, size) pairs; every size an integer >= 1, names unique. None gives () (no mesh)."""
+  """A mesh shape ((name, size) pairs) from a mapping, a jax Mesh or pairs (None: ()); ProfileError
+  otherwise.
+  """
   shape = getattr(mesh, "shape", mesh)
   if shape is None:
     return ()
@@ -87,12 +68,8 @@ def check_mesh(where: str, mesh: Any) -> Mesh:
 
 def leaf_placement(path: str, shape: Sequence[int], sharding: Any, mesh: Mesh
                    ) -> tuple[int | None, tuple[str, ...]]:
-  """(shard_dim, axes) of one leaf: the dimension split over the data axes and those axes in mesh
-  order, or (None, ()) for a replicated leaf.
-
-  Raises:
-    ProfileError: an entry that is not None, an axis name or a tuple of names; an axis not in the mesh;
-      two split dimensions; a spec longer than the shape; a dimension not divisible by its axes' size.
+  """(shard_dim, axes in mesh order) of one leaf, or (None, ()) when replicated; ProfileError naming the
+  leaf for a bad spec, an unknown axis, two split dimensions or an uneven split.
   """
   spec = spec_of(sharding)
   if spec is None:
@@ -135,11 +112,8 @@ def leaf_placement(path: str, shape: Sequence[int], sharding: Any, mesh: Mesh
 
 
 def check_placement(rows: Sequence[Any], mesh: Mesh, shard_axes: tuple[str, ...]) -> None:
-  """A profile's placement: every sharded row's dimension in range and divisible by the shard count;
-  `shard_axes` in the mesh; a sharded row only with a mesh.
-
-  Raises:
-    ProfileError: naming the leaf (or the axis) at fault.
+  """A profile's placement checked: sharded dimensions in range and divisible, `shard_axes` in the mesh;
+  ProfileError naming the leaf or axis.
   """
   sharded = [r for r in rows if r.shard_dim is not None]
   if not mesh:
@@ -172,8 +146,7 @@ def shard_count(mesh: Mesh, shard_axes: Sequence[str]) -> int:
 
 
 class Placed:
-  """What a value placed on a mesh (`mesh`, `shard_axes`) says of it: `shard_count` and `replica_count`
-  (`GradientProfile`, `FsdpPlan`)."""
+  """What a value placed on a mesh says of it: `shard_count` and `replica_count`."""
 
   __slots__ = ()
 
@@ -184,8 +157,7 @@ class Placed:
 
   @property
   def replica_count(self) -> int:
-    """Copies of each shard on the mesh (the product of the other axes' sizes; > 1 is HSDP; 1 without
-    placement)."""
+    """Copies of each shard on the mesh (> 1 is HSDP; 1 without placement)."""
     return replica_count(self.mesh, self.shard_axes)  # type: ignore[attr-defined]
 
 
@@ -196,8 +168,7 @@ def replica_count(mesh: Mesh, shard_axes: Sequence[str]) -> int:
 
 def placement_fingerprint(rows_fingerprint: str, shard_dims: Sequence[int | None], mesh: Mesh,
                           shard_axes: Sequence[str]) -> str:
-  """The tree fingerprint with the placement folded in; `rows_fingerprint` itself when there is none
-  (no mesh), so profiles and schedules without placement keep their fingerprints."""
+  """The tree fingerprint with the placement folded in; `rows_fingerprint` itself without a mesh."""
   if not mesh:
     return rows_fingerprint
   h = hashlib.sha256(rows_fingerprint.encode())

@@ -1,9 +1,5 @@
-"""The Schedule: an ordered plan of all-reduces (Buckets of Chunks) for one gradient tree.
-
-Pure: numpy only, never jax. A Schedule checks its invariant whenever it is built (`dataclasses.replace`
-included): every element of every row with a nonzero size is in exactly one chunk, once, in a chunk of
-the row's dtype (vectorised over the slices; memoized per row tuple, see `_tree.rows_info`); and its
-`tree_fingerprint` is its rows'. It round-trips through JSON.
+"""Chunk, Bucket and Schedule, checked on construction, and their JSON (pure numpy; docs/design.md,
+"Values").
 """
 
 from __future__ import annotations
@@ -26,8 +22,9 @@ FAMILIES = ("allreduce", "zero1", "fsdp")   # Schedule.family: what the plan's c
 
 
 def shard_size(size: int, workers: int) -> int:
-  """Elements of one device's shard of a reduce-scatter of `size` elements among `workers`: the buffer
-  is zero-padded at its end to a multiple of `workers` (ceil(size / workers) each; 0 for 0)."""
+  """Elements of one device's shard of a reduce-scatter of `size` elements among `workers`:
+  ceil(size / workers), the buffer zero-padded to a multiple of `workers`.
+  """
   return -(-int(size) // max(int(workers), 1))
 
 
@@ -79,57 +76,18 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Bucket:
-  """A group of chunks planned together (e.g. one Prophet block); issue order is tuple order.
+  """A group of chunks planned together; issue order is tuple order.
 
-  With `defer=0` (every policy but `dlcp`) each chunk is one all-reduce, every step.
-
-  With `defer=k > 0` the bucket is a *deferral group* (DLCP's bounded loss tolerance, in the honest
-  software form): m = len(chunks) chunks of one dtype (the `dlcp` planner makes them the equal
-  parts of one layer's rows of one dtype), of which only m - k are all-reduced each step. Run-time
-  semantics, which the rewrite (`scheduled`, `hooked`, `pipelined`) implements and `simulate` times:
-
-  * Slots. The step issues m - k all-reduces for the bucket, its *slots*, in slot order, each of
-    `slot_size` elements (the bucket's largest chunk; a smaller chunk is zero-padded at its end),
-    where the bucket's first chunk would be issued. A slot is ready when every chunk of the bucket
-    is (the slot's chunk is chosen at run time, so each slot depends on all of them).
-  * Which chunks. Slot s carries the chunk of rank s, ranked by `score` in decreasing order, ties
-    by chunk index (a stable sort of -score): score[i] = +inf if chunk i was deferred in the
-    previous step, else norm[i], the L2 norm of chunk i's *reduced* (all-reduced, averaged) values
-    the last time it was sent, in float32 (a NaN norm counts as +inf). The chunks of the last k ranks
-    are deferred this step. Every worker holds the reduced values bitwise identically (they are
-    all-reduce results), and the ranking is the same computation on the same floats, so every
-    worker sends and defers the same chunks, with no extra communication.
-  * Never twice in a row. A chunk deferred at step t has score +inf at t + 1, so it is sent then
-    (this needs 2k <= m, an invariant): with `release` 1, staleness is at most one step.
-  * The first step. Before any step, norm = 0 and nothing was deferred: the ranking is by index, so
-    the first step sends chunks 0..m-k-1 and defers the last k.
-  * Error feedback, so nothing is lost. A deferred chunk contributes zero to this step's reduced
-    gradient; each worker keeps its local values of it (the residual) and, with `release` 1, adds
-    them to the same elements of its gradient at the next step, which sends them (never twice in a
-    row). Summed over steps, every worker's every gradient value is all-reduced exactly once, at most
-    one step late.
-  * Damped feedback (`release` = r < 1). A send carries the chunk's gradient plus only r of its
-    residual; the rest, (1 - r) of it, stays in the residual (now one row per chunk, m rows; float32
-    for a narrower float, and a sent row keeps what it owed less what it sent, as cast), which a
-    deferral adds the chunk's values to. A deferred value is then applied over the chunk's following
-    sends, r, r(1 - r), r(1 - r)^2, ... of it: still nothing lost (what is not yet sent is in the
-    residual: `prophet_jax.deferred_grads`), but the late part reaches the optimizer spread out and
-    damped. Why: a gradient applied one step late inside a momentum optimizer feeds back with a
-    delay, and a delayed loop is far less stable (heavy-ball with momentum 0.9 stays stable for a
-    step size times curvature below 3.8 without delay and below 0.1 with one step of it); sending
-    the late values back at once made the issue-27 CNN end 6.7% above the lossless run, worse than
-    dropping them, and r = 0.05 (`dlcp`'s default) within 2% (bench/dlcp.py --part convergence).
+  With `defer=k > 0` it is a deferral group (`dlcp`): m chunks of one dtype, m - k all-reduced each step
+  (docs/design.md, "Values" and "Deferral in the rewrite (DLCP)").
 
   Attributes:
-    chunks: the chunks (issue order without deferral; the deferral group's chunk index order).
-    defer: k, the number of chunks not all-reduced each step (0 <= 2k <= m; k > 0 needs one dtype).
-    release: r, the fraction of a chunk's residual each send carries (0 < r <= 1; 1, the default:
-      all of it, one step late). Without deferral there is no residual: stored as 1.
+    chunks: the chunks (issue order; a deferral group's chunk index order).
+    defer: k, chunks not all-reduced each step (0 <= 2k <= m).
+    release: r in (0, 1], the fraction of a chunk's residual each send carries (1 without deferral).
 
   Raises:
-    ScheduleError: no chunks; `defer` not an integer, negative, or more than half the chunks; a
-      deferral group mixing dtypes; `release` not a number in (0, 1] (each message names the
-      bucket's values).
+    ScheduleError: no chunks, a bad `defer` or `release`, or a deferral group mixing dtypes.
   """
 
   chunks: tuple[Chunk, ...]
@@ -188,42 +146,23 @@ class Bucket:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Schedule(JsonValue):
-  """An ordered plan of all-reduces for one gradient tree.
+  """An ordered plan of collectives for one gradient tree (docs/design.md, "Values").
 
   Attributes:
     buckets: issue order is tuple order (buckets, then their chunks).
-    rows: (path, shape, dtype) of every profile row, so the rewrite maps rows to leaves by path.
-    tree_fingerprint: hash of `rows`; checked on construction and against the tree at trace time.
-    policy: the policy that planned it ('wfbp', 'bucket', 'mgwfbp', 'prophet', 'auto', ...).
-    options: the policy's options, as sorted (name, value) pairs.
-    cross_step: the step mode it was planned for (False: plain step; True: pipelined step).
-    predicted_s: the simulator's iteration time at planning (None if not predicted).
-    links: the link (tie chain) of every issued all-reduce, in issue order (`num_allreduces` of
-      them); empty: one link. `plan` records the links its calm simulation assigned (earliest free
-      link, in issue order) when `network.links > 1`; the rewrite keeps one tie chain per link, so up
-      to that many all-reduces may be in flight.
-    gathers: empty for an all-reduce schedule. Non-empty for a *sharded* schedule (the `dear` policy,
-      ZeRO-1): each chunk is then one **reduce-scatter** of its flat buffer (its slices gathered in
-      order, zero-padded at the end to a multiple of the axis size, `shard_size`), issued in chunk
-      order in backward, after which each device holds and updates 1/n of the chunk; each entry of
-      `gathers` is one **all-gather**, listing the indices (into `chunks`, issue order) of the
-      reduce-scatter chunks whose (updated) shards it gathers, in all-gather issue order (front layers
-      first, for the next forward). Every chunk index is in exactly one gather, and a gather holds
-      chunks of one dtype. A sharded schedule has no deferral groups and one link.
-    fsdp: None, or the FSDP (ZeRO-3) plan (`_sharding.FsdpPlan`; the `fsdp` policy): which chunks are
-      reduce-scattered FSDP buckets (the rest replicated leaves' all-reduces), their forward all-gather
-      order and prefetch, what backward gathers again, and the rows' placement (in the fingerprint).
-    family: the plan's family, the one field every choice between families reads: 'allreduce'
-      (all-reduces; gradients and optimizer state replicated), 'zero1' (a sharded schedule: `gathers`
-      non-empty) or 'fsdp' (`fsdp` set). Derived from `gathers` and `fsdp` when not given (files
-      written before the field existed); a given family must agree with them.
+    rows: (path, shape, dtype) of every profile row; the rewrite maps rows to leaves by path.
+    tree_fingerprint: hash of `rows` (and an FSDP plan's placement); checked on construction.
+    policy, options: the policy that planned it and its options, as sorted (name, value) pairs.
+    cross_step: the step mode planned for (False: plain step; True: pipelined step).
+    predicted_s: the simulated iteration at planning, seconds, or None.
+    links: the link of every issued all-reduce, in issue order; empty: one link.
+    gathers: a sharded (ZeRO-1) schedule's all-gathers, each the chunk indices it gathers; else empty.
+    fsdp: None, or the FSDP plan (`FsdpPlan`).
+    family: 'allreduce', 'zero1' or 'fsdp' (derived from `gathers` and `fsdp` when not given).
     schema: format version.
 
-  Invariant (checked on construction): every element of every row with a nonzero size is in exactly one
-  chunk, once; every chunk holds rows of its own dtype. A deferral group (`Bucket.defer > 0`) holds
-  its elements in its chunks like any bucket: coverage is unchanged; at run time up to `defer` of its
-  chunks wait each step (error feedback, nothing lost; see `Bucket`). A sharded schedule's `gathers`
-  partition its chunk indices, one dtype per gather (errors name the gather).
+  Raises:
+    ScheduleError: a broken invariant, naming the chunk, gather or leaf.
   """
 
   buckets: tuple[Bucket, ...]
@@ -287,8 +226,9 @@ class Schedule(JsonValue):
 
   @property
   def num_allreduces(self) -> int:
-    """All-reduces issued per step: one per chunk, but a deferral group's `slots` (m - k). For a
-    sharded schedule, the chunk messages are reduce-scatters: this counts them (`num_reduce_scatters`)."""
+    """All-reduces issued per step: one per chunk, a deferral group's `slots` (m - k); for a sharded
+    schedule the reduce-scatters.
+    """
     return sum(b.slots for b in self.buckets)
 
   @property
@@ -307,21 +247,19 @@ class Schedule(JsonValue):
     return len(self.gathers)
 
   def padded_sizes(self, workers: int) -> tuple[int, ...]:
-    """Elements of every chunk's buffer once zero-padded to a multiple of `workers` (what a sharded
-    schedule's reduce-scatter sends; `workers` x `shard_size`), in issue order."""
+    """Elements of every chunk's buffer zero-padded to a multiple of `workers`, in issue order."""
     workers = _check_workers("padded_sizes", workers)
     return tuple(workers * shard_size(c.size, workers) for c in self.chunks)
 
   def shard_nbytes(self, workers: int) -> int:
-    """Bytes of one device's shards of every chunk (each chunk's buffer padded on its own,
-    `shard_size` elements of its dtype): what a sharded (ZeRO-1) step keeps per device of a
-    per-parameter optimizer state of the gradients' dtype, against `sum(chunk.nbytes)` replicated."""
+    """Bytes of one device's shards of every chunk: a ZeRO-1 step's per-device share of a per-parameter
+    state of the gradients' dtype.
+    """
     workers = _check_workers("shard_nbytes", workers)
     return sum(shard_size(c.size, workers) * itemsize(c.dtype) for c in self.chunks)
 
   def gather_sizes(self, workers: int) -> tuple[int, ...]:
-    """Elements of every all-gather's result, in all-gather order: `workers` x the sum of its chunks'
-    shards (each chunk padded on its own). Empty for an all-reduce schedule."""
+    """Elements of every all-gather's result, in all-gather order (empty for an all-reduce schedule)."""
     workers = _check_workers("gather_sizes", workers)
     chunks = self.chunks
     return tuple(workers * sum(shard_size(chunks[k].size, workers) for k in g) for g in self.gathers)
@@ -333,8 +271,7 @@ class Schedule(JsonValue):
 
   @property
   def max_deferred_fraction(self) -> float:
-    """The most gradient elements deferred in one step, as a fraction of all elements (each group's
-    `defer` largest chunks: with equal chunks, what it defers every step). 0 without deferral."""
+    """The most gradient elements deferred in one step, as a fraction of all elements (0 without deferral)."""
     total = sum(math.prod(shape) for _, shape, _ in self.rows)
     deferred = sum(b.deferred_size for b in self.buckets if b.defer)
     return deferred / total if total else 0.0
@@ -343,8 +280,9 @@ class Schedule(JsonValue):
     return tuple(c.nbytes for c in self.chunks)
 
   def allreduce_sizes(self) -> tuple[int, ...]:
-    """Elements of every all-reduce issued per step, in issue order (a deferral group's padded slots
-    once each): what `audit` should find in the compiled step, `num_allreduces` of them."""
+    """Elements of every all-reduce issued per step, in issue order (a deferral group's padded slots): what
+    `audit` expects.
+    """
     return tuple(n for b in self.buckets for n in b.allreduce_sizes())
 
   def allreduce_nbytes(self) -> tuple[int, ...]:
@@ -353,8 +291,7 @@ class Schedule(JsonValue):
                  for n, c in zip(b.allreduce_sizes(), b.chunks))
 
   def describe(self, max_chunks: int = 12) -> str:
-    """A short human summary: buckets, chunks, bytes and leading paths, in issue order; and the
-    planner's `decision` option where it recorded one (`dlcp`: how much it defers, or why not)."""
+    """A short human summary: buckets, chunks, bytes and leading paths, and the planner's `decision`."""
     lines = [f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step): "
              f"{len(self.buckets)} buckets, {self.num_allreduces} all-reduces"]
     if self.gathers:
@@ -432,9 +369,7 @@ class Schedule(JsonValue):
 
 
 def _bucket_json(b: Bucket) -> Any:
-  """A bucket as JSON: the list of its chunks (as every schedule file since schema 1 has it), or, for
-  a deferral group, {"defer": k, "chunks": [...]} with "release": r when r < 1 (so files without
-  deferral, or with r = 1, are unchanged)."""
+  """A bucket as JSON: the list of its chunks, or for a deferral group {"defer", "chunks"[, "release"]}."""
   chunks = [{"dtype": c.dtype, "slices": [list(s) for s in c.slices]} for c in b.chunks]
   if not b.defer:
     return chunks

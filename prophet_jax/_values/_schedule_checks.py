@@ -1,8 +1,6 @@
-"""A Schedule's structural invariants, checked on construction (`Schedule.__post_init__`): its links
-(one per issued all-reduce, or none), a sharded schedule's gathers (a partition of the chunks, one
-dtype each, no deferral, one link) and coverage (every element of every row in exactly one chunk, once,
-in a chunk of the row's dtype). Each raises a ScheduleError naming the chunk, gather or leaf; `s` is
-the Schedule being built (not imported here: the Schedule module imports these checks)."""
+"""A Schedule's structural invariants, checked on construction (links, gathers, coverage); each error
+names the chunk, gather or leaf.
+"""
 
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ def check_links(s: Any) -> None:
 
 
 def check_gathers(s: Any) -> None:
-  """A sharded schedule's gathers: a partition of the chunk indices, one dtype per gather; no deferral
-  group, one link (the rewrite runs one tie chain of reduce-scatters, then one of all-gathers)."""
+  """A sharded schedule's gathers: a partition of the chunk indices, one dtype each; no deferral, one link."""
   gathers = s.gathers
   if not isinstance(gathers, (tuple, list)) or not all(isinstance(g, (tuple, list)) for g in gathers):
     raise ScheduleError(f"schedule gathers={gathers!r}: expected a tuple of all-gathers, each a tuple of "
@@ -85,10 +82,7 @@ def check_gathers(s: Any) -> None:
 
 
 def check_coverage(s: Any, info: RowsInfo) -> None:
-  """Every element of every row in exactly one chunk, once, in a chunk of the row's dtype.
-
-  Vectorised over the slices; on a violation, `coverage_error` walks them to name it.
-  """
+  """Every element of every row in exactly one chunk, once, in a chunk of the row's dtype."""
   chunks = s.chunks
   sizes = info.sizes
   counts = [len(c.slices) for c in chunks]

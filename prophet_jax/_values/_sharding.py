@@ -1,18 +1,4 @@
-"""The extra structure of sharded schedules, checked when a Schedule is built: `dear`'s all-gathers
-(`check_gathers`) and FSDP's plan (`FsdpPlan`, `check_fsdp`).
-
-Pure: numpy only, never jax.
-
-An FSDP schedule (`Schedule.fsdp`, the `fsdp` policy; docs/fsdp.md) keeps the Schedule's chunks as the
-units of backward communication, in issue order: the chunks named in `FsdpPlan.units` are the FSDP
-buckets, each one **reduce-scatter** over the shard axes of whole sharded leaves (one dtype), laid out
-so that each device's slice of the bucket is that device's shard of every leaf in turn (so the
-reduce-scatter's output is exactly each leaf's shard, and the all-gather's input is the device's own
-shards, concatenated); every other chunk holds replicated leaves and is one **all-reduce** over the
-whole mesh. The same buckets are **all-gathered** in forward, in `units` order (the order forward uses
-them), and, where `keep` is False, all-gathered again in backward. Coverage is the Schedule's own
-invariant: every element of every row in exactly one chunk.
-"""
+"""FSDP's plan (`FsdpPlan`) and its check against a Schedule (pure numpy; docs/fsdp.md, "The plan")."""
 
 from __future__ import annotations
 
@@ -29,27 +15,19 @@ __all__ = ["FsdpPlan", "check_fsdp", "fsdp_fingerprint"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FsdpPlan(Placed):
-  """The FSDP part of a Schedule (the `fsdp` policy): which chunks are FSDP buckets, in what order forward
-  gathers them, how far ahead, and what backward gathers again.
+  """The FSDP part of a Schedule: which chunks are FSDP buckets, their gathers, prefetch and keeps.
 
   Attributes:
-    units: the chunk index (into `Schedule.chunks`) of every FSDP bucket, in forward use order (the
-      forward all-gathers' issue order, front layers first). Chunks not named are replicated leaves'
-      all-reduces.
-    keep: per unit (same order): True keeps the parameters gathered in forward until the unit's backward
-      has run (no re-gather); False frees them after the unit's forward and all-gathers them again in
-      backward.
-    prefetch: forward prefetch depth d >= 1: unit u's all-gather is issued when the forward of unit
-      u - d starts (units 0..d-1 at the start of the step), so up to d units are gathered ahead.
-    backward_prefetch: the same depth for backward's re-gathers, counted in backward order.
+    units: the chunk index of every FSDP bucket, in forward use order; other chunks are replicated
+      leaves' all-reduces.
+    keep: per unit (or per all-gather group): keep the forward's gathered parameters until backward
+      (True) or free them and gather again in backward (False).
+    prefetch: forward prefetch depth d >= 1 (unit u gathered when unit u - d's forward starts).
+    backward_prefetch: the same depth for backward's re-gathers, in backward order.
     shard_dims: per schedule row, its sharded dimension, or None (replicated).
-    mesh, shard_axes: the mesh shape ((name, size) pairs) and the axes the sharded rows are split over
-      (the others are replica axes: HSDP).
-    memory_budget_bytes: the budget it was planned under (None: no cap); docs/fsdp.md says what it counts.
-    gathers: () (the default): forward gathers each unit's leaves, `keep` one per unit. Otherwise the
-      all-gather groups, which may differ from the reduce-scatter units (as XLA's combiners make them):
-      row indices of whole sharded leaves, one dtype per group, every row of the units in exactly one,
-      in forward use order; `keep` then has one entry per group.
+    mesh, shard_axes: the mesh shape and the axes sharded rows are split over (others: HSDP replicas).
+    memory_budget_bytes: the per-device budget it was planned under, or None.
+    gathers: () (each unit gathered whole) or the all-gather groups as row indices, forward order.
   """
 
   units: tuple[int, ...]
@@ -129,19 +107,15 @@ class FsdpPlan(Placed):
 
 
 def fsdp_fingerprint(rows_fingerprint: str, plan: FsdpPlan | None) -> str:
-  """A schedule's tree fingerprint: its rows', with an FSDP plan's placement folded in (as the profile's
-  `fingerprint()` folds its own)."""
+  """A schedule's tree fingerprint, with an FSDP plan's placement folded in."""
   if plan is None:
     return rows_fingerprint
   return placement_fingerprint(rows_fingerprint, plan.shard_dims, plan.mesh, plan.shard_axes)
 
 
 def check_fsdp(s: Any) -> None:
-  """An FSDP schedule's plan against its chunks: one link, no gathers, no deferral; every unit chunk
-  holds whole sharded rows (evenly divisible over the shard axes), every other chunk replicated rows.
-
-  Raises:
-    ScheduleError: naming the chunk or the leaf at fault.
+  """An FSDP plan against its schedule's chunks (one link, no gathers or deferral, whole sharded rows in
+  units, replicated rows elsewhere); ScheduleError naming the chunk or leaf.
   """
   f = s.fsdp
   if f is None:

@@ -1,22 +1,5 @@
-"""The tree/row contract: how a parameter pytree becomes profile rows, and whether a schedule fits it.
-
-One place for every rule that ties a pytree to the rows of a GradientProfile or a Schedule:
-
-- `path_str`, `flatten_with_paths`: a leaf's canonical path ('params/Conv_0/kernel'), in jax's
-  flatten order (rows map to leaves by path, never by position);
-- `is_reduced_leaf`, `dtype_name`: which leaves are rows (floating dtypes, bfloat16 and the float8
-  kinds included; integer and float0 leaves pass through unreduced), and how a dtype is named;
-- `layer_of`, `flatten_with_layer_paths`: the layer a leaf belongs to (every path component but the
-  last, or the first `layer_depth` of them; a flax.nnx Variable's trailing `value` key is not one);
-- `tree_fingerprint`, `rows_info`: the hash of a tree's rows (a Schedule's `tree_fingerprint`) and
-  what a Schedule's checks read from its rows, once per row tuple.
-
-Whether a schedule fits a tree or a profile (`match_tree`, `match_rows`) is an argument check: it
-lives with the others, in `_checks`.
-
-Pure where it can be: jax is imported only by `path_str` and, when jax is installed,
-`flatten_with_paths` (plain dicts, lists and tuples flatten the same way without it, dict keys sorted),
-so the planner reads trees on a machine without jax.
+"""The tree/row contract: a leaf's path, which leaves are rows, a leaf's layer, a tree's fingerprint
+(jax imported lazily; docs/design.md, "Trees and rows").
 """
 
 from __future__ import annotations
@@ -73,12 +56,8 @@ def flatten_with_paths(tree: Any) -> list[tuple[str, Any]]:
 
 
 def shardings_by_path(params: Any, shardings: Any) -> list[Any]:
-  """The node of `shardings` at each leaf of `params`, in `flatten_with_paths(params)` order: the
-  shardings tree has the parameters' structure down to each leaf, where it holds one leaf's sharding
-  (a PartitionSpec-like tuple, a NamedSharding-like object, or None), taken whole.
-
-  Raises:
-    ValueError: the two trees differ in structure (jax's message, or the first path that differs).
+  """The node of `shardings` at each leaf of `params`, in flatten order; ValueError when the structures
+  differ.
   """
   try:
     import jax  # optional: jax's own structure check where it is installed (this module is pure)
@@ -115,9 +94,7 @@ def shardings_by_path(params: Any, shardings: Any) -> list[Any]:
 
 
 def dtype_name(dtype: Any) -> str:
-  """The name a row records for a dtype: 'float32', 'bfloat16', 'float8_e4m3fn', ... ('void' for
-  jax's float0; an extended dtype such as a typed PRNG key's, which numpy does not know, by its own
-  name: 'key<fry>')."""
+  """The name a row records for a dtype ('float32', 'bfloat16', ...; an extended dtype by its own name)."""
   try:
     return np.dtype(dtype).name
   except TypeError:
@@ -125,10 +102,9 @@ def dtype_name(dtype: Any) -> str:
 
 
 def is_float_dtype(dtype: Any) -> bool:
-  """True for the dtypes the rewrite reduces: numpy's inexact kinds (float, complex) and the ml_dtypes
-  floats (bfloat16, float8_*, float6_*, float4_*), exactly `jnp.issubdtype(dtype, jnp.inexact)`
-  without importing jax. False for integers, bools, int4, float0 and jax's extended dtypes (typed PRNG
-  keys)."""
+  """True for the dtypes the rewrite reduces: `jnp.issubdtype(dtype, jnp.inexact)` without jax (numpy's
+  float and complex kinds, bfloat16, float8/6/4_*).
+  """
   if isinstance(dtype, str) and (dtype == "bfloat16" or dtype.startswith(("float8_", "float6_", "float4_"))):
     return True   # the ml_dtypes floats by name (numpy knows them only once ml_dtypes is imported)
   try:
@@ -142,18 +118,15 @@ def is_float_dtype(dtype: Any) -> bool:
 
 
 def is_reduced_leaf(leaf: Any) -> bool:
-  """True for leaves that are profile rows and get all-reduced: arrays (or ShapeDtypeStructs) of a
-  floating dtype (`is_float_dtype`). Integer and float0 leaves pass through; zero-size leaves are
-  rows with nbytes = 0."""
+  """True for leaves that are rows: arrays (or ShapeDtypeStructs) of a floating dtype."""
   dt = getattr(leaf, "dtype", None)
   return dt is not None and is_float_dtype(dt)
 
 
 def flatten_with_layer_paths(tree: Any) -> list[tuple[str, str, Any]]:
-  """[(path, layer path, leaf)] in jax's flatten order: the layer path is the leaf's path without a
-  flax.nnx Variable's trailing `value` key (jax's GetAttrKey('value'), read by name), so that the
-  layers of `nnx.state(model, nnx.Param)` ('l0/kernel/value') are those of the pure-dict tree
-  ('l0/kernel' is in layer 'l0'). Without jax (plain dicts and lists) the two paths are the same."""
+  """[(path, layer path, leaf)] in jax's flatten order; the layer path drops a flax.nnx Variable's trailing
+  `value` key (`layer_path`).
+  """
   try:
     import jax  # lazy: the planner reads trees without jax
   except ImportError:
@@ -162,10 +135,9 @@ def flatten_with_layer_paths(tree: Any) -> list[tuple[str, str, Any]]:
 
 
 def layer_path(keypath: Any) -> str:
-  """The path a leaf's layer is read from (`layer_of`): its key path without a flax.nnx Variable's
-  trailing `value` key (jax's GetAttrKey('value'), read by name), so that `nnx.state(model,
-  nnx.Param)`'s 'l0/kernel/value' is in layer 'l0', as the pure tree's 'l0/kernel' is. A string path
-  is taken as it is (a plain 'x/value' may be a dict key)."""
+  """The path a leaf's layer is read from: its key path without a flax.nnx Variable's trailing `value` key
+  (a string path is taken as it is).
+  """
   if isinstance(keypath, str):
     return keypath
   kp = tuple(keypath)
@@ -176,12 +148,7 @@ def layer_path(keypath: Any) -> str:
 
 
 def check_layer_depth(where: str, layer_depth: Any) -> int | None:
-  """`layer_depth` as None or an integer >= 1 (the number of key-path components naming a layer).
-
-  Raises:
-    TypeError: not an integer (a bool is not one) nor None.
-    ValueError: below 1.
-  """
+  """`layer_depth` as None or an integer >= 1; TypeError or ValueError otherwise."""
   if layer_depth is None:
     return None
   ok = isinstance(layer_depth, (int, np.integer)) and not isinstance(layer_depth, (bool, np.bool_))
@@ -196,15 +163,10 @@ def check_layer_depth(where: str, layer_depth: Any) -> int | None:
 
 
 def layer_of(path: str, layer_depth: int | None = None) -> str:
-  """The layer a leaf belongs to: the first `layer_depth` path components (default: all but the
-  last); a one-component path is its own layer.
+  """The layer a leaf belongs to: its first `layer_depth` path components (default: all but the last).
 
-  `'params/Conv_0/kernel'` -> `'params/Conv_0'`. The rule of `GradientProfile.from_params`,
-  `profile_step`, `prophet_jax.models.layer_of` and the bundled traces.
-
-  Raises:
-    ValueError: `path` is empty or not a string, or `layer_depth` is below 1.
-    TypeError: `layer_depth` is not an integer or None.
+  >>> layer_of("params/Conv_0/kernel")
+  'params/Conv_0'
   """
   if not isinstance(path, str) or not path:
     raise ValueError(f"layer_of(path={path!r}): expected a non-empty key path such as "
@@ -237,14 +199,8 @@ class RowsInfo(NamedTuple):
 
 
 class IdentityMemo:
-  """The library's one memo policy: a small first-in-first-out table of values derived from frozen
-  values, keyed by the identities of those values.
-
-  Frozen values are never mutated, so what is derived from one never changes; keying by identity costs
-  nothing (a Schedule's hash walks all its chunks) and holds each key object in its entry, so an id is
-  never reused while it is cached. Used for a tuple of rows (`rows_info`), a profile's rows
-  (`GradientProfile.tree_rows`), a (profile, network, step mode)'s Problem (`_core.problem`) and a
-  schedule's deferral groups (`_defer`).
+  """The library's one memo policy: a small FIFO table of values derived from frozen values, keyed by the
+  identities of those values (docs/design.md, "Trees and rows").
   """
 
   __slots__ = ("_table", "_size")
@@ -282,9 +238,7 @@ _ROWS = IdentityMemo(64)
 
 
 def _norm_row(k: int, row: Any) -> Row:
-  """Row k as (path, shape of ints, dtype name), strictly: a ValueError names the row and the value
-  (a path that is not a non-empty string, a shape that is not a sequence of integers >= 0, a dtype
-  that is not a floating dtype's name)."""
+  """Row k as (path, shape of ints, dtype name), or a ValueError naming the row and the value."""
   try:
     p, shape, t = row
   except (TypeError, ValueError):
@@ -304,11 +258,8 @@ def _norm_row(k: int, row: Any) -> Row:
 
 
 def rows_info(rows: Sequence[tuple[str, Sequence[int], str]]) -> RowsInfo:
-  """The normalized rows (path str, shape of ints, dtype str), their fingerprint, element counts and
-  dtype codes; memoized by the identity of the normalized tuple.
-
-  Raises:
-    ValueError: a row that is not [non-empty path, list of integers >= 0, floating dtype name].
+  """The normalized rows, their fingerprint, sizes and dtype codes, memoized per row tuple; ValueError
+  naming a malformed row.
   """
   hit = _ROWS.get(rows)
   if hit is not None:

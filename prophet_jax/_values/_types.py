@@ -1,12 +1,5 @@
-"""The values at the bottom of the house: GradientProfile (with its ProfileRows), and what every value
-shares: `itemsize`, the JSON helpers, and the one rule for what a door accepts as a bool, an integer
-or a number (`is_bool`, `is_int`, `is_number`).
-
-Pure: numpy only, never jax. Every value checks its invariants on construction and round-trips through
-JSON (`to_json()` / `from_json()`), so a bad file fails where it is read, naming the field at fault.
-The other values live beside their makers: NetworkModel and Pressure in `_network` (with the line fit
-that makes a NetworkModel), Chunk, Bucket and Schedule in `_schedule`, SimResult and Event in
-`_simulate`. The argument checks of the entry points are one floor up, in `_checks`.
+"""GradientProfile and its rows, `itemsize`, the JSON helpers and the one scalar rule every door applies
+(`is_bool`, `is_int`, `is_number`). Pure numpy.
 """
 
 from __future__ import annotations
@@ -66,15 +59,15 @@ def is_number(x: Any) -> bool:
 
 
 def is_finite_nonneg(x: Any) -> bool:
-  """True for a real number that is finite and >= 0 (a time, a rate, a residual): the one rule every
-  value checks its non-negative numbers by."""
+  """True for a finite real number >= 0 (a time, a rate, a residual)."""
   return is_number(x) and math.isfinite(x) and x >= 0
 
 
 def check_items(items: tuple[Any, ...], kind: type, error: type[Exception], empty: str | None, has: str,
                 fix: str) -> None:
-  """Raises `error(empty)` when `items` is empty (unless `empty` is None), and `error` naming the first
-  item that is not a `kind` ('{has} {item!r} of type T; {fix}'): the check of a value's tuple of parts."""
+  """Raises `error(empty)` for no items (unless `empty` is None), and `error` naming the first item that is
+  not a `kind`.
+  """
   if not items and empty is not None:
     raise error(empty)
   bad = next((x for x in items if not isinstance(x, kind)), None)
@@ -102,8 +95,7 @@ def _finite_nonneg(owner: str, name: str, value: Any) -> float:
 
 
 def _row_shape(path: str, shape: Any) -> tuple[int, ...]:
-  """A row's shape: a sequence (list or tuple) of integers >= 0, nothing else (a string of digits, a
-  float, a bool or None is refused, naming the leaf and the value)."""
+  """A row's shape: a list or tuple of integers >= 0, else a ProfileError naming the leaf."""
   if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) and not isinstance(shape, np.ndarray):
     raise ProfileError(f"leaf {path!r} has shape={shape!r}; a shape must be a list (or tuple) of integers "
                        f"such as [64, 128] ([] for a scalar).")
@@ -119,8 +111,7 @@ def _row_shape(path: str, shape: Any) -> tuple[int, ...]:
 
 
 def _row_dtype(path: str, dtype: Any) -> str:
-  """A row's dtype: the name of a floating dtype ('float32', 'bfloat16', 'float8_e4m3fn', ...): only
-  floating leaves are rows (integer and float0 leaves pass through unreduced)."""
+  """A row's dtype: a floating dtype's name, else a ProfileError naming the leaf."""
   if not isinstance(dtype, str) or not dtype:
     raise ProfileError(f"leaf {path!r} has dtype={dtype!r}; a dtype is a name such as 'float32' or "
                        f"'bfloat16'.")
@@ -150,8 +141,7 @@ def json_object(text_or_obj: str | Mapping[str, Any], what: str) -> dict[str, An
 
 
 def json_fields(cls: type, obj: dict[str, Any], what: str, *, required: bool = False) -> dict[str, Any]:
-  """`obj`, checked to hold only fields of the dataclass `cls` (and, with `required`, every field
-  without a default)."""
+  """`obj`, checked to hold only fields of the dataclass `cls` (and, with `required`, all)."""
   fields = dataclasses.fields(cls)
   names = {f.name for f in fields}
   unknown = sorted(set(obj) - names)
@@ -166,13 +156,12 @@ def json_fields(cls: type, obj: dict[str, Any], what: str, *, required: bool = F
 
 
 class JsonValue:
-  """What every JSON value of the library shares: `to_json` writes `to_dict()`, and `from_json` starts
-  from `_json_fields` (the text or dict read, checked to hold only the value's fields)."""
+  """What every JSON value shares: `to_json` writes `to_dict()`; `from_json` reads `_json_fields`."""
 
   __slots__ = ()
 
   def to_dict(self) -> dict[str, Any]:
-    raise NotImplementedError
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
   def to_json(self, indent: int | None = None) -> str:
     """`to_dict()` as JSON text."""
@@ -192,16 +181,15 @@ class ProfileRow:
   """One reduced gradient leaf.
 
   Attributes:
-    path: canonical key path of the leaf, e.g. 'params/Conv_0/kernel' (rows map to leaves by path).
-    layer: the layer it belongs to (wfbp sends one all-reduce per layer).
+    path: canonical key path, e.g. 'params/Conv_0/kernel' (rows map to leaves by path).
+    layer: the layer it belongs to.
     shape: the leaf's shape.
     dtype: the gradient's dtype name.
-    nbytes: size in bytes; must equal prod(shape) * itemsize(dtype).
+    nbytes: bytes; must equal prod(shape) * itemsize(dtype).
     ready_s: when backward has produced it, seconds from the start of backward.
-    fwd_s: forward time of its layer, carried on the layer's first row (0 on the others).
-    update_s: optimizer time for this leaf (0 when unknown).
-    shard_dim: the dimension sharded over the profile's `shard_axes` (FSDP), or None: replicated (or
-      no placement known). See `_placement`.
+    fwd_s: forward time of its layer, seconds, on the layer's first row (0 on the others).
+    update_s: optimizer time for this leaf, seconds (0 when unknown).
+    shard_dim: the dimension sharded over the profile's `shard_axes` (FSDP), or None: replicated.
   """
 
   path: str
@@ -252,19 +240,13 @@ class ProfileRow:
 class GradientProfile(JsonValue, Placed):
   """Per-leaf gradient readiness of one training step, rows in priority (forward) order.
 
-  Row 0 is the leaf the next forward pass needs first. Integer and float0 leaves are not rows.
-
   Attributes:
-    rows: one ProfileRow per reduced leaf, in priority order.
-    forward_s: forward time of the whole step (the sum of the rows' fwd_s when those are known).
-    backward_s: backward time; every ready_s is <= backward_s.
-    method: 'measured' (profiler trace of the real step), 'timed' (per-layer vjp timing) or
-      'estimated' (from FLOPs).
-    model, device, notes: free text saying what was profiled and how.
-    mesh: the mesh shape the parameters live on, (axis name, size) pairs in mesh order; () when no
-      placement is known (then every row is replicated and nothing below changes).
-    shard_axes: the mesh axes every sharded row (`ProfileRow.shard_dim`) is split over; the other
-      axes replicate it (HSDP's replica axis).
+    rows: one ProfileRow per reduced leaf; row 0 is the leaf the next forward needs first.
+    forward_s, backward_s: the step's forward and backward times, seconds (ready_s <= backward_s).
+    method: 'measured', 'timed' or 'estimated'.
+    model, device, notes: free text.
+    mesh: the mesh shape, (axis name, size) pairs; () when no placement is known.
+    shard_axes: the mesh axes sharded rows are split over (the others replicate them: HSDP).
     schema: format version.
   """
 
@@ -381,11 +363,7 @@ class GradientProfile(JsonValue, Placed):
             f"{self.rows[i].path} @{self.rows[i].ready_s * 1e3:.3f}ms" for i in order[:max_rows])])
 
   def scaled(self, compute: float) -> GradientProfile:
-    """The same profile with every time multiplied by `compute` (a faster or slower device).
-
-    Raises:
-      ValueError: `compute` is not a finite number > 0 (e.g. 0.5 for a device twice as fast).
-    """
+    """This profile with every time multiplied by `compute` (> 0); ValueError otherwise."""
     if not is_number(compute) or not math.isfinite(compute) or compute <= 0:
       raise ValueError(f"GradientProfile.scaled(compute={compute!r}): `compute` must be a finite number > 0, "
                        f"the factor every time is multiplied by (e.g. 0.5 for a device twice as fast).")
@@ -396,12 +374,8 @@ class GradientProfile(JsonValue, Placed):
                                backward_s=self.backward_s * compute)
 
   def with_placement(self, params: Any, shardings: Any, *, mesh: Any = None) -> GradientProfile:
-    """This profile with the placement of `params` (`from_params`' `shardings` and `mesh`): e.g. a
-    measured profile (`profile_step`) made ready for the `fsdp` policy. Rows are matched by path; times
-    are kept.
-
-    Raises:
-      ProfileError: as `from_params` (a leaf's placement named), or a row whose path is not in `params`.
+    """This profile with the placement of `params` (as `from_params`' `shardings`, `mesh`), rows matched by
+    path, times kept; ProfileError as `from_params`, or for a row not in `params`.
     """
     flat = flatten_with_layer_paths(params)
     specs = shardings_by_path(params, shardings)
@@ -433,32 +407,19 @@ class GradientProfile(JsonValue, Placed):
   def from_params(cls, params: Any, *, forward_s: float = 0.0, backward_s: float = 0.0,
                   update_s_per_byte: float = 0.0, layer_depth: int | None = None, model: str = "",
                   device: str = "", shardings: Any = None, mesh: Any = None) -> GradientProfile:
-    """A profile from a parameter pytree alone: exact paths, shapes and sizes; estimated times.
-
-    Leaves are taken in flatten order (taken as forward order). Times are spread over layers in
-    proportion to their bytes; ready times fall back to front (the last layer is ready first).
-    Integer and float0 leaves are skipped (they are not reduced).
+    """A profile from a parameter pytree: exact paths, shapes and sizes; times spread over layers by bytes.
 
     Args:
-      params: a pytree of arrays (or anything with .shape and .dtype).
-      forward_s, backward_s: step times in seconds to spread over the layers.
-      update_s_per_byte: optimizer time per gradient byte.
-      layer_depth: key-path components that name a layer (an integer >= 1; default: all but the
-        last). A flax.nnx Variable's trailing `value` key is not a component: `nnx.state(model,
-        nnx.Param)` gives the layers of the pure-dict tree.
+      params: a pytree of arrays (or anything with .shape and .dtype), flatten order as forward order.
+      forward_s, backward_s: step times to spread, seconds.
+      update_s_per_byte: optimizer seconds per gradient byte.
+      layer_depth: key-path components naming a layer (>= 1; default: all but the last).
       model, device: recorded in the profile.
-      shardings: None (no placement), or a tree with the structure of `params` holding, per leaf, a
-        PartitionSpec-like tuple (e.g. `('data', None)`; None: replicated) or a NamedSharding-like
-        object (`.spec`, and `.mesh.shape` for the mesh). Duck-typed: jax is not imported. Each leaf is
-        sharded on one dimension or replicated (`_placement`); every sharded leaf over the same axes.
-      mesh: the mesh shape (a mapping axis -> size, or a jax Mesh); needed with tuple specs, read from
-        the shardings' `.mesh` otherwise.
+      shardings, mesh: the placement, PartitionSpec-like per leaf, and the mesh shape (docs/fsdp.md).
 
     Raises:
-      ValueError, TypeError: a time that is not a finite number >= 0, a `layer_depth` below 1 (each
-        named in the message); shardings whose structure differs from params'.
-      ProfileError: the tree has no floating-point leaves; a leaf split on two dimensions, over an
-        axis not in the mesh, or unevenly (named); sharded leaves over different axes.
+      ValueError, TypeError: a bad time or `layer_depth`; shardings not shaped like params.
+      ProfileError: no floating leaves; a placement a profile cannot hold (the leaf named).
     """
     for name, value in (("forward_s", forward_s), ("backward_s", backward_s),
                         ("update_s_per_byte", update_s_per_byte)):

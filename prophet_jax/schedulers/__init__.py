@@ -1,8 +1,5 @@
-"""Scheduling policies: pure factories returning Scheduler callables, and their registry.
-
-Each factory takes keyword-only, validated options and returns
-`scheduler(profile, network, *, cross_step) -> Schedule`. `prophet_jax.plan` accepts a policy name
-(a key of `POLICIES`) or any such callable.
+"""Scheduling policies: pure factories returning `scheduler(profile, network, *, cross_step) ->
+Schedule`, and their registry (`POLICIES`).
 """
 
 from ._auto import auto as auto

@@ -1,50 +1,5 @@
-"""The `auto` policy: the best predicted schedule, from every policy's option search and a joint optimiser.
-
-Pure: numpy only, never jax.
-
-`auto` plans every baseline policy at its defaults and over a small grid of its options, runs its own
-joint optimiser of merge points, issue order and partition sizes, predicts every candidate's iteration
-time with the numeric core (`_core.objective_s`: the number `simulate` returns, up to rounding; under
-network pressure the mean over the pressure's seeded samples), and returns the fastest, built into a
-Schedule once, at the end. The baselines at their defaults are among the candidates, so `auto` is never
-predicted slower than the best of them on the network it was given, pressure included. Under pressure
-the joint optimiser and the local search run on calm problems (`_core.search_problem`: the typical
-costs of a message under the pressure, and the network without it) and what they find is scored under
-the pressure with every other candidate; the baselines planned at the typical costs join too.
-
-Three parts, each in its own module:
-
-* the joint optimiser (`_joint`): an exact dynamic program over contiguous merges for the plain step; a
-  priority list schedule on a grid of partition and block sizes, with an exact grouping of the tail,
-  and Prophet's block rule with floors in bytes, for the pipelined step; one all-reduce per dtype
-  without overlap;
-* the local search (`_search`): merge, swap, split and move chunks and slices within a fixed
-  evaluation budget: a descent from each of the best dozen distinct small candidates (different
-  starts end in different basins), then random kicks in the best three basins (`_refine`);
-* the contest and the robust choice (here): every candidate scored, the fastest kept, or with
-  ``robust > 0`` the one whose worst slowdown over a box of networks is least.
-
-* ``cross_step="auto"``: both modes are planned and the faster prediction wins; the schedule records it.
-
-* ``sharded=True``: the `dear` policy's sharded plan (reduce-scatters, each device updating its shard
-  with 1/P of the optimizer state, all-gathers; `Schedule.gathers`) is a candidate too, and wins where
-  it is predicted faster. Off by default: a sharded plan changes the optimizer state's layout (ZeRO-1:
-  `scheduled`'s state holds 1/P of `tx`'s per device), so `auto` returns one only when asked. For a
-  profile whose parameters are sharded over the data axis (`GradientProfile.sharded`: FSDP), the
-  candidates are the `fsdp` policy's plans alone (all-reduce and `dear` plans would replicate the
-  parameters: auto never changes the user's placement), the fastest over the step modes asked for.
-
-With ``robust > 0`` (alpha and beta uncertain by that fraction), auto returns instead the candidate
-whose worst slowdown over that box of networks is least (minimax regret), replanning its own candidates
-for the box's corners, among those predicted within ``robust_tol`` of the best default baseline.
-
-References:
-  S. Shi, X. Chu, B. Li. MG-WFBP: Efficient data communication for distributed synchronous SGD
-  algorithms. INFOCOM 2019.
-  Z. Zhang et al. Prophet: Speeding up distributed DNN training with predictable communication
-  scheduling. ICPP 2021.
-  Y. Peng et al. A generic communication scheduler for distributed DNN training acceleration
-  (ByteScheduler). SOSP 2019.
+"""The `auto` policy: the best predicted schedule among every baseline's plans, a joint optimiser's and a
+local search's (pure numpy; docs/design.md, "The policies", "auto").
 """
 
 from __future__ import annotations
@@ -100,49 +55,34 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
          sharded: bool = False) -> Scheduler:
   """The best predicted schedule: every policy's option search plus a joint optimiser.
 
+  The rules: docs/design.md, "The policies", "auto".
+
   Args:
-    search_options: also plan the baselines over a grid of their options (bucket sizes, priority
-      partition and credit), not only at their defaults.
-    local_search: refine the best candidates by merging, splitting, swapping and moving chunks and
-      slices (`_refine`).
-    max_evals: evaluations the local search may spend (bounds planning time; deterministic). One
-      evaluation is a few microseconds on a schedule of a few dozen all-reduces.
-    robust: how far off (relative) alpha and beta may be, e.g. 0.3 for a rough fit. 0 (the default)
-      returns the fastest predicted schedule. Above 0, auto returns the candidate whose worst slowdown
-      against the best candidate, over the networks with alpha and beta each off by up to `robust`,
-      is least (minimax regret), among those predicted at most `robust_tol` slower than the best
-      default baseline under the given network.
-    robust_tol: the predicted time (relative) the robust choice may give up, e.g. 0.02.
-    verify: compute `Schedule.predicted_s` with the simulator's own run (the search ranks candidates
-      by the core's closed form, which agrees with it up to float rounding).
-    sharded: also weigh the `dear` policy's sharded plan (ZeRO-1: reduce-scatters, the update of each
-      device's 1/P shard, all-gathers) and return it where its simulated iteration is shorter than
-      the best all-reduce plan's by more than 0.1% (never with `network.links > 1`, where sharded
-      schedules do not
-      apply). False (the default) returns all-reduce plans only: a sharded plan changes the
-      optimizer state's layout (1/P of it per device), which a user should opt into. The options
-      record `candidate` ('dear...' when the sharded plan won).
+    search_options: also plan the baselines over a grid of their options.
+    local_search: refine the best candidates by merging, splitting, swapping and moving chunks.
+    max_evals: evaluations the local search may spend (deterministic; a few microseconds each).
+    robust: how far off (relative) alpha and beta may be; above 0, the minimax-regret candidate.
+    robust_tol: the predicted time (relative) the robust choice may give up.
+    verify: compute `predicted_s` with the simulator's own run.
+    sharded: also weigh `dear`'s sharded plan (ZeRO-1), returned where faster by more than 0.1%.
 
   Returns:
-    A Scheduler: ``scheduler(profile, network, *, cross_step) -> Schedule``; ``cross_step`` may be
-    False, True or ``"auto"`` (plan both modes, keep the faster, record it in ``Schedule.cross_step``).
+    A Scheduler; ``cross_step`` may be False, True or ``"auto"`` (the faster mode, recorded).
 
   Raises:
-    TypeError, ValueError: a bad option (named in the message).
+    TypeError, ValueError: a bad option, named.
 
   Examples:
     >>> import prophet_jax as pj
-    >>> from prophet_jax.schedulers import auto
     >>> prof = pj.GradientProfile.from_rows(
     ...     [dict(path=f"w{i}", layer=f"l{i}", shape=(1000,), dtype="float32", nbytes=4000,
-    ...           ready_s=0.001 * (4 - i)) for i in range(4)], forward_s=0.0, backward_s=0.004)
-    >>> net = pj.NetworkModel.preset("10gbe", workers=8)
-    >>> auto()(prof, net, cross_step=False).num_allreduces
+    ...           ready_s=0.0001 * (4 - i)) for i in range(4)], forward_s=0.0, backward_s=0.0004)
+    >>> auto()(prof, pj.NetworkModel.preset("10gbe", workers=8), cross_step=False).num_allreduces  # merged
     1
 
   References:
-    Shi, Chu, Li: MG-WFBP (INFOCOM 2019); Zhang et al.: Prophet (ICPP 2021); Peng et al.:
-    ByteScheduler (SOSP 2019).
+    S. Shi et al., MG-WFBP, INFOCOM 2019; Z. Zhang et al., Prophet, ICPP 2021; Y. Peng et al.,
+    ByteScheduler, SOSP 2019.
   """
   for name, value in (("search_options", search_options), ("local_search", local_search),
                       ("verify", verify), ("sharded", sharded)):
@@ -188,10 +128,8 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
 
 
 def _baselines(prob: Problem) -> list[tuple[str, Scheduler]]:
-  """(label, scheduler) for every baseline policy at its defaults and over a grid of its options
-  (each a `grouped_scheduler`: auto weighs its `plan_groups`, never builds its Schedule).
-
-  Labels without parentheses are the defaults (the ones auto must never lose to).
+  """(label, scheduler) of every baseline at its defaults (labels without parentheses) and over a grid of
+  its options.
   """
   mib = 2**20
   item = max(prob.itemsize) if prob.itemsize else 4
@@ -208,9 +146,9 @@ def _baselines(prob: Problem) -> list[tuple[str, Scheduler]]:
 
 
 class _Candidate:
-  """A candidate: a baseline's plan (its groups of slices, each group one bucket) or the joint
-  optimiser's chunks; its per-chunk arrays (ready, nbytes, tail) and predicted times. No Schedule is
-  built for a candidate: only the chosen one becomes one (`_schedule`)."""
+  """A candidate: a baseline's groups or the joint optimiser's chunks, with its arrays and predictions; only
+  the chosen one becomes a Schedule.
+  """
 
   __slots__ = ("label", "_chunks", "_groups", "_slices", "default_baseline", "arrays", "nominal", "point",
                "worst", "_prob")
@@ -262,14 +200,8 @@ def _small(c: _Candidate) -> bool:
 
 
 def _refine(search: Problem, prob: Problem, cands: list[_Candidate], budget: int) -> list[_Candidate]:
-  """The local search's improvements on the ranked candidates, within `budget` evaluations.
-
-  The search runs on `search` (the calm problem, `_core.search_problem(prob)`: `prob` itself on a calm
-  network) and its results are candidates of `prob`, scored there like every other. The best
-  candidate, when it is large, gets the cheap neighbourhood (a tenth of the budget). The best
-  `_STARTS` distinct small candidates each get a plain local search over the rich neighbourhood
-  (half of the budget, shared), and the best `_KICKED` local optima found that way the kicks (the
-  rest): different starts end in different basins, and the kicks pay most in the best of them.
+  """The local search's improvements on the ranked candidates within `budget` evaluations, searched on
+  `search` and scored on `prob`.
   """
   out: list[_Candidate] = []
 
@@ -306,14 +238,8 @@ def _refine(search: Problem, prob: Problem, cands: list[_Candidate], budget: int
 
 def _contest(profile: GradientProfile, network: NetworkModel, cross: bool,
              options: dict[str, Any]) -> tuple[Problem, _Candidate, float]:
-  """(the problem, the chosen candidate, its predicted iteration) for one step mode.
-
-  Every candidate is scored on the network given (`_core.objective_s`: under pressure the mean over
-  its seeded samples, what `simulate` reports), so the choice is never predicted slower than any
-  baseline at its defaults on that network. Under pressure the joint optimiser and the local search
-  run on calm problems (the typical costs under the pressure, `_core.search_problem`, and the calm
-  network without it) and their plans join the contest; so do the baselines planned for the typical
-  costs (labelled '@typical').
+  """(the problem, the chosen candidate, its predicted iteration) for one step mode, every candidate scored
+  on the network given.
   """
   prob = problem(profile, network, cross_step=cross)
   search = search_problem(prob)
@@ -351,8 +277,7 @@ def _contest(profile: GradientProfile, network: NetworkModel, cross: bool,
 
 def _schedule(profile: GradientProfile, prob: Problem, chosen: _Candidate, predicted: float,
               options: dict[str, Any]) -> Schedule:
-  """The one Schedule of `auto`: the chosen candidate's buckets, its prediction and, with several
-  links, the link of every all-reduce (as `plan` would assign them: `link_assignment`)."""
+  """The one Schedule of `auto`: the chosen candidate's buckets, prediction and links."""
   links = chunk_links(prob, chunk_arrays(prob, chosen.slices())) if prob.links > 1 else ()
   return make_schedule(buckets_from_groups(profile, chosen.groups()), profile, policy=_POLICY,
                        options=dict(options, candidate=chosen.label), cross_step=prob.cross_step,
@@ -361,8 +286,9 @@ def _schedule(profile: GradientProfile, prob: Problem, chosen: _Candidate, predi
 
 def _sharded_candidate(profile: GradientProfile, network: NetworkModel, cross: bool,
                        options: dict[str, Any]) -> tuple[float, Any] | None:
-  """(predicted iteration, a thunk building the Schedule) of the `dear` plan for one step mode, its
-  prediction `simulate`'s (under the network's pressure, if any); None when nothing is sent."""
+  """(predicted iteration, a thunk building the Schedule) of the `dear` plan for one step mode; None when
+  nothing is sent.
+  """
   prob = problem(profile, network, cross_step=cross)
   label, chunks, gathers, _ = plan_sharded(prob)
   if not chunks:
@@ -400,14 +326,7 @@ def _scenarios(network: NetworkModel, robust: float) -> list[NetworkModel]:
 
 
 def _robust_choice(prob: Problem, cands: list[_Candidate], options: dict[str, Any]) -> _Candidate:
-  """The minimax-regret candidate over the networks whose alpha and beta are off by up to `robust`.
-
-  Scenarios: the planning network and the four corners of the box (alpha and beta each divided by
-  1 - robust or 1 + robust). The joint optimiser also plans for each corner, so the best candidate
-  there is close to the optimum there. A candidate's regret in a scenario is its time over the best
-  candidate's; the choice minimises the worst regret among the candidates predicted no more than
-  `robust_tol` slower than the best default baseline under the planning network.
-  """
+  """The minimax-regret candidate over the planning network and the four corners of the `robust` box."""
   network, cross = prob.network, prob.cross_step
   nets = _scenarios(network, options["robust"])
   probs = [problem(prob.profile, n, cross_step=cross) for n in nets]

@@ -1,7 +1,4 @@
-"""The Scheduler protocol: what every policy factory returns (optax's `base`, for planning policies).
-
-Pure: numpy only, never jax.
-"""
+"""The Scheduler protocol: what every policy factory returns (pure)."""
 
 from __future__ import annotations
 
@@ -16,10 +13,8 @@ Slice = tuple[int, int, int]  # (profile row, start element, stop element)
 
 @runtime_checkable
 class Scheduler(Protocol):
-  """A planning policy: a pure function of the profile and the network model.
-
-  It must return a Schedule for `profile` (its rows, every element of every non-empty row in exactly
-  one chunk) and record `cross_step`, the step mode it planned for.
+  """A planning policy: a pure function of the profile and the network returning a Schedule for the
+  profile's rows, recording `cross_step`.
   """
 
   def __call__(self, profile: GradientProfile, network: NetworkModel, *,

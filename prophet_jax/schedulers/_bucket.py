@@ -1,7 +1,4 @@
-"""Fixed-threshold bucketing as PyTorch DDP and Horovod's tensor fusion do it, in ready order.
-
-Pure: numpy only, never jax.
-"""
+"""Fixed-threshold bucketing as PyTorch DDP and Horovod's tensor fusion do it (pure numpy)."""
 
 from __future__ import annotations
 
@@ -24,15 +21,8 @@ HOROVOD_CYCLE_S = 5e-3              # HOROVOD_CYCLE_TIME before v0.21 (1 ms sinc
 
 def fill_buckets(profile: GradientProfile, order, bucket_bytes: int,
                  first_bucket_bytes: int | None = None) -> list[list[tuple[int, int, int]]]:
-  """Greedy fill of whole rows, in `order`, into buckets of at most `bucket_bytes` bytes.
-
-  A row that does not fit in the open bucket closes it; a row larger than the threshold goes alone into
-  its own bucket. The first bucket uses `first_bucket_bytes` when given. Zero-size rows are skipped.
-  Rows of several dtypes may share a bucket (one chunk per dtype). This is XLA's combiner rule (see
-  `schedulers._xla`) and the threshold rule inside one Horovod cycle without its dtype look-ahead.
-
-  Returns:
-    The groups of slices, one per bucket, in issue order.
+  """Greedy fill of whole rows, in `order`, into buckets of at most `bucket_bytes` (the first
+  `first_bucket_bytes`); a row that does not fit closes the bucket. Returns the groups of slices.
   """
   groups: list[list[tuple[int, int, int]]] = []
   cur: list[tuple[int, int, int]] = []
@@ -61,25 +51,8 @@ def ddp_buckets(profile: GradientProfile, order: Sequence[int], bucket_bytes: in
                 first_bucket_bytes: int) -> list[list[Slice]]:
   """PyTorch DDP's bucket assignment (`compute_bucket_assignment_by_size`) over rows in `order`.
 
-  One open bucket per dtype (DDP keys buckets by dtype and device). A row is appended to its dtype's
-  bucket, and the bucket closes once its size *reaches* its cap (`size >= cap`), so the row that crosses
-  the cap stays in it and a bucket may overshoot by up to one row. Each dtype's first bucket has the cap
-  `first_bucket_bytes`, its later buckets `bucket_bytes`. Buckets that are still open at the end are
-  appended after the closed ones, ordered by when their last row is ready (PyTorch appends them in hash
-  map order, which is unspecified; with one dtype there is exactly one). Zero-size rows are skipped.
-
-  Returns:
-    The groups of slices, one per bucket (one dtype each), in issue order.
-
-  Examples:
-    >>> from prophet_jax import GradientProfile
-    >>> p = GradientProfile.from_rows([
-    ...     dict(path=f"l{i}/w", layer=f"l{i}", shape=(n,), dtype="float32", nbytes=4 * n,
-    ...          ready_s=0.1 * (3 - i)) for i, n in enumerate((100, 300, 200))], forward_s=0.1,
-    ...     backward_s=0.3)
-    >>> # 800 B stays below the 1000 B cap; with the next 1200 B it reaches it and closes at 2000 B
-    >>> ddp_buckets(p, p.ready_order(), bucket_bytes=1000, first_bucket_bytes=1000)
-    [[(2, 0, 200), (1, 0, 300)], [(0, 0, 100)]]
+  A bucket closes once it reaches its cap (docs/design.md, "The policies"). Returns the groups of slices, in
+  issue order.
   """
   closed: list[list[Slice]] = []
   open_: dict[str, tuple[list[Slice], int]] = {}   # dtype -> (its open bucket's slices, bytes)
@@ -104,21 +77,10 @@ def ddp_buckets(profile: GradientProfile, order: Sequence[int], bucket_bytes: in
 
 def horovod_buckets(profile: GradientProfile, order: Sequence[int], fusion_bytes: int,
                     cycle_s: float) -> list[list[Slice]]:
-  """Horovod's tensor fusion: per background cycle, the ready tensors fused up to the threshold.
+  """Horovod's tensor fusion: every `cycle_s`, the ready tensors fused per dtype into buffers.
 
-  Horovod's background thread wakes every `cycle_s` seconds and fuses the tensors that are ready and not
-  yet sent (`FuseResponses` in horovod/common/controller.cc): it takes the first tensor, then adds the
-  following tensors of the same dtype while the fused size stays within `fusion_bytes` (a bucket closes
-  *before* a tensor would overflow it, so it never exceeds the threshold unless one tensor alone does); a
-  tensor of another dtype or one that does not fit is skipped (looked past) while the skipped bytes plus
-  the fused bytes stay within the threshold, and goes in a later buffer of the same cycle. Each buffer is
-  one all-reduce; the cycle repeats until nothing ready is left. Here the cycles tick at k·`cycle_s` from
-  the start of backward, and a tensor ready at r joins the first tick at or after r; ticks do not wait
-  for the link (GPU all-reduces are asynchronous: the buffers queue in issue order). With `cycle_s` 0
-  only tensors ready at the same instant can fuse. Zero-size rows are skipped.
-
-  Returns:
-    The groups of slices, one per fused buffer (one dtype each), in issue order.
+  Buffers of at most `fusion_bytes` (docs/design.md, "The policies"). Returns the groups of slices, in issue
+  order.
   """
   def tick(r: int) -> float:
     t = profile.rows[r].ready_s
@@ -161,44 +123,21 @@ def bucket(*, style: str = "ddp", bucket_bytes: int | None = None, first_bucket_
            cycle_s: float | None = None) -> Scheduler:
   """Whole leaves fused into buckets by a byte threshold, as PyTorch DDP or Horovod does it.
 
-  `style="ddp"` (the default) models PyTorch DistributedDataParallel's steady state: the buckets DDP
-  rebuilds after its first iteration from the observed gradient-ready order (`GradientProfile
-  .ready_order`), assigned by `compute_bucket_assignment_by_size` (see `ddp_buckets`): one open bucket per
-  dtype, a bucket closes once it *reaches* its cap (the crossing leaf stays in it, so a bucket may
-  overshoot), the first bucket of each dtype capped at `first_bucket_bytes`. DDP issues the buckets in
-  bucket order, each when its last leaf is ready. Defaults as in DDP: `bucket_bytes` 25 MiB; the first
-  bucket 1 MiB only when `bucket_bytes` is left at its default (`bucket_cap_mb=None`), otherwise the same
-  as `bucket_bytes` (an explicit `bucket_cap_mb` sets both caps, measured with torch 2.13:
-  docs/facts.md, "The field, as measured or published");
-  `first_bucket_bytes` overrides it (DDP's is the module constant `_DEFAULT_FIRST_BUCKET_BYTES`).
-  Not modelled: DDP's first iteration (one bucket of everything, or reverse parameter order with the
-  rebuild disabled), its gradient copies into the bucket views, `static_graph`, unused-parameter
-  detection, and gloo running several queued buckets at once (one link here, per `network.links`).
-
-  `style="horovod"` models Horovod's tensor fusion (see `horovod_buckets`): every `cycle_s` the ready
-  tensors are fused, in ready order and per dtype, into buffers of at most `bucket_bytes` (a buffer
-  closes *before* a tensor would overflow it), each buffer one all-reduce. Defaults as in Horovod before
-  v0.21, whose fusion threshold is the 64 MiB the issue names: `bucket_bytes` 64 MiB and `cycle_s` 5 ms
-  (v0.21 and later: 128 MiB and 1 ms; pass them). Horovod has no first bucket. Not modelled: the
-  negotiation between ranks (all ranks are alike here), the response cache's order, and autotuning.
-
-  Both styles plan the same for either step mode (`cross_step` is only recorded).
+  The models of both: docs/design.md, "The policies", "bucket".
 
   Args:
-    style: "ddp" or "horovod".
+    style: "ddp" (DDP's steady state: a bucket closes once it reaches its cap) or "horovod" (fusion
+      every `cycle_s`: a buffer closes before a tensor would overflow it).
     bucket_bytes: the cap in bytes; None for the style's default (DDP 25 MiB, Horovod 64 MiB).
     first_bucket_bytes: DDP only: the first bucket's cap in bytes; None for DDP's rule (1 MiB with the
       default `bucket_bytes`, else `bucket_bytes`).
     cycle_s: Horovod only: the background cycle in seconds (>= 0); None for 5 ms.
 
   Returns:
-    A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule`. The schedule's options record
-    the resolved values (style, bucket_bytes, first_bucket_bytes, cycle_s), so `bucket(**options)`
-    plans the same buckets again.
+    A Scheduler; the schedule's options record the resolved values. The same plan for both step modes.
 
   Raises:
-    TypeError, ValueError: an unknown style, a threshold that is not a positive integer number of bytes,
-      a negative or non-finite cycle, or an option of the other style.
+    TypeError, ValueError: an unknown style, a bad threshold or cycle, or an option of the other style.
 
   Examples:
     >>> from prophet_jax import GradientProfile, NetworkModel
@@ -213,10 +152,8 @@ def bucket(*, style: str = "ddp", bucket_bytes: int | None = None, first_bucket_
     [2, 1]
 
   References:
-    Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020;
-    pytorch/pytorch torch/csrc/distributed/c10d/reducer.cpp (`compute_bucket_assignment_by_size`).
-    Sergeev and Del Balso, "Horovod: fast and easy distributed deep learning in TensorFlow", 2018;
-    horovod/horovod docs/tensor-fusion.rst and horovod/common/controller.cc (`FuseResponses`).
+    S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020.
+    A. Sergeev, M. Del Balso, "Horovod: fast and easy distributed deep learning in TensorFlow", 2018.
   """
   if style not in STYLES:
     raise ValueError(f"bucket(style={style!r}): expected one of {list(STYLES)} ('ddp': PyTorch DDP's "

@@ -1,23 +1,5 @@
-"""Helpers shared by the scheduling policies: slices, partitions, chunks, buckets, schedules, options.
-
-Pure: numpy only, never jax. Every policy builds its Schedule the same way:
-
-1. decide an ordered list of *groups*, each group an ordered sequence of element slices
-   ``(row, start, stop)`` (a group is one Bucket: e.g. one layer, one DDP bucket, one Prophet block):
-   the policy's ``plan_groups(profile, network, cross_step)``;
-2. ``buckets_from_groups(profile, groups)`` turns each group into a Bucket with one Chunk (one
-   all-reduce) per dtype, dropping empty slices and empty groups;
-3. ``make_schedule(buckets, profile, policy=..., options=..., cross_step=...)`` wraps them.
-
-``grouped_scheduler(policy, options, plan_groups)`` is that Scheduler: it checks its inputs, plans the
-groups and builds one Schedule; its ``plan_groups`` attribute is the plan alone, which `auto` weighs
-among its candidates without building (and checking) a Schedule for each.
-
-Units: slices are element indices into the flattened leaf (row-major), sizes are bytes.
-
-Helpers: ``row_size``, ``whole_slice``, ``partition_row``, ``partition_count``,
-``layer_groups``, ``chunks_of_group``, ``buckets_from_groups``, ``make_schedule``,
-``schedule_from_groups``, ``grouped_scheduler``, ``check_inputs`` (option checks are `_checks`').
+"""Helpers shared by the policies: slices, partitions, groups to Buckets and Schedules, and
+`grouped_scheduler` (pure numpy; docs/design.md, "The policies").
 """
 
 from __future__ import annotations
@@ -69,10 +51,8 @@ def partition_count(profile: GradientProfile, row: int, max_bytes: int | None) -
 
 
 def layer_groups(profile: GradientProfile) -> list[tuple[str, list[int], float]]:
-  """The profile's layers in ready order: (layer, its rows in profile order, its ready time).
-
-  A layer is ready when its last row is ready (max of its rows' ready_s). Ties in ready time go to
-  the later layer first (backward runs back to front), matching `GradientProfile.ready_order`.
+  """The profile's layers in ready order, as (layer, its rows, its ready time); ties: the later layer
+  first.
   """
   rows_of: dict[str, list[int]] = {}
   for i, r in enumerate(profile.rows):
@@ -89,10 +69,7 @@ def layer_groups(profile: GradientProfile) -> list[tuple[str, list[int], float]]
 
 
 def chunks_of_group(profile: GradientProfile, slices: Iterable[Slice]) -> list[Chunk]:
-  """One Chunk per dtype of a group's slices, in order of each dtype's first slice.
-
-  Slices keep their relative order inside each chunk; empty slices (start == stop) are dropped.
-  """
+  """One Chunk per dtype of a group's slices, in order; empty slices dropped."""
   rows = profile.rows
   return [Chunk(slices=tuple(s), dtype=rows[s[0][0]].dtype)
           for s in split_by_dtype(lambda r: rows[r].dtype, slices)]
@@ -137,17 +114,9 @@ def check_inputs(policy: str, profile: Any, network: Any, cross_step: Any) -> bo
 
 
 def grouped_scheduler(policy: str, options: Mapping[str, Any], plan_groups: PlanGroups) -> Scheduler:
-  """The Scheduler of a policy that plans groups (see the module docstring).
-
-  Args:
-    policy: the policy's name (recorded in the Schedule, and in error messages).
-    options: the factory's options (recorded in the Schedule).
-    plan_groups: `plan_groups(profile, network, cross_step) -> groups`, the policy's plan; it may
-      assume checked inputs.
-
-  Returns:
-    `scheduler(profile, network, *, cross_step=False) -> Schedule`, with `scheduler.plan_groups` the
-    unchecked plan.
+  """The Scheduler of a policy that plans groups: `plan_groups(profile, network, cross_step) -> groups` on
+  checked inputs, one Schedule built (recording `policy` and `options`); `.plan_groups` is the plan
+  alone.
   """
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:

@@ -1,54 +1,5 @@
-"""The `dear` policy: reduce-scatters in backward, each device updates its shard (ZeRO-1), all-gathers
-in the next forward (DeAR).
-
-Pure: numpy only, never jax.
-
-A ring all-reduce is a reduce-scatter followed by an all-gather, each of (P-1)·alpha_s + (P-1)/P·n·beta
-for a buffer of n bytes (a/2 + b/2·n in MG-WFBP's terms: `NetworkModel.reduce_scatter_s`,
-`all_gather_s`). DeAR decouples the two: each bucket's reduce-scatter is issued in backward as soon as
-its gradients exist, and its all-gather just before the next forward needs it, so both halves overlap
-compute. Between the halves each device holds 1/P of every gradient; here it updates 1/P of the
-parameters with 1/P of the optimizer state (ZeRO-1) and the all-gathers carry the updated parameters,
-so the update costs update_s / P. The schedule (`Schedule.gathers`, see `Schedule`) lists the
-reduce-scatters as its chunks, in backward issue order, and each all-gather as the chunk indices it
-gathers, front layers first. `simulate`, `lower_bound` and `auto` know it (docs/design.md, "Simulator
-semantics").
-
-How the buckets are sized, under the alpha-beta model (with a' = a/2 the start-up of one
-reduce-scatter or all-gather, b' = b/2 its cost per byte):
-
-1. Reduce-scatter buckets: contiguous runs of rows in ready order (one dtype each), chosen by an exact
-   dynamic program that minimises the end of the last reduce-scatter, T_rs (f[j] = min_i max(f[i],
-   ready(j-1)) + a' + b'·bytes(i..j-1); the end of a prefix is monotone in the end before it, so the
-   earliest end per prefix is optimal; the same argument as `auto`'s plain-step program). Nothing
-   after backward can start before T_rs (the all-gathers follow every reduce-scatter on the link), so
-   T_rs is what the reduce-scatters decide. Since an all-gather gathers whole reduce-scatter buckets,
-   the buckets also bound how finely the all-gathers can follow the next forward: the program is also
-   run with a cap on a bucket's bytes (halving from the total down to one row per bucket) and every
-   capped plan is a candidate.
-2. All-gather buckets, for each reduce-scatter plan: contiguous runs of its buckets in forward order
-   (front layers first, one dtype each), chosen by an exact program for that order. Plain step: the
-   all-gathers wait for the update (T0 = max(backward end, T_rs), then U/P) and the next step waits
-   for all of them: the earliest last end, f[j] = min_i max(f[i], T0 + update through j) + a' +
-   b'·bytes(i..j-1). Pipelined step: layer l's forward waits for the all-gather holding it, so the
-   iteration is max(backward end + F, max over gathers of (end + forward from its front layer on));
-   a Pareto program over prefixes keeps the non-dominated (link free time, that max) pairs, both
-   monotone, so it is exact for the order (the front is capped at `_FRONT` pairs, rarely reached).
-3. DeAR's own fusion (`bucket_bytes`: layers in forward order fused while under the threshold, 25 MB
-   by default in its code, the same buckets for both halves) is a candidate too, and every candidate
-   is scored by the simulator's engine (`_sharded.sharded_iteration_s`): the fastest is returned, so
-   `dear` is never predicted slower than DeAR's fixed buckets. A candidate whose lower bound (its
-   last reduce-scatter's end plus every byte gathered after it, `gather_partition`) is no better than
-   the best so far is not gathered nor scored: it could not win, so the plan is the same, sooner.
-
-With `bucket_bytes` set, the plan is DeAR's fixed fusion alone, as its code builds it.
-
-References:
-  L. Zhang, S. Shi, X. Chu, W. Wang, B. Li, C. Liu. DeAR: Accelerating Distributed Deep Learning with
-  Fine-Grained All-Reduce Pipelining. ICDCS 2023 (arXiv:2302.12445, "Decoupling the All-Reduce
-  Primitive for Accelerating Distributed Deep Learning"); code: github.com/lzhangbv/dear_pytorch.
-  S. Rajbhandari, J. Rasley, O. Ruwase, Y. He. ZeRO: Memory optimizations toward training trillion
-  parameter models. SC 2020 (stage 1: optimizer state partitioning).
+"""The `dear` policy: reduce-scatters in backward, each device updating its shard (ZeRO-1), all-gathers
+before the next forward (pure numpy; docs/design.md, "The policies", "dear").
 """
 
 from __future__ import annotations
@@ -83,37 +34,30 @@ _FRONT = 32
 def dear(*, bucket_bytes: int | None = None) -> Scheduler:
   """DeAR: reduce-scatter buckets in backward, all-gather buckets in the next forward (ZeRO-1).
 
-  The returned schedule is *sharded* (`Schedule.gathers`): each chunk is one reduce-scatter, in
-  backward issue order; each gather one all-gather of the updated shards of some chunks, front layers
-  first. `scheduled`/`hooked`/`pipelined` carry it out with 1/P of the optimizer state per device.
-  The module docstring says how the buckets are sized under the alpha-beta model.
+  A sharded schedule, its buckets the fastest of several plans under the alpha-beta model (docs/design.md,
+  "The policies", "dear").
 
   Args:
-    bucket_bytes: None (the default): buckets planned under the alpha-beta model, the fastest
-      predicted of several plans (DeAR's own 25 MB fusion among them). An integer: DeAR's fixed
-      fusion alone, as its code builds it: layers in forward order joined into one bucket while the
-      bucket stays under `bucket_bytes` (a bucket's first layer always joins), the same buckets for
-      the reduce-scatters (in ready order) and the all-gathers (front first).
+    bucket_bytes: None: the planned buckets (DeAR's own 25 MB fusion among the candidates); an integer:
+      DeAR's fixed fusion alone at that threshold.
 
   Returns:
-    A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule` (sharded). Its options
-    record `bucket_bytes` and `candidate` (which plan won).
+    A Scheduler of sharded schedules; the options record `bucket_bytes` and `candidate`.
 
   Raises:
-    TypeError, ValueError: a bad `bucket_bytes` (named in the message); the scheduler raises
-      ValueError for a network with `links > 1` (a sharded schedule runs on one tie chain).
+    TypeError, ValueError: a bad `bucket_bytes`; the scheduler: ValueError for `network.links > 1`.
 
   Examples:
     >>> import numpy as np, prophet_jax as pj
     >>> params = {f"l{i}": {"w": np.zeros(2**18, np.float32)} for i in range(4)}   # four 1 MiB layers
     >>> prof = pj.GradientProfile.from_params(params, forward_s=0.004, backward_s=0.004)
     >>> s = dear()(prof, pj.NetworkModel.preset("10gbe", workers=16), cross_step=True)
-    >>> s.sharded, s.num_reduce_scatters >= 1, sorted(k for g in s.gathers for k in g) == list(range(len(s.chunks)))
-    (True, True, True)
+    >>> s.sharded, sorted(k for g in s.gathers for k in g) == list(range(len(s.chunks)))
+    (True, True)
 
   References:
     L. Zhang et al., "DeAR: Accelerating Distributed Deep Learning with Fine-Grained All-Reduce
-    Pipelining", ICDCS 2023 (arXiv:2302.12445). S. Rajbhandari et al., "ZeRO", SC 2020.
+    Pipelining", ICDCS 2023. S. Rajbhandari et al., "ZeRO", SC 2020.
   """
   check_bytes("dear", "bucket_bytes", bucket_bytes, hint="DeAR's default is 25 * 2**20 (25 MiB).")
   options = {"bucket_bytes": bucket_bytes}
@@ -144,8 +88,7 @@ def check_network(network: NetworkModel) -> None:
 def sharded_schedule(profile: GradientProfile, chunks: Sequence[Sequence[Slice]],
                      gathers: Sequence[Sequence[int]], *, options: dict[str, Any], cross_step: bool,
                      predicted_s: float | None, policy: str = _POLICY) -> Schedule:
-  """The sharded Schedule of reduce-scatter chunks (slices, issue order) and gathers (chunk indices):
-  one bucket per reduce-scatter chunk."""
+  """The sharded Schedule of reduce-scatter chunks and gathers: one bucket per chunk."""
   rows = profile.rows
   buckets = tuple(Bucket(chunks=(Chunk(slices=tuple(c), dtype=rows[c[0][0]].dtype),)) for c in chunks)
   # nothing to send (every row empty): an empty schedule, with no gathers (so not sharded)
@@ -160,11 +103,8 @@ def sharded_schedule(profile: GradientProfile, chunks: Sequence[Sequence[Slice]]
 
 def plan_sharded(prob: Problem, bucket_bytes: int | None = None
                  ) -> tuple[str, list[list[Slice]], list[list[int]], float]:
-  """(label, reduce-scatter chunks, gathers, predicted iteration) of the best sharded plan for `prob`
-  (see the module docstring); with `bucket_bytes`, DeAR's fixed fusion at that threshold alone.
-
-  The candidates are ranked by the calm simulation (`_sharded.sharded_iteration_s`, as `auto` ranks
-  its own); under network pressure the scheduler predicts the chosen plan under it.
+  """(label, reduce-scatter chunks, gathers, calm iteration) of the best sharded plan for `prob`; with
+  `bucket_bytes`, DeAR's fixed fusion alone.
   """
   if not prob.live:
     return "empty", [], [], float(max(prob.backward_s + prob.after_s, prob.floor_s))
@@ -212,10 +152,9 @@ def plan_sharded(prob: Problem, bucket_bytes: int | None = None
 
 
 def fixed_fusion(prob: Problem, bucket_bytes: float) -> tuple[list[list[Slice]], list[list[int]]]:
-  """DeAR's own tensor fusion: layers in forward order joined while the bucket stays under
-  `bucket_bytes` (a bucket's first layer always joins: dopt_rsag.py's `tot_size == 0 or tot_size +
-  mod_size < threshold`); one reduce-scatter per bucket and dtype, issued in ready order; the
-  all-gathers gather the same buckets, front first."""
+  """DeAR's own fusion: layers in forward order joined while the bucket stays under `bucket_bytes` (the
+  first always joins); the same buckets reduce-scattered in ready order, gathered front first.
+  """
   rows_of: dict[int, list[int]] = {}
   for i in prob.live:
     rows_of.setdefault(int(prob.row_layer[i]), []).append(i)
@@ -264,10 +203,9 @@ def _rs_inputs(prob: Problem, order: Sequence[int]) -> tuple[list[float], list[f
 
 def rs_partition(prob: Problem, order: Sequence[int], cap: float | None, *,
                  inputs: tuple[list[float], list[float], list[int]] | None = None) -> list[list[Slice]]:
-  """Reduce-scatter buckets: contiguous runs of `order` (rows in ready order, nbytes > 0), one dtype
-  each, of at most `cap` bytes unless one row is larger (None: no cap), minimising the end of the last
-  reduce-scatter on one link (f[j] = min_i max(f[i], ready(j-1)) + a' + b'·bytes(i..j-1), exact).
-  `inputs`: `_rs_inputs(prob, order)`, when the caller runs several caps on one order."""
+  """Reduce-scatter buckets: contiguous runs of `order` (one dtype, at most `cap` bytes unless one row is
+  larger) minimising the last reduce-scatter's end, exactly; `inputs` reuses `_rs_inputs`.
+  """
   n = len(order)
   a, b = 0.5 * prob.startup_s, 0.5 * prob.per_byte_s
   ready, prefix, run_start = _rs_inputs(prob, order) if inputs is None else inputs
@@ -284,15 +222,8 @@ def rs_partition(prob: Problem, order: Sequence[int], cap: float | None, *,
 
 def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]], *, per_chunk: Any = None,
                      beat: float = math.inf) -> list[list[int]] | None:
-  """All-gather buckets for reduce-scatter `chunks`: contiguous runs of the chunks in forward order
-  (by their front-most row), one dtype each, chosen by the exact program for that order (the module
-  docstring, step 2). Without overlap (every collective stalls the device) the fewest: one per dtype,
-  ordered by its front-most chunk. `per_chunk`: `chunk_arrays(prob, chunks)` when the caller has it.
-
-  With overlap, None when no grouping can end the step before `beat` (a candidate that cannot beat the
-  best so far): every all-gather follows the last reduce-scatter (T_rs) on the one link and the step
-  ends after the last of them, so any grouping's step is at least T_rs + a'·(its number of gathers,
-  at least one per dtype run) + b'·(the bytes gathered, every chunk's once), whatever the grouping.
+  """All-gather buckets for `chunks`: contiguous runs in forward order, one dtype each, by the exact
+  program; None when no grouping can end the step before `beat`.
   """
   k_n = len(chunks)
   front = [min(c)[0] for c in chunks]                  # the front-most row (slices are (row, a, b))
@@ -375,17 +306,8 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]], *, per_ch
 
 def contiguous_dp(release: Sequence[float], prefix: Sequence[float], run_start: Sequence[int], a: float,
                   b: float, cap: float | None, *, start: float = 0.0) -> tuple[list[float], list[int]]:
-  """The exact one-link program over contiguous groups, in O(n): f[0] = start, f[j] = min over i in
-  [L_j, j) of max(f[i], release[j-1]) + a + b·(prefix[j] - prefix[i]), with L_j the first index of item
-  j-1's dtype run and, under `cap`, the first i whose group stays within it (i = j-1 always allowed).
-  Returns (f, choice), choice[j-1] the minimising i (the smallest on ties, as an argmin over i).
-
-  Why O(n): with `release` nondecreasing (items in release order) and every item's bytes > 0, f is
-  nondecreasing (dropping the last item from the last group never ends later). So {i: f[i] <= r_j}
-  is a prefix [0, q_j) with q_j nondecreasing: on it the term is r_j + a + b·(prefix[j] - prefix[i]),
-  least at its largest i; beyond it the term is g[i] + a + b·prefix[j] with g[i] = f[i] - b·prefix[i],
-  a minimum over a window whose two ends only move right: a monotone deque (each index pushed and
-  popped once).
+  """The exact one-link program over contiguous groups, O(n) with a monotone deque: f[0] = start, f[j] =
+  min over allowed i of max(f[i], release[j-1]) + a + b·(prefix[j] - prefix[i]); returns (f, choice).
   """
   n = len(release)
   f = [0.0] * (n + 1)

@@ -1,94 +1,5 @@
-"""The `dlcp` policy: layer-prioritised chunks, a per-step send budget, bounded deferral.
-
-Pure: numpy only, never jax.
-
-DLCP (switch level) drops the least important packets of late flows and relies on SGD's tolerance
-of bounded loss. A synchronous all-reduce cannot drop a late packet and a compiled step has no
-clock, so the software form decides at plan time *how many* chunks of a group wait a step
-(`Bucket.defer`) and at run time *which* (by magnitude, from values every worker holds identically),
-and nothing is lost: a deferred chunk's values stay in a residual and go out with the chunk's later
-sends (error feedback, damped by `release`; `Bucket` states the exact run-time semantics). What a
-step saves is the deferred bytes on the link.
-
-The plan:
-
-1. The best lossless plan: `auto`'s for the same network (its chunks and order: front layers first in
-   the pipelined step, readiness in the plain step; under pressure auto scores its candidates on the
-   pressured mean, so the start is the best lossless plan for the pressured network), its predicted
-   iteration T0 (simulated under the network's pressure, the mean over the seeded samples), and C, the
-   same plan's iteration on a free network.
-2. Switched off: with `max_defer=0`, or when communication is already hidden (T0 <= 1.01·C), the
-   plan *is* auto's (same buckets and chunks; policy 'dlcp'). ByteScheduler's issues #339/#370:
-   splitting tensors loses when communication is hidden, so the policy must not split then.
-3. The send budget. The deadline is C: the step's end in the plain step; in the pipelined step each
-   layer's forward (a message's end plus the update and forward that must follow it). The critical
-   message is the one whose end plus what must follow it is last, at the typical costs under
-   pressure (`_core.typical_costs`); before it the link carries a busy period with no idle gap. What
-   fits before the deadline is sent; the excess, (T - C)/b' bytes (b' the typical per-byte cost), is
-   deferred from the chunks of that busy period, least important first (back layers: the last the
-   next forward needs, DLCP's layer priority), at most a quarter of the budget per round and never
-   more than `max_defer` of all elements in total.
-4. Deferring from one of auto's chunks: the unit follows from the budget and the model, not from a
-   fixed size. x elements (a round's need, or all the budget and the chunk allow at once) of the
-   chunk's rows that may wait (below), back layers first, element ranges inside a leaf where x
-   ends there, become a deferral group of spread·x elements: m = spread·k equal parts of which k
-   wait each step (k = 1, or parts of at most `chunk_bytes`), issued where the chunk was. The rest
-   of the chunk stays lossless: its own message, or merged into the chunk before or after it in
-   issue order (a whole chunk of auto's, same dtype), or nothing when the group takes the whole
-   chunk. A group's m - k slots replace one message: with spread 2 (the default; its two halves
-   alternate) and its rest merged, a deferral adds no start-up at all, so it pays at any model size
-   whenever bytes are on the critical path. Each variant that could ever pay for its start-ups at
-   the typical costs is simulated, and the fastest is kept. Issue 18's search (spread 4, so the
-   run-time magnitude ranking chooses which parts wait; the rest its own message; a round's need at
-   a time) runs beside it, at spreads 4 and 2, and the plan takes the fastest of all three.
-5. Steps 3-4 repeat (the critical message moves as the link empties), up to 16 rounds, each
-   candidate simulated; the fastest is kept, and if none beats T0 the plan is auto's (lossless). The
-   whole search runs once per budget level of a fixed ladder below `max_defer` (0.02, 0.05, 0.1,
-   0.25, 0.5) and at `max_defer` itself, so a larger `max_defer` never predicts a slower plan at
-   the ladder's levels.
-6. The decision (`options['decision']`, printed by `Schedule.describe()`) says how much it defers,
-   or why nothing: max_defer=0, communication hidden, or no deferral within the budget shortening
-   the iteration, with the cost that stood in the way (start-ups against the bytes saved) and the
-   smallest `max_defer` of 0.25 / 0.5 / 0.75 at which one would; in that last case `dlcp` also warns
-   (`DeferralWarning`).
-
-How deferred values come back (`release`). A deferred chunk's values are not lost: each worker keeps
-them (the residual) and they are all-reduced with the chunk's later sends. Sent all at once at the
-next send (`release=1`, issue 18's error feedback), they reach the optimizer one step late, and a
-delayed gradient inside a momentum optimizer is a delayed feedback loop: heavy-ball with momentum 0.9
-stays stable for a step size times curvature below 3.8 without delay, below 0.1 with one step of it
-(without momentum: 2 and 1; `bench/dlcp.py --part study` prints them).
-Training the issue's small CNN (`bench/dlcp.py --part convergence`, 120 steps, 3 seeds) with a
-quarter of its elements deferred that way ended 6.7% (sgd-momentum) and 7.9% (adamw) above the
-lossless run, worse than dropping the deferred values (+4.0%, +3.8%), and the gap stayed over 480
-steps (`--part long`: +6.7%, +16.5%). So by default a send carries only `release` = 0.05 of its
-chunk's residual and keeps the rest (`Bucket.release`): the late values return spread over the
-following sends, damped, and still none is lost. With it every run of `--part convergence` ends within
-2% of the lossless run at every `max_defer` up to 0.25 (worst +1.5%, the MLP with adamw; the CNN
--0.2% / +0.5% at 0.25), and at 480 steps the CNN is at 0.973 (sgd-momentum) and 1.012 (adamw) of
-the lossless loss (adamw 1.036 at 360). `--part study` compares 1, 0.5, 0.25, 0.1 and 0.05; smaller keeps more in the
-residual (about 1/release sends' worth of a chunk's gradient at steady state). The release changes
-nothing on the link, so it does not enter the plan's timing.
-
-Which layers wait. By default the first and the last layer in priority (forward) order never wait
-(with more than two layers; `all_layers=True` lets every layer wait): with one-step-late feedback,
-half of the CNN's head deferred (0.4% of the elements) cost 5.2% of loss after 120 steps and half of
-its first convolution (0.3%) 1.5%, while the middle layers cost about 0.3% per 1% of the elements;
-the first and the last layer are also small, so excluding them costs little time. `max_defer` stays
-the user's bound on what may wait.
-
-So dlcp is never predicted slower than auto, and equal to it when deferral cannot help.
-
-References:
-  H. Wang et al. Domain-specific communication optimization for distributed DNN training (DLCP).
-  arXiv:2008.08445, 2020; as MLT: Towards domain-specific network transport for distributed DNN
-  training, NSDI 2024.
-  COVAP: a drop budget sized from the compute/communication overlap window, with error feedback
-  (2023).
-  E. Warraich et al. OptiReduce: Resilient and tail-optimal AllReduce for distributed deep learning
-  in the cloud. NSDI 2025.
-  Y. Peng et al. A generic communication scheduler for distributed DNN training acceleration
-  (ByteScheduler). SOSP 2019; issues #339 and #370 (partitioning loses when communication is hidden).
+"""The `dlcp` policy: layer-prioritised chunks, a per-step send budget, bounded deferral (pure numpy;
+docs/design.md, "The policies", "dlcp").
 """
 
 from __future__ import annotations
@@ -104,7 +15,8 @@ import numpy as np
 
 from .._values._checks import check_bool, check_bytes, check_int, check_max_defer, check_number
 from .._values._errors import DeferralWarning
-from .._planning._core import Problem, iteration_s, link_loop, problem, schedule_arrays, typical_costs
+from .._planning._core import (Problem, equal_ranges, iteration_s, link_loop, problem, schedule_arrays,
+                               typical_costs)
 from .._values._network import NetworkModel
 from .._values._schedule import Bucket, Chunk, Schedule
 from .._planning._simulate import simulate_arrays
@@ -123,9 +35,10 @@ _MAX_ROUNDS = 16
 _LADDER = (0.02, 0.05, 0.1, 0.25, 0.5)
 # At most this many parts per deferral group.
 _MAX_GROUP_CHUNKS = 1024
-# The searches run at every budget level (module docstring, step 4): spread-2 groups that may take a
-# whole message or pass their rest to a neighbour, sized a round's need or the budget at once; and
-# issue 18's search (spread-4 groups, their rest its own message, a round's need at a time).
+# The searches run at every budget level (docs/design.md, "The policies", dlcp step 4): spread-2
+# groups that may take a whole message or pass their rest to a neighbour, sized a round's need or the
+# budget at once; and issue 18's search (spread-4 groups, their rest its own message, a round's need
+# at a time).
 _STRATEGIES = ({"spreads": (2,), "legacy": False}, {"spreads": (4,), "legacy": True},
                {"spreads": (2,), "legacy": True})
 # The fraction of a deferred chunk's residual each send carries (`Bucket.release`), by default.
@@ -138,39 +51,24 @@ def dlcp(*, max_defer: float = 0.0, spread: int | None = None, chunk_bytes: int 
          all_layers: bool = False, release: float = RELEASE) -> Scheduler:
   """DLCP in software: layer-prioritised chunks, a per-step send budget, bounded deferral.
 
+  auto's plan with up to `max_defer` of the elements per step in deferral groups where communication is
+  exposed; deferred values are kept and sent later, damped (docs/design.md, "The policies", "dlcp").
+
   Args:
-    max_defer: the largest fraction of the gradient elements that may wait each step, in [0, 1)
-      (`Schedule.max_deferred_fraction` never exceeds it). 0, the default, is lossless: the plan is
-      auto's.
-    spread: a deferral group has spread x k parts of which k wait each step (an integer >= 2), or
-      None (the default): the planner's choice, 2 (the two halves alternate; with the rest of the
-      chunk merged into a neighbour a deferral costs no start-up) or issue 18's 4 (the run-time
-      magnitude ranking chooses the k smallest of 3k eligible parts), whichever predicts faster.
-    chunk_bytes: the largest part of a deferral group, bytes (finer parts: a finer magnitude choice,
-      more start-ups); None (the default): k = 1, the fewest start-ups.
-    all_layers: let the first and the last layer (in priority order) wait too. False, the default:
-      they never wait (their staleness cost the most per element in the convergence study; see the
-      module docstring, "Which layers wait").
-    release: the fraction of a deferred chunk's residual each later send carries, in (0, 1]
-      (`Bucket.release`): 1 sends all of it at the next step (one step late); 0.05, the default,
-      returns it damped over the following sends, which kept training within 2% of the lossless run
-      where one step late did not (module docstring, "How deferred values come back").
+    max_defer: the largest fraction of the elements that may wait each step, in [0, 1); 0 (the
+      default) is lossless: the plan is auto's.
+    spread: parts per deferred part of a group (>= 2); None: the faster of 2 and 4.
+    chunk_bytes: the largest part of a deferral group, bytes; None: one deferred part per group.
+    all_layers: let the first and the last layer (in priority order) wait too.
+    release: the fraction of a residual each later send carries, in (0, 1] (default 0.05).
 
   Returns:
-    A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule`. The schedule's options
-    record `max_defer`, `spread`, `chunk_bytes`, `all_layers`, `release`, `base` (auto's candidate) and
-    `decision` (how much it defers, or why not: max_defer=0, communication hidden, or what stood in
-    the way and from which max_defer deferral would pay), which `Schedule.describe()` prints.
-
-  Warns:
-    DeferralWarning: `max_defer > 0`, communication exposed, and no deferral within the budget
-      shortens the predicted iteration (the plan is auto's); the message is the decision.
+    A Scheduler; the options record the arguments, `base` and `decision` (how much it defers, or why
+    not), which `Schedule.describe()` prints.
 
   Raises:
-    ValueError: `max_defer` outside [0, 1), `spread` below 2, `chunk_bytes` not positive, `release`
-      outside (0, 1] (each named in the message).
-    TypeError: `spread` or `chunk_bytes` not an integer, `all_layers` not a bool, `release` not a
-      number.
+    TypeError, ValueError: a bad option, named. Warns `DeferralWarning` when nothing within the budget
+    pays although communication is exposed.
 
   Examples:
     >>> import prophet_jax as pj
@@ -182,12 +80,10 @@ def dlcp(*, max_defer: float = 0.0, spread: int | None = None, chunk_bytes: int 
     >>> s = dlcp(max_defer=0.25)(prof, net, cross_step=False)
     >>> 0 < s.max_deferred_fraction <= 0.25, s.predicted_s < pj.plan(prof, net, "auto").predicted_s
     (True, True)
-    >>> dlcp()(prof, net, cross_step=False).buckets == pj.plan(prof, net, "auto").buckets  # lossless
-    True
 
   References:
-    Wang et al.: DLCP (arXiv:2008.08445, 2020), MLT (NSDI 2024); COVAP (2023); Warraich et al.:
-    OptiReduce (NSDI 2025); Peng et al.: ByteScheduler (SOSP 2019), issues #339/#370.
+    H. Wang et al., DLCP, arXiv:2008.08445, 2020 (as MLT, NSDI 2024); COVAP, 2023; E. Warraich et al.,
+    OptiReduce, NSDI 2025; Y. Peng et al., ByteScheduler, SOSP 2019 (issues #339, #370).
   """
   max_defer = check_max_defer("dlcp()", max_defer)
   spread = check_int("dlcp", "spread", spread, lo=2, none=True,
@@ -220,8 +116,7 @@ def dlcp(*, max_defer: float = 0.0, spread: int | None = None, chunk_bytes: int 
 
 
 def _warn_level() -> int:
-  """The stack level of the first frame outside prophet_jax (the user's call to `plan` or to the
-  scheduler), for `warnings.warn`."""
+  """The stack level of the first frame outside prophet_jax, for `warnings.warn`."""
   frame, level = sys._getframe(1), 1
   while frame is not None and frame.f_globals.get("__name__", "").startswith("prophet_jax"):
     frame, level = frame.f_back, level + 1
@@ -328,9 +223,9 @@ def _strategies(options: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _may_wait(prob: Problem, all_layers: bool) -> np.ndarray:
-  """Per row: may its elements be deferred? Every row but those of the first and the last layer in
-  priority (forward) order, when there are more than two layers; every row with `all_layers`. See
-  the module docstring, "Which layers wait"."""
+  """Per row: may it be deferred? All but the first and the last layer's rows (with more than two layers),
+  or all with `all_layers`.
+  """
   n = len(prob.layers)
   if all_layers or n <= 2:
     return np.ones(len(prob.size), dtype=bool)
@@ -339,8 +234,9 @@ def _may_wait(prob: Problem, all_layers: bool) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class _Mod:
-  """What became of one of auto's chunks: x, the elements asked of it; its deferral group; its
-  lossless rest (its own message, merged into the neighbouring chunk `into`, or none)."""
+  """What became of one of auto's chunks: the elements asked of it, its deferral group, its lossless rest
+  (own message, merged into chunk `into`, or none).
+  """
 
   x: int
   group: Bucket
@@ -350,8 +246,9 @@ class _Mod:
 
 def _search(prob: Problem, base: Schedule, budget: int, compute: float, options: dict[str, Any],
             strategy: dict[str, Any], may_wait: np.ndarray) -> tuple[tuple[Bucket, ...], float]:
-  """The budget rounds (module docstring, steps 3-5) with at most `budget` elements deferred per
-  step: the best buckets found and their simulated iteration (base's if nothing beat it)."""
+  """The budget rounds (steps 3-5) with at most `budget` elements deferred per step: the best buckets and
+  their iteration (base's if nothing beat it).
+  """
   a_eff, b_eff = typical_costs(prob)
   chunks = base.chunks
   layer = prob.row_layer
@@ -400,14 +297,8 @@ def _search(prob: Problem, base: Schedule, budget: int, compute: float, options:
 def _variants(prob: Problem, chunks: Sequence[Chunk], i: int, want: int, left: int,
               mods: dict[int, _Mod], options: dict[str, Any], strategy: dict[str, Any],
               may_wait: np.ndarray, a_eff: float, b_eff: float) -> list[_Mod]:
-  """The ways to defer about `want` elements (at most `left`) from auto's chunk i (module docstring,
-  step 4), each of which could pay for its start-ups at the typical costs.
-
-  A group of spread·x of the chunk's elements that may wait (back layers first), x deferred per step
-  (x = `want`, or as many as the budget and the chunk allow), spread 2 (or the `spread` option); or
-  every element of the chunk that may wait in the group (spread the smallest within `left`). The
-  rest of the chunk: its own message, or merged into the chunk before or after it in issue order
-  (one of auto's chunks left whole, of the same dtype: no start-up added).
+  """The ways to defer about `want` elements (at most `left`) from auto's chunk i that could pay for their
+  start-ups at the typical costs (step 4).
   """
   c = chunks[i]
   isz = itemsize(c.dtype)
@@ -447,13 +338,8 @@ def _variants(prob: Problem, chunks: Sequence[Chunk], i: int, want: int, left: i
 
 def _group(prob: Problem, chunk: Chunk, n: int, spread: int, chunk_bytes: int | None, left: int,
            may_wait: np.ndarray) -> tuple[Bucket, tuple[Slice, ...]] | None:
-  """(a deferral group of n of `chunk`'s elements that may wait, the rest of its slices); None if no
-  such group defers at most `left` elements per step.
-
-  The carved elements are taken from the chunk's slices of rows that may wait, of the highest layer
-  index first (back layers: the last the next forward needs), the latest slice first, from its end;
-  the rest keeps the chunk's order. The group: m = spread·k equal parts, k = 1 or ceil(n / spread /
-  parts of at most `chunk_bytes`); more parts (smaller) while its k largest parts exceed `left`.
+  """(a deferral group of n of `chunk`'s elements that may wait, the rest of its slices), or None when no
+  group defers at most `left` elements per step.
   """
   per = None if chunk_bytes is None else max(1, chunk_bytes // itemsize(chunk.dtype))
   k = 1 if per is None else max(1, math.ceil(n / spread / per))
@@ -487,27 +373,18 @@ def _group(prob: Problem, chunk: Chunk, n: int, spread: int, chunk_bytes: int | 
 
 
 def _equal_parts(slices: Sequence[Slice], m: int) -> list[list[Slice]]:
-  """The slices' elements, concatenated in order, cut into m consecutive parts as equal as possible
-  (sizes differ by at most one element, the larger first), each part as (row, start, stop) slices."""
+  """The slices' elements cut into m consecutive parts as equal as possible (the larger first), as slices."""
   sizes = [b - a for _, a, b in slices]
   offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-  base, extra = divmod(offsets[-1], m)
-  parts, lo = [], 0
-  for p in range(m):
-    hi = lo + base + (1 if p < extra else 0)
-    parts.append([(r, a + max(lo, o) - o, a + min(hi, o + n) - o)
-                  for (r, a, _), o, n in zip(slices, offsets, sizes) if o < hi and o + n > lo])
-    lo = hi
-  return parts
+  return [[(r, a + max(lo, o) - o, a + min(hi, o + n) - o)
+           for (r, a, _), o, n in zip(slices, offsets, sizes) if o < hi and o + n > lo]
+          for lo, hi in equal_ranges(offsets[-1], m)]
 
 
 def _critical_period(prob: Problem, arr: Any, a_eff: float, b_eff: float,
                      compute: float) -> tuple[list[int], float]:
-  """(the messages of the busy period that ends with the critical message, its exposed time).
-
-  The critical message maximises end + tail (what must follow its end) at the typical costs; its
-  exposed time is that value over `compute`. The busy period: the messages on its link before it
-  with no idle gap (with overlap=False every earlier message, since each one stalls the device).
+  """(the messages of the busy period ending with the critical message, its exposed time), at the typical
+  costs.
   """
   n = arr.ready_s.size
   if n == 0:
@@ -534,10 +411,9 @@ def _critical_period(prob: Problem, arr: Any, a_eff: float, b_eff: float,
 
 def _buckets(base: Sequence[Bucket], chunks: Sequence[Chunk],
              mods: dict[int, _Mod]) -> tuple[tuple[Bucket, ...], list[int]]:
-  """auto's buckets with each of its chunks i in `mods` replaced, in place, by its rest (its own
-  lossless message, unless merged into a neighbour) and then its deferral group (the bucket around
-  them split there); a neighbour that takes a rest sends it after its own slices. Also: the auto
-  chunk each issued message comes from."""
+  """auto's buckets with each chunk in `mods` replaced by its rest and its deferral group; also the auto
+  chunk each issued message comes from.
+  """
   merged: dict[int, list[Slice]] = {}
   for m in mods.values():
     if m.into is not None and m.rest:

@@ -1,44 +1,5 @@
-"""The `fsdp` policy: FSDP (ZeRO-3) and HSDP as a plan. Parameters stay sharded over the data axis;
-forward all-gathers them bucket by bucket, a planned number of buckets ahead; backward keeps or gathers
-them again under a memory budget and reduce-scatters the gradients in ready order; replicated leaves
-are all-reduced.
-
-Pure: numpy only, never jax.
-
-What is planned (the model is `_planning/_fsdp.py`'s; docs/fsdp.md says it for users):
-
-1. Units (FSDP buckets): contiguous runs of layers in forward order, each the sharded leaves of those
-   layers of one dtype, whole (each device's slice of a bucket is its shard of every leaf in turn, so
-   a reduce-scatter's output is exactly each leaf's shard). Candidates: one unit per leaf (the least
-   memory), one per layer (FSDP2's per-module default), runs of layers closed once they reach a cap
-   (2^k MiB, 1 to 2,048), ramps (small at both ends), and tapers (`_taper`: 4 to 32 units filled from
-   the back, equal or growing towards the front), and `split` (`_split`): the all-gather groups apart
-   from the reduce-scatter units (`FsdpPlan.gathers`), each from the partition that the bound B_fsdp's
-   relaxations find least (F'' for forward, E'' for backward); over many devices, where each start-up is
-   costly, forward wants a few large gathers early and backward small scatters soon after each block
-   is ready, and one grouping cannot give both (bench/fsdp.py: every row within 2% of the bound, where
-   the planned groupings shared by both were up to 6.5% above it).
-2. Forward prefetch depth d in {1, 2, 3, 4} (unit u's all-gather issued when unit u-d's forward
-   starts) and, where backward gathers again, backward prefetch depth in {1, 2}.
-3. Keep or gather again, per all-gather group, under the budget: the last k groups in forward order
-   (the first backward needs) keep their parameters from forward; the others are freed after their
-   forward and gathered again in backward. k is the largest whose peak fits the budget (the peak grows
-   with k; `_Keeps`); without a budget every group keeps (no re-gather: the least communication).
-4. Replicated leaves: all-reduced over the whole mesh in chunks of one dtype, one per unit window of
-   backward (the replicated rows that become ready during a unit's backward, issued after its
-   reduce-scatter), or all in one chunk per dtype at the end of backward (both are candidates: over
-   many devices one all-reduce's start-up, 2(P-1)·alpha, can outweigh a norm's bytes); on one link they
-   share it with the units' collectives first-in first-out in issue order; on an HSDP mesh they go on
-   the outer link (link 1) beside the shards' replica all-reduces.
-
-Every candidate is scored by the simulator's engine (`_fsdp.fsdp_run`): the fastest whose peak fits
-the budget wins (ties: the smaller peak). Under a budget a unit set is searched only if a bound on its
-fastest fitting pattern (`_Keeps.bound`) can beat the plans found so far.
-
-References:
-  S. Rajbhandari et al., "ZeRO: Memory optimizations toward training trillion parameter models", SC
-  2020 (stage 3). Y. Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
-  VLDB 2023 (prefetch, reshard-after-forward, HSDP).
+"""The `fsdp` policy: FSDP (ZeRO-3) and HSDP as a plan of gathers, re-gathers, reduce-scatters and
+all-reduces under a memory budget (pure numpy; docs/fsdp.md, "The plan").
 """
 
 from __future__ import annotations
@@ -74,40 +35,36 @@ _GRID = 128                  # `_split`'s blocks end at no more than this many p
 
 def fsdp(*, memory_budget_bytes: int | None = None, bucket_bytes: int | None = None,
          prefetch: int | None = None) -> Scheduler:
-  """FSDP / HSDP: forward all-gathers with planned prefetch, re-gather or keep under a memory budget,
-  reduce-scatters in backward, replicated leaves all-reduced.
+  """FSDP / HSDP: forward all-gathers with planned prefetch, keep or re-gather under a memory budget,
+  reduce-scatters in backward, replicated leaves all-reduced (docs/fsdp.md, "The plan").
 
-  The profile must carry its placement (`GradientProfile.from_params(..., shardings=, mesh=)`): the
-  sharded rows become FSDP buckets, the rest all-reduces; a mesh with replica axes (axes the leaves
-  are not split over) is HSDP: the shards are then all-reduced over the replica axes on the network's
-  outer link (`NetworkModel` two levels). `network.workers` must be the mesh's device count.
+  The profile must carry its placement (a mesh with replica axes is HSDP) on `network.workers` devices.
 
   Args:
-    memory_budget_bytes: per device, the most bytes of gathered (whole) parameters and unsharded
-      gradient buffers alive at once (docs/fsdp.md; `SimResult.peak_memory_bytes` is the same count).
-      None: the fastest plan without a cap.
-    bucket_bytes: None: units planned (module docstring); an integer: runs of layers closed once they
-      reach it (FSDP's fixed wrapping), only prefetch and keep planned.
-    prefetch: None: planned; an integer >= 1: that forward prefetch depth only.
+    memory_budget_bytes: per device, the most bytes of gathered parameters and unsharded gradients
+      alive at once (as `SimResult.peak_memory_bytes` counts); None: no cap.
+    bucket_bytes: None: planned units; an integer: runs of layers closed once they reach it.
+    prefetch: None: planned; an integer >= 1: that forward prefetch depth.
 
   Returns:
-    A Scheduler; its Schedules have `fsdp` set and options recording the arguments, `candidate` and
-    `peak_memory_bytes`.
+    A Scheduler; options record the arguments, `candidate` and `peak_memory_bytes`.
 
   Raises:
-    TypeError, ValueError: bad arguments (named). The scheduler: ValueError for a profile without
-      sharded rows, a mesh whose size is not `network.workers`, `network.links > 1`, or a budget below
-      what the largest leaf needs (its parameters gathered and its gradient, both whole during its
-      backward: twice its bytes; the leaf is named), or no plan within the budget.
+    TypeError, ValueError: bad arguments; the scheduler: no sharded rows, another mesh size, `links >
+      1`, a budget below twice the largest leaf, or no plan within it.
 
   Examples:
     >>> import numpy as np, prophet_jax as pj
     >>> params = {f"l{i}": {"w": np.zeros((64, 64), np.float32)} for i in range(4)}
     >>> prof = pj.GradientProfile.from_params(params, forward_s=0.004, backward_s=0.008, mesh={"data": 8},
     ...     shardings={f"l{i}": {"w": ("data", None)} for i in range(4)})
-    >>> s = pj.plan(prof, pj.NetworkModel.preset("100gb-ib", workers=8), "fsdp", memory_budget_bytes=2**16)
-    >>> s.fsdp is not None, pj.simulate(s, prof, pj.NetworkModel.preset("100gb-ib", workers=8)).peak_memory_bytes <= 2**16
+    >>> net = pj.NetworkModel.preset("100gb-ib", workers=8)
+    >>> s = pj.plan(prof, net, "fsdp", memory_budget_bytes=2**16)
+    >>> s.fsdp is not None, pj.simulate(s, prof, net).peak_memory_bytes <= 2**16
     (True, True)
+
+  References:
+    S. Rajbhandari et al., "ZeRO", SC 2020 (stage 3). Y. Zhao et al., "PyTorch FSDP", VLDB 2023.
   """
   budget = check_bytes("fsdp", "memory_budget_bytes", memory_budget_bytes,
                        hint="e.g. 8 * 2**30 for 8 GiB of gathered parameters and gradient buffers.")
@@ -130,8 +87,7 @@ def fsdp(*, memory_budget_bytes: int | None = None, bucket_bytes: int | None = N
 
 
 class Plan:
-  """One FSDP candidate: chunks (issue order), units (chunk indices, forward order), keep, depths, and
-  its simulated iteration and peak."""
+  """One FSDP candidate: chunks, units, keeps and depths, with its simulated iteration and peak."""
 
   __slots__ = ("label", "chunks", "units", "keep", "prefetch", "backward_prefetch", "iteration", "peak", "gathers")
 
@@ -142,10 +98,8 @@ class Plan:
 
 
 def check_fsdp_inputs(prob: Problem) -> tuple[int, int]:
-  """(shards, replicas) of the profile's mesh, checked against the network.
-
-  Raises:
-    ValueError: no sharded rows; a mesh of another size than network.workers; several links.
+  """(shards, replicas) of the profile's mesh; ValueError without sharded rows, for a mesh not of
+  network.workers devices, or several links.
   """
   profile, network = prob.profile, prob.network
   if not profile.sharded:
@@ -163,7 +117,7 @@ def check_fsdp_inputs(prob: Problem) -> tuple[int, int]:
 
 
 def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, prefetch: int | None = None) -> Plan:
-  """The best FSDP candidate for `prob` under `budget` (module docstring), on the calm network."""
+  """The best FSDP candidate for `prob` under `budget`, on the calm network."""
   s, r = check_fsdp_inputs(prob)
   rows = prob.profile.rows
   bo = backward_order(prob)
@@ -249,8 +203,7 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
 
 
 class _Set(NamedTuple):
-  """One unit set as scored: its label, chunks (issue order), units (chunk indices), timeline arrays
-  (every group kept) and all-gather groups (None: the units)."""
+  """One unit set as scored: label, chunks, units, timeline arrays and all-gather groups."""
 
   label: str
   chunks: list[list[Slice]]
@@ -260,15 +213,9 @@ class _Set(NamedTuple):
 
 
 class _Keeps:
-  """The keep patterns of one unit set at one prefetch depth: the last k all-gather groups keep their
-  parameters from forward, the others are gathered again in backward with backward prefetch 1 or 2;
-  each pattern run once, when asked for.
-
-  The peak grows with k and the iteration falls (a re-gather only adds work on link 0 and a wait in
-  backward), so the plan is the largest k that fits: found by galloping from a guess (`_largest`).
-  Every kept group is alive at the end of forward, so the peak is at least the kept groups' bytes: k is
-  at most `top`, the most groups from the back whose bytes fit, and no pattern that fits runs faster
-  than k = `top` does (`bound`)."""
+  """The keep patterns of one unit set at one prefetch: the last k groups kept, backward prefetch 1 or 2,
+  each run once when asked (docs/fsdp.md, "The plan": the largest k that fits, and the bound).
+  """
 
   def __init__(self, prob: Problem, base: FsdpArrays, d: int, budget: int | None):
     self.prob, self.base, self.d, self.budget = prob, base, d, budget
@@ -330,9 +277,9 @@ class _Keeps:
 
 
 def _largest(fits, n: int, guess: int) -> int:
-  """The largest k in [0, n) with fits(k), for fits monotone (False from some k on; known False at n),
-  or -1 if none: galloping out from `guess`, then bisection (a few calls when the guess is close,
-  about 2·log2(n) at worst)."""
+  """The largest k in [0, n) with fits(k) for a monotone `fits`, or -1: galloping from `guess`, then
+  bisection.
+  """
   lo, hi = -1, n
   k, step = min(max(guess, 0), n - 1), 1
   if fits(k):
@@ -363,8 +310,7 @@ def _key(units: Sequence[Sequence[int]]) -> tuple:
 
 
 class _Rows:
-  """Per-row lists the unit and chunk builders read, computed once per plan: layer, backward position
-  of the layer (its rank in ready order, from the profile's `backward_order`), bytes, dtype."""
+  """Per-row layer, backward position, bytes and dtype, computed once per plan."""
 
   def __init__(self, prob: Problem, bo: BackwardOrder | None = None):
     bo = bo if bo is not None else backward_order(prob)
@@ -379,12 +325,9 @@ class _Rows:
 
 
 def _runs(rows: _Rows, sharded: Sequence[int], cap: float, *, ramp: float = 0.0) -> list[list[int]]:
-  """Sharded rows grouped into units: runs of whole layers in forward order, one dtype each, closed
-  once a unit reaches `cap` bytes (0: one unit per layer and dtype). With `ramp` > 0, unit k of a dtype
-  closes once it reaches min(cap, ramp·2^k, max(ramp, the sharded bytes of the layers after it)): small
-  units at both ends (forward starts waiting on the front's gathers; backward's first reduce-scatters
-  can start only once a whole back unit is done, and it ends waiting on the front's), doubling towards
-  the middle, where fewer start-ups pay."""
+  """Sharded rows in units: runs of whole layers in forward order, one dtype each, closed at `cap` bytes
+  (0: per layer); with `ramp`, a ramp's caps.
+  """
   by_layer: dict[int, list[int]] = {}
   for i in sharded:
     by_layer.setdefault(rows.layer[i], []).append(i)
@@ -417,11 +360,7 @@ def _runs(rows: _Rows, sharded: Sequence[int], cap: float, *, ramp: float = 0.0)
 
 
 def _taper(rows: _Rows, per_layer: Sequence[Sequence[int]], n_units: int, growth: float) -> list[list[int]]:
-  """Sharded rows grouped into about `n_units` units per dtype, filled from the back of the model: runs
-  of whole layers, unit k from the back closing once it reaches lo·(1 + growth·k) bytes (lo: the
-  dtype's bytes over the sum of those factors), the front unit taking what is left. Small units at the
-  back let backward's first reduce-scatters start early; with growth > 0 they grow towards the front,
-  where forward's and backward's ends make fewer start-ups pay."""
+  """Sharded rows in about `n_units` units per dtype, filled from the back, growing by `growth`."""
   by_dtype: dict[str, list[tuple[Sequence[int], float]]] = {}
   for u in per_layer:                                  # one unit per layer and dtype, forward order
     by_dtype.setdefault(rows.dtype[u[0]], []).append((u, float(sum(rows.nbytes[i] for i in u))))
@@ -445,11 +384,7 @@ def _taper(rows: _Rows, per_layer: Sequence[Sequence[int]], n_units: int, growth
 
 def _split(prob: Problem, rows: _Rows, sharded: Sequence[int], s: int, r: int
            ) -> tuple[list[list[int]], list[list[int]]]:
-  """Reduce-scatter units and all-gather groups apart, each from the partition B_fsdp's relaxations
-  find least (`_fsdp_bound`): the gathers from F'' (forward blocks, each waiting for the start-ups and
-  the bytes through it), the units from E'' (blocks in ready order chained on the link; on an HSDP mesh
-  each charged its slower link). Over _GRID sharded layers blocks end only where the bytes cross a
-  1/_GRID step (the partitions cost the square of the places). Each block is split by dtype."""
+  """Reduce-scatter units and all-gather groups apart, from the partitions of F'' and E'' (`_fsdp_bound`)."""
   a_g, b_g, a_r, b_r, _, _ = unit_costs(prob, s, r)
   by_layer: dict[int, list[int]] = {}
   for i in sharded:
@@ -493,11 +428,9 @@ def _by_dtype(rows: _Rows, rs: Sequence[int]) -> list[list[int]]:
 
 def _chunks(rows: _Rows, units: Sequence[Sequence[int]], *, tail: bool = False
             ) -> tuple[list[list[Slice]], list[int]]:
-  """The schedule's chunks in issue order (each unit's reduce-scatter once its backward has ended; the
-  replicated rows in one chunk per dtype and unit window, after the unit's, or with `tail` in one chunk
-  per dtype, issued once its last row is ready: one start-up, which over many devices may cost more
-  than its bytes) and the
-  chunk index of every unit (forward order)."""
+  """The schedule's chunks in issue order (each unit's reduce-scatter, the replicated rows per unit window,
+  or with `tail` once at the end) and each unit's chunk index.
+  """
   pos, size = rows.pos, rows.size
   items: list[tuple[int, int, int, list[Slice]]] = []     # (ready position, 0 unit / 1 replicated, id, slices)
   unit_ready = []
@@ -529,8 +462,7 @@ def _chunks(rows: _Rows, units: Sequence[Sequence[int]], *, tail: bool = False
 
 
 def prediction(prob: Problem, p: Plan) -> float:
-  """`simulate`'s iteration of a candidate: its own on a calm network; under pressure the mean over the
-  seeded samples (`_simulate.simulate_fsdp`; the memory peak is the calm timeline's either way)."""
+  """`simulate`'s iteration of a candidate (under pressure the mean; the calm peak)."""
   if prob.network.pressure is None:
     return p.iteration
   s, r = prob.profile.shard_count, prob.profile.replica_count

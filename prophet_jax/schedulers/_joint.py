@@ -1,27 +1,5 @@
-"""The joint optimiser of `auto`: exact and greedy programs over merges, issue order and partitions.
-
-Pure: numpy only, never jax. Candidates are lists of `SearchChunk`s (one all-reduce each: its slices
-and, cached, its dtype, bytes, readiness and tail), scored by the numeric core (`_core.iteration_s`,
-the simulator's closed form) over their per-chunk arrays.
-
-* ``cross_step=False`` with overlap: an exact O(L^2) dynamic program over contiguous merges of the
-  ready order (one dtype per chunk; `contiguous_dp`). The end of a prefix's last all-reduce is
-  monotone in the end of the prefix before it, so keeping the earliest end per prefix is optimal over
-  contiguous merges; with one link, sending a row in pieces or out of ready order never ends earlier.
-* ``cross_step=True`` with overlap: a priority list schedule while backward runs (`priority_head`, on a
-  grid of partition size, block size, and how the link waits: for some bytes to be ready, or chunks cut
-  at element boundaries to end when the next gradient is ready, as Prophet sizes blocks to gaps, or one
-  chunk cut to end when backward ends, so that the gradients ready meanwhile wait for the tail; the
-  grid is in units of the bytes whose transfer costs one start-up). Once every gradient is ready, the
-  rest goes in priority order, grouped by an exact O(N^2) dynamic program that minimises the next
-  forward's end (`tail_dp`). And Prophet's own block rule (`prophet_blocks`) with a floor in bytes
-  (fractions of the total, where the `prophet` policy's floor is relative to the start-up), as it is and
-  with its tail regrouped by `tail_dp`: on link-bound cells its blocks keep the link busy with fewer
-  start-ups than any grid point, and they are the best starts for the local search.
-* without overlap (XLA on the CPU): every all-reduce stalls the device, so few all-reduces win: one per
-  dtype.
-
-`own_candidates` returns them all, labelled.
+"""The joint optimiser of `auto`: exact and greedy programs over merges, issue order and partitions
+(pure numpy; docs/design.md, "The policies", "auto").
 """
 
 from __future__ import annotations
@@ -58,11 +36,7 @@ _INF = math.inf
 
 
 class SearchChunk:
-  """One all-reduce of a candidate: its slices, dtype, bytes, readiness and tail.
-
-  `tail_s` is what must follow the chunk's end (the problem's per-row tail, max over its rows):
-  update + forward in the plain step, update(l) + forward of layers l.. in the pipelined step.
-  """
+  """One all-reduce of a candidate: its slices, dtype, bytes, readiness and tail (what follows its end)."""
 
   __slots__ = ("slices", "dtype", "nbytes", "ready_s", "tail_s")
 
@@ -107,9 +81,7 @@ def chunk_stats(chunks: Sequence[SearchChunk]) -> tuple[np.ndarray, np.ndarray, 
 
 
 def evaluate(prob: Problem, ready: np.ndarray, nbytes: np.ndarray, tail: np.ndarray) -> float:
-  """The iteration time of per-chunk arrays in issue order (`_core.objective_s`: the closed form on a
-  calm network, the mean over the seeded samples under pressure; the joint optimiser itself runs on
-  calm problems, `_core.search_problem`)."""
+  """The iteration time of per-chunk arrays in issue order (`_core.objective_s`)."""
   return objective_s(prob, ready, nbytes, tail)
 
 
@@ -123,14 +95,8 @@ def evaluate_chunks(prob: Problem, chunks: Sequence[SearchChunk]) -> float:
 
 
 def contiguous_dp(prob: Problem, networks: Sequence[NetworkModel] = ()) -> list[SearchChunk]:
-  """Optimal contiguous merges of the ready order (one link, one dtype per chunk).
-
-  f[j] = min over i of max(f[i], ready(j-1)) + a + b * bytes(i..j-1): the earliest end of the last
-  all-reduce of the first j rows. The end of a group is monotone in f[i], so the earliest prefix end is
-  all a later group needs; the inner minimum is one numpy expression.
-
-  With `networks`, a hedged variant (a heuristic, for the robust choice): each prefix keeps its end
-  under every one of those networks, and the choice minimises their sum.
+  """Optimal contiguous merges of the ready order (one link, one dtype per chunk), by the exact O(L^2)
+  program; with `networks`, the hedged heuristic for the robust choice.
   """
   if networks:
     a = np.array([n.startup_s for n in networks])
@@ -170,8 +136,9 @@ def contiguous_dp(prob: Problem, networks: Sequence[NetworkModel] = ()) -> list[
 
 
 def partition_units(prob: Problem, partition_bytes: float | None) -> list[tuple[float, int, int, int]]:
-  """Rows cut into parts of at most `partition_bytes` (the one partition rule, `_core.equal_parts`),
-  as (ready, -row, start, stop) sorted by readiness."""
+  """Rows cut into parts of at most `partition_bytes` (`_core.equal_parts`), as (ready, -row, start, stop)
+  sorted by readiness.
+  """
   units = [(float(prob.ready[r]), -r, a, b) for r in prob.live
            for a, b in equal_parts(prob.size[r], prob.itemsize[r], partition_bytes)]
   units.sort()
@@ -183,14 +150,9 @@ def priority_head(prob: Problem, units: Sequence[tuple[float, int, int, int]], b
                   ) -> tuple[list[SearchChunk], list[Slice]]:
   """A priority list schedule of `units` until every one is ready: (chunks sent, units left).
 
-  Each time the link frees, the ready units of the highest priority (lowest row) go out together, up
-  to `block_bytes` (at least one unit, one dtype); with `wait_bytes`, the link first waits until that
-  many bytes are ready. With `fit_bytes` (Prophet's gap sizing, on elements), a chunk is cut to end
-  when the next gradient becomes ready, so a low-priority chunk never holds the link then, but holds
-  at least `fit_bytes` (to amortise the start-up); the last unit is cut at an element boundary and
-  its rest stays queued. With `to_end`, the chunk is cut to end when the last gradient is ready
-  instead (one chunk fills the link until backward ends; the gradients that become ready meanwhile
-  wait for the tail). The units left are those not yet sent when the last one is ready.
+  Each time the link frees the ready units of highest priority go out together up to `block_bytes`;
+  `wait_bytes` waits for that many bytes ready, `fit_bytes` cuts a chunk to end when the next gradient
+  is ready, `to_end` when the last one is.
   """
   if not units:
     return [], []
@@ -270,12 +232,8 @@ def block_tail(prob: Problem, units: Sequence[Slice], block_bytes: float) -> lis
 
 
 def tail_dp(prob: Problem, units: Sequence[Slice]) -> list[SearchChunk]:
-  """Optimal grouping of ready gradients sent back to back in priority order (one link).
-
-  With start-up a and per-byte b, the group ending at unit j ends at T0 + (its rank)·a + b·P(j), and the
-  iteration is the max over groups of that end plus the group's tail (the largest `SearchChunk.tail_s` of its
-  rows: update and forward that must follow). h[i], the best such max for units i.. with ranks counted from i, obeys
-  h[i] = min_j max(a + b·P(j+1) + C(i..j), a + h[j+1]): a reverse O(N^2) program, exact for the order.
+  """Optimal grouping of ready gradients sent back to back in priority order (one link), by the reverse
+  O(N^2) program.
   """
   merged = merge_slices(units)
   n = len(merged)
@@ -319,13 +277,8 @@ BLOCK_FLOORS_TUNED = 4
 
 
 def prophet_blocks(prob: Problem) -> list[tuple[str, list[SearchChunk], None]]:
-  """Prophet's block rule (`_prophet`'s planner, stages at gaps over the mean) with a floor in bytes.
-
-  Every floor in `BLOCK_FLOORS` with one tail setting, then the best `BLOCK_FLOORS_TUNED` floors with
-  every tail setting (`BLOCK_GROWTHS` x a small first block after backward or not): of those 28 greedy
-  passes, the best `BLOCK_KEEP` plans by prediction, and for the best `EXACT_TAILS` distinct heads
-  (the blocks that start before the last gradient is ready) the same head with the rest in priority
-  order grouped by `tail_dp`. A few ms on a few hundred rows.
+  """Prophet's block rule with a floor in bytes, over `BLOCK_FLOORS` and tail settings, and the best heads
+  with `tail_dp`'s tail.
   """
   total = float(prob.row_nbytes.sum())
   planner = ProphetPlanner(prob, 1.0)
@@ -369,10 +322,8 @@ def prophet_blocks(prob: Problem) -> list[tuple[str, list[SearchChunk], None]]:
 
 def own_candidates(prob: Problem, cross_step: bool, grid: Sequence[tuple] | None = None
                     ) -> list[tuple[str, list[SearchChunk], tuple | None]]:
-  """The joint optimiser's candidates: (label, chunks, grid point or None).
-
-  `grid` restricts the pipelined step's grid of (partition, block, mode, amount) points (all of
-  `PARTITIONS` x `BLOCKS` x `MODES` by default); with it, only the exact-tail variants are returned.
+  """The joint optimiser's candidates: (label, chunks, grid point or None); `grid` restricts the pipelined
+  step's grid (then only the exact-tail variants).
   """
   out: list[tuple[str, list[SearchChunk], tuple | None]] = []
   if not prob.live:

@@ -1,7 +1,4 @@
-"""plan(): a Schedule from a profile, a network model and a policy; validate_schedule().
-
-Pure: numpy only, never jax.
-"""
+"""plan(): a Schedule from a profile, a network model and a policy; validate_schedule() (pure numpy)."""
 
 from __future__ import annotations
 
@@ -20,22 +17,8 @@ __all__ = ["plan", "validate_schedule", "POLICIES"]
 
 
 def validate_schedule(schedule: Schedule, profile: GradientProfile) -> Schedule:
-  """Check that `schedule` fits `profile`: the same rows (paths, shapes, dtypes, in order).
-
-  Coverage (every element of every non-empty row in exactly one chunk, once, one dtype per chunk) is
-  Schedule's own invariant, checked when it is built; this adds what the Schedule cannot know, that
-  its rows are this profile's, so a policy that planned for another tree fails here, in the planner.
-
-  Args:
-    schedule: the schedule.
-    profile: the profile it must cover.
-
-  Returns:
-    `schedule`, unchanged.
-
-  Raises:
-    TypeError: the arguments are not a Schedule and a GradientProfile.
-    ScheduleMismatchError: the schedule was planned for another tree (the first differing row named).
+  """Checks that `schedule` was planned for `profile`'s rows, so a policy that planned for another tree
+  fails in the planner; returns it. TypeError or ScheduleMismatchError (the first differing row).
   """
   check_values("validate_schedule", schedule=schedule, profile=profile)
   match_rows(schedule, profile.tree_rows(), where="validate_schedule")
@@ -44,29 +27,22 @@ def validate_schedule(schedule: Schedule, profile: GradientProfile) -> Schedule:
 
 def plan(profile: GradientProfile, network: NetworkModel, policy: str | Callable[..., Schedule] = "auto", *,
          cross_step: bool | str = False, **options: Any) -> Schedule:
-  """Plan the gradient all-reduces of one training step.
+  """Plan the gradient collectives of one training step.
 
   Args:
     profile: per-leaf gradient sizes and ready times (rows in priority order).
-    network: the all-reduce cost model.
-    policy: a name in `POLICIES` ('wfbp', 'bucket', 'xla', 'mgwfbp', 'priority', 'prophet', 'auto',
-      'dlcp', 'dear') or a Scheduler callable `scheduler(profile, network, *, cross_step) -> Schedule`.
-    cross_step: the step mode to plan for: False (a plain step: the next step starts when every
-      all-reduce is done), True (the pipelined step: the next forward overlaps the all-reduces), or
-      'auto' (policy 'auto' only: the planner chooses and records it).
+    network: the cost model.
+    policy: a name in `POLICIES` or a Scheduler `scheduler(profile, network, *, cross_step) -> Schedule`.
+    cross_step: False (plain step), True (pipelined step) or 'auto' (policy 'auto' only: it chooses).
     **options: the named policy's factory options (e.g. `bucket_bytes=` for 'bucket').
 
   Returns:
-    The Schedule, validated against the profile, recording its policy, options and cross_step, with
-    `predicted_s` from `prophet_jax.simulate` (unless the policy predicted it), and with
-    `network.links > 1` the link of every all-reduce (`Schedule.links`, as the calm simulation
-    assigns them).
+    The Schedule, validated against the profile, with `predicted_s` (`simulate`'s) and, with
+    `network.links > 1`, the calm simulation's `links`.
 
   Raises:
-    ValueError: an unknown policy, or cross_step='auto' with a policy other than 'auto'; bad option
-      values (raised by the factory).
-    TypeError: an unknown option, or a profile/network of the wrong type.
-    ScheduleError, ScheduleMismatchError: the policy returned a schedule that does not fit the profile.
+    ValueError, TypeError: an unknown policy or option, a bad option value or argument.
+    ScheduleError, ScheduleMismatchError: the policy's schedule does not fit the profile.
 
   Examples:
     >>> from prophet_jax import GradientProfile, NetworkModel, plan

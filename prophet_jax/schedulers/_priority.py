@@ -1,7 +1,4 @@
-"""ByteScheduler / P3: partitioned tensors, highest priority first, with a credit window.
-
-Pure: numpy only, never jax.
-"""
+"""ByteScheduler / P3: partitioned tensors, highest priority first, with a credit window (pure numpy)."""
 
 from __future__ import annotations
 
@@ -28,23 +25,9 @@ MAX_PARTITIONS = 2**20
 
 def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes: int | None,
                 credit_bytes: int | None, *, mode: str = "ps") -> list[tuple[int, int, int]]:
-  """The partitions in the order ByteScheduler's loop would issue them, given the profile's timing.
+  """The partitions as (row, start, stop) slices in the order ByteScheduler's loop issues them.
 
-  The loop (ByteCore.post and ByteCore._loop in bytescheduler/common/bytecore.py): a tensor (row) larger
-  than the partition size is cut into ceil(size / partition) parts of equal size (at most one element
-  apart; ByteScheduler's PyTorch task cuts along the first axis, so its parts can differ by up to one
-  slice of that axis), each part a task of its own; the partition size is `partition_bytes`, or
-  `mode`'s default number of parameters times the row's dtype size. A part is ready when its row is
-  (`ready_s`); its priority is the row index (row 0, needed first by the next forward, is highest), then
-  its offset. Whenever credit remains (the credit in flight is below the window), the highest-priority
-  ready part is issued as its own all-reduce and holds its size in credit until it finishes; so the
-  window may be overshot by the last part issued, as ByteScheduler's loop does (it waits only once the
-  remaining credit is <= 0). The window is `credit_bytes` bytes, or `mode`'s default counted in
-  parameters (elements) as ByteScheduler counts it. Issued parts share one link first come first
-  served, each taking `network.allreduce_s(bytes)`.
-
-  Returns:
-    The partitions as (row, start, stop) slices in issue order.
+  The loop: docs/design.md, "The policies", "priority".
   """
   partition_params, credit_params = MODE_DEFAULTS[mode]
 
@@ -101,41 +84,19 @@ def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes
 
 def priority(*, partition_bytes: int | None = None, credit_bytes: int | None = None,
              mode: str = "ps") -> Scheduler:
-  """ByteScheduler / P3: tensors cut into partitions, sent highest priority first within a credit.
-
-  A static model of ByteScheduler's run-time loop (see `issue_order`): the emitted schedule is the
-  order in which its loop would issue the partitions, given the profile's ready times and the network
-  model. As ByteScheduler does, every partition is its own all-reduce (one chunk in a bucket of its
-  own): it never fuses tensors. The credit bounds what is in flight, so a high-priority partition that
-  becomes ready waits behind at most a credit's worth of lower-priority partitions. The same loop plans
-  both step modes; priority order pays off with `cross_step=True` (the next forward needs row 0 first).
-  With `network.overlap` False the loop still uses the profile's ready times (backward pauses are
-  ignored), and it models one link (`network.links` > 1 gets the same order).
-
-  Defaults are ByteScheduler's, per its communication architecture (`mode`), counted in parameters:
-  "ps" (the default, ByteScheduler's code defaults): 1,000,000-parameter partitions and a
-  4,000,000-parameter credit (bytescheduler/bytescheduler/common/bytecore.py:62 and :65 in
-  bytedance/byteps); "allreduce": 8,000,000 and 16,000,000, the values its documentation prescribes for
-  the all-reduce architecture (bytescheduler/docs/scheduling.md:36-40). The mode only picks these
-  defaults: the collective simulated is always `network`'s all-reduce (ByteScheduler's "ps" mode pushes
-  to and pulls from parameter servers, which this model does not simulate). ByteScheduler tunes the
-  credit at run time by Bayesian optimisation (bytescheduler/common/tuner.py: credit 1-16M parameters
-  for "ps", 4-64M for "allreduce"; partition 2-32M, all-reduce only): pass `partition_bytes` and
-  `credit_bytes` to model a tuned run.
+  """ByteScheduler / P3: tensors cut into partitions, each its own all-reduce, sent highest priority first
+  within a credit of bytes in flight (docs/design.md, "The policies").
 
   Args:
-    partition_bytes: largest partition in bytes; None for `mode`'s default number of parameters times
-      the gradient dtype's size (4,000,000 bytes of float32 for "ps").
-    credit_bytes: bytes in flight; None for `mode`'s default, counted in parameters (elements), as
-      ByteScheduler counts it (16,000,000 bytes of float32 for "ps").
-    mode: "ps" or "allreduce": which of ByteScheduler's defaults to use.
+    partition_bytes: largest partition in bytes; None: `mode`'s default parameters times the dtype size.
+    credit_bytes: bytes in flight; None: `mode`'s default, counted in parameters.
+    mode: "ps" (1M-parameter partitions, 4M credit) or "allreduce" (8M, 16M): ByteScheduler's defaults.
 
   Returns:
-    A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule`.
+    A Scheduler.
 
   Raises:
-    TypeError, ValueError: an option that is not a positive integer number of bytes (or None), or an
-      unknown mode.
+    TypeError, ValueError: a size that is not a positive integer number of bytes, or an unknown mode.
 
   Examples:
     >>> from prophet_jax import GradientProfile, NetworkModel
@@ -149,9 +110,9 @@ def priority(*, partition_bytes: int | None = None, credit_bytes: int | None = N
     [2500000]
 
   References:
-    Peng et al., "A Generic Communication Scheduler for Distributed DNN Training Acceleration"
-    (ByteScheduler), SOSP 2019; bytedance/byteps, bytescheduler/. Jayarajan et al.,
-    "Priority-based Parameter Propagation for Distributed DNN Training" (P3), SysML 2019.
+    Y. Peng et al., "A Generic Communication Scheduler for Distributed DNN Training Acceleration"
+    (ByteScheduler), SOSP 2019. A. Jayarajan et al., "Priority-based Parameter Propagation for
+    Distributed DNN Training" (P3), SysML 2019.
   """
   if mode not in MODE_DEFAULTS:
     raise ValueError(f"priority(mode={mode!r}): expected one of {sorted(MODE_DEFAULTS)} (ByteScheduler's "

@@ -1,7 +1,4 @@
-"""Prophet: stage-aware gradient blocks, highest priority first (Zhang et al., ICPP 2021).
-
-Pure: numpy only, never jax.
-"""
+"""Prophet: stage-aware gradient blocks, highest priority first (pure numpy)."""
 
 from __future__ import annotations
 
@@ -27,7 +24,8 @@ MAX_BLOCKS = 512
 
 def find_stages(ready_s: list[float], gap_factor: float) -> list[float]:
   """Start times of Prophet's stages: where the gap between consecutive distinct ready times exceeds
-  `gap_factor` times the mean gap. The first stage starts at the first ready time."""
+  `gap_factor` times the mean gap (the first at the first ready time).
+  """
   times = sorted(set(ready_s))
   if len(times) < 2:
     return times[:1]
@@ -61,15 +59,8 @@ class Planner:
 
   def plan(self, min_block: float, tail_growth: float,
            small_first: bool = True) -> tuple[list[list[tuple[int, int, int]]], float]:
-    """Blocks (groups of slices) in issue order for one setting of the knobs, and their predicted
-    iteration time (the numeric core's, for the chunks the blocks become).
-
-    min_block: the floor on a block's bytes while backward runs (amortises the start-up a); also the
-      floor of every block after the first once backward is done.
-    tail_growth: after the last gradient is ready, the blocks hold min_block bytes, growing by this
-      factor, to amortise a.
-    small_first: whether the first block after backward holds only min(min_block, the first layer's
-      bytes), so the next forward can start early.
+    """Blocks in issue order and their predicted iteration for one setting: `min_block` the floor on a
+    block's bytes, `tail_growth` the growth after backward, `small_first` a small first block after it.
     """
     prob = self.prob
     arrivals, item, sizes, dtype_of, ready, nbytes = (self.arrivals, prob.itemsize, prob.size,
@@ -170,39 +161,8 @@ class Planner:
 
 def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
             tail_growth: float | None = None) -> Scheduler:
-  """Prophet: blocks sized to the gaps of backward, highest-priority gradients first.
-
-  Prophet finds the *stages* of the ready-time pattern: a new stage starts where the gap between
-  consecutive ready times exceeds `gap_factor` times the mean gap. Priority is the row order (row 0 is
-  needed first by the next forward). The plan is an event simulation of the link (one link, overlap):
-  whenever the link is free during backward, with B the bandwidth and Δ the time to the next gradient's
-  ready time,
-
-  - if the pending gradients reach the block floor, one block of the highest-priority ones is sent,
-    of max(floor, B·Δ) bytes;
-  - else if all of them finish within Δ, they go as one block (the link would idle otherwise);
-  - else if the next gradient opens a new stage (a gap), the block is the highest-priority pending
-    gradients that fit in B·Δ: Prophet's stage block, so that the link is free again when the next
-    stage's gradients (of higher priority) arrive;
-  - else the link waits for the rest of the stage, saving a start-up.
-
-  Large tensors are cut at element boundaries, so a block can end anywhere and a low-priority block
-  never holds the link much longer than the floor when a higher-priority gradient is waiting. The floor
-  amortises the start-up on smooth per-layer traces, which have no stages and tiny gaps: it is
-  `startup_s / (alpha_fraction · per_byte_s)` bytes (the start-up is at most `alpha_fraction` of the
-  block's time), and never below total bytes / `MAX_BLOCKS`. After the last gradient is ready, the
-  rest goes out in priority order in blocks of the floor growing by `tail_growth`, optionally after a
-  first small block (the first layer's bytes) so that the next forward starts early.
-
-  The knobs left as None, and whether to send that small first block, are chosen per profile, network
-  and step mode by predicting each candidate's iteration time with the numeric core (`_core.objective_s`,
-  the simulator's number: under network pressure the mean over its seeded samples; alpha_fraction in
-  `ALPHA_FRACTIONS`, tail_growth in `TAIL_GROWTHS`), as Prophet sizes its blocks from measured timings;
-  under pressure the same knobs are also tried at a typical message's costs (`_network.typical_network`);
-  ties go to the first candidate. With `network.overlap` False (the device
-  cannot compute while it communicates) every block pauses the device, so the plan is one block, one
-  all-reduce per dtype, after backward, rows in priority order. The plan models one link; with
-  `network.links` > 1 the same order is used.
+  """Prophet: blocks sized to the gaps of backward, highest-priority gradients first; knobs left None are
+  chosen by predicting each candidate (docs/design.md, "The policies").
 
   Args:
     gap_factor: a gap larger than this multiple of the mean gap between ready times starts a stage.
@@ -210,13 +170,10 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
     tail_growth: growth factor (>= 1) of the blocks sent after backward (None: chosen).
 
   Returns:
-    A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule`.
-
-  Raises:
-    TypeError, ValueError: an option that is not a positive number (tail_growth: >= 1).
+    A Scheduler. TypeError or ValueError for an option that is not a positive number.
 
   References:
-    Zhang et al., "Prophet: Speeding up Distributed DNN Training with Predictable Communication
+    Z. Zhang et al., "Prophet: Speeding up Distributed DNN Training with Predictable Communication
     Scheduling", ICPP 2021.
   """
   gap_factor = check_positive(POLICY, "gap_factor", gap_factor, hint="Try 2.0.")

@@ -1,7 +1,4 @@
-"""The policy registry: every policy's name and factory, as `plan(policy=name)` and the CLI see them.
-
-Pure: numpy only, never jax.
-"""
+"""The policy registry: every policy's name and factory, as `plan` and the CLI see them (pure)."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ from ._xla import xla
 
 
 class _Policies(Mapping[str, Callable[..., Scheduler]]):
-  """Every policy name and its factory, read-only, in a fixed order: 'wfbp', 'bucket', 'xla', 'mgwfbp',
-  'priority', 'prophet', 'auto', 'dlcp', 'dear', 'fsdp'."""
+  """Every policy name and its factory, read-only, in a fixed order."""
 
   def __init__(self, table: Mapping[str, Callable[..., Scheduler]]):
     self._table = dict(table)
@@ -54,12 +50,8 @@ def option_names(name: str) -> tuple[str, ...]:
 
 
 def resolve(policy: Any, options: Mapping[str, Any], cross_step: Any) -> tuple[str, Scheduler]:
-  """(policy name, scheduler) from a policy name and its options, or from a Scheduler callable.
-
-  Raises:
-    ValueError: an unknown name, or cross_step='auto' with a policy other than 'auto'; a bad option
-      value (raised by the factory).
-    TypeError: an unknown option, options given with a callable, or a policy that is neither.
+  """(policy name, scheduler) from a name and its options, or from a Scheduler callable; ValueError for an
+  unknown name or cross_step='auto' with another policy, TypeError for an unknown option.
   """
   if isinstance(policy, str):
     if policy not in POLICIES:

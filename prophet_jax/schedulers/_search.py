@@ -1,15 +1,5 @@
-"""The local search of `auto`: first-improvement moves over candidate chunks, with random kicks.
-
-Pure: numpy only, never jax. A move edits a range of chunks (merge two, swap two, split one; on small
-schedules also move a chunk or one slice anywhere, merge it into any chunk of its dtype, or move to
-another chunk every slice that chunk can take without becoming ready later or needing more after it). A
-trial is
-scored from the edited chunks' (ready, bytes, tail) alone: the chunks themselves are built only when a
-move is kept. With overlap (auto searches only then) the score is incremental: the links' state
-before the edit is kept, the recurrence runs from the edit on, and it stops as soon as the trial is no
-better than the best (the iteration is a running maximum) or the links' state meets the old one
-again (everything after is unchanged). Otherwise the numeric core scores the whole schedule.
-Deterministic: the kicks draw from a fixed seed, and the number of evaluations is bounded.
+"""The local search of `auto`: first-improvement moves over candidate chunks, with random kicks,
+incremental scoring and a fixed evaluation budget (pure numpy; docs/design.md, "The policies", "auto").
 """
 
 from __future__ import annotations
@@ -40,13 +30,8 @@ def _join(x: Stats, y: Stats) -> Stats:
 
 
 class Scorer:
-  """The iteration time of a candidate and of edits of it (replace chunks i..j-1 with others).
-
-  With overlap: the chunks go, in issue order, to the link that frees first (one link: the core's
-  recurrence `_core.link_end`, end_k = max(ready_k, end_{k-1}) + a + b·bytes_k), and the iteration is max(backward end + what
-  follows, max_k(end_k + tail_k), floor): `_core.iteration_s`'s closed form run as its recurrence (the
-  state after chunk k: the links' free times and the last start), from the edit on. Without overlap
-  the core scores the whole edited schedule.
+  """The iteration time of a candidate and of edits of it (chunks i..j-1 replaced): with overlap the
+  recurrence from the edit on, else the core on the whole schedule.
   """
 
   def __init__(self, prob: Problem, chunks: list[SearchChunk]):
@@ -268,12 +253,8 @@ def _into_after(prob, cur, k, m, parts):
 
 def local_search(prob: Problem, chunks: list[SearchChunk], budget: int, rich: bool,
                  active: set[SearchChunk] | None = None) -> tuple[list[SearchChunk], float, int]:
-  """First-improvement local search over `moves` (merge, swap, split; rich: move chunks and slices).
-
-  With `active` (chunks, by identity), only their neighbourhoods are scanned, and a kept move
-  activates the chunks around it (don't-look bits: a local optimum for the moves near what changed,
-  at a fraction of a full scan's cost). Stops there or after `budget` evaluations. Returns (chunks,
-  predicted, evaluations).
+  """First-improvement local search over `moves` until a local optimum (near the `active` chunks, by
+  don't-look bits) or `budget` evaluations: (chunks, predicted, evaluations).
   """
   cur = list(chunks)
   look = None if active is None else set(active)
@@ -331,9 +312,9 @@ def kick(prob: Problem, cur: list[SearchChunk], rng: np.random.Generator) -> lis
 
 def iterated_local_search(prob: Problem, chunks: list[SearchChunk], budget: int, rich: bool
                           ) -> tuple[list[SearchChunk], float]:
-  """Local search, then (small schedules) kicks of two random moves followed by local search again
-  around what the kicks changed (don't-look bits), keeping improvements, until `budget` evaluations
-  are spent or `PATIENCE` kicks in a row fail. Deterministic (fixed seed)."""
+  """Local search, then (small schedules) kicks of two random moves and local search again, keeping
+  improvements, until `budget` or `PATIENCE` failed kicks. Deterministic.
+  """
   cur, best, used = local_search(prob, chunks, budget, rich)
   if not rich:
     return cur, best

@@ -1,7 +1,4 @@
-"""WFBP: one all-reduce per layer, in ready order (wait-free backpropagation).
-
-Pure: numpy only, never jax.
-"""
+"""WFBP: one all-reduce per layer, in ready order (pure numpy)."""
 
 from __future__ import annotations
 
@@ -14,15 +11,10 @@ POLICY = "wfbp"
 
 
 def wfbp() -> Scheduler:
-  """Wait-free backpropagation: each layer's gradients go out as soon as the layer is done.
-
-  One all-reduce per layer (the profile rows' `layer`), issued in ready order: a layer is ready when
-  its last row is ready. A layer whose rows have several dtypes gets one chunk (all-reduce) per dtype,
-  in one bucket. Zero-size rows are in no chunk. The plan is the same for both step modes (`cross_step`
-  is only recorded): WFBP orders by readiness, never by the next forward's needs.
+  """Wait-free backpropagation: one all-reduce per layer, issued as soon as the layer is ready.
 
   Returns:
-    A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule`.
+    A Scheduler; the plan is the same for both step modes.
 
   Examples:
     >>> from prophet_jax import GradientProfile, NetworkModel
@@ -35,8 +27,8 @@ def wfbp() -> Scheduler:
     [((1, 0, 4),), ((0, 0, 4),)]
 
   References:
-    Zhang et al., "Poseidon: An Efficient Communication Architecture for Distributed Deep Learning on
-    GPU Clusters", USENIX ATC 2017 (wait-free backpropagation, WFBP).
+    H. Zhang et al., "Poseidon: An Efficient Communication Architecture for Distributed Deep Learning on
+    GPU Clusters", USENIX ATC 2017.
   """
 
   def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:

@@ -1,7 +1,4 @@
-"""What XLA does with a step's gradient all-reduces when left alone.
-
-Pure: numpy only, never jax.
-"""
+"""What XLA does with a step's gradient all-reduces when left alone (pure numpy)."""
 
 from __future__ import annotations
 
@@ -18,19 +15,11 @@ GPU_COMBINE_THRESHOLD_BYTES = 30 * 2**20  # xla_gpu_all_reduce_combine_threshold
 def xla() -> Scheduler:
   """XLA's own all-reduce combining, following `network.overlap`.
 
-  - `network.overlap` False (XLA on the CPU, where a collective blocks the executor): the CPU
-    all-reduce combiner merges every independent all-reduce into one, with no byte limit, after the
-    backward pass. Here: one bucket holding one chunk per dtype, rows in ready order.
-  - `network.overlap` True (GPUs): the GPU all-reduce combiner merges all-reduces up to its threshold,
-    30 MiB by default; modelled as buckets of whole leaves of at most 30 MiB in ready order.
-
-  Returns:
-    A Scheduler: `scheduler(profile, network, *, cross_step) -> Schedule`. The plan is the same for
-    both step modes (`cross_step` is only recorded).
+  One all-reduce per dtype without overlap (CPU), whole leaves up to 30 MiB with overlap (GPU)
+  (docs/design.md, "The policies", "xla"). Returns a Scheduler, the same plan for both step modes.
 
   References:
-    OpenXLA, `AllReduceCombiner` / `CpuAllReduceCombiner` passes and the GPU flag
-    `xla_gpu_all_reduce_combine_threshold_bytes` (openxla/xla, 2023-2025); docs/facts.md, "XLA on the CPU merges and reorders all-reduces".
+    OpenXLA `AllReduceCombiner` / `CpuAllReduceCombiner`, `xla_gpu_all_reduce_combine_threshold_bytes`.
   """
 
   def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
