@@ -22,7 +22,6 @@ crash deep inside jax). Pure Python over pytrees at call time; no traced decisio
 from __future__ import annotations
 
 import numbers
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,65 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _convert, _defer, _states, _zero
+from . import _convert, _defer, _nnx, _states, _zero
 from ._pending import PipelinedState
-from ._states import AccumState, DeferState, GradShards, ScheduledState, ShardedState
+from ._states import DeferState, ScheduledState, ShardedState
 from .._values._errors import ShardingError
 from .._values._schedule import Schedule, shard_size
 
 __all__ = ["unshard_state", "shard_state", "state_specs", "deferred_grads"]
 
-_LIBRARY = (ShardedState, GradShards, DeferState, AccumState, ScheduledState,
-            PipelinedState)
-
-
 # --------------------------------------------------------------------------------------------------
-# what a container is
-
-
-def _nnx() -> Any:
-  """flax.nnx if the user imported it (an nnx object cannot exist otherwise): no import of our own."""
-  return sys.modules.get("flax.nnx")
-
-
-def _is_optimizer(x: Any) -> bool:
-  nnx = _nnx()
-  return nnx is not None and isinstance(x, nnx.Optimizer)
-
-
-def _is_nnx_state(x: Any) -> bool:
-  nnx = _nnx()
-  return nnx is not None and isinstance(x, nnx.State)
-
-
-def _is_variable(x: Any) -> bool:
-  nnx = _nnx()
-  return nnx is not None and isinstance(x, nnx.Variable)
-
-
-def _values(tree: Any) -> Any:
-  return jax.tree_util.tree_map(lambda v: v.get_value() if _is_variable(v) else v, tree, is_leaf=_is_variable)
-
-
-_PER_DEVICE = (ShardedState, GradShards, DeferState, AccumState)
-
-
-def _unwrap(tree: Any) -> Any:
-  """`tree` with the flax Variables inside the library's per-device states (nnx.Optimizer wraps every
-  array in an OptArray) replaced by their values; the library's types and tags kept. A tx state's own
-  Variables (Param-shaped momenta) stay: `_recast` lays them on tx's template."""
-  if _nnx() is None:
-    return tree
-  pred = lambda x: isinstance(x, _PER_DEVICE)  # noqa: E731
-  return jax.tree_util.tree_map(lambda x: _values(x) if pred(x) else x, tree, is_leaf=pred)
-
-
-def _is_library(x: Any) -> bool:
-  return isinstance(x, _LIBRARY)
-
-
-def _holds_library(x: Any) -> bool:
-  return any(_is_library(y) for y in jax.tree_util.tree_leaves(x, is_leaf=_is_library))
+# what a container holds
 
 
 def _not_a_state(where: str, obj: Any, wanted: str) -> TypeError:
@@ -109,86 +59,10 @@ def _check_axis_name(axis_name: Any, where: str) -> None:
                     f"axis_name=...).")
 
 
-# nnx's labels: a path entry's name (a dict key, an attribute, a tuple index)
-
-
-def _label(k: Any) -> Any:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return getattr(k, attr)
-  return k
-
-
-def _labelled(tree: Any) -> dict:
-  """`tree` (with flax Variables as leaves) as the nested dicts nnx.state uses: one key per path entry."""
-  out: dict = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)[0]:
-    d = out
-    for k in path[:-1]:
-      d = d.setdefault(_label(k), {})
-    d[_label(path[-1])] = leaf
-  return out
-
-
-def _to_nnx(tree: Any) -> Any:
-  """A typed state of arrays as nnx.Optimizer keeps it (arrays in OptArray, Variables in OptVariable)."""
-  from flax.nnx.training.optimizer import to_opt_state  # only reached with flax.nnx already imported
-  return to_opt_state(tree)
-
-
-def _rebuild(template: Any, labelled: Mapping, where: str) -> Any:
-  """The typed tree `template` (arrays or ShapeDtypeStructs) with its leaves looked up by path in the
-  nnx-labelled `labelled` (values unwrapped from their Variables)."""
-  paths, _ = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_variable)
-  treedef = jax.tree_util.tree_structure(template)   # a Variable holds one leaf: the same order
-  leaves = []
-  for path, _ in paths:
-    d: Any = labelled
-    for k in path:
-      key = _label(k)
-      if not isinstance(d, Mapping) or key not in d:
-        names = "/".join(str(_label(q)) for q in path)
-        raise ShardingError(f"{where}: the nnx state has no entry {names!r} where the optimizer's state "
-                            f"keeps one: it was made by another transformation than the tx given.")
-      d = d[key]
-    leaves.append(d.get_value() if _is_variable(d) else d)
-  return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _walk_mappings(tree: Any, pred, fn) -> tuple[Any, int]:
-  """Every Mapping of the nnx-labelled `tree` for which `pred` holds replaced by `fn(it)` (not
-  descending into it); returns (the new tree as plain nested dicts, how many were replaced)."""
-  if isinstance(tree, Mapping):
-    if pred(tree):
-      return fn(tree), 1
-    out, count = {}, 0
-    for k, v in tree.items():
-      out[k], c = _walk_mappings(v, pred, fn)
-      count += c
-    return out, count
-  return tree, 0
-
-
-def _as_state(d: Any) -> Any:
-  return _nnx().State(d) if isinstance(d, Mapping) else d
-
-
-# --------------------------------------------------------------------------------------------------
-# the walker for typed pytrees
-
-
 def _map_typed(obj: Any, pred, fn) -> tuple[Any, int]:
   found = [x for x in jax.tree_util.tree_leaves(obj, is_leaf=pred) if pred(x)]
   out = jax.tree_util.tree_map(lambda x: fn(x) if pred(x) else x, obj, is_leaf=pred)
   return out, len(found)
-
-
-def _on_optimizer(opt: Any, fn) -> Any:
-  """fn on the optimizer's typed (unwrapped) opt_state; the result as the nnx.State of an optimizer
-  holding it (for nnx.update)."""
-  new = fn(_unwrap(opt.opt_state))
-  rest = {k: v for k, v in _labelled(_nnx().state(opt)).items() if k != "opt_state"}
-  return _as_state({**rest, "opt_state": _labelled(_to_nnx(new))})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,7 +97,7 @@ def _types(tree: Any) -> list[str]:
   if isinstance(tree, (tuple, list)):
     for x in tree:
       out.extend(_types(x))
-  elif isinstance(tree, Mapping) and not _is_variable(tree):
+  elif isinstance(tree, Mapping) and not _nnx.is_variable(tree):
     for k in tree:
       out.extend(_types(tree[k]))
   return out
@@ -269,21 +143,21 @@ def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
     _check_shards(s, tx, schedule, where)
     return _convert.unshard_state(s, tx, params, schedule)
 
-  if _is_optimizer(state):
-    return _on_optimizer(state, lambda st: _typed(st, _is_sharded, one, where, "ShardedState"))
-  if _is_nnx_state(state):
+  if _nnx.is_optimizer(state):
+    return _nnx.on_optimizer(state, lambda st: _typed(st, _is_sharded, one, where, "ShardedState"))
+  if _nnx.is_nnx_state(state):
     def from_labels(d: Mapping) -> Any:
       s = _sharded_from_labels(d, tx, schedule, where)
-      return _labelled(_to_nnx(_convert.unshard_state(s, tx, params, schedule)))
-    new, count = _walk_mappings(_labelled(state), lambda d: "per_device" in d, from_labels)
+      return _nnx.labelled(_nnx.to_nnx(_convert.unshard_state(s, tx, params, schedule)))
+    new, count = _nnx.walk_mappings(_nnx.labelled(state), lambda d: "per_device" in d, from_labels)
     if not count:
       raise _not_a_state(where, state, "sharded optimizer state (no 'per_device' entry)")
-    return _as_state(new)
+    return _nnx.as_state(new)
   return _typed(state, _is_sharded, one, where, "ShardedState")
 
 
 def _typed(state: Any, pred, fn, where: str, wanted: str) -> Any:
-  out, count = _map_typed(_unwrap(state), pred, fn)
+  out, count = _map_typed(_nnx.unwrap(state), pred, fn)
   if not count:
     raise _not_a_state(where, state, wanted)
   return out
@@ -305,8 +179,8 @@ def _check_shards(s: Any, tx: Any, schedule: Schedule, where: str) -> None:
 def _sharded_from_labels(d: Mapping, tx: Any, schedule: Schedule, where: str) -> Any:
   """The ShardedState nnx re-labelled as {'per_device': ...}: its tag rebuilt from the schedule, the
   axis size read from the leaves' leading axis, the mode from the number of shard entries."""
-  leaves = [x.get_value() if _is_variable(x) else x
-            for x in jax.tree_util.tree_leaves(d["per_device"], is_leaf=_is_variable)]
+  leaves = [x.get_value() if _nnx.is_variable(x) else x
+            for x in jax.tree_util.tree_leaves(d["per_device"], is_leaf=_nnx.is_variable)]
   if not leaves:
     raise ShardingError(f"{where}: the sharded optimizer state holds no arrays.")
   n = int(np.shape(leaves[0])[0])
@@ -317,7 +191,7 @@ def _sharded_from_labels(d: Mapping, tx: Any, schedule: Schedule, where: str) ->
       struct = struct + (jax.ShapeDtypeStruct((), jnp.float32),)
     template = jax.eval_shape(tx.init, struct)
     try:
-      per = _rebuild(template, d["per_device"], where)
+      per = _nnx.rebuild(template, d["per_device"], where)
     except ShardingError as e:
       last = e
       continue
@@ -373,8 +247,8 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
     return ScheduledState(inner=cut(s.inner))
 
   def typed(state: Any) -> Any:
-    state = _unwrap(state)
-    if not _holds_library(state) and fits(state):
+    state = _nnx.unwrap(state)
+    if not _states.holds_state(state) and fits(state):
       return cut(state)
     out, count = _map_typed(state, lambda x: isinstance(x, ScheduledState), scheduled_state)
     if count:
@@ -383,13 +257,13 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
                             lambda p: p if _is_sharded(p.opt_state) else p._replace(opt_state=cut(p.opt_state)))
     if count:
       return out
-    if not _holds_library(state):
+    if not _states.holds_state(state):
       cut(state)  # names both transformations' states
     raise _not_a_state(where, state, "tx's whole optimizer state")
 
-  if _is_optimizer(tx_state):
-    return _on_optimizer(tx_state, typed)
-  if _is_nnx_state(tx_state):
+  if _nnx.is_optimizer(tx_state):
+    return _nnx.on_optimizer(tx_state, typed)
+  if _nnx.is_nnx_state(tx_state):
     def from_labels(d: Mapping) -> Any:
       if isinstance(d["inner"], Mapping) and "per_device" in d["inner"]:
         return d
@@ -398,11 +272,11 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
           raise ValueError(f"{where}: the optimizer state holds a {name} (its plan defers or accumulates): "
                            f"cutting it would drop those values. Apply them first, then pass the state "
                            f"without them.")
-      return {**d, "inner": _labelled(_to_nnx(cut(_rebuild(template, d["inner"], where))))}
-    new, count = _walk_mappings(_labelled(tx_state), lambda d: "inner" in d, from_labels)
+      return {**d, "inner": _nnx.labelled(_nnx.to_nnx(cut(_nnx.rebuild(template, d["inner"], where))))}
+    new, count = _nnx.walk_mappings(_nnx.labelled(tx_state), lambda d: "inner" in d, from_labels)
     if not count:
       raise _not_a_state(where, tx_state, "scheduled's optimizer state (no 'inner' entry)")
-    return _as_state(new)
+    return _nnx.as_state(new)
   return typed(tx_state)
 
 
@@ -416,8 +290,8 @@ def state_specs(state: Any, axis_name: Any) -> Any:
   """
   where = "state_specs"
   _check_axis_name(axis_name, where)
-  if _is_optimizer(state):
-    state = _nnx().state(state)
+  if _nnx.is_optimizer(state):
+    state = _nnx.flax_nnx().state(state)
   return _states.state_specs(state, axis_name)
 
 
@@ -443,11 +317,11 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None,
   if state is None:
     return _defer.deferred_grads(None, params)
   given = state
-  if _is_nnx_state(state):
-    state = _defer_from_labels(_labelled(state), schedule, where)
+  if _nnx.is_nnx_state(state):
+    state = _defer_from_labels(_nnx.labelled(state), schedule, where)
   else:
-    state = _unwrap(state.opt_state if _is_optimizer(state) else state)
-    if not _holds_library(state):
+    state = _nnx.unwrap(state.opt_state if _nnx.is_optimizer(state) else state)
+    if not _states.holds_state(state):
       raise _not_a_state(where, given, "library state (a ScheduledState, DeferState, PipelinedState)")
   found = _defer.find_states(state)
   n = _global_n(found)
@@ -486,12 +360,12 @@ def _defer_from_labels(labelled: Mapping, schedule: Schedule | None, where: str)
   found: list = []
 
   def take(d: Mapping) -> Any:
-    seq = lambda m: tuple((m[k].get_value() if _is_variable(m[k]) else m[k]) for k in sorted(m))  # noqa: E731
+    seq = lambda m: tuple((m[k].get_value() if _nnx.is_variable(m[k]) else m[k]) for k in sorted(m))  # noqa: E731
     found.append({k: seq(d[k]) for k in keys if isinstance(d.get(k), Mapping)})
     return d
 
-  _walk_mappings(labelled, lambda d: {"residual", "index"} <= set(d), take)
-  holds = found or _walk_mappings(labelled, lambda d: "inner" in d or "per_device" in d, lambda d: d)[1]
+  _nnx.walk_mappings(labelled, lambda d: {"residual", "index"} <= set(d), take)
+  holds = found or _nnx.walk_mappings(labelled, lambda d: "inner" in d or "per_device" in d, lambda d: d)[1]
   if not holds:
     raise _not_a_state(where, labelled, "library state")
   if not found:

@@ -18,12 +18,15 @@ import numpy as np
 
 from . import _defer
 from ._sharded import chunk_buffer, padded, scatter_chunks
-from ._states import AccumState, DeferState, ScheduledState, ShardedState, StateTag
+from ._reduction import owed_tag
+from ._states import AccumState, DeferState, OwedState, ScheduledState, ShardedState, StateTag, is_kind, kind_of
+from ._defer import defer_tag
 from ._zero import matched_leaves, shard_tag, check_state, shard_mode
 from .._values._errors import ScheduleMismatchError, ShardingError
+from .._values._checks import match_tree
 from .._values._schedule import Schedule, shard_size
 
-__all__ = ["unshard_state", "shard_state", "Converted", "convert"]
+__all__ = ["unshard_state", "shard_state", "Converted", "Conversion", "convert", "defer_like"]
 
 
 def _host(x: Any) -> np.ndarray:
@@ -197,17 +200,12 @@ class Converted(NamedTuple):
   Attributes:
     state: the state in the new schedule's layout (the same containers as went in).
     owed: what the new layout cannot hold: the deferred gradient values the old schedule would have
-      added to its next gradients, as a tree like the params, with the state's device axis in front
-      where it had one (pmap's or a global state's `(n, ...)`), to be added to the new schedule's first
-      gradients; None when nothing is owed.
+      added to its next gradients, as a tree like the params (with the state's device axis in front
+      where it had one), to be added to the new schedule's first gradients; None when nothing is owed.
   """
 
   state: Any
   owed: Any
-
-
-def _is_mine(x: Any) -> bool:
-  return isinstance(x, (ScheduledState, DeferState, ShardedState, AccumState))
 
 
 def _pmap_layout(s: ShardedState) -> bool:
@@ -252,36 +250,149 @@ def _owed_of(d: DeferState, old: Schedule, params: Any) -> tuple[Any, tuple[int,
   return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *per), (devices,)
 
 
+class Conversion:
+  """One walk that takes every library state in a tree from its own schedule's layout (recorded in its
+  `StateTag`) to `new`'s: each kind's declared conversion step (`_states.Kind.convert`) is a method.
+
+  With `owed_in_place`, what the new layout cannot hold (a deferral residual) travels as an `OwedState`
+  where the new step takes its deferral state (`convert_state`); else it is summed in `owed` (`convert`).
+  """
+
+  def __init__(self, params: Any, new: Schedule, *, tx: Any = None, n: int | None = None,
+               owed_in_place: bool = False, where: str = "convert"):
+    if not isinstance(new, Schedule):
+      raise TypeError(f"{where}: new_schedule must be a prophet_jax.Schedule, got {type(new).__name__}.")
+    self.params, self.new, self.tx, self.n, self.where = params, new, tx, n, where
+    self.owed_in_place = owed_in_place
+    self.owed: list[tuple[Any, tuple[int, ...]]] = []
+
+  def __call__(self, state: Any) -> Any:
+    return jax.tree_util.tree_map(self.step, state, is_leaf=is_kind)
+
+  def step(self, x: Any) -> Any:
+    kind = kind_of(x)
+    return getattr(self, kind.convert)(x) if kind is not None and kind.convert else x
+
+  def _need_tx(self, what: str) -> None:
+    if self.tx is None:
+      raise ValueError(f"{self.where}: {what}, which needs the optimizer: pass tx= (the one given to scheduled).")
+
+  def _old(self, tag: Any, what: str) -> Schedule:
+    sched = tag.schedule if isinstance(tag, StateTag) else None
+    if sched is None:
+      raise ValueError(f"{self.where}: the {what} does not record the schedule it was made for (its tag was "
+                       f"rebuilt without it); make the state with this library's init or step.")
+    return sched
+
+  # -- the kinds' steps ----------------------------------------------------------------------------
+  def defer(self, d: DeferState) -> Any:
+    """Kept for its own schedule; else the new schedule's initial state in the same layout, and the
+    residual owed (at the elements it was deferred from) to the new schedule's first gradients."""
+    new = self.new
+    if new.defers and d.tag == defer_tag(new):
+      return d
+    owed, axis = _owed_of(d, self._old(d.tag, "deferral state"), self.params)
+    if self.owed_in_place:
+      return _owed_state(owed, d, self.params, new)
+    self.owed.append((owed, axis))
+    return defer_like(new, tuple(np.shape(d.norms[0])[:-1]), tuple(np.shape(d.residual[0])[:-2]))
+
+  def owed(self, o: OwedState) -> OwedState:
+    if o.tag == owed_tag(self.new):
+      return o
+    raise ValueError(f"{self.where}: the state still owes deferred values to the first step of another plan "
+                     f"({o.tag!r}): run that step once before converting again.")
+
+  def sharded(self, s: ShardedState) -> Any:
+    """Kept for its own schedule and device count; else gathered into tx's whole state and, for a
+    sharded new schedule, cut again for `n` devices in the same layout."""
+    new, old, count = self.new, self._old(s.tag, "ZeRO-1 optimizer state"), self.n or s.tag.n
+    if new.family == "zero1" and s.tag == shard_tag(new, count, s.tag.mode):
+      return s
+    self._need_tx("a ZeRO-1 optimizer state is gathered")
+    pmap = _pmap_layout(s)
+    whole = unshard_state(s, self.tx, self.params, old)
+    if new.family == "zero1":
+      return shard_state(whole, self.tx, self.params, new, count, pmap=pmap)
+    if pmap:   # each device's copy, as pmap keeps a replicated state
+      return jax.tree_util.tree_map(lambda x: np.broadcast_to(x, (s.tag.n,) + np.shape(x)).copy(), whole)
+    return whole
+
+  def accum(self, a: AccumState) -> AccumState:
+    rows = self.new.rows
+    ok = len(a.grads) == len(rows) and all(
+        tuple(np.shape(g))[len(np.shape(g)) - len(shape):] == tuple(shape) for (_, shape, _), g in zip(rows, a.grads))
+    if not ok:
+      raise ScheduleMismatchError(
+          f"{self.where}: the gradient accumulator holds {len(a.grads)} sums shaped "
+          f"{[tuple(np.shape(g)) for g in a.grads][:4]}, which are not the rows of the new schedule "
+          f"({len(rows)} rows): it was planned for another tree.")
+    return a
+
+  def scheduled(self, x: ScheduledState) -> ScheduledState:
+    """Its parts by their kinds; tx's whole state cut into shards for a ZeRO-1 schedule; an initial
+    deferral state where the new schedule defers and the old did not."""
+    if kind_of(x.inner) is not None:
+      inner = self.step(x.inner)
+    elif self.new.family == "zero1":
+      inner = self._whole_to_shards(x.inner)
+    else:
+      inner = x.inner
+    if x.defer_state is not None:
+      d = self.step(x.defer_state)
+    elif self.new.defers:
+      d = defer_like(self.new, (), (self.n,) if self.n else (1,))
+    else:
+      d = None
+    return ScheduledState(inner=inner, defer_state=d, accum=None if x.accum is None else self.step(x.accum))
+
+  def pipelined(self, x: Any) -> Any:
+    """tx's state as `scheduled`'s is converted (a pipelined step keeps it bare) and its deferral state;
+    a pending forward (half of the old plan's step) is refused."""
+    if x.pending is not None:
+      raise ValueError(
+          f"{self.where}: the PipelinedState holds a pending forward of its plan (half of a step): flush it "
+          f"with the old plan's step first (state = jax.pmap(old.flush, axis_name=...)(state), or "
+          f"old.flush inside its shard_map / jit), then convert.")
+    opt = self.scheduled(ScheduledState(inner=x.opt_state)).inner
+    return x._replace(opt_state=opt, defer=None if x.defer is None else self.step(x.defer))
+
+  def _whole_to_shards(self, inner: Any) -> Any:
+    self._need_tx("a whole optimizer state is cut into ZeRO-1 shards")
+    tmpl = jax.tree_util.tree_leaves(jax.eval_shape(self.tx.init, self.params))
+    have = jax.tree_util.tree_leaves(inner)
+    stacked = bool(tmpl) and len(have) == len(tmpl) and np.ndim(have[0]) == len(tmpl[0].shape) + 1
+    count = self.n or (np.shape(have[0])[0] if stacked else None)
+    if count is None:
+      raise ValueError(f"{self.where}: cutting the whole optimizer state into ZeRO-1 shards needs the number "
+                       f"of devices: pass n=.")
+    if stacked:
+      inner = jax.tree_util.tree_map(lambda x: np.asarray(x)[0], inner)
+    return shard_state(inner, self.tx, self.params, self.new, count, pmap=stacked)
+
+
+def _owed_state(owed: Any, d: DeferState, params: Any, schedule: Schedule) -> OwedState:
+  """An owed tree (per device, or stacked on a device axis) as an OwedState laid out as `d` was: each
+  row `(1, *shape)` per device, `(n, *shape)` global, `(n, 1, *shape)` under pmap."""
+  prefix = tuple(np.shape(d.residual[0])[:-2])
+  lmap = match_tree(jax.tree_util.tree_flatten_with_path(params)[0], schedule, where="convert_state")
+  flat = jax.tree_util.tree_leaves(owed)
+  rows = tuple(np.asarray(flat[i]).reshape(prefix + tuple(shape)).astype(dtype)
+               for i, (_, shape, dtype) in zip(lmap.row_leaf, schedule.rows))
+  return OwedState(owed=rows, tag=owed_tag(schedule))
+
+
 def convert(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = None, n: int | None = None
             ) -> Converted:
-  """Every library state in `state` taken from its own schedule's layout to `new_schedule`'s, on the host.
+  """Every library state in `state` taken from its own schedule's layout to `new_schedule`'s, on the
+  host, bit for bit; what the new layout cannot hold (a deferral residual) summed in `owed`.
 
-  The state layer's one conversion between schedules (the public `convert_state` builds on it).
-  Outside the step, on fetched values: a state as `init` and the step leave it, per device (a
-  mapping's layout: a residual `(1, k, c)`), stacked by pmap (`(n, 1, ...)`) or global (shard_map,
-  `mesh=`: `(n, ...)`). Each state records its schedule in its `StateTag`:
-
-  - a `DeferState`: kept as it is when `new_schedule` gives the same tag; otherwise replaced by
-    `new_schedule`'s initial deferral state in the same layout (None for a schedule that defers
-    nothing), and its residual, each device's deferred values, returned in `owed` at the elements it
-    was deferred from: exactly what the old schedule would have added to its next gradients. Add it
-    to the new schedule's first gradients and nothing is lost.
-  - a `ShardedState` (ZeRO-1): kept when `new_schedule` gives the same tag for the same `n`;
-    otherwise gathered into `tx`'s whole state (`unshard_state`) and, when `new_schedule` is sharded,
-    cut again for it and `n` devices (`shard_state`, in the same layout), else left whole (a pmap
-    layout keeps its device axis: each device's copy).
-  - a `ScheduledState` whose `inner` is `tx`'s whole state, going to a sharded `new_schedule`: cut
-    into shards for `n` devices (pmap's layout when the whole state was stacked per device); its
-    `defer_state` converted as above, or, when the old schedule deferred nothing and the new one
-    defers, `new_schedule`'s initial deferral state (per device; global `(n, ...)` residuals given `n`).
-  - an `AccumState`: kept (its sums are the tree's rows, which every schedule of the tree shares).
-
-  Every value is carried bit for bit: a residual is put back at its elements in the leaf's dtype, as
-  the step adds it; optimizer shards are moved, never recomputed.
+  The state layer's conversion primitive (`convert_state` builds on the same walk, `Conversion`):
+  outside the step, on fetched values, in any layout (per device, pmap's `(n, 1, ...)`, global
+  `(n, ...)`); docs/design.md ("Changing plans") says what each kind becomes.
 
   Args:
-    state: any tree holding library states (a ScheduledState, an optax chain's tuple, a dict, a
-      PipelinedState's `opt_state` and `defer`, a bare DeferState or ShardedState).
+    state: any tree holding library states.
     params: the params' tree (arrays or ShapeDtypeStructs) the schedules were planned for.
     new_schedule: the schedule to convert to.
     tx: the optimizer, wherever a ZeRO-1 state is gathered or cut.
@@ -291,101 +402,17 @@ def convert(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = None, 
     `Converted(state, owed)`.
 
   Raises:
-    ValueError: a ZeRO-1 state to gather or cut without `tx`, a cut without `n`, or a state that does
-      not record its schedule.
-    ScheduleMismatchError: a state's schedule is of another tree than `params`, or an accumulator's
-      sums are not `new_schedule`'s rows.
+    ValueError: a ZeRO-1 state to gather or cut without `tx`, a cut without `n`, a state that does not
+      record its schedule, or owed values of two layouts.
+    ScheduleMismatchError: a state's schedule is of another tree than `params`.
   """
-  where = "convert"
-  if not isinstance(new_schedule, Schedule):
-    raise TypeError(f"{where}: new_schedule must be a prophet_jax.Schedule, got {type(new_schedule).__name__}.")
-  owed: list[tuple[Any, tuple[int, ...]]] = []
-
-  def need_tx(what: str) -> None:
-    if tx is None:
-      raise ValueError(f"{where}: {what}, which needs the optimizer: pass tx= (the one given to scheduled).")
-
-  def old_schedule(tag: Any, what: str) -> Schedule:
-    sched = tag.schedule if isinstance(tag, StateTag) else None
-    if sched is None:
-      raise ValueError(f"{where}: the {what} does not record the schedule it was made for (its tag was "
-                       f"rebuilt without it); make the state with this library's init or step.")
-    return sched
-
-  def defer(d: DeferState) -> Any:
-    if new_schedule.defers and d.tag == _defer.defer_tag(new_schedule):
-      return d
-    old = old_schedule(d.tag, "deferral state")
-    owed.append(_owed_of(d, old, params))
-    return defer_like(new_schedule, tuple(np.shape(d.norms[0])[:-1]), tuple(np.shape(d.residual[0])[:-2]))
-
-  def sharded(s: ShardedState) -> Any:
-    old = old_schedule(s.tag, "ZeRO-1 optimizer state")
-    count = n or s.tag.n
-    if new_schedule.sharded and s.tag == shard_tag(new_schedule, count, s.tag.mode):
-      return s
-    need_tx("a ZeRO-1 optimizer state is gathered")
-    pmap = _pmap_layout(s)
-    whole = unshard_state(s, tx, params, old)
-    if new_schedule.sharded:
-      return shard_state(whole, tx, params, new_schedule, count, pmap=pmap)
-    if pmap:   # each device's copy, as pmap keeps a replicated state
-      return jax.tree_util.tree_map(lambda x: np.broadcast_to(x, (s.tag.n,) + np.shape(x)).copy(), whole)
-    return whole
-
-  def accum(a: AccumState) -> AccumState:
-    rows = new_schedule.rows
-    ok = len(a.grads) == len(rows) and all(
-        tuple(np.shape(g))[len(np.shape(g)) - len(shape):] == tuple(shape) for (_, shape, _), g in zip(rows, a.grads))
-    if not ok:
-      raise ScheduleMismatchError(
-          f"{where}: the gradient accumulator holds {len(a.grads)} sums shaped "
-          f"{[tuple(np.shape(g)) for g in a.grads][:4]}, which are not the rows of the new schedule "
-          f"({len(rows)} rows): it was planned for another tree.")
-    return a
-
-  def whole_to_shards(inner: Any) -> Any:
-    need_tx("a whole optimizer state is cut into ZeRO-1 shards")
-    tmpl = jax.tree_util.tree_leaves(jax.eval_shape(tx.init, params))
-    have = jax.tree_util.tree_leaves(inner)
-    stacked = bool(tmpl) and len(have) == len(tmpl) and np.ndim(have[0]) == len(tmpl[0].shape) + 1
-    count = n or (np.shape(have[0])[0] if stacked else None)
-    if count is None:
-      raise ValueError(f"{where}: cutting the whole optimizer state into ZeRO-1 shards needs the number of "
-                       f"devices: pass n=.")
-    if stacked:
-      inner = jax.tree_util.tree_map(lambda x: np.asarray(x)[0], inner)
-    return shard_state(inner, tx, params, new_schedule, count, pmap=stacked)
-
-  def one(x: Any) -> Any:
-    if isinstance(x, DeferState):
-      return defer(x)
-    if isinstance(x, ShardedState):
-      return sharded(x)
-    if isinstance(x, AccumState):
-      return accum(x)
-    if isinstance(x, ScheduledState):
-      if isinstance(x.inner, ShardedState):
-        inner = sharded(x.inner)
-      elif new_schedule.sharded:
-        inner = whole_to_shards(x.inner)
-      else:
-        inner = x.inner
-      if x.defer_state is not None:
-        d = defer(x.defer_state)
-      elif new_schedule.defers:
-        d = defer_like(new_schedule, (), (n,) if n else (1,))
-      else:
-        d = None
-      return ScheduledState(inner=inner, defer_state=d, accum=None if x.accum is None else accum(x.accum))
-    return x
-
-  out = jax.tree_util.tree_map(one, state, is_leaf=_is_mine)
-  if not owed:
+  c = Conversion(params, new_schedule, tx=tx, n=n)
+  out = c(state)
+  if not c.owed:
     return Converted(out, None)
-  total, axis = owed[0]
-  for tree, ax in owed[1:]:
+  total, axis = c.owed[0]
+  for tree, ax in c.owed[1:]:
     if ax != axis:
-      raise ValueError(f"{where}: the state holds deferral states in two layouts ({axis} and {ax} devices).")
+      raise ValueError(f"convert: the state holds deferral states in two layouts ({axis} and {ax} devices).")
     total = jax.tree_util.tree_map(np.add, total, tree)
   return Converted(out, total)

@@ -22,12 +22,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _convert, _mesh
+from . import _mesh, _nnx
 from ._accumulate import accum_dtype
-from ._pending import PipelinedState
-from ._reduction import owed_tag
-from ._states import DeferState, OwedState, ScheduledState, ShardedState, AccumState, state_specs
-from .._values._checks import match_tree
+from ._convert import Conversion, defer_like
+from ._states import AccumState, OwedState, ScheduledState, holds_state, is_kind, is_state, state_specs
 from .._values._schedule import Schedule
 
 __all__ = ["convert_state", "first_step_specs", "steady_state"]
@@ -40,21 +38,6 @@ def _devices(mesh: Any, axis_name: Any, num_devices: Any, where: str) -> int | N
                        f"an int >= 1.")
     return int(num_devices)
   return _mesh.data_devices(mesh, axis_name, where)
-
-
-def _owed_state(owed: Any, d: DeferState, params: Any, schedule: Schedule) -> OwedState:
-  """`convert`'s owed tree (per device, or stacked on a device axis) as an OwedState laid out as `d`
-  was: each row `(1, *shape)` per device, `(n, *shape)` global, `(n, 1, *shape)` under pmap."""
-  prefix = tuple(np.shape(d.residual[0])[:-2])
-  lmap = match_tree(jax.tree_util.tree_flatten_with_path(params)[0], schedule, where="convert_state")
-  flat = jax.tree_util.tree_leaves(owed)
-  rows = tuple(np.asarray(flat[i]).reshape(prefix + tuple(shape)).astype(dtype)
-               for i, (_, shape, dtype) in zip(lmap.row_leaf, schedule.rows))
-  return OwedState(owed=rows, tag=owed_tag(schedule))
-
-
-def _is_nnx(state: Any) -> bool:
-  return type(state).__module__.startswith("flax.nnx")
 
 
 def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = None, mesh: Any = None,
@@ -105,12 +88,19 @@ def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = 
   if not isinstance(new_schedule, Schedule):
     raise TypeError(f"{where}: new_schedule must be a prophet_jax.Schedule, got {type(new_schedule).__name__}.")
   n = _devices(mesh, axis_name, num_devices, where)
-  if _is_nnx(state) and not _holds_state(state):
+  if _nnx.is_optimizer(state):   # an nnx.State of the optimizer comes out, for nnx.update
+    return _nnx.on_optimizer(state, lambda s: convert_state(
+        s, params, new_schedule, tx=tx, mesh=mesh, axis_name=axis_name, num_devices=num_devices,
+        every_k=every_k), whole=True)
+  if _nnx.holds_variables(state):   # an nnx.Optimizer's opt_state: its arrays in Variables
+    return _nnx.to_nnx(convert_state(_nnx.values(state), params, new_schedule, tx=tx, mesh=mesh,
+                                     axis_name=axis_name, num_devices=num_devices, every_k=every_k))
+  if _nnx.is_nnx_state(state) and not holds_state(state):
     raise TypeError(
-        f"{where}: the {type(state).__name__} re-labels the library's states as nested dicts, so their "
-        f"schedules cannot be read: convert the optimizer's state as the transformation returns it "
-        f"(a ScheduledState) and set it back with nnx.update.")
-  if state is not None and not _holds_state(state):
+        f"{where}: nnx.state(optimizer) re-labels the library's states as nested dicts, so their "
+        f"schedules cannot be read: pass the nnx.Optimizer itself (an nnx.State comes out: "
+        f"nnx.update(optimizer, new)) or its .opt_state.")
+  if state is not None and not holds_state(state):
     raise TypeError(
         f"{where}: no state of this library in the given {type(state).__name__}: pass the optimizer "
         f"state of scheduled(tx, schedule), a TrainState or dict holding it, a PipelinedState, or the "
@@ -118,11 +108,11 @@ def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = 
   if every_k is not None and (isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer))
                               or every_k < 1):
     raise ValueError(f"{where}: every_k={every_k!r}: the new transformation's every_k, an int >= 1.")
-  out = _convert_tree(state, params, new_schedule, tx, n, where)
+  out = Conversion(params, new_schedule, tx=tx, n=n, owed_in_place=True, where=where)(state)
   if every_k is not None:
     global_layout = _mesh.data_devices(mesh, axis_name, where) is not None
     out = jax.tree_util.tree_map(lambda x: _accum_for(x, new_schedule, int(every_k), n, global_layout, where),
-                                 out, is_leaf=_is_lib)
+                                 out, is_leaf=is_kind)
   return _mesh.put_on(out, mesh, lambda: state_specs(out, axis_name))
 
 
@@ -138,56 +128,10 @@ def _accum_for(x: Any, schedule: Schedule, every_k: int, n: int | None, on_mesh:
     return x._replace(accum=None)
   if x.accum is not None:
     return x
-  d = x.defer_state
-  if isinstance(d, (DeferState, OwedState)):
-    first = d.residual[0] if isinstance(d, DeferState) else d.owed[0]
-    row0 = schedule.rows[0][1] if isinstance(d, OwedState) else None
-    prefix = tuple(np.shape(first)[:-2]) if row0 is None else tuple(np.shape(first)[:len(np.shape(first)) - len(row0)])
-  else:
-    prefix = (n,) if on_mesh and n else (1,)
+  prefix = x.defer_state.lead if x.defer_state is not None else (n,) if on_mesh and n else (1,)
   count = np.zeros(prefix[:1] if len(prefix) == 2 else (), np.int32)
   grads = tuple(np.zeros(prefix + tuple(shape), accum_dtype(dtype)) for _, shape, dtype in schedule.rows)
   return x._replace(accum=AccumState(count=count, grads=grads))
-
-
-def _is_lib(x: Any) -> bool:
-  return isinstance(x, (ScheduledState, DeferState, ShardedState, AccumState, OwedState, PipelinedState))
-
-
-def _holds_state(state: Any) -> bool:
-  return any(_is_lib(x) for x in jax.tree_util.tree_leaves(state, is_leaf=_is_lib))
-
-
-def _convert_tree(state: Any, params: Any, new: Schedule, tx: Any, n: int | None, where: str) -> Any:
-  def defer(d: Any) -> Any:
-    if isinstance(d, OwedState):
-      if d.tag == owed_tag(new):
-        return d
-      raise ValueError(f"{where}: the state still owes deferred values to the first step of another plan "
-                       f"({d.tag!r}): run that step once before converting again.")
-    c = _convert.convert(d, params, new, tx=tx, n=n)
-    return c.state if c.owed is None else _owed_state(c.owed, d, params, new)
-
-  def one(x: Any) -> Any:
-    if isinstance(x, PipelinedState):
-      if x.pending is not None:
-        raise ValueError(
-            f"{where}: the PipelinedState holds a pending forward of its plan (half of a step): flush it "
-            f"with the old plan's step first (state = jax.pmap(old.flush, axis_name=...)(state), or "
-            f"old.flush inside its shard_map / jit), then convert.")
-      # tx's state, whole or ZeRO-1 shards (a pipelined step keeps it bare): converted as scheduled's
-      opt = _convert.convert(ScheduledState(inner=x.opt_state), params, new, tx=tx, n=n).state.inner
-      return x._replace(opt_state=opt, defer=None if x.defer is None else defer(x.defer))
-    if isinstance(x, ScheduledState):
-      rest = _convert.convert(x._replace(defer_state=None), params, new, tx=tx, n=n).state
-      return rest if x.defer_state is None else rest._replace(defer_state=defer(x.defer_state))
-    if isinstance(x, (DeferState, OwedState)):
-      return defer(x)
-    if isinstance(x, (ShardedState, AccumState)):
-      return _convert.convert(x, params, new, tx=tx, n=n).state
-    return x
-
-  return jax.tree_util.tree_map(one, state, is_leaf=_is_lib)
 
 
 def steady_state(state: Any) -> Any:
@@ -197,14 +141,9 @@ def steady_state(state: Any) -> Any:
   def one(x: Any) -> Any:
     if not isinstance(x, OwedState):
       return x
-    sched = x.tag.schedule
-    shape0 = np.shape(x.owed[0]) if x.owed else (1,)
-    rank = len(sched.rows[0][1]) if sched.rows else 0
-    res = tuple(shape0[:len(shape0) - rank])
-    rep = res[:1] if len(res) == 2 else ()
-    return _convert.defer_like(sched, rep, res)
+    return defer_like(x.tag.schedule, x.lead[:1] if len(x.lead) == 2 else (), x.lead)
 
-  return jax.tree_util.tree_map(one, state, is_leaf=lambda x: isinstance(x, OwedState))
+  return jax.tree_util.tree_map(one, state, is_leaf=is_state)
 
 
 def first_step_specs(state: Any, axis_name: Any) -> tuple[Any, Any]:

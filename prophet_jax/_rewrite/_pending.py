@@ -113,7 +113,8 @@ class Pending:
     return f"Pending({len(self.residuals)} residuals, {meta_nbytes(self.meta)} bytes per device)"
 
 
-@declare(per_device=("pending",), label="the pending forward's residual {}", convert="pipelined")
+@declare(per_device=("pending",), label="the pending forward's residual {}", convert="pipelined",
+         container=True)
 class PipelinedState(NamedTuple):
   """State of the pipelined step.
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from . import _tag_text
@@ -33,7 +34,7 @@ from .._values._tree import IdentityMemo
 
 __all__ = ["StateTag", "ShardLayout", "schedule_key", "ScheduledState", "DeferState", "ShardedState",
            "GradShards", "AccumState", "OwedState", "Kind", "KINDS", "declare", "kind_of", "per_device_path",
-           "state_specs", "prefix_specs", "is_state", "per_device_leaves"]
+           "state_specs", "prefix_specs", "is_state", "is_kind", "holds_state", "per_device_leaves"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -151,12 +152,14 @@ class Kind(NamedTuple):
     nnx: where a container that re-labels NamedTuples as dicts (`flax.nnx`) keeps a per-device leaf:
       entry names that must appear in order on its path.
     convert: the name of its conversion step between schedules (`_convert.Conversion`'s method).
+    container: it holds other states (a step's whole state), not only arrays.
   """
 
   per_device: tuple[str, ...] = ()
   label: str = ""
   nnx: tuple[tuple[str, ...], ...] = ()
   convert: str = ""
+  container: bool = False
 
 
 KINDS: dict[type, Kind] = {}
@@ -179,7 +182,7 @@ def kind_of(x: Any) -> Kind | None:
 # the states
 
 
-@declare(convert="scheduled")
+@declare(convert="scheduled", container=True)
 class ScheduledState(NamedTuple):
   """State of `scheduled(tx, ...)`.
 
@@ -219,6 +222,12 @@ class DeferState(NamedTuple):
   index: tuple[jax.Array, ...]
   residual: tuple[jax.Array, ...]
   tag: StateTag
+
+  @property
+  def lead(self) -> tuple[int, ...]:
+    """The device axes in front of each device's values: (1,) per device (inside a mapping), (n,) on
+    a mesh (global), (n, 1) under pmap."""
+    return tuple(np.shape(self.residual[0])[:-2])
 
 
 @declare(per_device=("per_device",), label="the sharded optimizer state's leaf {}", nnx=(("per_device",),),
@@ -303,11 +312,18 @@ class OwedState(NamedTuple):
   owed: tuple[jax.Array, ...]
   tag: StateTag
 
+  @property
+  def lead(self) -> tuple[int, ...]:
+    """The device axes in front of each device's values, as `DeferState.lead`."""
+    rows = self.tag.schedule.rows
+    shape = np.shape(self.owed[0]) if self.owed else (1,)
+    return tuple(shape[:len(shape) - (len(rows[0][1]) if rows else 0)])
+
 
 def is_state(x: Any) -> bool:
-  """Whether `x` is one of the library's per-device states (a kind with per-device fields)."""
+  """Whether `x` is one of the library's per-device states (a kind of arrays, not a container)."""
   kind = kind_of(x)
-  return kind is not None and bool(kind.per_device)
+  return kind is not None and not kind.container
 
 
 def _key_name(k: Any) -> Any:
@@ -341,8 +357,14 @@ def _fields(x: Any) -> list[tuple[str, Any, bool]]:
   return [(f, getattr(x, f), f in per) for f in x._fields]
 
 
-def _is_kind(x: Any) -> bool:
+def is_kind(x: Any) -> bool:
+  """Whether `x` is one of the library's declared states (per-device states and their containers)."""
   return kind_of(x) is not None
+
+
+def holds_state(tree: Any) -> bool:
+  """Whether `tree` is or holds one of the library's declared states."""
+  return any(is_kind(y) for y in jax.tree_util.tree_leaves(tree, is_leaf=is_kind))
 
 
 def prefix_specs(cls: type, axis_name: Any) -> Any:
@@ -377,20 +399,20 @@ def state_specs(state: Any, axis_name: Any) -> Any:
     A tree of PartitionSpecs with the structure of `state`.
   """
   def one(path, x):
-    if _is_kind(x):
+    if is_kind(x):
       return type(x)(*(jax.tree_util.tree_map(lambda _: PartitionSpec(axis_name), v) if per else
                        state_specs(v, axis_name) for _, v, per in _fields(x)))
     return PartitionSpec(axis_name) if per_device_path([_key_name(k) for k in path]) else PartitionSpec()
 
-  return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_kind)
+  return jax.tree_util.tree_map_with_path(one, state, is_leaf=is_kind)
 
 
 def per_device_leaves(state: Any) -> list[tuple[str, Any]]:
   """(a name for messages, the leaf) for every leaf of `state` that `state_specs` gives the axis: what
   a placement check reads (each device's part, on the leading axis of a global array)."""
   out: list[tuple[str, Any]] = []
-  for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_kind)[0]:
-    if _is_kind(x):
+  for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_kind)[0]:
+    if is_kind(x):
       label = kind_of(x).label
       for _, v, per in _fields(x):
         if not per:
