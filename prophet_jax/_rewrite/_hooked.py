@@ -13,28 +13,29 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import contextvars
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _loss_reduction, _mesh, _zero
+from . import _loss_reduction, _mesh
 from ._axis import is_varying, to_varying
 from ._collectives import reduce_units, schedule_units, unit_allreduces, zero_of
 from ._sharded import reduce_scatter_chunks
-from ._defer import DeferState, GroupState, group_states, init as defer_init, with_groups
+from ._defer import GroupState, group_states, init as defer_init, with_groups
 from ._keys import check_enforce_order, ordered_by
 from ._reduction import step_setup
-from ._states import GradShards, OwedState
+from ._states import GradShards, is_state
+from ._zero import shard_tag
 from .._values._checks import check_values
 from .._values._schedule import Bucket, Chunk, Schedule, shard_size
 from .._values._tree import dtype_name, is_float_dtype, is_reduced_leaf
 
-__all__ = ["hooked", "loop_hook", "hook_groups", "LOOP_SCOPE"]
+__all__ = ["hooked", "loop_hook", "hook_groups", "hook_plan", "HookPlan", "Collective", "LOOP_SCOPE"]
 
 LOOP_SCOPE = "prophet/loop/"
 
@@ -92,17 +93,64 @@ def _local(units: Sequence[Any], rows: Sequence[int]) -> tuple[Any, ...]:
                dataclasses.replace(u, chunks=tuple(_relabel(c, local) for c in u.chunks)) for u in units)
 
 
-def _make_hook(backward: Callable, cast: Sequence[bool], axis_name: Any) -> Callable:
-  """A custom_vjp identity on (a hook group's leaves, token, extra) whose backward runs `backward`.
+class Collective(NamedTuple):
+  """What one hook group issues in backward (`HookPlan.backward`): the all-reduces of its units (chunks
+  and deferral groups, `reduce_units`) or the reduce-scatters of its chunks (a ZeRO-1 plan), from the
+  unit index `first` on."""
+
+  kind: str                  # "all-reduce" or "reduce-scatter"
+  units: tuple[Any, ...]     # chunks or deferral groups, their rows renumbered to the group's leaves
+  first: int                 # the first unit's index (its named scope)
+  extra: tuple[int, ...]     # what the hook carries beside its leaves: deferral groups, or the chunks' slots
+
+
+class HookPlan(NamedTuple):
+  """The hooks of a schedule, built once: per group of leaves, in issue order, what forward gathers
+  (nothing for today's families: the params are whole) and what backward reduces."""
+
+  forward: tuple[tuple[tuple[int, ...], Any], ...]
+  backward: tuple[tuple[tuple[int, ...], Collective], ...]
+  family: str
+
+
+def hook_plan(schedule: Schedule) -> HookPlan:
+  """The schedule's hook groups (`hook_groups`), each with the collective its backward rule issues."""
+  units = schedule_units(schedule)
+  firsts = np.concatenate([[0], np.cumsum([unit_allreduces(u) for u in units])]).astype(int).tolist()
+  backward, seen = [], 0
+  for a, b, rows in hook_groups(schedule):
+    if schedule.family == "zero1":
+      col = Collective("reduce-scatter", _local(units[a:b], rows), a, tuple(range(a, b)))
+    else:
+      n_groups = sum(isinstance(u, Bucket) for u in units[a:b])
+      col = Collective("all-reduce", _local(units[a:b], rows), firsts[a], tuple(range(seen, seen + n_groups)))
+      seen += n_groups
+    backward.append((rows, col))
+  return HookPlan(forward=(), backward=tuple(backward), family=schedule.family)
+
+
+def _make_hook(col: Collective, cast: Sequence[bool], avals: Sequence[tuple[tuple[int, ...], Any]],
+               axis_name: Any, n: int, divisor: Any) -> Callable:
+  """A custom_vjp identity on (a hook group's leaves, token, extra) whose backward issues `col`.
 
   Forward: the leaves (cast to varying where `cast` says, so that under check_vma their cotangents
-  stay per-device) and the token, unchanged; `extra` is an input only. Backward:
-  `backward(leaf cotangents, token cotangent, extra) -> (leaf cotangents, last result, extra's
-  cotangent)`: the group's collectives, the first tied to the incoming token cotangent; the token's
-  cotangent is tied to the last result. What `extra` carries is the caller's: the deferral groups'
-  states (encoded by `_encode`; their new states come back as its cotangent) for the all-reduce
-  hooks, the shard slots (the reduced shards come back as its cotangent) for a sharded schedule's.
+  stay per-device) and the token, unchanged; `extra` is an input only. Backward: the group's
+  collectives, the first tied to the incoming token cotangent; the token's cotangent is tied to the
+  last result; `extra`'s cotangent carries what backward made: the deferral groups' new states
+  (encoded, `_encode`) or the reduce-scattered shards (the leaves' cotangents are zeros then: nothing
+  reads the full gradients).
   """
+  row_leaf = tuple(range(len(cast)))
+
+  def backward(ct_leaves, ct_token, extra):
+    if col.kind == "reduce-scatter":
+      shards, last = reduce_scatter_chunks(ct_leaves, col.units, row_leaf, axis_name, n=n, divisor=divisor,
+                                           first_index=col.first, prev=ct_token)
+      return [jnp.zeros(s, d) for s, d in avals], last, tuple(shards)
+    out, last, new = reduce_units(ct_leaves, col.units, row_leaf, axis_name, divisor=divisor,
+                                  first_index=col.first, prev=ct_token, defer=tuple(_decode(x) for x in extra))
+    return out, last, tuple(_encode(g) for g in new)
+
   @jax.custom_vjp
   def hook(leaves, token, extra):
     return [(to_varying(x, axis_name) if c else x) for x, c in zip(leaves, cast)], token
@@ -117,71 +165,6 @@ def _make_hook(backward: Callable, cast: Sequence[bool], axis_name: Any) -> Call
 
   hook.defvjp(fwd, bwd)
   return hook
-
-
-def _allreduce_hook(units: Sequence[Any], first_index: int, rows: Sequence[int], axis_name: Any,
-                    divisor: int, cast: Sequence[bool]) -> Callable:
-  """The hook of an all-reduce schedule's group: its units' all-reduces (and deferral) in backward."""
-  local_units, row_leaf = _local(units, rows), tuple(range(len(rows)))
-
-  def backward(ct_leaves, ct_token, states):
-    out, last, new = reduce_units(ct_leaves, local_units, row_leaf, axis_name, divisor=divisor,
-                                  first_index=first_index, prev=ct_token,
-                                  defer=tuple(_decode(x) for x in states))
-    return out, last, tuple(_encode(g) for g in new)
-
-  return _make_hook(backward, cast, axis_name)
-
-
-def _rs_hook(chunks: Sequence[Chunk], first_index: int, rows: Sequence[int], axis_name: Any, n: int,
-             divisor: int, cast: Sequence[bool], avals: Sequence[tuple[tuple[int, ...], Any]]) -> Callable:
-  """The hook of a sharded schedule's group: its chunks' reduce-scatters (divided by `divisor`: the mean
-  or the sum, `reduction`) in backward, the shards returned as the slots' cotangents, zeros as the
-  leaves' (nothing reads the full gradients)."""
-  local_chunks, row_leaf = _local(chunks, rows), tuple(range(len(rows)))
-
-  def backward(ct_leaves, ct_token, slots):
-    shards, last = reduce_scatter_chunks(ct_leaves, local_chunks, row_leaf, axis_name, n=n, divisor=divisor,
-                                         first_index=first_index, prev=ct_token)
-    return [jnp.zeros(s, d) for s, d in avals], last, tuple(shards)
-
-  return _make_hook(backward, cast, axis_name)
-
-
-def _hooked_sharded(loss_fn: Callable[..., Any], schedule: Schedule, axis_name: Any, has_aux: bool,
-                    has_state: bool, reduction: str = "mean") -> Callable[..., Any]:
-  """`hooked`'s grad_fn for a sharded schedule: (value, GradShards), the reduce-scatters in backward."""
-  groups = hook_groups(schedule)
-  chunks = schedule.chunks
-
-  def grad_fn(params, *args, **kwargs):
-    setup = step_setup(params, schedule, axis_name, "hooked", grads=False)
-    n, flat, treedef, lmap, vma = setup.n, setup.flat, setup.treedef, setup.lmap, setup.vma
-    varying = (lambda x: to_varying(x, axis_name)) if vma else (lambda x: x)
-    hooks = []
-    for a, b, rows in groups:
-      cast = [vma and not is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
-      avals = [(np.shape(flat[lmap.row_leaf[r]]), flat[lmap.row_leaf[r]].dtype) for r in rows]
-      hooks.append((rows, a, b, _rs_hook(chunks[a:b], a, rows, axis_name, n,
-                                         _loss_reduction.divisor(reduction, n), cast, avals)))
-    slots = tuple(varying(jnp.zeros((shard_size(c.size, n),), c.dtype)) for c in chunks)
-
-    def inner(flat_params, token, slots):
-      flat_params = list(flat_params)
-      for rows, a, b, hook in reversed(hooks):  # backward runs them in reverse: issue order
-        ids = [lmap.row_leaf[r] for r in rows]
-        out, token = hook([flat_params[i] for i in ids], token, slots[a:b])
-        for i, x in zip(ids, out):
-          flat_params[i] = x
-      return loss_fn(jax.tree_util.tree_unflatten(treedef, flat_params), *args, **kwargs)
-
-    token = varying(jnp.zeros((), jnp.float32))
-    value, (_, tok, shards) = jax.value_and_grad(inner, argnums=(0, 1, 2), has_aux=has_aux or has_state,
-                                                 allow_int=True)(flat, token, slots)
-    return value, GradShards(shards=tuple(shards), token=tok.reshape(1),
-                                   tag=_zero.shard_tag(schedule, n, ""))
-
-  return grad_fn
 
 
 _LOOP_AXIS: contextvars.ContextVar[Any] = contextvars.ContextVar("prophet_loop_axis", default=None)
@@ -375,32 +358,33 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
   if isinstance(in_loop, str):
     in_loop = (in_loop,)
   in_loop = tuple(in_loop)
-  if schedule.sharded:
-    if in_loop:
-      raise ValueError(f"hooked(in_loop={in_loop!r}) with a sharded schedule ({schedule.policy}): "
-                       f"loop_hook all-reduces a scanned layer's gradients inside the loop, but a "
-                       f"sharded (ZeRO-1) step updates every parameter from its reduce-scatter shard, "
-                       f"and the schedule does not cover those params. Plan the sharded schedule over "
-                       f"every param and drop in_loop, or use an all-reduce schedule with in_loop.")
-    grad_fn = ordered_by(check_enforce_order("hooked", enforce_order),
-                         _hooked_sharded(loss_fn, schedule, axis_name, has_aux, has_state, reduction))
-    return _mesh.placed_grad_fn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
-                                has_state=has_state, reduction=reduction)
-  groups = hook_groups(schedule)
-  units = schedule_units(schedule)
-  firsts = np.concatenate([[0], np.cumsum([unit_allreduces(u) for u in units])]).astype(int).tolist()
-  # the deferral groups (their index among the schedule's groups) each hook runs
-  group_index, seen = [], 0
-  for a, b, _ in groups:
-    n_groups = sum(isinstance(u, Bucket) for u in units[a:b])
-    group_index.append(tuple(range(seen, seen + n_groups)))
-    seen += n_groups
+  plan = hook_plan(schedule)
+  if in_loop and plan.family == "zero1":
+    raise ValueError(f"hooked(in_loop={in_loop!r}) with a sharded schedule ({schedule.policy}): "
+                     f"loop_hook all-reduces a scanned layer's gradients inside the loop, but a "
+                     f"sharded (ZeRO-1) step updates every parameter from its reduce-scatter shard, "
+                     f"and the schedule does not cover those params. Plan the sharded schedule over "
+                     f"every param and drop in_loop, or use an all-reduce schedule with in_loop.")
+  grad_fn = ordered_by(check_enforce_order("hooked", enforce_order),
+                       _grad_fn(loss_fn, schedule, plan, axis_name, has_aux, has_state, in_loop, reduction))
+  # global arrays in a plain jax.jit (mesh=): the same grad_fn mapped over the mesh
+  return _mesh.placed_grad_fn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
+                              has_state=has_state, init_state=(lambda: defer_init(schedule)) if schedule.defers
+                              else None, reduction=reduction)
+
+
+def _grad_fn(loss_fn: Callable[..., Any], schedule: Schedule, plan: HookPlan, axis_name: Any, has_aux: bool,
+             has_state: bool, in_loop: tuple[str, ...], reduction: str) -> Callable[..., Any]:
+  """The one grad_fn builder: the plan's hooks placed on the params before `loss_fn` runs, backward's
+  collectives issued from their rules on one token chain; the reduced gradients (all-reduce plans,
+  with the deferral state in and out) or this device's gradient shards (`GradShards`, ZeRO-1)."""
+  shards = plan.family == "zero1"
 
   def grad_fn(params, *args, **kwargs):
     given = _NO_STATE
     if "defer_state" in kwargs:
       given = kwargs.pop("defer_state")
-    elif args and (schedule.defers or isinstance(args[-1], (DeferState, OwedState))):
+    elif args and (schedule.defers or is_state(args[-1])):
       *args, given = args
     setup = step_setup(params, schedule, axis_name, "hooked", defer_state=None if given is _NO_STATE else given,
                        grads=False, skip_prefixes=in_loop)
@@ -410,19 +394,24 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
       if not any(q == p or q.startswith(p.rstrip("/") + "/") for q in lmap.paths):
         raise ValueError(f"hooked(in_loop={in_loop!r}): no leaf of the params has a path starting "
                          f"with {p!r}; the paths look like {lmap.paths[:3]}.")
+    divisor = _loss_reduction.divisor(reduction, n)
     hooks = []
-    for (a, b, rows), gi in zip(groups, group_index):
-      cast = [vma and not is_varying(flat[lmap.row_leaf[r]], axis_name) for r in rows]
-      hooks.append((rows, gi, _allreduce_hook(units[a:b], firsts[a], rows, axis_name,
-                                              _loss_reduction.divisor(reduction, n), cast)))
-    with_aux = has_aux or has_state
+    for rows, col in plan.backward:
+      leaves = [flat[lmap.row_leaf[r]] for r in rows]
+      cast = [vma and not is_varying(x, axis_name) for x in leaves]
+      hooks.append((rows, col.extra, _make_hook(col, cast, [(np.shape(x), x.dtype) for x in leaves], axis_name,
+                                                n, divisor)))
+    varying = (lambda x: to_varying(x, axis_name)) if vma and shards else (lambda x: x)
+    if shards:   # each chunk's slot: its shard comes back as the slot's cotangent
+      extras = tuple(varying(jnp.zeros((shard_size(c.size, n),), c.dtype)) for c in schedule.chunks)
+    else:        # each deferral group's state: the new one comes back as its cotangent
+      extras = tuple(_encode(g) for g in group_states(defer_state)) if schedule.defers else ()
 
-    def inner(flat_params, states):
+    def inner(flat_params, token, extras):
       flat_params = list(flat_params)
-      token = jnp.zeros((), jnp.float32)
-      for rows, gi, hook in reversed(hooks):  # backward runs them in reverse: issue order
+      for rows, ex, hook in reversed(hooks):  # backward runs them in reverse: issue order
         ids = [lmap.row_leaf[r] for r in rows]
-        out, token = hook([flat_params[i] for i in ids], token, tuple(states[g] for g in gi))
+        out, token = hook([flat_params[i] for i in ids], token, tuple(extras[e] for e in ex))
         for i, x in zip(ids, out):
           flat_params[i] = x
       out = loss_fn(jax.tree_util.tree_unflatten(treedef, flat_params), *args, **kwargs)
@@ -436,11 +425,10 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
       return loss + (term - jax.lax.stop_gradient(term)).astype(loss.dtype), out
 
     calls: list[str] = []
-    states = tuple(_encode(g) for g in group_states(defer_state)) if schedule.defers else ()
-    with _loop_axis(axis_name, _loss_reduction.divisor(reduction, n), vma, calls):
-      value, (grads, new_states) = jax.value_and_grad(inner, argnums=(0, 1),
-                                                      has_aux=with_aux or residual is not None,
-                                                      allow_int=True)(flat, states)
+    with _loop_axis(axis_name, divisor, vma, calls):
+      value, (grads, tok, new) = jax.value_and_grad(
+          inner, argnums=(0, 1, 2), has_aux=has_aux or has_state or residual is not None,
+          allow_int=True)(flat, varying(jnp.zeros((), jnp.float32)), extras)
     if residual is not None:
       value = value[1]   # what loss_fn returned: the carry term is not part of the value
     if in_loop and not calls:
@@ -448,15 +436,14 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
                        f"those params would not be all-reduced. Apply loop_hook to the layer params "
                        f"inside the scanned body (see models/scan.py), or drop in_loop and plan a "
                        f"schedule that covers them.")
-    grads = jax.tree_util.tree_unflatten(treedef, grads)
+    if shards:
+      out = GradShards(shards=tuple(new), token=tok.reshape(1), tag=shard_tag(schedule, n, ""))
+    else:
+      out = jax.tree_util.tree_unflatten(treedef, grads)
     if schedule.defers:
-      return value, grads, with_groups(defer_state, [_decode(x) for x in new_states])
+      return value, out, with_groups(defer_state, [_decode(x) for x in new])
     if given is not _NO_STATE:   # a state was passed (a re-plan's): state in, state out
-      return value, grads, None
-    return value, grads
+      return value, out, None
+    return value, out
 
-  grad_fn = ordered_by(check_enforce_order("hooked", enforce_order), grad_fn)
-  # global arrays in a plain jax.jit (mesh=): the same grad_fn mapped over the mesh
-  return _mesh.placed_grad_fn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
-                              has_state=has_state, init_state=(lambda: defer_init(schedule)) if schedule.defers
-                              else None, reduction=reduction)
+  return grad_fn
