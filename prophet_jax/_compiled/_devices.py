@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["data_axes", "check_mesh", "axis_total", "local_devices_along", "profiled_devices",
+__all__ = ["data_axes", "check_mesh", "axis_total", "data_devices", "mesh_axis_names", "local_devices_along", "profiled_devices",
            "mesh_workers", "host_rows", "placed"]
 
 
@@ -57,6 +57,21 @@ def axis_total(mesh: Any, axes: Sequence[Any]) -> int:
   """Devices along the data axes (the product of their sizes): the number of per-device batches."""
   sizes = dict(zip(mesh_axis_names(mesh), mesh.axis_sizes))
   return int(np.prod([sizes[a] for a in axes], dtype=np.int64))
+
+
+def data_devices(mesh: Any, axis_name: Any, where: str) -> int | None:
+  """Devices along `axis_name` (an axis or a tuple of axes) of `mesh`: the count a state's global layout
+  has there; None without a mesh."""
+  if mesh is None:
+    return None
+  if axis_name is None:
+    raise ValueError(f"{where}: mesh= needs axis_name= (the data axis, or a tuple of axes) to count the "
+                     f"devices the state is laid out over.")
+  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  missing = [a for a in axes if a not in mesh.shape]
+  if missing:
+    raise ValueError(f"{where}: axis_name={axis_name!r}: the mesh has axes {tuple(mesh.shape)}, not {missing}.")
+  return int(np.prod([mesh.shape[a] for a in axes]))
 
 
 def _data_axis(mesh: Any, axis_name: Any, where: str) -> Any:

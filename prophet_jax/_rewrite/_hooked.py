@@ -21,12 +21,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from . import _loss_reduction, _mesh
 from ._axis import is_varying, to_varying
 from ._collectives import reduce_units, schedule_units, unit_allreduces, zero_of
 from ._sharded import reduce_scatter_chunks
-from ._defer import GroupState, group_states, init as defer_init, with_groups
+from ._defer import GroupState, deferred_grads, group_states, init as defer_init, with_groups
 from ._keys import check_enforce_order, ordered_by
 from ._reduction import step_setup
 from ._states import GradShards, is_state
@@ -367,10 +368,26 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
                      f"every param and drop in_loop, or use an all-reduce schedule with in_loop.")
   grad_fn = ordered_by(check_enforce_order("hooked", enforce_order),
                        _grad_fn(loss_fn, schedule, plan, axis_name, has_aux, has_state, in_loop, reduction))
-  # global arrays in a plain jax.jit (mesh=): the same grad_fn mapped over the mesh
-  return _mesh.placed_grad_fn(grad_fn, schedule, mesh=mesh, axis_name=axis_name, has_aux=has_aux,
-                              has_state=has_state, init_state=(lambda: defer_init(schedule)) if schedule.defers
-                              else None, reduction=reduction)
+  # global arrays in a plain jax.jit: the same grad_fn mapped over the mesh; ZeRO-1's gradient shards
+  # are each device's own
+  return _mesh.on_mesh(grad_fn, mesh, HookedOnMesh, schedule=schedule, axis_name=axis_name, has_aux=has_aux,
+                       has_state=has_state, init_state=(lambda: defer_init(schedule)) if schedule.defers else None,
+                       reduction=reduction, grads_spec=(lambda entry, _: P(entry)) if plan.family == "zero1" else None)
+
+
+class HookedOnMesh(_mesh.MeshGradFn):
+  """`hooked(..., mesh=)`'s grad_fn (`_mesh.MeshGradFn`) and its deferral state's values."""
+
+  def deferred_grads(self, defer_state: Any, params: Any) -> Any:
+    """The deferred gradient values in `defer_state` (this grad_fn's, on the mesh), combined over the
+    data axis (the mean; the sum with reduction='sum'), as a replicated tree like `params` (zeros when
+    nothing is deferred): apply them with `tx` at the end of training."""
+    place, where = self.place, f"{self._where}(mesh=...)'s grad_fn.deferred_grads"
+    body = lambda s, p: _loss_reduction.combine(deferred_grads(s, p), place.axes, self.reduction)  # noqa: E731
+    # jitted: un-jitted, a shard_map runs op by op on every device
+    return jax.jit(lambda s, p: place(body, (
+        ("state", "defer_state", s, "Pass the state this grad_fn returned (it starts from grad_fn.defer_state())."),
+        ("params", "params", p, "")), P(), where=where))(defer_state, params)
 
 
 def _grad_fn(loss_fn: Callable[..., Any], schedule: Schedule, plan: HookPlan, axis_name: Any, has_aux: bool,

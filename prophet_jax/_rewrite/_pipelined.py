@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 from . import _defer, _loss_reduction, _states
 from ._axis import axis_size, is_varying, to_varying, vma_enabled
 from ._keys import check_enforce_order, ordered_by
-from ._mesh import placed_step
+from ._mesh import MeshPipelined, on_mesh
 from ._pending import Pending, PendingMeta, PipelinedState, Traced, check_state, meta_nbytes, round_to_dtype
 from ._reduction import add_owed, check_foreign
 from ._residuals import carried_avals, carry_plan, forward, recompute, save_matmuls, vjp_jaxpr
@@ -562,4 +562,16 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                    has_aux=has_aux, has_state=has_state, reduction=_loss_reduction.check(reduction, "pipelined"),
                    enforce_order=check_enforce_order("pipelined", enforce_order))
   # global arrays in a plain jax.jit: the same step mapped over the mesh
-  return placed_step(step, mesh=mesh)
+  return on_mesh(step, mesh, PipelinedOnMesh)
+
+
+class PipelinedOnMesh(MeshPipelined):
+  """`pipelined(..., mesh=)` (`_mesh.MeshPipelined`) and its deferral state's values."""
+
+  def deferred_grads(self, state: Any) -> Any:
+    """The deferred gradient values, combined over the data axis (replicated, like the params)."""
+    where = "pipelined(mesh=...).deferred_grads"
+    check_state(state, where)
+    place = self.place
+    return place(lambda s: _loss_reduction.combine(self.inner.deferred_grads(s), place.axes, self.inner.reduction),
+                 (("state", "state", state, self._fix),), PartitionSpec(), where=where)

@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._compiled._devices import mesh_axis_names, axis_total
 from .._values._tree import path_str
 
-__all__ = ["check_replicated", "check_batch"]
+__all__ = ["check_placed", "check_batch", "check_not_mapped", "check_model_state", "known_spec", "spec_axes",
+           "spec_entry", "explicit_axes", "named_leaves"]
 
 P = PartitionSpec
 
@@ -99,14 +100,23 @@ def named_leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
   return [((f"{prefix}/{path_str(p)}" if path_str(p) else prefix), x) for p, x in flat]
 
 
-def check_replicated(tree: Any, what: str, where: str, fix: str) -> None:
-  """ValueError when a leaf of `tree` is known to be split (or unreduced/reduced) over any mesh axis."""
-  for name, x in named_leaves(tree, what):
-    spec = known_spec(x)
+def check_placed(tree: Any, specs: Any, what: str, where: str, fix: str) -> None:
+  """ValueError when a leaf of `tree` is known to be placed otherwise than `specs` (a PartitionSpec for
+  every leaf, or a tree of them) says: split (or unreduced/reduced) where it should be replicated, or
+  not split as the plan splits it."""
+  want = jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+  for i, (name, x) in enumerate(named_leaves(tree, what)):
+    spec, expect = known_spec(x), want[i] if len(want) > 1 else want[0] if want else P()
     if spec is None:
       continue
     split = spec_axes(spec)
     extra = _extras(spec)
+    if spec_axes(expect):
+      if split != spec_axes(expect) or extra:
+        raise ValueError(
+            f"{where}: {what} leaf {name!r} (shape {tuple(np.shape(x))}) is placed as {spec}, but the plan "
+            f"places it as {expect} (split over the data axis on that dimension). {fix}")
+      continue
     if split or extra:
       dim, axes = split[0] if split else (None, ())
       how = (f"split over mesh axis {axes[0] if len(axes) == 1 else axes!r} on its axis {dim}" if split

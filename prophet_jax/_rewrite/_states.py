@@ -30,11 +30,11 @@ from jax.sharding import PartitionSpec
 
 from . import _tag_text
 from .._values._schedule import Schedule
-from .._values._tree import IdentityMemo
+from .._values._tree import IdentityMemo, path_str
 
 __all__ = ["StateTag", "ShardLayout", "schedule_key", "ScheduledState", "DeferState", "ShardedState",
            "GradShards", "AccumState", "OwedState", "Kind", "KINDS", "declare", "kind_of", "per_device_path",
-           "state_specs", "prefix_specs", "is_state", "is_kind", "holds_state", "per_device_leaves"]
+           "state_specs", "param_specs", "prefix_specs", "is_state", "is_kind", "holds_state", "per_device_leaves"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -376,6 +376,18 @@ def prefix_specs(cls: type, axis_name: Any) -> Any:
   if set(fields) <= set(kind.per_device):
     return P(axis_name)
   return cls(**{f: (P(axis_name) if f in kind.per_device else P()) for f in cls._fields})
+
+
+def param_specs(params: Any, schedule: Any, axis_name: Any) -> Any:
+  """The parameters' PartitionSpecs, the rule for every family: each leaf as the plan places it
+  (`Schedule.placement`: split over `axis_name` on its dimension, or replicated), leaves no row covers
+  replicated. Today's all-reduce and ZeRO-1 plans replicate every parameter."""
+  P = PartitionSpec
+  if all(d is None for d in schedule.placement):
+    return jax.tree_util.tree_map(lambda _: P(), params)
+  dims = {path: d for (path, _, _), d in zip(schedule.rows, schedule.placement)}
+  return jax.tree_util.tree_map_with_path(
+      lambda p, _: P() if dims.get(path_str(p)) is None else P(*[None] * dims[path_str(p)], axis_name), params)
 
 
 def state_specs(state: Any, axis_name: Any) -> Any:

@@ -232,6 +232,12 @@ class Schedule(JsonValue):
     return sum(b.slots for b in self.buckets)
 
   @property
+  def placement(self) -> tuple[int | None, ...]:
+    """Per row, the dimension its parameter is split on over the data axes (an FSDP plan's sharded
+    leaves), or None: replicated."""
+    return self.fsdp.shard_dims if self.fsdp is not None else (None,) * len(self.rows)
+
+  @property
   def sharded(self) -> bool:
     """True for a ZeRO-1 (`dear`) schedule: `family == 'zero1'` (read-only, derived)."""
     return self.family == "zero1"
