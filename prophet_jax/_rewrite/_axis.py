@@ -12,7 +12,7 @@ import numpy as np
 from .._values._errors import AlreadyReducedError, UnboundAxisError
 from .._values._tree import is_reduced_leaf
 
-__all__ = ["axis_size", "axis_names", "is_varying", "to_varying", "vma_enabled", "check_not_reduced"]
+__all__ = ["axis_size", "axis_names", "is_varying", "to_varying", "vma_enabled", "check_varying", "check_not_reduced"]
 
 
 def axis_size(axis_name: Any, where: str, unbound: str | None = None) -> int:
@@ -53,22 +53,50 @@ def vma_enabled(axis_name: Any) -> bool:
   return is_varying(jax.lax.axis_index(axis_name), axis_name)
 
 
-def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: str) -> None:
-  """AlreadyReducedError when a floating gradient is invariant over `axis_name` under check_vma.
+def check_varying(axis_name: Any, where: str, *, grads: Sequence[tuple[str, Any]] = (),
+                  params: Sequence[tuple[str, Any]] = (), per_device: Sequence[tuple[str, Any]] = ()) -> bool:
+  """The varying checks every path runs, at once; returns whether values carry the axes they vary
+  over here (shard_map's check_vma: under pmap, or check_vma=False, nothing can be checked).
 
-  Under shard_map's default check_vma, replicated params (in_specs P()) that meet per-device data get an
-  implicit pvary whose transpose is a psum: jax.grad then returns gradients already summed over the axis,
-  and reducing them again would make them `axis_size` times too large.
+  Args:
+    axis_name: the mapped axis.
+    where: the public caller, for messages.
+    grads: (path, gradient): none may be already summed over the axis (`AlreadyReducedError`: under
+      check_vma, jax.grad sums the gradients of replicated params).
+    params: (path, parameter) of `hooked`: none may already vary over the axis (ValueError).
+    per_device: (name, leaf) of a state's per-device parts: each must vary (ValueError: passed with
+      `P()`, every device would start from one copy and all but one device's values be lost).
   """
   if not vma_enabled(axis_name):
-    return
-  for path, g in leaves:
-    if not is_reduced_leaf(g) or np.size(g) == 0:
-      continue
-    if not is_varying(g, axis_name):
+    return False
+  for path, g in grads:
+    if is_reduced_leaf(g) and np.size(g) and not is_varying(g, axis_name):
       raise AlreadyReducedError(
           f"{where}: gradient {path!r} is already summed over axis {axis_name!r} (it does not vary over "
           f"it): under shard_map's default check_vma, jax.grad sums the gradients of replicated params. "
           f"Mark the params varying before jax.grad: params = jax.lax.pcast(params, {axis_name!r}, "
           f"to='varying'), or use prophet_jax.hooked, which does it for you (or shard_map(..., "
-          f"check_vma=False)).")
+          f"check_vma=False)). A step that kept its own jax.lax.pmean of the gradients after switching to "
+          f"prophet_jax reduces them twice: drop that pmean.")
+  for path, p in params:
+    if is_varying(p, axis_name):
+      raise ValueError(
+          f"{where}: parameter {path!r} already varies over axis {axis_name!r} (e.g. "
+          f"jax.lax.pcast(params, {axis_name!r}, to='varying'), the line a scheduled(...) step needs, or "
+          f"params passed with in_specs P({axis_name!r})). hooked marks the replicated params varying "
+          f"itself and returns gradients averaged over the axis: pass them as they are (replicated, "
+          f"in_specs P()), without the pcast.")
+  for name, x in per_device:
+    if not is_varying(x, axis_name):
+      raise ValueError(
+          f"{where}: {name} (shape {tuple(np.shape(x))} per device) is replicated over axis {axis_name!r} "
+          f"(passed with PartitionSpec P()), but each device's values are its own: pass the state with "
+          f"prophet_jax.state_specs(state, {axis_name!r}) as in_specs and out_specs (P({axis_name!r}) "
+          f"for them, P() for the rest), and make the initial state inside the shard_map with those "
+          f"out_specs.")
+  return True
+
+
+def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: str) -> None:
+  """AlreadyReducedError when a floating gradient is invariant over `axis_name` under check_vma."""
+  check_varying(axis_name, where, grads=leaves)

@@ -16,37 +16,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._accumulate import check_state as check_accum
-from ._axis import axis_size, check_not_reduced, is_varying, to_varying, vma_enabled
+from ._axis import axis_size, check_varying, to_varying, vma_enabled
 from ._collectives import reduce_units, schedule_chains, schedule_units
 from ._sharded import sharded_allreduce
 from ._defer import DeferState, belongs, check_state, group_states, schedule_of, with_groups
 from ._defer import init as defer_init
 from ._keys import check_enforce_order, ordering
-from ._states import OwedState, StateTag
+from ._states import OwedState, StateTag, per_device_leaves
 from .._values._checks import check_bool, match_tree
 from .._values._errors import ScheduleMismatchError
 from .._values._schedule import Schedule
 
 __all__ = ["allreduce", "step_setup", "StepSetup", "owed_tag", "check_foreign", "take_owed", "add_owed", "scheduled_allreduce",
-           "accumulated_allreduce", "check_residual_varying", "check_not_varying"]
-
-
-def check_residual_varying(state: Any, axis_name: Any, where: str) -> None:
-  """ValueError when, under shard_map with check_vma, a DeferState's residual arrives replicated (`P()`).
-
-  Each device's residual holds its own deferred values; passed with `P()`, every device starts from
-  one copy and the step's new residuals (which vary over the axis) cannot leave through `P()` either:
-  the deferred values of all devices but one would be lost. Only checkable where jax marks values
-  varying (shard_map's default check_vma); under pmap every state is per device anyway.
-  """
-  for gi, r in enumerate(state.residual):
-    if not is_varying(r, axis_name):
-      raise ValueError(
-          f"{where}: the deferral state's residual of group {gi} (shape {tuple(np.shape(r))} per "
-          f"device) is replicated over axis {axis_name!r} (passed with PartitionSpec P()), but each "
-          f"device's residual is its own: pass the state with prophet_jax.state_specs(state, "
-          f"{axis_name!r}) as in_specs and out_specs (P({axis_name!r}) for residuals, P() for the "
-          f"rest), and make the initial state inside the shard_map with those out_specs.")
+           "accumulated_allreduce"]
 
 
 def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
@@ -149,13 +131,27 @@ def take_owed(state: Any, schedule: Schedule, flat: Sequence[Any], lmap: Any, ax
   """(an `OwedState`'s values per leaf of `flat` (None for a leaf no row covers), `schedule`'s
   initial deferral state or None): what the first step after `convert_state` adds and continues from.
   Under shard_map with check_vma the new residuals are marked varying, as every device's own."""
-  owed: list[Any] = [None] * len(flat)
-  for r, i in enumerate(lmap.row_leaf):
-    owed[i] = jnp.reshape(state.owed[r], np.shape(flat[i])).astype(flat[i].dtype)
+  owed = _owed_leaves(state, flat, lmap, where="the first step after convert_state")
   new = defer_init(schedule)
   if new is not None and vma_enabled(axis_name):
     new = new._replace(residual=tuple(to_varying(r, axis_name) for r in new.residual))
   return owed, new
+
+
+def _owed_leaves(state: OwedState, flat: Sequence[Any], lmap: Any, where: str) -> list[Any]:
+  """An OwedState's values as leaves of `flat` (None for a leaf no row covers), each device's own."""
+  owed: list[Any] = [None] * len(flat)
+  for r, i in enumerate(lmap.row_leaf):
+    x, shape = state.owed[r], np.shape(flat[i])
+    if np.size(x) != np.size(flat[i]):
+      raise ValueError(
+          f"{where}: the converted state's owed values for {lmap.paths[i]!r} have shape {tuple(np.shape(x))} "
+          f"here, but one device's are {(1, *shape)}: the state was passed in its global layout (each "
+          f"device's values on a leading axis) without splitting it over the devices. Under shard_map pass "
+          f"it with prophet_jax.first_step_specs(state, axis_name)[0] as in_specs; on the mesh, use the "
+          f"step made with mesh= (convert_state(..., mesh=mesh, axis_name=...) lays it out for it).")
+    owed[i] = jnp.reshape(x, shape).astype(flat[i].dtype)
+  return owed
 
 
 def add_owed(tree: Any, state: OwedState, schedule: Schedule, where: str) -> Any:
@@ -163,9 +159,7 @@ def add_owed(tree: Any, state: OwedState, schedule: Schedule, where: str) -> Any
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   lmap = match_tree(leaves_with_path, schedule, where=where)
   flat = [x for _, x in leaves_with_path]
-  owed: list[Any] = [None] * len(flat)
-  for r, i in enumerate(lmap.row_leaf):
-    owed[i] = jnp.reshape(state.owed[r], np.shape(flat[i])).astype(flat[i].dtype)
+  owed = _owed_leaves(state, flat, lmap, where)
   return jax.tree_util.tree_unflatten(treedef, [x if o is None else x + o for x, o in zip(flat, owed)])
 
 
@@ -194,8 +188,8 @@ class StepSetup(NamedTuple):
 
 
 def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, defer_state: Any = None,
-               grads: bool = True, carry: bool = True, checks: bool = True, skip_prefixes: Sequence[str] = ()
-               ) -> StepSetup:
+               grads: bool = True, carry: bool = True, checks: bool = True, skip_prefixes: Sequence[str] = (),
+               per_device: Sequence[tuple[str, Any]] = ()) -> StepSetup:
   """The preamble every reduction path runs, written once: the axis size, the tree matched to the
   schedule, the state's schedule (a converted state's owed values taken: `take_owed`; another
   schedule's refused: `check_foreign`; this schedule's own checked: `_defer.check_state`), and the
@@ -213,6 +207,7 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
     checks: run the varying checks on `tree` (False: a template of the tree, e.g. the params a
       ZeRO-1 update lays hooked's gradient shards out in).
     skip_prefixes: paths the schedule does not cover (`hooked(in_loop=...)`).
+    per_device: (name, leaf) of other per-device state parts to check (an accumulator's sums).
 
   Raises:
     UnboundAxisError, ScheduleMismatchError, AlreadyReducedError, TypeError, ValueError: as the
@@ -222,35 +217,17 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   lmap = match_tree(leaves_with_path, schedule, where=where, skip_prefixes=skip_prefixes)
   flat = [leaf for _, leaf in leaves_with_path]
-  vma = vma_enabled(axis_name)
-  owed = None
+  owed, given = None, defer_state
   check_foreign(defer_state, schedule, where)
   if isinstance(defer_state, OwedState):
     if carry:   # the first step after convert_state: the owed values join these gradients
       owed, defer_state = take_owed(defer_state, schedule, flat, lmap, axis_name)
   elif schedule.defers or defer_state is not None:
     check_state(defer_state, schedule, where)
-  if grads and checks:
-    check_not_reduced([(lmap.paths[i], flat[i]) for i in lmap.row_leaf], axis_name, where)
-  elif vma and checks:
-    check_not_varying(flat, lmap, axis_name, where)
-  if isinstance(defer_state, DeferState) and vma:
-    check_residual_varying(defer_state, axis_name, where)
+  named = [(lmap.paths[i], flat[i]) for i in lmap.row_leaf] if checks else []
+  vma = check_varying(axis_name, where, grads=named if grads else (), params=() if grads else named,
+                      per_device=() if isinstance(given, OwedState) else per_device_leaves(given) + list(per_device))
   return StepSetup(n=n, flat=flat, treedef=treedef, lmap=lmap, defer_state=defer_state, owed=owed, vma=vma)
-
-
-def check_not_varying(flat: Sequence[Any], lmap: Any, axis_name: Any, where: str) -> None:
-  """ValueError when, under shard_map with check_vma, a parameter already varies over the axis: the
-  README's `pcast` line of `scheduled` kept in a `hooked` step. hooked marks the params varying itself
-  (and returns the gradients replicated), so the cast is not needed and breaks the hooks' types."""
-  for i in lmap.row_leaf:
-    if is_varying(flat[i], axis_name):
-      raise ValueError(
-          f"{where}: parameter {lmap.paths[i]!r} already varies over axis {axis_name!r} (e.g. "
-          f"jax.lax.pcast(params, {axis_name!r}, to='varying'), the line a scheduled(...) step needs, or "
-          f"params passed with in_specs P({axis_name!r})). hooked marks the replicated params varying "
-          f"itself and returns gradients averaged over the axis: pass them as they are (replicated, "
-          f"in_specs P()), without the pcast.")
 
 
 def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
@@ -302,17 +279,9 @@ def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, eve
   """
   check_bool(where, "mean", mean)
   check_accum(accum, schedule, where)
-  s = step_setup(grads, schedule, axis_name, where, defer_state=defer_state, carry=False)
+  s = step_setup(grads, schedule, axis_name, where, defer_state=defer_state, carry=False, per_device=[
+      (f"the gradient accumulator's sum for {path!r}", a) for (path, _, _), a in zip(schedule.rows, accum.grads)])
   flat, treedef, lmap = s.flat, s.treedef, s.lmap
-  if s.vma:
-    for (path, _, _), a in zip(schedule.rows, accum.grads):
-      if not is_varying(a, axis_name):
-        raise ValueError(
-            f"{where}: the gradient accumulator's sum for {path!r} (shape {tuple(np.shape(a))} per device) "
-            f"is replicated over axis {axis_name!r} (passed with PartitionSpec P()), but each device "
-            f"sums its own gradients: pass the optimizer state with prophet_jax.state_specs(state, "
-            f"{axis_name!r}) as in_specs and out_specs (P({axis_name!r}) for the sums, P() for the rest), "
-            f"and make the initial state inside the shard_map with those out_specs.")
   if isinstance(s.defer_state, OwedState):   # convert_state's owed values: k times into the sums,
     owed, defer_state = take_owed(s.defer_state, schedule, flat, lmap, axis_name)   # so their mean adds them once
     flat = [x if o is None else x + o * every_k for x, o in zip(flat, owed)]
