@@ -12,7 +12,7 @@ import numpy as np
 from .._values._errors import AlreadyReducedError, UnboundAxisError
 from .._values._tree import is_reduced_leaf
 
-__all__ = ["axis_size", "axis_names", "is_varying", "to_varying", "vma_enabled", "check_varying", "check_not_reduced"]
+__all__ = ["axis_size", "axis_names", "is_varying", "to_varying", "vma_enabled", "check_varying", "bind", "check_not_reduced"]
 
 
 def axis_size(axis_name: Any, where: str, unbound: str | None = None) -> int:
@@ -95,6 +95,18 @@ def check_varying(axis_name: Any, where: str, *, grads: Sequence[tuple[str, Any]
           f"for them, P() for the rest), and make the initial state inside the shard_map with those "
           f"out_specs.")
   return True
+
+
+def bind(axis_name: Any, where: str, *, varying: Any = None, unbound: str | None = None,
+         **checks: Sequence[tuple[str, Any]]) -> tuple[int, bool, Any]:
+  """The axis facts a step needs, at once: (the bound axis's size, whether values carry the axes they
+  vary over here, `varying` cast to varying where they do), after the varying checks (`check_varying`'s
+  `grads`, `params`, `per_device`)."""
+  n = axis_size(axis_name, where, unbound)
+  vma = check_varying(axis_name, where, **checks)
+  if vma and varying is not None:
+    varying = jax.tree_util.tree_map(lambda x: to_varying(x, axis_name), varying)
+  return n, vma, varying
 
 
 def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: str) -> None:

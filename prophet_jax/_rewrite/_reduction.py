@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._accumulate import check_state as check_accum
-from ._axis import axis_size, check_varying, to_varying, vma_enabled
+from ._axis import bind, to_varying
 from ._collectives import reduce_units, schedule_chains, schedule_units
 from ._sharded import sharded_allreduce
 from ._defer import DeferState, belongs, check_state, group_states, schedule_of, with_groups
@@ -126,16 +126,11 @@ def check_foreign(state: Any, schedule: Schedule, where: str) -> None:
         f"params, new_schedule) (nothing deferred is lost: the first step of the new plan adds it).")
 
 
-def take_owed(state: Any, schedule: Schedule, flat: Sequence[Any], lmap: Any, axis_name: Any
-              ) -> tuple[list[Any], Any]:
+def take_owed(state: Any, schedule: Schedule, flat: Sequence[Any], lmap: Any) -> tuple[list[Any], Any]:
   """(an `OwedState`'s values per leaf of `flat` (None for a leaf no row covers), `schedule`'s
-  initial deferral state or None): what the first step after `convert_state` adds and continues from.
-  Under shard_map with check_vma the new residuals are marked varying, as every device's own."""
-  owed = _owed_leaves(state, flat, lmap, where="the first step after convert_state")
-  new = defer_init(schedule)
-  if new is not None and vma_enabled(axis_name):
-    new = new._replace(residual=tuple(to_varying(r, axis_name) for r in new.residual))
-  return owed, new
+  initial deferral state or None): what the first step after `convert_state` adds and continues from
+  (its residuals each device's own: the step setup casts them varying under check_vma)."""
+  return _owed_leaves(state, flat, lmap, where="the first step after convert_state"), defer_init(schedule)
 
 
 def _owed_leaves(state: OwedState, flat: Sequence[Any], lmap: Any, where: str) -> list[Any]:
@@ -213,7 +208,6 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
     UnboundAxisError, ScheduleMismatchError, AlreadyReducedError, TypeError, ValueError: as the
     checks named above.
   """
-  n = axis_size(axis_name, where)
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   lmap = match_tree(leaves_with_path, schedule, where=where, skip_prefixes=skip_prefixes)
   flat = [leaf for _, leaf in leaves_with_path]
@@ -221,12 +215,15 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
   check_foreign(defer_state, schedule, where)
   if isinstance(defer_state, OwedState):
     if carry:   # the first step after convert_state: the owed values join these gradients
-      owed, defer_state = take_owed(defer_state, schedule, flat, lmap, axis_name)
+      owed, defer_state = take_owed(defer_state, schedule, flat, lmap)
   elif schedule.defers or defer_state is not None:
     check_state(defer_state, schedule, where)
   named = [(lmap.paths[i], flat[i]) for i in lmap.row_leaf] if checks else []
-  vma = check_varying(axis_name, where, grads=named if grads else (), params=() if grads else named,
-                      per_device=() if isinstance(given, OwedState) else per_device_leaves(given) + list(per_device))
+  fresh = defer_state.residual if owed is not None and defer_state is not None else None
+  n, vma, fresh = bind(axis_name, where, varying=fresh, grads=named if grads else (), params=() if grads else named,
+                       per_device=() if isinstance(given, OwedState) else per_device_leaves(given) + list(per_device))
+  if fresh is not None:   # the new plan's initial residuals: each device's own
+    defer_state = defer_state._replace(residual=fresh)
   return StepSetup(n=n, flat=flat, treedef=treedef, lmap=lmap, defer_state=defer_state, owed=owed, vma=vma)
 
 
@@ -242,7 +239,8 @@ def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean:
   flat, n, defer_state = with_owed(s), s.n, s.defer_state
   chains = schedule_chains(schedule, where)
   if schedule.sharded:  # reduce-scatters, then all-gathers: replicated, as an all-reduce's result
-    flat = sharded_allreduce(flat, schedule, s.lmap.row_leaf, axis_name, n=n, divisor=n if mean else None)
+    flat = sharded_allreduce(flat, schedule, s.lmap.row_leaf, axis_name, n=n, divisor=n if mean else None,
+                             vma=s.vma)
     return jax.tree_util.tree_unflatten(s.treedef, flat), None
   flat, _, groups = reduce_units(flat, schedule_units(schedule), s.lmap.row_leaf, axis_name,
                                  divisor=n if mean else None,
@@ -283,7 +281,9 @@ def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, eve
       (f"the gradient accumulator's sum for {path!r}", a) for (path, _, _), a in zip(schedule.rows, accum.grads)])
   flat, treedef, lmap = s.flat, s.treedef, s.lmap
   if isinstance(s.defer_state, OwedState):   # convert_state's owed values: k times into the sums,
-    owed, defer_state = take_owed(s.defer_state, schedule, flat, lmap, axis_name)   # so their mean adds them once
+    owed, defer_state = take_owed(s.defer_state, schedule, flat, lmap)   # so their mean adds them once
+    if s.vma and defer_state is not None:
+      defer_state = defer_state._replace(residual=tuple(to_varying(r, axis_name) for r in defer_state.residual))
     flat = [x if o is None else x + o * every_k for x, o in zip(flat, owed)]
   rows = tuple(a[0] + flat[i].astype(a.dtype) for a, i in zip(accum.grads, lmap.row_leaf))
   count = accum.count + 1

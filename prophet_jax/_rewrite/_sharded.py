@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._axis import vma_enabled
 from ._collectives import AG_PREFIX, RS_PREFIX, engine_divisor, tie
 from ._keys import unit_scope
 from .._values._schedule import Schedule, shard_size
@@ -82,7 +81,7 @@ def reduce_scatter_chunks(flat: Sequence[jax.Array], chunks: Sequence[Any], row_
 
 
 def all_gather_chunks(shards: Sequence[jax.Array], chunks: Sequence[Any], gathers: Sequence[Sequence[int]],
-                      axis_name: Any, *, n: int, prev: jax.Array | None = None
+                      axis_name: Any, *, n: int, vma: bool, prev: jax.Array | None = None
                       ) -> tuple[list[jax.Array], jax.Array | None]:
   """One all-gather per entry of `gathers`, in order: the other half of the sharded engine.
 
@@ -90,12 +89,11 @@ def all_gather_chunks(shards: Sequence[jax.Array], chunks: Sequence[Any], gather
   each), `tie`s the buffer to the chain's previous result and all-gathers it (tiled) under
   `jax.named_scope("prophet/ag<g>")`; each chunk's whole buffer is then read back from the result
   (device i's part holds its shard of every chunk of the gather, in order) and its padding dropped.
-  Under shard_map with check_vma the result is typed invariant (the same on every device).
+  Under shard_map with check_vma (`vma`) the result is typed invariant (the same on every device).
 
   Returns:
     (every chunk's whole buffer, `chunk.size` elements, in chunk order; the last result).
   """
-  vma = vma_enabled(axis_name)
   out: list[Any] = [None] * len(chunks)
   for g, ks in enumerate(gathers):
     sizes = [shard_size(chunks[k].size, n) for k in ks]
@@ -152,10 +150,10 @@ def shards_square_sum(shards: Sequence[jax.Array], axis_name: Any, scope: str) -
 
 
 def sharded_allreduce(flat: Sequence[jax.Array], schedule: Schedule, row_leaf: Sequence[int], axis_name: Any,
-                      *, n: int, divisor: int | None) -> list[jax.Array]:
+                      *, n: int, divisor: int | None, vma: bool) -> list[jax.Array]:
   """A sharded schedule carried out as an all-reduce: every chunk's reduce-scatter, then every
   all-gather (one tie chain), the whole buffers scattered back (replicated)."""
   chunks = schedule.chunks
   shards, last = reduce_scatter_chunks(flat, chunks, row_leaf, axis_name, n=n, divisor=divisor)
-  bufs, _ = all_gather_chunks(shards, chunks, schedule.gathers, axis_name, n=n, prev=last)
+  bufs, _ = all_gather_chunks(shards, chunks, schedule.gathers, axis_name, n=n, vma=vma, prev=last)
   return scatter_chunks(flat, chunks, row_leaf, bufs)

@@ -53,7 +53,7 @@ import optax
 from . import _probe_trials
 from ._states import GradShards, ShardedState, ShardLayout, StateTag
 from .._values._checks import match_tree
-from ._axis import axis_size, is_varying, to_varying, vma_enabled
+from ._axis import axis_size, is_varying, to_varying
 from ._reduction import step_setup, with_owed
 from ._sharded import (all_gather_chunks, local_shards, reduce_scatter_chunks, scatter_chunks,
                        shards_square_sum)
@@ -407,7 +407,7 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
     if p is not None:
       p = p + (jnp.zeros((), jnp.float32),)
   inner = jax.tree_util.tree_map(lambda x: x[0], state.per_device)
-  if vma_enabled(axis_name):  # each device's own (a state made in this same map may be invariant):
+  if s.vma:  # each device's own (a state made in this same map may be invariant):
     # a transformation's lax.cond (apply_if_finite) needs both branches' states typed alike
     inner = jax.tree_util.tree_map(lambda x: x if is_varying(x, axis_name) else to_varying(x, axis_name), inner)
   try:
@@ -425,7 +425,7 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
         f"jax.shard_map(..., check_vma=False), or use scheduled(..., mesh=mesh) in a plain jax.jit, or "
         f"pmap. (jax: {str(e).splitlines()[0]})") from e
   u = tuple(u)[:len(chunks)]
-  bufs, _ = all_gather_chunks(u, chunks, schedule.gathers, axis_name, n=n, prev=prev)
+  bufs, _ = all_gather_chunks(u, chunks, schedule.gathers, axis_name, n=n, vma=s.vma, prev=prev)
   rows = set(lmap.row_leaf)
   base = [x if i in rows or getattr(x, "dtype", None) == jax.dtypes.float0 else jnp.zeros_like(x)
           for i, x in enumerate(template)]
