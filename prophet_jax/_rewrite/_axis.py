@@ -104,8 +104,8 @@ def bind(axis_name: Any, where: str, *, varying: Any = None, unbound: str | None
   `grads`, `params`, `per_device`)."""
   n = axis_size(axis_name, where, unbound)
   vma = check_varying(axis_name, where, **checks)
-  if vma and varying is not None:
-    varying = jax.tree_util.tree_map(lambda x: to_varying(x, axis_name), varying)
+  if vma:
+    varying = jax.tree_util.tree_map(lambda x: x if is_varying(x, axis_name) else to_varying(x, axis_name), varying)
   return n, vma, varying
 
 

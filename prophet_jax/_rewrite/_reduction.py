@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._accumulate import check_state as check_accum
-from ._axis import bind, to_varying
+from ._axis import bind
 from ._collectives import reduce_units, schedule_chains, schedule_units
 from ._sharded import sharded_allreduce
 from ._defer import DeferState, belongs, check_state, group_states, schedule_of, with_groups
@@ -171,6 +171,7 @@ class StepSetup(NamedTuple):
     owed: for an `OwedState`, its values at their elements, one entry per leaf of `flat` (None for a
       leaf no row covers), to be added to this step's gradients; else None.
     vma: whether values carry the axes they vary over here (shard_map's check_vma).
+    varying: the `varying` tree given, marked varying where values carry that.
   """
 
   n: int
@@ -180,11 +181,12 @@ class StepSetup(NamedTuple):
   defer_state: Any
   owed: list[Any] | None
   vma: bool
+  varying: Any = None
 
 
 def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, defer_state: Any = None,
-               grads: bool = True, carry: bool = True, checks: bool = True, skip_prefixes: Sequence[str] = (),
-               per_device: Sequence[tuple[str, Any]] = ()) -> StepSetup:
+               grads: bool = True, checks: bool = True, skip_prefixes: Sequence[str] = (),
+               per_device: Sequence[tuple[str, Any]] = (), varying: Any = None) -> StepSetup:
   """The preamble every reduction path runs, written once: the axis size, the tree matched to the
   schedule, the state's schedule (a converted state's owed values taken: `take_owed`; another
   schedule's refused: `check_foreign`; this schedule's own checked: `_defer.check_state`), and the
@@ -197,12 +199,12 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
     axis_name: the mapped axis.
     where: the public caller, for messages.
     defer_state: the deferral state given to the step, or None.
-    carry: take an `OwedState`'s values here; False leaves it as it is, for a path that takes it
-      itself (`accumulated_allreduce`).
     checks: run the varying checks on `tree` (False: a template of the tree, e.g. the params a
       ZeRO-1 update lays hooked's gradient shards out in).
     skip_prefixes: paths the schedule does not cover (`hooked(in_loop=...)`).
     per_device: (name, leaf) of other per-device state parts to check (an accumulator's sums).
+    varying: a tree of each device's own values to mark varying where values carry that (under
+      check_vma); returned as `StepSetup.varying`.
 
   Raises:
     UnboundAxisError, ScheduleMismatchError, AlreadyReducedError, TypeError, ValueError: as the
@@ -213,18 +215,19 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
   flat = [leaf for _, leaf in leaves_with_path]
   owed, given = None, defer_state
   check_foreign(defer_state, schedule, where)
-  if isinstance(defer_state, OwedState):
-    if carry:   # the first step after convert_state: the owed values join these gradients
-      owed, defer_state = take_owed(defer_state, schedule, flat, lmap)
+  if isinstance(defer_state, OwedState):   # the first step after convert_state: the owed values join these gradients
+    owed, defer_state = take_owed(defer_state, schedule, flat, lmap)
   elif schedule.defers or defer_state is not None:
     check_state(defer_state, schedule, where)
   named = [(lmap.paths[i], flat[i]) for i in lmap.row_leaf] if checks else []
   fresh = defer_state.residual if owed is not None and defer_state is not None else None
-  n, vma, fresh = bind(axis_name, where, varying=fresh, grads=named if grads else (), params=() if grads else named,
-                       per_device=() if isinstance(given, OwedState) else per_device_leaves(given) + list(per_device))
+  n, vma, (fresh, varying) = bind(
+      axis_name, where, varying=(fresh, varying), grads=named if grads else (), params=() if grads else named,
+      per_device=() if isinstance(given, OwedState) else per_device_leaves(given) + list(per_device))
   if fresh is not None:   # the new plan's initial residuals: each device's own
     defer_state = defer_state._replace(residual=fresh)
-  return StepSetup(n=n, flat=flat, treedef=treedef, lmap=lmap, defer_state=defer_state, owed=owed, vma=vma)
+  return StepSetup(n=n, flat=flat, treedef=treedef, lmap=lmap, defer_state=defer_state, owed=owed, vma=vma,
+                   varying=varying)
 
 
 def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
@@ -277,14 +280,11 @@ def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, eve
   """
   check_bool(where, "mean", mean)
   check_accum(accum, schedule, where)
-  s = step_setup(grads, schedule, axis_name, where, defer_state=defer_state, carry=False, per_device=[
+  s = step_setup(grads, schedule, axis_name, where, defer_state=defer_state, per_device=[
       (f"the gradient accumulator's sum for {path!r}", a) for (path, _, _), a in zip(schedule.rows, accum.grads)])
-  flat, treedef, lmap = s.flat, s.treedef, s.lmap
-  if isinstance(s.defer_state, OwedState):   # convert_state's owed values: k times into the sums,
-    owed, defer_state = take_owed(s.defer_state, schedule, flat, lmap)   # so their mean adds them once
-    if s.vma and defer_state is not None:
-      defer_state = defer_state._replace(residual=tuple(to_varying(r, axis_name) for r in defer_state.residual))
-    flat = [x if o is None else x + o * every_k for x, o in zip(flat, owed)]
+  flat, treedef, lmap, defer_state = s.flat, s.treedef, s.lmap, s.defer_state
+  if s.owed is not None:   # convert_state's owed values: k times into the sums, so their mean adds them once
+    flat = [x if o is None else x + o * every_k for x, o in zip(flat, s.owed)]
   rows = tuple(a[0] + flat[i].astype(a.dtype) for a, i in zip(accum.grads, lmap.row_leaf))
   count = accum.count + 1
   emit = count >= every_k

@@ -53,7 +53,7 @@ import optax
 from . import _probe_trials
 from ._states import GradShards, ShardedState, ShardLayout, StateTag
 from .._values._checks import match_tree
-from ._axis import axis_size, is_varying, to_varying
+from ._axis import axis_size
 from ._reduction import step_setup, with_owed
 from ._sharded import (all_gather_chunks, local_shards, reduce_scatter_chunks, scatter_chunks,
                        shards_square_sum)
@@ -387,8 +387,11 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
     raise TypeError(f"{where}: given the gradient shards of hooked(...) (GradShards), update needs the "
                     f"params to lay the update out in their tree: tx.update(shards, opt_state, params) "
                     f"(flax's TrainState.apply_gradients and nnx.Optimizer pass them).")
+  # tx's state for this device's shards: each device's own (a state made in this same map may be
+  # invariant; a transformation's lax.cond, apply_if_finite's, needs both branches' states typed alike)
   s = step_setup(params if given else updates, schedule, axis_name, where, defer_state=defer_state,
-                 grads=not given, checks=not given)
+                 grads=not given, checks=not given,
+                 varying=jax.tree_util.tree_map(lambda x: x[0], getattr(state, "per_device", None)))
   n, template, treedef, lmap, chunks = s.n, s.flat, s.treedef, s.lmap, schedule.chunks
   check_state(state, schedule, n, where)
   if given:
@@ -406,10 +409,7 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
     shards = shards + (jnp.sqrt(jnp.maximum(total - local, 0.0)),)
     if p is not None:
       p = p + (jnp.zeros((), jnp.float32),)
-  inner = jax.tree_util.tree_map(lambda x: x[0], state.per_device)
-  if s.vma:  # each device's own (a state made in this same map may be invariant):
-    # a transformation's lax.cond (apply_if_finite) needs both branches' states typed alike
-    inner = jax.tree_util.tree_map(lambda x: x if is_varying(x, axis_name) else to_varying(x, axis_name), inner)
+  inner = s.varying
   try:
     if isinstance(tx, optax.GradientTransformationExtraArgs):
       u, inner = tx.update(shards, inner, p, **(extra_args or {}))
