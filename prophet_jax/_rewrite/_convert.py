@@ -18,9 +18,8 @@ import numpy as np
 
 from . import _defer
 from ._sharded import chunk_buffer, padded, scatter_chunks
-from ._reduction import owed_tag
 from ._states import AccumState, DeferState, OwedState, ScheduledState, ShardedState, StateTag, is_kind, kind_of
-from ._defer import defer_tag
+from ._defer import defer_tag, owed_tag
 from ._zero import matched_leaves, shard_tag, check_state, shard_mode
 from .._values._errors import ScheduleMismatchError, ShardingError
 from .._values._checks import match_tree

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._states import DeferState, StateTag
+from ._states import DeferState, OwedState, StateTag
 from .._values._checks import match_tree
 from .._values._errors import ScheduleMismatchError
 from .._values._schedule import Chunk, Schedule
@@ -43,7 +43,8 @@ from .._values._types import itemsize
 
 __all__ = ["DeferGroup", "DeferState", "GroupState", "defer_groups", "init", "defer_state",
            "check_state", "group_states", "with_groups", "same_groups", "lossless",
-           "add_residual", "schedule_of", "belongs", "find_states", "deferred_grads"]
+           "add_residual", "schedule_of", "belongs", "find_states", "deferred_grads", "owed_tag", "check_foreign",
+           "given_state", "add_owed"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,6 +230,75 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
             f"k={g.defer}, c={g.size}) has shape {got_shape} and dtype {got_dtype}, expected {shape} "
             f"{dtype} per device. Under shard_map pass the state with prophet_jax's state_specs "
             f"(residuals P(axis), the rest P()); under pmap replicate it over the devices.")
+
+
+# --------------------------------------------------------------------------------------------------
+# the state given to a step: its own, or a re-plan's owed values
+
+
+def owed_tag(schedule: Schedule) -> StateTag:
+  """The tag of an `OwedState` owed to `schedule`'s first step."""
+  return StateTag.of(schedule, ("owed", len(schedule.rows)))
+
+
+def check_foreign(state: Any, schedule: Schedule, where: str) -> None:
+  """ScheduleMismatchError naming `convert_state` when `state` is a DeferState or OwedState that
+  records another schedule (a re-plan's state given to the new plan's step unconverted)."""
+  if isinstance(state, OwedState):
+    if state.tag != owed_tag(schedule):
+      raise ScheduleMismatchError(
+          f"{where}: the state owes deferred values to another schedule's first step ({state.tag!r}), "
+          f"not this one's ({schedule.policy} plan, key {owed_tag(schedule).key}): convert the state for "
+          f"this schedule with prophet_jax.convert_state(state, params, schedule).")
+    return
+  old = schedule_of(state) if isinstance(state, DeferState) else None
+  if old is not None and not belongs(state, schedule):
+    raise ScheduleMismatchError(
+        f"{where}: the deferral state was made by another schedule (a {old.policy} plan, key "
+        f"{state.tag.key}) than this step's ({schedule.policy} plan): a step takes only its own "
+        f"schedule's state. Change plans outside the step: state = prophet_jax.convert_state(state, "
+        f"params, new_schedule) (nothing deferred is lost: the first step of the new plan adds it).")
+
+
+def given_state(state: Any, schedule: Schedule, flat: Sequence[Any], lmap: Any, where: str
+                ) -> tuple[list[Any] | None, Any]:
+  """The deferral state given to a step of `schedule`, checked (another schedule's refused naming
+  `convert_state`, its own checked for shapes); for convert_state's `OwedState`, (its values per leaf
+  of `flat`, None for a leaf no row covers; `schedule`'s initial state): what the first step adds and
+  continues from (its residuals each device's own: the step setup casts them varying). Else (None,
+  the state)."""
+  check_foreign(state, schedule, where)
+  if isinstance(state, OwedState):
+    return _owed_leaves(state, flat, lmap, where="the first step after convert_state"), init(schedule)
+  if schedule.defers or state is not None:
+    check_state(state, schedule, where)
+  return None, state
+
+
+def _owed_leaves(state: OwedState, flat: Sequence[Any], lmap: Any, where: str) -> list[Any]:
+  """An OwedState's values as leaves of `flat` (None for a leaf no row covers), each device's own."""
+  owed: list[Any] = [None] * len(flat)
+  for r, i in enumerate(lmap.row_leaf):
+    x, shape = state.owed[r], np.shape(flat[i])
+    if np.size(x) != np.size(flat[i]):
+      raise ValueError(
+          f"{where}: the converted state's owed values for {lmap.paths[i]!r} have shape {tuple(np.shape(x))} "
+          f"here, but one device's are {(1, *shape)}: the state was passed in its global layout (each "
+          f"device's values on a leading axis) without splitting it over the devices. Under shard_map pass "
+          f"it with prophet_jax.first_step_specs(state, axis_name)[0] as in_specs; on the mesh, use the "
+          f"step made with mesh= (convert_state(..., mesh=mesh, axis_name=...) lays it out for it).")
+    owed[i] = jnp.reshape(x, shape).astype(flat[i].dtype)
+  return owed
+
+
+def add_owed(tree: Any, state: OwedState, schedule: Schedule, where: str) -> Any:
+  """`tree` (per-device, the schedule's tree) with an `OwedState`'s values added at their elements."""
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  lmap = match_tree(leaves_with_path, schedule, where=where)
+  flat = [x for _, x in leaves_with_path]
+  owed = _owed_leaves(state, flat, lmap, where)
+  return jax.tree_util.tree_unflatten(treedef, [x if o is None else x + o for x, o in zip(flat, owed)])
+
 
 
 # --------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ LOOP_SCOPE = "prophet/loop/"
 # hooked: all-reduces inside the backward pass
 
 
-def hook_groups(schedule: Schedule) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+def hook_groups(units: Sequence[Any]) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
   """Splits the issued units into hook groups: (first unit, end unit, rows), in issue order.
 
   The units are `_collectives.schedule_units(schedule)`: each chunk of a lossless bucket, and each
@@ -57,7 +57,7 @@ def hook_groups(schedule: Schedule) -> tuple[tuple[int, int, tuple[int, ...]], .
   partitions).
   """
   groups: list[list[Any]] = []  # [start, end, set(rows)]
-  for k, unit in enumerate(schedule_units(schedule)):
+  for k, unit in enumerate(units):
     rows = set(unit.rows) if isinstance(unit, Chunk) else {r for c in unit.chunks for r in c.rows}
     hit = next((j for j, g in enumerate(groups) if g[2] & rows), None)
     if hit is None:
@@ -119,7 +119,7 @@ def hook_plan(schedule: Schedule) -> HookPlan:
   units = schedule_units(schedule)
   firsts = np.concatenate([[0], np.cumsum([unit_allreduces(u) for u in units])]).astype(int).tolist()
   backward, seen = [], 0
-  for a, b, rows in hook_groups(schedule):
+  for a, b, rows in hook_groups(units):
     if schedule.family == "zero1":
       col = Collective("reduce-scatter", _local(units[a:b], rows), a, tuple(range(a, b)))
     else:

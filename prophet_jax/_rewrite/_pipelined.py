@@ -24,7 +24,7 @@ from ._axis import axis_size, is_varying, to_varying, vma_enabled
 from ._keys import check_enforce_order, ordered_by
 from ._mesh import MeshPipelined, on_mesh
 from ._pending import Pending, PendingMeta, PipelinedState, Traced, check_state, meta_nbytes, round_to_dtype
-from ._reduction import add_owed, check_foreign
+from ._defer import add_owed, check_foreign
 from ._residuals import carried_avals, carry_plan, forward, recompute, save_matmuls, vjp_jaxpr
 from ._states import OwedState, ScheduledState
 from ._transform import per_device

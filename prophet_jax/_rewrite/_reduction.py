@@ -19,16 +19,13 @@ from ._accumulate import check_state as check_accum
 from ._axis import bind
 from ._collectives import reduce_units, schedule_chains, schedule_units
 from ._sharded import sharded_allreduce
-from ._defer import DeferState, belongs, check_state, group_states, schedule_of, with_groups
-from ._defer import init as defer_init
+from ._defer import given_state, group_states, with_groups
 from ._keys import check_enforce_order, ordering
-from ._states import OwedState, StateTag, per_device_leaves
+from ._states import OwedState, per_device_leaves
 from .._values._checks import check_bool, match_tree
-from .._values._errors import ScheduleMismatchError
 from .._values._schedule import Schedule
 
-__all__ = ["allreduce", "step_setup", "StepSetup", "owed_tag", "check_foreign", "take_owed", "add_owed", "scheduled_allreduce",
-           "accumulated_allreduce"]
+__all__ = ["allreduce", "step_setup", "StepSetup", "scheduled_allreduce", "accumulated_allreduce"]
 
 
 def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
@@ -102,62 +99,6 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
   return (reduced, new) if schedule.defers or defer_state is not None else reduced
 
 
-def owed_tag(schedule: Schedule) -> StateTag:
-  """The tag of an `OwedState` owed to `schedule`'s first step."""
-  return StateTag.of(schedule, ("owed", len(schedule.rows)))
-
-
-def check_foreign(state: Any, schedule: Schedule, where: str) -> None:
-  """ScheduleMismatchError naming `convert_state` when `state` is a DeferState or OwedState that
-  records another schedule (a re-plan's state given to the new plan's step unconverted)."""
-  if isinstance(state, OwedState):
-    if state.tag != owed_tag(schedule):
-      raise ScheduleMismatchError(
-          f"{where}: the state owes deferred values to another schedule's first step ({state.tag!r}), "
-          f"not this one's ({schedule.policy} plan, key {owed_tag(schedule).key}): convert the state for "
-          f"this schedule with prophet_jax.convert_state(state, params, schedule).")
-    return
-  old = schedule_of(state) if isinstance(state, DeferState) else None
-  if old is not None and not belongs(state, schedule):
-    raise ScheduleMismatchError(
-        f"{where}: the deferral state was made by another schedule (a {old.policy} plan, key "
-        f"{state.tag.key}) than this step's ({schedule.policy} plan): a step takes only its own "
-        f"schedule's state. Change plans outside the step: state = prophet_jax.convert_state(state, "
-        f"params, new_schedule) (nothing deferred is lost: the first step of the new plan adds it).")
-
-
-def take_owed(state: Any, schedule: Schedule, flat: Sequence[Any], lmap: Any) -> tuple[list[Any], Any]:
-  """(an `OwedState`'s values per leaf of `flat` (None for a leaf no row covers), `schedule`'s
-  initial deferral state or None): what the first step after `convert_state` adds and continues from
-  (its residuals each device's own: the step setup casts them varying under check_vma)."""
-  return _owed_leaves(state, flat, lmap, where="the first step after convert_state"), defer_init(schedule)
-
-
-def _owed_leaves(state: OwedState, flat: Sequence[Any], lmap: Any, where: str) -> list[Any]:
-  """An OwedState's values as leaves of `flat` (None for a leaf no row covers), each device's own."""
-  owed: list[Any] = [None] * len(flat)
-  for r, i in enumerate(lmap.row_leaf):
-    x, shape = state.owed[r], np.shape(flat[i])
-    if np.size(x) != np.size(flat[i]):
-      raise ValueError(
-          f"{where}: the converted state's owed values for {lmap.paths[i]!r} have shape {tuple(np.shape(x))} "
-          f"here, but one device's are {(1, *shape)}: the state was passed in its global layout (each "
-          f"device's values on a leading axis) without splitting it over the devices. Under shard_map pass "
-          f"it with prophet_jax.first_step_specs(state, axis_name)[0] as in_specs; on the mesh, use the "
-          f"step made with mesh= (convert_state(..., mesh=mesh, axis_name=...) lays it out for it).")
-    owed[i] = jnp.reshape(x, shape).astype(flat[i].dtype)
-  return owed
-
-
-def add_owed(tree: Any, state: OwedState, schedule: Schedule, where: str) -> Any:
-  """`tree` (per-device, the schedule's tree) with an `OwedState`'s values added at their elements."""
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  lmap = match_tree(leaves_with_path, schedule, where=where)
-  flat = [x for _, x in leaves_with_path]
-  owed = _owed_leaves(state, flat, lmap, where)
-  return jax.tree_util.tree_unflatten(treedef, [x if o is None else x + o for x, o in zip(flat, owed)])
-
-
 class StepSetup(NamedTuple):
   """What every reduction path knows once its preamble ran (`step_setup`).
 
@@ -213,12 +154,8 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   lmap = match_tree(leaves_with_path, schedule, where=where, skip_prefixes=skip_prefixes)
   flat = [leaf for _, leaf in leaves_with_path]
-  owed, given = None, defer_state
-  check_foreign(defer_state, schedule, where)
-  if isinstance(defer_state, OwedState):   # the first step after convert_state: the owed values join these gradients
-    owed, defer_state = take_owed(defer_state, schedule, flat, lmap)
-  elif schedule.defers or defer_state is not None:
-    check_state(defer_state, schedule, where)
+  given = defer_state
+  owed, defer_state = given_state(defer_state, schedule, flat, lmap, where)
   named = [(lmap.paths[i], flat[i]) for i in lmap.row_leaf] if checks else []
   fresh = defer_state.residual if owed is not None and defer_state is not None else None
   n, vma, (fresh, varying) = bind(
