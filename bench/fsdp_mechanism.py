@@ -30,7 +30,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import prophet_jax as pj  # noqa: E402
 from prophet_jax._compiled._hlo import execution_order, parse_hlo  # noqa: E402
-from prophet_jax._rewrite._fsdp_step import fsdp_grad, unstack  # noqa: E402
+from prophet_jax._rewrite._fsdp_step import fsdp_grad  # noqa: E402
+from prophet_jax._rewrite._fsdp_units import unstack  # noqa: E402
 
 L, D, B = int(os.environ.get("FSDP_L", 6)), int(os.environ.get("FSDP_D", 1024)), int(os.environ.get("FSDP_B", 4096))
 N = 8
@@ -285,8 +286,8 @@ def case_mixed():
     sched = plan(p, s, least_budget(p, s, stacked, **opts), stacked, **opts)
     for gd in ("auto", None):
       c = compile_library(loss, p, s, sched, gather_dtype=gd)
-      dts = sorted({re.search(r"= [(]?(\w+)\[", ln).group(1) for ln in c.as_text().splitlines()
-                    if "all-gather-start(" in ln or " all-gather(" in ln})
+      dts = sorted({m.group(1) for ln in c.as_text().splitlines() if " all-gather(" in ln or "all-gather-start(" in ln
+                    for m in [re.search(r"= [(]*(\w+)\[", ln)] if m})
       print(f"  {name}, gather_dtype={gd!r}: all-gathers in {dts}, temp {temp_mib(c):.0f} MiB")
     show(f"{name}, partitioner (no remat)", compile_partitioner(loss, p, s))
 

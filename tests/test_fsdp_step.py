@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import prophet_jax as pj
 from prophet_jax._compiled._hlo import execution_order, parse_hlo
 from prophet_jax._rewrite._collectives import engine_hooks
-from prophet_jax._rewrite._fsdp_step import fsdp_grad, unstack
+from prophet_jax._rewrite._fsdp_step import fsdp_grad
+from prophet_jax._rewrite._fsdp_units import unstack
 
 from _assert import assert_trees_close
 from _placement import NDEV

@@ -1,14 +1,14 @@
-"""The traced side of the FSDP step: a loss function's jaxpr cut into pieces whose backward the step runs
-itself, each with the residuals it saves chosen by the step.
+"""The traced side of the FSDP step: the user's loss as a jaxpr, cut into pieces whose forward and backward
+the step runs itself, each saving only the residuals the step allows.
 
-The FSDP step (`_fsdp_step`) does not differentiate the user's loss as a whole. It traces `loss_fn`
-once on the *gathered* parameters' types, inlines nested `jit` calls (`flat_jaxpr`), cuts the equations
-at the points where a gather group is first read (`Piece`), and runs each piece's forward and backward
-itself (`SplitVjp`): forward evaluates the piece's `jax.vjp` and keeps only the residuals that depend on
-activations; backward recomputes the others (casts, transposes, reshapes of the parameters: whatever
-depends only on gathered or replicated parameters and constants) from parameters it holds then (kept
-ones, or gathered again) and applies the piece's pullback. So no gathered weight survives in a residual
-unless the plan keeps it (docs/design.md, "FSDP in the user's step: the mechanism").
+`flat_jaxpr` traces `loss_fn` on the gathered parameters' types and inlines nested `jit` calls; `lazy`
+moves every equation that reads only parameters and constants (a cast, a transpose of a weight) to just
+before its first reader; `cut` splits the equations into `Piece`s; `rebind_casts` makes a leaf whose only
+reader is a cast to another float dtype gather in that dtype. `SplitVjp` is one piece's `jax.vjp` with
+its residuals split: those that depend on activations are saved by its forward, the others (whatever
+depends only on gathered or replicated parameters and constants) recomputed by its backward from the
+parameters it is given then (kept ones, or gathered again), so no gathered weight survives in a residual
+unless the plan keeps it. docs/design.md, "FSDP in the user's step: the mechanism".
 
 Reads jaxprs through `jax.extend.core` (`_jaxcompat.JAXPR_API`).
 """
@@ -16,17 +16,17 @@ Reads jaxprs through `jax.extend.core` (`_jaxcompat.JAXPR_API`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DebugInfo, Literal, Var, jaxpr_as_fun
 
-__all__ = ["flat_jaxpr", "reads", "sub_fn", "dce", "depends_on", "scan_parts", "zero_like", "SplitVjp",
-           "INLINED"]
+__all__ = ["flat_jaxpr", "reads", "sub_fn", "dce", "depends_on", "scan_parts", "zero_like", "SplitVjp", "Piece",
+           "lazy", "cut", "rebind_casts"]
 
-INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _INFO = DebugInfo("fsdp_grad", "a piece of loss_fn", None, None)   # the jaxprs this module cuts out
 
 
@@ -41,7 +41,7 @@ def _inline(jaxpr: Any, consts: list[tuple[Var, Any]]) -> tuple[list, list]:
   eqns: list = []
   for eqn in jaxpr.eqns:
     ins = [_sub(v, env) for v in eqn.invars]
-    sub = eqn.params.get("jaxpr") if eqn.primitive.name in INLINED else None
+    sub = eqn.params.get("jaxpr") if eqn.primitive.name in _INLINED else None
     if sub is None:
       eqns.append(eqn.replace(invars=ins))
       continue
@@ -205,3 +205,77 @@ class SplitVjp:
     pullback = jax.tree_util.tree_unflatten(self.tree, leaves)
     cts = [(zero_like(a) if c is None else c) for c, a in zip(cts, self.out_avals)]
     return list(pullback(cts))
+
+
+class Piece(NamedTuple):
+  """A run of equations: the variables it reads that are defined before it, those it defines that are
+  read after it (or returned)."""
+
+  eqns: tuple
+  ins: tuple
+  outs: tuple
+
+
+def lazy(jaxpr: Any, pure_vars: set) -> list:
+  """`jaxpr`'s equations, each that reads only `pure_vars` (parameters), constants and their results moved
+  to just before its first reader: a weight's cast or transpose is computed where the weight is used, so
+  it does not pull the weight's gather forward."""
+  pure = set(pure_vars) | set(jaxpr.constvars)
+  pending: dict = {}
+  out: list = []
+
+  def emit(v):
+    e = pending.pop(v, None)
+    if e is not None:
+      for o in e.outvars:
+        pending.pop(o, None)
+      for x in reads(e):
+        emit(x)
+      out.append(e)
+
+  for e in jaxpr.eqns:
+    if all(v in pure for v in reads(e)) and not e.effects:
+      pure.update(e.outvars)
+      pending.update({o: e for o in e.outvars})
+      continue
+    for v in reads(e):
+      emit(v)
+    out.append(e)
+  for v in jaxpr.outvars:
+    if not isinstance(v, Literal):
+      emit(v)
+  return out
+
+
+def cut(jaxpr: Any, eqns: list, cuts: Sequence[int]) -> list[Piece]:
+  """`eqns` (of `jaxpr`) cut before each position in `cuts`."""
+  cuts = sorted({0, len(eqns), *[c for c in cuts if 0 < c < len(eqns)]})
+  defined_at = {o: k for k, e in enumerate(eqns) for o in e.outvars}
+  last_read: dict = {}
+  for k, e in enumerate(eqns):
+    last_read.update({v: k for v in reads(e)})
+  last_read.update({v: len(eqns) for v in jaxpr.outvars if not isinstance(v, Literal)})
+  pieces = []
+  for a, b in zip(cuts[:-1], cuts[1:]):
+    ins = dict.fromkeys(v for e in eqns[a:b] for v in reads(e) if not a <= defined_at.get(v, -1) < b)
+    outs = [o for e in eqns[a:b] for o in e.outvars if last_read.get(o, -1) >= b]
+    pieces.append(Piece(tuple(eqns[a:b]), tuple(ins), tuple(outs)))
+  return pieces
+
+
+def rebind_casts(jaxpr: Any, vars_: dict, enabled: bool) -> tuple[Any, dict, dict]:
+  """Gathering in the compute dtype: each of `vars_` (key -> var) whose one reader casts it to another
+  float dtype is replaced by the cast's result, the cast dropped. Returns (the jaxpr, key -> var to bind
+  the gathered value to, key -> dtype to cast the shard to before gathering)."""
+  readers: dict = {}
+  for e in jaxpr.eqns:
+    for v in reads(e):
+      readers.setdefault(v, []).append(e)
+  bound, cast, drop = dict(vars_), {}, set()
+  for key, v in vars_.items():
+    rs = readers.get(v, [])
+    if (enabled and len(rs) == 1 and rs[0].primitive.name == "convert_element_type" and v not in jaxpr.outvars
+        and jnp.issubdtype(rs[0].outvars[0].aval.dtype, jnp.floating)):
+      bound[key], cast[key] = rs[0].outvars[0], rs[0].outvars[0].aval.dtype
+      drop.add(id(rs[0]))
+  return jaxpr.replace(eqns=[e for e in jaxpr.eqns if id(e) not in drop]), bound, cast
