@@ -146,12 +146,23 @@ def scanned_loss(compute=jnp.float32, remat=False):
 BATCH = {"x": jax.ShapeDtypeStruct((B, D), jnp.float32), "y": jax.ShapeDtypeStruct((B, D), jnp.float32)}
 
 
-def plan(params, specs, budget, stacked=(), **options):
-  """The fsdp plan of the model's per-layer view (scanned stacks unstacked), on an estimated profile."""
+def profile(params, specs, stacked=()):
+  """The model's per-layer view (scanned stacks unstacked), as an estimated profile."""
   flat, shard = unstack(params, stacked, specs)
-  prof = pj.GradientProfile.from_params(flat, forward_s=0.01, backward_s=0.02, mesh={"data": N}, shardings=shard)
-  net = pj.NetworkModel.preset("nvlink", workers=N)
-  return pj.plan(prof, net, "fsdp", memory_budget_bytes=budget, **options)
+  return pj.GradientProfile.from_params(flat, forward_s=0.01, backward_s=0.02, mesh={"data": N}, shardings=shard)
+
+
+NET = pj.NetworkModel.preset("nvlink", workers=N)
+
+
+def plan(params, specs, budget, stacked=(), **options):
+  """The fsdp plan of the model's profile."""
+  return pj.plan(profile(params, specs, stacked), NET, "fsdp", memory_budget_bytes=budget, **options)
+
+
+def peak_mib(sched, params, specs, stacked=()):
+  """The simulator's peak (gathered parameters and unsharded gradients) of a plan, MiB."""
+  return pj.simulate(sched, profile(params, specs, stacked), NET).peak_memory_bytes / 2**20
 
 
 _TOPO = {}
@@ -210,10 +221,17 @@ def case_unrolled():
   show("partitioner, no remat", compile_partitioner(unrolled_loss(), p, s))
   show("partitioner, per-layer remat", compile_partitioner(unrolled_loss(remat=True), p, s))
   least = least_budget(p, s)
-  for name, budget in (("keep all", None), ("least memory", least)):
+  temps = []
+  most = int(peak_mib(plan(p, s, None), p, s) * 2**20)
+  for name, budget in (("keep all", None), ("middle", (least + most) // 2), ("least memory", least)):
     sched = plan(p, s, budget)
-    print(f"  plan {name}: keep {sched.fsdp.keep}, prefetch {sched.fsdp.prefetch}/{sched.fsdp.backward_prefetch}")
-    show(f"library, {name}", compile_library(unrolled_loss(), p, s, sched))
+    c = compile_library(unrolled_loss(), p, s, sched)
+    temps.append((temp_mib(c), peak_mib(sched, p, s)))
+    print(f"  plan {name}: keep {sched.fsdp.keep}, prefetch {sched.fsdp.prefetch}/{sched.fsdp.backward_prefetch}, "
+          f"simulated peak {temps[-1][1]:.0f} MiB")
+    show(f"library, {name}", c)
+  for (t, pk), name in zip(temps[:2], ("keep all", "middle")):
+    print(f"  {name} - least memory: temp {t - temps[-1][0]:.1f} MiB, simulated peak {pk - temps[-1][1]:.1f} MiB")
 
 
 def case_scan():
@@ -222,10 +240,16 @@ def case_scan():
   show("partitioner, no remat", compile_partitioner(scanned_loss(), p, s))
   show("partitioner, body remat", compile_partitioner(scanned_loss(remat=True), p, s))
   least = least_budget(p, s, ("stack",), bucket_bytes=D * D * 4)
-  for name, budget in (("keep all", None), ("least memory", least)):
+  temps = []
+  most = int(peak_mib(plan(p, s, None, ("stack",), bucket_bytes=D * D * 4), p, s, ("stack",)) * 2**20)
+  for name, budget in (("keep all", None), ("middle", (least + most) // 2), ("least memory", least)):
     sched = plan(p, s, budget, ("stack",), bucket_bytes=D * D * 4)
-    print(f"  plan {name}: keep {sched.fsdp.keep}")
-    show(f"library, {name}", compile_library(scanned_loss(), p, s, sched))
+    c = compile_library(scanned_loss(), p, s, sched)
+    temps.append((temp_mib(c), peak_mib(sched, p, s, ("stack",))))
+    print(f"  plan {name}: keep {sched.fsdp.keep}, simulated peak {temps[-1][1]:.0f} MiB")
+    show(f"library, {name}", c)
+  for (t, pk), name in zip(temps[:2], ("keep all", "middle")):
+    print(f"  {name} - least memory: temp {t - temps[-1][0]:.1f} MiB, simulated peak {pk - temps[-1][1]:.1f} MiB")
 
 
 def mlp_params():

@@ -107,6 +107,11 @@ def _gather_layer(step, sc, k, scope, anchor, shards=None):
   return step.gather(sc.groups[k], scope, anchor, shards)
 
 
+def _at(x, k):
+  """Layer k of a stacked array, read in place (`k` traced)."""
+  return jax.lax.dynamic_index_in_dim(x, k, keepdims=False)
+
+
 def _args(sc, consts, carry, xs_k, w_k):
   """The layer's arguments: body consts, consts, carry, xs (a sharded slice as its gathered layer)."""
   it = iter(w_k)
@@ -138,15 +143,15 @@ def scan_forward(step: Any, sc: Scan, ins: list, whole: dict, tail: Any) -> tupl
     parts = []
     carry, part, w = one(a, w, carry)
     parts.append(part)
-    if b - a > 2:
-      def body(c, x, a=a, keep=keep):
-        (carry, w_k), (nxt, xs_k) = c, x
-        w_next = _gather_layer(step, sc, a + 1, AG_SCOPE, anchor_of(carry), nxt)
-        new, ys, res = compute(w_k, carry, xs_k, keep)
-        return (new, w_next), (ys, (res, carry))
+    if b - a > 2:     # the middle layers: the stacks are read in place by index (a slice would copy them)
+      def body(c, _, a=a, keep=keep):
+        carry, w_k, k = c
+        nxt = [_at(step.flat[i], k + 1) for kind, i in sc.xs_slot if kind == "shard"]
+        w_next = _gather_layer(step, sc, a + 2, AG_SCOPE, anchor_of(carry), nxt)
+        new, ys, res = compute(w_k, carry, [x if x is None else _at(x, k) for x in xs], keep)
+        return (new, w_next, k + 1), (ys, (res, carry))
 
-      shards = [step.flat[i][a + 2:b] for kind, i in sc.xs_slot if kind == "shard"]
-      (carry, w), (ys, part) = jax.lax.scan(body, (carry, w), (shards, [x if x is None else x[a + 1:b - 1] for x in xs]))
+      (carry, w, _), (ys, part) = jax.lax.scan(body, (carry, w, jnp.int32(a + 1)), None, length=b - a - 2)
       parts.append(part)
       ys_parts.append(ys)
     if b - a > 1:
@@ -160,7 +165,8 @@ def scan_forward(step: Any, sc: Scan, ins: list, whole: dict, tail: Any) -> tupl
 def scan_backward(step: Any, sc: Scan, runs: list, live: dict, tail: Any, anchor: Any) -> Any:
   """The stack's backward: its cotangents taken from and given to `step`, its units reduce-scattered on
   `step`'s token chain; `live[sc.groups[-1]]`: the last layer gathered again (unless kept); `tail(anchor)`
-  issues the re-gathers due when the first layer's backward starts. Returns the backward's anchor after it."""
+  issues the re-gathers due when the first layer's backward starts. Returns the backward's anchor after it.
+  Per-layer results (the gradient shards, the xs' cotangents) go into whole stacks in place."""
   nc, ncar, nb = sc.n_consts, sc.n_carry, len(sc.body_consts)
   top, diff = list(sc.eqn.invars), sc.vjp.diff[nb:]
   cts = [step.ct.pop(v, None) for v in sc.eqn.outvars]
@@ -173,38 +179,37 @@ def scan_backward(step: Any, sc: Scan, runs: list, live: dict, tail: Any, anchor
   shard_leaves = [i for kind, i in sc.xs_slot if kind == "shard"]
   ns = len(shard_leaves)
   ct_consts = [zero_like(v.aval) if d and not isinstance(v, Literal) else None for v, d in zip(top[:nc], diff[:nc])]
-  parts_x: list[list] = [[] for _ in sc.xs_slot]
+  acc = [zero_like(jax.typeof(step.flat[i])) if kind == "shard" else zero_like(v.aval) if d else None
+         for (kind, i), v, d in zip(sc.xs_slot, top[nc + ncar:], diff[nc + ncar:])]
   token = step.token if step.token is not None else jnp.zeros((), jnp.float32)
   w = None if sc.runs[-1][2] else live.pop(sc.groups[-1])
   step.pending = [k for k in step.pending if k not in set(sc.units)]
 
-  def layer(res, carry_in, carry_out, w_k, ct_carry, ct_consts, token, keep, ys_k, xs_k, unit):
+  def layer(k, res, carry_in, carry_out, w_k, ct_carry, ct_consts, acc, token, keep, unit):
+    """Layer k's backward (`k` traced in a loop): new (carry cotangent, consts' cotangents, stacks, token)."""
     if keep:
       w_k, res = res[len(res) - ns:], res[:len(res) - ns]
-    got = iter(sc.vjp.backward(res, _args(sc, consts, carry_in, xs_k, w_k), list(ct_carry) + list(ys_k), carry_out))
-    new_consts, new_carry, ct_w, ct_x = list(ct_consts), [None] * ncar, [], []
+    args = _args(sc, consts, carry_in, [None if x is None else _at(x, k) for x in xs], w_k)
+    got = iter(sc.vjp.backward(res, args, list(ct_carry) + [None if c is None else _at(c, k) for c in ct_ys],
+                               carry_out))
+    ct_consts, new_carry, ct_xs = list(ct_consts), [None] * ncar, []
     for j, d in enumerate(diff):
       c = next(got) if d else None
       if j < nc:
-        new_consts[j] = None if c is None or ct_consts[j] is None else ct_consts[j] + c
+        ct_consts[j] = None if c is None or ct_consts[j] is None else ct_consts[j] + c
       elif j < nc + ncar:
         new_carry[j - nc] = c
-      elif sc.xs_slot[j - nc - ncar][0] == "shard":
-        ct_w.append(c.astype(step.flat[sc.xs_slot[j - nc - ncar][1]].dtype))
       else:
-        ct_x.append(c)
+        ct_xs.append(c)
+    ct_w = [c.astype(step.flat[i].dtype) for c, (kind, i) in zip(ct_xs, sc.xs_slot) if kind == "shard"]
     out = scatter(ct_w, [step.plan.dim_of[i] - 1 for i in shard_leaves], step.axis, step.n, step.divisor,
                   f"{RS_SCOPE}{unit}", step.layout, token)
-    return new_carry, new_consts, last(out), out, ct_x
-
-  def store(k0, out, ct_x, stacked):
-    for i, x in zip(shard_leaves, out):
-      step.stack_parts.setdefault(i, []).append((k0, x if stacked else x[None]))
-    it = iter(ct_x)
-    for j, (kind, _) in enumerate(sc.xs_slot):
-      c = None if kind == "shard" else next(it)
-      if c is not None:
-        parts_x[j].append((k0, c if stacked else c[None]))
+    it = iter(out)
+    new_acc = []
+    for (kind, _), c, st in zip(sc.xs_slot, ct_xs, acc):
+      x = next(it) if kind == "shard" else c
+      new_acc.append(st if st is None or x is None else jax.lax.dynamic_update_index_in_dim(st, x.astype(st.dtype), k, 0))
+    return new_carry, ct_consts, new_acc, last(out)
 
   for r in range(len(sc.runs) - 1, -1, -1):
     a, b, keep = sc.runs[r]
@@ -217,38 +222,34 @@ def scan_backward(step: Any, sc: Scan, runs: list, live: dict, tail: Any, anchor
         return None if sc.runs[r - 1][2] else _gather_layer(step, sc, a - 1, REAG_SCOPE, anchor)
       return tail(anchor)
 
-    def one(k, part, nxt, w_k, ct_carry, ct_consts, token, keep=keep):
+    def one(k, part, nxt, w_k, ct_carry, ct_consts, acc, token, keep=keep):
       res, carry_in = part
       w_next = regather(k, anchor_of(ct_carry))
-      ct_carry, ct_consts, token, out, ct_x = layer(
-          list(res), carry_in, nxt, w_k, ct_carry, ct_consts, token, keep,
-          [None if c is None else c[k] for c in ct_ys], [None if x is None else x[k] for x in xs], sc.units[k])
-      store(k, out, ct_x, False)
-      return ct_carry, ct_consts, token, w_next, carry_in
+      ct_carry, ct_consts, acc, token = layer(k, list(res), carry_in, nxt, w_k, ct_carry, ct_consts, acc, token,
+                                              keep, sc.units[k])
+      return ct_carry, ct_consts, acc, token, w_next, carry_in
 
     if b - a > 1:
-      ct_carry, ct_consts, token, w, nxt = one(b - 1, parts.pop(), nxt, w, ct_carry, ct_consts, token)
+      ct_carry, ct_consts, acc, token, w, nxt = one(b - 1, parts.pop(), nxt, w, ct_carry, ct_consts, acc, token)
     if b - a > 2:
-      def body(c, x, a=a, keep=keep):
-        ct_carry, ct_consts, token, w_k, nxt = c
-        (res, carry_in), ys_k, xs_k, prev = x
-        w_prev = None if keep else _gather_layer(step, sc, a + 1, REAG_SCOPE, anchor_of(ct_carry), prev)
-        ct_carry, ct_consts, token, out, ct_x = layer(list(res), carry_in, nxt, w_k, ct_carry, ct_consts, token,
-                                                      keep, ys_k, xs_k, sc.units[a + 1])
-        return (ct_carry, ct_consts, token, w_prev, carry_in), (out, ct_x)
+      def body(c, x, b=b, keep=keep):
+        ct_carry, ct_consts, acc, token, w_k, nxt, k = c
+        res, carry_in = x
+        prev = None if keep else [_at(step.flat[i], k - 1) for i in shard_leaves]
+        w_prev = None if keep else _gather_layer(step, sc, b - 3, REAG_SCOPE, anchor_of(ct_carry), prev)
+        ct_carry, ct_consts, acc, token = layer(k, list(res), carry_in, nxt, w_k, ct_carry, ct_consts, acc, token,
+                                                keep, sc.units[b - 2])
+        return (ct_carry, ct_consts, acc, token, w_prev, carry_in, k - 1), None
 
-      loop_xs = (parts.pop(), [None if c is None else c[a + 1:b - 1] for c in ct_ys],
-                 [None if x is None else x[a + 1:b - 1] for x in xs],
-                 None if keep else [step.flat[i][a:b - 2] for i in shard_leaves])
-      (ct_carry, ct_consts, token, w, nxt), (out, ct_x) = jax.lax.scan(
-          body, (ct_carry, ct_consts, token, w, nxt), loop_xs, reverse=True)
-      store(a + 1, out, ct_x, True)
-    ct_carry, ct_consts, token, w, nxt = one(a, parts.pop(), nxt, w, ct_carry, ct_consts, token)
+      (ct_carry, ct_consts, acc, token, w, nxt, _), _ = jax.lax.scan(
+          body, (ct_carry, ct_consts, acc, token, w, nxt, jnp.int32(b - 2)), parts.pop(), reverse=True)
+    ct_carry, ct_consts, acc, token, w, nxt = one(a, parts.pop(), nxt, w, ct_carry, ct_consts, acc, token)
   step.token = token
-  for j, ((kind, i), v) in enumerate(zip(sc.xs_slot, top[nc + ncar:])):
-    ps = [x for _, x in sorted(parts_x[j], key=lambda t: t[0])]
-    if ps:
-      anchor = step.accumulate([step.leaf_var[i] if kind == "rep" else v], [jnp.concatenate(ps)], anchor)
+  for ((kind, i), v), s in zip(zip(sc.xs_slot, top[nc + ncar:]), acc):
+    if kind == "shard":
+      step.stack_parts[i] = [(0, s)]
+    elif s is not None:
+      anchor = step.accumulate([step.leaf_var[i] if kind == "rep" else v], [s], anchor)
   anchor = step.accumulate([v for v, c in zip(top[:nc], ct_consts) if c is not None],
                            [c for c in ct_consts if c is not None], anchor)
   return step.accumulate([v for v, c in zip(top[nc:nc + ncar], ct_carry) if c is not None],

@@ -28,6 +28,13 @@ __all__ = ["flat_jaxpr", "reads", "sub_fn", "dce", "depends_on", "scan_parts", "
 
 _INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _INFO = DebugInfo("fsdp_grad", "a piece of loss_fn", None, None)   # the jaxprs this module cuts out
+# what a backward computes again from values it holds rather than have forward save it: elementwise and
+# layout primitives (XLA fuses them into their readers), never products, reductions or loops
+_CHEAP = frozenset({
+    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "exp2", "log", "log1p", "expm1", "tanh",
+    "logistic", "sin", "cos", "sqrt", "rsqrt", "integer_pow", "pow", "square", "erf", "one_minus_square",
+    "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "convert_element_type",
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy", "copy_p", "pvary", "pcast"})
 
 
 def _sub(v: Any, env: dict) -> Any:
@@ -94,19 +101,22 @@ def sub_fn(eqns: Sequence[Any], ins: Sequence[Var], outs: Sequence[Any], like: A
   return lambda *args: list(fn(*args))
 
 
-def dce(jaxpr: Any, keep: Sequence[bool]) -> tuple[Any, list[bool]]:
-  """`jaxpr` reduced to the outvars `keep` marks and the equations they need; (that jaxpr, which
-  invars it still reads). Its invars are those it reads."""
+def dce(jaxpr: Any, keep: Sequence[bool], given: Sequence[Any] = ()) -> tuple[Any, list[bool], list]:
+  """`jaxpr` reduced to the outvars `keep` marks and the equations they need, the variables in `given`
+  taken as inputs (their equations left out). Returns (that jaxpr, whose invars are the invars it reads
+  then the given ones it reads; which invars it reads; which given ones)."""
+  given = list(given)
   live = {v for v, k in zip(jaxpr.outvars, keep) if k and isinstance(v, Var)}
   eqns = []
   for e in reversed(jaxpr.eqns):
-    if any(o in live for o in e.outvars):
+    if any(o in live and o not in given for o in e.outvars):
       eqns.append(e)
       live.update(reads(e))
   used = [v in live for v in jaxpr.invars]
-  out = jaxpr.replace(invars=[v for v, u in zip(jaxpr.invars, used) if u], eqns=eqns[::-1],
+  used_given = [v for v in given if v in live]
+  out = jaxpr.replace(invars=[v for v, u in zip(jaxpr.invars, used) if u] + used_given, eqns=eqns[::-1],
                       outvars=[v for v, k in zip(jaxpr.outvars, keep) if k], debug_info=_INFO)
-  return out, used
+  return out, used, used_given
 
 
 def depends_on(jaxpr: Any, sources: Sequence[bool]) -> list[bool]:
@@ -174,11 +184,21 @@ class SplitVjp:
     ins = {v: i for i, v in enumerate(self.jaxpr.invars) if i < len(forward_in) and forward_in[i]}
     outs = {v: j for j, v in enumerate(self.jaxpr.outvars[:n_out]) if j < len(forward_out) and forward_out[j]}
     self.source = [("in", ins[r]) if r in ins else ("out", outs[r]) if r in outs else None for r in res]
-    act = depends_on(self.jaxpr.replace(outvars=res), [not r for r in self.recomputable])
-    self.saved = [a and s is None for a, s in zip(act, self.source)]     # per residual: saved in forward
-    keep = [False] * n_out + [not a and s is None for a, s in zip(act, self.source)]
-    self.rec_jaxpr, self.rec_used = dce(self.jaxpr, keep)  # the recomputed residuals, from marked args
-    bad = [i for i, u in enumerate(self.rec_used) if u and not self.recomputable[i]]
+    # what backward can compute again: anything from the recomputable arguments alone (a weight's cast or
+    # transpose), and cheap (elementwise, layout) functions of those and the forwarded values
+    param = {v for v, r in zip(self.jaxpr.invars, self.recomputable) if r}
+    cheap = param | set(ins) | set(outs)
+    for e in self.jaxpr.eqns:
+      vs = reads(e)
+      if all(v in param for v in vs):
+        param.update(e.outvars)
+      if all(v in cheap for v in vs) and (e.primitive.name in _CHEAP or all(v in param for v in vs)):
+        cheap.update(e.outvars)
+    self.saved = [s is None and r not in cheap for r, s in zip(res, self.source)]   # saved in forward
+    keep = [False] * n_out + [s is None and r in cheap for r, s in zip(res, self.source)]
+    self.rec_jaxpr, self.rec_used, given = dce(self.jaxpr, keep, list(outs))
+    self.rec_outs = [outs[v] for v in given]
+    bad = [i for i, u in enumerate(self.rec_used) if u and not self.recomputable[i] and i not in ins.values()]
     if bad:
       raise AssertionError(f"prophet_jax internal error: recomputed residuals read argument {bad[0]}.")
 
@@ -194,7 +214,7 @@ class SplitVjp:
     marked `forward_in` (others may be None), `outs` the outputs marked `forward_out`, `cts` one
     cotangent (or None: zero) per output."""
     rec = jaxpr_as_fun(ClosedJaxpr(self.rec_jaxpr, self.consts))(
-        *[a for a, u in zip(args, self.rec_used) if u])
+        *[a for a, u in zip(args, self.rec_used) if u], *[outs[j] for j in self.rec_outs])
     it_s, it_r = iter(saved), iter(rec)
     leaves = []
     for s, src in zip(self.saved, self.source):
