@@ -15,7 +15,7 @@ prints each program's schedule as a short sequence, with its temp memory (`memor
 Run (prints, never asserts; both jax lines):
     JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_mechanism.py [case ...]        # jax 0.10.2
     .ci/latest shell, then /opt/venv/bin/python bench/fsdp_mechanism.py [case ...]  # jax 0.12.1
-Cases: partitioner unrolled layout depth scan mixed approaches (default: all).
+Cases: unrolled scan layout depth mixed remat frameworks (default: all).
 """
 import os
 import re
@@ -326,8 +326,61 @@ def case_remat():
       show(f"{name} + remat, library {label}", compile_library(loss, p, s, sched))
 
 
+def linen_scanned():
+  import flax.linen as nn
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return jnp.tanh(nn.Dense(D)(x)), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L)()(x, None)[0]
+
+  model = Model()
+  params = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, D)))
+  specs = {"params": {"ScanBlock_0": {"Dense_0": {"bias": P(), "kernel": P(None, "data", None)}}}}
+  return params, specs, lambda p, b: jnp.mean((model.apply(p, b["x"]) - b["y"]) ** 2), ("params/ScanBlock_0",)
+
+
+def nnx_scanned():
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+      return jnp.tanh(self.lin(x))
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      @nnx.split_rngs(splits=L)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def blocks(rngs):
+        return Block(rngs)
+      self.blocks = blocks(rngs)
+
+    def __call__(self, x):
+      return nnx.scan(lambda x, blk: blk(x), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
+
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: Model(nnx.Rngs(0))))
+  specs = jax.tree.map(lambda a: P(None, "data", None) if a.ndim == 3 else P(), params)
+  return params, specs, lambda p, b: jnp.mean((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2), ("blocks",)
+
+
+def case_frameworks():
+  print("== the same scanned model written in flax linen (nn.scan) and flax nnx (nnx.scan), loss as usual")
+  for name, model in (("linen", linen_scanned), ("nnx", nnx_scanned)):
+    p, s, loss, stacked = model()
+    sched = plan(p, s, least_budget(p, s, stacked, bucket_bytes=D * D * 4), stacked, bucket_bytes=D * D * 4)
+    show(f"{name}, library least memory", compile_library(loss, p, s, sched))
+
+
 CASES = {"unrolled": case_unrolled, "scan": case_scan, "layout": case_layout, "depth": case_depth,
-         "mixed": case_mixed, "remat": case_remat}
+         "mixed": case_mixed, "remat": case_remat, "frameworks": case_frameworks}
 if __name__ == "__main__":
   print("jax", jax.__version__)
   for name in sys.argv[1:] or CASES:
