@@ -25,8 +25,8 @@ from prophet_jax._rewrite._fsdp_units import unstack
 from _assert import assert_trees_close
 from _placement import NDEV
 
-D, L, B = 16, 4, 16
-STEPS = 3
+D, L, B = 16, 3, 16
+STEPS = 2
 NET = pj.NetworkModel.preset("100gb-ib", workers=NDEV)
 
 
@@ -57,15 +57,16 @@ def unrolled():
   return _init(shapes), specs, loss, ()
 
 
-def scanned(compute=jnp.float32):
-  shapes = {"in": {"s": (D,)}, "out": {"w": (D, D)}, "stack": {"b": (L, D), "w": (L, D, D)}}
-  specs = {"in": {"s": P()}, "out": {"w": P("data", None)}, "stack": {"b": P(), "w": P(None, "data", None)}}
+def scanned(compute=jnp.float32, layers=6):
+  # keys in forward order (a profile from_params takes flatten order as forward order): in, stack, top
+  shapes = {"in": {"s": (D,)}, "top": {"w": (D, D)}, "stack": {"b": (layers, D), "w": (layers, D, D)}}
+  specs = {"in": {"s": P()}, "top": {"w": P("data", None)}, "stack": {"b": P(), "w": P(None, "data", None)}}
 
   def loss(p, batch):
     def body(x, lp):
       return jnp.tanh(x @ lp["w"].astype(compute) + lp["b"].astype(compute)), None
     x, _ = jax.lax.scan(body, (batch["x"] * p["in"]["s"]).astype(compute), p["stack"])
-    return jnp.mean(((x @ p["out"]["w"].astype(compute)).astype(jnp.float32) - batch["y"]) ** 2)
+    return jnp.mean(((x @ p["top"]["w"].astype(compute)).astype(jnp.float32) - batch["y"]) ** 2)
   return _init(shapes), specs, loss, ("stack",)
 
 
@@ -84,23 +85,24 @@ def linen_scanned():
       return nn.Dense(D, use_bias=False)(x)
 
   model = Model()
-  params = model.init(jax.random.key(0), jnp.ones((1, D)))
+  params = _init(jax.tree.map(lambda a: a.shape, jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, D)))))
   specs = {"params": {"Dense_0": {"kernel": P("data", None)},
                       "ScanBlock_0": {"Dense_0": {"bias": P(), "kernel": P(None, "data", None)}}}}
   return params, specs, lambda p, b: jnp.mean((model.apply(p, b["x"]) - b["y"]) ** 2), ("params/ScanBlock_0",)
 
 
 def nnx_unrolled():
+  """bf16 compute over f32 parameters (each kernel gathered in bf16, its gradient reduce-scattered in f32)."""
   from flax import nnx
 
   class Model(nnx.Module):
     def __init__(self, rngs):
-      self.layers = nnx.List([nnx.Linear(D, D, rngs=rngs) for _ in range(L)])
+      self.layers = nnx.List([nnx.Linear(D, D, dtype=jnp.bfloat16, rngs=rngs) for _ in range(L)])
 
     def __call__(self, x):
       for layer in self.layers:
         x = jnp.tanh(layer(x))
-      return x
+      return x.astype(jnp.float32)
 
   graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
   specs = jax.tree.map(lambda x: P("data", None) if x.ndim == 2 else P(), params)
@@ -197,63 +199,69 @@ def expected(sched):
   return {k: v for k, v in out.items() if v}
 
 
-CASES = {
-    # name: (model, budget, optimizer, plan options)
-    "unrolled-keep-adamw": (unrolled, "none", "adamw", {}),
-    "unrolled-regather-sgd": (unrolled, "least", "sgd", {}),
-    "scanned-mixed-adamw": (scanned, "mixed", "adamw", {"bucket_bytes": D * D * 4}),
-}
-
-
-def _optimizer(name):
-  return optax.adamw(3e-2, weight_decay=0.1) if name == "adamw" else optax.sgd(0.1, momentum=0.9)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_equal_to_the_partitioner_and_the_single_device_step(case):
-  model, budget, opt, options = CASES[case]
+def _check(model, plans, opt):
+  """Each plan's library step against the partitioner's and the single-device step (computed once), the n-1
+  divisor failing, and its compiled collectives counted against the plan."""
   params, specs, loss, stacked = model()
-  if budget == "none":
-    sched = _plan(params, specs, stacked, None, **options)
-  elif budget == "least":
-    sched = _least(params, specs, stacked, **options)
-  else:                                   # between: some layers kept, some gathered again
-    least = _least(params, specs, stacked, **options).fsdp.memory_budget_bytes
-    sched = _plan(params, specs, stacked, least + 2 * D * D * 4, **options)
-  keep = sched.fsdp.keep
-  assert (all(keep) if budget == "none" else not all(keep)) and (any(keep) if budget == "mixed" else True)
   mesh = _mesh()
-  tx = _optimizer(opt)
+  tx = optax.adamw(3e-2, weight_decay=0.1) if opt == "adamw" else optax.sgd(0.1, momentum=0.9)
   batches = _batches()
-  step, sspecs = library_step(loss, sched, specs, tx, params, mesh)
   placed = lambda t, s: _place(t, s, mesh)  # noqa: E731
-  p0, s0 = placed(params, specs), placed(tx.init(params), sspecs)
+  sspecs = _state_specs(tx, params, specs)
   lbatches = [placed(b, {"x": P("data"), "y": P("data")}) for b in batches]
-  step = step.lower(p0, s0, lbatches[0], jnp.float32(1.0)).compile()
-  got = _run(step, p0, s0, lbatches, jnp.float32(1.0))
   part = _run(reference_step(loss, tx), placed(params, specs), placed(tx.init(params), sspecs), lbatches)
   one = jax.devices()[0]
   single = _run(reference_step(loss, tx), jax.device_put(params, one), jax.device_put(tx.init(params), one),
                 jax.device_put(batches, one))
-  for ref in (part, single):
+  zeros = lambda m: jax.tree.map(jnp.zeros_like, (m.mu, m.nu))  # noqa: E731
+
+  def close(got, ref):
+    if opt == "adamw":      # Adam hides a wrong scale in the parameters; its moments do not
+      for m_got, m_ref in zip(_moments(got[1]), _moments(ref[1])):
+        assert_trees_close((m_got.mu, m_got.nu), (m_ref.mu, m_ref.nu), zeros(m_ref))
     assert_trees_close(got[0], ref[0], params)
-    for m_got, m_ref in zip(_moments(got[1]), _moments(ref[1])):
-      assert_trees_close((m_got.mu, m_got.nu), (m_ref.mu, m_ref.nu), jax.tree.map(jnp.zeros_like, (m_ref.mu, m_ref.nu)))
-  # the n-1 divisor: the same compiled step, every collective's divisor n - 1
-  bad = _run(step, p0, s0, lbatches, jnp.float32(NDEV / (NDEV - 1)))
-  with pytest.raises(AssertionError):
-    if opt == "adamw":
-      m_bad, m_ref = _moments(bad[1])[0], _moments(single[1])[0]
-      assert_trees_close((m_bad.mu, m_bad.nu), (m_ref.mu, m_ref.nu), jax.tree.map(jnp.zeros_like, (m_ref.mu, m_ref.nu)))
-    else:
-      assert_trees_close(bad[0], single[0], params)
-  # the compiled program: the plan's collectives, each once, and none of the partitioner's own
-  assert collectives(step) == expected(sched)
+
+  for sched in plans(params, specs, stacked):
+    step, _ = library_step(loss, sched, specs, tx, params, mesh)
+    p0, s0 = placed(params, specs), placed(tx.init(params), sspecs)
+    step = step.lower(p0, s0, lbatches[0], jnp.float32(1.0)).compile()
+    got = _run(step, p0, s0, lbatches, jnp.float32(1.0))
+    close(got, part)
+    close(got, single)
+    with pytest.raises(AssertionError):   # the n-1 divisor: the same compiled step, every divisor n - 1
+      close(_run(step, p0, s0, lbatches, jnp.float32(NDEV / (NDEV - 1))), single)
+    # the plan's collectives, each once (a loop's once per trip), and none of the partitioner's own
+    assert collectives(step) == expected(sched)
 
 
-@pytest.mark.parametrize("model", [linen_scanned, nnx_unrolled], ids=["linen-nn.scan", "nnx"])
+def test_unrolled_keep_all_and_gather_again_sgd():
+  """Two plans of one model (every group kept; every group gathered again in backward), SGD with momentum."""
+  def plans(params, specs, stacked):
+    keep, least = _plan(params, specs, stacked, None), _least(params, specs, stacked)
+    assert all(keep.fsdp.keep) and not any(least.fsdp.keep)
+    return keep, least
+  _check(unrolled, plans, "sgd")
+
+
+def test_scanned_some_layers_kept_adamw():
+  """A lax.scan over 6 stacked layers, planned per layer, the last 3 kept and the first 3 gathered again (each run
+  its first layer, a loop, its last layer); AdamW."""
+  def plans(params, specs, stacked):
+    least = _least(params, specs, stacked, bucket_bytes=D * D * 4).fsdp.memory_budget_bytes
+    sched = _plan(params, specs, stacked, least + 4 * D * D * 4, bucket_bytes=D * D * 4)
+    stack = [k for u, k in zip(sched.fsdp.units, sched.fsdp.keep)
+             if sched.rows[sched.chunks[u].rows[0]][0].startswith("stack/")]
+    assert stack == [False] * 3 + [True] * 3, sched.fsdp.keep
+    return (sched,)
+  _check(scanned, plans, "adamw")
+
+
+@pytest.mark.parametrize("model", [linen_scanned, nnx_unrolled], ids=["linen-nn.scan", "nnx-bf16"])
 def test_flax_models_unchanged(model):
-  """linen's nn.scan and an nnx model, their loss written as usual: the same step, equal to one device."""
+  """linen's nn.scan and an nnx model, their loss written as usual: the same step, equal to one device; the nnx
+  model computes in bf16 over f32 parameters (gathered in bf16), so it is held to the partitioner's step (the
+  same bf16 program over the global batch, which differs from the single device's by bf16 rounding alone,
+  about 1% of the update) at bf16's tolerance."""
   params, specs, loss, stacked = model()
   sched = _least(params, specs, stacked, bucket_bytes=D * D * 4)
   mesh = _mesh()
@@ -261,9 +269,13 @@ def test_flax_models_unchanged(model):
   batches = _batches()
   step, sspecs = library_step(loss, sched, specs, tx, params, mesh)
   placed = lambda t, s: _place(t, s, mesh)  # noqa: E731
-  got = _run(step, placed(params, specs), placed(tx.init(params), sspecs),
-             [placed(b, {"x": P("data"), "y": P("data")}) for b in batches], jnp.float32(1.0))
-  one = jax.devices()[0]
-  single = _run(reference_step(loss, tx), jax.device_put(params, one), jax.device_put(tx.init(params), one),
-                jax.device_put(batches, one))
-  assert_trees_close(got[0], single[0], params)
+  lbatches = [placed(b, {"x": P("data"), "y": P("data")}) for b in batches]
+  got = _run(step, placed(params, specs), placed(tx.init(params), sspecs), lbatches, jnp.float32(1.0))
+  if model is nnx_unrolled:
+    ref = _run(reference_step(loss, tx), placed(params, specs), placed(tx.init(params), sspecs), lbatches)
+    assert_trees_close(got[0], ref[0], params, rel=1e-2)
+  else:
+    one = jax.devices()[0]
+    ref = _run(reference_step(loss, tx), jax.device_put(params, one), jax.device_put(tx.init(params), one),
+               jax.device_put(batches, one))
+    assert_trees_close(got[0], ref[0], params)
