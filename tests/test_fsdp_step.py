@@ -7,6 +7,7 @@ One compiled library step per case serves the real divisor and the n-1 control (
 the engine's test seam, `engine_hooks`); the references are one jit each.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -235,11 +236,17 @@ def _check(model, plans, opt):
 
 
 def test_unrolled_keep_all_and_gather_again_sgd():
-  """Two plans of one model (every group kept; every group gathered again in backward), SGD with momentum."""
+  """Three plans of one model, SGD with momentum: every group kept; every group gathered again in backward;
+  and gathered again in groups of two layers over units of one (a `split` plan's shape: all-gather groups
+  apart from the reduce-scatter units)."""
   def plans(params, specs, stacked):
     keep, least = _plan(params, specs, stacked, None), _least(params, specs, stacked)
     assert all(keep.fsdp.keep) and not any(least.fsdp.keep)
-    return keep, least
+    f = least.fsdp
+    rows = [least.chunks[u].rows for u in f.units]
+    pairs = tuple(tuple(r for rs in rows[i:i + 2] for r in rs) for i in range(0, len(rows), 2))
+    split = dataclasses.replace(least, fsdp=dataclasses.replace(f, gathers=pairs, keep=(False,) * len(pairs)))
+    return keep, least, split
   _check(unrolled, plans, "sgd")
 
 

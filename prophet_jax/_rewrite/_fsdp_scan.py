@@ -62,6 +62,7 @@ def make_scan(step: Any, eqn: Any, gather_cast: bool) -> Scan:
   body = eqn.params["jaxpr"]
   bj, bconsts = getattr(body, "jaxpr", body), list(getattr(body, "consts", ()))
   leaf_of = {v: i for i, v in enumerate(step.leaf_var)}
+  leaf_of.update({v: i for i, v in step.bound.items()})   # a stack cast before the scan: gathered cast
   xs_slot, shard_vars = [], {}
   for v, bv in zip(eqn.invars[nc + ncar:], bj.invars[nc + ncar:]):
     i = None if isinstance(v, Literal) else leaf_of.get(v)

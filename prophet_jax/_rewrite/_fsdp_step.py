@@ -112,10 +112,9 @@ class _Step:
     self.out_tree = out_tree["tree"]
     self.leaf_var = leaf_var = list(jx.invars[:len(flat)])
     stacked = {i for i, k in plan.slot_of if k is not None}
-    self.jx, self.bound, self.cast = rebind_casts(
-        jx, {i: leaf_var[i] for i in plan.dim_of if i not in stacked}, gather_cast)
+    self.jx, self.bound, self.cast = rebind_casts(jx, {i: leaf_var[i] for i in plan.dim_of}, gather_cast)
     jx = self.jx
-    self.var_slot = {v: (i, None) for i, v in self.bound.items()}
+    self.var_slot = {v: (i, None) for i, v in self.bound.items() if i not in stacked}
     self.leaf_index = {v: i for i, v in enumerate(leaf_var)}
     self.static = dict(zip(jx.constvars, consts))
     self.static.update({leaf_var[i]: self.local[i] for i in range(len(flat)) if i not in plan.dim_of})
@@ -123,7 +122,7 @@ class _Step:
     eqns = lazy(jx, set(self.bound.values()) | set(leaf_var))
     # where each leaf is first read (through parameter-only equations, which belong to their reader)
     src = {v: {i} for i, v in self.bound.items()}
-    src.update({leaf_var[i]: {i} for i in range(len(flat)) if i not in plan.dim_of or i in stacked})
+    src.update({leaf_var[i]: {i} for i in range(len(flat)) if i not in plan.dim_of})
     pure, self.first, scans_at, block = set(src) | set(jx.constvars), {}, [], 0
     self.defined = {}
     for k, e in enumerate(eqns):
