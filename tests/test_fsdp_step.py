@@ -286,3 +286,35 @@ def test_flax_models_unchanged(model):
     ref = _run(reference_step(loss, tx), jax.device_put(params, one), jax.device_put(tx.init(params), one),
                jax.device_put(batches, one))
     assert_trees_close(got[0], ref[0], params)
+
+
+@pytest.mark.gpu
+def test_h100_windows_and_collectives(topo):
+  """On 8 compile-only H100s: each group one all-gather (the plan's keys: XLA joins none), each forward gather
+  after the first with a gemm inside its window (ties to activations), the groups gathered again, one
+  reduce-scatter per unit, and nothing of the partitioner's own."""
+  from prophet_jax._compiled._hlo_collectives import async_windows, is_collective, sharded_collectives
+
+  params, specs, loss, _ = unrolled()
+  sched = _least(params, specs, ())
+  grad_fn = fsdp_grad(loss, sched, axis_name="data")
+  mesh = topo.mesh("data")
+  step = jax.jit(jax.shard_map(lambda p, b: grad_fn(p, b)[1], mesh=mesh, in_specs=(specs, P("data")),
+                               out_specs=specs))
+  batch = {"x": jax.ShapeDtypeStruct((B, D), jnp.float32), "y": jax.ShapeDtypeStruct((B, D), jnp.float32)}
+  compiled = step.lower(topo.abstract(params, specs), topo.abstract(batch, P("data"))).compile()
+  module = parse_hlo(compiled.as_text())
+  ops = execution_order(module)
+  label = lambda name: re.search(r"prophet/(fsdp/(?:reag|ag|rs))(\d+)", name)  # noqa: E731
+  found = [m.groups() if (m := label(c.op_name)) else ("foreign", c.op_name) for c in sharded_collectives(module, ops)]
+  count = lambda kind: sum(k == kind for k, _ in found)  # noqa: E731
+  n = len(sched.fsdp.units)
+  assert (count("fsdp/ag"), count("fsdp/reag"), count("fsdp/rs")) == (n, n, n), found
+  windows = {int(label(w.start.instruction.op_name + w.done.instruction.op_name).group(2)): w
+             for w in async_windows(module, ops).values()
+             if (m := label(w.start.instruction.op_name + w.done.instruction.op_name)) and m.group(1) == "fsdp/ag"}
+  foreign = [op.instruction.name for op in ops if is_collective(op.instruction.opcode)
+             and not op.instruction.opcode.endswith("-done") and "prophet/" not in op.instruction.op_name]
+  assert not foreign, foreign
+  gemm = lambda w: any("gemm" in op.instruction.text or op.instruction.opcode == "dot" for op in w.inside)  # noqa: E731
+  assert all(g in windows and gemm(windows[g]) for g in range(1, n)), {g: len(w.inside) for g, w in windows.items()}
