@@ -34,6 +34,7 @@ from ._collectives import _hooked, axis_size, reduce_units, tie, to_varying, vma
 from ._fsdp_scan import make_scan, scan_backward, scan_forward
 from ._fsdp_trace import SplitVjp, cut, flat_jaxpr, lazy, rebind_casts, reads, sub_fn
 from ._fsdp_units import AG_SCOPE, LAYOUTS, REAG_SCOPE, RS_SCOPE, gather, last, read_plan, scatter
+from .._compiled._jaxcompat import check_jaxpr_api
 from .._values._schedule import Chunk, Schedule
 from .._values._tree import path_str
 
@@ -69,6 +70,7 @@ def fsdp_grad(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: Any
     >>> grad_fn = fsdp_grad(loss_fn, schedule, axis_name="data")    # doctest: +SKIP
     >>> jax.shard_map(grad_fn, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P("data"), specs))
   """
+  check_jaxpr_api("fsdp_grad")
   _loss_reduction.check(reduction, "fsdp_grad")
   if layout not in LAYOUTS:
     raise ValueError(f"fsdp_grad(layout={layout!r}): expected one of {LAYOUTS}.")
