@@ -39,8 +39,7 @@ def _init(shapes, seed=0):
 
 def _batches(seed=1):
   rng = np.random.default_rng(seed)
-  return [{"x": jnp.asarray(rng.normal(size=(B, D)), jnp.float32), "y": jnp.asarray(rng.normal(size=(B, D)), jnp.float32)}
-          for _ in range(STEPS)]
+  return [{k: jnp.asarray(rng.normal(size=(B, D)), jnp.float32) for k in ("x", "y")} for _ in range(STEPS)]
 
 
 # every layer's backward reads its weight (the input is scaled by a replicated leaf, whose gradient needs

@@ -209,7 +209,8 @@ def scan_backward(step: Any, sc: Scan, runs: list, live: dict, tail: Any, anchor
     new_acc = []
     for (kind, _), c, st in zip(sc.xs_slot, ct_xs, acc):
       x = next(it) if kind == "shard" else c
-      new_acc.append(st if st is None or x is None else jax.lax.dynamic_update_index_in_dim(st, x.astype(st.dtype), k, 0))
+      new_acc.append(st if st is None or x is None else
+                     jax.lax.dynamic_update_index_in_dim(st, x.astype(st.dtype), k, 0))
     return new_carry, ct_consts, new_acc, last(out)
 
   for r in range(len(sc.runs) - 1, -1, -1):

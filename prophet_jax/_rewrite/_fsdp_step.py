@@ -277,7 +277,8 @@ class _Step:
         anchor = scan_backward(self, self.scans[s], saved[s], live, tail, anchor)
       else:
         live.update({g: self.gather(g, REAG_SCOPE, anchor) for g in regather.get(s, ())})
-        cts = self.vjps[s].backward(saved[s], [self.value(v, live) for v in p.ins], [self.ct.pop(v, None) for v in p.outs])
+        cts = self.vjps[s].backward(saved[s], [self.value(v, live) for v in p.ins],
+                                    [self.ct.pop(v, None) for v in p.outs])
         anchor = self.accumulate([v for v, d in zip(p.ins, self.vjps[s].diff) if d], cts, anchor)
       saved[s] = None
       for g in [g for g, f in self.first_piece.items() if f == s]:
