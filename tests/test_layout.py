@@ -196,6 +196,7 @@ STUDIES_INTERNALS = {
     "bench/xla_options.py",   # thresholds vs plans: the compiled all-reduces read with the HLO reader
     "bench/fsdp.py",          # the modelled partitioner's schedule on the fsdp planner's own units
     "bench/fsdp_hlo.py",      # the partitioner's compiled FSDP program read into a Schedule (FsdpPlan)
+    "bench/fsdp_mechanism.py",  # the FSDP step's per-device core (not public yet) and its compiled schedules
     "bench/gpu_ordering.py",  # the tie itself against jax's ordering means
     "bench/gpu_work.py",      # per-op costs from the library's HLO cost model
     "bench/profile_time.py",  # the measure step's phases, timed one by one

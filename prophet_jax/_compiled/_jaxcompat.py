@@ -14,9 +14,9 @@ versions (never a silent fallback):
 - registering the PJRT plugins without starting a backend, so that the command line drops the CUDA
   plugin's driver-search lines: `jax._src.xla_bridge._discover_and_register_pjrt_plugins` (cosmetic:
   without it those lines print and nothing else changes, so its absence is not an error).
-The pipelined step's residual analysis (`_residuals`) and `_jaxpr.forward_paths` read jaxprs through
-`jax.extend.core`, JAX's public API for extensions (less stable than its core API): the names they use
-are `JAXPR_API`, checked by `check_jaxpr_api()` with the same kind of error.
+The pipelined step's residual analysis (`_residuals`), the FSDP step (`_fsdp_trace`) and
+`_jaxpr.forward_paths` read jaxprs through `jax.extend.core`, JAX's public API for extensions (less stable
+than its core API): the names they use are `JAXPR_API`, checked by `check_jaxpr_api()` with the same kind of error.
 
 `tests/test_jaxcompat.py` resolves every listed name on the installed jax: `make test` (jax 0.10.2) and
 `make test-latest` (the newest) prove them on both ends of the range.
@@ -58,6 +58,8 @@ JAXPR_API: tuple[tuple[str, str], ...] = (
     ("jax.extend.core", "JaxprEqn.replace"),
     ("jax.extend.core", "ClosedJaxpr"),
     ("jax.extend.core", "jaxpr_as_fun"),
+    ("jax.extend.core", "Var"),
+    ("jax.extend.core", "DebugInfo"),
 )
 # what the code reads from a traced jaxpr and its equations
 _JAXPR_FIELDS = ("jaxpr", "consts", "eqns", "invars", "outvars", "constvars", "effects", "debug_info")

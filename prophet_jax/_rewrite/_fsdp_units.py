@@ -1,0 +1,172 @@
+"""An FSDP plan as the step reads it, and the collectives of one gather group or unit.
+
+A *slot* is one planned leaf: `(leaf, None)` for a parameter leaf, `(leaf, k)` for layer k of a scanned
+stack (a leaf whose leading axis is the layer), which a profile plans per layer under the path
+`<prefix>/<k>/<rest>` (`unstack` builds that view). `read_plan` maps the schedule's rows to slots.
+
+One gather group is one all-gather and one unit one reduce-scatter (`layout="packed"`, the default):
+each device's shards of the group's leaves, each moved to put its sharded dimension first, flattened and
+concatenated; the gathered buffer is device-major, so each leaf is read back from n strided parts (a
+copy of the group, and a transpose for a leaf split on another dimension than 0). `layout="leaf"`: one
+collective per leaf under the group's combiner key, which XLA:GPU joins up to its combine threshold
+(30 MiB by default) and XLA:CPU never joins (docs/design.md, "FSDP in the user's step: the mechanism",
+says why packed is the default). Every collective is tied to the value it must follow (`_collectives.tie`)
+and carries the group's or unit's XLA combiner key, so XLA:GPU never joins two of them.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._collectives import tie
+from .._values._schedule import Chunk, Schedule
+from .._values._tree import path_str
+
+__all__ = ["Slot", "Plan", "read_plan", "unstack", "gather", "scatter", "last", "LAYOUTS", "AG_SCOPE", "REAG_SCOPE",
+           "RS_SCOPE"]
+
+LAYOUTS = ("packed", "leaf")
+AG_SCOPE = "prophet/fsdp/ag"       # + gather group g: its forward all-gather (the named scope and combiner key)
+REAG_SCOPE = "prophet/fsdp/reag"   # + g: its all-gather again in backward
+RS_SCOPE = "prophet/fsdp/rs"       # + chunk k: a unit's reduce-scatter
+Slot = tuple[int, "int | None"]
+
+
+def unstack(tree: Any, stacked: Sequence[str], shardings: Any = None) -> Any:
+  """The per-layer view of a scanned model, for its profile: an OrderedDict {path: leaf} in `tree`'s
+  flatten order, each leaf under a `stacked` prefix (its leading axis the layer) split into one leaf per
+  layer at `<prefix>/<k>/<rest>` (a stack's layers in order, each layer's leaves together). With
+  `shardings` (PartitionSpecs or NamedShardings with `tree`'s structure), also their per-layer view (a
+  stacked leaf's spec loses its leading entry).
+
+  Example:
+    >>> flat, specs = unstack(params, ("params/ScanBlock_0",), shardings)   # doctest: +SKIP
+    >>> profile = GradientProfile.from_params(flat, shardings=specs, mesh={"data": 8})
+  """
+  leaves = [(path_str(k), x) for k, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  specs = ([None] * len(leaves) if shardings is None
+           else jax.tree_util.tree_structure(tree).flatten_up_to(shardings))
+  out, out_specs = collections.OrderedDict(), collections.OrderedDict()
+  stack_of = [next((p.rstrip("/") for p in stacked if path.startswith(p.rstrip("/") + "/")), None)
+              for path, _ in leaves]
+  for j, ((path, x), spec, pre) in enumerate(zip(leaves, specs, stack_of)):
+    spec = getattr(spec, "spec", spec)
+    if pre is None:
+      out[path], out_specs[path] = x, None if spec is None else tuple(spec)
+    elif pre not in stack_of[:j]:
+      members = [(p, y, getattr(s, "spec", s)) for (p, y), s, q in zip(leaves, specs, stack_of) if q == pre]
+      for k in range(np.shape(x)[0]):
+        for p, y, s in members:
+          key = f"{pre}/{k}/{p[len(pre) + 1:]}"
+          out[key] = jax.ShapeDtypeStruct(y.shape[1:], y.dtype) if isinstance(y, jax.ShapeDtypeStruct) else y[k]
+          out_specs[key] = None if s is None else tuple(s)[1:]
+  return out if shardings is None else (out, out_specs)
+
+
+class Plan(NamedTuple):
+  """The schedule as the step reads it (`read_plan`)."""
+
+  slot_of: tuple[Slot, ...]                 # per schedule row
+  dim_of: dict[int, int]                    # sharded leaf -> its sharded dimension (of the whole leaf)
+  groups: tuple[tuple[Slot, ...], ...]      # gather groups, in forward order
+  keep: tuple[bool, ...]                    # per gather group
+  units: dict[int, tuple[Slot, ...]]        # chunk -> the slots it reduce-scatters
+  replicated: dict[int, Chunk]              # chunk -> its all-reduce (slices of rows)
+  prefetch: int
+  backward_prefetch: int
+
+
+def read_plan(schedule: Schedule, paths: Sequence[str], shapes: Sequence[tuple[int, ...]], n: int) -> Plan:
+  """The FSDP plan of `schedule` mapped to parameter leaves (`paths`, this device's `shapes`, n devices).
+
+  Raises:
+    ValueError: not an FSDP plan; a row matching no leaf (or no stacked leaf's layer); a sharded leaf not
+      placed as planned.
+  """
+  f = schedule.fsdp
+  if f is None:
+    raise ValueError(f"fsdp_grad: schedule (policy {schedule.policy!r}) is not an FSDP plan; plan it with "
+                     f"plan(profile, network, 'fsdp', ...).")
+  index = {p: i for i, p in enumerate(paths)}
+  index.update({p.removesuffix("/value"): i for i, p in enumerate(paths)})   # nnx Variables' arrays
+  slots: list[Slot] = []
+  for path, shape, _ in schedule.rows:
+    slot = (index[path], None) if path in index else None
+    for m in re.finditer(r"(?:^|/)(\d+)(?=/)", path) if slot is None else ():
+      whole = (path[:m.start()] + path[m.end():]).strip("/")
+      if whole in index and len(shapes[index[whole]]) == len(shape) + 1:
+        slot = (index[whole], int(m.group(1)))
+    if slot is None:
+      raise ValueError(f"fsdp_grad: the plan's leaf {path!r} is not among the parameters (they look like "
+                       f"{list(paths)[:3]}); a scanned stack's layers are planned as '<prefix>/<k>/<rest>' "
+                       f"(unstack).")
+    slots.append(slot)
+  dim_of = {}
+  for r, d in enumerate(f.shard_dims):
+    if d is not None:
+      (i, k), want = slots[r], tuple(schedule.rows[r][1])
+      local = tuple(shapes[i][k is not None:])
+      if local[:d] + (local[d] * n,) + local[d + 1:] != want:
+        raise ValueError(f"fsdp_grad: parameter {paths[i]!r} has shape {tuple(shapes[i])} on each device; the "
+                         f"plan splits dimension {d} of {want} over {n} devices. Place it as planned.")
+      dim_of[i] = d + (k is not None)
+  units = {u: tuple(slots[r] for r, _, _ in schedule.chunks[u].slices) for u in f.units}
+  groups = (tuple(tuple(slots[r] for r in g) for g in f.gathers) if f.gathers
+            else tuple(units[u] for u in f.units))
+  replicated = {k: c for k, c in enumerate(schedule.chunks) if k not in units}
+  return Plan(tuple(slots), dim_of, groups, f.keep, units, replicated, f.prefetch, f.backward_prefetch)
+
+
+def _key(name: str) -> Any:
+  # jax.experimental loads when a step traces, not when prophet_jax imports
+  from jax.experimental.xla_metadata import set_xla_metadata
+  return set_xla_metadata(combiner_key=name)
+
+
+def gather(shards: Sequence[Any], dims: Sequence[int], axis_name: Any, n: int, scope: str, layout: str,
+           after: Any) -> list:
+  """The whole leaves of `shards` (each split over the axis on `dims[i]`): one all-gather (`packed`) or one
+  per leaf (`leaf`), tied to `after`, under `jax.named_scope(scope)` and the combiner key `scope`."""
+  moved = [jnp.moveaxis(s, d, 0) for s, d in zip(shards, dims)]
+  with jax.named_scope(scope), _key(scope):
+    if layout == "leaf":
+      out = [jax.lax.all_gather(tie(m, after), axis_name, axis=0, tiled=True) for m in moved]
+    else:
+      buf = jnp.concatenate([m.reshape(-1) for m in moved]) if len(moved) > 1 else moved[0].reshape(-1)
+      full = jax.lax.all_gather(tie(buf, after), axis_name, axis=0, tiled=True).reshape(n, -1)
+      offs = np.cumsum([0] + [m.size for m in moved])
+      out = [full[:, a:b].reshape((n * m.shape[0],) + m.shape[1:]) for m, a, b in zip(moved, offs, offs[1:])]
+  return [jnp.moveaxis(x, 0, d) for x, d in zip(out, dims)]
+
+
+def scatter(cts: Sequence[Any], dims: Sequence[int], axis_name: Any, n: int, divisor: Any, scope: str,
+            layout: str, after: Any) -> list:
+  """This device's shard of the sum over the axis of each of `cts` (whole leaves, split on `dims`),
+  divided by `divisor` (None: the sum): one reduce-scatter (`packed`) or one per leaf (`leaf`), tied to
+  `after`, under `jax.named_scope(scope)` and the combiner key `scope`."""
+  moved = [jnp.moveaxis(c, d, 0) for c, d in zip(cts, dims)]
+  with jax.named_scope(scope), _key(scope):
+    if layout == "leaf":
+      out = [jax.lax.psum_scatter(tie(m, after), axis_name, scatter_dimension=0, tiled=True) for m in moved]
+    else:
+      buf = jnp.concatenate([m.reshape(n, -1) for m in moved], axis=1).reshape(-1)
+      red = jax.lax.psum_scatter(tie(buf, after), axis_name, scatter_dimension=0, tiled=True)
+      offs = np.cumsum([0] + [m.size // n for m in moved])
+      out = [red[a:b].reshape((m.shape[0] // n,) + m.shape[1:]) for m, a, b in zip(moved, offs, offs[1:])]
+    out = [x if divisor is None else x / jnp.asarray(divisor, x.dtype) for x in out]
+  return [jnp.moveaxis(x, 0, d) for x, d in zip(out, dims)]
+
+
+def last(xs: Sequence[Any]) -> Any:
+  """One value that depends on every array of `xs` (what the next collective is tied to)."""
+  xs = [x for x in xs if x is not None]
+  if len(xs) <= 1:
+    return xs[0] if xs else None
+  return sum(x.reshape(-1)[0].astype(jnp.float32) for x in xs)

@@ -1,0 +1,319 @@
+"""The per-device FSDP step (`_rewrite/_fsdp_step.fsdp_grad`) against the partitioner's own FSDP step and the
+single-device full batch: SGD with momentum and AdamW (its moments too), unrolled and scanned (plain JAX,
+flax linen's nn.scan, flax nnx), a budget that keeps everything and ones that gather again, the n-1
+divisor control failing; and each compiled CPU program's collectives counted against the plan.
+
+One compiled library step per case serves the real divisor and the n-1 control (a traced scale through
+the engine's test seam, `engine_hooks`); the references are one jit each.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import prophet_jax as pj
+from prophet_jax._compiled._hlo import execution_order, parse_hlo
+from prophet_jax._rewrite._collectives import engine_hooks
+from prophet_jax._rewrite._fsdp_step import fsdp_grad
+from prophet_jax._rewrite._fsdp_units import unstack
+
+from _assert import assert_trees_close
+from _placement import NDEV
+
+D, L, B = 16, 3, 16
+STEPS = 2
+NET = pj.NetworkModel.preset("100gb-ib", workers=NDEV)
+
+
+def _init(shapes, seed=0):
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s) / np.sqrt(s[-1]), jnp.float32), shapes,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _batches(seed=1):
+  rng = np.random.default_rng(seed)
+  return [{k: jnp.asarray(rng.normal(size=(B, D)), jnp.float32) for k in ("x", "y")} for _ in range(STEPS)]
+
+
+# every layer's backward reads its weight (the input is scaled by a replicated leaf, whose gradient needs
+# the input's): so each group the plan does not keep is gathered again, and the counts are exact
+def unrolled():
+  shapes = {"in": {"s": (D,)}, "out": {"w": (D, D)}, **{f"l{i}": {"b": (D,), "w": (D, D)} for i in range(L)}}
+  specs = {"in": {"s": P()}, "out": {"w": P(None, "data")}, **{f"l{i}": {"b": P(), "w": P("data", None)}
+                                                                for i in range(L)}}
+
+  def loss(p, batch):
+    x = batch["x"] * p["in"]["s"]
+    for i in range(L):
+      x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+    return jnp.mean((x @ p["out"]["w"] - batch["y"]) ** 2)
+  return _init(shapes), specs, loss, ()
+
+
+def scanned(compute=jnp.float32, layers=6):
+  # keys in forward order (a profile from_params takes flatten order as forward order): in, stack, top
+  shapes = {"in": {"s": (D,)}, "top": {"w": (D, D)}, "stack": {"b": (layers, D), "w": (layers, D, D)}}
+  specs = {"in": {"s": P()}, "top": {"w": P("data", None)}, "stack": {"b": P(), "w": P(None, "data", None)}}
+
+  def loss(p, batch):
+    def body(x, lp):
+      return jnp.tanh(x @ lp["w"].astype(compute) + lp["b"].astype(compute)), None
+    x, _ = jax.lax.scan(body, (batch["x"] * p["in"]["s"]).astype(compute), p["stack"])
+    return jnp.mean(((x @ p["top"]["w"].astype(compute)).astype(jnp.float32) - batch["y"]) ** 2)
+  return _init(shapes), specs, loss, ("stack",)
+
+
+def linen_scanned():
+  import flax.linen as nn
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return jnp.tanh(nn.Dense(D)(x)), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L)()(x, None)
+      return nn.Dense(D, use_bias=False)(x)
+
+  model = Model()
+  params = _init(jax.tree.map(lambda a: a.shape, jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, D)))))
+  specs = {"params": {"Dense_0": {"kernel": P("data", None)},
+                      "ScanBlock_0": {"Dense_0": {"bias": P(), "kernel": P(None, "data", None)}}}}
+  return params, specs, lambda p, b: jnp.mean((model.apply(p, b["x"]) - b["y"]) ** 2), ("params/ScanBlock_0",)
+
+
+def nnx_unrolled():
+  """bf16 compute over f32 parameters (each kernel gathered in bf16, its gradient reduce-scattered in f32)."""
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List([nnx.Linear(D, D, dtype=jnp.bfloat16, rngs=rngs) for _ in range(L)])
+
+    def __call__(self, x):
+      for layer in self.layers:
+        x = jnp.tanh(layer(x))
+      return x.astype(jnp.float32)
+
+  graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+  specs = jax.tree.map(lambda x: P("data", None) if x.ndim == 2 else P(), params)
+  return params, specs, lambda p, b: jnp.mean((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2), ()
+
+
+def _mesh():
+  """Auto axes: the partitioner's reference step may contract a leaf split on one dimension with one split on
+  another (an Explicit axis refuses that)."""
+  return jax.make_mesh((NDEV,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _plan(params, specs, stacked, budget, **options):
+  flat, fspecs = unstack(params, stacked, specs)
+  prof = pj.GradientProfile.from_params(flat, forward_s=0.004, backward_s=0.008, mesh={"data": NDEV},
+                                        shardings=fspecs)
+  return pj.plan(prof, NET, "fsdp", memory_budget_bytes=budget, **options)
+
+
+def _least(params, specs, stacked, **options):
+  budget = 1
+  for _ in range(3):
+    try:
+      return _plan(params, specs, stacked, budget, **options)
+    except ValueError as e:
+      budget = int(re.search(r"(?:at least|least memory found is) (\d+)", str(e)).group(1))
+  raise AssertionError("no least budget")
+
+
+def _state_specs(tx, params, specs):
+  return optax.tree_map_params(tx, lambda _, s: s, tx.init(params), specs, transform_non_params=lambda _: P(),
+                               is_leaf=lambda x: isinstance(x, P))
+
+
+def _place(tree, specs, mesh):
+  return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)))
+
+
+def library_step(loss, sched, specs, tx, params, mesh):
+  """The library's train step on the mesh (jit of shard_map), a traced `scale` changing the divisor."""
+  grad_fn = fsdp_grad(loss, sched, axis_name="data")
+  sspecs = _state_specs(tx, params, specs)
+
+  def step(p, state, batch, scale):
+    with engine_hooks(divisor=lambda n: n / scale):
+      value, grads = grad_fn(p, batch)
+    updates, state = tx.update(grads, state, p)
+    return optax.apply_updates(p, updates), state, value[None]
+
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, sspecs, P("data"), P()),
+                               out_specs=(specs, sspecs, P("data")))), sspecs
+
+
+def reference_step(loss, tx):
+  @jax.jit
+  def step(p, state, batch):
+    value, grads = jax.value_and_grad(loss)(p, batch)
+    updates, state = tx.update(grads, state, p)
+    return optax.apply_updates(p, updates), state, value
+  return step
+
+
+def _run(step, params, state, batches, *extra):
+  for b in batches:
+    params, state, _ = step(params, state, b, *extra)
+  return params, state
+
+
+def _moments(state):
+  return [s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+          if isinstance(s, optax.ScaleByAdamState)]
+
+
+def collectives(compiled):
+  """{(kind, scope label): executions per step} of a compiled CPU program (a loop body's ops once per trip)."""
+  module = parse_hlo(compiled.as_text())
+  out: dict = {}
+  for op in execution_order(module):
+    ins = op.instruction
+    kind = next((k for k in ("all-gather", "reduce-scatter", "all-reduce") if ins.opcode == k), None)
+    if kind is None:
+      continue
+    m = re.search(r"prophet/(fsdp/(?:reag|ag|rs)|chunk)(\d+)", ins.op_name)
+    label = m.group(1) if m else "foreign"
+    out[(kind, label)] = out.get((kind, label), 0) + (op.trips or 1)
+  return out
+
+
+def expected(sched):
+  f = sched.fsdp
+  groups = len(f.gathers) or len(f.units)
+  out = {("all-gather", "fsdp/ag"): groups, ("all-gather", "fsdp/reag"): f.keep.count(False),
+         ("reduce-scatter", "fsdp/rs"): len(f.units), ("all-reduce", "chunk"): len(sched.chunks) - len(f.units)}
+  return {k: v for k, v in out.items() if v}
+
+
+def _check(model, plans, opt):
+  """Each plan's library step against the partitioner's and the single-device step (computed once), the n-1
+  divisor failing, and its compiled collectives counted against the plan."""
+  params, specs, loss, stacked = model()
+  mesh = _mesh()
+  tx = optax.adamw(3e-2, weight_decay=0.1) if opt == "adamw" else optax.sgd(0.1, momentum=0.9)
+  batches = _batches()
+  placed = lambda t, s: _place(t, s, mesh)  # noqa: E731
+  sspecs = _state_specs(tx, params, specs)
+  lbatches = [placed(b, {"x": P("data"), "y": P("data")}) for b in batches]
+  part = _run(reference_step(loss, tx), placed(params, specs), placed(tx.init(params), sspecs), lbatches)
+  one = jax.devices()[0]
+  single = _run(reference_step(loss, tx), jax.device_put(params, one), jax.device_put(tx.init(params), one),
+                jax.device_put(batches, one))
+  zeros = lambda m: jax.tree.map(jnp.zeros_like, (m.mu, m.nu))  # noqa: E731
+
+  def close(got, ref):
+    if opt == "adamw":      # Adam hides a wrong scale in the parameters; its moments do not
+      for m_got, m_ref in zip(_moments(got[1]), _moments(ref[1])):
+        assert_trees_close((m_got.mu, m_got.nu), (m_ref.mu, m_ref.nu), zeros(m_ref))
+    assert_trees_close(got[0], ref[0], params)
+
+  for sched in plans(params, specs, stacked):
+    step, _ = library_step(loss, sched, specs, tx, params, mesh)
+    p0, s0 = placed(params, specs), placed(tx.init(params), sspecs)
+    step = step.lower(p0, s0, lbatches[0], jnp.float32(1.0)).compile()
+    got = _run(step, p0, s0, lbatches, jnp.float32(1.0))
+    close(got, part)
+    close(got, single)
+    with pytest.raises(AssertionError):   # the n-1 divisor: the same compiled step, every divisor n - 1
+      close(_run(step, p0, s0, lbatches, jnp.float32(NDEV / (NDEV - 1))), single)
+    # the plan's collectives, each once (a loop's once per trip), and none of the partitioner's own
+    assert collectives(step) == expected(sched)
+
+
+def test_unrolled_keep_all_and_gather_again_sgd():
+  """Three plans of one model, SGD with momentum: every group kept; every group gathered again in backward;
+  and gathered again in groups of two layers over units of one (a `split` plan's shape: all-gather groups
+  apart from the reduce-scatter units)."""
+  def plans(params, specs, stacked):
+    keep, least = _plan(params, specs, stacked, None), _least(params, specs, stacked)
+    assert all(keep.fsdp.keep) and not any(least.fsdp.keep)
+    f = least.fsdp
+    rows = [least.chunks[u].rows for u in f.units]
+    pairs = tuple(tuple(r for rs in rows[i:i + 2] for r in rs) for i in range(0, len(rows), 2))
+    split = dataclasses.replace(least, fsdp=dataclasses.replace(f, gathers=pairs, keep=(False,) * len(pairs)))
+    return keep, least, split
+  _check(unrolled, plans, "sgd")
+
+
+def test_scanned_some_layers_kept_adamw():
+  """A lax.scan over 6 stacked layers, planned per layer, the last 3 kept and the first 3 gathered again (each run
+  its first layer, a loop, its last layer); AdamW."""
+  def plans(params, specs, stacked):
+    least = _least(params, specs, stacked, bucket_bytes=D * D * 4).fsdp.memory_budget_bytes
+    sched = _plan(params, specs, stacked, least + 4 * D * D * 4, bucket_bytes=D * D * 4)
+    stack = [k for u, k in zip(sched.fsdp.units, sched.fsdp.keep)
+             if sched.rows[sched.chunks[u].rows[0]][0].startswith("stack/")]
+    assert stack == [False] * 3 + [True] * 3, sched.fsdp.keep
+    return (sched,)
+  _check(scanned, plans, "adamw")
+
+
+@pytest.mark.parametrize("model", [linen_scanned, nnx_unrolled], ids=["linen-nn.scan", "nnx-bf16"])
+def test_flax_models_unchanged(model):
+  """linen's nn.scan and an nnx model, their loss written as usual: the same step, equal to one device; the nnx
+  model computes in bf16 over f32 parameters (gathered in bf16), so it is held to the partitioner's step (the
+  same bf16 program over the global batch, which differs from the single device's by bf16 rounding alone,
+  about 1% of the update) at bf16's tolerance."""
+  params, specs, loss, stacked = model()
+  sched = _least(params, specs, stacked, bucket_bytes=D * D * 4)
+  mesh = _mesh()
+  tx = optax.sgd(0.1, momentum=0.9)
+  batches = _batches()
+  step, sspecs = library_step(loss, sched, specs, tx, params, mesh)
+  placed = lambda t, s: _place(t, s, mesh)  # noqa: E731
+  lbatches = [placed(b, {"x": P("data"), "y": P("data")}) for b in batches]
+  got = _run(step, placed(params, specs), placed(tx.init(params), sspecs), lbatches, jnp.float32(1.0))
+  if model is nnx_unrolled:
+    ref = _run(reference_step(loss, tx), placed(params, specs), placed(tx.init(params), sspecs), lbatches)
+    assert_trees_close(got[0], ref[0], params, rel=1e-2)
+  else:
+    one = jax.devices()[0]
+    ref = _run(reference_step(loss, tx), jax.device_put(params, one), jax.device_put(tx.init(params), one),
+               jax.device_put(batches, one))
+    assert_trees_close(got[0], ref[0], params)
+
+
+@pytest.mark.gpu
+def test_h100_windows_and_collectives(topo):
+  """On 8 compile-only H100s: each group one all-gather (the plan's keys: XLA joins none), each forward gather
+  after the first with a gemm inside its window (ties to activations), the groups gathered again, one
+  reduce-scatter per unit, and nothing of the partitioner's own."""
+  from prophet_jax._compiled._hlo_collectives import async_windows, is_collective, sharded_collectives
+
+  params, specs, loss, _ = unrolled()
+  sched = _least(params, specs, ())
+  grad_fn = fsdp_grad(loss, sched, axis_name="data")
+  mesh = topo.mesh("data")
+  step = jax.jit(jax.shard_map(lambda p, b: grad_fn(p, b)[1], mesh=mesh, in_specs=(specs, P("data")),
+                               out_specs=specs))
+  batch = {"x": jax.ShapeDtypeStruct((B, D), jnp.float32), "y": jax.ShapeDtypeStruct((B, D), jnp.float32)}
+  compiled = step.lower(topo.abstract(params, specs), topo.abstract(batch, P("data"))).compile()
+  module = parse_hlo(compiled.as_text())
+  ops = execution_order(module)
+  label = lambda name: re.search(r"prophet/(fsdp/(?:reag|ag|rs))(\d+)", name)  # noqa: E731
+  found = [m.groups() if (m := label(c.op_name)) else ("foreign", c.op_name) for c in sharded_collectives(module, ops)]
+  count = lambda kind: sum(k == kind for k, _ in found)  # noqa: E731
+  n = len(sched.fsdp.units)
+  assert (count("fsdp/ag"), count("fsdp/reag"), count("fsdp/rs")) == (n, n, n), found
+  windows = {int(label(w.start.instruction.op_name + w.done.instruction.op_name).group(2)): w
+             for w in async_windows(module, ops).values()
+             if (m := label(w.start.instruction.op_name + w.done.instruction.op_name)) and m.group(1) == "fsdp/ag"}
+  foreign = [op.instruction.name for op in ops if is_collective(op.instruction.opcode)
+             and not op.instruction.opcode.endswith("-done") and "prophet/" not in op.instruction.op_name]
+  assert not foreign, foreign
+  gemm = lambda w: any("gemm" in op.instruction.text or op.instruction.opcode == "dot" for op in w.inside)  # noqa: E731
+  assert all(g in windows and gemm(windows[g]) for g in range(1, n)), {g: len(w.inside) for g, w in windows.items()}
