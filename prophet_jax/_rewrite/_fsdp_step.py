@@ -30,7 +30,8 @@ import numpy as np
 from jax.extend.core import Literal
 
 from . import _loss_reduction
-from ._collectives import _hooked, axis_size, reduce_units, tie, to_varying, vma_enabled
+from ._axis import axis_size, to_varying, vma_enabled
+from ._collectives import engine_divisor, reduce_units, tie
 from ._fsdp_scan import make_scan, scan_backward, scan_forward
 from ._fsdp_trace import SplitVjp, cut, flat_jaxpr, lazy, rebind_casts, reads, sub_fn
 from ._fsdp_units import AG_SCOPE, LAYOUTS, REAG_SCOPE, RS_SCOPE, gather, last, read_plan, scatter
@@ -92,7 +93,7 @@ class _Step:
     kp, self.treedef = jax.tree_util.tree_flatten_with_path(params)
     self.flat = flat = [x for _, x in kp]
     self.plan = plan = read_plan(schedule, [path_str(p) for p, _ in kp], [np.shape(x) for x in flat], n)
-    self.divisor = _hooked(_loss_reduction.divisor(reduction, n))[0]
+    self.divisor = engine_divisor(_loss_reduction.divisor(reduction, n))[0]
     vma = vma_enabled(axis_name)
     self.local = [to_varying(x, axis_name) if vma and i not in plan.dim_of else x for i, x in enumerate(flat)]
     b_flat, b_tree = jax.tree_util.tree_flatten(batch)
