@@ -1,4 +1,5 @@
-"""The per-device FSDP step (`_rewrite/_fsdp_step.fsdp_grad`) against the partitioner's own FSDP step and the
+"""The FSDP step (`hooked` with an FSDP plan: inside the user's shard_map, and on the mesh in a plain jax.jit)
+against the partitioner's own FSDP step and the
 single-device full batch: SGD with momentum and AdamW (its moments too), unrolled and scanned (plain JAX,
 flax linen's nn.scan, flax nnx), a budget that keeps everything and ones that gather again, the n-1
 divisor control failing; and each compiled CPU program's collectives counted against the plan.
@@ -20,7 +21,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import prophet_jax as pj
 from prophet_jax._compiled._hlo import execution_order, parse_hlo
 from prophet_jax._rewrite._collectives import engine_hooks
-from prophet_jax._rewrite._fsdp_step import fsdp_grad
 from prophet_jax._rewrite._fsdp_units import unstack
 
 from _assert import assert_trees_close
@@ -141,17 +141,20 @@ def _place(tree, specs, mesh):
   return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)))
 
 
-def library_step(loss, sched, specs, tx, params, mesh):
-  """The library's train step on the mesh (jit of shard_map), a traced `scale` changing the divisor."""
-  grad_fn = fsdp_grad(loss, sched, axis_name="data")
+def library_step(loss, sched, specs, tx, params, mesh, on_mesh=False):
+  """The library's train step, a traced `scale` changing the divisor: `hooked` inside the user's own
+  shard_map, or (`on_mesh`) `hooked(mesh=)` in a plain jax.jit on the placed global arrays."""
+  grad_fn = pj.hooked(loss, sched, axis_name="data", mesh=mesh if on_mesh else None)
   sspecs = _state_specs(tx, params, specs)
 
   def step(p, state, batch, scale):
     with engine_hooks(divisor=lambda n: n / scale):
       value, grads = grad_fn(p, batch)
     updates, state = tx.update(grads, state, p)
-    return optax.apply_updates(p, updates), state, value[None]
+    return optax.apply_updates(p, updates), state, value if on_mesh else value[None]
 
+  if on_mesh:
+    return jax.jit(step), sspecs
   return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, sspecs, P("data"), P()),
                                out_specs=(specs, sspecs, P("data")))), sspecs
 
@@ -221,8 +224,8 @@ def _check(model, plans, opt):
         assert_trees_close((m_got.mu, m_got.nu), (m_ref.mu, m_ref.nu), zeros(m_ref))
     assert_trees_close(got[0], ref[0], params)
 
-  for sched in plans(params, specs, stacked):
-    step, _ = library_step(loss, sched, specs, tx, params, mesh)
+  for i, sched in enumerate(plans(params, specs, stacked)):
+    step, _ = library_step(loss, sched, specs, tx, params, mesh, on_mesh=i == 0)
     p0, s0 = placed(params, specs), placed(tx.init(params), sspecs)
     step = step.lower(p0, s0, lbatches[0], jnp.float32(1.0)).compile()
     got = _run(step, p0, s0, lbatches, jnp.float32(1.0))
@@ -296,7 +299,7 @@ def test_h100_windows_and_collectives(topo):
 
   params, specs, loss, _ = unrolled()
   sched = _least(params, specs, ())
-  grad_fn = fsdp_grad(loss, sched, axis_name="data")
+  grad_fn = pj.hooked(loss, sched, axis_name="data")
   mesh = topo.mesh("data")
   step = jax.jit(jax.shard_map(lambda p, b: grad_fn(p, b)[1], mesh=mesh, in_specs=(specs, P("data")),
                                out_specs=specs))
@@ -317,3 +320,34 @@ def test_h100_windows_and_collectives(topo):
   assert not foreign, foreign
   gemm = lambda w: any("gemm" in op.instruction.text or op.instruction.opcode == "dot" for op in w.inside)  # noqa: E731
   assert all(g in windows and gemm(windows[g]) for g in range(1, n)), {g: len(w.inside) for g, w in windows.items()}
+
+
+def test_state_specs_follow_the_plan_and_the_other_fronts_refuse_an_fsdp_plan():
+  """The optimizer state's specs follow the params (what a jitted tx.init needs as out_shardings); scheduled,
+  allreduce and pipelined refuse an FSDP plan naming hooked; hooked refuses what it does not carry out (HSDP,
+  another axis, in_loop) and params placed otherwise than the plan (traced only: nothing is compiled)."""
+  params, specs, loss, stacked = unrolled()
+  sched = _least(params, specs, stacked)
+  tx = optax.adamw(1e-3)
+  got = pj.state_specs(jax.eval_shape(tx.init, params), "data", params=params, schedule=sched)
+  assert got == _state_specs(tx, params, specs)
+  assert pj.state_specs(jax.eval_shape(tx.init, params), "data") != got      # the control: no plan, all P()
+  for make in (lambda: pj.scheduled(tx, sched, axis_name="data"),
+               lambda: pj.pipelined(loss, tx, sched, axis_name="data"),
+               lambda: jax.eval_shape(jax.shard_map(lambda g: pj.allreduce(g, sched, "data"), mesh=_mesh(),
+                                                    in_specs=P(), out_specs=P()), params)):
+    with pytest.raises(ValueError, match="FSDP plan.*only hooked carries out"):
+      make()
+  with pytest.raises(ValueError, match="axis_name='data'"):
+    pj.hooked(loss, sched, axis_name="batch")
+  with pytest.raises(ValueError, match="drop in_loop"):
+    pj.hooked(loss, sched, axis_name="data", in_loop=("l0",))
+  hsdp = dataclasses.replace(sched, tree_fingerprint="",
+                             fsdp=dataclasses.replace(sched.fsdp, mesh=(("replica", 2), ("data", 4))))
+  with pytest.raises(ValueError, match="HSDP plan"):
+    pj.hooked(loss, hsdp, axis_name="data")
+  mesh = jax.make_mesh((NDEV,), ("data",))   # Explicit axes: the placement is in the type
+  grad_fn = pj.hooked(loss, sched, axis_name="data", mesh=mesh)
+  batch = _place(_batches()[0], {"x": P("data"), "y": P("data")}, mesh)
+  with pytest.raises(ValueError, match=r"leaf 'params/l0/w'.* plan places it as P\('data', None\)"):
+    jax.eval_shape(grad_fn, _place(params, jax.tree.map(lambda _: P(), specs), mesh), batch)

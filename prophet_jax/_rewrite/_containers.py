@@ -280,19 +280,28 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
   return typed(tx_state)
 
 
-def state_specs(state: Any, axis_name: Any) -> Any:
-  """PartitionSpecs for `jax.shard_map` of any state holding the library's per-device parts, in the
-  container it came in (an nnx.Optimizer gives the specs of `nnx.state(optimizer)`); see
-  `prophet_jax._rewrite._states.state_specs` for the rule.
+def state_specs(state: Any, axis_name: Any, *, params: Any = None, schedule: Schedule | None = None) -> Any:
+  """PartitionSpecs of any state holding the library's per-device parts, in the container it came in (an
+  nnx.Optimizer gives the specs of `nnx.state(optimizer)`): each device's parts `P(axis_name)`, the rest
+  `P()`; with `params` and an FSDP `schedule`, every part shaped as the params (an optimizer's moments)
+  placed as the plan places the params. Use them as shard_map's in/out specs, or as `jax.jit(tx.init,
+  out_shardings=...)` (a jitted init on Auto axes otherwise puts the moments on one device).
+
+  Example:
+    >>> specs = prophet_jax.state_specs(jax.eval_shape(tx.init, params), "data", params=params, schedule=s)
 
   Raises:
     TypeError: `axis_name` is not a non-empty string (or tuple of them).
   """
   where = "state_specs"
   _check_axis_name(axis_name, where)
+  if (params is None) != (schedule is None):
+    raise TypeError(f"{where}: params= and schedule= go together (the plan places the params); got only "
+                    f"{'params' if schedule is None else 'schedule'}.")
   if _nnx.is_optimizer(state):
     state = _nnx.flax_nnx().state(state)
-  return _states.state_specs(state, axis_name)
+  like = None if params is None else (params, _states.param_specs(params, schedule, axis_name))
+  return _states.state_specs(state, axis_name, like=like)
 
 
 def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None, average: bool = False) -> Any:

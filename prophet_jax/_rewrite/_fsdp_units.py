@@ -17,7 +17,6 @@ and carries the group's or unit's XLA combiner key, so XLA:GPU never joins two o
 from __future__ import annotations
 
 import collections
-import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -27,7 +26,7 @@ import numpy as np
 
 from ._collectives import tie
 from .._values._schedule import Chunk, Schedule
-from .._values._tree import path_str
+from .._values._tree import path_str, row_slots
 
 __all__ = ["Slot", "Plan", "read_plan", "unstack", "gather", "scatter", "last", "LAYOUTS", "AG_SCOPE", "REAG_SCOPE",
            "RS_SCOPE"]
@@ -94,15 +93,8 @@ def read_plan(schedule: Schedule, paths: Sequence[str], shapes: Sequence[tuple[i
   if f is None:
     raise ValueError(f"fsdp_grad: schedule (policy {schedule.policy!r}) is not an FSDP plan; plan it with "
                      f"plan(profile, network, 'fsdp', ...).")
-  index = {p: i for i, p in enumerate(paths)}
-  index.update({p.removesuffix("/value"): i for i, p in enumerate(paths)})   # nnx Variables' arrays
   slots: list[Slot] = []
-  for path, shape, _ in schedule.rows:
-    slot = (index[path], None) if path in index else None
-    for m in re.finditer(r"(?:^|/)(\d+)(?=/)", path) if slot is None else ():
-      whole = (path[:m.start()] + path[m.end():]).strip("/")
-      if whole in index and len(shapes[index[whole]]) == len(shape) + 1:
-        slot = (index[whole], int(m.group(1)))
+  for (path, _, _), slot in zip(schedule.rows, row_slots(schedule.rows, paths, [len(s) for s in shapes])):
     if slot is None:
       raise ValueError(f"fsdp_grad: the plan's leaf {path!r} is not among the parameters (they look like "
                        f"{list(paths)[:3]}); a scanned stack's layers are planned as '<prefix>/<k>/<rest>' "

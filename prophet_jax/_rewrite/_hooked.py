@@ -27,6 +27,7 @@ from . import _loss_reduction, _mesh
 from ._axis import is_varying, to_varying
 from ._collectives import reduce_units, schedule_units, unit_allreduces, zero_of
 from ._sharded import reduce_scatter_chunks
+from ._fsdp_step import fsdp_grad
 from ._defer import GroupState, deferred_grads, group_states, init as defer_init, with_groups
 from ._keys import check_enforce_order, ordered_by
 from ._reduction import step_setup
@@ -115,7 +116,17 @@ class HookPlan(NamedTuple):
 
 
 def hook_plan(schedule: Schedule) -> HookPlan:
-  """The schedule's hook groups (`hook_groups`), each with the collective its backward rule issues."""
+  """The schedule's groups of leaves with their collectives: for an all-reduce or ZeRO-1 plan the hook
+  groups (`hook_groups`) with what their backward rules issue; for an FSDP plan the all-gather groups
+  forward issues (which may differ from the units) and, per chunk, backward's reduce-scatter of a unit
+  or all-reduce of replicated leaves (`_fsdp_step` carries them out)."""
+  if schedule.family == "fsdp":
+    f, chunks = schedule.fsdp, schedule.chunks
+    rows = lambda k: tuple(dict.fromkeys(r for r, _, _ in chunks[k].slices))  # noqa: E731
+    groups = f.gathers or tuple(rows(u) for u in f.units)
+    return HookPlan(forward=tuple((g, "all-gather") for g in groups), family="fsdp", backward=tuple(
+        (rows(k), Collective("reduce-scatter" if k in f.units else "all-reduce", (chunks[k],), k, ()))
+        for k in range(len(chunks))))
   units = schedule_units(schedule)
   firsts = np.concatenate([[0], np.cumsum([unit_allreduces(u) for u in units])]).astype(int).tolist()
   backward, seen = [], 0
@@ -360,6 +371,8 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
     in_loop = (in_loop,)
   in_loop = tuple(in_loop)
   plan = hook_plan(schedule)
+  if plan.family == "fsdp":
+    _check_fsdp(schedule, axis_name, in_loop)
   if in_loop and plan.family == "zero1":
     raise ValueError(f"hooked(in_loop={in_loop!r}) with a sharded schedule ({schedule.policy}): "
                      f"loop_hook all-reduces a scanned layer's gradients inside the loop, but a "
@@ -394,7 +407,10 @@ def _grad_fn(loss_fn: Callable[..., Any], schedule: Schedule, plan: HookPlan, ax
              has_state: bool, in_loop: tuple[str, ...], reduction: str) -> Callable[..., Any]:
   """The one grad_fn builder: the plan's hooks placed on the params before `loss_fn` runs, backward's
   collectives issued from their rules on one token chain; the reduced gradients (all-reduce plans,
-  with the deferral state in and out) or this device's gradient shards (`GradShards`, ZeRO-1)."""
+  with the deferral state in and out) or this device's gradient shards (`GradShards`, ZeRO-1). An FSDP
+  plan's step gathers in forward as well: `_fsdp_step.fsdp_grad`, on the parameters' shards."""
+  if plan.family == "fsdp":
+    return _fsdp_grad_fn(loss_fn, schedule, axis_name, has_aux, has_state, reduction)
   shards = plan.family == "zero1"
 
   def grad_fn(params, *args, **kwargs):
@@ -464,3 +480,36 @@ def _grad_fn(loss_fn: Callable[..., Any], schedule: Schedule, plan: HookPlan, ax
     return value, out
 
   return grad_fn
+
+
+def _fsdp_grad_fn(loss_fn: Callable[..., Any], schedule: Schedule, axis_name: Any, has_aux: bool, has_state: bool,
+                  reduction: str) -> Callable[..., Any]:
+  """`grad_fn(param_shards, [replicated inputs, ...,] batch) -> (value, grad_shards)` of an FSDP plan."""
+  def grad_fn(params, *args, **kwargs):
+    if kwargs or not args:
+      raise TypeError(f"hooked: an FSDP plan's grad_fn takes (params, [replicated inputs such as a model state, "
+                      f"...,] batch) positionally, got {len(args) + 1} positional and {sorted(kwargs)} keyword "
+                      f"arguments.")
+    *reps, batch = args
+    value, grads = fsdp_grad((lambda p, b: loss_fn(p, *reps, b)) if reps else loss_fn, schedule,
+                             axis_name=axis_name, reduction=reduction)(params, batch)
+    _check_loss_output(value, has_aux, has_state)
+    return value, grads
+
+  return grad_fn
+
+
+def _check_fsdp(schedule: Schedule, axis_name: Any, in_loop: tuple[str, ...]) -> None:
+  """ValueError for what an FSDP plan's step does not carry out yet, naming the fix."""
+  f, axes = schedule.fsdp, tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  replicas = tuple(a for a, _ in f.mesh if a not in f.shard_axes)
+  if replicas:
+    raise ValueError(f"hooked: the FSDP plan is an HSDP plan (shards over {f.shard_axes}, replicas over "
+                     f"{replicas}), which the step does not carry out yet: plan it on the shard axes alone "
+                     f"(GradientProfile.from_params(..., mesh={{...}}) with only {f.shard_axes}).")
+  if axes != tuple(f.shard_axes):
+    raise ValueError(f"hooked(axis_name={axis_name!r}): the FSDP plan shards the parameters over "
+                     f"{tuple(f.shard_axes)}; pass that axis: axis_name={f.shard_axes[0]!r}.")
+  if in_loop:
+    raise ValueError(f"hooked(in_loop={in_loop!r}) with an FSDP plan: its step gathers and reduce-scatters a "
+                     f"scanned stack's layers inside the loop itself (plan the stack per layer); drop in_loop.")

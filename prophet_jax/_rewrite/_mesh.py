@@ -175,8 +175,9 @@ class MeshGradFn:
     outs = (place.value_specs(self._has_aux, self._has_state), grads) + (
         (place.spec("state", defer_state if same else first),) if stateful else ())
     return place(body, (
-        ("params", "params", params, "Place them as the plan does: jax.device_put(params, NamedSharding(mesh, "
-                                     "P())) for replicated ones (or jax.sharding.reshard inside a jit on Explicit axes)."),
+        ("params", "params", params, "Place each leaf as the plan does: jax.device_put(params, NamedSharding(mesh, "
+                                     "spec)), P() for a replicated one (or jax.sharding.reshard inside a jit on "
+                                     "Explicit axes)."),
         *(("replicated", "model_state" if (self._has_state and i == 0) else f"input {i + 1}", r,
            "Inputs between the params and the batch are replicated: place them with P().") for i, r in enumerate(reps)),
         ("batch", "batch", batch, ""),

@@ -61,6 +61,7 @@ class Pipelined:
     # one callable for the life of this step: jax.checkpoint caches its trace of a function by identity,
     # and a bound method is a new object at every access
     object.__setattr__(self, "_loss_call", self._call)
+    self._update("pipelined")   # the reduction layer this schedule's family asks for (an FSDP plan refused)
     if not self.enforce_order:   # the programs that reduce are traced with keys in place of the tie
       for name in ("step", "flush"):
         object.__setattr__(self, name, ordered_by(False, getattr(self, name)))

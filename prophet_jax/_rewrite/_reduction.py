@@ -25,7 +25,7 @@ from ._states import OwedState, per_device_leaves
 from .._values._checks import check_bool, match_tree
 from .._values._schedule import Schedule
 
-__all__ = ["allreduce", "step_setup", "StepSetup", "scheduled_allreduce", "accumulated_allreduce"]
+__all__ = ["allreduce", "reduction_kind", "step_setup", "StepSetup", "scheduled_allreduce", "accumulated_allreduce"]
 
 
 def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
@@ -97,6 +97,22 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
     reduced, new = scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce",
                                        defer_state=defer_state)
   return (reduced, new) if schedule.defers or defer_state is not None else reduced
+
+
+def reduction_kind(schedule: Schedule, where: str) -> str:
+  """The reduction layer a schedule's family asks for: 'allreduce' or 'zero1' (the one reader of
+  `Schedule.family` on the reduction paths: `per_device` and `allreduce` choose through it).
+
+  Raises:
+    ValueError: an FSDP plan (its parameters are sharded: only `hooked` carries it out).
+  """
+  if schedule.family == "fsdp":
+    raise ValueError(
+        f"{where}: the schedule is an FSDP plan (policy {schedule.policy!r}: parameters sharded over the "
+        f"data axis, gathered in forward and reduce-scattered in backward), which only hooked carries "
+        f"out: grad_fn = prophet_jax.hooked(loss_fn, schedule, axis_name=..., mesh=mesh) with a plain optax "
+        f"tx on the sharded params. For {where}, plan an all-reduce or 'dear' policy.")
+  return schedule.family
 
 
 class StepSetup(NamedTuple):
@@ -175,10 +191,11 @@ def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean:
   `convert_state` leaves after a re-plan) is added to `grads`, and `schedule` starts from its
   initial state."""
   check_bool(where, "mean", mean)
+  kind = reduction_kind(schedule, where)
   s = step_setup(grads, schedule, axis_name, where, defer_state=defer_state)
   flat, n, defer_state = with_owed(s), s.n, s.defer_state
   chains = schedule_chains(schedule, where)
-  if schedule.sharded:  # reduce-scatters, then all-gathers: replicated, as an all-reduce's result
+  if kind == "zero1":  # reduce-scatters, then all-gathers: replicated, as an all-reduce's result
     flat = sharded_allreduce(flat, schedule, s.lmap.row_leaf, axis_name, n=n, divisor=n if mean else None,
                              vma=s.vma)
     return jax.tree_util.tree_unflatten(s.treedef, flat), None

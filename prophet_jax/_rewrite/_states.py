@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec
 
 from . import _tag_text
 from .._values._schedule import Schedule
-from .._values._tree import IdentityMemo, path_str
+from .._values._tree import IdentityMemo, path_str, row_slots
 
 __all__ = ["StateTag", "ShardLayout", "schedule_key", "ScheduledState", "DeferState", "ShardedState",
            "GradShards", "AccumState", "OwedState", "Kind", "KINDS", "declare", "kind_of", "per_device_path",
@@ -385,12 +385,18 @@ def param_specs(params: Any, schedule: Any, axis_name: Any) -> Any:
   P = PartitionSpec
   if all(d is None for d in schedule.placement):
     return jax.tree_util.tree_map(lambda _: P(), params)
-  dims = {path: d for (path, _, _), d in zip(schedule.rows, schedule.placement)}
-  return jax.tree_util.tree_map_with_path(
-      lambda p, _: P() if dims.get(path_str(p)) is None else P(*[None] * dims[path_str(p)], axis_name), params)
+  kp, treedef = jax.tree_util.tree_flatten_with_path(params)
+  dims: dict[int, int] = {}   # leaf -> its split dimension (a scanned stack's one past its layers' axis)
+  for slot, d in zip(row_slots(schedule.rows, [path_str(p) for p, _ in kp], [np.ndim(x) for _, x in kp]),
+                     schedule.placement):
+    if slot is not None and d is not None:
+      dims[slot[0]] = d + (slot[1] is not None)
+  return jax.tree_util.tree_unflatten(treedef, [
+      P(*[None] * dims[i], axis_name, *[None] * (np.ndim(x) - dims[i] - 1)) if i in dims else P()
+      for i, (_, x) in enumerate(kp)])
 
 
-def state_specs(state: Any, axis_name: Any) -> Any:
+def state_specs(state: Any, axis_name: Any, like: tuple[Any, Any] | None = None) -> Any:
   """PartitionSpecs for `jax.shard_map` of any state holding the library's per-device parts (an optax
   state, a TrainState, a PipelinedState, a `flax.nnx` state, ...): `P(axis_name)` for every leaf of a
   `ShardedState` (a sharded schedule's optimizer state: each device's shard, on a leading axis of 1)
@@ -407,6 +413,8 @@ def state_specs(state: Any, axis_name: Any) -> Any:
       its shard sizes depend on the axis size).
     axis_name: the data-parallel mesh axis.
 
+    like: (params, their specs): every part of `state` shaped as the params takes their specs.
+
   Returns:
     A tree of PartitionSpecs with the structure of `state`.
   """
@@ -416,7 +424,13 @@ def state_specs(state: Any, axis_name: Any) -> Any:
                        state_specs(v, axis_name) for _, v, per in _fields(x)))
     return PartitionSpec(axis_name) if per_device_path([_key_name(k) for k in path]) else PartitionSpec()
 
-  return jax.tree_util.tree_map_with_path(one, state, is_leaf=is_kind)
+  specs = jax.tree_util.tree_map_with_path(one, state, is_leaf=is_kind)
+  if like is None:
+    return specs
+  params, pspecs = like   # a part shaped as the params (an optimizer's moments) placed as they are
+  treedef = jax.tree_util.tree_structure(params)
+  match = lambda x: treedef.num_nodes > 1 and jax.tree_util.tree_structure(x) == treedef  # noqa: E731
+  return jax.tree_util.tree_map(lambda x, s: pspecs if match(x) else s, state, specs, is_leaf=match)
 
 
 def per_device_leaves(state: Any) -> list[tuple[str, Any]]:

@@ -21,7 +21,7 @@ from . import _mesh, _zero
 from ._accumulate import init as accum_init
 from ._compose import check_masked, inside_multisteps, not_first_error, ran_before_in_chain
 from ._defer import init as defer_init
-from ._reduction import accumulated_allreduce, scheduled_allreduce
+from ._reduction import accumulated_allreduce, reduction_kind, scheduled_allreduce
 from ._keys import check_enforce_order, ordered_by
 from ._states import AccumState, DeferState, ScheduledState, ShardedState, prefix_specs
 from .._values._checks import check_int, check_values
@@ -196,13 +196,7 @@ def per_device(tx: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True
   Returns:
     A `PerDevice`.
   """
-  if schedule.family == "fsdp":
-    raise ValueError(
-        f"{where}: the schedule is an FSDP plan (policy {schedule.policy!r}: parameters sharded over the "
-        f"data axis, gathered in forward and reduce-scattered in backward), which only hooked carries "
-        f"out: grad_fn = prophet_jax.hooked(loss_fn, schedule, axis_name=..., mesh=mesh) with a plain optax "
-        f"tx on the sharded params. For {where}, plan an all-reduce or 'dear' policy.")
-  if schedule.family == "zero1":
+  if reduction_kind(schedule, where) == "zero1":
     if every_k > 1:
       raise ValueError(
           f"scheduled: every_k={every_k} with a sharded schedule (policy {schedule.policy!r}: reduce-scatters "

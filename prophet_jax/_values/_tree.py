@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import re
+
 import hashlib
 import math
 from collections.abc import Callable, Sequence
@@ -11,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["path_str", "flatten_with_paths", "shardings_by_path", "flatten_with_layer_paths", "layer_path",
+__all__ = ["path_str", "row_slots", "flatten_with_paths", "shardings_by_path", "flatten_with_layer_paths", "layer_path",
            "check_layer_depth",
            "dtype_name", "is_float_dtype", "is_reduced_leaf",
            "layer_of", "tree_fingerprint", "RowsInfo", "rows_info", "Row", "IdentityMemo"]
@@ -91,6 +93,24 @@ def shardings_by_path(params: Any, shardings: Any) -> list[Any]:
 
 # --------------------------------------------------------------------------------------------------
 # Leaves that are rows
+
+
+def row_slots(rows: Sequence[tuple[str, Sequence[int], str]], paths: Sequence[str], ranks: Sequence[int]
+              ) -> list[tuple[int, int | None] | None]:
+  """Per schedule row, the parameter leaf it plans: (leaf index, None), or (leaf index, k) for layer k
+  of a scanned stack (a leaf whose leading axis is the layer, planned per layer as
+  '<prefix>/<k>/<rest>'); None where no leaf matches. `ranks` are the leaves' numbers of dimensions."""
+  index = {p: i for i, p in enumerate(paths)}
+  index.update({p.removesuffix("/value"): i for i, p in enumerate(paths)})   # nnx Variables' arrays
+  out: list[tuple[int, int | None] | None] = []
+  for path, shape, _ in rows:
+    slot = (index[path], None) if path in index else None
+    for m in re.finditer(r"(?:^|/)(\d+)(?=/)", path) if slot is None else ():
+      whole = (path[:m.start()] + path[m.end():]).strip("/")
+      if whole in index and ranks[index[whole]] == len(shape) + 1:
+        slot = (index[whole], int(m.group(1)))
+    out.append(slot)
+  return out
 
 
 def dtype_name(dtype: Any) -> str:
