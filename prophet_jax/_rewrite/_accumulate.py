@@ -51,7 +51,9 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
   `schedule`, each `(1, *row shape)` in the accumulation dtype (per device)."""
   if not isinstance(state, AccumState):
     raise TypeError(f"{where}: with every_k > 1 the optimizer state holds the gradient accumulator, an "
-                    f"AccumState (made by this transformation's init), got {type(state).__name__}.")
+                    f"AccumState (made by this transformation's init), got {type(state).__name__}: a state "
+                    f"made with every_k=1 converts with prophet_jax.convert_state(state, params, schedule, "
+                    f"every_k=k).")
   rows = schedule.rows
   if len(state.grads) != len(rows):
     raise ScheduleMismatchError(

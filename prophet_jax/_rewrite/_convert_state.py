@@ -101,10 +101,14 @@ def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = 
         f"schedules cannot be read: pass the nnx.Optimizer itself (an nnx.State comes out: "
         f"nnx.update(optimizer, new)) or its .opt_state.")
   if state is not None and not holds_state(state):
-    raise TypeError(
-        f"{where}: no state of this library in the given {type(state).__name__}: pass the optimizer "
-        f"state of scheduled(tx, schedule), a TrainState or dict holding it, a PipelinedState, or the "
-        f"DeferState of hooked/allreduce.")
+    if tx is None:
+      raise TypeError(
+          f"{where}: no state of this library in the given {type(state).__name__}: pass the optimizer "
+          f"state of scheduled(tx, schedule), a TrainState or dict holding it, a PipelinedState, or the "
+          f"DeferState of hooked/allreduce; a plain optax state (hooked with a plain tx) converts with "
+          f"tx= (to a 'dear' plan it is cut into the ZeRO-1 shards scheduled(tx, schedule) takes).")
+    # a plain tx's state (the jit path's): what scheduled(tx, new_schedule) takes
+    state = ScheduledState(inner=state)
   if every_k is not None and (isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer))
                               or every_k < 1):
     raise ValueError(f"{where}: every_k={every_k!r}: the new transformation's every_k, an int >= 1.")

@@ -11,6 +11,7 @@ manual over every mesh axis and what each input must be.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,8 +92,32 @@ class Placement:
     for role, what, x, fix in args:
       self.check(role, x, what, where, fix)
     in_specs = tuple(self.spec(role, x) for role, _, x, _ in args)
-    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=check_vma)(*(x for _, _, x, _ in args))
+    mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+    values = tuple(x for _, _, x, _ in args)
+    batch = [x for role, _, b, _ in args if role == "batch" for x in jax.tree_util.tree_leaves(b)]
+    if batch:
+      self._check_captured(mapped, values, batch, where)
+    return mapped(*values)
+
+  _seen: set = set()
+
+  def _check_captured(self, mapped: Callable[..., Any], values: tuple, batch: list, where: str) -> None:
+    """A warning when the mapped function closes over an array the size of the global batch (a loss that
+    reads a batch it was not given): shard_map hands every device all of it, gathered to each."""
+    key = (id(self), jax.tree_util.tree_structure(values), tuple(jax.typeof(x) for x in jax.tree_util.tree_leaves(values)))
+    if key in Placement._seen:
+      return
+    if len(Placement._seen) > 256:
+      Placement._seen.clear()
+    Placement._seen.add(key)
+    rows = {np.shape(x)[0] for x in batch if np.ndim(x)}
+    for c in jax.make_jaxpr(mapped)(*values).consts:
+      if np.ndim(c) and np.shape(c)[0] in rows and np.size(c) > 1:
+        warnings.warn(
+            f"{where}: loss_fn reads an array of shape {tuple(np.shape(c))} ({jax.typeof(c).dtype}) it closes "
+            f"over, the global batch's size, not one given as an argument: inside the map every device gets "
+            f"all of it (the compiled program gathers it to every device), so the step is not data-parallel. "
+            f"Pass it as the batch: loss_fn(params, batch), called as grad_fn(params, batch).", stacklevel=4)
 
   def value(self, value: Any, has_aux: bool, has_state: bool, where: str) -> Any:
     """Inside the map: the loss combined over the devices as the plain step over the global batch would,

@@ -242,6 +242,8 @@ def _zero_layer(tx, schedule, axis_name, mean, where):
     return ScheduledState(inner=_zero.init(tx, params, schedule, axis_name, where))
 
   def update(updates, state, params, extra_args):
+    if state.accum is not None:
+      _whole(state, schedule, where)
     new, inner = _zero.update(tx, updates, state.inner, params, schedule, axis_name, where=where,
                               mean=mean, extra_args=extra_args, defer_state=state.defer_state)
     return new, ScheduledState(inner=inner)
@@ -250,7 +252,14 @@ def _zero_layer(tx, schedule, axis_name, mean, where):
 
 
 def _whole(state, schedule, where):
-  """`state.inner`, refused when it is a ZeRO-1 shard state (this schedule keeps tx's whole state)."""
+  """`state.inner`, refused when it is a ZeRO-1 shard state (this schedule keeps tx's whole state), or
+  when the state holds a gradient accumulator this step (every_k=1) would ignore."""
+  if state.accum is not None:
+    raise ValueError(
+        f"{where}(...).update: the optimizer state holds a gradient accumulator (made by a step with "
+        f"every_k > 1; its micro-steps since the last all-reduce would be dropped), but this step has "
+        f"every_k=1: pass the same every_k to {where}, or convert the state at the k-th micro-step: "
+        f"prophet_jax.convert_state(state, params, schedule, every_k=1).")
   if isinstance(state.inner, ShardedState):
     raise ScheduleMismatchError(
         f"{where}(...).update: the optimizer state is the ZeRO-1 shard state of a sharded schedule "
@@ -290,7 +299,7 @@ def _accumulating_layer(tx, schedule, axis_name, every_k, mean, where):
                           accum=accum_init(schedule))
 
   def update(updates, state, params, extra_args):
-    inner = _whole(state, schedule, where)
+    inner = _whole(state._replace(accum=None), schedule, where)
     reduced, defer, accum, emit = _composed(lambda: accumulated_allreduce(
         updates, schedule, axis_name, every_k=every_k, accum=state.accum, mean=mean, where=where,
         defer_state=state.defer_state), axis_name)
