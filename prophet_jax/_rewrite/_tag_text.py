@@ -29,6 +29,10 @@ class StateAux(tuple):
       return (f"<{what}: schedule {key}, tree {fingerprint}, cut for {layout.n} devices into "
               f"{len(layout.sizes)} chunk shards; a step compiled for another schedule or device count "
               f"cannot take it: {_CONVERT}>")
+    if tuple(layout[:1]) == ("owed",):
+      return (f"<deferred values owed to the first step of schedule {key} (tree {fingerprint}), made by "
+              f"prophet_jax.convert_state: that schedule's step takes them (its first call adds them to its "
+              f"gradients)>")
     return (f"<the deferral state of a deferring (dlcp) plan: schedule {key}, tree {fingerprint}, "
             f"{len(layout)} deferral groups; a step compiled for another schedule cannot take it: apply "
             f"its residual with prophet_jax.deferred_grads(state, params) and start the new plan's state "
