@@ -25,7 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ._states import AccumState
+from ._states import AccumState, expect
 from .._values._errors import ScheduleMismatchError
 from .._values._schedule import Schedule
 from .._values._types import itemsize
@@ -49,11 +49,10 @@ def init(schedule: Schedule) -> AccumState:
 def check_state(state: Any, schedule: Schedule, where: str) -> None:
   """TypeError unless `state` is an AccumState; ScheduleMismatchError unless it has one sum per row of
   `schedule`, each `(1, *row shape)` in the accumulation dtype (per device)."""
-  if not isinstance(state, AccumState):
-    raise TypeError(f"{where}: with every_k > 1 the optimizer state holds the gradient accumulator, an "
-                    f"AccumState (made by this transformation's init), got {type(state).__name__}: a state "
-                    f"made with every_k=1 converts with prophet_jax.convert_state(state, params, schedule, "
-                    f"every_k=k).")
+  expect(state, AccumState, f"{where}: with every_k > 1 the optimizer state holds the gradient accumulator, "
+                            f"an AccumState (made by this transformation's init), got {type(state).__name__}: a "
+                            f"state made with every_k=1 converts with prophet_jax.convert_state(state, params, "
+                            f"schedule, every_k=k).")
   rows = schedule.rows
   if len(state.grads) != len(rows):
     raise ScheduleMismatchError(

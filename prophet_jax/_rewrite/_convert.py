@@ -18,14 +18,15 @@ import numpy as np
 
 from . import _defer
 from ._sharded import chunk_buffer, padded, scatter_chunks
-from ._states import AccumState, DeferState, OwedState, ScheduledState, ShardedState, StateTag, is_kind, kind_of
+from ._accumulate import accum_dtype
+from ._states import AccumState, DeferState, OwedState, ScheduledState, ShardedState, StateTag, is_kind, is_state, kind_of
 from ._defer import defer_tag, owed_tag
 from ._zero import matched_leaves, shard_tag, check_state, shard_mode
 from .._values._errors import ScheduleMismatchError, ShardingError
 from .._values._checks import match_tree
 from .._values._schedule import Schedule, shard_size
 
-__all__ = ["unshard_state", "shard_state", "Converted", "Conversion", "convert", "defer_like"]
+__all__ = ["unshard_state", "shard_state", "Converted", "Conversion", "convert", "defer_like", "steady_state"]
 
 
 def _host(x: Any) -> np.ndarray:
@@ -258,11 +259,12 @@ class Conversion:
   """
 
   def __init__(self, params: Any, new: Schedule, *, tx: Any = None, n: int | None = None,
-               owed_in_place: bool = False, where: str = "convert"):
+               owed_in_place: bool = False, where: str = "convert", every_k: int | None = None,
+               on_mesh: bool = False):
     if not isinstance(new, Schedule):
       raise TypeError(f"{where}: new_schedule must be a prophet_jax.Schedule, got {type(new).__name__}.")
     self.params, self.new, self.tx, self.n, self.where = params, new, tx, n, where
-    self.owed_in_place = owed_in_place
+    self.owed_in_place, self.every_k, self.on_mesh = owed_in_place, every_k, on_mesh
     self.owed: list[tuple[Any, tuple[int, ...]]] = []
 
   def __call__(self, state: Any) -> Any:
@@ -343,7 +345,27 @@ class Conversion:
       d = defer_like(self.new, (), (self.n,) if self.n else (1,))
     else:
       d = None
-    return ScheduledState(inner=inner, defer_state=d, accum=None if x.accum is None else self.step(x.accum))
+    return self._every_k(ScheduledState(inner=inner, defer_state=d,
+                                        accum=None if x.accum is None else self.step(x.accum)))
+
+  def _every_k(self, x: ScheduledState) -> ScheduledState:
+    """`x` with the accumulator the new `every_k` needs: dropped when empty (refused while micro-steps wait
+    for their all-reduce), or an empty one added (laid out as the deferral state, else globally on a mesh)."""
+    if self.every_k is None:
+      return x
+    if self.every_k == 1:
+      if x.accum is not None and np.any(np.asarray(jax.device_get(x.accum.count)) != 0):
+        raise ValueError(
+            f"{self.where}: the gradient accumulator holds {int(np.max(np.asarray(x.accum.count)))} micro-steps "
+            f"not yet all-reduced, which a plan without every_k would drop: convert at the k-th micro-step "
+            f"(count 0).")
+      return x._replace(accum=None)
+    if x.accum is not None:
+      return x
+    n = self.n
+    prefix = x.defer_state.lead if x.defer_state is not None else (n,) if self.on_mesh and n else (1,)
+    grads = tuple(np.zeros(prefix + tuple(shape), accum_dtype(dtype)) for _, shape, dtype in self.new.rows)
+    return x._replace(accum=AccumState(count=np.zeros(prefix[:1] if len(prefix) == 2 else (), np.int32), grads=grads))
 
   def pipelined(self, x: Any) -> Any:
     """tx's state as `scheduled`'s is converted (a pipelined step keeps it bare) and its deferral state;
@@ -379,6 +401,18 @@ def _owed_state(owed: Any, d: DeferState, params: Any, schedule: Schedule) -> Ow
   rows = tuple(np.asarray(flat[i]).reshape(prefix + tuple(shape)).astype(dtype)
                for i, (_, shape, dtype) in zip(lmap.row_leaf, schedule.rows))
   return OwedState(owed=rows, tag=owed_tag(schedule))
+
+
+def steady_state(state: Any) -> Any:
+  """`state` (as `convert_state` returns it) with every `OwedState` replaced by what the new plan's first
+  step returns in its place (the plan's initial DeferState in the same layout, or None): the shapes of
+  the steady state, for specs or `jax.eval_shape`."""
+  def one(x: Any) -> Any:
+    if not isinstance(x, OwedState):
+      return x
+    return defer_like(x.tag.schedule, x.lead[:1] if len(x.lead) == 2 else (), x.lead)
+
+  return jax.tree_util.tree_map(one, state, is_leaf=is_state)
 
 
 def convert(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = None, n: int | None = None

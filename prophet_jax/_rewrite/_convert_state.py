@@ -19,13 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
 
 from . import _mesh, _nnx
-from ._accumulate import accum_dtype
-from ._convert import Conversion, defer_like
-from ._states import AccumState, OwedState, ScheduledState, holds_state, is_kind, is_state, state_specs
+from ._convert import Conversion, steady_state
+from ._states import ScheduledState, holds_state, state_specs
 from .._values._schedule import Schedule
 
 __all__ = ["convert_state", "first_step_specs", "steady_state"]
@@ -112,42 +110,9 @@ def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = 
   if every_k is not None and (isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer))
                               or every_k < 1):
     raise ValueError(f"{where}: every_k={every_k!r}: the new transformation's every_k, an int >= 1.")
-  out = Conversion(params, new_schedule, tx=tx, n=n, owed_in_place=True, where=where)(state)
-  if every_k is not None:
-    global_layout = _mesh.data_devices(mesh, axis_name, where) is not None
-    out = jax.tree_util.tree_map(lambda x: _accum_for(x, new_schedule, int(every_k), n, global_layout, where),
-                                 out, is_leaf=is_kind)
+  out = Conversion(params, new_schedule, tx=tx, n=n, owed_in_place=True, where=where,
+                   every_k=every_k, on_mesh=mesh is not None)(state)
   return _mesh.put_on(out, mesh, lambda: state_specs(out, axis_name))
-
-
-def _accum_for(x: Any, schedule: Schedule, every_k: int, n: int | None, on_mesh: bool, where: str) -> Any:
-  """A ScheduledState given the accumulator `every_k` needs (dropped when empty, or an empty one added)."""
-  if not isinstance(x, ScheduledState):
-    return x
-  if every_k == 1:
-    if x.accum is not None and np.any(np.asarray(jax.device_get(x.accum.count)) != 0):
-      raise ValueError(
-          f"{where}: the gradient accumulator holds {int(np.max(np.asarray(x.accum.count)))} micro-steps not yet "
-          f"all-reduced, which a plan without every_k would drop: convert at the k-th micro-step (count 0).")
-    return x._replace(accum=None)
-  if x.accum is not None:
-    return x
-  prefix = x.defer_state.lead if x.defer_state is not None else (n,) if on_mesh and n else (1,)
-  count = np.zeros(prefix[:1] if len(prefix) == 2 else (), np.int32)
-  grads = tuple(np.zeros(prefix + tuple(shape), accum_dtype(dtype)) for _, shape, dtype in schedule.rows)
-  return x._replace(accum=AccumState(count=count, grads=grads))
-
-
-def steady_state(state: Any) -> Any:
-  """`state` (as `convert_state` returns it) with every `OwedState` replaced by what the new plan's first
-  step returns in its place (the plan's initial DeferState in the same layout, or None): the shapes of
-  the steady state, for specs or `jax.eval_shape`."""
-  def one(x: Any) -> Any:
-    if not isinstance(x, OwedState):
-      return x
-    return defer_like(x.tag.schedule, x.lead[:1] if len(x.lead) == 2 else (), x.lead)
-
-  return jax.tree_util.tree_map(one, state, is_leaf=is_state)
 
 
 def first_step_specs(state: Any, axis_name: Any) -> tuple[Any, Any]:

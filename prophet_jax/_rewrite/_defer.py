@@ -44,7 +44,7 @@ from .._values._types import itemsize
 __all__ = ["DeferGroup", "DeferState", "GroupState", "defer_groups", "init", "defer_state",
            "check_state", "group_states", "with_groups", "same_groups", "lossless",
            "add_residual", "schedule_of", "belongs", "find_states", "deferred_grads", "owed_tag", "check_foreign",
-           "given_state", "add_owed"]
+           "given_state", "deferred_values", "add_owed"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -260,16 +260,17 @@ def check_foreign(state: Any, schedule: Schedule, where: str) -> None:
         f"params, new_schedule) (nothing deferred is lost: the first step of the new plan adds it).")
 
 
-def given_state(state: Any, schedule: Schedule, flat: Sequence[Any], lmap: Any, where: str
+def given_state(state: Any, schedule: Schedule, flat: Sequence[Any] | None, lmap: Any, where: str
                 ) -> tuple[list[Any] | None, Any]:
   """The deferral state given to a step of `schedule`, checked (another schedule's refused naming
   `convert_state`, its own checked for shapes); for convert_state's `OwedState`, (its values per leaf
-  of `flat`, None for a leaf no row covers; `schedule`'s initial state): what the first step adds and
-  continues from (its residuals each device's own: the step setup casts them varying). Else (None,
-  the state)."""
+  of `flat`, None for a leaf no row covers, or None without `flat`; `schedule`'s initial state): what
+  the first step adds and continues from (its residuals each device's own: the step setup casts them
+  varying). Else (None, the state)."""
   check_foreign(state, schedule, where)
   if isinstance(state, OwedState):
-    return _owed_leaves(state, flat, lmap, where="the first step after convert_state"), init(schedule)
+    owed = None if flat is None else _owed_leaves(state, flat, lmap, where="the first step after convert_state")
+    return owed, init(schedule)
   if schedule.defers or state is not None:
     check_state(state, schedule, where)
   return None, state
@@ -289,6 +290,14 @@ def _owed_leaves(state: OwedState, flat: Sequence[Any], lmap: Any, where: str) -
           f"step made with mesh= (convert_state(..., mesh=mesh, axis_name=...) lays it out for it).")
     owed[i] = jnp.reshape(x, shape).astype(flat[i].dtype)
   return owed
+
+
+def deferred_values(tree: Any, state: Any, schedule: Schedule, where: str) -> Any:
+  """`tree` (per device, the schedule's tree) with the deferred values `state` holds added at their
+  elements: a DeferState's residual, or convert_state's owed values; `tree` for None."""
+  if isinstance(state, OwedState):
+    return add_owed(tree, state, schedule, where)
+  return tree if state is None else add_residual(tree, schedule, state, where)
 
 
 def add_owed(tree: Any, state: OwedState, schedule: Schedule, where: str) -> Any:

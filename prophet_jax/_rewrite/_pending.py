@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._residuals import VjpTrace
-from ._states import DeferState, declare, is_state
+from ._states import DeferState, declare, expect, is_state
 from .._values._schedule import Schedule
 
 __all__ = ["Pending", "PipelinedState", "check_state"]
@@ -167,9 +167,8 @@ def round_to_dtype(x: Any) -> Any:
 
 def check_state(state: Any, where: str) -> None:
   """TypeError unless `state` is a PipelinedState (its pending node a Pending, its defer a state)."""
-  if not isinstance(state, PipelinedState):
-    raise TypeError(f"{where}: expected the PipelinedState returned by init/step/flush, got "
-                    f"{type(state).__name__}. Start with state = pipelined(...).init(params).")
+  expect(state, PipelinedState, f"{where}: expected the PipelinedState returned by init/step/flush, got "
+                                f"{type(state).__name__}. Start with state = pipelined(...).init(params).")
   if state.pending is not None and not isinstance(state.pending, Pending):
     raise TypeError(f"{where}: state.pending must be None or a Pending node, got "
                     f"{type(state.pending).__name__}.")

@@ -24,9 +24,9 @@ from ._axis import axis_size, is_varying, to_varying, vma_enabled
 from ._keys import check_enforce_order, ordered_by
 from ._mesh import MeshPipelined, on_mesh
 from ._pending import Pending, PendingMeta, PipelinedState, Traced, check_state, meta_nbytes, round_to_dtype
-from ._defer import add_owed, check_foreign
+
 from ._residuals import carried_avals, carry_plan, forward, recompute, save_matmuls, vjp_jaxpr
-from ._states import OwedState, ScheduledState
+from ._states import ScheduledState
 from ._transform import per_device
 from .._values._checks import check_values, match_tree
 from .._values._errors import ScheduleMismatchError
@@ -201,12 +201,8 @@ class Pipelined:
     where = "pipelined.deferred_grads"
     check_state(state, where)
     schedule = self.schedule if state.pending is None else state.pending.meta.schedule
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
-    if isinstance(state.defer, OwedState):   # convert_state's: owed to the next backward
-      check_foreign(state.defer, self.schedule, where)
-      return add_owed(zeros, state.defer, self.schedule, where)
-    _check_defer(state.defer, schedule, where)
-    return zeros if state.defer is None else _defer.add_residual(zeros, schedule, state.defer, where)
+    _check_defer(state.defer, schedule, where)   # its own, or convert_state's owed to the next backward
+    return _defer.deferred_values(jax.tree_util.tree_map(jnp.zeros_like, state.params), state.defer, schedule, where)
 
   def residual_bytes(self, state: PipelinedState) -> int:
     """Bytes of carried residuals per device (0 when nothing is pending)."""
@@ -359,14 +355,11 @@ class Pipelined:
 def _check_defer(defer: Any, schedule: Schedule, where: str) -> None:
   """`state.defer` against the schedule it is used with: its own DeferState (or None), or convert_state's
   OwedState owed to it; the fix said for a pipelined state."""
-  check_foreign(defer, schedule, where)
-  if isinstance(defer, OwedState):
-    return
   hint = ("A pipelined step makes its deferral state in init and threads it through step and flush; "
           "to change plans, flush with the old step and convert the state outside the step: "
           "state = prophet_jax.convert_state(state, params, new_schedule) (nothing deferred is lost).")
   try:
-    _defer.check_state(defer, schedule, where)
+    _defer.given_state(defer, schedule, None, None, where)
   except ScheduleMismatchError as e:
     raise ScheduleMismatchError(f"{e} {hint}") from None
   except TypeError as e:

@@ -21,7 +21,7 @@ from ._collectives import reduce_units, schedule_chains, schedule_units
 from ._sharded import sharded_allreduce
 from ._defer import given_state, group_states, with_groups
 from ._keys import check_enforce_order, ordering
-from ._states import OwedState, per_device_leaves
+from ._states import per_device_leaves
 from .._values._checks import check_bool, match_tree
 from .._values._schedule import Schedule
 
@@ -176,7 +176,7 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
   fresh = defer_state.residual if owed is not None and defer_state is not None else None
   n, vma, (fresh, varying) = bind(
       axis_name, where, varying=(fresh, varying), grads=named if grads else (), params=() if grads else named,
-      per_device=() if isinstance(given, OwedState) else per_device_leaves(given) + list(per_device))
+      per_device=[*(() if owed is not None else per_device_leaves(given)), *per_device])
   if fresh is not None:   # the new plan's initial residuals: each device's own
     defer_state = defer_state._replace(residual=fresh)
   return StepSetup(n=n, flat=flat, treedef=treedef, lmap=lmap, defer_state=defer_state, owed=owed, vma=vma,

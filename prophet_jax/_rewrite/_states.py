@@ -34,7 +34,7 @@ from .._values._tree import IdentityMemo, path_str, row_slots
 
 __all__ = ["StateTag", "ShardLayout", "schedule_key", "ScheduledState", "DeferState", "ShardedState",
            "GradShards", "AccumState", "OwedState", "Kind", "KINDS", "declare", "kind_of", "per_device_path",
-           "state_specs", "param_specs", "prefix_specs", "is_state", "is_kind", "holds_state", "per_device_leaves"]
+           "state_specs", "param_specs", "prefix_specs", "expect", "is_state", "is_kind", "holds_state", "per_device_leaves"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,6 +355,12 @@ def _fields(x: Any) -> list[tuple[str, Any, bool]]:
   """(field name, value, per device?) of a declared state."""
   per = kind_of(x).per_device
   return [(f, getattr(x, f), f in per) for f in x._fields]
+
+
+def expect(x: Any, cls: type, message: str) -> None:
+  """TypeError(`message`) unless `x` is a state of kind `cls` (the one type check of a declared kind)."""
+  if not isinstance(x, cls):
+    raise TypeError(message)
 
 
 def is_kind(x: Any) -> bool:

@@ -23,7 +23,7 @@ from ._compose import check_masked, inside_multisteps, not_first_error, ran_befo
 from ._defer import init as defer_init
 from ._reduction import accumulated_allreduce, reduction_kind, scheduled_allreduce
 from ._keys import check_enforce_order, ordered_by
-from ._states import AccumState, DeferState, ScheduledState, ShardedState, prefix_specs
+from ._states import AccumState, DeferState, ScheduledState, is_state, prefix_specs
 from .._values._checks import check_int, check_values
 from .._values._errors import AlreadyReducedError, CompositionError, ScheduleMismatchError
 from .._values._schedule import Schedule
@@ -260,7 +260,7 @@ def _whole(state, schedule, where):
         f"every_k > 1; its micro-steps since the last all-reduce would be dropped), but this step has "
         f"every_k=1: pass the same every_k to {where}, or convert the state at the k-th micro-step: "
         f"prophet_jax.convert_state(state, params, schedule, every_k=1).")
-  if isinstance(state.inner, ShardedState):
+  if is_state(state.inner):   # tx's state is not a library state: this one is ZeRO-1's shards
     raise ScheduleMismatchError(
         f"{where}(...).update: the optimizer state is the ZeRO-1 shard state of a sharded schedule "
         f"({state.inner.tag!r}), but this schedule ({schedule.policy}) all-reduces and keeps tx's whole "

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from . import _probe_trials
-from ._states import GradShards, ShardedState, ShardLayout, StateTag
+from ._states import GradShards, ShardedState, ShardLayout, StateTag, expect, is_state
 from .._values._checks import match_tree
 from ._axis import axis_size
 from ._reduction import step_setup, with_owed
@@ -332,13 +332,12 @@ def init(tx: Any, params: Any, schedule: Schedule, axis_name: Any, where: str = 
 
 def check_state(state: Any, schedule: Schedule, n: int, where: str) -> None:
   """ScheduleMismatchError unless `state` is a ShardedState of this schedule for n devices."""
-  if not isinstance(state, ShardedState):
-    raise TypeError(
-        f"{where}: the schedule is sharded (ZeRO-1), so the optimizer state is each device's shard "
-        f"state (a prophet_jax.ShardedState made by this transformation's init inside the mapping), got "
-        f"{type(state).__name__}. Make it with init where the axis is bound (jax.pmap(tx.init, ...) or "
-        f"inside the shard_map), or, after a re-plan, convert the old state: "
-        f"prophet_jax.convert_state(state, params, schedule, tx=tx, num_devices=n).")
+  expect(state, ShardedState,
+         f"{where}: the schedule is sharded (ZeRO-1), so the optimizer state is each device's shard state (a "
+         f"prophet_jax.ShardedState made by this transformation's init inside the mapping), got "
+         f"{type(state).__name__}. Make it with init where the axis is bound (jax.pmap(tx.init, ...) or inside "
+         f"the shard_map), or, after a re-plan, convert the old state: "
+         f"prophet_jax.convert_state(state, params, schedule, tx=tx, num_devices=n).")
   tag, want = state.tag, shard_tag(schedule, n, "")
   shard = isinstance(tag, StateTag) and isinstance(tag.layout, ShardLayout)
   if not shard or tag.key != want.key or tag.layout[:2] != want.layout[:2]:
@@ -376,7 +375,7 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
 
   Leaves the schedule does not cover (integers, float0, zero-size) get a zero update (float0 stays).
   """
-  given = isinstance(updates, GradShards)
+  given = is_state(updates)   # hooked's GradShards, or the gradients
   if given and defer_state is not None:
     raise ValueError(
         f"{where}: the state owes a re-plan's deferred values (convert_state's OwedState) to this "
