@@ -127,9 +127,9 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
     pred, meas = sims[p].iteration_s, measured[p]
     s = schedules[p]
     rows.append({"policy": p, "allreduces": sims[p].allreduces, "predicted_s": pred, "measured_s": meas,
-                 **({"reduce_scatters": s.num_reduce_scatters, "all_gathers": s.num_all_gathers} if s.sharded
-                    else {})})
-    chunks = f"{s.num_reduce_scatters}+{s.num_all_gathers}" if s.sharded else str(sims[p].allreduces)
+                 **({"reduce_scatters": s.num_reduce_scatters, "all_gathers": s.num_all_gathers}
+                    if s.num_reduce_scatters else {})})
+    chunks = f"{s.num_reduce_scatters}+{s.num_all_gathers}" if s.num_reduce_scatters else str(sims[p].allreduces)
     print(f"{p:10s} {chunks:>6s} {pred * 1e3:13.2f} {meas * 1e3:12.2f} {(pred - meas) / meas:+7.1%}")
   print(f"{'pmean':10s} {'(xla)':>6s} {'':13s} {measured['pmean'] * 1e3:12.2f}\n")
 

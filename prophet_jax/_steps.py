@@ -133,7 +133,7 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
 
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis_name)),
                                  out_specs=(specs, P(axis_name))))
-    if schedule.sharded:  # the shard state is made inside the map
+    if schedule.num_reduce_scatters:  # a ZeRO-1 plan's shard state is made inside the map
       init = jax.shard_map(pipe.init, mesh=mesh, in_specs=P(), out_specs=specs)
       state0 = jax.eval_shape(init, topology.abstract(params, P(), mesh=mesh))
       state0 = topology.abstract(state0, pipe.state_specs(state0), mesh=mesh)
@@ -142,7 +142,7 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
     pending, _ = jax.eval_shape(step, state0, a_batch)  # the state after a first, forward-only call
     args = (topology.abstract(pending, pipe.state_specs(pending), mesh=mesh), a_batch)
   else:
-    sharded = mode != "pmean" and schedule.sharded
+    sharded = mode != "pmean" and schedule.num_reduce_scatters > 0
     # a sharded schedule's hooked gradients are reduce-scattered shards that scheduled(tx) consumes
     opt = scheduled(tx, schedule, axis_name=axis_name, **keys) if mode == "scheduled" or (
         sharded and mode == "hooked") else tx
@@ -184,7 +184,7 @@ def _lower_jit(model: Any, schedule: Any, mode: str, topology: GpuTopology, mesh
   grad_fn = (hooked(model.loss_fn, schedule, axis_name=axis_name, mesh=mesh, enforce_order=enforce_order)
              if mode == "hooked" else jax.value_and_grad(model.loss_fn))
   # a sharded schedule's hooked gradients are reduce-scattered shards that scheduled(tx, mesh=) consumes
-  sharded = mode == "hooked" and schedule.sharded
+  sharded = mode == "hooked" and schedule.num_reduce_scatters > 0
   opt = scheduled(tx, schedule, axis_name=axis_name, mesh=mesh, enforce_order=enforce_order) if sharded else tx
 
   def step(p, o, b):

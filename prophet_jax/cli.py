@@ -206,7 +206,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
       r.update(iteration_p50_s=d["iteration_p50_s"], iteration_p99_s=d["iteration_p99_s"])
     if name == "dlcp":               # lossy per step: how much waits (vs_lower_bound may be < 1)
       r.update(max_defer=a.max_defer, deferred_fraction=sched.max_deferred_fraction)
-    if sched.sharded or sched.fsdp is not None:   # reduce-scatters and all-gathers instead of all-reduces
+    if sim.reduce_scatters:   # a sharded plan: reduce-scatters and all-gathers instead of all-reduces
       r.update(sharded=True, reduce_scatters=d["reduce_scatters"], all_gathers=d["all_gathers"],
                peak_memory_bytes=d["peak_memory_bytes"])
     rows.append(r)
@@ -398,7 +398,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
                       "report": report.to_dict()}, indent=1))
   else:
     count = (f"{schedule.num_reduce_scatters} reduce-scatter(s), {schedule.num_all_gathers} all-gather(s)"
-             if schedule.sharded else f"{schedule.num_allreduces} chunk(s)")
+             if schedule.num_reduce_scatters else f"{schedule.num_allreduces} chunk(s)")
     print(f"{a.model}, {a.mode} step, {schedule.policy} ({count}): XLA:GPU's "
           f"compiled schedule for {a.devices} x {target.description} (compile-only: nothing ran; "
           f"compiled in {compile_s:.1f} s)")

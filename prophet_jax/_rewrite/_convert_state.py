@@ -111,7 +111,7 @@ def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = 
                               or every_k < 1):
     raise ValueError(f"{where}: every_k={every_k!r}: the new transformation's every_k, an int >= 1.")
   out = Conversion(params, new_schedule, tx=tx, n=n, owed_in_place=True, where=where,
-                   every_k=every_k, on_mesh=mesh is not None)(state)
+                   every_k=every_k, on_mesh=_mesh.data_devices(mesh, axis_name, where) is not None)(state)
   return _mesh.put_on(out, mesh, lambda: state_specs(out, axis_name))
 
 
