@@ -1,22 +1,6 @@
-"""Gradient accumulation in `scheduled(tx, schedule, axis_name=..., every_k=k)`: the state a step carries.
-
-With `every_k = k > 1`, `scheduled` adds each micro-step's gradients to a per-device accumulator and
-all-reduces (the schedule's chunks, under a `lax.cond`) only on every k-th call, then applies `tx` to
-the mean over the k micro-steps: the full-batch step over k micro-batches, for one all-reduce of the
-gradients per k micro-steps. (`optax.MultiSteps` cannot give that: in optax 0.2.8 its `update` runs
-the inner transformation on every micro-step and keeps the result with `jnp.where`, so a `scheduled`
-inside it, or around it, all-reduces on every micro-step.) The step itself is the engine's
-(`_reduction.accumulated_allreduce`); this module keeps what it carries from one call to the next:
-
-- `AccumState(count, grads)` (a NamedTuple pytree): `count` int32[] (micro-steps accumulated since
-  the last all-reduce, replicated, `P()` under shard_map); `grads`, one array per schedule row, shape
-  `(1, *row shape)`: this device's sum of its micro-step gradients, in float32 for rows narrower than
-  32 bits (a bfloat16 sum of k values would lose the low bits), else in the row's dtype. The leading
-  axis of 1 makes it each device's own under `shard_map` (`P(axis_name)`, as `state_specs` gives it)
-  and on the mesh (`(n, *shape)` split over the data axis), as DLCP's deferral residuals are.
-- `init` (the state before the first micro-step) and `check_state` (the state against a schedule); the
-  type and its specs are the state layer's (`_states`).
-"""
+"""Gradient accumulation in `scheduled(..., every_k=k)`: the accumulator a step carries (`AccumState`:
+the replicated micro-step count and each device's sums, float32 for rows narrower than 32 bits) and its
+check against a schedule. The step is the engine's (`_reduction.accumulated_allreduce`)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,8 @@
-"""The scheduled all-reduce: the only module that calls `psum` or ties chunks together.
+"""The engine: the only module that issues all-reduces or ties units together.
 
-`allreduce(grads, schedule, axis_name)` runs inside `jax.pmap` or `jax.shard_map` (under `jit`). For each
-chunk of the schedule, in issue order, it gathers the chunk's element slices into one flat buffer, runs
-one `psum` under `jax.named_scope("prophet/chunk<k>")`, and scatters the result back into the leaves.
-
-XLA on the CPU merges every independent all-reduce into one (`cpu-all-reduce-combiner`) and strips
-optimization barriers before that pass runs, so neither independence nor barriers keep chunks apart in
-a user's own `jax.pmap` with default flags. What survives (docs/facts.md, "Ordering that survives a
-plain jax.pmap"; the tests read the compiled HLO to prove it): chunk k+1's buffer depends on chunk k's
-*result* through an added zero that cannot carry a NaN or Inf. That tie is `tie`, in one place, so a
-better mechanism replaces it here alone.
-
-The one engine (`reduce_units`) runs both kinds of unit a schedule issues: a Chunk (one all-reduce) and
-a deferral group (a `Bucket` with `defer = k > 0`: m chunks of which m - k are all-reduced each step,
-ranked by `rank` from the norms of their reduced values; `Bucket`'s docstring states the semantics).
-Only the state of the groups (`DeferState`: init, shapes, specs, the checks that a state belongs to a
-schedule) lives in `_defer`, below this module; a schedule that defers nothing never calls into it.
-Tests reach the engine through one explicit seam, `engine_hooks` (never by patching a module
-attribute).
+`reduce_units` runs a plan's units in issue order (a chunk: one `psum` of its gathered slices; a
+deferral group: m chunks ranked by `rank`, m - k sent); `tie` keeps them apart and ordered in the
+compiled program (docs/design.md, "The rewrite's layers"); `engine_hooks` is the tests' one seam.
 """
 
 from __future__ import annotations
@@ -183,28 +168,11 @@ def _norm(x: jax.Array) -> jax.Array:
 
 
 def rank(norms: jax.Array, deferred: jax.Array) -> jax.Array:
-  """A deferral group's chunk numbers in rank order: the chunks deferred last step first, then
-  non-finite norms, then by norm descending; ties by chunk index (a stable sort).
-
-  A non-finite norm (NaN or Inf: the chunk overflowed) ranks just below a chunk deferred the previous
-  step and above every finite norm, so a chunk deferred at t is always sent at t + 1 (2k <= m): the
-  staleness bound holds even when gradients blow up. (`Bucket`'s docstring says "NaN counts as +inf";
-  this is that rule with the deferred chunks kept first among the infinities.)
-
-  Why every worker defers the same chunks: the ranking reads only replicated values, the norms of
-  *reduced* slots and the mask of the previous choice. An all-reduce leaves bitwise the same result on
-  every participant (a ring reduce-scatter + all-gather computes each element once and copies it, and
-  so do NCCL's tree, gloo and XLA's in-process CPU all-reduce); the norm is then the same compiled
-  computation on the same bits, hence the same float; the argsort is stable, so ties go by index. By
-  induction from the common initial state (norms 0, nothing deferred: the first step defers the last
-  k chunks by index), every worker holds the same state and makes the same choice, with no extra
-  communication. What would break it: workers that compute the norm differently (heterogeneous
-  hardware or software: a GPU model, a CPU's vector width, a jaxlib version or XLA flags that change
-  the reduction order of the sum of squares) can round one norm differently, and two nearly equal
-  norms could then rank differently on two workers: silently wrong. Guarding it costs one more
-  all-reduce per group, which the schedule's timing does not have, so the step does not; the tests
-  gather the chosen indices from all 8 devices and from two processes. Run every worker on one
-  hardware and software stack.
+  """A deferral group's chunk numbers in rank order: the chunks deferred last step first, then non-finite
+  norms, then by norm descending, ties by index (a stable sort), so a chunk deferred at t is sent at
+  t + 1 even when gradients blow up. Every worker ranks the same: the norms are of reduced values (the
+  same bits everywhere) and the previous choice is replicated (docs/design.md, "Deferral in the rewrite",
+  says what would break it: workers computing the norm differently).
   """
   big = jnp.finfo(jnp.float32).max
   score = jnp.where(deferred, jnp.inf, jnp.where(jnp.isfinite(norms), norms, big))
@@ -227,37 +195,27 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
                  divisor: int | None, first_index: int = 0, prev: Any = None, scope: str | None = None,
                  defer: Sequence[GroupState] = (), chains: Sequence[int] | None = None
                  ) -> tuple[list[jax.Array], Any, tuple[GroupState, ...]]:
-  """Runs `units` in issue order on the flattened leaves `flat`: the one chunked all-reduce engine.
+  """Runs `units` in issue order on the flattened leaves `flat`: the one all-reduce engine.
 
-  A unit is a Chunk (one all-reduce: gather its slices into one buffer, `tie` it to the previous
-  result of its chain, one `psum` divided by `divisor`, scatter back) or a deferral group (a Bucket
-  with `defer = k > 0`, with its state from `defer`): its m chunks gathered into rows (m, c), c its
-  `slot_size` (a smaller chunk zero-padded at its end), the residual (the values this worker deferred
-  last step) added to the rows it came from, the chunks ranked (`rank`), and m - k slots issued, slot s
-  carrying the chunk of rank s, each tied and reduced as a chunk is; a deferred chunk contributes zero
-  to this step's gradient and its local values become the new residual. Under damped feedback
-  (`Bucket.release` r < 1) the residual has a row per chunk: a slot carries its chunk plus r of the
-  chunk's row, which keeps the rest, and a deferred chunk's row takes its values. Every chunked all-reduce of
-  the library goes through here: `allreduce`, `scheduled`, `pipelined`, the hooks of `hooked` and the
-  per-layer hook of `loop_hook`.
+  A unit is a Chunk (its slices gathered into one buffer, `tie`d to its chain's previous result, one
+  `psum` divided by `divisor`, scattered back) or a deferral group (a Bucket with `defer = k`: its m
+  chunks' rows plus each device's residual, ranked by `rank` on the previous norms, the top m - k sent
+  in slots, the rest kept in the new residual; docs/design.md, "Deferral in the rewrite").
 
   Args:
-    flat: leaves (any shape); rows index them through `row_leaf`.
-    units: chunks and deferral groups to run, in issue order (`schedule_units`, or a range of it).
+    flat: the leaves; rows index them through `row_leaf`.
+    units: chunks and deferral groups, in issue order.
     row_leaf: schedule row -> index into `flat`.
     axis_name: the mapped axis.
-    divisor: divide each reduced buffer by this (the axis size, for a mean, as `pmean` does), or None.
-    first_index: k of the first all-reduce, for its named scope 'prophet/chunk<k>'.
-    prev: the result of the all-reduce issued just before (tied to the first), or None; with several
-      chains, a tuple with one entry (or None) per chain.
-    scope: the named scope of every chunk instead of 'prophet/chunk<k>' (`loop_hook`'s
-      'prophet/loop/<name>', which `audit` reads as a loop-body all-reduce).
-    defer: the `GroupState` of each deferral group among `units`, in order.
-    chains: the tie chain of every issued all-reduce of the schedule (`schedule_chains`; indexed by
-      the all-reduce's k), or None for one chain.
+    divisor: the axis size for a mean, None for a sum.
+    first_index: k of the first unit (its named scope).
+    prev: the chain's previous result (or one per chain), tied to the first buffer.
+    scope: a scope for every unit (loop_hook's) instead of each chunk's.
+    defer: the deferral groups' states, in order.
+    chains: the tie chain of every issued all-reduce (`schedule_chains`).
 
   Returns:
-    (the new leaves, the last result (a tuple per chain when `prev` is a tuple), the new GroupStates).
+    (the leaves with the reduced values, the last result(s), the groups' new states).
   """
   divisor, seen = engine_divisor(divisor)
   multi = isinstance(prev, tuple)

@@ -1,10 +1,6 @@
-"""Where `scheduled` sits in the user's optax composition: the guard that it runs first.
-
-`scheduled` all-reduces the gradients; anything before it (clipping, normalising) would act on each
-device's own gradients and give a silently different result. `ran_before_in_chain` and
-`inside_multisteps` read the Python stack while optax calls it; `check_masked` refuses a mask that
-hides part of its tree; `check_composition` tests any other composition numerically.
-"""
+"""Where `scheduled` sits in the user's optax composition: it must run first (`ran_before_in_chain`,
+`inside_multisteps` read the Python stack while optax calls it; `check_masked` refuses a mask hiding
+part of its tree); `check_composition` tests any other composition numerically."""
 
 from __future__ import annotations
 

@@ -1,23 +1,7 @@
-"""The public state helpers on whatever container a user holds the library's states in.
-
-`unshard_state`, `shard_state`, `state_specs` and `deferred_grads` each act on the library's own
-per-device states (`ShardedState`, `DeferState`, `AccumState`, `scheduled`'s `ScheduledState`, a
-`PipelinedState`). Users hold those inside containers: a flax `TrainState`, an `nnx.Optimizer` or its
-`nnx.state(...)`, a dict, a `PipelinedState`, an optax chain's tuple. One walker serves the four helpers:
-
-- a pytree container (`TrainState`, dict, tuple, NamedTuple, `PipelinedState`, the bare state): the
-  library states inside it are found by type, the helper is applied to each, and `jax.tree_util`
-  rebuilds the same container around the results (nothing is mutated);
-- an `nnx.Optimizer`: its `opt_state` keeps the library's types (and their tags); flax's variables
-  (`OptArray`) are unwrapped to their arrays first, and the result comes back as an `nnx.State` for
-  `nnx.update` (the optimizer is not touched);
-- an `nnx.State` (`nnx.state(optimizer)`): nnx has re-labelled every NamedTuple as nested dicts and
-  dropped the leafless tags, so a state is found by its field names (a `per_device` entry, a deferral
-  state's `residual` and `index`) and rebuilt on the layout `tx`/`schedule` give.
-
-An object that neither is nor holds a library state is a TypeError (it used to pass through as zeros or
-crash deep inside jax). Pure Python over pytrees at call time; no traced decisions.
-"""
+"""The public state helpers (`unshard_state`, `shard_state`, `state_specs`, `deferred_grads`) on whatever
+holds the library's states: a flax `TrainState`, a dict, an optax chain's tuple, a `PipelinedState`, an
+`nnx.Optimizer` or its `nnx.state` (`_nnx`). The same kind of container comes out; nothing is mutated;
+an object that holds no library state is a TypeError."""
 
 from __future__ import annotations
 

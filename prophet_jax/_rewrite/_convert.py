@@ -71,28 +71,21 @@ def _groups(schedule: Schedule, n: int, mode: str, params: Any, tx: Any, where: 
 
 
 def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
-  """Every `ShardedState` in `state` replaced by `tx`'s whole (replicated) state for `params`, on the
-  host: what `tx.init(params)` and the same updates on the whole tree would hold.
-
-  For a checkpoint that any device count (or an all-reduce schedule) can resume from, and, with
-  `shard_state`, to re-shard a ZeRO-1 state after a re-plan or for another device count. Takes the
-  state as the step leaves it: global arrays of all devices' shards (shard_map, `mesh=`: each leaf
-  `(n, ...)`) or pmap's stacked per-device values (`(n, 1, ...)`); any tree holding ShardedStates
-  (a TrainState, `scheduled`'s ScheduledState, a PipelinedState). Per-parameter arrays (momenta) are
-  put back at their slices (the padding dropped); scalars (step counts) are taken from device 0
-  (every device holds the same); the global-norm carrier's entries (`shard_mode`) are dropped.
+  """Every `ShardedState` in `state` replaced by `tx`'s whole (replicated) state for `params`, on the host:
+  what `tx.init(params)` and the same updates on the whole tree would hold (per-parameter arrays put back
+  at their slices, padding dropped; scalars from device 0).
 
   Args:
-    state: a tree holding ShardedStates (fetched or not; read with jax.device_get).
-    tx: the optimizer the state was made by (the one passed to `scheduled`).
-    params: the params' tree (arrays or ShapeDtypeStructs): the layout of the whole state.
+    state: a tree holding ShardedStates, as the step leaves them (global `(n, ...)` or pmap's `(n, 1, ...)`).
+    tx: the optimizer the state was made by.
+    params: the params' tree (arrays or ShapeDtypeStructs).
     schedule: the sharded schedule the state was made for.
 
   Returns:
     `state` with each ShardedState replaced by a tree like `tx.init(params)` of numpy arrays.
 
   Raises:
-    ScheduleMismatchError: a ShardedState was made for another schedule or tree.
+    ScheduleMismatchError: a ShardedState of another schedule or tree.
     ShardingError: tx's state is not per-parameter arrays and scalars.
   """
   where = "unshard_state"
@@ -134,24 +127,17 @@ def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
 
 def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int, *,
                 pmap: bool = False) -> ShardedState:
-  """`tx`'s whole state for `params` (as `tx.init(params)` makes it, or `unshard_state` gives it) cut
-  into the ZeRO-1 shard state of `schedule` for `n` devices, on the host: the inverse of
-  `unshard_state`.
-
-  Resume a replicated checkpoint (or an all-reduce schedule's state) under a sharded schedule, or
-  re-shard after a re-plan or for another device count: `shard_state(unshard_state(old, tx, params,
-  old_schedule), tx, params, new_schedule, n)`. Put it in `scheduled`'s state in place of the one
-  `init` made (`opt_state._replace(inner=...)`).
+  """`tx`'s whole state for `params` cut into the ZeRO-1 shard state of `schedule` for `n` devices, on the
+  host: the inverse of `unshard_state` (resume a replicated checkpoint under a sharded plan, or re-shard
+  for another device count).
 
   Args:
     tx_state: tx's state for the whole params' tree.
-    tx: the optimizer (the one passed to `scheduled`).
+    tx: the optimizer.
     params: the params' tree (arrays or ShapeDtypeStructs).
     schedule: the sharded schedule to cut for.
     n: the number of devices on the data axis.
-    pmap: lay each leaf out as pmap's stacked per-device values `(n, 1, ...)`; by default a global
-      array `(n, ...)` to place split over the axis (`jax.device_put(s, NamedSharding(mesh,
-      P(axis)))`, as `state_specs` says) for shard_map or `mesh=`.
+    pmap: lay each leaf out as pmap's `(n, 1, ...)`; by default a global `(n, ...)`.
 
   Returns:
     A ShardedState of numpy arrays.
@@ -417,27 +403,19 @@ def steady_state(state: Any) -> Any:
 
 def convert(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = None, n: int | None = None
             ) -> Converted:
-  """Every library state in `state` taken from its own schedule's layout to `new_schedule`'s, on the
-  host, bit for bit; what the new layout cannot hold (a deferral residual) summed in `owed`.
-
-  The state layer's conversion primitive (`convert_state` builds on the same walk, `Conversion`):
-  outside the step, on fetched values, in any layout (per device, pmap's `(n, 1, ...)`, global
-  `(n, ...)`); docs/design.md ("Changing plans") says what each kind becomes.
+  """Every library state in `state` taken to `new_schedule`'s layout, on the host, bit for bit; what the new
+  layout cannot hold (a deferral residual) summed in `owed` (`convert_state` runs the same walk and puts
+  it in an `OwedState` instead).
 
   Args:
-    state: any tree holding library states.
-    params: the params' tree (arrays or ShapeDtypeStructs) the schedules were planned for.
+    state: any tree holding library states, in any layout (per device, pmap's, global).
+    params: the params' tree the schedules were planned for.
     new_schedule: the schedule to convert to.
     tx: the optimizer, wherever a ZeRO-1 state is gathered or cut.
-    n: devices on the data axis, where a state is cut into shards (default: the old shard state's).
+    n: devices on the data axis, where a state is cut into shards.
 
   Returns:
     `Converted(state, owed)`.
-
-  Raises:
-    ValueError: a ZeRO-1 state to gather or cut without `tx`, a cut without `n`, a state that does not
-      record its schedule, or owed values of two layouts.
-    ScheduleMismatchError: a state's schedule is of another tree than `params`.
   """
   c = Conversion(params, new_schedule, tx=tx, n=n)
   out = c(state)

@@ -1,19 +1,6 @@
-"""`convert_state`: the one way to change plans, outside the step.
-
-Built on the state layer's primitive (`_convert.convert`), for the containers users hold: any pytree
-holding library states (an optax state, a flax `TrainState`, a dict, an optax chain's tuple, a
-`PipelinedState`) and a `flax.nnx` state (`nnx.state(optimizer)`). The same kind of container comes out
-as went in; nothing is mutated.
-
-The rule for what the new plan cannot hold (a deferring plan's residual going to any other plan): the
-deferred values travel in the converted state as an `OwedState` where the new step takes its deferral
-state; the new plan's first step adds them to its gradients before its all-reduces and returns the
-plan's steady state. Why this rule: it is the only one that is exact for every pair (the values reach
-the optimizer with the first step's gradients, as the old plan would have sent them), it needs no
-extra optimizer step nor the old step's program, and a step refuses an OwedState owed to another
-schedule. The cost: the first step's state has another structure than the steady one
-(`first_step_specs` gives both specs) and compiles once more.
-"""
+"""`convert_state`: the one way to change plans, outside the step, on the containers users hold (the
+conversion walk is `_convert.Conversion`). A re-plan's deferred values travel as an `OwedState` the new
+plan's first step adds to its gradients (docs/design.md, "The rewrite's layers")."""
 
 from __future__ import annotations
 
@@ -40,47 +27,38 @@ def _devices(mesh: Any, axis_name: Any, num_devices: Any, where: str) -> int | N
 
 def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = None, mesh: Any = None,
                   axis_name: Any = None, num_devices: int | None = None, every_k: int | None = None) -> Any:
-  """Any state of the library, in the container it is held in, taken from its schedule's layout to
-  `new_schedule`'s, outside the step: the one way to change plans. Nothing is lost, bit for bit.
+  """Any state of the library, in the container it is held in, taken to `new_schedule`'s layout, outside
+  the step: the one way to change plans; nothing is lost, bit for bit.
 
-  Each library state records the schedule it was made for; this converts:
-  - deferral residuals (a `dlcp` plan's): the values the old plan would have added to its next
-    gradients travel in an `OwedState` placed where the new step takes its deferral state; the new
-    plan's first step adds them to its gradients and returns its steady state (give that first step
-    `first_step_specs(converted, axis)` under shard_map). A state with nothing deferred goes straight
-    to the new plan's steady layout.
-  - a ZeRO-1 optimizer state (`dear`): gathered into `tx`'s whole state and, for a sharded
-    `new_schedule`, cut again for `num_devices` devices (any count); a whole state cut into shards.
-  - gradient accumulation sums (`every_k`): kept (they are per parameter, not per plan).
-  - a `PipelinedState`: its deferral state as above; a pending forward is refused (flush it with the
-    old plan's step first: it holds that plan's half-done step).
-  The layout (pmap's stacked `(n, 1, ...)`, a global `(n, ...)`, or one device's) is kept. Under
-  `mesh=` the result is placed on the mesh with `state_specs` (ready for `jax.jit`/shard_map).
+  A deferring plan's residual travels as an `OwedState` the new plan's first step adds to its gradients
+  (under shard_map give that step `first_step_specs`); a ZeRO-1 state is gathered and cut again for
+  `num_devices`; accumulation sums are kept (`every_k=` changes them); a `PipelinedState` must be flushed
+  first; a plain optax state (with `tx=`) becomes the state `scheduled(tx, new_schedule)` takes. The
+  layout (pmap's, global, per device) is kept; with `mesh=` the result is placed on the mesh.
 
   Args:
-    state: the state as the step leaves it (fetched or not): a ScheduledState, an optax chain's
-      tuple, a flax TrainState, a dict, a PipelinedState, a bare DeferState (hooked/allreduce), or a
-      flax.nnx state (`nnx.state(optimizer)`; apply the result with `nnx.update(optimizer, new)`).
+    state: the state as the step leaves it: a ScheduledState, an optax chain's tuple, a flax TrainState,
+      a dict, a PipelinedState, a bare DeferState, an nnx.Optimizer (an nnx.State comes out, for
+      `nnx.update`) or its opt_state.
     params: the params' tree (arrays or ShapeDtypeStructs) the schedules were planned for.
     new_schedule: the schedule to go to.
-    tx: the optimizer given to `scheduled` (needed where a ZeRO-1 state is gathered or cut).
+    tx: the optimizer, where a ZeRO-1 state is gathered or cut (or a plain optax state is given).
     mesh: a mesh to count the devices of (with `axis_name`) and to place the result on.
-    axis_name: the data axis of `mesh` (a name or a tuple of names).
-    num_devices: the devices on the data axis, where a whole state is cut into shards (default: the
-      mesh's, else the old shard state's or the state's device axis).
-    every_k: the new `scheduled(..., every_k=)` where it differs from the old one's: 1 drops the
-      gradient accumulator (it must be empty: convert at the k-th micro-step), k > 1 adds an empty
-      one where there is none (laid out as the state's deferral state, else global under `mesh=`,
-      else per device). None keeps what is there.
+    axis_name: the data axis of `mesh`.
+    num_devices: the devices on the data axis, where a whole state is cut into shards.
+    every_k: the new `scheduled(..., every_k=)` where it differs: 1 drops the accumulator (it must be
+      empty: convert at the k-th micro-step), k > 1 adds an empty one.
 
   Returns:
-    The converted state, in the same kind of container (numpy arrays, or placed on `mesh`).
+    The converted state, in the same kind of container.
 
   Raises:
-    TypeError: `state` holds no library state and is not None, or `new_schedule` is not a Schedule.
-    ValueError: a pipelined forward is pending; a ZeRO-1 state without `tx`; bad `num_devices`/`mesh`;
-      `every_k=1` with micro-steps not yet all-reduced.
+    TypeError: no library state (and no `tx`), or `new_schedule` is not a Schedule.
+    ValueError: a pipelined forward pending; a ZeRO-1 state without `tx`; micro-steps not yet reduced.
     ScheduleMismatchError: a state's schedule is of another tree than `params`.
+
+  Example:
+    >>> opt_state = prophet_jax.convert_state(opt_state, params, new_plan, tx=tx, mesh=mesh, axis_name="dp")
   """
   where = "convert_state"
   if not isinstance(new_schedule, Schedule):

@@ -1,28 +1,7 @@
-"""DLCP's deferral in the jitted step: the state of the deferral groups (the jax half of issue 18).
-
-A deferral group (`Bucket(chunks, defer=k)`, planned by `dlcp`) has m chunks of one dtype, of which
-only m - k are all-reduced each step; `Bucket`'s docstring states the run-time semantics. The step
-itself (gather, add the residual, rank, issue the m - k slots, scatter, the new state) is the one
-engine's (`_collectives.reduce_units`, with `rank`); this module keeps what the step carries from one
-call to the next, and the checks that a state belongs to the schedule it is used with:
-
-- `DeferState` (a NamedTuple pytree), per group: `norms` f32[m] (the L2 norm of each chunk's reduced
-  values when it was last sent), `deferred` bool[m] (the chunks deferred in the previous step) and
-  `index` int32[k] (their chunk numbers, in rank order), all replicated (`P()` under shard_map), and
-  `residual` dtype[1, k, c] (this device's values of those chunks, with a leading axis of 1 so that
-  under shard_map it is split over the axis, `P(axis)`, as pipelined's residuals are; under pmap the
-  device axis comes in front); under damped feedback (`Bucket.release` < 1) `index` int32[m] and
-  `residual` dtype[1, m, c], a row per chunk (what each has not sent yet; float32 for a narrower
-  float). The type, its tag (`StateTag`: the schedule's one key and the groups' layout, so a state from
-  another schedule or tree is caught at trace time, naming both) and its specs are the state layer's
-  (`_states`).
-- `init` / `defer_state` (the state before the first step), `check_state` (the state against a
-  schedule), `group_states` / `with_groups` (the
-  engine's per-group view), and across a re-plan `same_groups`, `lossless` and `add_residual`.
-
-A schedule that defers nothing has no state (None), and the rewrite never calls into this module for
-it: its compiled program is the lossless engine's.
-"""
+"""DLCP's deferral in the step: the deferral groups' state (`DeferState`), its checks against a schedule,
+the state given to a step (`given_state`: its own, or a re-plan's owed values), and the deferred
+values put back at their elements. The step itself is the engine's (`_collectives.reduce_units`); a
+schedule that defers nothing never calls into this module. docs/design.md, "Deferral in the rewrite"."""
 
 from __future__ import annotations
 
@@ -383,35 +362,25 @@ def find_states(state: Any) -> list[DeferState]:
 
 
 def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None) -> Any:
-  """This device's deferred gradient values, as a tree like `params` (zero elsewhere).
+  """This device's deferred gradient values, as a tree like `params` (zero elsewhere): what the next step
+  of the state's schedule would add to its gradients.
 
-  The residual of every deferral state in `state`, put back at the elements it was deferred from:
-  exactly what the next step of its schedule would add to its gradients. Use it to end a deferring
-  plan without losing anything: at the end of training, before a re-plan that starts from a fresh
-  state, or before changing the model. Average it over the axis and apply it as one more update
-  (inside the mapping: `g = jax.lax.pmean(prophet_jax.deferred_grads(opt_state, params), axis)`,
-  then `tx.update(g, ...)`), or add it to the next step's gradients yourself. (`convert_state` does
-  the latter for you: the new plan's first step adds what it owes.)
-
-  Pure and local, no collective: call it where the state's residuals are per device (inside
-  `pmap`/`shard_map`, or on one device's slice); the residual of the state `scheduled(...,
-  mesh=...)` keeps on global arrays is split over the mesh axis, so there call it inside a
-  `jax.shard_map` with `state_specs`.
+  Use it to end a deferring plan without losing anything: average it over the axis and apply it as one
+  more update (inside the mapping: `g = jax.lax.pmean(prophet_jax.deferred_grads(opt_state, params),
+  axis)`). Pure and local: call it where the state's residuals are per device.
 
   Args:
-    state: any pytree holding DeferStates: a DeferState, `scheduled`'s state (`ScheduledState`, or an
-      optax/flax state holding one), `hooked`'s defer state, a `PipelinedState`; None or a state
-      without one gives zeros.
-    params: the parameters (or anything shaped like the gradients) the schedules were planned for.
-    schedule: the schedule, for a state that does not record its own (every state this library makes
-      records it).
+    state: any pytree holding DeferStates (a DeferState, scheduled's state, a PipelinedState, ...);
+      None or a state without one gives zeros.
+    params: the parameters (or anything shaped like the gradients).
+    schedule: the schedule, for a state that does not record its own.
 
   Returns:
-    A tree like `params` (same structure, shapes and dtypes).
+    A tree like `params`.
 
   Raises:
-    ScheduleMismatchError: the state belongs to a schedule of another tree than `params`.
-    ValueError: a state that records no schedule, and none (or another) was given.
+    ScheduleMismatchError: the state belongs to a schedule of another tree.
+    ValueError: a state that records no schedule, and none given.
   """
   flat, treedef = jax.tree_util.tree_flatten(params)
   out = jax.tree_util.tree_unflatten(treedef, [jnp.zeros(np.shape(x), getattr(x, "dtype", jnp.float32))

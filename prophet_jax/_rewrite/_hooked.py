@@ -276,91 +276,43 @@ def _check_loss_output(out: Any, has_aux: bool, has_state: bool) -> Any:
 def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | tuple[str, ...],
            has_aux: bool = False, has_state: bool = False, in_loop: Sequence[str] = (),
            mesh: Any = None, reduction: str = "mean", enforce_order: bool = True) -> Callable[..., Any]:
-  """`grad_fn(params, batch) -> (loss, grads)` whose all-reduces run inside the backward pass.
+  """`grad_fn(params, batch) -> (loss, grads)` whose collectives run inside the backward pass.
 
-  (With a deferring schedule: `grad_fn(params, batch, defer_state) -> (loss, grads, new_state)`.)
-
-  The chunks of `schedule` are issued from the backward rules of `custom_vjp` identities placed on the
-  parameter groups before `loss_fn` runs: each group's all-reduce can start as soon as that group's
-  gradients exist, while the rest of backward still runs. A scalar token threaded through the hooks (in
-  reverse issue order) ties each group's first buffer to the previous group's result, so the compiled
-  program keeps one all-reduce per chunk in schedule order (XLA's CPU combiner cannot merge them).
-  Chunks that share a leaf are issued from one hook (see `hook_groups`); issuing in an order other than
-  readiness makes a chunk wait for the slowest one before it.
-
-  The returned gradients are already averaged over `axis_name`: pair them with a plain `tx` (not
-  `scheduled`). The loss is the per-device loss (average it yourself if you log it). Under
-  `shard_map` the hooks also cast the params to varying themselves, so replicated params (`P()`) are
-  fine and the gradients come back replicated (invariant); do not `pcast` them yourself.
-  Integer leaves get float0 gradients (as `jax.grad(..., allow_int=True)` gives); zero-size leaves
-  get their (empty) gradients unreduced.
-
-  A sharded schedule (`dear`, ZeRO-1) makes the hooks reduce-scatter instead: `grad_fn` returns
-  `(value, GradShards)`, this device's mean gradient shards (the DeAR pipeline's first half), which
-  `scheduled(tx, schedule, axis_name=...)`'s `update(shards, opt_state, params)` consumes: it skips
-  its own reduce-scatters, updates the shards and all-gathers the update (flax's
-  `state.apply_gradients(grads=shards)` works as it is). The full gradients are never formed.
-
-  A deferring schedule (`dlcp` with `max_defer > 0`) needs its deferral state, which the caller
-  owns here: `grad_fn(params, batch, defer_state) -> (loss, grads, new_defer_state)` (the state as
-  the last positional argument or `defer_state=`; `((loss, aux), grads, new_defer_state)` with
-  `has_aux`), starting from `prophet_jax.defer_state(schedule)` (under `shard_map`, made inside the
-  map and passed with `prophet_jax.state_specs(state, axis_name)`). Each deferral group's hook takes
-  its state as a primal input and its backward rule returns the new state as that input's
-  "cotangent" (chunk numbers and the mask encoded as float32, exact), so the ranking, the slots and
-  the residuals are those of `scheduled` and `allreduce`, issued inside the backward pass. The
-  deferred chunks' elements are zero in `grads` and wait in the new state's residual.
-
-  On global arrays, in a plain `jax.jit` (or `nnx.jit`) step: pass `mesh=` (the mesh the arrays are
-  placed on; `axis_name` its data axis). The returned `grad_fn` (a `MeshGradFn`) then takes the params
-  replicated (`NamedSharding(mesh, P())`) and the global batch split over the axis (`P(axis_name)`),
-  maps the per-device step above over the mesh itself (`jax.shard_map`, manual over every mesh axis:
-  other axes only replicate it), and returns the loss averaged over the global batch, the gradients
-  replicated for the user's own `tx`, any model state replicated and the aux stacked per device on a
-  new leading axis; the compiled program's gradient all-reduces are the schedule's chunks alone (the
-  partitioner's own all-reduce is gone). `loss_fn` then runs per device, on its slice of the batch, as
-  under `shard_map`: it must be a mean over the examples it is given (a sum would make the gradient
-  the mean of per-device sums), and anything computed across examples (BatchNorm statistics) is per
-  device unless it averages over the axis itself (flax: `nn.BatchNorm(axis_name=...)`). Bad
-  placement is refused with the leaf and the fix (see prophet_jax/_mesh.py); a deferring schedule's
-  state starts from `grad_fn.defer_state()`.
+  Each group of the plan's units is issued from the backward rule of a `custom_vjp` identity on its
+  parameters, as soon as their gradients exist; a token threaded through the hooks keeps the plan's
+  order in the compiled program. The gradients come back averaged over `axis_name` (pair them with a
+  plain `tx`). Under `shard_map` the hooks mark replicated params varying themselves (do not `pcast`).
+  A sharded plan (`dear`) returns this device's `GradShards` for `scheduled(tx, schedule)`; a
+  deferring plan takes and returns its deferral state (`grad_fn(params, batch, defer_state)`); an
+  FSDP plan takes and returns the parameters' shards, gathering each group in forward
+  (docs/design.md, "FSDP in the user's step"). With `mesh=`, `grad_fn` runs on global arrays inside
+  a plain `jax.jit` (docs/usage.md, "The plain jax.jit step"): `loss_fn` then runs per device on its
+  slice of the batch and must be a mean (or, `reduction="sum"`, a sum) over its examples.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> loss` (or `(loss, aux)` with `has_aux=True`; with
-      `has_state=True`, `loss_fn(params, model_state, batch) -> (loss, new_model_state)`, and with
-      both `(loss, (new_model_state, aux))`, as `pipelined` takes it).
+    loss_fn: `loss_fn(params, batch) -> loss` (`(loss, aux)` with `has_aux`; `loss_fn(params,
+      model_state, batch) -> (loss, new_model_state)` with `has_state`; both: `(loss, (state, aux))`).
     schedule: the Schedule to carry out; its rows are the params' floating leaves (minus `in_loop`).
-    axis_name: the data-parallel axis name.
-    has_aux: `loss_fn` returns `(loss, aux)`; `grad_fn` then returns `((loss, aux), grads)`.
-    has_state: `loss_fn` takes a model state after the params and returns `(loss, new_model_state)`;
-      `grad_fn(params, model_state, batch)` then returns `((loss, new_model_state), grads)` (as
-      `jax.value_and_grad(loss_fn, has_aux=True)` does).
-    in_loop: path prefixes (e.g. 'params/blocks') of params reduced inside a scanned body by
-      `loop_hook`; the schedule does not cover them.
-    mesh: run on global arrays inside a plain `jax.jit` over this mesh (see above); None (the
-      default): call `grad_fn` inside your own `jax.shard_map` or `jax.pmap`.
-    reduction: "mean" (the default): `loss_fn` averages over its examples, the gradients are the
-      devices' mean (and with `mesh`, the loss their mean); "sum": `loss_fn` sums over its examples,
-      the gradients (and with `mesh`, the loss) are the devices' sum: the plain step's over the
-      global batch either way.
-    enforce_order: True (the default): the token ties the hooks' collectives in schedule order.
-      False: each unit carries one XLA `combiner_key` and no tie; XLA:GPU keeps exactly the plan's
-      units and orders them itself (`prophet_jax.allreduce` says more).
+    axis_name: the data-parallel axis (or a tuple of axes).
+    has_aux: `loss_fn` returns `(loss, aux)`; `grad_fn` returns `((loss, aux), grads)`.
+    has_state: `loss_fn` takes and returns a model state after the params.
+    in_loop: path prefixes of params reduced inside a scanned body by `loop_hook`.
+    mesh: run on global arrays inside a plain `jax.jit` over this mesh; None: inside your own
+      `jax.shard_map` or `jax.pmap`.
+    reduction: "mean" (`loss_fn` averages over its examples) or "sum".
+    enforce_order: True: the token ties the collectives in plan order; False: XLA combiner keys.
 
   Returns:
-    `grad_fn(params, batch)` (`grad_fn(params, batch, defer_state)` for a deferring schedule); with
-    `mesh`, a `MeshGradFn` taking and returning global arrays.
+    `grad_fn`; with `mesh`, a `MeshGradFn` on global arrays (`defer_state()`, `deferred_grads`).
 
   Raises:
-    TypeError: bad arguments (at construction); at trace time, a deferring schedule's grad_fn called
-      without its DeferState.
-    ValueError: `mesh` lacks an axis of `axis_name` (at construction); with `mesh`, at call time,
-      params or a model state not replicated, a batch leaf not split over the axis on its leading
-      axis (or not divisible over it), a new model state that varies over the axis.
-    UnboundAxisError, ScheduleMismatchError: at trace time (ScheduleMismatchError also for the
-      DeferState of another schedule or tree: convert it with `convert_state`, and pass the
-      `OwedState` it may leave as the first call's last argument).
-    ValueError: at trace time, under shard_map, a deferral residual passed replicated.
+    TypeError, ValueError: bad arguments; what an FSDP plan's step does not carry out (HSDP, another
+      axis, `in_loop`); with `mesh`, inputs placed otherwise than the plan says (the leaf is named).
+    UnboundAxisError, ScheduleMismatchError: at trace time (another plan's state: `convert_state`).
+
+  Example:
+    >>> grad_fn = prophet_jax.hooked(loss_fn, schedule, axis_name="dp", mesh=mesh)
+    >>> loss, grads = grad_fn(params, batch)      # inside your jax.jit
   """
   check_values("hooked", loss_fn=loss_fn, schedule=schedule, axis_name=axis_name)
   _loss_reduction.check(reduction, "hooked")

@@ -1,25 +1,6 @@
-"""Who orders the plan's collectives: the tie (`enforce_order=True`) or XLA, told the units by keys.
-
-Every collective the engine issues (`_collectives.reduce_units`, `reduce_scatter_chunks`,
-`all_gather_chunks`) is one *unit* of the plan: a chunk's all-reduce, a deferral slot's, a sharded
-chunk's reduce-scatter, a gather's all-gather. Two mechanisms keep units apart in the compiled program:
-
-- the tie (`_collectives.tie`, the default): each unit's buffer depends on the previous unit's result
-  through an exact zero, so XLA can neither combine two units nor reorder them;
-- a combiner key (`enforce_order=False`): each unit's ops are traced under
-  `jax.experimental.xla_metadata.set_xla_metadata(combiner_key=<the unit's scope name>)` and carry no
-  tie. XLA:GPU's combiners only join collectives of one key, so every unit stays exactly one collective
-  (docs/facts.md, "Buckets in XLA's own terms": six psums keyed in pairs compile to exactly three, with
-  the default combine threshold and an unlimited one), and the latency hiding scheduler orders them
-  itself. XLA:CPU ignores the key (its combiner merges independent all-reduces anyway): there the key
-  path proves numbers only.
-
-The choice is one context variable, read while a step is traced: the front-ends (`allreduce`,
-`scheduled`, `hooked`, `pipelined`) take `enforce_order` and, given False, trace their function under
-`ordering(False)` (`ordered_by`); the engine asks `enforced()` (in `tie`) and `unit_scope(name)` (where
-it names a unit) and nothing else. `True` adds nothing: every traced function stays exactly as it was,
-and a call made inside a keyed step (pipelined's `allreduce`) follows that step.
-"""
+"""Who orders the plan's collectives: the tie (`enforce_order=True`, `_collectives.tie`) or XLA:GPU, told
+the units by `combiner_key`s (`enforce_order=False`): one context variable read while a step is traced
+(`ordering`, `ordered_by`); the engine asks `enforced()` and `unit_scope(name)` and nothing else."""
 
 from __future__ import annotations
 

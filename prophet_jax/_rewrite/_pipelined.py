@@ -462,59 +462,33 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
               enforce_order: bool = True) -> Pipelined:
   """The cross-step pipelined train step for `loss_fn`, `tx` and `schedule` over `axis_name`.
 
-  Each `step` runs the previous batch's backward with the schedule's chunked, ordered all-reduces,
-  `tx`'s update and this batch's forward in one program, so each layer's next forward can start as
-  soon as its chunks are reduced (docs/design.md, "Simulator semantics", `cross_step=True`).
-
-  Equal to the plain loop: per call, the returned loss and aux are the plain step's on the same batch,
-  `state.model_state` is the plain loop's after that batch, and after N steps and a `flush` the
-  parameters equal N plain steps (`jax.value_and_grad(loss_fn, has_aux=...)`, `pmean`, `tx`), up to
-  float32 reduction order (bfloat16 parameters rounded as the plain loop rounds them).
+  Each `step` runs the previous batch's backward with the schedule's collectives, `tx`'s update and
+  this batch's forward in one program, so each layer's next forward can start as soon as its chunks
+  are reduced (the simulator's `cross_step=True`). Per call the loss (and aux) equal the plain step's
+  on the same batch; after `flush` the parameters equal the plain loop's (docs/design.md, "The
+  pipelined step").
 
   Args:
-    loss_fn: the mean loss over this device's batch, one of (as `jax.value_and_grad` would take it):
-      `loss_fn(params, batch) -> loss`;
-      with `has_aux=True`, `loss_fn(params, batch) -> (loss, aux)`;
-      with `has_state=True`, `loss_fn(params, model_state, batch) -> (loss, new_model_state)`;
-      with both, `loss_fn(params, model_state, batch) -> (loss, (new_model_state, aux))`.
-      The batch and the model state may hold typed PRNG keys.
-    tx: an optax GradientTransformation, applied to the averaged gradients. Transformations that need
-      every gradient at once (`optax.clip_by_global_norm`) stay correct but remove the overlap.
-    schedule: a Schedule for `params` (any policy; `plan(..., cross_step=True)` plans for this step).
-      With deferral groups (`dlcp`, `max_defer > 0`) the state carries their deferral state.
+    loss_fn: the mean loss over this device's batch, as `jax.value_and_grad` takes it (`(loss, aux)`
+      with `has_aux`; `loss_fn(params, model_state, batch) -> (loss, new_model_state)` with
+      `has_state`).
+    tx: an optax GradientTransformation, applied to the reduced gradients.
+    schedule: a Schedule for the params (an all-reduce or `dear` plan; `plan(..., cross_step=True)`).
     axis_name: the data-parallel axis bound by the user's `jax.pmap` or `jax.shard_map`.
-    residuals: what the forward keeps for the next call's backward. "min-cut" (the default): the
-      fewest bytes from which the backward recomputes the rest of what it reads by elementwise and
-      layout operations (prophet_jax/_residuals.py). "all": every batch value `jax.vjp` keeps.
-      "matmuls": the forward under `jax.checkpoint` keeping only matmul, convolution and reduction
-      outputs (`save_matmuls`). Or any `jax.checkpoint` policy. bench/pipelined.py measures them;
-      the result is the same up to float32 rounding either way.
-    has_aux: `loss_fn` returns an auxiliary output (metrics, logits, ...), not differentiated;
-      `step` then returns `(state, (loss, aux))`, the aux of the forward it ran.
-    has_state: `loss_fn` takes the model state (BatchNorm statistics, a PRNG key: anything the
-      forward reads and updates without differentiating it) and returns the new one. The state lives
-      in `PipelinedState.model_state` (`init(params, model_state)`); each forward reads the state the
-      previous forward produced. Under `shard_map`, name its spec in `state_specs(model_state=...)`.
-    mesh: run `init`, `step` and `flush` on global arrays inside a plain `jax.jit` over this mesh
-      (a `MeshPipelined`: params replicated, the batch split over `axis_name`, the loss averaged
-      over the global batch, as `hooked(..., mesh=)` does); None: call them under your own
-      `jax.shard_map` or `jax.pmap`.
-    reduction: "mean" (the default): `loss_fn` averages over its examples, the gradients are the
-      devices' mean (with `mesh`, the loss too); "sum": it sums over them, and the gradients (with
-      `mesh`, the loss) are the devices' sum: the plain step's over the global batch either way.
-    enforce_order: True (the default): the tie keeps one collective per unit, in schedule order.
-      False: each unit carries one XLA `combiner_key` and no tie; XLA:GPU keeps exactly the plan's
-      units and orders them itself (`prophet_jax.allreduce` says more).
+    residuals: what the forward keeps for the next call's backward: "min-cut" (the fewest bytes),
+      "all", "matmuls", or a `jax.checkpoint` policy.
+    has_aux: `loss_fn` returns an aux output; `step` returns `(state, (loss, aux))`.
+    has_state: `loss_fn` takes and returns a model state (`init(params, model_state)`).
+    mesh: run `init`, `step`, `flush` on global arrays inside a plain `jax.jit` over this mesh.
+    reduction: "mean" (`loss_fn` averages over its examples) or "sum".
+    enforce_order: True: the tie keeps the plan's order; False: XLA combiner keys.
 
   Returns:
-    A `Pipelined` with `init(params[, model_state])`, `step(state, batch) -> (state, loss)` (or
-    `(state, (loss, aux))`), `flush(state)`, `params(state)`, `model_state(state)`,
-    `state_specs(state=None, *, model_state=P())`, `residual_bytes(state)` and
-    `deferred_grads(state)`.
+    A `Pipelined` (`init`, `step`, `flush`, `params`, `model_state`, `state_specs`, `residual_bytes`,
+    `deferred_grads`).
 
   Raises:
-    TypeError: `loss_fn` is not callable, `tx` is not a GradientTransformation, `schedule` is not a
-      Schedule, or `has_aux` / `has_state` is not a bool.
+    TypeError, ValueError: bad arguments; an FSDP plan (naming `hooked`).
 
   Example:
     >>> p = prophet_jax.pipelined(model.loss_fn, optax.adamw(1e-3), schedule, axis_name="data")
@@ -523,26 +497,6 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
     >>> for batch in batches:
     ...   state, loss = step(state, batch)
     >>> state = jax.pmap(p.flush, axis_name="data")(state)
-
-    Under `jax.shard_map` (params replicated, batch split over "data"):
-
-    >>> specs = p.state_specs()
-    >>> step = jax.jit(jax.shard_map(lambda s, b: p.step(s, b), mesh=mesh,
-    ...                              in_specs=(specs, P("data")), out_specs=(specs, P())))
-
-    (the loss varies over the axis there: return `jax.lax.pmean(loss, "data")` or `loss[None]` with
-    `P("data")` from a wrapper; `step` itself adds no collective beyond the schedule's.)
-
-    A flax model with BatchNorm (statistics averaged over the devices in the loss, so the same on
-    every device):
-
-    >>> def loss_fn(params, batch_stats, batch):
-    ...   logits, upd = model.apply({"params": params, "batch_stats": batch_stats}, batch["x"],
-    ...                             train=True, mutable=["batch_stats"])
-    ...   loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    ...   return loss, jax.lax.pmean(upd["batch_stats"], "data")
-    >>> p = prophet_jax.pipelined(loss_fn, tx, schedule, axis_name="data", has_state=True)
-    >>> state = p.init(params, variables["batch_stats"])
   """
   check_values("pipelined", loss_fn=loss_fn, tx=tx, schedule=schedule, axis_name=axis_name)
   if not (callable(residuals) or isinstance(residuals, str) and residuals in ("all", "min-cut", "matmuls")):

@@ -1,22 +1,7 @@
-"""The trials of the ZeRO-1 shardability probe (`_zero.shard_mode`) that make global decisions visible.
-
-A transformation that decides something from the whole update (`apply_if_finite`, `skip_not_finite`,
-`skip_large_updates` in `MultiSteps(should_skip_update_fn=)`, `clip_by_global_norm`) decides per shard
-when it runs on flat shards, and its decision differs from the whole tree's only when a trial puts a
-shard on the other side of the decision from the whole. So the probe's gradients are:
-
-- a sweep of scales 1e-6 ... 1e6, one decade apart, over gradients whose magnitude falls by 1e3 along
-  each chunk (so the simulated devices' shards hold very different norms: for any threshold in the
-  range, some scale puts one device's shard below it while the whole is above);
-- one trial at scale 1 with a single NaN in device 1's shard of the first chunk at the second step.
-
-Run per shard without help, such a transformation then differs from the whole and is not 'elementwise';
-with the global-norm carrier (a scalar whose square is the rest of the tree's sum of squares: non-finite
-as soon as any other shard is) it decides as the whole does, on every device alike: 'global-norm'.
-
-Also here: the extra arguments the probe passes (`value=` for `contrib.reduce_on_plateau`, which the
-step forwards too), and the names a refusal gives (the optax factories found in `tx`'s closures).
-"""
+"""The trials of ZeRO-1's shardability probe (`_zero.shard_mode`): gradients at scales 1e-6 ... 1e6 whose
+shards hold very different norms, and one NaN in one shard, so a transformation deciding from the whole
+update (a global norm, a finiteness check) decides differently on shards; the extra arguments the probe
+passes; the optax factory names a refusal gives."""
 
 from __future__ import annotations
 

@@ -30,63 +30,32 @@ __all__ = ["allreduce", "reduction_kind", "step_setup", "StepSetup", "scheduled_
 
 def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
               defer_state: Any = None, enforce_order: bool = True) -> Any:
-  """All-reduces `grads` over `axis_name` chunk by chunk, in the schedule's order.
+  """`grads` reduced over `axis_name` as the schedule says, unit by unit, in its order.
 
-  Call it inside `jax.pmap(..., axis_name=...)` or `jax.shard_map` (under `jit`). Rows of the schedule
-  are matched to leaves by their canonical path ('params/Dense_0/kernel'). For each chunk, in issue
-  order: its element slices are gathered into one flat buffer, reduced by one `psum` labelled
-  `jax.named_scope("prophet/chunk<k>")`, and scattered back. Each chunk's buffer is tied to the previous
-  chunk's result (an exact, NaN-proof zero), so the compiled program keeps one all-reduce per chunk, in
-  schedule order, even in a plain `jax.pmap` with default XLA flags on the CPU. With
-  `schedule.links` (planned for `links > 1`), each link is its own tie chain, so up to that many
-  all-reduces may be in flight (not on the CPU, whose collectives are synchronous: ValueError).
-
-  A sharded schedule (`dear`, `schedule.gathers`) is carried out as reduce-scatters then all-gathers:
-  each chunk's buffer (zero-padded to a multiple of the axis size) is reduce-scattered under
-  `prophet/rs<k>`, in chunk order, then each gather's shards are all-gathered under `prophet/ag<g>`,
-  in gather order, all in one tie chain; the result is the replicated mean, as above. (Inside a
-  training step, `scheduled(tx, schedule)` updates each device's shard between the two halves
-  instead: ZeRO-1.)
-
-  A schedule with deferral groups (`dlcp` with `max_defer > 0`) needs their state: pass
-  `defer_state` (from `prophet_jax.defer_state(schedule)`, then the one returned) and get
-  `(reduced, new_defer_state)`; a deferred chunk's elements are zero in `reduced` and kept in the
-  state's residual, to be added to the same elements at the next call (`Bucket` has the semantics).
-  After a re-plan, convert the old schedule's state (`prophet_jax.convert_state`) and pass what it
-  gives: where it owes deferred values (an `OwedState`) they are added to these gradients (nothing
-  deferred is lost) and the new schedule continues from its initial state (None for a lossless one:
-  then `(reduced, None)` is returned). Another schedule's DeferState raises ScheduleMismatchError.
-
-  Integer leaves and float0 gradients pass through unreduced; zero-size leaves pass through unchanged.
-
-  Under `shard_map` with `check_vma=True` (the default) the gradients of replicated params are already
-  summed by `jax.grad`; this is detected and raises AlreadyReducedError. Under `pmap` (and
-  `check_vma=False`) it cannot be detected: there, make sure the gradients are per-device.
+  Inside `jax.pmap` or `jax.shard_map`: rows match leaves by path; each chunk's slices are gathered
+  into one buffer, reduced by one `psum` under `jax.named_scope("prophet/chunk<k>")` and scattered
+  back, tied to the previous chunk's result so the compiled program keeps one all-reduce per chunk in
+  order. A sharded plan (`dear`) reduce-scatters then all-gathers; a deferring plan (`dlcp`) takes
+  and returns its deferral state (a deferred chunk's elements are zero and wait in its residual).
+  Integer, float0 and zero-size leaves pass through.
 
   Args:
-    grads: a pytree of per-device gradients, the tree the schedule was planned for.
-    schedule: a Schedule (from `prophet_jax.plan`).
-    axis_name: the data-parallel axis (a name bound by pmap or shard_map).
+    grads: the per-device gradients, the tree the schedule was planned for.
+    schedule: a Schedule (an all-reduce or `dear` plan).
+    axis_name: the data-parallel axis bound by pmap or shard_map.
     mean: divide the sums by the axis size (a `pmean`); False gives the `psum`.
-    defer_state: the DeferState of a schedule that defers (None otherwise).
-    enforce_order: True (the default): the tie keeps one collective per unit, in schedule order
-      (inside a step that `scheduled`, `hooked` or `pipelined` traces with `enforce_order=False`, their
-      keys). False: each unit (a chunk, a deferral slot, a reduce-scatter, an all-gather) carries one
-      XLA `combiner_key` and no tie: XLA:GPU keeps exactly the plan's units and orders them itself
-      (`_keys`); XLA:CPU ignores the key and merges them (the numbers are the same).
+    defer_state: the deferral state of a deferring plan (`prophet_jax.defer_state`), or what
+      `convert_state` left (its owed values are added to these gradients).
+    enforce_order: True: the tie; False: XLA combiner keys (docs/keys.md).
 
   Returns:
-    The reduced tree, same structure, shapes and dtypes; `(tree, new_defer_state)` when the schedule
-    defers.
+    The reduced tree; `(tree, new_defer_state)` when a deferral state is involved.
 
   Raises:
-    UnboundAxisError: `axis_name` is not bound here.
-    ScheduleMismatchError: the schedule was planned for another tree (the path, shape or dtype at fault
-      is named), or `defer_state` belongs to another schedule (convert it with `convert_state`).
-    AlreadyReducedError: under shard_map with check_vma, the gradients are already summed.
-    ValueError: the tree is empty; more links than the platform runs at once.
-    TypeError: a deferring schedule without `defer_state`, or a `defer_state` for one that does not
-      defer.
+    UnboundAxisError, ScheduleMismatchError, AlreadyReducedError: the axis is not bound; another
+      tree's schedule or another plan's state; gradients already summed (shard_map's check_vma).
+    TypeError, ValueError: a deferral state missing or unexpected; an FSDP plan; more links than the
+      platform runs at once.
 
   Example:
     >>> step = jax.pmap(lambda g: prophet_jax.allreduce(g, schedule, "data"), axis_name="data")
@@ -144,28 +113,23 @@ class StepSetup(NamedTuple):
 def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, defer_state: Any = None,
                grads: bool = True, checks: bool = True, skip_prefixes: Sequence[str] = (),
                per_device: Sequence[tuple[str, Any]] = (), varying: Any = None) -> StepSetup:
-  """The preamble every reduction path runs, written once: the axis size, the tree matched to the
-  schedule, the state's schedule (a converted state's owed values taken: `take_owed`; another
-  schedule's refused: `check_foreign`; this schedule's own checked: `_defer.check_state`), and the
-  varying checks under shard_map's check_vma.
+  """The preamble every reduction path runs, written once: the tree matched to the schedule, the state given
+  to the step (`_defer.given_state`), and the axis facts with the varying checks (`_axis.bind`).
 
   Args:
-    tree: the per-device gradients (`grads=True`: none may be already summed over the axis) or the
-      params of `hooked` (`grads=False`: none may already vary over the axis).
+    tree: the per-device gradients (`grads=True`: none may be already summed) or hooked's params
+      (`grads=False`: none may already vary).
     schedule: the schedule the step carries out.
     axis_name: the mapped axis.
     where: the public caller, for messages.
     defer_state: the deferral state given to the step, or None.
-    checks: run the varying checks on `tree` (False: a template of the tree, e.g. the params a
-      ZeRO-1 update lays hooked's gradient shards out in).
+    checks: run the varying checks on `tree` (False: a template, e.g. ZeRO-1's params for GradShards).
     skip_prefixes: paths the schedule does not cover (`hooked(in_loop=...)`).
     per_device: (name, leaf) of other per-device state parts to check (an accumulator's sums).
-    varying: a tree of each device's own values to mark varying where values carry that (under
-      check_vma); returned as `StepSetup.varying`.
+    varying: a tree of each device's own values to mark varying where values carry that.
 
   Raises:
-    UnboundAxisError, ScheduleMismatchError, AlreadyReducedError, TypeError, ValueError: as the
-    checks named above.
+    UnboundAxisError, ScheduleMismatchError, AlreadyReducedError, TypeError, ValueError.
   """
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   lmap = match_tree(leaves_with_path, schedule, where=where, skip_prefixes=skip_prefixes)

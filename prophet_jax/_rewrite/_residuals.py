@@ -1,33 +1,7 @@
-"""What the pipelined forward carries to the next call's backward: a cut of the forward's jaxpr.
-
-`pipelined` runs a forward pass in one call and its backward in the next, so every value the backward
-reads that depends on the batch must be carried between the calls (written out, read back). Values
-that depend on the parameters alone (a parameter, its cast or transpose) or on nothing (a mask, an
-iota, a zero fill) are not carried: the backward recomputes them from the state's parameters, which
-are the ones the forward read.
-
-Which batch values to carry is a choice. `jax.vjp` keeps every intermediate its backward reads, e.g.
-the half dozen derivative terms of a tanh-GELU, which a plain step's XLA fuses away. "min-cut" carries
-the fewest bytes from which the backward can recompute everything it reads by cheap (elementwise and
-layout) operations, fused by XLA into its consumers: a minimum s-t cut of the forward's value graph,
-as AOTAutograd's partitioner does. Products, convolutions, reductions, nested calls and anything
-unknown are never recomputed from batch values: their batch-dependent outputs are carried when the
-backward needs them.
-
-The invariant: everything the backward recomputes is computable from the parameters and the carried
-values. Whether a value depends on the batch (`_live`) and how it is recomputed (`_slice`) are decided
-at the same granularity: a nested `jit` call is looked into, per output, by both (the backward runs it
-pruned to the outputs it needs, e.g. the constant mask and zero fill of a `jnp.where`, reading only
-the inputs those depend on, never the labels its other outputs read); any other equation is a unit for
-both.
-
-The plan is positions in the jaxpr of `vjp_jaxpr` (deterministic for a given function and shapes), so
-the forward (on the real batch) and the next call's backward (tracing on the recorded shapes) agree.
-
-Jaxprs are read through `jax.extend.core` (checked first: `_jaxcompat.check_jaxpr_api`). jax 0.11 merged
-`ClosedJaxpr` into `Jaxpr` (a jaxpr's `.jaxpr` is itself, its `.consts` its constants); the code reads
-`closed.jaxpr` and `closed.consts`, which both versions have.
-"""
+"""What the pipelined forward carries to the next call's backward: a cut of the forward's jaxpr
+("min-cut": the fewest batch-dependent bytes from which the backward recomputes the rest by cheap ops;
+docs/design.md, "The rewrite's layers"). The plan is positions in `vjp_jaxpr`'s jaxpr, so the forward
+and the next call's backward agree. Jaxprs are read through `jax.extend.core` (`check_jaxpr_api`)."""
 
 from __future__ import annotations
 

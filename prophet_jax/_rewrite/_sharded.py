@@ -43,27 +43,12 @@ def padded(buf: jax.Array, n: int) -> jax.Array:
 def reduce_scatter_chunks(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
                           axis_name: Any, *, n: int, divisor: int | None, first_index: int = 0,
                           prev: jax.Array | None = None) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
-  """One reduce-scatter per chunk, in issue order: the sharded half of the one engine.
-
-  Each chunk's slices are gathered into one flat buffer, zero-padded at its end to a multiple of `n`
-  (`shard_size`: padding never drops an element, and the zeros it adds reduce to zeros), `tie`d to the
-  chain's previous result, reduce-scattered (`psum_scatter`, tiled: device i receives elements
-  [i*s, (i+1)*s) of the sum, s = `shard_size(chunk.size, n)`) under `jax.named_scope("prophet/rs<k>")`
-  and divided by `divisor` (in the buffer's dtype, as `pmean` does) unless None. The test seam
-  (`engine_hooks`) sees each buffer as gathered (unpadded, before the tie) and may change the divisor,
-  as it does for an all-reduce.
-
-  Args:
-    flat: leaves (any shape); rows index them through `row_leaf`.
-    chunks: the chunks to reduce-scatter, in issue order.
-    row_leaf: schedule row -> index into `flat`.
-    axis_name: the mapped axis; `n` its size.
-    divisor: the axis size for a mean, None for a sum.
-    first_index: k of the first chunk (its scope 'prophet/rs<k>').
-    prev: the chain's previous result (tied to the first buffer), or None.
+  """One reduce-scatter per chunk, in issue order: each chunk's slices in one flat buffer zero-padded to a
+  multiple of `n` (`shard_size`), tied to the chain's previous result, reduce-scattered (device i gets
+  elements [i*s, (i+1)*s)) under `prophet/rs<k>` and divided by `divisor` unless None.
 
   Returns:
-    (this device's shard of every chunk, `shard_size` elements each, in chunk order; the last result).
+    (this device's shard of every chunk, in chunk order; the last result).
   """
   divisor, seen = engine_divisor(divisor)
   shards = []

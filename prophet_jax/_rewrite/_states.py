@@ -1,21 +1,9 @@
-"""The library's per-device states, as one layer: what a step carries from one call to the next.
+"""The library's per-device states, declared once: what a step carries from one call to the next.
 
-- `ScheduledState(inner, defer_state, accum)`: the state of `scheduled(tx, ...)`;
-- `DeferState`: a deferring schedule's groups (`_defer` makes and checks it, the engine steps it);
-- `ShardedState(per_device, tag)`: `tx`'s state of this device's shards under a sharded schedule, and
-  `GradShards`, the reduce-scattered gradients `hooked` hands to `scheduled` (`_zero`);
-- `AccumState(count, grads)`: the micro-step sums of `scheduled(..., every_k=k)` (`_accumulate`);
-- `OwedState(owed, tag)`: what `convert_state` leaves where a re-plan's deferred values are owed to
-  the new schedule's first step (in place of its DeferState, or of None for one that defers nothing).
-
-One tag: `StateTag`, a leafless pytree node whose structure holds the schedule's one key
-(`schedule_key`), the state's layout (a deferral group's (m, rows, c, dtype), or a `ShardLayout`) and
-the schedule itself (compared by key alone, so jit's treedef comparisons stay cheap): a state of
-another schedule or tree is caught at trace time, and a state records what converting it needs
-(`_convert.convert`, above the modules that make each state). One rule for specs: `state_specs`
-gives `P(axis)` to each device's own parts, found by type or, in containers that re-label fields
-(`flax.nnx`), by the one path rule `per_device_path`. Saved states keep their field names and key
-paths (tests/test_states.py restores states saved before this module existed).
+Each kind declares, beside its class (`declare`), its per-device fields, how a per-device leaf is named,
+where `flax.nnx` keeps it, and its conversion step; `state_specs`, `param_specs`, `per_device_leaves`
+and the conversion read the declarations. One tag (`StateTag`) records a state's schedule and layout.
+docs/design.md, "The rewrite's layers". Saved states keep their field names and key paths.
 """
 
 from __future__ import annotations

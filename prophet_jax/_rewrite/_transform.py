@@ -1,9 +1,8 @@
 """`scheduled(tx, schedule, axis_name=...)`: a Schedule carried out in the user's own optax step.
 
-An optax transformation: the scheduled reduction of the gradients, then `tx`, where the step's
-`update` is (after the backward pass). Written once per device (`_scheduled_per_device`); `mesh=` is
-the placement layer over it (`_mesh.placed`); the composition guard (`_compose`) is the outermost
-layer. `hooked` (`_hooked`) issues the same collectives inside the backward pass.
+Layers (docs/design.md, "The rewrite's layers"): the composition guard outermost, the placement layer
+(`_mesh.placed`), and the per-device update (`per_device`): one state check over the reduction layer
+the schedule's family asks for. `pipelined` runs the same per-device update.
 """
 
 from __future__ import annotations
@@ -34,114 +33,39 @@ __all__ = ["ScheduledState", "scheduled", "per_device", "PerDevice"]
 def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
               axis_name: str | tuple[str, ...], mesh: Any = None,
               every_k: int = 1, enforce_order: bool = True) -> optax.GradientTransformationExtraArgs:
-  """An optax transformation that all-reduces the gradients as `schedule` says, then applies `tx`.
+  """An optax transformation: the gradients reduced as `schedule` says, then `tx`.
 
-  Use it in place of a `jax.lax.pmean(grads, axis_name)` followed by `tx`: inside `jax.pmap(...,
-  axis_name=...)`, or inside `jax.shard_map` over a mesh axis of that name (with the params marked
-  varying before `jax.grad`: `jax.lax.pcast(params, axis_name, to='varying')`, see below). It drops
-  into `flax.training.train_state.TrainState.create(..., tx=scheduled(tx, schedule, axis_name='data'))`
-  and `flax.nnx.Optimizer(model, scheduled(tx, ...), wrt=nnx.Param)` unchanged. The updates passed to
-  `update` must be the gradient tree the schedule was planned for (rows are matched by path; a
-  mismatch raises ScheduleMismatchError naming the path, shape or dtype at fault and some of the
-  tree's own paths). For nnx, plan from `nnx.state(model, nnx.Param)` or from the pure arrays
-  (`nnx.to_pure_dict`): a Variable's 'l1/kernel/value' and the plain 'l1/kernel' name the same leaf.
-
-  **It must be the outermost transformation, first in any chain.** Anything before it (clipping,
-  normalising, any nonlinear function of the gradients) acts on each device's own gradients, not on
-  the all-reduced ones, and gives a silently different result: write `scheduled(optax.chain(
-  optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), schedule, axis_name=...)`, never
-  `optax.chain(optax.clip_by_global_norm(1.0), scheduled(...))`. `init` and `update` raise
-  CompositionError when they find themselves after another member of an `optax.chain` or
-  `optax.named_chain` (visible on the call stack); for other compositions, `check_composition(tx,
-  params, axis_name=...)` tests numerically that the optimizer's result depends only on the mean
-  gradient.
-
-  Gradient accumulation: `scheduled(tx, schedule, axis_name=..., every_k=k)`. Each call adds this
-  device's gradients to a per-device accumulator (`ScheduledState.accum`); every k-th call all-reduces
-  the mean of the k micro-steps' gradients on the schedule and applies `tx`, the other calls return
-  zero updates and leave `tx`'s state alone: the full-batch step over k micro-batches, for one
-  all-reduce of the gradients per k micro-steps (the compiled program holds the chunks' all-reduces
-  in the branch of one `lax.cond` taken on the k-th call). It works under `pmap`, `shard_map` (pass
-  the state with `prophet_jax.state_specs`, which gives the accumulator's sums `P(axis_name)`, and
-  make it inside the map, as for deferral residuals) and on the mesh (`mesh=`: `init` lays the sums
-  out over the data axis). The sums are float32 for gradients narrower than 32 bits. A deferring
-  schedule defers once per k micro-steps. Why not `optax.MultiSteps`: in optax 0.2.8 its `update`
-  runs the inner transformation on every micro-step and keeps the result with `jnp.where`, so
-  `MultiSteps(scheduled(tx), k)` all-reduces (the running mean) on every micro-step, and under
-  `shard_map` its per-device accumulator cannot live in a replicated state (it raises
-  CompositionError naming `every_k`); `scheduled(optax.MultiSteps(tx, k))` all-reduces every
-  micro-step's gradients (correct, replicated, k times the communication).
-
-  Deferral (a `dlcp` schedule with `max_defer > 0`): the schedule's `DeferState` lives in the state
-  (`ScheduledState.defer_state`; None for a schedule that defers nothing, whose state and compiled
-  step are what they were before deferral existed). Each step, up to `max_defer` of the elements (a
-  group's lowest-ranked chunks by the previous step's reduced norms, the same on every device) are not
-  all-reduced; each device keeps its values in its residual, which later sends of the same chunks
-  carry (error feedback: nothing is lost; all at the next step with `Bucket.release` 1, damped over
-  the following sends below 1, dlcp's default). Under `pmap`
-  nothing changes for the user: `init` once, replicate, as any optimizer state. Under `shard_map` the
-  residuals vary over the axis: pass the optimizer state with `prophet_jax.state_specs(opt_state,
-  axis_name)` (`P(axis_name)` for residuals, `P()` for the rest) as in_specs and out_specs, and make
-  it inside the map: `jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(
-  params)` with `specs = prophet_jax.state_specs(jax.eval_shape(tx.init, params), axis_name)`; a
-  residual passed replicated raises ValueError naming `state_specs`.
-
-  Under `shard_map`'s default `check_vma=True`, `jax.grad` of replicated params already sums the
-  gradients over the axis; that is detected and raises AlreadyReducedError naming the fix. Under
-  `pmap` it cannot be detected (nothing is marked varying there); a pmap step is per-device already.
-
-  A sharded schedule (`dear`, ZeRO-1; docs/design.md, "Sharded schedules in the rewrite"): `update`
-  reduce-scatters the gradients chunk by chunk (or takes `hooked`'s `GradShards`, whose
-  reduce-scatters ran inside backward, and then needs `params`), runs `tx` on the tuple of this
-  device's shards (one 1-D array per chunk, the params' shards beside them), and all-gathers the
-  update, returned whole and replicated. The state is `ScheduledState(inner=ShardedState(...))`,
-  `tx`'s state for this device's shards only: 1/n of the replicated one plus the padding. `init`
-  runs where the axis is bound (`jax.pmap(tx.init, axis_name=...)`, inside the `shard_map` with
-  `out_specs=P(axis_name)`, or anywhere with `mesh=`), and checks what `tx` may be: elementwise
-  transformations run as they are, `clip_by_global_norm` gets the global norm from one extra psum,
-  anything needing whole leaves or the params' tree raises ShardingError (`_zero.shard_mode`).
-
-  On global arrays, in a plain `jax.jit` (`mesh=`): the gradients must come *unreduced* over the
-  data axis, each device's partial sum (jax's `unreduced` sharding type, on a mesh with Explicit
-  axes: differentiate with respect to params resharded to `P(reduced={axis_name})`, and `jax.grad`
-  leaves the sum to you); `update` then reduces them on the schedule (its chunks' all-reduces, in
-  order, summed: the partial sums already carry the loss's mean) and applies `tx` to the replicated
-  result. Replicated gradients (the partitioner already reduced them) raise AlreadyReducedError; with
-  a deferring schedule, `init` lays the deferral residuals out on the mesh (`P(axis_name)`).
+  Use it in place of a `jax.lax.pmean(grads, axis_name)` before `tx`, inside `jax.pmap` or
+  `jax.shard_map` (params marked varying before `jax.grad`: `jax.lax.pcast(params, axis_name,
+  to="varying")`), or with `mesh=` in a plain `jax.jit` on gradients obtained unreduced. It must be the
+  outermost transformation, first in any `optax.chain` (anything before it would act on each
+  device's own gradients). With `every_k=k` it accumulates k micro-steps per reduction; a deferring
+  plan (`dlcp`) keeps its deferral state in the state; a sharded plan (`dear`) runs `tx` on this
+  device's shards (ZeRO-1). docs/usage.md says more of each.
 
   Args:
-    tx: the optimizer to apply to the averaged gradients (e.g. `optax.sgd(0.1, momentum=0.9)`).
-    schedule: the Schedule to carry out (from `prophet_jax.plan`).
-    axis_name: the data-parallel axis name.
-    mesh: reduce gradients obtained unreduced over `axis_name` on this mesh, inside a plain
-      `jax.jit` on global arrays (see above); None: inside `jax.pmap` or `jax.shard_map`.
-    every_k: micro-steps per all-reduce and update (gradient accumulation, see above); 1, the
-      default, reduces and updates on every call.
-    enforce_order: True (the default): the tie keeps one collective per unit, in schedule order.
-      False: each unit carries one XLA `combiner_key` and no tie; XLA:GPU keeps exactly the plan's
-      units and orders them itself (`prophet_jax.allreduce` says more).
+    tx: the optimizer applied to the reduced gradients (e.g. `optax.sgd(0.1, momentum=0.9)`).
+    schedule: the Schedule to carry out (`prophet_jax.plan`); an FSDP plan is `hooked`'s.
+    axis_name: the data-parallel axis (or a tuple of axes).
+    mesh: reduce gradients obtained unreduced over `axis_name` on this mesh, inside a plain `jax.jit`;
+      None: inside `jax.pmap` or `jax.shard_map`.
+    every_k: micro-steps per reduction and update (gradient accumulation); 1 reduces every call.
+    enforce_order: True: the tie keeps one collective per unit in schedule order; False: each unit
+      carries an XLA `combiner_key` instead (docs/keys.md).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is `ScheduledState(inner=tx_state,
-    defer_state=..., accum=...)` (`defer_state` None unless the schedule defers; `accum` None unless
-    `every_k > 1`).
+    defer_state=..., accum=...)`.
 
   Raises:
-    TypeError: `tx`, `schedule`, `axis_name` or `every_k` is of the wrong kind (at construction).
-    ValueError: `every_k` below 1, or above 1 with a sharded schedule (at construction).
-    CompositionError: at `init` or `update`, `scheduled` is not first in an `optax.chain`; at trace
-      time, it is inside `optax.MultiSteps` under `shard_map`.
-    UnboundAxisError, ScheduleMismatchError, AlreadyReducedError: at trace time, from `update`
-      (ScheduleMismatchError also for a state made by `init` of another deferring schedule).
-    ValueError: at trace time, the schedule stripes over more links than the platform runs at once
-      (CPU: 1), or, under shard_map, a deferral residual or an accumulator's sums passed replicated.
-    ShardingError: a sharded schedule, at `init`: `tx` cannot run on shards.
-    UnboundAxisError: a sharded schedule, `init` outside the mapping (without `mesh=`).
+    TypeError, ValueError: bad arguments (at construction); an FSDP plan (naming `hooked`).
+    CompositionError: not first in an `optax.chain`, or inside `optax.MultiSteps` under shard_map.
+    UnboundAxisError, ScheduleMismatchError, AlreadyReducedError: at trace time, from `update`.
+    ShardingError: a sharded plan's `tx` that cannot run on shards (at `init`).
 
   Example:
     >>> tx = prophet_jax.scheduled(optax.sgd(0.1, momentum=0.9), schedule, axis_name="data")
     >>> state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    >>> # inside jax.pmap(..., axis_name="data"): state = state.apply_gradients(grads=grads)
   """
   check_values("scheduled", tx=tx, schedule=schedule, axis_name=axis_name)
   every_k = check_int("scheduled", "every_k", every_k, lo=1,

@@ -1,44 +1,7 @@
-"""ZeRO-1 under a sharded schedule: the optimizer runs on each device's shard of every chunk.
-
-A sharded schedule (`dear`, `Schedule.gathers`) reduce-scatters each chunk's flat buffer (its slices in
-order, zero-padded at the end to a multiple of the axis size n), so between the reduce-scatters and the
-all-gathers each device holds the mean gradient of 1/n of every chunk: its *shard*, `shard_size`
-elements (device i holds elements [i*s, (i+1)*s) of the padded buffer). `scheduled(tx, schedule)` runs
-`tx` there, on the tuple of this device's shards (one 1-D array per chunk, in chunk order) with the
-params' shards beside them (weight decay reads them), and keeps `tx`'s state for those shards only:
-1/n of the replicated state, plus the padding. The all-gathers then bring every device the whole
-update, in the gathers' order (front layers first), one tie chain after the reduce-scatters.
-
-What `tx` may be. It sees flat shards, not the params' tree, so it must give on them what it gives on
-the tree. `shard_mode` checks this once per (tx, tree): by name, it refuses what picks or shapes leaves
-by the tree (masks, labels, factored moments); then it runs `tx` on a few representative leaves (one
-per rank among the params' floating leaves, each dimension cut to at most 3) and on their flat shards
-over 3 simulated devices (two chunks, zero-padded), 3 steps of the trials `_probe_trials` makes (scales
-1e-6 ... 1e6 over shards of very different norms, so that a threshold puts some shard on the other side
-of it from the whole, and one NaN in one shard), one small program, and compares the updates:
-
-- *elementwise* transformations (sgd, momentum, Adam/AdamW, Lion, RMSProp, learning-rate schedules,
-  `MultiSteps` ...) give the same update on the shards: they run as they are;
-- transformations that read the global norm of the gradient or decide from the whole update
-  (`clip_by_global_norm`, `apply_if_finite`, `skip_not_finite`/`skip_large_updates` in `MultiSteps`)
-  get it from one extra `psum` of the shards' sums of squares (scope `prophet/norm`): the shards are given one more
-  leaf, a float32 scalar whose square is the rest of the tree's sum of squares (the other devices'
-  shards), so the norm `tx` computes over its tree is the global one, and a non-finite value anywhere
-  is non-finite on every device: every device decides as the whole tree would; that leaf's update is
-  dropped;
-- anything else (per-leaf norms: LAMB/LARS's trust ratio, `adaptive_grad_clip`, Adafactor's block RMS;
-  matrix-shaped updates such as Muon's; masks and labels that pick leaves by the tree: `optax.masked`,
-  `adamw(mask=)`, `multi_transform`; Adafactor's factored moments, which depend on leaf sizes) raises
-  `ShardingError` naming what differs: it needs whole leaves, which ZeRO-1's flat shards are not. Use
-  an all-reduce schedule for it.
-
-The state. `ShardedState(per_device, tag)`: `per_device` is `tx.init` of this device's shards, every
-leaf with a leading axis of 1 (so that under `shard_map` the whole of it is split over the axis,
-`P(axis)`, as the pipelined step's residuals and the deferral residuals are; under `pmap` the device
-axis comes in front; on a mesh, a global array `(n, ...)` split over the axis); `tag` holds no arrays:
-its structure records the schedule, n, the shard sizes and the mode, so a state from another schedule
-or axis size is refused naming both. `init` runs where the axis is bound (inside the `pmap` or
-`shard_map`): the shard sizes depend on n, and each device's shard of the params on its index.
+"""ZeRO-1 under a sharded (`dear`) plan: `tx` runs on this device's flat shard of every chunk and keeps its
+state for those shards only (`ShardedState`); the update is all-gathered. `shard_mode` probes once what
+`tx` may be: elementwise ('elementwise'), deciding from the global norm ('global-norm': one extra psum),
+or refused (needs whole leaves). docs/design.md, "Sharded schedules in the rewrite".
 """
 
 from __future__ import annotations
