@@ -250,21 +250,8 @@ _NO_STATE = object()
 
 
 def _check_loss_output(out: Any, has_aux: bool, has_state: bool) -> Any:
-  """The loss in `loss_fn`'s output, with a TypeError that names the fix when the output's form is not
-  the one hooked was told (a `(loss, aux)` tuple without `has_aux=True`, a non-scalar loss)."""
-  if has_aux or has_state:
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-      flag = "has_state" if has_state else "has_aux"
-      raise TypeError(f"hooked(..., {flag}=True): loss_fn must return a pair (loss, "
-                      f"{'new_model_state' if has_state else 'aux'}), got {type(out).__name__}.")
-    loss = out[0]
-  else:
-    if isinstance(out, (tuple, list)):
-      raise TypeError(f"hooked: loss_fn returned a {type(out).__name__} of {len(out)} values, not a scalar "
-                      f"loss. If it returns (loss, aux), pass has_aux=True (grad_fn then returns ((loss, "
-                      f"aux), grads)); if (loss, new_model_state) with a model state argument, "
-                      f"has_state=True.")
-    loss = out
+  """The loss in `loss_fn`'s output (`_loss_reduction.split_output`), a real floating scalar."""
+  loss = _loss_reduction.split_output(out, has_aux, has_state, "hooked")[0]
   shape = np.shape(loss)
   if shape != () or not is_float_dtype(getattr(loss, "dtype", np.float32)):
     raise TypeError(f"hooked: the loss must be a real floating scalar to be differentiated; loss_fn "

@@ -217,25 +217,8 @@ class Pipelined:
       out = self.loss_fn(params, model_state, batch)
     else:
       out = self.loss_fn(params, inputs)
-    if not (self.has_aux or self.has_state):
-      if isinstance(out, (tuple, list)):
-        raise TypeError(f"pipelined: loss_fn returned a {type(out).__name__} of {len(out)} values; "
-                        f"without has_aux=True it must return the scalar loss. If it returns (loss, "
-                        f"aux), pass has_aux=True (and has_state=True if aux is a model state the next "
-                        f"forward reads, such as BatchNorm statistics).")
-      return out, (None, None)
-    what = ("(loss, (new_model_state, aux))" if self.has_aux and self.has_state else
-            "(loss, new_model_state)" if self.has_state else "(loss, aux)")
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-      raise TypeError(f"pipelined: with has_aux={self.has_aux} and has_state={self.has_state}, loss_fn "
-                      f"must return {what}; got {type(out).__name__}.")
-    loss, rest = out
-    if self.has_aux and self.has_state:
-      if not (isinstance(rest, (tuple, list)) and len(rest) == 2):
-        raise TypeError(f"pipelined: with has_aux=True and has_state=True, loss_fn must return {what}; "
-                        f"its second value is a {type(rest).__name__}, not a pair.")
-      return loss, tuple(rest)
-    return loss, ((rest, None) if self.has_state else (None, rest))
+    loss, state, aux = _loss_reduction.split_output(out, self.has_aux, self.has_state, "pipelined")
+    return loss, (state, aux)
 
   def _forward_fn(self, params: Any, inputs: Any) -> Any:
     """`_call`, under `jax.checkpoint` with the residual policy unless every residual is kept."""
