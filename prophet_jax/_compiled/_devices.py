@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 __all__ = ["data_axes", "check_mesh", "axis_total", "data_devices", "mesh_axis_names", "local_devices_along", "profiled_devices",
-           "mesh_workers", "host_rows", "placed"]
+           "mesh_workers", "host_rows", "placed", "spec_axes"]
 
 
 def data_axes(axis_name: Any) -> tuple[Any, ...]:
@@ -153,3 +153,13 @@ def placed(tree: Any, spec: Any, mesh: Any, default: Callable[[], Any]) -> Any:
   if isinstance(spec, PartitionSpec):
     return one(spec, tree)
   return jax.tree.map(one, spec, tree, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+
+
+def spec_axes(spec: Any) -> tuple[str, ...]:
+  """The mesh axes a PartitionSpec (or a pytree of them, None leaves included) names, in first-use order."""
+  names: dict[str, None] = {}
+  for s in jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, PartitionSpec)):
+    if isinstance(s, PartitionSpec):
+      for entry in s:
+        names.update(dict.fromkeys(a for a in data_axes(entry) if isinstance(a, str)))
+  return tuple(names)
