@@ -135,3 +135,57 @@ def test_a_leftover_pmean_of_the_gradients_is_diagnosed_by_the_audit():
   assert not report.ok
   assert report.problems[0].startswith("a second all-reduce of the gradients remains"), report.describe()
   assert "jax.lax.pmean(grads, axis)" in report.problems[0] and "Remove it" in report.problems[0]
+
+
+def test_dynamic_scale_pairs_with_scheduled_as_docs_usage_writes_it():
+  """docs/usage.md's dynamic loss scaling with `scheduled` (no axis_name; the devices agree on the
+  overflow and the scale) equals flax's example step (DynamicScale averaging the gradients itself), on a
+  batch that overflows on one device only: every device skips that step and backs the scale off."""
+  import re
+  from pathlib import Path
+
+  from flax.training import dynamic_scale as dynamic_scale_lib
+
+  text = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+  code = re.search(r"```python\n(dyn, is_fin.*?)```", text, re.S).group(1)
+
+  class State(train_state.TrainState):
+    dynamic_scale: dynamic_scale_lib.DynamicScale
+
+  def loss_fn(p, x):
+    return jnp.mean((x @ p["w"]) ** 2), None
+
+  def finish(state, new_state, dyn, is_fin):
+    keep = functools.partial(jnp.where, is_fin)
+    return new_state.replace(params=jax.tree.map(keep, new_state.params, state.params),
+                             opt_state=jax.tree.map(keep, new_state.opt_state, state.opt_state), dynamic_scale=dyn)
+
+  def example(state, x):   # flax's imagenet example: DynamicScale averages the gradients
+    dyn, is_fin, _, grads = state.dynamic_scale.value_and_grad(lambda p: loss_fn(p, x), has_aux=True,
+                                                               axis_name=AXIS)(state.params)
+    return finish(state, state.apply_gradients(grads=grads), dyn, is_fin)
+
+  def documented(state, x):
+    ns = {"jax": jax, "jnp": jnp, "state": state, "loss_fn": lambda p: loss_fn(p, x)}
+    exec(code.replace('"batch"', repr(AXIS)), ns)  # noqa: S102
+    return finish(state, ns["new_state"], ns["dyn"], ns["is_fin"])
+
+  params = {"w": jnp.full((4, 2), 0.1, jnp.float32)}
+  schedule = pj.plan(pj.GradientProfile.from_params(params), pj.NetworkModel.preset("10gbe", workers=NDEV), "wfbp")
+  tx = optax.sgd(0.1, momentum=0.9)
+  x = np.ones((NDEV, 2, 4), np.float32)
+  bad = x.copy()
+  bad[0, 0, 0] = np.inf                    # device 0's gradients overflow, the others' do not
+  states = []
+  for f, t in ((example, tx), (documented, pj.scheduled(tx, schedule, axis_name=AXIS))):
+    s = jax_utils.replicate(State.create(apply_fn=None, params=params, tx=t, dynamic_scale=dynamic_scale_lib.DynamicScale()))
+    s = s.replace(opt_state=jax.pmap(t.init, axis_name=AXIS)(s.params))
+    step = jax.pmap(f, axis_name=AXIS)
+    for batch in (bad, x, x):
+      s = step(s, batch)
+    states.append(s)
+  ref, got = states
+  assert np.all(np.asarray(ref.dynamic_scale.scale) == 2.0 ** 15)       # 2**16 backed off once, everywhere
+  assert not np.allclose(np.asarray(ref.params["w"]), 0.1)              # and the two good steps trained
+  for a, b in zip(jax.tree.leaves((got.params, got.dynamic_scale)), jax.tree.leaves((ref.params, ref.dynamic_scale))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
