@@ -60,7 +60,7 @@ from ._audit_sharded import audit_sharded
 from ._hlo import users
 from ._keyed_audit import KeyedUnit, keyed_audit
 from ._hlo_collectives import AsyncWindow, allreduces, contiguous_parts, merged_op_names
-from .._values._checks import check_values
+from .._values._checks import check_bool, check_values
 from .._values._schedule import Schedule
 
 __all__ = ["audit", "AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "COMPUTE_KINDS",
@@ -96,7 +96,8 @@ def audit(compiled: Any, schedule: Schedule, *, enforce_order: bool = True) -> A
     TypeError: `compiled` is not compiled, or `schedule` is not a Schedule.
   """
   check_values("audit", schedule=schedule)
-  if not enforce_order:
+  if not check_bool("audit", "enforce_order", enforce_order, fix="False audits a step built with "
+                    "enforce_order=False (a keyed program)."):
     return keyed_audit(compiled, schedule)
   text, module, ops, after, windows, costs = read_program(compiled)
   if schedule.sharded:

@@ -155,11 +155,18 @@ def placed(tree: Any, spec: Any, mesh: Any, default: Callable[[], Any]) -> Any:
   return jax.tree.map(one, spec, tree, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
 
 
-def spec_axes(spec: Any) -> tuple[str, ...]:
-  """The mesh axes a PartitionSpec (or a pytree of them, None leaves included) names, in first-use order."""
+def spec_axes(spec: Any, where: str) -> tuple[str, ...]:
+  """The mesh axes a PartitionSpec (or a pytree of them, None leaves included) names, in first-use order.
+
+  Raises:
+    TypeError: a leaf is not a PartitionSpec (a string 'data' for P('data')), named.
+  """
   names: dict[str, None] = {}
   for s in jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, PartitionSpec)):
-    if isinstance(s, PartitionSpec):
-      for entry in s:
-        names.update(dict.fromkeys(a for a in data_axes(entry) if isinstance(a, str)))
+    if not isinstance(s, PartitionSpec):
+      raise TypeError(f"{where}(spec={s!r}): expected a PartitionSpec (or a pytree of them, as shard_map's "
+                      f"in_specs), got {type(s).__name__}. Write P({s!r}) with `from jax.sharding import "
+                      f"PartitionSpec as P`, or P() for a replicated value.")
+    for entry in s:
+      names.update(dict.fromkeys(a for a in data_axes(entry) if isinstance(a, str)))
   return tuple(names)

@@ -358,6 +358,7 @@ class GpuTopology:
         replicated spec names none and is placed alike on any mesh over these devices: 'data').
 
     Raises:
+      TypeError: a spec that is not a PartitionSpec (the string 'data' for P('data')).
       ValueError: `spec` names an axis other than `axis_name`, or several axes without a `mesh`.
 
     Example:
@@ -366,8 +367,9 @@ class GpuTopology:
     """
     from ._devices import placed, spec_axes  # imports jax: this module stays pure until a topology is made
 
+    named = spec_axes(spec, "GpuTopology.abstract")
     if mesh is None:
-      mesh = self.mesh(_one_axis(spec_axes(spec), axis_name))
+      mesh = self.mesh(_one_axis(named, axis_name))
     return placed(tree, spec, mesh, default=lambda: mesh)
 
   def __repr__(self) -> str:

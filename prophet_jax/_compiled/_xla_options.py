@@ -35,6 +35,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from .._values._checks import check_values
 from .._values._errors import GpuCompileError
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
@@ -169,12 +170,9 @@ _KINDS = (("all-reduce", _AR_THRESHOLD), ("reduce-scatter", _RS_THRESHOLD), ("al
 
 def _checked(schedule: Any, network: Any) -> int:
   """The workers a plan's unit sizes are counted for (`network.workers`, or 8), after the type checks."""
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"xla_options: `schedule` must be a prophet_jax.Schedule (from prophet_jax.plan), got "
-                    f"{type(schedule).__name__}.")
-  if network is not None and not isinstance(network, NetworkModel):
-    raise TypeError(f"xla_options: `network` must be a prophet_jax.NetworkModel or None, got "
-                    f"{type(network).__name__}.")
+  check_values("xla_options", schedule=schedule)
+  if network is not None:
+    check_values("xla_options", network=network)
   return network.workers if network is not None else 8
 
 

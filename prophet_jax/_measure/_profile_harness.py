@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._compiled._devices import profiled_devices
-from .._values._checks import check_int
+from .._values._checks import check_int, check_values
 from .._values._errors import ProfileError
 from .._compiled._jaxpr import forward_paths
 from .._values._tree import check_layer_depth, is_reduced_leaf, layer_of, layer_path, path_str
@@ -63,6 +63,7 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
   if not callable(loss_fn):
     raise TypeError(f"profile_step(loss_fn={loss_fn!r}): expected a callable loss_fn(params, batch).")
   check_layer_depth("profile_step", layer_depth)
+  axis = harness_axis(mesh, axis_name)
   devices = profiled_devices(mesh, axis_name, "profile_step")
   n = len(devices) if num_devices is None else num_devices
   check_int("profile_step", "num_devices", n, lo=1)
@@ -71,7 +72,6 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
                      f"here. On the CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n} before "
                      f"jax starts.")
   n = int(n)
-  axis = harness_axis(mesh, axis_name)
   mesh = jax.sharding.Mesh(np.asarray(devices[:n]), (axis,))
 
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -150,10 +150,15 @@ def harness_axis(mesh: Any, axis_name: Any) -> str:
   """The name of the profiled step's one mesh axis: the data axis the user names (`axis_name`, or a
   one-axis training mesh's axis), so a loss that reduces over it (BatchNorm(axis_name=...), a
   `lax.pmean`) runs as it trains; `AXIS` when none is named."""
+  if axis_name is not None:
+    check_values("profile_step", axis_name=axis_name)
   if isinstance(axis_name, str):
     return axis_name
   if axis_name is None and mesh is not None and len(mesh.axis_names) == 1:
     return str(mesh.axis_names[0])
+  if mesh is None and axis_name is not None:
+    raise ValueError(f"profile_step(axis_name={axis_name!r}): without a mesh the profiled step maps the batch "
+                     f"over one axis; name it (axis_name={axis_name[0]!r}), or pass the training mesh.")
   return AXIS
 
 
