@@ -153,7 +153,7 @@ def test_progress_is_quiet_by_default_and_reports_each_size(capsys):
   lines = []
   measure_network(2, sizes=(2**10, 2**12), repeats=3, inner=1, progress=lines.append)
   assert len(lines) == 3 and "over 2 cpu device(s) at up to 2 message sizes" in lines[0]
-  assert "as fit in 2 s" in lines[0]   # the host budget (a stand-in for a network): 6 s on accelerators
+  assert "as fit in 1 s" in lines[0]   # the host budget (a stand-in for a network): 6 s on accelerators
   assert lines[1].startswith("measure_network: size 1/2 (1 KiB): median") and "size 2/2 (4 KiB)" in lines[2]
   measure_network(2, sizes=(2**10, 2**12), repeats=3, inner=1, progress=True)
   assert "size 2/2" in capsys.readouterr().err

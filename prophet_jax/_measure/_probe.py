@@ -60,8 +60,8 @@ QUICK_SIZES: tuple[int, ...] = (2**10, 2**14, 2**18, 2**20)
 #: should fit (about 0.2 s of compiling each).
 DEFAULT_BUDGET_S = 6.0
 #: The default budget on host CPU devices of one process, where the probe times copies between threads:
-#: a stand-in for a network, which a longer probe does not make real (it reaches 64-256 KiB).
-HOST_BUDGET_S = 2.0
+#: a stand-in for a network, which a longer probe does not make real (it reaches about 16-64 KiB).
+HOST_BUDGET_S = 1.0
 _AXIS = "prophet_probe"
 #: The compute put before each all-reduce when interleaving: (rows, d) @ (d, d) per device, at two
 #: sizes (the second only to measure skew).
@@ -268,7 +268,7 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
     skew: with `interleave`, the known skew (see NetworkModel); None measures it from a second,
       larger piece of compute at the smallest size.
     time_budget_s: seconds the whole probe may take, compiles included ('auto', the default: 6 s, or
-      2 s on host CPU devices of one process, where the probe is a stand-in for a network); None for no
+      1 s on host CPU devices of one process, where the probe is a stand-in for a network); None for no
       budget. Sizes run smallest first; a size starts only when its shortest measurement (3 repeats),
       predicted from the sizes before it, still fits, and each size's repeats stop when its share of
       what is left runs out. The two smallest sizes always run (a fit needs two). The sizes cut are in
@@ -438,7 +438,7 @@ def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DE
     max_seconds_per_size: cap on the time spent on one size.
     interleave: time each all-reduce after a fixed piece of compute and measure `skew` (see
       `probe`).
-    time_budget_s: seconds the probe may take ('auto': 6 s, 2 s on host CPU devices of one process;
+    time_budget_s: seconds the probe may take ('auto': 6 s, 1 s on host CPU devices of one process;
       compiles included; None: every size):
       sizes run smallest first until the next would not fit (see `probe`); the fit warning says
       which were cut.
