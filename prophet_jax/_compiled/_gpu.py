@@ -368,9 +368,7 @@ class GpuTopology:
     from ._devices import placed, spec_axes  # imports jax: this module stays pure until a topology is made
 
     named = spec_axes(spec, "GpuTopology.abstract")
-    if mesh is None:
-      mesh = self.mesh(_one_axis(named, axis_name))
-    return placed(tree, spec, mesh, default=lambda: mesh)
+    return placed(tree, spec, mesh, default=lambda: self.mesh(_one_axis(named, axis_name)))
 
   def __repr__(self) -> str:
     return f"GpuTopology({self.target.name}: {len(self.devices)} x {self.target.description}, compile-only)"

@@ -26,8 +26,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._compiled._devices import profiled_devices
-from .._values._checks import check_int, check_values
+from .._compiled._devices import profiled_axis, profiled_devices
+from .._values._checks import check_int
 from .._values._errors import ProfileError
 from .._compiled._jaxpr import forward_paths
 from .._values._tree import check_layer_depth, is_reduced_leaf, layer_of, layer_path, path_str
@@ -63,7 +63,7 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
   if not callable(loss_fn):
     raise TypeError(f"profile_step(loss_fn={loss_fn!r}): expected a callable loss_fn(params, batch).")
   check_layer_depth("profile_step", layer_depth)
-  axis = harness_axis(mesh, axis_name)
+  axis = profiled_axis(mesh, axis_name, AXIS, "profile_step")
   devices = profiled_devices(mesh, axis_name, "profile_step")
   n = len(devices) if num_devices is None else num_devices
   check_int("profile_step", "num_devices", n, lo=1)
@@ -144,22 +144,6 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
   return ProgramSetup(mesh=mesh, axis=axis, num_devices=n, params=params_d, batch=batch_d, diff_idx=diff_idx,
                 treedef=treedef, leaves=list(jax.tree_util.tree_leaves(params_d)), paths=paths,
                 order=order, layers=layers, loss_of=loss_of)
-
-
-def harness_axis(mesh: Any, axis_name: Any) -> str:
-  """The name of the profiled step's one mesh axis: the data axis the user names (`axis_name`, or a
-  one-axis training mesh's axis), so a loss that reduces over it (BatchNorm(axis_name=...), a
-  `lax.pmean`) runs as it trains; `AXIS` when none is named."""
-  if axis_name is not None:
-    check_values("profile_step", axis_name=axis_name)
-  if isinstance(axis_name, str):
-    return axis_name
-  if axis_name is None and mesh is not None and len(mesh.axis_names) == 1:
-    return str(mesh.axis_names[0])
-  if mesh is None and axis_name is not None:
-    raise ValueError(f"profile_step(axis_name={axis_name!r}): without a mesh the profiled step maps the batch "
-                     f"over one axis; name it (axis_name={axis_name[0]!r}), or pass the training mesh.")
-  return AXIS
 
 
 def _unbound(e: NameError, axis: str) -> Exception:
