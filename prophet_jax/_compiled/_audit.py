@@ -100,7 +100,7 @@ def audit(compiled: Any, schedule: Schedule, *, enforce_order: bool = True) -> A
                     "enforce_order=False (a keyed program)."):
     return keyed_audit(compiled, schedule)
   text, module, ops, after, windows, costs = read_program(compiled)
-  if schedule.sharded:
+  if schedule.family == "zero1":
     report = audit_sharded(text, module, ops, after, windows, costs, schedule)
   else:
     report = _audit_allreduces(text, module, ops, after, windows, costs, schedule)

@@ -202,14 +202,16 @@ def plan_options(schedule: Schedule, network: NetworkModel | None = None) -> dic
   """
   units = plan_units(schedule, _checked(schedule, network))
   out: dict[str, tuple[tuple[str, ...], Any]] = {}
+  limits = _thresholds(schedule, units)
   for kind, names in _KINDS:
-    if kind in (t := _thresholds(schedule, units)):
-      out[f"{kind} threshold"] = (names, t[kind])
+    if kind in limits:
+      out[f"{kind} threshold"] = (names, limits[kind])
   out["latency-hiding scheduler"] = (_SCHEDULER, True)
+  fsdp = schedule.family == "fsdp"
   f = schedule.fsdp
-  depth = max(f.prefetch, f.backward_prefetch) if f is not None else max(schedule.links, default=0) + 1
+  depth = max(f.prefetch, f.backward_prefetch) if fsdp else max(schedule.links, default=0) + 1
   out["in flight"] = (_IN_FLIGHT, int(depth))
-  if f is None and sum(len(v) for v in units.values()) > 1:
+  if not fsdp and sum(len(v) for v in units.values()) > 1:
     out["early start"] = (_EARLY_START, True)
   return out
 
@@ -250,9 +252,9 @@ def unformed(schedule: Schedule, network: NetworkModel | None = None) -> str | N
 
 def fsdp_notes(schedule: Schedule) -> list[str]:
   """What an FSDP plan asks that no setting expresses (empty for other families)."""
-  f = schedule.fsdp
-  if f is None:
+  if schedule.family != "fsdp":
     return []
+  f = schedule.fsdp
   regather = sum(not k for k in f.keep)
   return [f"fsdp: which gathered parameters backward gathers again ({regather} of {len(f.keep)} groups "
           f"in this plan) is XLA's rematerialisation, not a setting; the forward prefetch depth "
