@@ -241,8 +241,8 @@ def unformed(schedule: Schedule, network: NetworkModel | None = None) -> str | N
   if not parts:
     return None
   if schedule.family == "fsdp":
-    fix = ("The library cannot run an FSDP plan in the step yet (docs/fsdp.md): these settings are the "
-           "nearest a plain jax.jit step gets.")
+    fix = ("To run the plan itself: the library's FSDP step, prophet_jax.hooked(loss_fn, schedule, "
+           "axis_name=..., mesh=mesh) (docs/fsdp.md).")
   else:
     fix = ("To run the plan itself: the library's step (prophet_jax.scheduled / hooked / pipelined), or one "
            "XLA combiner key per unit (scheduled(..., enforce_order=False); prophet_jax.tag_layers for a "

@@ -119,9 +119,9 @@ def tag_plan(schedule: Schedule) -> TaggedPlan:
     what = {"zero1": "reduce-scatters and all-gathers (ZeRO-1)",
             "fsdp": "parameter all-gathers and gradient reduce-scatters in groups of its own (FSDP)"}.get(
                 schedule.family, "deferral groups chosen at run time")
-    fix = ("For a plain FSDP step, prophet_jax.xla_options(schedule, network) gives its all-gather and "
-           "reduce-scatter thresholds" if schedule.family == "fsdp" else
-           "Run it with the rewrite (prophet_jax.hooked(..., mesh=) or scheduled)")
+    fix = ("Run it with prophet_jax.hooked(..., mesh=) (an FSDP plan: hooked only), or, for a plain FSDP step, "
+           "take its all-gather and reduce-scatter thresholds from prophet_jax.xla_options(schedule, network)"
+           if schedule.family == "fsdp" else "Run it with the rewrite (prophet_jax.hooked(..., mesh=) or scheduled)")
     raise ValueError(f"tag_layers: a {schedule.policy!r} plan (family {schedule.family!r}) issues {what}, "
                      f"which combiner keys on the partitioner's gradient all-reduces cannot carry. {fix}, "
                      f"or tag a lossless all-reduce plan.")
