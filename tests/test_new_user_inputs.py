@@ -43,6 +43,13 @@ def _loss(p, b):
   return jnp.mean((b @ p["a"]["w"] + p["a"]["b"]) @ p["c"]["w"])
 
 
+def _tag_linen_module():
+  import flax.linen as nn
+
+  with pj.tag_layers(WFBP, model=nn.Dense(3)):
+    pass
+
+
 def _choose(steps, **kw):
   kw.setdefault("rounds", 6)
   return pj.choose(steps, kw.pop("state", STATE), kw.pop("batches", [BATCH]), control=kw.pop("control", _lean()),
@@ -79,6 +86,8 @@ RAISES = {
                                        r"unknown GPU target 'b200'.*'h100'"),
     "tag_plan: an FSDP plan": (lambda: pj.tag_plan(_fsdp()), ValueError, r"family 'fsdp'.*xla_options"),
     "tag_plan: a policy name": (lambda: pj.tag_plan("wfbp"), TypeError, r"expected a prophet_jax.Schedule"),
+    "tag_layers: a linen module as model": (_tag_linen_module, TypeError,
+                                            r"expected a flax nnx Module \(or model=None for flax linen"),
     "audit: a Lowered": (lambda: pj.audit(jax.jit(lambda x: x * 2).lower(jnp.ones(3)), WFBP), TypeError,
                          r"got a Lowered.*Call .compile\(\)"),
     "audit: enforce_order a string": (lambda: pj.audit(jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile(), WFBP,
