@@ -5,9 +5,11 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 PYTEST_ARGS := -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
 
-$(STAMP): pyproject.toml
+# setuptools >= 77 and wheel in the venv too (what [build-system] names), so that `pip install
+# --no-build-isolation -e .` works in it: Python 3.11's venv brings setuptools 65, which refuses the license string
+$(STAMP): pyproject.toml Makefile
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q --upgrade pip "setuptools>=77" wheel
 	$(VENV)/bin/pip install -q -e ".[test]"
 	touch $(STAMP)
 

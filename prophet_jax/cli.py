@@ -436,6 +436,8 @@ def cmd_xla_flags(a: argparse.Namespace) -> int:
           f"{schedule.num_allreduces} unit(s), {net.workers} workers")
   for note in s.notes:
     print(f"note: {note}")
+  if s.warning:
+    print(f"warning: {s.warning}", file=sys.stderr)
   return 0
 
 

@@ -152,8 +152,8 @@ def check_choose() -> dict:
 
   import jax.numpy as jnp
 
-  state = jnp.ones(64, jnp.float32)
-  step = jax.jit(lambda s, b: s * 0.999 + b)
+  state = {"params": jnp.ones(64, jnp.float32)}
+  step = jax.jit(lambda s, b: ({"params": s["params"] * 0.999 + b}, jnp.sum(s["params"])))
 
   def looks_fast(s, b):
     if RANK == 1:

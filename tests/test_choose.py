@@ -147,27 +147,32 @@ def test_statistics_errors():
 
 @pytest.fixture(scope="module")
 def steps():
-  """Three cheap jitted steps on an array sharded over 8 host devices, `state, loss = step(state,
-  batch)`: a lean one, the control doing four times its work, and a donating copy of the lean one."""
+  """Cheap jitted steps on a dict state `{"params": array}` sharded over 8 host devices, `state, loss =
+  step(state, batch)`: a lean one, the control computing the same four times over, a donating copy of
+  the lean one, and a step that does not train (returns the state unchanged)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   def lean(s, b):
-    g = s * b - jnp.mean(s * b)  # the mean over every device: an all-reduce
-    return s - 0.1 * g, jnp.sum(g)
+    p = s["params"]
+    g = p * b - jnp.mean(p * b)  # the mean over every device: an all-reduce
+    return {"params": p - 0.1 * g}, jnp.sum(g * g)
 
   lean_jit = jax.jit(lean)
 
-  def heavy(s, b):  # four lean steps: four times the work, nothing more to compile
+  def heavy(s, b):  # the lean step's work four times, the same result: nothing more to compile
     for _ in range(4):
-      s, loss = lean_jit(s, b)
-    return s, loss
+      out = lean_jit(s, b)
+    return out
 
   sharding = NamedSharding(jax.make_mesh((8,), ("d",)), P("d"))
-  state = jax.device_put(jnp.ones((8, 96, 96), jnp.float32) * 0.01, sharding)
-  batch = jax.device_put(jnp.ones((8, 96, 96), jnp.float32), sharding)
-  return dict(lean=lean_jit, heavy=heavy, donating=jax.jit(lean, donate_argnums=0)), state, batch
+  x = jnp.arange(8 * 96 * 96, dtype=jnp.float32).reshape(8, 96, 96) / (8 * 96 * 96)
+  state = {"params": jax.device_put(x, sharding)}
+  batch = jax.device_put(jnp.ones((8, 96, 96), jnp.float32) * 0.5, sharding)
+  idle = jax.jit(lambda s, b: (s, jnp.sum(s["params"] * 0)))
+  return (dict(lean=lean_jit, heavy=heavy, donating=jax.jit(lean, donate_argnums=0), idle=idle), state,
+          batch)
 
 
 def test_real_choose_on_8_devices_keeps_the_callers_state(steps):
@@ -179,10 +184,11 @@ def test_real_choose_on_8_devices_keeps_the_callers_state(steps):
   assert c.best in ("lean", "donating") and c.control == "control" and c.rounds == 25
   assert c.ratios["lean"] < 0.8 and c.verdicts["lean"] == "faster", c.describe()
   assert set(c.median_s) == {"control", "lean", "donating"} and c.processes == 1
-  assert float(state.sum()) == pytest.approx(8 * 96 * 96 * 0.01)  # not consumed by the donating step
+  assert float(state["params"].sum()) == pytest.approx((8 * 96 * 96 - 1) / 2)  # not consumed by the donor
+  assert c.compared["lean"].startswith("equal") and "after the second call" in c.reason
   # the control given by name, states per step (as convert_state gives them); the heavy step loses
-  c2 = pj.choose({"lean": fns["lean"], "heavy": fns["heavy"]}, {"lean": state, "heavy": state * 1},
-                 [batch], control="lean", rounds=20)
+  c2 = pj.choose({"lean": fns["lean"], "heavy": fns["heavy"]},
+                 {"lean": state, "heavy": {"params": state["params"] * 1}}, [batch], control="lean", rounds=20)
   assert c2.best == "lean" and c2.verdicts["heavy"] == "slower", c2.describe()
 
 
@@ -205,6 +211,64 @@ def test_choose_errors(steps):
     pj.choose({"a": f}, state, batch, control=f)
   with pytest.raises(TypeError, match="step 'a' returned"):
     pj.choose({"a": lambda s, b: {"x": s}}, state, [batch], control=f, rounds=6)
+  with pytest.raises(ValueError, match="warmup.*second is compared"):
+    pj.choose({"a": f}, state, [batch], control=f, warmup=1)
+  with pytest.raises(ValueError, match=r"lossy=\['b'\]\): \['b'\] are not candidates"):
+    pj.choose({"a": f}, state, [batch], control=f, lossy={"b"})
+
+
+def test_choose_compares_what_the_steps_compute(steps):
+  """issue 46: a step that does not train came out "faster"; a step with the wrong gradient scale or a
+  NaN loss was timed without a word. Now what each candidate computes is compared with the control
+  after the second call (docs/design.md's tolerance), lossy candidates reported, NaN refused."""
+  import jax
+  import jax.numpy as jnp
+
+  import prophet_jax as pj
+
+  fns, state, batch = steps
+  with pytest.raises(ValueError, match=r"step 'idle' computes something else than the control 'control'.*"
+                                       r"the loss differs.*lossy=\{'idle'\}"):
+    pj.choose({"idle": fns["idle"]}, state, [batch], control=fns["lean"], rounds=6)
+
+  def eight(s, b):  # the lean step with a psum for a pmean: 8 times the update
+    new, loss = fns["lean"](s, b)
+    return {"params": s["params"] + 8 * (new["params"] - s["params"])}, loss
+
+  with pytest.raises(ValueError, match="step 'eight' computes something else"):
+    pj.choose({"eight": eight}, state, [batch], control=fns["lean"], rounds=6)
+  c = pj.choose({"eight": eight}, state, [batch], control=fns["lean"], rounds=6, lossy={"eight"})
+  assert c.compared["eight"].startswith("differs (lossy, reported)") and "'eight' differs" in c.reason
+  nan = batch * jnp.nan
+  with pytest.raises(ValueError, match=r"step 'control' returned a non-finite loss \(nan\) on its call 1"):
+    pj.choose({"lean": fns["lean"]}, state, [nan], control=fns["heavy"], rounds=6)
+  with pytest.raises(ValueError, match=r"step '(lean|heavy)' returned a non-finite loss \(nan\) in timed "
+                                       r"round 2 \(batches\[2\]\)"):
+    pj.choose({"lean": fns["lean"], "heavy": fns["heavy"]}, state, [batch, batch, nan], control="heavy",
+              rounds=6)
+  # a state whose parameters choose cannot find: 'not compared', unless compare= says where they are
+  raw = state["params"]
+  plain = jax.jit(lambda s, b: s - 0.1 * (s * b - jnp.mean(s * b)))
+  c = pj.choose({"a": plain}, raw, [batch], control=plain, rounds=6)
+  assert c.compared["a"].startswith("not compared") and "pass compare=" in c.reason
+  c = pj.choose({"a": plain}, raw, [batch], control=plain, rounds=6, compare=lambda s: {"w": s})
+  assert c.compared["a"].startswith("equal")
+
+
+def test_choose_names_the_candidate_that_raises(steps):
+  """issue 46: a candidate that needed its own state raised jax's error, naming no candidate."""
+  import prophet_jax as pj
+
+  fns, state, batch = steps
+
+  def own_state(s, b):  # written for a (params, opt_state) state
+    params, opt_state = s
+    return fns["lean"]({"params": params}, b)
+
+  with pytest.raises(ValueError) as e:
+    pj.choose({"dear": own_state}, state, [batch], control=fns["lean"], rounds=6)
+  notes = getattr(e.value, "__notes__", [])
+  assert any("choose: raised by step 'dear', on its call 1" in n and "convert_state" in n for n in notes), notes
 
 
 # --------------------------------------------------------------------------------------------------

@@ -335,6 +335,20 @@ def test_shipped_targets():
     pj.gpu_topology("h100", devices=0)
 
 
+def test_abstract_places_on_the_axis_the_spec_names(topo):
+  """issue 46: after topo.mesh("dp"), topo.abstract(x, P("dp")) used its own default axis 'data' (jax's
+  "Resource axis: dp ... not found in mesh: ('data',)"); the axis now follows the spec."""
+  mesh = topo.mesh("dp")
+  x = jax.ShapeDtypeStruct((16, 4), jnp.float32)
+  got = topo.abstract({"x": x, "y": x}, {"x": P("dp"), "y": P()})
+  assert got["x"].sharding.mesh == mesh and got["y"].sharding.mesh == mesh and got["x"].sharding.spec == P("dp")
+  assert topo.abstract(x, P(), axis_name="dp").sharding.mesh == mesh
+  with pytest.raises(ValueError, match=r"spec names axis 'dp'.*Pass axis_name='dp', or mesh="):
+    topo.abstract(x, P("dp"), axis_name="data")
+  with pytest.raises(ValueError, match=r"names the axes \['a', 'b'\].*Pass mesh="):
+    topo.abstract(x, P(("a", "b")))
+
+
 def test_v100_compiles_with_cuda12_and_cuda13_says_it_cannot(topo, monkeypatch):
   """CUDA 13 dropped Volta: with jax-cuda13-plugin, gpu_topology('v100') says so and what to install;
   with jax-cuda12-plugin the V100 target compiles. Both answers are checked whichever plugin is here:

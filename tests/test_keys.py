@@ -152,6 +152,17 @@ def test_keyed_units_compile_to_exactly_the_plan_on_h100s(topo, policy):
     assert not cpu.ok and any("have no all-reduce of their own" in p for p in cpu.problems)
 
 
+def test_an_ordered_audit_of_a_keyed_program_says_it_is_keyed_and_how_to_audit_it():
+  """issue 46: audit(compiled, schedule) of a step built with enforce_order=False reported an order
+  problem and did not say that the program is keyed (its combiner keys are in the text) or what to pass."""
+  s = schedule_for("priority")
+  report = pj.audit(keyed_cpu_step("priority")[3], s)
+  assert not report.ok
+  assert report.problems[0].startswith("this program is keyed: its collectives carry the plan's combiner "
+                                       "keys (prophet/chunk0, prophet/chunk1, prophet/chunk2, ...)")
+  assert "audit(compiled, schedule, enforce_order=False)" in report.problems[0]
+
+
 def test_tag_plan_says_where_it_cannot_follow_the_plan():
   _, params, _ = setup()
   profile = pj.GradientProfile.from_params(params, forward_s=1e-3, backward_s=2e-3)

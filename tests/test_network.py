@@ -62,7 +62,7 @@ def test_a_time_budget_cuts_the_sizes_that_do_not_fit_and_says_so():
   t = _probe.probe(2, sizes=(2**10, 2**12, 2**18, 2**20), repeats=3, inner=1, time_budget_s=1e-3)
   assert t.sizes == (2**10, 2**12) and t.cut_sizes == (2**18, 2**20) and t.time_budget_s == 1e-3
   assert "not measured (the 0.001 s time budget): 256 KiB, 1 MiB" in t.describe()
-  bad = dataclasses.replace(t, median_s=(1e-3, 1e-6))  # times falling with size: the fit warns
+  bad = dataclasses.replace(t, median_s=(1e-3, 1e-6), platform="gpu")  # times falling with size: it warns
   text = _probe.check_fit(bad.fit(), bad)
   assert "time budget measured sizes up to 4 KiB and cut 256 KiB..1 MiB" in text and "time_budget_s" in text
   for budget in (0, -1.0, float("nan"), "10"):
@@ -105,10 +105,10 @@ def test_single_device_and_bad_arguments_are_clear():
     measure_network(2, stat="mean")
 
 
-def _timings(ys, workers=8):
+def _timings(ys, workers=8, platform="gpu"):
   sizes = (2**10, 2**14, 2**18, 2**20, 2**22)
   return _probe.AllreduceTimings(sizes=sizes, median_s=tuple(ys), low_s=tuple(ys), percentile=10,
-                                   repeats=5, workers=workers, processes=1, platform="cpu")
+                                   repeats=5, workers=workers, processes=1, platform=platform)
 
 
 def test_a_bad_fit_warns_naming_the_residual(monkeypatch):
@@ -130,6 +130,15 @@ def test_a_bad_fit_warns_naming_the_residual(monkeypatch):
   monkeypatch.setattr(_probe, "probe", lambda *a, **k: bad)
   with pytest.warns(UserWarning, match="measure_network: the alpha-beta fit leaves an RMS residual"):
     measure_network(8)
+  # on host CPU devices of one process (no network between them): one line, what it means and what to do
+  host = _timings(ticked, platform="cpu")
+  with pytest.warns(UserWarning) as seen:
+    monkeypatch.setattr(_probe, "probe", lambda *a, **k: host)
+    measure_network(8)
+  text = str(seen[0].message)
+  assert text.startswith("measure_network: on host CPU devices the probe times copies between threads, a "
+                         "stand-in for a network (fit residual ") and "NetworkModel.preset" in text
+  assert "\n" not in text and len(text) < 300
   monkeypatch.setattr(_probe, "probe", lambda *a, **k: good)
   import warnings
 
@@ -144,7 +153,23 @@ def test_progress_is_quiet_by_default_and_reports_each_size(capsys):
   lines = []
   measure_network(2, sizes=(2**10, 2**12), repeats=3, inner=1, progress=lines.append)
   assert len(lines) == 3 and "over 2 cpu device(s) at up to 2 message sizes" in lines[0]
-  assert "as fit in 6 s" in lines[0]
+  assert "as fit in 1 s" in lines[0]   # the host budget (a stand-in for a network): 6 s on accelerators
   assert lines[1].startswith("measure_network: size 1/2 (1 KiB): median") and "size 2/2 (4 KiB)" in lines[2]
   measure_network(2, sizes=(2**10, 2**12), repeats=3, inner=1, progress=True)
   assert "size 2/2" in capsys.readouterr().err
+
+
+def test_a_probe_on_host_devices_warns_in_one_line_what_it_is_and_what_to_do():
+  """issue 46: on host devices the probe's fit warning was a paragraph that read as a failure (56% RMS
+  residual); the probe there is a stand-in for a network. Any warning it gives is now one line saying so
+  (the deterministic case: test_a_bad_fit_warns_naming_the_residual's host timings)."""
+  import warnings
+
+  import prophet_jax as pj
+
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    pj.measure_network(8, sizes=(2**10, 2**14, 2**20), repeats=3, inner=1)
+  texts = [str(w.message) for w in seen if str(w.message).startswith("measure_network")]
+  assert all(t.startswith("measure_network: on host CPU devices the probe times copies between threads")
+             and "\n" not in t for t in texts), texts

@@ -84,3 +84,9 @@ def test_the_gpu_compile_snippet_defines_its_step_and_compiles_as_written(capsys
   exec(compile(_snippet(GPU, "### A sharded (`dear`) schedule's step"), str(GPU), "exec"), ns)  # noqa: S102
   report = prophet_jax.audit(ns["compiled"], ns["dear"])
   assert report.ok and ns["dear"].sharded, report.describe()
+  # issue 46: the deferring dlcp variant (its prose recipe, `state_specs` for the second P(), failed:
+  # shard_map could not split one device's state), on a network where the plan defers
+  ns["network"] = prophet_jax.NetworkModel(workers=8, alpha_s=1e-6, beta_s_per_byte=1e-7)
+  exec(compile(_snippet(GPU, "### A deferring (`dlcp`) schedule's step"), str(GPU), "exec"), ns)  # noqa: S102
+  report = prophet_jax.audit(ns["compiled"], ns["dlcp"])
+  assert ns["dlcp"].defers and report.ok, report.describe()

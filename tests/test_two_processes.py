@@ -206,3 +206,4 @@ def test_choose_takes_one_decision_from_the_slowest_process(launched):
   assert a == b and a.processes == 2 and got[0]["fp"] == got[1]["fp"]
   # rank 0 alone would pick the candidate; its time is rank 1's (slower), so the control stays
   assert a.best == "control" and a.verdicts["cand"] == "slower" and a.median_s["cand"] > 0.008, a.describe()
+  assert a.compared["cand"].startswith("equal")   # what it computes, compared the same on both processes

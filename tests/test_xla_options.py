@@ -90,3 +90,88 @@ def test_cli_prints_the_flags_line_and_the_options(capsys):
   options = json.loads(out[1].removeprefix("compiler_options="))
   assert options["xla_gpu_enable_latency_hiding_scheduler"] is True
   assert out[2].startswith("checked against jaxlib ")
+
+
+def _fsdp(width=256, layers=6):
+  """A 6-layer model whose kernels are sharded over 8 devices, its params and its `fsdp` plan."""
+  import numpy as np
+
+  params = {f"l{i}": {"w": np.zeros((width, width), np.float32), "b": np.zeros((width,), np.float32)}
+            for i in range(layers)}
+  shardings = {f"l{i}": {"w": ("data", None), "b": None} for i in range(layers)}
+  profile = pj.GradientProfile.from_params(params, forward_s=0.01, backward_s=0.02, mesh={"data": 8},
+                                           shardings=shardings)
+  return params, shardings, pj.plan(profile, NET, "fsdp")
+
+
+def test_fsdp_plan_gets_gather_and_scatter_thresholds_that_form_its_groups(topo):
+  """issue 46: an FSDP plan got an all-reduce threshold only. Now its all-gather groups' and
+  reduce-scatter units' thresholds (XLA counts a collective's result: the gathered leaf, one device's
+  shard); the partitioner's FSDP step compiled with them forms the plan's 6 + 6 + 6 (alone: 1 + 1 + 1)."""
+  import warnings
+
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from prophet_jax._compiled._hlo_collectives import sharded_collectives
+
+  params, shardings, s = _fsdp()
+  assert len(s.fsdp.units) == 6
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")   # per-layer units of equal size: thresholds form them, no warning
+    options = pj.xla_options(s, NET, target=topo)
+  assert options["xla_gpu_all_gather_combine_threshold_bytes"] == 256 * 256 * 4        # one kernel
+  assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 256 * 256 * 4 // 8  # its shard
+  assert options["xla_gpu_all_reduce_combine_threshold_bytes"] == 256 * 4              # one bias
+  assert "xla_gpu_experimental_collective_start_as_early_as_possible" not in options   # gathers stay apart
+
+  mesh = topo.mesh("data")
+
+  def loss(p, x):
+    for i in range(6):
+      x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+    return jnp.mean(x ** 2)
+
+  specs = jax.tree.map(lambda t: P(*t) if t else P(), shardings, is_leaf=lambda t: t is None or isinstance(t, tuple))
+  step = jax.jit(lambda p, x: jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p, x)),
+                 out_shardings=jax.tree.map(lambda sp: NamedSharding(mesh, sp), specs))
+  lowered = step.lower(topo.abstract(params, specs), topo.abstract(jax.ShapeDtypeStruct((2048, 256), jnp.float32),
+                                                                   P("data")))
+
+  def counts(opts):
+    text = lowered.compile(compiler_options=opts).as_text()
+    got = [c.collective for c in sharded_collectives(parse_hlo(text))]
+    return got.count("all-gather"), got.count("reduce-scatter"), len(allreduces(parse_hlo(text)))
+
+  assert counts(options) == (6, 6, 6)
+  assert counts({}) == (1, 1, 1)     # XLA alone: one of each
+
+
+def test_settings_that_cannot_form_the_plan_say_so(cnn_plan, capsys):
+  """issue 46: for a per-layer or a sliced plan the settings came back with no word that XLA forms
+  other units (docs/xla_options.md measured 27 all-reduces for priority's 176 units)."""
+  import warnings
+
+  model, bucket = cnn_plan
+  profile = pj.GradientProfile.from_params(model.abstract_params(), forward_s=1e-3, backward_s=2e-3)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    pj.xla_options(bucket, NET, target="h100")            # a threshold-shaped plan: formed, no warning
+  with pytest.warns(UserWarning, match=r"do not give this 'wfbp' plan: its 6 all-reduce unit\(s\) become "
+                                       r"about 3 .*combiner key per unit"):
+    pj.xla_options(pj.plan(profile, NET, "wfbp"), NET, target="h100")
+  with pytest.warns(UserWarning, match=r"'priority' plan: it sends \d+ leaves in parts"):
+    pj.xla_options(pj.plan(profile, NET, "priority", partition_bytes=4096), NET, target="h100")
+  code = cli.main(["xla-flags", "--model", "resnet50", "--device", "h100", "--workers", "8", "--network",
+                   "10gbe", "--policy", "priority", "--target", "h100"])
+  err = capsys.readouterr().err
+  assert code == 0 and "warning: these settings do not give this 'priority' plan" in err, err
+
+
+def test_tag_plan_refuses_an_fsdp_plan_naming_xla_options():
+  """issue 46: tag_plan/tag_layers took an FSDP plan as an all-reduce plan."""
+  _, _, s = _fsdp()
+  with pytest.raises(ValueError, match=r"'fsdp' plan \(family 'fsdp'\) issues parameter all-gathers.*"
+                                       r"xla_options\(schedule, network\)"):
+    pj.tag_plan(s)

@@ -48,18 +48,19 @@ window is *exposed*: nothing hides its latency.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
 
-from ._audit_checks import (backward_outside, entry_problems, is_gpu, peak_in_flight, read_program,
-                            sequence_problems, window_ops)
+from ._audit_checks import (backward_outside, entry_problems, is_gpu, keyed_problem, peak_in_flight,
+                            read_program, reduced_again, sequence_problems, window_ops)
 from ._audit_report import AUDIT_SCHEMA, COMPUTE_KINDS, NEXT_FORWARD, AuditEntry, AuditReport, WindowOp
 from ._audit_sharded import audit_sharded
 from ._hlo import users
 from ._keyed_audit import KeyedUnit, keyed_audit
 from ._hlo_collectives import AsyncWindow, allreduces, contiguous_parts, merged_op_names
-from .._values._checks import check_values
+from .._values._checks import check_bool, check_values
 from .._values._schedule import Schedule
 
 __all__ = ["audit", "AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "COMPUTE_KINDS",
@@ -95,18 +96,31 @@ def audit(compiled: Any, schedule: Schedule, *, enforce_order: bool = True) -> A
     TypeError: `compiled` is not compiled, or `schedule` is not a Schedule.
   """
   check_values("audit", schedule=schedule)
-  if not enforce_order:
+  if not check_bool("audit", "enforce_order", enforce_order, fix="False audits a step built with "
+                    "enforce_order=False (a keyed program)."):
     return keyed_audit(compiled, schedule)
   text, module, ops, after, windows, costs = read_program(compiled)
-  if schedule.sharded:
-    return audit_sharded(text, module, ops, after, windows, costs, schedule)
+  if schedule.family == "zero1":
+    report = audit_sharded(text, module, ops, after, windows, costs, schedule)
+  else:
+    report = _audit_allreduces(text, module, ops, after, windows, costs, schedule)
+  keyed = None if report.ok else keyed_problem(text)
+  return report if keyed is None else dataclasses.replace(report, problems=(keyed,) + report.problems)
+
+
+def _audit_allreduces(text: str, module: Any, ops: Any, after: list[int], windows: dict, costs: Any,
+                      schedule: Schedule) -> AuditReport:
+  """`audit` of an all-reduce schedule's ordered program (the module docstring)."""
   # what the step issues: one all-reduce per chunk, a deferral group's slots (padded to its largest
   # chunk; `prophet/chunk<k>` numbers the issued all-reduces, so a group's slots are consecutive k)
   sizes = list(schedule.allreduce_sizes())
-  chunks, loops, foreign = [], [], []
+  chunks, loops, foreign, again = [], [], [], []
   found = allreduces(module, ops)
   coll_names = {a.op.instruction.name for a in found}
   coll_names |= {w.done.instruction.name for w in windows.values() if w.start.instruction.name in coll_names}
+  # the plan's own reduced results: an operand that carries one on is gradients reduced a second time
+  planned = {a.op.instruction.name for a in found if any(_label(a.op_name))}
+  planned |= {w.done.instruction.name for n, w in windows.items() if n in planned}
   for ar in found:
     op, ins = ar.op, ar.op.instruction
     window: AsyncWindow | None = windows.get(ins.name) if ar.form != "all-reduce" else None
@@ -148,7 +162,13 @@ def audit(compiled: Any, schedule: Schedule, *, enforce_order: bool = True) -> A
     # XLA:GPU issues a synchronous all-reduce as a start/done pair too, marked is_sync
     asynchronous = window is not None and not ar.is_sync()
     inside = window_ops(window, coll_names, costs)
-    for (m, lm), elements, nm in zip(labels, parts, names):
+    sources = [[o] for o in ar.operands[:len(parts)]] if len(parts) > 1 else [list(ar.operands)]
+    for i, ((m, lm), elements, nm) in enumerate(zip(labels, parts, names)):
+      source = None if (own_chunk or own_loop) and len(parts) == 1 or i >= len(sources) else reduced_again(
+          module, op.computation, sources[i], planned - {ins.name})
+      if source is not None:   # not a chunk's all-reduce: the plan's result reduced once more
+        m = lm = None
+        again.append((elements, ar.op_name, source))
       k = int(m.group(1)) if m else None
       entry = AuditEntry(
           name=ins.name, kind="chunk" if m else "loop" if lm else "foreign", chunk=k,
@@ -158,7 +178,7 @@ def audit(compiled: Any, schedule: Schedule, *, enforce_order: bool = True) -> A
           op_name=nm or ar.op_name, shared=len(parts) > 1, asynchronous=asynchronous,
           window=inside, form=ar.form)
       (chunks if m else loops if lm else foreign).append(entry)
-  problems = []
+  problems = [] if not again else [_again_problem(again)]
   order = []
   for e in chunks:
     order.extend([e.chunk] * (e.trips or 1))
@@ -205,6 +225,18 @@ def audit(compiled: Any, schedule: Schedule, *, enforce_order: bool = True) -> A
                      foreign=tuple(foreign), order=tuple(order), ok=not problems,
                      problems=tuple(problems), total_ops=len(ops), max_in_flight=peak,
                      backward_outside_windows=outside, warnings=tuple(warnings))
+
+
+def _again_problem(again: list[tuple[int, str, str]]) -> str:
+  """The problem of gradients the plan reduced being all-reduced once more in the step."""
+  elements = sum(e for e, _, _ in again)
+  _, name, source = again[0]
+  return (f"a second all-reduce of the gradients remains: {len(again)} all-reduce operand(s), {elements:,} "
+          f"elements (e.g. op_name {name!r}), reduce again what the plan's all-reduce {source} already "
+          f"reduced. The step still averages the gradients itself: a jax.lax.pmean(grads, axis) left from "
+          f"the plain step, or a tx that reduces them. Remove it: the gradients of hooked and scheduled are "
+          f"already averaged over the axis (the numbers do not change; each gradient crosses the network "
+          f"twice).")
 
 
 def audit_keyed(compiled: Any, schedule: Schedule, units: Sequence[KeyedUnit] | None = None) -> AuditReport:

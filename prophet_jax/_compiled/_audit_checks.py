@@ -6,6 +6,7 @@ many collectives are in flight at once."""
 from __future__ import annotations
 
 import collections
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,52 @@ def op_kind(ins: HloInstruction, collective_names: set[str] = frozenset()) -> st
   return "other"
 
 
+
+
+_MOVES = frozenset({"bitcast", "copy", "reshape", "slice", "dynamic-slice", "get-tuple-element", "tuple",
+                    "concatenate", "transpose", "convert", "multiply", "divide", "broadcast", "parameter",
+                    "constant"})
+
+
+def reduced_again(module: Any, computation: str, operands: Sequence[str], results: set[str],
+                  depth: int = 4) -> str | None:
+  """The name of a collective in `results` (the plan's reduced results) whose value `operands` carry on
+  through data movement and scaling alone (ops, or fusions of ops, in `_MOVES`: not the tie, not any
+  compute): a second reduction of gradients the plan already reduced. None when there is none within
+  `depth` ops."""
+  frontier, seen = [(o, 0) for o in operands], set()
+  while frontier:
+    name, d = frontier.pop()
+    if name in results:
+      return name
+    if name in seen or d >= depth:
+      continue
+    seen.add(name)
+    ins = module.instruction(computation, name)
+    if ins is None:
+      continue
+    body = dict(ins.callees).get("calls")
+    moves = ins.opcode in _MOVES or (ins.opcode == "fusion" and body is not None and all(
+        i.opcode in _MOVES for i in module.computations.get(body, ())))
+    if moves:
+      frontier.extend((o, d + 1) for o in ins.operands)
+  return None
+
+
+_KEYED = re.compile(r'combiner_key\s*=\s*"(prophet/[a-z]+\d+)"')
+
+
+def keyed_problem(text: str) -> str | None:
+  """The problem to report when an ordered audit reads a keyed program (a step built with
+  `enforce_order=False`: its collectives carry the plan's combiner keys and no tie), naming the fix."""
+  keys = sorted(set(_KEYED.findall(text)), key=lambda k: (len(k), k))
+  if not keys:
+    return None
+  return (f"this program is keyed: its collectives carry the plan's combiner keys ({', '.join(keys[:3])}"
+          f"{', ...' if len(keys) > 3 else ''}) and no tie, as a step built with enforce_order=False is, so "
+          f"XLA orders them (and XLA:CPU combines them). Audit it as it was built: "
+          f"prophet_jax.audit(compiled, schedule, enforce_order=False); or build the step with "
+          f"enforce_order=True (the default) for the plan's own order.")
 
 
 def is_gpu(text: str) -> bool:

@@ -17,8 +17,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .._values._checks import check_values
+
 __all__ = ["data_axes", "check_mesh", "axis_total", "data_devices", "mesh_axis_names", "local_devices_along", "profiled_devices",
-           "mesh_workers", "host_rows", "placed"]
+           "mesh_workers", "host_rows", "placed", "spec_axes", "profiled_axis"]
 
 
 def data_axes(axis_name: Any) -> tuple[Any, ...]:
@@ -113,6 +115,26 @@ def profiled_devices(mesh: Any, axis_name: Any, where: str) -> list[Any]:
   return local_devices_along(mesh, _data_axis(mesh, axis_name, where), where)
 
 
+def profiled_axis(mesh: Any, axis_name: Any, default: str, where: str) -> str:
+  """The name of a per-device profile's one mesh axis: the data axis the user names (`axis_name`, or a
+  one-axis training mesh's axis), so a loss that reduces over it (BatchNorm(axis_name=...), a
+  `lax.pmean`) runs as it trains; `default` when none is named.
+
+  Raises:
+    TypeError: `axis_name` is not a name (or a tuple of them).
+    ValueError: a tuple of axes without a mesh (the profile maps over one).
+  """
+  if axis_name is None:
+    return str(mesh.axis_names[0]) if mesh is not None and len(mesh.axis_names) == 1 else default
+  check_values(where, axis_name=axis_name)
+  if isinstance(axis_name, str):
+    return axis_name
+  if mesh is None:
+    raise ValueError(f"{where}(axis_name={axis_name!r}): without a mesh the profiled step maps the batch "
+                     f"over one axis; name it (axis_name={axis_name[0]!r}), or pass the training mesh.")
+  return default
+
+
 def mesh_workers(mesh: Any, axis_name: Any, where: str) -> int | None:
   """The devices along the training mesh's data axis (the workers of its all-reduces); None without
   a mesh (`axis_name` may be left out for a one-axis mesh)."""
@@ -153,3 +175,20 @@ def placed(tree: Any, spec: Any, mesh: Any, default: Callable[[], Any]) -> Any:
   if isinstance(spec, PartitionSpec):
     return one(spec, tree)
   return jax.tree.map(one, spec, tree, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+
+
+def spec_axes(spec: Any, where: str) -> tuple[str, ...]:
+  """The mesh axes a PartitionSpec (or a pytree of them, None leaves included) names, in first-use order.
+
+  Raises:
+    TypeError: a leaf is not a PartitionSpec (a string 'data' for P('data')), named.
+  """
+  names: dict[str, None] = {}
+  for s in jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, PartitionSpec)):
+    if not isinstance(s, PartitionSpec):
+      raise TypeError(f"{where}(spec={s!r}): expected a PartitionSpec (or a pytree of them, as shard_map's "
+                      f"in_specs), got {type(s).__name__}. Write P({s!r}) with `from jax.sharding import "
+                      f"PartitionSpec as P`, or P() for a replicated value.")
+    for entry in s:
+      names.update(dict.fromkeys(a for a in data_axes(entry) if isinstance(a, str)))
+  return tuple(names)

@@ -345,7 +345,7 @@ class GpuTopology:
       raise TypeError(f"GpuTopology.mesh: `axis_name` must be a non-empty string, got {axis_name!r}.")
     return Mesh(self.devices, (axis_name,))
 
-  def abstract(self, tree: Any, spec: Any, *, mesh: Any = None, axis_name: str = "data") -> Any:
+  def abstract(self, tree: Any, spec: Any, *, mesh: Any = None, axis_name: str | None = None) -> Any:
     """`tree` as ShapeDtypeStructs placed on the mesh with PartitionSpec `spec` (arrays or
     ShapeDtypeStructs in; nothing is allocated): the arguments of `jitted.lower(...)`.
 
@@ -353,14 +353,42 @@ class GpuTopology:
       tree: a pytree of arrays or ShapeDtypeStructs.
       spec: a PartitionSpec for every leaf (`P()` replicated, `P('data')` split over the axis), or a
         pytree of them with `tree`'s structure (a prefix, as shard_map's in_specs).
-      mesh: the mesh (default `self.mesh(axis_name)`).
-    """
-    from ._devices import placed  # imports jax: this module stays pure until a topology is made
+      mesh: the mesh (default: `self.mesh(...)` over the axis `spec` names, or `axis_name`).
+      axis_name: the one-axis mesh's axis when `mesh` is None (default: the axis `spec` names; a
+        replicated spec names none and is placed alike on any mesh over these devices: 'data').
 
-    return placed(tree, spec, mesh, default=lambda: self.mesh(axis_name))
+    Raises:
+      TypeError: a spec that is not a PartitionSpec (the string 'data' for P('data')).
+      ValueError: `spec` names an axis other than `axis_name`, or several axes without a `mesh`.
+
+    Example:
+      >>> mesh = topo.mesh("dp")
+      >>> batch = topo.abstract(batch, P("dp"))          # on a mesh of axis 'dp', like `mesh`
+    """
+    from ._devices import placed, spec_axes  # imports jax: this module stays pure until a topology is made
+
+    named = spec_axes(spec, "GpuTopology.abstract")
+    return placed(tree, spec, mesh, default=lambda: self.mesh(_one_axis(named, axis_name)))
 
   def __repr__(self) -> str:
     return f"GpuTopology({self.target.name}: {len(self.devices)} x {self.target.description}, compile-only)"
+
+
+def _one_axis(named: tuple[str, ...], axis_name: str | None) -> str:
+  """The axis of the one-axis mesh `GpuTopology.abstract` places on: `axis_name`, else the one axis the
+  spec names, else 'data' (a replicated spec is placed alike on any mesh over the same devices)."""
+  if axis_name is not None:
+    other = [a for a in named if a != axis_name]
+    if other:
+      raise ValueError(f"GpuTopology.abstract(spec=..., axis_name={axis_name!r}): the spec names axis "
+                       f"{other[0]!r}, which a mesh of the one axis {axis_name!r} lacks. Pass "
+                       f"axis_name={other[0]!r}, or mesh= the mesh the step maps over (topo.mesh(...)).")
+    return axis_name
+  if len(named) > 1:
+    raise ValueError(f"GpuTopology.abstract(spec=...): the spec names the axes {list(named)}; the "
+                     f"topology's own mesh has one axis. Pass mesh= a jax.sharding.Mesh over topo.devices "
+                     f"with those axes.")
+  return named[0] if named else "data"
 
 
 def gpu_topology(target: str = "h100", *, devices: int = 8) -> GpuTopology:

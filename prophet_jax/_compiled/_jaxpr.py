@@ -7,7 +7,7 @@ It reads jaxprs through `jax.extend.core` (`_jaxcompat.JAXPR_API`, checked befor
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -28,7 +28,8 @@ _ALIAS_PRIMITIVES = frozenset({"convert_element_type", "reshape", "squeeze", "ex
                                "optimization_barrier", "device_put"})
 
 
-def forward_paths(fn: Callable[..., Any], params: Any, *args: Any) -> tuple[str, ...]:
+def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
+                  axis_env: Sequence[tuple[str, int]] = ()) -> tuple[str, ...]:
   """Leaf paths of `params` in FORWARD order: the order in which `fn(params, *args)` first uses them.
 
   The order comes from the jaxpr of `fn`: the first equation that reads each parameter, descending
@@ -43,6 +44,8 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any) -> tuple[str,
     fn: e.g. a loss function; traced abstractly (nothing runs), so `args` may be ShapeDtypeStructs.
     params: the parameter pytree (arrays or ShapeDtypeStructs).
     *args: the other arguments of `fn` (e.g. a batch).
+    axis_env: (axis name, size) pairs bound while tracing (`jax.make_jaxpr`'s): the data axis a model's
+      collectives name.
 
   Returns:
     Every leaf path of `params`, each once.
@@ -55,7 +58,7 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any) -> tuple[str,
   def flat_fn(flat, *rest):
     return fn(jax.tree_util.tree_unflatten(treedef, flat), *rest)
 
-  jaxpr = jax.make_jaxpr(flat_fn)(leaves, *args).jaxpr
+  jaxpr = jax.make_jaxpr(flat_fn, axis_env=list(axis_env))(leaves, *args).jaxpr
   order: list[int] = []
   seen: set[int] = set()
 

@@ -25,6 +25,8 @@ combiner keys (`enforce_order=False`) or the library's own steps.
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import os
 import re
 import subprocess
@@ -33,6 +35,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from .._values._checks import check_values
 from .._values._errors import GpuCompileError
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
@@ -65,7 +68,10 @@ class XlaSettings:
       each entry checked in a child process ('' when there is nothing to set).
     jaxlib: the jaxlib version they were checked against ('' when nothing was checked).
     target: the target they were checked on ('h100', 'gpu' for a real GPU, '' for none).
-    notes: why something was left out, one sentence each.
+    notes: why something was left out, and what the plan asks that no setting expresses, one sentence
+      each.
+    warning: where these settings do not give the plan's units, what differs and what does give them
+      (`unformed`); '' where they form them.
   """
 
   compiler_options: dict[str, Any]
@@ -73,27 +79,77 @@ class XlaSettings:
   jaxlib: str
   target: str
   notes: tuple[str, ...]
+  warning: str = ""
 
   def to_dict(self) -> dict[str, Any]:
     return {"xla_flags": self.xla_flags, "compiler_options": dict(self.compiler_options),
-            "jaxlib": self.jaxlib, "target": self.target, "notes": list(self.notes)}
+            "jaxlib": self.jaxlib, "target": self.target, "notes": list(self.notes),
+            "warning": self.warning}
 
 
 # --------------------------------------------------------------------------------------------------
 # from the plan (pure)
 
 
-def _unit_bytes(schedule: Schedule, workers: int) -> dict[str, tuple[int, ...]]:
-  """Bytes of every unit the plan issues, per collective kind ('all-reduce', 'reduce-scatter',
-  'all-gather'), in issue order."""
-  if not schedule.sharded:
-    return {"all-reduce": schedule.allreduce_nbytes()}
-  from .._values._types import itemsize  # pure; only sharded plans need the element width
+def _sizes(schedule: Schedule) -> list[int]:
+  return [math.prod(shape) for _, shape, _ in schedule.rows]
 
+
+def cut_leaves(schedule: Schedule) -> list[str]:
+  """Paths of the leaves a plan sends in parts (in several units, or a slice of it in one): no combine
+  threshold cuts a leaf's gradient, which the step computes as one array."""
+  sizes = _sizes(schedule)
+  cut = {r for c in schedule.chunks for r, a, b in c.slices if (a, b) != (0, sizes[r])}
+  return [schedule.rows[r][0] for r in sorted(cut)]
+
+
+def plan_units(schedule: Schedule, workers: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+  """The units the plan issues, per collective kind ('all-reduce', 'reduce-scatter', 'all-gather'), in
+  issue order, each as the bytes XLA's combiner counts for each of its leaves: a collective's *result*
+  (a whole leaf for an all-reduce or an all-gather, one device's shard of it for a reduce-scatter;
+  `workers` devices for a ZeRO-1 plan). A unit holding part of a leaf, a deferral group's slot and a
+  ZeRO-1 buffer count as one leaf of their own bytes."""
+  from .._values._types import itemsize  # pure
+
+  sizes = _sizes(schedule)
+  row_bytes = [n * itemsize(dtype) for n, (_, _, dtype) in zip(sizes, schedule.rows)]
   chunks = schedule.chunks
-  rs = tuple(n * itemsize(c.dtype) for n, c in zip(schedule.padded_sizes(workers), chunks))
-  ag = tuple(n * itemsize(chunks[g[0]].dtype) for n, g in zip(schedule.gather_sizes(workers), schedule.gathers))
-  return {"reduce-scatter": rs, "all-gather": ag}
+
+  def leaves(c: Any, shard: int = 1) -> tuple[int, ...]:
+    if all((a, b) == (0, sizes[r]) for r, a, b in c.slices):
+      return tuple(row_bytes[r] // shard for r in c.rows)
+    return (c.nbytes // shard,)
+
+  if schedule.family == "zero1":
+    rs = tuple((n * itemsize(c.dtype) // workers,) for n, c in zip(schedule.padded_sizes(workers), chunks))
+    ag = tuple((n * itemsize(chunks[g[0]].dtype),) for n, g in zip(schedule.gather_sizes(workers),
+                                                                  schedule.gathers))
+    return {"reduce-scatter": rs, "all-gather": ag}
+  if schedule.family == "fsdp":
+    f = schedule.fsdp
+    groups = f.gathers or tuple(chunks[u].rows for u in f.units)
+    return {"all-reduce": tuple(leaves(c) for k, c in enumerate(chunks) if k not in set(f.units)),
+            "reduce-scatter": tuple(leaves(chunks[u], f.shard_count) for u in f.units),
+            "all-gather": tuple(tuple(row_bytes[r] for r in g) for g in groups)}
+  if schedule.defers:
+    return {"all-reduce": tuple((n,) for n in schedule.allreduce_nbytes())}
+  return {"all-reduce": tuple(leaves(c) for c in chunks)}
+
+
+def threshold_fill(units: tuple[tuple[int, ...], ...], threshold: int) -> tuple[int, bool]:
+  """What XLA's combiner makes of the units' leaves, taken in the plan's order (its own is the program's:
+  an estimate), joining each leaf to the current collective while the sum stays within `threshold`:
+  (how many collectives, whether they are exactly the plan's units)."""
+  count, acc, bounds = 0, None, []
+  for b in (b for u in units for b in u):
+    if acc is None or acc + b > threshold:
+      count, acc = count + 1, b
+    else:
+      acc += b
+    bounds.append(count)
+  starts = [0] + list(itertools.accumulate(len(u) for u in units))[:-1]
+  exact = count == len(units) and all(bounds[i] == k + 1 for k, i in enumerate(starts))
+  return count, exact
 
 
 def _fill_cap(schedule: Schedule) -> int | None:
@@ -109,42 +165,101 @@ def _fill_cap(schedule: Schedule) -> int | None:
   return None
 
 
+_KINDS = (("all-reduce", _AR_THRESHOLD), ("reduce-scatter", _RS_THRESHOLD), ("all-gather", _AG_THRESHOLD))
+
+
+def _checked(schedule: Any, network: Any) -> int:
+  """The workers a plan's unit sizes are counted for (`network.workers`, or 8), after the type checks."""
+  check_values("xla_options", schedule=schedule)
+  if network is not None:
+    check_values("xla_options", network=network)
+  return network.workers if network is not None else 8
+
+
+def _thresholds(schedule: Schedule, units: dict[str, tuple[tuple[int, ...], ...]]) -> dict[str, int]:
+  """Per collective kind the plan issues, its combine threshold: a threshold-fill plan's cap, else the
+  largest unit's bytes."""
+  out = {}
+  for kind, _ in _KINDS:
+    sizes = [sum(u) for u in units.get(kind, ()) if sum(u) > 0]
+    if sizes:
+      cap = _fill_cap(schedule) if kind == "all-reduce" else None
+      out[kind] = int(cap or max(sizes))
+  return out
+
+
 def plan_options(schedule: Schedule, network: NetworkModel | None = None) -> dict[str, tuple[tuple[str, ...], Any]]:
   """The settings a plan asks for, before any jaxlib is asked: setting -> (spellings, value).
 
-  - Combine thresholds, per collective kind the plan issues: for a threshold-fill plan (`bucket`, `xla`)
-    the cap it filled to (on ResNet-50 `bucket`'s 25 MiB gave its 5 buckets where its largest bucket's
-    bytes gave 4); for any other plan the largest unit's bytes, so the combiner can form every unit (a
-    smaller threshold would split the largest) and merges no more than that. XLA merges in its own
-    program order, not the plan's ready order: the count can follow a plan, which leaves go together
-    does not (bench/xla_options.py, docs/xla_options.md).
-  - The latency-hiding scheduler on (it is what overlaps a collective with compute on GPUs).
-  - In flight: the plan's links (one tie chain per link: that many collectives at once).
-  - Early start where the plan overlaps communication with backward (more than one unit: each starts as
-    soon as its gradients exist); a plan of one unit sends it after backward, so it is not set.
+  - Combine thresholds, per collective kind the plan issues (`plan_units`): for a threshold-fill plan
+    (`bucket`, `xla`) the cap it filled to; for any other plan the largest unit's bytes, so the combiner
+    can form every unit and merges no more than that (docs/xla_options.md: which plans that forms).
+  - The latency-hiding scheduler on.
+  - In flight: the plan's links (all-reduce plans), or an FSDP plan's prefetch depth.
+  - Early start where an all-reduce plan overlaps communication with backward (more than one unit);
+    never for FSDP (every all-gather would start at once: all parameters gathered together).
   A sharded plan's unit sizes depend on the workers: `network.workers`, or 8 without a network.
   """
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"xla_options: `schedule` must be a prophet_jax.Schedule (from prophet_jax.plan), got "
-                    f"{type(schedule).__name__}.")
-  if network is not None and not isinstance(network, NetworkModel):
-    raise TypeError(f"xla_options: `network` must be a prophet_jax.NetworkModel or None, got "
-                    f"{type(network).__name__}.")
-  workers = network.workers if network is not None else 8
-  units = _unit_bytes(schedule, workers)
+  units = plan_units(schedule, _checked(schedule, network))
   out: dict[str, tuple[tuple[str, ...], Any]] = {}
-  for kind, names in (("all-reduce", _AR_THRESHOLD), ("reduce-scatter", _RS_THRESHOLD),
-                      ("all-gather", _AG_THRESHOLD)):
-    sizes = [n for n in units.get(kind, ()) if n > 0]
-    if sizes:
-      cap = _fill_cap(schedule) if kind == "all-reduce" else None
-      out[f"{kind} threshold"] = (names, int(cap or max(sizes)))
+  limits = _thresholds(schedule, units)
+  for kind, names in _KINDS:
+    if kind in limits:
+      out[f"{kind} threshold"] = (names, limits[kind])
   out["latency-hiding scheduler"] = (_SCHEDULER, True)
-  links = max(schedule.links, default=0) + 1
-  out["in flight"] = (_IN_FLIGHT, int(links))
-  if sum(len(v) for v in units.values()) > 1:
+  fsdp = schedule.family == "fsdp"
+  f = schedule.fsdp
+  depth = max(f.prefetch, f.backward_prefetch) if fsdp else max(schedule.links, default=0) + 1
+  out["in flight"] = (_IN_FLIGHT, int(depth))
+  if not fsdp and sum(len(v) for v in units.values()) > 1:
     out["early start"] = (_EARLY_START, True)
   return out
+
+
+def unformed(schedule: Schedule, network: NetworkModel | None = None) -> str | None:
+  """Where the settings cannot give this plan: one paragraph naming what differs and what does give it
+  (combiner keys, the library's step); None where the thresholds form its units (estimated in the plan's
+  leaf order: XLA combines in its program's)."""
+  workers = _checked(schedule, network)
+  units = plan_units(schedule, workers)
+  limits = _thresholds(schedule, units)
+  parts = []
+  cut = cut_leaves(schedule) if schedule.family != "zero1" else []
+  if cut:
+    parts.append(f"it sends {len(cut)} leaves in parts ({', '.join(map(repr, cut[:3]))}"
+                 f"{', ...' if len(cut) > 3 else ''}), and no threshold cuts a leaf's gradient")
+  for kind, _ in _KINDS:
+    if kind in limits:
+      count, exact = threshold_fill(units[kind], limits[kind])
+      if not exact:
+        parts.append(f"its {len(units[kind])} {kind} unit(s) become about {count} {kind}(s) under a "
+                     f"{limits[kind]:,}-byte threshold (XLA joins neighbouring collectives up to the "
+                     f"threshold, in its own order)")
+  if schedule.defers:
+    parts.append("it defers gradient elements (dlcp), which no setting does: a plain step sends every "
+                 "gradient every step")
+  if not parts:
+    return None
+  if schedule.family == "fsdp":
+    fix = ("To run the plan itself: the library's FSDP step, prophet_jax.hooked(loss_fn, schedule, "
+           "axis_name=..., mesh=mesh) (docs/fsdp.md).")
+  else:
+    fix = ("To run the plan itself: the library's step (prophet_jax.scheduled / hooked / pipelined), or one "
+           "XLA combiner key per unit (scheduled(..., enforce_order=False); prophet_jax.tag_layers for a "
+           "plain jax.jit step; docs/keys.md).")
+  return (f"these settings do not give this {schedule.policy!r} plan: {'; '.join(parts)}. {fix}")
+
+
+def fsdp_notes(schedule: Schedule) -> list[str]:
+  """What an FSDP plan asks that no setting expresses (empty for other families)."""
+  if schedule.family != "fsdp":
+    return []
+  f = schedule.fsdp
+  regather = sum(not k for k in f.keep)
+  return [f"fsdp: which gathered parameters backward gathers again ({regather} of {len(f.keep)} groups "
+          f"in this plan) is XLA's rematerialisation, not a setting; the forward prefetch depth "
+          f"({f.prefetch}) is set only as the in-flight limit; early start is left off (it would start "
+          f"every all-gather at the top of the step, every parameter gathered at once)."]
 
 
 def network_flags(network: NetworkModel) -> dict[str, str]:
@@ -269,12 +384,13 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
   See `xla_options`; this also returns the flags line, the jaxlib version and why anything was left out.
   """
   wanted = plan_options(schedule, network)
+  warning = unformed(schedule, network) or ""
   name, why = _resolve_target(target)
   if name is None:
-    return XlaSettings(compiler_options={}, xla_flags="", jaxlib="", target="", notes=(why,))
+    return XlaSettings(compiler_options={}, xla_flags="", jaxlib="", target="", notes=(why,), warning=warning)
   import jaxlib  # only where a target exists (the CLI's xla-flags imports this module without jax)
 
-  notes: list[str] = []
+  notes: list[str] = fsdp_notes(schedule)
   candidates = {names[i]: value for names, value in wanted.values() for i in range(len(names))}
   try:
     ok = _accepts(name, candidates)
@@ -283,7 +399,7 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
       raise
     # no target named: one was guessed from the installed plugin, and this environment cannot build it
     return XlaSettings(compiler_options={}, xla_flags="", jaxlib=jaxlib.__version__, target="",
-                       notes=(f"no GPU target could be used to check the options: {e}",))
+                       notes=(f"no GPU target could be used to check the options: {e}",), warning=warning)
   options: dict[str, Any] = {}
   for setting, (names, value) in wanted.items():
     first = next((n for n in names if ok[n]), None)
@@ -311,24 +427,18 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
     notes.append("network=None: no network-derived options.")
   line = " ".join(f"--{k}={v}" for k, v in flags.items())
   return XlaSettings(compiler_options=options, xla_flags=line, jaxlib=jaxlib.__version__, target=name,
-                     notes=tuple(notes))
+                     notes=tuple(notes), warning=warning)
 
 
 def xla_options(schedule: Schedule, network: NetworkModel | None = None, *, target: Any = None) -> dict[str, Any]:
   """XLA `compiler_options` for the installed jaxlib that realise `schedule` as far as settings can.
 
-  For a plain `jax.jit` step (or a `pmean` under `shard_map`) that keeps XLA's own gradient
-  collectives: combine thresholds from the plan's units (the largest unit's bytes, per collective kind
-  the plan issues), the latency-hiding scheduler on, the number of collectives in flight (the plan's
-  links), early start where the plan overlaps communication with backward. Each option is checked once
-  per process by compiling a tiny program with it for `target` (a refused one is left out, never
-  returned). XLA's analytical latency model filled from `network` cannot be a compile option on the
-  jaxlibs measured (0.10.2, 0.12): `prophet-jax xla-flags` prints it as an XLA_FLAGS line.
-
-  Thresholds give the plan's *count* of buckets for threshold-fill plans (`bucket`, `xla`) but not
-  their membership (XLA merges in its own order; docs/xla_options.md has the measured table); for other
-  plans, and for exact buckets, use combiner keys (`scheduled(..., enforce_order=False)`) or the
-  library's own steps.
+  For a plain `jax.jit` step that keeps XLA's own collectives: combine thresholds from the plan's units
+  (all-reduces; an FSDP plan's all-gather groups and reduce-scatter units; a ZeRO-1 plan's buffers), the
+  latency-hiding scheduler, the collectives in flight, early start; each checked by compiling a tiny
+  program for `target` (a refused one is left out). Where thresholds cannot form the plan's units (a
+  per-layer or sliced plan, a deferring one) it warns, naming what does: the library's step or
+  combiner keys. docs/xla_options.md has what each setting does and the measured table.
 
   Args:
     schedule: the plan (`prophet_jax.plan`).
@@ -340,6 +450,9 @@ def xla_options(schedule: Schedule, network: NetworkModel | None = None, *, targ
   Returns:
     A dict for `jax.jit(step).lower(...).compile(compiler_options=...)`; `{}` (with a warning saying
     why) where no GPU target is known.
+
+  Warns:
+    UserWarning: the settings do not give this plan's units (`XlaSettings.warning` says how they differ).
 
   Raises:
     TypeError: `schedule` or `network` of the wrong type.
@@ -354,6 +467,8 @@ def xla_options(schedule: Schedule, network: NetworkModel | None = None, *, targ
   s = xla_settings(schedule, network, target=target)
   if not s.target:
     warnings.warn(f"xla_options: {s.notes[0]}", UserWarning, stacklevel=2)
+  elif s.warning:
+    warnings.warn(f"xla_options: {s.warning}", UserWarning, stacklevel=2)
   return dict(s.compiler_options)
 
 

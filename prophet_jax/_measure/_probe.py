@@ -57,8 +57,11 @@ DEFAULT_SIZES: tuple[int, ...] = tuple(2**k for k in range(10, 27, 2))
 #: A quick probe (for tests and the Monitor's periodic probe).
 QUICK_SIZES: tuple[int, ...] = (2**10, 2**14, 2**18, 2**20)
 #: The probe's default time budget in seconds (compiles included): on 8 GPUs of one node the default sizes
-#: should fit (about 0.2 s of compiling each); on 8 host CPU devices it reaches about 1 MiB.
+#: should fit (about 0.2 s of compiling each).
 DEFAULT_BUDGET_S = 6.0
+#: The default budget on host CPU devices of one process, where the probe times copies between threads:
+#: a stand-in for a network, which a longer probe does not make real (it reaches about 16-64 KiB).
+HOST_BUDGET_S = 1.0
 _AXIS = "prophet_probe"
 #: The compute put before each all-reduce when interleaving: (rows, d) @ (d, d) per device, at two
 #: sizes (the second only to measure skew).
@@ -200,12 +203,32 @@ def _reporter(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
   return lambda line: None
 
 
+def _host_devices(t: AllreduceTimings) -> bool:
+  """The probe ran on the host CPU devices of one process (no network between them)."""
+  return t.platform == "cpu" and t.processes == 1
+
+
+def _budget(time_budget_s: float | str | None, platform: str) -> float | None:
+  """The probe's time budget: 'auto' is `DEFAULT_BUDGET_S`, or `HOST_BUDGET_S` on host CPU devices of
+  one process."""
+  if time_budget_s != "auto":
+    return time_budget_s
+  return HOST_BUDGET_S if platform == "cpu" and jax.process_count() == 1 else DEFAULT_BUDGET_S
+
+
 def check_fit(network: NetworkModel, timings: AllreduceTimings, stat: str = "median") -> str | None:
   """A warning text when the fitted model does not describe the measured times, else None: the checks
   of `NetworkModel.fit` (`_network.fit_warning`: every time 0, times falling with size so that beta is
   clipped to 0, a large residual), named for `measure_network`, with what to do about a residual.
   """
   ys = timings.median_s if stat == "median" else timings.low_s
+  if _host_devices(timings) and np.any(np.asarray(ys, np.float64)):
+    if fit_warning(network, timings.sizes, ys, who="") is None:
+      return None
+    rel = (network.fit_residual_s or 0.0) / max(float(np.sqrt(np.mean(np.square(ys)))), 1e-12)
+    return (f"measure_network: on host CPU devices the probe times copies between threads, a stand-in for a "
+            f"network (fit residual {rel:.0%}): fine to try the library; for plans you will run, probe "
+            f"your accelerators (or several processes) or use NetworkModel.preset(...).")
   if not np.any(np.asarray(ys, np.float64)):
     return (f"measure_network: every measured all-reduce time is 0 (the paired difference of the "
             f"two timed programs stayed below the timing noise at {timings.repeats} repeats), so the "
@@ -224,7 +247,7 @@ def check_fit(network: NetworkModel, timings: AllreduceTimings, stat: str = "med
 def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20,
           inner: int = 3, percentile: float = 10.0, dtype: str = "float32",
           max_seconds_per_size: float | None = None, interleave: bool = False,
-          skew: float | None = None, time_budget_s: float | None = DEFAULT_BUDGET_S,
+          skew: float | None = None, time_budget_s: float | str | None = "auto",
           progress: bool | Callable[[str], None] = False) -> AllreduceTimings:
   """Times one all-reduce (psum) at each message size across the devices (or processes).
 
@@ -244,7 +267,8 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
       2-core machine varies from run to run (0.17 to 0.55 in three runs) by more than it corrects.
     skew: with `interleave`, the known skew (see NetworkModel); None measures it from a second,
       larger piece of compute at the smallest size.
-    time_budget_s: seconds the whole probe may take (default 6), compiles included; None for no
+    time_budget_s: seconds the whole probe may take, compiles included ('auto', the default: 6 s, or
+      1 s on host CPU devices of one process, where the probe is a stand-in for a network); None for no
       budget. Sizes run smallest first; a size starts only when its shortest measurement (3 repeats),
       predicted from the sizes before it, still fits, and each size's repeats stop when its share of
       what is left runs out. The two smallest sizes always run (a fit needs two). The sizes cut are in
@@ -267,11 +291,12 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
   check_number("measure_network", "percentile", percentile, lo=0, hi=50, lo_open=True, hi_open=True,
                fix="It is the low percentile, e.g. 10.")
   check_number("measure_network", "skew", skew, lo=0, none=True, fix="None measures it.")
-  check_number("measure_network", "time_budget_s", time_budget_s, lo=0, lo_open=True, none=True,
-               fix="Give seconds, e.g. 10, or None for no budget.")
   devices = _mesh_devices(num_devices)
   p = len(devices)
   platform = devices[0].platform
+  time_budget_s = _budget(time_budget_s, platform)
+  check_number("measure_network", "time_budget_s", time_budget_s, lo=0, lo_open=True, none=True,
+               fix="Give seconds, e.g. 10, 'auto' or None for no budget.")
   interleave = bool(interleave)
   mesh = jax.sharding.Mesh(np.asarray(devices), (_AXIS,))
   sharding = NamedSharding(mesh, P(_AXIS))
@@ -398,7 +423,7 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
 def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES,
                     repeats: int = 20, inner: int = 3, stat: str = "median", percentile: float = 10.0,
                     dtype: str = "float32", max_seconds_per_size: float | None = None,
-                    interleave: bool = False, time_budget_s: float | None = DEFAULT_BUDGET_S,
+                    interleave: bool = False, time_budget_s: float | str | None = "auto",
                     progress: bool | Callable[[str], None] = False) -> NetworkModel:
   """Measures all-reduce cost against message size and fits alpha and beta.
 
@@ -413,7 +438,8 @@ def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DE
     max_seconds_per_size: cap on the time spent on one size.
     interleave: time each all-reduce after a fixed piece of compute and measure `skew` (see
       `probe`).
-    time_budget_s: seconds the probe may take (default 6, compiles included; None: every size):
+    time_budget_s: seconds the probe may take ('auto': 6 s, 1 s on host CPU devices of one process;
+      compiles included; None: every size):
       sizes run smallest first until the next would not fit (see `probe`); the fit warning says
       which were cut.
     progress: True prints a line per size to stderr; a callable receives the lines (default quiet).

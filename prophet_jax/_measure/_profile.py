@@ -108,7 +108,10 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
       `jax.jit` on global arrays): on this process's devices along the data axis `axis_name` (at the
       first index of any other axis; `num_devices` defaults to their number), each with its slice of
       `batch`, which holds the rows those devices train on (the global batch in one process; it may
-      be a global `jax.Array`). `axis_name` may be left out for a one-axis mesh.
+      be a global `jax.Array`). `axis_name` may be left out for a one-axis mesh. With or without a
+      mesh, the profiled step maps the batch over an axis of that name, so a model whose layers
+      reduce over it (`nn.BatchNorm(axis_name="batch")` under `jax.pmap(..., axis_name="batch")`)
+      runs as it trains.
     has_aux: `loss_fn` returns `(loss, aux)` (the loss `hooked(..., has_aux=True)` takes); only the
       loss is differentiated.
     has_state, model_state: `loss_fn(params, model_state, batch)` returns `(loss, new_model_state)` (or,
@@ -129,7 +132,8 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
     TypeError: loss_fn is not callable, does not return a real scalar, or is not differentiable in
       params.
     ValueError: a batch leaf's leading axis is not divisible by num_devices, the batch does not fit the
-      model, or too many devices are asked for.
+      model, too many devices are asked for, or the loss reduces over an axis other than `axis_name`
+      (the message names it).
     ProfileError: `method='measured'` but the profiler yielded no usable events, or a trace whose profile
       is implausible (the message says what the trace held); or no float params; or a placement a
       profile cannot hold (a leaf sharded on two dimensions or unevenly, named), before any compile.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._compiled._devices import profiled_devices
+from .._compiled._devices import profiled_axis, profiled_devices
 from .._values._checks import check_int
 from .._values._errors import ProfileError
 from .._compiled._jaxpr import forward_paths
@@ -45,6 +46,7 @@ class ProgramSetup:
   """Everything the methods share: the mesh, the sharded inputs, the rows and their order."""
 
   mesh: Any
+  axis: str                   # the mesh's one axis: the data axis the loss may name (BatchNorm's axis_name)
   num_devices: int
   params: Any                 # replicated on the mesh
   batch: Any                  # sharded on the mesh
@@ -61,6 +63,7 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
   if not callable(loss_fn):
     raise TypeError(f"profile_step(loss_fn={loss_fn!r}): expected a callable loss_fn(params, batch).")
   check_layer_depth("profile_step", layer_depth)
+  axis = profiled_axis(mesh, axis_name, AXIS, "profile_step")
   devices = profiled_devices(mesh, axis_name, "profile_step")
   n = len(devices) if num_devices is None else num_devices
   check_int("profile_step", "num_devices", n, lo=1)
@@ -69,7 +72,7 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
                      f"here. On the CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n} before "
                      f"jax starts.")
   n = int(n)
-  mesh = jax.sharding.Mesh(np.asarray(devices[:n]), (AXIS,))
+  mesh = jax.sharding.Mesh(np.asarray(devices[:n]), (axis,))
 
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   paths = [path_str(p) for p, _ in flat]
@@ -100,13 +103,17 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
       full.append(next(di) if i in dset else next(oi))
     return loss_fn(jax.tree_util.tree_unflatten(treedef, full), b)
 
-  # Abstract check: differentiable, scalar, batch shapes the model accepts (per-device shapes).
+  # Abstract check: differentiable, scalar, batch shapes the model accepts (per-device shapes), traced
+  # with the data axis bound as in training (a model's BatchNorm(axis_name=...) reduces over it).
   diff = [leaves[i] for i in diff_idx]
   other = [x for i, x in enumerate(leaves) if i not in set(diff_idx)]
   local_batch = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), batch)
+  env = [(axis, n)]
   try:
-    out = jax.eval_shape(loss_fn, params, local_batch)
+    out = jax.make_jaxpr(loss_fn, axis_env=env, return_shape=True)(params, local_batch)[1]
+  except NameError as e:
+    raise _unbound(e, axis) from e
   except Exception as e:  # noqa: BLE001 - re-raised with context
     raise ValueError(
         f"profile_step: loss_fn(params, batch) failed on a per-device batch of shapes "
@@ -117,26 +124,37 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
                     f"returned {getattr(out, 'dtype', type(out).__name__)}{tuple(getattr(out, 'shape', ()))}."
                     f" Reduce the loss to a scalar (e.g. jnp.mean) and return aux values separately.")
   try:
-    jax.eval_shape(jax.grad(loss_of), diff, other, local_batch)
+    jax.make_jaxpr(jax.grad(loss_of), axis_env=env)(diff, other, local_batch)
   except Exception as e:  # noqa: BLE001
     raise TypeError(f"profile_step: loss_fn is not differentiable in params: {type(e).__name__}: "
                     f"{str(e).splitlines()[0] if str(e) else ''}. Every floating parameter must reach the "
                     f"loss through differentiable operations.") from e
 
   # Forward (priority) order: first use in the loss's jaxpr.
-  fwd = forward_paths(loss_fn, params, local_batch)
+  fwd = forward_paths(loss_fn, params, local_batch, axis_env=env)
   pos = {p: k for k, p in enumerate(fwd)}
   order = sorted(range(len(diff_idx)), key=lambda k: (pos.get(paths[diff_idx[k]], len(pos)), k))
   layer_paths = [layer_path(p) for p, _ in flat]   # an nnx Variable's '.value' is not a layer
   layers = {i: layer_of(layer_paths[i], layer_depth) for i in diff_idx}
 
   rep = NamedSharding(mesh, P())
-  shard = NamedSharding(mesh, P(AXIS))
+  shard = NamedSharding(mesh, P(axis))
   params_d = jax.device_put(params, rep)
   batch_d = jax.device_put(batch, shard)
-  return ProgramSetup(mesh=mesh, num_devices=n, params=params_d, batch=batch_d, diff_idx=diff_idx,
+  return ProgramSetup(mesh=mesh, axis=axis, num_devices=n, params=params_d, batch=batch_d, diff_idx=diff_idx,
                 treedef=treedef, leaves=list(jax.tree_util.tree_leaves(params_d)), paths=paths,
                 order=order, layers=layers, loss_of=loss_of)
+
+
+def _unbound(e: NameError, axis: str) -> Exception:
+  """The error for a loss that names an axis the profiled step does not map over."""
+  m = re.search(r"unbound axis name: ([^\s.,]+)", str(e))
+  if m is None:
+    return e
+  name = m.group(1)
+  return ValueError(f"profile_step: loss_fn reduces over the axis {name!r} (e.g. flax's BatchNorm(axis_name="
+                    f"{name!r}) or a lax.pmean), but the profiled step maps its batch over {axis!r}. Pass "
+                    f"axis_name={name!r}, the axis your training step maps the batch over.")
 
 
 def _shapes(tree: Any) -> str:
@@ -166,7 +184,7 @@ def grad_program(s: ProgramSetup, wrt: Sequence[int] | None = None, name: str = 
 
   step.__name__ = name
   step.__qualname__ = name
-  return jax.jit(jax.shard_map(step, mesh=s.mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P(),
+  return jax.jit(jax.shard_map(step, mesh=s.mesh, in_specs=(P(), P(), P(s.axis)), out_specs=P(),
                                check_vma=False))
 
 
@@ -174,7 +192,7 @@ def loss_program(s: ProgramSetup):
   def fwd(diff, other, b):
     return s.loss_of(diff, other, b)
 
-  return jax.jit(jax.shard_map(fwd, mesh=s.mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P(),
+  return jax.jit(jax.shard_map(fwd, mesh=s.mesh, in_specs=(P(), P(), P(s.axis)), out_specs=P(),
                                check_vma=False))
 
 
@@ -262,6 +280,6 @@ def local_step_program(s: ProgramSetup, tx: Any) -> Prog:
   def local_step(p, o, b, st):
     return upd(p, jax.grad(s.loss_of)(p, o, b), st)
 
-  f = jax.jit(jax.shard_map(local_step, mesh=s.mesh, in_specs=(P(), P(), P(AXIS), P()),
+  f = jax.jit(jax.shard_map(local_step, mesh=s.mesh, in_specs=(P(), P(), P(s.axis), P()),
                             out_specs=(P(), P()), check_vma=False))
   return Prog(f.lower(diff, other, s.batch, state), (diff, other, s.batch, state))

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from . import _step_hlo, _xplane
-from ._profile_harness import (AXIS, UPDATE_NAME, STEP_NAME, Prog, ProgramSetup, compile_all, grad_program,
+from ._profile_harness import (UPDATE_NAME, STEP_NAME, Prog, ProgramSetup, compile_all, grad_program,
                                ordered_layers, loss_program, array_nbytes, split_leaves, wall_median)
 from .._values._errors import ProfileError
 from .._values._types import ProfileRow, itemsize
@@ -251,9 +251,9 @@ def _sample(n: int, k: int) -> list[int]:
 def _device_flops_per_s(s: ProgramSetup) -> float:
   m = 256
   a = jnp.ones((s.num_devices * m, m), jnp.float32)
-  f = jax.jit(jax.shard_map(lambda x: x @ x.T[:, :m], mesh=s.mesh, in_specs=P(AXIS),
-                            out_specs=P(AXIS), check_vma=False))
-  a = jax.device_put(a, jax.sharding.NamedSharding(s.mesh, P(AXIS)))
+  f = jax.jit(jax.shard_map(lambda x: x @ x.T[:, :m], mesh=s.mesh, in_specs=P(s.axis),
+                            out_specs=P(s.axis), check_vma=False))
+  a = jax.device_put(a, jax.sharding.NamedSharding(s.mesh, P(s.axis)))
   t = wall_median(lambda: f(a), 5)
   return 2 * m * m * m / max(t, 1e-9)
 

@@ -18,8 +18,9 @@ on the outcome, so all fail together (LaunchError naming the ranks) when one dif
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from typing import Any
 
 import jax
@@ -30,6 +31,7 @@ from .._planning._paired import DEFAULT_CONFIDENCE, Choice, check_options, decid
 from .._values._checks import check_int
 from .._values._errors import LaunchError
 from ._agreement import gather_messages
+from ._compare import Snapshot, difference, host, loss_of, snapshot
 
 __all__ = ["choose", "Choice"]
 
@@ -153,49 +155,106 @@ def _agree_choice(mine: Choice) -> Choice:
   return got
 
 
+def _call(fn: Callable, name: str, state: Any, batch: Any, when: str) -> Any:
+  """`fn(state, batch)`, waited for; an exception leaves with a note naming the step and the call."""
+  try:
+    return jax.block_until_ready(fn(state, batch))
+  except Exception as e:  # noqa: BLE001 - re-raised as it is, with the candidate named
+    e.add_note(f"choose: raised by step {name!r}, {when}, from the state given for it. A step of another "
+               f"plan needs its own state: pass state={{'control': state, {name!r}: "
+               f"prophet_jax.convert_state(state, params, its_schedule, tx=...)}} (docs/choose.md).")
+    raise
+
+
+def _check_finite(name: str, loss: Any, when: str) -> None:
+  """ValueError when a step's loss is NaN or infinite: its time would be compared for nothing."""
+  if loss is None:
+    return
+  value = host(loss).ravel()
+  bad = value[~np.isfinite(value)]
+  if bad.size:
+    raise ValueError(f"choose: step {name!r} returned a non-finite loss ({bad[0]}) {when}; choose times "
+                     f"only steps that train. Check that batch and the step (a diverging learning rate?), "
+                     f"or leave the step out.")
+
+
+def _lossy(lossy: Any, names: tuple[str, ...], control: str) -> frozenset[str]:
+  """The candidates whose difference from the control is reported, not failed, checked."""
+  if isinstance(lossy, str) or not isinstance(lossy, (Sequence, Set)):
+    raise TypeError(f"choose(lossy={lossy!r}): expected a collection of candidate names, e.g. "
+                    f"lossy={{'dlcp'}}.")
+  unknown = sorted(set(lossy) - (set(names) - {control}))
+  if unknown:
+    raise ValueError(f"choose(lossy={sorted(lossy)}): {unknown} are not candidates; the candidates are "
+                     f"{sorted(set(names) - {control})}.")
+  return frozenset(lossy)
+
+
+def _compared(names: tuple[str, ...], control: str, seen: dict[str, list[Snapshot]], before: Snapshot,
+              lossy: frozenset[str], states: dict[str, Any]) -> dict[str, str]:
+  """Per candidate, what it computes after its second call against the control's (module `_compare`):
+  'equal', 'differs' (lossy) or 'not compared'; ValueError naming a lossless candidate that differs."""
+  first, ref = seen[control]
+  out = {}
+  for n in names[1:]:
+    try:
+      d = difference(seen[n][1], ref, first, before)
+    except ValueError as e:
+      raise ValueError(f"choose: step {n!r} cannot be compared with the control {control!r}: {e}. Steps "
+                       f"timed against each other must train the same model on the same batches.") from None
+    if d is None:
+      out[n] = (f"not compared: it returns no loss and choose finds no parameters in its state (a "
+                f"{type(states[n]).__name__}); pass compare=lambda state: <its parameters>")
+    elif d[0] <= 1:
+      out[n] = f"equal: within docs/design.md's tolerance ({d[1]} at {d[0]:.2g} of it)"
+    elif n in lossy:
+      out[n] = f"differs (lossy, reported): {d[1]} at {d[0]:.3g} times docs/design.md's tolerance"
+    else:
+      raise ValueError(
+          f"choose: step {n!r} computes something else than the control {control!r}: after the second "
+          f"call on the same batches, {d[1]} differs by {d[0]:.3g} times docs/design.md's tolerance (1e-3 "
+          f"of the control's update). A step that does not train, another model, optimizer or learning "
+          f"rate, or gradients of another scale (a psum for a pmean) would do that: fix the step. If its "
+          f"plan defers gradients on purpose (dlcp, max_defer > 0), pass lossy={{{n!r}}} to have the "
+          f"difference reported instead.")
+  return out
+
+
 def choose(steps: Mapping[str, Callable], state: Any, batches: Sequence[Any], *, control: Any,
            rounds: int | None = None, min_gain: float = 0.02, warmup: int = 2,
-           confidence: float = DEFAULT_CONFIDENCE) -> Choice:
+           confidence: float = DEFAULT_CONFIDENCE, lossy: Collection[str] = (),
+           compare: Callable[[Any], Any] | None = None) -> Choice:
   """Times candidate steps against a control on this machine (or these processes) and picks one.
 
-  Every step runs on its own copy of its starting state (the caller's state is never consumed, even
-  by a donating step), `warmup` times untimed (compilation included), then once per round for
-  `rounds` interleaved rounds, each call waited for (`jax.block_until_ready`). Round r feeds every
-  step the same batch, `batches[r % len(batches)]`. A candidate's ratio in a round is its time over
-  the control's in that round; `Choice.ratios` holds the median over rounds and `Choice.intervals` a
-  distribution-free `confidence` interval of it (order statistics of the rounds' log-ratios). A
-  candidate wins only when its interval's upper end is below 1/(1 + min_gain), i.e. the lower end of
-  its speed-up beats 1 + min_gain; among several winners, the smallest median ratio. Otherwise the
-  control stays, and `Choice.reason` says why.
-
-  With several processes every process must call `choose` with the same step names; all of them time,
-  a step's time is the slowest process's, rank 0 decides and every process gets (and checks) the same
-  Choice.
-
-  Cost: `rounds` timed calls of every step plus `warmup` each. The default (750 rounds) resolves a 5%
-  difference under 10% noise per timing (lognormal): a control and two candidates then cost 2,250
-  timed steps; on a quiet machine (1-2% noise) 50-100 rounds do.
+  Every step runs from its own copy of its starting state (the caller's is never consumed), `warmup`
+  times untimed; after the second call, what each candidate computed (its loss and parameters) is
+  compared with the control's, with docs/design.md's tolerance. Then `rounds` interleaved timed rounds,
+  each candidate's time divided by the control's in the same round; a candidate wins only when its
+  ratio's interval clears `min_gain`. docs/choose.md has the statistics, the rule and what is compared.
 
   Args:
-    steps: name -> step function (a jitted or compiled step), called `step(state, batch)` and
-      returning the new state, or a tuple `(state, aux...)`.
-    state: the starting state for every step; or, for steps of different plans (whose states differ,
-      e.g. a sharded `dear` state), a mapping name -> state naming exactly every step, the control
-      included (its name is "control" when `control` is a function): convert the state of the plan
-      in use with `prophet_jax.convert_state` for each candidate. States are copied, never consumed.
-    batches: a sequence of batches (a list; `[batch]` for one).
+    steps: name -> step function, called `step(state, batch)`, returning the new state or `(state,
+      loss)` / `(state, metrics)` (a metrics dict's "loss" is the loss).
+    state: the starting state for every step, or a mapping name -> state naming every step, the control
+      included ("control" when `control` is a function): `prophet_jax.convert_state` for other plans.
+    batches: a sequence of batches (`[batch]` for one); round r uses `batches[r % len(batches)]`.
     control: the user's own step function (reported as "control"), or the name of one of `steps`.
-    rounds: timed rounds (default `DEFAULT_ROUNDS`, 750).
-    min_gain: the smallest speed-up that counts (0.02: a candidate must be shown >= 2% faster).
-    warmup: untimed calls of every step before the rounds (the first compiles).
+    rounds: timed rounds (default 750).
+    min_gain: the smallest speed-up that counts (0.02: 2%).
+    warmup: untimed calls of every step first, at least 2 (the first compiles; the second is compared).
     confidence: coverage of each ratio's interval (default 0.95).
+    lossy: candidates whose plan may compute another result on purpose (a deferring `dlcp` plan): their
+      difference from the control is reported in `Choice.compared`, never failed.
+    compare: `compare(state)` -> the values to compare, for states whose parameters choose cannot find
+      (a flax TrainState, a dict's "params", an nnx ModelAndOptimizer it finds).
 
   Returns:
-    A `Choice`, the same on every process.
+    A `Choice`, the same on every process; `Choice.compared` and `Choice.reason` say what was compared.
 
   Raises:
-    TypeError, ValueError: no candidates, a candidate named like the control, a bad option, a state
-      mapping that does not name every step, a step returning something else than its state.
+    TypeError, ValueError: bad arguments; a step returning another structure than its state; a
+      non-finite loss; a candidate (not `lossy`) computing something else than the control. Every error
+      names the step; an exception raised inside a step carries a note naming it.
     LaunchError: the processes have different steps, or disagree on the decision.
 
   Example:
@@ -205,26 +264,44 @@ def choose(steps: Mapping[str, Callable], state: Any, batches: Sequence[Any], *,
   """
   names, fns, control_name = _split_steps(steps, control)
   rounds, min_gain, confidence = check_options("choose", rounds, min_gain, confidence)
-  warmup = check_int("choose", "warmup", warmup, lo=1, fix="The first call compiles; it must not be timed.")
+  warmup = check_int("choose", "warmup", warmup, lo=2, fix="The first call compiles and the second is "
+                     "compared with the control's.")
+  lossy = _lossy(lossy, names, control_name)
+  if compare is not None and not callable(compare):
+    raise TypeError(f"choose(compare={compare!r}): expected a function state -> the values to compare "
+                    f"(e.g. lambda state: state.params), or None.")
   if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or len(batches) == 0:
     raise TypeError(f"choose(batches=...): expected a non-empty sequence of batches (a list; [batch] "
                     f"for one); got {type(batches).__name__}.")
   names = _agree_names(names)
   start = _states(state, names)
+  before = snapshot(start[control_name], None, compare)
   current = {n: _copy(start[n]) for n in names}
+  seen: dict[str, list[Snapshot]] = {}
   for n in names:
     for w in range(warmup):
-      current[n] = _next_state(jax.block_until_ready(fns[n](current[n], batches[w % len(batches)])),
-                               start[n], n)
+      when = f"on its call {w + 1} (warm-up, batches[{w % len(batches)}])"
+      out = _call(fns[n], n, current[n], batches[w % len(batches)], when)
+      current[n] = _next_state(out, start[n], n)
+      loss = loss_of(out, current[n] is out)
+      _check_finite(n, loss, when)
+      if w < 2:
+        seen.setdefault(n, []).append(snapshot(current[n], loss, compare))
+  compared = _compared(names, control_name, seen, before, lossy, start)
 
   def measure(name: str, r: int) -> float:
+    when = f"in timed round {r} (batches[{r % len(batches)}])"
     t0 = time.perf_counter()
-    out = jax.block_until_ready(fns[name](current[name], batches[r % len(batches)]))
+    out = _call(fns[name], name, current[name], batches[r % len(batches)], when)
     dt = time.perf_counter() - t0
     current[name] = _next_state(out, start[name], name)
+    _check_finite(name, loss_of(out, current[name] is out), when)
     return dt
 
   seconds = _slowest(interleave(names, rounds, measure))
   mine = decide(names, seconds, control=control_name, min_gain=min_gain, confidence=confidence,
                 processes=jax.process_count())
+  said = "; ".join(f"{k!r} {v}" for k, v in compared.items())
+  mine = dataclasses.replace(mine, compared=compared,
+                             reason=f"{mine.reason} What they compute, after the second call: {said}.")
   return _agree_choice(mine)

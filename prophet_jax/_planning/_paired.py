@@ -130,6 +130,8 @@ class Choice:
     reason: one sentence: why `best` is best.
     median_s: per step, its median step time in seconds (the slowest process's).
     rounds, min_gain, confidence, processes: what it was measured with.
+    compared: per candidate, what it computes against the control after the second call: 'equal',
+      'differs' (a lossy plan: reported, not failed) or 'not compared' (`choose`; empty from `decide`).
   """
 
   best: str
@@ -143,6 +145,7 @@ class Choice:
   min_gain: float = 0.02
   confidence: float = DEFAULT_CONFIDENCE
   processes: int = 1
+  compared: dict[str, str] = field(default_factory=dict)
 
   __hash__ = None  # type: ignore[assignment]  # holds dicts
 
@@ -168,7 +171,7 @@ class Choice:
             "ratios": dict(self.ratios), "intervals": {k: list(v) for k, v in self.intervals.items()},
             "verdicts": dict(self.verdicts), "reason": self.reason, "median_s": dict(self.median_s),
             "rounds": self.rounds, "min_gain": self.min_gain, "confidence": self.confidence,
-            "processes": self.processes}
+            "processes": self.processes, "compared": dict(self.compared)}
 
   def to_json(self) -> str:
     """JSON text; `Choice.from_json` reads it back equal."""
@@ -184,7 +187,7 @@ class Choice:
                verdicts=dict(d["verdicts"]), reason=d["reason"],
                median_s={k: float(v) for k, v in d["median_s"].items()}, rounds=int(d["rounds"]),
                min_gain=float(d["min_gain"]), confidence=float(d["confidence"]),
-               processes=int(d["processes"]))
+               processes=int(d["processes"]), compared=dict(d.get("compared", {})))
 
   @property
   def fingerprint(self) -> str:

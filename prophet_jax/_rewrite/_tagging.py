@@ -21,8 +21,9 @@ Where the partitioner cannot follow a plan (`TaggedPlan.notes` says which, per p
   falls between layers is kept, one inside a layer moves to the layer's edge (the fewest elements
   moved), and a unit left with no layer of its own disappears;
 - **order**: the partitioner's all-reduces carry no tie; their order is XLA's (the audit reports it);
-- **deferral and sharding**: a deferral group's slots are chosen at run time and a sharded plan's
-  collectives are reduce-scatters: neither is the partitioner's all-reduce (ValueError: use the rewrite).
+- **deferral and sharding**: a deferral group's slots are chosen at run time, a ZeRO-1 plan's collectives
+  are reduce-scatters and an FSDP plan's gathers and reduce-scatters go in groups of their own: none is the
+  partitioner's all-reduce (ValueError: use the rewrite, or `xla_options` for an FSDP plan's thresholds).
 XLA:CPU ignores the key: on the CPU a tagged step is the plain step (its numbers are).
 """
 
@@ -110,15 +111,20 @@ def tag_plan(schedule: Schedule) -> TaggedPlan:
   elements (module docstring), one combiner key per unit left holding a layer.
 
   Raises:
-    ValueError: a sharded or deferring plan (the partitioner's all-reduce cannot carry it).
+    ValueError: a ZeRO-1, FSDP or deferring plan (the partitioner's all-reduce cannot carry it).
   """
   if not isinstance(schedule, Schedule):
     raise TypeError(f"tag_plan(schedule={schedule!r:.60}): expected a prophet_jax.Schedule.")
-  if schedule.sharded or schedule.defers:
-    what = "reduce-scatters and all-gathers" if schedule.sharded else "deferral groups chosen at run time"
-    raise ValueError(f"tag_layers: a {schedule.policy!r} plan issues {what}, which the partitioner's own "
-                     f"gradient all-reduces cannot carry. Run it with the rewrite (prophet_jax.hooked(..., "
-                     f"mesh=) or scheduled), or tag a lossless all-reduce plan.")
+  if schedule.family != "allreduce" or schedule.defers:
+    what = {"zero1": "reduce-scatters and all-gathers (ZeRO-1)",
+            "fsdp": "parameter all-gathers and gradient reduce-scatters in groups of its own (FSDP)"}.get(
+                schedule.family, "deferral groups chosen at run time")
+    fix = ("Run it with prophet_jax.hooked(..., mesh=) (an FSDP plan: hooked only), or, for a plain FSDP step, "
+           "take its all-gather and reduce-scatter thresholds from prophet_jax.xla_options(schedule, network)"
+           if schedule.family == "fsdp" else "Run it with the rewrite (prophet_jax.hooked(..., mesh=) or scheduled)")
+    raise ValueError(f"tag_layers: a {schedule.policy!r} plan (family {schedule.family!r}) issues {what}, "
+                     f"which combiner keys on the partitioner's gradient all-reduces cannot carry. {fix}, "
+                     f"or tag a lossless all-reduce plan.")
   paths = [r[0] for r in schedule.rows]
   sizes = [int(_size(r[1])) for r in schedule.rows]
   layer = [layer_of_path(p) for p in paths]
