@@ -22,7 +22,7 @@ from ._sharded import sharded_allreduce
 from ._defer import given_state, group_states, with_groups
 from ._keys import check_enforce_order, ordering
 from ._states import per_device_leaves
-from .._values._checks import check_bool, match_tree
+from .._values._checks import check_bool, check_values, match_tree
 from .._values._schedule import Schedule
 
 __all__ = ["allreduce", "reduction_kind", "step_setup", "StepSetup", "scheduled_allreduce", "accumulated_allreduce"]
@@ -75,6 +75,7 @@ def reduction_kind(schedule: Schedule, where: str) -> str:
   Raises:
     ValueError: an FSDP plan (its parameters are sharded: only `hooked` carries it out).
   """
+  check_values(where, schedule=schedule)
   if schedule.family == "fsdp":
     raise ValueError(
         f"{where}: the schedule is an FSDP plan (policy {schedule.policy!r}: parameters sharded over the "
