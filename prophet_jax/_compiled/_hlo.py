@@ -33,54 +33,41 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 
 
-def shape_elements(shape: str) -> int:
-  """Elements in an HLO shape ('f32[4,5]{1,0}' -> 20; a tuple sums its arrays; 'f32[]' -> 1)."""
-  total = 0
-  for dtype, dims in _ARRAY.findall(shape):
-    if dtype == "token":
-      continue
-    total += math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-  return total
-
-
 _BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16,
          "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64,
          "c128": 128}
 
 
-def _dtype_bits(dtype: str) -> int:
-  if dtype in _BITS:
-    return _BITS[dtype]
-  if dtype.startswith("f8"):
-    return 8
-  if dtype.startswith("f4"):
-    return 4
-  return 0  # token, opaque types
-
-
-def shape_parts(shape: str) -> tuple[int, ...]:
-  """Elements of each array in an HLO shape ('(f32[4,5], f32[3])' -> (20, 3); tokens left out)."""
-  return tuple(shape_elements(f"{d}[{dims}]") for d, dims in _ARRAY.findall(shape) if d != "token")
-
-
-def shape_bytes(shape: str) -> int:
-  """Bytes of an HLO shape ('f32[4,5]{1,0}' -> 80; a tuple sums its arrays; tokens count 0)."""
-  bits = 0
-  for dtype, dims in _ARRAY.findall(shape):
-    n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-    bits += n * _dtype_bits(dtype)
-  return (bits + 7) // 8
+def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+  """(element type, dimensions) of each array in an HLO shape, tokens left out."""
+  return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape) if t != "token"]
 
 
 def shape_dims(shape: str) -> tuple[tuple[int, ...], ...]:
   """Dimensions of each array in an HLO shape ('(f32[2,3], u8[0])' -> ((2, 3), (0,)))."""
-  return tuple(tuple(int(d) for d in dims.split(",") if d) for dt, dims in _ARRAY.findall(shape)
-               if dt != "token")
+  return tuple(dims for _, dims in _arrays(shape))
 
 
 def shape_dtypes(shape: str) -> tuple[str, ...]:
   """Element types in an HLO shape, in order ('(f32[2], bf16[3])' -> ('f32', 'bf16'))."""
-  return tuple(d for d, _ in _ARRAY.findall(shape) if d != "token")
+  return tuple(t for t, _ in _arrays(shape))
+
+
+def shape_parts(shape: str) -> tuple[int, ...]:
+  """Elements of each array in an HLO shape ('(f32[4,5], f32[3])' -> (20, 3))."""
+  return tuple(math.prod(dims) for dims in shape_dims(shape))
+
+
+def shape_elements(shape: str) -> int:
+  """Elements in an HLO shape ('f32[4,5]{1,0}' -> 20; a tuple sums its arrays; 'f32[]' -> 1)."""
+  return sum(shape_parts(shape))
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape ('f32[4,5]{1,0}' -> 80; a tuple sums its arrays; f8 and f4 types included)."""
+  bits = sum(math.prod(dims) * _BITS.get(t, 8 if t.startswith("f8") else 4 if t.startswith("f4") else 0)
+             for t, dims in _arrays(shape))
+  return (bits + 7) // 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,19 +144,23 @@ def hlo_text(compiled: Any) -> str:
   return text
 
 
+def _closing(text: str, depth: int = 0) -> int:
+  """The index in `text` where `depth` open parentheses (and those `text` opens) close; len(text) if never."""
+  for i, ch in enumerate(text):
+    depth += (ch == "(") - (ch == ")")
+    if depth == 0:
+      return i
+  return len(text)
+
+
 def _split_shape(rest: str) -> tuple[str, str]:
   """Splits 'SHAPE opcode(...)...' into (SHAPE, 'opcode(...)...'); SHAPE may be a parenthesized tuple."""
   rest = rest.lstrip()
   if rest.startswith("("):
-    depth = 0
-    for i, ch in enumerate(rest):
-      depth += ch == "("
-      depth -= ch == ")"
-      if depth == 0:
-        return rest[:i + 1], rest[i + 1:].lstrip()
-    return rest, ""
-  sp = rest.find(" ")
-  return (rest, "") if sp < 0 else (rest[:sp], rest[sp + 1:].lstrip())
+    end = _closing(rest) + 1
+  else:
+    end = rest.find(" ") if " " in rest else len(rest)
+  return rest[:end], rest[end:].lstrip()
 
 
 def _parse_instruction(line: str) -> HloInstruction | None:
@@ -180,7 +171,7 @@ def _parse_instruction(line: str) -> HloInstruction | None:
   om = re.match(r"([a-z][a-z0-9\-]*)\(", tail)
   if not om:
     return None
-  callees = [(k, v) for k, v in _CALLEE.findall(tail)]
+  callees = _CALLEE.findall(tail)
   for group in _BRANCHES.findall(tail):
     callees += [("branch", b.strip().lstrip("%")) for b in group.split(",") if b.strip()]
   trip = None
@@ -188,13 +179,8 @@ def _parse_instruction(line: str) -> HloInstruction | None:
     tm = _TRIP.search(tail)
     trip = int(tm.group(1)) if tm else None
   opm = _OPNAME.search(tail)
-  args, depth = tail[om.end():], 1
-  for i, ch in enumerate(args):
-    depth += (ch == "(") - (ch == ")")
-    if depth == 0:
-      args = args[:i]
-      break
-  operands = tuple(re.findall(r"%([\w.\-]+)", args))
+  args = tail[om.end():]
+  operands = tuple(re.findall(r"%([\w.\-]+)", args[:_closing(args, 1)]))
   return HloInstruction(name=m.group(2), opcode=om.group(1), shape=shape,
                         op_name=opm.group(1) if opm else "", operands=operands,
                         callees=tuple(callees), trip_count=trip,
@@ -256,6 +242,8 @@ class ExecutedOp:
 
 _STRUCTURAL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy", "call",
                "while", "conditional", "after-all", "opt-barrier"}
+# the calls execution_order inlines: opcode -> the callee kinds it runs
+_INLINED = {"call": ("to_apply",), "conditional": ("branch", "true_computation", "false_computation")}
 
 
 def execution_order(module: HloModule) -> tuple[ExecutedOp, ...]:
@@ -280,14 +268,9 @@ def execution_order(module: HloModule) -> tuple[ExecutedOp, ...]:
         if body:
           walk(body, t, loops + (ins.name,), depth + 1)
         continue
-      if ins.opcode == "call":
+      if ins.opcode in _INLINED:
         for kind, callee in ins.callees:
-          if kind == "to_apply":
-            walk(callee, trips, loops, depth + 1)
-        continue
-      if ins.opcode == "conditional":
-        for kind, callee in ins.callees:
-          if kind in ("branch", "true_computation", "false_computation"):
+          if kind in _INLINED[ins.opcode]:
             walk(callee, trips, loops, depth + 1)
         continue
       if ins.opcode in _STRUCTURAL:
