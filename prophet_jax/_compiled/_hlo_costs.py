@@ -66,11 +66,8 @@ class OpCosts:
         return self._dot(comp, ins, _GEMM_CONTRACT.search(ins.text))
       return 0
     if op in ("fusion", "call", "async-start") and depth < 16:
-      total = 0
-      for kind, callee in ins.callees:
-        if kind == "calls" or (op == "call" and kind == "to_apply"):
-          total += self._body(callee, depth + 1)
-      return total
+      return sum(self._body(callee, depth + 1) for kind, callee in ins.callees
+                 if kind == "calls" or (op == "call" and kind == "to_apply"))
     return 0
 
   def _body(self, comp: str, depth: int) -> int:
@@ -81,15 +78,10 @@ class OpCosts:
 
   def _dot(self, comp: str, ins: HloInstruction, contract: re.Match | None) -> int:
     dims = shape_dims(ins.shape)
-    if not dims or not ins.operands:
+    lhs = shape_dims(self._shape_map(comp).get(ins.operands[0], "")) if ins.operands else ()
+    if not dims or not lhs or contract is None:
       return 0
-    lhs = shape_dims(self._shape_map(comp).get(ins.operands[0], ""))
-    if not lhs or contract is None:
-      return 0
-    k = 1
-    for d in re.findall(r"\d+", contract.group(1)):
-      if int(d) < len(lhs[0]):
-        k *= lhs[0][int(d)]
+    k = math.prod(lhs[0][d] for d in map(int, re.findall(r"\d+", contract.group(1))) if d < len(lhs[0]))
     return 2 * math.prod(dims[0]) * k
 
   def _conv(self, comp: str, ins: HloInstruction, target: str = "") -> int:
