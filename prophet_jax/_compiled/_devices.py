@@ -69,11 +69,7 @@ def data_devices(mesh: Any, axis_name: Any, where: str) -> int | None:
   if axis_name is None:
     raise ValueError(f"{where}: mesh= needs axis_name= (the data axis, or a tuple of axes) to count the "
                      f"devices the state is laid out over.")
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  missing = [a for a in axes if a not in mesh.shape]
-  if missing:
-    raise ValueError(f"{where}: axis_name={axis_name!r}: the mesh has axes {tuple(mesh.shape)}, not {missing}.")
-  return int(np.prod([mesh.shape[a] for a in axes]))
+  return axis_total(mesh, check_mesh(mesh, axis_name, where))
 
 
 def _data_axis(mesh: Any, axis_name: Any, where: str) -> Any:

@@ -99,12 +99,16 @@ def private(module: str, attribute: str, *, feature: str, error: type[Exception]
   if not any(m == module and a == attribute for m, a, _ in PRIVATE_JAX):
     raise AssertionError(f"prophet_jax internal error: {module}.{attribute} is not in PRIVATE_JAX.")
   try:
-    obj: Any = importlib.import_module(module)
-    for part in attribute.split("."):
-      obj = getattr(obj, part)
+    return _resolve(module, attribute)
   except (ImportError, AttributeError) as e:
     raise error(f"{feature} needs jax's private {module}.{attribute}, which jax {_installed()} does not "
                 f"have ({type(e).__name__}: {e}). {_advice(fix)}") from e
+
+
+def _resolve(module: str, attribute: str) -> Any:
+  obj: Any = importlib.import_module(module)
+  for part in attribute.split("."):
+    obj = getattr(obj, part)
   return obj
 
 
@@ -113,9 +117,7 @@ def _jaxpr_api_missing() -> tuple[str, ...]:
   missing = []
   for module, attribute in JAXPR_API:
     try:
-      obj: Any = importlib.import_module(module)
-      for part in attribute.split("."):
-        obj = getattr(obj, part)
+      _resolve(module, attribute)
     except (ImportError, AttributeError):
       missing.append(f"{module}.{attribute}")
   if missing:
