@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._values._checks import check_values
 
-__all__ = ["data_axes", "check_mesh", "axis_total", "data_devices", "mesh_axis_names", "local_devices_along", "profiled_devices",
+__all__ = ["data_axes", "check_mesh", "axis_total", "data_devices", "mesh_axis_names", "profiled_devices",
            "mesh_workers", "host_rows", "placed", "spec_axes", "profiled_axis"]
 
 
@@ -82,33 +82,25 @@ def _data_axis(mesh: Any, axis_name: Any, where: str) -> Any:
   return axis_name
 
 
-def local_devices_along(mesh: Any, axis_name: Any, where: str) -> list[Any]:
-  """This process's devices along the data axes of `mesh` (at the first index of every other axis):
-  the devices a per-device profile of the mesh's step runs on."""
-  axes = check_mesh(mesh, axis_name, where)
+def profiled_devices(mesh: Any, axis_name: Any, where: str) -> list[Any]:
+  """The devices a per-device profile runs on: this process's devices, or, given the training mesh,
+  those of them along its data axis (at the first index of every other axis; `axis_name` may be left
+  out for a one-axis mesh)."""
+  if mesh is None:
+    return jax.local_devices()
+  axes = check_mesh(mesh, _data_axis(mesh, axis_name, where), where)
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"{where}(mesh=...): profiling runs the step, so it needs a mesh of real devices "
                     f"(jax.sharding.Mesh), not {type(mesh).__name__}.")
   names = mesh_axis_names(mesh)
-  devices = np.asarray(mesh.devices)
-  index = tuple(slice(None) if n in axes else 0 for n in names)
-  along = devices[index]
+  along = np.asarray(mesh.devices)[tuple(slice(None) if n in axes else 0 for n in names)]
   order = [n for n in names if n in axes]
   along = np.transpose(along, [order.index(a) for a in axes]).reshape(-1)
-  here = jax.process_index()
-  out = [d for d in along if d.process_index == here]
+  out = [d for d in along if d.process_index == jax.process_index()]
   if not out:
     raise ValueError(f"{where}(mesh=...): none of the mesh's devices along {axes} belongs to this "
                      f"process.")
   return out
-
-
-def profiled_devices(mesh: Any, axis_name: Any, where: str) -> list[Any]:
-  """The devices a per-device profile runs on: this process's devices, or, given the training mesh,
-  those of them along its data axis (`axis_name` may be left out for a one-axis mesh)."""
-  if mesh is None:
-    return jax.local_devices()
-  return local_devices_along(mesh, _data_axis(mesh, axis_name, where), where)
 
 
 def profiled_axis(mesh: Any, axis_name: Any, default: str, where: str) -> str:
