@@ -150,8 +150,8 @@ def gpu_target(name: str) -> GpuTarget:
   key = _resolve(name)
   file = _TARGETS[key][0]
   text = (resources.files("prophet_jax") / "targets" / file).read_text()
-  major = _field(text.split("cuda_compute_capability", 1)[-1], "major", "0")
-  minor = _field(text.split("cuda_compute_capability", 1)[-1].split("}", 1)[0], "minor", "0")
+  cc = text.split("cuda_compute_capability", 1)[-1]   # the block's major, and its minor (before its '}')
+  major, minor = _field(cc, "major", "0"), _field(cc.split("}", 1)[0], "minor", "0")
   return GpuTarget(
       name=key, description=_field(text, "device_description_str"), file=file,
       compute_capability=f"{major}.{minor}", core_count=int(_field(text, "core_count")),
@@ -178,15 +178,16 @@ class CudaPlugin:
   pjrt: str
 
 
+def _find_spec(module: str) -> Any:
+  """`module`'s spec, found without importing it (None when it or its package is missing)."""
+  try:
+    return importlib.util.find_spec(module)
+  except (ImportError, ValueError):
+    return None
+
+
 def _plugins_found() -> tuple[int, ...]:
-  found = []
-  for major in sorted(_EXTRAS):
-    try:
-      if importlib.util.find_spec(f"jax_plugins.xla_cuda{major}") is not None:
-        found.append(major)
-    except (ImportError, ValueError):
-      pass
-  return tuple(found)
+  return tuple(major for major in sorted(_EXTRAS) if _find_spec(f"jax_plugins.xla_cuda{major}") is not None)
 
 
 def cuda_plugin() -> CudaPlugin | None:
@@ -221,28 +222,18 @@ def _version(dist: str) -> str | None:
 
 def _nvcc_wheel_dirs() -> list[str]:
   """The ptxas wheels' roots in site-packages: `nvidia/cuda_nvcc` (CUDA 12) and `nvidia/cu13` (CUDA 13)."""
-  dirs = []
-  for module in ("nvidia.cuda_nvcc", "nvidia.cu13"):
-    try:
-      spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-      spec = None
-    dirs += list(spec.submodule_search_locations or []) if spec else []
-  return dirs
+  specs = [_find_spec(module) for module in ("nvidia.cuda_nvcc", "nvidia.cu13")]
+  return [d for spec in specs if spec is not None for d in spec.submodule_search_locations or []]
 
 
 def find_ptxas() -> str | None:
   """The ptxas XLA:GPU will find, or None: the `nvidia-cuda-nvcc-cu12` or `nvidia-cuda-nvcc` (CUDA 13)
   wheel's, a CUDA toolkit's (`--xla_gpu_cuda_data_dir` in XLA_FLAGS, CUDA_HOME, CUDA_PATH, CUDA_DIR,
   /usr/local/cuda), or PATH's."""
-  dirs = []
   m = re.search(r"--xla_gpu_cuda_data_dir=(\S+)", os.environ.get("XLA_FLAGS", ""))
-  if m:
-    dirs.append(m.group(1))
-  dirs += _nvcc_wheel_dirs()
-  dirs += [os.environ[k] for k in ("CUDA_HOME", "CUDA_PATH", "CUDA_DIR") if os.environ.get(k)]
-  dirs.append("/usr/local/cuda")
-  for d in dirs:
+  dirs = [m.group(1)] if m else []
+  dirs += _nvcc_wheel_dirs() + [os.environ[k] for k in ("CUDA_HOME", "CUDA_PATH", "CUDA_DIR") if os.environ.get(k)]
+  for d in dirs + ["/usr/local/cuda"]:
     p = Path(d) / "bin" / "ptxas"
     if p.is_file() and os.access(p, os.X_OK):
       return str(p)
