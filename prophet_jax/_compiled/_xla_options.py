@@ -44,9 +44,9 @@ from ._gpu import GpuTopology, cuda_plugin_installed, gpu_target
 __all__ = ["xla_options", "xla_settings", "XlaSettings", "plan_options", "network_flags"]
 
 # per-compile options the plan sets, each a list of spellings across jaxlib versions (first accepted wins)
-_AR_THRESHOLD = ("xla_gpu_all_reduce_combine_threshold_bytes",)
-_RS_THRESHOLD = ("xla_gpu_reduce_scatter_combine_threshold_bytes",)
-_AG_THRESHOLD = ("xla_gpu_all_gather_combine_threshold_bytes",)
+_KINDS = (("all-reduce", ("xla_gpu_all_reduce_combine_threshold_bytes",)),   # collective kind -> its threshold
+          ("reduce-scatter", ("xla_gpu_reduce_scatter_combine_threshold_bytes",)),
+          ("all-gather", ("xla_gpu_all_gather_combine_threshold_bytes",)))
 _SCHEDULER = ("xla_gpu_enable_latency_hiding_scheduler",)
 _IN_FLIGHT = ("xla_gpu_experimental_parallel_collective_overlap_limit",)
 _EARLY_START = ("xla_gpu_experimental_collective_start_as_early_as_possible",)
@@ -54,6 +54,7 @@ _EARLY_START = ("xla_gpu_experimental_collective_start_as_early_as_possible",)
 # only XLA_FLAGS can carry (see the module docstring)
 _SOL_ON = "xla_gpu_enable_analytical_sol_latency_estimator"
 _SOL_MAP = "xla_gpu_analytical_latency_estimator_options"
+Units = dict[str, tuple[tuple[int, ...], ...]]   # collective kind -> its units, each the bytes of its leaves
 _REFUSED = re.compile(r"No such compile option: '([^']+)'|While setting option (\w+)")
 
 
@@ -103,7 +104,7 @@ def cut_leaves(schedule: Schedule) -> list[str]:
   return [schedule.rows[r][0] for r in sorted(cut)]
 
 
-def plan_units(schedule: Schedule, workers: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+def plan_units(schedule: Schedule, workers: int) -> Units:
   """The units the plan issues, per collective kind ('all-reduce', 'reduce-scatter', 'all-gather'), in
   issue order, each as the bytes XLA's combiner counts for each of its leaves: a collective's *result*
   (a whole leaf for an all-reduce or an all-gather, one device's shard of it for a reduce-scatter;
@@ -165,9 +166,6 @@ def _fill_cap(schedule: Schedule) -> int | None:
   return None
 
 
-_KINDS = (("all-reduce", _AR_THRESHOLD), ("reduce-scatter", _RS_THRESHOLD), ("all-gather", _AG_THRESHOLD))
-
-
 def _checked(schedule: Any, network: Any) -> int:
   """The workers a plan's unit sizes are counted for (`network.workers`, or 8), after the type checks."""
   check_values("xla_options", schedule=schedule)
@@ -176,7 +174,7 @@ def _checked(schedule: Any, network: Any) -> int:
   return network.workers if network is not None else 8
 
 
-def _thresholds(schedule: Schedule, units: dict[str, tuple[tuple[int, ...], ...]]) -> dict[str, int]:
+def _thresholds(schedule: Schedule, units: Units) -> dict[str, int]:
   """Per collective kind the plan issues, its combine threshold: a threshold-fill plan's cap, else the
   largest unit's bytes."""
   out = {}
@@ -188,7 +186,7 @@ def _thresholds(schedule: Schedule, units: dict[str, tuple[tuple[int, ...], ...]
   return out
 
 
-def plan_options(schedule: Schedule, network: NetworkModel | None = None) -> dict[str, tuple[tuple[str, ...], Any]]:
+def plan_options(schedule: Schedule, units: Units, limits: dict[str, int]) -> dict[str, tuple[tuple[str, ...], Any]]:
   """The settings a plan asks for, before any jaxlib is asked: setting -> (spellings, value).
 
   - Combine thresholds, per collective kind the plan issues (`plan_units`): for a threshold-fill plan
@@ -198,11 +196,9 @@ def plan_options(schedule: Schedule, network: NetworkModel | None = None) -> dic
   - In flight: the plan's links (all-reduce plans), or an FSDP plan's prefetch depth.
   - Early start where an all-reduce plan overlaps communication with backward (more than one unit);
     never for FSDP (every all-gather would start at once: all parameters gathered together).
-  A sharded plan's unit sizes depend on the workers: `network.workers`, or 8 without a network.
+  `units` are `plan_units`', `limits` `_thresholds`'.
   """
-  units = plan_units(schedule, _checked(schedule, network))
   out: dict[str, tuple[tuple[str, ...], Any]] = {}
-  limits = _thresholds(schedule, units)
   for kind, names in _KINDS:
     if kind in limits:
       out[f"{kind} threshold"] = (names, limits[kind])
@@ -216,13 +212,10 @@ def plan_options(schedule: Schedule, network: NetworkModel | None = None) -> dic
   return out
 
 
-def unformed(schedule: Schedule, network: NetworkModel | None = None) -> str | None:
+def unformed(schedule: Schedule, units: Units, limits: dict[str, int]) -> str | None:
   """Where the settings cannot give this plan: one paragraph naming what differs and what does give it
   (combiner keys, the library's step); None where the thresholds form its units (estimated in the plan's
   leaf order: XLA combines in its program's)."""
-  workers = _checked(schedule, network)
-  units = plan_units(schedule, workers)
-  limits = _thresholds(schedule, units)
   parts = []
   cut = cut_leaves(schedule) if schedule.family != "zero1" else []
   if cut:
@@ -337,20 +330,19 @@ def _flags_accepted(flags: dict[str, str]) -> dict[str, bool]:
   """Whether a process starts with each `--name=value` in XLA_FLAGS (an unknown one aborts the
   process, so each new name is tried in a child process; memoised per name)."""
   todo = [k for k in flags if k not in _FLAGS_OK]
-  if todo:
-    line = " ".join(f"--{k}={flags[k]}" for k in todo)
-    env = {**os.environ, "XLA_FLAGS": line, "JAX_PLATFORMS": "cpu"}
-    code = "import jax, jax.numpy as jnp; jax.jit(lambda x: x + 1)(jnp.zeros(2)).block_until_ready()"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    if r.returncode == 0:
-      _FLAGS_OK.update(dict.fromkeys(todo, True))
-    else:  # one at a time, to say which
-      for k in todo:
-        env["XLA_FLAGS"] = f"--{k}={flags[k]}"
-        one = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                             timeout=120)
-        _FLAGS_OK[k] = one.returncode == 0
+  if todo and _starts(" ".join(f"--{k}={flags[k]}" for k in todo)):
+    _FLAGS_OK.update(dict.fromkeys(todo, True))
+  else:  # one at a time, to say which
+    _FLAGS_OK.update({k: _starts(f"--{k}={flags[k]}") for k in todo})
   return {k: _FLAGS_OK[k] for k in flags}
+
+
+def _starts(xla_flags: str) -> bool:
+  """Whether a child process runs a jax program with this XLA_FLAGS line."""
+  env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
+  code = "import jax, jax.numpy as jnp; jax.jit(lambda x: x + 1)(jnp.zeros(2)).block_until_ready()"
+  return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=120).returncode == 0
 
 
 def _resolve_target(target: Any) -> tuple[str | None, str | None]:
@@ -383,15 +375,17 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
 
   See `xla_options`; this also returns the flags line, the jaxlib version and why anything was left out.
   """
-  wanted = plan_options(schedule, network)
-  warning = unformed(schedule, network) or ""
+  units = plan_units(schedule, _checked(schedule, network))   # a sharded plan's: network.workers, or 8
+  limits = _thresholds(schedule, units)
+  wanted = plan_options(schedule, units, limits)
+  warning = unformed(schedule, units, limits) or ""
   name, why = _resolve_target(target)
   if name is None:
     return XlaSettings(compiler_options={}, xla_flags="", jaxlib="", target="", notes=(why,), warning=warning)
   import jaxlib  # only where a target exists (the CLI's xla-flags imports this module without jax)
 
   notes: list[str] = fsdp_notes(schedule)
-  candidates = {names[i]: value for names, value in wanted.values() for i in range(len(names))}
+  candidates = {n: value for names, value in wanted.values() for n in names}
   try:
     ok = _accepts(name, candidates)
   except GpuCompileError as e:
