@@ -6,6 +6,7 @@ forward pass first reads each parameter (`forward_positions`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 
@@ -38,8 +39,6 @@ class StepHlo:
   root_operands: list[str]
   params: dict[int, str] = dataclasses.field(default_factory=dict)   # ENTRY parameter number -> name
   position: dict[str, int] = dataclasses.field(default_factory=dict)  # ENTRY instruction -> its index
-  layer_cache: dict[tuple[str, tuple[str, ...]], str | None] = dataclasses.field(default_factory=dict,
-                                                                                 repr=False)
 
 
 def step_hlo(text: str) -> StepHlo:
@@ -93,14 +92,15 @@ def segments(op_name: str) -> list[str]:
   return out
 
 
-class _LayerIndex:
+class LayerIndex:
   """Every suffix of every layer path -> the first layer (in order) that ends with it: matching an
   op's name is then one dictionary look-up per run of consecutive segments, not a scan of the layers
-  (BERT-base has 200 layers and a long trace has 10^5 events)."""
+  (BERT-base has 200 layers and a long trace has 10^5 events); each op name is matched once."""
 
-  def __init__(self, layers: Sequence[str]):
+  def __init__(self, layers: tuple[str, ...]):
     self.by_suffix: dict[tuple[str, ...], int] = {}
-    self.layers = list(layers)
+    self.layers = layers
+    self.match = functools.lru_cache(maxsize=None)(self._match)
     self.longest = 0
     for k, layer in enumerate(self.layers):
       comps = tuple(layer.split("/"))
@@ -108,7 +108,7 @@ class _LayerIndex:
       for start in range(len(comps)):
         self.by_suffix.setdefault(comps[start:], k)
 
-  def match(self, op_name: str) -> str | None:
+  def _match(self, op_name: str) -> str | None:
     segs = segments(op_name)
     for k in range(min(self.longest, len(segs)), 0, -1):
       hits = [self.by_suffix[t] for j in range(len(segs) - k + 1) if (t := tuple(segs[j:j + k])) in
@@ -118,23 +118,15 @@ class _LayerIndex:
     return None
 
 
-_INDEXES: dict[tuple[str, ...], _LayerIndex] = {}
-
-
-def layer_index(layers: Sequence[str]) -> _LayerIndex:
-  key = tuple(layers)
-  idx = _INDEXES.get(key)
-  if idx is None:
-    if len(_INDEXES) > 16:
-      _INDEXES.clear()
-    idx = _INDEXES[key] = _LayerIndex(key)
-  return idx
+@functools.lru_cache(maxsize=16)
+def layer_index(layers: tuple[str, ...]) -> LayerIndex:
+  return LayerIndex(layers)
 
 
 def match_layer(op_name: str, layers: Sequence[str]) -> str | None:
   """The layer whose path (its longest suffix) appears as consecutive segments of the op's name;
   among layers matching equally long suffixes, the first in `layers`."""
-  return layer_index(layers).match(op_name)
+  return layer_index(tuple(layers)).match(op_name)
 
 
 def forward_positions(hlo: StepHlo, n: int) -> list[int | None]:

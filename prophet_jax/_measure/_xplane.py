@@ -336,21 +336,14 @@ def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[in
       rows[r] = min(max(ready(out_name) - b0, 0.0), bwd_s)
   # forward time per layer: each op before backward starts, from the previous op's end to its end
   fwd = dict.fromkeys(layers_in_order, 0.0)
-  index = layer_index(layers_in_order)
-  key = tuple(layers_in_order)
+  index = layer_index(tuple(layers_in_order))
   current = layers_in_order[0]
   prev = t0
   for e in ex:
     if e["start_ns"] >= b0:
       break
     ins = hlo.instrs.get(e["op"])
-    lay = None
-    if ins is not None:
-      ck = (ins.name, key)
-      if ck in hlo.layer_cache:
-        lay = hlo.layer_cache[ck]
-      else:
-        lay = hlo.layer_cache[ck] = index.match(ins.op_name)
+    lay = index.match(ins.op_name) if ins is not None else None
     if lay is not None:
       current = lay
     end = min(e["end_ns"], b0)
