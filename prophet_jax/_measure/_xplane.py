@@ -147,8 +147,7 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
           st = dict(ev.stats)
           mod = st.get("hlo_module")
           if mod is not None and "hlo_op" in st:
-            dev = st.get("device_ordinal", plane.name) if not is_device else plane.name
-            dev = f"{prefix}{dev}"
+            dev = f"{prefix}{plane.name if is_device else st.get('device_ordinal', plane.name)}"
             start = float(ev.start_ns)
             timeline.setdefault(dev, []).append((start, mod))
             counts[mod] = counts.get(mod, 0) + 1
@@ -174,41 +173,22 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
               s = float(ev.start_ns)
               scopes.setdefault(line_key, []).append((s, s + float(ev.duration_ns), st["run_id"], name))
               runs_of[name].add((prefix, st["run_id"]))
-    # a GPU kernel's execution: its host launch lies inside the host's Execute event (run_id) of
-    # the same program, on the launching thread's line
-    # (or, when the launching thread is another one, e.g. a per-device thread, the latest Execute
-    # event of the program on any line that was open when the launch was made)
-    scopes[-1] = [x for k, v in scopes.items() for x in v]
+    scopes[-1] = [x for k, v in scopes.items() for x in v]   # every line's, for _launched_in's second look
     for v in scopes.values():
       v.sort()
     starts = {k: [s[0] for s in v] for k, v in scopes.items()}
     for e in dev_events:
       hit = launch_at.get(e["corr"]) if e["corr"] is not None else None
-      if hit is not None:
-        for key, back in ((hit[0], 3), (-1, 64)):
-          if key not in scopes:
-            continue
-          line_scopes, t = scopes[key], hit[1]
-          j = bisect.bisect_right(starts[key], t) - 1
-          for s, end, rid, name in reversed(line_scopes[max(j - back, 0):j + 1]):
-            if s <= t <= end and name == e["module"]:
-              e["run"] = (prefix, rid)
-              break
-          if e["run"] is not None:
-            break
-      if e["run"] is None:
+      rid = _launched_in(hit, e["module"], scopes, starts) if hit is not None else None
+      if rid is None:
         unlinked.add(id(e))
+      else:
+        e["run"] = (prefix, rid)
   linked: dict[str, str] = {}
-  for m in modules:
-    evs = events[m]
-    if not evs:
-      continue
-    if any(id(e) in unlinked for e in evs):
-      linked[m] = "segments"
-    elif all(isinstance(e["run"], tuple) for e in evs):
-      linked[m] = "host launch"
-    else:
-      linked[m] = "run_id"
+  for m, evs in events.items():
+    if evs:
+      linked[m] = ("segments" if any(id(e) in unlinked for e in evs) else
+                   "host launch" if all(isinstance(e["run"], tuple) for e in evs) else "run_id")
   if unlinked:
     _segment(events, timeline, linked)
   for e in (x for v in events.values() for x in v):
@@ -217,31 +197,33 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
                platform=platform, files=files, modules=counts, device_name=device_name)
 
 
+def _launched_in(hit: tuple[int, float], module: str, scopes: dict[int, list[tuple[float, float, Any, str]]],
+                 starts: dict[int, list[float]]) -> Any:
+  """The run_id of the host's Execute event of `module` holding a GPU kernel's launch `hit` (line, time):
+  on the launching thread's line, else (a launch from another thread, e.g. a per-device one) the latest
+  Execute event of the program on any line that was open at the launch; None when there is none."""
+  line, t = hit
+  for key, back in ((line, 3), (-1, 64)):
+    j = bisect.bisect_right(starts.get(key, []), t) - 1
+    for s, end, rid, name in reversed(scopes.get(key, [])[max(j - back, 0):j + 1]):
+      if s <= t <= end and name == module:
+        return rid
+  return None
+
+
 def _segment(events: dict[str, list[dict[str, Any]]], timeline: dict[Any, list[tuple[float, str]]],
              linked: dict[str, str]) -> None:
   """Runs for modules whose events could not be tied to a host launch: per device, a new execution
   starts wherever another program's op ran on the device since the module's previous op."""
-  for dev, tl in timeline.items():
-    tl.sort()
+  cut = [m for m, how in linked.items() if how == "segments"]
   bounds: dict[tuple[Any, str], list[float]] = {}
   for dev, tl in timeline.items():
-    mods = {m for _, m in tl}
-    for m in mods:
-      if m not in linked or linked[m] != "segments":
-        continue
-      # starts of this module's ops that follow another module's op: execution boundaries
-      b, prev = [], None
-      for t, mm in tl:
-        if mm == m and prev is not None and prev != m:
-          b.append(t)
-        prev = mm
-      bounds[(dev, m)] = b
-  for m, evs in events.items():
-    if linked.get(m) != "segments":
-      continue
-    for e in evs:
-      b = bounds.get((e["device"], m), [])
-      e["run"] = ("segment", bisect.bisect_right(b, e["start_ns"]))
+    tl.sort()
+    for m in cut:  # starts of the module's ops that follow another module's op: execution boundaries
+      bounds[(dev, m)] = [t for (t, mm), (_, prev) in zip(tl[1:], tl) if mm == m and prev != m]
+  for m in cut:
+    for e in events[m]:
+      e["run"] = ("segment", bisect.bisect_right(bounds.get((e["device"], m), []), e["start_ns"]))
 
 
 def executions(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
