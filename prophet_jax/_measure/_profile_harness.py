@@ -12,7 +12,6 @@ lowered program with its arguments, and `compile_all` compiles several at once.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import statistics
 import time
@@ -31,7 +30,6 @@ from .._values._checks import check_int
 from .._values._errors import ProfileError
 from .._compiled._jaxpr import forward_paths
 from .._values._tree import check_layer_depth, is_reduced_leaf, layer_of, layer_path, path_str
-from .._values._types import itemsize
 
 AXIS = "prophet_profile"
 STEP_NAME = "prophet_profile_step"
@@ -96,17 +94,17 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
           f"{tuple(shape) if shape is not None else None}; every batch leaf needs a leading (example) "
           f"axis divisible by num_devices={n}, e.g. ({8 * n}, ...).")
 
+  dset = set(diff_idx)
+
   def loss_of(diff_leaves, other_leaves, b):
-    full, di, oi = [], iter(diff_leaves), iter(other_leaves)
-    dset = set(diff_idx)
-    for i in range(len(leaves)):
-      full.append(next(di) if i in dset else next(oi))
+    di, oi = iter(diff_leaves), iter(other_leaves)
+    full = [next(di) if i in dset else next(oi) for i in range(len(leaves))]
     return loss_fn(jax.tree_util.tree_unflatten(treedef, full), b)
 
   # Abstract check: differentiable, scalar, batch shapes the model accepts (per-device shapes), traced
   # with the data axis bound as in training (a model's BatchNorm(axis_name=...) reduces over it).
   diff = [leaves[i] for i in diff_idx]
-  other = [x for i, x in enumerate(leaves) if i not in set(diff_idx)]
+  other = [x for i, x in enumerate(leaves) if i not in dset]
   local_batch = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), batch)
   env = [(axis, n)]
@@ -137,10 +135,8 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
   layer_paths = [layer_path(p) for p, _ in flat]   # an nnx Variable's '.value' is not a layer
   layers = {i: layer_of(layer_paths[i], layer_depth) for i in diff_idx}
 
-  rep = NamedSharding(mesh, P())
-  shard = NamedSharding(mesh, P(axis))
-  params_d = jax.device_put(params, rep)
-  batch_d = jax.device_put(batch, shard)
+  params_d = jax.device_put(params, NamedSharding(mesh, P()))
+  batch_d = jax.device_put(batch, NamedSharding(mesh, P(axis)))
   return ProgramSetup(mesh=mesh, axis=axis, num_devices=n, params=params_d, batch=batch_d, diff_idx=diff_idx,
                 treedef=treedef, leaves=list(jax.tree_util.tree_leaves(params_d)), paths=paths,
                 order=order, layers=layers, loss_of=loss_of)
@@ -182,18 +178,22 @@ def grad_program(s: ProgramSetup, wrt: Sequence[int] | None = None, name: str = 
 
     return jax.grad(part)([diff[k] for k in keep], diff, other, b)
 
-  step.__name__ = name
-  step.__qualname__ = name
-  return jax.jit(jax.shard_map(step, mesh=s.mesh, in_specs=(P(), P(), P(s.axis)), out_specs=P(),
-                               check_vma=False))
+  return mapped(s, step, (P(), P(), P(s.axis)), P(), name=name)
 
 
 def loss_program(s: ProgramSetup):
   def fwd(diff, other, b):
     return s.loss_of(diff, other, b)
 
-  return jax.jit(jax.shard_map(fwd, mesh=s.mesh, in_specs=(P(), P(), P(s.axis)), out_specs=P(),
-                               check_vma=False))
+  return mapped(s, fwd, (P(), P(), P(s.axis)), P())
+
+
+def mapped(s: ProgramSetup, f: Callable[..., Any], in_specs: Any, out_specs: Any, *, name: str = "") -> Any:
+  """`jax.jit(jax.shard_map(f))` over the profile's mesh, without the varying-type checks; `name`
+  renames `f`, and so the compiled module (`jit_<name>`), which the trace is searched for."""
+  if name:
+    f.__name__ = f.__qualname__ = name
+  return jax.jit(jax.shard_map(f, mesh=s.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
 
 def wall_median(f: Callable[[], Any], repeats: int) -> float:
@@ -234,16 +234,7 @@ def compile_all(progs: Sequence[Prog | None]) -> None:
     return
 
   with ThreadPoolExecutor(len(todo)) as pool:
-    for f in [pool.submit(p.compile) for p in todo]:
-      f.result()
-
-
-def array_nbytes(x: Any) -> int:
-  return int(math.prod(x.shape)) * itemsize(str(x.dtype))
-
-
-def ordered_layers(s: ProgramSetup) -> list[str]:
-  return list(dict.fromkeys(s.layers[s.diff_idx[k]] for k in s.order))
+    list(pool.map(Prog.compile, todo))
 
 
 def update_program(s: ProgramSetup, tx: Any) -> Prog:
@@ -252,11 +243,7 @@ def update_program(s: ProgramSetup, tx: Any) -> Prog:
 
   diff, _ = split_leaves(s)
   state = tx.init(diff)
-  upd = _updater(tx)
-  upd.__name__ = UPDATE_NAME
-  upd.__qualname__ = UPDATE_NAME
-  f = jax.jit(jax.shard_map(upd, mesh=s.mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()),
-                            check_vma=False))
+  f = mapped(s, _updater(tx), (P(), P(), P()), (P(), P()), name=UPDATE_NAME)
   grads = jax.tree_util.tree_map(lambda x: x * 0 + 1e-3, diff)
   return Prog(f.lower(diff, grads, state), (diff, grads, state))
 
@@ -280,6 +267,5 @@ def local_step_program(s: ProgramSetup, tx: Any) -> Prog:
   def local_step(p, o, b, st):
     return upd(p, jax.grad(s.loss_of)(p, o, b), st)
 
-  f = jax.jit(jax.shard_map(local_step, mesh=s.mesh, in_specs=(P(), P(), P(s.axis), P()),
-                            out_specs=(P(), P()), check_vma=False))
+  f = mapped(s, local_step, (P(), P(), P(s.axis), P()), (P(), P()))
   return Prog(f.lower(diff, other, s.batch, state), (diff, other, s.batch, state))

@@ -11,6 +11,7 @@ priority order (the module docstring of `_profile` says what each method reads a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import statistics
@@ -25,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _step_hlo, _xplane
 from ._profile_harness import (UPDATE_NAME, STEP_NAME, Prog, ProgramSetup, compile_all, grad_program,
-                               ordered_layers, loss_program, array_nbytes, split_leaves, wall_median)
+                               loss_program, mapped, split_leaves, wall_median)
 from .._values._errors import ProfileError
 from .._values._types import ProfileRow, itemsize
 
@@ -47,6 +48,13 @@ class RowSpec:
 
   def nbytes(self, k: int) -> int:
     return int(math.prod(self.shapes[k])) * itemsize(self.dtypes[k])
+
+  def layer_bytes(self) -> dict[str, int]:
+    """Parameter bytes per layer, layers in forward order."""
+    out = dict.fromkeys(self.layers_in_order, 0)
+    for k, layer in enumerate(self.layers):
+      out[layer] += self.nbytes(k)
+    return out
 
 
 def _spec(s: ProgramSetup) -> RowSpec:
@@ -191,10 +199,11 @@ def timed(s: ProgramSetup, repeats: int, update: Callable[[], Any] | None
   full = grad_program(s)
   t_all = wall_median(lambda: full(diff, other, s.batch), repeats)
   backward_s = max(t_all - t_fwd, 0.0)
-  layers = ordered_layers(s)
+  spec = _spec(s)
+  layers, layer_bytes = spec.layers_in_order, spec.layer_bytes()
   by_layer: dict[str, list[int]] = {}
-  for k in range(len(s.diff_idx)):
-    by_layer.setdefault(s.layers[s.diff_idx[k]], []).append(k)
+  for k, layer in enumerate(spec.layers):
+    by_layer.setdefault(layer, []).append(k)
   # grad w.r.t. one layer alone: one compile per layer, so at most TIMED_LAYERS of them, evenly spaced
   # in forward order (the first and the last included); the layers between are interpolated by
   # parameter bytes, counted from the back (backward reaches them in that order)
@@ -206,20 +215,12 @@ def timed(s: ProgramSetup, repeats: int, update: Callable[[], Any] | None
     t = wall_median(lambda g=g: g(diff, other, s.batch), repeats)
     layer_ready[layers[j]] = min(max(t - t_fwd, 0.0), backward_s)
   if len(sampled) < len(layers):
-    size = [sum(array_nbytes(s.leaves[s.diff_idx[k]]) for k in by_layer[l]) for l in layers]
-    back = [0.0] * len(layers)  # bytes from the back of the net to each layer's end
-    acc = 0.0
-    for j in range(len(layers) - 1, -1, -1):
-      acc += size[j]
-      back[j] = acc
+    back = list(itertools.accumulate(layer_bytes[l] for l in reversed(layers)))[::-1]  # from the back to its end
     for a, b in zip(sampled, sampled[1:]):  # a in front of b; a is ready later
       for j in range(a + 1, b):
         w = (back[j] - back[b]) / (back[a] - back[b]) if back[a] > back[b] else (b - j) / (b - a)
         layer_ready[layers[j]] = layer_ready[layers[b]] + w * (layer_ready[layers[a]] - layer_ready[layers[b]])
-  ready = [0.0] * len(s.diff_idx)
-  for layer in layers:
-    for k in by_layer[layer]:
-      ready[k] = layer_ready[layer]
+  ready = [layer_ready[layer] for layer in spec.layers]
   # forward per layer: in proportion to each layer's backward segment (ready-time gaps, back to front)
   by_ready = sorted(layers, key=lambda l: layer_ready[l])
   seg, prev = {}, 0.0
@@ -251,8 +252,7 @@ def _sample(n: int, k: int) -> list[int]:
 def _device_flops_per_s(s: ProgramSetup) -> float:
   m = 256
   a = jnp.ones((s.num_devices * m, m), jnp.float32)
-  f = jax.jit(jax.shard_map(lambda x: x @ x.T[:, :m], mesh=s.mesh, in_specs=P(s.axis),
-                            out_specs=P(s.axis), check_vma=False))
+  f = mapped(s, lambda x: x @ x.T[:, :m], P(s.axis), P(s.axis))
   a = jax.device_put(a, jax.sharding.NamedSharding(s.mesh, P(s.axis)))
   t = wall_median(lambda: f(a), 5)
   return 2 * m * m * m / max(t, 1e-9)
@@ -273,16 +273,15 @@ def estimated(s: ProgramSetup) -> tuple[float, float, list[float], dict[str, flo
   forward_s = f_fwd / rate
   backward_s = max(f_all - f_fwd, 0.0) / rate
   # spread by bytes: later layers ready first
-  layers = ordered_layers(s)
-  lb = dict.fromkeys(layers, 0)
-  for k in range(len(s.diff_idx)):
-    lb[s.layers[s.diff_idx[k]]] += array_nbytes(s.leaves[s.diff_idx[k]])
+  spec = _spec(s)
+  lb = spec.layer_bytes()
+  layers = list(lb)
   total = max(sum(lb.values()), 1)
   t, lr = 0.0, {}
   for l in reversed(layers):
     t += backward_s * lb[l] / total
     lr[l] = min(t, backward_s)
-  ready = [lr[s.layers[s.diff_idx[k]]] for k in range(len(s.diff_idx))]
+  ready = [lr[layer] for layer in spec.layers]
   fwd_layer = {l: forward_s * lb[l] / total for l in layers}
   note = (f"estimated: XLA cost analysis ({f_fwd:.3g} forward, {f_all:.3g} gradient-step FLOPs) / a "
           f"measured matmul throughput of {rate / 1e9:.2f} GFLOP/s per device; spread over layers by bytes")
