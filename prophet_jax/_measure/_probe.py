@@ -186,12 +186,8 @@ def _agree(flag: bool) -> bool:
   """Rank 0's `flag` on every process. A decision taken from a wall clock (stop repeating, skip a size)
   must be the same everywhere, or the processes issue different numbers of all-reduces and wait for
   each other forever."""
-  import jax  # this module imports jax only where it measures (planning imports it without jax)
-
   if jax.process_count() == 1:
     return bool(flag)
-  from jax.experimental import multihost_utils  # multi-process only
-
   return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag, np.int32)))
 
 
@@ -302,7 +298,6 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
   sharding = NamedSharding(mesh, P(_AXIS))
   itemsz = int(np.dtype(jnp.dtype(dtype)).itemsize)
   n_local = len([d for d in devices if d.process_index == jax.process_index()])
-  inner = int(inner)
 
   def program(k: int, reduce: bool):
     """k rounds of [compute on h (if interleaving), then one psum of x], each waiting for the last."""
@@ -340,7 +335,7 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
       jax.block_until_ready(f(*args))
       jax.block_until_ready(f(*args))
     diffs, rounds_s, t_start = [], [], time.perf_counter()
-    for r in range(int(repeats)):
+    for r in range(repeats):
       t0 = time.perf_counter()
       jax.block_until_ready(short(*args))
       t1 = time.perf_counter()
@@ -368,7 +363,7 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
   say = _reporter(progress if jax.process_index() == 0 else False)
   within = "" if time_budget_s is None else f" as fit in {time_budget_s:g} s"
   say(f"measure_network: timing one all-reduce over {p} {platform} device(s) at up to {len(sizes)} message "
-      f"sizes from {_fmt_bytes(sizes[0])} to {_fmt_bytes(sizes[-1])}{within}, {int(repeats)} paired "
+      f"sizes from {_fmt_bytes(sizes[0])} to {_fmt_bytes(sizes[-1])}{within}, {repeats} paired "
       f"repeats each")
   rounds, costs, cut = [], [], ()
   t_all = time.perf_counter()
@@ -413,7 +408,7 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
     med, low, measured_skew = [float(v) for v in both[:k]], [float(v) for v in both[k:2 * k]], float(both[-1])
   sizes = sizes[:len(rounds)]
   return AllreduceTimings(sizes=tuple(max(1, s // itemsz) * itemsz for s in sizes), median_s=tuple(med),
-                          low_s=tuple(low), percentile=float(percentile), repeats=int(repeats),
+                          low_s=tuple(low), percentile=float(percentile), repeats=repeats,
                           workers=p, processes=jax.process_count(), platform=platform,
                           skew=float(measured_skew), compute_s=tuple(compute),
                           time_budget_s=None if time_budget_s is None else float(time_budget_s),

@@ -147,8 +147,8 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   """
   if method not in METHODS:
     raise ValueError(f"profile_step(method={method!r}): expected one of {METHODS}.")
-  for name, v, lo in (("steps", steps, 1), ("warmup", warmup, 0)):
-    check_int("profile_step", name, v, lo=lo)
+  steps = check_int("profile_step", "steps", steps, lo=1)
+  warmup = check_int("profile_step", "warmup", warmup, lo=0)
   check_bool("profile_step", "has_aux", has_aux)
   check_bool("profile_step", "has_state", has_state)
   if has_state:  # the loss hooked/pipelined(..., has_state=True) take, at this model state
@@ -169,29 +169,26 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   batch = host_rows(batch, mesh, "profile_step")
   s = setup(loss_fn, params, batch, num_devices, layer_depth, mesh=mesh, axis_name=axis_name)
   update = update_program(s, tx) if tx is not None else None
-  notes = []
-  result = None
+  notes, result, got = [], None, "measured"
   if method in ("auto", "measured"):
     try:
       whole = local_step_program(s, tx) if tx is not None else None
-      result = measured(s, int(steps), int(warmup), update, whole, trace_dir)
+      result = measured(s, steps, warmup, update, whole, trace_dir)
     except NoProfilerEvents as e:
       if method == "measured":
         raise ProfileError(f"profile_step(method='measured'): {e}. Use method='auto' to fall back to "
                            f"per-layer timing.") from None
       notes.append(f"profiler unusable ({e}); fell back to per-layer timing")
-  got = "measured" if result is not None else None
   if result is None and method in ("auto", "timed"):
+    got = "timed"
     try:
-      result = timed(s, max(3, int(steps)), update)
-      got = "timed"
+      result = timed(s, max(3, steps), update)
     except Exception as e:  # noqa: BLE001 - the documented fallback
       if method == "timed":
         raise
       notes.append(f"timing failed ({type(e).__name__}: {e}); fell back to FLOP estimates")
   if result is None:
-    result = estimated(s)
-    got = "estimated"
+    result, got = estimated(s), "estimated"
   forward_s, backward_s, ready, fwd_layer, update_s, note = result
   rows = profile_rows(s, ready, fwd_layer, update_s)
   fsum = sum(r.fwd_s for r in rows)
@@ -287,34 +284,31 @@ def profile_from_trace(trace: str | os.PathLike[str], hlo_text: str, params: Any
   hlo = _step_hlo.step_hlo(text)
   check_layer_depth("profile_from_trace", layer_depth)
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
-  leaves = [(path_str(p), x) for p, x in flat if is_reduced_leaf(x)]
-  layer_of_path = {path_str(p): layer_path(p) for p, x in flat if is_reduced_leaf(x)}
-  for path, x in ((path_str(p), x) for p, x in flat):
+  for p, x in flat:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-      raise TypeError(f"profile_from_trace: leaf {path!r} of params is a {type(x).__name__}; expected arrays "
-                      f"or jax.ShapeDtypeStructs.")
-  if not leaves:
+      raise TypeError(f"profile_from_trace: leaf {path_str(p)!r} of params is a {type(x).__name__}; expected "
+                      f"arrays or jax.ShapeDtypeStructs.")
+  flat = [(p, x) for p, x in flat if is_reduced_leaf(x)]
+  if not flat:
     raise ProfileError("profile_from_trace: params have no floating-point leaves, so there is no gradient "
                        "to profile; pass the model's float parameters (or their ShapeDtypeStructs).")
-  paths = [p for p, _ in leaves]
-  shapes = [tuple(int(d) for d in x.shape) for _, x in leaves]
-  dtypes = [dtype_name(x.dtype) for _, x in leaves]
+  paths = [path_str(p) for p, _ in flat]
+  shapes = [tuple(int(d) for d in x.shape) for _, x in flat]
+  dtypes = [dtype_name(x.dtype) for _, x in flat]
   outputs = gradient_outputs(hlo, paths, shapes, dtypes)
-  positions = None
   notes = []
-  if all(hlo_matches(hlo.instrs[hlo.params[k]].shape, shapes[k], dtypes[k]) if k in hlo.params else False
+  if all(k in hlo.params and hlo_matches(hlo.instrs[hlo.params[k]].shape, shapes[k], dtypes[k])
          for k in range(len(paths))):
     positions = _step_hlo.forward_positions(hlo, len(paths))
-  if positions is None:
-    order = list(range(len(paths)))
-    notes.append("rows in flatten order (the program's first parameters are not the leaves of params, so "
-                 "its forward order could not be read)")
-  else:
     unread = len(paths) + max((p for p in positions if p is not None), default=0)
     order = sorted(range(len(paths)), key=lambda k: (positions[k] if positions[k] is not None else unread,
                                                      -math.prod(shapes[k]), k))
-  spec = RowSpec(paths=paths, shapes=shapes, dtypes=dtypes, layers=[layer_of(layer_of_path[p], layer_depth) for p in paths],
-                  order=order)
+  else:
+    order = list(range(len(paths)))
+    notes.append("rows in flatten order (the program's first parameters are not the leaves of params, so "
+                 "its forward order could not be read)")
+  spec = RowSpec(paths=paths, shapes=shapes, dtypes=dtypes, order=order,
+                 layers=[layer_of(layer_path(p), layer_depth) for p, _ in flat])
   try:
     trace_read, an = from_trace(trace, hlo, spec, outputs=outputs)
   except ProfileError as e:
