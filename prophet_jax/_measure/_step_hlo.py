@@ -20,14 +20,12 @@ _GTE_INDEX = re.compile(r"\bindex=(\d+)")
 @dataclasses.dataclass
 class Instr:
   name: str
-  comp: str
   operands: list[str]
   op_name: str
   calls: list[str]
   opcode: str = ""
   shape: str = ""
   index: int | None = None      # a get-tuple-element's tuple index
-  parameter: int | None = None  # an ENTRY parameter's number
 
 
 @dataclasses.dataclass
@@ -55,18 +53,13 @@ def step_hlo(text: str) -> StepHlo:
     names = {i.name for i in body}
     comps[comp] = [i.name for i in body]
     for i in body:
-      index = param = None
-      if i.opcode == "get-tuple-element":
-        im = _GTE_INDEX.search(i.text)
-        index = int(im.group(1)) if im else None
-      if i.opcode == "parameter" and comp == m.entry:
-        pm = re.search(r"\bparameter\((\d+)\)", i.text)
-        if pm:
-          param = int(pm.group(1))
-          params[param] = i.name
-      instrs[i.name] = Instr(name=i.name, comp=comp, operands=[o for o in i.operands if o in names],
-                             op_name=i.op_name, calls=[c for _, c in i.callees], opcode=i.opcode,
-                             shape=i.shape, index=index, parameter=param)
+      gte = _GTE_INDEX.search(i.text) if i.opcode == "get-tuple-element" else None
+      pm = re.search(r"\bparameter\((\d+)\)", i.text) if i.opcode == "parameter" and comp == m.entry else None
+      if pm:
+        params[int(pm.group(1))] = i.name
+      instrs[i.name] = Instr(name=i.name, operands=[o for o in i.operands if o in names], op_name=i.op_name,
+                             calls=[c for _, c in i.callees], opcode=i.opcode, shape=i.shape,
+                             index=int(gte.group(1)) if gte else None)
       if i.root and comp == m.entry:
         root_operands = list(i.operands) if i.opcode == "tuple" else [i.name]
   position = {n: k for k, n in enumerate(comps.get(m.entry, []))}
