@@ -59,8 +59,7 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
     return fn(jax.tree_util.tree_unflatten(treedef, flat), *rest)
 
   jaxpr = jax.make_jaxpr(flat_fn, axis_env=list(axis_env))(leaves, *args).jaxpr
-  order: list[int] = []
-  seen: set[int] = set()
+  used: dict[int, None] = {}   # the leaves used, in order of first use
 
   def walk(jx: Any, mapping: dict[int, int]) -> None:
     """mapping: id(var) -> leaf index; grows with the outputs that carry a leaf unchanged."""
@@ -69,14 +68,10 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
              if not isinstance(v, Literal) and id(v) in mapping]
       if not ins:
         continue
-      sub = None
-      for name in _CALL_PARAMS:
-        cand = eqn.params.get(name)
-        cand = getattr(cand, "jaxpr", cand)  # ClosedJaxpr -> Jaxpr (jax >= 0.11: the same object)
-        if (cand is not None and hasattr(cand, "eqns") and len(cand.invars) == len(eqn.invars)
-            and len(cand.outvars) == len(eqn.outvars)):
-          sub = cand
-          break
+      # ClosedJaxpr -> Jaxpr (jax >= 0.11: the same object)
+      cands = (getattr(eqn.params.get(name), "jaxpr", eqn.params.get(name)) for name in _CALL_PARAMS)
+      sub = next((c for c in cands if hasattr(c, "eqns") and len(c.invars) == len(eqn.invars)
+                  and len(c.outvars) == len(eqn.outvars)), None)
       if sub is not None:
         inner = {id(sub.invars[k]): i for k, i in ins}
         walk(sub, inner)
@@ -88,10 +83,8 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
           mapping[id(eqn.outvars[k])] = i
       else:
         for _, i in ins:
-          if i not in seen:
-            seen.add(i)
-            order.append(i)
+          used.setdefault(i)
 
   walk(jaxpr, {id(v): i for i, v in enumerate(jaxpr.invars[:len(leaves)])})
-  order += [i for i in range(len(leaves)) if i not in seen]
+  order = list(used) + [i for i in range(len(leaves)) if i not in used]
   return tuple(paths[i] for i in order)

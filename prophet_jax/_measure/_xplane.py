@@ -242,10 +242,8 @@ def backward_start(ex: list[dict[str, Any]], hlo: StepHlo) -> float | None:
   and rematerialised forward ops run inside backward. So backward starts at the first backward op
   after which at most 5% of the forward ops' time remains.
   """
-  kinds = []
-  for e in ex:
-    name = hlo.instrs[e["op"]].op_name if e["op"] in hlo.instrs else ""
-    kinds.append("b" if is_backward(name) else ("f" if "jvp(" in name else "o"))
+  names = [hlo.instrs[e["op"]].op_name if e["op"] in hlo.instrs else "" for e in ex]
+  kinds = ["b" if is_backward(name) else ("f" if "jvp(" in name else "o") for name in names]
   if "b" not in kinds:
     return None
   dur = [e["end_ns"] - e["start_ns"] for e in ex]
@@ -269,14 +267,11 @@ def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[in
   through ops that have no event of their own (bitcast, copy, a get-tuple-element of a tuple: only
   the tuple's operand at that index).
   """
-  if not ex:
-    return None
   outputs = list(hlo.root_operands if outputs is None else outputs)
-  t0 = ex[0]["start_ns"]
-  t_end = max(e["end_ns"] for e in ex)
-  b0 = backward_start(ex, hlo)
+  b0 = backward_start(ex, hlo) if ex and len(outputs) == len(leaf_rows) else None
   if b0 is None:
     return None
+  t0, t_end = ex[0]["start_ns"], max(e["end_ns"] for e in ex)
   ends: dict[str, float] = {}
   for e in ex:
     ends[e["op"]] = max(ends.get(e["op"], 0.0), e["end_ns"])
@@ -309,8 +304,6 @@ def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[in
     memo[name] = v
     return v
 
-  if len(outputs) != len(leaf_rows):
-    return None
   bwd_s = max(t_end - b0, 0.0)
   rows = [0.0] * n_rows
   for out_name, r in zip(outputs, leaf_rows):
