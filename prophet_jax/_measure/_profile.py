@@ -61,8 +61,8 @@ import jax
 from jax.sharding import NamedSharding
 
 from . import _step_hlo
-from ._profile_harness import local_step_program, setup, update_program
-from ._profile_methods import (HLO_FILE, TIMED_LAYERS, LINKED, NoProfilerEvents, RowSpec, estimated,
+from ._profile_harness import RowSpec, local_step_program, setup, update_program
+from ._profile_methods import (HLO_FILE, TIMED_LAYERS, LINKED, NoProfilerEvents, estimated,
                                from_trace, measured, profile_rows, timed)
 from ._profile_outputs import gradient_outputs, hlo_matches
 from .._compiled._devices import host_rows
@@ -190,7 +190,7 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   if result is None:
     result, got = estimated(s), "estimated"
   forward_s, backward_s, ready, fwd_layer, update_s, note = result
-  rows = profile_rows(s, ready, fwd_layer, update_s)
+  rows = profile_rows(s.rows, ready, fwd_layer, update_s)
   fsum = sum(r.fwd_s for r in rows)
   dev = device or jax.local_devices()[0].device_kind
   prof = GradientProfile(rows=rows, forward_s=fsum if fsum > 0 else forward_s, backward_s=backward_s,

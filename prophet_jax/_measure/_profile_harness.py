@@ -12,6 +12,7 @@ lowered program with its arguments, and `compile_all` compiles several at once.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import statistics
 import time
@@ -30,6 +31,7 @@ from .._values._checks import check_int
 from .._values._errors import ProfileError
 from .._compiled._jaxpr import forward_paths
 from .._values._tree import check_layer_depth, is_reduced_leaf, layer_of, layer_path, path_str
+from .._values._types import itemsize
 
 AXIS = "prophet_profile"
 STEP_NAME = "prophet_profile_step"
@@ -37,6 +39,33 @@ UPDATE_NAME = "prophet_profile_update"
 
 # --------------------------------------------------------------------------------------------------
 # Setup shared by every method
+
+
+@dataclasses.dataclass
+class RowSpec:
+  """What a profile's rows are made of besides the timings (no jax): per gradient leaf k (flatten
+  order of the float leaves, i.e. the grad program's output k) its path, shape, dtype and layer, and
+  the priority (forward) order of the k."""
+
+  paths: list[str]
+  shapes: list[tuple[int, ...]]
+  dtypes: list[str]
+  layers: list[str]
+  order: list[int]
+
+  @property
+  def layers_in_order(self) -> list[str]:
+    return list(dict.fromkeys(self.layers[k] for k in self.order))
+
+  def nbytes(self, k: int) -> int:
+    return int(math.prod(self.shapes[k])) * itemsize(self.dtypes[k])
+
+  def layer_bytes(self) -> dict[str, int]:
+    """Parameter bytes per layer, layers in forward order."""
+    out = dict.fromkeys(self.layers_in_order, 0)
+    for k, layer in enumerate(self.layers):
+      out[layer] += self.nbytes(k)
+    return out
 
 
 @dataclasses.dataclass
@@ -49,11 +78,8 @@ class ProgramSetup:
   params: Any                 # replicated on the mesh
   batch: Any                  # sharded on the mesh
   diff_idx: list[int]         # flat indices of the differentiated (floating) leaves, flatten order
-  treedef: Any
-  leaves: list[Any]
-  paths: list[str]            # flatten order
-  order: list[int]            # indices into diff_idx, forward (priority) order
-  layers: dict[int, str]      # flat index -> layer name
+  leaves: list[Any]           # every leaf, on the mesh
+  rows: RowSpec               # the differentiated leaves' paths, shapes, dtypes, layers and forward order
   loss_of: Callable[..., Any]  # (diff_leaves, other_leaves, batch) -> scalar
 
 
@@ -63,13 +89,11 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
   check_layer_depth("profile_step", layer_depth)
   axis = profiled_axis(mesh, axis_name, AXIS, "profile_step")
   devices = profiled_devices(mesh, axis_name, "profile_step")
-  n = len(devices) if num_devices is None else num_devices
-  check_int("profile_step", "num_devices", n, lo=1)
+  n = check_int("profile_step", "num_devices", len(devices) if num_devices is None else num_devices, lo=1)
   if n > len(devices):
     raise ValueError(f"profile_step(num_devices={n}): only {len(devices)} {devices[0].platform} device(s) "
                      f"here. On the CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n} before "
                      f"jax starts.")
-  n = int(n)
   mesh = jax.sharding.Mesh(np.asarray(devices[:n]), (axis,))
 
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -132,14 +156,15 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
   fwd = forward_paths(loss_fn, params, local_batch, axis_env=env)
   pos = {p: k for k, p in enumerate(fwd)}
   order = sorted(range(len(diff_idx)), key=lambda k: (pos.get(paths[diff_idx[k]], len(pos)), k))
-  layer_paths = [layer_path(p) for p, _ in flat]   # an nnx Variable's '.value' is not a layer
-  layers = {i: layer_of(layer_paths[i], layer_depth) for i in diff_idx}
 
   params_d = jax.device_put(params, NamedSharding(mesh, P()))
-  batch_d = jax.device_put(batch, NamedSharding(mesh, P(axis)))
-  return ProgramSetup(mesh=mesh, axis=axis, num_devices=n, params=params_d, batch=batch_d, diff_idx=diff_idx,
-                treedef=treedef, leaves=list(jax.tree_util.tree_leaves(params_d)), paths=paths,
-                order=order, layers=layers, loss_of=loss_of)
+  leaves_d = list(jax.tree_util.tree_leaves(params_d))
+  diff_d = [leaves_d[i] for i in diff_idx]   # shapes and dtypes as placed (float64 is float32 without x64)
+  layers = [layer_of(layer_path(flat[i][0]), layer_depth) for i in diff_idx]  # an nnx Variable's '.value': no layer
+  rows = RowSpec(paths=[paths[i] for i in diff_idx], shapes=[tuple(x.shape) for x in diff_d],
+                 dtypes=[str(x.dtype) for x in diff_d], layers=layers, order=order)
+  return ProgramSetup(mesh=mesh, axis=axis, num_devices=n, params=params_d, diff_idx=diff_idx, leaves=leaves_d,
+                      batch=jax.device_put(batch, NamedSharding(mesh, P(axis))), rows=rows, loss_of=loss_of)
 
 
 def _unbound(e: NameError, axis: str) -> Exception:

@@ -10,9 +10,7 @@ priority order (the module docstring of `_profile` says what each method reads a
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import math
 import os
 import statistics
 import tempfile
@@ -25,49 +23,15 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from . import _step_hlo, _xplane
-from ._profile_harness import (UPDATE_NAME, STEP_NAME, Prog, ProgramSetup, compile_all, grad_program,
+from ._profile_harness import (UPDATE_NAME, STEP_NAME, Prog, ProgramSetup, RowSpec, compile_all, grad_program,
                                loss_program, mapped, split_leaves, wall_median)
 from .._values._errors import ProfileError
-from .._values._types import ProfileRow, itemsize
-
-@dataclasses.dataclass
-class RowSpec:
-  """What a profile's rows are made of besides the timings (no jax): per gradient leaf k (flatten
-  order of the float leaves, i.e. the grad program's output k) its path, shape, dtype and layer, and
-  the priority (forward) order of the k."""
-
-  paths: list[str]
-  shapes: list[tuple[int, ...]]
-  dtypes: list[str]
-  layers: list[str]
-  order: list[int]
-
-  @property
-  def layers_in_order(self) -> list[str]:
-    return list(dict.fromkeys(self.layers[k] for k in self.order))
-
-  def nbytes(self, k: int) -> int:
-    return int(math.prod(self.shapes[k])) * itemsize(self.dtypes[k])
-
-  def layer_bytes(self) -> dict[str, int]:
-    """Parameter bytes per layer, layers in forward order."""
-    out = dict.fromkeys(self.layers_in_order, 0)
-    for k, layer in enumerate(self.layers):
-      out[layer] += self.nbytes(k)
-    return out
+from .._values._types import ProfileRow
 
 
-def _spec(s: ProgramSetup) -> RowSpec:
-  leaves = [s.leaves[i] for i in s.diff_idx]
-  return RowSpec(paths=[s.paths[i] for i in s.diff_idx], shapes=[tuple(x.shape) for x in leaves],
-                  dtypes=[str(x.dtype) for x in leaves], layers=[s.layers[i] for i in s.diff_idx],
-                  order=list(s.order))
-
-
-def profile_rows(spec: RowSpec | ProgramSetup, ready: Sequence[float], fwd_layer: Mapping[str, float], update_s: float
-          ) -> tuple[ProfileRow, ...]:
+def profile_rows(spec: RowSpec, ready: Sequence[float], fwd_layer: Mapping[str, float], update_s: float
+                 ) -> tuple[ProfileRow, ...]:
   """Rows in priority order; `ready` is indexed like the spec's leaves (diff_idx)."""
-  spec = _spec(spec) if isinstance(spec, ProgramSetup) else spec
   total = max(sum(spec.nbytes(k) for k in range(len(spec.paths))), 1)
   rows, seen = [], set()
   for k in spec.order:
@@ -89,7 +53,7 @@ def measured(s: ProgramSetup, steps: int, warmup: int, update: Prog | None, whol
   compiled = grad.compiled
   text = compiled.as_text()
   hlo = _step_hlo.step_hlo(text)
-  spec = _spec(s)
+  spec = s.rows
   if len(hlo.root_operands) != len(s.diff_idx):
     raise NoProfilerEvents(f"the compiled step returns {len(hlo.root_operands)} outputs for {len(s.diff_idx)} "
                    f"gradient leaves; cannot map them")
@@ -199,7 +163,7 @@ def timed(s: ProgramSetup, repeats: int, update: Callable[[], Any] | None
   full = grad_program(s)
   t_all = wall_median(lambda: full(diff, other, s.batch), repeats)
   backward_s = max(t_all - t_fwd, 0.0)
-  spec = _spec(s)
+  spec = s.rows
   layers, layer_bytes = spec.layers_in_order, spec.layer_bytes()
   by_layer: dict[str, list[int]] = {}
   for k, layer in enumerate(spec.layers):
@@ -273,7 +237,7 @@ def estimated(s: ProgramSetup) -> tuple[float, float, list[float], dict[str, flo
   forward_s = f_fwd / rate
   backward_s = max(f_all - f_fwd, 0.0) / rate
   # spread by bytes: later layers ready first
-  spec = _spec(s)
+  spec = s.rows
   lb = spec.layer_bytes()
   layers = list(lb)
   total = max(sum(lb.values()), 1)
