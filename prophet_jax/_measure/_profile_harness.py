@@ -221,10 +221,11 @@ def mapped(s: ProgramSetup, f: Callable[..., Any], in_specs: Any, out_specs: Any
   return jax.jit(jax.shard_map(f, mesh=s.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
 
-def wall_median(f: Callable[[], Any], repeats: int) -> float:
+def wall_median(f: Callable[[], Any], repeats: int, least: int = 3) -> float:
+  """The median wall clock of `repeats` (at least `least`) calls of `f`, after one untimed call."""
   jax.block_until_ready(f())
   ts = []
-  for _ in range(max(3, repeats)):
+  for _ in range(max(least, repeats)):
     t0 = time.perf_counter()
     jax.block_until_ready(f())
     ts.append(time.perf_counter() - t0)

@@ -14,7 +14,6 @@ import itertools
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,25 +49,21 @@ def measured(s: ProgramSetup, steps: int, warmup: int, update: Prog | None, whol
   diff, other = split_leaves(s)
   grad = Prog(grad_program(s).lower(diff, other, s.batch), (diff, other, s.batch))
   compile_all([grad, whole, update])
-  compiled = grad.compiled
-  text = compiled.as_text()
+  text = grad.compiled.as_text()
   hlo = _step_hlo.step_hlo(text)
-  spec = s.rows
   if len(hlo.root_operands) != len(s.diff_idx):
     raise NoProfilerEvents(f"the compiled step returns {len(hlo.root_operands)} outputs for {len(s.diff_idx)} "
-                   f"gradient leaves; cannot map them")
-  for _ in range(max(1, warmup)):
-    jax.block_until_ready(compiled(diff, other, s.batch))
+                           f"gradient leaves; cannot map them")
+
+  def traced_step():  # the gradients, then the update as a program of its own
+    jax.block_until_ready(grad())
     if update is not None:
       jax.block_until_ready(update())
-  run = whole or (lambda: compiled(diff, other, s.batch))  # the step: gradients and update, in one program
-  jax.block_until_ready(run())
-  walls = []  # wall-clock per step, outside the profiler: what a user's timer sees for the step
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(run())
-    walls.append(time.perf_counter() - t0)
-  wall_s = statistics.median(walls)
+
+  for _ in range(max(1, warmup)):
+    traced_step()
+  # the wall clock of a step outside the profiler (gradients and update in one program): what a user's timer sees
+  wall_s = wall_median(whole or grad, steps, least=1)
   upd_module = f"jit_{UPDATE_NAME}"
   with tempfile.TemporaryDirectory(prefix="prophet_trace_") as tmp:
     d = trace_dir or tmp
@@ -76,30 +71,24 @@ def measured(s: ProgramSetup, steps: int, warmup: int, update: Prog | None, whol
     opts.python_tracer_level = 0  # the Python tracer would slow the steps and bloat the trace
     with jax.profiler.trace(d, profiler_options=opts):
       for _ in range(steps):
-        jax.block_until_ready(compiled(diff, other, s.batch))
-        if update is not None:
-          jax.block_until_ready(update())
+        traced_step()
     if trace_dir:  # what profile_from_trace needs besides the trace
       with open(os.path.join(trace_dir, HLO_FILE), "w") as f:
         f.write(text)
     try:
-      trace, an = from_trace(d, hlo, spec, extra_modules=[upd_module], expected=steps * s.num_devices,
+      trace, an = from_trace(d, hlo, s.rows, extra_modules=[upd_module], expected=steps * s.num_devices,
                               expected_why=f" ({steps} steps x {s.num_devices} devices)")
     except ProfileError as e:
       raise NoProfilerEvents(str(e)) from None
-  events = trace.events[hlo.module]
-  backward_s, ready, fwd_layer = an.backward_s, an.ready_s, an.fwd_layer
-  device_span = sum(fwd_layer.values()) + backward_s
-  update_span = 0.0
+  device_span = sum(an.fwd_layer.values()) + an.backward_s
   upd_events = trace.events.get(upd_module, []) if update is not None else []
-  if upd_events:  # one device's update span
-    spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _xplane.executions(upd_events) if ex]
-    update_span = statistics.median(spans) if spans else 0.0
+  spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _xplane.executions(upd_events) if ex]
+  update_span = statistics.median(spans) if spans else 0.0   # one device's update span
   # The trace gives the timeline's shape; its length is the untraced wall clock of a step (gradients
   # and update in one program, as a train step runs them): a synchronous data-parallel step waits for
   # its slowest device (8 host devices on a few cores start staggered and share cores), and pays its
   # launch, but not the tracer's own overhead, which inflates the traced ops on a loaded host.
-  envelope = _xplane.median_envelope(events)
+  envelope = _xplane.median_envelope(trace.events[hlo.module])
   span = device_span + update_span
   scale = wall_s / span if span > 0 else 1.0
   if scale < 0.1:
@@ -113,10 +102,9 @@ def measured(s: ProgramSetup, steps: int, warmup: int, update: Prog | None, whol
           f"({'traced' if upd_events else 'not measured'}) stretched x{scale:.2f} to the median untraced "
           f"wall clock of a step {wall_s * 1e3:.3f} ms (the synchronous step waits for the last device and "
           f"pays its launch; the traced envelope over devices was {envelope * 1e3:.3f} ms)")
-  ready = [x * scale for x in ready]
-  fwd_layer = {l: v * scale for l, v in fwd_layer.items()}
-  update_s = update_span * scale
-  return sum(fwd_layer.values()), backward_s * scale, ready, fwd_layer, update_s, note
+  fwd_layer = {l: v * scale for l, v in an.fwd_layer.items()}
+  return sum(fwd_layer.values()), an.backward_s * scale, [x * scale for x in an.ready_s], fwd_layer, \
+      update_span * scale, note
 
 
 HLO_FILE = "prophet_profile_step.hlo.txt"
