@@ -199,26 +199,13 @@ def _reporter(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
   return lambda line: None
 
 
-def _host_devices(t: AllreduceTimings) -> bool:
-  """The probe ran on the host CPU devices of one process (no network between them)."""
-  return t.platform == "cpu" and t.processes == 1
-
-
-def _budget(time_budget_s: float | str | None, platform: str) -> float | None:
-  """The probe's time budget: 'auto' is `DEFAULT_BUDGET_S`, or `HOST_BUDGET_S` on host CPU devices of
-  one process."""
-  if time_budget_s != "auto":
-    return time_budget_s
-  return HOST_BUDGET_S if platform == "cpu" and jax.process_count() == 1 else DEFAULT_BUDGET_S
-
-
 def check_fit(network: NetworkModel, timings: AllreduceTimings, stat: str = "median") -> str | None:
   """A warning text when the fitted model does not describe the measured times, else None: the checks
   of `NetworkModel.fit` (`_network.fit_warning`: every time 0, times falling with size so that beta is
   clipped to 0, a large residual), named for `measure_network`, with what to do about a residual.
   """
   ys = timings.median_s if stat == "median" else timings.low_s
-  if _host_devices(timings) and np.any(np.asarray(ys, np.float64)):
+  if timings.platform == "cpu" and timings.processes == 1 and np.any(np.asarray(ys, np.float64)):  # no network
     if fit_warning(network, timings.sizes, ys, who="") is None:
       return None
     rel = (network.fit_residual_s or 0.0) / max(float(np.sqrt(np.mean(np.square(ys)))), 1e-12)
@@ -290,7 +277,8 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
   devices = _mesh_devices(num_devices)
   p = len(devices)
   platform = devices[0].platform
-  time_budget_s = _budget(time_budget_s, platform)
+  if time_budget_s == "auto":  # on host CPU devices of one process the probe is a stand-in for a network: short
+    time_budget_s = HOST_BUDGET_S if platform == "cpu" and jax.process_count() == 1 else DEFAULT_BUDGET_S
   check_number("measure_network", "time_budget_s", time_budget_s, lo=0, lo_open=True, none=True,
                fix="Give seconds, e.g. 10, 'auto' or None for no budget.")
   interleave = bool(interleave)
