@@ -67,7 +67,7 @@ from ._profile_methods import (HLO_FILE, TIMED_LAYERS, LINKED, NoProfilerEvents,
 from ._profile_outputs import gradient_outputs, hlo_matches
 from .._compiled._devices import host_rows
 from .._compiled._hlo import hlo_text as _as_text
-from .._values._checks import check_bool, check_int
+from .._values._checks import check_bool, check_int, check_values
 from .._values._errors import ProfileError
 from .._values._tree import check_layer_depth, dtype_name, is_reduced_leaf, layer_of, layer_path, path_str
 from .._values._types import GradientProfile
@@ -151,20 +151,19 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   warmup = check_int("profile_step", "warmup", warmup, lo=0)
   check_bool("profile_step", "has_aux", has_aux)
   check_bool("profile_step", "has_state", has_state)
-  if has_state:  # the loss hooked/pipelined(..., has_state=True) take, at this model state
-    if model_state is None:
-      raise TypeError("profile_step(has_state=True): pass model_state=, the state loss_fn(params, "
-                      "model_state, batch) reads (e.g. BatchNorm statistics).")
-    state_loss = loss_fn
-    loss_fn = lambda p, b: state_loss(p, model_state, b)  # noqa: E731
-    has_aux = True  # (loss, new_state) or (loss, (new_state, aux)): the loss first either way
-  elif model_state is not None:
+  check_values("profile_step", loss_fn=loss_fn)
+  if has_state and model_state is None:
+    raise TypeError("profile_step(has_state=True): pass model_state=, the state loss_fn(params, "
+                    "model_state, batch) reads (e.g. BatchNorm statistics).")
+  if model_state is not None and not has_state:
     raise TypeError("profile_step(model_state=...): given without has_state=True, so loss_fn(params, "
                     "batch) would never see it; pass has_state=True and write loss_fn(params, "
                     "model_state, batch) -> (loss, new_model_state).")
-  if has_aux:  # the same loss hooked(..., has_aux=True) takes: profile its scalar
-    aux_loss = loss_fn
-    loss_fn = lambda p, b: aux_loss(p, b)[0]  # noqa: E731
+  user_loss = loss_fn  # the loss hooked/pipelined take: with has_state or has_aux, profile its scalar
+  if has_state:  # (loss, new_state) or (loss, (new_state, aux)), at this model state
+    loss_fn = lambda p, b: user_loss(p, model_state, b)[0]  # noqa: E731
+  elif has_aux:
+    loss_fn = lambda p, b: user_loss(p, b)[0]  # noqa: E731
   shardings = _sharded_placement(params)  # before any compile: a placement it cannot record fails fast
   batch = host_rows(batch, mesh, "profile_step")
   s = setup(loss_fn, params, batch, num_devices, layer_depth, mesh=mesh, axis_name=axis_name)

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._compiled._devices import profiled_axis, profiled_devices
-from .._values._checks import check_int, check_values
+from .._values._checks import check_int
 from .._values._errors import ProfileError
 from .._compiled._jaxpr import forward_paths
 from .._values._tree import check_layer_depth, is_reduced_leaf, layer_of, layer_path, path_str
@@ -84,7 +84,6 @@ class ProgramSetup:
 
 
 def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name=None) -> ProgramSetup:
-  check_values("profile_step", loss_fn=loss_fn)
   check_layer_depth("profile_step", layer_depth)
   axis = profiled_axis(mesh, axis_name, AXIS, "profile_step")
   devices = profiled_devices(mesh, axis_name, "profile_step")
