@@ -126,7 +126,6 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
   runs_of: dict[str, set[Any]] = {m: set() for m in modules}
   platform, device_name = "cpu", ""
   counts: dict[str, int] = {}
-  unlinked: set[int] = set()
   # per device: (start_ns, module) of every op event of any module (segment boundaries)
   timeline: dict[Any, list[tuple[float, str]]] = {}
   for fi, f in enumerate(files):
@@ -134,7 +133,7 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
     prefix = f"{fi}:" if len(files) > 1 else ""
     launch_at: dict[Any, tuple[int, float]] = {}          # correlation_id -> (line key, start)
     scopes: dict[int, list[tuple[float, float, Any, str]]] = {}  # line -> (start, end, run_id, module)
-    dev_events: list[dict[str, Any]] = []
+    dev_events: list[tuple[dict[str, Any], Any]] = []   # (event, correlation_id): events without a run_id
     line_key = 0
     for plane in pd.planes:
       is_device = plane.name.startswith("/device:")
@@ -154,11 +153,10 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
             if mod not in wanted:
               continue
             e = {"op": st["hlo_op"], "start_ns": start, "end_ns": start + float(ev.duration_ns),
-                 "run": st.get("run_id"), "device": dev, "program": st.get("program_id"),
-                 "corr": st.get("correlation_id"), "module": mod}
+                 "run": st.get("run_id"), "device": dev, "program": st.get("program_id"), "module": mod}
             events[mod].append(e)
             if e["run"] is None:
-              dev_events.append(e)
+              dev_events.append((e, st.get("correlation_id")))
             continue
           if is_device:
             continue
@@ -177,22 +175,18 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
     for v in scopes.values():
       v.sort()
     starts = {k: [s[0] for s in v] for k, v in scopes.items()}
-    for e in dev_events:
-      hit = launch_at.get(e["corr"]) if e["corr"] is not None else None
+    for e, corr in dev_events:
+      hit = launch_at.get(corr) if corr is not None else None
       rid = _launched_in(hit, e["module"], scopes, starts) if hit is not None else None
-      if rid is None:
-        unlinked.add(id(e))
-      else:
+      if rid is not None:
         e["run"] = (prefix, rid)
-  linked: dict[str, str] = {}
+  linked: dict[str, str] = {}   # an event still without a run was not tied to a launch
   for m, evs in events.items():
     if evs:
-      linked[m] = ("segments" if any(id(e) in unlinked for e in evs) else
+      linked[m] = ("segments" if any(e["run"] is None for e in evs) else
                    "host launch" if all(isinstance(e["run"], tuple) for e in evs) else "run_id")
-  if unlinked:
+  if "segments" in linked.values():
     _segment(events, timeline, linked)
-  for e in (x for v in events.values() for x in v):
-    e.pop("corr", None)
   return Trace(events=events, launches={m: len(r) for m, r in runs_of.items() if r}, linked=linked,
                platform=platform, files=files, modules=counts, device_name=device_name)
 
