@@ -1,18 +1,4 @@
-"""Reading compiled HLO text: computations, instructions, call graph, loop trip counts, execution order.
-
-Pure text processing (no jax import): give it `compiled.as_text()` (`hlo_text(compiled)` does that and
-rejects a Lowered, whose HLO has not been through XLA's passes). The compiled module of a CPU or GPU
-executable is scheduled (`is_scheduled=true`), so the order of instructions in a computation is their
-execution order; `execution_order` inlines called computations (while bodies, calls, conditionals) at
-their call sites, so an op in a loop body appears once, at the loop, with the loop's trip count.
-What is read from it: the collectives (`_hlo_collectives`), FLOPs and bytes per op (`_hlo_costs`).
-
-Public helpers:
-  parse_hlo(text) -> HloModule
-  execution_order(module) -> tuple[ExecutedOp, ...]
-  producer(module, comp, name) / users(module, comp, name): through pass-through ops / who reads it
-  shape_elements(shape_text) -> int ; shape_bytes(shape_text) -> int ; shape_dtypes(shape_text)
-"""
+"""Reading compiled HLO text: instructions, call graph, execution order (pure; docs/design.md)."""
 
 from __future__ import annotations
 
@@ -39,32 +25,26 @@ _BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16":
 
 
 def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-  """(element type, dimensions) of each array in an HLO shape, tokens left out."""
   return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape) if t != "token"]
 
 
 def shape_dims(shape: str) -> tuple[tuple[int, ...], ...]:
-  """Dimensions of each array in an HLO shape ('(f32[2,3], u8[0])' -> ((2, 3), (0,)))."""
   return tuple(dims for _, dims in _arrays(shape))
 
 
 def shape_dtypes(shape: str) -> tuple[str, ...]:
-  """Element types in an HLO shape, in order ('(f32[2], bf16[3])' -> ('f32', 'bf16'))."""
   return tuple(t for t, _ in _arrays(shape))
 
 
 def shape_parts(shape: str) -> tuple[int, ...]:
-  """Elements of each array in an HLO shape ('(f32[4,5], f32[3])' -> (20, 3))."""
   return tuple(math.prod(dims) for dims in shape_dims(shape))
 
 
 def shape_elements(shape: str) -> int:
-  """Elements in an HLO shape ('f32[4,5]{1,0}' -> 20; a tuple sums its arrays; 'f32[]' -> 1)."""
   return sum(shape_parts(shape))
 
 
 def shape_bytes(shape: str) -> int:
-  """Bytes of an HLO shape ('f32[4,5]{1,0}' -> 80; a tuple sums its arrays; f8 and f4 types included)."""
   bits = sum(math.prod(dims) * _BITS.get(t, 8 if t.startswith("f8") else 4 if t.startswith("f4") else 0)
              for t, dims in _arrays(shape))
   return (bits + 7) // 8
@@ -72,19 +52,7 @@ def shape_bytes(shape: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class HloInstruction:
-  """One HLO instruction.
-
-  Attributes:
-    name: its name without '%'.
-    opcode: 'all-reduce', 'fusion', 'while', ...
-    shape: the result shape text.
-    op_name: the op_name metadata ('' if none): jax's name stack, e.g. '.../prophet/chunk3/psum'.
-    operands: names of its operands (without '%'), in order.
-    callees: (kind, computation) pairs: ('body', ...), ('condition', ...), ('calls', ...), ...
-    trip_count: a while loop's known trip count (None when unknown or not a loop).
-    text: the instruction's line.
-    root: whether it is its computation's ROOT.
-  """
+  """One HLO instruction: its name, opcode, result shape, op_name metadata, operands and callees."""
 
   name: str
   opcode: str
@@ -102,13 +70,11 @@ class HloInstruction:
 
   @property
   def part_elements(self) -> tuple[int, ...]:
-    """Elements of each array of the result shape (one per operand for a combined collective)."""
     return shape_parts(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
 class HloModule:
-  """A parsed HLO module: computations (name -> instructions in order) and the entry's name."""
 
   name: str
   entry: str
@@ -116,7 +82,6 @@ class HloModule:
   scheduled: bool
 
   def instruction(self, computation: str, name: str) -> HloInstruction | None:
-    """The instruction `name` of `computation` (None if absent)."""
     for ins in self.computations.get(computation, ()):
       if ins.name == name:
         return ins
@@ -124,11 +89,7 @@ class HloModule:
 
 
 def hlo_text(compiled: Any) -> str:
-  """The optimized HLO text of a compiled executable (`jax.jit(f).lower(...).compile()`).
-
-  Raises:
-    TypeError: `compiled` is a Lowered (not yet compiled) or has no HLO text.
-  """
+  """The optimized HLO text of a compiled executable; TypeError for a Lowered (XLA's passes have not run)."""
   if isinstance(compiled, str):
     return compiled
   if hasattr(compiled, "compile") or type(compiled).__name__ == "Lowered":
@@ -145,7 +106,6 @@ def hlo_text(compiled: Any) -> str:
 
 
 def _closing(text: str, depth: int = 0) -> int:
-  """The index in `text` where `depth` open parentheses (and those `text` opens) close; len(text) if never."""
   for i, ch in enumerate(text):
     depth += (ch == "(") - (ch == ")")
     if depth == 0:
@@ -154,7 +114,6 @@ def _closing(text: str, depth: int = 0) -> int:
 
 
 def _split_shape(rest: str) -> tuple[str, str]:
-  """Splits 'SHAPE opcode(...)...' into (SHAPE, 'opcode(...)...'); SHAPE may be a parenthesized tuple."""
   rest = rest.lstrip()
   if rest.startswith("("):
     end = _closing(rest) + 1
@@ -188,11 +147,7 @@ def _parse_instruction(line: str) -> HloInstruction | None:
 
 
 def parse_hlo(text: str) -> HloModule:
-  """Parses HLO module text (as `compiled.as_text()` prints it).
-
-  Raises:
-    ValueError: the text holds no HLO module or no ENTRY computation.
-  """
+  """Parses HLO module text (`compiled.as_text()`); ValueError without a module or an ENTRY computation."""
   if not isinstance(text, str) or "HloModule" not in text:
     raise ValueError("parse_hlo: the text is not an HLO module (no 'HloModule' header).")
   first = text[text.index("HloModule"):].splitlines()[0]
@@ -222,16 +177,7 @@ def parse_hlo(text: str) -> HloModule:
 
 @dataclass(frozen=True, slots=True)
 class ExecutedOp:
-  """An instruction at its place in the inlined execution order.
-
-  Attributes:
-    instruction: the instruction.
-    computation: the computation it belongs to.
-    index: its position in `execution_order` (0-based).
-    trips: how many times it runs per execution of the module (product of enclosing loops' trip
-      counts); None when a loop's trip count is unknown.
-    loops: names of the enclosing while instructions, outermost first.
-  """
+  """An instruction at its place in `execution_order`, with its trips per run (None: unknown) and loops."""
 
   instruction: HloInstruction
   computation: str
@@ -247,12 +193,7 @@ _INLINED = {"call": ("to_apply",), "conditional": ("branch", "true_computation",
 
 
 def execution_order(module: HloModule) -> tuple[ExecutedOp, ...]:
-  """Every non-structural instruction, called computations inlined at their call sites (loop bodies once).
-
-  Fusion bodies are not expanded (a fusion is one executed op); reducers (`to_apply` of reductions and
-  collectives) are skipped. Structural ops (parameters, constants, tuples, bitcasts, copies, calls,
-  whiles) are left out, so indices count real work.
-  """
+  """Every non-structural instruction, called computations inlined at their call sites (loop bodies once)."""
   out: list[ExecutedOp] = []
 
   def walk(comp: str, trips: int | None, loops: tuple[str, ...], depth: int) -> None:
@@ -286,7 +227,6 @@ _PASS_THROUGH = ("bitcast", "copy", "reshape")
 
 
 def producer(module: HloModule, comp: str, name: str) -> HloInstruction | None:
-  """The producer of `name`, looking through bitcasts, copies and reshapes."""
   ins = module.instruction(comp, name)
   for _ in range(8):
     if ins is None or ins.opcode not in _PASS_THROUGH or not ins.operands:
@@ -296,5 +236,4 @@ def producer(module: HloModule, comp: str, name: str) -> HloInstruction | None:
 
 
 def users(module: HloModule, comp: str, name: str) -> list[HloInstruction]:
-  """The instructions of computation `comp` that read `name`."""
   return [i for i in module.computations.get(comp, ()) if name in i.operands]

@@ -1,9 +1,4 @@
-"""The order in which a function first reads each parameter, read from its jaxpr.
-
-`forward_paths` is the rows' priority order: where the loss's forward pass first uses each leaf
-(descending into sub-jaxprs, not counting re-labelling primitives), which is not the pytree's order.
-It reads jaxprs through `jax.extend.core` (`_jaxcompat.JAXPR_API`, checked before reading).
-"""
+"""The order in which a function first reads each parameter, read from its jaxpr."""
 
 from __future__ import annotations
 
@@ -30,25 +25,17 @@ _ALIAS_PRIMITIVES = frozenset({"convert_element_type", "reshape", "squeeze", "ex
 
 def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
                   axis_env: Sequence[tuple[str, int]] = ()) -> tuple[str, ...]:
-  """Leaf paths of `params` in FORWARD order: the order in which `fn(params, *args)` first uses them.
-
-  The order comes from the jaxpr of `fn`: the first equation that reads each parameter, descending
-  into `jit` / `scan` / custom-derivative sub-jaxprs, and following values through re-labelling
-  primitives (casts, reshapes, transposes, identity `custom_vjp` hooks), so a hook or a cast applied
-  to every parameter up front does not count as a use. It does not come from the pytree: flax stores
-  submodules in dicts whose sorted keys put `Dense_10` before `Dense_2`. A tied embedding is placed
-  where the forward pass first reads it (the input lookup, so row 0). Leaves `fn` never reads come
-  last, in flatten order.
+  """Leaf paths of `params` in the order `fn(params, *args)` first uses them (docs/design.md).
 
   Args:
-    fn: e.g. a loss function; traced abstractly (nothing runs), so `args` may be ShapeDtypeStructs.
-    params: the parameter pytree (arrays or ShapeDtypeStructs).
-    *args: the other arguments of `fn` (e.g. a batch).
-    axis_env: (axis name, size) pairs bound while tracing (`jax.make_jaxpr`'s): the data axis a model's
-      collectives name.
+    fn, params, *args: e.g. a loss, its parameters and a batch; traced abstractly (ShapeDtypeStructs will do).
+    axis_env: (axis name, size) pairs bound while tracing: the data axis a model's collectives name.
 
   Returns:
-    Every leaf path of `params`, each once.
+    Every leaf path, once; leaves `fn` never reads last, in flatten order.
+
+  Example:
+    >>> forward_paths(loss_fn, params, batch)[0]      # the embedding a language model reads first
   """
   check_jaxpr_api("forward_paths")
   leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -62,7 +49,6 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
   used: dict[int, None] = {}   # the leaves used, in order of first use
 
   def walk(jx: Any, mapping: dict[int, int]) -> None:
-    """mapping: id(var) -> leaf index; grows with the outputs that carry a leaf unchanged."""
     for eqn in jx.eqns:
       ins = [(k, mapping[id(v)]) for k, v in enumerate(eqn.invars)
              if not isinstance(v, Literal) and id(v) in mapping]

@@ -1,26 +1,4 @@
-"""A plan as XLA settings, for users who keep their plain step: `xla_options(schedule, network, target=)`.
-
-A user who keeps `jax.jit` (or a `pmean` under `shard_map`) cannot give XLA a plan's buckets, only
-settings: combine thresholds, the latency-hiding scheduler, how many collectives may be in flight,
-early start, and the network XLA's scheduler assumes. This module picks those settings from a plan and
-keeps only what the *installed* jaxlib accepts:
-
-- Each candidate is checked once per process by compiling a tiny program with it on a GPU target (a
-  compile-only one, `gpu_topology`, on a machine without a GPU): an unknown compile option raises
-  there ('No such compile option'), whereas an unknown `XLA_FLAGS` entry aborts the whole process. The
-  names move between versions (jax 0.10.2 takes the boolean `xla_gpu_enable_pipelined_*`; jaxlib 0.12
-  refuses them and takes `xla_gpu_pipeline_*` modes), so nothing is assumed from a version number.
-- The analytical (speed-of-light) latency model, `xla_gpu_analytical_latency_estimator_options`, is a
-  map that neither jaxlib 0.10.2 nor 0.12 accepts as a compile option ("is not a valid message value",
-  whatever the spelling); it goes in the `XLA_FLAGS` line (`xla_flags`), which is checked in a child
-  process so that a refused entry cannot abort this one.
-
-What thresholds can and cannot do (measured: bench/xla_options.py, docs/xla_options.md): the combiner
-merges consecutive all-reduces in its own program order while the sum stays within the threshold, so a
-threshold sets the *number* of buckets of a threshold-fill plan (`bucket`, `xla`), never which leaves go
-together; a per-layer plan, a priority plan with sliced leaves, or the exact membership of any plan needs
-combiner keys (`enforce_order=False`) or the library's own steps.
-"""
+"""A plan as XLA settings, for users who keep their plain step: `xla_options` (docs/xla_options.md)."""
 
 from __future__ import annotations
 
@@ -51,7 +29,7 @@ _SCHEDULER = ("xla_gpu_enable_latency_hiding_scheduler",)
 _IN_FLIGHT = ("xla_gpu_experimental_parallel_collective_overlap_limit",)
 _EARLY_START = ("xla_gpu_experimental_collective_start_as_early_as_possible",)
 # the analytical latency model (XLA's SolGPUCostModel): switched on by a bool, filled from a map that
-# only XLA_FLAGS can carry (see the module docstring)
+# only XLA_FLAGS can carry (docs/xla_options.md)
 _SOL_ON = "xla_gpu_enable_analytical_sol_latency_estimator"
 _SOL_MAP = "xla_gpu_analytical_latency_estimator_options"
 Units = dict[str, tuple[tuple[int, ...], ...]]   # collective kind -> its units, each the bytes of its leaves
@@ -60,20 +38,7 @@ _REFUSED = re.compile(r"No such compile option: '([^']+)'|While setting option (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class XlaSettings:
-  """The settings `xla_settings` found for a plan on the installed jaxlib.
-
-  Attributes:
-    compiler_options: per-compile options (`jax.jit(f).lower(...).compile(compiler_options=...)`),
-      each accepted by this jaxlib.
-    xla_flags: the same as an `XLA_FLAGS` line, plus what only flags carry (the latency model's map),
-      each entry checked in a child process ('' when there is nothing to set).
-    jaxlib: the jaxlib version they were checked against ('' when nothing was checked).
-    target: the target they were checked on ('h100', 'gpu' for a real GPU, '' for none).
-    notes: why something was left out, and what the plan asks that no setting expresses, one sentence
-      each.
-    warning: where these settings do not give the plan's units, what differs and what does give them
-      (`unformed`); '' where they form them.
-  """
+  """The settings `xla_settings` found for a plan on the installed jaxlib, the notes and the warning."""
 
   compiler_options: dict[str, Any]
   xla_flags: str
@@ -97,19 +62,13 @@ def _sizes(schedule: Schedule) -> list[int]:
 
 
 def cut_leaves(schedule: Schedule) -> list[str]:
-  """Paths of the leaves a plan sends in parts (in several units, or a slice of it in one): no combine
-  threshold cuts a leaf's gradient, which the step computes as one array."""
   sizes = _sizes(schedule)
   cut = {r for c in schedule.chunks for r, a, b in c.slices if (a, b) != (0, sizes[r])}
   return [schedule.rows[r][0] for r in sorted(cut)]
 
 
 def plan_units(schedule: Schedule, workers: int) -> Units:
-  """The units the plan issues, per collective kind ('all-reduce', 'reduce-scatter', 'all-gather'), in
-  issue order, each as the bytes XLA's combiner counts for each of its leaves: a collective's *result*
-  (a whole leaf for an all-reduce or an all-gather, one device's shard of it for a reduce-scatter;
-  `workers` devices for a ZeRO-1 plan). A unit holding part of a leaf, a deferral group's slot and a
-  ZeRO-1 buffer count as one leaf of their own bytes."""
+  """The units the plan issues per collective kind, in order, each as the bytes XLA's combiner counts per leaf."""
   from .._values._types import itemsize  # pure
 
   sizes = _sizes(schedule)
@@ -138,9 +97,6 @@ def plan_units(schedule: Schedule, workers: int) -> Units:
 
 
 def threshold_fill(units: tuple[tuple[int, ...], ...], threshold: int) -> tuple[int, bool]:
-  """What XLA's combiner makes of the units' leaves, taken in the plan's order (its own is the program's:
-  an estimate), joining each leaf to the current collective while the sum stays within `threshold`:
-  (how many collectives, whether they are exactly the plan's units)."""
   count, acc, bounds = 0, None, []
   for b in (b for u in units for b in u):
     if acc is None or acc + b > threshold:
@@ -154,8 +110,6 @@ def threshold_fill(units: tuple[tuple[int, ...], ...], threshold: int) -> tuple[
 
 
 def _fill_cap(schedule: Schedule) -> int | None:
-  """The byte cap a threshold-fill plan filled its buckets to: `bucket`'s `bucket_bytes`, `xla`'s 30 MiB
-  (XLA:GPU's own default, which the policy models); None for other plans."""
   if schedule.policy == "bucket":
     cap = dict(schedule.options).get("bucket_bytes")
     return int(cap) if cap else None
@@ -167,7 +121,6 @@ def _fill_cap(schedule: Schedule) -> int | None:
 
 
 def _checked(schedule: Any, network: Any) -> int:
-  """The workers a plan's unit sizes are counted for (`network.workers`, or 8), after the type checks."""
   check_values("xla_options", schedule=schedule)
   if network is not None:
     check_values("xla_options", network=network)
@@ -175,8 +128,6 @@ def _checked(schedule: Any, network: Any) -> int:
 
 
 def _thresholds(schedule: Schedule, units: Units) -> dict[str, int]:
-  """Per collective kind the plan issues, its combine threshold: a threshold-fill plan's cap, else the
-  largest unit's bytes."""
   out = {}
   for kind, _ in _KINDS:
     sizes = [sum(u) for u in units.get(kind, ()) if sum(u) > 0]
@@ -187,17 +138,6 @@ def _thresholds(schedule: Schedule, units: Units) -> dict[str, int]:
 
 
 def plan_options(schedule: Schedule, units: Units, limits: dict[str, int]) -> dict[str, tuple[tuple[str, ...], Any]]:
-  """The settings a plan asks for, before any jaxlib is asked: setting -> (spellings, value).
-
-  - Combine thresholds, per collective kind the plan issues (`plan_units`): for a threshold-fill plan
-    (`bucket`, `xla`) the cap it filled to; for any other plan the largest unit's bytes, so the combiner
-    can form every unit and merges no more than that (docs/xla_options.md: which plans that forms).
-  - The latency-hiding scheduler on.
-  - In flight: the plan's links (all-reduce plans), or an FSDP plan's prefetch depth.
-  - Early start where an all-reduce plan overlaps communication with backward (more than one unit);
-    never for FSDP (every all-gather would start at once: all parameters gathered together).
-  `units` are `plan_units`', `limits` `_thresholds`'.
-  """
   out: dict[str, tuple[tuple[str, ...], Any]] = {}
   for kind, names in _KINDS:
     if kind in limits:
@@ -213,9 +153,7 @@ def plan_options(schedule: Schedule, units: Units, limits: dict[str, int]) -> di
 
 
 def unformed(schedule: Schedule, units: Units, limits: dict[str, int]) -> str | None:
-  """Where the settings cannot give this plan: one paragraph naming what differs and what does give it
-  (combiner keys, the library's step); None where the thresholds form its units (estimated in the plan's
-  leaf order: XLA combines in its program's)."""
+  """Where the settings cannot give this plan: what differs and what does give it; None where they do."""
   parts = []
   cut = cut_leaves(schedule) if schedule.family != "zero1" else []
   if cut:
@@ -244,7 +182,6 @@ def unformed(schedule: Schedule, units: Units, limits: dict[str, int]) -> str | 
 
 
 def fsdp_notes(schedule: Schedule) -> list[str]:
-  """What an FSDP plan asks that no setting expresses (empty for other families)."""
   if schedule.family != "fsdp":
     return []
   f = schedule.fsdp
@@ -256,16 +193,6 @@ def fsdp_notes(schedule: Schedule) -> list[str]:
 
 
 def network_flags(network: NetworkModel) -> dict[str, str]:
-  """XLA's analytical latency model filled from a NetworkModel, as XLA_FLAGS entries.
-
-  XLA's speed-of-light model (`SolGPUCostModel::RingLatency`) charges an all-reduce of b bytes over N
-  GPUs, g per node, 2 (N - 1)/g (b/N / nic + chunk_prep + rtt) + launch. With g = 1 (every worker its
-  own link, as `NetworkModel`'s ring) that is the ring's 2 (P - 1) alpha + 2 (P - 1)/P b beta with
-  rtt = alpha (per ring step) and nic = 1/beta: `rtt_us` = alpha in microseconds (XLA reads an integer,
-  at least 1), `nic_speed_gbps` = 1/beta in GB/s (10^9 bytes/s, as XLA's comment says), `gpus_per_node`
-  1. XLA's launch and chunk-preparation terms keep their defaults (the NetworkModel has no such term;
-  XLA ignores values <= 0).
-  """
   rtt_us = max(1, round(network.alpha_s * 1e6))
   nic_gbps = 1.0 / (network.beta_s_per_byte * 1e9) if network.beta_s_per_byte > 0 else 1e6
   value = f"nic_speed_gbps={nic_gbps:.6g},rtt_us={rtt_us},gpus_per_node=1"
@@ -278,7 +205,6 @@ def network_flags(network: NetworkModel) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def _probe_program(target: str) -> Any:
-  """A tiny psum program lowered for `target` ('gpu': the real GPU), to compile candidate options on."""
   import jax  # jax starts here, after gpu_target/_resolve_target looked at the environment (JAX_PLATFORMS)
   import jax.numpy as jnp  # (the same reason)
   from jax.sharding import PartitionSpec as P  # (the same reason)
@@ -302,8 +228,6 @@ _ACCEPTED: dict[tuple[str, str, str], bool] = {}   # (target, option, value type
 
 
 def _accepts(target: str, options: dict[str, Any]) -> dict[str, bool]:
-  """For each option, whether the installed jaxlib compiles the probe program with it (memoised per
-  target, name and value type: one compile for all unknown ones, one more per refusal)."""
   key = lambda k, v: (target, k, type(v).__name__)  # noqa: E731
   todo = {k: v for k, v in options.items() if key(k, v) not in _ACCEPTED}
   while todo:
@@ -327,8 +251,6 @@ _FLAGS_OK: dict[str, bool] = {}   # flag name -> the child process started with 
 
 
 def _flags_accepted(flags: dict[str, str]) -> dict[str, bool]:
-  """Whether a process starts with each `--name=value` in XLA_FLAGS (an unknown one aborts the
-  process, so each new name is tried in a child process; memoised per name)."""
   todo = [k for k in flags if k not in _FLAGS_OK]
   if todo and _starts(" ".join(f"--{k}={flags[k]}" for k in todo)):
     _FLAGS_OK.update(dict.fromkeys(todo, True))
@@ -338,7 +260,6 @@ def _flags_accepted(flags: dict[str, str]) -> dict[str, bool]:
 
 
 def _starts(xla_flags: str) -> bool:
-  """Whether a child process runs a jax program with this XLA_FLAGS line."""
   env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
   code = "import jax, jax.numpy as jnp; jax.jit(lambda x: x + 1)(jnp.zeros(2)).block_until_ready()"
   return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -346,7 +267,6 @@ def _starts(xla_flags: str) -> bool:
 
 
 def _resolve_target(target: Any) -> tuple[str | None, str | None]:
-  """(the target to check on, or None; the note saying why there is none)."""
   if isinstance(target, GpuTopology):
     return target.target.name, None
   if target is not None:
@@ -371,10 +291,7 @@ def _flag_value(v: Any) -> str:
 
 
 def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, target: Any = None) -> XlaSettings:
-  """The compiler options, the XLA_FLAGS line and the notes for `schedule` on the installed jaxlib.
-
-  See `xla_options`; this also returns the flags line, the jaxlib version and why anything was left out.
-  """
+  """The compiler options, the XLA_FLAGS line and the notes for `schedule` (see `xla_options`)."""
   units = plan_units(schedule, _checked(schedule, network))   # a sharded plan's: network.workers, or 8
   limits = _thresholds(schedule, units)
   wanted = plan_options(schedule, units, limits)
@@ -425,34 +342,20 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
 
 
 def xla_options(schedule: Schedule, network: NetworkModel | None = None, *, target: Any = None) -> dict[str, Any]:
-  """XLA `compiler_options` for the installed jaxlib that realise `schedule` as far as settings can.
-
-  For a plain `jax.jit` step that keeps XLA's own collectives: combine thresholds from the plan's units
-  (all-reduces; an FSDP plan's all-gather groups and reduce-scatter units; a ZeRO-1 plan's buffers), the
-  latency-hiding scheduler, the collectives in flight, early start; each checked by compiling a tiny
-  program for `target` (a refused one is left out). Where thresholds cannot form the plan's units (a
-  per-layer or sliced plan, a deferring one) it warns, naming what does: the library's step or
-  combiner keys. docs/xla_options.md has what each setting does and the measured table.
+  """XLA `compiler_options` that realise `schedule` as far as settings can (docs/xla_options.md).
 
   Args:
-    schedule: the plan (`prophet_jax.plan`).
-    network: the NetworkModel it was planned for, or None for no network-derived options.
-    target: the GPU to check the options on: 'h100', 'a100', 'v100' (compile-only, `gpu_topology`) or a
-      GpuTopology; None: the machine's GPU if jax has one, else a compile-only H100 if jax's CUDA plugin
-      is installed, else none.
+    schedule: the plan; network: its NetworkModel, or None for no network-derived options.
+    target: the GPU the options are checked on by compiling a tiny program: 'h100', 'a100', 'v100'
+      (compile-only) or a GpuTopology; None: the machine's GPU, else a compile-only H100 where jax's
+      CUDA plugin is installed, else none (`{}` and a warning).
 
   Returns:
-    A dict for `jax.jit(step).lower(...).compile(compiler_options=...)`; `{}` (with a warning saying
-    why) where no GPU target is known.
-
-  Warns:
-    UserWarning: the settings do not give this plan's units (`XlaSettings.warning` says how they differ).
+    A dict for `.compile(compiler_options=...)`, with a UserWarning where it does not give the plan's units.
 
   Raises:
-    TypeError: `schedule` or `network` of the wrong type.
-    ValueError: an unknown target name.
-    GpuCompileError: a named target that this environment cannot compile for (the message says what to
-      install or set).
+    TypeError: `schedule` or `network` of the wrong type; ValueError: an unknown target name.
+    GpuCompileError: a named target this environment cannot compile for (what to install or set).
 
   Example:
     >>> opts = prophet_jax.xla_options(schedule, network, target="h100")
