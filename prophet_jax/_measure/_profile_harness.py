@@ -1,13 +1,4 @@
-"""The program harness behind `profile_step`: the gradient step of a user's loss, on a 1-D mesh.
-
-`setup` checks the loss, the params and the batch (a per-device batch that fits the model, a real
-floating scalar, differentiable in the float leaves), reads the leaves' forward (priority) order and
-their layers, and places the params replicated and the batch split over a mesh of `num_devices`
-devices. The programs are built on it: the gradient step (`jax.grad` under `jax.shard_map`, no
-all-reduce: the per-device program of training without its communication), the forward alone, the
-optimizer's update and a local train step (gradients and update in one program); `Prog` holds a
-lowered program with its arguments, and `compile_all` compiles several at once.
-"""
+"""The program harness behind `profile_step`: a user's loss checked, and its programs on a 1-D mesh."""
 
 from __future__ import annotations
 
@@ -43,9 +34,7 @@ UPDATE_NAME = "prophet_profile_update"
 
 @dataclasses.dataclass
 class RowSpec:
-  """What a profile's rows are made of besides the timings (no jax): per gradient leaf k (flatten
-  order of the float leaves, i.e. the grad program's output k) its path, shape, dtype and layer, and
-  the priority (forward) order of the k."""
+  """Per gradient leaf k (the grad program's output k) its path, shape, dtype and layer; the rows' forward order."""
 
   paths: list[str]
   shapes: list[tuple[int, ...]]
@@ -61,7 +50,6 @@ class RowSpec:
     return int(math.prod(self.shapes[k])) * itemsize(self.dtypes[k])
 
   def layer_bytes(self) -> dict[str, int]:
-    """Parameter bytes per layer, layers in forward order."""
     out = dict.fromkeys(self.layers_in_order, 0)
     for k, layer in enumerate(self.layers):
       out[layer] += self.nbytes(k)
@@ -70,7 +58,7 @@ class RowSpec:
 
 @dataclasses.dataclass
 class ProgramSetup:
-  """Everything the methods share: the mesh, the sharded inputs, the rows and their order."""
+  """Everything the methods share: the mesh, the placed inputs, the rows and the loss of flat leaves."""
 
   mesh: Any
   axis: str                   # the mesh's one axis: the data axis the loss may name (BatchNorm's axis_name)
@@ -166,7 +154,6 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
 
 
 def _unbound(e: NameError, axis: str) -> Exception:
-  """The error for a loss that names an axis the profiled step does not map over."""
   m = re.search(r"unbound axis name: ([^\s.,]+)", str(e))
   if m is None:
     return e
@@ -187,7 +174,7 @@ def split_leaves(s: ProgramSetup) -> tuple[list[Any], list[Any]]:
 
 
 def grad_program(s: ProgramSetup, wrt: Sequence[int] | None = None, name: str = STEP_NAME):
-  """jit(shard_map(grad)) over the mesh, with no all-reduce; `wrt` restricts to some diff leaves."""
+  """jit(shard_map(grad)) over the mesh, with no all-reduce; `wrt` restricts it to some leaves."""
   def step(diff, other, b):
     if wrt is None:
       return jax.grad(s.loss_of)(diff, other, b)
@@ -212,8 +199,7 @@ def loss_program(s: ProgramSetup):
 
 
 def mapped(s: ProgramSetup, f: Callable[..., Any], in_specs: Any, out_specs: Any, *, name: str = "") -> Any:
-  """`jax.jit(jax.shard_map(f))` over the profile's mesh, without the varying-type checks; `name`
-  renames `f`, and so the compiled module (`jit_<name>`), which the trace is searched for."""
+  """`jax.jit(jax.shard_map(f))` over the profile's mesh; `name` renames `f`, so the module is `jit_<name>`."""
   if name:
     f.__name__ = f.__qualname__ = name
   return jax.jit(jax.shard_map(f, mesh=s.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
@@ -231,8 +217,7 @@ def wall_median(f: Callable[[], Any], repeats: int, least: int = 3) -> float:
 
 
 class Prog:
-  """A lowered program with its arguments: compiled once (several at once by `compile_all`), then run
-  by calling it."""
+  """A lowered program with its arguments: compiled once, then run by calling it."""
 
   def __init__(self, lowered: Any, args: Sequence[Any]):
     self.lowered = lowered
@@ -249,8 +234,7 @@ class Prog:
 
 
 def compile_all(progs: Sequence[Prog | None]) -> None:
-  """Compiles the programs at once: XLA releases the GIL while it compiles, so on a host with a few
-  cores the gradient step, the local train step and the update compile in the time of the slowest."""
+  """Compiles the programs at once (XLA releases the GIL while it compiles)."""
   todo = [p for p in progs if p is not None and p.compiled is None]
   if len(todo) <= 1:
     for p in todo:
@@ -273,7 +257,6 @@ def update_program(s: ProgramSetup, tx: Any) -> Prog:
 
 
 def _updater(tx: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
-  """(params, grads, opt_state) -> (params, opt_state): one step of `tx`."""
   def upd(p, g, st):
     u, st = tx.update(g, st, p)
     return optax.apply_updates(p, u), st
@@ -282,8 +265,7 @@ def _updater(tx: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
 
 
 def local_step_program(s: ProgramSetup, tx: Any) -> Prog:
-  """A train step with no reduction (gradients, then `tx`'s update, in one program): the step's cost
-  with free communication."""
+  """A train step with no reduction (gradients, then `tx`'s update, in one program)."""
   diff, other = split_leaves(s)
   state = tx.init(diff)
   upd = _updater(tx)

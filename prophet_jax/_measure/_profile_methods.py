@@ -1,12 +1,4 @@
-"""The three ways `profile_step` times a gradient step, and the rows they make.
-
-`measured` traces the step with `jax.profiler` and reads the trace (`from_trace`, shared with
-`profile_from_trace`), stretched to the untraced wall clock of a step; `timed` times `grad` with
-respect to one layer at a time (at most `TIMED_LAYERS` of them) minus the forward; `estimated`
-divides XLA's FLOP counts by a measured matmul throughput. Each returns (forward_s, backward_s,
-ready per leaf, forward per layer, update_s, note); `profile_rows` turns them into the profile's rows in
-priority order (the module docstring of `_profile` says what each method reads and when each is used).
-"""
+"""The three ways `profile_step` times a gradient step (measured, timed, estimated), and the rows they make."""
 
 from __future__ import annotations
 
@@ -115,13 +107,7 @@ LINKED = {"run_id": "executions by run_id", "host launch": "executions by the ho
 def from_trace(trace: str | os.PathLike[str], hlo: _step_hlo.StepHlo, spec: RowSpec, *,
                 outputs: Sequence[str] | None = None, extra_modules: Sequence[str] = (),
                 expected: int | None = None, expected_why: str = "") -> tuple[_xplane.Trace, _xplane.Analysis]:
-  """The trace's executions of the step `hlo`, analysed for the spec's rows (output k is leaf k; or
-  `outputs[k]`): the one analysis behind `profile_step` and `profile_from_trace`.
-
-  Raises:
-    ProfileError: the trace holds no event of the step's module, or its profile is implausible
-      (the message says what the trace held).
-  """
+  """The trace's executions of the step `hlo`, analysed for the rows; ProfileError for no or an implausible one."""
   trace = _xplane.read_trace(trace, [hlo.module, *extra_modules])
   if not trace.events.get(hlo.module):
     seen = ", ".join(f"{m!r} ({k} events)" for m, k in sorted(trace.modules.items(), key=lambda kv: -kv[1])[:6])
@@ -195,7 +181,6 @@ TIMED_LAYERS = 12  # at most this many per-layer gradient programs (each is comp
 
 
 def _sample(n: int, k: int) -> list[int]:
-  """k indices of range(n) evenly spaced, the first and the last included (all of them when n <= k)."""
   if n <= k:
     return list(range(n))
   return sorted({round(j * (n - 1) / (k - 1)) for j in range(k)})

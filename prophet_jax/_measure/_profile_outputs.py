@@ -1,10 +1,4 @@
-"""Which outputs of a traced program are the gradient leaves: HLO shapes matched to the leaves'.
-
-`profile_from_trace` reads a program it did not build: `gradient_outputs` finds the one run of
-consecutive ENTRY ROOT operands whose shapes and dtypes are the leaves', in order (a
-`value_and_grad` program's loss beside them is fine), and otherwise names the first leaf that
-differs; `hlo_matches` compares one HLO shape with a leaf's shape and dtype.
-"""
+"""Which outputs of a traced program are the gradient leaves: HLO shapes matched to the leaves'."""
 
 from __future__ import annotations
 
@@ -31,8 +25,7 @@ def hlo_matches(shape_text: str, shape: tuple[int, ...], dtype: str) -> bool:
 
 def gradient_outputs(hlo: _step_hlo.StepHlo, paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
                       dtypes: Sequence[str]) -> list[str]:
-  """The program outputs that are the gradient leaves: the one run of consecutive ENTRY ROOT operands
-  whose shapes and dtypes are the leaves', in order."""
+  """The one run of consecutive ENTRY ROOT operands with the leaves' shapes and dtypes; else ValueError."""
   outs = hlo.root_operands
   n = len(paths)
   fits = [off for off in range(len(outs) - n + 1)

@@ -1,7 +1,4 @@
-"""The compiled step as the trace analysis reads it: its HLO's instructions, operands, outputs and
-parameters (`step_hlo`), which ops are backward (`is_backward`: `transpose(...)` in the name stack),
-the layer an op belongs to (`match_layer`: flax's module names in its op_name), and where the compiled
-forward pass first reads each parameter (`forward_positions`)."""
+"""The compiled step as the trace analysis reads it: instructions, outputs, parameters, backward ops, layers."""
 
 from __future__ import annotations
 
@@ -40,10 +37,7 @@ class StepHlo:
 
 
 def step_hlo(text: str) -> StepHlo:
-  """The optimized module as the trace analysis reads it: instructions by name (HLO names are unique
-  in a module), operands within their own computation, called computations, the ENTRY ROOT's
-  operands (the program's outputs, in output order), ENTRY parameters by number and the ENTRY's
-  schedule positions (a compiled module is scheduled: instruction order is execution order)."""
+  """The optimized module by instruction name (operands within their computation), its outputs and parameters."""
   m = parse_hlo(text)
   instrs: dict[str, Instr] = {}
   comps: dict[str, list[str]] = {}
@@ -86,9 +80,7 @@ def segments(op_name: str) -> list[str]:
 
 
 class LayerIndex:
-  """Every suffix of every layer path -> the first layer (in order) that ends with it: matching an
-  op's name is then one dictionary look-up per run of consecutive segments, not a scan of the layers
-  (BERT-base has 200 layers and a long trace has 10^5 events); each op name is matched once."""
+  """Every suffix of every layer path -> the first layer that ends with it; each op name matched once."""
 
   def __init__(self, layers: tuple[str, ...]):
     self.by_suffix: dict[tuple[str, ...], int] = {}
@@ -117,21 +109,12 @@ def layer_index(layers: tuple[str, ...]) -> LayerIndex:
 
 
 def match_layer(op_name: str, layers: Sequence[str]) -> str | None:
-  """The layer whose path (its longest suffix) appears as consecutive segments of the op's name;
-  among layers matching equally long suffixes, the first in `layers`."""
+  """The layer whose path (its longest suffix) is consecutive segments of the op's name; ties: the first."""
   return layer_index(tuple(layers)).match(op_name)
 
 
 def forward_positions(hlo: StepHlo, n: int) -> list[int | None]:
-  """For ENTRY parameters 0..n-1 (the gradient leaves' parameters): the schedule position of the first
-  op that reads it (through ops that read no data) and also depends on the data (the ENTRY parameters
-  numbered n and up: the batch); None when no such op reads it.
-
-  That is where the compiled forward pass first needs the parameter: its priority order, read from
-  the program without the loss function (`profile_from_trace`). Ops that read parameters alone
-  (layout transposes of kernels, a BatchNorm's folded scale) run whenever XLA schedules them, often
-  at the start: they pass the parameter on and do not count as its use.
-  """
+  """Per gradient leaf's ENTRY parameter, the schedule position of the first op reading it and the batch."""
   entry = hlo.comps.get(hlo.entry, [])
   users: dict[str, list[str]] = {}
   for name in entry:

@@ -1,27 +1,4 @@
-"""Reading a jax.profiler trace (.xplane.pb) of one compiled step: which op made which leaf, and when.
-
-Used by `_profile` (`method='measured'`, `profile_from_trace`), with the step's HLO as `_step_hlo` reads it:
-  read_trace(trace, modules) -> Trace   the modules' op events in a trace file or directory, each tied
-                                        to the execution (run) it belongs to
-  executions(events)                    grouped per (run, device), in time order
-  analyse_execution(ex, hlo, ...)       forward/backward spans, per-leaf ready times, per-layer forward
-  analyse(events, hlo, ...)             every execution, their medians, and what makes them implausible
-  median_envelope(events)               the median span of a run over every device
-
-An op's name stack marks backward ops with `transpose(...)` and forward ops with `jvp(...)`.
-
-Which execution an event belongs to (docs/facts.md, "Profiler traces on a GPU"):
-- XLA:CPU's op events carry the execution's `run_id` and the `device_ordinal`: grouped by both.
-- XLA:GPU's kernel events (on `/device:GPU:k`, one line per CUDA stream) carry `hlo_module`, `hlo_op`,
-  `program_id` and the CUPTI `correlation_id` of the host call that launched them (a kernel inside one
-  of XLA's command buffers carries the graph launch's), but no `run_id`. The host's launch call (same
-  `correlation_id`, on the launching thread's line) lies inside the host's `Execute` event of that
-  program, which has the `run_id`: that is the kernel's execution. Every line (stream) of a device
-  plane is one device, so a collective on its own stream stays in its execution.
-- Without host events, a device's events are cut where another program ran on the device between two
-  of them (the optimizer's update program between steps); the analysis then checks the count of
-  executions against the host's launches or the traced steps.
-"""
+"""Reading a jax.profiler trace of one compiled step: its executions, and when each op made each leaf."""
 
 from __future__ import annotations
 
@@ -49,12 +26,7 @@ _TRACE_SUFFIXES = (".xplane.pb", ".xplane.pb.gz")
 
 
 def trace_files(trace: str | os.PathLike[str]) -> list[str]:
-  """The trace files of a trace: the file itself (`.xplane.pb`, or gzipped `.xplane.pb.gz`), or every
-  one under a trace directory.
-
-  Raises:
-    FileNotFoundError: the path does not exist, or a directory holds no trace file.
-  """
+  """The `.xplane.pb` (or `.xplane.pb.gz`) files of a trace file or directory; FileNotFoundError if none."""
   path = os.fspath(trace)
   if os.path.isfile(path):
     return [path]
@@ -70,7 +42,6 @@ def trace_files(trace: str | os.PathLike[str]) -> list[str]:
 
 
 def _load(path: str) -> Any:
-  """The profile in `path` (`.xplane.pb`, or gzipped); a file that is no trace is a ProfileError naming it."""
   try:
     if path.endswith(".gz"):
       with gzip.open(path, "rb") as f:
@@ -89,17 +60,9 @@ class Trace:
   """The op events of some modules in a trace, each tied to its execution where the trace says how.
 
   Attributes:
-    events: module -> op events, dicts with `op`, `start_ns`, `end_ns`, `run` (the execution: a
-      run_id, or a segment of the device's timeline), `device`, `program` (program_id or None).
-    launches: module -> how many executions the host launched (distinct run_ids of the host's
-      Execute events of that module), where the trace has them.
-    linked: module -> how its executions were found: 'run_id' (on the events, XLA:CPU), 'host
-      launch' (XLA:GPU kernels through their correlation_id) or 'segments' (cut where another
-      program ran on the device).
-    platform: 'gpu' when the trace has a /device:GPU plane, else 'cpu'.
-    files: the .xplane.pb files read.
-    modules: every module with op events in the trace -> how many it has.
-    device_name: the GPU's name as the trace records it ('' when it does not).
+    events: module -> op events, dicts of `op`, `start_ns`, `end_ns`, `run` (a run_id, a (file, run_id) of
+      a host launch, or a segment), `device`, `program`, `module`.
+    launches: module -> the host's launches of it; linked: module -> 'run_id', 'host launch' or 'segments'.
   """
 
   events: dict[str, list[dict[str, Any]]]
@@ -115,11 +78,7 @@ _EXEC_NAME = re.compile(r"Execute\s*\(([^)]*)\)")
 
 
 def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
-  """The op events of `modules` in a trace file or directory, tied to their executions.
-
-  One pass over every event of every file: ProfileData's events are Python objects, so everything
-  the analysis needs is read here once.
-  """
+  """The op events of `modules` in a trace file or directory, tied to their executions (one pass)."""
   files = trace_files(trace)
   wanted = set(modules)
   events: dict[str, list[dict[str, Any]]] = {m: [] for m in modules}
@@ -193,9 +152,7 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
 
 def _launched_in(hit: tuple[int, float], module: str, scopes: dict[int, list[tuple[float, float, Any, str]]],
                  starts: dict[int, list[float]]) -> Any:
-  """The run_id of the host's Execute event of `module` holding a GPU kernel's launch `hit` (line, time):
-  on the launching thread's line, else (a launch from another thread, e.g. a per-device one) the latest
-  Execute event of the program on any line that was open at the launch; None when there is none."""
+  """The run_id of the host's Execute event of `module` that holds a kernel's launch `hit`, or None."""
   line, t = hit
   for key, back in ((line, 3), (-1, 64)):
     j = bisect.bisect_right(starts.get(key, []), t) - 1
@@ -207,8 +164,7 @@ def _launched_in(hit: tuple[int, float], module: str, scopes: dict[int, list[tup
 
 def _segment(events: dict[str, list[dict[str, Any]]], timeline: dict[Any, list[tuple[float, str]]],
              linked: dict[str, str]) -> None:
-  """Runs for modules whose events could not be tied to a host launch: per device, a new execution
-  starts wherever another program's op ran on the device since the module's previous op."""
+  """Runs for events tied to no launch: a device's execution ends where another program ran on it."""
   cut = [m for m, how in linked.items() if how == "segments"]
   bounds: dict[tuple[Any, str], list[float]] = {}
   for dev, tl in timeline.items():
@@ -221,7 +177,6 @@ def _segment(events: dict[str, list[dict[str, Any]]], timeline: dict[Any, list[t
 
 
 def executions(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-  """Events grouped per (run, device), each group in time order, groups in order of their start."""
   groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
   for e in events:
     groups.setdefault((e["run"], e["device"]), []).append(e)
@@ -230,12 +185,7 @@ def executions(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def backward_start(ex: list[dict[str, Any]], hlo: StepHlo) -> float | None:
-  """When backward starts in one execution (ns), or None when no op is a backward op.
-
-  XLA may schedule small backward ops (e.g. the loss's scatter-add set-up) before the forward ends,
-  and rematerialised forward ops run inside backward. So backward starts at the first backward op
-  after which at most 5% of the forward ops' time remains.
-  """
+  """When backward starts in one execution: the first backward op after which <= 5% of forward remains."""
   names = [hlo.instrs[e["op"]].op_name if e["op"] in hlo.instrs else "" for e in ex]
   kinds = ["b" if is_backward(name) else ("f" if "jvp(" in name else "o") for name in names]
   if "b" not in kinds:
@@ -254,13 +204,7 @@ def backward_start(ex: list[dict[str, Any]], hlo: StepHlo) -> float | None:
 def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[int], n_rows: int,
                       layers_in_order: Sequence[str], *, outputs: Sequence[str] | None = None
                       ) -> tuple[float, float, list[float], dict[str, float]] | None:
-  """(forward_s, backward_s, ready_s per row, fwd_s per layer) of one execution, or None.
-
-  Output k of the program (`outputs`, default the ENTRY ROOT's operands) is row `leaf_rows[k]`
-  (-1: not a row). A leaf is ready when the last op producing it ends, following its value back
-  through ops that have no event of their own (bitcast, copy, a get-tuple-element of a tuple: only
-  the tuple's operand at that index).
-  """
+  """(forward_s, backward_s, ready_s per row, fwd_s per layer) of one execution, or None."""
   outputs = list(hlo.root_operands if outputs is None else outputs)
   b0 = backward_start(ex, hlo) if ex and len(outputs) == len(leaf_rows) else None
   if b0 is None:
@@ -323,7 +267,6 @@ def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[in
 
 
 def median_envelope(events: list[dict[str, Any]]) -> float:
-  """Median over runs of (last op end - first op start) across every device of the run, seconds."""
   runs: dict[Any, list[float]] = {}
   for e in events:
     lo_hi = runs.setdefault(e["run"], [math.inf, -math.inf])
@@ -339,17 +282,7 @@ def median_envelope(events: list[dict[str, Any]]) -> float:
 
 @dataclasses.dataclass
 class Analysis:
-  """The medians over a step's executions in a trace, and why they cannot be trusted (`problems`).
-
-  Attributes:
-    forward_s, backward_s: median forward and backward spans of one device's execution.
-    ready_s: per row, the median ready time from the start of backward.
-    fwd_layer: per layer, the median forward time.
-    executions: executions analysed; `found`: executions (run x device) in the trace; `devices`.
-    events: op events of the step's program used.
-    held: one line saying what the trace held (for notes and errors).
-    problems: reasons the profile is implausible (empty when it is not).
-  """
+  """The medians over a step's executions in a trace, what it held, and why they cannot be trusted."""
 
   forward_s: float
   backward_s: float
@@ -364,9 +297,7 @@ class Analysis:
 
 
 def select_program(events: list[dict[str, Any]], hlo: StepHlo) -> tuple[list[dict[str, Any]], str]:
-  """The events of the one compiled program that `hlo` is: a module name may belong to several
-  programs in a trace (a step compiled again for other shapes); keep the program whose op names are
-  all in the HLO, the most-run one if several are."""
+  """The events of the one compiled program `hlo` is (a module name may name several)."""
   by_prog: dict[Any, list[dict[str, Any]]] = {}
   for e in events:
     by_prog.setdefault(e.get("program"), []).append(e)
@@ -382,16 +313,7 @@ def analyse(events: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[int], n_
             layers_in_order: Sequence[str], *, outputs: Sequence[str] | None = None,
             expected: int | None = None, expected_why: str = "", row_layers: Sequence[str] | None = None
             ) -> Analysis:
-  """Every execution of the step in `events`, the medians over them, and the problems that make the
-  result implausible:
-
-  - the executions found do not match what was traced (`expected` executions, e.g. steps x devices,
-    or the host's launches times the devices), or some execution runs far fewer ops than the others
-    (a step the profiler caught in part is dropped, and said so);
-  - backward is under a tenth of forward (a backward pass costs about twice the forward);
-  - most layers' gradients are ready at one instant (within 0.1% of backward), with 3 layers or
-    more (`row_layers`: each row's layer).
-  """
+  """Every execution of the step in `events`, the medians over them, and what makes them implausible."""
   events, prog_note = select_program(events, hlo)
   groups = executions(events)
   devices = len({e["device"] for e in events})
