@@ -175,19 +175,15 @@ def find_ptxas() -> str | None:
   return shutil.which("ptxas")
 
 
-def _install_line(version: str) -> str:
-  return GPU_COMPILE_EXTRA.format(cuda12=_EXTRAS[12][1].format(v=version),
-                                  cuda13=_EXTRAS[13][1].format(v=version))
-
-
 def _check_requirements(target: str) -> CudaPlugin:
   import jaxlib  # lazy: pure until a topology is made
 
   want = jaxlib.__version__
   plugin = cuda_plugin()
   if plugin is None:
+    lines = {f"cuda{major}": line.format(v=want) for major, (_, line, _) in _EXTRAS.items()}
     raise GpuCompileError(f"gpu_topology: jax's CUDA plugin (jax-cuda12-plugin or jax-cuda13-plugin, "
-                          f"XLA:GPU's compiler) is not installed. Install it: {_install_line(want)}.")
+                          f"XLA:GPU's compiler) is not installed. Install it: {GPU_COMPILE_EXTRA.format(**lines)}.")
   extra, line, nvcc = _EXTRAS[plugin.major]
   for dist in (plugin.plugin, plugin.pjrt):
     got = _version(dist)

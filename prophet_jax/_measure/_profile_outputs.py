@@ -28,8 +28,15 @@ def gradient_outputs(hlo: _step_hlo.StepHlo, paths: Sequence[str], shapes: Seque
   """The one run of consecutive ENTRY ROOT operands with the leaves' shapes and dtypes; else ValueError."""
   outs = hlo.root_operands
   n = len(paths)
-  fits = [off for off in range(len(outs) - n + 1)
-          if all(hlo_matches(hlo.instrs[outs[off + k]].shape, shapes[k], dtypes[k]) for k in range(n))]
+
+  def matched(off: int) -> int:  # how many leaves, from the first, the outputs from `off` on match
+    k = 0
+    while k < n and off + k < len(outs) and hlo_matches(hlo.instrs[outs[off + k]].shape, shapes[k], dtypes[k]):
+      k += 1
+    return k
+
+  runs = [matched(off) for off in range(max(len(outs) - n + 1, 1))]
+  fits = [off for off, k in enumerate(runs) if k == n]
   if len(fits) == 1:
     return list(outs[fits[0]:fits[0] + n])
   if len(fits) > 1:
@@ -38,13 +45,8 @@ def gradient_outputs(hlo: _step_hlo.StepHlo, paths: Sequence[str], shapes: Seque
                      f"gradients. Trace a program that returns the gradients alone (jax.grad), as "
                      f"profile_step does.")
   # name the first leaf that differs, against the best alignment (outputs 0.. or 1.. for value_and_grad)
-  best, where = -1, 0
-  for off in range(max(len(outs) - n + 1, 1)):
-    k = 0
-    while k < n and off + k < len(outs) and hlo_matches(hlo.instrs[outs[off + k]].shape, shapes[k], dtypes[k]):
-      k += 1
-    if k > best:
-      best, where = k, off
+  best = max(runs)
+  where = runs.index(best)
   got = hlo.instrs[outs[where + best]].shape if where + best < len(outs) else "nothing (too few outputs)"
   raise ValueError(
       f"profile_from_trace: the program {hlo.module!r} has {len(outs)} outputs; they do not match the {n} "

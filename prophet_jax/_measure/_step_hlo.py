@@ -12,6 +12,7 @@ from .._compiled._hlo import parse_hlo
 _STRUCTURAL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy",
                          "copy-start", "copy-done", "after-all", "opt-barrier"})
 _GTE_INDEX = re.compile(r"\bindex=(\d+)")
+_TRANSFORM = re.compile(r"^(?:transpose|jvp|jit|vmap|remat|checkpoint|pjit|custom_jvp|custom_vjp)\((.*)\)$")
 
 
 @dataclasses.dataclass
@@ -69,10 +70,7 @@ def segments(op_name: str) -> list[str]:
   out = []
   for seg in op_name.split("/"):
     seg = seg.strip()
-    while True:
-      m = re.match(r"^(?:transpose|jvp|jit|vmap|remat|checkpoint|pjit|custom_jvp|custom_vjp)\((.*)\)$", seg)
-      if not m:
-        break
+    while m := _TRANSFORM.match(seg):   # 'transpose(jvp(Dense_0))' -> 'Dense_0'
       seg = m.group(1)
     if seg:
       out.append(seg)
@@ -127,17 +125,15 @@ def forward_positions(hlo: StepHlo, n: int) -> list[int | None]:
   out: list[int | None] = []
   for k in range(n):
     start = hlo.params.get(k)
-    best = None
-    stack, seen = ([start] if start else []), set()
+    hits, stack, seen = [], ([start] if start else []), set()
     while stack:
       for u in users.get(stack.pop(), ()):
         if u in seen:
           continue
         seen.add(u)
         if u in data:
-          pos = hlo.position[u]
-          best = pos if best is None else min(best, pos)
+          hits.append(hlo.position[u])
         else:
           stack.append(u)
-    out.append(best)
+    out.append(min(hits, default=None))
   return out

@@ -346,19 +346,18 @@ def analyse(events: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[int], n_
   if backward_s < 0.1 * forward_s:
     problems.append(f"backward {backward_s * 1e3:.3f} ms is under a tenth of forward {forward_s * 1e3:.3f} ms "
                     f"(a backward pass costs about twice its forward)")
-  if row_layers is not None and len(set(row_layers)) >= 3 and backward_s > 0:
+  n_layers = len(set(row_layers or ()))
+  if n_layers >= 3 and backward_s > 0:
     tol = 1e-3 * backward_s
     order = sorted(range(n_rows), key=lambda k: ready[k])
     best_layers: set[str] = set()
-    best_rows = 0
-    lo = 0
+    best_rows = lo = 0
     for hi in range(n_rows):  # the most layers whose rows fall in one window of width tol
       while ready[order[hi]] - ready[order[lo]] > tol:
         lo += 1
       window = {row_layers[order[k]] for k in range(lo, hi + 1)}
       if len(window) > len(best_layers):
         best_layers, best_rows = window, hi - lo + 1
-    n_layers = len(set(row_layers))
     if len(best_layers) > n_layers / 2:
       problems.append(f"{best_rows} of {n_rows} gradients ({len(best_layers)} of {n_layers} layers) are "
                       f"ready within {tol * 1e6:.2f} us of each other (backward {backward_s * 1e3:.3f} ms)")
