@@ -214,17 +214,16 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
   sizes = _check_sizes(sizes)
   repeats = check_int("measure_network", "repeats", repeats, lo=3, fix="A median needs at least 3.")
   inner = check_int("measure_network", "inner", inner, lo=1)
-  check_number("measure_network", "percentile", percentile, lo=0, hi=50, lo_open=True, hi_open=True,
-               fix="It is the low percentile, e.g. 10.")
+  percentile = check_number("measure_network", "percentile", percentile, lo=0, hi=50, lo_open=True, hi_open=True,
+                            fix="It is the low percentile, e.g. 10.")
   check_number("measure_network", "skew", skew, lo=0, none=True, fix="None measures it.")
   devices = _mesh_devices(num_devices)
   p = len(devices)
   platform = devices[0].platform
   if time_budget_s == "auto":  # on host CPU devices of one process the probe is a stand-in for a network: short
     time_budget_s = HOST_BUDGET_S if platform == "cpu" and jax.process_count() == 1 else DEFAULT_BUDGET_S
-  check_number("measure_network", "time_budget_s", time_budget_s, lo=0, lo_open=True, none=True,
-               fix="Give seconds, e.g. 10, 'auto' or None for no budget.")
-  interleave = bool(interleave)
+  time_budget_s = check_number("measure_network", "time_budget_s", time_budget_s, lo=0, lo_open=True, none=True,
+                               fix="Give seconds, e.g. 10, 'auto' or None for no budget.")
   mesh = jax.sharding.Mesh(np.asarray(devices), (_AXIS,))
   sharding = NamedSharding(mesh, P(_AXIS))
   itemsz = int(np.dtype(jnp.dtype(dtype)).itemsize)
@@ -333,16 +332,13 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
   med = [float(np.median(np.maximum(r, 0.0))) for r in rounds]
   low = [float(np.percentile(np.maximum(r, 0.0), percentile)) for r in rounds]
   if jax.process_count() > 1:  # every process must return the same model: rank 0's numbers
-    both = multihost_utils.broadcast_one_to_all(
-        np.asarray(med + low + [measured_skew], dtype=np.float64))
+    both = multihost_utils.broadcast_one_to_all(np.asarray(med + low + [measured_skew], dtype=np.float64))
     k = len(med)
     med, low, measured_skew = [float(v) for v in both[:k]], [float(v) for v in both[k:2 * k]], float(both[-1])
-  sizes = sizes[:len(rounds)]
-  return AllreduceTimings(sizes=tuple(max(1, s // itemsz) * itemsz for s in sizes), median_s=tuple(med),
-                          low_s=tuple(low), percentile=float(percentile), repeats=repeats,
+  return AllreduceTimings(sizes=tuple(max(1, s // itemsz) * itemsz for s in sizes[:len(rounds)]),
+                          median_s=tuple(med), low_s=tuple(low), percentile=percentile, repeats=repeats,
                           workers=p, processes=jax.process_count(), platform=platform,
-                          skew=float(measured_skew), compute_s=tuple(compute),
-                          time_budget_s=None if time_budget_s is None else float(time_budget_s),
+                          skew=float(measured_skew), compute_s=tuple(compute), time_budget_s=time_budget_s,
                           cut_sizes=tuple(cut))
 
 

@@ -11,7 +11,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from . import _step_hlo
-from ._profile_harness import RowSpec, local_step_program, setup, update_program
+from ._profile_harness import RowSpec, float_leaves, local_step_program, setup, update_program
 from ._profile_methods import (HLO_FILE, TIMED_LAYERS, LINKED, NoProfilerEvents, estimated,
                                from_trace, measured, profile_rows, timed)
 from ._profile_outputs import gradient_outputs, hlo_matches
@@ -19,7 +19,7 @@ from .._compiled._devices import host_rows
 from .._compiled._hlo import hlo_text as _as_text
 from .._values._checks import check_bool, check_int, check_values
 from .._values._errors import ProfileError
-from .._values._tree import check_layer_depth, dtype_name, is_reduced_leaf, layer_of, layer_path, path_str
+from .._values._tree import check_layer_depth, dtype_name, layer_of, layer_path, path_str
 from .._values._types import GradientProfile
 
 __all__ = ["profile_step", "profile_from_trace", "METHODS", "HLO_FILE", "TIMED_LAYERS"]
@@ -170,15 +170,8 @@ def profile_from_trace(trace: str | os.PathLike[str], hlo_text: str, params: Any
                      f"compiled.as_text() of the traced program (jax.jit(f).lower(...).compile()).")
   hlo = _step_hlo.step_hlo(text)
   check_layer_depth("profile_from_trace", layer_depth)
-  flat, _ = jax.tree_util.tree_flatten_with_path(params)
-  for p, x in flat:
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-      raise TypeError(f"profile_from_trace: leaf {path_str(p)!r} of params is a {type(x).__name__}; expected "
-                      f"arrays or jax.ShapeDtypeStructs.")
-  flat = [(p, x) for p, x in flat if is_reduced_leaf(x)]
-  if not flat:
-    raise ProfileError("profile_from_trace: params have no floating-point leaves, so there is no gradient "
-                       "to profile; pass the model's float parameters (or their ShapeDtypeStructs).")
+  flat, _, rows = float_leaves(params, "profile_from_trace", "arrays or jax.ShapeDtypeStructs")
+  flat = [flat[i] for i in rows]
   paths = [path_str(p) for p, _ in flat]
   shapes = [tuple(int(d) for d in x.shape) for _, x in flat]
   dtypes = [dtype_name(x.dtype) for _, x in flat]

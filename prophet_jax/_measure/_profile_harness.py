@@ -82,16 +82,9 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
                      f"jax starts.")
   mesh = jax.sharding.Mesh(np.asarray(devices[:n]), (axis,))
 
-  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  flat, treedef, diff_idx = float_leaves(params, "profile_step", "arrays")
   paths = [path_str(p) for p, _ in flat]
   leaves = [x for _, x in flat]
-  for path, x in zip(paths, leaves):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-      raise TypeError(f"profile_step: parameter leaf {path!r} is a {type(x).__name__}; expected arrays.")
-  diff_idx = [i for i, x in enumerate(leaves) if is_reduced_leaf(x)]
-  if not diff_idx:
-    raise ProfileError("profile_step: params have no floating-point leaves, so nothing is differentiable; "
-                       "pass the model's float parameters.")
   bflat, _ = jax.tree_util.tree_flatten_with_path(batch)
   if not bflat:
     raise ValueError("profile_step: the batch has no array leaves; pass the global batch (leading axis = "
@@ -151,6 +144,19 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
                  dtypes=[str(x.dtype) for x in diff_d], layers=layers, order=order)
   return ProgramSetup(mesh=mesh, axis=axis, num_devices=n, params=params_d, diff_idx=diff_idx, leaves=leaves_d,
                       batch=jax.device_put(batch, NamedSharding(mesh, P(axis))), rows=rows, loss_of=loss_of)
+
+
+def float_leaves(params: Any, where: str, expected: str) -> tuple[list[tuple[Any, Any]], Any, list[int]]:
+  """The params' (key path, leaf) pairs, their treedef, and the indices of the floating leaves (the rows)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  for p, x in flat:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{where}: leaf {path_str(p)!r} of params is a {type(x).__name__}; expected {expected}.")
+  rows = [i for i, (_, x) in enumerate(flat) if is_reduced_leaf(x)]
+  if not rows:
+    raise ProfileError(f"{where}: params have no floating-point leaves, so there is no gradient to profile; "
+                       f"pass the model's float parameters (or, to read a trace, their ShapeDtypeStructs).")
+  return flat, treedef, rows
 
 
 def _unbound(e: NameError, axis: str) -> Exception:
