@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._values._checks import check_values
@@ -40,11 +40,11 @@ _REFUSED = re.compile(r"No such compile option: '([^']+)'|While setting option (
 class XlaSettings:
   """The settings `xla_settings` found for a plan on the installed jaxlib, the notes and the warning."""
 
-  compiler_options: dict[str, Any]
-  xla_flags: str
-  jaxlib: str
-  target: str
   notes: tuple[str, ...]
+  compiler_options: dict[str, Any] = field(default_factory=dict)
+  xla_flags: str = ""
+  jaxlib: str = ""       # '' when nothing was checked
+  target: str = ""       # '' when no target could be used
   warning: str = ""
 
   def to_dict(self) -> dict[str, Any]:
@@ -298,7 +298,7 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
   warning = unformed(schedule, units, limits) or ""
   name, why = _resolve_target(target)
   if name is None:
-    return XlaSettings(compiler_options={}, xla_flags="", jaxlib="", target="", notes=(why,), warning=warning)
+    return XlaSettings(notes=(why,), warning=warning)
   import jaxlib  # only where a target exists (the CLI's xla-flags imports this module without jax)
 
   notes: list[str] = fsdp_notes(schedule)
@@ -309,8 +309,8 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
     if target is not None:
       raise
     # no target named: one was guessed from the installed plugin, and this environment cannot build it
-    return XlaSettings(compiler_options={}, xla_flags="", jaxlib=jaxlib.__version__, target="",
-                       notes=(f"no GPU target could be used to check the options: {e}",), warning=warning)
+    return XlaSettings(jaxlib=jaxlib.__version__, notes=(f"no GPU target could be used to check the options: {e}",),
+                       warning=warning)
   options: dict[str, Any] = {}
   for setting, (names, value) in wanted.items():
     first = next((n for n in names if ok[n]), None)

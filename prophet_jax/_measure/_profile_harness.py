@@ -222,13 +222,13 @@ def wall_median(f: Callable[[], Any], repeats: int, least: int = 3) -> float:
   return float(statistics.median(ts))
 
 
+@dataclasses.dataclass(eq=False)
 class Prog:
   """A lowered program with its arguments: compiled once, then run by calling it."""
 
-  def __init__(self, lowered: Any, args: Sequence[Any]):
-    self.lowered = lowered
-    self.args = tuple(args)
-    self.compiled: Any = None
+  lowered: Any
+  args: tuple[Any, ...]
+  compiled: Any = None
 
   def compile(self) -> Prog:
     if self.compiled is None:
