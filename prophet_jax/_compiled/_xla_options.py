@@ -286,10 +286,6 @@ def _resolve_target(target: Any) -> tuple[str | None, str | None]:
   return "h100", None
 
 
-def _flag_value(v: Any) -> str:
-  return ("true" if v else "false") if isinstance(v, bool) else str(v)
-
-
 def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, target: Any = None) -> XlaSettings:
   """The compiler options, the XLA_FLAGS line and the notes for `schedule` (see `xla_options`)."""
   units = plan_units(schedule, _checked(schedule, network))   # a sharded plan's: network.workers, or 8
@@ -318,7 +314,7 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
       notes.append(f"{setting}: jaxlib {jaxlib.__version__} refuses {' and '.join(names)}; not set.")
     else:
       options[first] = value
-  flags = {k: _flag_value(v) for k, v in options.items()}
+  flags = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in options.items()}
   if network is not None:
     net = network_flags(network)
     # the map is refused as a compile option by every jaxlib measured; try the bool there all the same

@@ -75,8 +75,7 @@ class AllreduceTimings:
   def describe(self, network: NetworkModel | None = None) -> str:
     """The fitted model (`network`, default `fit()`) and, per size, the times beside its prediction."""
     network = self.fit() if network is None else network
-    head = network.describe().splitlines()
-    lines = [line for line in head if not line.lstrip().startswith("predicted all-reduce")]
+    lines = [line for line in network.describe().splitlines() if not line.lstrip().startswith("predicted all-reduce")]
     lines.append(f"  {'bytes':>10} {'median us':>10} {'p%g us' % self.percentile:>10} {'model us':>10}")
     for s, m, lo in zip(self.sizes, self.median_s, self.low_s):
       lines.append(f"  {s:>10} {m * 1e6:>10.1f} {lo * 1e6:>10.1f} {network.allreduce_s(s) * 1e6:>10.1f}")

@@ -63,7 +63,6 @@ class ProgramSetup:
   mesh: Any
   axis: str                   # the mesh's one axis: the data axis the loss may name (BatchNorm's axis_name)
   num_devices: int
-  params: Any                 # replicated on the mesh
   batch: Any                  # sharded on the mesh
   diff_idx: list[int]         # flat indices of the differentiated (floating) leaves, flatten order
   leaves: list[Any]           # every leaf, on the mesh
@@ -142,7 +141,7 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
   layers = [layer_of(layer_path(flat[i][0]), layer_depth) for i in diff_idx]  # an nnx Variable's '.value': no layer
   rows = RowSpec(paths=[paths[i] for i in diff_idx], shapes=[tuple(x.shape) for x in diff_d],
                  dtypes=[str(x.dtype) for x in diff_d], layers=layers, order=order)
-  return ProgramSetup(mesh=mesh, axis=axis, num_devices=n, params=params_d, diff_idx=diff_idx, leaves=leaves_d,
+  return ProgramSetup(mesh=mesh, axis=axis, num_devices=n, diff_idx=diff_idx, leaves=leaves_d,
                       batch=jax.device_put(batch, NamedSharding(mesh, P(axis))), rows=rows, loss_of=loss_of)
 
 
