@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from . import _step_hlo
 from ._profile_harness import RowSpec, float_leaves, local_step_program, setup, update_program
 from ._profile_methods import (HLO_FILE, TIMED_LAYERS, LINKED, NoProfilerEvents, estimated,
-                               from_trace, measured, profile_rows, timed)
+                               from_trace, measured, as_profile, timed)
 from ._profile_outputs import gradient_outputs, hlo_matches
 from .._compiled._devices import host_rows
 from .._compiled._hlo import hlo_text as _as_text
@@ -114,12 +114,9 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   if result is None:
     result, got = estimated(s), "estimated"
   forward_s, backward_s, ready, fwd_layer, update_s, note = result
-  rows = profile_rows(s.rows, ready, fwd_layer, update_s)
-  fsum = sum(r.fwd_s for r in rows)
-  dev = device or jax.local_devices()[0].device_kind
-  prof = GradientProfile(rows=rows, forward_s=fsum if fsum > 0 else forward_s, backward_s=backward_s,
-                         method=got, model=model, device=dev,
-                         notes="; ".join(notes + [note, f"{s.num_devices} devices"]))
+  prof = as_profile(s.rows, ready, fwd_layer, update_s, forward_s, backward_s, method=got, model=model,
+                    device=device or jax.local_devices()[0].device_kind,
+                    notes="; ".join(notes + [note, f"{s.num_devices} devices"]))
   return prof if shardings is None else prof.with_placement(params, shardings)
 
 
@@ -193,13 +190,10 @@ def profile_from_trace(trace: str | os.PathLike[str], hlo_text: str, params: Any
     trace_read, an = from_trace(trace, hlo, spec, outputs=outputs)
   except ProfileError as e:
     raise ProfileError(f"profile_from_trace({os.fspath(trace)!r}): {e}.") from None
-  rows = profile_rows(spec, an.ready_s, an.fwd_layer, 0.0)
-  fsum = sum(r.fwd_s for r in rows)
   note = (f"measured: profile_from_trace of {os.fspath(trace)}: {an.executions} executions "
           f"({LINKED[trace_read.linked.get(hlo.module, 'run_id')]}) on {an.devices} device(s), medians on "
           f"the trace's clock; {an.held}; ops mapped to leaves via the ENTRY ROOT tuple, to layers via "
           f"op_name metadata; rows in the compiled forward's order of first use; update not in the "
           f"program (update_s 0)")
-  return GradientProfile(rows=rows, forward_s=fsum if fsum > 0 else an.forward_s, backward_s=an.backward_s,
-                         method="measured", model="", device=trace_read.device_name or trace_read.platform,
-                         notes="; ".join(notes + [note]))
+  return as_profile(spec, an.ready_s, an.fwd_layer, 0.0, an.forward_s, an.backward_s, method="measured", model="",
+                    device=trace_read.device_name or trace_read.platform, notes="; ".join(notes + [note]))

@@ -17,12 +17,13 @@ from . import _step_hlo, _xplane
 from ._profile_harness import (UPDATE_NAME, STEP_NAME, Prog, ProgramSetup, RowSpec, compile_all, grad_program,
                                loss_program, mapped, split_leaves, wall_median)
 from .._values._errors import ProfileError
-from .._values._types import ProfileRow
+from .._values._types import GradientProfile, ProfileRow
 
 
-def profile_rows(spec: RowSpec, ready: Sequence[float], fwd_layer: Mapping[str, float], update_s: float
-                 ) -> tuple[ProfileRow, ...]:
-  """Rows in priority order; `ready` is indexed like the spec's leaves (diff_idx)."""
+def as_profile(spec: RowSpec, ready: Sequence[float], fwd_layer: Mapping[str, float], update_s: float,
+               forward_s: float, backward_s: float, **fields: Any) -> GradientProfile:
+  """The profile of these timings: rows in priority order (`ready` indexed like the spec's leaves), the
+  forward time the layers' sum (`forward_s` where they have none), `fields` the rest (method, notes...)."""
   total = max(sum(spec.nbytes(k) for k in range(len(spec.paths))), 1)
   rows, seen = [], set()
   for k in spec.order:
@@ -33,7 +34,9 @@ def profile_rows(spec: RowSpec, ready: Sequence[float], fwd_layer: Mapping[str, 
     rows.append(ProfileRow(path=spec.paths[k], layer=layer, shape=tuple(spec.shapes[k]), dtype=spec.dtypes[k],
                            nbytes=nb, ready_s=float(ready[k]), fwd_s=float(fwd),
                            update_s=update_s * nb / total))
-  return tuple(rows)
+  fsum = sum(r.fwd_s for r in rows)
+  return GradientProfile(rows=tuple(rows), forward_s=fsum if fsum > 0 else forward_s, backward_s=backward_s,
+                         **fields)
 
 
 def measured(s: ProgramSetup, steps: int, warmup: int, update: Prog | None, whole: Prog | None,
