@@ -133,17 +133,13 @@ def _parse_instruction(line: str) -> HloInstruction | None:
   callees = _CALLEE.findall(tail)
   for group in _BRANCHES.findall(tail):
     callees += [("branch", b.strip().lstrip("%")) for b in group.split(",") if b.strip()]
-  trip = None
-  if om.group(1) == "while":
-    tm = _TRIP.search(tail)
-    trip = int(tm.group(1)) if tm else None
+  tm = _TRIP.search(tail) if om.group(1) == "while" else None
   opm = _OPNAME.search(tail)
   args = tail[om.end():]
-  operands = tuple(re.findall(r"%([\w.\-]+)", args[:_closing(args, 1)]))
-  return HloInstruction(name=m.group(2), opcode=om.group(1), shape=shape,
-                        op_name=opm.group(1) if opm else "", operands=operands,
-                        callees=tuple(callees), trip_count=trip,
-                        text=line.strip(), root=bool(m.group(1)))
+  return HloInstruction(name=m.group(2), opcode=om.group(1), shape=shape, op_name=opm.group(1) if opm else "",
+                        operands=tuple(re.findall(r"%([\w.\-]+)", args[:_closing(args, 1)])),
+                        callees=tuple(callees), trip_count=int(tm.group(1)) if tm else None, text=line.strip(),
+                        root=bool(m.group(1)))
 
 
 def parse_hlo(text: str) -> HloModule:
@@ -156,12 +152,10 @@ def parse_hlo(text: str) -> HloModule:
   entry, current = "", None
   for line in text.splitlines():
     if current is None:
-      m = _COMP_HEAD.match(line)
-      if m:
+      if m := _COMP_HEAD.match(line):
         current = m.group(2)
         comps[current] = []
-        if m.group(1):
-          entry = current
+        entry = current if m.group(1) else entry
       continue
     if line.strip() == "}":
       current = None
@@ -200,14 +194,12 @@ def execution_order(module: HloModule) -> tuple[ExecutedOp, ...]:
     if depth > 64:
       raise ValueError("execution_order: the HLO call graph is deeper than 64 levels.")
     for ins in module.computations.get(comp, ()):
-      if ins.opcode == "while":
-        body = dict(ins.callees).get("body")
-        cond = dict(ins.callees).get("condition")
+      if ins.opcode == "while":  # the condition runs once more than the body
+        called = dict(ins.callees)
         t = None if trips is None or ins.trip_count is None else trips * ins.trip_count
-        if cond:
-          walk(cond, None if t is None else t + (trips or 0), loops + (ins.name,), depth + 1)
-        if body:
-          walk(body, t, loops + (ins.name,), depth + 1)
+        for kind, runs in (("condition", None if t is None else t + (trips or 0)), ("body", t)):
+          if called.get(kind):
+            walk(called[kind], runs, loops + (ins.name,), depth + 1)
         continue
       if ins.opcode in _INLINED:
         for kind, callee in ins.callees:
