@@ -125,8 +125,7 @@ def placed(tree: Any, spec: Any, mesh: Any, default: Callable[[], Any]) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                        sharding=NamedSharding(mesh, s)), sub)
 
-  if isinstance(spec, PartitionSpec):
-    return one(spec, tree)
+  # one spec for the whole tree is a leaf at the root: one(spec, tree)
   return jax.tree.map(one, spec, tree, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
 
 
