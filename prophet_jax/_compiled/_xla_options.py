@@ -239,11 +239,10 @@ def _accepts(target: str, options: dict[str, Any]) -> dict[str, bool]:
       name = (m.group(1) or m.group(2)) if m else None
       if name not in todo:
         raise
-      _ACCEPTED[key(name, todo.pop(name))] = False
-      continue
-    for k, v in todo.items():
-      _ACCEPTED[key(k, v)] = True
-    todo = {}
+      _ACCEPTED[key(name, todo.pop(name))] = False   # refused: try the others again without it
+    else:
+      _ACCEPTED.update({key(k, v): True for k, v in todo.items()})
+      todo = {}
   return {k: _ACCEPTED[key(k, v)] for k, v in options.items()}
 
 
