@@ -138,10 +138,7 @@ def _thresholds(schedule: Schedule, units: Units) -> dict[str, int]:
 
 
 def plan_options(schedule: Schedule, units: Units, limits: dict[str, int]) -> dict[str, tuple[tuple[str, ...], Any]]:
-  out: dict[str, tuple[tuple[str, ...], Any]] = {}
-  for kind, names in _KINDS:
-    if kind in limits:
-      out[f"{kind} threshold"] = (names, limits[kind])
+  out = {f"{kind} threshold": (names, limits[kind]) for kind, names in _KINDS if kind in limits}
   out["latency-hiding scheduler"] = (_SCHEDULER, True)
   fsdp = schedule.family == "fsdp"
   f = schedule.fsdp
@@ -159,13 +156,12 @@ def unformed(schedule: Schedule, units: Units, limits: dict[str, int]) -> str | 
   if cut:
     parts.append(f"it sends {len(cut)} leaves in parts ({', '.join(map(repr, cut[:3]))}"
                  f"{', ...' if len(cut) > 3 else ''}), and no threshold cuts a leaf's gradient")
-  for kind, _ in _KINDS:
-    if kind in limits:
-      count, exact = threshold_fill(units[kind], limits[kind])
-      if not exact:
-        parts.append(f"its {len(units[kind])} {kind} unit(s) become about {count} {kind}(s) under a "
-                     f"{limits[kind]:,}-byte threshold (XLA joins neighbouring collectives up to the "
-                     f"threshold, in its own order)")
+  for kind, limit in limits.items():   # in _KINDS' order
+    count, exact = threshold_fill(units[kind], limit)
+    if not exact:
+      parts.append(f"its {len(units[kind])} {kind} unit(s) become about {count} {kind}(s) under a "
+                   f"{limit:,}-byte threshold (XLA joins neighbouring collectives up to the threshold, in its "
+                   f"own order)")
   if schedule.defers:
     parts.append("it defers gradient elements (dlcp), which no setting does: a plain step sends every "
                  "gradient every step")
@@ -318,8 +314,7 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
     net = network_flags(network)
     # the map is refused as a compile option by every jaxlib measured; try the bool there all the same
     if _accepts(name, {_SOL_ON: True})[_SOL_ON] and _accepts(name, {_SOL_MAP: net[_SOL_MAP]})[_SOL_MAP]:
-      options[_SOL_ON] = True
-      options[_SOL_MAP] = net[_SOL_MAP]
+      options.update({_SOL_ON: True, _SOL_MAP: net[_SOL_MAP]})
     fine = _flags_accepted(net)
     for k, v in net.items():
       if fine[k]:
