@@ -25,14 +25,11 @@ _ALIAS_PRIMITIVES = frozenset({"convert_element_type", "reshape", "squeeze", "ex
 
 def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
                   axis_env: Sequence[tuple[str, int]] = ()) -> tuple[str, ...]:
-  """Leaf paths of `params` in the order `fn(params, *args)` first uses them (docs/design.md).
+  """Every leaf path of `params`, once, in the order `fn(params, *args)` first reads them (docs/design.md).
 
   Args:
     fn, params, *args: e.g. a loss, its parameters and a batch; traced abstractly (ShapeDtypeStructs will do).
     axis_env: (axis name, size) pairs bound while tracing: the data axis a model's collectives name.
-
-  Returns:
-    Every leaf path, once; leaves `fn` never reads last, in flatten order.
 
   Example:
     >>> forward_paths(loss_fn, params, batch)[0]      # the embedding a language model reads first
