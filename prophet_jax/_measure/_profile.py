@@ -14,7 +14,6 @@ from . import _step_hlo
 from ._profile_harness import RowSpec, float_leaves, local_step_program, setup, update_program
 from ._profile_methods import (HLO_FILE, TIMED_LAYERS, LINKED, NoProfilerEvents, estimated,
                                from_trace, measured, as_profile, timed)
-from ._profile_outputs import gradient_outputs, hlo_matches
 from .._compiled._devices import host_rows
 from .._compiled._hlo import hlo_text as _as_text
 from .._values._checks import check_bool, check_int, check_values
@@ -172,9 +171,9 @@ def profile_from_trace(trace: str | os.PathLike[str], hlo_text: str, params: Any
   paths = [path_str(p) for p, _ in flat]
   shapes = [tuple(int(d) for d in x.shape) for _, x in flat]
   dtypes = [dtype_name(x.dtype) for _, x in flat]
-  outputs = gradient_outputs(hlo, paths, shapes, dtypes)
+  outputs = _step_hlo.gradient_outputs(hlo, paths, shapes, dtypes)
   notes = []
-  if all(k in hlo.params and hlo_matches(hlo.instrs[hlo.params[k]].shape, shapes[k], dtypes[k])
+  if all(k in hlo.params and _step_hlo.hlo_matches(hlo.instrs[hlo.params[k]].shape, shapes[k], dtypes[k])
          for k in range(len(paths))):
     positions = _step_hlo.forward_positions(hlo, len(paths))
     unread = len(paths) + max((p for p in positions if p is not None), default=0)
