@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import statistics
@@ -41,8 +42,8 @@ def as_profile(spec: RowSpec, ready: Sequence[float], fwd_layer: Mapping[str, fl
 
 def measured(s: ProgramSetup, steps: int, warmup: int, update: Prog | None, whole: Prog | None,
               trace_dir: str | None) -> tuple[float, float, list[float], dict[str, float], float, str]:
-  diff, other = split_leaves(s)
-  grad = Prog(grad_program(s).lower(diff, other, s.batch), (diff, other, s.batch))
+  args = (*split_leaves(s), s.batch)
+  grad = Prog(grad_program(s).lower(*args), args)
   compile_all([grad, whole, update])
   text = grad.compiled.as_text()
   hlo = _step_hlo.step_hlo(text)
@@ -134,11 +135,9 @@ class NoProfilerEvents(Exception):
 
 def timed(s: ProgramSetup, repeats: int, update: Callable[[], Any] | None
            ) -> tuple[float, float, list[float], dict[str, float], float, str]:
-  diff, other = split_leaves(s)
-  fwd_prog = loss_program(s)
-  t_fwd = wall_median(lambda: fwd_prog(diff, other, s.batch), repeats)
-  full = grad_program(s)
-  t_all = wall_median(lambda: full(diff, other, s.batch), repeats)
+  args = (*split_leaves(s), s.batch)
+  t_fwd = wall_median(functools.partial(loss_program(s), *args), repeats)
+  t_all = wall_median(functools.partial(grad_program(s), *args), repeats)
   backward_s = max(t_all - t_fwd, 0.0)
   spec = s.rows
   layers, layer_bytes = spec.layers_in_order, spec.layer_bytes()
@@ -151,10 +150,8 @@ def timed(s: ProgramSetup, repeats: int, update: Callable[[], Any] | None
   sampled = _sample(len(layers), TIMED_LAYERS)
   layer_ready = {}
   for j in sampled:
-    ks = by_layer[layers[j]]
-    g = grad_program(s, wrt=ks, name=f"{STEP_NAME}_part")
-    t = wall_median(lambda g=g: g(diff, other, s.batch), repeats)
-    layer_ready[layers[j]] = min(max(t - t_fwd, 0.0), backward_s)
+    g = grad_program(s, wrt=by_layer[layers[j]], name=f"{STEP_NAME}_part")
+    layer_ready[layers[j]] = min(max(wall_median(functools.partial(g, *args), repeats) - t_fwd, 0.0), backward_s)
   if len(sampled) < len(layers):
     back = list(itertools.accumulate(layer_bytes[l] for l in reversed(layers)))[::-1]  # from the back to its end
     for a, b in zip(sampled, sampled[1:]):  # a in front of b; a is ready later
@@ -206,9 +203,9 @@ def _flops(compiled: Any) -> float:
 
 
 def estimated(s: ProgramSetup) -> tuple[float, float, list[float], dict[str, float], float, str]:
-  diff, other = split_leaves(s)
-  f_fwd = _flops(loss_program(s).lower(diff, other, s.batch).compile())
-  f_all = _flops(grad_program(s).lower(diff, other, s.batch).compile())
+  args = (*split_leaves(s), s.batch)
+  f_fwd = _flops(loss_program(s).lower(*args).compile())
+  f_all = _flops(grad_program(s).lower(*args).compile())
   rate = _device_flops_per_s(s)
   forward_s = f_fwd / rate
   backward_s = max(f_all - f_fwd, 0.0) / rate
