@@ -152,19 +152,16 @@ def timed(s: ProgramSetup, repeats: int, update: Callable[[], Any] | None
   for j in sampled:
     g = grad_program(s, wrt=by_layer[layers[j]], name=f"{STEP_NAME}_part")
     layer_ready[layers[j]] = min(max(wall_median(functools.partial(g, *args), repeats) - t_fwd, 0.0), backward_s)
-  if len(sampled) < len(layers):
-    back = list(itertools.accumulate(layer_bytes[l] for l in reversed(layers)))[::-1]  # from the back to its end
-    for a, b in zip(sampled, sampled[1:]):  # a in front of b; a is ready later
-      for j in range(a + 1, b):
-        w = (back[j] - back[b]) / (back[a] - back[b]) if back[a] > back[b] else (b - j) / (b - a)
-        layer_ready[layers[j]] = layer_ready[layers[b]] + w * (layer_ready[layers[a]] - layer_ready[layers[b]])
+  back = list(itertools.accumulate(layer_bytes[l] for l in reversed(layers)))[::-1]  # from the back to its end
+  for a, b in zip(sampled, sampled[1:]):  # a in front of b; a is ready later; the layers between interpolated
+    for j in range(a + 1, b):
+      w = (back[j] - back[b]) / (back[a] - back[b]) if back[a] > back[b] else (b - j) / (b - a)
+      layer_ready[layers[j]] = layer_ready[layers[b]] + w * (layer_ready[layers[a]] - layer_ready[layers[b]])
   ready = [layer_ready[layer] for layer in spec.layers]
   # forward per layer: in proportion to each layer's backward segment (ready-time gaps, back to front)
-  by_ready = sorted(layers, key=lambda l: layer_ready[l])
-  seg, prev = {}, 0.0
-  for l in by_ready:
-    seg[l] = max(layer_ready[l] - prev, 0.0)
-    prev = max(prev, layer_ready[l])
+  seg, prev = {}, 0.0   # ready times are >= 0, so in their order each gap is too
+  for l in sorted(layers, key=lambda l: layer_ready[l]):
+    seg[l], prev = layer_ready[l] - prev, layer_ready[l]
   tot = sum(seg.values())
   fwd_layer = {l: t_fwd * (seg[l] / tot if tot > 0 else 1 / len(layers)) for l in layers}
   update_s = wall_median(update, repeats) if update is not None else 0.0
