@@ -66,8 +66,7 @@ class AllreduceTimings:
     if stat not in ("median", "low"):
       raise ValueError(f"fit(stat={stat!r}): expected 'median' (to predict median step times) or 'low' "
                        f"(the floor).")
-    ys = self.median_s if stat == "median" else self.low_s
-    label = "median" if stat == "median" else f"p{self.percentile:g}"
+    ys, label = (self.median_s, "median") if stat == "median" else (self.low_s, f"p{self.percentile:g}")
     return NetworkModel.fit(self.sizes, ys, workers=self.workers, overlap=self.platform != "cpu",
                             name=f"probe:{self.platform}x{self.workers}:{label}", skew=self.skew,
                             warn=False)  # measure_network and the CLI warn with check_fit
@@ -100,7 +99,7 @@ def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 def _mesh_devices(num_devices: int | None):
-  check_int("measure_network", "num_devices", num_devices, none=True,
+  num_devices = check_int("measure_network", "num_devices", num_devices, none=True,
             fix="It is the number of devices to measure across (at least 2), or None for all of them.")
   if num_devices is not None and num_devices < 2:
     raise NetworkError(f"measure_network(num_devices={num_devices}): an all-reduce needs at least 2 "
@@ -114,7 +113,7 @@ def _mesh_devices(num_devices: int | None):
                        f"{len(devices)}.")
   else:
     local = jax.local_devices()
-    n = len(local) if num_devices is None else int(num_devices)
+    n = len(local) if num_devices is None else num_devices
     if n > len(local):
       raise NetworkError(f"measure_network(num_devices={n}): only {len(local)} {local[0].platform} "
                          f"device(s) here. On the CPU, set XLA_FLAGS=--xla_force_host_platform_device_"
