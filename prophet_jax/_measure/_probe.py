@@ -100,7 +100,7 @@ def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
 
 def _mesh_devices(num_devices: int | None):
   num_devices = check_int("measure_network", "num_devices", num_devices, none=True,
-            fix="It is the number of devices to measure across (at least 2), or None for all of them.")
+                          fix="It is the number of devices to measure across (at least 2), or None for all of them.")
   if num_devices is not None and num_devices < 2:
     raise NetworkError(f"measure_network(num_devices={num_devices}): an all-reduce needs at least 2 "
                        f"devices; pass None (every device) or a count >= 2.")
