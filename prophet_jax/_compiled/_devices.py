@@ -1,12 +1,4 @@
-"""Mesh geometry: which devices, along which axes, hold what (the floor under measure and rewrite).
-
-The one place outside the rewrite's mesh layer that looks at a `jax.sharding.Mesh`: its data axes
-(`check_mesh`, `axis_total`), the devices a per-device profile of a mesh's step runs on
-(`local_devices_along`, `profiled_devices`), the workers a monitor's probe spans (`mesh_workers`),
-and abstract values placed on a mesh (`placed`). Measurement (`profile_step(mesh=)`, `Monitor(mesh=)`)
-and compile-only targets (`GpuTopology.abstract`) use it without importing the rewrite; a function
-given no mesh gets the per-device answer here, so its callers hold no placement branch of their own.
-"""
+"""Mesh geometry: which devices, along which axes, hold what (docs/design.md, "Reading compiled programs")."""
 
 from __future__ import annotations
 
@@ -19,12 +11,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._values._checks import check_values
 
-__all__ = ["data_axes", "check_mesh", "axis_total", "data_devices", "mesh_axis_names", "local_devices_along", "profiled_devices",
+__all__ = ["data_axes", "check_mesh", "axis_total", "data_devices", "mesh_axis_names", "profiled_devices",
            "mesh_workers", "host_rows", "placed", "spec_axes", "profiled_axis"]
 
 
 def data_axes(axis_name: Any) -> tuple[Any, ...]:
-  """The data axis as a tuple of mesh axis names ('dp' -> ('dp',))."""
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
@@ -33,12 +24,7 @@ def mesh_axis_names(mesh: Any) -> tuple[Any, ...]:
 
 
 def check_mesh(mesh: Any, axis_name: Any, where: str) -> tuple[Any, ...]:
-  """The data axes, after checking that `mesh` is a mesh that has every one of them.
-
-  Raises:
-    TypeError: `mesh` is not a `jax.sharding.Mesh` / `AbstractMesh`.
-    ValueError: the mesh lacks an axis of `axis_name` (its axes are named).
-  """
+  """The data axes, after checking that `mesh` is a Mesh (TypeError) with every one of them (ValueError)."""
   if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"{where}(mesh={mesh!r}): expected a jax.sharding.Mesh (e.g. jax.make_mesh((8,), "
                     f"({axis_name!r},))), got {type(mesh).__name__}.")
@@ -56,28 +42,21 @@ def check_mesh(mesh: Any, axis_name: Any, where: str) -> tuple[Any, ...]:
 
 
 def axis_total(mesh: Any, axes: Sequence[Any]) -> int:
-  """Devices along the data axes (the product of their sizes): the number of per-device batches."""
   sizes = dict(zip(mesh_axis_names(mesh), mesh.axis_sizes))
   return int(np.prod([sizes[a] for a in axes], dtype=np.int64))
 
 
 def data_devices(mesh: Any, axis_name: Any, where: str) -> int | None:
-  """Devices along `axis_name` (an axis or a tuple of axes) of `mesh`: the count a state's global layout
-  has there; None without a mesh."""
+  """Devices along `axis_name` (an axis or a tuple of axes) of `mesh`; None without a mesh."""
   if mesh is None:
     return None
   if axis_name is None:
     raise ValueError(f"{where}: mesh= needs axis_name= (the data axis, or a tuple of axes) to count the "
                      f"devices the state is laid out over.")
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  missing = [a for a in axes if a not in mesh.shape]
-  if missing:
-    raise ValueError(f"{where}: axis_name={axis_name!r}: the mesh has axes {tuple(mesh.shape)}, not {missing}.")
-  return int(np.prod([mesh.shape[a] for a in axes]))
+  return axis_total(mesh, check_mesh(mesh, axis_name, where))
 
 
 def _data_axis(mesh: Any, axis_name: Any, where: str) -> Any:
-  """`axis_name`, or the mesh's only axis when it has one and `axis_name` is left out."""
   if axis_name is None and len(mesh.axis_names) == 1:
     return mesh.axis_names[0]
   if axis_name is None:
@@ -86,44 +65,27 @@ def _data_axis(mesh: Any, axis_name: Any, where: str) -> Any:
   return axis_name
 
 
-def local_devices_along(mesh: Any, axis_name: Any, where: str) -> list[Any]:
-  """This process's devices along the data axes of `mesh` (at the first index of every other axis):
-  the devices a per-device profile of the mesh's step runs on."""
-  axes = check_mesh(mesh, axis_name, where)
+def profiled_devices(mesh: Any, axis_name: Any, where: str) -> list[Any]:
+  """This process's devices, or those of them along the training mesh's data axis."""
+  if mesh is None:
+    return jax.local_devices()
+  axes = check_mesh(mesh, _data_axis(mesh, axis_name, where), where)
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"{where}(mesh=...): profiling runs the step, so it needs a mesh of real devices "
                     f"(jax.sharding.Mesh), not {type(mesh).__name__}.")
   names = mesh_axis_names(mesh)
-  devices = np.asarray(mesh.devices)
-  index = tuple(slice(None) if n in axes else 0 for n in names)
-  along = devices[index]
+  along = np.asarray(mesh.devices)[tuple(slice(None) if n in axes else 0 for n in names)]
   order = [n for n in names if n in axes]
   along = np.transpose(along, [order.index(a) for a in axes]).reshape(-1)
-  here = jax.process_index()
-  out = [d for d in along if d.process_index == here]
+  out = [d for d in along if d.process_index == jax.process_index()]
   if not out:
     raise ValueError(f"{where}(mesh=...): none of the mesh's devices along {axes} belongs to this "
                      f"process.")
   return out
 
 
-def profiled_devices(mesh: Any, axis_name: Any, where: str) -> list[Any]:
-  """The devices a per-device profile runs on: this process's devices, or, given the training mesh,
-  those of them along its data axis (`axis_name` may be left out for a one-axis mesh)."""
-  if mesh is None:
-    return jax.local_devices()
-  return local_devices_along(mesh, _data_axis(mesh, axis_name, where), where)
-
-
 def profiled_axis(mesh: Any, axis_name: Any, default: str, where: str) -> str:
-  """The name of a per-device profile's one mesh axis: the data axis the user names (`axis_name`, or a
-  one-axis training mesh's axis), so a loss that reduces over it (BatchNorm(axis_name=...), a
-  `lax.pmean`) runs as it trains; `default` when none is named.
-
-  Raises:
-    TypeError: `axis_name` is not a name (or a tuple of them).
-    ValueError: a tuple of axes without a mesh (the profile maps over one).
-  """
+  """The name of a per-device profile's one mesh axis: the data axis the user names, else `default`."""
   if axis_name is None:
     return str(mesh.axis_names[0]) if mesh is not None and len(mesh.axis_names) == 1 else default
   check_values(where, axis_name=axis_name)
@@ -136,20 +98,13 @@ def profiled_axis(mesh: Any, axis_name: Any, default: str, where: str) -> str:
 
 
 def mesh_workers(mesh: Any, axis_name: Any, where: str) -> int | None:
-  """The devices along the training mesh's data axis (the workers of its all-reduces); None without
-  a mesh (`axis_name` may be left out for a one-axis mesh)."""
+  """The devices along the training mesh's data axis (its all-reduces' workers); None without a mesh."""
   if mesh is None:
     return None
   return axis_total(mesh, check_mesh(mesh, _data_axis(mesh, axis_name, where), where))
 
 
 def host_rows(batch: Any, mesh: Any, where: str) -> Any:
-  """With a training mesh, the batch as host data (the rows this process's devices train on, sliced
-  over the profiled devices later); without one, the batch as it is.
-
-  Raises:
-    ValueError: a leaf is a global array that spans processes.
-  """
   if mesh is None:
     return batch
 
@@ -163,26 +118,19 @@ def host_rows(batch: Any, mesh: Any, where: str) -> Any:
 
 
 def placed(tree: Any, spec: Any, mesh: Any, default: Callable[[], Any]) -> Any:
-  """`tree` as ShapeDtypeStructs placed on `mesh` (or on `default()` when it is None) with
-  PartitionSpec `spec`, one for every leaf or a pytree of them (a prefix of `tree`, as shard_map's
-  in_specs). Nothing is allocated."""
+  """`tree` as ShapeDtypeStructs placed on `mesh` (or `default()`) with PartitionSpec(s) `spec`."""
   mesh = default() if mesh is None else mesh
 
   def one(s, sub):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                        sharding=NamedSharding(mesh, s)), sub)
 
-  if isinstance(spec, PartitionSpec):
-    return one(spec, tree)
+  # one spec for the whole tree is a leaf at the root: one(spec, tree)
   return jax.tree.map(one, spec, tree, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
 
 
 def spec_axes(spec: Any, where: str) -> tuple[str, ...]:
-  """The mesh axes a PartitionSpec (or a pytree of them, None leaves included) names, in first-use order.
-
-  Raises:
-    TypeError: a leaf is not a PartitionSpec (a string 'data' for P('data')), named.
-  """
+  """The mesh axes a PartitionSpec (or a pytree of them) names, in first-use order; TypeError for a non-spec."""
   names: dict[str, None] = {}
   for s in jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, PartitionSpec)):
     if not isinstance(s, PartitionSpec):

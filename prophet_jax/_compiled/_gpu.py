@@ -1,29 +1,4 @@
-"""Compile-only GPU targets: XLA:GPU's whole pipeline, on a machine without a GPU.
-
-`gpu_topology("h100", devices=8)` gives compile-only CUDA devices built from a GPU target description
-shipped with the package (`prophet_jax/targets/*.txtpb`, GpuTargetConfigProto text transcribed from
-XLA's own device specs). A step `jax.jit(jax.shard_map(step, mesh=topo.mesh("data"), ...))` lowered on
-`ShapeDtypeStruct`s (`topo.abstract(tree, spec)`) and compiled runs every XLA:GPU pass a real H100 run
-would (the all-reduce combiner, all-reduce-contiguous, the async collective creator, the latency hiding
-scheduler, LLVM -> PTX -> ptxas): `compiled.as_text()` is the schedule a GPU would execute, and
-`prophet_jax.audit(compiled, schedule)` reads it. Nothing runs: the devices cannot execute (use
-`shard_map` over the mesh; `pmap` needs real devices).
-
-What it needs (one `gpu-compile` extra per CUDA major: `pip install 'prophet-jax[gpu-compile]'` for CUDA
-12, `pip install 'prophet-jax[gpu-compile-cuda13]'` for CUDA 13, what jax >= 0.11 installs for GPUs):
-- jax's CUDA plugin, `jax-cuda12-plugin` or `jax-cuda13-plugin` (and its `-pjrt` library) at jaxlib's
-  version (XLA:GPU's compiler); one of them, not both;
-- ptxas of the same CUDA major, from the `nvidia-cuda-nvcc-cu12` / `nvidia-cuda-nvcc` (CUDA 13) wheel
-  (XLA finds it in site-packages) or a CUDA toolkit;
-- a target the plugin's CUDA compiles for: CUDA 13 dropped Volta, so the `v100` target needs CUDA 12
-  (`CUDA_MAJORS` of each target);
-- a process whose jax runs on the CPU only: `JAX_PLATFORMS=cpu` (or `jax.config.update("jax_platforms",
-  "cpu")` before the first jax operation). Without it the CUDA plugin tries to load a GPU driver, fails,
-  and jax refuses to make a CUDA topology ("topology not implemented for cuda").
-Each is checked, with an error that says what to do (`GpuCompileError`).
-
-Pure until `gpu_topology` is called: listing and reading targets never imports jax.
-"""
+"""Compile-only GPU targets: XLA:GPU's whole pipeline on a machine without a GPU (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -84,19 +59,7 @@ _STUB_NOISE = re.compile(r"cudart_stub\.cc:\d+\] Could not find cuda drivers|All
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GpuTarget:
-  """A GPU target description shipped with prophet_jax.
-
-  Attributes:
-    name: 'h100', 'a100' or 'v100'.
-    description: the device description ('NVIDIA H100 80GB HBM3').
-    file: the GpuTargetConfigProto text file under prophet_jax/targets.
-    compute_capability: e.g. '9.0'.
-    core_count: streaming multiprocessors.
-    fpus_per_core: FP32 lanes per multiprocessor.
-    clock_ghz: the SM clock.
-    memory_bandwidth_bytes_per_s: device memory bandwidth.
-    config: the GpuTargetConfigProto text, as XLA reads it.
-  """
+  """A GPU target description shipped with prophet_jax (`prophet_jax/targets/*.txtpb`, as XLA reads it)."""
 
   name: str
   description: str
@@ -110,16 +73,11 @@ class GpuTarget:
 
   @property
   def peak_flops(self) -> float:
-    """FP32 CUDA-core peak (an FMA is 2 FLOPs): core_count * fpus_per_core * 2 * clock. Tensor cores
-    (TF32, bf16) are faster; this is the conservative rate for a float32 step."""
+    """FP32 CUDA-core peak FLOP/s: cores x FP32 lanes x 2 (an FMA) x clock."""
     return self.core_count * self.fpus_per_core * 2 * self.clock_ghz * 1e9
 
   def roofline_s(self, flops: float, nbytes: float) -> float:
-    """A roofline estimate of an op's time: max(flops / peak_flops, nbytes / memory bandwidth).
-
-    An estimate from the target's description, not a measurement: launch overheads, caches and
-    tensor cores are ignored.
-    """
+    """An op's roofline estimate, seconds: max(flops / peak_flops, nbytes / memory bandwidth)."""
     return max(flops / self.peak_flops, nbytes / self.memory_bandwidth_bytes_per_s)
 
 
@@ -142,16 +100,12 @@ def _resolve(name: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def gpu_target(name: str) -> GpuTarget:
-  """The shipped description of GPU target `name` ('h100', 'a100', 'v100', or an alias).
-
-  Raises:
-    ValueError: an unknown name (the message lists the shipped ones).
-  """
+  """The shipped description of GPU target `name` ('h100', 'a100', 'v100' or an alias); ValueError if unknown."""
   key = _resolve(name)
   file = _TARGETS[key][0]
   text = (resources.files("prophet_jax") / "targets" / file).read_text()
-  major = _field(text.split("cuda_compute_capability", 1)[-1], "major", "0")
-  minor = _field(text.split("cuda_compute_capability", 1)[-1].split("}", 1)[0], "minor", "0")
+  cc = text.split("cuda_compute_capability", 1)[-1]   # the block's major, and its minor (before its '}')
+  major, minor = _field(cc, "major", "0"), _field(cc.split("}", 1)[0], "minor", "0")
   return GpuTarget(
       name=key, description=_field(text, "device_description_str"), file=file,
       compute_capability=f"{major}.{minor}", core_count=int(_field(text, "core_count")),
@@ -165,50 +119,36 @@ def gpu_target(name: str) -> GpuTarget:
 
 @dataclass(frozen=True, slots=True)
 class CudaPlugin:
-  """jax's CUDA plugin found in this environment (`cuda_plugin()`).
-
-  Attributes:
-    major: the CUDA major it is built for: 12 or 13.
-    plugin: its distribution, 'jax-cuda12-plugin' or 'jax-cuda13-plugin'.
-    pjrt: the PJRT library's distribution, 'jax-cuda12-pjrt' or 'jax-cuda13-pjrt'.
-  """
 
   major: int
   plugin: str
   pjrt: str
 
 
+def _find_spec(module: str) -> Any:
+  try:
+    return importlib.util.find_spec(module)
+  except (ImportError, ValueError):
+    return None
+
+
 def _plugins_found() -> tuple[int, ...]:
-  found = []
-  for major in sorted(_EXTRAS):
-    try:
-      if importlib.util.find_spec(f"jax_plugins.xla_cuda{major}") is not None:
-        found.append(major)
-    except (ImportError, ValueError):
-      pass
-  return tuple(found)
+  return tuple(major for major in sorted(_EXTRAS) if _find_spec(f"jax_plugins.xla_cuda{major}") is not None)
 
 
 def cuda_plugin() -> CudaPlugin | None:
-  """The CUDA plugin jax would load (found without importing it or jax), or None.
-
-  Raises:
-    GpuCompileError: both the CUDA 12 and the CUDA 13 plugin are installed (both register the platform
-      'cuda'; keep one).
-  """
   found = _plugins_found()
   if len(found) > 1:
-    raise GpuCompileError(f"both jax-cuda12-plugin and jax-cuda13-plugin are installed; jax loads one "
-                          f"platform 'cuda', so keep one: pip uninstall jax-cuda12-plugin jax-cuda12-pjrt "
-                          f"(to keep CUDA 13) or pip uninstall jax-cuda13-plugin jax-cuda13-pjrt (to keep "
-                          f"CUDA 12).")
+    raise GpuCompileError("both jax-cuda12-plugin and jax-cuda13-plugin are installed; jax loads one "
+                          "platform 'cuda', so keep one: pip uninstall jax-cuda12-plugin jax-cuda12-pjrt "
+                          "(to keep CUDA 13) or pip uninstall jax-cuda13-plugin jax-cuda13-pjrt (to keep "
+                          "CUDA 12).")
   if not found:
     return None
   return CudaPlugin(major=found[0], plugin=f"jax-cuda{found[0]}-plugin", pjrt=f"jax-cuda{found[0]}-pjrt")
 
 
 def cuda_plugin_installed() -> bool:
-  """Whether a jax CUDA plugin (CUDA 12 or 13) is installed (found without importing it or jax)."""
   return bool(_plugins_found())
 
 
@@ -220,38 +160,19 @@ def _version(dist: str) -> str | None:
 
 
 def _nvcc_wheel_dirs() -> list[str]:
-  """The ptxas wheels' roots in site-packages: `nvidia/cuda_nvcc` (CUDA 12) and `nvidia/cu13` (CUDA 13)."""
-  dirs = []
-  for module in ("nvidia.cuda_nvcc", "nvidia.cu13"):
-    try:
-      spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-      spec = None
-    dirs += list(spec.submodule_search_locations or []) if spec else []
-  return dirs
+  specs = [_find_spec(module) for module in ("nvidia.cuda_nvcc", "nvidia.cu13")]
+  return [d for spec in specs if spec is not None for d in spec.submodule_search_locations or []]
 
 
 def find_ptxas() -> str | None:
-  """The ptxas XLA:GPU will find, or None: the `nvidia-cuda-nvcc-cu12` or `nvidia-cuda-nvcc` (CUDA 13)
-  wheel's, a CUDA toolkit's (`--xla_gpu_cuda_data_dir` in XLA_FLAGS, CUDA_HOME, CUDA_PATH, CUDA_DIR,
-  /usr/local/cuda), or PATH's."""
-  dirs = []
   m = re.search(r"--xla_gpu_cuda_data_dir=(\S+)", os.environ.get("XLA_FLAGS", ""))
-  if m:
-    dirs.append(m.group(1))
-  dirs += _nvcc_wheel_dirs()
-  dirs += [os.environ[k] for k in ("CUDA_HOME", "CUDA_PATH", "CUDA_DIR") if os.environ.get(k)]
-  dirs.append("/usr/local/cuda")
-  for d in dirs:
+  dirs = [m.group(1)] if m else []
+  dirs += _nvcc_wheel_dirs() + [os.environ[k] for k in ("CUDA_HOME", "CUDA_PATH", "CUDA_DIR") if os.environ.get(k)]
+  for d in dirs + ["/usr/local/cuda"]:
     p = Path(d) / "bin" / "ptxas"
     if p.is_file() and os.access(p, os.X_OK):
       return str(p)
   return shutil.which("ptxas")
-
-
-def _install_line(version: str) -> str:
-  return GPU_COMPILE_EXTRA.format(cuda12=_EXTRAS[12][1].format(v=version),
-                                  cuda13=_EXTRAS[13][1].format(v=version))
 
 
 def _check_requirements(target: str) -> CudaPlugin:
@@ -260,8 +181,9 @@ def _check_requirements(target: str) -> CudaPlugin:
   want = jaxlib.__version__
   plugin = cuda_plugin()
   if plugin is None:
+    lines = {f"cuda{major}": line.format(v=want) for major, (_, line, _) in _EXTRAS.items()}
     raise GpuCompileError(f"gpu_topology: jax's CUDA plugin (jax-cuda12-plugin or jax-cuda13-plugin, "
-                          f"XLA:GPU's compiler) is not installed. Install it: {_install_line(want)}.")
+                          f"XLA:GPU's compiler) is not installed. Install it: {GPU_COMPILE_EXTRA.format(**lines)}.")
   extra, line, nvcc = _EXTRAS[plugin.major]
   for dist in (plugin.plugin, plugin.pjrt):
     got = _version(dist)
@@ -290,11 +212,6 @@ def _check_requirements(target: str) -> CudaPlugin:
 
 
 def xla_option_accepted(name: str, value: Any) -> bool:
-  """Whether the installed jaxlib's XLA takes the per-compile option `name=value` (GPU options parse on
-  the CPU as well, so this compiles a trivial CPU program with it). Options come and go between jaxlib
-  versions: 0.12 refuses 0.10's `xla_gpu_enable_pipelined_all_reduce` and adds
-  `xla_gpu_experimental_use_collective_kernels`; an unknown name in XLA_FLAGS aborts the process, as a
-  compile option it is refused ('No such compile option')."""
   import jax  # lazy: pure until a topology is made
   import jax.numpy as jnp
 
@@ -327,12 +244,7 @@ def _check_platforms() -> None:
 
 @dataclass(frozen=True, eq=False)
 class GpuTopology:
-  """Compile-only GPU devices of one target (`gpu_topology`).
-
-  Attributes:
-    target: the GpuTarget.
-    devices: the compile-only devices (they compile, they never run).
-  """
+  """Compile-only devices of one target (`gpu_topology`): they compile, they never run."""
 
   target: GpuTarget
   devices: tuple[Any, ...]
@@ -346,24 +258,17 @@ class GpuTopology:
     return Mesh(self.devices, (axis_name,))
 
   def abstract(self, tree: Any, spec: Any, *, mesh: Any = None, axis_name: str | None = None) -> Any:
-    """`tree` as ShapeDtypeStructs placed on the mesh with PartitionSpec `spec` (arrays or
-    ShapeDtypeStructs in; nothing is allocated): the arguments of `jitted.lower(...)`.
+    """`tree` as ShapeDtypeStructs placed with PartitionSpec `spec`: the arguments of `lower(...)`.
 
     Args:
-      tree: a pytree of arrays or ShapeDtypeStructs.
-      spec: a PartitionSpec for every leaf (`P()` replicated, `P('data')` split over the axis), or a
-        pytree of them with `tree`'s structure (a prefix, as shard_map's in_specs).
-      mesh: the mesh (default: `self.mesh(...)` over the axis `spec` names, or `axis_name`).
-      axis_name: the one-axis mesh's axis when `mesh` is None (default: the axis `spec` names; a
-        replicated spec names none and is placed alike on any mesh over these devices: 'data').
+      tree, spec: a pytree of arrays or ShapeDtypeStructs; a PartitionSpec for every leaf, or a pytree of them.
+      mesh, axis_name: the mesh; default a one-axis mesh over the devices on `axis_name` (default: `spec`'s axis).
 
     Raises:
-      TypeError: a spec that is not a PartitionSpec (the string 'data' for P('data')).
-      ValueError: `spec` names an axis other than `axis_name`, or several axes without a `mesh`.
+      TypeError: a spec that is not a PartitionSpec; ValueError: `spec` names axes the mesh lacks.
 
     Example:
-      >>> mesh = topo.mesh("dp")
-      >>> batch = topo.abstract(batch, P("dp"))          # on a mesh of axis 'dp', like `mesh`
+      >>> batch = topo.abstract(batch, P("dp"))     # placed on topo.mesh("dp")
     """
     from ._devices import placed, spec_axes  # imports jax: this module stays pure until a topology is made
 
@@ -375,8 +280,6 @@ class GpuTopology:
 
 
 def _one_axis(named: tuple[str, ...], axis_name: str | None) -> str:
-  """The axis of the one-axis mesh `GpuTopology.abstract` places on: `axis_name`, else the one axis the
-  spec names, else 'data' (a replicated spec is placed alike on any mesh over the same devices)."""
   if axis_name is not None:
     other = [a for a in named if a != axis_name]
     if other:
@@ -392,32 +295,21 @@ def _one_axis(named: tuple[str, ...], axis_name: str | None) -> str:
 
 
 def gpu_topology(target: str = "h100", *, devices: int = 8) -> GpuTopology:
-  """Compile-only devices of a GPU target, on a machine with or without a GPU.
-
-  Build the step over `topo.mesh("data")` with `jax.shard_map`, lower it on `topo.abstract(...)`
-  arguments and compile: the result is XLA:GPU's compiled program for `devices` GPUs of `target`
-  (one host), which `prophet_jax.audit` reads. It cannot run.
+  """Compile-only devices of a GPU target, on a machine with or without a GPU (docs/gpu.md).
 
   Args:
-    target: 'h100' (H100 SXM 80GB), 'a100' (A100 SXM4 80GB) or 'v100' (V100 SXM2 16GB, CUDA 12 only);
-      see `GPU_TARGETS` and `CUDA_MAJORS`.
-    devices: GPUs in the data-parallel group (one host).
+    target: 'h100', 'a100' or 'v100' (`GPU_TARGETS`); devices: GPUs in the data-parallel group (one host).
 
   Returns:
-    A GpuTopology.
+    A GpuTopology: lower a step over `topo.mesh(axis)` on `topo.abstract(...)` values, then compile it.
 
   Raises:
-    ValueError: an unknown target or a bad device count.
-    GpuCompileError: the CUDA plugin or ptxas is missing, the plugin's version differs from jaxlib's,
-      the plugin's CUDA cannot compile for the target (CUDA 13 and the V100), or the process did not set
-      JAX_PLATFORMS=cpu (each message says what to do).
+    ValueError: an unknown target or device count; GpuCompileError: what to install or set (JAX_PLATFORMS=cpu).
 
   Example:
     >>> topo = prophet_jax.gpu_topology("h100", devices=8)       # JAX_PLATFORMS=cpu
-    >>> mesh = topo.mesh("data")
-    >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    >>> f = jax.jit(jax.shard_map(step, mesh=topo.mesh("data"), in_specs=(P(), P("data")), out_specs=P()))
     >>> compiled = f.lower(topo.abstract(params, P()), topo.abstract(batch, P("data"))).compile()
-    >>> print(prophet_jax.audit(compiled, schedule).describe())
   """
   spec = gpu_target(target)
   check_int("gpu_topology", "devices", devices, lo=1, fix="It is a number of GPUs, e.g. 8.")
@@ -443,12 +335,6 @@ def _make_topology(name: str, devices: int) -> GpuTopology:
 
 @contextlib.contextmanager
 def quiet_cuda_stub() -> Iterator[None]:
-  """Drops the two lines per library the CUDA plugin prints to stderr when it loads without a GPU driver.
-
-  They are absl log lines written before logging is initialised (no environment variable silences them).
-  Everything else written to file descriptor 2 inside the block is written back when it ends. For the
-  command line; a library call never redirects file descriptors.
-  """
   try:
     sys.stderr.flush()
     saved = os.dup(2)
@@ -472,13 +358,6 @@ def quiet_cuda_stub() -> Iterator[None]:
 
 
 def import_jax_quietly() -> None:
-  """Imports jax and registers its PJRT plugins inside `quiet_cuda_stub`, without creating a backend
-  (XLA_FLAGS, e.g. the host device count, are still read later, when the first backend starts).
-
-  Registering the plugins is what loads the CUDA plugin's library (two more lines of driver-search noise);
-  it is done through jax's private `_discover_and_register_pjrt_plugins` (`_jaxcompat.PRIVATE_JAX`),
-  skipped where a jax lacks it: the lines then print, nothing else changes (cosmetic, so not an error).
-  """
   with quiet_cuda_stub():
     import jax  # noqa: F401 - imported inside the stub: the point of this function
 

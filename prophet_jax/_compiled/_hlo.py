@@ -1,18 +1,4 @@
-"""Reading compiled HLO text: computations, instructions, call graph, loop trip counts, execution order.
-
-Pure text processing (no jax import): give it `compiled.as_text()` (`hlo_text(compiled)` does that and
-rejects a Lowered, whose HLO has not been through XLA's passes). The compiled module of a CPU or GPU
-executable is scheduled (`is_scheduled=true`), so the order of instructions in a computation is their
-execution order; `execution_order` inlines called computations (while bodies, calls, conditionals) at
-their call sites, so an op in a loop body appears once, at the loop, with the loop's trip count.
-What is read from it: the collectives (`_hlo_collectives`), FLOPs and bytes per op (`_hlo_costs`).
-
-Public helpers:
-  parse_hlo(text) -> HloModule
-  execution_order(module) -> tuple[ExecutedOp, ...]
-  producer(module, comp, name) / users(module, comp, name): through pass-through ops / who reads it
-  shape_elements(shape_text) -> int ; shape_bytes(shape_text) -> int ; shape_dtypes(shape_text)
-"""
+"""Reading compiled HLO text: instructions, call graph, execution order (pure; docs/design.md)."""
 
 from __future__ import annotations
 
@@ -33,71 +19,40 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 
 
-def shape_elements(shape: str) -> int:
-  """Elements in an HLO shape ('f32[4,5]{1,0}' -> 20; a tuple sums its arrays; 'f32[]' -> 1)."""
-  total = 0
-  for dtype, dims in _ARRAY.findall(shape):
-    if dtype == "token":
-      continue
-    total += math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-  return total
-
-
 _BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16,
          "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64,
          "c128": 128}
 
 
-def _dtype_bits(dtype: str) -> int:
-  if dtype in _BITS:
-    return _BITS[dtype]
-  if dtype.startswith("f8"):
-    return 8
-  if dtype.startswith("f4"):
-    return 4
-  return 0  # token, opaque types
-
-
-def shape_parts(shape: str) -> tuple[int, ...]:
-  """Elements of each array in an HLO shape ('(f32[4,5], f32[3])' -> (20, 3); tokens left out)."""
-  return tuple(shape_elements(f"{d}[{dims}]") for d, dims in _ARRAY.findall(shape) if d != "token")
-
-
-def shape_bytes(shape: str) -> int:
-  """Bytes of an HLO shape ('f32[4,5]{1,0}' -> 80; a tuple sums its arrays; tokens count 0)."""
-  bits = 0
-  for dtype, dims in _ARRAY.findall(shape):
-    n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-    bits += n * _dtype_bits(dtype)
-  return (bits + 7) // 8
+def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+  return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape) if t != "token"]
 
 
 def shape_dims(shape: str) -> tuple[tuple[int, ...], ...]:
-  """Dimensions of each array in an HLO shape ('(f32[2,3], u8[0])' -> ((2, 3), (0,)))."""
-  return tuple(tuple(int(d) for d in dims.split(",") if d) for dt, dims in _ARRAY.findall(shape)
-               if dt != "token")
+  return tuple(dims for _, dims in _arrays(shape))
 
 
 def shape_dtypes(shape: str) -> tuple[str, ...]:
-  """Element types in an HLO shape, in order ('(f32[2], bf16[3])' -> ('f32', 'bf16'))."""
-  return tuple(d for d, _ in _ARRAY.findall(shape) if d != "token")
+  return tuple(t for t, _ in _arrays(shape))
+
+
+def shape_parts(shape: str) -> tuple[int, ...]:
+  return tuple(math.prod(dims) for dims in shape_dims(shape))
+
+
+def shape_elements(shape: str) -> int:
+  return sum(shape_parts(shape))
+
+
+def shape_bytes(shape: str) -> int:
+  bits = sum(math.prod(dims) * _BITS.get(t, 8 if t.startswith("f8") else 4 if t.startswith("f4") else 0)
+             for t, dims in _arrays(shape))
+  return (bits + 7) // 8
 
 
 @dataclass(frozen=True, slots=True)
 class HloInstruction:
-  """One HLO instruction.
-
-  Attributes:
-    name: its name without '%'.
-    opcode: 'all-reduce', 'fusion', 'while', ...
-    shape: the result shape text.
-    op_name: the op_name metadata ('' if none): jax's name stack, e.g. '.../prophet/chunk3/psum'.
-    operands: names of its operands (without '%'), in order.
-    callees: (kind, computation) pairs: ('body', ...), ('condition', ...), ('calls', ...), ...
-    trip_count: a while loop's known trip count (None when unknown or not a loop).
-    text: the instruction's line.
-    root: whether it is its computation's ROOT.
-  """
+  """One HLO instruction: its name, opcode, result shape, op_name metadata, operands and callees."""
 
   name: str
   opcode: str
@@ -115,13 +70,11 @@ class HloInstruction:
 
   @property
   def part_elements(self) -> tuple[int, ...]:
-    """Elements of each array of the result shape (one per operand for a combined collective)."""
     return shape_parts(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
 class HloModule:
-  """A parsed HLO module: computations (name -> instructions in order) and the entry's name."""
 
   name: str
   entry: str
@@ -129,7 +82,6 @@ class HloModule:
   scheduled: bool
 
   def instruction(self, computation: str, name: str) -> HloInstruction | None:
-    """The instruction `name` of `computation` (None if absent)."""
     for ins in self.computations.get(computation, ()):
       if ins.name == name:
         return ins
@@ -137,11 +89,7 @@ class HloModule:
 
 
 def hlo_text(compiled: Any) -> str:
-  """The optimized HLO text of a compiled executable (`jax.jit(f).lower(...).compile()`).
-
-  Raises:
-    TypeError: `compiled` is a Lowered (not yet compiled) or has no HLO text.
-  """
+  """The optimized HLO text of a compiled executable; TypeError for a Lowered (XLA's passes have not run)."""
   if isinstance(compiled, str):
     return compiled
   if hasattr(compiled, "compile") or type(compiled).__name__ == "Lowered":
@@ -157,19 +105,21 @@ def hlo_text(compiled: Any) -> str:
   return text
 
 
+def _closing(text: str, depth: int = 0) -> int:
+  for i, ch in enumerate(text):
+    depth += (ch == "(") - (ch == ")")
+    if depth == 0:
+      return i
+  return len(text)
+
+
 def _split_shape(rest: str) -> tuple[str, str]:
-  """Splits 'SHAPE opcode(...)...' into (SHAPE, 'opcode(...)...'); SHAPE may be a parenthesized tuple."""
   rest = rest.lstrip()
   if rest.startswith("("):
-    depth = 0
-    for i, ch in enumerate(rest):
-      depth += ch == "("
-      depth -= ch == ")"
-      if depth == 0:
-        return rest[:i + 1], rest[i + 1:].lstrip()
-    return rest, ""
-  sp = rest.find(" ")
-  return (rest, "") if sp < 0 else (rest[:sp], rest[sp + 1:].lstrip())
+    end = _closing(rest) + 1
+  else:
+    end = rest.find(" ") if " " in rest else len(rest)
+  return rest[:end], rest[end:].lstrip()
 
 
 def _parse_instruction(line: str) -> HloInstruction | None:
@@ -180,33 +130,20 @@ def _parse_instruction(line: str) -> HloInstruction | None:
   om = re.match(r"([a-z][a-z0-9\-]*)\(", tail)
   if not om:
     return None
-  callees = [(k, v) for k, v in _CALLEE.findall(tail)]
+  callees = _CALLEE.findall(tail)
   for group in _BRANCHES.findall(tail):
     callees += [("branch", b.strip().lstrip("%")) for b in group.split(",") if b.strip()]
-  trip = None
-  if om.group(1) == "while":
-    tm = _TRIP.search(tail)
-    trip = int(tm.group(1)) if tm else None
+  tm = _TRIP.search(tail) if om.group(1) == "while" else None
   opm = _OPNAME.search(tail)
-  args, depth = tail[om.end():], 1
-  for i, ch in enumerate(args):
-    depth += (ch == "(") - (ch == ")")
-    if depth == 0:
-      args = args[:i]
-      break
-  operands = tuple(re.findall(r"%([\w.\-]+)", args))
-  return HloInstruction(name=m.group(2), opcode=om.group(1), shape=shape,
-                        op_name=opm.group(1) if opm else "", operands=operands,
-                        callees=tuple(callees), trip_count=trip,
-                        text=line.strip(), root=bool(m.group(1)))
+  args = tail[om.end():]
+  return HloInstruction(name=m.group(2), opcode=om.group(1), shape=shape, op_name=opm.group(1) if opm else "",
+                        operands=tuple(re.findall(r"%([\w.\-]+)", args[:_closing(args, 1)])),
+                        callees=tuple(callees), trip_count=int(tm.group(1)) if tm else None, text=line.strip(),
+                        root=bool(m.group(1)))
 
 
 def parse_hlo(text: str) -> HloModule:
-  """Parses HLO module text (as `compiled.as_text()` prints it).
-
-  Raises:
-    ValueError: the text holds no HLO module or no ENTRY computation.
-  """
+  """Parses HLO module text (`compiled.as_text()`); ValueError without a module or an ENTRY computation."""
   if not isinstance(text, str) or "HloModule" not in text:
     raise ValueError("parse_hlo: the text is not an HLO module (no 'HloModule' header).")
   first = text[text.index("HloModule"):].splitlines()[0]
@@ -215,12 +152,10 @@ def parse_hlo(text: str) -> HloModule:
   entry, current = "", None
   for line in text.splitlines():
     if current is None:
-      m = _COMP_HEAD.match(line)
-      if m:
+      if m := _COMP_HEAD.match(line):
         current = m.group(2)
         comps[current] = []
-        if m.group(1):
-          entry = current
+        entry = current if m.group(1) else entry
       continue
     if line.strip() == "}":
       current = None
@@ -236,16 +171,7 @@ def parse_hlo(text: str) -> HloModule:
 
 @dataclass(frozen=True, slots=True)
 class ExecutedOp:
-  """An instruction at its place in the inlined execution order.
-
-  Attributes:
-    instruction: the instruction.
-    computation: the computation it belongs to.
-    index: its position in `execution_order` (0-based).
-    trips: how many times it runs per execution of the module (product of enclosing loops' trip
-      counts); None when a loop's trip count is unknown.
-    loops: names of the enclosing while instructions, outermost first.
-  """
+  """An instruction at its place in `execution_order`, with its trips per run (None: unknown) and loops."""
 
   instruction: HloInstruction
   computation: str
@@ -256,38 +182,28 @@ class ExecutedOp:
 
 _STRUCTURAL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy", "call",
                "while", "conditional", "after-all", "opt-barrier"}
+# the calls execution_order inlines: opcode -> the callee kinds it runs
+_INLINED = {"call": ("to_apply",), "conditional": ("branch", "true_computation", "false_computation")}
 
 
 def execution_order(module: HloModule) -> tuple[ExecutedOp, ...]:
-  """Every non-structural instruction, called computations inlined at their call sites (loop bodies once).
-
-  Fusion bodies are not expanded (a fusion is one executed op); reducers (`to_apply` of reductions and
-  collectives) are skipped. Structural ops (parameters, constants, tuples, bitcasts, copies, calls,
-  whiles) are left out, so indices count real work.
-  """
+  """Every non-structural instruction, called computations inlined at their call sites (loop bodies once)."""
   out: list[ExecutedOp] = []
 
   def walk(comp: str, trips: int | None, loops: tuple[str, ...], depth: int) -> None:
     if depth > 64:
       raise ValueError("execution_order: the HLO call graph is deeper than 64 levels.")
     for ins in module.computations.get(comp, ()):
-      if ins.opcode == "while":
-        body = dict(ins.callees).get("body")
-        cond = dict(ins.callees).get("condition")
+      if ins.opcode == "while":  # the condition runs once more than the body
+        called = dict(ins.callees)
         t = None if trips is None or ins.trip_count is None else trips * ins.trip_count
-        if cond:
-          walk(cond, None if t is None else t + (trips or 0), loops + (ins.name,), depth + 1)
-        if body:
-          walk(body, t, loops + (ins.name,), depth + 1)
+        for kind, runs in (("condition", None if t is None else t + (trips or 0)), ("body", t)):
+          if called.get(kind):
+            walk(called[kind], runs, loops + (ins.name,), depth + 1)
         continue
-      if ins.opcode == "call":
+      if ins.opcode in _INLINED:
         for kind, callee in ins.callees:
-          if kind == "to_apply":
-            walk(callee, trips, loops, depth + 1)
-        continue
-      if ins.opcode == "conditional":
-        for kind, callee in ins.callees:
-          if kind in ("branch", "true_computation", "false_computation"):
+          if kind in _INLINED[ins.opcode]:
             walk(callee, trips, loops, depth + 1)
         continue
       if ins.opcode in _STRUCTURAL:
@@ -303,7 +219,6 @@ _PASS_THROUGH = ("bitcast", "copy", "reshape")
 
 
 def producer(module: HloModule, comp: str, name: str) -> HloInstruction | None:
-  """The producer of `name`, looking through bitcasts, copies and reshapes."""
   ins = module.instruction(comp, name)
   for _ in range(8):
     if ins is None or ins.opcode not in _PASS_THROUGH or not ins.operands:
@@ -313,5 +228,4 @@ def producer(module: HloModule, comp: str, name: str) -> HloInstruction | None:
 
 
 def users(module: HloModule, comp: str, name: str) -> list[HloInstruction]:
-  """The instructions of computation `comp` that read `name`."""
   return [i for i in module.computations.get(comp, ()) if name in i.operands]

@@ -1,7 +1,4 @@
-"""FLOPs and bytes of a compiled HLO module's ops, from the HLO shapes alone.
-
-  OpCosts(module).cost(computation, instruction) -> (flops, bytes)
-"""
+"""FLOPs and bytes of a compiled HLO module's ops, from the HLO shapes alone."""
 
 from __future__ import annotations
 
@@ -22,17 +19,7 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 
 
 class OpCosts:
-  """FLOPs and bytes of HLO instructions, from their shapes alone (no device, no cost model).
-
-  FLOPs count the multiply-adds of matrix products and convolutions (2 per multiply-add), wherever
-  they are: a `dot` or `convolution`, one inside a fusion (Triton gemm fusions), or a cuBLAS / cuDNN
-  custom call. Elementwise work counts 0 FLOPs (it is memory-bound: its bytes say what it costs).
-  A convolution counts 2 * |forward output| * |kernel| / output features, for its forward, backward-input
-  and backward-filter forms alike (padding not discounted). Bytes are the instruction's operands plus
-  its result, as read and written once.
-  XLA's own cost analysis is not available for a deviceless compile (`compiled.cost_analysis()` is
-  None there), hence this estimate.
-  """
+  """FLOPs and bytes of HLO instructions from their shapes (docs/design.md, "Reading compiled programs")."""
 
   def __init__(self, module: HloModule):
     self._module = module
@@ -45,13 +32,11 @@ class OpCosts:
     return self._shapes[comp]
 
   def cost(self, comp: str, ins: HloInstruction) -> tuple[int, int]:
-    """(FLOPs, bytes) of instruction `ins` of computation `comp`."""
     shapes = self._shape_map(comp)
     nbytes = shape_bytes(ins.shape) + sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
     return self.flops(comp, ins), nbytes
 
   def flops(self, comp: str, ins: HloInstruction, depth: int = 0) -> int:
-    """Matrix-product and convolution FLOPs of `ins` (fusion bodies included)."""
     op = ins.opcode
     if op == "dot":
       return self._dot(comp, ins, _CONTRACT.search(ins.text))
@@ -66,11 +51,8 @@ class OpCosts:
         return self._dot(comp, ins, _GEMM_CONTRACT.search(ins.text))
       return 0
     if op in ("fusion", "call", "async-start") and depth < 16:
-      total = 0
-      for kind, callee in ins.callees:
-        if kind == "calls" or (op == "call" and kind == "to_apply"):
-          total += self._body(callee, depth + 1)
-      return total
+      return sum(self._body(callee, depth + 1) for kind, callee in ins.callees
+                 if kind == "calls" or (op == "call" and kind == "to_apply"))
     return 0
 
   def _body(self, comp: str, depth: int) -> int:
@@ -81,21 +63,13 @@ class OpCosts:
 
   def _dot(self, comp: str, ins: HloInstruction, contract: re.Match | None) -> int:
     dims = shape_dims(ins.shape)
-    if not dims or not ins.operands:
+    lhs = shape_dims(self._shape_map(comp).get(ins.operands[0], "")) if ins.operands else ()
+    if not dims or not lhs or contract is None:
       return 0
-    lhs = shape_dims(self._shape_map(comp).get(ins.operands[0], ""))
-    if not lhs or contract is None:
-      return 0
-    k = 1
-    for d in re.findall(r"\d+", contract.group(1)):
-      if int(d) < len(lhs[0]):
-        k *= lhs[0][int(d)]
+    k = math.prod(lhs[0][d] for d in map(int, re.findall(r"\d+", contract.group(1))) if d < len(lhs[0]))
     return 2 * math.prod(dims[0]) * k
 
   def _conv(self, comp: str, ins: HloInstruction, target: str = "") -> int:
-    """2 * |forward output| * |filter| / filter's output features. cuDNN's custom calls keep the forward
-    convolution's dim_labels: a backward-input call reads (output gradient, filter), a backward-filter
-    call reads (input, output gradient) and returns the filter."""
     labels = _DIM_LABELS.search(ins.text)
     if labels is None or len(ins.operands) < 2:
       return 0

@@ -1,28 +1,4 @@
-"""The JAX prophet_jax runs on: the versions it supports and tests, and every private JAX name it uses.
-
-prophet_jax uses JAX's public API wherever the supported range (`SUPPORTED_JAX`) has one. Three things
-it cannot do publicly, so it reads private names for them: each is listed in `PRIVATE_JAX` and read
-through `private()`, and a jax that lacks one gets an error naming it, the installed jax and the tested
-versions (never a silent fallback):
-- detecting a cluster the way `jax.distributed.initialize()` does (SLURM, Open MPI, Kubernetes, Cloud
-  TPU) without joining it, so that `launch.initialize()` does nothing in a single process:
-  `jax._src.clusters.ClusterEnv._cluster_types`. Without it a cluster job's processes would each train alone, so its
-  absence is a `LaunchError`;
-- binding gloo to one network interface (`--gloo-interface`; docs/facts.md, "Gloo across network
-  namespaces"): `jax._src.lib._jax.make_gloo_tcp_collectives`, the CPU backend factory in
-  `jax._src.xla_bridge`, `jax._src.distributed.global_state` (`GlooBindError`);
-- registering the PJRT plugins without starting a backend, so that the command line drops the CUDA
-  plugin's driver-search lines: `jax._src.xla_bridge._discover_and_register_pjrt_plugins` (cosmetic:
-  without it those lines print and nothing else changes, so its absence is not an error).
-The pipelined step's residual analysis (`_residuals`), the FSDP step (`_fsdp_trace`) and
-`_jaxpr.forward_paths` read jaxprs through `jax.extend.core`, JAX's public API for extensions (less stable
-than its core API): the names they use are `JAXPR_API`, checked by `check_jaxpr_api()` with the same kind of error.
-
-`tests/test_jaxcompat.py` resolves every listed name on the installed jax: `make test` (jax 0.10.2) and
-`make test-latest` (the newest) prove them on both ends of the range.
-
-Pure: importing this module imports no jax.
-"""
+"""The JAX prophet_jax runs on: the versions it supports and tests, and every private JAX name it reads."""
 
 from __future__ import annotations
 
@@ -83,28 +59,24 @@ def _advice(fix: str) -> str:
 
 def private(module: str, attribute: str, *, feature: str, error: type[Exception] = JaxVersionError,
             fix: str = "") -> Any:
-  """`module.attribute` (a dotted path), one of `PRIVATE_JAX`, or `error` naming it and what to do.
-
-  Args:
-    module, attribute: the private name, as listed in `PRIVATE_JAX`.
-    feature: what needs it, for the message ('--gloo-interface').
-    error: the exception to raise (a ProphetError subclass taking one message).
-    fix: another way out, for the message ('run without --gloo-interface').
+  """`module.attribute` (dotted), one of `PRIVATE_JAX`, or `error` naming it, `feature`, the jax and `fix`.
 
   Raises:
-    `error`: the installed jax does not have the name.
-    AssertionError: the name is not listed in PRIVATE_JAX (an internal error: the inventory must be
-      complete, docs/facts.md lists it).
+    AssertionError: the name is not listed in PRIVATE_JAX (the inventory must be complete).
   """
   if not any(m == module and a == attribute for m, a, _ in PRIVATE_JAX):
     raise AssertionError(f"prophet_jax internal error: {module}.{attribute} is not in PRIVATE_JAX.")
   try:
-    obj: Any = importlib.import_module(module)
-    for part in attribute.split("."):
-      obj = getattr(obj, part)
+    return _resolve(module, attribute)
   except (ImportError, AttributeError) as e:
     raise error(f"{feature} needs jax's private {module}.{attribute}, which jax {_installed()} does not "
                 f"have ({type(e).__name__}: {e}). {_advice(fix)}") from e
+
+
+def _resolve(module: str, attribute: str) -> Any:
+  obj: Any = importlib.import_module(module)
+  for part in attribute.split("."):
+    obj = getattr(obj, part)
   return obj
 
 
@@ -113,9 +85,7 @@ def _jaxpr_api_missing() -> tuple[str, ...]:
   missing = []
   for module, attribute in JAXPR_API:
     try:
-      obj: Any = importlib.import_module(module)
-      for part in attribute.split("."):
-        obj = getattr(obj, part)
+      _resolve(module, attribute)
     except (ImportError, AttributeError):
       missing.append(f"{module}.{attribute}")
   if missing:
@@ -133,11 +103,7 @@ def _jaxpr_api_missing() -> tuple[str, ...]:
 
 
 def check_jaxpr_api(feature: str) -> None:
-  """Checks that this jax has every `jax.extend.core` name and jaxpr field `feature` reads.
-
-  Raises:
-    JaxVersionError: one is missing (the message names each).
-  """
+  """Raises JaxVersionError naming each `jax.extend.core` name or jaxpr field `feature` reads that jax lacks."""
   missing = _jaxpr_api_missing()
   if missing:
     raise JaxVersionError(f"{feature} reads jaxprs through jax.extend.core, and jax {_installed()} lacks "

@@ -1,9 +1,4 @@
-"""The order in which a function first reads each parameter, read from its jaxpr.
-
-`forward_paths` is the rows' priority order: where the loss's forward pass first uses each leaf
-(descending into sub-jaxprs, not counting re-labelling primitives), which is not the pytree's order.
-It reads jaxprs through `jax.extend.core` (`_jaxcompat.JAXPR_API`, checked before reading).
-"""
+"""The order in which a function first reads each parameter, read from its jaxpr."""
 
 from __future__ import annotations
 
@@ -30,25 +25,14 @@ _ALIAS_PRIMITIVES = frozenset({"convert_element_type", "reshape", "squeeze", "ex
 
 def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
                   axis_env: Sequence[tuple[str, int]] = ()) -> tuple[str, ...]:
-  """Leaf paths of `params` in FORWARD order: the order in which `fn(params, *args)` first uses them.
-
-  The order comes from the jaxpr of `fn`: the first equation that reads each parameter, descending
-  into `jit` / `scan` / custom-derivative sub-jaxprs, and following values through re-labelling
-  primitives (casts, reshapes, transposes, identity `custom_vjp` hooks), so a hook or a cast applied
-  to every parameter up front does not count as a use. It does not come from the pytree: flax stores
-  submodules in dicts whose sorted keys put `Dense_10` before `Dense_2`. A tied embedding is placed
-  where the forward pass first reads it (the input lookup, so row 0). Leaves `fn` never reads come
-  last, in flatten order.
+  """Every leaf path of `params`, once, in the order `fn(params, *args)` first reads them (docs/design.md).
 
   Args:
-    fn: e.g. a loss function; traced abstractly (nothing runs), so `args` may be ShapeDtypeStructs.
-    params: the parameter pytree (arrays or ShapeDtypeStructs).
-    *args: the other arguments of `fn` (e.g. a batch).
-    axis_env: (axis name, size) pairs bound while tracing (`jax.make_jaxpr`'s): the data axis a model's
-      collectives name.
+    fn, params, *args: e.g. a loss, its parameters and a batch; traced abstractly (ShapeDtypeStructs will do).
+    axis_env: (axis name, size) pairs bound while tracing: the data axis a model's collectives name.
 
-  Returns:
-    Every leaf path of `params`, each once.
+  Example:
+    >>> forward_paths(loss_fn, params, batch)[0]      # the embedding a language model reads first
   """
   check_jaxpr_api("forward_paths")
   leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -59,24 +43,18 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
     return fn(jax.tree_util.tree_unflatten(treedef, flat), *rest)
 
   jaxpr = jax.make_jaxpr(flat_fn, axis_env=list(axis_env))(leaves, *args).jaxpr
-  order: list[int] = []
-  seen: set[int] = set()
+  used: dict[int, None] = {}   # the leaves used, in order of first use
 
   def walk(jx: Any, mapping: dict[int, int]) -> None:
-    """mapping: id(var) -> leaf index; grows with the outputs that carry a leaf unchanged."""
     for eqn in jx.eqns:
       ins = [(k, mapping[id(v)]) for k, v in enumerate(eqn.invars)
              if not isinstance(v, Literal) and id(v) in mapping]
       if not ins:
         continue
-      sub = None
-      for name in _CALL_PARAMS:
-        cand = eqn.params.get(name)
-        cand = getattr(cand, "jaxpr", cand)  # ClosedJaxpr -> Jaxpr (jax >= 0.11: the same object)
-        if (cand is not None and hasattr(cand, "eqns") and len(cand.invars) == len(eqn.invars)
-            and len(cand.outvars) == len(eqn.outvars)):
-          sub = cand
-          break
+      # ClosedJaxpr -> Jaxpr (jax >= 0.11: the same object)
+      cands = (getattr(eqn.params.get(name), "jaxpr", eqn.params.get(name)) for name in _CALL_PARAMS)
+      sub = next((c for c in cands if hasattr(c, "eqns") and len(c.invars) == len(eqn.invars)
+                  and len(c.outvars) == len(eqn.outvars)), None)
       if sub is not None:
         inner = {id(sub.invars[k]): i for k, i in ins}
         walk(sub, inner)
@@ -88,10 +66,8 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
           mapping[id(eqn.outvars[k])] = i
       else:
         for _, i in ins:
-          if i not in seen:
-            seen.add(i)
-            order.append(i)
+          used.setdefault(i)
 
   walk(jaxpr, {id(v): i for i, v in enumerate(jaxpr.invars[:len(leaves)])})
-  order += [i for i in range(len(leaves)) if i not in seen]
+  order = list(used) + [i for i in range(len(leaves)) if i not in used]
   return tuple(paths[i] for i in order)

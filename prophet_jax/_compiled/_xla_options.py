@@ -1,26 +1,4 @@
-"""A plan as XLA settings, for users who keep their plain step: `xla_options(schedule, network, target=)`.
-
-A user who keeps `jax.jit` (or a `pmean` under `shard_map`) cannot give XLA a plan's buckets, only
-settings: combine thresholds, the latency-hiding scheduler, how many collectives may be in flight,
-early start, and the network XLA's scheduler assumes. This module picks those settings from a plan and
-keeps only what the *installed* jaxlib accepts:
-
-- Each candidate is checked once per process by compiling a tiny program with it on a GPU target (a
-  compile-only one, `gpu_topology`, on a machine without a GPU): an unknown compile option raises
-  there ('No such compile option'), whereas an unknown `XLA_FLAGS` entry aborts the whole process. The
-  names move between versions (jax 0.10.2 takes the boolean `xla_gpu_enable_pipelined_*`; jaxlib 0.12
-  refuses them and takes `xla_gpu_pipeline_*` modes), so nothing is assumed from a version number.
-- The analytical (speed-of-light) latency model, `xla_gpu_analytical_latency_estimator_options`, is a
-  map that neither jaxlib 0.10.2 nor 0.12 accepts as a compile option ("is not a valid message value",
-  whatever the spelling); it goes in the `XLA_FLAGS` line (`xla_flags`), which is checked in a child
-  process so that a refused entry cannot abort this one.
-
-What thresholds can and cannot do (measured: bench/xla_options.py, docs/xla_options.md): the combiner
-merges consecutive all-reduces in its own program order while the sum stays within the threshold, so a
-threshold sets the *number* of buckets of a threshold-fill plan (`bucket`, `xla`), never which leaves go
-together; a per-layer plan, a priority plan with sliced leaves, or the exact membership of any plan needs
-combiner keys (`enforce_order=False`) or the library's own steps.
-"""
+"""A plan as XLA settings, for users who keep their plain step: `xla_options` (docs/xla_options.md)."""
 
 from __future__ import annotations
 
@@ -32,7 +10,7 @@ import re
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._values._checks import check_values
@@ -44,41 +22,29 @@ from ._gpu import GpuTopology, cuda_plugin_installed, gpu_target
 __all__ = ["xla_options", "xla_settings", "XlaSettings", "plan_options", "network_flags"]
 
 # per-compile options the plan sets, each a list of spellings across jaxlib versions (first accepted wins)
-_AR_THRESHOLD = ("xla_gpu_all_reduce_combine_threshold_bytes",)
-_RS_THRESHOLD = ("xla_gpu_reduce_scatter_combine_threshold_bytes",)
-_AG_THRESHOLD = ("xla_gpu_all_gather_combine_threshold_bytes",)
+_KINDS = (("all-reduce", ("xla_gpu_all_reduce_combine_threshold_bytes",)),   # collective kind -> its threshold
+          ("reduce-scatter", ("xla_gpu_reduce_scatter_combine_threshold_bytes",)),
+          ("all-gather", ("xla_gpu_all_gather_combine_threshold_bytes",)))
 _SCHEDULER = ("xla_gpu_enable_latency_hiding_scheduler",)
 _IN_FLIGHT = ("xla_gpu_experimental_parallel_collective_overlap_limit",)
 _EARLY_START = ("xla_gpu_experimental_collective_start_as_early_as_possible",)
 # the analytical latency model (XLA's SolGPUCostModel): switched on by a bool, filled from a map that
-# only XLA_FLAGS can carry (see the module docstring)
+# only XLA_FLAGS can carry (docs/xla_options.md)
 _SOL_ON = "xla_gpu_enable_analytical_sol_latency_estimator"
 _SOL_MAP = "xla_gpu_analytical_latency_estimator_options"
+Units = dict[str, tuple[tuple[int, ...], ...]]   # collective kind -> its units, each the bytes of its leaves
 _REFUSED = re.compile(r"No such compile option: '([^']+)'|While setting option (\w+)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class XlaSettings:
-  """The settings `xla_settings` found for a plan on the installed jaxlib.
+  """The settings `xla_settings` found for a plan on the installed jaxlib, the notes and the warning."""
 
-  Attributes:
-    compiler_options: per-compile options (`jax.jit(f).lower(...).compile(compiler_options=...)`),
-      each accepted by this jaxlib.
-    xla_flags: the same as an `XLA_FLAGS` line, plus what only flags carry (the latency model's map),
-      each entry checked in a child process ('' when there is nothing to set).
-    jaxlib: the jaxlib version they were checked against ('' when nothing was checked).
-    target: the target they were checked on ('h100', 'gpu' for a real GPU, '' for none).
-    notes: why something was left out, and what the plan asks that no setting expresses, one sentence
-      each.
-    warning: where these settings do not give the plan's units, what differs and what does give them
-      (`unformed`); '' where they form them.
-  """
-
-  compiler_options: dict[str, Any]
-  xla_flags: str
-  jaxlib: str
-  target: str
   notes: tuple[str, ...]
+  compiler_options: dict[str, Any] = field(default_factory=dict)
+  xla_flags: str = ""
+  jaxlib: str = ""       # '' when nothing was checked
+  target: str = ""       # '' when no target could be used
   warning: str = ""
 
   def to_dict(self) -> dict[str, Any]:
@@ -96,19 +62,13 @@ def _sizes(schedule: Schedule) -> list[int]:
 
 
 def cut_leaves(schedule: Schedule) -> list[str]:
-  """Paths of the leaves a plan sends in parts (in several units, or a slice of it in one): no combine
-  threshold cuts a leaf's gradient, which the step computes as one array."""
   sizes = _sizes(schedule)
   cut = {r for c in schedule.chunks for r, a, b in c.slices if (a, b) != (0, sizes[r])}
   return [schedule.rows[r][0] for r in sorted(cut)]
 
 
-def plan_units(schedule: Schedule, workers: int) -> dict[str, tuple[tuple[int, ...], ...]]:
-  """The units the plan issues, per collective kind ('all-reduce', 'reduce-scatter', 'all-gather'), in
-  issue order, each as the bytes XLA's combiner counts for each of its leaves: a collective's *result*
-  (a whole leaf for an all-reduce or an all-gather, one device's shard of it for a reduce-scatter;
-  `workers` devices for a ZeRO-1 plan). A unit holding part of a leaf, a deferral group's slot and a
-  ZeRO-1 buffer count as one leaf of their own bytes."""
+def plan_units(schedule: Schedule, workers: int) -> Units:
+  """The units the plan issues per collective kind, in order, each as the bytes XLA's combiner counts per leaf."""
   from .._values._types import itemsize  # pure
 
   sizes = _sizes(schedule)
@@ -137,9 +97,6 @@ def plan_units(schedule: Schedule, workers: int) -> dict[str, tuple[tuple[int, .
 
 
 def threshold_fill(units: tuple[tuple[int, ...], ...], threshold: int) -> tuple[int, bool]:
-  """What XLA's combiner makes of the units' leaves, taken in the plan's order (its own is the program's:
-  an estimate), joining each leaf to the current collective while the sum stays within `threshold`:
-  (how many collectives, whether they are exactly the plan's units)."""
   count, acc, bounds = 0, None, []
   for b in (b for u in units for b in u):
     if acc is None or acc + b > threshold:
@@ -153,8 +110,6 @@ def threshold_fill(units: tuple[tuple[int, ...], ...], threshold: int) -> tuple[
 
 
 def _fill_cap(schedule: Schedule) -> int | None:
-  """The byte cap a threshold-fill plan filled its buckets to: `bucket`'s `bucket_bytes`, `xla`'s 30 MiB
-  (XLA:GPU's own default, which the policy models); None for other plans."""
   if schedule.policy == "bucket":
     cap = dict(schedule.options).get("bucket_bytes")
     return int(cap) if cap else None
@@ -165,20 +120,14 @@ def _fill_cap(schedule: Schedule) -> int | None:
   return None
 
 
-_KINDS = (("all-reduce", _AR_THRESHOLD), ("reduce-scatter", _RS_THRESHOLD), ("all-gather", _AG_THRESHOLD))
-
-
 def _checked(schedule: Any, network: Any) -> int:
-  """The workers a plan's unit sizes are counted for (`network.workers`, or 8), after the type checks."""
   check_values("xla_options", schedule=schedule)
   if network is not None:
     check_values("xla_options", network=network)
   return network.workers if network is not None else 8
 
 
-def _thresholds(schedule: Schedule, units: dict[str, tuple[tuple[int, ...], ...]]) -> dict[str, int]:
-  """Per collective kind the plan issues, its combine threshold: a threshold-fill plan's cap, else the
-  largest unit's bytes."""
+def _thresholds(schedule: Schedule, units: Units) -> dict[str, int]:
   out = {}
   for kind, _ in _KINDS:
     sizes = [sum(u) for u in units.get(kind, ()) if sum(u) > 0]
@@ -188,24 +137,8 @@ def _thresholds(schedule: Schedule, units: dict[str, tuple[tuple[int, ...], ...]
   return out
 
 
-def plan_options(schedule: Schedule, network: NetworkModel | None = None) -> dict[str, tuple[tuple[str, ...], Any]]:
-  """The settings a plan asks for, before any jaxlib is asked: setting -> (spellings, value).
-
-  - Combine thresholds, per collective kind the plan issues (`plan_units`): for a threshold-fill plan
-    (`bucket`, `xla`) the cap it filled to; for any other plan the largest unit's bytes, so the combiner
-    can form every unit and merges no more than that (docs/xla_options.md: which plans that forms).
-  - The latency-hiding scheduler on.
-  - In flight: the plan's links (all-reduce plans), or an FSDP plan's prefetch depth.
-  - Early start where an all-reduce plan overlaps communication with backward (more than one unit);
-    never for FSDP (every all-gather would start at once: all parameters gathered together).
-  A sharded plan's unit sizes depend on the workers: `network.workers`, or 8 without a network.
-  """
-  units = plan_units(schedule, _checked(schedule, network))
-  out: dict[str, tuple[tuple[str, ...], Any]] = {}
-  limits = _thresholds(schedule, units)
-  for kind, names in _KINDS:
-    if kind in limits:
-      out[f"{kind} threshold"] = (names, limits[kind])
+def plan_options(schedule: Schedule, units: Units, limits: dict[str, int]) -> dict[str, tuple[tuple[str, ...], Any]]:
+  out = {f"{kind} threshold": (names, limits[kind]) for kind, names in _KINDS if kind in limits}
   out["latency-hiding scheduler"] = (_SCHEDULER, True)
   fsdp = schedule.family == "fsdp"
   f = schedule.fsdp
@@ -216,25 +149,19 @@ def plan_options(schedule: Schedule, network: NetworkModel | None = None) -> dic
   return out
 
 
-def unformed(schedule: Schedule, network: NetworkModel | None = None) -> str | None:
-  """Where the settings cannot give this plan: one paragraph naming what differs and what does give it
-  (combiner keys, the library's step); None where the thresholds form its units (estimated in the plan's
-  leaf order: XLA combines in its program's)."""
-  workers = _checked(schedule, network)
-  units = plan_units(schedule, workers)
-  limits = _thresholds(schedule, units)
+def unformed(schedule: Schedule, units: Units, limits: dict[str, int]) -> str | None:
+  """Where the settings cannot give this plan: what differs and what does give it; None where they do."""
   parts = []
   cut = cut_leaves(schedule) if schedule.family != "zero1" else []
   if cut:
     parts.append(f"it sends {len(cut)} leaves in parts ({', '.join(map(repr, cut[:3]))}"
                  f"{', ...' if len(cut) > 3 else ''}), and no threshold cuts a leaf's gradient")
-  for kind, _ in _KINDS:
-    if kind in limits:
-      count, exact = threshold_fill(units[kind], limits[kind])
-      if not exact:
-        parts.append(f"its {len(units[kind])} {kind} unit(s) become about {count} {kind}(s) under a "
-                     f"{limits[kind]:,}-byte threshold (XLA joins neighbouring collectives up to the "
-                     f"threshold, in its own order)")
+  for kind, limit in limits.items():   # in _KINDS' order
+    count, exact = threshold_fill(units[kind], limit)
+    if not exact:
+      parts.append(f"its {len(units[kind])} {kind} unit(s) become about {count} {kind}(s) under a "
+                   f"{limit:,}-byte threshold (XLA joins neighbouring collectives up to the threshold, in its "
+                   f"own order)")
   if schedule.defers:
     parts.append("it defers gradient elements (dlcp), which no setting does: a plain step sends every "
                  "gradient every step")
@@ -251,7 +178,6 @@ def unformed(schedule: Schedule, network: NetworkModel | None = None) -> str | N
 
 
 def fsdp_notes(schedule: Schedule) -> list[str]:
-  """What an FSDP plan asks that no setting expresses (empty for other families)."""
   if schedule.family != "fsdp":
     return []
   f = schedule.fsdp
@@ -263,16 +189,6 @@ def fsdp_notes(schedule: Schedule) -> list[str]:
 
 
 def network_flags(network: NetworkModel) -> dict[str, str]:
-  """XLA's analytical latency model filled from a NetworkModel, as XLA_FLAGS entries.
-
-  XLA's speed-of-light model (`SolGPUCostModel::RingLatency`) charges an all-reduce of b bytes over N
-  GPUs, g per node, 2 (N - 1)/g (b/N / nic + chunk_prep + rtt) + launch. With g = 1 (every worker its
-  own link, as `NetworkModel`'s ring) that is the ring's 2 (P - 1) alpha + 2 (P - 1)/P b beta with
-  rtt = alpha (per ring step) and nic = 1/beta: `rtt_us` = alpha in microseconds (XLA reads an integer,
-  at least 1), `nic_speed_gbps` = 1/beta in GB/s (10^9 bytes/s, as XLA's comment says), `gpus_per_node`
-  1. XLA's launch and chunk-preparation terms keep their defaults (the NetworkModel has no such term;
-  XLA ignores values <= 0).
-  """
   rtt_us = max(1, round(network.alpha_s * 1e6))
   nic_gbps = 1.0 / (network.beta_s_per_byte * 1e9) if network.beta_s_per_byte > 0 else 1e6
   value = f"nic_speed_gbps={nic_gbps:.6g},rtt_us={rtt_us},gpus_per_node=1"
@@ -285,7 +201,6 @@ def network_flags(network: NetworkModel) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def _probe_program(target: str) -> Any:
-  """A tiny psum program lowered for `target` ('gpu': the real GPU), to compile candidate options on."""
   import jax  # jax starts here, after gpu_target/_resolve_target looked at the environment (JAX_PLATFORMS)
   import jax.numpy as jnp  # (the same reason)
   from jax.sharding import PartitionSpec as P  # (the same reason)
@@ -309,8 +224,6 @@ _ACCEPTED: dict[tuple[str, str, str], bool] = {}   # (target, option, value type
 
 
 def _accepts(target: str, options: dict[str, Any]) -> dict[str, bool]:
-  """For each option, whether the installed jaxlib compiles the probe program with it (memoised per
-  target, name and value type: one compile for all unknown ones, one more per refusal)."""
   key = lambda k, v: (target, k, type(v).__name__)  # noqa: E731
   todo = {k: v for k, v in options.items() if key(k, v) not in _ACCEPTED}
   while todo:
@@ -322,11 +235,10 @@ def _accepts(target: str, options: dict[str, Any]) -> dict[str, bool]:
       name = (m.group(1) or m.group(2)) if m else None
       if name not in todo:
         raise
-      _ACCEPTED[key(name, todo.pop(name))] = False
-      continue
-    for k, v in todo.items():
-      _ACCEPTED[key(k, v)] = True
-    todo = {}
+      _ACCEPTED[key(name, todo.pop(name))] = False   # refused: try the others again without it
+    else:
+      _ACCEPTED.update({key(k, v): True for k, v in todo.items()})
+      todo = {}
   return {k: _ACCEPTED[key(k, v)] for k, v in options.items()}
 
 
@@ -334,27 +246,22 @@ _FLAGS_OK: dict[str, bool] = {}   # flag name -> the child process started with 
 
 
 def _flags_accepted(flags: dict[str, str]) -> dict[str, bool]:
-  """Whether a process starts with each `--name=value` in XLA_FLAGS (an unknown one aborts the
-  process, so each new name is tried in a child process; memoised per name)."""
   todo = [k for k in flags if k not in _FLAGS_OK]
-  if todo:
-    line = " ".join(f"--{k}={flags[k]}" for k in todo)
-    env = {**os.environ, "XLA_FLAGS": line, "JAX_PLATFORMS": "cpu"}
-    code = "import jax, jax.numpy as jnp; jax.jit(lambda x: x + 1)(jnp.zeros(2)).block_until_ready()"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    if r.returncode == 0:
-      _FLAGS_OK.update(dict.fromkeys(todo, True))
-    else:  # one at a time, to say which
-      for k in todo:
-        env["XLA_FLAGS"] = f"--{k}={flags[k]}"
-        one = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                             timeout=120)
-        _FLAGS_OK[k] = one.returncode == 0
+  if todo and _starts(" ".join(f"--{k}={flags[k]}" for k in todo)):
+    _FLAGS_OK.update(dict.fromkeys(todo, True))
+  else:  # one at a time, to say which
+    _FLAGS_OK.update({k: _starts(f"--{k}={flags[k]}") for k in todo})
   return {k: _FLAGS_OK[k] for k in flags}
 
 
+def _starts(xla_flags: str) -> bool:
+  env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
+  code = "import jax, jax.numpy as jnp; jax.jit(lambda x: x + 1)(jnp.zeros(2)).block_until_ready()"
+  return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=120).returncode == 0
+
+
 def _resolve_target(target: Any) -> tuple[str | None, str | None]:
-  """(the target to check on, or None; the note saying why there is none)."""
   if isinstance(target, GpuTopology):
     return target.target.name, None
   if target is not None:
@@ -374,32 +281,27 @@ def _resolve_target(target: Any) -> tuple[str | None, str | None]:
   return "h100", None
 
 
-def _flag_value(v: Any) -> str:
-  return ("true" if v else "false") if isinstance(v, bool) else str(v)
-
-
 def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, target: Any = None) -> XlaSettings:
-  """The compiler options, the XLA_FLAGS line and the notes for `schedule` on the installed jaxlib.
-
-  See `xla_options`; this also returns the flags line, the jaxlib version and why anything was left out.
-  """
-  wanted = plan_options(schedule, network)
-  warning = unformed(schedule, network) or ""
+  """The compiler options, the XLA_FLAGS line and the notes for `schedule` (see `xla_options`)."""
+  units = plan_units(schedule, _checked(schedule, network))   # a sharded plan's: network.workers, or 8
+  limits = _thresholds(schedule, units)
+  wanted = plan_options(schedule, units, limits)
+  warning = unformed(schedule, units, limits) or ""
   name, why = _resolve_target(target)
   if name is None:
-    return XlaSettings(compiler_options={}, xla_flags="", jaxlib="", target="", notes=(why,), warning=warning)
+    return XlaSettings(notes=(why,), warning=warning)
   import jaxlib  # only where a target exists (the CLI's xla-flags imports this module without jax)
 
   notes: list[str] = fsdp_notes(schedule)
-  candidates = {names[i]: value for names, value in wanted.values() for i in range(len(names))}
+  candidates = {n: value for names, value in wanted.values() for n in names}
   try:
     ok = _accepts(name, candidates)
   except GpuCompileError as e:
     if target is not None:
       raise
     # no target named: one was guessed from the installed plugin, and this environment cannot build it
-    return XlaSettings(compiler_options={}, xla_flags="", jaxlib=jaxlib.__version__, target="",
-                       notes=(f"no GPU target could be used to check the options: {e}",), warning=warning)
+    return XlaSettings(jaxlib=jaxlib.__version__, notes=(f"no GPU target could be used to check the options: {e}",),
+                       warning=warning)
   options: dict[str, Any] = {}
   for setting, (names, value) in wanted.items():
     first = next((n for n in names if ok[n]), None)
@@ -407,13 +309,12 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
       notes.append(f"{setting}: jaxlib {jaxlib.__version__} refuses {' and '.join(names)}; not set.")
     else:
       options[first] = value
-  flags = {k: _flag_value(v) for k, v in options.items()}
+  flags = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in options.items()}
   if network is not None:
     net = network_flags(network)
     # the map is refused as a compile option by every jaxlib measured; try the bool there all the same
     if _accepts(name, {_SOL_ON: True})[_SOL_ON] and _accepts(name, {_SOL_MAP: net[_SOL_MAP]})[_SOL_MAP]:
-      options[_SOL_ON] = True
-      options[_SOL_MAP] = net[_SOL_MAP]
+      options.update({_SOL_ON: True, _SOL_MAP: net[_SOL_MAP]})
     fine = _flags_accepted(net)
     for k, v in net.items():
       if fine[k]:
@@ -431,34 +332,20 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
 
 
 def xla_options(schedule: Schedule, network: NetworkModel | None = None, *, target: Any = None) -> dict[str, Any]:
-  """XLA `compiler_options` for the installed jaxlib that realise `schedule` as far as settings can.
-
-  For a plain `jax.jit` step that keeps XLA's own collectives: combine thresholds from the plan's units
-  (all-reduces; an FSDP plan's all-gather groups and reduce-scatter units; a ZeRO-1 plan's buffers), the
-  latency-hiding scheduler, the collectives in flight, early start; each checked by compiling a tiny
-  program for `target` (a refused one is left out). Where thresholds cannot form the plan's units (a
-  per-layer or sliced plan, a deferring one) it warns, naming what does: the library's step or
-  combiner keys. docs/xla_options.md has what each setting does and the measured table.
+  """XLA `compiler_options` that realise `schedule` as far as settings can (docs/xla_options.md).
 
   Args:
-    schedule: the plan (`prophet_jax.plan`).
-    network: the NetworkModel it was planned for, or None for no network-derived options.
-    target: the GPU to check the options on: 'h100', 'a100', 'v100' (compile-only, `gpu_topology`) or a
-      GpuTopology; None: the machine's GPU if jax has one, else a compile-only H100 if jax's CUDA plugin
-      is installed, else none.
+    schedule: the plan; network: its NetworkModel, or None for no network-derived options.
+    target: the GPU the options are checked on by compiling a tiny program: 'h100', 'a100', 'v100'
+      (compile-only) or a GpuTopology; None: the machine's GPU, else a compile-only H100 where jax's
+      CUDA plugin is installed, else none (`{}` and a warning).
 
   Returns:
-    A dict for `jax.jit(step).lower(...).compile(compiler_options=...)`; `{}` (with a warning saying
-    why) where no GPU target is known.
-
-  Warns:
-    UserWarning: the settings do not give this plan's units (`XlaSettings.warning` says how they differ).
+    A dict for `.compile(compiler_options=...)`, with a UserWarning where it does not give the plan's units.
 
   Raises:
-    TypeError: `schedule` or `network` of the wrong type.
-    ValueError: an unknown target name.
-    GpuCompileError: a named target that this environment cannot compile for (the message says what to
-      install or set).
+    TypeError: `schedule` or `network` of the wrong type; ValueError: an unknown target name.
+    GpuCompileError: a named target this environment cannot compile for (what to install or set).
 
   Example:
     >>> opts = prophet_jax.xla_options(schedule, network, target="h100")

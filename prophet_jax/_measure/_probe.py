@@ -1,37 +1,4 @@
-"""The network probe: time all-reduces against message size, and fit a NetworkModel (alpha, beta).
-
-Public API:
-  probe(num_devices=None, *, sizes=..., repeats=..., ...) -> AllreduceTimings   (the raw timings)
-  measure_network(num_devices=None, *, ..., stat='median') -> NetworkModel       (probe, then fit)
-  AllreduceTimings.fit(stat) -> NetworkModel; AllreduceTimings.describe() -> str
-  check_fit(network, timings) -> str | None   (the warning measure_network gives on a bad fit)
-
-One act, one name: *probing* times the all-reduces (`probe`, the CLI's `prophet-jax probe`, the
-Monitor's `probe_every`); `measure_network` is a probe and its fit.
-
-How it measures: for each message size, one compiled program issues `1` all-reduce and another issues
-`1 + inner` all-reduces chained by their data (so XLA cannot combine them), inside `jax.shard_map`
-over a 1-D mesh of the devices. The cost of one all-reduce is the paired difference of the two
-programs' wall times divided by `inner`, which cancels dispatch and launch overheads. The two programs
-are timed alternately, `repeats` times. The machine's scheduler tick (about 4 ms) poisons means, so
-every size keeps the **median** and a **low percentile** (default p10); the fitted model uses the
-median (to predict median step times) unless `stat='low'` asks for the floor. `NetworkModel.name` says
-which.
-
-With `interleave=True` every round is [a fixed matmul, then the all-reduce], as in a training step
-where collectives block the executor (the CPU): there an all-reduce waits for the slowest device, and
-devices that share cores drift apart while they compute. The same rounds without the all-reduce give
-the compute's own time, which is subtracted; a second, larger matmul measures how the extra cost grows
-with the compute before the all-reduce: that slope is the network's `skew` (see NetworkModel). Off by
-default: on a shared 2-core machine the measured skew varied from 0.17 to 0.55 between runs.
-
-Across processes (`jax.process_count() > 1`, after `jax.distributed.initialize`): the mesh spans every
-device of every process, each process feeds its local shard, and rank 0's timings are broadcast so
-every process returns the same model.
-
-`overlap` comes from the platform: False on the CPU (an XLA CPU collective blocks the executor), True
-on GPUs and TPUs.
-"""
+"""The network probe: all-reduces timed against message size, and their fit (docs/design.md, "The network probe")."""
 
 from __future__ import annotations
 
@@ -71,20 +38,14 @@ _COMPUTE_D = (256, 768)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AllreduceTimings:
-  """Measured cost of one all-reduce per message size.
+  """Measured cost of one all-reduce per message size (`probe`).
 
   Attributes:
-    sizes: message sizes in bytes (per worker: the bytes each device contributes).
-    median_s: median seconds of one all-reduce at each size.
-    low_s: the `percentile`-th percentile (the floor without scheduler hiccups).
-    percentile: which percentile `low_s` holds.
-    repeats: paired measurements per size.
-    workers: devices (ranks) taking part.
-    processes: processes taking part.
-    platform: 'cpu', 'gpu', 'tpu'.
-    skew: the slowest device's lag per second of compute (0 unless measured; see NetworkModel).
-    compute_s: the compute put before each all-reduce (seconds per round; the second, larger one
-      measured the skew), empty when the all-reduces ran back to back.
+    sizes, median_s, low_s: bytes per worker; the median and the `percentile`-th percentile seconds there.
+    repeats, workers, processes, platform: paired measurements per size; devices; processes; 'cpu', 'gpu'.
+    skew, compute_s: the slowest device's lag per second of compute and the compute put before each
+      all-reduce (0 and empty unless interleaved; see NetworkModel).
+    time_budget_s, cut_sizes: the probe's budget and the sizes it left unmeasured.
   """
 
   sizes: tuple[int, ...]
@@ -101,22 +62,19 @@ class AllreduceTimings:
   cut_sizes: tuple[int, ...] = ()
 
   def fit(self, stat: str = "median") -> NetworkModel:
-    """The NetworkModel least-squares-fitted to the median (default) or the low percentile."""
+    """The NetworkModel least-squares-fitted to the median (default) or the low percentile ('low')."""
     if stat not in ("median", "low"):
       raise ValueError(f"fit(stat={stat!r}): expected 'median' (to predict median step times) or 'low' "
                        f"(the floor).")
-    ys = self.median_s if stat == "median" else self.low_s
-    label = "median" if stat == "median" else f"p{self.percentile:g}"
+    ys, label = (self.median_s, "median") if stat == "median" else (self.low_s, f"p{self.percentile:g}")
     return NetworkModel.fit(self.sizes, ys, workers=self.workers, overlap=self.platform != "cpu",
                             name=f"probe:{self.platform}x{self.workers}:{label}", skew=self.skew,
                             warn=False)  # measure_network and the CLI warn with check_fit
 
   def describe(self, network: NetworkModel | None = None) -> str:
-    """A short human summary: the fitted model (`network`, default `fit()`) and, per size, the median
-    and low times beside the model's prediction."""
+    """The fitted model (`network`, default `fit()`) and, per size, the times beside its prediction."""
     network = self.fit() if network is None else network
-    head = network.describe().splitlines()
-    lines = [line for line in head if not line.lstrip().startswith("predicted all-reduce")]
+    lines = [line for line in network.describe().splitlines() if not line.lstrip().startswith("predicted all-reduce")]
     lines.append(f"  {'bytes':>10} {'median us':>10} {'p%g us' % self.percentile:>10} {'model us':>10}")
     for s, m, lo in zip(self.sizes, self.median_s, self.low_s):
       lines.append(f"  {s:>10} {m * 1e6:>10.1f} {lo * 1e6:>10.1f} {network.allreduce_s(s) * 1e6:>10.1f}")
@@ -141,8 +99,8 @@ def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 def _mesh_devices(num_devices: int | None):
-  check_int("measure_network", "num_devices", num_devices, none=True,
-            fix="It is the number of devices to measure across (at least 2), or None for all of them.")
+  num_devices = check_int("measure_network", "num_devices", num_devices, none=True,
+                          fix="It is the number of devices to measure across (at least 2), or None for all of them.")
   if num_devices is not None and num_devices < 2:
     raise NetworkError(f"measure_network(num_devices={num_devices}): an all-reduce needs at least 2 "
                        f"devices; pass None (every device) or a count >= 2.")
@@ -155,7 +113,7 @@ def _mesh_devices(num_devices: int | None):
                        f"{len(devices)}.")
   else:
     local = jax.local_devices()
-    n = len(local) if num_devices is None else int(num_devices)
+    n = len(local) if num_devices is None else num_devices
     if n > len(local):
       raise NetworkError(f"measure_network(num_devices={n}): only {len(local)} {local[0].platform} "
                          f"device(s) here. On the CPU, set XLA_FLAGS=--xla_force_host_platform_device_"
@@ -177,21 +135,14 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _span(sizes: Sequence[int]) -> str:
-  """'4 MiB' for one size, '4 MiB..64 MiB' for several."""
   first, last = _fmt_bytes(sizes[0]), _fmt_bytes(sizes[-1])
   return first if len(sizes) == 1 else f"{first}..{last}"
 
 
 def _agree(flag: bool) -> bool:
-  """Rank 0's `flag` on every process. A decision taken from a wall clock (stop repeating, skip a size)
-  must be the same everywhere, or the processes issue different numbers of all-reduces and wait for
-  each other forever."""
-  import jax  # this module imports jax only where it measures (planning imports it without jax)
-
+  """Rank 0's `flag` on every process: a decision taken from a wall clock must be the same everywhere."""
   if jax.process_count() == 1:
     return bool(flag)
-  from jax.experimental import multihost_utils  # multi-process only
-
   return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag, np.int32)))
 
 
@@ -203,26 +154,10 @@ def _reporter(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
   return lambda line: None
 
 
-def _host_devices(t: AllreduceTimings) -> bool:
-  """The probe ran on the host CPU devices of one process (no network between them)."""
-  return t.platform == "cpu" and t.processes == 1
-
-
-def _budget(time_budget_s: float | str | None, platform: str) -> float | None:
-  """The probe's time budget: 'auto' is `DEFAULT_BUDGET_S`, or `HOST_BUDGET_S` on host CPU devices of
-  one process."""
-  if time_budget_s != "auto":
-    return time_budget_s
-  return HOST_BUDGET_S if platform == "cpu" and jax.process_count() == 1 else DEFAULT_BUDGET_S
-
-
 def check_fit(network: NetworkModel, timings: AllreduceTimings, stat: str = "median") -> str | None:
-  """A warning text when the fitted model does not describe the measured times, else None: the checks
-  of `NetworkModel.fit` (`_network.fit_warning`: every time 0, times falling with size so that beta is
-  clipped to 0, a large residual), named for `measure_network`, with what to do about a residual.
-  """
+  """The warning text `measure_network` gives when the fitted model does not describe the times, else None."""
   ys = timings.median_s if stat == "median" else timings.low_s
-  if _host_devices(timings) and np.any(np.asarray(ys, np.float64)):
+  if timings.platform == "cpu" and timings.processes == 1 and np.any(np.asarray(ys, np.float64)):  # no network
     if fit_warning(network, timings.sizes, ys, who="") is None:
       return None
     rel = (network.fit_residual_s or 0.0) / max(float(np.sqrt(np.mean(np.square(ys)))), 1e-12)
@@ -252,57 +187,45 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
   """Times one all-reduce (psum) at each message size across the devices (or processes).
 
   Args:
-    num_devices: devices on this host to use (default all); must be None or all of them across
-      processes.
+    num_devices: devices on this host to use (default all); across processes None or all of them.
     sizes: message sizes in bytes per worker (default 1 KiB .. 64 MiB, powers of 4).
-    repeats: paired measurements per size (median and percentile are taken over these).
-    inner: extra chained all-reduces in the longer program (the difference is divided by it).
-    percentile: the low percentile kept besides the median (e.g. 10 for p10).
-    dtype: element type of the messages.
+    repeats: paired measurements per size; inner: extra chained all-reduces in the longer program.
+    percentile: the low percentile kept besides the median; dtype: the messages' element type.
     max_seconds_per_size: stop repeating a size after this long (at least 3 repeats run).
-    interleave: put a fixed piece of compute before every chained all-reduce, as in a training step,
-      and measure `skew` (default False: back to back). A synchronous all-reduce after compute costs
-      more than one right after another: it waits for the slowest device, and devices that share
-      cores drift apart while they compute. Off by default because the skew it measures on a shared
-      2-core machine varies from run to run (0.17 to 0.55 in three runs) by more than it corrects.
-    skew: with `interleave`, the known skew (see NetworkModel); None measures it from a second,
-      larger piece of compute at the smallest size.
-    time_budget_s: seconds the whole probe may take, compiles included ('auto', the default: 6 s, or
-      1 s on host CPU devices of one process, where the probe is a stand-in for a network); None for no
-      budget. Sizes run smallest first; a size starts only when its shortest measurement (3 repeats),
-      predicted from the sizes before it, still fits, and each size's repeats stop when its share of
-      what is left runs out. The two smallest sizes always run (a fit needs two). The sizes cut are in
-      `cut_sizes`, and `measure_network`'s fit warning names them. Across processes rank 0's clock
-      decides, so every process issues the same all-reduces.
-    progress: report each size as it finishes: True prints a line to stderr, a callable receives the
-      line (default False: quiet; `prophet-jax probe` shows it). Only rank 0 reports.
+    interleave, skew: a fixed piece of compute before each all-reduce, as in a training step, and the
+      known skew (None measures it); off by default (docs/design.md, "The network probe").
+    time_budget_s: seconds the probe may take, compiles included ('auto': 6 s, 1 s on host CPU devices of
+      one process; None: every size); the sizes cut are in `cut_sizes`.
+    progress: True prints a line per size to stderr, a callable receives the lines (rank 0 only).
 
   Returns:
-    AllreduceTimings (identical on every process); with `interleave`, the times exclude the
-    compute and the skew share of it, and `skew` holds the measured (or given) skew.
+    AllreduceTimings, the same on every process.
 
   Raises:
     NetworkError: a single device, or more devices requested than exist.
-    ValueError: bad sizes, repeats, inner, percentile or skew.
+    ValueError: bad sizes, repeats, inner, percentile, skew or budget.
+
+  Example:
+    >>> t = prophet_jax.probe(8, sizes=(2**10, 2**16), repeats=5)     # doctest: +SKIP
+    >>> print(t.describe())                                            # doctest: +SKIP
   """
   sizes = _check_sizes(sizes)
   repeats = check_int("measure_network", "repeats", repeats, lo=3, fix="A median needs at least 3.")
   inner = check_int("measure_network", "inner", inner, lo=1)
-  check_number("measure_network", "percentile", percentile, lo=0, hi=50, lo_open=True, hi_open=True,
-               fix="It is the low percentile, e.g. 10.")
+  percentile = check_number("measure_network", "percentile", percentile, lo=0, hi=50, lo_open=True, hi_open=True,
+                            fix="It is the low percentile, e.g. 10.")
   check_number("measure_network", "skew", skew, lo=0, none=True, fix="None measures it.")
   devices = _mesh_devices(num_devices)
   p = len(devices)
   platform = devices[0].platform
-  time_budget_s = _budget(time_budget_s, platform)
-  check_number("measure_network", "time_budget_s", time_budget_s, lo=0, lo_open=True, none=True,
-               fix="Give seconds, e.g. 10, 'auto' or None for no budget.")
-  interleave = bool(interleave)
+  if time_budget_s == "auto":  # on host CPU devices of one process the probe is a stand-in for a network: short
+    time_budget_s = HOST_BUDGET_S if platform == "cpu" and jax.process_count() == 1 else DEFAULT_BUDGET_S
+  time_budget_s = check_number("measure_network", "time_budget_s", time_budget_s, lo=0, lo_open=True, none=True,
+                               fix="Give seconds, e.g. 10, 'auto' or None for no budget.")
   mesh = jax.sharding.Mesh(np.asarray(devices), (_AXIS,))
   sharding = NamedSharding(mesh, P(_AXIS))
   itemsz = int(np.dtype(jnp.dtype(dtype)).itemsize)
   n_local = len([d for d in devices if d.process_index == jax.process_index()])
-  inner = int(inner)
 
   def program(k: int, reduce: bool):
     """k rounds of [compute on h (if interleaving), then one psum of x], each waiting for the last."""
@@ -340,7 +263,7 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
       jax.block_until_ready(f(*args))
       jax.block_until_ready(f(*args))
     diffs, rounds_s, t_start = [], [], time.perf_counter()
-    for r in range(int(repeats)):
+    for r in range(repeats):
       t0 = time.perf_counter()
       jax.block_until_ready(short(*args))
       t1 = time.perf_counter()
@@ -368,7 +291,7 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
   say = _reporter(progress if jax.process_index() == 0 else False)
   within = "" if time_budget_s is None else f" as fit in {time_budget_s:g} s"
   say(f"measure_network: timing one all-reduce over {p} {platform} device(s) at up to {len(sizes)} message "
-      f"sizes from {_fmt_bytes(sizes[0])} to {_fmt_bytes(sizes[-1])}{within}, {int(repeats)} paired "
+      f"sizes from {_fmt_bytes(sizes[0])} to {_fmt_bytes(sizes[-1])}{within}, {repeats} paired "
       f"repeats each")
   rounds, costs, cut = [], [], ()
   t_all = time.perf_counter()
@@ -407,16 +330,13 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
   med = [float(np.median(np.maximum(r, 0.0))) for r in rounds]
   low = [float(np.percentile(np.maximum(r, 0.0), percentile)) for r in rounds]
   if jax.process_count() > 1:  # every process must return the same model: rank 0's numbers
-    both = multihost_utils.broadcast_one_to_all(
-        np.asarray(med + low + [measured_skew], dtype=np.float64))
+    both = multihost_utils.broadcast_one_to_all(np.asarray(med + low + [measured_skew], dtype=np.float64))
     k = len(med)
     med, low, measured_skew = [float(v) for v in both[:k]], [float(v) for v in both[k:2 * k]], float(both[-1])
-  sizes = sizes[:len(rounds)]
-  return AllreduceTimings(sizes=tuple(max(1, s // itemsz) * itemsz for s in sizes), median_s=tuple(med),
-                          low_s=tuple(low), percentile=float(percentile), repeats=int(repeats),
+  return AllreduceTimings(sizes=tuple(max(1, s // itemsz) * itemsz for s in sizes[:len(rounds)]),
+                          median_s=tuple(med), low_s=tuple(low), percentile=percentile, repeats=repeats,
                           workers=p, processes=jax.process_count(), platform=platform,
-                          skew=float(measured_skew), compute_s=tuple(compute),
-                          time_budget_s=None if time_budget_s is None else float(time_budget_s),
+                          skew=float(measured_skew), compute_s=tuple(compute), time_budget_s=time_budget_s,
                           cut_sizes=tuple(cut))
 
 
@@ -425,32 +345,20 @@ def measure_network(num_devices: int | None = None, *, sizes: Sequence[int] = DE
                     dtype: str = "float32", max_seconds_per_size: float | None = None,
                     interleave: bool = False, time_budget_s: float | str | None = "auto",
                     progress: bool | Callable[[str], None] = False) -> NetworkModel:
-  """Measures all-reduce cost against message size and fits alpha and beta.
+  """Measures all-reduce cost against message size and fits alpha and beta: `probe`, then its fit.
 
   Args:
-    num_devices: devices on this host (default all of them); across processes, every device.
-    sizes: message sizes in bytes per worker (default 1 KiB .. 64 MiB).
-    repeats: paired measurements per size.
-    inner: extra chained all-reduces in the longer timed program.
+    num_devices, sizes, repeats, inner, percentile, dtype, max_seconds_per_size, interleave, time_budget_s,
+      progress: as `probe`.
     stat: 'median' (default: the model predicts median step times) or 'low' (the `percentile` floor).
-    percentile: the low percentile kept besides the median.
-    dtype: element type of the messages.
-    max_seconds_per_size: cap on the time spent on one size.
-    interleave: time each all-reduce after a fixed piece of compute and measure `skew` (see
-      `probe`).
-    time_budget_s: seconds the probe may take ('auto': 6 s, 1 s on host CPU devices of one process;
-      compiles included; None: every size):
-      sizes run smallest first until the next would not fit (see `probe`); the fit warning says
-      which were cut.
-    progress: True prints a line per size to stderr; a callable receives the lines (default quiet).
 
   Returns:
-    A NetworkModel: `alpha_s` per ring step and `beta_s_per_byte` from a least-squares fit (its RMS
-    residual in `fit_residual_s`), `workers` the devices taking part, `overlap` False on the CPU, and
-    `name` saying the platform and the statistic fitted, e.g. 'probe:cpux8:median'.
+    A NetworkModel fitted by least squares (`fit_residual_s`), `workers` the devices, `overlap` False on
+    the CPU, `name` the platform and statistic ('probe:cpux8:median'); a UserWarning when the fit does not
+    describe the times (what to do, and the sizes the budget cut).
 
   Raises:
-    NetworkError: a single device (an all-reduce needs at least 2).
+    NetworkError: a single device (an all-reduce needs at least 2); ValueError: as `probe`, or a bad `stat`.
 
   Example:
     >>> net = measure_network(8, sizes=(2**10, 2**16), repeats=5)   # doctest: +SKIP

@@ -1,13 +1,4 @@
-"""The program harness behind `profile_step`: the gradient step of a user's loss, on a 1-D mesh.
-
-`setup` checks the loss, the params and the batch (a per-device batch that fits the model, a real
-floating scalar, differentiable in the float leaves), reads the leaves' forward (priority) order and
-their layers, and places the params replicated and the batch split over a mesh of `num_devices`
-devices. The programs are built on it: the gradient step (`jax.grad` under `jax.shard_map`, no
-all-reduce: the per-device program of training without its communication), the forward alone, the
-optimizer's update and a local train step (gradients and update in one program); `Prog` holds a
-lowered program with its arguments, and `compile_all` compiles several at once.
-"""
+"""The program harness behind `profile_step`: a user's loss checked, and its programs on a 1-D mesh."""
 
 from __future__ import annotations
 
@@ -42,48 +33,57 @@ UPDATE_NAME = "prophet_profile_update"
 
 
 @dataclasses.dataclass
+class RowSpec:
+  """Per gradient leaf k (the grad program's output k) its path, shape, dtype and layer; the rows' forward order."""
+
+  paths: list[str]
+  shapes: list[tuple[int, ...]]
+  dtypes: list[str]
+  layers: list[str]
+  order: list[int]
+
+  @property
+  def layers_in_order(self) -> list[str]:
+    return list(dict.fromkeys(self.layers[k] for k in self.order))
+
+  def nbytes(self, k: int) -> int:
+    return int(math.prod(self.shapes[k])) * itemsize(self.dtypes[k])
+
+  def layer_bytes(self) -> dict[str, int]:
+    out = dict.fromkeys(self.layers_in_order, 0)
+    for k, layer in enumerate(self.layers):
+      out[layer] += self.nbytes(k)
+    return out
+
+
+@dataclasses.dataclass
 class ProgramSetup:
-  """Everything the methods share: the mesh, the sharded inputs, the rows and their order."""
+  """Everything the methods share: the mesh, the placed inputs, the rows and the loss of flat leaves."""
 
   mesh: Any
   axis: str                   # the mesh's one axis: the data axis the loss may name (BatchNorm's axis_name)
   num_devices: int
-  params: Any                 # replicated on the mesh
   batch: Any                  # sharded on the mesh
   diff_idx: list[int]         # flat indices of the differentiated (floating) leaves, flatten order
-  treedef: Any
-  leaves: list[Any]
-  paths: list[str]            # flatten order
-  order: list[int]            # indices into diff_idx, forward (priority) order
-  layers: dict[int, str]      # flat index -> layer name
+  leaves: list[Any]           # every leaf, on the mesh
+  rows: RowSpec               # the differentiated leaves' paths, shapes, dtypes, layers and forward order
   loss_of: Callable[..., Any]  # (diff_leaves, other_leaves, batch) -> scalar
 
 
 def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name=None) -> ProgramSetup:
-  if not callable(loss_fn):
-    raise TypeError(f"profile_step(loss_fn={loss_fn!r}): expected a callable loss_fn(params, batch).")
   check_layer_depth("profile_step", layer_depth)
   axis = profiled_axis(mesh, axis_name, AXIS, "profile_step")
   devices = profiled_devices(mesh, axis_name, "profile_step")
-  n = len(devices) if num_devices is None else num_devices
-  check_int("profile_step", "num_devices", n, lo=1)
+  n = check_int("profile_step", "num_devices", len(devices) if num_devices is None else num_devices, lo=1)
   if n > len(devices):
     raise ValueError(f"profile_step(num_devices={n}): only {len(devices)} {devices[0].platform} device(s) "
                      f"here. On the CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n} before "
                      f"jax starts.")
-  n = int(n)
   mesh = jax.sharding.Mesh(np.asarray(devices[:n]), (axis,))
 
-  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  flat, treedef, diff_idx = float_leaves(params, "profile_step", "arrays")
   paths = [path_str(p) for p, _ in flat]
   leaves = [x for _, x in flat]
-  for path, x in zip(paths, leaves):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-      raise TypeError(f"profile_step: parameter leaf {path!r} is a {type(x).__name__}; expected arrays.")
-  diff_idx = [i for i, x in enumerate(leaves) if is_reduced_leaf(x)]
-  if not diff_idx:
-    raise ProfileError("profile_step: params have no floating-point leaves, so nothing is differentiable; "
-                       "pass the model's float parameters.")
   bflat, _ = jax.tree_util.tree_flatten_with_path(batch)
   if not bflat:
     raise ValueError("profile_step: the batch has no array leaves; pass the global batch (leading axis = "
@@ -96,17 +96,17 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
           f"{tuple(shape) if shape is not None else None}; every batch leaf needs a leading (example) "
           f"axis divisible by num_devices={n}, e.g. ({8 * n}, ...).")
 
+  dset = set(diff_idx)
+
   def loss_of(diff_leaves, other_leaves, b):
-    full, di, oi = [], iter(diff_leaves), iter(other_leaves)
-    dset = set(diff_idx)
-    for i in range(len(leaves)):
-      full.append(next(di) if i in dset else next(oi))
+    di, oi = iter(diff_leaves), iter(other_leaves)
+    full = [next(di) if i in dset else next(oi) for i in range(len(leaves))]
     return loss_fn(jax.tree_util.tree_unflatten(treedef, full), b)
 
   # Abstract check: differentiable, scalar, batch shapes the model accepts (per-device shapes), traced
   # with the data axis bound as in training (a model's BatchNorm(axis_name=...) reduces over it).
   diff = [leaves[i] for i in diff_idx]
-  other = [x for i, x in enumerate(leaves) if i not in set(diff_idx)]
+  other = [x for i, x in enumerate(leaves) if i not in dset]
   local_batch = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype), batch)
   env = [(axis, n)]
@@ -134,20 +134,31 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
   fwd = forward_paths(loss_fn, params, local_batch, axis_env=env)
   pos = {p: k for k, p in enumerate(fwd)}
   order = sorted(range(len(diff_idx)), key=lambda k: (pos.get(paths[diff_idx[k]], len(pos)), k))
-  layer_paths = [layer_path(p) for p, _ in flat]   # an nnx Variable's '.value' is not a layer
-  layers = {i: layer_of(layer_paths[i], layer_depth) for i in diff_idx}
 
-  rep = NamedSharding(mesh, P())
-  shard = NamedSharding(mesh, P(axis))
-  params_d = jax.device_put(params, rep)
-  batch_d = jax.device_put(batch, shard)
-  return ProgramSetup(mesh=mesh, axis=axis, num_devices=n, params=params_d, batch=batch_d, diff_idx=diff_idx,
-                treedef=treedef, leaves=list(jax.tree_util.tree_leaves(params_d)), paths=paths,
-                order=order, layers=layers, loss_of=loss_of)
+  params_d = jax.device_put(params, NamedSharding(mesh, P()))
+  leaves_d = list(jax.tree_util.tree_leaves(params_d))
+  diff_d = [leaves_d[i] for i in diff_idx]   # shapes and dtypes as placed (float64 is float32 without x64)
+  layers = [layer_of(layer_path(flat[i][0]), layer_depth) for i in diff_idx]  # an nnx Variable's '.value': no layer
+  rows = RowSpec(paths=[paths[i] for i in diff_idx], shapes=[tuple(x.shape) for x in diff_d],
+                 dtypes=[str(x.dtype) for x in diff_d], layers=layers, order=order)
+  return ProgramSetup(mesh=mesh, axis=axis, num_devices=n, diff_idx=diff_idx, leaves=leaves_d,
+                      batch=jax.device_put(batch, NamedSharding(mesh, P(axis))), rows=rows, loss_of=loss_of)
+
+
+def float_leaves(params: Any, where: str, expected: str) -> tuple[list[tuple[Any, Any]], Any, list[int]]:
+  """The params' (key path, leaf) pairs, their treedef, and the indices of the floating leaves (the rows)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  for p, x in flat:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{where}: leaf {path_str(p)!r} of params is a {type(x).__name__}; expected {expected}.")
+  rows = [i for i, (_, x) in enumerate(flat) if is_reduced_leaf(x)]
+  if not rows:
+    raise ProfileError(f"{where}: params have no floating-point leaves, so there is no gradient to profile; "
+                       f"pass the model's float parameters (or, to read a trace, their ShapeDtypeStructs).")
+  return flat, treedef, rows
 
 
 def _unbound(e: NameError, axis: str) -> Exception:
-  """The error for a loss that names an axis the profiled step does not map over."""
   m = re.search(r"unbound axis name: ([^\s.,]+)", str(e))
   if m is None:
     return e
@@ -168,7 +179,7 @@ def split_leaves(s: ProgramSetup) -> tuple[list[Any], list[Any]]:
 
 
 def grad_program(s: ProgramSetup, wrt: Sequence[int] | None = None, name: str = STEP_NAME):
-  """jit(shard_map(grad)) over the mesh, with no all-reduce; `wrt` restricts to some diff leaves."""
+  """jit(shard_map(grad)) over the mesh, with no all-reduce; `wrt` restricts it to some leaves."""
   def step(diff, other, b):
     if wrt is None:
       return jax.grad(s.loss_of)(diff, other, b)
@@ -182,38 +193,41 @@ def grad_program(s: ProgramSetup, wrt: Sequence[int] | None = None, name: str = 
 
     return jax.grad(part)([diff[k] for k in keep], diff, other, b)
 
-  step.__name__ = name
-  step.__qualname__ = name
-  return jax.jit(jax.shard_map(step, mesh=s.mesh, in_specs=(P(), P(), P(s.axis)), out_specs=P(),
-                               check_vma=False))
+  return mapped(s, step, (P(), P(), P(s.axis)), P(), name=name)
 
 
 def loss_program(s: ProgramSetup):
   def fwd(diff, other, b):
     return s.loss_of(diff, other, b)
 
-  return jax.jit(jax.shard_map(fwd, mesh=s.mesh, in_specs=(P(), P(), P(s.axis)), out_specs=P(),
-                               check_vma=False))
+  return mapped(s, fwd, (P(), P(), P(s.axis)), P())
 
 
-def wall_median(f: Callable[[], Any], repeats: int) -> float:
+def mapped(s: ProgramSetup, f: Callable[..., Any], in_specs: Any, out_specs: Any, *, name: str = "") -> Any:
+  """`jax.jit(jax.shard_map(f))` over the profile's mesh; `name` renames `f`, so the module is `jit_<name>`."""
+  if name:
+    f.__name__ = f.__qualname__ = name
+  return jax.jit(jax.shard_map(f, mesh=s.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+
+def wall_median(f: Callable[[], Any], repeats: int, least: int = 3) -> float:
+  """The median wall clock of `repeats` (at least `least`) calls of `f`, after one untimed call."""
   jax.block_until_ready(f())
   ts = []
-  for _ in range(max(3, repeats)):
+  for _ in range(max(least, repeats)):
     t0 = time.perf_counter()
     jax.block_until_ready(f())
     ts.append(time.perf_counter() - t0)
   return float(statistics.median(ts))
 
 
+@dataclasses.dataclass(eq=False)
 class Prog:
-  """A lowered program with its arguments: compiled once (several at once by `compile_all`), then run
-  by calling it."""
+  """A lowered program with its arguments: compiled once, then run by calling it."""
 
-  def __init__(self, lowered: Any, args: Sequence[Any]):
-    self.lowered = lowered
-    self.args = tuple(args)
-    self.compiled: Any = None
+  lowered: Any
+  args: tuple[Any, ...]
+  compiled: Any = None
 
   def compile(self) -> Prog:
     if self.compiled is None:
@@ -225,8 +239,7 @@ class Prog:
 
 
 def compile_all(progs: Sequence[Prog | None]) -> None:
-  """Compiles the programs at once: XLA releases the GIL while it compiles, so on a host with a few
-  cores the gradient step, the local train step and the update compile in the time of the slowest."""
+  """Compiles the programs at once (XLA releases the GIL while it compiles)."""
   todo = [p for p in progs if p is not None and p.compiled is None]
   if len(todo) <= 1:
     for p in todo:
@@ -234,16 +247,7 @@ def compile_all(progs: Sequence[Prog | None]) -> None:
     return
 
   with ThreadPoolExecutor(len(todo)) as pool:
-    for f in [pool.submit(p.compile) for p in todo]:
-      f.result()
-
-
-def array_nbytes(x: Any) -> int:
-  return int(math.prod(x.shape)) * itemsize(str(x.dtype))
-
-
-def ordered_layers(s: ProgramSetup) -> list[str]:
-  return list(dict.fromkeys(s.layers[s.diff_idx[k]] for k in s.order))
+    list(pool.map(Prog.compile, todo))
 
 
 def update_program(s: ProgramSetup, tx: Any) -> Prog:
@@ -252,17 +256,12 @@ def update_program(s: ProgramSetup, tx: Any) -> Prog:
 
   diff, _ = split_leaves(s)
   state = tx.init(diff)
-  upd = _updater(tx)
-  upd.__name__ = UPDATE_NAME
-  upd.__qualname__ = UPDATE_NAME
-  f = jax.jit(jax.shard_map(upd, mesh=s.mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()),
-                            check_vma=False))
+  f = mapped(s, _updater(tx), (P(), P(), P()), (P(), P()), name=UPDATE_NAME)
   grads = jax.tree_util.tree_map(lambda x: x * 0 + 1e-3, diff)
   return Prog(f.lower(diff, grads, state), (diff, grads, state))
 
 
 def _updater(tx: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
-  """(params, grads, opt_state) -> (params, opt_state): one step of `tx`."""
   def upd(p, g, st):
     u, st = tx.update(g, st, p)
     return optax.apply_updates(p, u), st
@@ -271,8 +270,7 @@ def _updater(tx: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
 
 
 def local_step_program(s: ProgramSetup, tx: Any) -> Prog:
-  """A train step with no reduction (gradients, then `tx`'s update, in one program): the step's cost
-  with free communication."""
+  """A train step with no reduction (gradients, then `tx`'s update, in one program)."""
   diff, other = split_leaves(s)
   state = tx.init(diff)
   upd = _updater(tx)
@@ -280,6 +278,5 @@ def local_step_program(s: ProgramSetup, tx: Any) -> Prog:
   def local_step(p, o, b, st):
     return upd(p, jax.grad(s.loss_of)(p, o, b), st)
 
-  f = jax.jit(jax.shard_map(local_step, mesh=s.mesh, in_specs=(P(), P(), P(s.axis), P()),
-                            out_specs=(P(), P()), check_vma=False))
+  f = mapped(s, local_step, (P(), P(), P(s.axis), P()), (P(), P()))
   return Prog(f.lower(diff, other, s.batch, state), (diff, other, s.batch, state))

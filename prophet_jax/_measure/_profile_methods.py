@@ -1,21 +1,12 @@
-"""The three ways `profile_step` times a gradient step, and the rows they make.
-
-`measured` traces the step with `jax.profiler` and reads the trace (`from_trace`, shared with
-`profile_from_trace`), stretched to the untraced wall clock of a step; `timed` times `grad` with
-respect to one layer at a time (at most `TIMED_LAYERS` of them) minus the forward; `estimated`
-divides XLA's FLOP counts by a measured matmul throughput. Each returns (forward_s, backward_s,
-ready per leaf, forward per layer, update_s, note); `profile_rows` turns them into the profile's rows in
-priority order (the module docstring of `_profile` says what each method reads and when each is used).
-"""
+"""The three ways `profile_step` times a gradient step (measured, timed, estimated), and the rows they make."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import functools
+import itertools
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,42 +15,16 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from . import _step_hlo, _xplane
-from ._profile_harness import (UPDATE_NAME, STEP_NAME, Prog, ProgramSetup, compile_all, grad_program,
-                               ordered_layers, loss_program, array_nbytes, split_leaves, wall_median)
+from ._profile_harness import (UPDATE_NAME, STEP_NAME, Prog, ProgramSetup, RowSpec, compile_all, grad_program,
+                               loss_program, mapped, split_leaves, wall_median)
 from .._values._errors import ProfileError
-from .._values._types import ProfileRow, itemsize
-
-@dataclasses.dataclass
-class RowSpec:
-  """What a profile's rows are made of besides the timings (no jax): per gradient leaf k (flatten
-  order of the float leaves, i.e. the grad program's output k) its path, shape, dtype and layer, and
-  the priority (forward) order of the k."""
-
-  paths: list[str]
-  shapes: list[tuple[int, ...]]
-  dtypes: list[str]
-  layers: list[str]
-  order: list[int]
-
-  @property
-  def layers_in_order(self) -> list[str]:
-    return list(dict.fromkeys(self.layers[k] for k in self.order))
-
-  def nbytes(self, k: int) -> int:
-    return int(math.prod(self.shapes[k])) * itemsize(self.dtypes[k])
+from .._values._types import GradientProfile, ProfileRow
 
 
-def _spec(s: ProgramSetup) -> RowSpec:
-  leaves = [s.leaves[i] for i in s.diff_idx]
-  return RowSpec(paths=[s.paths[i] for i in s.diff_idx], shapes=[tuple(x.shape) for x in leaves],
-                  dtypes=[str(x.dtype) for x in leaves], layers=[s.layers[i] for i in s.diff_idx],
-                  order=list(s.order))
-
-
-def profile_rows(spec: RowSpec | ProgramSetup, ready: Sequence[float], fwd_layer: Mapping[str, float], update_s: float
-          ) -> tuple[ProfileRow, ...]:
-  """Rows in priority order; `ready` is indexed like the spec's leaves (diff_idx)."""
-  spec = _spec(spec) if isinstance(spec, ProgramSetup) else spec
+def as_profile(spec: RowSpec, ready: Sequence[float], fwd_layer: Mapping[str, float], update_s: float,
+               forward_s: float, backward_s: float, **fields: Any) -> GradientProfile:
+  """The profile of these timings: rows in priority order (`ready` indexed like the spec's leaves), the
+  forward time the layers' sum (`forward_s` where they have none), `fields` the rest (method, notes...)."""
   total = max(sum(spec.nbytes(k) for k in range(len(spec.paths))), 1)
   rows, seen = [], set()
   for k in spec.order:
@@ -70,33 +35,31 @@ def profile_rows(spec: RowSpec | ProgramSetup, ready: Sequence[float], fwd_layer
     rows.append(ProfileRow(path=spec.paths[k], layer=layer, shape=tuple(spec.shapes[k]), dtype=spec.dtypes[k],
                            nbytes=nb, ready_s=float(ready[k]), fwd_s=float(fwd),
                            update_s=update_s * nb / total))
-  return tuple(rows)
+  fsum = sum(r.fwd_s for r in rows)
+  return GradientProfile(rows=tuple(rows), forward_s=fsum if fsum > 0 else forward_s, backward_s=backward_s,
+                         **fields)
 
 
 def measured(s: ProgramSetup, steps: int, warmup: int, update: Prog | None, whole: Prog | None,
               trace_dir: str | None) -> tuple[float, float, list[float], dict[str, float], float, str]:
-  diff, other = split_leaves(s)
-  grad = Prog(grad_program(s).lower(diff, other, s.batch), (diff, other, s.batch))
+  args = (*split_leaves(s), s.batch)
+  grad = Prog(grad_program(s).lower(*args), args)
   compile_all([grad, whole, update])
-  compiled = grad.compiled
-  text = compiled.as_text()
+  text = grad.compiled.as_text()
   hlo = _step_hlo.step_hlo(text)
-  spec = _spec(s)
   if len(hlo.root_operands) != len(s.diff_idx):
     raise NoProfilerEvents(f"the compiled step returns {len(hlo.root_operands)} outputs for {len(s.diff_idx)} "
-                   f"gradient leaves; cannot map them")
-  for _ in range(max(1, warmup)):
-    jax.block_until_ready(compiled(diff, other, s.batch))
+                           f"gradient leaves; cannot map them")
+
+  def traced_step():  # the gradients, then the update as a program of its own
+    jax.block_until_ready(grad())
     if update is not None:
       jax.block_until_ready(update())
-  run = whole or (lambda: compiled(diff, other, s.batch))  # the step: gradients and update, in one program
-  jax.block_until_ready(run())
-  walls = []  # wall-clock per step, outside the profiler: what a user's timer sees for the step
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(run())
-    walls.append(time.perf_counter() - t0)
-  wall_s = statistics.median(walls)
+
+  for _ in range(max(1, warmup)):
+    traced_step()
+  # the wall clock of a step outside the profiler (gradients and update in one program): what a user's timer sees
+  wall_s = wall_median(whole or grad, steps, least=1)
   upd_module = f"jit_{UPDATE_NAME}"
   with tempfile.TemporaryDirectory(prefix="prophet_trace_") as tmp:
     d = trace_dir or tmp
@@ -104,30 +67,24 @@ def measured(s: ProgramSetup, steps: int, warmup: int, update: Prog | None, whol
     opts.python_tracer_level = 0  # the Python tracer would slow the steps and bloat the trace
     with jax.profiler.trace(d, profiler_options=opts):
       for _ in range(steps):
-        jax.block_until_ready(compiled(diff, other, s.batch))
-        if update is not None:
-          jax.block_until_ready(update())
+        traced_step()
     if trace_dir:  # what profile_from_trace needs besides the trace
       with open(os.path.join(trace_dir, HLO_FILE), "w") as f:
         f.write(text)
     try:
-      trace, an = from_trace(d, hlo, spec, extra_modules=[upd_module], expected=steps * s.num_devices,
+      trace, an = from_trace(d, hlo, s.rows, extra_modules=[upd_module], expected=steps * s.num_devices,
                               expected_why=f" ({steps} steps x {s.num_devices} devices)")
     except ProfileError as e:
       raise NoProfilerEvents(str(e)) from None
-  events = trace.events[hlo.module]
-  backward_s, ready, fwd_layer = an.backward_s, an.ready_s, an.fwd_layer
-  device_span = sum(fwd_layer.values()) + backward_s
-  update_span = 0.0
+  device_span = sum(an.fwd_layer.values()) + an.backward_s
   upd_events = trace.events.get(upd_module, []) if update is not None else []
-  if upd_events:  # one device's update span
-    spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _xplane.executions(upd_events) if ex]
-    update_span = statistics.median(spans) if spans else 0.0
+  spans = [(ex[-1]["end_ns"] - ex[0]["start_ns"]) * 1e-9 for ex in _xplane.executions(upd_events) if ex]
+  update_span = statistics.median(spans) if spans else 0.0   # one device's update span
   # The trace gives the timeline's shape; its length is the untraced wall clock of a step (gradients
   # and update in one program, as a train step runs them): a synchronous data-parallel step waits for
   # its slowest device (8 host devices on a few cores start staggered and share cores), and pays its
   # launch, but not the tracer's own overhead, which inflates the traced ops on a loaded host.
-  envelope = _xplane.median_envelope(events)
+  envelope = _xplane.median_envelope(trace.events[hlo.module])
   span = device_span + update_span
   scale = wall_s / span if span > 0 else 1.0
   if scale < 0.1:
@@ -141,10 +98,9 @@ def measured(s: ProgramSetup, steps: int, warmup: int, update: Prog | None, whol
           f"({'traced' if upd_events else 'not measured'}) stretched x{scale:.2f} to the median untraced "
           f"wall clock of a step {wall_s * 1e3:.3f} ms (the synchronous step waits for the last device and "
           f"pays its launch; the traced envelope over devices was {envelope * 1e3:.3f} ms)")
-  ready = [x * scale for x in ready]
-  fwd_layer = {l: v * scale for l, v in fwd_layer.items()}
-  update_s = update_span * scale
-  return sum(fwd_layer.values()), backward_s * scale, ready, fwd_layer, update_s, note
+  fwd_layer = {l: v * scale for l, v in an.fwd_layer.items()}
+  return sum(fwd_layer.values()), an.backward_s * scale, [x * scale for x in an.ready_s], fwd_layer, \
+      update_span * scale, note
 
 
 HLO_FILE = "prophet_profile_step.hlo.txt"
@@ -155,13 +111,7 @@ LINKED = {"run_id": "executions by run_id", "host launch": "executions by the ho
 def from_trace(trace: str | os.PathLike[str], hlo: _step_hlo.StepHlo, spec: RowSpec, *,
                 outputs: Sequence[str] | None = None, extra_modules: Sequence[str] = (),
                 expected: int | None = None, expected_why: str = "") -> tuple[_xplane.Trace, _xplane.Analysis]:
-  """The trace's executions of the step `hlo`, analysed for the spec's rows (output k is leaf k; or
-  `outputs[k]`): the one analysis behind `profile_step` and `profile_from_trace`.
-
-  Raises:
-    ProfileError: the trace holds no event of the step's module, or its profile is implausible
-      (the message says what the trace held).
-  """
+  """The trace's executions of the step `hlo`, analysed for the rows; ProfileError for no or an implausible one."""
   trace = _xplane.read_trace(trace, [hlo.module, *extra_modules])
   if not trace.events.get(hlo.module):
     seen = ", ".join(f"{m!r} ({k} events)" for m, k in sorted(trace.modules.items(), key=lambda kv: -kv[1])[:6])
@@ -185,47 +135,33 @@ class NoProfilerEvents(Exception):
 
 def timed(s: ProgramSetup, repeats: int, update: Callable[[], Any] | None
            ) -> tuple[float, float, list[float], dict[str, float], float, str]:
-  diff, other = split_leaves(s)
-  fwd_prog = loss_program(s)
-  t_fwd = wall_median(lambda: fwd_prog(diff, other, s.batch), repeats)
-  full = grad_program(s)
-  t_all = wall_median(lambda: full(diff, other, s.batch), repeats)
+  args = (*split_leaves(s), s.batch)
+  t_fwd = wall_median(functools.partial(loss_program(s), *args), repeats)
+  t_all = wall_median(functools.partial(grad_program(s), *args), repeats)
   backward_s = max(t_all - t_fwd, 0.0)
-  layers = ordered_layers(s)
+  spec = s.rows
+  layers, layer_bytes = spec.layers_in_order, spec.layer_bytes()
   by_layer: dict[str, list[int]] = {}
-  for k in range(len(s.diff_idx)):
-    by_layer.setdefault(s.layers[s.diff_idx[k]], []).append(k)
+  for k, layer in enumerate(spec.layers):
+    by_layer.setdefault(layer, []).append(k)
   # grad w.r.t. one layer alone: one compile per layer, so at most TIMED_LAYERS of them, evenly spaced
   # in forward order (the first and the last included); the layers between are interpolated by
   # parameter bytes, counted from the back (backward reaches them in that order)
   sampled = _sample(len(layers), TIMED_LAYERS)
   layer_ready = {}
   for j in sampled:
-    ks = by_layer[layers[j]]
-    g = grad_program(s, wrt=ks, name=f"{STEP_NAME}_part")
-    t = wall_median(lambda g=g: g(diff, other, s.batch), repeats)
-    layer_ready[layers[j]] = min(max(t - t_fwd, 0.0), backward_s)
-  if len(sampled) < len(layers):
-    size = [sum(array_nbytes(s.leaves[s.diff_idx[k]]) for k in by_layer[l]) for l in layers]
-    back = [0.0] * len(layers)  # bytes from the back of the net to each layer's end
-    acc = 0.0
-    for j in range(len(layers) - 1, -1, -1):
-      acc += size[j]
-      back[j] = acc
-    for a, b in zip(sampled, sampled[1:]):  # a in front of b; a is ready later
-      for j in range(a + 1, b):
-        w = (back[j] - back[b]) / (back[a] - back[b]) if back[a] > back[b] else (b - j) / (b - a)
-        layer_ready[layers[j]] = layer_ready[layers[b]] + w * (layer_ready[layers[a]] - layer_ready[layers[b]])
-  ready = [0.0] * len(s.diff_idx)
-  for layer in layers:
-    for k in by_layer[layer]:
-      ready[k] = layer_ready[layer]
+    g = grad_program(s, wrt=by_layer[layers[j]], name=f"{STEP_NAME}_part")
+    layer_ready[layers[j]] = min(max(wall_median(functools.partial(g, *args), repeats) - t_fwd, 0.0), backward_s)
+  back = list(itertools.accumulate(layer_bytes[l] for l in reversed(layers)))[::-1]  # from the back to its end
+  for a, b in zip(sampled, sampled[1:]):  # a in front of b; a is ready later; the layers between interpolated
+    for j in range(a + 1, b):
+      w = (back[j] - back[b]) / (back[a] - back[b]) if back[a] > back[b] else (b - j) / (b - a)
+      layer_ready[layers[j]] = layer_ready[layers[b]] + w * (layer_ready[layers[a]] - layer_ready[layers[b]])
+  ready = [layer_ready[layer] for layer in spec.layers]
   # forward per layer: in proportion to each layer's backward segment (ready-time gaps, back to front)
-  by_ready = sorted(layers, key=lambda l: layer_ready[l])
-  seg, prev = {}, 0.0
-  for l in by_ready:
-    seg[l] = max(layer_ready[l] - prev, 0.0)
-    prev = max(prev, layer_ready[l])
+  seg, prev = {}, 0.0   # ready times are >= 0, so in their order each gap is too
+  for l in sorted(layers, key=lambda l: layer_ready[l]):
+    seg[l], prev = layer_ready[l] - prev, layer_ready[l]
   tot = sum(seg.values())
   fwd_layer = {l: t_fwd * (seg[l] / tot if tot > 0 else 1 / len(layers)) for l in layers}
   update_s = wall_median(update, repeats) if update is not None else 0.0
@@ -242,7 +178,6 @@ TIMED_LAYERS = 12  # at most this many per-layer gradient programs (each is comp
 
 
 def _sample(n: int, k: int) -> list[int]:
-  """k indices of range(n) evenly spaced, the first and the last included (all of them when n <= k)."""
   if n <= k:
     return list(range(n))
   return sorted({round(j * (n - 1) / (k - 1)) for j in range(k)})
@@ -251,8 +186,7 @@ def _sample(n: int, k: int) -> list[int]:
 def _device_flops_per_s(s: ProgramSetup) -> float:
   m = 256
   a = jnp.ones((s.num_devices * m, m), jnp.float32)
-  f = jax.jit(jax.shard_map(lambda x: x @ x.T[:, :m], mesh=s.mesh, in_specs=P(s.axis),
-                            out_specs=P(s.axis), check_vma=False))
+  f = mapped(s, lambda x: x @ x.T[:, :m], P(s.axis), P(s.axis))
   a = jax.device_put(a, jax.sharding.NamedSharding(s.mesh, P(s.axis)))
   t = wall_median(lambda: f(a), 5)
   return 2 * m * m * m / max(t, 1e-9)
@@ -266,23 +200,22 @@ def _flops(compiled: Any) -> float:
 
 
 def estimated(s: ProgramSetup) -> tuple[float, float, list[float], dict[str, float], float, str]:
-  diff, other = split_leaves(s)
-  f_fwd = _flops(loss_program(s).lower(diff, other, s.batch).compile())
-  f_all = _flops(grad_program(s).lower(diff, other, s.batch).compile())
+  args = (*split_leaves(s), s.batch)
+  f_fwd = _flops(loss_program(s).lower(*args).compile())
+  f_all = _flops(grad_program(s).lower(*args).compile())
   rate = _device_flops_per_s(s)
   forward_s = f_fwd / rate
   backward_s = max(f_all - f_fwd, 0.0) / rate
   # spread by bytes: later layers ready first
-  layers = ordered_layers(s)
-  lb = dict.fromkeys(layers, 0)
-  for k in range(len(s.diff_idx)):
-    lb[s.layers[s.diff_idx[k]]] += array_nbytes(s.leaves[s.diff_idx[k]])
+  spec = s.rows
+  lb = spec.layer_bytes()
+  layers = list(lb)
   total = max(sum(lb.values()), 1)
   t, lr = 0.0, {}
   for l in reversed(layers):
     t += backward_s * lb[l] / total
     lr[l] = min(t, backward_s)
-  ready = [lr[s.layers[s.diff_idx[k]]] for k in range(len(s.diff_idx))]
+  ready = [lr[layer] for layer in spec.layers]
   fwd_layer = {l: forward_s * lb[l] / total for l in layers}
   note = (f"estimated: XLA cost analysis ({f_fwd:.3g} forward, {f_all:.3g} gradient-step FLOPs) / a "
           f"measured matmul throughput of {rate / 1e9:.2f} GFLOP/s per device; spread over layers by bytes")

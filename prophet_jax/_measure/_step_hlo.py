@@ -1,32 +1,28 @@
-"""The compiled step as the trace analysis reads it: its HLO's instructions, operands, outputs and
-parameters (`step_hlo`), which ops are backward (`is_backward`: `transpose(...)` in the name stack),
-the layer an op belongs to (`match_layer`: flax's module names in its op_name), and where the compiled
-forward pass first reads each parameter (`forward_positions`)."""
+"""The compiled step as the trace analysis reads it: instructions, outputs (which are the gradient leaves),
+parameters, backward ops, layers."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 
-from .._compiled._hlo import parse_hlo
+from .._compiled._hlo import parse_hlo, shape_dims, shape_dtypes
 
-_STRUCTURAL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy",
-                         "copy-start", "copy-done", "after-all", "opt-barrier"})
 _GTE_INDEX = re.compile(r"\bindex=(\d+)")
+_TRANSFORM = re.compile(r"^(?:transpose|jvp|jit|vmap|remat|checkpoint|pjit|custom_jvp|custom_vjp)\((.*)\)$")
 
 
 @dataclasses.dataclass
 class Instr:
   name: str
-  comp: str
   operands: list[str]
   op_name: str
   calls: list[str]
   opcode: str = ""
   shape: str = ""
   index: int | None = None      # a get-tuple-element's tuple index
-  parameter: int | None = None  # an ENTRY parameter's number
 
 
 @dataclasses.dataclass
@@ -38,15 +34,10 @@ class StepHlo:
   root_operands: list[str]
   params: dict[int, str] = dataclasses.field(default_factory=dict)   # ENTRY parameter number -> name
   position: dict[str, int] = dataclasses.field(default_factory=dict)  # ENTRY instruction -> its index
-  layer_cache: dict[tuple[str, tuple[str, ...]], str | None] = dataclasses.field(default_factory=dict,
-                                                                                 repr=False)
 
 
 def step_hlo(text: str) -> StepHlo:
-  """The optimized module as the trace analysis reads it: instructions by name (HLO names are unique
-  in a module), operands within their own computation, called computations, the ENTRY ROOT's
-  operands (the program's outputs, in output order), ENTRY parameters by number and the ENTRY's
-  schedule positions (a compiled module is scheduled: instruction order is execution order)."""
+  """The optimized module by instruction name (operands within their computation), its outputs and parameters."""
   m = parse_hlo(text)
   instrs: dict[str, Instr] = {}
   comps: dict[str, list[str]] = {}
@@ -56,18 +47,13 @@ def step_hlo(text: str) -> StepHlo:
     names = {i.name for i in body}
     comps[comp] = [i.name for i in body]
     for i in body:
-      index = param = None
-      if i.opcode == "get-tuple-element":
-        im = _GTE_INDEX.search(i.text)
-        index = int(im.group(1)) if im else None
-      if i.opcode == "parameter" and comp == m.entry:
-        pm = re.search(r"\bparameter\((\d+)\)", i.text)
-        if pm:
-          param = int(pm.group(1))
-          params[param] = i.name
-      instrs[i.name] = Instr(name=i.name, comp=comp, operands=[o for o in i.operands if o in names],
-                             op_name=i.op_name, calls=[c for _, c in i.callees], opcode=i.opcode,
-                             shape=i.shape, index=index, parameter=param)
+      gte = _GTE_INDEX.search(i.text) if i.opcode == "get-tuple-element" else None
+      pm = re.search(r"\bparameter\((\d+)\)", i.text) if i.opcode == "parameter" and comp == m.entry else None
+      if pm:
+        params[int(pm.group(1))] = i.name
+      instrs[i.name] = Instr(name=i.name, operands=[o for o in i.operands if o in names], op_name=i.op_name,
+                             calls=[c for _, c in i.callees], opcode=i.opcode, shape=i.shape,
+                             index=int(gte.group(1)) if gte else None)
       if i.root and comp == m.entry:
         root_operands = list(i.operands) if i.opcode == "tuple" else [i.name]
   position = {n: k for k, n in enumerate(comps.get(m.entry, []))}
@@ -83,24 +69,20 @@ def segments(op_name: str) -> list[str]:
   out = []
   for seg in op_name.split("/"):
     seg = seg.strip()
-    while True:
-      m = re.match(r"^(?:transpose|jvp|jit|vmap|remat|checkpoint|pjit|custom_jvp|custom_vjp)\((.*)\)$", seg)
-      if not m:
-        break
+    while m := _TRANSFORM.match(seg):   # 'transpose(jvp(Dense_0))' -> 'Dense_0'
       seg = m.group(1)
     if seg:
       out.append(seg)
   return out
 
 
-class _LayerIndex:
-  """Every suffix of every layer path -> the first layer (in order) that ends with it: matching an
-  op's name is then one dictionary look-up per run of consecutive segments, not a scan of the layers
-  (BERT-base has 200 layers and a long trace has 10^5 events)."""
+class LayerIndex:
+  """Every suffix of every layer path -> the first layer that ends with it; each op name matched once."""
 
-  def __init__(self, layers: Sequence[str]):
+  def __init__(self, layers: tuple[str, ...]):
     self.by_suffix: dict[tuple[str, ...], int] = {}
-    self.layers = list(layers)
+    self.layers = layers
+    self.match = functools.lru_cache(maxsize=None)(self._match)
     self.longest = 0
     for k, layer in enumerate(self.layers):
       comps = tuple(layer.split("/"))
@@ -108,7 +90,7 @@ class _LayerIndex:
       for start in range(len(comps)):
         self.by_suffix.setdefault(comps[start:], k)
 
-  def match(self, op_name: str) -> str | None:
+  def _match(self, op_name: str) -> str | None:
     segs = segments(op_name)
     for k in range(min(self.longest, len(segs)), 0, -1):
       hits = [self.by_suffix[t] for j in range(len(segs) - k + 1) if (t := tuple(segs[j:j + k])) in
@@ -118,35 +100,18 @@ class _LayerIndex:
     return None
 
 
-_INDEXES: dict[tuple[str, ...], _LayerIndex] = {}
-
-
-def layer_index(layers: Sequence[str]) -> _LayerIndex:
-  key = tuple(layers)
-  idx = _INDEXES.get(key)
-  if idx is None:
-    if len(_INDEXES) > 16:
-      _INDEXES.clear()
-    idx = _INDEXES[key] = _LayerIndex(key)
-  return idx
+@functools.lru_cache(maxsize=16)
+def layer_index(layers: tuple[str, ...]) -> LayerIndex:
+  return LayerIndex(layers)
 
 
 def match_layer(op_name: str, layers: Sequence[str]) -> str | None:
-  """The layer whose path (its longest suffix) appears as consecutive segments of the op's name;
-  among layers matching equally long suffixes, the first in `layers`."""
-  return layer_index(layers).match(op_name)
+  """The layer whose path (its longest suffix) is consecutive segments of the op's name; ties: the first."""
+  return layer_index(tuple(layers)).match(op_name)
 
 
 def forward_positions(hlo: StepHlo, n: int) -> list[int | None]:
-  """For ENTRY parameters 0..n-1 (the gradient leaves' parameters): the schedule position of the first
-  op that reads it (through ops that read no data) and also depends on the data (the ENTRY parameters
-  numbered n and up: the batch); None when no such op reads it.
-
-  That is where the compiled forward pass first needs the parameter: its priority order, read from
-  the program without the loss function (`profile_from_trace`). Ops that read parameters alone
-  (layout transposes of kernels, a BatchNorm's folded scale) run whenever XLA schedules them, often
-  at the start: they pass the parameter on and do not count as its use.
-  """
+  """Per gradient leaf's ENTRY parameter, the schedule position of the first op reading it and the batch."""
   entry = hlo.comps.get(hlo.entry, [])
   users: dict[str, list[str]] = {}
   for name in entry:
@@ -159,17 +124,63 @@ def forward_positions(hlo: StepHlo, n: int) -> list[int | None]:
   out: list[int | None] = []
   for k in range(n):
     start = hlo.params.get(k)
-    best = None
-    stack, seen = ([start] if start else []), set()
+    hits, stack, seen = [], ([start] if start else []), set()
     while stack:
       for u in users.get(stack.pop(), ()):
         if u in seen:
           continue
         seen.add(u)
         if u in data:
-          pos = hlo.position[u]
-          best = pos if best is None else min(best, pos)
+          hits.append(hlo.position[u])
         else:
           stack.append(u)
-    out.append(best)
+    out.append(min(hits, default=None))
   return out
+
+
+_HLO_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "complex64": "c64",
+               "complex128": "c128"}
+
+
+def _hlo_dtype(name: str) -> str:
+  if name in _HLO_DTYPES:
+    return _HLO_DTYPES[name]
+  if name.startswith("float8_"):
+    return "f8" + name[len("float8_"):]
+  return name
+
+
+def hlo_matches(shape_text: str, shape: tuple[int, ...], dtype: str) -> bool:
+  return shape_dims(shape_text) == (tuple(shape),) and shape_dtypes(shape_text) == (_hlo_dtype(dtype),)
+
+
+def gradient_outputs(hlo: StepHlo, paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                      dtypes: Sequence[str]) -> list[str]:
+  """The one run of consecutive ENTRY ROOT operands with the leaves' shapes and dtypes; else ValueError."""
+  outs = hlo.root_operands
+  n = len(paths)
+
+  def matched(off: int) -> int:  # how many leaves, from the first, the outputs from `off` on match
+    k = 0
+    while k < n and off + k < len(outs) and hlo_matches(hlo.instrs[outs[off + k]].shape, shapes[k], dtypes[k]):
+      k += 1
+    return k
+
+  runs = [matched(off) for off in range(max(len(outs) - n + 1, 1))]
+  fits = [off for off, k in enumerate(runs) if k == n]
+  if len(fits) == 1:
+    return list(outs[fits[0]:fits[0] + n])
+  if len(fits) > 1:
+    raise ValueError(f"profile_from_trace: the program's outputs hold the shapes of the {n} leaves of params "
+                     f"at {len(fits)} places (outputs {fits[0]}.. and {fits[1]}..): cannot tell which are the "
+                     f"gradients. Trace a program that returns the gradients alone (jax.grad), as "
+                     f"profile_step does.")
+  # name the first leaf that differs, against the best alignment (outputs 0.. or 1.. for value_and_grad)
+  best = max(runs)
+  where = runs.index(best)
+  got = hlo.instrs[outs[where + best]].shape if where + best < len(outs) else "nothing (too few outputs)"
+  raise ValueError(
+      f"profile_from_trace: the program {hlo.module!r} has {len(outs)} outputs; they do not match the {n} "
+      f"floating leaves of params: leaf {paths[best]!r} ({dtypes[best]}{list(shapes[best])}) meets output "
+      f"{where + best}, {got}. Pass the tree whose gradients the traced program returns (in its flatten "
+      f"order), and the HLO text of that same program.")

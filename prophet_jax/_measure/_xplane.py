@@ -1,27 +1,4 @@
-"""Reading a jax.profiler trace (.xplane.pb) of one compiled step: which op made which leaf, and when.
-
-Used by `_profile` (`method='measured'`, `profile_from_trace`), with the step's HLO as `_step_hlo` reads it:
-  read_trace(trace, modules) -> Trace   the modules' op events in a trace file or directory, each tied
-                                        to the execution (run) it belongs to
-  executions(events)                    grouped per (run, device), in time order
-  analyse_execution(ex, hlo, ...)       forward/backward spans, per-leaf ready times, per-layer forward
-  analyse(events, hlo, ...)             every execution, their medians, and what makes them implausible
-  median_envelope(events)               the median span of a run over every device
-
-An op's name stack marks backward ops with `transpose(...)` and forward ops with `jvp(...)`.
-
-Which execution an event belongs to (docs/facts.md, "Profiler traces on a GPU"):
-- XLA:CPU's op events carry the execution's `run_id` and the `device_ordinal`: grouped by both.
-- XLA:GPU's kernel events (on `/device:GPU:k`, one line per CUDA stream) carry `hlo_module`, `hlo_op`,
-  `program_id` and the CUPTI `correlation_id` of the host call that launched them (a kernel inside one
-  of XLA's command buffers carries the graph launch's), but no `run_id`. The host's launch call (same
-  `correlation_id`, on the launching thread's line) lies inside the host's `Execute` event of that
-  program, which has the `run_id`: that is the kernel's execution. Every line (stream) of a device
-  plane is one device, so a collective on its own stream stays in its execution.
-- Without host events, a device's events are cut where another program ran on the device between two
-  of them (the optimizer's update program between steps); the analysis then checks the count of
-  executions against the host's launches or the traced steps.
-"""
+"""Reading a jax.profiler trace of one compiled step: its executions, and when each op made each leaf."""
 
 from __future__ import annotations
 
@@ -49,12 +26,7 @@ _TRACE_SUFFIXES = (".xplane.pb", ".xplane.pb.gz")
 
 
 def trace_files(trace: str | os.PathLike[str]) -> list[str]:
-  """The trace files of a trace: the file itself (`.xplane.pb`, or gzipped `.xplane.pb.gz`), or every
-  one under a trace directory.
-
-  Raises:
-    FileNotFoundError: the path does not exist, or a directory holds no trace file.
-  """
+  """The `.xplane.pb` (or `.xplane.pb.gz`) files of a trace file or directory; FileNotFoundError if none."""
   path = os.fspath(trace)
   if os.path.isfile(path):
     return [path]
@@ -70,7 +42,6 @@ def trace_files(trace: str | os.PathLike[str]) -> list[str]:
 
 
 def _load(path: str) -> Any:
-  """The profile in `path` (`.xplane.pb`, or gzipped); a file that is no trace is a ProfileError naming it."""
   try:
     if path.endswith(".gz"):
       with gzip.open(path, "rb") as f:
@@ -89,17 +60,9 @@ class Trace:
   """The op events of some modules in a trace, each tied to its execution where the trace says how.
 
   Attributes:
-    events: module -> op events, dicts with `op`, `start_ns`, `end_ns`, `run` (the execution: a
-      run_id, or a segment of the device's timeline), `device`, `program` (program_id or None).
-    launches: module -> how many executions the host launched (distinct run_ids of the host's
-      Execute events of that module), where the trace has them.
-    linked: module -> how its executions were found: 'run_id' (on the events, XLA:CPU), 'host
-      launch' (XLA:GPU kernels through their correlation_id) or 'segments' (cut where another
-      program ran on the device).
-    platform: 'gpu' when the trace has a /device:GPU plane, else 'cpu'.
-    files: the .xplane.pb files read.
-    modules: every module with op events in the trace -> how many it has.
-    device_name: the GPU's name as the trace records it ('' when it does not).
+    events: module -> op events, dicts of `op`, `start_ns`, `end_ns`, `run` (a run_id, a (file, run_id) of
+      a host launch, or a segment), `device`, `program`, `module`.
+    launches: module -> the host's launches of it; linked: module -> 'run_id', 'host launch' or 'segments'.
   """
 
   events: dict[str, list[dict[str, Any]]]
@@ -115,18 +78,13 @@ _EXEC_NAME = re.compile(r"Execute\s*\(([^)]*)\)")
 
 
 def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
-  """The op events of `modules` in a trace file or directory, tied to their executions.
-
-  One pass over every event of every file: ProfileData's events are Python objects, so everything
-  the analysis needs is read here once.
-  """
+  """The op events of `modules` in a trace file or directory, tied to their executions (one pass)."""
   files = trace_files(trace)
   wanted = set(modules)
   events: dict[str, list[dict[str, Any]]] = {m: [] for m in modules}
   runs_of: dict[str, set[Any]] = {m: set() for m in modules}
   platform, device_name = "cpu", ""
   counts: dict[str, int] = {}
-  unlinked: set[int] = set()
   # per device: (start_ns, module) of every op event of any module (segment boundaries)
   timeline: dict[Any, list[tuple[float, str]]] = {}
   for fi, f in enumerate(files):
@@ -134,7 +92,7 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
     prefix = f"{fi}:" if len(files) > 1 else ""
     launch_at: dict[Any, tuple[int, float]] = {}          # correlation_id -> (line key, start)
     scopes: dict[int, list[tuple[float, float, Any, str]]] = {}  # line -> (start, end, run_id, module)
-    dev_events: list[dict[str, Any]] = []
+    dev_events: list[tuple[dict[str, Any], Any]] = []   # (event, correlation_id): events without a run_id
     line_key = 0
     for plane in pd.planes:
       is_device = plane.name.startswith("/device:")
@@ -147,19 +105,17 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
           st = dict(ev.stats)
           mod = st.get("hlo_module")
           if mod is not None and "hlo_op" in st:
-            dev = st.get("device_ordinal", plane.name) if not is_device else plane.name
-            dev = f"{prefix}{dev}"
+            dev = f"{prefix}{plane.name if is_device else st.get('device_ordinal', plane.name)}"
             start = float(ev.start_ns)
             timeline.setdefault(dev, []).append((start, mod))
             counts[mod] = counts.get(mod, 0) + 1
             if mod not in wanted:
               continue
             e = {"op": st["hlo_op"], "start_ns": start, "end_ns": start + float(ev.duration_ns),
-                 "run": st.get("run_id"), "device": dev, "program": st.get("program_id"),
-                 "corr": st.get("correlation_id"), "module": mod}
+                 "run": st.get("run_id"), "device": dev, "program": st.get("program_id"), "module": mod}
             events[mod].append(e)
             if e["run"] is None:
-              dev_events.append(e)
+              dev_events.append((e, st.get("correlation_id")))
             continue
           if is_device:
             continue
@@ -174,78 +130,53 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
               s = float(ev.start_ns)
               scopes.setdefault(line_key, []).append((s, s + float(ev.duration_ns), st["run_id"], name))
               runs_of[name].add((prefix, st["run_id"]))
-    # a GPU kernel's execution: its host launch lies inside the host's Execute event (run_id) of
-    # the same program, on the launching thread's line
-    # (or, when the launching thread is another one, e.g. a per-device thread, the latest Execute
-    # event of the program on any line that was open when the launch was made)
-    scopes[-1] = [x for k, v in scopes.items() for x in v]
+    scopes[-1] = [x for k, v in scopes.items() for x in v]   # every line's, for _launched_in's second look
     for v in scopes.values():
       v.sort()
     starts = {k: [s[0] for s in v] for k, v in scopes.items()}
-    for e in dev_events:
-      hit = launch_at.get(e["corr"]) if e["corr"] is not None else None
-      if hit is not None:
-        for key, back in ((hit[0], 3), (-1, 64)):
-          if key not in scopes:
-            continue
-          line_scopes, t = scopes[key], hit[1]
-          j = bisect.bisect_right(starts[key], t) - 1
-          for s, end, rid, name in reversed(line_scopes[max(j - back, 0):j + 1]):
-            if s <= t <= end and name == e["module"]:
-              e["run"] = (prefix, rid)
-              break
-          if e["run"] is not None:
-            break
-      if e["run"] is None:
-        unlinked.add(id(e))
-  linked: dict[str, str] = {}
-  for m in modules:
-    evs = events[m]
-    if not evs:
-      continue
-    if any(id(e) in unlinked for e in evs):
-      linked[m] = "segments"
-    elif all(isinstance(e["run"], tuple) for e in evs):
-      linked[m] = "host launch"
-    else:
-      linked[m] = "run_id"
-  if unlinked:
+    for e, corr in dev_events:
+      hit = launch_at.get(corr) if corr is not None else None
+      rid = _launched_in(hit, e["module"], scopes, starts) if hit is not None else None
+      if rid is not None:
+        e["run"] = (prefix, rid)
+  linked: dict[str, str] = {}   # an event still without a run was not tied to a launch
+  for m, evs in events.items():
+    if evs:
+      linked[m] = ("segments" if any(e["run"] is None for e in evs) else
+                   "host launch" if all(isinstance(e["run"], tuple) for e in evs) else "run_id")
+  if "segments" in linked.values():
     _segment(events, timeline, linked)
-  for e in (x for v in events.values() for x in v):
-    e.pop("corr", None)
   return Trace(events=events, launches={m: len(r) for m, r in runs_of.items() if r}, linked=linked,
                platform=platform, files=files, modules=counts, device_name=device_name)
 
 
+def _launched_in(hit: tuple[int, float], module: str, scopes: dict[int, list[tuple[float, float, Any, str]]],
+                 starts: dict[int, list[float]]) -> Any:
+  """The run_id of the host's Execute event of `module` that holds a kernel's launch `hit`, or None."""
+  line, t = hit
+  for key, back in ((line, 3), (-1, 64)):
+    j = bisect.bisect_right(starts.get(key, []), t) - 1
+    for s, end, rid, name in reversed(scopes.get(key, [])[max(j - back, 0):j + 1]):
+      if s <= t <= end and name == module:
+        return rid
+  return None
+
+
 def _segment(events: dict[str, list[dict[str, Any]]], timeline: dict[Any, list[tuple[float, str]]],
              linked: dict[str, str]) -> None:
-  """Runs for modules whose events could not be tied to a host launch: per device, a new execution
-  starts wherever another program's op ran on the device since the module's previous op."""
-  for dev, tl in timeline.items():
-    tl.sort()
+  """Runs for events tied to no launch: a device's execution ends where another program ran on it."""
+  cut = [m for m, how in linked.items() if how == "segments"]
   bounds: dict[tuple[Any, str], list[float]] = {}
   for dev, tl in timeline.items():
-    mods = {m for _, m in tl}
-    for m in mods:
-      if m not in linked or linked[m] != "segments":
-        continue
-      # starts of this module's ops that follow another module's op: execution boundaries
-      b, prev = [], None
-      for t, mm in tl:
-        if mm == m and prev is not None and prev != m:
-          b.append(t)
-        prev = mm
-      bounds[(dev, m)] = b
-  for m, evs in events.items():
-    if linked.get(m) != "segments":
-      continue
-    for e in evs:
-      b = bounds.get((e["device"], m), [])
-      e["run"] = ("segment", bisect.bisect_right(b, e["start_ns"]))
+    tl.sort()
+    for m in cut:  # starts of the module's ops that follow another module's op: execution boundaries
+      bounds[(dev, m)] = [t for (t, mm), (_, prev) in zip(tl[1:], tl) if mm == m and prev != m]
+  for m in cut:
+    for e in events[m]:
+      e["run"] = ("segment", bisect.bisect_right(bounds.get((e["device"], m), []), e["start_ns"]))
 
 
 def executions(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-  """Events grouped per (run, device), each group in time order, groups in order of their start."""
   groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
   for e in events:
     groups.setdefault((e["run"], e["device"]), []).append(e)
@@ -254,16 +185,9 @@ def executions(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def backward_start(ex: list[dict[str, Any]], hlo: StepHlo) -> float | None:
-  """When backward starts in one execution (ns), or None when no op is a backward op.
-
-  XLA may schedule small backward ops (e.g. the loss's scatter-add set-up) before the forward ends,
-  and rematerialised forward ops run inside backward. So backward starts at the first backward op
-  after which at most 5% of the forward ops' time remains.
-  """
-  kinds = []
-  for e in ex:
-    name = hlo.instrs[e["op"]].op_name if e["op"] in hlo.instrs else ""
-    kinds.append("b" if is_backward(name) else ("f" if "jvp(" in name else "o"))
+  """When backward starts in one execution: the first backward op after which <= 5% of forward remains."""
+  names = [hlo.instrs[e["op"]].op_name if e["op"] in hlo.instrs else "" for e in ex]
+  kinds = ["b" if is_backward(name) else ("f" if "jvp(" in name else "o") for name in names]
   if "b" not in kinds:
     return None
   dur = [e["end_ns"] - e["start_ns"] for e in ex]
@@ -280,21 +204,12 @@ def backward_start(ex: list[dict[str, Any]], hlo: StepHlo) -> float | None:
 def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[int], n_rows: int,
                       layers_in_order: Sequence[str], *, outputs: Sequence[str] | None = None
                       ) -> tuple[float, float, list[float], dict[str, float]] | None:
-  """(forward_s, backward_s, ready_s per row, fwd_s per layer) of one execution, or None.
-
-  Output k of the program (`outputs`, default the ENTRY ROOT's operands) is row `leaf_rows[k]`
-  (-1: not a row). A leaf is ready when the last op producing it ends, following its value back
-  through ops that have no event of their own (bitcast, copy, a get-tuple-element of a tuple: only
-  the tuple's operand at that index).
-  """
-  if not ex:
-    return None
+  """(forward_s, backward_s, ready_s per row, fwd_s per layer) of one execution, or None."""
   outputs = list(hlo.root_operands if outputs is None else outputs)
-  t0 = ex[0]["start_ns"]
-  t_end = max(e["end_ns"] for e in ex)
-  b0 = backward_start(ex, hlo)
+  b0 = backward_start(ex, hlo) if ex and len(outputs) == len(leaf_rows) else None
   if b0 is None:
     return None
+  t0, t_end = ex[0]["start_ns"], max(e["end_ns"] for e in ex)
   ends: dict[str, float] = {}
   for e in ex:
     ends[e["op"]] = max(ends.get(e["op"], 0.0), e["end_ns"])
@@ -327,8 +242,6 @@ def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[in
     memo[name] = v
     return v
 
-  if len(outputs) != len(leaf_rows):
-    return None
   bwd_s = max(t_end - b0, 0.0)
   rows = [0.0] * n_rows
   for out_name, r in zip(outputs, leaf_rows):
@@ -336,21 +249,14 @@ def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[in
       rows[r] = min(max(ready(out_name) - b0, 0.0), bwd_s)
   # forward time per layer: each op before backward starts, from the previous op's end to its end
   fwd = dict.fromkeys(layers_in_order, 0.0)
-  index = layer_index(layers_in_order)
-  key = tuple(layers_in_order)
+  index = layer_index(tuple(layers_in_order))
   current = layers_in_order[0]
   prev = t0
   for e in ex:
     if e["start_ns"] >= b0:
       break
     ins = hlo.instrs.get(e["op"])
-    lay = None
-    if ins is not None:
-      ck = (ins.name, key)
-      if ck in hlo.layer_cache:
-        lay = hlo.layer_cache[ck]
-      else:
-        lay = hlo.layer_cache[ck] = index.match(ins.op_name)
+    lay = index.match(ins.op_name) if ins is not None else None
     if lay is not None:
       current = lay
     end = min(e["end_ns"], b0)
@@ -361,7 +267,6 @@ def analyse_execution(ex: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[in
 
 
 def median_envelope(events: list[dict[str, Any]]) -> float:
-  """Median over runs of (last op end - first op start) across every device of the run, seconds."""
   runs: dict[Any, list[float]] = {}
   for e in events:
     lo_hi = runs.setdefault(e["run"], [math.inf, -math.inf])
@@ -377,17 +282,7 @@ def median_envelope(events: list[dict[str, Any]]) -> float:
 
 @dataclasses.dataclass
 class Analysis:
-  """The medians over a step's executions in a trace, and why they cannot be trusted (`problems`).
-
-  Attributes:
-    forward_s, backward_s: median forward and backward spans of one device's execution.
-    ready_s: per row, the median ready time from the start of backward.
-    fwd_layer: per layer, the median forward time.
-    executions: executions analysed; `found`: executions (run x device) in the trace; `devices`.
-    events: op events of the step's program used.
-    held: one line saying what the trace held (for notes and errors).
-    problems: reasons the profile is implausible (empty when it is not).
-  """
+  """The medians over a step's executions in a trace, what it held, and why they cannot be trusted."""
 
   forward_s: float
   backward_s: float
@@ -402,9 +297,7 @@ class Analysis:
 
 
 def select_program(events: list[dict[str, Any]], hlo: StepHlo) -> tuple[list[dict[str, Any]], str]:
-  """The events of the one compiled program that `hlo` is: a module name may belong to several
-  programs in a trace (a step compiled again for other shapes); keep the program whose op names are
-  all in the HLO, the most-run one if several are."""
+  """The events of the one compiled program `hlo` is (a module name may name several)."""
   by_prog: dict[Any, list[dict[str, Any]]] = {}
   for e in events:
     by_prog.setdefault(e.get("program"), []).append(e)
@@ -420,16 +313,7 @@ def analyse(events: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[int], n_
             layers_in_order: Sequence[str], *, outputs: Sequence[str] | None = None,
             expected: int | None = None, expected_why: str = "", row_layers: Sequence[str] | None = None
             ) -> Analysis:
-  """Every execution of the step in `events`, the medians over them, and the problems that make the
-  result implausible:
-
-  - the executions found do not match what was traced (`expected` executions, e.g. steps x devices,
-    or the host's launches times the devices), or some execution runs far fewer ops than the others
-    (a step the profiler caught in part is dropped, and said so);
-  - backward is under a tenth of forward (a backward pass costs about twice the forward);
-  - most layers' gradients are ready at one instant (within 0.1% of backward), with 3 layers or
-    more (`row_layers`: each row's layer).
-  """
+  """Every execution of the step in `events`, the medians over them, and what makes them implausible."""
   events, prog_note = select_program(events, hlo)
   groups = executions(events)
   devices = len({e["device"] for e in events})
@@ -462,19 +346,18 @@ def analyse(events: list[dict[str, Any]], hlo: StepHlo, leaf_rows: list[int], n_
   if backward_s < 0.1 * forward_s:
     problems.append(f"backward {backward_s * 1e3:.3f} ms is under a tenth of forward {forward_s * 1e3:.3f} ms "
                     f"(a backward pass costs about twice its forward)")
-  if row_layers is not None and len(set(row_layers)) >= 3 and backward_s > 0:
+  n_layers = len(set(row_layers or ()))
+  if n_layers >= 3 and backward_s > 0:
     tol = 1e-3 * backward_s
     order = sorted(range(n_rows), key=lambda k: ready[k])
     best_layers: set[str] = set()
-    best_rows = 0
-    lo = 0
+    best_rows = lo = 0
     for hi in range(n_rows):  # the most layers whose rows fall in one window of width tol
       while ready[order[hi]] - ready[order[lo]] > tol:
         lo += 1
       window = {row_layers[order[k]] for k in range(lo, hi + 1)}
       if len(window) > len(best_layers):
         best_layers, best_rows = window, hi - lo + 1
-    n_layers = len(set(row_layers))
     if len(best_layers) > n_layers / 2:
       problems.append(f"{best_rows} of {n_rows} gradients ({len(best_layers)} of {n_layers} layers) are "
                       f"ready within {tol * 1e6:.2f} us of each other (backward {backward_s * 1e3:.3f} ms)")
