@@ -158,7 +158,7 @@ class _Phases:
     self._wrap(self.mod, "update_program", "lower")
     self._wrap(self.mod, "local_step_program", "lower")
     self._wrap(self.methods, "compile_all", "compile")
-    self._wrap(self.methods, "_from_trace", "analysis")
+    self._wrap(self.methods, "from_trace", "analysis")
     self._wrap(jax, "block_until_ready", "run")
     phases = self
     real_grad = self.methods.grad_program
