@@ -16,7 +16,7 @@ from .._planning._core import Problem, ends_one_link, problem
 from .._values._network import NetworkModel
 from .._values._schedule import Bucket, Chunk, Schedule
 from .._planning._sharded import chunk_arrays, sharded_arrays, sharded_iteration_s
-from .._planning._simulate import simulate_sharded
+from .._planning._simulate import check_one_link, simulate_sharded
 from .._values._types import GradientProfile
 from ._base import Scheduler, Slice
 from ._common import check_inputs
@@ -64,7 +64,7 @@ def dear(*, bucket_bytes: int | None = None) -> Scheduler:
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
     cross = check_inputs(_POLICY, profile, network, cross_step)
-    check_network(network)
+    check_one_link(_POLICY, network)
     prob = problem(profile, network, cross_step=cross)
     label, chunks, gathers, predicted = plan_sharded(prob, bucket_bytes)
     if network.pressure is not None and chunks:     # `simulate`'s number, under the pressure
@@ -75,14 +75,6 @@ def dear(*, bucket_bytes: int | None = None) -> Scheduler:
   scheduler.__name__ = _POLICY
   scheduler.__qualname__ = _POLICY
   return scheduler
-
-
-def check_network(network: NetworkModel) -> None:
-  """A sharded schedule runs on one link: ValueError for `network.links > 1`."""
-  if network.links != 1:
-    raise ValueError(f"dear: a sharded schedule runs its reduce-scatters and all-gathers on one tie "
-                     f"chain, but network.links={network.links}. Plan it with network.replace(links=1), "
-                     f"or use an all-reduce policy to stripe over {network.links} links.")
 
 
 def sharded_schedule(profile: GradientProfile, chunks: Sequence[Sequence[Slice]],
