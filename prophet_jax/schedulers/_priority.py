@@ -126,7 +126,6 @@ def priority(*, partition_bytes: int | None = None, credit_bytes: int | None = N
   options = {"partition_bytes": partition_bytes, "credit_bytes": credit_bytes, "mode": mode}
 
   def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
-    groups = [[s] for s in issue_order(profile, network, partition_bytes, credit_bytes, mode=mode)]
-    return groups
+    return [[s] for s in issue_order(profile, network, partition_bytes, credit_bytes, mode=mode)]
 
   return grouped_scheduler(POLICY, options, plan_groups)
