@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .._values._checks import check_bool, check_int, check_number
-from .._planning._core import Problem, chunk_arrays, problem, search_problem, split_by_dtype
+from .._planning._core import Problem, chunk_arrays, objective_s, problem, search_problem, split_by_dtype
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
 from .._planning._sharded import sharded_arrays
@@ -22,7 +22,7 @@ from ._bucket import bucket
 from ._common import Groups, buckets_from_groups, check_inputs, make_schedule
 from ._dear import plan_sharded, sharded_schedule
 from ._fsdp import fsdp_schedule, plan_fsdp, prediction
-from ._joint import SearchChunk, chunk_stats, contiguous_dp, evaluate, make_chunk, own_candidates
+from ._joint import SearchChunk, chunk_stats, contiguous_dp, make_chunk, own_candidates
 from ._mgwfbp import mgwfbp
 from ._priority import priority
 from ._prophet import prophet
@@ -169,7 +169,7 @@ class _Candidate:
     else:
       self._slices = None
       self.arrays = chunk_stats(chunks)
-    self.nominal = evaluate(prob, *self.arrays)
+    self.nominal = objective_s(prob, *self.arrays)
     self.worst = 1.0
 
   @property
@@ -206,7 +206,7 @@ def _refine(search: Problem, prob: Problem, cands: list[_Candidate], budget: int
   out: list[_Candidate] = []
 
   def start_value(c: _Candidate) -> float:
-    return c.nominal if search is prob else evaluate(search, *c.arrays)
+    return c.nominal if search is prob else objective_s(search, *c.arrays)
 
   if not _small(cands[0]):
     refined, v = iterated_local_search(search, cands[0].chunks, max(1, budget // 10), False)
@@ -340,7 +340,7 @@ def _robust_choice(prob: Problem, cands: list[_Candidate], options: dict[str, An
     for label, chunks, _ in own_candidates(search_problem(si), cross, grid=top_points):
       if label != "one-per-dtype":
         cands.append(_Candidate(prob, f"{label}@alpha*{fa:.2f},beta*{fb:.2f}", chunks))
-  times = np.array([[c.nominal] + [evaluate(si, *c.arrays) for si in probs] for c in cands])
+  times = np.array([[c.nominal] + [objective_s(si, *c.arrays) for si in probs] for c in cands])
   best = np.maximum(times.min(axis=0), 1e-300)
   worst = (times / best).max(axis=1)
   base = min((c.nominal for c in cands if c.default_baseline), default=_INF)

@@ -80,14 +80,9 @@ def chunk_stats(chunks: Sequence[SearchChunk]) -> tuple[np.ndarray, np.ndarray, 
           np.fromiter((c.tail_s for c in chunks), dtype=np.float64, count=n))
 
 
-def evaluate(prob: Problem, ready: np.ndarray, nbytes: np.ndarray, tail: np.ndarray) -> float:
-  """The iteration time of per-chunk arrays in issue order (`_core.objective_s`)."""
-  return objective_s(prob, ready, nbytes, tail)
-
-
 def evaluate_chunks(prob: Problem, chunks: Sequence[SearchChunk]) -> float:
-  """The iteration time of `chunks` in issue order."""
-  return evaluate(prob, *chunk_stats(chunks))
+  """The iteration time of `chunks` in issue order (`_core.objective_s`)."""
+  return objective_s(prob, *chunk_stats(chunks))
 
 
 # --------------------------------------------------------------------------------------------------
