@@ -118,8 +118,7 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
     assert best is not None
     return best[2]()
 
-  scheduler.__name__ = "auto"
-  scheduler.__qualname__ = "auto"
+  scheduler.__name__ = scheduler.__qualname__ = "auto"
   return scheduler
 
 

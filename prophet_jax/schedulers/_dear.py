@@ -72,8 +72,7 @@ def dear(*, bucket_bytes: int | None = None) -> Scheduler:
     return sharded_schedule(profile, chunks, gathers, options=dict(options, candidate=label),
                             cross_step=cross, predicted_s=predicted)
 
-  scheduler.__name__ = _POLICY
-  scheduler.__qualname__ = _POLICY
+  scheduler.__name__ = scheduler.__qualname__ = _POLICY
   return scheduler
 
 

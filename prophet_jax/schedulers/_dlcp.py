@@ -110,8 +110,7 @@ def dlcp(*, max_defer: float = 0.0, spread: int | None = None, chunk_bytes: int 
                     f"repeats this.", DeferralWarning, stacklevel=_warn_level())
     return s
 
-  scheduler.__name__ = _POLICY
-  scheduler.__qualname__ = _POLICY
+  scheduler.__name__ = scheduler.__qualname__ = _POLICY
   return scheduler
 
 
