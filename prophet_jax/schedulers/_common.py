@@ -50,6 +50,26 @@ def partition_count(profile: GradientProfile, row: int, max_bytes: int | None) -
   return part_count(row_size(profile, row), row_itemsize(profile, row), max_bytes)
 
 
+def dtype_runs(dtypes: Sequence[str]) -> list[int]:
+  """Per position, where its run of one dtype starts (a chunk holds one dtype, so a group stays in its run)."""
+  out = [0] * len(dtypes)
+  for j in range(1, len(dtypes)):
+    out[j] = out[j - 1] if dtypes[j] == dtypes[j - 1] else j
+  return out
+
+
+def groups_from_choice(seq: Sequence[Any], choice: Sequence[int]) -> list[list[Any]]:
+  """The runs of `seq` a program over contiguous groups chose: `choice[j]`, where the group ending at j starts."""
+  groups = []
+  j = len(seq)
+  while j > 0:
+    i = int(choice[j - 1])
+    groups.append(list(seq[i:j]))
+    j = i
+  groups.reverse()
+  return groups
+
+
 def layer_groups(profile: GradientProfile) -> list[tuple[str, list[int], float]]:
   """The profile's layers in ready order, as (layer, its rows, its ready time); ties: the later layer
   first.

@@ -19,7 +19,7 @@ from .._planning._sharded import chunk_arrays, sharded_arrays, sharded_iteration
 from .._planning._simulate import check_one_link, simulate_sharded
 from .._values._types import GradientProfile
 from ._base import Scheduler, Slice
-from ._common import check_inputs
+from ._common import check_inputs, dtype_runs, groups_from_choice
 
 _POLICY = "dear"
 # Caps on a reduce-scatter bucket, as fractions 1/k of the total bytes (None: no cap), and one row per
@@ -182,14 +182,10 @@ def fixed_fusion(prob: Problem, bucket_bytes: float) -> tuple[list[list[Slice]],
 
 def _rs_inputs(prob: Problem, order: Sequence[int]) -> tuple[list[float], list[float], list[int]]:
   """`rs_partition`'s inputs for `order`: ready times, byte prefix sums, each item's dtype-run start."""
-  n = len(order)
   ready = prob.row_ready_s[list(order)].tolist()
   nbytes = prob.row_nbytes[list(order)]
   prefix = np.concatenate([[0.0], np.cumsum(nbytes)]).tolist()
-  run_start = [0] * n
-  for j in range(1, n):
-    run_start[j] = run_start[j - 1] if prob.dtype[order[j]] == prob.dtype[order[j - 1]] else j
-  return ready, prefix, run_start
+  return ready, prefix, dtype_runs([prob.dtype[r] for r in order])
 
 
 def rs_partition(prob: Problem, order: Sequence[int], cap: float | None, *,
@@ -197,18 +193,10 @@ def rs_partition(prob: Problem, order: Sequence[int], cap: float | None, *,
   """Reduce-scatter buckets: contiguous runs of `order` (one dtype, at most `cap` bytes unless one row is
   larger) minimising the last reduce-scatter's end, exactly; `inputs` reuses `_rs_inputs`.
   """
-  n = len(order)
   a, b = 0.5 * prob.startup_s, 0.5 * prob.per_byte_s
   ready, prefix, run_start = _rs_inputs(prob, order) if inputs is None else inputs
   choice = contiguous_dp(ready, prefix, run_start, a, b, cap)[1]
-  groups: list[list[Slice]] = []
-  j = n
-  while j > 0:
-    i = int(choice[j - 1])
-    groups.append([(r, 0, prob.size[r]) for r in sorted(order[i:j])])
-    j = i
-  groups.reverse()
-  return groups
+  return [[(r, 0, prob.size[r]) for r in sorted(g)] for g in groups_from_choice(order, choice)]
 
 
 def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]], *, per_chunk: Any = None,
@@ -235,9 +223,7 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]], *, per_ch
   t_rs = float(rs_end.max())
   prefix = np.concatenate([[0.0], np.cumsum(nbytes)])
   cum_upd = np.concatenate([[0.0], np.cumsum(upd)])
-  run_start = [0] * k_n
-  for j in range(1, k_n):
-    run_start[j] = run_start[j - 1] if dtype[j] == dtype[j - 1] else j
+  run_start = dtype_runs(dtype)
   runs = 1 + sum(1 for j in range(1, k_n) if run_start[j] == j)
   if t_rs + a * runs + b * float(prefix[-1]) >= beat:
     return None
@@ -245,7 +231,7 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]], *, per_ch
     t0 = max(float(prob.backward_s), t_rs)       # with overlap, backward ends on time
     release = (t0 + cum_upd[1:]).tolist()
     choice = contiguous_dp(release, prefix.tolist(), run_start, a, b, None, start=t_rs)[1]
-    return _groups_from_choice(seq, choice)
+    return groups_from_choice(seq, choice)
   # pipelined: Pareto program over prefixes of (link free, max of end + forward tail), vectorised: every
   # prefix's front is a run of one flat array (entries of prefix i at starts[i]:starts[i + 1])
   tail = np.array([float(prob.layer_fwd_tail_s[int(prob.row_layer[front[k]])]) for k in seq])
@@ -338,13 +324,3 @@ def contiguous_dp(release: Sequence[float], prefix: Sequence[float], run_start: 
     choice[j - 1] = best_i
   return f, choice
 
-
-def _groups_from_choice(seq: Sequence[int], choice: Sequence[int]) -> list[list[int]]:
-  groups: list[list[int]] = []
-  j = len(seq)
-  while j > 0:
-    i = choice[j - 1]
-    groups.append([seq[x] for x in range(i, j)])
-    j = i
-  groups.reverse()
-  return groups
