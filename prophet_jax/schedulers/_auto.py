@@ -104,19 +104,15 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
       modes = (check_inputs(_POLICY, profile, network, cross_step),)
     if sharded and profile.sharded:
       return _fsdp_candidate(profile, network, modes, options)
-    best: tuple[float, int, Any] | None = None
-    for n, cross in enumerate(modes):
+    cands: list[tuple[float, Any]] = []     # (predicted iteration, a thunk building the Schedule)
+    for cross in modes:
       contest = _contest(profile, network, cross, options)
-      cands = [(contest[2], 2 * n, lambda c=contest: _schedule(profile, *c, options))]
+      cands.append((contest[2], lambda c=contest: _schedule(profile, *c, options)))
       if sharded and network.links == 1:
         one = _sharded_candidate(profile, network, cross, options)
         if one is not None:
-          cands.append((one[0] / (1 - _SHARDED_MARGIN), 2 * n + 1, one[1]))
-      for c in cands:
-        if best is None or c[0] < best[0]:
-          best = c
-    assert best is not None
-    return best[2]()
+          cands.append((one[0] / (1 - _SHARDED_MARGIN), one[1]))
+    return min(cands, key=lambda c: c[0])[1]()
 
   scheduler.__name__ = scheduler.__qualname__ = "auto"
   return scheduler
@@ -301,13 +297,8 @@ def _sharded_candidate(profile: GradientProfile, network: NetworkModel, cross: b
 def _fsdp_candidate(profile: GradientProfile, network: NetworkModel, modes: tuple[bool, ...],
                     options: dict[str, Any]) -> Schedule:
   """The fastest `fsdp` plan (no memory cap) over the step modes, as auto's Schedule."""
-  best = None
-  for cross in modes:
-    prob = problem(profile, network, cross_step=cross)
-    one = plan_fsdp(prob, None)
-    if best is None or one.iteration < best[0].iteration:
-      best = (one, cross)
-  one, cross = best
+  plans = [(plan_fsdp(problem(profile, network, cross_step=cross), None), cross) for cross in modes]
+  one, cross = min(plans, key=lambda p: p[0].iteration)
   return fsdp_schedule(profile, one, options=dict(options, candidate=f"fsdp:{one.label}"), cross_step=cross,
                        budget=None, policy=_POLICY,
                        predicted_s=prediction(problem(profile, network, cross_step=cross), one))
@@ -317,25 +308,23 @@ def _fsdp_candidate(profile: GradientProfile, network: NetworkModel, modes: tupl
 # The robust choice
 
 
-def _scenarios(network: NetworkModel, robust: float) -> list[NetworkModel]:
-  """The networks the true one may be if `network`'s alpha and beta are each off by up to `robust`."""
+def _scenarios(network: NetworkModel, robust: float) -> list[tuple[float, float, NetworkModel]]:
+  """(alpha factor, beta factor, network) of each corner: `network`'s alpha and beta each off by up to `robust`."""
   lo, hi = 1 / (1 + robust), 1 / (1 - robust)
-  return [network.replace(alpha_s=network.alpha_s * fa, beta_s_per_byte=network.beta_s_per_byte * fb)
+  return [(fa, fb, network.replace(alpha_s=network.alpha_s * fa, beta_s_per_byte=network.beta_s_per_byte * fb))
           for fa in (lo, hi) for fb in (lo, hi)]
 
 
 def _robust_choice(prob: Problem, cands: list[_Candidate], options: dict[str, Any]) -> _Candidate:
   """The minimax-regret candidate over the planning network and the four corners of the `robust` box."""
   network, cross = prob.network, prob.cross_step
-  nets = _scenarios(network, options["robust"])
-  probs = [problem(prob.profile, n, cross_step=cross) for n in nets]
+  scenarios = _scenarios(network, options["robust"])
+  probs = [problem(prob.profile, n, cross_step=cross) for _, _, n in scenarios]
   top_points = list(dict.fromkeys(c.point for c in cands if c.point is not None))[:_ROBUST_POINTS]
   if prob.overlap:
     cands.append(_Candidate(prob, "contiguous-dp-hedged",
                             contiguous_dp(search_problem(prob), [search_problem(p).network for p in [prob] + probs])))
-  lo, hi = 1 / (1 + options["robust"]), 1 / (1 - options["robust"])
-  factors = [(fa, fb) for fa in (lo, hi) for fb in (lo, hi)]  # the order of _scenarios
-  for (fa, fb), si in zip(factors, probs):
+  for (fa, fb, _), si in zip(scenarios, probs):
     for label, chunks, _ in own_candidates(search_problem(si), cross, grid=top_points):
       if label != "one-per-dtype":
         cands.append(_Candidate(prob, f"{label}@alpha*{fa:.2f},beta*{fb:.2f}", chunks))
