@@ -213,9 +213,7 @@ def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Any, *, wh
   covers = f"the schedule covers {len(rows)} leaves, like {_some([r[0] for r in rows], 4)}"
   row_leaf = []
   for path, shape, dtype in rows:
-    i = index.get(path)
-    if i is None:
-      i = alias.get(path)
+    i = index.get(path, alias.get(path))
     if i is None:
       near = [p for p in paths if p.split("/")[-1] == path.split("/")[-1]]
       hint = f"e.g. {_some(near)} end the same way; {like}" if near else like
