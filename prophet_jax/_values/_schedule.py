@@ -417,12 +417,10 @@ def _bucket_from_json(b: Any, i: int) -> Bucket:
 
 def _check_workers(call: str, workers: Any) -> int:
   """`workers` as an int >= 1 (numpy integers welcome), or a TypeError/ValueError naming it."""
-  if not is_int(workers):
-    raise TypeError(f"Schedule.{call}(workers={workers!r}): `workers` must be an integer >= 1, the "
-                    f"number of devices sharing the shards, e.g. network.workers.")
-  if workers < 1:
-    raise ValueError(f"Schedule.{call}(workers={workers!r}): `workers` must be an integer >= 1, the "
-                     f"number of devices sharing the shards, e.g. network.workers.")
+  if not is_int(workers) or workers < 1:
+    raise (ValueError if is_int(workers) else TypeError)(
+        f"Schedule.{call}(workers={workers!r}): `workers` must be an integer >= 1, the number of devices "
+        f"sharing the shards, e.g. network.workers.")
   return int(workers)
 
 
