@@ -272,8 +272,6 @@ def link_assignment(schedule: Schedule, profile: GradientProfile, network: Netwo
   records in `Schedule.links`); () for one link.
   """
   check_values("link_assignment()", schedule=schedule, profile=profile, network=network)
-  if network.links == 1:
-    return ()
   prob = problem(profile, network, cross_step=bool(cross_step))
   return chunk_links(prob, schedule_arrays(prob, schedule.buckets))
 
