@@ -98,21 +98,17 @@ def chunks_of_group(profile: GradientProfile, slices: Iterable[Slice]) -> list[C
 def buckets_from_groups(profile: GradientProfile,
                         groups: Iterable[Iterable[Slice]]) -> tuple[Bucket, ...]:
   """One Bucket per non-empty group, each with one Chunk per dtype (see `chunks_of_group`)."""
-  out = []
-  for g in groups:
-    chunks = chunks_of_group(profile, g)
-    if chunks:
-      out.append(Bucket(chunks=tuple(chunks)))
-  return tuple(out)
+  return tuple(Bucket(chunks=tuple(chunks)) for chunks in (chunks_of_group(profile, g) for g in groups) if chunks)
 
 
 def make_schedule(buckets: Iterable[Bucket], profile: GradientProfile, *, policy: str,
                   options: Mapping[str, Any] | None = None, cross_step: bool = False,
-                  predicted_s: float | None = None, links: tuple[int, ...] = ()) -> Schedule:
+                  predicted_s: float | None = None, links: tuple[int, ...] = (),
+                  gathers: tuple[tuple[int, ...], ...] = ()) -> Schedule:
   """A Schedule for `profile` (rows and fingerprint from it); Schedule checks coverage itself."""
   return Schedule(buckets=tuple(buckets), rows=profile.tree_rows(), policy=policy,
                   options=tuple(dict(options or {}).items()), cross_step=bool(cross_step),
-                  predicted_s=predicted_s, links=links)
+                  predicted_s=predicted_s, links=links, gathers=gathers)
 
 
 def schedule_from_groups(profile: GradientProfile, groups: Iterable[Iterable[Slice]], *, policy: str,

@@ -14,12 +14,12 @@ import numpy as np
 from .._values._checks import check_bytes
 from .._planning._core import Problem, ends_one_link, problem
 from .._values._network import NetworkModel
-from .._values._schedule import Bucket, Chunk, Schedule
+from .._values._schedule import Schedule
 from .._planning._sharded import chunk_arrays, sharded_arrays, sharded_iteration_s
 from .._planning._simulate import check_one_link, simulate_sharded
 from .._values._types import GradientProfile
 from ._base import Scheduler, Slice
-from ._common import check_inputs, dtype_runs, groups_from_choice
+from ._common import buckets_from_groups, check_inputs, dtype_runs, groups_from_choice, make_schedule
 
 _POLICY = "dear"
 # Caps on a reduce-scatter bucket, as fractions 1/k of the total bytes (None: no cap), and one row per
@@ -79,13 +79,11 @@ def dear(*, bucket_bytes: int | None = None) -> Scheduler:
 def sharded_schedule(profile: GradientProfile, chunks: Sequence[Sequence[Slice]],
                      gathers: Sequence[Sequence[int]], *, options: dict[str, Any], cross_step: bool,
                      predicted_s: float | None, policy: str = _POLICY) -> Schedule:
-  """The sharded Schedule of reduce-scatter chunks and gathers: one bucket per chunk."""
-  rows = profile.rows
-  buckets = tuple(Bucket(chunks=(Chunk(slices=tuple(c), dtype=rows[c[0][0]].dtype),)) for c in chunks)
+  """The sharded Schedule of reduce-scatter chunks (one dtype each) and gathers: one bucket per chunk."""
   # nothing to send (every row empty): an empty schedule, with no gathers (so not sharded)
-  return Schedule(buckets=buckets, rows=profile.tree_rows(), policy=policy,
-                  options=tuple(options.items()), cross_step=bool(cross_step), predicted_s=predicted_s,
-                  gathers=tuple(tuple(g) for g in gathers) if chunks else ())
+  return make_schedule(buckets_from_groups(profile, chunks), profile, policy=policy, options=options,
+                       cross_step=cross_step, predicted_s=predicted_s,
+                       gathers=tuple(tuple(g) for g in gathers) if chunks else ())
 
 
 # --------------------------------------------------------------------------------------------------
