@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .._values._checks import check_bytes
-from .._planning._core import Problem, ends_one_link, problem
+from .._planning._core import Problem, ends_one_link, problem, split_by_dtype
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
 from .._planning._sharded import chunk_arrays, sharded_arrays, sharded_iteration_s
@@ -162,10 +162,7 @@ def fixed_fusion(prob: Problem, bucket_bytes: float) -> tuple[list[list[Slice]],
     groups.append(cur)
   chunks: list[tuple[float, int, list[Slice]]] = []   # (ready, group, slices) per dtype
   for gi, rows in enumerate(groups):
-    by_dtype: dict[str, list[Slice]] = {}
-    for r in rows:
-      by_dtype.setdefault(prob.dtype[r], []).append((r, 0, prob.size[r]))
-    for sl in by_dtype.values():
+    for sl in split_by_dtype(prob.dtype.__getitem__, [(r, 0, prob.size[r]) for r in rows]):
       chunks.append((max(prob.ready[r] for r, _, _ in sl), gi, sl))
   order = sorted(range(len(chunks)), key=lambda k: (chunks[k][0], -chunks[k][1]))
   issued = [chunks[k][2] for k in order]

@@ -316,11 +316,8 @@ def own_candidates(prob: Problem, cross_step: bool, grid: Sequence[tuple] | None
   if not prob.live:
     return [("empty", [], None)]
   if grid is None:
-    by_dtype: dict[str, list[int]] = {}
-    for r in prob.profile.ready_order():
-      if prob.row_nbytes[r] > 0:
-        by_dtype.setdefault(prob.dtype[r], []).append(r)
-    whole = [make_chunk(prob, [(r, 0, prob.size[r]) for r in rows]) for rows in by_dtype.values()]
+    rows = [(r, 0, prob.size[r]) for r in prob.profile.ready_order() if prob.row_nbytes[r] > 0]
+    whole = [make_chunk(prob, c) for c in split_by_dtype(prob.dtype.__getitem__, rows)]
     out.append(("one-per-dtype", sorted(whole, key=lambda c: c.ready_s), None))
   if not prob.overlap:
     return out
