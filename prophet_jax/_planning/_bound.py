@@ -68,12 +68,12 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   if sharded is not None and not is_bool(sharded) and not fsdp_only:
     raise TypeError(f"lower_bound(sharded={sharded!r}): expected None (every schedule), False "
                     f"(all-reduce schedules), True (sharded schedules) or 'fsdp' (FSDP schedules).")
+  prob = problem(profile, network, cross_step=bool(cross_step))
   if fsdp_only:
-    return fsdp_bound(problem(profile, network, cross_step=bool(cross_step)))
+    return fsdp_bound(prob)
   if sharded and network.links != 1:
     raise ValueError(f"lower_bound(sharded=True): sharded schedules run on one link, but network.links="
                      f"{network.links}; use network.replace(links=1).")
-  prob = problem(profile, network, cross_step=bool(cross_step))
   deferred = _deferred_bytes(prob, float(max_defer))
   families = []
   if not sharded:
