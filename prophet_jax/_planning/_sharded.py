@@ -82,13 +82,11 @@ def sharded_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], gathers: Se
   pg, pl = [], []
   ag_tail = np.zeros(g_n)
   fwd_tail = prob.layer_fwd_tail_s
-  for g, ks in enumerate(gathers):
+  for g, ks in enumerate(gathers):       # g ascending: the last gather holding a layer writes its `need`
     ls = set().union(*(layers_of[k] for k in ks))
-    for l in ls:
-      pg.append(g)
-      pl.append(l)
-      if g > need[l]:
-        need[l] = g
+    pg += [g] * len(ls)
+    pl += ls
+    need[list(ls)] = g
     ag_tail[g] = float(fwd_tail[min(ls)]) if ls else 0.0
   floor = np.full(nl, -np.inf)
   zero = prob.row_nbytes == 0
