@@ -88,10 +88,7 @@ class SimResult:
 
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> SimResult:
-    obj = json_fields(cls, json_object(text_or_obj, "SimResult"), "SimResult")
-    missing = sorted({"iteration_s", "compute_s", "comm_s", "idle_s", "network_busy", "allreduces"} - set(obj))
-    if missing:
-      raise ValueError(f"SimResult.from_json: missing field(s) {missing}.")
+    obj = json_fields(cls, json_object(text_or_obj, "SimResult"), "SimResult", required=True)
     try:
       events = tuple(Event(**json_fields(Event, dict(e), "SimResult event")) for e in obj.pop("events", ()))
     except TypeError as e:
@@ -224,9 +221,7 @@ def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) 
   comm = (run.rs_end - run.rs_start).sum(axis=1) + (run.ag_end - run.ag_start).sum(axis=1)
   compute = forward_s + backward_s + (0.0 if prob.cross_step else update_s)
   mean = float(iters.mean())
-  evs: tuple[Event, ...] = ()
-  if events:
-    evs = _sharded_events(prob, arr, run, i, rs)
+  evs = _sharded_events(prob, arr, run, i, rs) if events else ()
   comm_mean = float(comm.mean())
   peak = dear_peak_bytes(prob, arr.rs_ready_s, arr.rs_nbytes, run.rs_end[i])
   return SimResult(iteration_s=mean, compute_s=forward_s + backward_s + update_s, comm_s=comm_mean,
