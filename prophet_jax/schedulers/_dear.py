@@ -105,10 +105,9 @@ def plan_sharded(prob: Problem, bucket_bytes: int | None = None
   seen: set[tuple] = set()
   total = float(prob.row_nbytes.sum())
   order = [i for i in prob.profile.ready_order() if prob.row_nbytes[i] > 0]
-  cands: list[tuple[str, list[list[Slice]], list[list[int]] | None]] = []
   chunks, gathers = fixed_fusion(prob, DEAR_BUCKET_BYTES)
-  cands.append(("dear-25MiB", chunks, gathers))
-  cands.append(("dear-25MiB+gather-dp", chunks, None))
+  cands: list[tuple[str, list[list[Slice]], list[list[int]] | None]] = [
+      ("dear-25MiB", chunks, gathers), ("dear-25MiB+gather-dp", chunks, None)]
   inputs = _rs_inputs(prob, order)
   chunks, largest = [], math.inf
   for cap in _CAPS:      # limits decreasing: a plan whose buckets all fit the next limit is its plan too
@@ -167,12 +166,7 @@ def fixed_fusion(prob: Problem, bucket_bytes: float) -> tuple[list[list[Slice]],
   order = sorted(range(len(chunks)), key=lambda k: (chunks[k][0], -chunks[k][1]))
   issued = [chunks[k][2] for k in order]
   where = {k: j for j, k in enumerate(order)}
-  gathers: list[list[int]] = []
-  for gi in range(len(groups)):
-    for k in range(len(chunks)):
-      if chunks[k][1] == gi:
-        gathers.append([where[k]])          # one all-gather per bucket and dtype
-  return issued, gathers
+  return issued, [[where[k]] for k in range(len(chunks))]   # one all-gather per bucket and dtype, front first
 
 
 def _rs_inputs(prob: Problem, order: Sequence[int]) -> tuple[list[float], list[float], list[int]]:
