@@ -7,15 +7,15 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .._values._checks import check_values, match_rows
-from ._core import (ChunkArrays, Problem, chunk_arrays, ends_one_link, iterations, link_loop,
-                    pressure_durations, problem, schedule_arrays, sync_waits)
+from ._core import (ChunkArrays, Problem, ends_one_link, iterations, link_loop, pressure_durations, problem,
+                    schedule_arrays, sync_waits)
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
 from ._fsdp import FsdpArrays, dear_peak_bytes, fsdp_arrays_of, fsdp_durations, fsdp_run, fsdp_samples
@@ -278,14 +278,6 @@ def chunk_links(prob: Problem, arrays: ChunkArrays) -> tuple[int, ...]:
   _, _, link, _, _ = link_loop(arrays.ready_s.tolist(), prob.durations(arrays.nbytes).tolist(),
                                backward_s=prob.backward_s, links=prob.links, overlap=prob.overlap)
   return tuple(int(x) for x in link)
-
-
-def simulate_chunks(prob: Problem, chunks: Iterable[Sequence[tuple[int, int, int]]], *,
-                    events: bool = True) -> SimResult:
-  """`simulate` of chunks given as slices in issue order, on a Problem (no checks): what `auto` runs on its
-  choice, so `predicted_s` is `simulate`'s number.
-  """
-  return simulate_arrays(prob, chunk_arrays(prob, chunks), events=events)
 
 
 def simulate_arrays(prob: Problem, arrays: ChunkArrays, *, events: bool = True) -> SimResult:

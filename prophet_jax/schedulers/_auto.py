@@ -15,7 +15,7 @@ from .._planning._core import Problem, chunk_arrays, objective_s, problem, searc
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
 from .._planning._sharded import sharded_arrays
-from .._planning._simulate import chunk_links, simulate_chunks, simulate_sharded
+from .._planning._simulate import chunk_links, simulate_arrays, simulate_sharded
 from .._values._types import GradientProfile
 from ._base import Scheduler
 from ._bucket import bucket
@@ -266,7 +266,7 @@ def _contest(profile: GradientProfile, network: NetworkModel, cross: bool,
     chosen = _robust_choice(prob, cands, options)
   predicted = chosen.nominal
   if options["verify"]:
-    predicted = simulate_chunks(prob, chosen.slices(), events=False).iteration_s
+    predicted = simulate_arrays(prob, chunk_arrays(prob, chosen.slices()), events=False).iteration_s
   return prob, chosen, predicted
 
 
