@@ -28,7 +28,6 @@ class ShardedArrays(NamedTuple):
     need: per layer, the last all-gather holding an element of it (-1: none).
     gathered_pairs: unique (gather, layer) pairs.
     layer_floor_s: per layer, the latest ready_s of its rows with nbytes=0 (-inf: none).
-    ag_tail_s: per all-gather, the forward from its front-most layer on.
   """
 
   rs_ready_s: np.ndarray
@@ -41,7 +40,6 @@ class ShardedArrays(NamedTuple):
   need: np.ndarray
   gathered_pairs: tuple[np.ndarray, np.ndarray]
   layer_floor_s: np.ndarray
-  ag_tail_s: np.ndarray
 
 
 class ShardedRun(NamedTuple):
@@ -80,14 +78,11 @@ def sharded_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], gathers: Se
   nl = len(prob.layers)
   need = np.full(nl, -1, dtype=np.int64)
   pg, pl = [], []
-  ag_tail = np.zeros(g_n)
-  fwd_tail = prob.layer_fwd_tail_s
   for g, ks in enumerate(gathers):       # g ascending: the last gather holding a layer writes its `need`
     ls = set().union(*(layers_of[k] for k in ks))
     pg += [g] * len(ls)
     pl += ls
     need[list(ls)] = g
-    ag_tail[g] = float(fwd_tail[min(ls)]) if ls else 0.0
   floor = np.full(nl, -np.inf)
   zero = prob.row_nbytes == 0
   np.maximum.at(floor, prob.row_layer[zero], prob.row_ready_s[zero])
@@ -95,7 +90,7 @@ def sharded_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], gathers: Se
                        ag_nbytes=ag_nbytes, ag_update_s=ag_update, members=members,
                        member_start=member_start, need=need,
                        gathered_pairs=(np.asarray(pg, dtype=np.int64), np.asarray(pl, dtype=np.int64)),
-                       layer_floor_s=floor, ag_tail_s=ag_tail)
+                       layer_floor_s=floor)
 
 
 def chunk_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> ChunkArrays:

@@ -145,8 +145,7 @@ class _Candidate:
   the chosen one becomes a Schedule.
   """
 
-  __slots__ = ("label", "_chunks", "_groups", "_slices", "default_baseline", "arrays", "nominal", "point",
-               "worst", "_prob")
+  __slots__ = ("label", "_chunks", "_groups", "_slices", "default_baseline", "arrays", "nominal", "point", "_prob")
 
   def __init__(self, prob: Problem, label: str, chunks: list[SearchChunk] | None = None,
                groups: Groups | None = None, default_baseline: bool = False,
@@ -165,7 +164,6 @@ class _Candidate:
       self._slices = None
       self.arrays = chunk_stats(chunks)
     self.nominal = objective_s(prob, *self.arrays)
-    self.worst = 1.0
 
   @property
   def chunks(self) -> list[SearchChunk]:
@@ -173,10 +171,6 @@ class _Candidate:
     if self._chunks is None:
       self._chunks = [make_chunk(self._prob, c) for c in self._slices]
     return self._chunks
-
-  @property
-  def num_chunks(self) -> int:
-    return len(self._slices) if self._slices is not None else len(self._chunks)
 
   def slices(self) -> list[Sequence[tuple[int, int, int]]]:
     """Each chunk's slices, in issue order."""
@@ -189,9 +183,7 @@ class _Candidate:
 
 def _small(c: _Candidate) -> bool:
   """Small enough for the rich neighbourhood: at most _SMALL chunks and _SLICES slices."""
-  if c.num_chunks > _SMALL:
-    return False
-  return sum(len(x.slices) for x in c.chunks) <= _SLICES
+  return len(c.slices()) <= _SMALL and sum(len(x.slices) for x in c.chunks) <= _SLICES
 
 
 def _refine(search: Problem, prob: Problem, cands: list[_Candidate], budget: int) -> list[_Candidate]:
@@ -334,6 +326,4 @@ def _robust_choice(prob: Problem, cands: list[_Candidate], options: dict[str, An
   base = min((c.nominal for c in cands if c.default_baseline), default=_INF)
   limit = base * (1 + options["robust_tol"])
   ok = [i for i, c in enumerate(cands) if c.nominal <= limit * (1 + 1e-12)] or [0]
-  i = min(ok, key=lambda i: (worst[i], cands[i].nominal))
-  cands[i].worst = float(worst[i])
-  return cands[i]
+  return cands[min(ok, key=lambda i: (worst[i], cands[i].nominal))]
