@@ -68,12 +68,12 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   if sharded is not None and not is_bool(sharded) and not fsdp_only:
     raise TypeError(f"lower_bound(sharded={sharded!r}): expected None (every schedule), False "
                     f"(all-reduce schedules), True (sharded schedules) or 'fsdp' (FSDP schedules).")
+  prob = problem(profile, network, cross_step=bool(cross_step))
   if fsdp_only:
-    return fsdp_bound(problem(profile, network, cross_step=bool(cross_step)))
+    return fsdp_bound(prob)
   if sharded and network.links != 1:
     raise ValueError(f"lower_bound(sharded=True): sharded schedules run on one link, but network.links="
                      f"{network.links}; use network.replace(links=1).")
-  prob = problem(profile, network, cross_step=bool(cross_step))
   deferred = _deferred_bytes(prob, float(max_defer))
   families = []
   if not sharded:
@@ -100,14 +100,9 @@ def _sharded_bound(prob: Problem, b_full: float) -> float:
   """
   a, b = 0.5 * prob.startup_s, 0.5 * b_full
   ready, nbytes, dtype, layer = prob.row_ready_s, prob.row_nbytes, prob.row_dtype_code, prob.row_layer
-  sent = nbytes > 0
-  idx = np.flatnonzero(sent)
-  order = idx[np.argsort(-ready[idx], kind="stable")]           # latest first: prefixes are S_t
+  sent, idx, order, nd = _latest_first(prob)
   r_s, b_s, d_s = ready[order], nbytes[order], dtype[order]
-  nd = int(dtype.max()) + 1
-  k = np.zeros(order.size)
-  for d in range(nd):
-    k += np.cumsum(d_s == d) > 0
+  k = _dtypes_so_far(np.ones(order.size, dtype=bool), d_s, nd)
   thr = float(np.max(r_s + k * a + b * np.cumsum(b_s)))          # max_t (t + W'(S_t))
   w_all = float(k[-1] * a + b * b_s.sum())
   forward, backward = prob.forward_s, prob.backward_s
@@ -121,21 +116,14 @@ def _sharded_bound(prob: Problem, b_full: float) -> float:
       return float(max(backward, rs) + max(w_all, update + a) + forward)
     return float(rs + update + w_all + forward)
   ftail = prob.layer_fwd_tail_s
-  bound = backward + forward
-  zero = ~sent
-  if zero.any():
-    bound = max(bound, float(np.max(ready[zero] + ftail[layer[zero]])))
+  bound = max(backward + forward, _unsent(prob, sent, ftail))
   if not prob.overlap:
     return float(max(bound, rs + w_all + forward))
   q_row = ftail[layer[idx]]
   by_q = np.lexsort((idx, -q_row))                                 # ftail descending, then row order
   q_s, bq_s, dq_s = q_row[by_q], nbytes[idx][by_q], dtype[idx][by_q]
-  bound = max(bound, rs + _gather_chain(bq_s, q_s, a, b))
-  if nd > 1:
-    for d in range(nd):
-      sel = dq_s == d
-      if sel.any():
-        bound = max(bound, rs + _gather_chain(bq_s[sel], q_s[sel], a, b))
+  for m in _dtype_masks(dq_s, nd):
+    bound = max(bound, rs + _gather_chain(bq_s[m], q_s[m], a, b))
   return float(bound)
 
 
@@ -178,29 +166,22 @@ def _bound(prob: Problem, b: float, deferred: float) -> float:
   ready, nbytes, layer, dtype = prob.row_ready_s, prob.row_nbytes, prob.row_layer, prob.row_dtype_code
   forward, update, backward = prob.forward_s, prob.update_s, prob.backward_s
 
-  sent = nbytes > 0
-
   def work(bytes_, k):  # W for arrays of (bytes, dtype count)
     if deferred:
       bytes_ = np.maximum(bytes_ - deferred, 0.0)
     return np.maximum(a * np.ceil(k / links), (k * a + b * bytes_) / links)
 
   # rows sorted by ready time, latest first: prefix sums over this order are the sets S_t.
-  idx = np.flatnonzero(sent)
-  order = idx[np.argsort(-ready[idx], kind="stable")]
+  sent, _, order, nd = _latest_first(prob)
   r_s, b_s, d_s, l_s = ready[order], nbytes[order], dtype[order], layer[order]
   n = order.size
-  nd = int(dtype.max()) + 1
 
   def thr_max(mask: np.ndarray) -> np.ndarray:
     """max_t (t + W(R ∩ S_t)) for each set R (a boolean mask over `order`), at every sorted position (ties
     count part of S_t: smaller, still valid).
     """
     cb = np.cumsum(np.where(mask, b_s, 0.0), axis=-1)
-    k = np.zeros(mask.shape)
-    for d in range(nd):
-      k += np.cumsum(mask & (d_s == d), axis=-1) > 0
-    val = np.where(mask, r_s + work(cb, k), -np.inf)
+    val = np.where(mask, r_s + work(cb, _dtypes_so_far(mask, d_s, nd)), -np.inf)
     return val.max(axis=-1)
 
   if n:
@@ -220,10 +201,7 @@ def _bound(prob: Problem, b: float, deferred: float) -> float:
     return float(t0 + update + forward)
 
   tail = prob.layer_tail_s
-  bound = t0 + forward
-  zero = ~sent
-  if zero.any():
-    bound = max(bound, float(np.max(ready[zero] + tail[layer[zero]])))
+  bound = max(t0 + forward, _unsent(prob, sent, tail))
   if n:
     has_sent = np.zeros(nl, dtype=bool)
     has_sent[l_s] = True
@@ -253,14 +231,11 @@ def _bound(prob: Problem, b: float, deferred: float) -> float:
       # batching: the last chunk holding rows of a layer range J ends no earlier than the best
       # one-link batching of J's rows alone (of each dtype alone), then waits >= min tail over J.
       for lo, hi in _ranges(nl, n):
-        sel = (l_s >= lo) & (l_s <= hi)
-        for dt in range(-1 if nd > 1 else 0, nd):
-          m = sel if dt < 0 else sel & (d_s == dt)
-          if m.any():
-            mk = _batched_makespan(r_s[m][::-1], b_s[m][::-1], a, b)
-            bound = max(bound, mk + float(tail[l_s[m]].min()))
-        # split: the rows of J ready no earlier than every row outside J ("hold")
         in_j = (l_s >= lo) & (l_s <= hi)
+        for m in _dtype_masks(d_s, nd, in_j):
+          mk = _batched_makespan(r_s[m][::-1], b_s[m][::-1], a, b)
+          bound = max(bound, mk + float(tail[l_s[m]].min()))
+        # split: the rows of J ready no earlier than every row outside J ("hold")
         t_star = float(r_s[~in_j].max()) if (~in_j).any() else -np.inf
         hold = in_j & (r_s >= t_star)
         if hold.sum() > _SPLIT_HELD:   # keep the latest rows only: still later than all the others
@@ -286,13 +261,35 @@ def _ranges(nl: int, n: int) -> list[tuple[int, int]]:
 def _makespan_per_dtype(r_s: np.ndarray, b_s: np.ndarray, d_s: np.ndarray, nd: int, a: float, b: float
                         ) -> float:
   """The largest M over every row and over each dtype's rows alone; rows given latest first."""
-  m = _batched_makespan(r_s[::-1], b_s[::-1], a, b)
-  if nd > 1:
-    for d in range(nd):
-      sel = (d_s == d)[::-1]
-      if sel.any():
-        m = max(m, _batched_makespan(r_s[::-1][sel], b_s[::-1][sel], a, b))
-  return m
+  return max(_batched_makespan(r_s[m][::-1], b_s[m][::-1], a, b) for m in _dtype_masks(d_s, nd))
+
+
+def _latest_first(prob: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+  """(rows sent, their indices, those indices latest ready first (ties in row order), dtype count)."""
+  sent = prob.row_nbytes > 0
+  idx = np.flatnonzero(sent)
+  return sent, idx, idx[np.argsort(-prob.row_ready_s[idx], kind="stable")], int(prob.row_dtype_code.max()) + 1
+
+
+def _dtypes_so_far(mask: np.ndarray, d_s: np.ndarray, nd: int) -> np.ndarray:
+  """Per position (last axis), how many dtypes the rows in `mask` up to it hold."""
+  k = np.zeros(mask.shape)
+  for d in range(nd):
+    k += np.cumsum(mask & (d_s == d), axis=-1) > 0
+  return k
+
+
+def _dtype_masks(d_s: np.ndarray, nd: int, base: np.ndarray | None = None) -> list[np.ndarray]:
+  """`base` (all rows when None), then with several dtypes each dtype's part of it: the non-empty ones."""
+  base = np.ones(d_s.size, dtype=bool) if base is None else base
+  masks = [base] + ([base & (d_s == d) for d in range(nd)] if nd > 1 else [])
+  return [m for m in masks if m.any()]
+
+
+def _unsent(prob: Problem, sent: np.ndarray, tail: np.ndarray) -> float:
+  """The latest end of a row in no message: its ready time plus its layer's `tail` (-inf: none)."""
+  zero = ~sent
+  return float(np.max(prob.row_ready_s[zero] + tail[prob.row_layer[zero]], initial=-np.inf))
 
 
 def _batched_makespan(ready: np.ndarray, nbytes: np.ndarray, a: float, b: float) -> float:

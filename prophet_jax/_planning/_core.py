@@ -106,10 +106,7 @@ def _build(profile: GradientProfile, network: NetworkModel, cross_step: bool) ->
     row_tail = np.full(n, update_s + forward_s)
     floor = 0.0
     after = update_s + forward_s
-  sizes: dict[str, int] = {}
-  for r in rows:
-    if r.dtype not in sizes:
-      sizes[r.dtype] = itemsize(r.dtype)
+  sizes = {d: itemsize(d) for d in dcode}
   backward_s = float(profile.backward_s)
   return Problem(
       profile=profile, network=network, cross_step=bool(cross_step), fingerprint=profile.fingerprint(),
@@ -373,16 +370,13 @@ def background_flows(pressure: Any) -> np.ndarray:
 
 def typical_costs(prob: Problem) -> tuple[float, float]:
   """(a', b'): a typical message's costs under the pressure (`typical_network`); calm: (a, b)."""
-  if prob.network.pressure is None:
-    return prob.startup_s, prob.per_byte_s
   net = typical_network(prob.network)
   return net.startup_s, net.per_byte_s
 
 
 def search_problem(prob: Problem) -> Problem:
   """The calm Problem a planner searches on: `prob` itself when calm, else the same on `typical_network`."""
-  q = prob.network.pressure
-  if q is None or q.calm:
+  if not pressured(prob):
     return prob
   return problem(prob.profile, typical_network(prob.network), cross_step=prob.cross_step)
 

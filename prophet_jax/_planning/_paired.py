@@ -8,7 +8,7 @@ import functools
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,10 +113,6 @@ def median_interval(values: Sequence[float], confidence: float = DEFAULT_CONFIDE
   return float(np.median(x)), float(x[j - 1]), float(x[n - j])
 
 
-def _canonical(d: Mapping[str, Any]) -> str:
-  return json.dumps(d, sort_keys=True, separators=(",", ":"))
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Choice:
   """The outcome of `choose`: which step to train with, measured against the control.
@@ -192,7 +188,7 @@ class Choice:
   @property
   def fingerprint(self) -> str:
     """sha256 of the canonical JSON: equal on every process that decided the same."""
-    return hashlib.sha256(_canonical(self.to_dict()).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
   def describe(self) -> str:
     """A small table: each step's median time, ratio, interval and verdict; then the reason."""

@@ -28,7 +28,6 @@ class ShardedArrays(NamedTuple):
     need: per layer, the last all-gather holding an element of it (-1: none).
     gathered_pairs: unique (gather, layer) pairs.
     layer_floor_s: per layer, the latest ready_s of its rows with nbytes=0 (-inf: none).
-    ag_tail_s: per all-gather, the forward from its front-most layer on.
   """
 
   rs_ready_s: np.ndarray
@@ -41,7 +40,6 @@ class ShardedArrays(NamedTuple):
   need: np.ndarray
   gathered_pairs: tuple[np.ndarray, np.ndarray]
   layer_floor_s: np.ndarray
-  ag_tail_s: np.ndarray
 
 
 class ShardedRun(NamedTuple):
@@ -80,25 +78,19 @@ def sharded_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], gathers: Se
   nl = len(prob.layers)
   need = np.full(nl, -1, dtype=np.int64)
   pg, pl = [], []
-  ag_tail = np.zeros(g_n)
-  fwd_tail = prob.layer_fwd_tail_s
-  for g, ks in enumerate(gathers):
+  for g, ks in enumerate(gathers):       # g ascending: the last gather holding a layer writes its `need`
     ls = set().union(*(layers_of[k] for k in ks))
-    for l in ls:
-      pg.append(g)
-      pl.append(l)
-      if g > need[l]:
-        need[l] = g
-    ag_tail[g] = float(fwd_tail[min(ls)]) if ls else 0.0
+    pg += [g] * len(ls)
+    pl += ls
+    need[list(ls)] = g
   floor = np.full(nl, -np.inf)
   zero = prob.row_nbytes == 0
-  if zero.any():
-    np.maximum.at(floor, prob.row_layer[zero], prob.row_ready_s[zero])
+  np.maximum.at(floor, prob.row_layer[zero], prob.row_ready_s[zero])
   return ShardedArrays(rs_ready_s=rs_ready, rs_nbytes=rs_nbytes, rs_update_s=rs_update,
                        ag_nbytes=ag_nbytes, ag_update_s=ag_update, members=members,
                        member_start=member_start, need=need,
                        gathered_pairs=(np.asarray(pg, dtype=np.int64), np.asarray(pl, dtype=np.int64)),
-                       layer_floor_s=floor, ag_tail_s=ag_tail)
+                       layer_floor_s=floor)
 
 
 def chunk_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> ChunkArrays:
@@ -175,9 +167,7 @@ def sharded_run(prob: Problem, arr: ShardedArrays, rs_dur: np.ndarray, ag_dur: n
     release[:] = t0[:, None] + cum[None, :]
     u_total = float(cum[-1]) if g_n else 0.0
     if overlap:
-      t = t_rs.copy()
-      for g in range(g_n):
-        t = _gather(t, g, release, ag_dur, ag_start, ag_end)
+      t = _gathers(t_rs, range(g_n), release, ag_dur, ag_start, ag_end)
       last = t if g_n else t0
       start_fwd = np.maximum(t0 + u_total, last)
     else:
@@ -198,9 +188,7 @@ def sharded_run(prob: Problem, arr: ShardedArrays, rs_dur: np.ndarray, ag_dur: n
   fwd_start = np.empty((samples, nl))
   floor = arr.layer_floor_s
   if overlap:
-    t = t_rs.copy()
-    for g in range(g_n):
-      t = _gather(t, g, release, ag_dur, ag_start, ag_end)
+    _gathers(t_rs, range(g_n), release, ag_dur, ag_start, ag_end)
     gathered = np.broadcast_to(floor[None, :], (samples, nl)).copy()
     pg, pl = arr.gathered_pairs
     if pg.size:
@@ -217,28 +205,25 @@ def sharded_run(prob: Problem, arr: ShardedArrays, rs_dur: np.ndarray, ag_dur: n
     t = t0.copy()
     j = 0
     for l in range(nl):
-      while j <= arr.need[l]:
-        t = _gather(t, j, release, ag_dur, ag_start, ag_end)
-        j += 1
+      t = _gathers(t, range(j, arr.need[l] + 1), release, ag_dur, ag_start, ag_end)
+      j = max(j, arr.need[l] + 1)
       s = np.maximum(t, floor[l])
       fwd_start[:, l] = s
       t = s + fwd[l]
-    while j < g_n:
-      t = _gather(t, j, release, ag_dur, ag_start, ag_end)
-      j += 1
-    iteration = t
+    iteration = _gathers(t, range(j, g_n), release, ag_dur, ag_start, ag_end)
   return ShardedRun(iteration, rs_start, rs_end, ag_start, ag_end, bw_end, t0, release, fwd_start)
 
 
-def _gather(t: np.ndarray, g: int, release: np.ndarray, ag_dur: np.ndarray, ag_start: np.ndarray,
-            ag_end: np.ndarray) -> np.ndarray:
-  """All-gather `g` on the link free at `t`, per sample (the one-link recurrence); returns when the link is
-  free again.
+def _gathers(t: np.ndarray, gs: range, release: np.ndarray, ag_dur: np.ndarray, ag_start: np.ndarray,
+             ag_end: np.ndarray) -> np.ndarray:
+  """All-gathers `gs` in turn on the link free at `t`, per sample (the one-link recurrence); returns when the
+  link is free again.
   """
-  s = np.maximum(t, release[:, g])
-  ag_start[:, g] = s
-  t = s + ag_dur[:, g]
-  ag_end[:, g] = t
+  for g in gs:
+    s = np.maximum(t, release[:, g])
+    ag_start[:, g] = s
+    t = s + ag_dur[:, g]
+    ag_end[:, g] = t
   return t
 
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .._values._checks import check_values, match_rows
-from ._core import (ChunkArrays, Problem, chunk_arrays, ends_one_link, iterations, link_loop,
-                    pressure_durations, problem, schedule_arrays, sync_waits)
+from ._core import (ChunkArrays, Problem, ends_one_link, iterations, link_loop, pressure_durations, problem,
+                    schedule_arrays, sync_waits)
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
 from ._fsdp import FsdpArrays, dear_peak_bytes, fsdp_arrays_of, fsdp_durations, fsdp_run, fsdp_samples
@@ -88,10 +88,7 @@ class SimResult:
 
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> SimResult:
-    obj = json_fields(cls, json_object(text_or_obj, "SimResult"), "SimResult")
-    missing = sorted({"iteration_s", "compute_s", "comm_s", "idle_s", "network_busy", "allreduces"} - set(obj))
-    if missing:
-      raise ValueError(f"SimResult.from_json: missing field(s) {missing}.")
+    obj = json_fields(cls, json_object(text_or_obj, "SimResult"), "SimResult", required=True)
     try:
       events = tuple(Event(**json_fields(Event, dict(e), "SimResult event")) for e in obj.pop("events", ()))
     except TypeError as e:
@@ -224,9 +221,7 @@ def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) 
   comm = (run.rs_end - run.rs_start).sum(axis=1) + (run.ag_end - run.ag_start).sum(axis=1)
   compute = forward_s + backward_s + (0.0 if prob.cross_step else update_s)
   mean = float(iters.mean())
-  evs: tuple[Event, ...] = ()
-  if events:
-    evs = _sharded_events(prob, arr, run, i, rs)
+  evs = _sharded_events(prob, arr, run, i, rs) if events else ()
   comm_mean = float(comm.mean())
   peak = dear_peak_bytes(prob, arr.rs_ready_s, arr.rs_nbytes, run.rs_end[i])
   return SimResult(iteration_s=mean, compute_s=forward_s + backward_s + update_s, comm_s=comm_mean,
@@ -249,8 +244,7 @@ def _sharded_events(prob: Problem, arr: ShardedArrays, run: ShardedRun, i: int,
       dur = dur + sync_waits(arr.rs_ready_s, prob.skew, prob.cycle_s, prob.backward_s)
     stalls = link_loop(arr.rs_ready_s.tolist(), dur.tolist(), backward_s=prob.backward_s, links=1,
                        overlap=False)[4]
-  layers = prob.layers
-  _backward_events(prob, layers, stalls, out)
+  _backward_events(prob, stalls, out)
   for k, (a, b) in enumerate(zip(run.rs_start[i].tolist(), run.rs_end[i].tolist())):
     out.append(ev("reduce_scatter", f"chunk{k}", a, b, "link0"))
   for g, (a, b) in enumerate(zip(run.ag_start[i].tolist(), run.ag_end[i].tolist())):
@@ -263,7 +257,7 @@ def _sharded_events(prob: Problem, arr: ShardedArrays, run: ShardedRun, i: int,
   elif sum(upd) > 0:
     t0 = float(run.t0[i])
     out.append(ev("update", "update", t0, t0 + sum(upd)))
-  _forward_events(prob, layers, run.fwd_start[i].tolist(), out)
+  _forward_events(prob, run.fwd_start[i].tolist(), out)
   return tuple(out)
 
 
@@ -273,8 +267,6 @@ def link_assignment(schedule: Schedule, profile: GradientProfile, network: Netwo
   records in `Schedule.links`); () for one link.
   """
   check_values("link_assignment()", schedule=schedule, profile=profile, network=network)
-  if network.links == 1:
-    return ()
   prob = problem(profile, network, cross_step=bool(cross_step))
   return chunk_links(prob, schedule_arrays(prob, schedule.buckets))
 
@@ -286,14 +278,6 @@ def chunk_links(prob: Problem, arrays: ChunkArrays) -> tuple[int, ...]:
   _, _, link, _, _ = link_loop(arrays.ready_s.tolist(), prob.durations(arrays.nbytes).tolist(),
                                backward_s=prob.backward_s, links=prob.links, overlap=prob.overlap)
   return tuple(int(x) for x in link)
-
-
-def simulate_chunks(prob: Problem, chunks: Iterable[Sequence[tuple[int, int, int]]], *,
-                    events: bool = True) -> SimResult:
-  """`simulate` of chunks given as slices in issue order, on a Problem (no checks): what `auto` runs on its
-  choice, so `predicted_s` is `simulate`'s number.
-  """
-  return simulate_arrays(prob, chunk_arrays(prob, chunks), events=events)
 
 
 def simulate_arrays(prob: Problem, arrays: ChunkArrays, *, events: bool = True) -> SimResult:
@@ -368,10 +352,8 @@ def _simulate_once(prob: Problem, arrays: ChunkArrays, dur: np.ndarray, events: 
     # reduced(l): the last end of a chunk touching layer l; rows in no chunk count at their ready_s.
     reduced = np.full(nl, -np.inf)
     zero = prob.row_nbytes == 0
-    if zero.any():
-      np.maximum.at(reduced, prob.row_layer[zero], prob.row_ready_s[zero])
-    if n:
-      np.maximum.at(reduced, prob.row_layer[pair_row], end[pair_chunk])
+    np.maximum.at(reduced, prob.row_layer[zero], prob.row_ready_s[zero])
+    np.maximum.at(reduced, prob.row_layer[pair_row], end[pair_chunk])
     t0 = bw_end if network.overlap else max(bw_end, last_end)
     fwd_start = np.empty(nl)
     t = t0
@@ -390,10 +372,7 @@ def _simulate_once(prob: Problem, arrays: ChunkArrays, dur: np.ndarray, events: 
   busy = _union_length(start, end) if network.links > 1 else comm
   network_busy = busy / iteration if iteration > 0 else 0.0
 
-  evs: tuple[Event, ...] = ()
-  if events:
-    evs = _events(prob, layers, start, end, link, stalls, fwd_start, cross_step,
-                  reduced if cross_step else None, t0, update_s)
+  evs = _events(prob, start, end, link, stalls, fwd_start, reduced if cross_step else None, t0) if events else ()
   return SimResult(iteration_s=float(iteration), compute_s=forward_s + backward_s + update_s,
                    comm_s=comm, idle_s=max(float(idle), 0.0), network_busy=float(network_busy),
                    allreduces=int(n), events=evs, cross_step=cross_step)
@@ -421,42 +400,39 @@ def _event_maker():
 _new_event = _event_maker()
 
 
-def _events(prob: Problem, layers: tuple[str, ...], start: np.ndarray,
-            end: np.ndarray, link: np.ndarray, stalls: list[tuple[float, float]],
-            fwd_start: np.ndarray, cross_step: bool, reduced: np.ndarray | None, t0: float,
-            update_s: float) -> tuple[Event, ...]:
+def _events(prob: Problem, start: np.ndarray, end: np.ndarray, link: np.ndarray,
+            stalls: list[tuple[float, float]], fwd_start: np.ndarray, reduced: np.ndarray | None,
+            t0: float) -> tuple[Event, ...]:
   ev = _new_event
   out: list[Event] = []
-  _backward_events(prob, layers, stalls, out)
+  _backward_events(prob, stalls, out)
   lanes = [f"link{j}" for j in range(int(link.max()) + 1)] if link.size else []
   for k, (a, b, j) in enumerate(zip(start.tolist(), end.tolist(), link.tolist())):
     out.append(ev("allreduce", f"chunk{k}", a, b, lanes[j]))
-  nl = len(layers)
-  if cross_step:
-    upd = prob.layer_update_s.tolist()
-    red = reduced.tolist() if reduced is not None else [-np.inf] * nl
-    for l in range(nl):
+  layers = prob.layers
+  if reduced is not None:       # the pipelined step: each layer's update once its last chunk is reduced
+    upd, red = prob.layer_update_s.tolist(), reduced.tolist()
+    for l in range(len(layers)):
       if upd[l] > 0 and red[l] != -np.inf:
         out.append(ev("update", layers[l], red[l], red[l] + upd[l], "update"))
-  elif update_s > 0:
-    out.append(ev("update", "update", t0, t0 + update_s))
-  _forward_events(prob, layers, fwd_start, out)
+  elif prob.update_s > 0:
+    out.append(ev("update", "update", t0, t0 + prob.update_s))
+  _forward_events(prob, fwd_start, out)
   return tuple(out)
 
 
-def _forward_events(prob: Problem, layers: tuple[str, ...], fwd_start: Sequence[float],
-                    out: list[Event]) -> None:
-  fs, ff = list(fwd_start), prob.layer_fwd_s.tolist()
+def _forward_events(prob: Problem, fwd_start: Sequence[float], out: list[Event]) -> None:
+  fs, ff, layers = list(fwd_start), prob.layer_fwd_s.tolist(), prob.layers
   for l in range(len(layers)):
     out.append(_new_event("forward", layers[l], fs[l], fs[l] + ff[l]))
 
 
-def _backward_events(prob: Problem, layers: tuple[str, ...], stalls: list[tuple[float, float]],
-                     out: list[Event]) -> None:
+def _backward_events(prob: Problem, stalls: list[tuple[float, float]], out: list[Event]) -> None:
   """Backward spans in backward order (each layer from the previous one's ready time to its own), mapped to
   the wall clock around the stalls.
   """
   ev = _new_event
+  layers = prob.layers
   nl = len(layers)
   layer_ready = np.full(nl, 0.0)
   np.maximum.at(layer_ready, prob.row_layer, prob.row_ready_s)

@@ -14,7 +14,7 @@ import numpy as np
 from ._errors import ScheduleMismatchError
 from ._network import NetworkModel
 from ._schedule import Schedule
-from ._tree import Row, dtype_name, is_reduced_leaf, path_str, tree_fingerprint
+from ._tree import Row, dtype_name, is_reduced_leaf, is_variable_value, path_str, tree_fingerprint
 from ._types import GradientProfile, is_bool, is_int, is_number
 
 __all__ = ["check_bool", "check_int", "check_number", "check_bytes", "check_positive", "check_max_defer",
@@ -173,14 +173,6 @@ def _some(paths: Sequence[str], k: int = 3) -> str:
   return f"{list(paths[:k])}" + (f" and {len(paths) - k} more" if len(paths) > k else "")
 
 
-_VARIABLE_VALUE = "value"  # the attribute under which a flax.nnx Variable holds its array
-
-
-def _is_variable_value_key(key: Any) -> bool:
-  """True for an nnx Variable's array key, jax's GetAttrKey('value') (read by name)."""
-  return type(key).__name__ == "GetAttrKey" and getattr(key, "name", None) == _VARIABLE_VALUE
-
-
 def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Any, *, where: str = "allreduce",
                skip_prefixes: Sequence[str] = ()) -> LeafMap:
   """Maps schedule rows to a tree's leaves by path, checking shape and dtype.
@@ -212,18 +204,16 @@ def match_tree(leaves_with_path: Sequence[tuple[Any, Any]], schedule: Any, *, wh
   # nnx spellings: a Variable's 'x/value' also answers to 'x'; a plain 'x' also answers to 'x/value'
   alias: dict[str, int] = {}
   for i, (kp, _) in enumerate(leaves_with_path):
-    if not isinstance(kp, str) and kp and _is_variable_value_key(kp[-1]):
+    if not isinstance(kp, str) and kp and is_variable_value(kp[-1]):
       alias.setdefault(path_str(kp[:-1]), i)
     else:
-      alias.setdefault(f"{paths[i]}/{_VARIABLE_VALUE}", i)
+      alias.setdefault(f"{paths[i]}/value", i)
   floats = [p for p, x in zip(paths, leaves) if is_reduced_leaf(x)] or list(paths)
   like = f"the tree has paths like {_some(floats, 4)}"
   covers = f"the schedule covers {len(rows)} leaves, like {_some([r[0] for r in rows], 4)}"
   row_leaf = []
   for path, shape, dtype in rows:
-    i = index.get(path)
-    if i is None:
-      i = alias.get(path)
+    i = index.get(path, alias.get(path))
     if i is None:
       near = [p for p in paths if p.split("/")[-1] == path.split("/")[-1]]
       hint = f"e.g. {_some(near)} end the same way; {like}" if near else like

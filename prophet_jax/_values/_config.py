@@ -82,13 +82,10 @@ def read_config(environ: Mapping[str, str]) -> Config:
       raise ValueError(f"PROPHET_GLOO_INTERFACE={iface!r} is not a network interface name (at most 15 "
                        f"characters, no spaces or '/'), e.g. 'eth0' or 'veth0'.")
     kw["gloo_interface"] = iface
-  if get("PROPHET_INIT_TIMEOUT_S") not in (None, ""):
-    kw["init_timeout_s"] = _int("PROPHET_INIT_TIMEOUT_S", get("PROPHET_INIT_TIMEOUT_S"), minimum=1)
-  if get("PROPHET_HEARTBEAT_TIMEOUT_S") not in (None, ""):
-    kw["heartbeat_timeout_s"] = _int("PROPHET_HEARTBEAT_TIMEOUT_S", get("PROPHET_HEARTBEAT_TIMEOUT_S"),
-                                     minimum=1)
-  if get("PROPHET_LOCAL_DEVICES") not in (None, ""):
-    kw["local_devices"] = _int("PROPHET_LOCAL_DEVICES", get("PROPHET_LOCAL_DEVICES"), minimum=1)
+  for field in ("init_timeout_s", "heartbeat_timeout_s", "local_devices"):   # the flags of integers >= 1
+    flag = PREFIX + field.upper()
+    if get(flag) not in (None, ""):
+      kw[field] = _int(flag, get(flag), minimum=1)
   debug = (get("PROPHET_DEBUG") or "").strip().lower()
   if debug not in _TRUE + _FALSE:
     raise ValueError(f"PROPHET_DEBUG={debug!r}; expected one of {list(_TRUE + _FALSE[:-1])} (or empty).")

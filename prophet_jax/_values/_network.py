@@ -39,6 +39,24 @@ PRESETS_TWO_LEVEL: dict[str, tuple[str, str, int]] = {
 }
 
 
+_INT_NOTES = {"node_size": " (devices per node of a two-level network; 0 for one level)"}
+
+
+def check_fields(value: Any, floats: tuple[str, ...], ints: dict[str, int]) -> None:
+  """Stores `value`'s `floats` as floats (finite, >= 0), its `ints` as ints (>= the least given), or raises."""
+  owner = type(value).__name__
+  for n in floats:
+    v = getattr(value, n)
+    if not is_finite_nonneg(v):
+      raise NetworkError(f"{owner} has {n}={v!r}; it must be a finite number >= 0.")
+    object.__setattr__(value, n, float(v))
+  for n, lo in ints.items():
+    v = getattr(value, n)
+    if not is_int(v) or v < lo:
+      raise NetworkError(f"{owner} has {n}={v!r}; it must be an integer >= {lo}{_INT_NOTES.get(n, '')}.")
+    object.__setattr__(value, n, int(v))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Pressure(JsonValue):
   """Network pressure: seeded background traffic and heavy-tailed per-message delays.
@@ -65,22 +83,13 @@ class Pressure(JsonValue):
   seed: int = 0
 
   def __post_init__(self):
-    for n in ("background_flows", "tail_prob", "tail_scale_s", "tail_shape"):
-      v = getattr(self, n)
-      if not is_finite_nonneg(v):
-        raise NetworkError(f"Pressure has {n}={v!r}; it must be a finite number >= 0.")
-      object.__setattr__(self, n, float(v))
+    check_fields(self, ("background_flows", "tail_prob", "tail_scale_s", "tail_shape"), {"samples": 1, "seed": 0})
     if self.tail_prob > 1:
       raise NetworkError(f"Pressure has tail_prob={self.tail_prob!r}; it is a probability per ring "
                          f"step and must be in [0, 1] (e.g. 0.01).")
     if self.tail_shape <= 0:
       raise NetworkError(f"Pressure has tail_shape={self.tail_shape!r}; the Pareto shape must be > 0 "
                          f"(e.g. 1.5; the smaller, the heavier the tail).")
-    for n, lo in (("samples", 1), ("seed", 0)):
-      v = getattr(self, n)
-      if not is_int(v) or v < lo:
-        raise NetworkError(f"Pressure has {n}={v!r}; it must be an integer >= {lo}.")
-      object.__setattr__(self, n, int(v))
 
   @property
   def calm(self) -> bool:
@@ -126,20 +135,8 @@ class NetworkModel(JsonValue):
   outer_beta_s_per_byte: float = 0.0
 
   def __post_init__(self):
-    for n in ("alpha_s", "beta_s_per_byte", "skew", "outer_alpha_s", "outer_beta_s_per_byte"):
-      v = getattr(self, n)
-      if not is_finite_nonneg(v):
-        raise NetworkError(f"NetworkModel has {n}={v!r}; it must be a finite number >= 0.")
-      object.__setattr__(self, n, float(v))
-    if not is_int(self.node_size) or self.node_size < 0:
-      raise NetworkError(f"NetworkModel has node_size={self.node_size!r}; it must be an integer >= 0 "
-                         f"(devices per node of a two-level network; 0 for one level).")
-    object.__setattr__(self, "node_size", int(self.node_size))
-    for n in ("workers", "links"):
-      v = getattr(self, n)
-      if not is_int(v) or v < 1:
-        raise NetworkError(f"NetworkModel has {n}={v!r}; it must be an integer >= 1.")
-      object.__setattr__(self, n, int(v))
+    check_fields(self, ("alpha_s", "beta_s_per_byte", "skew", "outer_alpha_s", "outer_beta_s_per_byte"),
+                 {"node_size": 0, "workers": 1, "links": 1})
     if not isinstance(self.algorithm, str) or self.algorithm not in ALGORITHMS:
       raise NetworkError(f"NetworkModel has algorithm={self.algorithm!r}; expected one of {ALGORITHMS}.")
     if not is_bool(self.overlap):

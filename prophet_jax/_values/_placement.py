@@ -129,11 +129,8 @@ def check_placement(rows: Sequence[Any], mesh: Mesh, shard_axes: tuple[str, ...]
     raise ProfileError(f"leaf {sharded[0].path!r} is sharded, but the profile has no shard_axes; name the "
                        f"mesh axes its shard_dim is split over.")
   n = shard_count(mesh, shard_axes)
-  for r in sharded:
+  for r in sharded:       # each ProfileRow has checked its shard_dim is a dimension of its shape
     d = r.shard_dim
-    if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < len(r.shape):
-      raise ProfileError(f"leaf {r.path!r} has shard_dim={d!r}; expected a dimension of its shape {r.shape} "
-                         f"or null (replicated).")
     if r.shape[d] % n:
       raise ProfileError(f"leaf {r.path!r} of shape {r.shape} is sharded on dimension {d} over {n} devices "
                          f"({shard_axes}), which does not divide {r.shape[d]}.")

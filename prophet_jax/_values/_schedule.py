@@ -298,18 +298,16 @@ class Schedule(JsonValue):
 
   def describe(self, max_chunks: int = 12) -> str:
     """A short human summary: buckets, chunks, bytes and leading paths, and the planner's `decision`."""
-    lines = [f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step): "
-             f"{len(self.buckets)} buckets, {self.num_allreduces} all-reduces"]
+    head = f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step)"
+    lines = [f"{head}: {len(self.buckets)} buckets, {self.num_allreduces} all-reduces"]
     if self.gathers:
-      lines[0] = (f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step), sharded "
-                  f"(ZeRO-1): {self.num_reduce_scatters} reduce-scatters in backward, "
+      lines[0] = (f"{head}, sharded (ZeRO-1): {self.num_reduce_scatters} reduce-scatters in backward, "
                   f"{self.num_all_gathers} all-gathers for the next forward")
     f = self.fsdp
     if f is not None:
       n_g = len(f.gathers or f.units)
-      lines[0] = (f"schedule {self.policy} ({'pipelined' if self.cross_step else 'plain'} step), FSDP on "
-                  f"{dict(f.mesh)} (shards over {', '.join(f.shard_axes)}): {n_g} all-gathers in forward "
-                  f"(prefetch {f.prefetch}), {n_g - sum(f.keep)} again in backward, {len(f.units)} "
+      lines[0] = (f"{head}, FSDP on {dict(f.mesh)} (shards over {', '.join(f.shard_axes)}): {n_g} all-gathers "
+                  f"in forward (prefetch {f.prefetch}), {n_g - sum(f.keep)} again in backward, {len(f.units)} "
                   f"reduce-scatters, {len(self.chunks) - len(f.units)} all-reduces of replicated leaves")
     if self.defers:
       groups = [b for b in self.buckets if b.defer]
@@ -417,12 +415,10 @@ def _bucket_from_json(b: Any, i: int) -> Bucket:
 
 def _check_workers(call: str, workers: Any) -> int:
   """`workers` as an int >= 1 (numpy integers welcome), or a TypeError/ValueError naming it."""
-  if not is_int(workers):
-    raise TypeError(f"Schedule.{call}(workers={workers!r}): `workers` must be an integer >= 1, the "
-                    f"number of devices sharing the shards, e.g. network.workers.")
-  if workers < 1:
-    raise ValueError(f"Schedule.{call}(workers={workers!r}): `workers` must be an integer >= 1, the "
-                     f"number of devices sharing the shards, e.g. network.workers.")
+  if not is_int(workers) or workers < 1:
+    raise (ValueError if is_int(workers) else TypeError)(
+        f"Schedule.{call}(workers={workers!r}): `workers` must be an integer >= 1, the number of devices "
+        f"sharing the shards, e.g. network.workers.")
   return int(workers)
 
 

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 __all__ = ["path_str", "row_slots", "flatten_with_paths", "shardings_by_path", "flatten_with_layer_paths", "layer_path",
-           "check_layer_depth",
+           "is_variable_value", "check_layer_depth",
            "dtype_name", "is_float_dtype", "is_reduced_leaf",
            "layer_of", "tree_fingerprint", "RowsInfo", "rows_info", "Row", "IdentityMemo"]
 
@@ -39,20 +39,7 @@ def flatten_with_paths(tree: Any) -> list[tuple[str, Any]]:
   try:
     import jax  # lazy: the planner reads trees without jax
   except ImportError:  # the pure walk: dicts (sorted keys), lists and tuples, as jax flattens them
-    out: list[tuple[str, Any]] = []
-
-    def walk(prefix: str, node: Any) -> None:
-      if isinstance(node, dict):
-        for k in sorted(node):
-          walk(f"{prefix}/{k}" if prefix else str(k), node[k])
-      elif isinstance(node, (list, tuple)):
-        for i, x in enumerate(node):
-          walk(f"{prefix}/{i}" if prefix else str(i), x)
-      elif node is not None:
-        out.append((prefix, node))
-
-    walk("", tree)
-    return out
+    return [(path, leaf) for path, leaf, _ in _walk(tree)]
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
   return [(path_str(p), leaf) for p, leaf in leaves]
 
@@ -64,31 +51,39 @@ def shardings_by_path(params: Any, shardings: Any) -> list[Any]:
   try:
     import jax  # optional: jax's own structure check where it is installed (this module is pure)
   except ImportError:  # the pure walk, in the same order as flatten_with_paths'
-    out: list[Any] = []
-
-    def walk(prefix: str, node: Any, spec: Any) -> None:
-      if isinstance(node, dict):
-        if not isinstance(spec, dict) or set(spec) != set(node):
-          raise ValueError(f"shardings do not match params at {prefix or 'the root'!r}: expected keys "
-                           f"{sorted(node)}, got {spec!r}.")
-        for k in sorted(node):
-          walk(f"{prefix}/{k}" if prefix else str(k), node[k], spec[k])
-      elif isinstance(node, (list, tuple)):
-        if not isinstance(spec, (list, tuple)) or len(spec) != len(node):
-          raise ValueError(f"shardings do not match params at {prefix or 'the root'!r}: expected "
-                           f"{len(node)} entries, got {spec!r}.")
-        for i, x in enumerate(node):
-          walk(f"{prefix}/{i}" if prefix else str(i), x, spec[i])
-      elif node is not None:
-        out.append(spec)
-
-    walk("", params, shardings)
-    return out
+    return [spec for _, _, spec in _walk(params, shardings, check=True)]
   treedef = jax.tree_util.tree_structure(params)
   try:
     return list(treedef.flatten_up_to(shardings))
   except (TypeError, ValueError) as e:
     raise ValueError(f"shardings do not match the structure of params: {e}") from None
+
+
+def _walk(tree: Any, spec: Any = None, *, check: bool = False) -> list[tuple[str, Any, Any]]:
+  """[(path, leaf, the node of `spec` there)] of dicts (sorted keys), lists and tuples, as jax flattens
+  them; with `check`, ValueError where `spec` is not shaped like `tree`."""
+  out: list[tuple[str, Any, Any]] = []
+
+  def walk(prefix: str, node: Any, sp: Any) -> None:
+    if isinstance(node, dict):
+      if check and (not isinstance(sp, dict) or set(sp) != set(node)):
+        raise ValueError(f"shardings do not match params at {prefix or 'the root'!r}: expected keys "
+                         f"{sorted(node)}, got {sp!r}.")
+      keys: Any = sorted(node)
+    elif isinstance(node, (list, tuple)):
+      if check and (not isinstance(sp, (list, tuple)) or len(sp) != len(node)):
+        raise ValueError(f"shardings do not match params at {prefix or 'the root'!r}: expected "
+                         f"{len(node)} entries, got {sp!r}.")
+      keys = range(len(node))
+    else:
+      if node is not None:
+        out.append((prefix, node, sp))
+      return
+    for k in keys:
+      walk(f"{prefix}/{k}" if prefix else str(k), node[k], sp[k] if check else None)
+
+  walk("", tree, spec)
+  return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -161,10 +156,12 @@ def layer_path(keypath: Any) -> str:
   if isinstance(keypath, str):
     return keypath
   kp = tuple(keypath)
-  last = kp[-1] if kp else None
-  if len(kp) > 1 and type(last).__name__ == "GetAttrKey" and getattr(last, "name", None) == "value":
-    kp = kp[:-1]
-  return path_str(kp)
+  return path_str(kp[:-1] if len(kp) > 1 and is_variable_value(kp[-1]) else kp)
+
+
+def is_variable_value(key: Any) -> bool:
+  """True for a flax.nnx Variable's array key, jax's GetAttrKey('value') (read by name)."""
+  return type(key).__name__ == "GetAttrKey" and getattr(key, "name", None) == "value"
 
 
 def check_layer_depth(where: str, layer_depth: Any) -> int | None:

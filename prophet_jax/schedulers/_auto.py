@@ -11,18 +11,18 @@ from typing import Any
 import numpy as np
 
 from .._values._checks import check_bool, check_int, check_number
-from .._planning._core import Problem, chunk_arrays, problem, search_problem, split_by_dtype
+from .._planning._core import Problem, chunk_arrays, objective_s, problem, search_problem, split_by_dtype
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
 from .._planning._sharded import sharded_arrays
-from .._planning._simulate import chunk_links, simulate_chunks, simulate_sharded
+from .._planning._simulate import chunk_links, simulate_arrays, simulate_sharded
 from .._values._types import GradientProfile
 from ._base import Scheduler
 from ._bucket import bucket
 from ._common import Groups, buckets_from_groups, check_inputs, make_schedule
 from ._dear import plan_sharded, sharded_schedule
 from ._fsdp import fsdp_schedule, plan_fsdp, prediction
-from ._joint import SearchChunk, chunk_stats, contiguous_dp, evaluate, make_chunk, own_candidates
+from ._joint import SearchChunk, chunk_stats, contiguous_dp, make_chunk, own_candidates
 from ._mgwfbp import mgwfbp
 from ._priority import priority
 from ._prophet import prophet
@@ -104,22 +104,17 @@ def auto(*, search_options: bool = True, local_search: bool = True, max_evals: i
       modes = (check_inputs(_POLICY, profile, network, cross_step),)
     if sharded and profile.sharded:
       return _fsdp_candidate(profile, network, modes, options)
-    best: tuple[float, int, Any] | None = None
-    for n, cross in enumerate(modes):
+    cands: list[tuple[float, Any]] = []     # (predicted iteration, a thunk building the Schedule)
+    for cross in modes:
       contest = _contest(profile, network, cross, options)
-      cands = [(contest[2], 2 * n, lambda c=contest: _schedule(profile, *c, options))]
+      cands.append((contest[2], lambda c=contest: _schedule(profile, *c, options)))
       if sharded and network.links == 1:
         one = _sharded_candidate(profile, network, cross, options)
         if one is not None:
-          cands.append((one[0] / (1 - _SHARDED_MARGIN), 2 * n + 1, one[1]))
-      for c in cands:
-        if best is None or c[0] < best[0]:
-          best = c
-    assert best is not None
-    return best[2]()
+          cands.append((one[0] / (1 - _SHARDED_MARGIN), one[1]))
+    return min(cands, key=lambda c: c[0])[1]()
 
-  scheduler.__name__ = "auto"
-  scheduler.__qualname__ = "auto"
+  scheduler.__name__ = scheduler.__qualname__ = "auto"
   return scheduler
 
 
@@ -150,8 +145,7 @@ class _Candidate:
   the chosen one becomes a Schedule.
   """
 
-  __slots__ = ("label", "_chunks", "_groups", "_slices", "default_baseline", "arrays", "nominal", "point",
-               "worst", "_prob")
+  __slots__ = ("label", "_chunks", "_groups", "_slices", "default_baseline", "arrays", "nominal", "point", "_prob")
 
   def __init__(self, prob: Problem, label: str, chunks: list[SearchChunk] | None = None,
                groups: Groups | None = None, default_baseline: bool = False,
@@ -169,8 +163,7 @@ class _Candidate:
     else:
       self._slices = None
       self.arrays = chunk_stats(chunks)
-    self.nominal = evaluate(prob, *self.arrays)
-    self.worst = 1.0
+    self.nominal = objective_s(prob, *self.arrays)
 
   @property
   def chunks(self) -> list[SearchChunk]:
@@ -178,10 +171,6 @@ class _Candidate:
     if self._chunks is None:
       self._chunks = [make_chunk(self._prob, c) for c in self._slices]
     return self._chunks
-
-  @property
-  def num_chunks(self) -> int:
-    return len(self._slices) if self._slices is not None else len(self._chunks)
 
   def slices(self) -> list[Sequence[tuple[int, int, int]]]:
     """Each chunk's slices, in issue order."""
@@ -194,9 +183,7 @@ class _Candidate:
 
 def _small(c: _Candidate) -> bool:
   """Small enough for the rich neighbourhood: at most _SMALL chunks and _SLICES slices."""
-  if c.num_chunks > _SMALL:
-    return False
-  return sum(len(x.slices) for x in c.chunks) <= _SLICES
+  return len(c.slices()) <= _SMALL and sum(len(x.slices) for x in c.chunks) <= _SLICES
 
 
 def _refine(search: Problem, prob: Problem, cands: list[_Candidate], budget: int) -> list[_Candidate]:
@@ -206,7 +193,7 @@ def _refine(search: Problem, prob: Problem, cands: list[_Candidate], budget: int
   out: list[_Candidate] = []
 
   def start_value(c: _Candidate) -> float:
-    return c.nominal if search is prob else evaluate(search, *c.arrays)
+    return c.nominal if search is prob else objective_s(search, *c.arrays)
 
   if not _small(cands[0]):
     refined, v = iterated_local_search(search, cands[0].chunks, max(1, budget // 10), False)
@@ -271,7 +258,7 @@ def _contest(profile: GradientProfile, network: NetworkModel, cross: bool,
     chosen = _robust_choice(prob, cands, options)
   predicted = chosen.nominal
   if options["verify"]:
-    predicted = simulate_chunks(prob, chosen.slices(), events=False).iteration_s
+    predicted = simulate_arrays(prob, chunk_arrays(prob, chosen.slices()), events=False).iteration_s
   return prob, chosen, predicted
 
 
@@ -302,13 +289,8 @@ def _sharded_candidate(profile: GradientProfile, network: NetworkModel, cross: b
 def _fsdp_candidate(profile: GradientProfile, network: NetworkModel, modes: tuple[bool, ...],
                     options: dict[str, Any]) -> Schedule:
   """The fastest `fsdp` plan (no memory cap) over the step modes, as auto's Schedule."""
-  best = None
-  for cross in modes:
-    prob = problem(profile, network, cross_step=cross)
-    one = plan_fsdp(prob, None)
-    if best is None or one.iteration < best[0].iteration:
-      best = (one, cross)
-  one, cross = best
+  plans = [(plan_fsdp(problem(profile, network, cross_step=cross), None), cross) for cross in modes]
+  one, cross = min(plans, key=lambda p: p[0].iteration)
   return fsdp_schedule(profile, one, options=dict(options, candidate=f"fsdp:{one.label}"), cross_step=cross,
                        budget=None, policy=_POLICY,
                        predicted_s=prediction(problem(profile, network, cross_step=cross), one))
@@ -318,34 +300,30 @@ def _fsdp_candidate(profile: GradientProfile, network: NetworkModel, modes: tupl
 # The robust choice
 
 
-def _scenarios(network: NetworkModel, robust: float) -> list[NetworkModel]:
-  """The networks the true one may be if `network`'s alpha and beta are each off by up to `robust`."""
+def _scenarios(network: NetworkModel, robust: float) -> list[tuple[float, float, NetworkModel]]:
+  """(alpha factor, beta factor, network) of each corner: `network`'s alpha and beta each off by up to `robust`."""
   lo, hi = 1 / (1 + robust), 1 / (1 - robust)
-  return [network.replace(alpha_s=network.alpha_s * fa, beta_s_per_byte=network.beta_s_per_byte * fb)
+  return [(fa, fb, network.replace(alpha_s=network.alpha_s * fa, beta_s_per_byte=network.beta_s_per_byte * fb))
           for fa in (lo, hi) for fb in (lo, hi)]
 
 
 def _robust_choice(prob: Problem, cands: list[_Candidate], options: dict[str, Any]) -> _Candidate:
   """The minimax-regret candidate over the planning network and the four corners of the `robust` box."""
   network, cross = prob.network, prob.cross_step
-  nets = _scenarios(network, options["robust"])
-  probs = [problem(prob.profile, n, cross_step=cross) for n in nets]
+  scenarios = _scenarios(network, options["robust"])
+  probs = [problem(prob.profile, n, cross_step=cross) for _, _, n in scenarios]
   top_points = list(dict.fromkeys(c.point for c in cands if c.point is not None))[:_ROBUST_POINTS]
   if prob.overlap:
     cands.append(_Candidate(prob, "contiguous-dp-hedged",
                             contiguous_dp(search_problem(prob), [search_problem(p).network for p in [prob] + probs])))
-  lo, hi = 1 / (1 + options["robust"]), 1 / (1 - options["robust"])
-  factors = [(fa, fb) for fa in (lo, hi) for fb in (lo, hi)]  # the order of _scenarios
-  for (fa, fb), si in zip(factors, probs):
+  for (fa, fb, _), si in zip(scenarios, probs):
     for label, chunks, _ in own_candidates(search_problem(si), cross, grid=top_points):
       if label != "one-per-dtype":
         cands.append(_Candidate(prob, f"{label}@alpha*{fa:.2f},beta*{fb:.2f}", chunks))
-  times = np.array([[c.nominal] + [evaluate(si, *c.arrays) for si in probs] for c in cands])
+  times = np.array([[c.nominal] + [objective_s(si, *c.arrays) for si in probs] for c in cands])
   best = np.maximum(times.min(axis=0), 1e-300)
   worst = (times / best).max(axis=1)
   base = min((c.nominal for c in cands if c.default_baseline), default=_INF)
   limit = base * (1 + options["robust_tol"])
   ok = [i for i, c in enumerate(cands) if c.nominal <= limit * (1 + 1e-12)] or [0]
-  i = min(ok, key=lambda i: (worst[i], cands[i].nominal))
-  cands[i].worst = float(worst[i])
-  return cands[i]
+  return cands[min(ok, key=lambda i: (worst[i], cands[i].nominal))]

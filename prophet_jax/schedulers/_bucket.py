@@ -186,9 +186,7 @@ def bucket(*, style: str = "ddp", bucket_bytes: int | None = None, first_bucket_
   def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
     order = profile.ready_order()
     if style == "ddp":
-      groups = ddp_buckets(profile, order, bucket_bytes, first_bucket_bytes)
-    else:
-      groups = horovod_buckets(profile, order, bucket_bytes, cycle_s)
-    return groups
+      return ddp_buckets(profile, order, bucket_bytes, first_bucket_bytes)
+    return horovod_buckets(profile, order, bucket_bytes, cycle_s)
 
   return grouped_scheduler(POLICY, options, plan_groups)

@@ -50,6 +50,26 @@ def partition_count(profile: GradientProfile, row: int, max_bytes: int | None) -
   return part_count(row_size(profile, row), row_itemsize(profile, row), max_bytes)
 
 
+def dtype_runs(dtypes: Sequence[str]) -> list[int]:
+  """Per position, where its run of one dtype starts (a chunk holds one dtype, so a group stays in its run)."""
+  out = [0] * len(dtypes)
+  for j in range(1, len(dtypes)):
+    out[j] = out[j - 1] if dtypes[j] == dtypes[j - 1] else j
+  return out
+
+
+def groups_from_choice(seq: Sequence[Any], choice: Sequence[int]) -> list[list[Any]]:
+  """The runs of `seq` a program over contiguous groups chose: `choice[j]`, where the group ending at j starts."""
+  groups = []
+  j = len(seq)
+  while j > 0:
+    i = int(choice[j - 1])
+    groups.append(list(seq[i:j]))
+    j = i
+  groups.reverse()
+  return groups
+
+
 def layer_groups(profile: GradientProfile) -> list[tuple[str, list[int], float]]:
   """The profile's layers in ready order, as (layer, its rows, its ready time); ties: the later layer
   first.
@@ -78,21 +98,17 @@ def chunks_of_group(profile: GradientProfile, slices: Iterable[Slice]) -> list[C
 def buckets_from_groups(profile: GradientProfile,
                         groups: Iterable[Iterable[Slice]]) -> tuple[Bucket, ...]:
   """One Bucket per non-empty group, each with one Chunk per dtype (see `chunks_of_group`)."""
-  out = []
-  for g in groups:
-    chunks = chunks_of_group(profile, g)
-    if chunks:
-      out.append(Bucket(chunks=tuple(chunks)))
-  return tuple(out)
+  return tuple(Bucket(chunks=tuple(chunks)) for chunks in (chunks_of_group(profile, g) for g in groups) if chunks)
 
 
 def make_schedule(buckets: Iterable[Bucket], profile: GradientProfile, *, policy: str,
                   options: Mapping[str, Any] | None = None, cross_step: bool = False,
-                  predicted_s: float | None = None, links: tuple[int, ...] = ()) -> Schedule:
+                  predicted_s: float | None = None, links: tuple[int, ...] = (),
+                  gathers: tuple[tuple[int, ...], ...] = ()) -> Schedule:
   """A Schedule for `profile` (rows and fingerprint from it); Schedule checks coverage itself."""
   return Schedule(buckets=tuple(buckets), rows=profile.tree_rows(), policy=policy,
                   options=tuple(dict(options or {}).items()), cross_step=bool(cross_step),
-                  predicted_s=predicted_s, links=links)
+                  predicted_s=predicted_s, links=links, gathers=gathers)
 
 
 def schedule_from_groups(profile: GradientProfile, groups: Iterable[Iterable[Slice]], *, policy: str,

@@ -12,14 +12,14 @@ from typing import Any
 import numpy as np
 
 from .._values._checks import check_bytes
-from .._planning._core import Problem, ends_one_link, problem
+from .._planning._core import Problem, ends_one_link, problem, split_by_dtype
 from .._values._network import NetworkModel
-from .._values._schedule import Bucket, Chunk, Schedule
+from .._values._schedule import Schedule
 from .._planning._sharded import chunk_arrays, sharded_arrays, sharded_iteration_s
-from .._planning._simulate import simulate_sharded
+from .._planning._simulate import check_one_link, simulate_sharded
 from .._values._types import GradientProfile
 from ._base import Scheduler, Slice
-from ._common import check_inputs
+from ._common import buckets_from_groups, check_inputs, dtype_runs, groups_from_choice, make_schedule
 
 _POLICY = "dear"
 # Caps on a reduce-scatter bucket, as fractions 1/k of the total bytes (None: no cap), and one row per
@@ -64,7 +64,7 @@ def dear(*, bucket_bytes: int | None = None) -> Scheduler:
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
     cross = check_inputs(_POLICY, profile, network, cross_step)
-    check_network(network)
+    check_one_link(_POLICY, network)
     prob = problem(profile, network, cross_step=cross)
     label, chunks, gathers, predicted = plan_sharded(prob, bucket_bytes)
     if network.pressure is not None and chunks:     # `simulate`'s number, under the pressure
@@ -72,29 +72,18 @@ def dear(*, bucket_bytes: int | None = None) -> Scheduler:
     return sharded_schedule(profile, chunks, gathers, options=dict(options, candidate=label),
                             cross_step=cross, predicted_s=predicted)
 
-  scheduler.__name__ = _POLICY
-  scheduler.__qualname__ = _POLICY
+  scheduler.__name__ = scheduler.__qualname__ = _POLICY
   return scheduler
-
-
-def check_network(network: NetworkModel) -> None:
-  """A sharded schedule runs on one link: ValueError for `network.links > 1`."""
-  if network.links != 1:
-    raise ValueError(f"dear: a sharded schedule runs its reduce-scatters and all-gathers on one tie "
-                     f"chain, but network.links={network.links}. Plan it with network.replace(links=1), "
-                     f"or use an all-reduce policy to stripe over {network.links} links.")
 
 
 def sharded_schedule(profile: GradientProfile, chunks: Sequence[Sequence[Slice]],
                      gathers: Sequence[Sequence[int]], *, options: dict[str, Any], cross_step: bool,
                      predicted_s: float | None, policy: str = _POLICY) -> Schedule:
-  """The sharded Schedule of reduce-scatter chunks and gathers: one bucket per chunk."""
-  rows = profile.rows
-  buckets = tuple(Bucket(chunks=(Chunk(slices=tuple(c), dtype=rows[c[0][0]].dtype),)) for c in chunks)
+  """The sharded Schedule of reduce-scatter chunks (one dtype each) and gathers: one bucket per chunk."""
   # nothing to send (every row empty): an empty schedule, with no gathers (so not sharded)
-  return Schedule(buckets=buckets, rows=profile.tree_rows(), policy=policy,
-                  options=tuple(options.items()), cross_step=bool(cross_step), predicted_s=predicted_s,
-                  gathers=tuple(tuple(g) for g in gathers) if chunks else ())
+  return make_schedule(buckets_from_groups(profile, chunks), profile, policy=policy, options=options,
+                       cross_step=cross_step, predicted_s=predicted_s,
+                       gathers=tuple(tuple(g) for g in gathers) if chunks else ())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,10 +105,9 @@ def plan_sharded(prob: Problem, bucket_bytes: int | None = None
   seen: set[tuple] = set()
   total = float(prob.row_nbytes.sum())
   order = [i for i in prob.profile.ready_order() if prob.row_nbytes[i] > 0]
-  cands: list[tuple[str, list[list[Slice]], list[list[int]] | None]] = []
   chunks, gathers = fixed_fusion(prob, DEAR_BUCKET_BYTES)
-  cands.append(("dear-25MiB", chunks, gathers))
-  cands.append(("dear-25MiB+gather-dp", chunks, None))
+  cands: list[tuple[str, list[list[Slice]], list[list[int]] | None]] = [
+      ("dear-25MiB", chunks, gathers), ("dear-25MiB+gather-dp", chunks, None)]
   inputs = _rs_inputs(prob, order)
   chunks, largest = [], math.inf
   for cap in _CAPS:      # limits decreasing: a plan whose buckets all fit the next limit is its plan too
@@ -173,32 +161,20 @@ def fixed_fusion(prob: Problem, bucket_bytes: float) -> tuple[list[list[Slice]],
     groups.append(cur)
   chunks: list[tuple[float, int, list[Slice]]] = []   # (ready, group, slices) per dtype
   for gi, rows in enumerate(groups):
-    by_dtype: dict[str, list[Slice]] = {}
-    for r in rows:
-      by_dtype.setdefault(prob.dtype[r], []).append((r, 0, prob.size[r]))
-    for sl in by_dtype.values():
+    for sl in split_by_dtype(prob.dtype.__getitem__, [(r, 0, prob.size[r]) for r in rows]):
       chunks.append((max(prob.ready[r] for r, _, _ in sl), gi, sl))
   order = sorted(range(len(chunks)), key=lambda k: (chunks[k][0], -chunks[k][1]))
   issued = [chunks[k][2] for k in order]
   where = {k: j for j, k in enumerate(order)}
-  gathers: list[list[int]] = []
-  for gi in range(len(groups)):
-    for k in range(len(chunks)):
-      if chunks[k][1] == gi:
-        gathers.append([where[k]])          # one all-gather per bucket and dtype
-  return issued, gathers
+  return issued, [[where[k]] for k in range(len(chunks))]   # one all-gather per bucket and dtype, front first
 
 
 def _rs_inputs(prob: Problem, order: Sequence[int]) -> tuple[list[float], list[float], list[int]]:
   """`rs_partition`'s inputs for `order`: ready times, byte prefix sums, each item's dtype-run start."""
-  n = len(order)
   ready = prob.row_ready_s[list(order)].tolist()
   nbytes = prob.row_nbytes[list(order)]
   prefix = np.concatenate([[0.0], np.cumsum(nbytes)]).tolist()
-  run_start = [0] * n
-  for j in range(1, n):
-    run_start[j] = run_start[j - 1] if prob.dtype[order[j]] == prob.dtype[order[j - 1]] else j
-  return ready, prefix, run_start
+  return ready, prefix, dtype_runs([prob.dtype[r] for r in order])
 
 
 def rs_partition(prob: Problem, order: Sequence[int], cap: float | None, *,
@@ -206,18 +182,10 @@ def rs_partition(prob: Problem, order: Sequence[int], cap: float | None, *,
   """Reduce-scatter buckets: contiguous runs of `order` (one dtype, at most `cap` bytes unless one row is
   larger) minimising the last reduce-scatter's end, exactly; `inputs` reuses `_rs_inputs`.
   """
-  n = len(order)
   a, b = 0.5 * prob.startup_s, 0.5 * prob.per_byte_s
   ready, prefix, run_start = _rs_inputs(prob, order) if inputs is None else inputs
   choice = contiguous_dp(ready, prefix, run_start, a, b, cap)[1]
-  groups: list[list[Slice]] = []
-  j = n
-  while j > 0:
-    i = int(choice[j - 1])
-    groups.append([(r, 0, prob.size[r]) for r in sorted(order[i:j])])
-    j = i
-  groups.reverse()
-  return groups
+  return [[(r, 0, prob.size[r]) for r in sorted(g)] for g in groups_from_choice(order, choice)]
 
 
 def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]], *, per_chunk: Any = None,
@@ -244,9 +212,7 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]], *, per_ch
   t_rs = float(rs_end.max())
   prefix = np.concatenate([[0.0], np.cumsum(nbytes)])
   cum_upd = np.concatenate([[0.0], np.cumsum(upd)])
-  run_start = [0] * k_n
-  for j in range(1, k_n):
-    run_start[j] = run_start[j - 1] if dtype[j] == dtype[j - 1] else j
+  run_start = dtype_runs(dtype)
   runs = 1 + sum(1 for j in range(1, k_n) if run_start[j] == j)
   if t_rs + a * runs + b * float(prefix[-1]) >= beat:
     return None
@@ -254,7 +220,7 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]], *, per_ch
     t0 = max(float(prob.backward_s), t_rs)       # with overlap, backward ends on time
     release = (t0 + cum_upd[1:]).tolist()
     choice = contiguous_dp(release, prefix.tolist(), run_start, a, b, None, start=t_rs)[1]
-    return _groups_from_choice(seq, choice)
+    return groups_from_choice(seq, choice)
   # pipelined: Pareto program over prefixes of (link free, max of end + forward tail), vectorised: every
   # prefix's front is a run of one flat array (entries of prefix i at starts[i]:starts[i + 1])
   tail = np.array([float(prob.layer_fwd_tail_s[int(prob.row_layer[front[k]])]) for k in seq])
@@ -347,13 +313,3 @@ def contiguous_dp(release: Sequence[float], prefix: Sequence[float], run_start: 
     choice[j - 1] = best_i
   return f, choice
 
-
-def _groups_from_choice(seq: Sequence[int], choice: Sequence[int]) -> list[list[int]]:
-  groups: list[list[int]] = []
-  j = len(seq)
-  while j > 0:
-    i = choice[j - 1]
-    groups.append([seq[x] for x in range(i, j)])
-    j = i
-  groups.reverse()
-  return groups

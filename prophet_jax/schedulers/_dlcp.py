@@ -110,8 +110,7 @@ def dlcp(*, max_defer: float = 0.0, spread: int | None = None, chunk_bytes: int 
                     f"repeats this.", DeferralWarning, stacklevel=_warn_level())
     return s
 
-  scheduler.__name__ = _POLICY
-  scheduler.__qualname__ = _POLICY
+  scheduler.__name__ = scheduler.__qualname__ = _POLICY
   return scheduler
 
 
@@ -194,9 +193,7 @@ def _why_not(prob: Problem, base: Schedule, compute: float, options: dict[str, A
     reason += "; the first and the last layer never wait (dlcp(all_layers=True) lets them)"
   text = (f"{_NOTHING_PAYS} {options['max_defer']:g} of the elements shortens the predicted iteration "
           f"(auto's {_time(t0)}): {reason}")
-  for level in _WHY_LEVELS:
-    if level <= options["max_defer"]:
-      continue
+  for level in [x for x in _WHY_LEVELS if x > options["max_defer"]]:
     buckets, t = min((_search(prob, base, math.floor(level * total), compute, options, strategy, may_wait)
                       for strategy in _strategies(options)), key=lambda z: z[1])
     if t < t0 * (1 - 1e-9):

@@ -14,6 +14,7 @@ import numpy as np
 from .._planning._core import Problem, equal_parts, link_end, objective_s, split_by_dtype
 from .._values._network import NetworkModel
 from ._base import Slice
+from ._common import dtype_runs, groups_from_choice
 from ._prophet import Planner as ProphetPlanner
 
 # The joint optimiser's grid, in units of the network's start-up/byte ratio a/b (the bytes whose transfer
@@ -80,14 +81,9 @@ def chunk_stats(chunks: Sequence[SearchChunk]) -> tuple[np.ndarray, np.ndarray, 
           np.fromiter((c.tail_s for c in chunks), dtype=np.float64, count=n))
 
 
-def evaluate(prob: Problem, ready: np.ndarray, nbytes: np.ndarray, tail: np.ndarray) -> float:
-  """The iteration time of per-chunk arrays in issue order (`_core.objective_s`)."""
-  return objective_s(prob, ready, nbytes, tail)
-
-
 def evaluate_chunks(prob: Problem, chunks: Sequence[SearchChunk]) -> float:
-  """The iteration time of `chunks` in issue order."""
-  return evaluate(prob, *chunk_stats(chunks))
+  """The iteration time of `chunks` in issue order (`_core.objective_s`)."""
+  return objective_s(prob, *chunk_stats(chunks))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,10 +106,7 @@ def contiguous_dp(prob: Problem, networks: Sequence[NetworkModel] = ()) -> list[
     return []
   ready = np.asarray(prob.ready)[order]
   prefix = np.concatenate([[0.0], np.cumsum(prob.row_nbytes[order])])
-  run_start = np.zeros(n, dtype=np.int64)
-  for j in range(1, n):
-    same = prob.dtype[order[j]] == prob.dtype[order[j - 1]]
-    run_start[j] = run_start[j - 1] if same else j
+  run_start = dtype_runs([prob.dtype[r] for r in order])
   best = np.zeros((n + 1, len(a)))
   choice = np.zeros(n, dtype=np.int64)
   for j in range(n):
@@ -122,13 +115,7 @@ def contiguous_dp(prob: Problem, networks: Sequence[NetworkModel] = ()) -> list[
     k = int(np.argmin(cand.sum(axis=1)))  # the first minimum: the largest group
     best[j + 1] = cand[k]
     choice[j] = i0 + k
-  groups = []
-  j = n - 1
-  while j >= 0:
-    i = int(choice[j])
-    groups.append([(r, 0, prob.size[r]) for r in order[i:j + 1]])
-    j = i - 1
-  return [make_chunk(prob, g) for g in reversed(groups)]
+  return [make_chunk(prob, [(r, 0, prob.size[r]) for r in g]) for g in groups_from_choice(order, choice)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -329,11 +316,8 @@ def own_candidates(prob: Problem, cross_step: bool, grid: Sequence[tuple] | None
   if not prob.live:
     return [("empty", [], None)]
   if grid is None:
-    by_dtype: dict[str, list[int]] = {}
-    for r in prob.profile.ready_order():
-      if prob.row_nbytes[r] > 0:
-        by_dtype.setdefault(prob.dtype[r], []).append(r)
-    whole = [make_chunk(prob, [(r, 0, prob.size[r]) for r in rows]) for rows in by_dtype.values()]
+    rows = [(r, 0, prob.size[r]) for r in prob.profile.ready_order() if prob.row_nbytes[r] > 0]
+    whole = [make_chunk(prob, c) for c in split_by_dtype(prob.dtype.__getitem__, rows)]
     out.append(("one-per-dtype", sorted(whole, key=lambda c: c.ready_s), None))
   if not prob.overlap:
     return out

@@ -72,9 +72,7 @@ def mgwfbp() -> Scheduler:
         if row.nbytes:
           d[row.dtype] = d.get(row.dtype, 0) + row.nbytes
       nbytes.append(d)
-    groups = []
-    for run in merge_groups(ready, nbytes, network):
-      groups.append([s for u in run for r in layers[u][1] if (s := whole_slice(profile, r)) is not None])
-    return groups
+    return [[s for u in run for r in layers[u][1] if (s := whole_slice(profile, r)) is not None]
+            for run in merge_groups(ready, nbytes, network)]
 
   return grouped_scheduler(POLICY, {}, plan_groups)

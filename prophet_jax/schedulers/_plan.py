@@ -77,10 +77,9 @@ def plan(profile: GradientProfile, network: NetworkModel, policy: str | Callable
       changes["options"] = tuple(merged.items())
   if cross_step != "auto" and schedule.cross_step != cross_step:
     changes["cross_step"] = cross_step
+  mode = bool(changes.get("cross_step", schedule.cross_step))
   if network.links > 1 and not schedule.links and not schedule.gathers:
-    changes["links"] = link_assignment(schedule, profile, network,
-                                       cross_step=bool(changes.get("cross_step", schedule.cross_step)))
+    changes["links"] = link_assignment(schedule, profile, network, cross_step=mode)
   if schedule.predicted_s is None:
-    mode = changes.get("cross_step", schedule.cross_step)
     changes["predicted_s"] = simulate(schedule, profile, network, cross_step=mode, events=False).iteration_s
   return dataclasses.replace(schedule, **changes) if changes else schedule

@@ -41,9 +41,7 @@ def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes
                      f"{partition_params:,} parameters times the dtype size).")
   parts = []  # (ready_s, row, start, stop, units, cost)
   startup_s, per_byte_s = network.startup_s, network.per_byte_s
-  for r, row in enumerate(profile.rows):
-    if row.nbytes == 0:
-      continue
+  for r, row in enumerate(profile.rows):          # a zero-size row has no partition
     size = itemsize(row.dtype)
     for _, a, b in partition_row(profile, r, limit(row)):
       units = (b - a) * size if credit_bytes is not None else (b - a)
@@ -126,7 +124,6 @@ def priority(*, partition_bytes: int | None = None, credit_bytes: int | None = N
   options = {"partition_bytes": partition_bytes, "credit_bytes": credit_bytes, "mode": mode}
 
   def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
-    groups = [[s] for s in issue_order(profile, network, partition_bytes, credit_bytes, mode=mode)]
-    return groups
+    return [[s] for s in issue_order(profile, network, partition_bytes, credit_bytes, mode=mode)]
 
   return grouped_scheduler(POLICY, options, plan_groups)

@@ -189,28 +189,25 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
   def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
     prob = problem(profile, network, cross_step=cross_step)
     if not network.overlap:
-      groups = [[(r, 0, prob.size[r]) for r in prob.live]]
-    else:
-      fracs = ALPHA_FRACTIONS if alpha_fraction is None else (alpha_fraction,)
-      growths = TAIL_GROWTHS if tail_growth is None else (tail_growth,)
-      best = None
-      # never more than about MAX_BLOCKS blocks of the floor (a free start-up would allow any number)
-      least = max(1.0, profile.total_nbytes / MAX_BLOCKS)
-      # under pressure the block rule also runs at a typical message's costs (as Prophet sizes blocks
-      # from measured timings); every plan is scored on the network given (`_core.objective_s`)
-      search = search_problem(prob)
-      planners = [Planner(prob, gap_factor)] + ([Planner(search, gap_factor, score=prob)]
-                                                 if search is not prob else [])
-      for planner in planners:
-        a, b = planner.a, planner.b
-        for frac in fracs:
-          floor = max(least, a / (frac * b) if b > 0 else math.inf)
-          for g in growths:
-            for small_first in (True, False):
-              blocks, est = planner.plan(floor, g, small_first)
-              if best is None or est < best[0] - 1e-15:
-                best = (est, blocks)
-      groups = best[1]
-    return groups
+      return [[(r, 0, prob.size[r]) for r in prob.live]]
+    fracs = ALPHA_FRACTIONS if alpha_fraction is None else (alpha_fraction,)
+    growths = TAIL_GROWTHS if tail_growth is None else (tail_growth,)
+    best = None
+    # never more than about MAX_BLOCKS blocks of the floor (a free start-up would allow any number)
+    least = max(1.0, profile.total_nbytes / MAX_BLOCKS)
+    # under pressure the block rule also runs at a typical message's costs (as Prophet sizes blocks
+    # from measured timings); every plan is scored on the network given (`_core.objective_s`)
+    search = search_problem(prob)
+    planners = [Planner(prob, gap_factor)] + ([Planner(search, gap_factor, score=prob)] if search is not prob else [])
+    for planner in planners:
+      a, b = planner.a, planner.b
+      for frac in fracs:
+        floor = max(least, a / (frac * b) if b > 0 else math.inf)
+        for g in growths:
+          for small_first in (True, False):
+            blocks, est = planner.plan(floor, g, small_first)
+            if best is None or est < best[0] - 1e-15:
+              best = (est, blocks)
+    return best[1]
 
   return grouped_scheduler(POLICY, options, plan_groups)

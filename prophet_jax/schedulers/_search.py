@@ -184,12 +184,7 @@ def moves(prob: Problem, cur: list[SearchChunk], st: list[Stats], k: int, rich: 
           return (make_chunk(prob, [x for x, f in zip(s, fits) if not f]),
                   make_chunk(prob, [x for x, f in zip(s, fits) if f]))
 
-        if m < k:
-          yield (m, k + 1, [into_st] + st[m + 1:k] + [base_st],
-                 lambda m=m, f=parts: _into_before(prob, cur, k, m, f))
-        else:
-          yield (k, m + 1, [base_st] + st[k + 1:m] + [into_st],
-                 lambda m=m, f=parts: _into_after(prob, cur, k, m, f))
+        yield _into(prob, cur, st, k, m, base_st, into_st, parts)
   # move one slice out: alone anywhere, or into another chunk of its dtype; only the slices that set the
   # chunk's readiness or tail or hold at least 1/SIGNIFICANT of its bytes (a smaller one changes little
   # but its own bytes' time, which the bulk move above shifts in one go)
@@ -210,12 +205,7 @@ def moves(prob: Problem, cur: list[SearchChunk], st: list[Stats], k: int, rich: 
         yield k, p, [base_st] + st[k + 1:p] + [alone_st], lambda p=p, f=parts: _alone_after(cur, k, p, f)
     for m in range(n):
       if m != k and cur[m].dtype == c.dtype:
-        if m < k:
-          yield (m, k + 1, [_join(st[m], alone_st)] + st[m + 1:k] + [base_st],
-                 lambda m=m, f=parts: _into_before(prob, cur, k, m, f))
-        else:
-          yield (k, m + 1, [base_st] + st[k + 1:m] + [_join(st[m], alone_st)],
-                 lambda m=m, f=parts: _into_after(prob, cur, k, m, f))
+        yield _into(prob, cur, st, k, m, base_st, _join(st[m], alone_st), parts)
 
 
 def _running_max(one: list[Stats]) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -241,14 +231,19 @@ def _alone_after(cur, k, p, parts):
   return [base] + cur[k + 1:p] + [alone]
 
 
-def _into_before(prob, cur, k, m, parts):
-  base, alone = parts()
-  return [merged(prob, cur[m], alone)] + cur[m + 1:k] + [base]
+def _into(prob: Problem, cur: list[SearchChunk], st: list[Stats], k: int, m: int, base_st: Stats, into_st: Stats,
+          parts: Callable[[], tuple[SearchChunk, SearchChunk]]) -> Move:
+  """The edit that splits chunk k into `parts()` (the rest, the part moved) and merges the moved part into
+  chunk m: `base_st` and `into_st` are the stats of the rest and of chunk m after."""
+  def build() -> list[SearchChunk]:
+    base, moved = parts()
+    if m < k:
+      return [merged(prob, cur[m], moved)] + cur[m + 1:k] + [base]
+    return [base] + cur[k + 1:m] + [merged(prob, cur[m], moved)]
 
-
-def _into_after(prob, cur, k, m, parts):
-  base, alone = parts()
-  return [base] + cur[k + 1:m] + [merged(prob, cur[m], alone)]
+  if m < k:
+    return m, k + 1, [into_st] + st[m + 1:k] + [base_st], build
+  return k, m + 1, [base_st] + st[k + 1:m] + [into_st], build
 
 
 def local_search(prob: Problem, chunks: list[SearchChunk], budget: int, rich: bool,

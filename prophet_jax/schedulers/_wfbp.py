@@ -32,8 +32,6 @@ def wfbp() -> Scheduler:
   """
 
   def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
-    groups = [[s for r in rows if (s := whole_slice(profile, r)) is not None]
-              for _, rows, _ in layer_groups(profile)]
-    return groups
+    return [[s for r in rows if (s := whole_slice(profile, r)) is not None] for _, rows, _ in layer_groups(profile)]
 
   return grouped_scheduler(POLICY, {}, plan_groups)

@@ -25,9 +25,7 @@ def xla() -> Scheduler:
   def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
     order = profile.ready_order()
     if network.overlap:
-      groups = fill_buckets(profile, order, GPU_COMBINE_THRESHOLD_BYTES)
-    else:
-      groups = [[s for r in order if (s := whole_slice(profile, r)) is not None]]
-    return groups
+      return fill_buckets(profile, order, GPU_COMBINE_THRESHOLD_BYTES)
+    return [[s for r in order if (s := whole_slice(profile, r)) is not None]]
 
   return grouped_scheduler(POLICY, {}, plan_groups)
