@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ._values._errors import ProphetError
-from ._multiprocess._launcher import add_arguments as add_launch_arguments
+from ._multiprocess._launcher import add_arguments as add_launch_arguments, run as run_launch
 from ._values._network import NetworkModel, PRESETS, PRESETS_TWO_LEVEL, Pressure
 from ._values._types import GradientProfile
 
@@ -329,12 +329,6 @@ def cmd_demo(a: argparse.Namespace) -> int:
   return run_demo(steps=a.steps, out_dir=a.out_dir, quick=a.quick)
 
 
-def cmd_launch(a: argparse.Namespace) -> int:
-  from ._multiprocess._launcher import run  # lazy: the CLI starts without jax
-
-  return run(a)
-
-
 # -- audit: a step compiled for a compile-only GPU target -------------------------------------------
 
 def _xla_option(text: str) -> tuple[str, Any]:
@@ -450,107 +444,95 @@ class _Parser(argparse.ArgumentParser):
     self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+_NETWORK = f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON"
+_MODELS = "mlp, cnn, gpt-tiny, resnet-small"
+
+# the options several commands take, declared once; a command's own keywords (below) override these
+_SHARED: dict[str, dict[str, Any]] = {
+    "--model": {"required": True}, "--workers": {"type": _positive}, "--policy": {"default": "auto"},
+    "--device": {"help": f"device of the bundled trace (default {DEFAULT_DEVICE})"},
+    "--network": {"required": True}, "--out": {"required": True},
+    "--pressure": {"metavar": "SPEC", "help": "network pressure (see simulate)"},
+    "--num-devices": {"type": _positive, "default": 8},
+    "--cross-step": {"action": "store_true"}, "--json": {"action": "store_true"},
+}
+
+# command -> (its function, its help, its options: a flag of _SHARED as it is, or (flag, keywords))
+_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, tuple[Any, ...]]] = {
+    "simulate": (cmd_simulate, "every policy (or those named) on a model", (
+        ("--model", dict(help="trace name (resnet50-h100, ...; googlenet-k80 in a development checkout only: "
+                              "it reads the public GoogLeNet logs beside the repository), model name completed "
+                              "by --device, or a GradientProfile JSON")),
+        "--device", "--workers", ("--network", dict(help=_NETWORK)),
+        ("--policy", dict(nargs="+", default=None, help="policies to compare (default: all)")),
+        ("--pressure", dict(help="network pressure: 'none' or NAME=VALUE,... of Pressure's fields, e.g. "
+                                 "background_flows=0.3,tail_prob=0.01,tail_scale_s=0.002 (overrides the network "
+                                 "file's); results are then the mean over seeded samples, with p50 and p99")),
+        ("--max-defer", dict(type=float, default=0.1, help="dlcp's max_defer in this comparison (default 0.1; "
+                                                           "the library's default is 0, lossless)")),
+        ("--cross-step", dict(help="simulate the pipelined step")),
+        ("--json", dict(help="print the result object as JSON")),
+        ("--timeline", dict(metavar="PNG", help="write a Gantt chart per policy")))),
+    "plan": (cmd_plan, "write a schedule", (
+        ("--profile", dict(required=True)), "--network", "--workers", "--policy", "--pressure",
+        ("--max-defer", dict(type=float, help="dlcp's max_defer (default 0: lossless)")), "--cross-step", "--out")),
+    "profile": (cmd_profile, "measure a real step of a bundled model", (
+        ("--model", dict(help=_MODELS)), "--num-devices",
+        ("--steps", dict(type=_positive, default=20, help="steps measured (default 20)")), "--out")),
+    "probe": (cmd_probe, "fit alpha and beta of the all-reduce", (
+        "--num-devices",
+        ("--sizes", dict(type=_positive, nargs="+", metavar="BYTES",
+                         help="message sizes in bytes per device (default 1 KiB .. 64 MiB, powers of 4)")),
+        ("--repeats", dict(type=_positive, default=15, help="paired timings per size (default 15)")),
+        ("--time-budget", dict(type=_non_negative, default=6.0, metavar="SECONDS",
+                               help="seconds the probe may take, compiles included (default 6; 0: no budget): "
+                                    "sizes run smallest first until the next would not fit, and the output "
+                                    "names those cut")), "--out")),
+    "demo": (cmd_demo, "the main job: profile, probe, plan, train, compare", (
+        ("--steps", dict(type=_positive, default=200)), ("--out-dir", dict(default="out")),
+        ("--quick", dict(action="store_true", help="a reduced run (tests)")))),
+    "launch": (run_launch, "start N processes wired with jax.distributed", ()),  # add_launch_arguments
+    "audit": (cmd_audit, "compile a model's step for a GPU target (no GPU needed) and audit its all-reduces: "
+              "count, order, what overlaps them; exit 1 on a mismatch", (
+        ("--target", dict(default="h100", help="h100, a100 or v100 (compile-only; needs the gpu-compile extra, "
+                                               "or gpu-compile-cuda13, which cannot build for the v100)")),
+        ("--devices", dict(type=_positive, default=8)), ("--model", dict(required=False, default="cnn", help=_MODELS)),
+        ("--mode", dict(default="scheduled", choices=("scheduled", "hooked", "pipelined", "pmean"))), "--policy",
+        ("--network", dict(required=False, default="10gbe", help=_NETWORK)),
+        ("--workers", dict(help="default: --devices")),
+        ("--profile", dict(help="a GradientProfile JSON of the model (default: its parameter sizes with estimated "
+                                "times)")),
+        ("--schedule", dict(help="a Schedule JSON to audit instead of planning one")),
+        ("--batch", dict(type=_positive, help="global batch (default: the model's)")),
+        ("--xla-option", dict(type=_xla_option, action="append", metavar="KEY=VALUE",
+                              help="a per-compile XLA option, e.g. xla_gpu_enable_latency_hiding_scheduler=true")),
+        ("--jit", dict(action="store_true", help="the plain jax.jit step over sharded arrays (hooked or pipelined "
+                                                 "with mesh=; pmean: the partitioner's all-reduce) instead of a "
+                                                 "shard_map step")),
+        ("--json", dict(help="print the report as JSON")))),
+    "xla-flags": (cmd_xla_flags, "the XLA_FLAGS line and compiler_options that realise a plan as far as XLA "
+                  "settings can (for a plain jax.jit step), checked against the installed jaxlib", (
+        ("--model", dict(help="trace name, model name completed by --device, or a GradientProfile JSON")),
+        "--device", "--workers", ("--network", dict(help=_NETWORK)), "--policy",
+        ("--target", dict(help="h100, a100 or v100: check on that compile-only GPU (default: this machine's GPU, "
+                               "else a compile-only h100 where jax's CUDA plugin is installed)")),
+        ("--json", dict(help="print the settings, the jaxlib and the notes as JSON")))),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
   common = _Parser(add_help=False)
   common.add_argument("--debug", action="store_true", help="show the traceback on errors")
   p = _Parser(prog="prophet-jax", parents=[common],
               description="Plan, simulate and run scheduled gradient all-reduces.")
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-  s = sub.add_parser("simulate", parents=[common], help="every policy (or those named) on a model")
-  s.add_argument("--model", required=True, help="trace name (resnet50-h100, ...; googlenet-k80 in a "
-                 "development checkout only: it reads the public GoogLeNet logs beside the repository), model "
-                 "name completed by --device, or a GradientProfile JSON")
-  s.add_argument("--device", default=None, help=f"device of the bundled trace (default {DEFAULT_DEVICE})")
-  s.add_argument("--workers", type=_positive, default=None)
-  s.add_argument("--network", required=True, help=f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON")
-  s.add_argument("--policy", nargs="+", default=None, help="policies to compare (default: all)")
-  s.add_argument("--pressure", default=None, metavar="SPEC",
-                 help="network pressure: 'none' or NAME=VALUE,... of Pressure's fields, e.g. "
-                      "background_flows=0.3,tail_prob=0.01,tail_scale_s=0.002 (overrides the network "
-                      "file's); results are then the mean over seeded samples, with p50 and p99")
-  s.add_argument("--max-defer", type=float, default=0.1,
-                 help="dlcp's max_defer in this comparison (default 0.1; the library's default is 0, "
-                      "lossless)")
-  s.add_argument("--cross-step", action="store_true", help="simulate the pipelined step")
-  s.add_argument("--json", action="store_true", help="print the result object as JSON")
-  s.add_argument("--timeline", default=None, metavar="PNG", help="write a Gantt chart per policy")
-  s.set_defaults(fn=cmd_simulate)
-
-  s = sub.add_parser("plan", parents=[common], help="write a schedule")
-  s.add_argument("--profile", required=True)
-  s.add_argument("--network", required=True)
-  s.add_argument("--workers", type=_positive, default=None)
-  s.add_argument("--policy", default="auto")
-  s.add_argument("--pressure", default=None, metavar="SPEC", help="network pressure (see simulate)")
-  s.add_argument("--max-defer", type=float, default=None, help="dlcp's max_defer (default 0: lossless)")
-  s.add_argument("--cross-step", action="store_true")
-  s.add_argument("--out", required=True)
-  s.set_defaults(fn=cmd_plan)
-
-  s = sub.add_parser("profile", parents=[common], help="measure a real step of a bundled model")
-  s.add_argument("--model", required=True, help="mlp, cnn, gpt-tiny, resnet-small")
-  s.add_argument("--num-devices", type=_positive, default=8)
-  s.add_argument("--steps", type=_positive, default=20, help="steps measured (default 20)")
-  s.add_argument("--out", required=True)
-  s.set_defaults(fn=cmd_profile)
-
-  s = sub.add_parser("probe", parents=[common], help="fit alpha and beta of the all-reduce")
-  s.add_argument("--num-devices", type=_positive, default=8)
-  s.add_argument("--sizes", type=_positive, nargs="+", default=None, metavar="BYTES",
-                 help="message sizes in bytes per device (default 1 KiB .. 64 MiB, powers of 4)")
-  s.add_argument("--repeats", type=_positive, default=15, help="paired timings per size (default 15)")
-  s.add_argument("--time-budget", type=_non_negative, default=6.0, metavar="SECONDS",
-                 help="seconds the probe may take, compiles included (default 6; 0: no budget): sizes "
-                      "run smallest first until the next would not fit, and the output names those cut")
-  s.add_argument("--out", required=True)
-  s.set_defaults(fn=cmd_probe)
-
-  s = sub.add_parser("demo", parents=[common], help="the main job: profile, probe, plan, train, compare")
-  s.add_argument("--steps", type=_positive, default=200)
-  s.add_argument("--out-dir", default="out")
-  s.add_argument("--quick", action="store_true", help="a reduced run (tests)")
-  s.set_defaults(fn=cmd_demo)
-
-  s = sub.add_parser("launch", parents=[common], help="start N processes wired with jax.distributed")
-  add_launch_arguments(s)
-  s.set_defaults(fn=cmd_launch)
-
-  s = sub.add_parser("audit", parents=[common], help="compile a model's step for a GPU target (no GPU "
-                     "needed) and audit its all-reduces: count, order, what overlaps them; exit 1 on a "
-                     "mismatch")
-  s.add_argument("--target", default="h100", help="h100, a100 or v100 (compile-only; needs the gpu-compile "
-                 "extra, or gpu-compile-cuda13, which cannot build for the v100)")
-  s.add_argument("--devices", type=_positive, default=8)
-  s.add_argument("--model", default="cnn", help="mlp, cnn, gpt-tiny, resnet-small")
-  s.add_argument("--mode", default="scheduled", choices=("scheduled", "hooked", "pipelined", "pmean"))
-  s.add_argument("--policy", default="auto")
-  s.add_argument("--network", default="10gbe", help=f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON")
-  s.add_argument("--workers", type=_positive, default=None, help="default: --devices")
-  s.add_argument("--profile", default=None, help="a GradientProfile JSON of the model (default: its "
-                 "parameter sizes with estimated times)")
-  s.add_argument("--schedule", default=None, help="a Schedule JSON to audit instead of planning one")
-  s.add_argument("--batch", type=_positive, default=None, help="global batch (default: the model's)")
-  s.add_argument("--xla-option", type=_xla_option, action="append", metavar="KEY=VALUE",
-                 help="a per-compile XLA option, e.g. xla_gpu_enable_latency_hiding_scheduler=true")
-  s.add_argument("--jit", action="store_true", help="the plain jax.jit step over sharded arrays (hooked or "
-                 "pipelined with mesh=; pmean: the partitioner's all-reduce) instead of a shard_map step")
-  s.add_argument("--json", action="store_true", help="print the report as JSON")
-  s.set_defaults(fn=cmd_audit)
-
-  s = sub.add_parser("xla-flags", parents=[common], help="the XLA_FLAGS line and compiler_options that "
-                     "realise a plan as far as XLA settings can (for a plain jax.jit step), checked "
-                     "against the installed jaxlib")
-  s.add_argument("--model", required=True, help="trace name, model name completed by --device, or a "
-                 "GradientProfile JSON")
-  s.add_argument("--device", default=None, help=f"device of the bundled trace (default {DEFAULT_DEVICE})")
-  s.add_argument("--workers", type=_positive, default=None)
-  s.add_argument("--network", required=True, help=f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON")
-  s.add_argument("--policy", default="auto")
-  s.add_argument("--target", default=None, help="h100, a100 or v100: check on that compile-only GPU "
-                 "(default: this machine's GPU, else a compile-only h100 where jax's CUDA plugin is installed)")
-  s.add_argument("--json", action="store_true", help="print the settings, the jaxlib and the notes as JSON")
-  s.set_defaults(fn=cmd_xla_flags)
+  for name, (fn, text, options) in _COMMANDS.items():
+    s = sub.add_parser(name, parents=[common], help=text)
+    for option in options:
+      flag, kw = (option, {}) if isinstance(option, str) else option
+      s.add_argument(flag, **{**_SHARED.get(flag, {}), **kw})
+    s.set_defaults(fn=fn)
+  add_launch_arguments(sub.choices["launch"])
   return p
 
 
