@@ -20,24 +20,42 @@ from .._values._tree import flatten_with_paths
 
 __all__ = ["broadcast_schedule"]
 
+MESSAGE_BYTES = 600  # each rank's error message, as gathered for the others (truncated)
+
 
 def _check_tree(schedule: Schedule, params: Any) -> None:
   match_tree(flatten_with_paths(params), schedule, where="broadcast_schedule")
 
 
-_MESSAGE_BYTES = 600  # each rank's error message, as gathered for the others (truncated)
-
-
 def gather_messages(text: str) -> list[str]:
-  """Every process's `text` (at most _MESSAGE_BYTES bytes of it), in rank order."""
+  """Every process's `text` (at most MESSAGE_BYTES bytes of it), in rank order."""
   from jax.experimental import multihost_utils  # lazy: `launch` (pure) imports this module
 
-  raw = text.encode()[:_MESSAGE_BYTES]
-  buf = np.zeros(_MESSAGE_BYTES + 1, np.uint8)
+  raw = text.encode()[:MESSAGE_BYTES]
+  buf = np.zeros(MESSAGE_BYTES + 1, np.uint8)
   buf[0] = len(raw) > 0
   buf[1:1 + len(raw)] = np.frombuffer(raw, np.uint8)
-  rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(-1, _MESSAGE_BYTES + 1)
+  rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(-1, MESSAGE_BYTES + 1)
   return [bytes(r[1:]).rstrip(b"\0").decode(errors="replace") if r[0] else "" for r in rows]
+
+
+def failed_ranks(message: str) -> tuple[list[int], str]:
+  """Every process's `message` gathered: the ranks whose message is not empty, and the first of those."""
+  messages = gather_messages(message)
+  bad = [r for r, m in enumerate(messages) if m]
+  return bad, messages[bad[0]] if bad else ""
+
+
+def broadcast_text(text: str) -> str:
+  """Rank 0's `text` on every process (the others' `text` is ignored)."""
+  import jax  # lazy: `launch` (pure) imports this module
+  from jax.experimental import multihost_utils
+
+  rank0 = jax.process_index() == 0
+  data = np.frombuffer(text.encode() if rank0 else b"", np.uint8)
+  n = int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([data.size], np.int32)))[0])
+  buf = data.copy() if rank0 else np.zeros(n, np.uint8)
+  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8)).decode()
 
 
 def broadcast_schedule(schedule: Schedule | BaseException | None, params: Any = None) -> Schedule:
@@ -83,27 +101,15 @@ def broadcast_schedule(schedule: Schedule | BaseException | None, params: Any = 
     if params is not None:
       _check_tree(schedule, params)
     return schedule
-  from jax.experimental import multihost_utils  # the same reason: launch imports this module
-
   rank = jax.process_index()
-  if rank == 0:
-    text = (schedule.to_json() if rank0_error is None
-            else f"{type(rank0_error).__name__}: {rank0_error}")
-    payload = text.encode()
-  else:
-    payload = b""
-  header = np.asarray([len(payload), 0 if rank != 0 or rank0_error is None else 1], np.int32)
-  header = np.asarray(multihost_utils.broadcast_one_to_all(header))
-  n, failed = int(header[0]), bool(header[1])
-  buf = np.zeros(n, np.uint8)
-  if rank == 0:
-    buf[:] = np.frombuffer(payload, np.uint8)
-  text = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8)).decode()
-  if failed:
+  # a schedule's JSON starts with "{"; "!" marks rank 0's failure, the rest its message
+  text = broadcast_text(schedule.to_json() if rank0_error is None
+                        else f"!{type(rank0_error).__name__}: {rank0_error}")
+  if text.startswith("!"):
     if rank == 0:
       raise rank0_error  # type: ignore[misc]
     raise LaunchError(f"rank {rank}: rank 0 sent no schedule; it failed before broadcasting it with "
-                      f"{text}. Fix that on rank 0 (see its output); this rank stops with it.")
+                      f"{text[1:]}. Fix that on rank 0 (see its output); this rank stops with it.")
   error: Exception | None = None
   try:
     got = Schedule.from_json(text)
@@ -112,13 +118,10 @@ def broadcast_schedule(schedule: Schedule | BaseException | None, params: Any = 
   except ProphetError as e:
     error = type(e)(f"rank {rank}: {e}")
     error.__cause__ = e
-  messages = gather_messages("" if error is None else str(error))
+  bad, first = failed_ranks("" if error is None else str(error))
   if error is not None:
     raise error
-  bad = [r for r, m in enumerate(messages) if m]
   if bad:
     raise LaunchError(f"rank {rank}: rank(s) {bad} found that rank 0's schedule (fingerprint "
-                      f"{got.tree_fingerprint}) does not match their params. {messages[bad[0]]}")
+                      f"{got.tree_fingerprint}) does not match their params. {first}")
   return got
-
-

@@ -30,7 +30,7 @@ import numpy as np
 from .._planning._paired import DEFAULT_CONFIDENCE, Choice, check_options, decide, interleave
 from .._values._checks import check_int
 from .._values._errors import LaunchError
-from ._agreement import gather_messages
+from ._agreement import broadcast_text, failed_ranks, gather_messages
 from ._compare import Snapshot, difference, host, loss_of, snapshot
 
 __all__ = ["choose", "Choice"]
@@ -111,10 +111,9 @@ def _agree_names(names: tuple[str, ...]) -> tuple[str, ...]:
   """Every process runs the same steps in the same order: rank 0's, checked on every process."""
   if jax.process_count() == 1:
     return names
-  text = "\n".join(names)
-  mine = gather_messages(text)
-  if any(m != mine[0] for m in mine):
-    bad = [r for r, m in enumerate(mine) if m != mine[0]]
+  mine = gather_messages("\n".join(names))
+  bad = [r for r, m in enumerate(mine) if m != mine[0]]
+  if bad:
     raise LaunchError(f"choose: rank(s) {bad} have other steps than rank 0: {mine[0].splitlines()} on "
                       f"rank 0, {mine[bad[0]].splitlines()} on rank {bad[0]} (names and control must be "
                       f"the same everywhere, in the same order).")
@@ -135,23 +134,14 @@ def _agree_choice(mine: Choice) -> Choice:
   """Rank 0's Choice on every process, its fingerprint checked against each process's own."""
   if jax.process_count() == 1:
     return mine
-  from jax.experimental import multihost_utils  # multi-process only
-
+  got = Choice.from_json(broadcast_text(mine.to_json()))
   rank = jax.process_index()
-  payload = mine.to_json().encode() if rank == 0 else b""
-  n = int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([len(payload)], np.int32)))[0])
-  buf = np.zeros(n, np.uint8)
-  if rank == 0:
-    buf[:] = np.frombuffer(payload, np.uint8)
-  got = Choice.from_json(bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8)).decode())
-  msg = "" if got.fingerprint == mine.fingerprint else (
+  bad, first = failed_ranks("" if got.fingerprint == mine.fingerprint else (
       f"rank {rank} decided {mine.best!r} (fingerprint {mine.fingerprint}) from the same timings where "
-      f"rank 0 decided {got.best!r} ({got.fingerprint})")
-  messages = gather_messages(msg)
-  bad = [r for r, m in enumerate(messages) if m]
+      f"rank 0 decided {got.best!r} ({got.fingerprint})"))
   if bad:
     raise LaunchError(f"choose: rank {rank}: rank(s) {bad} disagree with rank 0's decision: "
-                      f"{messages[bad[0]]}. Check that every process runs the same library versions.")
+                      f"{first}. Check that every process runs the same library versions.")
   return got
 
 
