@@ -70,14 +70,11 @@ def _load(cls: Any, path: str, what: str, flag: str | None = None) -> Any:
 
 
 def _same_file(a: str, b: str) -> bool:
-  """Whether paths `a` and `b` name one file (the same resolved path, or the same existing file)."""
-  pa, pb = Path(a), Path(b)
+  """Whether paths `a` and `b` name one file (the same existing file, or else the same resolved path)."""
   try:
-    if pa.exists() and pb.exists():
-      return os.path.samefile(pa, pb)
-  except OSError:
-    pass
-  return pa.resolve() == pb.resolve()
+    return os.path.samefile(a, b)
+  except OSError:  # one of them does not exist (yet)
+    return Path(a).resolve() == Path(b).resolve()
 
 
 def _check_out(out: str, flag: str, **inputs: str | None) -> None:
@@ -264,11 +261,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
   _check_out(a.out, "--out", profile=a.profile, network=a.network)
   profile = _load(GradientProfile, a.profile, "profile")
   net = load_network(a.network, a.workers, pressure=a.pressure)
-  options = {}
-  if a.max_defer is not None:
-    if a.policy != "dlcp":
-      raise ValueError(f"--max-defer is an option of policy 'dlcp', not {a.policy!r}.")
-    options["max_defer"] = a.max_defer
+  if a.max_defer is not None and a.policy != "dlcp":
+    raise ValueError(f"--max-defer is an option of policy 'dlcp', not {a.policy!r}.")
+  options = {} if a.max_defer is None else {"max_defer": a.max_defer}
   sched = plan(profile, net, a.policy, cross_step=a.cross_step, **options)
   _out_path(a.out).write_text(sched.to_json(indent=1))
   sim = simulate(sched, profile, net, cross_step=sched.cross_step)
@@ -359,13 +354,9 @@ def cmd_audit(a: argparse.Namespace) -> int:
   if a.schedule:
     schedule = _load(Schedule, a.schedule, "schedule")
   else:
-    if a.profile:
-      profile = _load(GradientProfile, a.profile, "profile")
-    else:
-      profile = GradientProfile.from_params(model.abstract_params(), forward_s=1e-3, backward_s=2e-3,
-                                            model=a.model)
-    net = load_network(a.network, a.workers or a.devices)
-    schedule = plan(profile, net, a.policy, cross_step=cross_step)
+    profile = (_load(GradientProfile, a.profile, "profile") if a.profile else
+               GradientProfile.from_params(model.abstract_params(), forward_s=1e-3, backward_s=2e-3, model=a.model))
+    schedule = plan(profile, load_network(a.network, a.workers or a.devices), a.policy, cross_step=cross_step)
   with quiet_cuda_stub():
     topo = gpu_topology(target.name, devices=a.devices)
     from ._steps import compile_step  # imports jax: after the topology checked the environment
