@@ -50,7 +50,6 @@ from __future__ import annotations
 import collections
 import json
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -198,8 +197,7 @@ class Monitor:
 
   def _agree(self, schedule: Schedule) -> Schedule:
     """Rank 0's schedule on every process (no-op in one process); each checks its fingerprint."""
-    jax = sys.modules.get("jax")
-    if jax is None or jax.process_count() == 1:
+    if jax.process_count() == 1:
       return schedule
     got = broadcast_schedule(schedule)
     self._check(got)
@@ -208,8 +206,7 @@ class Monitor:
   @property
   def is_decider(self) -> bool:
     """True on the process whose decisions count (rank 0; the only one in a single process)."""
-    jax = sys.modules.get("jax")
-    return jax is None or jax.process_index() == 0
+    return jax.process_index() == 0
 
   # -- the compiled-step cache ----------------------------------------------------------------------
   @property
@@ -243,14 +240,11 @@ class Monitor:
     self._steps.append(seconds)
     if self._baseline_s is None and len(self._steps) == self._steps.maxlen:
       self._baseline_s = statistics.median(self._steps)
-    due = self.probe_every > 0 and self.steps % self.probe_every == 0
-    if not due and self._drifted():
-      due = True
+    due = (self.probe_every > 0 and self.steps % self.probe_every == 0) or self._drifted()
     return self.probe_now() if due else None
 
   def _drifted(self) -> bool:
-    jax = sys.modules.get("jax")
-    if jax is not None and jax.process_count() > 1:
+    if jax.process_count() > 1:
       return False  # processes would disagree on when to probe: periodic probes only
     if self._baseline_s is None or len(self._steps) < self._steps.maxlen or self._baseline_s <= 0:
       return False
@@ -273,12 +267,8 @@ class Monitor:
       raise ValueError(f"Monitor.observe: got {len(sizes)} sizes and {len(seconds)} times; they must pair "
                        f"up (and not be empty).")
     self._probes.append({int(s): float(t) for s, t in zip(sizes, seconds)})
-    pooled: dict[int, list[float]] = {}
-    for rnd in self._probes:
-      for s, t in rnd.items():
-        pooled.setdefault(s, []).append(t)
-    xs = sorted(pooled)
-    ys = [statistics.median(pooled[s]) for s in xs]
+    xs = sorted({s for rnd in self._probes for s in rnd})  # every size probed in the window, its median
+    ys = [statistics.median([rnd[s] for rnd in self._probes if s in rnd]) for s in xs]
     fit = NetworkModel.fit(xs, ys, workers=self.network.workers, overlap=self.network.overlap,
                            name="monitor", skew=self.network.skew)
     # the refit measures alpha and beta; the starting model's pressure (what the probe cannot see
