@@ -20,6 +20,7 @@ removed it; cluster detection likewise, with a LaunchError.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
@@ -56,15 +57,11 @@ def _cluster_detected() -> bool:
   try:
     return any(not env.opt_in_only_method and env.is_env_present() for env in types)
   except AttributeError as e:
+    import jax  # lazy: `launch` (pure) imports this module
+
     raise LaunchError(f"{_CLUSTER} reads jax's private jax._src.clusters.ClusterEnv entries, whose shape "
-                      f"changed in jax {_jax_version()} ({e}); prophet_jax was tested with jax "
+                      f"changed in jax {jax.__version__} ({e}); prophet_jax was tested with jax "
                       f"{', '.join(TESTED_JAX_VERSIONS)}. Install one of those, or {_CLUSTER_FIX}.") from e
-
-
-def _jax_version() -> str:
-  import jax  # lazy: `launch` (pure) imports this module
-
-  return jax.__version__
 
 
 def _wait_for_coordinator(address: str, deadline: float, where: str) -> None:
@@ -114,8 +111,7 @@ def initialize(*, timeout_s: int | None = None) -> bool:
       return False
     jax.distributed.initialize(initialization_timeout=timeout)
     return True
-  where = (f"rank {cfg.process_id} of {cfg.num_processes}, coordinator {cfg.coordinator}, "
-           f"timeout {timeout} s")
+  where = f"rank {cfg.process_id} of {cfg.num_processes}, coordinator {cfg.coordinator}, timeout {timeout} s"
   deadline = time.monotonic() + timeout
   if cfg.process_id != 0:
     _wait_for_coordinator(cfg.coordinator, deadline, where)
@@ -134,10 +130,8 @@ def initialize(*, timeout_s: int | None = None) -> bool:
                                **({"heartbeat_timeout_seconds": cfg.heartbeat_timeout_s}
                                   if cfg.heartbeat_timeout_s else {}))
   except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error types
-    try:
+    with contextlib.suppress(Exception):
       jax.distributed.shutdown()
-    except Exception:  # noqa: BLE001
-      pass
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise LaunchError(
         f"jax.distributed could not connect ({where}): {first[:300]}. Is rank 0 running, and is "
@@ -181,17 +175,13 @@ def bind_gloo_interface(interface: str) -> None:
   check_interface(interface)
   import jax  # lazy: `launch` (pure) imports this module
 
-  fix = "run without --gloo-interface (gloo then resolves the hostname)"
-  make = private("jax._src.lib", "_jax.make_gloo_tcp_collectives", feature="--gloo-interface",
-                 error=GlooBindError, fix=fix)
-  register = private("jax._src.xla_bridge", "register_backend_factory", feature="--gloo-interface",
-                     error=GlooBindError, fix=fix)
-  make_cpu_client = private("jax._src.xla_bridge", "make_cpu_client", feature="--gloo-interface",
-                            error=GlooBindError, fix=fix)
-  started = private("jax._src.xla_bridge", "backends_are_initialized", feature="--gloo-interface",
-                    error=GlooBindError, fix=fix)
-  global_state = private("jax._src.distributed", "global_state", feature="--gloo-interface",
-                         error=GlooBindError, fix=fix)
+  get = functools.partial(private, feature="--gloo-interface", error=GlooBindError,
+                          fix="run without --gloo-interface (gloo then resolves the hostname)")
+  make = get("jax._src.lib", "_jax.make_gloo_tcp_collectives")
+  register = get("jax._src.xla_bridge", "register_backend_factory")
+  make_cpu_client = get("jax._src.xla_bridge", "make_cpu_client")
+  started = get("jax._src.xla_bridge", "backends_are_initialized")
+  global_state = get("jax._src.distributed", "global_state")
   if "interface" not in (make.__doc__ or ""):
     raise GlooBindError(f"jax {jax.__version__}: make_gloo_tcp_collectives takes no `interface` "
                         f"argument any more; tested with jax {', '.join(TESTED_JAX_VERSIONS)}.")
