@@ -16,6 +16,7 @@ Importing it starts nothing and imports no jax.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -82,7 +83,10 @@ def _device_flags(xla_flags: str, nproc: int, devices_per_process: int | None) -
 
 def _child_env(base: dict[str, str], *, rank: int, nproc: int, coordinator: str, xla_flags: str,
                devices: int | None, gloo_interface: str | None, init_timeout_s: int | None) -> dict[str, str]:
-  env = {k: v for k, v in base.items() if not k.startswith("PROPHET_") or k == "PROPHET_DEBUG"}
+  """The parent's environment without its PROPHET_* flags (but PROPHET_DEBUG and the timeouts set there),
+  plus this rank's."""
+  env = {k: v for k, v in base.items() if not k.startswith("PROPHET_") or k == "PROPHET_DEBUG"
+         or (v and k in ("PROPHET_INIT_TIMEOUT_S", "PROPHET_HEARTBEAT_TIMEOUT_S"))}
   env.update(PROPHET_PROCESS_ID=str(rank), PROPHET_NUM_PROCESSES=str(nproc),
              PROPHET_COORDINATOR=coordinator, PYTHONUNBUFFERED="1")
   if xla_flags:
@@ -93,10 +97,6 @@ def _child_env(base: dict[str, str], *, rank: int, nproc: int, coordinator: str,
     env["PROPHET_GLOO_INTERFACE"] = gloo_interface
   if init_timeout_s is not None:
     env["PROPHET_INIT_TIMEOUT_S"] = str(int(init_timeout_s))
-  elif base.get("PROPHET_INIT_TIMEOUT_S"):
-    env["PROPHET_INIT_TIMEOUT_S"] = base["PROPHET_INIT_TIMEOUT_S"]
-  if base.get("PROPHET_HEARTBEAT_TIMEOUT_S"):
-    env["PROPHET_HEARTBEAT_TIMEOUT_S"] = base["PROPHET_HEARTBEAT_TIMEOUT_S"]
   return env
 
 
@@ -122,26 +122,20 @@ def _describe(code: int) -> str:
 
 def _stop(procs: dict[int, subprocess.Popen], grace_s: float) -> None:
   """SIGTERM every live process group, then SIGKILL what is left after `grace_s`."""
-  live = {r: p for r, p in procs.items() if p.poll() is None}
-  for p in live.values():
-    try:
+  live = [p for p in procs.values() if p.poll() is None]
+  for p in live:
+    with contextlib.suppress(ProcessLookupError):
       os.killpg(p.pid, signal.SIGTERM)
-    except ProcessLookupError:
-      pass
   deadline = time.monotonic() + grace_s
-  while time.monotonic() < deadline and any(p.poll() is None for p in live.values()):
+  while time.monotonic() < deadline and any(p.poll() is None for p in live):
     time.sleep(0.05)
-  for p in live.values():
+  for p in live:
     if p.poll() is None:
-      try:
+      with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-  for p in live.values():
-    try:
+  for p in live:
+    with contextlib.suppress(subprocess.TimeoutExpired):
       p.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-      pass
 
 
 class _Interrupted(BaseException):
@@ -208,7 +202,6 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
   old_term = None
   if threading.current_thread() is threading.main_thread():
     old_term = signal.signal(signal.SIGTERM, on_term)
-  failed: tuple[int, int] | None = None
   try:
     for rank in range(nproc):
       env = _child_env(base, rank=rank, nproc=nproc, coordinator=address, xla_flags=xla_flags,
@@ -222,25 +215,22 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
       t = threading.Thread(target=_pump, args=(rank, p.stdout, out, lock), daemon=True)
       t.start()
       pumps.append(t)
-    while True:
+    while True:  # until one rank fails (the first in rank order) or all have ended well
       codes = {r: p.poll() for r, p in procs.items()}
-      bad = [(r, c) for r, c in codes.items() if c not in (None, 0)]
-      if bad:
-        failed = bad[0]
-        break
-      if all(c == 0 for c in codes.values()):
+      failed = next(((r, c) for r, c in codes.items() if c not in (None, 0)), None)
+      if failed is not None or all(c == 0 for c in codes.values()):
         break
       time.sleep(0.05)
-    if failed is not None:
-      rank, code = failed
-      others = [r for r, p in procs.items() if p.poll() is None]
-      with lock:
-        err.write(f"prophet-jax launch: rank {rank} (pid {procs[rank].pid}) failed with "
-                  f"{_describe(code)}; stopping rank(s) {others or 'none (all ended)'}.\n")
-        err.flush()
-      _stop(procs, STOP_GRACE_S)
-      return 128 - code if code < 0 else code
-    return 0
+    if failed is None:
+      return 0
+    rank, code = failed
+    others = [r for r, p in procs.items() if p.poll() is None]
+    with lock:
+      err.write(f"prophet-jax launch: rank {rank} (pid {procs[rank].pid}) failed with "
+                f"{_describe(code)}; stopping rank(s) {others or 'none (all ended)'}.\n")
+      err.flush()
+    _stop(procs, STOP_GRACE_S)
+    return 128 - code if code < 0 else code
   except (KeyboardInterrupt, _Interrupted):
     with lock:
       err.write(f"prophet-jax launch: interrupted; stopping rank(s) "
