@@ -267,28 +267,26 @@ def choose(steps: Mapping[str, Callable], state: Any, batches: Sequence[Any], *,
   start = _states(state, names)
   before = snapshot(start[control_name], None, compare)
   current = {n: _copy(start[n]) for n in names}
+
+  def call(n: str, k: int, when: str) -> tuple[float, Any]:
+    """Step `n` on batches[k] from its current state: (the call's seconds, its loss or None), checked."""
+    t0 = time.perf_counter()
+    out = _call(fns[n], n, current[n], batches[k % len(batches)], when)
+    dt = time.perf_counter() - t0
+    current[n] = _next_state(out, start[n], n)
+    loss = loss_of(out, current[n] is out)
+    _check_finite(n, loss, when)
+    return dt, loss
+
   seen: dict[str, list[Snapshot]] = {}
   for n in names:
     for w in range(warmup):
-      when = f"on its call {w + 1} (warm-up, batches[{w % len(batches)}])"
-      out = _call(fns[n], n, current[n], batches[w % len(batches)], when)
-      current[n] = _next_state(out, start[n], n)
-      loss = loss_of(out, current[n] is out)
-      _check_finite(n, loss, when)
+      _, loss = call(n, w, f"on its call {w + 1} (warm-up, batches[{w % len(batches)}])")
       if w < 2:
         seen.setdefault(n, []).append(snapshot(current[n], loss, compare))
   compared = _compared(names, control_name, seen, before, lossy, start)
-
-  def measure(name: str, r: int) -> float:
-    when = f"in timed round {r} (batches[{r % len(batches)}])"
-    t0 = time.perf_counter()
-    out = _call(fns[name], name, current[name], batches[r % len(batches)], when)
-    dt = time.perf_counter() - t0
-    current[name] = _next_state(out, start[name], name)
-    _check_finite(name, loss_of(out, current[name] is out), when)
-    return dt
-
-  seconds = _slowest(interleave(names, rounds, measure))
+  seconds = _slowest(interleave(names, rounds,
+                                lambda n, r: call(n, r, f"in timed round {r} (batches[{r % len(batches)}])")[0]))
   mine = decide(names, seconds, control=control_name, min_gain=min_gain, confidence=confidence,
                 processes=jax.process_count())
   said = "; ".join(f"{k!r} {v}" for k, v in compared.items())
