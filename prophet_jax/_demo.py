@@ -26,21 +26,14 @@ DEMO_MODEL = "cnn"
 AXIS = "dp"
 
 
-def step_times(step, state, batch, repeats: int) -> tuple[list[float], tuple]:
-  """Wall-clock seconds of `repeats` calls of `state = step(*state, batch)` (each waited for), and the
-  last state. The one timing loop of the demo and the benches."""
+def _median_step_s(step, state, batch, repeats: int) -> float:
+  """The median wall-clock seconds of `repeats` calls of `state = step(*state, batch)`, each waited for."""
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    state = step(*state, batch)
-    jax.block_until_ready(state)
+    state = jax.block_until_ready(step(*state, batch))
     times.append(time.perf_counter() - t0)
-  return times, state
-
-
-def _median_step_s(step, state, batch, repeats: int) -> tuple[float, tuple]:
-  times, state = step_times(step, state, batch, repeats)
-  return float(np.median(times)), state
+  return float(np.median(times))
 
 
 def _train_step(loss_fn, tx):
@@ -72,8 +65,6 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
     model: a trainable model of `prophet_jax.models`.
     lr: SGD learning rate (momentum 0.9).
   """
-
-
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   n = jax.local_device_count()
@@ -122,7 +113,7 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
     # made where the axis is bound: a sharded plan (dear, ZeRO-1) keeps each device's shard of the state
     state = (replicate(params), jax.pmap(t.init, axis_name=AXIS)(replicate(params)))
     state = step(*state, batch)[:2]  # compile
-    measured[name], _ = _median_step_s(lambda p, o, b: step(p, o, b)[:2], state, batch, repeats)
+    measured[name] = _median_step_s(lambda p, o, b: step(p, o, b)[:2], state, batch, repeats)
   print(f"{'policy':10s} {'chunks':>6s} {'predicted ms':>13s} {'measured ms':>12s} {'error':>7s}")
   rows = []
   for p in timed:
