@@ -137,9 +137,8 @@ def load_network(network: str, workers: int | None, *, overlap: bool | None = No
     if workers is not None:
       net = net.with_workers(workers)
   else:
-    raise ValueError(f"--network {network!r} is neither a preset "
-                     f"({', '.join([*PRESETS, *PRESETS_TWO_LEVEL])}) nor a "
-                     f"NetworkModel JSON file.")
+    raise ValueError(f"--network {network!r} is neither a preset ({', '.join([*PRESETS, *PRESETS_TWO_LEVEL])}) "
+                     f"nor a NetworkModel JSON file.")
   if pressure is not None:
     net = net.replace(pressure=parse_pressure(pressure))
   return net if overlap is None else net.replace(overlap=overlap)
@@ -212,10 +211,9 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     network = {"name": net.name or a.network, "alpha_s": net.alpha_s, "beta_s_per_byte": net.beta_s_per_byte}
     if q is not None:
       network["pressure"] = q.to_dict()
-    print(json.dumps({
-        "model": model, "device": profile.device or a.device, "workers": net.workers,
-        "cross_step": a.cross_step, "network": network, "lower_bound_s": bound, "results": rows},
-        indent=2))
+    print(json.dumps({"model": model, "device": profile.device or a.device, "workers": net.workers,
+                      "cross_step": a.cross_step, "network": network, "lower_bound_s": bound, "results": rows},
+                     indent=2))
   else:
     base = next((r["iteration_s"] for r in rows if r["policy"] == "wfbp"), None)
     print(f"{model}: {len(profile.rows)} gradients, {profile.total_nbytes / 2**20:.1f} MiB, "
@@ -223,9 +221,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
           f"{'pipelined' if a.cross_step else 'plain'} step; lower bound {bound * 1e3:.3f} ms"
           + (" (lossless schedules)" if "dlcp" in policies else ""))
     if q is not None:
-      print(f"pressure: {q.background_flows:g} background flows, tail_prob {q.tail_prob:g} per ring step, "
-            f"tail >= {q.tail_scale_s * 1e3:g} ms (shape {q.tail_shape:g}); mean of {q.samples} samples "
-            f"(seed {q.seed})")
+      print(f"pressure: {q.background_flows:g} background flows, tail_prob {q.tail_prob:g} per ring step, tail >= "
+            f"{q.tail_scale_s * 1e3:g} ms (shape {q.tail_shape:g}); mean of {q.samples} samples (seed {q.seed})")
     if "dlcp" in policies:
       print(f"dlcp: max_defer {a.max_defer:g} (elements that may wait each step, with error feedback)")
     if any(r.get("sharded") for r in rows if r["policy"] != "fsdp"):
@@ -350,13 +347,13 @@ def cmd_audit(a: argparse.Namespace) -> int:
                      "by the partitioner; audit --jit --mode hooked (or pipelined, or pmean for the plain step).")
   target = gpu_target(a.target)  # an unknown target fails here, before jax starts
   model = models.get_model(a.model)
-  cross_step = a.mode == "pipelined"
   if a.schedule:
     schedule = _load(Schedule, a.schedule, "schedule")
   else:
     profile = (_load(GradientProfile, a.profile, "profile") if a.profile else
                GradientProfile.from_params(model.abstract_params(), forward_s=1e-3, backward_s=2e-3, model=a.model))
-    schedule = plan(profile, load_network(a.network, a.workers or a.devices), a.policy, cross_step=cross_step)
+    net = load_network(a.network, a.workers or a.devices)
+    schedule = plan(profile, net, a.policy, cross_step=a.mode == "pipelined")
   with quiet_cuda_stub():
     topo = gpu_topology(target.name, devices=a.devices)
     from ._steps import compile_step  # imports jax: after the topology checked the environment
@@ -369,24 +366,21 @@ def cmd_audit(a: argparse.Namespace) -> int:
       text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       if options and ("compile option" in text or "INVALID_ARGUMENT" in text):
         given = " ".join(f"{k}={v}" for k, v in options.items())
-        raise ValueError(f"--xla-option {given}: XLA refused it ({text}). Give options this jaxlib's XLA "
-                         f"knows, with values of their type (e.g. "
-                         f"xla_gpu_enable_latency_hiding_scheduler=true).") from e
+        raise ValueError(f"--xla-option {given}: XLA refused it ({text}). Give options this jaxlib's XLA knows, "
+                         f"with values of their type (e.g. xla_gpu_enable_latency_hiding_scheduler=true).") from e
       raise
   from ._compiled._audit import audit  # lazy: the CLI starts without jax
 
   report = audit(compiled, schedule)
   if a.json:
-    print(json.dumps({"target": target.name, "device": target.description, "devices": a.devices,
-                      "model": a.model, "mode": a.mode, "policy": schedule.policy,
-                      "compile_s": compile_s, "xla_options": dict(a.xla_option or ()),
-                      "report": report.to_dict()}, indent=1))
+    print(json.dumps({"target": target.name, "device": target.description, "devices": a.devices, "model": a.model,
+                      "mode": a.mode, "policy": schedule.policy, "compile_s": compile_s,
+                      "xla_options": options or {}, "report": report.to_dict()}, indent=1))
   else:
     count = (f"{schedule.num_reduce_scatters} reduce-scatter(s), {schedule.num_all_gathers} all-gather(s)"
              if schedule.num_reduce_scatters else f"{schedule.num_allreduces} chunk(s)")
-    print(f"{a.model}, {a.mode} step, {schedule.policy} ({count}): XLA:GPU's "
-          f"compiled schedule for {a.devices} x {target.description} (compile-only: nothing ran; "
-          f"compiled in {compile_s:.1f} s)")
+    print(f"{a.model}, {a.mode} step, {schedule.policy} ({count}): XLA:GPU's compiled schedule for {a.devices} x "
+          f"{target.description} (compile-only: nothing ran; compiled in {compile_s:.1f} s)")
     print(report.describe())
     if report.chunks:
       print(report.window_table())
