@@ -56,14 +56,12 @@ def _split_steps(steps: Any, control: Any) -> tuple[tuple[str, ...], dict[str, C
       raise ValueError(f"choose(control={control!r}): no step of that name among {sorted(fns)}; pass "
                        f"the control's step function, or the name of one of the steps.")
     if len(fns) < 2:
-      raise ValueError(f"choose(control={control!r}): it is the only step; there is no candidate to "
-                       f"time against it.")
+      raise ValueError(f"choose(control={control!r}): it is the only step; there is no candidate to time against it.")
     name = control
   elif callable(control):
     if CONTROL in fns:
-      raise ValueError(f"choose(steps=...): a candidate is named {CONTROL!r}, the name the control step "
-                       f"is reported under; rename that candidate (or pass control={CONTROL!r} to make "
-                       f"it the control).")
+      raise ValueError(f"choose(steps=...): a candidate is named {CONTROL!r}, the name the control step is reported "
+                       f"under; rename that candidate (or pass control={CONTROL!r} to make it the control).")
     name = CONTROL
     fns = {CONTROL: control, **fns}
   else:
@@ -101,10 +99,9 @@ def _next_state(out: Any, state: Any, name: str) -> Any:
     return out
   if isinstance(out, tuple) and out and jax.tree.structure(out[0]) == want:
     return out[0]
-  raise TypeError(f"choose: step {name!r} returned a {type(out).__name__} of structure "
-                  f"{jax.tree.structure(out)}, neither the state's structure {want} nor a tuple whose "
-                  f"first element has it; a step must be `state = step(state, batch)` or "
-                  f"`state, aux = step(state, batch)`.")
+  raise TypeError(f"choose: step {name!r} returned a {type(out).__name__} of structure {jax.tree.structure(out)}, "
+                  f"neither the state's structure {want} nor a tuple whose first element has it; a step must be "
+                  "`state = step(state, batch)` or `state, aux = step(state, batch)`.")
 
 
 def _agree_names(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -163,16 +160,14 @@ def _check_finite(name: str, loss: Any, when: str) -> None:
   value = host(loss).ravel()
   bad = value[~np.isfinite(value)]
   if bad.size:
-    raise ValueError(f"choose: step {name!r} returned a non-finite loss ({bad[0]}) {when}; choose times "
-                     f"only steps that train. Check that batch and the step (a diverging learning rate?), "
-                     f"or leave the step out.")
+    raise ValueError(f"choose: step {name!r} returned a non-finite loss ({bad[0]}) {when}; choose times only steps "
+                     "that train. Check that batch and the step (a diverging learning rate?), or leave the step out.")
 
 
 def _lossy(lossy: Any, names: tuple[str, ...], control: str) -> frozenset[str]:
   """The candidates whose difference from the control is reported, not failed, checked."""
   if isinstance(lossy, str) or not isinstance(lossy, (Sequence, Set)):
-    raise TypeError(f"choose(lossy={lossy!r}): expected a collection of candidate names, e.g. "
-                    f"lossy={{'dlcp'}}.")
+    raise TypeError(f"choose(lossy={lossy!r}): expected a collection of candidate names, e.g. lossy={{'dlcp'}}.")
   unknown = sorted(set(lossy) - (set(names) - {control}))
   if unknown:
     raise ValueError(f"choose(lossy={sorted(lossy)}): {unknown} are not candidates; the candidates are "
@@ -201,12 +196,11 @@ def _compared(names: tuple[str, ...], control: str, seen: dict[str, list[Snapsho
       out[n] = f"differs (lossy, reported): {d[1]} at {d[0]:.3g} times docs/design.md's tolerance"
     else:
       raise ValueError(
-          f"choose: step {n!r} computes something else than the control {control!r}: after the second "
-          f"call on the same batches, {d[1]} differs by {d[0]:.3g} times docs/design.md's tolerance (1e-3 "
-          f"of the control's update). A step that does not train, another model, optimizer or learning "
-          f"rate, or gradients of another scale (a psum for a pmean) would do that: fix the step. If its "
-          f"plan defers gradients on purpose (dlcp, max_defer > 0), pass lossy={{{n!r}}} to have the "
-          f"difference reported instead.")
+          f"choose: step {n!r} computes something else than the control {control!r}: after the second call on the same "
+          f"batches, {d[1]} differs by {d[0]:.3g} times docs/design.md's tolerance (1e-3 of the control's update). A "
+          "step that does not train, another model, optimizer or learning rate, or gradients of another scale (a psum "
+          "for a pmean) would do that: fix the step. If its plan defers gradients on purpose (dlcp, max_defer > 0), "
+          f"pass lossy={{{n!r}}} to have the difference reported instead.")
   return out
 
 

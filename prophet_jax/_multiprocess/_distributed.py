@@ -193,9 +193,8 @@ def bind_gloo_interface(interface: str) -> None:
     raise GlooBindError("bind_gloo_interface() needs jax.distributed.initialize() first (gloo "
                         "rendezvous goes through the distributed client).")
   if started():
-    raise GlooBindError(f"the jax backend has already started, so gloo can no longer be bound to "
-                        f"{interface!r}: call prophet_jax.launch.initialize() before any jax "
-                        f"operation (jax.devices(), jnp arrays, jit).")
+    raise GlooBindError(f"the jax backend has already started, so gloo can no longer be bound to {interface!r}: call "
+                        "prophet_jax.launch.initialize() before any jax operation (jax.devices(), jnp arrays, jit).")
   collectives = make(distributed_client=client, interface=interface)
   register("cpu", functools.partial(make_cpu_client, collectives=collectives), priority=0,
            fail_quietly=False)

@@ -51,8 +51,7 @@ def _split_coordinator(coordinator: str | None, port: int | None) -> tuple[str, 
   if coordinator is None:
     return "127.0.0.1", port
   if not isinstance(coordinator, str) or not coordinator.strip():
-    raise ValueError(f"launch(coordinator={coordinator!r}): give an address such as '127.0.0.1' or "
-                     f"'10.0.0.1:12345'.")
+    raise ValueError(f"launch(coordinator={coordinator!r}): give an address such as '127.0.0.1' or '10.0.0.1:12345'.")
   host, sep, tail = coordinator.strip().rpartition(":")
   if sep and tail.isdigit() and ":" not in host:
     if port is not None and int(tail) != port:
