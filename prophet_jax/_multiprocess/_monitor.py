@@ -58,7 +58,7 @@ import jax
 
 from ._agreement import broadcast_schedule
 from .._compiled._devices import mesh_workers
-from .._values._checks import check_int, check_number, match_rows
+from .._values._checks import check_int, check_number, check_values, match_rows
 from .._values._network import NetworkModel
 from .._planning._paired import Choice
 from ..schedulers._plan import plan
@@ -135,10 +135,7 @@ class Monitor:
                num_devices: int | None = None, schedule: Schedule | None = None,
                options: dict[str, Any] | None = None, mesh: Any = None, axis_name: Any = None,
                confirm: Callable[[Schedule, Schedule], Choice] | None = None):
-    if not isinstance(profile, GradientProfile):
-      raise TypeError(f"Monitor(profile=...): expected a GradientProfile, got {type(profile).__name__}.")
-    if not isinstance(network, NetworkModel):
-      raise TypeError(f"Monitor(network=...): expected a NetworkModel, got {type(network).__name__}.")
+    check_values("Monitor", profile=profile, network=network)
     check_number("Monitor", "threshold", threshold, lo=0, hi=1, hi_open=True, fix="It is a fraction, e.g. 0.05.")
     for name, v, lo in (("probe_every", probe_every, 0), ("probe_repeats", probe_repeats, 3),
                         ("window", window, 1)):
