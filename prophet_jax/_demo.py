@@ -155,6 +155,5 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
   (out / "demo.json").write_text(json.dumps({
       "model": model, "devices": n, "network": net.to_dict(), "profile_method": profile.method,
       "policies": rows, "pmean_measured_s": measured["pmean"], "losses": losses}, indent=1))
-  print(f"wrote {out / 'timeline.png'}, {out / 'trace.json'} (open in https://ui.perfetto.dev), "
-        f"{out / 'demo.json'}")
+  print(f"wrote {out / 'timeline.png'}, {out / 'trace.json'} (open in https://ui.perfetto.dev), {out / 'demo.json'}")
   return 0

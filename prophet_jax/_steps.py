@@ -108,9 +108,8 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
   if mode not in STEP_MODES:
     raise ValueError(f"lower_step(mode={mode!r}): expected one of {list(STEP_MODES)}.")
   if jit and mode == "scheduled":
-    raise ValueError("lower_step(mode='scheduled', jit=True): a plain jax.jit step's gradients come "
-                     "already reduced by the partitioner; schedule them with mode='hooked' (hooked(..., "
-                     "mesh=)), or use jit=False.")
+    raise ValueError("lower_step(mode='scheduled', jit=True): a plain jax.jit step's gradients come already reduced by "
+                     "the partitioner; schedule them with mode='hooked' (hooked(..., mesh=)), or use jit=False.")
   n = len(topology.devices)
   batch_size = int(batch_size or getattr(model, "default_batch_size", n))
   if batch_size % n:

@@ -230,9 +230,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             "device updates 1/P of the parameters")
     for r in rows:
       if r["policy"] == "fsdp":
-        print(f"fsdp: parameters sharded (ZeRO-3): reduce-scatters+all-gathers (re-gathers included); "
-              f"peak {r['peak_memory_bytes'] / 2**30:.2f} GiB per device of gathered parameters and "
-              f"unsharded gradients")
+        print("fsdp: parameters sharded (ZeRO-3): reduce-scatters+all-gathers (re-gathers included); peak "
+              f"{r['peak_memory_bytes'] / 2**30:.2f} GiB per device of gathered parameters and unsharded gradients")
     tail = q is not None
     print(f"{'policy':10s} {'iter ms':>10s} {'/bound':>7s} {'idle ms':>9s} {'allreduces':>10s}"
           + (f" {'p50 ms':>9s} {'p99 ms':>9s}" if tail else "") + f" {'deferred':>8s}"
