@@ -1,11 +1,4 @@
-"""The schedule agreement of a multi-process run: every process uses rank 0's schedule, checked.
-
-Schedules planned separately per process could differ, and their collectives would then mismatch and
-hang. So rank 0 plans, `broadcast_schedule` sends its schedule to every process, every process checks
-it against its own parameter tree (by path, shape and dtype: `_tree.match_tree`), and the processes
-agree on the outcome, so all fail together, naming the ranks, when one does not match. The Monitor
-switches plans the same way.
-"""
+"""Rank 0's schedule on every process, checked against each one's tree (docs/design.md, "Several processes")."""
 
 from __future__ import annotations
 
@@ -61,20 +54,9 @@ def broadcast_text(text: str) -> str:
 def broadcast_schedule(schedule: Schedule | BaseException | None, params: Any = None) -> Schedule:
   """Sends rank 0's schedule to every process; each checks it against its own params.
 
-  Rank 0 passes the schedule it planned (the others may pass None; their value is ignored), or the
-  exception that stopped it planning: every process takes part in the broadcast either way, so when
-  rank 0 has no schedule the others fail at once with its message (a LaunchError) instead of waiting
-  in a collective until a timeout. The schedule travels as JSON bytes through
-  `jax.experimental.multihost_utils.broadcast_one_to_all`; every process rebuilds it (which checks the
-  rows against the stored fingerprint) and, given `params`, checks it against its own tree. The
-  processes then agree on the outcome, so all fail together when one does not match: the mismatching
-  rank with the mismatch (naming its rank), every other rank with a LaunchError that names the ranks
-  and quotes the first one's message.
-
   Args:
-    schedule: the planned schedule on rank 0, or the exception planning raised there (anything on
-      other ranks).
-    params: this process's parameter tree (optional; checked by path, shape and dtype).
+    schedule: on rank 0 the planned schedule, or the exception planning raised; ignored elsewhere.
+    params: this process's parameter tree, checked by path, shape and dtype (optional).
 
   Returns:
     The schedule, identical on every process.
@@ -85,8 +67,7 @@ def broadcast_schedule(schedule: Schedule | BaseException | None, params: Any = 
     LaunchError: another process reported a mismatch, or rank 0 had no schedule to send.
 
   Example:
-    >>> schedule = plan(profile, network, "auto") if jax.process_index() == 0 else None  # doctest: +SKIP
-    >>> schedule = broadcast_schedule(schedule, params)                                   # doctest: +SKIP
+    >>> schedule = broadcast_schedule(planned_on_rank_0, params)  # doctest: +SKIP
   """
   import jax  # lazy: `launch` (pure) imports this module
 

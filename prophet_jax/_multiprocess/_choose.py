@@ -1,20 +1,4 @@
-"""choose: the choice between steps (plans) measured on the user's machines, against their own step.
-
-Every ratio the simulator reports is a model's; before trusting one, time the steps where they will
-run. `choose` does that the way a careful benchmark does it: every step on its own copy of the state,
-compiled and warmed up first (not timed), then timed in interleaved rounds (round r runs every step
-once, in an order that balances positions and predecessors), each candidate's time divided by the control's *in the same round*,
-so drift of the machine between rounds cancels. The statistics and the rule are
-`_planning._paired` (pure, tested with an injected clock): the median ratio per candidate, a
-distribution-free interval of it, and a candidate wins only when its interval clears `min_gain`.
-
-Several processes (jax.distributed): the processes first agree on the steps' names (in rank 0's
-order; every process then runs the same step in the same round, so their collectives pair up), every
-process times, the timings are all-gathered and a step's time in a round is the slowest process's;
-rank 0 decides and broadcasts its Choice as JSON; every process decides from the same gathered
-timings too and checks the fingerprint of rank 0's decision against its own, and the processes agree
-on the outcome, so all fail together (LaunchError naming the ranks) when one differs.
-"""
+"""`choose`: candidate steps timed against the user's own step where they will run (docs/choose.md)."""
 
 from __future__ import annotations
 
@@ -72,8 +56,7 @@ def _split_steps(steps: Any, control: Any) -> tuple[tuple[str, ...], dict[str, C
 
 
 def _states(state: Any, names: Sequence[str]) -> dict[str, Any]:
-  """Per step its starting state: `state` itself for every step, or `state[name]` when `state` is a
-  mapping whose keys are exactly the steps' names (states already converted per plan)."""
+  """Per step its starting state: `state`, or `state[name]` where `state` maps the steps' names."""
   if isinstance(state, Mapping) and set(state) & set(names):
     if set(state) != set(names):
       missing = sorted(set(names) - set(state))
@@ -86,14 +69,12 @@ def _states(state: Any, names: Sequence[str]) -> dict[str, Any]:
 
 
 def _copy(tree: Any) -> Any:
-  """A copy of every array of `tree` (a donating step consumes its input's buffers; the caller's state
-  and the other steps' states must survive it)."""
+  """A copy of every array of `tree`, which a donating step may consume."""
   return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
 
 
 def _next_state(out: Any, state: Any, name: str) -> Any:
-  """The state to feed the next call: `out` when it has the state's structure, else `out[0]` (a step
-  returning `(state, loss)` or `(state, metrics)`)."""
+  """The state to feed the next call: `out` where it has the state's structure, else `out[0]`."""
   want = jax.tree.structure(state)
   if jax.tree.structure(out) == want:
     return out
@@ -177,8 +158,7 @@ def _lossy(lossy: Any, names: tuple[str, ...], control: str) -> frozenset[str]:
 
 def _compared(names: tuple[str, ...], control: str, seen: dict[str, list[Snapshot]], before: Snapshot,
               lossy: frozenset[str], states: dict[str, Any]) -> dict[str, str]:
-  """Per candidate, what it computes after its second call against the control's (module `_compare`):
-  'equal', 'differs' (lossy) or 'not compared'; ValueError naming a lossless candidate that differs."""
+  """Per candidate 'equal', 'differs' (lossy) or 'not compared'; ValueError for a lossless one that differs."""
   first, ref = seen[control]
   out = {}
   for n in names[1:]:
@@ -210,41 +190,29 @@ def choose(steps: Mapping[str, Callable], state: Any, batches: Sequence[Any], *,
            compare: Callable[[Any], Any] | None = None) -> Choice:
   """Times candidate steps against a control on this machine (or these processes) and picks one.
 
-  Every step runs from its own copy of its starting state (the caller's is never consumed), `warmup`
-  times untimed; after the second call, what each candidate computed (its loss and parameters) is
-  compared with the control's, with docs/design.md's tolerance. Then `rounds` interleaved timed rounds,
-  each candidate's time divided by the control's in the same round; a candidate wins only when its
-  ratio's interval clears `min_gain`. docs/choose.md has the statistics, the rule and what is compared.
+  Each step runs from its own copy of its state, `warmup` times untimed (after the second call each
+  candidate's result is compared with the control's), then in `rounds` interleaved rounds (docs/choose.md).
 
   Args:
-    steps: name -> step function, called `step(state, batch)`, returning the new state or `(state,
-      loss)` / `(state, metrics)` (a metrics dict's "loss" is the loss).
-    state: the starting state for every step, or a mapping name -> state naming every step, the control
-      included ("control" when `control` is a function): `prophet_jax.convert_state` for other plans.
-    batches: a sequence of batches (`[batch]` for one); round r uses `batches[r % len(batches)]`.
+    steps: name -> `step(state, batch)`, returning the state or `(state, loss)` / `(state, metrics)`.
+    state: the starting state of every step, or name -> state naming every step, the control included.
+    batches: a sequence of batches; round r uses `batches[r % len(batches)]`.
     control: the user's own step function (reported as "control"), or the name of one of `steps`.
-    rounds: timed rounds (default 750).
-    min_gain: the smallest speed-up that counts (0.02: 2%).
-    warmup: untimed calls of every step first, at least 2 (the first compiles; the second is compared).
-    confidence: coverage of each ratio's interval (default 0.95).
-    lossy: candidates whose plan may compute another result on purpose (a deferring `dlcp` plan): their
-      difference from the control is reported in `Choice.compared`, never failed.
-    compare: `compare(state)` -> the values to compare, for states whose parameters choose cannot find
-      (a flax TrainState, a dict's "params", an nnx ModelAndOptimizer it finds).
+    rounds, warmup: timed rounds (default 750); untimed calls of every step first (at least 2).
+    min_gain, confidence: the smallest speed-up that counts (0.02: 2%); the coverage of each ratio's interval.
+    lossy: candidates whose difference from the control is reported, never failed (a deferring plan).
+    compare: `compare(state)` -> the values to compare, for states whose parameters choose cannot find.
 
   Returns:
-    A `Choice`, the same on every process; `Choice.compared` and `Choice.reason` say what was compared.
+    A `Choice`, the same on every process.
 
   Raises:
-    TypeError, ValueError: bad arguments; a step returning another structure than its state; a
-      non-finite loss; a candidate (not `lossy`) computing something else than the control. Every error
-      names the step; an exception raised inside a step carries a note naming it.
+    TypeError, ValueError: bad arguments, a step returning another structure than its state, a
+      non-finite loss, or a candidate (not `lossy`) computing something else than the control.
     LaunchError: the processes have different steps, or disagree on the decision.
 
   Example:
-    >>> choice = prophet_jax.choose({"wfbp": step_wfbp, "bucket": step_bucket}, state, [batch],
-    ...                             control=step_pmean)                       # doctest: +SKIP
-    >>> print(choice.describe())                                               # doctest: +SKIP
+    >>> choice = prophet_jax.choose({"wfbp": step_wfbp}, state, [batch], control=step)  # doctest: +SKIP
   """
   names, fns, control_name = _split_steps(steps, control)
   rounds, min_gain, confidence = check_options("choose", rounds, min_gain, confidence)

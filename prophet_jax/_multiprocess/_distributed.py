@@ -1,22 +1,4 @@
-"""Joining a multi-process run: `jax.distributed` set-up, and gloo bound to one network interface.
-
-`initialize()`, called by the training script before any other jax call, reads the PROPHET_* variables
-`launch` set (through `_config`) and calls `jax.distributed.initialize(coordinator, num_processes,
-process_id)` with a short initialization timeout, so an unreachable coordinator fails with a clear
-`LaunchError` instead of a hang. On a cluster jax detects by itself it calls
-`jax.distributed.initialize()` with no arguments; alone, it does nothing.
-
-With PROPHET_GLOO_INTERFACE set, gloo (jax's CPU collectives) is first bound to that interface
-(docs/facts.md, "Gloo across network namespaces"): gloo finds its own address by resolving the
-hostname, which in network namespaces is 127.0.0.1. jax 0.10 exposes no public option for the
-interface (0.10 to 0.12); its CPU client is built by `jax._src.xla_bridge.make_cpu_client`, which
-calls the private `jax._src.lib._jax.make_gloo_tcp_collectives(distributed_client, hostname=None,
-interface=None)`. `bind_gloo_interface` is the ONE place that private call is made: it builds those
-collectives with `interface=` and registers a CPU backend factory that uses them, after
-`jax.distributed.initialize` and before the first jax operation. Every private name is read through
-`_jaxcompat.private` (the inventory of private JAX), with a clear GlooBindError when a jax upgrade
-removed it; cluster detection likewise, with a LaunchError.
-"""
+"""Joining a multi-process run: `jax.distributed`, and gloo bound to one interface (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -41,15 +23,7 @@ _CLUSTER_FIX = ("call jax.distributed.initialize(...) yourself before any other 
 
 
 def _cluster_detected() -> bool:
-  """True when jax's own cluster detection would find a cluster (SLURM, Open MPI, k8s, Cloud TPU).
-
-  Reads jax's private cluster registry (`_jaxcompat.PRIVATE_JAX`). Where a jax has moved it, this raises
-  LaunchError rather than answering False: a wrong False would make every process of a cluster job
-  train alone, silently.
-
-  Raises:
-    LaunchError: this jax has no such registry, or its entries changed shape (the message names it).
-  """
+  """Whether jax's cluster detection finds a cluster; LaunchError (never a silent False) where jax moved it."""
   if os.environ.get("JAX_COORDINATOR_ADDRESS"):
     return True
   types = private("jax._src.clusters", "ClusterEnv._cluster_types", feature=_CLUSTER, error=LaunchError,
@@ -82,16 +56,10 @@ def _wait_for_coordinator(address: str, deadline: float, where: str) -> None:
 
 
 def initialize(*, timeout_s: int | None = None) -> bool:
-  """Joins the multi-process run this process belongs to; call it before any other jax call.
-
-  Under `launch` (PROPHET_* process variables set): binds gloo to PROPHET_GLOO_INTERFACE if given, then
-  `jax.distributed.initialize(coordinator, num_processes, process_id)`. On a cluster that jax detects
-  itself (SLURM, Open MPI, Kubernetes, Cloud TPU, or JAX_COORDINATOR_ADDRESS): plain
-  `jax.distributed.initialize()`. Otherwise nothing (one process).
+  """Joins the run this process belongs to (under `launch` or on a cluster); call it before any jax call.
 
   Args:
-    timeout_s: seconds to wait for the coordinator and the other processes; default
-      PROPHET_INIT_TIMEOUT_S, else 60.
+    timeout_s: seconds to wait for the other processes; default PROPHET_INIT_TIMEOUT_S, else 60.
 
   Returns:
     True when jax.distributed is initialized (now or before), False for a single process.
@@ -99,6 +67,9 @@ def initialize(*, timeout_s: int | None = None) -> bool:
   Raises:
     LaunchError: the coordinator was not reachable in time (names the address and the rank).
     ValueError: malformed PROPHET_* variables (names the variable).
+
+  Example:
+    >>> prophet_jax.launch.initialize()  # doctest: +SKIP
   """
   import jax  # lazy: `launch` (pure) imports this module
 
@@ -161,16 +132,12 @@ def check_interface(interface: str) -> None:
 
 
 def bind_gloo_interface(interface: str) -> None:
-  """Makes jax's CPU backend use gloo collectives bound to `interface`.
-
-  Args:
-    interface: a network interface name of this host or namespace, e.g. 'veth0'.
+  """Makes jax's CPU backend use gloo collectives bound to `interface` (e.g. 'veth0').
 
   Raises:
     ValueError: the interface does not exist here.
-    GlooBindError: jax.distributed is not initialized yet, the CPU backend has already started, or
-      this jax lacks the private call (pin jax to one of TESTED_JAX_VERSIONS, or drop the interface
-      option and let gloo resolve the hostname).
+    GlooBindError: jax.distributed is not initialized yet, the CPU backend has already started, or this
+      jax lacks the private call.
   """
   check_interface(interface)
   import jax  # lazy: `launch` (pure) imports this module

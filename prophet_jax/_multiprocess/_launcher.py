@@ -1,17 +1,4 @@
-"""The launcher: start N local processes wired for `jax.distributed`, and wait for them.
-
-`launch(cmd, nproc=N, ...)` is what `prophet-jax launch --nproc N -- CMD ...` and `python -m
-prophet_jax.launch --nproc N -- CMD ...` run (both parse their arguments with `add_arguments`). It
-starts N copies of CMD on this host, each with the PROPHET_* variables `prophet_jax.launch` documents,
-its own CPU device count (XLA_FLAGS reaches children, so the launcher rewrites
-`--xla_force_host_platform_device_count` per process: with 8 in the parent and `--nproc 2`, each process
-gets 4, keeping the global device count), and its output lines prefixed with `[rank k] `. When one
-process fails, the launcher stops the others (SIGTERM, then SIGKILL after a grace period), names the
-failed rank on stderr and exits with that process's code (128 + signal number for a process killed by
-a signal, as shells report it).
-
-Importing it starts nothing and imports no jax.
-"""
+"""The launcher: N local processes wired for `jax.distributed`, waited for (docs/design.md, "The launcher")."""
 
 from __future__ import annotations
 
@@ -82,8 +69,7 @@ def _device_flags(xla_flags: str, nproc: int, devices_per_process: int | None) -
 
 def _child_env(base: dict[str, str], *, rank: int, nproc: int, coordinator: str, xla_flags: str,
                devices: int | None, gloo_interface: str | None, init_timeout_s: int | None) -> dict[str, str]:
-  """The parent's environment without its PROPHET_* flags (but PROPHET_DEBUG and the timeouts set there),
-  plus this rank's."""
+  """This rank's environment: the parent's, less PROPHET_* but PROPHET_DEBUG and the timeouts, plus its own."""
   env = {k: v for k, v in base.items() if not k.startswith("PROPHET_") or k == "PROPHET_DEBUG"
          or (v and k in ("PROPHET_INIT_TIMEOUT_S", "PROPHET_HEARTBEAT_TIMEOUT_S"))}
   env.update(PROPHET_PROCESS_ID=str(rank), PROPHET_NUM_PROCESSES=str(nproc),
@@ -148,26 +134,23 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
   """Starts `nproc` local copies of `cmd` wired for jax.distributed and waits for them.
 
   Args:
-    cmd: the command and its arguments, e.g. ['python', 'train.py', '--steps', '5'].
+    cmd: the command and its arguments, e.g. ['python', 'train.py'].
     nproc: number of processes (ranks 0 .. nproc-1).
-    port: coordinator port; default a free port on the coordinator host.
-    coordinator: coordinator address 'host' or 'host:port' (rank 0 serves it); default 127.0.0.1.
-    gloo_interface: network interface the processes' gloo binds to (e.g. a veth); default gloo's own.
-    devices_per_process: CPU devices of each process (rewrites --xla_force_host_platform_device_count
-      in XLA_FLAGS). Default: the parent's count divided by nproc when XLA_FLAGS sets one, else
-      untouched.
-    init_timeout_s: seconds each process waits for the coordinator (PROPHET_INIT_TIMEOUT_S); default
-      the parent's PROPHET_INIT_TIMEOUT_S, else 60.
-    stdout, stderr: where the prefixed output and the launcher's messages go (default sys.stdout,
-      sys.stderr).
+    port, coordinator: the coordinator's port (default a free one) and address 'host' or 'host:port'.
+    gloo_interface: the network interface the processes' gloo binds to (default gloo's own).
+    devices_per_process: CPU devices of each process (default the parent's XLA_FLAGS count / nproc).
+    init_timeout_s: seconds each process waits for the coordinator (default PROPHET_INIT_TIMEOUT_S, 60).
+    stdout, stderr: where the ranks' prefixed output and the launcher's messages go.
 
   Returns:
-    0 when every process exits 0; otherwise the exit code of the first process that failed (128 +
-    signal number when it was killed by a signal), after the others were stopped. 130 when the
-    launcher itself is interrupted.
+    0 when every process exits 0, else the first failed one's code (128 + signal when killed); 130
+    when the launcher itself is interrupted.
 
   Raises:
     ValueError: an empty command, nproc < 1, a bad port, address or device count.
+
+  Example:
+    >>> launch(["python", "train.py"], nproc=2)  # doctest: +SKIP
   """
   out = stdout or sys.stdout
   err = stderr or sys.stderr
@@ -269,8 +252,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """`python -m prophet_jax.launch ARGS -- CMD ...`: as `prophet-jax launch`; a bad argument prints one
-  line and returns 2."""
+  """`python -m prophet_jax.launch ARGS -- CMD ...`, as `prophet-jax launch`; an error is one line, exit 2."""
   parser = add_arguments(argparse.ArgumentParser(
       prog="python -m prophet_jax.launch", description="Start N local processes wired with jax.distributed."))
   args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
