@@ -1,14 +1,5 @@
-"""A data-parallel train step of a model, written as a user writes it, lowered and compiled for a
-compile-only GPU topology: what `prophet-jax audit`, the GPU tests and `bench/gpu_hlo.py` compile.
-
-`lower_step(model, schedule, mode, topology)` builds `jax.jit(jax.shard_map(step))` over
-`topology.mesh(axis_name)` for one of `STEP_MODES` (`scheduled`, `hooked`, `pipelined`, or the plain
-`pmean` step) and lowers it on ShapeDtypeStructs; `compile_step` also compiles it (XLA:GPU's whole
-pipeline: nothing runs) and says how long that took. `prophet_jax.audit(compiled, schedule)` reads the
-result. The topology is `_gpu`'s (`prophet_jax.gpu_topology`); this module sits above the rewrite
-(`_transform`, `_pipelined`) it carries out, so importing it imports jax: make the topology first
-(`gpu_topology` checks the environment before jax starts).
-"""
+"""A model's data-parallel train step, written as a user writes it, lowered and compiled for a compile-only GPU
+topology (docs/design.md, `lower_step`); importing it imports jax."""
 
 from __future__ import annotations
 
@@ -66,44 +57,30 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
                jit: bool = False, enforce_order: bool = True) -> Any:
   """Lowers one data-parallel train step of `model` for `topology`, the way a user writes it.
 
-  The step is `jax.jit(jax.shard_map(...))` over `topology.mesh(axis_name)`, lowered on
-  ShapeDtypeStructs (nothing is allocated or run):
-  - 'scheduled': `jax.value_and_grad` of the loss at params marked varying, `prophet_jax.scheduled(tx,
-    schedule)` as the optimizer, and the user's `pmean` of the loss;
-  - 'hooked': `prophet_jax.hooked(loss_fn, schedule)` gradients, a plain `tx`, the loss `pmean` (a
-    sharded schedule's: its reduce-scattered GradShards, `scheduled(tx, schedule)`);
-  - 'pipelined': `prophet_jax.pipelined(loss_fn, tx, schedule).step`, with a forward pending (the
-    program that runs the previous backward, the all-reduces, the update and the next forward);
-  - 'pmean': the plain step, `jax.lax.pmean` of the gradient tree (the baseline XLA merges).
-  With a sharded schedule (`dear`) the optimizer state is each device's shard state (ZeRO-1), made
-  inside the map and passed with `P(axis_name)`.
-
-  With `jit=True`, the step as plain `jax.jit` users write it, on global arrays (params `P()`, the batch
-  `P(axis_name)`) and no `shard_map` of the user's: 'hooked' and 'pipelined' take `mesh=`, 'pmean' is
-  `jax.value_and_grad` whose all-reduce the partitioner inserts ('scheduled' needs gradients unreduced
-  over the axis, which this harness does not make: use 'hooked').
+  `jax.jit(jax.shard_map(step))` over `topology.mesh(axis_name)` (with `jit=True` the plain `jax.jit` step on
+  global arrays), lowered on ShapeDtypeStructs: nothing is allocated or run. docs/design.md says what each
+  of `STEP_MODES` runs.
 
   Args:
-    model: a `prophet_jax.models` TrainableModel, or any object with `abstract_params()`,
-      `loss_fn(params, batch)` and `make_batch(rng, batch_size)` (and `default_batch_size` when
-      `batch_size` is None).
+    model: a `prophet_jax.models` TrainableModel, or anything with `abstract_params()`, `loss_fn(params,
+      batch)`, `make_batch(rng, batch_size)` (and `default_batch_size`).
     schedule: the Schedule to carry out (ignored by 'pmean').
-    mode: one of `STEP_MODES`.
+    mode: one of `STEP_MODES`: 'scheduled', 'hooked', 'pipelined' or 'pmean' (the plain step).
     topology: from `gpu_topology`.
     batch_size: global batch (divisible by the device count); default `model.default_batch_size`.
-    axis_name: the mesh axis.
-    tx: the optimizer (default `optax.sgd(0.1, momentum=0.9)`).
-    jit: the plain `jax.jit` step over sharded arrays (above) instead of `jax.jit(jax.shard_map(...))`.
+    axis_name, tx: the mesh axis; the optimizer (default `optax.sgd(0.1, momentum=0.9)`).
+    jit: the plain `jax.jit` step over sharded arrays instead of `jax.jit(jax.shard_map(...))`.
     enforce_order: passed to the rewrite (False: combiner keys in place of the tie).
 
   Returns:
-    The `jax.stages.Lowered` step: `.compile()` it (or `.compile(compiler_options={...})` for
-    per-compile XLA options such as `xla_gpu_all_reduce_combine_threshold_bytes`), or use
-    `compile_step`.
+    The `jax.stages.Lowered` step: `.compile()` it, or use `compile_step`.
 
   Raises:
     ValueError: an unknown mode, 'scheduled' with `jit=True`, or a batch that does not split over the
       devices.
+
+  Example:
+    >>> lowered = prophet_jax.lower_step(get_model("cnn"), schedule, "hooked", topo)  # doctest: +SKIP
   """
   if mode not in STEP_MODES:
     raise ValueError(f"lower_step(mode={mode!r}): expected one of {list(STEP_MODES)}.")
