@@ -124,8 +124,7 @@ def parse_pressure(text: str) -> Pressure | None:
   return Pressure(**fields)
 
 
-def load_network(network: str, workers: int | None, *, overlap: bool | None = None,
-                 pressure: str | None = None) -> NetworkModel:
+def load_network(network: str, workers: int | None, *, pressure: str | None = None) -> NetworkModel:
   """A preset name or a NetworkModel JSON file (its `pressure` field included); `workers` overrides
   the file's, and `pressure` (`--pressure`, see `parse_pressure`) its pressure."""
   if network in PRESETS or network in PRESETS_TWO_LEVEL:
@@ -139,9 +138,7 @@ def load_network(network: str, workers: int | None, *, overlap: bool | None = No
   else:
     raise ValueError(f"--network {network!r} is neither a preset ({', '.join([*PRESETS, *PRESETS_TWO_LEVEL])}) "
                      f"nor a NetworkModel JSON file.")
-  if pressure is not None:
-    net = net.replace(pressure=parse_pressure(pressure))
-  return net if overlap is None else net.replace(overlap=overlap)
+  return net if pressure is None else net.replace(pressure=parse_pressure(pressure))
 
 
 def _out_path(path: str) -> Path:
