@@ -181,6 +181,11 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
   def on_term(signum: int, frame: Any) -> None:
     raise _Interrupted()
 
+  def say(text: str) -> None:  # the launcher's own line on stderr, between the ranks' lines
+    with lock:
+      err.write(f"prophet-jax launch: {text}\n")
+      err.flush()
+
   old_term = None
   if threading.current_thread() is threading.main_thread():
     old_term = signal.signal(signal.SIGTERM, on_term)
@@ -207,17 +212,11 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
       return 0
     rank, code = failed
     others = [r for r, p in procs.items() if p.poll() is None]
-    with lock:
-      err.write(f"prophet-jax launch: rank {rank} (pid {procs[rank].pid}) failed with "
-                f"{_describe(code)}; stopping rank(s) {others or 'none (all ended)'}.\n")
-      err.flush()
-    _stop(procs, STOP_GRACE_S)
-    return 128 - code if code < 0 else code
+    say(f"rank {rank} (pid {procs[rank].pid}) failed with {_describe(code)}; stopping rank(s) "
+        f"{others or 'none (all ended)'}.")
+    return 128 - code if code < 0 else code  # the others are stopped below
   except (KeyboardInterrupt, _Interrupted):
-    with lock:
-      err.write(f"prophet-jax launch: interrupted; stopping rank(s) "
-                f"{[r for r, p in procs.items() if p.poll() is None]}.\n")
-      err.flush()
+    say(f"interrupted; stopping rank(s) {[r for r, p in procs.items() if p.poll() is None]}.")
     return 130
   finally:
     _stop(procs, STOP_GRACE_S)
