@@ -123,17 +123,6 @@ def _agree_choice(mine: Choice) -> Choice:
   return got
 
 
-def _call(fn: Callable, name: str, state: Any, batch: Any, when: str) -> Any:
-  """`fn(state, batch)`, waited for; an exception leaves with a note naming the step and the call."""
-  try:
-    return jax.block_until_ready(fn(state, batch))
-  except Exception as e:  # noqa: BLE001 - re-raised as it is, with the candidate named
-    e.add_note(f"choose: raised by step {name!r}, {when}, from the state given for it. A step of another "
-               f"plan needs its own state: pass state={{'control': state, {name!r}: "
-               f"prophet_jax.convert_state(state, params, its_schedule, tx=...)}} (docs/choose.md).")
-    raise
-
-
 def _check_finite(name: str, loss: Any, when: str) -> None:
   """ValueError when a step's loss is NaN or infinite: its time would be compared for nothing."""
   if loss is None:
@@ -231,9 +220,16 @@ def choose(steps: Mapping[str, Callable], state: Any, batches: Sequence[Any], *,
   current = {n: _copy(start[n]) for n in names}
 
   def call(n: str, k: int, when: str) -> tuple[float, Any]:
-    """Step `n` on batches[k] from its current state: (the call's seconds, its loss or None), checked."""
+    """Step `n` on batches[k] from its current state, waited for: (its seconds, its loss or None), checked; an
+    exception raised in the step leaves with a note naming the step and the call."""
     t0 = time.perf_counter()
-    out = _call(fns[n], n, current[n], batches[k % len(batches)], when)
+    try:
+      out = jax.block_until_ready(fns[n](current[n], batches[k % len(batches)]))
+    except Exception as e:  # noqa: BLE001 - re-raised as it is, with the candidate named
+      e.add_note(f"choose: raised by step {n!r}, {when}, from the state given for it. A step of another plan needs "
+                 f"its own state: pass state={{'control': state, {n!r}: prophet_jax.convert_state(state, params, "
+                 f"its_schedule, tx=...)}} (docs/choose.md).")
+      raise
     dt = time.perf_counter() - t0
     current[n] = _next_state(out, start[n], n)
     loss = loss_of(out, current[n] is out)
