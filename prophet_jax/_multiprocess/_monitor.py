@@ -120,7 +120,7 @@ class Monitor:
     self.builds = 0
     if schedule is None:
       schedule = self._plan(network)
-    self._check(schedule)
+    self._check(schedule)  # before the broadcast too: rank 0 fails at once on a foreign schedule
     self.schedule = self._agree(schedule)
 
   # -- planning ---------------------------------------------------------------------------------------
@@ -134,10 +134,8 @@ class Monitor:
     match_rows(schedule, self.profile.tree_rows(), where="Monitor", theirs="this process's profile")
 
   def _agree(self, schedule: Schedule) -> Schedule:
-    """Rank 0's schedule on every process (no-op in one process); each checks its fingerprint."""
-    if jax.process_count() == 1:
-      return schedule
-    got = broadcast_schedule(schedule)
+    """Rank 0's schedule on every process (itself in one), checked against this process's profile."""
+    got = schedule if jax.process_count() == 1 else broadcast_schedule(schedule)
     self._check(got)
     return got
 
@@ -226,7 +224,6 @@ class Monitor:
       if switch:
         chosen = candidate
     chosen = self._agree(chosen)
-    self._check(chosen)
     if plan_key(chosen) == plan_key(self.schedule):
       return None
     if self._confirm is not None and not self._confirmed(chosen):
