@@ -139,6 +139,8 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
     updates, o = opt.update(g, o, p)
     return optax.apply_updates(p, updates), o, loss if jit else jax.lax.pmean(loss, axis_name)
 
+  step.__name__ = "step" if jit else "body"  # the program's name, in its HLO and the audit's op names
+
   if not sharded:
     a_opt = abstract(jax.eval_shape(opt.init, params), P())
   elif jit:  # a global array split over the axis
