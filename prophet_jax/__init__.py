@@ -14,41 +14,31 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# public name -> private module that defines it
-_EXPORTS: dict[str, str] = {
-    # values (pure)
-    "GradientProfile": "_values._types", "ProfileRow": "_values._types", "NetworkModel": "_values._network", "Pressure": "_values._network",
-    "Chunk": "_values._schedule",
-    "Bucket": "_values._schedule", "Schedule": "_values._schedule", "SimResult": "_planning._simulate", "Event": "_planning._simulate",
-    # errors (pure)
-    "ProphetError": "_values._errors", "ProfileError": "_values._errors", "NetworkError": "_values._errors",
-    "ScheduleError": "_values._errors", "ScheduleMismatchError": "_values._errors", "UnboundAxisError": "_values._errors",
-    "AlreadyReducedError": "_values._errors", "TraceUnavailableError": "_values._errors", "LaunchError": "_values._errors",
-    "GlooBindError": "_values._errors", "CompositionError": "_values._errors", "GpuCompileError": "_values._errors",
-    "DeferralWarning": "_values._errors", "ShardingError": "_values._errors", "JaxVersionError": "_values._errors",
-    # planning and simulation (pure)
-    "plan": "schedulers._plan", "validate_schedule": "schedulers._plan", "POLICIES": "schedulers._plan",
-    "simulate": "_planning._simulate", "lower_bound": "_planning._bound",
-    # plots (pure; matplotlib is imported when one is drawn)
-    "plot_timelines": "_planning._timeline",
-    # the rewrite and measurement (jax)
-    "allreduce": "_rewrite._reduction", "scheduled": "_rewrite._transform", "hooked": "_rewrite._hooked",
-    "defer_state": "_rewrite._defer", "DeferState": "_rewrite._states", "state_specs": "_rewrite._containers", "deferred_grads": "_rewrite._containers",
-    "ShardedState": "_rewrite._states", "GradShards": "_rewrite._states", "unshard_state": "_rewrite._containers", "shard_state": "_rewrite._containers",
-    "convert_state": "_rewrite._convert_state", "first_step_specs": "_rewrite._convert_state", "OwedState": "_rewrite._states",
-    "loop_hook": "_rewrite._hooked", "check_composition": "_rewrite._compose",
-    "pipelined": "_rewrite._pipelined", "audit": "_compiled._audit", "AuditReport": "_compiled._audit",
-    "tag_layers": "_rewrite._tagging", "tag_plan": "_rewrite._tagging", "TaggedPlan": "_rewrite._tagging",
-    "profile_step": "_measure._profile", "profile_from_trace": "_measure._profile", "measure_network": "_measure._probe",
-    "probe": "_measure._probe", "AllreduceTimings": "_measure._probe", "Monitor": "_multiprocess._monitor",
-    # measured choice between steps (the statistics are pure; choose runs the steps)
-    "choose": "_multiprocess._choose", "Choice": "_planning._paired",
-    # compile-only GPU targets (jax, imported when a topology is made)
-    "gpu_topology": "_compiled._gpu", "GpuTopology": "_compiled._gpu", "GpuTarget": "_compiled._gpu", "gpu_target": "_compiled._gpu",
-    "GPU_TARGETS": "_compiled._gpu", "lower_step": "_steps", "compile_step": "_steps",
-    # the plan as XLA settings, for a plain step (jax, imported when the options are checked)
-    "xla_options": "_compiled._xla_options",
+# private module -> the public names it defines, imported on first use
+_MODULES = {
+    # values and errors (pure)
+    "_values._types": "GradientProfile ProfileRow", "_values._network": "NetworkModel Pressure",
+    "_values._schedule": "Chunk Bucket Schedule",
+    "_values._errors": "ProphetError ProfileError NetworkError ScheduleError ScheduleMismatchError UnboundAxisError "
+                       "AlreadyReducedError TraceUnavailableError LaunchError GlooBindError CompositionError "
+                       "GpuCompileError DeferralWarning ShardingError JaxVersionError",
+    # planning, simulation, plots (pure; matplotlib is imported when one is drawn), the measured choice's statistics
+    "schedulers._plan": "plan validate_schedule POLICIES", "_planning._simulate": "SimResult Event simulate",
+    "_planning._bound": "lower_bound", "_planning._timeline": "plot_timelines", "_planning._paired": "Choice",
+    # the rewrite (jax)
+    "_rewrite._reduction": "allreduce", "_rewrite._transform": "scheduled", "_rewrite._hooked": "hooked loop_hook",
+    "_rewrite._pipelined": "pipelined", "_rewrite._defer": "defer_state", "_rewrite._compose": "check_composition",
+    "_rewrite._states": "DeferState ShardedState GradShards OwedState",
+    "_rewrite._containers": "state_specs deferred_grads unshard_state shard_state",
+    "_rewrite._convert_state": "convert_state first_step_specs", "_rewrite._tagging": "tag_layers tag_plan TaggedPlan",
+    # measurement, several processes, compiled programs (jax; a GPU target's when a topology is made)
+    "_measure._profile": "profile_step profile_from_trace", "_measure._probe": "measure_network probe AllreduceTimings",
+    "_multiprocess._monitor": "Monitor", "_multiprocess._choose": "choose", "_compiled._audit": "audit AuditReport",
+    "_compiled._gpu": "gpu_topology GpuTopology GpuTarget gpu_target GPU_TARGETS", "_steps": "lower_step compile_step",
+    "_compiled._xla_options": "xla_options",   # the plan as XLA settings, for a plain step
 }
+# public name -> private module that defines it
+_EXPORTS: dict[str, str] = {name: module for module, names in _MODULES.items() for name in names.split()}
 
 __all__ = sorted(_EXPORTS) + ["schedulers"]
 

@@ -1,9 +1,10 @@
 """`prophet-jax demo` (= `make demo`): profile, probe, plan every policy, measure, train with `auto`.
 
-On 8 host devices (the CLI sets XLA_FLAGS before it imports this module, so before jax starts): profile a real step of a small model,
-probe the all-reduce's alpha and beta, plan every policy, measure each policy's scheduled step beside
-the simulator's prediction, then train with the `auto` plan, showing the loss fall. Writes a timeline
-PNG (predicted Gantt per policy, measured beside it) and a Chrome trace (Perfetto) to `out_dir`.
+On 8 host devices (the CLI sets XLA_FLAGS before it imports this module, so before jax starts): profile a
+real step of a small model, probe the all-reduce's alpha and beta, plan every policy, measure each
+policy's scheduled step beside the simulator's prediction, then train with the `auto` plan, showing the
+loss fall. Writes a timeline PNG (predicted Gantt per policy, measured beside it) and a Chrome trace
+(Perfetto) to `out_dir`.
 """
 
 from __future__ import annotations
@@ -26,21 +27,14 @@ DEMO_MODEL = "cnn"
 AXIS = "dp"
 
 
-def step_times(step, state, batch, repeats: int) -> tuple[list[float], tuple]:
-  """Wall-clock seconds of `repeats` calls of `state = step(*state, batch)` (each waited for), and the
-  last state. The one timing loop of the demo and the benches."""
+def _median_step_s(step, state, batch, repeats: int) -> float:
+  """The median wall-clock seconds of `repeats` calls of `state = step(*state, batch)`, each waited for."""
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    state = step(*state, batch)
-    jax.block_until_ready(state)
+    state = jax.block_until_ready(step(*state, batch))
     times.append(time.perf_counter() - t0)
-  return times, state
-
-
-def _median_step_s(step, state, batch, repeats: int) -> tuple[float, tuple]:
-  times, state = step_times(step, state, batch, repeats)
-  return float(np.median(times)), state
+  return float(np.median(times))
 
 
 def _train_step(loss_fn, tx):
@@ -72,8 +66,6 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
     model: a trainable model of `prophet_jax.models`.
     lr: SGD learning rate (momentum 0.9).
   """
-
-
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   n = jax.local_device_count()
@@ -117,12 +109,12 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
   timed = policies if not quick else ["wfbp", "mgwfbp", "dear", "auto"]  # quick: fewer compiles
   txs = {"pmean": _pmean_tx(tx)} | {p: pj.scheduled(tx, schedules[p], axis_name=AXIS) for p in timed}
   steps_of = {name: _train_step(m.loss_fn, t) for name, t in txs.items()}  # compiled once, trained below
+  # made where the axis is bound: a sharded plan (dear, ZeRO-1) keeps each device's shard of the state
+  start = lambda t: (replicate(params), jax.pmap(t.init, axis_name=AXIS)(replicate(params)))  # noqa: E731
   for name, t in tqdm(txs.items(), desc="measuring policies", leave=False):
     step = steps_of[name]
-    # made where the axis is bound: a sharded plan (dear, ZeRO-1) keeps each device's shard of the state
-    state = (replicate(params), jax.pmap(t.init, axis_name=AXIS)(replicate(params)))
-    state = step(*state, batch)[:2]  # compile
-    measured[name], _ = _median_step_s(lambda p, o, b: step(p, o, b)[:2], state, batch, repeats)
+    state = step(*start(t), batch)[:2]  # compile
+    measured[name] = _median_step_s(lambda p, o, b: step(p, o, b)[:2], state, batch, repeats)
   print(f"{'policy':10s} {'chunks':>6s} {'predicted ms':>13s} {'measured ms':>12s} {'error':>7s}")
   rows = []
   for p in timed:
@@ -136,8 +128,7 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
   print(f"{'pmean':10s} {'(xla)':>6s} {'':13s} {measured['pmean'] * 1e3:12.2f}\n")
 
   # 4. train with the auto plan
-  auto_tx, step = txs["auto"], steps_of["auto"]
-  p_, o_ = replicate(params), jax.pmap(auto_tx.init, axis_name=AXIS)(replicate(params))
+  step, (p_, o_) = steps_of["auto"], start(txs["auto"])
   losses = []
   bar = tqdm(range(steps), desc="training (auto plan)", unit="step")
   for k in bar:
@@ -164,6 +155,5 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
   (out / "demo.json").write_text(json.dumps({
       "model": model, "devices": n, "network": net.to_dict(), "profile_method": profile.method,
       "policies": rows, "pmean_measured_s": measured["pmean"], "losses": losses}, indent=1))
-  print(f"wrote {out / 'timeline.png'}, {out / 'trace.json'} (open in https://ui.perfetto.dev), "
-        f"{out / 'demo.json'}")
+  print(f"wrote {out / 'timeline.png'}, {out / 'trace.json'} (open in https://ui.perfetto.dev), {out / 'demo.json'}")
   return 0

@@ -1,17 +1,9 @@
-"""A data-parallel train step of a model, written as a user writes it, lowered and compiled for a
-compile-only GPU topology: what `prophet-jax audit`, the GPU tests and `bench/gpu_hlo.py` compile.
-
-`lower_step(model, schedule, mode, topology)` builds `jax.jit(jax.shard_map(step))` over
-`topology.mesh(axis_name)` for one of `STEP_MODES` (`scheduled`, `hooked`, `pipelined`, or the plain
-`pmean` step) and lowers it on ShapeDtypeStructs; `compile_step` also compiles it (XLA:GPU's whole
-pipeline: nothing runs) and says how long that took. `prophet_jax.audit(compiled, schedule)` reads the
-result. The topology is `_gpu`'s (`prophet_jax.gpu_topology`); this module sits above the rewrite
-(`_transform`, `_pipelined`) it carries out, so importing it imports jax: make the topology first
-(`gpu_topology` checks the environment before jax starts).
-"""
+"""A model's data-parallel train step, written as a user writes it, lowered and compiled for a compile-only GPU
+topology (docs/design.md, `lower_step`); importing it imports jax."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -65,51 +57,36 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
                jit: bool = False, enforce_order: bool = True) -> Any:
   """Lowers one data-parallel train step of `model` for `topology`, the way a user writes it.
 
-  The step is `jax.jit(jax.shard_map(...))` over `topology.mesh(axis_name)`, lowered on
-  ShapeDtypeStructs (nothing is allocated or run):
-  - 'scheduled': `jax.value_and_grad` of the loss at params marked varying, `prophet_jax.scheduled(tx,
-    schedule)` as the optimizer, and the user's `pmean` of the loss;
-  - 'hooked': `prophet_jax.hooked(loss_fn, schedule)` gradients, a plain `tx`, the loss `pmean` (a
-    sharded schedule's: its reduce-scattered GradShards, `scheduled(tx, schedule)`);
-  - 'pipelined': `prophet_jax.pipelined(loss_fn, tx, schedule).step`, with a forward pending (the
-    program that runs the previous backward, the all-reduces, the update and the next forward);
-  - 'pmean': the plain step, `jax.lax.pmean` of the gradient tree (the baseline XLA merges).
-  With a sharded schedule (`dear`) the optimizer state is each device's shard state (ZeRO-1), made
-  inside the map and passed with `P(axis_name)`.
-
-  With `jit=True`, the step as plain `jax.jit` users write it, on global arrays (params `P()`, the batch
-  `P(axis_name)`) and no `shard_map` of the user's: 'hooked' and 'pipelined' take `mesh=`, 'pmean' is
-  `jax.value_and_grad` whose all-reduce the partitioner inserts ('scheduled' needs gradients unreduced
-  over the axis, which this harness does not make: use 'hooked').
+  `jax.jit(jax.shard_map(step))` over `topology.mesh(axis_name)` (with `jit=True` the plain `jax.jit` step on
+  global arrays), lowered on ShapeDtypeStructs: nothing is allocated or run. docs/design.md says what each
+  of `STEP_MODES` runs.
 
   Args:
-    model: a `prophet_jax.models` TrainableModel, or any object with `abstract_params()`,
-      `loss_fn(params, batch)` and `make_batch(rng, batch_size)` (and `default_batch_size` when
-      `batch_size` is None).
+    model: a `prophet_jax.models` TrainableModel, or anything with `abstract_params()`, `loss_fn(params,
+      batch)`, `make_batch(rng, batch_size)` (and `default_batch_size`).
     schedule: the Schedule to carry out (ignored by 'pmean').
-    mode: one of `STEP_MODES`.
+    mode: one of `STEP_MODES`: 'scheduled', 'hooked', 'pipelined' or 'pmean' (the plain step).
     topology: from `gpu_topology`.
     batch_size: global batch (divisible by the device count); default `model.default_batch_size`.
-    axis_name: the mesh axis.
-    tx: the optimizer (default `optax.sgd(0.1, momentum=0.9)`).
-    jit: the plain `jax.jit` step over sharded arrays (above) instead of `jax.jit(jax.shard_map(...))`.
+    axis_name, tx: the mesh axis; the optimizer (default `optax.sgd(0.1, momentum=0.9)`).
+    jit: the plain `jax.jit` step over sharded arrays instead of `jax.jit(jax.shard_map(...))`.
     enforce_order: passed to the rewrite (False: combiner keys in place of the tie).
 
   Returns:
-    The `jax.stages.Lowered` step: `.compile()` it (or `.compile(compiler_options={...})` for
-    per-compile XLA options such as `xla_gpu_all_reduce_combine_threshold_bytes`), or use
-    `compile_step`.
+    The `jax.stages.Lowered` step: `.compile()` it, or use `compile_step`.
 
   Raises:
     ValueError: an unknown mode, 'scheduled' with `jit=True`, or a batch that does not split over the
       devices.
+
+  Example:
+    >>> lowered = prophet_jax.lower_step(get_model("cnn"), schedule, "hooked", topo)  # doctest: +SKIP
   """
   if mode not in STEP_MODES:
     raise ValueError(f"lower_step(mode={mode!r}): expected one of {list(STEP_MODES)}.")
   if jit and mode == "scheduled":
-    raise ValueError("lower_step(mode='scheduled', jit=True): a plain jax.jit step's gradients come "
-                     "already reduced by the partitioner; schedule them with mode='hooked' (hooked(..., "
-                     "mesh=)), or use jit=False.")
+    raise ValueError("lower_step(mode='scheduled', jit=True): a plain jax.jit step's gradients come already reduced by "
+                     "the partitioner; schedule them with mode='hooked' (hooked(..., mesh=)), or use jit=False.")
   n = len(topology.devices)
   batch_size = int(batch_size or getattr(model, "default_batch_size", n))
   if batch_size % n:
@@ -117,84 +94,62 @@ def lower_step(model: Any, schedule: Any, mode: str, topology: GpuTopology, *,
                      f"{n} devices; use a multiple of {n}.")
   tx = optax.sgd(0.1, momentum=0.9) if tx is None else tx
   mesh = topology.mesh(axis_name)
+  abstract = functools.partial(topology.abstract, mesh=mesh)
   params = model.abstract_params()
-  batch = jax.eval_shape(lambda k: model.make_batch(k, batch_size), jax.random.key(0))
-  a_batch = topology.abstract(batch, P(axis_name), mesh=mesh)
-  if jit:
-    return _lower_jit(model, schedule, mode, topology, mesh, params, a_batch, axis_name, tx, enforce_order)
-  keys = {"enforce_order": enforce_order}
+  a_params = abstract(params, P())
+  a_batch = abstract(jax.eval_shape(lambda k: model.make_batch(k, batch_size), jax.random.key(0)), P(axis_name))
+  # the rewrite's arguments: with jit=True the front-ends place the step on the mesh themselves
+  kw = {"axis_name": axis_name, "enforce_order": enforce_order, **({"mesh": mesh} if jit else {})}
   if mode == "pipelined":
-    pipe = pipelined(model.loss_fn, tx, schedule, axis_name=axis_name, **keys)
-    specs = pipe.state_specs()
-
-    def body(state, b):
-      state, loss = pipe.step(state, b)
-      return state, loss[None]
-
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis_name)),
-                                 out_specs=(specs, P(axis_name))))
-    if schedule.num_reduce_scatters:  # a ZeRO-1 plan's shard state is made inside the map
-      init = jax.shard_map(pipe.init, mesh=mesh, in_specs=P(), out_specs=specs)
-      state0 = jax.eval_shape(init, topology.abstract(params, P(), mesh=mesh))
-      state0 = topology.abstract(state0, pipe.state_specs(state0), mesh=mesh)
+    pipe = pipelined(model.loss_fn, tx, schedule, **kw)
+    if jit:
+      step = jax.jit(pipe.step)
+      state0 = jax.eval_shape(pipe.init, a_params)
     else:
-      state0 = topology.abstract(jax.eval_shape(pipe.init, params), P(), mesh=mesh)
-    pending, _ = jax.eval_shape(step, state0, a_batch)  # the state after a first, forward-only call
-    args = (topology.abstract(pending, pipe.state_specs(pending), mesh=mesh), a_batch)
+      specs = pipe.state_specs()
+
+      def body(state, b):
+        state, loss = pipe.step(state, b)
+        return state, loss[None]
+
+      step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis_name)),
+                                   out_specs=(specs, P(axis_name))))
+      # a ZeRO-1 plan's shard state is made inside the map
+      init = (jax.shard_map(pipe.init, mesh=mesh, in_specs=P(), out_specs=specs) if schedule.num_reduce_scatters
+              else pipe.init)
+      state0 = jax.eval_shape(init, a_params)
+    # the state after a first, forward-only call
+    pending, _ = jax.eval_shape(step, abstract(state0, pipe.state_specs(state0)), a_batch)
+    return step.lower(abstract(pending, pipe.state_specs(pending)), a_batch)
+  # ZeRO-1: each device's shard of the optimizer state; a sharded schedule's hooked gradients are the
+  # reduce-scattered shards that scheduled(tx) consumes
+  sharded = mode != "pmean" and schedule.num_reduce_scatters > 0
+  opt = scheduled(tx, schedule, **kw) if mode == "scheduled" or (sharded and mode == "hooked") else tx
+  if mode == "hooked":
+    grad_fn = hooked(model.loss_fn, schedule, **kw)
+  elif jit:  # 'pmean' on global arrays: the partitioner inserts the all-reduce
+    grad_fn = jax.value_and_grad(model.loss_fn)
   else:
-    sharded = mode != "pmean" and schedule.num_reduce_scatters > 0
-    # a sharded schedule's hooked gradients are reduce-scattered shards that scheduled(tx) consumes
-    opt = scheduled(tx, schedule, axis_name=axis_name, **keys) if mode == "scheduled" or (
-        sharded and mode == "hooked") else tx
-    grad_fn = hooked(model.loss_fn, schedule, axis_name=axis_name, **keys) if mode == "hooked" else None
-
-    def body(p, o, b):
-      if grad_fn is not None:
-        loss, g = grad_fn(p, b)
-      else:
-        loss, g = jax.value_and_grad(model.loss_fn)(jax.lax.pcast(p, axis_name, to="varying"), b)
-        if mode == "pmean":
-          g = jax.lax.pmean(g, axis_name)
-      updates, o = opt.update(g, o, p)
-      return optax.apply_updates(p, updates), o, jax.lax.pmean(loss, axis_name)
-
-    ospec = P(axis_name) if sharded else P()  # ZeRO-1: each device's shard state, made inside the map
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), ospec, P(axis_name)),
-                                 out_specs=(P(), ospec, P())))
-    a_params = topology.abstract(params, P(), mesh=mesh)
-    if sharded:
-      init = jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=ospec)
-      a_opt = topology.abstract(jax.eval_shape(init, a_params), ospec, mesh=mesh)
-    else:
-      a_opt = topology.abstract(jax.eval_shape(opt.init, params), P(), mesh=mesh)
-    args = (a_params, a_opt, a_batch)
-  return step.lower(*args)
-
-
-def _lower_jit(model: Any, schedule: Any, mode: str, topology: GpuTopology, mesh: Any, params: Any,
-               a_batch: Any, axis_name: str, tx: Any, enforce_order: bool = True) -> Any:
-  """`lower_step(..., jit=True)`: the plain `jax.jit` step on global arrays."""
-  a_params = topology.abstract(params, P(), mesh=mesh)
-  if mode == "pipelined":
-    pipe = pipelined(model.loss_fn, tx, schedule, axis_name=axis_name, mesh=mesh, enforce_order=enforce_order)
-    state0 = jax.eval_shape(pipe.init, a_params)
-    pending, _ = jax.eval_shape(pipe.step, topology.abstract(state0, pipe.state_specs(state0), mesh=mesh),
-                                a_batch)  # the state after a first, forward-only call
-    return jax.jit(pipe.step).lower(topology.abstract(pending, pipe.state_specs(pending), mesh=mesh), a_batch)
-  grad_fn = (hooked(model.loss_fn, schedule, axis_name=axis_name, mesh=mesh, enforce_order=enforce_order)
-             if mode == "hooked" else jax.value_and_grad(model.loss_fn))
-  # a sharded schedule's hooked gradients are reduce-scattered shards that scheduled(tx, mesh=) consumes
-  sharded = mode == "hooked" and schedule.num_reduce_scatters > 0
-  opt = scheduled(tx, schedule, axis_name=axis_name, mesh=mesh, enforce_order=enforce_order) if sharded else tx
+    def grad_fn(p, b):  # the user's gradient of varying params ('scheduled'), and its pmean ('pmean')
+      loss, g = jax.value_and_grad(model.loss_fn)(jax.lax.pcast(p, axis_name, to="varying"), b)
+      return loss, jax.lax.pmean(g, axis_name) if mode == "pmean" else g
 
   def step(p, o, b):
     loss, g = grad_fn(p, b)
     updates, o = opt.update(g, o, p)
-    return optax.apply_updates(p, updates), o, loss
+    return optax.apply_updates(p, updates), o, loss if jit else jax.lax.pmean(loss, axis_name)
 
-  if sharded:  # ZeRO-1: each device's shard state, a global array split over the axis
+  step.__name__ = "step" if jit else "body"  # the program's name, in its HLO and the audit's op names
+
+  if not sharded:
+    a_opt = abstract(jax.eval_shape(opt.init, params), P())
+  elif jit:  # a global array split over the axis
     o0 = jax.eval_shape(opt.init, a_params)
-    a_opt = topology.abstract(o0, state_specs(o0, axis_name), mesh=mesh)
-  else:
-    a_opt = topology.abstract(jax.eval_shape(tx.init, params), P(), mesh=mesh)
+    a_opt = abstract(o0, state_specs(o0, axis_name))
+  else:  # made inside the map
+    init = jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=P(axis_name))
+    a_opt = abstract(jax.eval_shape(init, a_params), P(axis_name))
+  if not jit:
+    ospec = P(axis_name) if sharded else P()
+    step = jax.shard_map(step, mesh=mesh, in_specs=(P(), ospec, P(axis_name)), out_specs=(P(), ospec, P()))
   return jax.jit(step).lower(a_params, a_opt, a_batch)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ._values._errors import ProphetError
-from ._multiprocess._launcher import add_arguments as add_launch_arguments
+from ._multiprocess._launcher import add_arguments as add_launch_arguments, run as run_launch
 from ._values._network import NetworkModel, PRESETS, PRESETS_TWO_LEVEL, Pressure
 from ._values._types import GradientProfile
 
@@ -70,14 +70,11 @@ def _load(cls: Any, path: str, what: str, flag: str | None = None) -> Any:
 
 
 def _same_file(a: str, b: str) -> bool:
-  """Whether paths `a` and `b` name one file (the same resolved path, or the same existing file)."""
-  pa, pb = Path(a), Path(b)
+  """Whether paths `a` and `b` name one file (the same existing file, or else the same resolved path)."""
   try:
-    if pa.exists() and pb.exists():
-      return os.path.samefile(pa, pb)
-  except OSError:
-    pass
-  return pa.resolve() == pb.resolve()
+    return os.path.samefile(a, b)
+  except OSError:  # one of them does not exist (yet)
+    return Path(a).resolve() == Path(b).resolve()
 
 
 def _check_out(out: str, flag: str, **inputs: str | None) -> None:
@@ -127,8 +124,7 @@ def parse_pressure(text: str) -> Pressure | None:
   return Pressure(**fields)
 
 
-def load_network(network: str, workers: int | None, *, overlap: bool | None = None,
-                 pressure: str | None = None) -> NetworkModel:
+def load_network(network: str, workers: int | None, *, pressure: str | None = None) -> NetworkModel:
   """A preset name or a NetworkModel JSON file (its `pressure` field included); `workers` overrides
   the file's, and `pressure` (`--pressure`, see `parse_pressure`) its pressure."""
   if network in PRESETS or network in PRESETS_TWO_LEVEL:
@@ -140,12 +136,9 @@ def load_network(network: str, workers: int | None, *, overlap: bool | None = No
     if workers is not None:
       net = net.with_workers(workers)
   else:
-    raise ValueError(f"--network {network!r} is neither a preset "
-                     f"({', '.join([*PRESETS, *PRESETS_TWO_LEVEL])}) nor a "
-                     f"NetworkModel JSON file.")
-  if pressure is not None:
-    net = net.replace(pressure=parse_pressure(pressure))
-  return net if overlap is None else net.replace(overlap=overlap)
+    raise ValueError(f"--network {network!r} is neither a preset ({', '.join([*PRESETS, *PRESETS_TWO_LEVEL])}) "
+                     f"nor a NetworkModel JSON file.")
+  return net if pressure is None else net.replace(pressure=parse_pressure(pressure))
 
 
 def _out_path(path: str) -> Path:
@@ -215,10 +208,9 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     network = {"name": net.name or a.network, "alpha_s": net.alpha_s, "beta_s_per_byte": net.beta_s_per_byte}
     if q is not None:
       network["pressure"] = q.to_dict()
-    print(json.dumps({
-        "model": model, "device": profile.device or a.device, "workers": net.workers,
-        "cross_step": a.cross_step, "network": network, "lower_bound_s": bound, "results": rows},
-        indent=2))
+    print(json.dumps({"model": model, "device": profile.device or a.device, "workers": net.workers,
+                      "cross_step": a.cross_step, "network": network, "lower_bound_s": bound, "results": rows},
+                     indent=2))
   else:
     base = next((r["iteration_s"] for r in rows if r["policy"] == "wfbp"), None)
     print(f"{model}: {len(profile.rows)} gradients, {profile.total_nbytes / 2**20:.1f} MiB, "
@@ -226,9 +218,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
           f"{'pipelined' if a.cross_step else 'plain'} step; lower bound {bound * 1e3:.3f} ms"
           + (" (lossless schedules)" if "dlcp" in policies else ""))
     if q is not None:
-      print(f"pressure: {q.background_flows:g} background flows, tail_prob {q.tail_prob:g} per ring step, "
-            f"tail >= {q.tail_scale_s * 1e3:g} ms (shape {q.tail_shape:g}); mean of {q.samples} samples "
-            f"(seed {q.seed})")
+      print(f"pressure: {q.background_flows:g} background flows, tail_prob {q.tail_prob:g} per ring step, tail >= "
+            f"{q.tail_scale_s * 1e3:g} ms (shape {q.tail_shape:g}); mean of {q.samples} samples (seed {q.seed})")
     if "dlcp" in policies:
       print(f"dlcp: max_defer {a.max_defer:g} (elements that may wait each step, with error feedback)")
     if any(r.get("sharded") for r in rows if r["policy"] != "fsdp"):
@@ -236,9 +227,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             "device updates 1/P of the parameters")
     for r in rows:
       if r["policy"] == "fsdp":
-        print(f"fsdp: parameters sharded (ZeRO-3): reduce-scatters+all-gathers (re-gathers included); "
-              f"peak {r['peak_memory_bytes'] / 2**30:.2f} GiB per device of gathered parameters and "
-              f"unsharded gradients")
+        print("fsdp: parameters sharded (ZeRO-3): reduce-scatters+all-gathers (re-gathers included); peak "
+              f"{r['peak_memory_bytes'] / 2**30:.2f} GiB per device of gathered parameters and unsharded gradients")
     tail = q is not None
     print(f"{'policy':10s} {'iter ms':>10s} {'/bound':>7s} {'idle ms':>9s} {'allreduces':>10s}"
           + (f" {'p50 ms':>9s} {'p99 ms':>9s}" if tail else "") + f" {'deferred':>8s}"
@@ -264,11 +254,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
   _check_out(a.out, "--out", profile=a.profile, network=a.network)
   profile = _load(GradientProfile, a.profile, "profile")
   net = load_network(a.network, a.workers, pressure=a.pressure)
-  options = {}
-  if a.max_defer is not None:
-    if a.policy != "dlcp":
-      raise ValueError(f"--max-defer is an option of policy 'dlcp', not {a.policy!r}.")
-    options["max_defer"] = a.max_defer
+  if a.max_defer is not None and a.policy != "dlcp":
+    raise ValueError(f"--max-defer is an option of policy 'dlcp', not {a.policy!r}.")
+  options = {} if a.max_defer is None else {"max_defer": a.max_defer}
   sched = plan(profile, net, a.policy, cross_step=a.cross_step, **options)
   _out_path(a.out).write_text(sched.to_json(indent=1))
   sim = simulate(sched, profile, net, cross_step=sched.cross_step)
@@ -329,12 +317,6 @@ def cmd_demo(a: argparse.Namespace) -> int:
   return run_demo(steps=a.steps, out_dir=a.out_dir, quick=a.quick)
 
 
-def cmd_launch(a: argparse.Namespace) -> int:
-  from ._multiprocess._launcher import run  # lazy: the CLI starts without jax
-
-  return run(a)
-
-
 # -- audit: a step compiled for a compile-only GPU target -------------------------------------------
 
 def _xla_option(text: str) -> tuple[str, Any]:
@@ -361,17 +343,13 @@ def cmd_audit(a: argparse.Namespace) -> int:
                      "by the partitioner; audit --jit --mode hooked (or pipelined, or pmean for the plain step).")
   target = gpu_target(a.target)  # an unknown target fails here, before jax starts
   model = models.get_model(a.model)
-  cross_step = a.mode == "pipelined"
   if a.schedule:
     schedule = _load(Schedule, a.schedule, "schedule")
   else:
-    if a.profile:
-      profile = _load(GradientProfile, a.profile, "profile")
-    else:
-      profile = GradientProfile.from_params(model.abstract_params(), forward_s=1e-3, backward_s=2e-3,
-                                            model=a.model)
+    profile = (_load(GradientProfile, a.profile, "profile") if a.profile else
+               GradientProfile.from_params(model.abstract_params(), forward_s=1e-3, backward_s=2e-3, model=a.model))
     net = load_network(a.network, a.workers or a.devices)
-    schedule = plan(profile, net, a.policy, cross_step=cross_step)
+    schedule = plan(profile, net, a.policy, cross_step=a.mode == "pipelined")
   with quiet_cuda_stub():
     topo = gpu_topology(target.name, devices=a.devices)
     from ._steps import compile_step  # imports jax: after the topology checked the environment
@@ -384,24 +362,21 @@ def cmd_audit(a: argparse.Namespace) -> int:
       text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       if options and ("compile option" in text or "INVALID_ARGUMENT" in text):
         given = " ".join(f"{k}={v}" for k, v in options.items())
-        raise ValueError(f"--xla-option {given}: XLA refused it ({text}). Give options this jaxlib's XLA "
-                         f"knows, with values of their type (e.g. "
-                         f"xla_gpu_enable_latency_hiding_scheduler=true).") from e
+        raise ValueError(f"--xla-option {given}: XLA refused it ({text}). Give options this jaxlib's XLA knows, "
+                         f"with values of their type (e.g. xla_gpu_enable_latency_hiding_scheduler=true).") from e
       raise
   from ._compiled._audit import audit  # lazy: the CLI starts without jax
 
   report = audit(compiled, schedule)
   if a.json:
-    print(json.dumps({"target": target.name, "device": target.description, "devices": a.devices,
-                      "model": a.model, "mode": a.mode, "policy": schedule.policy,
-                      "compile_s": compile_s, "xla_options": dict(a.xla_option or ()),
-                      "report": report.to_dict()}, indent=1))
+    print(json.dumps({"target": target.name, "device": target.description, "devices": a.devices, "model": a.model,
+                      "mode": a.mode, "policy": schedule.policy, "compile_s": compile_s,
+                      "xla_options": options or {}, "report": report.to_dict()}, indent=1))
   else:
     count = (f"{schedule.num_reduce_scatters} reduce-scatter(s), {schedule.num_all_gathers} all-gather(s)"
              if schedule.num_reduce_scatters else f"{schedule.num_allreduces} chunk(s)")
-    print(f"{a.model}, {a.mode} step, {schedule.policy} ({count}): XLA:GPU's "
-          f"compiled schedule for {a.devices} x {target.description} (compile-only: nothing ran; "
-          f"compiled in {compile_s:.1f} s)")
+    print(f"{a.model}, {a.mode} step, {schedule.policy} ({count}): XLA:GPU's compiled schedule for {a.devices} x "
+          f"{target.description} (compile-only: nothing ran; compiled in {compile_s:.1f} s)")
     print(report.describe())
     if report.chunks:
       print(report.window_table())
@@ -450,107 +425,95 @@ class _Parser(argparse.ArgumentParser):
     self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+_NETWORK = f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON"
+_MODELS = "mlp, cnn, gpt-tiny, resnet-small"
+
+# the options several commands take, declared once; a command's own keywords (below) override these
+_SHARED: dict[str, dict[str, Any]] = {
+    "--model": {"required": True}, "--workers": {"type": _positive}, "--policy": {"default": "auto"},
+    "--device": {"help": f"device of the bundled trace (default {DEFAULT_DEVICE})"},
+    "--network": {"required": True}, "--out": {"required": True},
+    "--pressure": {"metavar": "SPEC", "help": "network pressure (see simulate)"},
+    "--num-devices": {"type": _positive, "default": 8},
+    "--cross-step": {"action": "store_true"}, "--json": {"action": "store_true"},
+}
+
+# command -> (its function, its help, its options: a flag of _SHARED as it is, or (flag, keywords))
+_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, tuple[Any, ...]]] = {
+    "simulate": (cmd_simulate, "every policy (or those named) on a model", (
+        ("--model", dict(help="trace name (resnet50-h100, ...; googlenet-k80 in a development checkout only: "
+                              "it reads the public GoogLeNet logs beside the repository), model name completed "
+                              "by --device, or a GradientProfile JSON")),
+        "--device", "--workers", ("--network", dict(help=_NETWORK)),
+        ("--policy", dict(nargs="+", default=None, help="policies to compare (default: all)")),
+        ("--pressure", dict(help="network pressure: 'none' or NAME=VALUE,... of Pressure's fields, e.g. "
+                                 "background_flows=0.3,tail_prob=0.01,tail_scale_s=0.002 (overrides the network "
+                                 "file's); results are then the mean over seeded samples, with p50 and p99")),
+        ("--max-defer", dict(type=float, default=0.1, help="dlcp's max_defer in this comparison (default 0.1; "
+                                                           "the library's default is 0, lossless)")),
+        ("--cross-step", dict(help="simulate the pipelined step")),
+        ("--json", dict(help="print the result object as JSON")),
+        ("--timeline", dict(metavar="PNG", help="write a Gantt chart per policy")))),
+    "plan": (cmd_plan, "write a schedule", (
+        ("--profile", dict(required=True)), "--network", "--workers", "--policy", "--pressure",
+        ("--max-defer", dict(type=float, help="dlcp's max_defer (default 0: lossless)")), "--cross-step", "--out")),
+    "profile": (cmd_profile, "measure a real step of a bundled model", (
+        ("--model", dict(help=_MODELS)), "--num-devices",
+        ("--steps", dict(type=_positive, default=20, help="steps measured (default 20)")), "--out")),
+    "probe": (cmd_probe, "fit alpha and beta of the all-reduce", (
+        "--num-devices",
+        ("--sizes", dict(type=_positive, nargs="+", metavar="BYTES",
+                         help="message sizes in bytes per device (default 1 KiB .. 64 MiB, powers of 4)")),
+        ("--repeats", dict(type=_positive, default=15, help="paired timings per size (default 15)")),
+        ("--time-budget", dict(type=_non_negative, default=6.0, metavar="SECONDS",
+                               help="seconds the probe may take, compiles included (default 6; 0: no budget): "
+                                    "sizes run smallest first until the next would not fit, and the output "
+                                    "names those cut")), "--out")),
+    "demo": (cmd_demo, "the main job: profile, probe, plan, train, compare", (
+        ("--steps", dict(type=_positive, default=200)), ("--out-dir", dict(default="out")),
+        ("--quick", dict(action="store_true", help="a reduced run (tests)")))),
+    "launch": (run_launch, "start N processes wired with jax.distributed", ()),  # add_launch_arguments
+    "audit": (cmd_audit, "compile a model's step for a GPU target (no GPU needed) and audit its all-reduces: "
+              "count, order, what overlaps them; exit 1 on a mismatch", (
+        ("--target", dict(default="h100", help="h100, a100 or v100 (compile-only; needs the gpu-compile extra, "
+                                               "or gpu-compile-cuda13, which cannot build for the v100)")),
+        ("--devices", dict(type=_positive, default=8)), ("--model", dict(required=False, default="cnn", help=_MODELS)),
+        ("--mode", dict(default="scheduled", choices=("scheduled", "hooked", "pipelined", "pmean"))), "--policy",
+        ("--network", dict(required=False, default="10gbe", help=_NETWORK)),
+        ("--workers", dict(help="default: --devices")),
+        ("--profile", dict(help="a GradientProfile JSON of the model (default: its parameter sizes with estimated "
+                                "times)")),
+        ("--schedule", dict(help="a Schedule JSON to audit instead of planning one")),
+        ("--batch", dict(type=_positive, help="global batch (default: the model's)")),
+        ("--xla-option", dict(type=_xla_option, action="append", metavar="KEY=VALUE",
+                              help="a per-compile XLA option, e.g. xla_gpu_enable_latency_hiding_scheduler=true")),
+        ("--jit", dict(action="store_true", help="the plain jax.jit step over sharded arrays (hooked or pipelined "
+                                                 "with mesh=; pmean: the partitioner's all-reduce) instead of a "
+                                                 "shard_map step")),
+        ("--json", dict(help="print the report as JSON")))),
+    "xla-flags": (cmd_xla_flags, "the XLA_FLAGS line and compiler_options that realise a plan as far as XLA "
+                  "settings can (for a plain jax.jit step), checked against the installed jaxlib", (
+        ("--model", dict(help="trace name, model name completed by --device, or a GradientProfile JSON")),
+        "--device", "--workers", ("--network", dict(help=_NETWORK)), "--policy",
+        ("--target", dict(help="h100, a100 or v100: check on that compile-only GPU (default: this machine's GPU, "
+                               "else a compile-only h100 where jax's CUDA plugin is installed)")),
+        ("--json", dict(help="print the settings, the jaxlib and the notes as JSON")))),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
   common = _Parser(add_help=False)
   common.add_argument("--debug", action="store_true", help="show the traceback on errors")
   p = _Parser(prog="prophet-jax", parents=[common],
               description="Plan, simulate and run scheduled gradient all-reduces.")
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-  s = sub.add_parser("simulate", parents=[common], help="every policy (or those named) on a model")
-  s.add_argument("--model", required=True, help="trace name (resnet50-h100, ...; googlenet-k80 in a "
-                 "development checkout only: it reads the public GoogLeNet logs beside the repository), model "
-                 "name completed by --device, or a GradientProfile JSON")
-  s.add_argument("--device", default=None, help=f"device of the bundled trace (default {DEFAULT_DEVICE})")
-  s.add_argument("--workers", type=_positive, default=None)
-  s.add_argument("--network", required=True, help=f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON")
-  s.add_argument("--policy", nargs="+", default=None, help="policies to compare (default: all)")
-  s.add_argument("--pressure", default=None, metavar="SPEC",
-                 help="network pressure: 'none' or NAME=VALUE,... of Pressure's fields, e.g. "
-                      "background_flows=0.3,tail_prob=0.01,tail_scale_s=0.002 (overrides the network "
-                      "file's); results are then the mean over seeded samples, with p50 and p99")
-  s.add_argument("--max-defer", type=float, default=0.1,
-                 help="dlcp's max_defer in this comparison (default 0.1; the library's default is 0, "
-                      "lossless)")
-  s.add_argument("--cross-step", action="store_true", help="simulate the pipelined step")
-  s.add_argument("--json", action="store_true", help="print the result object as JSON")
-  s.add_argument("--timeline", default=None, metavar="PNG", help="write a Gantt chart per policy")
-  s.set_defaults(fn=cmd_simulate)
-
-  s = sub.add_parser("plan", parents=[common], help="write a schedule")
-  s.add_argument("--profile", required=True)
-  s.add_argument("--network", required=True)
-  s.add_argument("--workers", type=_positive, default=None)
-  s.add_argument("--policy", default="auto")
-  s.add_argument("--pressure", default=None, metavar="SPEC", help="network pressure (see simulate)")
-  s.add_argument("--max-defer", type=float, default=None, help="dlcp's max_defer (default 0: lossless)")
-  s.add_argument("--cross-step", action="store_true")
-  s.add_argument("--out", required=True)
-  s.set_defaults(fn=cmd_plan)
-
-  s = sub.add_parser("profile", parents=[common], help="measure a real step of a bundled model")
-  s.add_argument("--model", required=True, help="mlp, cnn, gpt-tiny, resnet-small")
-  s.add_argument("--num-devices", type=_positive, default=8)
-  s.add_argument("--steps", type=_positive, default=20, help="steps measured (default 20)")
-  s.add_argument("--out", required=True)
-  s.set_defaults(fn=cmd_profile)
-
-  s = sub.add_parser("probe", parents=[common], help="fit alpha and beta of the all-reduce")
-  s.add_argument("--num-devices", type=_positive, default=8)
-  s.add_argument("--sizes", type=_positive, nargs="+", default=None, metavar="BYTES",
-                 help="message sizes in bytes per device (default 1 KiB .. 64 MiB, powers of 4)")
-  s.add_argument("--repeats", type=_positive, default=15, help="paired timings per size (default 15)")
-  s.add_argument("--time-budget", type=_non_negative, default=6.0, metavar="SECONDS",
-                 help="seconds the probe may take, compiles included (default 6; 0: no budget): sizes "
-                      "run smallest first until the next would not fit, and the output names those cut")
-  s.add_argument("--out", required=True)
-  s.set_defaults(fn=cmd_probe)
-
-  s = sub.add_parser("demo", parents=[common], help="the main job: profile, probe, plan, train, compare")
-  s.add_argument("--steps", type=_positive, default=200)
-  s.add_argument("--out-dir", default="out")
-  s.add_argument("--quick", action="store_true", help="a reduced run (tests)")
-  s.set_defaults(fn=cmd_demo)
-
-  s = sub.add_parser("launch", parents=[common], help="start N processes wired with jax.distributed")
-  add_launch_arguments(s)
-  s.set_defaults(fn=cmd_launch)
-
-  s = sub.add_parser("audit", parents=[common], help="compile a model's step for a GPU target (no GPU "
-                     "needed) and audit its all-reduces: count, order, what overlaps them; exit 1 on a "
-                     "mismatch")
-  s.add_argument("--target", default="h100", help="h100, a100 or v100 (compile-only; needs the gpu-compile "
-                 "extra, or gpu-compile-cuda13, which cannot build for the v100)")
-  s.add_argument("--devices", type=_positive, default=8)
-  s.add_argument("--model", default="cnn", help="mlp, cnn, gpt-tiny, resnet-small")
-  s.add_argument("--mode", default="scheduled", choices=("scheduled", "hooked", "pipelined", "pmean"))
-  s.add_argument("--policy", default="auto")
-  s.add_argument("--network", default="10gbe", help=f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON")
-  s.add_argument("--workers", type=_positive, default=None, help="default: --devices")
-  s.add_argument("--profile", default=None, help="a GradientProfile JSON of the model (default: its "
-                 "parameter sizes with estimated times)")
-  s.add_argument("--schedule", default=None, help="a Schedule JSON to audit instead of planning one")
-  s.add_argument("--batch", type=_positive, default=None, help="global batch (default: the model's)")
-  s.add_argument("--xla-option", type=_xla_option, action="append", metavar="KEY=VALUE",
-                 help="a per-compile XLA option, e.g. xla_gpu_enable_latency_hiding_scheduler=true")
-  s.add_argument("--jit", action="store_true", help="the plain jax.jit step over sharded arrays (hooked or "
-                 "pipelined with mesh=; pmean: the partitioner's all-reduce) instead of a shard_map step")
-  s.add_argument("--json", action="store_true", help="print the report as JSON")
-  s.set_defaults(fn=cmd_audit)
-
-  s = sub.add_parser("xla-flags", parents=[common], help="the XLA_FLAGS line and compiler_options that "
-                     "realise a plan as far as XLA settings can (for a plain jax.jit step), checked "
-                     "against the installed jaxlib")
-  s.add_argument("--model", required=True, help="trace name, model name completed by --device, or a "
-                 "GradientProfile JSON")
-  s.add_argument("--device", default=None, help=f"device of the bundled trace (default {DEFAULT_DEVICE})")
-  s.add_argument("--workers", type=_positive, default=None)
-  s.add_argument("--network", required=True, help=f"a preset ({', '.join(PRESETS)}) or a NetworkModel JSON")
-  s.add_argument("--policy", default="auto")
-  s.add_argument("--target", default=None, help="h100, a100 or v100: check on that compile-only GPU "
-                 "(default: this machine's GPU, else a compile-only h100 where jax's CUDA plugin is installed)")
-  s.add_argument("--json", action="store_true", help="print the settings, the jaxlib and the notes as JSON")
-  s.set_defaults(fn=cmd_xla_flags)
+  for name, (fn, text, options) in _COMMANDS.items():
+    s = sub.add_parser(name, parents=[common], help=text)
+    for option in options:
+      flag, kw = (option, {}) if isinstance(option, str) else option
+      s.add_argument(flag, **{**_SHARED.get(flag, {}), **kw})
+    s.set_defaults(fn=fn)
+  add_launch_arguments(sub.choices["launch"])
   return p
 
 

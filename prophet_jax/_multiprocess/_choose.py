@@ -1,20 +1,4 @@
-"""choose: the choice between steps (plans) measured on the user's machines, against their own step.
-
-Every ratio the simulator reports is a model's; before trusting one, time the steps where they will
-run. `choose` does that the way a careful benchmark does it: every step on its own copy of the state,
-compiled and warmed up first (not timed), then timed in interleaved rounds (round r runs every step
-once, in an order that balances positions and predecessors), each candidate's time divided by the control's *in the same round*,
-so drift of the machine between rounds cancels. The statistics and the rule are
-`_planning._paired` (pure, tested with an injected clock): the median ratio per candidate, a
-distribution-free interval of it, and a candidate wins only when its interval clears `min_gain`.
-
-Several processes (jax.distributed): the processes first agree on the steps' names (in rank 0's
-order; every process then runs the same step in the same round, so their collectives pair up), every
-process times, the timings are all-gathered and a step's time in a round is the slowest process's;
-rank 0 decides and broadcasts its Choice as JSON; every process decides from the same gathered
-timings too and checks the fingerprint of rank 0's decision against its own, and the processes agree
-on the outcome, so all fail together (LaunchError naming the ranks) when one differs.
-"""
+"""`choose`: candidate steps timed against the user's own step where they will run (docs/choose.md)."""
 
 from __future__ import annotations
 
@@ -30,7 +14,7 @@ import numpy as np
 from .._planning._paired import DEFAULT_CONFIDENCE, Choice, check_options, decide, interleave
 from .._values._checks import check_int
 from .._values._errors import LaunchError
-from ._agreement import gather_messages
+from ._agreement import broadcast_text, failed_ranks, gather_messages
 from ._compare import Snapshot, difference, host, loss_of, snapshot
 
 __all__ = ["choose", "Choice"]
@@ -56,14 +40,12 @@ def _split_steps(steps: Any, control: Any) -> tuple[tuple[str, ...], dict[str, C
       raise ValueError(f"choose(control={control!r}): no step of that name among {sorted(fns)}; pass "
                        f"the control's step function, or the name of one of the steps.")
     if len(fns) < 2:
-      raise ValueError(f"choose(control={control!r}): it is the only step; there is no candidate to "
-                       f"time against it.")
+      raise ValueError(f"choose(control={control!r}): it is the only step; there is no candidate to time against it.")
     name = control
   elif callable(control):
     if CONTROL in fns:
-      raise ValueError(f"choose(steps=...): a candidate is named {CONTROL!r}, the name the control step "
-                       f"is reported under; rename that candidate (or pass control={CONTROL!r} to make "
-                       f"it the control).")
+      raise ValueError(f"choose(steps=...): a candidate is named {CONTROL!r}, the name the control step is reported "
+                       f"under; rename that candidate (or pass control={CONTROL!r} to make it the control).")
     name = CONTROL
     fns = {CONTROL: control, **fns}
   else:
@@ -74,8 +56,7 @@ def _split_steps(steps: Any, control: Any) -> tuple[tuple[str, ...], dict[str, C
 
 
 def _states(state: Any, names: Sequence[str]) -> dict[str, Any]:
-  """Per step its starting state: `state` itself for every step, or `state[name]` when `state` is a
-  mapping whose keys are exactly the steps' names (states already converted per plan)."""
+  """Per step its starting state: `state`, or `state[name]` where `state` maps the steps' names."""
   if isinstance(state, Mapping) and set(state) & set(names):
     if set(state) != set(names):
       missing = sorted(set(names) - set(state))
@@ -88,33 +69,29 @@ def _states(state: Any, names: Sequence[str]) -> dict[str, Any]:
 
 
 def _copy(tree: Any) -> Any:
-  """A copy of every array of `tree` (a donating step consumes its input's buffers; the caller's state
-  and the other steps' states must survive it)."""
+  """A copy of every array of `tree`, which a donating step may consume."""
   return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
 
 
 def _next_state(out: Any, state: Any, name: str) -> Any:
-  """The state to feed the next call: `out` when it has the state's structure, else `out[0]` (a step
-  returning `(state, loss)` or `(state, metrics)`)."""
+  """The state to feed the next call: `out` where it has the state's structure, else `out[0]`."""
   want = jax.tree.structure(state)
   if jax.tree.structure(out) == want:
     return out
   if isinstance(out, tuple) and out and jax.tree.structure(out[0]) == want:
     return out[0]
-  raise TypeError(f"choose: step {name!r} returned a {type(out).__name__} of structure "
-                  f"{jax.tree.structure(out)}, neither the state's structure {want} nor a tuple whose "
-                  f"first element has it; a step must be `state = step(state, batch)` or "
-                  f"`state, aux = step(state, batch)`.")
+  raise TypeError(f"choose: step {name!r} returned a {type(out).__name__} of structure {jax.tree.structure(out)}, "
+                  f"neither the state's structure {want} nor a tuple whose first element has it; a step must be "
+                  "`state = step(state, batch)` or `state, aux = step(state, batch)`.")
 
 
 def _agree_names(names: tuple[str, ...]) -> tuple[str, ...]:
   """Every process runs the same steps in the same order: rank 0's, checked on every process."""
   if jax.process_count() == 1:
     return names
-  text = "\n".join(names)
-  mine = gather_messages(text)
-  if any(m != mine[0] for m in mine):
-    bad = [r for r, m in enumerate(mine) if m != mine[0]]
+  mine = gather_messages("\n".join(names))
+  bad = [r for r, m in enumerate(mine) if m != mine[0]]
+  if bad:
     raise LaunchError(f"choose: rank(s) {bad} have other steps than rank 0: {mine[0].splitlines()} on "
                       f"rank 0, {mine[bad[0]].splitlines()} on rank {bad[0]} (names and control must be "
                       f"the same everywhere, in the same order).")
@@ -135,35 +112,15 @@ def _agree_choice(mine: Choice) -> Choice:
   """Rank 0's Choice on every process, its fingerprint checked against each process's own."""
   if jax.process_count() == 1:
     return mine
-  from jax.experimental import multihost_utils  # multi-process only
-
+  got = Choice.from_json(broadcast_text(mine.to_json()))
   rank = jax.process_index()
-  payload = mine.to_json().encode() if rank == 0 else b""
-  n = int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([len(payload)], np.int32)))[0])
-  buf = np.zeros(n, np.uint8)
-  if rank == 0:
-    buf[:] = np.frombuffer(payload, np.uint8)
-  got = Choice.from_json(bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8)).decode())
-  msg = "" if got.fingerprint == mine.fingerprint else (
+  bad, first = failed_ranks("" if got.fingerprint == mine.fingerprint else (
       f"rank {rank} decided {mine.best!r} (fingerprint {mine.fingerprint}) from the same timings where "
-      f"rank 0 decided {got.best!r} ({got.fingerprint})")
-  messages = gather_messages(msg)
-  bad = [r for r, m in enumerate(messages) if m]
+      f"rank 0 decided {got.best!r} ({got.fingerprint})"))
   if bad:
     raise LaunchError(f"choose: rank {rank}: rank(s) {bad} disagree with rank 0's decision: "
-                      f"{messages[bad[0]]}. Check that every process runs the same library versions.")
+                      f"{first}. Check that every process runs the same library versions.")
   return got
-
-
-def _call(fn: Callable, name: str, state: Any, batch: Any, when: str) -> Any:
-  """`fn(state, batch)`, waited for; an exception leaves with a note naming the step and the call."""
-  try:
-    return jax.block_until_ready(fn(state, batch))
-  except Exception as e:  # noqa: BLE001 - re-raised as it is, with the candidate named
-    e.add_note(f"choose: raised by step {name!r}, {when}, from the state given for it. A step of another "
-               f"plan needs its own state: pass state={{'control': state, {name!r}: "
-               f"prophet_jax.convert_state(state, params, its_schedule, tx=...)}} (docs/choose.md).")
-    raise
 
 
 def _check_finite(name: str, loss: Any, when: str) -> None:
@@ -173,16 +130,14 @@ def _check_finite(name: str, loss: Any, when: str) -> None:
   value = host(loss).ravel()
   bad = value[~np.isfinite(value)]
   if bad.size:
-    raise ValueError(f"choose: step {name!r} returned a non-finite loss ({bad[0]}) {when}; choose times "
-                     f"only steps that train. Check that batch and the step (a diverging learning rate?), "
-                     f"or leave the step out.")
+    raise ValueError(f"choose: step {name!r} returned a non-finite loss ({bad[0]}) {when}; choose times only steps "
+                     "that train. Check that batch and the step (a diverging learning rate?), or leave the step out.")
 
 
 def _lossy(lossy: Any, names: tuple[str, ...], control: str) -> frozenset[str]:
   """The candidates whose difference from the control is reported, not failed, checked."""
   if isinstance(lossy, str) or not isinstance(lossy, (Sequence, Set)):
-    raise TypeError(f"choose(lossy={lossy!r}): expected a collection of candidate names, e.g. "
-                    f"lossy={{'dlcp'}}.")
+    raise TypeError(f"choose(lossy={lossy!r}): expected a collection of candidate names, e.g. lossy={{'dlcp'}}.")
   unknown = sorted(set(lossy) - (set(names) - {control}))
   if unknown:
     raise ValueError(f"choose(lossy={sorted(lossy)}): {unknown} are not candidates; the candidates are "
@@ -192,8 +147,7 @@ def _lossy(lossy: Any, names: tuple[str, ...], control: str) -> frozenset[str]:
 
 def _compared(names: tuple[str, ...], control: str, seen: dict[str, list[Snapshot]], before: Snapshot,
               lossy: frozenset[str], states: dict[str, Any]) -> dict[str, str]:
-  """Per candidate, what it computes after its second call against the control's (module `_compare`):
-  'equal', 'differs' (lossy) or 'not compared'; ValueError naming a lossless candidate that differs."""
+  """Per candidate 'equal', 'differs' (lossy) or 'not compared'; ValueError for a lossless one that differs."""
   first, ref = seen[control]
   out = {}
   for n in names[1:]:
@@ -211,12 +165,11 @@ def _compared(names: tuple[str, ...], control: str, seen: dict[str, list[Snapsho
       out[n] = f"differs (lossy, reported): {d[1]} at {d[0]:.3g} times docs/design.md's tolerance"
     else:
       raise ValueError(
-          f"choose: step {n!r} computes something else than the control {control!r}: after the second "
-          f"call on the same batches, {d[1]} differs by {d[0]:.3g} times docs/design.md's tolerance (1e-3 "
-          f"of the control's update). A step that does not train, another model, optimizer or learning "
-          f"rate, or gradients of another scale (a psum for a pmean) would do that: fix the step. If its "
-          f"plan defers gradients on purpose (dlcp, max_defer > 0), pass lossy={{{n!r}}} to have the "
-          f"difference reported instead.")
+          f"choose: step {n!r} computes something else than the control {control!r}: after the second call on the same "
+          f"batches, {d[1]} differs by {d[0]:.3g} times docs/design.md's tolerance (1e-3 of the control's update). A "
+          "step that does not train, another model, optimizer or learning rate, or gradients of another scale (a psum "
+          "for a pmean) would do that: fix the step. If its plan defers gradients on purpose (dlcp, max_defer > 0), "
+          f"pass lossy={{{n!r}}} to have the difference reported instead.")
   return out
 
 
@@ -226,41 +179,29 @@ def choose(steps: Mapping[str, Callable], state: Any, batches: Sequence[Any], *,
            compare: Callable[[Any], Any] | None = None) -> Choice:
   """Times candidate steps against a control on this machine (or these processes) and picks one.
 
-  Every step runs from its own copy of its starting state (the caller's is never consumed), `warmup`
-  times untimed; after the second call, what each candidate computed (its loss and parameters) is
-  compared with the control's, with docs/design.md's tolerance. Then `rounds` interleaved timed rounds,
-  each candidate's time divided by the control's in the same round; a candidate wins only when its
-  ratio's interval clears `min_gain`. docs/choose.md has the statistics, the rule and what is compared.
+  Each step runs from its own copy of its state, `warmup` times untimed (after the second call each
+  candidate's result is compared with the control's), then in `rounds` interleaved rounds (docs/choose.md).
 
   Args:
-    steps: name -> step function, called `step(state, batch)`, returning the new state or `(state,
-      loss)` / `(state, metrics)` (a metrics dict's "loss" is the loss).
-    state: the starting state for every step, or a mapping name -> state naming every step, the control
-      included ("control" when `control` is a function): `prophet_jax.convert_state` for other plans.
-    batches: a sequence of batches (`[batch]` for one); round r uses `batches[r % len(batches)]`.
+    steps: name -> `step(state, batch)`, returning the state or `(state, loss)` / `(state, metrics)`.
+    state: the starting state of every step, or name -> state naming every step, the control included.
+    batches: a sequence of batches; round r uses `batches[r % len(batches)]`.
     control: the user's own step function (reported as "control"), or the name of one of `steps`.
-    rounds: timed rounds (default 750).
-    min_gain: the smallest speed-up that counts (0.02: 2%).
-    warmup: untimed calls of every step first, at least 2 (the first compiles; the second is compared).
-    confidence: coverage of each ratio's interval (default 0.95).
-    lossy: candidates whose plan may compute another result on purpose (a deferring `dlcp` plan): their
-      difference from the control is reported in `Choice.compared`, never failed.
-    compare: `compare(state)` -> the values to compare, for states whose parameters choose cannot find
-      (a flax TrainState, a dict's "params", an nnx ModelAndOptimizer it finds).
+    rounds, warmup: timed rounds (default 750); untimed calls of every step first (at least 2).
+    min_gain, confidence: the smallest speed-up that counts (0.02: 2%); the coverage of each ratio's interval.
+    lossy: candidates whose difference from the control is reported, never failed (a deferring plan).
+    compare: `compare(state)` -> the values to compare, for states whose parameters choose cannot find.
 
   Returns:
-    A `Choice`, the same on every process; `Choice.compared` and `Choice.reason` say what was compared.
+    A `Choice`, the same on every process.
 
   Raises:
-    TypeError, ValueError: bad arguments; a step returning another structure than its state; a
-      non-finite loss; a candidate (not `lossy`) computing something else than the control. Every error
-      names the step; an exception raised inside a step carries a note naming it.
+    TypeError, ValueError: bad arguments, a step returning another structure than its state, a
+      non-finite loss, or a candidate (not `lossy`) computing something else than the control.
     LaunchError: the processes have different steps, or disagree on the decision.
 
   Example:
-    >>> choice = prophet_jax.choose({"wfbp": step_wfbp, "bucket": step_bucket}, state, [batch],
-    ...                             control=step_pmean)                       # doctest: +SKIP
-    >>> print(choice.describe())                                               # doctest: +SKIP
+    >>> choice = prophet_jax.choose({"wfbp": step_wfbp}, state, [batch], control=step)  # doctest: +SKIP
   """
   names, fns, control_name = _split_steps(steps, control)
   rounds, min_gain, confidence = check_options("choose", rounds, min_gain, confidence)
@@ -277,28 +218,33 @@ def choose(steps: Mapping[str, Callable], state: Any, batches: Sequence[Any], *,
   start = _states(state, names)
   before = snapshot(start[control_name], None, compare)
   current = {n: _copy(start[n]) for n in names}
+
+  def call(n: str, k: int, when: str) -> tuple[float, Any]:
+    """Step `n` on batches[k] from its current state, waited for: (its seconds, its loss or None), checked; an
+    exception raised in the step leaves with a note naming the step and the call."""
+    t0 = time.perf_counter()
+    try:
+      out = jax.block_until_ready(fns[n](current[n], batches[k % len(batches)]))
+    except Exception as e:  # noqa: BLE001 - re-raised as it is, with the candidate named
+      e.add_note(f"choose: raised by step {n!r}, {when}, from the state given for it. A step of another plan needs "
+                 f"its own state: pass state={{'control': state, {n!r}: prophet_jax.convert_state(state, params, "
+                 f"its_schedule, tx=...)}} (docs/choose.md).")
+      raise
+    dt = time.perf_counter() - t0
+    current[n] = _next_state(out, start[n], n)
+    loss = loss_of(out, current[n] is out)
+    _check_finite(n, loss, when)
+    return dt, loss
+
   seen: dict[str, list[Snapshot]] = {}
   for n in names:
     for w in range(warmup):
-      when = f"on its call {w + 1} (warm-up, batches[{w % len(batches)}])"
-      out = _call(fns[n], n, current[n], batches[w % len(batches)], when)
-      current[n] = _next_state(out, start[n], n)
-      loss = loss_of(out, current[n] is out)
-      _check_finite(n, loss, when)
+      _, loss = call(n, w, f"on its call {w + 1} (warm-up, batches[{w % len(batches)}])")
       if w < 2:
         seen.setdefault(n, []).append(snapshot(current[n], loss, compare))
   compared = _compared(names, control_name, seen, before, lossy, start)
-
-  def measure(name: str, r: int) -> float:
-    when = f"in timed round {r} (batches[{r % len(batches)}])"
-    t0 = time.perf_counter()
-    out = _call(fns[name], name, current[name], batches[r % len(batches)], when)
-    dt = time.perf_counter() - t0
-    current[name] = _next_state(out, start[name], name)
-    _check_finite(name, loss_of(out, current[name] is out), when)
-    return dt
-
-  seconds = _slowest(interleave(names, rounds, measure))
+  seconds = _slowest(interleave(names, rounds,
+                                lambda n, r: call(n, r, f"in timed round {r} (batches[{r % len(batches)}])")[0]))
   mine = decide(names, seconds, control=control_name, min_gain=min_gain, confidence=confidence,
                 processes=jax.process_count())
   said = "; ".join(f"{k!r} {v}" for k, v in compared.items())

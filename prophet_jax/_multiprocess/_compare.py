@@ -1,22 +1,4 @@
-"""What `choose` compares: each candidate's loss and parameters after its second call, against the control's.
-
-A candidate that is faster but computes something else is no candidate: `choose` runs every step from
-one copied state on the same batches, and after the *second* call (the first call's loss is computed
-before any update) compares what each computed with the control, with docs/design.md's equivalence
-tolerance:
-
-- **parameters**, found in the state's container (`params_of`): a flax `TrainState` (or a subclass) and
-  the library's `PipelinedState` (`.params`), a dict's `"params"`, an nnx `ModelAndOptimizer` or Module
-  (its `nnx.Param`s); any other state through the `compare(state)` callable the caller gives. Per leaf,
-  `max|got - ref| <= 1e-3 * max|ref - before|` (1e-2 for bfloat16 and float16), `before` the control's
-  starting parameters; a leaf whose update is zero up to rounding (`max|ref - before| <= 1e-6 *
-  max(1, max|before|)`) is compared absolutely, against that bound.
-- **the loss** the step returns (`state, loss = step(...)`, or a metrics dict's `"loss"`), with the
-  same rule: its "update" is the control's change of loss between the two calls.
-
-`snapshot` copies what a call computed to the host (the global value, on every process), so a donating
-step's next call cannot consume it; `difference` measures the worst leaf against the tolerance.
-"""
+"""What `choose` compares: a candidate's loss and parameters against the control's (docs/choose.md)."""
 
 from __future__ import annotations
 
@@ -46,8 +28,7 @@ def host(x: Any) -> np.ndarray:
 
 
 def loss_of(out: Any, is_state: bool) -> Any:
-  """The loss a step returned: `aux` of `(state, aux, ...)` when it is an array, or its `"loss"`;
-  None when the step returns only its state or no such value."""
+  """The loss a step returned: the array `aux` of `(state, aux, ...)`, or its `"loss"`; else None."""
   if is_state or not isinstance(out, tuple) or len(out) < 2:
     return None
   aux = out[1]
@@ -57,7 +38,7 @@ def loss_of(out: Any, is_state: bool) -> Any:
 
 
 def params_of(state: Any) -> Any:
-  """The parameters in a known container (module docstring), or None."""
+  """The parameters in a known container (a TrainState, a dict's "params", an nnx model), or None."""
   if isinstance(state, Mapping):
     return state.get("params")
   params = getattr(state, "params", None)   # flax TrainState (and subclasses), PipelinedState
@@ -74,8 +55,7 @@ def params_of(state: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-  """What one call of a step computed, on the host: its loss (or None) and its compared values as
-  (path, array) pairs (or None: the container is not known and no `compare` was given)."""
+  """What one call of a step computed, on the host: its loss and its (path, array) values, or None."""
 
   loss: np.ndarray | None
   values: tuple[tuple[str, np.ndarray], ...] | None
@@ -106,13 +86,8 @@ def _worst(got: np.ndarray, ref: np.ndarray, before: np.ndarray) -> float:
 
 
 def difference(got: Snapshot, ref: Snapshot, first: Snapshot, before: Snapshot) -> tuple[float, str] | None:
-  """The worst of the loss and the compared values against the tolerance: (ratio, where), ratio > 1 a
-  difference beyond it; None when nothing could be compared. `first` is the control's first call (the
-  loss's 'before'), `before` the control's starting values.
-
-  Raises:
-    ValueError: the compared values are another tree than the control's (the message says which path).
-  """
+  """The worst (ratio to the tolerance, where) of the loss and the values, or None; ValueError for another
+  tree than the control's. `first` is the control's first call, `before` its starting values."""
   parts: list[tuple[float, str]] = []
   if got.loss is not None and ref.loss is not None and first.loss is not None:
     if got.loss.shape != ref.loss.shape:

@@ -1,25 +1,8 @@
-"""Joining a multi-process run: `jax.distributed` set-up, and gloo bound to one network interface.
-
-`initialize()`, called by the training script before any other jax call, reads the PROPHET_* variables
-`launch` set (through `_config`) and calls `jax.distributed.initialize(coordinator, num_processes,
-process_id)` with a short initialization timeout, so an unreachable coordinator fails with a clear
-`LaunchError` instead of a hang. On a cluster jax detects by itself it calls
-`jax.distributed.initialize()` with no arguments; alone, it does nothing.
-
-With PROPHET_GLOO_INTERFACE set, gloo (jax's CPU collectives) is first bound to that interface
-(docs/facts.md, "Gloo across network namespaces"): gloo finds its own address by resolving the
-hostname, which in network namespaces is 127.0.0.1. jax 0.10 exposes no public option for the
-interface (0.10 to 0.12); its CPU client is built by `jax._src.xla_bridge.make_cpu_client`, which
-calls the private `jax._src.lib._jax.make_gloo_tcp_collectives(distributed_client, hostname=None,
-interface=None)`. `bind_gloo_interface` is the ONE place that private call is made: it builds those
-collectives with `interface=` and registers a CPU backend factory that uses them, after
-`jax.distributed.initialize` and before the first jax operation. Every private name is read through
-`_jaxcompat.private` (the inventory of private JAX), with a clear GlooBindError when a jax upgrade
-removed it; cluster detection likewise, with a LaunchError.
-"""
+"""Joining a multi-process run: `jax.distributed`, and gloo bound to one interface (docs/design.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
@@ -40,15 +23,7 @@ _CLUSTER_FIX = ("call jax.distributed.initialize(...) yourself before any other 
 
 
 def _cluster_detected() -> bool:
-  """True when jax's own cluster detection would find a cluster (SLURM, Open MPI, k8s, Cloud TPU).
-
-  Reads jax's private cluster registry (`_jaxcompat.PRIVATE_JAX`). Where a jax has moved it, this raises
-  LaunchError rather than answering False: a wrong False would make every process of a cluster job
-  train alone, silently.
-
-  Raises:
-    LaunchError: this jax has no such registry, or its entries changed shape (the message names it).
-  """
+  """Whether jax's cluster detection finds a cluster; LaunchError (never a silent False) where jax moved it."""
   if os.environ.get("JAX_COORDINATOR_ADDRESS"):
     return True
   types = private("jax._src.clusters", "ClusterEnv._cluster_types", feature=_CLUSTER, error=LaunchError,
@@ -56,15 +31,11 @@ def _cluster_detected() -> bool:
   try:
     return any(not env.opt_in_only_method and env.is_env_present() for env in types)
   except AttributeError as e:
+    import jax  # lazy: `launch` (pure) imports this module
+
     raise LaunchError(f"{_CLUSTER} reads jax's private jax._src.clusters.ClusterEnv entries, whose shape "
-                      f"changed in jax {_jax_version()} ({e}); prophet_jax was tested with jax "
+                      f"changed in jax {jax.__version__} ({e}); prophet_jax was tested with jax "
                       f"{', '.join(TESTED_JAX_VERSIONS)}. Install one of those, or {_CLUSTER_FIX}.") from e
-
-
-def _jax_version() -> str:
-  import jax  # lazy: `launch` (pure) imports this module
-
-  return jax.__version__
 
 
 def _wait_for_coordinator(address: str, deadline: float, where: str) -> None:
@@ -85,16 +56,10 @@ def _wait_for_coordinator(address: str, deadline: float, where: str) -> None:
 
 
 def initialize(*, timeout_s: int | None = None) -> bool:
-  """Joins the multi-process run this process belongs to; call it before any other jax call.
-
-  Under `launch` (PROPHET_* process variables set): binds gloo to PROPHET_GLOO_INTERFACE if given, then
-  `jax.distributed.initialize(coordinator, num_processes, process_id)`. On a cluster that jax detects
-  itself (SLURM, Open MPI, Kubernetes, Cloud TPU, or JAX_COORDINATOR_ADDRESS): plain
-  `jax.distributed.initialize()`. Otherwise nothing (one process).
+  """Joins the run this process belongs to (under `launch` or on a cluster); call it before any jax call.
 
   Args:
-    timeout_s: seconds to wait for the coordinator and the other processes; default
-      PROPHET_INIT_TIMEOUT_S, else 60.
+    timeout_s: seconds to wait for the other processes; default PROPHET_INIT_TIMEOUT_S, else 60.
 
   Returns:
     True when jax.distributed is initialized (now or before), False for a single process.
@@ -102,6 +67,9 @@ def initialize(*, timeout_s: int | None = None) -> bool:
   Raises:
     LaunchError: the coordinator was not reachable in time (names the address and the rank).
     ValueError: malformed PROPHET_* variables (names the variable).
+
+  Example:
+    >>> prophet_jax.launch.initialize()  # doctest: +SKIP
   """
   import jax  # lazy: `launch` (pure) imports this module
 
@@ -114,8 +82,7 @@ def initialize(*, timeout_s: int | None = None) -> bool:
       return False
     jax.distributed.initialize(initialization_timeout=timeout)
     return True
-  where = (f"rank {cfg.process_id} of {cfg.num_processes}, coordinator {cfg.coordinator}, "
-           f"timeout {timeout} s")
+  where = f"rank {cfg.process_id} of {cfg.num_processes}, coordinator {cfg.coordinator}, timeout {timeout} s"
   deadline = time.monotonic() + timeout
   if cfg.process_id != 0:
     _wait_for_coordinator(cfg.coordinator, deadline, where)
@@ -134,10 +101,8 @@ def initialize(*, timeout_s: int | None = None) -> bool:
                                **({"heartbeat_timeout_seconds": cfg.heartbeat_timeout_s}
                                   if cfg.heartbeat_timeout_s else {}))
   except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error types
-    try:
+    with contextlib.suppress(Exception):
       jax.distributed.shutdown()
-    except Exception:  # noqa: BLE001
-      pass
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise LaunchError(
         f"jax.distributed could not connect ({where}): {first[:300]}. Is rank 0 running, and is "
@@ -167,31 +132,23 @@ def check_interface(interface: str) -> None:
 
 
 def bind_gloo_interface(interface: str) -> None:
-  """Makes jax's CPU backend use gloo collectives bound to `interface`.
-
-  Args:
-    interface: a network interface name of this host or namespace, e.g. 'veth0'.
+  """Makes jax's CPU backend use gloo collectives bound to `interface` (e.g. 'veth0').
 
   Raises:
     ValueError: the interface does not exist here.
-    GlooBindError: jax.distributed is not initialized yet, the CPU backend has already started, or
-      this jax lacks the private call (pin jax to one of TESTED_JAX_VERSIONS, or drop the interface
-      option and let gloo resolve the hostname).
+    GlooBindError: jax.distributed is not initialized yet, the CPU backend has already started, or this
+      jax lacks the private call.
   """
   check_interface(interface)
   import jax  # lazy: `launch` (pure) imports this module
 
-  fix = "run without --gloo-interface (gloo then resolves the hostname)"
-  make = private("jax._src.lib", "_jax.make_gloo_tcp_collectives", feature="--gloo-interface",
-                 error=GlooBindError, fix=fix)
-  register = private("jax._src.xla_bridge", "register_backend_factory", feature="--gloo-interface",
-                     error=GlooBindError, fix=fix)
-  make_cpu_client = private("jax._src.xla_bridge", "make_cpu_client", feature="--gloo-interface",
-                            error=GlooBindError, fix=fix)
-  started = private("jax._src.xla_bridge", "backends_are_initialized", feature="--gloo-interface",
-                    error=GlooBindError, fix=fix)
-  global_state = private("jax._src.distributed", "global_state", feature="--gloo-interface",
-                         error=GlooBindError, fix=fix)
+  get = functools.partial(private, feature="--gloo-interface", error=GlooBindError,
+                          fix="run without --gloo-interface (gloo then resolves the hostname)")
+  make = get("jax._src.lib", "_jax.make_gloo_tcp_collectives")
+  register = get("jax._src.xla_bridge", "register_backend_factory")
+  make_cpu_client = get("jax._src.xla_bridge", "make_cpu_client")
+  started = get("jax._src.xla_bridge", "backends_are_initialized")
+  global_state = get("jax._src.distributed", "global_state")
   if "interface" not in (make.__doc__ or ""):
     raise GlooBindError(f"jax {jax.__version__}: make_gloo_tcp_collectives takes no `interface` "
                         f"argument any more; tested with jax {', '.join(TESTED_JAX_VERSIONS)}.")
@@ -203,9 +160,8 @@ def bind_gloo_interface(interface: str) -> None:
     raise GlooBindError("bind_gloo_interface() needs jax.distributed.initialize() first (gloo "
                         "rendezvous goes through the distributed client).")
   if started():
-    raise GlooBindError(f"the jax backend has already started, so gloo can no longer be bound to "
-                        f"{interface!r}: call prophet_jax.launch.initialize() before any jax "
-                        f"operation (jax.devices(), jnp arrays, jit).")
+    raise GlooBindError(f"the jax backend has already started, so gloo can no longer be bound to {interface!r}: call "
+                        "prophet_jax.launch.initialize() before any jax operation (jax.devices(), jnp arrays, jit).")
   collectives = make(distributed_client=client, interface=interface)
   register("cpu", functools.partial(make_cpu_client, collectives=collectives), priority=0,
            fail_quietly=False)

@@ -1,21 +1,9 @@
-"""The launcher: start N local processes wired for `jax.distributed`, and wait for them.
-
-`launch(cmd, nproc=N, ...)` is what `prophet-jax launch --nproc N -- CMD ...` and `python -m
-prophet_jax.launch --nproc N -- CMD ...` run (both parse their arguments with `add_arguments`). It
-starts N copies of CMD on this host, each with the PROPHET_* variables `prophet_jax.launch` documents,
-its own CPU device count (XLA_FLAGS reaches children, so the launcher rewrites
-`--xla_force_host_platform_device_count` per process: with 8 in the parent and `--nproc 2`, each process
-gets 4, keeping the global device count), and its output lines prefixed with `[rank k] `. When one
-process fails, the launcher stops the others (SIGTERM, then SIGKILL after a grace period), names the
-failed rank on stderr and exits with that process's code (128 + signal number for a process killed by
-a signal, as shells report it).
-
-Importing it starts nothing and imports no jax.
-"""
+"""The launcher: N local processes wired for `jax.distributed`, waited for (docs/design.md, "The launcher")."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -50,8 +38,7 @@ def _split_coordinator(coordinator: str | None, port: int | None) -> tuple[str, 
   if coordinator is None:
     return "127.0.0.1", port
   if not isinstance(coordinator, str) or not coordinator.strip():
-    raise ValueError(f"launch(coordinator={coordinator!r}): give an address such as '127.0.0.1' or "
-                     f"'10.0.0.1:12345'.")
+    raise ValueError(f"launch(coordinator={coordinator!r}): give an address such as '127.0.0.1' or '10.0.0.1:12345'.")
   host, sep, tail = coordinator.strip().rpartition(":")
   if sep and tail.isdigit() and ":" not in host:
     if port is not None and int(tail) != port:
@@ -82,7 +69,9 @@ def _device_flags(xla_flags: str, nproc: int, devices_per_process: int | None) -
 
 def _child_env(base: dict[str, str], *, rank: int, nproc: int, coordinator: str, xla_flags: str,
                devices: int | None, gloo_interface: str | None, init_timeout_s: int | None) -> dict[str, str]:
-  env = {k: v for k, v in base.items() if not k.startswith("PROPHET_") or k == "PROPHET_DEBUG"}
+  """This rank's environment: the parent's, less PROPHET_* but PROPHET_DEBUG and the timeouts, plus its own."""
+  env = {k: v for k, v in base.items() if not k.startswith("PROPHET_") or k == "PROPHET_DEBUG"
+         or (v and k in ("PROPHET_INIT_TIMEOUT_S", "PROPHET_HEARTBEAT_TIMEOUT_S"))}
   env.update(PROPHET_PROCESS_ID=str(rank), PROPHET_NUM_PROCESSES=str(nproc),
              PROPHET_COORDINATOR=coordinator, PYTHONUNBUFFERED="1")
   if xla_flags:
@@ -93,10 +82,6 @@ def _child_env(base: dict[str, str], *, rank: int, nproc: int, coordinator: str,
     env["PROPHET_GLOO_INTERFACE"] = gloo_interface
   if init_timeout_s is not None:
     env["PROPHET_INIT_TIMEOUT_S"] = str(int(init_timeout_s))
-  elif base.get("PROPHET_INIT_TIMEOUT_S"):
-    env["PROPHET_INIT_TIMEOUT_S"] = base["PROPHET_INIT_TIMEOUT_S"]
-  if base.get("PROPHET_HEARTBEAT_TIMEOUT_S"):
-    env["PROPHET_HEARTBEAT_TIMEOUT_S"] = base["PROPHET_HEARTBEAT_TIMEOUT_S"]
   return env
 
 
@@ -122,26 +107,20 @@ def _describe(code: int) -> str:
 
 def _stop(procs: dict[int, subprocess.Popen], grace_s: float) -> None:
   """SIGTERM every live process group, then SIGKILL what is left after `grace_s`."""
-  live = {r: p for r, p in procs.items() if p.poll() is None}
-  for p in live.values():
-    try:
+  live = [p for p in procs.values() if p.poll() is None]
+  for p in live:
+    with contextlib.suppress(ProcessLookupError):
       os.killpg(p.pid, signal.SIGTERM)
-    except ProcessLookupError:
-      pass
   deadline = time.monotonic() + grace_s
-  while time.monotonic() < deadline and any(p.poll() is None for p in live.values()):
+  while time.monotonic() < deadline and any(p.poll() is None for p in live):
     time.sleep(0.05)
-  for p in live.values():
+  for p in live:
     if p.poll() is None:
-      try:
+      with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-  for p in live.values():
-    try:
+  for p in live:
+    with contextlib.suppress(subprocess.TimeoutExpired):
       p.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-      pass
 
 
 class _Interrupted(BaseException):
@@ -155,26 +134,23 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
   """Starts `nproc` local copies of `cmd` wired for jax.distributed and waits for them.
 
   Args:
-    cmd: the command and its arguments, e.g. ['python', 'train.py', '--steps', '5'].
+    cmd: the command and its arguments, e.g. ['python', 'train.py'].
     nproc: number of processes (ranks 0 .. nproc-1).
-    port: coordinator port; default a free port on the coordinator host.
-    coordinator: coordinator address 'host' or 'host:port' (rank 0 serves it); default 127.0.0.1.
-    gloo_interface: network interface the processes' gloo binds to (e.g. a veth); default gloo's own.
-    devices_per_process: CPU devices of each process (rewrites --xla_force_host_platform_device_count
-      in XLA_FLAGS). Default: the parent's count divided by nproc when XLA_FLAGS sets one, else
-      untouched.
-    init_timeout_s: seconds each process waits for the coordinator (PROPHET_INIT_TIMEOUT_S); default
-      the parent's PROPHET_INIT_TIMEOUT_S, else 60.
-    stdout, stderr: where the prefixed output and the launcher's messages go (default sys.stdout,
-      sys.stderr).
+    port, coordinator: the coordinator's port (default a free one) and address 'host' or 'host:port'.
+    gloo_interface: the network interface the processes' gloo binds to (default gloo's own).
+    devices_per_process: CPU devices of each process (default the parent's XLA_FLAGS count / nproc).
+    init_timeout_s: seconds each process waits for the coordinator (default PROPHET_INIT_TIMEOUT_S, 60).
+    stdout, stderr: where the ranks' prefixed output and the launcher's messages go.
 
   Returns:
-    0 when every process exits 0; otherwise the exit code of the first process that failed (128 +
-    signal number when it was killed by a signal), after the others were stopped. 130 when the
-    launcher itself is interrupted.
+    0 when every process exits 0, else the first failed one's code (128 + signal when killed); 130
+    when the launcher itself is interrupted.
 
   Raises:
     ValueError: an empty command, nproc < 1, a bad port, address or device count.
+
+  Example:
+    >>> launch(["python", "train.py"], nproc=2)  # doctest: +SKIP
   """
   out = stdout or sys.stdout
   err = stderr or sys.stderr
@@ -205,10 +181,14 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
   def on_term(signum: int, frame: Any) -> None:
     raise _Interrupted()
 
+  def say(text: str) -> None:  # the launcher's own line on stderr, between the ranks' lines
+    with lock:
+      err.write(f"prophet-jax launch: {text}\n")
+      err.flush()
+
   old_term = None
   if threading.current_thread() is threading.main_thread():
     old_term = signal.signal(signal.SIGTERM, on_term)
-  failed: tuple[int, int] | None = None
   try:
     for rank in range(nproc):
       env = _child_env(base, rank=rank, nproc=nproc, coordinator=address, xla_flags=xla_flags,
@@ -222,30 +202,21 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
       t = threading.Thread(target=_pump, args=(rank, p.stdout, out, lock), daemon=True)
       t.start()
       pumps.append(t)
-    while True:
+    while True:  # until one rank fails (the first in rank order) or all have ended well
       codes = {r: p.poll() for r, p in procs.items()}
-      bad = [(r, c) for r, c in codes.items() if c not in (None, 0)]
-      if bad:
-        failed = bad[0]
-        break
-      if all(c == 0 for c in codes.values()):
+      failed = next(((r, c) for r, c in codes.items() if c not in (None, 0)), None)
+      if failed is not None or all(c == 0 for c in codes.values()):
         break
       time.sleep(0.05)
-    if failed is not None:
-      rank, code = failed
-      others = [r for r, p in procs.items() if p.poll() is None]
-      with lock:
-        err.write(f"prophet-jax launch: rank {rank} (pid {procs[rank].pid}) failed with "
-                  f"{_describe(code)}; stopping rank(s) {others or 'none (all ended)'}.\n")
-        err.flush()
-      _stop(procs, STOP_GRACE_S)
-      return 128 - code if code < 0 else code
-    return 0
+    if failed is None:
+      return 0
+    rank, code = failed
+    others = [r for r, p in procs.items() if p.poll() is None]
+    say(f"rank {rank} (pid {procs[rank].pid}) failed with {_describe(code)}; stopping rank(s) "
+        f"{others or 'none (all ended)'}.")
+    return 128 - code if code < 0 else code  # the others are stopped below
   except (KeyboardInterrupt, _Interrupted):
-    with lock:
-      err.write(f"prophet-jax launch: interrupted; stopping rank(s) "
-                f"{[r for r, p in procs.items() if p.poll() is None]}.\n")
-      err.flush()
+    say(f"interrupted; stopping rank(s) {[r for r, p in procs.items() if p.poll() is None]}.")
     return 130
   finally:
     _stop(procs, STOP_GRACE_S)
@@ -280,8 +251,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """`python -m prophet_jax.launch ARGS -- CMD ...`: as `prophet-jax launch`; a bad argument prints one
-  line and returns 2."""
+  """`python -m prophet_jax.launch ARGS -- CMD ...`, as `prophet-jax launch`; an error is one line, exit 2."""
   parser = add_arguments(argparse.ArgumentParser(
       prog="python -m prophet_jax.launch", description="Start N local processes wired with jax.distributed."))
   args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -1,56 +1,10 @@
-"""Monitor: Prophet's online bandwidth monitor: measure, refit, re-plan while training.
-
-Public API (class `Monitor`):
-  Monitor(profile, network, *, policy='auto', cross_step=False, threshold=0.05, probe_every=100, ...)
-  monitor.schedule                   the schedule in use (identical on every process)
-  monitor.network                    the current (refitted) NetworkModel
-  monitor.step_fn                    the compiled step for `schedule`: build_step(schedule), cached
-  monitor.record_step(seconds)       call after every step with its wall time; probes when due, and
-                                     returns the new Schedule when it switched (else None)
-  monitor.probe_now()                run the small all-reduce probe now, refit, maybe re-plan
-  monitor.observe(sizes, seconds)    feed (bytes, seconds) all-reduce measurements from elsewhere
-  monitor.replan()                   re-plan from the current network model (rank 0 decides)
-  monitor.decisions                  every re-plan considered: Decision(step, current_s, candidate_s,
-                                     gain, switched, network)
-  monitor.confirmations              with `confirm=`: the Choice of every measured confirmation
-
-Why a probe: step times alone cannot separate alpha from beta (one number per step), so every
-`probe_every` steps, between steps (never inside the jitted step), a few small all-reduces are timed
-(`prophet_jax.probe` over `probe_sizes`, `probe_repeats` each, a few milliseconds).
-A step-time drift (the median of the last `window` steps more than `drift` away from the median just
-after the last plan) triggers a probe early, in a single process. The probes of the last `window`
-rounds are pooled (median per size) and `NetworkModel.fit` gives the new alpha and beta; `overlap`,
-`links`, `workers` and `pressure` are kept from the starting model.
-
-Re-planning: `plan(profile, new_network, policy)` gives a candidate; both it and the current schedule
-are simulated on the new network; the monitor switches only when the candidate is predicted faster by
-more than `threshold` (relative), so noise in the probe does not make it flap between plans.
-Opt-in, `confirm=fn`: a switch the prediction wants is then measured before it happens: every process
-calls `fn(current_schedule, new_schedule)`, which returns a `prophet_jax.Choice` (from `choose`, the new
-plan's step against the running one as the control), and the monitor switches only when the Choice's
-`best` is not its control.
-
-Several processes (jax.distributed): only rank 0's decision counts. At every re-plan point (reached
-at the same step on every process: periodic probes only, since step-time drift differs between
-processes) rank 0 broadcasts the schedule to use (`prophet_jax.launch.broadcast_schedule`, JSON bytes
-through `jax.experimental.multihost_utils`), and every process checks that its fingerprint matches its
-own profile's before switching: schedules planned separately per process could differ and their
-collectives would mismatch and hang.
-
-Compiled steps are cached per schedule (keyed by its JSON without the prediction, `plan_key`), so switching back to an earlier
-plan costs no compilation. A switch converts the training state outside the step
-(`monitor.convert_state(state, params, tx=...)`, i.e. `prophet_jax.convert_state` to the schedule in
-use; every process converts the same state the same way, after rank 0's decision and the fingerprint
-check): a deferring (`dlcp`) plan's residual is added by the new plan's first step, a ZeRO-1 state is
-re-cut; nothing is lost. A step given the old plan's state unconverted raises ScheduleMismatchError.
-"""
+"""`Monitor`: Prophet's online monitor: probe, refit, re-plan while training (docs/design.md, "The Monitor")."""
 
 from __future__ import annotations
 
 import collections
 import json
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +13,7 @@ import jax
 
 from ._agreement import broadcast_schedule
 from .._compiled._devices import mesh_workers
-from .._values._checks import check_int, check_number, match_rows
+from .._values._checks import check_int, check_number, check_values, match_rows
 from .._values._network import NetworkModel
 from .._planning._paired import Choice
 from ..schedulers._plan import plan
@@ -72,16 +26,8 @@ from .._values._types import GradientProfile
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Decision:
-  """One re-plan considered by the Monitor.
-
-  Attributes:
-    step: steps recorded when it was made.
-    current_s: predicted iteration of the schedule in use, on the new network model.
-    candidate_s: predicted iteration of the freshly planned schedule.
-    gain: (current_s - candidate_s) / current_s.
-    switched: whether the monitor switched to the candidate.
-    network: the refitted model it was made with.
-  """
+  """One re-plan considered at `step`: the predicted iterations of the schedule in use and the candidate on
+  the refitted `network`, `gain` = (current_s - candidate_s) / current_s, and whether it `switched`."""
 
   step: int
   current_s: float
@@ -102,30 +48,24 @@ class Monitor:
   """Online refit and re-plan: Prophet's monitor of the interconnect during training.
 
   Args:
-    profile: the GradientProfile plans are made for (its fingerprint is checked on every switch).
-    network: the starting NetworkModel (e.g. from `measure_network`).
-    policy: the policy name or Scheduler passed to `plan` (default 'auto').
-    cross_step: the step mode to plan and predict for.
+    profile, network: the GradientProfile plans are made for; the starting NetworkModel.
+    policy, cross_step, options: passed to `plan`.
     threshold: switch only when the candidate is predicted faster by more than this fraction.
-    probe_every: steps between periodic probes (0: never probe by itself; feed `observe`).
-    probe_sizes: message sizes (bytes) of the probe; small, so it stays off the hot path.
-    probe_repeats: paired timings per size in one probe.
+    probe_every, probe_sizes, probe_repeats: steps between probes (0: only `observe`), their bytes, repeats.
     window: probe rounds pooled for a refit, and step times for the drift check.
-    drift: relative change of the median step time that triggers an early probe (single process).
+    drift: relative change of the median step time that triggers an early probe (one process).
     build_step: `build_step(schedule) -> step function`, cached per schedule (optional).
-    probe_fn: `probe_fn(sizes) -> seconds per size`, replacing the built-in probe (e.g. in tests).
-    num_devices: devices for the built-in probe (default all; across processes every device).
-    schedule: the schedule to start with (default: planned now from `profile` and `network`).
-    options: extra keyword options for `plan`.
-    confirm: `confirm(current, new) -> Choice`, called on every process before a predicted switch
-      (e.g. `prophet_jax.choose({"new": step(new)}, states, batches, control=step(current))`); the
-      switch happens only when the Choice picks a candidate. Default None: the prediction decides.
-    mesh, axis_name: the mesh a plain `jax.jit` step trains on (`hooked(..., mesh=)`) and its data
-      axis: the built-in probe then times all-reduces over as many devices as that axis holds (every
-      device, across processes), and `network.workers` must be that count.
+    probe_fn, num_devices: `probe_fn(sizes) -> seconds per size` in place of the probe; the probe's devices.
+    schedule: the schedule to start with (default: planned now).
+    confirm: `confirm(current, new) -> Choice`, a measured verdict before a predicted switch.
+    mesh, axis_name: a plain `jax.jit` step's mesh and data axis, whose devices the probe spans.
 
   Raises:
     TypeError, ValueError: bad arguments (named in the message).
+
+  Example:
+    >>> monitor = prophet_jax.Monitor(profile, network, build_step=build_step)  # doctest: +SKIP
+    >>> schedule = monitor.record_step(seconds)  # a new Schedule when it switched  # doctest: +SKIP
   """
 
   def __init__(self, profile: GradientProfile, network: NetworkModel, *, policy: Any = "auto",
@@ -136,10 +76,7 @@ class Monitor:
                num_devices: int | None = None, schedule: Schedule | None = None,
                options: dict[str, Any] | None = None, mesh: Any = None, axis_name: Any = None,
                confirm: Callable[[Schedule, Schedule], Choice] | None = None):
-    if not isinstance(profile, GradientProfile):
-      raise TypeError(f"Monitor(profile=...): expected a GradientProfile, got {type(profile).__name__}.")
-    if not isinstance(network, NetworkModel):
-      raise TypeError(f"Monitor(network=...): expected a NetworkModel, got {type(network).__name__}.")
+    check_values("Monitor", profile=profile, network=network)
     check_number("Monitor", "threshold", threshold, lo=0, hi=1, hi_open=True, fix="It is a fraction, e.g. 0.05.")
     for name, v, lo in (("probe_every", probe_every, 0), ("probe_repeats", probe_repeats, 3),
                         ("window", window, 1)):
@@ -183,7 +120,7 @@ class Monitor:
     self.builds = 0
     if schedule is None:
       schedule = self._plan(network)
-    self._check(schedule)
+    self._check(schedule)  # before the broadcast too: rank 0 fails at once on a foreign schedule
     self.schedule = self._agree(schedule)
 
   # -- planning ---------------------------------------------------------------------------------------
@@ -197,19 +134,15 @@ class Monitor:
     match_rows(schedule, self.profile.tree_rows(), where="Monitor", theirs="this process's profile")
 
   def _agree(self, schedule: Schedule) -> Schedule:
-    """Rank 0's schedule on every process (no-op in one process); each checks its fingerprint."""
-    jax = sys.modules.get("jax")
-    if jax is None or jax.process_count() == 1:
-      return schedule
-    got = broadcast_schedule(schedule)
+    """Rank 0's schedule on every process (itself in one), checked against this process's profile."""
+    got = schedule if jax.process_count() == 1 else broadcast_schedule(schedule)
     self._check(got)
     return got
 
   @property
   def is_decider(self) -> bool:
     """True on the process whose decisions count (rank 0; the only one in a single process)."""
-    jax = sys.modules.get("jax")
-    return jax is None or jax.process_index() == 0
+    return jax.process_index() == 0
 
   # -- the compiled-step cache ----------------------------------------------------------------------
   @property
@@ -226,10 +159,8 @@ class Monitor:
 
   def convert_state(self, state: Any, params: Any, *, tx: Any = None, mesh: Any = None, axis_name: Any = None,
                     num_devices: int | None = None, every_k: int | None = None) -> Any:
-    """`state` converted to the schedule in use (`prophet_jax.convert_state(state, params,
-    self.schedule, ...)`): call it after a switch (a non-None return of `record_step`, `probe_now`,
-    `observe` or `replan`), before the new `step_fn` runs; a state already of this schedule comes back
-    as it is. Every process converts the same way (the schedule is rank 0's, fingerprint-checked)."""
+    """`prophet_jax.convert_state(state, params, self.schedule, ...)`: call it after a switch, before the
+    new `step_fn` runs (a state already of this schedule comes back as it is)."""
     return convert_state(state, params, self.schedule, tx=tx, mesh=mesh, axis_name=axis_name,
                          num_devices=num_devices, every_k=every_k)
 
@@ -243,14 +174,11 @@ class Monitor:
     self._steps.append(seconds)
     if self._baseline_s is None and len(self._steps) == self._steps.maxlen:
       self._baseline_s = statistics.median(self._steps)
-    due = self.probe_every > 0 and self.steps % self.probe_every == 0
-    if not due and self._drifted():
-      due = True
+    due = (self.probe_every > 0 and self.steps % self.probe_every == 0) or self._drifted()
     return self.probe_now() if due else None
 
   def _drifted(self) -> bool:
-    jax = sys.modules.get("jax")
-    if jax is not None and jax.process_count() > 1:
+    if jax.process_count() > 1:
       return False  # processes would disagree on when to probe: periodic probes only
     if self._baseline_s is None or len(self._steps) < self._steps.maxlen or self._baseline_s <= 0:
       return False
@@ -273,12 +201,8 @@ class Monitor:
       raise ValueError(f"Monitor.observe: got {len(sizes)} sizes and {len(seconds)} times; they must pair "
                        f"up (and not be empty).")
     self._probes.append({int(s): float(t) for s, t in zip(sizes, seconds)})
-    pooled: dict[int, list[float]] = {}
-    for rnd in self._probes:
-      for s, t in rnd.items():
-        pooled.setdefault(s, []).append(t)
-    xs = sorted(pooled)
-    ys = [statistics.median(pooled[s]) for s in xs]
+    xs = sorted({s for rnd in self._probes for s in rnd})  # every size probed in the window, its median
+    ys = [statistics.median([rnd[s] for rnd in self._probes if s in rnd]) for s in xs]
     fit = NetworkModel.fit(xs, ys, workers=self.network.workers, overlap=self.network.overlap,
                            name="monitor", skew=self.network.skew)
     # the refit measures alpha and beta; the starting model's pressure (what the probe cannot see
@@ -287,11 +211,7 @@ class Monitor:
     return self.replan()
 
   def replan(self) -> Schedule | None:
-    """Re-plans on the current network model; switches when the predicted gain exceeds threshold.
-
-    Rank 0 decides; across processes the schedule to use is broadcast and fingerprint-checked.
-    Returns the new schedule when it switched, else None.
-    """
+    """Re-plans on the current network model (rank 0 decides); the new schedule if it switched, else None."""
     chosen = self.schedule
     if self.is_decider:
       candidate = self._plan(self.network)
@@ -304,7 +224,6 @@ class Monitor:
       if switch:
         chosen = candidate
     chosen = self._agree(chosen)
-    self._check(chosen)
     if plan_key(chosen) == plan_key(self.schedule):
       return None
     if self._confirm is not None and not self._confirmed(chosen):
