@@ -4,6 +4,7 @@ model and bound, the two-level network."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -107,7 +108,7 @@ def test_fsdp_plan_conforms_and_fits_the_budget(mesh, net):
   network = pj.NetworkModel.preset(net, workers=prof.shard_count * prof.replica_count)
   bound = pj.lower_bound(prof, network, sharded="fsdp")
   prev = None
-  for budget in (None, 32 * 2**20, 8 * 2**20):
+  for budget in (None, 32 * 2**20, 17 * 2**20):
     s = pj.plan(prof, network, "fsdp", memory_budget_bytes=budget)
     _covered_once(s)
     f = s.fsdp
@@ -122,13 +123,13 @@ def test_fsdp_plan_conforms_and_fits_the_budget(mesh, net):
     if prev is not None:
       assert r.peak_memory_bytes <= prev.peak_memory_bytes
     prev = r
-  assert prev.peak_memory_bytes < 10 * 2**20 and r.all_gathers > r.reduce_scatters   # re-gathers under 8 MiB
+  assert prev.peak_memory_bytes < 17 * 2**20 and r.all_gathers > r.reduce_scatters   # re-gathers under 17 MiB
 
 
 def test_fsdp_budget_errors_name_the_leaf_and_bad_inputs():
   prof = _layered(n_layers=3)
   net = pj.NetworkModel.preset("100gb-ib", workers=8)
-  with pytest.raises(ValueError, match=r"leaf 'l00/w' needs 8388608 bytes"):
+  with pytest.raises(ValueError, match=r"leaf 'l01/w' needs 8388608 bytes"):    # l00's backward reads no weight
     pj.plan(prof, net, "fsdp", memory_budget_bytes=6 * 2**20)
   with pytest.raises(ValueError, match="no sharded rows"):
     pj.plan(pj.GradientProfile.from_json(_OLD_PROFILE), net, "fsdp")
@@ -155,13 +156,16 @@ def test_fsdp_simulated_timeline_and_control():
                   shard_axes=("data",))
   s = pj.Schedule(buckets=buckets, rows=prof.tree_rows(), fsdp=plan)
   # gathers: [0, 2.5], [2.5, 5] (unit 1 issued when layer 0 starts at 2.5); forward [2.5, 3.5], [5, 6];
-  # backward l1 [6, 8], l0 [8, 10]; scatters [8, 10.5], [10.5, 13]
+  # backward l1 [6, 8], l0 [8, 10]; scatters [8, 10.5], [10.5, 13]. Memory: l0's weights, which the first
+  # layer's backward does not read, freed after its forward (3.5); l1's gradient made at 8 while its weights
+  # are held: 2 x 4000 at most
   r = pj.simulate(s, prof, net)
-  assert r.iteration_s == pytest.approx(13.0) and r.peak_memory_bytes == 3 * 4000   # 2 params + l1's grad
-  # re-gather both in backward: [6, 8.5] and [8.5, 11]; backward l1 [8.5, 10.5], l0 [11, 13]; scatters
-  # [11, 13.5], [13.5, 16]
+  assert r.iteration_s == pytest.approx(13.0) and r.peak_memory_bytes == 2 * 4000
+  # gather again: l1 only (l0's backward reads no weight), [6, 8.5]; backward l1 [8.5, 10.5], l0 [10.5, 12.5];
+  # scatters [10.5, 13], [13, 15.5]. Memory: at 2.5 both weights and l1's shard copy (the re-gather's tie)
   lean = pj.simulate(dataclasses_replace(s, fsdp=dataclasses_replace(plan, keep=(False, False))), prof, net)
-  assert lean.iteration_s == pytest.approx(16.0) and lean.all_gathers == 4 and lean.reduce_scatters == 2
+  assert lean.iteration_s == pytest.approx(15.5) and lean.all_gathers == 3 and lean.reduce_scatters == 2
+  assert lean.peak_memory_bytes == 2 * 4000 + 4000 // 2
   # B4 is tight here: forward >= 6 (two blocks: l0 at 2.5, l1 at 2·0.5 + 8000/2000 = 5, each 1 long),
   # then the scatters' chain from its start: max(2, 0) + 2.5 = 4.5, max(4.5, 4) + 2.5 = 7: 13, this
   # schedule's iteration (the brute-force optimum too)
@@ -333,7 +337,7 @@ def test_gather_groups_apart_from_scatter_units():
   t = dataclasses.replace(s, fsdp=split)
   assert pj.Schedule.from_json(t.to_json()) == t
   r = pj.simulate(t, prof, net)
-  assert r.all_gathers == 2 * len(rows) and r.reduce_scatters == len(f.units)
+  assert r.all_gathers == 2 * len(rows) - 1 and r.reduce_scatters == len(f.units)   # l00 once: its backward reads no weight
   assert pj.lower_bound(prof, net, sharded="fsdp") <= r.iteration_s
   with pytest.raises(ScheduleError, match="gathers do not hold each row"):
     dataclasses.replace(s, fsdp=dataclasses.replace(split, gathers=split.gathers[1:], keep=split.keep[1:]))
@@ -427,12 +431,13 @@ def test_pressure_samples_at_once_equal_each_samples_run():
   for _ in range(12):
     prof, net = _random_instance(rng)
     net = net.replace(pressure=pj.Pressure(background_flows=0.5, tail_prob=0.05, tail_scale_s=0.01, samples=8))
-    big = max(r.nbytes for r in prof.rows if r.shard_dim is not None)
-    for budget in (None, 2 * big + prof.total_nbytes // 8):   # the latter re-gathers where it can
-      try:
-        s = pj.plan(prof, net, "fsdp", memory_budget_bytes=budget)
-      except ValueError:
-        continue
+    for budget in (None, 1):                                 # the latter: the least memory, re-gathering
+      for _ in range(3):
+        try:
+          s = pj.plan(prof, net, "fsdp", memory_budget_bytes=budget)
+          break
+        except ValueError as e:
+          budget = int(re.search(r"(?:at least|least memory found is) (\d+)", str(e)).group(1))
       prob = problem(prof, net)
       arr = fsdp_arrays_of(prob, s)
       dur = fsdp_durations(prob, arr)
@@ -442,3 +447,35 @@ def test_pressure_samples_at_once_equal_each_samples_run():
       assert len(set(it.tolist())) > 1                       # the samples differ
       kinds.add((prof.replica_count > 1, net.overlap, all(arr.keep)))
   assert len(kinds) >= 5, kinds
+
+
+def test_in_flight_runs_a_deeper_prefetch_as_deep_as_xla_keeps_collectives_in_flight():
+  """XLA:GPU keeps one collective in flight by default (FACTS F2: at depth 2 the windows are depth 1's): the
+  simulator runs a plan's prefetch at most `in_flight` deep, the planner plans no deeper (and, with one in
+  flight, all-reduces the replicated leaves after backward), a deeper plan only with the user's option
+  (in_flight=2, naming XLA's flag when refused); `in_flight` is in the JSON, and a plan from before it (none)
+  is simulated without a limit, as it was planned."""
+  import dataclasses
+  fw = [4.0, 0.5, 0.5, 0.5]       # a long first layer: gathering 3 ahead during it pays, when XLA lets it
+  rows = [dict(path=f"l{i}/w", layer=f"l{i}", shape=(8, 250), dtype="float32", nbytes=8000, ready_s=4.0 - i,
+               fwd_s=fw[i], shard_dim=0) for i in range(4)]
+  rows[3:3] = [dict(path="l0/b", layer="l0", shape=(4,), dtype="float32", nbytes=16, ready_s=4.0)]
+  rows.append(dict(path="l3/b", layer="l3", shape=(4,), dtype="float32", nbytes=16, ready_s=1.0))
+  prof = pj.GradientProfile.from_rows(rows, forward_s=sum(fw), backward_s=4.0, mesh={"data": 2}, shard_axes=["data"])
+  net = pj.NetworkModel(alpha_s=0.1, beta_s_per_byte=0.0005, workers=2)    # a gather: 2.1 s
+  one = pj.plan(prof, net, "fsdp", bucket_bytes=1)
+  f = one.fsdp
+  assert (f.in_flight, f.prefetch, f.backward_prefetch) == (1, 1, 1) and dict(one.options)["in_flight"] == 1
+  assert [k for k in range(len(one.chunks)) if k not in f.units] == [len(one.chunks) - 1]   # replicated: one, last
+  run = lambda s: pj.simulate(s, prof, net).iteration_s  # noqa: E731
+  deep = dataclasses.replace(one, fsdp=dataclasses.replace(f, prefetch=3))
+  old = dataclasses.replace(deep, fsdp=dataclasses.replace(deep.fsdp, in_flight=None))
+  assert run(deep) == run(one) == pytest.approx(20.416) and run(old) == pytest.approx(18.516)   # + 0.216: the biases
+  two = pj.plan(prof, net, "fsdp", bucket_bytes=1, in_flight=2)
+  assert two.fsdp.prefetch == 2 and run(two) == pytest.approx(18.516)
+  assert json.loads(one.to_json())["fsdp"]["in_flight"] == 1 and pj.Schedule.from_json(one.to_json()) == one
+  before = json.loads(old.to_json())
+  assert "in_flight" not in before["fsdp"] and pj.Schedule.from_json(before).fsdp.in_flight is None
+  with pytest.raises(ValueError, match="prefetch=2.*xla_gpu_experimental_parallel_collective_overlap_limit=2"):
+    pj.plan(prof, net, "fsdp", prefetch=2)
+  assert pj.lower_bound(prof, net, sharded="fsdp") <= run(two) * (1 + 1e-9)

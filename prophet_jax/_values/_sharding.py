@@ -28,6 +28,8 @@ class FsdpPlan(Placed):
     mesh, shard_axes: the mesh shape and the axes sharded rows are split over (others: HSDP replicas).
     memory_budget_bytes: the per-device budget it was planned under, or None.
     gathers: () (each unit gathered whole) or the all-gather groups as row indices, forward order.
+    in_flight: the collectives XLA:GPU keeps in flight that the plan was made for (1: XLA:GPU's default
+      overlap limit), or None: no limit (plans made before the option).
   """
 
   units: tuple[int, ...]
@@ -39,6 +41,7 @@ class FsdpPlan(Placed):
   shard_axes: tuple[str, ...]
   memory_budget_bytes: int | None = None
   gathers: tuple[tuple[int, ...], ...] = ()
+  in_flight: int | None = None
 
   def __post_init__(self):
     g = self.gathers
@@ -63,10 +66,13 @@ class FsdpPlan(Placed):
       raise ScheduleError(f"FsdpPlan has keep={self.keep!r}; expected one True/False per "
                           f"{'all-gather group' if self.gathers else 'unit'} ({n_keep}).")
     object.__setattr__(self, "keep", tuple(bool(k) for k in self.keep))
-    for name in ("prefetch", "backward_prefetch"):
+    for name in ("prefetch", "backward_prefetch", "in_flight"):
       v = getattr(self, name)
+      if name == "in_flight" and v is None:
+        continue
       if not is_int(v) or v < 1:
-        raise ScheduleError(f"FsdpPlan has {name}={v!r}; a prefetch depth is an integer >= 1.")
+        raise ScheduleError(f"FsdpPlan has {name}={v!r}; expected an integer >= 1"
+                            f"{' or null' if name == 'in_flight' else ''}.")
       object.__setattr__(self, name, int(v))
     if not all(d is None or is_int(d) for d in self.shard_dims):
       raise ScheduleError(f"FsdpPlan has shard_dims={self.shard_dims!r:.80}; expected ints or null.")
@@ -89,7 +95,8 @@ class FsdpPlan(Placed):
             "backward_prefetch": self.backward_prefetch, "shard_dims": list(self.shard_dims),
             "mesh": dict(self.mesh), "shard_axes": list(self.shard_axes),
             "memory_budget_bytes": self.memory_budget_bytes} | (
-                {"gathers": [list(x) for x in self.gathers]} if self.gathers else {})
+                {"gathers": [list(x) for x in self.gathers]} if self.gathers else {}) | (
+                {"in_flight": self.in_flight} if self.in_flight is not None else {})
 
   @classmethod
   def from_dict(cls, obj: Any) -> FsdpPlan:
