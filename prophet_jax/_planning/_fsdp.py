@@ -10,8 +10,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._core import Problem, sampled_durations
+from .._values._tree import IdentityMemo
+from .._values._types import itemsize
 
 __all__ = ["BackwardOrder", "FsdpArrays", "FsdpForward", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run",
+           "gather_nbytes",
            "unit_costs", "dear_peak_bytes", "fsdp_arrays_of", "fsdp_durations",
            "fsdp_samples", "skew_wait"]
 
@@ -98,10 +101,16 @@ def backward_order(prob: Problem) -> BackwardOrder:
                        tuple(pos[prob.row_layer].tolist()), tuple(pos.tolist()), tuple(ready_l.tolist()))
 
 
+@IdentityMemo(16)
+def gather_nbytes(profile: Any) -> list[float]:
+  """Per row, its bytes as all-gathered (`ProfileRow.gather_nbytes`)."""
+  return [float(r.gather_nbytes) for r in profile.rows]
+
+
 def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequence[int], keep: Sequence[bool],
                 prefetch: int, backward_prefetch: int, shards: int, replicas: int,
                 gathers: Sequence[Sequence[int]] | None = None, *,
-                order_of: BackwardOrder | None = None) -> FsdpArrays:
+                order_of: BackwardOrder | None = None, gathered: Sequence[float] | None = None) -> FsdpArrays:
   """The FsdpArrays of a schedule's chunks and its FSDP plan.
 
   Args:
@@ -111,12 +120,14 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
     keep: one per all-gather group.
     gathers: the all-gather groups (rows, forward order); None: each unit's rows.
     order_of: the profile's `backward_order`, when the caller has it.
+    gathered: per row, its bytes as all-gathered; None: the profile's (`gather_nbytes`).
 
   Raises:
     ValueError: the all-gather groups are not in forward order.
   """
   layer = prob.row_layer.tolist()
   nbytes = prob.row_nbytes.tolist()
+  gb = gather_nbytes(prob.profile) if gathered is None else gathered
   size = prob.size
   nl = len(prob.layers)
   bo = order_of if order_of is not None else backward_order(prob)
@@ -147,17 +158,12 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
   ub: list[float] = []
   bf: list[int] = []
   bl: list[int] = []
-  if gathers is None:                   # each unit's rows, gathered whole
-    gathers, ub = unit_rows, rs_bytes
-    for ps in unit_pos:
-      bf.append(min(ps))
-      bl.append(max(ps))
-  else:
-    for rows in gathers:
-      ub.append(float(sum([nbytes[r] for r in rows])))
-      ps = [row_pos[r] for r in rows]
-      bf.append(min(ps))
-      bl.append(max(ps))
+  for rows in unit_rows if gathers is None else gathers:    # None: each unit's rows, gathered whole
+    ub.append(float(sum([gb[r] for r in rows])))
+    ps = [row_pos[r] for r in rows]
+    bf.append(min(ps))
+    bl.append(max(ps))
+  gathers = unit_rows if gathers is None else gathers
   n_u = len(gathers)
   for rows in gathers:
     ul.append(tuple(sorted({layer[r] for r in rows})) if len(rows) > 1 else (layer[rows[0]],))
@@ -546,5 +552,8 @@ def fsdp_arrays_of(prob: Problem, schedule) -> FsdpArrays:
     raise ValueError(f"an FSDP schedule runs its collectives in one issue order per link level, but "
                      f"network.links={prob.network.links}; use network.replace(links=1).")
   cap = f.in_flight or max(f.prefetch, f.backward_prefetch)    # deeper prefetch runs as this deep (FACTS F2)
+  gathered = [float(prob.row_nbytes[r] if g is None else prob.size[r] * itemsize(g))
+              for r, g in enumerate(f.gather_dtypes or [None] * len(prob.size))]
   return fsdp_arrays(prob, [c.slices for c in schedule.chunks], f.units, f.keep, min(f.prefetch, cap),
-                     min(f.backward_prefetch, cap), f.shard_count, f.replica_count, f.gathers or None)
+                     min(f.backward_prefetch, cap), f.shard_count, f.replica_count, f.gathers or None,
+                     gathered=gathered)

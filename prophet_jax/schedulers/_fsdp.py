@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._planning._core import Problem, problem
-from .._planning._fsdp import BackwardOrder, FsdpArrays, backward_order, fsdp_arrays, fsdp_run, unit_costs
+from .._planning._fsdp import (BackwardOrder, FsdpArrays, backward_order, fsdp_arrays, fsdp_run, gather_nbytes,
+                               unit_costs)
 from .._planning._fsdp_bound import backward_chain, forward_blocks
 from .._planning._simulate import simulate_fsdp
 from .._values._checks import check_bytes
@@ -136,29 +137,30 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   sharded = [i for i in prob.live if rows[i].shard_dim is not None]
   if budget is not None:
     # a leaf's gradient is made while its gathered weights are held (not the first layer's: its backward reads none)
-    need = {i: int(prob.row_nbytes[i]) * (1 if prob.row_layer[i] == 0 else 2) for i in sharded}
+    need = {i: int(prob.row_nbytes[i] + (rows_.gbytes[i] if prob.row_layer[i] else 0)) for i in sharded}
     big = max(sharded, key=need.get)
     if budget < need[big]:
       raise ValueError(f"fsdp(memory_budget_bytes={budget}): leaf {rows[big].path!r} needs {need[big]} bytes "
                        f"per device during its backward (its unsharded gradient{'' if prob.row_layer[big] == 0 else ' and its parameters gathered'}); raise the budget to at least {need[big]}, or shard "
                        f"the leaf over more devices.")
   if bucket is not None:
-    unit_sets = [(f"bucket_bytes={bucket}", _runs(rows_, sharded, float(bucket)), None)]
+    unit_sets = [(f"bucket_bytes={bucket}", rows_.stacked(_runs(rows_, sharded, float(bucket))), None)]
   else:
-    unit_sets = [("per-layer", _runs(rows_, sharded, 0.0), None)]
+    unit_sets = [("per-layer", rows_.stacked(_runs(rows_, sharded, 0.0)), None)]
     seen = {_key(unit_sets[0][1])}
-    per_leaf = [[i] for i in sharded]
+    per_leaf = rows_.stacked([[i] for i in sharded])
     if budget is not None and _key(per_leaf) not in seen:  # the least memory; never the fastest without
       unit_sets.append(("per-leaf", per_leaf, None))        # a cap (the most start-ups)
       seen.add(_key(per_leaf))
     for label, u in [(f"cap={mib}MiB", _runs(rows_, sharded, mib * 2.0**20)) for mib in _CAPS_MIB] + [
         (f"ramp={lo}-{mib}MiB", _runs(rows_, sharded, mib * 2.0**20, ramp=lo * 2.0**20)) for lo, mib in _RAMP_MIB] + [
         (f"taper={n},{g:g}", _taper(rows_, unit_sets[0][1], n, g)) for n, g in _TAPERS]:
+      u = rows_.stacked(u)
       if _key(u) not in seen:
         seen.add(_key(u))
         unit_sets.append((label, u, None))
     u, g = _split(prob, rows_, sharded, s, r)
-    unit_sets.append(("split", u, g))
+    unit_sets.append(("split", rows_.stacked(u), rows_.stacked(g)))
   depths = tuple(d for d in _PREFETCH if d <= in_flight) if prefetch is None else (prefetch,)
   dbs = tuple(d for d in (1, 2) if d <= in_flight)
   best: Plan | None = None
@@ -325,18 +327,54 @@ def _key(units: Sequence[Sequence[int]]) -> tuple:
 
 
 class _Rows:
-  """Per-row layer, backward position, bytes and dtype, computed once per plan."""
+  """Per-row layer, backward position, bytes (as reduce-scattered and as gathered), dtype (with the gather
+  dtype: what one collective moves) and scanned layer, computed once per plan."""
 
   def __init__(self, prob: Problem, bo: BackwardOrder | None = None):
     bo = bo if bo is not None else backward_order(prob)
     self.layer = prob.row_layer.tolist()
     self.nl, self.pos_l, self.ready_l, self.pos = len(prob.layers), bo.layer_pos, bo.ready, bo.row_pos
     self.nbytes = prob.row_nbytes.tolist()
-    self.dtype = prob.dtype
-    self.size = prob.size
+    self.gbytes = gather_nbytes(prob.profile)
     rows = prob.profile.rows
+    self.dtype = [d if r.gather_dtype is None else f"{d}>{r.gather_dtype}" for d, r in zip(prob.dtype, rows)]
+    self.size = prob.size
     self.rep = [i for i in prob.live if rows[i].shard_dim is None]
     self.tail_items = None              # `_chunks`' replicated chunks at the end, once computed
+    stacks = tuple(p + "/" for p in prob.profile.stacks)
+    self.scanned: dict[int, list[int]] = {}    # a scanned layer's sharded rows (forward order)
+    for i in prob.live:
+      if rows[i].shard_dim is not None and rows[i].path.startswith(stacks):
+        self.scanned.setdefault(self.layer[i], []).append(i)
+    for l, rs in self.scanned.items():
+      if len({self.dtype[i] for i in rs}) > 1:
+        raise ValueError(f"fsdp: scanned layer {prob.layers[l]!r} holds sharded leaves of dtypes "
+                         f"{sorted({self.dtype[i] for i in rs})}; the step gathers a scanned layer in one "
+                         f"all-gather of one dtype. Give its leaves one dtype (and gather dtype).")
+
+  def stacked(self, units: Sequence[Sequence[int]]) -> list[list[int]]:
+    """`units` (or gather groups) with every scanned layer alone in one, whole: the step runs a stack's
+    layers in a loop, one all-gather and one reduce-scatter each (docs/fsdp.md, "Scanned stacks")."""
+    if not self.scanned:
+      return [list(u) for u in units]
+    out: list[list[int]] = []
+    seen: set[int] = set()
+    for u in units:
+      rest: list[int] = []
+      for i in u:
+        l = self.layer[i]
+        if l not in self.scanned:
+          rest.append(i)
+          continue
+        if rest:
+          out.append(rest)
+          rest = []
+        if l not in seen:
+          seen.add(l)
+          out.append(self.scanned[l])
+      if rest:
+        out.append(rest)
+    return sorted(out, key=lambda u: self.layer[u[0]])
 
 
 def _runs(rows: _Rows, sharded: Sequence[int], cap: float, *, ramp: float = 0.0) -> list[list[int]]:
@@ -405,10 +443,12 @@ def _split(prob: Problem, rows: _Rows, sharded: Sequence[int], s: int, r: int
   for i in sharded:
     by_layer.setdefault(rows.layer[i], []).append(i)
   s_l = np.zeros(rows.nl)
+  g_l = np.zeros(rows.nl)
   for l, rs in by_layer.items():
     s_l[l] = sum(rows.nbytes[i] for i in rs)
+    g_l[l] = sum(rows.gbytes[i] for i in rs)
   layers = sorted(by_layer)
-  _, f_ends = forward_blocks(s_l, np.asarray(prob.layer_fwd_s, dtype=float), a_g, b_g, _grid(s_l[layers]))
+  _, f_ends = forward_blocks(g_l, np.asarray(prob.layer_fwd_s, dtype=float), a_g, b_g, _grid(g_l[layers]))
   in_ready = sorted(layers, key=lambda l: rows.pos_l[l])
   _, b_ends = backward_chain(np.array([rows.ready_l[l] for l in in_ready]), s_l[in_ready], a_g, b_g,
                              _grid(s_l[in_ready]), (a_r, b_r) if r > 1 else None)
@@ -493,7 +533,8 @@ def fsdp_schedule(profile: GradientProfile, best: Plan, *, options: dict[str, An
   plan = FsdpPlan(units=tuple(best.units), keep=tuple(best.keep), prefetch=best.prefetch,
                   backward_prefetch=best.backward_prefetch, shard_dims=tuple(r.shard_dim for r in rows),
                   mesh=profile.mesh, shard_axes=profile.shard_axes, memory_budget_bytes=budget,
-                  gathers=tuple(map(tuple, best.gathers or ())), in_flight=best.in_flight)
+                  gathers=tuple(map(tuple, best.gathers or ())), in_flight=best.in_flight,
+                  gather_dtypes=tuple(r.gather_dtype for r in rows) if any(r.gather_dtype for r in rows) else ())
   return Schedule(buckets=buckets, rows=profile.tree_rows(), policy=policy, options=tuple(options.items()),
                   cross_step=bool(cross_step), predicted_s=best.iteration if predicted_s is None else predicted_s,
                   fsdp=plan)
