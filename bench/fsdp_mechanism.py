@@ -31,7 +31,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import prophet_jax as pj  # noqa: E402
 from prophet_jax._compiled._hlo import execution_order, parse_hlo  # noqa: E402
 from prophet_jax._rewrite._fsdp_step import fsdp_grad  # noqa: E402
-from prophet_jax._rewrite._fsdp_units import unstack  # noqa: E402
 
 L, D, B = int(os.environ.get("FSDP_L", 6)), int(os.environ.get("FSDP_D", 1024)), int(os.environ.get("FSDP_B", 4096))
 N = 8
@@ -146,18 +145,18 @@ def scanned_loss(compute=jnp.float32, remat=False):
 BATCH = {"x": jax.ShapeDtypeStruct((B, D), jnp.float32), "y": jax.ShapeDtypeStruct((B, D), jnp.float32)}
 
 
-def profile(params, specs, stacked=()):
-  """The model's per-layer view (scanned stacks unstacked), as an estimated profile."""
-  flat, shard = unstack(params, stacked, specs)
-  return pj.GradientProfile.from_params(flat, forward_s=0.01, backward_s=0.02, mesh={"data": N}, shardings=shard)
+def profile(params, specs, stacked=(), gather_dtype=None):
+  """The model's estimated profile, scanned stacks planned per layer."""
+  return pj.GradientProfile.from_params(params, forward_s=0.01, backward_s=0.02, mesh={"data": N}, shardings=specs,
+                                        stacked=stacked, gather_dtype=gather_dtype)
 
 
 NET = pj.NetworkModel.preset("nvlink", workers=N)
 
 
-def plan(params, specs, budget, stacked=(), **options):
+def plan(params, specs, budget, stacked=(), gather_dtype=None, **options):
   """The fsdp plan of the model's profile."""
-  return pj.plan(profile(params, specs, stacked), NET, "fsdp", memory_budget_bytes=budget, **options)
+  return pj.plan(profile(params, specs, stacked, gather_dtype), NET, "fsdp", memory_budget_bytes=budget, **options)
 
 
 def peak_mib(sched, params, specs, stacked=()):
@@ -220,18 +219,7 @@ def case_unrolled():
   print(f"== unrolled: {L} layers of {D}x{D} f32 ({LAYER_MIB:.0f} MiB gathered each), batch {B} over {N}")
   show("partitioner, no remat", compile_partitioner(unrolled_loss(), p, s))
   show("partitioner, per-layer remat", compile_partitioner(unrolled_loss(remat=True), p, s))
-  least = least_budget(p, s)
-  temps = []
-  most = int(peak_mib(plan(p, s, None), p, s) * 2**20)
-  for name, budget in (("keep all", None), ("middle", (least + most) // 2), ("least memory", least)):
-    sched = plan(p, s, budget)
-    c = compile_library(unrolled_loss(), p, s, sched)
-    temps.append((temp_mib(c), peak_mib(sched, p, s)))
-    print(f"  plan {name}: keep {sched.fsdp.keep}, prefetch {sched.fsdp.prefetch}/{sched.fsdp.backward_prefetch}, "
-          f"simulated peak {temps[-1][1]:.0f} MiB")
-    show(f"library, {name}", c)
-  for (t, pk), name in zip(temps[:2], ("keep all", "middle")):
-    print(f"  {name} - least memory: temp {t - temps[-1][0]:.1f} MiB, simulated peak {pk - temps[-1][1]:.1f} MiB")
+  memory_table(unrolled_loss(), p, s, ())
 
 
 def case_scan():
@@ -239,17 +227,26 @@ def case_scan():
   print(f"== scanned: lax.scan over {L} stacked layers of {D}x{D} f32 (w P(None, 'data', None), b P())")
   show("partitioner, no remat", compile_partitioner(scanned_loss(), p, s))
   show("partitioner, body remat", compile_partitioner(scanned_loss(remat=True), p, s))
-  least = least_budget(p, s, ("stack",), bucket_bytes=D * D * 4)
-  temps = []
-  most = int(peak_mib(plan(p, s, None, ("stack",), bucket_bytes=D * D * 4), p, s, ("stack",)) * 2**20)
-  for name, budget in (("keep all", None), ("middle", (least + most) // 2), ("least memory", least)):
-    sched = plan(p, s, budget, ("stack",), bucket_bytes=D * D * 4)
-    c = compile_library(scanned_loss(), p, s, sched)
-    temps.append((temp_mib(c), peak_mib(sched, p, s, ("stack",))))
-    print(f"  plan {name}: keep {sched.fsdp.keep}, simulated peak {temps[-1][1]:.0f} MiB")
-    show(f"library, {name}", c)
-  for (t, pk), name in zip(temps[:2], ("keep all", "middle")):
-    print(f"  {name} - least memory: temp {t - temps[-1][0]:.1f} MiB, simulated peak {pk - temps[-1][1]:.1f} MiB")
+  memory_table(scanned_loss(), p, s, ("stack",))
+
+
+def memory_table(loss, p, s, stacked):
+  """The library's step under four budgets, each compiled: temp(b) - temp(least) against the simulator's
+  peak(b) - peak(least) (docs/design.md, "Memory against the plan")."""
+  least = least_budget(p, s, stacked)
+  most = int(peak_mib(plan(p, s, None, stacked), p, s, stacked) * 2**20)
+  rows = []
+  for name, budget in (("keep all", None), ("3/4", least + 3 * (most - least) // 4), ("1/2", (least + most) // 2),
+                       ("least", least)):
+    sched = plan(p, s, budget, stacked)
+    c = compile_library(loss, p, s, sched)
+    rows.append((name, "".join("K" if k else "." for k in sched.fsdp.keep), temp_mib(c), peak_mib(sched, p, s, stacked)))
+    if name in ("keep all", "least"):
+      show(f"library, {name}", c)
+  print("  | budget | keep (K: kept) | temp MiB | simulated peak MiB | temp - temp(least) | peak - peak(least) | ratio |")
+  for name, keep, t, pk in rows:
+    dt, dp = t - rows[-1][2], pk - rows[-1][3]
+    print(f"  | {name} | {keep} | {t:.1f} | {pk:.1f} | {dt:.1f} | {dp:.1f} | {dt / dp if dp else float('nan'):.3f} |")
 
 
 def mlp_params():
@@ -295,7 +292,7 @@ def case_layout():
 def case_depth():
   p, s = unrolled_params(), unrolled_specs()
   print("== depth: the unrolled model planned at forward prefetch 2")
-  sched = plan(p, s, None, prefetch=2)
+  sched = plan(p, s, None, prefetch=2, in_flight=2)   # a deeper plan: the user compiles with the limit raised
   print(f"  plan: prefetch {sched.fsdp.prefetch}")
   show("library, prefetch 2, default flags", compile_library(unrolled_loss(), p, s, sched))
   show("library, prefetch 2, parallel_collective_overlap_limit=2", compile_library(
@@ -306,13 +303,18 @@ def case_mixed():
   print("== mixed precision: bf16 compute over f32 shards (x @ w.astype(bf16))")
   for name, loss, p, s, stacked in (("unrolled", unrolled_loss(jnp.bfloat16), unrolled_params(), unrolled_specs(), ()),
                                     ("scanned", scanned_loss(jnp.bfloat16), scanned_params(), scanned_specs(), ("stack",))):
-    opts = {"bucket_bytes": D * D * 4} if stacked else {}
-    sched = plan(p, s, least_budget(p, s, stacked, **opts), stacked, **opts)
-    for gd in ("auto", None):
-      c = compile_library(loss, p, s, sched, gather_dtype=gd)
-      dts = sorted({m.group(1) for ln in c.as_text().splitlines() if " all-gather(" in ln or "all-gather-start(" in ln
-                    for m in [re.search(r"= [(]*(\w+)\[", ln)] if m})
-      print(f"  {name}, gather_dtype={gd!r}: all-gathers in {dts}, temp {temp_mib(c):.0f} MiB")
+    for planned in (None, "bfloat16"):
+      sched = plan(p, s, least_budget(p, s, stacked, gather_dtype=planned), stacked, gather_dtype=planned)
+      for gd in ("auto", None):
+        try:
+          c = compile_library(loss, p, s, sched, gather_dtype=gd)
+        except ValueError as e:
+          print(f"  {name}, planned in {planned or 'float32'}, gather_dtype={gd!r}: refused: {str(e)[:120]}...")
+          continue
+        dts = sorted({m.group(1) for ln in c.as_text().splitlines() if " all-gather(" in ln or "all-gather-start(" in ln
+                      for m in [re.search(r"= [(]*(\w+)\[", ln)] if m})
+        print(f"  {name}, planned in {planned or 'float32'} (simulated peak {peak_mib(sched, p, s, stacked):.0f} MiB), "
+              f"gather_dtype={gd!r}: all-gathers in {dts}, temp {temp_mib(c):.0f} MiB")
     show(f"{name}, partitioner (no remat)", compile_partitioner(loss, p, s))
 
 
@@ -320,9 +322,8 @@ def case_remat():
   print("== the user's remat: per-layer jax.checkpoint (unrolled) and a checkpointed scan body")
   for name, loss, p, s, stacked in (("unrolled", unrolled_loss(remat=True), unrolled_params(), unrolled_specs(), ()),
                                     ("scanned", scanned_loss(remat=True), scanned_params(), scanned_specs(), ("stack",))):
-    opts = {"bucket_bytes": D * D * 4} if stacked else {}
-    for label, budget in (("keep all", None), ("least memory", least_budget(p, s, stacked, **opts))):
-      sched = plan(p, s, budget, stacked, **opts)
+    for label, budget in (("keep all", None), ("least memory", least_budget(p, s, stacked))):
+      sched = plan(p, s, budget, stacked)
       show(f"{name} + remat, library {label}", compile_library(loss, p, s, sched))
 
 
@@ -375,7 +376,7 @@ def case_frameworks():
   print("== the same scanned model written in flax linen (nn.scan) and flax nnx (nnx.scan), loss as usual")
   for name, model in (("linen", linen_scanned), ("nnx", nnx_scanned)):
     p, s, loss, stacked = model()
-    sched = plan(p, s, least_budget(p, s, stacked, bucket_bytes=D * D * 4), stacked, bucket_bytes=D * D * 4)
+    sched = plan(p, s, least_budget(p, s, stacked), stacked)
     show(f"{name}, library least memory", compile_library(loss, p, s, sched))
 
 

@@ -4,6 +4,7 @@ model and bound, the two-level network."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -107,7 +108,7 @@ def test_fsdp_plan_conforms_and_fits_the_budget(mesh, net):
   network = pj.NetworkModel.preset(net, workers=prof.shard_count * prof.replica_count)
   bound = pj.lower_bound(prof, network, sharded="fsdp")
   prev = None
-  for budget in (None, 32 * 2**20, 8 * 2**20):
+  for budget in (None, 32 * 2**20, 17 * 2**20):
     s = pj.plan(prof, network, "fsdp", memory_budget_bytes=budget)
     _covered_once(s)
     f = s.fsdp
@@ -122,13 +123,13 @@ def test_fsdp_plan_conforms_and_fits_the_budget(mesh, net):
     if prev is not None:
       assert r.peak_memory_bytes <= prev.peak_memory_bytes
     prev = r
-  assert prev.peak_memory_bytes < 10 * 2**20 and r.all_gathers > r.reduce_scatters   # re-gathers under 8 MiB
+  assert prev.peak_memory_bytes < 17 * 2**20 and r.all_gathers > r.reduce_scatters   # re-gathers under 17 MiB
 
 
 def test_fsdp_budget_errors_name_the_leaf_and_bad_inputs():
   prof = _layered(n_layers=3)
   net = pj.NetworkModel.preset("100gb-ib", workers=8)
-  with pytest.raises(ValueError, match=r"leaf 'l00/w' needs 8388608 bytes"):
+  with pytest.raises(ValueError, match=r"leaf 'l01/w' needs 8388608 bytes"):    # l00's backward reads no weight
     pj.plan(prof, net, "fsdp", memory_budget_bytes=6 * 2**20)
   with pytest.raises(ValueError, match="no sharded rows"):
     pj.plan(pj.GradientProfile.from_json(_OLD_PROFILE), net, "fsdp")
@@ -155,13 +156,16 @@ def test_fsdp_simulated_timeline_and_control():
                   shard_axes=("data",))
   s = pj.Schedule(buckets=buckets, rows=prof.tree_rows(), fsdp=plan)
   # gathers: [0, 2.5], [2.5, 5] (unit 1 issued when layer 0 starts at 2.5); forward [2.5, 3.5], [5, 6];
-  # backward l1 [6, 8], l0 [8, 10]; scatters [8, 10.5], [10.5, 13]
+  # backward l1 [6, 8], l0 [8, 10]; scatters [8, 10.5], [10.5, 13]. Memory: l0's weights, which the first
+  # layer's backward does not read, freed after its forward (3.5); l1's gradient made at 8 while its weights
+  # are held: 2 x 4000 at most
   r = pj.simulate(s, prof, net)
-  assert r.iteration_s == pytest.approx(13.0) and r.peak_memory_bytes == 3 * 4000   # 2 params + l1's grad
-  # re-gather both in backward: [6, 8.5] and [8.5, 11]; backward l1 [8.5, 10.5], l0 [11, 13]; scatters
-  # [11, 13.5], [13.5, 16]
+  assert r.iteration_s == pytest.approx(13.0) and r.peak_memory_bytes == 2 * 4000
+  # gather again: l1 only (l0's backward reads no weight), [6, 8.5]; backward l1 [8.5, 10.5], l0 [10.5, 12.5];
+  # scatters [10.5, 13], [13, 15.5]. Memory: at 2.5 both weights and l1's shard copy (the re-gather's tie)
   lean = pj.simulate(dataclasses_replace(s, fsdp=dataclasses_replace(plan, keep=(False, False))), prof, net)
-  assert lean.iteration_s == pytest.approx(16.0) and lean.all_gathers == 4 and lean.reduce_scatters == 2
+  assert lean.iteration_s == pytest.approx(15.5) and lean.all_gathers == 3 and lean.reduce_scatters == 2
+  assert lean.peak_memory_bytes == 2 * 4000 + 4000 // 2
   # B4 is tight here: forward >= 6 (two blocks: l0 at 2.5, l1 at 2·0.5 + 8000/2000 = 5, each 1 long),
   # then the scatters' chain from its start: max(2, 0) + 2.5 = 4.5, max(4.5, 4) + 2.5 = 7: 13, this
   # schedule's iteration (the brute-force optimum too)
@@ -222,7 +226,8 @@ def _random_instance(rng):
     width = 4 * s * int(rng.integers(1, 50))
     rows.append(dict(path=f"l{l}/w", layer=f"l{l}", shape=(width,), dtype="float32", nbytes=4 * width,
                      ready_s=float(ready[l]), fwd_s=float(rng.uniform(0.1, 1.0)), shard_dim=0,
-                     update_s=float(rng.uniform(0, 0.2))))
+                     update_s=float(rng.uniform(0, 0.2)),
+                     gather_dtype="bfloat16" if width // (4 * s) % 3 == 0 else None))   # gathered at half the bytes
     if l == n_layers - 1 and rng.random() < 0.5:   # one replicated leaf at most: any grouping is one chunk
       rows.append(dict(path=f"l{l}/b", layer=f"l{l}", shape=(3,), dtype="float32", nbytes=12,
                        ready_s=float(ready[l]), update_s=0.01))
@@ -333,7 +338,7 @@ def test_gather_groups_apart_from_scatter_units():
   t = dataclasses.replace(s, fsdp=split)
   assert pj.Schedule.from_json(t.to_json()) == t
   r = pj.simulate(t, prof, net)
-  assert r.all_gathers == 2 * len(rows) and r.reduce_scatters == len(f.units)
+  assert r.all_gathers == 2 * len(rows) - 1 and r.reduce_scatters == len(f.units)   # l00 once: its backward reads no weight
   assert pj.lower_bound(prof, net, sharded="fsdp") <= r.iteration_s
   with pytest.raises(ScheduleError, match="gathers do not hold each row"):
     dataclasses.replace(s, fsdp=dataclasses.replace(split, gathers=split.gathers[1:], keep=split.keep[1:]))
@@ -424,15 +429,16 @@ def test_pressure_samples_at_once_equal_each_samples_run():
   from prophet_jax._planning._fsdp import fsdp_arrays_of, fsdp_durations, fsdp_run, fsdp_samples
   rng = np.random.default_rng(3)
   kinds = set()
-  for _ in range(12):
+  for _ in range(20):
     prof, net = _random_instance(rng)
     net = net.replace(pressure=pj.Pressure(background_flows=0.5, tail_prob=0.05, tail_scale_s=0.01, samples=8))
-    big = max(r.nbytes for r in prof.rows if r.shard_dim is not None)
-    for budget in (None, 2 * big + prof.total_nbytes // 8):   # the latter re-gathers where it can
-      try:
-        s = pj.plan(prof, net, "fsdp", memory_budget_bytes=budget)
-      except ValueError:
-        continue
+    for budget in (None, 1):                                 # the latter: the least memory, re-gathering
+      for _ in range(3):
+        try:
+          s = pj.plan(prof, net, "fsdp", memory_budget_bytes=budget)
+          break
+        except ValueError as e:
+          budget = int(re.search(r"(?:at least|least memory found is) (\d+)", str(e)).group(1))
       prob = problem(prof, net)
       arr = fsdp_arrays_of(prob, s)
       dur = fsdp_durations(prob, arr)
@@ -442,3 +448,136 @@ def test_pressure_samples_at_once_equal_each_samples_run():
       assert len(set(it.tolist())) > 1                       # the samples differ
       kinds.add((prof.replica_count > 1, net.overlap, all(arr.keep)))
   assert len(kinds) >= 5, kinds
+
+
+def test_in_flight_runs_a_deeper_prefetch_as_deep_as_xla_keeps_collectives_in_flight():
+  """XLA:GPU keeps one collective in flight by default (FACTS F2: at depth 2 the windows are depth 1's): the
+  simulator runs a plan's prefetch at most `in_flight` deep, the planner plans no deeper (and, with one in
+  flight, all-reduces the replicated leaves after backward), a deeper plan only with the user's option
+  (in_flight=2, naming XLA's flag when refused); `in_flight` is in the JSON, and a plan from before it (none)
+  is simulated without a limit, as it was planned."""
+  import dataclasses
+  fw = [4.0, 0.5, 0.5, 0.5]       # a long first layer: gathering 3 ahead during it pays, when XLA lets it
+  rows = [dict(path=f"l{i}/w", layer=f"l{i}", shape=(8, 250), dtype="float32", nbytes=8000, ready_s=4.0 - i,
+               fwd_s=fw[i], shard_dim=0) for i in range(4)]
+  rows[3:3] = [dict(path="l0/b", layer="l0", shape=(4,), dtype="float32", nbytes=16, ready_s=4.0)]
+  rows.append(dict(path="l3/b", layer="l3", shape=(4,), dtype="float32", nbytes=16, ready_s=1.0))
+  prof = pj.GradientProfile.from_rows(rows, forward_s=sum(fw), backward_s=4.0, mesh={"data": 2}, shard_axes=["data"])
+  net = pj.NetworkModel(alpha_s=0.1, beta_s_per_byte=0.0005, workers=2)    # a gather: 2.1 s
+  one = pj.plan(prof, net, "fsdp", bucket_bytes=1)
+  f = one.fsdp
+  assert (f.in_flight, f.prefetch, f.backward_prefetch) == (1, 1, 1) and dict(one.options)["in_flight"] == 1
+  assert [k for k in range(len(one.chunks)) if k not in f.units] == [len(one.chunks) - 1]   # replicated: one, last
+  run = lambda s: pj.simulate(s, prof, net).iteration_s  # noqa: E731
+  deep = dataclasses.replace(one, fsdp=dataclasses.replace(f, prefetch=3))
+  old = dataclasses.replace(deep, fsdp=dataclasses.replace(deep.fsdp, in_flight=None))
+  assert run(deep) == run(one) == pytest.approx(20.416) and run(old) == pytest.approx(18.516)   # + 0.216: the biases
+  two = pj.plan(prof, net, "fsdp", bucket_bytes=1, in_flight=2)
+  assert two.fsdp.prefetch == 2 and run(two) == pytest.approx(18.516)
+  assert json.loads(one.to_json())["fsdp"]["in_flight"] == 1 and pj.Schedule.from_json(one.to_json()) == one
+  before = json.loads(old.to_json())
+  assert "in_flight" not in before["fsdp"] and pj.Schedule.from_json(before).fsdp.in_flight is None
+  with pytest.raises(ValueError, match="prefetch=2.*xla_gpu_experimental_parallel_collective_overlap_limit=2"):
+    pj.plan(prof, net, "fsdp", prefetch=2)
+  assert pj.lower_bound(prof, net, sharded="fsdp") <= run(two) * (1 + 1e-9)
+
+
+def _scanned_params(layers=6, width=256):
+  """An input scale, a head used after a stack of `layers` (a leading layer axis), and a final norm."""
+  return ({"head": {"w": np.zeros((width, width), np.float32)}, "in": {"s": np.zeros((width,), np.float32)},
+           "norm": {"s": np.zeros((width,), np.float32)},
+           "stack": {"b": np.zeros((layers, width), np.float32), "w": np.zeros((layers, width, width), np.float32)}},
+          {"head": {"w": ("data", None)}, "in": {"s": None}, "norm": {"s": None},
+           "stack": {"b": None, "w": (None, "data", None)}})
+
+
+def test_a_scanned_stack_is_profiled_per_layer_in_forward_order():
+  """from_params(stacked=, order=): each stacked leaf one row per layer '<prefix>/<k>/<rest>' of layer
+  '<prefix>/<k>' (placement less the layer axis), at the stack's place in the order the loss reads (`order`:
+  the head after the stack, not flatten order's first), its forward time and its span of backward spread
+  evenly; `stacks` in the JSON; a stack split on its layer axis, or a prefix naming nothing, is refused."""
+  params, specs = _scanned_params(layers=3, width=16)
+  prof = pj.GradientProfile.from_params(params, forward_s=0.004, backward_s=0.008, mesh={"data": 8}, shardings=specs,
+                                        stacked=("stack",), order=("in", "stack", "head", "norm"))
+  assert [r.path for r in prof.rows] == ["in/s", "stack/0/b", "stack/0/w", "stack/1/b", "stack/1/w", "stack/2/b",
+                                         "stack/2/w", "head/w", "norm/s"]
+  stack = [r for r in prof.rows if r.layer.startswith("stack/")]
+  assert [r.layer for r in stack] == ["stack/0", "stack/0", "stack/1", "stack/1", "stack/2", "stack/2"]
+  assert {(r.shape, r.shard_dim) for r in stack} == {((16,), None), ((16, 16), 0)} and prof.stacks == ("stack",)
+  ready = [r.ready_s for r in stack[::2]]
+  gaps = -np.diff([prof.rows[7].ready_s] + ready[::-1])
+  assert ready[0] > ready[1] > ready[2] > prof.rows[7].ready_s and np.allclose(gaps, gaps[0])
+  assert len({r.fwd_s for r in stack[::2]}) == 1 and sum(r.fwd_s for r in prof.rows) == pytest.approx(prof.forward_s)
+  assert pj.GradientProfile.from_json(prof.to_json()) == prof and json.loads(prof.to_json())["stacks"] == ["stack"]
+  with pytest.raises(ProfileError, match="'stack/w'.*another dimension"):
+    pj.GradientProfile.from_params(_scanned_params(layers=4, width=16)[0], mesh={"data": 2}, stacked=("stack",),
+                                   shardings={**specs, "stack": {"b": None, "w": ("data", None, None)}})
+  with pytest.raises(ProfileError, match="stack 'blocks' names no row"):
+    prof.unstacked(("blocks",))
+
+
+@pytest.mark.parametrize("budget", [None, "middle", "least"])
+def test_the_planner_gives_each_scanned_layer_one_gather_and_one_unit(budget):
+  """A stack planned with no option: every unit and gather group holding a scanned layer holds exactly its
+  sharded leaves (the step runs a stack's layers in a loop), on networks where one unit per layer is not the
+  fastest (1,024 devices: `split` groups layers elsewhere); within 3% of the bound on 8 devices without a budget
+  (over 1,024, each scanned layer's collectives pay their start-ups: the bound does not know the stack)."""
+  params, specs = _scanned_params(layers=12, width=1024)
+  for workers, net in ((8, "100gb-ib"), (1024, "nvlink+400gb-ib")):
+    prof = pj.GradientProfile.from_params(params, forward_s=0.01, backward_s=0.02, mesh={"data": workers},
+                                          shardings=specs, stacked=("stack",), order=("in", "stack", "head"))
+    network = pj.NetworkModel.preset(net, workers=workers)
+    b = None if budget is None else _least_budget(prof, network) * (1 if budget == "least" else 2)
+    s = pj.plan(prof, network, "fsdp", memory_budget_bytes=b)
+    f = s.fsdp
+    layer_of = {k: prof.rows[k].layer for k in range(len(prof.rows))}
+    groups = [[r for r, _, _ in s.chunks[u].slices] for u in f.units] + [list(g) for g in f.gathers]
+    for g in groups:
+      scanned = {layer_of[r] for r in g if layer_of[r].startswith("stack/")}
+      assert not scanned or (len(scanned) == 1 and sorted(g) == sorted(
+          k for k in layer_of if layer_of[k] in scanned and prof.rows[k].shard_dim is not None)), g
+    r = pj.simulate(s, prof, network)
+    assert r.peak_memory_bytes <= (b or np.inf)
+    assert pj.lower_bound(prof, network, sharded="fsdp") * (1.03 if b is None and workers == 8 else np.inf) >= \
+        r.iteration_s >= pj.lower_bound(prof, network, sharded="fsdp")
+
+
+def _least_budget(prof, net):
+  budget = 1
+  for _ in range(3):
+    try:
+      pj.plan(prof, net, "fsdp", memory_budget_bytes=budget)
+      return budget
+    except ValueError as e:
+      budget = int(re.search(r"(?:at least|least memory found is) (\d+)", str(e)).group(1))
+  raise AssertionError("no least budget")
+
+
+def test_the_gather_dtype_is_part_of_the_plan():
+  """A bf16 model over f32 shards (from_params(gather_dtype='bfloat16')): the plan names each leaf's gather
+  dtype (JSON, old JSON without it loads), the simulator moves and holds half the bytes in forward and the
+  same in the reduce-scatters (the leaf's dtype), the bound counts it, a plan gathering a replicated leaf
+  in another dtype is refused."""
+  import dataclasses
+
+  from prophet_jax._values._errors import ScheduleError
+  params = {f"l{i}": {"w": np.zeros((1024, 1024), np.float32), "b": np.zeros((1024,), np.float32)} for i in range(6)}
+  specs = {f"l{i}": {"w": ("data", None), "b": None} for i in range(6)}
+  net = pj.NetworkModel.preset("100gb-ib", workers=8)
+  runs = {}
+  for gd in (None, "bfloat16"):
+    prof = pj.GradientProfile.from_params(params, forward_s=0.001, backward_s=0.002, mesh={"data": 8},
+                                          shardings=specs, gather_dtype=gd)
+    s = pj.plan(prof, net, "fsdp", bucket_bytes=1)
+    r = pj.simulate(s, prof, net)
+    span = lambda kind: sum(e.end_s - e.start_s for e in r.events if e.kind == kind)  # noqa: E731
+    runs[gd] = (s, r.peak_memory_bytes, span("all_gather"), span("reduce_scatter"))
+    assert pj.lower_bound(prof, net, sharded="fsdp") <= r.iteration_s * (1 + 1e-9)
+  (s32, m32, ag32, rs32), (s16, m16, ag16, rs16) = runs[None], runs["bfloat16"]
+  assert s32.fsdp.gather_dtypes == () and set(s16.fsdp.gather_dtypes) == {None, "bfloat16"}
+  assert [r.gather_dtype for r in prof.rows] == ["bfloat16" if g else None for g in s16.fsdp.gather_dtypes]
+  assert ag16 < 0.6 * ag32 and rs16 == pytest.approx(rs32) and m16 < m32
+  assert pj.Schedule.from_json(s16.to_json()) == s16 and "gather_dtypes" not in json.loads(s32.to_json())["fsdp"]
+  bad = tuple("bfloat16" if d is None else None for d in s16.fsdp.shard_dims)
+  with pytest.raises(ScheduleError, match="gathers leaf 'l0/b' in bfloat16, but it is replicated"):
+    dataclasses.replace(s16, fsdp=dataclasses.replace(s16.fsdp, gather_dtypes=bad))

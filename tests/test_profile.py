@@ -254,3 +254,46 @@ def test_timing_compiles_a_bounded_number_of_layer_programs(monkeypatch):
   lo, hi = sorted((ready["l0/w"], ready["l2/w"]))
   assert lo <= ready["l1/w"] <= hi and ready["l0/b"] == ready["l0/w"]
   assert _profile_methods._sample(100, 12) == [0, 9, 18, 27, 36, 45, 54, 63, 72, 81, 90, 99]
+
+
+def test_a_scanned_stack_of_sharded_params_is_profiled_per_layer():
+  """FSDP params whose loss scans a stack of them (jax.lax.scan here; linen's nn.scan too, read from the jaxpr
+  alone): profile_step finds the stack (`scanned_stacks`) and plans it per layer, rows '<prefix>/<k>/<rest>' in
+  the forward order, `stacks` set; the same params all replicated keep their whole rows (an all-reduce plan
+  needs no per-layer view)."""
+  import flax.linen as nn
+  L, D = 3, 16
+  k = jax.random.split(jax.random.key(0), 2)
+  params = {"head": {"w": jax.random.normal(k[0], (D, D)) * 0.2},
+            "stack": {"b": jnp.zeros((L, D)), "w": jax.random.normal(k[1], (L, D, D)) * 0.2}}
+
+  def loss(p, b):
+    x, _ = jax.lax.scan(lambda x, lp: (jnp.tanh(x @ lp["w"] + lp["b"]), None), b["x"], p["stack"])
+    return jnp.mean((x @ p["head"]["w"] - b["y"]) ** 2)
+
+  batch = {"x": jnp.ones((2 * N, D)), "y": jnp.ones((2 * N, D))}
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:N]), ("data",))
+  spec = {"head": {"w": P("data", None)}, "stack": {"b": P(), "w": P(None, "data", None)}}
+  placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, spec)
+  prof = profile_step(loss, placed, batch, num_devices=N, method="estimated")
+  assert prof.stacks == ("stack",) and [r.path for r in prof.rows] == [
+      f"stack/{i}/{n}" for i in range(L) for n in ("w", "b")] + ["head/w"]
+  assert {r.path: r.shard_dim for r in prof.rows if r.path.endswith("w")} == {
+      **{f"stack/{i}/w": 0 for i in range(L)}, "head/w": 0}
+  assert profile_step(loss, params, batch, num_devices=N, method="estimated").stacks == ()
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return jnp.tanh(nn.Dense(D)(x)), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L)()(x, None)
+      return nn.Dense(D)(x)
+
+  model = Model()
+  lp = model.init(jax.random.key(0), jnp.ones((1, D)))
+  got = _profile.scanned_stacks(lambda p, b: jnp.mean(model.apply(p, b["x"]) ** 2), lp, batch)
+  assert got == ("params/ScanBlock_0",)

@@ -107,7 +107,8 @@ def _fsdp(width=256, layers=6):
 def test_fsdp_plan_gets_gather_and_scatter_thresholds_that_form_its_groups(topo):
   """issue 46: an FSDP plan got an all-reduce threshold only. Now its all-gather groups' and
   reduce-scatter units' thresholds (XLA counts a collective's result: the gathered leaf, one device's
-  shard); the partitioner's FSDP step compiled with them forms the plan's 6 + 6 + 6 (alone: 1 + 1 + 1)."""
+  shard); the partitioner's FSDP step compiled with them forms the plan's 6 + 6 + 1 (the biases in one chunk at
+  the end: the plan is for one collective in flight, `fsdp(in_flight=1)`; alone: 1 + 1 + 1)."""
   import warnings
 
   import jax
@@ -123,7 +124,7 @@ def test_fsdp_plan_gets_gather_and_scatter_thresholds_that_form_its_groups(topo)
     options = pj.xla_options(s, NET, target=topo)
   assert options["xla_gpu_all_gather_combine_threshold_bytes"] == 256 * 256 * 4        # one kernel
   assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 256 * 256 * 4 // 8  # its shard
-  assert options["xla_gpu_all_reduce_combine_threshold_bytes"] == 256 * 4              # one bias
+  assert options["xla_gpu_all_reduce_combine_threshold_bytes"] == 6 * 256 * 4          # every bias
   assert "xla_gpu_experimental_collective_start_as_early_as_possible" not in options   # gathers stay apart
 
   mesh = topo.mesh("data")
@@ -144,7 +145,7 @@ def test_fsdp_plan_gets_gather_and_scatter_thresholds_that_form_its_groups(topo)
     got = [c.collective for c in sharded_collectives(parse_hlo(text))]
     return got.count("all-gather"), got.count("reduce-scatter"), len(allreduces(parse_hlo(text)))
 
-  assert counts(options) == (6, 6, 6)
+  assert counts(options) == (6, 6, 1)
   assert counts({}) == (1, 1, 1)     # XLA alone: one of each
 
 

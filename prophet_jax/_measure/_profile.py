@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.extend.core import Literal
 from jax.sharding import NamedSharding
 
 from . import _step_hlo
@@ -15,13 +16,14 @@ from ._profile_harness import RowSpec, float_leaves, local_step_program, setup, 
 from ._profile_methods import (HLO_FILE, TIMED_LAYERS, LINKED, NoProfilerEvents, estimated,
                                from_trace, measured, as_profile, timed)
 from .._compiled._devices import host_rows
+from .._compiled._jaxcompat import check_jaxpr_api
 from .._compiled._hlo import hlo_text as _as_text
 from .._values._checks import check_bool, check_int, check_values
 from .._values._errors import ProfileError
-from .._values._tree import check_layer_depth, dtype_name, layer_of, layer_path, path_str
+from .._values._tree import check_layer_depth, dtype_name, is_reduced_leaf, layer_of, layer_path, path_str
 from .._values._types import GradientProfile
 
-__all__ = ["profile_step", "profile_from_trace", "METHODS", "HLO_FILE", "TIMED_LAYERS"]
+__all__ = ["profile_step", "profile_from_trace", "scanned_stacks", "METHODS", "HLO_FILE", "TIMED_LAYERS"]
 
 METHODS = ("auto", "measured", "timed", "estimated")
 
@@ -54,7 +56,8 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   Returns:
     A GradientProfile, one row per floating leaf in forward (priority) order, `ready_s` from the start of
     backward, `method` and `notes` saying how it was made; with the params' placement where they are
-    sharded `NamedSharding`s (FSDP).
+    sharded `NamedSharding`s (FSDP), each scanned stack sharded off its layer axis planned per layer
+    (`scanned_stacks`, `GradientProfile.unstacked`).
 
   Raises:
     TypeError: loss_fn not callable, not a real scalar, or not differentiable in params.
@@ -116,7 +119,52 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   prof = as_profile(s.rows, ready, fwd_layer, update_s, forward_s, backward_s, method=got, model=model,
                     device=device or jax.local_devices()[0].device_kind,
                     notes="; ".join(notes + [note, f"{s.num_devices} devices"]))
-  return prof if shardings is None else prof.with_placement(params, shardings)
+  if shardings is None:
+    return prof
+  prof = prof.with_placement(params, shardings)
+  stacks = [x for x in scanned_stacks(loss_fn, params, batch)   # FSDP plans a scanned stack per layer
+            if all(r.shard_dim != 0 for r in prof.rows if r.path.startswith(x + "/"))]
+  return prof.unstacked(stacks) if stacks else prof
+
+
+def scanned_stacks(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any) -> tuple[str, ...]:
+  """The prefixes of the scanned stacks `loss_fn(params, batch)` reads: per `scan` (`nn.scan`, `nnx.scan`,
+  `jax.lax.scan`) whose xs are parameter leaves (through casts and calls), the shallowest path prefix that
+  holds them and no other floating leaf."""
+  check_jaxpr_api("profile_step")
+  kp, treedef = jax.tree_util.tree_flatten_with_path(params)
+  paths = [path_str(p) for p, _ in kp]
+  floats = {p for p, (_, x) in zip(paths, kp) if is_reduced_leaf(x)}
+  jx = jax.make_jaxpr(lambda xs, b: loss_fn(jax.tree_util.tree_unflatten(treedef, xs), b))(
+      [x for _, x in kp], batch).jaxpr
+  found: list[str] = []
+
+  def walk(j: Any, leaf: dict[int, int]) -> None:
+    for e in j.eqns:
+      ins = [None if isinstance(v, Literal) else leaf.get(id(v)) for v in e.invars]
+      if e.primitive.name in _RELABEL and len(e.invars) == len(e.outvars):
+        leaf.update({id(o): i for o, i in zip(e.outvars, ins) if i is not None})
+      elif e.primitive.name == "scan":
+        got = sorted({paths[i] for i in ins[e.params["num_consts"] + e.params["num_carry"]:] if i is not None})
+        parts = [p.split("/") for p in got]
+        pre = "/".join(os.path.commonprefix(parts) if len(got) > 1 else parts[0][:-1] if got else [])
+        under = lambda q: {p for p in floats if p.startswith(q + "/")}  # noqa: E731
+        while "/" in pre and under(pre.rsplit("/", 1)[0]) <= set(got):   # the shallowest prefix holding them alone
+          pre = pre.rsplit("/", 1)[0]
+        if pre and under(pre) <= set(got):
+          found.append(pre)
+      else:
+        sub = next((getattr(e.params[k], "jaxpr", e.params[k]) for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
+                    if k in e.params), None)
+        if sub is not None and hasattr(sub, "eqns") and len(sub.invars) == len(e.invars):
+          walk(sub, {id(v): i for v, i in zip(sub.invars, ins) if i is not None})
+
+  walk(jx, {id(v): i for i, v in enumerate(jx.invars[:len(kp)])})
+  return tuple(dict.fromkeys(found))
+
+
+_RELABEL = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "pcast", "optimization_barrier",
+                      "device_put"})
 
 
 def _sharded_placement(params: Any) -> Any:

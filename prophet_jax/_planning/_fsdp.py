@@ -10,8 +10,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._core import Problem, sampled_durations
+from .._values._tree import IdentityMemo
+from .._values._types import itemsize
 
 __all__ = ["BackwardOrder", "FsdpArrays", "FsdpForward", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run",
+           "gather_nbytes",
            "unit_costs", "dear_peak_bytes", "fsdp_arrays_of", "fsdp_durations",
            "fsdp_samples", "skew_wait"]
 
@@ -43,7 +46,8 @@ class FsdpArrays(NamedTuple):
   shards: int
   replicas: int
   rs_bytes: tuple[float, ...] = ()
-  rs_at: Sequence[Sequence[int]] = ()     # per backward position, the reduce-scatter units starting there
+  rs_at: Sequence[Sequence[int]] = ()     # per backward position, the units whose gradient is made there
+  reads: tuple[bool, ...] = ()            # per group: does backward read it (not: the first layer's alone)
 
 
 class FsdpForward(NamedTuple):
@@ -56,6 +60,7 @@ class FsdpForward(NamedTuple):
   fwd_end: list[float]
   mem_t: list[float]
   mem_d: list[float]
+  ag_start: list[float]
 
 
 class FsdpRun(NamedTuple):
@@ -96,10 +101,16 @@ def backward_order(prob: Problem) -> BackwardOrder:
                        tuple(pos[prob.row_layer].tolist()), tuple(pos.tolist()), tuple(ready_l.tolist()))
 
 
+@IdentityMemo(16)
+def gather_nbytes(profile: Any) -> list[float]:
+  """Per row, its bytes as all-gathered (`ProfileRow.gather_nbytes`)."""
+  return [float(r.gather_nbytes) for r in profile.rows]
+
+
 def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequence[int], keep: Sequence[bool],
                 prefetch: int, backward_prefetch: int, shards: int, replicas: int,
                 gathers: Sequence[Sequence[int]] | None = None, *,
-                order_of: BackwardOrder | None = None) -> FsdpArrays:
+                order_of: BackwardOrder | None = None, gathered: Sequence[float] | None = None) -> FsdpArrays:
   """The FsdpArrays of a schedule's chunks and its FSDP plan.
 
   Args:
@@ -109,12 +120,14 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
     keep: one per all-gather group.
     gathers: the all-gather groups (rows, forward order); None: each unit's rows.
     order_of: the profile's `backward_order`, when the caller has it.
+    gathered: per row, its bytes as all-gathered; None: the profile's (`gather_nbytes`).
 
   Raises:
     ValueError: the all-gather groups are not in forward order.
   """
   layer = prob.row_layer.tolist()
   nbytes = prob.row_nbytes.tolist()
+  gb = gather_nbytes(prob.profile) if gathered is None else gathered
   size = prob.size
   nl = len(prob.layers)
   bo = order_of if order_of is not None else backward_order(prob)
@@ -138,24 +151,19 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
       rp = max(ps)
       order.append(("u", u))
       rs_bytes[u] = float(sum([nbytes[r] for r in rows]))
-      rs_at[rp].append(u)               # its gradient buffer: from the start of its first backward layer
+      rs_at[min(ps)].append(u)          # its gradient buffer: from the start of its first backward layer
       sharded_rows.extend(rows)
     ready_pos.append(rp)
   ul: list[tuple[int, ...]] = []
   ub: list[float] = []
   bf: list[int] = []
   bl: list[int] = []
-  if gathers is None:                   # each unit's rows, gathered whole
-    gathers, ub = unit_rows, rs_bytes
-    for ps in unit_pos:
-      bf.append(max(ps))
-      bl.append(min(ps))
-  else:
-    for rows in gathers:
-      ub.append(float(sum([nbytes[r] for r in rows])))
-      ps = [row_pos[r] for r in rows]
-      bf.append(max(ps))
-      bl.append(min(ps))
+  for rows in unit_rows if gathers is None else gathers:    # None: each unit's rows, gathered whole
+    ub.append(float(sum([gb[r] for r in rows])))
+    ps = [row_pos[r] for r in rows]
+    bf.append(min(ps))
+    bl.append(max(ps))
+  gathers = unit_rows if gathers is None else gathers
   n_u = len(gathers)
   for rows in gathers:
     ul.append(tuple(sorted({layer[r] for r in rows})) if len(rows) > 1 else (layer[rows[0]],))
@@ -163,6 +171,7 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
   for u, k in enumerate(bl):
     ends_at[k].append(u)
   first = [ls[0] for ls in ul]
+  reads = tuple(ls != (0,) for ls in ul)   # the profile's first layer reads no weight in backward (its input is the batch)
   for u in range(1, n_u):
     if first[u] < first[u - 1]:
       raise ValueError(f"FSDP units must be in forward order: unit {u} starts at layer "
@@ -174,8 +183,8 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
   return FsdpArrays(tuple(ul), tuple(first), tuple(ub), tuple(bool(x) for x in keep), int(prefetch),
                     int(backward_prefetch), tuple(rep_bytes), tuple(order), tuple(ready_pos),
                     ends_at, bo.layers, bo.dur, bo.tail, tuple(bf), tuple(bl),
-                    tuple(sorted(range(n_u), key=lambda u: -bf[u])), update_s, int(shards), int(replicas),
-                    tuple(rs_bytes), rs_at)
+                    tuple(sorted(range(n_u), key=lambda u: bf[u])), update_s, int(shards), int(replicas),
+                    tuple(rs_bytes), rs_at, reads)
 
 
 def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float, float, float, float, float]:
@@ -213,6 +222,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
   mem_t: list[float] = []                  # memory events: when, and the bytes allocated (+) or freed (-)
   mem_d: list[float] = []
   ag_end = [0.0] * n_u
+  ag_start = [0.0] * n_u
   need = [0.0] * nl
   fwd_start = [0.0] * nl
   t_link = 0.0
@@ -247,6 +257,9 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
     comm += dur
     mem_t.append(s)
     mem_d.append(nb)
+    if again:                               # its shards' copy (the tie's), held since its forward gather
+      mem_t.append(s)
+      mem_d.append(-nb / arr.shards)
     for l in unit_layers[u]:
       if t_link > needs[l]:
         needs[l] = t_link
@@ -261,25 +274,33 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
         issue = fwd_start[first[v]]
       gather(u, issue, need, False)
       ag_end[u] = t_link
+      ag_start[u] = mem_t[-1]
     run_forward(nl - 1)
     fwd_end_layer = [fwd_start[l] + fwd[l] for l in range(nl)]
-    forward = FsdpForward(t_link, t_dev, comm, ag_end, fwd_end_layer, mem_t[:], mem_d[:])
+    forward = FsdpForward(t_link, t_dev, comm, ag_end, fwd_end_layer, mem_t[:], mem_d[:], ag_start)
   else:
     t_link, t_dev, comm, ag_end, fwd_end_layer = forward[:5]
+    ag_start = forward.ag_start
     mem_t.extend(forward.mem_t)
     mem_d.extend(forward.mem_d)
   # backward
   bwd_units = arr.bwd_units
   need_b = [0.0] * nl
   first_ready, regather_at = _regathers(arr, bwd_units)
+  reads, keep = arr.reads, arr.keep
   for u in bwd_units:
-    if arr.keep[u]:
+    if keep[u] and reads[u]:
       for l in arr.unit_layers[u]:
         need_b[l] = max(need_b[l], ag_end[u])
   for u in range(n_u):
-    if not arr.keep[u]:
+    if not (keep[u] and reads[u]):
       mem_t.append(fwd_end_layer[unit_layers[u][-1]])
       mem_d.append(-unit_bytes[u])
+      if reads[u]:                          # the shards' copy a re-gather is tied to
+        mem_t.append(ag_start[u])
+        mem_d.append(unit_bytes[u] / arr.shards)
+  pre_t: list[float] = []                   # allocations before the frees at their time (a weight's gradient)
+  pre_d: list[float] = []
   link1: list[tuple[float, float, str]] = []
   unit_bwd_end = [0.0] * n_u
 
@@ -298,9 +319,6 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
     s = t_dev if t_dev >= nb else nb
     if serial and t_link > s:
       s = t_link
-    for x in rs_at[k]:
-      mem_t.append(s)                             # a reduce-scatter unit's gradient buffer
-      mem_d.append(rs_bytes[x])
     if k in regather_at:
       regather(regather_at[k], s)
       if serial and t_dev > s:
@@ -308,6 +326,9 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
     t_dev = s + bwd_dur[k]
     if spans:
       out.append(("backward", prob.layers[l], s, t_dev, "device"))
+    for x in rs_at[k]:                            # a unit's gradient buffer, made while its weights are held
+      pre_t.append(t_dev)
+      pre_d.append(rs_bytes[x])
     for u in ends_at[k]:
       unit_bwd_end[u] = t_dev
     while ci < n_c and ready_pos[ci] <= k:
@@ -341,8 +362,9 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
         t_dev = max(t_dev, t_link)
       ci += 1
   for u in range(n_u):
-    mem_t.append(unit_bwd_end[u])                  # the parameters kept or gathered again
-    mem_d.append(-unit_bytes[u])
+    if reads[u]:
+      mem_t.append(unit_bwd_end[u])                # the parameters kept or gathered again
+      mem_d.append(-unit_bytes[u])
   t_dev += arr.bwd_tail
   t1 = 0.0
   for at, dur, name in sorted(link1, key=lambda x: x[0]):
@@ -359,9 +381,10 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
     out.append(("update", "update", end, iteration, "device"))
   peak = 0.0
   if mem_t:
-    t = np.array(mem_t, dtype=np.float64)
-    dlt = np.array(mem_d, dtype=np.float64)
-    peak = float(np.cumsum(dlt[np.lexsort((dlt, t))]).max())
+    t = np.array(mem_t + pre_t, dtype=np.float64)
+    dlt = np.array(mem_d + pre_d, dtype=np.float64)
+    rank = np.concatenate([dlt[:len(mem_t)], np.full(len(pre_t), -np.inf)])   # frees first, but `pre` before them
+    peak = float(np.cumsum(dlt[np.lexsort((rank, t))]).max())
   return FsdpRun(float(iteration), max(peak, 0.0), float(comm), out, forward)
 
 
@@ -371,7 +394,7 @@ def _regathers(arr: FsdpArrays, bwd_units: Sequence[int]) -> tuple[list[int], di
   first_ready: list[int] = []
   at: dict[int, list[int]] = {}
   for j, u in enumerate(bwd_units):
-    if not arr.keep[u]:
+    if not arr.keep[u] and arr.reads[u]:
       if j < db:
         first_ready.append(u)
       else:
@@ -528,5 +551,9 @@ def fsdp_arrays_of(prob: Problem, schedule) -> FsdpArrays:
   if prob.network.links != 1:
     raise ValueError(f"an FSDP schedule runs its collectives in one issue order per link level, but "
                      f"network.links={prob.network.links}; use network.replace(links=1).")
-  return fsdp_arrays(prob, [c.slices for c in schedule.chunks], f.units, f.keep, f.prefetch,
-                     f.backward_prefetch, f.shard_count, f.replica_count, f.gathers or None)
+  cap = f.in_flight or max(f.prefetch, f.backward_prefetch)    # deeper prefetch runs as this deep (FACTS F2)
+  gathered = [float(prob.row_nbytes[r] if g is None else prob.size[r] * itemsize(g))
+              for r, g in enumerate(f.gather_dtypes or [None] * len(prob.size))]
+  return fsdp_arrays(prob, [c.slices for c in schedule.chunks], f.units, f.keep, min(f.prefetch, cap),
+                     min(f.backward_prefetch, cap), f.shard_count, f.replica_count, f.gathers or None,
+                     gathered=gathered)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._core import Problem
-from ._fsdp import unit_costs
+from ._fsdp import gather_nbytes, unit_costs
 
 __all__ = ["backward_chain", "forward_blocks", "fsdp_bound"]
 
@@ -32,9 +32,11 @@ def fsdp_bound(prob: Problem) -> float:
   nl = len(prob.layers)
   sharded = np.fromiter((row.shard_dim is not None for row in profile.rows), dtype=bool, count=len(profile.rows))
   nb = prob.row_nbytes
-  s_l = np.zeros(nl)
+  s_l = np.zeros(nl)                          # reduce-scattered bytes per layer; g_l: gathered (gather dtype)
+  g_l = np.zeros(nl)
   r_l = np.zeros(nl)
   np.add.at(s_l, prob.row_layer[sharded], nb[sharded])
+  np.add.at(g_l, prob.row_layer[sharded], np.asarray(gather_nbytes(profile))[sharded])
   np.add.at(r_l, prob.row_layer[~sharded], nb[~sharded])
   ready_l = np.zeros(nl)
   np.maximum.at(ready_l, prob.row_layer, prob.row_ready_s)
@@ -43,7 +45,7 @@ def fsdp_bound(prob: Problem) -> float:
   update = float(upd[sharded].sum()) / s + float(upd[~sharded].sum())
   has_s, has_r = s_l > 0, r_l > 0
   sigma_s, sigma_r = float(s_l.sum()), float(r_l.sum())
-  link0 = 2 * (a_g + b_g * sigma_s) + (a_a + b_a * sigma_r if r == 1 and sigma_r > 0 else 0.0)
+  link0 = 2 * a_g + b_g * (sigma_s + float(g_l.sum())) + (a_a + b_a * sigma_r if r == 1 and sigma_r > 0 else 0.0)
   link1 = 0.0
   if r > 1:
     link1 = a_r + b_r * sigma_s + (a_a + b_a * sigma_r if sigma_r > 0 else 0.0)
@@ -51,7 +53,7 @@ def fsdp_bound(prob: Problem) -> float:
   if not prob.overlap:                       # (+ the slowest worker's waits, `_fsdp.skew_wait`)
     return compute + update + link0 + link1 + prob.skew * (compute + update)
   # forward: layer l starts after every sharded byte of layers 0..l has been gathered on link 0
-  cum_s = np.cumsum(s_l)
+  cum_s = np.cumsum(g_l)
   t = 0.0
   for l in range(nl):
     if has_s[l]:
@@ -79,7 +81,7 @@ def fsdp_bound(prob: Problem) -> float:
   if has_s.any():                      # B4: every unit's start-up, in forward and in backward
     f_blocks = f_end
     if int(has_s.sum()) <= _BLOCK_LAYERS:
-      f_blocks = max(forward_blocks(s_l, np.asarray(fwd, dtype=float), a_g, b_g)[0], f_end)
+      f_blocks = max(forward_blocks(g_l, np.asarray(fwd, dtype=float), a_g, b_g)[0], f_end)
     pos = np.lexsort((-np.arange(nl), ready_l))
     pos = pos[has_s[pos]]
     e = backward_chain(ready_l[pos], s_l[pos], a_g, b_g)[0] + (a_r if r > 1 else 0.0)

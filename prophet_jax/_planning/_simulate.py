@@ -195,7 +195,7 @@ def simulate_fsdp(prob: Problem, arr: FsdpArrays, *, events: bool = True) -> Sim
       run = fsdp_run(prob, arr, spans=True, durations=dur[i])
     it, comm = float(iters.mean()), float(comms.mean())
   compute = prob.forward_s + prob.backward_s + arr.update_s
-  regathers = sum(1 for k in arr.keep if not k)
+  regathers = sum(1 for k, r in zip(arr.keep, arr.reads) if r and not k)
   return SimResult(iteration_s=it, compute_s=compute, comm_s=comm, idle_s=max(it - compute, 0.0),
                    network_busy=comm / it if it > 0 else 0.0, allreduces=len(arr.rep_bytes),
                    reduce_scatters=len(arr.rs_bytes), all_gathers=len(arr.unit_bytes) + regathers,

@@ -92,7 +92,7 @@ def make_scan(step: Any, eqn: Any, gather_cast: bool) -> Scan:
     if len(g) != 1 or set(plan.groups[g[0]]) != want or len(u) != 1 or set(plan.units[u[0]]) != want:
       raise ValueError(f"fsdp_grad: layer {k} of a scanned stack must be exactly one gather group and one unit "
                        f"(its slices of every sharded stacked leaf), as a loop runs every layer alike; plan the "
-                       f"stack per layer (fsdp(bucket_bytes=) of one layer's bytes).")
+                       f"stack per layer (GradientProfile.from_params(..., stacked=)).")
     groups.append(g[0])
     units.append(u[0])
   runs, a = [], 0

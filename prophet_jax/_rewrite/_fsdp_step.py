@@ -54,7 +54,8 @@ def fsdp_grad(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: Any
     loss_fn: `loss_fn(params, batch)` on whole parameters: the loss, or a pytree whose first leaf is the
       loss (the rest is returned as computed); a mean over its examples (`reduction="sum"`: a sum).
     schedule: an FSDP plan (`plan(profile, network, "fsdp", ...)`); a scanned stack planned per layer
-      (rows `<prefix>/<k>/<rest>`: `_fsdp_units.unstack`), each layer one gather group and one unit.
+      (rows `<prefix>/<k>/<rest>`: `GradientProfile.from_params(..., stacked=)`), each layer one gather group and
+      one unit; where it gathers a leaf in another dtype, the leaf's one reader casts it to that dtype.
     axis_name: the data axis the parameters are sharded over.
     reduction: "mean" or "sum" (`hooked`'s).
     gather_dtype: "auto": a sharded leaf whose only reader casts it to another float dtype (a bf16 model
@@ -149,6 +150,13 @@ class _Step:
     self.scans = {self._piece(k): make_scan(self, eqns[k], gather_cast) for k in scans_at}
     for sc in self.scans.values():
       self.cast.update(sc.cast)
+    for i, dt in plan.gather_dtype.items():      # the plan's gather dtype, costed by the planner, is what runs
+      got = np.dtype(self.cast.get(i, flat[i].dtype)).name
+      if got != dt:
+        raise ValueError(f"fsdp_grad: the plan gathers leaf {path_str(kp[i][0])!r} in {dt}, but it would gather in "
+                         f"{got} (gather_dtype={'auto' if gather_cast else None!r}: a leaf is gathered in another dtype "
+                         f"only when its one reader casts it to it); plan without gather_dtype for it, or cast it in "
+                         f"loss_fn.")
     self.vjps = [None if s in self.scans else self._split(p) for s, p in enumerate(self.pieces)]
     # the groups outside scanned stacks: the pieces that first and last read each
     self.group_of = {sl: g for g, slots in enumerate(plan.groups) for sl in slots}

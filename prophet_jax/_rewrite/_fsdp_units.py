@@ -2,7 +2,7 @@
 
 A *slot* is one planned leaf: `(leaf, None)` for a parameter leaf, `(leaf, k)` for layer k of a scanned
 stack (a leaf whose leading axis is the layer), which a profile plans per layer under the path
-`<prefix>/<k>/<rest>` (`unstack` builds that view). `read_plan` maps the schedule's rows to slots.
+`<prefix>/<k>/<rest>` (`GradientProfile.unstacked` makes those rows). `read_plan` maps the schedule's rows to slots.
 
 One gather group is one all-gather and one unit one reduce-scatter (`layout="packed"`, the default):
 each device's shards of the group's leaves, each moved to put its sharded dimension first, flattened and
@@ -16,7 +16,6 @@ and carries the group's or unit's XLA combiner key, so XLA:GPU never joins two o
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -26,9 +25,9 @@ import numpy as np
 
 from ._collectives import tie
 from .._values._schedule import Chunk, Schedule
-from .._values._tree import path_str, row_slots
+from .._values._tree import row_slots
 
-__all__ = ["Slot", "Plan", "read_plan", "unstack", "gather", "scatter", "last", "LAYOUTS", "AG_SCOPE", "REAG_SCOPE",
+__all__ = ["Slot", "Plan", "read_plan", "gather", "scatter", "last", "LAYOUTS", "AG_SCOPE", "REAG_SCOPE",
            "RS_SCOPE"]
 
 LAYOUTS = ("packed", "leaf")
@@ -36,37 +35,6 @@ AG_SCOPE = "prophet/fsdp/ag"       # + gather group g: its forward all-gather (t
 REAG_SCOPE = "prophet/fsdp/reag"   # + g: its all-gather again in backward
 RS_SCOPE = "prophet/fsdp/rs"       # + chunk k: a unit's reduce-scatter
 Slot = tuple[int, "int | None"]
-
-
-def unstack(tree: Any, stacked: Sequence[str], shardings: Any = None) -> Any:
-  """The per-layer view of a scanned model, for its profile: an OrderedDict {path: leaf} in `tree`'s
-  flatten order, each leaf under a `stacked` prefix (its leading axis the layer) split into one leaf per
-  layer at `<prefix>/<k>/<rest>` (a stack's layers in order, each layer's leaves together). With
-  `shardings` (PartitionSpecs or NamedShardings with `tree`'s structure), also their per-layer view (a
-  stacked leaf's spec loses its leading entry).
-
-  Example:
-    >>> flat, specs = unstack(params, ("params/ScanBlock_0",), shardings)   # doctest: +SKIP
-    >>> profile = GradientProfile.from_params(flat, shardings=specs, mesh={"data": 8})
-  """
-  leaves = [(path_str(k), x) for k, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  specs = ([None] * len(leaves) if shardings is None
-           else jax.tree_util.tree_structure(tree).flatten_up_to(shardings))
-  out, out_specs = collections.OrderedDict(), collections.OrderedDict()
-  stack_of = [next((p.rstrip("/") for p in stacked if path.startswith(p.rstrip("/") + "/")), None)
-              for path, _ in leaves]
-  for j, ((path, x), spec, pre) in enumerate(zip(leaves, specs, stack_of)):
-    spec = getattr(spec, "spec", spec)
-    if pre is None:
-      out[path], out_specs[path] = x, None if spec is None else tuple(spec)
-    elif pre not in stack_of[:j]:
-      members = [(p, y, getattr(s, "spec", s)) for (p, y), s, q in zip(leaves, specs, stack_of) if q == pre]
-      for k in range(np.shape(x)[0]):
-        for p, y, s in members:
-          key = f"{pre}/{k}/{p[len(pre) + 1:]}"
-          out[key] = jax.ShapeDtypeStruct(y.shape[1:], y.dtype) if isinstance(y, jax.ShapeDtypeStruct) else y[k]
-          out_specs[key] = None if s is None else tuple(s)[1:]
-  return out if shardings is None else (out, out_specs)
 
 
 class Plan(NamedTuple):
@@ -80,6 +48,7 @@ class Plan(NamedTuple):
   replicated: dict[int, Chunk]              # chunk -> its all-reduce (slices of rows)
   prefetch: int
   backward_prefetch: int
+  gather_dtype: dict[int, str]              # sharded leaf -> the dtype the plan gathers it in, where not its own
 
 
 def read_plan(schedule: Schedule, paths: Sequence[str], shapes: Sequence[tuple[int, ...]], n: int) -> Plan:
@@ -98,7 +67,7 @@ def read_plan(schedule: Schedule, paths: Sequence[str], shapes: Sequence[tuple[i
     if slot is None:
       raise ValueError(f"fsdp_grad: the plan's leaf {path!r} is not among the parameters (they look like "
                        f"{list(paths)[:3]}); a scanned stack's layers are planned as '<prefix>/<k>/<rest>' "
-                       f"(unstack).")
+                       f"(GradientProfile.from_params(..., stacked=)).")
     slots.append(slot)
   dim_of = {}
   for r, d in enumerate(f.shard_dims):
@@ -113,7 +82,8 @@ def read_plan(schedule: Schedule, paths: Sequence[str], shapes: Sequence[tuple[i
   groups = (tuple(tuple(slots[r] for r in g) for g in f.gathers) if f.gathers
             else tuple(units[u] for u in f.units))
   replicated = {k: c for k, c in enumerate(schedule.chunks) if k not in units}
-  return Plan(tuple(slots), dim_of, groups, f.keep, units, replicated, f.prefetch, f.backward_prefetch)
+  gather_dtype = {slots[r][0]: g for r, g in enumerate(f.gather_dtypes) if g is not None}
+  return Plan(tuple(slots), dim_of, groups, f.keep, units, replicated, f.prefetch, f.backward_prefetch, gather_dtype)
 
 
 def _key(name: str) -> Any:

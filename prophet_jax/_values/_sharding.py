@@ -28,6 +28,10 @@ class FsdpPlan(Placed):
     mesh, shard_axes: the mesh shape and the axes sharded rows are split over (others: HSDP replicas).
     memory_budget_bytes: the per-device budget it was planned under, or None.
     gathers: () (each unit gathered whole) or the all-gather groups as row indices, forward order.
+    in_flight: the collectives XLA:GPU keeps in flight that the plan was made for (1: XLA:GPU's default
+      overlap limit), or None: no limit (plans made before the option).
+    gather_dtypes: () (every leaf gathered in its dtype) or per schedule row the dtype it is all-gathered
+      in (None: its own); a unit is reduce-scattered in its rows' dtype.
   """
 
   units: tuple[int, ...]
@@ -39,6 +43,8 @@ class FsdpPlan(Placed):
   shard_axes: tuple[str, ...]
   memory_budget_bytes: int | None = None
   gathers: tuple[tuple[int, ...], ...] = ()
+  in_flight: int | None = None
+  gather_dtypes: tuple[str | None, ...] = ()
 
   def __post_init__(self):
     g = self.gathers
@@ -63,11 +69,18 @@ class FsdpPlan(Placed):
       raise ScheduleError(f"FsdpPlan has keep={self.keep!r}; expected one True/False per "
                           f"{'all-gather group' if self.gathers else 'unit'} ({n_keep}).")
     object.__setattr__(self, "keep", tuple(bool(k) for k in self.keep))
-    for name in ("prefetch", "backward_prefetch"):
+    for name in ("prefetch", "backward_prefetch", "in_flight"):
       v = getattr(self, name)
+      if name == "in_flight" and v is None:
+        continue
       if not is_int(v) or v < 1:
-        raise ScheduleError(f"FsdpPlan has {name}={v!r}; a prefetch depth is an integer >= 1.")
+        raise ScheduleError(f"FsdpPlan has {name}={v!r}; expected an integer >= 1"
+                            f"{' or null' if name == 'in_flight' else ''}.")
       object.__setattr__(self, name, int(v))
+    if isinstance(self.gather_dtypes, (str, bytes, Mapping)) or not all(
+        d is None or isinstance(d, str) for d in self.gather_dtypes):
+      raise ScheduleError(f"FsdpPlan has gather_dtypes={self.gather_dtypes!r:.80}; expected dtype names or null.")
+    object.__setattr__(self, "gather_dtypes", tuple(self.gather_dtypes))
     if not all(d is None or is_int(d) for d in self.shard_dims):
       raise ScheduleError(f"FsdpPlan has shard_dims={self.shard_dims!r:.80}; expected ints or null.")
     object.__setattr__(self, "shard_dims", tuple(None if d is None else int(d) for d in self.shard_dims))
@@ -89,7 +102,9 @@ class FsdpPlan(Placed):
             "backward_prefetch": self.backward_prefetch, "shard_dims": list(self.shard_dims),
             "mesh": dict(self.mesh), "shard_axes": list(self.shard_axes),
             "memory_budget_bytes": self.memory_budget_bytes} | (
-                {"gathers": [list(x) for x in self.gathers]} if self.gathers else {})
+                {"gathers": [list(x) for x in self.gathers]} if self.gathers else {}) | (
+                {"in_flight": self.in_flight} if self.in_flight is not None else {}) | (
+                {"gather_dtypes": list(self.gather_dtypes)} if self.gather_dtypes else {})
 
   @classmethod
   def from_dict(cls, obj: Any) -> FsdpPlan:
@@ -125,8 +140,13 @@ def check_fsdp(s: Any) -> None:
   if s.gathers or s.links or any(b.defer for b in s.buckets):
     raise ScheduleError("an FSDP schedule (fsdp) has no dear gathers, no links and no deferral groups.")
   rows = s.rows
-  if len(f.shard_dims) != len(rows):
-    raise ScheduleError(f"the FSDP plan has {len(f.shard_dims)} shard_dims for {len(rows)} rows; plan again.")
+  if len(f.shard_dims) != len(rows) or len(f.gather_dtypes) not in (0, len(rows)):
+    raise ScheduleError(f"the FSDP plan has {len(f.shard_dims)} shard_dims and {len(f.gather_dtypes)} gather_dtypes "
+                        f"for {len(rows)} rows; plan again.")
+  gdt = f.gather_dtypes or [None] * len(rows)
+  bad = next((r for r, (d, g) in enumerate(zip(f.shard_dims, gdt)) if d is None and g is not None), None)
+  if bad is not None:
+    raise ScheduleError(f"the FSDP plan gathers leaf {rows[bad][0]!r} in {gdt[bad]}, but it is replicated; plan again.")
   chunks = s.chunks
   n = f.shard_count
   units = set(f.units)
@@ -160,9 +180,9 @@ def check_fsdp(s: Any) -> None:
       extra = sorted(set(grouped) - set(in_units)) or sorted(set(in_units) - set(grouped))
       raise ScheduleError(f"the FSDP plan's gathers do not hold each row of its units exactly once (leaf "
                           f"{rows[extra[0]][0] if extra and extra[0] < len(rows) else '?'!r}); plan again.")
-    for g, rs in enumerate(f.gathers):
-      dtypes = {rows[r][2] for r in rs}
-      if len(dtypes) > 1:
-        raise ScheduleError(f"FSDP gather group {g} mixes dtypes {sorted(dtypes)}; one all-gather gathers "
-                            f"one dtype.")
+  for g, rs in enumerate(f.gathers or [[r for r, _, _ in chunks[u].slices] for u in f.units]):
+    dtypes = {gdt[r] or rows[r][2] for r in rs}
+    if len(dtypes) > 1:
+      raise ScheduleError(f"FSDP gather group {g} mixes dtypes {sorted(dtypes)}; one all-gather gathers "
+                          f"one dtype.")
 

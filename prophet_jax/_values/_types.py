@@ -15,6 +15,7 @@ import numpy as np
 
 from ._errors import ProfileError
 from ._placement import (Placed, check_mesh, check_placement, leaf_placement, mesh_of, placement_fingerprint)
+from ._stacks import check_stacks, in_order, unstack_rows
 from ._tree import (IdentityMemo, check_layer_depth, dtype_name, flatten_with_layer_paths, is_float_dtype,
                     is_reduced_leaf, layer_of, rows_info, shardings_by_path)
 
@@ -190,6 +191,8 @@ class ProfileRow:
     fwd_s: forward time of its layer, seconds, on the layer's first row (0 on the others).
     update_s: optimizer time for this leaf, seconds (0 when unknown).
     shard_dim: the dimension sharded over the profile's `shard_axes` (FSDP), or None: replicated.
+    gather_dtype: a sharded leaf's dtype when all-gathered (a bf16 model over f32 shards: 'bfloat16'), or
+      None: its own; its gradient is reduce-scattered in `dtype`.
   """
 
   path: str
@@ -201,6 +204,7 @@ class ProfileRow:
   fwd_s: float = 0.0
   update_s: float = 0.0
   shard_dim: int | None = None
+  gather_dtype: str | None = None
 
   def __post_init__(self):
     if not isinstance(self.path, str) or not self.path:
@@ -229,11 +233,21 @@ class ProfileRow:
                          f"{self.shape} or null (replicated).")
     if d is not None:
       object.__setattr__(self, "shard_dim", int(d))
+    if self.gather_dtype is not None:
+      _row_dtype(self.path, self.gather_dtype)
+      if d is None:
+        raise ProfileError(f"leaf {self.path!r} has gather_dtype={self.gather_dtype!r} but is replicated "
+                           f"(shard_dim null); only sharded leaves are all-gathered.")
 
   @property
   def size(self) -> int:
     """Number of elements."""
     return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def gather_nbytes(self) -> int:
+    """Bytes of the leaf as all-gathered (in `gather_dtype`)."""
+    return self.nbytes if self.gather_dtype is None else self.size * itemsize(self.gather_dtype)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -247,6 +261,8 @@ class GradientProfile(JsonValue, Placed):
     model, device, notes: free text.
     mesh: the mesh shape, (axis name, size) pairs; () when no placement is known.
     shard_axes: the mesh axes sharded rows are split over (the others replicate them: HSDP).
+    stacks: the prefixes of scanned stacks planned per layer: rows `<prefix>/<k>/<rest>` of layer
+      `<prefix>/<k>` (`unstacked`).
     schema: format version.
   """
 
@@ -259,6 +275,7 @@ class GradientProfile(JsonValue, Placed):
   notes: str = ""
   mesh: tuple[tuple[str, int], ...] = ()
   shard_axes: tuple[str, ...] = ()
+  stacks: tuple[str, ...] = ()
   schema: int = PROFILE_SCHEMA
 
   def __post_init__(self):
@@ -292,6 +309,7 @@ class GradientProfile(JsonValue, Placed):
                          f"names such as ['data'].")
     object.__setattr__(self, "shard_axes", tuple(self.shard_axes))
     check_placement(self.rows, self.mesh, self.shard_axes)
+    object.__setattr__(self, "stacks", check_stacks(self.rows, self.stacks))
     fwd = sum(r.fwd_s for r in self.rows)
     if fwd > 0 and abs(fwd - self.forward_s) > 1e-9 + 1e-6 * self.forward_s:
       raise ProfileError(
@@ -373,19 +391,21 @@ class GradientProfile(JsonValue, Placed):
     return dataclasses.replace(self, rows=rows, forward_s=self.forward_s * compute,
                                backward_s=self.backward_s * compute)
 
-  def with_placement(self, params: Any, shardings: Any, *, mesh: Any = None) -> GradientProfile:
-    """This profile with the placement of `params` (as `from_params`' `shardings`, `mesh`), rows matched by
-    path, times kept; ProfileError as `from_params`, or for a row not in `params`.
+  def with_placement(self, params: Any, shardings: Any, *, mesh: Any = None,
+                     gather_dtype: str | None = None) -> GradientProfile:
+    """This profile with the placement of `params` (as `from_params`' `shardings`, `mesh`, `gather_dtype`),
+    rows matched by path, times kept; ProfileError as `from_params`, or for a row not in `params`.
     """
     flat = flatten_with_layer_paths(params)
     specs = shardings_by_path(params, shardings)
-    dims, shape, axes = _placements(flat, specs, shardings, mesh)
+    dims, shape, axes, gathers = _placements(flat, specs, shardings, mesh, gather_dtype)
     paths = {p for p, _, _ in flat}
     missing = [r.path for r in self.rows if r.path not in paths]
     if missing:
       raise ProfileError(f"with_placement: leaf {missing[0]!r} of the profile is not in params (paths like "
                          f"{sorted(paths)[:3]}); pass the params the profile was made from.")
-    rows = tuple(dataclasses.replace(r, shard_dim=dims.get(r.path)) for r in self.rows)
+    rows = tuple(dataclasses.replace(r, shard_dim=dims.get(r.path), gather_dtype=gathers.get(r.path))
+                 for r in self.rows)
     return dataclasses.replace(self, rows=rows, mesh=shape, shard_axes=axes)
 
   # -- construction ---------------------------------------------------------------------------------
@@ -406,16 +426,23 @@ class GradientProfile(JsonValue, Placed):
   @classmethod
   def from_params(cls, params: Any, *, forward_s: float = 0.0, backward_s: float = 0.0,
                   update_s_per_byte: float = 0.0, layer_depth: int | None = None, model: str = "",
-                  device: str = "", shardings: Any = None, mesh: Any = None) -> GradientProfile:
+                  device: str = "", shardings: Any = None, mesh: Any = None, gather_dtype: str | None = None,
+                  stacked: Sequence[str] = (), order: Sequence[str] | None = None) -> GradientProfile:
     """A profile from a parameter pytree: exact paths, shapes and sizes; times spread over layers by bytes.
 
     Args:
-      params: a pytree of arrays (or anything with .shape and .dtype), flatten order as forward order.
+      params: a pytree of arrays (or anything with .shape and .dtype), flatten order as forward order
+        unless `order` says otherwise.
       forward_s, backward_s: step times to spread, seconds.
       update_s_per_byte: optimizer seconds per gradient byte.
       layer_depth: key-path components naming a layer (>= 1; default: all but the last).
       model, device: recorded in the profile.
       shardings, mesh: the placement, PartitionSpec-like per leaf, and the mesh shape (docs/fsdp.md).
+      gather_dtype: the dtype every sharded leaf is all-gathered in (a bf16 model over f32 shards:
+        'bfloat16'); None: its own.
+      stacked: prefixes of scanned stacks (leaves whose leading axis is the layer): planned per layer
+        (`unstacked`).
+      order: forward order: leaf paths or path prefixes, whose leaves come first, in this order.
 
     Raises:
       ValueError, TypeError: a bad time or `layer_depth`; shardings not shaped like params.
@@ -434,11 +461,13 @@ class GradientProfile(JsonValue, Placed):
     forward_s, backward_s, update_s_per_byte = float(forward_s), float(backward_s), float(update_s_per_byte)
     flat = flatten_with_layer_paths(params)
     specs = [None] * len(flat) if shardings is None else shardings_by_path(params, shardings)
+    if order is not None:
+      flat, specs = in_order(flat, specs, order)
     leaves = [(path, layer_of(layer_path, layer_depth), tuple(leaf.shape), dtype_name(leaf.dtype))
               for path, layer_path, leaf in flat if is_reduced_leaf(leaf)]
     if not leaves:
       raise ProfileError("from_params: the tree has no floating-point leaves to reduce.")
-    place = _placements(flat, specs, shardings, mesh)
+    place = _placements(flat, specs, shardings, mesh, gather_dtype)
     nbytes = [int(np.prod(s, dtype=np.int64)) * itemsize(d) for _, _, s, d in leaves]
     total = max(sum(nbytes), 1)
     layer_bytes: dict[str, int] = {}
@@ -455,12 +484,21 @@ class GradientProfile(JsonValue, Placed):
       seen.add(layer)
       rows.append(ProfileRow(path=path, layer=layer, shape=shape, dtype=dtype, nbytes=b,
                              ready_s=ready_of[layer], fwd_s=fwd, update_s=update_s_per_byte * b,
-                             shard_dim=place[0].get(path)))
+                             shard_dim=place[0].get(path), gather_dtype=place[3].get(path)))
     fsum = sum(r.fwd_s for r in rows)
-    return cls(rows=tuple(rows), forward_s=fsum if fsum > 0 else forward_s, backward_s=backward_s,
+    prof = cls(rows=tuple(rows), forward_s=fsum if fsum > 0 else forward_s, backward_s=backward_s,
                method="estimated", model=model, device=device,
                notes="from_params: sizes exact; times spread over layers by bytes", mesh=place[1],
                shard_axes=place[2])
+    return prof.unstacked(stacked) if stacked else prof
+
+  def unstacked(self, stacked: Sequence[str]) -> GradientProfile:
+    """This profile with each scanned stack under a `stacked` prefix planned per layer (`_stacks.unstack_rows`:
+    rows `<prefix>/<k>/<rest>` of layer `<prefix>/<k>`), the prefixes added to `stacks`; ProfileError for a
+    prefix naming no row, a stack's leaves of different lengths, or one split on its layer axis."""
+    stacked = (stacked,) if isinstance(stacked, str) else tuple(str(x).rstrip("/") for x in stacked)
+    return dataclasses.replace(self, rows=unstack_rows(self.rows, stacked),
+                               stacks=self.stacks + tuple(x for x in stacked if x not in self.stacks))
 
   # -- JSON -----------------------------------------------------------------------------------------
   def to_dict(self) -> dict[str, Any]:
@@ -471,6 +509,10 @@ class GradientProfile(JsonValue, Placed):
       d["shard_axes"] = list(self.shard_axes)
     else:
       del d["mesh"], d["shard_axes"]
+    if self.stacks:
+      d["stacks"] = list(self.stacks)
+    else:
+      del d["stacks"]
     return d
 
   @classmethod
@@ -486,17 +528,22 @@ class GradientProfile(JsonValue, Placed):
 
 def _row_dict(r: ProfileRow) -> dict[str, Any]:
   d = dataclasses.asdict(r) | {"shape": list(r.shape)}
-  if r.shard_dim is None:
-    del d["shard_dim"]
+  for name in ("shard_dim", "gather_dtype"):       # written only when set: older files stay as they were
+    if d[name] is None:
+      del d[name]
   return d
 
 
-def _placements(flat: Sequence[tuple[str, str, Any]], specs: Sequence[Any], shardings: Any, mesh: Any
-                ) -> tuple[dict[str, int], tuple[tuple[str, int], ...], tuple[str, ...]]:
-  """({path: shard_dim} of the sharded leaves, mesh shape, shard axes) of `from_params`' shardings."""
+def _placements(flat: Sequence[tuple[str, str, Any]], specs: Sequence[Any], shardings: Any, mesh: Any,
+                gather_dtype: str | None = None
+                ) -> tuple[dict[str, int], tuple[tuple[str, int], ...], tuple[str, ...], dict[str, str]]:
+  """({path: shard_dim} of the sharded leaves, mesh shape, shard axes, {path: gather dtype}) of
+  `from_params`' shardings."""
   given = check_mesh("GradientProfile.from_params", mesh)  # a shape to plan for: () when none is given
+  if gather_dtype is not None:
+    _row_dtype("gather_dtype", gather_dtype)
   if shardings is None:
-    return {}, given, ()
+    return {}, given, (), {}
   shape = given or next((m for m in map(mesh_of, specs) if m is not None), None)
   if shape is None:
     raise ProfileError("GradientProfile.from_params(shardings=...): the mesh shape is unknown; pass "
@@ -515,7 +562,9 @@ def _placements(flat: Sequence[tuple[str, str, Any]], specs: Sequence[Any], shar
                          f"leaf of one profile is split over the same data axes.")
     axes, first = ax, first or path
     dims[path] = dim
-  return dims, shape, axes or ()
+  gathers = {p: gather_dtype for p, _, leaf in flat
+             if p in dims and gather_dtype is not None and gather_dtype != dtype_name(leaf.dtype)}
+  return dims, shape, axes or (), gathers
 
 
 def _row_kwargs(r: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._planning._core import Problem, problem
-from .._planning._fsdp import BackwardOrder, FsdpArrays, backward_order, fsdp_arrays, fsdp_run, unit_costs
+from .._planning._fsdp import (BackwardOrder, FsdpArrays, backward_order, fsdp_arrays, fsdp_run, gather_nbytes,
+                               unit_costs)
 from .._planning._fsdp_bound import backward_chain, forward_blocks
 from .._planning._simulate import simulate_fsdp
 from .._values._checks import check_bytes
@@ -34,7 +35,7 @@ _GRID = 128                  # `_split`'s blocks end at no more than this many p
 
 
 def fsdp(*, memory_budget_bytes: int | None = None, bucket_bytes: int | None = None,
-         prefetch: int | None = None) -> Scheduler:
+         prefetch: int | None = None, in_flight: int = 1) -> Scheduler:
   """FSDP / HSDP: forward all-gathers with planned prefetch, keep or re-gather under a memory budget,
   reduce-scatters in backward, replicated leaves all-reduced (docs/fsdp.md, "The plan").
 
@@ -44,7 +45,9 @@ def fsdp(*, memory_budget_bytes: int | None = None, bucket_bytes: int | None = N
     memory_budget_bytes: per device, the most bytes of gathered parameters and unsharded gradients
       alive at once (as `SimResult.peak_memory_bytes` counts); None: no cap.
     bucket_bytes: None: planned units; an integer: runs of layers closed once they reach it.
-    prefetch: None: planned; an integer >= 1: that forward prefetch depth.
+    prefetch: None: planned; an integer from 1 to `in_flight`: that forward prefetch depth.
+    in_flight: the collectives XLA:GPU keeps in flight (1, its default; more only where the step is
+      compiled with `xla_gpu_experimental_parallel_collective_overlap_limit` set that high).
 
   Returns:
     A Scheduler; options record the arguments, `candidate` and `peak_memory_bytes`.
@@ -69,14 +72,19 @@ def fsdp(*, memory_budget_bytes: int | None = None, bucket_bytes: int | None = N
   budget = check_bytes("fsdp", "memory_budget_bytes", memory_budget_bytes,
                        hint="e.g. 8 * 2**30 for 8 GiB of gathered parameters and gradient buffers.")
   bucket = check_bytes("fsdp", "bucket_bytes", bucket_bytes, hint="e.g. 64 * 2**20.")
-  if prefetch is not None and (not is_int(prefetch) or prefetch < 1):
-    raise ValueError(f"fsdp(prefetch={prefetch!r}): a prefetch depth is an integer >= 1 (or None: planned).")
-  options = {"memory_budget_bytes": budget, "bucket_bytes": bucket, "prefetch": prefetch}
+  if not is_int(in_flight) or in_flight < 1:
+    raise ValueError(f"fsdp(in_flight={in_flight!r}): the collectives XLA:GPU keeps in flight, an integer >= 1 "
+                     f"(1: its default overlap limit).")
+  if prefetch is not None and (not is_int(prefetch) or not 1 <= prefetch <= in_flight):
+    raise ValueError(f"fsdp(prefetch={prefetch!r}): a prefetch depth is an integer from 1 to in_flight={in_flight} "
+                     f"(or None: planned); XLA:GPU runs a deeper prefetch as depth in_flight. For depth 2, compile "
+                     f"the step with xla_gpu_experimental_parallel_collective_overlap_limit=2 and pass in_flight=2.")
+  options = {"memory_budget_bytes": budget, "bucket_bytes": bucket, "prefetch": prefetch, "in_flight": in_flight}
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
     cross = check_inputs(_POLICY, profile, network, cross_step)
     prob = problem(profile, network, cross_step=cross)
-    best = plan_fsdp(prob, budget, bucket, prefetch)
+    best = plan_fsdp(prob, budget, bucket, prefetch, in_flight)
     return fsdp_schedule(profile, best, options=dict(options, candidate=best.label,
                                                      peak_memory_bytes=int(round(best.peak))),
                          cross_step=cross, budget=budget, predicted_s=prediction(prob, best))
@@ -89,12 +97,15 @@ def fsdp(*, memory_budget_bytes: int | None = None, bucket_bytes: int | None = N
 class Plan:
   """One FSDP candidate: chunks, units, keeps and depths, with its simulated iteration and peak."""
 
-  __slots__ = ("label", "chunks", "units", "keep", "prefetch", "backward_prefetch", "iteration", "peak", "gathers")
+  __slots__ = ("label", "chunks", "units", "keep", "prefetch", "backward_prefetch", "iteration", "peak", "gathers",
+               "in_flight")
 
-  def __init__(self, label, chunks, units, keep, prefetch, backward_prefetch, iteration, peak, gathers=None):
+  def __init__(self, label, chunks, units, keep, prefetch, backward_prefetch, iteration, peak, gathers=None,
+               in_flight=1):
     self.label, self.chunks, self.units, self.keep = label, chunks, units, keep
     self.prefetch, self.backward_prefetch, self.iteration, self.peak = prefetch, backward_prefetch, iteration, peak
     self.gathers = gathers          # the all-gather groups (rows), apart from the units; None: the units
+    self.in_flight = in_flight
 
 
 def check_fsdp_inputs(prob: Problem) -> tuple[int, int]:
@@ -116,39 +127,42 @@ def check_fsdp_inputs(prob: Problem) -> tuple[int, int]:
   return s, r
 
 
-def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, prefetch: int | None = None) -> Plan:
-  """The best FSDP candidate for `prob` under `budget`, on the calm network."""
+def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, prefetch: int | None = None,
+              in_flight: int = 1) -> Plan:
+  """The best FSDP candidate for `prob` under `budget`, on the calm network, for `in_flight` collectives in flight."""
   s, r = check_fsdp_inputs(prob)
   rows = prob.profile.rows
   bo = backward_order(prob)
   rows_ = _Rows(prob, bo)
   sharded = [i for i in prob.live if rows[i].shard_dim is not None]
   if budget is not None:
-    big = max(sharded, key=lambda i: prob.row_nbytes[i])
-    need = 2 * int(prob.row_nbytes[big])
-    if budget < need:
-      raise ValueError(f"fsdp(memory_budget_bytes={budget}): leaf {rows[big].path!r} needs {need} bytes "
-                       f"per device during its backward (its {int(prob.row_nbytes[big])} bytes of parameters "
-                       f"gathered and its unsharded gradient); raise the budget to at least {need}, or shard "
+    # a leaf's gradient is made while its gathered weights are held (not the first layer's: its backward reads none)
+    need = {i: int(prob.row_nbytes[i] + (rows_.gbytes[i] if prob.row_layer[i] else 0)) for i in sharded}
+    big = max(sharded, key=need.get)
+    if budget < need[big]:
+      raise ValueError(f"fsdp(memory_budget_bytes={budget}): leaf {rows[big].path!r} needs {need[big]} bytes "
+                       f"per device during its backward (its unsharded gradient{'' if prob.row_layer[big] == 0 else ' and its parameters gathered'}); raise the budget to at least {need[big]}, or shard "
                        f"the leaf over more devices.")
   if bucket is not None:
-    unit_sets = [(f"bucket_bytes={bucket}", _runs(rows_, sharded, float(bucket)), None)]
+    unit_sets = [(f"bucket_bytes={bucket}", rows_.stacked(_runs(rows_, sharded, float(bucket))), None)]
   else:
-    unit_sets = [("per-layer", _runs(rows_, sharded, 0.0), None)]
+    unit_sets = [("per-layer", rows_.stacked(_runs(rows_, sharded, 0.0)), None)]
     seen = {_key(unit_sets[0][1])}
-    per_leaf = [[i] for i in sharded]
+    per_leaf = rows_.stacked([[i] for i in sharded])
     if budget is not None and _key(per_leaf) not in seen:  # the least memory; never the fastest without
       unit_sets.append(("per-leaf", per_leaf, None))        # a cap (the most start-ups)
       seen.add(_key(per_leaf))
     for label, u in [(f"cap={mib}MiB", _runs(rows_, sharded, mib * 2.0**20)) for mib in _CAPS_MIB] + [
         (f"ramp={lo}-{mib}MiB", _runs(rows_, sharded, mib * 2.0**20, ramp=lo * 2.0**20)) for lo, mib in _RAMP_MIB] + [
         (f"taper={n},{g:g}", _taper(rows_, unit_sets[0][1], n, g)) for n, g in _TAPERS]:
+      u = rows_.stacked(u)
       if _key(u) not in seen:
         seen.add(_key(u))
         unit_sets.append((label, u, None))
     u, g = _split(prob, rows_, sharded, s, r)
-    unit_sets.append(("split", u, g))
-  depths = _PREFETCH if prefetch is None else (prefetch,)
+    unit_sets.append(("split", rows_.stacked(u), rows_.stacked(g)))
+  depths = tuple(d for d in _PREFETCH if d <= in_flight) if prefetch is None else (prefetch,)
+  dbs = tuple(d for d in (1, 2) if d <= in_flight)
   best: Plan | None = None
   smallest = None
   limit = budget if budget is not None else float("inf")
@@ -160,14 +174,16 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   # the order of their bounds, none whose bound is no better than the _DEEPER fastest plans that fit
   structs: list[_Set] = []
   keeps: list[_Keeps] = []
-  tails = (False, True) if rows_.rep else (False,)
+  # the replicated leaves at the end of backward with one collective in flight: each all-reduce in backward's
+  # windows held the compute the units' collectives overlap (docs/design.md, "Windows, order and collectives")
+  tails = ((True,) if in_flight == 1 else (False, True)) if rows_.rep else (False,)
   for n, (label, units, gathers) in enumerate(unit_sets):
     for tail in (tails if n == 0 else (tails[0],)):
       chunks, unit_idx = _chunks(rows_, units, tail=tail)
       base = fsdp_arrays(prob, chunks, unit_idx, [True] * len(gathers or units), depths[0], 1, s, r, gathers,
                          order_of=bo)
       structs.append(_Set(label + (",replicated-at-end" if tail else ""), chunks, unit_idx, base, gathers))
-      keeps.append(_Keeps(prob, base, depths[0], budget))
+      keeps.append(_Keeps(prob, base, depths[0], budget, dbs))
     if n == 0 and len(tails) > 1:          # the replicated leaves' grouping: the lower bound's
       tails = (keeps[-1].bound() < keeps[-2].bound(),)
   first: dict[int, Plan] = {}
@@ -185,7 +201,7 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
       if d > 1 and (d > len(base.keep) or rank >= _DEEPER):
         break
       if d > depths[0]:
-        deeper = _Keeps(prob, base, d, budget)
+        deeper = _Keeps(prob, base, d, budget, dbs)
         if best is not None and deeper.bound() > best.iteration:
           break                            # deeper prefetch no longer pays for this unit set
       cand = first[i] if d == depths[0] else deeper.plan(structs[i])
@@ -199,6 +215,7 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
   if best is None:
     raise ValueError(f"fsdp(memory_budget_bytes={budget}): no plan fits; the least memory found is "
                      f"{int(smallest or 0)} bytes per device. Raise the budget, or shard over more devices.")
+  best.in_flight = in_flight
   return best
 
 
@@ -217,8 +234,8 @@ class _Keeps:
   each run once when asked (docs/fsdp.md, "The plan": the largest k that fits, and the bound).
   """
 
-  def __init__(self, prob: Problem, base: FsdpArrays, d: int, budget: int | None):
-    self.prob, self.base, self.d, self.budget = prob, base, d, budget
+  def __init__(self, prob: Problem, base: FsdpArrays, d: int, budget: int | None, dbs: tuple[int, ...] = (1, 2)):
+    self.prob, self.base, self.d, self.budget, self.dbs = prob, base, d, budget, dbs
     self.n = n = len(base.keep)
     self.kept = np.concatenate([[0.0], np.cumsum(base.unit_bytes[::-1])])   # bytes of the last k groups
     self.top = n if budget is None else int(np.searchsorted(self.kept, budget, side="right")) - 1
@@ -239,7 +256,7 @@ class _Keeps:
     """No keep pattern that fits the budget runs faster than this."""
     if self.top >= self.n:
       return self.run(self.n, 1)[0]
-    return min(self.run(self.top, db)[0] for db in (1, 2))
+    return min(self.run(self.top, db)[0] for db in self.dbs)
 
   def plan(self, st: _Set) -> Plan:
     """The largest k that fits, at the faster backward prefetch; when none fits, the pattern of least
@@ -253,7 +270,7 @@ class _Keeps:
     best = None
     hi = min(self.top, n - 1)
     guess = None
-    for db in (1, 2):
+    for db in self.dbs:
       if best is not None and self.run(hi, db)[0] > best.iteration:
         continue                         # no k that fits is faster at this backward prefetch
       def fits(k: int) -> bool:
@@ -310,18 +327,54 @@ def _key(units: Sequence[Sequence[int]]) -> tuple:
 
 
 class _Rows:
-  """Per-row layer, backward position, bytes and dtype, computed once per plan."""
+  """Per-row layer, backward position, bytes (as reduce-scattered and as gathered), dtype (with the gather
+  dtype: what one collective moves) and scanned layer, computed once per plan."""
 
   def __init__(self, prob: Problem, bo: BackwardOrder | None = None):
     bo = bo if bo is not None else backward_order(prob)
     self.layer = prob.row_layer.tolist()
     self.nl, self.pos_l, self.ready_l, self.pos = len(prob.layers), bo.layer_pos, bo.ready, bo.row_pos
     self.nbytes = prob.row_nbytes.tolist()
-    self.dtype = prob.dtype
-    self.size = prob.size
+    self.gbytes = gather_nbytes(prob.profile)
     rows = prob.profile.rows
+    self.dtype = [d if r.gather_dtype is None else f"{d}>{r.gather_dtype}" for d, r in zip(prob.dtype, rows)]
+    self.size = prob.size
     self.rep = [i for i in prob.live if rows[i].shard_dim is None]
     self.tail_items = None              # `_chunks`' replicated chunks at the end, once computed
+    stacks = tuple(p + "/" for p in prob.profile.stacks)
+    self.scanned: dict[int, list[int]] = {}    # a scanned layer's sharded rows (forward order)
+    for i in prob.live:
+      if rows[i].shard_dim is not None and rows[i].path.startswith(stacks):
+        self.scanned.setdefault(self.layer[i], []).append(i)
+    for l, rs in self.scanned.items():
+      if len({self.dtype[i] for i in rs}) > 1:
+        raise ValueError(f"fsdp: scanned layer {prob.layers[l]!r} holds sharded leaves of dtypes "
+                         f"{sorted({self.dtype[i] for i in rs})}; the step gathers a scanned layer in one "
+                         f"all-gather of one dtype. Give its leaves one dtype (and gather dtype).")
+
+  def stacked(self, units: Sequence[Sequence[int]]) -> list[list[int]]:
+    """`units` (or gather groups) with every scanned layer alone in one, whole: the step runs a stack's
+    layers in a loop, one all-gather and one reduce-scatter each (docs/fsdp.md, "Scanned stacks")."""
+    if not self.scanned:
+      return [list(u) for u in units]
+    out: list[list[int]] = []
+    seen: set[int] = set()
+    for u in units:
+      rest: list[int] = []
+      for i in u:
+        l = self.layer[i]
+        if l not in self.scanned:
+          rest.append(i)
+          continue
+        if rest:
+          out.append(rest)
+          rest = []
+        if l not in seen:
+          seen.add(l)
+          out.append(self.scanned[l])
+      if rest:
+        out.append(rest)
+    return sorted(out, key=lambda u: self.layer[u[0]])
 
 
 def _runs(rows: _Rows, sharded: Sequence[int], cap: float, *, ramp: float = 0.0) -> list[list[int]]:
@@ -390,10 +443,12 @@ def _split(prob: Problem, rows: _Rows, sharded: Sequence[int], s: int, r: int
   for i in sharded:
     by_layer.setdefault(rows.layer[i], []).append(i)
   s_l = np.zeros(rows.nl)
+  g_l = np.zeros(rows.nl)
   for l, rs in by_layer.items():
     s_l[l] = sum(rows.nbytes[i] for i in rs)
+    g_l[l] = sum(rows.gbytes[i] for i in rs)
   layers = sorted(by_layer)
-  _, f_ends = forward_blocks(s_l, np.asarray(prob.layer_fwd_s, dtype=float), a_g, b_g, _grid(s_l[layers]))
+  _, f_ends = forward_blocks(g_l, np.asarray(prob.layer_fwd_s, dtype=float), a_g, b_g, _grid(g_l[layers]))
   in_ready = sorted(layers, key=lambda l: rows.pos_l[l])
   _, b_ends = backward_chain(np.array([rows.ready_l[l] for l in in_ready]), s_l[in_ready], a_g, b_g,
                              _grid(s_l[in_ready]), (a_r, b_r) if r > 1 else None)
@@ -478,7 +533,8 @@ def fsdp_schedule(profile: GradientProfile, best: Plan, *, options: dict[str, An
   plan = FsdpPlan(units=tuple(best.units), keep=tuple(best.keep), prefetch=best.prefetch,
                   backward_prefetch=best.backward_prefetch, shard_dims=tuple(r.shard_dim for r in rows),
                   mesh=profile.mesh, shard_axes=profile.shard_axes, memory_budget_bytes=budget,
-                  gathers=tuple(map(tuple, best.gathers or ())))
+                  gathers=tuple(map(tuple, best.gathers or ())), in_flight=best.in_flight,
+                  gather_dtypes=tuple(r.gather_dtype for r in rows) if any(r.gather_dtype for r in rows) else ())
   return Schedule(buckets=buckets, rows=profile.tree_rows(), policy=policy, options=tuple(options.items()),
                   cross_step=bool(cross_step), predicted_s=best.iteration if predicted_s is None else predicted_s,
                   fsdp=plan)
