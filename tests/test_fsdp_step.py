@@ -202,9 +202,18 @@ def expected(sched):
   return {k: v for k, v in out.items() if v}
 
 
+def audited(report):
+  """The audit's collectives as `collectives` counts them."""
+  out = {("all-gather", "fsdp/ag"): len(report.gathers), ("all-gather", "fsdp/reag"): len(report.regathers),
+         ("reduce-scatter", "fsdp/rs"): sum(e.collective == "reduce-scatter" for e in report.chunks),
+         ("all-reduce", "chunk"): sum(e.collective == "all-reduce" for e in report.chunks)}
+  return {k: v for k, v in out.items() if v}
+
+
 def _check(model, plans, opt):
   """Each plan's library step against the partitioner's and the single-device step (computed once), the n-1
-  divisor failing, and its compiled collectives counted against the plan."""
+  divisor failing, and its compiled collectives counted against the plan, by hand and by `audit`; the first
+  plan's program audited against the last plan fails when their keeps differ."""
   params, specs, loss, stacked = model()
   mesh = _mesh()
   tx = optax.adamw(3e-2, weight_decay=0.1) if opt == "adamw" else optax.sgd(0.1, momentum=0.9)
@@ -224,6 +233,7 @@ def _check(model, plans, opt):
         assert_trees_close((m_got.mu, m_got.nu), (m_ref.mu, m_ref.nu), zeros(m_ref))
     assert_trees_close(got[0], ref[0], params)
 
+  steps = []
   for i, sched in enumerate(plans(params, specs, stacked)):
     step, _ = library_step(loss, sched, specs, tx, params, mesh, on_mesh=i == 0)
     p0, s0 = placed(params, specs), placed(tx.init(params), sspecs)
@@ -235,6 +245,12 @@ def _check(model, plans, opt):
       close(_run(step, p0, s0, lbatches, jnp.float32(NDEV / (NDEV - 1))), single)
     # the plan's collectives, each once (a loop's once per trip), and none of the partitioner's own
     assert collectives(step) == expected(sched)
+    report = pj.audit(step, sched)
+    assert report.ok and audited(report) == expected(sched), report.describe()
+    steps.append((step, sched))
+  (first, a), (_, b) = steps[0], steps[-1]
+  if a.fsdp.keep != b.fsdp.keep:
+    assert not pj.audit(first, b).ok
 
 
 def test_unrolled_keep_all_and_gather_again_sgd():
@@ -292,34 +308,26 @@ def test_flax_models_unchanged(model):
 
 @pytest.mark.gpu
 def test_h100_windows_and_collectives(topo):
-  """On 8 compile-only H100s: each group one all-gather (the plan's keys: XLA joins none), each forward gather
-  after the first with a gemm inside its window (ties to activations), the groups gathered again, one
-  reduce-scatter per unit, and nothing of the partitioner's own."""
-  from prophet_jax._compiled._hlo_collectives import async_windows, is_collective, sharded_collectives
-
-  params, specs, loss, _ = unrolled()
-  sched = _least(params, specs, ())
+  """On 8 compile-only H100s, a scanned stack of 8 layers gathered again in backward, read by `audit`: each
+  group one all-gather (the plan's keys: XLA joins none), a loop's counted per layer, each forward gather
+  after the first with a layer's matmul inside its window (ties to activations), the groups gathered again, one
+  reduce-scatter per unit in order, and nothing of the partitioner's own."""
+  params, specs, loss, stacked = scanned(layers=8)
+  sched = _least(params, specs, stacked, bucket_bytes=D * D * 4)
+  assert not any(sched.fsdp.keep)
   grad_fn = pj.hooked(loss, sched, axis_name="data")
   mesh = topo.mesh("data")
   step = jax.jit(jax.shard_map(lambda p, b: grad_fn(p, b)[1], mesh=mesh, in_specs=(specs, P("data")),
                                out_specs=specs))
   batch = {"x": jax.ShapeDtypeStruct((B, D), jnp.float32), "y": jax.ShapeDtypeStruct((B, D), jnp.float32)}
   compiled = step.lower(topo.abstract(params, specs), topo.abstract(batch, P("data"))).compile()
-  module = parse_hlo(compiled.as_text())
-  ops = execution_order(module)
-  label = lambda name: re.search(r"prophet/(fsdp/(?:reag|ag|rs))(\d+)", name)  # noqa: E731
-  found = [m.groups() if (m := label(c.op_name)) else ("foreign", c.op_name) for c in sharded_collectives(module, ops)]
-  count = lambda kind: sum(k == kind for k, _ in found)  # noqa: E731
+  report = pj.audit(compiled, sched)
   n = len(sched.fsdp.units)
-  assert (count("fsdp/ag"), count("fsdp/reag"), count("fsdp/rs")) == (n, n, n), found
-  windows = {int(label(w.start.instruction.op_name + w.done.instruction.op_name).group(2)): w
-             for w in async_windows(module, ops).values()
-             if (m := label(w.start.instruction.op_name + w.done.instruction.op_name)) and m.group(1) == "fsdp/ag"}
-  foreign = [op.instruction.name for op in ops if is_collective(op.instruction.opcode)
-             and not op.instruction.opcode.endswith("-done") and "prophet/" not in op.instruction.op_name]
-  assert not foreign, foreign
-  gemm = lambda w: any("gemm" in op.instruction.text or op.instruction.opcode == "dot" for op in w.inside)  # noqa: E731
-  assert all(g in windows and gemm(windows[g]) for g in range(1, n)), {g: len(w.inside) for g, w in windows.items()}
+  assert report.ok and audited(report) == expected(sched), report.describe()
+  assert (len(report.gathers), len(report.regathers)) == (n, n) and not report.foreign, report.describe()
+  assert max(e.trips for e in report.gathers) == 6     # the loop's gather, once per layer it handles
+  assert all(e.asynchronous and e.window_flops > 0 for e in report.gathers[1:]), report.describe()
+  assert report.gathers_in_flight == 1
 
 
 def test_state_specs_follow_the_plan_and_the_other_fronts_refuse_an_fsdp_plan():
