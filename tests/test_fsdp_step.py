@@ -330,6 +330,25 @@ def test_h100_windows_and_collectives(topo):
   assert report.gathers_in_flight == 1
 
 
+@pytest.mark.gpu
+def test_h100_a_deeper_plan_holds_only_under_the_users_option(topo):
+  """A plan gathering two groups ahead (prefetch=2): XLA:GPU keeps one collective in flight by default, so
+  the audit reads one and fails naming the option; compiled with it, two are in flight and the audit passes."""
+  params, specs, loss, stacked = unrolled()
+  sched = _least(params, specs, stacked, prefetch=2)
+  grad_fn = pj.hooked(loss, sched, axis_name="data")
+  step = jax.jit(jax.shard_map(lambda p, b: grad_fn(p, b)[1], mesh=topo.mesh("data"), in_specs=(specs, P("data")),
+                               out_specs=specs))
+  batch = {"x": jax.ShapeDtypeStruct((B, D), jnp.float32), "y": jax.ShapeDtypeStruct((B, D), jnp.float32)}
+  lowered = step.lower(topo.abstract(params, specs), topo.abstract(batch, P("data")))
+  default = pj.audit(lowered.compile(), sched)
+  assert not default.ok and default.gathers_in_flight == 1
+  assert "xla_gpu_experimental_parallel_collective_overlap_limit" in " ".join(default.problems)
+  deeper = pj.audit(lowered.compile(compiler_options={"xla_gpu_experimental_parallel_collective_overlap_limit": 2}),
+                    sched)
+  assert deeper.ok and deeper.gathers_in_flight == 2, deeper.describe()
+
+
 def test_state_specs_follow_the_plan_and_the_other_fronts_refuse_an_fsdp_plan():
   """The optimizer state's specs follow the params (what a jitted tx.init needs as out_shardings); scheduled,
   allreduce and pipelined refuse an FSDP plan naming hooked; hooked refuses what it does not carry out (HSDP,
