@@ -378,3 +378,37 @@ def test_state_specs_follow_the_plan_and_the_other_fronts_refuse_an_fsdp_plan():
   batch = _place(_batches()[0], {"x": P("data"), "y": P("data")}, mesh)
   with pytest.raises(ValueError, match=r"leaf 'params/l0/w'.* plan places it as P\('data', None\)"):
     jax.eval_shape(grad_fn, _place(params, jax.tree.map(lambda _: P(), specs), mesh), batch)
+
+
+def test_the_training_state_placed_on_the_host_and_through_orbax(tmp_path):
+  """An FSDP step's whole training state: the optimizer state from a jitted tx.init with state_specs as its
+  out_shardings (without them, on Auto axes, the moments land on one device: the control), the whole state
+  to the host (unshard_state) and back to the plan's placement (shard_state(mesh=)), and an orbax round
+  trip of the params and the optimizer state, values and placements kept."""
+  import orbax.checkpoint as ocp
+
+  params, specs, _, stacked = scanned()
+  sched = _least(params, specs, stacked, bucket_bytes=D * D * 4)
+  mesh, tx = _mesh(), optax.adamw(1e-3)
+  sspecs = pj.state_specs(jax.eval_shape(tx.init, params), "data", params=params, schedule=sched)
+  named = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
+  placed = _place(params, specs, mesh)
+  train = {"params": placed, "opt_state": jax.jit(tx.init, out_shardings=named(sspecs))(placed)}
+  mu = lambda st: _moments(st)[0].mu  # noqa: E731
+  spec_of = lambda t: jax.tree.map(lambda x: getattr(x.sharding, "spec", "one device"), t)  # noqa: E731
+  assert spec_of(mu(train["opt_state"])) == spec_of(placed)
+  assert spec_of(mu(jax.jit(tx.init)(placed))) != spec_of(placed)      # F9: a jitted init on Auto axes
+  host = pj.unshard_state(train, tx, params, sched)
+  assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(host))
+  jax.tree.map(np.testing.assert_array_equal, host, jax.device_get(train))
+  back = pj.shard_state(host, tx, params, sched, NDEV, mesh=mesh)
+  assert jax.tree.map(lambda x: x.sharding, back) == jax.tree.map(lambda x: x.sharding, train)
+  with pytest.raises(ValueError, match="placed on the mesh, not cut.*mesh="):
+    pj.shard_state(host, tx, params, sched, NDEV)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "train", train)
+    ckpt.wait_until_finished()
+    got = ckpt.restore(tmp_path / "train", jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), train))
+  assert jax.tree.map(lambda x: x.sharding, got) == jax.tree.map(lambda x: x.sharding, train)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), host)
