@@ -302,7 +302,11 @@ def read_scanned(hlo: str, profile: pj.GradientProfile, layers: int) -> tuple[pj
         out.append(n)
     return out
 
-  fwd_loop, fwd_groups, again, unit_groups, events, seen_outer, outer_again = None, [], set(), [], [], set(), set()
+  stack_rep = [[i for i in replicated if rows[i].path.startswith(f"{STACK}/{k}/")] for k in range(layers)]
+  top_rep = [i for i in replicated if not rows[i].path.startswith(f"{STACK}/")]
+  size = lambda rs: sum(rows[i].size for i in rs)  # noqa: E731
+  fwd_loop, fwd_groups, again, events, seen_outer, outer_again = None, [], set(), [], set(), set()
+  body, body_done = [], False    # one trip of the backward loop: ("u", weights) and ("r", None), in order
   notes = []
   for op in execution_order(parse_hlo(hlo)):
     ins = op.instruction
@@ -311,6 +315,7 @@ def read_scanned(hlo: str, profile: pj.GradientProfile, layers: int) -> tuple[pj
       continue
     shapes = _arrays(ins, kind)
     loop = op.loops[0] if op.loops else None
+    backward = loop is not None and fwd_loop is not None and loop != fwd_loop
     ws = names(shapes, (loop, kind)) if loop is not None else []
     if kind == "all-gather":
       if loop is not None and ws and fwd_loop is None:
@@ -323,32 +328,30 @@ def read_scanned(hlo: str, profile: pj.GradientProfile, layers: int) -> tuple[pj
       for shp in shapes:
         if shp in outer:
           (outer_again if fwd_loop is not None else seen_outer).add(outer[shp])
-    elif kind == "reduce-scatter":
-      if loop is not None and ws:
-        if not unit_groups or loop != unit_groups[0][0]:
-          unit_groups.append((loop, []))
-        unit_groups[-1][1].append(ws)
-        if ("loop", loop) not in events:
-          events.append(("loop", loop))
-      for shp in shapes:
-        if loop is None and shp in outer and ("u", outer[shp]) not in events:
-          events.append(("u", outer[shp]))
-    elif replicated and ("r", 0) not in events:
-      events.append(("r", 0))
-  per_layer = []   # one layer's units: the first backward loop's reduce-scatters, until a weight repeats
-  for g in (g for _, gs in unit_groups[:1] for g in gs):
-    if set(g) & {n for u in per_layer for n in u}:
-      break
-    per_layer.append(g)
-  per_layer = per_layer or [list(STACK_WEIGHTS)]
+      continue
+    if backward and ("loop", None) not in events:
+      events.append(("loop", None))
+    elements = sum(math.prod(x) for x in shapes)
+    if kind == "reduce-scatter" and backward and ws and not body_done:
+      if set(ws) & {n for e, g in body if e == "u" for n in g}:
+        body_done = True         # the next trip's (a double-buffered body holds two)
+      else:
+        body.append(("u", ws))
+    elif kind == "reduce-scatter" and loop is None:
+      events += [("u", outer[x]) for x in shapes if x in outer and ("u", outer[x]) not in events]
+    elif kind == "all-reduce" and backward and elements == size(stack_rep[0]) and ("r", None) not in body:
+      body.append(("r", None))
+    elif kind == "all-reduce" and loop is None and elements in (size(top_rep), size(replicated)):
+      events.append(("r", "top" if elements == size(top_rep) else "all"))
   missing = [n for n in STACK_WEIGHTS if n not in {m for g in fwd_groups for m in g}]
   if missing:
     notes.append(f"{missing} never all-gathered in the forward loop: one group of their own")
     fwd_groups.append(missing)
-  if set(STACK_WEIGHTS) - {n for g in per_layer for n in g}:
-    notes.append(f"{sorted(set(STACK_WEIGHTS) - {n for g in per_layer for n in g})} in no reduce-scatter of the "
-                 f"backward loop (the partitioner gathers activations for its gradient instead): one unit of its own")
-    per_layer.append([n for n in STACK_WEIGHTS if n not in {m for g in per_layer for m in g}])
+  unscattered = [n for n in STACK_WEIGHTS if n not in {m for e, g in body if e == "u" for m in g}]
+  if unscattered:
+    notes.append(f"{unscattered} in no reduce-scatter of the backward loop (the partitioner gathers activations "
+                 f"for its gradient instead): one unit of its own")
+    body.append(("u", unscattered))
   gathers, keep = [], []
   for i in sorted(outer.values()):
     if i not in seen_outer:
@@ -363,8 +366,6 @@ def read_scanned(hlo: str, profile: pj.GradientProfile, layers: int) -> tuple[pj
   layer_of = {i: profile.layers.index(r.layer) for i, r in enumerate(rows)}
   order = sorted(range(len(gathers)), key=lambda j: min(layer_of[r] for r in gathers[j]))
   gathers, keep = [gathers[j] for j in order], [keep[j] for j in order]
-  if ("r", 0) not in events and replicated:
-    events.append(("r", 0))
   for i in outer.values():
     if ("u", i) not in events:
       notes.append(f"{rows[i].path}'s gradient found in no reduce-scatter: one unit at the end")
@@ -373,16 +374,23 @@ def read_scanned(hlo: str, profile: pj.GradientProfile, layers: int) -> tuple[pj
   for kind, x in events:
     if kind == "loop":
       for k in range(layers - 1, -1, -1):
-        for g in per_layer:
-          units[tuple(sorted(index[f"{STACK}/{k}/{n}"] for n in g))] = len(chunks)
+        for e, g in body:
+          if e == "r":
+            chunks += [stack_rep[k]] if stack_rep[k] else []
+            continue
+          units[len(chunks)] = True
           chunks.append(sorted(index[f"{STACK}/{k}/{n}"] for n in g))
     elif kind == "u":
-      units[(x,)] = len(chunks)
+      units[len(chunks)] = True
       chunks.append([x])
-    else:
-      chunks.append(replicated)
+    elif top_rep or x == "all":
+      chunks.append(top_rep if x == "top" else replicated)
+  left = [i for i in replicated if i not in {r for c in chunks for r in c}]
+  if left:
+    notes.append(f"{len(left)} replicated leaves in no all-reduce found: one chunk at the end")
+    chunks.append(left)
   # the reduce-scatter units in forward use order (FsdpPlan.units), as the gathers
-  forward_units = sorted(units.values(), key=lambda c: min(layer_of[r] for r in chunks[c]))
+  forward_units = sorted(units, key=lambda c: min(layer_of[r] for r in chunks[c]))
   plan = FsdpPlan(units=tuple(forward_units), keep=tuple(keep), prefetch=1, backward_prefetch=1,
                   shard_dims=tuple(r.shard_dim for r in rows), mesh=profile.mesh, shard_axes=profile.shard_axes,
                   gathers=tuple(tuple(g) for g in gathers))
@@ -455,6 +463,9 @@ def scanned_main(a) -> None:
           return jax.tree.map(lambda x, y: x - 1e-3 * y, p, g)
         c, secs = compiled_of(step, large if flags == "large-model" else None)
         text = c.as_text()
+        if a.dump:
+          pathlib.Path(a.dump).mkdir(parents=True, exist_ok=True)
+          (pathlib.Path(a.dump) / f"scanned_{devices}_{flags}_remat{int(remat)}.hlo.txt").write_text(text)
         read, notes = read_scanned(text, prof, a.layers)
         sim = pj.simulate(read, prof, net, events=True)
         peaks.append(sim.peak_memory_bytes)
