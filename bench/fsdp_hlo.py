@@ -22,8 +22,19 @@ On 1,024 GPUs (`--devices 1024 --remat no`) the vocabulary must divide by 1,024:
 
     JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py [--layers 4] [--devices 8 64] [--flags both]
 
+`--scanned`: the blocks stacked and scanned on both sides, and the library's own FSDP step (`hooked` with an
+FSDP plan, keep-everything and least-memory plans) compiled beside the partitioner's programs; each library
+program audited (`prophet_jax.audit`: its gathers, re-gathers, reduce-scatters and windows) and read back
+from the audit (`read_library`), each partitioner program read by `read_scanned`; all simulated on one
+per-layer profile and network (docs/fsdp.md, "The library's step beside the partitioner's"):
+
+    JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py --scanned --layers 16 --d 2048 --ff 8192 \
+        --vocab 128256 --name llama-1b --devices 8 64 --out bench/results/fsdp_hlo_scanned_1b.json \
+        --timeline bench/results/fsdp_hlo_scanned_1b
+
 Why it imports private code: a compiled program's collectives become a Schedule with an `FsdpPlan`
-(`_values._sharding`), which no public name builds from outside a planner.
+(`_values._sharding`), which no public name builds from outside a planner; the HLO reader counts a loop's
+collectives per trip; a scanned profile is planned per layer (`_rewrite._fsdp_units.unstack`).
 """
 
 from __future__ import annotations
@@ -271,6 +282,20 @@ def _arrays(ins, kind: str) -> list[tuple[int, ...]]:
   return found
 
 
+def executed(hlo: str) -> dict:
+  """Collectives per step by kind, each loop body's once per trip (weights' and activations' alike)."""
+  from prophet_jax._compiled._hlo import execution_order, parse_hlo
+  from prophet_jax._compiled._hlo_collectives import allreduces, sharded_collectives
+
+  module = parse_hlo(hlo)
+  ops = execution_order(module)
+  out = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
+  for c in sharded_collectives(module, ops):
+    out[c.collective] += c.op.trips or 1
+  out["all-reduce"] = sum(a.op.trips or 1 for a in allreduces(module, ops))
+  return out
+
+
 def read_scanned(hlo: str, profile: pj.GradientProfile, layers: int) -> tuple[pj.Schedule, list[str]]:
   """The partitioner's compiled scanned program as a Schedule: per layer, its weights grouped into all-gathers
   as the forward loop's body gathers them (weights known by their shapes, in STACK_WEIGHTS order), a weight
@@ -469,11 +494,11 @@ def scanned_main(a) -> None:
         read, notes = read_scanned(text, prof, a.layers)
         sim = pj.simulate(read, prof, net, events=True)
         peaks.append(sim.peak_memory_bytes)
-        cs = collectives(text)
+        per_step = executed(text)
         rows.append({"program": "partitioner", "devices": devices, "flags": flags, "remat": remat,
                      "compile_s": secs, "temp_bytes": c.memory_analysis().temp_size_in_bytes,
-                     "all_gathers": sum(x["kind"] == "all-gather" for x in cs),
-                     "reduce_scatters": sum(x["kind"] == "reduce-scatter" for x in cs),
+                     "all_gathers": per_step["all-gather"], "reduce_scatters": per_step["reduce-scatter"],
+                     "all_reduces": per_step["all-reduce"],
                      "iteration_ms": sim.iteration_s * 1e3, "peak_bytes": sim.peak_memory_bytes,
                      "idle_ms": sim.idle_s * 1e3, "read_notes": notes,
                      "read_schedule": json.loads(read.to_json()), "_sim": sim})
@@ -499,7 +524,7 @@ def scanned_main(a) -> None:
         g = grad_fn(p, t)[1]
         return jax.tree.map(lambda x, y: x - 1e-3 * y, p, g)
       c, secs = compiled_of(lib_step)
-      report = pj.audit(c, sched)
+      report, per_step = pj.audit(c, sched), executed(c.as_text())
       read = read_library(report, sched)
       sim = pj.simulate(read, prof, net, events=True)
       windows = [{"group": e.chunk, "kind": e.kind, "trips": e.trips, "asynchronous": e.asynchronous,
@@ -507,8 +532,8 @@ def scanned_main(a) -> None:
                  for e in report.gathers + report.regathers]
       lib = {"program": f"library, {label}", "devices": devices, "flags": "default", "remat": False,
              "compile_s": secs, "temp_bytes": c.memory_analysis().temp_size_in_bytes, "budget_bytes": budget,
-             "all_gathers": len(report.gathers) + len(report.regathers),
-             "reduce_scatters": sum(e.collective == "reduce-scatter" for e in report.chunks),
+             "all_gathers": per_step["all-gather"], "reduce_scatters": per_step["reduce-scatter"],
+             "all_reduces": per_step["all-reduce"],
              "audit_ok": report.ok, "audit": report.describe(), "gathers_in_flight": report.gathers_in_flight,
              "windows": windows, "planned_ms": planned.iteration_s * 1e3,
              "planned_peak_bytes": planned.peak_memory_bytes, "iteration_ms": sim.iteration_s * 1e3,

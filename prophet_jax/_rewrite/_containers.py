@@ -155,8 +155,8 @@ def _whole(x: Any) -> Any:
   """An array whole on the host (from every process where it spans several); anything else as it is."""
   if not isinstance(x, jax.Array):
     return x
-  if not x.is_fully_addressable:   # jax.experimental loads on first use only
-    from jax.experimental import multihost_utils
+  if not x.is_fully_addressable:
+    from jax.experimental import multihost_utils   # jax.experimental loads on first use only
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(jax.device_get(x))
 
