@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   mesh = jax.make_mesh((ndev,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
   module, loss_fn = make_model(args.layers, args.d, args.vocab)
   b0 = batch_at(0, args)
-  params = jax.device_get(module.init(jax.random.key(0), b0["tokens"][:1]))   # the same on every process
+  params = jax.device_get(jax.jit(module.init)(jax.random.key(0), b0["tokens"][:1]))   # the same everywhere
   specs = specs_of(params)
   place = lambda tree, sp: jax.tree.map(  # noqa: E731  (host values, the same everywhere -> global arrays)
       lambda x, s: jax.make_array_from_callback(np.shape(x), NamedSharding(mesh, s), lambda i: np.asarray(x)[i]),
