@@ -22,8 +22,19 @@ On 1,024 GPUs (`--devices 1024 --remat no`) the vocabulary must divide by 1,024:
 
     JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py [--layers 4] [--devices 8 64] [--flags both]
 
+`--scanned`: the blocks stacked and scanned on both sides, and the library's own FSDP step (`hooked` with an
+FSDP plan, keep-everything and least-memory plans) compiled beside the partitioner's programs; each library
+program audited (`prophet_jax.audit`: its gathers, re-gathers, reduce-scatters and windows) and read back
+from the audit (`read_library`), each partitioner program read by `read_scanned`; all simulated on one
+per-layer profile and network (docs/fsdp.md, "The library's step beside the partitioner's"):
+
+    JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py --scanned --layers 16 --d 2048 --ff 8192 \
+        --vocab 128256 --name llama-1b --devices 8 64 --out bench/results/fsdp_hlo_scanned_1b.json \
+        --timeline bench/results/fsdp_hlo_scanned_1b
+
 Why it imports private code: a compiled program's collectives become a Schedule with an `FsdpPlan`
-(`_values._sharding`), which no public name builds from outside a planner.
+(`_values._sharding`), which no public name builds from outside a planner; the HLO reader counts a loop's
+collectives per trip; a scanned profile is planned per layer (`_rewrite._fsdp_units.unstack`).
 """
 
 from __future__ import annotations
@@ -221,6 +232,348 @@ def read_schedule(hlo: str, profile: pj.GradientProfile) -> tuple[pj.Schedule, l
   return sched, notes
 
 
+# --------------------------------------------------------------------------------------------------
+# Scanned on both sides: the library's FSDP step (hooked) beside the partitioner's, one profile and network
+
+STACK = "layers"
+STACK_WEIGHTS = ("q", "k", "v", "o", "gate", "up", "down")   # one layer's sharded weights, in forward order
+
+
+def scanned_params_of(layers: int, d: int, ff: int, vocab: int, dtype=jnp.float32) -> tuple[dict, dict]:
+  """The Llama shapes with the blocks stacked (a leading layer axis, scanned): the params and their specs
+  (the embedding `P("data", None)`, a stack's weights `P(None, "data", None)`, the norms `P()`)."""
+  kv = d // 4
+  S = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+  params = {"embed": S(vocab, d), "norm": S(d), STACK: {
+      "attn_norm": S(layers, d), "q": S(layers, d, d), "k": S(layers, d, kv), "v": S(layers, d, kv),
+      "o": S(layers, d, d), "mlp_norm": S(layers, d), "gate": S(layers, d, ff), "up": S(layers, d, ff),
+      "down": S(layers, ff, d)}}
+  specs = jax.tree.map(lambda x: P("data", None) if x.ndim == 2 and x.shape[0] == vocab else
+                       P(None, "data", None) if x.ndim == 3 else P(), params)
+  return params, specs
+
+
+def scanned_loss_fn(params, tokens, *, remat: bool = False):
+  """`loss_fn`'s model with its blocks under `jax.lax.scan` (per-layer remat: the body under jax.checkpoint)."""
+  def rms(x, s):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * s
+
+  def body(x, p):
+    h = rms(x, p["attn_norm"])
+    q, k, v = h @ p["q"], h @ p["k"], h @ p["v"]
+    k = jnp.repeat(k, q.shape[-1] // k.shape[-1], axis=-1)
+    v = jnp.repeat(v, q.shape[-1] // v.shape[-1], axis=-1)
+    a = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k) / jnp.sqrt(q.shape[-1]), axis=-1)
+    x = x + jnp.einsum("bts,bsd->btd", a, v) @ p["o"]
+    h = rms(x, p["mlp_norm"])
+    return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"], None
+
+  x, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, params["embed"][tokens], params[STACK])
+  logits = (lambda y, s: y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-6) * s)(x, params["norm"]) \
+      @ params["embed"].T
+  return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+
+def _arrays(ins, kind: str) -> list[tuple[int, ...]]:
+  """The arrays a collective moves whole: an all-gather's results, a reduce-scatter's operands."""
+  found = [tuple(int(x) for x in dims.split(",") if x) for _, dims in _SHAPE.findall(ins.shape)]
+  if ins.opcode.endswith("-start") and len(found) > 1:
+    return found[len(found) // 2:] if kind == "all-gather" else found[:(len(found) + 1) // 2]
+  return found
+
+
+def executed(hlo: str) -> dict:
+  """Collectives per step by kind, each loop body's once per trip (weights' and activations' alike)."""
+  from prophet_jax._compiled._hlo import execution_order, parse_hlo
+  from prophet_jax._compiled._hlo_collectives import allreduces, sharded_collectives
+
+  module = parse_hlo(hlo)
+  ops = execution_order(module)
+  out = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
+  for c in sharded_collectives(module, ops):
+    out[c.collective] += c.op.trips or 1
+  out["all-reduce"] = sum(a.op.trips or 1 for a in allreduces(module, ops))
+  return out
+
+
+def read_scanned(hlo: str, profile: pj.GradientProfile, layers: int) -> tuple[pj.Schedule, list[str]]:
+  """The partitioner's compiled scanned program as a Schedule: per layer, its weights grouped into all-gathers
+  as the forward loop's body gathers them (weights known by their shapes, in STACK_WEIGHTS order), a weight
+  gathered again in the backward loop not kept, reduce-scatter units as the backward loop's body groups
+  them (layers in backward order); outside the loops, the embedding's all-gathers and reduce-scatters at
+  their places; the norms' all-reduces one replicated chunk at the first one's place. Activation
+  collectives (shapes of no weight) are left out."""
+  from prophet_jax._compiled._hlo import execution_order, parse_hlo
+  from prophet_jax._values._schedule import Bucket, Chunk
+  from prophet_jax._values._sharding import FsdpPlan
+
+  rows = profile.rows
+  index = {r.path: i for i, r in enumerate(rows)}
+  shape_of = {n: rows[index[f"{STACK}/0/{n}"]].shape for n in STACK_WEIGHTS}
+  outer = {rows[i].shape: i for i, r in enumerate(rows) if r.shard_dim is not None and not r.path.startswith(STACK)}
+  replicated = [i for i, r in enumerate(rows) if r.shard_dim is None and r.nbytes]
+
+  free: dict = {}   # per (loop, kind): the layer's weights not yet seen in this trip (same shapes: in order)
+
+  def names(shapes, where):
+    out, left = [], free.setdefault(where, list(STACK_WEIGHTS))
+    for shp in shapes:
+      n = next((n for n in left if shape_of[n] == shp), None)
+      if n is None and any(shape_of[m] == shp for m in STACK_WEIGHTS):   # the next trip's (or copy's)
+        left[:] = list(STACK_WEIGHTS)
+        n = next(n for n in left if shape_of[n] == shp)
+      if n is not None:
+        left.remove(n)
+        out.append(n)
+    return out
+
+  stack_rep = [[i for i in replicated if rows[i].path.startswith(f"{STACK}/{k}/")] for k in range(layers)]
+  top_rep = [i for i in replicated if not rows[i].path.startswith(f"{STACK}/")]
+  size = lambda rs: sum(rows[i].size for i in rs)  # noqa: E731
+  fwd_loop, fwd_groups, again, events, seen_outer, outer_again = None, [], set(), [], set(), set()
+  body, body_done = [], False    # one trip of the backward loop: ("u", weights) and ("r", None), in order
+  notes = []
+  for op in execution_order(parse_hlo(hlo)):
+    ins = op.instruction
+    kind = next((k for k in ("all-gather", "reduce-scatter", "all-reduce") if ins.opcode in (k, f"{k}-start")), None)
+    if kind is None:
+      continue
+    shapes = _arrays(ins, kind)
+    loop = op.loops[0] if op.loops else None
+    backward = loop is not None and fwd_loop is not None and loop != fwd_loop
+    ws = names(shapes, (loop, kind)) if loop is not None else []
+    if kind == "all-gather":
+      if loop is not None and ws and fwd_loop is None:
+        fwd_loop = loop
+      if loop is not None and loop == fwd_loop:
+        if ws and set(ws) - {n for g in fwd_groups for n in g}:
+          fwd_groups.append([n for n in ws if n not in {m for g in fwd_groups for m in g}])
+      elif loop is not None:
+        again.update(ws)
+      for shp in shapes:
+        if shp in outer:
+          (outer_again if fwd_loop is not None else seen_outer).add(outer[shp])
+      continue
+    if backward and ("loop", None) not in events:
+      events.append(("loop", None))
+    elements = sum(math.prod(x) for x in shapes)
+    if kind == "reduce-scatter" and backward and ws and not body_done:
+      if set(ws) & {n for e, g in body if e == "u" for n in g}:
+        body_done = True         # the next trip's (a double-buffered body holds two)
+      else:
+        body.append(("u", ws))
+    elif kind == "reduce-scatter" and loop is None:
+      events += [("u", outer[x]) for x in shapes if x in outer and ("u", outer[x]) not in events]
+    elif kind == "all-reduce" and backward and elements == size(stack_rep[0]) and ("r", None) not in body:
+      body.append(("r", None))
+    elif kind == "all-reduce" and loop is None and elements in (size(top_rep), size(replicated)):
+      events.append(("r", "top" if elements == size(top_rep) else "all"))
+  missing = [n for n in STACK_WEIGHTS if n not in {m for g in fwd_groups for m in g}]
+  if missing:
+    notes.append(f"{missing} never all-gathered in the forward loop: one group of their own")
+    fwd_groups.append(missing)
+  unscattered = [n for n in STACK_WEIGHTS if n not in {m for e, g in body if e == "u" for m in g}]
+  if unscattered:
+    notes.append(f"{unscattered} in no reduce-scatter of the backward loop (the partitioner gathers activations "
+                 f"for its gradient instead): one unit of its own")
+    body.append(("u", unscattered))
+  gathers, keep = [], []
+  for i in sorted(outer.values()):
+    if i not in seen_outer:
+      notes.append(f"{rows[i].path} never all-gathered before the loop (the partitioner moves activations "
+                   f"instead): modelled as gathered at its first use")
+    gathers.append([i])
+    keep.append(i not in outer_again)
+  for k in range(layers):
+    for g in fwd_groups:
+      gathers.append([index[f"{STACK}/{k}/{n}"] for n in g])
+      keep.append(not set(g) & again)
+  layer_of = {i: profile.layers.index(r.layer) for i, r in enumerate(rows)}
+  order = sorted(range(len(gathers)), key=lambda j: min(layer_of[r] for r in gathers[j]))
+  gathers, keep = [gathers[j] for j in order], [keep[j] for j in order]
+  for i in outer.values():
+    if ("u", i) not in events:
+      notes.append(f"{rows[i].path}'s gradient found in no reduce-scatter: one unit at the end")
+      events.append(("u", i))
+  chunks, units = [], {}
+  for kind, x in events:
+    if kind == "loop":
+      for k in range(layers - 1, -1, -1):
+        for e, g in body:
+          if e == "r":
+            chunks += [stack_rep[k]] if stack_rep[k] else []
+            continue
+          units[len(chunks)] = True
+          chunks.append(sorted(index[f"{STACK}/{k}/{n}"] for n in g))
+    elif kind == "u":
+      units[len(chunks)] = True
+      chunks.append([x])
+    elif top_rep or x == "all":
+      chunks.append(top_rep if x == "top" else replicated)
+  left = [i for i in replicated if i not in {r for c in chunks for r in c}]
+  if left:
+    notes.append(f"{len(left)} replicated leaves in no all-reduce found: one chunk at the end")
+    chunks.append(left)
+  # the reduce-scatter units in forward use order (FsdpPlan.units), as the gathers
+  forward_units = sorted(units, key=lambda c: min(layer_of[r] for r in chunks[c]))
+  plan = FsdpPlan(units=tuple(forward_units), keep=tuple(keep), prefetch=1, backward_prefetch=1,
+                  shard_dims=tuple(r.shard_dim for r in rows), mesh=profile.mesh, shard_axes=profile.shard_axes,
+                  gathers=tuple(tuple(g) for g in gathers))
+  sched = pj.Schedule(buckets=tuple(Bucket(chunks=(Chunk(slices=tuple((r, 0, rows[r].size) for r in c),
+                                                         dtype="float32"),)) for c in chunks),
+                      rows=profile.tree_rows(), policy="partitioner-compiled", fsdp=plan)
+  return sched, notes
+
+
+def read_library(report, sched: pj.Schedule) -> pj.Schedule:
+  """The library's compiled step as a Schedule, from its audit: the plan's groups and units, a group kept
+  where the program has no all-gather of it in backward, the chunks in compiled order, the gathers' depth
+  as compiled (at most the plan's prefetch)."""
+  from prophet_jax._values._schedule import Bucket
+  from prophet_jax._values._sharding import FsdpPlan
+
+  f = sched.fsdp
+  groups = len(f.gathers) or len(f.units)
+  again = {e.chunk for e in report.regathers}
+  order = list(dict.fromkeys(report.order)) + [k for k in range(len(sched.chunks)) if k not in report.order]
+  new = {k: i for i, k in enumerate(order)}
+  plan = FsdpPlan(units=tuple(new[u] for u in f.units), keep=tuple(g not in again for g in range(groups)),
+                  prefetch=max(1, min(f.prefetch, report.gathers_in_flight or 1)),
+                  backward_prefetch=f.backward_prefetch, shard_dims=f.shard_dims, mesh=f.mesh,
+                  shard_axes=f.shard_axes, memory_budget_bytes=f.memory_budget_bytes, gathers=f.gathers)
+  return pj.Schedule(buckets=tuple(Bucket(chunks=(sched.chunks[k],)) for k in order), rows=sched.rows,
+                     policy="library-compiled", fsdp=plan)
+
+
+def scanned_main(a) -> None:
+  """`--scanned`: per device count, the partitioner's scanned programs (flags x remat) and the library's step
+  planned at the least of their simulated peaks, each compiled, read into a Schedule and simulated."""
+  from prophet_jax._compiled._gpu import xla_option_accepted
+  from prophet_jax._rewrite._fsdp_units import unstack
+
+  large = {k: v for k, v in LARGE_MODEL.items() if xla_option_accepted(k, v)}
+  flag_sets = {"both": ("default", "large-model"), "default": ("default",), "large-model": ("large-model",)}[a.flags]
+  remats = {"both": (False, True), "no": (False,), "yes": (True,)}[a.remat]
+  ff, seq, tokens_per_gpu = a.ff or 4 * a.d, 512, 16384
+  results = []
+  for devices in a.devices:
+    topo = pj.gpu_topology("h100", devices=devices)
+    mesh = topo.mesh("data")
+    params, specs = scanned_params_of(a.layers, a.d, ff, a.vocab)
+    flat, fspecs = unstack(params, (STACK,), specs)
+    param_bytes = sum(4 * math.prod(x.shape) for x in jax.tree.leaves(params))
+    fwd_s = 2 * param_bytes / 4 * tokens_per_gpu / (989e12 * 0.5)
+    prof = pj.GradientProfile.from_params(flat, forward_s=fwd_s, backward_s=2 * fwd_s,
+                                          update_s_per_byte=30 / 4 / (3.35e12 * 0.8), shardings=fspecs,
+                                          mesh={"data": devices}, model=a.name, device="h100")
+    net = pj.NetworkModel.preset("nvlink+400gb-ib", workers=devices)
+    bound = pj.lower_bound(prof, net, sharded="fsdp")
+    shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    args = (topo.abstract(params, specs, mesh=mesh),
+            topo.abstract(jax.ShapeDtypeStruct((devices, seq), jnp.int32), P("data"), mesh=mesh))
+    print(f"{a.layers} scanned layers, d={a.d}, {param_bytes / 2**30:.2f} GiB of f32 parameters, {devices} "
+          f"compile-only H100s; {net.name}; bound {bound * 1e3:.1f} ms (simulated)")
+
+    def compiled_of(step, options=None):
+      f = jax.jit(step, in_shardings=(shard, NamedSharding(mesh, P("data"))), out_shardings=shard)
+      t0 = time.perf_counter()
+      c = f.lower(*args).compile(compiler_options=options)
+      return c, time.perf_counter() - t0
+
+    rows, peaks = [], []
+    for flags in flag_sets:
+      for remat in remats:
+        def step(p, t, remat=remat):
+          g = jax.grad(scanned_loss_fn)(p, t, remat=remat)
+          return jax.tree.map(lambda x, y: x - 1e-3 * y, p, g)
+        c, secs = compiled_of(step, large if flags == "large-model" else None)
+        text = c.as_text()
+        if a.dump:
+          pathlib.Path(a.dump).mkdir(parents=True, exist_ok=True)
+          (pathlib.Path(a.dump) / f"scanned_{devices}_{flags}_remat{int(remat)}.hlo.txt").write_text(text)
+        read, notes = read_scanned(text, prof, a.layers)
+        sim = pj.simulate(read, prof, net, events=True)
+        peaks.append(sim.peak_memory_bytes)
+        per_step = executed(text)
+        rows.append({"program": "partitioner", "devices": devices, "flags": flags, "remat": remat,
+                     "compile_s": secs, "temp_bytes": c.memory_analysis().temp_size_in_bytes,
+                     "all_gathers": per_step["all-gather"], "reduce_scatters": per_step["reduce-scatter"],
+                     "all_reduces": per_step["all-reduce"],
+                     "iteration_ms": sim.iteration_s * 1e3, "peak_bytes": sim.peak_memory_bytes,
+                     "idle_ms": sim.idle_s * 1e3, "read_notes": notes,
+                     "read_schedule": json.loads(read.to_json()), "_sim": sim})
+        print(f"  partitioner {flags} flags, remat={remat}: compiled in {secs:.0f} s, temp "
+              f"{rows[-1]['temp_bytes'] / 2**30:.2f} GiB; read: {len(read.fsdp.gathers)} gather groups "
+              f"({sum(not k for k in read.fsdp.keep)} again in backward), {len(read.fsdp.units)} units; "
+              f"simulated {sim.iteration_s * 1e3:.1f} ms, peak {sim.peak_memory_bytes / 2**30:.2f} GiB"
+              + (f"; {'; '.join(notes)}" if notes else ""))
+    libs = []
+    # the library's step under two budgets: keep every gathered layer, and the least memory (all gathered
+    # again); each layer one unit (bucket_bytes=1: units closed at every layer); one gather ahead, what XLA:GPU
+    # keeps in flight by default (F2)
+    for label, budget in (("keep all", None), ("least memory", 1)):
+      try:
+        sched = pj.plan(prof, net, "fsdp", memory_budget_bytes=budget, bucket_bytes=1, prefetch=1)
+      except ValueError as e:
+        budget = int(re.search(r"(?:at least|least memory found is) (\d+)", str(e)).group(1))
+        sched = pj.plan(prof, net, "fsdp", memory_budget_bytes=budget, bucket_bytes=1, prefetch=1)
+      planned = pj.simulate(sched, prof, net, events=True)
+      grad_fn = pj.hooked(scanned_loss_fn, sched, axis_name="data", mesh=mesh)
+
+      def lib_step(p, t, grad_fn=grad_fn):
+        g = grad_fn(p, t)[1]
+        return jax.tree.map(lambda x, y: x - 1e-3 * y, p, g)
+      c, secs = compiled_of(lib_step)
+      report, per_step = pj.audit(c, sched), executed(c.as_text())
+      read = read_library(report, sched)
+      sim = pj.simulate(read, prof, net, events=True)
+      windows = [{"group": e.chunk, "kind": e.kind, "trips": e.trips, "asynchronous": e.asynchronous,
+                  "window_ops": len(e.window), "window_gflop": e.window_flops / 1e9}
+                 for e in report.gathers + report.regathers]
+      lib = {"program": f"library, {label}", "devices": devices, "flags": "default", "remat": False,
+             "compile_s": secs, "temp_bytes": c.memory_analysis().temp_size_in_bytes, "budget_bytes": budget,
+             "all_gathers": per_step["all-gather"], "reduce_scatters": per_step["reduce-scatter"],
+             "all_reduces": per_step["all-reduce"],
+             "audit_ok": report.ok, "audit": report.describe(), "gathers_in_flight": report.gathers_in_flight,
+             "windows": windows, "planned_ms": planned.iteration_s * 1e3,
+             "planned_peak_bytes": planned.peak_memory_bytes, "iteration_ms": sim.iteration_s * 1e3,
+             "peak_bytes": sim.peak_memory_bytes, "idle_ms": sim.idle_s * 1e3,
+             "vs_plan": sim.iteration_s / planned.iteration_s, "bound_ms": bound * 1e3,
+             "vs_partitioner": {f"{r['flags']}, remat={r['remat']}": r["iteration_ms"] / (sim.iteration_s * 1e3)
+                                for r in rows},
+             "plan": json.loads(sched.to_json()), "_sim": sim, "_planned": planned}
+      libs.append(lib)
+      over = [e for e in report.gathers if e.overlapped]
+      print(f"  library, {label} ({sum(not k for k in sched.fsdp.keep)} of {len(sched.fsdp.keep)} groups again in "
+            f"backward): compiled in {secs:.0f} s, temp {lib['temp_bytes'] / 2**30:.2f} GiB; "
+            f"{report.describe().splitlines()[0]}")
+      for line in report.problems:
+        print(f"    problem: {line}")
+      print(f"    compiled order simulated {sim.iteration_s * 1e3:.1f} ms = {lib['vs_plan']:.4f} x the plan's "
+            f"prediction ({planned.iteration_s * 1e3:.1f} ms); forward all-gathers with compute in their window "
+            f"{len(over)}/{len(report.gathers)} ({sum(e.window_flops for e in over) / 1e9:.0f} GFLOP); at most "
+            f"{report.gathers_in_flight} in flight")
+      print("    vs the partitioner (simulated): " + "; ".join(
+          f"{k}: {v:.3f}x" for k, v in lib["vs_partitioner"].items()))
+    if a.timeline:
+      pj.plot_timelines({f"partitioner {r['flags']} remat={r['remat']}": r["_sim"] for r in rows} |
+                        {f"{x['program']} (compiled)": x["_sim"] for x in libs} |
+                        {f"{x['program']} (plan)": x["_planned"] for x in libs},
+                        str(pathlib.Path(a.timeline).with_suffix("")) + f"_{devices}.png",
+                        title=f"{a.name}, {devices} H100s, {net.name} (simulated)")
+    results += rows + libs
+  for r in results:
+    r.pop("_sim")
+    r.pop("_planned", None)
+  out = pathlib.Path(a.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps({"layers": a.layers, "d": a.d, "ff": ff, "vocab": a.vocab, "model": a.name,
+                             "scanned": True, "devices": a.devices, "target": "h100", "jax": jax.__version__,
+                             "tokens_per_gpu": tokens_per_gpu, "large_model_flags": large,
+                             "results": results}, indent=1))
+  print(f"wrote {out}")
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--layers", type=int, default=4)
@@ -234,7 +587,13 @@ def main() -> None:
                   help="XLA's default flags, the large-model flag set (LARGE_MODEL), or both")
   ap.add_argument("--dump", default=None, help="a folder for the compiled HLO texts")
   ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "fsdp_hlo.json"))
+  ap.add_argument("--scanned", action="store_true",
+                  help="scanned on both sides: the library's FSDP step (hooked) beside the partitioner's programs")
+  ap.add_argument("--timeline", default=None, help="with --scanned: a PNG path stem for the simulated timelines")
   a = ap.parse_args()
+  if a.scanned:
+    scanned_main(a)
+    return
   from prophet_jax._compiled._gpu import xla_option_accepted  # which of LARGE_MODEL this jaxlib takes
 
   large = {k: v for k, v in LARGE_MODEL.items() if xla_option_accepted(k, v)}

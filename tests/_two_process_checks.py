@@ -93,6 +93,12 @@ def check_jit_mgwfbp() -> dict:
                                 "--out", str(OUT / "jit-mgwfbp.npz")])
 
 
+def check_fsdp() -> dict:
+  """examples/train_fsdp.py: hooked(fsdp plan, mesh=) over both processes' devices (the weights sharded across
+  them), SGD with momentum, 3 steps, the step's gradients against jax.value_and_grad's at the first."""
+  return _example("train_fsdp", ["--steps", "3", "--opt", "sgd", "--compare", "1", "--out", str(OUT / "fsdp.npz")])
+
+
 def check_defer() -> dict:
   """A deferring schedule over both processes' devices, float gradients of random scale, 6 steps: per
   step, group and device, the chunks deferred and the norms ranked (as hex bytes)."""

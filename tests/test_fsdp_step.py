@@ -56,7 +56,7 @@ def unrolled():
   return _init(shapes), specs, loss, ()
 
 
-def scanned(compute=jnp.float32, layers=6):
+def scanned(compute=jnp.float32, layers=6, remat=False):
   # keys in forward order (a profile from_params takes flatten order as forward order): in, stack, top
   shapes = {"in": {"s": (D,)}, "top": {"w": (D, D)}, "stack": {"b": (layers, D), "w": (layers, D, D)}}
   specs = {"in": {"s": P()}, "top": {"w": P("data", None)}, "stack": {"b": P(), "w": P(None, "data", None)}}
@@ -64,7 +64,8 @@ def scanned(compute=jnp.float32, layers=6):
   def loss(p, batch):
     def body(x, lp):
       return jnp.tanh(x @ lp["w"].astype(compute) + lp["b"].astype(compute)), None
-    x, _ = jax.lax.scan(body, (batch["x"] * p["in"]["s"]).astype(compute), p["stack"])
+    x, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, (batch["x"] * p["in"]["s"]).astype(compute),
+                        p["stack"])
     return jnp.mean(((x @ p["top"]["w"].astype(compute)).astype(jnp.float32) - batch["y"]) ** 2)
   return _init(shapes), specs, loss, ("stack",)
 
@@ -200,9 +201,18 @@ def expected(sched):
   return {k: v for k, v in out.items() if v}
 
 
+def audited(report):
+  """The audit's collectives as `collectives` counts them."""
+  out = {("all-gather", "fsdp/ag"): len(report.gathers), ("all-gather", "fsdp/reag"): len(report.regathers),
+         ("reduce-scatter", "fsdp/rs"): sum(e.collective == "reduce-scatter" for e in report.chunks),
+         ("all-reduce", "chunk"): sum(e.collective == "all-reduce" for e in report.chunks)}
+  return {k: v for k, v in out.items() if v}
+
+
 def _check(model, plans, opt):
   """Each plan's library step against the partitioner's and the single-device step (computed once), the n-1
-  divisor failing, and its compiled collectives counted against the plan."""
+  divisor failing, and its compiled collectives counted against the plan, by hand and by `audit`; the last
+  plan's program, which gathers again, audited against a first plan that keeps everything fails."""
   params, specs, loss, stacked = model()
   mesh = _mesh()
   tx = optax.adamw(3e-2, weight_decay=0.1) if opt == "adamw" else optax.sgd(0.1, momentum=0.9)
@@ -222,6 +232,7 @@ def _check(model, plans, opt):
         assert_trees_close((m_got.mu, m_got.nu), (m_ref.mu, m_ref.nu), zeros(m_ref))
     assert_trees_close(got[0], ref[0], params)
 
+  steps = []
   for i, sched in enumerate(plans(params, specs, stacked)):
     step, _ = library_step(loss, sched, specs, tx, params, mesh, on_mesh=i == 0)
     p0, s0 = placed(params, specs), placed(tx.init(params), sspecs)
@@ -233,6 +244,12 @@ def _check(model, plans, opt):
       close(_run(step, p0, s0, lbatches, jnp.float32(NDEV / (NDEV - 1))), single)
     # the plan's collectives, each once (a loop's once per trip), and none of the partitioner's own
     assert collectives(step) == expected(sched)
+    report = pj.audit(step, sched)
+    assert report.ok and audited(report) == expected(sched), report.describe()
+    steps.append((step, sched))
+  (_, a), (last, b) = steps[0], steps[-1]
+  if all(a.fsdp.keep) and not all(b.fsdp.keep):
+    assert not pj.audit(last, a).ok     # a program gathering again, audited against a plan that keeps
 
 
 def test_unrolled_keep_all_and_gather_again_sgd():
@@ -252,8 +269,9 @@ def test_unrolled_keep_all_and_gather_again_sgd():
 
 
 def test_scanned_some_layers_kept_adamw():
-  """A lax.scan over 6 stacked layers, planned per layer, the last 3 kept and the first 3 gathered again (each run
-  its first layer, a loop, its last layer); AdamW."""
+  """A lax.scan over 6 stacked layers, its body under the user's own remat (jax.checkpoint), planned per layer,
+  the last 3 kept and the first 3 gathered again (each run its first layer, a loop, its last layer); AdamW.
+  The remat re-runs the layer's activations in backward, never a gather: the collectives are the plan's."""
   def plans(params, specs, stacked):
     least = _least(params, specs, stacked).fsdp.memory_budget_bytes      # the stack planned per layer
     sched = _plan(params, specs, stacked, least + 2 * D * D * 4)
@@ -261,7 +279,7 @@ def test_scanned_some_layers_kept_adamw():
              if sched.rows[sched.chunks[u].rows[0]][0].startswith("stack/")]
     assert stack == [False] * 3 + [True] * 3, sched.fsdp.keep
     return (sched,)
-  _check(scanned, plans, "adamw")
+  _check(lambda: scanned(remat=True), plans, "adamw")
 
 
 @pytest.mark.parametrize("model", [linen_scanned, nnx_unrolled], ids=["linen-nn.scan", "nnx-bf16"])
@@ -292,35 +310,45 @@ def test_flax_models_unchanged(model):
 
 @pytest.mark.gpu
 def test_h100_windows_and_collectives(topo):
-  """On 8 compile-only H100s: each group one all-gather (the plan's keys: XLA joins none), each forward gather
-  after the first with a gemm inside its window (ties to activations), the groups gathered again, one
-  reduce-scatter per unit, and nothing of the partitioner's own."""
-  from prophet_jax._compiled._hlo_collectives import async_windows, is_collective, sharded_collectives
-
-  params, specs, loss, _ = unrolled()
-  sched = _least(params, specs, ())
-  sched = dataclasses.replace(sched, fsdp=dataclasses.replace(sched.fsdp, keep=(False,) * len(sched.fsdp.keep)))
+  """On 8 compile-only H100s, a scanned stack of 8 layers gathered again in backward, read by `audit`: each
+  group one all-gather (the plan's keys: XLA joins none), a loop's counted per layer, each forward gather
+  after the first with a layer's matmul inside its window (ties to activations), the groups gathered again, one
+  reduce-scatter per unit in order, and nothing of the partitioner's own."""
+  params, specs, loss, stacked = scanned(layers=8)
+  sched = _least(params, specs, stacked)
+  assert not any(sched.fsdp.keep)
   grad_fn = pj.hooked(loss, sched, axis_name="data")
   mesh = topo.mesh("data")
   step = jax.jit(jax.shard_map(lambda p, b: grad_fn(p, b)[1], mesh=mesh, in_specs=(specs, P("data")),
                                out_specs=specs))
   batch = {"x": jax.ShapeDtypeStruct((B, D), jnp.float32), "y": jax.ShapeDtypeStruct((B, D), jnp.float32)}
   compiled = step.lower(topo.abstract(params, specs), topo.abstract(batch, P("data"))).compile()
-  module = parse_hlo(compiled.as_text())
-  ops = execution_order(module)
-  label = lambda name: re.search(r"prophet/(fsdp/(?:reag|ag|rs))(\d+)", name)  # noqa: E731
-  found = [m.groups() if (m := label(c.op_name)) else ("foreign", c.op_name) for c in sharded_collectives(module, ops)]
-  count = lambda kind: sum(k == kind for k, _ in found)  # noqa: E731
+  report = pj.audit(compiled, sched)
   n = len(sched.fsdp.units)
-  assert (count("fsdp/ag"), count("fsdp/reag"), count("fsdp/rs")) == (n, n, n), found
-  windows = {int(label(w.start.instruction.op_name + w.done.instruction.op_name).group(2)): w
-             for w in async_windows(module, ops).values()
-             if (m := label(w.start.instruction.op_name + w.done.instruction.op_name)) and m.group(1) == "fsdp/ag"}
-  foreign = [op.instruction.name for op in ops if is_collective(op.instruction.opcode)
-             and not op.instruction.opcode.endswith("-done") and "prophet/" not in op.instruction.op_name]
-  assert not foreign, foreign
-  gemm = lambda w: any("gemm" in op.instruction.text or op.instruction.opcode == "dot" for op in w.inside)  # noqa: E731
-  assert all(g in windows and gemm(windows[g]) for g in range(1, n)), {g: len(w.inside) for g, w in windows.items()}
+  assert report.ok and audited(report) == expected(sched), report.describe()
+  assert (len(report.gathers), len(report.regathers)) == (n, n) and not report.foreign, report.describe()
+  assert max(e.trips for e in report.gathers) == 6     # the loop's gather, once per layer it handles
+  assert all(e.asynchronous and e.window_flops > 0 for e in report.gathers[1:]), report.describe()
+  assert report.gathers_in_flight == 1
+
+
+@pytest.mark.gpu
+def test_h100_a_deeper_plan_holds_only_under_the_users_option(topo):
+  """A plan gathering two groups ahead (prefetch=2): XLA:GPU keeps one collective in flight by default, so
+  the audit reads one and fails naming the option; compiled with it, two are in flight and the audit passes."""
+  params, specs, loss, stacked = unrolled()
+  sched = _least(params, specs, stacked, prefetch=2)
+  grad_fn = pj.hooked(loss, sched, axis_name="data")
+  step = jax.jit(jax.shard_map(lambda p, b: grad_fn(p, b)[1], mesh=topo.mesh("data"), in_specs=(specs, P("data")),
+                               out_specs=specs))
+  batch = {"x": jax.ShapeDtypeStruct((B, D), jnp.float32), "y": jax.ShapeDtypeStruct((B, D), jnp.float32)}
+  lowered = step.lower(topo.abstract(params, specs), topo.abstract(batch, P("data")))
+  default = pj.audit(lowered.compile(), sched)
+  assert not default.ok and default.gathers_in_flight == 1
+  assert "xla_gpu_experimental_parallel_collective_overlap_limit" in " ".join(default.problems)
+  deeper = pj.audit(lowered.compile(compiler_options={"xla_gpu_experimental_parallel_collective_overlap_limit": 2}),
+                    sched)
+  assert deeper.ok and deeper.gathers_in_flight == 2, deeper.describe()
 
 
 @pytest.mark.gpu
@@ -393,3 +421,52 @@ def test_state_specs_follow_the_plan_and_the_other_fronts_refuse_an_fsdp_plan():
   batch = _place(_batches()[0], {"x": P("data"), "y": P("data")}, mesh)
   with pytest.raises(ValueError, match=r"leaf 'params/l0/w'.* plan places it as P\('data', None\)"):
     jax.eval_shape(grad_fn, _place(params, jax.tree.map(lambda _: P(), specs), mesh), batch)
+
+
+def test_the_training_state_placed_on_the_host_and_through_orbax(tmp_path):
+  """An FSDP step's whole training state: the optimizer state from a jitted tx.init with state_specs as its
+  out_shardings (without them, on Auto axes, the moments land on one device: the control), the whole state
+  to the host (unshard_state) and back to the plan's placement (shard_state(mesh=)), and an orbax round
+  trip of the params and the optimizer state, values and placements kept."""
+  import orbax.checkpoint as ocp
+
+  params, specs, _, stacked = scanned()
+  sched = _least(params, specs, stacked)
+  mesh, tx = _mesh(), optax.adamw(1e-3)
+  sspecs = pj.state_specs(jax.eval_shape(tx.init, params), "data", params=params, schedule=sched)
+  named = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
+  placed = _place(params, specs, mesh)
+  train = {"params": placed, "opt_state": jax.jit(tx.init, out_shardings=named(sspecs))(placed)}
+  mu = lambda st: _moments(st)[0].mu  # noqa: E731
+  spec_of = lambda t: jax.tree.map(lambda x: getattr(x.sharding, "spec", "one device"), t)  # noqa: E731
+  assert spec_of(mu(train["opt_state"])) == spec_of(placed)
+  assert spec_of(mu(jax.jit(tx.init)(placed))) != spec_of(placed)      # F9: a jitted init on Auto axes
+  host = pj.unshard_state(train, tx, params, sched)
+  assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(host))
+  jax.tree.map(np.testing.assert_array_equal, host, jax.device_get(train))
+  back = pj.shard_state(host, tx, params, sched, NDEV, mesh=mesh)
+  assert jax.tree.map(lambda x: x.sharding, back) == jax.tree.map(lambda x: x.sharding, train)
+  with pytest.raises(ValueError, match="placed on the mesh, not cut.*mesh="):
+    pj.shard_state(host, tx, params, sched, NDEV)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "train", train)
+    ckpt.wait_until_finished()
+    got = ckpt.restore(tmp_path / "train", jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), train))
+  assert jax.tree.map(lambda x: x.sharding, got) == jax.tree.map(lambda x: x.sharding, train)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), host)
+
+
+def test_the_fsdp_example_trains(capsys):
+  """examples/train_fsdp.py, small: a scanned decoder trained with hooked(fsdp plan, mesh=) on 8 host devices,
+  its compiled step audited OK, the loss falling (its comparison with jax.value_and_grad runs in the
+  two-process launch, test_two_processes.py)."""
+  import importlib
+  import pathlib
+  import sys
+
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  example = importlib.import_module("examples.train_fsdp")
+  assert example.main(["--steps", "8", "--layers", "2", "--d", "32", "--compare", "0", "--log-every", "7"]) == 0
+  out = capsys.readouterr().out
+  assert "audit: OK: fsdp" in out and "audit OK" in out, out

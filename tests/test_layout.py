@@ -346,7 +346,8 @@ def _code_and_docstring_lines(paths) -> tuple[int, int, int]:
   return code, doc, total
 
 
-FSDP_STEP = ("_rewrite/_fsdp_step.py", "_rewrite/_fsdp_trace.py", "_rewrite/_fsdp_units.py", "_rewrite/_fsdp_scan.py")
+FSDP_STEP = ("_rewrite/_fsdp_step.py", "_rewrite/_fsdp_trace.py", "_rewrite/_fsdp_units.py", "_rewrite/_fsdp_scan.py",
+             "_compiled/_audit_fsdp.py")
 CODE_LINES = 14_508 - 500        # the library at 7963a23 less the restructuring's cut, every feature kept
 FSDP_STEP_LINES = 1_500          # issue 47's budget for carrying FSDP plans out
 

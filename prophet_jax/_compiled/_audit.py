@@ -23,6 +23,9 @@ planned sizes, plan order, and every reduce-scatter before every all-gather (one
 windows are read as an all-reduce's are: backward compute in the reduce-scatters', and, in a
 pipelined step, the next forward in the all-gathers' (`gathers_forward_overlap`).
 
+An FSDP plan's step (`hooked` with an FSDP plan) is audited by its all-gathers, re-gathers, reduce-scatters and
+replicated chunks (`_audit_fsdp`), a scanned stack's loops counted per layer.
+
 XLA may combine a chunk's all-reduce with a *foreign* one (the loss `pmean`: independent of every chunk,
 so the combiner is free to join it to any of them). On the CPU the combined all-reduce is a tuple; on
 XLA:GPU `all-reduce-contiguous` flattens it into one buffer: a concatenation of the operands, one
@@ -56,6 +59,7 @@ from typing import Any
 from ._audit_checks import (backward_outside, entry_problems, is_gpu, keyed_problem, peak_in_flight,
                             read_program, reduced_again, sequence_problems, window_ops)
 from ._audit_report import AUDIT_SCHEMA, COMPUTE_KINDS, NEXT_FORWARD, AuditEntry, AuditReport, WindowOp
+from ._audit_fsdp import audit_fsdp
 from ._audit_sharded import audit_sharded
 from ._hlo import users
 from ._keyed_audit import KeyedUnit, keyed_audit
@@ -96,10 +100,14 @@ def audit(compiled: Any, schedule: Schedule, *, enforce_order: bool = True) -> A
     TypeError: `compiled` is not compiled, or `schedule` is not a Schedule.
   """
   check_values("audit", schedule=schedule)
-  if not check_bool("audit", "enforce_order", enforce_order, fix="False audits a step built with "
-                    "enforce_order=False (a keyed program)."):
+  ordered = check_bool("audit", "enforce_order", enforce_order, fix="False audits a step built with "
+                       "enforce_order=False (a keyed program).")
+  if not ordered and schedule.family != "fsdp":
     return keyed_audit(compiled, schedule)
   text, module, ops, after, windows, costs = read_program(compiled)
+  if schedule.family == "fsdp":   # its gathers, re-gathers and reduce-scatters; the replicated chunks as below
+    return audit_fsdp(text, module, ops, after, windows, costs, schedule,
+                      _audit_allreduces(text, module, ops, after, windows, costs, schedule), ordered=ordered)
   if schedule.family == "zero1":
     report = audit_sharded(text, module, ops, after, windows, costs, schedule)
   else:

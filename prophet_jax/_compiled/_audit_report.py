@@ -53,7 +53,7 @@ class AuditEntry:
 
   Attributes:
     name: the HLO instruction's name (the `all-reduce-start` of an async one).
-    kind: 'chunk', 'loop' or 'foreign'.
+    kind: 'chunk', 'loop', 'gather', 'regather' (an FSDP group gathered again in backward) or 'foreign'.
     chunk: the schedule chunk index (kind 'chunk'), else None.
     label: the loop hook's name (kind 'loop'), else ''.
     elements: elements reduced (bf16 chunks are reduced as f32 on the CPU: same count).
@@ -135,7 +135,13 @@ class AuditReport(JsonValue):
     gathers: a sharded schedule's all-gathers, in compiled order (`chunk` is the gather's index);
       empty otherwise. (`chunks` then holds its reduce-scatters.)
     gather_order: the gathers' indices in compiled order.
-    planned_gathers: the all-gathers the schedule issues per step (`schedule.num_all_gathers`).
+    planned_gathers: the all-gathers the schedule issues per step (`schedule.num_all_gathers`); an FSDP
+      plan's gather groups.
+    regathers: an FSDP plan's all-gathers again in backward (`chunk` the group), in compiled order.
+    planned_regathers: the groups an FSDP plan gathers again (those it does not keep).
+    gathers_in_flight: the most of an FSDP plan's all-gathers in flight at once (XLA:GPU).
+    family: "fsdp" for an FSDP plan's audit (`chunks` then holds its units' reduce-scatters and its
+      replicated chunks' all-reduces, `collective` says which), else "".
     schema: the JSON schema version.
   """
 
@@ -153,6 +159,10 @@ class AuditReport(JsonValue):
   gathers: tuple[AuditEntry, ...] = ()
   gather_order: tuple[int, ...] = ()
   planned_gathers: int = 0
+  regathers: tuple[AuditEntry, ...] = ()
+  planned_regathers: int = 0
+  gathers_in_flight: int = 0
+  family: str = ""
   order_by: str = "schedule"
   schema: int = AUDIT_SCHEMA
 
@@ -226,6 +236,12 @@ class AuditReport(JsonValue):
               f"{self.planned} planned, order {list(self.order)}; {len(self.gathers)} all-gather(s) of "
               f"{self.planned_gathers} planned, order {list(self.gather_order)}; {len(self.foreign)} "
               f"foreign; {self.inside_backward} reduce-scatter(s) issued inside backward")
+    if self.family == "fsdp":
+      units = sum(e.collective == "reduce-scatter" for e in self.chunks)
+      head = (f"audit: {'OK' if self.ok else 'MISMATCH'}: fsdp: {len(self.gathers)} all-gather(s) of "
+              f"{self.planned_gathers} groups, {len(self.regathers)} again in backward of {self.planned_regathers} "
+              f"planned; {units} reduce-scatter(s) and {len(self.chunks) - units} replicated all-reduce(s) of "
+              f"{self.planned} chunks, order {list(self.order)}; {len(self.foreign)} foreign")
     lines = [head]
     if self.order_by == "xla":
       lines.append("order: XLA's (keyed units, matched by size and provenance): " + str(list(self.order)))
@@ -241,7 +257,8 @@ class AuditReport(JsonValue):
     if self.sharded and any(e.asynchronous for e in self.gathers):
       n = len(self.gathers)
       lines.append(f"all-gathers: {sum(e.overlapped for e in self.gathers)}/{n} have compute inside their "
-                   f"window; next forward inside {list(self.gathers_forward_overlap)}")
+                   f"window; next forward inside {list(self.gathers_forward_overlap)}" + (
+                       f"; at most {self.gathers_in_flight} in flight" if self.family else ""))
     lines += [f"  problem: {p}" for p in self.problems]
     lines += [f"  warning: {w}" for w in self.warnings]
     return "\n".join(lines)
@@ -286,7 +303,7 @@ class AuditReport(JsonValue):
       raise ValueError(f"AuditReport.from_json: schema={obj.get('schema')!r}; this version reads "
                        f"{AUDIT_SCHEMA}.")
     obj = json_fields(cls, obj, "AuditReport", required=True)
-    for key in ("chunks", "loops", "foreign", "gathers"):
+    for key in ("chunks", "loops", "foreign", "gathers", "regathers"):
       obj[key] = tuple(_entry(e) for e in obj.get(key, ()))
     for key in ("order", "problems", "warnings", "gather_order"):
       obj[key] = tuple(obj.get(key, ()))

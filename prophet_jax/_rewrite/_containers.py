@@ -16,6 +16,8 @@ import numpy as np
 from . import _convert, _defer, _nnx, _states, _zero
 from ._pending import PipelinedState
 from ._states import DeferState, ScheduledState, ShardedState
+from jax.sharding import NamedSharding, PartitionSpec
+
 from .._values._errors import ShardingError
 from .._values._schedule import Schedule, shard_size
 
@@ -113,7 +115,9 @@ def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
     schedule: the sharded schedule the state was made for.
 
   Returns:
-    The same kind of container with each ShardedState replaced by a tree like `tx.init(params)`.
+    The same kind of container with each ShardedState replaced by a tree like `tx.init(params)`. With an
+    FSDP plan (its state is tx's own, placed as the params are): every array of `state` whole, on the host
+    (numpy; from every process where an array spans several): what a replicated checkpoint holds.
 
   Raises:
     TypeError: `state` neither is nor holds a ShardedState.
@@ -122,6 +126,8 @@ def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
   """
   where = "unshard_state"
   _check_schedule(schedule, where)
+  if _places_params(schedule):
+    return jax.tree_util.tree_map(_whole, _nnx.flax_nnx().state(state) if _nnx.is_optimizer(state) else state)
 
   def one(s: Any) -> Any:
     _check_shards(s, tx, schedule, where)
@@ -138,6 +144,33 @@ def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
       raise _not_a_state(where, state, "sharded optimizer state (no 'per_device' entry)")
     return _nnx.as_state(new)
   return _typed(state, _is_sharded, one, where, "ShardedState")
+
+
+def _places_params(schedule: Schedule) -> bool:
+  """An FSDP plan: its params are sharded, and an optimizer state is tx's own, placed as they are."""
+  return any(d is not None for d in schedule.placement)
+
+
+def _whole(x: Any) -> Any:
+  """An array whole on the host (from every process where it spans several); anything else as it is."""
+  if not isinstance(x, jax.Array):
+    return x
+  if not x.is_fully_addressable:
+    from jax.experimental import multihost_utils   # jax.experimental loads on first use only
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
+
+
+def _placed(state: Any, params: Any, schedule: Schedule, n: int, mesh: Any, where: str) -> Any:
+  """An FSDP plan's whole state placed on `mesh` as `state_specs` says (shard_state's FSDP form)."""
+  axis = schedule.fsdp.shard_axes[0]
+  if not isinstance(mesh, jax.sharding.Mesh) or dict(mesh.shape).get(axis) != n:
+    raise ValueError(f"{where}: an FSDP plan's state follows the params: it is placed on the mesh, not cut. Pass "
+                     f"mesh= a jax.sharding.Mesh whose {axis!r} axis has n={n} devices; got mesh={mesh!r:.80}.")
+  specs = state_specs(state, axis, params=params, schedule=schedule)
+  state = _nnx.flax_nnx().state(state) if _nnx.is_optimizer(state) else state
+  return jax.device_put(state, jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                                      is_leaf=lambda s: isinstance(s, PartitionSpec)))
 
 
 def _typed(state: Any, pred, fn, where: str, wanted: str) -> Any:
@@ -185,7 +218,8 @@ def _sharded_from_labels(d: Mapping, tx: Any, schedule: Schedule, where: str) ->
                               f"given.")
 
 
-def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int, *, pmap: bool = False) -> Any:
+def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int, *, pmap: bool = False,
+                mesh: Any = None) -> Any:
   """`tx`'s whole state cut into the ZeRO-1 shard state of `schedule` for `n` devices, on the host, in
   the container it came in: the inverse of `unshard_state`.
 
@@ -193,11 +227,14 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
   state of an all-reduce plan (each `ScheduledState`'s `inner` is cut), or a `PipelinedState` of an
   all-reduce plan (its `opt_state` is cut): a flax TrainState, an nnx.Optimizer (an nnx.State comes
   out) or its nnx.state, a dict, a chain's tuple. Not mutated. See `prophet_jax._rewrite._convert.shard_state`.
+  With an FSDP plan nothing is cut: the whole state (any container: a TrainState's params too) is placed
+  on `mesh` as `state_specs` says (parts shaped as the params as the plan places them, the rest
+  replicated), the inverse of `unshard_state`.
 
   Raises:
     TypeError: `n` is not an integer (a bool or 2.7 are refused), or the object holds no tx state.
     ValueError: `n` < 1, the schedule is not sharded, or a ScheduledState holds a deferral or
-      accumulation state that cutting would drop.
+      accumulation state that cutting would drop; an FSDP plan without a `mesh` of n devices on its axis.
     ShardingError: tx cannot run on shards, or the state was made by another tx.
   """
   where = "shard_state"
@@ -207,6 +244,8 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
   if not isinstance(pmap, bool):
     raise TypeError(f"{where}: pmap={pmap!r}: expected True or False.")
   n = int(n)
+  if _places_params(schedule):
+    return _placed(tx_state, params, schedule, n, mesh, where)
   template = jax.eval_shape(tx.init, params)
 
   def cut(whole: Any) -> Any:
