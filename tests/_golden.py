@@ -11,9 +11,12 @@ jax 0.12's collective fusions, in the start's place), each as `kind dtype:elemen
 The program is attributed to the running test (its nodeid).
 
   --golden=check (default)  every program a test compiles must have its summary among that test's golden
-                            entries; a test without entries (a new one) is reported, not failed.
+                            entries; a test without entries (a new one) is reported, not failed. Where only
+                            some of a file's tests run (-k, -m, file.py::test), any test of the file's
+                            entries will do: a module fixture compiles in whichever of them runs first.
   --golden=record           writes tests/fixtures/golden/jax-X.Y.json (jaxlib's major.minor) when no test
-                            failed: the entries of the test files that ran are replaced, the others kept.
+                            failed: the entries of the tests that ran are replaced (those of a whole file
+                            that ran, so a removed test's go too), the others kept.
                             Each test file starts cold (jax's caches and the test helpers' functools
                             caches cleared), so it records every program it compiles when it runs first in
                             its process; a check run, where an earlier file in the same xdist worker may
@@ -209,6 +212,8 @@ class Golden:
     self.hook_error = None
     self.seconds = 0.0                  # CPU time spent reading and summarizing HLO
     self.results: list[dict] = []       # every process's, merged by the controller
+    self.partial: set = set()           # files only some of whose tests run (-k, -m, file.py::test)
+    self.loose = 0                      # programs found under another test of a partial file
     self.failed = False                 # a test failed: a record would miss its programs
     self.path = None
     self.golden: dict[str, list[str]] = {}
@@ -260,8 +265,11 @@ class Golden:
       return
     bad = []
     for nodeid, name, summary in todo:
+      file = nodeid.split("::")[0]
       if nodeid not in self.golden:
         self.new_tests.add(nodeid)
+      elif file in self.partial and any(summary in v for k, v in self.golden.items() if k.startswith(file + "::")):
+        self.loose += summary not in self.golden[nodeid]  # a fixture compiled in another test than in a full run
       elif (why := mismatch(summary, self.golden[nodeid])) is not None:
         bad.append(f"program {name}: its collectives are not among this test's in {self.path.name}\n{why}")
     if bad:
@@ -316,9 +324,9 @@ def pytest_sessionfinish(session):
   state = config.stash[_KEY]
   if state.mode == "off":
     return
-  mine = {"compiled": state.compiled, "ran": sorted({i.nodeid.split("::")[0] for i in session.items}),
-          "new": sorted(state.new_tests), "outside": state.outside, "hook_error": state.hook_error,
-          "seconds": state.seconds}
+  mine = {"compiled": state.compiled, "ran": [i.nodeid for i in session.items],
+          "partial": sorted(state.partial), "loose": state.loose, "new": sorted(state.new_tests),
+          "outside": state.outside, "hook_error": state.hook_error, "seconds": state.seconds}
   if hasattr(config, "workeroutput"):  # an xdist worker: the controller merges
     config.workeroutput["golden"] = json.dumps(mine)
     return
@@ -334,10 +342,22 @@ def pytest_testnodedown(node, error):
     node.config.stash[_KEY].results.append(json.loads(node.workeroutput["golden"]))
 
 
+def pytest_deselected(items):
+  if items:
+    items[0].config.stash[_KEY].partial.update(i.nodeid.split("::")[0] for i in items)
+
+
+def pytest_collection_finish(session):
+  if any("::" in arg for arg in session.config.args):  # tests named one by one: their files are partial
+    session.config.stash[_KEY].partial.update(i.nodeid.split("::")[0] for i in session.items)
+
+
 def _record(state: Golden) -> None:
-  """Replaces the entries of the test files that ran with what their tests compiled now."""
-  ran = {f for r in state.results for f in r["ran"]}
-  golden = {k: v for k, v in state.golden.items() if k.split("::")[0] not in ran}
+  """Replaces the entries of the tests that ran (of every test of a file none of whose tests was
+  deselected, so that a removed test's entries go) with what they compiled now."""
+  ran = {n for r in state.results for n in r["ran"]}
+  whole = {n.split("::")[0] for n in ran} - {f for r in state.results for f in r["partial"]}
+  golden = {k: v for k, v in state.golden.items() if k not in ran and k.split("::")[0] not in whole}
   for r in state.results:
     for nodeid, summaries in r["compiled"].items():
       golden[nodeid] = sorted(set(golden.get(nodeid, [])) | set(summaries))
@@ -364,6 +384,8 @@ def pytest_terminal_summary(terminalreporter, config):
   if new:
     write(f"golden: {len(new)} tests compiled collectives and have no golden entries (not checked): "
           + ", ".join(new[:5]) + (" ..." if len(new) > 5 else ""))
+  if loose := sum(r["loose"] for r in results):
+    write(f"golden: {loose} programs found under another test of their file (only some of its tests ran)")
   if outside := sum(r["outside"] for r in results):
     write(f"golden: {outside} programs with collectives compiled outside any test (not checked)")
 
