@@ -63,6 +63,9 @@ def test_a_program_missing_from_its_tests_entries_fails_the_test(compiled):
   state.unchecked = [("t.py::b", "jit_f", summary), ("t.py::new", "jit_f", summary)]
   state.check()  # present, or a test without entries (reported, not failed)
   assert state.new_tests == {"t.py::new"}
+  state.measured, state.unchecked = True, [("t.py::a", "jit_f", summary)]
+  state.check()  # a test marked golden_measured: reported, not failed
+  assert state.measured_misses == {"t.py::a"}
 
 
 # the forms of jax 0.12's XLA:GPU (a collective fusion), an async pair, a loop, a conditional
