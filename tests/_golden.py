@@ -218,7 +218,7 @@ class Golden:
     self.measured = False               # the running test is marked golden_measured
     self.measured_misses: set = set()   # such tests that compiled a program their entries lack
     self.loose = 0                      # programs found under another test of a partial file
-    self.failed = False                 # a test failed: a record would miss its programs
+    self.written = False                # record mode: the golden file was written
     self.path = None
     self.golden: dict[str, list[str]] = {}
     if mode != "off":
@@ -270,17 +270,19 @@ class Golden:
       return
     bad = []
     for nodeid, name, summary in todo:
-      file = nodeid.split("::")[0]
-      if nodeid not in self.golden:
+      entries, file = self.golden.get(nodeid), nodeid.split("::")[0]
+      if entries is None:
         self.new_tests.add(nodeid)
-      elif file in self.partial and any(summary in v for k, v in self.golden.items() if k.startswith(file + "::")):
-        self.loose += summary not in self.golden[nodeid]  # a fixture compiled in another test than in a full run
-      elif (why := mismatch(summary, self.golden[nodeid])) is None:
+      elif summary in entries:
         pass
+      elif file in self.partial and any(summary in v for k, v in self.golden.items()
+                                        if k.startswith(file + "::")):
+        self.loose += 1  # compiled in another test of its file than in a full run
       elif self.measured:
         self.measured_misses.add(nodeid)
       else:
-        bad.append(f"program {name}: its collectives are not among this test's in {self.path.name}\n{why}")
+        bad.append(f"program {name}: its collectives are not among this test's in {self.path.name}\n"
+                   + mismatch(summary, entries))
     if bad:
       pytest.fail("golden: " + "\n\n".join(bad) + "\n(an intended change: re-record, see "
                   "docs/development.md)", pytrace=False)
@@ -344,8 +346,9 @@ def pytest_sessionfinish(session):
     config.workeroutput["golden"] = json.dumps(mine)
     return
   state.results.append(mine)
-  state.failed = session.testsfailed > 0  # (the controller counts its workers' failures)
-  if state.mode == "record" and not state.failed:
+  # a failed test or an unread executable would leave programs out (the controller counts workers' failures)
+  state.written = session.testsfailed == 0 and not any(r["hook_error"] for r in state.results)
+  if state.mode == "record" and state.written:
     _record(state)
 
 
@@ -386,11 +389,10 @@ def pytest_terminal_summary(terminalreporter, config):
   tests = {k for r in results for k in r["compiled"]}
   programs = sum(len(v) for r in results for v in r["compiled"].values())
   seconds = sum(r["seconds"] for r in results)
-  written = not state.failed
   write(f"golden ({state.mode}, {state.path and state.path.name}): {programs} programs with collectives "
         f"in {len(tests)} tests, {seconds:.2f} s CPU reading HLO"
-        + ((f", written to {state.path}" if written else ", NOT written: tests failed")
-           if state.mode == "record" else ""))
+        + ("" if state.mode != "record" else f", written to {state.path}" if state.written
+           else ", NOT written: a test failed or an executable was not read"))
   for e in {r["hook_error"] for r in results if r["hook_error"]}:
     write(f"golden: NOT CHECKED: {e}", red=True)
   new = sorted({n for r in results for n in r["new"]})
