@@ -32,6 +32,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["_golden"]  # the golden file of compiled collectives (tests/_golden.py)
+
 
 @pytest.fixture(scope="session")
 def topo():

@@ -631,6 +631,7 @@ def test_nnx_jit_step_with_nnx_optimizer():
 # profile_step and Monitor on the same loss and mesh
 
 
+@pytest.mark.golden_measured  # it plans from profile_step's timings: its step's chunks follow them
 def test_profile_step_and_monitor_take_the_mesh():
   """The jit user profiles, plans and re-plans without a shard_map: `profile_step(loss_fn, params, batch,
   mesh=, axis_name=, has_aux=)` on the ('data', 'model') mesh profiles the 4 devices along 'data' (the

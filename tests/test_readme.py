@@ -33,6 +33,7 @@ def _snippet(doc: Path, section: str) -> str:
 @pytest.mark.parametrize("doc, section", [(README, "## Start: a plain `jax.jit` step on global arrays"),
                                           (USAGE, "## Under `jax.shard_map`")],
                          ids=["README-jit", "usage-shard_map"])
+@pytest.mark.golden_measured  # it plans from measure_network and profile_step: its chunks follow the timings
 def test_the_training_loop_snippet_runs_and_matches_the_single_device_step(monkeypatch, doc, section):
   code = _snippet(doc, section)
   assert "jax.device_put(batch, NamedSharding(mesh, P(\"dp\")))" in code
