@@ -101,8 +101,10 @@ def test_hsdp_equal_to_one_device_and_the_partitioner_collectives_at_shard_size(
       last = max(k for k in want if k[1] == "chunk")
       want[last] = (want[last][0] + 1, R * S)
     assert hsdp_collectives(step) == want
-    report = pj.audit(step, sched)
-    assert report.ok, report.describe()
+    report = pj.audit(step, sched)      # the audit reads the replica all-reduces at the shard's size
+    replica = [(e.chunk, e.elements, e.expected_elements) for e in report.chunks if e.kind == "replica"]
+    assert replica == [(u, sched.chunks[u].size // S, sched.chunks[u].size // S) for u in sorted(sched.fsdp.units)]
+    assert report.ok and len(report.foreign) == on_mesh, report.describe()
 
 
 def test_hsdp_axes_and_nodes_refused():
