@@ -7,6 +7,7 @@ gradient: FACTS F7) all-reduced over the 4 replicas, the replicated leaves over 
 where they span processes.
 """
 
+import dataclasses
 import re
 import types
 
@@ -22,7 +23,7 @@ from prophet_jax._compiled._hlo import execution_order, parse_hlo
 from prophet_jax._compiled._devices import check_in_node
 
 from _assert import assert_trees_close
-from test_fsdp_step import _batches, _place, _run, _state_specs, library_step, reference_step, unrolled
+from test_fsdp_step import _batches, _place, _run, _state_specs, library_step, reference_step, scanned, unrolled
 
 R, S = 4, 2
 AXES = ("replica", "data")
@@ -33,10 +34,10 @@ def _mesh():
   return jax.make_mesh((R, S), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def _least(params, specs):
+def _least(params, specs, stacked=()):
   """The HSDP plan at the least memory (some groups gathered again in backward)."""
   prof = pj.GradientProfile.from_params(params, forward_s=0.004, backward_s=0.008, mesh=dict(zip(AXES, (R, S))),
-                                        shardings=specs)
+                                        shardings=specs, stacked=stacked)
   net = pj.NetworkModel.preset("nvlink+400gb-ib", workers=R * S)
   budget = 1
   for _ in range(3):
@@ -105,6 +106,30 @@ def test_hsdp_equal_to_one_device_and_the_partitioner_collectives_at_shard_size(
     replica = [(e.chunk, e.elements, e.expected_elements) for e in report.chunks if e.kind == "replica"]
     assert replica == [(u, sched.chunks[u].size // S, sched.chunks[u].size // S) for u in sorted(sched.fsdp.units)]
     assert report.ok and len(report.foreign) == on_mesh, report.describe()
+
+
+def test_hsdp_scanned_stack():
+  """A lax.scan over 4 stacked layers, planned per layer (each gathered, reduce-scattered and its shard all-reduced
+  over the replicas inside the loop, on two tie chains carried through it): equal to the single device; the audit
+  reads one shard all-reduce per unit (a loop's per layer) at the shard's size."""
+  params, specs, loss, stacked = scanned(layers=4)
+  sched = _least(params, specs, stacked)     # every group gathered again: the stack is one run, its middle a loop
+  sched = dataclasses.replace(sched, fsdp=dataclasses.replace(sched.fsdp, keep=(False,) * len(sched.fsdp.keep)))
+  mesh, tx, batches = _mesh(), optax.sgd(0.1, momentum=0.9), _batches()
+  sspecs = _state_specs(tx, params, specs)
+  placed = lambda t, s: _place(t, s, mesh)  # noqa: E731
+  lbatches = [placed(b, {"x": BATCH, "y": BATCH}) for b in batches]
+  one = jax.devices()[0]
+  single = _run(reference_step(loss, tx), jax.device_put(params, one), jax.device_put(tx.init(params), one),
+                jax.device_put(batches, one))
+  step, _ = library_step(loss, sched, specs, tx, params, mesh, axis_name=AXES)
+  p0, s0 = placed(params, specs), placed(tx.init(params), sspecs)
+  step = step.lower(p0, s0, lbatches[0], jnp.float32(1.0)).compile()
+  assert_trees_close(_run(step, p0, s0, lbatches, jnp.float32(1.0))[0], single[0], params)
+  report = pj.audit(step, sched)
+  replica = sorted((e.chunk, e.elements) for e in report.chunks if e.kind == "replica")
+  assert replica == [(u, sched.chunks[u].size // S) for u in sorted(sched.fsdp.units)]
+  assert report.ok and not report.foreign and max(e.trips or 1 for e in report.chunks) == 2, report.describe()
 
 
 def test_hsdp_axes_and_nodes_refused():
