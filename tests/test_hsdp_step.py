@@ -150,3 +150,29 @@ def test_hsdp_axes_and_nodes_refused():
   with pytest.raises(ValueError, match=r"HSDP plan shards over \('data',\).*mesh \{'replica': 4, 'data': 2\}.*"
                                        r"\(\[0, 1\]\) span process_index \[0, 1\]"):
     check_in_node(fake(lambda r, s: s), ("data",), "hooked")
+
+
+@pytest.mark.gpu
+def test_h100_order_is_the_simulators_at_one_in_flight(topo):
+  """On 8 compile-only H100s (4 replicas x 2 shards), XLA:GPU keeps one collective in flight by default: each
+  unit's replica all-reduce runs after its reduce-scatter and before the next one, as the simulator runs a plan
+  made for in_flight=1 on one link (its re-gathers are placed by XLA before their reader, docs/fsdp.md)."""
+  params, specs, loss, _ = unrolled()
+  sched = _least(params, specs)
+  assert sched.fsdp.in_flight == 1
+  grad_fn = pj.hooked(loss, sched, axis_name=AXES)
+  mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(R, S), AXES)
+  step = jax.jit(jax.shard_map(lambda p, b: grad_fn(p, b)[1], mesh=mesh, in_specs=(specs, BATCH), out_specs=specs))
+  batch = {k: jax.ShapeDtypeStruct((16, 16), jnp.float32) for k in ("x", "y")}
+  report = pj.audit(step.lower(topo.abstract(params, specs, mesh=mesh), topo.abstract(batch, BATCH, mesh=mesh))
+                    .compile(), sched)
+  assert report.ok and report.max_in_flight == 1 and not report.foreign, report.describe()
+  units = list(sched.fsdp.units)
+  compiled = [("allreduce" if e.collective == "all-reduce" else "reduce_scatter",
+               f"unit{units.index(e.chunk)}" if e.chunk in units else "replicated") for e in report.chunks]
+  prof = pj.GradientProfile.from_params(params, forward_s=0.004, backward_s=0.008, mesh=dict(zip(AXES, (R, S))),
+                                        shardings=specs)
+  events = pj.simulate(sched, prof, pj.NetworkModel.preset("nvlink+400gb-ib", workers=R * S)).events
+  simulated = [(e.kind, e.name.rstrip("0123456789") if e.name.startswith("replicated") else e.name)
+               for e in sorted(events, key=lambda e: e.start_s) if e.kind in ("reduce_scatter", "allreduce")]
+  assert {e.lane for e in events} == {"device", "link0"} and compiled == simulated, (compiled, simulated)
