@@ -141,8 +141,8 @@ def test_hsdp_axes_and_nodes_refused():
     with pytest.raises(ValueError, match=r"shards the parameters over \('data',\) and replicates them over "
                                          r"\('replica',\).*axis_name=\('replica', 'data'\)"):
       pj.hooked(loss, sched, axis_name=bad)
-  mesh = _mesh()
-  pj.hooked(loss, sched, axis_name=AXES, mesh=mesh)
+  pj.hooked(loss, sched, axis_name=("data", "replica"))    # any order: the plan says which axes are shards
+  pj.hooked(loss, sched, axis_name=AXES, mesh=_mesh())
   device = lambda r, s, process: types.SimpleNamespace(id=S * r + s, process_index=process)  # noqa: E731
   fake = lambda process: types.SimpleNamespace(axis_names=AXES, axis_sizes=(R, S), devices=np.array(  # noqa: E731
       [[device(r, s, process(r, s)) for s in range(S)] for r in range(R)], dtype=object))

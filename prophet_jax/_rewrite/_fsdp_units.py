@@ -93,13 +93,14 @@ def split_axes(schedule: Schedule, axis_name: Any, where: str) -> tuple[Any, tup
   axis or a tuple: every axis of the plan's mesh); ValueError naming the axes otherwise."""
   f = schedule.fsdp
   axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  if set(axes) != {a for a, _ in f.mesh} or len(set(axes)) != len(axes):
+  replicas = tuple(a for a in axes if a not in f.shard_axes)   # any order; the shard axes in the plan's
+  if set(axes) != {a for a, _ in f.mesh} or len(set(axes)) != len(axes) or (
+      not replicas and axes != tuple(f.shard_axes)):
     replicas = [a for a, _ in f.mesh if a not in f.shard_axes]
     want = tuple(a for a, _ in f.mesh) if replicas else f.shard_axes[0] if len(f.shard_axes) == 1 else f.shard_axes
     raise ValueError(f"{where}(axis_name={axis_name!r}): the FSDP plan shards the parameters over "
                      f"{tuple(f.shard_axes)}" + (f" and replicates them over {tuple(replicas)} (HSDP)" if replicas
                                                  else "") + f" on the mesh {dict(f.mesh)}; pass axis_name={want!r}.")
-  replicas = tuple(a for a in axes if a not in f.shard_axes)
   if not replicas:
     return axis_name, ()
   return (f.shard_axes[0] if len(f.shard_axes) == 1 else tuple(f.shard_axes)), replicas
