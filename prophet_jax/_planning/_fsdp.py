@@ -186,7 +186,7 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
                     int(backward_prefetch), tuple(rep_bytes), tuple(order), tuple(ready_pos),
                     ends_at, bo.layers, bo.dur, bo.tail, tuple(bf), tuple(bl),
                     tuple(sorted(range(n_u), key=lambda u: bf[u])), update_s, int(shards), int(replicas),
-                    tuple(rs_bytes), rs_at, reads, in_flight == 1 and replicas > 1)
+                    tuple(rs_bytes), rs_at, reads, one_slot=in_flight == 1 and replicas > 1)
 
 
 def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float, float, float, float, float]:
