@@ -84,3 +84,70 @@ def test_the_bound_holds_for_every_hold_pattern():
           for hg in itertools.product([True, False], repeat=n_u):
             run = accum_run(prob, arr._replace(held=hp, rs_held=hg), k)
             assert bound <= run.iteration_s * (1 + 1e-9), (k, keep, hp, hg)
+
+
+# ---------------- the step
+
+def _expected(sched):
+  """The collectives a k-micro-batch step runs: a held group gathered once, another k times (and k times again
+  in backward where not kept); a held unit reduce-scattered once, another k times; replicated chunks k times."""
+  f = sched.fsdp
+  k, n = f.micro_batches, len(f.keep)
+  hp, hg = f.hold_params or (False,) * n, f.hold_grads or (False,) * len(f.units)
+  out = {("all-gather", "fsdp/ag"): sum(1 if h else k for h in hp),
+         ("all-gather", "fsdp/reag"): sum(k for h, kp in zip(hp, f.keep) if not (h or kp)),
+         ("reduce-scatter", "fsdp/rs"): sum(1 if h else k for h in hg),
+         ("all-reduce", "chunk"): k * (len(sched.chunks) - len(f.units))}
+  return {key: v for key, v in out.items() if v}
+
+
+def test_accumulating_step_equals_the_full_batch_and_runs_the_planned_collectives():
+  """k = 2 with every group and unit held (no budget; on the mesh) or none (the least budget: groups also
+  gathered again in backward), k = 4 with some groups held and others gathered again (a budget between),
+  each equal to the single-device step on the whole batch (SGD with momentum, 2 steps); the same compiled
+  step dividing by k - 1 fails; its compiled collectives counted against the plan."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import PartitionSpec as P
+
+  import test_fsdp_step as T
+  params, specs, loss, stacked = T.unrolled()
+  mesh, tx = T._mesh(), optax.sgd(0.1, momentum=0.9)
+  rng = np.random.default_rng(3)
+  batches = [{x: jnp.asarray(rng.normal(size=(4 * T.NDEV, T.D)), jnp.float32) for x in ("x", "y")} for _ in range(2)]
+  one = jax.devices()[0]
+  single = T._run(T.reference_step(loss, tx), jax.device_put(params, one), jax.device_put(tx.init(params), one),
+                  jax.device_put(batches, one))
+  sspecs = T._state_specs(tx, params, specs)
+  placed = [T._place(b, {"x": P("data"), "y": P("data")}, mesh) for b in batches]
+  least = T._least(params, specs, stacked, micro_batches=2)
+  between = T._plan(params, specs, stacked, least.fsdp.memory_budget_bytes + 1024, micro_batches=4)
+  for i, (k, sched) in enumerate([(2, T._plan(params, specs, stacked, None, micro_batches=2)), (2, least),
+                                  (4, between)]):
+    f = sched.fsdp
+    assert f.micro_batches == k and [all(f.hold_params + f.hold_grads), not any(f.hold_params + f.hold_grads),
+                                     any(f.hold_params) and not all(f.hold_params)][i] and (i == 0) != (False in f.keep)
+    step, _ = T.library_step(loss, sched, specs, tx, params, mesh, on_mesh=i == 0)
+    p0, s0 = T._place(params, specs, mesh), T._place(tx.init(params), sspecs, mesh)
+    step = step.lower(p0, s0, placed[0], jnp.float32(1.0)).compile()
+    got = T._run(step, p0, s0, placed, jnp.float32(1.0))
+    T.assert_trees_close(got[0], single[0], params)
+    with pytest.raises(AssertionError):        # each micro-batch's mean divided by k - 1 instead of k
+      T.assert_trees_close(T._run(step, p0, s0, placed, jnp.float32(k / (k - 1)))[0], single[0], params)
+    assert T.collectives(step) == _expected(sched), (k, f)
+
+
+def test_accumulating_step_refusals_name_the_fault():
+  import jax.numpy as jnp
+  import optax
+
+  import test_fsdp_step as T
+  params, specs, loss, stacked = T.unrolled()
+  sched = T._plan(params, specs, stacked, None, micro_batches=3)
+  grad_fn = pj.hooked(loss, sched, axis_name="data", mesh=T._mesh())
+  batch = {x: jnp.zeros((2 * T.NDEV, T.D), jnp.float32) for x in ("x", "y")}
+  with pytest.raises(ValueError, match=r"micro_batches=3.*batch leaf .*'x'.*\(2, 16\)"):
+    grad_fn(T._place(params, specs, T._mesh()), T._place(batch, {"x": T.P("data"), "y": T.P("data")}, T._mesh()))
+  with pytest.raises(ValueError, match=r"every_k=2 with an FSDP plan.*micro_batches=2"):
+    pj.scheduled(optax.sgd(0.1), sched, axis_name="data", every_k=2)

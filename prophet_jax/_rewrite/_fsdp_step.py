@@ -80,9 +80,43 @@ def fsdp_grad(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: Any
     raise ValueError(f"fsdp_grad(gather_dtype={gather_dtype!r}): expected 'auto' or None.")
 
   def grad_fn(params, batch):
-    return _Step(loss_fn, schedule, axis_name, reduction, gather_dtype == "auto", layout, params, batch).run()
+    step = lambda b: _Step(loss_fn, schedule, axis_name, reduction, gather_dtype == "auto", layout, params, b)  # noqa: E731
+    if getattr(schedule.fsdp, "micro_batches", 1) == 1:
+      return step(batch).run()
+    return _accumulate(step, schedule.fsdp, batch, reduction)
 
   return grad_fn
+
+
+def _accumulate(step: Callable[[Any], Any], f: Any, batch: Any, reduction: str) -> tuple[Any, Any]:
+  """k micro-batches (each device's batch split in k along every leaf's leading axis) in one step, as the plan
+  holds: each held group gathered by the first and read by all, each held unit's whole gradient summed and
+  reduce-scattered once after the last (docs/fsdp.md, "Accumulation"); the mean (or sum) over all examples."""
+  k = f.micro_batches
+  kp, tree = jax.tree_util.tree_flatten_with_path(batch)
+  for p, x in kp:
+    if np.ndim(x) == 0 or np.shape(x)[0] % k:
+      raise ValueError(f"fsdp_grad: the plan runs micro_batches={k}, but batch leaf {path_str(p)!r} has shape "
+                       f"{np.shape(x)} on each device; its leading axis must split into {k} equal micro-batches.")
+  hold = {g for g, h in enumerate(f.hold_params) if h}
+  later = {f.units[u] for u, h in enumerate(f.hold_grads) if h}
+  held, sums, grads, values, st = {}, {}, None, [], None
+  add = lambda a, b: a + b if jnp.issubdtype(a.dtype, jnp.inexact) else a  # noqa: E731
+  for m in range(k):
+    after = None if st is None else st.token
+    st = step(jax.tree_util.tree_unflatten(tree, [jnp.split(x, k)[m] for _, x in kp]))
+    value, g = st.run(hold, held, later, after)
+    held = {h: st.whole[h] for h in hold}
+    sums = {c: [a + b for a, b in zip(sums[c], x)] if c in sums else x for c, x in st.later_cts.items()}
+    grads = g if grads is None else jax.tree.map(add, grads, g)
+    values.append(value)
+  grads = jax.tree.map(add, grads, st.scatter_later(sums))
+  mean = (lambda x: x / k if jnp.issubdtype(x.dtype, jnp.inexact) else x) if reduction == "mean" else (lambda x: x)
+  leaves = [jnp.stack(xs) for xs in zip(*[jax.tree_util.tree_leaves(v) for v in values])]
+  leaves = [leaves[0].sum(0) if reduction == "sum" else leaves[0].mean(0)] + [
+      x.mean(0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[-1] for x in leaves[1:]]
+  return (jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(values[0]), leaves),
+          jax.tree.map(lambda x: mean(x).astype(x.dtype), grads))
 
 
 class _Step:
@@ -215,8 +249,15 @@ class _Step:
 
   # ---------------- forward
 
-  def run(self):
+  def run(self, hold=(), held=None, later=(), after=None):
+    """The step (forward, then `_backward`); accumulating (`_accumulate`): `hold` the groups kept to the end
+    (and in `self.whole`), `held` those gathered by an earlier micro-batch, `later` the units whose whole
+    gradient is left in `self.later_cts` unscattered, `after` what the first gathers wait for."""
     plan, pieces, d = self.plan, self.pieces, self.plan.prefetch
+    self.hold, self.later, self.later_cts, self.token, held = set(hold), set(later), {}, after, held or {}
+    if any(g in held or g in self.later for sc in self.scans.values() for g in (*sc.groups, *sc.units)):
+      raise ValueError("fsdp_grad: the plan holds a scanned stack's layer across micro-batches; the step "
+                       "gathers and reduce-scatters a stack inside its loop each micro-batch. Plan it again.")
     needs_at: dict[int, list[int]] = {}
     for g, s in self.first_piece.items():
       needs_at.setdefault(s, []).append(g)
@@ -228,9 +269,10 @@ class _Step:
       issue.setdefault(steps[j - d] if j >= d else -1, []).extend(needs_at[s])
     waits = {steps[j]: needs_at[steps[j - 1 + d]] for j in range(1, len(steps) - d + 1)
              if d > 1 and steps[j] not in self.scans}
-    env, whole, kept, saved = dict(self.static), {}, {}, [None] * len(pieces)
+    issue = {s: [g for g in gs if g not in held] for s, gs in issue.items()}
+    env, whole, kept, saved = dict(self.static), dict(held), {}, [None] * len(pieces)
     for g in issue.get(-1, ()):
-      whole[g] = self.gather(g, AG_SCOPE, None)
+      whole[g] = self.gather(g, AG_SCOPE, after)
     for s, p in enumerate(pieces):
       x = max((v for v in p.ins if v in self.defined and v in env), key=self.defined.get, default=None)
       if s in self.scans:
@@ -247,7 +289,8 @@ class _Step:
           env[x] = tie(env[x], last([w for g in waits[s] for w in whole.get(g, ())]))
         outs, saved[s] = self.vjps[s].forward([env[v] for v in p.ins])
       env.update(zip(p.outs, outs))
-      kept.update({g: w for g, w in whole.items() if plan.keep[g]})
+      kept.update({g: w for g, w in whole.items() if plan.keep[g] or g in self.hold})
+    self.whole = {g: w for g, w in whole.items() if g in self.hold}
     values = [v.val if isinstance(v, Literal) else env[v] for v in self.jx.outvars]
     grads = self._backward(saved, kept, values[0])
     return jax.tree_util.tree_unflatten(self.out_tree, values), jax.tree_util.tree_unflatten(self.treedef, grads)
@@ -261,11 +304,11 @@ class _Step:
   def _backward(self, saved, kept, loss):
     plan, pieces = self.plan, self.pieces
     self.ct, self.ct_leaf, self.rep_parts, self.stack_parts = {self.jx.outvars[0]: jnp.ones_like(loss)}, {}, {}, {}
-    self.token, self.pending = None, sorted({*plan.units, *plan.replicated})
+    self.pending = sorted({*plan.units, *plan.replicated})
     self.done = {sl for sl in plan.slot_of if sl[0] not in self.first}
     bneeds: dict[int, list[int]] = {}
     for g, s in self.last_piece.items():
-      if not plan.keep[g]:
+      if not (plan.keep[g] or g in self.hold):
         bneeds.setdefault(s, []).append(g)
     for s, sc in self.scans.items():
       if not sc.runs[-1][2]:
@@ -308,6 +351,9 @@ class _Step:
       if not all(sl in self.done for sl in slots):
         return
       self.pending.pop(0)
+      if k in self.later:
+        self.later_cts[k] = [self._ct_slot(sl) for sl in slots]
+        continue
       if k in plan.units:
         out = scatter([self._ct_slot(sl) for sl in slots], [plan.dim_of[i] - (j is not None) for i, j in slots],
                       self.axis, self.n, self.divisor, f"{RS_SCOPE}{k}", self.layout, self.token)
@@ -321,6 +367,18 @@ class _Step:
                                         divisor=_loss_reduction.divisor(self.reduction, self.n), prev=self.token)
       for (r, a, _), x in zip(c.slices, red):
         self.rep_parts.setdefault(plan.slot_of[r], []).append((a, x))
+
+  def scatter_later(self, sums: dict) -> list:
+    """The gradients (laid out as `_assemble`'s, zeros elsewhere) of the units in `sums` (chunk -> their whole
+    gradients summed over the micro-batches), each reduce-scattered once in chunk order after this step's."""
+    self.rep_parts, self.stack_parts = {}, {}
+    for k in sorted(sums):
+      slots = self.plan.units[k]
+      out = scatter(sums[k], [self.plan.dim_of[i] for i, _ in slots], self.axis, self.n, self.divisor,
+                    f"{RS_SCOPE}{k}", self.layout, self.token)
+      self.rep_parts.update({sl: [(0, x)] for sl, x in zip(slots, out)})
+      self.token = last(out)
+    return jax.tree_util.tree_unflatten(self.treedef, self._assemble())
 
   def _ct_slot(self, slot):
     """A slot's whole gradient on this device (unreduced) in its leaf's dtype; zeros if it has none."""
