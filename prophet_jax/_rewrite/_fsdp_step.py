@@ -255,7 +255,7 @@ class _Step:
     gradient is left in `self.later_cts` unscattered, `after` what the first gathers wait for."""
     plan, pieces, d = self.plan, self.pieces, self.plan.prefetch
     self.hold, self.later, self.later_cts, self.token, held = set(hold), set(later), {}, after, held or {}
-    if any(g in held or g in self.later for sc in self.scans.values() for g in (*sc.groups, *sc.units)):
+    if any(set(sc.groups) & self.hold or set(sc.units) & self.later for sc in self.scans.values()):
       raise ValueError("fsdp_grad: the plan holds a scanned stack's layer across micro-batches; the step "
                        "gathers and reduce-scatters a stack inside its loop each micro-batch. Plan it again.")
     needs_at: dict[int, list[int]] = {}
