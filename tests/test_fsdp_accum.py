@@ -12,7 +12,8 @@ import pytest
 
 import prophet_jax as pj
 from prophet_jax._planning._core import problem
-from prophet_jax._planning._fsdp import accum_counts, accum_run, fsdp_arrays, fsdp_arrays_of
+from prophet_jax._planning._fsdp import fsdp_arrays, fsdp_arrays_of
+from prophet_jax._planning._fsdp_accum import accum_counts, accum_run
 from prophet_jax._values._errors import ScheduleError
 
 from test_fsdp import _layered, _random_instance

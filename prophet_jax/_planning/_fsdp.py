@@ -13,7 +13,7 @@ from ._core import Problem, sampled_durations
 from .._values._tree import IdentityMemo
 from .._values._types import itemsize
 
-__all__ = ["accum_counts", "accum_run", "BackwardOrder", "FsdpArrays", "FsdpForward", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run",
+__all__ = ["BackwardOrder", "FsdpArrays", "FsdpForward", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run",
            "gather_nbytes",
            "unit_costs", "dear_peak_bytes", "fsdp_arrays_of", "fsdp_durations",
            "fsdp_samples", "skew_wait"]
@@ -208,7 +208,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
              durations: np.ndarray | None = None, micro: tuple[bool, bool] | None = None) -> FsdpRun:
   """The step's timeline: calm, or with `durations` one sample's collective durations; `forward` reuses a
   calm run's forward (ignored with `spans` or `durations`); `micro` (first, last): one micro-batch of an
-  accumulating step, without the memory of what it holds (`accum_run`).
+  accumulating step, without the memory of what it holds (`_fsdp_accum.accum_run`).
   """
   a_g, b_g, a_r, b_r, a_a, b_a = unit_costs(prob, arr.shards, arr.replicas)
   ag_d = reg_d = rs_d = r1_d = rep_d = None
@@ -265,7 +265,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
       t_dev = t_link
     comm += dur
     mem_t.append(s)
-    mem_d.append(0.0 if held[u] else nb)    # a held group's memory: held for the whole step (`accum_run`)
+    mem_d.append(0.0 if held[u] else nb)    # a held group's memory: held for the whole step (`_fsdp_accum`)
     if again:                               # its shards' copy (the tie's), held since its forward gather
       mem_t.append(s)
       mem_d.append(-nb / arr.shards)
@@ -397,37 +397,6 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
     rank = np.concatenate([dlt[:len(mem_t)], np.full(len(pre_t), -np.inf)])   # frees first, but `pre` before them
     peak = float(np.cumsum(dlt[np.lexsort((rank, t))]).max())
   return FsdpRun(float(iteration), max(peak, 0.0), float(comm), out, forward)
-
-
-def accum_run(prob: Problem, arr: FsdpArrays, k: int, *, spans: bool = False) -> FsdpRun:
-  """k micro-batches one after another and the update once (docs/fsdp.md, "Accumulation"): the held groups
-  gathered by the first, the held units reduce-scattered by the last; what they hold counts for the whole step.
-  """
-  if k == 1:
-    return fsdp_run(prob, arr, spans=spans)
-  tail = arr.update_s + skew_wait(prob, arr)
-  held = sum(b for b, h in zip(arr.unit_bytes, arr.held) if h) + sum(b for b, h in zip(arr.rs_bytes, arr.rs_held) if h)
-  t = comm = peak = 0.0
-  out: list[tuple[str, str, float, float, str]] = []
-  runs: dict[tuple[bool, bool], FsdpRun] = {}
-  for m in range(k):
-    role = (m == 0, m == k - 1)
-    if role not in runs:
-      runs[role] = fsdp_run(prob, arr, spans=spans, micro=role)
-    r = runs[role]
-    out += [(kd, f"{name}@{m}", a + t, b + t, lane) for kd, name, a, b, lane in r.spans if kd != "update"]
-    t, comm, peak = t + r.iteration_s - tail, comm + r.comm_s, max(peak, r.peak_memory_bytes)
-  if spans and arr.update_s > 0:
-    out.append(("update", "update", t, t + arr.update_s, "device"))
-  return FsdpRun(t + tail, peak + held, comm, out)
-
-
-def accum_counts(arr: FsdpArrays, k: int) -> tuple[int, int, float]:
-  """(all-gathers, reduce-scatters, bytes all-gathered) per step of k micro-batches."""
-  held = arr.held or (False,) * len(arr.unit_bytes)
-  rs_held = arr.rs_held or (False,) * len(arr.rs_bytes)
-  per = [1 if h else k * (1 + (r and not kp)) for h, r, kp in zip(held, arr.reads, arr.keep)]
-  return (sum(per), sum(1 if h else k for h in rs_held), float(np.dot(per, arr.unit_bytes)) if per else 0.0)
 
 
 def _regathers(arr: FsdpArrays, bwd_units: Sequence[int], keep: Sequence[bool] | None = None

@@ -18,7 +18,8 @@ from ._core import (ChunkArrays, Problem, ends_one_link, iterations, link_loop, 
                     schedule_arrays, sync_waits)
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
-from ._fsdp import FsdpArrays, accum_counts, accum_run, dear_peak_bytes, fsdp_arrays_of, fsdp_durations, fsdp_run, fsdp_samples
+from ._fsdp_accum import accum_counts, accum_run
+from ._fsdp import FsdpArrays, dear_peak_bytes, fsdp_arrays_of, fsdp_durations, fsdp_run, fsdp_samples
 from ._sharded import ShardedArrays, ShardedRun, sharded_arrays, sharded_durations, sharded_run
 from .._values._types import GradientProfile, json_fields, json_object
 

@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._planning._core import Problem, problem
-from .._planning._fsdp import (BackwardOrder, FsdpArrays, accum_run, backward_order, fsdp_arrays, fsdp_run, gather_nbytes,
+from .._planning._fsdp_accum import accum_run
+from .._planning._fsdp import (BackwardOrder, FsdpArrays, backward_order, fsdp_arrays, fsdp_run, gather_nbytes,
                                unit_costs)
 from .._planning._fsdp_bound import backward_chain, forward_blocks
 from .._planning._simulate import simulate_fsdp
