@@ -4,6 +4,7 @@ micro-batch. Planned, simulated and bounded (pure), then carried out by `hooked`
 single-device full batch of the k micro-batches, its compiled collectives counted against the plan.
 """
 
+import dataclasses
 import itertools
 import json
 
@@ -106,7 +107,7 @@ def test_accumulating_step_equals_the_full_batch_and_runs_the_planned_collective
   """k = 2 with every group and unit held (no budget; on the mesh) or none (the least budget: groups also
   gathered again in backward), k = 4 with some groups held and others gathered again (a budget between),
   each equal to the single-device step on the whole batch (SGD with momentum, 2 steps); the same compiled
-  step dividing by k - 1 fails; its compiled collectives counted against the plan."""
+  step dividing by k - 1 fails; its compiled collectives counted against the plan, by hand and by `audit`."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -137,6 +138,9 @@ def test_accumulating_step_equals_the_full_batch_and_runs_the_planned_collective
     with pytest.raises(AssertionError):        # each micro-batch's mean divided by k - 1 instead of k
       T.assert_trees_close(T._run(step, p0, s0, placed, jnp.float32(k / (k - 1)))[0], single[0], params)
     assert T.collectives(step) == _expected(sched), (k, f)
+    assert pj.audit(step, sched).ok, pj.audit(step, sched).describe()
+    one = dataclasses.replace(sched, fsdp=dataclasses.replace(f, micro_batches=1))
+    assert not pj.audit(step, one).ok                # the same program against one micro-batch's plan
 
 
 def test_accumulating_step_refusals_name_the_fault():
