@@ -36,7 +36,7 @@ def test_accumulating_plan_holds_what_fits_and_stays_above_its_bound(k):
     assert f.micro_batches == k and dict(s.options)["micro_batches"] == k
     assert r.iteration_s == pytest.approx(s.predicted_s) and r.peak_memory_bytes <= (budget or np.inf)
     assert bound <= r.iteration_s * (1 + 1e-9) and (r.all_gathers, r.reduce_scatters) == (ag, rs)
-    assert pj.Schedule.from_json(s.to_json()) == s
+    assert pj.Schedule.from_json(s.to_json()) == s and f"; {k} micro-batches per step ({sum(f.hold_params)} groups" in s.describe()
     seen.append((f, moved, r))
   (every, moved, r), (_, _, r32), (least, moved_least, _) = seen
   # no budget: everything held, each gathered byte moved once per step, one reduce-scatter per unit
