@@ -17,7 +17,7 @@ from prophet_jax._planning._fsdp import fsdp_arrays, fsdp_arrays_of
 from prophet_jax._planning._fsdp_accum import accum_counts, accum_run
 from prophet_jax._values._errors import ScheduleError
 
-from test_fsdp import _layered, _random_instance
+from test_fsdp import _layered, _random_instance, _scanned_params
 
 NET = pj.NetworkModel.preset("100gb-ib", workers=8)
 
@@ -46,6 +46,20 @@ def test_accumulating_plan_holds_what_fits_and_stays_above_its_bound(k):
   # the least budget holds nothing: every micro-batch gathers (and re-gathers) and scatters
   assert not any(least.hold_params) and not any(least.hold_grads) and moved_least > (k - 1) * moved
   assert any(seen[1][0].hold_params) and r32.peak_memory_bytes > r.peak_memory_bytes / 4
+
+
+def test_a_scanned_stack_is_never_held():
+  """The step gathers and reduce-scatters a stack's layers inside its loop each micro-batch: without a budget
+  every other group and unit is held, no scanned layer's."""
+  params, specs = _scanned_params(layers=4, width=64)
+  prof = pj.GradientProfile.from_params(params, forward_s=0.01, backward_s=0.02, mesh={"data": 8}, shardings=specs,
+                                        stacked=("stack",), order=("in", "stack", "head"))
+  s = pj.plan(prof, NET, "fsdp", micro_batches=2)
+  f = s.fsdp
+  groups = [[r for r, _, _ in s.chunks[u].slices] for u in f.units]
+  assert len(f.units) == 5 and not f.gathers
+  for g, hp, hg in zip(groups, f.hold_params, f.hold_grads):
+    assert hp == hg == (not prof.rows[g[0]].path.startswith("stack/")), g
 
 
 def test_plans_without_micro_batches_are_unchanged_and_old_json_loads():
