@@ -337,15 +337,16 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
       out.append(("backward", prob.layers[l], s, t_dev, "device"))
     for x in rs_at[k]:                            # a unit's gradient buffer, made while its weights are held
       pre_t.append(t_dev)
-      pre_d.append(0.0 if rs_held[x] else rs_bytes[x])
+      pre_d.append(rs_bytes[x])
     for u in ends_at[k]:
       unit_bwd_end[u] = t_dev
     while ci < n_c and ready_pos[ci] <= k:
       kind, x = order[ci]
       if t_dev > last_issue:
         last_issue = t_dev
-      if kind == "u" and rs_held[x] and not micro[1]:
-        pass                                      # reduce-scattered by the last micro-batch
+      if kind == "u" and rs_held[x] and not micro[1]:    # added to its held sum; scattered by the last micro-batch
+        mem_t.append(last_issue)
+        mem_d.append(-rs_bytes[x])
       elif kind == "u":
         dur = a_g + b_g * rs_bytes[x] if rs_d is None else rs_d[x]
         st = last_issue if last_issue >= t_link else t_link
@@ -354,7 +355,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
         t_link = st + dur
         comm += dur
         mem_t.append(t_link)                      # the gradient buffer, reduced
-        mem_d.append(0.0 if rs_held[x] else -rs_bytes[x])
+        mem_d.append(-rs_bytes[x])
         if spans:
           out.append(("reduce_scatter", f"unit{x}", st, t_link, "link0"))
         if two:

@@ -103,9 +103,10 @@ def _accumulate(step: Callable[[Any], Any], f: Any, batch: Any, reduction: str) 
   held, sums, grads, values, st = {}, {}, None, [], None
   add = lambda a, b: a + b if jnp.issubdtype(a.dtype, jnp.inexact) else a  # noqa: E731
   parts = [jnp.split(x, k) for _, x in kp]
-  for m in range(k):
-    after = None if st is None else st.token
-    st = step(jax.tree_util.tree_unflatten(tree, [x[m] for x in parts]))
+  for m in range(k):    # each micro-batch after the last one's backward (its gradients), as the plan runs them
+    after = None if st is None else last([st.token] + [x for x in jax.tree.leaves((grads, sums))
+                                                       if jnp.issubdtype(x.dtype, jnp.inexact)])
+    st = step(jax.tree_util.tree_unflatten(tree, [tie(x[m], after) for x in parts]))
     value, g = st.run(hold, held, later, after)
     held = {h: st.whole[h] for h in hold}
     sums = {c: [a + b for a, b in zip(sums[c], x)] if c in sums else x for c, x in st.later_cts.items()}
