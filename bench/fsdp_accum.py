@@ -8,7 +8,14 @@ Bundled llama-1b / 8b H100 traces (per micro-batch), FSDP over one 'data' axis o
 Budgets: none (everything held), and the re-gather-every-micro-batch plan's own peak plus a quarter of the
 model's gathered bytes. Prints a table and writes bench/results/fsdp_accum.json. Never asserts.
 
+`--compiled`: the library's own accumulating step (`hooked` with a `micro_batches=k` plan) on bench/fsdp_hlo.py's
+unrolled decoder, compiled for compile-only H100s (XLA:GPU's whole pipeline; needs jax-cuda12-plugin and
+ptxas, docs/facts.md), its all-gathers and reduce-scatters read back from the compiled program (count and
+bytes per step) and audited, for the plan without a budget, the same re-gathering every micro-batch, and the
+least-memory plan; the step simulated beside it. Writes bench/results/fsdp_accum_compiled.json.
+
     .venv/bin/python bench/fsdp_accum.py [--gpus 8 64 256] [--k 4 8]
+    JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_accum.py --compiled [--gpus 8] [--k 4] [--layers 2 --d 512]
 """
 
 from __future__ import annotations
@@ -45,12 +52,85 @@ def gathered(s, prof) -> tuple[float, float, int]:
   return moved, once, int(count)
 
 
+def compiled_main(a) -> None:
+  """`--compiled` (module docstring)."""
+  import re
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import prophet_jax as pj
+  from fsdp_hlo import collectives, loss_fn, params_of
+
+  results = []
+  for devices in a.gpus:
+    topo = pj.gpu_topology("h100", devices=devices)
+    mesh = topo.mesh("data")
+    params = params_of(a.layers, a.d, 4 * a.d, a.vocab)
+    specs = jax.tree.map(lambda s: P("data", None) if len(s.shape) == 2 else P(), params)
+    shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    param_bytes = sum(4 * s.size for s in jax.tree.leaves(params))
+    fwd_s = 2 * param_bytes / 4 * 512 / (989e12 * 0.5)          # one micro-batch: one sequence of 512 per GPU
+    prof = pj.GradientProfile.from_params(params, forward_s=fwd_s, backward_s=2 * fwd_s, shardings=specs,
+                                          mesh={"data": devices}, model="decoder-small", device="h100")
+    net = pj.NetworkModel.preset(NETWORK, workers=devices)
+    for k in a.k:
+      tokens = topo.abstract(jax.ShapeDtypeStruct((devices * k, 512), jnp.int32), P("data"), mesh=mesh)
+      every = plan(prof, net, "fsdp", micro_batches=k)
+      least, budget = None, 1
+      while least is None:                     # the budget each refusal names, until one fits
+        try:
+          least = plan(prof, net, "fsdp", micro_batches=k, memory_budget_bytes=budget)
+        except ValueError as e:
+          budget = int(re.search(r"(?:at least|least memory found is) (\d+)", str(e)).group(1))
+      for label, s in (("re-gather every micro-batch", regathering(every)), ("plan (no budget)", every),
+                       ("plan (least memory)", least)):
+        grad_fn = pj.hooked(lambda p, t: loss_fn(p, t, layers=a.layers, remat=False), s, axis_name="data", mesh=mesh)
+        step = jax.jit(lambda p, t, g=grad_fn: jax.tree.map(lambda x, y: x - 1e-3 * y, p, g(p, t)[1]),
+                       in_shardings=(shard, NamedSharding(mesh, P("data"))), out_shardings=shard)
+        t0 = time.perf_counter()
+        c = step.lower(topo.abstract(params, specs, mesh=mesh), tokens).compile()
+        secs = time.perf_counter() - t0
+        cs, report, r = collectives(c.as_text()), pj.audit(c, s), simulate(s, prof, net, events=False)
+        ag = [x for x in cs if x["kind"] == "all-gather"]
+        rs = [x for x in cs if x["kind"] == "reduce-scatter"]
+        row = {"devices": devices, "k": k, "schedule": label, "compile_s": secs, "all_gathers": len(ag),
+               "gathered_bytes": sum(x["bytes"] for x in ag), "reduce_scatters": len(rs),
+               "scattered_bytes": sum(x["bytes"] for x in rs), "planned_gathered_bytes": gathered(s, prof)[0],
+               "planned_all_gathers": r.all_gathers, "planned_reduce_scatters": r.reduce_scatters,
+               "audit_ok": report.ok, "audit": report.describe(), "step_ms": r.iteration_s * 1e3,
+               "peak_bytes": r.peak_memory_bytes, "temp_bytes": c.memory_analysis().temp_size_in_bytes}
+        results.append(row)
+        print(f"{devices:4d} H100s k={k} {label:28s} compiled {secs:5.1f} s: {len(ag):3d} all-gathers "
+              f"{row['gathered_bytes'] / 2**20:8.1f} MiB (planned {r.all_gathers}, "
+              f"{row['planned_gathered_bytes'] / 2**20:.1f} MiB), {len(rs):3d} reduce-scatters "
+              f"(planned {r.reduce_scatters}); audit {'OK' if report.ok else 'MISMATCH'}; simulated "
+              f"{row['step_ms']:.2f} ms, peak {r.peak_memory_bytes / 2**20:.1f} MiB, temp "
+              f"{row['temp_bytes'] / 2**20:.1f} MiB")
+  out = pathlib.Path(a.out).with_name("fsdp_accum_compiled.json")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps({"network": NETWORK, "layers": a.layers, "d": a.d, "vocab": a.vocab,
+                             "results": results}, indent=1))
+  print(f"wrote {out}")
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 256])
-  ap.add_argument("--k", type=int, nargs="+", default=[4, 8])
+  ap.add_argument("--gpus", type=int, nargs="+", default=None)
+  ap.add_argument("--k", type=int, nargs="+", default=None)
+  ap.add_argument("--compiled", action="store_true", help="the library's step compiled for compile-only H100s")
+  ap.add_argument("--layers", type=int, default=2)
+  ap.add_argument("--d", type=int, default=512)
+  ap.add_argument("--vocab", type=int, default=4096)
   ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "fsdp_accum.json"))
   a = ap.parse_args()
+  a.gpus = a.gpus or ([8] if a.compiled else [8, 64, 256])
+  a.k = a.k or ([4] if a.compiled else [4, 8])
+  if a.compiled:
+    compiled_main(a)
+    return
   results = []
   print(f"{'model':14s} {'gpus':>5s} {'k':>2s} {'schedule':24s} {'AG GiB/step':>11s} {'AG+RS':>9s} {'step ms':>9s} "
         f"{'peak GiB':>8s} {'AG bytes':>8s} {'step':>6s} {'/bound':>6s}  (simulated; ratios vs re-gather)")
