@@ -200,11 +200,12 @@ def _counts(entries: Sequence[AuditEntry], planned: Sequence[int], universe: Seq
     if e.expected_elements is not None and e.elements != e.expected_elements:
       problems.append(f"{unit} {e.chunk}: its {what} ({e.name}) has {e.elements} elements, planned "
                       f"{e.expected_elements}.")
-  missing = [] if optional else sorted(k for k in planned if not counts.get(k))
+  missing = [] if optional else sorted(k for k in planned if counts.get(k, 0) < (times or {}).get(k, 1))
   twice = sorted(k for k in planned if counts.get(k, 0) > (times or {}).get(k, 1))
   beyond = sorted(k for k in counts if k is not None and k not in set(universe))
   if missing:
-    problems.append(f"{unit}(s) {missing[:10]} have no {what} of their own in the compiled program: XLA merged "
+    few = "no" if all(not counts.get(k) for k in missing) else "fewer than the planned (k micro-batches')"
+    problems.append(f"{unit}(s) {missing[:10]} have {few} {what} of their own in the compiled program: XLA merged "
                     f"them, or the step does not carry out this plan.")
   if twice:
     n = max((times or {}).get(k, 1) for k in twice)

@@ -221,6 +221,8 @@ class _Step:
     if shards is None:
       shards = [self.flat[i] if k is None else self.flat[i][k] for i, k in slots]
     shards = [x.astype(self.cast[i]) if i in self.cast else x for (i, _), x in zip(slots, shards)]
+    if getattr(self, "after", None) is not None:    # a later micro-batch's: never the same value as an earlier one's
+      after = last([after, self.after])
     return gather(shards, [self.plan.dim_of[i] - (k is not None) for i, k in slots], self.axis, self.n,
                   f"{scope}{g}", self.layout, after)
 
@@ -257,6 +259,7 @@ class _Step:
     gradient is left in `self.later_cts` unscattered, `after` what the first gathers wait for."""
     plan, pieces, d = self.plan, self.pieces, self.plan.prefetch
     self.hold, self.later, self.later_cts, self.token, held = set(hold), set(later), {}, after, held or {}
+    self.after = after
     if any(set(sc.groups) & self.hold or set(sc.units) & self.later for sc in self.scans.values()):
       raise ValueError("fsdp_grad: the plan holds a scanned stack's layer across micro-batches; the step "
                        "gathers and reduce-scatters a stack inside its loop each micro-batch. Plan it again.")
