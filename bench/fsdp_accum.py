@@ -12,7 +12,11 @@ model's gathered bytes. Prints a table and writes bench/results/fsdp_accum.json.
 unrolled decoder, compiled for compile-only H100s (XLA:GPU's whole pipeline; needs jax-cuda12-plugin and
 ptxas, docs/facts.md), its all-gathers and reduce-scatters read back from the compiled program (count and
 bytes per step) and audited, for the plan without a budget, the same re-gathering every micro-batch, and the
-least-memory plan; the step simulated beside it. Writes bench/results/fsdp_accum_compiled.json.
+least-memory plan; the step simulated beside it. Writes bench/results/fsdp_accum_compiled.json. Read on
+2026-12-07 (8 and 64 devices, k=4): counts and bytes as planned, audits OK, except the least-memory plan's
+embedding, gathered again in each micro-batch's backward (a tied embedding: the logits read it), which the
+simulator does not count (it takes the first layer's group as never read in backward): 4 all-gathers and
+32 MiB per step more than planned.
 
     .venv/bin/python bench/fsdp_accum.py [--gpus 8 64 256] [--k 4 8]
     JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_accum.py --compiled [--gpus 8] [--k 4] [--layers 2 --d 512]
