@@ -48,6 +48,7 @@ class FsdpArrays(NamedTuple):
   rs_bytes: tuple[float, ...] = ()
   rs_at: Sequence[Sequence[int]] = ()     # per backward position, the units whose gradient is made there
   reads: tuple[bool, ...] = ()            # per group: does backward read it (not: the first layer's alone)
+  one_slot: bool = False                  # HSDP at one collective in flight: the replica all-reduces on link 0
   held: tuple[bool, ...] = ()             # per group: gathered once, held across the micro-batches
   rs_held: tuple[bool, ...] = ()          # per unit: whole gradient held, reduce-scattered once
 
@@ -111,8 +112,8 @@ def gather_nbytes(profile: Any) -> list[float]:
 
 def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequence[int], keep: Sequence[bool],
                 prefetch: int, backward_prefetch: int, shards: int, replicas: int,
-                gathers: Sequence[Sequence[int]] | None = None, *,
-                order_of: BackwardOrder | None = None, gathered: Sequence[float] | None = None) -> FsdpArrays:
+                gathers: Sequence[Sequence[int]] | None = None, *, order_of: BackwardOrder | None = None,
+                gathered: Sequence[float] | None = None, in_flight: int | None = None) -> FsdpArrays:
   """The FsdpArrays of a schedule's chunks and its FSDP plan.
 
   Args:
@@ -123,6 +124,7 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
     gathers: the all-gather groups (rows, forward order); None: each unit's rows.
     order_of: the profile's `backward_order`, when the caller has it.
     gathered: per row, its bytes as all-gathered; None: the profile's (`gather_nbytes`).
+    in_flight: the plan's; 1: one collective in flight, so HSDP's replica all-reduces queue on link 0.
 
   Raises:
     ValueError: the all-gather groups are not in forward order.
@@ -186,7 +188,7 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
                     int(backward_prefetch), tuple(rep_bytes), tuple(order), tuple(ready_pos),
                     ends_at, bo.layers, bo.dur, bo.tail, tuple(bf), tuple(bl),
                     tuple(sorted(range(n_u), key=lambda u: bf[u])), update_s, int(shards), int(replicas),
-                    tuple(rs_bytes), rs_at, reads)
+                    tuple(rs_bytes), rs_at, reads, one_slot=in_flight == 1 and replicas > 1)
 
 
 def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float, float, float, float, float]:
@@ -358,11 +360,18 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
         mem_d.append(-rs_bytes[x])
         if spans:
           out.append(("reduce_scatter", f"unit{x}", st, t_link, "link0"))
-        if two:
-          link1.append((t_link, a_r + b_r * arr.rs_bytes[x] if r1_d is None else r1_d[x], f"unit{x}"))
+        dur1 = a_r + b_r * arr.rs_bytes[x] if r1_d is None else r1_d[x]
+        if arr.one_slot:                          # the shard's replica all-reduce right after it, one in flight
+          st = t_dev if serial and t_dev > t_link else t_link
+          t_link = st + dur1
+          comm += dur1
+          if spans:
+            out.append(("allreduce", f"unit{x}", st, t_link, "link0"))
+        elif two:
+          link1.append((t_link, dur1, f"unit{x}"))
       else:
         dur = a_a + b_a * arr.rep_bytes[x] if rep_d is None else rep_d[x]
-        if two:
+        if two and not arr.one_slot:
           link1.append((last_issue, dur, f"replicated{x}"))
         else:
           st = max(last_issue, t_link, t_dev) if serial else max(last_issue, t_link)
@@ -486,12 +495,15 @@ def fsdp_samples(prob: Problem, arr: FsdpArrays, durations: np.ndarray) -> tuple
     while ci < len(arr.order) and arr.chunk_ready_pos[ci] <= k:
       kind, x = arr.order[ci]
       last_issue = mx(last_issue, st["dev"])
-      if kind == "u" or not two:
+      if kind == "u" or not two or arr.one_slot:
         dur_x = rs_d[x] if kind == "u" else rep_d[x]
         s0 = mx(last_issue, st["link"])
         st["link"] = (mx(s0, st["dev"]) if serial else s0) + dur_x
         st["comm"] = st["comm"] + dur_x
-        if kind == "u" and two:
+        if kind == "u" and arr.one_slot:
+          st["link"] = (mx(st["link"], st["dev"]) if serial else st["link"]) + r1_d[x]
+          st["comm"] = st["comm"] + r1_d[x]
+        elif kind == "u" and two:
           link1_at.append(st["link"])
           link1_dur.append(r1_d[x])
       else:
@@ -569,4 +581,4 @@ def fsdp_arrays_of(prob: Problem, schedule) -> FsdpArrays:
               for r, g in enumerate(f.gather_dtypes or [None] * len(prob.size))]
   return fsdp_arrays(prob, [c.slices for c in schedule.chunks], f.units, f.keep, min(f.prefetch, cap),
                      min(f.backward_prefetch, cap), f.shard_count, f.replica_count, f.gathers or None,
-                     gathered=gathered)._replace(held=f.hold_params, rs_held=f.hold_grads)
+                     gathered=gathered, in_flight=f.in_flight)._replace(held=f.hold_params, rs_held=f.hold_grads)

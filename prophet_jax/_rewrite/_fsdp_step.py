@@ -30,11 +30,11 @@ import numpy as np
 from jax.extend.core import Literal
 
 from . import _loss_reduction
-from ._axis import axis_size, to_varying, vma_enabled
+from ._axis import axis_size, is_varying, to_varying, vma_enabled
 from ._collectives import engine_divisor, reduce_units, tie
 from ._fsdp_scan import make_scan, scan_backward, scan_forward
 from ._fsdp_trace import SplitVjp, cut, flat_jaxpr, lazy, rebind_casts, reads, sub_fn
-from ._fsdp_units import AG_SCOPE, LAYOUTS, REAG_SCOPE, RS_SCOPE, gather, last, read_plan, scatter
+from ._fsdp_units import AG_SCOPE, LAYOUTS, REAG_SCOPE, RS_SCOPE, gather, last, read_plan, scatter, split_axes
 from .._compiled._jaxcompat import check_jaxpr_api
 from .._values._schedule import Chunk, Schedule
 from .._values._tree import path_str
@@ -56,7 +56,8 @@ def fsdp_grad(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: Any
     schedule: an FSDP plan (`plan(profile, network, "fsdp", ...)`); a scanned stack planned per layer
       (rows `<prefix>/<k>/<rest>`: `GradientProfile.from_params(..., stacked=)`), each layer one gather group and
       one unit; where it gathers a leaf in another dtype, the leaf's one reader casts it to that dtype.
-    axis_name: the data axis the parameters are sharded over.
+    axis_name: the data axis the parameters are sharded over; HSDP: every axis of the plan's mesh (a tuple),
+      the parameters sharded over its shard axes, each reduced shard all-reduced over the others.
     reduction: "mean" or "sum" (`hooked`'s).
     gather_dtype: "auto": a sharded leaf whose only reader casts it to another float dtype (a bf16 model
       over f32 shards) is cast before its all-gather, which then moves the compute dtype's bytes; its
@@ -79,6 +80,8 @@ def fsdp_grad(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: Any
   if gather_dtype not in ("auto", None):
     raise ValueError(f"fsdp_grad(gather_dtype={gather_dtype!r}): expected 'auto' or None.")
 
+  split_axes(schedule, axis_name, "fsdp_grad")
+
   def grad_fn(params, batch):
     step = lambda b: _Step(loss_fn, schedule, axis_name, reduction, gather_dtype == "auto", layout, params, b)  # noqa: E731
     if getattr(schedule.fsdp, "micro_batches", 1) == 1:
@@ -100,19 +103,21 @@ def _accumulate(step: Callable[[Any], Any], f: Any, batch: Any, reduction: str) 
                        f"{np.shape(x)} on each device; its leading axis must split into {k} equal micro-batches.")
   hold = {g for g, h in enumerate(f.hold_params) if h}
   later = {f.units[u] for u, h in enumerate(f.hold_grads) if h}
-  held, sums, grads, values, st = {}, {}, None, [], None
-  add = lambda a, b: a + b if jnp.issubdtype(a.dtype, jnp.inexact) else a  # noqa: E731
+  held, sums, acc, values, st = {}, {}, None, [], None
   parts = [jnp.split(x, k) for _, x in kp]
+  real = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
   for m in range(k):    # each micro-batch after the last one's backward (its gradients), as the plan runs them
-    after = None if st is None else last([st.token] + [x for x in jax.tree.leaves((grads, sums))
-                                                       if jnp.issubdtype(x.dtype, jnp.inexact)])
+    after = None if st is None else last([x for x in jax.tree.leaves((st.token, acc, sums)) if real(x)])
     st = step(jax.tree_util.tree_unflatten(tree, [tie(x[m], after) for x in parts]))
     value, g = st.run(hold, held, later, after)
+    mine = {i for c in later for i, _ in st.plan.units[c]}      # leaves of held units: from `scatter_later`
+    g = [None if i in mine else x for i, x in enumerate(st.treedef.flatten_up_to(g))]
     held = {h: st.whole[h] for h in hold}
     sums = {c: [a + b for a, b in zip(sums[c], x)] if c in sums else x for c, x in st.later_cts.items()}
-    grads = g if grads is None else jax.tree.map(add, grads, g)
+    acc = g if acc is None else [a + x if x is not None and real(x) else a for a, x in zip(acc, g)]
     values.append(value)
-  grads = jax.tree.map(add, grads, st.scatter_later(sums))
+  once = st.treedef.flatten_up_to(st.scatter_later(sums))
+  grads = st.treedef.unflatten([once[i] if x is None else x for i, x in enumerate(acc)])
   mean = (lambda x: x / k if jnp.issubdtype(x.dtype, jnp.inexact) else x) if reduction == "mean" else (lambda x: x)
   leaves = [jnp.stack(xs) for xs in zip(*[jax.tree_util.tree_leaves(v) for v in values])]
   leaves = [leaves[0].sum(0) if reduction == "sum" else leaves[0].mean(0)] + [
@@ -125,14 +130,18 @@ class _Step:
   """One trace of the FSDP step, made inside the shard_map (where the axis and the types are known)."""
 
   def __init__(self, loss_fn, schedule, axis_name, reduction, gather_cast, layout, params, batch):
-    self.axis, self.layout, self.reduction = axis_name, layout, reduction
-    self.n = n = axis_size(axis_name, "fsdp_grad")
+    self.layout, self.reduction, self.all_axes = layout, reduction, axis_name
+    self.axis, self.replicas = split_axes(schedule, axis_name, "fsdp_grad")   # the shard axes, HSDP's replica axes
+    self.n = n = axis_size(self.axis, "fsdp_grad")
+    self.total = axis_size(axis_name, "fsdp_grad")
     kp, self.treedef = jax.tree_util.tree_flatten_with_path(params)
     self.flat = flat = [x for _, x in kp]
     self.plan = plan = read_plan(schedule, [path_str(p) for p, _ in kp], [np.shape(x) for x in flat], n)
-    self.divisor = engine_divisor(_loss_reduction.divisor(reduction, n))[0]
-    vma = vma_enabled(axis_name)
-    self.local = [to_varying(x, axis_name) if vma and i not in plan.dim_of else x for i, x in enumerate(flat)]
+    self.divisor = engine_divisor(_loss_reduction.divisor(reduction, self.total))[0]
+    self.vma = vma = vma_enabled(axis_name)
+    # HSDP: the gathered leaves vary over the replica axes, so that autodiff never sums them over those (F7)
+    self.local = [to_varying(x, axis_name) if vma and i not in plan.dim_of else self._varying(x) for i, x in
+                  enumerate(flat)]
     b_flat, b_tree = jax.tree_util.tree_flatten(batch)
     out_tree: dict = {}
 
@@ -220,11 +229,15 @@ class _Step:
     slots = self.plan.groups[g]
     if shards is None:
       shards = [self.flat[i] if k is None else self.flat[i][k] for i, k in slots]
-    shards = [x.astype(self.cast[i]) if i in self.cast else x for (i, _), x in zip(slots, shards)]
+    shards = [self._varying(x.astype(self.cast[i]) if i in self.cast else x) for (i, _), x in zip(slots, shards)]
     if getattr(self, "after", None) is not None:    # a later micro-batch's: never the same value as an earlier one's
       after = last([after, self.after])
     return gather(shards, [self.plan.dim_of[i] - (k is not None) for i, k in slots], self.axis, self.n,
                   f"{scope}{g}", self.layout, after)
+
+  def _varying(self, x: Any) -> Any:
+    """A sharded leaf's value made varying over HSDP's replica axes (under shard_map's varying checks)."""
+    return to_varying(x, self.replicas) if self.vma and self.replicas and not is_varying(x, self.replicas) else x
 
   def value(self, v: Any, live: dict) -> Any:
     """What backward can read again of a value: a constant, a parameter, the batch, a live gathered leaf
@@ -258,8 +271,8 @@ class _Step:
     (and in `self.whole`), `held` those gathered by an earlier micro-batch, `later` the units whose whole
     gradient is left in `self.later_cts` unscattered, `after` what the first gathers wait for."""
     plan, pieces, d = self.plan, self.pieces, self.plan.prefetch
-    self.hold, self.later, self.later_cts, self.token, held = set(hold), set(later), {}, after, held or {}
-    self.after = after
+    self.hold, self.later, self.later_cts, self.after, held = set(hold), set(later), {}, after, held or {}
+    self.token = (after, after) if self.replicas else after     # HSDP: the reduce-scatters' and all-reduces' chains
     if any(set(sc.groups) & self.hold or set(sc.units) & self.later for sc in self.scans.values()):
       raise ValueError("fsdp_grad: the plan holds a scanned stack's layer across micro-batches; the step "
                        "gathers and reduce-scatters a stack inside its loop each micro-batch. Plan it again.")
@@ -360,16 +373,18 @@ class _Step:
         self.later_cts[k] = [self._ct_slot(sl) for sl in slots]
         continue
       if k in plan.units:
-        out = scatter([self._ct_slot(sl) for sl in slots], [plan.dim_of[i] - (j is not None) for i, j in slots],
-                      self.axis, self.n, self.divisor, f"{RS_SCOPE}{k}", self.layout, self.token)
+        out, self.token = scatter([self._ct_slot(sl) for sl in slots], [plan.dim_of[i] - (j is not None)
+                                  for i, j in slots], self.axis, self.n, self.divisor, f"{RS_SCOPE}{k}", self.layout,
+                                  self.token, self.replicas)
         self.rep_parts.update({sl: [(0, x)] for sl, x in zip(slots, out)})
-        self.token = last(out)
         continue
       c = plan.replicated[k]
       parts = [self._ct_slot(plan.slot_of[r]).reshape(-1)[a:b] for r, a, b in c.slices]
       one = Chunk(slices=tuple((j, 0, b - a) for j, (_, a, b) in enumerate(c.slices)), dtype=c.dtype)
-      red, self.token, _ = reduce_units(parts, [one], tuple(range(len(parts))), self.axis, first_index=k,
-                                        divisor=_loss_reduction.divisor(self.reduction, self.n), prev=self.token)
+      prev = self.token[1] if self.replicas else self.token    # HSDP: on the replica all-reduces' chain
+      red, tok, _ = reduce_units(parts, [one], tuple(range(len(parts))), self.all_axes, first_index=k,
+                                 divisor=_loss_reduction.divisor(self.reduction, self.total), prev=prev)
+      self.token = (self.token[0], tok) if self.replicas else tok
       for (r, a, _), x in zip(c.slices, red):
         self.rep_parts.setdefault(plan.slot_of[r], []).append((a, x))
 
@@ -379,10 +394,9 @@ class _Step:
     self.rep_parts, self.stack_parts = {}, {}
     for k in sorted(sums):
       slots = self.plan.units[k]
-      out = scatter(sums[k], [self.plan.dim_of[i] for i, _ in slots], self.axis, self.n, self.divisor,
-                    f"{RS_SCOPE}{k}", self.layout, self.token)
+      out, self.token = scatter(sums[k], [self.plan.dim_of[i] for i, _ in slots], self.axis, self.n, self.divisor,
+                                f"{RS_SCOPE}{k}", self.layout, self.token, self.replicas)
       self.rep_parts.update({sl: [(0, x)] for sl, x in zip(slots, out)})
-      self.token = last(out)
     return jax.tree_util.tree_unflatten(self.treedef, self._assemble())
 
   def _ct_slot(self, slot):

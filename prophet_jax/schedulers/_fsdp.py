@@ -192,7 +192,7 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
     for tail in (tails if n == 0 else (tails[0],)):
       chunks, unit_idx = _chunks(rows_, units, tail=tail)
       base = fsdp_arrays(prob, chunks, unit_idx, [True] * len(gathers or units), depths[0], 1, s, r, gathers,
-                         order_of=bo)
+                         order_of=bo, in_flight=in_flight)
       structs.append(_Set(label + (",replicated-at-end" if tail else ""), chunks, unit_idx, base, gathers))
       keeps.append(_Keeps(prob, base, depths[0], budget, dbs))
     if n == 0 and len(tails) > 1:          # the replicated leaves' grouping: the lower bound's
@@ -562,7 +562,7 @@ def prediction(prob: Problem, p: Plan) -> float:
     return p.iteration
   s, r = prob.profile.shard_count, prob.profile.replica_count
   return simulate_fsdp(prob, fsdp_arrays(prob, p.chunks, p.units, p.keep, p.prefetch, p.backward_prefetch, s, r,
-                                         p.gathers), events=False).iteration_s
+                                         p.gathers, in_flight=p.in_flight), events=False).iteration_s
 
 
 def fsdp_schedule(profile: GradientProfile, best: Plan, *, options: dict[str, Any], cross_step: bool,
