@@ -170,3 +170,26 @@ def test_accumulating_step_refusals_name_the_fault():
     grad_fn(T._place(params, specs, T._mesh()), T._place(batch, {"x": T.P("data"), "y": T.P("data")}, T._mesh()))
   with pytest.raises(ValueError, match=r"every_k=2 with an FSDP plan.*micro_batches=2"):
     pj.scheduled(optax.sgd(0.1), sched, axis_name="data", every_k=2)
+
+
+def test_hsdp_accumulates_too():
+  """An HSDP plan (4 replicas x 2 shards) of k = 2, everything held: the gradient equals the single-device full
+  batch's, the audit counts each held group's gather, unit's reduce-scatter and its shard's replica all-reduce once."""
+  import jax
+  import jax.numpy as jnp
+
+  import test_fsdp_step as T
+  import test_hsdp_step as H
+  params, specs, loss, _ = T.unrolled()
+  mesh = H._mesh()
+  prof = pj.GradientProfile.from_params(params, forward_s=0.004, backward_s=0.008, mesh=dict(zip(H.AXES, (H.R, H.S))),
+                                        shardings=specs)
+  s = pj.plan(prof, pj.NetworkModel.preset("nvlink+400gb-ib", workers=8), "fsdp", micro_batches=2)
+  assert all(s.fsdp.hold_params + s.fsdp.hold_grads)
+  rng = np.random.default_rng(2)
+  batch = {x: jnp.asarray(rng.normal(size=(32, T.D)), jnp.float32) for x in ("x", "y")}
+  step = jax.jit(pj.hooked(loss, s, axis_name=H.AXES, mesh=mesh))
+  p, b = T._place(params, specs, mesh), T._place(batch, {"x": H.BATCH, "y": H.BATCH}, mesh)
+  T.assert_trees_close(step(p, b)[1], jax.grad(loss)(params, batch), params)
+  report = pj.audit(step.lower(p, b).compile(), s)
+  assert report.ok and len(report.gathers) == len(s.fsdp.keep), report.describe()
