@@ -55,7 +55,8 @@ def fsdp_grad(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: Any
       loss (the rest is returned as computed); a mean over its examples (`reduction="sum"`: a sum).
     schedule: an FSDP plan (`plan(profile, network, "fsdp", ...)`); a scanned stack planned per layer
       (rows `<prefix>/<k>/<rest>`: `GradientProfile.from_params(..., stacked=)`), each layer one gather group and
-      one unit; where it gathers a leaf in another dtype, the leaf's one reader casts it to that dtype.
+      one unit; where it gathers a leaf in another dtype, the leaf's one reader casts it to that dtype. A plan
+      of `micro_batches=k` splits each device's batch into k along its leading axis (`_accumulate`).
     axis_name: the data axis the parameters are sharded over; HSDP: every axis of the plan's mesh (a tuple),
       the parameters sharded over its shard axes, each reduced shard all-reduced over the others.
     reduction: "mean" or "sum" (`hooked`'s).
