@@ -437,6 +437,17 @@ def read_scanned(hlo: str, profile: pj.GradientProfile, layers: int) -> tuple[pj
   return sched, notes
 
 
+def planned_under(prof: pj.GradientProfile, net: pj.NetworkModel, budget: int | None) -> tuple[pj.Schedule, int | None]:
+  """The `fsdp` plan under `budget` (each layer one unit, one gather ahead), the budget raised to the least the
+  planner names where it does not fit (a leaf's need, then the least memory found), and the budget used."""
+  for _ in range(3):
+    try:
+      return pj.plan(prof, net, "fsdp", memory_budget_bytes=budget, bucket_bytes=1, prefetch=1), budget
+    except ValueError as e:
+      budget = int(re.search(r"(?:at least|least memory found is) (\d+)", str(e)).group(1))
+  raise ValueError(f"no fsdp plan under {budget} bytes")
+
+
 def read_library(report, sched: pj.Schedule) -> pj.Schedule:
   """The library's compiled step as a Schedule, from its audit: the plan's groups and units, a group kept
   where the program has no all-gather of it in backward, the chunks in compiled order, the gathers' depth
@@ -518,11 +529,7 @@ def scanned_main(a) -> None:
     # again); each layer one unit (bucket_bytes=1: units closed at every layer); one gather ahead, what XLA:GPU
     # keeps in flight by default (F2)
     for label, budget in (("keep all", None), ("least memory", 1)):
-      try:
-        sched = pj.plan(prof, net, "fsdp", memory_budget_bytes=budget, bucket_bytes=1, prefetch=1)
-      except ValueError as e:
-        budget = int(re.search(r"(?:at least|least memory found is) (\d+)", str(e)).group(1))
-        sched = pj.plan(prof, net, "fsdp", memory_budget_bytes=budget, bucket_bytes=1, prefetch=1)
+      sched, budget = planned_under(prof, net, budget)
       planned = pj.simulate(sched, prof, net, events=True)
       grad_fn = pj.hooked(scanned_loss_fn, sched, axis_name="data", mesh=mesh)
 
@@ -714,12 +721,7 @@ def hsdp_main(a) -> None:
     for n in notes:
       print(f"    read: {n}")
     for label, budget in (("keep all", None), ("least memory", 1)):
-      for _ in range(3):    # the least budget: the planner names it (a leaf's need, then the least found)
-        try:
-          sched = pj.plan(prof, net, "fsdp", memory_budget_bytes=budget, bucket_bytes=1, prefetch=1)
-          break
-        except ValueError as e:
-          budget = int(re.search(r"(?:at least|least memory found is) (\d+)", str(e)).group(1))
+      sched, budget = planned_under(prof, net, budget)
       planned = pj.simulate(sched, prof, net, events=True)
       grad_fn = pj.hooked(scanned_loss_fn, sched, axis_name=axes, mesh=mesh)
 
