@@ -48,6 +48,19 @@ def _least(params, specs, stacked=()):
   raise AssertionError("no least budget")
 
 
+def _group_size(text):
+  """Devices per replica group of an HLO collective: an explicit list (jax 0.10), iota `[g,n]<=[...]` or a mesh's
+  axes (0.12)."""
+  if m := re.search(r"replica_groups=\{\{([\d,]+)\}", text):
+    return m.group(1).count(",") + 1
+  if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=", text):
+    return int(m.group(2))
+  if m := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", text):   # mesh['replica'=4,'data'=2] {'data'}
+    sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+    return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2))]))
+  raise AssertionError(f"no replica groups read in {text}")
+
+
 def hsdp_collectives(compiled):
   """{(kind, scope label, index): (elements out, devices per group)} of a compiled CPU program."""
   out = {}
@@ -56,7 +69,7 @@ def hsdp_collectives(compiled):
     if ins.opcode not in ("all-gather", "reduce-scatter", "all-reduce"):
       continue
     m = re.search(r"prophet/(fsdp/(?:reag|ag|rs|ar)|chunk)(\d+)", ins.op_name)
-    group = re.search(r"replica_groups=\{\{([\d,]+)\}", ins.text).group(1).count(",") + 1
+    group = _group_size(ins.text)
     key = (ins.opcode, m.group(1), int(m.group(2))) if m else (ins.opcode, "foreign", op.index)
     assert key not in out, key
     out[key] = (ins.elements, group)
@@ -166,7 +179,10 @@ def test_h100_order_is_the_simulators_at_one_in_flight(topo):
   batch = {k: jax.ShapeDtypeStruct((16, 16), jnp.float32) for k in ("x", "y")}
   report = pj.audit(step.lower(topo.abstract(params, specs, mesh=mesh), topo.abstract(batch, BATCH, mesh=mesh))
                     .compile(), sched)
-  assert report.ok and report.max_in_flight == 1 and not report.foreign, report.describe()
+  # jax 0.12.1's XLA keeps a reduce-scatter (in the node) and a replica all-reduce (across) in flight together
+  # (xla#47467's separate in-node limit): the one-link simulation is then an upper bound
+  newer = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+  assert report.ok and report.max_in_flight == (2 if newer else 1) and not report.foreign, report.describe()
   units = list(sched.fsdp.units)
   compiled = [("allreduce" if e.collective == "all-reduce" else "reduce_scatter",
                f"unit{units.index(e.chunk)}" if e.chunk in units else "replicated") for e in report.chunks]

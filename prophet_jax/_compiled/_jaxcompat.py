@@ -8,7 +8,7 @@ from typing import Any
 
 from .._values._errors import JaxVersionError
 
-__all__ = ["SUPPORTED_JAX", "TESTED_JAX_VERSIONS", "PRIVATE_JAX", "JAXPR_API", "private", "check_jaxpr_api"]
+__all__ = ["SUPPORTED_JAX", "TESTED_JAX_VERSIONS", "PRIVATE_JAX", "JAXPR_API", "private", "check_jaxpr_api", "scan_parts"]
 
 # the range pyproject.toml declares (jax and jaxlib alike)
 SUPPORTED_JAX = ">=0.10.2,<0.13"
@@ -108,3 +108,13 @@ def check_jaxpr_api(feature: str) -> None:
   if missing:
     raise JaxVersionError(f"{feature} reads jaxprs through jax.extend.core, and jax {_installed()} lacks "
                           f"{', '.join(missing)}. {_advice('')}")
+
+
+def scan_parts(eqn: Any) -> tuple[int, int]:
+  """(consts, carries) of a scan equation's operands (jax 0.10: `num_consts`/`num_carry`; 0.12: the
+  `ft_in` tree of (consts, carry, xs))."""
+  p = eqn.params
+  if "num_consts" in p:
+    return int(p["num_consts"]), int(p["num_carry"])
+  consts, carry, _ = p["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+  return len(list(consts)), len(list(carry))

@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from ._fsdp_trace import SplitVjp, rebind_casts, scan_parts, sub_fn, zero_like
+from ._fsdp_trace import SplitVjp, rebind_casts, sub_fn, zero_like
 from ._fsdp_units import AG_SCOPE, REAG_SCOPE, RS_SCOPE, scatter
+from .._compiled._jaxcompat import scan_parts
 
 __all__ = ["Scan", "make_scan", "scan_forward", "scan_backward", "anchor_of"]
 
@@ -205,7 +206,7 @@ def scan_backward(step: Any, sc: Scan, runs: list, live: dict, tail: Any, anchor
         ct_xs.append(c)
     ct_w = [c.astype(step.flat[i].dtype) for c, (kind, i) in zip(ct_xs, sc.xs_slot) if kind == "shard"]
     out, token = scatter(ct_w, [step.plan.dim_of[i] - 1 for i in shard_leaves], step.axis, step.n, step.divisor,
-                         f"{RS_SCOPE}{unit}", step.layout, token, step.replicas)
+                         f"{RS_SCOPE}{unit}", step.layout, token, step.replicas, step.one_chain)
     it = iter(out)
     new_acc = []
     for (kind, _), c, st in zip(sc.xs_slot, ct_xs, acc):

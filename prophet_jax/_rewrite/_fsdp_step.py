@@ -133,6 +133,7 @@ class _Step:
   def __init__(self, loss_fn, schedule, axis_name, reduction, gather_cast, layout, params, batch):
     self.layout, self.reduction, self.all_axes = layout, reduction, axis_name
     self.axis, self.replicas = split_axes(schedule, axis_name, "fsdp_grad")   # the shard axes, HSDP's replica axes
+    self.one_chain = schedule.fsdp.in_flight == 1     # HSDP: each replica all-reduce before the next reduce-scatter
     self.n = n = axis_size(self.axis, "fsdp_grad")
     self.total = axis_size(axis_name, "fsdp_grad")
     kp, self.treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -376,7 +377,7 @@ class _Step:
       if k in plan.units:
         out, self.token = scatter([self._ct_slot(sl) for sl in slots], [plan.dim_of[i] - (j is not None)
                                   for i, j in slots], self.axis, self.n, self.divisor, f"{RS_SCOPE}{k}", self.layout,
-                                  self.token, self.replicas)
+                                  self.token, self.replicas, self.one_chain)
         self.rep_parts.update({sl: [(0, x)] for sl, x in zip(slots, out)})
         continue
       c = plan.replicated[k]
@@ -396,7 +397,7 @@ class _Step:
     for k in sorted(sums):
       slots = self.plan.units[k]
       out, self.token = scatter(sums[k], [self.plan.dim_of[i] for i, _ in slots], self.axis, self.n, self.divisor,
-                                f"{RS_SCOPE}{k}", self.layout, self.token, self.replicas)
+                                f"{RS_SCOPE}{k}", self.layout, self.token, self.replicas, self.one_chain)
       self.rep_parts.update({sl: [(0, x)] for sl, x in zip(slots, out)})
     return jax.tree_util.tree_unflatten(self.treedef, self._assemble())
 

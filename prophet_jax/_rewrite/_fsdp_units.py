@@ -129,12 +129,13 @@ def gather(shards: Sequence[Any], dims: Sequence[int], axis_name: Any, n: int, s
 
 
 def scatter(cts: Sequence[Any], dims: Sequence[int], axis_name: Any, n: int, divisor: Any, scope: str,
-            layout: str, after: Any, replicas: tuple[str, ...] = ()) -> tuple[list, Any]:
+            layout: str, after: Any, replicas: tuple[str, ...] = (), one_chain: bool = False) -> tuple[list, Any]:
   """This device's shard of the sum over the axis of each of `cts` (whole leaves, split on `dims`),
   divided by `divisor` (None: the sum): one reduce-scatter (`packed`) or one per leaf (`leaf`), tied to
   `after`, under `jax.named_scope(scope)` and the combiner key `scope`. With `replicas` (HSDP) the
   shards are then all-reduced over those axes under `AR_SCOPE` + k, and `after` is a pair of chains
-  (the reduce-scatters', the all-reduces'). Returns (the shards, the chain(s) after them)."""
+  (the reduce-scatters', the all-reduces'); `one_chain` (a plan for one collective in flight) ties the next
+  reduce-scatter to this all-reduce, as the plan runs them. Returns (the shards, the chain(s) after them)."""
   moved = [jnp.moveaxis(c, d, 0) for c, d in zip(cts, dims)]
   rs_after, ar_after = after if replicas else (after, None)
 
@@ -157,7 +158,7 @@ def scatter(cts: Sequence[Any], dims: Sequence[int], axis_name: Any, n: int, div
   with jax.named_scope(ar_scope), _key(ar_scope):  # the shard, not the whole gradient, crosses the replicas (F7)
     out = shards([jax.lax.psum(tie(x, ar_after), replicas) for x in red])
   out = [jnp.moveaxis(x, 0, d) for x, d in zip(out, dims)]
-  return out, (last(red), last(out))
+  return out, ((last(out) if one_chain else last(red)), last(out))
 
 
 def last(xs: Sequence[Any]) -> Any:
