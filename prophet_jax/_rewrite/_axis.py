@@ -12,7 +12,7 @@ import numpy as np
 from .._values._errors import AlreadyReducedError, UnboundAxisError
 from .._values._tree import is_reduced_leaf
 
-__all__ = ["axis_size", "axis_names", "is_varying", "to_varying", "vma_enabled", "check_varying", "bind", "check_not_reduced"]
+__all__ = ["axis_size", "axis_names", "is_varying", "to_varying", "vma_enabled", "check_varying", "bind"]
 
 
 def axis_size(axis_name: Any, where: str, unbound: str | None = None) -> int:
@@ -108,7 +108,3 @@ def bind(axis_name: Any, where: str, *, varying: Any = None, unbound: str | None
     varying = jax.tree_util.tree_map(lambda x: x if is_varying(x, axis_name) else to_varying(x, axis_name), varying)
   return n, vma, varying
 
-
-def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: str) -> None:
-  """AlreadyReducedError when a floating gradient is invariant over `axis_name` under check_vma."""
-  check_varying(axis_name, where, grads=leaves)

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _defer
-from ._sharded import chunk_buffer, padded, scatter_chunks
+from ._collectives import chunk_buffer, scatter_chunks
+from ._sharded import padded
 from ._accumulate import accum_dtype
 from ._states import AccumState, DeferState, OwedState, ScheduledState, ShardedState, StateTag, is_kind, is_state, kind_of
 from ._defer import defer_tag, owed_tag

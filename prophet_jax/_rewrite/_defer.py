@@ -21,7 +21,7 @@ from .._values._tree import IdentityMemo
 from .._values._types import itemsize
 
 __all__ = ["DeferGroup", "DeferState", "GroupState", "defer_groups", "init", "defer_state",
-           "check_state", "group_states", "with_groups", "same_groups", "lossless",
+           "check_state", "group_states", "with_groups", "lossless",
            "add_residual", "schedule_of", "belongs", "find_states", "deferred_grads", "owed_tag", "check_foreign",
            "given_state", "deferred_values", "add_owed"]
 
@@ -305,13 +305,6 @@ def with_groups(state: DeferState, groups: Sequence[GroupState]) -> DeferState:
 
 # --------------------------------------------------------------------------------------------------
 # across schedules (a re-plan) and back to the parameters' shape
-
-
-def same_groups(a: Schedule, b: Schedule) -> bool:
-  """Whether a DeferState of schedule `a` is one of `b` (the same deferral groups and layout)."""
-  if a is b or not (a.defers or b.defers):
-    return True
-  return a.defers and b.defers and defer_tag(a) == defer_tag(b)
 
 
 @IdentityMemo(16)

@@ -8,14 +8,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ._collectives import AG_PREFIX, RS_PREFIX, engine_divisor, tie
+from ._collectives import AG_PREFIX, RS_PREFIX, chunk_buffer, engine_divisor, scatter_chunks, tie
 from ._keys import unit_scope
 from .._values._schedule import Schedule, shard_size
 
-__all__ = ["rs_scope", "ag_scope", "chunk_buffer", "padded", "reduce_scatter_chunks", "all_gather_chunks",
-           "scatter_chunks", "local_shards", "shards_square_sum", "sharded_allreduce"]
+__all__ = ["rs_scope", "ag_scope", "padded", "reduce_scatter_chunks", "all_gather_chunks", "local_shards",
+           "shards_square_sum", "sharded_allreduce"]
 
 
 def rs_scope(k: int) -> str:
@@ -26,12 +25,6 @@ def rs_scope(k: int) -> str:
 def ag_scope(g: int) -> str:
   """The named scope of all-gather g (`schedule.gathers[g]`): 'prophet/ag<g>' (`audit`)."""
   return f"{AG_PREFIX}{g}"
-
-
-def chunk_buffer(flat: Sequence[jax.Array], chunk: Any, row_leaf: Sequence[int]) -> jax.Array:
-  """Chunk's element slices gathered, in order, into one flat buffer (its dtype, `chunk.size` long)."""
-  parts = [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def padded(buf: jax.Array, n: int) -> jax.Array:
@@ -93,24 +86,6 @@ def all_gather_chunks(shards: Sequence[jax.Array], chunks: Sequence[Any], gather
       out[k] = rows[:, off:off + s].reshape(-1)[:chunks[k].size]
       off += s
   return out, prev
-
-
-def scatter_chunks(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
-                   buffers: Sequence[jax.Array]) -> list[jax.Array]:
-  """`flat` with every chunk's buffer put back at its slices (the rows the chunks cover replaced)."""
-  flat = list(flat)
-  pieces: dict[int, list[tuple[int, jax.Array]]] = {}
-  for chunk, buf in zip(chunks, buffers):
-    off = 0
-    for r, a, b in chunk.slices:
-      pieces.setdefault(r, []).append((a, buf[off:off + (b - a)]))
-      off += b - a
-  for r, segs in pieces.items():
-    i = row_leaf[r]
-    parts = [s for _, s in sorted(segs, key=lambda t: t[0])]
-    full = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    flat[i] = full.reshape(np.shape(flat[i]))
-  return flat
 
 
 def local_shards(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int], axis_name: Any,

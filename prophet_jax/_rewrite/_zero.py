@@ -18,8 +18,8 @@ from ._states import GradShards, ShardedState, ShardLayout, StateTag, expect, is
 from .._values._checks import match_tree
 from ._axis import axis_size
 from ._reduction import step_setup, with_owed
-from ._sharded import (all_gather_chunks, local_shards, reduce_scatter_chunks, scatter_chunks,
-                       shards_square_sum)
+from ._collectives import scatter_chunks
+from ._sharded import all_gather_chunks, local_shards, reduce_scatter_chunks, shards_square_sum
 from .._values._errors import ScheduleMismatchError, ShardingError
 from .._values._schedule import Schedule, shard_size
 from .._values._tree import is_reduced_leaf, path_str
