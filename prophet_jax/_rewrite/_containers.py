@@ -19,7 +19,7 @@ from ._states import DeferState, ScheduledState, ShardedState
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._values._errors import ShardingError
-from .._values._schedule import Schedule, shard_size
+from .._values._schedule import Schedule
 
 __all__ = ["unshard_state", "shard_state", "state_specs", "deferred_grads"]
 
@@ -130,7 +130,8 @@ def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
     return jax.tree_util.tree_map(_whole, _nnx.flax_nnx().state(state) if _nnx.is_optimizer(state) else state)
 
   def one(s: Any) -> Any:
-    _check_shards(s, tx, schedule, where)
+    _recast(s.per_device, jax.eval_shape(tx.init, _zero.shard_structs(schedule, s.tag.n, s.tag.mode)), where,
+            "sharded optimizer state", lead=True)
     return _convert.unshard_state(s, tx, params, schedule)
 
   if _nnx.is_optimizer(state):
@@ -185,14 +186,6 @@ def _check_schedule(schedule: Any, where: str) -> None:
     raise TypeError(f"{where}: schedule={schedule!r:.60} is not a prophet_jax.Schedule.")
 
 
-def _check_shards(s: Any, tx: Any, schedule: Schedule, where: str) -> None:
-  n, mode = s.tag.n, s.tag.mode
-  struct = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in schedule.chunks)
-  if mode == "global-norm":
-    struct = struct + (jax.ShapeDtypeStruct((), jnp.float32),)
-  _recast(s.per_device, jax.eval_shape(tx.init, struct), where, "sharded optimizer state", lead=True)
-
-
 def _sharded_from_labels(d: Mapping, tx: Any, schedule: Schedule, where: str) -> Any:
   """The ShardedState nnx re-labelled as {'per_device': ...}: its tag rebuilt from the schedule, the
   axis size read from the leaves' leading axis, the mode from the number of shard entries."""
@@ -203,10 +196,7 @@ def _sharded_from_labels(d: Mapping, tx: Any, schedule: Schedule, where: str) ->
   n = int(np.shape(leaves[0])[0])
   last = None
   for mode in _zero.MODES:
-    struct = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in schedule.chunks)
-    if mode == "global-norm":
-      struct = struct + (jax.ShapeDtypeStruct((), jnp.float32),)
-    template = jax.eval_shape(tx.init, struct)
+    template = jax.eval_shape(tx.init, _zero.shard_structs(schedule, n, mode))
     try:
       per = _nnx.rebuild(template, d["per_device"], where)
     except ShardingError as e:
@@ -259,14 +249,17 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
     except ShardingError:
       return False
 
+  def keeps_nothing_else(held: Any) -> None:   # a ScheduledState's fields, or nnx's entries for them
+    for name in ("defer_state", "accum"):
+      if name in held:
+        raise ValueError(f"{where}: the optimizer state holds a {name} (its plan defers or accumulates): "
+                         f"cutting it would drop those values. Apply them first (prophet_jax.deferred_grads, "
+                         f"or finish the k micro-steps), then pass the state without them.")
+
   def scheduled_state(s: ScheduledState) -> ScheduledState:
     if _is_sharded(s.inner):
       return s
-    for name in ("defer_state", "accum"):
-      if getattr(s, name) is not None:
-        raise ValueError(f"{where}: the ScheduledState holds a {name} (its plan defers or accumulates): "
-                         f"cutting it would drop those values. Apply them first (prophet_jax.deferred_grads, "
-                         f"or finish the k micro-steps), then pass the state without them.")
+    keeps_nothing_else([f for f, v in s._asdict().items() if v is not None])
     return ScheduledState(inner=cut(s.inner))
 
   def typed(state: Any) -> Any:
@@ -290,11 +283,7 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
     def from_labels(d: Mapping) -> Any:
       if isinstance(d["inner"], Mapping) and "per_device" in d["inner"]:
         return d
-      for name in ("defer_state", "accum"):
-        if name in d:
-          raise ValueError(f"{where}: the optimizer state holds a {name} (its plan defers or accumulates): "
-                           f"cutting it would drop those values. Apply them first, then pass the state "
-                           f"without them.")
+      keeps_nothing_else(d)
       return {**d, "inner": _nnx.labelled(_nnx.to_nnx(cut(_nnx.rebuild(template, d["inner"], where))))}
     new, count = _nnx.walk_mappings(_nnx.labelled(tx_state), lambda d: "inner" in d, from_labels)
     if not count:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import _defer
@@ -22,10 +21,10 @@ from ._sharded import padded
 from ._accumulate import accum_dtype
 from ._states import AccumState, DeferState, OwedState, ScheduledState, ShardedState, StateTag, is_kind, is_state, kind_of
 from ._defer import defer_tag, owed_tag
-from ._zero import matched_leaves, shard_tag, check_state, shard_mode
+from ._zero import matched_leaves, shard_tag, check_state, shard_mode, shard_structs
 from .._values._errors import ScheduleMismatchError, ShardingError
 from .._values._checks import match_tree
-from .._values._schedule import Schedule, shard_size
+from .._values._schedule import Schedule
 
 __all__ = ["unshard_state", "shard_state", "Converted", "Conversion", "convert", "defer_like", "steady_state"]
 
@@ -39,10 +38,7 @@ def _groups(schedule: Schedule, n: int, mode: str, params: Any, tx: Any, where: 
   into groups, lmap, flat params): a group is the tuple of shards (one per chunk, + the norm carrier)
   or the params' tree; a leaf is anything else (a step count, a scalar)."""
   flat, treedef, lmap = matched_leaves(params, schedule, where)
-  chunks = schedule.chunks
-  shard_struct = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in chunks)
-  if mode == "global-norm":
-    shard_struct = shard_struct + (jax.ShapeDtypeStruct((), jnp.float32),)
+  shard_struct = shard_structs(schedule, n, mode)
   k = len(shard_struct)
   shapes = [tuple(np.shape(s)) for s in shard_struct]
 

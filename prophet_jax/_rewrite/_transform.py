@@ -145,13 +145,6 @@ def per_device(tx: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True
   return PerDevice(layer.init, update_fn, layer.specs)
 
 
-def _inner_update(tx, reduced, inner, params, extra_args):
-  """`tx.update` on the reduced gradients (with the extra arguments when `tx` takes them)."""
-  if isinstance(tx, optax.GradientTransformationExtraArgs):
-    return tx.update(reduced, inner, params, **extra_args)
-  return tx.update(reduced, inner, params)
-
-
 class _Layer(NamedTuple):
   init: Callable[..., Any]
   update: Callable[..., Any]   # (updates, state, params, extra_args) -> (updates, ScheduledState)
@@ -207,7 +200,7 @@ def _allreduce_layer(tx, schedule, axis_name, mean, where):
     inner = _whole(state, schedule, where)
     reduced, defer = _composed(lambda: scheduled_allreduce(
         updates, schedule, axis_name, mean=mean, where=where, defer_state=state.defer_state), axis_name)
-    new, inner = _inner_update(tx, reduced, inner, params, extra_args)
+    new, inner = optax.with_extra_args_support(tx).update(reduced, inner, params, **extra_args)
     return new, ScheduledState(inner=inner, defer_state=defer)
 
   return _Layer(init_fn, update, lambda axis: ScheduledState(inner=P(), defer_state=_defer_specs(schedule, axis),
@@ -227,7 +220,7 @@ def _accumulating_layer(tx, schedule, axis_name, every_k, mean, where):
     reduced, defer, accum, emit = _composed(lambda: accumulated_allreduce(
         updates, schedule, axis_name, every_k=every_k, accum=state.accum, mean=mean, where=where,
         defer_state=state.defer_state), axis_name)
-    apply = lambda r, i: _inner_update(tx, r, i, params, extra_args)  # noqa: E731
+    apply = lambda r, i: optax.with_extra_args_support(tx).update(r, i, params, **extra_args)  # noqa: E731
     shapes = jax.eval_shape(apply, reduced, inner)[0]
     new, inner = jax.lax.cond(
         emit, apply, lambda r, i: (jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), i),

@@ -25,7 +25,7 @@ from .._values._schedule import Schedule, shard_size
 from .._values._tree import is_reduced_leaf, path_str
 
 __all__ = ["ShardedState", "GradShards", "shard_mode", "init", "update", "check_state",
-           "check_grad_shards", "NORM_SCOPE", "MODES"]
+           "check_grad_shards", "shard_structs", "NORM_SCOPE", "MODES"]
 
 NORM_SCOPE = "prophet/norm"  # the one extra psum of a global-norm transformation's squares
 MODES = ("elementwise", "global-norm")
@@ -46,6 +46,12 @@ _STRUCTURAL = {
 
 def shard_tag(schedule: Schedule, n: int, mode: str) -> StateTag:
   return StateTag.of(schedule, ShardLayout(int(n), tuple(shard_size(c.size, n) for c in schedule.chunks), mode))
+
+
+def shard_structs(schedule: Schedule, n: int, mode: str) -> tuple[jax.ShapeDtypeStruct, ...]:
+  """What `tx` runs on for n devices: this device's shard of every chunk, and the global norm's carrier."""
+  structs = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in schedule.chunks)
+  return structs + ((jax.ShapeDtypeStruct((), jnp.float32),) if mode == "global-norm" else ())
 
 
 def _init_unbound(axis_name: Any, where: str) -> str:
@@ -164,29 +170,19 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
   names = _names(tx)
 
   def tree_of(vec):  # the representative leaves, as a tuple (one per rank)
-    out, off = [], 0
-    for shape, size in zip(shapes, sizes):
-      out.append(vec[off:off + size].reshape(shape))
-      off += size
-    return tuple(out)
-
-  def flat_of(tree):
-    return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in tree])
+    return tuple(x.reshape(shape) for x, shape in zip(jnp.split(vec, np.cumsum(sizes)[:-1]), shapes))
 
   def whole(scale, p0, grads):
     p, out = tree_of(p0), []
     st = tx.init(p)
     for t in range(_PROBE_STEPS):
       u, st = tx.update(tree_of(grads[t] * scale), st, p, **_probe_trials.extra_args(names, t))
-      out.append(flat_of(u))
+      out.append(jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in u]))
     return jnp.stack(out)
 
-  def split(vec):
-    parts, off = [], 0
-    for c, s in zip(chunk_sizes, shard):
-      parts.append(jnp.pad(vec[off:off + c], (0, d * s - c)).reshape(d, s))
-      off += c
-    return parts
+  def split(vec):   # each chunk zero-padded, one row per device
+    return [jnp.pad(x, (0, d * s - c)).reshape(d, s)
+            for x, c, s in zip(jnp.split(vec, np.cumsum(chunk_sizes)[:-1]), chunk_sizes, shard)]
 
   def sharded(scale, carrier, p0, grads):
     p_parts = split(p0)
@@ -246,13 +242,7 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
         f"there ({type(e).__name__}: "
         f"{str(e)[:300]}). It depends on the params' tree: use an all-reduce schedule (any policy but "
         f"'dear') for this optimizer.") from e
-  # name the leaf (of the representatives) where the sharded update differs most
-  off, leaf = 0, paths[0]
-  for path, size in zip(paths, sizes):
-    if at < off + size:
-      leaf = path
-      break
-    off += size
+  leaf = paths[int(np.searchsorted(np.cumsum(sizes), at, side="right"))]   # where the update differs most
   raise ShardingError(
       f"{where}: the schedule is sharded (ZeRO-1), so tx ({_probe_trials.tx_names(names)}) runs on each "
       f"device's flat shards of the chunks, but its update there differs from its update on the params' tree (on a small stand-in "
@@ -371,12 +361,8 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
     shards = shards + (jnp.sqrt(jnp.maximum(total - local, 0.0)),)
     if p is not None:
       p = p + (jnp.zeros((), jnp.float32),)
-  inner = s.varying
   try:
-    if isinstance(tx, optax.GradientTransformationExtraArgs):
-      u, inner = tx.update(shards, inner, p, **(extra_args or {}))
-    else:
-      u, inner = tx.update(shards, inner, p)
+    u, inner = optax.with_extra_args_support(tx).update(shards, s.varying, p, **(extra_args or {}))
   except TypeError as e:  # jax's words for a per-device state meeting tx's constants in a lax.cond
     if "manual axis types do not match" not in str(e):
       raise
