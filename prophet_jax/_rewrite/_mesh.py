@@ -210,22 +210,19 @@ class MeshGradFn:
                                               "returns.")), outs, where=where)
 
   def _split_state(self, args: list, kwargs: dict, where: str) -> tuple[list, Any, bool]:
-    """(the positional inputs, the deferral state given, whether the step takes and returns one)."""
-    if self.defer_state_abstract() is not None:
-      if "defer_state" in kwargs:
-        return self._no_kwargs(args, kwargs, where, kwargs.pop("defer_state"))
-      if len(args) >= 2:
-        return self._no_kwargs(args[:-1], kwargs, where, args[-1])
+    """(the positional inputs, the deferral state given, whether the step takes and returns one): a
+    deferring step's state last (or defer_state=); else a re-plan's state, carried over, where one is given."""
+    defers = self.defer_state_abstract() is not None
+    state, stateful = None, True
+    if "defer_state" in kwargs and (defers or _states.is_state(kwargs["defer_state"])):
+      state = kwargs.pop("defer_state")
+    elif len(args) >= 2 and (defers or _states.is_state(args[-1])):
+      args, state = args[:-1], args[-1]
+    elif defers:
       raise TypeError(f"{where}: the schedule defers, so the grad_fn takes its deferral state last: "
                       f"grad_fn(params, batch, defer_state), starting from grad_fn.defer_state().")
-    if _states.is_state(kwargs.get("defer_state")):   # a re-plan's state, carried over
-      return self._no_kwargs(args, kwargs, where, kwargs.pop("defer_state"))
-    if len(args) >= 2 and _states.is_state(args[-1]):
-      return self._no_kwargs(args[:-1], kwargs, where, args[-1])
-    return self._no_kwargs(args, kwargs, where, None, stateful=False)
-
-  @staticmethod
-  def _no_kwargs(args: list, kwargs: dict, where: str, state: Any, stateful: bool = True) -> tuple[list, Any, bool]:
+    else:
+      stateful = False
     if kwargs:
       raise TypeError(f"{where}: unexpected keyword arguments {sorted(kwargs)}; on the mesh every "
                       f"input is positional: grad_fn(params, [replicated inputs such as the model "
