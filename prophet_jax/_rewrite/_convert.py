@@ -67,59 +67,47 @@ def _groups(schedule: Schedule, n: int, mode: str, params: Any, tx: Any, where: 
   return per_def, per_items, is_shards, rep_def, rep_items, is_params, treedef, flat, lmap
 
 
-def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
-  """Every `ShardedState` in `state` replaced by `tx`'s whole (replicated) state for `params`, on the host:
-  what `tx.init(params)` and the same updates on the whole tree would hold (per-parameter arrays put back
-  at their slices, padding dropped; scalars from device 0).
+def unshard_state(s: ShardedState, tx: Any, params: Any, schedule: Schedule) -> Any:
+  """A `ShardedState` as `tx`'s whole (replicated) state for `params`, on the host: what `tx.init(params)`
+  and the same updates on the whole tree would hold (per-parameter arrays put back at their slices, padding
+  dropped; scalars from device 0).
 
   Args:
-    state: a tree holding ShardedStates, as the step leaves them (global `(n, ...)` or pmap's `(n, 1, ...)`).
+    s: the ShardedState, as the step leaves it (global `(n, ...)` or pmap's `(n, 1, ...)`).
     tx: the optimizer the state was made by.
     params: the params' tree (arrays or ShapeDtypeStructs).
     schedule: the sharded schedule the state was made for.
 
   Returns:
-    `state` with each ShardedState replaced by a tree like `tx.init(params)` of numpy arrays.
+    A tree like `tx.init(params)` of numpy arrays.
 
   Raises:
     ScheduleMismatchError: a ShardedState of another schedule or tree.
     ShardingError: tx's state is not per-parameter arrays and scalars.
   """
   where = "unshard_state"
-
-  def one(s: ShardedState) -> Any:
-    n = s.tag.n
-    check_state(s, schedule, n, where)
-    per_def, per_items, is_shards, rep_def, rep_items, _, treedef, flat, lmap = _groups(
-        schedule, n, s.tag.mode, params, tx, where)
-    got = per_def.flatten_up_to(s.per_device)
-    out = []
-    for tmpl, have, like in zip(per_items, got, rep_items):
-      if is_shards(tmpl):
-        bufs = []
-        for c, part in zip(schedule.chunks, have):
-          a = _host(part)
-          if a.shape[1:2] == (1,) and a.ndim == 3:   # pmap: (n, 1, s)
-            a = a[:, 0]
-          bufs.append(a.reshape(-1)[:c.size])
-        base = [np.zeros(np.shape(x), like_leaf.dtype) for x, like_leaf in
-                zip(flat, jax.tree_util.tree_leaves(like))]
-        leaves = [np.asarray(x) for x in scatter_chunks(base, schedule.chunks, lmap.row_leaf, bufs)]
-        out.append(jax.tree_util.tree_unflatten(treedef, [x.astype(t.dtype) for x, t in zip(
-            leaves, jax.tree_util.tree_leaves(like))]))
-      else:
-        a = _host(have)
-        out.append(a.reshape((a.shape[0], -1))[0].reshape(np.shape(tmpl)).astype(tmpl.dtype))
-    return jax.tree_util.tree_unflatten(rep_def, out)
-
-  is_state = lambda x: isinstance(x, ShardedState)  # noqa: E731
-  if not any(is_state(x) for x in jax.tree_util.tree_leaves(state, is_leaf=is_state)):
-    raise TypeError(
-        f"{where}: no ShardedState in the given {type(state).__name__}: pass the optimizer state (or a "
-        f"TrainState holding it) of scheduled(tx, schedule) with a sharded schedule, as the step returns "
-        f"it. A container that re-labels its fields (flax.nnx's Optimizer keeps nested dicts) hides the "
-        f"type: give the ShardedState itself (ScheduledState.inner).")
-  return jax.tree_util.tree_map(one, state, is_leaf=is_state)
+  n = s.tag.n
+  check_state(s, schedule, n, where)
+  per_def, per_items, is_shards, rep_def, rep_items, _, treedef, flat, lmap = _groups(
+      schedule, n, s.tag.mode, params, tx, where)
+  out = []
+  for tmpl, have, like in zip(per_items, per_def.flatten_up_to(s.per_device), rep_items):
+    if is_shards(tmpl):
+      bufs = []
+      for c, part in zip(schedule.chunks, have):
+        a = _host(part)
+        if a.shape[1:2] == (1,) and a.ndim == 3:   # pmap: (n, 1, s)
+          a = a[:, 0]
+        bufs.append(a.reshape(-1)[:c.size])
+      like_leaves = jax.tree_util.tree_leaves(like)
+      base = [np.zeros(np.shape(x), t.dtype) for x, t in zip(flat, like_leaves)]
+      leaves = scatter_chunks(base, schedule.chunks, lmap.row_leaf, bufs)
+      out.append(jax.tree_util.tree_unflatten(treedef, [np.asarray(x).astype(t.dtype)
+                                                        for x, t in zip(leaves, like_leaves)]))
+    else:
+      a = _host(have)
+      out.append(a.reshape((a.shape[0], -1))[0].reshape(np.shape(tmpl)).astype(tmpl.dtype))
+  return jax.tree_util.tree_unflatten(rep_def, out)
 
 
 def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int, *,
@@ -215,9 +203,7 @@ def _owed_of(d: DeferState, old: Schedule, params: Any) -> tuple[Any, tuple[int,
   res_prefix = tuple(np.shape(d.residual[0])[:-2])
   devices = int(np.prod(res_prefix, dtype=np.int64))
   rep_devices = int(np.prod(np.shape(d.norms[0])[:-1], dtype=np.int64))
-  flat, treedef = jax.tree_util.tree_flatten(params)
-  zeros = jax.tree_util.tree_unflatten(treedef, [np.zeros(np.shape(x), getattr(x, "dtype", np.float32))
-                                                 for x in flat])
+  zeros = jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), getattr(x, "dtype", np.float32)), params)
 
   def pick(xs: Any, k: int, dims: int) -> tuple[np.ndarray, ...]:   # device k's copy (the last `dims` axes)
     return tuple(np.asarray(x).reshape((-1,) + np.shape(x)[np.ndim(x) - dims:])[k] for x in xs)

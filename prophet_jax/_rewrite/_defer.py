@@ -349,9 +349,8 @@ def add_residual(tree: Any, schedule: Schedule, defer: DeferState, where: str) -
 def find_states(state: Any) -> list[DeferState]:
   """Every DeferState inside `state` (a DeferState, an optax state holding ScheduledStates, a
   TrainState, a PipelinedState, a dict, ...), in flatten order."""
-  found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, DeferState))
-           if isinstance(x, DeferState)]
-  return found
+  return [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, DeferState))
+          if isinstance(x, DeferState)]
 
 
 def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None) -> Any:
@@ -375,9 +374,7 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None)
     ScheduleMismatchError: the state belongs to a schedule of another tree.
     ValueError: a state that records no schedule, and none given.
   """
-  flat, treedef = jax.tree_util.tree_flatten(params)
-  out = jax.tree_util.tree_unflatten(treedef, [jnp.zeros(np.shape(x), getattr(x, "dtype", jnp.float32))
-                                               for x in flat])
+  out = jax.tree_util.tree_map(lambda x: jnp.zeros(np.shape(x), getattr(x, "dtype", jnp.float32)), params)
   for st in find_states(state):
     sched = schedule_of(st)
     if sched is None:

@@ -63,7 +63,7 @@ class PendingMeta:
   state: tuple[tuple[str, tuple[int, ...], Any, bool], ...] = ()
   has_state: bool = False
 
-  def __hash__(self) -> int:  # the schedule can be large: hash once
+  def __hash__(self) -> int:  # the schedule can be large: hash once (equality is the dataclass's, field by field)
     h = self.__dict__.get("_hash")
     if h is None:
       h = hash((self.schedule.tree_fingerprint, len(self.schedule.chunks), self.batch_tree, self.batch,
@@ -71,18 +71,6 @@ class PendingMeta:
                 self.state_tree, self.state, self.has_state))
       object.__setattr__(self, "_hash", h)
     return h
-
-  def __eq__(self, other: object) -> bool:
-    if self is other:
-      return True
-    if not isinstance(other, PendingMeta):
-      return NotImplemented
-    return (self.batch == other.batch and self.residuals == other.residuals
-            and self.carry == other.carry and self.forward_size == other.forward_size
-            and self.loss_varying == other.loss_varying and self.loss_dtype == other.loss_dtype
-            and self.batch_tree == other.batch_tree and self.state_tree == other.state_tree
-            and self.state == other.state and self.has_state == other.has_state
-            and (self.schedule is other.schedule or self.schedule == other.schedule))
 
 
 @jax.tree_util.register_pytree_node_class

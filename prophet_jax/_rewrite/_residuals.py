@@ -217,14 +217,8 @@ def _min_cut(jaxpr: Any, on_batch: set[Any], needed: list[Any]) -> list[Any]:
   """The batch values to carry: a minimum-bytes cut between what only the forward can compute and what
   the backward needs, with the latest such cut (the least recomputation) among equals."""
   # every batch value v is two nodes, v.in -> v.out with capacity bytes(v) (cutting it = carrying v)
-  index: dict[Any, int] = {}
-  for v in jaxpr.invars:
-    if v in on_batch:
-      index[v] = len(index)
-  for eqn in jaxpr.eqns:
-    for v in eqn.outvars:
-      if v in on_batch and v not in index:
-        index[v] = len(index)
+  ordered = dict.fromkeys(v for v in [*jaxpr.invars, *(v for eqn in jaxpr.eqns for v in eqn.outvars)] if v in on_batch)
+  index = {v: k for k, v in enumerate(ordered)}
   n = len(index)
   source, sink = 2 * n, 2 * n + 1
   inf = sum(_nbytes(v) for v in index) + 1

@@ -326,15 +326,9 @@ def _key_name(k: Any) -> Any:
 def per_device_path(names: Sequence[Any]) -> bool:
   """Whether a leaf at a path of entry names is each device's own, where a container re-labelled the
   library's NamedTuples (`flax.nnx` keeps them as nested dicts): on a path some kind declares (`nnx`)."""
-  names = list(names)
-
-  def has(pattern: tuple[str, ...]) -> bool:
-    at = 0
-    for p in pattern:
-      if p not in names[at:]:
-        return False
-      at = names.index(p, at) + 1
-    return True
+  def has(pattern: tuple[str, ...]) -> bool:   # the pattern's names in order along the path
+    rest = iter(names)
+    return all(p in rest for p in pattern)
 
   return any(has(p) for k in KINDS.values() for p in k.nnx)
 

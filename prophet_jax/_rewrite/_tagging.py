@@ -228,19 +228,17 @@ def _nnx_keys(model: Any, tagged: TaggedPlan) -> Iterator[None]:
   if not isinstance(model, nnx.Module):
     raise TypeError(f"tag_layers(model={type(model).__name__}): expected a flax nnx Module (or model=None "
                     f"for flax linen, whose module calls are intercepted).")
-  marked, classes = [], {}
-  for path, mod in nnx.iter_modules(model) if hasattr(nnx, "iter_modules") else model.iter_modules():
-    key = tagged.keys.get("/".join(str(p) for p in path))
-    if key is not None:
-      object.__setattr__(mod, _ATTR, key)
-      marked.append(mod)
-      classes.setdefault(type(mod), type(mod).__dict__.get("__call__"))
-  unknown = set(tagged.keys) - {"/".join(str(p) for p in path) for path, _ in
-                                (nnx.iter_modules(model) if hasattr(nnx, "iter_modules")
-                                 else model.iter_modules())}
+  modules = nnx.iter_modules(model) if hasattr(nnx, "iter_modules") else model.iter_modules()
+  named = [("/".join(str(p) for p in path), mod) for path, mod in modules]
+  unknown = set(tagged.keys) - {name for name, _ in named}
   if unknown:
     raise ValueError(f"tag_layers: the plan's layers {sorted(unknown)[:5]} are not submodules of this nnx "
                      f"model; plan from nnx.state(model, nnx.Param) of this model.")
+  marked = [mod for name, mod in named if name in tagged.keys]
+  for name, mod in named:
+    if name in tagged.keys:
+      object.__setattr__(mod, _ATTR, tagged.keys[name])
+  classes = {type(mod): type(mod).__dict__.get("__call__") for mod in marked}
   for cls, own in classes.items():
     call = cls.__call__
 
