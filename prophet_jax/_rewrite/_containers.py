@@ -18,6 +18,7 @@ from ._pending import PipelinedState
 from ._states import DeferState, ScheduledState, ShardedState
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .._values._checks import check_values
 from .._values._errors import ShardingError
 from .._values._schedule import Schedule
 
@@ -34,15 +35,6 @@ def _not_a_state(where: str, obj: Any, wanted: str) -> TypeError:
       f"of prophet_jax.scheduled(...) (tx.init(params) or what the step returned), a PipelinedState, or a "
       f"container holding one: a flax TrainState, an nnx.Optimizer or nnx.state(optimizer), a dict, an "
       f"optax chain's tuple.")
-
-
-def _check_axis_name(axis_name: Any, where: str) -> None:
-  ok = (isinstance(axis_name, str) and axis_name) or (
-      isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) and a for a in axis_name))
-  if not ok:
-    raise TypeError(f"{where}: axis_name={axis_name!r}: expected the data-parallel mesh axis's name (a "
-                    f"non-empty string such as 'data', or a tuple of them), as given to scheduled(..., "
-                    f"axis_name=...).")
 
 
 def _map_typed(obj: Any, pred, fn) -> tuple[Any, int]:
@@ -306,7 +298,7 @@ def state_specs(state: Any, axis_name: Any, *, params: Any = None, schedule: Sch
     TypeError: `axis_name` is not a non-empty string (or tuple of them).
   """
   where = "state_specs"
-  _check_axis_name(axis_name, where)
+  check_values(where, axis_name=axis_name)
   if (params is None) != (schedule is None):
     raise TypeError(f"{where}: params= and schedule= go together (the plan places the params); got only "
                     f"{'params' if schedule is None else 'schedule'}.")
@@ -348,7 +340,8 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None,
   n = _global_n(found)
   if n is None:
     return _defer.deferred_grads(state, params, schedule=schedule)
-  per = [_defer.deferred_grads([_device(s, i) for s in found], params, schedule=schedule) for i in range(n)]
+  per = [_defer.deferred_grads([_defer.device_part(s, i) for s in found], params, schedule=schedule)
+         for i in range(n)]
   stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *per)
   return jax.tree_util.tree_map(lambda x: jnp.mean(x, axis=0).astype(x.dtype), stacked) if average else stacked
 
@@ -362,16 +355,6 @@ def _global_n(found: list) -> int | None:
   if len(lead) == 1 and (lead != {1} or any(len(s) == 4 for s in shapes)):
     return int(lead.pop())
   return None
-
-
-def _device(s: Any, i: int) -> Any:
-  """Device i's DeferState out of a global (residual (n, k, c)) or pmap-stacked state (on the host: a
-  global array split over an Explicit mesh axis cannot be sliced outside a map)."""
-  s = jax.tree_util.tree_map(lambda x: np.asarray(jax.device_get(x)), s)
-  stacked = any(np.ndim(r) == 4 for r in s.residual)
-  pick = (lambda xs: tuple(x[i] for x in xs)) if stacked else (lambda xs: tuple(xs))
-  return DeferState(norms=pick(s.norms), deferred=pick(s.deferred), index=pick(s.index),
-                           residual=tuple(r[i] if stacked else r[i:i + 1] for r in s.residual), tag=s.tag)
 
 
 def _defer_from_labels(labelled: Mapping, schedule: Schedule | None, where: str) -> list:

@@ -93,12 +93,9 @@ def unshard_state(s: ShardedState, tx: Any, params: Any, schedule: Schedule) -> 
   out = []
   for tmpl, have, like in zip(per_items, per_def.flatten_up_to(s.per_device), rep_items):
     if is_shards(tmpl):
-      bufs = []
-      for c, part in zip(schedule.chunks, have):
-        a = _host(part)
-        if a.shape[1:2] == (1,) and a.ndim == 3:   # pmap: (n, 1, s)
-          a = a[:, 0]
-        bufs.append(a.reshape(-1)[:c.size])
+      hosts = [_host(part) for part in have]   # global (n, s), or pmap's (n, 1, s)
+      bufs = [(a[:, 0] if a.ndim == 3 and a.shape[1] == 1 else a).reshape(-1)[:c.size]
+              for c, a in zip(schedule.chunks, hosts)]
       like_leaves = jax.tree_util.tree_leaves(like)
       base = [np.zeros(np.shape(x), t.dtype) for x, t in zip(flat, like_leaves)]
       leaves = scatter_chunks(base, schedule.chunks, lmap.row_leaf, bufs)
@@ -138,23 +135,18 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
   if n < 1:
     raise ValueError(f"{where}: n={n}: the number of devices on the data axis must be >= 1.")
   mode = shard_mode(tx, params, where)
-  per_def, per_items, is_shards, rep_def, rep_items, is_params, treedef, flat, lmap = _groups(
-      schedule, n, mode, params, tx, where)
+  per_def, per_items, is_shards, rep_def, _, _, treedef, _, lmap = _groups(schedule, n, mode, params, tx, where)
   have = rep_def.flatten_up_to(tx_state)
   out = []
-  for tmpl, like, x in zip(per_items, rep_items, have):
+  for tmpl, x in zip(per_items, have):
     if is_shards(tmpl):
       leaves = [_host(v) for v in treedef.flatten_up_to(x)]
-      parts = []
-      for c, t in zip(schedule.chunks, tmpl):
-        buf = np.asarray(padded(chunk_buffer(leaves, c, lmap.row_leaf), n)).astype(t.dtype)
-        parts.append(buf.reshape(n, -1))
-      if mode == "global-norm":  # the carrier's entry: what init gives it (its update is dropped)
-        parts.append(np.zeros((n,), tmpl[-1].dtype))
-      group = tuple(parts)
+      parts = [np.asarray(padded(chunk_buffer(leaves, c, lmap.row_leaf), n)).astype(t.dtype).reshape(n, -1)
+               for c, t in zip(schedule.chunks, tmpl)]
+      # the global norm's carrier: what init gives it (its update is dropped)
+      out.append(tuple(parts) + ((np.zeros((n,), tmpl[-1].dtype),) if mode == "global-norm" else ()))
     else:
-      group = np.broadcast_to(_host(x).astype(tmpl.dtype), (n,) + tuple(np.shape(tmpl))).copy()
-    out.append(group)
+      out.append(np.broadcast_to(_host(x).astype(tmpl.dtype), (n,) + tuple(np.shape(tmpl))).copy())
   per_device = jax.tree_util.tree_unflatten(per_def, out)
   if pmap:
     per_device = jax.tree_util.tree_map(lambda a: a[:, None], per_device)
@@ -200,21 +192,10 @@ def defer_like(new: Schedule, rep_prefix: tuple[int, ...], res_prefix: tuple[int
 
 def _owed_of(d: DeferState, old: Schedule, params: Any) -> tuple[Any, tuple[int, ...]]:
   """(each device's deferred values at their elements, stacked on a device axis; that axis' shape)."""
-  res_prefix = tuple(np.shape(d.residual[0])[:-2])
-  devices = int(np.prod(res_prefix, dtype=np.int64))
-  rep_devices = int(np.prod(np.shape(d.norms[0])[:-1], dtype=np.int64))
+  devices = int(np.prod(d.lead, dtype=np.int64))
   zeros = jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), getattr(x, "dtype", np.float32)), params)
-
-  def pick(xs: Any, k: int, dims: int) -> tuple[np.ndarray, ...]:   # device k's copy (the last `dims` axes)
-    return tuple(np.asarray(x).reshape((-1,) + np.shape(x)[np.ndim(x) - dims:])[k] for x in xs)
-
-  per = []
-  for i in range(devices):
-    j = i if rep_devices == devices else 0   # pmap keeps a copy of the replicated parts per device
-    one = DeferState(norms=pick(d.norms, j, 1), deferred=pick(d.deferred, j, 1), index=pick(d.index, j, 1),
-                     residual=tuple(r[None] for r in pick(d.residual, i, 2)), tag=d.tag)
-    per.append(_defer.add_residual(zeros, old, one, "convert"))
-  if res_prefix == (1,):
+  per = [_defer.add_residual(zeros, old, _defer.device_part(d, i), "convert") for i in range(devices)]
+  if d.lead == (1,):
     return per[0], ()
   return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *per), (devices,)
 

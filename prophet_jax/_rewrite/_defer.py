@@ -23,7 +23,7 @@ from .._values._types import itemsize
 __all__ = ["DeferGroup", "DeferState", "GroupState", "defer_groups", "init", "defer_state",
            "check_state", "group_states", "with_groups", "lossless",
            "add_residual", "schedule_of", "belongs", "find_states", "deferred_grads", "owed_tag", "check_foreign",
-           "given_state", "deferred_values", "add_owed"]
+           "given_state", "deferred_values", "add_owed", "device_part"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -351,6 +351,18 @@ def find_states(state: Any) -> list[DeferState]:
   TrainState, a PipelinedState, a dict, ...), in flatten order."""
   return [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, DeferState))
           if isinstance(x, DeferState)]
+
+
+def device_part(d: DeferState, i: int) -> DeferState:
+  """Device i's DeferState, on the host, out of one laid out for several: a global state (residuals
+  `(n, k, c)`, the replicated parts once) or pmap's stacked one (`(n, 1, k, c)`, the rest `(n, ...)`)."""
+  def pick(xs: Any, k: int, dims: int) -> tuple[np.ndarray, ...]:   # copy k (the last `dims` axes)
+    return tuple(np.asarray(x).reshape((-1,) + np.shape(x)[np.ndim(x) - dims:])[k] for x in xs)
+
+  # pmap keeps a copy of the replicated parts per device
+  j = i if np.prod(np.shape(d.norms[0])[:-1], dtype=np.int64) == np.prod(d.lead, dtype=np.int64) else 0
+  return DeferState(norms=pick(d.norms, j, 1), deferred=pick(d.deferred, j, 1), index=pick(d.index, j, 1),
+                    residual=tuple(r[None] for r in pick(d.residual, i, 2)), tag=d.tag)
 
 
 def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None) -> Any:

@@ -125,13 +125,10 @@ class Placement:
     if not (has_aux or has_state):
       return _loss_reduction.combine(value, self.axes, self.reduction)
     loss, rest = value
-    if has_state and has_aux:
-      check_model_state(rest[0], self.axes, where)
-      rest = (rest[0], _stack(rest[1]))
-    elif has_state:
-      check_model_state(rest, self.axes, where)
-    else:
-      rest = _stack(rest)
+    if has_state:
+      check_model_state(rest[0] if has_aux else rest, self.axes, where)
+    if has_aux:
+      rest = (rest[0], _stack(rest[1])) if has_state else _stack(rest)
     return _loss_reduction.combine(loss, self.axes, self.reduction), rest
 
   def value_specs(self, has_aux: bool, has_state: bool) -> Any:
