@@ -187,18 +187,14 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
   inexact = [is_float_dtype(d) for _, d in shapes]
   base = [grid((num_devices, *s), d, 1.0).astype(np.float32) if f else np.zeros((num_devices, *s), d)
           for (s, d), f in zip(shapes, inexact)]
-  variants = []
-  for spread in (0.1, 1e3):
-    v = []
-    for g, (s, d), f in zip(base, shapes, inexact):
-      if not f:
-        v.append(g)
-        continue
-      e = grid(s, d, spread).astype(np.float32)
-      dev = np.zeros_like(g)
-      dev[0], dev[1] = e, -e  # sums to exactly zero
-      v.append(g + dev)
-    variants.append(v)
+  def shifted(g: np.ndarray, s: tuple[int, ...], d: Any, spread: float) -> np.ndarray:
+    dev = np.zeros_like(g)
+    dev[0] = grid(s, d, spread).astype(np.float32)
+    dev[1] = -dev[0]  # sums to exactly zero
+    return g + dev
+
+  variants = [[shifted(g, s, d, spread) if f else g for g, (s, d), f in zip(base, shapes, inexact)]
+              for spread in (0.1, 1e3)]
   def one(flat_g):
     g = jax.tree_util.tree_unflatten(treedef, [x.astype(d) if is_float_dtype(d) else x
                                                for x, (_, d) in zip(flat_g, shapes)])

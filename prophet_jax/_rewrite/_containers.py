@@ -5,7 +5,6 @@ an object that holds no library state is a TypeError."""
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,7 +17,7 @@ from ._pending import PipelinedState
 from ._states import DeferState, ScheduledState, ShardedState
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._values._checks import check_values
+from .._values._checks import check_bool, check_int, check_values
 from .._values._errors import ShardingError
 from .._values._schedule import Schedule
 
@@ -117,7 +116,7 @@ def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
     ShardingError: the state was made by another tx.
   """
   where = "unshard_state"
-  _check_schedule(schedule, where)
+  check_values(where, schedule=schedule)
   if _places_params(schedule):
     return jax.tree_util.tree_map(_whole, _nnx.flax_nnx().state(state) if _nnx.is_optimizer(state) else state)
 
@@ -173,11 +172,6 @@ def _typed(state: Any, pred, fn, where: str, wanted: str) -> Any:
   return out
 
 
-def _check_schedule(schedule: Any, where: str) -> None:
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"{where}: schedule={schedule!r:.60} is not a prophet_jax.Schedule.")
-
-
 def _sharded_from_labels(d: Mapping, tx: Any, schedule: Schedule, where: str) -> Any:
   """The ShardedState nnx re-labelled as {'per_device': ...}: its tag rebuilt from the schedule, the
   axis size read from the leaves' leading axis, the mode from the number of shard entries."""
@@ -220,12 +214,9 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
     ShardingError: tx cannot run on shards, or the state was made by another tx.
   """
   where = "shard_state"
-  _check_schedule(schedule, where)
-  if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-    raise TypeError(f"{where}: n={n!r}: the number of devices on the data axis must be an integer >= 1.")
-  if not isinstance(pmap, bool):
-    raise TypeError(f"{where}: pmap={pmap!r}: expected True or False.")
-  n = int(n)
+  check_values(where, schedule=schedule)
+  n = check_int(where, "n", n, lo=1, fix="It is the number of devices on the data axis.")
+  check_bool(where, "pmap", pmap)
   if _places_params(schedule):
     return _placed(tx_state, params, schedule, n, mesh, where)
   template = jax.eval_shape(tx.init, params)
@@ -233,13 +224,6 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
   def cut(whole: Any) -> Any:
     whole = _recast(whole, template, where, "optimizer state")
     return _convert.shard_state(whole, tx, params, schedule, n, pmap=pmap)
-
-  def fits(x: Any) -> bool:
-    try:
-      _recast(x, template, where, "")
-      return True
-    except ShardingError:
-      return False
 
   def keeps_nothing_else(held: Any) -> None:   # a ScheduledState's fields, or nnx's entries for them
     for name in ("defer_state", "accum"):
@@ -254,19 +238,17 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
     keeps_nothing_else([f for f, v in s._asdict().items() if v is not None])
     return ScheduledState(inner=cut(s.inner))
 
+  def pipelined_state(p: PipelinedState) -> PipelinedState:
+    return p if _is_sharded(p.opt_state) else p._replace(opt_state=cut(p.opt_state))
+
   def typed(state: Any) -> Any:
     state = _nnx.unwrap(state)
-    if not _states.holds_state(state) and fits(state):
-      return cut(state)
-    out, count = _map_typed(state, lambda x: isinstance(x, ScheduledState), scheduled_state)
-    if count:
-      return out
-    out, count = _map_typed(state, lambda x: isinstance(x, PipelinedState),
-                            lambda p: p if _is_sharded(p.opt_state) else p._replace(opt_state=cut(p.opt_state)))
-    if count:
-      return out
     if not _states.holds_state(state):
-      cut(state)  # names both transformations' states
+      return cut(state)   # tx's state itself (the recast names both transformations' states where it is not)
+    for cls, fn in ((ScheduledState, scheduled_state), (PipelinedState, pipelined_state)):
+      out, count = _map_typed(state, lambda x: isinstance(x, cls), fn)   # noqa: B023 (used at once)
+      if count:
+        return out
     raise _not_a_state(where, state, "tx's whole optimizer state")
 
   if _nnx.is_optimizer(tx_state):

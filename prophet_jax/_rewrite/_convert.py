@@ -23,7 +23,7 @@ from ._states import AccumState, DeferState, OwedState, ScheduledState, ShardedS
 from ._defer import defer_tag, owed_tag
 from ._zero import matched_leaves, shard_tag, check_state, shard_mode, shard_structs
 from .._values._errors import ScheduleMismatchError, ShardingError
-from .._values._checks import match_tree
+from .._values._checks import check_values, match_tree
 from .._values._schedule import Schedule
 
 __all__ = ["unshard_state", "shard_state", "Converted", "Conversion", "convert", "defer_like", "steady_state"]
@@ -211,8 +211,7 @@ class Conversion:
   def __init__(self, params: Any, new: Schedule, *, tx: Any = None, n: int | None = None,
                owed_in_place: bool = False, where: str = "convert", every_k: int | None = None,
                on_mesh: bool = False):
-    if not isinstance(new, Schedule):
-      raise TypeError(f"{where}: new_schedule must be a prophet_jax.Schedule, got {type(new).__name__}.")
+    check_values(where, schedule=new)
     self.params, self.new, self.tx, self.n, self.where = params, new, tx, n, where
     self.owed_in_place, self.every_k, self.on_mesh = owed_in_place, every_k, on_mesh
     self.owed: list[tuple[Any, tuple[int, ...]]] = []

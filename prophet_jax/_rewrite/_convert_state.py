@@ -12,6 +12,7 @@ import numpy as np
 from . import _mesh, _nnx
 from ._convert import Conversion, steady_state
 from ._states import ScheduledState, holds_state, state_specs
+from .._values._checks import check_values
 from .._values._schedule import Schedule
 
 __all__ = ["convert_state", "first_step_specs", "steady_state"]
@@ -60,8 +61,7 @@ def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = 
     >>> opt_state = prophet_jax.convert_state(opt_state, params, new_plan, tx=tx, mesh=mesh, axis_name="dp")
   """
   where = "convert_state"
-  if not isinstance(new_schedule, Schedule):
-    raise TypeError(f"{where}: new_schedule must be a prophet_jax.Schedule, got {type(new_schedule).__name__}.")
+  check_values(where, schedule=new_schedule)
   n = _count(num_devices, "num_devices", "the number of devices on the data axis", where)
   n = _mesh.data_devices(mesh, axis_name, where) if n is None else n
   again = functools.partial(convert_state, params=params, new_schedule=new_schedule, tx=tx, mesh=mesh,

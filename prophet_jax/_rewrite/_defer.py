@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._states import DeferState, OwedState, StateTag
-from .._values._checks import match_tree
+from .._values._checks import check_values, match_tree
 from .._values._errors import ScheduleMismatchError
 from .._values._schedule import Chunk, Schedule
 from .._values._tree import IdentityMemo
@@ -110,8 +110,7 @@ class GroupState(NamedTuple):
 
 def init(schedule: Schedule) -> DeferState | None:
   """The state before the first step (public as `prophet_jax.defer_state`, which says more)."""
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"defer_state: expected a prophet_jax.Schedule, got {type(schedule).__name__}.")
+  check_values("defer_state", schedule=schedule)
   if not schedule.defers:
     return None
   groups = defer_groups(schedule)

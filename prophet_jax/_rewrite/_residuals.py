@@ -6,6 +6,7 @@ and the next call's backward agree. Jaxprs are read through `jax.extend.core` (`
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -256,12 +257,10 @@ class _FlowGraph:
     self.cap: list[int] = []
 
   def add(self, u: int, v: int, cap: int) -> None:
-    self.adj[u].append(len(self.to))
-    self.to.append(v)
-    self.cap.append(cap)
-    self.adj[v].append(len(self.to))
-    self.to.append(u)
-    self.cap.append(0)
+    for a, b, c in ((u, v, cap), (v, u, 0)):   # the edge, then its residual twin (e ^ 1)
+      self.adj[a].append(len(self.to))
+      self.to.append(b)
+      self.cap.append(c)
 
   def max_flow(self, s: int, t: int) -> int:
     flow = 0
@@ -278,10 +277,7 @@ class _FlowGraph:
       if level[t] < 0:
         return flow
       it = [0] * len(self.adj)
-      while True:
-        pushed = self._push(s, t, level, it)
-        if not pushed:
-          break
+      while pushed := self._push(s, t, level, it):
         flow += pushed
 
   def _push(self, s: int, t: int, level: list[int], it: list[int]) -> int:
@@ -358,18 +354,13 @@ def _prune_call(eqn: Any, used: Sequence[bool]) -> Any:
                          f"reads {len(missing)} values it does not define; please report it.")
   reads = {v for e in eqns for v in e.invars if _is_var(v)} | {v for v in outs if _is_var(v)}
   keep = [v in reads for v in inner.invars]
-  body = jex_core.ClosedJaxpr(
-      inner.replace(invars=[v for v, k in zip(inner.invars, keep) if k], outvars=outs, eqns=eqns),
-      closed.consts)
+  body = jex_core.ClosedJaxpr(inner.replace(invars=list(itertools.compress(inner.invars, keep)), outvars=outs,
+                                            eqns=eqns), closed.consts)
   params = dict(eqn.params, jaxpr=body)
-  for name in _CALL_IN_PARAMS:
-    if name in params:
-      params[name] = tuple(x for x, k in zip(params[name], keep) if k)
-  for name in _CALL_OUT_PARAMS:
-    if name in params:
-      params[name] = tuple(x for x, u in zip(params[name], used) if u)
-  return eqn.replace(invars=[v for v, k in zip(eqn.invars, keep) if k],
-                     outvars=[v for v, u in zip(eqn.outvars, used) if u], params=params)
+  for names, mask in ((_CALL_IN_PARAMS, keep), (_CALL_OUT_PARAMS, used)):
+    params.update({name: tuple(itertools.compress(params[name], mask)) for name in names if name in params})
+  return eqn.replace(invars=list(itertools.compress(eqn.invars, keep)),
+                     outvars=list(itertools.compress(eqn.outvars, used)), params=params)
 
 
 def _subprogram(closed: Any, invars: list[Any], outvars: list[Any]) -> Callable[..., list[Any]]:
