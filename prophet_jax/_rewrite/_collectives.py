@@ -91,17 +91,16 @@ _HOOKS: contextvars.ContextVar[EngineHooks | None] = contextvars.ContextVar("pro
 
 
 @contextlib.contextmanager
-def engine_hooks(*, divisor: Callable[[Any], Any] | None = None,
-                 gathered: Callable[[int, jax.Array], None] | None = None,
-                 sum_divisor: Any = None) -> Iterator[EngineHooks]:
+def engine_hooks(**hooks: Any) -> Iterator[EngineHooks]:
   """Hooks every all-reduce the engine issues while a step is traced inside this context.
 
   The explicit seam through which tests reach the one engine (`reduce_units`): `scheduled`,
   `allreduce`, `hooked` (its backward rules run inside the trace of `jax.grad`), `pipelined` and
   `loop_hook` all reach it. Nothing changes outside the context, and a step traced outside it
-  compiles to the library's own program. See `EngineHooks` for the hooks.
+  compiles to the library's own program. `hooks`: `EngineHooks`' fields (`divisor`, `gathered`,
+  `sum_divisor`), by keyword.
   """
-  hooks = EngineHooks(divisor=divisor, gathered=gathered, sum_divisor=sum_divisor)
+  hooks = EngineHooks(**hooks)
   tok = _HOOKS.set(hooks)
   try:
     yield hooks

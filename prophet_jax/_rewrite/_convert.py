@@ -194,7 +194,7 @@ def _owed_of(d: DeferState, old: Schedule, params: Any) -> tuple[Any, tuple[int,
   """(each device's deferred values at their elements, stacked on a device axis; that axis' shape)."""
   devices = int(np.prod(d.lead, dtype=np.int64))
   zeros = jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), getattr(x, "dtype", np.float32)), params)
-  per = [_defer.add_residual(zeros, old, _defer.device_part(d, i), "convert") for i in range(devices)]
+  per = [_defer.deferred_values(zeros, _defer.device_part(d, i), old, "convert") for i in range(devices)]
   if d.lead == (1,):
     return per[0], ()
   return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *per), (devices,)

@@ -22,8 +22,8 @@ from .._values._types import itemsize
 
 __all__ = ["DeferGroup", "DeferState", "GroupState", "defer_groups", "init", "defer_state",
            "check_state", "group_states", "with_groups", "lossless",
-           "add_residual", "schedule_of", "belongs", "find_states", "deferred_grads", "owed_tag", "check_foreign",
-           "given_state", "deferred_values", "add_owed", "device_part"]
+           "schedule_of", "belongs", "find_states", "deferred_grads", "owed_tag", "check_foreign",
+           "given_state", "deferred_values", "device_part"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,24 +270,6 @@ def _owed_leaves(state: OwedState, flat: Sequence[Any], lmap: Any, where: str) -
   return owed
 
 
-def deferred_values(tree: Any, state: Any, schedule: Schedule, where: str) -> Any:
-  """`tree` (per device, the schedule's tree) with the deferred values `state` holds added at their
-  elements: a DeferState's residual, or convert_state's owed values; `tree` for None."""
-  if isinstance(state, OwedState):
-    return add_owed(tree, state, schedule, where)
-  return tree if state is None else add_residual(tree, schedule, state, where)
-
-
-def add_owed(tree: Any, state: OwedState, schedule: Schedule, where: str) -> Any:
-  """`tree` (per-device, the schedule's tree) with an `OwedState`'s values added at their elements."""
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  lmap = match_tree(leaves_with_path, schedule, where=where)
-  flat = [x for _, x in leaves_with_path]
-  owed = _owed_leaves(state, flat, lmap, where)
-  return jax.tree_util.tree_unflatten(treedef, [x if o is None else x + o for x, o in zip(flat, owed)])
-
-
-
 # --------------------------------------------------------------------------------------------------
 # the engine's per-group view (`_collectives.reduce_units`)
 
@@ -315,17 +297,24 @@ def lossless(schedule: Schedule) -> Schedule:
   return dataclasses.replace(schedule, buckets=buckets, links=())
 
 
-def add_residual(tree: Any, schedule: Schedule, defer: DeferState, where: str) -> Any:
-  """`tree` (like the parameters) with `defer`'s residual added at the elements it was deferred from.
+def deferred_values(tree: Any, state: Any, schedule: Schedule, where: str) -> Any:
+  """`tree` (per device, like the parameters) with the deferred values `state` holds added at their
+  elements: convert_state's owed values, or a DeferState's residual; `tree` for None.
 
   Group g's residual row j holds this device's values of chunk `index[j]` (zero-padded to the slot
   size); the chunk's slices say where they go. The indices are traced (chosen at run time), so each
   chunk's row is read from an (m, c) scatter of the residual: zero for the chunks not deferred.
   """
+  if state is None:
+    return tree
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  row_leaf = match_tree(leaves_with_path, schedule, where=where).row_leaf
+  lmap = match_tree(leaves_with_path, schedule, where=where)
   flat = [x for _, x in leaves_with_path]
-  for g, gs in zip(defer_groups(schedule), group_states(defer)):
+  if isinstance(state, OwedState):
+    owed = _owed_leaves(state, flat, lmap, where)
+    return jax.tree_util.tree_unflatten(treedef, [x if o is None else x + o for x, o in zip(flat, owed)])
+  row_leaf = lmap.row_leaf
+  for g, gs in zip(defer_groups(schedule), group_states(state)):
     rows = jnp.zeros((g.m, g.size), gs.residual.dtype).at[gs.index].add(gs.residual[0])
     for i, chunk in enumerate(g.chunks):
       off = 0
@@ -393,5 +382,5 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None)
         raise ValueError("deferred_grads: the deferral state does not record the schedule it was made "
                          "for; pass it: deferred_grads(state, params, schedule=the_old_schedule).")
       sched = schedule
-    out = add_residual(out, sched, st, "deferred_grads")
+    out = deferred_values(out, st, sched, "deferred_grads")
   return out

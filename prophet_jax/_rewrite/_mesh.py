@@ -187,8 +187,7 @@ class MeshGradFn:
     def body(params, *rest):
       *reps, batch, defer_state = rest
       out = self._fn(params, *reps, batch, **({"defer_state": defer_state} if stateful else {}))
-      value = place.value(out[0], self._has_aux, self._has_state, where)
-      return (value, out[1], out[2]) if stateful else (value, out[1])
+      return (place.value(out[0], self._has_aux, self._has_state, where), *out[1:])   # (value, grads[, state])
 
     # the step continues its own state; any other (a re-plan's) gives way to the first one
     first = self.defer_state_abstract()

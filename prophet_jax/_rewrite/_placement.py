@@ -164,14 +164,9 @@ def check_batch(batch: Any, mesh: Any, axes: tuple[Any, ...], where: str) -> Non
           f"jit on Explicit axes, jax.sharding.reshard(x, P({entry!r}))).")
 
 
-def _varying_over(x: Any, axes: tuple[Any, ...]) -> bool:
-  varying = jax.typeof(x).manual_axis_type.varying
-  return any(a in varying for a in axes)
-
-
 def check_model_state(new: Any, axes: tuple[Any, ...], where: str) -> None:
   for name, x in named_leaves(new, "model_state"):
-    if hasattr(x, "dtype") and _varying_over(x, axes):
+    if hasattr(x, "dtype") and any(a in jax.typeof(x).manual_axis_type.varying for a in axes):
       entry = spec_entry(axes)
       raise ValueError(
           f"{where}: the new model state's leaf {name!r} varies over mesh axis {entry!r} (it was "

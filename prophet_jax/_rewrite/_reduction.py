@@ -208,12 +208,16 @@ def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, eve
   count = accum.count + 1
   emit = count >= every_k
 
-  def fire(rows, defer):
-    mine = list(flat)
+  def with_rows(rows):   # the leaves, each row's leaf replaced
+    out = list(flat)
     for i, r in zip(lmap.row_leaf, rows):
-      mine[i] = (r / every_k).astype(flat[i].dtype)
-    red, new = scheduled_allreduce(jax.tree_util.tree_unflatten(treedef, mine), schedule, axis_name,
-                                   mean=mean, where=where, defer_state=defer)
+      out[i] = r
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  def fire(rows, defer):
+    mean_rows = [(r / every_k).astype(flat[i].dtype) for i, r in zip(lmap.row_leaf, rows)]
+    red, new = scheduled_allreduce(with_rows(mean_rows), schedule, axis_name, mean=mean, where=where,
+                                   defer_state=defer)
     red = jax.tree_util.tree_leaves(red)
     return tuple(red[i] for i in lmap.row_leaf), new, tuple(jnp.zeros_like(r) for r in rows)
 
@@ -221,9 +225,6 @@ def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, eve
     return tuple(jnp.zeros(np.shape(flat[i]), flat[i].dtype) for i in lmap.row_leaf), defer, rows
 
   reduced, new_defer, rows = jax.lax.cond(emit, fire, wait, rows, defer_state)
-  out = list(flat)
-  for i, r in zip(lmap.row_leaf, reduced):
-    out[i] = r
   new_accum = type(accum)(count=jnp.where(emit, 0, count).astype(jnp.int32),
                           grads=tuple(r[None] for r in rows))
-  return jax.tree_util.tree_unflatten(treedef, out), new_defer, new_accum, emit
+  return with_rows(reduced), new_defer, new_accum, emit
