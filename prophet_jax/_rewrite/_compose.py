@@ -1,4 +1,4 @@
-"""Where `scheduled` sits in the user's optax composition: it must run first (`ran_before_in_chain`,
+"""Where `scheduled` sits in the user's optax composition: it must run first (`check_first`,
 `inside_multisteps` read the Python stack while optax calls it; `check_masked` refuses a mask hiding
 part of its tree); `check_composition` tests any other composition numerically."""
 
@@ -49,11 +49,12 @@ def _transform_name(fn: Any) -> str:
   return name
 
 
-def ran_before_in_chain(max_depth: int = 40) -> list[str]:
-  """Names of the transformations an enclosing optax.chain / named_chain ran before the current member.
+def check_first(where: str, max_depth: int = 40) -> None:
+  """CompositionError naming the transformations an enclosing optax.chain / named_chain ran before the
+  current member (`scheduled`'s `where`: 'init' or 'update'), if any.
 
   Walks up the Python stack from the caller (plain host Python: at init, or while jax traces the step).
-  Empty when no enclosing chain is found or every enclosing chain is at its first member.
+  Nothing is raised when no enclosing chain is found or every enclosing chain is at its first member.
   """
   codes = _optax_codes()
   before: list[str] = []
@@ -79,7 +80,16 @@ def ran_before_in_chain(max_depth: int = 40) -> list[str]:
     except (TypeError, AttributeError):  # an optax version whose locals differ: no diagnosis
       pass
     callee, frame = frame, frame.f_back
-  return before
+  if not before:
+    return
+  names = ", ".join(before)
+  those = "<those transformations>" if any(b.startswith("the chain's") for b in before) else names
+  raise CompositionError(
+      f"scheduled(...) {where} runs after {names} in an optax.chain: those transformations would act "
+      f"on each device's own gradients before the all-reduce, which gives another (silently wrong) "
+      f"result than applying them to the all-reduced gradients. `scheduled` must be the first "
+      f"transformation: wrap the rest instead, e.g. prophet_jax.scheduled(optax.chain({those}, tx), "
+      f"schedule, axis_name=...).")
 
 
 def inside_multisteps(max_depth: int = 100) -> bool:
@@ -92,17 +102,6 @@ def inside_multisteps(max_depth: int = 100) -> bool:
       return True
     frame = frame.f_back
   return False
-
-
-def not_first_error(before: list[str], where: str) -> CompositionError:
-  names = ", ".join(before)
-  those = "<those transformations>" if any(b.startswith("the chain's") for b in before) else names
-  return CompositionError(
-      f"scheduled(...) {where} runs after {names} in an optax.chain: those transformations would act "
-      f"on each device's own gradients before the all-reduce, which gives another (silently wrong) "
-      f"result than applying them to the all-reduced gradients. `scheduled` must be the first "
-      f"transformation: wrap the rest instead, e.g. prophet_jax.scheduled(optax.chain({those}, tx), "
-      f"schedule, axis_name=...).")
 
 
 def check_masked(updates: Any, schedule: Schedule) -> None:

@@ -337,10 +337,8 @@ def _check_defer(defer: Any, schedule: Schedule, where: str) -> None:
           "state = prophet_jax.convert_state(state, params, new_schedule) (nothing deferred is lost).")
   try:
     _defer.given_state(defer, schedule, None, None, where)
-  except ScheduleMismatchError as e:
-    raise ScheduleMismatchError(f"{e} {hint}") from None
-  except TypeError as e:
-    raise TypeError(f"{e} {hint}") from None
+  except (ScheduleMismatchError, TypeError) as e:
+    raise type(e)(f"{e} {hint}") from None
 
 
 def _varying(x: Any, axis_name: Any) -> bool:

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _mesh, _zero
 from ._accumulate import init as accum_init
-from ._compose import check_masked, inside_multisteps, not_first_error, ran_before_in_chain
+from ._compose import check_first, check_masked, inside_multisteps
 from ._defer import init as defer_init
 from ._reduction import accumulated_allreduce, reduction_kind, scheduled_allreduce
 from ._keys import check_enforce_order, ordered_by
@@ -76,15 +76,11 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
 
   # the composition guard is the outermost layer: it reads the caller's frames (an optax.chain's)
   def init_fn(params):
-    before = ran_before_in_chain()
-    if before:
-      raise not_first_error(before, "init")
+    check_first("init")
     return step.init(params)
 
   def update_fn(updates, state, params=None, **extra_args):
-    before = ran_before_in_chain()
-    if before:
-      raise not_first_error(before, "update")
+    check_first("update")
     return step.update(updates, state, params, **extra_args)
 
   # keys or the tie: read where the units are issued, while this update traces
