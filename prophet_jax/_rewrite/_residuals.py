@@ -116,31 +116,26 @@ def carry_plan(closed: Any, n_params: int, how: str, *, n_head: int = 1) -> tupl
     chosen = _min_cut(jaxpr, on_batch, needed)
   else:
     raise ValueError(f"carry_plan(how={how!r}): expected 'closure' or 'min-cut'.")
-  where = _positions(jaxpr)
-  return tuple(sorted(where[v] for v in chosen))
+  return tuple(sorted(_positions(jaxpr)[v] for v in chosen))
 
 
 def carried_avals(closed: Any, plan: Sequence[Position]) -> tuple[Any, ...]:
   """The abstract values (shape, dtype) of the carried values, in plan order."""
-  at = _vars_at(closed.jaxpr)
-  return tuple(at[p].aval for p in plan)
+  return tuple(_vars_at(closed.jaxpr)[p].aval for p in plan)
 
 
 def forward(closed: Any, plan: Sequence[Position], *, n_head: int = 1) -> Callable[..., list[Any]]:
   """`f(*param_leaves, *batch_leaves) -> [loss, *aux, *carried]`: the forward, computing only what it
   needs."""
-  jaxpr = closed.jaxpr
-  at = _vars_at(jaxpr)
+  jaxpr, at = closed.jaxpr, _vars_at(closed.jaxpr)
   return _subprogram(closed, list(jaxpr.invars), [*jaxpr.outvars[:n_head], *(at[p] for p in plan)])
 
 
 def recompute(closed: Any, plan: Sequence[Position], n_params: int, *,
               n_head: int = 1) -> Callable[..., list[Any]]:
   """`f(*param_leaves, *carried) -> closure leaves`: the backward's inputs, from the carried values."""
-  jaxpr = closed.jaxpr
-  at = _vars_at(jaxpr)
-  return _subprogram(closed, [*jaxpr.invars[:n_params], *(at[p] for p in plan)],
-                     list(jaxpr.outvars[n_head:]))
+  jaxpr, at = closed.jaxpr, _vars_at(closed.jaxpr)
+  return _subprogram(closed, [*jaxpr.invars[:n_params], *(at[p] for p in plan)], list(jaxpr.outvars[n_head:]))
 
 
 # --------------------------------------------------------------------------------------------------

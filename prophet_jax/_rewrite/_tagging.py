@@ -29,7 +29,9 @@ XLA:CPU ignores the key: on the CPU a tagged step is the plain step (its numbers
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -126,16 +128,15 @@ def tag_plan(schedule: Schedule) -> TaggedPlan:
                      f"which combiner keys on the partitioner's gradient all-reduces cannot carry. {fix}, "
                      f"or tag a lossless all-reduce plan.")
   paths = [r[0] for r in schedule.rows]
-  sizes = [int(_size(r[1])) for r in schedule.rows]
+  sizes = [math.prod(int(d) for d in r[1]) for r in schedule.rows]
   layer = [layer_of_path(p) for p in paths]
   chunks = schedule.chunks
   # each layer goes whole to the unit holding most of its elements (the earliest of equals)
-  held: dict[str, dict[int, int]] = {}
+  held: dict[str, collections.Counter] = {}   # layer -> elements per unit
   units_of_row: dict[int, list[int]] = {}
   for k, c in enumerate(chunks):
     for r, a, b in c.slices:
-      held.setdefault(layer[r], {}).setdefault(k, 0)
-      held[layer[r]][k] += b - a
+      held.setdefault(layer[r], collections.Counter())[k] += b - a
       units_of_row.setdefault(r, []).append(k)
   owner = {name: max(sorted(per), key=lambda k: (per[k], -k)) for name, per in held.items()}
   buckets, keys = [], {}
@@ -161,13 +162,6 @@ def tag_plan(schedule: Schedule) -> TaggedPlan:
   notes.append("order: XLA's (the partitioner's all-reduces carry no tie)")
   exact = len(buckets) == len(chunks) and not notes[:-1]
   return TaggedPlan(schedule=schedule, buckets=tuple(buckets), keys=keys, exact=exact, notes=tuple(notes))
-
-
-def _size(shape: Any) -> int:
-  n = 1
-  for d in shape:
-    n *= int(d)
-  return n
 
 
 def _keyed_call(fn: Any, key: str | None, args: Any, kwargs: Any) -> Any:
