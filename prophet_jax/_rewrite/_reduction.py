@@ -7,7 +7,6 @@ varying checks).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -20,7 +19,7 @@ from ._axis import bind
 from ._collectives import reduce_units, schedule_chains, schedule_units
 from ._sharded import sharded_allreduce
 from ._defer import given_state, group_states, with_groups
-from ._keys import check_enforce_order, ordering
+from ._keys import check_enforce_order, ordered_by
 from ._states import per_device_leaves
 from .._values._checks import check_bool, check_values, match_tree
 from .._values._schedule import Schedule
@@ -60,11 +59,9 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
   Example:
     >>> step = jax.pmap(lambda g: prophet_jax.allreduce(g, schedule, "data"), axis_name="data")
   """
-  keyed = not check_enforce_order("allreduce", enforce_order)
   # True leaves the ordering as it is: the tie, unless a front-end traces this call with keys
-  with ordering(False) if keyed else contextlib.nullcontext():
-    reduced, new = scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce",
-                                       defer_state=defer_state)
+  reduced, new = ordered_by(check_enforce_order("allreduce", enforce_order), scheduled_allreduce)(
+      grads, schedule, axis_name, mean=mean, where="allreduce", defer_state=defer_state)
   return (reduced, new) if schedule.defers or defer_state is not None else reduced
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
+from ._keys import combiner_key
 from .._compiled._audit import audit_keyed
 from .._compiled._keyed_audit import KeyedUnit
 from .._values._schedule import Schedule
@@ -164,15 +165,6 @@ def tag_plan(schedule: Schedule) -> TaggedPlan:
   return TaggedPlan(schedule=schedule, buckets=tuple(buckets), keys=keys, exact=exact, notes=tuple(notes))
 
 
-def _keyed_call(fn: Any, key: str | None, args: Any, kwargs: Any) -> Any:
-  if key is None:
-    return fn(*args, **kwargs)
-  # imported here: jax.experimental loads when a step is tagged
-  from jax.experimental.xla_metadata import set_xla_metadata
-  with set_xla_metadata(combiner_key=key):
-    return fn(*args, **kwargs)
-
-
 @contextlib.contextmanager
 def tag_layers(plan: Schedule | TaggedPlan, *, model: Any = None) -> Iterator[TaggedPlan]:
   """Traces the model's layers with the plan's combiner keys (module docstring): the partitioner's
@@ -203,7 +195,8 @@ def tag_layers(plan: Schedule | TaggedPlan, *, model: Any = None) -> Iterator[Ta
     def interceptor(next_fun, args, kwargs, context):
       # every method of a tagged module: a tied embedding's `attend` reads its params too
       key = tagged.keys.get("/".join(str(p) for p in context.module.path))
-      return _keyed_call(next_fun, key, args, kwargs)
+      with combiner_key(key):
+        return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(interceptor):
       yield tagged
@@ -237,7 +230,8 @@ def _nnx_keys(model: Any, tagged: TaggedPlan) -> Iterator[None]:
     call = cls.__call__
 
     def keyed(self, *args, __call=call, **kwargs):
-      return _keyed_call(lambda *a, **k: __call(self, *a, **k), getattr(self, _ATTR, None), args, kwargs)
+      with combiner_key(getattr(self, _ATTR, None)):
+        return __call(self, *args, **kwargs)
 
     cls.__call__ = keyed
   try:
