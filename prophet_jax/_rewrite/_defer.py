@@ -184,8 +184,7 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
                     f"{schedule.max_deferred_fraction:.1%} of the elements per step), so it needs its "
                     f"deferral state: a DeferState (prophet_jax.defer_state(schedule) before the first "
                     f"step, then the one each step returns), got {type(state).__name__}.")
-  want = defer_tag(schedule)
-  tag = state.tag
+  want, tag = defer_tag(schedule), state.tag
   if not isinstance(tag, StateTag) or tag != want:
     got = repr(tag) if isinstance(tag, StateTag) else type(tag).__name__
     same_tree = isinstance(tag, StateTag) and tag.fingerprint == want.fingerprint
@@ -196,11 +195,10 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
         f"{getattr(tag, 'layout', '?')}) than this one ({want!r}, groups {want.layout}): it was "
         f"{why}, and it does not record that schedule, so its residual cannot be carried over. "
         f"{_HOW_TO_CARRY}")
-  for g, (norms, deferred, index, residual) in zip(defer_groups(schedule), zip(*state[:4])):
+  for g, gs in zip(defer_groups(schedule), group_states(state)):
     expect = (((g.m,), "float32"), ((g.m,), "bool"), ((g.rows,), "int32"),
               ((1, g.rows, g.size), g.residual_dtype))
-    for name, x, (shape, dtype) in zip(("norms", "deferred", "index", "residual"),
-                                       (norms, deferred, index, residual), expect):
+    for name, x, (shape, dtype) in zip(GroupState._fields, gs, expect):
       got_shape, got_dtype = tuple(np.shape(x)), str(jnp.dtype(getattr(x, "dtype", np.float64)))
       if got_shape != shape or got_dtype != dtype:
         raise ScheduleMismatchError(

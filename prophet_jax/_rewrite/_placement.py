@@ -62,9 +62,7 @@ def known_spec(x: Any) -> PartitionSpec | None:
   """
   if isinstance(x, jax.core.Tracer):
     sharding = jax.typeof(x).sharding
-    if not explicit_axes(sharding.mesh):
-      return None
-    return sharding.spec
+    return sharding.spec if explicit_axes(sharding.mesh) else None
   if isinstance(x, jax.Array):
     sharding = getattr(x, "sharding", None)
     if isinstance(sharding, NamedSharding):
@@ -87,12 +85,7 @@ def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[Any, ...]]]:
 
 def _extras(spec: PartitionSpec) -> str:
   """' unreduced={...}' / ' reduced={...}' of a spec, or ''."""
-  out = ""
-  for name in ("unreduced", "reduced"):
-    s = getattr(spec, name, None)
-    if s:
-      out += f" {name}={set(s)}"
-  return out
+  return "".join(f" {name}={set(s)}" for name in ("unreduced", "reduced") if (s := getattr(spec, name, None)))
 
 
 def named_leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
