@@ -245,7 +245,7 @@ class Conversion:
     if self.owed_in_place:
       return _owed_state(owed, d, self.params, new)
     self.owed.append((owed, axis))
-    return defer_like(new, tuple(np.shape(d.norms[0])[:-1]), tuple(np.shape(d.residual[0])[:-2]))
+    return defer_like(new, tuple(np.shape(d.norms[0])[:-1]), d.lead)
 
   def owed(self, o: OwedState) -> OwedState:
     if o.tag == owed_tag(self.new):
@@ -282,20 +282,11 @@ class Conversion:
   def scheduled(self, x: ScheduledState) -> ScheduledState:
     """Its parts by their kinds; tx's whole state cut into shards for a ZeRO-1 schedule; an initial
     deferral state where the new schedule defers and the old did not."""
-    if kind_of(x.inner) is not None:
-      inner = self.step(x.inner)
-    elif self.new.family == "zero1":
-      inner = self._whole_to_shards(x.inner)
-    else:
-      inner = x.inner
-    if x.defer_state is not None:
-      d = self.step(x.defer_state)
-    elif self.new.defers:
-      d = defer_like(self.new, (), (self.n,) if self.n else (1,))
-    else:
-      d = None
-    return self._every_k(ScheduledState(inner=inner, defer_state=d,
-                                        accum=None if x.accum is None else self.step(x.accum)))
+    whole = kind_of(x.inner) is None and self.new.family == "zero1"
+    inner = self._whole_to_shards(x.inner) if whole else self.step(x.inner)
+    fresh = x.defer_state is None and self.new.defers
+    d = defer_like(self.new, (), (self.n,) if self.n else (1,)) if fresh else self.step(x.defer_state)
+    return self._every_k(ScheduledState(inner=inner, defer_state=d, accum=self.step(x.accum)))
 
   def _every_k(self, x: ScheduledState) -> ScheduledState:
     """`x` with the accumulator the new `every_k` needs: dropped when empty (refused while micro-steps wait
@@ -311,8 +302,7 @@ class Conversion:
       return x._replace(accum=None)
     if x.accum is not None:
       return x
-    n = self.n
-    prefix = x.defer_state.lead if x.defer_state is not None else (n,) if self.on_mesh and n else (1,)
+    prefix = x.defer_state.lead if x.defer_state is not None else (self.n,) if self.on_mesh and self.n else (1,)
     grads = tuple(np.zeros(prefix + tuple(shape), accum_dtype(dtype)) for _, shape, dtype in self.new.rows)
     return x._replace(accum=AccumState(count=np.zeros(prefix[:1] if len(prefix) == 2 else (), np.int32), grads=grads))
 
@@ -325,7 +315,7 @@ class Conversion:
           f"with the old plan's step first (state = jax.pmap(old.flush, axis_name=...)(state), or "
           f"old.flush inside its shard_map / jit), then convert.")
     opt = self.scheduled(ScheduledState(inner=x.opt_state)).inner
-    return x._replace(opt_state=opt, defer=None if x.defer is None else self.step(x.defer))
+    return x._replace(opt_state=opt, defer=self.step(x.defer))
 
   def _whole_to_shards(self, inner: Any) -> Any:
     self._need_tx("a whole optimizer state is cut into ZeRO-1 shards")
@@ -344,10 +334,9 @@ class Conversion:
 def _owed_state(owed: Any, d: DeferState, params: Any, schedule: Schedule) -> OwedState:
   """An owed tree (per device, or stacked on a device axis) as an OwedState laid out as `d` was: each
   row `(1, *shape)` per device, `(n, *shape)` global, `(n, 1, *shape)` under pmap."""
-  prefix = tuple(np.shape(d.residual[0])[:-2])
   lmap = match_tree(jax.tree_util.tree_flatten_with_path(params)[0], schedule, where="convert_state")
   flat = jax.tree_util.tree_leaves(owed)
-  rows = tuple(np.asarray(flat[i]).reshape(prefix + tuple(shape)).astype(dtype)
+  rows = tuple(np.asarray(flat[i]).reshape(d.lead + tuple(shape)).astype(dtype)
                for i, (_, shape, dtype) in zip(lmap.row_leaf, schedule.rows))
   return OwedState(owed=rows, tag=owed_tag(schedule))
 
@@ -357,9 +346,7 @@ def steady_state(state: Any) -> Any:
   step returns in its place (the plan's initial DeferState in the same layout, or None): the shapes of
   the steady state, for specs or `jax.eval_shape`."""
   def one(x: Any) -> Any:
-    if not isinstance(x, OwedState):
-      return x
-    return defer_like(x.tag.schedule, x.lead[:1] if len(x.lead) == 2 else (), x.lead)
+    return defer_like(x.tag.schedule, x.lead[:1] if len(x.lead) == 2 else (), x.lead) if isinstance(x, OwedState) else x
 
   return jax.tree_util.tree_map(one, state, is_leaf=is_state)
 
