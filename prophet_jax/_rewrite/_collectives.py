@@ -184,12 +184,6 @@ def schedule_chains(schedule: Schedule, where: str) -> tuple[int, ...] | None:
   return links
 
 
-def _norm(x: jax.Array) -> jax.Array:
-  """The float32 L2 norm of x (what the ranking reads)."""
-  x = x.astype(jnp.float32)
-  return jnp.sqrt(jnp.sum(x * x))
-
-
 def rank(norms: jax.Array, deferred: jax.Array) -> jax.Array:
   """A deferral group's chunk numbers in rank order: the chunks deferred last step first, then non-finite
   norms, then by norm descending, ties by index (a stable sort), so a chunk deferred at t is sent at
@@ -278,7 +272,7 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
         with unit_scope(chunk_scope(k + s)):
           red = issue(k + s, jax.lax.dynamic_index_in_dim(picks, send[s], axis=0, keepdims=False))
         reds.append(red)
-        norms.append(_norm(red))
+        norms.append(jnp.sqrt(jnp.sum(jnp.square(red.astype(jnp.float32)))))   # what the ranking reads
       out = jnp.zeros_like(reds[0], shape=(m, size)).at[send].set(jnp.stack(reds))
       new_defer.append(GroupState(norms=state.norms.at[send].set(jnp.stack(norms)),
                                   deferred=jnp.zeros((m,), jnp.bool_).at[wait].set(True),

@@ -11,6 +11,7 @@ manual over every mesh axis and what each input must be.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -412,9 +413,7 @@ class MeshTransformation:
     # per-device parts already (hooked(mesh=)'s gradient shards), or each device's partial sums
     role = "shards" if _states.is_state(updates) else "unreduced"
 
-    def body(g, st, p):
-      return self.inner.update(g, st, p, **extra_args)
-
+    body = functools.partial(self.inner.update, **extra_args)
     args = ((role, "grads", updates, ""), ("state", "optimizer state", state,
                                           "Make the optimizer state with this transformation's init on the mesh."),
             ("replicated", "params", params, self._fix))

@@ -306,8 +306,7 @@ def check_state(state: Any, schedule: Schedule, n: int, where: str) -> None:
 
 def check_grad_shards(g: Any, schedule: Schedule, n: int, where: str) -> None:
   """ScheduleMismatchError unless `g` is a GradShards of this schedule for n devices."""
-  tag = g.tag
-  want = shard_tag(schedule, n, "")
+  tag, want = g.tag, shard_tag(schedule, n, "")
   if not (isinstance(tag, StateTag) and isinstance(tag.layout, ShardLayout)) or (
       tag.key, tag.layout[:2]) != (want.key, want.layout[:2]):
     raise ScheduleMismatchError(
