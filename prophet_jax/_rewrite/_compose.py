@@ -113,9 +113,7 @@ def check_masked(updates: Any, schedule: Schedule) -> None:
   away from `scheduled` would not be all-reduced by it, and the schedule's rows for them have no leaf:
   the message names them and the two compositions that work.
   """
-  masked_type = getattr(optax, "MaskedNode", None)
-  if masked_type is None:
-    return
+  masked_type = optax.MaskedNode
   with_masks, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=lambda x: isinstance(x, masked_type))
   masked = [path_str(p) for p, x in with_masks if isinstance(x, masked_type)]
   if not masked:

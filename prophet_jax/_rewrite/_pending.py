@@ -87,8 +87,7 @@ class Pending:
   __slots__ = ("residuals", "meta")
 
   def __init__(self, residuals: tuple[Any, ...], meta: PendingMeta):
-    self.residuals = tuple(residuals)
-    self.meta = meta
+    self.residuals, self.meta = tuple(residuals), meta
 
   def tree_flatten(self):
     return self.residuals, self.meta
@@ -128,12 +127,9 @@ class PipelinedState(NamedTuple):
 
 
 def meta_nbytes(meta: PendingMeta) -> int:
-  return int(sum(int(np.prod(s, dtype=np.int64)) * _dtype_of(d).itemsize for s, d in meta.residuals))
-
-
-def _dtype_of(dt: Any) -> Any:
-  """A dtype object from a dtype or its name (numpy dtypes, bfloat16, extended dtypes as they are)."""
-  return dt if jax.dtypes.issubdtype(dt, jax.dtypes.extended) else jnp.dtype(dt)
+  """Bytes of the carried residuals (a dtype's name read as numpy's; extended dtypes as they are)."""
+  return int(sum(int(np.prod(s, dtype=np.int64)) * (d if jax.dtypes.issubdtype(d, jax.dtypes.extended)
+                                                    else jnp.dtype(d)).itemsize for s, d in meta.residuals))
 
 
 def round_to_dtype(x: Any) -> Any:

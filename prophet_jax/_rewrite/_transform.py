@@ -139,10 +139,7 @@ def per_device(tx: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True
   return PerDevice(layer.init, update_fn, layer.specs)
 
 
-class _Layer(NamedTuple):
-  init: Callable[..., Any]
-  update: Callable[..., Any]   # (updates, state, params, extra_args) -> (updates, ScheduledState)
-  specs: Callable[[Any], ScheduledState]
+# a layer is a PerDevice whose update takes (updates, state, params, extra_args), the state checked
 
 
 def _zero_layer(tx, schedule, axis_name, mean, where):
@@ -159,7 +156,7 @@ def _zero_layer(tx, schedule, axis_name, mean, where):
                               mean=mean, extra_args=extra_args, defer_state=state.defer_state)
     return new, ScheduledState(inner=inner)
 
-  return _Layer(init_fn, update, lambda axis: ScheduledState(inner=P(axis), defer_state=P(), accum=P()))
+  return PerDevice(init_fn, update, lambda axis: ScheduledState(inner=P(axis), defer_state=P(), accum=P()))
 
 
 def _whole(state, schedule, where):
@@ -206,7 +203,7 @@ def _allreduce_layer(tx, schedule, axis_name, every_k, mean, where):
         reduced, inner)
     return new, ScheduledState(inner=inner, defer_state=defer, accum=accum)
 
-  return _Layer(init_fn, update, lambda axis: ScheduledState(
+  return PerDevice(init_fn, update, lambda axis: ScheduledState(
       inner=P(), defer_state=prefix_specs(DeferState, axis) if schedule.defers else P(),
       accum=prefix_specs(AccumState, axis) if every_k > 1 else P()))
 
