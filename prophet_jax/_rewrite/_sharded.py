@@ -3,6 +3,7 @@ one tie chain, each under its named scope; the chunks' flat, zero-padded buffers
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,14 +78,11 @@ def all_gather_chunks(shards: Sequence[jax.Array], chunks: Sequence[Any], gather
     sizes = [shard_size(chunks[k].size, n) for k in ks]
     buf = shards[ks[0]] if len(ks) == 1 else jnp.concatenate([shards[k] for k in ks])
     with unit_scope(ag_scope(g)):
-      full = jax.lax.all_gather(tie(buf, prev), axis_name, axis=0, tiled=True,
+      prev = jax.lax.all_gather(tie(buf, prev), axis_name, axis=0, tiled=True,
                                 **({"to": "invarying"} if vma else {}))
-    prev = full
-    rows = full.reshape(n, sum(sizes))
-    off = 0
-    for k, s in zip(ks, sizes):
+    rows = prev.reshape(n, sum(sizes))
+    for k, s, off in zip(ks, sizes, itertools.accumulate(sizes, initial=0)):
       out[k] = rows[:, off:off + s].reshape(-1)[:chunks[k].size]
-      off += s
   return out, prev
 
 
@@ -94,11 +92,8 @@ def local_shards(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Seq
   the device's index on the axis, s = `shard_size` (what its reduce-scatter leaves it). Used for the
   parameters a ZeRO-1 update reads (weight decay)."""
   i = jax.lax.axis_index(axis_name)
-  out = []
-  for chunk in chunks:
-    s = shard_size(chunk.size, n)
-    out.append(jax.lax.dynamic_slice_in_dim(padded(chunk_buffer(flat, chunk, row_leaf), n), i * s, s))
-  return tuple(out)
+  return tuple(jax.lax.dynamic_index_in_dim(padded(chunk_buffer(flat, c, row_leaf), n).reshape(n, -1), i, 0, False)
+               for c in chunks)
 
 
 def shards_square_sum(shards: Sequence[jax.Array], axis_name: Any, scope: str) -> tuple[jax.Array, jax.Array]:

@@ -188,9 +188,7 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
     p_parts = split(p0)
 
     def one(dev):
-      p = tuple(part[dev] for part in p_parts)
-      if carrier:
-        p = p + (jnp.zeros((), jnp.float32),)
+      p = tuple(part[dev] for part in p_parts) + ((jnp.zeros((), jnp.float32),) if carrier else ())
       st, out = tx.init(p), []
       for t in range(_PROBE_STEPS):
         g_parts = split(grads[t] * scale)
@@ -276,9 +274,7 @@ def init(tx: Any, params: Any, schedule: Schedule, axis_name: Any, where: str = 
   flat, _, lmap = matched_leaves(params, schedule, where)
   mode = shard_mode(tx, params, where)
   p = local_shards(flat, schedule.chunks, lmap.row_leaf, axis_name, n)
-  if mode == "global-norm":
-    p = p + (jnp.zeros((), jnp.float32),)
-  state = tx.init(p)
+  state = tx.init(p + ((jnp.zeros((), jnp.float32),) if mode == "global-norm" else ()))
   return ShardedState(per_device=jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], state),
                       tag=shard_tag(schedule, n, mode))
 
