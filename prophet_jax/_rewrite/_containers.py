@@ -68,16 +68,10 @@ def _recast(given: Any, template: Any, where: str, what: str, lead: bool = False
 
 def _types(tree: Any) -> list[str]:
   """The names of the NamedTuples in `tree`, in order (an optax state's shape by its types)."""
-  out: list[str] = []
-  if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-    out.append(type(tree).__name__)
-  if isinstance(tree, (tuple, list)):
-    for x in tree:
-      out.extend(_types(x))
-  elif isinstance(tree, Mapping) and not _nnx.is_variable(tree):
-    for k in tree:
-      out.extend(_types(tree[k]))
-  return out
+  if isinstance(tree, Mapping) and not _nnx.is_variable(tree):
+    return [t for k in tree for t in _types(tree[k])]
+  own = [type(tree).__name__] if isinstance(tree, tuple) and hasattr(tree, "_fields") else []
+  return own + ([t for x in tree for t in _types(x)] if isinstance(tree, (tuple, list)) else [])
 
 
 def _kinds(tree: Any) -> str:

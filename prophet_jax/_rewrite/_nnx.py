@@ -82,9 +82,9 @@ def rebuild(template: Any, labelled: Mapping, where: str) -> Any:
     for k in path:
       key = label(k)
       if not isinstance(d, Mapping) or key not in d:
-        names = "/".join(str(label(q)) for q in path)
-        raise ShardingError(f"{where}: the nnx state has no entry {names!r} where the optimizer's state "
-                            f"keeps one: it was made by another transformation than the tx given.")
+        raise ShardingError(f"{where}: the nnx state has no entry {'/'.join(str(label(q)) for q in path)!r} "
+                            f"where the optimizer's state keeps one: it was made by another transformation "
+                            f"than the tx given.")
       d = d[key]
     leaves.append(d.get_value() if is_variable(d) else d)
   return jax.tree_util.tree_unflatten(treedef, leaves)
