@@ -301,8 +301,7 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None,
     ValueError: a state that records no schedule (an nnx.state), and none (or another) was given.
   """
   where = "deferred_grads"
-  if not isinstance(average, bool):
-    raise TypeError(f"{where}: average={average!r}: expected True or False.")
+  check_bool(where, "average", average)
   if state is None:
     return _defer.deferred_grads(None, params)
   given = state

@@ -318,9 +318,8 @@ def place_state(make: Callable[[], Any], mesh: Any, axis_name: Any, where: str) 
   abstract = jax.eval_shape(make)
   if abstract is None:
     return None
-  specs = _states.state_specs(abstract, entry)
   return _jitted("state", (make,), (mesh, entry), lambda: jax.jit(jax.shard_map(
-      make, mesh=mesh, in_specs=(), out_specs=specs)))()
+      make, mesh=mesh, in_specs=(), out_specs=_states.state_specs(abstract, entry))))()
 
 
 def check_layout(state: Any, n: int, where: str, fix: str) -> None:

@@ -212,11 +212,7 @@ class Pipelined:
   # -- the pieces ---------------------------------------------------------------------------------
   def _call(self, params: Any, inputs: Any) -> tuple[Any, tuple[Any, Any]]:
     """`loss_fn` on the forward's inputs (the batch, or (model_state, batch)), as (loss, (state, aux))."""
-    if self.has_state:
-      model_state, batch = inputs
-      out = self.loss_fn(params, model_state, batch)
-    else:
-      out = self.loss_fn(params, inputs)
+    out = self.loss_fn(params, *inputs) if self.has_state else self.loss_fn(params, inputs)   # (model_state, batch)
     loss, state, aux = _loss_reduction.split_output(out, self.has_aux, self.has_state, "pipelined")
     return loss, (state, aux)
 

@@ -132,16 +132,15 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   lmap = match_tree(leaves_with_path, schedule, where=where, skip_prefixes=skip_prefixes)
   flat = [leaf for _, leaf in leaves_with_path]
-  given = defer_state
-  owed, defer_state = given_state(defer_state, schedule, flat, lmap, where)
+  owed, start = given_state(defer_state, schedule, flat, lmap, where)
   named = [(lmap.paths[i], flat[i]) for i in lmap.row_leaf] if checks else []
-  fresh = defer_state.residual if owed is not None and defer_state is not None else None
+  fresh = start.residual if owed is not None and start is not None else None
   n, vma, (fresh, varying) = bind(
       axis_name, where, varying=(fresh, varying), grads=named if grads else (), params=() if grads else named,
-      per_device=[*(() if owed is not None else per_device_leaves(given)), *per_device])
+      per_device=[*(() if owed is not None else per_device_leaves(defer_state)), *per_device])
   if fresh is not None:   # the new plan's initial residuals: each device's own
-    defer_state = defer_state._replace(residual=fresh)
-  return StepSetup(n=n, flat=flat, treedef=treedef, lmap=lmap, defer_state=defer_state, owed=owed, vma=vma,
+    start = start._replace(residual=fresh)
+  return StepSetup(n=n, flat=flat, treedef=treedef, lmap=lmap, defer_state=start, owed=owed, vma=vma,
                    varying=varying)
 
 
@@ -155,19 +154,15 @@ def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean:
   check_bool(where, "mean", mean)
   kind = reduction_kind(schedule, where)
   s = step_setup(grads, schedule, axis_name, where, defer_state=defer_state)
-  flat, n, defer_state = with_owed(s), s.n, s.defer_state
-  chains = schedule_chains(schedule, where)
+  chains, divisor = schedule_chains(schedule, where), s.n if mean else None
+  flat = with_owed(s)
   if kind == "zero1":  # reduce-scatters, then all-gathers: replicated, as an all-reduce's result
-    flat = sharded_allreduce(flat, schedule, s.lmap.row_leaf, axis_name, n=n, divisor=n if mean else None,
-                             vma=s.vma)
+    flat = sharded_allreduce(flat, schedule, s.lmap.row_leaf, axis_name, n=s.n, divisor=divisor, vma=s.vma)
     return jax.tree_util.tree_unflatten(s.treedef, flat), None
-  flat, _, groups = reduce_units(flat, schedule_units(schedule), s.lmap.row_leaf, axis_name,
-                                 divisor=n if mean else None,
-                                 defer=() if defer_state is None else group_states(defer_state),
-                                 prev=None if chains is None else (None,) * (max(chains) + 1),
-                                 chains=chains)
-  new = with_groups(defer_state, groups) if schedule.defers else None
-  return jax.tree_util.tree_unflatten(s.treedef, flat), new
+  flat, _, groups = reduce_units(flat, schedule_units(schedule), s.lmap.row_leaf, axis_name, divisor=divisor,
+                                 defer=group_states(s.defer_state), chains=chains,
+                                 prev=None if chains is None else (None,) * (max(chains) + 1))
+  return jax.tree_util.tree_unflatten(s.treedef, flat), with_groups(s.defer_state, groups) if schedule.defers else None
 
 
 def with_owed(s: StepSetup) -> list[Any]:

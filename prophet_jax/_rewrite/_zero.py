@@ -87,8 +87,7 @@ def _names(tx: Any, limit: int = 400) -> set[str]:
     elif isinstance(o, dict):
       todo.extend(o.values())
     elif callable(o):
-      q = getattr(o, "__qualname__", "") or ""
-      names.add(q.split(".<locals>")[0])
+      names.add((getattr(o, "__qualname__", "") or "").split(".<locals>")[0])
       todo.extend(getattr(o, "func", None) for _ in (0,) if hasattr(o, "func"))  # functools.partial
       for cell in getattr(o, "__closure__", None) or ():
         try:
