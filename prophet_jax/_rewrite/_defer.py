@@ -36,7 +36,6 @@ class DeferGroup:
 
   Attributes:
     bucket: the bucket's index in the schedule.
-    first: the index, among all issued all-reduces, of the group's first slot (its named scope).
     chunks: the group's chunks, in chunk-index order.
     defer: k, the chunks deferred per step.
     size: c, elements per slot (the largest chunk).
@@ -45,7 +44,6 @@ class DeferGroup:
   """
 
   bucket: int
-  first: int
   chunks: tuple[Chunk, ...]
   defer: int
   size: int
@@ -55,10 +53,6 @@ class DeferGroup:
   @property
   def m(self) -> int:
     return len(self.chunks)
-
-  @property
-  def slots(self) -> int:
-    return len(self.chunks) - self.defer
 
   @property
   def rows(self) -> int:
@@ -77,13 +71,9 @@ class DeferGroup:
 @IdentityMemo(64)
 def defer_groups(schedule: Schedule) -> tuple[DeferGroup, ...]:
   """The schedule's deferral groups (buckets with `defer > 0`), in issue order."""
-  out, first = [], 0
-  for b, bucket in enumerate(schedule.buckets):
-    if bucket.defer:
-      out.append(DeferGroup(bucket=b, first=first, chunks=bucket.chunks, defer=bucket.defer,
-                            size=bucket.slot_size, dtype=bucket.chunks[0].dtype, release=bucket.release))
-    first += bucket.slots
-  return tuple(out)
+  return tuple(DeferGroup(bucket=b, chunks=bucket.chunks, defer=bucket.defer, size=bucket.slot_size,
+                          dtype=bucket.chunks[0].dtype, release=bucket.release)
+               for b, bucket in enumerate(schedule.buckets) if bucket.defer)
 
 
 def _layout(schedule: Schedule) -> tuple[tuple[int, int, int, str], ...]:
@@ -114,13 +104,12 @@ def init(schedule: Schedule) -> DeferState | None:
   if not schedule.defers:
     return None
   groups = defer_groups(schedule)
-  tag = defer_tag(schedule)
   return DeferState(
       norms=tuple(jnp.zeros((g.m,), jnp.float32) for g in groups),
       deferred=tuple(jnp.zeros((g.m,), jnp.bool_) for g in groups),
       index=tuple(jnp.arange(g.m - g.rows, g.m, dtype=jnp.int32) for g in groups),
       residual=tuple(jnp.zeros((1, g.rows, g.size), g.residual_dtype) for g in groups),
-      tag=tag)
+      tag=defer_tag(schedule))
 
 
 def defer_state(schedule: Schedule) -> DeferState | None:
