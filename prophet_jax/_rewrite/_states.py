@@ -114,16 +114,7 @@ class StateTag:
     return hash((self.key, self.layout))
 
   def __repr__(self) -> str:
-    if isinstance(self.layout, ShardLayout):
-      what = "optimizer state" if self.layout.mode else "gradient shards"
-      mode = f", {self.layout.mode}" if self.layout.mode else ""
-      return (f"StateTag(the ZeRO-1 {what} of schedule {self.key}, tree {self.fingerprint}, "
-              f"n={self.layout.n}, {len(self.layout.sizes)} shards{mode})")
-    if self.layout[:1] == ("owed",):
-      return (f"StateTag(a converted state owing deferred values to the first step of schedule {self.key}, "
-              f"tree {self.fingerprint}: made by prophet_jax.convert_state for that schedule's step)")
-    return (f"StateTag(the deferral state of schedule {self.key}, tree {self.fingerprint}, "
-            f"{len(self.layout)} groups; another schedule's step takes it after prophet_jax.convert_state)")
+    return f"StateTag({_tag_text.describe(self.key, self.fingerprint, self.layout)[0]})"
 
 
 # --------------------------------------------------------------------------------------------------

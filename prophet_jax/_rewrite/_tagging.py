@@ -194,8 +194,7 @@ def tag_layers(plan: Schedule | TaggedPlan, *, model: Any = None) -> Iterator[Ta
 
     def interceptor(next_fun, args, kwargs, context):
       # every method of a tagged module: a tied embedding's `attend` reads its params too
-      key = tagged.keys.get("/".join(str(p) for p in context.module.path))
-      with combiner_key(key):
+      with combiner_key(tagged.keys.get("/".join(str(p) for p in context.module.path))):
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(interceptor):
