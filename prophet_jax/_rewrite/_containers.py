@@ -274,7 +274,12 @@ def state_specs(state: Any, axis_name: Any, *, params: Any = None, schedule: Sch
     TypeError: `axis_name` is not a non-empty string (or tuple of them).
   """
   where = "state_specs"
-  check_values(where, axis_name=axis_name)
+  ok = (isinstance(axis_name, str) and axis_name) or (
+      isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) and a for a in axis_name))
+  if not ok:
+    raise TypeError(f"{where}: axis_name={axis_name!r}: expected the data-parallel mesh axis's name (a "
+                    f"non-empty string such as 'data', or a tuple of them), as given to scheduled(..., "
+                    f"axis_name=...).")
   if (params is None) != (schedule is None):
     raise TypeError(f"{where}: params= and schedule= go together (the plan places the params); got only "
                     f"{'params' if schedule is None else 'schedule'}.")
