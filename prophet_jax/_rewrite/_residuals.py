@@ -257,18 +257,24 @@ class _FlowGraph:
       self.to.append(b)
       self.cap.append(c)
 
+  def levels(self, start: int, backward: bool = False) -> list[int]:
+    """Each node's distance from `start` along edges of residual capacity (-1: unreached); `backward`:
+    its distance to `start` (edge e: v -> u out of v has the twin u -> v, of residual capacity cap[e ^ 1])."""
+    level = [-1] * len(self.adj)
+    level[start] = 0
+    queue = collections.deque([start])
+    while queue:
+      u = queue.popleft()
+      for e in self.adj[u]:
+        if self.cap[e ^ 1 if backward else e] > 0 and level[self.to[e]] < 0:
+          level[self.to[e]] = level[u] + 1
+          queue.append(self.to[e])
+    return level
+
   def max_flow(self, s: int, t: int) -> int:
     flow = 0
     while True:
-      level = [-1] * len(self.adj)
-      level[s] = 0
-      queue = collections.deque([s])
-      while queue:
-        u = queue.popleft()
-        for e in self.adj[u]:
-          if self.cap[e] > 0 and level[self.to[e]] < 0:
-            level[self.to[e]] = level[u] + 1
-            queue.append(self.to[e])
+      level = self.levels(s)
       if level[t] < 0:
         return flow
       it = [0] * len(self.adj)
@@ -303,16 +309,7 @@ class _FlowGraph:
 
   def reaching(self, t: int) -> set[int]:
     """The nodes with a path of residual capacity to `t`."""
-    seen = {t}
-    queue = collections.deque([t])
-    while queue:
-      v = queue.popleft()
-      for e in self.adj[v]:  # e: v -> u; its twin u -> v has residual capacity cap[e ^ 1]
-        u = self.to[e]
-        if u not in seen and self.cap[e ^ 1] > 0:
-          seen.add(u)
-          queue.append(u)
-    return seen
+    return {v for v, d in enumerate(self.levels(t, backward=True)) if d >= 0}
 
 
 def _slice(jaxpr: Any, have: set[Any], outvars: Sequence[Any]) -> tuple[list[Any], set[Any]]:
