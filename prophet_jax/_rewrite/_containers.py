@@ -74,17 +74,13 @@ def _types(tree: Any) -> list[str]:
   return own + ([t for x in tree for t in _types(x)] if isinstance(tree, (tuple, list)) else [])
 
 
-def _kinds(tree: Any) -> str:
+def _kinds(x: Any, depth: int = 0) -> str:
   """The state's structure by its types' names, no values: e.g. '(TraceState, EmptyState)'."""
-  def name(x: Any, depth: int = 0) -> str:
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-      return type(x).__name__
-    if isinstance(x, (tuple, list)) and depth < 2:
-      return "(" + ", ".join(name(y, depth + 1) for y in x) + ")"
-    if isinstance(x, Mapping):
-      return "{" + ", ".join(map(str, list(x)[:6])) + "}"
-    return type(x).__name__
-  return name(tree)
+  if isinstance(x, (tuple, list)) and not hasattr(x, "_fields") and depth < 2:
+    return "(" + ", ".join(_kinds(y, depth + 1) for y in x) + ")"
+  if isinstance(x, Mapping):
+    return "{" + ", ".join(map(str, list(x)[:6])) + "}"
+  return type(x).__name__
 
 
 def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:

@@ -280,6 +280,15 @@ class MeshPipelined:
     return self.place(self.inner.flush, (("state", "state", state, self._fix),), self.inner.state_specs(),
                       where=where)
 
+  def deferred_grads(self, state: Any) -> Any:
+    """The deferred gradient values (see `Pipelined.deferred_grads`), combined over the data axis
+    (replicated, like the params)."""
+    where = "pipelined(mesh=...).deferred_grads"
+    check_state(state, where)
+    place = self.place
+    return place(lambda s: _loss_reduction.combine(self.inner.deferred_grads(s), place.axes, self.inner.reduction),
+                 (("state", "state", state, self._fix),), P(), where=where)
+
   _fix = "Start from this step's init(params), which makes the state on the mesh."
 
 

@@ -481,16 +481,4 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                    has_aux=has_aux, has_state=has_state, reduction=_loss_reduction.check(reduction, "pipelined"),
                    enforce_order=check_enforce_order("pipelined", enforce_order))
   # global arrays in a plain jax.jit: the same step mapped over the mesh
-  return on_mesh(step, mesh, PipelinedOnMesh)
-
-
-class PipelinedOnMesh(MeshPipelined):
-  """`pipelined(..., mesh=)` (`_mesh.MeshPipelined`) and its deferral state's values."""
-
-  def deferred_grads(self, state: Any) -> Any:
-    """The deferred gradient values, combined over the data axis (replicated, like the params)."""
-    where = "pipelined(mesh=...).deferred_grads"
-    check_state(state, where)
-    place = self.place
-    return place(lambda s: _loss_reduction.combine(self.inner.deferred_grads(s), place.axes, self.inner.reduction),
-                 (("state", "state", state, self._fix),), PartitionSpec(), where=where)
+  return on_mesh(step, mesh, MeshPipelined)

@@ -97,11 +97,6 @@ def _names(tx: Any, limit: int = 400) -> set[str]:
   return names
 
 
-def _mini(x: Any) -> tuple[tuple[int, ...], bool]:
-  shape = tuple(min(int(d), 3) for d in np.shape(x))
-  return shape, is_reduced_leaf(x) and int(np.prod(shape, dtype=np.int64)) > 0
-
-
 _PROBE_DEVICES = 3
 _PROBE_STEPS = 3
 _PROBE_SCALES = (1e-6, 1.0, 1e6)
@@ -127,8 +122,8 @@ def shard_mode(tx: Any, params: Any, where: str = "scheduled") -> str:
   # to at most 3): what a leaf's shape can change; masks and labels by path are refused by name above
   ranks: dict[int, tuple[str, tuple[int, ...]]] = {}
   for p, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    shape, ok = _mini(x)
-    if ok:
+    shape = tuple(min(int(d), 3) for d in np.shape(x))
+    if is_reduced_leaf(x) and int(np.prod(shape, dtype=np.int64)) > 0:
       ranks.setdefault(len(shape), (path_str(p), shape))
   reps = tuple(ranks[r] for r in sorted(ranks))
   key = (id(tx.init), id(tx.update), reps)
