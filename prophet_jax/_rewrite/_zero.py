@@ -361,8 +361,8 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
         f"(contrib.reduce_on_plateau does), which jax's type check refuses. Map the step with "
         f"jax.shard_map(..., check_vma=False), or use scheduled(..., mesh=mesh) in a plain jax.jit, or "
         f"pmap. (jax: {str(e).splitlines()[0]})") from e
-  u = tuple(u)[:len(chunks)]
-  bufs, _ = all_gather_chunks(u, chunks, schedule.gathers, axis_name, n=n, vma=s.vma, prev=prev)
+  # the carrier's update dropped
+  bufs, _ = all_gather_chunks(tuple(u)[:len(chunks)], chunks, schedule.gathers, axis_name, n=n, vma=s.vma, prev=prev)
   rows = set(lmap.row_leaf)
   base = [x if i in rows or getattr(x, "dtype", None) == jax.dtypes.float0 else jnp.zeros_like(x)
           for i, x in enumerate(template)]
