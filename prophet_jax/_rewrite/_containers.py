@@ -325,9 +325,7 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None,
 def _global_n(found: list) -> int | None:
   """The device count of states laid out outside a mapping (residual (n, k, c) or (n, 1, k, c)), else None."""
   shapes = {np.shape(r) for s in found for r in s.residual}
-  if not shapes:
-    return None
-  lead = {s[0] for s in shapes}
+  lead = {s[0] for s in shapes}   # (none without a state: no count)
   if len(lead) == 1 and (lead != {1} or any(len(s) == 4 for s in shapes)):
     return int(lead.pop())
   return None

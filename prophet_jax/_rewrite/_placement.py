@@ -102,8 +102,7 @@ def check_placed(tree: Any, specs: Any, what: str, where: str, fix: str) -> None
     spec, expect = known_spec(x), want[i] if len(want) > 1 else want[0] if want else P()
     if spec is None:
       continue
-    split = spec_axes(spec)
-    extra = _extras(spec)
+    split, extra = spec_axes(spec), _extras(spec)
     if spec_axes(expect):
       if split != spec_axes(expect) or extra:
         raise ValueError(

@@ -38,8 +38,9 @@ def describe(key: str, fingerprint: str, layout: Any) -> tuple[str, str]:
     return (f"deferred values owed to the first step of schedule {key} (tree {fingerprint}), made by "
             f"prophet_jax.convert_state", "that schedule's step takes them (its first call adds them to its gradients)")
   return (f"the deferral state of a deferring (dlcp) plan: schedule {key}, tree {fingerprint}, {len(layout)} "
-          f"deferral groups", "a step compiled for another schedule cannot take it: apply its residual with "
-          "prophet_jax.deferred_grads(state, params) and start the new plan's state from its init")
+          f"deferral groups (prophet_jax.convert_state takes it to another plan)", "a step compiled for another "
+          "schedule cannot take it: apply its residual with prophet_jax.deferred_grads(state, params) and start "
+          "the new plan's state from its init")
 
 
 class HintedClass(type):
