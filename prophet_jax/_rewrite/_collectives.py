@@ -86,8 +86,7 @@ class EngineHooks(NamedTuple):
   sum_divisor: Any = None
 
 
-_HOOKS: contextvars.ContextVar[EngineHooks | None] = contextvars.ContextVar("prophet_engine_hooks",
-                                                                             default=None)
+_HOOKS: contextvars.ContextVar = contextvars.ContextVar("prophet_engine_hooks", default=None)   # EngineHooks
 
 
 @contextlib.contextmanager

@@ -76,17 +76,14 @@ def defer_groups(schedule: Schedule) -> tuple[DeferGroup, ...]:
                for b, bucket in enumerate(schedule.buckets) if bucket.defer)
 
 
-def _layout(schedule: Schedule) -> tuple[tuple[int, int, int, str], ...]:
-  """(m, residual rows, c, dtype) per group: k rows, or m under damped feedback."""
-  return tuple((g.m, g.rows, g.size, g.residual_dtype) for g in defer_groups(schedule))
-
-
 # --------------------------------------------------------------------------------------------------
 # the state
 
 
 def defer_tag(schedule: Schedule) -> StateTag:
-  return StateTag.of(schedule, _layout(schedule))
+  """The tag of `schedule`'s DeferState: its layout (m, residual rows, c, dtype) per group (k rows, or m
+  under damped feedback)."""
+  return StateTag.of(schedule, tuple((g.m, g.rows, g.size, g.residual_dtype) for g in defer_groups(schedule)))
 
 
 class GroupState(NamedTuple):

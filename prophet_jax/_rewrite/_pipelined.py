@@ -123,8 +123,7 @@ class Pipelined:
     traced = None  # the backward's trace of the forward, which the next forward reuses when it can
     if state.pending is not None:
       _check_batch(state.pending.meta, batch_tree, batch_avals, self.axis_name)
-      params, opt_state, defer, traced = self._backward_and_update(params, opt_state, state.pending, defer,
-                                                                   where)
+      params, opt_state, defer, traced = self._backward_and_update(state, where)
     elif defer is None and self.schedule.defers:
       defer = _defer.init(self.schedule)  # nothing was deferred (a lossless step's state): start here
     else:   # convert_state's owed values ride until the next backward, which adds them
@@ -152,8 +151,7 @@ class Pipelined:
     if state.pending is None:
       return state
     axis_size(self.axis_name, where)
-    params, opt_state, defer, _ = self._backward_and_update(state.params, state.opt_state,
-                                                            state.pending, state.defer, where)
+    params, opt_state, defer, _ = self._backward_and_update(state, where)
     return state._replace(params=params, opt_state=opt_state, pending=None, defer=defer)
 
   def params(self, state: PipelinedState) -> Any:
@@ -268,8 +266,8 @@ class Pipelined:
         state_tree=state_tree, state=state_avals, has_state=self.has_state)
     return loss, new_state, aux, Pending(tuple(x[None] for x in residuals), meta)
 
-  def _backward_and_update(self, params: Any, opt_state: Any, pending: Pending, defer: Any,
-                           where: str) -> tuple[Any, Any, Any, Traced]:
+  def _backward_and_update(self, state: PipelinedState, where: str) -> tuple[Any, Any, Any, Traced]:
+    params, opt_state, pending, defer = state.params, state.opt_state, state.pending, state.defer
     meta = pending.meta
     schedule = meta.schedule
     if schedule.tree_fingerprint != self.schedule.tree_fingerprint:
