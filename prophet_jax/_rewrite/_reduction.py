@@ -165,11 +165,11 @@ def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean:
   return jax.tree_util.tree_unflatten(s.treedef, flat), with_groups(s.defer_state, groups) if schedule.defers else None
 
 
-def with_owed(s: StepSetup) -> list[Any]:
-  """The setup's leaves with a re-plan's owed residual added (`StepSetup.owed`)."""
+def with_owed(s: StepSetup, times: int = 1) -> list[Any]:
+  """The setup's leaves with a re-plan's owed residual added (`StepSetup.owed`), `times` times."""
   if s.owed is None:
     return s.flat
-  return [x if o is None else x + o for x, o in zip(s.flat, s.owed)]
+  return [x if o is None else x + (o if times == 1 else o * times) for x, o in zip(s.flat, s.owed)]
 
 
 def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, every_k: int, accum: Any,
@@ -193,9 +193,8 @@ def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, eve
   check_accum(accum, schedule, where)
   s = step_setup(grads, schedule, axis_name, where, defer_state=defer_state, per_device=[
       (f"the gradient accumulator's sum for {path!r}", a) for (path, _, _), a in zip(schedule.rows, accum.grads)])
-  flat, treedef, lmap, defer_state = s.flat, s.treedef, s.lmap, s.defer_state
-  if s.owed is not None:   # convert_state's owed values: k times into the sums, so their mean adds them once
-    flat = [x if o is None else x + o * every_k for x, o in zip(flat, s.owed)]
+  treedef, lmap, defer_state = s.treedef, s.lmap, s.defer_state
+  flat = with_owed(s, every_k)   # convert_state's owed values: k times into the sums, so their mean adds them once
   rows = tuple(a[0] + flat[i].astype(a.dtype) for a, i in zip(accum.grads, lmap.row_leaf))
   count = accum.count + 1
   emit = count >= every_k
