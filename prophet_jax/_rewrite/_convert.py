@@ -39,13 +39,12 @@ def _groups(schedule: Schedule, n: int, mode: str, params: Any, tx: Any, where: 
   or the params' tree; a leaf is anything else (a step count, a scalar)."""
   flat, treedef, lmap = matched_leaves(params, schedule, where)
   shard_struct = shard_structs(schedule, n, mode)
-  k = len(shard_struct)
   shapes = [tuple(np.shape(s)) for s in shard_struct]
 
   def is_shards(x: Any) -> bool:
     # (an optimizer's own tuple of k states, e.g. adam's (ScaleByAdamState, EmptyState) for k = 2, is
     # not a group of shards: only arrays are)
-    return type(x) is tuple and len(x) == k and all(
+    return type(x) is tuple and len(x) == len(shapes) and all(
         hasattr(y, "shape") and tuple(y.shape) == s for y, s in zip(x, shapes))
 
   pshapes = [tuple(np.shape(x)) for x in flat]

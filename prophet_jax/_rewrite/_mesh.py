@@ -176,12 +176,9 @@ class MeshGradFn:
   def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
     where = f"{self._where}(mesh=...)'s grad_fn"
     args, defer_state, stateful = self._split_state(list(args), kwargs, where)
-    if not args:
-      raise TypeError(f"{where}: no batch given; call grad_fn(params, batch) (or grad_fn(params, "
-                      f"model_state, batch) with has_state=True).")
-    if self._has_state and len(args) < 2:
-      raise TypeError(f"{where}: has_state=True, so the grad_fn takes (params, model_state, batch); got "
-                      f"{1 + len(args)} positional arguments.")
+    if len(args) < 1 + self._has_state:
+      raise TypeError(f"{where}: no batch given ({1 + len(args)} positional arguments): call grad_fn(params, "
+                      f"batch), or grad_fn(params, model_state, batch) with has_state=True.")
     *reps, batch = args
     place = self.place
 

@@ -347,14 +347,10 @@ def holds_state(tree: Any) -> bool:
 
 
 def prefix_specs(cls: type, axis_name: Any) -> Any:
-  """A prefix PartitionSpec valid for every state of kind `cls`: `P(axis)` when all its fields (but a
-  tag) are per device, else the NamedTuple of its fields' specs."""
-  P = PartitionSpec
-  kind = KINDS[cls]
-  fields = [f for f in cls._fields if f != "tag"]
-  if set(fields) <= set(kind.per_device):
-    return P(axis_name)
-  return cls(**{f: (P(axis_name) if f in kind.per_device else P()) for f in cls._fields})
+  """A prefix PartitionSpec valid for every state of kind `cls` (one with replicated fields: DeferState,
+  AccumState): the NamedTuple of its fields' specs."""
+  per = KINDS[cls].per_device
+  return cls(**{f: PartitionSpec(axis_name) if f in per else PartitionSpec() for f in cls._fields})
 
 
 def param_specs(params: Any, schedule: Any, axis_name: Any) -> Any:
