@@ -190,8 +190,7 @@ def rank(norms: jax.Array, deferred: jax.Array) -> jax.Array:
   same bits everywhere) and the previous choice is replicated (docs/design.md, "Deferral in the rewrite",
   says what would break it: workers computing the norm differently).
   """
-  big = jnp.finfo(jnp.float32).max
-  score = jnp.where(deferred, jnp.inf, jnp.where(jnp.isfinite(norms), norms, big))
+  score = jnp.where(deferred, jnp.inf, jnp.where(jnp.isfinite(norms), norms, jnp.finfo(jnp.float32).max))
   return jnp.argsort(-score, stable=True).astype(jnp.int32)
 
 
@@ -284,5 +283,4 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
     done.append((unit, red))
     k += 1
   flat = scatter_chunks(flat, [c for c, _ in done], row_leaf, [red for _, red in done])
-  out_prev = tuple(last.get(j) for j in range(len(prev))) if multi else last[0]
-  return flat, out_prev, tuple(new_defer)
+  return flat, tuple(last.get(j) for j in range(len(prev))) if multi else last[0], tuple(new_defer)

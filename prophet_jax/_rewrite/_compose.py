@@ -113,12 +113,11 @@ def check_masked(updates: Any, schedule: Schedule) -> None:
   away from `scheduled` would not be all-reduced by it, and the schedule's rows for them have no leaf:
   the message names them and the two compositions that work.
   """
-  masked_type = optax.MaskedNode
-  with_masks, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=lambda x: isinstance(x, masked_type))
-  masked = [path_str(p) for p, x in with_masks if isinstance(x, masked_type)]
+  with_masks, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  masked = [path_str(p) for p, x in with_masks if isinstance(x, optax.MaskedNode)]
   if not masked:
     return
-  present = {path_str(p) for p, x in with_masks if not isinstance(x, masked_type)}
+  present = {path_str(p) for p, x in with_masks if not isinstance(x, optax.MaskedNode)}
   alias = lambda p: p[:-len("/value")] if p.endswith("/value") else p  # noqa: E731 (nnx spelling)
   present |= {alias(p) for p in present}
   missing = [r[0] for r in schedule.rows if r[0] not in present and alias(r[0]) not in present]

@@ -38,8 +38,7 @@ def _not_a_state(where: str, obj: Any, wanted: str) -> TypeError:
 
 def _map_typed(obj: Any, pred, fn) -> tuple[Any, int]:
   found = [x for x in jax.tree_util.tree_leaves(obj, is_leaf=pred) if pred(x)]
-  out = jax.tree_util.tree_map(lambda x: fn(x) if pred(x) else x, obj, is_leaf=pred)
-  return out, len(found)
+  return jax.tree_util.tree_map(lambda x: fn(x) if pred(x) else x, obj, is_leaf=pred), len(found)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -313,8 +313,7 @@ class Conversion:
           f"{self.where}: the PipelinedState holds a pending forward of its plan (half of a step): flush it "
           f"with the old plan's step first (state = jax.pmap(old.flush, axis_name=...)(state), or "
           f"old.flush inside its shard_map / jit), then convert.")
-    opt = self.scheduled(ScheduledState(inner=x.opt_state)).inner
-    return x._replace(opt_state=opt, defer=self.step(x.defer))
+    return x._replace(opt_state=self.scheduled(ScheduledState(inner=x.opt_state)).inner, defer=self.step(x.defer))
 
   def _whole_to_shards(self, inner: Any) -> Any:
     self._need_tx("a whole optimizer state is cut into ZeRO-1 shards")

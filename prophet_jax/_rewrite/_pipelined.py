@@ -315,8 +315,7 @@ class Pipelined:
     opt_state, defer = st.inner, st.defer_state
     params = optax.apply_updates(params, updates)
     # the next forward reads these inside this program: round low-precision leaves as memory would
-    params = jax.tree_util.tree_map(round_to_dtype, params)
-    return params, opt_state, defer, traced
+    return jax.tree_util.tree_map(round_to_dtype, params), opt_state, defer, traced
 
 
 # --------------------------------------------------------------------------------------------------

@@ -95,8 +95,7 @@ def vjp_jaxpr(forward_fn: Callable[[Any, Any], Any], pv: Any, batch: Any, *,
     box.append((treedef, aux_tree))
     return [loss, *aux_leaves, *leaves]
 
-  closed = jax.make_jaxpr(loss_and_closure)(p_leaves, b_leaves)
-  return VjpTrace(closed, *box[0])
+  return VjpTrace(jax.make_jaxpr(loss_and_closure)(p_leaves, b_leaves), *box[0])   # box: filled by the trace
 
 
 def carry_plan(closed: Any, n_params: int, how: str, *, n_head: int = 1) -> tuple[Position, ...]:
