@@ -58,8 +58,7 @@ def check_first(where: str, max_depth: int = 40) -> None:
   """
   codes = _optax_codes()
   before: list[str] = []
-  frame = sys._getframe(2)
-  callee = None
+  callee, frame = None, sys._getframe(2)
   for _ in range(max_depth):
     if frame is None:
       break

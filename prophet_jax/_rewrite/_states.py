@@ -8,6 +8,7 @@ docs/design.md, "The rewrite's layers". Saved states keep their field names and 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -50,19 +51,12 @@ class ShardLayout(NamedTuple):
   mode: str = ""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class _ScheduleRef:
   """The schedule a tag was made for, in the tag's pytree data; compared by the schedule's key alone."""
 
-  __slots__ = ("key", "schedule")
-
-  def __init__(self, key: str, schedule: Schedule | None):
-    self.key, self.schedule = key, schedule
-
-  def __eq__(self, other: object) -> bool:
-    return isinstance(other, _ScheduleRef) and other.key == self.key
-
-  def __hash__(self) -> int:
-    return hash(self.key)
+  key: str
+  schedule: Schedule | None = dataclasses.field(compare=False)
 
   def __repr__(self) -> str:
     return f"<schedule {self.key}>"

@@ -150,8 +150,7 @@ def shard_mode(tx: Any, params: Any, where: str = "scheduled") -> str:
 def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -> str:
   if not reps:
     return "elementwise"
-  paths = [p for p, _ in reps]
-  shapes = [s for _, s in reps]
+  paths, shapes = zip(*reps)
   sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
   total = sum(sizes)
   cut = max(1, total // 2)                                   # two chunks of the flat vector
