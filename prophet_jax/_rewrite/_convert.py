@@ -20,8 +20,8 @@ from ._collectives import chunk_buffer, scatter_chunks
 from ._sharded import padded
 from ._accumulate import accum_dtype
 from ._states import AccumState, DeferState, OwedState, ScheduledState, ShardedState, StateTag, is_kind, is_state, kind_of
-from ._defer import defer_tag, owed_tag
-from ._zero import matched_leaves, shard_tag, check_state, shard_mode, shard_structs
+from ._defer import defer_tag, matched_leaves, owed_tag
+from ._zero import shard_tag, check_state, shard_mode, shard_structs
 from .._values._errors import ScheduleMismatchError, ShardingError
 from .._values._checks import check_values, match_tree
 from .._values._schedule import Schedule

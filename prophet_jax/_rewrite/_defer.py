@@ -23,7 +23,7 @@ from .._values._types import itemsize
 __all__ = ["DeferGroup", "DeferState", "GroupState", "defer_groups", "init", "defer_state",
            "check_state", "group_states", "with_groups", "lossless",
            "schedule_of", "belongs", "find_states", "deferred_grads", "owed_tag", "check_foreign",
-           "given_state", "deferred_values", "device_part"]
+           "given_state", "deferred_values", "device_part", "matched_leaves"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,8 +144,7 @@ def belongs(state: Any, schedule: Schedule) -> bool:
   or None for a schedule that defers nothing. Anything else is a re-plan's state (or a mistake)."""
   if state is None:
     return not schedule.defers
-  return (schedule.defers and isinstance(state, DeferState) and isinstance(state.tag, StateTag)
-          and state.tag == defer_tag(schedule))
+  return schedule.defers and isinstance(state, DeferState) and state.tag == defer_tag(schedule)   # StateTag's ==
 
 
 def check_state(state: Any, schedule: Schedule, where: str) -> None:
@@ -280,6 +279,12 @@ def lossless(schedule: Schedule) -> Schedule:
   return dataclasses.replace(schedule, buckets=buckets, links=())
 
 
+def matched_leaves(tree: Any, schedule: Schedule, where: str, **match: Any) -> tuple[list, Any, Any]:
+  """(`tree`'s leaves, its treedef, the schedule's rows matched to them by `match_tree`, given `match`)."""
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return [x for _, x in leaves_with_path], treedef, match_tree(leaves_with_path, schedule, where=where, **match)
+
+
 def deferred_values(tree: Any, state: Any, schedule: Schedule, where: str) -> Any:
   """`tree` (per device, like the parameters) with the deferred values `state` holds added at their
   elements: convert_state's owed values, or a DeferState's residual; `tree` for None.
@@ -290,9 +295,7 @@ def deferred_values(tree: Any, state: Any, schedule: Schedule, where: str) -> An
   """
   if state is None:
     return tree
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  lmap = match_tree(leaves_with_path, schedule, where=where)
-  flat = [x for _, x in leaves_with_path]
+  flat, treedef, lmap = matched_leaves(tree, schedule, where)
   if isinstance(state, OwedState):
     owed = _owed_leaves(state, flat, lmap, where)
     return jax.tree_util.tree_unflatten(treedef, [x if o is None else x + o for x, o in zip(flat, owed)])

@@ -18,10 +18,10 @@ from ._accumulate import check_state as check_accum
 from ._axis import bind
 from ._collectives import reduce_units, schedule_chains, schedule_units
 from ._sharded import sharded_allreduce
-from ._defer import given_state, group_states, with_groups
+from ._defer import given_state, group_states, matched_leaves, with_groups
 from ._keys import check_enforce_order, ordered_by
 from ._states import per_device_leaves
-from .._values._checks import check_bool, check_values, match_tree
+from .._values._checks import check_bool, check_values
 from .._values._schedule import Schedule
 
 __all__ = ["allreduce", "reduction_kind", "step_setup", "StepSetup", "scheduled_allreduce", "accumulated_allreduce"]
@@ -129,9 +129,7 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
   Raises:
     UnboundAxisError, ScheduleMismatchError, AlreadyReducedError, TypeError, ValueError.
   """
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  lmap = match_tree(leaves_with_path, schedule, where=where, skip_prefixes=skip_prefixes)
-  flat = [leaf for _, leaf in leaves_with_path]
+  flat, treedef, lmap = matched_leaves(tree, schedule, where, skip_prefixes=skip_prefixes)
   owed, start = given_state(defer_state, schedule, flat, lmap, where)
   named = [(lmap.paths[i], flat[i]) for i in lmap.row_leaf] if checks else []
   fresh = start.residual if owed is not None and start is not None else None

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from . import _probe_trials
 from ._states import GradShards, ShardedState, ShardLayout, StateTag, expect, is_state
-from .._values._checks import match_tree
+from ._defer import matched_leaves
 from ._axis import axis_size
 from ._reduction import step_setup, with_owed
 from ._collectives import scatter_chunks
@@ -247,12 +247,6 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
 
 # --------------------------------------------------------------------------------------------------
 # init and update, per device (inside pmap / shard_map)
-
-
-def matched_leaves(tree: Any, schedule: Schedule, where: str) -> tuple[list, Any, Any]:
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  lmap = match_tree(leaves_with_path, schedule, where=where)
-  return [x for _, x in leaves_with_path], treedef, lmap
 
 
 def init(tx: Any, params: Any, schedule: Schedule, axis_name: Any, where: str = "scheduled") -> ShardedState:
