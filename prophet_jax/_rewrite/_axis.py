@@ -93,12 +93,11 @@ def check_varying(axis_name: Any, where: str, *, grads: Sequence[tuple[str, Any]
   return True
 
 
-def bind(axis_name: Any, where: str, *, varying: Any = None, unbound: str | None = None,
-         **checks: Sequence[tuple[str, Any]]) -> tuple[int, bool, Any]:
+def bind(axis_name: Any, where: str, *, varying: Any = None, **checks: Sequence) -> tuple[int, bool, Any]:
   """The axis facts a step needs, at once: (the bound axis's size, whether values carry the axes they
   vary over here, `varying` cast to varying where they do), after the varying checks (`check_varying`'s
   `grads`, `params`, `per_device`)."""
-  n = axis_size(axis_name, where, unbound)
+  n = axis_size(axis_name, where)
   vma = check_varying(axis_name, where, **checks)
   if vma:
     varying = jax.tree_util.tree_map(lambda x: x if is_varying(x, axis_name) else to_varying(x, axis_name), varying)

@@ -99,7 +99,6 @@ def _names(tx: Any, limit: int = 400) -> set[str]:
 
 _PROBE_DEVICES = 3
 _PROBE_STEPS = 3
-_PROBE_SCALES = (1e-6, 1.0, 1e6)
 _PROBE_RTOL = 1e-4
 _PROBE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _MODE_MEMO: dict[tuple, tuple[Any, str]] = {}
