@@ -92,8 +92,7 @@ def check_first(where: str, max_depth: int = 40) -> None:
 
 
 def inside_multisteps(max_depth: int = 100) -> bool:
-  code = _optax_codes()["multisteps.update"]
-  frame = sys._getframe(2)
+  code, frame = _optax_codes()["multisteps.update"], sys._getframe(2)
   for _ in range(max_depth):
     if frame is None:
       return False

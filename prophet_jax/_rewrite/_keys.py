@@ -12,6 +12,8 @@ from typing import Any
 
 import jax
 
+from .._values._checks import check_bool
+
 __all__ = ["ordered_by", "enforced", "unit_scope", "combiner_key", "check_enforce_order"]
 
 # a unit's combiner key is its named scope ('prophet/chunk3', 'prophet/rs3', 'prophet/ag1'): where a
@@ -23,10 +25,8 @@ _ENFORCE: contextvars.ContextVar[bool] = contextvars.ContextVar("prophet_enforce
 
 def check_enforce_order(where: str, value: Any) -> bool:
   """`value` as a bool, or TypeError naming the front-end (a string such as 'false' is not a bool)."""
-  if not isinstance(value, bool):
-    raise TypeError(f"{where}(..., enforce_order={value!r}): expected True (the tie keeps the plan's "
-                    f"order) or False (each unit carries an XLA combiner key and XLA orders them).")
-  return value
+  return check_bool(where, "enforce_order", value, fix="True: the tie keeps the plan's order; False: each unit "
+                    "carries an XLA combiner key and XLA orders them.")
 
 
 def enforced() -> bool:

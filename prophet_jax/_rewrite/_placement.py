@@ -121,8 +121,7 @@ def check_placed(tree: Any, specs: Any, what: str, where: str, fix: str) -> None
 def check_batch(batch: Any, mesh: Any, axes: tuple[Any, ...], where: str) -> None:
   """ValueError for a batch leaf that cannot be split over the data axes on its leading axis, or is
   known to be placed otherwise (replicated, split over another axis, or on another array axis)."""
-  n = axis_total(mesh, axes)
-  entry = spec_entry(axes)
+  n, entry = axis_total(mesh, axes), spec_entry(axes)
   leaves = named_leaves(batch, "batch")
   if not leaves:
     raise ValueError(f"{where}: the batch has no array leaves; pass the global batch (leading axis: "

@@ -198,10 +198,8 @@ def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, eve
   emit = count >= every_k
 
   def with_rows(rows):   # the leaves, each row's leaf replaced
-    out = list(flat)
-    for i, r in zip(lmap.row_leaf, rows):
-      out[i] = r
-    return jax.tree_util.tree_unflatten(treedef, out)
+    by_leaf = dict(zip(lmap.row_leaf, rows))
+    return jax.tree_util.tree_unflatten(treedef, [by_leaf.get(i, x) for i, x in enumerate(flat)])
 
   def fire(rows, defer):
     mean_rows = [(r / every_k).astype(flat[i].dtype) for i, r in zip(lmap.row_leaf, rows)]
