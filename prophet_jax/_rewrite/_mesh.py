@@ -263,8 +263,7 @@ class MeshPipelined:
       return new, place.value(out, inner.has_aux, False, where)
 
     # a state without a pending forward keeps its deferral state (a re-plan's owed values ride on)
-    spec = place.spec("state", state)
-    out = spec._replace(pending=P(place.entry)) if state.pending is None else inner.state_specs()
+    out = place.spec("state", state)._replace(pending=P(place.entry)) if state.pending is None else inner.state_specs()
     return place(body, (("state", "state", state, self._fix), ("batch", "batch", batch, "")),
                  (out, place.value_specs(inner.has_aux, False)), where=where)
 

@@ -220,11 +220,10 @@ def _nnx_keys(model: Any, tagged: TaggedPlan) -> Iterator[None]:
   if unknown:
     raise ValueError(f"tag_layers: the plan's layers {sorted(unknown)[:5]} are not submodules of this nnx "
                      f"model; plan from nnx.state(model, nnx.Param) of this model.")
-  marked = [mod for name, mod in named if name in tagged.keys]
-  for name, mod in named:
-    if name in tagged.keys:
-      object.__setattr__(mod, _ATTR, tagged.keys[name])
-  classes = {type(mod): type(mod).__dict__.get("__call__") for mod in marked}
+  marked = [(mod, tagged.keys[name]) for name, mod in named if name in tagged.keys]
+  for mod, key in marked:
+    object.__setattr__(mod, _ATTR, key)
+  classes = {type(mod): type(mod).__dict__.get("__call__") for mod, _ in marked}
   for cls, own in classes.items():
     call = cls.__call__
 
@@ -241,6 +240,6 @@ def _nnx_keys(model: Any, tagged: TaggedPlan) -> Iterator[None]:
         del cls.__call__
       else:
         cls.__call__ = own
-    for mod in marked:
+    for mod, _ in marked:
       if _ATTR in vars(mod):
         object.__delattr__(mod, _ATTR)
