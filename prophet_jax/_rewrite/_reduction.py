@@ -158,7 +158,7 @@ def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean:
     flat = sharded_allreduce(flat, schedule, s.lmap.row_leaf, axis_name, n=s.n, divisor=divisor, vma=s.vma)
     return jax.tree_util.tree_unflatten(s.treedef, flat), None
   flat, _, groups = reduce_units(flat, schedule_units(schedule), s.lmap.row_leaf, axis_name, divisor=divisor,
-                                 defer=group_states(s.defer_state), chains=chains,
+                                 defer=() if s.defer_state is None else group_states(s.defer_state), chains=chains,
                                  prev=None if chains is None else (None,) * (max(chains) + 1))
   return jax.tree_util.tree_unflatten(s.treedef, flat), with_groups(s.defer_state, groups) if schedule.defers else None
 
