@@ -204,8 +204,7 @@ def _vars_at(jaxpr: Any) -> dict[Position, Any]:
 
 
 def _nbytes(v: Any) -> int:
-  aval = v.aval
-  return max(1, int(getattr(aval, "size", 1)) * aval.dtype.itemsize)
+  return max(1, int(getattr(v.aval, "size", 1)) * v.aval.dtype.itemsize)
 
 
 def _min_cut(jaxpr: Any, on_batch: set[Any], needed: list[Any]) -> list[Any]:
