@@ -12,7 +12,7 @@ import numpy as np
 from .._values._errors import AlreadyReducedError, UnboundAxisError
 from .._values._tree import is_reduced_leaf
 
-__all__ = ["axis_size", "axis_names", "is_varying", "to_varying", "vma_enabled", "check_varying", "bind", "check_not_reduced"]
+__all__ = ["axis_size", "is_varying", "to_varying", "vma_enabled", "check_varying", "bind"]
 
 
 def axis_size(axis_name: Any, where: str, unbound: str | None = None) -> int:
@@ -27,15 +27,11 @@ def axis_size(axis_name: Any, where: str, unbound: str | None = None) -> int:
         f"inside jax.pmap(..., axis_name={axis_name!r}).")) from e
 
 
-def axis_names(axis_name: Any) -> tuple[Any, ...]:
-  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
 def is_varying(x: Any, axis_name: Any) -> bool:
   """True when `x`'s type says it varies over every axis of `axis_name` (jax's `vma` set, which only
   shard_map with check_vma=True fills: docs/facts.md, "The 8x gradient trap")."""
   varying = jax.typeof(x).manual_axis_type.varying
-  return all(n in varying for n in axis_names(axis_name))
+  return all(n in varying for n in (axis_name if isinstance(axis_name, tuple) else (axis_name,)))
 
 
 def to_varying(x: Any, axis_name: Any) -> Any:
@@ -97,18 +93,13 @@ def check_varying(axis_name: Any, where: str, *, grads: Sequence[tuple[str, Any]
   return True
 
 
-def bind(axis_name: Any, where: str, *, varying: Any = None, unbound: str | None = None,
-         **checks: Sequence[tuple[str, Any]]) -> tuple[int, bool, Any]:
+def bind(axis_name: Any, where: str, *, varying: Any = None, **checks: Sequence) -> tuple[int, bool, Any]:
   """The axis facts a step needs, at once: (the bound axis's size, whether values carry the axes they
   vary over here, `varying` cast to varying where they do), after the varying checks (`check_varying`'s
   `grads`, `params`, `per_device`)."""
-  n = axis_size(axis_name, where, unbound)
+  n = axis_size(axis_name, where)
   vma = check_varying(axis_name, where, **checks)
   if vma:
     varying = jax.tree_util.tree_map(lambda x: x if is_varying(x, axis_name) else to_varying(x, axis_name), varying)
   return n, vma, varying
 
-
-def check_not_reduced(leaves: Sequence[tuple[str, Any]], axis_name: Any, where: str) -> None:
-  """AlreadyReducedError when a floating gradient is invariant over `axis_name` under check_vma."""
-  check_varying(axis_name, where, grads=leaves)

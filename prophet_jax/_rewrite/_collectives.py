@@ -20,8 +20,8 @@ from ._defer import GroupState
 from ._keys import enforced, unit_scope
 from .._values._schedule import Bucket, Schedule
 
-__all__ = ["tie", "zero_of", "reduce_tied", "chunk_scope", "rank", "reduce_units", "schedule_units", "unit_allreduces",
-           "schedule_chains", "EngineHooks", "engine_hooks", "engine_divisor"]
+__all__ = ["tie", "zero_of", "reduce_tied", "chunk_scope", "chunk_buffer", "scatter_chunks", "rank", "reduce_units",
+           "schedule_units", "unit_allreduces", "schedule_chains", "EngineHooks", "engine_hooks", "engine_divisor"]
 
 SCOPE_PREFIX = "prophet/chunk"
 RS_PREFIX = "prophet/rs"   # a sharded schedule's reduce-scatter of chunk k
@@ -86,22 +86,20 @@ class EngineHooks(NamedTuple):
   sum_divisor: Any = None
 
 
-_HOOKS: contextvars.ContextVar[EngineHooks | None] = contextvars.ContextVar("prophet_engine_hooks",
-                                                                             default=None)
+_HOOKS: contextvars.ContextVar = contextvars.ContextVar("prophet_engine_hooks", default=None)   # EngineHooks
 
 
 @contextlib.contextmanager
-def engine_hooks(*, divisor: Callable[[Any], Any] | None = None,
-                 gathered: Callable[[int, jax.Array], None] | None = None,
-                 sum_divisor: Any = None) -> Iterator[EngineHooks]:
+def engine_hooks(**hooks: Any) -> Iterator[EngineHooks]:
   """Hooks every all-reduce the engine issues while a step is traced inside this context.
 
   The explicit seam through which tests reach the one engine (`reduce_units`): `scheduled`,
   `allreduce`, `hooked` (its backward rules run inside the trace of `jax.grad`), `pipelined` and
   `loop_hook` all reach it. Nothing changes outside the context, and a step traced outside it
-  compiles to the library's own program. See `EngineHooks` for the hooks.
+  compiles to the library's own program. `hooks`: `EngineHooks`' fields (`divisor`, `gathered`,
+  `sum_divisor`), by keyword.
   """
-  hooks = EngineHooks(divisor=divisor, gathered=gathered, sum_divisor=sum_divisor)
+  hooks = EngineHooks(**hooks)
   tok = _HOOKS.set(hooks)
   try:
     yield hooks
@@ -111,6 +109,30 @@ def engine_hooks(*, divisor: Callable[[Any], Any] | None = None,
 
 # --------------------------------------------------------------------------------------------------
 # the all-reduce
+
+
+def chunk_buffer(flat: Sequence[jax.Array], chunk: Any, row_leaf: Sequence[int]) -> jax.Array:
+  """Chunk's element slices gathered, in order, into one flat buffer (its dtype, `chunk.size` long)."""
+  parts = [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def scatter_chunks(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
+                   buffers: Sequence[jax.Array]) -> list[jax.Array]:
+  """`flat` with every chunk's buffer put back at its slices (the rows the chunks cover replaced)."""
+  flat = list(flat)
+  pieces: dict[int, list[tuple[int, jax.Array]]] = {}
+  for chunk, buf in zip(chunks, buffers):
+    off = 0
+    for r, a, b in chunk.slices:
+      pieces.setdefault(r, []).append((a, buf[off:off + (b - a)]))
+      off += b - a
+  for r, segs in pieces.items():
+    i = row_leaf[r]
+    parts = [s for _, s in sorted(segs, key=lambda t: t[0])]
+    full = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    flat[i] = full.reshape(np.shape(flat[i]))
+  return flat
 
 
 def schedule_units(schedule: Schedule) -> tuple[Any, ...]:
@@ -161,12 +183,6 @@ def schedule_chains(schedule: Schedule, where: str) -> tuple[int, ...] | None:
   return links
 
 
-def _norm(x: jax.Array) -> jax.Array:
-  """The float32 L2 norm of x (what the ranking reads)."""
-  x = x.astype(jnp.float32)
-  return jnp.sqrt(jnp.sum(x * x))
-
-
 def rank(norms: jax.Array, deferred: jax.Array) -> jax.Array:
   """A deferral group's chunk numbers in rank order: the chunks deferred last step first, then non-finite
   norms, then by norm descending, ties by index (a stable sort), so a chunk deferred at t is sent at
@@ -174,8 +190,7 @@ def rank(norms: jax.Array, deferred: jax.Array) -> jax.Array:
   same bits everywhere) and the previous choice is replicated (docs/design.md, "Deferral in the rewrite",
   says what would break it: workers computing the norm differently).
   """
-  big = jnp.finfo(jnp.float32).max
-  score = jnp.where(deferred, jnp.inf, jnp.where(jnp.isfinite(norms), norms, big))
+  score = jnp.where(deferred, jnp.inf, jnp.where(jnp.isfinite(norms), norms, jnp.finfo(jnp.float32).max))
   return jnp.argsort(-score, stable=True).astype(jnp.int32)
 
 
@@ -220,25 +235,8 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
   divisor, seen = engine_divisor(divisor)
   multi = isinstance(prev, tuple)
   last: dict[int, Any] = dict(enumerate(prev)) if multi else {0: prev}
-  flat = list(flat)
-  pieces: dict[int, list[tuple[int, jax.Array]]] = {}
-  touched: list[int] = []
+  done: list[tuple[Any, jax.Array]] = []   # (chunk, its reduced buffer), scattered back at the end
   new_defer: list[GroupState] = []
-
-  def put(chunk: Any, red: jax.Array) -> None:
-    off = 0
-    for r, a, b in chunk.slices:
-      if r not in pieces:
-        pieces[r] = []
-        touched.append(r)
-      pieces[r].append((a, red[off:off + (b - a)]))
-      off += b - a
-
-  def gather(chunk: Any) -> list[jax.Array]:
-    return [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
-
-  def join(parts: list[jax.Array]) -> jax.Array:
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
   def issue(k: int, buf: jax.Array) -> jax.Array:
     """All-reduce k: `buf` tied to its chain's last result, reduced; it becomes that result."""
@@ -254,7 +252,7 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
     if isinstance(unit, Bucket):
       state = defer[len(new_defer)]
       m, size, slots = len(unit.chunks), unit.slot_size, unit.slots
-      rows = jnp.stack([jnp.pad(join(gather(c)), (0, size - c.size)) for c in unit.chunks])
+      rows = jnp.stack([jnp.pad(chunk_buffer(flat, c, row_leaf), (0, size - c.size)) for c in unit.chunks])
       order = rank(state.norms, state.deferred)
       send, wait = order[:slots], order[slots:]
       if unit.release == 1:     # all of a residual goes with the next send: k rows, at `index`
@@ -272,24 +270,17 @@ def reduce_units(flat: list[jax.Array], units: Sequence[Any], row_leaf: Sequence
         with unit_scope(chunk_scope(k + s)):
           red = issue(k + s, jax.lax.dynamic_index_in_dim(picks, send[s], axis=0, keepdims=False))
         reds.append(red)
-        norms.append(_norm(red))
+        norms.append(jnp.sqrt(jnp.sum(jnp.square(red.astype(jnp.float32)))))   # what the ranking reads
       out = jnp.zeros_like(reds[0], shape=(m, size)).at[send].set(jnp.stack(reds))
       new_defer.append(GroupState(norms=state.norms.at[send].set(jnp.stack(norms)),
                                   deferred=jnp.zeros((m,), jnp.bool_).at[wait].set(True),
                                   index=index, residual=kept[None]))
-      for i, chunk in enumerate(unit.chunks):
-        put(chunk, out[i, :chunk.size])
+      done += [(chunk, out[i, :chunk.size]) for i, chunk in enumerate(unit.chunks)]
       k += slots
       continue
-    parts = gather(unit)
     with unit_scope(chunk_scope(k) if scope is None else scope):
-      red = issue(k, join(parts))
-    put(unit, red)
+      red = issue(k, chunk_buffer(flat, unit, row_leaf))
+    done.append((unit, red))
     k += 1
-  for r in touched:
-    i = row_leaf[r]
-    segs = [s for _, s in sorted(pieces[r], key=lambda t: t[0])]
-    full = segs[0] if len(segs) == 1 else jnp.concatenate(segs)
-    flat[i] = full.reshape(np.shape(flat[i]))
-  out_prev = tuple(last.get(j) for j in range(len(prev))) if multi else last[0]
-  return flat, out_prev, tuple(new_defer)
+  flat = scatter_chunks(flat, [c for c, _ in done], row_leaf, [red for _, red in done])
+  return flat, tuple(last.get(j) for j in range(len(prev))) if multi else last[0], tuple(new_defer)

@@ -1,4 +1,4 @@
-"""Where `scheduled` sits in the user's optax composition: it must run first (`ran_before_in_chain`,
+"""Where `scheduled` sits in the user's optax composition: it must run first (`check_first`,
 `inside_multisteps` read the Python stack while optax calls it; `check_masked` refuses a mask hiding
 part of its tree); `check_composition` tests any other composition numerically."""
 
@@ -49,16 +49,16 @@ def _transform_name(fn: Any) -> str:
   return name
 
 
-def ran_before_in_chain(max_depth: int = 40) -> list[str]:
-  """Names of the transformations an enclosing optax.chain / named_chain ran before the current member.
+def check_first(where: str, max_depth: int = 40) -> None:
+  """CompositionError naming the transformations an enclosing optax.chain / named_chain ran before the
+  current member (`scheduled`'s `where`: 'init' or 'update'), if any.
 
   Walks up the Python stack from the caller (plain host Python: at init, or while jax traces the step).
-  Empty when no enclosing chain is found or every enclosing chain is at its first member.
+  Nothing is raised when no enclosing chain is found or every enclosing chain is at its first member.
   """
   codes = _optax_codes()
   before: list[str] = []
-  frame = sys._getframe(2)
-  callee = None
+  callee, frame = None, sys._getframe(2)
   for _ in range(max_depth):
     if frame is None:
       break
@@ -79,12 +79,20 @@ def ran_before_in_chain(max_depth: int = 40) -> list[str]:
     except (TypeError, AttributeError):  # an optax version whose locals differ: no diagnosis
       pass
     callee, frame = frame, frame.f_back
-  return before
+  if not before:
+    return
+  names = ", ".join(before)
+  those = "<those transformations>" if any(b.startswith("the chain's") for b in before) else names
+  raise CompositionError(
+      f"scheduled(...) {where} runs after {names} in an optax.chain: those transformations would act "
+      f"on each device's own gradients before the all-reduce, which gives another (silently wrong) "
+      f"result than applying them to the all-reduced gradients. `scheduled` must be the first "
+      f"transformation: wrap the rest instead, e.g. prophet_jax.scheduled(optax.chain({those}, tx), "
+      f"schedule, axis_name=...).")
 
 
 def inside_multisteps(max_depth: int = 100) -> bool:
-  code = _optax_codes()["multisteps.update"]
-  frame = sys._getframe(2)
+  code, frame = _optax_codes()["multisteps.update"], sys._getframe(2)
   for _ in range(max_depth):
     if frame is None:
       return False
@@ -92,17 +100,6 @@ def inside_multisteps(max_depth: int = 100) -> bool:
       return True
     frame = frame.f_back
   return False
-
-
-def not_first_error(before: list[str], where: str) -> CompositionError:
-  names = ", ".join(before)
-  those = "<those transformations>" if any(b.startswith("the chain's") for b in before) else names
-  return CompositionError(
-      f"scheduled(...) {where} runs after {names} in an optax.chain: those transformations would act "
-      f"on each device's own gradients before the all-reduce, which gives another (silently wrong) "
-      f"result than applying them to the all-reduced gradients. `scheduled` must be the first "
-      f"transformation: wrap the rest instead, e.g. prophet_jax.scheduled(optax.chain({those}, tx), "
-      f"schedule, axis_name=...).")
 
 
 def check_masked(updates: Any, schedule: Schedule) -> None:
@@ -114,14 +111,11 @@ def check_masked(updates: Any, schedule: Schedule) -> None:
   away from `scheduled` would not be all-reduced by it, and the schedule's rows for them have no leaf:
   the message names them and the two compositions that work.
   """
-  masked_type = getattr(optax, "MaskedNode", None)
-  if masked_type is None:
-    return
-  with_masks, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=lambda x: isinstance(x, masked_type))
-  masked = [path_str(p) for p, x in with_masks if isinstance(x, masked_type)]
+  with_masks, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  masked = [path_str(p) for p, x in with_masks if isinstance(x, optax.MaskedNode)]
   if not masked:
     return
-  present = {path_str(p) for p, x in with_masks if not isinstance(x, masked_type)}
+  present = {path_str(p) for p, x in with_masks if not isinstance(x, optax.MaskedNode)}
   alias = lambda p: p[:-len("/value")] if p.endswith("/value") else p  # noqa: E731 (nnx spelling)
   present |= {alias(p) for p in present}
   missing = [r[0] for r in schedule.rows if r[0] not in present and alias(r[0]) not in present]
@@ -187,18 +181,14 @@ def check_composition(tx: optax.GradientTransformation, params: Any, *, axis_nam
   inexact = [is_float_dtype(d) for _, d in shapes]
   base = [grid((num_devices, *s), d, 1.0).astype(np.float32) if f else np.zeros((num_devices, *s), d)
           for (s, d), f in zip(shapes, inexact)]
-  variants = []
-  for spread in (0.1, 1e3):
-    v = []
-    for g, (s, d), f in zip(base, shapes, inexact):
-      if not f:
-        v.append(g)
-        continue
-      e = grid(s, d, spread).astype(np.float32)
-      dev = np.zeros_like(g)
-      dev[0], dev[1] = e, -e  # sums to exactly zero
-      v.append(g + dev)
-    variants.append(v)
+  def shifted(g: np.ndarray, s: tuple[int, ...], d: Any, spread: float) -> np.ndarray:
+    dev = np.zeros_like(g)
+    dev[0] = grid(s, d, spread).astype(np.float32)
+    dev[1] = -dev[0]  # sums to exactly zero
+    return g + dev
+
+  variants = [[shifted(g, s, d, spread) if f else g for g, (s, d), f in zip(base, shapes, inexact)]
+              for spread in (0.1, 1e3)]
   def one(flat_g):
     g = jax.tree_util.tree_unflatten(treedef, [x.astype(d) if is_float_dtype(d) else x
                                                for x, (_, d) in zip(flat_g, shapes)])

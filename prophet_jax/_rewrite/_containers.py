@@ -5,7 +5,6 @@ an object that holds no library state is a TypeError."""
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,8 +17,9 @@ from ._pending import PipelinedState
 from ._states import DeferState, ScheduledState, ShardedState
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .._values._checks import check_bool, check_int, check_values
 from .._values._errors import ShardingError
-from .._values._schedule import Schedule, shard_size
+from .._values._schedule import Schedule
 
 __all__ = ["unshard_state", "shard_state", "state_specs", "deferred_grads"]
 
@@ -36,19 +36,9 @@ def _not_a_state(where: str, obj: Any, wanted: str) -> TypeError:
       f"optax chain's tuple.")
 
 
-def _check_axis_name(axis_name: Any, where: str) -> None:
-  ok = (isinstance(axis_name, str) and axis_name) or (
-      isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) and a for a in axis_name))
-  if not ok:
-    raise TypeError(f"{where}: axis_name={axis_name!r}: expected the data-parallel mesh axis's name (a "
-                    f"non-empty string such as 'data', or a tuple of them), as given to scheduled(..., "
-                    f"axis_name=...).")
-
-
 def _map_typed(obj: Any, pred, fn) -> tuple[Any, int]:
   found = [x for x in jax.tree_util.tree_leaves(obj, is_leaf=pred) if pred(x)]
-  out = jax.tree_util.tree_map(lambda x: fn(x) if pred(x) else x, obj, is_leaf=pred)
-  return out, len(found)
+  return jax.tree_util.tree_map(lambda x: fn(x) if pred(x) else x, obj, is_leaf=pred), len(found)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -77,29 +67,19 @@ def _recast(given: Any, template: Any, where: str, what: str, lead: bool = False
 
 def _types(tree: Any) -> list[str]:
   """The names of the NamedTuples in `tree`, in order (an optax state's shape by its types)."""
-  out: list[str] = []
-  if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-    out.append(type(tree).__name__)
-  if isinstance(tree, (tuple, list)):
-    for x in tree:
-      out.extend(_types(x))
-  elif isinstance(tree, Mapping) and not _nnx.is_variable(tree):
-    for k in tree:
-      out.extend(_types(tree[k]))
-  return out
+  if isinstance(tree, Mapping) and not _nnx.is_variable(tree):
+    return [t for k in tree for t in _types(tree[k])]
+  own = [type(tree).__name__] if isinstance(tree, tuple) and hasattr(tree, "_fields") else []
+  return own + ([t for x in tree for t in _types(x)] if isinstance(tree, (tuple, list)) else [])
 
 
-def _kinds(tree: Any) -> str:
+def _kinds(x: Any, depth: int = 0) -> str:
   """The state's structure by its types' names, no values: e.g. '(TraceState, EmptyState)'."""
-  def name(x: Any, depth: int = 0) -> str:
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-      return type(x).__name__
-    if isinstance(x, (tuple, list)) and depth < 2:
-      return "(" + ", ".join(name(y, depth + 1) for y in x) + ")"
-    if isinstance(x, Mapping):
-      return "{" + ", ".join(map(str, list(x)[:6])) + "}"
-    return type(x).__name__
-  return name(tree)
+  if isinstance(x, (tuple, list)) and not hasattr(x, "_fields") and depth < 2:
+    return "(" + ", ".join(_kinds(y, depth + 1) for y in x) + ")"
+  if isinstance(x, Mapping):
+    return "{" + ", ".join(map(str, list(x)[:6])) + "}"
+  return type(x).__name__
 
 
 def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
@@ -125,12 +105,13 @@ def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
     ShardingError: the state was made by another tx.
   """
   where = "unshard_state"
-  _check_schedule(schedule, where)
+  check_values(where, schedule=schedule)
   if _places_params(schedule):
     return jax.tree_util.tree_map(_whole, _nnx.flax_nnx().state(state) if _nnx.is_optimizer(state) else state)
 
   def one(s: Any) -> Any:
-    _check_shards(s, tx, schedule, where)
+    _recast(s.per_device, jax.eval_shape(tx.init, _zero.shard_structs(schedule, s.tag.n, s.tag.mode)), where,
+            "sharded optimizer state", lead=True)
     return _convert.unshard_state(s, tx, params, schedule)
 
   if _nnx.is_optimizer(state):
@@ -180,19 +161,6 @@ def _typed(state: Any, pred, fn, where: str, wanted: str) -> Any:
   return out
 
 
-def _check_schedule(schedule: Any, where: str) -> None:
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"{where}: schedule={schedule!r:.60} is not a prophet_jax.Schedule.")
-
-
-def _check_shards(s: Any, tx: Any, schedule: Schedule, where: str) -> None:
-  n, mode = s.tag.n, s.tag.mode
-  struct = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in schedule.chunks)
-  if mode == "global-norm":
-    struct = struct + (jax.ShapeDtypeStruct((), jnp.float32),)
-  _recast(s.per_device, jax.eval_shape(tx.init, struct), where, "sharded optimizer state", lead=True)
-
-
 def _sharded_from_labels(d: Mapping, tx: Any, schedule: Schedule, where: str) -> Any:
   """The ShardedState nnx re-labelled as {'per_device': ...}: its tag rebuilt from the schedule, the
   axis size read from the leaves' leading axis, the mode from the number of shard entries."""
@@ -203,10 +171,7 @@ def _sharded_from_labels(d: Mapping, tx: Any, schedule: Schedule, where: str) ->
   n = int(np.shape(leaves[0])[0])
   last = None
   for mode in _zero.MODES:
-    struct = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in schedule.chunks)
-    if mode == "global-norm":
-      struct = struct + (jax.ShapeDtypeStruct((), jnp.float32),)
-    template = jax.eval_shape(tx.init, struct)
+    template = jax.eval_shape(tx.init, _zero.shard_structs(schedule, n, mode))
     try:
       per = _nnx.rebuild(template, d["per_device"], where)
     except ShardingError as e:
@@ -238,12 +203,9 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
     ShardingError: tx cannot run on shards, or the state was made by another tx.
   """
   where = "shard_state"
-  _check_schedule(schedule, where)
-  if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-    raise TypeError(f"{where}: n={n!r}: the number of devices on the data axis must be an integer >= 1.")
-  if not isinstance(pmap, bool):
-    raise TypeError(f"{where}: pmap={pmap!r}: expected True or False.")
-  n = int(n)
+  check_values(where, schedule=schedule)
+  n = check_int(where, "n", n, lo=1, fix="It is the number of devices on the data axis.")
+  check_bool(where, "pmap", pmap)
   if _places_params(schedule):
     return _placed(tx_state, params, schedule, n, mesh, where)
   template = jax.eval_shape(tx.init, params)
@@ -252,36 +214,30 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
     whole = _recast(whole, template, where, "optimizer state")
     return _convert.shard_state(whole, tx, params, schedule, n, pmap=pmap)
 
-  def fits(x: Any) -> bool:
-    try:
-      _recast(x, template, where, "")
-      return True
-    except ShardingError:
-      return False
+  def keeps_nothing_else(held: Any) -> None:   # a ScheduledState's fields, or nnx's entries for them
+    for name in ("defer_state", "accum"):
+      if name in held:
+        raise ValueError(f"{where}: the optimizer state holds a {name} (its plan defers or accumulates): "
+                         f"cutting it would drop those values. Apply them first (prophet_jax.deferred_grads, "
+                         f"or finish the k micro-steps), then pass the state without them.")
 
   def scheduled_state(s: ScheduledState) -> ScheduledState:
     if _is_sharded(s.inner):
       return s
-    for name in ("defer_state", "accum"):
-      if getattr(s, name) is not None:
-        raise ValueError(f"{where}: the ScheduledState holds a {name} (its plan defers or accumulates): "
-                         f"cutting it would drop those values. Apply them first (prophet_jax.deferred_grads, "
-                         f"or finish the k micro-steps), then pass the state without them.")
+    keeps_nothing_else([f for f, v in s._asdict().items() if v is not None])
     return ScheduledState(inner=cut(s.inner))
+
+  def pipelined_state(p: PipelinedState) -> PipelinedState:
+    return p if _is_sharded(p.opt_state) else p._replace(opt_state=cut(p.opt_state))
 
   def typed(state: Any) -> Any:
     state = _nnx.unwrap(state)
-    if not _states.holds_state(state) and fits(state):
-      return cut(state)
-    out, count = _map_typed(state, lambda x: isinstance(x, ScheduledState), scheduled_state)
-    if count:
-      return out
-    out, count = _map_typed(state, lambda x: isinstance(x, PipelinedState),
-                            lambda p: p if _is_sharded(p.opt_state) else p._replace(opt_state=cut(p.opt_state)))
-    if count:
-      return out
     if not _states.holds_state(state):
-      cut(state)  # names both transformations' states
+      return cut(state)   # tx's state itself (the recast names both transformations' states where it is not)
+    for cls, fn in ((ScheduledState, scheduled_state), (PipelinedState, pipelined_state)):
+      out, count = _map_typed(state, lambda x: isinstance(x, cls), fn)   # noqa: B023 (used at once)
+      if count:
+        return out
     raise _not_a_state(where, state, "tx's whole optimizer state")
 
   if _nnx.is_optimizer(tx_state):
@@ -290,11 +246,7 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
     def from_labels(d: Mapping) -> Any:
       if isinstance(d["inner"], Mapping) and "per_device" in d["inner"]:
         return d
-      for name in ("defer_state", "accum"):
-        if name in d:
-          raise ValueError(f"{where}: the optimizer state holds a {name} (its plan defers or accumulates): "
-                           f"cutting it would drop those values. Apply them first, then pass the state "
-                           f"without them.")
+      keeps_nothing_else(d)
       return {**d, "inner": _nnx.labelled(_nnx.to_nnx(cut(_nnx.rebuild(template, d["inner"], where))))}
     new, count = _nnx.walk_mappings(_nnx.labelled(tx_state), lambda d: "inner" in d, from_labels)
     if not count:
@@ -317,7 +269,12 @@ def state_specs(state: Any, axis_name: Any, *, params: Any = None, schedule: Sch
     TypeError: `axis_name` is not a non-empty string (or tuple of them).
   """
   where = "state_specs"
-  _check_axis_name(axis_name, where)
+  ok = (isinstance(axis_name, str) and axis_name) or (
+      isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) and a for a in axis_name))
+  if not ok:
+    raise TypeError(f"{where}: axis_name={axis_name!r}: expected the data-parallel mesh axis's name (a "
+                    f"non-empty string such as 'data', or a tuple of them), as given to scheduled(..., "
+                    f"axis_name=...).")
   if (params is None) != (schedule is None):
     raise TypeError(f"{where}: params= and schedule= go together (the plan places the params); got only "
                     f"{'params' if schedule is None else 'schedule'}.")
@@ -344,8 +301,7 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None,
     ValueError: a state that records no schedule (an nnx.state), and none (or another) was given.
   """
   where = "deferred_grads"
-  if not isinstance(average, bool):
-    raise TypeError(f"{where}: average={average!r}: expected True or False.")
+  check_bool(where, "average", average)
   if state is None:
     return _defer.deferred_grads(None, params)
   given = state
@@ -359,7 +315,8 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None,
   n = _global_n(found)
   if n is None:
     return _defer.deferred_grads(state, params, schedule=schedule)
-  per = [_defer.deferred_grads([_device(s, i) for s in found], params, schedule=schedule) for i in range(n)]
+  per = [_defer.deferred_grads([_defer.device_part(s, i) for s in found], params, schedule=schedule)
+         for i in range(n)]
   stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *per)
   return jax.tree_util.tree_map(lambda x: jnp.mean(x, axis=0).astype(x.dtype), stacked) if average else stacked
 
@@ -367,22 +324,10 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None,
 def _global_n(found: list) -> int | None:
   """The device count of states laid out outside a mapping (residual (n, k, c) or (n, 1, k, c)), else None."""
   shapes = {np.shape(r) for s in found for r in s.residual}
-  if not shapes:
-    return None
-  lead = {s[0] for s in shapes}
+  lead = {s[0] for s in shapes}   # (none without a state: no count)
   if len(lead) == 1 and (lead != {1} or any(len(s) == 4 for s in shapes)):
     return int(lead.pop())
   return None
-
-
-def _device(s: Any, i: int) -> Any:
-  """Device i's DeferState out of a global (residual (n, k, c)) or pmap-stacked state (on the host: a
-  global array split over an Explicit mesh axis cannot be sliced outside a map)."""
-  s = jax.tree_util.tree_map(lambda x: np.asarray(jax.device_get(x)), s)
-  stacked = any(np.ndim(r) == 4 for r in s.residual)
-  pick = (lambda xs: tuple(x[i] for x in xs)) if stacked else (lambda xs: tuple(xs))
-  return DeferState(norms=pick(s.norms), deferred=pick(s.deferred), index=pick(s.index),
-                           residual=tuple(r[i] if stacked else r[i:i + 1] for r in s.residual), tag=s.tag)
 
 
 def _defer_from_labels(labelled: Mapping, schedule: Schedule | None, where: str) -> list:

@@ -13,18 +13,18 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import _defer
-from ._sharded import chunk_buffer, padded, scatter_chunks
+from ._collectives import chunk_buffer, scatter_chunks
+from ._sharded import padded
 from ._accumulate import accum_dtype
 from ._states import AccumState, DeferState, OwedState, ScheduledState, ShardedState, StateTag, is_kind, is_state, kind_of
-from ._defer import defer_tag, owed_tag
-from ._zero import matched_leaves, shard_tag, check_state, shard_mode
+from ._defer import defer_tag, matched_leaves, owed_tag
+from ._zero import shard_tag, check_state, shard_mode, shard_structs
 from .._values._errors import ScheduleMismatchError, ShardingError
-from .._values._checks import match_tree
-from .._values._schedule import Schedule, shard_size
+from .._values._checks import check_values, match_tree
+from .._values._schedule import Schedule
 
 __all__ = ["unshard_state", "shard_state", "Converted", "Conversion", "convert", "defer_like", "steady_state"]
 
@@ -38,17 +38,13 @@ def _groups(schedule: Schedule, n: int, mode: str, params: Any, tx: Any, where: 
   into groups, lmap, flat params): a group is the tuple of shards (one per chunk, + the norm carrier)
   or the params' tree; a leaf is anything else (a step count, a scalar)."""
   flat, treedef, lmap = matched_leaves(params, schedule, where)
-  chunks = schedule.chunks
-  shard_struct = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in chunks)
-  if mode == "global-norm":
-    shard_struct = shard_struct + (jax.ShapeDtypeStruct((), jnp.float32),)
-  k = len(shard_struct)
+  shard_struct = shard_structs(schedule, n, mode)
   shapes = [tuple(np.shape(s)) for s in shard_struct]
 
   def is_shards(x: Any) -> bool:
     # (an optimizer's own tuple of k states, e.g. adam's (ScaleByAdamState, EmptyState) for k = 2, is
     # not a group of shards: only arrays are)
-    return type(x) is tuple and len(x) == k and all(
+    return type(x) is tuple and len(x) == len(shapes) and all(
         hasattr(y, "shape") and tuple(y.shape) == s for y, s in zip(x, shapes))
 
   pshapes = [tuple(np.shape(x)) for x in flat]
@@ -70,59 +66,44 @@ def _groups(schedule: Schedule, n: int, mode: str, params: Any, tx: Any, where: 
   return per_def, per_items, is_shards, rep_def, rep_items, is_params, treedef, flat, lmap
 
 
-def unshard_state(state: Any, tx: Any, params: Any, schedule: Schedule) -> Any:
-  """Every `ShardedState` in `state` replaced by `tx`'s whole (replicated) state for `params`, on the host:
-  what `tx.init(params)` and the same updates on the whole tree would hold (per-parameter arrays put back
-  at their slices, padding dropped; scalars from device 0).
+def unshard_state(s: ShardedState, tx: Any, params: Any, schedule: Schedule) -> Any:
+  """A `ShardedState` as `tx`'s whole (replicated) state for `params`, on the host: what `tx.init(params)`
+  and the same updates on the whole tree would hold (per-parameter arrays put back at their slices, padding
+  dropped; scalars from device 0).
 
   Args:
-    state: a tree holding ShardedStates, as the step leaves them (global `(n, ...)` or pmap's `(n, 1, ...)`).
+    s: the ShardedState, as the step leaves it (global `(n, ...)` or pmap's `(n, 1, ...)`).
     tx: the optimizer the state was made by.
     params: the params' tree (arrays or ShapeDtypeStructs).
     schedule: the sharded schedule the state was made for.
 
   Returns:
-    `state` with each ShardedState replaced by a tree like `tx.init(params)` of numpy arrays.
+    A tree like `tx.init(params)` of numpy arrays.
 
   Raises:
     ScheduleMismatchError: a ShardedState of another schedule or tree.
     ShardingError: tx's state is not per-parameter arrays and scalars.
   """
   where = "unshard_state"
-
-  def one(s: ShardedState) -> Any:
-    n = s.tag.n
-    check_state(s, schedule, n, where)
-    per_def, per_items, is_shards, rep_def, rep_items, _, treedef, flat, lmap = _groups(
-        schedule, n, s.tag.mode, params, tx, where)
-    got = per_def.flatten_up_to(s.per_device)
-    out = []
-    for tmpl, have, like in zip(per_items, got, rep_items):
-      if is_shards(tmpl):
-        bufs = []
-        for c, part in zip(schedule.chunks, have):
-          a = _host(part)
-          if a.shape[1:2] == (1,) and a.ndim == 3:   # pmap: (n, 1, s)
-            a = a[:, 0]
-          bufs.append(a.reshape(-1)[:c.size])
-        base = [np.zeros(np.shape(x), like_leaf.dtype) for x, like_leaf in
-                zip(flat, jax.tree_util.tree_leaves(like))]
-        leaves = [np.asarray(x) for x in scatter_chunks(base, schedule.chunks, lmap.row_leaf, bufs)]
-        out.append(jax.tree_util.tree_unflatten(treedef, [x.astype(t.dtype) for x, t in zip(
-            leaves, jax.tree_util.tree_leaves(like))]))
-      else:
-        a = _host(have)
-        out.append(a.reshape((a.shape[0], -1))[0].reshape(np.shape(tmpl)).astype(tmpl.dtype))
-    return jax.tree_util.tree_unflatten(rep_def, out)
-
-  is_state = lambda x: isinstance(x, ShardedState)  # noqa: E731
-  if not any(is_state(x) for x in jax.tree_util.tree_leaves(state, is_leaf=is_state)):
-    raise TypeError(
-        f"{where}: no ShardedState in the given {type(state).__name__}: pass the optimizer state (or a "
-        f"TrainState holding it) of scheduled(tx, schedule) with a sharded schedule, as the step returns "
-        f"it. A container that re-labels its fields (flax.nnx's Optimizer keeps nested dicts) hides the "
-        f"type: give the ShardedState itself (ScheduledState.inner).")
-  return jax.tree_util.tree_map(one, state, is_leaf=is_state)
+  n = s.tag.n
+  check_state(s, schedule, n, where)
+  per_def, per_items, is_shards, rep_def, rep_items, _, treedef, flat, lmap = _groups(
+      schedule, n, s.tag.mode, params, tx, where)
+  out = []
+  for tmpl, have, like in zip(per_items, per_def.flatten_up_to(s.per_device), rep_items):
+    if is_shards(tmpl):
+      hosts = [_host(part) for part in have]   # global (n, s), or pmap's (n, 1, s)
+      bufs = [(a[:, 0] if a.ndim == 3 and a.shape[1] == 1 else a).reshape(-1)[:c.size]
+              for c, a in zip(schedule.chunks, hosts)]
+      like_leaves = jax.tree_util.tree_leaves(like)
+      base = [np.zeros(np.shape(x), t.dtype) for x, t in zip(flat, like_leaves)]
+      leaves = scatter_chunks(base, schedule.chunks, lmap.row_leaf, bufs)
+      out.append(jax.tree_util.tree_unflatten(treedef, [np.asarray(x).astype(t.dtype)
+                                                        for x, t in zip(leaves, like_leaves)]))
+    else:
+      a = _host(have)
+      out.append(a.reshape((a.shape[0], -1))[0].reshape(np.shape(tmpl)).astype(tmpl.dtype))
+  return jax.tree_util.tree_unflatten(rep_def, out)
 
 
 def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int, *,
@@ -153,23 +134,18 @@ def shard_state(tx_state: Any, tx: Any, params: Any, schedule: Schedule, n: int,
   if n < 1:
     raise ValueError(f"{where}: n={n}: the number of devices on the data axis must be >= 1.")
   mode = shard_mode(tx, params, where)
-  per_def, per_items, is_shards, rep_def, rep_items, is_params, treedef, flat, lmap = _groups(
-      schedule, n, mode, params, tx, where)
+  per_def, per_items, is_shards, rep_def, _, _, treedef, _, lmap = _groups(schedule, n, mode, params, tx, where)
   have = rep_def.flatten_up_to(tx_state)
   out = []
-  for tmpl, like, x in zip(per_items, rep_items, have):
+  for tmpl, x in zip(per_items, have):
     if is_shards(tmpl):
       leaves = [_host(v) for v in treedef.flatten_up_to(x)]
-      parts = []
-      for c, t in zip(schedule.chunks, tmpl):
-        buf = np.asarray(padded(chunk_buffer(leaves, c, lmap.row_leaf), n)).astype(t.dtype)
-        parts.append(buf.reshape(n, -1))
-      if mode == "global-norm":  # the carrier's entry: what init gives it (its update is dropped)
-        parts.append(np.zeros((n,), tmpl[-1].dtype))
-      group = tuple(parts)
+      parts = [np.asarray(padded(chunk_buffer(leaves, c, lmap.row_leaf), n)).astype(t.dtype).reshape(n, -1)
+               for c, t in zip(schedule.chunks, tmpl)]
+      # the global norm's carrier: what init gives it (its update is dropped)
+      out.append(tuple(parts) + ((np.zeros((n,), tmpl[-1].dtype),) if mode == "global-norm" else ()))
     else:
-      group = np.broadcast_to(_host(x).astype(tmpl.dtype), (n,) + tuple(np.shape(tmpl))).copy()
-    out.append(group)
+      out.append(np.broadcast_to(_host(x).astype(tmpl.dtype), (n,) + tuple(np.shape(tmpl))).copy())
   per_device = jax.tree_util.tree_unflatten(per_def, out)
   if pmap:
     per_device = jax.tree_util.tree_map(lambda a: a[:, None], per_device)
@@ -215,23 +191,10 @@ def defer_like(new: Schedule, rep_prefix: tuple[int, ...], res_prefix: tuple[int
 
 def _owed_of(d: DeferState, old: Schedule, params: Any) -> tuple[Any, tuple[int, ...]]:
   """(each device's deferred values at their elements, stacked on a device axis; that axis' shape)."""
-  res_prefix = tuple(np.shape(d.residual[0])[:-2])
-  devices = int(np.prod(res_prefix, dtype=np.int64))
-  rep_devices = int(np.prod(np.shape(d.norms[0])[:-1], dtype=np.int64))
-  flat, treedef = jax.tree_util.tree_flatten(params)
-  zeros = jax.tree_util.tree_unflatten(treedef, [np.zeros(np.shape(x), getattr(x, "dtype", np.float32))
-                                                 for x in flat])
-
-  def pick(xs: Any, k: int, dims: int) -> tuple[np.ndarray, ...]:   # device k's copy (the last `dims` axes)
-    return tuple(np.asarray(x).reshape((-1,) + np.shape(x)[np.ndim(x) - dims:])[k] for x in xs)
-
-  per = []
-  for i in range(devices):
-    j = i if rep_devices == devices else 0   # pmap keeps a copy of the replicated parts per device
-    one = DeferState(norms=pick(d.norms, j, 1), deferred=pick(d.deferred, j, 1), index=pick(d.index, j, 1),
-                     residual=tuple(r[None] for r in pick(d.residual, i, 2)), tag=d.tag)
-    per.append(_defer.add_residual(zeros, old, one, "convert"))
-  if res_prefix == (1,):
+  devices = int(np.prod(d.lead, dtype=np.int64))
+  zeros = jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), getattr(x, "dtype", np.float32)), params)
+  per = [_defer.deferred_values(zeros, _defer.device_part(d, i), old, "convert") for i in range(devices)]
+  if d.lead == (1,):
     return per[0], ()
   return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *per), (devices,)
 
@@ -247,8 +210,7 @@ class Conversion:
   def __init__(self, params: Any, new: Schedule, *, tx: Any = None, n: int | None = None,
                owed_in_place: bool = False, where: str = "convert", every_k: int | None = None,
                on_mesh: bool = False):
-    if not isinstance(new, Schedule):
-      raise TypeError(f"{where}: new_schedule must be a prophet_jax.Schedule, got {type(new).__name__}.")
+    check_values(where, schedule=new)
     self.params, self.new, self.tx, self.n, self.where = params, new, tx, n, where
     self.owed_in_place, self.every_k, self.on_mesh = owed_in_place, every_k, on_mesh
     self.owed: list[tuple[Any, tuple[int, ...]]] = []
@@ -282,7 +244,7 @@ class Conversion:
     if self.owed_in_place:
       return _owed_state(owed, d, self.params, new)
     self.owed.append((owed, axis))
-    return defer_like(new, tuple(np.shape(d.norms[0])[:-1]), tuple(np.shape(d.residual[0])[:-2]))
+    return defer_like(new, tuple(np.shape(d.norms[0])[:-1]), d.lead)
 
   def owed(self, o: OwedState) -> OwedState:
     if o.tag == owed_tag(self.new):
@@ -319,20 +281,11 @@ class Conversion:
   def scheduled(self, x: ScheduledState) -> ScheduledState:
     """Its parts by their kinds; tx's whole state cut into shards for a ZeRO-1 schedule; an initial
     deferral state where the new schedule defers and the old did not."""
-    if kind_of(x.inner) is not None:
-      inner = self.step(x.inner)
-    elif self.new.family == "zero1":
-      inner = self._whole_to_shards(x.inner)
-    else:
-      inner = x.inner
-    if x.defer_state is not None:
-      d = self.step(x.defer_state)
-    elif self.new.defers:
-      d = defer_like(self.new, (), (self.n,) if self.n else (1,))
-    else:
-      d = None
-    return self._every_k(ScheduledState(inner=inner, defer_state=d,
-                                        accum=None if x.accum is None else self.step(x.accum)))
+    whole = kind_of(x.inner) is None and self.new.family == "zero1"
+    inner = self._whole_to_shards(x.inner) if whole else self.step(x.inner)
+    fresh = x.defer_state is None and self.new.defers
+    d = defer_like(self.new, (), (self.n,) if self.n else (1,)) if fresh else self.step(x.defer_state)
+    return self._every_k(ScheduledState(inner=inner, defer_state=d, accum=self.step(x.accum)))
 
   def _every_k(self, x: ScheduledState) -> ScheduledState:
     """`x` with the accumulator the new `every_k` needs: dropped when empty (refused while micro-steps wait
@@ -348,8 +301,7 @@ class Conversion:
       return x._replace(accum=None)
     if x.accum is not None:
       return x
-    n = self.n
-    prefix = x.defer_state.lead if x.defer_state is not None else (n,) if self.on_mesh and n else (1,)
+    prefix = x.defer_state.lead if x.defer_state is not None else (self.n,) if self.on_mesh and self.n else (1,)
     grads = tuple(np.zeros(prefix + tuple(shape), accum_dtype(dtype)) for _, shape, dtype in self.new.rows)
     return x._replace(accum=AccumState(count=np.zeros(prefix[:1] if len(prefix) == 2 else (), np.int32), grads=grads))
 
@@ -361,8 +313,7 @@ class Conversion:
           f"{self.where}: the PipelinedState holds a pending forward of its plan (half of a step): flush it "
           f"with the old plan's step first (state = jax.pmap(old.flush, axis_name=...)(state), or "
           f"old.flush inside its shard_map / jit), then convert.")
-    opt = self.scheduled(ScheduledState(inner=x.opt_state)).inner
-    return x._replace(opt_state=opt, defer=None if x.defer is None else self.step(x.defer))
+    return x._replace(opt_state=self.scheduled(ScheduledState(inner=x.opt_state)).inner, defer=self.step(x.defer))
 
   def _whole_to_shards(self, inner: Any) -> Any:
     self._need_tx("a whole optimizer state is cut into ZeRO-1 shards")
@@ -381,10 +332,9 @@ class Conversion:
 def _owed_state(owed: Any, d: DeferState, params: Any, schedule: Schedule) -> OwedState:
   """An owed tree (per device, or stacked on a device axis) as an OwedState laid out as `d` was: each
   row `(1, *shape)` per device, `(n, *shape)` global, `(n, 1, *shape)` under pmap."""
-  prefix = tuple(np.shape(d.residual[0])[:-2])
   lmap = match_tree(jax.tree_util.tree_flatten_with_path(params)[0], schedule, where="convert_state")
   flat = jax.tree_util.tree_leaves(owed)
-  rows = tuple(np.asarray(flat[i]).reshape(prefix + tuple(shape)).astype(dtype)
+  rows = tuple(np.asarray(flat[i]).reshape(d.lead + tuple(shape)).astype(dtype)
                for i, (_, shape, dtype) in zip(lmap.row_leaf, schedule.rows))
   return OwedState(owed=rows, tag=owed_tag(schedule))
 
@@ -394,9 +344,7 @@ def steady_state(state: Any) -> Any:
   step returns in its place (the plan's initial DeferState in the same layout, or None): the shapes of
   the steady state, for specs or `jax.eval_shape`."""
   def one(x: Any) -> Any:
-    if not isinstance(x, OwedState):
-      return x
-    return defer_like(x.tag.schedule, x.lead[:1] if len(x.lead) == 2 else (), x.lead)
+    return defer_like(x.tag.schedule, x.lead[:1] if len(x.lead) == 2 else (), x.lead) if isinstance(x, OwedState) else x
 
   return jax.tree_util.tree_map(one, state, is_leaf=is_state)
 

@@ -4,6 +4,7 @@ plan's first step adds to its gradients (docs/design.md, "The rewrite's layers")
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -11,18 +12,17 @@ import numpy as np
 from . import _mesh, _nnx
 from ._convert import Conversion, steady_state
 from ._states import ScheduledState, holds_state, state_specs
+from .._values._checks import check_values
 from .._values._schedule import Schedule
 
 __all__ = ["convert_state", "first_step_specs", "steady_state"]
 
 
-def _devices(mesh: Any, axis_name: Any, num_devices: Any, where: str) -> int | None:
-  if num_devices is not None:
-    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
-      raise ValueError(f"{where}: num_devices={num_devices!r}: the number of devices on the data axis, "
-                       f"an int >= 1.")
-    return int(num_devices)
-  return _mesh.data_devices(mesh, axis_name, where)
+def _count(value: Any, name: str, what: str, where: str) -> int | None:
+  """`value` (None, or an int >= 1) as an int, else a ValueError saying what it counts."""
+  if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+    raise ValueError(f"{where}: {name}={value!r}: {what}, an int >= 1.")
+  return None if value is None else int(value)
 
 
 def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = None, mesh: Any = None,
@@ -61,16 +61,15 @@ def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = 
     >>> opt_state = prophet_jax.convert_state(opt_state, params, new_plan, tx=tx, mesh=mesh, axis_name="dp")
   """
   where = "convert_state"
-  if not isinstance(new_schedule, Schedule):
-    raise TypeError(f"{where}: new_schedule must be a prophet_jax.Schedule, got {type(new_schedule).__name__}.")
-  n = _devices(mesh, axis_name, num_devices, where)
+  check_values(where, schedule=new_schedule)
+  n = _count(num_devices, "num_devices", "the number of devices on the data axis", where)
+  n = _mesh.data_devices(mesh, axis_name, where) if n is None else n
+  again = functools.partial(convert_state, params=params, new_schedule=new_schedule, tx=tx, mesh=mesh,
+                            axis_name=axis_name, num_devices=num_devices, every_k=every_k)
   if _nnx.is_optimizer(state):   # an nnx.State of the optimizer comes out, for nnx.update
-    return _nnx.on_optimizer(state, lambda s: convert_state(
-        s, params, new_schedule, tx=tx, mesh=mesh, axis_name=axis_name, num_devices=num_devices,
-        every_k=every_k), whole=True)
+    return _nnx.on_optimizer(state, again, whole=True)
   if _nnx.holds_variables(state):   # an nnx.Optimizer's opt_state: its arrays in Variables
-    return _nnx.to_nnx(convert_state(_nnx.values(state), params, new_schedule, tx=tx, mesh=mesh,
-                                     axis_name=axis_name, num_devices=num_devices, every_k=every_k))
+    return _nnx.to_nnx(again(_nnx.values(state)))
   if _nnx.is_nnx_state(state) and not holds_state(state):
     raise TypeError(
         f"{where}: nnx.state(optimizer) re-labels the library's states as nested dicts, so their "
@@ -85,9 +84,7 @@ def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = 
           f"tx= (to a 'dear' plan it is cut into the ZeRO-1 shards scheduled(tx, schedule) takes).")
     # a plain tx's state (the jit path's): what scheduled(tx, new_schedule) takes
     state = ScheduledState(inner=state)
-  if every_k is not None and (isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer))
-                              or every_k < 1):
-    raise ValueError(f"{where}: every_k={every_k!r}: the new transformation's every_k, an int >= 1.")
+  _count(every_k, "every_k", "the new transformation's every_k", where)
   out = Conversion(params, new_schedule, tx=tx, n=n, owed_in_place=True, where=where,
                    every_k=every_k, on_mesh=_mesh.data_devices(mesh, axis_name, where) is not None)(state)
   return _mesh.put_on(out, mesh, lambda: state_specs(out, axis_name))

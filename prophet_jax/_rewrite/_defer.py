@@ -14,16 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._states import DeferState, OwedState, StateTag
-from .._values._checks import match_tree
+from .._values._checks import check_values, match_tree
 from .._values._errors import ScheduleMismatchError
 from .._values._schedule import Chunk, Schedule
 from .._values._tree import IdentityMemo
 from .._values._types import itemsize
 
 __all__ = ["DeferGroup", "DeferState", "GroupState", "defer_groups", "init", "defer_state",
-           "check_state", "group_states", "with_groups", "same_groups", "lossless",
-           "add_residual", "schedule_of", "belongs", "find_states", "deferred_grads", "owed_tag", "check_foreign",
-           "given_state", "deferred_values", "add_owed"]
+           "check_state", "group_states", "with_groups", "lossless",
+           "schedule_of", "belongs", "find_states", "deferred_grads", "owed_tag", "check_foreign",
+           "given_state", "deferred_values", "device_part", "matched_leaves"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -36,7 +36,6 @@ class DeferGroup:
 
   Attributes:
     bucket: the bucket's index in the schedule.
-    first: the index, among all issued all-reduces, of the group's first slot (its named scope).
     chunks: the group's chunks, in chunk-index order.
     defer: k, the chunks deferred per step.
     size: c, elements per slot (the largest chunk).
@@ -45,7 +44,6 @@ class DeferGroup:
   """
 
   bucket: int
-  first: int
   chunks: tuple[Chunk, ...]
   defer: int
   size: int
@@ -55,10 +53,6 @@ class DeferGroup:
   @property
   def m(self) -> int:
     return len(self.chunks)
-
-  @property
-  def slots(self) -> int:
-    return len(self.chunks) - self.defer
 
   @property
   def rows(self) -> int:
@@ -77,18 +71,9 @@ class DeferGroup:
 @IdentityMemo(64)
 def defer_groups(schedule: Schedule) -> tuple[DeferGroup, ...]:
   """The schedule's deferral groups (buckets with `defer > 0`), in issue order."""
-  out, first = [], 0
-  for b, bucket in enumerate(schedule.buckets):
-    if bucket.defer:
-      out.append(DeferGroup(bucket=b, first=first, chunks=bucket.chunks, defer=bucket.defer,
-                            size=bucket.slot_size, dtype=bucket.chunks[0].dtype, release=bucket.release))
-    first += bucket.slots
-  return tuple(out)
-
-
-def _layout(schedule: Schedule) -> tuple[tuple[int, int, int, str], ...]:
-  """(m, residual rows, c, dtype) per group: k rows, or m under damped feedback."""
-  return tuple((g.m, g.rows, g.size, g.residual_dtype) for g in defer_groups(schedule))
+  return tuple(DeferGroup(bucket=b, chunks=bucket.chunks, defer=bucket.defer, size=bucket.slot_size,
+                          dtype=bucket.chunks[0].dtype, release=bucket.release)
+               for b, bucket in enumerate(schedule.buckets) if bucket.defer)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -96,7 +81,9 @@ def _layout(schedule: Schedule) -> tuple[tuple[int, int, int, str], ...]:
 
 
 def defer_tag(schedule: Schedule) -> StateTag:
-  return StateTag.of(schedule, _layout(schedule))
+  """The tag of `schedule`'s DeferState: its layout (m, residual rows, c, dtype) per group (k rows, or m
+  under damped feedback)."""
+  return StateTag.of(schedule, tuple((g.m, g.rows, g.size, g.residual_dtype) for g in defer_groups(schedule)))
 
 
 class GroupState(NamedTuple):
@@ -110,18 +97,16 @@ class GroupState(NamedTuple):
 
 def init(schedule: Schedule) -> DeferState | None:
   """The state before the first step (public as `prophet_jax.defer_state`, which says more)."""
-  if not isinstance(schedule, Schedule):
-    raise TypeError(f"defer_state: expected a prophet_jax.Schedule, got {type(schedule).__name__}.")
+  check_values("defer_state", schedule=schedule)
   if not schedule.defers:
     return None
   groups = defer_groups(schedule)
-  tag = defer_tag(schedule)
   return DeferState(
       norms=tuple(jnp.zeros((g.m,), jnp.float32) for g in groups),
       deferred=tuple(jnp.zeros((g.m,), jnp.bool_) for g in groups),
       index=tuple(jnp.arange(g.m - g.rows, g.m, dtype=jnp.int32) for g in groups),
       residual=tuple(jnp.zeros((1, g.rows, g.size), g.residual_dtype) for g in groups),
-      tag=tag)
+      tag=defer_tag(schedule))
 
 
 def defer_state(schedule: Schedule) -> DeferState | None:
@@ -159,8 +144,7 @@ def belongs(state: Any, schedule: Schedule) -> bool:
   or None for a schedule that defers nothing. Anything else is a re-plan's state (or a mistake)."""
   if state is None:
     return not schedule.defers
-  return (schedule.defers and isinstance(state, DeferState) and isinstance(state.tag, StateTag)
-          and state.tag == defer_tag(schedule))
+  return schedule.defers and isinstance(state, DeferState) and state.tag == defer_tag(schedule)   # StateTag's ==
 
 
 def check_state(state: Any, schedule: Schedule, where: str) -> None:
@@ -185,8 +169,7 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
                     f"{schedule.max_deferred_fraction:.1%} of the elements per step), so it needs its "
                     f"deferral state: a DeferState (prophet_jax.defer_state(schedule) before the first "
                     f"step, then the one each step returns), got {type(state).__name__}.")
-  want = defer_tag(schedule)
-  tag = state.tag
+  want, tag = defer_tag(schedule), state.tag
   if not isinstance(tag, StateTag) or tag != want:
     got = repr(tag) if isinstance(tag, StateTag) else type(tag).__name__
     same_tree = isinstance(tag, StateTag) and tag.fingerprint == want.fingerprint
@@ -197,11 +180,10 @@ def check_state(state: Any, schedule: Schedule, where: str) -> None:
         f"{getattr(tag, 'layout', '?')}) than this one ({want!r}, groups {want.layout}): it was "
         f"{why}, and it does not record that schedule, so its residual cannot be carried over. "
         f"{_HOW_TO_CARRY}")
-  for g, (norms, deferred, index, residual) in zip(defer_groups(schedule), zip(*state[:4])):
+  for g, gs in zip(defer_groups(schedule), group_states(state)):
     expect = (((g.m,), "float32"), ((g.m,), "bool"), ((g.rows,), "int32"),
               ((1, g.rows, g.size), g.residual_dtype))
-    for name, x, (shape, dtype) in zip(("norms", "deferred", "index", "residual"),
-                                       (norms, deferred, index, residual), expect):
+    for name, x, (shape, dtype) in zip(GroupState._fields, gs, expect):
       got_shape, got_dtype = tuple(np.shape(x)), str(jnp.dtype(getattr(x, "dtype", np.float64)))
       if got_shape != shape or got_dtype != dtype:
         raise ScheduleMismatchError(
@@ -250,7 +232,7 @@ def given_state(state: Any, schedule: Schedule, flat: Sequence[Any] | None, lmap
   if isinstance(state, OwedState):
     owed = None if flat is None else _owed_leaves(state, flat, lmap, where="the first step after convert_state")
     return owed, init(schedule)
-  if schedule.defers or state is not None:
+  if schedule.defers or state is not None:   # a lossless schedule's walk has no deferral stop
     check_state(state, schedule, where)
   return None, state
 
@@ -271,24 +253,6 @@ def _owed_leaves(state: OwedState, flat: Sequence[Any], lmap: Any, where: str) -
   return owed
 
 
-def deferred_values(tree: Any, state: Any, schedule: Schedule, where: str) -> Any:
-  """`tree` (per device, the schedule's tree) with the deferred values `state` holds added at their
-  elements: a DeferState's residual, or convert_state's owed values; `tree` for None."""
-  if isinstance(state, OwedState):
-    return add_owed(tree, state, schedule, where)
-  return tree if state is None else add_residual(tree, schedule, state, where)
-
-
-def add_owed(tree: Any, state: OwedState, schedule: Schedule, where: str) -> Any:
-  """`tree` (per-device, the schedule's tree) with an `OwedState`'s values added at their elements."""
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  lmap = match_tree(leaves_with_path, schedule, where=where)
-  flat = [x for _, x in leaves_with_path]
-  owed = _owed_leaves(state, flat, lmap, where)
-  return jax.tree_util.tree_unflatten(treedef, [x if o is None else x + o for x, o in zip(flat, owed)])
-
-
-
 # --------------------------------------------------------------------------------------------------
 # the engine's per-group view (`_collectives.reduce_units`)
 
@@ -307,13 +271,6 @@ def with_groups(state: DeferState, groups: Sequence[GroupState]) -> DeferState:
 # across schedules (a re-plan) and back to the parameters' shape
 
 
-def same_groups(a: Schedule, b: Schedule) -> bool:
-  """Whether a DeferState of schedule `a` is one of `b` (the same deferral groups and layout)."""
-  if a is b or not (a.defers or b.defers):
-    return True
-  return a.defers and b.defers and defer_tag(a) == defer_tag(b)
-
-
 @IdentityMemo(16)
 def lossless(schedule: Schedule) -> Schedule:
   """`schedule` with no deferral: every chunk one all-reduce, in issue order (one tie chain)."""
@@ -323,17 +280,28 @@ def lossless(schedule: Schedule) -> Schedule:
   return dataclasses.replace(schedule, buckets=buckets, links=())
 
 
-def add_residual(tree: Any, schedule: Schedule, defer: DeferState, where: str) -> Any:
-  """`tree` (like the parameters) with `defer`'s residual added at the elements it was deferred from.
+def matched_leaves(tree: Any, schedule: Schedule, where: str, **match: Any) -> tuple[list, Any, Any]:
+  """(`tree`'s leaves, its treedef, the schedule's rows matched to them by `match_tree`, given `match`)."""
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return [x for _, x in leaves_with_path], treedef, match_tree(leaves_with_path, schedule, where=where, **match)
+
+
+def deferred_values(tree: Any, state: Any, schedule: Schedule, where: str) -> Any:
+  """`tree` (per device, like the parameters) with the deferred values `state` holds added at their
+  elements: convert_state's owed values, or a DeferState's residual; `tree` for None.
 
   Group g's residual row j holds this device's values of chunk `index[j]` (zero-padded to the slot
   size); the chunk's slices say where they go. The indices are traced (chosen at run time), so each
   chunk's row is read from an (m, c) scatter of the residual: zero for the chunks not deferred.
   """
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  row_leaf = match_tree(leaves_with_path, schedule, where=where).row_leaf
-  flat = [x for _, x in leaves_with_path]
-  for g, gs in zip(defer_groups(schedule), group_states(defer)):
+  if state is None:
+    return tree
+  flat, treedef, lmap = matched_leaves(tree, schedule, where)
+  if isinstance(state, OwedState):
+    owed = _owed_leaves(state, flat, lmap, where)
+    return jax.tree_util.tree_unflatten(treedef, [x if o is None else x + o for x, o in zip(flat, owed)])
+  row_leaf = lmap.row_leaf
+  for g, gs in zip(defer_groups(schedule), group_states(state)):
     rows = jnp.zeros((g.m, g.size), gs.residual.dtype).at[gs.index].add(gs.residual[0])
     for i, chunk in enumerate(g.chunks):
       off = 0
@@ -356,9 +324,20 @@ def add_residual(tree: Any, schedule: Schedule, defer: DeferState, where: str) -
 def find_states(state: Any) -> list[DeferState]:
   """Every DeferState inside `state` (a DeferState, an optax state holding ScheduledStates, a
   TrainState, a PipelinedState, a dict, ...), in flatten order."""
-  found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, DeferState))
-           if isinstance(x, DeferState)]
-  return found
+  return [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, DeferState))
+          if isinstance(x, DeferState)]
+
+
+def device_part(d: DeferState, i: int) -> DeferState:
+  """Device i's DeferState, on the host, out of one laid out for several: a global state (residuals
+  `(n, k, c)`, the replicated parts once) or pmap's stacked one (`(n, 1, k, c)`, the rest `(n, ...)`)."""
+  def pick(xs: Any, k: int, dims: int) -> tuple[np.ndarray, ...]:   # copy k (the last `dims` axes)
+    return tuple(np.asarray(x).reshape((-1,) + np.shape(x)[np.ndim(x) - dims:])[k] for x in xs)
+
+  # pmap keeps a copy of the replicated parts per device
+  j = i if np.prod(np.shape(d.norms[0])[:-1], dtype=np.int64) == np.prod(d.lead, dtype=np.int64) else 0
+  return DeferState(norms=pick(d.norms, j, 1), deferred=pick(d.deferred, j, 1), index=pick(d.index, j, 1),
+                    residual=tuple(r[None] for r in pick(d.residual, i, 2)), tag=d.tag)
 
 
 def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None) -> Any:
@@ -382,9 +361,7 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None)
     ScheduleMismatchError: the state belongs to a schedule of another tree.
     ValueError: a state that records no schedule, and none given.
   """
-  flat, treedef = jax.tree_util.tree_flatten(params)
-  out = jax.tree_util.tree_unflatten(treedef, [jnp.zeros(np.shape(x), getattr(x, "dtype", jnp.float32))
-                                               for x in flat])
+  out = jax.tree_util.tree_map(lambda x: jnp.zeros(np.shape(x), getattr(x, "dtype", jnp.float32)), params)
   for st in find_states(state):
     sched = schedule_of(st)
     if sched is None:
@@ -392,5 +369,5 @@ def deferred_grads(state: Any, params: Any, *, schedule: Schedule | None = None)
         raise ValueError("deferred_grads: the deferral state does not record the schedule it was made "
                          "for; pass it: deferred_grads(state, params, schedule=the_old_schedule).")
       sched = schedule
-    out = add_residual(out, sched, st, "deferred_grads")
+    out = deferred_values(out, st, sched, "deferred_grads")
   return out

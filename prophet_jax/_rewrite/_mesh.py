@@ -11,6 +11,7 @@ manual over every mesh axis and what each input must be.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -128,13 +129,10 @@ class Placement:
     if not (has_aux or has_state):
       return _loss_reduction.combine(value, self.axes, self.reduction)
     loss, rest = value
-    if has_state and has_aux:
-      check_model_state(rest[0], self.axes, where)
-      rest = (rest[0], _stack(rest[1]))
-    elif has_state:
-      check_model_state(rest, self.axes, where)
-    else:
-      rest = _stack(rest)
+    if has_state:
+      check_model_state(rest[0] if has_aux else rest, self.axes, where)
+    if has_aux:
+      rest = (rest[0], _stack(rest[1])) if has_state else _stack(rest)
     return _loss_reduction.combine(loss, self.axes, self.reduction), rest
 
   def value_specs(self, has_aux: bool, has_state: bool) -> Any:
@@ -181,20 +179,16 @@ class MeshGradFn:
   def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
     where = f"{self._where}(mesh=...)'s grad_fn"
     args, defer_state, stateful = self._split_state(list(args), kwargs, where)
-    if not args:
-      raise TypeError(f"{where}: no batch given; call grad_fn(params, batch) (or grad_fn(params, "
-                      f"model_state, batch) with has_state=True).")
-    if self._has_state and len(args) < 2:
-      raise TypeError(f"{where}: has_state=True, so the grad_fn takes (params, model_state, batch); got "
-                      f"{1 + len(args)} positional arguments.")
+    if len(args) < 1 + self._has_state:
+      raise TypeError(f"{where}: no batch given ({1 + len(args)} positional arguments): call grad_fn(params, "
+                      f"batch), or grad_fn(params, model_state, batch) with has_state=True.")
     *reps, batch = args
     place = self.place
 
     def body(params, *rest):
       *reps, batch, defer_state = rest
       out = self._fn(params, *reps, batch, **({"defer_state": defer_state} if stateful else {}))
-      value = place.value(out[0], self._has_aux, self._has_state, where)
-      return (value, out[1], out[2]) if stateful else (value, out[1])
+      return (place.value(out[0], self._has_aux, self._has_state, where), *out[1:])   # (value, grads[, state])
 
     # the step continues its own state; any other (a re-plan's) gives way to the first one
     first = self.defer_state_abstract()
@@ -213,22 +207,19 @@ class MeshGradFn:
                                               "returns.")), outs, where=where)
 
   def _split_state(self, args: list, kwargs: dict, where: str) -> tuple[list, Any, bool]:
-    """(the positional inputs, the deferral state given, whether the step takes and returns one)."""
-    if self.defer_state_abstract() is not None:
-      if "defer_state" in kwargs:
-        return self._no_kwargs(args, kwargs, where, kwargs.pop("defer_state"))
-      if len(args) >= 2:
-        return self._no_kwargs(args[:-1], kwargs, where, args[-1])
+    """(the positional inputs, the deferral state given, whether the step takes and returns one): a
+    deferring step's state last (or defer_state=); else a re-plan's state, carried over, where one is given."""
+    defers = self.defer_state_abstract() is not None
+    state, stateful = None, True
+    if "defer_state" in kwargs and (defers or _states.is_state(kwargs["defer_state"])):
+      state = kwargs.pop("defer_state")
+    elif len(args) >= 2 and (defers or _states.is_state(args[-1])):
+      args, state = args[:-1], args[-1]
+    elif defers:
       raise TypeError(f"{where}: the schedule defers, so the grad_fn takes its deferral state last: "
                       f"grad_fn(params, batch, defer_state), starting from grad_fn.defer_state().")
-    if _states.is_state(kwargs.get("defer_state")):   # a re-plan's state, carried over
-      return self._no_kwargs(args, kwargs, where, kwargs.pop("defer_state"))
-    if len(args) >= 2 and _states.is_state(args[-1]):
-      return self._no_kwargs(args[:-1], kwargs, where, args[-1])
-    return self._no_kwargs(args, kwargs, where, None, stateful=False)
-
-  @staticmethod
-  def _no_kwargs(args: list, kwargs: dict, where: str, state: Any, stateful: bool = True) -> tuple[list, Any, bool]:
+    else:
+      stateful = False
     if kwargs:
       raise TypeError(f"{where}: unexpected keyword arguments {sorted(kwargs)}; on the mesh every "
                       f"input is positional: grad_fn(params, [replicated inputs such as the model "
@@ -275,8 +266,7 @@ class MeshPipelined:
       return new, place.value(out, inner.has_aux, False, where)
 
     # a state without a pending forward keeps its deferral state (a re-plan's owed values ride on)
-    spec = place.spec("state", state)
-    out = spec._replace(pending=P(place.entry)) if state.pending is None else inner.state_specs()
+    out = place.spec("state", state)._replace(pending=P(place.entry)) if state.pending is None else inner.state_specs()
     return place(body, (("state", "state", state, self._fix), ("batch", "batch", batch, "")),
                  (out, place.value_specs(inner.has_aux, False)), where=where)
 
@@ -288,6 +278,15 @@ class MeshPipelined:
       return state
     return self.place(self.inner.flush, (("state", "state", state, self._fix),), self.inner.state_specs(),
                       where=where)
+
+  def deferred_grads(self, state: Any) -> Any:
+    """The deferred gradient values (see `Pipelined.deferred_grads`), combined over the data axis
+    (replicated, like the params)."""
+    where = "pipelined(mesh=...).deferred_grads"
+    check_state(state, where)
+    place = self.place
+    return place(lambda s: _loss_reduction.combine(self.inner.deferred_grads(s), place.axes, self.inner.reduction),
+                 (("state", "state", state, self._fix),), P(), where=where)
 
   _fix = "Start from this step's init(params), which makes the state on the mesh."
 
@@ -327,9 +326,8 @@ def place_state(make: Callable[[], Any], mesh: Any, axis_name: Any, where: str) 
   abstract = jax.eval_shape(make)
   if abstract is None:
     return None
-  specs = _states.state_specs(abstract, entry)
   return _jitted("state", (make,), (mesh, entry), lambda: jax.jit(jax.shard_map(
-      make, mesh=mesh, in_specs=(), out_specs=specs)))()
+      make, mesh=mesh, in_specs=(), out_specs=_states.state_specs(abstract, entry))))()
 
 
 def check_layout(state: Any, n: int, where: str, fix: str) -> None:
@@ -422,9 +420,7 @@ class MeshTransformation:
     # per-device parts already (hooked(mesh=)'s gradient shards), or each device's partial sums
     role = "shards" if _states.is_state(updates) else "unreduced"
 
-    def body(g, st, p):
-      return self.inner.update(g, st, p, **extra_args)
-
+    body = functools.partial(self.inner.update, **extra_args)
     args = ((role, "grads", updates, ""), ("state", "optimizer state", state,
                                           "Make the optimizer state with this transformation's init on the mesh."),
             ("replicated", "params", params, self._fix))

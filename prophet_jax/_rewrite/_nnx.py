@@ -4,6 +4,7 @@ Nothing here imports flax: an nnx object exists only where the user imported it.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -22,19 +23,15 @@ def flax_nnx() -> Any:
   return sys.modules.get("flax.nnx")
 
 
-def is_optimizer(x: Any) -> bool:
+def _is_a(cls: str, x: Any) -> bool:
+  """Whether `x` is an instance of `flax.nnx.<cls>` (never, where flax.nnx is not imported)."""
   nnx = flax_nnx()
-  return nnx is not None and isinstance(x, nnx.Optimizer)
+  return nnx is not None and isinstance(x, getattr(nnx, cls))
 
 
-def is_nnx_state(x: Any) -> bool:
-  nnx = flax_nnx()
-  return nnx is not None and isinstance(x, nnx.State)
-
-
-def is_variable(x: Any) -> bool:
-  nnx = flax_nnx()
-  return nnx is not None and isinstance(x, nnx.Variable)
+is_optimizer = functools.partial(_is_a, "Optimizer")
+is_nnx_state = functools.partial(_is_a, "State")
+is_variable = functools.partial(_is_a, "Variable")
 
 
 def values(tree: Any) -> Any:
@@ -47,8 +44,7 @@ def unwrap(tree: Any) -> Any:
   Variables (Param-shaped momenta) stay: `_recast` lays them on tx's template."""
   if flax_nnx() is None:
     return tree
-  pred = is_state
-  return jax.tree_util.tree_map(lambda x: values(x) if pred(x) else x, tree, is_leaf=pred)
+  return jax.tree_util.tree_map(lambda x: values(x) if is_state(x) else x, tree, is_leaf=is_state)
 
 
 def label(k: Any) -> Any:
@@ -86,9 +82,9 @@ def rebuild(template: Any, labelled: Mapping, where: str) -> Any:
     for k in path:
       key = label(k)
       if not isinstance(d, Mapping) or key not in d:
-        names = "/".join(str(label(q)) for q in path)
-        raise ShardingError(f"{where}: the nnx state has no entry {names!r} where the optimizer's state "
-                            f"keeps one: it was made by another transformation than the tx given.")
+        raise ShardingError(f"{where}: the nnx state has no entry {'/'.join(str(label(q)) for q in path)!r} "
+                            f"where the optimizer's state keeps one: it was made by another transformation "
+                            f"than the tx given.")
       d = d[key]
     leaves.append(d.get_value() if is_variable(d) else d)
   return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -63,7 +63,7 @@ class PendingMeta:
   state: tuple[tuple[str, tuple[int, ...], Any, bool], ...] = ()
   has_state: bool = False
 
-  def __hash__(self) -> int:  # the schedule can be large: hash once
+  def __hash__(self) -> int:  # the schedule can be large: hash once (equality is the dataclass's, field by field)
     h = self.__dict__.get("_hash")
     if h is None:
       h = hash((self.schedule.tree_fingerprint, len(self.schedule.chunks), self.batch_tree, self.batch,
@@ -71,18 +71,6 @@ class PendingMeta:
                 self.state_tree, self.state, self.has_state))
       object.__setattr__(self, "_hash", h)
     return h
-
-  def __eq__(self, other: object) -> bool:
-    if self is other:
-      return True
-    if not isinstance(other, PendingMeta):
-      return NotImplemented
-    return (self.batch == other.batch and self.residuals == other.residuals
-            and self.carry == other.carry and self.forward_size == other.forward_size
-            and self.loss_varying == other.loss_varying and self.loss_dtype == other.loss_dtype
-            and self.batch_tree == other.batch_tree and self.state_tree == other.state_tree
-            and self.state == other.state and self.has_state == other.has_state
-            and (self.schedule is other.schedule or self.schedule == other.schedule))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -99,8 +87,7 @@ class Pending:
   __slots__ = ("residuals", "meta")
 
   def __init__(self, residuals: tuple[Any, ...], meta: PendingMeta):
-    self.residuals = tuple(residuals)
-    self.meta = meta
+    self.residuals, self.meta = tuple(residuals), meta
 
   def tree_flatten(self):
     return self.residuals, self.meta
@@ -140,12 +127,9 @@ class PipelinedState(NamedTuple):
 
 
 def meta_nbytes(meta: PendingMeta) -> int:
-  return int(sum(int(np.prod(s, dtype=np.int64)) * _dtype_of(d).itemsize for s, d in meta.residuals))
-
-
-def _dtype_of(dt: Any) -> Any:
-  """A dtype object from a dtype or its name (numpy dtypes, bfloat16, extended dtypes as they are)."""
-  return dt if jax.dtypes.issubdtype(dt, jax.dtypes.extended) else jnp.dtype(dt)
+  """Bytes of the carried residuals (a dtype's name read as numpy's; extended dtypes as they are)."""
+  return int(sum(int(np.prod(s, dtype=np.int64)) * (d if jax.dtypes.issubdtype(d, jax.dtypes.extended)
+                                                    else jnp.dtype(d)).itemsize for s, d in meta.residuals))
 
 
 def round_to_dtype(x: Any) -> Any:

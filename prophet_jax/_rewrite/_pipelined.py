@@ -123,8 +123,7 @@ class Pipelined:
     traced = None  # the backward's trace of the forward, which the next forward reuses when it can
     if state.pending is not None:
       _check_batch(state.pending.meta, batch_tree, batch_avals, self.axis_name)
-      params, opt_state, defer, traced = self._backward_and_update(params, opt_state, state.pending, defer,
-                                                                   where)
+      params, opt_state, defer, traced = self._backward_and_update(state, where)
     elif defer is None and self.schedule.defers:
       defer = _defer.init(self.schedule)  # nothing was deferred (a lossless step's state): start here
     else:   # convert_state's owed values ride until the next backward, which adds them
@@ -152,8 +151,7 @@ class Pipelined:
     if state.pending is None:
       return state
     axis_size(self.axis_name, where)
-    params, opt_state, defer, _ = self._backward_and_update(state.params, state.opt_state,
-                                                            state.pending, state.defer, where)
+    params, opt_state, defer, _ = self._backward_and_update(state, where)
     return state._replace(params=params, opt_state=opt_state, pending=None, defer=defer)
 
   def params(self, state: PipelinedState) -> Any:
@@ -212,11 +210,7 @@ class Pipelined:
   # -- the pieces ---------------------------------------------------------------------------------
   def _call(self, params: Any, inputs: Any) -> tuple[Any, tuple[Any, Any]]:
     """`loss_fn` on the forward's inputs (the batch, or (model_state, batch)), as (loss, (state, aux))."""
-    if self.has_state:
-      model_state, batch = inputs
-      out = self.loss_fn(params, model_state, batch)
-    else:
-      out = self.loss_fn(params, inputs)
+    out = self.loss_fn(params, *inputs) if self.has_state else self.loss_fn(params, inputs)   # (model_state, batch)
     loss, state, aux = _loss_reduction.split_output(out, self.has_aux, self.has_state, "pipelined")
     return loss, (state, aux)
 
@@ -245,7 +239,8 @@ class Pipelined:
     if reuse is not None and reuse.signature == signature:
       return reuse
     trace = vjp_jaxpr(self._forward_fn, pv, inputs, has_aux=True)
-    plan = carry_plan(trace.closed, len(jax.tree_util.tree_leaves(pv)), ("min-cut" if self.residuals == "min-cut" else "closure"), n_head=trace.n_head)
+    plan = carry_plan(trace.closed, len(jax.tree_util.tree_leaves(pv)),
+                      "min-cut" if self.residuals == "min-cut" else "closure", n_head=trace.n_head)
     return Traced(signature, trace, plan)
 
   def _forward(self, params: Any, model_state: Any, batch: Any, batch_tree: Any,
@@ -253,11 +248,11 @@ class Pipelined:
     pv = _varying_params(params, self.axis_name)
     state_tree, state_avals = _avals(model_state, self.axis_name)
     # traced once, run from its jaxpr: the same trace says what to carry
-    _, trace, plan = self._trace(pv, self._inputs(model_state, batch), traced)
+    inputs = self._inputs(model_state, batch)
+    _, trace, plan = self._trace(pv, inputs, traced)
     n_head = trace.n_head
     with jax.named_scope("pipelined_forward"):
-      loss, *outs = forward(trace.closed, plan, n_head=n_head)(
-          *jax.tree_util.tree_leaves(pv), *jax.tree_util.tree_leaves(self._inputs(model_state, batch)))
+      loss, *outs = forward(trace.closed, plan, n_head=n_head)(*jax.tree_util.tree_leaves((pv, inputs)))
     new_state, aux = jax.tree_util.tree_unflatten(trace.aux_tree, outs[:n_head - 1])
     residuals = outs[n_head - 1:]
     _check_loss(loss)
@@ -271,8 +266,8 @@ class Pipelined:
         state_tree=state_tree, state=state_avals, has_state=self.has_state)
     return loss, new_state, aux, Pending(tuple(x[None] for x in residuals), meta)
 
-  def _backward_and_update(self, params: Any, opt_state: Any, pending: Pending, defer: Any,
-                           where: str) -> tuple[Any, Any, Any, Traced]:
+  def _backward_and_update(self, state: PipelinedState, where: str) -> tuple[Any, Any, Any, Traced]:
+    params, opt_state, pending, defer = state.params, state.opt_state, state.pending, state.defer
     meta = pending.meta
     schedule = meta.schedule
     if schedule.tree_fingerprint != self.schedule.tree_fingerprint:
@@ -292,7 +287,9 @@ class Pipelined:
                        f"a model state, but this pipelined step has has_state={self.has_state}. Flush it "
                        f"with the step that made it, or start from init(...).")
     pv = _varying_params(params, self.axis_name)
-    traced = self._vjp_structure(pv, meta)
+    # the forward traced on the recorded input shapes (nothing of it runs): its vjp_jaxpr and carry plan
+    traced = self._trace(pv, self._inputs(_placeholders(meta.state_tree, meta.state, self.axis_name),
+                                          _placeholders(meta.batch_tree, meta.batch, self.axis_name)))
     _, trace, plan = traced
     closed = trace.closed
     res_avals = tuple((tuple(a.shape), a.dtype) for a in carried_avals(closed, plan))
@@ -312,23 +309,13 @@ class Pipelined:
       leaves = recompute(closed, plan, len(jax.tree_util.tree_leaves(pv)), n_head=trace.n_head)(
           *jax.tree_util.tree_leaves(pv), *(r[0] for r in pending.residuals))
       vjp_fn = jax.tree_util.tree_unflatten(trace.treedef, leaves)
-      (grads,) = vjp_fn(_ones_ct(meta, self.axis_name))
+      (grads,) = vjp_fn(_full((), 1, meta.loss_dtype, meta.loss_varying, self.axis_name))
     # the per-device scheduled update: a ZeRO-1 step's all-gathers run inside the next forward
     updates, st = self._update(where).update(grads, ScheduledState(inner=opt_state, defer_state=defer), params)
     opt_state, defer = st.inner, st.defer_state
     params = optax.apply_updates(params, updates)
     # the next forward reads these inside this program: round low-precision leaves as memory would
-    params = jax.tree_util.tree_map(round_to_dtype, params)
-    return params, opt_state, defer, traced
-
-  def _vjp_structure(self, pv: Any, meta: PendingMeta) -> Traced:
-    """The forward traced on the recorded input shapes (nothing of it runs): its `vjp_jaxpr` and the
-    carry plan."""
-    batch = jax.tree_util.tree_unflatten(meta.batch_tree, [_placeholder(a, self.axis_name) for a in meta.batch])
-    model_state = jax.tree_util.tree_unflatten(meta.state_tree, [_placeholder(a, self.axis_name) for a in meta.state])
-    return self._trace(pv, self._inputs(model_state, batch))
-
-
+    return jax.tree_util.tree_map(round_to_dtype, params), opt_state, defer, traced
 
 
 # --------------------------------------------------------------------------------------------------
@@ -343,10 +330,8 @@ def _check_defer(defer: Any, schedule: Schedule, where: str) -> None:
           "state = prophet_jax.convert_state(state, params, new_schedule) (nothing deferred is lost).")
   try:
     _defer.given_state(defer, schedule, None, None, where)
-  except ScheduleMismatchError as e:
-    raise ScheduleMismatchError(f"{e} {hint}") from None
-  except TypeError as e:
-    raise TypeError(f"{e} {hint}") from None
+  except (ScheduleMismatchError, TypeError) as e:
+    raise type(e)(f"{e} {hint}") from None
 
 
 def _varying(x: Any, axis_name: Any) -> bool:
@@ -362,16 +347,16 @@ def _varying_params(params: Any, axis_name: Any) -> Any:
       lambda x: x if not is_reduced_leaf(x) or is_varying(x, axis_name) else to_varying(x, axis_name), params)
 
 
-def _placeholder(aval: tuple, axis_name: Any) -> jax.Array:
-  """A value of a recorded (path, shape, dtype, varying) leaf (a constant; only its type matters)."""
-  _, shape, dtype, varying = aval
-  x = jax.lax.full(shape, 0, dtype)  # also for extended dtypes (typed PRNG keys)
+def _full(shape: tuple, fill: int, dtype: Any, varying: bool, axis_name: Any) -> jax.Array:
+  """A constant of a recorded type (also for extended dtypes: typed PRNG keys), varying where it was."""
+  x = jax.lax.full(shape, fill, dtype)
   return to_varying(x, axis_name) if varying and vma_enabled(axis_name) else x
 
 
-def _ones_ct(meta: PendingMeta, axis_name: Any) -> jax.Array:
-  ct = jnp.ones((), meta.loss_dtype)
-  return to_varying(ct, axis_name) if meta.loss_varying and vma_enabled(axis_name) else ct
+def _placeholders(tree: Any, avals: tuple, axis_name: Any) -> Any:
+  """A tree of recorded (path, shape, dtype, varying) leaves (constants; only their types matter)."""
+  return jax.tree_util.tree_unflatten(tree, [_full(shape, 0, dtype, vary, axis_name)
+                                             for _, shape, dtype, vary in avals])
 
 
 def _avals(tree: Any, axis_name: Any) -> tuple[Any, tuple]:
@@ -493,16 +478,4 @@ def pipelined(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                    has_aux=has_aux, has_state=has_state, reduction=_loss_reduction.check(reduction, "pipelined"),
                    enforce_order=check_enforce_order("pipelined", enforce_order))
   # global arrays in a plain jax.jit: the same step mapped over the mesh
-  return on_mesh(step, mesh, PipelinedOnMesh)
-
-
-class PipelinedOnMesh(MeshPipelined):
-  """`pipelined(..., mesh=)` (`_mesh.MeshPipelined`) and its deferral state's values."""
-
-  def deferred_grads(self, state: Any) -> Any:
-    """The deferred gradient values, combined over the data axis (replicated, like the params)."""
-    where = "pipelined(mesh=...).deferred_grads"
-    check_state(state, where)
-    place = self.place
-    return place(lambda s: _loss_reduction.combine(self.inner.deferred_grads(s), place.axes, self.inner.reduction),
-                 (("state", "state", state, self._fix),), PartitionSpec(), where=where)
+  return on_mesh(step, mesh, MeshPipelined)

@@ -62,9 +62,7 @@ def known_spec(x: Any) -> PartitionSpec | None:
   """
   if isinstance(x, jax.core.Tracer):
     sharding = jax.typeof(x).sharding
-    if not explicit_axes(sharding.mesh):
-      return None
-    return sharding.spec
+    return sharding.spec if explicit_axes(sharding.mesh) else None
   if isinstance(x, jax.Array):
     sharding = getattr(x, "sharding", None)
     if isinstance(sharding, NamedSharding):
@@ -87,12 +85,7 @@ def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[Any, ...]]]:
 
 def _extras(spec: PartitionSpec) -> str:
   """' unreduced={...}' / ' reduced={...}' of a spec, or ''."""
-  out = ""
-  for name in ("unreduced", "reduced"):
-    s = getattr(spec, name, None)
-    if s:
-      out += f" {name}={set(s)}"
-  return out
+  return "".join(f" {name}={set(s)}" for name in ("unreduced", "reduced") if (s := getattr(spec, name, None)))
 
 
 def named_leaves(tree: Any, prefix: str) -> list[tuple[str, Any]]:
@@ -109,8 +102,7 @@ def check_placed(tree: Any, specs: Any, what: str, where: str, fix: str) -> None
     spec, expect = known_spec(x), want[i] if len(want) > 1 else want[0] if want else P()
     if spec is None:
       continue
-    split = spec_axes(spec)
-    extra = _extras(spec)
+    split, extra = spec_axes(spec), _extras(spec)
     if spec_axes(expect):
       if split != spec_axes(expect) or extra:
         raise ValueError(
@@ -129,8 +121,7 @@ def check_placed(tree: Any, specs: Any, what: str, where: str, fix: str) -> None
 def check_batch(batch: Any, mesh: Any, axes: tuple[Any, ...], where: str) -> None:
   """ValueError for a batch leaf that cannot be split over the data axes on its leading axis, or is
   known to be placed otherwise (replicated, split over another axis, or on another array axis)."""
-  n = axis_total(mesh, axes)
-  entry = spec_entry(axes)
+  n, entry = axis_total(mesh, axes), spec_entry(axes)
   leaves = named_leaves(batch, "batch")
   if not leaves:
     raise ValueError(f"{where}: the batch has no array leaves; pass the global batch (leading axis: "
@@ -164,14 +155,9 @@ def check_batch(batch: Any, mesh: Any, axes: tuple[Any, ...], where: str) -> Non
           f"jit on Explicit axes, jax.sharding.reshard(x, P({entry!r}))).")
 
 
-def _varying_over(x: Any, axes: tuple[Any, ...]) -> bool:
-  varying = jax.typeof(x).manual_axis_type.varying
-  return any(a in varying for a in axes)
-
-
 def check_model_state(new: Any, axes: tuple[Any, ...], where: str) -> None:
   for name, x in named_leaves(new, "model_state"):
-    if hasattr(x, "dtype") and _varying_over(x, axes):
+    if hasattr(x, "dtype") and any(a in jax.typeof(x).manual_axis_type.varying for a in axes):
       entry = spec_entry(axes)
       raise ValueError(
           f"{where}: the new model state's leaf {name!r} varies over mesh axis {entry!r} (it was "

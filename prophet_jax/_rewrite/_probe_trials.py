@@ -5,8 +5,6 @@ passes; the optax factory names a refusal gives."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 __all__ = ["SCALES", "gradients", "extra_args", "tx_names"]

@@ -7,7 +7,6 @@ varying checks).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -19,10 +18,10 @@ from ._accumulate import check_state as check_accum
 from ._axis import bind
 from ._collectives import reduce_units, schedule_chains, schedule_units
 from ._sharded import sharded_allreduce
-from ._defer import given_state, group_states, with_groups
-from ._keys import check_enforce_order, ordering
+from ._defer import given_state, group_states, matched_leaves, with_groups
+from ._keys import check_enforce_order, ordered_by
 from ._states import per_device_leaves
-from .._values._checks import check_bool, check_values, match_tree
+from .._values._checks import check_bool, check_values
 from .._values._schedule import Schedule
 
 __all__ = ["allreduce", "reduction_kind", "step_setup", "StepSetup", "scheduled_allreduce", "accumulated_allreduce"]
@@ -60,11 +59,9 @@ def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = Tr
   Example:
     >>> step = jax.pmap(lambda g: prophet_jax.allreduce(g, schedule, "data"), axis_name="data")
   """
-  keyed = not check_enforce_order("allreduce", enforce_order)
   # True leaves the ordering as it is: the tie, unless a front-end traces this call with keys
-  with ordering(False) if keyed else contextlib.nullcontext():
-    reduced, new = scheduled_allreduce(grads, schedule, axis_name, mean=mean, where="allreduce",
-                                       defer_state=defer_state)
+  reduced, new = ordered_by(check_enforce_order("allreduce", enforce_order), scheduled_allreduce)(
+      grads, schedule, axis_name, mean=mean, where="allreduce", defer_state=defer_state)
   return (reduced, new) if schedule.defers or defer_state is not None else reduced
 
 
@@ -132,19 +129,16 @@ def step_setup(tree: Any, schedule: Schedule, axis_name: Any, where: str, *, def
   Raises:
     UnboundAxisError, ScheduleMismatchError, AlreadyReducedError, TypeError, ValueError.
   """
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  lmap = match_tree(leaves_with_path, schedule, where=where, skip_prefixes=skip_prefixes)
-  flat = [leaf for _, leaf in leaves_with_path]
-  given = defer_state
-  owed, defer_state = given_state(defer_state, schedule, flat, lmap, where)
+  flat, treedef, lmap = matched_leaves(tree, schedule, where, skip_prefixes=skip_prefixes)
+  owed, start = given_state(defer_state, schedule, flat, lmap, where)
   named = [(lmap.paths[i], flat[i]) for i in lmap.row_leaf] if checks else []
-  fresh = defer_state.residual if owed is not None and defer_state is not None else None
+  fresh = start.residual if owed is not None and start is not None else None
   n, vma, (fresh, varying) = bind(
       axis_name, where, varying=(fresh, varying), grads=named if grads else (), params=() if grads else named,
-      per_device=[*(() if owed is not None else per_device_leaves(given)), *per_device])
+      per_device=[*(() if owed is not None else per_device_leaves(defer_state)), *per_device])
   if fresh is not None:   # the new plan's initial residuals: each device's own
-    defer_state = defer_state._replace(residual=fresh)
-  return StepSetup(n=n, flat=flat, treedef=treedef, lmap=lmap, defer_state=defer_state, owed=owed, vma=vma,
+    start = start._replace(residual=fresh)
+  return StepSetup(n=n, flat=flat, treedef=treedef, lmap=lmap, defer_state=start, owed=owed, vma=vma,
                    varying=varying)
 
 
@@ -158,26 +152,22 @@ def scheduled_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean:
   check_bool(where, "mean", mean)
   kind = reduction_kind(schedule, where)
   s = step_setup(grads, schedule, axis_name, where, defer_state=defer_state)
-  flat, n, defer_state = with_owed(s), s.n, s.defer_state
-  chains = schedule_chains(schedule, where)
+  chains, divisor = schedule_chains(schedule, where), s.n if mean else None
+  flat = with_owed(s)
   if kind == "zero1":  # reduce-scatters, then all-gathers: replicated, as an all-reduce's result
-    flat = sharded_allreduce(flat, schedule, s.lmap.row_leaf, axis_name, n=n, divisor=n if mean else None,
-                             vma=s.vma)
+    flat = sharded_allreduce(flat, schedule, s.lmap.row_leaf, axis_name, n=s.n, divisor=divisor, vma=s.vma)
     return jax.tree_util.tree_unflatten(s.treedef, flat), None
-  flat, _, groups = reduce_units(flat, schedule_units(schedule), s.lmap.row_leaf, axis_name,
-                                 divisor=n if mean else None,
-                                 defer=() if defer_state is None else group_states(defer_state),
-                                 prev=None if chains is None else (None,) * (max(chains) + 1),
-                                 chains=chains)
-  new = with_groups(defer_state, groups) if schedule.defers else None
-  return jax.tree_util.tree_unflatten(s.treedef, flat), new
+  flat, _, groups = reduce_units(flat, schedule_units(schedule), s.lmap.row_leaf, axis_name, divisor=divisor,
+                                 defer=() if s.defer_state is None else group_states(s.defer_state), chains=chains,
+                                 prev=None if chains is None else (None,) * (max(chains) + 1))
+  return jax.tree_util.tree_unflatten(s.treedef, flat), with_groups(s.defer_state, groups) if schedule.defers else None
 
 
-def with_owed(s: StepSetup) -> list[Any]:
-  """The setup's leaves with a re-plan's owed residual added (`StepSetup.owed`)."""
+def with_owed(s: StepSetup, times: int = 1) -> list[Any]:
+  """The setup's leaves with a re-plan's owed residual added (`StepSetup.owed`), `times` times."""
   if s.owed is None:
     return s.flat
-  return [x if o is None else x + o for x, o in zip(s.flat, s.owed)]
+  return [x if o is None else x + (o if times == 1 else o * times) for x, o in zip(s.flat, s.owed)]
 
 
 def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, every_k: int, accum: Any,
@@ -201,19 +191,20 @@ def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, eve
   check_accum(accum, schedule, where)
   s = step_setup(grads, schedule, axis_name, where, defer_state=defer_state, per_device=[
       (f"the gradient accumulator's sum for {path!r}", a) for (path, _, _), a in zip(schedule.rows, accum.grads)])
-  flat, treedef, lmap, defer_state = s.flat, s.treedef, s.lmap, s.defer_state
-  if s.owed is not None:   # convert_state's owed values: k times into the sums, so their mean adds them once
-    flat = [x if o is None else x + o * every_k for x, o in zip(flat, s.owed)]
+  treedef, lmap, defer_state = s.treedef, s.lmap, s.defer_state
+  flat = with_owed(s, every_k)   # convert_state's owed values: k times into the sums, so their mean adds them once
   rows = tuple(a[0] + flat[i].astype(a.dtype) for a, i in zip(accum.grads, lmap.row_leaf))
   count = accum.count + 1
   emit = count >= every_k
 
+  def with_rows(rows):   # the leaves, each row's leaf replaced
+    by_leaf = dict(zip(lmap.row_leaf, rows))
+    return jax.tree_util.tree_unflatten(treedef, [by_leaf.get(i, x) for i, x in enumerate(flat)])
+
   def fire(rows, defer):
-    mine = list(flat)
-    for i, r in zip(lmap.row_leaf, rows):
-      mine[i] = (r / every_k).astype(flat[i].dtype)
-    red, new = scheduled_allreduce(jax.tree_util.tree_unflatten(treedef, mine), schedule, axis_name,
-                                   mean=mean, where=where, defer_state=defer)
+    mean_rows = [(r / every_k).astype(flat[i].dtype) for i, r in zip(lmap.row_leaf, rows)]
+    red, new = scheduled_allreduce(with_rows(mean_rows), schedule, axis_name, mean=mean, where=where,
+                                   defer_state=defer)
     red = jax.tree_util.tree_leaves(red)
     return tuple(red[i] for i in lmap.row_leaf), new, tuple(jnp.zeros_like(r) for r in rows)
 
@@ -221,9 +212,6 @@ def accumulated_allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, eve
     return tuple(jnp.zeros(np.shape(flat[i]), flat[i].dtype) for i in lmap.row_leaf), defer, rows
 
   reduced, new_defer, rows = jax.lax.cond(emit, fire, wait, rows, defer_state)
-  out = list(flat)
-  for i, r in zip(lmap.row_leaf, reduced):
-    out[i] = r
   new_accum = type(accum)(count=jnp.where(emit, 0, count).astype(jnp.int32),
                           grads=tuple(r[None] for r in rows))
-  return jax.tree_util.tree_unflatten(treedef, out), new_defer, new_accum, emit
+  return with_rows(reduced), new_defer, new_accum, emit

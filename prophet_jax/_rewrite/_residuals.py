@@ -6,6 +6,7 @@ and the next call's backward agree. Jaxprs are read through `jax.extend.core` (`
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -94,8 +95,7 @@ def vjp_jaxpr(forward_fn: Callable[[Any, Any], Any], pv: Any, batch: Any, *,
     box.append((treedef, aux_tree))
     return [loss, *aux_leaves, *leaves]
 
-  closed = jax.make_jaxpr(loss_and_closure)(p_leaves, b_leaves)
-  return VjpTrace(closed, *box[0])
+  return VjpTrace(jax.make_jaxpr(loss_and_closure)(p_leaves, b_leaves), *box[0])   # box: filled by the trace
 
 
 def carry_plan(closed: Any, n_params: int, how: str, *, n_head: int = 1) -> tuple[Position, ...]:
@@ -115,31 +115,26 @@ def carry_plan(closed: Any, n_params: int, how: str, *, n_head: int = 1) -> tupl
     chosen = _min_cut(jaxpr, on_batch, needed)
   else:
     raise ValueError(f"carry_plan(how={how!r}): expected 'closure' or 'min-cut'.")
-  where = _positions(jaxpr)
-  return tuple(sorted(where[v] for v in chosen))
+  return tuple(sorted(_positions(jaxpr)[v] for v in chosen))
 
 
 def carried_avals(closed: Any, plan: Sequence[Position]) -> tuple[Any, ...]:
   """The abstract values (shape, dtype) of the carried values, in plan order."""
-  at = _vars_at(closed.jaxpr)
-  return tuple(at[p].aval for p in plan)
+  return tuple(_vars_at(closed.jaxpr)[p].aval for p in plan)
 
 
 def forward(closed: Any, plan: Sequence[Position], *, n_head: int = 1) -> Callable[..., list[Any]]:
   """`f(*param_leaves, *batch_leaves) -> [loss, *aux, *carried]`: the forward, computing only what it
   needs."""
-  jaxpr = closed.jaxpr
-  at = _vars_at(jaxpr)
+  jaxpr, at = closed.jaxpr, _vars_at(closed.jaxpr)
   return _subprogram(closed, list(jaxpr.invars), [*jaxpr.outvars[:n_head], *(at[p] for p in plan)])
 
 
 def recompute(closed: Any, plan: Sequence[Position], n_params: int, *,
               n_head: int = 1) -> Callable[..., list[Any]]:
   """`f(*param_leaves, *carried) -> closure leaves`: the backward's inputs, from the carried values."""
-  jaxpr = closed.jaxpr
-  at = _vars_at(jaxpr)
-  return _subprogram(closed, [*jaxpr.invars[:n_params], *(at[p] for p in plan)],
-                     list(jaxpr.outvars[n_head:]))
+  jaxpr, at = closed.jaxpr, _vars_at(closed.jaxpr)
+  return _subprogram(closed, [*jaxpr.invars[:n_params], *(at[p] for p in plan)], list(jaxpr.outvars[n_head:]))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,22 +204,15 @@ def _vars_at(jaxpr: Any) -> dict[Position, Any]:
 
 
 def _nbytes(v: Any) -> int:
-  aval = v.aval
-  return max(1, int(getattr(aval, "size", 1)) * aval.dtype.itemsize)
+  return max(1, int(getattr(v.aval, "size", 1)) * v.aval.dtype.itemsize)
 
 
 def _min_cut(jaxpr: Any, on_batch: set[Any], needed: list[Any]) -> list[Any]:
   """The batch values to carry: a minimum-bytes cut between what only the forward can compute and what
   the backward needs, with the latest such cut (the least recomputation) among equals."""
   # every batch value v is two nodes, v.in -> v.out with capacity bytes(v) (cutting it = carrying v)
-  index: dict[Any, int] = {}
-  for v in jaxpr.invars:
-    if v in on_batch:
-      index[v] = len(index)
-  for eqn in jaxpr.eqns:
-    for v in eqn.outvars:
-      if v in on_batch and v not in index:
-        index[v] = len(index)
+  ordered = dict.fromkeys(v for v in [*jaxpr.invars, *(v for eqn in jaxpr.eqns for v in eqn.outvars)] if v in on_batch)
+  index = {v: k for k, v in enumerate(ordered)}
   n = len(index)
   source, sink = 2 * n, 2 * n + 1
   inf = sum(_nbytes(v) for v in index) + 1
@@ -262,32 +250,33 @@ class _FlowGraph:
     self.cap: list[int] = []
 
   def add(self, u: int, v: int, cap: int) -> None:
-    self.adj[u].append(len(self.to))
-    self.to.append(v)
-    self.cap.append(cap)
-    self.adj[v].append(len(self.to))
-    self.to.append(u)
-    self.cap.append(0)
+    for a, b, c in ((u, v, cap), (v, u, 0)):   # the edge, then its residual twin (e ^ 1)
+      self.adj[a].append(len(self.to))
+      self.to.append(b)
+      self.cap.append(c)
+
+  def levels(self, start: int, backward: bool = False) -> list[int]:
+    """Each node's distance from `start` along edges of residual capacity (-1: unreached); `backward`:
+    its distance to `start` (edge e: v -> u out of v has the twin u -> v, of residual capacity cap[e ^ 1])."""
+    level = [-1] * len(self.adj)
+    level[start] = 0
+    queue = collections.deque([start])
+    while queue:
+      u = queue.popleft()
+      for e in self.adj[u]:
+        if self.cap[e ^ 1 if backward else e] > 0 and level[self.to[e]] < 0:
+          level[self.to[e]] = level[u] + 1
+          queue.append(self.to[e])
+    return level
 
   def max_flow(self, s: int, t: int) -> int:
     flow = 0
     while True:
-      level = [-1] * len(self.adj)
-      level[s] = 0
-      queue = collections.deque([s])
-      while queue:
-        u = queue.popleft()
-        for e in self.adj[u]:
-          if self.cap[e] > 0 and level[self.to[e]] < 0:
-            level[self.to[e]] = level[u] + 1
-            queue.append(self.to[e])
+      level = self.levels(s)
       if level[t] < 0:
         return flow
       it = [0] * len(self.adj)
-      while True:
-        pushed = self._push(s, t, level, it)
-        if not pushed:
-          break
+      while pushed := self._push(s, t, level, it):
         flow += pushed
 
   def _push(self, s: int, t: int, level: list[int], it: list[int]) -> int:
@@ -318,16 +307,7 @@ class _FlowGraph:
 
   def reaching(self, t: int) -> set[int]:
     """The nodes with a path of residual capacity to `t`."""
-    seen = {t}
-    queue = collections.deque([t])
-    while queue:
-      v = queue.popleft()
-      for e in self.adj[v]:  # e: v -> u; its twin u -> v has residual capacity cap[e ^ 1]
-        u = self.to[e]
-        if u not in seen and self.cap[e ^ 1] > 0:
-          seen.add(u)
-          queue.append(u)
-    return seen
+    return {v for v, d in enumerate(self.levels(t, backward=True)) if d >= 0}
 
 
 def _slice(jaxpr: Any, have: set[Any], outvars: Sequence[Any]) -> tuple[list[Any], set[Any]]:
@@ -364,18 +344,13 @@ def _prune_call(eqn: Any, used: Sequence[bool]) -> Any:
                          f"reads {len(missing)} values it does not define; please report it.")
   reads = {v for e in eqns for v in e.invars if _is_var(v)} | {v for v in outs if _is_var(v)}
   keep = [v in reads for v in inner.invars]
-  body = jex_core.ClosedJaxpr(
-      inner.replace(invars=[v for v, k in zip(inner.invars, keep) if k], outvars=outs, eqns=eqns),
-      closed.consts)
+  body = jex_core.ClosedJaxpr(inner.replace(invars=list(itertools.compress(inner.invars, keep)), outvars=outs,
+                                            eqns=eqns), closed.consts)
   params = dict(eqn.params, jaxpr=body)
-  for name in _CALL_IN_PARAMS:
-    if name in params:
-      params[name] = tuple(x for x, k in zip(params[name], keep) if k)
-  for name in _CALL_OUT_PARAMS:
-    if name in params:
-      params[name] = tuple(x for x, u in zip(params[name], used) if u)
-  return eqn.replace(invars=[v for v, k in zip(eqn.invars, keep) if k],
-                     outvars=[v for v, u in zip(eqn.outvars, used) if u], params=params)
+  for names, mask in ((_CALL_IN_PARAMS, keep), (_CALL_OUT_PARAMS, used)):
+    params.update({name: tuple(itertools.compress(params[name], mask)) for name in names if name in params})
+  return eqn.replace(invars=list(itertools.compress(eqn.invars, keep)),
+                     outvars=list(itertools.compress(eqn.outvars, used)), params=params)
 
 
 def _subprogram(closed: Any, invars: list[Any], outvars: list[Any]) -> Callable[..., list[Any]]:

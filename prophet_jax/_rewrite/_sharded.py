@@ -3,19 +3,19 @@ one tie chain, each under its named scope; the chunks' flat, zero-padded buffers
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ._collectives import AG_PREFIX, RS_PREFIX, engine_divisor, tie
+from ._collectives import AG_PREFIX, RS_PREFIX, chunk_buffer, engine_divisor, scatter_chunks, tie
 from ._keys import unit_scope
 from .._values._schedule import Schedule, shard_size
 
-__all__ = ["rs_scope", "ag_scope", "chunk_buffer", "padded", "reduce_scatter_chunks", "all_gather_chunks",
-           "scatter_chunks", "local_shards", "shards_square_sum", "sharded_allreduce"]
+__all__ = ["rs_scope", "ag_scope", "padded", "reduce_scatter_chunks", "all_gather_chunks", "local_shards",
+           "shards_square_sum", "sharded_allreduce"]
 
 
 def rs_scope(k: int) -> str:
@@ -26,12 +26,6 @@ def rs_scope(k: int) -> str:
 def ag_scope(g: int) -> str:
   """The named scope of all-gather g (`schedule.gathers[g]`): 'prophet/ag<g>' (`audit`)."""
   return f"{AG_PREFIX}{g}"
-
-
-def chunk_buffer(flat: Sequence[jax.Array], chunk: Any, row_leaf: Sequence[int]) -> jax.Array:
-  """Chunk's element slices gathered, in order, into one flat buffer (its dtype, `chunk.size` long)."""
-  parts = [flat[row_leaf[r]].reshape(-1)[a:b] for r, a, b in chunk.slices]
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def padded(buf: jax.Array, n: int) -> jax.Array:
@@ -84,33 +78,12 @@ def all_gather_chunks(shards: Sequence[jax.Array], chunks: Sequence[Any], gather
     sizes = [shard_size(chunks[k].size, n) for k in ks]
     buf = shards[ks[0]] if len(ks) == 1 else jnp.concatenate([shards[k] for k in ks])
     with unit_scope(ag_scope(g)):
-      full = jax.lax.all_gather(tie(buf, prev), axis_name, axis=0, tiled=True,
+      prev = jax.lax.all_gather(tie(buf, prev), axis_name, axis=0, tiled=True,
                                 **({"to": "invarying"} if vma else {}))
-    prev = full
-    rows = full.reshape(n, sum(sizes))
-    off = 0
-    for k, s in zip(ks, sizes):
+    rows = prev.reshape(n, sum(sizes))
+    for k, s, off in zip(ks, sizes, itertools.accumulate(sizes, initial=0)):
       out[k] = rows[:, off:off + s].reshape(-1)[:chunks[k].size]
-      off += s
   return out, prev
-
-
-def scatter_chunks(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int],
-                   buffers: Sequence[jax.Array]) -> list[jax.Array]:
-  """`flat` with every chunk's buffer put back at its slices (the rows the chunks cover replaced)."""
-  flat = list(flat)
-  pieces: dict[int, list[tuple[int, jax.Array]]] = {}
-  for chunk, buf in zip(chunks, buffers):
-    off = 0
-    for r, a, b in chunk.slices:
-      pieces.setdefault(r, []).append((a, buf[off:off + (b - a)]))
-      off += b - a
-  for r, segs in pieces.items():
-    i = row_leaf[r]
-    parts = [s for _, s in sorted(segs, key=lambda t: t[0])]
-    full = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    flat[i] = full.reshape(np.shape(flat[i]))
-  return flat
 
 
 def local_shards(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Sequence[int], axis_name: Any,
@@ -119,11 +92,8 @@ def local_shards(flat: Sequence[jax.Array], chunks: Sequence[Any], row_leaf: Seq
   the device's index on the axis, s = `shard_size` (what its reduce-scatter leaves it). Used for the
   parameters a ZeRO-1 update reads (weight decay)."""
   i = jax.lax.axis_index(axis_name)
-  out = []
-  for chunk in chunks:
-    s = shard_size(chunk.size, n)
-    out.append(jax.lax.dynamic_slice_in_dim(padded(chunk_buffer(flat, chunk, row_leaf), n), i * s, s))
-  return tuple(out)
+  return tuple(jax.lax.dynamic_index_in_dim(padded(chunk_buffer(flat, c, row_leaf), n).reshape(n, -1), i, 0, False)
+               for c in chunks)
 
 
 def shards_square_sum(shards: Sequence[jax.Array], axis_name: Any, scope: str) -> tuple[jax.Array, jax.Array]:

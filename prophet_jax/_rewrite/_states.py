@@ -8,6 +8,7 @@ docs/design.md, "The rewrite's layers". Saved states keep their field names and 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -50,19 +51,12 @@ class ShardLayout(NamedTuple):
   mode: str = ""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class _ScheduleRef:
   """The schedule a tag was made for, in the tag's pytree data; compared by the schedule's key alone."""
 
-  __slots__ = ("key", "schedule")
-
-  def __init__(self, key: str, schedule: Schedule | None):
-    self.key, self.schedule = key, schedule
-
-  def __eq__(self, other: object) -> bool:
-    return isinstance(other, _ScheduleRef) and other.key == self.key
-
-  def __hash__(self) -> int:
-    return hash(self.key)
+  key: str
+  schedule: Schedule | None = dataclasses.field(compare=False)
 
   def __repr__(self) -> str:
     return f"<schedule {self.key}>"
@@ -114,16 +108,7 @@ class StateTag:
     return hash((self.key, self.layout))
 
   def __repr__(self) -> str:
-    if isinstance(self.layout, ShardLayout):
-      what = "optimizer state" if self.layout.mode else "gradient shards"
-      mode = f", {self.layout.mode}" if self.layout.mode else ""
-      return (f"StateTag(the ZeRO-1 {what} of schedule {self.key}, tree {self.fingerprint}, "
-              f"n={self.layout.n}, {len(self.layout.sizes)} shards{mode})")
-    if self.layout[:1] == ("owed",):
-      return (f"StateTag(a converted state owing deferred values to the first step of schedule {self.key}, "
-              f"tree {self.fingerprint}: made by prophet_jax.convert_state for that schedule's step)")
-    return (f"StateTag(the deferral state of schedule {self.key}, tree {self.fingerprint}, "
-            f"{len(self.layout)} groups; another schedule's step takes it after prophet_jax.convert_state)")
+    return f"StateTag({_tag_text.describe(self.key, self.fingerprint, self.layout)[0]})"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -326,15 +311,9 @@ def _key_name(k: Any) -> Any:
 def per_device_path(names: Sequence[Any]) -> bool:
   """Whether a leaf at a path of entry names is each device's own, where a container re-labelled the
   library's NamedTuples (`flax.nnx` keeps them as nested dicts): on a path some kind declares (`nnx`)."""
-  names = list(names)
-
-  def has(pattern: tuple[str, ...]) -> bool:
-    at = 0
-    for p in pattern:
-      if p not in names[at:]:
-        return False
-      at = names.index(p, at) + 1
-    return True
+  def has(pattern: tuple[str, ...]) -> bool:   # the pattern's names in order along the path
+    rest = iter(names)
+    return all(p in rest for p in pattern)
 
   return any(has(p) for k in KINDS.values() for p in k.nnx)
 
@@ -362,14 +341,10 @@ def holds_state(tree: Any) -> bool:
 
 
 def prefix_specs(cls: type, axis_name: Any) -> Any:
-  """A prefix PartitionSpec valid for every state of kind `cls`: `P(axis)` when all its fields (but a
-  tag) are per device, else the NamedTuple of its fields' specs."""
-  P = PartitionSpec
-  kind = KINDS[cls]
-  fields = [f for f in cls._fields if f != "tag"]
-  if set(fields) <= set(kind.per_device):
-    return P(axis_name)
-  return cls(**{f: (P(axis_name) if f in kind.per_device else P()) for f in cls._fields})
+  """A prefix PartitionSpec valid for every state of kind `cls` (one with replicated fields: DeferState,
+  AccumState): the NamedTuple of its fields' specs."""
+  per = KINDS[cls].per_device
+  return cls(**{f: PartitionSpec(axis_name) if f in per else PartitionSpec() for f in cls._fields})
 
 
 def param_specs(params: Any, schedule: Any, axis_name: Any) -> Any:

@@ -9,7 +9,9 @@ their equality are plain tuples': treedef comparisons (jit's cache) are unchange
 
 from __future__ import annotations
 
-__all__ = ["StateAux", "HintedClass"]
+from typing import Any
+
+__all__ = ["StateAux", "HintedClass", "describe"]
 
 _CONVERT = ("convert it with prophet_jax.unshard_state(state, tx, params, old_schedule) and "
             "shard_state(..., new_schedule, n) (or start the new plan's state from its init)")
@@ -22,21 +24,23 @@ class StateAux(tuple):
   __slots__ = ()
 
   def __repr__(self) -> str:
-    key, fingerprint, layout = self[:3]
-    if hasattr(layout, "sizes"):  # a ShardLayout: an optimizer state (mode set) or gradient shards
-      what = (f"the optimizer state of a sharded (dear, ZeRO-1) plan, {layout.mode}" if layout.mode else
-              "the gradient shards of a sharded (dear) plan")
-      return (f"<{what}: schedule {key}, tree {fingerprint}, cut for {layout.n} devices into "
-              f"{len(layout.sizes)} chunk shards; a step compiled for another schedule or device count "
-              f"cannot take it: {_CONVERT}>")
-    if tuple(layout[:1]) == ("owed",):
-      return (f"<deferred values owed to the first step of schedule {key} (tree {fingerprint}), made by "
-              f"prophet_jax.convert_state: that schedule's step takes them (its first call adds them to its "
-              f"gradients)>")
-    return (f"<the deferral state of a deferring (dlcp) plan: schedule {key}, tree {fingerprint}, "
-            f"{len(layout)} deferral groups; a step compiled for another schedule cannot take it: apply "
-            f"its residual with prophet_jax.deferred_grads(state, params) and start the new plan's state "
-            f"from its init>")
+    return "<{}; {}>".format(*describe(*self[:3]))
+
+
+def describe(key: str, fingerprint: str, layout: Any) -> tuple[str, str]:
+  """(what a state of this tag is, what a step of another schedule does with it), for messages."""
+  if hasattr(layout, "sizes"):  # a ShardLayout: an optimizer state (mode set) or gradient shards
+    what = (f"the optimizer state of a sharded (dear, ZeRO-1) plan, {layout.mode}" if layout.mode else
+            "the gradient shards of a sharded (dear) plan")
+    return (f"{what}: schedule {key}, tree {fingerprint}, cut for {layout.n} devices into {len(layout.sizes)} "
+            f"chunk shards", f"a step compiled for another schedule or device count cannot take it: {_CONVERT}")
+  if tuple(layout[:1]) == ("owed",):
+    return (f"deferred values owed to the first step of schedule {key} (tree {fingerprint}), made by "
+            f"prophet_jax.convert_state", "that schedule's step takes them (its first call adds them to its gradients)")
+  return (f"the deferral state of a deferring (dlcp) plan: schedule {key}, tree {fingerprint}, {len(layout)} "
+          f"deferral groups (prophet_jax.convert_state takes it to another plan)", "a step compiled for another "
+          "schedule cannot take it: apply its residual with prophet_jax.deferred_grads(state, params) and start "
+          "the new plan's state from its init")
 
 
 class HintedClass(type):

@@ -29,12 +29,15 @@ XLA:CPU ignores the key: on the CPU a tagged step is the plain step (its numbers
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 
+from ._keys import combiner_key
 from .._compiled._audit import audit_keyed
 from .._compiled._keyed_audit import KeyedUnit
 from .._values._schedule import Schedule
@@ -126,16 +129,15 @@ def tag_plan(schedule: Schedule) -> TaggedPlan:
                      f"which combiner keys on the partitioner's gradient all-reduces cannot carry. {fix}, "
                      f"or tag a lossless all-reduce plan.")
   paths = [r[0] for r in schedule.rows]
-  sizes = [int(_size(r[1])) for r in schedule.rows]
+  sizes = [math.prod(int(d) for d in r[1]) for r in schedule.rows]
   layer = [layer_of_path(p) for p in paths]
   chunks = schedule.chunks
   # each layer goes whole to the unit holding most of its elements (the earliest of equals)
-  held: dict[str, dict[int, int]] = {}
+  held: dict[str, collections.Counter] = {}   # layer -> elements per unit
   units_of_row: dict[int, list[int]] = {}
   for k, c in enumerate(chunks):
     for r, a, b in c.slices:
-      held.setdefault(layer[r], {}).setdefault(k, 0)
-      held[layer[r]][k] += b - a
+      held.setdefault(layer[r], collections.Counter())[k] += b - a
       units_of_row.setdefault(r, []).append(k)
   owner = {name: max(sorted(per), key=lambda k: (per[k], -k)) for name, per in held.items()}
   buckets, keys = [], {}
@@ -161,22 +163,6 @@ def tag_plan(schedule: Schedule) -> TaggedPlan:
   notes.append("order: XLA's (the partitioner's all-reduces carry no tie)")
   exact = len(buckets) == len(chunks) and not notes[:-1]
   return TaggedPlan(schedule=schedule, buckets=tuple(buckets), keys=keys, exact=exact, notes=tuple(notes))
-
-
-def _size(shape: Any) -> int:
-  n = 1
-  for d in shape:
-    n *= int(d)
-  return n
-
-
-def _keyed_call(fn: Any, key: str | None, args: Any, kwargs: Any) -> Any:
-  if key is None:
-    return fn(*args, **kwargs)
-  # imported here: jax.experimental loads when a step is tagged
-  from jax.experimental.xla_metadata import set_xla_metadata
-  with set_xla_metadata(combiner_key=key):
-    return fn(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -208,8 +194,8 @@ def tag_layers(plan: Schedule | TaggedPlan, *, model: Any = None) -> Iterator[Ta
 
     def interceptor(next_fun, args, kwargs, context):
       # every method of a tagged module: a tied embedding's `attend` reads its params too
-      key = tagged.keys.get("/".join(str(p) for p in context.module.path))
-      return _keyed_call(next_fun, key, args, kwargs)
+      with combiner_key(tagged.keys.get("/".join(str(p) for p in context.module.path))):
+        return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(interceptor):
       yield tagged
@@ -228,24 +214,22 @@ def _nnx_keys(model: Any, tagged: TaggedPlan) -> Iterator[None]:
   if not isinstance(model, nnx.Module):
     raise TypeError(f"tag_layers(model={type(model).__name__}): expected a flax nnx Module (or model=None "
                     f"for flax linen, whose module calls are intercepted).")
-  marked, classes = [], {}
-  for path, mod in nnx.iter_modules(model) if hasattr(nnx, "iter_modules") else model.iter_modules():
-    key = tagged.keys.get("/".join(str(p) for p in path))
-    if key is not None:
-      object.__setattr__(mod, _ATTR, key)
-      marked.append(mod)
-      classes.setdefault(type(mod), type(mod).__dict__.get("__call__"))
-  unknown = set(tagged.keys) - {"/".join(str(p) for p in path) for path, _ in
-                                (nnx.iter_modules(model) if hasattr(nnx, "iter_modules")
-                                 else model.iter_modules())}
+  modules = nnx.iter_modules(model) if hasattr(nnx, "iter_modules") else model.iter_modules()
+  named = [("/".join(str(p) for p in path), mod) for path, mod in modules]
+  unknown = set(tagged.keys) - {name for name, _ in named}
   if unknown:
     raise ValueError(f"tag_layers: the plan's layers {sorted(unknown)[:5]} are not submodules of this nnx "
                      f"model; plan from nnx.state(model, nnx.Param) of this model.")
+  marked = [(mod, tagged.keys[name]) for name, mod in named if name in tagged.keys]
+  for mod, key in marked:
+    object.__setattr__(mod, _ATTR, key)
+  classes = {type(mod): type(mod).__dict__.get("__call__") for mod, _ in marked}
   for cls, own in classes.items():
     call = cls.__call__
 
     def keyed(self, *args, __call=call, **kwargs):
-      return _keyed_call(lambda *a, **k: __call(self, *a, **k), getattr(self, _ATTR, None), args, kwargs)
+      with combiner_key(getattr(self, _ATTR, None)):
+        return __call(self, *args, **kwargs)
 
     cls.__call__ = keyed
   try:
@@ -256,6 +240,6 @@ def _nnx_keys(model: Any, tagged: TaggedPlan) -> Iterator[None]:
         del cls.__call__
       else:
         cls.__call__ = own
-    for mod in marked:
+    for mod, _ in marked:
       if _ATTR in vars(mod):
         object.__delattr__(mod, _ATTR)

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import _mesh, _zero
 from ._accumulate import init as accum_init
-from ._compose import check_masked, inside_multisteps, not_first_error, ran_before_in_chain
+from ._compose import check_first, check_masked, inside_multisteps
 from ._defer import init as defer_init
 from ._reduction import accumulated_allreduce, reduction_kind, scheduled_allreduce
 from ._keys import check_enforce_order, ordered_by
@@ -76,15 +76,11 @@ def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
 
   # the composition guard is the outermost layer: it reads the caller's frames (an optax.chain's)
   def init_fn(params):
-    before = ran_before_in_chain()
-    if before:
-      raise not_first_error(before, "init")
+    check_first("init")
     return step.init(params)
 
   def update_fn(updates, state, params=None, **extra_args):
-    before = ran_before_in_chain()
-    if before:
-      raise not_first_error(before, "update")
+    check_first("update")
     return step.update(updates, state, params, **extra_args)
 
   # keys or the tie: read where the units are issued, while this update traces
@@ -106,8 +102,8 @@ def per_device(tx: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True
   mesh layer's map): `scheduled`'s transformation and `pipelined`'s backward-and-update.
 
   One layer checks the state; under it, chosen once from the schedule's family, the reduction and
-  update of one kind: ZeRO-1 (`_zero_layer`), `every_k`'s accumulation (`_accumulating_layer`) or the
-  all-reduce (`_allreduce_layer`).
+  update of one kind: ZeRO-1 (`_zero_layer`) or the all-reduce (`_allreduce_layer`, with `every_k`'s
+  accumulation).
 
   Args:
     tx: the optimizer applied to the reduced gradients.
@@ -133,10 +129,8 @@ def per_device(tx: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True
           f"scheduled(optax.MultiSteps(tx, {every_k}), schedule) (it reduce-scatters every micro-step), or plan "
           f"an all-reduce policy for every_k.")
     layer = _zero_layer(tx, schedule, axis_name, mean, where)
-  elif every_k > 1:
-    layer = _accumulating_layer(tx, schedule, axis_name, every_k, mean, where)
   else:
-    layer = _allreduce_layer(tx, schedule, axis_name, mean, where)
+    layer = _allreduce_layer(tx, schedule, axis_name, every_k, mean, where)
 
   def update_fn(updates, state, params=None, **extra_args):
     if not (isinstance(state, tuple) and hasattr(state, "inner") and hasattr(state, "defer_state")):
@@ -150,17 +144,7 @@ def per_device(tx: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True
   return PerDevice(layer.init, update_fn, layer.specs)
 
 
-def _inner_update(tx, reduced, inner, params, extra_args):
-  """`tx.update` on the reduced gradients (with the extra arguments when `tx` takes them)."""
-  if isinstance(tx, optax.GradientTransformationExtraArgs):
-    return tx.update(reduced, inner, params, **extra_args)
-  return tx.update(reduced, inner, params)
-
-
-class _Layer(NamedTuple):
-  init: Callable[..., Any]
-  update: Callable[..., Any]   # (updates, state, params, extra_args) -> (updates, ScheduledState)
-  specs: Callable[[Any], ScheduledState]
+# a layer is a PerDevice whose update takes (updates, state, params, extra_args), the state checked
 
 
 def _zero_layer(tx, schedule, axis_name, mean, where):
@@ -177,7 +161,7 @@ def _zero_layer(tx, schedule, axis_name, mean, where):
                               mean=mean, extra_args=extra_args, defer_state=state.defer_state)
     return new, ScheduledState(inner=inner)
 
-  return _Layer(init_fn, update, lambda axis: ScheduledState(inner=P(axis), defer_state=P(), accum=P()))
+  return PerDevice(init_fn, update, lambda axis: ScheduledState(inner=P(axis), defer_state=P(), accum=P()))
 
 
 def _whole(state, schedule, where):
@@ -198,49 +182,35 @@ def _whole(state, schedule, where):
   return state.inner
 
 
-def _defer_specs(schedule, axis):
-  return prefix_specs(DeferState, axis) if schedule.defers else P()
-
-
-def _allreduce_layer(tx, schedule, axis_name, mean, where):
-  """The scheduled all-reduce (with the deferral state of a deferring plan), then `tx`."""
-
-  def init_fn(params):
-    return ScheduledState(inner=tx.init(params), defer_state=defer_init(schedule) if schedule.defers else None)
-
-  def update(updates, state, params, extra_args):
-    inner = _whole(state, schedule, where)
-    reduced, defer = _composed(lambda: scheduled_allreduce(
-        updates, schedule, axis_name, mean=mean, where=where, defer_state=state.defer_state), axis_name)
-    new, inner = _inner_update(tx, reduced, inner, params, extra_args)
-    return new, ScheduledState(inner=inner, defer_state=defer)
-
-  return _Layer(init_fn, update, lambda axis: ScheduledState(inner=P(), defer_state=_defer_specs(schedule, axis),
-                                                             accum=P()))
-
-
-def _accumulating_layer(tx, schedule, axis_name, every_k, mean, where):
-  """`every_k` micro-steps accumulated, their mean all-reduced on the schedule and `tx` applied on the
-  k-th; zeros (and tx's state unchanged) on the others."""
+def _allreduce_layer(tx, schedule, axis_name, every_k, mean, where):
+  """The scheduled all-reduce (with the deferral state of a deferring plan), then `tx`. With `every_k` > 1,
+  `every_k` micro-steps accumulated, their mean all-reduced on the schedule and `tx` applied on the k-th;
+  zeros (and tx's state unchanged) on the others."""
 
   def init_fn(params):
     return ScheduledState(inner=tx.init(params), defer_state=defer_init(schedule) if schedule.defers else None,
-                          accum=accum_init(schedule))
+                          accum=accum_init(schedule) if every_k > 1 else None)
 
   def update(updates, state, params, extra_args):
-    inner = _whole(state._replace(accum=None), schedule, where)
+    apply = lambda r, i: optax.with_extra_args_support(tx).update(r, i, params, **extra_args)  # noqa: E731
+    inner = _whole(state if every_k == 1 else state._replace(accum=None), schedule, where)
+    if every_k == 1:
+      reduced, defer = _composed(lambda: scheduled_allreduce(
+          updates, schedule, axis_name, mean=mean, where=where, defer_state=state.defer_state), axis_name)
+      new, inner = apply(reduced, inner)
+      return new, ScheduledState(inner=inner, defer_state=defer)
     reduced, defer, accum, emit = _composed(lambda: accumulated_allreduce(
         updates, schedule, axis_name, every_k=every_k, accum=state.accum, mean=mean, where=where,
         defer_state=state.defer_state), axis_name)
-    apply = lambda r, i: _inner_update(tx, r, i, params, extra_args)  # noqa: E731
     shapes = jax.eval_shape(apply, reduced, inner)[0]
     new, inner = jax.lax.cond(
         emit, apply, lambda r, i: (jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), i),
         reduced, inner)
     return new, ScheduledState(inner=inner, defer_state=defer, accum=accum)
 
-  return _Layer(init_fn, update, lambda axis: ScheduledState(inner=P(), defer_state=_defer_specs(schedule, axis),
-                                                             accum=prefix_specs(AccumState, axis)))
+  return PerDevice(init_fn, update, lambda axis: ScheduledState(
+      inner=P(), defer_state=prefix_specs(DeferState, axis) if schedule.defers else P(),
+      accum=prefix_specs(AccumState, axis) if every_k > 1 else P()))
 
 
 def _composed(reduce, axis_name):

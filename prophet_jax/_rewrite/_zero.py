@@ -15,17 +15,17 @@ import numpy as np
 import optax
 from . import _probe_trials
 from ._states import GradShards, ShardedState, ShardLayout, StateTag, expect, is_state
-from .._values._checks import match_tree
+from ._defer import matched_leaves
 from ._axis import axis_size
 from ._reduction import step_setup, with_owed
-from ._sharded import (all_gather_chunks, local_shards, reduce_scatter_chunks, scatter_chunks,
-                       shards_square_sum)
+from ._collectives import scatter_chunks
+from ._sharded import all_gather_chunks, local_shards, reduce_scatter_chunks, shards_square_sum
 from .._values._errors import ScheduleMismatchError, ShardingError
 from .._values._schedule import Schedule, shard_size
 from .._values._tree import is_reduced_leaf, path_str
 
 __all__ = ["ShardedState", "GradShards", "shard_mode", "init", "update", "check_state",
-           "check_grad_shards", "NORM_SCOPE", "MODES"]
+           "check_grad_shards", "shard_structs", "NORM_SCOPE", "MODES"]
 
 NORM_SCOPE = "prophet/norm"  # the one extra psum of a global-norm transformation's squares
 MODES = ("elementwise", "global-norm")
@@ -46,6 +46,12 @@ _STRUCTURAL = {
 
 def shard_tag(schedule: Schedule, n: int, mode: str) -> StateTag:
   return StateTag.of(schedule, ShardLayout(int(n), tuple(shard_size(c.size, n) for c in schedule.chunks), mode))
+
+
+def shard_structs(schedule: Schedule, n: int, mode: str) -> tuple[jax.ShapeDtypeStruct, ...]:
+  """What `tx` runs on for n devices: this device's shard of every chunk, and the global norm's carrier."""
+  structs = tuple(jax.ShapeDtypeStruct((shard_size(c.size, n),), c.dtype) for c in schedule.chunks)
+  return structs + ((jax.ShapeDtypeStruct((), jnp.float32),) if mode == "global-norm" else ())
 
 
 def _init_unbound(axis_name: Any, where: str) -> str:
@@ -81,8 +87,7 @@ def _names(tx: Any, limit: int = 400) -> set[str]:
     elif isinstance(o, dict):
       todo.extend(o.values())
     elif callable(o):
-      q = getattr(o, "__qualname__", "") or ""
-      names.add(q.split(".<locals>")[0])
+      names.add((getattr(o, "__qualname__", "") or "").split(".<locals>")[0])
       todo.extend(getattr(o, "func", None) for _ in (0,) if hasattr(o, "func"))  # functools.partial
       for cell in getattr(o, "__closure__", None) or ():
         try:
@@ -92,14 +97,8 @@ def _names(tx: Any, limit: int = 400) -> set[str]:
   return names
 
 
-def _mini(x: Any) -> tuple[tuple[int, ...], bool]:
-  shape = tuple(min(int(d), 3) for d in np.shape(x))
-  return shape, is_reduced_leaf(x) and int(np.prod(shape, dtype=np.int64)) > 0
-
-
 _PROBE_DEVICES = 3
 _PROBE_STEPS = 3
-_PROBE_SCALES = (1e-6, 1.0, 1e6)
 _PROBE_RTOL = 1e-4
 _PROBE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _MODE_MEMO: dict[tuple, tuple[Any, str]] = {}
@@ -122,8 +121,8 @@ def shard_mode(tx: Any, params: Any, where: str = "scheduled") -> str:
   # to at most 3): what a leaf's shape can change; masks and labels by path are refused by name above
   ranks: dict[int, tuple[str, tuple[int, ...]]] = {}
   for p, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    shape, ok = _mini(x)
-    if ok:
+    shape = tuple(min(int(d), 3) for d in np.shape(x))
+    if is_reduced_leaf(x) and int(np.prod(shape, dtype=np.int64)) > 0:
       ranks.setdefault(len(shape), (path_str(p), shape))
   reps = tuple(ranks[r] for r in sorted(ranks))
   key = (id(tx.init), id(tx.update), reps)
@@ -150,8 +149,7 @@ def shard_mode(tx: Any, params: Any, where: str = "scheduled") -> str:
 def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -> str:
   if not reps:
     return "elementwise"
-  paths = [p for p, _ in reps]
-  shapes = [s for _, s in reps]
+  paths, shapes = zip(*reps)
   sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
   total = sum(sizes)
   cut = max(1, total // 2)                                   # two chunks of the flat vector
@@ -164,37 +162,25 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
   names = _names(tx)
 
   def tree_of(vec):  # the representative leaves, as a tuple (one per rank)
-    out, off = [], 0
-    for shape, size in zip(shapes, sizes):
-      out.append(vec[off:off + size].reshape(shape))
-      off += size
-    return tuple(out)
-
-  def flat_of(tree):
-    return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in tree])
+    return tuple(x.reshape(shape) for x, shape in zip(jnp.split(vec, np.cumsum(sizes)[:-1]), shapes))
 
   def whole(scale, p0, grads):
     p, out = tree_of(p0), []
     st = tx.init(p)
     for t in range(_PROBE_STEPS):
       u, st = tx.update(tree_of(grads[t] * scale), st, p, **_probe_trials.extra_args(names, t))
-      out.append(flat_of(u))
+      out.append(jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in u]))
     return jnp.stack(out)
 
-  def split(vec):
-    parts, off = [], 0
-    for c, s in zip(chunk_sizes, shard):
-      parts.append(jnp.pad(vec[off:off + c], (0, d * s - c)).reshape(d, s))
-      off += c
-    return parts
+  def split(vec):   # each chunk zero-padded, one row per device
+    return [jnp.pad(x, (0, d * s - c)).reshape(d, s)
+            for x, c, s in zip(jnp.split(vec, np.cumsum(chunk_sizes)[:-1]), chunk_sizes, shard)]
 
   def sharded(scale, carrier, p0, grads):
     p_parts = split(p0)
 
     def one(dev):
-      p = tuple(part[dev] for part in p_parts)
-      if carrier:
-        p = p + (jnp.zeros((), jnp.float32),)
+      p = tuple(part[dev] for part in p_parts) + ((jnp.zeros((), jnp.float32),) if carrier else ())
       st, out = tx.init(p), []
       for t in range(_PROBE_STEPS):
         g_parts = split(grads[t] * scale)
@@ -246,13 +232,7 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
         f"there ({type(e).__name__}: "
         f"{str(e)[:300]}). It depends on the params' tree: use an all-reduce schedule (any policy but "
         f"'dear') for this optimizer.") from e
-  # name the leaf (of the representatives) where the sharded update differs most
-  off, leaf = 0, paths[0]
-  for path, size in zip(paths, sizes):
-    if at < off + size:
-      leaf = path
-      break
-    off += size
+  leaf = paths[int(np.searchsorted(np.cumsum(sizes), at, side="right"))]   # where the update differs most
   raise ShardingError(
       f"{where}: the schedule is sharded (ZeRO-1), so tx ({_probe_trials.tx_names(names)}) runs on each "
       f"device's flat shards of the chunks, but its update there differs from its update on the params' tree (on a small stand-in "
@@ -268,12 +248,6 @@ def _probe(tx: Any, reps: tuple[tuple[str, tuple[int, ...]], ...], where: str) -
 # init and update, per device (inside pmap / shard_map)
 
 
-def matched_leaves(tree: Any, schedule: Schedule, where: str) -> tuple[list, Any, Any]:
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  lmap = match_tree(leaves_with_path, schedule, where=where)
-  return [x for _, x in leaves_with_path], treedef, lmap
-
-
 def init(tx: Any, params: Any, schedule: Schedule, axis_name: Any, where: str = "scheduled") -> ShardedState:
   """`tx`'s state for this device's shards of `params` (inside the mapping: the axis must be bound).
 
@@ -286,9 +260,7 @@ def init(tx: Any, params: Any, schedule: Schedule, axis_name: Any, where: str = 
   flat, _, lmap = matched_leaves(params, schedule, where)
   mode = shard_mode(tx, params, where)
   p = local_shards(flat, schedule.chunks, lmap.row_leaf, axis_name, n)
-  if mode == "global-norm":
-    p = p + (jnp.zeros((), jnp.float32),)
-  state = tx.init(p)
+  state = tx.init(p + ((jnp.zeros((), jnp.float32),) if mode == "global-norm" else ()))
   return ShardedState(per_device=jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], state),
                       tag=shard_tag(schedule, n, mode))
 
@@ -316,8 +288,7 @@ def check_state(state: Any, schedule: Schedule, n: int, where: str) -> None:
 
 def check_grad_shards(g: Any, schedule: Schedule, n: int, where: str) -> None:
   """ScheduleMismatchError unless `g` is a GradShards of this schedule for n devices."""
-  tag = g.tag
-  want = shard_tag(schedule, n, "")
+  tag, want = g.tag, shard_tag(schedule, n, "")
   if not (isinstance(tag, StateTag) and isinstance(tag.layout, ShardLayout)) or (
       tag.key, tag.layout[:2]) != (want.key, want.layout[:2]):
     raise ScheduleMismatchError(
@@ -371,12 +342,8 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
     shards = shards + (jnp.sqrt(jnp.maximum(total - local, 0.0)),)
     if p is not None:
       p = p + (jnp.zeros((), jnp.float32),)
-  inner = s.varying
   try:
-    if isinstance(tx, optax.GradientTransformationExtraArgs):
-      u, inner = tx.update(shards, inner, p, **(extra_args or {}))
-    else:
-      u, inner = tx.update(shards, inner, p)
+    u, inner = optax.with_extra_args_support(tx).update(shards, s.varying, p, **(extra_args or {}))
   except TypeError as e:  # jax's words for a per-device state meeting tx's constants in a lax.cond
     if "manual axis types do not match" not in str(e):
       raise
@@ -386,8 +353,8 @@ def update(tx: Any, updates: Any, state: Any, params: Any, schedule: Schedule, a
         f"(contrib.reduce_on_plateau does), which jax's type check refuses. Map the step with "
         f"jax.shard_map(..., check_vma=False), or use scheduled(..., mesh=mesh) in a plain jax.jit, or "
         f"pmap. (jax: {str(e).splitlines()[0]})") from e
-  u = tuple(u)[:len(chunks)]
-  bufs, _ = all_gather_chunks(u, chunks, schedule.gathers, axis_name, n=n, vma=s.vma, prev=prev)
+  # the carrier's update dropped
+  bufs, _ = all_gather_chunks(tuple(u)[:len(chunks)], chunks, schedule.gathers, axis_name, n=n, vma=s.vma, prev=prev)
   rows = set(lmap.row_leaf)
   base = [x if i in rows or getattr(x, "dtype", None) == jax.dtypes.float0 else jnp.zeros_like(x)
           for i, x in enumerate(template)]
