@@ -346,10 +346,12 @@ def _code_and_docstring_lines(paths) -> tuple[int, int, int]:
   return code, doc, total
 
 
+# The modules issues 47 and 48 added for FSDP and HSDP in the user's step (the step, its audit, scanned stacks,
+# accumulation's planning); what they added inside older modules counts in the rest
 FSDP_STEP = ("_rewrite/_fsdp_step.py", "_rewrite/_fsdp_trace.py", "_rewrite/_fsdp_units.py", "_rewrite/_fsdp_scan.py",
-             "_compiled/_audit_fsdp.py")
+             "_compiled/_audit_fsdp.py", "_values/_stacks.py", "_planning/_fsdp_accum.py")
 CODE_LINES = 14_508 - 500        # the library at 7963a23 less the restructuring's cut, every feature kept
-FSDP_STEP_LINES = 1_500          # issue 47's budget for carrying FSDP plans out
+FSDP_STEP_LINES = 1_500 + 800    # issue 47's budget for carrying FSDP plans out, and issue 48's (HSDP, accumulation)
 
 
 def test_the_library_holds_fewer_code_lines_and_docstrings_say_what_not_why():
