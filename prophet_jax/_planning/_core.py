@@ -330,31 +330,10 @@ def ends_one_link(ready: np.ndarray, dur: np.ndarray, backward_s: float,
 
 def iteration_s(prob: Problem, ready_s: np.ndarray, dur_s: np.ndarray,
                 tail_s: np.ndarray | float) -> float:
-  """The iteration time, seconds, from per-chunk arrays in issue order (the closed form).
-
-  Args:
-    prob: the Problem.
-    ready_s: each chunk's ready time, seconds.
-    dur_s: each chunk's all-reduce time, seconds.
-    tail_s: per chunk, what must follow its end, seconds (a scalar broadcasts).
+  """The iteration time, seconds, from per-chunk arrays in issue order (the closed form): `iterations` of
+  one sample. `tail_s` is per chunk what must follow its end, seconds (a scalar broadcasts).
   """
-  ready = np.asarray(ready_s, dtype=np.float64)
-  dur = np.asarray(dur_s, dtype=np.float64)
-  backward_s, after_s, floor_s = prob.backward_s, prob.after_s, prob.floor_s
-  if ready.size == 0:
-    return max(float(backward_s) + float(after_s), float(floor_s))
-  if prob.skew and not prob.overlap:
-    dur = dur + sync_waits(ready, prob.skew, prob.cycle_s, backward_s)
-  if prob.links == 1:
-    end, bw_end = ends_one_link(ready, dur, backward_s, prob.overlap)
-  else:
-    _, e, _, bw_end, _ = link_loop(ready.tolist(), dur.tolist(), backward_s=backward_s,
-                                   links=prob.links, overlap=prob.overlap)
-    end = np.asarray(e)
-  t = max(bw_end + after_s, float(np.max(end + tail_s)), floor_s)
-  if not prob.overlap:
-    t = max(t, float(end.max()) + after_s)
-  return t
+  return float(iterations(prob, ready_s, np.asarray(dur_s, dtype=np.float64)[None, :], tail_s)[0][0])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -391,12 +370,9 @@ def objective_s(prob: Problem, ready_s: np.ndarray, nbytes: np.ndarray, tail_s: 
   """The iteration every planner minimises: `iteration_s` when calm, else the mean over the seeded
   samples (what `simulate` returns).
   """
-  if not pressured(prob):
-    return float(iteration_s(prob, ready_s, prob.durations(np.asarray(nbytes, dtype=np.float64)), tail_s))
   nb = np.asarray(nbytes, dtype=np.float64)
-  t, _, _ = iterations(prob, ready_s, pressure_durations(prob, nb), np.broadcast_to(
-      np.asarray(tail_s, dtype=np.float64), nb.shape))
-  return float(t.mean())
+  dur = pressure_durations(prob, nb) if pressured(prob) else prob.durations(nb)[None, :]
+  return float(iterations(prob, ready_s, dur, tail_s)[0].mean())
 
 
 def pressure_durations(prob: Problem, nbytes: np.ndarray, *, half: bool = False) -> np.ndarray:
@@ -453,7 +429,8 @@ def iterations(prob: Problem, ready_s: np.ndarray, dur_s: np.ndarray,
       st, e, _, bw, _ = link_loop(rl, dur[i].tolist(), backward_s=backward_s, links=prob.links,
                                   overlap=prob.overlap)
       start[i], end[i], bw_end[i] = st, e, bw
-  t = np.maximum(np.maximum(bw_end + after_s, np.max(end + np.broadcast_to(np.asarray(tail_s, dtype=np.float64), ready.shape)[None, :], axis=1)), floor_s)
+  tail = np.broadcast_to(np.asarray(tail_s, dtype=np.float64), ready.shape)
+  t = np.maximum(np.maximum(bw_end + after_s, np.max(end + tail[None, :], axis=1)), floor_s)
   if not prob.overlap:
     t = np.maximum(t, end.max(axis=1) + after_s)
   return t, dur, (end - dur if prob.links == 1 else start)
