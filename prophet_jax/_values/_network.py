@@ -15,7 +15,7 @@ from ._errors import NetworkError
 from ._types import JsonValue, is_bool, is_finite_nonneg, is_int, nonneg_or_none
 
 __all__ = ["NetworkModel", "Pressure", "PRESETS", "PRESETS_TWO_LEVEL", "ALGORITHMS", "nonneg_line", "typical_network",
-           "fit_warning",
+           "fit_warning", "fmt_bytes",
            "RESIDUAL_WARN_REL_RMS", "RESIDUAL_WARN_WORST"]
 
 ALGORITHMS = ("ring",)
@@ -315,7 +315,7 @@ RESIDUAL_WARN_REL_RMS = 0.2
 RESIDUAL_WARN_WORST = 1.0
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
   for unit, k in (("MiB", 2**20), ("KiB", 2**10)):
     if n >= k:
       return f"{n / k:g} {unit}"
@@ -342,8 +342,8 @@ def fit_warning(network: NetworkModel, sizes: Sequence[float], seconds: Sequence
            "the times barely grow with the size, or a time near 0 outweighs the rest in the relative-error fit")
     order = np.argsort(x)
     return (f"{who}: beta was clipped to 0, so the model says bytes are free (every policy would merge "
-            f"everything): {why}; from {ys[order[0]] * 1e6:.1f} us at {_fmt_bytes(x[order[0]])} to "
-            f"{ys[order[-1]] * 1e6:.1f} us at {_fmt_bytes(x[order[-1]])}. An all-reduce's time grows with "
+            f"everything): {why}; from {ys[order[0]] * 1e6:.1f} us at {fmt_bytes(x[order[0]])} to "
+            f"{ys[order[-1]] * 1e6:.1f} us at {fmt_bytes(x[order[-1]])}. An all-reduce's time grows with "
             f"its size: measure larger sizes, with more repeats, on a quieter machine, or check that the "
             f"sizes and times are paired in the same order.")
   resid = float(network.fit_residual_s if network.fit_residual_s is not None
@@ -354,7 +354,7 @@ def fit_warning(network: NetworkModel, sizes: Sequence[float], seconds: Sequence
     return None
   return (f"{who}: the alpha-beta fit leaves an RMS residual of {resid * 1e6:.1f} us, "
           f"{resid / max(rms, 1e-12):.0%} of the RMS measured time ({rms * 1e6:.1f} us; times from "
-          f"{ys.min() * 1e6:.1f} to {ys.max() * 1e6:.1f} us); worst at {_fmt_bytes(x[worst])}: "
+          f"{ys.min() * 1e6:.1f} to {ys.max() * 1e6:.1f} us); worst at {fmt_bytes(x[worst])}: "
           f"the model says {pred[worst] * 1e6:.1f} us, measured {ys[worst] * 1e6:.1f} us. The all-reduce "
           f"cost here is not a straight line in the message size (scheduler ticks, cores shared with "
           f"other work, a change of regime between sizes), so predictions and plans from this model "
