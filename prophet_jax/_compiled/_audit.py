@@ -187,9 +187,7 @@ def _audit_allreduces(text: str, module: Any, ops: Any, after: list[int], window
           window=inside, form=ar.form)
       (chunks if m else loops if lm else foreign).append(entry)
   problems = [] if not again else [_again_problem(again)]
-  order = []
-  for e in chunks:
-    order.extend([e.chunk] * (e.trips or 1))
+  order = [e.chunk for e in chunks for _ in range(e.trips or 1)]
   problems += entry_problems(chunks, len(sizes), "all-reduce", "chunk", "reduces",
                              "merged with other all-reduces by XLA's combiner?")
   by_ins: dict[str, list[int]] = {}
