@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from ._auto import auto
@@ -19,26 +20,8 @@ from ._wfbp import wfbp
 from ._xla import xla
 
 
-class _Policies(Mapping[str, Callable[..., Scheduler]]):
-  """Every policy name and its factory, read-only, in a fixed order."""
-
-  def __init__(self, table: Mapping[str, Callable[..., Scheduler]]):
-    self._table = dict(table)
-
-  def __getitem__(self, name: str) -> Callable[..., Scheduler]:
-    return self._table[name]
-
-  def __iter__(self) -> Iterator[str]:
-    return iter(self._table)
-
-  def __len__(self) -> int:
-    return len(self._table)
-
-  def __repr__(self) -> str:
-    return f"POLICIES({list(self._table)})"
-
-
-POLICIES: Mapping[str, Callable[..., Scheduler]] = _Policies({
+# every policy name and its factory, read-only, in a fixed order
+POLICIES: Mapping[str, Callable[..., Scheduler]] = MappingProxyType({
     "wfbp": wfbp, "bucket": bucket, "xla": xla, "mgwfbp": mgwfbp, "priority": priority,
     "prophet": prophet, "auto": auto, "dlcp": dlcp, "dear": dear, "fsdp": fsdp})
 
