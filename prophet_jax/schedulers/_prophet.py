@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from .._values._checks import check_positive
+from .._values._checks import check_number, check_positive
 from .._planning._core import Problem, chunk_arrays, objective_s, problem, search_problem, split_by_dtype
 from .._values._network import NetworkModel
 from .._values._types import GradientProfile
@@ -177,13 +177,10 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
     Scheduling", ICPP 2021.
   """
   gap_factor = check_positive(POLICY, "gap_factor", gap_factor, hint="Try 2.0.")
-  if alpha_fraction is not None:
-    alpha_fraction = check_positive(POLICY, "alpha_fraction", alpha_fraction, hint="Try 0.1 or None.")
-  if tail_growth is not None:
-    tail_growth = check_positive(POLICY, "tail_growth", tail_growth, hint="Try 2.0 or None.")
-    if tail_growth < 1:
-      raise ValueError(f"prophet(tail_growth={tail_growth!r}): `tail_growth` must be >= 1 (blocks after "
-                       f"backward never shrink). Try 2.0 or None.")
+  alpha_fraction = check_number(POLICY, "alpha_fraction", alpha_fraction, lo=0, lo_open=True, none=True,
+                                fix="Try 0.1 or None.")
+  tail_growth = check_number(POLICY, "tail_growth", tail_growth, lo=1, none=True,
+                             fix="Blocks after backward never shrink. Try 2.0 or None.")
   options = {"gap_factor": gap_factor, "alpha_fraction": alpha_fraction, "tail_growth": tail_growth}
 
   def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
