@@ -132,10 +132,9 @@ def _baselines(prob: Problem) -> list[tuple[str, Scheduler]]:
                                       ("bucket", bucket()), ("priority", priority()),
                                       ("prophet", prophet())]
   out += [(f"bucket(bucket_bytes={mb}MiB)", bucket(bucket_bytes=mb * mib)) for mb in (1, 4, 16, 64, 128)]
-  for params in (2**22, 2**24):  # the default is 2**20 parameters, credit 4x
-    p, c = params * item, 4 * params * item
-    out.append((f"priority(partition_bytes={p}, credit_bytes={c})",
-                priority(partition_bytes=p, credit_bytes=c)))
+  # priority's partitions of 2**22 and 2**24 parameters (the default is 2**20), credit 4x
+  out += [(f"priority(partition_bytes={p * item}, credit_bytes={4 * p * item})",
+           priority(partition_bytes=p * item, credit_bytes=4 * p * item)) for p in (2**22, 2**24)]
   out.append(("prophet(gap_factor=4.0)", prophet(gap_factor=4.0)))  # prophet tunes its other knobs
   return out
 

@@ -33,10 +33,8 @@ def merge_groups(ready_s: list[float], bytes_by_dtype: list[dict[str, int]],
     cost = _cost_s(network, merged[u])
     if u + 1 < n:
       nxt = ready_s[u + 1]
-      do_merge = False
-      if cost > 0 and nxt < comm_start + cost:  # u's all-reduce still running (or waiting) at r(u+1)
-        do_merge = comm_start > nxt or nxt - comm_start < a
-      if do_merge:
+      # merge when u's all-reduce is still running (or waiting) at r(u+1) and started late or within a of it
+      if cost > 0 and nxt < comm_start + cost and (comm_start > nxt or nxt - comm_start < a):
         for d, nb in merged[u].items():
           merged[u + 1][d] = merged[u + 1].get(d, 0) + nb
         merged[u] = {}

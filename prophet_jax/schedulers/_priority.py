@@ -69,11 +69,7 @@ def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes
       inflight.append((link_free, units))
       used += units
       order.append((r, a, b))
-    nxt = []
-    if i < len(parts):
-      nxt.append(parts[i][0])
-    if inflight:
-      nxt.append(inflight[0][0])
+    nxt = ([parts[i][0]] if i < len(parts) else []) + ([inflight[0][0]] if inflight else [])
     if not nxt:
       break
     t = max(t, min(nxt))
