@@ -126,10 +126,8 @@ def is_float_dtype(dtype: Any) -> bool:
     dt = np.dtype(dtype)
   except TypeError:  # an extended dtype (a typed PRNG key's): not a number
     return False
-  if dt.kind in "fc":
-    return True
-  return dt.kind == "V" and (dt.name == "bfloat16" or dt.name.startswith(("float8_", "float6_",
-                                                                          "float4_")))
+  return dt.kind in "fc" or dt.kind == "V" and (dt.name == "bfloat16" or dt.name.startswith(("float8_", "float6_",
+                                                                                             "float4_")))
 
 
 def is_reduced_leaf(leaf: Any) -> bool:

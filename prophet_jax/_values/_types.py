@@ -23,7 +23,7 @@ PROFILE_SCHEMA = 1
 PROFILE_METHODS = ("measured", "timed", "estimated")
 
 # GradientProfile.tree_rows, memoized by the profile's identity (the one memo policy, `_tree.IdentityMemo`)
-_PROFILE_ROWS = IdentityMemo(64)
+_profile_rows = IdentityMemo(64)(lambda p: rows_info(tuple((r.path, r.shape, r.dtype) for r in p.rows)).rows)
 
 _ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float0": 0}
 
@@ -356,10 +356,7 @@ class GradientProfile(JsonValue, Placed):
 
   def tree_rows(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
     """(path, shape, dtype) of every row, in order: what a Schedule for this profile records."""
-    hit = _PROFILE_ROWS.get(self)
-    if hit is not None:
-      return hit
-    return _PROFILE_ROWS.put((self,), rows_info(tuple((r.path, r.shape, r.dtype) for r in self.rows)).rows)
+    return _profile_rows(self)
 
   def fingerprint(self) -> str:
     """The tree fingerprint of `tree_rows()` (what `Schedule.tree_fingerprint` must equal), with the
@@ -502,17 +499,14 @@ class GradientProfile(JsonValue, Placed):
 
   # -- JSON -----------------------------------------------------------------------------------------
   def to_dict(self) -> dict[str, Any]:
-    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rows"}
-    d["rows"] = [_row_dict(r) for r in self.rows]
-    if self.mesh:         # placement keys only when present: a profile without one is written as before
-      d["mesh"] = dict(self.mesh)
-      d["shard_axes"] = list(self.shard_axes)
-    else:
-      del d["mesh"], d["shard_axes"]
+    # placement and stack keys only when present: a profile without them is written as before
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rows"
+         and (self.mesh or f.name not in ("mesh", "shard_axes")) and (self.stacks or f.name != "stacks")}
+    if self.mesh:
+      d.update(mesh=dict(self.mesh), shard_axes=list(self.shard_axes))
     if self.stacks:
       d["stacks"] = list(self.stacks)
-    else:
-      del d["stacks"]
+    d["rows"] = [_row_dict(r) for r in self.rows]
     return d
 
   @classmethod
