@@ -74,15 +74,10 @@ def _child_env(base: dict[str, str], *, rank: int, nproc: int, coordinator: str,
          or (v and k in ("PROPHET_INIT_TIMEOUT_S", "PROPHET_HEARTBEAT_TIMEOUT_S"))}
   env.update(PROPHET_PROCESS_ID=str(rank), PROPHET_NUM_PROCESSES=str(nproc),
              PROPHET_COORDINATOR=coordinator, PYTHONUNBUFFERED="1")
-  if xla_flags:
-    env["XLA_FLAGS"] = xla_flags
-  if devices is not None:
-    env["PROPHET_LOCAL_DEVICES"] = str(devices)
-  if gloo_interface:
-    env["PROPHET_GLOO_INTERFACE"] = gloo_interface
-  if init_timeout_s is not None:
-    env["PROPHET_INIT_TIMEOUT_S"] = str(int(init_timeout_s))
-  return env
+  given = {"XLA_FLAGS": xla_flags or None, "PROPHET_LOCAL_DEVICES": devices,
+           "PROPHET_GLOO_INTERFACE": gloo_interface or None,
+           "PROPHET_INIT_TIMEOUT_S": None if init_timeout_s is None else int(init_timeout_s)}
+  return env | {k: str(v) for k, v in given.items() if v is not None}
 
 
 def _pump(rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
