@@ -4,7 +4,6 @@ all-gathers on one link (pure numpy; the model: docs/design.md, "Simulator seman
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -104,23 +103,10 @@ def chunk_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> ChunkArray
   ready, size, isz = prob.ready, prob.size, prob.itemsize      # Python values: no numpy scalars per slice
   upd, layer = prob.row_update_s.tolist(), prob.row_layer.tolist()
   for k, c in enumerate(chunks):
-    elems = 0
-    r_max = -math.inf
-    u = 0.0
-    ls = set()
-    for r, a, b in c:
-      n = b - a
-      elems += n
-      if ready[r] > r_max:
-        r_max = ready[r]
-      if upd[r]:
-        u += upd[r] * n / size[r]
-      ls.add(layer[r])
-    rs_ready[k] = r_max
-    padded = workers * -(-elems // workers)
-    rs_nbytes[k] = padded * isz[c[0][0]]
-    rs_update[k] = u / workers
-    layers_of.append(ls)
+    rs_ready[k] = max(ready[r] for r, _, _ in c)
+    rs_nbytes[k] = workers * -(-sum(b - a for _, a, b in c) // workers) * isz[c[0][0]]   # padded
+    rs_update[k] = sum(upd[r] * (b - a) / size[r] for r, a, b in c) / workers
+    layers_of.append({layer[r] for r, _, _ in c})
   return rs_ready, rs_nbytes, rs_update, layers_of
 
 
