@@ -329,22 +329,17 @@ def _simulate_once(prob: Problem, arrays: ChunkArrays, dur: np.ndarray, events: 
   if prob.skew and ready.size:
     dur = dur + sync_waits(ready, prob.skew, prob.cycle_s, backward_s)
   forward_s, update_s = prob.forward_s, prob.update_s
-  n = ready.size
-  if n:
-    if network.links == 1 and not events:
-      end, bw_end = ends_one_link(ready, dur, backward_s, network.overlap)
-      start = end - dur
-      link = np.zeros(n, dtype=np.int64)
-      stalls: list[tuple[float, float]] = []
-    else:
-      s_, e_, l_, bw_end, stalls = link_loop(ready.tolist(), dur.tolist(), backward_s=backward_s,
-                                             links=network.links, overlap=network.overlap)
-      start, end, link = np.asarray(s_), np.asarray(e_), np.asarray(l_)
-    last_end = float(end.max())
+  n = ready.size     # none: backward alone (both engines give its end as backward_s)
+  if network.links == 1 and not events:
+    end, bw_end = ends_one_link(ready, dur, backward_s, network.overlap)
+    start = end - dur
+    link = np.zeros(n, dtype=np.int64)
+    stalls: list[tuple[float, float]] = []
   else:
-    start = end = np.zeros(0)
-    link = np.zeros(0, dtype=np.int64)
-    bw_end, last_end, stalls = backward_s, 0.0, []
+    s_, e_, l_, bw_end, stalls = link_loop(ready.tolist(), dur.tolist(), backward_s=backward_s,
+                                           links=network.links, overlap=network.overlap)
+    start, end, link = np.asarray(s_), np.asarray(e_), np.asarray(l_, dtype=np.int64)
+  last_end = float(end.max(initial=0.0))   # every end is >= 0
 
   layers = prob.layers
   nl = len(layers)
