@@ -197,10 +197,7 @@ def grad_program(s: ProgramSetup, wrt: Sequence[int] | None = None, name: str = 
 
 
 def loss_program(s: ProgramSetup):
-  def fwd(diff, other, b):
-    return s.loss_of(diff, other, b)
-
-  return mapped(s, fwd, (P(), P(), P(s.axis)), P())
+  return mapped(s, s.loss_of, (P(), P(), P(s.axis)), P())
 
 
 def mapped(s: ProgramSetup, f: Callable[..., Any], in_specs: Any, out_specs: Any, *, name: str = "") -> Any:
@@ -241,13 +238,9 @@ class Prog:
 def compile_all(progs: Sequence[Prog | None]) -> None:
   """Compiles the programs at once (XLA releases the GIL while it compiles)."""
   todo = [p for p in progs if p is not None and p.compiled is None]
-  if len(todo) <= 1:
-    for p in todo:
-      p.compile()
-    return
-
-  with ThreadPoolExecutor(len(todo)) as pool:
-    list(pool.map(Prog.compile, todo))
+  if todo:
+    with ThreadPoolExecutor(len(todo)) as pool:
+      list(pool.map(Prog.compile, todo))
 
 
 def update_program(s: ProgramSetup, tx: Any) -> Prog:
