@@ -62,11 +62,9 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
           if not isinstance(iv, Literal) and id(iv) in inner:
             mapping[id(ov)] = inner[id(iv)]
       elif eqn.primitive.name in _ALIAS_PRIMITIVES and len(eqn.invars) == len(eqn.outvars):
-        for k, i in ins:
-          mapping[id(eqn.outvars[k])] = i
+        mapping.update({id(eqn.outvars[k]): i for k, i in ins})
       else:
-        for _, i in ins:
-          used.setdefault(i)
+        used.update(dict.fromkeys(i for _, i in ins if i not in used))
 
   walk(jaxpr, {id(v): i for i, v in enumerate(jaxpr.invars[:len(leaves)])})
   order = list(used) + [i for i in range(len(leaves)) if i not in used]
