@@ -87,6 +87,11 @@ class HloModule:
         return ins
     return None
 
+  def called(self, ins: HloInstruction | None) -> tuple[str | None, HloInstruction | None]:
+    """(the computation `ins` calls, that computation's ROOT); None for what is not there."""
+    body = dict(ins.callees).get("calls") if ins is not None else None
+    return body, next((i for i in self.computations.get(body or "", ()) if i.root), None)
+
 
 def hlo_text(compiled: Any) -> str:
   """The optimized HLO text of a compiled executable; TypeError for a Lowered (XLA's passes have not run)."""
@@ -115,10 +120,7 @@ def _closing(text: str, depth: int = 0) -> int:
 
 def _split_shape(rest: str) -> tuple[str, str]:
   rest = rest.lstrip()
-  if rest.startswith("("):
-    end = _closing(rest) + 1
-  else:
-    end = rest.find(" ") if " " in rest else len(rest)
+  end = _closing(rest) + 1 if rest.startswith("(") else rest.find(" ") if " " in rest else len(rest)
   return rest[:end], rest[end:].lstrip()
 
 

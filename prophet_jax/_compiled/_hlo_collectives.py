@@ -14,7 +14,7 @@ Public helpers:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ._hlo import (ExecutedOp, HloInstruction, HloModule, execution_order, producer, shape_elements,
@@ -132,11 +132,8 @@ class AllReduceOp:
 def _wrapped_allreduce(module: HloModule, ins: HloInstruction) -> tuple[HloInstruction, str] | None:
   """The all-reduce a `fusion-start` / `async-start` calls (its called computation's ROOT), and that
   computation's name; None when it wraps something else."""
-  body = dict(ins.callees).get("calls")
-  root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
-  if root is None or root.opcode not in ALL_REDUCE_OPCODES:
-    return None
-  return root, body
+  body, root = module.called(ins)
+  return None if root is None or root.opcode not in ALL_REDUCE_OPCODES else (root, body)
 
 
 def allreduces(module: HloModule, ops: tuple[ExecutedOp, ...] | None = None) -> tuple[AllReduceOp, ...]:
@@ -163,12 +160,7 @@ def allreduces(module: HloModule, ops: tuple[ExecutedOp, ...] | None = None) -> 
       if found is None:
         continue
       red, body = found
-      operands = []
-      for o in red.operands:
-        inner = module.instruction(body, o)
-        pm = _PARAM.search(inner.text) if inner is not None and inner.opcode == "parameter" else None
-        k = int(pm.group(1)) if pm else -1
-        operands.append(ins.operands[k] if 0 <= k < len(ins.operands) else "")
+      operands = [_outer(module.instruction(body, o), ins.operands) for o in red.operands]
       out.append(AllReduceOp(op=op, form=ins.opcode, reduction=red, shape=red.shape,
                              operands=tuple(operands), op_name=ins.op_name or red.op_name))
   return tuple(out)
@@ -256,17 +248,13 @@ def contiguous_parts(module: HloModule, comp: str, ins: HloInstruction, readers:
     part_shapes = [(module.instruction(comp, o).shape if module.instruction(comp, o) else "", o)
                    for o in cat.operands]
   elif cat.opcode == "fusion":
-    body = dict(cat.callees).get("calls")
-    root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+    body, root = module.called(cat)
     if root is None or root.opcode != "concatenate":
       return None
     part_shapes = []
     for o in root.operands:
-      inner = producer(module, body, o)
-      pm = _PARAM.search(inner.text) if inner is not None and inner.opcode == "parameter" else None
-      outer = cat.operands[int(pm.group(1))] if pm and int(pm.group(1)) < len(cat.operands) else ""
       shape = module.instruction(body, o).shape if module.instruction(body, o) else ""
-      part_shapes.append((shape, outer))
+      part_shapes.append((shape, _outer(producer(module, body, o), cat.operands)))
   else:
     return None
   if len(part_shapes) < 2:
@@ -275,8 +263,7 @@ def contiguous_parts(module: HloModule, comp: str, ins: HloInstruction, readers:
   for u in readers:
     text = u.text
     if u.opcode == "fusion":
-      body = dict(u.callees).get("calls")
-      root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+      root = module.called(u)[1]
       if root is None or root.opcode != "slice":
         continue
       text = root.text
@@ -340,29 +327,34 @@ def sharded_collectives(module: HloModule, ops: tuple[ExecutedOp, ...] | None = 
     ins = op.instruction
     kind = next((c for c in SHARDED_COLLECTIVES if ins.opcode in (c, f"{c}-start")), None)
     if kind is not None:
-      if ins.opcode.endswith("-start"):  # jaxlib 0.10: ((operands...), result) or (operand, result)
-        items = _top_level(ins.shape)
-        n_in, n_out = shape_elements(items[0]), shape_elements(items[-1])
-        if len(items) == 1:  # a start of the result's shape alone
-          n_in = sum(shape_elements(module.instruction(op.computation, o).shape)
-                     for o in ins.operands if module.instruction(op.computation, o) is not None)
-      else:
-        n_in = sum(shape_elements(module.instruction(op.computation, o).shape)
-                   for o in ins.operands if module.instruction(op.computation, o) is not None)
-        n_out = ins.elements
+      # a start's shape (jaxlib 0.10): ((operands...), result) or (operand, result), or the result alone
+      items = _top_level(ins.shape) if ins.opcode.endswith("-start") else [ins.shape]
+      n_in = shape_elements(items[0]) if len(items) > 1 else _elements(module, op.computation, ins.operands)
+      n_out = shape_elements(items[-1])
       sync = ins.opcode == kind or '"is_sync":true' in ins.text.replace(" ", "")
       out.append(ShardedCollectiveOp(op=op, collective=kind, form=ins.opcode, in_elements=n_in,
                                      out_elements=n_out, op_name=ins.op_name, synchronous=sync))
     elif ins.opcode in _SHARDED_WRAPPERS:
-      body = dict(ins.callees).get("calls")
-      root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+      body, root = module.called(ins)
       kind = next((c for c in SHARDED_COLLECTIVES if root is not None and root.opcode == c), None)
       if kind is None:
         continue
-      n_in = sum(shape_elements(module.instruction(body, o).shape)
-                 for o in root.operands if module.instruction(body, o) is not None)
+      n_in = _elements(module, body, root.operands)
       sync = '"is_sync":true' in (ins.text + root.text).replace(" ", "")
       out.append(ShardedCollectiveOp(op=op, collective=kind, form=ins.opcode, in_elements=n_in,
                                      out_elements=root.elements, op_name=ins.op_name or root.op_name,
                                      synchronous=sync))
   return tuple(out)
+
+
+def _elements(module: HloModule, comp: str, names: Sequence[str]) -> int:
+  """Elements of the values `names` of computation `comp` (those it holds)."""
+  return sum(shape_elements(ins.shape) for o in names if (ins := module.instruction(comp, o)) is not None)
+
+
+def _outer(inner: HloInstruction | None, operands: Sequence[str]) -> str:
+  """The operand of a calling instruction that `inner`, a parameter of the called computation, stands for; ''
+  for anything else."""
+  pm = _PARAM.search(inner.text) if inner is not None and inner.opcode == "parameter" else None
+  k = int(pm.group(1)) if pm else -1
+  return operands[k] if 0 <= k < len(operands) else ""

@@ -113,14 +113,12 @@ def slice_start(module: HloModule, computation: str, name: str) -> int | None:
     if ins.opcode == "get-tuple-element" and ins.operands:
       src = module.instruction(comp, ins.operands[0])
       m = _GTE.search(ins.text)
-      body = dict(src.callees).get("calls") if src is not None and src.opcode == "fusion" else None
-      root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+      body, root = module.called(src if src is not None and src.opcode == "fusion" else None)
       if root is None or m is None or root.opcode != "tuple" or int(m.group(1)) >= len(root.operands):
         return None
       comp, ins = body, module.instruction(body, root.operands[int(m.group(1))])
     elif ins.opcode == "fusion":
-      body = dict(ins.callees).get("calls")
-      comp, ins = body, next((i for i in module.computations.get(body or "", ()) if i.root), None)
+      comp, ins = module.called(ins)
     elif ins.opcode in _MOVES and ins.operands:
       ins = module.instruction(comp, ins.operands[0])
     elif ins.opcode == "slice" and ins.operands:
