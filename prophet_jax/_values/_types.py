@@ -466,18 +466,13 @@ class GradientProfile(JsonValue, Placed):
       raise ProfileError("from_params: the tree has no floating-point leaves to reduce.")
     place = _placements(flat, specs, shardings, mesh, gather_dtype)
     nbytes = [int(np.prod(s, dtype=np.int64)) * itemsize(d) for _, _, s, d in leaves]
-    total = max(sum(nbytes), 1)
     layer_bytes: dict[str, int] = {}
     for (_, layer, _, _), b in zip(leaves, nbytes):
       layer_bytes[layer] = layer_bytes.get(layer, 0) + b
-    layers = list(layer_bytes)
-    ready_of, t = {}, 0.0
-    for layer in reversed(layers):  # backward runs from the last layer to the first
-      t += backward_s * layer_bytes[layer] / total
-      ready_of[layer] = min(t, backward_s)
+    ready_of, fwd_of = spread_by_bytes(layer_bytes, forward_s, backward_s)
     rows, seen = [], set()
     for (path, layer, shape, dtype), b in zip(leaves, nbytes):
-      fwd = forward_s * layer_bytes[layer] / total if layer not in seen else 0.0
+      fwd = fwd_of[layer] if layer not in seen else 0.0
       seen.add(layer)
       rows.append(ProfileRow(path=path, layer=layer, shape=shape, dtype=dtype, nbytes=b,
                              ready_s=ready_of[layer], fwd_s=fwd, update_s=update_s_per_byte * b,
@@ -518,6 +513,18 @@ class GradientProfile(JsonValue, Placed):
       return cls.from_rows(obj.pop("rows"), **obj)
     except TypeError as e:
       raise ProfileError(f"GradientProfile.from_json: {e}") from e
+
+
+def spread_by_bytes(layer_bytes: Mapping[str, int], forward_s: float, backward_s: float
+                    ) -> tuple[dict[str, float], dict[str, float]]:
+  """Per layer (given in forward order with its bytes), its ready time and its forward time when the step's
+  times are spread over the layers by bytes, backward running from the last layer to the first."""
+  total = max(sum(layer_bytes.values()), 1)
+  ready, t = {}, 0.0
+  for layer in reversed(list(layer_bytes)):
+    t += backward_s * layer_bytes[layer] / total
+    ready[layer] = min(t, backward_s)
+  return ready, {layer: forward_s * b / total for layer, b in layer_bytes.items()}
 
 
 def _row_dict(r: ProfileRow) -> dict[str, Any]:
@@ -562,8 +569,7 @@ def _placements(flat: Sequence[tuple[str, str, Any]], specs: Sequence[Any], shar
 
 
 def _row_kwargs(r: Mapping[str, Any]) -> dict[str, Any]:
-  names = {f.name for f in dataclasses.fields(ProfileRow)}
-  unknown = sorted(set(r) - names)
+  unknown = sorted(set(r) - {f.name for f in dataclasses.fields(ProfileRow)})
   if unknown:
     raise ProfileError(f"profile row {r.get('path', '?')!r}: unknown field(s) {unknown}.")
   missing = sorted({"path", "layer", "shape", "dtype", "nbytes", "ready_s"} - set(r))
