@@ -107,10 +107,7 @@ def _sharded_bound(prob: Problem, b_full: float) -> float:
   w_all = float(k[-1] * a + b * b_s.sum())
   forward, backward = prob.forward_s, prob.backward_s
   update = float(prob.row_update_s[sent].sum()) / prob.network.workers
-  if prob.overlap:
-    rs = max(thr, _makespan_per_dtype(r_s, b_s, d_s, nd, a, b))
-  else:
-    rs = max(backward + w_all, thr)
+  rs = max(thr, _makespan_per_dtype(r_s, b_s, d_s, nd, a, b)) if prob.overlap else max(backward + w_all, thr)
   if not prob.cross_step:
     if prob.overlap:
       return float(max(backward, rs) + max(w_all, update + a) + forward)
@@ -185,8 +182,7 @@ def _bound(prob: Problem, b: float, deferred: float) -> float:
     return val.max(axis=-1)
 
   if n:
-    everything = np.ones((1, n), dtype=bool)
-    thr_all = float(thr_max(everything)[0])
+    thr_all = float(thr_max(np.ones((1, n), dtype=bool))[0])   # every row
     k_all = len({int(d) for d in d_s})
     w_all = float(work(np.float64(b_s.sum()), np.float64(k_all)))
   else:

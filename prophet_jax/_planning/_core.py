@@ -88,8 +88,7 @@ def _build(profile: GradientProfile, network: NetworkModel, cross_step: bool) ->
   row_ready = np.fromiter((r.ready_s for r in rows), dtype=np.float64, count=n)
   row_nbytes = np.fromiter((r.nbytes for r in rows), dtype=np.float64, count=n)
   dcode = {d: i for i, d in enumerate(dict.fromkeys(r.dtype for r in rows))}
-  fwd_map = profile.layer_fwd_s()
-  layer_fwd = np.array([fwd_map[name] for name in layers], dtype=np.float64)
+  layer_fwd = np.array(list(profile.layer_fwd_s().values()), dtype=np.float64)   # in `layers`' order
   layer_upd = np.zeros(len(layers))
   row_upd = np.fromiter((r.update_s for r in rows), dtype=np.float64, count=n)
   np.add.at(layer_upd, row_layer, row_upd)
@@ -149,14 +148,10 @@ class ChunkArrays(NamedTuple):
 
 def chunk_arrays(prob: Problem, chunks: Iterable[Sequence[Slice]]) -> ChunkArrays:
   """The ChunkArrays of chunks given as (row, start, stop) slices, in issue order."""
-  rows: list[int] = []
-  elems: list[int] = []
-  counts: list[int] = []
-  for c in chunks:
-    counts.append(len(c))
-    for r, a, e in c:
-      rows.append(r)
-      elems.append(e - a)
+  chunks = list(chunks)
+  counts = [len(c) for c in chunks]
+  rows = [r for c in chunks for r, _, _ in c]
+  elems = [e - a for c in chunks for _, a, e in c]
   n = len(counts)
   if n == 0:
     z = np.zeros(0)

@@ -30,9 +30,7 @@ def _williams_row(n: int, k: int) -> list[int]:
   every treatment follows every other equally often.
   """
   base = [0] + [(i + 1) // 2 if i % 2 else n - i // 2 for i in range(1, n)]
-  if k < n:
-    return [(b + k) % n for b in base]
-  return [(b + k - n) % n for b in base][::-1]
+  return [(b + k) % n for b in base] if k < n else [(b + k - n) % n for b in base][::-1]
 
 
 def _shuffled(m: int, seed: int) -> list[int]:
@@ -55,8 +53,7 @@ def round_order(names: Sequence[str], r: int) -> tuple[str, ...]:
   """
   n = len(names)
   period = n if n % 2 == 0 else 2 * n
-  row = _williams_row(n, _shuffled(period, r // period)[r % period])
-  return tuple(names[i] for i in row)
+  return tuple(names[i] for i in _williams_row(n, _shuffled(period, r // period)[r % period]))
 
 
 def interleave(names: Sequence[str], rounds: int, measure: Callable[[str, int], float]) -> np.ndarray:

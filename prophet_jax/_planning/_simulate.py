@@ -216,18 +216,16 @@ def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) 
   run = sharded_run(prob, arr, rs, ag)
   iters = run.iteration_s
   i, extra = _samples(iters, iters.size > 1)
-  forward_s, backward_s = prob.forward_s, prob.backward_s
   update_s = float(arr.rs_update_s.sum())
-  comm = (run.rs_end - run.rs_start).sum(axis=1) + (run.ag_end - run.ag_start).sum(axis=1)
-  compute = forward_s + backward_s + (0.0 if prob.cross_step else update_s)
+  comm = float(((run.rs_end - run.rs_start).sum(axis=1) + (run.ag_end - run.ag_start).sum(axis=1)).mean())
+  compute = prob.forward_s + prob.backward_s + (0.0 if prob.cross_step else update_s)
   mean = float(iters.mean())
-  evs = _sharded_events(prob, arr, run, i, rs) if events else ()
-  comm_mean = float(comm.mean())
   peak = dear_peak_bytes(prob, arr.rs_ready_s, arr.rs_nbytes, run.rs_end[i])
-  return SimResult(iteration_s=mean, compute_s=forward_s + backward_s + update_s, comm_s=comm_mean,
-                   idle_s=max(mean - compute, 0.0), network_busy=comm_mean / mean if mean > 0 else 0.0,
+  return SimResult(iteration_s=mean, compute_s=prob.forward_s + prob.backward_s + update_s, comm_s=comm,
+                   idle_s=max(mean - compute, 0.0), network_busy=comm / mean if mean > 0 else 0.0,
                    allreduces=0, reduce_scatters=int(k_n), all_gathers=int(arr.ag_nbytes.size),
-                   events=evs, cross_step=prob.cross_step, peak_memory_bytes=int(round(peak)), **extra)
+                   events=_sharded_events(prob, arr, run, i, rs) if events else (), cross_step=prob.cross_step,
+                   peak_memory_bytes=int(round(peak)), **extra)
 
 
 def _sharded_events(prob: Problem, arr: ShardedArrays, run: ShardedRun, i: int,
