@@ -299,17 +299,13 @@ def _fsdp_candidate(profile: GradientProfile, network: NetworkModel, modes: tupl
 # The robust choice
 
 
-def _scenarios(network: NetworkModel, robust: float) -> list[tuple[float, float, NetworkModel]]:
-  """(alpha factor, beta factor, network) of each corner: `network`'s alpha and beta each off by up to `robust`."""
-  lo, hi = 1 / (1 + robust), 1 / (1 - robust)
-  return [(fa, fb, network.replace(alpha_s=network.alpha_s * fa, beta_s_per_byte=network.beta_s_per_byte * fb))
-          for fa in (lo, hi) for fb in (lo, hi)]
-
-
 def _robust_choice(prob: Problem, cands: list[_Candidate], options: dict[str, Any]) -> _Candidate:
   """The minimax-regret candidate over the planning network and the four corners of the `robust` box."""
   network, cross = prob.network, prob.cross_step
-  scenarios = _scenarios(network, options["robust"])
+  # (alpha factor, beta factor, network) of each corner: `network`'s alpha and beta each off by up to `robust`
+  lo, hi = 1 / (1 + options["robust"]), 1 / (1 - options["robust"])
+  scenarios = [(fa, fb, network.replace(alpha_s=network.alpha_s * fa, beta_s_per_byte=network.beta_s_per_byte * fb))
+               for fa in (lo, hi) for fb in (lo, hi)]
   probs = [problem(prob.profile, n, cross_step=cross) for _, _, n in scenarios]
   top_points = list(dict.fromkeys(c.point for c in cands if c.point is not None))[:_ROBUST_POINTS]
   if prob.overlap:
@@ -320,8 +316,7 @@ def _robust_choice(prob: Problem, cands: list[_Candidate], options: dict[str, An
       if label != "one-per-dtype":
         cands.append(_Candidate(prob, f"{label}@alpha*{fa:.2f},beta*{fb:.2f}", chunks))
   times = np.array([[c.nominal] + [objective_s(si, *c.arrays) for si in probs] for c in cands])
-  best = np.maximum(times.min(axis=0), 1e-300)
-  worst = (times / best).max(axis=1)
+  worst = (times / np.maximum(times.min(axis=0), 1e-300)).max(axis=1)   # each one's regret against the best
   base = min((c.nominal for c in cands if c.default_baseline), default=_INF)
   limit = base * (1 + options["robust_tol"])
   ok = [i for i, c in enumerate(cands) if c.nominal <= limit * (1 + 1e-12)] or [0]

@@ -248,8 +248,7 @@ def _search(prob: Problem, base: Schedule, budget: int, compute: float, options:
   """
   a_eff, b_eff = typical_costs(prob)
   chunks = base.chunks
-  layer = prob.row_layer
-  priority = [min(int(layer[r]) for r, _, _ in c.slices) for c in chunks]
+  priority = [min(int(prob.row_layer[r]) for r, _, _ in c.slices) for c in chunks]
   mods: dict[int, _Mod] = {}
   best_buckets, best_t = base.buckets, float(base.predicted_s)
   buckets, origin = base.buckets, list(range(len(chunks)))
@@ -259,8 +258,7 @@ def _search(prob: Problem, base: Schedule, budget: int, compute: float, options:
     return bk, org, simulate_arrays(prob, schedule_arrays(prob, bk), events=False).iteration_s
 
   for _ in range(_MAX_ROUNDS):
-    arr = schedule_arrays(prob, buckets)
-    period, exposed = _critical_period(prob, arr, a_eff, b_eff, compute)
+    period, exposed = _critical_period(prob, schedule_arrays(prob, buckets), a_eff, b_eff, compute)
     if exposed <= compute * _HIDDEN_TOL:
       break
     touched = sorted({origin[k] for k in period}, key=lambda i: (-priority[i], -i))
@@ -273,10 +271,9 @@ def _search(prob: Problem, base: Schedule, budget: int, compute: float, options:
       have = mods[i].x if i in mods else 0
       want = have + math.ceil((need - added) / itemsize(chunks[i].dtype))
       held = mods[i].group.deferred_size if i in mods else 0
-      trials = []
-      for v in _variants(prob, chunks, i, want, left, mods, options, strategy, may_wait, a_eff, b_eff):
-        if v.x > have and v.group.deferred_size > held:
-          trials.append((*simulated({**mods, i: v}), v))
+      trials = [(*simulated({**mods, i: v}), v)
+                for v in _variants(prob, chunks, i, want, left, mods, options, strategy, may_wait, a_eff, b_eff)
+                if v.x > have and v.group.deferred_size > held]
       if not trials:
         continue
       buckets, origin, t, v = min(trials, key=lambda z: (z[2], z[3].group.deferred_size))

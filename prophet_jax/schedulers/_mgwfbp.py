@@ -10,11 +10,6 @@ from ._common import Groups, grouped_scheduler, layer_groups, whole_slice
 POLICY = "mgwfbp"
 
 
-def _cost_s(network: NetworkModel, bytes_by_dtype: dict[str, int]) -> float:
-  """All-reduce time of a merged group: one all-reduce (a + b·M) per dtype it holds; 0 when empty."""
-  return sum(network.allreduce_s(nb) for nb in bytes_by_dtype.values() if nb > 0)
-
-
 def merge_groups(ready_s: list[float], bytes_by_dtype: list[dict[str, int]],
                  network: NetworkModel) -> list[list[int]]:
   """MG-WFBP's merge rule over units (layers) in ready order, in one O(L) sweep.
@@ -30,7 +25,7 @@ def merge_groups(ready_s: list[float], bytes_by_dtype: list[dict[str, int]],
   comm_start = ready_s[0] if n else 0.0  # τ_c(u) of the current unit
   for u in range(n):
     group.append(u)
-    cost = _cost_s(network, merged[u])
+    cost = sum(network.allreduce_s(nb) for nb in merged[u].values() if nb > 0)   # one all-reduce per dtype
     if u + 1 < n:
       nxt = ready_s[u + 1]
       # merge when u's all-reduce is still running (or waiting) at r(u+1) and started late or within a of it

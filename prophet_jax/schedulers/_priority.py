@@ -64,8 +64,7 @@ def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes
       used -= inflight.popleft()[1]
     while pending and used < credit:
       r, a, b, units, cost = heapq.heappop(pending)
-      start = max(t, link_free)
-      link_free = start + cost
+      link_free = max(t, link_free) + cost
       inflight.append((link_free, units))
       used += units
       order.append((r, a, b))

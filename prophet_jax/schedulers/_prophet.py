@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from .._values._checks import check_number, check_positive
+from .._values._checks import check_number
 from .._planning._core import Problem, chunk_arrays, objective_s, problem, search_problem, split_by_dtype
 from .._values._network import NetworkModel
 from .._values._types import GradientProfile
@@ -53,9 +53,7 @@ class Planner:
 
   def _bytes_within(self, seconds: float) -> float:
     """Bytes one all-reduce can carry in `seconds` (0 when even the start-up does not fit)."""
-    if seconds <= self.a:
-      return 0.0
-    return math.inf if self.b == 0 else (seconds - self.a) / self.b
+    return 0.0 if seconds <= self.a else math.inf if self.b == 0 else (seconds - self.a) / self.b
 
   def plan(self, min_block: float, tail_growth: float,
            small_first: bool = True) -> tuple[list[list[tuple[int, int, int]]], float]:
@@ -176,7 +174,7 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
     Z. Zhang et al., "Prophet: Speeding up Distributed DNN Training with Predictable Communication
     Scheduling", ICPP 2021.
   """
-  gap_factor = check_positive(POLICY, "gap_factor", gap_factor, hint="Try 2.0.")
+  gap_factor = check_number(POLICY, "gap_factor", gap_factor, lo=0, lo_open=True, fix="Try 2.0.")
   alpha_fraction = check_number(POLICY, "alpha_fraction", alpha_fraction, lo=0, lo_open=True, none=True,
                                 fix="Try 0.1 or None.")
   tail_growth = check_number(POLICY, "tail_growth", tail_growth, lo=1, none=True,

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ._auto import auto
@@ -20,16 +19,28 @@ from ._wfbp import wfbp
 from ._xla import xla
 
 
-# every policy name and its factory, read-only, in a fixed order
-POLICIES: Mapping[str, Callable[..., Scheduler]] = MappingProxyType({
+class _Policies(Mapping[str, Callable[..., Scheduler]]):
+  """Every policy name and its factory, read-only, in a fixed order."""
+
+  def __init__(self, table: Mapping[str, Callable[..., Scheduler]]):
+    self._table = dict(table)
+
+  def __getitem__(self, name: str) -> Callable[..., Scheduler]:
+    return self._table[name]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._table)
+
+  def __len__(self) -> int:
+    return len(self._table)
+
+  def __repr__(self) -> str:
+    return f"POLICIES({list(self._table)})"
+
+
+POLICIES: Mapping[str, Callable[..., Scheduler]] = _Policies({
     "wfbp": wfbp, "bucket": bucket, "xla": xla, "mgwfbp": mgwfbp, "priority": priority,
     "prophet": prophet, "auto": auto, "dlcp": dlcp, "dear": dear, "fsdp": fsdp})
-
-
-def option_names(name: str) -> tuple[str, ...]:
-  """The keyword options the factory of policy `name` accepts."""
-  params = inspect.signature(POLICIES[name]).parameters.values()
-  return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
 
 
 def resolve(policy: Any, options: Mapping[str, Any], cross_step: Any) -> tuple[str, Scheduler]:
@@ -43,7 +54,7 @@ def resolve(policy: Any, options: Mapping[str, Any], cross_step: Any) -> tuple[s
     if cross_step == "auto" and policy != "auto":
       raise ValueError(f"plan(policy={policy!r}, cross_step='auto'): only the 'auto' policy chooses the "
                        f"step mode; pass cross_step=True or False, or use policy='auto'.")
-    valid = option_names(policy)
+    valid = [p.name for p in inspect.signature(POLICIES[policy]).parameters.values() if p.kind is p.KEYWORD_ONLY]
     unknown = sorted(set(options) - set(valid))
     if unknown:
       raise TypeError(f"plan(policy={policy!r}): unknown option(s) {unknown}; {policy!r} accepts "

@@ -89,10 +89,7 @@ class Scorer:
     if self.links > 1:
       return self._trial_links(i, j, new, limit)
     a, b = self.a, self.b
-    if i > 0:
-      t, m = self.ends[i - 1], self.best[i - 1]
-    else:
-      t, m = -math.inf, self.base
+    t, m = (self.ends[i - 1], self.best[i - 1]) if i > 0 else (-math.inf, self.base)
     for r, nb, q in new:
       t = link_end(t, r, nb, a, b)
       if t + q > m:
