@@ -98,8 +98,7 @@ class Pressure(JsonValue):
 
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Pressure:
-    obj = cls._json_fields(text_or_obj)
-    return cls(**obj)
+    return cls(**cls._json_fields(text_or_obj))
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NetworkModel(JsonValue):
@@ -213,17 +212,16 @@ class NetworkModel(JsonValue):
   @classmethod
   def preset(cls, name: str, *, workers: int, overlap: bool = True, links: int = 1) -> NetworkModel:
     """A named interconnect: one of `PRESETS` or `PRESETS_TWO_LEVEL` ('nvlink+400gb-ib')."""
-    if isinstance(name, str) and name in PRESETS_TWO_LEVEL:
-      inner, outer, node = PRESETS_TWO_LEVEL[name]
-      (a_in, b_in), (a_out, b_out) = PRESETS[inner], PRESETS[outer]
-      return cls(alpha_s=a_in, beta_s_per_byte=b_in, workers=workers, overlap=overlap, links=links,
-                 name=name, node_size=node, outer_alpha_s=a_out, outer_beta_s_per_byte=b_out)
-    if not isinstance(name, str) or name not in PRESETS:
+    inner, outer = name, {}
+    if isinstance(name, str) and name in PRESETS_TWO_LEVEL:   # the inner preset in a node, the outer across
+      inner, across, node = PRESETS_TWO_LEVEL[name]
+      outer = dict(node_size=node, outer_alpha_s=PRESETS[across][0], outer_beta_s_per_byte=PRESETS[across][1])
+    elif not isinstance(name, str) or name not in PRESETS:
       raise NetworkError(f"unknown network preset {name!r}; expected one of "
                          f"{sorted(PRESETS) + sorted(PRESETS_TWO_LEVEL)}, or a NetworkModel JSON file.")
-    alpha, beta = PRESETS[name]
-    return cls(alpha_s=alpha, beta_s_per_byte=beta, workers=workers, overlap=overlap, links=links,
-               name=name)
+    alpha, beta = PRESETS[inner]
+    return cls(alpha_s=alpha, beta_s_per_byte=beta, workers=workers, overlap=overlap, links=links, name=name,
+               **outer)
 
   @classmethod
   def fit(cls, sizes: Sequence[float], seconds: Sequence[float], *, workers: int,

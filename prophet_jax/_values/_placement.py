@@ -35,9 +35,7 @@ def spec_of(sharding: Any) -> tuple | None:
 def mesh_of(sharding: Any) -> Mesh | None:
   """The mesh shape of a NamedSharding-like object (`.mesh.shape`, a mapping), else None."""
   shape = getattr(getattr(sharding, "mesh", None), "shape", None)
-  if isinstance(shape, Mapping):
-    return tuple((str(k), int(v)) for k, v in shape.items())
-  return None
+  return tuple((str(k), int(v)) for k, v in shape.items()) if isinstance(shape, Mapping) else None
 
 
 def check_mesh(where: str, mesh: Any) -> Mesh:

@@ -139,9 +139,7 @@ class Bucket:
   def allreduce_sizes(self) -> tuple[int, ...]:
     """Elements of each all-reduce the bucket issues per step, in issue order: each chunk's size, or
     `slots` times `slot_size` for a deferral group."""
-    if not self.defer:
-      return tuple(c.size for c in self.chunks)
-    return (self.slot_size,) * self.slots
+    return (self.slot_size,) * self.slots if self.defer else tuple(c.size for c in self.chunks)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -279,8 +277,7 @@ class Schedule(JsonValue):
   def max_deferred_fraction(self) -> float:
     """The most gradient elements deferred in one step, as a fraction of all elements (0 without deferral)."""
     total = sum(math.prod(shape) for _, shape, _ in self.rows)
-    deferred = sum(b.deferred_size for b in self.buckets if b.defer)
-    return deferred / total if total else 0.0
+    return sum(b.deferred_size for b in self.buckets if b.defer) / total if total else 0.0
 
   def chunk_nbytes(self) -> tuple[int, ...]:
     return tuple(c.nbytes for c in self.chunks)

@@ -227,9 +227,7 @@ class IdentityMemo:
   def get(self, *keys: Any) -> Any:
     """The value stored for exactly these objects, or None."""
     hit = self._table.get(tuple(map(id, keys)))
-    if hit is not None and all(a is b for a, b in zip(hit[0], keys)):
-      return hit[1]
-    return None
+    return hit[1] if hit is not None and all(a is b for a, b in zip(hit[0], keys)) else None
 
   def put(self, keys: tuple[Any, ...], value: Any) -> Any:
     """Stores `value` for the objects `keys` (evicting the oldest entry when full); returns it."""
