@@ -150,14 +150,10 @@ def _audit_allreduces(text: str, module: Any, ops: Any, after: list[int], window
           names = [next((nm for nm in merged if any(_label(nm))), ar.op_name)]
           labels = [_label(names[0])]
     else:  # a combined all-reduce (a tuple): label each operand by its producer's scope
-      labels, names = [], []
-      for opnd in ar.operands[:len(parts)]:
-        prod = module.instruction(op.computation, opnd)
-        pn = prod.op_name if prod is not None else ""
-        labels.append(_label(pn))
-        names.append(pn)
-      labels += [(None, None)] * (len(parts) - len(labels))
+      names = [prod.op_name if (prod := module.instruction(op.computation, opnd)) is not None else ""
+               for opnd in ar.operands[:len(parts)]]
       names += [""] * (len(parts) - len(names))
+      labels = [_label(nm) for nm in names]
       for own in ([own_chunk] if own_chunk else [_CHUNK.search(nm) for nm in merged if len(merged) > 1]):
         if own is None or any(c and c.group(1) == own.group(1) for c, _ in labels):
           continue

@@ -4,6 +4,7 @@ and its JSON form (`AUDIT_SCHEMA`)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 from collections.abc import Mapping
@@ -202,10 +203,7 @@ class AuditReport(JsonValue):
   def forms(self) -> dict[str, int]:
     """How the compiled program writes its all-reduces (`AuditEntry.form`) -> how many of the chunks',
     loops' and foreign entries were read in that form."""
-    out: dict[str, int] = {}
-    for e in self.chunks + self.loops + self.foreign:
-      out[e.form or "?"] = out.get(e.form or "?", 0) + 1
-    return out
+    return dict(collections.Counter(e.form or "?" for e in self.chunks + self.loops + self.foreign))
 
   @property
   def exposed(self) -> tuple[int, ...]:

@@ -82,10 +82,7 @@ class HloModule:
   scheduled: bool
 
   def instruction(self, computation: str, name: str) -> HloInstruction | None:
-    for ins in self.computations.get(computation, ()):
-      if ins.name == name:
-        return ins
-    return None
+    return next((ins for ins in self.computations.get(computation, ()) if ins.name == name), None)
 
   def called(self, ins: HloInstruction | None) -> tuple[str | None, HloInstruction | None]:
     """(the computation `ins` calls, that computation's ROOT); None for what is not there."""

@@ -129,13 +129,6 @@ class AllReduceOp:
                                                                   self.reduction.text))
 
 
-def _wrapped_allreduce(module: HloModule, ins: HloInstruction) -> tuple[HloInstruction, str] | None:
-  """The all-reduce a `fusion-start` / `async-start` calls (its called computation's ROOT), and that
-  computation's name; None when it wraps something else."""
-  body, root = module.called(ins)
-  return None if root is None or root.opcode not in ALL_REDUCE_OPCODES else (root, body)
-
-
 def allreduces(module: HloModule, ops: tuple[ExecutedOp, ...] | None = None) -> tuple[AllReduceOp, ...]:
   """Every all-reduce in execution order, whichever form (`ALL_REDUCE_FORMS`) XLA wrote it in.
 
@@ -155,11 +148,10 @@ def allreduces(module: HloModule, ops: tuple[ExecutedOp, ...] | None = None) -> 
       shape = top[-1] if ins.shape.lstrip().startswith("((") and len(top) == 2 else ins.shape
       out.append(AllReduceOp(op=op, form="all-reduce-start", reduction=ins, shape=shape,
                              operands=ins.operands, op_name=ins.op_name))
-    elif ins.opcode in _WRAPPED_FORMS:
-      found = _wrapped_allreduce(module, ins)
-      if found is None:
+    elif ins.opcode in _WRAPPED_FORMS:   # the all-reduce is the ROOT of the computation it calls
+      body, red = module.called(ins)
+      if red is None or red.opcode not in ALL_REDUCE_OPCODES:
         continue
-      red, body = found
       operands = [_outer(module.instruction(body, o), ins.operands) for o in red.operands]
       out.append(AllReduceOp(op=op, form=ins.opcode, reduction=red, shape=red.shape,
                              operands=tuple(operands), op_name=ins.op_name or red.op_name))

@@ -286,8 +286,7 @@ def keyed_audit(compiled: Any, schedule: Schedule, *, units: Sequence[KeyedUnit]
     warnings.append("XLA:CPU ignores combiner keys and merges independent all-reduces: on the CPU a "
                     "keyed program proves numbers only; audit a compile-only GPU target "
                     "(prophet_jax.gpu_topology) for counts and sizes.")
-  chunk_kind = "reduce-scatter" if schedule.sharded else "all-reduce"
-  chunks, order = sections[chunk_kind]
+  chunks, order = sections["reduce-scatter" if schedule.sharded else "all-reduce"]
   gathers, gorder = sections.get("all-gather", ([], []))
   peak = peak_in_flight(ops, {e.name for e in chunks + gathers if e.asynchronous})
   outside = backward_outside(ops, chunks, windows, coll_names, costs)
