@@ -131,12 +131,10 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
                     f"loss through differentiable operations.") from e
 
   # Forward (priority) order: first use in the loss's jaxpr.
-  fwd = forward_paths(loss_fn, params, local_batch, axis_env=env)
-  pos = {p: k for k, p in enumerate(fwd)}
+  pos = {p: k for k, p in enumerate(forward_paths(loss_fn, params, local_batch, axis_env=env))}
   order = sorted(range(len(diff_idx)), key=lambda k: (pos.get(paths[diff_idx[k]], len(pos)), k))
 
-  params_d = jax.device_put(params, NamedSharding(mesh, P()))
-  leaves_d = list(jax.tree_util.tree_leaves(params_d))
+  leaves_d = list(jax.tree_util.tree_leaves(jax.device_put(params, NamedSharding(mesh, P()))))
   diff_d = [leaves_d[i] for i in diff_idx]   # shapes and dtypes as placed (float64 is float32 without x64)
   layers = [layer_of(layer_path(flat[i][0]), layer_depth) for i in diff_idx]  # an nnx Variable's '.value': no layer
   rows = RowSpec(paths=[paths[i] for i in diff_idx], shapes=[tuple(x.shape) for x in diff_d],

@@ -139,11 +139,10 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
       rid = _launched_in(hit, e["module"], scopes, starts) if hit is not None else None
       if rid is not None:
         e["run"] = (prefix, rid)
-  linked: dict[str, str] = {}   # an event still without a run was not tied to a launch
-  for m, evs in events.items():
-    if evs:
-      linked[m] = ("segments" if any(e["run"] is None for e in evs) else
-                   "host launch" if all(isinstance(e["run"], tuple) for e in evs) else "run_id")
+  # an event still without a run was not tied to a launch
+  linked = {m: "segments" if any(e["run"] is None for e in evs) else
+            "host launch" if all(isinstance(e["run"], tuple) for e in evs) else "run_id"
+            for m, evs in events.items() if evs}
   if "segments" in linked.values():
     _segment(events, timeline, linked)
   return Trace(events=events, launches={m: len(r) for m, r in runs_of.items() if r}, linked=linked,
@@ -188,8 +187,6 @@ def backward_start(ex: list[dict[str, Any]], hlo: StepHlo) -> float | None:
   """When backward starts in one execution: the first backward op after which <= 5% of forward remains."""
   names = [hlo.instrs[e["op"]].op_name if e["op"] in hlo.instrs else "" for e in ex]
   kinds = ["b" if is_backward(name) else ("f" if "jvp(" in name else "o") for name in names]
-  if "b" not in kinds:
-    return None
   dur = [e["end_ns"] - e["start_ns"] for e in ex]
   remaining = sum(d for d, k in zip(dur, kinds) if k == "f")
   budget = 0.05 * remaining
