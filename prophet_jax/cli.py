@@ -190,8 +190,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
   for name in policies:
     options = {"max_defer": a.max_defer} if name == "dlcp" else {}
     sched = plan(profile, net, name, cross_step=a.cross_step, **options)
-    sim = simulate(sched, profile, net, cross_step=a.cross_step)
-    sims[name] = sim
+    sims[name] = sim = simulate(sched, profile, net, cross_step=a.cross_step)
     d = sim.to_dict(events=False)
     r = {"policy": name, **{k: d[k] for k in ("iteration_s", "idle_s", "allreduces")},
          "vs_lower_bound": d["iteration_s"] / bound}
@@ -205,9 +204,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     rows.append(r)
   q = net.pressure
   if a.json:
-    network = {"name": net.name or a.network, "alpha_s": net.alpha_s, "beta_s_per_byte": net.beta_s_per_byte}
-    if q is not None:
-      network["pressure"] = q.to_dict()
+    network = {"name": net.name or a.network, "alpha_s": net.alpha_s, "beta_s_per_byte": net.beta_s_per_byte,
+               **({} if q is None else {"pressure": q.to_dict()})}
     print(json.dumps({"model": model, "device": profile.device or a.device, "workers": net.workers,
                       "cross_step": a.cross_step, "network": network, "lower_bound_s": bound, "results": rows},
                      indent=2))

@@ -51,8 +51,7 @@ def _split_steps(steps: Any, control: Any) -> tuple[tuple[str, ...], dict[str, C
   else:
     raise TypeError(f"choose(control=...): expected the control's step function (the user's own step) "
                     f"or the name of one of the steps; got {type(control).__name__}.")
-  names = (name,) + tuple(k for k in fns if k != name)
-  return names, fns, name
+  return (name,) + tuple(k for k in fns if k != name), fns, name
 
 
 def _states(state: Any, names: Sequence[str]) -> dict[str, Any]:
@@ -66,11 +65,6 @@ def _states(state: Any, names: Sequence[str]) -> dict[str, Any]:
                        f"must not use the steps' names as keys.)")
     return {n: state[n] for n in names}
   return {n: state for n in names}
-
-
-def _copy(tree: Any) -> Any:
-  """A copy of every array of `tree`, which a donating step may consume."""
-  return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
 
 
 def _next_state(out: Any, state: Any, name: str) -> Any:
@@ -217,7 +211,8 @@ def choose(steps: Mapping[str, Callable], state: Any, batches: Sequence[Any], *,
   names = _agree_names(names)
   start = _states(state, names)
   before = snapshot(start[control_name], None, compare)
-  current = {n: _copy(start[n]) for n in names}
+  # a copy of every array of each state, which a donating step may consume
+  current = {n: jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, start[n]) for n in names}
 
   def call(n: str, k: int, when: str) -> tuple[float, Any]:
     """Step `n` on batches[k] from its current state, waited for: (its seconds, its loss or None), checked; an

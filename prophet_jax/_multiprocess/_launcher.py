@@ -181,9 +181,7 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
       err.write(f"prophet-jax launch: {text}\n")
       err.flush()
 
-  old_term = None
-  if threading.current_thread() is threading.main_thread():
-    old_term = signal.signal(signal.SIGTERM, on_term)
+  old_term = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() else None
   try:
     for rank in range(nproc):
       env = _child_env(base, rank=rank, nproc=nproc, coordinator=address, xla_flags=xla_flags,
@@ -237,9 +235,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
   """`launch` with the arguments `add_arguments` parsed; the launched processes' exit code."""
-  cmd = list(args.cmd)
-  if cmd[:1] == ["--"]:
-    cmd = cmd[1:]
+  cmd = list(args.cmd)[1:] if args.cmd[:1] == ["--"] else list(args.cmd)
   return launch(cmd, nproc=args.nproc, port=args.port, coordinator=args.coordinator,
                 gloo_interface=args.gloo_interface, devices_per_process=args.devices_per_process,
                 init_timeout_s=args.init_timeout)

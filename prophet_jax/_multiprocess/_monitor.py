@@ -224,9 +224,7 @@ class Monitor:
       if switch:
         chosen = candidate
     chosen = self._agree(chosen)
-    if plan_key(chosen) == plan_key(self.schedule):
-      return None
-    if self._confirm is not None and not self._confirmed(chosen):
+    if plan_key(chosen) == plan_key(self.schedule) or (self._confirm is not None and not self._confirmed(chosen)):
       return None
     self.schedule = chosen
     self._baseline_s = None  # a new plan: a new step-time baseline
