@@ -67,9 +67,6 @@ from ._hlo_collectives import AsyncWindow, allreduces, contiguous_parts, merged_
 from .._values._checks import check_bool, check_values
 from .._values._schedule import Schedule
 
-__all__ = ["audit", "AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "COMPUTE_KINDS",
-           "NEXT_FORWARD"]
-
 _CHUNK = re.compile(r"prophet/chunk(\d+)(?![0-9])")
 _LOOP = re.compile(r"prophet/loop/([\w.\-]+)")
 

@@ -13,8 +13,6 @@ from typing import Any
 
 from .._values._types import JsonValue, json_fields, json_object
 
-__all__ = ["AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "COMPUTE_KINDS", "NEXT_FORWARD"]
-
 AUDIT_SCHEMA = 1
 # window op kinds that are work of the step (what hides a collective's latency)
 COMPUTE_KINDS = ("backward", "forward", "other")

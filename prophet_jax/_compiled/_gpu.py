@@ -22,10 +22,6 @@ from .._values._checks import check_int
 from ._jaxcompat import private
 from .._values._errors import GpuCompileError, JaxVersionError
 
-__all__ = ["GPU_TARGETS", "GpuTarget", "GpuTopology", "gpu_target", "gpu_topology", "find_ptxas",
-           "cuda_plugin_installed", "cuda_plugin", "CudaPlugin", "CUDA_MAJORS", "xla_option_accepted",
-           "quiet_cuda_stub", "import_jax_quietly", "GPU_COMPILE_EXTRA"]
-
 # name -> (file under prophet_jax/targets, aliases)
 _TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "h100": ("h100_sxm.txtpb", ("h100-sxm", "h100_sxm", "h100-80gb")),

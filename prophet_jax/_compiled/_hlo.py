@@ -7,9 +7,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["HloInstruction", "HloModule", "ExecutedOp", "parse_hlo", "hlo_text", "execution_order",
-           "shape_elements", "shape_parts", "shape_bytes", "shape_dims", "shape_dtypes", "producer", "users"]
-
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR_HEAD = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")

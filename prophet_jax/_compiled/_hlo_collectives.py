@@ -20,10 +20,6 @@ from dataclasses import dataclass
 from ._hlo import (ExecutedOp, HloInstruction, HloModule, execution_order, producer, shape_elements,
                    shape_parts, users)
 
-__all__ = ["collectives", "allreduces", "AllReduceOp", "ALL_REDUCE_FORMS", "ALL_REDUCE_OPCODES",
-           "merged_op_names", "async_windows", "AsyncWindow", "is_collective", "contiguous_parts",
-           "SHARDED_COLLECTIVES", "ShardedCollectiveOp", "sharded_collectives"]
-
 ALL_REDUCE_OPCODES = ("all-reduce", "all-reduce-start")
 # how a compiled program writes an all-reduce (`AllReduceOp.form`): a synchronous `all-reduce` (the CPU's,
 # or XLA:GPU's when nothing can overlap it); an async `all-reduce-start` / `all-reduce-done` pair (XLA:GPU;

@@ -7,8 +7,6 @@ import re
 
 from ._hlo import HloInstruction, HloModule, shape_bytes, shape_dims
 
-__all__ = ["OpCosts"]
-
 # --------------------------------------------------------------------------------------------------
 # FLOPs and bytes from the shapes
 

@@ -11,8 +11,6 @@ from jax.extend.core import Literal
 from ._jaxcompat import check_jaxpr_api
 from .._values._tree import path_str
 
-__all__ = ["forward_paths"]
-
 
 # jaxpr params holding a sub-jaxpr whose invars and outvars map one-to-one onto the equation's
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")

@@ -36,8 +36,6 @@ from ._hlo import HloModule
 from ._hlo_collectives import allreduces, sharded_collectives
 from .._values._schedule import Bucket, Schedule
 
-__all__ = ["KeyedUnit", "units_of", "keyed_audit", "match_units", "provenance", "slice_start"]
-
 # ops the provenance walk looks through: the rewrite's own buffer handling and pure data movement
 _THROUGH = {"bitcast", "copy", "reshape", "concatenate", "slice", "tuple", "get-tuple-element", "pad",
             "transpose", "convert", "dynamic-slice", "broadcast"}

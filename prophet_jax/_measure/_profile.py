@@ -23,8 +23,6 @@ from .._values._errors import ProfileError
 from .._values._tree import check_layer_depth, dtype_name, is_reduced_leaf, layer_of, layer_path, path_str
 from .._values._types import GradientProfile
 
-__all__ = ["profile_step", "profile_from_trace", "scanned_stacks", "METHODS", "HLO_FILE", "TIMED_LAYERS"]
-
 METHODS = ("auto", "measured", "timed", "estimated")
 
 # --------------------------------------------------------------------------------------------------

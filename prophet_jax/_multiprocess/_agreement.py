@@ -11,8 +11,6 @@ from .._values._errors import LaunchError, ProphetError
 from .._values._schedule import Schedule
 from .._values._tree import flatten_with_paths
 
-__all__ = ["broadcast_schedule"]
-
 MESSAGE_BYTES = 600  # each rank's error message, as gathered for the others (truncated)
 
 

@@ -17,8 +17,6 @@ from .._values._errors import LaunchError
 from ._agreement import broadcast_text, failed_ranks, gather_messages
 from ._compare import Snapshot, difference, host, loss_of, snapshot
 
-__all__ = ["choose", "Choice"]
-
 CONTROL = "control"  # the control's name in the Choice when it is given as a step function
 
 

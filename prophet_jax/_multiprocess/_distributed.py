@@ -15,8 +15,6 @@ from .._values._config import config
 from .._values._errors import GlooBindError, LaunchError
 from .._compiled._jaxcompat import TESTED_JAX_VERSIONS, private
 
-__all__ = ["initialize", "bind_gloo_interface", "check_interface"]
-
 _CLUSTER = "prophet_jax.launch.initialize() (detecting a SLURM, Open MPI, Kubernetes or Cloud TPU cluster)"
 _CLUSTER_FIX = ("call jax.distributed.initialize(...) yourself before any other jax call (initialize() then "
                 "sees it initialized), or set JAX_COORDINATOR_ADDRESS")

@@ -21,8 +21,6 @@ from .._values._config import config
 from ._distributed import check_interface
 from .._values._errors import ProphetError
 
-__all__ = ["launch", "add_arguments", "run", "main", "free_port"]
-
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 STOP_GRACE_S = 3.0
 

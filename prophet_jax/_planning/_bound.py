@@ -16,8 +16,6 @@ from ._fsdp_bound import fsdp_bound
 from .._values._network import NetworkModel
 from .._values._types import GradientProfile, is_bool
 
-__all__ = ["lower_bound"]
-
 # Above this many (layers x layers x rows), the pipelined-step bound uses layer prefixes and single
 # layers only, instead of every contiguous range of layers (a weaker but still valid bound).
 _INTERVAL_WORK = 250_000

@@ -16,11 +16,6 @@ from .._values._network import NetworkModel, typical_network
 from .._values._tree import IdentityMemo
 from .._values._types import GradientProfile, itemsize
 
-__all__ = ["Problem", "problem", "ChunkArrays", "chunk_arrays", "schedule_arrays", "split_by_dtype",
-           "equal_parts", "equal_ranges", "part_count", "link_end", "sync_waits", "link_loop", "ends_one_link",
-           "iteration_s", "background_flows", "typical_costs", "search_problem", "pressured", "objective_s",
-           "pressure_durations", "sampled_durations", "iterations"]
-
 Slice = tuple[int, int, int]  # (profile row, start element, stop element)
 
 

@@ -16,9 +16,6 @@ import numpy as np
 
 from .._values._checks import check_int, check_number
 
-__all__ = ["Choice", "DEFAULT_ROUNDS", "DEFAULT_CONFIDENCE", "VERDICTS", "interleave", "decide",
-           "median_interval", "min_rounds", "round_order"]
-
 DEFAULT_ROUNDS = 750
 DEFAULT_CONFIDENCE = 0.95
 VERDICTS = ("faster", "no difference", "slower")

@@ -11,9 +11,6 @@ import numpy as np
 
 from ._core import Problem, ends_one_link, sync_waits
 
-__all__ = ["ShardedArrays", "ShardedRun", "sharded_arrays", "chunk_arrays", "sharded_run", "sharded_durations",
-           "sharded_iteration_s"]
-
 Slice = tuple[int, int, int]
 
 

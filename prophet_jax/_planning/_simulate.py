@@ -22,8 +22,6 @@ from ._fsdp import FsdpArrays, dear_peak_bytes, fsdp_arrays_of, fsdp_durations, 
 from ._sharded import ShardedArrays, ShardedRun, sharded_arrays, sharded_durations, sharded_run
 from .._values._types import GradientProfile, json_fields, json_object
 
-__all__ = ["simulate", "SimResult", "Event"]
-
 
 # --------------------------------------------------------------------------------------------------
 # The result

@@ -17,9 +17,6 @@ from ._schedule import Schedule
 from ._tree import Row, dtype_name, is_reduced_leaf, is_variable_value, path_str, tree_fingerprint
 from ._types import GradientProfile, is_bool, is_int, is_number
 
-__all__ = ["check_bool", "check_int", "check_number", "check_bytes", "check_max_defer",
-           "check_values", "LeafMap", "match_tree", "match_rows"]
-
 
 # --------------------------------------------------------------------------------------------------
 # Scalar options

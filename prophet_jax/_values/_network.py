@@ -14,10 +14,6 @@ import numpy as np
 from ._errors import NetworkError
 from ._types import JsonValue, is_bool, is_finite_nonneg, is_int, nonneg_or_none
 
-__all__ = ["NetworkModel", "Pressure", "PRESETS", "PRESETS_TWO_LEVEL", "ALGORITHMS", "nonneg_line", "typical_network",
-           "fit_warning", "fmt_bytes",
-           "RESIDUAL_WARN_REL_RMS", "RESIDUAL_WARN_WORST"]
-
 ALGORITHMS = ("ring",)
 
 # name: (alpha_s per ring step, beta_s_per_byte). Alpha is the per-message start-up of one ring step

@@ -11,9 +11,6 @@ from typing import Any
 
 from ._errors import ProfileError
 
-__all__ = ["spec_of", "mesh_of", "leaf_placement", "check_mesh", "check_placement", "placement_fingerprint",
-           "shard_count", "replica_count", "Placed"]
-
 Mesh = tuple[tuple[str, int], ...]
 
 

@@ -15,8 +15,6 @@ from ._schedule_checks import check_coverage, check_gathers, check_links
 from ._sharding import FsdpPlan, check_fsdp, fsdp_fingerprint
 from ._types import JsonValue, check_items, is_bool, is_int, nonneg_or_none, is_number, itemsize
 
-__all__ = ["Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA", "FAMILIES", "shard_size"]
-
 SCHEDULE_SCHEMA = 1
 FAMILIES = ("allreduce", "zero1", "fsdp")   # Schedule.family: what the plan's collectives do
 

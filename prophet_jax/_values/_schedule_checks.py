@@ -13,8 +13,6 @@ from ._errors import ScheduleError
 from ._tree import RowsInfo
 from ._types import is_int
 
-__all__ = ["check_links", "check_gathers", "check_coverage"]
-
 
 def check_links(s: Any) -> None:
   links = s.links

@@ -13,11 +13,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["path_str", "row_slots", "flatten_with_paths", "shardings_by_path", "flatten_with_layer_paths", "layer_path",
-           "is_variable_value", "check_layer_depth",
-           "dtype_name", "is_float_dtype", "is_reduced_leaf",
-           "layer_of", "tree_fingerprint", "RowsInfo", "rows_info", "Row", "IdentityMemo"]
-
 Row = tuple[str, tuple[int, ...], str]   # (path, shape, dtype) of one reduced leaf
 
 

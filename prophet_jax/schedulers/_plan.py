@@ -13,8 +13,6 @@ from .._planning._simulate import link_assignment, simulate
 from .._values._types import GradientProfile, is_bool
 from ._registry import POLICIES, resolve
 
-__all__ = ["plan", "validate_schedule", "POLICIES"]
-
 
 def validate_schedule(schedule: Schedule, profile: GradientProfile) -> Schedule:
   """Checks that `schedule` was planned for `profile`'s rows, so a policy that planned for another tree
