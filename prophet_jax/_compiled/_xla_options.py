@@ -19,8 +19,6 @@ from .._values._network import NetworkModel
 from .._values._schedule import Schedule
 from ._gpu import GpuTopology, cuda_plugin_installed, gpu_target
 
-__all__ = ["xla_options", "xla_settings", "XlaSettings", "plan_options", "network_flags"]
-
 # per-compile options the plan sets, each a list of spellings across jaxlib versions (first accepted wins)
 _KINDS = (("all-reduce", ("xla_gpu_all_reduce_combine_threshold_bytes",)),   # collective kind -> its threshold
           ("reduce-scatter", ("xla_gpu_reduce_scatter_combine_threshold_bytes",)),
@@ -59,12 +57,6 @@ class XlaSettings:
 
 def _sizes(schedule: Schedule) -> list[int]:
   return [math.prod(shape) for _, shape, _ in schedule.rows]
-
-
-def cut_leaves(schedule: Schedule) -> list[str]:
-  sizes = _sizes(schedule)
-  cut = {r for c in schedule.chunks for r, a, b in c.slices if (a, b) != (0, sizes[r])}
-  return [schedule.rows[r][0] for r in sorted(cut)]
 
 
 def plan_units(schedule: Schedule, workers: int) -> Units:
@@ -142,7 +134,9 @@ def plan_options(schedule: Schedule, units: Units, limits: dict[str, int]) -> di
 def unformed(schedule: Schedule, units: Units, limits: dict[str, int]) -> str | None:
   """Where the settings cannot give this plan: what differs and what does give it; None where they do."""
   parts = []
-  cut = cut_leaves(schedule) if schedule.family != "zero1" else []
+  sizes = _sizes(schedule)   # the leaves sent in parts (a ZeRO-1 plan's shards are its own)
+  cut = [] if schedule.family == "zero1" else [schedule.rows[r][0] for r in sorted(
+      {r for c in schedule.chunks for r, a, b in c.slices if (a, b) != (0, sizes[r])})]
   if cut:
     parts.append(f"it sends {len(cut)} leaves in parts ({', '.join(map(repr, cut[:3]))}"
                  f"{', ...' if len(cut) > 3 else ''}), and no threshold cuts a leaf's gradient")

@@ -122,16 +122,6 @@ def contiguous_dp(prob: Problem, networks: Sequence[NetworkModel] = ()) -> list[
 # cross_step=True: priority list schedule during backward, exact grouping of the tail
 
 
-def partition_units(prob: Problem, partition_bytes: float | None) -> list[tuple[float, int, int, int]]:
-  """Rows cut into parts of at most `partition_bytes` (`_core.equal_parts`), as (ready, -row, start, stop)
-  sorted by readiness.
-  """
-  units = [(float(prob.ready[r]), -r, a, b) for r in prob.live
-           for a, b in equal_parts(prob.size[r], prob.itemsize[r], partition_bytes)]
-  units.sort()
-  return units
-
-
 def priority_head(prob: Problem, units: Sequence[tuple[float, int, int, int]], block_bytes: float,
                   wait_bytes: float, fit_bytes: float | None = None, to_end: bool = False
                   ) -> tuple[list[SearchChunk], list[Slice]]:
@@ -338,8 +328,10 @@ def own_candidates(prob: Problem, cross_step: bool, grid: Sequence[tuple] | None
   units_of: dict[Any, list] = {}
   for point in points:
     pm, bm, mode, m = point
-    if pm not in units_of:
-      units_of[pm] = partition_units(prob, None if pm is None else min(total, scale * pm))
+    if pm not in units_of:   # the rows in parts of at most pm·a/b bytes, as (ready, -row, start, stop) by readiness
+      cap = None if pm is None else min(total, scale * pm)
+      units_of[pm] = sorted((float(prob.ready[r]), -r, a, b) for r in prob.live
+                            for a, b in equal_parts(prob.size[r], prob.itemsize[r], cap))
     block = _INF if bm is None else min(total, scale * bm)
     wait = min(total, scale * m) if mode in ("wait", "end") else 0.0
     fit = min(total, scale * m) if mode == "fit" else (1.0 if mode == "end" else None)

@@ -130,18 +130,16 @@ class Planner:
         else:
           t = t_next  # wait for the rest of the stage (saves a start-up)
           continue
-      else:
-        if tail_size is None:
-          first = self.first_layer_bytes
-          if small_first and first:
-            block, cost = take(max(1.0, min(min_block, first)))
-            tail_size = min_block
-          else:
-            block, cost = take(min_block)
-            tail_size = min_block * tail_growth
+      elif tail_size is None:   # every gradient has arrived: the first block after backward
+        if small_first and self.first_layer_bytes:
+          block, cost = take(max(1.0, min(min_block, self.first_layer_bytes)))
+          tail_size = min_block
         else:
-          block, cost = take(tail_size)
-          tail_size *= tail_growth
+          block, cost = take(min_block)
+          tail_size = min_block * tail_growth
+      else:
+        block, cost = take(tail_size)
+        tail_size *= tail_growth
       t += cost
       blocks.append(block)
     return blocks, self._estimate(blocks, mixed)
