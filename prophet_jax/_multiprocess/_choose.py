@@ -77,17 +77,14 @@ def _next_state(out: Any, state: Any, name: str) -> Any:
                   "`state = step(state, batch)` or `state, aux = step(state, batch)`.")
 
 
-def _agree_names(names: tuple[str, ...]) -> tuple[str, ...]:
-  """Every process runs the same steps in the same order: rank 0's, checked on every process."""
-  if jax.process_count() == 1:
-    return names
-  mine = gather_messages("\n".join(names))
+def _agree_names(names: tuple[str, ...]) -> None:
+  """Every process runs the same steps in the same order: LaunchError where a rank's differ from rank 0's."""
+  mine = gather_messages("\n".join(names)) if jax.process_count() > 1 else [""]
   bad = [r for r, m in enumerate(mine) if m != mine[0]]
   if bad:
     raise LaunchError(f"choose: rank(s) {bad} have other steps than rank 0: {mine[0].splitlines()} on "
                       f"rank 0, {mine[bad[0]].splitlines()} on rank {bad[0]} (names and control must be "
                       f"the same everywhere, in the same order).")
-  return names
 
 
 def _slowest(seconds: np.ndarray) -> np.ndarray:
@@ -206,7 +203,7 @@ def choose(steps: Mapping[str, Callable], state: Any, batches: Sequence[Any], *,
   if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or len(batches) == 0:
     raise TypeError(f"choose(batches=...): expected a non-empty sequence of batches (a list; [batch] "
                     f"for one); got {type(batches).__name__}.")
-  names = _agree_names(names)
+  _agree_names(names)
   start = _states(state, names)
   before = snapshot(start[control_name], None, compare)
   # a copy of every array of each state, which a donating step may consume

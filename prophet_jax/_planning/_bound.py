@@ -85,11 +85,9 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   if q is None or q.background_flows == 0:
     return float(min(f(prob.per_byte_s) for f in families))
   values, counts = np.unique(background_flows(q), return_counts=True)
-  means = []
-  for f in families:
-    bounds = [f(prob.per_byte_s * (1.0 + float(v))) for v in values]
-    means.append(float(np.dot(bounds, counts) / counts.sum()))
-  return float(min(means))
+  # each family's mean over the samples' flows, the least of them
+  return float(min(float(np.dot([f(prob.per_byte_s * (1.0 + float(v))) for v in values], counts) / counts.sum())
+                   for f in families))
 
 
 def _sharded_bound(prob: Problem, b_full: float) -> float:
