@@ -58,7 +58,7 @@ from typing import Any
 
 from ._audit_checks import (backward_outside, entry_problems, is_gpu, keyed_problem, peak_in_flight,
                             read_program, reduced_again, sequence_problems, window_ops)
-from ._audit_report import AUDIT_SCHEMA, COMPUTE_KINDS, NEXT_FORWARD, AuditEntry, AuditReport, WindowOp
+from ._audit_report import AuditEntry, AuditReport
 from ._audit_fsdp import audit_fsdp
 from ._audit_sharded import audit_sharded
 from ._hlo import users

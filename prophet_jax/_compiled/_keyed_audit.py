@@ -288,8 +288,7 @@ def keyed_audit(compiled: Any, schedule: Schedule, *, units: Sequence[KeyedUnit]
   gathers, gorder = sections.get("all-gather", ([], []))
   peak = peak_in_flight(ops, {e.name for e in chunks + gathers if e.asynchronous})
   outside = backward_outside(ops, chunks, windows, coll_names, costs)
-  planned = len(kinds[0][1])
-  return AuditReport(planned=planned, chunks=tuple(chunks), loops=(), foreign=tuple(foreign),
+  return AuditReport(planned=len(kinds[0][1]), chunks=tuple(chunks), loops=(), foreign=tuple(foreign),
                      order=tuple(order), ok=not problems, problems=tuple(problems), total_ops=len(ops),
                      max_in_flight=peak, backward_outside_windows=outside, warnings=tuple(warnings),
                      gathers=tuple(gathers), gather_order=tuple(gorder),

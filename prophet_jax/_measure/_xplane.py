@@ -104,9 +104,9 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
         for ev in line.events:
           st = dict(ev.stats)
           mod = st.get("hlo_module")
+          start = float(ev.start_ns)
           if mod is not None and "hlo_op" in st:
             dev = f"{prefix}{plane.name if is_device else st.get('device_ordinal', plane.name)}"
-            start = float(ev.start_ns)
             timeline.setdefault(dev, []).append((start, mod))
             counts[mod] = counts.get(mod, 0) + 1
             if mod not in wanted:
@@ -120,15 +120,14 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
           if is_device:
             continue
           if "correlation_id" in st:
-            launch_at[st["correlation_id"]] = (line_key, float(ev.start_ns))
+            launch_at[st["correlation_id"]] = (line_key, start)
           if "run_id" in st:
             name = st.get("name") or st.get("module_name")
             if not isinstance(name, str):
               em = _EXEC_NAME.search(ev.name)
               name = em.group(1) if em else ""
             if name in wanted:
-              s = float(ev.start_ns)
-              scopes.setdefault(line_key, []).append((s, s + float(ev.duration_ns), st["run_id"], name))
+              scopes.setdefault(line_key, []).append((start, start + float(ev.duration_ns), st["run_id"], name))
               runs_of[name].add((prefix, st["run_id"]))
     scopes[-1] = [x for k, v in scopes.items() for x in v]   # every line's, for _launched_in's second look
     for v in scopes.values():
