@@ -540,8 +540,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   except (ProphetError, ValueError, TypeError, OSError) as e:
     if args.debug:
       raise
-    text = " ".join(str(e).split())   # one line, whatever the message held
-    print(f"prophet-jax {args.command}: {type(e).__name__}: {text}", file=sys.stderr)
+    # one line, whatever the message held
+    print(f"prophet-jax {args.command}: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
 
 

@@ -219,8 +219,7 @@ class AuditReport(JsonValue):
   def overlapped_flops(self) -> int:
     """FLOPs of the compute ops inside at least one chunk's window (each op counted once, even where
     windows overlap)."""
-    ops = {o.name: o.flops for e in self.chunks for o in e.window if o.kind in COMPUTE_KINDS}
-    return sum(ops.values())
+    return sum({o.name: o.flops for e in self.chunks for o in e.window if o.kind in COMPUTE_KINDS}.values())
 
   def describe(self) -> str:
     """A few lines for humans: the verdict, the order, the overlap (XLA:GPU), the problems and warnings."""

@@ -264,10 +264,9 @@ def local_step_program(s: ProgramSetup, tx: Any) -> Prog:
   """A train step with no reduction (gradients, then `tx`'s update, in one program)."""
   diff, other = split_leaves(s)
   state = tx.init(diff)
-  upd = _updater(tx)
 
   def local_step(p, o, b, st):
-    return upd(p, jax.grad(s.loss_of)(p, o, b), st)
+    return _updater(tx)(p, jax.grad(s.loss_of)(p, o, b), st)
 
   f = mapped(s, local_step, (P(), P(), P(s.axis), P()), (P(), P()))
   return Prog(f.lower(diff, other, s.batch, state), (diff, other, s.batch, state))

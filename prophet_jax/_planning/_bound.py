@@ -174,13 +174,11 @@ def _bound(prob: Problem, b: float, deferred: float) -> float:
     count part of S_t: smaller, still valid).
     """
     cb = np.cumsum(np.where(mask, b_s, 0.0), axis=-1)
-    val = np.where(mask, r_s + work(cb, _dtypes_so_far(mask, d_s, nd)), -np.inf)
-    return val.max(axis=-1)
+    return np.where(mask, r_s + work(cb, _dtypes_so_far(mask, d_s, nd)), -np.inf).max(axis=-1)
 
   if n:
     thr_all = float(thr_max(np.ones((1, n), dtype=bool))[0])   # every row
-    k_all = len({int(d) for d in d_s})
-    w_all = float(work(np.float64(b_s.sum()), np.float64(k_all)))
+    w_all = float(work(np.float64(b_s.sum()), np.float64(len({int(d) for d in d_s}))))   # every row, every dtype
   else:
     thr_all, w_all = -np.inf, 0.0
   if network.overlap:
@@ -206,8 +204,7 @@ def _bound(prob: Problem, b: float, deferred: float) -> float:
         mask = (l_s[None, :] >= i) & (l_s[None, :] <= ends[:, None])
         ok = mask.any(axis=1)
         mins = np.minimum.accumulate(tail_sent[i:])
-        vals = thr_max(mask[ok]) + mins[ok]
-        bound = max(bound, float(vals.max()))
+        bound = max(bound, float((thr_max(mask[ok]) + mins[ok]).max()))
     else:
       # prefixes 0..l (rows as they join): every one, or every `step`-th and the last when
       # layers x rows is large (any subset of the terms is still a valid bound), and single layers
@@ -225,8 +222,7 @@ def _bound(prob: Problem, b: float, deferred: float) -> float:
       for lo, hi in _ranges(nl, n):
         in_j = (l_s >= lo) & (l_s <= hi)
         for m in _dtype_masks(d_s, nd, in_j):
-          mk = _batched_makespan(r_s[m][::-1], b_s[m][::-1], a, b)
-          bound = max(bound, mk + float(tail[l_s[m]].min()))
+          bound = max(bound, _batched_makespan(r_s[m][::-1], b_s[m][::-1], a, b) + float(tail[l_s[m]].min()))
         # split: the rows of J ready no earlier than every row outside J ("hold")
         t_star = float(r_s[~in_j].max()) if (~in_j).any() else -np.inf
         hold = in_j & (r_s >= t_star)
@@ -274,8 +270,7 @@ def _dtypes_so_far(mask: np.ndarray, d_s: np.ndarray, nd: int) -> np.ndarray:
 def _dtype_masks(d_s: np.ndarray, nd: int, base: np.ndarray | None = None) -> list[np.ndarray]:
   """`base` (all rows when None), then with several dtypes each dtype's part of it: the non-empty ones."""
   base = np.ones(d_s.size, dtype=bool) if base is None else base
-  masks = [base] + ([base & (d_s == d) for d in range(nd)] if nd > 1 else [])
-  return [m for m in masks if m.any()]
+  return [m for m in [base] + ([base & (d_s == d) for d in range(nd)] if nd > 1 else []) if m.any()]
 
 
 def _unsent(prob: Problem, sent: np.ndarray, tail: np.ndarray) -> float:

@@ -191,8 +191,7 @@ def part_count(size: int, itemsize: int, max_bytes: float | None) -> int:
     return 0
   if max_bytes is None:
     return 1
-  per = max(1, int(max_bytes) // max(itemsize, 1))
-  return -(-size // per)
+  return -(-size // max(1, int(max_bytes) // max(itemsize, 1)))   # parts of `per` elements, the last short
 
 
 def equal_parts(size: int, itemsize: int, max_bytes: float | None) -> list[tuple[int, int]]:

@@ -151,8 +151,7 @@ def sharded_run(prob: Problem, arr: ShardedArrays, rs_dur: np.ndarray, ag_dur: n
     u_total = float(cum[-1]) if g_n else 0.0
     if overlap:
       t = _gathers(t_rs, range(g_n), release, ag_dur, ag_start, ag_end)
-      last = t if g_n else t0
-      start_fwd = np.maximum(t0 + u_total, last)
+      start_fwd = np.maximum(t0 + u_total, t if g_n else t0)   # the last all-gather's end
     else:
       t = t0.copy()
       for g in range(g_n):

@@ -122,8 +122,7 @@ def _union_length(start: np.ndarray, end: np.ndarray) -> float:
   new[1:] = s[1:] > run_end[:-1]
   idx = np.flatnonzero(new)
   run_starts = s[idx]
-  run_ends = run_end[np.r_[idx[1:] - 1, s.size - 1]]
-  return float(np.sum(run_ends - run_starts))
+  return float(np.sum(run_end[np.r_[idx[1:] - 1, s.size - 1]] - run_starts))   # each run's end less its start
 
 
 def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel, *,

@@ -317,7 +317,6 @@ def _robust_choice(prob: Problem, cands: list[_Candidate], options: dict[str, An
         cands.append(_Candidate(prob, f"{label}@alpha*{fa:.2f},beta*{fb:.2f}", chunks))
   times = np.array([[c.nominal] + [objective_s(si, *c.arrays) for si in probs] for c in cands])
   worst = (times / np.maximum(times.min(axis=0), 1e-300)).max(axis=1)   # each one's regret against the best
-  base = min((c.nominal for c in cands if c.default_baseline), default=_INF)
-  limit = base * (1 + options["robust_tol"])
+  limit = min((c.nominal for c in cands if c.default_baseline), default=_INF) * (1 + options["robust_tol"])
   ok = [i for i, c in enumerate(cands) if c.nominal <= limit * (1 + 1e-12)] or [0]
   return cands[min(ok, key=lambda i: (worst[i], cands[i].nominal))]

@@ -172,9 +172,8 @@ def bucket(*, style: str = "ddp", bucket_bytes: int | None = None, first_bucket_
     first_bucket_bytes = first_bucket_bytes or bucket_bytes
   else:
     bucket_bytes = bucket_bytes or HOROVOD_FUSION_BYTES
-    cycle_s = HOROVOD_CYCLE_S if cycle_s is None else cycle_s
-    cycle_s = float(check_number("bucket", "cycle_s", cycle_s, lo=0, fix="It is seconds: try 5e-3 (Horovod "
-                                 "before v0.21) or 1e-3 (v0.21 and later)."))
+    cycle_s = float(check_number("bucket", "cycle_s", HOROVOD_CYCLE_S if cycle_s is None else cycle_s, lo=0,
+                                 fix="It is seconds: try 5e-3 (Horovod before v0.21) or 1e-3 (v0.21 and later)."))
   options = {"style": style, "bucket_bytes": bucket_bytes, "first_bucket_bytes": first_bucket_bytes,
              "cycle_s": cycle_s}
 

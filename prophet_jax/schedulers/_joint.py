@@ -217,8 +217,7 @@ def tail_dp(prob: Problem, units: Sequence[Slice]) -> list[SearchChunk]:
   if n == 0:
     return []
   rows = [r for r, _, _ in merged]
-  nbytes = np.array([(b - a) * prob.itemsize[r] for r, a, b in merged])
-  prefix = np.concatenate([[0.0], np.cumsum(nbytes)])
+  prefix = np.concatenate([[0.0], np.cumsum([(b - a) * prob.itemsize[r] for r, a, b in merged])])
   completes = np.array([prob.tail[r] for r in rows])
   run_end = np.zeros(n, dtype=np.int64)
   run_end[-1] = n - 1
