@@ -105,21 +105,16 @@ def dlcp(*, max_defer: float = 0.0, spread: int | None = None, chunk_bytes: int 
     s = _plan(problem(profile, network, cross_step=cross), base, options)
     decision = dict(s.options)["decision"]
     if max_defer > 0 and not s.defers and decision.startswith(_NOTHING_PAYS):
+      frame, level = sys._getframe(), 1   # the warning names the first frame outside prophet_jax
+      while frame is not None and frame.f_globals.get("__name__", "").startswith("prophet_jax"):
+        frame, level = frame.f_back, level + 1
       warnings.warn(f"dlcp(max_defer={max_defer:g}) defers nothing although communication is exposed: "
                     f"{decision[len('lossless: '):]}. The plan is auto's (lossless); Schedule.describe() "
-                    f"repeats this.", DeferralWarning, stacklevel=_warn_level())
+                    f"repeats this.", DeferralWarning, stacklevel=level)
     return s
 
   scheduler.__name__ = scheduler.__qualname__ = _POLICY
   return scheduler
-
-
-def _warn_level() -> int:
-  """The stack level of the first frame outside prophet_jax, for `warnings.warn`."""
-  frame, level = sys._getframe(1), 1
-  while frame is not None and frame.f_globals.get("__name__", "").startswith("prophet_jax"):
-    frame, level = frame.f_back, level + 1
-  return level
 
 
 # --------------------------------------------------------------------------------------------------
