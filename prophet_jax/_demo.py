@@ -75,8 +75,7 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
   print(f"prophet-jax demo: {n} {jax.devices()[0].platform.upper()} devices, model {model!r}\n")
   m = get_model(model)
   params = m.init(jax.random.key(0))
-  batch_size = m.default_batch_size * (1 if quick else 2)
-  make = lambda k: m.make_batch(jax.random.key(k), batch_size)  # noqa: E731
+  make = lambda k: m.make_batch(jax.random.key(k), m.default_batch_size * (1 if quick else 2))  # noqa: E731
   tx = optax.sgd(lr, momentum=0.9)
 
   # 1. profile and probe

@@ -155,15 +155,12 @@ def _version(dist: str) -> str | None:
     return None
 
 
-def _nvcc_wheel_dirs() -> list[str]:
-  specs = [_find_spec(module) for module in ("nvidia.cuda_nvcc", "nvidia.cu13")]
-  return [d for spec in specs if spec is not None for d in spec.submodule_search_locations or []]
-
-
 def find_ptxas() -> str | None:
   m = re.search(r"--xla_gpu_cuda_data_dir=(\S+)", os.environ.get("XLA_FLAGS", ""))
   dirs = [m.group(1)] if m else []
-  dirs += _nvcc_wheel_dirs() + [os.environ[k] for k in ("CUDA_HOME", "CUDA_PATH", "CUDA_DIR") if os.environ.get(k)]
+  specs = [_find_spec(module) for module in ("nvidia.cuda_nvcc", "nvidia.cu13")]   # the nvcc wheels
+  dirs += [d for spec in specs if spec is not None for d in spec.submodule_search_locations or []]
+  dirs += [os.environ[k] for k in ("CUDA_HOME", "CUDA_PATH", "CUDA_DIR") if os.environ.get(k)]
   for d in dirs + ["/usr/local/cuda"]:
     p = Path(d) / "bin" / "ptxas"
     if p.is_file() and os.access(p, os.X_OK):

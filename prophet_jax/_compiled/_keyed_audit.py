@@ -25,6 +25,7 @@ as `audit` reads them: the compute XLA scheduled inside each unit's start/done.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -128,11 +129,7 @@ def slice_start(module: HloModule, computation: str, name: str) -> int | None:
       dims = [int(d) for d in re.findall(r"\d+", src.shape.split("]")[0].split("[")[-1])]
       if len(dims) != len(starts):
         return None
-      flat, stride = 0, 1
-      for st, d in zip(reversed(starts), reversed(dims)):
-        flat += st * stride
-        stride *= d
-      return flat
+      return sum(st * math.prod(dims[i + 1:]) for i, st in enumerate(starts))   # row-major
     else:
       return None
   return None

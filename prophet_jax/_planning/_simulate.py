@@ -293,10 +293,8 @@ def _samples(iters: np.ndarray, several: bool = True) -> tuple[int, dict[str, An
   """The median sample's index, and with `several` SimResult's fields of the samples (count, p50, p99)."""
   order = np.argsort(iters, kind="stable")
   i = _quantile_index(order, 0.5)
-  if not several:
-    return i, {}
-  return i, dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
-                 iteration_p99_s=float(iters[_quantile_index(order, 0.99)]))
+  return i, (dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
+                  iteration_p99_s=float(iters[_quantile_index(order, 0.99)])) if several else {})
 
 
 def _simulate_pressure(prob: Problem, arrays: ChunkArrays, events: bool) -> SimResult:

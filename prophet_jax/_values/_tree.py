@@ -161,8 +161,7 @@ def check_layer_depth(where: str, layer_depth: Any) -> int | None:
   """`layer_depth` as None or an integer >= 1; TypeError or ValueError otherwise."""
   if layer_depth is None:
     return None
-  ok = isinstance(layer_depth, (int, np.integer)) and not isinstance(layer_depth, (bool, np.bool_))
-  if not ok:
+  if not isinstance(layer_depth, (int, np.integer)) or isinstance(layer_depth, (bool, np.bool_)):
     raise TypeError(f"{where}(layer_depth={layer_depth!r}): `layer_depth` must be an integer >= 1 (the "
                     f"key-path components that name a layer) or None (all but the last).")
   if layer_depth < 1:
