@@ -107,10 +107,9 @@ def _stop(procs: dict[int, subprocess.Popen], grace_s: float) -> None:
   deadline = time.monotonic() + grace_s
   while time.monotonic() < deadline and any(p.poll() is None for p in live):
     time.sleep(0.05)
-  for p in live:
-    if p.poll() is None:
-      with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGKILL)
+  for p in [p for p in live if p.poll() is None]:
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(p.pid, signal.SIGKILL)
   for p in live:
     with contextlib.suppress(subprocess.TimeoutExpired):
       p.wait(timeout=10)

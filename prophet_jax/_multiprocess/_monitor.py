@@ -178,11 +178,10 @@ class Monitor:
     return self.probe_now() if due else None
 
   def _drifted(self) -> bool:
-    if jax.process_count() > 1:
-      return False  # processes would disagree on when to probe: periodic probes only
-    if self._baseline_s is None or len(self._steps) < self._steps.maxlen or self._baseline_s <= 0:
-      return False
-    return abs(statistics.median(self._steps) - self._baseline_s) > self.drift * self._baseline_s
+    if jax.process_count() > 1 or self._baseline_s is None or len(self._steps) < self._steps.maxlen:
+      return False  # several processes would disagree on when to probe: periodic probes only
+    base = self._baseline_s
+    return base > 0 and abs(statistics.median(self._steps) - base) > self.drift * base
 
   def probe_now(self) -> Schedule | None:
     """Times a few small all-reduces now, refits and maybe re-plans; the new schedule if switched."""
