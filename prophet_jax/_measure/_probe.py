@@ -238,8 +238,7 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
     return jax.make_array_from_process_local_data(sharding, local, shape)
 
   def operands(nbytes: int, d: int):
-    n = max(1, nbytes // itemsz)
-    x = global_array(np.ones((n * n_local,), dtype=jnp.dtype(dtype)))
+    x = global_array(np.ones((max(1, nbytes // itemsz) * n_local,), dtype=jnp.dtype(dtype)))
     h = global_array(np.full((_ROWS * n_local, d), 0.01, np.float32))
     w = global_array(np.full((d * n_local, d), 0.01, np.float32))
     return x, h, w

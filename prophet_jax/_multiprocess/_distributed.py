@@ -81,9 +81,8 @@ def initialize(*, timeout_s: int | None = None) -> bool:
     jax.distributed.initialize(initialization_timeout=timeout)
     return True
   where = f"rank {cfg.process_id} of {cfg.num_processes}, coordinator {cfg.coordinator}, timeout {timeout} s"
-  deadline = time.monotonic() + timeout
   if cfg.process_id != 0:
-    _wait_for_coordinator(cfg.coordinator, deadline, where)
+    _wait_for_coordinator(cfg.coordinator, time.monotonic() + timeout, where)
   # jaxlib ends the process (a fatal log, exit 134) when the other ranks do not all register in time;
   # say clearly why before it does.
   watchdog = threading.Timer(max(timeout - 0.5, 0.1), lambda: print(

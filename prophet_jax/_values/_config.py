@@ -60,9 +60,8 @@ def read_config(environ: Mapping[str, str]) -> Config:
   trio = ("PROPHET_PROCESS_ID", "PROPHET_NUM_PROCESSES", "PROPHET_COORDINATOR")
   present = [k for k in trio if environ.get(k) not in (None, "")]
   if present and len(present) != len(trio):
-    missing = [k for k in trio if k not in present]
-    raise ValueError(f"{present} set but {missing} not: the process flags come together (launch sets "
-                     f"all three). Set the missing ones or unset them all.")
+    raise ValueError(f"{present} set but {[k for k in trio if k not in present]} not: the process flags come "
+                     f"together (launch sets all three). Set the missing ones or unset them all.")
   kw: dict = {}
   if present:
     nproc = _int("PROPHET_NUM_PROCESSES", environ.get("PROPHET_NUM_PROCESSES"), minimum=1)
