@@ -344,9 +344,7 @@ def typical_costs(prob: Problem) -> tuple[float, float]:
 
 def search_problem(prob: Problem) -> Problem:
   """The calm Problem a planner searches on: `prob` itself when calm, else the same on `typical_network`."""
-  if not pressured(prob):
-    return prob
-  return problem(prob.profile, typical_network(prob.network), cross_step=prob.cross_step)
+  return problem(prob.profile, typical_network(prob.network), cross_step=prob.cross_step) if pressured(prob) else prob
 
 
 def pressured(prob: Problem) -> bool:

@@ -270,9 +270,8 @@ def chunk_links(prob: Problem, arrays: ChunkArrays) -> tuple[int, ...]:
   """The link of every message of `arrays` on the calm network; () for one link or none."""
   if prob.links == 1 or not arrays.ready_s.size:
     return ()
-  _, _, link, _, _ = link_loop(arrays.ready_s.tolist(), prob.durations(arrays.nbytes).tolist(),
-                               backward_s=prob.backward_s, links=prob.links, overlap=prob.overlap)
-  return tuple(int(x) for x in link)
+  return tuple(int(x) for x in link_loop(arrays.ready_s.tolist(), prob.durations(arrays.nbytes).tolist(),
+                                          backward_s=prob.backward_s, links=prob.links, overlap=prob.overlap)[2])
 
 
 def simulate_arrays(prob: Problem, arrays: ChunkArrays, *, events: bool = True) -> SimResult:
@@ -304,10 +303,8 @@ def _simulate_pressure(prob: Problem, arrays: ChunkArrays, events: bool) -> SimR
   one = _simulate_once(prob, arrays, dur[med], events)
   mean = float(iters.mean())
   comm = float(waited.sum(axis=1).mean()) if waited.size else 0.0
-  if prob.links > 1 and waited.size:
-    busy_s = float(np.mean([_union_length(s, s + d) for s, d in zip(start, waited)]))
-  else:
-    busy_s = comm
+  busy_s = (float(np.mean([_union_length(s, s + d) for s, d in zip(start, waited)])) if prob.links > 1 and waited.size
+            else comm)
   compute = prob.forward_s + prob.backward_s + (0.0 if prob.cross_step else prob.update_s)
   return dataclasses.replace(
       one, iteration_s=mean, comm_s=comm, idle_s=max(mean - compute, 0.0),
