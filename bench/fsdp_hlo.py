@@ -32,9 +32,20 @@ per-layer profile and network (docs/fsdp.md, "The library's step beside the part
         --vocab 128256 --name llama-1b --devices 8 64 --out bench/results/fsdp_hlo_scanned_1b.json \
         --timeline bench/results/fsdp_hlo_scanned_1b
 
+`--hsdp`: the same scanned shapes on a ("replica", "data") mesh of devices/8 replicas x 8 shards (a node's
+8 GPUs share a shard group): the partitioner's step (params over "data" only) beside the library's
+(`hooked(..., axis_name=("replica", "data"), mesh=)`, keep-all and least-memory plans), default flags; each
+program's collectives per step read by link from their device groups (`census`: in-node or across nodes),
+the bytes across nodes against the plan's, temp memory, and each simulated on `nvlink+400gb-ib` beside the
+plan's prediction (docs/fsdp.md, "HSDP: the library's step beside the partitioner's"; about 2 minutes):
+
+    JAX_PLATFORMS=cpu .venv/bin/python bench/fsdp_hlo.py --hsdp --layers 32 --d 4096 --ff 14336 \
+        --vocab 128256 --name llama-8b --devices 64 256 --out bench/results/fsdp_hlo_hsdp_8b.json \
+        --timeline bench/results/fsdp_hlo_hsdp_8b
+
 Why it imports private code: a compiled program's collectives become a Schedule with an `FsdpPlan`
 (`_values._sharding`), which no public name builds from outside a planner; the HLO reader counts a loop's
-collectives per trip; a scanned profile is planned per layer (`_rewrite._fsdp_units.unstack`).
+collectives per trip; a scanned profile is planned per layer (`from_params(stacked=)`).
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -356,7 +368,7 @@ def read_scanned(hlo: str, profile: pj.GradientProfile, layers: int) -> tuple[pj
       continue
     if backward and ("loop", None) not in events:
       events.append(("loop", None))
-    elements = sum(math.prod(x) for x in shapes)
+    elements = sum(math.prod(x) for x in shapes) if all(len(x) == 1 for x in shapes) else -1   # norms: 1-D
     if kind == "reduce-scatter" and backward and ws and not body_done:
       if set(ws) & {n for e, g in body if e == "u" for n in g}:
         body_done = True         # the next trip's (a double-buffered body holds two)
@@ -425,22 +437,30 @@ def read_scanned(hlo: str, profile: pj.GradientProfile, layers: int) -> tuple[pj
   return sched, notes
 
 
+def planned_under(prof: pj.GradientProfile, net: pj.NetworkModel, budget: int | None) -> tuple[pj.Schedule, int | None]:
+  """The `fsdp` plan under `budget` (each layer one unit, one gather ahead), the budget raised to the least the
+  planner names where it does not fit (a leaf's need, then the least memory found), and the budget used."""
+  for _ in range(3):
+    try:
+      return pj.plan(prof, net, "fsdp", memory_budget_bytes=budget, bucket_bytes=1, prefetch=1), budget
+    except ValueError as e:
+      budget = int(re.search(r"(?:at least|least memory found is) (\d+)", str(e)).group(1))
+  raise ValueError(f"no fsdp plan under {budget} bytes")
+
+
 def read_library(report, sched: pj.Schedule) -> pj.Schedule:
   """The library's compiled step as a Schedule, from its audit: the plan's groups and units, a group kept
   where the program has no all-gather of it in backward, the chunks in compiled order, the gathers' depth
   as compiled (at most the plan's prefetch)."""
   from prophet_jax._values._schedule import Bucket
-  from prophet_jax._values._sharding import FsdpPlan
 
   f = sched.fsdp
   groups = len(f.gathers) or len(f.units)
   again = {e.chunk for e in report.regathers}
   order = list(dict.fromkeys(report.order)) + [k for k in range(len(sched.chunks)) if k not in report.order]
   new = {k: i for i, k in enumerate(order)}
-  plan = FsdpPlan(units=tuple(new[u] for u in f.units), keep=tuple(g not in again for g in range(groups)),
-                  prefetch=max(1, min(f.prefetch, report.gathers_in_flight or 1)),
-                  backward_prefetch=f.backward_prefetch, shard_dims=f.shard_dims, mesh=f.mesh,
-                  shard_axes=f.shard_axes, memory_budget_bytes=f.memory_budget_bytes, gathers=f.gathers)
+  plan = dataclasses.replace(f, units=tuple(new[u] for u in f.units), keep=tuple(g not in again for g in range(groups)),
+                             prefetch=max(1, min(f.prefetch, report.gathers_in_flight or 1)))
   return pj.Schedule(buckets=tuple(Bucket(chunks=(sched.chunks[k],)) for k in order), rows=sched.rows,
                      policy="library-compiled", fsdp=plan)
 
@@ -449,8 +469,6 @@ def scanned_main(a) -> None:
   """`--scanned`: per device count, the partitioner's scanned programs (flags x remat) and the library's step
   planned at the least of their simulated peaks, each compiled, read into a Schedule and simulated."""
   from prophet_jax._compiled._gpu import xla_option_accepted
-  from prophet_jax._rewrite._fsdp_units import unstack
-
   large = {k: v for k, v in LARGE_MODEL.items() if xla_option_accepted(k, v)}
   flag_sets = {"both": ("default", "large-model"), "default": ("default",), "large-model": ("large-model",)}[a.flags]
   remats = {"both": (False, True), "no": (False,), "yes": (True,)}[a.remat]
@@ -460,11 +478,10 @@ def scanned_main(a) -> None:
     topo = pj.gpu_topology("h100", devices=devices)
     mesh = topo.mesh("data")
     params, specs = scanned_params_of(a.layers, a.d, ff, a.vocab)
-    flat, fspecs = unstack(params, (STACK,), specs)
     param_bytes = sum(4 * math.prod(x.shape) for x in jax.tree.leaves(params))
     fwd_s = 2 * param_bytes / 4 * tokens_per_gpu / (989e12 * 0.5)
-    prof = pj.GradientProfile.from_params(flat, forward_s=fwd_s, backward_s=2 * fwd_s,
-                                          update_s_per_byte=30 / 4 / (3.35e12 * 0.8), shardings=fspecs,
+    prof = pj.GradientProfile.from_params(params, forward_s=fwd_s, backward_s=2 * fwd_s,
+                                          update_s_per_byte=30 / 4 / (3.35e12 * 0.8), shardings=specs, stacked=(STACK,),
                                           mesh={"data": devices}, model=a.name, device="h100")
     net = pj.NetworkModel.preset("nvlink+400gb-ib", workers=devices)
     bound = pj.lower_bound(prof, net, sharded="fsdp")
@@ -512,11 +529,7 @@ def scanned_main(a) -> None:
     # again); each layer one unit (bucket_bytes=1: units closed at every layer); one gather ahead, what XLA:GPU
     # keeps in flight by default (F2)
     for label, budget in (("keep all", None), ("least memory", 1)):
-      try:
-        sched = pj.plan(prof, net, "fsdp", memory_budget_bytes=budget, bucket_bytes=1, prefetch=1)
-      except ValueError as e:
-        budget = int(re.search(r"(?:at least|least memory found is) (\d+)", str(e)).group(1))
-        sched = pj.plan(prof, net, "fsdp", memory_budget_bytes=budget, bucket_bytes=1, prefetch=1)
+      sched, budget = planned_under(prof, net, budget)
       planned = pj.simulate(sched, prof, net, events=True)
       grad_fn = pj.hooked(scanned_loss_fn, sched, axis_name="data", mesh=mesh)
 
@@ -573,6 +586,182 @@ def scanned_main(a) -> None:
                              "results": results}, indent=1))
   print(f"wrote {out}")
 
+# --------------------------------------------------------------------------------------------------
+# HSDP: shards within a node, replicas across nodes; the library's step beside the partitioner's
+
+NODE = 8                                     # GPUs per node: the shard axis
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                          r"(?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+
+
+def device_groups(text: str, devices: int) -> np.ndarray:
+  """An HLO collective's device groups, one a row, from its `replica_groups` in any of the three spellings
+  (explicit lists, iota `[g,n]<=[dims]T(perm)`, and `mesh['axis_0'=a,...], device_ids=(...) {'axis_k'}`:
+  the groups vary along the named axes of the mesh of device ids); none or empty: one group of all."""
+  ints = lambda x: [int(v) for v in x.split(",") if v]  # noqa: E731
+  m = _MESH_GROUPS.search(text)
+  if m:
+    axes = [(x.split("=")[0].strip("'\" "), int(x.split("=")[1])) for x in m.group(1).split(",")]
+    ids = np.arange(math.prod(n for _, n in axes))
+    if m.group(2):
+      ids = ids.reshape(ints(m.group(2))).transpose(ints(m.group(3)) if m.group(3) else None)
+    ids = ids.reshape([n for _, n in axes])
+    over = [i for i, (a, _) in enumerate(axes) if f"'{a}'" in m.group(4)]
+    ids = np.moveaxis(ids, over, list(range(len(axes) - len(over), len(axes))))
+    return ids.reshape(-1, math.prod(axes[i][1] for i in over))
+  m = _IOTA_GROUPS.search(text)
+  if m:
+    ids = np.arange(math.prod(ints(m.group(3)))).reshape(ints(m.group(3)))
+    return ids.transpose(ints(m.group(4)) if m.group(4) else None).reshape(int(m.group(1)), int(m.group(2)))
+  m = _LIST_GROUPS.search(text)
+  if m and m.group(1):
+    return np.array([ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(1))])
+  return np.arange(devices)[None]
+
+
+def census(hlo: str, devices: int) -> dict:
+  """A compiled program's collectives per step (each loop's per trip) by kind and link: 'in-node' where every
+  group lies within one node (device ids // NODE), else 'across nodes'; count and bytes (an all-gather's
+  outputs, a reduce-scatter's inputs, an all-reduce's buffers)."""
+  from prophet_jax._compiled._hlo import execution_order, parse_hlo
+
+  out: dict = {}
+  for op in execution_order(parse_hlo(hlo)):
+    ins = op.instruction
+    kind = next((k for k in ("all-gather", "reduce-scatter", "all-reduce") if ins.opcode in (k, f"{k}-start")), None)
+    if kind is None:
+      continue
+    found = [(_DT_BYTES[t], math.prod(int(x) for x in d.split(",") if x)) for t, d in _SHAPE.findall(ins.shape)]
+    if ins.opcode.endswith("-start") and len(found) > 1 and kind != "all-reduce":
+      found = found[len(found) // 2:] if kind == "all-gather" else found[:(len(found) + 1) // 2]
+    groups = device_groups(ins.text, devices)
+    link = "in-node" if all(len(set(g // NODE)) == 1 for g in groups) else "across nodes"
+    e = out.setdefault(f"{kind}, {link} (groups of {groups.shape[1]})", {"count": 0, "bytes": 0})
+    e["count"] += op.trips or 1
+    e["bytes"] += (op.trips or 1) * sum(b * n for b, n in found)
+  return out
+
+
+def outer_bytes(c: dict) -> int:
+  """The bytes a program's collectives move over groups spanning nodes, per step."""
+  return sum(v["bytes"] for k, v in c.items() if "across" in k)
+
+
+def hsdp_main(a) -> None:
+  """`--hsdp`: per device count, a ("replica", "data") mesh of devices/8 x 8; the partitioner's scanned HSDP step
+  (params over "data" only) and the library's (`hooked(..., axis_name=("replica", "data"), mesh=)`, keep-all and
+  least-memory plans), each compiled for H100s, its collectives read by link, read into a Schedule and
+  simulated on the two-level network beside the plan's prediction."""
+  ff, seq, tokens_per_gpu, axes = a.ff or 4 * a.d, 512, 16384, ("replica", "data")
+  results = []
+  for devices in a.devices:
+    R = devices // NODE
+    topo = pj.gpu_topology("h100", devices=devices)
+    mesh = jax.sharding.Mesh(np.asarray(topo.devices).reshape(R, NODE), axes)
+    params, specs = scanned_params_of(a.layers, a.d, ff, a.vocab)
+    param_bytes = sum(4 * math.prod(x.shape) for x in jax.tree.leaves(params))
+    fwd_s = 2 * param_bytes / 4 * tokens_per_gpu / (989e12 * 0.5)
+    prof = pj.GradientProfile.from_params(params, forward_s=fwd_s, backward_s=2 * fwd_s,
+                                          update_s_per_byte=30 / 4 / (3.35e12 * 0.8), shardings=specs, stacked=(STACK,),
+                                          mesh={"replica": R, "data": NODE}, model=a.name, device="h100")
+    net = pj.NetworkModel.preset("nvlink+400gb-ib", workers=devices)
+    bound = pj.lower_bound(prof, net, sharded="fsdp")
+    shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    batch = NamedSharding(mesh, P(axes))
+    args = (topo.abstract(params, specs, mesh=mesh),
+            topo.abstract(jax.ShapeDtypeStruct((devices, seq), jnp.int32), P(axes), mesh=mesh))
+    sharded_bytes = sum(r.nbytes for r in prof.rows if r.shard_dim is not None)
+    plan_outer = sharded_bytes // NODE + sum(r.nbytes for r in prof.rows if r.shard_dim is None)
+    print(f"{a.layers} scanned layers, d={a.d}, {param_bytes / 2**30:.2f} GiB of f32 parameters, {R} replicas x "
+          f"{NODE} shards of compile-only H100s; {net.name}; bound {bound * 1e3:.1f} ms (simulated); the plan "
+          f"all-reduces {plan_outer / 2**20:.0f} MiB across nodes per step (the shards and the norms)")
+
+    def compiled_of(step):
+      f = jax.jit(step, in_shardings=(shard, batch), out_shardings=shard)
+      t0 = time.perf_counter()
+      c = f.lower(*args).compile()
+      return c, time.perf_counter() - t0
+
+    def row(program, c, secs, read, **more):
+      text = c.as_text()
+      if a.dump:
+        pathlib.Path(a.dump).mkdir(parents=True, exist_ok=True)
+        name = program.replace(", ", "_").replace(" ", "-")
+        (pathlib.Path(a.dump) / f"hsdp_{devices}_{name}.hlo.txt").write_text(text)
+      col = census(text, devices)
+      sim = pj.simulate(read, prof, net, events=True)
+      # the outer link's time for the bytes beyond the plan's (one ring all-reduce over the replicas), which a
+      # Schedule read from the program cannot hold: the simulated time leaves it out
+      excess = outer_bytes(col) - plan_outer
+      excess_s = 2 * (R - 1) * (net.outer_alpha_s + excess / R * net.outer_beta_s_per_byte) if excess > 0 else 0.0
+      r = {"program": program, "devices": devices, "replicas": R, "shards": NODE, "flags": "default",
+           "compile_s": secs, "temp_bytes": c.memory_analysis().temp_size_in_bytes, "collectives": col,
+           "outer_bytes": outer_bytes(col), "outer_vs_plan": outer_bytes(col) / plan_outer,
+           "excess_outer_ms": 1e3 * excess_s,
+           "iteration_ms": sim.iteration_s * 1e3, "peak_bytes": sim.peak_memory_bytes,
+           "idle_ms": sim.idle_s * 1e3, "bound_ms": bound * 1e3, **more, "_sim": sim}
+      print(f"  {program}: compiled in {secs:.0f} s, temp {r['temp_bytes'] / 2**30:.2f} GiB; across nodes "
+            f"{r['outer_bytes'] / 2**20:.0f} MiB per step ({r['outer_vs_plan']:.2f} x the plan's: "
+            f"{r['excess_outer_ms']:.1f} ms more on the outer link); simulated "
+            f"{sim.iteration_s * 1e3:.1f} ms (idle {sim.idle_s * 1e3:.1f}), peak "
+            f"{sim.peak_memory_bytes / 2**30:.2f} GiB")
+      for k, v in col.items():
+        print(f"    {k}: {v['count']} per step, {v['bytes'] / 2**20:.0f} MiB")
+      return r
+
+    def step(p, t):
+      g = jax.grad(scanned_loss_fn)(p, t)
+      return jax.tree.map(lambda x, y: x - 1e-3 * y, p, g)
+    c, secs = compiled_of(step)
+    read, notes = read_scanned(c.as_text(), prof, a.layers)
+    read = dataclasses.replace(read, fsdp=dataclasses.replace(read.fsdp, in_flight=1))   # XLA:GPU's default
+    rows = [row("partitioner", c, secs, read, read_notes=notes, read_schedule=json.loads(read.to_json()))]
+    for n in notes:
+      print(f"    read: {n}")
+    for label, budget in (("keep all", None), ("least memory", 1)):
+      sched, budget = planned_under(prof, net, budget)
+      planned = pj.simulate(sched, prof, net, events=True)
+      grad_fn = pj.hooked(scanned_loss_fn, sched, axis_name=axes, mesh=mesh)
+
+      def lib_step(p, t, grad_fn=grad_fn):
+        g = grad_fn(p, t)[1]
+        return jax.tree.map(lambda x, y: x - 1e-3 * y, p, g)
+      c, secs = compiled_of(lib_step)
+      report = pj.audit(c, sched)
+      shards = [(e.elements, e.expected_elements) for e in report.chunks if e.kind == "replica"]
+      r = row(f"library, {label}", c, secs, read_library(report, sched), budget_bytes=budget,
+              groups_again=sum(not k for k in sched.fsdp.keep), groups=len(sched.fsdp.keep),
+              audit_ok=report.ok, audit=report.describe(), replica_allreduces=len(shards),
+              replica_at_shard_size=all(e == x for e, x in shards), planned_ms=planned.iteration_s * 1e3,
+              planned_peak_bytes=planned.peak_memory_bytes, plan=json.loads(sched.to_json()), _planned=planned)
+      r["vs_plan"] = r["iteration_ms"] / r["planned_ms"]
+      r["vs_partitioner"] = rows[0]["iteration_ms"] / r["iteration_ms"]
+      print(f"    {r['groups_again']} of {r['groups']} groups again in backward; audit "
+            f"{'OK' if report.ok else 'NOT OK'}; {len(shards)} replica all-reduces, all at the shard's size: "
+            f"{r['replica_at_shard_size']}; compiled order {r['vs_plan']:.4f} x the plan's prediction "
+            f"({r['planned_ms']:.1f} ms); the partitioner's {r['vs_partitioner']:.3f} x this (simulated)")
+      for line in report.problems:
+        print(f"    problem: {line}")
+      rows.append(r)
+    if a.timeline:
+      pj.plot_timelines({f"{r['program']} (compiled)": r["_sim"] for r in rows} |
+                        {f"{r['program']} (plan)": r["_planned"] for r in rows[1:]},
+                        str(pathlib.Path(a.timeline).with_suffix("")) + f"_{devices}.png",
+                        title=f"{a.name} HSDP, {R} x {NODE} H100s, {net.name} (simulated)")
+    for r in rows:
+      r.pop("_sim")
+      r.pop("_planned", None)
+    results += rows
+    out = pathlib.Path(a.out)       # written after every device count: a later one may not finish
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"layers": a.layers, "d": a.d, "ff": ff, "vocab": a.vocab, "model": a.name,
+                               "scanned": True, "hsdp": True, "node": NODE, "devices": a.devices, "target": "h100",
+                               "jax": jax.__version__, "tokens_per_gpu": tokens_per_gpu,
+                               "network": net.name, "results": results}, indent=1))
+    print(f"wrote {out}")
+
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -590,7 +779,12 @@ def main() -> None:
   ap.add_argument("--scanned", action="store_true",
                   help="scanned on both sides: the library's FSDP step (hooked) beside the partitioner's programs")
   ap.add_argument("--timeline", default=None, help="with --scanned: a PNG path stem for the simulated timelines")
+  ap.add_argument("--hsdp", action="store_true",
+                  help="HSDP, scanned: a (devices/8 x 8) mesh, the library's step beside the partitioner's")
   a = ap.parse_args()
+  if a.hsdp:
+    hsdp_main(a)
+    return
   if a.scanned:
     scanned_main(a)
     return

@@ -309,15 +309,23 @@ def test_rewrite_refuses_an_fsdp_schedule_clearly():
 
 def test_hsdp_each_collective_on_its_link():
   """HSDP on (replica 4 x data 8): gathers and reduce-scatters over the shard axis on link 0 (NVLink in a
-  node), each reduced shard all-reduced over the replica axis on link 1 (InfiniBand) after its scatter."""
+  node), each reduced shard all-reduced over the replica axis on link 1 (InfiniBand) after its scatter, where
+  two collectives may be in flight (in_flight=2); at XLA:GPU's default of one, each shard's all-reduce runs on
+  link 0 right after its scatter, before the next collective (as the compiled step runs them: test_hsdp_step)."""
   prof = _layered(n_layers=4, mesh={"replica": 4, "data": 8})
   net = pj.NetworkModel.preset("nvlink+400gb-ib", workers=32)
-  r = pj.simulate(pj.plan(prof, net, "fsdp"), prof, net)
+  r = pj.simulate(pj.plan(prof, net, "fsdp", in_flight=2), prof, net)
   lanes = {(e.kind, e.lane) for e in r.events if e.lane != "device"}
   assert lanes == {("all_gather", "link0"), ("reduce_scatter", "link0"), ("allreduce", "link1")}
   rs_end = {e.name: e.end_s for e in r.events if e.kind == "reduce_scatter"}
   shard_ar = [e for e in r.events if e.lane == "link1" and e.name.startswith("unit")]
   assert len(shard_ar) == len(rs_end) and all(e.start_s >= rs_end[e.name] - 1e-12 for e in shard_ar)
+  one = pj.simulate(pj.plan(prof, net, "fsdp"), prof, net)
+  link0 = [e for e in sorted(one.events, key=lambda e: e.start_s) if e.lane == "link0" and e.kind != "all_gather"]
+  assert {e.lane for e in one.events} == {"device", "link0"}
+  pairs = [(a, b) for a, b in zip(link0, link0[1:]) if a.kind == "reduce_scatter"]
+  assert len(pairs) == len(rs_end) and all((b.kind, b.name, b.start_s) == ("allreduce", a.name, a.end_s)
+                                           for a, b in pairs)
   # the same plan as pure FSDP over 32 devices crosses nodes on every ring: slower
   flat = _layered(n_layers=4, mesh={"data": 32})
   assert pj.simulate(pj.plan(flat, net, "fsdp"), flat, net).iteration_s > r.iteration_s

@@ -7,6 +7,8 @@ step's named scopes, against the plan.
   group the plan does not keep, never for a kept one;
 - `prophet/fsdp/rs<k>`: unit k's reduce-scatter (`AuditReport.chunks`, `collective='reduce-scatter'`,
   `elements` its whole buffer), once per unit, in the plan's chunk order;
+- `prophet/fsdp/ar<k>`: HSDP: unit k's reduced shard all-reduced over the replica axes (`chunks`, kind
+  'replica', `elements` the shard's), once per unit;
 - `prophet/chunk<k>`: replicated leaves' chunk k all-reduced (`chunks`, `collective='all-reduce'`), read as
   an all-reduce plan's chunks are (combined with the loss's, or concatenated: `_audit`), in chunk order;
 - anything else is foreign (`AuditReport.foreign`): the partitioner's own collectives, the loss's.
@@ -22,6 +24,7 @@ compile option lets XLA keep more collectives in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +37,7 @@ from .._values._schedule import Schedule
 __all__ = ["audit_fsdp"]
 
 _LABEL = re.compile(r"prophet/fsdp/(ag|reag|rs)(\d+)(?![0-9])")
+_REPLICA = re.compile(r"prophet/fsdp/ar(\d+)(?![0-9])")
 _LAYER = re.compile(r"(?:^|/)(\d+)(?=/)")
 _KINDS = {"ag": "all-gather", "reag": "all-gather", "rs": "reduce-scatter"}
 DEPTH_OPTION = "xla_gpu_experimental_parallel_collective_overlap_limit"
@@ -125,23 +129,40 @@ def audit_fsdp(text: str, module: Any, ops: Any, after: list[int], windows: dict
                         f"do not account for (its stack has fewer layers after it, or another plan's).")
   rep = {k for k in range(len(chunks)) if k not in set(f.units)}
   ars = [e for e in replicated.chunks if e.chunk in rep]
-  foreign = out["foreign"] + [e for e in replicated.chunks if e.chunk not in rep] + list(replicated.foreign)
-  planned = len(layers.groups)
-  problems += _counts(out["ag"], range(planned), range(planned), "group", "all-gather in forward")
-  kept = [g for g in range(planned) if f.keep[g]]
-  again = [g for g in range(planned) if not f.keep[g]]
-  problems += _counts(out["reag"], again, range(planned), "group", "all-gather again in backward", optional=True)
+  shards = 1
+  for a, n in f.mesh:
+    shards *= n if a in f.shard_axes else 1
+  replica = [dataclasses.replace(e, kind="replica", chunk=u, expected_elements=None if u is None else
+                                 chunks[u].size // shards)
+             for e in replicated.foreign if _REPLICA.search(e.op_name)
+             for u in layers.run("rs", int(_REPLICA.search(e.op_name).group(1)), e.trips or 1)]
+  foreign = out["foreign"] + [e for e in replicated.chunks if e.chunk not in rep] + [
+      e for e in replicated.foreign if not _REPLICA.search(e.op_name)]
+  planned, k = len(layers.groups), f.micro_batches     # k micro-batches: a held group or unit once, the rest k times
+  hold = {g for g, h in enumerate(f.hold_params) if h and k > 1}
+  later = {f.units[u] for u, h in enumerate(f.hold_grads) if h and k > 1}
+  rs_times = {u: 1 if u in later else k for u in f.units}
+  if replica or len(f.mesh) > len(f.shard_axes):
+    problems += _counts(replica, f.units, f.units, "unit", "all-reduce of its shard over the replica axes",
+                        times=rs_times)
+  problems += _counts(out["ag"], range(planned), range(planned), "group", "all-gather in forward",
+                      times={g: 1 if g in hold else k for g in range(planned)})
+  kept = [g for g in range(planned) if f.keep[g] or g in hold]
+  again = [g for g in range(planned) if g not in kept]
+  problems += _counts(out["reag"], again, range(planned), "group", "all-gather again in backward", optional=True,
+                      times={g: k for g in again})
   stray = sorted({e.chunk for e in out["reag"] if e.chunk in kept})
   if stray:
     problems.append(f"group(s) {stray} are gathered again in backward, but the plan keeps them from forward: was "
                     f"the step built with another plan?")
-  problems += _counts(out["rs"], f.units, f.units, "unit", "reduce-scatter")
-  problems += _counts(ars, sorted(rep), sorted(rep), "chunk", "all-reduce of replicated leaves")
+  problems += _counts(out["rs"], f.units, f.units, "unit", "reduce-scatter", times=rs_times)
+  problems += _counts(ars, sorted(rep), sorted(rep), "chunk", "all-reduce of replicated leaves",
+                      times={c: k for c in rep})
   seq = [e.chunk for e in out["rs"]]
-  if seq != sorted(seq):
+  if seq != sorted(set(f.units) - later) * k + sorted(later):
     problems.append(f"reduce-scatters run in compiled order {seq[:20]}, not in the plan's chunk order.")
   rseq = [e.chunk for e in ars]
-  if ordered and rseq != sorted(rseq):
+  if ordered and rseq != sorted(rep) * k:
     problems.append(f"the replicated chunks' all-reduces run in compiled order {rseq[:20]}, not in chunk order.")
   missing = sorted(set(again) - {e.chunk for e in out["reag"]})
   warnings = []
@@ -165,14 +186,14 @@ def audit_fsdp(text: str, module: Any, ops: Any, after: list[int], windows: dict
                       f"step with compiler_options={{'{DEPTH_OPTION}': {f.prefetch}}} (jax.jit(...).lower(...)"
                       f".compile(compiler_options=...)), or plan with prefetch=1.")
   entries = sorted(out["rs"] + ars, key=lambda e: e.position)
-  every = gathers + entries
+  every = gathers + entries + replica
   return AuditReport(
-      planned=len(chunks), chunks=tuple(entries), loops=(), foreign=tuple(foreign),
-      order=tuple(e.chunk for e in entries), ok=not problems, problems=tuple(problems), total_ops=len(ops),
+      planned=len(chunks), chunks=tuple(sorted(entries + replica, key=lambda e: e.position)), loops=(),
+      foreign=tuple(foreign), order=tuple(e.chunk for e in entries), ok=not problems, problems=tuple(problems), total_ops=len(ops),
       max_in_flight=peak_in_flight(ops, {e.name for e in every if e.asynchronous}),
       backward_outside_windows=backward_outside(ops, entries, windows, coll_names, costs),
       warnings=tuple(warnings), gathers=tuple(out["ag"]), gather_order=tuple(e.chunk for e in out["ag"]),
-      planned_gathers=planned, regathers=tuple(out["reag"]), planned_regathers=len(again),
+      planned_gathers=planned, regathers=tuple(out["reag"]), planned_regathers=len(again) * k,
       gathers_in_flight=depth, family="fsdp")
 
 
@@ -184,9 +205,9 @@ def _elements(shape: Sequence[int]) -> int:
 
 
 def _counts(entries: Sequence[AuditEntry], planned: Sequence[int], universe: Sequence[int], unit: str, what: str,
-            *, optional: bool = False) -> list[str]:
-  """Each `planned` index's collective once, of its planned size (`optional`: a missing one is no problem);
-  none labelled outside `universe` (the plan's indices)."""
+            *, optional: bool = False, times: dict | None = None) -> list[str]:
+  """Each `planned` index's collective once (or `times[index]` times), of its planned size (`optional`: a
+  missing one is no problem); none labelled outside `universe` (the plan's indices)."""
   counts: dict[int | None, int] = {}
   problems = []
   for e in entries:
@@ -194,14 +215,17 @@ def _counts(entries: Sequence[AuditEntry], planned: Sequence[int], universe: Seq
     if e.expected_elements is not None and e.elements != e.expected_elements:
       problems.append(f"{unit} {e.chunk}: its {what} ({e.name}) has {e.elements} elements, planned "
                       f"{e.expected_elements}.")
-  missing = [] if optional else sorted(k for k in planned if not counts.get(k))
-  twice = sorted(k for k in planned if counts.get(k, 0) > 1)
+  missing = [] if optional else sorted(k for k in planned if counts.get(k, 0) < (times or {}).get(k, 1))
+  twice = sorted(k for k in planned if counts.get(k, 0) > (times or {}).get(k, 1))
   beyond = sorted(k for k in counts if k is not None and k not in set(universe))
   if missing:
-    problems.append(f"{unit}(s) {missing[:10]} have no {what} of their own in the compiled program: XLA merged "
+    few = "no" if all(not counts.get(k) for k in missing) else "fewer than the planned (k micro-batches')"
+    problems.append(f"{unit}(s) {missing[:10]} have {few} {what} of their own in the compiled program: XLA merged "
                     f"them, or the step does not carry out this plan.")
   if twice:
-    problems.append(f"{unit}(s) {twice[:10]} run more than one {what} per step.")
+    n = max((times or {}).get(k, 1) for k in twice)
+    problems.append(f"{unit}(s) {twice[:10]} run more than {'one' if n == 1 else f'the planned {n} (or 1 held)'} "
+                    f"{what} per step.")
   if beyond:
     problems.append(f"{what}(s) labelled {unit}(s) {beyond[:10]}, which the plan does not have: was the step "
                     f"built with another plan?")

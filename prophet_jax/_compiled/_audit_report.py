@@ -52,7 +52,8 @@ class AuditEntry:
 
   Attributes:
     name: the HLO instruction's name (the `all-reduce-start` of an async one).
-    kind: 'chunk', 'loop', 'gather', 'regather' (an FSDP group gathered again in backward) or 'foreign'.
+    kind: 'chunk', 'loop', 'gather', 'regather' (an FSDP group gathered again in backward), 'replica' (an
+      HSDP unit's shard all-reduced over the replica axes) or 'foreign'.
     chunk: the schedule chunk index (kind 'chunk'), else None.
     label: the loop hook's name (kind 'loop'), else ''.
     elements: elements reduced (bf16 chunks are reduced as f32 on the CPU: same count).
@@ -233,10 +234,12 @@ class AuditReport(JsonValue):
               f"foreign; {self.inside_backward} reduce-scatter(s) issued inside backward")
     if self.family == "fsdp":
       units = sum(e.collective == "reduce-scatter" for e in self.chunks)
+      shards = sum(e.kind == "replica" for e in self.chunks)
       head = (f"audit: {'OK' if self.ok else 'MISMATCH'}: fsdp: {len(self.gathers)} all-gather(s) of "
               f"{self.planned_gathers} groups, {len(self.regathers)} again in backward of {self.planned_regathers} "
-              f"planned; {units} reduce-scatter(s) and {len(self.chunks) - units} replicated all-reduce(s) of "
-              f"{self.planned} chunks, order {list(self.order)}; {len(self.foreign)} foreign")
+              f"planned; {units} reduce-scatter(s)" + (f", {shards} shard all-reduce(s) over the replicas" if shards
+                                                      else "") + f" and {len(self.chunks) - units - shards} "
+              f"replicated all-reduce(s) of {self.planned} chunks, order {list(self.order)}; {len(self.foreign)} foreign")
     lines = [head]
     if self.order_by == "xla":
       lines.append("order: XLA's (keyed units, matched by size and provenance): " + str(list(self.order)))

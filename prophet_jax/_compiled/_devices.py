@@ -38,6 +38,26 @@ def check_mesh(mesh: Any, axis_name: Any, where: str) -> tuple[Any, ...]:
   return axes
 
 
+def check_in_node(mesh: Any, axes: Sequence[str], where: str) -> None:
+  """ValueError when the devices along `axes` of `mesh` (HSDP's shard axes) span processes or slices."""
+  devices = getattr(mesh, "devices", None)
+  if devices is None:       # an abstract mesh: no devices to read
+    return
+  names, devices = mesh_axis_names(mesh), np.asarray(devices)
+  along = [names.index(a) for a in axes]
+  groups = np.moveaxis(devices, along, range(devices.ndim - len(along), devices.ndim))
+  for group in groups.reshape(-1, int(np.prod([devices.shape[k] for k in along], dtype=np.int64))):
+    for attr in ("process_index", "slice_index"):
+      got = sorted({getattr(d, attr, None) for d in group} - {None})
+      if len(got) > 1:
+        raise ValueError(
+            f"{where}: the HSDP plan shards over {tuple(axes)}, but on the mesh {dict(zip(names, mesh.axis_sizes))} "
+            f"the devices along {tuple(axes)} ({[getattr(d, 'id', d) for d in group]}) span {attr} {got}: each "
+            f"shard group's gathers and reduce-scatters must stay inside one node. Order the mesh so that the "
+            f"shard axes run over one process's devices (e.g. jax.make_mesh((replicas, shards), ('replica', "
+            f"{axes[0]!r})) with shards <= jax.local_device_count()).")
+
+
 def axis_total(mesh: Any, axes: Sequence[Any]) -> int:
   sizes = dict(zip(mesh_axis_names(mesh), mesh.axis_sizes))
   return int(np.prod([sizes[a] for a in axes], dtype=np.int64))

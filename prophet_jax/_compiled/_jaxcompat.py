@@ -106,3 +106,13 @@ def check_jaxpr_api(feature: str) -> None:
   if missing:
     raise JaxVersionError(f"{feature} reads jaxprs through jax.extend.core, and jax {_installed()} lacks "
                           f"{', '.join(missing)}. {_advice('')}")
+
+
+def scan_parts(eqn: Any) -> tuple[int, int]:
+  """(consts, carries) of a scan equation's operands (jax 0.10: `num_consts`/`num_carry`; 0.12: the
+  `ft_in` tree of (consts, carry, xs))."""
+  p = eqn.params
+  if "num_consts" in p:
+    return int(p["num_consts"]), int(p["num_carry"])
+  consts, carry, _ = p["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+  return len(list(consts)), len(list(carry))

@@ -15,7 +15,7 @@ from . import _step_hlo
 from ._profile_harness import RowSpec, float_leaves, local_step_program, setup, update_program
 from ._profile_methods import HLO_FILE, LINKED, NoProfilerEvents, as_profile, estimated, from_trace, measured, timed
 from .._compiled._devices import host_rows
-from .._compiled._jaxcompat import check_jaxpr_api
+from .._compiled._jaxcompat import check_jaxpr_api, scan_parts
 from .._compiled._hlo import hlo_text as _as_text
 from .._values._checks import check_bool, check_int, check_values
 from .._values._errors import ProfileError
@@ -142,7 +142,7 @@ def scanned_stacks(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any) 
       if e.primitive.name in _RELABEL and len(e.invars) == len(e.outvars):
         leaf.update({id(o): i for o, i in zip(e.outvars, ins) if i is not None})
       elif e.primitive.name == "scan":
-        got = sorted({paths[i] for i in ins[e.params["num_consts"] + e.params["num_carry"]:] if i is not None})
+        got = sorted({paths[i] for i in ins[sum(scan_parts(e)):] if i is not None})
         parts = [p.split("/") for p in got]
         pre = "/".join(os.path.commonprefix(parts) if len(got) > 1 else parts[0][:-1] if got else [])
         under = lambda q: {p for p in floats if p.startswith(q + "/")}  # noqa: E731

@@ -14,7 +14,7 @@ from .._values._checks import check_max_defer, check_values
 from ._core import Problem, background_flows, problem
 from ._fsdp_bound import fsdp_bound
 from .._values._network import NetworkModel
-from .._values._types import GradientProfile, is_bool
+from .._values._types import GradientProfile, is_bool, is_int
 
 # Above this many (layers x layers x rows), the pipelined-step bound uses layer prefixes and single
 # layers only, instead of every contiguous range of layers (a weaker but still valid bound).
@@ -30,7 +30,7 @@ _SPLIT_HELD = 8
 
 
 def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False,
-                max_defer: float = 0.0, sharded: bool | str | None = None) -> float:
+                max_defer: float = 0.0, sharded: bool | str | None = None, micro_batches: int = 1) -> float:
   """A lower bound on the iteration time of every schedule, in seconds.
 
   min(B_allreduce, B_sharded) (and B_fsdp for a sharded profile): each family's bound is at most the
@@ -44,6 +44,7 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
     max_defer: the largest fraction of elements a schedule may defer per step, in [0, 1) (0: lossless).
     sharded: None: every schedule; False: all-reduce schedules (B_allreduce); True: `dear`'s sharded
       schedules (B_sharded, one link); 'fsdp': FSDP / HSDP schedules (B_fsdp, calm).
+    micro_batches: with sharded='fsdp', FSDP steps of this many micro-batches (each as profiled).
 
   Returns:
     The bound in seconds.
@@ -67,8 +68,11 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
     raise TypeError(f"lower_bound(sharded={sharded!r}): expected None (every schedule), False "
                     f"(all-reduce schedules), True (sharded schedules) or 'fsdp' (FSDP schedules).")
   prob = problem(profile, network, cross_step=bool(cross_step))
+  if not is_int(micro_batches) or micro_batches < 1 or (micro_batches > 1 and not fsdp_only):
+    raise ValueError(f"lower_bound(micro_batches={micro_batches!r}): an integer >= 1; above 1 only with "
+                     f"sharded='fsdp' (FSDP steps that accumulate micro-batches).")
   if fsdp_only:
-    return fsdp_bound(prob)
+    return fsdp_bound(prob, micro_batches)
   if sharded and network.links != 1:
     raise ValueError(f"lower_bound(sharded=True): sharded schedules run on one link, but network.links="
                      f"{network.links}; use network.replace(links=1).")

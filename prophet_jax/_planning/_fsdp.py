@@ -48,6 +48,9 @@ class FsdpArrays(NamedTuple):
   rs_bytes: tuple[float, ...] = ()
   rs_at: Sequence[Sequence[int]] = ()     # per backward position, the units whose gradient is made there
   reads: tuple[bool, ...] = ()            # per group: does backward read it (not: the first layer's alone)
+  one_slot: bool = False                  # HSDP at one collective in flight: the replica all-reduces on link 0
+  held: tuple[bool, ...] = ()             # per group: gathered once, held across the micro-batches
+  rs_held: tuple[bool, ...] = ()          # per unit: whole gradient held, reduce-scattered once
 
 
 class FsdpForward(NamedTuple):
@@ -109,8 +112,8 @@ def gather_nbytes(profile: Any) -> list[float]:
 
 def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequence[int], keep: Sequence[bool],
                 prefetch: int, backward_prefetch: int, shards: int, replicas: int,
-                gathers: Sequence[Sequence[int]] | None = None, *,
-                order_of: BackwardOrder | None = None, gathered: Sequence[float] | None = None) -> FsdpArrays:
+                gathers: Sequence[Sequence[int]] | None = None, *, order_of: BackwardOrder | None = None,
+                gathered: Sequence[float] | None = None, in_flight: int | None = None) -> FsdpArrays:
   """The FsdpArrays of a schedule's chunks and its FSDP plan.
 
   Args:
@@ -121,6 +124,7 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
     gathers: the all-gather groups (rows, forward order); None: each unit's rows.
     order_of: the profile's `backward_order`, when the caller has it.
     gathered: per row, its bytes as all-gathered; None: the profile's (`gather_nbytes`).
+    in_flight: the plan's; 1: one collective in flight, so HSDP's replica all-reduces queue on link 0.
 
   Raises:
     ValueError: the all-gather groups are not in forward order.
@@ -184,7 +188,7 @@ def fsdp_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]], units: Sequenc
                     int(backward_prefetch), tuple(rep_bytes), tuple(order), tuple(ready_pos),
                     ends_at, bo.layers, bo.dur, bo.tail, tuple(bf), tuple(bl),
                     tuple(sorted(range(n_u), key=lambda u: bf[u])), update_s, int(shards), int(replicas),
-                    tuple(rs_bytes), rs_at, reads)
+                    tuple(rs_bytes), rs_at, reads, one_slot=in_flight == 1 and replicas > 1)
 
 
 def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float, float, float, float, float]:
@@ -203,9 +207,10 @@ def unit_costs(prob: Problem, shards: int, replicas: int) -> tuple[float, float,
 
 
 def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: FsdpForward | None = None,
-             durations: np.ndarray | None = None) -> FsdpRun:
+             durations: np.ndarray | None = None, micro: tuple[bool, bool] | None = None) -> FsdpRun:
   """The step's timeline: calm, or with `durations` one sample's collective durations; `forward` reuses a
-  calm run's forward (ignored with `spans` or `durations`).
+  calm run's forward (ignored with `spans` or `durations`); `micro` (first, last): one micro-batch of an
+  accumulating step, without the memory of what it holds (`_fsdp_accum.accum_run`).
   """
   a_g, b_g, a_r, b_r, a_a, b_a = unit_costs(prob, arr.shards, arr.replicas)
   ag_d = reg_d = rs_d = r1_d = rep_d = None
@@ -231,6 +236,10 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
   comm = 0.0
   issue = 0.0
   unit_bytes, unit_layers, first = arr.unit_bytes, arr.unit_layers, arr.first  # (the loops' hot reads)
+  held = arr.held if micro is not None and arr.held else (False,) * n_u
+  rs_held = arr.rs_held if micro is not None and arr.rs_held else (False,) * len(arr.rs_bytes)
+  if micro is not None:
+    forward = None
 
   def run_forward(last: int) -> None:      # the device runs forward through layer `last`
     nonlocal t_dev, nxt
@@ -247,6 +256,8 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
     """Unit u's all-gather on link 0, issued at `at` (`again`: a backward re-gather)."""
     nonlocal t_link, t_dev, comm
     nb = unit_bytes[u]
+    if held[u] and not micro[0]:            # gathered by the first micro-batch
+      return
     dur = a_g + b_g * nb if ag_d is None else (reg_d[u] if again else ag_d[u])
     s = at if at >= t_link else t_link
     if serial and t_dev > s:
@@ -256,7 +267,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
       t_dev = t_link
     comm += dur
     mem_t.append(s)
-    mem_d.append(nb)
+    mem_d.append(0.0 if held[u] else nb)    # a held group's memory: held for the whole step (`_fsdp_accum`)
     if again:                               # its shards' copy (the tie's), held since its forward gather
       mem_t.append(s)
       mem_d.append(-nb / arr.shards)
@@ -274,7 +285,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
         issue = fwd_start[first[v]]
       gather(u, issue, need, False)
       ag_end[u] = t_link
-      ag_start[u] = mem_t[-1]
+      ag_start[u] = mem_t[-1] if mem_t else 0.0
     run_forward(nl - 1)
     fwd_end_layer = [fwd_start[l] + fwd[l] for l in range(nl)]
     forward = FsdpForward(t_link, t_dev, comm, ag_end, fwd_end_layer, mem_t[:], mem_d[:], ag_start)
@@ -286,14 +297,14 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
   # backward
   bwd_units = arr.bwd_units
   need_b = [0.0] * nl
-  first_ready, regather_at = _regathers(arr, bwd_units)
-  reads, keep = arr.reads, arr.keep
+  reads, keep = arr.reads, tuple(k or h for k, h in zip(arr.keep, held))
+  first_ready, regather_at = _regathers(arr, bwd_units, keep)
   for u in bwd_units:
     if keep[u] and reads[u]:
       for l in arr.unit_layers[u]:
         need_b[l] = max(need_b[l], ag_end[u])
   for u in range(n_u):
-    if not (keep[u] and reads[u]):
+    if not (keep[u] and reads[u]) and not held[u]:
       mem_t.append(fwd_end_layer[unit_layers[u][-1]])
       mem_d.append(-unit_bytes[u])
       if reads[u]:                          # the shards' copy a re-gather is tied to
@@ -335,7 +346,10 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
       kind, x = order[ci]
       if t_dev > last_issue:
         last_issue = t_dev
-      if kind == "u":
+      if kind == "u" and rs_held[x] and not micro[1]:    # added to its held sum; scattered by the last micro-batch
+        mem_t.append(last_issue)
+        mem_d.append(-rs_bytes[x])
+      elif kind == "u":
         dur = a_g + b_g * rs_bytes[x] if rs_d is None else rs_d[x]
         st = last_issue if last_issue >= t_link else t_link
         if serial and t_dev > st:
@@ -346,11 +360,18 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
         mem_d.append(-rs_bytes[x])
         if spans:
           out.append(("reduce_scatter", f"unit{x}", st, t_link, "link0"))
-        if two:
-          link1.append((t_link, a_r + b_r * arr.rs_bytes[x] if r1_d is None else r1_d[x], f"unit{x}"))
+        dur1 = a_r + b_r * arr.rs_bytes[x] if r1_d is None else r1_d[x]
+        if arr.one_slot:                          # the shard's replica all-reduce right after it, one in flight
+          st = t_dev if serial and t_dev > t_link else t_link
+          t_link = st + dur1
+          comm += dur1
+          if spans:
+            out.append(("allreduce", f"unit{x}", st, t_link, "link0"))
+        elif two:
+          link1.append((t_link, dur1, f"unit{x}"))
       else:
         dur = a_a + b_a * arr.rep_bytes[x] if rep_d is None else rep_d[x]
-        if two:
+        if two and not arr.one_slot:
           link1.append((last_issue, dur, f"replicated{x}"))
         else:
           st = max(last_issue, t_link, t_dev) if serial else max(last_issue, t_link)
@@ -362,7 +383,7 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
         t_dev = max(t_dev, t_link)
       ci += 1
   for u in range(n_u):
-    if reads[u]:
+    if reads[u] and not held[u]:
       mem_t.append(unit_bwd_end[u])                # the parameters kept or gathered again
       mem_d.append(-unit_bytes[u])
   t_dev += arr.bwd_tail
@@ -388,13 +409,14 @@ def fsdp_run(prob: Problem, arr: FsdpArrays, *, spans: bool = False, forward: Fs
   return FsdpRun(float(iteration), max(peak, 0.0), float(comm), out, forward)
 
 
-def _regathers(arr: FsdpArrays, bwd_units: Sequence[int]) -> tuple[list[int], dict[int, list[int]]]:
+def _regathers(arr: FsdpArrays, bwd_units: Sequence[int], keep: Sequence[bool] | None = None
+               ) -> tuple[list[int], dict[int, list[int]]]:
   """The units re-gathered when backward starts, and per backward position those issued there."""
-  db = arr.backward_prefetch
+  db, keep = arr.backward_prefetch, arr.keep if keep is None else keep
   first_ready: list[int] = []
   at: dict[int, list[int]] = {}
   for j, u in enumerate(bwd_units):
-    if not arr.keep[u] and arr.reads[u]:
+    if not keep[u] and arr.reads[u]:
       if j < db:
         first_ready.append(u)
       else:
@@ -473,12 +495,15 @@ def fsdp_samples(prob: Problem, arr: FsdpArrays, durations: np.ndarray) -> tuple
     while ci < len(arr.order) and arr.chunk_ready_pos[ci] <= k:
       kind, x = arr.order[ci]
       last_issue = mx(last_issue, st["dev"])
-      if kind == "u" or not two:
+      if kind == "u" or not two or arr.one_slot:
         dur_x = rs_d[x] if kind == "u" else rep_d[x]
         s0 = mx(last_issue, st["link"])
         st["link"] = (mx(s0, st["dev"]) if serial else s0) + dur_x
         st["comm"] = st["comm"] + dur_x
-        if kind == "u" and two:
+        if kind == "u" and arr.one_slot:
+          st["link"] = (mx(st["link"], st["dev"]) if serial else st["link"]) + r1_d[x]
+          st["comm"] = st["comm"] + r1_d[x]
+        elif kind == "u" and two:
           link1_at.append(st["link"])
           link1_dur.append(r1_d[x])
       else:
@@ -556,4 +581,4 @@ def fsdp_arrays_of(prob: Problem, schedule) -> FsdpArrays:
               for r, g in enumerate(f.gather_dtypes or [None] * len(prob.size))]
   return fsdp_arrays(prob, [c.slices for c in schedule.chunks], f.units, f.keep, min(f.prefetch, cap),
                      min(f.backward_prefetch, cap), f.shard_count, f.replica_count, f.gathers or None,
-                     gathered=gathered)
+                     gathered=gathered, in_flight=f.in_flight)._replace(held=f.hold_params, rs_held=f.hold_grads)

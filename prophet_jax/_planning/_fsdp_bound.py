@@ -18,9 +18,10 @@ _BLOCKS = 16
 _BLOCK_LAYERS = 2048
 
 
-def fsdp_bound(prob: Problem) -> float:
-  """B_fsdp for `prob`, whose profile carries its placement; ValueError without sharded rows or when the
-  mesh does not hold network.workers devices.
+def fsdp_bound(prob: Problem, micro_batches: int = 1) -> float:
+  """B_fsdp for `prob`, whose profile carries its placement, for steps of `micro_batches` micro-batches
+  (each as profiled; docs/fsdp.md, "Accumulation"); ValueError without sharded rows or when the mesh does
+  not hold network.workers devices.
   """
   profile = prob.profile
   s, r = profile.shard_count, profile.replica_count
@@ -50,8 +51,9 @@ def fsdp_bound(prob: Problem) -> float:
   if r > 1:
     link1 = a_r + b_r * sigma_s + (a_a + b_a * sigma_r if sigma_r > 0 else 0.0)
   compute = prob.forward_s + prob.backward_s
+  more = (micro_batches - 1) * compute       # the micro-batches between the first's forward and the last's backward
   if not prob.overlap:                       # (+ the slowest worker's waits, `_fsdp.skew_wait`)
-    return compute + update + link0 + link1 + prob.skew * (compute + update)
+    return compute + more + update + link0 + link1 + prob.skew * (compute + update)
   # forward: layer l starts after every sharded byte of layers 0..l has been gathered on link 0
   cum_s = np.cumsum(g_l)
   t = 0.0
@@ -76,7 +78,7 @@ def fsdp_bound(prob: Problem) -> float:
   if has_s.any():
     tail_s = a_g + b_g * s_l[has_s] + ((a_r + b_r * s_l[has_s]) if r > 1 else 0.0)
     back = max(back, float(np.max(ready_l[has_s] + tail_s)))
-  b1 = f_end + back + update
+  b1 = f_end + back + update + more
   b4 = f_end
   if has_s.any():                      # B4: every unit's start-up, in forward and in backward
     f_blocks = f_end
@@ -85,7 +87,7 @@ def fsdp_bound(prob: Problem) -> float:
     pos = np.lexsort((-np.arange(nl), ready_l))
     pos = pos[has_s[pos]]
     e = backward_chain(ready_l[pos], s_l[pos], a_g, b_g)[0] + (a_r if r > 1 else 0.0)
-    b4 = f_blocks + max(back, e) + update
+    b4 = f_blocks + max(back, e) + update + more
   return max(b1, b4, link0 + update, link1 + update)
 
 

@@ -18,6 +18,7 @@ from ._core import (ChunkArrays, Problem, ends_one_link, iterations, link_loop, 
                     schedule_arrays, sync_waits)
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
+from ._fsdp_accum import accum_counts, accum_run
 from ._fsdp import FsdpArrays, dear_peak_bytes, fsdp_arrays_of, fsdp_durations, fsdp_run, fsdp_samples
 from ._sharded import ShardedArrays, ShardedRun, sharded_arrays, sharded_durations, sharded_run
 from .._values._types import GradientProfile, json_fields, json_object
@@ -161,7 +162,7 @@ def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel
   if schedule.tree_fingerprint != prob.fingerprint:
     match_rows(schedule, profile.tree_rows(), where="simulate()")
   if schedule.fsdp is not None:
-    return simulate_fsdp(prob, fsdp_arrays_of(prob, schedule), events=events)
+    return simulate_fsdp(prob, fsdp_arrays_of(prob, schedule), events=events, micro_batches=schedule.fsdp.micro_batches)
   if schedule.gathers:
     check_one_link("simulate()", network)
     arr = sharded_arrays(prob, [c.slices for c in schedule.chunks], schedule.gathers)
@@ -177,11 +178,25 @@ def check_one_link(where: str, network: NetworkModel) -> None:
                      f"network.replace(links=1), or an all-reduce policy to use {network.links} links.")
 
 
-def simulate_fsdp(prob: Problem, arr: FsdpArrays, *, events: bool = True) -> SimResult:
+def simulate_fsdp(prob: Problem, arr: FsdpArrays, *, events: bool = True, micro_batches: int = 1) -> SimResult:
   """`simulate` of an FSDP schedule's arrays: calm, or one run per seeded sample (mean, p50, p99, the
-  median sample's timeline) with the calm run's memory peak.
+  median sample's timeline) with the calm run's memory peak; k micro-batches: calm (`accum_run`).
   """
   extra: dict[str, Any] = {}
+  k = micro_batches
+  if k > 1:
+    if prob.network.pressure is not None:
+      raise ValueError(f"simulate(): an FSDP plan of micro_batches={k} is simulated calm; pass the network "
+                       f"without its pressure (network.replace(pressure=None)).")
+    run = accum_run(prob, arr, k, spans=events)
+    ag, rs, _ = accum_counts(arr, k)
+    compute = k * (prob.forward_s + prob.backward_s) + arr.update_s
+    it = run.iteration_s
+    return SimResult(iteration_s=it, compute_s=compute, comm_s=run.comm_s, idle_s=max(it - compute, 0.0),
+                     network_busy=run.comm_s / it if it > 0 else 0.0, allreduces=k * len(arr.rep_bytes),
+                     reduce_scatters=rs, all_gathers=ag, cross_step=prob.cross_step,
+                     peak_memory_bytes=int(round(run.peak_memory_bytes)),
+                     events=tuple(_new_event(*sp) for sp in run.spans))
   run = fsdp_run(prob, arr, spans=events and prob.network.pressure is None)
   it, comm, peak = run.iteration_s, run.comm_s, run.peak_memory_bytes
   if prob.network.pressure is not None:

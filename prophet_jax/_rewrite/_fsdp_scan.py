@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from ._fsdp_trace import SplitVjp, rebind_casts, scan_parts, sub_fn, zero_like
-from ._fsdp_units import AG_SCOPE, REAG_SCOPE, RS_SCOPE, last, scatter
+from ._fsdp_trace import SplitVjp, rebind_casts, sub_fn, zero_like
+from ._fsdp_units import AG_SCOPE, REAG_SCOPE, RS_SCOPE, scatter
+from .._compiled._jaxcompat import scan_parts
 
 __all__ = ["Scan", "make_scan", "scan_forward", "scan_backward", "anchor_of"]
 
@@ -182,7 +183,8 @@ def scan_backward(step: Any, sc: Scan, runs: list, live: dict, tail: Any, anchor
   ct_consts = [zero_like(v.aval) if d and not isinstance(v, Literal) else None for v, d in zip(top[:nc], diff[:nc])]
   acc = [zero_like(jax.typeof(step.flat[i])) if kind == "shard" else zero_like(v.aval) if d else None
          for (kind, i), v, d in zip(sc.xs_slot, top[nc + ncar:], diff[nc + ncar:])]
-  token = step.token if step.token is not None else jnp.zeros((), jnp.float32)
+  zero = lambda t: jnp.zeros((), jnp.float32) if t is None else t  # noqa: E731
+  token = tuple(map(zero, step.token)) if isinstance(step.token, tuple) else zero(step.token)  # HSDP: two chains
   w = None if sc.runs[-1][2] else live.pop(sc.groups[-1])
   step.pending = [k for k in step.pending if k not in set(sc.units)]
 
@@ -203,15 +205,15 @@ def scan_backward(step: Any, sc: Scan, runs: list, live: dict, tail: Any, anchor
       else:
         ct_xs.append(c)
     ct_w = [c.astype(step.flat[i].dtype) for c, (kind, i) in zip(ct_xs, sc.xs_slot) if kind == "shard"]
-    out = scatter(ct_w, [step.plan.dim_of[i] - 1 for i in shard_leaves], step.axis, step.n, step.divisor,
-                  f"{RS_SCOPE}{unit}", step.layout, token)
+    out, token = scatter(ct_w, [step.plan.dim_of[i] - 1 for i in shard_leaves], step.axis, step.n, step.divisor,
+                         f"{RS_SCOPE}{unit}", step.layout, token, step.replicas, step.one_chain)
     it = iter(out)
     new_acc = []
     for (kind, _), c, st in zip(sc.xs_slot, ct_xs, acc):
       x = next(it) if kind == "shard" else c
       new_acc.append(st if st is None or x is None else
                      jax.lax.dynamic_update_index_in_dim(st, x.astype(st.dtype), k, 0))
-    return new_carry, ct_consts, new_acc, last(out)
+    return new_carry, ct_consts, new_acc, token
 
   for r in range(len(sc.runs) - 1, -1, -1):
     a, b, keep = sc.runs[r]

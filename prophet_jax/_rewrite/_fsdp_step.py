@@ -30,11 +30,11 @@ import numpy as np
 from jax.extend.core import Literal
 
 from . import _loss_reduction
-from ._axis import axis_size, to_varying, vma_enabled
+from ._axis import axis_size, is_varying, to_varying, vma_enabled
 from ._collectives import engine_divisor, reduce_units, tie
 from ._fsdp_scan import make_scan, scan_backward, scan_forward
 from ._fsdp_trace import SplitVjp, cut, flat_jaxpr, lazy, rebind_casts, reads, sub_fn
-from ._fsdp_units import AG_SCOPE, LAYOUTS, REAG_SCOPE, RS_SCOPE, gather, last, read_plan, scatter
+from ._fsdp_units import AG_SCOPE, LAYOUTS, REAG_SCOPE, RS_SCOPE, gather, last, read_plan, scatter, split_axes
 from .._compiled._jaxcompat import check_jaxpr_api
 from .._values._schedule import Chunk, Schedule
 from .._values._tree import path_str
@@ -55,8 +55,10 @@ def fsdp_grad(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: Any
       loss (the rest is returned as computed); a mean over its examples (`reduction="sum"`: a sum).
     schedule: an FSDP plan (`plan(profile, network, "fsdp", ...)`); a scanned stack planned per layer
       (rows `<prefix>/<k>/<rest>`: `GradientProfile.from_params(..., stacked=)`), each layer one gather group and
-      one unit; where it gathers a leaf in another dtype, the leaf's one reader casts it to that dtype.
-    axis_name: the data axis the parameters are sharded over.
+      one unit; where it gathers a leaf in another dtype, the leaf's one reader casts it to that dtype. A plan
+      of `micro_batches=k` splits each device's batch into k along its leading axis (`_accumulate`).
+    axis_name: the data axis the parameters are sharded over; HSDP: every axis of the plan's mesh (a tuple),
+      the parameters sharded over its shard axes, each reduced shard all-reduced over the others.
     reduction: "mean" or "sum" (`hooked`'s).
     gather_dtype: "auto": a sharded leaf whose only reader casts it to another float dtype (a bf16 model
       over f32 shards) is cast before its all-gather, which then moves the compute dtype's bytes; its
@@ -79,24 +81,69 @@ def fsdp_grad(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: Any
   if gather_dtype not in ("auto", None):
     raise ValueError(f"fsdp_grad(gather_dtype={gather_dtype!r}): expected 'auto' or None.")
 
+  split_axes(schedule, axis_name, "fsdp_grad")
+
   def grad_fn(params, batch):
-    return _Step(loss_fn, schedule, axis_name, reduction, gather_dtype == "auto", layout, params, batch).run()
+    step = lambda b: _Step(loss_fn, schedule, axis_name, reduction, gather_dtype == "auto", layout, params, b)  # noqa: E731
+    if getattr(schedule.fsdp, "micro_batches", 1) == 1:
+      return step(batch).run()
+    return _accumulate(step, schedule.fsdp, batch, reduction)
 
   return grad_fn
+
+
+def _accumulate(step: Callable[[Any], Any], f: Any, batch: Any, reduction: str) -> tuple[Any, Any]:
+  """k micro-batches (each device's batch split in k along every leaf's leading axis) in one step, as the plan
+  holds: each held group gathered by the first and read by all, each held unit's whole gradient summed and
+  reduce-scattered once after the last (docs/fsdp.md, "Accumulation"); the mean (or sum) over all examples."""
+  k = f.micro_batches
+  kp, tree = jax.tree_util.tree_flatten_with_path(batch)
+  for p, x in kp:
+    if np.ndim(x) == 0 or np.shape(x)[0] % k:
+      raise ValueError(f"fsdp_grad: the plan runs micro_batches={k}, but batch leaf {path_str(p)!r} has shape "
+                       f"{np.shape(x)} on each device; its leading axis must split into {k} equal micro-batches.")
+  hold = {g for g, h in enumerate(f.hold_params) if h}
+  later = {f.units[u] for u, h in enumerate(f.hold_grads) if h}
+  held, sums, acc, values, st = {}, {}, None, [], None
+  parts = [jnp.split(x, k) for _, x in kp]
+  real = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+  for m in range(k):    # each micro-batch after the last one's backward (its gradients), as the plan runs them
+    after = None if st is None else last([x for x in jax.tree.leaves((st.token, acc, sums)) if real(x)])
+    st = step(jax.tree_util.tree_unflatten(tree, [tie(x[m], after) for x in parts]))
+    value, g = st.run(hold, held, later, after)
+    mine = {i for c in later for i, _ in st.plan.units[c]}      # leaves of held units: from `scatter_later`
+    g = [None if i in mine else x for i, x in enumerate(st.treedef.flatten_up_to(g))]
+    held = {h: st.whole[h] for h in hold}
+    sums = {c: [a + b for a, b in zip(sums[c], x)] if c in sums else x for c, x in st.later_cts.items()}
+    acc = g if acc is None else [a + x if x is not None and real(x) else a for a, x in zip(acc, g)]
+    values.append(value)
+  once = st.treedef.flatten_up_to(st.scatter_later(sums))
+  grads = st.treedef.unflatten([once[i] if x is None else x for i, x in enumerate(acc)])
+  mean = (lambda x: x / k if jnp.issubdtype(x.dtype, jnp.inexact) else x) if reduction == "mean" else (lambda x: x)
+  leaves = [jnp.stack(xs) for xs in zip(*[jax.tree_util.tree_leaves(v) for v in values])]
+  leaves = [leaves[0].sum(0) if reduction == "sum" else leaves[0].mean(0)] + [
+      x.mean(0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[-1] for x in leaves[1:]]
+  return (jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(values[0]), leaves),
+          jax.tree.map(lambda x: mean(x).astype(x.dtype), grads))
 
 
 class _Step:
   """One trace of the FSDP step, made inside the shard_map (where the axis and the types are known)."""
 
   def __init__(self, loss_fn, schedule, axis_name, reduction, gather_cast, layout, params, batch):
-    self.axis, self.layout, self.reduction = axis_name, layout, reduction
-    self.n = n = axis_size(axis_name, "fsdp_grad")
+    self.layout, self.reduction, self.all_axes = layout, reduction, axis_name
+    self.axis, self.replicas = split_axes(schedule, axis_name, "fsdp_grad")   # the shard axes, HSDP's replica axes
+    self.one_chain = schedule.fsdp.in_flight == 1     # HSDP: each replica all-reduce before the next reduce-scatter
+    self.n = n = axis_size(self.axis, "fsdp_grad")
+    self.total = axis_size(axis_name, "fsdp_grad")
     kp, self.treedef = jax.tree_util.tree_flatten_with_path(params)
     self.flat = flat = [x for _, x in kp]
     self.plan = plan = read_plan(schedule, [path_str(p) for p, _ in kp], [np.shape(x) for x in flat], n)
-    self.divisor = engine_divisor(_loss_reduction.divisor(reduction, n))[0]
-    vma = vma_enabled(axis_name)
-    self.local = [to_varying(x, axis_name) if vma and i not in plan.dim_of else x for i, x in enumerate(flat)]
+    self.divisor = engine_divisor(_loss_reduction.divisor(reduction, self.total))[0]
+    self.vma = vma = vma_enabled(axis_name)
+    # HSDP: the gathered leaves vary over the replica axes, so that autodiff never sums them over those (F7)
+    self.local = [to_varying(x, axis_name) if vma and i not in plan.dim_of else self._varying(x) for i, x in
+                  enumerate(flat)]
     b_flat, b_tree = jax.tree_util.tree_flatten(batch)
     out_tree: dict = {}
 
@@ -184,9 +231,15 @@ class _Step:
     slots = self.plan.groups[g]
     if shards is None:
       shards = [self.flat[i] if k is None else self.flat[i][k] for i, k in slots]
-    shards = [x.astype(self.cast[i]) if i in self.cast else x for (i, _), x in zip(slots, shards)]
+    shards = [self._varying(x.astype(self.cast[i]) if i in self.cast else x) for (i, _), x in zip(slots, shards)]
+    if getattr(self, "after", None) is not None:    # a later micro-batch's: never the same value as an earlier one's
+      after = last([after, self.after])
     return gather(shards, [self.plan.dim_of[i] - (k is not None) for i, k in slots], self.axis, self.n,
                   f"{scope}{g}", self.layout, after)
+
+  def _varying(self, x: Any) -> Any:
+    """A sharded leaf's value made varying over HSDP's replica axes (under shard_map's varying checks)."""
+    return to_varying(x, self.replicas) if self.vma and self.replicas and not is_varying(x, self.replicas) else x
 
   def value(self, v: Any, live: dict) -> Any:
     """What backward can read again of a value: a constant, a parameter, the batch, a live gathered leaf
@@ -215,8 +268,16 @@ class _Step:
 
   # ---------------- forward
 
-  def run(self):
+  def run(self, hold=(), held=None, later=(), after=None):
+    """The step (forward, then `_backward`); accumulating (`_accumulate`): `hold` the groups kept to the end
+    (and in `self.whole`), `held` those gathered by an earlier micro-batch, `later` the units whose whole
+    gradient is left in `self.later_cts` unscattered, `after` what the first gathers wait for."""
     plan, pieces, d = self.plan, self.pieces, self.plan.prefetch
+    self.hold, self.later, self.later_cts, self.after, held = set(hold), set(later), {}, after, held or {}
+    self.token = (after, after) if self.replicas else after     # HSDP: the reduce-scatters' and all-reduces' chains
+    if any(set(sc.groups) & self.hold or set(sc.units) & self.later for sc in self.scans.values()):
+      raise ValueError("fsdp_grad: the plan holds a scanned stack's layer across micro-batches; the step "
+                       "gathers and reduce-scatters a stack inside its loop each micro-batch. Plan it again.")
     needs_at: dict[int, list[int]] = {}
     for g, s in self.first_piece.items():
       needs_at.setdefault(s, []).append(g)
@@ -228,9 +289,10 @@ class _Step:
       issue.setdefault(steps[j - d] if j >= d else -1, []).extend(needs_at[s])
     waits = {steps[j]: needs_at[steps[j - 1 + d]] for j in range(1, len(steps) - d + 1)
              if d > 1 and steps[j] not in self.scans}
-    env, whole, kept, saved = dict(self.static), {}, {}, [None] * len(pieces)
+    issue = {s: [g for g in gs if g not in held] for s, gs in issue.items()}
+    env, whole, kept, saved = dict(self.static), dict(held), {}, [None] * len(pieces)
     for g in issue.get(-1, ()):
-      whole[g] = self.gather(g, AG_SCOPE, None)
+      whole[g] = self.gather(g, AG_SCOPE, after)
     for s, p in enumerate(pieces):
       x = max((v for v in p.ins if v in self.defined and v in env), key=self.defined.get, default=None)
       if s in self.scans:
@@ -247,7 +309,8 @@ class _Step:
           env[x] = tie(env[x], last([w for g in waits[s] for w in whole.get(g, ())]))
         outs, saved[s] = self.vjps[s].forward([env[v] for v in p.ins])
       env.update(zip(p.outs, outs))
-      kept.update({g: w for g, w in whole.items() if plan.keep[g]})
+      kept.update({g: w for g, w in whole.items() if plan.keep[g] or g in self.hold})
+    self.whole = {g: w for g, w in whole.items() if g in self.hold}
     values = [v.val if isinstance(v, Literal) else env[v] for v in self.jx.outvars]
     grads = self._backward(saved, kept, values[0])
     return jax.tree_util.tree_unflatten(self.out_tree, values), jax.tree_util.tree_unflatten(self.treedef, grads)
@@ -261,11 +324,11 @@ class _Step:
   def _backward(self, saved, kept, loss):
     plan, pieces = self.plan, self.pieces
     self.ct, self.ct_leaf, self.rep_parts, self.stack_parts = {self.jx.outvars[0]: jnp.ones_like(loss)}, {}, {}, {}
-    self.token, self.pending = None, sorted({*plan.units, *plan.replicated})
+    self.pending = sorted({*plan.units, *plan.replicated})
     self.done = {sl for sl in plan.slot_of if sl[0] not in self.first}
     bneeds: dict[int, list[int]] = {}
     for g, s in self.last_piece.items():
-      if not plan.keep[g]:
+      if not (plan.keep[g] or g in self.hold):
         bneeds.setdefault(s, []).append(g)
     for s, sc in self.scans.items():
       if not sc.runs[-1][2]:
@@ -308,19 +371,35 @@ class _Step:
       if not all(sl in self.done for sl in slots):
         return
       self.pending.pop(0)
+      if k in self.later:
+        self.later_cts[k] = [self._ct_slot(sl) for sl in slots]
+        continue
       if k in plan.units:
-        out = scatter([self._ct_slot(sl) for sl in slots], [plan.dim_of[i] - (j is not None) for i, j in slots],
-                      self.axis, self.n, self.divisor, f"{RS_SCOPE}{k}", self.layout, self.token)
+        out, self.token = scatter([self._ct_slot(sl) for sl in slots], [plan.dim_of[i] - (j is not None)
+                                  for i, j in slots], self.axis, self.n, self.divisor, f"{RS_SCOPE}{k}", self.layout,
+                                  self.token, self.replicas, self.one_chain)
         self.rep_parts.update({sl: [(0, x)] for sl, x in zip(slots, out)})
-        self.token = last(out)
         continue
       c = plan.replicated[k]
       parts = [self._ct_slot(plan.slot_of[r]).reshape(-1)[a:b] for r, a, b in c.slices]
       one = Chunk(slices=tuple((j, 0, b - a) for j, (_, a, b) in enumerate(c.slices)), dtype=c.dtype)
-      red, self.token, _ = reduce_units(parts, [one], tuple(range(len(parts))), self.axis, first_index=k,
-                                        divisor=_loss_reduction.divisor(self.reduction, self.n), prev=self.token)
+      prev = self.token[1] if self.replicas else self.token    # HSDP: on the replica all-reduces' chain
+      red, tok, _ = reduce_units(parts, [one], tuple(range(len(parts))), self.all_axes, first_index=k,
+                                 divisor=_loss_reduction.divisor(self.reduction, self.total), prev=prev)
+      self.token = (self.token[0], tok) if self.replicas else tok
       for (r, a, _), x in zip(c.slices, red):
         self.rep_parts.setdefault(plan.slot_of[r], []).append((a, x))
+
+  def scatter_later(self, sums: dict) -> list:
+    """The gradients (laid out as `_assemble`'s, zeros elsewhere) of the units in `sums` (chunk -> their whole
+    gradients summed over the micro-batches), each reduce-scattered once in chunk order after this step's."""
+    self.rep_parts, self.stack_parts = {}, {}
+    for k in sorted(sums):
+      slots = self.plan.units[k]
+      out, self.token = scatter(sums[k], [self.plan.dim_of[i] for i, _ in slots], self.axis, self.n, self.divisor,
+                                f"{RS_SCOPE}{k}", self.layout, self.token, self.replicas, self.one_chain)
+      self.rep_parts.update({sl: [(0, x)] for sl, x in zip(slots, out)})
+    return jax.tree_util.tree_unflatten(self.treedef, self._assemble())
 
   def _ct_slot(self, slot):
     """A slot's whole gradient on this device (unreduced) in its leaf's dtype; zeros if it has none."""

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DebugInfo, Literal, Var, jaxpr_as_fun
 
-__all__ = ["flat_jaxpr", "reads", "sub_fn", "dce", "depends_on", "scan_parts", "zero_like", "SplitVjp", "Piece",
+__all__ = ["flat_jaxpr", "reads", "sub_fn", "dce", "depends_on", "zero_like", "SplitVjp", "Piece",
            "lazy", "cut", "rebind_casts"]
 
 _INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
@@ -135,16 +135,6 @@ def zero_like(aval: Any) -> Any:
   z = jnp.zeros(aval.shape, aval.dtype)
   vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None) or getattr(aval, "vma", ())
   return jax.lax.pcast(z, tuple(vma), to="varying") if vma else z
-
-
-def scan_parts(eqn: Any) -> tuple[int, int]:
-  """(consts, carries) of a scan equation's operands (jax 0.10: `num_consts`/`num_carry`; 0.12: the
-  `ft_in` tree of (consts, carry, xs))."""
-  p = eqn.params
-  if "num_consts" in p:
-    return int(p["num_consts"]), int(p["num_carry"])
-  consts, carry, _ = p["ft_in"].update(list(range(len(eqn.invars)))).unpack()
-  return len(list(consts)), len(list(carry))
 
 
 class SplitVjp:

@@ -11,7 +11,8 @@ copy of the group, and a transpose for a leaf split on another dimension than 0)
 collective per leaf under the group's combiner key, which XLA:GPU joins up to its combine threshold
 (30 MiB by default) and XLA:CPU never joins (docs/design.md, "FSDP in the user's step: the mechanism",
 says why packed is the default). Every collective is tied to the value it must follow (`_collectives.tie`)
-and carries the group's or unit's XLA combiner key, so XLA:GPU never joins two of them.
+and carries the group's or unit's XLA combiner key, so XLA:GPU never joins two of them. On an HSDP mesh
+(`split_axes`) each reduced shard is then all-reduced over the replica axes (`AR_SCOPE`).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from ._collectives import tie
 from .._values._schedule import Chunk, Schedule
 from .._values._tree import row_slots
 
-__all__ = ["Slot", "Plan", "read_plan", "gather", "scatter", "last", "LAYOUTS", "AG_SCOPE", "REAG_SCOPE",
-           "RS_SCOPE"]
+__all__ = ["Slot", "Plan", "read_plan", "split_axes", "gather", "scatter", "last", "LAYOUTS", "AG_SCOPE",
+           "REAG_SCOPE", "RS_SCOPE", "AR_SCOPE"]
 
 LAYOUTS = ("packed", "leaf")
 AG_SCOPE = "prophet/fsdp/ag"       # + gather group g: its forward all-gather (the named scope and combiner key)
 REAG_SCOPE = "prophet/fsdp/reag"   # + g: its all-gather again in backward
 RS_SCOPE = "prophet/fsdp/rs"       # + chunk k: a unit's reduce-scatter
+AR_SCOPE = "prophet/fsdp/ar"       # + chunk k: HSDP: the unit's reduced shard all-reduced over the replica axes
 Slot = tuple[int, "int | None"]
 
 
@@ -86,6 +88,24 @@ def read_plan(schedule: Schedule, paths: Sequence[str], shapes: Sequence[tuple[i
   return Plan(tuple(slots), dim_of, groups, f.keep, units, replicated, f.prefetch, f.backward_prefetch, gather_dtype)
 
 
+def split_axes(schedule: Schedule, axis_name: Any, where: str) -> tuple[Any, tuple[str, ...]]:
+  """(the axis or axes the plan shards over, the replica axes) of an FSDP plan run over `axis_name` (an
+  axis or a tuple: every axis of the plan's mesh); ValueError naming the axes otherwise."""
+  f = schedule.fsdp
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  replicas = tuple(a for a in axes if a not in f.shard_axes)   # any order; the shard axes in the plan's
+  if set(axes) != {a for a, _ in f.mesh} or len(set(axes)) != len(axes) or (
+      not replicas and axes != tuple(f.shard_axes)):
+    replicas = [a for a, _ in f.mesh if a not in f.shard_axes]
+    want = tuple(a for a, _ in f.mesh) if replicas else f.shard_axes[0] if len(f.shard_axes) == 1 else f.shard_axes
+    raise ValueError(f"{where}(axis_name={axis_name!r}): the FSDP plan shards the parameters over "
+                     f"{tuple(f.shard_axes)}" + (f" and replicates them over {tuple(replicas)} (HSDP)" if replicas
+                                                 else "") + f" on the mesh {dict(f.mesh)}; pass axis_name={want!r}.")
+  if not replicas:
+    return axis_name, ()
+  return (f.shard_axes[0] if len(f.shard_axes) == 1 else tuple(f.shard_axes)), replicas
+
+
 def _key(name: str) -> Any:
   # jax.experimental loads when a step traces, not when prophet_jax imports
   from jax.experimental.xla_metadata import set_xla_metadata
@@ -109,21 +129,36 @@ def gather(shards: Sequence[Any], dims: Sequence[int], axis_name: Any, n: int, s
 
 
 def scatter(cts: Sequence[Any], dims: Sequence[int], axis_name: Any, n: int, divisor: Any, scope: str,
-            layout: str, after: Any) -> list:
+            layout: str, after: Any, replicas: tuple[str, ...] = (), one_chain: bool = False) -> tuple[list, Any]:
   """This device's shard of the sum over the axis of each of `cts` (whole leaves, split on `dims`),
   divided by `divisor` (None: the sum): one reduce-scatter (`packed`) or one per leaf (`leaf`), tied to
-  `after`, under `jax.named_scope(scope)` and the combiner key `scope`."""
+  `after`, under `jax.named_scope(scope)` and the combiner key `scope`. With `replicas` (HSDP) the
+  shards are then all-reduced over those axes under `AR_SCOPE` + k, and `after` is a pair of chains
+  (the reduce-scatters', the all-reduces'); `one_chain` (a plan for one collective in flight) ties the next
+  reduce-scatter to this all-reduce, as the plan runs them. Returns (the shards, the chain(s) after them)."""
   moved = [jnp.moveaxis(c, d, 0) for c, d in zip(cts, dims)]
+  rs_after, ar_after = after if replicas else (after, None)
+
+  def shards(red):
+    if layout != "leaf":
+      offs = np.cumsum([0] + [m.size // n for m in moved])
+      red = [red[0][a:b].reshape((m.shape[0] // n,) + m.shape[1:]) for m, a, b in zip(moved, offs, offs[1:])]
+    return [x if divisor is None else x / jnp.asarray(divisor, x.dtype) for x in red]
+
   with jax.named_scope(scope), _key(scope):
     if layout == "leaf":
-      out = [jax.lax.psum_scatter(tie(m, after), axis_name, scatter_dimension=0, tiled=True) for m in moved]
+      red = [jax.lax.psum_scatter(tie(m, rs_after), axis_name, scatter_dimension=0, tiled=True) for m in moved]
     else:
       buf = jnp.concatenate([m.reshape(n, -1) for m in moved], axis=1).reshape(-1)
-      red = jax.lax.psum_scatter(tie(buf, after), axis_name, scatter_dimension=0, tiled=True)
-      offs = np.cumsum([0] + [m.size // n for m in moved])
-      out = [red[a:b].reshape((m.shape[0] // n,) + m.shape[1:]) for m, a, b in zip(moved, offs, offs[1:])]
-    out = [x if divisor is None else x / jnp.asarray(divisor, x.dtype) for x in out]
-  return [jnp.moveaxis(x, 0, d) for x, d in zip(out, dims)]
+      red = [jax.lax.psum_scatter(tie(buf, rs_after), axis_name, scatter_dimension=0, tiled=True)]
+    if not replicas:
+      out = [jnp.moveaxis(x, 0, d) for x, d in zip(shards(red), dims)]
+      return out, last(out)
+  ar_scope = AR_SCOPE + scope[len(RS_SCOPE):]
+  with jax.named_scope(ar_scope), _key(ar_scope):  # the shard, not the whole gradient, crosses the replicas (F7)
+    out = shards([jax.lax.psum(tie(x, ar_after), replicas) for x in red])
+  out = [jnp.moveaxis(x, 0, d) for x, d in zip(out, dims)]
+  return out, ((last(out) if one_chain else last(red)), last(out))
 
 
 def last(xs: Sequence[Any]) -> Any:

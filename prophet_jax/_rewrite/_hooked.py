@@ -28,6 +28,7 @@ from ._axis import is_varying, to_varying
 from ._collectives import reduce_units, schedule_units, unit_allreduces, zero_of
 from ._sharded import reduce_scatter_chunks
 from ._fsdp_step import fsdp_grad
+from ._fsdp_units import split_axes
 from ._defer import GroupState, deferred_grads, group_states, init as defer_init, with_groups
 from ._keys import check_enforce_order, ordered_by
 from ._reduction import step_setup
@@ -280,7 +281,7 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
     loss_fn: `loss_fn(params, batch) -> loss` (`(loss, aux)` with `has_aux`; `loss_fn(params,
       model_state, batch) -> (loss, new_model_state)` with `has_state`; both: `(loss, (state, aux))`).
     schedule: the Schedule to carry out; its rows are the params' floating leaves (minus `in_loop`).
-    axis_name: the data-parallel axis (or a tuple of axes).
+    axis_name: the data-parallel axis (or a tuple of axes; an HSDP plan: its mesh's axes).
     has_aux: `loss_fn` returns `(loss, aux)`; `grad_fn` returns `((loss, aux), grads)`.
     has_state: `loss_fn` takes and returns a model state after the params.
     in_loop: path prefixes of params reduced inside a scanned body by `loop_hook`.
@@ -293,8 +294,9 @@ def hooked(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: str | 
     `grad_fn`; with `mesh`, a `MeshGradFn` on global arrays (`defer_state()`, `deferred_grads`).
 
   Raises:
-    TypeError, ValueError: bad arguments; what an FSDP plan's step does not carry out (HSDP, another
-      axis, `in_loop`); with `mesh`, inputs placed otherwise than the plan says (the leaf is named).
+    TypeError, ValueError: bad arguments; what an FSDP plan's step does not carry out (axes other than
+      the plan's, `in_loop`, HSDP shard axes spanning nodes); with `mesh`, inputs placed otherwise than the
+      plan says (the leaf is named).
     UnboundAxisError, ScheduleMismatchError: at trace time (another plan's state: `convert_state`).
 
   Example:
@@ -439,16 +441,8 @@ def _fsdp_grad_fn(loss_fn: Callable[..., Any], schedule: Schedule, axis_name: An
 
 
 def _check_fsdp(schedule: Schedule, axis_name: Any, in_loop: tuple[str, ...]) -> None:
-  """ValueError for what an FSDP plan's step does not carry out yet, naming the fix."""
-  f, axes = schedule.fsdp, tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  replicas = tuple(a for a, _ in f.mesh if a not in f.shard_axes)
-  if replicas:
-    raise ValueError(f"hooked: the FSDP plan is an HSDP plan (shards over {f.shard_axes}, replicas over "
-                     f"{replicas}), which the step does not carry out yet: plan it on the shard axes alone "
-                     f"(GradientProfile.from_params(..., mesh={{...}}) with only {f.shard_axes}).")
-  if axes != tuple(f.shard_axes):
-    raise ValueError(f"hooked(axis_name={axis_name!r}): the FSDP plan shards the parameters over "
-                     f"{tuple(f.shard_axes)}; pass that axis: axis_name={f.shard_axes[0]!r}.")
+  """ValueError for what an FSDP plan's step does not carry out, naming the fix."""
+  split_axes(schedule, axis_name, "hooked")
   if in_loop:
     raise ValueError(f"hooked(in_loop={in_loop!r}) with an FSDP plan: its step gathers and reduce-scatters a "
                      f"scanned stack's layers inside the loop itself (plan the stack per layer); drop in_loop.")

@@ -24,7 +24,7 @@ from . import _loss_reduction, _states
 from ._pending import check_state
 from ._placement import (check_batch, check_model_state, check_not_mapped, check_placed, explicit_axes, known_spec,
                          named_leaves, spec_axes, spec_entry)
-from .._compiled._devices import axis_total, check_mesh, data_axes, data_devices, mesh_axis_names
+from .._compiled._devices import axis_total, check_in_node, check_mesh, data_axes, data_devices, mesh_axis_names
 from .._values._errors import AlreadyReducedError
 from .._values._schedule import Schedule
 from .._values._tree import is_reduced_leaf
@@ -59,6 +59,9 @@ class Placement:
                reduction: str = "mean"):
     self.axes = check_mesh(mesh, axis_name, where)
     self.mesh, self.axis_name, self.where, self.schedule, self.reduction = mesh, axis_name, where, schedule, reduction
+    shard = schedule.fsdp.shard_axes if schedule is not None and schedule.fsdp is not None else self.axes
+    if set(self.axes) > set(shard):   # HSDP: each shard group inside one node
+      check_in_node(mesh, shard, where)
     self.entry = spec_entry(self.axes)
     self.n = axis_total(mesh, self.axes)
 

@@ -375,10 +375,14 @@ def prefix_specs(cls: type, axis_name: Any) -> Any:
 def param_specs(params: Any, schedule: Any, axis_name: Any) -> Any:
   """The parameters' PartitionSpecs, the rule for every family: each leaf as the plan places it
   (`Schedule.placement`: split over `axis_name` on its dimension, or replicated), leaves no row covers
-  replicated. Today's all-reduce and ZeRO-1 plans replicate every parameter."""
+  replicated. Today's all-reduce and ZeRO-1 plans replicate every parameter; an HSDP plan run over its
+  mesh's axes splits over its shard axes alone."""
   P = PartitionSpec
   if all(d is None for d in schedule.placement):
     return jax.tree_util.tree_map(lambda _: P(), params)
+  shard = schedule.fsdp.shard_axes if schedule.fsdp is not None else ()
+  if isinstance(axis_name, tuple) and set(axis_name) > set(shard):
+    axis_name = shard[0] if len(shard) == 1 else tuple(shard)
   kp, treedef = jax.tree_util.tree_flatten_with_path(params)
   dims: dict[int, int] = {}   # leaf -> its split dimension (a scanned stack's one past its layers' axis)
   for slot, d in zip(row_slots(schedule.rows, [path_str(p) for p, _ in kp], [np.ndim(x) for _, x in kp]),

@@ -120,6 +120,11 @@ def per_device(tx: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True
   Returns:
     A `PerDevice`.
   """
+  if every_k > 1 and getattr(schedule, "fsdp", None) is not None:
+    raise ValueError(f"{where}: every_k={every_k} with an FSDP plan (policy {schedule.policy!r}): its step accumulates "
+                     f"inside one step instead: plan(profile, network, 'fsdp', micro_batches={every_k}, ...) and "
+                     f"grad_fn = prophet_jax.hooked(loss_fn, schedule, axis_name=..., mesh=mesh), which runs each "
+                     f"batch as {every_k} micro-batches (docs/usage.md, 'FSDP in your step').")
   if reduction_kind(schedule, where) == "zero1":
     if every_k > 1:
       raise ValueError(

@@ -304,6 +304,9 @@ class Schedule(JsonValue):
       lines[0] = (f"{head}, FSDP on {dict(f.mesh)} (shards over {', '.join(f.shard_axes)}): {n_g} all-gathers "
                   f"in forward (prefetch {f.prefetch}), {n_g - sum(f.keep)} again in backward, {len(f.units)} "
                   f"reduce-scatters, {len(self.chunks) - len(f.units)} all-reduces of replicated leaves")
+      if f.micro_batches > 1:
+        lines[0] += (f"; {f.micro_batches} micro-batches per step ({sum(f.hold_params)} groups gathered once and held, "
+                     f"{sum(f.hold_grads)} units reduce-scattered once)")
     if self.defers:
       groups = [b for b in self.buckets if b.defer]
       lines[0] += (f"; {len(groups)} deferral groups defer {sum(b.defer for b in groups)} of "

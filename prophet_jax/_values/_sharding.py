@@ -33,6 +33,11 @@ class FsdpPlan(Placed):
       overlap limit), or None: no limit (plans made before the option).
     gather_dtypes: () (every leaf gathered in its dtype) or per schedule row the dtype it is all-gathered
       in (None: its own); a unit is reduce-scattered in its rows' dtype.
+    micro_batches: the micro-batches k one step runs (docs/fsdp.md, "Accumulation").
+    hold_params: () or per all-gather group: gather once and hold across the k micro-batches (True), or
+      gather each micro-batch as `keep` says (False).
+    hold_grads: () or per unit: hold its whole gradient and reduce-scatter once (True), or reduce-scatter
+      each micro-batch into a shard accumulator (False).
   """
 
   units: tuple[int, ...]
@@ -46,6 +51,9 @@ class FsdpPlan(Placed):
   gathers: tuple[tuple[int, ...], ...] = ()
   in_flight: int | None = None
   gather_dtypes: tuple[str | None, ...] = ()
+  micro_batches: int = 1
+  hold_params: tuple[bool, ...] = ()
+  hold_grads: tuple[bool, ...] = ()
 
   def __post_init__(self):
     g = self.gathers
@@ -70,7 +78,12 @@ class FsdpPlan(Placed):
       raise ScheduleError(f"FsdpPlan has keep={self.keep!r}; expected one True/False per "
                           f"{'all-gather group' if self.gathers else 'unit'} ({n_keep}).")
     object.__setattr__(self, "keep", tuple(bool(k) for k in self.keep))
-    for name in ("prefetch", "backward_prefetch", "in_flight"):
+    for name, n in (("hold_params", n_keep), ("hold_grads", len(self.units))):
+      v = getattr(self, name)
+      if isinstance(v, (str, bytes, Mapping)) or len(v) not in (0, n) or not all(map(is_bool, v)):
+        raise ScheduleError(f"FsdpPlan has {name}={v!r:.80}; expected [] or {n} True/False.")
+      object.__setattr__(self, name, tuple(bool(x) for x in v))
+    for name in ("prefetch", "backward_prefetch", "in_flight", "micro_batches"):
       v = getattr(self, name)
       if name == "in_flight" and v is None:
         continue
@@ -105,7 +118,9 @@ class FsdpPlan(Placed):
             "memory_budget_bytes": self.memory_budget_bytes} | (
                 {"gathers": [list(x) for x in self.gathers]} if self.gathers else {}) | (
                 {"in_flight": self.in_flight} if self.in_flight is not None else {}) | (
-                {"gather_dtypes": list(self.gather_dtypes)} if self.gather_dtypes else {})
+                {"gather_dtypes": list(self.gather_dtypes)} if self.gather_dtypes else {}) | (
+                {"micro_batches": self.micro_batches, "hold_params": list(self.hold_params),
+                 "hold_grads": list(self.hold_grads)} if self.micro_batches > 1 else {})
 
   @classmethod
   def from_dict(cls, obj: Any) -> FsdpPlan:

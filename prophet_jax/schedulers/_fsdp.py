@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._planning._core import Problem, problem
+from .._planning._fsdp_accum import accum_run
 from .._planning._fsdp import (BackwardOrder, FsdpArrays, backward_order, fsdp_arrays, fsdp_run, gather_nbytes,
                                unit_costs)
 from .._planning._fsdp_bound import backward_chain, forward_blocks
@@ -35,7 +36,7 @@ _GRID = 128                  # `_split`'s blocks end at no more than this many p
 
 
 def fsdp(*, memory_budget_bytes: int | None = None, bucket_bytes: int | None = None,
-         prefetch: int | None = None, in_flight: int = 1) -> Scheduler:
+         prefetch: int | None = None, in_flight: int = 1, micro_batches: int = 1) -> Scheduler:
   """FSDP / HSDP: forward all-gathers with planned prefetch, keep or re-gather under a memory budget,
   reduce-scatters in backward, replicated leaves all-reduced (docs/fsdp.md, "The plan").
 
@@ -48,6 +49,8 @@ def fsdp(*, memory_budget_bytes: int | None = None, bucket_bytes: int | None = N
     prefetch: None: planned; an integer from 1 to `in_flight`: that forward prefetch depth.
     in_flight: the collectives XLA:GPU keeps in flight (1, its default; more only where the step is
       compiled with `xla_gpu_experimental_parallel_collective_overlap_limit` set that high).
+    micro_batches: k micro-batches per step, each as the profile measured (its forward and backward):
+      per group and unit, hold across the k or not (docs/fsdp.md, "Accumulation"; calm networks only).
 
   Returns:
     A Scheduler; options record the arguments, `candidate` and `peak_memory_bytes`.
@@ -79,15 +82,22 @@ def fsdp(*, memory_budget_bytes: int | None = None, bucket_bytes: int | None = N
     raise ValueError(f"fsdp(prefetch={prefetch!r}): a prefetch depth is an integer from 1 to in_flight={in_flight} "
                      f"(or None: planned); XLA:GPU runs a deeper prefetch as depth in_flight. For depth 2, compile "
                      f"the step with xla_gpu_experimental_parallel_collective_overlap_limit=2 and pass in_flight=2.")
+  if not is_int(micro_batches) or micro_batches < 1:
+    raise ValueError(f"fsdp(micro_batches={micro_batches!r}): the micro-batches one step runs, an integer >= 1.")
   options = {"memory_budget_bytes": budget, "bucket_bytes": bucket, "prefetch": prefetch, "in_flight": in_flight}
+  if micro_batches > 1:
+    options["micro_batches"] = micro_batches
 
   def scheduler(profile: GradientProfile, network: NetworkModel, *, cross_step: bool = False) -> Schedule:
     cross = check_inputs(_POLICY, profile, network, cross_step)
     prob = problem(profile, network, cross_step=cross)
     best = plan_fsdp(prob, budget, bucket, prefetch, in_flight)
+    if micro_batches > 1:
+      plan_holds(prob, best, micro_batches, budget)
     return fsdp_schedule(profile, best, options=dict(options, candidate=best.label,
                                                      peak_memory_bytes=int(round(best.peak))),
-                         cross_step=cross, budget=budget, predicted_s=prediction(prob, best))
+                         cross_step=cross, budget=budget,
+                         predicted_s=best.iteration if micro_batches > 1 else prediction(prob, best))
 
   scheduler.__name__ = _POLICY
   scheduler.__qualname__ = _POLICY
@@ -98,7 +108,7 @@ class Plan:
   """One FSDP candidate: chunks, units, keeps and depths, with its simulated iteration and peak."""
 
   __slots__ = ("label", "chunks", "units", "keep", "prefetch", "backward_prefetch", "iteration", "peak", "gathers",
-               "in_flight")
+               "in_flight", "accum")
 
   def __init__(self, label, chunks, units, keep, prefetch, backward_prefetch, iteration, peak, gathers=None,
                in_flight=1):
@@ -106,6 +116,7 @@ class Plan:
     self.prefetch, self.backward_prefetch, self.iteration, self.peak = prefetch, backward_prefetch, iteration, peak
     self.gathers = gathers          # the all-gather groups (rows), apart from the units; None: the units
     self.in_flight = in_flight
+    self.accum = None               # (k, hold_params, hold_grads) of an accumulating step (`plan_holds`)
 
 
 def check_fsdp_inputs(prob: Problem) -> tuple[int, int]:
@@ -181,7 +192,7 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
     for tail in (tails if n == 0 else (tails[0],)):
       chunks, unit_idx = _chunks(rows_, units, tail=tail)
       base = fsdp_arrays(prob, chunks, unit_idx, [True] * len(gathers or units), depths[0], 1, s, r, gathers,
-                         order_of=bo)
+                         order_of=bo, in_flight=in_flight)
       structs.append(_Set(label + (",replicated-at-end" if tail else ""), chunks, unit_idx, base, gathers))
       keeps.append(_Keeps(prob, base, depths[0], budget, dbs))
     if n == 0 and len(tails) > 1:          # the replicated leaves' grouping: the lower bound's
@@ -217,6 +228,35 @@ def plan_fsdp(prob: Problem, budget: int | None, bucket: int | None = None, pref
                      f"{int(smallest or 0)} bytes per device. Raise the budget, or shard over more devices.")
   best.in_flight = in_flight
   return best
+
+
+def plan_holds(prob: Problem, best: Plan, k: int, budget: int | None) -> None:
+  """Sets `best.accum` for k micro-batches, and its iteration and peak: greedy by collective bytes saved per
+  byte held, each group (held: k - 1 gathers fewer, and its k re-gathers) or unit (held: k - 1 reduce-scatters
+  fewer) held while the simulated peak fits the budget; scanned stacks never held (docs/fsdp.md,
+  "Accumulation")."""
+  if prob.network.pressure is not None:
+    raise ValueError(f"fsdp(micro_batches={k}): an accumulating plan is made on a calm network; pass the "
+                     f"network without its pressure (network.replace(pressure=None)).")
+  rows, stacks = prob.profile.rows, tuple(p + "/" for p in prob.profile.stacks)
+  arr = fsdp_arrays(prob, best.chunks, best.units, best.keep, best.prefetch, best.backward_prefetch,
+                    prob.profile.shard_count, prob.profile.replica_count, best.gathers)
+  free = lambda rs: not any(rows[i].path.startswith(stacks) for i in rs) if stacks else True  # noqa: E731
+  groups = best.gathers or [[i for i, _, _ in best.chunks[c]] for c in best.units]
+  cands = [((k - 1) + k * (arr.reads[g] and not arr.keep[g]), arr.unit_bytes[g], 0, g)
+           for g in range(len(groups)) if free(groups[g])]
+  cands += [(k - 1, arr.rs_bytes[u], 1, u) for u, c in enumerate(best.units) if free([i for i, _, _ in best.chunks[c]])]
+  held = [[False] * len(arr.unit_bytes), [False] * len(arr.rs_bytes)]
+  for _, nb, kind, i in sorted(cands, key=lambda c: (-c[0], -c[1])):
+    held[kind][i] = True
+    if budget is not None:
+      offset = sum(b for b, h in zip(arr.unit_bytes + arr.rs_bytes, held[0] + held[1]) if h)
+      if offset > budget or accum_run(prob, arr._replace(held=tuple(held[0]), rs_held=tuple(held[1])),
+                                      k).peak_memory_bytes > budget:
+        held[kind][i] = False
+  run = accum_run(prob, arr._replace(held=tuple(held[0]), rs_held=tuple(held[1])), k)
+  best.accum = (k, tuple(held[0]), tuple(held[1]))
+  best.iteration, best.peak = run.iteration_s, run.peak_memory_bytes
 
 
 class _Set(NamedTuple):
@@ -522,7 +562,7 @@ def prediction(prob: Problem, p: Plan) -> float:
     return p.iteration
   s, r = prob.profile.shard_count, prob.profile.replica_count
   return simulate_fsdp(prob, fsdp_arrays(prob, p.chunks, p.units, p.keep, p.prefetch, p.backward_prefetch, s, r,
-                                         p.gathers), events=False).iteration_s
+                                         p.gathers, in_flight=p.in_flight), events=False).iteration_s
 
 
 def fsdp_schedule(profile: GradientProfile, best: Plan, *, options: dict[str, Any], cross_step: bool,
@@ -534,7 +574,8 @@ def fsdp_schedule(profile: GradientProfile, best: Plan, *, options: dict[str, An
                   backward_prefetch=best.backward_prefetch, shard_dims=tuple(r.shard_dim for r in rows),
                   mesh=profile.mesh, shard_axes=profile.shard_axes, memory_budget_bytes=budget,
                   gathers=tuple(map(tuple, best.gathers or ())), in_flight=best.in_flight,
-                  gather_dtypes=tuple(r.gather_dtype for r in rows) if any(r.gather_dtype for r in rows) else ())
+                  gather_dtypes=tuple(r.gather_dtype for r in rows) if any(r.gather_dtype for r in rows) else (),
+                  **({} if best.accum is None else dict(zip(("micro_batches", "hold_params", "hold_grads"), best.accum))))
   return Schedule(buckets=buckets, rows=profile.tree_rows(), policy=policy, options=tuple(options.items()),
                   cross_step=bool(cross_step), predicted_s=best.iteration if predicted_s is None else predicted_s,
                   fsdp=plan)
