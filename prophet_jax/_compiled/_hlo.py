@@ -47,8 +47,22 @@ def shape_bytes(shape: str) -> int:
   return (bits + 7) // 8
 
 
+class Shaped:
+  """What a value with an HLO `shape` says of it: its elements, and each array's (one per operand of a tuple)."""
+
+  __slots__ = ()
+
+  @property
+  def elements(self) -> int:
+    return shape_elements(self.shape)  # type: ignore[attr-defined]
+
+  @property
+  def part_elements(self) -> tuple[int, ...]:
+    return shape_parts(self.shape)  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True, slots=True)
-class HloInstruction:
+class HloInstruction(Shaped):
   """One HLO instruction: its name, opcode, result shape, op_name metadata, operands and callees."""
 
   name: str
@@ -60,14 +74,6 @@ class HloInstruction:
   trip_count: int | None
   text: str = field(repr=False)
   root: bool = False
-
-  @property
-  def elements(self) -> int:
-    return shape_elements(self.shape)
-
-  @property
-  def part_elements(self) -> tuple[int, ...]:
-    return shape_parts(self.shape)
 
 
 @dataclass(frozen=True, slots=True)

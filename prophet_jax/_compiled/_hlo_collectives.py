@@ -17,8 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._hlo import (ExecutedOp, HloInstruction, HloModule, execution_order, producer, shape_elements,
-                   shape_parts, users)
+from ._hlo import ExecutedOp, HloInstruction, HloModule, Shaped, execution_order, producer, shape_elements, users
 
 ALL_REDUCE_OPCODES = ("all-reduce", "all-reduce-start")
 # how a compiled program writes an all-reduce (`AllReduceOp.form`): a synchronous `all-reduce` (the CPU's,
@@ -89,7 +88,7 @@ def merged_op_names(op_name: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class AllReduceOp:
+class AllReduceOp(Shaped):
   """An all-reduce of the compiled program, in whichever form XLA wrote it (`ALL_REDUCE_FORMS`).
 
   Attributes:
@@ -109,15 +108,6 @@ class AllReduceOp:
   shape: str
   operands: tuple[str, ...]
   op_name: str
-
-  @property
-  def part_elements(self) -> tuple[int, ...]:
-    """Elements of each reduced array (one per operand of a combined all-reduce)."""
-    return shape_parts(self.shape)
-
-  @property
-  def elements(self) -> int:
-    return shape_elements(self.shape)
 
   def is_sync(self) -> bool:
     """XLA:GPU marked it synchronous (`"is_sync":true` in its backend config): nothing overlaps it."""

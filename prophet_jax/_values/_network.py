@@ -172,12 +172,11 @@ class NetworkModel(JsonValue):
     return self.startup_s + self.per_byte_s * nbytes
 
   def reduce_scatter_s(self, nbytes: float) -> float:
-    """Ring reduce-scatter time of a buffer of `nbytes` (the whole buffer): half an all-reduce, seconds."""
+    """Ring reduce-scatter time of a buffer of `nbytes` (the whole buffer), or all-gather time of a result
+    of `nbytes` (`all_gather_s`): half an all-reduce, seconds."""
     return 0.5 * self.startup_s + 0.5 * self.per_byte_s * nbytes
 
-  def all_gather_s(self, nbytes: float) -> float:
-    """Ring all-gather time of a buffer of `nbytes` (the whole result): half an all-reduce, seconds."""
-    return 0.5 * self.startup_s + 0.5 * self.per_byte_s * nbytes
+  all_gather_s = reduce_scatter_s   # the ring's other half costs the same
 
   def describe(self) -> str:
     """A short human summary, with what a 1 KiB, 1 MiB and 64 MiB all-reduce take."""
