@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -271,18 +272,9 @@ def _sharded_events(prob: Problem, arr: ShardedArrays, run: ShardedRun, i: int,
   return tuple(out)
 
 
-def link_assignment(schedule: Schedule, profile: GradientProfile, network: NetworkModel, *,
-                    cross_step: bool = False) -> tuple[int, ...]:
-  """The link of every all-reduce `schedule` issues, as the calm simulation assigns them (what `plan`
-  records in `Schedule.links`); () for one link.
-  """
-  check_values("link_assignment()", schedule=schedule, profile=profile, network=network)
-  prob = problem(profile, network, cross_step=bool(cross_step))
-  return chunk_links(prob, schedule_arrays(prob, schedule.buckets))
-
-
 def chunk_links(prob: Problem, arrays: ChunkArrays) -> tuple[int, ...]:
-  """The link of every message of `arrays` on the calm network; () for one link or none."""
+  """The link of every message of `arrays` on the calm network (what `plan` records in `Schedule.links`);
+  () for one link or none."""
   if prob.links == 1 or not arrays.ready_s.size:
     return ()
   return tuple(int(x) for x in link_loop(arrays.ready_s.tolist(), prob.durations(arrays.nbytes).tolist(),
@@ -370,11 +362,9 @@ def _simulate_once(prob: Problem, arrays: ChunkArrays, dur: np.ndarray, events: 
     idle = iteration - forward_s - backward_s - update_s
   comm = float(dur.sum())
   busy = _union_length(start, end) if network.links > 1 else comm
-  network_busy = busy / iteration if iteration > 0 else 0.0
-
   evs = _events(prob, start, end, link, stalls, fwd_start, reduced if cross_step else None, t0) if events else ()
-  return SimResult(iteration_s=float(iteration), compute_s=forward_s + backward_s + update_s,
-                   comm_s=comm, idle_s=max(float(idle), 0.0), network_busy=float(network_busy),
+  return SimResult(iteration_s=float(iteration), compute_s=forward_s + backward_s + update_s, comm_s=comm,
+                   idle_s=max(float(idle), 0.0), network_busy=float(busy / iteration) if iteration > 0 else 0.0,
                    allreduces=int(n), events=evs, cross_step=cross_step)
 
 
@@ -440,9 +430,7 @@ def _backward_events(prob: Problem, stalls: list[tuple[float, float]], out: list
   order = sorted(range(nl), key=lambda l: (lr[l], -l))
   stall_q = [q for q, _ in stalls]
   stall_d = [d for _, d in stalls]
-  stall_cum = [0.0]
-  for d in stall_d:
-    stall_cum.append(stall_cum[-1] + d)
+  stall_cum = [0.0, *itertools.accumulate(stall_d)]
   p0 = 0.0
   for i, l in enumerate(order):
     p1 = lr[l] if i < nl - 1 else max(lr[l], prob.backward_s)
