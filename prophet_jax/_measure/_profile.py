@@ -75,7 +75,7 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   warmup = check_int("profile_step", "warmup", warmup, lo=0)
   check_bool("profile_step", "has_aux", has_aux)
   check_bool("profile_step", "has_state", has_state)
-  check_values("profile_step", loss_fn=loss_fn)
+  check_values("profile_step", loss_fn=loss_fn, **({} if tx is None else {"tx": tx}))
   if has_state and model_state is None:
     raise TypeError("profile_step(has_state=True): pass model_state=, the state loss_fn(params, "
                     "model_state, batch) reads (e.g. BatchNorm statistics).")

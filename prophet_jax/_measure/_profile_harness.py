@@ -242,9 +242,6 @@ def compile_all(progs: Sequence[Prog | None]) -> None:
 
 
 def update_program(s: ProgramSetup, tx: Any) -> Prog:
-  if not hasattr(tx, "init") or not hasattr(tx, "update"):
-    raise TypeError(f"profile_step(tx={tx!r}): expected an optax GradientTransformation (init/update).")
-
   diff, _ = split_leaves(s)
   state = tx.init(diff)
   f = mapped(s, _updater(tx), (P(), P(), P()), (P(), P()), name=UPDATE_NAME)
