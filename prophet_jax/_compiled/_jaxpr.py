@@ -36,11 +36,8 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
   leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
   paths = [path_str(p) for p, _ in leaves_with_paths]
   leaves = [x for _, x in leaves_with_paths]
-
-  def flat_fn(flat, *rest):
-    return fn(jax.tree_util.tree_unflatten(treedef, flat), *rest)
-
-  jaxpr = jax.make_jaxpr(flat_fn, axis_env=list(axis_env))(leaves, *args).jaxpr
+  jaxpr = jax.make_jaxpr(lambda flat, *rest: fn(jax.tree_util.tree_unflatten(treedef, flat), *rest),
+                         axis_env=list(axis_env))(leaves, *args).jaxpr
   used: dict[int, None] = {}   # the leaves used, in order of first use
 
   def walk(jx: Any, mapping: dict[int, int]) -> None:

@@ -178,8 +178,8 @@ def executions(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
   groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
   for e in events:
     groups.setdefault((e["run"], e["device"]), []).append(e)
-  out = [sorted(g, key=lambda e: e["start_ns"]) for g in groups.values()]
-  return sorted(out, key=lambda g: (g[0]["start_ns"], str(g[0]["device"])))
+  return sorted((sorted(g, key=lambda e: e["start_ns"]) for g in groups.values()),
+                key=lambda g: (g[0]["start_ns"], str(g[0]["device"])))
 
 
 def backward_start(ex: list[dict[str, Any]], hlo: StepHlo) -> float | None:

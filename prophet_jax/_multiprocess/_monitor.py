@@ -39,9 +39,7 @@ class Decision:
 
 def plan_key(schedule: Schedule) -> str:
   """What makes two schedules the same plan: everything but the prediction (`predicted_s`)."""
-  d = schedule.to_dict()
-  d.pop("predicted_s", None)
-  return json.dumps(d, sort_keys=True)
+  return json.dumps({k: v for k, v in schedule.to_dict().items() if k != "predicted_s"}, sort_keys=True)
 
 
 class Monitor:

@@ -353,10 +353,9 @@ def _jackson_lmax(release: np.ndarray, work: np.ndarray, delivery: np.ndarray) -
   of largest q; optimal for 1|r_j,pmtn|L_max).
   """
   order = np.argsort(release, kind="stable")
-  rel, wk, q = release[order].tolist(), work[order].tolist(), delivery[order].tolist()
+  rel, remaining, q = release[order].tolist(), work[order].tolist(), delivery[order].tolist()
   n = len(rel)
   heap: list[tuple[float, int]] = []
-  remaining = list(wk)
   t, i, best = 0.0, 0, -np.inf
   while i < n or heap:
     if not heap:

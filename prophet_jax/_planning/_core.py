@@ -100,14 +100,13 @@ def _build(profile: GradientProfile, network: NetworkModel, cross_step: bool) ->
     row_tail = np.full(n, update_s + forward_s)
     floor = 0.0
     after = update_s + forward_s
-  sizes = {d: itemsize(d) for d in dcode}
   backward_s = float(profile.backward_s)
   return Problem(
       profile=profile, network=network, cross_step=bool(cross_step), fingerprint=profile.fingerprint(),
       row_ready_s=row_ready, row_nbytes=row_nbytes, row_tail_s=row_tail, row_layer=row_layer,
       row_dtype_code=np.fromiter((dcode[r.dtype] for r in rows), dtype=np.int64, count=n),
       ready=tuple(r.ready_s for r in rows), tail=tuple(row_tail.tolist()),
-      size=tuple(math.prod(r.shape) for r in rows), itemsize=tuple(sizes[r.dtype] for r in rows),
+      size=tuple(math.prod(r.shape) for r in rows), itemsize=tuple(itemsize(r.dtype) for r in rows),
       dtype=tuple(r.dtype for r in rows), live=tuple(i for i, r in enumerate(rows) if r.nbytes > 0),
       layers=layers, layer_fwd_s=layer_fwd, layer_update_s=layer_upd, layer_tail_s=layer_tail,
       layer_fwd_tail_s=layer_fwd_tail, row_update_s=row_upd,

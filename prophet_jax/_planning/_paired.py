@@ -264,9 +264,8 @@ def decide(names: Sequence[str], seconds: Any, *, control: str, min_gain: float 
     reason = (f"{best!r} is faster than the control {control!r}: median time ratio {ratios[best]:.3f} "
               f"({conf} interval [{lo:.3f}, {hi:.3f}]), a speed-up of at least {1 / hi:.3f}x, beyond "
               f"1 + min_gain = {1 + min_gain:g}, over {rounds} interleaved rounds.")
-    others = [k for _, k in winners[1:]]
-    if others:
-      reason += f" Also faster, less so: {', '.join(map(repr, others))}."
+    if winners[1:]:
+      reason += f" Also faster, less so: {', '.join(repr(k) for _, k in winners[1:])}."
   else:
     best = control
     parts = []

@@ -211,5 +211,4 @@ def _gathers(t: np.ndarray, gs: range, release: np.ndarray, ag_dur: np.ndarray, 
 
 def sharded_iteration_s(prob: Problem, arr: ShardedArrays) -> float:
   """The calm iteration time of a sharded schedule (what `simulate` returns on a calm network)."""
-  rs, ag = sharded_durations(prob, arr)
-  return float(sharded_run(prob, arr, rs, ag).iteration_s[0])
+  return float(sharded_run(prob, arr, *sharded_durations(prob, arr)).iteration_s[0])

@@ -168,9 +168,8 @@ def fixed_fusion(prob: Problem, bucket_bytes: float) -> tuple[list[list[Slice]],
 
 def _rs_inputs(prob: Problem, order: Sequence[int]) -> tuple[list[float], list[float], list[int]]:
   """`rs_partition`'s inputs for `order`: ready times, byte prefix sums, each item's dtype-run start."""
-  ready = prob.row_ready_s[list(order)].tolist()
   prefix = np.concatenate([[0.0], np.cumsum(prob.row_nbytes[list(order)])]).tolist()
-  return ready, prefix, dtype_runs([prob.dtype[r] for r in order])
+  return prob.row_ready_s[list(order)].tolist(), prefix, dtype_runs([prob.dtype[r] for r in order])
 
 
 def rs_partition(prob: Problem, order: Sequence[int], cap: float | None, *,
