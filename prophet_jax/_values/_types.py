@@ -361,21 +361,18 @@ class GradientProfile(JsonValue, Placed):
   def fingerprint(self) -> str:
     """The tree fingerprint of `tree_rows()` (what `Schedule.tree_fingerprint` must equal), with the
     placement folded in when the profile has one (`_placement.placement_fingerprint`)."""
-    fp = rows_info(self.tree_rows()).fingerprint
-    if not self.mesh:
-      return fp
-    return placement_fingerprint(fp, [r.shard_dim for r in self.rows], self.mesh, self.shard_axes)
+    return placement_fingerprint(rows_info(self.tree_rows()).fingerprint, [r.shard_dim for r in self.rows],
+                                 self.mesh, self.shard_axes)
 
   def describe(self, max_rows: int = 8) -> str:
     """A short human summary: totals, how it was made, and the first rows in ready order."""
-    order = self.ready_order()
     return "\n".join([
         f"{self.model or 'profile'} on {self.device or '?'} ({self.method}): {len(self.rows)} gradients in "
         f"{len(self.layers)} layers, {self.total_nbytes / 2**20:.3f} MiB; forward {self.forward_s * 1e3:.3f} "
         f"ms, backward {self.backward_s * 1e3:.3f} ms, update {self.update_s * 1e3:.3f} ms",
         f"  {self.notes}",
         f"  ready order (first {max_rows}): " + ", ".join(
-            f"{self.rows[i].path} @{self.rows[i].ready_s * 1e3:.3f}ms" for i in order[:max_rows])])
+            f"{self.rows[i].path} @{self.rows[i].ready_s * 1e3:.3f}ms" for i in self.ready_order()[:max_rows])])
 
   def scaled(self, compute: float) -> GradientProfile:
     """This profile with every time multiplied by `compute` (> 0); ValueError otherwise."""

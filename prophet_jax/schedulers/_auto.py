@@ -248,16 +248,14 @@ def _contest(profile: GradientProfile, network: NetworkModel, cross: bool,
   cands.sort(key=lambda c: c.nominal)
   # With one link, no contiguous merge beats the plain step's DP and no other order or cut helps (on the
   # calm problem the search runs on).
-  exact = not cross and prob.links == 1
-  if options["local_search"] and prob.overlap and prob.live and not exact:
+  if options["local_search"] and prob.overlap and prob.live and (cross or prob.links > 1):
     cands += _refine(search, prob, cands, options["max_evals"])
     cands.sort(key=lambda c: c.nominal)
   chosen = cands[0]
   if options["robust"] > 0 and prob.live and len(cands) > 1:
     chosen = _robust_choice(prob, cands, options)
-  predicted = chosen.nominal
-  if options["verify"]:
-    predicted = simulate_arrays(prob, chunk_arrays(prob, chosen.slices()), events=False).iteration_s
+  predicted = (simulate_arrays(prob, chunk_arrays(prob, chosen.slices()), events=False).iteration_s
+               if options["verify"] else chosen.nominal)
   return prob, chosen, predicted
 
 

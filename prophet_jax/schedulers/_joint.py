@@ -94,12 +94,9 @@ def contiguous_dp(prob: Problem, networks: Sequence[NetworkModel] = ()) -> list[
   """Optimal contiguous merges of the ready order (one link, one dtype per chunk), by the exact O(L^2)
   program; with `networks`, the hedged heuristic for the robust choice.
   """
-  if networks:
-    a = np.array([n.startup_s for n in networks])
-    b = np.array([n.per_byte_s for n in networks])
-  else:
-    a = np.array([prob.startup_s])
-    b = np.array([prob.per_byte_s])
+  costs = networks or (prob,)   # the networks' start-up and per-byte costs, or the problem's own
+  a = np.array([n.startup_s for n in costs])
+  b = np.array([n.per_byte_s for n in costs])
   order = [i for i in prob.profile.ready_order() if prob.row_nbytes[i] > 0]
   n = len(order)
   if n == 0:
