@@ -227,15 +227,14 @@ def cmd_simulate(a: argparse.Namespace) -> int:
       if r["policy"] == "fsdp":
         print("fsdp: parameters sharded (ZeRO-3): reduce-scatters+all-gathers (re-gathers included); peak "
               f"{r['peak_memory_bytes'] / 2**30:.2f} GiB per device of gathered parameters and unsharded gradients")
-    tail = q is not None
     print(f"{'policy':10s} {'iter ms':>10s} {'/bound':>7s} {'idle ms':>9s} {'allreduces':>10s}"
-          + (f" {'p50 ms':>9s} {'p99 ms':>9s}" if tail else "") + f" {'deferred':>8s}"
+          + (f" {'p50 ms':>9s} {'p99 ms':>9s}" if q is not None else "") + f" {'deferred':>8s}"
           + (f" {'vs wfbp':>8s}" if base else ""))
     for r in rows:
       count = (f"{r['reduce_scatters']}+{r['all_gathers']}" if r.get("sharded") else str(r["allreduces"]))
       print(f"{r['policy']:10s} {r['iteration_s'] * 1e3:10.3f} {r['vs_lower_bound']:7.3f} "
             f"{r['idle_s'] * 1e3:9.3f} {count:>10s}"
-            + (f" {r['iteration_p50_s'] * 1e3:9.3f} {r['iteration_p99_s'] * 1e3:9.3f}" if tail else "")
+            + (f" {r['iteration_p50_s'] * 1e3:9.3f} {r['iteration_p99_s'] * 1e3:9.3f}" if q is not None else "")
             + f" {r.get('deferred_fraction', 0.0):8.1%}"
             + (f" {base / r['iteration_s']:7.2f}x" if base else ""))
   if a.timeline:

@@ -208,9 +208,8 @@ def xla_option_accepted(name: str, value: Any) -> bool:
   import jax  # lazy: pure until a topology is made
   import jax.numpy as jnp
 
-  lowered = jax.jit(lambda x: x + 1).lower(jnp.zeros(2, jnp.float32))
   try:
-    lowered.compile(compiler_options={name: value})
+    jax.jit(lambda x: x + 1).lower(jnp.zeros(2, jnp.float32)).compile(compiler_options={name: value})
   except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error type
     if "No such compile option" in str(e) or "not a valid" in str(e):
       return False
@@ -222,8 +221,7 @@ def _check_platforms() -> None:
   import jax  # lazy: pure until a topology is made
 
   value = jax.config.jax_platforms
-  platforms = [p.strip() for p in (value or "").split(",") if p.strip()]
-  if platforms != ["cpu"]:
+  if [p.strip() for p in (value or "").split(",") if p.strip()] != ["cpu"]:
     got = f"JAX_PLATFORMS={value!r}" if value else "JAX_PLATFORMS is not set"
     raise GpuCompileError(
         f"gpu_topology: {got}, so jax initialises its CUDA plugin, which needs a GPU driver, and will "

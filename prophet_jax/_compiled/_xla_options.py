@@ -306,9 +306,8 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
                    f"carries on jaxlib {jaxlib.__version__}: it is in the XLA_FLAGS line only.")
   else:
     notes.append("network=None: no network-derived options.")
-  line = " ".join(f"--{k}={v}" for k, v in flags.items())
-  return XlaSettings(compiler_options=options, xla_flags=line, jaxlib=jaxlib.__version__, target=name,
-                     notes=tuple(notes), warning=warning)
+  return XlaSettings(compiler_options=options, xla_flags=" ".join(f"--{k}={v}" for k, v in flags.items()),
+                     jaxlib=jaxlib.__version__, target=name, notes=tuple(notes), warning=warning)
 
 
 def xla_options(schedule: Schedule, network: NetworkModel | None = None, *, target: Any = None) -> dict[str, Any]:

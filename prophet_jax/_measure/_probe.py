@@ -277,10 +277,9 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
   d_lo = _COMPUTE_D[0] if interleave else 1
   short, long_ = program(1, True), program(1 + inner, True)
   say = _reporter(progress if jax.process_index() == 0 else False)
-  within = "" if time_budget_s is None else f" as fit in {time_budget_s:g} s"
   say(f"measure_network: timing one all-reduce over {p} {platform} device(s) at up to {len(sizes)} message "
-      f"sizes from {fmt_bytes(sizes[0])} to {fmt_bytes(sizes[-1])}{within}, {repeats} paired "
-      f"repeats each")
+      f"sizes from {fmt_bytes(sizes[0])} to {fmt_bytes(sizes[-1])}"
+      f"{'' if time_budget_s is None else f' as fit in {time_budget_s:g} s'}, {repeats} paired repeats each")
   rounds, costs, cut = [], [], ()
   t_all = time.perf_counter()
   for i, nbytes in enumerate(sizes):

@@ -56,10 +56,9 @@ def _states(state: Any, names: Sequence[str]) -> dict[str, Any]:
   """Per step its starting state: `state`, or `state[name]` where `state` maps the steps' names."""
   if isinstance(state, Mapping) and set(state) & set(names):
     if set(state) != set(names):
-      missing = sorted(set(names) - set(state))
-      extra = sorted(set(state) - set(names))
       raise ValueError(f"choose(state=...): a mapping of states per step must name exactly the steps "
-                       f"{list(names)}; missing {missing}, extra {extra}. (A state that is itself a dict "
+                       f"{list(names)}; missing {sorted(set(names) - set(state))}, extra "
+                       f"{sorted(set(state) - set(names))}. (A state that is itself a dict "
                        f"must not use the steps' names as keys.)")
     return {n: state[n] for n in names}
   return {n: state for n in names}

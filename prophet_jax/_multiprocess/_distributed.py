@@ -159,6 +159,5 @@ def bind_gloo_interface(interface: str) -> None:
   if started():
     raise GlooBindError(f"the jax backend has already started, so gloo can no longer be bound to {interface!r}: call "
                         "prophet_jax.launch.initialize() before any jax operation (jax.devices(), jnp arrays, jit).")
-  collectives = make(distributed_client=client, interface=interface)
-  register("cpu", functools.partial(make_cpu_client, collectives=collectives), priority=0,
-           fail_quietly=False)
+  register("cpu", functools.partial(make_cpu_client, collectives=make(distributed_client=client, interface=interface)),
+           priority=0, fail_quietly=False)

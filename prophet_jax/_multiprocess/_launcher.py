@@ -165,7 +165,6 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
   base = dict(os.environ)
   config()  # the parent's PROPHET_* flags are checked here, so a typo fails before anything starts
   xla_flags, devices = _device_flags(base.get("XLA_FLAGS", ""), nproc, devices_per_process)
-  address = f"{host}:{port}"
   lock = threading.Lock()
   procs: dict[int, subprocess.Popen] = {}
   pumps: list[threading.Thread] = []
@@ -181,7 +180,7 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
   old_term = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() else None
   try:
     for rank in range(nproc):
-      env = _child_env(base, rank=rank, nproc=nproc, coordinator=address, xla_flags=xla_flags,
+      env = _child_env(base, rank=rank, nproc=nproc, coordinator=f"{host}:{port}", xla_flags=xla_flags,
                        devices=devices, gloo_interface=gloo_interface, init_timeout_s=init_timeout_s)
       try:
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -56,7 +56,6 @@ def mgwfbp() -> Scheduler:
 
   def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
     layers = layer_groups(profile)
-    ready = [t for _, _, t in layers]
     nbytes = []
     for _, rows, _ in layers:
       d: dict[str, int] = {}
@@ -66,6 +65,6 @@ def mgwfbp() -> Scheduler:
           d[row.dtype] = d.get(row.dtype, 0) + row.nbytes
       nbytes.append(d)
     return [[s for u in run for r in layers[u][1] if (s := whole_slice(profile, r)) is not None]
-            for run in merge_groups(ready, nbytes, network)]
+            for run in merge_groups([t for _, _, t in layers], nbytes, network)]
 
   return grouped_scheduler(POLICY, {}, plan_groups)
