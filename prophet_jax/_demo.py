@@ -74,10 +74,8 @@ def run_demo(*, steps: int = 200, out_dir: str = "out", quick: bool = False, mod
                           f"which sets XLA_FLAGS=--xla_force_host_platform_device_count=8.")
   print(f"prophet-jax demo: {n} {jax.devices()[0].platform.upper()} devices, model {model!r}\n")
   m = get_model(model)
-  rng = jax.random.key(0)
-  params = m.init(rng)
-  batch_size = m.default_batch_size * (1 if quick else 2)
-  make = lambda k: m.make_batch(jax.random.key(k), batch_size)  # noqa: E731
+  params = m.init(jax.random.key(0))
+  make = lambda k: m.make_batch(jax.random.key(k), m.default_batch_size * (1 if quick else 2))  # noqa: E731
   tx = optax.sgd(lr, momentum=0.9)
 
   # 1. profile and probe

@@ -18,8 +18,6 @@ from ._rewrite._hooked import hooked
 from ._rewrite._transform import scheduled
 from ._rewrite._states import state_specs
 
-__all__ = ["STEP_MODES", "lower_step", "compile_step"]
-
 STEP_MODES = ("scheduled", "hooked", "pipelined", "pmean")
 
 

@@ -190,8 +190,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
   for name in policies:
     options = {"max_defer": a.max_defer} if name == "dlcp" else {}
     sched = plan(profile, net, name, cross_step=a.cross_step, **options)
-    sim = simulate(sched, profile, net, cross_step=a.cross_step)
-    sims[name] = sim
+    sims[name] = sim = simulate(sched, profile, net, cross_step=a.cross_step)
     d = sim.to_dict(events=False)
     r = {"policy": name, **{k: d[k] for k in ("iteration_s", "idle_s", "allreduces")},
          "vs_lower_bound": d["iteration_s"] / bound}
@@ -205,9 +204,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     rows.append(r)
   q = net.pressure
   if a.json:
-    network = {"name": net.name or a.network, "alpha_s": net.alpha_s, "beta_s_per_byte": net.beta_s_per_byte}
-    if q is not None:
-      network["pressure"] = q.to_dict()
+    network = {"name": net.name or a.network, "alpha_s": net.alpha_s, "beta_s_per_byte": net.beta_s_per_byte,
+               **({} if q is None else {"pressure": q.to_dict()})}
     print(json.dumps({"model": model, "device": profile.device or a.device, "workers": net.workers,
                       "cross_step": a.cross_step, "network": network, "lower_bound_s": bound, "results": rows},
                      indent=2))
@@ -229,15 +227,14 @@ def cmd_simulate(a: argparse.Namespace) -> int:
       if r["policy"] == "fsdp":
         print("fsdp: parameters sharded (ZeRO-3): reduce-scatters+all-gathers (re-gathers included); peak "
               f"{r['peak_memory_bytes'] / 2**30:.2f} GiB per device of gathered parameters and unsharded gradients")
-    tail = q is not None
     print(f"{'policy':10s} {'iter ms':>10s} {'/bound':>7s} {'idle ms':>9s} {'allreduces':>10s}"
-          + (f" {'p50 ms':>9s} {'p99 ms':>9s}" if tail else "") + f" {'deferred':>8s}"
+          + (f" {'p50 ms':>9s} {'p99 ms':>9s}" if q is not None else "") + f" {'deferred':>8s}"
           + (f" {'vs wfbp':>8s}" if base else ""))
     for r in rows:
       count = (f"{r['reduce_scatters']}+{r['all_gathers']}" if r.get("sharded") else str(r["allreduces"]))
       print(f"{r['policy']:10s} {r['iteration_s'] * 1e3:10.3f} {r['vs_lower_bound']:7.3f} "
             f"{r['idle_s'] * 1e3:9.3f} {count:>10s}"
-            + (f" {r['iteration_p50_s'] * 1e3:9.3f} {r['iteration_p99_s'] * 1e3:9.3f}" if tail else "")
+            + (f" {r['iteration_p50_s'] * 1e3:9.3f} {r['iteration_p99_s'] * 1e3:9.3f}" if q is not None else "")
             + f" {r.get('deferred_fraction', 0.0):8.1%}"
             + (f" {base / r['iteration_s']:7.2f}x" if base else ""))
   if a.timeline:
@@ -542,8 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   except (ProphetError, ValueError, TypeError, OSError) as e:
     if args.debug:
       raise
-    text = " ".join(str(e).split())   # one line, whatever the message held
-    print(f"prophet-jax {args.command}: {type(e).__name__}: {text}", file=sys.stderr)
+    # one line, whatever the message held
+    print(f"prophet-jax {args.command}: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
 
 

@@ -58,7 +58,7 @@ from typing import Any
 
 from ._audit_checks import (backward_outside, entry_problems, is_gpu, keyed_problem, peak_in_flight,
                             read_program, reduced_again, sequence_problems, window_ops)
-from ._audit_report import AUDIT_SCHEMA, COMPUTE_KINDS, NEXT_FORWARD, AuditEntry, AuditReport, WindowOp
+from ._audit_report import AuditEntry, AuditReport
 from ._audit_fsdp import audit_fsdp
 from ._audit_sharded import audit_sharded
 from ._hlo import users
@@ -66,9 +66,6 @@ from ._keyed_audit import KeyedUnit, keyed_audit
 from ._hlo_collectives import AsyncWindow, allreduces, contiguous_parts, merged_op_names
 from .._values._checks import check_bool, check_values
 from .._values._schedule import Schedule
-
-__all__ = ["audit", "AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "COMPUTE_KINDS",
-           "NEXT_FORWARD"]
 
 _CHUNK = re.compile(r"prophet/chunk(\d+)(?![0-9])")
 _LOOP = re.compile(r"prophet/loop/([\w.\-]+)")
@@ -150,14 +147,10 @@ def _audit_allreduces(text: str, module: Any, ops: Any, after: list[int], window
           names = [next((nm for nm in merged if any(_label(nm))), ar.op_name)]
           labels = [_label(names[0])]
     else:  # a combined all-reduce (a tuple): label each operand by its producer's scope
-      labels, names = [], []
-      for opnd in ar.operands[:len(parts)]:
-        prod = module.instruction(op.computation, opnd)
-        pn = prod.op_name if prod is not None else ""
-        labels.append(_label(pn))
-        names.append(pn)
-      labels += [(None, None)] * (len(parts) - len(labels))
+      names = [prod.op_name if (prod := module.instruction(op.computation, opnd)) is not None else ""
+               for opnd in ar.operands[:len(parts)]]
       names += [""] * (len(parts) - len(names))
+      labels = [_label(nm) for nm in names]
       for own in ([own_chunk] if own_chunk else [_CHUNK.search(nm) for nm in merged if len(merged) > 1]):
         if own is None or any(c and c.group(1) == own.group(1) for c, _ in labels):
           continue
@@ -187,9 +180,7 @@ def _audit_allreduces(text: str, module: Any, ops: Any, after: list[int], window
           window=inside, form=ar.form)
       (chunks if m else loops if lm else foreign).append(entry)
   problems = [] if not again else [_again_problem(again)]
-  order = []
-  for e in chunks:
-    order.extend([e.chunk] * (e.trips or 1))
+  order = [e.chunk for e in chunks for _ in range(e.trips or 1)]
   problems += entry_problems(chunks, len(sizes), "all-reduce", "chunk", "reduces",
                              "merged with other all-reduces by XLA's combiner?")
   by_ins: dict[str, list[int]] = {}

@@ -78,13 +78,11 @@ def keyed_problem(text: str) -> str | None:
   """The problem to report when an ordered audit reads a keyed program (a step built with
   `enforce_order=False`: its collectives carry the plan's combiner keys and no tie), naming the fix."""
   keys = sorted(set(_KEYED.findall(text)), key=lambda k: (len(k), k))
-  if not keys:
-    return None
   return (f"this program is keyed: its collectives carry the plan's combiner keys ({', '.join(keys[:3])}"
           f"{', ...' if len(keys) > 3 else ''}) and no tie, as a step built with enforce_order=False is, so "
           f"XLA orders them (and XLA:CPU combines them). Audit it as it was built: "
           f"prophet_jax.audit(compiled, schedule, enforce_order=False); or build the step with "
-          f"enforce_order=True (the default) for the plan's own order.")
+          f"enforce_order=True (the default) for the plan's own order.") if keys else None
 
 
 def is_gpu(text: str) -> bool:
@@ -92,13 +90,11 @@ def is_gpu(text: str) -> bool:
 
 def window_ops(window: AsyncWindow | None, coll_names: set[str], costs: OpCosts) -> tuple[WindowOp, ...]:
   """The ops scheduled inside an async collective's window, each with its kind, FLOPs and bytes."""
-  if window is None:
-    return ()
   return tuple(WindowOp(name=w.instruction.name, opcode=w.instruction.opcode,
                         kind=op_kind(w.instruction, coll_names),
                         flops=(c := costs.cost(w.computation, w.instruction))[0], nbytes=c[1],
                         op_name=w.instruction.op_name)
-               for w in window.inside)
+               for w in (window.inside if window is not None else ()))
 
 
 def entry_problems(entries: Sequence[Any], planned: int, what: str, unit: str, verb: str, why: str

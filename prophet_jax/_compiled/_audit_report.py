@@ -4,6 +4,7 @@ and its JSON form (`AUDIT_SCHEMA`)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 from collections.abc import Mapping
@@ -11,8 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._values._types import JsonValue, json_fields, json_object
-
-__all__ = ["AuditReport", "AuditEntry", "WindowOp", "AUDIT_SCHEMA", "COMPUTE_KINDS", "NEXT_FORWARD"]
 
 AUDIT_SCHEMA = 1
 # window op kinds that are work of the step (what hides a collective's latency)
@@ -203,10 +202,7 @@ class AuditReport(JsonValue):
   def forms(self) -> dict[str, int]:
     """How the compiled program writes its all-reduces (`AuditEntry.form`) -> how many of the chunks',
     loops' and foreign entries were read in that form."""
-    out: dict[str, int] = {}
-    for e in self.chunks + self.loops + self.foreign:
-      out[e.form or "?"] = out.get(e.form or "?", 0) + 1
-    return out
+    return dict(collections.Counter(e.form or "?" for e in self.chunks + self.loops + self.foreign))
 
   @property
   def exposed(self) -> tuple[int, ...]:
@@ -224,8 +220,7 @@ class AuditReport(JsonValue):
   def overlapped_flops(self) -> int:
     """FLOPs of the compute ops inside at least one chunk's window (each op counted once, even where
     windows overlap)."""
-    ops = {o.name: o.flops for e in self.chunks for o in e.window if o.kind in COMPUTE_KINDS}
-    return sum(ops.values())
+    return sum({o.name: o.flops for e in self.chunks for o in e.window if o.kind in COMPUTE_KINDS}.values())
 
   def describe(self) -> str:
     """A few lines for humans: the verdict, the order, the overlap (XLA:GPU), the problems and warnings."""

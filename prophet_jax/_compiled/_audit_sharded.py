@@ -72,11 +72,10 @@ def audit_sharded(text: str, module: Any, ops: tuple[ExecutedOp, ...], after: li
                     "chain (every reduce-scatter, then every all-gather).")
   peak = peak_in_flight(ops, {e.name for e in chunks + gathers if e.asynchronous})
   outside = backward_outside(ops, chunks, windows, coll_names, costs)
-  warnings = []
-  if chunks and is_gpu(text) and not any(e.asynchronous for e in chunks + gathers):
-    warnings.append("the reduce-scatters and all-gathers are synchronous in this compiled program: no "
-                    "compute can overlap them (count and order still hold). Is XLA's latency hiding "
-                    "scheduler off, or are async collectives disabled?")
+  synchronous = chunks and is_gpu(text) and not any(e.asynchronous for e in chunks + gathers)
+  warnings = ["the reduce-scatters and all-gathers are synchronous in this compiled program: no compute can "
+              "overlap them (count and order still hold). Is XLA's latency hiding scheduler off, or are async "
+              "collectives disabled?"] if synchronous else []
   return AuditReport(planned=len(schedule.chunks), chunks=tuple(chunks), loops=(), foreign=tuple(foreign),
                      order=tuple(order), ok=not problems, problems=tuple(problems), total_ops=len(ops),
                      max_in_flight=peak, backward_outside_windows=outside, warnings=tuple(warnings),

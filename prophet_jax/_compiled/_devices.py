@@ -11,9 +11,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._values._checks import check_values
 
-__all__ = ["data_axes", "check_mesh", "check_in_node", "axis_total", "data_devices", "mesh_axis_names",
-           "profiled_devices", "mesh_workers", "host_rows", "placed", "spec_axes", "profiled_axis"]
-
 
 def data_axes(axis_name: Any) -> tuple[Any, ...]:
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)

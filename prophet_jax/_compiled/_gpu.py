@@ -22,10 +22,6 @@ from .._values._checks import check_int
 from ._jaxcompat import private
 from .._values._errors import GpuCompileError, JaxVersionError
 
-__all__ = ["GPU_TARGETS", "GpuTarget", "GpuTopology", "gpu_target", "gpu_topology", "find_ptxas",
-           "cuda_plugin_installed", "cuda_plugin", "CudaPlugin", "CUDA_MAJORS", "xla_option_accepted",
-           "quiet_cuda_stub", "import_jax_quietly", "GPU_COMPILE_EXTRA"]
-
 # name -> (file under prophet_jax/targets, aliases)
 _TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "h100": ("h100_sxm.txtpb", ("h100-sxm", "h100_sxm", "h100-80gb")),
@@ -159,15 +155,12 @@ def _version(dist: str) -> str | None:
     return None
 
 
-def _nvcc_wheel_dirs() -> list[str]:
-  specs = [_find_spec(module) for module in ("nvidia.cuda_nvcc", "nvidia.cu13")]
-  return [d for spec in specs if spec is not None for d in spec.submodule_search_locations or []]
-
-
 def find_ptxas() -> str | None:
   m = re.search(r"--xla_gpu_cuda_data_dir=(\S+)", os.environ.get("XLA_FLAGS", ""))
   dirs = [m.group(1)] if m else []
-  dirs += _nvcc_wheel_dirs() + [os.environ[k] for k in ("CUDA_HOME", "CUDA_PATH", "CUDA_DIR") if os.environ.get(k)]
+  specs = [_find_spec(module) for module in ("nvidia.cuda_nvcc", "nvidia.cu13")]   # the nvcc wheels
+  dirs += [d for spec in specs if spec is not None for d in spec.submodule_search_locations or []]
+  dirs += [os.environ[k] for k in ("CUDA_HOME", "CUDA_PATH", "CUDA_DIR") if os.environ.get(k)]
   for d in dirs + ["/usr/local/cuda"]:
     p = Path(d) / "bin" / "ptxas"
     if p.is_file() and os.access(p, os.X_OK):
@@ -215,9 +208,8 @@ def xla_option_accepted(name: str, value: Any) -> bool:
   import jax  # lazy: pure until a topology is made
   import jax.numpy as jnp
 
-  lowered = jax.jit(lambda x: x + 1).lower(jnp.zeros(2, jnp.float32))
   try:
-    lowered.compile(compiler_options={name: value})
+    jax.jit(lambda x: x + 1).lower(jnp.zeros(2, jnp.float32)).compile(compiler_options={name: value})
   except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error type
     if "No such compile option" in str(e) or "not a valid" in str(e):
       return False
@@ -229,8 +221,7 @@ def _check_platforms() -> None:
   import jax  # lazy: pure until a topology is made
 
   value = jax.config.jax_platforms
-  platforms = [p.strip() for p in (value or "").split(",") if p.strip()]
-  if platforms != ["cpu"]:
+  if [p.strip() for p in (value or "").split(",") if p.strip()] != ["cpu"]:
     got = f"JAX_PLATFORMS={value!r}" if value else "JAX_PLATFORMS is not set"
     raise GpuCompileError(
         f"gpu_topology: {got}, so jax initialises its CUDA plugin, which needs a GPU driver, and will "

@@ -7,9 +7,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["HloInstruction", "HloModule", "ExecutedOp", "parse_hlo", "hlo_text", "execution_order",
-           "shape_elements", "shape_parts", "shape_bytes", "shape_dims", "shape_dtypes", "producer", "users"]
-
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR_HEAD = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
@@ -50,8 +47,22 @@ def shape_bytes(shape: str) -> int:
   return (bits + 7) // 8
 
 
+class Shaped:
+  """What a value with an HLO `shape` says of it: its elements, and each array's (one per operand of a tuple)."""
+
+  __slots__ = ()
+
+  @property
+  def elements(self) -> int:
+    return shape_elements(self.shape)  # type: ignore[attr-defined]
+
+  @property
+  def part_elements(self) -> tuple[int, ...]:
+    return shape_parts(self.shape)  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True, slots=True)
-class HloInstruction:
+class HloInstruction(Shaped):
   """One HLO instruction: its name, opcode, result shape, op_name metadata, operands and callees."""
 
   name: str
@@ -64,14 +75,6 @@ class HloInstruction:
   text: str = field(repr=False)
   root: bool = False
 
-  @property
-  def elements(self) -> int:
-    return shape_elements(self.shape)
-
-  @property
-  def part_elements(self) -> tuple[int, ...]:
-    return shape_parts(self.shape)
-
 
 @dataclass(frozen=True, slots=True)
 class HloModule:
@@ -82,10 +85,12 @@ class HloModule:
   scheduled: bool
 
   def instruction(self, computation: str, name: str) -> HloInstruction | None:
-    for ins in self.computations.get(computation, ()):
-      if ins.name == name:
-        return ins
-    return None
+    return next((ins for ins in self.computations.get(computation, ()) if ins.name == name), None)
+
+  def called(self, ins: HloInstruction | None) -> tuple[str | None, HloInstruction | None]:
+    """(the computation `ins` calls, that computation's ROOT); None for what is not there."""
+    body = dict(ins.callees).get("calls") if ins is not None else None
+    return body, next((i for i in self.computations.get(body or "", ()) if i.root), None)
 
 
 def hlo_text(compiled: Any) -> str:
@@ -115,10 +120,7 @@ def _closing(text: str, depth: int = 0) -> int:
 
 def _split_shape(rest: str) -> tuple[str, str]:
   rest = rest.lstrip()
-  if rest.startswith("("):
-    end = _closing(rest) + 1
-  else:
-    end = rest.find(" ") if " " in rest else len(rest)
+  end = _closing(rest) + 1 if rest.startswith("(") else rest.find(" ") if " " in rest else len(rest)
   return rest[:end], rest[end:].lstrip()
 
 

@@ -14,15 +14,10 @@ Public helpers:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._hlo import (ExecutedOp, HloInstruction, HloModule, execution_order, producer, shape_elements,
-                   shape_parts, users)
-
-__all__ = ["collectives", "allreduces", "AllReduceOp", "ALL_REDUCE_FORMS", "ALL_REDUCE_OPCODES",
-           "merged_op_names", "async_windows", "AsyncWindow", "is_collective", "contiguous_parts",
-           "SHARDED_COLLECTIVES", "ShardedCollectiveOp", "sharded_collectives"]
+from ._hlo import ExecutedOp, HloInstruction, HloModule, Shaped, execution_order, producer, shape_elements, users
 
 ALL_REDUCE_OPCODES = ("all-reduce", "all-reduce-start")
 # how a compiled program writes an all-reduce (`AllReduceOp.form`): a synchronous `all-reduce` (the CPU's,
@@ -93,7 +88,7 @@ def merged_op_names(op_name: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class AllReduceOp:
+class AllReduceOp(Shaped):
   """An all-reduce of the compiled program, in whichever form XLA wrote it (`ALL_REDUCE_FORMS`).
 
   Attributes:
@@ -114,29 +109,10 @@ class AllReduceOp:
   operands: tuple[str, ...]
   op_name: str
 
-  @property
-  def part_elements(self) -> tuple[int, ...]:
-    """Elements of each reduced array (one per operand of a combined all-reduce)."""
-    return shape_parts(self.shape)
-
-  @property
-  def elements(self) -> int:
-    return shape_elements(self.shape)
-
   def is_sync(self) -> bool:
     """XLA:GPU marked it synchronous (`"is_sync":true` in its backend config): nothing overlaps it."""
     return any('"is_sync":true' in t.replace(" ", "") for t in (self.op.instruction.text,
                                                                   self.reduction.text))
-
-
-def _wrapped_allreduce(module: HloModule, ins: HloInstruction) -> tuple[HloInstruction, str] | None:
-  """The all-reduce a `fusion-start` / `async-start` calls (its called computation's ROOT), and that
-  computation's name; None when it wraps something else."""
-  body = dict(ins.callees).get("calls")
-  root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
-  if root is None or root.opcode not in ALL_REDUCE_OPCODES:
-    return None
-  return root, body
 
 
 def allreduces(module: HloModule, ops: tuple[ExecutedOp, ...] | None = None) -> tuple[AllReduceOp, ...]:
@@ -158,17 +134,11 @@ def allreduces(module: HloModule, ops: tuple[ExecutedOp, ...] | None = None) -> 
       shape = top[-1] if ins.shape.lstrip().startswith("((") and len(top) == 2 else ins.shape
       out.append(AllReduceOp(op=op, form="all-reduce-start", reduction=ins, shape=shape,
                              operands=ins.operands, op_name=ins.op_name))
-    elif ins.opcode in _WRAPPED_FORMS:
-      found = _wrapped_allreduce(module, ins)
-      if found is None:
+    elif ins.opcode in _WRAPPED_FORMS:   # the all-reduce is the ROOT of the computation it calls
+      body, red = module.called(ins)
+      if red is None or red.opcode not in ALL_REDUCE_OPCODES:
         continue
-      red, body = found
-      operands = []
-      for o in red.operands:
-        inner = module.instruction(body, o)
-        pm = _PARAM.search(inner.text) if inner is not None and inner.opcode == "parameter" else None
-        k = int(pm.group(1)) if pm else -1
-        operands.append(ins.operands[k] if 0 <= k < len(ins.operands) else "")
+      operands = [_outer(module.instruction(body, o), ins.operands) for o in red.operands]
       out.append(AllReduceOp(op=op, form=ins.opcode, reduction=red, shape=red.shape,
                              operands=tuple(operands), op_name=ins.op_name or red.op_name))
   return tuple(out)
@@ -256,17 +226,13 @@ def contiguous_parts(module: HloModule, comp: str, ins: HloInstruction, readers:
     part_shapes = [(module.instruction(comp, o).shape if module.instruction(comp, o) else "", o)
                    for o in cat.operands]
   elif cat.opcode == "fusion":
-    body = dict(cat.callees).get("calls")
-    root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+    body, root = module.called(cat)
     if root is None or root.opcode != "concatenate":
       return None
     part_shapes = []
     for o in root.operands:
-      inner = producer(module, body, o)
-      pm = _PARAM.search(inner.text) if inner is not None and inner.opcode == "parameter" else None
-      outer = cat.operands[int(pm.group(1))] if pm and int(pm.group(1)) < len(cat.operands) else ""
       shape = module.instruction(body, o).shape if module.instruction(body, o) else ""
-      part_shapes.append((shape, outer))
+      part_shapes.append((shape, _outer(producer(module, body, o), cat.operands)))
   else:
     return None
   if len(part_shapes) < 2:
@@ -275,8 +241,7 @@ def contiguous_parts(module: HloModule, comp: str, ins: HloInstruction, readers:
   for u in readers:
     text = u.text
     if u.opcode == "fusion":
-      body = dict(u.callees).get("calls")
-      root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+      root = module.called(u)[1]
       if root is None or root.opcode != "slice":
         continue
       text = root.text
@@ -340,29 +305,34 @@ def sharded_collectives(module: HloModule, ops: tuple[ExecutedOp, ...] | None = 
     ins = op.instruction
     kind = next((c for c in SHARDED_COLLECTIVES if ins.opcode in (c, f"{c}-start")), None)
     if kind is not None:
-      if ins.opcode.endswith("-start"):  # jaxlib 0.10: ((operands...), result) or (operand, result)
-        items = _top_level(ins.shape)
-        n_in, n_out = shape_elements(items[0]), shape_elements(items[-1])
-        if len(items) == 1:  # a start of the result's shape alone
-          n_in = sum(shape_elements(module.instruction(op.computation, o).shape)
-                     for o in ins.operands if module.instruction(op.computation, o) is not None)
-      else:
-        n_in = sum(shape_elements(module.instruction(op.computation, o).shape)
-                   for o in ins.operands if module.instruction(op.computation, o) is not None)
-        n_out = ins.elements
+      # a start's shape (jaxlib 0.10): ((operands...), result) or (operand, result), or the result alone
+      items = _top_level(ins.shape) if ins.opcode.endswith("-start") else [ins.shape]
+      n_in = shape_elements(items[0]) if len(items) > 1 else _elements(module, op.computation, ins.operands)
+      n_out = shape_elements(items[-1])
       sync = ins.opcode == kind or '"is_sync":true' in ins.text.replace(" ", "")
       out.append(ShardedCollectiveOp(op=op, collective=kind, form=ins.opcode, in_elements=n_in,
                                      out_elements=n_out, op_name=ins.op_name, synchronous=sync))
     elif ins.opcode in _SHARDED_WRAPPERS:
-      body = dict(ins.callees).get("calls")
-      root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+      body, root = module.called(ins)
       kind = next((c for c in SHARDED_COLLECTIVES if root is not None and root.opcode == c), None)
       if kind is None:
         continue
-      n_in = sum(shape_elements(module.instruction(body, o).shape)
-                 for o in root.operands if module.instruction(body, o) is not None)
+      n_in = _elements(module, body, root.operands)
       sync = '"is_sync":true' in (ins.text + root.text).replace(" ", "")
       out.append(ShardedCollectiveOp(op=op, collective=kind, form=ins.opcode, in_elements=n_in,
                                      out_elements=root.elements, op_name=ins.op_name or root.op_name,
                                      synchronous=sync))
   return tuple(out)
+
+
+def _elements(module: HloModule, comp: str, names: Sequence[str]) -> int:
+  """Elements of the values `names` of computation `comp` (those it holds)."""
+  return sum(shape_elements(ins.shape) for o in names if (ins := module.instruction(comp, o)) is not None)
+
+
+def _outer(inner: HloInstruction | None, operands: Sequence[str]) -> str:
+  """The operand of a calling instruction that `inner`, a parameter of the called computation, stands for; ''
+  for anything else."""
+  pm = _PARAM.search(inner.text) if inner is not None and inner.opcode == "parameter" else None
+  k = int(pm.group(1)) if pm else -1
+  return operands[k] if 0 <= k < len(operands) else ""

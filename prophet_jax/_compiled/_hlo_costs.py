@@ -7,8 +7,6 @@ import re
 
 from ._hlo import HloInstruction, HloModule, shape_bytes, shape_dims
 
-__all__ = ["OpCosts"]
-
 # --------------------------------------------------------------------------------------------------
 # FLOPs and bytes from the shapes
 
@@ -77,12 +75,9 @@ class OpCosts:
     result = shape_dims(ins.shape)
     op0 = shape_dims(shapes.get(ins.operands[0], ""))
     op1 = shape_dims(shapes.get(ins.operands[1], ""))
-    if "backwardfilter" in target:
-      out, rhs = op1, result
-    elif "backwardinput" in target:
-      out, rhs = op0, op1
-    else:
-      out, rhs = result, op1
+    # (the output, the filter) of a convolution, and of the gradients of its filter and its input
+    out, rhs = ((op1, result) if "backwardfilter" in target else (op0, op1) if "backwardinput" in target
+                else (result, op1))
     rhs_labels = labels.group(2)
     if not out or not rhs or "o" not in rhs_labels or len(rhs[0]) != len(rhs_labels):
       return 0

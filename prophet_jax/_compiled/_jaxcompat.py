@@ -8,8 +8,6 @@ from typing import Any
 
 from .._values._errors import JaxVersionError
 
-__all__ = ["SUPPORTED_JAX", "TESTED_JAX_VERSIONS", "PRIVATE_JAX", "JAXPR_API", "private", "check_jaxpr_api", "scan_parts"]
-
 # the range pyproject.toml declares (jax and jaxlib alike)
 SUPPORTED_JAX = ">=0.10.2,<0.13"
 # the versions the whole suite passed on (make test: 0.10.2 on Python 3.11; make test-latest: the newest,

@@ -11,8 +11,6 @@ from jax.extend.core import Literal
 from ._jaxcompat import check_jaxpr_api
 from .._values._tree import path_str
 
-__all__ = ["forward_paths"]
-
 
 # jaxpr params holding a sub-jaxpr whose invars and outvars map one-to-one onto the equation's
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
@@ -38,11 +36,8 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
   leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
   paths = [path_str(p) for p, _ in leaves_with_paths]
   leaves = [x for _, x in leaves_with_paths]
-
-  def flat_fn(flat, *rest):
-    return fn(jax.tree_util.tree_unflatten(treedef, flat), *rest)
-
-  jaxpr = jax.make_jaxpr(flat_fn, axis_env=list(axis_env))(leaves, *args).jaxpr
+  jaxpr = jax.make_jaxpr(lambda flat, *rest: fn(jax.tree_util.tree_unflatten(treedef, flat), *rest),
+                         axis_env=list(axis_env))(leaves, *args).jaxpr
   used: dict[int, None] = {}   # the leaves used, in order of first use
 
   def walk(jx: Any, mapping: dict[int, int]) -> None:
@@ -62,11 +57,9 @@ def forward_paths(fn: Callable[..., Any], params: Any, *args: Any,
           if not isinstance(iv, Literal) and id(iv) in inner:
             mapping[id(ov)] = inner[id(iv)]
       elif eqn.primitive.name in _ALIAS_PRIMITIVES and len(eqn.invars) == len(eqn.outvars):
-        for k, i in ins:
-          mapping[id(eqn.outvars[k])] = i
+        mapping.update({id(eqn.outvars[k]): i for k, i in ins})
       else:
-        for _, i in ins:
-          used.setdefault(i)
+        used.update(dict.fromkeys(i for _, i in ins if i not in used))
 
   walk(jaxpr, {id(v): i for i, v in enumerate(jaxpr.invars[:len(leaves)])})
   order = list(used) + [i for i in range(len(leaves)) if i not in used]

@@ -25,6 +25,7 @@ as `audit` reads them: the compute XLA scheduled inside each unit's start/done.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,8 +36,6 @@ from ._audit_report import AuditEntry, AuditReport
 from ._hlo import HloModule
 from ._hlo_collectives import allreduces, sharded_collectives
 from .._values._schedule import Bucket, Schedule
-
-__all__ = ["KeyedUnit", "units_of", "keyed_audit", "match_units", "provenance", "slice_start"]
 
 # ops the provenance walk looks through: the rewrite's own buffer handling and pure data movement
 _THROUGH = {"bitcast", "copy", "reshape", "concatenate", "slice", "tuple", "get-tuple-element", "pad",
@@ -113,14 +112,12 @@ def slice_start(module: HloModule, computation: str, name: str) -> int | None:
     if ins.opcode == "get-tuple-element" and ins.operands:
       src = module.instruction(comp, ins.operands[0])
       m = _GTE.search(ins.text)
-      body = dict(src.callees).get("calls") if src is not None and src.opcode == "fusion" else None
-      root = next((i for i in module.computations.get(body or "", ()) if i.root), None)
+      body, root = module.called(src if src is not None and src.opcode == "fusion" else None)
       if root is None or m is None or root.opcode != "tuple" or int(m.group(1)) >= len(root.operands):
         return None
       comp, ins = body, module.instruction(body, root.operands[int(m.group(1))])
     elif ins.opcode == "fusion":
-      body = dict(ins.callees).get("calls")
-      comp, ins = body, next((i for i in module.computations.get(body or "", ()) if i.root), None)
+      comp, ins = module.called(ins)
     elif ins.opcode in _MOVES and ins.operands:
       ins = module.instruction(comp, ins.operands[0])
     elif ins.opcode == "slice" and ins.operands:
@@ -132,11 +129,7 @@ def slice_start(module: HloModule, computation: str, name: str) -> int | None:
       dims = [int(d) for d in re.findall(r"\d+", src.shape.split("]")[0].split("[")[-1])]
       if len(dims) != len(starts):
         return None
-      flat, stride = 0, 1
-      for st, d in zip(reversed(starts), reversed(dims)):
-        flat += st * stride
-        stride *= d
-      return flat
+      return sum(st * math.prod(dims[i + 1:]) for i, st in enumerate(starts))   # row-major
     else:
       return None
   return None
@@ -288,13 +281,11 @@ def keyed_audit(compiled: Any, schedule: Schedule, *, units: Sequence[KeyedUnit]
     warnings.append("XLA:CPU ignores combiner keys and merges independent all-reduces: on the CPU a "
                     "keyed program proves numbers only; audit a compile-only GPU target "
                     "(prophet_jax.gpu_topology) for counts and sizes.")
-  chunk_kind = "reduce-scatter" if schedule.sharded else "all-reduce"
-  chunks, order = sections[chunk_kind]
+  chunks, order = sections["reduce-scatter" if schedule.sharded else "all-reduce"]
   gathers, gorder = sections.get("all-gather", ([], []))
   peak = peak_in_flight(ops, {e.name for e in chunks + gathers if e.asynchronous})
   outside = backward_outside(ops, chunks, windows, coll_names, costs)
-  planned = len(kinds[0][1])
-  return AuditReport(planned=planned, chunks=tuple(chunks), loops=(), foreign=tuple(foreign),
+  return AuditReport(planned=len(kinds[0][1]), chunks=tuple(chunks), loops=(), foreign=tuple(foreign),
                      order=tuple(order), ok=not problems, problems=tuple(problems), total_ops=len(ops),
                      max_in_flight=peak, backward_outside_windows=outside, warnings=tuple(warnings),
                      gathers=tuple(gathers), gather_order=tuple(gorder),

@@ -19,8 +19,6 @@ from .._values._network import NetworkModel
 from .._values._schedule import Schedule
 from ._gpu import GpuTopology, cuda_plugin_installed, gpu_target
 
-__all__ = ["xla_options", "xla_settings", "XlaSettings", "plan_options", "network_flags"]
-
 # per-compile options the plan sets, each a list of spellings across jaxlib versions (first accepted wins)
 _KINDS = (("all-reduce", ("xla_gpu_all_reduce_combine_threshold_bytes",)),   # collective kind -> its threshold
           ("reduce-scatter", ("xla_gpu_reduce_scatter_combine_threshold_bytes",)),
@@ -61,12 +59,6 @@ def _sizes(schedule: Schedule) -> list[int]:
   return [math.prod(shape) for _, shape, _ in schedule.rows]
 
 
-def cut_leaves(schedule: Schedule) -> list[str]:
-  sizes = _sizes(schedule)
-  cut = {r for c in schedule.chunks for r, a, b in c.slices if (a, b) != (0, sizes[r])}
-  return [schedule.rows[r][0] for r in sorted(cut)]
-
-
 def plan_units(schedule: Schedule, workers: int) -> Units:
   """The units the plan issues per collective kind, in order, each as the bytes XLA's combiner counts per leaf."""
   from .._values._types import itemsize  # pure
@@ -76,9 +68,8 @@ def plan_units(schedule: Schedule, workers: int) -> Units:
   chunks = schedule.chunks
 
   def leaves(c: Any, shard: int = 1) -> tuple[int, ...]:
-    if all((a, b) == (0, sizes[r]) for r, a, b in c.slices):
-      return tuple(row_bytes[r] // shard for r in c.rows)
-    return (c.nbytes // shard,)
+    whole = all((a, b) == (0, sizes[r]) for r, a, b in c.slices)   # XLA counts a whole leaf's bytes
+    return tuple(row_bytes[r] // shard for r in c.rows) if whole else (c.nbytes // shard,)
 
   if schedule.family == "zero1":
     rs = tuple((n * itemsize(c.dtype) // workers,) for n, c in zip(schedule.padded_sizes(workers), chunks))
@@ -105,8 +96,7 @@ def threshold_fill(units: tuple[tuple[int, ...], ...], threshold: int) -> tuple[
       acc += b
     bounds.append(count)
   starts = [0] + list(itertools.accumulate(len(u) for u in units))[:-1]
-  exact = count == len(units) and all(bounds[i] == k + 1 for k, i in enumerate(starts))
-  return count, exact
+  return count, count == len(units) and all(bounds[i] == k + 1 for k, i in enumerate(starts))   # exact?
 
 
 def _fill_cap(schedule: Schedule) -> int | None:
@@ -120,20 +110,12 @@ def _fill_cap(schedule: Schedule) -> int | None:
   return None
 
 
-def _checked(schedule: Any, network: Any) -> int:
-  check_values("xla_options", schedule=schedule)
-  if network is not None:
-    check_values("xla_options", network=network)
-  return network.workers if network is not None else 8
-
-
 def _thresholds(schedule: Schedule, units: Units) -> dict[str, int]:
   out = {}
   for kind, _ in _KINDS:
     sizes = [sum(u) for u in units.get(kind, ()) if sum(u) > 0]
     if sizes:
-      cap = _fill_cap(schedule) if kind == "all-reduce" else None
-      out[kind] = int(cap or max(sizes))
+      out[kind] = int((_fill_cap(schedule) if kind == "all-reduce" else None) or max(sizes))
   return out
 
 
@@ -152,7 +134,9 @@ def plan_options(schedule: Schedule, units: Units, limits: dict[str, int]) -> di
 def unformed(schedule: Schedule, units: Units, limits: dict[str, int]) -> str | None:
   """Where the settings cannot give this plan: what differs and what does give it; None where they do."""
   parts = []
-  cut = cut_leaves(schedule) if schedule.family != "zero1" else []
+  sizes = _sizes(schedule)   # the leaves sent in parts (a ZeRO-1 plan's shards are its own)
+  cut = [] if schedule.family == "zero1" else [schedule.rows[r][0] for r in sorted(
+      {r for c in schedule.chunks for r, a, b in c.slices if (a, b) != (0, sizes[r])})]
   if cut:
     parts.append(f"it sends {len(cut)} leaves in parts ({', '.join(map(repr, cut[:3]))}"
                  f"{', ...' if len(cut) > 3 else ''}), and no threshold cuts a leaf's gradient")
@@ -167,13 +151,11 @@ def unformed(schedule: Schedule, units: Units, limits: dict[str, int]) -> str | 
                  "gradient every step")
   if not parts:
     return None
-  if schedule.family == "fsdp":
-    fix = ("To run the plan itself: the library's FSDP step, prophet_jax.hooked(loss_fn, schedule, "
-           "axis_name=..., mesh=mesh) (docs/fsdp.md).")
-  else:
-    fix = ("To run the plan itself: the library's step (prophet_jax.scheduled / hooked / pipelined), or one "
-           "XLA combiner key per unit (scheduled(..., enforce_order=False); prophet_jax.tag_layers for a "
-           "plain jax.jit step; docs/keys.md).")
+  fix = ("To run the plan itself: the library's FSDP step, prophet_jax.hooked(loss_fn, schedule, "
+         "axis_name=..., mesh=mesh) (docs/fsdp.md)." if schedule.family == "fsdp" else
+         "To run the plan itself: the library's step (prophet_jax.scheduled / hooked / pipelined), or one "
+         "XLA combiner key per unit (scheduled(..., enforce_order=False); prophet_jax.tag_layers for a "
+         "plain jax.jit step; docs/keys.md).")
   return (f"these settings do not give this {schedule.policy!r} plan: {'; '.join(parts)}. {fix}")
 
 
@@ -181,9 +163,8 @@ def fsdp_notes(schedule: Schedule) -> list[str]:
   if schedule.family != "fsdp":
     return []
   f = schedule.fsdp
-  regather = sum(not k for k in f.keep)
-  return [f"fsdp: which gathered parameters backward gathers again ({regather} of {len(f.keep)} groups "
-          f"in this plan) is XLA's rematerialisation, not a setting; the forward prefetch depth "
+  return [f"fsdp: which gathered parameters backward gathers again ({sum(not k for k in f.keep)} of "
+          f"{len(f.keep)} groups in this plan) is XLA's rematerialisation, not a setting; the forward prefetch depth "
           f"({f.prefetch}) is set only as the in-flight limit; early start is left off (it would start "
           f"every all-gather at the top of the step, every parameter gathered at once)."]
 
@@ -191,8 +172,7 @@ def fsdp_notes(schedule: Schedule) -> list[str]:
 def network_flags(network: NetworkModel) -> dict[str, str]:
   rtt_us = max(1, round(network.alpha_s * 1e6))
   nic_gbps = 1.0 / (network.beta_s_per_byte * 1e9) if network.beta_s_per_byte > 0 else 1e6
-  value = f"nic_speed_gbps={nic_gbps:.6g},rtt_us={rtt_us},gpus_per_node=1"
-  return {_SOL_ON: "true", _SOL_MAP: value}
+  return {_SOL_ON: "true", _SOL_MAP: f"nic_speed_gbps={nic_gbps:.6g},rtt_us={rtt_us},gpus_per_node=1"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -206,8 +186,7 @@ def _probe_program(target: str) -> Any:
   from jax.sharding import PartitionSpec as P  # (the same reason)
 
   if target == "gpu":
-    devices = jax.devices()[:1]
-    mesh = jax.sharding.Mesh(devices, ("data",))
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
     x = jax.ShapeDtypeStruct((64,), jnp.float32)
   else:
     from ._gpu import gpu_topology  # (the same reason: it sets up the compile-only platform first)
@@ -285,7 +264,8 @@ def _resolve_target(target: Any) -> tuple[str | None, str | None]:
 
 def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, target: Any = None) -> XlaSettings:
   """The compiler options, the XLA_FLAGS line and the notes for `schedule` (see `xla_options`)."""
-  units = plan_units(schedule, _checked(schedule, network))   # a sharded plan's: network.workers, or 8
+  check_values("xla_options", schedule=schedule, **({} if network is None else {"network": network}))
+  units = plan_units(schedule, 8 if network is None else network.workers)   # a sharded plan's workers
   limits = _thresholds(schedule, units)
   wanted = plan_options(schedule, units, limits)
   warning = unformed(schedule, units, limits) or ""
@@ -328,9 +308,8 @@ def xla_settings(schedule: Schedule, network: NetworkModel | None = None, *, tar
                    f"carries on jaxlib {jaxlib.__version__}: it is in the XLA_FLAGS line only.")
   else:
     notes.append("network=None: no network-derived options.")
-  line = " ".join(f"--{k}={v}" for k, v in flags.items())
-  return XlaSettings(compiler_options=options, xla_flags=line, jaxlib=jaxlib.__version__, target=name,
-                     notes=tuple(notes), warning=warning)
+  return XlaSettings(compiler_options=options, xla_flags=" ".join(f"--{k}={v}" for k, v in flags.items()),
+                     jaxlib=jaxlib.__version__, target=name, notes=tuple(notes), warning=warning)
 
 
 def xla_options(schedule: Schedule, network: NetworkModel | None = None, *, target: Any = None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._values._checks import check_int, check_number
 from .._values._errors import NetworkError
-from .._values._network import NetworkModel, fit_warning
+from .._values._network import NetworkModel, fit_warning, fmt_bytes
 
 #: 1 KiB .. 64 MiB in powers of 4: the default probe.
 DEFAULT_SIZES: tuple[int, ...] = tuple(2**k for k in range(10, 27, 2))
@@ -80,7 +80,7 @@ class AllreduceTimings:
       lines.append(f"  {s:>10} {m * 1e6:>10.1f} {lo * 1e6:>10.1f} {network.allreduce_s(s) * 1e6:>10.1f}")
     if self.cut_sizes:
       lines.append(f"  not measured (the {self.time_budget_s:g} s time budget): "
-                   f"{', '.join(_fmt_bytes(s) for s in self.cut_sizes)}")
+                   f"{', '.join(fmt_bytes(s) for s in self.cut_sizes)}")
     return "\n".join(lines)
 
 
@@ -127,18 +127,6 @@ def _mesh_devices(num_devices: int | None):
   return devices
 
 
-def _fmt_bytes(n: int) -> str:
-  for unit, k in (("MiB", 2**20), ("KiB", 2**10)):
-    if n >= k:
-      return f"{n / k:g} {unit}"
-  return f"{n} B"
-
-
-def _span(sizes: Sequence[int]) -> str:
-  first, last = _fmt_bytes(sizes[0]), _fmt_bytes(sizes[-1])
-  return first if len(sizes) == 1 else f"{first}..{last}"
-
-
 def _agree(flag: bool) -> bool:
   """Rank 0's `flag` on every process: a decision taken from a wall clock must be the same everywhere."""
   if jax.process_count() == 1:
@@ -172,9 +160,10 @@ def check_fit(network: NetworkModel, timings: AllreduceTimings, stat: str = "med
   text = fit_warning(network, timings.sizes, ys, who="measure_network",
                      advice="Re-run on a quieter machine or with more repeats, fit the floor with "
                             "stat='low', or measure only the sizes your schedules send (sizes=...).")
-  if text is not None and timings.cut_sizes:
-    text += (f" The {timings.time_budget_s:g} s time budget measured sizes up to "
-             f"{_fmt_bytes(timings.sizes[-1])} and cut {_span(timings.cut_sizes)}: pass a larger "
+  cut = timings.cut_sizes
+  if text is not None and cut:
+    text += (f" The {timings.time_budget_s:g} s time budget measured sizes up to {fmt_bytes(timings.sizes[-1])} "
+             f"and cut {fmt_bytes(cut[0])}{'..' + fmt_bytes(cut[-1]) if cut[1:] else ''}: pass a larger "
              f"time_budget_s (or None) to measure them.")
   return text
 
@@ -249,8 +238,7 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
     return jax.make_array_from_process_local_data(sharding, local, shape)
 
   def operands(nbytes: int, d: int):
-    n = max(1, nbytes // itemsz)
-    x = global_array(np.ones((n * n_local,), dtype=jnp.dtype(dtype)))
+    x = global_array(np.ones((max(1, nbytes // itemsz) * n_local,), dtype=jnp.dtype(dtype)))
     h = global_array(np.full((_ROWS * n_local, d), 0.01, np.float32))
     w = global_array(np.full((d * n_local, d), 0.01, np.float32))
     return x, h, w
@@ -289,16 +277,15 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
   d_lo = _COMPUTE_D[0] if interleave else 1
   short, long_ = program(1, True), program(1 + inner, True)
   say = _reporter(progress if jax.process_index() == 0 else False)
-  within = "" if time_budget_s is None else f" as fit in {time_budget_s:g} s"
   say(f"measure_network: timing one all-reduce over {p} {platform} device(s) at up to {len(sizes)} message "
-      f"sizes from {_fmt_bytes(sizes[0])} to {_fmt_bytes(sizes[-1])}{within}, {repeats} paired "
-      f"repeats each")
+      f"sizes from {fmt_bytes(sizes[0])} to {fmt_bytes(sizes[-1])}"
+      f"{'' if time_budget_s is None else f' as fit in {time_budget_s:g} s'}, {repeats} paired repeats each")
   rounds, costs, cut = [], [], ()
   t_all = time.perf_counter()
   for i, nbytes in enumerate(sizes):
     if time_budget_s is not None and i >= 2 and not _agree(fits(i, nbytes)):
       cut = sizes[i:]
-      say(f"measure_network: the {time_budget_s:g} s budget leaves no room for {_fmt_bytes(nbytes)} "
+      say(f"measure_network: the {time_budget_s:g} s budget leaves no room for {fmt_bytes(nbytes)} "
           f"and up; fitting {i} sizes")
       break
     t_size = time.perf_counter()
@@ -308,7 +295,7 @@ def probe(num_devices: int | None = None, *, sizes: Sequence[int] = DEFAULT_SIZE
       budget = share if budget is None else min(budget, share)
     rounds.append(paired(short, long_, operands(nbytes, d_lo), budget))
     r = np.maximum(rounds[-1], 0.0)
-    say(f"measure_network: size {i + 1}/{len(sizes)} ({_fmt_bytes(nbytes)}): median "
+    say(f"measure_network: size {i + 1}/{len(sizes)} ({fmt_bytes(nbytes)}): median "
         f"{np.median(r) * 1e6:.1f} us, p{percentile:g} {np.percentile(r, percentile) * 1e6:.1f} us "
         f"over {len(r)} repeats ({time.perf_counter() - t_size:.1f} s; {time.perf_counter() - t_all:.1f} s "
         f"so far)")

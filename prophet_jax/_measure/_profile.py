@@ -13,8 +13,7 @@ from jax.sharding import NamedSharding
 
 from . import _step_hlo
 from ._profile_harness import RowSpec, float_leaves, local_step_program, setup, update_program
-from ._profile_methods import (HLO_FILE, TIMED_LAYERS, LINKED, NoProfilerEvents, estimated,
-                               from_trace, measured, as_profile, timed)
+from ._profile_methods import HLO_FILE, LINKED, NoProfilerEvents, as_profile, estimated, from_trace, measured, timed
 from .._compiled._devices import host_rows
 from .._compiled._jaxcompat import check_jaxpr_api, scan_parts
 from .._compiled._hlo import hlo_text as _as_text
@@ -22,8 +21,6 @@ from .._values._checks import check_bool, check_int, check_values
 from .._values._errors import ProfileError
 from .._values._tree import check_layer_depth, dtype_name, is_reduced_leaf, layer_of, layer_path, path_str
 from .._values._types import GradientProfile
-
-__all__ = ["profile_step", "profile_from_trace", "scanned_stacks", "METHODS", "HLO_FILE", "TIMED_LAYERS"]
 
 METHODS = ("auto", "measured", "timed", "estimated")
 
@@ -78,7 +75,7 @@ def profile_step(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any, *,
   warmup = check_int("profile_step", "warmup", warmup, lo=0)
   check_bool("profile_step", "has_aux", has_aux)
   check_bool("profile_step", "has_state", has_state)
-  check_values("profile_step", loss_fn=loss_fn)
+  check_values("profile_step", loss_fn=loss_fn, **({} if tx is None else {"tx": tx}))
   if has_state and model_state is None:
     raise TypeError("profile_step(has_state=True): pass model_state=, the state loss_fn(params, "
                     "model_state, batch) reads (e.g. BatchNorm statistics).")

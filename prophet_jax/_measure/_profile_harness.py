@@ -131,12 +131,10 @@ def setup(loss_fn, params, batch, num_devices, layer_depth, mesh=None, axis_name
                     f"loss through differentiable operations.") from e
 
   # Forward (priority) order: first use in the loss's jaxpr.
-  fwd = forward_paths(loss_fn, params, local_batch, axis_env=env)
-  pos = {p: k for k, p in enumerate(fwd)}
+  pos = {p: k for k, p in enumerate(forward_paths(loss_fn, params, local_batch, axis_env=env))}
   order = sorted(range(len(diff_idx)), key=lambda k: (pos.get(paths[diff_idx[k]], len(pos)), k))
 
-  params_d = jax.device_put(params, NamedSharding(mesh, P()))
-  leaves_d = list(jax.tree_util.tree_leaves(params_d))
+  leaves_d = list(jax.tree_util.tree_leaves(jax.device_put(params, NamedSharding(mesh, P()))))
   diff_d = [leaves_d[i] for i in diff_idx]   # shapes and dtypes as placed (float64 is float32 without x64)
   layers = [layer_of(layer_path(flat[i][0]), layer_depth) for i in diff_idx]  # an nnx Variable's '.value': no layer
   rows = RowSpec(paths=[paths[i] for i in diff_idx], shapes=[tuple(x.shape) for x in diff_d],
@@ -197,10 +195,7 @@ def grad_program(s: ProgramSetup, wrt: Sequence[int] | None = None, name: str = 
 
 
 def loss_program(s: ProgramSetup):
-  def fwd(diff, other, b):
-    return s.loss_of(diff, other, b)
-
-  return mapped(s, fwd, (P(), P(), P(s.axis)), P())
+  return mapped(s, s.loss_of, (P(), P(), P(s.axis)), P())
 
 
 def mapped(s: ProgramSetup, f: Callable[..., Any], in_specs: Any, out_specs: Any, *, name: str = "") -> Any:
@@ -241,19 +236,12 @@ class Prog:
 def compile_all(progs: Sequence[Prog | None]) -> None:
   """Compiles the programs at once (XLA releases the GIL while it compiles)."""
   todo = [p for p in progs if p is not None and p.compiled is None]
-  if len(todo) <= 1:
-    for p in todo:
-      p.compile()
-    return
-
-  with ThreadPoolExecutor(len(todo)) as pool:
-    list(pool.map(Prog.compile, todo))
+  if todo:
+    with ThreadPoolExecutor(len(todo)) as pool:
+      list(pool.map(Prog.compile, todo))
 
 
 def update_program(s: ProgramSetup, tx: Any) -> Prog:
-  if not hasattr(tx, "init") or not hasattr(tx, "update"):
-    raise TypeError(f"profile_step(tx={tx!r}): expected an optax GradientTransformation (init/update).")
-
   diff, _ = split_leaves(s)
   state = tx.init(diff)
   f = mapped(s, _updater(tx), (P(), P(), P()), (P(), P()), name=UPDATE_NAME)
@@ -273,10 +261,9 @@ def local_step_program(s: ProgramSetup, tx: Any) -> Prog:
   """A train step with no reduction (gradients, then `tx`'s update, in one program)."""
   diff, other = split_leaves(s)
   state = tx.init(diff)
-  upd = _updater(tx)
 
   def local_step(p, o, b, st):
-    return upd(p, jax.grad(s.loss_of)(p, o, b), st)
+    return _updater(tx)(p, jax.grad(s.loss_of)(p, o, b), st)
 
   f = mapped(s, local_step, (P(), P(), P(s.axis), P()), (P(), P()))
   return Prog(f.lower(diff, other, s.batch, state), (diff, other, s.batch, state))

@@ -18,7 +18,7 @@ from . import _step_hlo, _xplane
 from ._profile_harness import (UPDATE_NAME, STEP_NAME, Prog, ProgramSetup, RowSpec, compile_all, grad_program,
                                loss_program, mapped, split_leaves, wall_median)
 from .._values._errors import ProfileError
-from .._values._types import GradientProfile, ProfileRow
+from .._values._types import GradientProfile, ProfileRow, spread_by_bytes
 
 
 def as_profile(spec: RowSpec, ready: Sequence[float], fwd_layer: Mapping[str, float], update_s: float,
@@ -137,8 +137,7 @@ def timed(s: ProgramSetup, repeats: int, update: Callable[[], Any] | None
            ) -> tuple[float, float, list[float], dict[str, float], float, str]:
   args = (*split_leaves(s), s.batch)
   t_fwd = wall_median(functools.partial(loss_program(s), *args), repeats)
-  t_all = wall_median(functools.partial(grad_program(s), *args), repeats)
-  backward_s = max(t_all - t_fwd, 0.0)
+  backward_s = max(wall_median(functools.partial(grad_program(s), *args), repeats) - t_fwd, 0.0)
   spec = s.rows
   layers, layer_bytes = spec.layers_in_order, spec.layer_bytes()
   by_layer: dict[str, list[int]] = {}
@@ -178,9 +177,7 @@ TIMED_LAYERS = 12  # at most this many per-layer gradient programs (each is comp
 
 
 def _sample(n: int, k: int) -> list[int]:
-  if n <= k:
-    return list(range(n))
-  return sorted({round(j * (n - 1) / (k - 1)) for j in range(k)})
+  return list(range(n)) if n <= k else sorted({round(j * (n - 1) / (k - 1)) for j in range(k)})
 
 
 def _device_flops_per_s(s: ProgramSetup) -> float:
@@ -188,8 +185,7 @@ def _device_flops_per_s(s: ProgramSetup) -> float:
   a = jnp.ones((s.num_devices * m, m), jnp.float32)
   f = mapped(s, lambda x: x @ x.T[:, :m], P(s.axis), P(s.axis))
   a = jax.device_put(a, jax.sharding.NamedSharding(s.mesh, P(s.axis)))
-  t = wall_median(lambda: f(a), 5)
-  return 2 * m * m * m / max(t, 1e-9)
+  return 2 * m * m * m / max(wall_median(lambda: f(a), 5), 1e-9)
 
 
 def _flops(compiled: Any) -> float:
@@ -207,16 +203,8 @@ def estimated(s: ProgramSetup) -> tuple[float, float, list[float], dict[str, flo
   forward_s = f_fwd / rate
   backward_s = max(f_all - f_fwd, 0.0) / rate
   # spread by bytes: later layers ready first
-  spec = s.rows
-  lb = spec.layer_bytes()
-  layers = list(lb)
-  total = max(sum(lb.values()), 1)
-  t, lr = 0.0, {}
-  for l in reversed(layers):
-    t += backward_s * lb[l] / total
-    lr[l] = min(t, backward_s)
-  ready = [lr[layer] for layer in spec.layers]
-  fwd_layer = {l: forward_s * lb[l] / total for l in layers}
+  lr, fwd_layer = spread_by_bytes(s.rows.layer_bytes(), forward_s, backward_s)
+  ready = [lr[layer] for layer in s.rows.layers]
   note = (f"estimated: XLA cost analysis ({f_fwd:.3g} forward, {f_all:.3g} gradient-step FLOPs) / a "
           f"measured matmul throughput of {rate / 1e9:.2f} GFLOP/s per device; spread over layers by bytes")
   return forward_s, backward_s, ready, fwd_layer, 0.0, note

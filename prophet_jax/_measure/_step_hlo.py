@@ -143,11 +143,7 @@ _HLO_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16":
 
 
 def _hlo_dtype(name: str) -> str:
-  if name in _HLO_DTYPES:
-    return _HLO_DTYPES[name]
-  if name.startswith("float8_"):
-    return "f8" + name[len("float8_"):]
-  return name
+  return "f8" + name[len("float8_"):] if name.startswith("float8_") else _HLO_DTYPES.get(name, name)
 
 
 def hlo_matches(shape_text: str, shape: tuple[int, ...], dtype: str) -> bool:

@@ -104,9 +104,9 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
         for ev in line.events:
           st = dict(ev.stats)
           mod = st.get("hlo_module")
+          start = float(ev.start_ns)
           if mod is not None and "hlo_op" in st:
             dev = f"{prefix}{plane.name if is_device else st.get('device_ordinal', plane.name)}"
-            start = float(ev.start_ns)
             timeline.setdefault(dev, []).append((start, mod))
             counts[mod] = counts.get(mod, 0) + 1
             if mod not in wanted:
@@ -120,15 +120,14 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
           if is_device:
             continue
           if "correlation_id" in st:
-            launch_at[st["correlation_id"]] = (line_key, float(ev.start_ns))
+            launch_at[st["correlation_id"]] = (line_key, start)
           if "run_id" in st:
             name = st.get("name") or st.get("module_name")
             if not isinstance(name, str):
               em = _EXEC_NAME.search(ev.name)
               name = em.group(1) if em else ""
             if name in wanted:
-              s = float(ev.start_ns)
-              scopes.setdefault(line_key, []).append((s, s + float(ev.duration_ns), st["run_id"], name))
+              scopes.setdefault(line_key, []).append((start, start + float(ev.duration_ns), st["run_id"], name))
               runs_of[name].add((prefix, st["run_id"]))
     scopes[-1] = [x for k, v in scopes.items() for x in v]   # every line's, for _launched_in's second look
     for v in scopes.values():
@@ -139,11 +138,10 @@ def read_trace(trace: str | os.PathLike[str], modules: Sequence[str]) -> Trace:
       rid = _launched_in(hit, e["module"], scopes, starts) if hit is not None else None
       if rid is not None:
         e["run"] = (prefix, rid)
-  linked: dict[str, str] = {}   # an event still without a run was not tied to a launch
-  for m, evs in events.items():
-    if evs:
-      linked[m] = ("segments" if any(e["run"] is None for e in evs) else
-                   "host launch" if all(isinstance(e["run"], tuple) for e in evs) else "run_id")
+  # an event still without a run was not tied to a launch
+  linked = {m: "segments" if any(e["run"] is None for e in evs) else
+            "host launch" if all(isinstance(e["run"], tuple) for e in evs) else "run_id"
+            for m, evs in events.items() if evs}
   if "segments" in linked.values():
     _segment(events, timeline, linked)
   return Trace(events=events, launches={m: len(r) for m, r in runs_of.items() if r}, linked=linked,
@@ -180,16 +178,14 @@ def executions(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
   groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
   for e in events:
     groups.setdefault((e["run"], e["device"]), []).append(e)
-  out = [sorted(g, key=lambda e: e["start_ns"]) for g in groups.values()]
-  return sorted(out, key=lambda g: (g[0]["start_ns"], str(g[0]["device"])))
+  return sorted((sorted(g, key=lambda e: e["start_ns"]) for g in groups.values()),
+                key=lambda g: (g[0]["start_ns"], str(g[0]["device"])))
 
 
 def backward_start(ex: list[dict[str, Any]], hlo: StepHlo) -> float | None:
   """When backward starts in one execution: the first backward op after which <= 5% of forward remains."""
   names = [hlo.instrs[e["op"]].op_name if e["op"] in hlo.instrs else "" for e in ex]
   kinds = ["b" if is_backward(name) else ("f" if "jvp(" in name else "o") for name in names]
-  if "b" not in kinds:
-    return None
   dur = [e["end_ns"] - e["start_ns"] for e in ex]
   remaining = sum(d for d, k in zip(dur, kinds) if k == "f")
   budget = 0.05 * remaining

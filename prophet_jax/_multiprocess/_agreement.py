@@ -11,13 +11,7 @@ from .._values._errors import LaunchError, ProphetError
 from .._values._schedule import Schedule
 from .._values._tree import flatten_with_paths
 
-__all__ = ["broadcast_schedule"]
-
 MESSAGE_BYTES = 600  # each rank's error message, as gathered for the others (truncated)
-
-
-def _check_tree(schedule: Schedule, params: Any) -> None:
-  match_tree(flatten_with_paths(params), schedule, where="broadcast_schedule")
 
 
 def gather_messages(text: str) -> list[str]:
@@ -80,7 +74,7 @@ def broadcast_schedule(schedule: Schedule | BaseException | None, params: Any = 
     if rank0_error is not None:
       raise rank0_error
     if params is not None:
-      _check_tree(schedule, params)
+      match_tree(flatten_with_paths(params), schedule, where="broadcast_schedule")
     return schedule
   rank = jax.process_index()
   # a schedule's JSON starts with "{"; "!" marks rank 0's failure, the rest its message
@@ -95,7 +89,7 @@ def broadcast_schedule(schedule: Schedule | BaseException | None, params: Any = 
   try:
     got = Schedule.from_json(text)
     if params is not None:
-      _check_tree(got, params)
+      match_tree(flatten_with_paths(params), got, where="broadcast_schedule")
   except ProphetError as e:
     error = type(e)(f"rank {rank}: {e}")
     error.__cause__ = e

@@ -17,8 +17,6 @@ from .._values._errors import LaunchError
 from ._agreement import broadcast_text, failed_ranks, gather_messages
 from ._compare import Snapshot, difference, host, loss_of, snapshot
 
-__all__ = ["choose", "Choice"]
-
 CONTROL = "control"  # the control's name in the Choice when it is given as a step function
 
 
@@ -51,26 +49,19 @@ def _split_steps(steps: Any, control: Any) -> tuple[tuple[str, ...], dict[str, C
   else:
     raise TypeError(f"choose(control=...): expected the control's step function (the user's own step) "
                     f"or the name of one of the steps; got {type(control).__name__}.")
-  names = (name,) + tuple(k for k in fns if k != name)
-  return names, fns, name
+  return (name,) + tuple(k for k in fns if k != name), fns, name
 
 
 def _states(state: Any, names: Sequence[str]) -> dict[str, Any]:
   """Per step its starting state: `state`, or `state[name]` where `state` maps the steps' names."""
   if isinstance(state, Mapping) and set(state) & set(names):
     if set(state) != set(names):
-      missing = sorted(set(names) - set(state))
-      extra = sorted(set(state) - set(names))
       raise ValueError(f"choose(state=...): a mapping of states per step must name exactly the steps "
-                       f"{list(names)}; missing {missing}, extra {extra}. (A state that is itself a dict "
+                       f"{list(names)}; missing {sorted(set(names) - set(state))}, extra "
+                       f"{sorted(set(state) - set(names))}. (A state that is itself a dict "
                        f"must not use the steps' names as keys.)")
     return {n: state[n] for n in names}
   return {n: state for n in names}
-
-
-def _copy(tree: Any) -> Any:
-  """A copy of every array of `tree`, which a donating step may consume."""
-  return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
 
 
 def _next_state(out: Any, state: Any, name: str) -> Any:
@@ -85,17 +76,14 @@ def _next_state(out: Any, state: Any, name: str) -> Any:
                   "`state = step(state, batch)` or `state, aux = step(state, batch)`.")
 
 
-def _agree_names(names: tuple[str, ...]) -> tuple[str, ...]:
-  """Every process runs the same steps in the same order: rank 0's, checked on every process."""
-  if jax.process_count() == 1:
-    return names
-  mine = gather_messages("\n".join(names))
+def _agree_names(names: tuple[str, ...]) -> None:
+  """Every process runs the same steps in the same order: LaunchError where a rank's differ from rank 0's."""
+  mine = gather_messages("\n".join(names)) if jax.process_count() > 1 else [""]
   bad = [r for r, m in enumerate(mine) if m != mine[0]]
   if bad:
     raise LaunchError(f"choose: rank(s) {bad} have other steps than rank 0: {mine[0].splitlines()} on "
                       f"rank 0, {mine[bad[0]].splitlines()} on rank {bad[0]} (names and control must be "
                       f"the same everywhere, in the same order).")
-  return names
 
 
 def _slowest(seconds: np.ndarray) -> np.ndarray:
@@ -214,10 +202,11 @@ def choose(steps: Mapping[str, Callable], state: Any, batches: Sequence[Any], *,
   if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or len(batches) == 0:
     raise TypeError(f"choose(batches=...): expected a non-empty sequence of batches (a list; [batch] "
                     f"for one); got {type(batches).__name__}.")
-  names = _agree_names(names)
+  _agree_names(names)
   start = _states(state, names)
   before = snapshot(start[control_name], None, compare)
-  current = {n: _copy(start[n]) for n in names}
+  # a copy of every array of each state, which a donating step may consume
+  current = {n: jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, start[n]) for n in names}
 
   def call(n: str, k: int, when: str) -> tuple[float, Any]:
     """Step `n` on batches[k] from its current state, waited for: (its seconds, its loss or None), checked; an

@@ -13,8 +13,6 @@ import numpy as np
 
 from .._values._tree import path_str
 
-__all__ = ["Snapshot", "snapshot", "params_of", "difference", "loss_of", "host"]
-
 _ABS = 1e-6   # the absolute bound of a leaf whose update is zero (relative to max(1, max|before|))
 
 

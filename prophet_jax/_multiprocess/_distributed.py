@@ -15,8 +15,6 @@ from .._values._config import config
 from .._values._errors import GlooBindError, LaunchError
 from .._compiled._jaxcompat import TESTED_JAX_VERSIONS, private
 
-__all__ = ["initialize", "bind_gloo_interface", "check_interface"]
-
 _CLUSTER = "prophet_jax.launch.initialize() (detecting a SLURM, Open MPI, Kubernetes or Cloud TPU cluster)"
 _CLUSTER_FIX = ("call jax.distributed.initialize(...) yourself before any other jax call (initialize() then "
                 "sees it initialized), or set JAX_COORDINATOR_ADDRESS")
@@ -83,9 +81,8 @@ def initialize(*, timeout_s: int | None = None) -> bool:
     jax.distributed.initialize(initialization_timeout=timeout)
     return True
   where = f"rank {cfg.process_id} of {cfg.num_processes}, coordinator {cfg.coordinator}, timeout {timeout} s"
-  deadline = time.monotonic() + timeout
   if cfg.process_id != 0:
-    _wait_for_coordinator(cfg.coordinator, deadline, where)
+    _wait_for_coordinator(cfg.coordinator, time.monotonic() + timeout, where)
   # jaxlib ends the process (a fatal log, exit 134) when the other ranks do not all register in time;
   # say clearly why before it does.
   watchdog = threading.Timer(max(timeout - 0.5, 0.1), lambda: print(
@@ -162,6 +159,5 @@ def bind_gloo_interface(interface: str) -> None:
   if started():
     raise GlooBindError(f"the jax backend has already started, so gloo can no longer be bound to {interface!r}: call "
                         "prophet_jax.launch.initialize() before any jax operation (jax.devices(), jnp arrays, jit).")
-  collectives = make(distributed_client=client, interface=interface)
-  register("cpu", functools.partial(make_cpu_client, collectives=collectives), priority=0,
-           fail_quietly=False)
+  register("cpu", functools.partial(make_cpu_client, collectives=make(distributed_client=client, interface=interface)),
+           priority=0, fail_quietly=False)

@@ -21,8 +21,6 @@ from .._values._config import config
 from ._distributed import check_interface
 from .._values._errors import ProphetError
 
-__all__ = ["launch", "add_arguments", "run", "main", "free_port"]
-
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 STOP_GRACE_S = 3.0
 
@@ -74,15 +72,10 @@ def _child_env(base: dict[str, str], *, rank: int, nproc: int, coordinator: str,
          or (v and k in ("PROPHET_INIT_TIMEOUT_S", "PROPHET_HEARTBEAT_TIMEOUT_S"))}
   env.update(PROPHET_PROCESS_ID=str(rank), PROPHET_NUM_PROCESSES=str(nproc),
              PROPHET_COORDINATOR=coordinator, PYTHONUNBUFFERED="1")
-  if xla_flags:
-    env["XLA_FLAGS"] = xla_flags
-  if devices is not None:
-    env["PROPHET_LOCAL_DEVICES"] = str(devices)
-  if gloo_interface:
-    env["PROPHET_GLOO_INTERFACE"] = gloo_interface
-  if init_timeout_s is not None:
-    env["PROPHET_INIT_TIMEOUT_S"] = str(int(init_timeout_s))
-  return env
+  given = {"XLA_FLAGS": xla_flags or None, "PROPHET_LOCAL_DEVICES": devices,
+           "PROPHET_GLOO_INTERFACE": gloo_interface or None,
+           "PROPHET_INIT_TIMEOUT_S": None if init_timeout_s is None else int(init_timeout_s)}
+  return env | {k: str(v) for k, v in given.items() if v is not None}
 
 
 def _pump(rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
@@ -114,10 +107,9 @@ def _stop(procs: dict[int, subprocess.Popen], grace_s: float) -> None:
   deadline = time.monotonic() + grace_s
   while time.monotonic() < deadline and any(p.poll() is None for p in live):
     time.sleep(0.05)
-  for p in live:
-    if p.poll() is None:
-      with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGKILL)
+  for p in [p for p in live if p.poll() is None]:
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(p.pid, signal.SIGKILL)
   for p in live:
     with contextlib.suppress(subprocess.TimeoutExpired):
       p.wait(timeout=10)
@@ -173,7 +165,6 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
   base = dict(os.environ)
   config()  # the parent's PROPHET_* flags are checked here, so a typo fails before anything starts
   xla_flags, devices = _device_flags(base.get("XLA_FLAGS", ""), nproc, devices_per_process)
-  address = f"{host}:{port}"
   lock = threading.Lock()
   procs: dict[int, subprocess.Popen] = {}
   pumps: list[threading.Thread] = []
@@ -186,12 +177,10 @@ def launch(cmd: Sequence[str], *, nproc: int, port: int | None = None, coordinat
       err.write(f"prophet-jax launch: {text}\n")
       err.flush()
 
-  old_term = None
-  if threading.current_thread() is threading.main_thread():
-    old_term = signal.signal(signal.SIGTERM, on_term)
+  old_term = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() else None
   try:
     for rank in range(nproc):
-      env = _child_env(base, rank=rank, nproc=nproc, coordinator=address, xla_flags=xla_flags,
+      env = _child_env(base, rank=rank, nproc=nproc, coordinator=f"{host}:{port}", xla_flags=xla_flags,
                        devices=devices, gloo_interface=gloo_interface, init_timeout_s=init_timeout_s)
       try:
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -242,9 +231,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
   """`launch` with the arguments `add_arguments` parsed; the launched processes' exit code."""
-  cmd = list(args.cmd)
-  if cmd[:1] == ["--"]:
-    cmd = cmd[1:]
+  cmd = list(args.cmd)[1:] if args.cmd[:1] == ["--"] else list(args.cmd)
   return launch(cmd, nproc=args.nproc, port=args.port, coordinator=args.coordinator,
                 gloo_interface=args.gloo_interface, devices_per_process=args.devices_per_process,
                 init_timeout_s=args.init_timeout)

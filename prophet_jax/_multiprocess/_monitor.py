@@ -39,9 +39,7 @@ class Decision:
 
 def plan_key(schedule: Schedule) -> str:
   """What makes two schedules the same plan: everything but the prediction (`predicted_s`)."""
-  d = schedule.to_dict()
-  d.pop("predicted_s", None)
-  return json.dumps(d, sort_keys=True)
+  return json.dumps({k: v for k, v in schedule.to_dict().items() if k != "predicted_s"}, sort_keys=True)
 
 
 class Monitor:
@@ -178,11 +176,10 @@ class Monitor:
     return self.probe_now() if due else None
 
   def _drifted(self) -> bool:
-    if jax.process_count() > 1:
-      return False  # processes would disagree on when to probe: periodic probes only
-    if self._baseline_s is None or len(self._steps) < self._steps.maxlen or self._baseline_s <= 0:
-      return False
-    return abs(statistics.median(self._steps) - self._baseline_s) > self.drift * self._baseline_s
+    if jax.process_count() > 1 or self._baseline_s is None or len(self._steps) < self._steps.maxlen:
+      return False  # several processes would disagree on when to probe: periodic probes only
+    base = self._baseline_s
+    return base > 0 and abs(statistics.median(self._steps) - base) > self.drift * base
 
   def probe_now(self) -> Schedule | None:
     """Times a few small all-reduces now, refits and maybe re-plans; the new schedule if switched."""
@@ -224,9 +221,7 @@ class Monitor:
       if switch:
         chosen = candidate
     chosen = self._agree(chosen)
-    if plan_key(chosen) == plan_key(self.schedule):
-      return None
-    if self._confirm is not None and not self._confirmed(chosen):
+    if plan_key(chosen) == plan_key(self.schedule) or (self._confirm is not None and not self._confirmed(chosen)):
       return None
     self.schedule = chosen
     self._baseline_s = None  # a new plan: a new step-time baseline

@@ -16,8 +16,6 @@ from ._fsdp_bound import fsdp_bound
 from .._values._network import NetworkModel
 from .._values._types import GradientProfile, is_bool, is_int
 
-__all__ = ["lower_bound"]
-
 # Above this many (layers x layers x rows), the pipelined-step bound uses layer prefixes and single
 # layers only, instead of every contiguous range of layers (a weaker but still valid bound).
 _INTERVAL_WORK = 250_000
@@ -91,11 +89,9 @@ def lower_bound(profile: GradientProfile, network: NetworkModel, *, cross_step: 
   if q is None or q.background_flows == 0:
     return float(min(f(prob.per_byte_s) for f in families))
   values, counts = np.unique(background_flows(q), return_counts=True)
-  means = []
-  for f in families:
-    bounds = [f(prob.per_byte_s * (1.0 + float(v))) for v in values]
-    means.append(float(np.dot(bounds, counts) / counts.sum()))
-  return float(min(means))
+  # each family's mean over the samples' flows, the least of them
+  return float(min(float(np.dot([f(prob.per_byte_s * (1.0 + float(v))) for v in values], counts) / counts.sum())
+                   for f in families))
 
 
 def _sharded_bound(prob: Problem, b_full: float) -> float:
@@ -111,10 +107,7 @@ def _sharded_bound(prob: Problem, b_full: float) -> float:
   w_all = float(k[-1] * a + b * b_s.sum())
   forward, backward = prob.forward_s, prob.backward_s
   update = float(prob.row_update_s[sent].sum()) / prob.network.workers
-  if prob.overlap:
-    rs = max(thr, _makespan_per_dtype(r_s, b_s, d_s, nd, a, b))
-  else:
-    rs = max(backward + w_all, thr)
+  rs = max(thr, _makespan_per_dtype(r_s, b_s, d_s, nd, a, b)) if prob.overlap else max(backward + w_all, thr)
   if not prob.cross_step:
     if prob.overlap:
       return float(max(backward, rs) + max(w_all, update + a) + forward)
@@ -185,14 +178,11 @@ def _bound(prob: Problem, b: float, deferred: float) -> float:
     count part of S_t: smaller, still valid).
     """
     cb = np.cumsum(np.where(mask, b_s, 0.0), axis=-1)
-    val = np.where(mask, r_s + work(cb, _dtypes_so_far(mask, d_s, nd)), -np.inf)
-    return val.max(axis=-1)
+    return np.where(mask, r_s + work(cb, _dtypes_so_far(mask, d_s, nd)), -np.inf).max(axis=-1)
 
   if n:
-    everything = np.ones((1, n), dtype=bool)
-    thr_all = float(thr_max(everything)[0])
-    k_all = len({int(d) for d in d_s})
-    w_all = float(work(np.float64(b_s.sum()), np.float64(k_all)))
+    thr_all = float(thr_max(np.ones((1, n), dtype=bool))[0])   # every row
+    w_all = float(work(np.float64(b_s.sum()), np.float64(len({int(d) for d in d_s}))))   # every row, every dtype
   else:
     thr_all, w_all = -np.inf, 0.0
   if network.overlap:
@@ -218,8 +208,7 @@ def _bound(prob: Problem, b: float, deferred: float) -> float:
         mask = (l_s[None, :] >= i) & (l_s[None, :] <= ends[:, None])
         ok = mask.any(axis=1)
         mins = np.minimum.accumulate(tail_sent[i:])
-        vals = thr_max(mask[ok]) + mins[ok]
-        bound = max(bound, float(vals.max()))
+        bound = max(bound, float((thr_max(mask[ok]) + mins[ok]).max()))
     else:
       # prefixes 0..l (rows as they join): every one, or every `step`-th and the last when
       # layers x rows is large (any subset of the terms is still a valid bound), and single layers
@@ -237,8 +226,7 @@ def _bound(prob: Problem, b: float, deferred: float) -> float:
       for lo, hi in _ranges(nl, n):
         in_j = (l_s >= lo) & (l_s <= hi)
         for m in _dtype_masks(d_s, nd, in_j):
-          mk = _batched_makespan(r_s[m][::-1], b_s[m][::-1], a, b)
-          bound = max(bound, mk + float(tail[l_s[m]].min()))
+          bound = max(bound, _batched_makespan(r_s[m][::-1], b_s[m][::-1], a, b) + float(tail[l_s[m]].min()))
         # split: the rows of J ready no earlier than every row outside J ("hold")
         t_star = float(r_s[~in_j].max()) if (~in_j).any() else -np.inf
         hold = in_j & (r_s >= t_star)
@@ -286,8 +274,7 @@ def _dtypes_so_far(mask: np.ndarray, d_s: np.ndarray, nd: int) -> np.ndarray:
 def _dtype_masks(d_s: np.ndarray, nd: int, base: np.ndarray | None = None) -> list[np.ndarray]:
   """`base` (all rows when None), then with several dtypes each dtype's part of it: the non-empty ones."""
   base = np.ones(d_s.size, dtype=bool) if base is None else base
-  masks = [base] + ([base & (d_s == d) for d in range(nd)] if nd > 1 else [])
-  return [m for m in masks if m.any()]
+  return [m for m in [base] + ([base & (d_s == d) for d in range(nd)] if nd > 1 else []) if m.any()]
 
 
 def _unsent(prob: Problem, sent: np.ndarray, tail: np.ndarray) -> float:
@@ -366,10 +353,9 @@ def _jackson_lmax(release: np.ndarray, work: np.ndarray, delivery: np.ndarray) -
   of largest q; optimal for 1|r_j,pmtn|L_max).
   """
   order = np.argsort(release, kind="stable")
-  rel, wk, q = release[order].tolist(), work[order].tolist(), delivery[order].tolist()
+  rel, remaining, q = release[order].tolist(), work[order].tolist(), delivery[order].tolist()
   n = len(rel)
   heap: list[tuple[float, int]] = []
-  remaining = list(wk)
   t, i, best = 0.0, 0, -np.inf
   while i < n or heap:
     if not heap:

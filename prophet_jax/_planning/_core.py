@@ -16,11 +16,6 @@ from .._values._network import NetworkModel, typical_network
 from .._values._tree import IdentityMemo
 from .._values._types import GradientProfile, itemsize
 
-__all__ = ["Problem", "problem", "ChunkArrays", "chunk_arrays", "schedule_arrays", "split_by_dtype",
-           "equal_parts", "equal_ranges", "part_count", "link_end", "sync_waits", "link_loop", "ends_one_link",
-           "iteration_s", "background_flows", "typical_costs", "search_problem", "pressured", "objective_s",
-           "pressure_durations", "sampled_durations", "iterations"]
-
 Slice = tuple[int, int, int]  # (profile row, start element, stop element)
 
 
@@ -88,8 +83,7 @@ def _build(profile: GradientProfile, network: NetworkModel, cross_step: bool) ->
   row_ready = np.fromiter((r.ready_s for r in rows), dtype=np.float64, count=n)
   row_nbytes = np.fromiter((r.nbytes for r in rows), dtype=np.float64, count=n)
   dcode = {d: i for i, d in enumerate(dict.fromkeys(r.dtype for r in rows))}
-  fwd_map = profile.layer_fwd_s()
-  layer_fwd = np.array([fwd_map[name] for name in layers], dtype=np.float64)
+  layer_fwd = np.array(list(profile.layer_fwd_s().values()), dtype=np.float64)   # in `layers`' order
   layer_upd = np.zeros(len(layers))
   row_upd = np.fromiter((r.update_s for r in rows), dtype=np.float64, count=n)
   np.add.at(layer_upd, row_layer, row_upd)
@@ -106,14 +100,13 @@ def _build(profile: GradientProfile, network: NetworkModel, cross_step: bool) ->
     row_tail = np.full(n, update_s + forward_s)
     floor = 0.0
     after = update_s + forward_s
-  sizes = {d: itemsize(d) for d in dcode}
   backward_s = float(profile.backward_s)
   return Problem(
       profile=profile, network=network, cross_step=bool(cross_step), fingerprint=profile.fingerprint(),
       row_ready_s=row_ready, row_nbytes=row_nbytes, row_tail_s=row_tail, row_layer=row_layer,
       row_dtype_code=np.fromiter((dcode[r.dtype] for r in rows), dtype=np.int64, count=n),
       ready=tuple(r.ready_s for r in rows), tail=tuple(row_tail.tolist()),
-      size=tuple(math.prod(r.shape) for r in rows), itemsize=tuple(sizes[r.dtype] for r in rows),
+      size=tuple(math.prod(r.shape) for r in rows), itemsize=tuple(itemsize(r.dtype) for r in rows),
       dtype=tuple(r.dtype for r in rows), live=tuple(i for i, r in enumerate(rows) if r.nbytes > 0),
       layers=layers, layer_fwd_s=layer_fwd, layer_update_s=layer_upd, layer_tail_s=layer_tail,
       layer_fwd_tail_s=layer_fwd_tail, row_update_s=row_upd,
@@ -149,14 +142,10 @@ class ChunkArrays(NamedTuple):
 
 def chunk_arrays(prob: Problem, chunks: Iterable[Sequence[Slice]]) -> ChunkArrays:
   """The ChunkArrays of chunks given as (row, start, stop) slices, in issue order."""
-  rows: list[int] = []
-  elems: list[int] = []
-  counts: list[int] = []
-  for c in chunks:
-    counts.append(len(c))
-    for r, a, e in c:
-      rows.append(r)
-      elems.append(e - a)
+  chunks = list(chunks)
+  counts = [len(c) for c in chunks]
+  rows = [r for c in chunks for r, _, _ in c]
+  elems = [e - a for c in chunks for _, a, e in c]
   n = len(counts)
   if n == 0:
     z = np.zeros(0)
@@ -201,8 +190,7 @@ def part_count(size: int, itemsize: int, max_bytes: float | None) -> int:
     return 0
   if max_bytes is None:
     return 1
-  per = max(1, int(max_bytes) // max(itemsize, 1))
-  return -(-size // per)
+  return -(-size // max(1, int(max_bytes) // max(itemsize, 1)))   # parts of `per` elements, the last short
 
 
 def equal_parts(size: int, itemsize: int, max_bytes: float | None) -> list[tuple[int, int]]:
@@ -330,31 +318,10 @@ def ends_one_link(ready: np.ndarray, dur: np.ndarray, backward_s: float,
 
 def iteration_s(prob: Problem, ready_s: np.ndarray, dur_s: np.ndarray,
                 tail_s: np.ndarray | float) -> float:
-  """The iteration time, seconds, from per-chunk arrays in issue order (the closed form).
-
-  Args:
-    prob: the Problem.
-    ready_s: each chunk's ready time, seconds.
-    dur_s: each chunk's all-reduce time, seconds.
-    tail_s: per chunk, what must follow its end, seconds (a scalar broadcasts).
+  """The iteration time, seconds, from per-chunk arrays in issue order (the closed form): `iterations` of
+  one sample. `tail_s` is per chunk what must follow its end, seconds (a scalar broadcasts).
   """
-  ready = np.asarray(ready_s, dtype=np.float64)
-  dur = np.asarray(dur_s, dtype=np.float64)
-  backward_s, after_s, floor_s = prob.backward_s, prob.after_s, prob.floor_s
-  if ready.size == 0:
-    return max(float(backward_s) + float(after_s), float(floor_s))
-  if prob.skew and not prob.overlap:
-    dur = dur + sync_waits(ready, prob.skew, prob.cycle_s, backward_s)
-  if prob.links == 1:
-    end, bw_end = ends_one_link(ready, dur, backward_s, prob.overlap)
-  else:
-    _, e, _, bw_end, _ = link_loop(ready.tolist(), dur.tolist(), backward_s=backward_s,
-                                   links=prob.links, overlap=prob.overlap)
-    end = np.asarray(e)
-  t = max(bw_end + after_s, float(np.max(end + tail_s)), floor_s)
-  if not prob.overlap:
-    t = max(t, float(end.max()) + after_s)
-  return t
+  return float(iterations(prob, ready_s, np.asarray(dur_s, dtype=np.float64)[None, :], tail_s)[0][0])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -376,9 +343,7 @@ def typical_costs(prob: Problem) -> tuple[float, float]:
 
 def search_problem(prob: Problem) -> Problem:
   """The calm Problem a planner searches on: `prob` itself when calm, else the same on `typical_network`."""
-  if not pressured(prob):
-    return prob
-  return problem(prob.profile, typical_network(prob.network), cross_step=prob.cross_step)
+  return problem(prob.profile, typical_network(prob.network), cross_step=prob.cross_step) if pressured(prob) else prob
 
 
 def pressured(prob: Problem) -> bool:
@@ -391,12 +356,9 @@ def objective_s(prob: Problem, ready_s: np.ndarray, nbytes: np.ndarray, tail_s: 
   """The iteration every planner minimises: `iteration_s` when calm, else the mean over the seeded
   samples (what `simulate` returns).
   """
-  if not pressured(prob):
-    return float(iteration_s(prob, ready_s, prob.durations(np.asarray(nbytes, dtype=np.float64)), tail_s))
   nb = np.asarray(nbytes, dtype=np.float64)
-  t, _, _ = iterations(prob, ready_s, pressure_durations(prob, nb), np.broadcast_to(
-      np.asarray(tail_s, dtype=np.float64), nb.shape))
-  return float(t.mean())
+  dur = pressure_durations(prob, nb) if pressured(prob) else prob.durations(nb)[None, :]
+  return float(iterations(prob, ready_s, dur, tail_s)[0].mean())
 
 
 def pressure_durations(prob: Problem, nbytes: np.ndarray, *, half: bool = False) -> np.ndarray:
@@ -453,7 +415,8 @@ def iterations(prob: Problem, ready_s: np.ndarray, dur_s: np.ndarray,
       st, e, _, bw, _ = link_loop(rl, dur[i].tolist(), backward_s=backward_s, links=prob.links,
                                   overlap=prob.overlap)
       start[i], end[i], bw_end[i] = st, e, bw
-  t = np.maximum(np.maximum(bw_end + after_s, np.max(end + np.broadcast_to(np.asarray(tail_s, dtype=np.float64), ready.shape)[None, :], axis=1)), floor_s)
+  tail = np.broadcast_to(np.asarray(tail_s, dtype=np.float64), ready.shape)
+  t = np.maximum(np.maximum(bw_end + after_s, np.max(end + tail[None, :], axis=1)), floor_s)
   if not prob.overlap:
     t = np.maximum(t, end.max(axis=1) + after_s)
   return t, dur, (end - dur if prob.links == 1 else start)

@@ -16,9 +16,6 @@ import numpy as np
 
 from .._values._checks import check_int, check_number
 
-__all__ = ["Choice", "DEFAULT_ROUNDS", "DEFAULT_CONFIDENCE", "VERDICTS", "interleave", "decide",
-           "median_interval", "min_rounds", "round_order"]
-
 DEFAULT_ROUNDS = 750
 DEFAULT_CONFIDENCE = 0.95
 VERDICTS = ("faster", "no difference", "slower")
@@ -30,9 +27,7 @@ def _williams_row(n: int, k: int) -> list[int]:
   every treatment follows every other equally often.
   """
   base = [0] + [(i + 1) // 2 if i % 2 else n - i // 2 for i in range(1, n)]
-  if k < n:
-    return [(b + k) % n for b in base]
-  return [(b + k - n) % n for b in base][::-1]
+  return [(b + k) % n for b in base] if k < n else [(b + k - n) % n for b in base][::-1]
 
 
 def _shuffled(m: int, seed: int) -> list[int]:
@@ -55,8 +50,7 @@ def round_order(names: Sequence[str], r: int) -> tuple[str, ...]:
   """
   n = len(names)
   period = n if n % 2 == 0 else 2 * n
-  row = _williams_row(n, _shuffled(period, r // period)[r % period])
-  return tuple(names[i] for i in row)
+  return tuple(names[i] for i in _williams_row(n, _shuffled(period, r // period)[r % period]))
 
 
 def interleave(names: Sequence[str], rounds: int, measure: Callable[[str, int], float]) -> np.ndarray:
@@ -270,9 +264,8 @@ def decide(names: Sequence[str], seconds: Any, *, control: str, min_gain: float 
     reason = (f"{best!r} is faster than the control {control!r}: median time ratio {ratios[best]:.3f} "
               f"({conf} interval [{lo:.3f}, {hi:.3f}]), a speed-up of at least {1 / hi:.3f}x, beyond "
               f"1 + min_gain = {1 + min_gain:g}, over {rounds} interleaved rounds.")
-    others = [k for _, k in winners[1:]]
-    if others:
-      reason += f" Also faster, less so: {', '.join(map(repr, others))}."
+    if winners[1:]:
+      reason += f" Also faster, less so: {', '.join(repr(k) for _, k in winners[1:])}."
   else:
     best = control
     parts = []

@@ -4,16 +4,12 @@ all-gathers on one link (pure numpy; the model: docs/design.md, "Simulator seman
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from ._core import Problem, ends_one_link, sync_waits
-
-__all__ = ["ShardedArrays", "ShardedRun", "sharded_arrays", "chunk_arrays", "sharded_run", "sharded_durations",
-           "sharded_iteration_s"]
 
 Slice = tuple[int, int, int]
 
@@ -104,23 +100,10 @@ def chunk_arrays(prob: Problem, chunks: Sequence[Sequence[Slice]]) -> ChunkArray
   ready, size, isz = prob.ready, prob.size, prob.itemsize      # Python values: no numpy scalars per slice
   upd, layer = prob.row_update_s.tolist(), prob.row_layer.tolist()
   for k, c in enumerate(chunks):
-    elems = 0
-    r_max = -math.inf
-    u = 0.0
-    ls = set()
-    for r, a, b in c:
-      n = b - a
-      elems += n
-      if ready[r] > r_max:
-        r_max = ready[r]
-      if upd[r]:
-        u += upd[r] * n / size[r]
-      ls.add(layer[r])
-    rs_ready[k] = r_max
-    padded = workers * -(-elems // workers)
-    rs_nbytes[k] = padded * isz[c[0][0]]
-    rs_update[k] = u / workers
-    layers_of.append(ls)
+    rs_ready[k] = max(ready[r] for r, _, _ in c)
+    rs_nbytes[k] = workers * -(-sum(b - a for _, a, b in c) // workers) * isz[c[0][0]]   # padded
+    rs_update[k] = sum(upd[r] * (b - a) / size[r] for r, a, b in c) / workers
+    layers_of.append({layer[r] for r, _, _ in c})
   return rs_ready, rs_nbytes, rs_update, layers_of
 
 
@@ -168,8 +151,7 @@ def sharded_run(prob: Problem, arr: ShardedArrays, rs_dur: np.ndarray, ag_dur: n
     u_total = float(cum[-1]) if g_n else 0.0
     if overlap:
       t = _gathers(t_rs, range(g_n), release, ag_dur, ag_start, ag_end)
-      last = t if g_n else t0
-      start_fwd = np.maximum(t0 + u_total, last)
+      start_fwd = np.maximum(t0 + u_total, t if g_n else t0)   # the last all-gather's end
     else:
       t = t0.copy()
       for g in range(g_n):
@@ -229,5 +211,4 @@ def _gathers(t: np.ndarray, gs: range, release: np.ndarray, ag_dur: np.ndarray, 
 
 def sharded_iteration_s(prob: Problem, arr: ShardedArrays) -> float:
   """The calm iteration time of a sharded schedule (what `simulate` returns on a calm network)."""
-  rs, ag = sharded_durations(prob, arr)
-  return float(sharded_run(prob, arr, rs, ag).iteration_s[0])
+  return float(sharded_run(prob, arr, *sharded_durations(prob, arr)).iteration_s[0])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,8 +23,6 @@ from ._fsdp_accum import accum_counts, accum_run
 from ._fsdp import FsdpArrays, dear_peak_bytes, fsdp_arrays_of, fsdp_durations, fsdp_run, fsdp_samples
 from ._sharded import ShardedArrays, ShardedRun, sharded_arrays, sharded_durations, sharded_run
 from .._values._types import GradientProfile, json_fields, json_object
-
-__all__ = ["simulate", "SimResult", "Event"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -125,8 +124,7 @@ def _union_length(start: np.ndarray, end: np.ndarray) -> float:
   new[1:] = s[1:] > run_end[:-1]
   idx = np.flatnonzero(new)
   run_starts = s[idx]
-  run_ends = run_end[np.r_[idx[1:] - 1, s.size - 1]]
-  return float(np.sum(run_ends - run_starts))
+  return float(np.sum(run_end[np.r_[idx[1:] - 1, s.size - 1]] - run_starts))   # each run's end less its start
 
 
 def simulate(schedule: Schedule, profile: GradientProfile, network: NetworkModel, *,
@@ -231,18 +229,16 @@ def simulate_sharded(prob: Problem, arr: ShardedArrays, *, events: bool = True) 
   run = sharded_run(prob, arr, rs, ag)
   iters = run.iteration_s
   i, extra = _samples(iters, iters.size > 1)
-  forward_s, backward_s = prob.forward_s, prob.backward_s
   update_s = float(arr.rs_update_s.sum())
-  comm = (run.rs_end - run.rs_start).sum(axis=1) + (run.ag_end - run.ag_start).sum(axis=1)
-  compute = forward_s + backward_s + (0.0 if prob.cross_step else update_s)
+  comm = float(((run.rs_end - run.rs_start).sum(axis=1) + (run.ag_end - run.ag_start).sum(axis=1)).mean())
+  compute = prob.forward_s + prob.backward_s + (0.0 if prob.cross_step else update_s)
   mean = float(iters.mean())
-  evs = _sharded_events(prob, arr, run, i, rs) if events else ()
-  comm_mean = float(comm.mean())
   peak = dear_peak_bytes(prob, arr.rs_ready_s, arr.rs_nbytes, run.rs_end[i])
-  return SimResult(iteration_s=mean, compute_s=forward_s + backward_s + update_s, comm_s=comm_mean,
-                   idle_s=max(mean - compute, 0.0), network_busy=comm_mean / mean if mean > 0 else 0.0,
+  return SimResult(iteration_s=mean, compute_s=prob.forward_s + prob.backward_s + update_s, comm_s=comm,
+                   idle_s=max(mean - compute, 0.0), network_busy=comm / mean if mean > 0 else 0.0,
                    allreduces=0, reduce_scatters=int(k_n), all_gathers=int(arr.ag_nbytes.size),
-                   events=evs, cross_step=prob.cross_step, peak_memory_bytes=int(round(peak)), **extra)
+                   events=_sharded_events(prob, arr, run, i, rs) if events else (), cross_step=prob.cross_step,
+                   peak_memory_bytes=int(round(peak)), **extra)
 
 
 def _sharded_events(prob: Problem, arr: ShardedArrays, run: ShardedRun, i: int,
@@ -276,23 +272,13 @@ def _sharded_events(prob: Problem, arr: ShardedArrays, run: ShardedRun, i: int,
   return tuple(out)
 
 
-def link_assignment(schedule: Schedule, profile: GradientProfile, network: NetworkModel, *,
-                    cross_step: bool = False) -> tuple[int, ...]:
-  """The link of every all-reduce `schedule` issues, as the calm simulation assigns them (what `plan`
-  records in `Schedule.links`); () for one link.
-  """
-  check_values("link_assignment()", schedule=schedule, profile=profile, network=network)
-  prob = problem(profile, network, cross_step=bool(cross_step))
-  return chunk_links(prob, schedule_arrays(prob, schedule.buckets))
-
-
 def chunk_links(prob: Problem, arrays: ChunkArrays) -> tuple[int, ...]:
-  """The link of every message of `arrays` on the calm network; () for one link or none."""
+  """The link of every message of `arrays` on the calm network (what `plan` records in `Schedule.links`);
+  () for one link or none."""
   if prob.links == 1 or not arrays.ready_s.size:
     return ()
-  _, _, link, _, _ = link_loop(arrays.ready_s.tolist(), prob.durations(arrays.nbytes).tolist(),
-                               backward_s=prob.backward_s, links=prob.links, overlap=prob.overlap)
-  return tuple(int(x) for x in link)
+  return tuple(int(x) for x in link_loop(arrays.ready_s.tolist(), prob.durations(arrays.nbytes).tolist(),
+                                          backward_s=prob.backward_s, links=prob.links, overlap=prob.overlap)[2])
 
 
 def simulate_arrays(prob: Problem, arrays: ChunkArrays, *, events: bool = True) -> SimResult:
@@ -313,10 +299,8 @@ def _samples(iters: np.ndarray, several: bool = True) -> tuple[int, dict[str, An
   """The median sample's index, and with `several` SimResult's fields of the samples (count, p50, p99)."""
   order = np.argsort(iters, kind="stable")
   i = _quantile_index(order, 0.5)
-  if not several:
-    return i, {}
-  return i, dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
-                 iteration_p99_s=float(iters[_quantile_index(order, 0.99)]))
+  return i, (dict(samples=int(iters.size), iteration_p50_s=float(iters[i]),
+                  iteration_p99_s=float(iters[_quantile_index(order, 0.99)])) if several else {})
 
 
 def _simulate_pressure(prob: Problem, arrays: ChunkArrays, events: bool) -> SimResult:
@@ -326,10 +310,8 @@ def _simulate_pressure(prob: Problem, arrays: ChunkArrays, events: bool) -> SimR
   one = _simulate_once(prob, arrays, dur[med], events)
   mean = float(iters.mean())
   comm = float(waited.sum(axis=1).mean()) if waited.size else 0.0
-  if prob.links > 1 and waited.size:
-    busy_s = float(np.mean([_union_length(s, s + d) for s, d in zip(start, waited)]))
-  else:
-    busy_s = comm
+  busy_s = (float(np.mean([_union_length(s, s + d) for s, d in zip(start, waited)])) if prob.links > 1 and waited.size
+            else comm)
   compute = prob.forward_s + prob.backward_s + (0.0 if prob.cross_step else prob.update_s)
   return dataclasses.replace(
       one, iteration_s=mean, comm_s=comm, idle_s=max(mean - compute, 0.0),
@@ -344,22 +326,17 @@ def _simulate_once(prob: Problem, arrays: ChunkArrays, dur: np.ndarray, events: 
   if prob.skew and ready.size:
     dur = dur + sync_waits(ready, prob.skew, prob.cycle_s, backward_s)
   forward_s, update_s = prob.forward_s, prob.update_s
-  n = ready.size
-  if n:
-    if network.links == 1 and not events:
-      end, bw_end = ends_one_link(ready, dur, backward_s, network.overlap)
-      start = end - dur
-      link = np.zeros(n, dtype=np.int64)
-      stalls: list[tuple[float, float]] = []
-    else:
-      s_, e_, l_, bw_end, stalls = link_loop(ready.tolist(), dur.tolist(), backward_s=backward_s,
-                                             links=network.links, overlap=network.overlap)
-      start, end, link = np.asarray(s_), np.asarray(e_), np.asarray(l_)
-    last_end = float(end.max())
+  n = ready.size     # none: backward alone (both engines give its end as backward_s)
+  if network.links == 1 and not events:
+    end, bw_end = ends_one_link(ready, dur, backward_s, network.overlap)
+    start = end - dur
+    link = np.zeros(n, dtype=np.int64)
+    stalls: list[tuple[float, float]] = []
   else:
-    start = end = np.zeros(0)
-    link = np.zeros(0, dtype=np.int64)
-    bw_end, last_end, stalls = backward_s, 0.0, []
+    s_, e_, l_, bw_end, stalls = link_loop(ready.tolist(), dur.tolist(), backward_s=backward_s,
+                                           links=network.links, overlap=network.overlap)
+    start, end, link = np.asarray(s_), np.asarray(e_), np.asarray(l_, dtype=np.int64)
+  last_end = float(end.max(initial=0.0))   # every end is >= 0
 
   layers = prob.layers
   nl = len(layers)
@@ -385,11 +362,9 @@ def _simulate_once(prob: Problem, arrays: ChunkArrays, dur: np.ndarray, events: 
     idle = iteration - forward_s - backward_s - update_s
   comm = float(dur.sum())
   busy = _union_length(start, end) if network.links > 1 else comm
-  network_busy = busy / iteration if iteration > 0 else 0.0
-
   evs = _events(prob, start, end, link, stalls, fwd_start, reduced if cross_step else None, t0) if events else ()
-  return SimResult(iteration_s=float(iteration), compute_s=forward_s + backward_s + update_s,
-                   comm_s=comm, idle_s=max(float(idle), 0.0), network_busy=float(network_busy),
+  return SimResult(iteration_s=float(iteration), compute_s=forward_s + backward_s + update_s, comm_s=comm,
+                   idle_s=max(float(idle), 0.0), network_busy=float(busy / iteration) if iteration > 0 else 0.0,
                    allreduces=int(n), events=evs, cross_step=cross_step)
 
 
@@ -455,9 +430,7 @@ def _backward_events(prob: Problem, stalls: list[tuple[float, float]], out: list
   order = sorted(range(nl), key=lambda l: (lr[l], -l))
   stall_q = [q for q, _ in stalls]
   stall_d = [d for _, d in stalls]
-  stall_cum = [0.0]
-  for d in stall_d:
-    stall_cum.append(stall_cum[-1] + d)
+  stall_cum = [0.0, *itertools.accumulate(stall_d)]
   p0 = 0.0
   for i, l in enumerate(order):
     p1 = lr[l] if i < nl - 1 else max(lr[l], prob.backward_s)

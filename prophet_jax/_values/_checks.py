@@ -17,9 +17,6 @@ from ._schedule import Schedule
 from ._tree import Row, dtype_name, is_reduced_leaf, is_variable_value, path_str, tree_fingerprint
 from ._types import GradientProfile, is_bool, is_int, is_number
 
-__all__ = ["check_bool", "check_int", "check_number", "check_bytes", "check_positive", "check_max_defer",
-           "check_values", "LeafMap", "match_tree", "match_rows"]
-
 
 # --------------------------------------------------------------------------------------------------
 # Scalar options
@@ -89,11 +86,6 @@ def check_bytes(call: str, name: str, value: Any, *, allow_none: bool = True, hi
   if not math.isfinite(value) or value <= 0:
     raise ValueError(f"{call}({name}={value!r}): `{name}` must be a positive number of bytes.{_fix(hint)}")
   return int(value)
-
-
-def check_positive(call: str, name: str, value: Any, *, hint: str = "") -> float:
-  """A positive finite number; returns it as float."""
-  return check_number(call, name, value, lo=0, lo_open=True, fix=hint)
 
 
 def check_max_defer(where: str, max_defer: Any) -> float:

@@ -57,26 +57,24 @@ def read_config(environ: Mapping[str, str]) -> Config:
   if unknown:
     raise ValueError(f"unknown environment variable(s) {unknown}; prophet_jax reads only {list(FLAGS)}. "
                      f"Unset the unknown ones (a typo?).")
-  get = lambda k: environ.get(k)  # noqa: E731
   trio = ("PROPHET_PROCESS_ID", "PROPHET_NUM_PROCESSES", "PROPHET_COORDINATOR")
-  present = [k for k in trio if get(k) not in (None, "")]
+  present = [k for k in trio if environ.get(k) not in (None, "")]
   if present and len(present) != len(trio):
-    missing = [k for k in trio if k not in present]
-    raise ValueError(f"{present} set but {missing} not: the process flags come together (launch sets "
-                     f"all three). Set the missing ones or unset them all.")
+    raise ValueError(f"{present} set but {[k for k in trio if k not in present]} not: the process flags come "
+                     f"together (launch sets all three). Set the missing ones or unset them all.")
   kw: dict = {}
   if present:
-    nproc = _int("PROPHET_NUM_PROCESSES", get("PROPHET_NUM_PROCESSES"), minimum=1)
-    pid = _int("PROPHET_PROCESS_ID", get("PROPHET_PROCESS_ID"), minimum=0)
+    nproc = _int("PROPHET_NUM_PROCESSES", environ.get("PROPHET_NUM_PROCESSES"), minimum=1)
+    pid = _int("PROPHET_PROCESS_ID", environ.get("PROPHET_PROCESS_ID"), minimum=0)
     if pid >= nproc:
       raise ValueError(f"PROPHET_PROCESS_ID={pid} but PROPHET_NUM_PROCESSES={nproc}; the id must be "
                        f"in [0, {nproc - 1}].")
-    coord = get("PROPHET_COORDINATOR").strip()
+    coord = environ.get("PROPHET_COORDINATOR").strip()
     host, sep, port = coord.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
       raise ValueError(f"PROPHET_COORDINATOR={coord!r} is not 'host:port' (e.g. '127.0.0.1:12345').")
     kw.update(process_id=pid, num_processes=nproc, coordinator=coord)
-  iface = (get("PROPHET_GLOO_INTERFACE") or "").strip()
+  iface = (environ.get("PROPHET_GLOO_INTERFACE") or "").strip()
   if iface:
     if any(c.isspace() or c == "/" for c in iface) or len(iface) > 15:
       raise ValueError(f"PROPHET_GLOO_INTERFACE={iface!r} is not a network interface name (at most 15 "
@@ -84,9 +82,9 @@ def read_config(environ: Mapping[str, str]) -> Config:
     kw["gloo_interface"] = iface
   for field in ("init_timeout_s", "heartbeat_timeout_s", "local_devices"):   # the flags of integers >= 1
     flag = PREFIX + field.upper()
-    if get(flag) not in (None, ""):
-      kw[field] = _int(flag, get(flag), minimum=1)
-  debug = (get("PROPHET_DEBUG") or "").strip().lower()
+    if environ.get(flag) not in (None, ""):
+      kw[field] = _int(flag, environ.get(flag), minimum=1)
+  debug = (environ.get("PROPHET_DEBUG") or "").strip().lower()
   if debug not in _TRUE + _FALSE:
     raise ValueError(f"PROPHET_DEBUG={debug!r}; expected one of {list(_TRUE + _FALSE[:-1])} (or empty).")
   kw["debug"] = debug in _TRUE
@@ -103,9 +101,7 @@ def default_jax_platforms(environ: Mapping[str, str], *, cuda_plugin: bool,
   """'cpu' when the command line should set JAX_PLATFORMS=cpu before jax starts (unset JAX_PLATFORMS, a
   CUDA plugin, no NVIDIA driver), else None.
   """
-  if "JAX_PLATFORMS" in environ or not cuda_plugin or nvidia_driver:
-    return None
-  return "cpu"
+  return None if "JAX_PLATFORMS" in environ or not cuda_plugin or nvidia_driver else "cpu"
 
 
 _CACHE: dict[str, Config] = {}

@@ -14,10 +14,6 @@ import numpy as np
 from ._errors import NetworkError
 from ._types import JsonValue, is_bool, is_finite_nonneg, is_int, nonneg_or_none
 
-__all__ = ["NetworkModel", "Pressure", "PRESETS", "PRESETS_TWO_LEVEL", "ALGORITHMS", "nonneg_line", "typical_network",
-           "fit_warning",
-           "RESIDUAL_WARN_REL_RMS", "RESIDUAL_WARN_WORST"]
-
 ALGORITHMS = ("ring",)
 
 # name: (alpha_s per ring step, beta_s_per_byte). Alpha is the per-message start-up of one ring step
@@ -98,8 +94,7 @@ class Pressure(JsonValue):
 
   @classmethod
   def from_json(cls, text_or_obj: str | Mapping[str, Any]) -> Pressure:
-    obj = cls._json_fields(text_or_obj)
-    return cls(**obj)
+    return cls(**cls._json_fields(text_or_obj))
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NetworkModel(JsonValue):
@@ -177,12 +172,11 @@ class NetworkModel(JsonValue):
     return self.startup_s + self.per_byte_s * nbytes
 
   def reduce_scatter_s(self, nbytes: float) -> float:
-    """Ring reduce-scatter time of a buffer of `nbytes` (the whole buffer): half an all-reduce, seconds."""
+    """Ring reduce-scatter time of a buffer of `nbytes` (the whole buffer), or all-gather time of a result
+    of `nbytes` (`all_gather_s`): half an all-reduce, seconds."""
     return 0.5 * self.startup_s + 0.5 * self.per_byte_s * nbytes
 
-  def all_gather_s(self, nbytes: float) -> float:
-    """Ring all-gather time of a buffer of `nbytes` (the whole result): half an all-reduce, seconds."""
-    return 0.5 * self.startup_s + 0.5 * self.per_byte_s * nbytes
+  all_gather_s = reduce_scatter_s   # the ring's other half costs the same
 
   def describe(self) -> str:
     """A short human summary, with what a 1 KiB, 1 MiB and 64 MiB all-reduce take."""
@@ -213,17 +207,16 @@ class NetworkModel(JsonValue):
   @classmethod
   def preset(cls, name: str, *, workers: int, overlap: bool = True, links: int = 1) -> NetworkModel:
     """A named interconnect: one of `PRESETS` or `PRESETS_TWO_LEVEL` ('nvlink+400gb-ib')."""
-    if isinstance(name, str) and name in PRESETS_TWO_LEVEL:
-      inner, outer, node = PRESETS_TWO_LEVEL[name]
-      (a_in, b_in), (a_out, b_out) = PRESETS[inner], PRESETS[outer]
-      return cls(alpha_s=a_in, beta_s_per_byte=b_in, workers=workers, overlap=overlap, links=links,
-                 name=name, node_size=node, outer_alpha_s=a_out, outer_beta_s_per_byte=b_out)
-    if not isinstance(name, str) or name not in PRESETS:
+    inner, outer = name, {}
+    if isinstance(name, str) and name in PRESETS_TWO_LEVEL:   # the inner preset in a node, the outer across
+      inner, across, node = PRESETS_TWO_LEVEL[name]
+      outer = dict(node_size=node, outer_alpha_s=PRESETS[across][0], outer_beta_s_per_byte=PRESETS[across][1])
+    elif not isinstance(name, str) or name not in PRESETS:
       raise NetworkError(f"unknown network preset {name!r}; expected one of "
                          f"{sorted(PRESETS) + sorted(PRESETS_TWO_LEVEL)}, or a NetworkModel JSON file.")
-    alpha, beta = PRESETS[name]
-    return cls(alpha_s=alpha, beta_s_per_byte=beta, workers=workers, overlap=overlap, links=links,
-               name=name)
+    alpha, beta = PRESETS[inner]
+    return cls(alpha_s=alpha, beta_s_per_byte=beta, workers=workers, overlap=overlap, links=links, name=name,
+               **outer)
 
   @classmethod
   def fit(cls, sizes: Sequence[float], seconds: Sequence[float], *, workers: int,
@@ -315,7 +308,7 @@ RESIDUAL_WARN_REL_RMS = 0.2
 RESIDUAL_WARN_WORST = 1.0
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
   for unit, k in (("MiB", 2**20), ("KiB", 2**10)):
     if n >= k:
       return f"{n / k:g} {unit}"
@@ -342,8 +335,8 @@ def fit_warning(network: NetworkModel, sizes: Sequence[float], seconds: Sequence
            "the times barely grow with the size, or a time near 0 outweighs the rest in the relative-error fit")
     order = np.argsort(x)
     return (f"{who}: beta was clipped to 0, so the model says bytes are free (every policy would merge "
-            f"everything): {why}; from {ys[order[0]] * 1e6:.1f} us at {_fmt_bytes(x[order[0]])} to "
-            f"{ys[order[-1]] * 1e6:.1f} us at {_fmt_bytes(x[order[-1]])}. An all-reduce's time grows with "
+            f"everything): {why}; from {ys[order[0]] * 1e6:.1f} us at {fmt_bytes(x[order[0]])} to "
+            f"{ys[order[-1]] * 1e6:.1f} us at {fmt_bytes(x[order[-1]])}. An all-reduce's time grows with "
             f"its size: measure larger sizes, with more repeats, on a quieter machine, or check that the "
             f"sizes and times are paired in the same order.")
   resid = float(network.fit_residual_s if network.fit_residual_s is not None
@@ -354,7 +347,7 @@ def fit_warning(network: NetworkModel, sizes: Sequence[float], seconds: Sequence
     return None
   return (f"{who}: the alpha-beta fit leaves an RMS residual of {resid * 1e6:.1f} us, "
           f"{resid / max(rms, 1e-12):.0%} of the RMS measured time ({rms * 1e6:.1f} us; times from "
-          f"{ys.min() * 1e6:.1f} to {ys.max() * 1e6:.1f} us); worst at {_fmt_bytes(x[worst])}: "
+          f"{ys.min() * 1e6:.1f} to {ys.max() * 1e6:.1f} us); worst at {fmt_bytes(x[worst])}: "
           f"the model says {pred[worst] * 1e6:.1f} us, measured {ys[worst] * 1e6:.1f} us. The all-reduce "
           f"cost here is not a straight line in the message size (scheduler ticks, cores shared with "
           f"other work, a change of regime between sizes), so predictions and plans from this model "

@@ -11,9 +11,6 @@ from typing import Any
 
 from ._errors import ProfileError
 
-__all__ = ["spec_of", "mesh_of", "leaf_placement", "check_mesh", "check_placement", "placement_fingerprint",
-           "shard_count", "replica_count", "Placed"]
-
 Mesh = tuple[tuple[str, int], ...]
 
 
@@ -21,8 +18,6 @@ def spec_of(sharding: Any) -> tuple | None:
   """The PartitionSpec-like tuple of a leaf's sharding (`.spec`, a tuple or list, None: replicated);
   anything else is returned for `leaf_placement` to refuse.
   """
-  if sharding is None:
-    return None
   spec = getattr(sharding, "spec", sharding)
   if spec is None:
     return None
@@ -37,9 +32,7 @@ def spec_of(sharding: Any) -> tuple | None:
 def mesh_of(sharding: Any) -> Mesh | None:
   """The mesh shape of a NamedSharding-like object (`.mesh.shape`, a mapping), else None."""
   shape = getattr(getattr(sharding, "mesh", None), "shape", None)
-  if isinstance(shape, Mapping):
-    return tuple((str(k), int(v)) for k, v in shape.items())
-  return None
+  return tuple((str(k), int(v)) for k, v in shape.items()) if isinstance(shape, Mapping) else None
 
 
 def check_mesh(where: str, mesh: Any) -> Mesh:
@@ -95,15 +88,14 @@ def leaf_placement(path: str, shape: Sequence[int], sharding: Any, mesh: Mesh
                          f"{dict(mesh)}; pass the mesh the arrays live on.")
     n = math.prod(sizes[a] for a in axes)
     if n > 1:
-      found.append((dim, tuple(a for a, _ in mesh if a in axes)))
+      found.append((dim, tuple(a for a, _ in mesh if a in axes), n))
   if not found:
     return None, ()
   if len(found) > 1:
     raise ProfileError(f"leaf {path!r} of shape {tuple(shape)} is split on dimensions "
-                       f"{[d for d, _ in found]} ({spec}); FSDP shards a leaf over the data axis on one "
+                       f"{[f[0] for f in found]} ({spec}); FSDP shards a leaf over the data axis on one "
                        f"dimension. Split one dimension, or leave the leaf replicated.")
-  dim, axes = found[0]
-  n = math.prod(sizes[a] for a in axes)
+  dim, axes, n = found[0]
   if shape[dim] % n:
     raise ProfileError(f"leaf {path!r} of shape {tuple(shape)} splits dimension {dim} ({shape[dim]}) over "
                        f"{axes} of size {n}, which does not divide it; pad the dimension to a multiple of "
@@ -138,8 +130,7 @@ def check_placement(rows: Sequence[Any], mesh: Mesh, shard_axes: tuple[str, ...]
 
 def shard_count(mesh: Mesh, shard_axes: Sequence[str]) -> int:
   """How many devices a sharded leaf is split over: the product of the shard axes' sizes."""
-  sizes = dict(mesh)
-  return math.prod(sizes[a] for a in shard_axes) if shard_axes else 1
+  return math.prod(dict(mesh)[a] for a in shard_axes) if shard_axes else 1
 
 
 class Placed:

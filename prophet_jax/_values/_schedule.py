@@ -15,8 +15,6 @@ from ._schedule_checks import check_coverage, check_gathers, check_links
 from ._sharding import FsdpPlan, check_fsdp, fsdp_fingerprint
 from ._types import JsonValue, check_items, is_bool, is_int, nonneg_or_none, is_number, itemsize
 
-__all__ = ["Chunk", "Bucket", "Schedule", "SCHEDULE_SCHEMA", "FAMILIES", "shard_size"]
-
 SCHEDULE_SCHEMA = 1
 FAMILIES = ("allreduce", "zero1", "fsdp")   # Schedule.family: what the plan's collectives do
 
@@ -139,9 +137,7 @@ class Bucket:
   def allreduce_sizes(self) -> tuple[int, ...]:
     """Elements of each all-reduce the bucket issues per step, in issue order: each chunk's size, or
     `slots` times `slot_size` for a deferral group."""
-    if not self.defer:
-      return tuple(c.size for c in self.chunks)
-    return (self.slot_size,) * self.slots
+    return (self.slot_size,) * self.slots if self.defer else tuple(c.size for c in self.chunks)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -279,8 +275,7 @@ class Schedule(JsonValue):
   def max_deferred_fraction(self) -> float:
     """The most gradient elements deferred in one step, as a fraction of all elements (0 without deferral)."""
     total = sum(math.prod(shape) for _, shape, _ in self.rows)
-    deferred = sum(b.deferred_size for b in self.buckets if b.defer)
-    return deferred / total if total else 0.0
+    return sum(b.deferred_size for b in self.buckets if b.defer) / total if total else 0.0
 
   def chunk_nbytes(self) -> tuple[int, ...]:
     return tuple(c.nbytes for c in self.chunks)

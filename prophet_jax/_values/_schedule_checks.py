@@ -13,8 +13,6 @@ from ._errors import ScheduleError
 from ._tree import RowsInfo
 from ._types import is_int
 
-__all__ = ["check_links", "check_gathers", "check_coverage"]
-
 
 def check_links(s: Any) -> None:
   links = s.links
@@ -127,8 +125,7 @@ def coverage_error(s: Any) -> None:
     pos = 0
     for a, b in spans:
       if a != pos:
-        what = "repeats" if a < pos else "drops"
-        raise ScheduleError(f"the schedule {what} elements of leaf {s.rows[r][0]!r} at "
+        raise ScheduleError(f"the schedule {'repeats' if a < pos else 'drops'} elements of leaf {s.rows[r][0]!r} at "
                             f"[{min(a, pos)}:{max(a, pos)}]; every element must be sent exactly once.")
       pos = b
     if pos != sizes[r]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -176,10 +177,7 @@ def check_fsdp(s: Any) -> None:
         if d is None:
           raise ScheduleError(f"FSDP bucket chunk{k} holds leaf {path!r}, which is replicated; a bucket "
                               f"holds sharded leaves only (replicated ones are all-reduced).")
-        size = 1
-        for x in shape:
-          size *= x
-        if (a, b) != (0, size):
+        if (a, b) != (0, math.prod(shape)):
           raise ScheduleError(f"FSDP bucket chunk{k} holds [{a}:{b}] of leaf {path!r}; a bucket holds "
                               f"whole leaves (each device's slice is its shard of every leaf).")
         if not 0 <= d < len(shape) or shape[d] % n:

@@ -13,11 +13,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["path_str", "row_slots", "flatten_with_paths", "shardings_by_path", "flatten_with_layer_paths", "layer_path",
-           "is_variable_value", "check_layer_depth",
-           "dtype_name", "is_float_dtype", "is_reduced_leaf",
-           "layer_of", "tree_fingerprint", "RowsInfo", "rows_info", "Row", "IdentityMemo"]
-
 Row = tuple[str, tuple[int, ...], str]   # (path, shape, dtype) of one reduced leaf
 
 
@@ -126,10 +121,8 @@ def is_float_dtype(dtype: Any) -> bool:
     dt = np.dtype(dtype)
   except TypeError:  # an extended dtype (a typed PRNG key's): not a number
     return False
-  if dt.kind in "fc":
-    return True
-  return dt.kind == "V" and (dt.name == "bfloat16" or dt.name.startswith(("float8_", "float6_",
-                                                                          "float4_")))
+  return dt.kind in "fc" or dt.kind == "V" and (dt.name == "bfloat16" or dt.name.startswith(("float8_", "float6_",
+                                                                                             "float4_")))
 
 
 def is_reduced_leaf(leaf: Any) -> bool:
@@ -168,8 +161,7 @@ def check_layer_depth(where: str, layer_depth: Any) -> int | None:
   """`layer_depth` as None or an integer >= 1; TypeError or ValueError otherwise."""
   if layer_depth is None:
     return None
-  ok = isinstance(layer_depth, (int, np.integer)) and not isinstance(layer_depth, (bool, np.bool_))
-  if not ok:
+  if not isinstance(layer_depth, (int, np.integer)) or isinstance(layer_depth, (bool, np.bool_)):
     raise TypeError(f"{where}(layer_depth={layer_depth!r}): `layer_depth` must be an integer >= 1 (the "
                     f"key-path components that name a layer) or None (all but the last).")
   if layer_depth < 1:
@@ -229,9 +221,7 @@ class IdentityMemo:
   def get(self, *keys: Any) -> Any:
     """The value stored for exactly these objects, or None."""
     hit = self._table.get(tuple(map(id, keys)))
-    if hit is not None and all(a is b for a, b in zip(hit[0], keys)):
-      return hit[1]
-    return None
+    return hit[1] if hit is not None and all(a is b for a, b in zip(hit[0], keys)) else None
 
   def put(self, keys: tuple[Any, ...], value: Any) -> Any:
     """Stores `value` for the objects `keys` (evicting the oldest entry when full); returns it."""

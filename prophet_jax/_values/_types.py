@@ -23,7 +23,7 @@ PROFILE_SCHEMA = 1
 PROFILE_METHODS = ("measured", "timed", "estimated")
 
 # GradientProfile.tree_rows, memoized by the profile's identity (the one memo policy, `_tree.IdentityMemo`)
-_PROFILE_ROWS = IdentityMemo(64)
+_profile_rows = IdentityMemo(64)(lambda p: rows_info(tuple((r.path, r.shape, r.dtype) for r in p.rows)).rows)
 
 _ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float0": 0}
 
@@ -356,29 +356,23 @@ class GradientProfile(JsonValue, Placed):
 
   def tree_rows(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
     """(path, shape, dtype) of every row, in order: what a Schedule for this profile records."""
-    hit = _PROFILE_ROWS.get(self)
-    if hit is not None:
-      return hit
-    return _PROFILE_ROWS.put((self,), rows_info(tuple((r.path, r.shape, r.dtype) for r in self.rows)).rows)
+    return _profile_rows(self)
 
   def fingerprint(self) -> str:
     """The tree fingerprint of `tree_rows()` (what `Schedule.tree_fingerprint` must equal), with the
     placement folded in when the profile has one (`_placement.placement_fingerprint`)."""
-    fp = rows_info(self.tree_rows()).fingerprint
-    if not self.mesh:
-      return fp
-    return placement_fingerprint(fp, [r.shard_dim for r in self.rows], self.mesh, self.shard_axes)
+    return placement_fingerprint(rows_info(self.tree_rows()).fingerprint, [r.shard_dim for r in self.rows],
+                                 self.mesh, self.shard_axes)
 
   def describe(self, max_rows: int = 8) -> str:
     """A short human summary: totals, how it was made, and the first rows in ready order."""
-    order = self.ready_order()
     return "\n".join([
         f"{self.model or 'profile'} on {self.device or '?'} ({self.method}): {len(self.rows)} gradients in "
         f"{len(self.layers)} layers, {self.total_nbytes / 2**20:.3f} MiB; forward {self.forward_s * 1e3:.3f} "
         f"ms, backward {self.backward_s * 1e3:.3f} ms, update {self.update_s * 1e3:.3f} ms",
         f"  {self.notes}",
         f"  ready order (first {max_rows}): " + ", ".join(
-            f"{self.rows[i].path} @{self.rows[i].ready_s * 1e3:.3f}ms" for i in order[:max_rows])])
+            f"{self.rows[i].path} @{self.rows[i].ready_s * 1e3:.3f}ms" for i in self.ready_order()[:max_rows])])
 
   def scaled(self, compute: float) -> GradientProfile:
     """This profile with every time multiplied by `compute` (> 0); ValueError otherwise."""
@@ -469,18 +463,13 @@ class GradientProfile(JsonValue, Placed):
       raise ProfileError("from_params: the tree has no floating-point leaves to reduce.")
     place = _placements(flat, specs, shardings, mesh, gather_dtype)
     nbytes = [int(np.prod(s, dtype=np.int64)) * itemsize(d) for _, _, s, d in leaves]
-    total = max(sum(nbytes), 1)
     layer_bytes: dict[str, int] = {}
     for (_, layer, _, _), b in zip(leaves, nbytes):
       layer_bytes[layer] = layer_bytes.get(layer, 0) + b
-    layers = list(layer_bytes)
-    ready_of, t = {}, 0.0
-    for layer in reversed(layers):  # backward runs from the last layer to the first
-      t += backward_s * layer_bytes[layer] / total
-      ready_of[layer] = min(t, backward_s)
+    ready_of, fwd_of = spread_by_bytes(layer_bytes, forward_s, backward_s)
     rows, seen = [], set()
     for (path, layer, shape, dtype), b in zip(leaves, nbytes):
-      fwd = forward_s * layer_bytes[layer] / total if layer not in seen else 0.0
+      fwd = fwd_of[layer] if layer not in seen else 0.0
       seen.add(layer)
       rows.append(ProfileRow(path=path, layer=layer, shape=shape, dtype=dtype, nbytes=b,
                              ready_s=ready_of[layer], fwd_s=fwd, update_s=update_s_per_byte * b,
@@ -502,17 +491,14 @@ class GradientProfile(JsonValue, Placed):
 
   # -- JSON -----------------------------------------------------------------------------------------
   def to_dict(self) -> dict[str, Any]:
-    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rows"}
-    d["rows"] = [_row_dict(r) for r in self.rows]
-    if self.mesh:         # placement keys only when present: a profile without one is written as before
-      d["mesh"] = dict(self.mesh)
-      d["shard_axes"] = list(self.shard_axes)
-    else:
-      del d["mesh"], d["shard_axes"]
+    # placement and stack keys only when present: a profile without them is written as before
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rows"
+         and (self.mesh or f.name not in ("mesh", "shard_axes")) and (self.stacks or f.name != "stacks")}
+    if self.mesh:
+      d.update(mesh=dict(self.mesh), shard_axes=list(self.shard_axes))
     if self.stacks:
       d["stacks"] = list(self.stacks)
-    else:
-      del d["stacks"]
+    d["rows"] = [_row_dict(r) for r in self.rows]
     return d
 
   @classmethod
@@ -524,6 +510,18 @@ class GradientProfile(JsonValue, Placed):
       return cls.from_rows(obj.pop("rows"), **obj)
     except TypeError as e:
       raise ProfileError(f"GradientProfile.from_json: {e}") from e
+
+
+def spread_by_bytes(layer_bytes: Mapping[str, int], forward_s: float, backward_s: float
+                    ) -> tuple[dict[str, float], dict[str, float]]:
+  """Per layer (given in forward order with its bytes), its ready time and its forward time when the step's
+  times are spread over the layers by bytes, backward running from the last layer to the first."""
+  total = max(sum(layer_bytes.values()), 1)
+  ready, t = {}, 0.0
+  for layer in reversed(list(layer_bytes)):
+    t += backward_s * layer_bytes[layer] / total
+    ready[layer] = min(t, backward_s)
+  return ready, {layer: forward_s * b / total for layer, b in layer_bytes.items()}
 
 
 def _row_dict(r: ProfileRow) -> dict[str, Any]:
@@ -568,8 +566,7 @@ def _placements(flat: Sequence[tuple[str, str, Any]], specs: Sequence[Any], shar
 
 
 def _row_kwargs(r: Mapping[str, Any]) -> dict[str, Any]:
-  names = {f.name for f in dataclasses.fields(ProfileRow)}
-  unknown = sorted(set(r) - names)
+  unknown = sorted(set(r) - {f.name for f in dataclasses.fields(ProfileRow)})
   if unknown:
     raise ProfileError(f"profile row {r.get('path', '?')!r}: unknown field(s) {unknown}.")
   missing = sorted({"path", "layer", "shape", "dtype", "nbytes", "ready_s"} - set(r))

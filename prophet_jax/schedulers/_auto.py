@@ -132,10 +132,9 @@ def _baselines(prob: Problem) -> list[tuple[str, Scheduler]]:
                                       ("bucket", bucket()), ("priority", priority()),
                                       ("prophet", prophet())]
   out += [(f"bucket(bucket_bytes={mb}MiB)", bucket(bucket_bytes=mb * mib)) for mb in (1, 4, 16, 64, 128)]
-  for params in (2**22, 2**24):  # the default is 2**20 parameters, credit 4x
-    p, c = params * item, 4 * params * item
-    out.append((f"priority(partition_bytes={p}, credit_bytes={c})",
-                priority(partition_bytes=p, credit_bytes=c)))
+  # priority's partitions of 2**22 and 2**24 parameters (the default is 2**20), credit 4x
+  out += [(f"priority(partition_bytes={p * item}, credit_bytes={4 * p * item})",
+           priority(partition_bytes=p * item, credit_bytes=4 * p * item)) for p in (2**22, 2**24)]
   out.append(("prophet(gap_factor=4.0)", prophet(gap_factor=4.0)))  # prophet tunes its other knobs
   return out
 
@@ -249,16 +248,14 @@ def _contest(profile: GradientProfile, network: NetworkModel, cross: bool,
   cands.sort(key=lambda c: c.nominal)
   # With one link, no contiguous merge beats the plain step's DP and no other order or cut helps (on the
   # calm problem the search runs on).
-  exact = not cross and prob.links == 1
-  if options["local_search"] and prob.overlap and prob.live and not exact:
+  if options["local_search"] and prob.overlap and prob.live and (cross or prob.links > 1):
     cands += _refine(search, prob, cands, options["max_evals"])
     cands.sort(key=lambda c: c.nominal)
   chosen = cands[0]
   if options["robust"] > 0 and prob.live and len(cands) > 1:
     chosen = _robust_choice(prob, cands, options)
-  predicted = chosen.nominal
-  if options["verify"]:
-    predicted = simulate_arrays(prob, chunk_arrays(prob, chosen.slices()), events=False).iteration_s
+  predicted = (simulate_arrays(prob, chunk_arrays(prob, chosen.slices()), events=False).iteration_s
+               if options["verify"] else chosen.nominal)
   return prob, chosen, predicted
 
 
@@ -300,17 +297,13 @@ def _fsdp_candidate(profile: GradientProfile, network: NetworkModel, modes: tupl
 # The robust choice
 
 
-def _scenarios(network: NetworkModel, robust: float) -> list[tuple[float, float, NetworkModel]]:
-  """(alpha factor, beta factor, network) of each corner: `network`'s alpha and beta each off by up to `robust`."""
-  lo, hi = 1 / (1 + robust), 1 / (1 - robust)
-  return [(fa, fb, network.replace(alpha_s=network.alpha_s * fa, beta_s_per_byte=network.beta_s_per_byte * fb))
-          for fa in (lo, hi) for fb in (lo, hi)]
-
-
 def _robust_choice(prob: Problem, cands: list[_Candidate], options: dict[str, Any]) -> _Candidate:
   """The minimax-regret candidate over the planning network and the four corners of the `robust` box."""
   network, cross = prob.network, prob.cross_step
-  scenarios = _scenarios(network, options["robust"])
+  # (alpha factor, beta factor, network) of each corner: `network`'s alpha and beta each off by up to `robust`
+  lo, hi = 1 / (1 + options["robust"]), 1 / (1 - options["robust"])
+  scenarios = [(fa, fb, network.replace(alpha_s=network.alpha_s * fa, beta_s_per_byte=network.beta_s_per_byte * fb))
+               for fa in (lo, hi) for fb in (lo, hi)]
   probs = [problem(prob.profile, n, cross_step=cross) for _, _, n in scenarios]
   top_points = list(dict.fromkeys(c.point for c in cands if c.point is not None))[:_ROBUST_POINTS]
   if prob.overlap:
@@ -321,9 +314,7 @@ def _robust_choice(prob: Problem, cands: list[_Candidate], options: dict[str, An
       if label != "one-per-dtype":
         cands.append(_Candidate(prob, f"{label}@alpha*{fa:.2f},beta*{fb:.2f}", chunks))
   times = np.array([[c.nominal] + [objective_s(si, *c.arrays) for si in probs] for c in cands])
-  best = np.maximum(times.min(axis=0), 1e-300)
-  worst = (times / best).max(axis=1)
-  base = min((c.nominal for c in cands if c.default_baseline), default=_INF)
-  limit = base * (1 + options["robust_tol"])
+  worst = (times / np.maximum(times.min(axis=0), 1e-300)).max(axis=1)   # each one's regret against the best
+  limit = min((c.nominal for c in cands if c.default_baseline), default=_INF) * (1 + options["robust_tol"])
   ok = [i for i, c in enumerate(cands) if c.nominal <= limit * (1 + 1e-12)] or [0]
   return cands[min(ok, key=lambda i: (worst[i], cands[i].nominal))]

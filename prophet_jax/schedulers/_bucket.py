@@ -19,10 +19,9 @@ HOROVOD_FUSION_BYTES = 64 * 2**20   # HOROVOD_FUSION_THRESHOLD before v0.21 (128
 HOROVOD_CYCLE_S = 5e-3              # HOROVOD_CYCLE_TIME before v0.21 (1 ms since)
 
 
-def fill_buckets(profile: GradientProfile, order, bucket_bytes: int,
-                 first_bucket_bytes: int | None = None) -> list[list[tuple[int, int, int]]]:
-  """Greedy fill of whole rows, in `order`, into buckets of at most `bucket_bytes` (the first
-  `first_bucket_bytes`); a row that does not fit closes the bucket. Returns the groups of slices.
+def fill_buckets(profile: GradientProfile, order, bucket_bytes: int) -> list[list[tuple[int, int, int]]]:
+  """Greedy fill of whole rows, in `order`, into buckets of at most `bucket_bytes`; a row that does not fit
+  closes the bucket. Returns the groups of slices.
   """
   groups: list[list[tuple[int, int, int]]] = []
   cur: list[tuple[int, int, int]] = []
@@ -31,20 +30,16 @@ def fill_buckets(profile: GradientProfile, order, bucket_bytes: int,
     s = whole_slice(profile, r)
     if s is None:
       continue
-    cap = first_bucket_bytes if (first_bucket_bytes is not None and not groups) else bucket_bytes
     nb = profile.rows[r].nbytes
-    if cur and cur_bytes + nb > cap:
+    if cur and cur_bytes + nb > bucket_bytes:
       groups.append(cur)
       cur, cur_bytes = [], 0
-      cap = bucket_bytes
     cur.append(s)
     cur_bytes += nb
-    if cur_bytes >= cap:
+    if cur_bytes >= bucket_bytes:
       groups.append(cur)
       cur, cur_bytes = [], 0
-  if cur:
-    groups.append(cur)
-  return groups
+  return groups + [cur] if cur else groups
 
 
 def ddp_buckets(profile: GradientProfile, order: Sequence[int], bucket_bytes: int,
@@ -86,10 +81,10 @@ def horovod_buckets(profile: GradientProfile, order: Sequence[int], fusion_bytes
     t = profile.rows[r].ready_s
     return t if cycle_s == 0 else math.ceil(t / cycle_s - 1e-9) * cycle_s
 
-  pending = [r for r in order if whole_slice(profile, r) is not None]
   by_tick: dict[float, list[int]] = {}
-  for r in pending:
-    by_tick.setdefault(tick(r), []).append(r)
+  for r in order:
+    if whole_slice(profile, r) is not None:
+      by_tick.setdefault(tick(r), []).append(r)
   groups: list[list[Slice]] = []
   for t in sorted(by_tick):
     queue = by_tick[t]
@@ -177,9 +172,8 @@ def bucket(*, style: str = "ddp", bucket_bytes: int | None = None, first_bucket_
     first_bucket_bytes = first_bucket_bytes or bucket_bytes
   else:
     bucket_bytes = bucket_bytes or HOROVOD_FUSION_BYTES
-    cycle_s = HOROVOD_CYCLE_S if cycle_s is None else cycle_s
-    cycle_s = float(check_number("bucket", "cycle_s", cycle_s, lo=0, fix="It is seconds: try 5e-3 (Horovod "
-                                 "before v0.21) or 1e-3 (v0.21 and later)."))
+    cycle_s = float(check_number("bucket", "cycle_s", HOROVOD_CYCLE_S if cycle_s is None else cycle_s, lo=0,
+                                 fix="It is seconds: try 5e-3 (Horovod before v0.21) or 1e-3 (v0.21 and later)."))
   options = {"style": style, "bucket_bytes": bucket_bytes, "first_bucket_bytes": first_bucket_bytes,
              "cycle_s": cycle_s}
 

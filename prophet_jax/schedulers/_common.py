@@ -77,10 +77,8 @@ def layer_groups(profile: GradientProfile) -> list[tuple[str, list[int], float]]
   rows_of: dict[str, list[int]] = {}
   for i, r in enumerate(profile.rows):
     rows_of.setdefault(r.layer, []).append(i)
-  layers = []
-  for pos, (name, rows) in enumerate(rows_of.items()):
-    layers.append((max(profile.rows[i].ready_s for i in rows), -pos, name, rows))
-  layers.sort(key=lambda t: (t[0], t[1]))
+  layers = sorted(((max(profile.rows[i].ready_s for i in rows), -pos, name, rows)
+                   for pos, (name, rows) in enumerate(rows_of.items())), key=lambda t: t[:2])
   return [(name, rows, ready) for ready, _, name, rows in layers]
 
 

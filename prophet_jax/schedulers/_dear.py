@@ -134,8 +134,7 @@ def plan_sharded(prob: Problem, bucket_bytes: int | None = None
     t = sharded_iteration_s(prob, sharded_arrays(prob, chunks, gathers, per_chunk=per_chunk))
     if best is None or t < best[0] * (1 - 1e-12):
       best = (t, n, label, chunks, gathers)
-  assert best is not None
-  t, _, label, chunks, gathers = best
+  t, _, label, chunks, gathers = best   # dear-25MiB is always scored: it has its gathers
   return label, chunks, gathers, t
 
 
@@ -159,10 +158,8 @@ def fixed_fusion(prob: Problem, bucket_bytes: float) -> tuple[list[list[Slice]],
       cur, size = list(rows_of[l]), nb
   if cur:
     groups.append(cur)
-  chunks: list[tuple[float, int, list[Slice]]] = []   # (ready, group, slices) per dtype
-  for gi, rows in enumerate(groups):
-    for sl in split_by_dtype(prob.dtype.__getitem__, [(r, 0, prob.size[r]) for r in rows]):
-      chunks.append((max(prob.ready[r] for r, _, _ in sl), gi, sl))
+  chunks = [(max(prob.ready[r] for r, _, _ in sl), gi, sl) for gi, rows in enumerate(groups)   # per dtype
+            for sl in split_by_dtype(prob.dtype.__getitem__, [(r, 0, prob.size[r]) for r in rows])]
   order = sorted(range(len(chunks)), key=lambda k: (chunks[k][0], -chunks[k][1]))
   issued = [chunks[k][2] for k in order]
   where = {k: j for j, k in enumerate(order)}
@@ -171,10 +168,8 @@ def fixed_fusion(prob: Problem, bucket_bytes: float) -> tuple[list[list[Slice]],
 
 def _rs_inputs(prob: Problem, order: Sequence[int]) -> tuple[list[float], list[float], list[int]]:
   """`rs_partition`'s inputs for `order`: ready times, byte prefix sums, each item's dtype-run start."""
-  ready = prob.row_ready_s[list(order)].tolist()
-  nbytes = prob.row_nbytes[list(order)]
-  prefix = np.concatenate([[0.0], np.cumsum(nbytes)]).tolist()
-  return ready, prefix, dtype_runs([prob.dtype[r] for r in order])
+  prefix = np.concatenate([[0.0], np.cumsum(prob.row_nbytes[list(order)])]).tolist()
+  return prob.row_ready_s[list(order)].tolist(), prefix, dtype_runs([prob.dtype[r] for r in order])
 
 
 def rs_partition(prob: Problem, order: Sequence[int], cap: float | None, *,
@@ -257,8 +252,7 @@ def gather_partition(prob: Problem, chunks: Sequence[Sequence[Slice]], *, per_ch
     parent[a1:a1 + m] = a0 + kept
     owner[a1:a1 + m] = j
     starts.append(a1 + m)
-  last = range(starts[k_n], starts[k_n + 1])
-  x = min(last, key=lambda x: (float(costs[x]), float(ends[x])))
+  x = min(range(starts[k_n], starts[k_n + 1]), key=lambda x: (float(costs[x]), float(ends[x])))   # the last front
   groups: list[list[int]] = []
   j = k_n
   while j > 0:

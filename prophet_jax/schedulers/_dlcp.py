@@ -105,21 +105,16 @@ def dlcp(*, max_defer: float = 0.0, spread: int | None = None, chunk_bytes: int 
     s = _plan(problem(profile, network, cross_step=cross), base, options)
     decision = dict(s.options)["decision"]
     if max_defer > 0 and not s.defers and decision.startswith(_NOTHING_PAYS):
+      frame, level = sys._getframe(), 1   # the warning names the first frame outside prophet_jax
+      while frame is not None and frame.f_globals.get("__name__", "").startswith("prophet_jax"):
+        frame, level = frame.f_back, level + 1
       warnings.warn(f"dlcp(max_defer={max_defer:g}) defers nothing although communication is exposed: "
                     f"{decision[len('lossless: '):]}. The plan is auto's (lossless); Schedule.describe() "
-                    f"repeats this.", DeferralWarning, stacklevel=_warn_level())
+                    f"repeats this.", DeferralWarning, stacklevel=level)
     return s
 
   scheduler.__name__ = scheduler.__qualname__ = _POLICY
   return scheduler
-
-
-def _warn_level() -> int:
-  """The stack level of the first frame outside prophet_jax, for `warnings.warn`."""
-  frame, level = sys._getframe(1), 1
-  while frame is not None and frame.f_globals.get("__name__", "").startswith("prophet_jax"):
-    frame, level = frame.f_back, level + 1
-  return level
 
 
 # --------------------------------------------------------------------------------------------------
@@ -248,8 +243,7 @@ def _search(prob: Problem, base: Schedule, budget: int, compute: float, options:
   """
   a_eff, b_eff = typical_costs(prob)
   chunks = base.chunks
-  layer = prob.row_layer
-  priority = [min(int(layer[r]) for r, _, _ in c.slices) for c in chunks]
+  priority = [min(int(prob.row_layer[r]) for r, _, _ in c.slices) for c in chunks]
   mods: dict[int, _Mod] = {}
   best_buckets, best_t = base.buckets, float(base.predicted_s)
   buckets, origin = base.buckets, list(range(len(chunks)))
@@ -259,8 +253,7 @@ def _search(prob: Problem, base: Schedule, budget: int, compute: float, options:
     return bk, org, simulate_arrays(prob, schedule_arrays(prob, bk), events=False).iteration_s
 
   for _ in range(_MAX_ROUNDS):
-    arr = schedule_arrays(prob, buckets)
-    period, exposed = _critical_period(prob, arr, a_eff, b_eff, compute)
+    period, exposed = _critical_period(prob, schedule_arrays(prob, buckets), a_eff, b_eff, compute)
     if exposed <= compute * _HIDDEN_TOL:
       break
     touched = sorted({origin[k] for k in period}, key=lambda i: (-priority[i], -i))
@@ -273,10 +266,9 @@ def _search(prob: Problem, base: Schedule, budget: int, compute: float, options:
       have = mods[i].x if i in mods else 0
       want = have + math.ceil((need - added) / itemsize(chunks[i].dtype))
       held = mods[i].group.deferred_size if i in mods else 0
-      trials = []
-      for v in _variants(prob, chunks, i, want, left, mods, options, strategy, may_wait, a_eff, b_eff):
-        if v.x > have and v.group.deferred_size > held:
-          trials.append((*simulated({**mods, i: v}), v))
+      trials = [(*simulated({**mods, i: v}), v)
+                for v in _variants(prob, chunks, i, want, left, mods, options, strategy, may_wait, a_eff, b_eff)
+                if v.x > have and v.group.deferred_size > held]
       if not trials:
         continue
       buckets, origin, t, v = min(trials, key=lambda z: (z[2], z[3].group.deferred_size))

@@ -94,12 +94,9 @@ def contiguous_dp(prob: Problem, networks: Sequence[NetworkModel] = ()) -> list[
   """Optimal contiguous merges of the ready order (one link, one dtype per chunk), by the exact O(L^2)
   program; with `networks`, the hedged heuristic for the robust choice.
   """
-  if networks:
-    a = np.array([n.startup_s for n in networks])
-    b = np.array([n.per_byte_s for n in networks])
-  else:
-    a = np.array([prob.startup_s])
-    b = np.array([prob.per_byte_s])
+  costs = networks or (prob,)   # the networks' start-up and per-byte costs, or the problem's own
+  a = np.array([n.startup_s for n in costs])
+  b = np.array([n.per_byte_s for n in costs])
   order = [i for i in prob.profile.ready_order() if prob.row_nbytes[i] > 0]
   n = len(order)
   if n == 0:
@@ -120,16 +117,6 @@ def contiguous_dp(prob: Problem, networks: Sequence[NetworkModel] = ()) -> list[
 
 # --------------------------------------------------------------------------------------------------
 # cross_step=True: priority list schedule during backward, exact grouping of the tail
-
-
-def partition_units(prob: Problem, partition_bytes: float | None) -> list[tuple[float, int, int, int]]:
-  """Rows cut into parts of at most `partition_bytes` (`_core.equal_parts`), as (ready, -row, start, stop)
-  sorted by readiness.
-  """
-  units = [(float(prob.ready[r]), -r, a, b) for r in prob.live
-           for a, b in equal_parts(prob.size[r], prob.itemsize[r], partition_bytes)]
-  units.sort()
-  return units
 
 
 def priority_head(prob: Problem, units: Sequence[tuple[float, int, int, int]], block_bytes: float,
@@ -227,8 +214,7 @@ def tail_dp(prob: Problem, units: Sequence[Slice]) -> list[SearchChunk]:
   if n == 0:
     return []
   rows = [r for r, _, _ in merged]
-  nbytes = np.array([(b - a) * prob.itemsize[r] for r, a, b in merged])
-  prefix = np.concatenate([[0.0], np.cumsum(nbytes)])
+  prefix = np.concatenate([[0.0], np.cumsum([(b - a) * prob.itemsize[r] for r, a, b in merged])])
   completes = np.array([prob.tail[r] for r in rows])
   run_end = np.zeros(n, dtype=np.int64)
   run_end[-1] = n - 1
@@ -338,8 +324,10 @@ def own_candidates(prob: Problem, cross_step: bool, grid: Sequence[tuple] | None
   units_of: dict[Any, list] = {}
   for point in points:
     pm, bm, mode, m = point
-    if pm not in units_of:
-      units_of[pm] = partition_units(prob, None if pm is None else min(total, scale * pm))
+    if pm not in units_of:   # the rows in parts of at most pm·a/b bytes, as (ready, -row, start, stop) by readiness
+      cap = None if pm is None else min(total, scale * pm)
+      units_of[pm] = sorted((float(prob.ready[r]), -r, a, b) for r in prob.live
+                            for a, b in equal_parts(prob.size[r], prob.itemsize[r], cap))
     block = _INF if bm is None else min(total, scale * bm)
     wait = min(total, scale * m) if mode in ("wait", "end") else 0.0
     fit = min(total, scale * m) if mode == "fit" else (1.0 if mode == "end" else None)

@@ -10,11 +10,6 @@ from ._common import Groups, grouped_scheduler, layer_groups, whole_slice
 POLICY = "mgwfbp"
 
 
-def _cost_s(network: NetworkModel, bytes_by_dtype: dict[str, int]) -> float:
-  """All-reduce time of a merged group: one all-reduce (a + b·M) per dtype it holds; 0 when empty."""
-  return sum(network.allreduce_s(nb) for nb in bytes_by_dtype.values() if nb > 0)
-
-
 def merge_groups(ready_s: list[float], bytes_by_dtype: list[dict[str, int]],
                  network: NetworkModel) -> list[list[int]]:
   """MG-WFBP's merge rule over units (layers) in ready order, in one O(L) sweep.
@@ -30,13 +25,11 @@ def merge_groups(ready_s: list[float], bytes_by_dtype: list[dict[str, int]],
   comm_start = ready_s[0] if n else 0.0  # τ_c(u) of the current unit
   for u in range(n):
     group.append(u)
-    cost = _cost_s(network, merged[u])
+    cost = sum(network.allreduce_s(nb) for nb in merged[u].values() if nb > 0)   # one all-reduce per dtype
     if u + 1 < n:
       nxt = ready_s[u + 1]
-      do_merge = False
-      if cost > 0 and nxt < comm_start + cost:  # u's all-reduce still running (or waiting) at r(u+1)
-        do_merge = comm_start > nxt or nxt - comm_start < a
-      if do_merge:
+      # merge when u's all-reduce is still running (or waiting) at r(u+1) and started late or within a of it
+      if cost > 0 and nxt < comm_start + cost and (comm_start > nxt or nxt - comm_start < a):
         for d, nb in merged[u].items():
           merged[u + 1][d] = merged[u + 1].get(d, 0) + nb
         merged[u] = {}
@@ -63,7 +56,6 @@ def mgwfbp() -> Scheduler:
 
   def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:
     layers = layer_groups(profile)
-    ready = [t for _, _, t in layers]
     nbytes = []
     for _, rows, _ in layers:
       d: dict[str, int] = {}
@@ -73,6 +65,6 @@ def mgwfbp() -> Scheduler:
           d[row.dtype] = d.get(row.dtype, 0) + row.nbytes
       nbytes.append(d)
     return [[s for u in run for r in layers[u][1] if (s := whole_slice(profile, r)) is not None]
-            for run in merge_groups(ready, nbytes, network)]
+            for run in merge_groups([t for _, _, t in layers], nbytes, network)]
 
   return grouped_scheduler(POLICY, {}, plan_groups)

@@ -9,11 +9,10 @@ from typing import Any
 from .._values._checks import check_values, match_rows
 from .._values._network import NetworkModel
 from .._values._schedule import Schedule
-from .._planning._simulate import link_assignment, simulate
+from .._planning._core import problem, schedule_arrays
+from .._planning._simulate import chunk_links, simulate
 from .._values._types import GradientProfile, is_bool
 from ._registry import POLICIES, resolve
-
-__all__ = ["plan", "validate_schedule", "POLICIES"]
 
 
 def validate_schedule(schedule: Schedule, profile: GradientProfile) -> Schedule:
@@ -79,7 +78,8 @@ def plan(profile: GradientProfile, network: NetworkModel, policy: str | Callable
     changes["cross_step"] = cross_step
   mode = bool(changes.get("cross_step", schedule.cross_step))
   if network.links > 1 and not schedule.links and not schedule.gathers:
-    changes["links"] = link_assignment(schedule, profile, network, cross_step=mode)
+    prob = problem(profile, network, cross_step=mode)
+    changes["links"] = chunk_links(prob, schedule_arrays(prob, schedule.buckets))
   if schedule.predicted_s is None:
     changes["predicted_s"] = simulate(schedule, profile, network, cross_step=mode, events=False).iteration_s
   return dataclasses.replace(schedule, **changes) if changes else schedule

@@ -64,16 +64,11 @@ def issue_order(profile: GradientProfile, network: NetworkModel, partition_bytes
       used -= inflight.popleft()[1]
     while pending and used < credit:
       r, a, b, units, cost = heapq.heappop(pending)
-      start = max(t, link_free)
-      link_free = start + cost
+      link_free = max(t, link_free) + cost
       inflight.append((link_free, units))
       used += units
       order.append((r, a, b))
-    nxt = []
-    if i < len(parts):
-      nxt.append(parts[i][0])
-    if inflight:
-      nxt.append(inflight[0][0])
+    nxt = ([parts[i][0]] if i < len(parts) else []) + ([inflight[0][0]] if inflight else [])
     if not nxt:
       break
     t = max(t, min(nxt))

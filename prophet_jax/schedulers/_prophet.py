@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from .._values._checks import check_positive
+from .._values._checks import check_number
 from .._planning._core import Problem, chunk_arrays, objective_s, problem, search_problem, split_by_dtype
 from .._values._network import NetworkModel
 from .._values._types import GradientProfile
@@ -53,9 +53,7 @@ class Planner:
 
   def _bytes_within(self, seconds: float) -> float:
     """Bytes one all-reduce can carry in `seconds` (0 when even the start-up does not fit)."""
-    if seconds <= self.a:
-      return 0.0
-    return math.inf if self.b == 0 else (seconds - self.a) / self.b
+    return 0.0 if seconds <= self.a else math.inf if self.b == 0 else (seconds - self.a) / self.b
 
   def plan(self, min_block: float, tail_growth: float,
            small_first: bool = True) -> tuple[list[list[tuple[int, int, int]]], float]:
@@ -132,18 +130,16 @@ class Planner:
         else:
           t = t_next  # wait for the rest of the stage (saves a start-up)
           continue
-      else:
-        if tail_size is None:
-          first = self.first_layer_bytes
-          if small_first and first:
-            block, cost = take(max(1.0, min(min_block, first)))
-            tail_size = min_block
-          else:
-            block, cost = take(min_block)
-            tail_size = min_block * tail_growth
+      elif tail_size is None:   # every gradient has arrived: the first block after backward
+        if small_first and self.first_layer_bytes:
+          block, cost = take(max(1.0, min(min_block, self.first_layer_bytes)))
+          tail_size = min_block
         else:
-          block, cost = take(tail_size)
-          tail_size *= tail_growth
+          block, cost = take(min_block)
+          tail_size = min_block * tail_growth
+      else:
+        block, cost = take(tail_size)
+        tail_size *= tail_growth
       t += cost
       blocks.append(block)
     return blocks, self._estimate(blocks, mixed)
@@ -176,14 +172,11 @@ def prophet(*, gap_factor: float = 2.0, alpha_fraction: float | None = None,
     Z. Zhang et al., "Prophet: Speeding up Distributed DNN Training with Predictable Communication
     Scheduling", ICPP 2021.
   """
-  gap_factor = check_positive(POLICY, "gap_factor", gap_factor, hint="Try 2.0.")
-  if alpha_fraction is not None:
-    alpha_fraction = check_positive(POLICY, "alpha_fraction", alpha_fraction, hint="Try 0.1 or None.")
-  if tail_growth is not None:
-    tail_growth = check_positive(POLICY, "tail_growth", tail_growth, hint="Try 2.0 or None.")
-    if tail_growth < 1:
-      raise ValueError(f"prophet(tail_growth={tail_growth!r}): `tail_growth` must be >= 1 (blocks after "
-                       f"backward never shrink). Try 2.0 or None.")
+  gap_factor = check_number(POLICY, "gap_factor", gap_factor, lo=0, lo_open=True, fix="Try 2.0.")
+  alpha_fraction = check_number(POLICY, "alpha_fraction", alpha_fraction, lo=0, lo_open=True, none=True,
+                                fix="Try 0.1 or None.")
+  tail_growth = check_number(POLICY, "tail_growth", tail_growth, lo=1, none=True,
+                             fix="Blocks after backward never shrink. Try 2.0 or None.")
   options = {"gap_factor": gap_factor, "alpha_fraction": alpha_fraction, "tail_growth": tail_growth}
 
   def plan_groups(profile: GradientProfile, network: NetworkModel, cross_step: bool) -> Groups:

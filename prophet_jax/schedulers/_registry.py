@@ -43,12 +43,6 @@ POLICIES: Mapping[str, Callable[..., Scheduler]] = _Policies({
     "prophet": prophet, "auto": auto, "dlcp": dlcp, "dear": dear, "fsdp": fsdp})
 
 
-def option_names(name: str) -> tuple[str, ...]:
-  """The keyword options the factory of policy `name` accepts."""
-  params = inspect.signature(POLICIES[name]).parameters.values()
-  return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
-
-
 def resolve(policy: Any, options: Mapping[str, Any], cross_step: Any) -> tuple[str, Scheduler]:
   """(policy name, scheduler) from a name and its options, or from a Scheduler callable; ValueError for an
   unknown name or cross_step='auto' with another policy, TypeError for an unknown option.
@@ -60,7 +54,7 @@ def resolve(policy: Any, options: Mapping[str, Any], cross_step: Any) -> tuple[s
     if cross_step == "auto" and policy != "auto":
       raise ValueError(f"plan(policy={policy!r}, cross_step='auto'): only the 'auto' policy chooses the "
                        f"step mode; pass cross_step=True or False, or use policy='auto'.")
-    valid = option_names(policy)
+    valid = [p.name for p in inspect.signature(POLICIES[policy]).parameters.values() if p.kind is p.KEYWORD_ONLY]
     unknown = sorted(set(options) - set(valid))
     if unknown:
       raise TypeError(f"plan(policy={policy!r}): unknown option(s) {unknown}; {policy!r} accepts "

@@ -79,10 +79,8 @@ class Scorer:
     self.value = m
 
   def _core(self, st: list[Stats]) -> float:
-    if not st:
-      return float(iteration_s(self.prob, np.zeros(0), np.zeros(0), np.zeros(0)))
-    arr = np.array(st, dtype=np.float64)
-    return float(iteration_s(self.prob, arr[:, 0], self.prob.durations(arr[:, 1]), arr[:, 2]))
+    arr = np.array(st, dtype=np.float64).reshape(-1, 3)
+    return iteration_s(self.prob, arr[:, 0], self.prob.durations(arr[:, 1]), arr[:, 2])
 
   def trial(self, i: int, j: int, new: list[Stats], limit: float) -> float:
     """The iteration with chunks i..j-1 replaced by `new`; any value >= `limit` means "no better"."""
@@ -91,10 +89,7 @@ class Scorer:
     if self.links > 1:
       return self._trial_links(i, j, new, limit)
     a, b = self.a, self.b
-    if i > 0:
-      t, m = self.ends[i - 1], self.best[i - 1]
-    else:
-      t, m = -math.inf, self.base
+    t, m = (self.ends[i - 1], self.best[i - 1]) if i > 0 else (-math.inf, self.base)
     for r, nb, q in new:
       t = link_end(t, r, nb, a, b)
       if t + q > m:
