@@ -23,7 +23,7 @@ _MODULES = {
                        "AlreadyReducedError TraceUnavailableError LaunchError GlooBindError CompositionError "
                        "GpuCompileError DeferralWarning ShardingError JaxVersionError",
     # planning, simulation, plots (pure; matplotlib is imported when one is drawn), the measured choice's statistics
-    "schedulers._plan": "plan validate_schedule POLICIES", "_planning._simulate": "SimResult Event simulate",
+    "schedulers._plan": "plan validate_schedule", "schedulers._registry": "POLICIES", "_planning._simulate": "SimResult Event simulate",
     "_planning._bound": "lower_bound", "_planning._timeline": "plot_timelines", "_planning._paired": "Choice",
     # the rewrite (jax)
     "_rewrite._reduction": "allreduce", "_rewrite._transform": "scheduled", "_rewrite._hooked": "hooked loop_hook",
@@ -74,7 +74,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
   from ._planning._paired import Choice
   from ._measure._probe import AllreduceTimings, measure_network, probe
   from ._rewrite._pipelined import pipelined
-  from .schedulers._plan import POLICIES, plan, validate_schedule
+  from .schedulers._plan import plan, validate_schedule
+  from .schedulers._registry import POLICIES
   from ._measure._profile import profile_from_trace, profile_step
   from ._planning._simulate import simulate
   from ._steps import compile_step, lower_step

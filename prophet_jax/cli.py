@@ -175,7 +175,7 @@ def _positive(text: str) -> int:
 
 def cmd_simulate(a: argparse.Namespace) -> int:
   from . import lower_bound, plan, simulate  # lazy: the CLI starts without jax
-  from .schedulers._plan import POLICIES
+  from .schedulers._registry import POLICIES
 
   if a.timeline:
     _check_out(a.timeline, "--timeline", model=a.model, network=a.network)

@@ -110,7 +110,7 @@ def test_bound_below_every_schedule(seed, cross_step, comm_ratio):
 
 def test_bound_below_every_policy():
   from prophet_jax import plan
-  from prophet_jax.schedulers._plan import POLICIES
+  from prophet_jax.schedulers._registry import POLICIES
 
   names = [n for n in POLICIES if n != "fsdp"]    # dlcp at its default: lossless; fsdp needs a sharded
                                                   # profile: its bound is test_fsdp's

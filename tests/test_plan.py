@@ -11,7 +11,7 @@ import pytest
 
 from prophet_jax import (Bucket, Chunk, GradientProfile, NetworkModel, Schedule, ScheduleError,
                          ScheduleMismatchError, plan, validate_schedule)
-from prophet_jax.schedulers._plan import POLICIES
+from prophet_jax.schedulers._registry import POLICIES
 from prophet_jax._planning._simulate import simulate
 from prophet_jax.schedulers import _auto, bucket, wfbp
 

@@ -172,7 +172,7 @@ def test_bound_under_pressure_is_below_every_schedule(seed, cross_step):
 
 
 def test_bound_under_pressure_below_every_policy():
-  from prophet_jax.schedulers._plan import POLICIES
+  from prophet_jax.schedulers._registry import POLICIES
 
   rng = np.random.default_rng(11)
   for _ in range(3):

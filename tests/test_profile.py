@@ -225,7 +225,7 @@ def test_kept_cpu_trace_reads_back_with_profile_from_trace(tmp_path):
 
   loss, params, batch = _tiny()
   prof = profile_step(loss, params, batch, num_devices=2, steps=2, method="measured", trace_dir=str(tmp_path))
-  with open(tmp_path / _profile.HLO_FILE) as f:
+  with open(tmp_path / _profile_methods.HLO_FILE) as f:
     text = f.read()
   back = profile_from_trace(tmp_path, text, params)
   assert back.method == "measured" and "4 executions (executions by run_id) on 2 device(s)" in back.notes

@@ -34,8 +34,6 @@ from ._audit_report import AuditEntry, AuditReport
 from ._hlo_collectives import sharded_collectives
 from .._values._schedule import Schedule
 
-__all__ = ["audit_fsdp"]
-
 _LABEL = re.compile(r"prophet/fsdp/(ag|reag|rs)(\d+)(?![0-9])")
 _REPLICA = re.compile(r"prophet/fsdp/ar(\d+)(?![0-9])")
 _LAYER = re.compile(r"(?:^|/)(\d+)(?=/)")

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._hlo import ExecutedOp, HloInstruction, HloModule, Shaped, execution_order, producer, shape_elements, users
+from ._hlo import ExecutedOp, HloInstruction, HloModule, Shaped, execution_order, producer, shape_elements
 
 ALL_REDUCE_OPCODES = ("all-reduce", "all-reduce-start")
 # how a compiled program writes an all-reduce (`AllReduceOp.form`): a synchronous `all-reduce` (the CPU's,

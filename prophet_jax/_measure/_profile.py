@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 
 from . import _step_hlo
 from ._profile_harness import RowSpec, float_leaves, local_step_program, setup, update_program
-from ._profile_methods import HLO_FILE, LINKED, NoProfilerEvents, as_profile, estimated, from_trace, measured, timed
+from ._profile_methods import LINKED, NoProfilerEvents, as_profile, estimated, from_trace, measured, timed
 from .._compiled._devices import host_rows
 from .._compiled._jaxcompat import check_jaxpr_api, scan_parts
 from .._compiled._hlo import hlo_text as _as_text

@@ -13,11 +13,6 @@ from ._core import Problem, sampled_durations
 from .._values._tree import IdentityMemo
 from .._values._types import itemsize
 
-__all__ = ["BackwardOrder", "FsdpArrays", "FsdpForward", "FsdpRun", "backward_order", "fsdp_arrays", "fsdp_run",
-           "gather_nbytes",
-           "unit_costs", "dear_peak_bytes", "fsdp_arrays_of", "fsdp_durations",
-           "fsdp_samples", "skew_wait"]
-
 Slice = tuple[int, int, int]
 
 

@@ -9,9 +9,6 @@ import numpy as np
 from ._core import Problem
 from ._fsdp import FsdpArrays, FsdpRun, fsdp_run, skew_wait
 
-__all__ = ["accum_counts", "accum_run"]
-
-
 def accum_run(prob: Problem, arr: FsdpArrays, k: int, *, spans: bool = False) -> FsdpRun:
   """k micro-batches one after another and the update once (docs/fsdp.md, "Accumulation"): the held groups
   gathered by the first, the held units reduce-scattered by the last; what they hold counts for the whole step.

@@ -9,8 +9,6 @@ import numpy as np
 from ._core import Problem
 from ._fsdp import gather_nbytes, unit_costs
 
-__all__ = ["backward_chain", "forward_blocks", "fsdp_bound"]
-
 # Forward blocks whose start-ups B4 counts exactly; past it each block is charged this many (a relaxation).
 _BLOCKS = 16
 # F'' compares every pair of sharded layers (n x n arrays per block count): past this many sharded layers
@@ -44,7 +42,7 @@ def fsdp_bound(prob: Problem, micro_batches: int = 1) -> float:
   fwd = prob.layer_fwd_s
   upd = prob.row_update_s
   update = float(upd[sharded].sum()) / s + float(upd[~sharded].sum())
-  has_s, has_r = s_l > 0, r_l > 0
+  has_s = s_l > 0
   sigma_s, sigma_r = float(s_l.sum()), float(r_l.sum())
   link0 = 2 * a_g + b_g * (sigma_s + float(g_l.sum())) + (a_a + b_a * sigma_r if r == 1 and sigma_r > 0 else 0.0)
   link1 = 0.0

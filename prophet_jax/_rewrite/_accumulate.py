@@ -14,9 +14,6 @@ from .._values._errors import ScheduleMismatchError
 from .._values._schedule import Schedule
 from .._values._types import itemsize
 
-__all__ = ["AccumState", "accum_dtype", "init", "check_state"]
-
-
 def accum_dtype(dtype: Any) -> str:
   """The dtype a row's gradients are summed in: float32 for floats narrower than 32 bits, else the row's."""
   name = str(jnp.dtype(dtype))

@@ -12,9 +12,6 @@ import numpy as np
 from .._values._errors import AlreadyReducedError, UnboundAxisError
 from .._values._tree import is_reduced_leaf
 
-__all__ = ["axis_size", "is_varying", "to_varying", "vma_enabled", "check_varying", "bind"]
-
-
 def axis_size(axis_name: Any, where: str, unbound: str | None = None) -> int:
   """The size of a bound axis, or UnboundAxisError naming the fix (`unbound`: the message, if not the
   train step's)."""

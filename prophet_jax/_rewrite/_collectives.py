@@ -20,9 +20,6 @@ from ._defer import GroupState
 from ._keys import enforced, unit_scope
 from .._values._schedule import Bucket, Schedule
 
-__all__ = ["tie", "zero_of", "reduce_tied", "chunk_scope", "chunk_buffer", "scatter_chunks", "rank", "reduce_units",
-           "schedule_units", "unit_allreduces", "schedule_chains", "EngineHooks", "engine_hooks", "engine_divisor"]
-
 SCOPE_PREFIX = "prophet/chunk"
 RS_PREFIX = "prophet/rs"   # a sharded schedule's reduce-scatter of chunk k
 AG_PREFIX = "prophet/ag"   # a sharded schedule's all-gather g

@@ -18,9 +18,6 @@ from .._values._schedule import Schedule
 from .._values._checks import check_int
 from .._values._tree import is_float_dtype, path_str
 
-__all__ = ["check_composition"]
-
-
 # Where `scheduled` sits in the user's optax composition is visible on the Python stack while the
 # composition calls it (at init, eagerly, and at trace time): optax.chain and optax.named_chain call
 # their members from a loop whose locals say which members ran before; optax.MultiSteps calls it from

@@ -21,8 +21,6 @@ from .._values._checks import check_bool, check_int, check_values
 from .._values._errors import ShardingError
 from .._values._schedule import Schedule
 
-__all__ = ["unshard_state", "shard_state", "state_specs", "deferred_grads"]
-
 # --------------------------------------------------------------------------------------------------
 # what a container holds
 

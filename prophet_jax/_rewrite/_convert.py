@@ -26,9 +26,6 @@ from .._values._errors import ScheduleMismatchError, ShardingError
 from .._values._checks import check_values, match_tree
 from .._values._schedule import Schedule
 
-__all__ = ["unshard_state", "shard_state", "Converted", "Conversion", "convert", "defer_like", "steady_state"]
-
-
 def _host(x: Any) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 

@@ -12,11 +12,9 @@ import numpy as np
 from . import _mesh, _nnx
 from ._convert import Conversion, steady_state
 from ._states import ScheduledState, holds_state, state_specs
+from .._compiled._devices import data_devices
 from .._values._checks import check_values
 from .._values._schedule import Schedule
-
-__all__ = ["convert_state", "first_step_specs", "steady_state"]
-
 
 def _count(value: Any, name: str, what: str, where: str) -> int | None:
   """`value` (None, or an int >= 1) as an int, else a ValueError saying what it counts."""
@@ -63,7 +61,7 @@ def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = 
   where = "convert_state"
   check_values(where, schedule=new_schedule)
   n = _count(num_devices, "num_devices", "the number of devices on the data axis", where)
-  n = _mesh.data_devices(mesh, axis_name, where) if n is None else n
+  n = data_devices(mesh, axis_name, where) if n is None else n
   again = functools.partial(convert_state, params=params, new_schedule=new_schedule, tx=tx, mesh=mesh,
                             axis_name=axis_name, num_devices=num_devices, every_k=every_k)
   if _nnx.is_optimizer(state):   # an nnx.State of the optimizer comes out, for nnx.update
@@ -86,7 +84,7 @@ def convert_state(state: Any, params: Any, new_schedule: Schedule, *, tx: Any = 
     state = ScheduledState(inner=state)
   _count(every_k, "every_k", "the new transformation's every_k", where)
   out = Conversion(params, new_schedule, tx=tx, n=n, owed_in_place=True, where=where,
-                   every_k=every_k, on_mesh=_mesh.data_devices(mesh, axis_name, where) is not None)(state)
+                   every_k=every_k, on_mesh=data_devices(mesh, axis_name, where) is not None)(state)
   return _mesh.put_on(out, mesh, lambda: state_specs(out, axis_name))
 
 

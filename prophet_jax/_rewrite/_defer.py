@@ -20,12 +20,6 @@ from .._values._schedule import Chunk, Schedule
 from .._values._tree import IdentityMemo
 from .._values._types import itemsize
 
-__all__ = ["DeferGroup", "DeferState", "GroupState", "defer_groups", "init", "defer_state",
-           "check_state", "group_states", "with_groups", "lossless",
-           "schedule_of", "belongs", "find_states", "deferred_grads", "owed_tag", "check_foreign",
-           "given_state", "deferred_values", "device_part", "matched_leaves"]
-
-
 # --------------------------------------------------------------------------------------------------
 # the static plan of the groups
 

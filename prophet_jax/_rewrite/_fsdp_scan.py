@@ -27,9 +27,6 @@ from ._fsdp_trace import SplitVjp, rebind_casts, sub_fn, zero_like
 from ._fsdp_units import AG_SCOPE, REAG_SCOPE, RS_SCOPE, scatter
 from .._compiled._jaxcompat import scan_parts
 
-__all__ = ["Scan", "make_scan", "scan_forward", "scan_backward", "anchor_of"]
-
-
 class Scan(NamedTuple):
   """A scanned stack: one layer's function and per layer its gather group, unit and keep."""
 

@@ -39,9 +39,6 @@ from .._compiled._jaxcompat import check_jaxpr_api
 from .._values._schedule import Chunk, Schedule
 from .._values._tree import path_str
 
-__all__ = ["fsdp_grad"]
-
-
 def fsdp_grad(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: Any, reduction: str = "mean",
               gather_dtype: str | None = "auto", layout: str = "packed") -> Callable[..., Any]:
   """`grad_fn(param_shards, batch) -> (loss, grad_shards)` carrying out an FSDP plan, per device.

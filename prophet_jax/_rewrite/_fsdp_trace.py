@@ -23,9 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DebugInfo, Literal, Var, jaxpr_as_fun
 
-__all__ = ["flat_jaxpr", "reads", "sub_fn", "dce", "depends_on", "zero_like", "SplitVjp", "Piece",
-           "lazy", "cut", "rebind_casts"]
-
 _INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _INFO = DebugInfo("fsdp_grad", "a piece of loss_fn", None, None)   # the jaxprs this module cuts out
 # what a backward computes again from values it holds rather than have forward save it: elementwise and

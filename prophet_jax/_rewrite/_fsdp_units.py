@@ -28,9 +28,6 @@ from ._collectives import tie
 from .._values._schedule import Chunk, Schedule
 from .._values._tree import row_slots
 
-__all__ = ["Slot", "Plan", "read_plan", "split_axes", "gather", "scatter", "last", "LAYOUTS", "AG_SCOPE",
-           "REAG_SCOPE", "RS_SCOPE", "AR_SCOPE"]
-
 LAYOUTS = ("packed", "leaf")
 AG_SCOPE = "prophet/fsdp/ag"       # + gather group g: its forward all-gather (the named scope and combiner key)
 REAG_SCOPE = "prophet/fsdp/reag"   # + g: its all-gather again in backward

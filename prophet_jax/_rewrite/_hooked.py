@@ -38,8 +38,6 @@ from .._values._checks import check_values
 from .._values._schedule import Bucket, Chunk, Schedule, shard_size
 from .._values._tree import dtype_name, is_float_dtype, is_reduced_leaf
 
-__all__ = ["hooked", "loop_hook", "hook_groups", "hook_plan", "HookPlan", "Collective", "LOOP_SCOPE"]
-
 LOOP_SCOPE = "prophet/loop/"
 
 

@@ -14,8 +14,6 @@ import jax
 
 from .._values._checks import check_bool
 
-__all__ = ["ordered_by", "enforced", "unit_scope", "combiner_key", "check_enforce_order"]
-
 # a unit's combiner key is its named scope ('prophet/chunk3', 'prophet/rs3', 'prophet/ag1'): where a
 # jaxlib prints frontend attributes (0.12) the key names the unit; where it does not (0.10) the audit
 # matches units by size and provenance (`_compiled._keyed_audit`)

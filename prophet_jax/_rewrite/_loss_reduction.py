@@ -14,8 +14,6 @@ from typing import Any
 
 import jax
 
-__all__ = ["REDUCTIONS", "check", "divisor", "is_mean", "combine", "split_output"]
-
 REDUCTIONS = ("mean", "sum")
 
 

@@ -25,13 +25,10 @@ from . import _loss_reduction, _states
 from ._pending import check_state
 from ._placement import (check_batch, check_model_state, check_not_mapped, check_placed, explicit_axes, known_spec,
                          named_leaves, spec_axes, spec_entry)
-from .._compiled._devices import axis_total, check_in_node, check_mesh, data_axes, data_devices, mesh_axis_names
+from .._compiled._devices import axis_total, check_in_node, check_mesh, mesh_axis_names
 from .._values._errors import AlreadyReducedError
 from .._values._schedule import Schedule
 from .._values._tree import is_reduced_leaf
-
-__all__ = ["data_axes", "check_mesh", "axis_total", "data_devices", "Placement", "MeshGradFn", "MeshPipelined",
-           "MeshTransformation", "on_mesh", "placed", "place_state", "check_layout", "put_on"]
 
 P = PartitionSpec
 

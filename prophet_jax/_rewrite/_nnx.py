@@ -14,10 +14,6 @@ import jax
 from ._states import is_state
 from .._values._errors import ShardingError
 
-__all__ = ["flax_nnx", "is_optimizer", "is_nnx_state", "is_variable", "values", "unwrap", "label", "labelled",
-           "to_nnx", "rebuild", "walk_mappings", "as_state", "on_optimizer", "holds_variables"]
-
-
 def flax_nnx() -> Any:
   """flax.nnx if the user imported it (an nnx object cannot exist otherwise): no import of our own."""
   return sys.modules.get("flax.nnx")

@@ -16,9 +16,6 @@ from ._residuals import VjpTrace
 from ._states import DeferState, declare, expect, is_state
 from .._values._schedule import Schedule
 
-__all__ = ["Pending", "PipelinedState", "check_state"]
-
-
 # --------------------------------------------------------------------------------------------------
 # state
 

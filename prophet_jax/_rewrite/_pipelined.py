@@ -33,8 +33,6 @@ from .._values._errors import ScheduleMismatchError
 from .._values._schedule import Schedule
 from .._values._tree import is_reduced_leaf, path_str
 
-__all__ = ["pipelined", "Pipelined", "PipelinedState", "Pending", "save_matmuls"]
-
 _NO_STATE = object()  # `init`'s default: no model state given (None is a valid model state)
 
 

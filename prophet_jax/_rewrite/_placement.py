@@ -15,9 +15,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._compiled._devices import mesh_axis_names, axis_total
 from .._values._tree import path_str
 
-__all__ = ["check_placed", "check_batch", "check_not_mapped", "check_model_state", "known_spec", "spec_axes",
-           "spec_entry", "explicit_axes", "named_leaves"]
-
 P = PartitionSpec
 
 

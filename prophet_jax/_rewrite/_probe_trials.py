@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SCALES", "gradients", "extra_args", "tx_names"]
-
 SCALES = tuple(10.0 ** k for k in range(-6, 7))
 
 

@@ -24,9 +24,6 @@ from ._states import per_device_leaves
 from .._values._checks import check_bool, check_values
 from .._values._schedule import Schedule
 
-__all__ = ["allreduce", "reduction_kind", "step_setup", "StepSetup", "scheduled_allreduce", "accumulated_allreduce"]
-
-
 def allreduce(grads: Any, schedule: Schedule, axis_name: Any, *, mean: bool = True,
               defer_state: Any = None, enforce_order: bool = True) -> Any:
   """`grads` reduced over `axis_name` as the schedule says, unit by unit, in its order.

@@ -14,10 +14,6 @@ from ._collectives import AG_PREFIX, RS_PREFIX, chunk_buffer, engine_divisor, sc
 from ._keys import unit_scope
 from .._values._schedule import Schedule, shard_size
 
-__all__ = ["rs_scope", "ag_scope", "padded", "reduce_scatter_chunks", "all_gather_chunks", "local_shards",
-           "shards_square_sum", "sharded_allreduce"]
-
-
 def rs_scope(k: int) -> str:
   """The named scope of chunk k's reduce-scatter in a sharded schedule: 'prophet/rs<k>' (`audit`)."""
   return f"{RS_PREFIX}{k}"

@@ -21,11 +21,6 @@ from . import _tag_text
 from .._values._schedule import Schedule
 from .._values._tree import IdentityMemo, path_str, row_slots
 
-__all__ = ["StateTag", "ShardLayout", "schedule_key", "ScheduledState", "DeferState", "ShardedState",
-           "GradShards", "AccumState", "OwedState", "Kind", "KINDS", "declare", "kind_of", "per_device_path",
-           "state_specs", "param_specs", "prefix_specs", "expect", "is_state", "is_kind", "holds_state", "per_device_leaves"]
-
-
 # --------------------------------------------------------------------------------------------------
 # the one tag
 

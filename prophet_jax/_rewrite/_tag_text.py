@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["StateAux", "HintedClass", "describe"]
-
 _CONVERT = ("convert it with prophet_jax.unshard_state(state, tx, params, old_schedule) and "
             "shard_state(..., new_schedule, n) (or start the new plan's state from its init)")
 

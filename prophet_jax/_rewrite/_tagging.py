@@ -42,8 +42,6 @@ from .._compiled._audit import audit_keyed
 from .._compiled._keyed_audit import KeyedUnit
 from .._values._schedule import Schedule
 
-__all__ = ["TaggedPlan", "TaggedBucket", "tag_plan", "tag_layers", "layer_of_path", "TAG_PREFIX"]
-
 TAG_PREFIX = "prophet/bucket"
 _ATTR = "_prophet_combiner_key"
 

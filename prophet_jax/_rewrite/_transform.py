@@ -27,9 +27,6 @@ from .._values._checks import check_int, check_values
 from .._values._errors import AlreadyReducedError, CompositionError, ScheduleMismatchError
 from .._values._schedule import Schedule
 
-__all__ = ["ScheduledState", "scheduled", "per_device", "PerDevice"]
-
-
 def scheduled(tx: optax.GradientTransformation, schedule: Schedule, *,
               axis_name: str | tuple[str, ...], mesh: Any = None,
               every_k: int = 1, enforce_order: bool = True) -> optax.GradientTransformationExtraArgs:

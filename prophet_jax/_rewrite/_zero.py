@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from . import _probe_trials
-from ._states import GradShards, ShardedState, ShardLayout, StateTag, expect, is_state
+from ._states import ShardedState, ShardLayout, StateTag, expect, is_state
 from ._defer import matched_leaves
 from ._axis import axis_size
 from ._reduction import step_setup, with_owed
@@ -23,9 +23,6 @@ from ._sharded import all_gather_chunks, local_shards, reduce_scatter_chunks, sh
 from .._values._errors import ScheduleMismatchError, ShardingError
 from .._values._schedule import Schedule, shard_size
 from .._values._tree import is_reduced_leaf, path_str
-
-__all__ = ["ShardedState", "GradShards", "shard_mode", "init", "update", "check_state",
-           "check_grad_shards", "shard_structs", "NORM_SCOPE", "MODES"]
 
 NORM_SCOPE = "prophet/norm"  # the one extra psum of a global-norm transformation's squares
 MODES = ("elementwise", "global-norm")

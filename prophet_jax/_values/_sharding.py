@@ -11,9 +11,6 @@ from ._errors import ScheduleError
 from ._placement import Placed, check_mesh, placement_fingerprint
 from ._types import is_bool, is_int
 
-__all__ = ["FsdpPlan", "check_fsdp", "fsdp_fingerprint"]
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FsdpPlan(Placed):
   """The FSDP part of a Schedule: which chunks are FSDP buckets, their gathers, prefetch and keeps.

@@ -12,9 +12,6 @@ from typing import Any
 
 from ._errors import ProfileError
 
-__all__ = ["unstack_rows", "check_stacks", "in_order"]
-
-
 def unstack_rows(rows: Sequence[Any], stacked: Sequence[str]) -> tuple[Any, ...]:
   """`rows` with every row under a `stacked` prefix split into one row per layer, `<prefix>/<k>/<rest>` of
   layer `<prefix>/<k>` (shape, bytes, update time and sharded dimension per layer), layer by layer at the

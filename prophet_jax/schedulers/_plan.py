@@ -12,7 +12,7 @@ from .._values._schedule import Schedule
 from .._planning._core import problem, schedule_arrays
 from .._planning._simulate import chunk_links, simulate
 from .._values._types import GradientProfile, is_bool
-from ._registry import POLICIES, resolve
+from ._registry import resolve
 
 
 def validate_schedule(schedule: Schedule, profile: GradientProfile) -> Schedule:
