@@ -100,27 +100,34 @@ def params_of(layers: int, d: int, ff: int, vocab: int, dtype=jnp.float32) -> di
   return p
 
 
+def _rms(x, s):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * s
+
+
+def _block(x, p):
+  """One decoder block (attention with grouped K/V, SwiGLU MLP), pre-norm."""
+  h = _rms(x, p["attn_norm"])
+  q, k, v = h @ p["q"], h @ p["k"], h @ p["v"]
+  k = jnp.repeat(k, q.shape[-1] // k.shape[-1], axis=-1)
+  v = jnp.repeat(v, q.shape[-1] // v.shape[-1], axis=-1)
+  a = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k) / jnp.sqrt(q.shape[-1]), axis=-1)
+  x = x + jnp.einsum("bts,bsd->btd", a, v) @ p["o"]
+  h = _rms(x, p["mlp_norm"])
+  return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
+
+
+def _head_loss(x, params):
+  """The tied output projection's loss on the last hidden state."""
+  logits = _rms(x, params["norm"]) @ params["embed"].T
+  return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+
 def loss_fn(params, tokens, *, layers: int, remat: bool):
-  def rms(x, s):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * s
-
-  def block(x, p):
-    h = rms(x, p["attn_norm"])
-    q, k, v = h @ p["q"], h @ p["k"], h @ p["v"]
-    k = jnp.repeat(k, q.shape[-1] // k.shape[-1], axis=-1)
-    v = jnp.repeat(v, q.shape[-1] // v.shape[-1], axis=-1)
-    a = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k) / jnp.sqrt(q.shape[-1]), axis=-1)
-    x = x + jnp.einsum("bts,bsd->btd", a, v) @ p["o"]
-    h = rms(x, p["mlp_norm"])
-    return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
-
-  if remat:
-    block = jax.checkpoint(block)
+  block = jax.checkpoint(_block) if remat else _block
   x = params["embed"][tokens]
   for i in range(layers):
     x = block(x, params[f"layer_{i}"])
-  logits = rms(x, params["norm"]) @ params["embed"].T
-  return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+  return _head_loss(x, params)
 
 
 def collectives(hlo: str) -> list[dict]:
@@ -267,23 +274,9 @@ def scanned_params_of(layers: int, d: int, ff: int, vocab: int, dtype=jnp.float3
 
 def scanned_loss_fn(params, tokens, *, remat: bool = False):
   """`loss_fn`'s model with its blocks under `jax.lax.scan` (per-layer remat: the body under jax.checkpoint)."""
-  def rms(x, s):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * s
-
-  def body(x, p):
-    h = rms(x, p["attn_norm"])
-    q, k, v = h @ p["q"], h @ p["k"], h @ p["v"]
-    k = jnp.repeat(k, q.shape[-1] // k.shape[-1], axis=-1)
-    v = jnp.repeat(v, q.shape[-1] // v.shape[-1], axis=-1)
-    a = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k) / jnp.sqrt(q.shape[-1]), axis=-1)
-    x = x + jnp.einsum("bts,bsd->btd", a, v) @ p["o"]
-    h = rms(x, p["mlp_norm"])
-    return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"], None
-
+  body = lambda x, p: (_block(x, p), None)  # noqa: E731
   x, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, params["embed"][tokens], params[STACK])
-  logits = (lambda y, s: y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-6) * s)(x, params["norm"]) \
-      @ params["embed"].T
-  return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+  return _head_loss(x, params)
 
 
 def _arrays(ins, kind: str) -> list[tuple[int, ...]]:
