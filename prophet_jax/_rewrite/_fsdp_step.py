@@ -82,7 +82,7 @@ def fsdp_grad(loss_fn: Callable[..., Any], schedule: Schedule, *, axis_name: Any
 
   def grad_fn(params, batch):
     step = lambda b: _Step(loss_fn, schedule, axis_name, reduction, gather_dtype == "auto", layout, params, b)  # noqa: E731
-    if getattr(schedule.fsdp, "micro_batches", 1) == 1:
+    if schedule.fsdp.micro_batches == 1:
       return step(batch).run()
     return _accumulate(step, schedule.fsdp, batch, reduction)
 
